@@ -1,0 +1,1 @@
+"""Runtime shared by two or more omnistage services."""

@@ -1,0 +1,336 @@
+"""The typed deploy file: frozen dataclasses loaded strictly from one YAML plus `--set` overrides.
+
+Unknown keys and bad values fail with the key path (`services.thinker.engine.block_size: expected
+int > 0, got 'x'`). Every knob is documented in `docs/config.md`; derived numbers (KV blocks, graph
+buckets) live in resolved objects of the services, never written back here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A deploy file that cannot be used; the message names the key path."""
+
+
+Phase = Literal["starting", "loading_weights", "profiling_memory", "warming_up", "capturing_graphs"]
+STARTUP_PHASES: tuple[str, ...] = typing.get_args(Phase)
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Test hook: make this service misbehave in one start-up phase (chaos and launcher tests)."""
+
+    phase: Phase = "loading_weights"
+    # hang: sleep forever (no progress); crash: exit(3); oom: raise a simulated out-of-memory;
+    # delay: sleep `delay_s` then continue normally.
+    action: Literal["hang", "crash", "oom", "delay"] = "hang"
+    # TP rank that misbehaves; -1 means every rank.
+    rank: int = -1
+    delay_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Thinker engine limits (paged KV cache, continuous batching)."""
+
+    # Tokens per KV block.
+    block_size: int = 16
+    # KV blocks; 0 means sized automatically (CPU: from max_num_seqs * max_model_len).
+    num_kv_blocks: int = 0
+    # Requests decoded together in one step.
+    max_num_seqs: int = 32
+    # Tokens (prefill chunks + decodes) in one step.
+    max_num_batched_tokens: int = 512
+    # Prompt + output tokens of one request.
+    max_model_len: int = 2048
+    # Split long prompts into chunks of at most max_num_batched_tokens, mixed with decodes.
+    chunked_prefill: bool = True
+    # max_tokens when a request gives 0; requests may not exceed max_model_len - prompt.
+    default_max_tokens: int = 256
+    # Requests waiting beyond the running ones before RESOURCE_EXHAUSTED.
+    max_queued_requests: int = 256
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Gateway behaviour."""
+
+    # How long the gateway waits for its stages to be SERVING at start-up.
+    stage_wait_s: float = 600.0
+    # Serve what is ready (e.g. text when a stage is down) instead of failing at start-up.
+    allow_degraded: bool = False
+    # Requests in flight through the gateway before RESOURCE_EXHAUSTED.
+    max_concurrent_requests: int = 256
+    # Longest accepted prompt text, in characters (the thinker also checks tokens).
+    max_prompt_chars: int = 200_000
+    # Default system prompt; empty uses the model's own.
+    system_prompt: str = ""
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """One service (a stage or the gateway): one process, or one per TP rank."""
+
+    name: str = ""
+    kind: Literal["gateway", "thinker", "encoder", "talker", "imagegen"] = "thinker"
+    # gRPC port of the service (rank 0 for TP stages).
+    port: int = 0
+    # Prometheus /metrics HTTP port; 0 disables it.
+    metrics_port: int = 0
+    # "cpu" or "cuda".
+    device: Literal["cpu", "cuda"] = "cpu"
+    # GPU indices, one per TP rank (ignored on CPU).
+    gpus: tuple[int, ...] = ()
+    # Tensor-parallel ranks (thinker).
+    tp_size: int = 1
+    # Port of the torch.distributed rendezvous of the TP group.
+    dist_port: int = 0
+    # Weights and activations dtype.
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Largest gRPC message in either direction, in bytes.
+    max_message_bytes: int = 64 * 1024 * 1024
+    # Seconds in-flight requests get to finish after SIGTERM / Drain.
+    drain_grace_s: float = 10.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    # Test hook only; never set in production files.
+    fault: FaultConfig | None = None
+
+
+@dataclass(frozen=True)
+class StartupConfig:
+    """Deadlines of start-up: every wait has one (a lost 'ready' must never hang the launcher)."""
+
+    # Longest time a service may spend in each phase, in seconds.
+    phase_deadlines_s: dict[str, float] = field(
+        default_factory=lambda: {
+            "starting": 60.0,
+            "loading_weights": 900.0,
+            "profiling_memory": 600.0,
+            "warming_up": 600.0,
+            "capturing_graphs": 600.0,
+        }
+    )
+    # A phase whose progress heartbeat is older than this is reported stuck.
+    heartbeat_timeout_s: float = 120.0
+    # Launcher poll period of each service's Describe.
+    poll_interval_s: float = 0.2
+    # Deadline of one Describe/health call.
+    rpc_timeout_s: float = 2.0
+    # SIGTERM → SIGKILL grace when the launcher stops children.
+    stop_grace_s: float = 15.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The checkpoint served."""
+
+    # Directory of the HF-layout checkpoint (relative paths are relative to the working directory).
+    checkpoint: str = ".cache/tiny-ming"
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    """A whole deployment on one host."""
+
+    version: int = 1
+    # Address every service binds and dials.
+    host: str = "127.0.0.1"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Log format: "text" for people, "json" for collectors.
+    log_format: Literal["text", "json"] = "text"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    startup: StartupConfig = field(default_factory=StartupConfig)
+    # Services by name; the name is also the key here.
+    services: dict[str, ServiceConfig] = field(default_factory=dict)
+
+    def service(self, name: str) -> ServiceConfig:
+        if name not in self.services:
+            raise ConfigError(f"services.{name}: no such service (have: {', '.join(self.services)})")
+        return self.services[name]
+
+    def services_of(self, kind: str) -> list[ServiceConfig]:
+        return [s for s in self.services.values() if s.kind == kind]
+
+    def address(self, name: str) -> str:
+        return f"{self.host}:{self.service(name).port}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Strict loading
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Convert a YAML value to the annotated type, or fail naming the key path."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        return _convert(value, non_none[0], path)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: expected one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, path)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        ktype, vtype = args
+        return {_convert(k, ktype, f"{path}"): _convert(v, vtype, f"{path}.{k}") for k, v in value.items()}
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        return tuple(_convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported type {_type_name(tp)}")
+
+
+def _build(cls: type, data: dict[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(
+            f"{where}{unknown[0]}: unknown key (known keys{' of ' + path if path else ''}: {', '.join(sorted(names))})"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _convert(value, hints[name], f"{path}.{name}" if path else name)
+    return cls(**kwargs)
+
+
+def _positive(path: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{path}: expected {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def _validate(cfg: DeployConfig) -> DeployConfig:
+    for phase in cfg.startup.phase_deadlines_s:
+        if phase not in STARTUP_PHASES:
+            raise ConfigError(
+                f"startup.phase_deadlines_s.{phase}: unknown phase (known: {', '.join(STARTUP_PHASES)})"
+            )
+    for phase, value in cfg.startup.phase_deadlines_s.items():
+        _positive(f"startup.phase_deadlines_s.{phase}", value)
+    ports: dict[int, str] = {}
+    services = {}
+    for name, svc in cfg.services.items():
+        p = f"services.{name}"
+        if svc.name and svc.name != name:
+            raise ConfigError(f"{p}.name: must equal the key {name!r}, got {svc.name!r}")
+        svc = dataclasses.replace(svc, name=name)
+        for key in ("port", "metrics_port", "dist_port"):
+            port = getattr(svc, key)
+            if port == 0 and key == "port":
+                raise ConfigError(f"{p}.port: required")
+            if not 0 <= port < 65536:
+                raise ConfigError(f"{p}.{key}: expected a port number, got {port}")
+            if port:
+                ports_needed = svc.tp_size if key == "dist_port" else 1
+                for q in range(port, port + ports_needed):
+                    if q in ports:
+                        raise ConfigError(f"{p}.{key}: port {q} is also used by {ports[q]}")
+                    ports[q] = f"{p}.{key}"
+        _positive(f"{p}.tp_size", svc.tp_size)
+        _positive(f"{p}.max_message_bytes", svc.max_message_bytes)
+        if svc.tp_size > 1 and svc.dist_port == 0:
+            raise ConfigError(f"{p}.dist_port: required when tp_size > 1")
+        if svc.device == "cuda" and svc.gpus and len(svc.gpus) != svc.tp_size:
+            raise ConfigError(f"{p}.gpus: expected {svc.tp_size} GPU indices (one per rank), got {list(svc.gpus)}")
+        e = svc.engine
+        for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "default_max_tokens"):
+            _positive(f"{p}.engine.{key}", getattr(e, key))
+        _positive(f"{p}.engine.num_kv_blocks", e.num_kv_blocks, allow_zero=True)
+        if not e.chunked_prefill and e.max_num_batched_tokens < e.max_model_len:
+            raise ConfigError(
+                f"{p}.engine.max_num_batched_tokens: must be >= max_model_len ({e.max_model_len}) "
+                "when chunked_prefill is false"
+            )
+        services[name] = svc
+    gateways = [n for n, s in services.items() if s.kind == "gateway"]
+    if len(gateways) > 1:
+        raise ConfigError(f"services: at most one gateway, got {', '.join(gateways)}")
+    return dataclasses.replace(cfg, services=services)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`services.thinker.tp_size=2` → (['services','thinker','tp_size'], 2); the value is YAML."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {text!r}: {k} is not a mapping")
+        node[keys[-1]] = value
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> DeployConfig:
+    """Load and validate a deploy file; `overrides` are `KEY.PATH=VALUE` strings (CLI `--set`)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: no such deploy file") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return config_from_dict(apply_overrides(data, list(overrides or [])))
+
+
+def config_from_dict(data: dict[str, Any]) -> DeployConfig:
+    if not isinstance(data, dict):
+        raise ConfigError("deploy file: expected a mapping at the top level")
+    return _validate(_build(DeployConfig, data, ""))
+
+
+def config_to_dict(cfg: Any) -> Any:
+    return dataclasses.asdict(cfg)
+
+
+def config_hash(obj: Any) -> str:
+    """SHA-256 of a config (or part of one): ranks and restarts with different configs show here."""
+    blob = json.dumps(config_to_dict(obj), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()

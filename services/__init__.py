@@ -1,0 +1,1 @@
+"""The omnistage stage services: one sub-package per service; none imports another."""

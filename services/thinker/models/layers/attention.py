@@ -1,0 +1,127 @@
+"""Paged causal attention over a block-table KV cache (plain PyTorch reference kernel).
+
+The model runner describes one step (prefill chunks and decodes mixed) with `AttentionMetadata`
+and installs it with `attention_metadata(...)`; every `PagedAttention` layer reads it. Tokens are
+flattened sequence by sequence; sequence i contributes `query_lens[i]` new tokens whose K/V are
+written to the cache at `slot_mapping`, and attends causally to its first `context_lens[i]` cached
+tokens (the new ones included). Without a cache (parity tests, no-cache forwards) each sequence
+attends to its own new tokens only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """One forward step's attention layout (built by the model runner, read by every layer)."""
+
+    # New tokens per sequence, in flattened order; they sum to the step's token count.
+    query_lens: list[int]
+    # Tokens of each sequence in the cache after this step's writes (cached prefix + new tokens).
+    context_lens: list[int]
+    # [num_tokens] int64 cache slot of each new token (block_id * block_size + offset); None: no cache.
+    slot_mapping: torch.Tensor | None = None
+    # [num_seqs, max_blocks] int64 block ids per sequence (-1 padded); None: no cache.
+    block_tables: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.query_lens) != len(self.context_lens):
+            raise ValueError("query_lens and context_lens differ in length")
+        for q, c in zip(self.query_lens, self.context_lens, strict=True):
+            if q < 0 or c < q:
+                raise ValueError(f"bad lengths: query {q} > context {c}")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @classmethod
+    def no_cache(cls, query_lens: list[int]) -> AttentionMetadata:
+        """Each sequence attends only to its own tokens (a full prompt with nothing cached)."""
+        return cls(query_lens=list(query_lens), context_lens=list(query_lens))
+
+
+_CURRENT: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def attention_metadata(md: AttentionMetadata) -> Iterator[AttentionMetadata]:
+    """Install the step's metadata for the duration of one forward; nesting is a bug."""
+    global _CURRENT
+    if _CURRENT is not None:
+        raise RuntimeError("attention metadata is already set: forwards must not nest")
+    _CURRENT = md
+    try:
+        yield md
+    finally:
+        _CURRENT = None
+
+
+def current_metadata(num_tokens: int) -> AttentionMetadata:
+    """The installed metadata, or a single no-cache sequence of `num_tokens` when none is set."""
+    return _CURRENT if _CURRENT is not None else AttentionMetadata.no_cache([num_tokens])
+
+
+class PagedAttention(nn.Module):
+    """Attention of one layer over its slice of heads; holds that layer's KV cache views.
+
+    `k_cache`/`v_cache` are [num_blocks, block_size, num_kv_heads, head_dim] views assigned by the
+    model runner; empty tensors until then.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] → [T, H, D]."""
+        md = current_metadata(q.shape[0])
+        use_cache = md.slot_mapping is not None and self.k_cache.numel() > 0
+        if use_cache:
+            block_size = self.k_cache.shape[1]
+            flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+            flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+            flat_k.index_copy_(0, md.slot_mapping, k.to(flat_k.dtype))
+            flat_v.index_copy_(0, md.slot_mapping, v.to(flat_v.dtype))
+        out = torch.empty_like(q)
+        start = 0
+        for i, (qlen, ctx) in enumerate(zip(md.query_lens, md.context_lens, strict=True)):
+            if qlen == 0:
+                continue
+            qi = q[start : start + qlen]
+            if use_cache:
+                blocks = md.block_tables[i, : (ctx + block_size - 1) // block_size]
+                slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).flatten()
+                slots = slots[:ctx]
+                ki, vi = flat_k.index_select(0, slots), flat_v.index_select(0, slots)
+            else:
+                ki, vi = k[start : start + qlen], v[start : start + qlen]
+            out[start : start + qlen] = self._attend(qi, ki, vi, ctx - qlen)
+            start += qlen
+        return out
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+        """Causal attention of q (positions offset..offset+len-1) over k/v (positions 0..ctx-1)."""
+        groups = self.num_heads // self.num_kv_heads
+        qh = q.transpose(0, 1)  # [H, q, D]
+        kh = k.transpose(0, 1).repeat_interleave(groups, dim=0)  # [H, ctx, D]
+        vh = v.transpose(0, 1).repeat_interleave(groups, dim=0)
+        scores = torch.matmul(qh.float(), kh.float().transpose(1, 2)) * self.scale
+        qpos = torch.arange(q.shape[0], device=q.device)[:, None] + offset
+        kpos = torch.arange(k.shape[0], device=q.device)[None, :]
+        scores.masked_fill_(kpos > qpos, float("-inf"))
+        probs = F.softmax(scores, dim=-1)
+        return torch.matmul(probs, vh.float()).to(q.dtype).transpose(0, 1)
