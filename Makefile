@@ -1,0 +1,44 @@
+# The two commands of a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CKPT := .cache/tiny-ming
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast lint protos bench clean
+
+# torch first and pinned: the CPU build (2.13.0) lies on this machine's disk; any torch already
+# importable (the GPU image's 2.11) is kept, so `pip install -e .` pulls no other build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(CKPT)/config.json: | $(STAMP)
+	$(BIN)/omnistage make-tiny-checkpoint $(CKPT)
+
+demo: $(STAMP) $(CKPT)/config.json
+	$(BIN)/python -m omnistage.common.demo --config deploy/local-tiny.yaml --out demo-output
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra --durations=15
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+protos: $(STAMP)
+	$(BIN)/omnistage protos
+
+bench: $(STAMP) $(CKPT)/config.json
+	$(BIN)/python load_tests/transport_bench.py
+	$(BIN)/python bench/thinker_cpu.py
+
+clean:
+	rm -rf $(VENV) .cache demo-output
