@@ -1,0 +1,250 @@
+"""LLMEngine: the only API the thinker server uses (add_request / step / abort), on TP rank 0.
+
+One step is the five-line story: schedule, run (plan broadcast to all ranks), sample, postprocess
+(token stops, max_tokens), emit (detokenized deltas, stop strings, usage).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omnistage.common.config import EngineConfig
+from omnistage.common.log import get_logger
+from omnistage.services.thinker.engine.config import ResolvedEngineConfig
+from omnistage.services.thinker.engine.detokenizer import Decoder, Detokenizer
+from omnistage.services.thinker.engine.distributed import TPGroup, init_tp_group
+from omnistage.services.thinker.engine.model_runner import ModelRunner
+from omnistage.services.thinker.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
+from omnistage.services.thinker.engine.scheduler import ScheduledBatch, Scheduler
+from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams, Sequence
+from omnistage.services.thinker.engine.step_plan import StepPlan, build_step_plan
+
+log = get_logger(__name__)
+
+
+class RequestError(ValueError):
+    """The request cannot be served as given (maps to INVALID_ARGUMENT)."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests wait already (maps to RESOURCE_EXHAUSTED)."""
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_ms: float
+
+
+@dataclass
+class RequestOutput:
+    """What one request gained in one step (or its end)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class GenerateResult:
+    """A whole request's output (generate())."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Scheduler + runner + sampler + detokenizers, driven one step at a time by one thread."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Decoder,
+        eos_token_ids: list[int],
+        group: TPGroup | None = None,
+        keepalive_s: float = 30.0,
+    ) -> None:
+        self.cfg: ResolvedEngineConfig = runner.cfg
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.group = group or TPGroup(0, 1, None, None)
+        self.scheduler = Scheduler(self.cfg, eos_token_ids)
+        self.sampler = Sampler()
+        self.detokenizers: dict[str, Detokenizer] = {}
+        self.keepalive_s = keepalive_s
+        self.last_plan_time = time.monotonic()
+        self.num_steps = 0
+        self.closed = False
+        self._generate_ids = itertools.count()
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        ckpt_dir: str | Path,
+        engine_cfg: EngineConfig,
+        dtype: torch.dtype | str = "float32",
+        device: str = "cpu",
+        rank: int = 0,
+        world_size: int = 1,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 120.0,
+    ) -> LLMEngine:
+        """Rank 0: join the TP group, load the shard, size the cache, load the tokenizer."""
+        from omnistage.services.thinker.models.tokenizer import MingTokenizer
+
+        if rank != 0:
+            raise ValueError(f"LLMEngine runs on rank 0 only (got rank {rank}); other ranks run run_worker")
+        group = init_tp_group(rank, world_size, host, port, device, timeout_s)
+        try:
+            runner = ModelRunner.from_checkpoint(ckpt_dir, engine_cfg, dtype, device, group)
+            tokenizer = MingTokenizer(ckpt_dir)
+        except Exception as exc:
+            group.report_error("start-up", exc)
+            raise
+        return cls(runner, tokenizer, list(tokenizer.stop_token_ids), group)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        positions: torch.Tensor | None = None,
+        rope_delta: int = 0,
+    ) -> None:
+        """Queue a request. `positions` [3, P] and `rope_delta` come from rope_index for multimodal prompts."""
+        params = params or SamplingParams()
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise RequestError(f"request {request_id!r}: empty prompt")
+        if num_prompt >= self.cfg.max_model_len:
+            raise RequestError(
+                f"request {request_id!r}: prompt of {num_prompt} tokens leaves no room to generate "
+                f"(max_model_len {self.cfg.max_model_len})"
+            )
+        if positions is not None and tuple(positions.shape) != (3, num_prompt):
+            raise RequestError(f"request {request_id!r}: positions must be [3, {num_prompt}]")
+        if request_id in self.scheduler.seqs:
+            raise RequestError(f"request {request_id!r} is already running")
+        if len(self.scheduler.waiting) >= self.cfg.max_queued_requests:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests already wait (max_queued_requests)")
+        max_tokens = min(
+            params.max_tokens or self.cfg.default_max_tokens, self.cfg.max_model_len - num_prompt
+        )
+        seq = Sequence(request_id, prompt_token_ids, params, max_tokens, rope_delta, positions)
+        self.scheduler.add(seq)
+        self.detokenizers[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is unknown or already finished."""
+        self.detokenizers.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        logits = self._run(batch)
+        sampled = self.sampler(logits, batch.sampling_seqs) if logits is not None else SamplerOutput([], [])
+        self.scheduler.postprocess(batch, sampled.token_ids)
+        return self._emit(batch.sampling_seqs, sampled)
+
+    def _run(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        if batch.is_empty:
+            return None
+        plan = self.group.broadcast_plan(build_step_plan(batch.scheduled, self.cfg.block_size))
+        self.last_plan_time = time.monotonic()
+        self.num_steps += 1
+        try:
+            return self.group.guard(f"step {self.num_steps} forward", lambda: self.runner.execute(plan))
+        except Exception as exc:
+            self.group.report_error(f"step {self.num_steps} forward", exc)
+            raise
+
+    def _emit(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            detok = self.detokenizers[seq.request_id]
+            if seq.finish_reason is FinishReason.STOP:
+                text = detok.finish()  # the stop token's own text is never shown
+            else:
+                text = detok.add(token_id)
+                if detok.stopped:
+                    self.scheduler.finish(seq, FinishReason.STOP_STRING)
+                elif seq.is_finished:
+                    text += detok.finish()
+            out = RequestOutput(seq.request_id, [token_id], text, [logprobs] if logprobs else [])
+            if seq.is_finished:
+                out.finished, out.finish_reason, out.usage = True, seq.finish_reason, self._usage(seq)
+                del self.detokenizers[seq.request_id]
+            outputs.append(out)
+        return outputs
+
+    def _usage(self, seq: Sequence) -> Usage:
+        ttft = (seq.first_token_time - seq.arrival_time) * 1000 if seq.first_token_time else 0.0
+        return Usage(seq.num_prompt_tokens, seq.num_output_tokens, ttft)
+
+    # --- TP housekeeping ------------------------------------------------------------------------
+
+    def keepalive(self) -> None:
+        """Call while idle: sends a no-op plan when workers have waited `keepalive_s` for one."""
+        if self.group.is_distributed and time.monotonic() - self.last_plan_time >= self.keepalive_s:
+            self.group.broadcast_plan(StepPlan.noop())
+            self.last_plan_time = time.monotonic()
+
+    def shutdown(self) -> None:
+        """Send the exit plan (workers return) and leave the group; safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.group.is_distributed:
+            self.group.broadcast_plan(StepPlan.exit())
+            self.group.close()
+
+    # --- convenience ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        timeout_s: float = 600.0,
+    ) -> list[GenerateResult]:
+        """Run prompts to completion (tests, benchmarks); results in prompt order."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"generate-{next(self._generate_ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(rid, prompt, p)
+        results = {rid: GenerateResult(rid, [], "", FinishReason.ERROR) for rid in ids}
+        deadline = time.monotonic() + timeout_s
+        while self.has_unfinished():
+            if time.monotonic() > deadline:
+                pending = [r for r in ids if r in self.scheduler.seqs]
+                raise TimeoutError(f"generate: requests {pending[:5]} unfinished after {timeout_s:.0f}s")
+            for out in self.step():
+                res = results[out.request_id]
+                res.token_ids += out.token_ids
+                res.text += out.text
+                res.logprobs += out.logprobs
+                if out.finished:
+                    res.finish_reason = out.finish_reason
+        return [results[rid] for rid in ids]

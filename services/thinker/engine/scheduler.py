@@ -1,0 +1,163 @@
+"""Continuous batching: each step mixes decodes and prefill chunks within the token and sequence budgets.
+
+Running sequences go first (decodes and unfinished prefill chunks, oldest first); when the KV cache
+is full the youngest running sequence is preempted (blocks freed, recomputed later from its tokens),
+never an error. Waiting sequences are admitted, oldest first, only with budget and blocks left.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from omnistage.services.thinker.engine.block_manager import BlockManager
+from omnistage.services.thinker.engine.config import ResolvedEngineConfig
+from omnistage.services.thinker.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step: `scheduled` = (sequence, tokens to compute) in batch order."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    # Sequences that reach their last known token this step, hence sample one, in batch order.
+    sampling_seqs: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and the block manager."""
+
+    def __init__(self, cfg: ResolvedEngineConfig, eos_token_ids: Iterable[int]) -> None:
+        self.cfg = cfg
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = BlockManager(cfg.num_kv_blocks, cfg.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request {seq.request_id!r} is already in the engine")
+        if seq.num_prompt_tokens + seq.max_tokens > self.cfg.max_model_len:
+            raise ValueError(
+                f"request {seq.request_id!r}: prompt {seq.num_prompt_tokens} + max_tokens {seq.max_tokens} "
+                f"exceeds max_model_len {self.cfg.max_model_len}"
+            )
+        self.seqs[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a queued or running request now; its blocks are free when this returns."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        self.finish(seq, FinishReason.ABORT)
+        return seq
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.seqs.pop(seq.request_id, None)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.cfg.max_num_batched_tokens
+        queue = list(self.running)
+        kept: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            kept.append(seq)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new == 0:
+                continue  # out of token budget: stays running, holds its blocks
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = queue.pop() if queue else kept.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.block_manager.allocate(seq, num_new)
+            batch.scheduled.append((seq, num_new))
+            budget -= num_new
+        self.running = kept
+        if not batch.preempted:
+            self._admit(batch, budget)
+        batch.sampling_seqs = [
+            seq for seq, n in batch.scheduled if seq.num_computed_tokens + n == seq.num_tokens
+        ]
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = seq.num_uncomputed_tokens
+            if num_new > budget:
+                if not self.cfg.chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.can_allocate(seq, num_new):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.scheduled.append((seq, num_new))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's cache and requeue it first; its tokens are recomputed when readmitted."""
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+        """Advance the cache, append sampled tokens (in `sampling_seqs` order), apply token stops.
+
+        Returns the sequences that finished here.
+        """
+        sampling = batch.sampling_seqs
+        if len(sampling) != len(sampled):
+            raise ValueError(f"postprocess: {len(sampling)} sampling sequences, {len(sampled)} tokens")
+        for seq, num_new in batch.scheduled:
+            seq.num_computed_tokens += num_new
+        finished = []
+        for seq, token_id in zip(sampling, sampled, strict=True):
+            seq.token_ids.append(token_id)
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        if token_id in seq.params.stop_token_ids:
+            return FinishReason.STOP
+        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,142 @@
+"""One request inside the engine: its tokens, progress through the KV cache, and how it samples."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended; values match omnistage.v1.FinishReason names without the prefix."""
+
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens or max_model_len
+    STOP_STRING = "stop_string"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request picks tokens; neutral defaults mean "off" (temperature 0 is greedy)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # multiplicative, over prompt and output tokens
+    presence_penalty: float = 0.0  # additive, over output tokens
+    seed: int | None = None
+    max_tokens: int = 0  # 0: the engine default
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = 0  # top-n logprobs per generated token; 0: none
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}"),
+            (self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
+            (all(self.stop), "stop strings must not be empty"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """Token ids (prompt then output), KV progress and per-request sampling state.
+
+    `num_computed_tokens` counts tokens whose K/V sit in the cache; after a preemption it drops to 0
+    and the prompt plus the output so far are prefilled again (recompute), so output never changes.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        rope_delta: int = 0,
+        prompt_positions: torch.Tensor | None = None,
+    ) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.rope_delta = rope_delta
+        self.prompt_positions = prompt_positions  # [3, num_prompt_tokens] for multimodal prompts
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.generator: torch.Generator | None = None
+        if not params.is_greedy:
+            self.generator = torch.Generator()
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed)
+            else:
+                self.generator.seed()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def positions(self, start: int, end: int) -> list[list[int]]:
+        """3D rope positions of tokens [start, end): the prompt's own (multimodal) or index + rope_delta."""
+        text = list(range(start + self.rope_delta, end + self.rope_delta))
+        if self.prompt_positions is None or start >= self.num_prompt_tokens:
+            return [text, text, text]
+        split = min(end, self.num_prompt_tokens)
+        own = self.prompt_positions[:, start:split].tolist()
+        tail = text[split - start :]
+        return [own[axis] + tail for axis in range(3)]
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"status={self.status.value})"
+        )

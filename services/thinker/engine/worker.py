@@ -1,0 +1,124 @@
+"""TP ranks 1..N-1: load the shard, then "receive plan -> run" until the exit plan.
+
+A worker never decides anything. When it fails it writes its diagnostic into the group's store and
+exits, which breaks the collectives of the other ranks, so they exit too, naming this rank.
+Also here: spawning worker processes for tests and benchmarks, with deadlines on every wait.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import torch
+from omnistage.common.config import EngineConfig
+from omnistage.common.log import get_logger, setup_logging
+from omnistage.services.thinker.engine.distributed import TPError, TPGroup, init_tp_group
+from omnistage.services.thinker.engine.model_runner import ModelRunner
+from omnistage.services.thinker.engine.step_plan import PlanKind
+
+log = get_logger(__name__)
+
+
+def serve_plans(group: TPGroup, runner: ModelRunner) -> int:
+    """Execute rank 0's plans until the exit plan; returns the number of plans run."""
+    num_run = 0
+    while True:
+        plan = group.broadcast_plan()
+        if plan.kind is PlanKind.EXIT:
+            return num_run
+        if plan.kind is PlanKind.RUN:
+            group.guard(f"step plan {group.num_plans - 1} forward", lambda p=plan: runner.execute(p))
+            num_run += 1
+
+
+def run_worker(
+    ckpt_dir: str | Path,
+    engine_cfg: EngineConfig,
+    dtype: torch.dtype | str,
+    device: str,
+    rank: int,
+    world_size: int,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    timeout_s: float = 120.0,
+    idle_timeout_s: float = 3600.0,
+) -> int:
+    """Body of a worker process (rank >= 1). Raises TPError naming the first failing rank."""
+    group = init_tp_group(rank, world_size, host, port, device, timeout_s, idle_timeout_s)
+    phase = "start-up"
+    try:
+        runner = ModelRunner.from_checkpoint(ckpt_dir, engine_cfg, dtype, device, group)
+        phase = "serving step plans"
+        num_run = serve_plans(group, runner)
+    except Exception as exc:
+        diagnostic = group.report_error(phase, exc)
+        log.error("worker exits: %s", diagnostic)
+        raise TPError(diagnostic) from exc
+    log.info("worker rank %d leaves after %d steps", rank, num_run)
+    group.close()
+    return num_run
+
+
+def _worker_main(kwargs: dict) -> None:
+    setup_logging("thinker", rank=kwargs["rank"])
+    try:
+        run_worker(**kwargs)
+    except TPError:
+        raise SystemExit(1) from None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn_workers(
+    ckpt_dir: str | Path,
+    engine_cfg: EngineConfig,
+    world_size: int,
+    port: int,
+    dtype: torch.dtype | str = "float32",
+    device: str = "cpu",
+    host: str = "127.0.0.1",
+    timeout_s: float = 120.0,
+    target=_worker_main,
+) -> list[BaseProcess]:
+    """Start ranks 1..world_size-1 as spawned processes (tests, benchmarks); rank 0 is the caller."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(1, world_size):
+        kwargs = dict(
+            ckpt_dir=str(ckpt_dir),
+            engine_cfg=engine_cfg,
+            dtype=str(dtype).removeprefix("torch."),
+            device=device if device == "cpu" else f"cuda:{rank}",
+            rank=rank,
+            world_size=world_size,
+            host=host,
+            port=port,
+            timeout_s=timeout_s,
+        )
+        proc = ctx.Process(target=target, args=(kwargs,), name=f"thinker-rank{rank}")
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def join_workers(procs: list[BaseProcess], timeout_s: float) -> list[int]:
+    """Wait for all workers to exit; kill and raise naming the stragglers after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    stuck = [p.name for p in procs if p.is_alive()]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    if stuck:
+        raise TimeoutError(f"TP workers {', '.join(stuck)} did not exit within {timeout_s:.0f}s")
+    return [p.exitcode for p in procs]

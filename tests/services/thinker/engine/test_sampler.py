@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from omnistage.services.thinker.engine.sampler import Sampler, apply_penalties, filter_logits
+from omnistage.services.thinker.engine.sequence import SamplingParams, Sequence
+
+
+def seq(params: SamplingParams, tokens=(1, 2, 3), prompt_len: int = 2) -> Sequence:
+    s = Sequence("r", list(tokens[:prompt_len]), params, max_tokens=16)
+    s.token_ids.extend(tokens[prompt_len:])
+    return s
+
+
+def test_greedy_is_argmax_of_each_row():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1))
+    out = Sampler()(logits, [seq(SamplingParams()) for _ in range(5)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 5
+
+
+def test_top_k_top_p_min_p_masks_match_direct_computation():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    top_k, top_p, min_p = (
+        torch.tensor([5, 0, 0]),
+        torch.tensor([1.0, 0.6, 1.0]),
+        torch.tensor([0.0, 0.0, 0.3]),
+    )
+    kept = filter_logits(logits, top_k, top_p, min_p) > float("-inf")
+    # row 0: the 5 largest
+    assert set(kept[0].nonzero().flatten().tolist()) == set(logits[0].topk(5).indices.tolist())
+    # row 1: smallest prefix of the sorted distribution whose mass reaches 0.6
+    probs, order = logits[1].softmax(-1).sort(descending=True)
+    n = int((probs.cumsum(0) < 0.6).sum()) + 1
+    assert set(kept[1].nonzero().flatten().tolist()) == set(order[:n].tolist())
+    # row 2: probability at least 0.3 * max
+    p = logits[2].softmax(-1)
+    assert kept[2].tolist() == (p >= 0.3 * p.max()).tolist()
+
+
+def test_tiny_top_p_keeps_the_most_likely_token():
+    logits = torch.randn(1, 30)
+    kept = filter_logits(logits, torch.tensor([0]), torch.tensor([1e-6]), torch.tensor([0.0])) > float("-inf")
+    assert kept[0].nonzero().flatten().tolist() == [int(logits.argmax())]
+
+
+def test_repetition_and_presence_penalties():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]])
+    s = seq(SamplingParams(repetition_penalty=2.0, presence_penalty=0.25), tokens=(0, 1, 2, 2), prompt_len=2)
+    out = apply_penalties(logits.clone(), [s])
+    # prompt+output tokens {0,1,2}: positive / 2, negative * 2; output tokens {2}: - 0.25
+    assert out.tolist() == [[1.0, -4.0, 0.5 - 0.25, 0.5, 3.0]]
+
+
+def test_penalty_changes_greedy_choice():
+    logits = torch.tensor([[5.0, 4.0, 0.0]])
+    s = seq(SamplingParams(repetition_penalty=2.0), tokens=(0, 0), prompt_len=1)
+    assert Sampler()(logits, [s]).token_ids == [1]
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randn(1, 64, generator=gen) for _ in range(6)]
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234)
+
+    def run(batch_logits: list[torch.Tensor], seqs: list[Sequence], steps: int = 8) -> list[list[int]]:
+        out = [[] for _ in seqs]
+        for _ in range(steps):
+            toks = Sampler()(torch.cat(batch_logits), seqs).token_ids
+            for o, t in zip(out, toks, strict=True):
+                o.append(t)
+        return out
+
+    alone = run([rows[0]], [seq(params)])[0]
+    others = [seq(SamplingParams(temperature=1.0, seed=i)) for i in range(4)] + [seq(SamplingParams())]
+    mixed = run(rows[1:3] + [rows[0]] + rows[3:], others[:2] + [seq(params)] + others[2:])[2]
+    assert alone == mixed
+    other_seed = run([rows[0]], [seq(SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=99))])[0]
+    assert other_seed != alone
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1, 0.0]]))
+    s = seq(SamplingParams(temperature=1.0, seed=0))
+    counts = torch.zeros(4)
+    for _ in range(2000):
+        counts[Sampler()(logits, [s]).token_ids[0]] += 1
+    freq = counts / counts.sum()
+    assert freq[3] == 0
+    assert torch.allclose(freq[:3], torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
+
+
+def test_logprobs_top_n_are_the_models():
+    logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(5))
+    seqs = [seq(SamplingParams(logprobs=3)), seq(SamplingParams())]
+    out = Sampler()(logits, seqs)
+    lp = out.logprobs[0]
+    ref = logits[0].log_softmax(-1)
+    assert lp.token_id == out.token_ids[0] == int(ref.argmax())
+    assert lp.logprob == pytest.approx(float(ref.max()))
+    assert lp.top_token_ids == ref.topk(3).indices.tolist()
+    assert lp.top_logprobs == pytest.approx(ref.topk(3).values.tolist())
+    assert out.logprobs[1] is None
