@@ -1,0 +1,200 @@
+"""The thinker LLM, BailingMoeV2 (ming.md §2), over flattened tokens with TP-aware layers.
+
+Module names follow the HF checkpoint (`model.layers.{i}.attention.query_key_value`, `mlp.gate`,
+`mlp.image_gate`, ...); the only renames are the fused params listed in `param_for_checkpoint_key`.
+Attention reads the step's AttentionMetadata (no metadata → one causal sequence without cache).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from omnistage.services.thinker.models.config import ThinkerConfig
+from omnistage.services.thinker.models.layers.attention import PagedAttention
+from omnistage.services.thinker.models.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from omnistage.services.thinker.models.layers.linear import QKVParallelLinear, RowParallelLinear
+from omnistage.services.thinker.models.layers.moe import ROUTER_NAMES, GatedMLP, SparseMoeBlock
+from omnistage.services.thinker.models.layers.norm import RMSNorm
+from omnistage.services.thinker.models.layers.parallel import TPGroup
+from omnistage.services.thinker.models.layers.rotary import RotaryEmbedding
+from torch import nn
+
+
+class BailingMoeV2Attention(nn.Module):
+    def __init__(self, config: ThinkerConfig, tp: TPGroup) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.query_key_value = QKVParallelLinear(
+            config.hidden_size, d, config.num_attention_heads, config.num_key_value_heads, tp
+        )
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            self.query_key_value.num_heads,
+            self.query_key_value.num_kv_heads,
+            d,
+        )
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.use_qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.use_qk_norm else None
+        self.rotary_emb = RotaryEmbedding(d, config.rotary_dim, config.rope_theta, config.rope_type)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
+        self.dense = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        qkv = self.query_key_value(x)
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.dense(self.attn(q, k, v).reshape(t, -1))
+
+
+class BailingMoeV2DecoderLayer(nn.Module):
+    def __init__(self, config: ThinkerConfig, layer: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = BailingMoeV2Attention(config, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module
+        if config.is_moe_layer(layer):
+            self.mlp = SparseMoeBlock(
+                config.hidden_size,
+                config.num_experts,
+                config.moe_intermediate_size,
+                config.num_shared_experts,
+                config.num_experts_per_tok,
+                config.n_group,
+                config.topk_group,
+                config.routed_scaling_factor,
+                config.multi_router,
+                tp,
+            )
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, modality: torch.Tensor | None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.input_layernorm(x), positions)
+        y = self.post_attention_layernorm(h)
+        y = self.mlp(y, modality) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(y)
+        return h + y
+
+
+class BailingMoeV2Model(nn.Module):
+    def __init__(self, config: ThinkerConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            BailingMoeV2DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, modality: torch.Tensor | None
+    ) -> torch.Tensor:
+        for layer in self.layers:
+            hidden = layer(hidden, positions, modality)
+        return self.norm(hidden)
+
+
+class BailingMoeV2ForCausalLM(nn.Module):
+    """Thinker over one step's flattened tokens; logits only for the rows the engine asks for."""
+
+    def __init__(self, config: ThinkerConfig, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        if config.use_qkv_bias or config.use_bias:
+            raise NotImplementedError("BailingMoeV2 with qkv/output biases is not supported (Ming has none)")
+        if config.tie_word_embeddings:
+            raise NotImplementedError("tied embeddings are not supported (Ming unties them)")
+        self.config = config
+        self.tp = tp or TPGroup()
+        self.model = BailingMoeV2Model(config, self.tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.tp)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, H] (no scaling); the engine splices multimodal rows into these."""
+        return self.model.word_embeddings(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        modality: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """ids [T], positions [3, T] (or [T]), modality [T] codes 0/1/2 → final-norm hidden [T, H]."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if positions.dim() == 1:
+            positions = positions[None].expand(3, -1)
+        return self.model(hidden, positions, modality)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """[R, H] → fp32 logits [R, vocab_size], gathered across TP ranks."""
+        return self.lm_head(hidden_rows)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.attention.attn for layer in self.model.layers]
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """Shape of one layer's K (or V) cache on this rank."""
+        a = self.model.layers[0].attention
+        return (num_blocks, block_size, a.num_kv_heads, a.head_dim)
+
+
+# --- checkpoint naming (ming.md §2.4) -------------------------------------------------------------
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_GATE_UP = re.compile(r"^(.*\.mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight$")
+
+
+def param_for_checkpoint_key(key: str) -> tuple[str, object] | None:
+    """Checkpoint key → (our parameter name, shard id for its weight_loader); None: not a thinker key."""
+    if key == "model.lm_head.weight":
+        return "lm_head.weight", None
+    if not key.startswith("model.model."):
+        return None
+    name = key[len("model.") :]
+    if m := _EXPERT.match(name):
+        return f"{m[1]}.{'w2' if m[3] == 'down' else 'w13'}", (int(m[2]), m[3])
+    if m := _GATE_UP.match(name):
+        return f"{m[1]}.gate_up_proj.weight", 0 if m[2] == "gate" else 1
+    return name, None
+
+
+def checkpoint_shapes(config: ThinkerConfig) -> dict[str, tuple[int, ...]]:
+    """Every thinker tensor the checkpoint must hold, with its full (unsharded) shape."""
+    c, h, d = config, config.hidden_size, config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.model.word_embeddings.weight": (c.vocab_size, h)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "attention.query_key_value.weight"] = (
+            (c.num_attention_heads + 2 * c.num_key_value_heads) * d,
+            h,
+        )
+        if c.use_qk_norm:
+            shapes[p + "attention.q_norm.weight"] = (d,)
+            shapes[p + "attention.k_norm.weight"] = (d,)
+        shapes[p + "attention.dense.weight"] = (h, c.num_attention_heads * d)
+        if not c.is_moe_layer(i):
+            _mlp_shapes(shapes, p + "mlp.", h, c.intermediate_size)
+            continue
+        for gate in ROUTER_NAMES if c.multi_router else ROUTER_NAMES[:1]:
+            shapes[p + f"mlp.{gate}.weight"] = (c.num_experts, h)
+            shapes[p + f"mlp.{gate}.expert_bias"] = (c.num_experts,)
+        for e in range(c.num_experts):
+            _mlp_shapes(shapes, p + f"mlp.experts.{e}.", h, c.moe_intermediate_size)
+        if c.num_shared_experts:
+            _mlp_shapes(shapes, p + "mlp.shared_experts.", h, c.moe_intermediate_size * c.num_shared_experts)
+    shapes["model.model.norm.weight"] = (h,)
+    shapes["model.lm_head.weight"] = (c.vocab_size, h)
+    return shapes
+
+
+def _mlp_shapes(shapes: dict[str, tuple[int, ...]], prefix: str, hidden: int, inter: int) -> None:
+    shapes[prefix + "gate_proj.weight"] = (inter, hidden)
+    shapes[prefix + "up_proj.weight"] = (inter, hidden)
+    shapes[prefix + "down_proj.weight"] = (hidden, inter)

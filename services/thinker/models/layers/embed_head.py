@@ -1,0 +1,47 @@
+"""Vocab-parallel embedding (masked lookup + all-reduce) and LM head (local logits + all-gather).
+
+Each rank owns ceil(vocab / tp) rows; rows past the real vocabulary are zero padding and are cut
+from the gathered logits, so callers always see exactly `vocab_size` columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from omnistage.services.thinker.models.layers.linear import check_shape
+from omnistage.services.thinker.models.layers.parallel import TPGroup
+from torch import nn
+
+
+class _VocabParallel(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.vocab_size, self.tp = vocab_size, tp
+        self.rows = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.rows
+        self.end = min(vocab_size, self.start + self.rows)
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        check_shape(type(self).__name__, loaded.shape, (self.vocab_size, param.shape[1]))
+        n = max(0, self.end - self.start)
+        param.data[:n].copy_(loaded[self.start : self.start + n])
+        param.data[n:].zero_()
+
+
+class VocabParallelEmbedding(_VocabParallel):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.clamp(0, self.vocab_size - 1)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.start) & (ids < self.end)
+        out = F.embedding(torch.where(mine, ids - self.start, 0), self.weight)
+        out = out * mine[:, None].to(out.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(_VocabParallel):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, H] → fp32 logits [R, vocab_size] over the full vocabulary."""
+        logits = self.tp.all_gather(F.linear(hidden, self.weight), dim=-1)
+        return logits[:, : self.vocab_size].float()

@@ -1,0 +1,120 @@
+"""Tensor-parallel linear layers; each weight carries a `weight_loader` that copies only this rank's slice.
+
+Column-parallel layers split output rows (no communication), row-parallel layers split input
+columns and all-reduce. `QKVParallelLinear` unpacks the checkpoint's [all Q; all K; all V] rows into
+per-rank head blocks and replicates KV heads when there are fewer KV heads than ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from omnistage.services.thinker.models.layers.parallel import TPGroup, divide
+from torch import nn
+
+
+def check_shape(param_name: str, got: torch.Size, want: tuple[int, ...] | torch.Size) -> None:
+    if tuple(got) != tuple(want):
+        raise ValueError(f"{param_name}: checkpoint tensor has shape {tuple(got)}, expected {tuple(want)}")
+
+
+class _Linear(nn.Module):
+    """Bias-free linear over a local [out_local, in_local] weight (the thinker has no biases)."""
+
+    def __init__(self, in_local: int, out_local: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        check_shape(type(self).__name__, loaded.shape, param.shape)
+        param.data.copy_(loaded)
+
+
+class ReplicatedLinear(_Linear):
+    """Full weight on every rank (routers)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features)
+
+
+class ColumnParallelLinear(_Linear):
+    """Output rows split across ranks; output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup) -> None:
+        self.tp = tp
+        super().__init__(in_features, divide(out_features, tp.size, "column-parallel output features"))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        rows = param.shape[0]
+        check_shape(type(self).__name__, loaded.shape, (rows * self.tp.size, param.shape[1]))
+        param.data.copy_(loaded.narrow(0, self.tp.rank * rows, rows))
+
+
+class MergedColumnParallelLinear(_Linear):
+    """Several column-parallel projections fused in one weight (gate_proj + up_proj → gate_up_proj)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], tp: TPGroup) -> None:
+        self.tp = tp
+        self.local_sizes = [divide(n, tp.size, "merged column-parallel output features") for n in out_sizes]
+        super().__init__(in_features, sum(self.local_sizes))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        assert isinstance(shard_id, int)
+        rows = self.local_sizes[shard_id]
+        check_shape(type(self).__name__, loaded.shape, (rows * self.tp.size, param.shape[1]))
+        offset = sum(self.local_sizes[:shard_id])
+        param.data.narrow(0, offset, rows).copy_(loaded.narrow(0, self.tp.rank * rows, rows))
+
+
+class QKVParallelLinear(_Linear):
+    """Packed QKV: this rank's Q heads, then its K heads, then its V heads."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup) -> None:
+        self.tp, self.head_dim = tp, head_dim
+        self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
+        self.num_heads = divide(num_heads, tp.size, "attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "KV heads")
+        else:
+            divide(tp.size, num_kv_heads, "(replicated) KV heads: tp_size must be a multiple of them;")
+            self.num_kv_heads = 1
+        super().__init__(hidden, (self.num_heads + 2 * self.num_kv_heads) * head_dim)
+
+    def kv_head_start(self) -> int:
+        """First global KV head of this rank (ranks share a KV head when there are fewer heads than ranks)."""
+        if self.total_kv_heads >= self.tp.size:
+            return self.tp.rank * self.num_kv_heads
+        return self.tp.rank * self.total_kv_heads // self.tp.size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        d = self.head_dim
+        want = ((self.total_heads + 2 * self.total_kv_heads) * d, param.shape[1])
+        check_shape(type(self).__name__, loaded.shape, want)
+        q_rows, kv_rows = self.num_heads * d, self.num_kv_heads * d
+        q = loaded.narrow(0, self.tp.rank * q_rows, q_rows)
+        k_base = self.total_heads * d
+        v_base = k_base + self.total_kv_heads * d
+        kv0 = self.kv_head_start() * d
+        param.data[:q_rows].copy_(q)
+        param.data[q_rows : q_rows + kv_rows].copy_(loaded.narrow(0, k_base + kv0, kv_rows))
+        param.data[q_rows + kv_rows :].copy_(loaded.narrow(0, v_base + kv0, kv_rows))
+
+
+class RowParallelLinear(_Linear):
+    """Input columns split across ranks; partial outputs summed with one all-reduce (optional)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, reduce: bool = True) -> None:
+        self.tp, self.reduce = tp, reduce
+        super().__init__(divide(in_features, tp.size, "row-parallel input features"), out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return self.tp.all_reduce(y) if self.reduce else y
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        cols = param.shape[1]
+        check_shape(type(self).__name__, loaded.shape, (param.shape[0], cols * self.tp.size))
+        param.data.copy_(loaded.narrow(1, self.tp.rank * cols, cols))

@@ -1,0 +1,168 @@
+"""BailingMoeV2 feed-forward: SwiGLU MLPs, sigmoid group-limited routers, and the sparse MoE block.
+
+TP choice: every rank holds all experts, each split along its intermediate width (gate/up rows,
+down columns), like the dense MLP. Routers are replicated, so every rank routes identically, and the
+block needs a single all-reduce (routed + shared expert partial sums) per layer. This keeps load
+balanced at any TP size that divides moe_intermediate_size, at the cost of smaller per-expert GEMMs
+than expert parallelism would give.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from omnistage.services.thinker.models.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    check_shape,
+)
+from omnistage.services.thinker.models.layers.parallel import TPGroup, divide
+from torch import nn
+
+# modality codes the engine passes per token; index into the router list.
+TEXT, VISION, AUDIO = 0, 1, 2
+ROUTER_NAMES = ("gate", "image_gate", "audio_gate")
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate/up fused column-parallel and down row-parallel."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, reduce: bool = True) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp, reduce=reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def grouped_topk(
+    scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int
+) -> torch.Tensor:
+    """Expert ids [T, top_k]: biased scores, keep the `topk_group` groups with the best top-2 sums."""
+    biased = scores + bias.float()
+    t, e = biased.shape
+    grouped = biased.view(t, n_group, e // n_group)
+    group_scores = grouped.topk(min(2, e // n_group), dim=-1).values.sum(dim=-1)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+    masked = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, e)
+    return masked.topk(top_k, dim=-1).indices
+
+
+class Router(nn.Module):
+    """Sigmoid router with a selection-only expert bias (ming.md §2.2 MoE steps 1-3), math in fp32."""
+
+    def __init__(
+        self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int, scaling: float
+    ) -> None:
+        super().__init__()
+        divide(num_experts, n_group, "experts per group (num_experts / n_group)")
+        self.top_k, self.n_group, self.topk_group, self.scaling = top_k, n_group, topk_group, scaling
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.expert_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] → (fp32 weights [T, k], expert ids [T, k])."""
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        ids = grouped_topk(scores, self.expert_bias, self.top_k, self.n_group, self.topk_group)
+        w = scores.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+        return w, ids
+
+
+class FusedExperts(nn.Module):
+    """All experts stacked: w13 [E, 2*I_local, H] (gate rows then up rows), w2 [E, H, I_local]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.local = divide(intermediate, tp.size, "moe_intermediate_size")
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """shard_id = (expert, "gate" | "up" | "down"): one checkpoint tensor per expert."""
+        expert, kind = shard_id  # type: ignore[misc]
+        n, r = self.local, self.tp.rank
+        if kind == "down":
+            check_shape(f"experts.{expert}.down_proj", loaded.shape, (param.shape[1], n * self.tp.size))
+            param.data[expert].copy_(loaded.narrow(1, r * n, n))
+            return
+        check_shape(f"experts.{expert}.{kind}_proj", loaded.shape, (n * self.tp.size, param.shape[2]))
+        offset = 0 if kind == "gate" else n
+        param.data[expert, offset : offset + n].copy_(loaded.narrow(0, r * n, n))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Weighted expert mix, accumulated in fp32: [T, H] (this rank's partial sum under TP)."""
+        t, k = ids.shape
+        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        tokens = order // k
+        flat_w = weights.flatten()[order]
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = tokens[start : start + n]
+            gate, up = F.linear(x[idx], self.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            out.index_add_(0, idx, y.float() * flat_w[start : start + n, None])
+            start += n
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed experts (router picked per token by modality) + shared expert, one all-reduce."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        intermediate: int,
+        num_shared: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        scaling: float,
+        multi_router: bool,
+        tp: TPGroup,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        names = ROUTER_NAMES if multi_router else ROUTER_NAMES[:1]
+        for name in names:
+            setattr(self, name, Router(hidden, num_experts, top_k, n_group, topk_group, scaling))
+        self.router_names = names
+        self.experts = FusedExperts(num_experts, hidden, intermediate, tp)
+        self.shared_experts = (
+            GatedMLP(hidden, intermediate * num_shared, tp, reduce=False) if num_shared > 0 else None
+        )
+
+    def route(self, x: torch.Tensor, modality: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token (weights, ids) from gate / image_gate / audio_gate by modality 0 / 1 / 2."""
+        if modality is None or len(self.router_names) == 1:
+            return self.gate(x)
+        modality = modality.to(torch.long)
+        if not bool((modality < len(self.router_names)).all()) or not bool((modality >= 0).all()):
+            raise ValueError("modality codes must be 0 (text), 1 (vision) or 2 (audio)")
+        k = self.gate.top_k
+        weights = torch.empty(x.shape[0], k, dtype=torch.float32, device=x.device)
+        ids = torch.empty(x.shape[0], k, dtype=torch.long, device=x.device)
+        for code, name in enumerate(self.router_names):
+            rows = (modality == code).nonzero().flatten()
+            if rows.numel() == 0:
+                continue
+            w, i = getattr(self, name)(x[rows])
+            weights[rows], ids[rows] = w, i
+        return weights, ids
+
+    def forward(self, x: torch.Tensor, modality: torch.Tensor | None = None) -> torch.Tensor:
+        weights, ids = self.route(x, modality)
+        y = self.experts(x, weights, ids).to(x.dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return self.tp.all_reduce(y)

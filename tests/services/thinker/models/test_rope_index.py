@@ -1,0 +1,65 @@
+"""3D position ids on the worked examples of ming.md §2.3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omnistage.services.thinker.models.rope_index import decode_positions, get_rope_index, rope_index_for
+
+X, IMG, PATCH, IMG_END, FRAME = 1, 10, 11, 12, 13
+IDS = {"image_start_token_id": IMG, "image_patch_token_id": PATCH, "video_patch_token_id": FRAME}
+
+
+def test_worked_example():
+    ids = [X, X, X, IMG] + [PATCH] * 6 + [IMG_END, X, X]
+    pos, delta = get_rope_index(ids, image_grid_thw=[(1, 4, 6)], **IDS)
+    assert pos.tolist() == [
+        [0, 1, 2, 3, 4, 4, 4, 4, 4, 4, 5, 6, 7],
+        [0, 1, 2, 3, 4, 4, 4, 5, 5, 5, 5, 6, 7],
+        [0, 1, 2, 3, 3, 4, 5, 3, 4, 5, 5, 6, 7],
+    ]
+    assert delta == -5
+    assert decode_positions(torch.tensor([13, 14]), delta).tolist() == [[8, 9]] * 3
+
+
+def test_image_gen_query_block():
+    prompt = [X] * 9
+    ids = prompt + [IMG] + [PATCH] * 256 + [IMG_END]
+    pos, delta = get_rope_index(ids, image_grid_thw=[(1, 2, 512)], **IDS)
+    p = len(prompt) + 1
+    block = pos[:, p : p + 256]
+    assert block[0].tolist() == [p] * 256 and block[1].tolist() == [p] * 256
+    assert block[2].tolist() == list(range(p - 127, p + 129))
+    assert pos[:, -1].tolist() == [p + 1] * 3
+    assert delta == p + 2 - len(ids)
+
+
+def test_video_frames_take_grid_slices_and_text_only():
+    # Two frame groups from one video grid (t=2, h=4, w=4 → each slice 2x2 merged), timestamps as text.
+    ids = [X, 20, IMG] + [FRAME] * 4 + [IMG_END, 21, IMG] + [FRAME] * 4 + [IMG_END]
+    pos, delta = get_rope_index(ids, video_grid_thw=[(2, 4, 4)], **IDS)
+    assert pos[0].tolist() == [0, 1, 2, 3, 3, 3, 3, 4, 5, 6, 7, 7, 7, 7, 8]
+    assert pos[1, 3:7].tolist() == [3, 3, 4, 4] and pos[2, 3:7].tolist() == [3, 4, 3, 4]
+    assert delta == 9 - len(ids)
+    text, d = get_rope_index([X] * 5, **IDS)
+    assert text.tolist() == [list(range(5))] * 3 and d == 0
+
+
+def test_multi_frame_image_grid_scales_time():
+    ids = [IMG] + [PATCH] * 8 + [X]
+    pos, _ = get_rope_index(ids, image_grid_thw=[(2, 4, 4)], **IDS)
+    assert pos[0].tolist() == [0] + [1] * 4 + [3] * 4 + [4]
+
+
+def test_count_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="patch tokens"):
+        get_rope_index([IMG] + [PATCH] * 5 + [X], image_grid_thw=[(1, 4, 6)], **IDS)
+    with pytest.raises(ValueError, match="grid"):
+        get_rope_index([X, X], image_grid_thw=[(1, 4, 6)], **IDS)
+
+
+def test_rope_index_for_reads_config_ids(tiny_model):
+    cfg = tiny_model.config
+    ids = [5, cfg.image_start_token_id] + [cfg.image_patch_token_id] * 6 + [cfg.image_end_token_id]
+    pos, delta = rope_index_for(cfg, ids, image_grid_thw=[(1, 4, 6)])
+    assert pos[2, 2:8].tolist() == [1, 2, 3, 1, 2, 3] and delta == 4 - len(ids)
