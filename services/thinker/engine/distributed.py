@@ -78,14 +78,17 @@ class TPGroup:
             pass
         return self.first_error() or msg
 
-    def first_error(self) -> str | None:
+    def first_error(
+        self, store_lost: str | None = "rank 0 is gone (its store no longer answers)"
+    ) -> str | None:
+        """The group's first reported failure; `store_lost` when the store (on rank 0) cannot answer."""
         if self.store is None:
             return None
         try:
             if self.store.check([_ERROR_KEY]):
                 return self.store.get(_ERROR_KEY).decode()
         except Exception:
-            return "rank 0 is gone (its store no longer answers)"
+            return store_lost
         return None
 
     def guard(self, phase: str, fn: Callable[[], T]) -> T:

@@ -16,7 +16,7 @@ from omnistage.common.config import EngineConfig
 from omnistage.common.log import get_logger
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.detokenizer import Decoder, Detokenizer
-from omnistage.services.thinker.engine.distributed import TPGroup, init_tp_group
+from omnistage.services.thinker.engine.distributed import TPError, TPGroup, init_tp_group
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from omnistage.services.thinker.engine.scheduler import ScheduledBatch, Scheduler
@@ -173,10 +173,9 @@ class LLMEngine:
         self.last_plan_time = time.monotonic()
         self.num_steps += 1
         try:
-            return self.group.guard(f"step {self.num_steps} forward", lambda: self.runner.execute(plan))
-        except Exception as exc:
-            self.group.report_error(f"step {self.num_steps} forward", exc)
-            raise
+            return self.runner.execute(plan)
+        except Exception as exc:  # every rank leaves with the group's first diagnostic
+            raise TPError(self.group.report_error(f"step {self.num_steps} forward", exc)) from exc
 
     def _emit(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
         outputs = []

@@ -7,8 +7,11 @@ Also here: spawning worker processes for tests and benchmarks, with deadlines on
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
+import os
 import socket
+import threading
 import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -31,8 +34,18 @@ def serve_plans(group: TPGroup, runner: ModelRunner) -> int:
         if plan.kind is PlanKind.EXIT:
             return num_run
         if plan.kind is PlanKind.RUN:
-            group.guard(f"step plan {group.num_plans - 1} forward", lambda p=plan: runner.execute(p))
+            runner.execute(plan)
             num_run += 1
+
+
+def _watch_for_failures(group: TPGroup, stop: threading.Event, poll_s: float = 0.5) -> None:
+    """Another rank failed while this one is blocked in a collective: exit now, not at the timeout."""
+    while not stop.wait(poll_s):
+        diagnostic = group.first_error(store_lost=None)
+        if diagnostic:
+            log.error("worker exits: %s", diagnostic)
+            logging.shutdown()
+            os._exit(1)
 
 
 def run_worker(
@@ -50,14 +63,19 @@ def run_worker(
     """Body of a worker process (rank >= 1). Raises TPError naming the first failing rank."""
     group = init_tp_group(rank, world_size, host, port, device, timeout_s, idle_timeout_s)
     phase = "start-up"
+    stop = threading.Event()
+    threading.Thread(target=_watch_for_failures, args=(group, stop), daemon=True, name="tp-watchdog").start()
     try:
         runner = ModelRunner.from_checkpoint(ckpt_dir, engine_cfg, dtype, device, group)
-        phase = "serving step plans"
+        phase = "running step plan {n}"
         num_run = serve_plans(group, runner)
     except Exception as exc:
-        diagnostic = group.report_error(phase, exc)
+        stop.set()  # this rank reports and exits on its own
+        diagnostic = group.report_error(phase.format(n=group.num_plans - 1), exc)
         log.error("worker exits: %s", diagnostic)
         raise TPError(diagnostic) from exc
+    finally:
+        stop.set()
     log.info("worker rank %d leaves after %d steps", rank, num_run)
     group.close()
     return num_run

@@ -1,0 +1,105 @@
+"""TP=2/4 over gloo in separate processes: rank 0 plans (LLMEngine), workers follow; tokens equal TP=1.
+
+A failing rank makes every rank exit promptly with one diagnostic naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import queue
+import random
+import traceback
+
+import pytest
+from omnistage.common.config import EngineConfig
+from omnistage.common.log import setup_logging
+from omnistage.services.thinker.engine import worker
+from omnistage.services.thinker.engine.llm_engine import LLMEngine
+from omnistage.services.thinker.engine.model_runner import ModelRunner
+from omnistage.services.thinker.engine.sequence import SamplingParams
+
+CFG = EngineConfig(block_size=16, max_model_len=256, max_num_batched_tokens=64)
+PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True)] * 5 + [
+    SamplingParams(temperature=0.9, top_k=50, seed=3, max_tokens=10, ignore_eos=True)
+]
+DEADLINE_S = 120
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(0, 900) for _ in range(rng.randrange(3, 100))] for _ in range(len(PARAMS))]
+
+
+def _fail_after(rank: int, fail_rank: int | None, steps: int = 3) -> None:
+    if rank != fail_rank:
+        return
+    orig, calls = ModelRunner.execute, [0]
+
+    def execute(self, plan):
+        calls[0] += 1
+        if calls[0] > steps:
+            raise RuntimeError("injected fault")
+        return orig(self, plan)
+
+    ModelRunner.execute = execute
+
+
+def _worker(fail_rank: int | None, kwargs: dict) -> None:
+    _fail_after(kwargs["rank"], fail_rank)
+    worker._worker_main(kwargs)
+
+
+def _rank0(ckpt: str, world_size: int, port: int, fail_rank: int | None, out: mp.Queue) -> None:
+    setup_logging("thinker", rank=0)
+    _fail_after(0, fail_rank)
+    procs = worker.spawn_workers(
+        ckpt, CFG, world_size, port, timeout_s=30, target=functools.partial(_worker, fail_rank)
+    )
+    try:
+        engine = LLMEngine.from_checkpoint(ckpt, CFG, rank=0, world_size=world_size, port=port, timeout_s=30)
+        results = engine.generate(prompts(), PARAMS, timeout_s=DEADLINE_S)
+        engine.shutdown()
+        out.put(("ok", [r.token_ids for r in results], worker.join_workers(procs, 30)))
+    except Exception as exc:
+        out.put(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def run_tp(ckpt, world_size: int, fail_rank: int | None = None):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_rank0, args=(str(ckpt), world_size, worker.free_port(), fail_rank, out))
+    proc.start()
+    try:
+        result = out.get(timeout=DEADLINE_S)
+    except queue.Empty:
+        result = ("timeout", f"rank 0 gave no result within {DEADLINE_S}s", "")
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("rank 0 did not exit within 30s after its result")
+    return result
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(tiny_ckpt):
+    e = LLMEngine.from_checkpoint(tiny_ckpt, CFG)
+    return [r.token_ids for r in e.generate(prompts(), PARAMS)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tp_equals_tp1_token_for_token(tiny_ckpt, tp1_tokens, world_size):
+    status, tokens, exitcodes = run_tp(tiny_ckpt, world_size)
+    assert status == "ok", f"{tokens}\n{exitcodes}"
+    assert tokens == tp1_tokens
+    assert exitcodes == [0] * (world_size - 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail_rank", [1, 0])
+def test_a_failing_rank_stops_all_ranks_with_one_diagnostic(tiny_ckpt, fail_rank):
+    status, message, tb = run_tp(tiny_ckpt, 2, fail_rank=fail_rank)
+    assert status == "error", message
+    assert f"rank {fail_rank} failed in" in message and "injected fault" in message, tb
