@@ -241,6 +241,12 @@ def _positive(path: str, value: float, allow_zero: bool = False) -> None:
 
 
 def _validate(cfg: DeployConfig) -> DeployConfig:
+    if cfg.version != 1:
+        raise ConfigError(f"version: expected 1, got {cfg.version}")
+    st = cfg.startup
+    for key in ("heartbeat_timeout_s", "poll_interval_s", "rpc_timeout_s"):
+        _positive(f"startup.{key}", getattr(st, key))
+    _positive("startup.stop_grace_s", st.stop_grace_s, allow_zero=True)
     for phase in cfg.startup.phase_deadlines_s:
         if phase not in STARTUP_PHASES:
             raise ConfigError(
@@ -269,6 +275,11 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
                     ports[q] = f"{p}.{key}"
         _positive(f"{p}.tp_size", svc.tp_size)
         _positive(f"{p}.max_message_bytes", svc.max_message_bytes)
+        _positive(f"{p}.drain_grace_s", svc.drain_grace_s, allow_zero=True)
+        if svc.fault is not None:
+            if not -1 <= svc.fault.rank < svc.tp_size:
+                raise ConfigError(f"{p}.fault.rank: expected -1 (every rank) or 0..{svc.tp_size - 1}, got {svc.fault.rank}")
+            _positive(f"{p}.fault.delay_s", svc.fault.delay_s, allow_zero=True)
         if svc.tp_size > 1 and svc.dist_port == 0:
             raise ConfigError(f"{p}.dist_port: required when tp_size > 1")
         if svc.device == "cuda" and svc.gpus and len(svc.gpus) != svc.tp_size:
@@ -277,6 +288,10 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
         for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "default_max_tokens"):
             _positive(f"{p}.engine.{key}", getattr(e, key))
         _positive(f"{p}.engine.num_kv_blocks", e.num_kv_blocks, allow_zero=True)
+        _positive(f"{p}.engine.max_queued_requests", e.max_queued_requests, allow_zero=True)
+        g = svc.gateway
+        for key in ("stage_wait_s", "max_concurrent_requests", "max_prompt_chars"):
+            _positive(f"{p}.gateway.{key}", getattr(g, key))
         if not e.chunked_prefill and e.max_num_batched_tokens < e.max_model_len:
             raise ConfigError(
                 f"{p}.engine.max_num_batched_tokens: must be >= max_model_len ({e.max_model_len}) "
@@ -298,13 +313,17 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    if overrides and not isinstance(data, dict):
+        raise ConfigError("deploy file: expected a mapping at the top level")
     for text in overrides:
         keys, value = parse_override(text)
         node = data
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
+        for i, k in enumerate(keys[:-1]):
+            if node.get(k) is None:  # absent, or an empty YAML section (`startup:`)
+                node[k] = {}
+            node = node[k]
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {text!r}: {k} is not a mapping")
+                raise ConfigError(f"--set {text!r}: {'.'.join(keys[: i + 1])} is not a mapping")
         node[keys[-1]] = value
     return data
 

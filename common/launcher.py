@@ -1,0 +1,430 @@
+"""`omnistage serve`: start every service of a deploy file as child processes and watch them.
+
+Readiness is pulled, never pushed: the launcher reads each process's status file (phase, progress,
+heartbeat), watches its exit at once through a pidfd, and confirms SERVING with the service's own
+health Check. Every phase has a deadline, so a start-up ends either ready or with one line per
+stage/rank naming the phase and the cause; children die with the launcher (see stage_main).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from omnistage.common.config import (
+    STARTUP_PHASES,
+    ConfigError,
+    DeployConfig,
+    ServiceConfig,
+    StartupConfig,
+    load_config,
+)
+from omnistage.common.runtime.stage_main import LAUNCHER_PID_ENV
+from omnistage.common.runtime.status_file import StatusRecord, read_status, status_path
+
+# Stage kind → the module that runs it: the one closed table (tests pass `modules=` to substitute).
+MODULES: dict[str, str] = {
+    "gateway": "omnistage.services.gateway",
+    "thinker": "omnistage.services.thinker",
+    "encoder": "omnistage.services.encoder",
+    "talker": "omnistage.services.talker",
+    "imagegen": "omnistage.services.imagegen",
+}
+# After SIGKILL, how long to wait for the kernel to reap a child before reporting it.
+_KILL_WAIT_S = 5.0
+# The stale-shm sweep runs beside the start; the launcher waits at most this long for it at exit.
+_SWEEP_WAIT_S = 30.0
+
+
+@dataclass(eq=False)
+class Child:
+    """One service process (one TP rank) and what the launcher knows about it."""
+
+    svc: ServiceConfig
+    rank: int
+    proc: subprocess.Popen
+    status_file: Path
+    spawned_unix: float
+    pidfd: int | None = None
+    status: StatusRecord | None = None
+    printed: tuple = ()
+    ready: bool = False
+    cause: str = ""
+    channel: grpc.Channel | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.svc.name} r{self.rank}"
+
+    @property
+    def phase(self) -> str:
+        return self.status.phase if self.status else "starting"
+
+    def refresh(self) -> StatusRecord | None:
+        rec = read_status(self.status_file)
+        if rec is not None and rec.pid == self.proc.pid:  # a stale file of an earlier run is not ours
+            self.status = rec
+        return self.status
+
+    def summary(self, now: float) -> str:
+        """`thinker r1 loading_weights 1/3 shards (12.0s ago)` — phase, progress, age of the heartbeat."""
+        rec = self.status
+        phase = (rec.failed_in or "failed") if rec and rec.phase == "failed" else self.phase
+        progress = rec.progress_text() if rec else ""
+        beat = rec.heartbeat_unix if rec else self.spawned_unix
+        return " ".join(p for p in (self.label, phase, progress, f"({now - beat:.1f}s ago)") if p)
+
+
+def exit_cause(returncode: int, rec: StatusRecord | None) -> str:
+    """Why a child ended: its exit code or signal, plus the failure it wrote, if any."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        cause = f"killed by {name}" + (" (out of memory? see dmesg)" if name == "SIGKILL" else "")
+    else:
+        cause = f"exited with code {returncode}"
+    if rec is not None and rec.failure:
+        cause += f": {rec.failure}"
+    return cause
+
+
+def stuck_cause(startup: StartupConfig, phase: str, in_phase_s: float, silent_s: float) -> str:
+    """'' while a start-up phase is within its deadline and heartbeat timeout; else why not."""
+    deadline = startup.phase_deadlines_s.get(phase, StartupConfig().phase_deadlines_s.get(phase, 60.0))
+    reasons = []
+    if silent_s > startup.heartbeat_timeout_s:
+        reasons.append(f"no progress for {silent_s:.0f}s (heartbeat timeout {startup.heartbeat_timeout_s:g}s)")
+    if in_phase_s > deadline:
+        reasons.append(f"phase deadline {deadline:g}s exceeded")
+    return "stuck: " + ", ".join(reasons) if reasons else ""
+
+
+class Launcher:
+    """Starts the services of one deploy file in order (stages, then the gateway) and supervises them."""
+
+    def __init__(
+        self,
+        cfg: DeployConfig,
+        cfg_path: Path,
+        overrides: Sequence[str],
+        run_dir: Path,
+        modules: dict[str, str],
+        out: TextIO,
+        err: TextIO,
+    ) -> None:
+        self.cfg = cfg
+        self.cfg_path = cfg_path
+        self.overrides = list(overrides)
+        self.run_dir = run_dir
+        self.modules = modules
+        self.out = out
+        self.err = err
+        self.groups: list[list[Child]] = []
+        self.stop_signal: int | None = None
+        self.started = time.monotonic()
+
+    @property
+    def children(self) -> list[Child]:
+        return [c for g in self.groups for c in g]
+
+    def say(self, line: str, stream: TextIO | None = None) -> None:
+        print(line, file=stream or self.out, flush=True)
+
+    # -- spawning ----------------------------------------------------------------------------
+
+    def command(self, svc: ServiceConfig, rank: int) -> list[str]:
+        target = self.modules.get(svc.kind)
+        if target is None:
+            raise ConfigError(f"services.{svc.name}.kind: no program for kind {svc.kind!r}")
+        run = [target] if target.endswith(".py") or os.sep in target else ["-m", target]
+        args = ["--config", str(self.cfg_path), "--service", svc.name, "--rank", str(rank), "--run-dir",
+                str(self.run_dir)]
+        for text in self.overrides:
+            args += ["--set", text]
+        return [sys.executable, *run, *args]
+
+    def spawn(self, svc: ServiceConfig, rank: int) -> Child:
+        path = status_path(self.run_dir, svc.name, rank)
+        path.unlink(missing_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMNISTAGE_SERVICE=svc.name)
+        env[LAUNCHER_PID_ENV] = str(os.getpid())
+        # Own process group: stopping a service reaches its helpers too, and only ours.
+        proc = subprocess.Popen(self.command(svc, rank), env=env, start_new_session=True)
+        child = Child(svc, rank, proc, path, time.time())
+        with contextlib.suppress(OSError, AttributeError):
+            child.pidfd = os.pidfd_open(proc.pid)
+        self.say(f"omnistage: started {child.label} (pid {proc.pid})")
+        return child
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def pause(self, timeout_s: float) -> None:
+        """Sleep up to `timeout_s`, waking at once when any child exits."""
+        fds = [c.pidfd for c in self.children if c.pidfd is not None and c.proc.returncode is None]
+        if not fds:
+            time.sleep(timeout_s)
+            return
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        poller.poll(timeout_s * 1000)
+
+    def dead_child(self) -> Child | None:
+        for c in self.children:
+            if c.proc.poll() is not None:
+                c.refresh()
+                c.cause = exit_cause(c.proc.returncode, c.status)
+                return c
+        return None
+
+    def healthy(self, child: Child) -> bool:
+        """The service itself confirms SERVING (an acknowledgment, not a message that could be lost)."""
+        if child.channel is None:
+            address = (child.status.address if child.status else "") or self.cfg.address(child.svc.name)
+            child.channel = grpc.insecure_channel(address)
+        try:
+            reply = health_pb2_grpc.HealthStub(child.channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=self.cfg.startup.rpc_timeout_s
+            )
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def check(self, child: Child, now: float) -> None:
+        """Update one starting child: print progress, mark it ready, or set its failure cause."""
+        rec = child.refresh()
+        phase = child.phase
+        if rec is not None and phase in STARTUP_PHASES:
+            key = (phase, rec.done, rec.total, rec.detail)
+            if key != child.printed:
+                child.printed = key
+                progress = rec.progress_text()
+                elapsed = now - rec.phase_started_unix
+                self.say(" ".join(p for p in (child.label, phase, progress, f"{elapsed:.1f}s") if p))
+        if phase == "failed":
+            child.cause = f"failed: {rec.failure if rec else 'unknown'}"
+            return
+        if phase in STARTUP_PHASES:
+            started = rec.phase_started_unix if rec is not None and phase != "starting" else child.spawned_unix
+            beat = rec.heartbeat_unix if rec is not None else child.spawned_unix
+            child.cause = stuck_cause(self.cfg.startup, phase, now - started, now - beat)
+            return
+        if phase == "serving":
+            if child.rank > 0 or self.healthy(child):
+                child.ready = True
+                self.say(f"{child.label} serving ({now - child.spawned_unix:.1f}s after start)")
+                return
+            # Status says serving but health does not (yet): bounded by the starting deadline.
+            waited = now - (rec.phase_started_unix if rec else child.spawned_unix)
+            limit = self.cfg.startup.phase_deadlines_s.get("starting", 60.0)
+            if waited > limit:
+                child.cause = f"stuck: phase serving but health not SERVING after {limit:g}s"
+            return
+        child.cause = f"left start-up in phase {phase}"
+
+    def wait_serving(self, group: list[Child]) -> Child | None:
+        """Wait until every child of `group` is ready; returns the child that failed, or None."""
+        while True:
+            if self.stop_signal is not None:
+                return None
+            dead = self.dead_child()
+            if dead is not None:
+                return dead
+            now = time.time()
+            for child in group:
+                if not child.ready:
+                    self.check(child, now)
+                    if child.cause:
+                        return child
+            if all(c.ready for c in group):
+                return None
+            self.pause(self.cfg.startup.poll_interval_s)
+
+    # -- stopping ----------------------------------------------------------------------------
+
+    def stop_all(self) -> None:
+        """SIGTERM each group (gateway first), SIGKILL what is left after stop_grace_s; bounded."""
+        for group in reversed(self.groups):
+            for c in group:
+                _signal_group(c, signal.SIGTERM)
+            _wait_exit(group, self.cfg.startup.stop_grace_s)
+            for c in group:
+                if c.proc.poll() is None:
+                    self.say(f"omnistage: {c.label} (pid {c.proc.pid}) ignored SIGTERM, killing", self.err)
+                    _signal_group(c, signal.SIGKILL)
+            _wait_exit(group, _KILL_WAIT_S)
+            for c in group:
+                if c.proc.returncode is None:
+                    self.say(f"omnistage: {c.label} (pid {c.proc.pid}) did not exit after SIGKILL", self.err)
+                else:  # helpers left in the child's process group go too
+                    _signal_group(c, signal.SIGKILL, leader_gone=True)
+        for c in self.children:
+            if c.pidfd is not None:
+                os.close(c.pidfd)
+                c.pidfd = None
+            if c.channel is not None:
+                c.channel.close()
+                c.channel = None
+
+    def report(self, headline: str, culprit: Child) -> None:
+        now = time.time()
+        self.say(f"omnistage: {headline}", self.err)
+        for c in self.children:
+            if c is not culprit and not c.cause:
+                c.refresh()
+            cause = c.cause or ("ready" if c.ready else "not ready yet")
+            self.say(f"{c.summary(now)} {cause}", self.err)
+
+    # -- main --------------------------------------------------------------------------------
+
+    def ready_address(self) -> str:
+        gateways = self.cfg.services_of("gateway")
+        first = gateways[0] if gateways else next(iter(self.cfg.services.values()))
+        child = next(c for c in self.children if c.svc.name == first.name and c.rank == 0)
+        return (child.status.address if child.status else "") or self.cfg.address(first.name)
+
+    def run(self, ready_file: Path | None, exit_after_ready: bool) -> int:
+        stages = [s for s in self.cfg.services.values() if s.kind != "gateway"]
+        order = [g for g in (stages, self.cfg.services_of("gateway")) if g]
+        try:
+            for services in order:
+                group = [self.spawn(svc, r) for svc in services for r in range(svc.tp_size)]
+                self.groups.append(group)
+                culprit = self.wait_serving(group)
+                if culprit is not None:
+                    self.report(f"start-up failed: {culprit.label} {culprit.cause}", culprit)
+                    return 1
+                if self.stop_signal is not None:
+                    self.say(f"omnistage: {signal.Signals(self.stop_signal).name} during start-up, stopping")
+                    return 0
+            address = self.ready_address()
+            what = "gateway" if self.cfg.services_of("gateway") else "services"
+            self.say(f"omnistage: ready in {time.monotonic() - self.started:.1f}s, {what} at {address}")
+            if ready_file is not None:
+                _write_atomic(ready_file, address + "\n")
+            if exit_after_ready:
+                return 0
+            while self.stop_signal is None:
+                dead = self.dead_child()
+                if dead is not None:
+                    self.report(f"{dead.label} died: {dead.cause}; stopping the others", dead)
+                    return 1
+                self.pause(self.cfg.startup.poll_interval_s)
+            self.say(f"omnistage: {signal.Signals(self.stop_signal).name}, stopping")
+            return 0
+        finally:
+            self.stop_all()
+            self.say("omnistage: all services stopped")
+
+
+def _signal_group(child: Child, sig: int, *, leader_gone: bool = False) -> None:
+    """Signal the child's process group, only while it is ours (leader alive, or just reaped)."""
+    if child.proc.returncode is not None and not leader_gone:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.proc.pid, sig)
+
+
+def _wait_exit(children: list[Child], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for c in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def launch(
+    cfg_path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    run_dir: str | Path | None = None,
+    modules: dict[str, str] | None = None,
+    ready_file: str | Path | None = None,
+    exit_after_ready: bool = False,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Run a deployment until SIGTERM/SIGINT (0), a failed start or a dead service (1), a bad config (2).
+
+    `modules` maps stage kinds to a module name or a script path (tests substitute synthetic stages).
+    """
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        cfg = load_config(cfg_path, list(overrides))
+    except ConfigError as exc:
+        print(f"omnistage: config error: {exc}", file=err, flush=True)
+        return 2
+    if not cfg.services:
+        print(f"omnistage: config error: services: {cfg_path} has no services to start", file=err, flush=True)
+        return 2
+    sweep = _start_sweep(err)
+    own_run_dir = run_dir is None
+    rdir = Path(tempfile.mkdtemp(prefix="omnistage-run-")) if run_dir is None else Path(run_dir)
+    rdir.mkdir(parents=True, exist_ok=True)
+    launcher = Launcher(cfg, Path(cfg_path).resolve(), overrides, rdir, {**MODULES, **(modules or {})}, out, err)
+    previous = _install_signals(launcher)
+    try:
+        return launcher.run(Path(ready_file) if ready_file else None, exit_after_ready)
+    except ConfigError as exc:
+        print(f"omnistage: config error: {exc}", file=err, flush=True)
+        return 2
+    finally:
+        sweep.join(timeout=_SWEEP_WAIT_S)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if own_run_dir:
+            shutil.rmtree(rdir, ignore_errors=True)
+
+
+def _install_signals(launcher: Launcher) -> dict[int, object]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def on_signal(sig: int, frame: object) -> None:
+        launcher.stop_signal = sig
+
+    return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _sweep_shm(err: TextIO) -> None:
+    """Remove shared-memory segments left by dead processes of an earlier run.
+
+    Safe next to starting children: a segment goes only when its owner pid is dead and no process
+    holds its lock. Runs in a thread because the transport package imports torch (seconds).
+    """
+    try:
+        from omnistage.common.transport.shm_pool import sweep_stale_segments
+    except ImportError:
+        try:
+            from omnistage.common.transport import sweep_stale_segments
+        except ImportError:
+            return
+    try:
+        sweep_stale_segments()
+    except Exception as exc:  # a failed sweep must not stop the start
+        print(f"omnistage: warning: shm sweep failed: {exc}", file=err, flush=True)
+
+
+def _start_sweep(err: TextIO) -> threading.Thread:
+    thread = threading.Thread(target=_sweep_shm, args=(err,), name="shm-sweep", daemon=True)
+    thread.start()
+    return thread

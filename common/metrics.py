@@ -1,0 +1,108 @@
+"""Prometheus metrics: shared names (`omnistage_*`, always with a `service` label) and the /metrics port.
+
+Services create their own metrics through `counter` / `gauge` / `histogram`, which are idempotent
+(asking twice for one name returns the same metric), so modules can declare what they use locally.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import prometheus_client
+from prometheus_client import Counter, Gauge, Histogram
+
+REGISTRY = prometheus_client.REGISTRY
+PREFIX = "omnistage_"
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+_lock = threading.Lock()
+_metrics: dict[str, tuple[type, tuple[str, ...], Any]] = {}
+
+
+def _full_name(name: str) -> str:
+    return name if name.startswith(PREFIX) else PREFIX + name
+
+
+def _get_or_create(cls: type, name: str, doc: str, labels: Sequence[str], **kwargs: Any) -> Any:
+    full = _full_name(name)
+    labelnames = ("service", *(label for label in labels if label != "service"))
+    with _lock:
+        if full in _metrics:
+            have_cls, have_labels, metric = _metrics[full]
+            if have_cls is not cls or have_labels != labelnames:
+                raise ValueError(
+                    f"metric {full} already exists as {have_cls.__name__}{list(have_labels)}, "
+                    f"asked for {cls.__name__}{list(labelnames)}"
+                )
+            return metric
+        metric = cls(full, doc, labelnames, registry=REGISTRY, **kwargs)
+        _metrics[full] = (cls, labelnames, metric)
+        return metric
+
+
+def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+    """`omnistage_<name>` counter with labels (service, *labels)."""
+    return _get_or_create(Counter, name, doc, labels)
+
+
+def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+    return _get_or_create(Gauge, name, doc, labels)
+
+
+def histogram(name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS_S) -> Histogram:
+    return _get_or_create(Histogram, name, doc, labels, buckets=tuple(buckets))
+
+
+# Shared metrics of every service -------------------------------------------------------------
+
+def phase_gauge() -> Gauge:
+    return gauge("phase", "1 for the current life-cycle phase of the process, 0 for the others", ("rank", "phase"))
+
+
+def phase_progress_gauge() -> Gauge:
+    return gauge("phase_progress", "Progress count inside the current phase (shards, graphs, ...)", ("rank",))
+
+
+def rpc_requests() -> Counter:
+    return counter("rpc_requests", "Stage RPCs finished, by method and gRPC status code", ("method", "code"))
+
+
+def rpc_latency() -> Histogram:
+    return histogram("rpc_latency_seconds", "Wall time of stage RPCs, by method", ("method",))
+
+
+def rpc_in_flight() -> Gauge:
+    return gauge("rpc_in_flight", "Stage RPCs running now", ())
+
+
+def set_phase(service: str, rank: int, phase: str, phases: Sequence[str], done: int = 0) -> None:
+    """Point the phase gauge at `phase` (others 0) and export its progress count."""
+    g = phase_gauge()
+    for p in phases:
+        g.labels(service, str(rank), p).set(1.0 if p == phase else 0.0)
+    phase_progress_gauge().labels(service, str(rank)).set(done)
+
+
+# /metrics HTTP port --------------------------------------------------------------------------
+
+@dataclass
+class MetricsServer:
+    """The running /metrics HTTP server; `close()` frees the port."""
+
+    server: Any
+    thread: threading.Thread
+    port: int
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def start_metrics_server(port: int, host: str = "127.0.0.1") -> MetricsServer:
+    """Serve the registry on http://host:port/metrics (port 0 picks a free one, for tests)."""
+    server, thread = prometheus_client.start_http_server(port, addr=host, registry=REGISTRY)
+    return MetricsServer(server, thread, server.server_address[1])

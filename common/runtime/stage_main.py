@@ -1,0 +1,122 @@
+"""The common `main()` of every service process: `services/<kind>/__main__.py` is one call to `run_service`.
+
+It parses the launcher's arguments, sets up logging, makes sure the process never outlives its
+launcher, binds the server, runs the service's `build` coroutine and turns any failure into phase
+`failed` + status file + one diagnostic line on stderr + a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import NoReturn
+
+from omnistage.common.config import STARTUP_PHASES, ConfigError, DeployConfig, ServiceConfig, load_config
+from omnistage.common.log import setup_logging
+from omnistage.common.runtime.server import ServiceRuntime
+
+_log = logging.getLogger(__name__)
+
+BuildFn = Callable[[ServiceRuntime, DeployConfig, ServiceConfig, int], Awaitable[None]]
+LAUNCHER_PID_ENV = "OMNISTAGE_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
+# How long a cancelled build gets to unwind when a stop arrives during start-up.
+_BUILD_CANCEL_WAIT_S = 5.0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="omnistage-service", description="Run one omnistage service process.")
+    p.add_argument("--config", required=True, help="deploy YAML")
+    p.add_argument("--service", required=True, help="service name (key under services:)")
+    p.add_argument("--rank", type=int, default=0, help="TP rank of this process")
+    p.add_argument("--run-dir", default=None, help="directory of the status files the launcher reads")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return p.parse_args(list(argv))
+
+
+def watch_parent(hard_exit_after_s: float) -> None:
+    """Die with the launcher: PR_SET_PDEATHSIG (SIGTERM, graceful) on Linux, plus a watchdog thread
+    that exits hard `hard_exit_after_s` after the parent is gone (a hung process ignores SIGTERM)."""
+    expected = int(os.environ.get(LAUNCHER_PID_ENV, "0") or 0) or os.getppid()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != expected:  # the launcher died before prctl took effect
+        print(f"omnistage: launcher pid {expected} is gone, exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def watchdog() -> None:
+        while os.getppid() == expected:
+            time.sleep(0.5)
+        _log.warning("launcher pid %d is gone, stopping", expected)
+        if not sys.platform.startswith("linux"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(hard_exit_after_s)
+        os._exit(1)
+
+    threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()
+
+
+async def serve(runtime: ServiceRuntime, build: BuildFn) -> int:
+    """Start, build, serve until stopped. Returns the exit code; failures are reported, not raised."""
+    try:
+        await runtime.start()
+        runtime.install_signal_handlers()
+        runtime.reporter.enter("starting", detail="server bound")
+        build_task = asyncio.create_task(build(runtime, runtime.cfg, runtime.svc, runtime.rank))
+        stop_task = asyncio.create_task(runtime.wait_stop_requested())
+        await asyncio.wait({build_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not build_task.done():  # SIGTERM during start-up: abandon the build
+            build_task.cancel()
+            await asyncio.wait({build_task}, timeout=_BUILD_CANCEL_WAIT_S)
+        else:
+            stop_task.cancel()
+            build_task.result()
+            if runtime.phase in STARTUP_PHASES:
+                runtime.set_serving()
+        return await runtime.serve_until_stopped()
+    except Exception as exc:
+        phase = runtime.phase
+        cause = f"{type(exc).__name__}: {exc}"
+        _log.error("failed in %s: %s", phase, cause, exc_info=exc)
+        runtime.fail(cause)
+        print(f"omnistage: {runtime.name} r{runtime.rank} failed in {phase}: {cause}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(runtime.shutdown(), timeout=_BUILD_CANCEL_WAIT_S)
+        return 1
+
+
+def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoReturn:
+    """Entry point of a service process; `kind` (None: any) must match the configured kind.
+
+    `build(runtime, cfg, svc, rank)` loads and warms up the service, registering its API with
+    `runtime.add_servicer`; it runs on the event loop, so blocking steps belong in
+    `asyncio.to_thread` (health and Describe keep answering meanwhile). When it returns, the service
+    is SERVING (set for it unless it already called `runtime.set_serving()`); it may also keep
+    running (a TP worker loop) and is cancelled on SIGTERM. A worker whose loop ends on its own
+    calls `runtime.request_stop()`. Any exception: phase failed, one stderr line, exit 1.
+    """
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        svc = cfg.service(args.service)
+        if kind is not None and svc.kind != kind:
+            raise ConfigError(f"services.{svc.name}.kind: is {svc.kind!r}, this program serves {kind!r}")
+        if not 0 <= args.rank < svc.tp_size:
+            raise ConfigError(f"--rank {args.rank}: services.{svc.name}.tp_size is {svc.tp_size}")
+    except ConfigError as exc:
+        print(f"omnistage: {args.service} r{args.rank}: config error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    setup_logging(svc.name, args.rank, cfg.log_level, cfg.log_format)
+    watch_parent(hard_exit_after_s=svc.drain_grace_s + 5.0)
+    runtime = ServiceRuntime(cfg, svc, args.rank, run_dir=args.run_dir)
+    sys.exit(asyncio.run(serve(runtime, build)))

@@ -1,0 +1,112 @@
+"""A synthetic service for runtime and launcher tests: real phases, real gRPC, no model.
+
+Run as a script (`python synthetic_stage.py --config ... --service ... --rank ... --run-dir ...`), it
+is what `launch(modules={kind: this file})` starts. It walks through the start-up phases with
+progress (step time from $SYNTH_STEP_S), then serves `omnistage.v1.Omni` on rank 0, where the prompt
+text drives the behaviour: `raise`, `invalid`, `overloaded`, or `n=<events> delay=<seconds>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omnistage.common.runtime.errors import InvalidRequest, Overloaded
+from omnistage.common.runtime.stage_main import run_service
+from omnistage.v1 import common_pb2, control_pb2, omni_pb2, omni_pb2_grpc
+
+SCRIPT = str(Path(__file__).resolve())
+
+
+class SyntheticOmni(omni_pb2_grpc.OmniServicer):
+    """Streams `n` text deltas `delay` seconds apart, then a finish; or fails as the prompt asks."""
+
+    def __init__(self) -> None:
+        self.finished = 0
+
+    async def Generate(self, request: omni_pb2.GenerateRequest, context: Any):
+        text = request.messages[-1].parts[0].text if request.messages else ""
+        if text == "raise":
+            raise RuntimeError("synthetic handler bug")
+        if text == "invalid":
+            raise InvalidRequest("messages[0]: synthetic invalid request")
+        if text == "overloaded":
+            raise Overloaded("synthetic queue full", retry_after_ms=250)
+        opts = dict(word.split("=", 1) for word in text.split() if "=" in word)
+        n, delay = int(opts.get("n", 3)), float(opts.get("delay", 0.0))
+        for i in range(n):
+            if delay:
+                await asyncio.sleep(delay)
+            yield omni_pb2.GenerateEvent(request_id=request.request_id, text=omni_pb2.TextDelta(text=f"w{i} "))
+        self.finished += 1
+        usage = common_pb2.Usage(prompt_tokens=len(text.split()), completion_tokens=n)
+        yield omni_pb2.GenerateEvent(
+            request_id=request.request_id,
+            finish=omni_pb2.Finish(reason=common_pb2.FINISH_REASON_STOP, usage=usage),
+        )
+
+
+def memory_report() -> list[control_pb2.MemoryReport]:
+    return [control_pb2.MemoryReport(device="cpu", weights_bytes=3 << 20, kv_cache_bytes=1 << 20, total_bytes=4 << 20)]
+
+
+async def build(runtime: Any, cfg: Any, svc: Any, rank: int) -> None:
+    step = float(os.environ.get("SYNTH_STEP_S", "0.02"))
+    r = runtime.reporter
+    r.enter("loading_weights", total=3, unit="shards")
+    for _ in range(3):
+        await asyncio.sleep(step)
+        r.advance()
+    r.enter("profiling_memory")
+    await asyncio.sleep(step)
+    r.enter("warming_up", total=1, unit="requests")
+    await asyncio.sleep(step)
+    r.advance()
+    if runtime.serves_grpc:
+        runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, SyntheticOmni(), "omnistage.v1.Omni")
+    runtime.set_memory_provider(memory_report)
+    runtime.set_limits_provider(lambda: control_pb2.Limits(max_running_requests=4, max_message_bytes=svc.max_message_bytes))
+
+
+# -- helpers of the tests ------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(path: Path, services: dict[str, dict], **startup: Any) -> Path:
+    """A deploy file of synthetic services with short deadlines (tests override what they probe)."""
+    deadlines = {p: 10.0 for p in ("starting", "loading_weights", "profiling_memory", "warming_up", "capturing_graphs")}
+    deadlines.update(startup.pop("phase_deadlines_s", {}))
+    data = {
+        "version": 1,
+        "host": "127.0.0.1",
+        "log_level": "warning",
+        "startup": {
+            "phase_deadlines_s": deadlines,
+            "heartbeat_timeout_s": 10.0,
+            "poll_interval_s": 0.05,
+            "rpc_timeout_s": 1.0,
+            "stop_grace_s": 3.0,
+            **startup,
+        },
+        "services": {},
+    }
+    for name, extra in services.items():
+        svc = {"kind": "thinker", "port": free_port(), "drain_grace_s": 2.0, **extra}
+        if svc.get("tp_size", 1) > 1 and "dist_port" not in svc:
+            svc["dist_port"] = free_port()
+        data["services"][name] = svc
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+if __name__ == "__main__":
+    run_service(sys.argv[1:], None, build)

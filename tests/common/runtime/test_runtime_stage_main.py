@@ -1,0 +1,115 @@
+"""run_service in a real process: SIGTERM drains within the grace period, failures exit non-zero."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+from omnistage.common.runtime.deadlines import wait_for
+from omnistage.common.runtime.status_file import read_status, status_path
+from omnistage.v1 import omni_pb2, omni_pb2_grpc
+from synthetic_stage import SCRIPT, write_config
+
+
+def start_stage(tmp_path, overrides=(), step_s: float = 0.02, **svc) -> subprocess.Popen:
+    cfg = write_config(tmp_path / "deploy.yaml", {"alpha": svc})
+    cmd = [sys.executable, SCRIPT, "--config", str(cfg), "--service", "alpha", "--rank", "0",
+           "--run-dir", str(tmp_path / "run")]
+    for text in overrides:
+        cmd += ["--set", text]
+    env = dict(os.environ, SYNTH_STEP_S=str(step_s))
+    return subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_phase(tmp_path, phase: str, timeout_s: float = 30.0):
+    path = status_path(tmp_path / "run", "alpha", 0)
+    return wait_for(lambda: (rec := read_status(path)) is not None and rec.phase == phase and rec,
+                    timeout_s, f"alpha phase {phase}")
+
+
+class StreamReader(threading.Thread):
+    """Reads one Generate stream in the background; `first` is set at the first event."""
+
+    def __init__(self, address: str, text: str) -> None:
+        super().__init__(daemon=True)
+        self.address, self.text = address, text
+        self.first = threading.Event()
+        self.events: list = []
+        self.error: grpc.RpcError | None = None
+
+    def run(self) -> None:
+        msg = omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=self.text)])
+        with grpc.insecure_channel(self.address) as ch:
+            try:
+                for event in omni_pb2_grpc.OmniStub(ch).Generate(omni_pb2.GenerateRequest(messages=[msg]), timeout=30):
+                    self.events.append(event)
+                    self.first.set()
+            except grpc.RpcError as exc:
+                self.error = exc
+        self.first.set()
+
+
+def stop_and_wait(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate(timeout=10)
+        pytest.fail(f"service did not stop within {timeout_s}s of SIGTERM")
+    return proc.returncode, err
+
+
+def test_sigterm_lets_a_short_stream_finish_then_exits_0(tmp_path):
+    proc = start_stage(tmp_path, drain_grace_s=5.0)
+    rec = wait_phase(tmp_path, "serving")
+    reader = StreamReader(rec.address, "n=6 delay=0.1")
+    reader.start()
+    assert reader.first.wait(30)
+    code, _ = stop_and_wait(proc, 15)
+    reader.join(10)
+    assert code == 0
+    assert reader.error is None and reader.events[-1].WhichOneof("event") == "finish"
+    assert read_status(status_path(tmp_path / "run", "alpha", 0)).phase == "stopped"
+
+
+def test_sigterm_cancels_a_long_stream_after_the_grace_period(tmp_path):
+    proc = start_stage(tmp_path, drain_grace_s=0.3)
+    rec = wait_phase(tmp_path, "serving")
+    reader = StreamReader(rec.address, "n=1000 delay=0.05")
+    reader.start()
+    assert reader.first.wait(30)
+    code, _ = stop_and_wait(proc, 15)
+    reader.join(10)
+    assert code == 0
+    assert reader.error is not None and reader.error.code() == grpc.StatusCode.CANCELLED
+
+
+def test_failure_in_build_exits_1_with_one_diagnostic_line(tmp_path):
+    proc = start_stage(tmp_path, fault={"phase": "warming_up", "action": "oom"})
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "omnistage: alpha r0 failed in warming_up: SimulatedOOM: simulated out of memory" in err
+    rec = read_status(status_path(tmp_path / "run", "alpha", 0))
+    assert (rec.phase, rec.failed_in) == ("failed", "warming_up") and "SimulatedOOM" in rec.failure
+
+
+def test_config_error_exits_2_naming_the_key(tmp_path):
+    proc = start_stage(tmp_path, overrides=["services.alpha.drain_grace_s=soon"])
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert "services.alpha.drain_grace_s: expected a number, got 'soon'" in err
+
+
+def test_sigterm_during_start_up_stops_cleanly(tmp_path):
+    proc = start_stage(tmp_path, step_s=5.0)  # loading_weights would take 15 s
+    wait_phase(tmp_path, "loading_weights")
+    code, _ = stop_and_wait(proc, 10)
+    assert code == 0
+    rec = read_status(status_path(tmp_path / "run", "alpha", 0))
+    assert rec.phase == "stopped"

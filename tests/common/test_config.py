@@ -1,0 +1,201 @@
+"""The deploy file loader: strict types, key paths in every error, overrides, port clashes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from omnistage.common.config import (
+    ConfigError,
+    DeployConfig,
+    FaultConfig,
+    apply_overrides,
+    config_from_dict,
+    config_hash,
+    load_config,
+    parse_override,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def base() -> dict:
+    return {
+        "services": {
+            "thinker": {"kind": "thinker", "port": 50161, "metrics_port": 9461, "tp_size": 2, "dist_port": 29561},
+            "gateway": {"kind": "gateway", "port": 50151},
+        }
+    }
+
+
+def error_of(data: dict) -> str:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    return str(err.value)
+
+
+def test_shipped_deploy_file_loads():
+    cfg = load_config(ROOT / "deploy" / "local-tiny.yaml")
+    assert isinstance(cfg, DeployConfig)
+    assert cfg.service("thinker").kind == "thinker" and cfg.services_of("gateway")[0].name == "gateway"
+    assert cfg.address("gateway") == f"{cfg.host}:{cfg.service('gateway').port}"
+
+
+def test_nested_values_and_names_are_filled_in():
+    data = base()
+    data["services"]["thinker"]["engine"] = {"block_size": 32}
+    data["services"]["thinker"]["fault"] = {"phase": "warming_up", "action": "crash", "rank": 1}
+    cfg = config_from_dict(data)
+    t = cfg.service("thinker")
+    assert t.name == "thinker" and t.engine.block_size == 32 and t.engine.max_num_seqs == 32
+    assert t.fault == FaultConfig(phase="warming_up", action="crash", rank=1)
+    assert cfg.service("gateway").fault is None
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"services": {"thinker": {"engine": {"blok_size": 8}}}}, "services.thinker.engine.blok_size: unknown key"),
+        ({"startup": {"deadline": 1}}, "startup.deadline: unknown key"),
+        ({"colour": "red"}, "colour: unknown key"),
+        ({"services": {"thinker": {"engine": {"block_size": "x"}}}},
+         "services.thinker.engine.block_size: expected an integer, got 'x'"),
+        ({"services": {"thinker": {"engine": {"block_size": 0}}}}, "services.thinker.engine.block_size: expected > 0"),
+        ({"services": {"thinker": {"device": "tpu"}}}, "services.thinker.device: expected one of 'cpu', 'cuda'"),
+        ({"services": {"thinker": {"engine": {"chunked_prefill": "yes"}}}},
+         "services.thinker.engine.chunked_prefill: expected true/false"),
+        ({"services": {"thinker": {"gpus": 3}}}, "services.thinker.gpus: expected a list"),
+        ({"services": {"thinker": {"fault": {"action": "explode"}}}}, "services.thinker.fault.action: expected one of"),
+        ({"startup": {"phase_deadlines_s": {"loading": 5}}}, "startup.phase_deadlines_s.loading: unknown phase"),
+        ({"startup": {"phase_deadlines_s": {"warming_up": -1}}}, "startup.phase_deadlines_s.warming_up: expected > 0"),
+        ({"services": {"thinker": {"name": "other"}}}, "services.thinker.name: must equal the key 'thinker'"),
+        ({"services": {"thinker": {"port": 70000}}}, "services.thinker.port: expected a port number, got 70000"),
+        ({"services": {"thinker": {"tp_size": 0}}}, "services.thinker.tp_size: expected > 0"),
+        ({"services": {"thinker": {"dist_port": 0}}}, "services.thinker.dist_port: required when tp_size > 1"),
+        ({"services": {"thinker": {"device": "cuda", "gpus": [0]}}}, "services.thinker.gpus: expected 2 GPU indices"),
+        ({"services": {"thinker": {"engine": {"chunked_prefill": False}}}},
+         "services.thinker.engine.max_num_batched_tokens: must be >= max_model_len"),
+        ({"services": {"gw2": {"kind": "gateway", "port": 50152}}}, "services: at most one gateway"),
+        ({"services": {"thinker": {"port": None}}}, "services.thinker.port: expected an integer, got None"),
+        ({"services": {"thinker": 5}}, "services.thinker: expected a mapping"),
+    ],
+)
+def test_bad_values_name_the_key_path(patch, message):
+    assert message in error_of(_merge(base(), patch))
+
+
+def test_missing_port_is_required():
+    data = base()
+    del data["services"]["gateway"]["port"]
+    assert "services.gateway.port: required" in error_of(data)
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"services": {"gateway": {"port": 50161}}}, "services.gateway.port: port 50161 is also used by services.thinker.port"),
+        ({"services": {"gateway": {"metrics_port": 9461}}}, "port 9461 is also used by services.thinker.metrics_port"),
+        # dist_port reserves one port per TP rank: 29561 and 29562.
+        ({"services": {"gateway": {"port": 29562}}}, "services.gateway.port: port 29562 is also used by services.thinker.dist_port"),
+        ({"services": {"thinker": {"metrics_port": 50161}}}, "services.thinker.metrics_port: port 50161 is also used"),
+    ],
+)
+def test_port_clashes_name_both_keys(patch, message):
+    assert message in error_of(_merge(base(), patch))
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"version": 2}, "version: expected 1"),
+        ({"startup": {"heartbeat_timeout_s": 0}}, "startup.heartbeat_timeout_s: expected > 0"),
+        ({"startup": {"poll_interval_s": -0.1}}, "startup.poll_interval_s: expected > 0"),
+        ({"startup": {"rpc_timeout_s": 0}}, "startup.rpc_timeout_s: expected > 0"),
+        ({"startup": {"stop_grace_s": -1}}, "startup.stop_grace_s: expected >= 0"),
+        ({"services": {"thinker": {"drain_grace_s": -1}}}, "services.thinker.drain_grace_s: expected >= 0"),
+        ({"services": {"thinker": {"fault": {"rank": 2}}}}, "services.thinker.fault.rank: expected -1"),
+        ({"services": {"thinker": {"fault": {"delay_s": -1}}}}, "services.thinker.fault.delay_s: expected >= 0"),
+        ({"services": {"thinker": {"engine": {"max_queued_requests": -1}}}},
+         "services.thinker.engine.max_queued_requests: expected >= 0"),
+        ({"services": {"gateway": {"gateway": {"max_concurrent_requests": 0}}}},
+         "services.gateway.gateway.max_concurrent_requests: expected > 0"),
+        ({"services": {"gateway": {"gateway": {"stage_wait_s": 0}}}}, "services.gateway.gateway.stage_wait_s: expected > 0"),
+    ],
+)
+def test_timing_and_limit_values_are_checked(patch, message):
+    assert message in error_of(_merge(base(), patch))
+
+
+def test_overrides_apply_yaml_values_at_key_paths(tmp_path):
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(base()))
+    cfg = load_config(path, ["services.thinker.engine.block_size=8", "services.thinker.gpus=[4, 5]",
+                             "services.thinker.device=cuda", "startup.stop_grace_s=2.5", "log_format=json"])
+    t = cfg.service("thinker")
+    assert (t.engine.block_size, t.gpus, t.device) == (8, (4, 5), "cuda")
+    assert cfg.startup.stop_grace_s == 2.5 and cfg.log_format == "json"
+
+
+def test_override_errors_name_the_override_or_key(tmp_path):
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(base()))
+    with pytest.raises(ConfigError, match="--set 'services.thinker.tp_size': expected KEY.PATH=VALUE"):
+        load_config(path, ["services.thinker.tp_size"])
+    with pytest.raises(ConfigError, match="services.thinker.port is not a mapping"):
+        load_config(path, ["services.thinker.port.x=1"])
+    with pytest.raises(ConfigError, match="services.thinker.engine.block_size: expected an integer, got 'big'"):
+        load_config(path, ["services.thinker.engine.block_size=big"])
+
+
+def test_override_into_an_empty_yaml_section(tmp_path):
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(base()) + "startup:\n")
+    assert load_config(path, ["startup.stop_grace_s=1"]).startup.stop_grace_s == 1.0
+
+
+def test_parse_override_values_are_yaml():
+    assert parse_override("a.b=3") == (["a", "b"], 3)
+    assert parse_override("a=x=y") == (["a"], "x=y")
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+
+
+def test_apply_overrides_to_a_non_mapping_file_is_a_config_error():
+    with pytest.raises(ConfigError, match="top level"):
+        apply_overrides([1, 2], ["a=1"])
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no such deploy file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("services: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping at the top level"):
+        load_config(listy)
+
+
+def test_config_hash_changes_with_any_value():
+    a = config_from_dict(base()).service("thinker")
+    data = base()
+    data["services"]["thinker"]["engine"] = {"max_num_seqs": 31}
+    b = config_from_dict(data).service("thinker")
+    assert config_hash(a) == config_hash(config_from_dict(base()).service("thinker"))
+    assert config_hash(a) != config_hash(b) and len(config_hash(a)) == 64
+
+
+def test_unknown_service_lookup_names_the_known_ones():
+    with pytest.raises(ConfigError, match=r"services.talker: no such service \(have: thinker, gateway\)"):
+        config_from_dict(base()).service("talker")
+
+
+def _merge(data: dict, patch: dict) -> dict:
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            _merge(data[key], value)
+        else:
+            data[key] = value
+    return data

@@ -1,0 +1,204 @@
+"""The launcher with synthetic stages: ready, stuck, crashed, killed, stopped — and nothing left behind."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "runtime"))
+from omnistage.common.launcher import launch  # noqa: E402
+from omnistage.common.runtime.deadlines import wait_for  # noqa: E402
+from synthetic_stage import SCRIPT, write_config  # noqa: E402
+
+DRIVER = f"""
+import sys
+from omnistage.common.launcher import launch
+S = {SCRIPT!r}
+sys.exit(launch(sys.argv[1], [], run_dir=sys.argv[2], ready_file=sys.argv[3], modules={{"thinker": S, "gateway": S}}))
+"""
+
+
+class Run:
+    """A launcher process driving synthetic stages; its output goes to files readable at any time."""
+
+    def __init__(self, tmp_path: Path, services: dict, step_s: float = 0.02, **startup) -> None:
+        self.cfg = write_config(tmp_path / "deploy.yaml", services, **startup)
+        self.ready_file = tmp_path / "ready"
+        self.out_path, self.err_path = tmp_path / "out.txt", tmp_path / "err.txt"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", DRIVER, str(self.cfg), str(tmp_path / "run"), str(self.ready_file)],
+                stdout=out, stderr=err, env=dict(os.environ, SYNTH_STEP_S=str(step_s)),
+            )
+
+    @property
+    def out(self) -> str:
+        return self.out_path.read_text()
+
+    @property
+    def err(self) -> str:
+        return self.err_path.read_text()
+
+    def child_pids(self) -> dict[str, int]:
+        """`alpha r0` → pid, from the launcher's `started ... (pid N)` lines."""
+        pids = {}
+        for line in self.out.splitlines():
+            if line.startswith("omnistage: started "):
+                label, pid = line.removeprefix("omnistage: started ").rsplit(" (pid ", 1)
+                pids[label] = int(pid.rstrip(")"))
+        return pids
+
+    def wait_ready(self, timeout_s: float = 60) -> str:
+        def ready():
+            assert self.proc.poll() is None, f"launcher exited {self.proc.returncode}: {self.err}"
+            return self.ready_file.exists() and self.ready_file.read_text().strip()
+
+        return wait_for(ready, timeout_s, "launcher ready file")
+
+    def wait_exit(self, timeout_s: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"launcher still running after {timeout_s}s\n{self.out}\n{self.err}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for a non-reaping init counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_all_gone(pids, timeout_s: float = 20) -> None:
+    wait_for(lambda: not any(alive(p) for p in pids), timeout_s, f"child pids {sorted(pids)} to exit")
+
+
+@pytest.fixture
+def runs():
+    started: list[Run] = []
+    yield started
+    for run in started:  # a failed test must not leave processes behind either
+        run.kill()
+        for pid in run.child_pids().values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+TWO_SERVICES = {"alpha": {"tp_size": 2}, "front": {"kind": "gateway"}}
+
+
+def test_ready_then_sigterm_stops_every_child_and_exits_0(tmp_path, runs):
+    run = Run(tmp_path, TWO_SERVICES, step_s=0.15)  # slow enough for the 0.05 s polls to see each phase
+    runs.append(run)
+    address = run.wait_ready()
+    pids = run.child_pids()
+    assert set(pids) == {"alpha r0", "alpha r1", "front r0"}
+    assert address.endswith(f":{run.cfg.read_text().split('front:')[1].split('port: ')[1].split()[0]}")
+    assert "alpha r0 loading_weights" in run.out and "ready in" in run.out
+    gateway_start = run.out.index("started front r0")
+    for label in ("alpha r0", "alpha r1"):  # stages are SERVING before the gateway starts
+        assert run.out.index(f"{label} serving (") < gateway_start
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_exit() == 0
+    assert "all services stopped" in run.out
+    assert_all_gone(pids.values())
+
+
+def test_hang_in_a_phase_exits_nonzero_naming_stage_rank_and_phase(tmp_path, runs):
+    services = {"alpha": {"tp_size": 2, "fault": {"phase": "loading_weights", "action": "hang", "rank": 1}},
+                "front": {"kind": "gateway"}}
+    run = Run(tmp_path, services, heartbeat_timeout_s=3.0, stop_grace_s=0.5)
+    runs.append(run)
+    assert run.wait_exit() == 1
+    lines = run.err.splitlines()
+    culprit = [line for line in lines if line.startswith("alpha r1 ")]
+    assert len(culprit) == 1 and "loading_weights 0/3 shards" in culprit[0] and "stuck: no progress" in culprit[0]
+    assert any(line.startswith("omnistage: start-up failed: alpha r1 stuck") for line in lines)
+    assert "front r0" not in run.out  # the gateway never started
+    assert "ignored SIGTERM, killing" in run.err  # the hung rank needed SIGKILL
+    assert_all_gone(run.child_pids().values())
+
+
+def test_phase_deadline_is_enforced_while_progress_continues(tmp_path, runs):
+    run = Run(tmp_path, {"alpha": {}}, step_s=0.5, phase_deadlines_s={"loading_weights": 0.6})
+    runs.append(run)
+    assert run.wait_exit() == 1
+    assert "alpha r0 loading_weights" in run.err and "phase deadline 0.6s exceeded" in run.err
+    assert_all_gone(run.child_pids().values())
+
+
+def test_crash_exits_nonzero_at_once_naming_the_exit_code(tmp_path, runs):
+    run = Run(tmp_path, {"alpha": {"fault": {"phase": "profiling_memory", "action": "crash"}}})
+    runs.append(run)
+    assert run.wait_exit() == 1
+    culprit = [line for line in run.err.splitlines() if line.startswith("alpha r0 ")]
+    assert len(culprit) == 1 and "profiling_memory" in culprit[0] and "exited with code 3" in culprit[0]
+    assert_all_gone(run.child_pids().values())
+
+
+def test_oom_in_a_phase_reports_the_failure(tmp_path, runs):
+    run = Run(tmp_path, {"alpha": {"fault": {"phase": "warming_up", "action": "oom"}}})
+    runs.append(run)
+    assert run.wait_exit() == 1
+    culprit = [line for line in run.err.splitlines() if line.startswith("alpha r0 ")]
+    assert "warming_up" in culprit[0] and "SimulatedOOM" in culprit[0]
+
+
+def test_child_killed_after_serving_stops_the_rest_and_exits_nonzero(tmp_path, runs):
+    run = Run(tmp_path, TWO_SERVICES)
+    runs.append(run)
+    run.wait_ready()
+    pids = run.child_pids()
+    os.kill(pids["alpha r1"], signal.SIGKILL)
+    assert run.wait_exit() == 1
+    assert "omnistage: alpha r1 died: killed by SIGKILL" in run.err
+    assert any(line.startswith("alpha r1 serving") and "SIGKILL" in line for line in run.err.splitlines())
+    assert_all_gone(pids.values())
+
+
+def test_children_exit_when_the_launcher_is_sigkilled(tmp_path, runs):
+    run = Run(tmp_path, TWO_SERVICES)
+    runs.append(run)
+    run.wait_ready()
+    pids = run.child_pids()
+    run.proc.kill()
+    run.proc.wait(timeout=10)
+    assert_all_gone(pids.values())
+
+
+def test_exit_after_ready_in_process(tmp_path, monkeypatch):
+    cfg = write_config(tmp_path / "deploy.yaml", {"alpha": {}})
+    out, err = io.StringIO(), io.StringIO()
+    ready = tmp_path / "ready"
+    code = launch(cfg, [], modules={"thinker": SCRIPT}, ready_file=ready, exit_after_ready=True, out=out, err=err)
+    assert code == 0, err.getvalue()
+    assert "ready in" in out.getvalue() and ready.read_text().startswith("127.0.0.1:")
+    pids = [int(line.rsplit("(pid ", 1)[1].rstrip(")")) for line in out.getvalue().splitlines() if "(pid " in line]
+    assert pids and not any(alive(p) for p in pids)
+
+
+def test_config_errors_exit_2_naming_the_key(tmp_path):
+    cfg = write_config(tmp_path / "deploy.yaml", {"alpha": {}})
+    err = io.StringIO()
+    assert launch(cfg, ["services.alpha.tp_size=0"], err=err, out=io.StringIO()) == 2
+    assert "services.alpha.tp_size: expected > 0, got 0" in err.getvalue()
+    assert launch(tmp_path / "missing.yaml", err=err, out=io.StringIO()) == 2
+    assert "no such deploy file" in err.getvalue()
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("version: 1\n")
+    assert launch(empty, err=err, out=io.StringIO()) == 2
+    assert "has no services to start" in err.getvalue()
