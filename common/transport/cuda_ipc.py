@@ -1,0 +1,282 @@
+"""CUDA IPC pool: one cudaMalloc'ed buffer per device, exported once; consumers open it once and cache it.
+
+Opening a handle costs milliseconds (cudaIpcOpenMemHandle), so refs name a long-lived pool plus an offset
+instead of carrying a handle per tensor. Leases work as in `shm_pool`: the lease table lives in a small
+companion `/dev/shm` segment whose name is the pool id, so consumers release with one store. The buffer
+is allocated with cudaMalloc (not torch's caching allocator) so its handle names exactly this buffer;
+it is device memory outside torch's accounting that the memory budget must reserve.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+
+import torch
+from omnistage.common.transport.host import SHM_DIR, Segment, TransportError
+from omnistage.common.transport.shm_pool import LeaseArena, LeaseTable, table_bytes, typed_view
+from omnistage.v1 import tensor_pb2
+
+_HANDLE_BYTES = 64
+_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * _HANDLE_BYTES)]
+
+
+def _find_cudart() -> str:
+    """Path of the libcudart torch already loaded (same instance, same device state), else a soname."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "libcudart.so" in line:
+                return line.split(maxsplit=5)[-1].strip()
+    major = (torch.version.cuda or "12").split(".")[0]
+    return f"libcudart.so.{major}"
+
+
+class _CudaRuntime:
+    """The few libcudart calls torch does not expose: malloc/free and IPC handles."""
+
+    def __init__(self) -> None:
+        torch.cuda.init()
+        path = _find_cudart()
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            raise TransportError(f"CUDA IPC unavailable: cannot load {path}: {e}") from None
+        vp, vpp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+        sigs = {
+            "cudaGetDevice": [ctypes.POINTER(ctypes.c_int)],
+            "cudaSetDevice": [ctypes.c_int],
+            "cudaMalloc": [vpp, ctypes.c_size_t],
+            "cudaFree": [vp],
+            "cudaIpcGetMemHandle": [ctypes.POINTER(_IpcHandle), vp],
+            "cudaIpcOpenMemHandle": [vpp, _IpcHandle, ctypes.c_uint],
+            "cudaIpcCloseMemHandle": [vp],
+        }
+        for name, argtypes in sigs.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [ctypes.c_int], ctypes.c_char_p
+        self.lib = lib
+
+    def _check(self, err: int, what: str) -> None:
+        if err != 0:
+            msg = self.lib.cudaGetErrorString(err).decode()
+            raise TransportError(f"{what} failed: {msg} (cudaError {err})")
+
+    @contextmanager
+    def on_device(self, device: int) -> Iterator[None]:
+        prev = ctypes.c_int()
+        self._check(self.lib.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice")
+        self._check(self.lib.cudaSetDevice(device), f"cudaSetDevice({device})")
+        try:
+            yield
+        finally:
+            self.lib.cudaSetDevice(prev.value)
+
+    def malloc(self, device: int, nbytes: int) -> int:
+        ptr = ctypes.c_void_p()
+        with self.on_device(device):
+            self._check(
+                self.lib.cudaMalloc(ctypes.byref(ptr), nbytes), f"cudaMalloc({nbytes}) on cuda:{device}"
+            )
+        return ptr.value
+
+    def free(self, device: int, ptr: int) -> None:
+        with self.on_device(device):
+            self._check(self.lib.cudaFree(ctypes.c_void_p(ptr)), f"cudaFree on cuda:{device}")
+
+    def export(self, device: int, ptr: int) -> bytes:
+        handle = _IpcHandle()
+        with self.on_device(device):
+            self._check(
+                self.lib.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(ptr)),
+                "cudaIpcGetMemHandle",
+            )
+        return ctypes.string_at(ctypes.addressof(handle), _HANDLE_BYTES)
+
+    def open(self, device: int, raw: bytes) -> int:
+        if len(raw) != _HANDLE_BYTES:
+            raise TransportError(f"CUDA IPC handle must be {_HANDLE_BYTES} bytes, got {len(raw)}")
+        handle = _IpcHandle.from_buffer_copy(raw)
+        ptr = ctypes.c_void_p()
+        with self.on_device(device):
+            err = self.lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), handle, _LAZY_ENABLE_PEER_ACCESS)
+            self._check(err, f"cudaIpcOpenMemHandle on cuda:{device}")
+        return ptr.value
+
+    def close(self, device: int, ptr: int) -> None:
+        with self.on_device(device):
+            self._check(self.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr)), "cudaIpcCloseMemHandle")
+
+
+@cache
+def cuda_runtime() -> _CudaRuntime:
+    if not torch.cuda.is_available():
+        raise TransportError("CUDA IPC unavailable: no CUDA device")
+    return _CudaRuntime()
+
+
+_LOCAL_POOLS: weakref.WeakValueDictionary[str, CudaIpcPool] = weakref.WeakValueDictionary()
+
+
+def local_pool(pool_id: str) -> CudaIpcPool | None:
+    """This process's live pool `pool_id`: cudaIpcOpenMemHandle refuses handles exported by the caller."""
+    return _LOCAL_POOLS.get(pool_id)
+
+
+def cuda_ipc_available() -> bool:
+    """True if this process can export and open CUDA IPC handles."""
+    try:
+        cuda_runtime()
+    except TransportError:
+        return False
+    return True
+
+
+class _DeviceMemory:
+    """`__cuda_array_interface__` over raw device memory, so torch can view it without copying."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
+
+
+def _wrap(ptr: int, nbytes: int, device: int) -> torch.Tensor:
+    return torch.as_tensor(_DeviceMemory(ptr, nbytes), device=torch.device("cuda", device))
+
+
+class CudaIpcPool:
+    """Producer side, one per device: `put` copies a CUDA tensor into a leased slice of the exported buffer."""
+
+    def __init__(
+        self,
+        device: int,
+        byte_size: int,
+        *,
+        lease_ttl_s: float = 60.0,
+        max_leases: int = 4096,
+        alignment: int = 256,
+        shm_dir: str = SHM_DIR,
+    ):
+        rt = cuda_runtime()
+        self.device = device
+        self.byte_size = byte_size
+        self._ptr = rt.malloc(device, byte_size)
+        try:
+            self.handle = rt.export(device, self._ptr)
+            self.buffer = _wrap(self._ptr, byte_size, device)
+            self.segment = Segment.create(table_bytes(max_leases), shm_dir=shm_dir)
+        except BaseException:
+            rt.free(device, self._ptr)
+            raise
+        LeaseTable.format(self.segment, max_leases, 0)
+        self.table = LeaseTable(self.segment)
+        self.arena = LeaseArena(self.table, byte_size, lease_ttl_s=lease_ttl_s, alignment=alignment)
+        self._closed = False
+        _LOCAL_POOLS[self.pool_id] = self
+
+    @property
+    def pool_id(self) -> str:
+        return self.segment.name
+
+    def put(self, tensor: torch.Tensor, *, wait_s: float = 0.0) -> tensor_pb2.CudaIpcRef | None:
+        """Copy `tensor` into a slice and wait for the copy, so the consumer may read at once."""
+        nbytes = tensor.numel() * tensor.element_size()
+        lease = self.arena.allocate(nbytes, wait_s=wait_s)
+        if lease is None:
+            return None
+        try:
+            dst = typed_view(
+                self.buffer[lease.offset : lease.offset + nbytes], tensor.dtype, tuple(tensor.shape)
+            )
+            with torch.cuda.device(self.device):
+                dst.copy_(tensor)
+                torch.cuda.current_stream(self.device).synchronize()
+        except BaseException:
+            self.arena.release(lease.lease_id)
+            raise
+        return tensor_pb2.CudaIpcRef(
+            pool_id=self.pool_id,
+            ipc_handle=self.handle,
+            device_index=self.device,
+            pool_byte_size=self.byte_size,
+            offset=lease.offset,
+            byte_size=nbytes,
+            lease_id=lease.lease_id,
+            lease_expiry_unix_ms=lease.expiry_unix_ms,
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _LOCAL_POOLS.pop(self.pool_id, None)
+        torch.cuda.synchronize(self.device)
+        self.buffer = None
+        self.table.close()
+        self.segment.close()
+        cuda_runtime().free(self.device, self._ptr)
+
+
+class CudaIpcAttachments:
+    """Consumer side: each (pool, device) opened once and cached; releases go to the pool's lease table."""
+
+    def __init__(self, shm_dir: str = SHM_DIR):
+        self._shm_dir = shm_dir
+        self._lock = threading.Lock()
+        self._opened: dict[tuple[str, int], tuple[int, torch.Tensor]] = {}
+        self._tables: dict[str, LeaseTable] = {}
+
+    def view(self, ref: tensor_pb2.CudaIpcRef, device: int) -> torch.Tensor:
+        """Zero-copy uint8 view of the slice, opened on `device` (the consumer's own GPU)."""
+        if ref.offset + ref.byte_size > ref.pool_byte_size:
+            raise TransportError(f"CUDA IPC ref [{ref.offset}, +{ref.byte_size}) outside pool {ref.pool_id}")
+        pool = local_pool(ref.pool_id)
+        if pool is not None:  # produced by this very process
+            return pool.buffer[ref.offset : ref.offset + ref.byte_size]
+        with self._lock:
+            key = (ref.pool_id, device)
+            if key not in self._opened:
+                self._table_locked(ref.pool_id)
+                ptr = cuda_runtime().open(device, ref.ipc_handle)
+                self._opened[key] = (ptr, _wrap(ptr, ref.pool_byte_size, device))
+            buffer = self._opened[key][1]
+        return buffer[ref.offset : ref.offset + ref.byte_size]
+
+    def release(self, ref: tensor_pb2.CudaIpcRef) -> None:
+        pool = local_pool(ref.pool_id)
+        if pool is not None:
+            pool.table.release(ref.lease_id)
+            return
+        with self._lock:
+            table = self._table_locked(ref.pool_id)
+        table.release(ref.lease_id)
+
+    def _table_locked(self, pool_id: str) -> LeaseTable:
+        table = self._tables.get(pool_id)
+        if table is None:
+            table = LeaseTable(Segment.attach(pool_id, None, shm_dir=self._shm_dir))
+            self._tables[pool_id] = table
+        return table
+
+    def close(self) -> None:
+        """Close every opened handle; views handed out before must be dropped first."""
+        with self._lock:
+            for (_, device), (ptr, _) in self._opened.items():
+                cuda_runtime().close(device, ptr)
+            self._opened.clear()
+            for table in self._tables.values():
+                table.close()
+                table.segment.close()
+            self._tables.clear()

@@ -1,0 +1,163 @@
+"""What the transport knows about this host: its identity, process liveness and `/dev/shm` segments.
+
+Shared memory is only valid between processes of one host, so every ref carries `host_id()`; segments
+are files in `/dev/shm` owned by one process, which holds an exclusive `flock` on them for its life so
+that a sweeper can tell a dead owner from a live one even across PID namespaces.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import re
+import secrets
+import socket
+from functools import cache
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "omnistage"
+_NAME_RE = re.compile(rf"^{SEGMENT_PREFIX}-(\d+)-([0-9a-f]{{16}})$")
+
+
+class TransportError(RuntimeError):
+    """A tensor could not be encoded or decoded; the message names the ref, pool or peer involved."""
+
+
+@cache
+def host_id() -> str:
+    """`<hostname>:<boot id>`: equal only for processes that can share this host's `/dev/shm`.
+
+    `OMNISTAGE_HOST_ID` overrides it (e.g. containers started with `--ipc=host` on one machine).
+    """
+    override = os.environ.get("OMNISTAGE_HOST_ID")
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}:{boot}"
+
+
+def pid_alive(pid: int) -> bool:
+    """True if `pid` names a running (not zombie) process visible from here."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def segment_owner_pid(name: str) -> int | None:
+    """Owner pid encoded in a segment name, or None if `name` is not one of ours."""
+    m = _NAME_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+class Segment:
+    """A named `/dev/shm` file mapped read-write. The owner created it (0600) and alone unlinks it."""
+
+    def __init__(self, name: str, byte_size: int, fd: int | None, mm: mmap.mmap, owner: bool, shm_dir: str):
+        self.name = name
+        self.byte_size = byte_size
+        self.owner = owner
+        self.owner_pid = os.getpid() if owner else segment_owner_pid(name)
+        self.mm = mm
+        self._fd = fd  # kept open by the owner: its flock marks the segment as live
+        self._path = os.path.join(shm_dir, name)
+
+    @classmethod
+    def create(cls, byte_size: int, *, shm_dir: str = SHM_DIR, reserve: bool = True) -> Segment:
+        """Create `omnistage-<pid>-<token>`; `reserve` commits the pages now (ENOSPC here, not SIGBUS later)."""
+        name = f"{SEGMENT_PREFIX}-{os.getpid()}-{secrets.token_hex(8)}"
+        path = os.path.join(shm_dir, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, byte_size)
+            if reserve:
+                os.posix_fallocate(fd, 0, byte_size)
+            mm = mmap.mmap(fd, byte_size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return cls(name, byte_size, fd, mm, True, shm_dir)
+
+    @classmethod
+    def attach(cls, name: str, byte_size: int | None, *, shm_dir: str = SHM_DIR) -> Segment:
+        """Map another process's segment (`byte_size` None: as large as the file); never unlinks it."""
+        if segment_owner_pid(name) is None:
+            raise TransportError(f"refusing to map {name!r}: not an omnistage segment name")
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise TransportError(f"shm segment {path} is gone (producer exited?)") from None
+        try:
+            actual = os.fstat(fd).st_size
+            byte_size = actual if byte_size is None else byte_size
+            if actual != byte_size or actual == 0:
+                raise TransportError(f"shm segment {path} has {actual} bytes, ref says {byte_size}")
+            mm = mmap.mmap(fd, byte_size)
+        finally:
+            os.close(fd)
+        return cls(name, byte_size, None, mm, False, shm_dir)
+
+    def close(self) -> None:
+        """Unlink (owner, in the creating process only) and unmap once no tensor views remain."""
+        if self.owner and self.owner_pid == os.getpid():
+            try:
+                os.unlink(self._path)
+            except FileNotFoundError:
+                pass
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # zero-copy views still use the mapping; it is unmapped when the last one dies
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove `omnistage-<pid>-*` segments whose owner is dead; return the names removed.
+
+    A segment is removed only if its pid is not alive here *and* no process holds its flock, so a
+    live process's segment is never touched (also when its pid lives in another PID namespace).
+    """
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        pid = segment_owner_pid(name)
+        if pid is None or pid == os.getpid() or pid_alive(pid):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue  # locked by a live owner, or not ours to remove
+        finally:
+            os.close(fd)
+    return removed

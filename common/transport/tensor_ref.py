@@ -1,0 +1,340 @@
+"""encode/decode of `TensorRef`: a tensor travels inline, through POSIX shm, or through CUDA IPC.
+
+Path choice (automatic unless `force`): tensors under `shm_threshold_bytes`, peers on another host and
+encodes without a `TransportContext` go inline; larger tensors for a same-host peer go to the producer's
+CUDA IPC pool (CUDA tensors, when enabled) or shm pool. A full pool falls back to inline after a short
+bounded wait; every path taken and every fallback is counted in Prometheus (never a silent fallback).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from omnistage.common.log import get_logger, log_fields
+from omnistage.common.transport.cuda_ipc import CudaIpcAttachments, CudaIpcPool, cuda_ipc_available
+from omnistage.common.transport.dtypes import from_proto_dtype, to_proto_dtype
+from omnistage.common.transport.host import SHM_DIR, TransportError, host_id
+from omnistage.common.transport.shm_pool import ShmAttachments, ShmPool, clone_bytes, typed_view
+from omnistage.v1 import tensor_pb2
+from prometheus_client import Counter
+
+PATHS = ("inline", "shm", "cuda_ipc")
+
+TENSORS = Counter("omnistage_transport_tensors_total", "Tensors moved, by path", ["path", "direction"])
+BYTES = Counter("omnistage_transport_bytes_total", "Tensor bytes moved, by path", ["path", "direction"])
+FALLBACKS = Counter(
+    "omnistage_transport_fallbacks_total",
+    "Tensors that wanted shared memory but went another way (pool_full, too_large, shm_unavailable, "
+    "cuda_ipc_unavailable)",
+    ["reason"],
+)
+EXPIRED = Counter("omnistage_transport_leases_expired_total", "Leases reclaimed unreleased after their TTL")
+
+_log = get_logger(__name__)
+_warned: set[str] = set()
+
+if sys.byteorder != "little":  # inline bytes are defined as little-endian; we only run on LE hosts
+    raise ImportError("omnistage tensor transport needs a little-endian host")
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """Per-process transport settings; pools are created lazily at first use."""
+
+    shm_threshold_bytes: int = 64 * 1024
+    shm_pool_bytes: int = 256 << 20
+    cuda_pool_bytes: int = 256 << 20
+    lease_ttl_s: float = 60.0
+    alloc_wait_s: float = 0.05
+    max_leases: int = 4096
+    enable_shm: bool = True
+    enable_cuda_ipc: bool = True
+    reserve_shm: bool = True
+    shm_dir: str = SHM_DIR
+
+
+class TransportContext:
+    """Per-process state: producer pools (shm, CUDA per device) and consumer-side mapping caches.
+
+    Thread-safe. Close it (or let atexit) to unlink the pools; a forked child gets pools of its own.
+    """
+
+    def __init__(self, options: TransportOptions | None = None):
+        self.options = options or TransportOptions()
+        self.host_id = host_id()
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._shm_pool: ShmPool | None = None
+        self._shm_disabled = False
+        self._cuda_pools: dict[int, CudaIpcPool] = {}
+        self.shm_attachments = ShmAttachments(self.options.shm_dir)
+        self.cuda_attachments = CudaIpcAttachments(self.options.shm_dir)
+        atexit.register(self.close)
+
+    def shm_pool(self) -> ShmPool | None:
+        """This process's shm pool (created on first use), or None if shm is off or cannot be created."""
+        with self._lock:
+            self._forget_parent_pools_locked()
+            if self._shm_pool is None and self.options.enable_shm and not self._shm_disabled:
+                o = self.options
+                try:
+                    self._shm_pool = ShmPool(
+                        o.shm_pool_bytes,
+                        lease_ttl_s=o.lease_ttl_s,
+                        max_leases=o.max_leases,
+                        reserve=o.reserve_shm,
+                        shm_dir=o.shm_dir,
+                    )
+                except OSError as e:
+                    self._shm_disabled = True
+                    log_fields(
+                        _log,
+                        logging.WARNING,
+                        "shm pool unavailable, sending inline",
+                        error=str(e),
+                        dir=o.shm_dir,
+                    )
+            return self._shm_pool
+
+    def cuda_pool(self, device: int) -> CudaIpcPool | None:
+        """This process's CUDA IPC pool on `device`, or None if CUDA IPC is off or unavailable."""
+        if not (self.options.enable_cuda_ipc and cuda_ipc_available()):
+            return None
+        with self._lock:
+            self._forget_parent_pools_locked()
+            pool = self._cuda_pools.get(device)
+            if pool is None:
+                o = self.options
+                pool = CudaIpcPool(
+                    device,
+                    o.cuda_pool_bytes,
+                    lease_ttl_s=o.lease_ttl_s,
+                    max_leases=o.max_leases,
+                    shm_dir=o.shm_dir,
+                )
+                self._cuda_pools[device] = pool
+            return pool
+
+    def release(self, ref: tensor_pb2.TensorRef) -> None:
+        """Give back the slice behind a ref decoded with `copy=False` (no-op for inline refs)."""
+        kind = ref.WhichOneof("payload")
+        if kind == "shm":
+            self.shm_attachments.release(ref.shm)
+        elif kind == "cuda":
+            self.cuda_attachments.release(ref.cuda)
+
+    def reclaim_expired(self) -> int:
+        """Reclaim released and expired slices of this process's pools now (allocation does it too)."""
+        pools = [p for p in [self._shm_pool, *self._cuda_pools.values()] if p is not None]
+        before = sum(p.arena.expired_total for p in pools)
+        n = sum(p.arena.reclaim() for p in pools)
+        EXPIRED.inc(sum(p.arena.expired_total for p in pools) - before)
+        return n
+
+    def _forget_parent_pools_locked(self) -> None:
+        if self._pid != os.getpid():  # forked: the parent's pools are not ours to use or unlink
+            self._pid, self._shm_pool, self._cuda_pools = os.getpid(), None, {}
+
+    def close(self) -> None:
+        """Unlink this process's pools and drop consumer mappings; idempotent."""
+        with self._lock:
+            self._forget_parent_pools_locked()
+            pools = [p for p in [self._shm_pool, *self._cuda_pools.values()] if p is not None]
+            self._shm_pool, self._cuda_pools = None, {}
+        for pool in pools:
+            pool.close()
+        self.shm_attachments.close()
+        self.cuda_attachments.close()
+
+    def __enter__(self) -> TransportContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _fallback(reason: str, nbytes: int) -> None:
+    FALLBACKS.labels(reason).inc()
+    level = logging.WARNING if reason not in _warned else logging.DEBUG  # warn once per reason, then debug
+    _warned.add(reason)
+    log_fields(_log, level, "tensor sent inline instead of shared memory", reason=reason, bytes=nbytes)
+
+
+def _choose_path(
+    tensor: torch.Tensor,
+    nbytes: int,
+    ctx: TransportContext | None,
+    force: str | None,
+    peer_host_id: str | None,
+) -> str:
+    if force is not None:
+        if force not in PATHS:
+            raise ValueError(f"force must be one of {PATHS}, got {force!r}")
+        if force != "inline":
+            if ctx is None:
+                raise TransportError(f"force={force!r} needs a TransportContext")
+            if peer_host_id is not None and peer_host_id != ctx.host_id:
+                raise TransportError(
+                    f"force={force!r} but the peer is on host {peer_host_id}, not {ctx.host_id}"
+                )
+            if force == "cuda_ipc" and not tensor.is_cuda:
+                raise TransportError("force='cuda_ipc' needs a CUDA tensor")
+        return force
+    if ctx is None or nbytes < ctx.options.shm_threshold_bytes:
+        return "inline"
+    if peer_host_id is not None and peer_host_id != ctx.host_id:
+        return "inline"
+    if tensor.is_cuda and ctx.options.enable_cuda_ipc:
+        return "cuda_ipc"
+    return "shm" if ctx.options.enable_shm else "inline"
+
+
+def encode(
+    tensor: torch.Tensor,
+    *,
+    transport: TransportContext | None = None,
+    force: str | None = None,
+    peer_host_id: str | None = None,
+) -> tensor_pb2.TensorRef:
+    """Describe `tensor` as a TensorRef, copying its bytes inline or into a leased shared slice.
+
+    `peer_host_id` is the consumer's `host_id()`; None means "same host". Shared-memory refs must be
+    decoded (or released) by the consumer before `lease_ttl_s`, after which the slice is reused.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    ref = tensor_pb2.TensorRef(
+        dtype=to_proto_dtype(tensor.dtype),
+        shape=list(tensor.shape),
+        host_id=host_id(),
+        producer_pid=os.getpid(),
+    )
+    path = _choose_path(tensor, nbytes, transport, force, peer_host_id)
+    if path == "cuda_ipc":
+        pool = transport.cuda_pool(tensor.device.index)
+        cref = _put(pool, tensor, nbytes, transport, "cuda_ipc_unavailable")
+        if cref is not None:
+            ref.cuda.CopyFrom(cref)
+            return _count(ref, "cuda_ipc", "encode", nbytes)
+        path = "shm" if transport.options.enable_shm else "inline"
+    if path == "shm":
+        sref = _put(transport.shm_pool(), tensor, nbytes, transport, "shm_unavailable")
+        if sref is not None:
+            ref.shm.CopyFrom(sref)
+            return _count(ref, "shm", "encode", nbytes)
+    ref.inline_data = _to_bytes(tensor)
+    return _count(ref, "inline", "encode", nbytes)
+
+
+def _put(pool, tensor: torch.Tensor, nbytes: int, ctx: TransportContext, unavailable: str):
+    """pool.put with fallback accounting; None when the caller must take the next path."""
+    if pool is None:
+        _fallback(unavailable, nbytes)
+        return None
+    expired_before = pool.arena.expired_total
+    out = pool.put(tensor, wait_s=ctx.options.alloc_wait_s)
+    EXPIRED.inc(pool.arena.expired_total - expired_before)
+    if out is None:
+        _fallback("too_large" if nbytes > pool.arena.capacity else "pool_full", nbytes)
+    return out
+
+
+def _count(ref: tensor_pb2.TensorRef, path: str, direction: str, nbytes: int) -> tensor_pb2.TensorRef:
+    TENSORS.labels(path, direction).inc()
+    BYTES.labels(path, direction).inc(nbytes)
+    return ref
+
+
+def _to_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return b""
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def decode(
+    ref: tensor_pb2.TensorRef,
+    *,
+    transport: TransportContext | None = None,
+    device: torch.device | str | None = None,
+    copy: bool = True,
+) -> torch.Tensor:
+    """The tensor a ref describes, on `device` (default: CPU for inline/shm, the ref's GPU for CUDA IPC).
+
+    `copy=True` copies out of shared memory and releases the lease at once. `copy=False` returns a view
+    into the producer's pool; the caller must `transport.release(ref)` when done, before the lease expires.
+    Inline refs always give a fresh tensor.
+    """
+    dtype = from_proto_dtype(ref.dtype)
+    shape = tuple(ref.shape)
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    kind = ref.WhichOneof("payload")
+    if kind is None or kind == "inline_data":
+        data = ref.inline_data
+        if len(data) != nbytes:
+            raise TransportError(
+                f"inline TensorRef {list(shape)} {dtype} needs {nbytes} bytes, got {len(data)}"
+            )
+        out = torch.empty(shape, dtype=dtype) if nbytes == 0 else _from_bytes(data, dtype, shape)
+        _count(ref, "inline", "decode", nbytes)
+        return out if device is None else out.to(device)
+    if transport is None:
+        raise TransportError(f"a {kind} TensorRef needs a TransportContext to decode")
+    if ref.host_id != transport.host_id:
+        raise TransportError(
+            f"{kind} ref from host {ref.host_id!r} cannot be mapped on host {transport.host_id!r}; "
+            "the producer must encode with peer_host_id so it sends inline"
+        )
+    sub = ref.shm if kind == "shm" else ref.cuda
+    if sub.byte_size != nbytes:
+        raise TransportError(
+            f"{kind} ref for {list(shape)} {dtype} needs {nbytes} bytes, slice has {sub.byte_size}"
+        )
+    _check_lease(sub, kind)
+    if kind == "shm":
+        u8, path = transport.shm_attachments.view(sub), "shm"
+    else:
+        u8, path = _cuda_view(transport, ref, device), "cuda_ipc"
+    _count(ref, path, "decode", nbytes)
+    target = u8.device if device is None else torch.device(device)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    if not copy and u8.device == target:
+        return typed_view(u8, dtype, shape)
+    try:
+        if u8.device.type == "cpu" and target.type == "cpu":
+            out = typed_view(clone_bytes(u8), dtype, shape)
+        else:
+            out = typed_view(u8, dtype, shape).to(target, copy=True)
+            torch.cuda.current_stream(out.device if out.is_cuda else u8.device).synchronize()
+        _check_lease(sub, kind)  # expired during the copy: the producer may have reused the bytes
+    finally:
+        transport.release(ref)
+    return out
+
+
+def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return typed_view(torch.frombuffer(bytearray(data), dtype=torch.uint8), dtype, shape)
+
+
+def _check_lease(sub: tensor_pb2.ShmRef | tensor_pb2.CudaIpcRef, kind: str) -> None:
+    if sub.lease_expiry_unix_ms and time.time() * 1000 > sub.lease_expiry_unix_ms:
+        raise TransportError(
+            f"{kind} lease {sub.lease_id} expired at {sub.lease_expiry_unix_ms} ms; the slice may have been reused"
+        )
+
+
+def _cuda_view(
+    ctx: TransportContext, ref: tensor_pb2.TensorRef, device: torch.device | str | None
+) -> torch.Tensor:
+    dev = torch.device(device) if device is not None else None
+    on_gpu = dev is not None and dev.type == "cuda" and dev.index is not None
+    return ctx.cuda_attachments.view(ref.cuda, dev.index if on_gpu else ref.cuda.device_index)
