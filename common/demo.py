@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import grpc
-
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
 PROMPT = "Hello! In one sentence, what is an omni-modal model?"

@@ -144,6 +144,7 @@ class ServiceRuntime:
         self._stop: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._signals = 0
+        self._shutdown_hooks: list[Callable[[], Any]] = []
 
     # -- start -------------------------------------------------------------------------------
 
@@ -274,10 +275,28 @@ class ServiceRuntime:
         await self.shutdown()
         return 1 if self.failure else 0
 
+    def add_shutdown_hook(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` (sync, or returning an awaitable) after the drain, before the server stops.
+
+        The thinker stops its engine here: in-flight requests have finished by then.
+        """
+        self._shutdown_hooks.append(fn)
+
+    async def _run_shutdown_hooks(self) -> None:
+        for fn in reversed(self._shutdown_hooks):
+            try:
+                result = await asyncio.to_thread(fn) if not inspect.iscoroutinefunction(fn) else fn()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:  # noqa: BLE001 - one failing hook must not keep the others from running
+                _log.exception("shutdown hook %r failed", fn)
+        self._shutdown_hooks.clear()
+
     async def shutdown(self) -> None:
-        """Drain (bounded by drain_grace_s), stop the server and /metrics."""
+        """Drain (bounded by drain_grace_s), run the shutdown hooks, stop the server and /metrics."""
         if not self.failure:
             await self.drain()
+        await self._run_shutdown_hooks()
         self.reporter.enter("stopped")
         if self._server is not None:
             await self._server.stop(grace=0.5)

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, thinker_pb2, thinker_pb2_grpc
 

@@ -81,7 +81,9 @@ def plan_request(
         stage = _OUTPUT_STAGE.get(modality)
         if stage and stage not in deployed:
             name = omni_pb2.Modality.Name(modality)
-            raise StageUnavailable(f"output_modalities: {name} needs the '{stage}' stage, which is not deployed")
+            raise StageUnavailable(
+                f"output_modalities: {name} needs the '{stage}' stage, which is not deployed", retryable=False
+            )
     system_prompt = req.system_prompt
     turns: list[Turn] = []
     total_chars = 0
@@ -105,9 +107,12 @@ def plan_request(
                 stage = _MEDIA_STAGE[kind]
                 if stage not in deployed:
                     raise StageUnavailable(
-                        f"{where}.parts[{j}]: {kind} input needs the '{stage}' stage, which is not deployed"
+                        f"{where}.parts[{j}]: {kind} input needs the '{stage}' stage, which is not deployed",
+                        retryable=False,
                     )
-                raise StageUnavailable(f"{where}.parts[{j}]: {kind} input is not wired into the gateway yet")
+                raise StageUnavailable(
+                    f"{where}.parts[{j}]: {kind} input is not wired into the gateway yet", retryable=False
+                )
             texts.append(part.text)
         text = "".join(texts)
         total_chars += len(text)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,6 +102,7 @@ class LLMEngine:
         host: str = "127.0.0.1",
         port: int = 0,
         timeout_s: float = 120.0,
+        progress: Callable[[int, int], None] | None = None,
     ) -> LLMEngine:
         """Rank 0: join the TP group, load the shard, size the cache, load the tokenizer."""
         from omnistage.services.thinker.models.tokenizer import MingTokenizer
@@ -109,7 +111,7 @@ class LLMEngine:
             raise ValueError(f"LLMEngine runs on rank 0 only (got rank {rank}); other ranks run run_worker")
         group = init_tp_group(rank, world_size, host, port, device, timeout_s)
         try:
-            runner = ModelRunner.from_checkpoint(ckpt_dir, engine_cfg, dtype, device, group)
+            runner = ModelRunner.from_checkpoint(ckpt_dir, engine_cfg, dtype, device, group, progress)
             tokenizer = MingTokenizer(ckpt_dir)
         except Exception as exc:
             group.report_error("start-up", exc)

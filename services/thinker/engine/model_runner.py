@@ -7,6 +7,7 @@ rank 0 gets the logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from omnistage.services.thinker.engine.config import ResolvedEngineConfig, resol
 from omnistage.services.thinker.engine.distributed import TPGroup
 from omnistage.services.thinker.engine.step_plan import StepPlan
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
+from omnistage.v1 import control_pb2
 from torch import nn
 
 log = get_logger(__name__)
@@ -57,18 +59,36 @@ class ModelRunner:
         dtype: torch.dtype | str,
         device: str | torch.device,
         group: TPGroup,
+        progress: Callable[[int, int], None] | None = None,
     ) -> ModelRunner:
-        """Load this rank's shard and size the cache; all ranks agree on the block count first."""
+        """Load this rank's shard and size the cache; all ranks agree on the block count first.
+
+        `progress(done_shards, total_shards)` reports weight loading (the service's phase progress).
+        """
         from omnistage.services.thinker.models.loader import load_model
 
         model = group.guard(
             "loading weights",
             lambda: load_model(
-                ckpt_dir, dtype=to_dtype(dtype), device=device, tp_rank=group.rank, tp_size=group.world_size
+                ckpt_dir,
+                dtype=to_dtype(dtype),
+                device=device,
+                tp_rank=group.rank,
+                tp_size=group.world_size,
+                progress=progress,
             ),
         )
         blocks = group.agree_min(resolve_engine_config(engine_cfg).num_kv_blocks, "agreeing on KV blocks")
         return cls(model, resolve_engine_config(engine_cfg, blocks), device, group.rank)
+
+    def memory_report(self) -> control_pb2.MemoryReport:
+        """What this rank holds on its device (weights and KV cache), for Describe and metrics."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights += sum(b.numel() * b.element_size() for b in self.model.buffers())
+        kv = self.kv_cache.numel() * self.kv_cache.element_size()
+        return control_pb2.MemoryReport(
+            device=str(self.device), weights_bytes=weights, kv_cache_bytes=kv, total_bytes=weights + kv
+        )
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -59,14 +60,21 @@ def run_worker(
     port: int = 0,
     timeout_s: float = 120.0,
     idle_timeout_s: float = 3600.0,
+    progress: Callable[[int, int], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> int:
-    """Body of a worker process (rank >= 1). Raises TPError naming the first failing rank."""
+    """Body of a worker process (rank >= 1). Raises TPError naming the first failing rank.
+
+    `progress(done, total)` reports weight loading; `on_ready()` runs once shard and cache are in place.
+    """
     group = init_tp_group(rank, world_size, host, port, device, timeout_s, idle_timeout_s)
     phase = "start-up"
     stop = threading.Event()
     threading.Thread(target=_watch_for_failures, args=(group, stop), daemon=True, name="tp-watchdog").start()
     try:
-        runner = ModelRunner.from_checkpoint(ckpt_dir, engine_cfg, dtype, device, group)
+        runner = ModelRunner.from_checkpoint(ckpt_dir, engine_cfg, dtype, device, group, progress)
+        if on_ready is not None:
+            on_ready()
         phase = "running step plan {n}"
         num_run = serve_plans(group, runner)
     except Exception as exc:

@@ -1,0 +1,213 @@
+"""The whole pipeline on the tiny checkpoint: `omnistage serve` → gateway → thinker, over real gRPC."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import yaml
+from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("e2e")
+    ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
+    gw_port, th_port, dist_port = _free_ports(3)
+    cfg = {
+        "model": {"checkpoint": str(ckpt)},
+        "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 240, "warming_up": 240}},
+        "services": {
+            "thinker": {
+                "kind": "thinker",
+                "port": th_port,
+                "dist_port": dist_port,
+                "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 128, "max_model_len": 512},
+            },
+            "gateway": {"kind": "gateway", "port": gw_port, "max_message_bytes": 1 << 20},
+        },
+    }
+    cfg_path = root / "deploy.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    ready = root / "ready"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omnistage.common.cli", "serve", str(cfg_path), "--ready-file", str(ready)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    deadline = time.monotonic() + 300
+    while not (ready.exists() and ready.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out = proc.stdout.read().decode(errors="replace")
+            pytest.fail(f"pipeline did not start (exit {proc.returncode}):\n{out[-4000:]}")
+        time.sleep(0.2)
+    yield {"gateway": f"127.0.0.1:{gw_port}", "thinker": f"127.0.0.1:{th_port}", "proc": proc}
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("omnistage serve did not stop within 60s of SIGTERM")
+    assert proc.returncode == 0, proc.stdout.read().decode(errors="replace")[-4000:]
+
+
+def _request(text="Hello there, how are you?", **sampling) -> omni_pb2.GenerateRequest:
+    return omni_pb2.GenerateRequest(
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=text)])],
+        sampling=common_pb2.SamplingParams(**sampling),
+    )
+
+
+def _generate(address: str, request: omni_pb2.GenerateRequest, timeout: float = 120):
+    with grpc.insecure_channel(address) as ch:
+        return list(omni_pb2_grpc.OmniStub(ch).Generate(request, timeout=timeout))
+
+
+def _tokens(events) -> list[int]:
+    return [t for e in events if e.WhichOneof("event") == "text" for t in e.text.token_ids]
+
+
+def _running(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        desc = control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest(), timeout=5)
+    return desc.running_requests + desc.queued_requests
+
+
+def _wait_idle(address: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _running(address) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _running(address) == 0, "the thinker still runs the request the client abandoned"
+
+
+def test_streams_text_then_one_finish(pipeline):
+    events = _generate(pipeline["gateway"], _request(max_tokens=12, ignore_eos=True))
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds[-1] == "finish" and kinds.count("finish") == 1
+    assert kinds.count("text") >= 2, "text must stream in several deltas"
+    finish = events[-1].finish
+    assert finish.reason == common_pb2.FINISH_REASON_LENGTH
+    assert finish.usage.completion_tokens == 12 == len(_tokens(events))
+    assert finish.usage.prompt_tokens > 0
+
+
+def test_greedy_is_deterministic_and_matches_the_thinker(pipeline):
+    req = _request("Tell me a story.", max_tokens=16, ignore_eos=True)
+    a, b = _tokens(_generate(pipeline["gateway"], req)), _tokens(_generate(pipeline["gateway"], req))
+    assert a == b and len(a) == 16
+
+
+def test_seeded_sampling_is_reproducible(pipeline):
+    def run(seed):
+        return _tokens(_generate(pipeline["gateway"], _request(temperature=1.0, seed=seed, max_tokens=24, ignore_eos=True)))
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_client_cancel_aborts_the_thinker_request(pipeline):
+    with grpc.insecure_channel(pipeline["gateway"]) as ch:
+        call = omni_pb2_grpc.OmniStub(ch).Generate(_request(max_tokens=400, ignore_eos=True), timeout=120)
+        got = 0
+        for event in call:
+            got += event.WhichOneof("event") == "text"
+            if got == 2:
+                break
+        assert _running(pipeline["thinker"]) == 1
+        call.cancel()
+    _wait_idle(pipeline["thinker"])
+
+
+def test_deadline_propagates_to_the_thinker(pipeline):
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(pipeline["gateway"], _request(max_tokens=400, ignore_eos=True), timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_idle(pipeline["thinker"])
+
+
+@pytest.mark.parametrize(
+    "request_, code, needle",
+    [
+        (omni_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "messages"),
+        (_request(temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
+        (_request(top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+        (_request(stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop[0]"),
+        (_request(stop_token_ids=[10**8]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
+        (_request("word " * 3000), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len"),
+        (
+            omni_pb2.GenerateRequest(
+                messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_ASSISTANT, parts=[omni_pb2.ContentPart(text="x")])]
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "ROLE_USER",
+        ),
+        (
+            omni_pb2.GenerateRequest(
+                messages=[
+                    omni_pb2.ChatMessage(
+                        role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(image=omni_pb2.Media(data=b"\x89PNG"))]
+                    )
+                ]
+            ),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "'encoder' stage",
+        ),
+        (
+            omni_pb2.GenerateRequest(
+                messages=_request().messages, output_modalities=[omni_pb2.MODALITY_AUDIO]
+            ),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "'talker' stage",
+        ),
+        (_request("x" * (2 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+    ],
+    ids=["no-messages", "temperature", "top_p", "empty-stop", "stop-id", "too-long", "last-not-user",
+         "image-no-encoder", "audio-no-talker", "oversized"],
+)
+def test_bad_requests_get_a_precise_status(pipeline, request_, code, needle):
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(pipeline["gateway"], request_, timeout=60)
+    assert err.value.code() == code, err.value.details()
+    assert needle in (err.value.details() or "")
+
+
+def test_converse_without_talker_names_the_stage(pipeline):
+    with grpc.insecure_channel(pipeline["gateway"]) as ch, pytest.raises(grpc.RpcError) as err:
+        list(omni_pb2_grpc.OmniStub(ch).Converse(iter([omni_pb2.ConverseRequest(text="hi")]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "talker" in err.value.details()
+
+
+def test_concurrent_requests_all_finish_and_nothing_crashed(pipeline):
+    from concurrent.futures import ThreadPoolExecutor
+
+    reqs = [_request(f"Question number {i}?", max_tokens=8 + i, ignore_eos=True) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda r: _generate(pipeline["gateway"], r), reqs))
+    for i, events in enumerate(results):
+        assert events[-1].finish.usage.completion_tokens == 8 + i
+    assert pipeline["proc"].poll() is None
