@@ -1,0 +1,14 @@
+# Source on a lent GPU machine (no network, no pip install of this repo): installs the carried
+# wheels (.cache/transport-whl: protobuf matching our generated code) into /tmp/site and makes the
+# `omnistage` namespace importable from this checkout through symlinks.
+set -e
+if ls .cache/transport-whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .cache/transport-whl/*.whl
+fi
+mkdir -p /tmp/ns/omnistage
+ln -sfn "$PWD/common" /tmp/ns/omnistage/common
+ln -sfn "$PWD/services" /tmp/ns/omnistage/services
+ln -sfn "$PWD/protos/omnistage/v1" /tmp/ns/omnistage/v1
+export PYTHONPATH=/tmp/site:/tmp/ns${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+set +e
