@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                     proc.kill()
                     proc.wait()
     (out / "result.json").write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
-    print(json.dumps(results, indent=2, ensure_ascii=False))
+    for r in results:
+        summary = {k: v for k, v in r.items() if k not in ("token_ids", "text")}
+        print(f"demo: {r['modality']}: {json.dumps(summary, ensure_ascii=False)}")
     print(f"demo: saved {out / 'result.json'}; pipeline stopped (exit {proc.returncode})")
     return 0 if proc.returncode == 0 else 1
 
