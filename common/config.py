@@ -60,6 +60,46 @@ class EngineConfig:
     default_max_tokens: int = 256
     # Requests waiting beyond the running ones before RESOURCE_EXHAUSTED.
     max_queued_requests: int = 256
+    # KV cache size in tokens; 0 means auto-profile (on a device with a budget), >0 pins it and skips the search.
+    kv_tokens: int = 0
+    # Multiplier (0, 1] on the KV budget the auto-profile computes (1.0 = use all measured headroom).
+    kv_safety_factor: float = 1.0
+    # Headroom the auto-profile keeps and proves free after the rebuild by allocating it once.
+    kv_canary_bytes: int = 256 * 1024 * 1024
+    # KV tokens of the probe cache used while measuring the peak; 0 means chosen by the engine.
+    kv_probe_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Device-memory budget of one service (per TP rank, on the device that rank runs on)."""
+
+    # Bytes this service may hold on its device; 0 means no byte budget.
+    budget_bytes: int = 0
+    # Fraction (0, 1] of its device's total memory; 0 means none. At most one of the two is set.
+    budget_fraction: float = 0.0
+    # CPU only: account memory against a simulated device of this many bytes (CI); 0 turns it off.
+    simulated_capacity_bytes: int = 0
+
+    @property
+    def has_budget(self) -> bool:
+        return self.budget_bytes > 0 or self.budget_fraction > 0
+
+    def budget_of(self, device_total: int) -> int:
+        """The budget in bytes on a device of `device_total` bytes (0 when none is set)."""
+        if self.budget_bytes:
+            return self.budget_bytes
+        return int(self.budget_fraction * device_total)
+
+
+@dataclass(frozen=True)
+class DevicesConfig:
+    """The GPUs of the host, as the launcher's memory ledger sees them."""
+
+    # Bytes of every GPU left out of all budgets (CUDA contexts, NCCL, fragmentation).
+    reserve_bytes: int = 0
+    # Total bytes of each GPU used by the ledger instead of what the driver reports; 0 asks torch.cuda.
+    total_bytes_override: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,6 +144,7 @@ class ServiceConfig:
     drain_grace_s: float = 10.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     # Test hook only; never set in production files.
     fault: FaultConfig | None = None
 
@@ -152,6 +193,7 @@ class DeployConfig:
     log_format: Literal["text", "json"] = "text"
     model: ModelConfig = field(default_factory=ModelConfig)
     startup: StartupConfig = field(default_factory=StartupConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
     # Services by name; the name is also the key here.
     services: dict[str, ServiceConfig] = field(default_factory=dict)
 
@@ -254,6 +296,8 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
             )
     for phase, value in cfg.startup.phase_deadlines_s.items():
         _positive(f"startup.phase_deadlines_s.{phase}", value)
+    for key in ("reserve_bytes", "total_bytes_override"):
+        _positive(f"devices.{key}", getattr(cfg.devices, key), allow_zero=True)
     ports: dict[int, str] = {}
     services = {}
     for name, svc in cfg.services.items():
@@ -289,6 +333,13 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
             _positive(f"{p}.engine.{key}", getattr(e, key))
         _positive(f"{p}.engine.num_kv_blocks", e.num_kv_blocks, allow_zero=True)
         _positive(f"{p}.engine.max_queued_requests", e.max_queued_requests, allow_zero=True)
+        for key in ("kv_tokens", "kv_canary_bytes", "kv_probe_tokens"):
+            _positive(f"{p}.engine.{key}", getattr(e, key), allow_zero=True)
+        if not 0 < e.kv_safety_factor <= 1:
+            raise ConfigError(f"{p}.engine.kv_safety_factor: expected a number in (0, 1], got {e.kv_safety_factor}")
+        if e.kv_tokens and e.num_kv_blocks:
+            raise ConfigError(f"{p}.engine.kv_tokens: set kv_tokens or num_kv_blocks, not both")
+        _validate_memory(p, svc)
         g = svc.gateway
         for key in ("stage_wait_s", "max_concurrent_requests", "max_prompt_chars"):
             _positive(f"{p}.gateway.{key}", getattr(g, key))
@@ -302,6 +353,30 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
     if len(gateways) > 1:
         raise ConfigError(f"services: at most one gateway, got {', '.join(gateways)}")
     return dataclasses.replace(cfg, services=services)
+
+
+def _validate_memory(p: str, svc: ServiceConfig) -> None:
+    m = svc.memory
+    for key in ("budget_bytes", "simulated_capacity_bytes"):
+        _positive(f"{p}.memory.{key}", getattr(m, key), allow_zero=True)
+    if not 0 <= m.budget_fraction <= 1:
+        raise ConfigError(f"{p}.memory.budget_fraction: expected a number in [0, 1], got {m.budget_fraction}")
+    if m.budget_bytes and m.budget_fraction:
+        raise ConfigError(f"{p}.memory.budget_bytes: set budget_bytes or budget_fraction, not both")
+    if m.simulated_capacity_bytes and svc.device != "cpu":
+        raise ConfigError(f"{p}.memory.simulated_capacity_bytes: only for device cpu (got device {svc.device})")
+    if m.has_budget and svc.device == "cpu" and not m.simulated_capacity_bytes:
+        raise ConfigError(f"{p}.memory: a budget on device cpu needs simulated_capacity_bytes > 0")
+    if m.budget_bytes and m.simulated_capacity_bytes and m.budget_bytes > m.simulated_capacity_bytes:
+        raise ConfigError(
+            f"{p}.memory.budget_bytes: {m.budget_bytes} exceeds simulated_capacity_bytes {m.simulated_capacity_bytes}"
+        )
+    if any(g < 0 for g in svc.gpus):
+        raise ConfigError(f"{p}.gpus: expected GPU indices >= 0, got {list(svc.gpus)}")
+    if svc.device == "cpu" and m.simulated_capacity_bytes and svc.gpus and len(svc.gpus) != svc.tp_size:
+        raise ConfigError(
+            f"{p}.gpus: expected {svc.tp_size} simulated GPU indices (one per rank), got {list(svc.gpus)}"
+        )
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

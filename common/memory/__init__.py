@@ -1,0 +1,1 @@
+"""Device-memory accounting, the per-GPU budget ledger and stress-and-cap for stages."""
