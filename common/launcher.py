@@ -376,6 +376,15 @@ def launch(
     if not cfg.services:
         print(f"omnistage: config error: services: {cfg_path} has no services to start", file=err, flush=True)
         return 2
+    from omnistage.common.memory.ledger import LedgerError, check_deploy_memory
+
+    try:  # the per-GPU memory ledger: refuse before anything starts
+        ledger = check_deploy_memory(cfg)
+    except LedgerError as exc:
+        print(f"omnistage: {exc}", file=err, flush=True)
+        return 2
+    if ledger.devices:
+        print(ledger.summary(), file=out, flush=True)
     sweep = _start_sweep(err)
     own_run_dir = run_dir is None
     rdir = Path(tempfile.mkdtemp(prefix="omnistage-run-")) if run_dir is None else Path(run_dir)

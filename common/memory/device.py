@@ -26,23 +26,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from omnistage.common.memory.units import MiB, fmt_bytes
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-MiB = 1 << 20
-GiB = 1 << 30
 # The CUDA caching allocator rounds every block to 512 bytes and maps large blocks in 2 MiB pages.
 BLOCK_ROUND = 512
 SEGMENT_BYTES = 2 * MiB
-
-
-def fmt_bytes(n: int | float) -> str:
-    """Human size for logs and error tables (`4.00 MiB`)."""
-    n = float(n)
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def _round_up(n: int, multiple: int) -> int:
