@@ -1,0 +1,199 @@
+"""Stress-and-cap for stages without a KV cache (encoders, talker, DiT).
+
+At start-up a stage runs its largest batch, keeps that peak reserved (no `empty_cache()` after a
+success, so services that profile later on the same GPU see it as used), and never runs more at
+once than it tested. Candidates are tried largest first; an OOM (or a peak over the budget) moves
+to the next smaller one and every decision is recorded. The cap is the LARGEST batch that fit:
+LightLLM's layer-0 bug took a `min` here and silently served every request one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from omnistage.common.log import get_logger, log_fields
+from omnistage.common.memory.device import DeviceMemory
+from omnistage.common.memory.units import fmt_bytes
+from omnistage.v1 import control_pb2
+
+log = get_logger(__name__)
+
+
+class StressError(RuntimeError):
+    """No candidate batch fits; the message lists every attempt and the knobs to change."""
+
+
+@dataclass(frozen=True)
+class StressAttempt:
+    batch: int
+    fits: bool
+    peak_reserved: int  # bytes this process had reserved at the attempt's high-water mark
+    reason: str  # "fits", or why not (the OOM message, or the budget it exceeded)
+
+
+@dataclass(frozen=True)
+class StressResult:
+    """What the stage tested; `max_batch` is the runtime concurrency cap."""
+
+    stage: str
+    device: str
+    configured_max: int
+    max_batch: int
+    attempts: tuple[StressAttempt, ...]
+    budget_bytes: int
+    baseline_reserved: int  # reserved before the stress (weights and buffers)
+    peak_reserved: int  # high-water mark of the batch that fit
+    reserved_after: int  # still reserved now: the kept peak
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        return max(self.peak_reserved - self.baseline_reserved, 0)
+
+    def why(self) -> str:
+        """One line per attempt, for logs and failure messages."""
+        return "; ".join(
+            f"batch {a.batch}: {a.reason} (peak reserved {fmt_bytes(a.peak_reserved)})" for a in self.attempts
+        )
+
+    def memory_report(self, weights_bytes: int = 0, transport_pool_bytes: int = 0) -> control_pb2.MemoryReport:
+        """The stage's footprint for Describe / metrics (weights as measured by the caller)."""
+        return control_pb2.MemoryReport(
+            device=self.device,
+            budget_bytes=self.budget_bytes,
+            weights_bytes=weights_bytes,
+            activation_peak_bytes=self.activation_peak_bytes,
+            transport_pool_bytes=transport_pool_bytes,
+            total_bytes=self.reserved_after + transport_pool_bytes,
+        )
+
+
+class StressAndCap:
+    """Find the largest candidate batch `run_batch(batch)` survives on `mem`, and keep its peak reserved.
+
+    `run_batch` must run the stage's real work at that batch with its largest configured
+    resolution/length (and everything a request allocates: pre- and post-processing included).
+    """
+
+    def __init__(
+        self,
+        stage: str,
+        mem: DeviceMemory,
+        run_batch: Callable[[int], object],
+        candidates: Sequence[int],
+        *,
+        budget_bytes: int = 0,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        sizes = sorted({int(b) for b in candidates}, reverse=True)
+        if not sizes or sizes[-1] < 1:
+            raise ValueError(f"{stage}: stress candidates must be batch sizes >= 1, got {list(candidates)}")
+        self.stage = stage
+        self.mem = mem
+        self.run_batch = run_batch
+        self.candidates = sizes
+        self.budget_bytes = budget_bytes
+        self.log = logger or log
+
+    def _attempt(self, batch: int) -> StressAttempt:
+        self.mem.reset_peak()
+        try:
+            with self.mem.meter():
+                out = self.run_batch(batch)
+                del out  # outputs are not part of what stays reserved
+        except torch.OutOfMemoryError as exc:
+            peak = self.mem.peak_reserved()
+            gc.collect()
+            self.mem.empty_cache()  # give back what the failed attempt grew; the next one measures cleanly
+            return StressAttempt(batch, False, peak, f"out of memory: {str(exc).splitlines()[0]}")
+        gc.collect()
+        peak = self.mem.peak_reserved()
+        if self.budget_bytes and peak > self.budget_bytes:
+            self.mem.empty_cache()
+            return StressAttempt(batch, False, peak, f"peak over the budget of {fmt_bytes(self.budget_bytes)}")
+        return StressAttempt(batch, True, peak, "fits")
+
+    def run(self) -> StressResult:
+        """Try candidates largest first; the first that fits is the cap. Raises StressError if none fits."""
+        baseline = self.mem.reserved()
+        attempts: list[StressAttempt] = []
+        for batch in self.candidates:
+            attempt = self._attempt(batch)
+            attempts.append(attempt)
+            log_fields(self.log, logging.INFO if attempt.fits else logging.WARNING, "stress attempt",
+                       stage=self.stage, batch=batch, fits=attempt.fits, reason=attempt.reason,
+                       peak_reserved=attempt.peak_reserved)
+            if attempt.fits:
+                break
+        fitting = [a for a in attempts if a.fits]
+        result = StressResult(
+            stage=self.stage,
+            device=self.mem.device_name,
+            configured_max=self.candidates[0],
+            max_batch=max((a.batch for a in fitting), default=0),  # a MAX: the largest batch proven safe
+            attempts=tuple(attempts),
+            budget_bytes=self.budget_bytes,
+            baseline_reserved=baseline,
+            peak_reserved=fitting[-1].peak_reserved if fitting else 0,
+            reserved_after=self.mem.reserved(),
+        )
+        if not fitting:
+            raise StressError(
+                f"{self.stage}: no batch size fits on {result.device} "
+                f"(free {fmt_bytes(self.mem.free())} of {fmt_bytes(self.mem.total())}"
+                f"{', budget ' + fmt_bytes(self.budget_bytes) if self.budget_bytes else ''}): {result.why()}. "
+                "Lower the stage's largest batch/resolution, raise memory.budget_bytes / budget_fraction, "
+                "or move the stage to a GPU with more free memory."
+            )
+        if result.max_batch < result.configured_max:
+            self.log.warning(
+                "%s: concurrency capped at %d of configured %d on %s: %s",
+                self.stage, result.max_batch, result.configured_max, result.device, result.why(),
+            )
+        else:
+            self.log.info("%s: batch %d fits on %s (peak reserved %s, kept reserved)",
+                          self.stage, result.max_batch, result.device, fmt_bytes(result.peak_reserved))
+        return result
+
+
+class ConcurrencyLimiter:
+    """Never run more than the tested batch at once: an asyncio gate with a deadline on every wait.
+
+    Used from the stage's event loop (grpc.aio handlers); `in_use` / `peak_in_use` feed Describe.
+    """
+
+    def __init__(self, stage: str, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"{stage}: concurrency limit must be >= 1, got {limit}")
+        self.stage = stage
+        self.limit = limit
+        self.in_use = 0
+        self.peak_in_use = 0
+        self._sem = asyncio.Semaphore(limit)
+
+    @classmethod
+    def from_stress(cls, result: StressResult) -> ConcurrencyLimiter:
+        return cls(result.stage, result.max_batch)
+
+    @contextlib.asynccontextmanager
+    async def slot(self, timeout_s: float) -> AsyncIterator[None]:
+        """Hold one of `limit` slots; waits at most `timeout_s`, then TimeoutError naming the stage."""
+        try:
+            await asyncio.wait_for(self._sem.acquire(), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"{self.stage}: no free batch slot within {timeout_s:g}s "
+                f"({self.in_use}/{self.limit} busy; the limit is the stress-tested batch)"
+            ) from None
+        self.in_use += 1
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        try:
+            yield
+        finally:
+            self.in_use -= 1
+            self._sem.release()
