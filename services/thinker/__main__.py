@@ -1,13 +1,16 @@
 """`python -m omnistage.services.thinker --config F --service NAME --rank R`: one thinker rank.
 
-Rank 0 loads its shard, builds the engine, warms up with a real request and serves
-`omnistage.v1.Thinker`; ranks 1..N-1 load their shard and execute rank 0's step plans.
+Every rank goes through the same start-up phases: loading_weights → profiling_memory (KV auto-profile,
+agreed by all ranks) → warming_up (dummy shapes, all ranks run or skip each) → serving. Rank 0 then
+warms up with one real request and serves `omnistage.v1.Thinker`; ranks 1..N-1 execute its step plans.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import os
 import sys
 import threading
 import time
@@ -19,6 +22,7 @@ from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
+from omnistage.services.thinker.engine.warmup import Report
 from omnistage.services.thinker.engine.worker import run_worker
 from omnistage.services.thinker.engine_loop import EngineLoop
 from omnistage.services.thinker.server import ThinkerServicer
@@ -55,6 +59,36 @@ def _shard_progress(runtime: ServiceRuntime) -> Callable[[int, int], None]:
     return progress
 
 
+_PHASE_UNITS = {"loading_weights": "shards", "profiling_memory": "attempts", "warming_up": "shapes"}
+
+
+def _phase_report(runtime: ServiceRuntime, first: str) -> Report:
+    """Start-up phases from the start-up thread (every rank): loading_weights → profiling_memory (probe,
+    stress, agree, rebuild, canary, validate, attempt k/4) → warming_up (shape by shape)."""
+    current = [first]
+
+    def report(phase: str, detail: str = "", done: int = 0, total: int = 0) -> None:
+        if phase != current[0]:
+            current[0] = phase
+            runtime.reporter.enter(phase, total=total, unit=_PHASE_UNITS.get(phase, ""), detail=detail)
+        elif detail:
+            runtime.reporter.progress(done, total=total or None, detail=detail)
+
+    return report
+
+
+def _on_peer_failure(runtime: ServiceRuntime, grace_s: float = 5.0) -> Callable[[str], None]:
+    """Another rank failed while this one may be stuck in a collective: fail now, exit after a grace."""
+
+    def handler(diagnostic: str) -> None:
+        runtime.fail(diagnostic)
+        time.sleep(grace_s)
+        logging.shutdown()
+        os._exit(1)
+
+    return handler
+
+
 async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
     common = dict(
         ckpt_dir=cfg.model.checkpoint,
@@ -66,15 +100,17 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         port=svc.dist_port,
         timeout_s=cfg.startup.phase_deadlines_s.get("loading_weights", 900.0),
         progress=_shard_progress(runtime),
+        memory=svc.memory,
+        report=_phase_report(runtime, "loading_weights"),
+        on_peer_failure=_on_peer_failure(runtime),
     )
     runtime.reporter.enter("loading_weights", unit="shards")
     if rank > 0:
         await _serve_worker(runtime, common, rank)
         return
     engine: LLMEngine = await _in_daemon_thread(lambda: LLMEngine.from_checkpoint(rank=0, **common))
-    runtime.reporter.enter("warming_up", total=1, unit="requests")
+    runtime.reporter.progress(detail="one real request through the engine")
     await _in_daemon_thread(lambda: _warm_up(engine))
-    runtime.reporter.advance()
     loop = EngineLoop(engine, asyncio.get_running_loop())
     loop.on_failure = lambda exc: runtime.fail(f"engine failed: {type(exc).__name__}: {exc}")
     loop.start()

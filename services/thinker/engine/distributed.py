@@ -9,8 +9,12 @@ ranks exit with the same cause instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TypeVar
 
@@ -23,6 +27,7 @@ log = get_logger(__name__)
 T = TypeVar("T")
 _ERROR_KEY = "omnistage/first_error"
 _ERROR_COUNT_KEY = "omnistage/num_errors"
+_ACK_KEY = "omnistage/num_acks"
 
 
 class TPError(RuntimeError):
@@ -38,6 +43,9 @@ class TPGroup:
         self.store = store
         self.plan_group = plan_group
         self.num_plans = 0
+        # Set once this rank has reported its own failure (its watchdog must not fire on it).
+        self.reported = False
+        self._acked = False
 
     @property
     def is_distributed(self) -> bool:
@@ -69,6 +77,7 @@ class TPGroup:
     def report_error(self, phase: str, exc: BaseException) -> str:
         """Record this rank's failure; the first report of the group wins. Returns the diagnostic."""
         msg = f"rank {self.rank} failed in {phase}: {type(exc).__name__}: {exc}"
+        self.reported = True
         if self.store is None:
             return msg
         try:
@@ -77,6 +86,31 @@ class TPGroup:
         except Exception:  # the store lives on rank 0; when it is gone the local message is all we have
             pass
         return self.first_error() or msg
+
+    def fail(self, phase: str, exc: BaseException, linger_s: float = 5.0) -> str:
+        """report_error, and on rank 0 (which hosts the store) wait up to `linger_s` until every other
+        rank has read the diagnostic, so none of them is left with "rank 0 is gone" instead."""
+        diagnostic = self.report_error(phase, exc)
+        if self.rank == 0 and self.is_distributed and self.store is not None:
+            deadline = time.monotonic() + linger_s
+            while time.monotonic() < deadline:
+                try:
+                    if self.store.add(_ACK_KEY, 0) >= self.world_size - 1:
+                        break
+                except Exception:
+                    break
+                time.sleep(0.05)
+        return diagnostic
+
+    def acknowledge(self) -> None:
+        """Tell the failing rank that this rank has read the group's first failure."""
+        if self.store is None or self._acked:
+            return
+        self._acked = True
+        try:
+            self.store.add(_ACK_KEY, 1)
+        except Exception:
+            pass
 
     def first_error(
         self, store_lost: str | None = "rank 0 is gone (its store no longer answers)"
@@ -98,12 +132,53 @@ class TPGroup:
             return fn()
         except Exception as exc:
             first = self.first_error()
+            if first:
+                self.acknowledge()
             cause = f"; first failure: {first}" if first else ""
             raise TPError(f"rank {self.rank}: {phase} failed ({type(exc).__name__}: {exc}){cause}") from exc
+
+    def agree_all(self, ok: bool, phase: str) -> tuple[bool, int]:
+        """(every rank is ok, the first rank that is not — world_size when none): one MIN all-reduce."""
+        first_bad = self.agree_min(self.world_size if ok else self.rank, phase)
+        return first_bad == self.world_size, first_bad
+
+    @contextlib.contextmanager
+    def failure_watch(
+        self, on_failure: Callable[[str], None] | None = None, poll_s: float = 0.5
+    ) -> Iterator[None]:
+        """While inside, another rank's reported failure ends this rank promptly, even when it is
+        blocked in a collective that would otherwise wait for its timeout (NCCL never notices a dead
+        peer). `on_failure(diagnostic)` must not return; the default logs and exits the process."""
+        if not self.is_distributed or self.store is None:
+            yield
+            return
+        stop = threading.Event()
+        handler = on_failure or _exit_on_peer_failure
+
+        def watch() -> None:
+            while not stop.wait(poll_s):
+                diagnostic = self.first_error(store_lost=None)
+                if diagnostic and not self.reported:
+                    self.acknowledge()
+                    handler(diagnostic)
+                    return
+
+        thread = threading.Thread(target=watch, daemon=True, name=f"tp-watchdog-rank{self.rank}")
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
 
     def close(self) -> None:
         if self.is_distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_on_peer_failure(diagnostic: str) -> None:
+    log.error("rank exits: %s", diagnostic)
+    logging.shutdown()
+    os._exit(1)
 
 
 def init_tp_group(

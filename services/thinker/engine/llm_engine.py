@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omnistage.common.config import EngineConfig
+from omnistage.common.config import EngineConfig, MemoryConfig
 from omnistage.common.log import get_logger
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.detokenizer import Decoder, Detokenizer
@@ -23,6 +23,7 @@ from omnistage.services.thinker.engine.sampler import Sampler, SamplerOutput, To
 from omnistage.services.thinker.engine.scheduler import ScheduledBatch, Scheduler
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams, Sequence
 from omnistage.services.thinker.engine.step_plan import StepPlan, build_step_plan
+from omnistage.services.thinker.engine.warmup import OOMInjection, PhaseTracker, Report
 
 log = get_logger(__name__)
 
@@ -103,19 +104,38 @@ class LLMEngine:
         port: int = 0,
         timeout_s: float = 120.0,
         progress: Callable[[int, int], None] | None = None,
+        memory: MemoryConfig | None = None,
+        report: Report | None = None,
+        inject: OOMInjection | None = None,
+        on_peer_failure: Callable[[str], None] | None = None,
     ) -> LLMEngine:
-        """Rank 0: join the TP group, load the shard, size the cache, load the tokenizer."""
+        """Rank 0: join the TP group, load the shard, size the cache (auto-profile), warm up, load the
+        tokenizer. Phases go to `report`; while this runs another rank's failure ends this rank
+        through `on_peer_failure(diagnostic)` (default: log and exit the process)."""
         from omnistage.services.thinker.models.tokenizer import MingTokenizer
 
         if rank != 0:
             raise ValueError(f"LLMEngine runs on rank 0 only (got rank {rank}); other ranks run run_worker")
         group = init_tp_group(rank, world_size, host, port, device, timeout_s)
-        try:
-            runner = ModelRunner.from_checkpoint(ckpt_dir, engine_cfg, dtype, device, group, progress)
-            tokenizer = MingTokenizer(ckpt_dir)
-        except Exception as exc:
-            group.report_error("start-up", exc)
-            raise
+        tracker = PhaseTracker(report)
+        with group.failure_watch(on_peer_failure):
+            try:
+                runner = ModelRunner.from_checkpoint(
+                    ckpt_dir,
+                    engine_cfg,
+                    dtype,
+                    device,
+                    group,
+                    progress,
+                    memory=memory,
+                    report=tracker,
+                    inject=inject,
+                )
+                tokenizer = MingTokenizer(ckpt_dir)
+            except Exception as exc:
+                if not group.reported:
+                    group.fail(tracker.phase, exc)
+                raise
         return cls(runner, tokenizer, list(tokenizer.stop_token_ids), group)
 
     # --- requests -------------------------------------------------------------------------------

@@ -1,21 +1,29 @@
 """Per rank: the KV cache, and one forward per StepPlan with logits only for the rows that sample.
 
-The only engine code that touches device tensors. Every rank runs the same plan; the model's own
+Also each rank's start-up: load, size the KV cache (auto-profile), warm up. The only engine code
+that touches device tensors. Every rank runs the same plan; the model's own
 collectives (row-parallel reductions, the vocab gather of compute_logits) keep them in lockstep, and
 rank 0 gets the logits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
-from omnistage.common.config import EngineConfig
+from omnistage.common.config import EngineConfig, MemoryConfig
 from omnistage.common.log import get_logger
+from omnistage.common.memory.device import DeviceMemory, device_memory_for, fmt_bytes
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig, resolve_engine_config
 from omnistage.services.thinker.engine.distributed import TPGroup
+from omnistage.services.thinker.engine.kv_profile import KVProfile, KVSettings, peers_bytes, size_kv_cache
 from omnistage.services.thinker.engine.step_plan import StepPlan
+from omnistage.services.thinker.engine.warmup import OOMInjection, Report, run_warmup, warmup_shapes
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 from omnistage.v1 import control_pb2
 from torch import nn
@@ -27,29 +35,92 @@ def to_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
 
 
+class KVCacheUser(Protocol):
+    """Anything that keeps a tensor derived from the KV cache (CUDA graphs later, attention wrappers):
+    registered with the runner, it is released before the cache is torn down and bound again after
+    every rebuild, so no stale view pins the old cache (memory_transport.md §3.6)."""
+
+    def bind_kv(self, kv_cache: torch.Tensor) -> None: ...
+    def release_kv(self) -> None: ...
+
+
 class ModelRunner:
     """Owns this rank's model slice and KV cache (`[2, layers, *model.kv_cache_shape(...)]`)."""
 
     def __init__(
-        self, model: nn.Module, cfg: ResolvedEngineConfig, device: str | torch.device, rank: int = 0
+        self,
+        model: nn.Module,
+        cfg: ResolvedEngineConfig,
+        device: str | torch.device,
+        rank: int = 0,
+        allocate: bool = True,
     ) -> None:
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
         self.rank = rank
-        layers = model.attention_layers()
-        shape = model.kv_cache_shape(cfg.num_kv_blocks, cfg.block_size)
-        dtype = next(model.parameters()).dtype
-        self.kv_cache = torch.zeros(2, len(layers), *shape, dtype=dtype, device=self.device)
+        # max_model_len as configured (cfg.max_model_len is capped by whatever cache is built).
+        self.requested_max_model_len = cfg.max_model_len
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_users: list[KVCacheUser] = []
+        self.kv_profile: KVProfile | None = None
+        self.budget_bytes = 0
+        if allocate:
+            self.allocate_kv(cfg.num_kv_blocks)
+
+    # --- the KV cache: built and torn down in one place -------------------------------------------
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return 0 if self.kv_cache is None else int(self.kv_cache.shape[2])
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block on this rank (K and V of every layer)."""
+        shape = self.model.kv_cache_shape(1, self.cfg.block_size)
+        per_layer = 2 * math.prod(shape) * self.dtype.itemsize
+        return per_layer * len(self.model.attention_layers())
+
+    def kv_bytes(self) -> int:
+        return 0 if self.kv_cache is None else self.kv_cache.numel() * self.kv_cache.element_size()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Build the cache of `num_blocks` blocks and point every layer and KV user into it."""
+        if self.kv_cache is not None:
+            raise RuntimeError("allocate_kv: a KV cache exists; free_kv() first")
+        if num_blocks < 1:
+            raise ValueError(f"allocate_kv: num_blocks must be >= 1, got {num_blocks}")
+        layers = self.model.attention_layers()
+        shape = self.model.kv_cache_shape(num_blocks, self.cfg.block_size)
+        kv = torch.zeros(2, len(layers), *shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = kv
         for i, layer in enumerate(layers):
-            layer.k_cache = self.kv_cache[0, i]
-            layer.v_cache = self.kv_cache[1, i]
-        log.info(
-            "KV cache: %d blocks x %d tokens, %.1f MiB",
-            cfg.num_kv_blocks,
-            cfg.block_size,
-            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            layer.k_cache = kv[0, i]
+            layer.v_cache = kv[1, i]
+        for user in self.kv_users:
+            user.bind_kv(kv)
+        self.cfg = dataclasses.replace(
+            self.cfg,
+            num_kv_blocks=num_blocks,
+            max_model_len=min(self.requested_max_model_len, num_blocks * self.cfg.block_size),
         )
+        log.info(
+            "KV cache: %d blocks x %d tokens, %s", num_blocks, self.cfg.block_size, fmt_bytes(self.kv_bytes())
+        )
+
+    def free_kv(self) -> None:
+        """Drop the cache and every reference into it (KV users first, then the layer views)."""
+        for user in self.kv_users:
+            user.release_kv()
+        for layer in self.model.attention_layers():
+            layer.k_cache = torch.empty(0)
+            layer.v_cache = torch.empty(0)
+        self.kv_cache = None
+
+    # --- start-up ---------------------------------------------------------------------------------
 
     @classmethod
     def from_checkpoint(
@@ -60,34 +131,87 @@ class ModelRunner:
         device: str | torch.device,
         group: TPGroup,
         progress: Callable[[int, int], None] | None = None,
+        memory: MemoryConfig | None = None,
+        report: Report | None = None,
+        warmup: bool = True,
+        inject: OOMInjection | None = None,
     ) -> ModelRunner:
-        """Load this rank's shard and size the cache; all ranks agree on the block count first.
+        """Load this rank's shard, size the cache (all ranks agree), warm up (all ranks run or skip).
 
-        `progress(done_shards, total_shards)` reports weight loading (the service's phase progress).
+        Phases go to `report(phase, detail, done, total)`; `progress(done_shards, total_shards)`
+        reports weight loading. Sizing: a device memory accountant exists when the device is CUDA or
+        `memory.simulated_capacity_bytes` > 0, and then the KV size is auto-profiled (or pinned by
+        `engine.kv_tokens` / `num_kv_blocks` and validated); without one (plain CPU) the cache is
+        `num_kv_blocks` or room for max_num_seqs requests of max_model_len.
         """
         from omnistage.services.thinker.models.loader import load_model
 
-        model = group.guard(
-            "loading weights",
-            lambda: load_model(
-                ckpt_dir,
-                dtype=to_dtype(dtype),
-                device=device,
-                tp_rank=group.rank,
-                tp_size=group.world_size,
-                progress=progress,
-            ),
-        )
-        blocks = group.agree_min(resolve_engine_config(engine_cfg).num_kv_blocks, "agreeing on KV blocks")
-        return cls(model, resolve_engine_config(engine_cfg, blocks), device, group.rank)
+        memory = memory or MemoryConfig()
+        dev = torch.device(device)
+        mem: DeviceMemory | None = None
+        if dev.type == "cuda" or memory.simulated_capacity_bytes:
+            mem = device_memory_for(str(dev), memory.simulated_capacity_bytes or None)
+        peers_at_start = peers_bytes(mem) if mem is not None else 0
+        with mem.meter() if mem is not None else contextlib.nullcontext():
+            if report is not None:
+                report("loading_weights", "", 0, 0)
+            model = group.guard(
+                "loading weights",
+                lambda: load_model(
+                    ckpt_dir,
+                    dtype=to_dtype(dtype),
+                    device=device,
+                    tp_rank=group.rank,
+                    tp_size=group.world_size,
+                    progress=progress,
+                ),
+            )
+            if report is not None:
+                report("profiling_memory", "", 0, 0)
+            if mem is None:
+                blocks = group.agree_min(
+                    resolve_engine_config(engine_cfg).num_kv_blocks, "agreeing on KV blocks"
+                )
+                runner = cls(model, resolve_engine_config(engine_cfg, blocks), device, group.rank)
+            else:
+                one_request = -(-engine_cfg.max_model_len // engine_cfg.block_size)
+                cfg = resolve_engine_config(engine_cfg, one_request)  # limits as configured; no cache yet
+                runner = cls(model, cfg, device, group.rank, allocate=False)
+                settings = KVSettings.from_config(engine_cfg, memory, mem.total())
+                size_kv_cache(runner, group, mem, settings, peers_at_start=peers_at_start, report=report)
+            if warmup:
+                if report is not None:
+                    report("warming_up", "", 0, 0)
+                prof = runner.kv_profile
+                run_warmup(
+                    runner,
+                    group,
+                    warmup_shapes(runner.cfg),
+                    mem=mem,
+                    cap_bytes=prof.cap_bytes if prof else 0,
+                    need_bytes=prof.shape_peaks if prof else None,
+                    report=report,
+                    inject=inject,
+                )
+        return runner
+
+    def weights_bytes(self) -> int:
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return weights + sum(b.numel() * b.element_size() for b in self.model.buffers())
 
     def memory_report(self) -> control_pb2.MemoryReport:
-        """What this rank holds on its device (weights and KV cache), for Describe and metrics."""
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        weights += sum(b.numel() * b.element_size() for b in self.model.buffers())
-        kv = self.kv_cache.numel() * self.kv_cache.element_size()
+        """What this rank holds on its device, for Describe and metrics: weights, KV cache, the
+        activation peak measured by the auto-profile, and the budget it was sized against."""
+        weights = self.weights_bytes()
+        kv = self.kv_bytes()
+        activation = self.kv_profile.activation_peak_bytes if self.kv_profile else 0
         return control_pb2.MemoryReport(
-            device=str(self.device), weights_bytes=weights, kv_cache_bytes=kv, total_bytes=weights + kv
+            device=str(self.device),
+            budget_bytes=self.budget_bytes,
+            weights_bytes=weights,
+            kv_cache_bytes=kv,
+            activation_peak_bytes=activation,
+            total_bytes=weights + kv + activation,
         )
 
     @torch.inference_mode()

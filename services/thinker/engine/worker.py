@@ -7,22 +7,21 @@ Also here: spawning worker processes for tests and benchmarks, with deadlines on
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
-import os
 import socket
-import threading
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import torch
-from omnistage.common.config import EngineConfig
+from omnistage.common.config import EngineConfig, MemoryConfig
 from omnistage.common.log import get_logger, setup_logging
 from omnistage.services.thinker.engine.distributed import TPError, TPGroup, init_tp_group
+from omnistage.services.thinker.engine.kv_profile import KVProfileError
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.step_plan import PlanKind
+from omnistage.services.thinker.engine.warmup import OOMInjection, PhaseTracker, Report, WarmupError
 
 log = get_logger(__name__)
 
@@ -39,16 +38,6 @@ def serve_plans(group: TPGroup, runner: ModelRunner) -> int:
             num_run += 1
 
 
-def _watch_for_failures(group: TPGroup, stop: threading.Event, poll_s: float = 0.5) -> None:
-    """Another rank failed while this one is blocked in a collective: exit now, not at the timeout."""
-    while not stop.wait(poll_s):
-        diagnostic = group.first_error(store_lost=None)
-        if diagnostic:
-            log.error("worker exits: %s", diagnostic)
-            logging.shutdown()
-            os._exit(1)
-
-
 def run_worker(
     ckpt_dir: str | Path,
     engine_cfg: EngineConfig,
@@ -62,28 +51,43 @@ def run_worker(
     idle_timeout_s: float = 3600.0,
     progress: Callable[[int, int], None] | None = None,
     on_ready: Callable[[], None] | None = None,
+    memory: MemoryConfig | None = None,
+    report: Report | None = None,
+    inject: OOMInjection | None = None,
+    on_peer_failure: Callable[[str], None] | None = None,
 ) -> int:
     """Body of a worker process (rank >= 1). Raises TPError naming the first failing rank.
 
-    `progress(done, total)` reports weight loading; `on_ready()` runs once shard and cache are in place.
+    Start-up is the same as rank 0's (load, size the KV cache, warm up; phases to `report`);
+    `on_ready()` runs once that is done. While it runs, another rank's failure ends this one through
+    `on_peer_failure(diagnostic)` (default: log and exit the process), even inside a collective.
     """
     group = init_tp_group(rank, world_size, host, port, device, timeout_s, idle_timeout_s)
-    phase = "start-up"
-    stop = threading.Event()
-    threading.Thread(target=_watch_for_failures, args=(group, stop), daemon=True, name="tp-watchdog").start()
-    try:
-        runner = ModelRunner.from_checkpoint(ckpt_dir, engine_cfg, dtype, device, group, progress)
-        if on_ready is not None:
-            on_ready()
-        phase = "running step plan {n}"
-        num_run = serve_plans(group, runner)
-    except Exception as exc:
-        stop.set()  # this rank reports and exits on its own
-        diagnostic = group.report_error(phase.format(n=group.num_plans - 1), exc)
-        log.error("worker exits: %s", diagnostic)
-        raise TPError(diagnostic) from exc
-    finally:
-        stop.set()
+    tracker = PhaseTracker(report)
+    phase = ""
+    with group.failure_watch(on_peer_failure):
+        try:
+            runner = ModelRunner.from_checkpoint(
+                ckpt_dir,
+                engine_cfg,
+                dtype,
+                device,
+                group,
+                progress,
+                memory=memory,
+                report=tracker,
+                inject=inject,
+            )
+            if on_ready is not None:
+                on_ready()
+            phase = "running step plan {n}"
+            num_run = serve_plans(group, runner)
+        except Exception as exc:
+            diagnostic = exc.args[0] if isinstance(exc, TPError | WarmupError | KVProfileError) else ""
+            if not group.reported:
+                diagnostic = group.report_error(phase.format(n=group.num_plans - 1) or tracker.phase, exc)
+            log.error("worker exits: %s", diagnostic)
+            raise TPError(diagnostic) from exc
     log.info("worker rank %d leaves after %d steps", rank, num_run)
     group.close()
     return num_run
@@ -113,6 +117,8 @@ def spawn_workers(
     host: str = "127.0.0.1",
     timeout_s: float = 120.0,
     target=_worker_main,
+    memory: MemoryConfig | None = None,
+    inject: OOMInjection | None = None,
 ) -> list[BaseProcess]:
     """Start ranks 1..world_size-1 as spawned processes (tests, benchmarks); rank 0 is the caller."""
     ctx = mp.get_context("spawn")
@@ -128,6 +134,8 @@ def spawn_workers(
             host=host,
             port=port,
             timeout_s=timeout_s,
+            memory=memory,
+            inject=inject,
         )
         proc = ctx.Process(target=target, args=(kwargs,), name=f"thinker-rank{rank}")
         proc.start()

@@ -1,0 +1,408 @@
+"""KV auto-profile and max-load stress of a Ling-mini-2.0-shaped thinker on a real GPU (self-checking).
+
+    source bench/device_env.sh   # on a lent GPU machine
+    python bench/ling_mini_gpu.py [--budget-fraction 0.9] [--peer-gib 8] [--tp 2 [--inject-oom-rank 1]]
+    python bench/ling_mini_gpu.py --tiny          # CPU, tiny shape, simulated device (a smoke run)
+
+Builds the thinker with RANDOM bf16 weights straight on the device (meta → to_empty → init in place,
+no checkpoint, no fp32 copy), runs the auto-profile against the device's real memory with a budget,
+warms up (rank-agreed), then a max-load stress (largest prefill chunk, largest decode batch at max
+context with sampling, and real engine requests at near max context) that must stay inside the
+budget. `--peer-gib X` starts a second process that holds X GiB of the same GPU before the profile
+(a stage sharing it). `--tp N` spawns N ranks itself (no torchrun); `--inject-oom-rank R` makes rank R
+raise an OOM inside a warm-up forward, and the run checks that every rank fails promptly naming it.
+Prints phase times and one JSON summary line; exit status 0 only when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Ling-mini-2.0 (gpu_notes.md): 16.26 B params, 1.43 B active; Ming's thinker routing/rope features.
+LING_MINI = dict(
+    vocab_size=157184, hidden_size=2048, num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4,
+    head_dim=128, intermediate_size=5120, first_k_dense_replace=1, num_experts=256, num_experts_per_tok=8,
+    num_shared_experts=1, moe_intermediate_size=512, n_group=8, topk_group=4,
+)  # fmt: skip
+TINY = dict(
+    vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=128, intermediate_size=512, first_k_dense_replace=1, num_experts=16, num_experts_per_tok=4,
+    num_shared_experts=1, moe_intermediate_size=64, n_group=4, topk_group=2,
+)  # fmt: skip
+
+
+def thinker_config(shape: dict):
+    from omnistage.services.thinker.models.config import ThinkerConfig
+
+    return ThinkerConfig.from_dict(
+        {
+            **shape,
+            "rms_norm_eps": 1e-6,
+            "use_qk_norm": True,
+            "rope_theta": 600000.0,
+            "partial_rotary_factor": 0.5,
+            "rope_scaling": {"type": "video_rope"},
+            "max_position_embeddings": 32768,
+            "routed_scaling_factor": 2.5,
+            "router_type": "MultiRouter",
+            "eos_token_id": 1,
+        }
+    )
+
+
+def build_random_model(cfg, rank: int, world: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """Meta build → to_empty on the device in `dtype` → in-place random init (no fp32 temporaries)."""
+    from omnistage.services.thinker.models.bailing_moe_v2 import BailingMoeV2ForCausalLM
+    from omnistage.services.thinker.models.layers.parallel import TPGroup as LayerTP
+
+    with torch.device("meta"):
+        model = BailingMoeV2ForCausalLM(cfg, LayerTP(rank, world))
+    model = model.to(dtype=dtype).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed + rank)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("expert_bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.requires_grad_(False).eval()
+
+
+class SilentTokenizer:
+    """The engine's detokenizer needs a decoder; the random model's words mean nothing anyway."""
+
+    stop_token_ids = (1,)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return ""
+
+
+def _hold_peer_memory(gib: float, device: int, ready, release) -> None:
+    """A second 'stage' on the same GPU: hold `gib` GiB until told to go."""
+    buf = torch.empty(int(gib * GiB), dtype=torch.uint8, device=f"cuda:{device}")
+    torch.cuda.synchronize()
+    ready.set()
+    release.wait(3600)
+    del buf
+
+
+def _engine_config(args):
+    from omnistage.common.config import EngineConfig
+
+    return EngineConfig(
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_canary_bytes=int(args.canary_mib * MiB),
+        kv_safety_factor=args.safety_factor,
+        kv_tokens=args.kv_tokens,
+    )
+
+
+def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> dict:
+    """One rank: build, profile, warm up, stress, (rank 0) real requests; returns its result dict."""
+    from omnistage.common.config import MemoryConfig
+    from omnistage.common.log import setup_logging
+    from omnistage.common.memory.device import device_memory_for, fmt_bytes
+    from omnistage.services.thinker.engine.config import resolve_engine_config
+    from omnistage.services.thinker.engine.distributed import init_tp_group
+    from omnistage.services.thinker.engine.kv_profile import KVSettings, peers_bytes, size_kv_cache
+    from omnistage.services.thinker.engine.llm_engine import LLMEngine
+    from omnistage.services.thinker.engine.model_runner import ModelRunner
+    from omnistage.services.thinker.engine.sampler import Sampler
+    from omnistage.services.thinker.engine.sequence import SamplingParams
+    from omnistage.services.thinker.engine.warmup import (
+        OOMInjection,
+        run_dummy_step,
+        run_warmup,
+        stress_shapes,
+    )
+    from omnistage.services.thinker.engine.worker import serve_plans
+
+    setup_logging("thinker", rank=rank)
+    result_file = Path(out_dir) / f"rank{rank}.json"
+    times: dict[str, float] = {}
+    result: dict = {"rank": rank, "status": "error", "times": times}
+
+    lock, saved = threading.Lock(), [False]  # main thread and watchdog may both fail: the first writes
+
+    def save() -> None:
+        with lock:
+            if not saved[0]:
+                tmp = result_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps(result))
+                tmp.rename(result_file)
+                saved[0] = True
+
+    def on_peer_failure(diagnostic: str) -> None:
+        result.update(status="peer_failed", message=diagnostic)
+        save()
+        os._exit(1)
+
+    def phase_printer(phase: str, detail: str, done: int, total: int) -> None:
+        print(f"[rank {rank}] {time.strftime('%H:%M:%S')} {phase}: {detail}", flush=True)
+
+    device = torch.device("cpu") if args.tiny else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, args.dtype)
+    simulated = int(args.sim_capacity_gib * GiB) if args.tiny else 0
+    memory = MemoryConfig(budget_fraction=args.budget_fraction, simulated_capacity_bytes=simulated)
+    mem = device_memory_for(str(device), simulated or None)
+    if args.tiny and args.peer_gib:
+        mem.reserve(int(args.peer_gib * GiB), "peer stage")  # type: ignore[attr-defined]
+    peers_at_start = peers_bytes(mem)
+    group = init_tp_group(rank, args.tp, port=port, device=str(device), timeout_s=args.timeout_s)
+    try:
+        with group.failure_watch(on_peer_failure), mem.meter():
+            t0 = time.monotonic()
+            model = build_random_model(
+                thinker_config(TINY if args.tiny else LING_MINI), rank, args.tp, device, dtype
+            )
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times["build_weights_s"] = time.monotonic() - t0
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            load_peak = mem.peak_allocated()
+            result.update(weights_bytes=weights, load_peak_bytes=load_peak)
+            print(
+                f"[rank {rank}] weights {fmt_bytes(weights)}, peak while building {fmt_bytes(load_peak)}",
+                flush=True,
+            )
+
+            engine_cfg = _engine_config(args)
+            one_request = math.ceil(engine_cfg.max_model_len / engine_cfg.block_size)
+            runner = ModelRunner(
+                model, resolve_engine_config(engine_cfg, one_request), device, rank, allocate=False
+            )
+            settings = KVSettings.from_config(engine_cfg, memory, mem.total())
+            t0 = time.monotonic()
+            prof = size_kv_cache(
+                runner, group, mem, settings, peers_at_start=peers_at_start, report=phase_printer
+            )
+            times["profile_s"] = time.monotonic() - t0
+            result.update(
+                kv_blocks=prof.num_blocks, kv_tokens=prof.num_blocks * engine_cfg.block_size,
+                kv_bytes=prof.kv_bytes, cap_bytes=prof.cap_bytes, peers_bytes=prof.peers_bytes,
+                activation_peak_bytes=prof.activation_peak_bytes, peak_reserved_bytes=prof.peak_reserved_bytes,
+                headroom_bytes=prof.headroom_bytes, attempts=prof.attempts, profile_phases=prof.phase_seconds,
+                summary=prof.summary(),
+            )  # fmt: skip
+
+            t0 = time.monotonic()
+            inject = OOMInjection(args.inject_oom_rank) if args.inject_oom_rank is not None else None
+            from omnistage.services.thinker.engine.warmup import warmup_shapes
+
+            warm = run_warmup(
+                runner, group, warmup_shapes(runner.cfg), mem=mem, cap_bytes=prof.cap_bytes,
+                need_bytes=prof.shape_peaks, report=phase_printer, inject=inject,
+            )  # fmt: skip
+            times["warmup_s"] = time.monotonic() - t0
+            result.update(warmup_ran=warm.ran, warmup_skipped=warm.skipped)
+
+            # Max-load stress at the chosen size: must not OOM and must stay inside the budget.
+            t0 = time.monotonic()
+            mem.reset_peak()
+            sampler = Sampler()
+            for shape in stress_shapes(runner.cfg):
+                run_dummy_step(runner, shape, sampler)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times["max_load_stress_s"] = time.monotonic() - t0
+            result["stress_peak_reserved_bytes"] = mem.peak_reserved()
+
+            # Real requests through the engine near max context (distinct KV blocks, chunked prefill).
+            t0 = time.monotonic()
+            n_req = min(args.real_requests, runner.cfg.max_num_seqs)
+            if rank == 0:
+                engine = LLMEngine(runner, SilentTokenizer(), [1], group)
+                prompt_len = runner.cfg.max_model_len - args.real_max_tokens
+                gen = torch.Generator().manual_seed(1)
+                prompts = [
+                    torch.randint(2, 1000, (prompt_len,), generator=gen).tolist() for _ in range(n_req)
+                ]
+                params = SamplingParams(
+                    temperature=0.8, top_k=50, top_p=0.9, max_tokens=args.real_max_tokens, ignore_eos=True
+                )
+                outs = engine.generate(prompts, params, timeout_s=args.timeout_s * 5)
+                result["real_tokens"] = sum(len(o.token_ids) for o in outs)
+                engine.shutdown()
+            else:
+                serve_plans(group, runner)
+            times["real_requests_s"] = time.monotonic() - t0
+            result["final_peak_reserved_bytes"] = mem.peak_reserved()
+        result["status"] = "ok"
+    except Exception as exc:
+        if not group.reported:
+            group.fail("ling-mini bench", exc)
+        result.update(
+            status="error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
+        )
+    save()
+    return result
+
+
+def _rank_main(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> None:
+    res = run_rank(rank, args, port, out_dir)
+    # The result is on disk; leave without interpreter teardown, which can block on a NCCL
+    # communicator whose peer died mid-collective (not what this bench measures).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if res["status"] == "ok" else 1)
+
+
+def check(results: list[dict], args: argparse.Namespace, elapsed: float) -> list[str]:
+    """Every failed check, as a sentence; empty when the run is what it should be."""
+    problems = []
+    if args.inject_oom_rank is not None:
+        bad = args.inject_oom_rank
+        for r in results:
+            msg = r.get("message", "")
+            if r.get("status") == "ok":
+                problems.append(f"rank {r['rank']} finished although rank {bad} failed in warm-up")
+            elif f"rank {bad} failed in warm-up shape" not in msg:
+                problems.append(f"rank {r['rank']} did not name rank {bad} and the shape: {msg[:300]!r}")
+        if elapsed > args.inject_deadline_s:
+            problems.append(f"ranks took {elapsed:.0f}s to fail (deadline {args.inject_deadline_s:.0f}s)")
+        return problems
+    for r in results:
+        rank = r.get("rank")
+        if r.get("status") != "ok":
+            problems.append(f"rank {rank} failed: {r.get('message', 'no result')}")
+            continue
+        cap = r["cap_bytes"]
+        for key in ("stress_peak_reserved_bytes", "final_peak_reserved_bytes"):
+            if r[key] > cap:
+                problems.append(f"rank {rank}: {key} {r[key]} exceeds the budget {cap}")
+        if r["load_peak_bytes"] > r["weights_bytes"] * 1.05 + 64 * MiB:
+            problems.append(f"rank {rank}: peak while building {r['load_peak_bytes']} > weights x 1.05")
+        if r.get("warmup_skipped"):
+            problems.append(f"rank {rank}: warm-up skipped {r['warmup_skipped']}")
+    blocks = {r.get("kv_blocks") for r in results if r.get("status") == "ok"}
+    if len(blocks) > 1:
+        problems.append(f"ranks chose different KV sizes: {sorted(blocks)}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="CPU, tiny shape, simulated device")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--budget-fraction", type=float, default=0.9, help="of the GPU (or simulated device)")
+    ap.add_argument("--peer-gib", type=float, default=0.0, help="another stage holds this much first")
+    ap.add_argument("--inject-oom-rank", type=int, default=None)
+    ap.add_argument("--inject-deadline-s", type=float, default=90.0)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="64 (tiny: 8)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="4096 (tiny: 128)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="8192 (tiny: 512)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--canary-mib", type=float, default=None, help="256 (tiny: 4)")
+    ap.add_argument("--safety-factor", type=float, default=1.0)
+    ap.add_argument("--kv-tokens", type=int, default=0, help="pin the KV size (skips the search)")
+    ap.add_argument("--real-requests", type=int, default=None, help="8 (tiny: 2)")
+    ap.add_argument("--real-max-tokens", type=int, default=4)
+    ap.add_argument("--sim-capacity-gib", type=float, default=0.5, help="--tiny: simulated device size")
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="collective deadline")
+    ap.add_argument("--out", default="", help="write the JSON summary here too")
+    args = ap.parse_args(argv)
+    defaults = dict(max_num_seqs=(64, 8), max_num_batched_tokens=(4096, 128), max_model_len=(8192, 512),
+                    canary_mib=(256, 4), real_requests=(8, 2))  # fmt: skip
+    for key, (gpu, tiny) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, tiny if args.tiny else gpu)
+    if not args.tiny and not torch.cuda.is_available():
+        print("no CUDA device: use --tiny on CPU", file=sys.stderr)
+        return 2
+    from omnistage.services.thinker.engine.worker import free_port
+
+    peer = None
+    if args.peer_gib and not args.tiny:
+        ctx = mp.get_context("spawn")
+        ready, release = ctx.Event(), ctx.Event()
+        peer = (
+            ctx.Process(target=_hold_peer_memory, args=(args.peer_gib, 0, ready, release), daemon=True),
+            release,
+        )
+        peer[0].start()
+        if not ready.wait(120):
+            print("the peer process did not allocate its memory within 120s", file=sys.stderr)
+            return 2
+        print(f"peer stage holds {args.peer_gib} GiB of cuda:0", flush=True)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ling-mini-") as out_dir:
+        port = free_port()
+        if args.tp == 1:
+            results = [run_rank(0, args, port, out_dir)]
+        else:
+            ctx = mp.get_context("spawn")
+            procs = [
+                ctx.Process(target=_rank_main, args=(r, args, port, out_dir), name=f"rank{r}")
+                for r in range(args.tp)
+            ]
+            for p in procs:
+                p.start()
+            limit = args.inject_deadline_s if args.inject_oom_rank is not None else args.timeout_s * 10
+            files = [Path(out_dir) / f"rank{r}.json" for r in range(args.tp)]
+            while time.monotonic() < started + limit:  # until every rank has a result or is gone
+                if all(f.exists() or not p.is_alive() for f, p in zip(files, procs, strict=True)):
+                    break
+                time.sleep(0.2)
+            elapsed = time.monotonic() - started
+            for p in procs:
+                p.join(max(1.0, started + limit + 30 - time.monotonic()))
+                if p.is_alive():
+                    print(
+                        f"{p.name} still running {limit + 30:.0f}s after start: killing it", file=sys.stderr
+                    )
+                    p.kill()
+                    p.join(10)
+            results = []
+            for r, p in enumerate(procs):
+                f = Path(out_dir) / f"rank{r}.json"
+                res = json.loads(f.read_text()) if f.exists() else {"rank": r, "status": "no_result"}
+                res["exitcode"] = p.exitcode
+                results.append(res)
+    if args.tp == 1:
+        elapsed = time.monotonic() - started
+    if peer is not None:
+        peer[1].set()
+        peer[0].join(30)
+    problems = check(results, args, elapsed)
+    for r in results:
+        r.pop("traceback", None) if r.get("status") == "ok" else None
+        print(json.dumps(r, indent=1, default=str)[:4000], flush=True)
+    summary = {
+        "device": "cpu (simulated)" if args.tiny else torch.cuda.get_device_name(0),
+        "tp": args.tp, "elapsed_s": round(elapsed, 1), "ok": not problems, "problems": problems,
+        "kv_tokens": [r.get("kv_tokens") for r in results], "headroom_gib": [
+            round(r["headroom_bytes"] / GiB, 3) if "headroom_bytes" in r else None for r in results
+        ],
+    }  # fmt: skip
+    line = json.dumps(summary)
+    print("SUMMARY " + line, flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"summary": summary, "ranks": results}, indent=1, default=str))
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

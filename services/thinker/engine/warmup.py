@@ -1,0 +1,283 @@
+"""Dummy steps (the shapes profiling and warm-up run) and the rank-agreed warm-up.
+
+A dummy step is a StepPlan built straight from a shape: no scheduler, no block manager, no request,
+so a step that fails (OOM) leaves no Python state behind to reset. Every sequence of a shape reads the
+same KV blocks, so the largest decode batch at max context needs only one max-length request's worth
+of cache (memory use of attention depends on context length, not on distinct blocks). Rows that do
+not sample never reach the LM head: only `sample=True` shapes ask for logits, one row per sequence.
+
+Warm-up (memory_transport.md §4.3): before each shape every rank states whether it can run it (the
+batch fits its cache, its free memory covers the shape's measured peak) and the group takes the
+MIN; all ranks run it or all skip it. An exception on any rank is never swallowed: it is reported
+to the group's first-error store and every rank fails naming the rank and the shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from omnistage.common.log import get_logger
+from omnistage.common.memory.device import DeviceMemory, fmt_bytes
+from omnistage.services.thinker.engine.config import ResolvedEngineConfig
+from omnistage.services.thinker.engine.distributed import TPGroup
+from omnistage.services.thinker.engine.sampler import Sampler
+from omnistage.services.thinker.engine.sequence import SamplingParams, Sequence
+from omnistage.services.thinker.engine.step_plan import PlanKind, StepPlan
+
+if TYPE_CHECKING:
+    from omnistage.services.thinker.engine.model_runner import ModelRunner
+
+log = get_logger(__name__)
+
+# Sampling that allocates every buffer the sampler has (penalties, temperature, top-k/top-p/min-p
+# sort, exponential draw, logprobs): a greedy dummy run would miss the sort (LightLLM's lesson).
+DUMMY_SAMPLING = SamplingParams(
+    temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1, presence_penalty=0.1,
+    seed=0, logprobs=5, max_tokens=1,
+)  # fmt: skip
+
+# report(phase, detail, done, total): start-up progress for the service's phase reporter.
+Report = Callable[[str, str, int, int], None]
+
+
+class PhaseTracker:
+    """A Report that remembers the current start-up phase (for the failure diagnostic) and forwards."""
+
+    def __init__(self, report: Report | None = None, phase: str = "start-up") -> None:
+        self.report, self.phase = report, phase
+
+    def __call__(self, phase: str, detail: str = "", done: int = 0, total: int = 0) -> None:
+        self.phase = phase
+        if self.report is not None:
+            self.report(phase, detail, done, total)
+
+
+class WarmupError(RuntimeError):
+    """A warm-up shape failed on some rank; the message names that rank and the shape."""
+
+
+@dataclass(frozen=True)
+class DummyShape:
+    """One step's layout: new tokens and context per sequence, and whether each sequence samples."""
+
+    name: str
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    sample: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_sample_rows(self) -> int:
+        return self.num_seqs if self.sample else 0
+
+    def blocks_needed(self, block_size: int) -> int:
+        """KV blocks the shape reads (all its sequences share them)."""
+        return -(-max(self.context_lens) // block_size)
+
+
+def prefill_stress_shape(cfg: ResolvedEngineConfig) -> DummyShape:
+    """The largest prefill step: max_num_batched_tokens new tokens, each chunk at max context.
+
+    A chunk is not a request's last one, so it samples nothing (no LM head)."""
+    total, length = cfg.max_num_batched_tokens, cfg.max_model_len
+    chunks = [length] * (total // length) + ([total % length] if total % length else [])
+    return DummyShape(
+        f"prefill {total} tokens @ ctx {length}", tuple(chunks), (length,) * len(chunks), sample=False
+    )
+
+
+def decode_stress_shape(cfg: ResolvedEngineConfig) -> DummyShape:
+    """The largest decode step: max_num_seqs sequences at max context, every one sampling."""
+    seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    length = cfg.max_model_len
+    return DummyShape(f"decode {seqs} seqs @ ctx {length}", (1,) * seqs, (length,) * seqs, sample=True)
+
+
+def stress_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
+    """What the KV auto-profile measures and validates: the worst prefill and the worst decode."""
+    return [prefill_stress_shape(cfg), decode_stress_shape(cfg)]
+
+
+def warmup_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
+    """Largest first (the caching allocator keeps their blocks), then the common small decode."""
+    small = DummyShape("decode 1 seq @ ctx 1 block", (1,), (min(cfg.block_size, cfg.max_model_len),), True)
+    return [*stress_shapes(cfg), small]
+
+
+def dummy_plan(shape: DummyShape, block_size: int) -> StepPlan:
+    """A StepPlan for `shape` whose sequences all use KV blocks 0..n-1 (token ids are small and valid)."""
+    table = list(range(shape.blocks_needed(block_size)))
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    rows: list[int] = []
+    for qlen, ctx in zip(shape.query_lens, shape.context_lens, strict=True):
+        for p in range(ctx - qlen, ctx):
+            ids.append(1 + p % 97)
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        if shape.sample:
+            rows.append(len(ids) - 1)
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64)
+
+    pos = t(positions)
+    return StepPlan(
+        kind=PlanKind.RUN,
+        input_ids=t(ids),
+        positions=pos[None].expand(3, -1).contiguous(),
+        query_lens=t(list(shape.query_lens)),
+        context_lens=t(list(shape.context_lens)),
+        slot_mapping=t(slots),
+        block_tables=t(table * shape.num_seqs).view(shape.num_seqs, len(table)),
+        sample_rows=t(rows),
+    )
+
+
+def dummy_sampling_seqs(n: int) -> list[Sequence]:
+    """Sequences that exercise every sampler path (one output token, so presence penalties apply)."""
+    seqs = []
+    for i in range(n):
+        seq = Sequence(f"dummy-{i}", [1, 2, 3], DUMMY_SAMPLING, max_tokens=1)
+        seq.token_ids.append(4)
+        seqs.append(seq)
+    return seqs
+
+
+def run_dummy_step(runner: ModelRunner, shape: DummyShape, sampler: Sampler | None = None) -> None:
+    """One forward of `shape` (plus the sampler on the rank that gets logits). Keeps nothing."""
+    needed = shape.blocks_needed(runner.cfg.block_size)
+    if needed > runner.num_kv_blocks:
+        raise ValueError(
+            f"dummy step {shape.name!r} needs {needed} KV blocks, the cache has {runner.num_kv_blocks}"
+        )
+    logits = runner.execute(dummy_plan(shape, runner.cfg.block_size))
+    if logits is not None and sampler is not None:
+        sampler(logits, dummy_sampling_seqs(logits.shape[0]))
+
+
+def release_after_failure(mem: DeviceMemory | None) -> None:
+    """After a caught failure: drop the tensors the traceback kept alive and return cached blocks."""
+    gc.collect()
+    if mem is not None:
+        mem.empty_cache()
+
+
+# --- test hook: an OOM in the middle of one rank's forward --------------------------------------
+
+
+@dataclass(frozen=True)
+class OOMInjection:
+    """Make `rank` raise torch.OutOfMemoryError inside the forward of `shape` (None: the first shape),
+    half-way through the layers, where the other ranks already wait in the next collective."""
+
+    rank: int
+    shape: str | None = None
+
+    def applies(self, rank: int, shape: DummyShape, index: int) -> bool:
+        return rank == self.rank and (shape.name == self.shape if self.shape else index == 0)
+
+
+@contextlib.contextmanager
+def injected_oom(runner: ModelRunner, shape: DummyShape) -> Iterator[None]:
+    layers = runner.model.attention_layers()
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        raise torch.OutOfMemoryError(f"injected out of memory (test hook) in warm-up shape {shape.name!r}")
+
+    handle = layers[len(layers) // 2].register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+# --- the rank-agreed warm-up --------------------------------------------------------------------
+
+
+@dataclass
+class WarmupResult:
+    ran: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def shape_readiness(
+    runner: ModelRunner, shape: DummyShape, mem: DeviceMemory | None, cap_bytes: int, need_bytes: int
+) -> str:
+    """Why this rank cannot run `shape` now; "" when it can."""
+    cfg = runner.cfg
+    needed = shape.blocks_needed(cfg.block_size)
+    if needed > runner.num_kv_blocks:
+        return f"needs {needed} KV blocks, the cache has {runner.num_kv_blocks}"
+    if shape.num_tokens > cfg.max_num_batched_tokens or shape.num_seqs > cfg.max_num_seqs:
+        return f"{shape.num_tokens} tokens / {shape.num_seqs} seqs exceed the engine limits"
+    if max(shape.context_lens) > cfg.max_model_len:
+        return f"context {max(shape.context_lens)} exceeds max_model_len {cfg.max_model_len}"
+    if mem is not None and cap_bytes and need_bytes:
+        free = cap_bytes - mem.allocated()
+        if free < need_bytes:
+            return f"{fmt_bytes(free)} free of its budget, the shape needs {fmt_bytes(need_bytes)}"
+    return ""
+
+
+def run_warmup(
+    runner: ModelRunner,
+    group: TPGroup,
+    shapes: list[DummyShape],
+    *,
+    mem: DeviceMemory | None = None,
+    cap_bytes: int = 0,
+    need_bytes: dict[str, int] | None = None,
+    sampler: Sampler | None = None,
+    report: Report | None = None,
+    inject: OOMInjection | None = None,
+) -> WarmupResult:
+    """Run each shape on every rank or on none; any failure fails every rank (WarmupError)."""
+    need = need_bytes or {}
+    default_need = max(need.values(), default=0)
+    sampler = sampler or Sampler()
+    result = WarmupResult()
+    started = time.monotonic()
+    for i, shape in enumerate(shapes):
+        if report is not None:
+            report("warming_up", shape.name, i, len(shapes))
+        why = shape_readiness(runner, shape, mem, cap_bytes, need.get(shape.name, default_need))
+        all_ready, first_bad = group.agree_all(not why, f"warm-up readiness of {shape.name!r}")
+        if not all_ready:
+            log.warning(
+                "warm-up shape %r skipped on every rank: rank %d is not ready%s",
+                shape.name, first_bad, f" ({why})" if why else "",
+            )  # fmt: skip
+            result.skipped.append(shape.name)
+            continue
+        diagnostic = ""
+        try:
+            hook = injected_oom(runner, shape) if inject and inject.applies(group.rank, shape, i) else None
+            with hook or contextlib.nullcontext():
+                run_dummy_step(runner, shape, sampler)
+        except Exception as exc:
+            diagnostic = group.fail(f"warm-up shape {shape.name!r}", exc)
+        if diagnostic:  # outside the except block: the traceback (and its tensors) is gone by now
+            release_after_failure(mem)
+            raise WarmupError(diagnostic)
+        result.ran.append(shape.name)
+    if report is not None:
+        report("warming_up", "done", len(shapes), len(shapes))
+    result.seconds = time.monotonic() - started
+    log.info("warm-up: ran %s, skipped %s in %.2fs", result.ran, result.skipped or "none", result.seconds)
+    return result

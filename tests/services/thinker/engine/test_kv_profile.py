@@ -1,0 +1,201 @@
+"""KV auto-profile on a simulated device: the real tiny thinker's allocations are metered, so the
+peak, the target, the teardown check, the canary, the 5 % shrink and the knob diagnostic all run
+through the same code a GPU runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from omnistage.common.config import EngineConfig
+from omnistage.common.memory.device import SimulatedDeviceMemory
+from omnistage.services.thinker.engine.config import resolve_engine_config
+from omnistage.services.thinker.engine.distributed import TPGroup
+from omnistage.services.thinker.engine.kv_profile import KVProfileError, KVSettings, size_kv_cache
+from omnistage.services.thinker.engine.llm_engine import LLMEngine
+from omnistage.services.thinker.engine.model_runner import ModelRunner
+from omnistage.services.thinker.engine.sequence import SamplingParams
+from omnistage.services.thinker.engine.warmup import run_dummy_step, stress_shapes
+from omnistage.services.thinker.models.tokenizer import MingTokenizer
+from profile_helpers import CFG, MiB, metered_runner
+
+SOLO = TPGroup(0, 1, None, None)
+CAPACITY = 200 * MiB
+
+
+def profile(ckpt, capacity=CAPACITY, budget=0, report=None, cfg: EngineConfig = CFG, runner=None, **kw):
+    mem = SimulatedDeviceMemory(capacity)
+    runner = runner or metered_runner(ckpt, mem, cfg)
+    settings = KVSettings(budget_bytes=budget or capacity, canary_bytes=cfg.kv_canary_bytes, **kw)
+    with mem.meter():
+        prof = size_kv_cache(runner, SOLO, mem, settings, report=report)
+    return runner, mem, prof
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_ckpt):
+    """The undisturbed profile on the whole simulated device (runner, mem, profile)."""
+    return profile(tiny_ckpt)
+
+
+def test_profile_fills_the_budget_and_max_load_fits(baseline):
+    runner, mem, prof = baseline
+    assert runner.num_kv_blocks == prof.num_blocks > 2 * -(-CFG.max_model_len // CFG.block_size)
+    assert runner.kv_bytes() == prof.num_blocks * runner.kv_block_bytes()
+    assert 0 <= prof.peak_reserved_bytes <= prof.cap_bytes == CAPACITY
+    # Most of the budget went to the cache: what is left is the measured activations plus the canary.
+    unused = CAPACITY - prof.weights_bytes - prof.kv_bytes
+    assert unused <= prof.activation_peak_bytes + CFG.kv_canary_bytes + 3 * MiB
+    report = runner.memory_report()
+    assert report.kv_cache_bytes == prof.kv_bytes and report.budget_bytes == CAPACITY
+    assert report.activation_peak_bytes == prof.activation_peak_bytes > 0
+    assert report.weights_bytes == prof.weights_bytes
+    # The sizes it chose really serve the largest steps (sampler included) within the device.
+    with mem.meter():
+        for shape in stress_shapes(runner.cfg):
+            run_dummy_step(runner, shape)
+    assert mem.peak_reserved() <= CAPACITY
+
+
+def test_more_budget_buys_proportionally_more_kv(tiny_ckpt, baseline):
+    _, _, small = profile(tiny_ckpt, budget=140 * MiB)
+    extra_blocks = baseline[2].num_blocks - small.num_blocks
+    assert small.cap_bytes == 140 * MiB
+    assert abs(extra_blocks * small.block_bytes - 60 * MiB) <= 4 * MiB
+
+
+def test_peers_on_the_device_shrink_the_cache(tiny_ckpt, baseline):
+    mem = SimulatedDeviceMemory(CAPACITY)
+    runner = metered_runner(tiny_ckpt, mem)
+    peer = mem.reserve(50 * MiB, "other stage")
+    with mem.meter():
+        prof = size_kv_cache(runner, SOLO, mem, KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB))
+    assert prof.peers_bytes == 50 * MiB and prof.cap_bytes == CAPACITY - 50 * MiB
+    alone = baseline[2]
+    assert abs((alone.num_blocks - prof.num_blocks) * prof.block_bytes - 50 * MiB) <= 4 * MiB
+    peer.release()
+
+
+def test_pinned_kv_tokens_skip_the_search_but_are_validated(tiny_ckpt):
+    steps = []
+    runner, _, prof = profile(tiny_ckpt, pinned_tokens=1000, report=lambda p, d, *_: steps.append(d))
+    assert prof.pinned and prof.num_blocks == runner.num_kv_blocks == 63  # ceil(1000 / 16)
+    assert not any(s.startswith("probe") for s in steps)
+    assert any(s.startswith("validate") for s in steps)
+    with pytest.raises(KVProfileError, match="pinned KV size does not fit"):
+        profile(tiny_ckpt, pinned_tokens=1400 * 16)
+
+
+def test_an_oom_in_validation_shrinks_5_percent_and_retries(tiny_ckpt, baseline):
+    mem = SimulatedDeviceMemory(CAPACITY)
+    runner = metered_runner(tiny_ckpt, mem)
+    held = []
+
+    def report(phase, detail, done, total):
+        if detail.startswith("validate") and done == 1:  # a peer grows between rebuild and validation
+            held.append(mem.reserve(3 * MiB, "peer grew"))
+
+    with mem.meter():
+        prof = size_kv_cache(
+            runner, SOLO, mem, KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB), report=report
+        )
+    assert prof.attempts == 2 and held
+    assert prof.num_blocks == int(baseline[2].num_blocks * 0.95)
+
+
+def test_gives_up_after_4_attempts_naming_every_knob(tiny_ckpt):
+    mem = SimulatedDeviceMemory(CAPACITY)
+    runner = metered_runner(tiny_ckpt, mem)
+    attempts = []
+
+    def report(phase, detail, done, total):
+        if detail.startswith("validate"):  # a peer that keeps growing: every validation OOMs
+            attempts.append(detail)
+            mem.reserve(mem.free() - 64 * 1024, "greedy peer")
+
+    with mem.meter(), pytest.raises(KVProfileError) as err:
+        size_kv_cache(runner, SOLO, mem, KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB), report=report)
+    assert len(attempts) == 4 and "attempt 4/4" in attempts[-1]
+    msg = str(err.value)
+    assert "failed after 4 attempt(s)" in msg
+    for knob in (
+        "memory.budget_bytes", "memory.budget_fraction", "engine.max_num_seqs", "engine.max_num_batched_tokens",
+        "engine.max_model_len", "CUDA graph sizes", "engine.kv_tokens", "engine.kv_safety_factor",
+    ):  # fmt: skip
+        assert knob in msg
+
+
+# 14 MiB over the weights: the probe and its stress fit, the target does not; 6 MiB: not even the stress.
+@pytest.mark.parametrize(
+    "extra, failure",
+    [
+        (14 * MiB, "only .* KV blocks fit .* one max_model_len request needs 32"),
+        (6 * MiB, "the stress at the probe size does not fit"),
+    ],
+)
+def test_a_budget_below_one_request_fails_before_any_rebuild(tiny_ckpt, extra, failure):
+    mem = SimulatedDeviceMemory(CAPACITY)
+    runner = metered_runner(tiny_ckpt, mem)
+    with mem.meter(), pytest.raises(KVProfileError, match=failure) as err:
+        size_kv_cache(
+            runner, SOLO, mem, KVSettings(budget_bytes=mem.allocated() + extra, canary_bytes=8 * MiB)
+        )
+    assert "engine.kv_tokens" in str(err.value) and "engine.max_model_len=512" in str(err.value)
+
+
+class LeakyUser:
+    """A KV user that ignores release_kv: it pins the probe cache (the LightLLM review's bug)."""
+
+    def __init__(self) -> None:
+        self.bound: list[torch.Tensor] = []
+
+    def bind_kv(self, kv_cache: torch.Tensor) -> None:
+        self.bound.append(kv_cache[0, 0])
+
+    def release_kv(self) -> None:
+        pass
+
+
+class GoodUser(LeakyUser):
+    def release_kv(self) -> None:
+        self.bound.clear()
+
+
+def test_teardown_that_does_not_free_the_probe_fails_clearly(tiny_ckpt):
+    mem = SimulatedDeviceMemory(CAPACITY)
+    runner = metered_runner(tiny_ckpt, mem)
+    runner.kv_users.append(LeakyUser())
+    with mem.meter(), pytest.raises(KVProfileError, match="still references the old cache"):
+        size_kv_cache(runner, SOLO, mem, KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB))
+
+
+def test_rebuild_rebinds_every_view_and_the_engine_serves_identically(tiny_ckpt):
+    mem = SimulatedDeviceMemory(CAPACITY)
+    runner = metered_runner(tiny_ckpt, mem)
+    user = GoodUser()
+    runner.kv_users.append(user)
+    with mem.meter():
+        size_kv_cache(runner, SOLO, mem, KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB))
+    kv = runner.kv_cache
+    assert [t.untyped_storage().data_ptr() for t in user.bound] == [kv.untyped_storage().data_ptr()]
+    for i, layer in enumerate(runner.model.attention_layers()):
+        assert (
+            layer.k_cache.data_ptr() == kv[0, i].data_ptr()
+            and layer.v_cache.data_ptr() == kv[1, i].data_ptr()
+        )
+    tok = MingTokenizer(tiny_ckpt)
+    prompts = [[5, 6, 7, 8, 9] * 20, [11, 12, 13]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    profiled = LLMEngine(runner, tok, list(tok.stop_token_ids)).generate(prompts, params)
+    legacy = ModelRunner(
+        runner.model, resolve_engine_config(dataclasses.replace(CFG, num_kv_blocks=64)), "cpu"
+    )
+    plain = LLMEngine(legacy, tok, list(tok.stop_token_ids)).generate(prompts, params)
+    assert [r.token_ids for r in profiled] == [r.token_ids for r in plain]
+
+
+def test_cpu_without_a_simulated_device_keeps_the_old_sizing(tiny_ckpt):
+    runner = ModelRunner.from_checkpoint(tiny_ckpt, CFG, "float32", "cpu", SOLO)
+    assert runner.kv_profile is None and runner.budget_bytes == 0
+    assert runner.num_kv_blocks == CFG.max_num_seqs * CFG.max_model_len // CFG.block_size

@@ -1,0 +1,100 @@
+"""The thinker service's start-up on a simulated device, TP=2, through `omnistage serve`: every rank
+goes loading_weights → profiling_memory → warming_up → serving, Describe reports the measured
+memory, and an OOM on rank 1 during warm-up makes the whole service fail promptly naming it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import yaml
+from omnistage.v1 import control_pb2, control_pb2_grpc
+
+MiB = 1 << 20
+DEADLINE_S = 120
+pytestmark = pytest.mark.timeout(300)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(tmp_path, tiny_ckpt, **extra) -> tuple[subprocess.Popen, int, object]:
+    port, dist_port = _free_port(), _free_port()
+    thinker = {
+        "kind": "thinker",
+        "port": port,
+        "dist_port": dist_port,
+        "tp_size": 2,
+        "engine": {
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": 64,
+            "max_model_len": 512,
+            "kv_canary_bytes": MiB,
+        },
+        "memory": {"simulated_capacity_bytes": 200 * MiB, "budget_bytes": 150 * MiB},
+        **extra,
+    }
+    cfg = {"model": {"checkpoint": str(tiny_ckpt)}, "services": {"thinker": thinker}}
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omnistage.common.cli", "serve", str(path), "--ready-file", str(ready)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    return proc, port, ready
+
+
+def _phases(output: str, rank: int) -> list[str]:
+    return re.findall(rf"thinker\[r{rank}\] INFO phase (\w+)", output)
+
+
+def test_every_rank_profiles_then_warms_up_then_serves(tmp_path, tiny_ckpt):
+    proc, port, ready = _serve(tmp_path, tiny_ckpt)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while not (ready.exists() and ready.read_text().strip()):
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the thinker did not become ready"
+            time.sleep(0.2)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            desc = control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest(), timeout=5)
+        (mem,) = desc.memory
+        assert mem.budget_bytes == 150 * MiB
+        assert mem.kv_cache_bytes > 100 * MiB and mem.activation_peak_bytes > 0 and mem.weights_bytes > 0
+        assert mem.total_bytes <= mem.budget_bytes
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    output = out.decode(errors="replace")
+    want = ["loading_weights", "profiling_memory", "warming_up", "serving"]
+    for rank in (0, 1):
+        seen = [p for p in _phases(output, rank) if p in want]
+        assert seen == want, (rank, _phases(output, rank))
+    assert proc.returncode == 0, output[-3000:]
+
+
+def test_an_oom_on_rank_1_in_warm_up_fails_the_service_naming_it(tmp_path, tiny_ckpt):
+    proc, _, _ = _serve(tmp_path, tiny_ckpt, fault={"phase": "warming_up", "action": "oom", "rank": 1})
+    started = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"omnistage serve still running {DEADLINE_S}s after rank 1 failed")
+    output = out.decode(errors="replace")
+    assert proc.returncode != 0, output[-3000:]
+    assert "rank 1 failed in warming_up: SimulatedOOM" in output, output[-3000:]
+    assert time.monotonic() - started < DEADLINE_S

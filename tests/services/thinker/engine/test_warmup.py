@@ -1,0 +1,133 @@
+"""Warm-up and profiling: no [tokens x vocab] buffer outside sampling rows, a caught OOM leaves no
+state behind, and under TP every rank agrees on the KV size and fails together (no hang)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+
+import pytest
+from omnistage.common.memory.device import SimulatedDeviceMemory
+from omnistage.services.thinker.engine import worker
+from omnistage.services.thinker.engine.distributed import TPGroup
+from omnistage.services.thinker.engine.kv_profile import KVSettings, size_kv_cache
+from omnistage.services.thinker.engine.llm_engine import LLMEngine
+from omnistage.services.thinker.engine.sequence import SamplingParams
+from omnistage.services.thinker.engine.warmup import (
+    OOMInjection,
+    WarmupError,
+    dummy_plan,
+    run_warmup,
+    warmup_shapes,
+)
+from omnistage.services.thinker.models.tokenizer import MingTokenizer
+from profile_helpers import CFG, AllocationRecorder, MiB, metered_runner, tp_rank
+
+SOLO = TPGroup(0, 1, None, None)
+DEADLINE_S = 90
+
+
+def test_dummy_runs_never_build_logits_for_rows_that_do_not_sample(tiny_ckpt):
+    mem = SimulatedDeviceMemory(200 * MiB)
+    runner = metered_runner(tiny_ckpt, mem)
+    vocab = runner.model.config.vocab_size
+    rec = AllocationRecorder()
+    with mem.meter(), rec:
+        size_kv_cache(runner, SOLO, mem, KVSettings(budget_bytes=200 * MiB, canary_bytes=MiB))
+        run_warmup(runner, SOLO, warmup_shapes(runner.cfg), mem=mem)
+    max_rows = CFG.max_num_seqs
+    vocab_sized = [(shape, dt) for shape, dt in rec.tensors if len(shape) >= 1 and shape[-1] >= vocab]
+    assert any(len(s) == 2 and s[0] == max_rows for s, _ in vocab_sized), "the sampler stress never ran"
+    too_many_rows = [(s, dt) for s, dt in vocab_sized if len(s) >= 2 and s[0] > max_rows]
+    assert not too_many_rows, f"[tokens x vocab] buffers outside sampling rows: {too_many_rows[:5]}"
+    # The prefill stress (64 tokens) really ran and really had more rows than sampling rows.
+    assert any(len(s) == 2 and s[0] == CFG.max_num_batched_tokens for s, _ in rec.tensors)
+
+
+def test_dummy_plans_sample_only_where_asked():
+    shapes = {s.name: s for s in warmup_shapes(_resolved())}
+    prefill, decode = list(shapes.values())[:2]
+    assert dummy_plan(prefill, 16).sample_rows.numel() == 0
+    plan = dummy_plan(decode, 16)
+    assert plan.sample_rows.tolist() == list(range(decode.num_seqs))
+    assert plan.num_tokens == decode.num_seqs and int(plan.context_lens.max()) == CFG.max_model_len
+
+
+def _resolved():
+    from omnistage.services.thinker.engine.config import resolve_engine_config
+
+    return resolve_engine_config(CFG)
+
+
+def test_a_caught_warmup_oom_leaves_no_state_behind(tiny_ckpt):
+    mem = SimulatedDeviceMemory(200 * MiB)
+    runner = metered_runner(tiny_ckpt, mem)
+    with mem.meter():
+        size_kv_cache(runner, SOLO, mem, KVSettings(budget_bytes=200 * MiB, canary_bytes=MiB))
+        allocated = mem.allocated()
+        shapes = warmup_shapes(runner.cfg)
+        with pytest.raises(WarmupError, match=f"rank 0 failed in warm-up shape '{shapes[1].name}'"):
+            run_warmup(runner, SOLO, shapes, mem=mem, inject=OOMInjection(0, shapes[1].name))
+        assert mem.allocated() == allocated  # every activation of the failed step was released
+        result = run_warmup(runner, SOLO, shapes, mem=mem)  # attention metadata etc. were reset
+    assert result.ran == [s.name for s in shapes]
+    tok = MingTokenizer(tiny_ckpt)
+    engine = LLMEngine(runner, tok, list(tok.stop_token_ids))
+    (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out.token_ids) == 3 and engine.scheduler.block_manager.num_free_blocks == runner.num_kv_blocks
+
+
+def test_a_shape_one_rank_cannot_run_is_skipped(tiny_ckpt):
+    mem = SimulatedDeviceMemory(200 * MiB)
+    runner = metered_runner(tiny_ckpt, mem)
+    with mem.meter():
+        prof = size_kv_cache(runner, SOLO, mem, KVSettings(budget_bytes=200 * MiB, canary_bytes=MiB))
+        shapes = warmup_shapes(runner.cfg)
+        need = {s.name: prof.shape_peaks.get(s.name, 1) for s in shapes}
+        need[shapes[0].name] = 10 * prof.cap_bytes  # more than this rank has left
+        result = run_warmup(runner, SOLO, shapes, mem=mem, cap_bytes=prof.cap_bytes, need_bytes=need)
+    assert result.skipped == [shapes[0].name] and result.ran == [s.name for s in shapes[1:]]
+
+
+def _run_tp2(tiny_ckpt, tmp_path, **scenario) -> tuple[dict, dict, float]:
+    ctx = mp.get_context("spawn")
+    port = worker.free_port()
+    procs = []
+    for rank in range(2):
+        kwargs = dict(
+            rank=rank, port=port, ckpt=str(tiny_ckpt), out_dir=str(tmp_path), capacity=200 * MiB, **scenario
+        )
+        procs.append(ctx.Process(target=tp_rank, args=(kwargs,), name=f"test-rank{rank}"))
+    started = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(max(0.0, started + DEADLINE_S - time.monotonic()))
+    elapsed = time.monotonic() - started
+    hung = [p.name for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert not hung, f"{hung} still running after {DEADLINE_S}s"
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return results[0], results[1], elapsed
+
+
+def test_tp2_ranks_agree_on_the_smallest_kv_size(tiny_ckpt, tmp_path):
+    r0, r1, _ = _run_tp2(tiny_ckpt, tmp_path, peer_bytes={"1": 40 * MiB})
+    assert r0["status"] == r1["status"] == "ok", (r0, r1)
+    assert r0["cap"] == 200 * MiB and r1["cap"] == 160 * MiB
+    assert r0["proposed"] > r1["proposed"]  # rank 0 alone would have taken more ...
+    assert r0["blocks"] == r1["blocks"] == r1["proposed"]  # ... both built rank 1's size
+
+
+def test_tp2_oom_on_one_rank_in_warmup_fails_both_ranks_naming_rank_and_shape(tiny_ckpt, tmp_path):
+    r0, r1, elapsed = _run_tp2(tiny_ckpt, tmp_path, inject_rank=1)
+    shape = warmup_shapes(_resolved())[0].name
+    for r in (r0, r1):
+        assert r["status"] in ("error", "peer_failed"), r
+        assert f"rank 1 failed in warm-up shape '{shape}'" in r["message"], r
+        assert "injected out of memory" in r["message"], r
+    assert elapsed < DEADLINE_S
