@@ -39,6 +39,13 @@ LING_MINI = dict(
     head_dim=128, intermediate_size=5120, first_k_dense_replace=1, num_experts=256, num_experts_per_tok=8,
     num_shared_experts=1, moe_intermediate_size=512, n_group=8, topk_group=4,
 )  # fmt: skip
+# The full Ming-flash-omni-2.0 thinker (ming.md §2.1): ~103 B params; needs TP >= 2 on H200s.
+MING_FLASH = dict(
+    vocab_size=157184, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, intermediate_size=9216, first_k_dense_replace=1, num_experts=256, num_experts_per_tok=8,
+    num_shared_experts=1, moe_intermediate_size=1024, n_group=8, topk_group=4,
+)  # fmt: skip
+SHAPES = {"ling-mini": LING_MINI, "ming-flash": MING_FLASH}
 TINY = dict(
     vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     head_dim=128, intermediate_size=512, first_k_dense_replace=1, num_experts=16, num_experts_per_tok=4,
@@ -175,7 +182,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> di
         with group.failure_watch(on_peer_failure), mem.meter():
             t0 = time.monotonic()
             model = build_random_model(
-                thinker_config(TINY if args.tiny else LING_MINI), rank, args.tp, device, dtype
+                thinker_config(TINY if args.tiny else SHAPES[args.shape]), rank, args.tp, device, dtype
             )
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -244,6 +251,8 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> di
                 )
                 outs = engine.generate(prompts, params, timeout_s=args.timeout_s * 5)
                 result["real_tokens"] = sum(len(o.token_ids) for o in outs)
+                if args.sweep:
+                    result["sweep"] = decode_sweep(engine, args, device)
                 engine.shutdown()
             else:
                 serve_plans(group, runner)
@@ -258,6 +267,28 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> di
         )
     save()
     return result
+
+
+def decode_sweep(engine, args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """Requests/s and output tokens/s at each concurrency (greedy, ignore EOS, fixed output length)."""
+    from omnistage.services.thinker.engine.sequence import SamplingParams
+
+    gen = torch.Generator().manual_seed(2)
+    rows = []
+    for c in (int(x) for x in args.sweep.split(",")):
+        prompts = [torch.randint(2, 1000, (args.sweep_prompt_len,), generator=gen).tolist() for _ in range(c)]
+        params = SamplingParams(max_tokens=args.sweep_tokens, ignore_eos=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params, timeout_s=args.timeout_s * 20)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        toks = sum(len(o.token_ids) for o in outs)
+        rows.append({"concurrency": c, "seconds": dt, "req_s": c / dt, "out_tok_s": toks / dt})
+        print(f"[sweep] c={c} {dt:.2f}s {c / dt:.3f} req/s {toks / dt:.1f} out tok/s", flush=True)
+    return rows
 
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> None:
@@ -306,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny shape, simulated device")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="ling-mini", help="model shape (GPU runs)")
+    ap.add_argument("--sweep", default="", help="decode sweep concurrencies after the checks, e.g. 1,2,4,8")
+    ap.add_argument("--sweep-tokens", type=int, default=150)
+    ap.add_argument("--sweep-prompt-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--budget-fraction", type=float, default=0.9, help="of the GPU (or simulated device)")
     ap.add_argument("--peer-gib", type=float, default=0.0, help="another stage holds this much first")
