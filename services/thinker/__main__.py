@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omnistage.common.config import DeployConfig, ServiceConfig
+from omnistage.common.memory.report import export_memory
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
@@ -130,6 +131,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     )
     runtime.set_load_provider(loop.load)
     runtime.set_memory_provider(lambda: [engine.runner.memory_report()])
+    export_memory(svc.name, rank, engine.runner.memory_report())
     # The runtime drains in-flight RPCs first; only then does the engine stop (and release the ranks).
     runtime.add_shutdown_hook(loop.stop)
     runtime.set_serving()

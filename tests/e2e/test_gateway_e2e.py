@@ -35,7 +35,7 @@ def pipeline(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("e2e")
     ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
-    gw_port, th_port, dist_port = _free_ports(3)
+    gw_port, th_port, dist_port, metrics_port = _free_ports(4)
     cfg = {
         "model": {"checkpoint": str(ckpt)},
         "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 240, "warming_up": 240}},
@@ -44,6 +44,7 @@ def pipeline(tmp_path_factory):
                 "kind": "thinker",
                 "port": th_port,
                 "dist_port": dist_port,
+                "metrics_port": metrics_port,
                 "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 128, "max_model_len": 512},
             },
             "gateway": {"kind": "gateway", "port": gw_port, "max_message_bytes": 1 << 20},
@@ -65,7 +66,12 @@ def pipeline(tmp_path_factory):
             out = proc.stdout.read().decode(errors="replace")
             pytest.fail(f"pipeline did not start (exit {proc.returncode}):\n{out[-4000:]}")
         time.sleep(0.2)
-    yield {"gateway": f"127.0.0.1:{gw_port}", "thinker": f"127.0.0.1:{th_port}", "proc": proc}
+    yield {
+        "gateway": f"127.0.0.1:{gw_port}",
+        "thinker": f"127.0.0.1:{th_port}",
+        "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+        "proc": proc,
+    }
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=60)
@@ -211,3 +217,17 @@ def test_concurrent_requests_all_finish_and_nothing_crashed(pipeline):
     for i, events in enumerate(results):
         assert events[-1].finish.usage.completion_tokens == 8 + i
     assert pipeline["proc"].poll() is None
+
+
+def test_thinker_reports_its_memory_in_describe_and_metrics(pipeline):
+    import urllib.request
+
+    with grpc.insecure_channel(pipeline["thinker"]) as ch:
+        desc = control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest(), timeout=5)
+    assert desc.progress.phase == control_pb2.PHASE_SERVING
+    (mem,) = desc.memory
+    assert mem.weights_bytes > 0 and mem.kv_cache_bytes > 0
+    assert mem.total_bytes >= mem.weights_bytes + mem.kv_cache_bytes
+    body = urllib.request.urlopen(pipeline["metrics"], timeout=5).read().decode()
+    kv_lines = [ln for ln in body.splitlines() if ln.startswith("omnistage_memory_bytes") and 'kind="kv_cache"' in ln]
+    assert kv_lines and float(kv_lines[0].split()[-1]) == mem.kv_cache_bytes
