@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -48,6 +48,9 @@ MODULES: dict[str, str] = {
 _KILL_WAIT_S = 5.0
 # The stale-shm sweep runs beside the start; the launcher waits at most this long for it at exit.
 _SWEEP_WAIT_S = 30.0
+# Ranks > 0 are stopped after rank 0: they get this long to leave on rank 0's exit plan before their
+# SIGTERM, and at least this long after it (within stop_grace_s where it allows).
+_FOLLOWER_GRACE_S = 1.0
 
 
 @dataclass(eq=False)
@@ -65,6 +68,8 @@ class Child:
     ready: bool = False
     cause: str = ""
     channel: grpc.Channel | None = None
+    # phase → when this process entered it, as seen in its status file (kept after it moves on/fails).
+    entered: dict[str, float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -78,6 +83,8 @@ class Child:
         rec = read_status(self.status_file)
         if rec is not None and rec.pid == self.proc.pid:  # a stale file of an earlier run is not ours
             self.status = rec
+            if rec.phase in STARTUP_PHASES:
+                self.entered.setdefault(rec.phase, rec.phase_started_unix)
         return self.status
 
     def summary(self, now: float) -> str:
@@ -257,10 +264,20 @@ class Launcher:
 
     def stop_all(self) -> None:
         """SIGTERM each group (gateway first), SIGKILL what is left after stop_grace_s; bounded."""
+        grace = self.cfg.startup.stop_grace_s
         for group in reversed(self.groups):
-            for c in group:
+            # TP rank 0 first: its engine sends the exit plan, so the other ranks leave on their own
+            # (a rank stopped while it waits in a collective dies there, not cleanly).
+            deadline = time.monotonic() + grace
+            leaders, followers = [c for c in group if c.rank == 0], [c for c in group if c.rank > 0]
+            for c in leaders:
                 _signal_group(c, signal.SIGTERM)
-            _wait_exit(group, self.cfg.startup.stop_grace_s)
+            if followers:
+                _wait_exit(leaders, grace)
+                _wait_exit(followers, min(max(deadline - time.monotonic(), 0.0), _FOLLOWER_GRACE_S))
+                for c in followers:
+                    _signal_group(c, signal.SIGTERM)
+            _wait_exit(group, max(deadline - time.monotonic(), min(grace, _FOLLOWER_GRACE_S)))
             for c in group:
                 if c.proc.poll() is None:
                     self.say(f"omnistage: {c.label} (pid {c.proc.pid}) ignored SIGTERM, killing", self.err)
@@ -271,6 +288,9 @@ class Launcher:
                     self.say(f"omnistage: {c.label} (pid {c.proc.pid}) did not exit after SIGKILL", self.err)
                 else:  # helpers left in the child's process group go too
                     _signal_group(c, signal.SIGKILL, leader_gone=True)
+                    if c.proc.returncode != 0 and not c.cause and c.proc.returncode != -signal.SIGKILL:
+                        self.say(f"omnistage: {c.label} {exit_cause(c.proc.returncode, None)} while stopping",
+                                 self.err)
         for c in self.children:
             if c.pidfd is not None:
                 os.close(c.pidfd)
@@ -285,8 +305,30 @@ class Launcher:
         for c in self.children:
             if c is not culprit and not c.cause:
                 c.refresh()
+                if c.proc.poll() is not None:
+                    c.cause = exit_cause(c.proc.returncode, c.status)
+                elif not c.ready:
+                    c.cause = self.group_cause(c, now)
             cause = c.cause or ("ready" if c.ready else "not ready yet")
             self.say(f"{c.summary(now)} {cause}", self.err)
+
+    def group_cause(self, child: Child, now: float) -> str:
+        """State of a still-starting rank when another one failed, with its TP group's phase clock.
+
+        The ranks of a group pass each phase together (they meet in collectives), so the phase
+        deadline runs from the first rank's entry: of two silent ranks, one hung and one waiting for
+        it, both are named, whichever entered the phase first.
+        """
+        phase = child.phase
+        rec = child.status
+        beat = rec.heartbeat_unix if rec is not None else child.spawned_unix
+        if phase not in STARTUP_PHASES:
+            return f"not ready yet (phase {phase})"
+        own = rec.phase_started_unix if rec is not None and phase != "starting" else child.spawned_unix
+        starts = [c.entered[phase] for c in self.children if c.svc.name == child.svc.name and phase in c.entered]
+        started = min([own, *starts])
+        cause = stuck_cause(self.cfg.startup, phase, now - started, now - beat)
+        return cause or f"not ready yet (no progress for {now - beat:.1f}s)"
 
     # -- main --------------------------------------------------------------------------------
 

@@ -119,4 +119,9 @@ def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoRetu
     setup_logging(svc.name, args.rank, cfg.log_level, cfg.log_format)
     watch_parent(hard_exit_after_s=svc.drain_grace_s + 5.0)
     runtime = ServiceRuntime(cfg, svc, args.rank, run_dir=args.run_dir)
-    sys.exit(asyncio.run(serve(runtime, build)))
+    code = asyncio.run(serve(runtime, build))
+    # Stopped already: a late SIGTERM (the launcher stopping the other ranks) must not turn this clean
+    # exit into "killed by SIGTERM" while the interpreter finalizes; a stuck exit still meets SIGKILL.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)

@@ -1,0 +1,62 @@
+"""Chaos launches of the real CPU pipeline (load_tests/chaos_launch.py): every start-up ends SERVING or
+with the right diagnostic within its deadline, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
+from chaos_launch import ACTIONS, Plan, Result, Settings, _judge, plan_launches, run_chaos, summary  # noqa: E402
+
+SEED = 20261122
+LAUNCHES = 50
+
+
+def test_plans_are_reproducible_and_cover_every_fault_kind():
+    plans = plan_launches(LAUNCHES, SEED)
+    assert plans == plan_launches(LAUNCHES, SEED) and plans != plan_launches(LAUNCHES, SEED + 1)
+    kinds = Counter(p.kind for p in plans)
+    assert set(ACTIONS) | {"none"} <= set(kinds), kinds
+    assert kinds.keys() & {"sigkill", "launcher_sigterm", "launcher_sigkill"}, kinds
+    assert {p.tp_size for p in plans} == {1, 2}
+    assert {p.rank for p in plans if p.service == "thinker"} >= {-1, 0, 1}
+
+
+def test_judge_rejects_a_diagnostic_that_names_the_wrong_rank():
+    plan = Plan(0, 2, "crash", "thinker", "loading_weights", 1)
+    err = ("03:00:00 thinker[r1] WARNING fault hook action=crash phase=loading_weights\n"
+           "omnistage: start-up failed: thinker r0 exited with code 1: TPError\n"
+           "thinker r0 loading_weights (1.0s ago) exited with code 1: TPError\n")
+    res = Result(plan, outcome="failed", exit_code=1)
+    _judge(res, plan, err, "", {1: 100.0}, 101.0, Settings())
+    assert res.fired == [1] and res.expected == "failed"
+    assert any("no report line names thinker r1" in p for p in res.problems), res.problems
+    good = err + "thinker r1 loading_weights (1.0s ago) exited with code 3\n"
+    res = Result(plan, outcome="failed", exit_code=1)
+    _judge(res, plan, good, "", {1: 100.0}, 101.0, Settings())
+    assert res.ok, res.problems
+    late = Result(plan, outcome="failed", exit_code=1)
+    _judge(late, plan, good, "", {1: 100.0}, 100.0 + Settings().stop_grace_s + Settings().slack_s + 1, Settings())
+    assert any("from the fault to the exit" in p for p in late.problems)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_chaos_launches_end_serving_or_diagnosed_and_leave_nothing(tmp_path):
+    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", seed=0)
+    lines: list[str] = []
+    results = run_chaos(plan_launches(LAUNCHES, SEED), ckpt, tmp_path, Settings(hang_deadline_s=4.0),
+                        log=lines.append)
+    table = summary(results)
+    print(table)
+    assert len(results) == LAUNCHES
+    assert all(r.ok for r in results), "\n".join(lines) + "\n" + table
+    outcomes = Counter(r.outcome for r in results)
+    assert outcomes["serving"] and outcomes["failed"], outcomes  # both ends were really exercised
+    assert not any(r.leftovers for r in results)
