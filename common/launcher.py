@@ -189,6 +189,22 @@ class Launcher:
             poller.register(fd, select.POLLIN)
         poller.poll(timeout_s * 1000)
 
+    def _root_cause(self, first: Child) -> Child:
+        """A TP peer copies the failing rank's diagnostic ("rank 1 failed in …") and may be seen first:
+        blame the rank whose own failure it is, when its status already says so."""
+        if f"rank {first.rank} failed" in first.cause:
+            return first
+        for c in self.children:
+            if c is first or c.svc.name != first.svc.name:
+                continue
+            rec = c.refresh()
+            if rec is not None and rec.phase == "failed" and f"rank {c.rank} failed" in first.cause:
+                if not c.cause:
+                    exited = c.proc.poll() is not None
+                    c.cause = exit_cause(c.proc.returncode, rec) if exited else f"failed: {rec.failure}"
+                return c
+        return first
+
     def dead_child(self) -> Child | None:
         for c in self.children:
             if c.proc.poll() is not None:
@@ -249,13 +265,13 @@ class Launcher:
                 return None
             dead = self.dead_child()
             if dead is not None:
-                return dead
+                return self._root_cause(dead)
             now = time.time()
             for child in group:
                 if not child.ready:
                     self.check(child, now)
                     if child.cause:
-                        return child
+                        return self._root_cause(child)
             if all(c.ready for c in group):
                 return None
             self.pause(self.cfg.startup.poll_interval_s)

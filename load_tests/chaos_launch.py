@@ -300,7 +300,9 @@ def run_launch(plan: Plan, ckpt: Path, workdir: Path, settings: Settings = Setti
             serving = True
             if not _healthy(ready.read_text().strip(), 5.0):
                 res.problems.append("ready file written but the gateway's health is not SERVING")
-            if signal_at is None:  # the launch is complete: stop it
+            # The launch is complete: stop it; unless a child was just SIGKILLed, when the launcher
+            # must notice and fail by itself (a SIGTERM racing that death would hide it).
+            if signal_at is None and not killed_label:
                 proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)
     if proc.poll() is None:

@@ -69,7 +69,9 @@ def _phase_report(runtime: ServiceRuntime, first: str) -> Report:
     current = [first]
 
     def report(phase: str, detail: str = "", done: int = 0, total: int = 0) -> None:
-        if phase != current[0]:
+        if phase == "failed":  # this rank's own failure, reported before it lingers for the others
+            runtime.reporter.fail(detail)
+        elif phase != current[0]:
             current[0] = phase
             runtime.reporter.enter(phase, total=total, unit=_PHASE_UNITS.get(phase, ""), detail=detail)
         elif detail:

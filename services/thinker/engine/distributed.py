@@ -40,6 +40,9 @@ class TPGroup:
     def __init__(self, rank: int, world_size: int, store: dist.Store | None, plan_group) -> None:
         self.rank = rank
         self.world_size = world_size
+        # Called with this rank's own diagnostic as soon as it is reported (before rank 0 lingers for
+        # the others' acknowledgements), so this rank's status says "failed" first and names the cause.
+        self.on_fail: Callable[[str], None] | None = None
         self.store = store
         self.plan_group = plan_group
         self.num_plans = 0
@@ -91,6 +94,8 @@ class TPGroup:
         """report_error, and on rank 0 (which hosts the store) wait up to `linger_s` until every other
         rank has read the diagnostic, so none of them is left with "rank 0 is gone" instead."""
         diagnostic = self.report_error(phase, exc)
+        if self.on_fail is not None:
+            self.on_fail(diagnostic)
         if self.rank == 0 and self.is_distributed and self.store is not None:
             deadline = time.monotonic() + linger_s
             while time.monotonic() < deadline:

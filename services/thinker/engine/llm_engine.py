@@ -117,6 +117,8 @@ class LLMEngine:
         if rank != 0:
             raise ValueError(f"LLMEngine runs on rank 0 only (got rank {rank}); other ranks run run_worker")
         group = init_tp_group(rank, world_size, host, port, device, timeout_s)
+        if report is not None:
+            group.on_fail = lambda diagnostic: report("failed", diagnostic)
         tracker = PhaseTracker(report)
         with group.failure_watch(on_peer_failure):
             try:

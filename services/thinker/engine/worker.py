@@ -63,6 +63,8 @@ def run_worker(
     `on_peer_failure(diagnostic)` (default: log and exit the process), even inside a collective.
     """
     group = init_tp_group(rank, world_size, host, port, device, timeout_s, idle_timeout_s)
+    if report is not None:
+        group.on_fail = lambda diagnostic: report("failed", diagnostic)
     tracker = PhaseTracker(report)
     phase = ""
     with group.failure_watch(on_peer_failure):

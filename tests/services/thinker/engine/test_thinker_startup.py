@@ -86,8 +86,9 @@ def test_every_rank_profiles_then_warms_up_then_serves(tmp_path, tiny_ckpt):
     assert proc.returncode == 0, output[-3000:]
 
 
-def test_an_oom_on_rank_1_in_warm_up_fails_the_service_naming_it(tmp_path, tiny_ckpt):
-    proc, _, _ = _serve(tmp_path, tiny_ckpt, fault={"phase": "warming_up", "action": "oom", "rank": 1})
+@pytest.mark.parametrize("bad_rank", [1, 0])
+def test_an_oom_on_one_rank_in_warm_up_fails_the_service_naming_it(tmp_path, tiny_ckpt, bad_rank):
+    proc, _, _ = _serve(tmp_path, tiny_ckpt, fault={"phase": "warming_up", "action": "oom", "rank": bad_rank})
     started = time.monotonic()
     try:
         out, _ = proc.communicate(timeout=DEADLINE_S)
@@ -96,5 +97,8 @@ def test_an_oom_on_rank_1_in_warm_up_fails_the_service_naming_it(tmp_path, tiny_
         pytest.fail(f"omnistage serve still running {DEADLINE_S}s after rank 1 failed")
     output = out.decode(errors="replace")
     assert proc.returncode != 0, output[-3000:]
-    assert "rank 1 failed in warming_up: SimulatedOOM" in output, output[-3000:]
+    assert f"rank {bad_rank} failed in warming_up: SimulatedOOM" in output, output[-3000:]
+    # The launcher's headline blames the rank that failed, not the peer that copied its diagnostic
+    # (rank 0 used to say "failed" only after waiting for the others' acknowledgements).
+    assert f"start-up failed: thinker r{bad_rank} failed" in output, output[-3000:]
     assert time.monotonic() - started < DEADLINE_S
