@@ -17,6 +17,7 @@ are not seen; the dispatch mode is thread-local, so only ops of the metering thr
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import os
 import threading
@@ -307,6 +308,16 @@ class SimulatedDeviceMemory:
             )
 
     def _charge(self, key: int, nbytes: int, what: str) -> int:
+        """Count `nbytes` more for `key`; on OOM collect garbage and retry once, as the CUDA caching
+        allocator frees its cached blocks and retries before it raises. Without this, storages kept
+        alive only by reference cycles made the measured peak depend on when Python's GC last ran."""
+        try:
+            return self._charge_once(key, nbytes, what)
+        except torch.OutOfMemoryError:
+            gc.collect()  # finalizers of dead storages run here (the lock is reentrant)
+            return self._charge_once(key, nbytes, what)
+
+    def _charge_once(self, key: int, nbytes: int, what: str) -> int:
         """Count `nbytes` more for `key`; grow reserved by segments; OOM past the limit."""
         counted = _round_up(nbytes, BLOCK_ROUND) if nbytes else 0
         with self._lock:
