@@ -105,9 +105,9 @@ class BailingMoeV2ForCausalLM(nn.Module):
     def __init__(self, config: ThinkerConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         if config.use_qkv_bias or config.use_bias:
-            raise NotImplementedError("BailingMoeV2 with qkv/output biases is not supported (Ming has none)")
+            raise ValueError("BailingMoeV2 with qkv/output biases is not supported (Ming has none)")
         if config.tie_word_embeddings:
-            raise NotImplementedError("tied embeddings are not supported (Ming unties them)")
+            raise ValueError("tied embeddings are not supported (Ming unties them)")
         self.config = config
         self.tp = tp or TPGroup()
         self.model = BailingMoeV2Model(config, self.tp)
