@@ -190,20 +190,22 @@ class Launcher:
         poller.poll(timeout_s * 1000)
 
     def _root_cause(self, first: Child) -> Child:
-        """A TP peer copies the failing rank's diagnostic ("rank 1 failed in …") and may be seen first:
-        blame the rank whose own failure it is, when its status already says so."""
-        if f"rank {first.rank} failed" in first.cause:
+        """Blame the rank of `first`'s service that failed first: a TP peer copies the failing rank's
+        diagnostic into its own status and may be noticed before it. A child that died without
+        reporting a failure (crash, SIGKILL) is its own root cause."""
+        mine = first.refresh()
+        if mine is None or mine.phase != "failed":
             return first
+        earliest, when = first, mine.phase_started_unix
         for c in self.children:
-            if c is first or c.svc.name != first.svc.name:
-                continue
-            rec = c.refresh()
-            if rec is not None and rec.phase == "failed" and f"rank {c.rank} failed" in first.cause:
-                if not c.cause:
-                    exited = c.proc.poll() is not None
-                    c.cause = exit_cause(c.proc.returncode, rec) if exited else f"failed: {rec.failure}"
-                return c
-        return first
+            rec = c.refresh() if c is not first and c.svc.name == first.svc.name else None
+            if rec is not None and rec.phase == "failed" and rec.phase_started_unix < when:
+                earliest, when = c, rec.phase_started_unix
+        if earliest is not first and not earliest.cause:
+            rec = earliest.status
+            exited = earliest.proc.poll() is not None
+            earliest.cause = exit_cause(earliest.proc.returncode, rec) if exited else f"failed: {rec.failure}"
+        return earliest
 
     def dead_child(self) -> Child | None:
         for c in self.children:
