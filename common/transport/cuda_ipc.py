@@ -10,14 +10,17 @@ it is device memory outside torch's accounting that the memory budget must reser
 from __future__ import annotations
 
 import ctypes
+import gc
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cache
 
 import torch
-from omnistage.common.transport.host import SHM_DIR, Segment, TransportError
+from omnistage.common.transport.host import SHM_DIR, Segment, TransportError, pid_alive, segment_owner_pid
 from omnistage.common.transport.shm_pool import LeaseArena, LeaseTable, table_bytes, typed_view
 from omnistage.v1 import tensor_pb2
 
@@ -152,8 +155,12 @@ class _DeviceMemory:
         }
 
 
-def _wrap(ptr: int, nbytes: int, device: int) -> torch.Tensor:
-    return torch.as_tensor(_DeviceMemory(ptr, nbytes), device=torch.device("cuda", device))
+def _wrap(ptr: int, nbytes: int, device: int) -> tuple[torch.Tensor, weakref.ref]:
+    """A uint8 tensor over raw device memory, and a weak reference to the object that owns the memory
+    view: torch keeps that object alive while any tensor viewing it lives, so a dead reference means
+    no view of the memory is left (the handle may then be closed)."""
+    holder = _DeviceMemory(ptr, nbytes)
+    return torch.as_tensor(holder, device=torch.device("cuda", device)), weakref.ref(holder)
 
 
 class CudaIpcPool:
@@ -175,7 +182,7 @@ class CudaIpcPool:
         self._ptr = rt.malloc(device, byte_size)
         try:
             self.handle = rt.export(device, self._ptr)
-            self.buffer = _wrap(self._ptr, byte_size, device)
+            self.buffer, _ = _wrap(self._ptr, byte_size, device)
             self.segment = Segment.create(table_bytes(max_leases), shm_dir=shm_dir)
         except BaseException:
             rt.free(device, self._ptr)
@@ -229,14 +236,31 @@ class CudaIpcPool:
         cuda_runtime().free(self.device, self._ptr)
 
 
-class CudaIpcAttachments:
-    """Consumer side: each (pool, device) opened once and cached; releases go to the pool's lease table."""
+@dataclass
+class _Opened:
+    """One producer pool opened on one device: the mapped pointer and our view of it."""
 
-    def __init__(self, shm_dir: str = SHM_DIR):
+    ptr: int
+    buffer: torch.Tensor | None
+    # Alive while any tensor viewing the mapping lives (ours or a consumer's).
+    holder: weakref.ref
+
+
+class CudaIpcAttachments:
+    """Consumer side: each (pool, device) opened once and cached; releases go to the pool's lease table.
+
+    A handle opened from a producer that has died pins that producer's GPU memory for as long as it
+    stays open, so handles of dead producers are closed (`prune_dead`, also run when a new pool is
+    opened and at most every `prune_interval_s` on `view`) once no tensor viewing them is left.
+    """
+
+    def __init__(self, shm_dir: str = SHM_DIR, prune_interval_s: float = 5.0):
         self._shm_dir = shm_dir
         self._lock = threading.Lock()
-        self._opened: dict[tuple[str, int], tuple[int, torch.Tensor]] = {}
+        self._opened: dict[tuple[str, int], _Opened] = {}
         self._tables: dict[str, LeaseTable] = {}
+        self._prune_interval_s = prune_interval_s
+        self._last_prune = time.monotonic()
 
     def view(self, ref: tensor_pb2.CudaIpcRef, device: int) -> torch.Tensor:
         """Zero-copy uint8 view of the slice, opened on `device` (the consumer's own GPU)."""
@@ -247,11 +271,15 @@ class CudaIpcAttachments:
             return pool.buffer[ref.offset : ref.offset + ref.byte_size]
         with self._lock:
             key = (ref.pool_id, device)
-            if key not in self._opened:
+            opened = self._opened.get(key)
+            if opened is None or time.monotonic() - self._last_prune >= self._prune_interval_s:
+                self._prune_dead_locked(keep=key)
+            if opened is None:
                 self._table_locked(ref.pool_id)
                 ptr = cuda_runtime().open(device, ref.ipc_handle)
-                self._opened[key] = (ptr, _wrap(ptr, ref.pool_byte_size, device))
-            buffer = self._opened[key][1]
+                buffer, holder = _wrap(ptr, ref.pool_byte_size, device)
+                opened = self._opened[key] = _Opened(ptr, buffer, holder)
+            buffer = opened.buffer
         return buffer[ref.offset : ref.offset + ref.byte_size]
 
     def release(self, ref: tensor_pb2.CudaIpcRef) -> None:
@@ -263,6 +291,43 @@ class CudaIpcAttachments:
             table = self._table_locked(ref.pool_id)
         table.release(ref.lease_id)
 
+    def prune_dead(self) -> int:
+        """Close the handles of producers that are gone and no longer viewed; returns how many closed."""
+        with self._lock:
+            return self._prune_dead_locked()
+
+    @property
+    def num_open(self) -> int:
+        with self._lock:
+            return len(self._opened)
+
+    def _prune_dead_locked(self, keep: tuple[str, int] | None = None) -> int:
+        self._last_prune = time.monotonic()
+        dead = [k for k in self._opened if k != keep and not pid_alive(self._owner_pid(k[0]))]
+        if not dead:
+            return 0
+        for key in dead:
+            self._opened[key].buffer = None  # drop our own view; consumers' views keep the holder alive
+        gc.collect()
+        closed = 0
+        for key in dead:
+            opened = self._opened[key]
+            if opened.holder() is not None:
+                continue  # a consumer still reads it: closed on a later prune
+            cuda_runtime().close(key[1], opened.ptr)
+            del self._opened[key]
+            closed += 1
+            if not any(k[0] == key[0] for k in self._opened):
+                table = self._tables.pop(key[0], None)
+                if table is not None:
+                    table.close()
+                    table.segment.close()
+        return closed
+
+    def _owner_pid(self, pool_id: str) -> int:
+        table = self._tables.get(pool_id)
+        return (table.segment.owner_pid if table is not None else segment_owner_pid(pool_id)) or 0
+
     def _table_locked(self, pool_id: str) -> LeaseTable:
         table = self._tables.get(pool_id)
         if table is None:
@@ -273,8 +338,9 @@ class CudaIpcAttachments:
     def close(self) -> None:
         """Close every opened handle; views handed out before must be dropped first."""
         with self._lock:
-            for (_, device), (ptr, _) in self._opened.items():
-                cuda_runtime().close(device, ptr)
+            for (_, device), opened in self._opened.items():
+                opened.buffer = None
+                cuda_runtime().close(device, opened.ptr)
             self._opened.clear()
             for table in self._tables.values():
                 table.close()

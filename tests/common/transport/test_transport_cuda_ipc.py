@@ -36,7 +36,7 @@ for line in sys.stdin:
         else:
             y = decode(ref, transport=ctx)
             ok = y.is_cuda and torch.equal(y.cpu(), expected)
-        print("ok" if ok else "bad", tag, len(ctx.cuda_attachments._opened), flush=True)
+        print("ok" if ok else "bad", tag, ctx.cuda_attachments.num_open, flush=True)
     except Exception as e:
         print("err", tag, repr(e).replace(chr(10), " "), flush=True)
 ctx.close()
