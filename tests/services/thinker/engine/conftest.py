@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
-    tiny = pytest.importorskip("omnistage.common.checkpoint.tiny")
-    return tiny.write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ming"), seed=0)
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ming"), seed=0)

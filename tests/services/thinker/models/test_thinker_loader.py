@@ -50,7 +50,11 @@ def test_non_thinker_keys_are_ignored(tiny_ckpt, tmp_path):
     extra = _edit(
         tiny_ckpt, tmp_path / "extra", lambda t: t.update({"vision.new_thing.weight": torch.zeros(2)})
     )
-    load_model(extra, dtype=torch.float32, device="cpu")
+    with_extra = load_model(extra, dtype=torch.float32, device="cpu")
+    plain = load_model(tiny_ckpt, dtype=torch.float32, device="cpu")
+    assert not any("new_thing" in name for name in with_extra.state_dict())
+    ids, positions = torch.arange(6), torch.arange(6).expand(3, -1)
+    assert torch.equal(with_extra(ids, positions), plain(ids, positions))
 
 
 def test_bf16_load_keeps_bf16_and_reports_progress(tiny_ckpt):
