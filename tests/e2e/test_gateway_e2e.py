@@ -198,7 +198,7 @@ def test_deadline_propagates_to_the_thinker(pipeline):
         (_request(max_tokens=500), grpc.StatusCode.INVALID_ARGUMENT, "+ sampling.max_tokens 500 = "),
         (_request(temperature=1e-40), grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
         (_request(""), grpc.StatusCode.INVALID_ARGUMENT, "messages[0].parts[0].text: empty text"),
-        (omni_pb2.GenerateRequest(messages=_request().messages * 257), grpc.StatusCode.INVALID_ARGUMENT,
+        (omni_pb2.GenerateRequest(messages=list(_request().messages) * 257), grpc.StatusCode.INVALID_ARGUMENT,
          "257 messages, at most 256 (max_messages)"),
         (_request(system_prompt="s" * 200_001), grpc.StatusCode.INVALID_ARGUMENT, "system_prompt"),
     ],
