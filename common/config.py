@@ -112,7 +112,12 @@ class GatewayConfig:
     allow_degraded: bool = False
     # Requests in flight through the gateway before RESOURCE_EXHAUSTED.
     max_concurrent_requests: int = 256
-    # Longest accepted prompt text, in characters (the thinker also checks tokens).
+    # Most messages in one request; counted before anything else is looked at.
+    max_messages: int = 256
+    # Most content parts in one message; counted before anything else is looked at.
+    max_parts_per_message: int = 64
+    # Longest prompt in characters: system prompt + every text + the chat markup of each turn (the
+    # thinker also checks tokens).
     max_prompt_chars: int = 200_000
     # Default system prompt; empty uses the model's own.
     system_prompt: str = ""
@@ -341,7 +346,7 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
             raise ConfigError(f"{p}.engine.kv_tokens: set kv_tokens or num_kv_blocks, not both")
         _validate_memory(p, svc)
         g = svc.gateway
-        for key in ("stage_wait_s", "max_concurrent_requests", "max_prompt_chars"):
+        for key in ("stage_wait_s", "max_concurrent_requests", "max_messages", "max_parts_per_message", "max_prompt_chars"):
             _positive(f"{p}.gateway.{key}", getattr(g, key))
         if not e.chunked_prefill and e.max_num_batched_tokens < e.max_model_len:
             raise ConfigError(

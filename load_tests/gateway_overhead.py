@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 from omnistage.common.config import load_config
-from omnistage.services.gateway.prompt import Turn, build_prompt
+from omnistage.services.gateway.prompt import Turn, build_chat
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc, thinker_pb2, thinker_pb2_grpc
 
 TEXT = "How far is the moon?"
@@ -69,7 +69,7 @@ def main() -> None:
                 messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=TEXT)])],
                 sampling=sampling,
             )
-            th_req = thinker_pb2.ThinkerRequest(text=build_prompt([Turn("user", TEXT)]), sampling=sampling)
+            th_req = thinker_pb2.ThinkerRequest(chat=build_chat([Turn("user", TEXT)]), sampling=sampling)
             res = {"thinker": ([], []), "gateway": ([], [])}
             with grpc.insecure_channel(gateway) as gch, grpc.insecure_channel(thinker) as tch:
                 omni, th = omni_pb2_grpc.OmniStub(gch), thinker_pb2_grpc.ThinkerStub(tch)

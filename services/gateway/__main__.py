@@ -7,8 +7,10 @@ import sys
 from omnistage.common.config import DeployConfig, ServiceConfig
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
+from omnistage.services.gateway.prompt import Turn, build_chat
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.stages import ThinkerClient
+from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, control_pb2, omni_pb2_grpc
 
 
@@ -16,15 +18,18 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     gw = svc.gateway
     deployed = {s.kind for s in cfg.services.values() if s.kind != "gateway"}
     thinker = None
+    max_model_len: int | None = None
     thinkers = cfg.services_of("thinker")
     if thinkers:
         t = thinkers[0]
         client = ThinkerClient(t.name, cfg.address(t.name), max(t.max_message_bytes, svc.max_message_bytes))
         runtime.reporter.enter("warming_up", total=1, unit="stages", detail=f"waiting for {t.name}")
         try:
-            await client.wait_serving(gw.stage_wait_s)
+            desc = await client.wait_serving(gw.stage_wait_s)
+            max_model_len = desc.limits.max_model_len or None
             # A real request end to end before SERVING: the path the clients will take works.
-            async for _ in client.generate("gateway-warmup", "warm-up", common_pb2.SamplingParams(max_tokens=1), 60.0):
+            warmup = build_chat([Turn("user", "warm-up")])
+            async for _ in client.generate("gateway-warmup", warmup, common_pb2.SamplingParams(max_tokens=1), 60.0):
                 pass
             thinker = client
         except Exception:
@@ -37,7 +42,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         thinker,
         deployed,
         max_concurrent_requests=gw.max_concurrent_requests,
-        max_prompt_chars=gw.max_prompt_chars,
+        limits=RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars, max_model_len),
         system_prompt=gw.system_prompt,
     )
     runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")

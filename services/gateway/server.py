@@ -9,7 +9,7 @@ from __future__ import annotations
 import grpc
 from omnistage.common.runtime.errors import OmniError, Overloaded, StageUnavailable
 from omnistage.services.gateway.stages import ThinkerClient
-from omnistage.services.gateway.validation import plan_request
+from omnistage.services.gateway.validation import RequestLimits, plan_request
 from omnistage.v1 import omni_pb2, omni_pb2_grpc, thinker_pb2
 
 
@@ -21,8 +21,13 @@ class StageError(OmniError):
         self.code = exc.code()
 
 
-def _event(request_id: str, ev: thinker_pb2.ThinkerEvent) -> omni_pb2.GenerateEvent:
-    if ev.WhichOneof("event") == "delta":
+def _event(request_id: str, ev: thinker_pb2.ThinkerEvent) -> omni_pb2.GenerateEvent | None:
+    """The client's event for a thinker event (with the client's request_id); None for `started`,
+    whose engine id stays inside (the gateway aborts by cancelling the stage stream)."""
+    kind = ev.WhichOneof("event")
+    if kind == "started":
+        return None
+    if kind == "delta":
         d = ev.delta
         return omni_pb2.GenerateEvent(
             request_id=request_id,
@@ -43,18 +48,18 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         deployed: set[str],
         *,
         max_concurrent_requests: int,
-        max_prompt_chars: int,
+        limits: RequestLimits,
         system_prompt: str,
     ) -> None:
         self.thinker = thinker
         self.deployed = deployed
         self.max_concurrent_requests = max_concurrent_requests
-        self.max_prompt_chars = max_prompt_chars
+        self.limits = limits
         self.system_prompt = system_prompt
         self.in_flight = 0
 
     async def Generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        plan = plan_request(request, self.deployed, self.system_prompt, self.max_prompt_chars)
+        plan = plan_request(request, self.deployed, self.system_prompt, self.limits)
         if self.thinker is None:
             raise StageUnavailable("the 'thinker' stage is not available (gateway started degraded)")
         if self.in_flight >= self.max_concurrent_requests:
@@ -65,7 +70,9 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             stream = self.thinker.generate(plan.request_id, plan.prompt, plan.sampling, context.time_remaining())
             try:
                 async for ev in stream:
-                    yield _event(plan.request_id, ev)
+                    event = _event(plan.request_id, ev)
+                    if event is not None:
+                        yield event
                     if ev.WhichOneof("event") == "finish":
                         finished = True
                         break

@@ -62,10 +62,15 @@ class ThinkerClient(StageClient):
         self.stub = thinker_pb2_grpc.ThinkerStub(self.channel)
 
     async def generate(
-        self, request_id: str, prompt: str, sampling: common_pb2.SamplingParams, timeout_s: float | None
+        self,
+        request_id: str,
+        prompt: thinker_pb2.ChatPrompt,
+        sampling: common_pb2.SamplingParams,
+        timeout_s: float | None,
     ) -> AsyncIterator[thinker_pb2.ThinkerEvent]:
+        """The thinker's events, `started` first. `request_id` is the client's, for the thinker's logs."""
         call = self.stub.Generate(
-            thinker_pb2.ThinkerRequest(request_id=request_id, text=prompt, sampling=sampling), timeout=timeout_s
+            thinker_pb2.ThinkerRequest(request_id=request_id, chat=prompt, sampling=sampling), timeout=timeout_s
         )
         try:
             async for event in call:
@@ -75,6 +80,7 @@ class ThinkerClient(StageClient):
             # thinker abort the request and free its KV blocks.
             call.cancel()
 
-    async def abort(self, request_id: str) -> bool:
-        resp = await self.stub.Abort(thinker_pb2.AbortRequest(request_id=request_id), timeout=5.0)
+    async def abort(self, engine_request_id: str) -> bool:
+        """Abort by the engine id of the stream's `started` event (no other id aborts anything)."""
+        resp = await self.stub.Abort(thinker_pb2.AbortRequest(request_id=engine_request_id), timeout=5.0)
         return resp.aborted

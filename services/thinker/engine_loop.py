@@ -70,9 +70,15 @@ class EngineLoop:
         return stream
 
     def abort(self, request_id: str) -> concurrent.futures.Future:
-        def run(engine: LLMEngine) -> bool:
-            self._streams.pop(request_id, None)
-            return engine.abort(request_id)
+        """End a request now; its stream gets a final ABORT output. The future holds that output, or
+        None when the request is unknown or already finished."""
+
+        def run(engine: LLMEngine) -> RequestOutput | None:
+            out = engine.abort(request_id)
+            stream = self._streams.pop(request_id, None)
+            if out is not None and stream is not None:
+                self.loop.call_soon_threadsafe(stream.put_nowait, out)
+            return out
 
         return self.call(run)
 

@@ -1,21 +1,30 @@
 """ThinkerServicer: proto in → engine call → proto out. No model or scheduling logic here.
 
-Rank 0 serves `omnistage.v1.Thinker`; a cancelled stream (client gone, deadline, gateway abort)
-aborts the engine request at once so its KV blocks are freed.
+Rank 0 serves `omnistage.v1.Thinker`. Every request gets an engine id made here (uuid4), sent to the
+caller in the stream's first event (`started`); the caller's `request_id` is only logged, so two
+callers never collide and nobody can abort another's request by guessing its id. A stream that ends
+early (cancel, deadline, error; also while the add is still in flight) aborts the engine request at
+once, so its KV blocks are freed.
+
+Prompts are bounded before any tokenizing (pieces, characters), and tokenizing runs in a small
+thread pool, never on the event loop that serves the other requests (see models/tokenizer.py for
+why a worker thread does not hold the GIL).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import concurrent.futures
 import logging
+import uuid
 
 import grpc
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
+from omnistage.common.sampling import check_sampling
 from omnistage.services.thinker.engine.llm_engine import QueueFullError, RequestError, RequestOutput
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine_loop import EngineFailed, EngineLoop
-from omnistage.services.thinker.models.tokenizer import MingTokenizer
+from omnistage.services.thinker.models.tokenizer import MingTokenizer, Piece
 from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
 
 _log = logging.getLogger(__name__)
@@ -28,28 +37,23 @@ _FINISH = {
 }
 
 
-def sampling_from_proto(s: common_pb2.SamplingParams, vocab_size: int) -> SamplingParams:
-    """Proto zero values mean "off"; the engine's own checks give the INVALID_ARGUMENT message."""
-    for i, tid in enumerate(s.stop_token_ids):
-        if not 0 <= tid < vocab_size:
-            raise InvalidRequest(f"sampling.stop_token_ids[{i}]: {tid} is outside the vocabulary (0..{vocab_size - 1})")
-    try:
-        return SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p or 1.0,
-            top_k=s.top_k,
-            min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty or 1.0,
-            presence_penalty=s.presence_penalty,
-            seed=s.seed if s.HasField("seed") else None,
-            max_tokens=s.max_tokens,
-            stop=tuple(s.stop),
-            stop_token_ids=tuple(s.stop_token_ids),
-            logprobs=s.logprobs,
-            ignore_eos=s.ignore_eos,
-        )
-    except ValueError as exc:
-        raise InvalidRequest(f"sampling: {exc}") from exc
+def sampling_from_proto(s: common_pb2.SamplingParams, vocab_size: int, max_model_len: int) -> SamplingParams:
+    """The shared rules (`common/sampling.py`) give the INVALID_ARGUMENT message; zero means "off"."""
+    check_sampling(s, max_model_len=max_model_len, vocab_size=vocab_size)
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        seed=s.seed if s.HasField("seed") else None,
+        max_tokens=s.max_tokens,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        logprobs=s.logprobs,
+        ignore_eos=s.ignore_eos,
+    )
 
 
 def _delta(out: RequestOutput) -> thinker_pb2.ThinkerEvent:
@@ -82,70 +86,131 @@ def _finish(out: RequestOutput) -> thinker_pb2.ThinkerEvent:
             )
             if usage
             else None,
+            message="aborted" if out.finish_reason.value == "abort" else "",
         )
     )
 
 
 class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
-    """One short method per RPC; the engine thread does the work."""
+    """One short method per RPC; the engine thread does the work, the tokenize pool the tokenizing."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: MingTokenizer, max_model_len: int) -> None:
+    def __init__(
+        self, loop: EngineLoop, tokenizer: MingTokenizer, max_model_len: int, tokenize_workers: int = 2
+    ) -> None:
         self.loop = loop
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self._ids = itertools.count()
+        # A prompt longer than this cannot fit max_model_len tokens whatever it says.
+        self.max_prompt_chars = max_model_len * tokenizer.max_token_chars
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(tokenize_workers, "tokenize")
+        self._live: dict[str, str] = {}  # engine id → caller's request_id, while its stream is open
+
+    def close(self) -> None:
+        """Stop the tokenize pool (tokenizations under way finish in their threads, unawaited)."""
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _check_prompt_size(self, request: thinker_pb2.ThinkerRequest) -> None:
+        """Refuse what cannot fit before tokenizing: cheap checks on the event loop."""
+        kind = request.WhichOneof("prompt")
+        if request.multimodal:
+            raise StageUnavailable("multimodal: embeddings are not accepted by this thinker yet", retryable=False)
+        if kind == "chat":
+            pieces = request.chat.pieces
+            if not pieces:
+                raise InvalidRequest("chat.pieces: a chat prompt needs at least one piece")
+            if len(pieces) > self.max_model_len:
+                raise InvalidRequest(
+                    f"chat.pieces: {len(pieces)} pieces, at most max_model_len {self.max_model_len} are accepted"
+                )
+            for i, piece in enumerate(pieces):
+                if piece.WhichOneof("piece") is None:
+                    raise InvalidRequest(f"chat.pieces[{i}]: set template or text")
+            chars = sum(len(p.template) + len(p.text) for p in pieces)
+        elif kind == "text":
+            chars = len(request.text)
+        elif kind == "token_ids":
+            if len(request.token_ids.ids) >= self.max_model_len:
+                raise InvalidRequest(
+                    f"token_ids: {len(request.token_ids.ids)} tokens leave no room to generate "
+                    f"(max_model_len {self.max_model_len})"
+                )
+            return
+        else:
+            raise InvalidRequest("prompt: set chat, text or token_ids")
+        if chars > self.max_prompt_chars:
+            raise InvalidRequest(
+                f"prompt: {chars} characters cannot fit max_model_len {self.max_model_len} tokens "
+                f"(at most {self.max_prompt_chars} characters)"
+            )
 
     def _prompt_ids(self, request: thinker_pb2.ThinkerRequest) -> list[int]:
+        """Tokenize (in the tokenize pool) and check the length; template special tokens first."""
         kind = request.WhichOneof("prompt")
-        if kind == "text":
+        if kind == "chat":
+            pieces: list[Piece] = [
+                ("template", p.template) if p.WhichOneof("piece") == "template" else ("text", p.text)
+                for p in request.chat.pieces
+            ]
+            segments = self.tokenizer.split_pieces(pieces)
+            specials = sum(isinstance(seg, int) for seg in segments)
+            if specials >= self.max_model_len:
+                raise InvalidRequest(
+                    f"chat: the template alone has {specials} special tokens "
+                    f"(max_model_len {self.max_model_len})"
+                )
+            ids = self.tokenizer.encode_segments(segments)
+        elif kind == "text":
             ids = self.tokenizer.encode(request.text)
-        elif kind == "token_ids":
+        else:
             ids = list(request.token_ids.ids)
             vocab = self.tokenizer.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise InvalidRequest(f"token_ids: {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        else:
-            raise InvalidRequest("prompt: set text or token_ids")
         if not ids:
             raise InvalidRequest("prompt: empty after tokenization")
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"prompt: {len(ids)} tokens leave no room to generate (max_model_len {self.max_model_len})"
             )
-        if request.multimodal:
-            raise StageUnavailable("multimodal: embeddings are not accepted by this thinker yet", retryable=False)
         return ids
 
     async def Generate(self, request: thinker_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
-        request_id = request.request_id or f"thinker-{next(self._ids)}"
-        ids = self._prompt_ids(request)
-        params = sampling_from_proto(request.sampling, self.tokenizer.vocab_size)
-        try:
-            stream = await self.loop.submit(request_id, ids, params)
-        except RequestError as exc:
-            raise InvalidRequest(str(exc)) from exc
-        except QueueFullError as exc:
-            raise Overloaded(f"thinker queue full: {exc}", retry_after_ms=200) from exc
-        except EngineFailed as exc:
-            raise StageUnavailable(str(exc)) from exc
+        self._check_prompt_size(request)
+        params = sampling_from_proto(request.sampling, self.tokenizer.vocab_size, self.max_model_len)
+        ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self._prompt_ids, request)
+        engine_id = uuid.uuid4().hex
+        self._live[engine_id] = request.request_id
         finished = False
         try:
+            # Inside the try: a cancel while the add is in flight still aborts what it added.
+            try:
+                stream = await self.loop.submit(engine_id, ids, params)
+            except RequestError as exc:
+                raise InvalidRequest(str(exc)) from exc
+            except QueueFullError as exc:
+                raise Overloaded(f"thinker queue full: {exc}", retry_after_ms=200) from exc
+            except EngineFailed as exc:
+                raise StageUnavailable(str(exc)) from exc
+            yield thinker_pb2.ThinkerEvent(started=thinker_pb2.Started(engine_request_id=engine_id))
             while not finished:
                 out = await stream.get()
                 if isinstance(out, BaseException):
-                    raise StageUnavailable(f"thinker failed while running request {request_id!r}: {out}")
+                    raise StageUnavailable(f"thinker failed while running request {request.request_id!r}: {out}")
                 if out.token_ids or out.text:
                     yield _delta(out)
                 if out.finished:
                     finished = True
                     yield _finish(out)
         finally:
+            self._live.pop(engine_id, None)
             if not finished:
-                # Cancelled or failed mid-stream: free the KV blocks now, not at max_tokens.
-                self.loop.abort(request_id)
-                _log.info("request %s aborted before it finished", request_id)
+                # Cancelled, refused or failed: free the KV blocks now, not at max_tokens.
+                self.loop.abort(engine_id)
+                _log.info("request %s (engine id %s) ended before it finished", request.request_id, engine_id)
 
     async def Abort(self, request: thinker_pb2.AbortRequest, context: grpc.aio.ServicerContext):
-        aborted = await asyncio.wrap_future(self.loop.abort(request.request_id))
-        return thinker_pb2.AbortResponse(aborted=bool(aborted))
+        if request.request_id not in self._live:
+            return thinker_pb2.AbortResponse(aborted=False)  # not an engine id of an open stream
+        out = await asyncio.wrap_future(self.loop.abort(request.request_id))
+        return thinker_pb2.AbortResponse(aborted=out is not None)

@@ -19,18 +19,34 @@ class MultimodalEmbedding(_message.Message):
     def __init__(self, placeholder_token_id: _Optional[int] = ..., embeddings: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ThinkerRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "multimodal")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "multimodal")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MULTIMODAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
+    chat: ChatPrompt
     sampling: _common_pb2.SamplingParams
     multimodal: _containers.RepeatedCompositeFieldContainer[MultimodalEmbedding]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., multimodal: _Optional[_Iterable[_Union[MultimodalEmbedding, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., multimodal: _Optional[_Iterable[_Union[MultimodalEmbedding, _Mapping]]] = ...) -> None: ...
+
+class ChatPrompt(_message.Message):
+    __slots__ = ("pieces",)
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    pieces: _containers.RepeatedCompositeFieldContainer[PromptPiece]
+    def __init__(self, pieces: _Optional[_Iterable[_Union[PromptPiece, _Mapping]]] = ...) -> None: ...
+
+class PromptPiece(_message.Message):
+    __slots__ = ("template", "text")
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    template: str
+    text: str
+    def __init__(self, template: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -58,13 +74,21 @@ class ThinkerFinish(_message.Message):
     message: str
     def __init__(self, reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...
 
+class Started(_message.Message):
+    __slots__ = ("engine_request_id",)
+    ENGINE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_request_id: str
+    def __init__(self, engine_request_id: _Optional[str] = ...) -> None: ...
+
 class ThinkerEvent(_message.Message):
-    __slots__ = ("delta", "finish")
+    __slots__ = ("delta", "finish", "started")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     delta: TokenDelta
     finish: ThinkerFinish
-    def __init__(self, delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., finish: _Optional[_Union[ThinkerFinish, _Mapping]] = ...) -> None: ...
+    started: Started
+    def __init__(self, delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., finish: _Optional[_Union[ThinkerFinish, _Mapping]] = ..., started: _Optional[_Union[Started, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -50,14 +50,17 @@ class ThinkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Prompt in, token deltas out; ends with one ThinkerEvent.finish.
+        """Prompt in; a stream of ThinkerEvents out: first `started` (the engine id of the request), then
+        token deltas, then exactly one `finish`. Refusals (bad prompt, too long, queue full) end the RPC
+        with a status before `started`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Stop a running request at once and free its KV blocks. Unknown ids are not an error.
+        """Stop a running request at once and free its KV blocks. Only an engine_request_id from a
+        Started event names a request; any other string aborts nothing and is not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

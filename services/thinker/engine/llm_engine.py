@@ -166,17 +166,28 @@ class LLMEngine:
             raise RequestError(f"request {request_id!r} is already running")
         if len(self.scheduler.waiting) >= self.cfg.max_queued_requests:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests already wait (max_queued_requests)")
-        max_tokens = min(
-            params.max_tokens or self.cfg.default_max_tokens, self.cfg.max_model_len - num_prompt
-        )
+        max_model_len = self.cfg.max_model_len
+        if params.max_tokens > max_model_len:
+            raise RequestError(f"sampling.max_tokens: {params.max_tokens} exceeds max_model_len {max_model_len}")
+        if num_prompt + params.max_tokens > max_model_len:
+            raise RequestError(
+                f"prompt of {num_prompt} tokens + sampling.max_tokens {params.max_tokens} = "
+                f"{num_prompt + params.max_tokens} exceeds max_model_len {max_model_len}"
+            )
+        # max_tokens 0: the default, clamped to what fits (a client asking for more is refused above).
+        max_tokens = params.max_tokens or min(self.cfg.default_max_tokens, max_model_len - num_prompt)
         seq = Sequence(request_id, prompt_token_ids, params, max_tokens, rope_delta, positions)
         self.scheduler.add(seq)
         self.detokenizers[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its KV blocks; False if it is unknown or already finished."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; its final output (ABORT, usage so far), or None
+        if it is unknown or already finished. Text held back for a stop string is dropped."""
         self.detokenizers.pop(request_id, None)
-        return self.scheduler.abort(request_id) is not None
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        return RequestOutput(request_id, [], "", finished=True, finish_reason=FinishReason.ABORT, usage=self._usage(seq))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -213,7 +224,9 @@ class LLMEngine:
             else:
                 text = detok.add(token_id)
                 if detok.stopped:
+                    # Also when this token hit max_tokens: the stop string is why the text ends.
                     self.scheduler.finish(seq, FinishReason.STOP_STRING)
+                    seq.finish_reason = FinishReason.STOP_STRING
                 elif seq.is_finished:
                     text += detok.finish()
             out = RequestOutput(seq.request_id, [token_id], text, [logprobs] if logprobs else [])

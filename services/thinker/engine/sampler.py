@@ -1,7 +1,7 @@
 """Next-token choice for the rows that sample: penalties, greedy or filtered random draw, logprobs.
 
-Masks (top-k, top-p, min-p) and penalties are batched; the random draw is per row with the
-sequence's own torch.Generator, so a seeded request gets the same tokens whatever else is in the
+Masks (top-k, top-p, min-p) and penalties are batched; the random noise is drawn per row with the
+sequence's own torch.Generator on the logits' device, so a seeded request gets the same tokens whatever else is in the
 batch. Logprobs are those of the model (log-softmax of the raw logits), like OpenAI's API.
 """
 
@@ -47,15 +47,19 @@ def filter_logits(
 ) -> torch.Tensor:
     """Set to -inf what top-k / top-p / min-p drop, per row (k=0, p=1, min_p=0 are off).
 
+    In the order of HF's warpers and vLLM: top-k first, then top-p over the distribution renormalised
+    to the k survivors, then min-p (relative to the top token, so renormalising does not change it).
     The most likely token always survives, so every row keeps a valid distribution.
     """
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device).expand_as(sorted_logits)
     k = torch.where(top_k > 0, top_k, logits.shape[-1])
     drop = rank >= k[:, None]
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Top-p drops a token when the mass from it down to the least likely is at most 1 - p (HF's form,
+    # summed from the bottom: a top-down cumsum can round to 1 early and cut the tail when p = 1).
+    mass_from_here = probs.flip(-1).cumsum(dim=-1).flip(-1)
+    drop |= mass_from_here <= 1 - top_p[:, None]
     drop |= probs < min_p[:, None] * probs[:, :1]
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -93,13 +97,14 @@ class Sampler:
             col([s.params.min_p for s in seqs]),
         )
         probs = logits.softmax(dim=-1)
-        out = []
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Each row's noise comes from its
+        # own generator on the logits' device (no host draw, no copy), so the draw does not depend on
+        # the batch. E is kept above 0 so a filtered token (p = 0) can never win with 0/0 = NaN.
+        noise = torch.empty_like(probs)
         for i, seq in enumerate(seqs):
-            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; noise comes from the row's
-            # own generator only, so the draw does not depend on the batch.
-            noise = torch.empty(probs.shape[-1], dtype=torch.float32).exponential_(generator=seq.generator)
-            out.append((probs[i] / noise.to(probs.device)).argmax())
-        return torch.stack(out)
+            noise[i].exponential_(generator=seq.generator(probs.device))
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
 
     def _logprobs(self, raw: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list:
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs > 0]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import itertools
+import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+from omnistage.common.sampling import sampling_violation
 
 
 class SequenceStatus(enum.Enum):
@@ -28,7 +30,12 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a request picks tokens; neutral defaults mean "off" (temperature 0 is greedy)."""
+    """How a request picks tokens; neutral defaults mean "off" (temperature 0 is greedy).
+
+    Values follow omnistage.v1.SamplingParams and are checked by the same rules
+    (`omnistage.common.sampling`); a proto zero that means "off" (top_p 0, repetition_penalty 0) is
+    stored as its neutral value (1.0).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -44,19 +51,12 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}"),
-            (self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
-            (all(self.stop), "stop strings must not be empty"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+        error = sampling_violation({f.name: getattr(self, f.name) for f in fields(self)})
+        if error is not None:
+            raise ValueError(error)
+        for name in ("top_p", "repetition_penalty"):
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, 1.0)
 
     @property
     def is_greedy(self) -> bool:
@@ -97,13 +97,16 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
-        self.generator: torch.Generator | None = None
-        if not params.is_greedy:
-            self.generator = torch.Generator()
-            if params.seed is not None:
-                self.generator.manual_seed(params.seed)
-            else:
-                self.generator.seed()
+        # An unseeded request gets a random seed now, so its draws stay one stream across preemptions.
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._generator: torch.Generator | None = None
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """This request's own random stream on `device` (where the logits are), made on first use."""
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.seed)
+        return self._generator
 
     @property
     def num_tokens(self) -> int:

@@ -117,10 +117,47 @@ def test_admission_errors():
         engine.add_request("e", [], SamplingParams())
     with pytest.raises(RequestError, match="max_model_len"):
         engine.add_request("long", list(range(64)), SamplingParams())
-    engine.add_request("x", [1, 2], SamplingParams(max_tokens=1000))
-    assert engine.scheduler.seqs["x"].max_tokens == 62  # clamped to the context
+    engine.add_request("x", [1, 2], SamplingParams())
+    assert engine.scheduler.seqs["x"].max_tokens == 62  # 0: the default (256), clamped to the context
     with pytest.raises(RequestError, match="already"):
         engine.add_request("x", [1], SamplingParams())
     engine.add_request("y", [1], SamplingParams())
     with pytest.raises(QueueFullError):
         engine.add_request("z", [1], SamplingParams())
+
+
+def test_max_tokens_that_cannot_fit_is_refused_with_both_numbers():
+    engine = make_fake_engine(block_size=8, max_model_len=64)
+    with pytest.raises(RequestError, match=r"^sampling.max_tokens: 1000 exceeds max_model_len 64$"):
+        engine.add_request("a", [1, 2], SamplingParams(max_tokens=1000))
+    with pytest.raises(RequestError, match=r"prompt of 2 tokens \+ sampling.max_tokens 63 = 65 exceeds max_model_len 64"):
+        engine.add_request("b", [1, 2], SamplingParams(max_tokens=63))
+    engine.add_request("c", [1, 2], SamplingParams(max_tokens=62))
+    assert engine.scheduler.seqs["c"].max_tokens == 62
+    assert list(engine.scheduler.seqs) == ["c"]
+
+
+def test_stop_string_on_the_last_allowed_token_reports_stop_string():
+    engine = make_fake_engine(block_size=8, max_model_len=256)
+    p = prompts(1, seed=4)[0]
+    text = engine.generate([p], SamplingParams(max_tokens=40, ignore_eos=True))[0].text
+    stop = text[8:11]
+    first = engine.generate([p], SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,)))[0]
+    assert first.finish_reason is FinishReason.STOP_STRING
+    # The same request with max_tokens ending exactly on the token that completes the stop string.
+    last = engine.generate([p], SamplingParams(max_tokens=len(first.token_ids), ignore_eos=True, stop=(stop,)))[0]
+    assert last.token_ids == first.token_ids
+    assert last.finish_reason is FinishReason.STOP_STRING
+    assert last.text == first.text
+
+
+def test_abort_returns_the_requests_final_output():
+    engine = make_fake_engine(block_size=8, max_model_len=256)
+    engine.add_request("a", prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    out = engine.abort("a")
+    assert out.request_id == "a" and out.finished and out.finish_reason is FinishReason.ABORT
+    assert out.token_ids == [] and out.usage.completion_tokens == 2
+    assert out.usage.prompt_tokens == len(prompts(1)[0])
+    assert engine.abort("a") is None and engine.abort("never-added") is None

@@ -101,3 +101,79 @@ def test_logprobs_top_n_are_the_models():
     assert lp.top_token_ids == ref.topk(3).indices.tolist()
     assert lp.top_logprobs == pytest.approx(ref.topk(3).values.tolist())
     assert out.logprobs[1] is None
+
+
+def _hf_kept(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Tokens HF's warpers keep, applied in generate()'s order: top-k, then top-p, then min-p."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = logits.clone()
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p:
+        scores = MinPLogitsWarper(min_p)(None, scores)
+    return scores > float("-inf")
+
+
+def test_filters_renormalise_after_top_k_like_hf():
+    # p = .5/.3/.2, k=2 keeps .5/.3 → renormalised .625/.375; top_p .6 is reached by the first alone.
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    kept = filter_logits(logits, torch.tensor([2]), torch.tensor([0.6]), torch.tensor([0.0])) > float("-inf")
+    assert kept.tolist() == [[True, False, False]]
+    assert kept.tolist() == _hf_kept(logits, 2, 0.6, 0.0).tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_filters_match_hf_warpers_on_random_logits(seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(8, 200, generator=gen) * 3
+    settings = [(k, p, m) for k in (0, 1, 7, 50) for p in (1.0, 0.3, 0.9) for m in (0.0, 0.05)]
+    for k, p, m in settings:
+        n = logits.shape[0]
+        ours = filter_logits(logits, torch.full((n,), k), torch.full((n,), p), torch.full((n,), m)) > float("-inf")
+        assert torch.equal(ours, _hf_kept(logits, k, p, m)), (k, p, m)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_noise_is_drawn_on_the_logits_device_with_the_rows_generator(monkeypatch, device):
+    drawn = []
+    real = torch.Tensor.exponential_
+
+    def spy(self, *args, generator=None, **kw):
+        drawn.append((self.device, generator, self.numel()))
+        return real(self, *args, generator=generator, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", spy)
+    logits = torch.randn(2, 30, device=device)
+    seqs = [seq(SamplingParams(temperature=1.0, seed=5)), seq(SamplingParams(temperature=1.0))]
+    Sampler()(logits, seqs)
+    gens = [s.generator(logits.device) for s in seqs]
+    assert drawn == [(logits.device, gens[0], 30), (logits.device, gens[1], 30)]
+    assert all(g.device == logits.device for g in gens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_seed_same_tokens_whatever_the_batch_on_each_device(device):
+    gen = torch.Generator().manual_seed(4)
+    rows = torch.randn(5, 300, generator=gen).to(device)
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=77)
+
+    def run(logits, seqs, row):
+        return [Sampler()(logits, seqs).token_ids[row] for _ in range(10)]
+
+    alone = run(rows[2:3], [seq(params)], 0)
+    others = [seq(SamplingParams(temperature=1.0, seed=i)) for i in range(4)]
+    assert run(rows, others[:2] + [seq(params)] + others[2:], 2) == alone
+
+
+def test_seeded_generator_is_made_lazily_from_the_seed():
+    a, b = seq(SamplingParams(temperature=1.0, seed=11)), seq(SamplingParams(temperature=1.0, seed=11))
+    assert a.generator(torch.device("cpu")).initial_seed() == 11
+    assert a.generator(torch.device("cpu")) is a.generator(torch.device("cpu"))
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(0))
+    assert [Sampler()(logits, [a]).token_ids[0] for _ in range(5)] == [Sampler()(logits, [b]).token_ids[0] for _ in range(5)]

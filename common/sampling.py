@@ -1,0 +1,112 @@
+"""The one set of rules for sampling parameters, used by the gateway, the thinker and the engine.
+
+Each rule names its field; a violation reads `sampling.<field>: <rule>, got <value>`, so a client can
+fix its request from the message alone. The gateway and the thinker check the proto
+(`check_sampling`); the engine's own `SamplingParams` checks its values with `sampling_violation`,
+so no path into the engine skips a rule. Comparisons are written so NaN and infinities fail them.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from omnistage.common.runtime.errors import InvalidRequest
+
+MIN_TEMPERATURE = 0.01  # below it logits / T overflows float32 (a subnormal T gives NaN)
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+MAX_PRESENCE_PENALTY = 2.0
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`ok(value)` must hold for `field`; `text` says the rule to the client."""
+
+    field: str
+    ok: Callable[[Any], bool]
+    text: str
+
+
+def _f32(x: float) -> float:
+    """`x` as a proto float carries it (0.01 arrives as 0.00999999977…)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _off_or_in(lo: float, hi: float) -> Callable[[float], bool]:
+    lo, hi = min(lo, _f32(lo)), max(hi, _f32(hi))
+    return lambda v: v == 0 or lo <= v <= hi
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "temperature",
+        _off_or_in(MIN_TEMPERATURE, MAX_TEMPERATURE),
+        f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}]",
+    ),
+    Rule("top_p", lambda v: 0 <= v <= 1, "must be in [0, 1] (0 means off)"),
+    Rule("top_k", lambda v: v >= 0, "must be >= 0 (0 means off)"),
+    Rule("min_p", lambda v: 0 <= v <= 1, "must be in [0, 1] (0 means off)"),
+    Rule(
+        "repetition_penalty",
+        _off_or_in(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
+        f"must be 0 (off) or in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]",
+    ),
+    Rule(
+        "presence_penalty",
+        lambda v: -MAX_PRESENCE_PENALTY <= v <= MAX_PRESENCE_PENALTY,
+        f"must be in [-{MAX_PRESENCE_PENALTY:g}, {MAX_PRESENCE_PENALTY:g}]",
+    ),
+    Rule("max_tokens", lambda v: v >= 0, "must be >= 0 (0 means the server's default)"),
+    Rule("logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+    Rule("stop", lambda v: len(v) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings"),
+    Rule("stop_token_ids", lambda v: len(v) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop token ids"),
+)
+
+
+def _item_violation(values: Mapping[str, Any], vocab_size: int | None) -> str | None:
+    for i, stop in enumerate(values["stop"]):
+        if not 1 <= len(stop) <= MAX_STOP_CHARS:
+            return f"sampling.stop[{i}]: must be 1..{MAX_STOP_CHARS} characters, got {len(stop)}"
+    for i, tid in enumerate(values["stop_token_ids"]):
+        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+            where = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
+            return f"sampling.stop_token_ids[{i}]: must be a token id ({where}), got {tid}"
+    return None
+
+
+def sampling_violation(
+    values: Mapping[str, Any], *, max_model_len: int | None = None, vocab_size: int | None = None
+) -> str | None:
+    """The first rule `values` (field name → value, as in the proto) breaks, as a message; None if none."""
+    for rule in RULES:
+        value = values[rule.field]
+        if not rule.ok(value):
+            shown = len(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
+            return f"sampling.{rule.field}: {rule.text}, got {shown!r}"
+    max_tokens = values["max_tokens"]
+    if max_model_len is not None and max_tokens > max_model_len:
+        return f"sampling.max_tokens: {max_tokens} exceeds max_model_len {max_model_len}"
+    return _item_violation(values, vocab_size)
+
+
+def proto_values(s: Any) -> dict[str, Any]:
+    """The ruled fields of a `omnistage.v1.SamplingParams` message."""
+    return {rule.field: getattr(s, rule.field) for rule in RULES}
+
+
+def check_sampling(s: Any, *, max_model_len: int | None = None, vocab_size: int | None = None) -> None:
+    """Raise InvalidRequest naming `sampling.<field>` when the proto `s` breaks a rule.
+
+    `max_model_len` (when known) bounds max_tokens; `vocab_size` (the thinker's) bounds stop_token_ids.
+    """
+    error = sampling_violation(proto_values(s), max_model_len=max_model_len, vocab_size=vocab_size)
+    if error is not None:
+        raise InvalidRequest(error)
