@@ -242,6 +242,8 @@ class EncoderConfig:
     transport_pool_bytes: int = 1 << 30
     # Seconds a consumer has to decode an embedding ref before its slice may be reused.
     lease_ttl_s: float = 60.0
+    # Embeddings smaller than this many bytes travel inline in the response; larger ones through shm.
+    inline_max_bytes: int = 64 * 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,6 +424,7 @@ def _validate_encoder(p: str, e: EncoderConfig) -> None:
                 "max_items_per_request", "queue_timeout_s", "preprocess_workers", "transport_pool_bytes",
                 "lease_ttl_s"):
         _positive(f"{q}.{key}", getattr(e, key))
+    _positive(f"{q}.inline_max_bytes", e.inline_max_bytes, allow_zero=True)
     if e.image_min_pixels > e.image_max_pixels:
         raise ConfigError(f"{q}.image_min_pixels: {e.image_min_pixels} exceeds image_max_pixels {e.image_max_pixels}")
     if e.max_video_frames % 2:

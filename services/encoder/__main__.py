@@ -78,7 +78,12 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     reporter.enter("warming_up", detail="one image, video and audio clip through the request path")
     pool_bytes = svc.encoder.transport_pool_bytes
     transport = TransportContext(
-        TransportOptions(shm_pool_bytes=pool_bytes, cuda_pool_bytes=pool_bytes, lease_ttl_s=svc.encoder.lease_ttl_s)
+        TransportOptions(
+            shm_threshold_bytes=svc.encoder.inline_max_bytes,
+            shm_pool_bytes=pool_bytes,
+            cuda_pool_bytes=pool_bytes,
+            lease_ttl_s=svc.encoder.lease_ttl_s,
+        )
     )
     cuda_pool_bytes = 0
     if device.startswith("cuda") and transport.cuda_pool(torch.device(device).index) is not None:
@@ -100,6 +105,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         )
     )
     runtime.set_load_provider(engine.load)
+    engine.export_lease_gauges()
 
     def memory() -> list[control_pb2.MemoryReport]:
         return [prof.memory_report(mem, models.weights_bytes, cuda_pool_bytes)]

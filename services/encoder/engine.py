@@ -96,6 +96,21 @@ class EncoderEngine:
         self.batcher.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def leases(self) -> tuple[int, int]:
+        """(active leases, leased bytes) of this process's shm pool, released slices reclaimed first."""
+        pool = self.transport.shm_pool()
+        if pool is None:
+            return 0, 0
+        pool.arena.reclaim()
+        return pool.arena.active_leases, pool.arena.used_bytes
+
+    def export_lease_gauges(self) -> None:
+        """/metrics: embeddings handed out and not yet released (a leak shows as a gauge that never falls)."""
+        active = metrics.gauge("encoder_leases_active", "Embedding slices leased to consumers, not yet released")
+        used = metrics.gauge("encoder_leased_bytes", "Bytes of the shm pool leased to consumers")
+        active.labels(self.service).set_function(lambda: self.leases()[0])
+        used.labels(self.service).set_function(lambda: self.leases()[1])
+
     def load(self) -> tuple[int, int]:
         """(items in forwards or waiting for one, items waiting for a slot) for Describe."""
         queued = self.batcher.queued
