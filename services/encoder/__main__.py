@@ -51,9 +51,12 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     device = _device(svc)
     dtype = getattr(torch, svc.dtype)
     mem = device_memory_for(device, svc.memory.simulated_capacity_bytes or None)
+    pool_bytes = svc.encoder.transport_pool_bytes
+    cuda_pool_bytes = pool_bytes if device.startswith("cuda") else 0  # made with cudaMalloc, outside torch
     budget = svc.memory.budget_of(mem.total())
-    if budget and hasattr(mem, "set_limit"):
-        mem.set_limit(budget)
+    allocator_budget = max(budget - cuda_pool_bytes, 1) if budget else 0
+    if allocator_budget and hasattr(mem, "set_limit"):
+        mem.set_limit(allocator_budget)
     reporter = runtime.reporter
 
     def report(phase: str, detail: str) -> None:
@@ -70,13 +73,12 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
             models = load_encoders(cfg.model.checkpoint, dtype=dtype, device=device, progress=progress)
             reporter.enter("profiling_memory", unit="attempts")
             limits = ItemLimits.of(svc.encoder, models.config)
-            return models, limits, startup.profile(models, mem, limits, svc.memory, report)
+            return models, limits, startup.profile(models, mem, limits, allocator_budget, report)
 
     reporter.enter("loading_weights", unit="shards")
     models, limits, prof = await _in_daemon_thread(load_and_profile)
 
     reporter.enter("warming_up", detail="one image, video and audio clip through the request path")
-    pool_bytes = svc.encoder.transport_pool_bytes
     transport = TransportContext(
         TransportOptions(
             shm_threshold_bytes=svc.encoder.inline_max_bytes,
@@ -85,9 +87,8 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
             lease_ttl_s=svc.encoder.lease_ttl_s,
         )
     )
-    cuda_pool_bytes = 0
-    if device.startswith("cuda") and transport.cuda_pool(torch.device(device).index) is not None:
-        cuda_pool_bytes = pool_bytes  # made now, so it is held before serving and counted in Describe
+    if cuda_pool_bytes and transport.cuda_pool(torch.device(device).index) is None:
+        cuda_pool_bytes = 0  # CUDA IPC unavailable here: embeddings go through shm
     engine = EncoderEngine(models, svc.encoder, transport, prof.caps, service=svc.name)
     engine.start(asyncio.get_running_loop())
     runtime.add_shutdown_hook(engine.stop)
@@ -108,7 +109,9 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     engine.export_lease_gauges()
 
     def memory() -> list[control_pb2.MemoryReport]:
-        return [prof.memory_report(mem, models.weights_bytes, cuda_pool_bytes)]
+        report = prof.memory_report(mem, models.weights_bytes, cuda_pool_bytes)
+        report.budget_bytes = budget
+        return [report]
 
     runtime.set_memory_provider(memory)
     export_memory(svc.name, rank, memory()[0])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from omnistage.common.config import EncoderConfig, MemoryConfig
+from omnistage.common.config import EncoderConfig
 from omnistage.common.memory.device import DeviceMemory
 from omnistage.common.memory.stress import StressAndCap, StressResult
 from omnistage.common.transport import decode
@@ -66,11 +66,10 @@ def largest_vision_grid(cfg: EncoderConfig, limits: ItemLimits) -> tuple[int, in
     return max(image, video, key=lambda g: g[0] * g[1] * g[2])
 
 
-def profile(models: EncoderModels, mem: DeviceMemory, limits: ItemLimits, memory: MemoryConfig,
-            report: Report) -> Profile:
-    """Stress-and-cap both towers on `mem` (call inside `mem.meter()`, after the weights are loaded)."""
+def profile(models: EncoderModels, mem: DeviceMemory, limits: ItemLimits, budget: int, report: Report) -> Profile:
+    """Stress-and-cap both towers on `mem` within `budget` bytes (0: none); call inside `mem.meter()`,
+    after the weights are loaded."""
     cfg = limits.encoder
-    budget = memory.budget_of(mem.total())
     grid = largest_vision_grid(cfg, limits)
     patches = grid[0] * grid[1] * grid[2]
     mel_frames = int(limits.max_audio_seconds * SAMPLE_RATE) // 160

@@ -40,6 +40,8 @@ def test_shipped_deploy_file_loads():
     assert isinstance(cfg, DeployConfig)
     assert cfg.service("thinker").kind == "thinker" and cfg.services_of("gateway")[0].name == "gateway"
     assert cfg.address("gateway") == f"{cfg.host}:{cfg.service('gateway').port}"
+    enc = load_config(ROOT / "deploy" / "local-tiny-encoder.yaml").service("encoder")
+    assert enc.kind == "encoder" and enc.encoder.stress_batch_sizes == (4, 2, 1)
 
 
 def test_nested_values_and_names_are_filled_in():

@@ -7,7 +7,6 @@ import dataclasses
 
 import torch
 from engine_helpers import SMALL
-from omnistage.common.config import MemoryConfig
 from omnistage.common.memory.device import SimulatedDeviceMemory
 from omnistage.services.encoder import startup
 from omnistage.services.encoder.items import ItemLimits
@@ -25,7 +24,7 @@ def _loaded(tiny_ckpt, capacity: int):
 
 def _profile(mem, models, limits):
     with mem.meter():
-        return startup.profile(models, mem, limits, MemoryConfig(), lambda phase, detail: None)
+        return startup.profile(models, mem, limits, 0, lambda phase, detail: None)
 
 
 def test_largest_vision_item_is_the_image_or_the_video_with_more_patches(tiny_encoders):
