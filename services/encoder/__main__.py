@@ -91,8 +91,8 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         cuda_pool_bytes = 0  # CUDA IPC unavailable here: embeddings go through shm
     engine = EncoderEngine(models, svc.encoder, transport, prof.caps, service=svc.name)
     engine.start(asyncio.get_running_loop())
+    runtime.add_shutdown_hook(transport.close)  # hooks run last-added first: the engine stops, then the pool goes
     runtime.add_shutdown_hook(engine.stop)
-    runtime.add_shutdown_hook(transport.close)
     await startup.warm_up(engine)
 
     runtime.add_servicer(encoder_pb2_grpc.add_EncoderServicer_to_server, EncoderServicer(engine), "omnistage.v1.Encoder")
@@ -105,7 +105,6 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
             max_items_per_request=svc.encoder.max_items_per_request,
         )
     )
-    runtime.set_load_provider(engine.load)
     engine.export_lease_gauges()
 
     def memory() -> list[control_pb2.MemoryReport]:

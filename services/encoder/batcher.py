@@ -80,10 +80,6 @@ class Batcher:
         with self._cv:
             return sum(len(q) for q in self._queues.values())
 
-    @property
-    def running(self) -> int:
-        return sum(lim.in_use for lim in self.limiters.values()) - self.queued
-
     async def submit(self, modality: str, item: Any, timeout_s: float) -> Any:
         """Queue `item` once a slot is free (waits at most `timeout_s`: TimeoutError) and await its output."""
         assert self._loop is not None, "start() first"

@@ -111,12 +111,6 @@ class EncoderEngine:
         active.labels(self.service).set_function(lambda: self.leases()[0])
         used.labels(self.service).set_function(lambda: self.leases()[1])
 
-    def load(self) -> tuple[int, int]:
-        """(items in forwards or waiting for one, items waiting for a slot) for Describe."""
-        queued = self.batcher.queued
-        running = sum(lim.in_use for lim in self.batcher.limiters.values())
-        return running, queued
-
     # -- forwards (device thread) ------------------------------------------------------------
 
     def run_vision(self, inputs: Sequence[VisionInput]) -> list[torch.Tensor]:
@@ -184,6 +178,8 @@ class EncoderEngine:
             raise DeadlineExceeded(f"{self.service}: deadline passed before the {modality} forward")
         try:
             out = await self.batcher.submit(modality, x, wait)
+        except torch.OutOfMemoryError as exc:  # the stress cap should prevent this; tell the client to back off
+            raise Overloaded(f"{self.service}: {modality} forward ran out of device memory", retry_after_ms=1000) from exc
         except TimeoutError as exc:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"{self.service}: deadline passed waiting for a {modality} batch slot") from exc

@@ -243,10 +243,13 @@ def probe_video(data: bytes, max_seconds: float, max_input_pixels: int) -> Video
                 f"video frames of {width}x{height} exceed the limit of {max_input_pixels} pixels "
                 "(encoder.max_input_image_pixels)"
             )
+        listed = stream.frames  # from the container's index (0 when it has none)
         try:
             total = sum(1 for packet in container.demux(stream) if packet.size)
         except av.error.FFmpegError as exc:
             raise MediaError(f"corrupt video: {exc.strerror or exc}") from None
+    if listed and total < listed:
+        raise MediaError(f"truncated video: the container lists {listed} frames, {total} are present")
     if total / fps > max_seconds:
         raise MediaError(
             f"video is {total / fps:.1f} s long; the limit is {max_seconds:g} s (encoder.max_video_seconds)"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import tempfile
 
 import av
 import numpy as np
@@ -59,10 +61,24 @@ def image_bytes(width: int, height: int, fmt: str = "PNG", seed: int = 0) -> byt
     return buf.getvalue()
 
 
-def video_file(frames: int, fps: int = 10, width: int = 96, height: int = 64, fmt: str = "mp4") -> bytes:
-    """`frames` frames at `fps` (mpeg4 in mp4); frame i is a flat grey of level 8·i, so frames differ."""
+def video_file(frames: int, fps: int = 10, width: int = 96, height: int = 64, fmt: str = "mp4",
+               faststart: bool = False) -> bytes:
+    """`frames` frames at `fps` (mpeg4 in mp4); frame i is a flat grey of level 8·i, so frames differ.
+
+    `faststart` puts the index (moov) before the frames, so a truncated file still opens."""
+    if faststart:  # the muxer rewrites the file by name to move the index
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, f"v.{fmt}")
+            _write_video(path, frames, fps, width, height, fmt, {"movflags": "faststart"})
+            with open(path, "rb") as f:
+                return f.read()
     buf = io.BytesIO()
-    with av.open(buf, mode="w", format=fmt) as out:
+    _write_video(buf, frames, fps, width, height, fmt, {})
+    return buf.getvalue()
+
+
+def _write_video(target, frames: int, fps: int, width: int, height: int, fmt: str, options: dict) -> None:
+    with av.open(target, mode="w", format=fmt, options=options) as out:
         stream = out.add_stream("mpeg4", rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for i in range(frames):
@@ -71,4 +87,3 @@ def video_file(frames: int, fps: int = 10, width: int = 96, height: int = 64, fm
                 out.mux(packet)
         for packet in stream.encode(None):
             out.mux(packet)
-    return buf.getvalue()

@@ -110,6 +110,8 @@ BAD = {
                                "the limit is 3 s (encoder.max_audio_seconds)"),
     "corrupt video": (MediaItem("video", data=b"\x00\x00\x00\x18ftypmp42" + bytes(3000)), "video"),
     "truncated video": (MediaItem("video", data=video_file(20)[:1400]), "not a decodable video file"),
+    "truncated video, index first": (MediaItem("video", data=video_file(20, faststart=True)[:1900]),
+                                     "truncated video: the container lists 20 frames"),
     "one-frame video": (MediaItem("video", data=video_file(1)), "at least 2"),
     "video over the limit": (MediaItem("video", data=video_file(210, fps=10)), "the limit is 20 s (encoder.max_video_seconds)"),
     "an image as video": (MediaItem("video", data=image_bytes(32, 32)), "image format, not a video"),
