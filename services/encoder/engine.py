@@ -167,8 +167,8 @@ class EncoderEngine:
         for i, r in enumerate(results):
             if isinstance(r, MediaError):
                 raise InvalidRequest(f"items[{i}] ({items[i].kind}): {r}")
-            if isinstance(r, BaseException):
-                raise r
+            if isinstance(r, BaseException):  # a defect, not the client's fault: INTERNAL, naming the item
+                raise RuntimeError(f"items[{i}] ({items[i].kind}): {type(r).__name__}: {r}") from r
         return list(results)  # type: ignore[arg-type]
 
     async def _forward(self, x: ModelInput, deadline: float) -> torch.Tensor:

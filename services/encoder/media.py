@@ -35,9 +35,16 @@ def _open(data: bytes, what: str) -> av.container.InputContainer:
     if not data:
         raise MediaError(f"empty {what} data")
     try:
-        return av.open(io.BytesIO(data), mode="r")
+        container = av.open(io.BytesIO(data), mode="r", metadata_errors="replace")
     except av.error.FFmpegError as exc:
         raise MediaError(f"not a decodable {what} file ({exc.strerror or exc})") from None
+    return container
+
+
+def _codec_checked(stream: av.stream.Stream, what: str) -> av.stream.Stream:
+    if stream.codec_context is None:
+        raise MediaError(f"the {what} stream has an unknown or unsupported codec")
+    return stream
 
 
 # -- images ---------------------------------------------------------------------------------------
@@ -153,7 +160,7 @@ def decode_audio(data: bytes, max_seconds: float) -> DecodedAudio:
             _check_wav_complete(data)
         if not container.streams.audio:
             raise MediaError("no audio stream in the file")
-        stream = container.streams.audio[0]
+        stream = _codec_checked(container.streams.audio[0], "audio")
         declared = _declared_seconds(stream, container)
         if declared is not None and declared > max_seconds + _TRUNCATION_SLACK_S:
             raise MediaError(
@@ -225,7 +232,7 @@ def probe_video(data: bytes, max_seconds: float, max_input_pixels: int) -> Video
             raise MediaError(f"{container.format.name!r} is an image format, not a video")
         if not container.streams.video:
             raise MediaError("no video stream in the file")
-        stream = container.streams.video[0]
+        stream = _codec_checked(container.streams.video[0], "video")
         rate = stream.average_rate or stream.guessed_rate or stream.base_rate
         fps = float(rate) if isinstance(rate, Fraction | int | float) and rate else 0.0
         if fps <= 0:
@@ -264,7 +271,7 @@ def decode_video_frames(data: bytes, indices: list[int], size: tuple[int, int]) 
     last = max(indices)
     frames: list[Image.Image] = []
     with _open(data, "video") as container:
-        stream = container.streams.video[0]
+        stream = _codec_checked(container.streams.video[0], "video")
         stream.thread_type = "AUTO"
         try:
             for i, frame in enumerate(container.decode(stream)):

@@ -55,6 +55,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         if source == "data":
             return MediaItem(kind, data=item.data)
         if source == "frames":
+            if not item.frames.images:
+                raise InvalidRequest(f"items[{i}].frames.images: at least one frame is required")
             return MediaItem(kind, frames=tuple(item.frames.images), fps=item.frames.fps)
         return MediaItem(kind, samples=self._samples(i, item), sample_rate_hz=item.sample_rate_hz)
 

@@ -231,7 +231,7 @@ def _metric_plain(encoder, name: str) -> float:
         (encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_UNSPECIFIED, data=b"x"), "items[1].kind"),
         (encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_IMAGE), "items[1]: set one of data"),
         (encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_VIDEO, frames=encoder_pb2.VideoFrames()),
-         "items[1] (video)"),
+         "items[1].frames.images: at least one frame"),
         (encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_IMAGE, frames=encoder_pb2.VideoFrames(images=[IMAGE])),
          "items[1].frames: not accepted for a image item"),
     ],

@@ -27,6 +27,20 @@ def _png_of_size(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 
+def _wav_with_bad_utf8_title() -> bytes:
+    """A valid WAV whose LIST/INFO title is not UTF-8 (found by fuzzing: metadata decoding raised)."""
+    wav = wav_bytes(0.5)
+    info = b"INFO" + b"INAM" + (4).to_bytes(4, "little") + b"\xff\xfe\xfd\x00"
+    at = wav.find(b"data")
+    out = wav[:at] + b"LIST" + len(info).to_bytes(4, "little") + info + wav[at:]
+    return out[:4] + (len(out) - 8).to_bytes(4, "little") + out[8:]
+
+
+def _mkv_with_unknown_codec() -> bytes:
+    """A Matroska video whose codec id is unknown to FFmpeg (found by fuzzing: no codec context)."""
+    return video_file(12, fmt="matroska").replace(b"V_MPEG4/ISO/ASP", b"V_XXXXX/ISO/ASP")
+
+
 def _solid_png(width: int, height: int) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (width, height), (10, 20, 30)).save(buf, format="PNG")
@@ -41,6 +55,14 @@ GOOD = {
     "video_file": MediaItem("video", data=video_file(25, fps=10)),
     "video_frames": MediaItem("video", frames=tuple(image_bytes(80, 60, seed=i) for i in range(3)), fps=4.0),
 }
+
+
+def test_undecodable_metadata_is_not_an_error(tiny_encoders):
+    async def body(engine):
+        (out,) = await engine.encode([MediaItem("audio", data=_wav_with_bad_utf8_title())])
+        return decode(out.ref, transport=engine.transport).shape[0], out.duration_s
+
+    assert run_engine(tiny_encoders, body) == (13, 0.5)
 
 
 def test_every_kind_encodes_to_shm_refs_that_decode_to_the_tower_output(tiny_encoders):
@@ -112,6 +134,7 @@ BAD = {
     "truncated video": (MediaItem("video", data=video_file(20)[:1400]), "not a decodable video file"),
     "truncated video, index first": (MediaItem("video", data=video_file(20, faststart=True)[:1900]),
                                      "truncated video: the container lists 20 frames"),
+    "video with an unknown codec": (MediaItem("video", data=_mkv_with_unknown_codec()), "unknown or unsupported codec"),
     "one-frame video": (MediaItem("video", data=video_file(1)), "at least 2"),
     "video over the limit": (MediaItem("video", data=video_file(210, fps=10)), "the limit is 20 s (encoder.max_video_seconds)"),
     "an image as video": (MediaItem("video", data=image_bytes(32, 32)), "image format, not a video"),
