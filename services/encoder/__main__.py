@@ -98,7 +98,6 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     runtime.add_servicer(encoder_pb2_grpc.add_EncoderServicer_to_server, EncoderServicer(engine), "omnistage.v1.Encoder")
     runtime.set_limits_provider(
         lambda: control_pb2.Limits(
-            max_running_requests=prof.vision.max_batch + prof.audio.max_batch,
             max_message_bytes=svc.max_message_bytes,
             max_vision_batch_items=prof.vision.max_batch,
             max_audio_batch_items=prof.audio.max_batch,
