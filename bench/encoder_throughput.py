@@ -7,9 +7,10 @@
 Builds the vision tower (ViT 27 x 1152 + merger + linear_proj to 4096) and the audio tower (Whisper
 32 x 1280 + conv projector to 4096) straight on the device in bf16 (fp32 on CPU) from meta, random
 weights initialised in place (no checkpoint, no media decoding: inputs are tensors). Measures one
-forward per batch of images at 448² and 1024² and of 10 s audio clips: images/s, tokens/s, audio
-seconds/s, peak device memory. Also CPU preprocessing rates (resize + normalise + patchify of an
-in-memory image; log-mel of 10 s). Prints a markdown table; writes JSON to $OUT/encoder_throughput.json
+forward per batch of images at 448² and 1024² (uint8 frames on the device, normalised and patchified
+there, as the service does) and of 10 s audio clips: images/s, tokens/s, audio
+seconds/s, peak device memory. Also CPU preprocessing rates (resize of an in-memory 1080p image;
+log-mel of 10 s). Prints a markdown table; writes JSON to $OUT/encoder_throughput.json
 (or --out) when set. A batch that runs out of memory is reported as OOM and larger ones are skipped.
 """
 
@@ -96,14 +97,19 @@ def timed(fn: Callable[[], object], device: torch.device, iters: int, warmup: in
     return statistics.median(times), peak
 
 
+def vision_images(vision: VisionEncoder, cfg: VisionConfig, frames: list[torch.Tensor]) -> torch.Tensor:
+    """What the service's forward does: uint8 frames on the device → normalise + patchify → one packed forward."""
+    items = [preprocess.pixel_patches(f, cfg) for f in frames]
+    return vision(torch.cat([p for p, _ in items]), [g for _, g in items])
+
+
 def vision_rows(vision: VisionEncoder, cfg: VisionConfig, sizes: list[int], batches: list[int], device, iters: int):
     rows = []
     for side in sizes:
-        grid = (1, side // cfg.patch_size, side // cfg.patch_size)
-        n = grid[1] * grid[2]
-        tokens = n // cfg.merge_unit
+        tokens = (side // cfg.pixels_per_token) ** 2
         for b in batches:
-            forward = functools.partial(vision, torch.randn(n * b, cfg.patch_dim, device=device), [grid] * b)
+            frames = [torch.randint(0, 256, (1, side, side, 3), dtype=torch.uint8, device=device) for _ in range(b)]
+            forward = functools.partial(vision_images, vision, cfg, frames)
             try:
                 secs, peak = timed(forward, device, iters)
             except torch.OutOfMemoryError:
@@ -135,13 +141,13 @@ def audio_rows(audio: AudioEncoder, cfg: AudioConfig, seconds: float, batches: l
     return rows
 
 
-def preprocess_rows(cfg: VisionConfig, sizes: list[int], seconds: float, iters: int) -> list[dict]:
+def preprocess_rows(sizes: list[int], seconds: float, iters: int) -> list[dict]:
     """CPU work per item the service does before a forward (no decoding: an in-memory image)."""
     rows = []
     src = Image.fromarray(np.random.default_rng(0).integers(0, 256, (1080, 1920, 3), dtype=np.uint8))
     cpu = torch.device("cpu")
-    for side in sizes:
-        secs, _ = timed(functools.partial(preprocess.image_patches, src, (side, side), cfg), cpu, iters, warmup=1)
+    for side in sizes:  # the CPU part of an image: resize to uint8 frames (normalise + patchify run on the device)
+        secs, _ = timed(functools.partial(preprocess.image_frames, src, (side, side)), cpu, iters, warmup=1)
         rows.append({"modality": "preprocess", "input": f"1920x1080 → {side}x{side}", "batch": 1, "ms": secs * 1000,
                      "items_s": 1 / secs})
     wave = torch.randn(int(seconds * 16000)) * 0.1
@@ -194,7 +200,7 @@ def main() -> None:
     with torch.inference_mode():
         rows = vision_rows(vision, cfg_v, sizes, batches, device, args.iters)
         rows += audio_rows(audio, cfg_a, args.audio_seconds, batches, device, args.iters)
-    rows += preprocess_rows(cfg_v, sizes, args.audio_seconds, args.iters)
+    rows += preprocess_rows(sizes, args.audio_seconds, args.iters)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU x{torch.get_num_threads()} threads"
     print(f"encoder towers ({'tiny' if args.tiny else 'real sizes'}, random weights), {name}, {dtype}, "

@@ -22,6 +22,7 @@ from omnistage.common.config import EncoderConfig
 from omnistage.common.log import get_logger
 from omnistage.common.runtime.errors import DeadlineExceeded, InvalidRequest, Overloaded
 from omnistage.common.transport import TransportContext, encode
+from omnistage.services.encoder import preprocess
 from omnistage.services.encoder.batcher import Batcher
 from omnistage.services.encoder.items import (
     AudioInput,
@@ -60,6 +61,17 @@ class EncodedOutput:
     timestamps_s: tuple[float, ...] = ()
     duration_s: float = 0.0
     resized: tuple[int, int] = (0, 0)
+
+
+def vision_forward(models: EncoderModels, frames: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One forward over vision items given as uint8 frames: to the device, normalise + patchify there."""
+    device = models.vision.vision.pos_embed.weight.device
+    patches, grids = [], []
+    for f in frames:
+        p, g = preprocess.pixel_patches(f.to(device, non_blocking=True), models.config.vision)
+        patches.append(p)
+        grids.append(g)
+    return models.vision.encode_items(patches, grids)
 
 
 class EncoderEngine:
@@ -114,7 +126,7 @@ class EncoderEngine:
     # -- forwards (device thread) ------------------------------------------------------------
 
     def run_vision(self, inputs: Sequence[VisionInput]) -> list[torch.Tensor]:
-        return self.models.vision.encode_items([x.patches for x in inputs], [x.grid for x in inputs])
+        return vision_forward(self.models, [x.frames for x in inputs])
 
     def run_audio(self, inputs: Sequence[AudioInput]) -> list[torch.Tensor]:
         return self.models.audio.encode_items([x.mel for x in inputs])

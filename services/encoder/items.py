@@ -1,7 +1,7 @@
 """One request item → the model input of its tower, under the deploy limits (CPU work, any thread).
 
 A `MediaItem` is what the servicer read from the proto; `prepare_item` decodes it (media.py) and
-turns it into patches + grid (vision) or a log-mel (audio) (preprocess.py), with everything the
+turns it into resized uint8 frames + grid (vision) or a log-mel (audio) (preprocess.py), with everything the
 response reports about the item (placeholder id, merged grids, timestamps, sizes).
 """
 
@@ -36,7 +36,7 @@ class MediaItem:
 
 @dataclass(frozen=True)
 class VisionInput:
-    patches: torch.Tensor  # [t·h·w, patch_dim] float32
+    frames: torch.Tensor  # uint8 [T, H, W, 3] resized (T = 1 for an image); patches are made on the device
     grid: Grid  # patch units
     kind: Kind
     resized: tuple[int, int]  # (h, w) pixels per frame
@@ -94,8 +94,8 @@ def _image(item: MediaItem, limits: ItemLimits) -> VisionInput:
     e, v = limits.encoder, limits.model.vision
     image = media.decode_image(item.data, e.max_input_image_pixels)
     size = preprocess.smart_resize(image.height, image.width, v.pixels_per_token, e.image_min_pixels, e.image_max_pixels)
-    patches, grid = preprocess.image_patches(image, size, v)
-    return VisionInput(patches, grid, "image", size, v.spatial_merge_size)
+    frames = preprocess.image_frames(image, size)
+    return VisionInput(frames, preprocess.frames_grid(frames, v), "image", size, v.spatial_merge_size)
 
 
 def _video_size(height: int, width: int, frames: int, limits: ItemLimits) -> tuple[int, int]:
@@ -136,9 +136,10 @@ def _video_frames(item: MediaItem, limits: ItemLimits) -> VisionInput:
 
 
 def _video_input(frames: list[np.ndarray], times: list[float], size: tuple[int, int], limits: ItemLimits) -> VisionInput:
-    patches, grid = preprocess.frames_patches(frames, limits.model.vision)
+    stacked = preprocess.stack_frames(frames)
+    v = limits.model.vision
     return VisionInput(
-        patches, grid, "video", size, limits.model.vision.spatial_merge_size,
+        stacked, preprocess.frames_grid(stacked, v), "video", size, v.spatial_merge_size,
         timestamps_s=tuple(preprocess.temporal_patch_times(times)),
         duration_s=times[-1] - times[0],
     )

@@ -65,11 +65,17 @@ def resize_rgb(image: Image.Image, size: tuple[int, int]) -> np.ndarray:
     return np.asarray(image.convert("RGB"), dtype=np.uint8)
 
 
-def normalise(frames: np.ndarray) -> torch.Tensor:
-    """uint8 [T, H, W, 3] → float32 [T, 3, H, W]: rescale 1/255, CLIP mean/std."""
-    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float().div_(255.0)
-    mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
+def stack_frames(frames: list[np.ndarray]) -> torch.Tensor:
+    """Resized RGB frames (uint8 [H, W, 3], one size) → uint8 [T, H, W, 3]: what a vision item holds
+    until its forward (8x smaller than the normalised float patches, which are made on the device)."""
+    return torch.from_numpy(np.ascontiguousarray(np.stack(frames)))
+
+
+def normalise(frames: torch.Tensor) -> torch.Tensor:
+    """uint8 [T, H, W, 3] (any device) → float32 [T, 3, H, W]: rescale 1/255, CLIP mean/std."""
+    x = frames.permute(0, 3, 1, 2).float().div_(255.0)
+    mean = torch.tensor(CLIP_MEAN, device=frames.device).view(1, 3, 1, 1)
+    std = torch.tensor(CLIP_STD, device=frames.device).view(1, 3, 1, 1)
     return x.sub_(mean).div_(std)
 
 
@@ -85,15 +91,35 @@ def patchify(pixels: torch.Tensor, cfg: VisionConfig) -> tuple[torch.Tensor, tup
     return x.reshape(t * h * w, c * tp * p * p).contiguous(), (t, h, w)
 
 
+def frames_grid(frames: torch.Tensor, cfg: VisionConfig) -> tuple[int, int, int]:
+    """Patch grid of uint8 frames [T, H, W, 3]; one frame (a still image) counts as a temporal patch."""
+    count, height, width, _ = frames.shape
+    return max(count // cfg.temporal_patch_size, 1), height // cfg.patch_size, width // cfg.patch_size
+
+
+def pixel_patches(frames: torch.Tensor, cfg: VisionConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """uint8 frames [T, H, W, 3] on any device → float32 patches on that device, and the grid.
+
+    A single frame is a still image: duplicated into the temporal patch (the reference's 2 frames).
+    """
+    if frames.shape[0] == 1:
+        frames = frames.expand(cfg.temporal_patch_size, *frames.shape[1:])
+    return patchify(normalise(frames), cfg)
+
+
+def image_frames(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
+    """One still image at `size` (h, w) → uint8 [1, h, w, 3]."""
+    return stack_frames([resize_rgb(image, size)])
+
+
 def image_patches(image: Image.Image, size: tuple[int, int], cfg: VisionConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """One still image at `size` (h, w) → patches of its 2 duplicated frames."""
-    rgb = resize_rgb(image, size)
-    return patchify(normalise(np.stack([rgb] * cfg.temporal_patch_size)), cfg)
+    return pixel_patches(image_frames(image, size), cfg)
 
 
 def frames_patches(frames: list[np.ndarray], cfg: VisionConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """Video frames, already resized to one size (count a multiple of the temporal patch) → patches."""
-    return patchify(normalise(np.stack(frames)), cfg)
+    return pixel_patches(stack_frames(frames), cfg)
 
 
 def video_frame_count(total_frames: int, video_fps: float, max_frames: int) -> int:

@@ -21,6 +21,7 @@ from omnistage.common.config import EncoderConfig
 from omnistage.common.memory.device import DeviceMemory
 from omnistage.common.memory.stress import StressAndCap, StressResult
 from omnistage.common.transport import decode
+from omnistage.services.encoder.engine import vision_forward
 from omnistage.services.encoder.items import ItemLimits, MediaItem
 from omnistage.services.encoder.models.loader import EncoderModels
 from omnistage.services.encoder.preprocess import SAMPLE_RATE, video_pixel_range
@@ -71,14 +72,16 @@ def profile(models: EncoderModels, mem: DeviceMemory, limits: ItemLimits, budget
     after the weights are loaded."""
     cfg = limits.encoder
     grid = largest_vision_grid(cfg, limits)
-    patches = grid[0] * grid[1] * grid[2]
+    t, h, w = grid
+    v = models.config.vision
+    frames_shape = (t * v.temporal_patch_size if t > 1 else 1, h * v.patch_size, w * v.patch_size, 3)
     mel_frames = int(limits.max_audio_seconds * SAMPLE_RATE) // 160
-    v, a = models.config.vision, models.config.audio
+    a = models.config.audio
 
     def vision_batch(b: int) -> object:
         report("profiling_memory", f"vision batch {b} x grid {grid}")
-        x = torch.randn(patches, v.patch_dim)
-        return models.vision.encode_items([x] * b, [grid] * b)
+        frames = torch.randint(0, 256, frames_shape, dtype=torch.uint8)
+        return vision_forward(models, [frames] * b)
 
     def audio_batch(b: int) -> object:
         report("profiling_memory", f"audio batch {b} x {limits.max_audio_seconds:g} s")

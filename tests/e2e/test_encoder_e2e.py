@@ -136,6 +136,7 @@ def test_describe_reports_the_stress_result_and_limits(encoder):
 
 
 def test_image_audio_and_video_come_back_as_shm_refs_equal_to_the_towers(encoder, towers):
+    from omnistage.services.encoder.engine import vision_forward
     from omnistage.services.encoder.items import MediaItem, prepare_item
 
     models, limits = towers
@@ -155,7 +156,7 @@ def test_image_audio_and_video_come_back_as_shm_refs_equal_to_the_towers(encoder
         assert item.embeddings.WhichOneof("payload") == "shm", kind
         x = prepare_item(MediaItem(kind, data=data), limits)
         want = (models.audio.encode_items([x.mel]) if kind == "audio"
-                else models.vision.encode_items([x.patches], [x.grid]))[0]
+                else vision_forward(models, [x.frames]))[0]
         assert got.shape == (item.num_tokens, 256) and torch.allclose(got, want, atol=1e-5), kind
     assert image.placeholder_token_id == ph.image_patch and audio.placeholder_token_id == ph.audio_patch
     assert video.placeholder_token_id == ph.video_patch

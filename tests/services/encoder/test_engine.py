@@ -15,6 +15,7 @@ from engine_helpers import SMALL, leases, run_engine
 from media_samples import audio_file, image_bytes, video_file, wav_bytes
 from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.common.transport import decode
+from omnistage.services.encoder.engine import vision_forward
 from omnistage.services.encoder.items import MediaItem, prepare_item
 from PIL import Image
 
@@ -84,7 +85,7 @@ def test_every_kind_encodes_to_shm_refs_that_decode_to_the_tower_output(tiny_enc
             want = tiny_encoders.audio.encode_items([x.mel])[0]
             assert out.placeholder_token_id == ph.audio_patch and out.merged_grids == ()
         else:
-            want = tiny_encoders.vision.encode_items([x.patches], [x.grid])[0]
+            want = vision_forward(tiny_encoders, [x.frames])[0]
             t, h, w = x.grid
             assert out.merged_grids == ((1, h // 2, w // 2),) * t
             assert out.placeholder_token_id == (ph.image_patch if item.kind == "image" else ph.video_patch)
