@@ -150,6 +150,8 @@ class ServiceConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    # Encoder limits (kind encoder only); EncoderConfig is defined at the end of the dataclasses.
+    encoder: EncoderConfig = field(default_factory=lambda: EncoderConfig())
     # Test hook only; never set in production files.
     fault: FaultConfig | None = None
 
@@ -212,6 +214,41 @@ class DeployConfig:
 
     def address(self, name: str) -> str:
         return f"{self.host}:{self.service(name).port}"
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Encoder service limits: what one item may be, what one request may hold, how batches are sized."""
+
+    # Smallest / largest pixels of an image after smart_resize (the model's 4·32·32 and 16384·32·32).
+    image_min_pixels: int = 4096
+    image_max_pixels: int = 16_777_216
+    # Largest decoded image or video frame accepted (width × height, checked before decoding).
+    max_input_image_pixels: int = 67_108_864
+    # Video: smallest pixels of a frame and the pixel budget of all sampled frames (128·32·32, 96·128·32·32).
+    video_min_pixels: int = 131_072
+    video_total_pixels: int = 12_582_912
+    # Video: most frames sampled (or given as frames) per video; an even number.
+    max_video_frames: int = 256
+    # Longest video accepted, in seconds.
+    max_video_seconds: float = 600.0
+    # Longest audio clip accepted, in seconds (also capped by the checkpoint: 2·n_ctx / 100 s).
+    max_audio_seconds: float = 300.0
+    # Items one Encode request may carry.
+    max_items_per_request: int = 16
+    # Batch sizes (items per forward, per modality) the start-up stress tries, largest first; the
+    # largest that fits at the largest item size is the cap.
+    stress_batch_sizes: tuple[int, ...] = (8, 4, 2, 1)
+    # How long an item waits for a batch slot before RESOURCE_EXHAUSTED, in seconds.
+    queue_timeout_s: float = 30.0
+    # Threads decoding and preprocessing media.
+    preprocess_workers: int = 2
+    # Bytes of the producer-owned shared-memory pool (POSIX shm; also the CUDA IPC pool on a GPU).
+    transport_pool_bytes: int = 1 << 30
+    # Seconds a consumer has to decode an embedding ref before its slice may be reused.
+    lease_ttl_s: float = 60.0
+    # Embeddings smaller than this many bytes travel inline in the response; larger ones through shm.
+    inline_max_bytes: int = 64 * 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,6 +382,7 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
         if e.kv_tokens and e.num_kv_blocks:
             raise ConfigError(f"{p}.engine.kv_tokens: set kv_tokens or num_kv_blocks, not both")
         _validate_memory(p, svc)
+        _validate_encoder(p, svc.encoder)
         g = svc.gateway
         for key in ("stage_wait_s", "max_concurrent_requests", "max_messages", "max_parts_per_message", "max_prompt_chars"):
             _positive(f"{p}.gateway.{key}", getattr(g, key))
@@ -382,6 +420,22 @@ def _validate_memory(p: str, svc: ServiceConfig) -> None:
         raise ConfigError(
             f"{p}.gpus: expected {svc.tp_size} simulated GPU indices (one per rank), got {list(svc.gpus)}"
         )
+
+
+def _validate_encoder(p: str, e: EncoderConfig) -> None:
+    q = f"{p}.encoder"
+    for key in ("image_min_pixels", "image_max_pixels", "max_input_image_pixels", "video_min_pixels",
+                "video_total_pixels", "max_video_frames", "max_video_seconds", "max_audio_seconds",
+                "max_items_per_request", "queue_timeout_s", "preprocess_workers", "transport_pool_bytes",
+                "lease_ttl_s"):
+        _positive(f"{q}.{key}", getattr(e, key))
+    _positive(f"{q}.inline_max_bytes", e.inline_max_bytes, allow_zero=True)
+    if e.image_min_pixels > e.image_max_pixels:
+        raise ConfigError(f"{q}.image_min_pixels: {e.image_min_pixels} exceeds image_max_pixels {e.image_max_pixels}")
+    if e.max_video_frames % 2:
+        raise ConfigError(f"{q}.max_video_frames: expected an even number, got {e.max_video_frames}")
+    if not e.stress_batch_sizes or any(b < 1 for b in e.stress_batch_sizes):
+        raise ConfigError(f"{q}.stress_batch_sizes: expected batch sizes >= 1, got {list(e.stress_batch_sizes)}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

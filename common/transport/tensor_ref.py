@@ -131,6 +131,18 @@ class TransportContext:
         elif kind == "cuda":
             self.cuda_attachments.release(ref.cuda)
 
+    def revoke(self, ref: tensor_pb2.TensorRef) -> bool:
+        """Producer side: free the slice of a ref this process encoded but never handed out (the send
+        failed or was aborted). False for inline refs, other processes' refs and inactive leases."""
+        kind = ref.WhichOneof("payload")
+        with self._lock:
+            if kind == "shm" and self._shm_pool is not None and ref.shm.pool_name == self._shm_pool.name:
+                return self._shm_pool.arena.release(ref.shm.lease_id)
+            pool = self._cuda_pools.get(ref.cuda.device_index) if kind == "cuda" else None
+        if pool is not None and pool.pool_id == ref.cuda.pool_id:
+            return pool.arena.release(ref.cuda.lease_id)
+        return False
+
     def reclaim_expired(self) -> int:
         """Reclaim released and expired slices of this process's pools now (allocation does it too)."""
         pools = [p for p in [self._shm_pool, *self._cuda_pools.values()] if p is not None]

@@ -40,6 +40,8 @@ def test_shipped_deploy_file_loads():
     assert isinstance(cfg, DeployConfig)
     assert cfg.service("thinker").kind == "thinker" and cfg.services_of("gateway")[0].name == "gateway"
     assert cfg.address("gateway") == f"{cfg.host}:{cfg.service('gateway').port}"
+    enc = load_config(ROOT / "deploy" / "local-tiny-encoder.yaml").service("encoder")
+    assert enc.kind == "encoder" and enc.encoder.stress_batch_sizes == (4, 2, 1)
 
 
 def test_nested_values_and_names_are_filled_in():
@@ -199,3 +201,28 @@ def _merge(data: dict, patch: dict) -> dict:
         else:
             data[key] = value
     return data
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"max_items_per_request": 0}, "services.enc.encoder.max_items_per_request: expected > 0"),
+        ({"max_audio_seconds": -1}, "services.enc.encoder.max_audio_seconds: expected > 0"),
+        ({"image_min_pixels": 5000, "image_max_pixels": 4096}, "services.enc.encoder.image_min_pixels: 5000 exceeds"),
+        ({"max_video_frames": 7}, "services.enc.encoder.max_video_frames: expected an even number, got 7"),
+        ({"stress_batch_sizes": [4, 0]}, "services.enc.encoder.stress_batch_sizes: expected batch sizes >= 1"),
+        ({"stress_batch_sizes": []}, "services.enc.encoder.stress_batch_sizes: expected batch sizes >= 1"),
+        ({"inline_max_bytes": -1}, "services.enc.encoder.inline_max_bytes: expected >= 0"),
+        ({"max_pixels": 5}, "services.enc.encoder.max_pixels: unknown key"),
+    ],
+)
+def test_encoder_limits_are_checked(patch, message):
+    data = {"services": {"enc": {"kind": "encoder", "port": 50171, "encoder": patch}}}
+    assert message in error_of(data)
+
+
+def test_encoder_defaults_are_the_models_preprocessing_numbers():
+    e = config_from_dict({"services": {"enc": {"kind": "encoder", "port": 50171}}}).services["enc"].encoder
+    assert (e.image_min_pixels, e.image_max_pixels) == (4 * 32 * 32, 16384 * 32 * 32)
+    assert (e.video_min_pixels, e.video_total_pixels, e.max_video_frames) == (128 * 32 * 32, 96 * 128 * 32 * 32, 256)
+    assert e.stress_batch_sizes == (8, 4, 2, 1)

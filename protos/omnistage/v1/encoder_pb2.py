@@ -25,23 +25,27 @@ _sym_db = _symbol_database.Default()
 from omnistage.v1 import tensor_pb2 as omnistage_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomnistage/v1/encoder.proto\x12\x0comnistage.v1\x1a\x19omnistage/v1/tensor.proto\"\x91\x01\n\nEncodeItem\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.omnistage.v1.MediaKind\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12*\n\x07samples\x18\x03 \x01(\x0b\x32\x17.omnistage.v1.TensorRefH\x00\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\rB\x08\n\x06source\"L\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.omnistage.v1.EncodeItem\"`\n\x0b\x45ncodedItem\x12+\n\nembeddings\x18\x01 \x01(\x0b\x32\x17.omnistage.v1.TensorRef\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x10\n\x08grid_thw\x18\x03 \x03(\x05\":\n\x0e\x45ncodeResponse\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.omnistage.v1.EncodedItem*i\n\tMediaKind\x12\x1a\n\x16MEDIA_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEDIA_KIND_IMAGE\x10\x01\x12\x14\n\x10MEDIA_KIND_AUDIO\x10\x02\x12\x14\n\x10MEDIA_KIND_VIDEO\x10\x03\x32N\n\x07\x45ncoder\x12\x43\n\x06\x45ncode\x12\x1b.omnistage.v1.EncodeRequest\x1a\x1c.omnistage.v1.EncodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomnistage/v1/encoder.proto\x12\x0comnistage.v1\x1a\x19omnistage/v1/tensor.proto\"*\n\x0bVideoFrames\x12\x0e\n\x06images\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\"\xbe\x01\n\nEncodeItem\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.omnistage.v1.MediaKind\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12*\n\x07samples\x18\x03 \x01(\x0b\x32\x17.omnistage.v1.TensorRefH\x00\x12+\n\x06\x66rames\x18\x05 \x01(\x0b\x32\x19.omnistage.v1.VideoFramesH\x00\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\rB\x08\n\x06source\"~\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.omnistage.v1.EncodeItem\x12\x18\n\x10\x63onsumer_host_id\x18\x03 \x01(\t\x12\x16\n\x0e\x61llow_cuda_ipc\x18\x04 \x01(\x08\"*\n\x07GridTHW\x12\t\n\x01t\x18\x01 \x01(\r\x12\t\n\x01h\x18\x02 \x01(\r\x12\t\n\x01w\x18\x03 \x01(\r\"\x99\x02\n\x0b\x45ncodedItem\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.omnistage.v1.MediaKind\x12+\n\nembeddings\x18\x02 \x01(\x0b\x32\x17.omnistage.v1.TensorRef\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x1c\n\x14placeholder_token_id\x18\x04 \x01(\x05\x12+\n\x0cmerged_grids\x18\x05 \x03(\x0b\x32\x15.omnistage.v1.GridTHW\x12\x14\n\x0ctimestamps_s\x18\x06 \x03(\x02\x12\x12\n\nduration_s\x18\x07 \x01(\x02\x12\x16\n\x0eresized_height\x18\x08 \x01(\r\x12\x15\n\rresized_width\x18\t \x01(\r\"V\n\x0e\x45ncodeResponse\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.omnistage.v1.EncodedItem\x12\x1a\n\x12spatial_merge_size\x18\x02 \x01(\r*i\n\tMediaKind\x12\x1a\n\x16MEDIA_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEDIA_KIND_IMAGE\x10\x01\x12\x14\n\x10MEDIA_KIND_AUDIO\x10\x02\x12\x14\n\x10MEDIA_KIND_VIDEO\x10\x03\x32N\n\x07\x45ncoder\x12\x43\n\x06\x45ncode\x12\x1b.omnistage.v1.EncodeRequest\x1a\x1c.omnistage.v1.EncodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnistage.v1.encoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEDIAKIND']._serialized_start=455
-  _globals['_MEDIAKIND']._serialized_end=560
-  _globals['_ENCODEITEM']._serialized_start=72
-  _globals['_ENCODEITEM']._serialized_end=217
-  _globals['_ENCODEREQUEST']._serialized_start=219
-  _globals['_ENCODEREQUEST']._serialized_end=295
-  _globals['_ENCODEDITEM']._serialized_start=297
-  _globals['_ENCODEDITEM']._serialized_end=393
-  _globals['_ENCODERESPONSE']._serialized_start=395
-  _globals['_ENCODERESPONSE']._serialized_end=453
-  _globals['_ENCODER']._serialized_start=562
-  _globals['_ENCODER']._serialized_end=640
+  _globals['_MEDIAKIND']._serialized_start=852
+  _globals['_MEDIAKIND']._serialized_end=957
+  _globals['_VIDEOFRAMES']._serialized_start=71
+  _globals['_VIDEOFRAMES']._serialized_end=113
+  _globals['_ENCODEITEM']._serialized_start=116
+  _globals['_ENCODEITEM']._serialized_end=306
+  _globals['_ENCODEREQUEST']._serialized_start=308
+  _globals['_ENCODEREQUEST']._serialized_end=434
+  _globals['_GRIDTHW']._serialized_start=436
+  _globals['_GRIDTHW']._serialized_end=478
+  _globals['_ENCODEDITEM']._serialized_start=481
+  _globals['_ENCODEDITEM']._serialized_end=762
+  _globals['_ENCODERESPONSE']._serialized_start=764
+  _globals['_ENCODERESPONSE']._serialized_end=850
+  _globals['_ENCODER']._serialized_start=959
+  _globals['_ENCODER']._serialized_end=1037
 # @@protoc_insertion_point(module_scope)

@@ -45,7 +45,10 @@ class EncoderServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Encode(self, request, context):
-        """Media items in, one embedding block per item out (batched inside the service).
+        """Media items in, one embedding block per item out, in request order. Items of concurrent
+        requests are batched inside the service (one forward per modality). A bad item fails the
+        whole RPC with INVALID_ARGUMENT "items[i]: <reason>" (nothing is returned for the good ones);
+        RESOURCE_EXHAUSTED (with grpc-retry-pushback-ms) when the service is full.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

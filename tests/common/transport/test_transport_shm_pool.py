@@ -156,3 +156,17 @@ def test_attach_validates_name_size_and_bounds(pool, attachments):
     bad.pool_name = f"omnistage-{os.getpid()}-{'0' * 16}"
     with pytest.raises(TransportError, match="is gone"):
         attachments.view(bad)
+
+
+def test_revoke_takes_back_an_unsent_ref_and_only_our_own():
+    with TransportContext(TransportOptions(shm_pool_bytes=1 << 20, shm_threshold_bytes=0)) as ctx:
+        ref = encode(torch.ones(1000), transport=ctx)
+        arena = ctx.shm_pool().arena
+        assert ref.WhichOneof("payload") == "shm" and arena.active_leases == 1
+        assert ctx.revoke(ref) is True
+        assert arena.active_leases == 0 and arena.used_bytes == 0
+        assert ctx.revoke(ref) is False  # already free
+        assert ctx.revoke(encode(torch.ones(3))) is False  # inline: nothing to take back
+        with TransportContext(TransportOptions(shm_pool_bytes=1 << 20, shm_threshold_bytes=0)) as other:
+            foreign = encode(torch.ones(10), transport=other)
+            assert ctx.revoke(foreign) is False and other.shm_pool().arena.active_leases == 1

@@ -1,0 +1,244 @@
+"""EncoderEngine: items in, embeddings out as TensorRefs — validate, preprocess, batch, hand over.
+
+One request: every item is decoded and preprocessed on a thread pool first, so a bad item fails the
+whole request (INVALID_ARGUMENT "items[i]: reason") before any device work; then each item takes
+a slot of its modality and joins the batcher's next forward; the outputs leave through the
+producer's shared-memory pool (CUDA IPC when the consumer may open it). If anything fails after
+some refs were made, those slices are taken back, so a failed request never leaves a lease behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from omnistage.common import metrics
+from omnistage.common.config import EncoderConfig
+from omnistage.common.log import get_logger
+from omnistage.common.runtime.errors import DeadlineExceeded, InvalidRequest, Overloaded
+from omnistage.common.transport import TransportContext, encode
+from omnistage.services.encoder import preprocess
+from omnistage.services.encoder.batcher import Batcher
+from omnistage.services.encoder.items import (
+    AudioInput,
+    Grid,
+    ItemLimits,
+    MediaItem,
+    ModelInput,
+    VisionInput,
+    prepare_item,
+)
+from omnistage.services.encoder.models.loader import EncoderModels
+from omnistage.services.encoder.preprocess import MediaError
+from omnistage.v1 import tensor_pb2
+
+log = get_logger(__name__)
+MODALITY = {"image": "vision", "video": "vision", "audio": "audio"}
+
+
+def items_counter():
+    return metrics.counter("encoder_items", "Media items encoded, by kind", ("kind",))
+
+
+def tokens_counter():
+    return metrics.counter("encoder_tokens", "Embedding rows (thinker tokens) produced, by kind", ("kind",))
+
+
+@dataclass(frozen=True)
+class EncodedOutput:
+    """One item's result; `ref` is leased to the consumer."""
+
+    kind: str
+    ref: tensor_pb2.TensorRef
+    num_tokens: int
+    placeholder_token_id: int
+    merged_grids: tuple[Grid, ...] = ()
+    timestamps_s: tuple[float, ...] = ()
+    duration_s: float = 0.0
+    resized: tuple[int, int] = (0, 0)
+
+
+def vision_forward(models: EncoderModels, frames: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One forward over vision items given as uint8 frames: to the device, normalise + patchify there."""
+    device = models.vision.vision.pos_embed.weight.device
+    patches, grids = [], []
+    for f in frames:
+        p, g = preprocess.pixel_patches(f.to(device, non_blocking=True), models.config.vision)
+        patches.append(p)
+        grids.append(g)
+    return models.vision.encode_items(patches, grids)
+
+
+class EncoderEngine:
+    """The encoder's only API for the servicer: `await encode(items, ...)`."""
+
+    def __init__(
+        self,
+        models: EncoderModels,
+        cfg: EncoderConfig,
+        transport: TransportContext,
+        caps: dict[str, int],
+        *,
+        service: str = "encoder",
+    ) -> None:
+        self.models = models
+        self.cfg = cfg
+        self.service = service
+        self.transport = transport
+        self.limits = ItemLimits.of(cfg, models.config)
+        self.placeholders = {
+            "image": models.config.placeholders.image_patch,
+            "video": models.config.placeholders.video_patch,
+            "audio": models.config.placeholders.audio_patch,
+        }
+        self._pool = ThreadPoolExecutor(cfg.preprocess_workers, thread_name_prefix=f"{service}-prep")
+        self.batcher = Batcher(service, {"vision": self.run_vision, "audio": self.run_audio}, caps)
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.batcher.start(loop)
+
+    def stop(self) -> None:
+        self.batcher.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def leases(self) -> tuple[int, int]:
+        """(active leases, leased bytes) of this process's shm pool, released slices reclaimed first."""
+        pool = self.transport.shm_pool()
+        if pool is None:
+            return 0, 0
+        pool.arena.reclaim()
+        return pool.arena.active_leases, pool.arena.used_bytes
+
+    def export_lease_gauges(self) -> None:
+        """/metrics: embeddings handed out and not yet released (a leak shows as a gauge that never falls)."""
+        active = metrics.gauge("encoder_leases_active", "Embedding slices leased to consumers, not yet released")
+        used = metrics.gauge("encoder_leased_bytes", "Bytes of the shm pool leased to consumers")
+        active.labels(self.service).set_function(lambda: self.leases()[0])
+        used.labels(self.service).set_function(lambda: self.leases()[1])
+
+    # -- forwards (device thread) ------------------------------------------------------------
+
+    def run_vision(self, inputs: Sequence[VisionInput]) -> list[torch.Tensor]:
+        return vision_forward(self.models, [x.frames for x in inputs])
+
+    def run_audio(self, inputs: Sequence[AudioInput]) -> list[torch.Tensor]:
+        return self.models.audio.encode_items([x.mel for x in inputs])
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def encode(
+        self,
+        items: Sequence[MediaItem],
+        *,
+        timeout_s: float | None = None,
+        consumer_host_id: str = "",
+        allow_cuda_ipc: bool = False,
+    ) -> list[EncodedOutput]:
+        """Encode every item or none: INVALID_ARGUMENT names the first bad item.
+
+        `timeout_s` is the request's remaining deadline (None: none). An item waits for a batch slot at
+        most `queue_timeout_s` (then RESOURCE_EXHAUSTED with pushback) or until the deadline
+        (DEADLINE_EXCEEDED), whichever comes first.
+        """
+        if not items:
+            raise InvalidRequest("items: at least one item is required")
+        if len(items) > self.cfg.max_items_per_request:
+            raise InvalidRequest(
+                f"items: {len(items)} items exceed the limit of {self.cfg.max_items_per_request} "
+                "(encoder.max_items_per_request)"
+            )
+        deadline = time.monotonic() + timeout_s if timeout_s is not None else math.inf
+        inputs = await self._prepare_all(items)
+        tensors = await asyncio.gather(*(self._forward(x, deadline) for x in inputs))
+        handover = asyncio.get_running_loop().run_in_executor(
+            self._pool, self._to_refs, tensors, consumer_host_id, allow_cuda_ipc
+        )
+        try:
+            refs = await asyncio.shield(handover)
+        except asyncio.CancelledError:  # the caller left: its refs will never be sent
+            handover.add_done_callback(self._revoke_when_done)
+            raise
+        for x in inputs:
+            items_counter().labels(self.service, x.kind).inc()
+            tokens_counter().labels(self.service, x.kind).inc(x.num_tokens)
+        return [self._output(x, ref) for x, ref in zip(inputs, refs, strict=True)]
+
+    async def _prepare_all(self, items: Sequence[MediaItem]) -> list[ModelInput]:
+        loop = asyncio.get_running_loop()
+        results = await asyncio.gather(
+            *(loop.run_in_executor(self._pool, prepare_item, item, self.limits) for item in items),
+            return_exceptions=True,
+        )
+        for i, r in enumerate(results):
+            if isinstance(r, MediaError):
+                raise InvalidRequest(f"items[{i}] ({items[i].kind}): {r}")
+            if isinstance(r, BaseException):  # a defect, not the client's fault: INTERNAL, naming the item
+                raise RuntimeError(f"items[{i}] ({items[i].kind}): {type(r).__name__}: {r}") from r
+        return list(results)  # type: ignore[arg-type]
+
+    async def _forward(self, x: ModelInput, deadline: float) -> torch.Tensor:
+        modality = MODALITY[x.kind]
+        wait = min(deadline - time.monotonic(), self.cfg.queue_timeout_s)
+        if wait <= 0:
+            raise DeadlineExceeded(f"{self.service}: deadline passed before the {modality} forward")
+        try:
+            out = await self.batcher.submit(modality, x, wait)
+        except torch.OutOfMemoryError as exc:  # the stress cap should prevent this; tell the client to back off
+            raise Overloaded(f"{self.service}: {modality} forward ran out of device memory", retry_after_ms=1000) from exc
+        except TimeoutError as exc:
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"{self.service}: deadline passed waiting for a {modality} batch slot") from exc
+            raise Overloaded(f"{exc}", retry_after_ms=500) from exc
+        if out.shape[0] != x.num_tokens:
+            raise RuntimeError(f"{x.kind} produced {out.shape[0]} rows, expected {x.num_tokens}")
+        return out
+
+    def _to_refs(self, tensors: Sequence[torch.Tensor], consumer_host_id: str, allow_cuda_ipc: bool) -> list:
+        """TensorRefs of all outputs, or none: on any failure the slices already leased are revoked."""
+        refs: list[tensor_pb2.TensorRef] = []
+        try:
+            for t in tensors:
+                refs.append(self._ref(t, consumer_host_id, allow_cuda_ipc))
+        except BaseException:
+            for ref in refs:
+                self.transport.revoke(ref)
+            raise
+        return refs
+
+    def _revoke_when_done(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            for ref in fut.result():
+                self.transport.revoke(ref)
+
+    def _ref(self, t: torch.Tensor, consumer_host_id: str, allow_cuda_ipc: bool) -> tensor_pb2.TensorRef:
+        remote = bool(consumer_host_id) and consumer_host_id != self.transport.host_id
+        if remote:
+            return encode(t, transport=self.transport, peer_host_id=consumer_host_id)
+        nbytes = t.numel() * t.element_size()
+        if t.is_cuda and not allow_cuda_ipc and nbytes >= self.transport.options.shm_threshold_bytes:
+            return encode(t, transport=self.transport, force="shm")  # the consumer cannot open CUDA IPC
+        return encode(t, transport=self.transport)
+
+    def _output(self, x: ModelInput, ref: tensor_pb2.TensorRef) -> EncodedOutput:
+        common = dict(kind=x.kind, ref=ref, num_tokens=x.num_tokens, placeholder_token_id=self.placeholders[x.kind])
+        if isinstance(x, AudioInput):
+            return EncodedOutput(**common, duration_s=x.duration_s)
+        return EncodedOutput(
+            **common,
+            merged_grids=tuple(x.merged_grids),
+            timestamps_s=x.timestamps_s,
+            duration_s=x.duration_s,
+            resized=x.resized,
+        )
+
+    def revoke(self, outputs: Sequence[EncodedOutput]) -> None:
+        """Take back the leases of outputs that will never be sent (the RPC failed after encoding)."""
+        for out in outputs:
+            self.transport.revoke(out.ref)

@@ -1,0 +1,128 @@
+"""load_encoders: the vision and audio towers of a Ming checkpoint, built on meta and filled shard by shard.
+
+Parameters are materialised once, empty, in the target dtype on the target device; each checkpoint
+tensor is read alone (CPU, stored dtype: float32 for the release's vision tower, bf16 elsewhere) and
+copied into its parameter, so no full-precision copy of the model ever exists. Keys and shapes are
+checked from the shard headers first: a wrong checkpoint fails with one error naming every missing,
+unexpected and mis-shaped key. Deepstack mergers are checked but not materialised (Ming discards them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omnistage.common.checkpoint.shards import CheckpointError, iter_tensors, read_headers, shard_files
+from omnistage.common.log import get_logger
+from omnistage.services.encoder.models.audio import AudioEncoder
+from omnistage.services.encoder.models.config import EncoderModelConfig, VisionConfig
+from omnistage.services.encoder.models.vision import VisionEncoder
+from torch import nn
+
+log = get_logger(__name__)
+ENCODER_PREFIXES = ("vision.", "linear_proj.", "audio.", "linear_proj_audio.")
+_MAX_LISTED = 20
+
+
+@dataclass
+class EncoderModels:
+    """Both towers of one checkpoint, ready for inference."""
+
+    config: EncoderModelConfig
+    vision: VisionEncoder
+    audio: AudioEncoder
+
+    @property
+    def weights_bytes(self) -> int:
+        tensors = [*self.vision.parameters(), *self.audio.parameters(), *self.audio.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def is_encoder_key(key: str) -> bool:
+    return key.startswith(ENCODER_PREFIXES)
+
+
+def deepstack_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint keys of the unused deepstack mergers (post-shuffle LayerNorm over 4·hidden)."""
+    merged = cfg.hidden_size * cfg.merge_unit
+    out: dict[str, tuple[int, ...]] = {}
+    for j in range(len(cfg.deepstack_visual_indexes)):
+        p = f"vision.deepstack_merger_list.{j}."
+        out |= {p + "norm.weight": (merged,), p + "norm.bias": (merged,)}
+        out |= {p + "linear_fc1.weight": (merged, merged), p + "linear_fc1.bias": (merged,)}
+        out |= {p + "linear_fc2.weight": (cfg.out_hidden_size, merged), p + "linear_fc2.bias": (cfg.out_hidden_size,)}
+    return out
+
+
+def _targets(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Checkpoint key → tensor to fill: parameters and persistent buffers (names equal the keys)."""
+    out: dict[str, torch.Tensor] = {}
+    for module in modules:
+        out.update(module.state_dict(keep_vars=True))
+    return out
+
+
+def _listing(what: str, keys: list[str]) -> str:
+    more = f" (+{len(keys) - _MAX_LISTED} more)" if len(keys) > _MAX_LISTED else ""
+    return f"{what} keys: {', '.join(keys[:_MAX_LISTED])}{more}"
+
+
+def _check_keys(root: Path, want: dict[str, tuple[int, ...]], headers: dict) -> None:
+    have = {k: v for k, v in headers.items() if is_encoder_key(k)}
+    problems = []
+    if missing := sorted(set(want) - set(have)):
+        problems.append(_listing("missing", missing))
+    if unexpected := sorted(set(have) - set(want)):
+        problems.append(_listing("unexpected", unexpected))
+    if bad := sorted(f"{k} {list(have[k].shape)} != {list(want[k])}" for k in set(want) & set(have)
+                     if tuple(have[k].shape) != tuple(want[k])):
+        problems.append(_listing("mis-shaped", bad))
+    if problems:
+        raise CheckpointError(f"{root}: encoder weights do not match config.json: " + "; ".join(problems))
+
+
+def build_encoders(config: EncoderModelConfig, *, dtype: torch.dtype, device: str | torch.device) -> EncoderModels:
+    """Empty towers (uninitialised parameters) in `dtype` on `device`; the loader or a benchmark fills them."""
+    with torch.device("meta"):
+        vision, audio = VisionEncoder(config.vision), AudioEncoder(config.audio)
+    vision = vision.to(dtype=dtype).to_empty(device=device)
+    audio = audio.to(dtype=dtype).to_empty(device=device)
+    vision.vision.init_buffers()
+    return EncoderModels(config, vision.requires_grad_(False).eval(), audio.requires_grad_(False).eval())
+
+
+def load_encoders(
+    checkpoint_dir: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    progress: Callable[[int, int], None] | None = None,
+) -> EncoderModels:
+    """Build both towers from a Ming checkpoint folder; `progress(done_shards, total_shards)`."""
+    root = Path(checkpoint_dir)
+    config = EncoderModelConfig.from_checkpoint(root)
+    shards = shard_files(root)
+    headers = read_headers(shards)
+    models = build_encoders(config, dtype=dtype, device=device)
+    targets = _targets([models.vision, models.audio])
+    skipped = deepstack_shapes(config.vision)
+    _check_keys(root, {**{k: tuple(t.shape) for k, t in targets.items()}, **skipped}, headers)
+
+    mine = [s for s in shards if any(h.shard == s and is_encoder_key(k) and k not in skipped
+                                     for k, h in headers.items())]
+    if progress is not None:
+        progress(0, len(mine))
+    loaded: set[str] = set()
+    for n, shard in enumerate(mine, start=1):
+        keys = [k for k, h in headers.items() if h.shard == shard and k in targets]
+        for key, tensor in iter_tensors(shard, keys):
+            targets[key].data.copy_(tensor)
+            loaded.add(key)
+        log.info("encoder weights %d/%d shards", n, len(mine))
+        if progress is not None:
+            progress(n, len(mine))
+    if untouched := sorted(set(targets) - loaded):
+        raise CheckpointError(f"{root}: encoder tensors never loaded: {', '.join(untouched)}")
+    return models

@@ -1,0 +1,52 @@
+"""On a GPU: embeddings stay on the device through CUDA IPC when the consumer may open it, and go
+through POSIX shm otherwise (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+
+import pytest
+import torch
+from engine_helpers import run_engine
+from media_samples import image_bytes
+from omnistage.common.transport import decode
+from omnistage.services.encoder.items import MediaItem
+from omnistage.services.encoder.models.loader import load_encoders
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CONSUMER = r"""
+import base64, sys, torch
+from omnistage.common.transport import TransportContext, decode
+from omnistage.v1 import tensor_pb2
+ctx = TransportContext()
+ref = tensor_pb2.TensorRef.FromString(base64.b64decode(sys.stdin.read()))
+y = decode(ref, transport=ctx, device="cuda:0")
+print(ref.WhichOneof("payload"), y.is_cuda, float(y.float().abs().sum()), flush=True)
+ctx.close()
+"""
+
+
+def test_gpu_outputs_go_by_cuda_ipc_when_allowed_and_by_shm_otherwise(tiny_ckpt):
+    models = load_encoders(tiny_ckpt, dtype=torch.bfloat16, device="cuda:0")
+    image = MediaItem("image", data=image_bytes(300, 200))
+
+    async def body(engine):
+        (shm,) = await engine.encode([image])
+        (ipc,) = await engine.encode([image], allow_cuda_ipc=True)
+        local = decode(shm.ref, transport=engine.transport)
+        proc = subprocess.run([sys.executable, "-c", CONSUMER], input=base64.b64encode(ipc.ref.SerializeToString()).decode(),
+                              capture_output=True, text=True, timeout=120)
+        return shm.ref.WhichOneof("payload"), local, proc
+
+    kind, local, proc = run_engine(models, body)
+    assert kind == "shm" and local.dtype == torch.bfloat16 and not local.is_cuda
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    payload, on_gpu, total = proc.stdout.split()
+    assert payload == "cuda" and on_gpu == "True"
+    assert float(total) == pytest.approx(float(local.float().abs().sum()), rel=1e-2)
