@@ -85,10 +85,15 @@ def write_config(path: Path, services: dict[str, dict], **startup: Any) -> Path:
     """A deploy file of synthetic services with short deadlines (tests override what they probe)."""
     deadlines = {p: 10.0 for p in ("starting", "loading_weights", "profiling_memory", "warming_up", "capturing_graphs")}
     deadlines.update(startup.pop("phase_deadlines_s", {}))
+    ckpt = path.parent / "synthetic-ckpt"  # `serve` checks that the checkpoint exists; synthetic stages never read it
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"")
     data = {
         "version": 1,
         "host": "127.0.0.1",
         "log_level": "warning",
+        "model": {"checkpoint": str(ckpt)},
         "startup": {
             "phase_deadlines_s": deadlines,
             "heartbeat_timeout_s": 10.0,
