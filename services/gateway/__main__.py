@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from omnistage.common.config import DeployConfig, ServiceConfig
+from omnistage.common.runtime import auth
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.services.gateway.server import OmniServicer
@@ -19,7 +20,8 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     thinkers = cfg.services_of("thinker")
     if thinkers:
         t = thinkers[0]
-        client = ThinkerClient(t.name, cfg.address(t.name), max(t.max_message_bytes, svc.max_message_bytes))
+        client = ThinkerClient(t.name, cfg.address(t.name), max(t.max_message_bytes, svc.max_message_bytes),
+                               admin_address=cfg.admin_address(t.name), admin_metadata=auth.admin_metadata(t))
         runtime.reporter.enter("warming_up", total=1, unit="stages", detail=f"waiting for {t.name}")
         try:
             await client.wait_serving(gw.stage_wait_s)
@@ -39,6 +41,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         max_concurrent_requests=gw.max_concurrent_requests,
         max_prompt_chars=gw.max_prompt_chars,
         system_prompt=gw.system_prompt,
+        media_dir=gw.media_dir,
     )
     runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")
     runtime.set_limits_provider(
