@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).parent / "runtime"))
 from omnistage.common.launcher import launch  # noqa: E402
@@ -266,3 +269,20 @@ def test_a_missing_secret_is_refused_naming_the_key(tmp_path, monkeypatch):
     assert launch(cfg, [], modules={"thinker": SCRIPT}, out=io.StringIO(), err=err) == 2
     assert ("services.alpha.admin_api_key_env: environment variable NO_SUCH_ADMIN_KEY is not set or holds no key"
             in err.getvalue())
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_a_tls_gateway_is_health_checked_on_its_admin_port(tmp_path, runs):
+    from synthetic_stage import free_port, self_signed
+
+    cert, key = self_signed(tmp_path, "server")
+    tls = {"cert_file": str(cert), "key_file": str(key)}
+    run = Run(tmp_path, {"front": {"kind": "gateway", "admin_port": free_port(), "tls": tls}})
+    runs.append(run)
+    address = run.wait_ready()
+    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    with grpc.secure_channel(address, creds) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_exit() == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,18 @@ async def build(runtime: Any, cfg: Any, svc: Any, rank: int) -> None:
 
 
 # -- helpers of the tests ------------------------------------------------------------------------
+
+def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed P-256 certificate for localhost / 127.0.0.1 (its own CA), made by the openssl command."""
+    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={name}",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )
+    return cert, key
+
 
 def free_port() -> int:
     with socket.socket() as s:

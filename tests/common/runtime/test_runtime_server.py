@@ -427,3 +427,18 @@ def test_fail_stops_with_exit_code_1(tmp_path):
         assert (rec.phase, rec.failure, rec.failed_in) == ("failed", "engine loop died", "serving")
 
     asyncio.run(scenario())
+
+
+def test_an_internal_service_bound_beyond_loopback_logs_a_warning(tmp_path, caplog):
+    async def scenario():
+        async with running(tmp_path, bind_host="0.0.0.0") as rt:
+            assert rt.address.startswith("127.0.0.1:")  # dialed at `host`
+        async with running(tmp_path, name="front", kind="gateway", bind_host="0.0.0.0"):
+            pass
+
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(scenario())
+    warnings = [r for r in caplog.records if "listens beyond this host" in r.getMessage()]
+    assert len(warnings) == 1 and "services.alpha.bind_host" in str(warnings[0].__dict__.get("fields"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -13,21 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import config_from_dict
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
-from synthetic_stage import SyntheticOmni, free_port
+from synthetic_stage import SyntheticOmni, free_port, self_signed
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
-
-
-def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
-    """A self-signed P-256 certificate for localhost / 127.0.0.1 (its own CA): (cert, key)."""
-    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={name}",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )
-    return cert, key
 
 
 def gateway(tmp_path: Path, **tls) -> ServiceRuntime:
