@@ -1,14 +1,18 @@
-"""The `omnistage` command: serve, generate, status, make-tiny-checkpoint, protos."""
+"""The `omnistage` command: serve, generate, status, drain, resume, make-tiny-checkpoint, protos."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from omnistage.common.config import ConfigError, load_config
+from omnistage.common.config import ConfigError, DeployConfig, ServiceConfig, load_config
+from omnistage.common.runtime import auth
+from omnistage.common.runtime.auth import SecretError
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
 
@@ -33,7 +37,53 @@ def cmd_make_tiny_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace) -> DeployConfig:
+    """The deploy file of `--config` with its `--set` overrides (ConfigError names the key)."""
+    return load_config(args.config, args.overrides)
+
+
+def _key_from(var: str, flag: str) -> tuple[tuple[str, str], ...]:
+    key = os.environ.get(var, "").strip()
+    if not key:
+        raise SecretError(f"{flag} {var}: environment variable {var} is not set")
+    return auth.bearer(key)
+
+
+def _gateway_target(args: argparse.Namespace) -> tuple[str, grpc.ChannelCredentials | None, tuple]:
+    """(address, TLS credentials or None, call metadata) of the gateway `generate` talks to."""
+    key_env = args.api_key_env
+    if args.config:
+        cfg = _config(args)
+        gateways = cfg.services_of("gateway")
+        if not gateways:
+            raise ConfigError(f"services: {args.config} has no gateway to send the prompt to")
+        gw = gateways[0]
+        address = args.address or cfg.address(gw.name)
+        creds = auth.channel_credentials(gw, args.ca_file, args.cert_file, args.key_file)
+        metadata = _key_from(key_env, "--api-key-env") if key_env else auth.client_metadata(gw)
+        return address, creds, metadata
+    if not args.address:
+        raise ConfigError("give --config FILE (the gateway is found there) or --address HOST:PORT")
+    creds = None
+    if args.ca_file or args.cert_file:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=Path(args.ca_file).read_bytes() if args.ca_file else None,
+            private_key=Path(args.key_file).read_bytes() if args.key_file else None,
+            certificate_chain=Path(args.cert_file).read_bytes() if args.cert_file else None,
+        )
+    return args.address, creds, _key_from(key_env, "--api-key-env") if key_env else ()
+
+
+def _channel(address: str, creds: grpc.ChannelCredentials | None) -> grpc.Channel:
+    return grpc.secure_channel(address, creds) if creds is not None else grpc.insecure_channel(address)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    try:
+        address, creds, metadata = _gateway_target(args)
+    except (ConfigError, SecretError, OSError) as exc:
+        print(f"omnistage: {exc}", file=sys.stderr)
+        return 2
     sampling = common_pb2.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     if args.seed is not None:
         sampling.seed = args.seed
@@ -43,18 +93,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling=sampling,
     )
     finish = None
-    with grpc.insecure_channel(args.address) as channel:
-        try:
-            for event in omni_pb2_grpc.OmniStub(channel).Generate(request, timeout=args.timeout_s):
+    try:
+        with _channel(address, creds) as channel:
+            for event in omni_pb2_grpc.OmniStub(channel).Generate(request, timeout=args.timeout_s, metadata=metadata):
                 kind = event.WhichOneof("event")
                 if kind == "text":
                     sys.stdout.write(event.text.text)
                     sys.stdout.flush()
                 elif kind == "finish":
                     finish = event.finish
-        except grpc.RpcError as exc:
-            print(f"\nomnistage: generate failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
+    except grpc.RpcError as exc:
+        print(f"\nomnistage: generate failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # the channel is closed on the way out, which cancels the request
+        print("\nomnistage: interrupted", file=sys.stderr)
+        return 130
     print()
     if finish is None:
         print("omnistage: the stream ended without a finish event", file=sys.stderr)
@@ -68,12 +121,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 1 if finish.reason == common_pb2.FINISH_REASON_ERROR else 0
 
 
-def describe_lines(address: str, timeout_s: float) -> tuple[bool, list[str]]:
-    """Human-readable Describe + health of one service; (serving?, lines)."""
+def _health(address: str, timeout_s: float) -> str:
+    """`SERVING`, `NOT_SERVING`, or `unreachable: CODE: details`."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            return f"unreachable: {exc.code().name}: {exc.details()}"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def describe_lines(address: str, timeout_s: float, metadata: tuple = ()) -> tuple[bool, list[str]]:
+    """Human-readable Describe + health of one service at its admin address; (serving?, lines)."""
     with grpc.insecure_channel(address) as channel:
         try:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-            d = control_pb2_grpc.ControlStub(channel).Describe(control_pb2.DescribeRequest(), timeout=timeout_s)
+            d = control_pb2_grpc.ControlStub(channel).Describe(control_pb2.DescribeRequest(), timeout=timeout_s,
+                                                               metadata=metadata)
         except grpc.RpcError as exc:
             return False, [f"{address}  unreachable: {exc.code().name}: {exc.details()}"]
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
@@ -82,7 +146,7 @@ def describe_lines(address: str, timeout_s: float) -> tuple[bool, list[str]]:
     count = f" {p.done}/{p.total} {p.unit}" if p.total else (f" {p.done} {p.unit}" if p.done else "")
     kind = control_pb2.StageKind.Name(d.kind).removeprefix("STAGE_KIND_").lower()
     lines = [
-        f"{d.name} ({kind}) at {address}: {status}, phase {phase}{count} ({p.elapsed_s:.1f}s)"
+        f"{d.name} ({kind}) admin {address}: {status}, phase {phase}{count} ({p.elapsed_s:.1f}s)"
         + (f" {p.detail}" if p.detail else ""),
         f"  version {d.version}, rank {d.rank}/{d.world_size}, pid {d.pid}, config {d.config_hash[:12]}"
         + (f", model {d.model}" if d.model else ""),
@@ -106,25 +170,91 @@ def describe_lines(address: str, timeout_s: float) -> tuple[bool, list[str]]:
     return health.status == health_pb2.HealthCheckResponse.SERVING, lines
 
 
+def service_lines(cfg: DeployConfig, svc: ServiceConfig, timeout_s: float) -> tuple[bool, list[str]]:
+    """Status of one service of a deploy file: Describe on its admin port, else its main port's health."""
+    admin = cfg.admin_address(svc.name)
+    if admin:
+        ok, lines = describe_lines(admin, timeout_s, auth.admin_metadata(svc))
+        lines[0] += f" (serves at {cfg.address(svc.name)})"
+        return ok, lines
+    if svc.tls is None:
+        health = _health(cfg.address(svc.name), timeout_s)
+    else:
+        health = "health not checked (TLS)"
+    return health == "SERVING", [f"{svc.name} ({svc.kind}) at {cfg.address(svc.name)}: {health} "
+                                 f"(no admin port: set services.{svc.name}.admin_port to see its phase)"]
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     if args.config:
         try:
-            cfg = load_config(args.config, args.overrides)
-        except ConfigError as exc:
-            print(f"omnistage: config error: {exc}", file=sys.stderr)
+            cfg = _config(args)
+            results = [service_lines(cfg, svc, args.timeout_s) for svc in cfg.services.values()]
+        except (ConfigError, SecretError) as exc:
+            print(f"omnistage: {exc}", file=sys.stderr)
             return 2
-        addresses = [cfg.address(name) for name in cfg.services]
     elif args.address:
-        addresses = [args.address]
+        try:
+            metadata = _key_from(args.admin_key_env, "--admin-key-env") if args.admin_key_env else ()
+        except SecretError as exc:
+            print(f"omnistage: {exc}", file=sys.stderr)
+            return 2
+        results = [describe_lines(args.address, args.timeout_s, metadata)]
     else:
-        print("omnistage status: give --address HOST:PORT or --config FILE", file=sys.stderr)
+        print("omnistage status: give --config FILE or --address ADMIN_HOST:PORT", file=sys.stderr)
         return 2
     all_ok = True
-    for address in addresses:
-        ok, lines = describe_lines(address, args.timeout_s)
+    for ok, lines in results:
         all_ok &= ok
         print("\n".join(lines))
     return 0 if all_ok else 1
+
+
+def _control(args: argparse.Namespace) -> tuple[ServiceConfig, str, tuple]:
+    """(service, admin address, metadata) of `--service` in `--config`."""
+    cfg = _config(args)
+    svc = cfg.service(args.service)
+    address = cfg.admin_address(svc.name)
+    if not address:
+        raise ConfigError(f"services.{svc.name}.admin_port: not set; Control (Drain, Resume) is served only there")
+    return svc, address, auth.admin_metadata(svc)
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    try:
+        svc, address, metadata = _control(args)
+    except (ConfigError, SecretError) as exc:
+        print(f"omnistage: {exc}", file=sys.stderr)
+        return 2
+    deadline_s = args.deadline_ms / 1000 if args.deadline_ms else svc.drain_grace_s
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = control_pb2_grpc.ControlStub(channel).Drain(
+                control_pb2.DrainRequest(deadline_ms=args.deadline_ms), timeout=deadline_s + 30.0, metadata=metadata
+            )
+        except grpc.RpcError as exc:
+            print(f"omnistage: drain failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(f"omnistage: {svc.name} draining: {reply.completed} requests finished, {reply.aborted} aborted; "
+          f"new requests get UNAVAILABLE until `omnistage resume --config {args.config} --service {svc.name}`")
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    try:
+        svc, address, metadata = _control(args)
+    except (ConfigError, SecretError) as exc:
+        print(f"omnistage: {exc}", file=sys.stderr)
+        return 2
+    with grpc.insecure_channel(address) as channel:
+        try:
+            control_pb2_grpc.ControlStub(channel).Resume(control_pb2.ResumeRequest(), timeout=args.timeout_s,
+                                                         metadata=metadata)
+        except grpc.RpcError as exc:
+            print(f"omnistage: resume failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(f"omnistage: {svc.name} serving again")
+    return 0
 
 
 def cmd_protos(args: argparse.Namespace) -> int:
@@ -140,6 +270,12 @@ def cmd_protos(args: argparse.Namespace) -> int:
     files = protogen.write()
     print(f"omnistage protos: wrote {len(files)} files to {files[0].parent}")
     return 0
+
+
+def _config_args(p: argparse.ArgumentParser, *, required: bool) -> None:
+    p.add_argument("--config", required=required, help="deploy YAML (the one `serve` runs)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="the same overrides as `serve` (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,21 +296,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny_checkpoint)
 
-    p = sub.add_parser("generate", help="send one text prompt to a gateway and stream the answer")
-    p.add_argument("--address", required=True, metavar="HOST:PORT")
+    p = sub.add_parser("generate", help="send one text prompt to the gateway and stream the answer")
+    _config_args(p, required=False)
+    p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=0, help="0: the server's default")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--api-key-env", metavar="VAR",
+                   help="environment variable holding the API key (default: the gateway's api_keys_env / api_keys_file)")
+    p.add_argument("--ca-file", default="", help="TLS: CA to trust (default with --config: the gateway's certificate)")
+    p.add_argument("--cert-file", default="", help="TLS: client certificate (mutual TLS)")
+    p.add_argument("--key-file", default="", help="TLS: client key (mutual TLS)")
     p.set_defaults(fn=cmd_generate)
 
-    p = sub.add_parser("status", help="Describe + health of one service, or of every service of a deploy file")
-    p.add_argument("--address", metavar="HOST:PORT")
-    p.add_argument("--config", help="deploy YAML: query all its services")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    p = sub.add_parser("status", help="phase, health and limits of every service of a deploy file (or one admin address)")
+    _config_args(p, required=False)
+    p.add_argument("--address", metavar="ADMIN_HOST:PORT", help="one service's admin port instead of --config")
+    p.add_argument("--admin-key-env", metavar="VAR", help="with --address: environment variable holding the admin key")
     p.add_argument("--timeout-s", type=float, default=2.0)
     p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("drain", help="stop one service taking requests (Control.Drain on its admin port)")
+    _config_args(p, required=True)
+    p.add_argument("--service", required=True, help="service name (key under services:)")
+    p.add_argument("--deadline-ms", type=int, default=0, help="wait this long for in-flight requests (0: drain_grace_s)")
+    p.set_defaults(fn=cmd_drain)
+
+    p = sub.add_parser("resume", help="let a drained service take requests again (Control.Resume)")
+    _config_args(p, required=True)
+    p.add_argument("--service", required=True, help="service name (key under services:)")
+    p.add_argument("--timeout-s", type=float, default=10.0)
+    p.set_defaults(fn=cmd_resume)
 
     p = sub.add_parser("protos", help="regenerate omnistage/v1 *_pb2 code from the .proto files")
     p.add_argument("--check", action="store_true", help="exit 1 when the committed generated code is stale")

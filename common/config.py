@@ -121,6 +121,20 @@ class GatewayConfig:
     max_prompt_chars: int = 200_000
     # Default system prompt; empty uses the model's own.
     system_prompt: str = ""
+    # Directory Media.path may name files in (real path, symlinks resolved); empty refuses Media.path.
+    media_dir: str = ""
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS of a service's main port (the gateway's public port)."""
+
+    # PEM certificate chain of the server (required).
+    cert_file: str = ""
+    # PEM private key of cert_file (required).
+    key_file: str = ""
+    # PEM CA bundle that signs client certificates; set, clients must present one (mutual TLS).
+    client_ca_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -129,8 +143,22 @@ class ServiceConfig:
 
     name: str = ""
     kind: Literal["gateway", "thinker", "encoder", "talker", "imagegen"] = "thinker"
-    # gRPC port of the service (rank 0 for TP stages).
+    # gRPC port of the service's API (rank 0 for TP stages).
     port: int = 0
+    # Address the main port binds; 0.0.0.0 serves every interface (the gateway, for outside clients).
+    bind_host: str = "127.0.0.1"
+    # Port of Control (Describe, Drain, Resume) + health + reflection; 0 means no admin port.
+    admin_port: int = 0
+    # Address the admin port binds.
+    admin_host: str = "127.0.0.1"
+    # Environment variable holding the admin API key; empty means Control needs no key.
+    admin_api_key_env: str = ""
+    # TLS of the main port; none means plaintext.
+    tls: TlsConfig | None = None
+    # Environment variable holding the API keys (comma-separated) of the public API; empty: none.
+    api_keys_env: str = ""
+    # File of API keys of the public API, one per line ('#' starts a comment); empty: none.
+    api_keys_file: str = ""
     # Prometheus /metrics HTTP port; 0 disables it.
     metrics_port: int = 0
     # "cpu" or "cuda".
@@ -188,12 +216,21 @@ class ModelConfig:
     checkpoint: str = ".cache/tiny-ming"
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def join_host_port(host: str, port: int) -> str:
+    """`127.0.0.1:7151`, `[::1]:7151`: the form gRPC targets and bind addresses take."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 @dataclass(frozen=True)
 class DeployConfig:
     """A whole deployment on one host."""
 
     version: int = 1
-    # Address every service binds and dials.
+    # Address of this host: services bound to a wildcard address are dialed here; /metrics and the
+    # TP rendezvous bind here.
     host: str = "127.0.0.1"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Log format: "text" for people, "json" for collectors.
@@ -212,8 +249,19 @@ class DeployConfig:
     def services_of(self, kind: str) -> list[ServiceConfig]:
         return [s for s in self.services.values() if s.kind == kind]
 
+    def dial_host(self, bind_host: str) -> str:
+        """Where a server bound to `bind_host` is reached: that address, or `host` for a wildcard."""
+        return self.host if bind_host in WILDCARD_HOSTS else bind_host
+
     def address(self, name: str) -> str:
-        return f"{self.host}:{self.service(name).port}"
+        """HOST:PORT of a service's main port (its API), as other processes dial it."""
+        svc = self.service(name)
+        return join_host_port(self.dial_host(svc.bind_host), svc.port)
+
+    def admin_address(self, name: str) -> str:
+        """HOST:PORT of a service's admin port (Control), or '' when it has none."""
+        svc = self.service(name)
+        return join_host_port(self.dial_host(svc.admin_host), svc.admin_port) if svc.admin_port else ""
 
 
 @dataclass(frozen=True)
@@ -347,7 +395,7 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
         if svc.name and svc.name != name:
             raise ConfigError(f"{p}.name: must equal the key {name!r}, got {svc.name!r}")
         svc = dataclasses.replace(svc, name=name)
-        for key in ("port", "metrics_port", "dist_port"):
+        for key in ("port", "admin_port", "metrics_port", "dist_port"):
             port = getattr(svc, key)
             if port == 0 and key == "port":
                 raise ConfigError(f"{p}.port: required")
@@ -383,6 +431,7 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
             raise ConfigError(f"{p}.engine.kv_tokens: set kv_tokens or num_kv_blocks, not both")
         _validate_memory(p, svc)
         _validate_encoder(p, svc.encoder)
+        _validate_access(p, svc)
         g = svc.gateway
         for key in ("stage_wait_s", "max_concurrent_requests", "max_messages", "max_parts_per_message", "max_prompt_chars"):
             _positive(f"{p}.gateway.{key}", getattr(g, key))
@@ -396,6 +445,26 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
     if len(gateways) > 1:
         raise ConfigError(f"services: at most one gateway, got {', '.join(gateways)}")
     return dataclasses.replace(cfg, services=services)
+
+
+def _validate_access(p: str, svc: ServiceConfig) -> None:
+    """Bind addresses, admin port, TLS, API keys: secrets are named (env var, file), never inline."""
+    for key in ("bind_host", "admin_host"):
+        if not getattr(svc, key).strip():
+            raise ConfigError(f"{p}.{key}: expected an address (127.0.0.1, 0.0.0.0, ...), got ''")
+    if svc.admin_api_key_env and not svc.admin_port:
+        raise ConfigError(f"{p}.admin_api_key_env: set admin_port too (the key protects the admin port)")
+    public = {"tls": svc.tls is not None, "api_keys_env": bool(svc.api_keys_env),
+              "api_keys_file": bool(svc.api_keys_file), "gateway.media_dir": bool(svc.gateway.media_dir)}
+    for key, is_set in public.items():
+        if is_set and svc.kind != "gateway":
+            raise ConfigError(f"{p}.{key}: only the gateway serves clients from outside (kind is {svc.kind})")
+    if svc.tls is not None:
+        for key in ("cert_file", "key_file"):
+            if not getattr(svc.tls, key):
+                raise ConfigError(f"{p}.tls.{key}: required when tls is set")
+        if not svc.admin_port:
+            raise ConfigError(f"{p}.admin_port: required when tls is set (the launcher checks health there)")
 
 
 def _validate_memory(p: str, svc: ServiceConfig) -> None:

@@ -33,6 +33,7 @@ from omnistage.common.config import (
     StartupConfig,
     load_config,
 )
+from omnistage.common.preflight import preflight
 from omnistage.common.runtime.stage_main import LAUNCHER_PID_ENV
 from omnistage.common.runtime.status_file import StatusRecord, read_status, status_path
 
@@ -215,11 +216,16 @@ class Launcher:
                 return c
         return None
 
+    def health_address(self, child: Child) -> str:
+        """Where the launcher asks health: the main port, or the admin port of a TLS service (both follow the phase)."""
+        if child.svc.tls is not None:
+            return self.cfg.admin_address(child.svc.name)
+        return (child.status.address if child.status else "") or self.cfg.address(child.svc.name)
+
     def healthy(self, child: Child) -> bool:
         """The service itself confirms SERVING (an acknowledgment, not a message that could be lost)."""
         if child.channel is None:
-            address = (child.status.address if child.status else "") or self.cfg.address(child.svc.name)
-            child.channel = grpc.insecure_channel(address)
+            child.channel = grpc.insecure_channel(self.health_address(child))
         try:
             reply = health_pb2_grpc.HealthStub(child.channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=self.cfg.startup.rpc_timeout_s
@@ -277,6 +283,19 @@ class Launcher:
             if all(c.ready for c in group):
                 return None
             self.pause(self.cfg.startup.poll_interval_s)
+
+    def watch_phases(self) -> None:
+        """After start-up: say when a service enters or leaves draining (Control.Drain / Resume)."""
+        for c in self.children:
+            before = c.phase
+            rec = c.refresh()
+            if rec is None or rec.phase == before:
+                continue
+            why = f" ({rec.detail})" if rec.detail else ""
+            if rec.phase == "draining":
+                self.say(f"{c.label} draining{why}")
+            elif before == "draining" and rec.phase == "serving":
+                self.say(f"{c.label} serving again{why}")
 
     # -- stopping ----------------------------------------------------------------------------
 
@@ -382,6 +401,7 @@ class Launcher:
                 if dead is not None:
                     self.report(f"{dead.label} died: {dead.cause}; stopping the others", dead)
                     return 1
+                self.watch_phases()
                 self.pause(self.cfg.startup.poll_interval_s)
             self.say(f"omnistage: {signal.Signals(self.stop_signal).name}, stopping")
             return 0
@@ -425,6 +445,9 @@ def launch(
 ) -> int:
     """Run a deployment until SIGTERM/SIGINT (0), a failed start or a dead service (1), a bad config (2).
 
+    Before anything starts: the config, the per-GPU memory ledger, then the checkpoint, every secret
+    the config names and every port it binds (`preflight`), each refused with one line naming the key.
+
     `modules` maps stage kinds to a module name or a script path (tests substitute synthetic stages).
     """
     out, err = out or sys.stdout, err or sys.stderr
@@ -442,6 +465,11 @@ def launch(
         ledger = check_deploy_memory(cfg)
     except LedgerError as exc:
         print(f"omnistage: {exc}", file=err, flush=True)
+        return 2
+    problems = preflight(cfg)  # checkpoint, secrets, ports: before anything starts or loads
+    if problems:
+        for line in problems:
+            print(f"omnistage: {line}", file=err, flush=True)
         return 2
     if ledger.devices:
         print(ledger.summary(), file=out, flush=True)

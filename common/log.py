@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 
 _CONTEXT = {"service": os.environ.get("OMNISTAGE_SERVICE", "omnistage"), "rank": None}
@@ -63,3 +64,28 @@ def get_logger(name: str) -> logging.Logger:
 def log_fields(logger: logging.Logger, level: int, msg: str, **fields: object) -> None:
     """Log `msg` with structured key=value fields."""
     logger.log(level, msg, extra={"fields": fields})
+
+
+class RateLimitedLog:
+    """At most one line per `interval_s` for one kind of event a client can cause at will (bad bytes):
+    a flood must not flood the log. The next line says how many were left out meanwhile."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._last = float("-inf")
+        self._suppressed = 0
+
+    def log(self, level: int, msg: str, **fields: object) -> bool:
+        """Log now (True), or count this one as suppressed (False)."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.interval_s:
+                self._suppressed += 1
+                return False
+            self._last, suppressed, self._suppressed = now, self._suppressed, 0
+        if suppressed:
+            fields = {**fields, "suppressed_since_last": suppressed}
+        log_fields(self.logger, level, msg, **fields)
+        return True

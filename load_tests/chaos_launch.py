@@ -317,7 +317,7 @@ def run_launch(plan: Plan, ckpt: Path, workdir: Path, settings: Settings = Setti
     out_text, err_text = out_path.read_text(), err_path.read_text()
     children = started_children(out_text)
     res.log_tail = "\n".join((out_text + err_text).splitlines()[-40:])
-    if "cannot bind" in err_text and "in use" in err_text:
+    if ("cannot bind" in err_text and "in use" in err_text) or " is in use (" in err_text:
         res.outcome = "port-collision"  # another process took a free port: environment, not product
     elif not res.outcome:
         res.outcome = _outcome(proc.returncode, serving)

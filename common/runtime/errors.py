@@ -32,6 +32,24 @@ class InvalidRequest(OmniError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class Unauthenticated(OmniError):
+    """No credentials, or wrong ones (API key, admin key)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(OmniError):
+    """The caller may not do this (a Media.path outside the gateway's media directory)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class FailedPrecondition(OmniError):
+    """Not possible in the service's current state (Resume of a service that is not draining)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class StageUnavailable(OmniError):
     """A stage cannot take the request: UNAVAILABLE when it may come back, else FAILED_PRECONDITION."""
 
@@ -82,6 +100,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[st
         return exc.code, str(exc), ()
     if isinstance(exc, asyncio.TimeoutError | TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, f"timed out: {exc}" if str(exc) else "timed out", ()
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, f"not implemented: {exc}" if str(exc) else "not implemented", ()
     if isinstance(exc, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory: {exc}", ()
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from omnistage.common.config import DeployConfig, ServiceConfig
+from omnistage.common.runtime import auth
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.services.gateway.prompt import Turn, build_chat
@@ -22,7 +23,8 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     thinkers = cfg.services_of("thinker")
     if thinkers:
         t = thinkers[0]
-        client = ThinkerClient(t.name, cfg.address(t.name), max(t.max_message_bytes, svc.max_message_bytes))
+        client = ThinkerClient(t.name, cfg.address(t.name), max(t.max_message_bytes, svc.max_message_bytes),
+                               admin_address=cfg.admin_address(t.name), admin_metadata=auth.admin_metadata(t))
         runtime.reporter.enter("warming_up", total=1, unit="stages", detail=f"waiting for {t.name}")
         try:
             desc = await client.wait_serving(gw.stage_wait_s)
@@ -44,6 +46,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         max_concurrent_requests=gw.max_concurrent_requests,
         limits=RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars, max_model_len),
         system_prompt=gw.system_prompt,
+        media_dir=gw.media_dir,
     )
     runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")
     runtime.set_limits_provider(

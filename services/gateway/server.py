@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import grpc
 from omnistage.common.runtime.errors import OmniError, Overloaded, StageUnavailable
+from omnistage.services.gateway.media_path import check_media_paths
 from omnistage.services.gateway.stages import ThinkerClient
 from omnistage.services.gateway.validation import RequestLimits, plan_request
 from omnistage.v1 import omni_pb2, omni_pb2_grpc, thinker_pb2
@@ -50,15 +51,18 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         max_concurrent_requests: int,
         limits: RequestLimits,
         system_prompt: str,
+        media_dir: str = "",
     ) -> None:
         self.thinker = thinker
         self.deployed = deployed
         self.max_concurrent_requests = max_concurrent_requests
         self.limits = limits
         self.system_prompt = system_prompt
+        self.media_dir = media_dir
         self.in_flight = 0
 
     async def Generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        check_media_paths(request, self.media_dir)  # a file path is a permission question, asked first
         plan = plan_request(request, self.deployed, self.system_prompt, self.limits)
         if self.thinker is None:
             raise StageUnavailable("the 'thinker' stage is not available (gateway started degraded)")

@@ -7,13 +7,18 @@ cancels the stage stream, which aborts the request inside the stage.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, thinker_pb2, thinker_pb2_grpc
+
+# After the finish event a stage stream ends at once; this bounds the wait for its status.
+_FINISHED_STREAM_END_S = 5.0
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -24,16 +29,28 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class StageClient:
-    """A channel to one stage service plus its health and Control stubs."""
+    """A channel to one stage service's main port (its API and health), and Describe on its admin port."""
 
-    def __init__(self, name: str, address: str, max_message_bytes: int) -> None:
+    def __init__(
+        self, name: str, address: str, max_message_bytes: int, *, admin_address: str = "",
+        admin_metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.name = name
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.control = control_pb2_grpc.ControlStub(self.channel)
+        self.admin_address = admin_address
+        self.admin_metadata = admin_metadata
+        self.admin_channel = grpc.aio.insecure_channel(admin_address) if admin_address else None
+        self.control = control_pb2_grpc.ControlStub(self.admin_channel) if self.admin_channel else None
 
-    async def wait_serving(self, timeout_s: float, poll_s: float = 0.2) -> control_pb2.DescribeResponse:
+    async def describe(self) -> control_pb2.DescribeResponse | None:
+        """The stage's Describe, or None when it has no admin port."""
+        if self.control is None:
+            return None
+        return await self.control.Describe(control_pb2.DescribeRequest(), timeout=2.0, metadata=self.admin_metadata)
+
+    async def wait_serving(self, timeout_s: float, poll_s: float = 0.2) -> None:
         """Wait until the stage is SERVING; on timeout say which phase it is stuck in."""
         deadline = time.monotonic() + timeout_s
         last = "no answer"
@@ -41,10 +58,12 @@ class StageClient:
             try:
                 status = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
                 if status.status == health_pb2.HealthCheckResponse.SERVING:
-                    return await self.control.Describe(control_pb2.DescribeRequest(), timeout=2.0)
-                desc = await self.control.Describe(control_pb2.DescribeRequest(), timeout=2.0)
-                p = desc.progress
-                last = f"phase {control_pb2.Phase.Name(p.phase)} {p.done}/{p.total} {p.unit}".strip()
+                    return
+                last = f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)}"
+                desc = await self.describe()
+                if desc is not None:
+                    p = desc.progress
+                    last = f"phase {control_pb2.Phase.Name(p.phase)} {p.done}/{p.total} {p.unit}".strip()
             except grpc.aio.AioRpcError as exc:
                 last = f"{exc.code().name}: {exc.details()}"
             await asyncio.sleep(poll_s)
@@ -52,13 +71,15 @@ class StageClient:
 
     async def close(self) -> None:
         await self.channel.close()
+        if self.admin_channel is not None:
+            await self.admin_channel.close()
 
 
 class ThinkerClient(StageClient):
     """Thinker.Generate as an async iterator of events, bounded by the caller's deadline."""
 
-    def __init__(self, name: str, address: str, max_message_bytes: int) -> None:
-        super().__init__(name, address, max_message_bytes)
+    def __init__(self, name: str, address: str, max_message_bytes: int, **admin: Any) -> None:
+        super().__init__(name, address, max_message_bytes, **admin)
         self.stub = thinker_pb2_grpc.ThinkerStub(self.channel)
 
     async def generate(
@@ -72,12 +93,17 @@ class ThinkerClient(StageClient):
         call = self.stub.Generate(
             thinker_pb2.ThinkerRequest(request_id=request_id, chat=prompt, sampling=sampling), timeout=timeout_s
         )
+        finished = False
         try:
             async for event in call:
+                finished = finished or event.WhichOneof("event") == "finish"
                 yield event
         finally:
+            if finished:  # the finish is the last event: take the stream's own end (OK) instead of cancelling it
+                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+                    await asyncio.wait_for(call.code(), _FINISHED_STREAM_END_S)
             # Client gone, deadline hit or the consumer stopped early: cancelling the stream makes the
-            # thinker abort the request and free its KV blocks.
+            # thinker abort the request and free its KV blocks (a no-op on a stream that ended).
             call.cancel()
 
     async def abort(self, engine_request_id: str) -> bool:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent / "runtime"))
 from omnistage.common.cli import main  # noqa: E402
@@ -15,21 +17,34 @@ from omnistage.common.runtime.deadlines import wait_for  # noqa: E402
 from omnistage.common.runtime.status_file import read_status, status_path  # noqa: E402
 from synthetic_stage import SCRIPT, free_port, write_config  # noqa: E402
 
+KEY_ENV = "OMNISTAGE_CLI_TEST_KEYS"
+
 
 @pytest.fixture(scope="module")
 def stage(tmp_path_factory):
-    """One synthetic stage, SERVING, shared by the tests of this module: (config path, address)."""
+    """A synthetic stage as the gateway `front`, with an admin port and an API key, SERVING on a port that only
+    `--set` tells (the file says another): (config path, --set override, main address, admin address)."""
     tmp = tmp_path_factory.mktemp("cli")
-    cfg = write_config(tmp / "deploy.yaml", {"alpha": {}})
+    cfg = write_config(tmp / "deploy.yaml", {"front": {"kind": "gateway", "admin_port": free_port(),
+                                                       "api_keys_env": KEY_ENV}})
+    override = f"services.front.port={free_port()}"
     run = tmp / "run"
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--config", str(cfg), "--service", "alpha", "--run-dir", str(run)])
+    previous = os.environ.get(KEY_ENV)
+    os.environ[KEY_ENV] = "cli-key-1,cli-key-2"
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--config", str(cfg), "--service", "front", "--run-dir", str(run),
+                             "--set", override])
     try:
-        path = status_path(run, "alpha", 0)
-        rec = wait_for(lambda: (r := read_status(path)) is not None and r.phase == "serving" and r, 60, "alpha serving")
-        yield cfg, rec.address
+        path = status_path(run, "front", 0)
+        rec = wait_for(lambda: (r := read_status(path)) is not None and r.phase == "serving" and r, 60, "front serving")
+        admin = f"127.0.0.1:{yaml.safe_load(cfg.read_text())['services']['front']['admin_port']}"
+        yield cfg, override, rec.address, admin
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        if previous is None:
+            os.environ.pop(KEY_ENV, None)
+        else:
+            os.environ[KEY_ENV] = previous
 
 
 def test_help_lists_every_command(capsys):
@@ -37,7 +52,7 @@ def test_help_lists_every_command(capsys):
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for command in ("serve", "make-tiny-checkpoint", "generate", "status", "protos"):
+    for command in ("serve", "make-tiny-checkpoint", "generate", "status", "drain", "resume", "protos"):
         assert command in out
 
 
@@ -47,18 +62,20 @@ def test_module_entry_point_runs():
     assert result.returncode == 0 and "usage: omnistage" in result.stdout
 
 
-def test_status_of_a_running_stage(stage, capsys):
-    _, address = stage
-    assert main(["status", "--address", address]) == 0
+def test_status_of_one_admin_address(stage, capsys):
+    _, _, _, admin = stage
+    assert main(["status", "--address", admin]) == 0
     out = capsys.readouterr().out
-    assert f"alpha (thinker) at {address}: SERVING, phase serving" in out
+    assert f"front (gateway) admin {admin}: SERVING, phase serving" in out
     assert "memory cpu: total 4.0 MiB" in out and "max_running 4" in out
 
 
-def test_status_of_every_service_of_a_deploy_file(stage, capsys):
-    cfg, address = stage
-    assert main(["status", "--config", str(cfg)]) == 0
-    assert f"alpha (thinker) at {address}: SERVING" in capsys.readouterr().out
+def test_status_of_every_service_of_a_deploy_file_with_overrides(stage, capsys):
+    cfg, override, address, admin = stage
+    assert main(["status", "--config", str(cfg), "--set", override]) == 0
+    assert f"front (gateway) admin {admin}: SERVING, phase serving" in capsys.readouterr().out
+    assert main(["status", "--config", str(cfg), "--set", override, "--set", "services.front.admin_port=0"]) == 0
+    assert f"front (gateway) at {address}: SERVING (no admin port" in capsys.readouterr().out
 
 
 def test_status_of_an_unreachable_service_exits_1(capsys):
@@ -67,18 +84,59 @@ def test_status_of_an_unreachable_service_exits_1(capsys):
     assert f"{address}  unreachable: " in capsys.readouterr().out
 
 
-def test_generate_streams_text_then_finish(stage, capsys):
-    _, address = stage
-    assert main(["generate", "--address", address, "--prompt", "n=3", "--seed", "7"]) == 0
+def test_generate_finds_the_gateway_and_its_key_in_the_config(stage, capsys):
+    cfg, override, _, _ = stage
+    assert main(["generate", "--config", str(cfg), "--set", override, "--prompt", "n=3", "--seed", "7"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("w0 w1 w2 \n")
     assert "[finish: stop, prompt_tokens=1, completion_tokens=3" in out
 
 
+def test_generate_without_the_override_does_not_find_the_moved_port(stage, capsys):
+    cfg, _, _, _ = stage
+    assert main(["generate", "--config", str(cfg), "--prompt", "n=1", "--timeout-s", "2"]) == 1
+    assert "generate failed: " in capsys.readouterr().err
+
+
+def test_generate_by_address_needs_the_key(stage, capsys, monkeypatch):
+    _, _, address, _ = stage
+    assert main(["generate", "--address", address, "--prompt", "n=1"]) == 1
+    assert "generate failed: UNAUTHENTICATED: omnistage.v1.Omni: missing credentials" in capsys.readouterr().err
+    monkeypatch.setenv("MY_KEY", "cli-key-2")
+    assert main(["generate", "--address", address, "--api-key-env", "MY_KEY", "--prompt", "n=1"]) == 0
+
+
 def test_generate_error_exits_1_with_the_status(stage, capsys):
-    _, address = stage
-    assert main(["generate", "--address", address, "--prompt", "invalid"]) == 1
+    cfg, override, _, _ = stage
+    assert main(["generate", "--config", str(cfg), "--set", override, "--prompt", "invalid"]) == 1
     assert "generate failed: INVALID_ARGUMENT: messages[0]: synthetic invalid request" in capsys.readouterr().err
+
+
+def test_ctrl_c_in_generate_exits_130_with_one_line(stage):
+    cfg, override, _, _ = stage
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omnistage.common.cli", "generate", "--config", str(cfg), "--set", override,
+         "--prompt", "n=1000 delay=0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    try:
+        assert proc.stdout.read(3) == b"w0 "  # streaming has begun
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert err.decode().strip().splitlines() == ["omnistage: interrupted"]
+
+
+def test_drain_and_resume_need_an_admin_port(stage, capsys):
+    cfg, override, _, _ = stage
+    assert main(["drain", "--config", str(cfg), "--set", override, "--set", "services.front.admin_port=0",
+                 "--service", "front"]) == 2
+    assert "services.front.admin_port: not set; Control (Drain, Resume) is served only there" in capsys.readouterr().err
+    assert main(["resume", "--config", str(cfg), "--service", "front"]) == 1  # it is not draining
+    assert "resume failed: FAILED_PRECONDITION: front is not draining" in capsys.readouterr().err
 
 
 def test_protos_check_is_clean_on_a_fresh_tree(capsys):

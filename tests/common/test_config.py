@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def base() -> dict:
     return {
         "services": {
-            "thinker": {"kind": "thinker", "port": 50161, "metrics_port": 9461, "tp_size": 2, "dist_port": 29561},
-            "gateway": {"kind": "gateway", "port": 50151},
+            "thinker": {"kind": "thinker", "port": 7161, "admin_port": 7162, "metrics_port": 9461, "tp_size": 2,
+                        "dist_port": 29561},
+            "gateway": {"kind": "gateway", "port": 7151},
         }
     }
 
@@ -40,8 +41,54 @@ def test_shipped_deploy_file_loads():
     assert isinstance(cfg, DeployConfig)
     assert cfg.service("thinker").kind == "thinker" and cfg.services_of("gateway")[0].name == "gateway"
     assert cfg.address("gateway") == f"{cfg.host}:{cfg.service('gateway').port}"
+    for svc in cfg.services.values():
+        assert svc.admin_port, f"services.{svc.name}: every shipped service has an admin port"
+        for key in ("port", "admin_port", "metrics_port"):  # clear of Linux's ephemeral range (32768-60999)
+            assert not 32768 <= getattr(svc, key) <= 60999, f"services.{svc.name}.{key}"
+
     enc = load_config(ROOT / "deploy" / "local-tiny-encoder.yaml").service("encoder")
     assert enc.kind == "encoder" and enc.encoder.stress_batch_sizes == (4, 2, 1)
+
+
+def test_access_keys_and_dial_addresses():
+    data = base()
+    data["services"]["gateway"].update({
+        "bind_host": "0.0.0.0", "admin_port": 7152, "admin_api_key_env": "GW_ADMIN_KEY",
+        "tls": {"cert_file": "c.pem", "key_file": "k.pem"}, "api_keys_env": "GW_KEYS", "api_keys_file": "keys.txt",
+        "gateway": {"media_dir": "/srv/media"},
+    })
+    cfg = config_from_dict(data)
+    gw, th = cfg.service("gateway"), cfg.service("thinker")
+    assert (gw.tls.cert_file, gw.tls.client_ca_file, gw.gateway.media_dir) == ("c.pem", "", "/srv/media")
+    assert cfg.address("gateway") == "127.0.0.1:7151"  # a wildcard bind is dialed at `host`
+    assert cfg.admin_address("gateway") == "127.0.0.1:7152" and cfg.admin_address("thinker") == "127.0.0.1:7162"
+    assert (th.bind_host, th.admin_host, th.tls, th.api_keys_env) == ("127.0.0.1", "127.0.0.1", None, "")
+    data["services"]["thinker"]["bind_host"] = "::1"
+    assert config_from_dict(data).address("thinker") == "[::1]:7161"
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"services": {"gateway": {"admin_api_key_env": "K"}}},
+         "services.gateway.admin_api_key_env: set admin_port too"),
+        ({"services": {"thinker": {"tls": {"cert_file": "c", "key_file": "k"}}}},
+         "services.thinker.tls: only the gateway serves clients from outside (kind is thinker)"),
+        ({"services": {"thinker": {"api_keys_env": "K"}}}, "services.thinker.api_keys_env: only the gateway"),
+        ({"services": {"thinker": {"api_keys_file": "k.txt"}}}, "services.thinker.api_keys_file: only the gateway"),
+        ({"services": {"thinker": {"gateway": {"media_dir": "/m"}}}}, "services.thinker.gateway.media_dir: only the"),
+        ({"services": {"gateway": {"admin_port": 7152, "tls": {"cert_file": "c"}}}},
+         "services.gateway.tls.key_file: required when tls is set"),
+        ({"services": {"gateway": {"tls": {"cert_file": "c", "key_file": "k"}}}},
+         "services.gateway.admin_port: required when tls is set"),
+        ({"services": {"gateway": {"admin_port": 7162}}},
+         "services.gateway.admin_port: port 7162 is also used by services.thinker.admin_port"),
+        ({"services": {"gateway": {"bind_host": ""}}}, "services.gateway.bind_host: expected an address"),
+        ({"services": {"gateway": {"tls": {"certfile": "c"}}}}, "services.gateway.tls.certfile: unknown key"),
+    ],
+)
+def test_access_keys_are_checked(patch, message):
+    assert message in error_of(_merge(base(), patch))
 
 
 def test_nested_values_and_names_are_filled_in():
@@ -78,7 +125,7 @@ def test_nested_values_and_names_are_filled_in():
         ({"services": {"thinker": {"device": "cuda", "gpus": [0]}}}, "services.thinker.gpus: expected 2 GPU indices"),
         ({"services": {"thinker": {"engine": {"chunked_prefill": False}}}},
          "services.thinker.engine.max_num_batched_tokens: must be >= max_model_len"),
-        ({"services": {"gw2": {"kind": "gateway", "port": 50152}}}, "services: at most one gateway"),
+        ({"services": {"gw2": {"kind": "gateway", "port": 7153}}}, "services: at most one gateway"),
         ({"services": {"thinker": {"port": None}}}, "services.thinker.port: expected an integer, got None"),
         ({"services": {"thinker": 5}}, "services.thinker: expected a mapping"),
     ],
@@ -96,11 +143,11 @@ def test_missing_port_is_required():
 @pytest.mark.parametrize(
     ("patch", "message"),
     [
-        ({"services": {"gateway": {"port": 50161}}}, "services.gateway.port: port 50161 is also used by services.thinker.port"),
+        ({"services": {"gateway": {"port": 7161}}}, "services.gateway.port: port 7161 is also used by services.thinker.port"),
         ({"services": {"gateway": {"metrics_port": 9461}}}, "port 9461 is also used by services.thinker.metrics_port"),
         # dist_port reserves one port per TP rank: 29561 and 29562.
         ({"services": {"gateway": {"port": 29562}}}, "services.gateway.port: port 29562 is also used by services.thinker.dist_port"),
-        ({"services": {"thinker": {"metrics_port": 50161}}}, "services.thinker.metrics_port: port 50161 is also used"),
+        ({"services": {"thinker": {"metrics_port": 7161}}}, "services.thinker.metrics_port: port 7161 is also used"),
     ],
 )
 def test_port_clashes_name_both_keys(patch, message):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).parent / "runtime"))
 from omnistage.common.launcher import launch  # noqa: E402
@@ -202,3 +205,84 @@ def test_config_errors_exit_2_naming_the_key(tmp_path):
     empty.write_text("version: 1\n")
     assert launch(empty, err=err, out=io.StringIO()) == 2
     assert "has no services to start" in err.getvalue()
+
+
+def test_launcher_reports_drain_and_resume_and_status_shows_the_phase(tmp_path, runs, capsys):
+    from omnistage.common.cli import main
+    from synthetic_stage import free_port
+
+    run = Run(tmp_path, {"alpha": {"admin_port": free_port()}, "front": {"kind": "gateway", "admin_port": free_port()}})
+    runs.append(run)
+    run.wait_ready()
+    assert main(["drain", "--config", str(run.cfg), "--service", "front", "--deadline-ms", "500"]) == 0
+    assert "front draining: 0 requests finished, 0 aborted" in capsys.readouterr().out
+    wait_for(lambda: "front r0 draining (Control.Drain)" in run.out, 10, "launcher line for the drain")
+    assert main(["status", "--config", str(run.cfg)]) == 1  # not every service is SERVING
+    out = capsys.readouterr().out
+    assert "front (gateway) admin 127.0.0.1:" in out and "NOT_SERVING, phase draining" in out and "Control.Drain" in out
+    assert main(["resume", "--config", str(run.cfg), "--service", "front"]) == 0
+    wait_for(lambda: "front r0 serving again (Control.Resume)" in run.out, 10, "launcher line for the resume")
+    assert main(["status", "--config", str(run.cfg)]) == 0
+    assert "SERVING, phase serving" in capsys.readouterr().out
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_exit() == 0
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
+    import socket
+
+    cfg = write_config(tmp_path / "deploy.yaml", {"alpha": {}})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out, err = io.StringIO(), io.StringIO()
+        for key in ("port", "admin_port", "metrics_port"):
+            code = launch(cfg, [f"services.alpha.{key}={port}"], modules={"thinker": SCRIPT}, out=out, err=err)
+            assert code == 2
+            assert f"omnistage: services.alpha.{key} {port} is in use" in err.getvalue()
+        code = launch(cfg, ["services.alpha.tp_size=2", f"services.alpha.dist_port={port - 1}"],
+                      modules={"thinker": SCRIPT}, out=out, err=err)
+        assert code == 2 and f"services.alpha.dist_port+1 {port} is in use" in err.getvalue()
+    assert "started" not in out.getvalue()
+
+
+def test_a_missing_checkpoint_is_one_line_with_the_command_that_makes_one(tmp_path):
+    cfg = write_config(tmp_path / "deploy.yaml", {"alpha": {}})
+    out, err = io.StringIO(), io.StringIO()
+    missing = tmp_path / "no-such-ckpt"
+    assert launch(cfg, [f"model.checkpoint={missing}"], modules={"thinker": SCRIPT}, out=out, err=err) == 2
+    assert err.getvalue() == (
+        f"omnistage: model.checkpoint: {missing} does not exist (needed by alpha); make the tiny demo one with "
+        f"`omnistage make-tiny-checkpoint {missing}`, or point model.checkpoint at a downloaded checkpoint\n"
+    )
+    assert "started" not in out.getvalue()
+
+
+def test_a_missing_secret_is_refused_naming_the_key(tmp_path, monkeypatch):
+    from synthetic_stage import free_port
+
+    monkeypatch.delenv("NO_SUCH_ADMIN_KEY", raising=False)
+    cfg = write_config(tmp_path / "deploy.yaml", {"alpha": {"admin_port": free_port(),
+                                                             "admin_api_key_env": "NO_SUCH_ADMIN_KEY"}})
+    err = io.StringIO()
+    assert launch(cfg, [], modules={"thinker": SCRIPT}, out=io.StringIO(), err=err) == 2
+    assert ("services.alpha.admin_api_key_env: environment variable NO_SUCH_ADMIN_KEY is not set or holds no key"
+            in err.getvalue())
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_a_tls_gateway_is_health_checked_on_its_admin_port(tmp_path, runs):
+    from synthetic_stage import free_port, self_signed
+
+    cert, key = self_signed(tmp_path, "server")
+    tls = {"cert_file": str(cert), "key_file": str(key)}
+    run = Run(tmp_path, {"front": {"kind": "gateway", "admin_port": free_port(), "tls": tls}})
+    runs.append(run)
+    address = run.wait_ready()
+    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    with grpc.secure_channel(address, creds) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_exit() == 0

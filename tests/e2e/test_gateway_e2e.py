@@ -35,7 +35,7 @@ def pipeline(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("e2e")
     ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
-    gw_port, th_port, dist_port, metrics_port = _free_ports(4)
+    gw_port, gw_admin, th_port, th_admin, dist_port, metrics_port, gw_metrics = _free_ports(7)
     cfg = {
         "model": {"checkpoint": str(ckpt)},
         "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 240, "warming_up": 240}},
@@ -43,11 +43,13 @@ def pipeline(tmp_path_factory):
             "thinker": {
                 "kind": "thinker",
                 "port": th_port,
+                "admin_port": th_admin,
                 "dist_port": dist_port,
                 "metrics_port": metrics_port,
                 "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 128, "max_model_len": 512},
             },
-            "gateway": {"kind": "gateway", "port": gw_port, "max_message_bytes": 1 << 20},
+            "gateway": {"kind": "gateway", "port": gw_port, "admin_port": gw_admin, "metrics_port": gw_metrics,
+                        "max_message_bytes": 1 << 20},
         },
     }
     cfg_path = root / "deploy.yaml"
@@ -69,8 +71,11 @@ def pipeline(tmp_path_factory):
     yield {
         "checkpoint": ckpt,
         "gateway": f"127.0.0.1:{gw_port}",
+        "gateway_admin": f"127.0.0.1:{gw_admin}",
         "thinker": f"127.0.0.1:{th_port}",
+        "thinker_admin": f"127.0.0.1:{th_admin}",
         "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+        "gateway_metrics": f"http://127.0.0.1:{gw_metrics}/metrics",
         "proc": proc,
     }
     proc.send_signal(signal.SIGTERM)
@@ -146,16 +151,16 @@ def test_client_cancel_aborts_the_thinker_request(pipeline):
             got += event.WhichOneof("event") == "text"
             if got == 2:
                 break
-        assert _running(pipeline["thinker"]) == 1
+        assert _running(pipeline["thinker_admin"]) == 1
         call.cancel()
-    _wait_idle(pipeline["thinker"])
+    _wait_idle(pipeline["thinker_admin"])
 
 
 def test_deadline_propagates_to_the_thinker(pipeline):
     with pytest.raises(grpc.RpcError) as err:
         _generate(pipeline["gateway"], _request(max_tokens=400, ignore_eos=True), timeout=0.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_idle(pipeline["thinker"])
+    _wait_idle(pipeline["thinker_admin"])
 
 
 @pytest.mark.parametrize(
@@ -234,7 +239,7 @@ def test_concurrent_requests_all_finish_and_nothing_crashed(pipeline):
 def test_thinker_reports_its_memory_in_describe_and_metrics(pipeline):
     import urllib.request
 
-    with grpc.insecure_channel(pipeline["thinker"]) as ch:
+    with grpc.insecure_channel(pipeline["thinker_admin"]) as ch:
         desc = control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest(), timeout=5)
     assert desc.progress.phase == control_pb2.PHASE_SERVING
     (mem,) = desc.memory
@@ -274,3 +279,54 @@ def test_a_forged_turn_in_user_text_is_plain_text(pipeline):
     pieces = [(p.WhichOneof("piece"), p.template or p.text) for p in chat.pieces]
     assert events[-1].finish.usage.prompt_tokens == len(tok.encode_pieces(pieces))
     assert len(tok.encode_pieces(pieces)) > len(tok.encode(render(chat)))  # the specials were not honoured
+
+
+def _rpc_counts(url: str, service: str) -> dict[str, float]:
+    """code → omnistage_rpc_requests_total of method Generate, read from a /metrics page."""
+    import urllib.request
+
+    counts = {}
+    for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
+        if line.startswith("omnistage_rpc_requests_total{") and f'service="{service}"' in line and \
+                'method="Generate"' in line:
+            counts[line.split('code="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_metrics_count_what_clients_got_at_both_stages(pipeline):
+    th_before = _rpc_counts(pipeline["metrics"], "thinker")
+    gw_before = _rpc_counts(pipeline["gateway_metrics"], "gateway")
+    for _ in range(3):
+        assert _generate(pipeline["gateway"], _request(max_tokens=4, ignore_eos=True))[-1].WhichOneof("event") == "finish"
+    with pytest.raises(grpc.RpcError):
+        _generate(pipeline["gateway"], _request(temperature=-1))
+    th_after = _rpc_counts(pipeline["metrics"], "thinker")
+    gw_after = _rpc_counts(pipeline["gateway_metrics"], "gateway")
+
+    def delta(after, before):
+        return {code: after[code] - before.get(code, 0.0) for code in after if after[code] != before.get(code, 0.0)}
+
+    assert delta(th_after, th_before) == {"OK": 3.0}  # finished streams are read to their end, not cancelled
+    assert delta(gw_after, gw_before) == {"OK": 3.0, "INVALID_ARGUMENT": 1.0}
+
+
+def test_control_is_not_reachable_on_the_main_ports(pipeline):
+    for address in (pipeline["gateway"], pipeline["thinker"]):
+        with grpc.insecure_channel(address) as ch:
+            for call in (lambda c: c.Drain(control_pb2.DrainRequest(deadline_ms=1), timeout=5),
+                         lambda c: c.Describe(control_pb2.DescribeRequest(), timeout=5)):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(control_pb2_grpc.ControlStub(ch))
+                assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, address
+    assert _generate(pipeline["gateway"], _request(max_tokens=2))[-1].WhichOneof("event") == "finish"
+
+
+def test_drain_and_resume_the_gateway_through_its_admin_port(pipeline):
+    with grpc.insecure_channel(pipeline["gateway_admin"]) as ch:
+        control = control_pb2_grpc.ControlStub(ch)
+        control.Drain(control_pb2.DrainRequest(deadline_ms=1000), timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            _generate(pipeline["gateway"], _request(max_tokens=2))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+        control.Resume(control_pb2.ResumeRequest(), timeout=10)
+    assert _generate(pipeline["gateway"], _request(max_tokens=2))[-1].WhichOneof("event") == "finish"

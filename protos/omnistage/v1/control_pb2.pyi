@@ -154,3 +154,13 @@ class DrainResponse(_message.Message):
     completed: int
     aborted: int
     def __init__(self, completed: _Optional[int] = ..., aborted: _Optional[int] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("phase",)
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    phase: Phase
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ...) -> None: ...

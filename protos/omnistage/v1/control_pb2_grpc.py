@@ -44,6 +44,11 @@ class ControlStub:
                 request_serializer=omnistage_dot_v1_dot_control__pb2.DrainRequest.SerializeToString,
                 response_deserializer=omnistage_dot_v1_dot_control__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/omnistage.v1.Control/Resume',
+                request_serializer=omnistage_dot_v1_dot_control__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_control__pb2.ResumeResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -57,7 +62,17 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Stop taking new requests, finish in-flight ones within the deadline, then report.
+        """Stop taking new requests (phase draining, health NOT_SERVING), finish in-flight ones within
+        the deadline, then report. The service keeps running, draining, until Resume or SIGTERM.
+        FAILED_PRECONDITION when the service is not serving (still starting, failed or stopping).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Take requests again after a Drain made through this API (phase draining -> serving).
+        FAILED_PRECONDITION when the service is not draining, or is stopping (a SIGTERM is final).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,6 +90,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=omnistage_dot_v1_dot_control__pb2.DrainRequest.FromString,
                     response_serializer=omnistage_dot_v1_dot_control__pb2.DrainResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=omnistage_dot_v1_dot_control__pb2.ResumeRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_control__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +151,33 @@ class Control:
             '/omnistage.v1.Control/Drain',
             omnistage_dot_v1_dot_control__pb2.DrainRequest.SerializeToString,
             omnistage_dot_v1_dot_control__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.Control/Resume',
+            omnistage_dot_v1_dot_control__pb2.ResumeRequest.SerializeToString,
+            omnistage_dot_v1_dot_control__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,18 @@ async def build(runtime: Any, cfg: Any, svc: Any, rank: int) -> None:
 
 # -- helpers of the tests ------------------------------------------------------------------------
 
+def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed P-256 certificate for localhost / 127.0.0.1 (its own CA), made by the openssl command."""
+    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={name}",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )
+    return cert, key
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,10 +98,15 @@ def write_config(path: Path, services: dict[str, dict], **startup: Any) -> Path:
     """A deploy file of synthetic services with short deadlines (tests override what they probe)."""
     deadlines = {p: 10.0 for p in ("starting", "loading_weights", "profiling_memory", "warming_up", "capturing_graphs")}
     deadlines.update(startup.pop("phase_deadlines_s", {}))
+    ckpt = path.parent / "synthetic-ckpt"  # `serve` checks that the checkpoint exists; synthetic stages never read it
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"")
     data = {
         "version": 1,
         "host": "127.0.0.1",
         "log_level": "warning",
+        "model": {"checkpoint": str(ckpt)},
         "startup": {
             "phase_deadlines_s": deadlines,
             "heartbeat_timeout_s": 10.0,

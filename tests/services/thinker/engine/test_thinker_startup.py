@@ -29,10 +29,11 @@ def _free_port() -> int:
 
 
 def _serve(tmp_path, tiny_ckpt, **extra) -> tuple[subprocess.Popen, int, object]:
-    port, dist_port = _free_port(), _free_port()
+    port, admin_port, dist_port = _free_port(), _free_port(), _free_port()
     thinker = {
         "kind": "thinker",
         "port": port,
+        "admin_port": admin_port,
         "dist_port": dist_port,
         "tp_size": 2,
         "engine": {
@@ -54,7 +55,7 @@ def _serve(tmp_path, tiny_ckpt, **extra) -> tuple[subprocess.Popen, int, object]
         stderr=subprocess.STDOUT,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
-    return proc, port, ready
+    return proc, admin_port, ready
 
 
 def _phases(output: str, rank: int) -> list[str]:
@@ -62,14 +63,14 @@ def _phases(output: str, rank: int) -> list[str]:
 
 
 def test_every_rank_profiles_then_warms_up_then_serves(tmp_path, tiny_ckpt):
-    proc, port, ready = _serve(tmp_path, tiny_ckpt)
+    proc, admin_port, ready = _serve(tmp_path, tiny_ckpt)
     try:
         deadline = time.monotonic() + DEADLINE_S
         while not (ready.exists() and ready.read_text().strip()):
             assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-3000:]
             assert time.monotonic() < deadline, "the thinker did not become ready"
             time.sleep(0.2)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        with grpc.insecure_channel(f"127.0.0.1:{admin_port}") as ch:  # Control is on the admin port only
             desc = control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest(), timeout=5)
         (mem,) = desc.memory
         assert mem.budget_bytes == 150 * MiB

@@ -1,0 +1,93 @@
+"""Plumbing between grpc and our handlers: collecting generated handlers, dispatching by method path,
+and decoding requests ourselves, so that bytes that are no valid message are a refusal (INVALID_ARGUMENT)
+instead of grpc's UNKNOWN with a traceback in the log."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor_pool
+
+BEHAVIORS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+
+
+class HandlerCollector:
+    """Stands in for a grpc server so generated `add_*Servicer_to_server` functions hand us their handlers."""
+
+    def __init__(self) -> None:
+        self.methods: dict[str, grpc.RpcMethodHandler] = {}
+        self.generic: list[grpc.GenericRpcHandler] = []
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self.generic.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        for name, handler in handlers.items():
+            self.methods[f"/{service}/{name}"] = handler
+
+
+def collect(add_fn: Callable[[Any, Any], None], servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
+    """`/package.Service/Method` → handler, as the generated add function registers them."""
+    collector = HandlerCollector()
+    add_fn(servicer, collector)
+    return collector.methods
+
+
+class Dispatcher(grpc.GenericRpcHandler):
+    """Registered before the server starts, so services can be added after the port is bound."""
+
+    def __init__(self) -> None:
+        self.methods: dict[str, grpc.RpcMethodHandler] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return self.methods.get(handler_call_details.method)
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """One request message as our deserializer hands it to the wrapper: decoded, or why not."""
+
+    message: Any
+    nbytes: int
+    error: str = ""
+
+
+def decoding(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The handler with a deserializer that never raises: it returns `Received` (the wrapper unpacks it)."""
+    deserialize = handler.request_deserializer
+
+    def safe(data: bytes) -> Received:
+        try:
+            message = deserialize(data) if deserialize is not None else data
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever a deserializer raises on bad bytes
+            return Received(None, len(data), str(exc) or type(exc).__name__)
+        return Received(message, len(data))
+
+    return handler._replace(request_deserializer=safe)
+
+
+def behavior_of(handler: grpc.RpcMethodHandler) -> tuple[str, Callable[..., Any]]:
+    """(field name, callable) of the handler's one behaviour."""
+    field = next(f for f in BEHAVIORS if getattr(handler, f) is not None)
+    return field, getattr(handler, field)
+
+
+def request_type_name(path: str) -> str:
+    """`/omnistage.v1.Omni/Generate` → `omnistage.v1.GenerateRequest` (from the descriptor pool)."""
+    service, _, method = path.strip("/").rpartition("/")
+    try:
+        return descriptor_pool.Default().FindServiceByName(service).FindMethodByName(method).input_type.full_name
+    except (KeyError, AttributeError):
+        return f"request of {path}"
+
+
+async def unpack_stream(
+    requests: AsyncIterator[Received], on_message: Callable[[Received], Any]
+) -> AsyncIterator[Any]:
+    """The messages of a request stream; `on_message` checks each one (it raises for an undecodable one)."""
+    async for received in requests:
+        on_message(received)
+        yield received.message

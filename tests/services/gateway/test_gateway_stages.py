@@ -1,0 +1,109 @@
+"""The gateway's stage client: a stream that finished is read to its end (the stage counts it OK), one
+left early is cancelled (the stage aborts it); Describe goes to the stage's admin port with its key."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omnistage.common import metrics
+from omnistage.common.config import config_from_dict
+from omnistage.common.runtime.deadlines import wait_for_async
+from omnistage.common.runtime.server import ServiceRuntime
+from omnistage.services.gateway.stages import ThinkerClient
+from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common" / "runtime"))
+from synthetic_stage import free_port  # noqa: E402
+
+
+class FakeThinker(thinker_pb2_grpc.ThinkerServicer):
+    """`n` deltas 20 ms apart, then a finish, then 100 ms of clean-up before the stream ends (the window in
+    which a client that cancels after the finish turns a finished request into CANCELLED)."""
+
+    async def Generate(self, request: thinker_pb2.ThinkerRequest, context: Any):
+        for i in range(int(request.text or "3")):
+            await asyncio.sleep(0.02)
+            yield thinker_pb2.ThinkerEvent(delta=thinker_pb2.TokenDelta(text=f"t{i} ", token_ids=[i]))
+        yield thinker_pb2.ThinkerEvent(finish=thinker_pb2.ThinkerFinish(reason=common_pb2.FINISH_REASON_STOP))
+        await asyncio.sleep(0.1)
+
+
+def counted(service: str, code: str) -> float:
+    value = metrics.REGISTRY.get_sample_value(
+        "omnistage_rpc_requests_total", {"service": service, "method": "Generate", "code": code})
+    return value or 0.0
+
+
+async def consume(client: ThinkerClient, text: str, stop_after: int | None = None) -> list[str]:
+    """Read like the gateway's servicer does: stop at the finish (or after `stop_after` events), then close."""
+    kinds = []
+    stream = client.generate("r1", text, common_pb2.SamplingParams(), 10.0)
+    try:
+        async for event in stream:
+            kinds.append(event.WhichOneof("event"))
+            if kinds[-1] == "finish" or len(kinds) == stop_after:
+                break
+    finally:
+        await stream.aclose()
+    return kinds
+
+
+def test_finished_streams_count_ok_at_the_stage_and_abandoned_ones_cancelled(tmp_path, monkeypatch):
+    name = "fake_thinker_counts"
+    monkeypatch.setenv("FAKE_THINKER_ADMIN_KEY", "admin-key")
+
+    async def scenario():
+        svc = {"kind": "thinker", "port": free_port(), "admin_port": free_port(),
+               "admin_api_key_env": "FAKE_THINKER_ADMIN_KEY"}
+        cfg = config_from_dict({"services": {name: svc}})
+        rt = ServiceRuntime(cfg, cfg.service(name), 0, run_dir=tmp_path)
+        await rt.start()
+        rt.add_servicer(thinker_pb2_grpc.add_ThinkerServicer_to_server, FakeThinker(), "omnistage.v1.Thinker")
+        rt.set_serving()
+        client = ThinkerClient(name, cfg.address(name), 1 << 20, admin_address=cfg.admin_address(name),
+                               admin_metadata=(("authorization", "Bearer admin-key"),))
+        try:
+            await client.wait_serving(10)
+            assert (await client.describe()).name == name
+            for _ in range(3):
+                assert await consume(client, "3") == ["delta"] * 3 + ["finish"]
+            await wait_for_async(lambda: rt.in_flight == 0, 5, "streams ended")
+            assert (counted(name, "OK"), counted(name, "CANCELLED")) == (3.0, 0.0)
+            assert await consume(client, "50", stop_after=2) == ["delta"] * 2
+            await wait_for_async(lambda: rt.in_flight == 0, 5, "abandoned stream aborted")
+            assert (counted(name, "OK"), counted(name, "CANCELLED")) == (3.0, 1.0)
+        finally:
+            await client.close()
+            rt.request_stop()
+            await asyncio.wait_for(rt.serve_until_stopped(), 10)
+
+    asyncio.run(scenario())
+
+
+def test_describe_without_the_admin_key_is_refused(tmp_path, monkeypatch):
+    import grpc
+
+    name = "fake_thinker_keyed"
+    monkeypatch.setenv("FAKE_THINKER_ADMIN_KEY", "admin-key")
+
+    async def scenario():
+        svc = {"kind": "thinker", "port": free_port(), "admin_port": free_port(),
+               "admin_api_key_env": "FAKE_THINKER_ADMIN_KEY"}
+        cfg = config_from_dict({"services": {name: svc}})
+        rt = ServiceRuntime(cfg, cfg.service(name), 0, run_dir=tmp_path)
+        await rt.start()
+        client = ThinkerClient(name, cfg.address(name), 1 << 20, admin_address=cfg.admin_address(name))
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.describe()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            await client.close()
+            rt.request_stop()
+            await asyncio.wait_for(rt.serve_until_stopped(), 10)
+
+    asyncio.run(scenario())
