@@ -1,11 +1,11 @@
 """CUDA IPC consumer cache: handles opened from producers that died are closed once nothing views them
 (an open handle pins the dead producer's GPU memory). Runs on CPU: the CUDA runtime and the device
-wrap are replaced by fakes that record open/close; the producer's lease-table segment is real."""
+wrap are replaced by fakes that record open/close; the producer's lease-table segment is real (in a
+private directory, so no concurrent stale-segment sweep removes the dead producer's segment)."""
 
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 import weakref
@@ -13,7 +13,6 @@ import weakref
 import pytest
 import torch
 from omnistage.common.transport import cuda_ipc
-from omnistage.common.transport.host import SHM_DIR
 from omnistage.v1 import tensor_pb2
 
 POOL_BYTES = 1024
@@ -23,7 +22,7 @@ PRODUCER = r"""
 import os, sys
 from omnistage.common.transport.host import Segment
 from omnistage.common.transport.shm_pool import LeaseTable, table_bytes
-seg = Segment.create(table_bytes(16))
+seg = Segment.create(table_bytes(16), shm_dir=sys.argv[2])
 LeaseTable.format(seg, 16, 0)
 print(seg.name, flush=True)
 if sys.argv[1] == "die":
@@ -66,8 +65,8 @@ def fake_cuda(monkeypatch):
     return rt
 
 
-def _producer(mode: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", PRODUCER, mode], stdin=subprocess.PIPE,
+def _producer(mode: str, shm_dir) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", PRODUCER, mode, str(shm_dir)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     name = proc.stdout.readline().strip()
     assert name, "producer printed no segment name"
@@ -79,16 +78,11 @@ def _ref(pool_id: str) -> tensor_pb2.CudaIpcRef:
                                  pool_byte_size=POOL_BYTES, offset=0, byte_size=16, lease_id=1)
 
 
-def _cleanup(name: str) -> None:
-    """The dead producer left its segment behind (as a crash does); the launcher's sweep removes such."""
-    os.unlink(os.path.join(SHM_DIR, name))
-
-
-def test_handle_of_a_dead_producer_is_closed_when_another_pool_opens(fake_cuda):
-    dead, dead_name = _producer("die")
+def test_handle_of_a_dead_producer_is_closed_when_another_pool_opens(fake_cuda, tmp_path):
+    dead, dead_name = _producer("die", tmp_path)
     dead.wait(timeout=30)
-    live, live_name = _producer("live")
-    att = cuda_ipc.CudaIpcAttachments()
+    live, live_name = _producer("live", tmp_path)
+    att = cuda_ipc.CudaIpcAttachments(shm_dir=str(tmp_path))
     try:
         view = att.view(_ref(dead_name), 0)
         assert view.numel() == 16 and att.num_open == 1
@@ -102,13 +96,12 @@ def test_handle_of_a_dead_producer_is_closed_when_another_pool_opens(fake_cuda):
         live.stdin.write("\n")
         live.stdin.flush()
         live.wait(timeout=30)
-        _cleanup(dead_name)
 
 
-def test_a_handle_still_viewed_is_kept_until_the_view_is_dropped(fake_cuda):
-    dead, dead_name = _producer("die")
+def test_a_handle_still_viewed_is_kept_until_the_view_is_dropped(fake_cuda, tmp_path):
+    dead, dead_name = _producer("die", tmp_path)
     dead.wait(timeout=30)
-    att = cuda_ipc.CudaIpcAttachments()
+    att = cuda_ipc.CudaIpcAttachments(shm_dir=str(tmp_path))
     try:
         view = att.view(_ref(dead_name), 0)
         assert att.prune_dead() == 0, "closed a handle a consumer still reads"
@@ -119,12 +112,11 @@ def test_a_handle_still_viewed_is_kept_until_the_view_is_dropped(fake_cuda):
         assert fake_cuda.closed == [1] and att.num_open == 0
     finally:
         att.close()
-        _cleanup(dead_name)
 
 
-def test_a_live_producer_is_never_pruned(fake_cuda):
-    live, live_name = _producer("live")
-    att = cuda_ipc.CudaIpcAttachments()
+def test_a_live_producer_is_never_pruned(fake_cuda, tmp_path):
+    live, live_name = _producer("live", tmp_path)
+    att = cuda_ipc.CudaIpcAttachments(shm_dir=str(tmp_path))
     try:
         att.view(_ref(live_name), 0)
         assert att.prune_dead() == 0 and att.num_open == 1
