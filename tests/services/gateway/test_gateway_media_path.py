@@ -13,6 +13,7 @@ from omnistage.common.runtime.errors import InvalidRequest, PermissionDenied
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.services.gateway.media_path import check_media_paths, resolve_media_path
 from omnistage.services.gateway.server import OmniServicer
+from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common" / "runtime"))
@@ -73,7 +74,8 @@ def test_the_path_check_comes_before_the_missing_encoder(tmp_path, media):
         cfg = config_from_dict({"services": {"gateway": {"kind": "gateway", "port": free_port()}}})
         rt = ServiceRuntime(cfg, cfg.service("gateway"), 0, run_dir=tmp_path)
         await rt.start()
-        servicer = OmniServicer(None, set(), max_concurrent_requests=4, max_prompt_chars=1000, system_prompt="",
+        servicer = OmniServicer(None, set(), max_concurrent_requests=4, limits=RequestLimits(max_prompt_chars=1000),
+                                system_prompt="",
                                 media_dir=media_dir)
         rt.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")
         rt.set_serving()

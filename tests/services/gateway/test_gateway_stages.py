@@ -25,7 +25,7 @@ class FakeThinker(thinker_pb2_grpc.ThinkerServicer):
     which a client that cancels after the finish turns a finished request into CANCELLED)."""
 
     async def Generate(self, request: thinker_pb2.ThinkerRequest, context: Any):
-        for i in range(int(request.text or "3")):
+        for i in range(int(request.chat.pieces[0].text if request.chat.pieces else "3")):
             await asyncio.sleep(0.02)
             yield thinker_pb2.ThinkerEvent(delta=thinker_pb2.TokenDelta(text=f"t{i} ", token_ids=[i]))
         yield thinker_pb2.ThinkerEvent(finish=thinker_pb2.ThinkerFinish(reason=common_pb2.FINISH_REASON_STOP))
@@ -41,7 +41,8 @@ def counted(service: str, code: str) -> float:
 async def consume(client: ThinkerClient, text: str, stop_after: int | None = None) -> list[str]:
     """Read like the gateway's servicer does: stop at the finish (or after `stop_after` events), then close."""
     kinds = []
-    stream = client.generate("r1", text, common_pb2.SamplingParams(), 10.0)
+    prompt = thinker_pb2.ChatPrompt(pieces=[thinker_pb2.PromptPiece(text=text)])
+    stream = client.generate("r1", prompt, common_pb2.SamplingParams(), 10.0)
     try:
         async for event in stream:
             kinds.append(event.WhichOneof("event"))
