@@ -12,12 +12,12 @@ import random
 import traceback
 
 import pytest
-from omnistage.common.config import EngineConfig
+from omnistage.common.config import EngineConfig, TPConfig
 from omnistage.common.log import setup_logging
 from omnistage.services.thinker.engine import worker
-from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sequence import SamplingParams
+from omnistage.services.thinker.engine.startup import RankConfig, start_engine
 
 CFG = EngineConfig(block_size=16, max_model_len=256, max_num_batched_tokens=64)
 PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True)] * 5 + [
@@ -45,19 +45,21 @@ def _fail_after(rank: int, fail_rank: int | None, steps: int = 3) -> None:
     ModelRunner.execute = execute
 
 
-def _worker(fail_rank: int | None, kwargs: dict) -> None:
-    _fail_after(kwargs["rank"], fail_rank)
-    worker._worker_main(kwargs)
+TP = TPConfig(startup_collective_timeout_s=60, serving_collective_timeout_s=60, failure_exit_s=10, peer_timeout_s=5)
+
+
+def _worker(fail_rank: int | None, cfg: RankConfig) -> None:
+    _fail_after(cfg.rank, fail_rank)
+    worker._worker_main(cfg)
 
 
 def _rank0(ckpt: str, world_size: int, port: int, fail_rank: int | None, out: mp.Queue) -> None:
     setup_logging("thinker", rank=0)
     _fail_after(0, fail_rank)
-    procs = worker.spawn_workers(
-        ckpt, CFG, world_size, port, timeout_s=30, target=functools.partial(_worker, fail_rank)
-    )
+    cfg = RankConfig(ckpt, CFG, tp=TP, world_size=world_size, dist_port=port)
+    procs = worker.spawn_workers(cfg, target=functools.partial(_worker, fail_rank))
     try:
-        engine = LLMEngine.from_checkpoint(ckpt, CFG, rank=0, world_size=world_size, port=port, timeout_s=30)
+        engine = start_engine(cfg)
         results = engine.generate(prompts(), PARAMS, timeout_s=DEADLINE_S)
         engine.shutdown()
         out.put(("ok", [r.token_ids for r in results], worker.join_workers(procs, 30)))
@@ -84,7 +86,7 @@ def run_tp(ckpt, world_size: int, fail_rank: int | None = None):
 
 @pytest.fixture(scope="module")
 def tp1_tokens(tiny_ckpt):
-    e = LLMEngine.from_checkpoint(tiny_ckpt, CFG)
+    e = start_engine(RankConfig(str(tiny_ckpt), CFG))
     return [r.token_ids for r in e.generate(prompts(), PARAMS)]
 
 
