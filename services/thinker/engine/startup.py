@@ -131,6 +131,7 @@ class StartedRank:
     kv_profile: KVProfile | None = None
     warmup: WarmupResult | None = None
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    load_peak_bytes: int = 0  # the device's peak while loading the weights (0 without an accountant)
 
 
 def start_rank(cfg: RankConfig, progress: StartupProgress | None = None) -> StartedRank:
@@ -167,6 +168,7 @@ class _Startup:
         control.set_phase(self.phase)
         self.runner: ModelRunner | None = None
         self.mem: DeviceMemory | None = None
+        self.load_peak_bytes = 0
         self.seconds: dict[str, float] = {}
         self._phase_started = time.monotonic()
 
@@ -216,9 +218,8 @@ class _Startup:
             capture_graphs(self.runner)
         self.seconds[self.phase] = time.monotonic() - self._phase_started
         self.control.enter_serving()
-        return StartedRank(
-            cfg, self.runner, self.control, tokenizer, mem, prof, warm, {k: round(v, 3) for k, v in self.seconds.items()}
-        )
+        seconds = {k: round(v, 3) for k, v in self.seconds.items()}
+        return StartedRank(cfg, self.runner, self.control, tokenizer, mem, prof, warm, seconds, self.load_peak_bytes)
 
     def load_weights(self):
         cfg = self.cfg
@@ -232,6 +233,7 @@ class _Startup:
             tp_size=cfg.world_size, progress=shards, load_format=cfg.load_format,
         )  # fmt: skip
         if self.mem is not None:
+            self.load_peak_bytes = self.mem.peak_allocated()
             self.mem.empty_cache()  # loading's temporaries must not count as the profile's peak
         return model
 
