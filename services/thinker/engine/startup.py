@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -133,6 +134,23 @@ class StartedRank:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     load_peak_bytes: int = 0  # the device's peak while loading the weights (0 without an accountant)
 
+    def summary(self) -> dict:
+        """What start-up chose and how long each phase took (logged as one JSON line)."""
+        prof = self.kv_profile
+        return {
+            "rank": self.cfg.rank,
+            "phase_seconds": self.phase_seconds,
+            "kv_blocks": self.runner.num_kv_blocks,
+            "kv_tokens": self.runner.num_kv_blocks * self.runner.cfg.block_size,
+            "kv_bytes": self.runner.kv_bytes(),
+            "weights_bytes": self.runner.weights_bytes(),
+            "load_peak_bytes": self.load_peak_bytes,
+            "kv_attempts": prof.attempts if prof else 0,
+            "activation_peak_bytes": prof.activation_peak_bytes if prof else 0,
+            "budget_bytes": prof.cap_bytes if prof else 0,
+            "warmup_skipped": self.warmup.skipped if self.warmup else [],
+        }
+
 
 def start_rank(cfg: RankConfig, progress: StartupProgress | None = None) -> StartedRank:
     """Join the TP group and start this rank; raises StartupError naming the group's first failure."""
@@ -145,9 +163,11 @@ def start_rank(cfg: RankConfig, progress: StartupProgress | None = None) -> Star
     startup = _Startup(cfg, control, progress)
     startup.seconds["rendezvous"] = time.monotonic() - joined
     try:
-        return startup.run()
+        started = startup.run()
     except Exception as exc:
         raise StartupError(control.fail(control.where, exc, culprit=getattr(exc, "culprit_rank", None))) from exc
+    log.info("start-up done: %s", json.dumps(started.summary()))  # one line per rank, for benchmarks
+    return started
 
 
 def start_engine(cfg: RankConfig, progress: StartupProgress | None = None):  # -> LLMEngine
