@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 from omnistage.common.config import TPConfig
@@ -120,3 +121,37 @@ def test_a_collective_while_serving_gives_up_at_the_serving_deadline(tmp_path):
     assert TP.serving_collective_timeout_s <= elapsed < TP.serving_collective_timeout_s + 10, elapsed
     assert seen == [err.value.failure]
 
+
+
+def _store_host(port: int, ready) -> None:
+    """Rank 0: hosts the store, joins, then waits to be killed."""
+    join_tp_group(0, 2, port=port, cfg=replace(TP, peer_timeout_s=5, failure_exit_s=30))
+    ready.set()
+    time.sleep(120)
+
+
+def test_the_store_host_dying_ends_the_other_ranks_naming_it():
+    """Rank 0 hosts the store: when it dies first the others can read no diagnostic, so its loss is
+    itself the failure (the TP=4 outage: ranks 1 and 3 waited forever once rank 0 had left)."""
+    ctx = mp.get_context("spawn")
+    port, ready = free_port(), ctx.Event()
+    host = ctx.Process(target=_store_host, args=(port, ready), daemon=True)
+    host.start()
+    try:
+        control = join_tp_group(1, 2, port=port, cfg=replace(TP, peer_timeout_s=5, failure_exit_s=30))
+        exited = []
+        control.watch.exit_process = exited.append
+        seen = []
+        control.add_failure_listener(seen.append)
+        assert ready.wait(60)
+        host.kill()
+        killed = time.monotonic()
+        while not exited and time.monotonic() < killed + 30:
+            time.sleep(0.05)
+    finally:
+        host.kill()
+        host.join(10)
+    assert exited == [1], "the rank did not leave"
+    assert time.monotonic() - killed < control.cfg.failure_exit_s
+    (failure,) = seen
+    assert failure.rank == 0 and failure.message.startswith("rank 0 (store host) is gone while start-up"), failure
