@@ -12,7 +12,9 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import queue
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -68,16 +70,31 @@ class GroupStore:
     def __init__(self, host: str, port: int, timeout_s: float, store: dist.Store | None = None) -> None:
         self.timeout_s = timeout_s
         self.lost: StoreLost | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tp-store")
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        # A daemon thread, not a ThreadPoolExecutor: a call stuck on a stopped host must not keep
+        # the interpreter from exiting (the executor's threads are joined at exit).
+        threading.Thread(target=self._serve_calls, name="tp-store", daemon=True).start()
         self._store = store if store is not None else self._call(lambda: _connect(host, port, timeout_s))
+
+    def _serve_calls(self) -> None:
+        while True:
+            fn, fut = self._calls.get()
+            if fn is None:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
 
     def _call(self, fn: Callable[[], T]) -> T:
         if self.lost is not None:
             raise self.lost
-        try:
-            fut = self._pool.submit(fn)
-        except RuntimeError as exc:  # closed
-            raise StoreLost(f"store client closed: {exc}", silent=False) from None
+        if self._closed:
+            raise StoreLost("store client closed", silent=False)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, fut))
         try:
             return fut.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -137,7 +154,9 @@ class GroupStore:
         return self._call(read)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if not self._closed:
+            self._closed = True
+            self._calls.put((None, None))
 
 
 def this_process() -> PeerProcess:

@@ -28,6 +28,16 @@ time.sleep(120)
 """
 
 
+@pytest.fixture(autouse=True)
+def leave_the_group():
+    """Tests that join a TP group in this process leave it (one default process group per process)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def store_host():
     port = free_port()
