@@ -140,8 +140,14 @@ def _alive(pid: int) -> bool:
 
 
 def _pgrep(pattern: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split() if int(p) != os.getpid()]
+    """Processes whose command line holds `pattern` (the deploy file's path), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if pattern in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(entry.name))
+    return [p for p in found if _alive(p)]
 
 
 def deploy(args: argparse.Namespace, ckpt: Path, tp: int, dtype: str, *, production: bool) -> dict:

@@ -103,8 +103,11 @@ class TPControl:
         if not self.is_distributed:
             return
         timeout = timedelta(seconds=self.cfg.serving_collective_timeout_s)
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
+        try:
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+        except ImportError:  # older torch: the start-up deadline stays (the PeerWatch still bounds exits)
+            log.warning("this torch cannot change a process group's timeout: collectives keep the start-up one")
+            return
         _set_pg_timeout(timeout)
         _set_pg_timeout(timeout, self.plan_group)
 

@@ -9,7 +9,7 @@ rebuild is held to) → MIN over ranks → tear the probe down (and check reserv
 Rank safety: every decision that changes what a rank does next (an allocation failed, too little
 memory for a shape, validation over budget) is a local flag combined by MIN over the group *before*
 the next collective, so all ranks shrink, retry or fail together. A failure inside a forward (where
-peers already wait in a collective) is not retried with peers: it goes to the group's first-error
+peers already wait in a collective) is not retried with peers: it goes to the group's first-failure
 store and every rank fails promptly (TRT-LLM's fail-stop); only a single rank may catch an OOM there.
 """
 
