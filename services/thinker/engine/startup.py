@@ -18,7 +18,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from omnistage.common.config import (
@@ -37,8 +37,12 @@ from omnistage.services.thinker.engine.faults import StartupFault
 from omnistage.services.thinker.engine.kv_profile import KVProfile, KVSettings, peers_bytes, size_kv_cache
 from omnistage.services.thinker.engine.model_runner import ModelRunner, to_dtype
 from omnistage.services.thinker.engine.warmup import WarmupResult, run_warmup, warmup_shapes
+from omnistage.services.thinker.models.bailing_moe_v2 import BailingMoeV2ForCausalLM
 from omnistage.services.thinker.models.loader import load_model
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
+
+if TYPE_CHECKING:
+    from omnistage.services.thinker.engine.llm_engine import LLMEngine
 
 log = get_logger(__name__)
 
@@ -158,7 +162,10 @@ def start_rank(cfg: RankConfig, progress: StartupProgress | None = None) -> Star
     unit = "shards" if cfg.load_format == "safetensors" else "layers"
     progress.enter("loading_weights", 0, unit)  # the rendezvous waits for the slowest rank's start
     joined = time.monotonic()
-    control = join_tp_group(cfg.rank, cfg.world_size, cfg.host, cfg.dist_port, cfg.device, cfg.tp)
+    try:
+        control = join_tp_group(cfg.rank, cfg.world_size, cfg.host, cfg.dist_port, cfg.device, cfg.tp)
+    except TPError as exc:  # the rendezvous itself failed: no group to tell
+        raise StartupError(exc.failure) from exc
     control.add_failure_listener(progress.failed)
     startup = _Startup(cfg, control, progress)
     startup.seconds["rendezvous"] = time.monotonic() - joined
@@ -170,7 +177,7 @@ def start_rank(cfg: RankConfig, progress: StartupProgress | None = None) -> Star
     return started
 
 
-def start_engine(cfg: RankConfig, progress: StartupProgress | None = None):  # -> LLMEngine
+def start_engine(cfg: RankConfig, progress: StartupProgress | None = None) -> LLMEngine:
     """Rank 0's start-up plus its engine (tests and benchmarks; the service does the same steps)."""
     from omnistage.services.thinker.engine.llm_engine import LLMEngine
 
@@ -241,7 +248,7 @@ class _Startup:
         seconds = {k: round(v, 3) for k, v in self.seconds.items()}
         return StartedRank(cfg, self.runner, self.control, tokenizer, mem, prof, warm, seconds, self.load_peak_bytes)
 
-    def load_weights(self):
+    def load_weights(self) -> BailingMoeV2ForCausalLM:
         cfg = self.cfg
         unit = "shards" if cfg.load_format == "safetensors" else "layers"
 
