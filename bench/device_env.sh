@@ -1,5 +1,6 @@
 # Source on a lent GPU machine (no network, no pip install of this repo): installs the carried
-# wheels (.cache/transport-whl: protobuf matching our generated code) into /tmp/site and makes the
+# wheels (.cache/transport-whl, written here by bench/device_wheels.sh: protobuf matching our
+# generated code, grpcio + health + reflection for `omnistage serve`) into /tmp/site and makes the
 # `omnistage` namespace importable from this checkout through symlinks.
 set -e
 if ls .cache/transport-whl/*.whl >/dev/null 2>&1; then

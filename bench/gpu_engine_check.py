@@ -22,6 +22,7 @@ from omnistage.common.log import setup_logging
 from omnistage.services.thinker.engine import worker
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
+from omnistage.services.thinker.engine.startup import RankConfig, start_engine
 from omnistage.services.thinker.engine.step_plan import build_step_plan
 
 CFG = EngineConfig(block_size=16, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024)
@@ -36,17 +37,17 @@ def _first_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     """Logits of the prompt's last position (one prefill step), on the CPU in fp32."""
     engine.add_request("logits-probe", prompt, SamplingParams(max_tokens=1))
     batch = engine.scheduler.schedule()
-    plan = engine.group.broadcast_plan(build_step_plan(batch.scheduled, engine.cfg.block_size))
+    plan = engine.control.broadcast_plan(build_step_plan(batch.scheduled, engine.cfg.block_size))
     logits = engine.runner.execute(plan)
     engine.abort("logits-probe")
     return logits[-1].float().cpu()
 
 
 def _run(ckpt, device: str, dtype: str, tp: int, prompts, max_tokens: int):
-    port = worker.free_port()
-    procs = worker.spawn_workers(ckpt, CFG, tp, port, dtype=dtype, device=device) if tp > 1 else []
     dev0 = "cpu" if device == "cpu" else "cuda:0"
-    engine = LLMEngine.from_checkpoint(ckpt, CFG, dtype=dtype, device=dev0, world_size=tp, port=port)
+    cfg = RankConfig(str(ckpt), CFG, dtype=dtype, device=dev0, world_size=tp, dist_port=worker.free_port())
+    procs = worker.spawn_workers(cfg) if tp > 1 else []
+    engine = start_engine(cfg)
     try:
         logits = _first_logits(engine, prompts[0])
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -4,13 +4,14 @@
     python bench/ling_mini_gpu.py [--budget-fraction 0.9] [--peer-gib 8] [--tp 2 [--inject-oom-rank 1]]
     python bench/ling_mini_gpu.py --tiny          # CPU, tiny shape, simulated device (a smoke run)
 
-Builds the thinker with RANDOM bf16 weights straight on the device (meta → to_empty → init in place,
-no checkpoint, no fp32 copy), runs the auto-profile against the device's real memory with a budget,
-warms up (rank-agreed), then a max-load stress (largest prefill chunk, largest decode batch at max
+Starts the thinker the service's way (`engine/startup.py`) from a config-only checkpoint with
+`load_format: dummy` (random bf16 weights made on the device, no fp32 copy), runs the auto-profile
+against the device's real memory with a budget, warms up (rank-agreed), then a max-load stress (largest prefill chunk, largest decode batch at max
 context with sampling, and real engine requests at near max context) that must stay inside the
 budget. `--peer-gib X` starts a second process that holds X GiB of the same GPU before the profile
 (a stage sharing it). `--tp N` spawns N ranks itself (no torchrun); `--inject-oom-rank R` makes rank R
-raise an OOM inside a warm-up forward, and the run checks that every rank fails promptly naming it.
+raise an OOM inside a warm-up forward (the service's `fault.at: warmup_forward` hook), and the run
+checks that every rank fails promptly naming it.
 Prints phase times and one JSON summary line; exit status 0 only when every check passed.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import sys
@@ -32,73 +32,7 @@ import torch
 
 GiB = 1 << 30
 MiB = 1 << 20
-
-# Ling-mini-2.0 (gpu_notes.md): 16.26 B params, 1.43 B active; Ming's thinker routing/rope features.
-LING_MINI = dict(
-    vocab_size=157184, hidden_size=2048, num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4,
-    head_dim=128, intermediate_size=5120, first_k_dense_replace=1, num_experts=256, num_experts_per_tok=8,
-    num_shared_experts=1, moe_intermediate_size=512, n_group=8, topk_group=4,
-)  # fmt: skip
-# The full Ming-flash-omni-2.0 thinker (ming.md §2.1): ~103 B params; needs TP >= 2 on H200s.
-MING_FLASH = dict(
-    vocab_size=157184, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=4,
-    head_dim=128, intermediate_size=9216, first_k_dense_replace=1, num_experts=256, num_experts_per_tok=8,
-    num_shared_experts=1, moe_intermediate_size=1024, n_group=8, topk_group=4,
-)  # fmt: skip
-SHAPES = {"ling-mini": LING_MINI, "ming-flash": MING_FLASH}
-TINY = dict(
-    vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=128, intermediate_size=512, first_k_dense_replace=1, num_experts=16, num_experts_per_tok=4,
-    num_shared_experts=1, moe_intermediate_size=64, n_group=4, topk_group=2,
-)  # fmt: skip
-
-
-def thinker_config(shape: dict):
-    from omnistage.services.thinker.models.config import ThinkerConfig
-
-    return ThinkerConfig.from_dict(
-        {
-            **shape,
-            "rms_norm_eps": 1e-6,
-            "use_qk_norm": True,
-            "rope_theta": 600000.0,
-            "partial_rotary_factor": 0.5,
-            "rope_scaling": {"type": "video_rope"},
-            "max_position_embeddings": 32768,
-            "routed_scaling_factor": 2.5,
-            "router_type": "MultiRouter",
-            "eos_token_id": 1,
-        }
-    )
-
-
-def build_random_model(cfg, rank: int, world: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """Meta build → to_empty on the device in `dtype` → in-place random init (no fp32 temporaries)."""
-    from omnistage.services.thinker.models.bailing_moe_v2 import BailingMoeV2ForCausalLM
-    from omnistage.services.thinker.models.layers.parallel import TPGroup as LayerTP
-
-    with torch.device("meta"):
-        model = BailingMoeV2ForCausalLM(cfg, LayerTP(rank, world))
-    model = model.to(dtype=dtype).to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed + rank)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("expert_bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    return model.requires_grad_(False).eval()
-
-
-class SilentTokenizer:
-    """The engine's detokenizer needs a decoder; the random model's words mean nothing anyway."""
-
-    stop_token_ids = (1,)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return ""
+SHAPES = ("ling-mini", "ming-flash")
 
 
 def _hold_peer_memory(gib: float, device: int, ready, release) -> None:
@@ -124,24 +58,18 @@ def _engine_config(args):
     )
 
 
-def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> dict:
-    """One rank: build, profile, warm up, stress, (rank 0) real requests; returns its result dict."""
-    from omnistage.common.config import MemoryConfig
+def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt: str) -> dict:
+    """One rank: the service's start-up (dummy weights, profile, warm-up), a max-load stress, and
+    (rank 0) real requests; returns its result dict."""
+    from omnistage.common.config import FaultConfig, MemoryConfig, TPConfig
     from omnistage.common.log import setup_logging
-    from omnistage.common.memory.device import device_memory_for, fmt_bytes
-    from omnistage.services.thinker.engine.config import resolve_engine_config
-    from omnistage.services.thinker.engine.distributed import init_tp_group
-    from omnistage.services.thinker.engine.kv_profile import KVSettings, peers_bytes, size_kv_cache
+    from omnistage.common.memory.device import SimulatedDeviceMemory, fmt_bytes
+    from omnistage.services.thinker.engine import startup
     from omnistage.services.thinker.engine.llm_engine import LLMEngine
-    from omnistage.services.thinker.engine.model_runner import ModelRunner
     from omnistage.services.thinker.engine.sampler import Sampler
     from omnistage.services.thinker.engine.sequence import SamplingParams
-    from omnistage.services.thinker.engine.warmup import (
-        OOMInjection,
-        run_dummy_step,
-        run_warmup,
-        stress_shapes,
-    )
+    from omnistage.services.thinker.engine.startup import LogProgress, RankConfig, StartupError, start_rank
+    from omnistage.services.thinker.engine.warmup import run_dummy_step, stress_shapes
     from omnistage.services.thinker.engine.worker import serve_plans
 
     setup_logging("thinker", rank=rank)
@@ -149,7 +77,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> di
     times: dict[str, float] = {}
     result: dict = {"rank": rank, "status": "error", "times": times}
 
-    lock, saved = threading.Lock(), [False]  # main thread and watchdog may both fail: the first writes
+    lock, saved = threading.Lock(), [False]  # main thread and peer watch may both fail: the first writes
 
     def save() -> None:
         with lock:
@@ -159,79 +87,59 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> di
                 tmp.rename(result_file)
                 saved[0] = True
 
-    def on_peer_failure(diagnostic: str) -> None:
-        result.update(status="peer_failed", message=diagnostic)
-        save()
-        os._exit(1)
+    class Progress(LogProgress):
+        def step(self, detail: str, done: int = 0, total: int = 0) -> None:
+            print(f"[rank {rank}] {time.strftime('%H:%M:%S')} {detail}", flush=True)
 
-    def phase_printer(phase: str, detail: str, done: int, total: int) -> None:
-        print(f"[rank {rank}] {time.strftime('%H:%M:%S')} {phase}: {detail}", flush=True)
+        def failed(self, failure) -> None:  # the group's first failure, seen by any thread of this rank
+            result.update(status="peer_failed" if failure.rank != rank else "error", message=failure.message)
+            save()
 
-    device = torch.device("cpu") if args.tiny else torch.device("cuda", rank)
-    if device.type == "cuda":
+    device = "cpu" if args.tiny else f"cuda:{rank}"
+    if device != "cpu":
         torch.cuda.set_device(device)
-    dtype = getattr(torch, args.dtype)
     simulated = int(args.sim_capacity_gib * GiB) if args.tiny else 0
-    memory = MemoryConfig(budget_fraction=args.budget_fraction, simulated_capacity_bytes=simulated)
-    mem = device_memory_for(str(device), simulated or None)
     if args.tiny and args.peer_gib:
-        mem.reserve(int(args.peer_gib * GiB), "peer stage")  # type: ignore[attr-defined]
-    peers_at_start = peers_bytes(mem)
-    group = init_tp_group(rank, args.tp, port=port, device=str(device), timeout_s=args.timeout_s)
+        mem = SimulatedDeviceMemory(simulated, name="cpu-sim")
+        mem.reserve(int(args.peer_gib * GiB), "peer stage")
+        startup.device_memory_for = lambda device, simulated=None: mem
+    fault = None
+    if args.inject_oom_rank is not None:
+        fault = FaultConfig(phase="warming_up", action="oom", rank=args.inject_oom_rank, at="warmup_forward")
+    cfg = RankConfig(
+        ckpt, _engine_config(args), MemoryConfig(budget_fraction=args.budget_fraction, simulated_capacity_bytes=simulated),
+        TPConfig(startup_collective_timeout_s=args.timeout_s), load_format="dummy", dtype=args.dtype,
+        device=device, rank=rank, world_size=args.tp, dist_port=port, fault=fault,
+    )  # fmt: skip
     try:
-        with group.failure_watch(on_peer_failure), mem.meter():
-            t0 = time.monotonic()
-            model = build_random_model(
-                thinker_config(TINY if args.tiny else SHAPES[args.shape]), rank, args.tp, device, dtype
-            )
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times["build_weights_s"] = time.monotonic() - t0
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            load_peak = mem.peak_allocated()
-            result.update(weights_bytes=weights, load_peak_bytes=load_peak)
-            print(
-                f"[rank {rank}] weights {fmt_bytes(weights)}, peak while building {fmt_bytes(load_peak)}",
-                flush=True,
-            )
+        started = start_rank(cfg, Progress(rank))
+    except StartupError as exc:
+        result.update(status="error", message=str(exc), traceback=traceback.format_exc())
+        save()
+        return result
+    try:
+        runner, control, mem, prof = started.runner, started.control, started.mem, started.kv_profile
+        times.update({f"{k}_s": v for k, v in started.phase_seconds.items()})
+        weights = runner.weights_bytes()
+        result.update(weights_bytes=weights, load_peak_bytes=started.load_peak_bytes)
+        print(f"[rank {rank}] weights {fmt_bytes(weights)}, peak while loading {fmt_bytes(started.load_peak_bytes)}",
+              flush=True)  # fmt: skip
+        result.update(
+            kv_blocks=prof.num_blocks, kv_tokens=prof.num_blocks * runner.cfg.block_size,
+            kv_bytes=prof.kv_bytes, cap_bytes=prof.cap_bytes, peers_bytes=prof.peers_bytes,
+            activation_peak_bytes=prof.activation_peak_bytes, peak_reserved_bytes=prof.peak_reserved_bytes,
+            headroom_bytes=prof.headroom_bytes, attempts=prof.attempts, profile_phases=prof.phase_seconds,
+            summary=prof.summary(), warmup_ran=started.warmup.ran, warmup_skipped=started.warmup.skipped,
+        )  # fmt: skip
 
-            engine_cfg = _engine_config(args)
-            one_request = math.ceil(engine_cfg.max_model_len / engine_cfg.block_size)
-            runner = ModelRunner(
-                model, resolve_engine_config(engine_cfg, one_request), device, rank, allocate=False
-            )
-            settings = KVSettings.from_config(engine_cfg, memory, mem.total())
-            t0 = time.monotonic()
-            prof = size_kv_cache(
-                runner, group, mem, settings, peers_at_start=peers_at_start, report=phase_printer
-            )
-            times["profile_s"] = time.monotonic() - t0
-            result.update(
-                kv_blocks=prof.num_blocks, kv_tokens=prof.num_blocks * engine_cfg.block_size,
-                kv_bytes=prof.kv_bytes, cap_bytes=prof.cap_bytes, peers_bytes=prof.peers_bytes,
-                activation_peak_bytes=prof.activation_peak_bytes, peak_reserved_bytes=prof.peak_reserved_bytes,
-                headroom_bytes=prof.headroom_bytes, attempts=prof.attempts, profile_phases=prof.phase_seconds,
-                summary=prof.summary(),
-            )  # fmt: skip
-
-            t0 = time.monotonic()
-            inject = OOMInjection(args.inject_oom_rank) if args.inject_oom_rank is not None else None
-            from omnistage.services.thinker.engine.warmup import warmup_shapes
-
-            warm = run_warmup(
-                runner, group, warmup_shapes(runner.cfg), mem=mem, cap_bytes=prof.cap_bytes,
-                need_bytes=prof.shape_peaks, report=phase_printer, inject=inject,
-            )  # fmt: skip
-            times["warmup_s"] = time.monotonic() - t0
-            result.update(warmup_ran=warm.ran, warmup_skipped=warm.skipped)
-
-            # Max-load stress at the chosen size: must not OOM and must stay inside the budget.
-            t0 = time.monotonic()
+        # Max-load stress at the chosen size: must not OOM and must stay inside the budget.
+        t0 = time.monotonic()
+        with mem.meter():
             mem.reset_peak()
             sampler = Sampler()
             for shape in stress_shapes(runner.cfg):
                 run_dummy_step(runner, shape, sampler)
-            if device.type == "cuda":
+            if device != "cpu":
                 torch.cuda.synchronize(device)
             times["max_load_stress_s"] = time.monotonic() - t0
             result["stress_peak_reserved_bytes"] = mem.peak_reserved()
@@ -240,12 +148,10 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> di
             t0 = time.monotonic()
             n_req = min(args.real_requests, runner.cfg.max_num_seqs)
             if rank == 0:
-                engine = LLMEngine(runner, SilentTokenizer(), [1], group)
+                engine = LLMEngine.from_started(started)
                 prompt_len = runner.cfg.max_model_len - args.real_max_tokens
                 gen = torch.Generator().manual_seed(1)
-                prompts = [
-                    torch.randint(2, 1000, (prompt_len,), generator=gen).tolist() for _ in range(n_req)
-                ]
+                prompts = [torch.randint(2, 1000, (prompt_len,), generator=gen).tolist() for _ in range(n_req)]
                 params = SamplingParams(
                     temperature=0.8, top_k=50, top_p=0.9, max_tokens=args.real_max_tokens, ignore_eos=True
                 )
@@ -255,21 +161,19 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> di
                     result["sweep"] = decode_sweep(engine, args, device)
                 engine.shutdown()
             else:
-                serve_plans(group, runner)
+                serve_plans(control, runner)
+                control.close()
             times["real_requests_s"] = time.monotonic() - t0
             result["final_peak_reserved_bytes"] = mem.peak_reserved()
         result["status"] = "ok"
     except Exception as exc:
-        if not group.reported:
-            group.fail("ling-mini bench", exc)
-        result.update(
-            status="error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
-        )
+        failure = started.control.fail("ling-mini bench", exc)
+        result.update(status="error", message=failure.message, traceback=traceback.format_exc())
     save()
     return result
 
 
-def decode_sweep(engine, args: argparse.Namespace, device: torch.device) -> list[dict]:
+def decode_sweep(engine, args: argparse.Namespace, device: str) -> list[dict]:
     """Requests/s and output tokens/s at each concurrency (greedy, ignore EOS, fixed output length)."""
     from omnistage.services.thinker.engine.sequence import SamplingParams
 
@@ -278,11 +182,11 @@ def decode_sweep(engine, args: argparse.Namespace, device: torch.device) -> list
     for c in (int(x) for x in args.sweep.split(",")):
         prompts = [torch.randint(2, 1000, (args.sweep_prompt_len,), generator=gen).tolist() for _ in range(c)]
         params = SamplingParams(max_tokens=args.sweep_tokens, ignore_eos=True)
-        if device.type == "cuda":
+        if device != "cpu":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         outs = engine.generate(prompts, params, timeout_s=args.timeout_s * 20)
-        if device.type == "cuda":
+        if device != "cpu":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         toks = sum(len(o.token_ids) for o in outs)
@@ -291,8 +195,8 @@ def decode_sweep(engine, args: argparse.Namespace, device: torch.device) -> list
     return rows
 
 
-def _rank_main(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> None:
-    res = run_rank(rank, args, port, out_dir)
+def _rank_main(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt: str) -> None:
+    res = run_rank(rank, args, port, out_dir, ckpt)
     # The result is on disk; leave without interpreter teardown, which can block on a NCCL
     # communicator whose peer died mid-collective (not what this bench measures).
     sys.stdout.flush()
@@ -337,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny shape, simulated device")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="ling-mini", help="model shape (GPU runs)")
+    ap.add_argument("--shape", choices=SHAPES, default="ling-mini", help="model shape (GPU runs)")
     ap.add_argument("--sweep", default="", help="decode sweep concurrencies after the checks, e.g. 1,2,4,8")
     ap.add_argument("--sweep-tokens", type=int, default=150)
     ap.add_argument("--sweep-prompt-len", type=int, default=128)
@@ -384,13 +288,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peer stage holds {args.peer_gib} GiB of cuda:0", flush=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ling-mini-") as out_dir:
+        from omnistage.common.checkpoint.config_only import write_config_checkpoint
+
+        ckpt = str(write_config_checkpoint(Path(out_dir) / "ckpt", "tiny" if args.tiny else args.shape))
         port = free_port()
         if args.tp == 1:
-            results = [run_rank(0, args, port, out_dir)]
+            results = [run_rank(0, args, port, out_dir, ckpt)]
         else:
             ctx = mp.get_context("spawn")
             procs = [
-                ctx.Process(target=_rank_main, args=(r, args, port, out_dir), name=f"rank{r}")
+                ctx.Process(target=_rank_main, args=(r, args, port, out_dir, ckpt), name=f"rank{r}")
                 for r in range(args.tp)
             ]
             for p in procs:

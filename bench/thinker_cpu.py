@@ -17,6 +17,7 @@ from omnistage.common.log import setup_logging
 from omnistage.services.thinker.engine import worker
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
+from omnistage.services.thinker.engine.startup import RankConfig, start_engine
 
 
 def run(engine: LLMEngine, concurrency: int, prompt_len: int, max_tokens: int) -> dict[str, float]:
@@ -49,9 +50,9 @@ def main() -> None:
     setup_logging("bench", level="warning")
     ckpt = args.checkpoint or write_tiny_checkpoint(tempfile.mkdtemp(prefix="tiny-ming-"))
     cfg = EngineConfig(block_size=16, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024)
-    port = worker.free_port()
-    procs = worker.spawn_workers(ckpt, cfg, args.tp, port) if args.tp > 1 else []
-    engine = LLMEngine.from_checkpoint(ckpt, cfg, world_size=args.tp, port=port)
+    rank_cfg = RankConfig(str(ckpt), cfg, world_size=args.tp, dist_port=worker.free_port())
+    procs = worker.spawn_workers(rank_cfg) if args.tp > 1 else []
+    engine = start_engine(rank_cfg)
     try:
         run(engine, 2, 8, 4)  # warm-up
         print(

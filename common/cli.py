@@ -1,4 +1,5 @@
-"""The `omnistage` command: serve, generate, status, drain, resume, make-tiny-checkpoint, protos."""
+"""The `omnistage` command: serve, generate, status, drain, resume, make-tiny-checkpoint,
+make-config-checkpoint, protos."""
 
 from __future__ import annotations
 
@@ -34,6 +35,14 @@ def cmd_make_tiny_checkpoint(args: argparse.Namespace) -> int:
 
     path = write_tiny_checkpoint(args.dir, seed=args.seed)
     print(f"omnistage: tiny checkpoint written to {path}")
+    return 0
+
+
+def cmd_make_config_checkpoint(args: argparse.Namespace) -> int:
+    from omnistage.common.checkpoint.config_only import write_config_checkpoint
+
+    path = write_config_checkpoint(args.dir, args.shape)
+    print(f"omnistage: config-only {args.shape} checkpoint written to {path} (serve it with model.load_format: dummy)")
     return 0
 
 
@@ -295,6 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny_checkpoint)
+
+    p = sub.add_parser(
+        "make-config-checkpoint",
+        help="write config.json of a real thinker shape + a tiny tokenizer, no weights (load_format: dummy)",
+    )
+    p.add_argument("dir")
+    p.add_argument("--shape", choices=("ming-flash", "ling-mini", "tiny"), default="ming-flash")
+    p.set_defaults(fn=cmd_make_config_checkpoint)
 
     p = sub.add_parser("generate", help="send one text prompt to the gateway and stream the answer")
     _config_args(p, required=False)

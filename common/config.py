@@ -38,6 +38,11 @@ class FaultConfig:
     # TP rank that misbehaves; -1 means every rank.
     rank: int = -1
     delay_s: float = 1.0
+    # Where inside the phase an `oom` fires; "" means on entering the phase. Thinker only:
+    # "kv_rebuild" / "kv_validation" (profiling_memory: a peer takes the device's free memory just
+    # before the KV rebuild or the validation stress, so the allocation itself fails),
+    # "warmup_forward" (warming_up: an out-of-memory error half-way through the first warm-up forward).
+    at: Literal["", "kv_rebuild", "kv_validation", "warmup_forward"] = ""
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,25 @@ class EngineConfig:
     kv_canary_bytes: int = 256 * 1024 * 1024
     # KV tokens of the probe cache used while measuring the peak; 0 means chosen by the engine.
     kv_probe_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TPConfig:
+    """Deadlines of a tensor-parallel group (thinker): no rank ever waits for a peer without one."""
+
+    # Deadline of the rendezvous and of every collective during start-up (a slow rank's weight
+    # loading is waited for here, so it is long).
+    startup_collective_timeout_s: float = 900.0
+    # Deadline of every collective while serving (step plan broadcast, the forward's all-reduces);
+    # idle workers get a keep-alive plan every quarter of it.
+    serving_collective_timeout_s: float = 120.0
+    # Once a rank has failed, died or stopped answering, every rank of the group exits within this.
+    failure_exit_s: float = 30.0
+    # How often each rank writes its heartbeat and reads its peers' (and the group's first failure).
+    peer_watch_interval_s: float = 0.5
+    # A peer whose heartbeat is this old (or the store host not answering for this long) has
+    # stopped answering; a dead peer process on the same host is seen within one interval.
+    peer_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -176,6 +200,7 @@ class ServiceConfig:
     # Seconds in-flight requests get to finish after SIGTERM / Drain.
     drain_grace_s: float = 10.0
     engine: EngineConfig = field(default_factory=EngineConfig)
+    tp: TPConfig = field(default_factory=TPConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     # Encoder limits (kind encoder only); EncoderConfig is defined at the end of the dataclasses.
@@ -214,6 +239,9 @@ class ModelConfig:
 
     # Directory of the HF-layout checkpoint (relative paths are relative to the working directory).
     checkpoint: str = ".cache/tiny-ming"
+    # "safetensors": read the weights; "dummy": random weights in the real shapes and dtype, made on
+    # the device (benchmarks; the directory needs only config.json and the tokenizer).
+    load_format: Literal["safetensors", "dummy"] = "safetensors"
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -414,6 +442,7 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
             if not -1 <= svc.fault.rank < svc.tp_size:
                 raise ConfigError(f"{p}.fault.rank: expected -1 (every rank) or 0..{svc.tp_size - 1}, got {svc.fault.rank}")
             _positive(f"{p}.fault.delay_s", svc.fault.delay_s, allow_zero=True)
+            _validate_fault_point(p, svc)
         if svc.tp_size > 1 and svc.dist_port == 0:
             raise ConfigError(f"{p}.dist_port: required when tp_size > 1")
         if svc.device == "cuda" and svc.gpus and len(svc.gpus) != svc.tp_size:
@@ -432,6 +461,7 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
         _validate_memory(p, svc)
         _validate_encoder(p, svc.encoder)
         _validate_access(p, svc)
+        _validate_tp(p, svc.tp)
         g = svc.gateway
         for key in ("stage_wait_s", "max_concurrent_requests", "max_messages", "max_parts_per_message", "max_prompt_chars"):
             _positive(f"{p}.gateway.{key}", getattr(g, key))
@@ -465,6 +495,39 @@ def _validate_access(p: str, svc: ServiceConfig) -> None:
                 raise ConfigError(f"{p}.tls.{key}: required when tls is set")
         if not svc.admin_port:
             raise ConfigError(f"{p}.admin_port: required when tls is set (the launcher checks health there)")
+
+
+_FAULT_POINT_PHASES = {
+    "kv_rebuild": "profiling_memory",
+    "kv_validation": "profiling_memory",
+    "warmup_forward": "warming_up",
+}
+
+
+def _validate_fault_point(p: str, svc: ServiceConfig) -> None:
+    f = svc.fault
+    if f is None or not f.at:
+        return
+    if svc.kind != "thinker" or f.action != "oom":
+        raise ConfigError(f"{p}.fault.at: only for action oom of a thinker (got {f.action} of a {svc.kind})")
+    if f.phase != _FAULT_POINT_PHASES[f.at]:
+        raise ConfigError(f"{p}.fault.at: {f.at} happens in phase {_FAULT_POINT_PHASES[f.at]}, not {f.phase}")
+
+
+def _validate_tp(p: str, tp: TPConfig) -> None:
+    for key in ("startup_collective_timeout_s", "serving_collective_timeout_s", "failure_exit_s",
+                "peer_watch_interval_s", "peer_timeout_s"):  # fmt: skip
+        _positive(f"{p}.tp.{key}", getattr(tp, key))
+    if tp.peer_timeout_s < 2 * tp.peer_watch_interval_s:
+        raise ConfigError(
+            f"{p}.tp.peer_timeout_s: must be at least twice peer_watch_interval_s ({tp.peer_watch_interval_s:g}), "
+            f"got {tp.peer_timeout_s:g}"
+        )
+    if tp.failure_exit_s < tp.peer_timeout_s + 2 * tp.peer_watch_interval_s:
+        raise ConfigError(
+            f"{p}.tp.failure_exit_s: must leave time after a silent peer is detected: at least peer_timeout_s "
+            f"+ 2 x peer_watch_interval_s ({tp.peer_timeout_s + 2 * tp.peer_watch_interval_s:g}), got {tp.failure_exit_s:g}"
+        )
 
 
 def _validate_memory(p: str, svc: ServiceConfig) -> None:

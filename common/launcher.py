@@ -191,12 +191,22 @@ class Launcher:
         poller.poll(timeout_s * 1000)
 
     def _root_cause(self, first: Child) -> Child:
-        """Blame the rank of `first`'s service that failed first: a TP peer copies the failing rank's
-        diagnostic into its own status and may be noticed before it. A child that died without
-        reporting a failure (crash, SIGKILL) is its own root cause."""
+        """The child whose failure `first`'s is. A TP peer copies the failing rank's diagnostic into
+        its own status and may be noticed first: it names the rank at fault (`culprit_rank`: one
+        that failed, died or stopped answering), else the rank that failed earliest is blamed. A
+        child that died or hung without reporting a failure (crash, SIGKILL) is its own root cause."""
         mine = first.refresh()
         if mine is None or mine.phase != "failed":
             return first
+        named = self._rank_of(first, mine.culprit_rank)
+        if named is not None:
+            if not named.cause:
+                rec = named.refresh()
+                if named.proc.poll() is not None:
+                    named.cause = exit_cause(named.proc.returncode, rec)
+                else:  # alive but silent (stopped, hung): the peer's diagnostic says what it saw
+                    named.cause = rec.failure if rec is not None and rec.failure else mine.failure
+            return named
         earliest, when = first, mine.phase_started_unix
         for c in self.children:
             rec = c.refresh() if c is not first and c.svc.name == first.svc.name else None
@@ -207,6 +217,12 @@ class Launcher:
             exited = earliest.proc.poll() is not None
             earliest.cause = exit_cause(earliest.proc.returncode, rec) if exited else f"failed: {rec.failure}"
         return earliest
+
+    def _rank_of(self, child: Child, rank: int) -> Child | None:
+        """Another rank of `child`'s service, or None."""
+        if rank < 0 or rank == child.rank:
+            return None
+        return next((c for c in self.children if c.svc.name == child.svc.name and c.rank == rank), None)
 
     def dead_child(self) -> Child | None:
         for c in self.children:
@@ -399,7 +415,9 @@ class Launcher:
             while self.stop_signal is None:
                 dead = self.dead_child()
                 if dead is not None:
-                    self.report(f"{dead.label} died: {dead.cause}; stopping the others", dead)
+                    culprit = self._root_cause(dead)
+                    verb = "died" if culprit.proc.poll() is not None else "failed"
+                    self.report(f"{culprit.label} {verb}: {culprit.cause}; stopping the others", culprit)
                     return 1
                 self.watch_phases()
                 self.pause(self.cfg.startup.poll_interval_s)

@@ -7,6 +7,7 @@ so chaos tests exercise the same code paths a real hang, crash or OOM would.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -51,6 +52,8 @@ class ProgressSnapshot:
     failure: str = ""
     # The phase a failed process was in when it failed.
     failed_in: str = ""
+    # The rank whose failure this is (see StatusRecord.culprit_rank).
+    culprit_rank: int = -1
 
     @property
     def elapsed_s(self) -> float:
@@ -121,9 +124,9 @@ class PhaseReporter:
         with self._lock:
             s = self._snap
             new_done = (s.done if done is None else done) + advance
-            self._snap = ProgressSnapshot(
-                s.phase, new_done, s.total if total is None else total, s.unit,
-                s.detail if detail is None else detail, time.time(), s.phase_started_unix, s.failure,
+            self._snap = dataclasses.replace(
+                s, done=new_done, total=s.total if total is None else total,
+                detail=s.detail if detail is None else detail, updated_unix=time.time(),
             )
         self._changed()
 
@@ -134,14 +137,18 @@ class PhaseReporter:
         """Alive and working, no countable progress (a long compile): resets the stuck timer."""
         self.progress(detail=detail)
 
-    def fail(self, message: str) -> None:
-        """Enter the terminal `failed` phase with a one-line cause."""
+    def fail(self, message: str, culprit_rank: int | None = None) -> None:
+        """Enter the terminal `failed` phase with a one-line cause; `culprit_rank` names the rank
+        whose failure it is when that is another rank of the service (default: this one)."""
         now = time.time()
+        culprit = self.rank if culprit_rank is None else culprit_rank
         with self._lock:
             if self._snap.phase == "failed":
                 return
             s = self._snap
-            self._snap = ProgressSnapshot("failed", s.done, s.total, s.unit, s.detail, now, now, message, s.phase)
+            self._snap = ProgressSnapshot(
+                "failed", s.done, s.total, s.unit, s.detail, now, now, message, s.phase, culprit
+            )
         log_fields(_log, logging.ERROR, "phase failed", cause=message)
         self._changed()
 
@@ -167,14 +174,14 @@ class PhaseReporter:
                 service=self.service, rank=self.rank, pid=os.getpid(), phase=s.phase, done=s.done,
                 total=s.total, unit=s.unit, detail=s.detail, heartbeat_unix=s.updated_unix,
                 phase_started_unix=s.phase_started_unix, failure=s.failure, failed_in=s.failed_in,
-                address=self.address,
+                culprit_rank=s.culprit_rank, address=self.address,
             )
             write_status(self.status_file, record)
 
     def _apply_fault(self, phase: str) -> None:
         f = self.fault
-        if f is None or f.phase != phase or f.rank not in (-1, self.rank):
-            return
+        if f is None or f.at or f.phase != phase or f.rank not in (-1, self.rank):
+            return  # a fault at a point inside the phase (`at`) is the service's own to fire
         log_fields(_log, logging.WARNING, "fault hook", action=f.action, phase=phase)
         if f.action == "crash":
             os._exit(3)

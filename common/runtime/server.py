@@ -238,10 +238,12 @@ class ServiceRuntime:
         """Ready: phase serving, health SERVING (call only after a real warm-up forward)."""
         self.reporter.enter("serving")
 
-    def fail(self, message: str) -> None:
-        """Phase failed, health NOT_SERVING, and `serve_until_stopped` returns 1 (thread-safe)."""
-        self.failure = message
-        self.reporter.fail(message)
+    def fail(self, message: str, culprit_rank: int | None = None) -> None:
+        """Phase failed, health NOT_SERVING, and `serve_until_stopped` returns 1 (thread-safe).
+        `culprit_rank`: the TP rank whose failure this is, when another rank's (default: this one)."""
+        if not self.failure:
+            self.failure = message
+        self.reporter.fail(message, culprit_rank)
         self.request_stop()
 
     def request_stop(self) -> None:

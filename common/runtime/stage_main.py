@@ -85,7 +85,7 @@ async def serve(runtime: ServiceRuntime, build: BuildFn) -> int:
                 runtime.set_serving()
         return await runtime.serve_until_stopped()
     except Exception as exc:
-        phase = runtime.phase
+        phase = runtime.reporter.snapshot().failed_in or runtime.phase  # failed already: where it was
         cause = f"{type(exc).__name__}: {exc}"
         _log.error("failed in %s: %s", phase, cause, exc_info=exc)
         runtime.fail(cause)

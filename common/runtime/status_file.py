@@ -32,6 +32,9 @@ class StatusRecord:
     failure: str = ""
     # Phase the process was in when it failed (phase is then "failed").
     failed_in: str = ""
+    # Rank of this service whose failure this is: this process's own rank, or a TP peer that died,
+    # stopped answering or failed first (this process only copied its diagnostic); -1 when unknown.
+    culprit_rank: int = -1
     # gRPC address (rank 0 of a service; empty on ranks without a server).
     address: str = ""
 

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from omnistage.services.thinker.engine.distributed import TPError
 from omnistage.services.thinker.engine.llm_engine import LLMEngine, RequestOutput
 from omnistage.services.thinker.engine.sequence import SamplingParams
 
@@ -23,7 +24,8 @@ _log = logging.getLogger(__name__)
 
 
 class EngineFailed(RuntimeError):
-    """The engine loop died (a rank failed, a forward raised); every request gets this."""
+    """The engine can serve no more (a TP rank failed, died or stopped answering; a forward raised);
+    every request gets this, its message the group's first failure (`rank 2 died while ...`)."""
 
 
 class EngineLoop:
@@ -36,6 +38,7 @@ class EngineLoop:
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # _streams and failure: the engine thread and fail() both touch them
         self.failure: BaseException | None = None
         self.on_failure: Callable[[BaseException], None] | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -49,7 +52,7 @@ class EngineLoop:
         """Run `fn(engine)` on the engine thread between steps; the future holds its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self.failure is not None:
-            fut.set_exception(EngineFailed(f"engine failed: {self.failure}"))
+            fut.set_exception(EngineFailed(str(self.failure)))
             return fut
         self._commands.put((fn, fut))
         if self.failure is not None:  # failed while we queued: nobody else will drain it
@@ -64,7 +67,10 @@ class EngineLoop:
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt_ids, params)
-            self._streams[request_id] = stream
+            with self._lock:
+                if self.failure is not None:
+                    raise EngineFailed(str(self.failure))
+                self._streams[request_id] = stream
 
         await asyncio.wrap_future(self.call(add))
         return stream
@@ -75,7 +81,8 @@ class EngineLoop:
 
         def run(engine: LLMEngine) -> RequestOutput | None:
             out = engine.abort(request_id)
-            stream = self._streams.pop(request_id, None)
+            with self._lock:
+                stream = self._streams.pop(request_id, None)
             if out is not None and stream is not None:
                 self.loop.call_soon_threadsafe(stream.put_nowait, out)
             return out
@@ -88,11 +95,32 @@ class EngineLoop:
         return len(sched.running), len(sched.waiting)
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop after the current step. After a failure the engine thread may be blocked in a
+        collective for good: it is not waited for (the process is leaving)."""
         self._stop.set()
         self._commands.put((lambda engine: None, concurrent.futures.Future()))
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        self._thread.join(1.0 if self.failure is not None else timeout_s)
+        if self._thread.is_alive() and self.failure is None:
             _log.error("engine loop did not stop within %.0fs", timeout_s)
+
+    def fail(self, exc: BaseException) -> bool:
+        """From any thread: end every request with EngineFailed(exc) now and refuse new ones, even
+        while the engine thread is blocked (a TP peer died inside a collective). False if failed already."""
+        with self._lock:
+            if self.failure is not None:
+                return False
+            self.failure = exc
+            streams = list(self._streams.values())
+            self._streams.clear()
+        failed = exc if isinstance(exc, EngineFailed) else EngineFailed(str(exc))
+        for stream in streams:
+            self.loop.call_soon_threadsafe(stream.put_nowait, failed)
+        self._fail_pending(exc)
+        self._stop.set()
+        self._commands.put((lambda engine: None, concurrent.futures.Future()))  # wake an idle engine thread
+        if self.on_failure is not None:
+            self.on_failure(exc)
+        return True
 
     # --- engine thread ---------------------------------------------------------------------------
 
@@ -105,14 +133,11 @@ class EngineLoop:
                 else:
                     self.engine.keepalive()
         except BaseException as exc:  # noqa: BLE001 - every request must hear about it
-            self.failure = exc
-            _log.exception("engine loop failed")
-            for stream in list(self._streams.values()):
-                self.loop.call_soon_threadsafe(stream.put_nowait, EngineFailed(f"engine failed: {exc}"))
-            self._streams.clear()
-            self._fail_pending(exc)
-            if self.on_failure is not None:
-                self.on_failure(exc)
+            if isinstance(exc, TPError):  # the group's failure: its diagnostic says it all
+                _log.error("engine loop stops: %s", exc)
+            else:
+                _log.exception("engine loop failed")
+            self.fail(exc)
         finally:
             try:
                 self.engine.shutdown()
@@ -142,13 +167,14 @@ class EngineLoop:
             except queue.Empty:
                 return
             if fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineFailed(f"engine failed: {exc}"))
+                fut.set_exception(EngineFailed(str(exc)))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted while the step ran
-            if out.finished:
-                del self._streams[out.request_id]
-            self.loop.call_soon_threadsafe(stream.put_nowait, out)
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue  # aborted while the step ran, or failed meanwhile
+                if out.finished:
+                    del self._streams[out.request_id]
+                self.loop.call_soon_threadsafe(stream.put_nowait, out)

@@ -191,12 +191,12 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
             except QueueFullError as exc:
                 raise Overloaded(f"thinker queue full: {exc}", retry_after_ms=200) from exc
             except EngineFailed as exc:
-                raise StageUnavailable(str(exc)) from exc
+                raise StageUnavailable(f"thinker {exc}") from exc
             yield thinker_pb2.ThinkerEvent(started=thinker_pb2.Started(engine_request_id=engine_id))
             while not finished:
                 out = await stream.get()
-                if isinstance(out, BaseException):
-                    raise StageUnavailable(f"thinker failed while running request {request.request_id!r}: {out}")
+                if isinstance(out, BaseException):  # e.g. "thinker rank 2 died while serving (step 57): ..."
+                    raise StageUnavailable(f"thinker {out}")
                 if out.token_ids or out.text:
                     yield _delta(out)
                 if out.finished:

@@ -170,6 +170,18 @@ def test_port_clashes_name_both_keys(patch, message):
         ({"services": {"gateway": {"gateway": {"max_concurrent_requests": 0}}}},
          "services.gateway.gateway.max_concurrent_requests: expected > 0"),
         ({"services": {"gateway": {"gateway": {"stage_wait_s": 0}}}}, "services.gateway.gateway.stage_wait_s: expected > 0"),
+        ({"services": {"thinker": {"tp": {"serving_collective_timeout_s": 0}}}},
+         "services.thinker.tp.serving_collective_timeout_s: expected > 0"),
+        ({"services": {"thinker": {"tp": {"peer_timeout_s": 0.5, "peer_watch_interval_s": 0.5}}}},
+         "services.thinker.tp.peer_timeout_s: must be at least twice peer_watch_interval_s"),
+        ({"services": {"thinker": {"tp": {"failure_exit_s": 10}}}},
+         "services.thinker.tp.failure_exit_s: must leave time after a silent peer is detected"),
+        ({"services": {"thinker": {"tp": {"deadline": 1}}}}, "services.thinker.tp.deadline: unknown key"),
+        ({"model": {"load_format": "pt"}}, "model.load_format: expected one of 'safetensors', 'dummy'"),
+        ({"services": {"thinker": {"fault": {"at": "kv_rebuild", "action": "oom", "phase": "warming_up"}}}},
+         "services.thinker.fault.at: kv_rebuild happens in phase profiling_memory, not warming_up"),
+        ({"services": {"thinker": {"fault": {"at": "warmup_forward", "action": "hang", "phase": "warming_up"}}}},
+         "services.thinker.fault.at: only for action oom of a thinker"),
     ],
 )
 def test_timing_and_limit_values_are_checked(patch, message):

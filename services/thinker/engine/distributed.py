@@ -1,203 +1,294 @@
-"""The TP group of the thinker: rendezvous, StepPlan broadcast, agree-on-minimum, failure reports.
+"""TPControl: the thinker's TP group as the engine sees it — plans, agreement, failures, deadlines.
 
-Two process groups share one TCPStore (hosted by rank 0): the model's group (nccl on CUDA, gloo on
-CPU; deadline `timeout_s` per collective) and a gloo group for plans and start-up agreement whose
-deadline `idle_timeout_s` bounds how long a worker waits for rank 0's next plan. The first rank to
-fail writes one diagnostic into the store; every other rank's collective error names it, so all
-ranks exit with the same cause instead of hanging.
+Two process groups share one TCPStore hosted by rank 0: the model's group (nccl on CUDA, gloo on
+CPU: the layers' all-reduces) and a gloo group for step plans and start-up agreement. Every
+collective has a deadline: `tp.startup_collective_timeout_s` until `enter_serving()`, then
+`tp.serving_collective_timeout_s`. The first failure of the group (a rank's own error, or a peer
+found dead, silent, or the store host gone) is one `GroupFailure` in the store; every rank's
+PeerWatch (peer_watch.py) sees it and ends its rank within `tp.failure_exit_s`, because a rank
+blocked in an NCCL/gloo collective cannot be woken from Python.
+
+(Not to be confused with `models.layers.parallel.TPGroup`: a rank's slice of the model and the
+two collectives the layers call.)
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from omnistage.common.config import TPConfig
 from omnistage.common.log import get_logger
-from omnistage.services.thinker.engine.step_plan import StepPlan
+from omnistage.services.thinker.engine.peer_watch import PeerWatch
+from omnistage.services.thinker.engine.step_plan import PlanKind, StepPlan
+from omnistage.services.thinker.engine.tp_store import GroupFailure, GroupStore, StoreLost, this_process
 
 log = get_logger(__name__)
 T = TypeVar("T")
-_ERROR_KEY = "omnistage/first_error"
-_ERROR_COUNT_KEY = "omnistage/num_errors"
-_ACK_KEY = "omnistage/num_acks"
+FailureListener = Callable[[GroupFailure], None]
 
 
 class TPError(RuntimeError):
-    """A collective of the TP group failed or timed out; the message names rank, phase and cause."""
+    """This rank leaves because of the group's first failure (its message names rank, where, cause)."""
+
+    def __init__(self, failure: GroupFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
 
 
-class TPGroup:
-    """This process's membership in the thinker's TP group."""
+class TPControl:
+    """This process's membership in the thinker's TP group (world size 1: every call is local)."""
 
-    def __init__(self, rank: int, world_size: int, store: dist.Store | None, plan_group) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        # Called with this rank's own diagnostic as soon as it is reported (before rank 0 lingers for
-        # the others' acknowledgements), so this rank's status says "failed" first and names the cause.
-        self.on_fail: Callable[[str], None] | None = None
+    def __init__(
+        self,
+        rank: int = 0,
+        world_size: int = 1,
+        cfg: TPConfig | None = None,
+        store: GroupStore | None = None,
+        plan_group: dist.ProcessGroup | None = None,
+        host_store: dist.Store | None = None,
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.cfg = cfg or TPConfig()
         self.store = store
         self.plan_group = plan_group
+        self._host_store = host_store  # rank 0: the TCPStore server lives as long as this object
         self.num_plans = 0
-        # Set once this rank has reported its own failure (its watchdog must not fire on it).
-        self.reported = False
-        self._acked = False
+        self.serving = False
+        # Set before the exit plan: peers leaving now is the plan, not a failure.
+        self.leaving = False
+        self.failure: GroupFailure | None = None
+        self._phase = "start-up"
+        self._closed = False
+        self._listeners: list[FailureListener] = []
+        self._lock = threading.Lock()
+        self.watch = PeerWatch(self) if self.is_distributed and store is not None else None
 
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def where(self) -> str:
+        """What this rank is doing, for diagnostics: a start-up phase, or `serving (step N)`."""
+        return f"serving (step {self.num_plans})" if self.serving else self._phase
+
+    def set_phase(self, phase: str) -> None:
+        self._phase = phase
+
+    @property
+    def exit_budget_s(self) -> float:
+        """Time a rank has from noticing a failure to its exit (a silent peer takes peer_timeout_s
+        to notice, so the whole group is gone within failure_exit_s)."""
+        return max(self.cfg.failure_exit_s - self.cfg.peer_timeout_s, 2 * self.cfg.peer_watch_interval_s)
+
+    def add_failure_listener(self, fn: FailureListener) -> None:
+        """`fn(failure)` runs once, from whichever thread first learns of the group's failure (it
+        must not block: it marks the service failed, fails in-flight requests)."""
+        self._listeners.append(fn)
+        if self.failure is not None:
+            _call_listener(fn, self.failure)
+
+    # --- collectives ------------------------------------------------------------------------
+
+    def enter_serving(self) -> None:
+        """Start-up is over on this rank: collectives get the serving deadline from now on."""
+        self.serving = True
+        if not self.is_distributed:
+            return
+        timeout = timedelta(seconds=self.cfg.serving_collective_timeout_s)
+        try:
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+        except ImportError:  # older torch: the start-up deadline stays (the PeerWatch still bounds exits)
+            log.warning("this torch cannot change a process group's timeout: collectives keep the start-up one")
+            return
+        _set_pg_timeout(timeout)
+        _set_pg_timeout(timeout, self.plan_group)
 
     def broadcast_plan(self, plan: StepPlan | None = None) -> StepPlan:
         """Rank 0 passes its plan, the others receive it (length first, then the int64 payload)."""
         if not self.is_distributed:
             assert plan is not None
             return plan
-        phase = f"step plan {self.num_plans} broadcast"
+        if plan is not None and plan.kind is PlanKind.EXIT:
+            self.leaving = True
+        where = f"step plan {self.num_plans} broadcast"
         buf = plan.encode() if self.rank == 0 else None
         length = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64)
-        self.guard(phase, lambda: dist.broadcast(length, src=0, group=self.plan_group))
+        self.guard(where, lambda: dist.broadcast(length, src=0, group=self.plan_group))
         if buf is None:
             buf = torch.empty(int(length.item()), dtype=torch.int64)
-        self.guard(phase, lambda: dist.broadcast(buf, src=0, group=self.plan_group))
+        self.guard(where, lambda: dist.broadcast(buf, src=0, group=self.plan_group))
         self.num_plans += 1
-        return plan if plan is not None else StepPlan.decode(buf)
+        received = plan if plan is not None else StepPlan.decode(buf)
+        if received.kind is PlanKind.EXIT:
+            self.leaving = True
+        return received
 
-    def agree_min(self, value: int, phase: str = "agree_min") -> int:
+    def agree_min(self, value: int, what: str = "agree_min") -> int:
         """All ranks get the smallest of their values (start-up numbers, skip decisions)."""
         if not self.is_distributed:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        self.guard(phase, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.plan_group))
+        self.guard(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.plan_group))
         return int(t.item())
 
-    def report_error(self, phase: str, exc: BaseException) -> str:
-        """Record this rank's failure; the first report of the group wins. Returns the diagnostic."""
-        msg = f"rank {self.rank} failed in {phase}: {type(exc).__name__}: {exc}"
-        self.reported = True
-        if self.store is None:
-            return msg
-        try:
-            if self.store.add(_ERROR_COUNT_KEY, 1) == 1:
-                self.store.set(_ERROR_KEY, msg)
-        except Exception:  # the store lives on rank 0; when it is gone the local message is all we have
-            pass
-        return self.first_error() or msg
+    def agree_all(self, ok: bool, what: str) -> tuple[bool, int]:
+        """(every rank is ok, the first rank that is not — world_size when none): one MIN all-reduce."""
+        first_bad = self.agree_min(self.world_size if ok else self.rank, what)
+        return first_bad == self.world_size, first_bad
 
-    def fail(self, phase: str, exc: BaseException, linger_s: float = 5.0) -> str:
-        """report_error, and on rank 0 (which hosts the store) wait up to `linger_s` until every other
-        rank has read the diagnostic, so none of them is left with "rank 0 is gone" instead."""
-        diagnostic = self.report_error(phase, exc)
-        if self.on_fail is not None:
-            self.on_fail(diagnostic)
-        if self.rank == 0 and self.is_distributed and self.store is not None:
-            deadline = time.monotonic() + linger_s
-            while time.monotonic() < deadline:
-                try:
-                    if self.store.add(_ACK_KEY, 0) >= self.world_size - 1:
-                        break
-                except Exception:
-                    break
-                time.sleep(0.05)
-        return diagnostic
-
-    def acknowledge(self) -> None:
-        """Tell the failing rank that this rank has read the group's first failure."""
-        if self.store is None or self._acked:
-            return
-        self._acked = True
-        try:
-            self.store.add(_ACK_KEY, 1)
-        except Exception:
-            pass
-
-    def first_error(
-        self, store_lost: str | None = "rank 0 is gone (its store no longer answers)"
-    ) -> str | None:
-        """The group's first reported failure; `store_lost` when the store (on rank 0) cannot answer."""
-        if self.store is None:
-            return None
-        try:
-            if self.store.check([_ERROR_KEY]):
-                return self.store.get(_ERROR_KEY).decode()
-        except Exception:
-            return store_lost
-        return None
-
-    def guard(self, phase: str, fn: Callable[[], T]) -> T:
-        """Run `fn` (a collective, or a forward containing them); failures become TPError naming the
-        rank, the phase and the group's first failure."""
+    def guard(self, where: str, fn: Callable[[], T]) -> T:
+        """Run `fn` (a collective); a failure becomes TPError naming the group's first failure."""
         try:
             return fn()
         except Exception as exc:
-            first = self.first_error()
-            if first:
-                self.acknowledge()
-            cause = f"; first failure: {first}" if first else ""
-            raise TPError(f"rank {self.rank}: {phase} failed ({type(exc).__name__}: {exc}){cause}") from exc
+            raise TPError(self.fail(where, exc, collective=True)) from exc
 
-    def agree_all(self, ok: bool, phase: str) -> tuple[bool, int]:
-        """(every rank is ok, the first rank that is not — world_size when none): one MIN all-reduce."""
-        first_bad = self.agree_min(self.world_size if ok else self.rank, phase)
-        return first_bad == self.world_size, first_bad
+    # --- failures ---------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def failure_watch(
-        self, on_failure: Callable[[str], None] | None = None, poll_s: float = 0.5
-    ) -> Iterator[None]:
-        """While inside, another rank's reported failure ends this rank promptly, even when it is
-        blocked in a collective that would otherwise wait for its timeout (NCCL never notices a dead
-        peer). `on_failure(diagnostic)` must not return; the default logs and exits the process."""
-        if not self.is_distributed or self.store is None:
-            yield
-            return
-        stop = threading.Event()
-        handler = on_failure or _exit_on_peer_failure
+    def fail(
+        self, where: str, exc: BaseException, *, collective: bool = False, culprit: int | None = None
+    ) -> GroupFailure:
+        """This rank cannot go on. Returns the group's first failure: one already reported, a peer
+        found dead now (when a collective broke), or this rank's own error, which it reports. The
+        store host then keeps the store up until every rank has read it (bounded). `culprit`: the
+        rank to blame when all ranks agreed to fail because of one (a KV size it could not hold)."""
+        # Another rank is to blame for a failure all agreed on: its own report (with its cause)
+        # should be the group's, so give it the moment a broken collective gets too.
+        failure = self._diagnose(collective or culprit not in (None, self.rank))
+        if failure is None:
+            rank = self.rank if culprit is None else culprit
+            own = GroupFailure(rank, f"rank {rank} failed in {where}: {type(exc).__name__}: {_line(exc)}")
+            failure = self._report(own)
+        self.notice(failure)
+        if self.rank == 0 and self.is_distributed:
+            self.wait_for_acknowledgements(failure, self.exit_budget_s / 2)
+        return failure
 
-        def watch() -> None:
-            while not stop.wait(poll_s):
-                diagnostic = self.first_error(store_lost=None)
-                if diagnostic and not self.reported:
-                    self.acknowledge()
-                    handler(diagnostic)
-                    return
+    def report_peer(self, peer: int, kind: str, detail: str) -> GroupFailure:
+        """A peer died or stopped answering (the PeerWatch saw it); returns the first failure."""
+        verb = "died" if kind == "died" else "stopped answering"
+        return self._report(GroupFailure(peer, f"rank {peer} {verb} while {self.where}: {detail}", kind))  # type: ignore[arg-type]
 
-        thread = threading.Thread(target=watch, daemon=True, name=f"tp-watchdog-rank{self.rank}")
-        thread.start()
+    def store_lost(self, lost: StoreLost) -> GroupFailure:
+        verb = "stopped answering" if lost.silent else "is gone"
+        return GroupFailure(0, f"rank 0 (store host) {verb} while {self.where}: {lost}", "store_lost")
+
+    def first_failure(self) -> GroupFailure | None:
+        """The group's first failure (a lost store is one), or None."""
+        if self.failure is not None:
+            return self.failure
+        if self.store is None:
+            return None
         try:
-            yield
-        finally:
-            stop.set()
+            return self.store.first_failure()
+        except StoreLost as lost:
+            return self.store_lost(lost)
+
+    def notice(self, failure: GroupFailure) -> bool:
+        """Record the group's failure on this rank (once): acknowledge it, tell the listeners."""
+        with self._lock:
+            if self.failure is not None:
+                return False
+            self.failure = failure
+        log.error("TP group failed: %s", failure.message)
+        if self.store is not None and failure.kind != "store_lost":
+            try:
+                self.store.acknowledge()
+            except StoreLost:
+                pass
+        for fn in list(self._listeners):
+            _call_listener(fn, failure)
+        if self.watch is not None:
+            self.watch.wake()
+        return True
+
+    def wait_for_acknowledgements(self, failure: GroupFailure, timeout_s: float) -> bool:
+        """Store host only: wait until every live rank has read `failure` (else they would only see
+        "store gone"); a rank that died or stopped answering never will."""
+        if self.store is None:
+            return True
+        expected = self.world_size - (0 if failure.kind == "failed" else 1)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self.store.acknowledgements() >= expected:
+                    return True
+            except StoreLost:
+                return False
+            time.sleep(0.05)
+        return False
+
+    def _diagnose(self, collective: bool) -> GroupFailure | None:
+        failure = self.first_failure()
+        if failure is not None or not self.is_distributed or self.watch is None:
+            return failure
+        failure = self.watch.find_dead_peer()
+        if failure is not None or not collective:
+            return failure
+        # A collective broke with no culprit known yet: give the watches a moment to name one.
+        deadline = time.monotonic() + 2 * self.cfg.peer_watch_interval_s
+        while failure is None and time.monotonic() < deadline:
+            time.sleep(self.cfg.peer_watch_interval_s / 4)
+            failure = self.first_failure() or self.watch.find_dead_peer()
+        return failure
+
+    def _report(self, failure: GroupFailure) -> GroupFailure:
+        if self.store is None:
+            return failure
+        try:
+            return self.store.report(failure)
+        except StoreLost as lost:
+            return failure if failure.rank == self.rank else self.store_lost(lost)
 
     def close(self) -> None:
-        if self.is_distributed and dist.is_initialized():
+        """Leave the group: stop the watch; the store host lingers while a failure is being read.
+        After a failure the process groups are not destroyed (that can block on a broken NCCL
+        communicator); the process exits anyway."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.failure is not None and self.rank == 0 and self.is_distributed:
+            self.wait_for_acknowledgements(self.failure, self.exit_budget_s / 2)
+        self.leaving = True
+        if self.watch is not None:
+            self.watch.stop()
+        if self.failure is None and self.is_distributed and dist.is_initialized():
             dist.destroy_process_group()
+        if self.store is not None:
+            self.store.close()
 
 
-def _exit_on_peer_failure(diagnostic: str) -> None:
-    log.error("rank exits: %s", diagnostic)
-    logging.shutdown()
-    os._exit(1)
+def _call_listener(fn: FailureListener, failure: GroupFailure) -> None:
+    try:
+        fn(failure)
+    except Exception:  # noqa: BLE001 - one broken listener must not stop the others or the exit
+        log.exception("TP failure listener %r failed", fn)
 
 
-def init_tp_group(
+def _line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:2000]
+
+
+def join_tp_group(
     rank: int,
     world_size: int,
     host: str = "127.0.0.1",
     port: int = 0,
     device: str = "cpu",
-    timeout_s: float = 120.0,
-    idle_timeout_s: float = 3600.0,
-) -> TPGroup:
-    """Join the TP group (every rank calls this); world_size 1 needs no rendezvous."""
+    cfg: TPConfig | None = None,
+) -> TPControl:
+    """Join the TP group (every rank calls this) and start its PeerWatch; size 1 needs no rendezvous."""
+    cfg = cfg or TPConfig()
     if world_size == 1:
-        return TPGroup(0, 1, None, None)
+        return TPControl(0, 1, cfg)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside a TP group of {world_size}")
     backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -207,27 +298,25 @@ def init_tp_group(
         # CPU ranks share the host's cores: one intra-op pool per rank oversubscribes them (seen:
         # TP=2 on 2 cores ran 100x slower with 2 threads per rank than with 1).
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    timeout = timedelta(seconds=cfg.startup_collective_timeout_s)
     try:
-        store = dist.TCPStore(
-            host,
-            port,
-            world_size,
-            is_master=rank == 0,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=True,
-        )
+        host_store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
         dist.init_process_group(
-            backend,
-            store=dist.PrefixStore("model", store),
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            backend, store=dist.PrefixStore("model", host_store), rank=rank, world_size=world_size, timeout=timeout
         )
-        plan_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=idle_timeout_s))
+        plan_group = dist.new_group(backend="gloo", timeout=timeout)
+        store = GroupStore(host, port, timeout_s=cfg.peer_timeout_s)
+        store.publish_process(rank, this_process())
     except Exception as exc:
         raise TPError(
-            f"rank {rank}: TP rendezvous at {host}:{port} ({world_size} ranks, {backend}, pid {os.getpid()}) "
-            f"failed within {timeout_s:.0f}s: {type(exc).__name__}: {exc}"
+            GroupFailure(
+                rank,
+                f"rank {rank}: TP rendezvous at {host}:{port} ({world_size} ranks, {backend}, pid {os.getpid()}) "
+                f"failed within {cfg.startup_collective_timeout_s:.0f}s: {type(exc).__name__}: {_line(exc)}",
+            )
         ) from exc
+    control = TPControl(rank, world_size, cfg, store, plan_group, host_store if rank == 0 else None)
+    control.watch.start()
     log.info("joined TP group rank %d/%d (%s) at %s:%d", rank, world_size, backend, host, port)
-    return TPGroup(rank, world_size, store, plan_group)
+    return control
+

@@ -1,14 +1,15 @@
 """KV-cache auto-profile: size the cache from a measured peak, then prove the size (memory_transport.md §3).
 
 probe KV → stress the largest prefill and decode steps (sampler included, logits only for sampling
-rows) → peak reserved → target = (min(budget, total − peers) − (peak − probe KV) − canary) × safety
-→ MIN over ranks → tear the probe down (and check reserved memory really dropped) → rebuild → canary
+rows) → peak reserved → target = (min(budget, total − peers) − (peak − probe KV) − canary) × safety,
+and no more than leaves the largest step's measured peak free after the rebuild (the check the
+rebuild is held to) → MIN over ranks → tear the probe down (and check reserved memory really dropped) → rebuild → canary
 → validate at the chosen size; shrink 5 % and retry at most 3 times; then fail naming every knob.
 
 Rank safety: every decision that changes what a rank does next (an allocation failed, too little
 memory for a shape, validation over budget) is a local flag combined by MIN over the group *before*
 the next collective, so all ranks shrink, retry or fail together. A failure inside a forward (where
-peers already wait in a collective) is not retried with peers: it goes to the group's first-error
+peers already wait in a collective) is not retried with peers: it goes to the group's first-failure
 store and every rank fails promptly (TRT-LLM's fail-stop); only a single rank may catch an OOM there.
 """
 
@@ -17,31 +18,33 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from omnistage.common.config import EngineConfig, MemoryConfig
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import SEGMENT_BYTES, DeviceMemory, fmt_bytes
-from omnistage.services.thinker.engine.distributed import TPGroup
+from omnistage.services.thinker.engine.distributed import TPControl
+from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sampler import Sampler
 from omnistage.services.thinker.engine.warmup import (
     DummyShape,
-    Report,
+    StepProgress,
     release_after_failure,
     run_dummy_step,
     stress_shapes,
 )
-
-if TYPE_CHECKING:
-    from omnistage.services.thinker.engine.model_runner import ModelRunner
 
 log = get_logger(__name__)
 OOM_ERRORS = (torch.OutOfMemoryError, MemoryError)
 
 
 class KVProfileError(RuntimeError):
-    """The KV cache could not be sized within the budget; the message names every knob."""
+    """The KV cache could not be sized within the budget; the message names every knob (and
+    `culprit_rank` the rank that could not go on, when one rank is to blame)."""
+
+    def __init__(self, message: str, culprit_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.culprit_rank = culprit_rank
 
 
 @dataclass(frozen=True)
@@ -142,15 +145,15 @@ class _Profiler:
     def __init__(
         self,
         runner: ModelRunner,
-        group: TPGroup,
+        control: TPControl,
         mem: DeviceMemory,
         settings: KVSettings,
         peers_at_start: int,
-        report: Report | None,
+        progress: StepProgress | None,
         sampler: Sampler | None,
     ) -> None:
-        self.runner, self.group, self.mem, self.settings = runner, group, mem, settings
-        self.report = report
+        self.runner, self.control, self.mem, self.settings = runner, control, mem, settings
+        self.progress = progress
         self.sampler = sampler or Sampler()
         self.shapes: list[DummyShape] = stress_shapes(runner.cfg)
         self.block_bytes = runner.kv_block_bytes()
@@ -164,16 +167,17 @@ class _Profiler:
     # -- helpers ---------------------------------------------------------------------------
     def _progress(self, detail: str, done: int = 0, total: int = 0) -> None:
         log.info("profiling memory: %s", detail)
-        if self.report is not None:
-            self.report("profiling_memory", detail, done, total)
+        if self.progress is not None:
+            self.progress(detail, done, total)
 
-    def _fail(self, what: str, extra: str = "") -> KVProfileError:
-        return KVProfileError(knobs_message(what, self.runner, self.settings, self.cap, self.peers, extra))
+    def _fail(self, what: str, extra: str = "", culprit_rank: int | None = None) -> KVProfileError:
+        message = knobs_message(what, self.runner, self.settings, self.cap, self.peers, extra)
+        return KVProfileError(message, culprit_rank)
 
-    def _agree(self, why_not: str, phase: str) -> tuple[bool, int]:
+    def _agree(self, why_not: str, what: str) -> tuple[bool, int]:
         if why_not:
-            log.warning("rank %d: %s", self.group.rank, why_not)
-        return self.group.agree_all(not why_not, phase)
+            log.warning("rank %d: %s", self.control.rank, why_not)
+        return self.control.agree_all(not why_not, what)
 
     def _try(self, fn: Callable[[], object]) -> str:
         """Run a local allocation; an OOM becomes a reason string (decided on together, not here)."""
@@ -196,16 +200,16 @@ class _Profiler:
             try:
                 run_dummy_step(self.runner, shape, self.sampler)
             except OOM_ERRORS as exc:
-                if self.group.is_distributed:  # peers wait inside this forward's collectives
-                    failure = self.group.fail(f"profiling memory ({label} {shape.name!r})", exc)
+                if self.control.is_distributed:  # peers wait inside this forward's collectives
+                    failure = self.control.fail(f"profiling memory ({label} {shape.name!r})", exc).message
                 else:
                     failure = f"{label} {shape.name!r}: {type(exc).__name__}: {exc}"
             except Exception as exc:
-                failure = self.group.fail(f"profiling memory ({label} {shape.name!r})", exc)
+                failure = self.control.fail(f"profiling memory ({label} {shape.name!r})", exc).message
                 raise KVProfileError(failure) from None
             if failure:
                 release_after_failure(self.mem)
-                if self.group.is_distributed:
+                if self.control.is_distributed:
                     raise self._fail(f"auto-profile: {failure}")
                 return peak, failure
             self.shape_peaks[shape.name] = max(
@@ -228,7 +232,7 @@ class _Profiler:
         ok, bad = self._agree(why, "agreeing on the probe KV cache")
         if not ok:
             raise self._fail(
-                f"rank {bad} cannot hold the weights plus a probe KV cache of {probe_blocks} blocks", why
+                f"rank {bad} cannot hold the weights plus a probe KV cache of {probe_blocks} blocks", why, bad
             )
         probe_kv = self.runner.kv_bytes()
         self._progress("stress: largest prefill and decode (sampler included)")
@@ -237,15 +241,25 @@ class _Profiler:
             raise self._fail(f"auto-profile: the stress at the probe size does not fit: {failure}")
         self.times["probe_stress_s"] = time.monotonic() - started
         non_kv = max(0, peak - probe_kv)
-        target = (self.cap - non_kv - self.settings.canary_bytes) * self.settings.safety_factor
+        canary = self.settings.canary_bytes
+        # Two limits, both the ones the rebuild is then held to: the peak reserved at max load stays
+        # within the cap, and after KV + canary the cap still has the largest step's measured peak
+        # free. The second also covers what a first forward leaves allocated for good (cuBLAS
+        # workspaces: allocated once, counted in the peak of the step that made them).
+        kept = self.mem.allocated() - probe_kv  # weights and whatever stays when the KV cache goes
+        largest_step = max(self.shape_peaks.values(), default=0)
+        by_peak = self.cap - non_kv - canary
+        by_free = self.cap - kept - canary - largest_step - SEGMENT_BYTES  # a segment of rounding
+        target = min(by_peak, by_free) * self.settings.safety_factor
         proposal = self.proposal = max(0, int(target // self.block_bytes))
         log.info(
-            "auto-profile measure: peak reserved %s with probe KV %s → non-KV %s; cap %s, canary %s → %d blocks",
-            fmt_bytes(peak), fmt_bytes(probe_kv), fmt_bytes(non_kv), fmt_bytes(self.cap),
-            fmt_bytes(self.settings.canary_bytes), proposal,
+            "auto-profile measure: peak reserved %s with probe KV %s → non-KV %s; kept %s, largest step %s; "
+            "cap %s, canary %s → %d blocks",
+            fmt_bytes(peak), fmt_bytes(probe_kv), fmt_bytes(non_kv), fmt_bytes(kept), fmt_bytes(largest_step),
+            fmt_bytes(self.cap), fmt_bytes(canary), proposal,
         )  # fmt: skip
         self._progress(f"agree: this rank proposes {proposal} blocks")
-        blocks = self.group.agree_min(proposal, "agreeing on the KV cache size")
+        blocks = self.control.agree_min(proposal, "agreeing on the KV cache size")
         if blocks < self.min_blocks:
             raise self._fail(
                 f"auto-profile: only {blocks} KV blocks fit (non-KV peak {fmt_bytes(non_kv)}), one "
@@ -270,13 +284,14 @@ class _Profiler:
         ok, bad = self._agree(why, "agreeing on the KV teardown")
         if not ok:
             raise KVProfileError(
-                f"rank {bad}: {why}" if why else f"rank {bad} could not release its KV cache"
+                f"rank {bad}: {why}" if why else f"rank {bad} could not release its KV cache", bad
             )
 
     def rebuild_and_validate(self, blocks: int, pinned: bool) -> KVProfile:
         """Rebuild at `blocks`, prove the canary, validate; shrink 5 % and retry (not when pinned)."""
         attempts = 1 if pinned else self.settings.max_attempts
         failures: list[str] = []
+        bad = self.control.world_size
         for attempt in range(1, attempts + 1):
             tag = f"attempt {attempt}/{attempts}"
             started = time.monotonic()
@@ -323,8 +338,9 @@ class _Profiler:
                 )
             failures.append(f"{tag} at {blocks} blocks: rank {bad}: {why or 'not ready'}")
             log.warning("auto-profile %s failed on rank %d: %s", tag, bad, why or "(another rank)")
-            if self.runner.num_kv_blocks:
-                self.teardown(self.runner.kv_bytes())
+            # Every rank tears down, with or without a cache (one whose rebuild failed has none):
+            # the teardown's agreement is a collective, so it must never depend on local state.
+            self.teardown(self.runner.kv_bytes())
             blocks = int(blocks * self.settings.shrink)
             if attempt < attempts and blocks < self.min_blocks:
                 failures.append(
@@ -336,17 +352,17 @@ class _Profiler:
             if pinned
             else f"auto-profile failed after {len(failures)} attempt(s)"
         )
-        raise self._fail(what, "; ".join(failures))
+        raise self._fail(what, "; ".join(failures), bad if bad < self.control.world_size else None)
 
 
 def size_kv_cache(
     runner: ModelRunner,
-    group: TPGroup,
+    control: TPControl,
     mem: DeviceMemory,
     settings: KVSettings,
     *,
     peers_at_start: int = 0,
-    report: Report | None = None,
+    progress: StepProgress | None = None,
     sampler: Sampler | None = None,
 ) -> KVProfile:
     """Choose, build and validate this rank's KV cache (all ranks end with the same block count).
@@ -354,16 +370,16 @@ def size_kv_cache(
     The caller runs this with the model loaded, no KV cache yet, inside `mem.meter()`. The budget
     becomes a hard limit of the allocator (`set_limit`), so nothing of this rank grows past it later.
     """
-    prof = _Profiler(runner, group, mem, settings, peers_at_start, report, sampler)
+    prof = _Profiler(runner, control, mem, settings, peers_at_start, progress, sampler)
     enforce_cap(mem, prof.cap)
     started = time.monotonic()
     if settings.pinned_tokens:
         bs = runner.cfg.block_size
-        blocks = group.agree_min(-(-settings.pinned_tokens // bs), "agreeing on the pinned KV size")
+        blocks = control.agree_min(-(-settings.pinned_tokens // bs), "agreeing on the pinned KV size")
         result = prof.rebuild_and_validate(blocks, pinned=True)
     else:
         result = prof.rebuild_and_validate(prof.probe(), pinned=False)
     result.phase_seconds["total_s"] = time.monotonic() - started
-    runner.kv_profile, runner.budget_bytes = result, result.cap_bytes
+    runner.budget_bytes, runner.activation_peak_bytes = result.cap_bytes, result.activation_peak_bytes
     log.info("auto-profile: %s", result.summary())
     return result

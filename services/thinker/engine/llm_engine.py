@@ -8,22 +8,22 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from omnistage.common.config import EngineConfig, MemoryConfig
 from omnistage.common.log import get_logger
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.detokenizer import Decoder, Detokenizer
-from omnistage.services.thinker.engine.distributed import TPError, TPGroup, init_tp_group
+from omnistage.services.thinker.engine.distributed import TPControl, TPError
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from omnistage.services.thinker.engine.scheduler import ScheduledBatch, Scheduler
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams, Sequence
 from omnistage.services.thinker.engine.step_plan import StepPlan, build_step_plan
-from omnistage.services.thinker.engine.warmup import OOMInjection, PhaseTracker, Report
+
+if TYPE_CHECKING:
+    from omnistage.services.thinker.engine.startup import StartedRank
 
 log = get_logger(__name__)
 
@@ -75,70 +75,30 @@ class LLMEngine:
         runner: ModelRunner,
         tokenizer: Decoder,
         eos_token_ids: list[int],
-        group: TPGroup | None = None,
-        keepalive_s: float = 30.0,
+        control: TPControl | None = None,
     ) -> None:
         self.cfg: ResolvedEngineConfig = runner.cfg
         self.runner = runner
         self.tokenizer = tokenizer
-        self.group = group or TPGroup(0, 1, None, None)
+        self.control = control or TPControl()
         self.scheduler = Scheduler(self.cfg, eos_token_ids)
         self.sampler = Sampler()
         self.detokenizers: dict[str, Detokenizer] = {}
-        self.keepalive_s = keepalive_s
+        # Idle workers wait for the next plan within the serving collective deadline: a no-op plan
+        # every quarter of it keeps them from timing out.
+        self.keepalive_s = min(30.0, self.control.cfg.serving_collective_timeout_s / 4)
         self.last_plan_time = time.monotonic()
         self.num_steps = 0
         self.closed = False
         self._generate_ids = itertools.count()
 
     @classmethod
-    def from_checkpoint(
-        cls,
-        ckpt_dir: str | Path,
-        engine_cfg: EngineConfig,
-        dtype: torch.dtype | str = "float32",
-        device: str = "cpu",
-        rank: int = 0,
-        world_size: int = 1,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        timeout_s: float = 120.0,
-        progress: Callable[[int, int], None] | None = None,
-        memory: MemoryConfig | None = None,
-        report: Report | None = None,
-        inject: OOMInjection | None = None,
-        on_peer_failure: Callable[[str], None] | None = None,
-    ) -> LLMEngine:
-        """Rank 0: join the TP group, load the shard, size the cache (auto-profile), warm up, load the
-        tokenizer. Phases go to `report`; while this runs another rank's failure ends this rank
-        through `on_peer_failure(diagnostic)` (default: log and exit the process)."""
-        from omnistage.services.thinker.models.tokenizer import MingTokenizer
-
-        if rank != 0:
-            raise ValueError(f"LLMEngine runs on rank 0 only (got rank {rank}); other ranks run run_worker")
-        group = init_tp_group(rank, world_size, host, port, device, timeout_s)
-        if report is not None:
-            group.on_fail = lambda diagnostic: report("failed", diagnostic)
-        tracker = PhaseTracker(report)
-        with group.failure_watch(on_peer_failure):
-            try:
-                runner = ModelRunner.from_checkpoint(
-                    ckpt_dir,
-                    engine_cfg,
-                    dtype,
-                    device,
-                    group,
-                    progress,
-                    memory=memory,
-                    report=tracker,
-                    inject=inject,
-                )
-                tokenizer = MingTokenizer(ckpt_dir)
-            except Exception as exc:
-                if not group.reported:
-                    group.fail(tracker.phase, exc)
-                raise
-        return cls(runner, tokenizer, list(tokenizer.stop_token_ids), group)
+    def from_started(cls, started: StartedRank) -> LLMEngine:
+        """Rank 0 after start-up: the engine around its runner, tokenizer and TP group."""
+        if started.tokenizer is None:
+            raise ValueError(f"LLMEngine runs on rank 0 only (got rank {started.cfg.rank}); other ranks run the plan loop")
+        tok = started.tokenizer
+        return cls(started.runner, tok, list(tok.stop_token_ids), started.control)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -204,13 +164,14 @@ class LLMEngine:
     def _run(self, batch: ScheduledBatch) -> torch.Tensor | None:
         if batch.is_empty:
             return None
-        plan = self.group.broadcast_plan(build_step_plan(batch.scheduled, self.cfg.block_size))
+        # A failed broadcast is reported to the group inside broadcast_plan (TPError).
+        plan = self.control.broadcast_plan(build_step_plan(batch.scheduled, self.cfg.block_size))
         self.last_plan_time = time.monotonic()
         self.num_steps += 1
         try:
             return self.runner.execute(plan)
         except Exception as exc:  # every rank leaves with the group's first diagnostic
-            raise TPError(self.group.report_error(f"step {self.num_steps} forward", exc)) from exc
+            raise TPError(self.control.fail(f"step {self.control.num_plans - 1} forward", exc)) from exc
 
     def _emit(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
         outputs = []
@@ -244,18 +205,22 @@ class LLMEngine:
 
     def keepalive(self) -> None:
         """Call while idle: sends a no-op plan when workers have waited `keepalive_s` for one."""
-        if self.group.is_distributed and time.monotonic() - self.last_plan_time >= self.keepalive_s:
-            self.group.broadcast_plan(StepPlan.noop())
+        if self.control.is_distributed and time.monotonic() - self.last_plan_time >= self.keepalive_s:
+            self.control.broadcast_plan(StepPlan.noop())
             self.last_plan_time = time.monotonic()
 
     def shutdown(self) -> None:
-        """Send the exit plan (workers return) and leave the group; safe to call twice."""
+        """Send the exit plan (workers return) and leave the group; safe to call twice. After a
+        failure of the group no plan is sent: the group is broken, and every rank is leaving."""
         if self.closed:
             return
         self.closed = True
-        if self.group.is_distributed:
-            self.group.broadcast_plan(StepPlan.exit())
-            self.group.close()
+        if self.control.is_distributed and self.control.failure is None:
+            try:
+                self.control.broadcast_plan(StepPlan.exit())
+            except TPError as exc:
+                log.error("exit plan not delivered: %s", exc)
+        self.control.close()
 
     # --- convenience ----------------------------------------------------------------------------
 

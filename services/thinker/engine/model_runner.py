@@ -1,29 +1,21 @@
 """Per rank: the KV cache, and one forward per StepPlan with logits only for the rows that sample.
 
-Also each rank's start-up: load, size the KV cache (auto-profile), warm up. The only engine code
-that touches device tensors. Every rank runs the same plan; the model's own
-collectives (row-parallel reductions, the vocab gather of compute_logits) keep them in lockstep, and
-rank 0 gets the logits.
+The only engine code that touches device tensors (start-up — load, size the cache, warm up — is
+`startup.py`). Every rank runs the same plan; the model's own collectives (row-parallel
+reductions, the vocab gather of compute_logits) keep them in lockstep, and rank 0 gets the logits.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
-from pathlib import Path
 from typing import Protocol
 
 import torch
-from omnistage.common.config import EngineConfig, MemoryConfig
 from omnistage.common.log import get_logger
-from omnistage.common.memory.device import DeviceMemory, device_memory_for, fmt_bytes
-from omnistage.services.thinker.engine.config import ResolvedEngineConfig, resolve_engine_config
-from omnistage.services.thinker.engine.distributed import TPGroup
-from omnistage.services.thinker.engine.kv_profile import KVProfile, KVSettings, peers_bytes, size_kv_cache
+from omnistage.common.memory.device import fmt_bytes
+from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.step_plan import StepPlan
-from omnistage.services.thinker.engine.warmup import OOMInjection, Report, run_warmup, warmup_shapes
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 from omnistage.v1 import control_pb2
 from torch import nn
@@ -63,8 +55,9 @@ class ModelRunner:
         self.requested_max_model_len = cfg.max_model_len
         self.kv_cache: torch.Tensor | None = None
         self.kv_users: list[KVCacheUser] = []
-        self.kv_profile: KVProfile | None = None
+        # Set by the KV auto-profile (0 when the cache was not profiled): for Describe and metrics.
         self.budget_bytes = 0
+        self.activation_peak_bytes = 0
         if allocate:
             self.allocate_kv(cfg.num_kv_blocks)
 
@@ -120,81 +113,6 @@ class ModelRunner:
             layer.v_cache = torch.empty(0)
         self.kv_cache = None
 
-    # --- start-up ---------------------------------------------------------------------------------
-
-    @classmethod
-    def from_checkpoint(
-        cls,
-        ckpt_dir: str | Path,
-        engine_cfg: EngineConfig,
-        dtype: torch.dtype | str,
-        device: str | torch.device,
-        group: TPGroup,
-        progress: Callable[[int, int], None] | None = None,
-        memory: MemoryConfig | None = None,
-        report: Report | None = None,
-        warmup: bool = True,
-        inject: OOMInjection | None = None,
-    ) -> ModelRunner:
-        """Load this rank's shard, size the cache (all ranks agree), warm up (all ranks run or skip).
-
-        Phases go to `report(phase, detail, done, total)`; `progress(done_shards, total_shards)`
-        reports weight loading. Sizing: a device memory accountant exists when the device is CUDA or
-        `memory.simulated_capacity_bytes` > 0, and then the KV size is auto-profiled (or pinned by
-        `engine.kv_tokens` / `num_kv_blocks` and validated); without one (plain CPU) the cache is
-        `num_kv_blocks` or room for max_num_seqs requests of max_model_len.
-        """
-        from omnistage.services.thinker.models.loader import load_model
-
-        memory = memory or MemoryConfig()
-        dev = torch.device(device)
-        mem: DeviceMemory | None = None
-        if dev.type == "cuda" or memory.simulated_capacity_bytes:
-            mem = device_memory_for(str(dev), memory.simulated_capacity_bytes or None)
-        peers_at_start = peers_bytes(mem) if mem is not None else 0
-        with mem.meter() if mem is not None else contextlib.nullcontext():
-            if report is not None:
-                report("loading_weights", "", 0, 0)
-            model = group.guard(
-                "loading weights",
-                lambda: load_model(
-                    ckpt_dir,
-                    dtype=to_dtype(dtype),
-                    device=device,
-                    tp_rank=group.rank,
-                    tp_size=group.world_size,
-                    progress=progress,
-                ),
-            )
-            if report is not None:
-                report("profiling_memory", "", 0, 0)
-            if mem is None:
-                blocks = group.agree_min(
-                    resolve_engine_config(engine_cfg).num_kv_blocks, "agreeing on KV blocks"
-                )
-                runner = cls(model, resolve_engine_config(engine_cfg, blocks), device, group.rank)
-            else:
-                one_request = -(-engine_cfg.max_model_len // engine_cfg.block_size)
-                cfg = resolve_engine_config(engine_cfg, one_request)  # limits as configured; no cache yet
-                runner = cls(model, cfg, device, group.rank, allocate=False)
-                settings = KVSettings.from_config(engine_cfg, memory, mem.total())
-                size_kv_cache(runner, group, mem, settings, peers_at_start=peers_at_start, report=report)
-            if warmup:
-                if report is not None:
-                    report("warming_up", "", 0, 0)
-                prof = runner.kv_profile
-                run_warmup(
-                    runner,
-                    group,
-                    warmup_shapes(runner.cfg),
-                    mem=mem,
-                    cap_bytes=prof.cap_bytes if prof else 0,
-                    need_bytes=prof.shape_peaks if prof else None,
-                    report=report,
-                    inject=inject,
-                )
-        return runner
-
     def weights_bytes(self) -> int:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return weights + sum(b.numel() * b.element_size() for b in self.model.buffers())
@@ -204,7 +122,7 @@ class ModelRunner:
         activation peak measured by the auto-profile, and the budget it was sized against."""
         weights = self.weights_bytes()
         kv = self.kv_bytes()
-        activation = self.kv_profile.activation_peak_bytes if self.kv_profile else 0
+        activation = self.activation_peak_bytes
         return control_pb2.MemoryReport(
             device=str(self.device),
             budget_bytes=self.budget_bytes,

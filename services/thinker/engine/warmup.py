@@ -9,29 +9,25 @@ not sample never reach the LM head: only `sample=True` shapes ask for logits, on
 Warm-up (memory_transport.md §4.3): before each shape every rank states whether it can run it (the
 batch fits its cache, its free memory covers the shape's measured peak) and the group takes the
 MIN; all ranks run it or all skip it. An exception on any rank is never swallowed: it is reported
-to the group's first-error store and every rank fails naming the rank and the shape.
+to the group's first-failure store and every rank fails naming the rank and the shape.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import DeviceMemory, fmt_bytes
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
-from omnistage.services.thinker.engine.distributed import TPGroup
+from omnistage.services.thinker.engine.distributed import TPControl
+from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sampler import Sampler
 from omnistage.services.thinker.engine.sequence import SamplingParams, Sequence
 from omnistage.services.thinker.engine.step_plan import PlanKind, StepPlan
-
-if TYPE_CHECKING:
-    from omnistage.services.thinker.engine.model_runner import ModelRunner
 
 log = get_logger(__name__)
 
@@ -42,20 +38,8 @@ DUMMY_SAMPLING = SamplingParams(
     seed=0, logprobs=5, max_tokens=1,
 )  # fmt: skip
 
-# report(phase, detail, done, total): start-up progress for the service's phase reporter.
-Report = Callable[[str, str, int, int], None]
-
-
-class PhaseTracker:
-    """A Report that remembers the current start-up phase (for the failure diagnostic) and forwards."""
-
-    def __init__(self, report: Report | None = None, phase: str = "start-up") -> None:
-        self.report, self.phase = report, phase
-
-    def __call__(self, phase: str, detail: str = "", done: int = 0, total: int = 0) -> None:
-        self.phase = phase
-        if self.report is not None:
-            self.report(phase, detail, done, total)
+# progress(detail, done, total): a start-up step within the current phase (a shape, an attempt).
+StepProgress = Callable[[str, int, int], None]
 
 
 class WarmupError(RuntimeError):
@@ -177,35 +161,6 @@ def release_after_failure(mem: DeviceMemory | None) -> None:
         mem.empty_cache()
 
 
-# --- test hook: an OOM in the middle of one rank's forward --------------------------------------
-
-
-@dataclass(frozen=True)
-class OOMInjection:
-    """Make `rank` raise torch.OutOfMemoryError inside the forward of `shape` (None: the first shape),
-    half-way through the layers, where the other ranks already wait in the next collective."""
-
-    rank: int
-    shape: str | None = None
-
-    def applies(self, rank: int, shape: DummyShape, index: int) -> bool:
-        return rank == self.rank and (shape.name == self.shape if self.shape else index == 0)
-
-
-@contextlib.contextmanager
-def injected_oom(runner: ModelRunner, shape: DummyShape) -> Iterator[None]:
-    layers = runner.model.attention_layers()
-
-    def hook(module: torch.nn.Module, args: tuple) -> None:
-        raise torch.OutOfMemoryError(f"injected out of memory (test hook) in warm-up shape {shape.name!r}")
-
-    handle = layers[len(layers) // 2].register_forward_pre_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 # --- the rank-agreed warm-up --------------------------------------------------------------------
 
 
@@ -237,15 +192,14 @@ def shape_readiness(
 
 def run_warmup(
     runner: ModelRunner,
-    group: TPGroup,
+    control: TPControl,
     shapes: list[DummyShape],
     *,
     mem: DeviceMemory | None = None,
     cap_bytes: int = 0,
     need_bytes: dict[str, int] | None = None,
     sampler: Sampler | None = None,
-    report: Report | None = None,
-    inject: OOMInjection | None = None,
+    progress: StepProgress | None = None,
 ) -> WarmupResult:
     """Run each shape on every rank or on none; any failure fails every rank (WarmupError)."""
     need = need_bytes or {}
@@ -254,10 +208,10 @@ def run_warmup(
     result = WarmupResult()
     started = time.monotonic()
     for i, shape in enumerate(shapes):
-        if report is not None:
-            report("warming_up", shape.name, i, len(shapes))
+        if progress is not None:
+            progress(shape.name, i, len(shapes))
         why = shape_readiness(runner, shape, mem, cap_bytes, need.get(shape.name, default_need))
-        all_ready, first_bad = group.agree_all(not why, f"warm-up readiness of {shape.name!r}")
+        all_ready, first_bad = control.agree_all(not why, f"warm-up readiness of {shape.name!r}")
         if not all_ready:
             log.warning(
                 "warm-up shape %r skipped on every rank: rank %d is not ready%s",
@@ -267,17 +221,15 @@ def run_warmup(
             continue
         diagnostic = ""
         try:
-            hook = injected_oom(runner, shape) if inject and inject.applies(group.rank, shape, i) else None
-            with hook or contextlib.nullcontext():
-                run_dummy_step(runner, shape, sampler)
+            run_dummy_step(runner, shape, sampler)
         except Exception as exc:
-            diagnostic = group.fail(f"warm-up shape {shape.name!r}", exc)
+            diagnostic = control.fail(f"warm-up shape {shape.name!r}", exc).message
         if diagnostic:  # outside the except block: the traceback (and its tensors) is gone by now
             release_after_failure(mem)
             raise WarmupError(diagnostic)
         result.ran.append(shape.name)
-    if report is not None:
-        report("warming_up", "done", len(shapes), len(shapes))
+    if progress is not None:
+        progress("done", len(shapes), len(shapes))
     result.seconds = time.monotonic() - started
     log.info("warm-up: ran %s, skipped %s in %.2fs", result.ran, result.skipped or "none", result.seconds)
     return result

@@ -5,11 +5,17 @@ tensor is read alone (CPU, stored dtype) and the owning layer's `weight_loader` 
 rank's slice. Key names and shapes are checked from the shard headers before any data is read, so
 a wrong checkpoint fails fast with one error naming every missing, unexpected and mis-shaped key.
 Non-thinker keys (`vision.*`, `audio.*`, `linear_proj*`) belong to the encoders: skipped deliberately.
+
+`load_format="dummy"` (benchmarks: the real shape without the download) needs only config.json and
+the tokenizer: every checkpoint tensor is generated in full, in the target dtype on the device, by
+one seeded generator in checkpoint order, and goes through the same weight_loaders. So every TP
+size slices the same full weights (TP=N gives TP=1's tokens), and the peak is the weights plus one
+checkpoint tensor. Norms are 1, expert biases 0, everything else normal(0, 0.02) (bf16-safe).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -55,6 +61,9 @@ def _check_keys(ckpt_dir: Path, config: ThinkerConfig, headers: dict) -> None:
         )
 
 
+Batches = list[Callable[[], Iterator[tuple[str, torch.Tensor]]]]
+
+
 def load_model(
     checkpoint_dir: str | Path,
     *,
@@ -63,26 +72,31 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     progress: Callable[[int, int], None] | None = None,
+    load_format: str = "safetensors",
+    seed: int = 0,
 ) -> BailingMoeV2ForCausalLM:
-    """Build this rank's thinker from a Ming checkpoint folder; `progress(done_shards, total_shards)`."""
+    """Build this rank's thinker from a Ming checkpoint folder; `progress(done, total)` counts
+    shards (dummy weights: layers)."""
     root = Path(checkpoint_dir)
     config = ThinkerConfig.from_checkpoint(root)
     tp = TPGroup(tp_rank, tp_size)
-    shards = shard_files(root)
-    headers = read_headers(shards)
-    _check_keys(root, config, headers)
+    if load_format == "safetensors":
+        batches = _shard_batches(root, config)
+    elif load_format == "dummy":
+        batches = _dummy_batches(config, dtype, torch.device(device), seed)
+    else:
+        raise ValueError(f"model.load_format: expected 'safetensors' or 'dummy', got {load_format!r}")
 
     with torch.device("meta"):
         model = BailingMoeV2ForCausalLM(config, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     params = dict(model.named_parameters())
     loaded: set[tuple[str, object]] = set()
-    total = len(shards)
+    total = len(batches)
     if progress is not None:
         progress(0, total)
-    for n, shard in enumerate(shards, start=1):
-        keys = [k for k in headers if headers[k].shard == shard and param_for_checkpoint_key(k) is not None]
-        for key, tensor in iter_tensors(shard, keys):
+    for n, batch in enumerate(batches, start=1):
+        for key, tensor in batch():
             name, shard_id = param_for_checkpoint_key(key)  # type: ignore[misc]
             param = params.get(name)
             if param is None:
@@ -94,12 +108,59 @@ def load_model(
             except ValueError as e:
                 raise CheckpointError(f"{root}: {key}: {e}") from e
             loaded.add((name, shard_id))
-        log.info("loading weights %d/%d shards", n, total)
+            del tensor
+        log.info("loading weights %d/%d %s", n, total, "shards" if load_format == "safetensors" else "layers")
         if progress is not None:
             progress(n, total)
     _check_all_loaded(root, params, loaded)
     model.requires_grad_(False).eval()
     return model
+
+
+def _shard_batches(root: Path, config: ThinkerConfig) -> Batches:
+    """One batch per safetensors shard (keys and shapes checked before any data is read)."""
+    shards = shard_files(root)
+    headers = read_headers(shards)
+    _check_keys(root, config, headers)
+
+    def batch(shard: Path) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+        keys = [k for k in headers if headers[k].shard == shard and param_for_checkpoint_key(k) is not None]
+        return lambda: iter_tensors(shard, keys)
+
+    return [batch(shard) for shard in shards]
+
+
+def _dummy_batches(config: ThinkerConfig, dtype: torch.dtype, device: torch.device, seed: int) -> Batches:
+    """One batch per layer (embeddings with layer 0, final norm and LM head with the last) of
+    generated checkpoint tensors, in checkpoint order from one generator."""
+    shapes = checkpoint_shapes(config)
+    groups: list[list[str]] = [[] for _ in range(config.num_hidden_layers)]
+    for key in shapes:
+        layer = _layer_of(key)
+        groups[layer if layer is not None else (0 if "word_embeddings" in key else -1)].append(key)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def batch(keys: list[str]) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for key in keys:
+                t = torch.empty(shapes[key], dtype=dtype, device=device)
+                if key.endswith("norm.weight"):
+                    t.fill_(1.0)
+                elif key.endswith("expert_bias"):
+                    t.zero_()
+                else:
+                    t.normal_(0.0, 0.02, generator=gen)
+                yield key, t
+                del t  # before the next one: the peak stays at the weights plus one tensor
+
+        return tensors
+
+    return [batch(keys) for keys in groups]
+
+
+def _layer_of(key: str) -> int | None:
+    parts = key.split(".")
+    return int(parts[3]) if len(parts) > 3 and parts[2] == "layers" else None
 
 
 def _default_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:

@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from omnistage.common.config import EngineConfig, MemoryConfig
+from omnistage.common.config import EngineConfig, FaultConfig, MemoryConfig, TPConfig
 from omnistage.common.memory.device import SimulatedDeviceMemory
-from omnistage.services.thinker.engine import model_runner
 from omnistage.services.thinker.engine.config import resolve_engine_config
-from omnistage.services.thinker.engine.distributed import TPGroup
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.models.loader import load_model
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -49,18 +48,24 @@ class AllocationRecorder(TorchDispatchMode):
         return out
 
 
+# Short deadlines for multi-process tests (the bounds under test scale with them).
+TP_TEST = TPConfig(
+    startup_collective_timeout_s=90, serving_collective_timeout_s=60, failure_exit_s=8,
+    peer_watch_interval_s=0.2, peer_timeout_s=4,
+)  # fmt: skip
+
+
 def tp_rank(kwargs: dict) -> None:
-    """Body of one spawned TP rank: start-up (load, profile, warm-up) with a simulated device, then
-    write {"status", "message", "blocks"} to `out_dir/rank{r}.json`. A peer's failure seen by the
-    watchdog is written the same way before the process exits."""
+    """Body of one spawned TP rank: start-up (load, profile, warm up) on a simulated device, then
+    write {"status", "message", "culprit", "noticed_unix", ...} to `out_dir/rank{r}.json` (first
+    writer wins: the group failure seen by any thread, or this rank's own outcome) and exit."""
     from omnistage.common.log import setup_logging
-    from omnistage.services.thinker.engine.distributed import init_tp_group
-    from omnistage.services.thinker.engine.warmup import OOMInjection
+    from omnistage.services.thinker.engine import startup
+    from omnistage.services.thinker.engine.startup import LogProgress, RankConfig, StartupError, start_rank
 
     rank, out = kwargs["rank"], Path(kwargs["out_dir"]) / f"rank{kwargs['rank']}.json"
     setup_logging("thinker", rank=rank)
-
-    lock, written = threading.Lock(), [False]  # main thread and watchdog may both fail: the first writes
+    lock, written = threading.Lock(), [False]
 
     def write(status: str, message: str, **extra: Any) -> None:
         with lock:
@@ -70,27 +75,68 @@ def tp_rank(kwargs: dict) -> None:
                 tmp.rename(out)
                 written[0] = True
 
-    def on_peer_failure(diagnostic: str) -> None:
-        write("peer_failed", diagnostic)
-        os._exit(1)
+    class Progress(LogProgress):
+        def failed(self, failure) -> None:
+            write("failed", failure.message, culprit=failure.rank, noticed_unix=time.time())
 
     capacity = kwargs["capacity"]
-    mem = SimulatedDeviceMemory(capacity)
-    if kwargs.get("peer_bytes", {}).get(str(rank)):
-        mem.reserve(kwargs["peer_bytes"][str(rank)], "peer stage")
-    model_runner.device_memory_for = lambda device, simulated=None: mem
-    group: TPGroup = init_tp_group(rank, 2, port=kwargs["port"], timeout_s=60, idle_timeout_s=60)
-    inject = OOMInjection(kwargs["inject_rank"]) if kwargs.get("inject_rank") is not None else None
+    peer = kwargs.get("peer_bytes", {}).get(str(rank))
+    if peer:
+        mem = SimulatedDeviceMemory(capacity)
+        mem.reserve(peer, "peer stage")
+        startup.device_memory_for = lambda device, simulated=None: mem
+    fault = FaultConfig(**kwargs["fault"]) if kwargs.get("fault") else None
+    cfg = RankConfig(
+        kwargs["ckpt"], CFG, MemoryConfig(simulated_capacity_bytes=capacity), TP_TEST, rank=rank,
+        world_size=kwargs.get("world_size", 2), dist_port=kwargs["port"], fault=fault,
+    )  # fmt: skip
     try:
-        with group.failure_watch(on_peer_failure):
-            runner = ModelRunner.from_checkpoint(
-                kwargs["ckpt"], CFG, "float32", "cpu", group,
-                memory=MemoryConfig(simulated_capacity_bytes=capacity), inject=inject,
-            )  # fmt: skip
-    except Exception as exc:
-        if not group.reported:
-            group.fail("start-up", exc)
-        write("error", f"{type(exc).__name__}: {exc}")
-        raise SystemExit(1) from None
-    prof = runner.kv_profile
-    write("ok", "", blocks=runner.num_kv_blocks, proposed=prof.proposed_blocks, cap=prof.cap_bytes)
+        started = start_rank(cfg, Progress(rank))
+    except StartupError as exc:
+        write("error", str(exc), culprit=exc.failure.rank)
+        os._exit(1)
+    prof = started.kv_profile
+    write("ok", "", blocks=started.runner.num_kv_blocks, proposed=prof.proposed_blocks, cap=prof.cap_bytes)
+    started.control.leaving = True  # every rank sets it before the last barrier: nobody sees a "death"
+    started.control.agree_min(0, "test done")
+    started.control.close()
+    os._exit(0)
+
+
+def run_ranks(ckpt: Path, out_dir: Path, world_size: int = 2, deadline_s: float = 150, **scenario: Any):
+    """Spawn `world_size` ranks of `tp_rank`; returns (results by rank, exit times by rank (Unix
+    seconds, as `noticed_unix`), start time). Fails naming the ranks still running at the deadline."""
+    import multiprocessing as mp
+
+    from omnistage.services.thinker.engine.worker import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        kwargs = dict(
+            rank=rank, world_size=world_size, port=port, ckpt=str(ckpt), out_dir=str(out_dir),
+            capacity=200 * MiB, **scenario,
+        )  # fmt: skip
+        procs.append(ctx.Process(target=tp_rank, args=(kwargs,), name=f"test-rank{rank}"))
+    started = time.monotonic()
+    for p in procs:
+        p.start()
+    exits: dict[int, float] = {}
+    while len(exits) < world_size and time.monotonic() < started + deadline_s:
+        for rank, p in enumerate(procs):
+            if rank not in exits and not p.is_alive():
+                exits[rank] = time.time()
+        time.sleep(0.05)
+    hung = [p.name for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    assert not hung, f"{hung} still running {deadline_s:g}s after start"
+    results = {}
+    for rank in range(world_size):
+        f = out_dir / f"rank{rank}.json"
+        results[rank] = json.loads(f.read_text()) if f.exists() else {"status": "no result"}
+        results[rank]["exitcode"] = procs[rank].exitcode
+    return results, exits, started

@@ -10,6 +10,7 @@ from omnistage.common.config import EngineConfig
 from omnistage.services.thinker.engine.detokenizer import Detokenizer
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
+from omnistage.services.thinker.engine.startup import RankConfig, start_engine
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -21,7 +22,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def engine(ckpt, **kw) -> LLMEngine:
-    return LLMEngine.from_checkpoint(ckpt, EngineConfig(block_size=16, max_model_len=256, **kw))
+    return start_engine(RankConfig(str(ckpt), EngineConfig(block_size=16, max_model_len=256, **kw)))
 
 
 @pytest.fixture(scope="module")

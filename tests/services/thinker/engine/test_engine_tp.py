@@ -9,15 +9,16 @@ import functools
 import multiprocessing as mp
 import queue
 import random
+import re
 import traceback
 
 import pytest
-from omnistage.common.config import EngineConfig
+from omnistage.common.config import EngineConfig, TPConfig
 from omnistage.common.log import setup_logging
 from omnistage.services.thinker.engine import worker
-from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sequence import SamplingParams
+from omnistage.services.thinker.engine.startup import RankConfig, start_engine
 
 CFG = EngineConfig(block_size=16, max_model_len=256, max_num_batched_tokens=64)
 PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True)] * 5 + [
@@ -31,33 +32,39 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(0, 900) for _ in range(rng.randrange(3, 100))] for _ in range(len(PARAMS))]
 
 
-def _fail_after(rank: int, fail_rank: int | None, steps: int = 3) -> None:
+def _fail_after(rank: int, fail_rank: int | None, steps: int = 3, what: str = "forward") -> None:
+    """Make `fail_rank` raise after `steps` forwards (or step plan broadcasts, two calls each)."""
     if rank != fail_rank:
         return
-    orig, calls = ModelRunner.execute, [0]
+    import torch.distributed as dist
 
-    def execute(self, plan):
+    module, name = (ModelRunner, "execute") if what == "forward" else (dist, "broadcast")
+    orig, calls = getattr(module, name), [0]
+
+    def broken(*args, **kwargs):
         calls[0] += 1
-        if calls[0] > steps:
+        if calls[0] > steps * (1 if what == "forward" else 2):
             raise RuntimeError("injected fault")
-        return orig(self, plan)
+        return orig(*args, **kwargs)
 
-    ModelRunner.execute = execute
-
-
-def _worker(fail_rank: int | None, kwargs: dict) -> None:
-    _fail_after(kwargs["rank"], fail_rank)
-    worker._worker_main(kwargs)
+    setattr(module, name, broken)
 
 
-def _rank0(ckpt: str, world_size: int, port: int, fail_rank: int | None, out: mp.Queue) -> None:
+TP = TPConfig(startup_collective_timeout_s=60, serving_collective_timeout_s=60, failure_exit_s=10, peer_timeout_s=5)
+
+
+def _worker(fail_rank: int | None, what: str, cfg: RankConfig) -> None:
+    _fail_after(cfg.rank, fail_rank, what=what)
+    worker._worker_main(cfg)
+
+
+def _rank0(ckpt: str, world_size: int, port: int, fail_rank: int | None, what: str, out: mp.Queue) -> None:
     setup_logging("thinker", rank=0)
-    _fail_after(0, fail_rank)
-    procs = worker.spawn_workers(
-        ckpt, CFG, world_size, port, timeout_s=30, target=functools.partial(_worker, fail_rank)
-    )
+    _fail_after(0, fail_rank, what=what)
+    cfg = RankConfig(ckpt, CFG, tp=TP, world_size=world_size, dist_port=port)
+    procs = worker.spawn_workers(cfg, target=functools.partial(_worker, fail_rank, what))
     try:
-        engine = LLMEngine.from_checkpoint(ckpt, CFG, rank=0, world_size=world_size, port=port, timeout_s=30)
+        engine = start_engine(cfg)
         results = engine.generate(prompts(), PARAMS, timeout_s=DEADLINE_S)
         engine.shutdown()
         out.put(("ok", [r.token_ids for r in results], worker.join_workers(procs, 30)))
@@ -66,10 +73,10 @@ def _rank0(ckpt: str, world_size: int, port: int, fail_rank: int | None, out: mp
         raise SystemExit(1) from None
 
 
-def run_tp(ckpt, world_size: int, fail_rank: int | None = None):
+def run_tp(ckpt, world_size: int, fail_rank: int | None = None, what: str = "forward"):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_rank0, args=(str(ckpt), world_size, worker.free_port(), fail_rank, out))
+    proc = ctx.Process(target=_rank0, args=(str(ckpt), world_size, worker.free_port(), fail_rank, what, out))
     proc.start()
     try:
         result = out.get(timeout=DEADLINE_S)
@@ -84,7 +91,7 @@ def run_tp(ckpt, world_size: int, fail_rank: int | None = None):
 
 @pytest.fixture(scope="module")
 def tp1_tokens(tiny_ckpt):
-    e = LLMEngine.from_checkpoint(tiny_ckpt, CFG)
+    e = start_engine(RankConfig(str(tiny_ckpt), CFG))
     return [r.token_ids for r in e.generate(prompts(), PARAMS)]
 
 
@@ -98,8 +105,12 @@ def test_tp_equals_tp1_token_for_token(tiny_ckpt, tp1_tokens, world_size):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fail_rank", [1, 0])
-def test_a_failing_rank_stops_all_ranks_with_one_diagnostic(tiny_ckpt, fail_rank):
-    status, message, tb = run_tp(tiny_ckpt, 2, fail_rank=fail_rank)
+@pytest.mark.parametrize("fail_rank, what", [(1, "forward"), (0, "forward"), (0, "broadcast")])
+def test_a_failing_rank_stops_all_ranks_with_one_diagnostic(tiny_ckpt, fail_rank, what):
+    """Rank 0 exits only once its spawned worker has (multiprocessing joins it): a worker left
+    waiting for a plan fails the test. A failed step plan broadcast on rank 0 used not to be
+    reported, and the worker waited for the next plan for an hour."""
+    status, message, tb = run_tp(tiny_ckpt, 2, fail_rank=fail_rank, what=what)
     assert status == "error", message
-    assert f"rank {fail_rank} failed in" in message and "injected fault" in message, tb
+    where = r"step plan \d+ broadcast" if what == "broadcast" else r"step \d+ forward"
+    assert re.search(f"rank {fail_rank} failed in {where}: RuntimeError: injected fault", message), tb

@@ -1,0 +1,154 @@
+"""PeerWatch: one thread per TP rank that ends the rank when the group fails, whatever this rank's
+other threads are blocked in.
+
+Every `tp.peer_watch_interval_s` it writes this rank's heartbeat and reads the group's store:
+the first failure (a rank's own error), peers whose process is gone (same host: seen at once),
+peers whose heartbeat stopped for `tp.peer_timeout_s` (dead on another host, or SIGSTOPped), and
+the store itself (its host, rank 0, gone or stopped: fatal too). On any of these it tells the
+rank's failure listeners (status file, in-flight requests), lets the store host wait until the
+other ranks have read the diagnostic, and exits the process within the exit budget: a thread
+blocked inside an NCCL or gloo collective cannot be unblocked from Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from omnistage.common.log import get_logger
+from omnistage.services.thinker.engine.tp_store import (
+    GroupFailure,
+    PeerProcess,
+    StoreLost,
+    process_gone,
+    this_process,
+)
+
+if TYPE_CHECKING:
+    from omnistage.services.thinker.engine.distributed import TPControl
+
+log = get_logger(__name__)
+
+
+def exit_now(code: int = 1) -> None:
+    """Leave the process without unwinding (a thread may be blocked inside a collective)."""
+    logging.shutdown()
+    os._exit(code)
+
+
+class PeerWatch:
+    """Heartbeats, peer liveness and the exit of one rank (owned by its TPControl)."""
+
+    def __init__(self, control: TPControl, exit_process: Callable[[int], None] | None = None) -> None:
+        self.control = control
+        self.cfg = control.cfg
+        self.exit_process = exit_process or exit_now
+        self.peers = [r for r in range(control.world_size) if r != control.rank]
+        self.me = this_process()
+        self._processes: dict[int, PeerProcess] = {}
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"tp-peer-watch-rank{control.rank}", daemon=True)
+
+    def start(self) -> None:
+        now = time.monotonic()
+        self._seen = {r: (-1, now) for r in self.peers}
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        """A failure is known on this rank: act on it now, not at the next tick."""
+        self._wake.set()
+
+    # --- checks ------------------------------------------------------------------------------
+
+    def find_dead_peer(self) -> GroupFailure | None:
+        """A peer whose process is gone from this host, reported as the group's failure; or None."""
+        if self.control.leaving:
+            return None
+        try:
+            for rank, proc in self._peer_processes().items():
+                if proc.host == self.me.host and process_gone(proc.pid):
+                    return self.control.report_peer(rank, "died", f"process {proc.pid} is gone")
+        except StoreLost as lost:
+            return self.control.store_lost(lost)
+        return None
+
+    def _find_silent_peer(self) -> GroupFailure | None:
+        beats = self.control.store.beats(self.peers)  # type: ignore[union-attr]
+        now = time.monotonic()
+        silent = None
+        for rank in self.peers:
+            count, since = self._seen[rank]
+            if beats[rank] != count:
+                self._seen[rank] = (beats[rank], now)
+            elif silent is None and now - since > self.cfg.peer_timeout_s:
+                silent = (rank, now - since)
+        if silent is None:
+            return None
+        rank, age = silent
+        return self.control.report_peer(
+            rank, "silent", f"no heartbeat for {age:.1f}s (tp.peer_timeout_s {self.cfg.peer_timeout_s:g})"
+        )
+
+    def _peer_processes(self) -> dict[int, PeerProcess]:
+        missing = [r for r in self.peers if r not in self._processes]
+        if missing:
+            self._processes.update(self.control.store.processes(missing))  # type: ignore[union-attr]
+        return self._processes
+
+    def _check(self) -> GroupFailure | None:
+        store = self.control.store
+        try:
+            store.beat(self.control.rank)  # type: ignore[union-attr]
+            failure = store.first_failure()  # type: ignore[union-attr]
+        except StoreLost as lost:
+            return self.control.store_lost(lost)
+        if failure is not None or self.control.leaving:
+            return failure
+        try:
+            return self.find_dead_peer() or self._find_silent_peer()
+        except StoreLost as lost:
+            return self.control.store_lost(lost)
+
+    # --- the thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        interval = self.cfg.peer_watch_interval_s
+        while True:
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            failure = self.control.failure
+            if failure is None and not self.control.leaving:
+                failure = self._check()
+            if failure is not None and not self._stop.is_set():
+                self._leave(failure)
+                return
+
+    def _leave(self, failure: GroupFailure) -> None:
+        """Tell the listeners, let the others read the failure (store host), flush, exit."""
+        noticed = time.monotonic()
+        own = self.control.failure is not None and failure.rank == self.control.rank
+        self.control.notice(failure)
+        budget = self.control.exit_budget_s
+        if self.control.rank == 0:
+            self.control.wait_for_acknowledgements(failure, budget / 2)
+        # This rank's other threads may be blocked in a collective for good. Its own failure leaves
+        # the main path the whole budget to unwind and exit cleanly; a peer's, a short flush
+        # (status file, the gRPC statuses of failed requests, logs).
+        grace = budget if own else min(1.0, budget / 4)
+        remaining = noticed + budget - time.monotonic()
+        if self._stop.wait(max(0.0, min(grace, remaining))):
+            return  # the rank left on its own (close() stopped the watch)
+        log.error("rank %d exits: %s", self.control.rank, failure.message)
+        self.exit_process(1)

@@ -1,0 +1,142 @@
+"""A thinker rank that dies (SIGKILL) or stops answering (SIGSTOP) while requests stream, through
+`omnistage serve` (thinker TP over gloo + gateway): every client gets UNAVAILABLE naming the rank
+within seconds, `serve` exits non-zero naming the dead rank, and no process is left behind.
+
+Rank 0 used to wait inside the collective until the `loading_weights` deadline (900 s) while every
+stream hung; a SIGSTOPped rank keeps its sockets open, so gloo blocks just as NCCL does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
+from chaos_launch import free_ports, leftovers, started_children  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+START_DEADLINE_S = 150.0
+STREAMS = 6
+# The deploy file's TP deadlines: a silent peer is declared after 3 s, every rank gone 8 s after.
+TP = {"failure_exit_s": 8, "peer_watch_interval_s": 0.2, "peer_timeout_s": 3, "serving_collective_timeout_s": 60}
+STOP_GRACE_S = 4.0
+MARGIN_S = 5.0  # two shared cores: scheduling and interpreter exit, on top of each bound under test
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tp-fail") / "ckpt", seed=0)
+
+
+@dataclass
+class StreamResult:
+    events: int = 0
+    code: grpc.StatusCode | None = None
+    details: str = ""
+    ended_unix: float = 0.0
+
+
+def _stream(address: str, first_event: threading.Event, out: StreamResult) -> None:
+    request = omni_pb2.GenerateRequest(
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Tell a story.")])],
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True),
+    )
+    with grpc.insecure_channel(address) as ch:
+        try:
+            for _ in omni_pb2_grpc.OmniStub(ch).Generate(request, timeout=90):
+                out.events += 1
+                first_event.set()
+            out.code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            out.code, out.details = exc.code(), exc.details() or ""
+    out.ended_unix = time.time()
+
+
+def _serve(tmp: Path, ckpt: Path, tp_size: int) -> tuple[subprocess.Popen, Path, Path, Path, Path]:
+    gw, th, dist = free_ports(3)
+    thinker = {
+        "kind": "thinker", "port": th, "tp_size": tp_size, "dist_port": dist, "drain_grace_s": 2.0, "tp": TP,
+        "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 512},
+    }  # fmt: skip
+    cfg = {
+        "model": {"checkpoint": str(ckpt)},
+        "startup": {"stop_grace_s": STOP_GRACE_S, "phase_deadlines_s": {"loading_weights": 120, "warming_up": 120}},
+        "services": {"thinker": thinker, "gateway": {"kind": "gateway", "port": gw}},
+    }
+    path = tmp / "deploy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    ready, out, err = tmp / "ready", tmp / "out.txt", tmp / "err.txt"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "omnistage.common.cli", "serve", str(path), "--ready-file", str(ready)],
+            stdout=o, stderr=e, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )  # fmt: skip
+    return proc, path, ready, out, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "tp_size, victim, sig",
+    [(2, 1, signal.SIGKILL), (2, 1, signal.SIGSTOP), (4, 3, signal.SIGKILL), (4, 2, signal.SIGSTOP)],
+    ids=["tp2-sigkill-rank1", "tp2-sigstop-rank1", "tp4-sigkill-rank3", "tp4-sigstop-rank2"],
+)
+def test_a_rank_lost_while_serving_fails_every_stream_naming_it(tmp_path, ckpt, tp_size, victim, sig):
+    proc, cfg_path, ready, out, err = _serve(tmp_path, ckpt, tp_size)
+
+    def logs() -> str:
+        return (out.read_text() + err.read_text())[-5000:]
+
+    try:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while not (ready.exists() and ready.read_text().strip()):
+            assert proc.poll() is None, f"serve exited {proc.returncode}:\n{logs()}"
+            assert time.monotonic() < deadline, f"not ready in {START_DEADLINE_S:g}s:\n{logs()}"
+            time.sleep(0.1)
+        address = ready.read_text().strip()
+        results = [StreamResult() for _ in range(STREAMS)]
+        firsts = [threading.Event() for _ in range(STREAMS)]
+        threads = [
+            threading.Thread(target=_stream, args=(address, f, r), daemon=True)
+            for f, r in zip(firsts, results, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        for f in firsts:
+            assert f.wait(60), f"a stream got no event within 60s:\n{logs()}"
+        pid = started_children(out.read_text())[("thinker", victim)]
+        signalled = time.time()
+        os.kill(pid, sig)
+        for t in threads:
+            t.join(60)
+        detect = TP["peer_watch_interval_s"] if sig == signal.SIGKILL else TP["peer_timeout_s"]
+        for r in results:
+            assert r.code == grpc.StatusCode.UNAVAILABLE, (r, logs())
+            what = "died" if sig == signal.SIGKILL else "stopped answering"
+            assert f"thinker rank {victim} {what} while serving (step " in r.details, (r, logs())
+            assert r.ended_unix - signalled <= detect + MARGIN_S, (r.ended_unix - signalled, r)
+        code = proc.wait(TP["failure_exit_s"] + STOP_GRACE_S + 4 + MARGIN_S)
+        exited = time.time()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        left = leftovers(list(started_children(out.read_text()).values()), cfg_path, 5.0)
+    assert code == 1, logs()
+    assert not left, f"left behind: {left}"
+    lines = err.read_text().splitlines()
+    verb = "died: killed by SIGKILL" if sig == signal.SIGKILL else f"failed: rank {victim} stopped answering"
+    assert any(line.startswith(f"omnistage: thinker r{victim} {verb}") for line in lines), lines[-20:]
+    assert exited - signalled <= detect + TP["failure_exit_s"] + STOP_GRACE_S + MARGIN_S

@@ -1,0 +1,167 @@
+"""The TP group's control plane without a model: store calls that cannot hang, dead processes seen at
+once, and collectives that give up at the serving deadline (not a start-up phase's)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+from omnistage.common.config import TPConfig
+from omnistage.services.thinker.engine.distributed import TPError, join_tp_group
+from omnistage.services.thinker.engine.tp_store import GroupFailure, GroupStore, StoreLost, process_gone
+from omnistage.services.thinker.engine.worker import free_port
+
+STORE_HOST = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=True, timeout=timedelta(seconds=30),
+                      wait_for_workers=False)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture(autouse=True)
+def leave_the_group():
+    """Tests that join a TP group in this process leave it (one default process group per process)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def store_host():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    yield port, proc
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)
+
+
+def test_the_first_failure_wins_and_every_rank_reads_it(store_host):
+    port, _ = store_host
+    a, b = GroupStore("127.0.0.1", port, timeout_s=5), GroupStore("127.0.0.1", port, timeout_s=5)
+    first = a.report(GroupFailure(2, "rank 2 failed in warming_up: OutOfMemoryError: x"))
+    second = b.report(GroupFailure(1, "rank 1 failed in warming_up: RuntimeError: y"))
+    assert first == second == b.first_failure() == GroupFailure(2, "rank 2 failed in warming_up: OutOfMemoryError: x")
+
+
+def test_a_stopped_store_host_is_a_failure_within_the_deadline_not_a_hang(store_host):
+    port, proc = store_host
+    store = GroupStore("127.0.0.1", port, timeout_s=1.0)
+    store.beat(1)
+    os.kill(proc.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(StoreLost, match="no reply within 1s") as err:
+        store.first_failure()
+    assert err.value.silent and time.monotonic() - started < 5
+    with pytest.raises(StoreLost):  # and it stays lost: no second wait
+        store.beat(1)
+
+
+def test_a_store_host_that_is_gone_is_a_failure_at_once(store_host):
+    port, proc = store_host
+    store = GroupStore("127.0.0.1", port, timeout_s=10.0)
+    store.beat(1)
+    proc.kill()
+    proc.wait(10)
+    started = time.monotonic()
+    with pytest.raises(StoreLost) as err:
+        store.beat(1)
+    assert not err.value.silent and time.monotonic() - started < 5
+
+
+def test_a_dead_process_is_gone_even_before_it_is_reaped():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert not process_gone(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not process_gone(proc.pid):  # a zombie until we reap it below
+        assert time.monotonic() < deadline, "a killed process still looks alive"
+        time.sleep(0.05)
+    proc.wait(10)
+    assert process_gone(proc.pid)
+
+
+# --- the serving deadline of collectives -------------------------------------------------------
+
+TP = TPConfig(
+    startup_collective_timeout_s=60, serving_collective_timeout_s=2, failure_exit_s=30,
+    peer_watch_interval_s=0.2, peer_timeout_s=20,
+)  # fmt: skip
+
+
+def _idle_peer(port: int) -> None:
+    """Rank 1: joins, keeps its heartbeat going, and never enters the collective rank 0 waits in."""
+    control = join_tp_group(1, 2, port=port, cfg=TP)
+    control.enter_serving()
+    time.sleep(60)
+
+
+def test_a_collective_while_serving_gives_up_at_the_serving_deadline(tmp_path):
+    port = free_port()
+    peer = mp.get_context("spawn").Process(target=_idle_peer, args=(port,), daemon=True)
+    peer.start()
+    try:
+        control = join_tp_group(0, 2, port=port, cfg=TP)
+        control.watch.exit_process = lambda code: None  # this test process must survive the failure
+        seen = []
+        control.add_failure_listener(seen.append)
+        control.enter_serving()
+        started = time.monotonic()
+        with pytest.raises(TPError, match=r"rank 0 failed in agreeing while serving: RuntimeError") as err:
+            control.agree_min(1, "agreeing while serving")
+        elapsed = time.monotonic() - started
+    finally:
+        peer.kill()
+        peer.join(10)
+    # The startup deadline (60 s) would still be waiting; the serving one (2 s) gave up.
+    assert TP.serving_collective_timeout_s <= elapsed < TP.serving_collective_timeout_s + 10, elapsed
+    assert seen == [err.value.failure]
+
+
+
+def _store_host(port: int, ready) -> None:
+    """Rank 0: hosts the store, joins, then waits to be killed."""
+    join_tp_group(0, 2, port=port, cfg=replace(TP, peer_timeout_s=5, failure_exit_s=30))
+    ready.set()
+    time.sleep(120)
+
+
+def test_the_store_host_dying_ends_the_other_ranks_naming_it():
+    """Rank 0 hosts the store: when it dies first the others can read no diagnostic, so its loss is
+    itself the failure (the TP=4 outage: ranks 1 and 3 waited forever once rank 0 had left)."""
+    ctx = mp.get_context("spawn")
+    port, ready = free_port(), ctx.Event()
+    host = ctx.Process(target=_store_host, args=(port, ready), daemon=True)
+    host.start()
+    try:
+        control = join_tp_group(1, 2, port=port, cfg=replace(TP, peer_timeout_s=5, failure_exit_s=30))
+        exited = []
+        control.watch.exit_process = exited.append
+        seen = []
+        control.add_failure_listener(seen.append)
+        assert ready.wait(60)
+        host.kill()
+        killed = time.monotonic()
+        while not exited and time.monotonic() < killed + 30:
+            time.sleep(0.05)
+    finally:
+        host.kill()
+        host.join(10)
+    assert exited == [1], "the rank did not leave"
+    assert time.monotonic() - killed < control.cfg.failure_exit_s
+    (failure,) = seen
+    assert failure.rank == 0 and failure.message.startswith("rank 0 (store host) is gone while start-up"), failure

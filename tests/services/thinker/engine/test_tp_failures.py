@@ -1,0 +1,50 @@
+"""Start-up failures of one TP rank (gloo, simulated device): every rank ends within
+`tp.failure_exit_s` of the failure, all with the same diagnostic naming the rank, where and the cause.
+
+The faults are the service's own hook (`fault.at`): a peer takes the device's memory just before the
+KV rebuild or the validation stress (the allocation itself fails), or an out-of-memory error half-way
+through the first warm-up forward. TP=4 with rank 0 (the store host) not the failing rank is the
+measured outage: ranks 1 and 3 used to wait in a collective forever once rank 0 had left.
+"""
+
+from __future__ import annotations
+
+import pytest
+from profile_helpers import TP_TEST, run_ranks
+
+MARGIN_S = 6.0  # process exit and scheduling on two shared cores, on top of the bound under test
+
+CASES = {
+    "rebuild": ("profiling_memory", "kv_rebuild", "failed in profiling_memory: KVProfileError: auto-profile failed"),
+    "validation": ("profiling_memory", "kv_validation", "failed in profiling memory (validation (attempt 1/4)"),
+    "warm-up": ("warming_up", "warmup_forward", "failed in warm-up shape 'prefill"),
+}
+
+
+def _check(results: dict, exits: dict, world_size: int, bad: int, expected: str, cause: str) -> None:
+    messages = {r: res.get("message", "") for r, res in results.items()}
+    for rank, res in results.items():
+        assert res["status"] in ("failed", "error"), (rank, res)
+        assert f"rank {bad} {expected}" in res["message"] and cause in res["message"], (rank, messages)
+        assert res.get("culprit") == bad, (rank, res)
+        assert res["exitcode"] != 0, (rank, res)
+    assert len(set(messages.values())) == 1, f"ranks disagree on the diagnostic: {messages}"
+    noticed = min(res["noticed_unix"] for res in results.values() if "noticed_unix" in res)
+    last_exit = max(exits.values())
+    assert last_exit - noticed <= TP_TEST.failure_exit_s + MARGIN_S, (
+        f"the last rank left {last_exit - noticed:.1f}s after the failure (tp.failure_exit_s {TP_TEST.failure_exit_s:g})"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world_size, bad, case",
+    [(2, 1, "rebuild"), (2, 0, "validation"), (2, 1, "warm-up"), (4, 2, "warm-up"), (4, 3, "rebuild")],
+    ids=["tp2-rank1-rebuild", "tp2-rank0-validation", "tp2-rank1-warmup", "tp4-rank2-warmup", "tp4-rank3-rebuild"],
+)
+def test_a_start_up_oom_on_one_rank_ends_every_rank_naming_it(tiny_ckpt, tmp_path, world_size, bad, case):
+    phase, point, expected = CASES[case]
+    fault = {"phase": phase, "action": "oom", "rank": bad, "at": point}
+    results, exits, _ = run_ranks(tiny_ckpt, tmp_path, world_size, fault=fault)
+    cause = "OutOfMemoryError"
+    _check(results, exits, world_size, bad, expected, cause)
