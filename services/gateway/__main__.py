@@ -27,8 +27,9 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
                                admin_address=cfg.admin_address(t.name), admin_metadata=auth.admin_metadata(t))
         runtime.reporter.enter("warming_up", total=1, unit="stages", detail=f"waiting for {t.name}")
         try:
-            desc = await client.wait_serving(gw.stage_wait_s)
-            max_model_len = desc.limits.max_model_len or None
+            await client.wait_serving(gw.stage_wait_s)
+            desc = await client.describe()  # None without an admin port: then only the thinker checks lengths
+            max_model_len = (desc.limits.max_model_len or None) if desc is not None else None
             # A real request end to end before SERVING: the path the clients will take works.
             warmup = build_chat([Turn("user", "warm-up")])
             async for _ in client.generate("gateway-warmup", warmup, common_pb2.SamplingParams(max_tokens=1), 60.0):

@@ -62,13 +62,13 @@ def encoder(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("enc-e2e")
     ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
-    port, metrics_port = _free_ports(2)
+    port, admin_port, metrics_port = _free_ports(3)
     cfg = {
         "model": {"checkpoint": str(ckpt)},
         "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 120, "profiling_memory": 120,
                                           "warming_up": 120}},
         "services": {
-            "encoder": {"kind": "encoder", "port": port, "metrics_port": metrics_port,
+            "encoder": {"kind": "encoder", "port": port, "admin_port": admin_port, "metrics_port": metrics_port,
                         "encoder": LIMITS, "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30}},
         },
     }
@@ -85,7 +85,7 @@ def encoder(tmp_path_factory):
             proc.kill()
             pytest.fail(f"encoder did not start (exit {proc.returncode}):\n{proc.stdout.read().decode()[-4000:]}")
         time.sleep(0.2)
-    yield {"address": f"127.0.0.1:{port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "ckpt": ckpt}
+    yield {"address": f"127.0.0.1:{port}", "admin": f"127.0.0.1:{admin_port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "ckpt": ckpt}
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=60)
@@ -108,7 +108,7 @@ def _stub(encoder):
 
 
 def _describe(encoder) -> control_pb2.DescribeResponse:
-    with grpc.insecure_channel(encoder["address"]) as ch:
+    with grpc.insecure_channel(encoder["admin"]) as ch:
         return control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest(), timeout=5)
 
 
