@@ -16,17 +16,24 @@ CHECKPOINT_KINDS = ("thinker", "encoder", "talker", "imagegen")
 
 
 def checkpoint_problems(cfg: DeployConfig) -> list[str]:
-    """model.checkpoint must be a directory with config.json and safetensors weights, when a stage loads it."""
+    """model.checkpoint must be a directory with config.json and safetensors weights, when a stage loads it
+    (with `model.load_format: dummy`, config.json and the tokenizer: the weights are made at start-up)."""
     users = [s.name for s in cfg.services.values() if s.kind in CHECKPOINT_KINDS]
     if not users:
         return []
     ckpt = Path(cfg.model.checkpoint)
-    make = f"make the tiny demo one with `omnistage make-tiny-checkpoint {cfg.model.checkpoint}`"
+    dummy = cfg.model.load_format == "dummy"
+    if dummy:
+        make = f"make a config-only one with `omnistage make-config-checkpoint {cfg.model.checkpoint}`"
+    else:
+        make = f"make the tiny demo one with `omnistage make-tiny-checkpoint {cfg.model.checkpoint}`"
     if not ckpt.is_dir():
         missing = f"{ckpt} does not exist" if not ckpt.exists() else f"{ckpt} is not a directory"
     elif not (ckpt / "config.json").is_file():
         missing = f"{ckpt} has no config.json"
-    elif not any(ckpt.glob("*.safetensors")):
+    elif dummy and not (ckpt / "tokenizer.json").is_file():
+        missing = f"{ckpt} has no tokenizer.json (load_format dummy still needs the tokenizer)"
+    elif not dummy and not any(ckpt.glob("*.safetensors")):
         missing = f"{ckpt} has no *.safetensors weights"
     else:
         return []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import shutil
@@ -15,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).parent / "runtime"))
+from omnistage.common.config import load_config  # noqa: E402
 from omnistage.common.launcher import launch  # noqa: E402
 from omnistage.common.runtime.deadlines import wait_for  # noqa: E402
 from synthetic_stage import SCRIPT, write_config  # noqa: E402
@@ -257,6 +259,22 @@ def test_a_missing_checkpoint_is_one_line_with_the_command_that_makes_one(tmp_pa
         f"`omnistage make-tiny-checkpoint {missing}`, or point model.checkpoint at a downloaded checkpoint\n"
     )
     assert "started" not in out.getvalue()
+
+
+def test_a_config_only_checkpoint_is_enough_for_load_format_dummy(tmp_path):
+    from omnistage.common.checkpoint.config_only import write_config_checkpoint
+    from omnistage.common.preflight import checkpoint_problems
+
+    ckpt = write_config_checkpoint(tmp_path / "ckpt", "tiny")
+    cfg = load_config(write_config(tmp_path / "deploy.yaml", {"alpha": {}}), [f"model.checkpoint={ckpt}"])
+    assert checkpoint_problems(cfg) == [
+        f"model.checkpoint: {ckpt} has no *.safetensors weights (needed by alpha); make the tiny demo one with "
+        f"`omnistage make-tiny-checkpoint {ckpt}`, or point model.checkpoint at a downloaded checkpoint"
+    ]
+    dummy = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, load_format="dummy"))
+    assert checkpoint_problems(dummy) == []
+    (ckpt / "tokenizer.json").unlink()
+    assert "has no tokenizer.json" in checkpoint_problems(dummy)[0]
 
 
 def test_a_missing_secret_is_refused_naming_the_key(tmp_path, monkeypatch):
