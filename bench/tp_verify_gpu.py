@@ -306,6 +306,8 @@ def check_parity(args: argparse.Namespace, work: Path) -> list[Check]:
             tokens[tp] = [generate(address, p, args.parity_tokens, 300) for p in PARITY_PROMPTS]
         except Exception as exc:  # noqa: BLE001 - reported as a failed check
             checks.append(Check(f"(c) parity TP={tp}", False, f"{type(exc).__name__}: {str(exc)[-500:]}"))
+            if os.environ.get("OUT"):  # the whole serve log comes back for a look
+                Path(os.environ["OUT"], f"parity-tp{tp}.log").write_text(serve.logs(10**7))
         finally:
             serve.stop()
             serve.leftovers()
