@@ -309,16 +309,27 @@ class _Profiler:
                 if free < need:
                     why = f"{fmt_bytes(free)} left in the budget, the largest stress step needs {fmt_bytes(need)}"
             ok, bad = self._agree(why, f"agreeing on the KV rebuild ({tag})")
+            # The canary has proven its bytes allocatable; it is freed (and its segment returned)
+            # before the validation stress, which must then leave it free: peak + canary <= budget.
+            # Held during the stress, it left no cushion: a step that needs a little more than the
+            # probe measured (rounding next to a cache of ~100 GiB: 16 MiB on 2 x H200 in fp32) ran
+            # out of memory inside a TP forward, which is fatal to the group; measured, the same
+            # overshoot is agreed on and shrinks the cache like any other.
+            counted_canary = sum(t.numel() for t in canary)
+            canary.clear()
+            if counted_canary:
+                release_after_failure(self.mem)
             peak = 0
             if ok:
                 self._progress(f"validate: stress at {blocks} blocks ({tag})", attempt, attempts)
                 self.mem.reset_peak()
                 peak, why = self._stress(f"validation ({tag})")
-                if not why and peak > self.cap:
-                    why = f"peak reserved {fmt_bytes(peak)} exceeds the budget {fmt_bytes(self.cap)}"
+                if not why and peak + counted_canary > self.cap:
+                    why = (
+                        f"peak reserved {fmt_bytes(peak)} leaves less than the canary "
+                        f"({fmt_bytes(counted_canary)}) of the budget {fmt_bytes(self.cap)}"
+                    )
                 ok, bad = self._agree(why, f"agreeing on the validation ({tag})")
-            counted_canary = sum(t.numel() for t in canary)
-            canary.clear()
             self.times[f"attempt{attempt}_s"] = time.monotonic() - started
             if ok:
                 return KVProfile(
@@ -328,7 +339,7 @@ class _Profiler:
                     peers_bytes=self.peers,
                     weights_bytes=self.runner.weights_bytes(),
                     activation_peak_bytes=max(self.shape_peaks.values(), default=0),
-                    peak_reserved_bytes=peak - counted_canary,
+                    peak_reserved_bytes=peak,
                     canary_bytes=counted_canary,
                     attempts=attempt,
                     pinned=pinned,

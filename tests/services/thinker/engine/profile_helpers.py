@@ -3,6 +3,7 @@ and a TP rank body for spawned processes that writes its outcome to a file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -86,8 +87,11 @@ def tp_rank(kwargs: dict) -> None:
         mem.reserve(peer, "peer stage")
         startup.device_memory_for = lambda device, simulated=None: mem
     fault = FaultConfig(**kwargs["fault"]) if kwargs.get("fault") else None
+    engine = dataclasses.replace(CFG, kv_canary_bytes=kwargs.get("canary_bytes", CFG.kv_canary_bytes))
+    if kwargs.get("validation_extra_bytes"):
+        _grow_validation_steps(kwargs["validation_extra_bytes"])
     cfg = RankConfig(
-        kwargs["ckpt"], CFG, MemoryConfig(simulated_capacity_bytes=capacity), TP_TEST, rank=rank,
+        kwargs["ckpt"], engine, MemoryConfig(simulated_capacity_bytes=capacity), TP_TEST, rank=rank,
         world_size=kwargs.get("world_size", 2), dist_port=kwargs["port"], fault=fault,
     )  # fmt: skip
     try:
@@ -96,11 +100,28 @@ def tp_rank(kwargs: dict) -> None:
         write("error", str(exc), culprit=exc.failure.rank)
         os._exit(1)
     prof = started.kv_profile
-    write("ok", "", blocks=started.runner.num_kv_blocks, proposed=prof.proposed_blocks, cap=prof.cap_bytes)
+    write("ok", "", blocks=started.runner.num_kv_blocks, proposed=prof.proposed_blocks, cap=prof.cap_bytes,
+          attempts=prof.attempts)
     started.control.leaving = True  # every rank sets it before the last barrier: nobody sees a "death"
     started.control.agree_min(0, "test done")
     started.control.close()
     os._exit(0)
+
+
+def _grow_validation_steps(extra_bytes: int) -> None:
+    """Every stress step after the probe's (the validation's) holds `extra_bytes` more than measured:
+    the rounding a huge cache brings on a real GPU, made deterministic."""
+    from omnistage.services.thinker.engine import kv_profile
+
+    probe_steps, calls, step = 2, [0], kv_profile.run_dummy_step
+
+    def grown(runner, shape, sampler=None):
+        calls[0] += 1
+        extra = torch.empty(extra_bytes, dtype=torch.uint8) if calls[0] > probe_steps else None
+        step(runner, shape, sampler)
+        del extra
+
+    kv_profile.run_dummy_step = grown
 
 
 def run_ranks(ckpt: Path, out_dir: Path, world_size: int = 2, deadline_s: float = 150, **scenario: Any):
