@@ -19,7 +19,7 @@ import torch
 from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
 from omnistage.common.config import EngineConfig
 from omnistage.common.log import setup_logging
-from omnistage.services.thinker.engine import worker
+from omnistage.services.thinker.engine import local_ranks
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine.startup import RankConfig, start_engine
@@ -45,8 +45,8 @@ def _first_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
 
 def _run(ckpt, device: str, dtype: str, tp: int, prompts, max_tokens: int):
     dev0 = "cpu" if device == "cpu" else "cuda:0"
-    cfg = RankConfig(str(ckpt), CFG, dtype=dtype, device=dev0, world_size=tp, dist_port=worker.free_port())
-    procs = worker.spawn_workers(cfg) if tp > 1 else []
+    cfg = RankConfig(str(ckpt), CFG, dtype=dtype, device=dev0, world_size=tp, dist_port=local_ranks.free_port())
+    procs = local_ranks.spawn_workers(cfg) if tp > 1 else []
     engine = start_engine(cfg)
     try:
         logits = _first_logits(engine, prompts[0])
@@ -65,7 +65,7 @@ def _run(ckpt, device: str, dtype: str, tp: int, prompts, max_tokens: int):
         return logits, tokens, speed
     finally:
         engine.shutdown()
-        worker.join_workers(procs, 120)
+        local_ranks.join_workers(procs, 120)
 
 
 def _agree(a: list[int], b: list[int]) -> int:

@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny and not torch.cuda.is_available():
         print("no CUDA device: use --tiny on CPU", file=sys.stderr)
         return 2
-    from omnistage.services.thinker.engine.worker import free_port
+    from omnistage.services.thinker.engine.local_ranks import free_port
 
     peer = None
     if args.peer_gib and not args.tiny:

@@ -14,7 +14,7 @@ import torch
 from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
 from omnistage.common.config import EngineConfig
 from omnistage.common.log import setup_logging
-from omnistage.services.thinker.engine import worker
+from omnistage.services.thinker.engine import local_ranks
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine.startup import RankConfig, start_engine
@@ -50,8 +50,8 @@ def main() -> None:
     setup_logging("bench", level="warning")
     ckpt = args.checkpoint or write_tiny_checkpoint(tempfile.mkdtemp(prefix="tiny-ming-"))
     cfg = EngineConfig(block_size=16, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024)
-    rank_cfg = RankConfig(str(ckpt), cfg, world_size=args.tp, dist_port=worker.free_port())
-    procs = worker.spawn_workers(rank_cfg) if args.tp > 1 else []
+    rank_cfg = RankConfig(str(ckpt), cfg, world_size=args.tp, dist_port=local_ranks.free_port())
+    procs = local_ranks.spawn_workers(rank_cfg) if args.tp > 1 else []
     engine = start_engine(rank_cfg)
     try:
         run(engine, 2, 8, 4)  # warm-up
@@ -70,7 +70,7 @@ def main() -> None:
             )
     finally:
         engine.shutdown()
-        worker.join_workers(procs, 60)
+        local_ranks.join_workers(procs, 60)
 
 
 if __name__ == "__main__":

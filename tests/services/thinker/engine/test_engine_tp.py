@@ -15,7 +15,7 @@ import traceback
 import pytest
 from omnistage.common.config import EngineConfig, TPConfig
 from omnistage.common.log import setup_logging
-from omnistage.services.thinker.engine import worker
+from omnistage.services.thinker.engine import local_ranks
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine.startup import RankConfig, start_engine
@@ -55,19 +55,19 @@ TP = TPConfig(startup_collective_timeout_s=60, serving_collective_timeout_s=60, 
 
 def _worker(fail_rank: int | None, what: str, cfg: RankConfig) -> None:
     _fail_after(cfg.rank, fail_rank, what=what)
-    worker._worker_main(cfg)
+    local_ranks.worker_main(cfg)
 
 
 def _rank0(ckpt: str, world_size: int, port: int, fail_rank: int | None, what: str, out: mp.Queue) -> None:
     setup_logging("thinker", rank=0)
     _fail_after(0, fail_rank, what=what)
     cfg = RankConfig(ckpt, CFG, tp=TP, world_size=world_size, dist_port=port)
-    procs = worker.spawn_workers(cfg, target=functools.partial(_worker, fail_rank, what))
+    procs = local_ranks.spawn_workers(cfg, target=functools.partial(_worker, fail_rank, what))
     try:
         engine = start_engine(cfg)
         results = engine.generate(prompts(), PARAMS, timeout_s=DEADLINE_S)
         engine.shutdown()
-        out.put(("ok", [r.token_ids for r in results], worker.join_workers(procs, 30)))
+        out.put(("ok", [r.token_ids for r in results], local_ranks.join_workers(procs, 30)))
     except Exception as exc:
         out.put(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         raise SystemExit(1) from None
@@ -76,7 +76,7 @@ def _rank0(ckpt: str, world_size: int, port: int, fail_rank: int | None, what: s
 def run_tp(ckpt, world_size: int, fail_rank: int | None = None, what: str = "forward"):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_rank0, args=(str(ckpt), world_size, worker.free_port(), fail_rank, what, out))
+    proc = ctx.Process(target=_rank0, args=(str(ckpt), world_size, local_ranks.free_port(), fail_rank, what, out))
     proc.start()
     try:
         result = out.get(timeout=DEADLINE_S)

@@ -90,7 +90,6 @@ def test_every_rank_profiles_then_warms_up_then_serves(tmp_path, tiny_ckpt):
 @pytest.mark.parametrize("bad_rank", [1, 0])
 def test_an_oom_on_one_rank_in_warm_up_fails_the_service_naming_it(tmp_path, tiny_ckpt, bad_rank):
     proc, _, _ = _serve(tmp_path, tiny_ckpt, fault={"phase": "warming_up", "action": "oom", "rank": bad_rank})
-    started = time.monotonic()
     try:
         out, _ = proc.communicate(timeout=DEADLINE_S)
     except subprocess.TimeoutExpired:
@@ -102,4 +101,3 @@ def test_an_oom_on_one_rank_in_warm_up_fails_the_service_naming_it(tmp_path, tin
     # The launcher's headline blames the rank that failed, not the peer that copied its diagnostic
     # (rank 0 used to say "failed" only after waiting for the others' acknowledgements).
     assert f"start-up failed: thinker r{bad_rank} failed" in output, output[-3000:]
-    assert time.monotonic() - started < DEADLINE_S

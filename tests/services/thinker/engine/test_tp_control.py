@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 from omnistage.common.config import TPConfig
 from omnistage.services.thinker.engine.distributed import TPError, join_tp_group
+from omnistage.services.thinker.engine.local_ranks import free_port
 from omnistage.services.thinker.engine.tp_store import GroupFailure, GroupStore, StoreLost, process_gone
-from omnistage.services.thinker.engine.worker import free_port
 
 STORE_HOST = """
 import sys, time

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # a dev dependency: the reference must be there, never skipped
 from omnistage.common.checkpoint.shards import iter_tensors, shard_files
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
-
-transformers = pytest.importorskip("transformers")
 
 PROMPTS = [
     [5, 100, 300, 7, 8, 900],
