@@ -89,8 +89,8 @@ def _sampling(draw: st.DrawFn) -> common_pb2.SamplingParams:
 
 
 @st.composite
-def typed_requests(draw: st.DrawFn) -> omni_pb2.GenerateRequest:
-    """A well-formed GenerateRequest with hostile contents; usually cheap to serve (max_tokens small)."""
+def _hostile(draw: st.DrawFn) -> omni_pb2.GenerateRequest:
+    """Any roles, parts, enums and numbers: mostly refused, each refusal must name what is wrong."""
     messages = draw(st.lists(
         st.builds(lambda role, parts: omni_pb2.ChatMessage(role=role, parts=parts),
                   st.one_of(st.sampled_from([1, 2, 2, 2, 3]), st.integers(-1, 5)),
@@ -110,6 +110,31 @@ def typed_requests(draw: st.DrawFn) -> omni_pb2.GenerateRequest:
     if req.sampling.max_tokens > 8 and draw(st.booleans()):
         req.sampling.max_tokens = draw(st.integers(1, 8))  # keep most served requests short
     return req
+
+
+@st.composite
+def _plausible(draw: st.DrawFn) -> omni_pb2.GenerateRequest:
+    """Valid requests at the edges (special-token text, bounds of every sampling knob): served."""
+    turns = draw(st.lists(st.tuples(_text(), _text()), max_size=2))
+    messages = [omni_pb2.ChatMessage(role=role, parts=[omni_pb2.ContentPart(text=text)])
+                for user, answer in turns for role, text in ((2, user), (3, answer)) if text]  # fmt: skip
+    messages.append(omni_pb2.ChatMessage(role=2, parts=[omni_pb2.ContentPart(text=draw(_text()) or "hi")]))
+    sampling = common_pb2.SamplingParams(
+        temperature=draw(st.sampled_from([0.0, 0.01, 0.7, 1.0, 2.0, 100.0])),
+        top_p=draw(st.sampled_from([0.0, 0.01, 0.5, 1.0])), top_k=draw(st.sampled_from([0, 1, 5, 50])),
+        min_p=draw(st.sampled_from([0.0, 0.05, 1.0])), repetition_penalty=draw(st.sampled_from([0.0, 0.01, 1.2, 100.0])),
+        presence_penalty=draw(st.sampled_from([0.0, -2.0, 2.0])), max_tokens=draw(st.integers(1, 8)),
+        logprobs=draw(st.integers(0, 20)), ignore_eos=draw(st.booleans()), stop=draw(st.lists(_text(4).filter(bool), max_size=2)),
+    )  # fmt: skip
+    if draw(st.booleans()):
+        sampling.seed = draw(st.integers(0, 2**64 - 1))
+    return omni_pb2.GenerateRequest(request_id=draw(_text(16)), messages=messages, sampling=sampling,
+                                    system_prompt=draw(st.one_of(st.just(""), _text())))  # fmt: skip
+
+
+def typed_requests() -> st.SearchStrategy[omni_pb2.GenerateRequest]:
+    """Well-formed GenerateRequests: hostile ones and valid ones at the edges, half and half."""
+    return st.one_of(_hostile(), _plausible())
 
 
 @st.composite
