@@ -526,13 +526,8 @@ def _sweep_shm(err: TextIO) -> None:
     Safe next to starting children: a segment goes only when its owner pid is dead and no process
     holds its lock. Runs in a thread because the transport package imports torch (seconds).
     """
-    try:
-        from omnistage.common.transport.shm_pool import sweep_stale_segments
-    except ImportError:
-        try:
-            from omnistage.common.transport import sweep_stale_segments
-        except ImportError:
-            return
+    from omnistage.common.transport.host import sweep_stale_segments
+
     try:
         sweep_stale_segments()
     except Exception as exc:  # a failed sweep must not stop the start

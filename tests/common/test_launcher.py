@@ -196,6 +196,22 @@ def test_exit_after_ready_in_process(tmp_path, monkeypatch):
     assert pids and not any(alive(p) for p in pids)
 
 
+def test_serve_sweeps_the_shm_segments_of_dead_processes(tmp_path):
+    """A producer that crashed leaves its /dev/shm segment behind; the next `serve` removes it."""
+    producer = (
+        "import os; from omnistage.common.transport.host import Segment; "
+        "seg = Segment.create(4096); print(seg.name, flush=True); os._exit(0)"
+    )
+    name = subprocess.run([sys.executable, "-c", producer], capture_output=True, text=True, check=True).stdout.strip()
+    from omnistage.common.transport.host import SHM_DIR
+
+    assert os.path.exists(os.path.join(SHM_DIR, name))
+    cfg = write_config(tmp_path / "deploy.yaml", {"alpha": {}})
+    code = launch(cfg, [], modules={"thinker": SCRIPT}, exit_after_ready=True, out=io.StringIO(), err=io.StringIO())
+    assert code == 0
+    assert not os.path.exists(os.path.join(SHM_DIR, name)), "the dead producer's segment is still there"
+
+
 def test_config_errors_exit_2_naming_the_key(tmp_path):
     cfg = write_config(tmp_path / "deploy.yaml", {"alpha": {}})
     err = io.StringIO()
