@@ -1,4 +1,8 @@
-"""`python -m omnistage.services.gateway --config F --service NAME`: the public Omni API."""
+"""`python -m omnistage.services.gateway --config F --service NAME`: the public Omni API.
+
+Start-up waits for every deployed stage it calls (the thinker; the encoder when one is deployed) to
+be SERVING, sends one real text request through the thinker, then serves.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,11 @@ from omnistage.common.config import DeployConfig, ServiceConfig
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
+from omnistage.common.transport import TransportContext
+from omnistage.services.gateway.media import MediaStage
 from omnistage.services.gateway.prompt import Turn, build_chat
 from omnistage.services.gateway.server import OmniServicer
-from omnistage.services.gateway.stages import ThinkerClient
+from omnistage.services.gateway.stages import EncoderClient, ThinkerClient
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, control_pb2, omni_pb2_grpc
 
@@ -21,11 +27,34 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     thinker = None
     max_model_len: int | None = None
     thinkers = cfg.services_of("thinker")
+    encoders = cfg.services_of("encoder")
+    if thinkers or encoders:
+        runtime.reporter.enter("warming_up", total=len(thinkers[:1]) + len(encoders[:1]), unit="stages")
+    media = None
+    if encoders:
+        e = encoders[0]
+        encoder = EncoderClient(e.name, cfg.address(e.name), max(e.max_message_bytes, svc.max_message_bytes),
+                                admin_address=cfg.admin_address(e.name), admin_metadata=auth.admin_metadata(e))
+        runtime.reporter.heartbeat(f"waiting for {e.name}")
+        try:
+            await encoder.wait_serving(gw.stage_wait_s)
+            # Releases only (refs that never reach the thinker): the gateway maps no bytes of them.
+            # A GPU thinker can open CUDA IPC handles, so embeddings made on a GPU may stay there.
+            cuda_thinker = bool(thinkers) and thinkers[0].device == "cuda"
+            media = MediaStage(encoder, TransportContext(), allow_cuda_ipc=cuda_thinker)
+            runtime.add_shutdown_hook(media.close)
+        except Exception:
+            await encoder.close()
+            if not gw.allow_degraded:
+                raise
+            runtime.reporter.heartbeat(f"{e.name} unavailable; serving degraded")
+            deployed.discard("encoder")
+        runtime.reporter.advance()
     if thinkers:
         t = thinkers[0]
         client = ThinkerClient(t.name, cfg.address(t.name), max(t.max_message_bytes, svc.max_message_bytes),
                                admin_address=cfg.admin_address(t.name), admin_metadata=auth.admin_metadata(t))
-        runtime.reporter.enter("warming_up", total=1, unit="stages", detail=f"waiting for {t.name}")
+        runtime.reporter.heartbeat(f"waiting for {t.name}")
         try:
             await client.wait_serving(gw.stage_wait_s)
             desc = await client.describe()  # None without an admin port: then only the thinker checks lengths
@@ -48,6 +77,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         limits=RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars, max_model_len),
         system_prompt=gw.system_prompt,
         media_dir=gw.media_dir,
+        media=media,
     )
     runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")
     runtime.set_limits_provider(
