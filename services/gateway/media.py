@@ -27,16 +27,21 @@ log = get_logger(__name__)
 _KIND = {"image": encoder_pb2.MEDIA_KIND_IMAGE, "audio": encoder_pb2.MEDIA_KIND_AUDIO,
          "video": encoder_pb2.MEDIA_KIND_VIDEO}  # fmt: skip
 _ITEM = re.compile(r"^items\[(\d+)\](?: \((?:image|audio|video)\))?")
-# Room left in an Encode message for everything but the media bytes.
-_MESSAGE_OVERHEAD = 64 << 10
+# Room kept in an Encode message for everything but the media bytes.
+MESSAGE_OVERHEAD = 64 << 10
 
 
 class MediaStage:
     """The gateway's side of the encoder: encode a request's media, release refs it never forwarded."""
 
-    def __init__(self, encoder: EncoderClient, transport: TransportContext, *, allow_cuda_ipc: bool = False) -> None:
+    def __init__(
+        self, encoder: EncoderClient, transport: TransportContext, *, max_request_bytes: int,
+        allow_cuda_ipc: bool = False,
+    ) -> None:
         self.encoder = encoder
         self.transport = transport
+        # The encoder's max_message_bytes: one Encode request carries every part's bytes.
+        self.max_media_bytes = max_request_bytes - MESSAGE_OVERHEAD
         # The thinker runs on a GPU: embeddings made on the encoder's GPU may stay there (CUDA IPC).
         self.allow_cuda_ipc = allow_cuda_ipc
 
@@ -45,6 +50,12 @@ class MediaStage:
     ) -> list[encoder_pb2.EncodedItem]:
         """One encoder output per part, in order. Encoder refusals name the part (`messages[0].parts[1].image`)."""
         items = [await self._item(part, paths) for part in parts]
+        size = sum(len(item.data) for item in items)
+        if size > self.max_media_bytes:
+            raise InvalidRequest(
+                f"messages: the media parts hold {size} bytes, more than the {self.max_media_bytes} one encoder "
+                "request takes"
+            )
         request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, allow_cuda_ipc=self.allow_cuda_ipc)
         try:
             response = await self.encoder.encode(request, timeout_s)
@@ -59,7 +70,7 @@ class MediaStage:
         if part.media.WhichOneof("source") == "data":
             return encoder_pb2.EncodeItem(kind=_KIND[part.kind], data=part.media.data)
         where = f"{part.where}.path"
-        data = await asyncio.to_thread(_read, paths[where], where, self.encoder.max_message_bytes - _MESSAGE_OVERHEAD)
+        data = await asyncio.to_thread(_read, paths[where], where, self.max_media_bytes)
         return encoder_pb2.EncodeItem(kind=_KIND[part.kind], data=data)
 
     def release(self, items: Sequence[encoder_pb2.EncodedItem]) -> None:

@@ -137,8 +137,6 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class FakeEncoder:
     """Answers with shm refs from `producer`, or with `error`; remembers the requests and deadlines."""
 
-    max_message_bytes = 1 << 20
-
     def __init__(self, producer, cfg, error: grpc.aio.AioRpcError | None = None) -> None:
         self.producer, self.cfg, self.error = producer, cfg, error
         self.calls: list[tuple[encoder_pb2.EncodeRequest, float | None]] = []
@@ -178,7 +176,7 @@ class Context:
 
 
 def run_gateway(thinker, encoder, request, producer, media_dir="", max_model_len=None):
-    media = MediaStage(encoder, TransportContext()) if encoder is not None else None
+    media = MediaStage(encoder, TransportContext(), max_request_bytes=1 << 20) if encoder is not None else None
     servicer = OmniServicer(thinker, DEPLOYED, max_concurrent_requests=4, media=media, media_dir=media_dir,
                             limits=RequestLimits(max_model_len=max_model_len), system_prompt="")  # fmt: skip
 
@@ -242,3 +240,6 @@ def test_media_needs_an_encoder(ckpt, producer, tmp_path):
     request = user(omni_pb2.ContentPart(audio=omni_pb2.Media(path="big.wav")))
     with pytest.raises(InvalidRequest, match=r"^messages\[0\]\.parts\[0\]\.audio\.path: the file has 2097152 bytes"):
         run_gateway(FakeThinker(), FakeEncoder(producer, cfg), request, producer, media_dir=str(tmp_path))
+    request = user(*[audio(b"x" * (400 << 10))] * 3)  # each fits, together they do not
+    with pytest.raises(InvalidRequest, match=r"^messages: the media parts hold 1228800 bytes, more than the"):
+        run_gateway(FakeThinker(), FakeEncoder(producer, cfg), request, producer)
