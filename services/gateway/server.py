@@ -64,7 +64,9 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         if self.thinker is None:
             raise StageUnavailable("the 'thinker' stage is not available (gateway started degraded)")
         if plan.media and self.media is None:
-            raise StageUnavailable(f"{plan.media[0].where}: the 'encoder' stage is not available (gateway started degraded)")
+            raise StageUnavailable(
+                f"{plan.media[0].where}: the 'encoder' stage is not available (gateway started degraded)"
+            )
         if self.in_flight >= self.max_concurrent_requests:
             raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200)
         self.in_flight += 1

@@ -139,5 +139,7 @@ class EncoderClient(StageClient):
         super().__init__(name, address, max_message_bytes, **admin)
         self.stub = encoder_pb2_grpc.EncoderStub(self.channel)
 
-    async def encode(self, request: encoder_pb2.EncodeRequest, timeout_s: float | None) -> encoder_pb2.EncodeResponse:
+    async def encode(
+        self, request: encoder_pb2.EncodeRequest, timeout_s: float | None
+    ) -> encoder_pb2.EncodeResponse:
         return await self.stub.Encode(request, timeout=timeout_s)

@@ -146,7 +146,9 @@ class MediaInputs:
         positions, delta = self._positions(ids, items)
         return MultimodalPrompt(list(ids), PromptMedia(rows, slots, modality), positions, delta)
 
-    def _layout(self, ids: list[int], ids_t: torch.Tensor, p: int, items: Sequence[Item]) -> dict[int, torch.Tensor]:
+    def _layout(
+        self, ids: list[int], ids_t: torch.Tensor, p: int, items: Sequence[Item]
+    ) -> dict[int, torch.Tensor]:
         """Slots of each item with placeholder `p`: whole runs, in request order, all of them used."""
         name = self.ids.name(p)
         slots = torch.nonzero(ids_t == p).flatten()
@@ -158,7 +160,8 @@ class MediaInputs:
             for length in self._run_lengths(item):
                 if used_runs == len(runs):
                     raise InvalidRequest(
-                        f"multimodal[{i}]: the prompt has no {name} run left for it (it needs a run of {length} slots)"
+                        f"multimodal[{i}]: the prompt has no {name} run left for it "
+                        f"(it needs a run of {length} slots)"
                     )
                 run = runs[used_runs]
                 if run.length != length:

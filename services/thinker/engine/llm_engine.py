@@ -126,7 +126,9 @@ class LLMEngine:
         if positions is not None and tuple(positions.shape) != (3, num_prompt):
             raise RequestError(f"request {request_id!r}: positions must be [3, {num_prompt}]")
         if media is not None and media.num_rows and not 0 <= int(media.slots[0]) <= int(media.slots[-1]) < num_prompt:
-            raise RequestError(f"request {request_id!r}: media slots must lie inside the prompt (0..{num_prompt - 1})")
+            raise RequestError(
+                f"request {request_id!r}: media slots must lie inside the prompt (0..{num_prompt - 1})"
+            )
         if request_id in self.scheduler.seqs:
             raise RequestError(f"request {request_id!r} is already running")
         if len(self.scheduler.waiting) >= self.cfg.max_queued_requests:

@@ -96,7 +96,9 @@ class BailingMoeV2Model(nn.Module):
         self, hidden: torch.Tensor, positions: torch.Tensor, modality: torch.Tensor | None
     ) -> torch.Tensor:
         # Which tokens each router takes is found once here, not again in every MoE layer.
-        routers = RouterRows.of(modality, self.num_routers) if modality is not None and self.num_routers > 1 else None
+        routers = None
+        if modality is not None and self.num_routers > 1:
+            routers = RouterRows.of(modality, self.num_routers)
         for layer in self.layers:
             hidden = layer(hidden, positions, routers)
         return self.norm(hidden)
