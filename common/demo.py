@@ -1,26 +1,34 @@
-"""`make demo`: start the whole pipeline, send one real request per modality built so far, save, stop.
+"""`make demo`: start the whole pipeline, send one real request per input modality, save, stop.
 
 Runs `omnistage serve` as a child (so the demo exercises exactly what a user runs), waits for its
-ready file with a deadline, streams a text request through the gateway, writes
-`<out>/result.json`, then stops the pipeline with SIGTERM and checks it exits cleanly.
+ready file with a deadline, streams a text request, a text + image request (a picture drawn here
+with PIL) and a text + audio request (a WAV synthesised here) through the gateway, writes
+`<out>/result.json` (and the image and WAV it sent next to it), then stops the pipeline with
+SIGTERM and checks it exits cleanly.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import math
 import os
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import wave
 from pathlib import Path
 
 import grpc
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
 PROMPT = "Hello! In one sentence, what is an omni-modal model?"
+IMAGE_PROMPT = "Describe the image in detail."
+AUDIO_PROMPT = "Please transcribe the audio clip."
 
 
 def _wait_ready(proc: subprocess.Popen, ready_file: Path, timeout_s: float) -> str:
@@ -34,12 +42,41 @@ def _wait_ready(proc: subprocess.Popen, ready_file: Path, timeout_s: float) -> s
     raise SystemExit(f"demo: pipeline not ready after {timeout_s:.0f}s")
 
 
-def _text_request(address: str) -> dict:
+def draw_image(width: int = 320, height: int = 240) -> bytes:
+    """A PNG of a sun over a green hill under a blue sky, drawn with PIL."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (width, height), (110, 170, 235))
+    draw = ImageDraw.Draw(img)
+    draw.ellipse((-width // 2, height // 2, width * 3 // 2, height * 2), fill=(60, 150, 70))
+    draw.ellipse((width - 110, 25, width - 40, 95), fill=(250, 210, 60))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def synth_wav(seconds: float = 1.5, rate: int = 16000) -> bytes:
+    """A mono 16-bit WAV: a rising two-tone chirp, synthesised here."""
+    frames = bytearray()
+    for i in range(int(seconds * rate)):
+        t = i / rate
+        f = 300.0 + 400.0 * t / seconds
+        sample = 0.3 * math.sin(2 * math.pi * f * t) + 0.1 * math.sin(2 * math.pi * 2 * f * t)
+        frames += struct.pack("<h", int(sample * 32767))
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(bytes(frames))
+    return buf.getvalue()
+
+
+def _request(address: str, name: str, prompt: str, parts: list[omni_pb2.ContentPart]) -> dict:
+    """Stream one request through the gateway, printing the text as it comes; its result as a dict."""
     request = omni_pb2.GenerateRequest(
-        request_id="demo-text-1",
-        messages=[
-            omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=PROMPT)]),
-        ],
+        request_id=f"demo-{name}-1",
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[*parts, omni_pb2.ContentPart(text=prompt)])],
         output_modalities=[omni_pb2.MODALITY_TEXT],
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=48),
     )
@@ -47,8 +84,8 @@ def _text_request(address: str) -> dict:
     text, token_ids, finish = [], [], None
     with grpc.insecure_channel(address) as channel:
         stub = omni_pb2_grpc.OmniStub(channel)
-        print(f"demo: prompt: {PROMPT}")
-        print("demo: answer (tiny random weights, so the words are noise): ", end="", flush=True)
+        print(f"demo: {name}: prompt: {prompt}")
+        print(f"demo: {name}: answer (tiny random weights, so the words are noise): ", end="", flush=True)
         for event in stub.Generate(request, timeout=120):
             kind = event.WhichOneof("event")
             if kind == "text":
@@ -59,10 +96,10 @@ def _text_request(address: str) -> dict:
                 finish = event.finish
     print()
     if finish is None:
-        raise SystemExit("demo: the stream ended without a Finish event")
+        raise SystemExit(f"demo: {name}: the stream ended without a Finish event")
     return {
-        "modality": "text",
-        "prompt": PROMPT,
+        "modality": name,
+        "prompt": prompt,
         "text": "".join(text),
         "token_ids": token_ids,
         "finish_reason": common_pb2.FinishReason.Name(finish.reason),
@@ -71,6 +108,20 @@ def _text_request(address: str) -> dict:
         "time_to_first_token_ms": round(finish.usage.time_to_first_token_ms, 1),
         "wall_s": round(time.monotonic() - started, 3),
     }
+
+
+def _run_requests(address: str, out: Path) -> list[dict]:
+    """The text request, then text + image and text + audio; the media are saved next to the results."""
+    image, audio = draw_image(), synth_wav()
+    (out / "demo-image.png").write_bytes(image)
+    (out / "demo-audio.wav").write_bytes(audio)
+    results = [
+        _request(address, "text", PROMPT, []),
+        _request(address, "text+image", IMAGE_PROMPT, [omni_pb2.ContentPart(image=omni_pb2.Media(data=image))]),
+        _request(address, "text+audio", AUDIO_PROMPT, [omni_pb2.ContentPart(audio=omni_pb2.Media(data=audio))]),
+    ]
+    results[1]["input"], results[2]["input"] = "demo-image.png", "demo-audio.wav"
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             address = _wait_ready(proc, ready_file, args.ready_timeout_s)
             print(f"demo: pipeline ready, gateway at {address}", flush=True)
-            results = [_text_request(address)]
+            results = _run_requests(address, out)
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -102,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         summary = {k: v for k, v in r.items() if k not in ("token_ids", "text")}
         print(f"demo: {r['modality']}: {json.dumps(summary, ensure_ascii=False)}")
-    print(f"demo: saved {out / 'result.json'}; pipeline stopped (exit {proc.returncode})")
+    print(f"demo: saved {out / 'result.json'} (inputs: demo-image.png, demo-audio.wav); "
+          f"pipeline stopped (exit {proc.returncode})")
     return 0 if proc.returncode == 0 else 1
 
 

@@ -1,18 +1,56 @@
-"""`python -m omnistage.services.gateway --config F --service NAME`: the public Omni API."""
+"""`python -m omnistage.services.gateway --config F --service NAME`: the public Omni API.
+
+Start-up waits for every deployed stage it calls (the thinker; the encoder when one is deployed) to
+be SERVING, sends one real text request through the thinker and, with an encoder, one request with
+an image through the whole media path (encoder → shared memory → thinker), then serves.
+"""
 
 from __future__ import annotations
 
+import io
 import sys
 
 from omnistage.common.config import DeployConfig, ServiceConfig
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
+from omnistage.common.transport import TransportContext
+from omnistage.services.gateway.media import MediaStage
 from omnistage.services.gateway.prompt import Turn, build_chat
 from omnistage.services.gateway.server import OmniServicer
-from omnistage.services.gateway.stages import ThinkerClient
+from omnistage.services.gateway.stages import EncoderClient, ThinkerClient
 from omnistage.services.gateway.validation import RequestLimits
-from omnistage.v1 import common_pb2, control_pb2, omni_pb2_grpc
+from omnistage.v1 import common_pb2, control_pb2, omni_pb2, omni_pb2_grpc
+
+
+class _Deadline:
+    """The one thing the servicer asks of a call context, for the start-up request."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def time_remaining(self) -> float:
+        return self.seconds
+
+
+def _warmup_image() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (90, 140, 200)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+async def _warm_up_media(servicer: OmniServicer) -> None:
+    """One image request through the path clients take: a broken shm hand-over fails start-up."""
+    parts = [omni_pb2.ContentPart(image=omni_pb2.Media(data=_warmup_image())), omni_pb2.ContentPart(text="warm-up")]
+    request = omni_pb2.GenerateRequest(
+        request_id="gateway-warmup-media", messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)],
+        sampling=common_pb2.SamplingParams(max_tokens=1),
+    )  # fmt: skip
+    events = [e async for e in servicer.Generate(request, _Deadline(60.0))]
+    if not events or events[-1].WhichOneof("event") != "finish":
+        raise RuntimeError("the media warm-up request ended without a finish")
 
 
 async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
@@ -21,11 +59,35 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     thinker = None
     max_model_len: int | None = None
     thinkers = cfg.services_of("thinker")
+    encoders = cfg.services_of("encoder")
+    if thinkers or encoders:
+        runtime.reporter.enter("warming_up", total=len(thinkers[:1]) + len(encoders[:1]), unit="stages")
+    media = None
+    if encoders:
+        e = encoders[0]
+        encoder = EncoderClient(e.name, cfg.address(e.name), max(e.max_message_bytes, svc.max_message_bytes),
+                                admin_address=cfg.admin_address(e.name), admin_metadata=auth.admin_metadata(e))
+        runtime.reporter.heartbeat(f"waiting for {e.name}")
+        try:
+            await encoder.wait_serving(gw.stage_wait_s)
+            # Releases only (refs that never reach the thinker): the gateway maps no bytes of them.
+            # A GPU thinker can open CUDA IPC handles, so embeddings made on a GPU may stay there.
+            cuda_thinker = bool(thinkers) and thinkers[0].device == "cuda"
+            media = MediaStage(encoder, TransportContext(), max_request_bytes=e.max_message_bytes,
+                               allow_cuda_ipc=cuda_thinker)
+            runtime.add_shutdown_hook(media.close)
+        except Exception:
+            await encoder.close()
+            if not gw.allow_degraded:
+                raise
+            runtime.reporter.heartbeat(f"{e.name} unavailable; serving degraded")
+            deployed.discard("encoder")
+        runtime.reporter.advance()
     if thinkers:
         t = thinkers[0]
         client = ThinkerClient(t.name, cfg.address(t.name), max(t.max_message_bytes, svc.max_message_bytes),
                                admin_address=cfg.admin_address(t.name), admin_metadata=auth.admin_metadata(t))
-        runtime.reporter.enter("warming_up", total=1, unit="stages", detail=f"waiting for {t.name}")
+        runtime.reporter.heartbeat(f"waiting for {t.name}")
         try:
             await client.wait_serving(gw.stage_wait_s)
             desc = await client.describe()  # None without an admin port: then only the thinker checks lengths
@@ -48,7 +110,18 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         limits=RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars, max_model_len),
         system_prompt=gw.system_prompt,
         media_dir=gw.media_dir,
+        media=media,
     )
+    if media is not None and thinker is not None:
+        runtime.reporter.heartbeat("one image through encoder and thinker")
+        try:
+            await _warm_up_media(servicer)
+        except Exception:
+            if not gw.allow_degraded:
+                raise
+            runtime.reporter.heartbeat("the media path failed its warm-up; serving without media")
+            servicer.media = None
+            deployed.discard("encoder")
     runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")
     runtime.set_limits_provider(
         lambda: control_pb2.Limits(

@@ -1,25 +1,20 @@
 """OmniServicer: validate, run the request through the stages, stream events back.
 
-The gateway holds no model. It turns a public request into stage calls (today: the thinker), passes
-the client's deadline on, and cancels the stage stream when the client goes away.
+The gateway holds no model. It turns a public request into stage calls (the encoder for media parts,
+then the thinker), passes the client's remaining deadline to each, and cancels the stage stream when
+the client goes away. Embeddings go from the encoder to the thinker as TensorRefs, never through the
+gateway's memory; refs that never reach the thinker are released here (media.py).
 """
 
 from __future__ import annotations
 
 import grpc
-from omnistage.common.runtime.errors import OmniError, Overloaded, StageUnavailable
+from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
+from omnistage.services.gateway.media import MediaStage, thinker_items
 from omnistage.services.gateway.media_path import check_media_paths
-from omnistage.services.gateway.stages import ThinkerClient
-from omnistage.services.gateway.validation import RequestLimits, plan_request
-from omnistage.v1 import omni_pb2, omni_pb2_grpc, thinker_pb2
-
-
-class StageError(OmniError):
-    """A stage refused or failed a call: the client gets the stage's own status code and message."""
-
-    def __init__(self, stage: str, exc: grpc.aio.AioRpcError) -> None:
-        super().__init__(f"{stage}: {exc.details()}")
-        self.code = exc.code()
+from omnistage.services.gateway.stages import StageError, ThinkerClient
+from omnistage.services.gateway.validation import PlannedRequest, RequestLimits, plan_request
+from omnistage.v1 import encoder_pb2, omni_pb2, omni_pb2_grpc, thinker_pb2
 
 
 def _event(request_id: str, ev: thinker_pb2.ThinkerEvent) -> omni_pb2.GenerateEvent | None:
@@ -52,8 +47,10 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         limits: RequestLimits,
         system_prompt: str,
         media_dir: str = "",
+        media: MediaStage | None = None,
     ) -> None:
         self.thinker = thinker
+        self.media = media  # None: no encoder (media parts get FAILED_PRECONDITION)
         self.deployed = deployed
         self.max_concurrent_requests = max_concurrent_requests
         self.limits = limits
@@ -62,32 +59,65 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         self.in_flight = 0
 
     async def Generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        check_media_paths(request, self.media_dir)  # a file path is a permission question, asked first
+        paths = check_media_paths(request, self.media_dir)  # a file path is a permission question, asked first
         plan = plan_request(request, self.deployed, self.system_prompt, self.limits)
         if self.thinker is None:
             raise StageUnavailable("the 'thinker' stage is not available (gateway started degraded)")
+        if plan.media and self.media is None:
+            raise StageUnavailable(
+                f"{plan.media[0].where}: the 'encoder' stage is not available (gateway started degraded)"
+            )
         if self.in_flight >= self.max_concurrent_requests:
             raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200)
         self.in_flight += 1
         try:
-            finished = False
-            stream = self.thinker.generate(plan.request_id, plan.prompt, plan.sampling, context.time_remaining())
+            encoded: list[encoder_pb2.EncodedItem] = []
+            if plan.media:
+                encoded = await self.media.encode(plan.request_id, plan.media, paths, context.time_remaining())
+            handed_over = False  # the thinker's `started`: from then on the leases are its business
+            events = self._thinker_events(plan, encoded, context)
             try:
-                async for ev in stream:
-                    event = _event(plan.request_id, ev)
-                    if event is not None:
+                async for event in events:
+                    if event is None:
+                        handed_over = True
+                    else:
                         yield event
-                    if ev.WhichOneof("event") == "finish":
-                        finished = True
-                        break
-            except grpc.aio.AioRpcError as exc:
-                raise StageError("thinker", exc) from exc
             finally:
-                await stream.aclose()
-            if not finished:
-                raise StageUnavailable("thinker: stream ended without a finish event")
+                await events.aclose()  # cancels the thinker stream now if the client left
+                if encoded and not handed_over:
+                    self.media.release(encoded)
         finally:
             self.in_flight -= 1
+
+    async def _thinker_events(self, plan: PlannedRequest, encoded: list[encoder_pb2.EncodedItem], context):
+        """The client's events of the thinker stream; None marks `started` (the thinker has the rows)."""
+        self._check_media_tokens(plan, encoded)
+        finished = False
+        stream = self.thinker.generate(
+            plan.request_id, plan.chat(encoded), plan.sampling, context.time_remaining(),
+            multimodal=thinker_items(encoded),
+        )  # fmt: skip
+        try:
+            async for ev in stream:
+                yield _event(plan.request_id, ev)
+                if ev.WhichOneof("event") == "finish":
+                    finished = True
+                    break
+        except grpc.aio.AioRpcError as exc:
+            raise StageError("thinker", exc) from exc
+        finally:
+            await stream.aclose()
+        if not finished:
+            raise StageUnavailable("thinker: stream ended without a finish event")
+
+    def _check_media_tokens(self, plan: PlannedRequest, encoded: list[encoder_pb2.EncodedItem]) -> None:
+        """Media alone longer than the thinker's context: refused here, before the thinker is called."""
+        limit = self.limits.max_model_len
+        tokens = sum(item.num_tokens for item in encoded)
+        if limit and tokens >= limit:
+            raise InvalidRequest(
+                f"messages: the media parts take {tokens} prompt tokens, the thinker's max_model_len is {limit}"
+            )
 
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext):
         raise StageUnavailable("Converse needs the 'talker' stage, which is not deployed", retryable=False)

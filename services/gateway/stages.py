@@ -14,11 +14,27 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from omnistage.common.runtime.errors import StageUnavailable
-from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, thinker_pb2, thinker_pb2_grpc
+from omnistage.common.runtime.errors import OmniError, StageUnavailable
+from omnistage.v1 import (
+    common_pb2,
+    control_pb2,
+    control_pb2_grpc,
+    encoder_pb2,
+    encoder_pb2_grpc,
+    thinker_pb2,
+    thinker_pb2_grpc,
+)
 
 # After the finish event a stage stream ends at once; this bounds the wait for its status.
 _FINISHED_STREAM_END_S = 5.0
+
+
+class StageError(OmniError):
+    """A stage refused or failed a call: the client gets the stage's own status code and message."""
+
+    def __init__(self, stage: str, exc: grpc.aio.AioRpcError, details: str | None = None) -> None:
+        super().__init__(f"{stage}: {exc.details() if details is None else details}")
+        self.code = exc.code()
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -37,6 +53,7 @@ class StageClient:
     ) -> None:
         self.name = name
         self.address = address
+        self.max_message_bytes = max_message_bytes
         self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.admin_address = admin_address
@@ -88,11 +105,13 @@ class ThinkerClient(StageClient):
         prompt: thinker_pb2.ChatPrompt,
         sampling: common_pb2.SamplingParams,
         timeout_s: float | None,
+        multimodal: list[thinker_pb2.MultimodalEmbedding] | None = None,
     ) -> AsyncIterator[thinker_pb2.ThinkerEvent]:
-        """The thinker's events, `started` first. `request_id` is the client's, for the thinker's logs."""
-        call = self.stub.Generate(
-            thinker_pb2.ThinkerRequest(request_id=request_id, chat=prompt, sampling=sampling), timeout=timeout_s
-        )
+        """The thinker's events, `started` first. `request_id` is the client's, for the thinker's logs;
+        `multimodal` carries the encoder's refs as they came (the thinker releases their leases)."""
+        request = thinker_pb2.ThinkerRequest(request_id=request_id, chat=prompt, sampling=sampling,
+                                             multimodal=multimodal or [])  # fmt: skip
+        call = self.stub.Generate(request, timeout=timeout_s)
         finished = False
         try:
             async for event in call:
@@ -110,3 +129,17 @@ class ThinkerClient(StageClient):
         """Abort by the engine id of the stream's `started` event (no other id aborts anything)."""
         resp = await self.stub.Abort(thinker_pb2.AbortRequest(request_id=engine_request_id), timeout=5.0)
         return resp.aborted
+
+
+class EncoderClient(StageClient):
+    """Encoder.Encode bounded by the caller's deadline (a cancelled caller cancels the call, and the
+    encoder takes back the leases of a response it could not hand over)."""
+
+    def __init__(self, name: str, address: str, max_message_bytes: int, **admin: Any) -> None:
+        super().__init__(name, address, max_message_bytes, **admin)
+        self.stub = encoder_pb2_grpc.EncoderStub(self.channel)
+
+    async def encode(
+        self, request: encoder_pb2.EncodeRequest, timeout_s: float | None
+    ) -> encoder_pb2.EncodeResponse:
+        return await self.stub.Encode(request, timeout=timeout_s)

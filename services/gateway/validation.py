@@ -10,12 +10,13 @@ and the thinker nothing. Sampling follows the shared rules of `common/sampling.p
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.sampling import check_sampling
-from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT, Turn, build_chat, prompt_chars
-from omnistage.v1 import common_pb2, omni_pb2, thinker_pb2
+from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT, MediaSlot, Turn, build_chat, prompt_chars
+from omnistage.v1 import common_pb2, encoder_pb2, omni_pb2, thinker_pb2
 
 MAX_REQUEST_ID_CHARS = 256
 _MEDIA_STAGE = {"image": "encoder", "audio": "encoder", "video": "encoder"}
@@ -34,13 +35,35 @@ class RequestLimits:
 
 
 @dataclass(frozen=True)
+class MediaPart:
+    """One image, audio clip or video of the request, in prompt order (= the order it is encoded in)."""
+
+    where: str  # the field path a client reads in errors: messages[0].parts[2].image
+    kind: str  # "image" | "audio" | "video"
+    media: omni_pb2.Media
+
+
+@dataclass(frozen=True)
 class PlannedRequest:
-    """A validated request: the prompt for the thinker and what else the pipeline must do."""
+    """A validated request: the turns for the thinker's prompt and what else the pipeline must do."""
 
     request_id: str
-    prompt: thinker_pb2.ChatPrompt
+    turns: tuple[Turn, ...]
+    system_prompt: str
     sampling: common_pb2.SamplingParams
     outputs: frozenset[int]
+    media: tuple[MediaPart, ...] = ()
+
+    def chat(self, encoded: Sequence[encoder_pb2.EncodedItem] = ()) -> thinker_pb2.ChatPrompt:
+        """The thinker's prompt; `encoded[i]` (the encoder's output for media[i]) sizes its placeholders."""
+        if len(encoded) != len(self.media):
+            raise ValueError(f"{len(self.media)} media parts, {len(encoded)} encoder outputs")
+        return build_chat(self.turns, self.system_prompt, media=encoded)
+
+    @property
+    def prompt(self) -> thinker_pb2.ChatPrompt:
+        """The prompt of a text-only request."""
+        return self.chat()
 
 
 def _check_counts(req: omni_pb2.GenerateRequest, limits: RequestLimits) -> None:
@@ -74,10 +97,14 @@ def _check_outputs(req: omni_pb2.GenerateRequest, deployed: set[str]) -> set[int
     return outputs
 
 
-def _message_text(where: str, msg: omni_pb2.ChatMessage, deployed: set[str]) -> str:
+def _message_content(
+    where: str, msg: omni_pb2.ChatMessage, deployed: set[str], media: list[MediaPart]
+) -> tuple[str | MediaSlot, ...]:
+    """Texts (adjacent ones joined) and media slots of one message, in order; media parts are
+    appended to `media`."""
     if not msg.parts:
         raise InvalidRequest(f"{where}.parts: a message needs at least one part")
-    texts = []
+    content: list[str | MediaSlot] = []
     for j, part in enumerate(msg.parts):
         kind = part.WhichOneof("content")
         if kind is None:
@@ -89,11 +116,22 @@ def _message_text(where: str, msg: omni_pb2.ChatMessage, deployed: set[str]) -> 
                     f"{where}.parts[{j}]: {kind} input needs the '{stage}' stage, which is not deployed",
                     retryable=False,
                 )
-            raise StageUnavailable(f"{where}.parts[{j}]: {kind} input is not wired into the gateway yet", retryable=False)
+            item: omni_pb2.Media = getattr(part, kind)
+            source = item.WhichOneof("source")
+            if source is None:
+                raise InvalidRequest(f"{where}.parts[{j}].{kind}: set data or path")
+            if source == "data" and not item.data:
+                raise InvalidRequest(f"{where}.parts[{j}].{kind}.data: empty")
+            content.append(MediaSlot(kind, len(media)))
+            media.append(MediaPart(f"{where}.parts[{j}].{kind}", kind, item))
+            continue
         if not part.text:
             raise InvalidRequest(f"{where}.parts[{j}].text: empty text (give it text or leave the part out)")
-        texts.append(part.text)
-    return "".join(texts)
+        if content and isinstance(content[-1], str):
+            content[-1] += part.text
+        else:
+            content.append(part.text)
+    return tuple(content)
 
 
 def plan_request(
@@ -109,6 +147,7 @@ def plan_request(
     outputs = _check_outputs(req, deployed)
     system_prompt = req.system_prompt
     turns: list[Turn] = []
+    media: list[MediaPart] = []
     text_chars = len(system_prompt)
     for i, msg in enumerate(req.messages):
         where = f"messages[{i}]"
@@ -119,24 +158,28 @@ def plan_request(
                 raise InvalidRequest(f"{where}.role: system_prompt and a system message are both set")
         elif msg.role not in (omni_pb2.ROLE_USER, omni_pb2.ROLE_ASSISTANT):
             raise InvalidRequest(f"{where}.role: must be ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT")
-        text = _message_text(where, msg, deployed)
-        text_chars += len(text)
+        content = _message_content(where, msg, deployed, media)
+        text_chars += sum(len(c) for c in content if isinstance(c, str))
         if text_chars > limits.max_prompt_chars:
             raise InvalidRequest(
                 f"messages: the prompt passes {limits.max_prompt_chars} characters at {where} (max_prompt_chars)"
             )
         if msg.role == omni_pb2.ROLE_SYSTEM:
-            system_prompt = text
+            if len(content) != 1 or not isinstance(content[0], str):
+                raise InvalidRequest(f"{where}.parts: a system message takes text only")
+            system_prompt = content[0]
         else:
-            turns.append(Turn("user" if msg.role == omni_pb2.ROLE_USER else "assistant", text))
+            turns.append(Turn("user" if msg.role == omni_pb2.ROLE_USER else "assistant", content))
     if not turns or turns[-1].role != "user":
         raise InvalidRequest("messages: the last message must be from ROLE_USER")
     check_sampling(req.sampling, max_model_len=limits.max_model_len)
-    chat = build_chat(turns, system_prompt or default_system_prompt or DEFAULT_SYSTEM_PROMPT)
-    chars = prompt_chars(chat)
+    system_prompt = system_prompt or default_system_prompt or DEFAULT_SYSTEM_PROMPT
+    # Media placeholders are not counted: their token counts come from the encoder, and the
+    # thinker bounds the prompt's tokens.
+    chars = prompt_chars(build_chat(turns, system_prompt, media=None))
     if chars > limits.max_prompt_chars:
         raise InvalidRequest(
             f"messages: the prompt has {chars} characters with its chat markup, the limit is "
             f"{limits.max_prompt_chars} (max_prompt_chars)"
         )
-    return PlannedRequest(request_id, chat, req.sampling, frozenset(outputs))
+    return PlannedRequest(request_id, tuple(turns), system_prompt, req.sampling, frozenset(outputs), tuple(media))

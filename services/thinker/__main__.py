@@ -21,12 +21,14 @@ from omnistage.common.config import DeployConfig, ServiceConfig
 from omnistage.common.memory.report import export_memory
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
+from omnistage.common.transport import TransportContext
 from omnistage.services.thinker.engine.distributed import GroupFailure, TPControl, TPError
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine.startup import RankConfig, StartedRank, start_rank
 from omnistage.services.thinker.engine.worker import run_plan_loop
 from omnistage.services.thinker.engine_loop import EngineFailed, EngineLoop
+from omnistage.services.thinker.multimodal import MediaInputs
 from omnistage.services.thinker.server import ThinkerServicer
 from omnistage.v1 import control_pb2, thinker_pb2_grpc
 
@@ -97,7 +99,10 @@ async def _serve_rank0(runtime: ServiceRuntime, svc: ServiceConfig, started: Sta
     loop.start()
     tokenizer = engine.tokenizer
     rcfg = engine.cfg
-    servicer = ThinkerServicer(loop, tokenizer, rcfg.max_model_len)
+    # Consumer side of the encoder's embeddings: its shm pool mapped once, leases released here.
+    media = MediaInputs(engine.runner.model.config, engine.runner.dtype, TransportContext())
+    runtime.add_shutdown_hook(media.close)
+    servicer = ThinkerServicer(loop, tokenizer, rcfg.max_model_len, media=media)
     runtime.add_shutdown_hook(servicer.close)  # its tokenize pool
     runtime.add_servicer(thinker_pb2_grpc.add_ThinkerServicer_to_server, servicer, "omnistage.v1.Thinker")
     runtime.set_limits_provider(

@@ -18,6 +18,7 @@ from typing import Any
 
 from omnistage.services.thinker.engine.distributed import TPError
 from omnistage.services.thinker.engine.llm_engine import LLMEngine, RequestOutput
+from omnistage.services.thinker.engine.media import Prompt, unpack_prompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
 
 _log = logging.getLogger(__name__)
@@ -60,13 +61,15 @@ class EngineLoop:
         return fut
 
     async def submit(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt: Prompt, params: SamplingParams
     ) -> asyncio.Queue[RequestOutput | BaseException]:
-        """Add a request; raises what add_request raises (bad request, queue full)."""
+        """Add a request (token ids or a MultimodalPrompt); raises what add_request raises (bad
+        request, queue full)."""
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        prompt_ids, extra = unpack_prompt(prompt)
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt_ids, params)
+            engine.add_request(request_id, prompt_ids, params, **extra)
             with self._lock:
                 if self.failure is not None:
                     raise EngineFailed(str(self.failure))

@@ -8,7 +8,9 @@ once, so its KV blocks are freed.
 
 Prompts are bounded before any tokenizing (pieces, characters), and tokenizing runs in a small
 thread pool, never on the event loop that serves the other requests (see models/tokenizer.py for
-why a worker thread does not hold the GIL).
+why a worker thread does not hold the GIL). A multimodal request's encoder rows are checked, copied
+out of shared memory and laid out in that pool too (multimodal.py); whatever happens, its leases
+have ended before the request reaches the engine or is refused.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ import uuid
 import grpc
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
 from omnistage.common.sampling import check_sampling
+from omnistage.common.transport import TransportContext
 from omnistage.services.thinker.engine.llm_engine import QueueFullError, RequestError, RequestOutput
+from omnistage.services.thinker.engine.media import Prompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine_loop import EngineFailed, EngineLoop
 from omnistage.services.thinker.models.tokenizer import MingTokenizer, Piece
+from omnistage.services.thinker.multimodal import MediaInputs, release_refs
 from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
 
 _log = logging.getLogger(__name__)
@@ -95,9 +100,17 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
     """One short method per RPC; the engine thread does the work, the tokenize pool the tokenizing."""
 
     def __init__(
-        self, loop: EngineLoop, tokenizer: MingTokenizer, max_model_len: int, tokenize_workers: int = 2
+        self,
+        loop: EngineLoop,
+        tokenizer: MingTokenizer,
+        max_model_len: int,
+        tokenize_workers: int = 2,
+        media: MediaInputs | None = None,
     ) -> None:
         self.loop = loop
+        self.media = media  # None: this thinker takes no embeddings (FAILED_PRECONDITION)
+        # Leases of refused requests are released through this (the media's transport, if any).
+        self._transport = media.transport if media is not None else None
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         # A prompt longer than this cannot fit max_model_len tokens whatever it says.
@@ -108,12 +121,20 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
     def close(self) -> None:
         """Stop the tokenize pool (tokenizations under way finish in their threads, unawaited)."""
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if self._transport is not None and self.media is None:
+            self._transport.close()
 
     def _check_prompt_size(self, request: thinker_pb2.ThinkerRequest) -> None:
         """Refuse what cannot fit before tokenizing: cheap checks on the event loop."""
         kind = request.WhichOneof("prompt")
         if request.multimodal:
-            raise StageUnavailable("multimodal: embeddings are not accepted by this thinker yet", retryable=False)
+            if self.media is None:
+                raise StageUnavailable("multimodal: this thinker takes no embeddings", retryable=False)
+            rows = self.media.check_items(request.multimodal)
+            if rows >= self.max_model_len:
+                raise InvalidRequest(
+                    f"multimodal: {rows} embedding rows leave no room to generate (max_model_len {self.max_model_len})"
+                )
         if kind == "chat":
             pieces = request.chat.pieces
             if not pieces:
@@ -175,17 +196,31 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
             )
         return ids
 
+    def _prompt(self, request: thinker_pb2.ThinkerRequest) -> Prompt:
+        """Token ids, plus the encoder rows and 3D positions of a multimodal request (tokenize pool)."""
+        ids = self._prompt_ids(request)
+        if not request.multimodal:
+            return ids
+        assert self.media is not None  # _check_prompt_size refused it otherwise
+        return self.media.build(ids, request.multimodal)
+
     async def Generate(self, request: thinker_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
-        self._check_prompt_size(request)
-        params = sampling_from_proto(request.sampling, self.tokenizer.vocab_size, self.max_model_len)
-        ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self._prompt_ids, request)
+        try:
+            self._check_prompt_size(request)
+            params = sampling_from_proto(request.sampling, self.tokenizer.vocab_size, self.max_model_len)
+            prompt = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self._prompt, request)
+        finally:
+            if request.multimodal:  # copied, refused or cancelled: no lease outlives this
+                if self._transport is None:
+                    self._transport = TransportContext()
+                release_refs(self._transport, request.multimodal)
         engine_id = uuid.uuid4().hex
         self._live[engine_id] = request.request_id
         finished = False
         try:
             # Inside the try: a cancel while the add is in flight still aborts what it added.
             try:
-                stream = await self.loop.submit(engine_id, ids, params)
+                stream = await self.loop.submit(engine_id, prompt, params)
             except RequestError as exc:
                 raise InvalidRequest(str(exc)) from exc
             except QueueFullError as exc:

@@ -1,4 +1,5 @@
 from omnistage.v1 import common_pb2 as _common_pb2
+from omnistage.v1 import encoder_pb2 as _encoder_pb2
 from omnistage.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -9,14 +10,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MultimodalEmbedding(_message.Message):
-    __slots__ = ("placeholder_token_id", "embeddings", "grid_thw")
+    __slots__ = ("placeholder_token_id", "embeddings", "merged_grids")
     PLACEHOLDER_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
-    GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    MERGED_GRIDS_FIELD_NUMBER: _ClassVar[int]
     placeholder_token_id: int
     embeddings: _tensor_pb2.TensorRef
-    grid_thw: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, placeholder_token_id: _Optional[int] = ..., embeddings: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
+    merged_grids: _containers.RepeatedCompositeFieldContainer[_encoder_pb2.GridTHW]
+    def __init__(self, placeholder_token_id: _Optional[int] = ..., embeddings: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., merged_grids: _Optional[_Iterable[_Union[_encoder_pb2.GridTHW, _Mapping]]] = ...) -> None: ...
 
 class ThinkerRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "multimodal")

@@ -16,6 +16,7 @@ from omnistage.common.log import get_logger
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.detokenizer import Decoder, Detokenizer
 from omnistage.services.thinker.engine.distributed import TPControl, TPError
+from omnistage.services.thinker.engine.media import Prompt, PromptMedia, unpack_prompt
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from omnistage.services.thinker.engine.scheduler import ScheduledBatch, Scheduler
@@ -109,8 +110,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         positions: torch.Tensor | None = None,
         rope_delta: int = 0,
+        media: PromptMedia | None = None,
     ) -> None:
-        """Queue a request. `positions` [3, P] and `rope_delta` come from rope_index for multimodal prompts."""
+        """Queue a request. For a multimodal prompt, `positions` [3, P] and `rope_delta` come from
+        rope_index and `media` holds the encoder rows that replace its placeholder embeddings."""
         params = params or SamplingParams()
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
@@ -122,6 +125,10 @@ class LLMEngine:
             )
         if positions is not None and tuple(positions.shape) != (3, num_prompt):
             raise RequestError(f"request {request_id!r}: positions must be [3, {num_prompt}]")
+        if media is not None and media.num_rows and not 0 <= int(media.slots[0]) <= int(media.slots[-1]) < num_prompt:
+            raise RequestError(
+                f"request {request_id!r}: media slots must lie inside the prompt (0..{num_prompt - 1})"
+            )
         if request_id in self.scheduler.seqs:
             raise RequestError(f"request {request_id!r} is already running")
         if len(self.scheduler.waiting) >= self.cfg.max_queued_requests:
@@ -136,7 +143,7 @@ class LLMEngine:
             )
         # max_tokens 0: the default, clamped to what fits (a client asking for more is refused above).
         max_tokens = params.max_tokens or min(self.cfg.default_max_tokens, max_model_len - num_prompt)
-        seq = Sequence(request_id, prompt_token_ids, params, max_tokens, rope_delta, positions)
+        seq = Sequence(request_id, prompt_token_ids, params, max_tokens, rope_delta, positions, media)
         self.scheduler.add(seq)
         self.detokenizers[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
 
@@ -226,15 +233,16 @@ class LLMEngine:
 
     def generate(
         self,
-        prompts: list[list[int]],
+        prompts: list[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
         timeout_s: float = 600.0,
     ) -> list[GenerateResult]:
-        """Run prompts to completion (tests, benchmarks); results in prompt order."""
+        """Run prompts (token ids or MultimodalPrompts) to completion (tests, benchmarks); results in order."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [f"generate-{next(self._generate_ids)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.add_request(rid, prompt, p)
+            token_ids, extra = unpack_prompt(prompt)
+            self.add_request(rid, token_ids, p, **extra)
         results = {rid: GenerateResult(rid, [], "", FinishReason.ERROR) for rid in ids}
         deadline = time.monotonic() + timeout_s
         while self.has_unfinished():

@@ -146,9 +146,29 @@ class ModelRunner:
         )
         with attention_metadata(md):
             hidden = self.model(
-                plan.input_ids.to(dev, non_blocking=True), plan.positions.to(dev, non_blocking=True)
+                plan.input_ids.to(dev, non_blocking=True),
+                plan.positions.to(dev, non_blocking=True),
+                **self._media_inputs(plan),
             )
         if plan.sample_rows.numel() == 0:
             return None
         logits = self.model.compute_logits(hidden[plan.sample_rows.to(dev)])
         return logits.float() if self.rank == 0 else None
+
+    def _media_inputs(self, plan: StepPlan) -> dict[str, torch.Tensor | None]:
+        """The step's embedding overrides and per-token router codes; none in text-only steps.
+
+        Every rank gets the token rows to override and the codes from the plan; only rank 0 has the
+        encoder rows (the model's embedding all-reduce carries them to the others, see step_plan)."""
+        if plan.num_media_rows == 0:
+            return {}
+        dev = self.device
+        index = plan.media_index.to(dev, non_blocking=True)
+        modality = torch.zeros(plan.num_tokens, dtype=torch.int8, device=dev)
+        modality[index] = plan.media_modality.to(dev, torch.int8, non_blocking=True)
+        rows = None
+        if plan.media_rows is not None:
+            rows = plan.media_rows.to(dev, self.dtype, non_blocking=True)
+        elif self.rank == 0:
+            raise RuntimeError(f"step plan splices {plan.num_media_rows} media rows but carries none on rank 0")
+        return {"modality": modality, "media_index": index, "media_rows": rows}

@@ -73,6 +73,7 @@ class Scheduler:
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.media = None  # its encoder rows go with it
         self.block_manager.free(seq)
         if seq in self.running:
             self.running.remove(seq)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 import torch
 from omnistage.common.sampling import sampling_violation
+from omnistage.services.thinker.engine.media import PromptMedia
 
 
 class SequenceStatus(enum.Enum):
@@ -81,6 +82,7 @@ class Sequence:
         max_tokens: int,
         rope_delta: int = 0,
         prompt_positions: torch.Tensor | None = None,
+        media: PromptMedia | None = None,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -90,6 +92,8 @@ class Sequence:
         self.max_tokens = max_tokens
         self.rope_delta = rope_delta
         self.prompt_positions = prompt_positions  # [3, num_prompt_tokens] for multimodal prompts
+        # Encoder rows spliced into the prompt, kept until the request ends (chunks, recompute).
+        self.media = media
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0

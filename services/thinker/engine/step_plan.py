@@ -2,6 +2,17 @@
 
 Rank 0 decides; ranks 1..N-1 execute what the plan says and nothing else, so ranks cannot diverge.
 The plan is flat integers (no pickled engine objects), a few hundred int64s in decode.
+
+Multimodal prompts: every rank must put the same encoder rows into the same token rows. The plan
+says only *which* flattened token rows take an encoder row (`media_index`) and their router
+(`media_modality`): two int64s per row, in prefill steps that reach placeholder slots, and nothing
+in decode plans. The rows themselves (`media_rows`) stay on rank 0 and are never encoded: rank 0
+writes them into its share of the vocab-parallel embedding while every other rank zeroes its share
+at those rows, so the all-reduce the embedding does anyway hands every rank the exact rows (x + 0
+is exact) at no extra collective. The alternatives cost more: broadcasting the rows with the plan
+is one more collective of M x hidden per step; letting every rank open the encoder's shm / CUDA IPC
+refs would make each rank copy and keep the rows per request (the lease lasts seconds, recompute
+after a preemption needs them again), so workers would hold request state and need "free" plans.
 """
 
 from __future__ import annotations
@@ -17,6 +28,10 @@ class PlanKind(enum.IntEnum):
     NOOP = 0  # keep-alive while rank 0 is idle: workers go back to waiting
     RUN = 1
     EXIT = 2
+
+
+# What the first int64s of an encoded plan say (the arrays' sizes follow from them).
+_HEADER = ("kind", "num_seqs", "num_tokens", "num_sample_rows", "max_blocks", "num_media_rows")
 
 
 def _empty() -> torch.Tensor:
@@ -35,10 +50,18 @@ class StepPlan:
     slot_mapping: torch.Tensor = field(default_factory=_empty)  # [T] cache slot per new token
     block_tables: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.int64))  # [S, B]
     sample_rows: torch.Tensor = field(default_factory=_empty)  # [R] token rows whose logits are needed
+    media_index: torch.Tensor = field(default_factory=_empty)  # [M] token rows that take an encoder row
+    media_modality: torch.Tensor = field(default_factory=_empty)  # [M] their router codes (layers.moe)
+    # [M, H] the encoder rows, in media_index order: rank 0 only, never encoded (see the module docstring).
+    media_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    @property
+    def num_media_rows(self) -> int:
+        return int(self.media_index.numel())
 
     @classmethod
     def exit(cls) -> StepPlan:
@@ -49,10 +72,10 @@ class StepPlan:
         return cls(kind=PlanKind.NOOP)
 
     def encode(self) -> torch.Tensor:
-        """Pack into one int64 tensor: header [kind, S, T, R, B] then the arrays."""
+        """Pack into one int64 tensor: header [kind, S, T, R, B, M] then the arrays (not media_rows)."""
         num_seqs, max_blocks = self.block_tables.shape if self.block_tables.dim() == 2 else (0, 0)
         header = torch.tensor(
-            [int(self.kind), num_seqs, self.num_tokens, self.sample_rows.numel(), max_blocks],
+            [int(self.kind), num_seqs, self.num_tokens, self.sample_rows.numel(), max_blocks, self.num_media_rows],
             dtype=torch.int64,
         )
         parts = [
@@ -64,16 +87,20 @@ class StepPlan:
             self.slot_mapping,
             self.sample_rows,
             self.block_tables.flatten(),
+            self.media_index,
+            self.media_modality,
         ]
         return torch.cat([p.to(torch.int64) for p in parts])
 
     @classmethod
     def decode(cls, buf: torch.Tensor) -> StepPlan:
-        kind, num_seqs, num_tokens, num_rows, max_blocks = (int(x) for x in buf[:5].tolist())
-        sizes = [num_tokens, 3 * num_tokens, num_seqs, num_seqs, num_tokens, num_rows, num_seqs * max_blocks]
-        if buf.numel() != 5 + sum(sizes):
-            raise ValueError(f"step plan: buffer of {buf.numel()} int64s, header says {5 + sum(sizes)}")
-        ids, pos, qlens, clens, slots, rows, tables = torch.split(buf[5:], sizes)
+        head = len(_HEADER)
+        kind, num_seqs, num_tokens, num_rows, max_blocks, num_media = (int(x) for x in buf[:head].tolist())
+        sizes = [num_tokens, 3 * num_tokens, num_seqs, num_seqs, num_tokens, num_rows, num_seqs * max_blocks,
+                 num_media, num_media]  # fmt: skip
+        if buf.numel() != head + sum(sizes):
+            raise ValueError(f"step plan: buffer of {buf.numel()} int64s, header says {head + sum(sizes)}")
+        ids, pos, qlens, clens, slots, rows, tables, media_index, media_modality = torch.split(buf[head:], sizes)
         return cls(
             kind=PlanKind(kind),
             input_ids=ids,
@@ -83,17 +110,29 @@ class StepPlan:
             slot_mapping=slots,
             block_tables=tables.view(num_seqs, max_blocks),
             sample_rows=rows,
+            media_index=media_index,
+            media_modality=media_modality,
         )
 
 
 def build_step_plan(scheduled: list[tuple[Sequence, int]], block_size: int) -> StepPlan:
     """Plan for sequences each computing its next `n` uncomputed tokens; rows sample where a sequence
-    reaches its last known token (prefill finished or decode)."""
+    reaches its last known token (prefill finished or decode). A chunk that covers placeholder slots
+    takes exactly the encoder rows of those slots (recompute after a preemption takes them again)."""
     ids: list[int] = []
     pos: list[list[int]] = [[], [], []]
     qlens, clens, slots, rows, tables = [], [], [], [], []
+    media_index: list[torch.Tensor] = []
+    media_modality: list[torch.Tensor] = []
+    media_rows: list[torch.Tensor] = []
     for seq, n in scheduled:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        if seq.media is not None and start < seq.num_prompt_tokens:
+            lo, hi = seq.media.span(start, end)
+            if hi > lo:
+                media_index.append(seq.media.slots[lo:hi] - start + len(ids))
+                media_modality.append(seq.media.modality[lo:hi])
+                media_rows.append(seq.media.rows[lo:hi])
         ids.extend(seq.token_ids[start:end])
         for axis, row in enumerate(seq.positions(start, end)):
             pos[axis].extend(row)
@@ -119,4 +158,7 @@ def build_step_plan(scheduled: list[tuple[Sequence, int]], block_size: int) -> S
         slot_mapping=t(slots),
         block_tables=t(padded).view(len(tables), max_blocks),
         sample_rows=t(rows),
+        media_index=torch.cat(media_index) if media_index else _empty(),
+        media_modality=torch.cat(media_modality) if media_modality else _empty(),
+        media_rows=torch.cat(media_rows) if media_rows else None,
     )

@@ -14,7 +14,7 @@ from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.layers.attention import PagedAttention
 from omnistage.services.thinker.models.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from omnistage.services.thinker.models.layers.linear import QKVParallelLinear, RowParallelLinear
-from omnistage.services.thinker.models.layers.moe import ROUTER_NAMES, GatedMLP, SparseMoeBlock
+from omnistage.services.thinker.models.layers.moe import ROUTER_NAMES, GatedMLP, RouterRows, SparseMoeBlock
 from omnistage.services.thinker.models.layers.norm import RMSNorm
 from omnistage.services.thinker.models.layers.parallel import TPGroup
 from omnistage.services.thinker.models.layers.rotary import RotaryEmbedding
@@ -74,7 +74,7 @@ class BailingMoeV2DecoderLayer(nn.Module):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, modality: torch.Tensor | None
+        self, x: torch.Tensor, positions: torch.Tensor, modality: RouterRows | None
     ) -> torch.Tensor:
         h = x + self.attention(self.input_layernorm(x), positions)
         y = self.post_attention_layernorm(h)
@@ -90,12 +90,17 @@ class BailingMoeV2Model(nn.Module):
             BailingMoeV2DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.num_routers = len(ROUTER_NAMES) if config.multi_router else 1
 
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, modality: torch.Tensor | None
     ) -> torch.Tensor:
+        # Which tokens each router takes is found once here, not again in every MoE layer.
+        routers = None
+        if modality is not None and self.num_routers > 1:
+            routers = RouterRows.of(modality, self.num_routers)
         for layer in self.layers:
-            hidden = layer(hidden, positions, modality)
+            hidden = layer(hidden, positions, routers)
         return self.norm(hidden)
 
 
@@ -113,9 +118,15 @@ class BailingMoeV2ForCausalLM(nn.Module):
         self.model = BailingMoeV2Model(config, self.tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.tp)
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [T, H] (no scaling); the engine splices multimodal rows into these."""
-        return self.model.word_embeddings(input_ids)
+    def embed_tokens(
+        self,
+        input_ids: torch.Tensor,
+        media_index: torch.Tensor | None = None,
+        media_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token embeddings [T, H] (no scaling) with the encoder rows spliced into the placeholder
+        slots: row k of `media_rows` replaces token row `media_index[k]` (ming.md §2.2 step 1)."""
+        return self.model.word_embeddings(input_ids, media_index, media_rows)
 
     def forward(
         self,
@@ -123,9 +134,14 @@ class BailingMoeV2ForCausalLM(nn.Module):
         positions: torch.Tensor,
         modality: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        media_index: torch.Tensor | None = None,
+        media_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """ids [T], positions [3, T] (or [T]), modality [T] codes 0/1/2 → final-norm hidden [T, H]."""
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        """ids [T], positions [3, T] (or [T]) → final-norm hidden [T, H].
+
+        modality [T]: router codes 0 text / 1 vision / 2 audio (None: text); media_index [M] and
+        media_rows [M, H]: encoder rows to splice (under TP only rank 0 passes the rows)."""
+        hidden = self.embed_tokens(input_ids, media_index, media_rows) if inputs_embeds is None else inputs_embeds
         if positions.dim() == 1:
             positions = positions[None].expand(3, -1)
         return self.model(hidden, positions, modality)

@@ -15,7 +15,7 @@ class FakeThinker:
     def __init__(self) -> None:
         self.calls = []
 
-    async def generate(self, request_id, prompt, sampling, timeout_s):
+    async def generate(self, request_id, prompt, sampling, timeout_s, multimodal=None):
         self.calls.append((request_id, prompt))
         yield thinker_pb2.ThinkerEvent(started=thinker_pb2.Started(engine_request_id="e" * 32))
         for text in ("Hel", "lo"):

@@ -13,19 +13,23 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+import torch
 from engine_fakes import FakeModel
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import EngineConfig, config_from_dict
 from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.server import ServiceRuntime
+from omnistage.common.transport import TransportContext, TransportOptions, encode
 from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sequence import FinishReason
 from omnistage.services.thinker.engine_loop import EngineLoop
+from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
+from omnistage.services.thinker.multimodal import MediaInputs
 from omnistage.services.thinker.server import ThinkerServicer
-from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
+from omnistage.v1 import common_pb2, encoder_pb2, thinker_pb2, thinker_pb2_grpc
 
 THINKER = "omnistage.v1.Thinker"
 
@@ -44,10 +48,11 @@ class Stack:
     runtime: ServiceRuntime
 
 
-def fake_engine(tok: MingTokenizer, step_s: float, **engine_kw) -> LLMEngine:
+def fake_engine(tok: MingTokenizer, step_s: float, hidden: int = 32, **engine_kw) -> LLMEngine:
     """The real engine over a one-layer fake model with the tokenizer's vocabulary; steps take `step_s`."""
     cfg = resolve_engine_config(EngineConfig(**{"block_size": 8, "max_model_len": 512, **engine_kw}))
-    engine = LLMEngine(ModelRunner(FakeModel(vocab=tok.vocab_size), cfg, "cpu"), tok, list(tok.stop_token_ids))
+    model = FakeModel(vocab=tok.vocab_size, hidden=hidden)
+    engine = LLMEngine(ModelRunner(model, cfg, "cpu"), tok, list(tok.stop_token_ids))
     if step_s:
         real_step = engine.step
 
@@ -61,15 +66,17 @@ def fake_engine(tok: MingTokenizer, step_s: float, **engine_kw) -> LLMEngine:
 
 @contextlib.asynccontextmanager
 async def thinker(
-    tmp_path, tok: MingTokenizer, step_s: float = 0.0, servicer_max_model_len: int = 0, **engine_kw
+    tmp_path, tok: MingTokenizer, step_s: float = 0.0, servicer_max_model_len: int = 0,
+    media: MediaInputs | None = None, **engine_kw,
 ) -> AsyncIterator[Stack]:
-    engine = fake_engine(tok, step_s, **engine_kw)
+    hidden = media.config.hidden_size if media is not None else 32
+    engine = fake_engine(tok, step_s, hidden, **engine_kw)
     cfg = config_from_dict({"services": {"thinker": {"kind": "thinker", "port": 1}}})
     rt = ServiceRuntime(cfg, cfg.service("thinker"), 0, run_dir=tmp_path, port=0)
     await rt.start()
     loop = EngineLoop(engine, asyncio.get_running_loop(), idle_poll_s=0.05)
     loop.start()
-    servicer = ThinkerServicer(loop, tok, servicer_max_model_len or engine.cfg.max_model_len)
+    servicer = ThinkerServicer(loop, tok, servicer_max_model_len or engine.cfg.max_model_len, media=media)
     rt.add_servicer(thinker_pb2_grpc.add_ThinkerServicer_to_server, servicer, THINKER)
     rt.set_serving()
     try:
@@ -319,5 +326,84 @@ def test_a_small_request_is_served_while_a_huge_prompt_is_tokenized(tmp_path, to
             await big_task
             assert order == ["health answered", "small started", "big answered"]
             assert (await read_rest(small))[-1].WhichOneof("event") == "finish"
+
+    run(scenario())
+
+
+# --- multimodal requests: rows spliced, every lease ended whatever the outcome ----------------------
+
+
+def image_request(tok: MingTokenizer, rows: torch.Tensor, producer: TransportContext, n_slots: int = 0,
+                  **sampling) -> thinker_pb2.ThinkerRequest:
+    """A chat prompt as the gateway writes it for one image of `rows` (a 2 x len/2 grid), rows in shm."""
+    n = rows.shape[0]
+    pieces = [
+        thinker_pb2.PromptPiece(template="<role>HUMAN</role><image>" + "<imagePatch>" * (n_slots or n) + "</image>\n"),
+        thinker_pb2.PromptPiece(text="What is in the picture?"),
+        thinker_pb2.PromptPiece(template="<|role_end|><role>ASSISTANT</role>"),
+    ]
+    item = thinker_pb2.MultimodalEmbedding(
+        placeholder_token_id=tok.token_id("<imagePatch>"),
+        embeddings=encode(rows, transport=producer, force="shm"),
+        merged_grids=[encoder_pb2.GridTHW(t=1, h=2, w=n // 2)],
+    )
+    return thinker_pb2.ThinkerRequest(chat=thinker_pb2.ChatPrompt(pieces=pieces), multimodal=[item],
+                                      sampling=common_pb2.SamplingParams(**sampling))
+
+
+@pytest.fixture
+def producer():
+    with TransportContext(TransportOptions(shm_pool_bytes=4 << 20)) as ctx:
+        yield ctx
+
+
+def active_leases(producer: TransportContext) -> int:
+    pool = producer.shm_pool()
+    pool.arena.reclaim()
+    return pool.arena.active_leases
+
+
+def media_inputs(tiny_ckpt) -> MediaInputs:
+    return MediaInputs(ThinkerConfig.from_checkpoint(tiny_ckpt), torch.float32, TransportContext())
+
+
+def test_a_multimodal_request_is_served_from_its_rows_and_its_lease_ends_at_submit(tmp_path, tok, tiny_ckpt, producer):
+    async def scenario():
+        async with thinker(tmp_path, tok, media=media_inputs(tiny_ckpt)) as t:
+            gen = torch.Generator().manual_seed(0)
+            a, b = torch.randn(8, 256, generator=gen), torch.randn(8, 256, generator=gen)
+            call = t.stub.Generate(image_request(tok, a, producer, max_tokens=6, ignore_eos=True), timeout=30)
+            assert (await call.read()).WhichOneof("event") == "started"
+            assert active_leases(producer) == 0  # copied before `started`: the lease is over
+            first = await read_rest(call)
+            again = await events_of(t.stub, image_request(tok, a, producer, max_tokens=6, ignore_eos=True))
+            other = await events_of(t.stub, image_request(tok, b, producer, max_tokens=6, ignore_eos=True))
+            tokens = [[i for e in ev for i in e.delta.token_ids] for ev in (first, again, other)]
+            assert tokens[0] == tokens[1] and tokens[0] != tokens[2]  # the rows reached the model
+            assert first[-1].finish.usage.prompt_tokens > 8 and active_leases(producer) == 0
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "case, code, needle",
+    [
+        ("slots", grpc.StatusCode.INVALID_ARGUMENT, "multimodal[0]: its <imagePatch> run at token"),
+        ("max-tokens", grpc.StatusCode.INVALID_ARGUMENT, "+ sampling.max_tokens 500 = "),
+        ("rows", grpc.StatusCode.INVALID_ARGUMENT, "multimodal: 600 embedding rows leave no room"),
+        ("no-media", grpc.StatusCode.FAILED_PRECONDITION, "multimodal: this thinker takes no embeddings"),
+    ],
+)
+def test_a_refused_multimodal_request_leaves_no_lease(tmp_path, tok, tiny_ckpt, producer, case, code, needle):
+    async def scenario():
+        media = None if case == "no-media" else media_inputs(tiny_ckpt)
+        async with thinker(tmp_path, tok, media=media) as t:
+            rows = torch.randn(600 if case == "rows" else 8, 256)
+            request = image_request(tok, rows, producer, n_slots=6 if case == "slots" else 0,
+                                    max_tokens=500 if case == "max-tokens" else 4)
+            assert active_leases(producer) == 1
+            err = await refusal(t.stub, request)
+            assert err.code() == code and needle in err.details(), err.details()
+            assert active_leases(producer) == 0
 
     run(scenario())

@@ -1,4 +1,5 @@
-"""Vocab-parallel embedding (masked lookup + all-reduce) and LM head (local logits + all-gather).
+"""Vocab-parallel embedding (masked lookup + all-reduce, multimodal rows spliced before the
+all-reduce) and LM head (local logits + all-gather).
 
 Each rank owns ceil(vocab / tp) rows; rows past the real vocabulary are zero padding and are cut
 from the gathered logits, so callers always see exactly `vocab_size` columns.
@@ -30,13 +31,27 @@ class _VocabParallel(nn.Module):
 
 
 class VocabParallelEmbedding(_VocabParallel):
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, splice_index: torch.Tensor | None = None, splice_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[T] ids → [T, H] rows; rows `splice_index` are replaced by `splice_rows` (multimodal slots).
+
+        Under TP only rank 0 needs `splice_rows`: it writes them into its partial sum, every other rank
+        zeroes its partial there, and the all-reduce this layer does anyway delivers them exactly."""
         ids = ids.clamp(0, self.vocab_size - 1)
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            out = F.embedding(ids, self.weight)
+            if splice_index is not None:
+                out = out.index_copy(0, splice_index, splice_rows.to(out.dtype))
+            return out
         mine = (ids >= self.start) & (ids < self.end)
         out = F.embedding(torch.where(mine, ids - self.start, 0), self.weight)
         out = out * mine[:, None].to(out.dtype)
+        if splice_index is not None:
+            if self.tp.rank == 0:
+                out.index_copy_(0, splice_index, splice_rows.to(out.dtype))
+            else:
+                out.index_fill_(0, splice_index, 0)
         return self.tp.all_reduce(out)
 
 

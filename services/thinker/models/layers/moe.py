@@ -9,6 +9,8 @@ than expert parallelism would give.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from omnistage.services.thinker.models.layers.linear import (
@@ -22,6 +24,37 @@ from torch import nn
 # modality codes the engine passes per token; index into the router list.
 TEXT, VISION, AUDIO = 0, 1, 2
 ROUTER_NAMES = ("gate", "image_gate", "audio_gate")
+
+
+@dataclass(frozen=True)
+class RouterRows:
+    """The token rows each router takes in one step (found once per forward, used by every MoE layer).
+
+    `rows[code]` is the index tensor of the tokens with that modality code, None when there are none;
+    `single` is the one code every token has (then no gather or scatter is needed), else None."""
+
+    rows: tuple[torch.Tensor | None, ...]
+    single: int | None
+
+    @classmethod
+    def of(cls, modality: torch.Tensor, num_routers: int = len(ROUTER_NAMES)) -> RouterRows:
+        """From [T] codes 0 (text), 1 (vision), 2 (audio); codes without their router are refused."""
+        codes = modality.to(torch.long)
+        try:
+            counts = torch.bincount(codes, minlength=num_routers).tolist()  # the step's one host sync
+        except RuntimeError as exc:  # a negative code
+            raise ValueError(f"modality codes must be 0 (text), 1 (vision) or 2 (audio): {exc}") from None
+        if len(counts) > num_routers:
+            raise ValueError(f"modality codes must be 0 (text), 1 (vision) or 2 (audio) with {num_routers} routers")
+        present = [code for code, n in enumerate(counts) if n]
+        if len(present) <= 1:
+            return cls((None,) * num_routers, present[0] if present else 0)
+        order = codes.argsort(stable=True)
+        rows, start = [], 0
+        for n in counts:
+            rows.append(order[start : start + n] if n else None)
+            start += n
+        return cls(tuple(rows), None)
 
 
 class GatedMLP(nn.Module):
@@ -142,25 +175,27 @@ class SparseMoeBlock(nn.Module):
             GatedMLP(hidden, intermediate * num_shared, tp, reduce=False) if num_shared > 0 else None
         )
 
-    def route(self, x: torch.Tensor, modality: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token (weights, ids) from gate / image_gate / audio_gate by modality 0 / 1 / 2."""
+    def route(
+        self, x: torch.Tensor, modality: torch.Tensor | RouterRows | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token (weights, ids) from gate / image_gate / audio_gate by modality 0 / 1 / 2.
+
+        Each router runs once, on its own tokens only (no per-token loop); `modality` is the [T]
+        codes or, from the model, the RouterRows it found once for all layers of the step."""
         if modality is None or len(self.router_names) == 1:
             return self.gate(x)
-        modality = modality.to(torch.long)
-        if not bool((modality < len(self.router_names)).all()) or not bool((modality >= 0).all()):
-            raise ValueError("modality codes must be 0 (text), 1 (vision) or 2 (audio)")
+        groups = modality if isinstance(modality, RouterRows) else RouterRows.of(modality, len(self.router_names))
+        if groups.single is not None:
+            return getattr(self, self.router_names[groups.single])(x)
         k = self.gate.top_k
         weights = torch.empty(x.shape[0], k, dtype=torch.float32, device=x.device)
         ids = torch.empty(x.shape[0], k, dtype=torch.long, device=x.device)
-        for code, name in enumerate(self.router_names):
-            rows = (modality == code).nonzero().flatten()
-            if rows.numel() == 0:
-                continue
-            w, i = getattr(self, name)(x[rows])
-            weights[rows], ids[rows] = w, i
+        for name, rows in zip(self.router_names, groups.rows, strict=True):
+            if rows is not None:
+                weights[rows], ids[rows] = getattr(self, name)(x[rows])
         return weights, ids
 
-    def forward(self, x: torch.Tensor, modality: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, modality: torch.Tensor | RouterRows | None = None) -> torch.Tensor:
         weights, ids = self.route(x, modality)
         y = self.experts(x, weights, ids).to(x.dtype)
         if self.shared_experts is not None:

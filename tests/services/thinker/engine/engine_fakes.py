@@ -47,8 +47,11 @@ class FakeModel(nn.Module):
         self.head = nn.Parameter(torch.randn(hidden, vocab, generator=g))
         self.attn = PagedAttention(heads, kv_heads, self.head_dim, 1 / math.sqrt(self.head_dim))
 
-    def forward(self, input_ids, positions, modality=None, inputs_embeds=None):
-        x = self.embed[input_ids] + self.pos[positions[0]]
+    def forward(self, input_ids, positions, modality=None, inputs_embeds=None, media_index=None, media_rows=None):
+        x = self.embed[input_ids]
+        if media_index is not None:
+            x = x.index_copy(0, media_index, media_rows)
+        x = x + self.pos[positions[0]]
         t = x.shape[0]
         q = (x @ self.q).view(t, -1, self.head_dim)
         k, v = (x @ self.kv).view(t, 2, -1, self.head_dim).unbind(1)

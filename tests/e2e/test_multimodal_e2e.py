@@ -1,0 +1,290 @@
+"""Media end to end through `omnistage serve` on the tiny checkpoint: gateway → encoder → thinker.
+
+Text + image, audio, video and several images answer; the embeddings reach the thinker through shared
+memory (its transport counter) and every encoder lease returns (its gauge); a request's greedy tokens
+are the same alone and batched, and at TP=2; bad media is refused naming the part; a refused or
+cancelled request leaves no lease. One pipeline start per TP size.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "encoder"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
+from chaos_launch import free_ports  # noqa: E402
+from media_samples import audio_file, image_bytes, video_file  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+START_DEADLINE_S = 240.0
+MAX_MODEL_LEN = 256
+
+ENCODER_LIMITS = {
+    "image_max_pixels": 256 * 256,
+    "video_min_pixels": 64 * 64,
+    "video_total_pixels": 8 * 96 * 64,
+    "max_video_frames": 8,
+    "max_audio_seconds": 2.0,
+    "stress_batch_sizes": [2, 1],
+    "inline_max_bytes": 1024,  # tiny rows are 1 KiB: every item goes by shared memory
+}
+IMAGES = [image_bytes(128, 96, seed=1), image_bytes(96, 64, seed=2), image_bytes(64, 64, seed=3)]
+AUDIO = audio_file("wav", 1.0)
+VIDEO = video_file(8, fps=4, width=96, height=64)
+
+
+def _text(t: str) -> omni_pb2.ContentPart:
+    return omni_pb2.ContentPart(text=t)
+
+
+def _image(data: bytes = IMAGES[0]) -> omni_pb2.ContentPart:
+    return omni_pb2.ContentPart(image=omni_pb2.Media(data=data))
+
+
+REQUESTS = {
+    "image": [_text("Describe the image."), _image()],
+    "audio": [omni_pb2.ContentPart(audio=omni_pb2.Media(data=AUDIO)), _text("Transcribe it.")],
+    "video": [omni_pb2.ContentPart(video=omni_pb2.Media(data=VIDEO)), _text("What happens?")],
+    "images": [_text("Compare:"), *(_image(d) for d in IMAGES)],
+}
+MEDIA_ITEMS = {"image": 1, "audio": 1, "video": 1, "images": 3}
+
+
+def request(parts, max_tokens: int = 8, request_id: str = "") -> omni_pb2.GenerateRequest:
+    return omni_pb2.GenerateRequest(
+        request_id=request_id,
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)],
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+class Pipeline:
+    """`omnistage serve` of gateway + encoder + thinker (TP `tp_size`); output in files."""
+
+    def __init__(self, root: Path, ckpt: Path, tp_size: int) -> None:
+        (gw, gw_admin, th, th_admin, dist, th_metrics, enc, enc_admin, enc_metrics) = free_ports(9)
+        self.media_dir = root / "media"
+        self.media_dir.mkdir(exist_ok=True)
+        cfg = {
+            "model": {"checkpoint": str(ckpt)},
+            "startup": {"stop_grace_s": 5.0, "phase_deadlines_s": {"loading_weights": 120, "profiling_memory": 120,
+                                                                   "warming_up": 120}},
+            "services": {
+                "thinker": {"kind": "thinker", "port": th, "admin_port": th_admin, "metrics_port": th_metrics,
+                            "tp_size": tp_size, "dist_port": dist, "drain_grace_s": 2.0,
+                            "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 64,
+                                       "max_model_len": MAX_MODEL_LEN}},
+                "encoder": {"kind": "encoder", "port": enc, "admin_port": enc_admin, "metrics_port": enc_metrics,
+                            "encoder": ENCODER_LIMITS},
+                "gateway": {"kind": "gateway", "port": gw, "admin_port": gw_admin,
+                            "gateway": {"media_dir": str(self.media_dir)}},
+            },
+        }  # fmt: skip
+        path = root / f"deploy-tp{tp_size}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        self.ready = root / f"ready-tp{tp_size}"
+        self.out = root / f"serve-tp{tp_size}.txt"
+        with open(self.out, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "omnistage.common.cli", "serve", str(path), "--ready-file", str(self.ready)],
+                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )  # fmt: skip
+        self.gateway = f"127.0.0.1:{gw}"
+        self.thinker_admin = f"127.0.0.1:{th_admin}"
+        self.thinker_metrics = f"http://127.0.0.1:{th_metrics}/metrics"
+        self.encoder_metrics = f"http://127.0.0.1:{enc_metrics}/metrics"
+
+    def logs(self) -> str:
+        return self.out.read_text()[-4000:]
+
+    def wait_ready(self) -> Pipeline:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while not (self.ready.exists() and self.ready.read_text().strip()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                pytest.fail(f"pipeline did not start (exit {self.proc.returncode}):\n{self.logs()}")
+            time.sleep(0.2)
+        return self
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"omnistage serve did not stop within 60s of SIGTERM:\n{self.logs()}")
+        assert code == 0, self.logs()
+
+    def generate(self, req: omni_pb2.GenerateRequest, timeout: float = 120) -> list[omni_pb2.GenerateEvent]:
+        with grpc.insecure_channel(self.gateway) as ch:
+            return list(omni_pb2_grpc.OmniStub(ch).Generate(req, timeout=timeout))
+
+    def tokens(self, req: omni_pb2.GenerateRequest) -> list[int]:
+        events = self.generate(req)
+        assert events[-1].finish.reason == common_pb2.FINISH_REASON_LENGTH, events[-1]
+        return [t for e in events if e.WhichOneof("event") == "text" for t in e.text.token_ids]
+
+    def shm_decodes(self) -> float:
+        """Tensors the thinker (rank 0) decoded from shared memory."""
+        return _metric(self.thinker_metrics, 'omnistage_transport_tensors_total{direction="decode",path="shm"}')
+
+    def leases(self) -> float:
+        return _metric(self.encoder_metrics, "omnistage_encoder_leases_active{")
+
+    def wait_no_leases(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.leases() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert self.leases() == 0, "encoder leases left behind"
+
+    def thinker_busy(self) -> int:
+        with grpc.insecure_channel(self.thinker_admin) as ch:
+            desc = control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest(), timeout=5)
+        return desc.running_requests + desc.queued_requests
+
+
+def _metric(url: str, prefix: str) -> float:
+    for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
+        if line.startswith(prefix):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("mm-e2e") / "ckpt", seed=0)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, ckpt):
+    p = Pipeline(tmp_path_factory.mktemp("mm-tp1"), ckpt, 1).wait_ready()
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def alone(pipeline) -> dict[str, list[int]]:
+    """Each request alone at TP=1 (greedy)."""
+    return {name: pipeline.tokens(request(parts)) for name, parts in REQUESTS.items()}
+
+
+@pytest.mark.parametrize("name", list(REQUESTS))
+def test_each_modality_answers_with_embeddings_by_shared_memory(pipeline, alone, name):
+    before = pipeline.shm_decodes()
+    events = pipeline.generate(request(REQUESTS[name]))
+    finish = events[-1].finish
+    assert finish.reason == common_pb2.FINISH_REASON_LENGTH and finish.usage.completion_tokens == 8
+    assert [t for e in events if e.WhichOneof("event") == "text" for t in e.text.token_ids] == alone[name]
+    assert pipeline.shm_decodes() - before == MEDIA_ITEMS[name]
+    pipeline.wait_no_leases()
+
+
+def test_the_rows_reach_the_model(pipeline):
+    """An image adds its placeholder tokens to the prompt, and what it shows moves the logits: two
+    pictures of one size (the same prompt tokens) answer differently (the tiny random model's greedy
+    tokens barely depend on the prompt, its log-probabilities do)."""
+
+    def first_logprobs(parts) -> tuple[int, list[float]]:
+        req = request(parts, max_tokens=1)
+        req.sampling.logprobs = 5
+        events = pipeline.generate(req)
+        lp = next(e for e in events if e.WhichOneof("event") == "text").text.logprobs[0]
+        return events[-1].finish.usage.prompt_tokens, list(lp.top_logprobs)
+
+    text_only = first_logprobs([_text("Describe the image.")])
+    image_a = first_logprobs(REQUESTS["image"])
+    image_b = first_logprobs([_text("Describe the image."), _image(image_bytes(128, 96, seed=7))])
+    assert image_a[0] == image_b[0] == text_only[0] + 2 + 12 + 1  # <image> 12 x <imagePatch> </image> "\n"
+    for x, y in [(text_only, image_a), (image_a, image_b)]:
+        assert max(abs(a - b) for a, b in zip(x[1], y[1], strict=True)) > 1e-4
+
+
+def test_concurrent_requests_give_their_alone_tokens(pipeline, alone):
+    names = list(REQUESTS) * 3
+    with ThreadPoolExecutor(len(names)) as pool:
+        got = list(pool.map(lambda n: pipeline.tokens(request(REQUESTS[n])), names))
+    assert got == [alone[n] for n in names]
+    pipeline.wait_no_leases()
+
+
+def test_a_media_path_is_read_by_the_gateway(pipeline, alone):
+    (pipeline.media_dir / "picture.png").write_bytes(IMAGES[0])
+    parts = [_text("Describe the image."), omni_pb2.ContentPart(image=omni_pb2.Media(path="picture.png"))]
+    assert pipeline.tokens(request(parts)) == alone["image"]
+
+
+@pytest.mark.parametrize(
+    "parts, needle",
+    [
+        ([_text("Look:"), _image(b"not an image at all")], "messages[0].parts[1].image: "),
+        ([_image(), omni_pb2.ContentPart(audio=omni_pb2.Media(data=b"RIFF1234WAVEjunk"))], "messages[0].parts[1].audio"),
+    ],
+    ids=["image", "audio"],
+)
+def test_bad_media_is_refused_naming_the_part(pipeline, parts, needle):
+    with pytest.raises(grpc.RpcError) as err:
+        pipeline.generate(request(parts))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in err.value.details(), err.value.details()
+    pipeline.wait_no_leases()
+
+
+def test_a_request_the_thinker_refuses_leaves_no_lease(pipeline):
+    with pytest.raises(grpc.RpcError) as err:
+        pipeline.generate(request(REQUESTS["images"], max_tokens=MAX_MODEL_LEN - 10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "thinker: prompt of" in err.value.details() and "exceeds max_model_len" in err.value.details()
+    pipeline.wait_no_leases()
+
+
+def test_a_cancelled_request_leaves_no_lease_and_no_work(pipeline):
+    with grpc.insecure_channel(pipeline.gateway) as ch:
+        call = omni_pb2_grpc.OmniStub(ch).Generate(request(REQUESTS["video"], max_tokens=150), timeout=60)
+        first = next(call)
+        assert first.WhichOneof("event") == "text"
+        call.cancel()
+    deadline = time.monotonic() + 30
+    while pipeline.thinker_busy() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pipeline.thinker_busy() == 0
+    pipeline.wait_no_leases()
+
+
+@pytest.mark.slow
+def test_tp2_gives_the_tp1_tokens_alone_and_batched(tmp_path_factory, ckpt, alone):
+    p = Pipeline(tmp_path_factory.mktemp("mm-tp2"), ckpt, 2).wait_ready()
+    try:
+        before = p.shm_decodes()
+        got = {name: p.tokens(request(parts)) for name, parts in REQUESTS.items()}
+        assert got == alone
+        assert p.shm_decodes() - before == sum(MEDIA_ITEMS.values())
+        results: dict[int, list[int]] = {}
+        names = list(REQUESTS) * 2
+
+        def one(i: int) -> None:
+            results[i] = p.tokens(request(REQUESTS[names[i]]))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(names))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [results.get(i) for i in range(len(names))] == [alone[n] for n in names]
+        p.wait_no_leases()
+    finally:
+        p.stop()
