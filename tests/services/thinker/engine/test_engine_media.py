@@ -15,7 +15,7 @@ from mm_prompts import MIXED, Part, items, layout, reference_inputs
 from omnistage.common.config import EngineConfig, TPConfig
 from omnistage.common.log import setup_logging
 from omnistage.common.transport import TransportContext
-from omnistage.services.thinker.engine import worker
+from omnistage.services.thinker.engine import local_ranks
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.media import MultimodalPrompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
@@ -157,12 +157,12 @@ def _rank0(ckpt: str, port: int, out: mp.Queue) -> None:
     setup_logging("thinker", rank=0)
     cfg = RankConfig(ckpt, EngineConfig(block_size=16, max_model_len=256, max_num_batched_tokens=32), tp=TP,
                      world_size=2, dist_port=port)  # fmt: skip
-    procs = worker.spawn_workers(cfg)
+    procs = local_ranks.spawn_workers(cfg)
     try:
         e = start_engine(cfg)
         tokens = [r.token_ids for r in e.generate(mm_prompts(ckpt), GREEDY, timeout_s=DEADLINE_S)]
         e.shutdown()
-        out.put(("ok", tokens, worker.join_workers(procs, 30)))
+        out.put(("ok", tokens, local_ranks.join_workers(procs, 30)))
     except Exception as exc:
         out.put(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         raise SystemExit(1) from None
@@ -172,7 +172,7 @@ def _rank0(ckpt: str, port: int, out: mp.Queue) -> None:
 def test_tp2_gives_the_tp1_greedy_tokens(tiny_ckpt, one_shot):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_rank0, args=(str(tiny_ckpt), worker.free_port(), out))
+    proc = ctx.Process(target=_rank0, args=(str(tiny_ckpt), local_ranks.free_port(), out))
     proc.start()
     try:
         status, tokens, detail = out.get(timeout=DEADLINE_S)
