@@ -25,6 +25,10 @@ _WORD = re.compile(r"[a-zA-Z]+")
 _SPEAKABLE = re.compile(r"[0-9a-zA-Z\u4e00-\u9fff]")
 
 
+def _may_grow(piece: str) -> bool:
+    return piece[-1].isascii() and (piece[-1].isalnum() or piece[-1].isspace() or piece[-1] in ".'-")
+
+
 def semantic_length(text: str) -> int:
     """CJK characters + English words (the unit of the reference's 50 limit)."""
     return len(_CJK.findall(text)) + len(_WORD.findall(text))
@@ -55,7 +59,10 @@ class SentenceSegmenter:
         pieces = PIECE.findall(self._tail)
         if not pieces:
             return []
-        self._tail = pieces.pop()  # may continue in the next delta ("Hel" + "lo")
+        if _may_grow(pieces[-1]):
+            self._tail = pieces.pop()  # may continue in the next delta ("Hel" + "lo", "3." + "14")
+        else:
+            self._tail = ""
         out = []
         for piece in pieces:
             out.extend(self._add(piece))
