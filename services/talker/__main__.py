@@ -24,6 +24,7 @@ from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.services.talker import startup
 from omnistage.services.talker.engine import TalkerEngine
+from omnistage.services.talker.metrics import StepMetrics, export_engine_gauges
 from omnistage.services.talker.models.config import TALKER_DIR
 from omnistage.services.talker.models.loader import load_talker
 from omnistage.services.talker.runner import TalkerRunner
@@ -88,7 +89,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     models, voices, prof, runner = await _in_daemon_thread(load_and_profile)
 
     reporter.enter("warming_up", detail="one sentence through the Speak path")
-    engine = TalkerEngine(runner, service=svc.name)
+    engine = TalkerEngine(runner, service=svc.name, on_step=StepMetrics(svc.name))
     engine.start()
     pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"{svc.name}-clip")
     runtime.add_shutdown_hook(lambda: pool.shutdown(wait=False, cancel_futures=True))
@@ -101,7 +102,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     runtime.set_limits_provider(lambda: control_pb2.Limits(
         max_running_requests=prof.max_streams, max_message_bytes=svc.max_message_bytes))
     runtime.set_load_provider(lambda: (limiter.in_use, engine.jobs_queued))
-    engine.export_gauges()
+    export_engine_gauges(engine, svc.name)
 
     def memory() -> list[control_pb2.MemoryReport]:
         report = prof.memory_report(mem, models.weights_bytes, runner.cache_bytes)

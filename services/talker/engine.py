@@ -22,12 +22,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from omnistage.common import metrics
 from omnistage.common.log import get_logger
 from omnistage.services.talker.models.audio_vae import DecodeStream
 from omnistage.services.talker.models.prompt import PromptIds
 from omnistage.services.talker.runner import TalkerRunner
-from omnistage.services.talker.voices import Voice
+from omnistage.services.talker.voice_prompt import Voice
 
 log = get_logger(__name__)
 
@@ -71,23 +70,11 @@ class SegmentJob:
     stream: DecodeStream | None = field(default=None, repr=False)
 
 
-def _steps_counter():
-    return metrics.counter("talker_steps", "Talker steps run (one patch of 4 latents for every job in the batch)")
-
-
-def _batch_histogram():
-    return metrics.histogram("talker_step_batch", "Segments sharing one talker step", (),
-                             buckets=(1, 2, 4, 8, 16, 32, 64))
-
-
-def _step_seconds():
-    return metrics.histogram("talker_step_seconds", "Wall time of one batched talker step", (),
-                             buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56))
-
-
 class TalkerEngine:
-    def __init__(self, runner: TalkerRunner, *, service: str = "talker", idle_wait_s: float = 0.5) -> None:
+    def __init__(self, runner: TalkerRunner, *, service: str = "talker", idle_wait_s: float = 0.5,
+                 on_step: Callable[[int, float], None] | None = None) -> None:
         self.runner = runner
+        self.on_step = on_step  # (segments in the step, seconds) after every step: metrics
         self.service = service
         self.idle_wait_s = idle_wait_s
         self._cv = threading.Condition()
@@ -111,10 +98,6 @@ class TalkerEngine:
             self._stopped = True
             self._cv.notify_all()
         self._thread.join(timeout_s)
-
-    def export_gauges(self) -> None:
-        gauge = metrics.gauge("talker_active_jobs", "Segments holding talker state (LM/CFM/VAE) now, or queued for it")
-        gauge.labels(self.service).set_function(lambda: self.jobs_in_flight)
 
     @property
     def jobs_in_flight(self) -> int:
@@ -210,9 +193,8 @@ class TalkerEngine:
             return
         self.steps += 1
         self.largest_batch = max(self.largest_batch, len(batch))
-        _steps_counter().labels(self.service).inc()
-        _batch_histogram().labels(self.service).observe(len(batch))
-        _step_seconds().labels(self.service).observe(time.monotonic() - started)
+        if self.on_step is not None:
+            self.on_step(len(batch), time.monotonic() - started)
         for job, (audio, done) in zip(batch, outputs, strict=True):
             if job.cancelled:
                 continue

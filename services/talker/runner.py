@@ -16,7 +16,7 @@ from omnistage.services.talker.models.dit import sway_times
 from omnistage.services.talker.models.loader import TalkerModels
 from omnistage.services.talker.models.prompt import PromptIds
 from omnistage.services.talker.models.qwen2 import KVSlots, Rows
-from omnistage.services.talker.voices import Voice
+from omnistage.services.talker.voice_prompt import Voice
 
 
 class TalkerRunner:

@@ -21,14 +21,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from omnistage.common import metrics
 from omnistage.common.config import TalkerConfig
 from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.services.talker.engine import JobAudio, JobDone, JobFailed, SegmentJob, TalkerEngine
+from omnistage.services.talker.metrics import SessionMetrics
 from omnistage.services.talker.reference_audio import ClipError
 from omnistage.services.talker.silence import SilenceTrimmer
 from omnistage.services.talker.text_segment import SegmenterLimits, SentenceSegmenter
-from omnistage.services.talker.voices import CUSTOM, Voice, VoiceBank, build_voice, prepare_clip
+from omnistage.services.talker.voice_prompt import CUSTOM, Voice
+from omnistage.services.talker.voices import VoiceBank, build_voice, prepare_clip
 
 # The reference bounds each segment's audio by max(2 s, 5818/16000 s per character of its text).
 _SECONDS_PER_CHAR = 5818 / 16000
@@ -88,42 +89,6 @@ _END = object()
 
 def pcm16(samples: np.ndarray) -> bytes:
     return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
-
-
-class SessionMetrics:
-    """Per-voice latency and continuity: TTFA, real-time factor, chunk gaps, underruns."""
-
-    def __init__(self, service: str, voice: str, sample_rate: int) -> None:
-        labels = (service, voice)
-        self.ttfa = metrics.histogram("talker_ttfa_seconds", "Time to first audio of a Speak stream (first "
-                                      "segment ready to its first chunk), by voice", ("voice",)).labels(*labels)
-        self.rtf = metrics.histogram("talker_rtf", "Real-time factor of a segment: wall time to make it / its "
-                                     "audio duration, by voice", ("voice",),
-                                     buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0)).labels(*labels)
-        self.gap = metrics.histogram("talker_chunk_gap_seconds", "Time between consecutive audio chunks of a "
-                                     "segment, by voice", ("voice",)).labels(*labels)
-        self.underruns = metrics.counter("talker_underruns", "Chunks that came after the audio sent before "
-                                         "them had finished playing (a listener would hear a gap), by voice",
-                                         ("voice",)).labels(*labels)
-        self.audio_s = metrics.counter("talker_audio_seconds", "Seconds of speech sent, by voice",
-                                       ("voice",)).labels(*labels)
-        self.sample_rate = sample_rate
-        self.play_start: float | None = None  # wall time the listener started playing
-        self.played = 0  # samples sent
-
-    def chunk(self, samples: int, now: float, ready_at: float) -> None:
-        """A chunk of `samples` goes out at `now`; its segment was ready to speak at `ready_at`."""
-        if self.play_start is None:
-            self.play_start = now
-        else:
-            runs_out = self.play_start + self.played / self.sample_rate
-            if now > runs_out and ready_at < runs_out:  # late, and not for want of text
-                self.underruns.inc()
-                self.play_start += now - runs_out  # the listener waited: the clock restarts from here
-            elif now > runs_out:
-                self.play_start += now - runs_out
-        self.played += samples
-        self.audio_s.inc(samples / self.sample_rate)
 
 
 class SpeakSession:

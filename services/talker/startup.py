@@ -24,7 +24,8 @@ from omnistage.services.talker.models.audio_vae import DecodeStream, UpsampleSta
 from omnistage.services.talker.models.loader import TalkerModels
 from omnistage.services.talker.runner import TalkerRunner
 from omnistage.services.talker.session import Chunk, Finished, SpeakSession, StreamSettings, TextInput
-from omnistage.services.talker.voices import CUSTOM, ReferenceClip, Voice, build_voice
+from omnistage.services.talker.voice_prompt import CUSTOM, Voice
+from omnistage.services.talker.voices import ReferenceClip, build_voice
 from omnistage.v1 import control_pb2
 
 Report = Callable[[str, str], None]  # (phase, detail)

@@ -19,22 +19,9 @@ from omnistage.common.checkpoint.shards import CheckpointError
 from omnistage.services.talker.models.loader import TalkerModels
 from omnistage.services.talker.reference_audio import ClipError, decode_clip
 from omnistage.services.talker.speaker import SpeakerEncoder
+from omnistage.services.talker.voice_prompt import Voice
 
 CAMPPLUS_RATE = 16000
-CUSTOM = "custom"
-
-
-@dataclass(frozen=True)
-class Voice:
-    name: str  # preset name, or "custom"
-    prompt_text: str
-    speaker: torch.Tensor  # [hidden] LM embedding of the speaker vector
-    latents: torch.Tensor  # [patches · patch_size, latent_dim] float32
-    embeddings: torch.Tensor  # [patches, hidden]
-
-    @property
-    def patches(self) -> int:
-        return self.embeddings.shape[0]
 
 
 @dataclass(frozen=True)
