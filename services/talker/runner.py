@@ -28,7 +28,7 @@ class TalkerRunner:
         self.slots = slots
         self.lm_cache = KVSlots(models.config.llm, slots, max_lm_tokens, dtype=self.dtype, device=self.device)
         self.vae_cache = models.vae.decoder.new_cache(slots, max_vae_frames, dtype=self.dtype, device=self.device)
-        self.times = sway_times(models.config.steps).to(self.device)
+        self.times = sway_times(models.config.steps)  # host tensor: step sizes are read without a device sync
         self.sde_scale = sigma * temperature**0.5
 
     @property

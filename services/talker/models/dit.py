@@ -183,7 +183,7 @@ class FlowDiT(nn.Module):
                cfg_strength: float, sde_noise: torch.Tensor | None = None, sde_scale: float = 0.0) -> torch.Tensor:
         """One patch per row: cond [B, cond_dim] (LM hidden), history [B, H, C], noise [B, P, C] → [B, P, C] float32.
 
-        `times` [steps + 1] float32 (`sway_times`). `sde_noise` [steps, B, P, C] with `sde_scale` =
+        `times` [steps + 1] float32 (`sway_times`; keep it on the host: the step sizes are read as floats). `sde_noise` [steps, B, P, C] with `sde_scale` =
         σ·√temperature adds the reference's stochastic term; None (temperature 0) is pure Euler.
         """
         dtype = self.x_embedder.weight.dtype
