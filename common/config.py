@@ -185,6 +185,47 @@ class EncoderConfig:
 
 
 @dataclass(frozen=True)
+class TalkerConfig:
+    """Talker service limits: voices, text, segment lengths, sampling, how many streams speak at once."""
+
+    # Preset voice (talker/data/voice_name.json) of a stream that names none.
+    default_voice: str = "DB30"
+    # Most characters of text one Speak stream may send in total.
+    max_text_chars: int = 4000
+    # Longest / shortest custom-voice reference clip, in seconds; longest transcript, in characters.
+    max_reference_seconds: float = 20.0
+    max_transcript_chars: int = 500
+    # Longest segment in "semantic" units (CJK characters + English words): the reference's 50.
+    max_segment_length: int = 50
+    # Pieces (words, CJK characters, spaces, marks) a segment needs before a mark may end it: the
+    # first segment at any clause or sentence mark, later ones at sentence marks.
+    first_segment_min_pieces: int = 8
+    segment_min_pieces: int = 8
+    # Longest audio of one segment, in seconds (bounds the VAE cache; the reference also caps each
+    # segment at max(2 s, 0.36 s per character)).
+    max_segment_seconds: float = 60.0
+    # Talker steps before the stop head may end a segment (the reference's 10).
+    min_steps: int = 10
+    # Positions of the talker LM's KV cache per stream: prompt + one per step (the reference's 2048).
+    max_lm_tokens: int = 2048
+    # Flow-matching noise temperature; 0 is the reference's pure Euler sampling.
+    temperature: float = 0.0
+    # Scale of that noise (σ, the reference's 0.25).
+    sigma: float = 0.25
+    # Hold back trailing silence of each segment (keep at most 0.3 s), as the reference does.
+    trim_silence: bool = True
+    # Seed of the preset voices' latent samples (computed once at start-up).
+    voice_seed: int = 0
+    # Streams speaking at once that the start-up stress tries, largest first; the largest that fits
+    # is the cap.
+    stress_batch_sizes: tuple[int, ...] = (16, 8, 4, 2, 1)
+    # How long a new stream waits for a free slot before RESOURCE_EXHAUSTED, in seconds (0: at once).
+    queue_timeout_s: float = 0.0
+    # onnxruntime threads of the CAM++ speaker model.
+    speaker_threads: int = 2
+
+
+@dataclass(frozen=True)
 class TlsConfig:
     """TLS of a service's main port (the gateway's public port)."""
 
@@ -240,6 +281,8 @@ class ServiceConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     # Encoder limits (kind encoder only).
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    # Talker limits (kind talker only).
+    talker: TalkerConfig = field(default_factory=TalkerConfig)
     # Test hook only; never set in production files.
     fault: FaultConfig | None = None
 
@@ -460,6 +503,7 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
             raise ConfigError(f"{p}.engine.kv_tokens: set kv_tokens or num_kv_blocks, not both")
         _validate_memory(p, svc)
         _validate_encoder(p, svc.encoder)
+        _validate_talker(p, svc.talker)
         _validate_access(p, svc)
         _validate_tp(p, svc.tp)
         g = svc.gateway
@@ -568,6 +612,20 @@ def _validate_encoder(p: str, e: EncoderConfig) -> None:
         raise ConfigError(f"{q}.max_video_frames: expected an even number, got {e.max_video_frames}")
     if not e.stress_batch_sizes or any(b < 1 for b in e.stress_batch_sizes):
         raise ConfigError(f"{q}.stress_batch_sizes: expected batch sizes >= 1, got {list(e.stress_batch_sizes)}")
+
+
+def _validate_talker(p: str, t: TalkerConfig) -> None:
+    q = f"{p}.talker"
+    for key in ("max_text_chars", "max_reference_seconds", "max_transcript_chars", "max_segment_length",
+                "first_segment_min_pieces", "segment_min_pieces", "max_segment_seconds", "max_lm_tokens",
+                "speaker_threads"):
+        _positive(f"{q}.{key}", getattr(t, key))
+    for key in ("min_steps", "temperature", "sigma", "queue_timeout_s", "voice_seed"):
+        _positive(f"{q}.{key}", getattr(t, key), allow_zero=True)
+    if not t.default_voice.strip():
+        raise ConfigError(f"{q}.default_voice: expected a preset voice name, got ''")
+    if not t.stress_batch_sizes or any(b < 1 for b in t.stress_batch_sizes):
+        raise ConfigError(f"{q}.stress_batch_sizes: expected batch sizes >= 1, got {list(t.stress_batch_sizes)}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -1,8 +1,9 @@
 """Writes a tiny random-weight checkpoint in the Ming-flash-omni-2.0 HF layout (ming.md §2.4, §3.3, §4.4).
 
-Same root `config.json` keys, same tensor names, bf16 storage, several shards + index, and a small
-tokenizer with the real special tokens (other ids). The thinker keeps the real head_dim 128 with
-partial rotary 0.5 so the [8, 12, 12] video_rope split is the release's. Deterministic for a seed.
+Same root `config.json` keys, same tensor names, bf16 storage, several shards + index, a small
+tokenizer with the real special tokens (other ids), and the talker's `talker/` folder
+(tiny_talker.py). The thinker keeps the real head_dim 128 with partial rotary 0.5 so the [8, 12, 12]
+video_rope split is the release's. Deterministic for a seed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 from omnistage.common.checkpoint.shards import write_sharded
+from omnistage.common.checkpoint.tiny_talker import write_tiny_talker
 from omnistage.common.checkpoint.tiny_tokenizer import write_tiny_tokenizer
 
 NUM_SHARDS = 4
@@ -228,7 +230,7 @@ def _audio_tensors(init: _Init, llm_hidden: int) -> dict[str, torch.Tensor]:
 
 
 def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0) -> Path:
-    """Write the tiny Ming checkpoint (config, bf16 shards + index, tokenizer) into `out_dir`."""
+    """Write the tiny Ming checkpoint (config, bf16 shards + index, tokenizer, the `talker/` folder) into `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = write_tiny_tokenizer(out)
@@ -250,4 +252,5 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0) -> Path:
         **_audio_tensors(init, hidden),
     }
     write_sharded({k: v.to(torch.bfloat16) for k, v in tensors.items()}, out, NUM_SHARDS)
+    write_tiny_talker(out, seed=seed)
     return out

@@ -56,7 +56,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 
 BPE_VOCAB_SIZE = 1200
 
-_CORPUS = """\
+CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
 Hello, world! How are you today? I am fine, thank you. What is the weather like in Hangzhou?
 Describe the image in detail. What is happening in this video? Please transcribe the audio clip.
@@ -75,12 +75,13 @@ def main():\n    print("hello")\n    return 0\n
 """
 
 
-def _train(corpus: str) -> Tokenizer:
+def train_byte_bpe(corpus: str, special_tokens: tuple[str, ...], vocab_size: int = BPE_VOCAB_SIZE) -> Tokenizer:
+    """A byte-level BPE trained on `corpus`, with `special_tokens` added after the BPE vocabulary."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=1,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -88,15 +89,19 @@ def _train(corpus: str) -> Tokenizer:
     )
     lines = [line for line in corpus.splitlines() if line.strip()]
     tok.train_from_iterator(lines * 4, trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
     return tok
+
+
+def _train(corpus: str) -> Tokenizer:
+    return train_byte_bpe(corpus, SPECIAL_TOKENS)
 
 
 def write_tiny_tokenizer(out_dir: str | Path) -> dict[str, int]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return name → id."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = _train(_CORPUS)
+    tok = _train(CORPUS)
     tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     decoder = {

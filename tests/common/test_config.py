@@ -49,6 +49,25 @@ def test_shipped_deploy_file_loads():
     enc = load_config(ROOT / "deploy" / "local-tiny-encoder.yaml").service("encoder")
     assert enc.kind == "encoder" and enc.encoder.stress_batch_sizes == (4, 2, 1)
 
+    talker = load_config(ROOT / "deploy" / "local-tiny-talker.yaml").service("talker")
+    assert talker.kind == "talker" and talker.admin_port and talker.talker.stress_batch_sizes == (4, 2, 1)
+    assert talker.talker.default_voice == "DB30" and not 32768 <= talker.port <= 60999
+
+
+@pytest.mark.parametrize(("talker", "needle"), [
+    ({"max_text_chars": 0}, "services.thinker.talker.max_text_chars: expected > 0, got 0"),
+    ({"temperature": -1.0}, "services.thinker.talker.temperature: expected >= 0"),
+    ({"stress_batch_sizes": [4, 0]}, "services.thinker.talker.stress_batch_sizes: expected batch sizes >= 1"),
+    ({"default_voice": " "}, "services.thinker.talker.default_voice: expected a preset voice name"),
+    ({"voices": 2}, "services.thinker.talker.voices"),
+])
+def test_talker_knobs_are_checked(talker, needle):
+    data = base()
+    data["services"]["thinker"]["talker"] = talker
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    assert needle in str(err.value)
+
 
 def test_access_keys_and_dial_addresses():
     data = base()

@@ -45,7 +45,16 @@ class TalkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Speak(self, request_iterator, context):
-        """Text segments in (as sentences complete), audio chunks out as soon as they are ready.
+        """Bidirectional: text in (any granularity, e.g. the thinker's deltas as they decode), speech out.
+        The client sends a SpeakRequest with `config` first, then text; the talker cuts the text into
+        segments (sentences of at most 50 "semantic" units: CJK characters + English words; the first
+        segment early, at the first clause mark) and speaks them in order. The server sends
+        SpeakStarted first, then SpeechChunks as soon as they are decoded, a SegmentDone after each
+        segment, and SpeakFinished last. A client that half-closes means end_of_text. Cancelling the
+        call frees the request's LM, CFM and VAE state at the next talker step.
+        Errors: INVALID_ARGUMENT naming the field (unknown voice, bad reference clip, no speakable text,
+        text above talker.max_text_chars, config missing or repeated); RESOURCE_EXHAUSTED with
+        grpc-retry-pushback-ms when the stress-tested number of streams is already speaking.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

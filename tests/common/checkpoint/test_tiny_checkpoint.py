@@ -41,7 +41,8 @@ KEY_PATTERNS = [
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+    """Every file under `root` (the talker/ folder included), by relative path."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_deterministic_per_seed_across_processes(tmp_path):
@@ -53,6 +54,7 @@ def test_deterministic_per_seed_across_processes(tmp_path):
     fa, fc = _files(a), _files(c)
     assert fa["tokenizer.json"] == fc["tokenizer.json"]
     assert fa["model-00001-of-00004.safetensors"] != fc["model-00001-of-00004.safetensors"]
+    assert fa["talker/model-00001-of-00002.safetensors"] != fc["talker/model-00001-of-00002.safetensors"]
 
 
 def test_layout_keys_and_dtypes(tmp_path):

@@ -1,0 +1,145 @@
+"""load_talker: the talker's modules from a Ming checkpoint's `talker/` folder, built on the meta device
+and filled tensor by tensor in the target dtype on the target device.
+
+Keys and shapes are checked from the shard headers first (`talker/model*.safetensors` for the LM,
+DiT, aggregator and heads; `talker/vae/model*.safetensors` for the AudioVAE): a wrong checkpoint fails
+with one error naming every missing, unexpected and mis-shaped key. The VAE backbones' token
+embeddings (unused: they read embeddings) are accepted in any shape and not materialised. Rotary
+tables stay float32 whatever the dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omnistage.common.checkpoint.shards import CheckpointError, iter_tensors, read_headers, shard_files
+from omnistage.common.log import get_logger
+from omnistage.services.talker.models.audio_vae import AudioVAE
+from omnistage.services.talker.models.config import TALKER_DIR, TalkerModelConfig
+from omnistage.services.talker.models.dit import InterleavedRotary
+from omnistage.services.talker.models.istft import ISTFT
+from omnistage.services.talker.models.prompt import TalkerPrompt
+from omnistage.services.talker.models.qwen2 import Qwen2Stack
+from omnistage.services.talker.models.talker_lm import TalkerModel
+from torch import nn
+
+log = get_logger(__name__)
+_MAX_LISTED = 20
+_UNUSED_VAE_SUFFIX = "embed_tokens.weight"
+
+
+@dataclass
+class TalkerModels:
+    """Everything the talker engine runs, ready for inference."""
+
+    config: TalkerModelConfig
+    talker: TalkerModel
+    vae: AudioVAE
+    prompt: TalkerPrompt
+    talker_dir: Path
+
+    @property
+    def device(self) -> torch.device:
+        return self.talker.stop_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.talker.stop_head.weight.dtype
+
+    @property
+    def weights_bytes(self) -> int:
+        tensors = [*self.talker.parameters(), *self.vae.parameters()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _materialise(module: nn.Module, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """Meta → empty `dtype` tensors on `device`; buffers recomputed (rotary tables and windows float32)."""
+    module = module.to(dtype=dtype).to_empty(device=device)
+    for m in module.modules():
+        if isinstance(m, Qwen2Stack | InterleavedRotary | ISTFT):
+            m.init_buffers()
+    return module.requires_grad_(False).eval()
+
+
+def build_talker(config: TalkerModelConfig, *, dtype: torch.dtype, device: str | torch.device) -> tuple[TalkerModel, AudioVAE]:
+    """Empty modules (uninitialised parameters) in `dtype` on `device`; buffers computed."""
+    with torch.device("meta"):
+        talker, vae = TalkerModel(config), AudioVAE(config.vae)
+    return _materialise(talker, dtype, device), _materialise(vae, dtype, device)
+
+
+def _listing(what: str, keys: list[str]) -> str:
+    more = f" (+{len(keys) - _MAX_LISTED} more)" if len(keys) > _MAX_LISTED else ""
+    return f"{what} keys: {', '.join(keys[:_MAX_LISTED])}{more}"
+
+
+def _check(where: Path, want: dict[str, tuple[int, ...]], have: dict[str, tuple[int, ...]], optional: set[str]) -> None:
+    problems = []
+    if missing := sorted(set(want) - set(have)):
+        problems.append(_listing("missing", missing))
+    if unexpected := sorted(set(have) - set(want) - optional):
+        problems.append(_listing("unexpected", unexpected))
+    if bad := sorted(f"{k} {list(have[k])} != {list(want[k])}" for k in set(want) & set(have) if have[k] != want[k]):
+        problems.append(_listing("mis-shaped", bad))
+    if problems:
+        raise CheckpointError(f"{where}: talker weights do not match the configs: " + "; ".join(problems))
+
+
+def _fill(module: nn.Module, folder: Path, optional_ok: Callable[[str], bool],
+          progress: Callable[[], None]) -> None:
+    shards = shard_files(folder)
+    headers = read_headers(shards)
+    targets = module.state_dict(keep_vars=True)
+    have = {k: h.shape for k, h in headers.items()}
+    _check(folder, {k: tuple(t.shape) for k, t in targets.items()}, have, {k for k in have if optional_ok(k)})
+    loaded: set[str] = set()
+    for shard in shards:
+        keys = [k for k, h in headers.items() if h.shard == shard and k in targets]
+        for key, tensor in iter_tensors(shard, keys):
+            targets[key].data.copy_(tensor)
+            loaded.add(key)
+        progress()
+    if untouched := sorted(set(targets) - loaded):
+        raise CheckpointError(f"{folder}: talker tensors never loaded: {', '.join(untouched)}")
+
+
+def load_talker(checkpoint_dir: str | Path, *, dtype: torch.dtype, device: str | torch.device,
+                progress: Callable[[int, int], None] | None = None) -> TalkerModels:
+    """Build the talker from `<checkpoint_dir>/talker/`; `progress(done_shards, total_shards)`."""
+    tdir = Path(checkpoint_dir) / TALKER_DIR
+    config = TalkerModelConfig.from_checkpoint(checkpoint_dir)
+    prompt = TalkerPrompt(tdir)
+    if prompt.vocab_size > config.llm.vocab_size:
+        raise CheckpointError(f"{tdir}/llm: tokenizer has {prompt.vocab_size} tokens, the LM's vocab_size is "
+                              f"{config.llm.vocab_size}")
+    total = len(shard_files(tdir)) + len(shard_files(tdir / "vae"))
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        log.info("talker weights %d/%d shards", done, total)
+        if progress is not None:
+            progress(done, total)
+
+    if progress is not None:
+        progress(0, total)
+    talker, vae = build_talker(config, dtype=dtype, device=device)
+    _fill(talker, tdir, lambda key: False, step)
+    _fill(vae, tdir / "vae", lambda key: key.endswith(_UNUSED_VAE_SUFFIX), step)
+    return TalkerModels(config, talker, vae, prompt, tdir)
+
+
+def random_weights(models: TalkerModels, seed: int = 0) -> None:
+    """Fill every parameter with small seeded random values (benchmarks: real shapes, no checkpoint)."""
+    gen = torch.Generator().manual_seed(seed)
+    for module in (models.talker, models.vae):
+        for name, p in module.named_parameters():
+            cpu = torch.randn(p.shape, generator=gen) * (0.02 if p.dim() > 1 else 0.01)
+            if name.endswith("norm.weight") or "layernorm" in name or name.endswith(("norm1.weight", "norm2.weight",
+                                                                                       "norm_final.weight")):
+                cpu = cpu + 1.0
+            p.data.copy_(cpu)

@@ -1,0 +1,82 @@
+"""TalkerRunner: the device work of talker steps, batched over requests (the only model-calling code of
+the engine; the start-up stress runs the same methods).
+
+It owns the caches of `slots` requests: the LM's KV (prompt + one position per step) and the VAE
+decoder's KV (frames of one segment). A step for a batch of requests is: LM forward of each row's
+new input (a whole prompt when it starts, else the aggregator output of its last patch) → CFM
+sample of one patch per row (10 DiT steps × 2 for CFG, one batched forward each) → aggregator →
+stop probability → streaming VAE decode of the new latents.
+"""
+
+from __future__ import annotations
+
+import torch
+from omnistage.services.talker.models.audio_vae import DecodeStream
+from omnistage.services.talker.models.dit import sway_times
+from omnistage.services.talker.models.loader import TalkerModels
+from omnistage.services.talker.models.prompt import PromptIds
+from omnistage.services.talker.models.qwen2 import KVSlots, Rows
+from omnistage.services.talker.voice_prompt import Voice
+
+
+class TalkerRunner:
+    def __init__(self, models: TalkerModels, slots: int, max_lm_tokens: int, max_vae_frames: int, *,
+                 temperature: float = 0.0, sigma: float = 0.25) -> None:
+        self.models = models
+        self.config = models.config
+        self.device, self.dtype = models.device, models.dtype
+        self.slots = slots
+        self.lm_cache = KVSlots(models.config.llm, slots, max_lm_tokens, dtype=self.dtype, device=self.device)
+        self.vae_cache = models.vae.decoder.new_cache(slots, max_vae_frames, dtype=self.dtype, device=self.device)
+        self.times = sway_times(models.config.steps)  # host tensor: step sizes are read without a device sync
+        self.sde_scale = sigma * temperature**0.5
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.lm_cache.nbytes + self.vae_cache.nbytes
+
+    # -- LM ------------------------------------------------------------------------------------
+
+    def prompt_embeddings(self, prompt: PromptIds, voice: Voice) -> torch.Tensor:
+        """[L, hidden]: token embeddings with the speaker vector and the voice prompt's patches spliced in."""
+        ids = torch.tensor(prompt.ids, dtype=torch.long).to(self.device, non_blocking=True)
+        x = self.models.talker.embed(ids)
+        x[prompt.speaker_position] = voice.speaker.to(x.dtype)
+        a = prompt.audio_position
+        x[a:a + prompt.prompt_patches] = voice.embeddings.to(x.dtype)
+        return x
+
+    @torch.no_grad()
+    def prefill(self, slot: int, embeddings: torch.Tensor) -> torch.Tensor:
+        """Whole prompt of one request into its slot → the last hidden state [hidden]."""
+        rows = Rows.of([slot], [0], [embeddings.shape[0]], self.device)
+        return self.models.talker.model(embeddings[None], self.lm_cache, rows)[0, -1]
+
+    @torch.no_grad()
+    def decode(self, slots: list[int], positions: list[int], inputs: torch.Tensor) -> torch.Tensor:
+        """One new input per row [B, hidden] at `positions` → hidden states [B, hidden]."""
+        rows = Rows.of(slots, positions, [1] * len(slots), self.device)
+        return self.models.talker.model(inputs[:, None], self.lm_cache, rows)[:, 0]
+
+    # -- CFM, aggregator, stop head --------------------------------------------------------------
+
+    @torch.no_grad()
+    def sample(self, hidden: torch.Tensor, history: torch.Tensor, generators: list[torch.Generator]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows' hidden [B, hidden] + history [B, H, C] → (patch [B, P, C] float32, next LM inputs [B, hidden],
+        stop probability [B]). Each row's noise comes from its own generator (batched == alone)."""
+        cfg = self.config
+        shape = (cfg.patch_size, cfg.latent_dim)
+        noise = torch.stack([torch.randn(shape, generator=g, device=self.device) for g in generators])
+        sde = None
+        if self.sde_scale:
+            sde = torch.stack([torch.randn((cfg.steps, *shape), generator=g, device=self.device)
+                               for g in generators], dim=1)
+        talker = self.models.talker
+        patch = talker.dit.sample(hidden, history, noise, self.times, cfg.cfg_strength, sde, self.sde_scale)
+        return patch, talker.aggregator(patch), talker.stop_probability(hidden)
+
+    # -- VAE -------------------------------------------------------------------------------------
+
+    def vae(self, streams: list[DecodeStream], latents: list[torch.Tensor], last: list[bool]) -> list[torch.Tensor]:
+        return self.models.vae.decoder.decode_step(streams, latents, last, self.vae_cache)

@@ -1,0 +1,189 @@
+"""Text to speakable segments, as text streams in (ming.md §5.5).
+
+The text is split into pieces (an English word, a number, one CJK character, a run of spaces, one
+punctuation mark) and a segment is cut after a punctuation piece once enough pieces have gathered:
+the first segment early — at any clause or sentence mark (, ; : . ! ? and their CJK forms) after
+`first_min_pieces` — later ones at sentence marks (the reference's set, CJK comma included) after
+`min_pieces`. A '.' right after a digit does not end a sentence; a newline does. Text that runs on
+with no mark is cut at a word boundary once it is twice the longest piece. Each segment is then cut
+into fragments of at most `max_length` (the reference's semantic length: CJK characters + English
+words) at sentence, then clause marks, then words; English fragments get their numbers spelled out.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import inflect
+
+PIECE = re.compile(r"(?:[a-zA-Z]\.)+|[a-zA-Z]+(?:['\-][a-zA-Z]+)*|\d+(?:\.\d+)?|[\u4e00-\u9fff]|\s+|\S")
+SENTENCE_MARKS = "。！？!?，"
+CLAUSE_MARKS = ",;:；：、"
+_CJK = re.compile(r"[\u4e00-\u9fff]")
+_WORD = re.compile(r"[a-zA-Z]+")
+_SPEAKABLE = re.compile(r"[0-9a-zA-Z\u4e00-\u9fff]")
+
+
+def _may_grow(piece: str) -> bool:
+    return piece[-1].isascii() and (piece[-1].isalnum() or piece[-1].isspace() or piece[-1] in ".'-")
+
+
+def semantic_length(text: str) -> int:
+    """CJK characters + English words (the unit of the reference's 50 limit)."""
+    return len(_CJK.findall(text)) + len(_WORD.findall(text))
+
+
+def speakable(text: str) -> bool:
+    return bool(_SPEAKABLE.search(text))
+
+
+@dataclass(frozen=True)
+class SegmenterLimits:
+    first_min_pieces: int = 8
+    min_pieces: int = 8
+    max_length: int = 50
+
+
+class SentenceSegmenter:
+    """`push(delta)` → the segments that became complete; `flush()` → the rest. Not thread-safe."""
+
+    def __init__(self, limits: SegmenterLimits | None = None) -> None:
+        self.limits = limits or SegmenterLimits()
+        self._pieces: list[str] = []  # pieces of the open segment
+        self._tail = ""  # text not split into pieces yet (the last piece may still grow)
+        self.segments_cut = 0
+
+    def push(self, text: str) -> list[str]:
+        self._tail += text
+        pieces = PIECE.findall(self._tail)
+        if not pieces:
+            return []
+        if _may_grow(pieces[-1]):
+            self._tail = pieces.pop()  # may continue in the next delta ("Hel" + "lo", "3." + "14")
+        else:
+            self._tail = ""
+        out = []
+        for piece in pieces:
+            out.extend(self._add(piece))
+        return out
+
+    def flush(self) -> list[str]:
+        out = []
+        for piece in PIECE.findall(self._tail):
+            out.extend(self._add(piece))
+        self._tail = ""
+        if self._pieces:
+            out.extend(self._cut())
+        return out
+
+    def _add(self, piece: str) -> list[str]:
+        if "\n" in piece:
+            piece = " "
+            if len(self._pieces) >= self._min_pieces():
+                return self._cut()
+        self._pieces.append(piece)
+        marks = CLAUSE_MARKS + SENTENCE_MARKS if self.segments_cut == 0 else SENTENCE_MARKS
+        ends = piece[-1] in marks or (piece == "." and not self._after_digit())
+        if ends and len(self._pieces) >= self._min_pieces():
+            return self._cut()
+        if semantic_length("".join(self._pieces)) >= 2 * self.limits.max_length and piece.isspace():
+            return self._cut()
+        return []
+
+    def _after_digit(self) -> bool:
+        return len(self._pieces) >= 2 and self._pieces[-2][-1:].isdigit()
+
+    def _min_pieces(self) -> int:
+        return self.limits.first_min_pieces if self.segments_cut == 0 else self.limits.min_pieces
+
+    def _cut(self) -> list[str]:
+        text = "".join(self._pieces).strip()
+        self._pieces = []
+        if not speakable(text):
+            return []
+        self.segments_cut += 1
+        return [normalize(f) for f in cut_by_length(text, self.limits.max_length)]
+
+
+def _split_after(text: str, marks: str) -> list[str]:
+    parts, start = [], 0
+    for i, ch in enumerate(text):
+        if ch in marks and not (ch == "." and 0 < i < len(text) - 1 and text[i - 1].isdigit() and text[i + 1].isdigit()):
+            parts.append(text[start:i + 1])
+            start = i + 1
+    if start < len(text):
+        parts.append(text[start:])
+    return [p for p in parts if p.strip()]
+
+
+def _words(text: str, max_length: int) -> list[str]:
+    """A run with no mark, cut between CJK characters / English words."""
+    out, current = [], ""
+    for unit in re.findall(r"[\u4e00-\u9fff]|[a-zA-Z]+|[^a-zA-Z\u4e00-\u9fff]+", text):
+        if current and semantic_length(current + unit) > max_length:
+            out.append(current)
+            current = ""
+        current += unit
+    return [*out, current] if current else out
+
+
+def cut_by_length(text: str, max_length: int) -> list[str]:
+    """Fragments of semantic length ≤ max_length: whole sentences or clauses where they fit, merged greedily."""
+    if semantic_length(text) <= max_length:
+        return [text.strip()]
+    units: list[str] = []
+    for sentence in _split_after(text, ".!?。！？"):
+        if semantic_length(sentence) <= max_length:
+            units.append(sentence)
+            continue
+        for clause in _split_after(sentence, ",;，；、"):
+            units.extend([clause] if semantic_length(clause) <= max_length else _words(clause, max_length))
+    fragments: list[str] = []
+    for unit in units:
+        if fragments and semantic_length(fragments[-1] + unit) <= max_length:
+            fragments[-1] += unit
+        else:
+            fragments.append(unit)
+    return [f.strip() for f in fragments if speakable(f)]
+
+
+# -- numbers ----------------------------------------------------------------------------------------
+
+_engine = inflect.engine()
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
+_CURRENCY = re.compile(r"([$£€])(\d+(?:\.\d+)?)")
+_PERCENT = re.compile(r"(\d+(?:\.\d+)?)%")
+_ORDINAL = re.compile(r"\b(\d+)(st|nd|rd|th)\b")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+_CURRENCY_NAMES = {"$": "dollar", "£": "pound", "€": "euro"}
+
+
+def number_words(number: str) -> str:
+    """'42' → 'forty-two', '3.14' → 'three point one four' (digits after the point one by one)."""
+    whole, _, frac = number.partition(".")
+    words = _engine.number_to_words(int(whole), andword="") if int(whole) else "zero"
+    if frac:
+        words += " point " + " ".join(_engine.number_to_words(int(d)) if d != "0" else "zero" for d in frac)
+    return words
+
+
+def _currency(m: re.Match) -> str:
+    name = _CURRENCY_NAMES[m.group(1)]
+    return f"{number_words(m.group(2))} {name if m.group(2) == '1' else name + 's'}"
+
+
+def spell_numbers(text: str) -> str:
+    """English numbers in words: thousands separators, currencies, percents, ordinals, decimals."""
+    text = _THOUSANDS.sub("", text)
+    text = _CURRENCY.sub(_currency, text)
+    text = _PERCENT.sub(lambda m: f"{number_words(m.group(1))} percent", text)
+    text = _ORDINAL.sub(lambda m: _engine.ordinal(_engine.number_to_words(int(m.group(1)), andword="")), text)
+    text = _NUMBER.sub(lambda m: number_words(m.group(0)), text)
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def normalize(fragment: str) -> str:
+    """What the talker reads: English numbers spelled out (CJK text keeps its digits, as the reference)."""
+    text = fragment.strip().lstrip("，,")
+    return text if _CJK.search(text) else spell_numbers(text)

@@ -1,0 +1,160 @@
+"""TalkerEngine on the tiny checkpoint, stepped by hand: seeded jobs reproduce, batched jobs equal each
+alone, a cancelled job frees its slot at once, a failing step fails only its jobs, the stop rules hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from omnistage.services.talker.engine import JobAudio, JobDone, JobFailed, SegmentJob, TalkerEngine
+from omnistage.services.talker.models.loader import TalkerModels
+from omnistage.services.talker.runner import TalkerRunner
+from omnistage.services.talker.speaker import SpeakerEncoder
+from omnistage.services.talker.voices import VoiceBank
+
+
+@pytest.fixture(scope="module")
+def voices(talker_ckpt, talker_models: TalkerModels) -> VoiceBank:
+    bank = VoiceBank(talker_models, SpeakerEncoder(talker_ckpt / "talker/campplus.onnx"), "DB30", 20.0)
+    bank.load_presets(seed=0)
+    return bank
+
+
+@pytest.fixture
+def engine(talker_models):
+    return TalkerEngine(TalkerRunner(talker_models, 3, 256, 640))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def __call__(self, event) -> None:
+        self.events.append(event)
+
+    @property
+    def audio(self) -> np.ndarray:
+        return np.concatenate([e.samples for e in self.events if isinstance(e, JobAudio)])
+
+    @property
+    def done(self) -> JobDone | None:
+        return next((e for e in self.events if isinstance(e, JobDone)), None)
+
+
+def job(models, voices, text="Hello there, my friend.", seed=1, max_steps=6, min_steps=100, voice="DB30"):
+    v = voices.presets[voice]
+    rec = Recorder()
+    j = SegmentJob(models.prompt.build(text, v.prompt_text, v.patches), v, max_steps,
+                   torch.Generator().manual_seed(seed), rec, min_steps=min_steps)
+    return j, rec
+
+
+def run(engine: TalkerEngine, *recs: Recorder, limit: int = 100) -> None:
+    for _ in range(limit):
+        if all(r.done or any(isinstance(e, JobFailed) for e in r.events) for r in recs):
+            return
+        engine.step()
+    raise AssertionError("jobs did not finish")
+
+
+def test_a_seeded_job_reproduces_and_another_seed_differs(talker_models, voices, engine):
+    outs = []
+    for seed in (1, 1, 2):
+        j, rec = job(talker_models, voices, seed=seed)
+        engine.submit(j)
+        run(engine, rec)
+        assert rec.done == JobDone(6, False)  # min_steps 100: only the step budget ends it
+        outs.append(rec.audio)
+    assert outs[0].shape == (6 * talker_models.config.samples_per_step,)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert not np.allclose(outs[0], outs[2])
+
+
+def test_batched_jobs_equal_each_alone(talker_models, voices, engine):
+    specs = [dict(text="Hello there, my friend.", seed=3, max_steps=5),
+             dict(text="一个完全不同的句子。", seed=4, max_steps=7, voice="lingguang"),
+             dict(text="Short.", seed=5, max_steps=3)]
+    alone = []
+    for spec in specs:
+        j, rec = job(talker_models, voices, **spec)
+        engine.submit(j)
+        run(engine, rec)
+        alone.append(rec.audio)
+    recs = []
+    for i, spec in enumerate(specs):
+        j, rec = job(talker_models, voices, **spec)
+        engine.submit(j)
+        recs.append(rec)
+        if i == 0:
+            engine.step()  # the first job is one step ahead: rows at different positions share the rest
+    run(engine, *recs)
+    assert engine.largest_batch == 3
+    for rec, want in zip(recs, alone, strict=True):
+        np.testing.assert_allclose(rec.audio, want, atol=2e-5, rtol=1e-3)
+
+
+def test_a_cancelled_job_frees_its_slot_at_the_next_step(talker_models, voices, engine):
+    j, rec = job(talker_models, voices, max_steps=50)
+    engine.submit(j)
+    engine.step()
+    engine.step()
+    assert engine.jobs_in_flight == 1 and len(engine._free) == 2
+    engine.cancel(j)
+    seen = len(rec.events)
+    engine.step()
+    assert engine.jobs_in_flight == 0 and len(engine._free) == 3
+    assert j.history is None and j.stream is None and j.next_input is None
+    assert len(rec.events) == seen  # nothing after the cancel
+    queued, queued_rec = job(talker_models, voices)
+    engine.submit(queued)
+    engine.cancel(queued)  # cancelled before admission: never takes a slot
+    engine.step()
+    assert engine.jobs_in_flight == 0 and not queued_rec.events
+
+
+def test_a_failing_step_fails_its_jobs_and_the_engine_goes_on(talker_models, voices, engine, monkeypatch):
+    a, rec_a = job(talker_models, voices)
+    engine.submit(a)
+    real = engine.runner.sample
+
+    def broken(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(engine.runner, "sample", broken)
+    engine.step()
+    assert isinstance(rec_a.events[-1], JobFailed) and engine.jobs_in_flight == 0 and len(engine._free) == 3
+    monkeypatch.setattr(engine.runner, "sample", real)
+    b, rec_b = job(talker_models, voices)
+    engine.submit(b)
+    run(engine, rec_b)
+    assert rec_b.done is not None
+
+
+def test_the_stop_head_ends_a_segment_only_after_min_steps(talker_models, voices, engine, monkeypatch):
+    real = engine.runner.sample
+
+    def always_stop(*args, **kwargs):
+        patch, nxt, stop = real(*args, **kwargs)
+        return patch, nxt, torch.ones_like(stop)
+
+    monkeypatch.setattr(engine.runner, "sample", always_stop)
+    j, rec = job(talker_models, voices, max_steps=50, min_steps=4)
+    engine.submit(j)
+    run(engine, rec)
+    assert rec.done == JobDone(6, True)  # steps 0..4 may not stop; step 5 (> 4) does, after 6 patches
+    assert rec.audio.shape == (6 * talker_models.config.samples_per_step,)
+
+
+def test_the_threaded_engine_serves_jobs_and_device_calls(talker_models, voices, engine):
+    engine.start()
+    try:
+        assert engine.call(lambda: 41 + 1).result(timeout=30) == 42
+        j, rec = job(talker_models, voices, max_steps=3)
+        engine.submit(j)
+        for _ in range(600):
+            if rec.done:
+                break
+            engine.call(lambda: None).result(timeout=30)
+        assert rec.done is not None
+    finally:
+        engine.stop()
