@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from omnistage.common.checkpoint.shards import write_sharded
+from omnistage.common.checkpoint.tiny_imagegen import write_tiny_imagegen
 from omnistage.common.checkpoint.tiny_tokenizer import write_tiny_tokenizer
 
 NUM_SHARDS = 4
@@ -250,4 +251,5 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0) -> Path:
         **_audio_tensors(init, hidden),
     }
     write_sharded({k: v.to(torch.bfloat16) for k, v in tensors.items()}, out, NUM_SHARDS)
+    write_tiny_imagegen(out, thinker_hidden=hidden, seed=seed)
     return out
