@@ -87,12 +87,12 @@ def decode_reference(data: bytes, bucket: tuple[int, int], max_pixels: int) -> n
     if img.width < 1 or img.height < 1:
         raise ImageError("empty image")
     bh, bw = bucket
-    return np.asarray(img.convert("RGB").resize((bw, bh), Image.BILINEAR))
+    return np.array(img.convert("RGB").resize((bw, bh), Image.BILINEAR))
 
 
 def reference_tensor(rgb: np.ndarray) -> torch.Tensor:
     """uint8 [H, W, 3] → float32 [1, 3, H, W] in [-1, 1] (to_tensor, then (x − 0.5) · 2)."""
-    x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).float().div(255.0)
+    x = torch.tensor(rgb).permute(2, 0, 1).float().div(255.0)
     return ((x - 0.5) * 2.0).unsqueeze(0)
 
 
