@@ -102,6 +102,8 @@ class StepBatcher:
     # -- device thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.pipeline.device.type == "cuda":
+            torch.cuda.set_device(self.pipeline.device)
         with torch.inference_mode():
             while self._wait_for_work():
                 self._admit()
