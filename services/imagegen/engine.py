@@ -114,6 +114,7 @@ class ImageGenEngine:
         holder = asyncio.create_task(self._hold(job, deadline, admitted, released))
         self._holders.add(holder)
         holder.add_done_callback(self._holders.discard)
+        ended = False  # the device thread is done with the job (finished or failed)
         try:
             await admitted
             while True:
@@ -122,15 +123,17 @@ class ImageGenEngine:
                     _counter("imagegen_steps", "Denoising steps done (per request)").labels(self.service).inc()
                     yield ev
                 elif isinstance(ev, Finished):
+                    ended = True
                     yield await self._result(parsed, ev)
                     return
                 elif isinstance(ev, Failed):
+                    ended = True
                     raise ev.error
         finally:
             if not admitted.done():
                 holder.cancel()
-            elif not released.done():
-                job.cancel()
+            elif not ended and not admitted.cancelled() and admitted.exception() is None:
+                job.cancel()  # the device thread has it: dropped at the next step boundary
                 _counter("imagegen_cancelled", "Requests dropped from the denoising loop (client left)"
                          ).labels(self.service).inc()
 
