@@ -24,9 +24,9 @@ PATCH = 2
 
 @dataclass(frozen=True)
 class GenerationSpec:
-    """What one request asks for, validated: sizes in pixels, the conditioning on the CPU."""
+    """What one request asks for, validated: sizes in pixels, the decoded conditioning."""
 
-    condition: torch.Tensor  # [num_queries, thinker_hidden] thinker final-norm hidden states
+    condition: torch.Tensor  # [num_queries, thinker_hidden] thinker final-norm hidden states (CPU, or a GPU)
     bucket: tuple[int, int]  # (height, width) the DiT generates at
     steps: int
     guidance_scale: float  # CFG runs only when > 1 (the reference pipeline's rule)
