@@ -246,5 +246,9 @@ def test_bad_conditioning_is_named(imagegen):
     assert "condition: required" in _bad(imagegen, imagegen_pb2.ImageGenRequest(width=64, height=64))
     short = tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[QUERIES, HIDDEN], inline_data=b"\0" * 10)
     assert "condition: inline TensorRef" in _bad(imagegen, imagegen_pb2.ImageGenRequest(condition=short))
+    bogus = tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_BFLOAT16, shape=[QUERIES, HIDDEN], host_id=producer.host_id,
+                                 shm=tensor_pb2.ShmRef(pool_name="nope", pool_byte_size=1 << 20,
+                                                       byte_size=QUERIES * HIDDEN * 2, lease_id=1))
+    assert "condition: refusing to map 'nope'" in _bad(imagegen, imagegen_pb2.ImageGenRequest(condition=bogus))
     assert _leases(imagegen) == 0
     assert _generate(imagegen, width=64, height=64, steps=1)[-1].WhichOneof("event") == "image"
