@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from omnistage.common.config import ImageGenConfig
+from omnistage.common.metrics import REGISTRY
 from omnistage.common.runtime.errors import Overloaded
 from omnistage.common.transport import TransportContext
 from omnistage.services.imagegen.engine import ImageGenEngine, ImageResult
@@ -30,9 +31,9 @@ def _parsed(steps: int, seed: int = 0, bucket: tuple[int, int] = SMALL) -> Parse
 
 
 @contextlib.asynccontextmanager
-async def _engine(pipeline, cap: int = 2, **cfg):
+async def _engine(pipeline, cap: int = 2, service: str = "imagegen-test", **cfg):
     with TransportContext() as transport:
-        engine = ImageGenEngine(pipeline, ImageGenConfig(**cfg), transport, cap, service="imagegen-test")
+        engine = ImageGenEngine(pipeline, ImageGenConfig(**cfg), transport, cap, service=service)
         engine.start()
         try:
             yield engine
@@ -49,6 +50,11 @@ async def _wait_until(cond, what: str, timeout_s: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.01)
+
+
+def _cancelled() -> float:
+    value = REGISTRY.get_sample_value("omnistage_imagegen_cancelled_total", {"service": "imagegen-full"})
+    return value or 0.0
 
 
 def test_a_progress_event_per_step_then_the_image(pipeline):
@@ -103,7 +109,8 @@ def test_cancel_leaves_the_loop_and_frees_the_slot(pipeline):
 
 def test_full_service_refuses(pipeline):
     async def run():
-        async with _engine(pipeline, cap=1, max_queued_requests=0, queue_timeout_s=0.2) as engine:
+        async with _engine(pipeline, cap=1, service="imagegen-full", max_queued_requests=0,
+                           queue_timeout_s=0.2) as engine:
             busy = engine.generate(_parsed(200, seed=6), timeout_s=60)
             await anext(busy)
             with pytest.raises(Overloaded, match="1 requests denoising and 0 waiting"):
@@ -111,7 +118,9 @@ def test_full_service_refuses(pipeline):
             engine.cfg = ImageGenConfig(max_queued_requests=4, queue_timeout_s=0.2)
             with pytest.raises(Overloaded, match="no free batch slot within 0.2s"):
                 await _collect(engine, _parsed(2))
+            assert _cancelled() == 0  # refused requests never joined: nothing was cancelled
             await busy.aclose()
+            assert _cancelled() == 1
 
     asyncio.run(run())
 
