@@ -111,7 +111,7 @@ def test_full_service_refuses(pipeline):
     async def run():
         async with _engine(pipeline, cap=1, service="imagegen-full", max_queued_requests=0,
                            queue_timeout_s=0.2) as engine:
-            busy = engine.generate(_parsed(200, seed=6), timeout_s=60)
+            busy = engine.generate(_parsed(2000, seed=6), timeout_s=60)  # busy well past the 0.2 s waits
             await anext(busy)
             with pytest.raises(Overloaded, match="1 requests denoising and 0 waiting"):
                 await _collect(engine, _parsed(2))
