@@ -35,7 +35,6 @@ def test_caps_at_the_largest_batch_that_fits(tiny_ckpt):
     assert report.activation_peak_bytes > 0 and report.weights_bytes == models.weights_bytes
 
 
-
 def test_a_device_too_small_fails_naming_the_knobs(tiny_ckpt):
     mem = SimulatedDeviceMemory(64 << 20)
     with mem.meter():
