@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -226,6 +227,38 @@ class TalkerConfig:
 
 
 @dataclass(frozen=True)
+class ImageGenConfig:
+    """Image-generation service limits: sizes, steps, guidance, how many requests denoise together."""
+
+    # Resolution bucket table the DiT generates at: 512, 672 or 1024 (the model's; 1:1 → highres²).
+    highres: int = 1024
+    # Smallest / largest width or height a request may ask for, in pixels (multiples of 16).
+    min_side_px: int = 64
+    max_side_px: int = 2048
+    # Width and height of a request that gives 0.
+    default_side_px: int = 1024
+    # Denoising steps of a request that leaves them unset, and the most it may ask for.
+    default_steps: int = 30
+    max_steps: int = 100
+    # Guidance scale of a request that leaves it unset, and the largest accepted.
+    default_guidance_scale: float = 2.0
+    max_guidance_scale: float = 20.0
+    # Accept reference images (edits); the start-up stress then includes the reference frame.
+    allow_edits: bool = True
+    # Largest reference image accepted, width × height as its header says (checked before decoding).
+    max_reference_pixels: int = 67_108_864
+    # Concurrent requests (one DiT forward) the start-up stress tries, largest first, at the largest
+    # bucket with guidance (and a reference frame with allow_edits); the largest that fits is the cap.
+    stress_batch_sizes: tuple[int, ...] = (8, 4, 2, 1)
+    # Requests waiting for a slot beyond the running ones before RESOURCE_EXHAUSTED.
+    max_queued_requests: int = 64
+    # How long a request waits for a slot before RESOURCE_EXHAUSTED, in seconds.
+    queue_timeout_s: float = 60.0
+    # Threads decoding conditioning and reference images and encoding PNGs.
+    postprocess_workers: int = 2
+
+
+@dataclass(frozen=True)
 class TlsConfig:
     """TLS of a service's main port (the gateway's public port)."""
 
@@ -283,6 +316,8 @@ class ServiceConfig:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     # Talker limits (kind talker only).
     talker: TalkerConfig = field(default_factory=TalkerConfig)
+    # Image-generation limits (kind imagegen only).
+    imagegen: ImageGenConfig = field(default_factory=ImageGenConfig)
     # Test hook only; never set in production files.
     fault: FaultConfig | None = None
 
@@ -504,6 +539,7 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
         _validate_memory(p, svc)
         _validate_encoder(p, svc.encoder)
         _validate_talker(p, svc.talker)
+        _validate_imagegen(p, svc.imagegen)
         _validate_access(p, svc)
         _validate_tp(p, svc.tp)
         g = svc.gateway
@@ -626,6 +662,34 @@ def _validate_talker(p: str, t: TalkerConfig) -> None:
         raise ConfigError(f"{q}.default_voice: expected a preset voice name, got ''")
     if not t.stress_batch_sizes or any(b < 1 for b in t.stress_batch_sizes):
         raise ConfigError(f"{q}.stress_batch_sizes: expected batch sizes >= 1, got {list(t.stress_batch_sizes)}")
+
+
+IMAGE_SIZE_MULTIPLE = 16  # the Z-Image VAE's 8x times the DiT's 2x2 patch
+
+
+def _validate_imagegen(p: str, g: ImageGenConfig) -> None:
+    q = f"{p}.imagegen"
+    if g.highres not in (512, 672, 1024):
+        raise ConfigError(f"{q}.highres: expected 512, 672 or 1024 (the model's bucket tables), got {g.highres}")
+    for key in ("min_side_px", "max_side_px", "default_side_px", "default_steps", "max_steps",
+                "max_reference_pixels", "queue_timeout_s", "postprocess_workers"):
+        _positive(f"{q}.{key}", getattr(g, key))
+    _positive(f"{q}.max_queued_requests", g.max_queued_requests, allow_zero=True)
+    for key in ("min_side_px", "max_side_px", "default_side_px"):
+        if getattr(g, key) % IMAGE_SIZE_MULTIPLE:
+            raise ConfigError(f"{q}.{key}: expected a multiple of {IMAGE_SIZE_MULTIPLE}, got {getattr(g, key)}")
+    if not g.min_side_px <= g.default_side_px <= g.max_side_px:
+        raise ConfigError(f"{q}.default_side_px: {g.default_side_px} is outside [min_side_px {g.min_side_px}, "
+                          f"max_side_px {g.max_side_px}]")
+    if g.default_steps > g.max_steps:
+        raise ConfigError(f"{q}.default_steps: {g.default_steps} exceeds max_steps {g.max_steps}")
+    if not (math.isfinite(g.max_guidance_scale) and g.max_guidance_scale >= 0):
+        raise ConfigError(f"{q}.max_guidance_scale: expected a finite number >= 0, got {g.max_guidance_scale}")
+    if not 0 <= g.default_guidance_scale <= g.max_guidance_scale:
+        raise ConfigError(f"{q}.default_guidance_scale: expected 0..max_guidance_scale ({g.max_guidance_scale}), "
+                          f"got {g.default_guidance_scale}")
+    if not g.stress_batch_sizes or any(b < 1 for b in g.stress_batch_sizes):
+        raise ConfigError(f"{q}.stress_batch_sizes: expected batch sizes >= 1, got {list(g.stress_batch_sizes)}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

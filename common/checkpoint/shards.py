@@ -32,10 +32,13 @@ class TensorInfo:
     dtype: str
 
 
-def shard_files(ckpt_dir: str | Path) -> list[Path]:
-    """Shards of a checkpoint folder in index order (or the single `model.safetensors`)."""
+def shard_files(ckpt_dir: str | Path, stem: str = "model") -> list[Path]:
+    """Shards of a checkpoint folder in index order (or the single `model.safetensors`).
+
+    `stem` names other layouts: diffusers folders use `diffusion_pytorch_model`.
+    """
     root = Path(ckpt_dir)
-    index = root / INDEX_NAME
+    index = root / f"{stem}.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         names = sorted(set(weight_map.values()))
@@ -43,9 +46,9 @@ def shard_files(ckpt_dir: str | Path) -> list[Path]:
         if missing:
             raise CheckpointError(f"{index}: shards listed but absent: {', '.join(missing)}")
         return [root / n for n in names]
-    if (root / SINGLE_NAME).is_file():
-        return [root / SINGLE_NAME]
-    raise CheckpointError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+    if (root / f"{stem}.safetensors").is_file():
+        return [root / f"{stem}.safetensors"]
+    raise CheckpointError(f"{root}: neither {index.name} nor {stem}.safetensors found")
 
 
 def read_headers(shards: Iterable[Path]) -> dict[str, TensorInfo]:

@@ -1,8 +1,8 @@
 """Writes a tiny random-weight checkpoint in the Ming-flash-omni-2.0 HF layout (ming.md §2.4, §3.3, §4.4).
 
 Same root `config.json` keys, same tensor names, bf16 storage, several shards + index, a small
-tokenizer with the real special tokens (other ids), and the talker's `talker/` folder
-(tiny_talker.py). The thinker keeps the real head_dim 128 with partial rotary 0.5 so the [8, 12, 12]
+tokenizer with the real special tokens (other ids), the talker's `talker/` folder (tiny_talker.py)
+and the image-generation folders (tiny_imagegen.py). The thinker keeps the real head_dim 128 with partial rotary 0.5 so the [8, 12, 12]
 video_rope split is the release's. Deterministic for a seed.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from omnistage.common.checkpoint.shards import write_sharded
+from omnistage.common.checkpoint.tiny_imagegen import write_tiny_imagegen
 from omnistage.common.checkpoint.tiny_talker import write_tiny_talker
 from omnistage.common.checkpoint.tiny_tokenizer import write_tiny_tokenizer
 
@@ -253,4 +254,5 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0) -> Path:
     }
     write_sharded({k: v.to(torch.bfloat16) for k, v in tensors.items()}, out, NUM_SHARDS)
     write_tiny_talker(out, seed=seed)
+    write_tiny_imagegen(out, thinker_hidden=hidden, seed=seed)
     return out

@@ -48,6 +48,10 @@ def test_shipped_deploy_file_loads():
 
     enc = load_config(ROOT / "deploy" / "local-tiny-encoder.yaml").service("encoder")
     assert enc.kind == "encoder" and enc.encoder.stress_batch_sizes == (4, 2, 1)
+    img = load_config(ROOT / "deploy" / "local-tiny-imagegen.yaml").service("imagegen")
+    assert img.kind == "imagegen" and img.admin_port and img.imagegen.highres == 512
+    for key in ("port", "admin_port", "metrics_port"):
+        assert not 32768 <= getattr(img, key) <= 60999, f"services.imagegen.{key}"
 
     talker = load_config(ROOT / "deploy" / "local-tiny-talker.yaml").service("talker")
     assert talker.kind == "talker" and talker.admin_port and talker.talker.stress_batch_sizes == (4, 2, 1)
@@ -304,3 +308,28 @@ def test_encoder_defaults_are_the_models_preprocessing_numbers():
     assert (e.image_min_pixels, e.image_max_pixels) == (4 * 32 * 32, 16384 * 32 * 32)
     assert (e.video_min_pixels, e.video_total_pixels, e.max_video_frames) == (128 * 32 * 32, 96 * 128 * 32 * 32, 256)
     assert e.stress_batch_sizes == (8, 4, 2, 1)
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"highres": 800}, "services.img.imagegen.highres: expected 512, 672 or 1024"),
+        ({"min_side_px": 100}, "services.img.imagegen.min_side_px: expected a multiple of 16, got 100"),
+        ({"default_side_px": 4096}, "services.img.imagegen.default_side_px: 4096 is outside [min_side_px 64"),
+        ({"max_steps": 0}, "services.img.imagegen.max_steps: expected > 0"),
+        ({"default_steps": 40, "max_steps": 30}, "services.img.imagegen.default_steps: 40 exceeds max_steps 30"),
+        ({"max_guidance_scale": float("nan")}, "services.img.imagegen.max_guidance_scale: expected a finite number"),
+        ({"default_guidance_scale": 30.0}, "services.img.imagegen.default_guidance_scale: expected 0..max_guidance"),
+        ({"stress_batch_sizes": [2, 0]}, "services.img.imagegen.stress_batch_sizes: expected batch sizes >= 1"),
+        ({"max_queued_requests": -1}, "services.img.imagegen.max_queued_requests: expected >= 0"),
+        ({"size": 5}, "services.img.imagegen.size: unknown key"),
+    ],
+)
+def test_imagegen_limits_are_checked(patch, message):
+    data = {"services": {"img": {"kind": "imagegen", "port": 50181, "imagegen": patch}}}
+    assert message in error_of(data)
+
+
+def test_imagegen_defaults_are_the_models():
+    g = config_from_dict({"services": {"img": {"kind": "imagegen", "port": 50181}}}).services["img"].imagegen
+    assert (g.highres, g.default_side_px, g.default_steps, g.default_guidance_scale) == (1024, 1024, 30, 2.0)

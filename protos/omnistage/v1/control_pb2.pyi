@@ -84,7 +84,7 @@ class MemoryReport(_message.Message):
     def __init__(self, device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., graph_pool_bytes: _Optional[int] = ..., transport_pool_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_running_requests", "max_queued_requests", "max_message_bytes", "max_prompt_tokens", "max_model_len", "default_max_tokens", "max_vision_batch_items", "max_audio_batch_items", "max_items_per_request")
+    __slots__ = ("max_running_requests", "max_queued_requests", "max_message_bytes", "max_prompt_tokens", "max_model_len", "default_max_tokens", "max_vision_batch_items", "max_audio_batch_items", "max_items_per_request", "min_image_side_px", "max_image_side_px", "max_denoising_steps", "max_image_batch")
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,10 @@ class Limits(_message.Message):
     MAX_VISION_BATCH_ITEMS_FIELD_NUMBER: _ClassVar[int]
     MAX_AUDIO_BATCH_ITEMS_FIELD_NUMBER: _ClassVar[int]
     MAX_ITEMS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MIN_IMAGE_SIDE_PX_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_SIDE_PX_FIELD_NUMBER: _ClassVar[int]
+    MAX_DENOISING_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_BATCH_FIELD_NUMBER: _ClassVar[int]
     max_running_requests: int
     max_queued_requests: int
     max_message_bytes: int
@@ -103,7 +107,11 @@ class Limits(_message.Message):
     max_vision_batch_items: int
     max_audio_batch_items: int
     max_items_per_request: int
-    def __init__(self, max_running_requests: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_vision_batch_items: _Optional[int] = ..., max_audio_batch_items: _Optional[int] = ..., max_items_per_request: _Optional[int] = ...) -> None: ...
+    min_image_side_px: int
+    max_image_side_px: int
+    max_denoising_steps: int
+    max_image_batch: int
+    def __init__(self, max_running_requests: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_vision_batch_items: _Optional[int] = ..., max_audio_batch_items: _Optional[int] = ..., max_items_per_request: _Optional[int] = ..., min_image_side_px: _Optional[int] = ..., max_image_side_px: _Optional[int] = ..., max_denoising_steps: _Optional[int] = ..., max_image_batch: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from omnistage.v1 import tensor_pb2 as omnistage_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bomnistage/v1/imagegen.proto\x12\x0comnistage.v1\x1a\x19omnistage/v1/tensor.proto\"\xc8\x01\n\x0fImageGenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\tcondition\x18\x02 \x01(\x0b\x32\x17.omnistage.v1.TensorRef\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x16\n\x0eguidance_scale\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x13\n\x0bprompt_text\x18\x08 \x01(\tB\x07\n\x05_seed\"L\n\rImageGenEvent\x12\x0e\n\x04step\x18\x01 \x01(\rH\x00\x12\r\n\x03png\x18\x02 \x01(\x0cH\x00\x12\x13\n\x0btotal_steps\x18\x03 \x01(\rB\x07\n\x05\x65vent2T\n\x08ImageGen\x12H\n\x08Generate\x12\x1d.omnistage.v1.ImageGenRequest\x1a\x1b.omnistage.v1.ImageGenEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bomnistage/v1/imagegen.proto\x12\x0comnistage.v1\x1a\x19omnistage/v1/tensor.proto\"\x88\x02\n\x0fImageGenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\tcondition\x18\x02 \x01(\x0b\x32\x17.omnistage.v1.TensorRef\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12\x12\n\x05steps\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x13\n\x0bprompt_text\x18\x08 \x01(\t\x12\x17\n\x0freference_image\x18\t \x01(\x0c\x42\x08\n\x06_stepsB\x11\n\x0f_guidance_scaleB\x07\n\x05_seed\"5\n\x10ImageGenProgress\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x13\n\x0btotal_steps\x18\x02 \x01(\r\"\x8b\x01\n\rImageGenImage\x12\x0b\n\x03png\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x17\n\x0fgenerated_width\x18\x05 \x01(\r\x12\x18\n\x10generated_height\x18\x06 \x01(\r\x12\r\n\x05steps\x18\x07 \x01(\r\"z\n\rImageGenEvent\x12\x32\n\x08progress\x18\x01 \x01(\x0b\x32\x1e.omnistage.v1.ImageGenProgressH\x00\x12,\n\x05image\x18\x02 \x01(\x0b\x32\x1b.omnistage.v1.ImageGenImageH\x00\x42\x07\n\x05\x65vent2T\n\x08ImageGen\x12H\n\x08Generate\x12\x1d.omnistage.v1.ImageGenRequest\x1a\x1b.omnistage.v1.ImageGenEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnistage.v1.imagegen_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_IMAGEGENREQUEST']._serialized_start=73
-  _globals['_IMAGEGENREQUEST']._serialized_end=273
-  _globals['_IMAGEGENEVENT']._serialized_start=275
-  _globals['_IMAGEGENEVENT']._serialized_end=351
-  _globals['_IMAGEGEN']._serialized_start=353
-  _globals['_IMAGEGEN']._serialized_end=437
+  _globals['_IMAGEGENREQUEST']._serialized_end=337
+  _globals['_IMAGEGENPROGRESS']._serialized_start=339
+  _globals['_IMAGEGENPROGRESS']._serialized_end=392
+  _globals['_IMAGEGENIMAGE']._serialized_start=395
+  _globals['_IMAGEGENIMAGE']._serialized_end=534
+  _globals['_IMAGEGENEVENT']._serialized_start=536
+  _globals['_IMAGEGENEVENT']._serialized_end=658
+  _globals['_IMAGEGEN']._serialized_start=660
+  _globals['_IMAGEGEN']._serialized_end=744
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ImageGenRequest(_message.Message):
-    __slots__ = ("request_id", "condition", "width", "height", "steps", "guidance_scale", "seed", "prompt_text")
+    __slots__ = ("request_id", "condition", "width", "height", "steps", "guidance_scale", "seed", "prompt_text", "reference_image")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONDITION_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ImageGenRequest(_message.Message):
     GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_IMAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     condition: _tensor_pb2.TensorRef
     width: int
@@ -24,14 +25,39 @@ class ImageGenRequest(_message.Message):
     guidance_scale: float
     seed: int
     prompt_text: str
-    def __init__(self, request_id: _Optional[str] = ..., condition: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., prompt_text: _Optional[str] = ...) -> None: ...
+    reference_image: bytes
+    def __init__(self, request_id: _Optional[str] = ..., condition: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., prompt_text: _Optional[str] = ..., reference_image: _Optional[bytes] = ...) -> None: ...
 
-class ImageGenEvent(_message.Message):
-    __slots__ = ("step", "png", "total_steps")
+class ImageGenProgress(_message.Message):
+    __slots__ = ("step", "total_steps")
     STEP_FIELD_NUMBER: _ClassVar[int]
-    PNG_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     step: int
-    png: bytes
     total_steps: int
-    def __init__(self, step: _Optional[int] = ..., png: _Optional[bytes] = ..., total_steps: _Optional[int] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
+
+class ImageGenImage(_message.Message):
+    __slots__ = ("png", "width", "height", "seed", "generated_width", "generated_height", "steps")
+    PNG_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    png: bytes
+    width: int
+    height: int
+    seed: int
+    generated_width: int
+    generated_height: int
+    steps: int
+    def __init__(self, png: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., generated_width: _Optional[int] = ..., generated_height: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class ImageGenEvent(_message.Message):
+    __slots__ = ("progress", "image")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    progress: ImageGenProgress
+    image: ImageGenImage
+    def __init__(self, progress: _Optional[_Union[ImageGenProgress, _Mapping]] = ..., image: _Optional[_Union[ImageGenImage, _Mapping]] = ...) -> None: ...

@@ -45,7 +45,11 @@ class ImageGenServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Conditioning in, denoising progress events out, then the image.
+        """Conditioning in; one `progress` event per denoising step, then one `image` event, then the
+        stream ends OK. Concurrent requests of the same bucket (and edit or not) share one DiT forward
+        per step. A bad field fails the RPC with INVALID_ARGUMENT naming it before any device work;
+        RESOURCE_EXHAUSTED (with grpc-retry-pushback-ms) when the service is full. Cancelling the call
+        (or its deadline passing) stops the request's denoising at the next step boundary.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

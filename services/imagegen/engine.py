@@ -1,0 +1,177 @@
+"""ImageGenEngine: the servicer's only API — parse, admit, stream progress, hand back the PNG.
+
+A request is parsed on a worker thread (conditioning copied out of shared memory, reference image
+decoded), then waits for one of the `cap` slots the start-up stress proved (at most
+`max_queued_requests` wait; a wait is bounded by `queue_timeout_s` and the request's deadline).
+With a slot it joins the step batcher; each step's progress is yielded as it happens; the final
+pixels are resized and PNG-encoded on a worker thread. When the caller leaves (cancel, deadline),
+the job is dropped at the next step boundary; its slot is held until the device thread lets go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from omnistage.common import metrics
+from omnistage.common.config import ImageGenConfig
+from omnistage.common.memory.stress import ConcurrencyLimiter
+from omnistage.common.runtime.errors import DeadlineExceeded, Overloaded
+from omnistage.common.transport import TransportContext
+from omnistage.services.imagegen import images
+from omnistage.services.imagegen.pipeline import ImagePipeline
+from omnistage.services.imagegen.request import ParsedRequest, RequestLimits, parse_request
+from omnistage.services.imagegen.step_batcher import Failed, Finished, Job, Progress, StepBatcher
+from omnistage.v1 import imagegen_pb2
+
+
+@dataclass(frozen=True)
+class ImageResult:
+    png: bytes
+    width: int
+    height: int
+    seed: int
+    bucket: tuple[int, int]  # (height, width) generated
+    steps: int
+
+
+def _counter(name: str, doc: str):
+    return metrics.counter(name, doc)
+
+
+class ImageGenEngine:
+    """`parse(request)` then `generate(parsed, timeout_s)` → Progress events, then one ImageResult."""
+
+    def __init__(self, pipeline: ImagePipeline, cfg: ImageGenConfig, transport: TransportContext, cap: int, *,
+                 service: str = "imagegen") -> None:
+        self.pipeline = pipeline
+        self.cfg = cfg
+        self.transport = transport
+        self.service = service
+        mc = pipeline.models.config
+        self.limits = RequestLimits(cfg, mc.mlp.num_queries, mc.thinker_hidden, pipeline.size_multiple)
+        self.limiter = ConcurrencyLimiter(f"{service} denoising", cap)
+        self.batcher = StepBatcher(pipeline, name=service, on_forward=self._count_forward)
+        self.waiting = 0
+        self._pool = ThreadPoolExecutor(cfg.postprocess_workers, thread_name_prefix=f"{service}-post")
+        self._holders: set[asyncio.Task] = set()
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    def stop(self) -> None:
+        self.batcher.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def load(self) -> tuple[int, int]:
+        """(requests the device thread holds, requests waiting for a slot) for Describe."""
+        return self.batcher.held, self.waiting
+
+    def export_metrics(self) -> None:
+        active = metrics.gauge("imagegen_active_requests", "Requests in the denoising loop (device thread)")
+        waiting = metrics.gauge("imagegen_waiting_requests", "Requests waiting for a denoising slot")
+        active.labels(self.service).set_function(lambda: self.batcher.held)
+        waiting.labels(self.service).set_function(lambda: self.waiting)
+
+    def _count_forward(self, jobs: int, rows: int) -> None:
+        _counter("imagegen_forwards", "DiT forwards run (one per step of a group of equal-shape requests)"
+                 ).labels(self.service).inc()
+        _counter("imagegen_forward_requests", "Requests stepped in those forwards").labels(self.service).inc(jobs)
+        _counter("imagegen_forward_rows", "DiT rows in those forwards (2 per request with guidance)"
+                 ).labels(self.service).inc(rows)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def parse(self, request: imagegen_pb2.ImageGenRequest) -> ParsedRequest:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, parse_request, request, self.limits, self.transport)
+
+    async def generate(self, parsed: ParsedRequest, *, timeout_s: float | None = None
+                       ) -> AsyncIterator[Progress | ImageResult]:
+        """Progress after every step, then the ImageResult. Leaving the iterator early drops the job."""
+        deadline = time.monotonic() + timeout_s if timeout_s is not None else math.inf
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        admitted: asyncio.Future = loop.create_future()
+        released: asyncio.Future = loop.create_future()
+
+        def on_event(ev: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        def on_release() -> None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(lambda: released.done() or released.set_result(None))
+
+        job = Job(parsed.spec, on_event, on_release)
+        holder = asyncio.create_task(self._hold(job, deadline, admitted, released))
+        self._holders.add(holder)
+        holder.add_done_callback(self._holders.discard)
+        ended = False  # the device thread is done with the job (finished or failed)
+        try:
+            await admitted
+            while True:
+                ev = await events.get()
+                if isinstance(ev, Progress):
+                    _counter("imagegen_steps", "Denoising steps done (per request)").labels(self.service).inc()
+                    yield ev
+                elif isinstance(ev, Finished):
+                    ended = True
+                    yield await self._result(parsed, ev)
+                    return
+                elif isinstance(ev, Failed):
+                    ended = True
+                    raise ev.error
+        finally:
+            if not admitted.done():
+                holder.cancel()
+            elif not ended and not admitted.cancelled() and admitted.exception() is None:
+                job.cancel()  # the device thread has it: dropped at the next step boundary
+                _counter("imagegen_cancelled", "Requests dropped from the denoising loop (client left)"
+                         ).labels(self.service).inc()
+
+    async def _hold(self, job: Job, deadline: float, admitted: asyncio.Future, released: asyncio.Future) -> None:
+        """Take a slot, hand the job to the device thread, keep the slot until the thread lets go of it."""
+        if self.waiting >= self.cfg.max_queued_requests and self.limiter.in_use >= self.limiter.limit:
+            admitted.set_exception(Overloaded(
+                f"{self.service}: {self.limiter.in_use} requests denoising and {self.waiting} waiting "
+                "(imagegen.max_queued_requests)", retry_after_ms=1000))
+            return
+        wait = min(deadline - time.monotonic(), self.cfg.queue_timeout_s)
+        if wait <= 0:
+            admitted.set_exception(DeadlineExceeded(f"{self.service}: deadline passed before a denoising slot"))
+            return
+        self.waiting += 1
+        try:
+            async with self.limiter.slot(wait):
+                self.waiting -= 1
+                self.batcher.submit(job)
+                admitted.set_result(None)
+                await released
+        except TimeoutError as exc:
+            self.waiting -= 1
+            if time.monotonic() >= deadline:
+                admitted.set_exception(DeadlineExceeded(f"{self.service}: deadline passed waiting for a slot"))
+            else:
+                admitted.set_exception(Overloaded(str(exc), retry_after_ms=1000))
+        except asyncio.CancelledError:
+            if not admitted.done():
+                self.waiting -= 1
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the batcher stopped: the waiting request learns why
+            if not admitted.done():
+                admitted.set_exception(exc)
+
+    async def _result(self, parsed: ParsedRequest, ev: Finished) -> ImageResult:
+        loop = asyncio.get_running_loop()
+        png = await loop.run_in_executor(self._pool, images.png_bytes, ev.pixels, parsed.width, parsed.height)
+        _counter("imagegen_images", "Images generated").labels(self.service).inc()
+        spec = parsed.spec
+        return ImageResult(png, parsed.width, parsed.height, spec.seed, spec.bucket, spec.steps)

@@ -1,0 +1,212 @@
+"""Z-Image DiT (diffusers `ZImageTransformer2DModel`, ming.md §6.2), batched over rows of one shape.
+
+A forward takes B rows of the same latent shape [C, F, H, W] (F = 2 when an edit's reference latent
+is the second frame) and the same caption length, so no row needs a padding mask: every request the
+step batcher joins has the same token layout. Within a row the image tokens and the caption tokens
+are each padded to a multiple of 32 with the learned pad tokens, which attend like any token (as in
+the reference). Position ids: caption token k → (1 + k, 0, 0); image token (f, i, j) →
+(caption_padded + 1 + f, i, j); image pad tokens → (0, 0, 0). Sequence [image ; caption] through
+the main layers. Parameter names equal the diffusers checkpoint's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from omnistage.services.imagegen.models.config import DiTConfig
+from omnistage.services.imagegen.models.norms import DiffusersRMSNorm
+from torch import nn
+
+SEQ_MULTI_OF = 32
+PATCH = 2
+
+
+def _pad_len(n: int) -> int:
+    return (-n) % SEQ_MULTI_OF
+
+
+class TimestepEmbedder(nn.Module):
+    """Sinusoid of t (256 channels, cos first) in float32 → MLP 256 → 1024 → adaLN width."""
+
+    def __init__(self, out_size: int, mid_size: int = 1024, frequency_size: int = 256) -> None:
+        super().__init__()
+        self.frequency_size = frequency_size
+        self.mlp = nn.Sequential(nn.Linear(frequency_size, mid_size), nn.SiLU(), nn.Linear(mid_size, out_size))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        half = self.frequency_size // 2
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t[:, None].float() * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return self.mlp(emb.to(self.mlp[0].weight.dtype))
+
+
+class Attention(nn.Module):
+    """Bidirectional self-attention with per-head RMSNorm on q, k and 3-axis RoPE (no biases)."""
+
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.n_heads
+        self.to_q = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.to_k = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.to_v = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(cfg.dim, cfg.dim, bias=False)])
+        self.norm_q = DiffusersRMSNorm(cfg.head_dim, eps=1e-5)
+        self.norm_k = DiffusersRMSNorm(cfg.head_dim, eps=1e-5)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.norm_q(self.to_q(x).unflatten(-1, (self.heads, -1)))
+        k = self.norm_k(self.to_k(x).unflatten(-1, (self.heads, -1)))
+        v = self.to_v(x).unflatten(-1, (self.heads, -1))
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate consecutive channel pairs (complex multiplication) in float32; x [B, N, heads, D]."""
+    cos, sin = rope  # [B, N, D/2] float32
+    pairs = x.float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).type_as(x)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre/post-RMSNorm block; with `modulation`, adaLN scale and tanh gate from the timestep."""
+
+    def __init__(self, cfg: DiTConfig, modulation: bool) -> None:
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.attention_norm1 = DiffusersRMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm2 = DiffusersRMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm1 = DiffusersRMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm2 = DiffusersRMSNorm(cfg.dim, cfg.norm_eps)
+        self.modulation = modulation
+        if modulation:
+            self.adaLN_modulation = nn.Sequential(nn.Linear(cfg.adaln_dim, 4 * cfg.dim))
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                adaln: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.modulation:
+            x = x + self.attention_norm2(self.attention(self.attention_norm1(x), rope))
+            return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
+        assert adaln is not None
+        scale_a, gate_a, scale_f, gate_f = self.adaLN_modulation(adaln).unsqueeze(1).chunk(4, dim=2)
+        gate_a, gate_f = gate_a.tanh(), gate_f.tanh()
+        x = x + gate_a * self.attention_norm2(self.attention(self.attention_norm1(x) * (1.0 + scale_a), rope))
+        return x + gate_f * self.ffn_norm2(self.feed_forward(self.ffn_norm1(x) * (1.0 + scale_f)))
+
+
+class FinalLayer(nn.Module):
+    """LayerNorm (no affine) × (1 + Linear(SiLU(c))) → Linear to one patch of latent channels."""
+
+    def __init__(self, dim: int, adaln_dim: int, out: int) -> None:
+        super().__init__()
+        self.norm_final = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(dim, out)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(adaln_dim, dim))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.norm_final(x) * (1.0 + self.adaLN_modulation(c)).unsqueeze(1))
+
+
+class RopeTables(nn.Module):
+    """Per-axis cos/sin tables (float32, computed from float64 angles as the reference does)."""
+
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.axes = len(cfg.axes_dims)
+        for a, (d, length) in enumerate(zip(cfg.axes_dims, cfg.axes_lens, strict=True)):
+            freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+            angles = torch.outer(torch.arange(length, dtype=torch.float64), freqs).float()
+            self.register_buffer(f"cos{a}", torch.cos(angles), persistent=False)
+            self.register_buffer(f"sin{a}", torch.sin(angles), persistent=False)
+
+    def init_buffers(self, cfg: DiTConfig) -> None:
+        """Recompute the tables in place (after the module was materialised from meta)."""
+        fresh = RopeTables(cfg)
+        for name, buf in fresh.named_buffers():
+            getattr(self, name).copy_(buf)
+
+    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [N, 3] int → (cos, sin) [N, head_dim / 2]."""
+        cos = [getattr(self, f"cos{a}")[pos[:, a]] for a in range(self.axes)]
+        sin = [getattr(self, f"sin{a}")[pos[:, a]] for a in range(self.axes)]
+        return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
+
+
+def _grid(f: int, h: int, w: int, start: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    axes = [torch.arange(s, s + n, device=device) for s, n in zip(start, (f, h, w), strict=True)]
+    return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+
+
+class ZImageDiT(nn.Module):
+    """`forward(x [B, C, F, H, W], t [B] in [0, 1], cap [B, L, cap_feat_dim]) → velocity [B, C, F, H, W]`."""
+
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        key = f"{PATCH}-1"
+        self.all_x_embedder = nn.ModuleDict({key: nn.Linear(cfg.patch_dim, cfg.dim)})
+        self.all_final_layer = nn.ModuleDict({key: FinalLayer(cfg.dim, cfg.adaln_dim, cfg.patch_dim)})
+        self.noise_refiner = nn.ModuleList(Block(cfg, modulation=True) for _ in range(cfg.n_refiner_layers))
+        self.context_refiner = nn.ModuleList(Block(cfg, modulation=False) for _ in range(cfg.n_refiner_layers))
+        self.t_embedder = TimestepEmbedder(cfg.adaln_dim)
+        self.cap_embedder = nn.Sequential(DiffusersRMSNorm(cfg.cap_feat_dim, cfg.norm_eps),
+                                          nn.Linear(cfg.cap_feat_dim, cfg.dim))
+        self.x_pad_token = nn.Parameter(torch.zeros(1, cfg.dim))
+        self.cap_pad_token = nn.Parameter(torch.zeros(1, cfg.dim))
+        self.layers = nn.ModuleList(Block(cfg, modulation=True) for _ in range(cfg.n_layers))
+        self.rope = RopeTables(cfg)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x_pad_token.dtype
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+        b, c, f, h, w = x.shape
+        ht, wt = h // PATCH, w // PATCH
+        n_img, n_cap = f * ht * wt, cap.shape[1]
+        pad_img, pad_cap = _pad_len(n_img), _pad_len(n_cap)
+        cap_len = n_cap + pad_cap
+        key = f"{PATCH}-1"
+        adaln = self.t_embedder(t * self.cfg.t_scale).to(x.dtype)
+
+        patches = x.view(b, c, f, ht, PATCH, wt, PATCH).permute(0, 2, 3, 5, 4, 6, 1).reshape(b, n_img, -1)
+        img = self.all_x_embedder[key](patches)
+        img = torch.cat([img, self.x_pad_token.expand(b, pad_img, -1).to(img.dtype)], dim=1)
+        img_pos = torch.cat([_grid(f, ht, wt, (cap_len + 1, 0, 0), x.device),
+                             torch.zeros(pad_img, 3, dtype=torch.long, device=x.device)])
+        img_rope = tuple(r.expand(b, -1, -1) for r in self.rope(img_pos))
+        for layer in self.noise_refiner:
+            img = layer(img, img_rope, adaln)
+
+        txt = self.cap_embedder(cap.to(x.dtype))
+        txt = torch.cat([txt, self.cap_pad_token.expand(b, pad_cap, -1).to(txt.dtype)], dim=1)
+        txt_pos = _grid(cap_len, 1, 1, (1, 0, 0), x.device)
+        txt_rope = tuple(r.expand(b, -1, -1) for r in self.rope(txt_pos))
+        for layer in self.context_refiner:
+            txt = layer(txt, txt_rope)
+
+        seq = torch.cat([img, txt], dim=1)
+        rope = tuple(torch.cat([a, bb], dim=1) for a, bb in zip(img_rope, txt_rope, strict=True))
+        for layer in self.layers:
+            seq = layer(seq, rope, adaln)
+        out = self.all_final_layer[key](seq, adaln)[:, :n_img]
+        return out.view(b, f, ht, wt, PATCH, PATCH, c).permute(0, 6, 1, 2, 4, 3, 5).reshape(b, c, f, h, w)

@@ -1,0 +1,183 @@
+"""load_imagegen: connector, DiT and VAE of a Ming checkpoint, built on meta and filled folder by folder.
+
+Each part is materialised once, empty, in the target dtype on the target device; checkpoint tensors
+are read one at a time (CPU, stored dtype) and copied in, so no full-precision copy ever exists.
+Keys and shapes are checked from the shard headers of every folder first: a wrong checkpoint fails
+with one error naming each missing, unexpected and mis-shaped key. Tensors the service does not use
+are checked, not materialised: the query embeddings (the thinker's), the connector's token
+embeddings and LM head. `random_init` fills the same modules for `load_format: dummy` and benches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omnistage.common.checkpoint.shards import (
+    CheckpointError,
+    TensorInfo,
+    iter_tensors,
+    read_headers,
+    shard_files,
+)
+from omnistage.common.log import get_logger
+from omnistage.services.imagegen.models.config import ImageGenModelConfig
+from omnistage.services.imagegen.models.connector import ConditionEncoder
+from omnistage.services.imagegen.models.dit import ZImageDiT
+from omnistage.services.imagegen.models.norms import DiffusersRMSNorm, Qwen2RMSNorm
+from omnistage.services.imagegen.models.scheduler import Schedule, make_schedule
+from omnistage.services.imagegen.models.vae import AutoencoderKL
+from torch import nn
+
+log = get_logger(__name__)
+_MAX_LISTED = 20
+DIFFUSERS_STEM = "diffusion_pytorch_model"
+_NORMS = (nn.LayerNorm, nn.GroupNorm, DiffusersRMSNorm, Qwen2RMSNorm)
+
+
+@dataclass
+class ImageGenModels:
+    """Everything one generation needs, ready for inference."""
+
+    config: ImageGenModelConfig
+    cond: ConditionEncoder
+    dit: ZImageDiT
+    vae: AutoencoderKL
+
+    @property
+    def weights_bytes(self) -> int:
+        mods = (self.cond, self.dit, self.vae)
+        return sum(t.numel() * t.element_size() for m in mods for t in [*m.parameters(), *m.buffers()])
+
+    def schedule(self, steps: int, image_seq_len: int) -> Schedule:
+        return make_schedule(self.config.scheduler, steps, image_seq_len)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One checkpoint folder: its shard stem, file key → tensor to fill, and checked-only shapes."""
+
+    folder: str
+    stem: str
+    targets: dict[str, torch.Tensor]
+    skipped: dict[str, tuple[int, ...]]
+    optional: dict[str, tuple[int, ...]]
+
+
+def build_models(config: ImageGenModelConfig, *, dtype: torch.dtype, device: str | torch.device) -> ImageGenModels:
+    """Empty modules (uninitialised parameters) in `dtype` on `device`; the loader or `random_init` fills them."""
+    with torch.device("meta"):
+        cond = ConditionEncoder(config.mlp, config.connector, config.thinker_hidden, config.dit.cap_feat_dim)
+        dit = ZImageDiT(config.dit)
+        vae = AutoencoderKL(config.vae)
+    mods = [m.to(dtype=dtype).to_empty(device=device).requires_grad_(False).eval() for m in (cond, dit, vae)]
+    cond, dit, vae = mods
+    dit.rope.init_buffers(config.dit)
+    return ImageGenModels(config, cond, dit, vae)
+
+
+def _state(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    return {prefix + k: v for k, v in module.state_dict(keep_vars=True).items()}
+
+
+def _parts(models: ImageGenModels) -> list[_Part]:
+    cfg = models.config
+    cond = models.cond
+    mlp_targets = {**_state(cond.proj_in, "proj_in."), **_state(cond.proj_out, "proj_out."), **_state(cond.mlp, "mlp.")}
+    queries = {f"query_tokens_dict.{s}x{s}": (s * s, cfg.thinker_hidden) for s in cfg.mlp.img_gen_scales}
+    c = cfg.connector
+    embed = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
+    head = {"lm_head.weight": (c.vocab_size, c.hidden_size)}
+    return [
+        _Part("mlp", "model", mlp_targets, queries, {}),
+        _Part("connector", "model", _state(cond.connector), {**embed, **({} if c.tie_word_embeddings else head)},
+              head if c.tie_word_embeddings else {}),
+        _Part("transformer", DIFFUSERS_STEM, _state(models.dit), {}, {}),
+        _Part("vae", DIFFUSERS_STEM, _state(models.vae), {}, {}),
+    ]
+
+
+def _listing(what: str, keys: list[str]) -> str:
+    more = f" (+{len(keys) - _MAX_LISTED} more)" if len(keys) > _MAX_LISTED else ""
+    return f"{what} keys: {', '.join(keys[:_MAX_LISTED])}{more}"
+
+
+def _check_keys(where: Path, part: _Part, headers: dict[str, TensorInfo]) -> None:
+    want = {**{k: tuple(t.shape) for k, t in part.targets.items()}, **part.skipped}
+    allowed = {**want, **part.optional}
+    problems = []
+    if missing := sorted(set(want) - set(headers)):
+        problems.append(_listing("missing", missing))
+    if unexpected := sorted(set(headers) - set(allowed)):
+        problems.append(_listing("unexpected", unexpected))
+    if bad := sorted(f"{k} {list(headers[k].shape)} != {list(allowed[k])}" for k in set(allowed) & set(headers)
+                     if tuple(headers[k].shape) != tuple(allowed[k])):
+        problems.append(_listing("mis-shaped", bad))
+    if problems:
+        raise CheckpointError(f"{where}: weights do not match its config: " + "; ".join(problems))
+
+
+def _shards(folder: Path, stem: str) -> list[Path]:
+    for s in (stem, "model"):
+        try:
+            return shard_files(folder, stem=s)
+        except CheckpointError:
+            continue
+    return shard_files(folder, stem=stem)  # raises, naming the expected files
+
+
+def load_imagegen(
+    checkpoint_dir: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    progress: Callable[[int, int], None] | None = None,
+    dummy: bool = False,
+) -> ImageGenModels:
+    """Build every part from a Ming checkpoint folder; `progress(done_shards, total_shards)`.
+
+    `dummy`: only the config files are read; weights are random (benchmarks, `load_format: dummy`).
+    """
+    root = Path(checkpoint_dir)
+    config = ImageGenModelConfig.from_checkpoint(root)
+    models = build_models(config, dtype=dtype, device=device)
+    if dummy:
+        random_init(models)
+        return models
+    parts = _parts(models)
+    plan: list[tuple[_Part, Path, dict[str, TensorInfo]]] = []
+    for part in parts:
+        folder = root / part.folder
+        shards = _shards(folder, part.stem)
+        headers = read_headers(shards)
+        _check_keys(folder, part, headers)
+        plan.extend((part, shard, {k: h for k, h in headers.items() if h.shard == shard}) for shard in shards)
+    if progress is not None:
+        progress(0, len(plan))
+    for n, (part, shard, headers) in enumerate(plan, start=1):
+        keys = [k for k in headers if k in part.targets]
+        for key, tensor in iter_tensors(shard, keys):
+            part.targets[key].data.copy_(tensor)
+        log.info("imagegen weights %d/%d shards (%s)", n, len(plan), part.folder)
+        if progress is not None:
+            progress(n, len(plan))
+    return models
+
+
+@torch.no_grad()
+def random_init(models: ImageGenModels, seed: int = 0) -> None:
+    """In place, on the modules' device: weights N(0, 0.02), biases 0, norms 1, pad tokens N(0, 0.02)."""
+    for i, module in enumerate((models.cond, models.dit, models.vae)):
+        params = list(module.named_parameters())
+        gen = torch.Generator(device=params[0][1].device).manual_seed(seed + i)
+        for name, p in params:
+            leaf = name.rpartition(".")[2]
+            owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+            if isinstance(owner, _NORMS):
+                p.fill_(1.0 if leaf == "weight" else 0.0)
+            elif leaf == "bias":
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,205 @@
+"""StepBatcher: one device thread runs every admitted request's denoising, step by step.
+
+A request enters as a `Job` (already holding one of the stress-tested slots). At each step
+boundary the thread prepares new jobs (connector, reference encoding, noise), drops jobs whose
+client left, then runs ONE DiT forward for all jobs of one shape (the group waiting longest; groups
+of different shapes take turns), so requests of equal size join each other at step boundaries,
+whatever step each one is at. After each step a job's `on_event(Progress)`; when done, the VAE
+decodes it (`Finished`); on an error, `Failed`. `on_release()` is called exactly once when the
+thread lets go of a job (finished, failed, dropped or the batcher stopped): only then may its slot
+be reused, so a cancelled request never lets more than the tested batch onto the device.
+No gRPC and no metrics here (benchmarks run it bare); `on_forward(requests, rows)` reports each forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from omnistage.common.log import get_logger
+from omnistage.services.imagegen.pipeline import DenoiseState, GenerationSpec, ImagePipeline
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Progress:
+    step: int  # denoising steps done (1..total)
+    total: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    pixels: torch.Tensor  # uint8 [bucket h, bucket w, 3], CPU
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+
+
+Event = Progress | Finished | Failed
+_order = itertools.count()
+
+
+@dataclass(eq=False)
+class Job:
+    spec: GenerationSpec
+    on_event: Callable[[Event], None]  # called on the device thread; must not block
+    on_release: Callable[[], None]
+    cancelled: bool = False
+    state: DenoiseState | None = None
+    turn: int = field(default_factory=lambda: next(_order))  # lower: waited longer for a step
+
+    def cancel(self) -> None:
+        """The client left: the thread drops the job at the next step boundary."""
+        self.cancelled = True
+
+
+class StepBatcher:
+    """`submit(job)`; `start()` / `stop()` the device thread; counters for Describe and metrics."""
+
+    def __init__(self, pipeline: ImagePipeline, *, name: str = "imagegen",
+                 on_forward: Callable[[int, int], None] | None = None) -> None:
+        self.pipeline = pipeline
+        self.name = name
+        self.on_forward = on_forward
+        self.forwards = 0
+        self.largest_batch = 0
+        self.dropped = 0
+        self._inbox: list[Job] = []
+        self._active: list[Job] = []
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"{name}-device", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the step in progress, fail every job still held, join the thread."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout_s)
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError(f"{self.name}: stopped")
+            self._inbox.append(job)
+            self._cv.notify()
+
+    @property
+    def held(self) -> int:
+        """Jobs the device thread holds (in the loop or about to be prepared)."""
+        with self._cv:
+            return len(self._inbox) + len(self._active)
+
+    # -- device thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self.pipeline.device.type == "cuda":
+            torch.cuda.set_device(self.pipeline.device)
+        with torch.inference_mode():
+            while self._wait_for_work():
+                self._admit()
+                self._drop_cancelled()
+                group = self._next_group()
+                if group:
+                    self._step(group)
+        with self._cv:
+            left = self._inbox + self._active
+            self._inbox, self._active = [], []
+        for job in left:
+            self._finish(job, Failed(RuntimeError(f"{self.name}: stopped")))
+
+    def _wait_for_work(self) -> bool:
+        with self._cv:
+            while not self._stopped and not self._inbox and not self._active:
+                self._cv.wait()
+            return not self._stopped
+
+    def _admit(self) -> None:
+        with self._cv:
+            new, self._inbox = self._inbox, []
+        for job in new:
+            if job.cancelled:
+                self._drop(job)
+                continue
+            try:
+                job.state = self.pipeline.prepare(job.spec)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                log.exception("%s: preparing a request failed", self.name)
+                self._finish(job, Failed(exc))
+                continue
+            with self._cv:
+                self._active.append(job)
+
+    def _drop_cancelled(self) -> None:
+        with self._cv:
+            gone = [j for j in self._active if j.cancelled]
+            self._active = [j for j in self._active if not j.cancelled]
+        for job in gone:
+            self._drop(job)
+
+    def _next_group(self) -> list[Job]:
+        with self._cv:
+            if not self._active:
+                return []
+            first = min(self._active, key=lambda j: j.turn)
+            key = first.state.shape_key  # type: ignore[union-attr]
+            return [j for j in self._active if j.state.shape_key == key]  # type: ignore[union-attr]
+
+    def _step(self, group: list[Job]) -> None:
+        states = [j.state for j in group]
+        try:
+            moved, rows = self.pipeline.step(states)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - every request of this forward fails, the thread goes on
+            log.exception("%s: a denoising step of %d requests failed", self.name, len(group))
+            for job in group:
+                self._remove(job)
+                self._finish(job, Failed(exc))
+            return
+        if moved:
+            self.forwards += 1
+            self.largest_batch = max(self.largest_batch, moved)
+            if self.on_forward is not None:
+                self.on_forward(moved, rows)
+        for job in group:
+            job.turn = next(_order)
+            state = job.state
+            assert state is not None
+            job.on_event(Progress(state.step, state.schedule.steps))
+            if state.done:
+                self._remove(job)
+                self._decode(job)
+
+    def _decode(self, job: Job) -> None:
+        try:
+            pixels = self.pipeline.decode(job.state)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001
+            log.exception("%s: decoding an image failed", self.name)
+            self._finish(job, Failed(exc))
+            return
+        self._finish(job, Finished(pixels))
+
+    def _remove(self, job: Job) -> None:
+        with self._cv:
+            if job in self._active:
+                self._active.remove(job)
+
+    def _drop(self, job: Job) -> None:
+        self.dropped += 1
+        job.state = None
+        job.on_release()
+
+    def _finish(self, job: Job, event: Event) -> None:
+        job.state = None
+        try:
+            job.on_event(event)
+        finally:
+            job.on_release()

@@ -1,0 +1,147 @@
+"""ImageGenEngine + StepBatcher in one process (no gRPC): progress events == steps, requests of one
+shape join each other at step boundaries, a cancelled request leaves the loop and frees its slot, a
+full service refuses with RESOURCE_EXHAUSTED, a failed forward fails only its requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import time
+
+import pytest
+import torch
+from omnistage.common.config import ImageGenConfig
+from omnistage.common.metrics import REGISTRY
+from omnistage.common.runtime.errors import Overloaded
+from omnistage.common.transport import TransportContext
+from omnistage.services.imagegen.engine import ImageGenEngine, ImageResult
+from omnistage.services.imagegen.pipeline import GenerationSpec
+from omnistage.services.imagegen.request import ParsedRequest
+from omnistage.services.imagegen.step_batcher import Progress
+from PIL import Image
+
+pytestmark = pytest.mark.timeout(120)
+SMALL = (64, 96)
+
+
+def _parsed(steps: int, seed: int = 0, bucket: tuple[int, int] = SMALL) -> ParsedRequest:
+    cond = torch.randn(256, 256, generator=torch.Generator().manual_seed(seed))
+    return ParsedRequest(GenerationSpec(cond, bucket, steps, 2.0, seed), width=bucket[1], height=bucket[0])
+
+
+@contextlib.asynccontextmanager
+async def _engine(pipeline, cap: int = 2, service: str = "imagegen-test", **cfg):
+    with TransportContext() as transport:
+        engine = ImageGenEngine(pipeline, ImageGenConfig(**cfg), transport, cap, service=service)
+        engine.start()
+        try:
+            yield engine
+        finally:
+            engine.stop()
+
+
+async def _collect(engine, parsed, timeout_s: float = 60.0) -> list:
+    return [ev async for ev in engine.generate(parsed, timeout_s=timeout_s)]
+
+
+async def _wait_until(cond, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def _cancelled() -> float:
+    value = REGISTRY.get_sample_value("omnistage_imagegen_cancelled_total", {"service": "imagegen-full"})
+    return value or 0.0
+
+
+def test_a_progress_event_per_step_then_the_image(pipeline):
+    async def run():
+        async with _engine(pipeline) as engine:
+            return await _collect(engine, _parsed(4, seed=3))
+
+    events = asyncio.run(run())
+    assert [(e.step, e.total) for e in events[:-1]] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    result = events[-1]
+    assert isinstance(result, ImageResult) and result.seed == 3 and result.steps == 4
+    assert Image.open(io.BytesIO(result.png)).size == (SMALL[1], SMALL[0])
+
+
+def test_a_later_request_joins_at_a_step_boundary(pipeline):
+    async def run():
+        async with _engine(pipeline) as engine:
+            first = engine.generate(_parsed(40, seed=1), timeout_s=60)
+            events = [await anext(first), await anext(first)]  # two steps done alone
+            second = asyncio.create_task(_collect(engine, _parsed(3, seed=2)))
+            events += [ev async for ev in first]
+            return engine.batcher, events, await second
+
+    batcher, first, second = asyncio.run(run())
+    assert len(first) == 41 and len(second) == 4
+    assert batcher.largest_batch == 2  # the second request shared forwards with the first
+    assert batcher.forwards < 39 + 2  # fewer forwards than moving steps (39 + 2) run one by one
+
+
+def test_different_shapes_take_turns(pipeline):
+    async def run():
+        async with _engine(pipeline) as engine:
+            return await asyncio.gather(_collect(engine, _parsed(3, 1)), _collect(engine, _parsed(3, 2, (96, 64))))
+
+    a, b = asyncio.run(run())
+    assert isinstance(a[-1], ImageResult) and isinstance(b[-1], ImageResult)
+    assert a[-1].bucket == SMALL and b[-1].bucket == (96, 64)
+
+
+def test_cancel_leaves_the_loop_and_frees_the_slot(pipeline):
+    async def run():
+        async with _engine(pipeline, cap=1) as engine:
+            gen = engine.generate(_parsed(200, seed=4), timeout_s=60)
+            assert isinstance(await anext(gen), Progress)
+            await gen.aclose()  # what a client cancel does to the servicer's stream
+            await _wait_until(lambda: engine.batcher.held == 0 and engine.limiter.in_use == 0, "the drop")
+            assert engine.batcher.dropped == 1 and engine.load() == (0, 0)
+            return await _collect(engine, _parsed(2, seed=5))  # the one slot is free again
+
+    assert isinstance(asyncio.run(run())[-1], ImageResult)
+
+
+def test_full_service_refuses(pipeline):
+    async def run():
+        async with _engine(pipeline, cap=1, service="imagegen-full", max_queued_requests=0,
+                           queue_timeout_s=0.2) as engine:
+            busy = engine.generate(_parsed(2000, seed=6), timeout_s=60)  # busy well past the 0.2 s waits
+            await anext(busy)
+            with pytest.raises(Overloaded, match="1 requests denoising and 0 waiting"):
+                await _collect(engine, _parsed(2))
+            engine.cfg = ImageGenConfig(max_queued_requests=4, queue_timeout_s=0.2)
+            with pytest.raises(Overloaded, match="no free batch slot within 0.2s"):
+                await _collect(engine, _parsed(2))
+            assert _cancelled() == 0  # refused requests never joined: nothing was cancelled
+            await busy.aclose()
+            assert _cancelled() == 1
+
+    asyncio.run(run())
+
+
+def test_a_failed_forward_fails_its_requests_only(pipeline, monkeypatch):
+    real_step = pipeline.step
+    calls = {"n": 0}
+
+    def flaky(states):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device fault")
+        return real_step(states)
+
+    async def run():
+        async with _engine(pipeline) as engine:
+            monkeypatch.setattr(pipeline, "step", flaky)
+            with pytest.raises(RuntimeError, match="device fault"):
+                await _collect(engine, _parsed(5, seed=7))
+            monkeypatch.setattr(pipeline, "step", real_step)
+            await _wait_until(lambda: engine.limiter.in_use == 0, "the slot")
+            return await _collect(engine, _parsed(2, seed=8))
+
+    assert isinstance(asyncio.run(run())[-1], ImageResult)
