@@ -81,7 +81,8 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
 
     reporter.enter("warming_up", detail="a text-to-image request and an edit through the request path")
     transport = TransportContext()  # consumer only: the conditioning arrives as shm / CUDA IPC / inline refs
-    engine = ImageGenEngine(pipeline, svc.imagegen, transport, prof.cap, service=svc.name)
+    engine = ImageGenEngine(pipeline, svc.imagegen, transport, prof.cap, service=svc.name,
+                            on_failure=lambda exc: runtime.fail(str(exc)))
     engine.start()
     runtime.add_shutdown_hook(transport.close)  # hooks run last-added first: the engine stops, then transport
     runtime.add_shutdown_hook(engine.stop)

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -48,7 +48,7 @@ class ImageGenEngine:
     """`parse(request)` then `generate(parsed, timeout_s)` → Progress events, then one ImageResult."""
 
     def __init__(self, pipeline: ImagePipeline, cfg: ImageGenConfig, transport: TransportContext, cap: int, *,
-                 service: str = "imagegen") -> None:
+                 service: str = "imagegen", on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.pipeline = pipeline
         self.cfg = cfg
         self.transport = transport
@@ -56,7 +56,7 @@ class ImageGenEngine:
         mc = pipeline.models.config
         self.limits = RequestLimits(cfg, mc.mlp.num_queries, mc.thinker_hidden, pipeline.size_multiple)
         self.limiter = ConcurrencyLimiter(f"{service} denoising", cap)
-        self.batcher = StepBatcher(pipeline, name=service, on_forward=self._count_forward)
+        self.batcher = StepBatcher(pipeline, name=service, on_forward=self._count_forward, on_failure=on_failure)
         self.waiting = 0
         self._pool = ThreadPoolExecutor(cfg.postprocess_workers, thread_name_prefix=f"{service}-post")
         self._holders: set[asyncio.Task] = set()

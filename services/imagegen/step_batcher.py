@@ -63,10 +63,13 @@ class StepBatcher:
     """`submit(job)`; `start()` / `stop()` the device thread; counters for Describe and metrics."""
 
     def __init__(self, pipeline: ImagePipeline, *, name: str = "imagegen",
-                 on_forward: Callable[[int, int], None] | None = None) -> None:
+                 on_forward: Callable[[int, int], None] | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.pipeline = pipeline
         self.name = name
         self.on_forward = on_forward
+        # Called (on the device thread) when the thread dies of an error: the service fails.
+        self.on_failure = on_failure
         self.forwards = 0
         self.largest_batch = 0
         self.dropped = 0
@@ -102,20 +105,31 @@ class StepBatcher:
     # -- device thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        if self.pipeline.device.type == "cuda":
-            torch.cuda.set_device(self.pipeline.device)
-        with torch.inference_mode():
-            while self._wait_for_work():
-                self._admit()
-                self._drop_cancelled()
-                group = self._next_group()
-                if group:
-                    self._step(group)
+        """The device loop. Whatever ends it (stop, or an error outside one request's work) fails
+        every job it holds and refuses new ones: a request never waits on a thread that is gone."""
+        why: BaseException = RuntimeError(f"{self.name}: stopped")
+        try:
+            device = self.pipeline.device
+            if device.type == "cuda" and device.index is not None:
+                torch.cuda.set_device(device)
+            with torch.inference_mode():
+                while self._wait_for_work():
+                    self._admit()
+                    self._drop_cancelled()
+                    group = self._next_group()
+                    if group:
+                        self._step(group)
+        except BaseException as exc:  # noqa: BLE001 - every held request hears about it
+            log.exception("%s: the device thread failed", self.name)
+            why = RuntimeError(f"{self.name}: the device thread failed: {type(exc).__name__}: {exc}")
+            if self.on_failure is not None:
+                self.on_failure(why)
         with self._cv:
+            self._stopped = True
             left = self._inbox + self._active
             self._inbox, self._active = [], []
         for job in left:
-            self._finish(job, Failed(RuntimeError(f"{self.name}: stopped")))
+            self._finish(job, Failed(why))
 
     def _wait_for_work(self) -> bool:
         with self._cv:

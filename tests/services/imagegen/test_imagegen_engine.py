@@ -31,9 +31,10 @@ def _parsed(steps: int, seed: int = 0, bucket: tuple[int, int] = SMALL) -> Parse
 
 
 @contextlib.asynccontextmanager
-async def _engine(pipeline, cap: int = 2, service: str = "imagegen-test", **cfg):
+async def _engine(pipeline, cap: int = 2, service: str = "imagegen-test", on_failure=None, **cfg):
     with TransportContext() as transport:
-        engine = ImageGenEngine(pipeline, ImageGenConfig(**cfg), transport, cap, service=service)
+        engine = ImageGenEngine(pipeline, ImageGenConfig(**cfg), transport, cap, service=service,
+                                on_failure=on_failure)
         engine.start()
         try:
             yield engine
@@ -145,3 +146,26 @@ def test_a_failed_forward_fails_its_requests_only(pipeline, monkeypatch):
             return await _collect(engine, _parsed(2, seed=8))
 
     assert isinstance(asyncio.run(run())[-1], ImageResult)
+
+
+def test_a_dead_device_thread_fails_held_requests_instead_of_leaving_them_waiting(pipeline, monkeypatch):
+    """An error outside one request's work ended the device thread (on a GPU: `torch.cuda.set_device`
+    of a device without an index); the request it held waited forever. Now every held request fails
+    with the cause, and later ones are refused."""
+    from omnistage.services.imagegen.step_batcher import StepBatcher
+
+    def broken(self):
+        raise RuntimeError("scheduling bug")
+
+    failures: list[BaseException] = []
+
+    async def run():
+        async with _engine(pipeline, on_failure=failures.append) as engine:
+            monkeypatch.setattr(StepBatcher, "_next_group", broken)
+            with pytest.raises(RuntimeError, match="device thread failed: RuntimeError: scheduling bug"):
+                await asyncio.wait_for(_collect(engine, _parsed(3, seed=5)), 30)
+            with pytest.raises(Exception, match="stopped|failed"):
+                await asyncio.wait_for(_collect(engine, _parsed(3, seed=6)), 30)
+
+    asyncio.run(run())
+    assert len(failures) == 1 and "scheduling bug" in str(failures[0]), "the service was not told it failed"
