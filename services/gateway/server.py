@@ -1,17 +1,22 @@
 """OmniServicer: validate, run the request through the stages, stream events back.
 
 The gateway holds no model. It turns a public request into stage calls (the encoder for media parts,
-then the thinker), passes the client's remaining deadline to each, and cancels the stage stream when
-the client goes away. Embeddings go from the encoder to the thinker as TensorRefs, never through the
-gateway's memory; refs that never reach the thinker are released here (media.py).
+then the thinker, and the talker for speech: speech.py), passes the client's remaining deadline to
+each, and cancels the stage streams when the client goes away. Embeddings go from the encoder to the
+thinker as TensorRefs, never through the gateway's memory; refs that never reach the thinker are
+released here (media.py). Omni.Converse runs in converse.py.
 """
 
 from __future__ import annotations
 
+import time
+
 import grpc
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
+from omnistage.services.gateway.converse import Conversation, ConverseLimits
 from omnistage.services.gateway.media import MediaStage, thinker_items
 from omnistage.services.gateway.media_path import check_media_paths
+from omnistage.services.gateway.speech import SpeechStage, voice_choice
 from omnistage.services.gateway.stages import StageError, ThinkerClient
 from omnistage.services.gateway.validation import PlannedRequest, RequestLimits, plan_request
 from omnistage.v1 import encoder_pb2, omni_pb2, omni_pb2_grpc, thinker_pb2
@@ -48,9 +53,13 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         system_prompt: str,
         media_dir: str = "",
         media: MediaStage | None = None,
+        speech: SpeechStage | None = None,
+        converse: ConverseLimits = ConverseLimits(),
     ) -> None:
         self.thinker = thinker
         self.media = media  # None: no encoder (media parts get FAILED_PRECONDITION)
+        self.speech = speech  # None: no talker (MODALITY_AUDIO and Converse get FAILED_PRECONDITION)
+        self.converse = converse
         self.deployed = deployed
         self.max_concurrent_requests = max_concurrent_requests
         self.limits = limits
@@ -59,14 +68,19 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         self.in_flight = 0
 
     async def Generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrived_at = time.monotonic()
         paths = check_media_paths(request, self.media_dir)  # a file path is a permission question, asked first
         plan = plan_request(request, self.deployed, self.system_prompt, self.limits)
+        spoken = omni_pb2.MODALITY_AUDIO in plan.outputs
+        choice = voice_choice(request) if spoken else None
         if self.thinker is None:
             raise StageUnavailable("the 'thinker' stage is not available (gateway started degraded)")
         if plan.media and self.media is None:
             raise StageUnavailable(
                 f"{plan.media[0].where}: the 'encoder' stage is not available (gateway started degraded)"
             )
+        if spoken and self.speech is None:
+            raise StageUnavailable("output_modalities: the 'talker' stage is not available", retryable=False)
         if self.in_flight >= self.max_concurrent_requests:
             raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200)
         self.in_flight += 1
@@ -76,6 +90,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                 encoded = await self.media.encode(plan.request_id, plan.media, paths, context.time_remaining())
             handed_over = False  # the thinker's `started`: from then on the leases are its business
             events = self._thinker_events(plan, encoded, context)
+            if spoken:
+                events = self.speech.answer(plan.request_id, choice, events, context.time_remaining(), arrived_at)
             try:
                 async for event in events:
                     if event is None:
@@ -120,5 +136,13 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             )
 
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext):
-        raise StageUnavailable("Converse needs the 'talker' stage, which is not deployed", retryable=False)
-        yield  # pragma: no cover - makes this an async generator (a streaming handler)
+        conversation = Conversation(self, context)
+        config = await conversation.open(request_iterator)  # checks before the call counts as in flight
+        if self.in_flight >= self.max_concurrent_requests:
+            raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200)
+        self.in_flight += 1
+        try:
+            async for event in conversation.run(config):
+                yield event
+        finally:
+            self.in_flight -= 1
