@@ -190,6 +190,9 @@ class ServiceRuntime:
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.so_reuseport", 0),  # a second server on our port must fail, not share it
+                # Clients (the gateway) send keepalive pings every 10 s, also between calls.
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ]
         )
         server.add_generic_rpc_handlers((port.dispatcher,))

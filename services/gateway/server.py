@@ -17,7 +17,7 @@ from omnistage.services.gateway.converse import Conversation, ConverseLimits
 from omnistage.services.gateway.media import MediaStage, thinker_items
 from omnistage.services.gateway.media_path import check_media_paths
 from omnistage.services.gateway.speech import SpeechStage, voice_choice
-from omnistage.services.gateway.stages import StageError, ThinkerClient
+from omnistage.services.gateway.stages import ThinkerClient
 from omnistage.services.gateway.validation import PlannedRequest, RequestLimits, plan_request
 from omnistage.v1 import encoder_pb2, omni_pb2, omni_pb2_grpc, thinker_pb2
 
@@ -120,7 +120,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                     finished = True
                     break
         except grpc.aio.AioRpcError as exc:
-            raise StageError("thinker", exc) from exc
+            raise self.thinker.error(exc) from exc
         finally:
             await stream.aclose()
         if not finished:

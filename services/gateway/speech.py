@@ -177,6 +177,10 @@ class TalkerStream:
     def start(self) -> bool:
         """Open the Speak call (False, with the status set, when this gateway holds all the talker's streams)."""
         talker = self.stage.talker
+        if not talker.up:  # the text goes on; the status says why there is no speech
+            self.fail("UNAVAILABLE", talker.unavailable().args[0])
+            self.accepted.set()
+            return False
         if not talker.has_credit():
             self.fail("RESOURCE_EXHAUSTED", f"{talker.name}: all {talker.max_streams} streams are speaking",
                       NO_CREDIT_RETRY_MS)
@@ -246,7 +250,9 @@ class TalkerStream:
             if refusal is not None:
                 await out.put(refusal)  # before `accepted`: the text pump waits for this verdict
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling() or not self._stopped:
+            if self.stage.talker.lost_call():  # the talker went down under the call: the text goes on
+                self.fail("UNAVAILABLE", self.stage.talker.unavailable().args[0])
+            elif asyncio.current_task().cancelling() or not self._stopped:
                 raise  # this task was cancelled (the answer is closing), not only the call
         finally:
             self.accepted.set()
@@ -289,6 +295,9 @@ class TalkerStream:
         """Set the status from the talker's error; the client's error when it refused the request's voice
         before any text was let through (then the request fails as a whole, naming the field)."""
         details = exc.details() or ""
+        if not self.stage.talker.up and exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+            self.fail("UNAVAILABLE", self.stage.talker.unavailable().args[0])  # went down under the call
+            return None
         pushback = str(dict(exc.trailing_metadata() or ()).get(RETRY_PUSHBACK_KEY, "0"))
         self.fail(exc.code().name, f"{self.stage.talker.name}: {details}", int(pushback) if pushback.isdigit() else 0)
         if (exc.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("config.")

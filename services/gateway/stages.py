@@ -39,9 +39,15 @@ class StageError(OmniError):
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Message bounds, and HTTP/2 keepalive pings so that a stage host that vanished (no FIN, no RST)
+    ends the gateway's calls on it instead of leaving them open until their deadlines."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
@@ -61,6 +67,52 @@ class StageClient:
         self.admin_metadata = admin_metadata
         self.admin_channel = grpc.aio.insecure_channel(admin_address) if admin_address else None
         self.control = control_pb2_grpc.ControlStub(self.admin_channel) if self.admin_channel else None
+        # Why the stage cannot take calls now ("" while it is SERVING); set by its StageWatch.
+        self.down_reason = ""
+        self._calls: set[grpc.aio.Call] = set()
+
+    @property
+    def up(self) -> bool:
+        return not self.down_reason
+
+    def unavailable(self) -> StageUnavailable:
+        """The error of a call the stage cannot take now (UNAVAILABLE naming the stage and why)."""
+        return StageUnavailable(f"stage '{self.name}' is unavailable: {self.down_reason or 'unknown'}")
+
+    def check_up(self) -> None:
+        if self.down_reason:
+            raise self.unavailable()
+
+    def track(self, call: grpc.aio.Call) -> grpc.aio.Call:
+        """Remember `call` until it ends, so that a stage found down fails it at once (`lose_calls`)."""
+        self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
+        return call
+
+    def lose_calls(self) -> int:
+        """The stage went down: cancel every call in flight on it (their callers see `down_reason`)."""
+        calls, self._calls = list(self._calls), set()
+        for call in calls:
+            call.cancel()
+        return len(calls)
+
+    def lost_call(self) -> bool:
+        """In an `except CancelledError` of a call: True when the watch cancelled the call because the
+        stage went down (grpc.aio raises CancelledError for a locally cancelled call), False when the
+        caller's own task is being cancelled."""
+        task = asyncio.current_task()
+        return bool(self.down_reason) and not (task is not None and task.cancelling())
+
+    @property
+    def calls_in_flight(self) -> int:
+        return len(self._calls)
+
+    def error(self, exc: grpc.aio.AioRpcError) -> OmniError:
+        """The client's error for a failed call: UNAVAILABLE naming the stage when it went down under
+        the call, else the stage's own status."""
+        if self.down_reason and exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+            return self.unavailable()
+        return StageError(self.name, exc)
 
     async def describe(self) -> control_pb2.DescribeResponse | None:
         """The stage's Describe, or None when it has no admin port."""
@@ -112,12 +164,17 @@ class ThinkerClient(StageClient):
         `multimodal` carries the encoder's refs as they came (the thinker releases their leases)."""
         request = thinker_pb2.ThinkerRequest(request_id=request_id, chat=prompt, sampling=sampling,
                                              multimodal=multimodal or [])  # fmt: skip
-        call = self.stub.Generate(request, timeout=timeout_s)
+        self.check_up()
+        call = self.track(self.stub.Generate(request, timeout=timeout_s))
         finished = False
         try:
             async for event in call:
                 finished = finished or event.WhichOneof("event") == "finish"
                 yield event
+        except asyncio.CancelledError:
+            if self.lost_call():
+                raise self.unavailable() from None
+            raise
         finally:
             if finished:  # the finish is the last event: take the stream's own end (OK) instead of cancelling it
                 with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
@@ -143,7 +200,18 @@ class EncoderClient(StageClient):
     async def encode(
         self, request: encoder_pb2.EncodeRequest, timeout_s: float | None
     ) -> encoder_pb2.EncodeResponse:
-        return await self.stub.Encode(request, timeout=timeout_s)
+        self.check_up()
+        call = self.track(self.stub.Encode(request, timeout=timeout_s))
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            if self.down_reason:
+                raise self.unavailable() from exc
+            raise
+        except asyncio.CancelledError:
+            if self.lost_call():
+                raise self.unavailable() from None
+            raise
 
 
 class TalkerClient(StageClient):
@@ -168,7 +236,7 @@ class TalkerClient(StageClient):
         """An open Speak call (write config and text, read speech); the caller returns the credit with
         `ended()` once the call is over."""
         self.open_streams += 1
-        return self.stub.Speak(timeout=timeout_s)
+        return self.track(self.stub.Speak(timeout=timeout_s))
 
     def ended(self) -> None:
         self.open_streams -= 1

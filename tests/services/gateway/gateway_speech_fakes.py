@@ -11,7 +11,7 @@ import grpc
 from omnistage.services.gateway.prompt import render
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
-from omnistage.services.gateway.stages import TalkerClient
+from omnistage.services.gateway.stages import StageError, TalkerClient
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, encoder_pb2, talker_pb2, talker_pb2_grpc, thinker_pb2
 
@@ -37,6 +37,9 @@ class FakeThinker:
         self.reason = reason
         self.max_user_turns = max_user_turns  # > 0: refuse longer prompts as the thinker does (max_model_len)
         self.calls: list[ThinkerCall] = []
+
+    def error(self, exc: grpc.aio.AioRpcError) -> StageError:  # as ThinkerClient.error of a stage that is up
+        return StageError("thinker", exc)
 
     async def generate(self, request_id, prompt, sampling, timeout_s, multimodal=None):
         call = ThinkerCall(render(prompt), timeout_s, list(multimodal or []))
