@@ -141,7 +141,7 @@ def edit_size(width: int, height: int, limits: ImageLimits) -> tuple[int, int]:
     scale = min(1.0, limits.max_side_px / max(width, height))
 
     def side(v: int) -> int:
-        rounded = round(v * scale / SIZE_MULTIPLE) * SIZE_MULTIPLE
+        rounded = math.floor(v * scale / SIZE_MULTIPLE + 0.5) * SIZE_MULTIPLE  # halves round up
         return min(max(rounded, limits.min_side_px), limits.max_side_px)
 
     return side(width), side(height)
