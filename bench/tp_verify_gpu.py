@@ -425,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--stream-tokens", type=int, default=None, help="per stream (default 2000; tiny 450)")
     ap.add_argument("--parity-tokens", type=int, default=32)
+    ap.add_argument("--oom-ranks", default="", help="(d): ranks that fail in warm-up, comma-separated (default: last, 0)")
     ap.add_argument("--dtype", default=None, help="production dtype (default bfloat16; tiny float32)")
     ap.add_argument("--start-timeout-s", type=float, default=600)
     ap.add_argument("--json", default="", help="write the JSON report here ($OUT/tp_verify.json when OUT is set)")
@@ -461,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         if "c" in wanted:
             checks += check_parity(args, work)
         if "d" in wanted:
-            for bad in dict.fromkeys((args.tp - 1, 0)):
+            oom_ranks = [int(r) for r in args.oom_ranks.split(",")] if args.oom_ranks else [args.tp - 1, 0]
+            for bad in dict.fromkeys(oom_ranks):
                 checks.append(check_oom(args, work, ckpt, bad))
     elapsed = time.monotonic() - started
     width = max(len(c.name) for c in checks)

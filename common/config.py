@@ -148,6 +148,20 @@ class GatewayConfig:
     system_prompt: str = ""
     # Directory Media.path may name files in (real path, symlinks resolved); empty refuses Media.path.
     media_dir: str = ""
+    # Speech (a talker is deployed): how long the text waits for the talker to accept a stream's voice,
+    # in seconds (a refusal then fails the request naming the field; later, only the speech ends).
+    talker_start_wait_s: float = 2.0
+    # How long the talker may stay silent once it has all of an answer's text before the gateway gives
+    # up on the speech, in seconds.
+    talker_idle_timeout_s: float = 30.0
+    # Events (audio chunks, text deltas) of one request waiting for a slow client; a full buffer
+    # pauses that request's talker and thinker streams, nobody else's.
+    speech_buffer_events: int = 16
+    # Omni.Converse: user turns (with their answers) kept in a call's history; the longest text turn in
+    # characters; the most PCM16 bytes of one spoken turn.
+    converse_max_turns: int = 16
+    converse_max_turn_chars: int = 4000
+    converse_max_turn_audio_bytes: int = 1_920_000
 
 
 @dataclass(frozen=True)
@@ -543,7 +557,9 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
         _validate_access(p, svc)
         _validate_tp(p, svc.tp)
         g = svc.gateway
-        for key in ("stage_wait_s", "max_concurrent_requests", "max_messages", "max_parts_per_message", "max_prompt_chars"):
+        for key in ("stage_wait_s", "max_concurrent_requests", "max_messages", "max_parts_per_message", "max_prompt_chars",
+                    "talker_start_wait_s", "talker_idle_timeout_s", "speech_buffer_events", "converse_max_turns",
+                    "converse_max_turn_chars", "converse_max_turn_audio_bytes"):
             _positive(f"{p}.gateway.{key}", getattr(g, key))
         if not e.chunked_prefill and e.max_num_batched_tokens < e.max_model_len:
             raise ConfigError(

@@ -193,8 +193,10 @@ class Launcher:
     def _root_cause(self, first: Child) -> Child:
         """The child whose failure `first`'s is. A TP peer copies the failing rank's diagnostic into
         its own status and may be noticed first: it names the rank at fault (`culprit_rank`: one
-        that failed, died or stopped answering), else the rank that failed earliest is blamed. A
-        child that died or hung without reporting a failure (crash, SIGKILL) is its own root cause."""
+        that failed, died or stopped answering), else the rank that failed earliest is blamed —
+        among ranks that blame themselves: a peer may write its copy before the failing rank writes
+        its own status. A child that died or hung without reporting a failure (crash, SIGKILL) is
+        its own root cause."""
         mine = first.refresh()
         if mine is None or mine.phase != "failed":
             return first
@@ -210,7 +212,9 @@ class Launcher:
         earliest, when = first, mine.phase_started_unix
         for c in self.children:
             rec = c.refresh() if c is not first and c.svc.name == first.svc.name else None
-            if rec is not None and rec.phase == "failed" and rec.phase_started_unix < when:
+            if rec is None or rec.phase != "failed" or rec.culprit_rank not in (-1, c.rank):
+                continue
+            if rec.phase_started_unix < when:
                 earliest, when = c, rec.phase_started_unix
         if earliest is not first and not earliest.cause:
             rec = earliest.status

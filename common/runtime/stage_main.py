@@ -88,7 +88,9 @@ async def serve(runtime: ServiceRuntime, build: BuildFn) -> int:
         phase = runtime.reporter.snapshot().failed_in or runtime.phase  # failed already: where it was
         cause = f"{type(exc).__name__}: {exc}"
         _log.error("failed in %s: %s", phase, cause, exc_info=exc)
-        runtime.fail(cause)
+        # A TP rank that leaves because of another rank's failure names that rank (`culprit_rank`),
+        # so the launcher blames the rank at fault, whichever rank's status it reads first.
+        runtime.fail(cause, getattr(exc, "culprit_rank", None))
         print(f"omnistage: {runtime.name} r{runtime.rank} failed in {phase}: {cause}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(runtime.shutdown(), timeout=_BUILD_CANCEL_WAIT_S)

@@ -1,10 +1,10 @@
 """`python -m omnistage.services.gateway --config F --service NAME`: the public Omni API.
 
-Start-up waits for every deployed stage it calls (the thinker; the encoder and the image stage when
-deployed) to be SERVING, sends one real text request through the thinker and, with an encoder, one
-request with an image through the whole media path (encoder → shared memory → thinker), and with an
-image stage one image request (thinker hidden states → shared memory → ImageGen, one step at the
-smallest size), then serves.
+Start-up waits for every deployed stage it calls (the thinker; the encoder, the talker and the image
+stage when deployed) to be SERVING, sends one real text request through the thinker, one sentence
+through the talker, with an encoder one request with an image through the whole media path (encoder →
+shared memory → thinker), and with an image stage one image request (thinker hidden states → shared
+memory → ImageGen, one step at the smallest size), then serves.
 """
 
 from __future__ import annotations
@@ -17,13 +17,15 @@ from omnistage.common.runtime import auth
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.common.transport import TransportContext
+from omnistage.services.gateway.converse import ConverseLimits
 from omnistage.services.gateway.imaging import ImageLimits, ImageStage
 from omnistage.services.gateway.media import MediaStage
 from omnistage.services.gateway.prompt import Turn, build_chat
 from omnistage.services.gateway.server import OmniServicer
-from omnistage.services.gateway.stages import EncoderClient, ImageGenClient, ThinkerClient
+from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
+from omnistage.services.gateway.stages import EncoderClient, ImageGenClient, TalkerClient, ThinkerClient
 from omnistage.services.gateway.validation import RequestLimits
-from omnistage.v1 import common_pb2, control_pb2, omni_pb2, omni_pb2_grpc
+from omnistage.v1 import common_pb2, control_pb2, omni_pb2, omni_pb2_grpc, talker_pb2
 
 
 class _Deadline:
@@ -89,6 +91,52 @@ async def _image_stage(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceC
     return ImageStage(client, TransportContext(), limits, allow_cuda_ipc=g.device == "cuda")
 
 
+async def _warm_up_talker(talker: TalkerClient) -> None:
+    """One sentence through Speak: the talker answers with speech before the gateway serves."""
+    call = talker.speak(60.0)
+    try:
+        await call.write(talker_pb2.SpeakRequest(config=talker_pb2.SpeakConfig(request_id="gateway-warmup", seed=0)))
+        await call.write(talker_pb2.SpeakRequest(text="Warm-up.", end_of_text=True))
+        audio = False
+        async for response in call:
+            audio = audio or response.HasField("audio")
+        if not audio:
+            raise RuntimeError(f"{talker.name}: the warm-up sentence got no audio")
+    finally:
+        call.cancel()
+        talker.ended()
+
+
+async def _start_talker(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig) -> SpeechStage | None:
+    """The talker's client once it is SERVING and spoke a warm-up sentence; None when degraded."""
+    gw, t = svc.gateway, cfg.services_of("talker")[0]
+    talker = TalkerClient(t.name, cfg.address(t.name), max(t.max_message_bytes, svc.max_message_bytes),
+                          admin_address=cfg.admin_address(t.name), admin_metadata=auth.admin_metadata(t))
+    runtime.reporter.heartbeat(f"waiting for {t.name}")
+    try:
+        await talker.wait_serving(gw.stage_wait_s)
+        await talker.read_limits()  # the streams this gateway may hold open (Describe)
+        await _warm_up_talker(talker)
+    except Exception:
+        await talker.close()
+        if not gw.allow_degraded:
+            raise
+        runtime.reporter.heartbeat(f"{t.name} unavailable; serving without speech")
+        return None
+    runtime.add_shutdown_hook(talker.close)
+    limits = SpeechLimits(t.talker.max_text_chars, gw.talker_start_wait_s, gw.talker_idle_timeout_s,
+                          gw.speech_buffer_events)
+    return SpeechStage(talker, limits, svc.name)
+
+
+def _converse_limits(cfg: DeployConfig, svc: ServiceConfig) -> ConverseLimits:
+    gw, encoders = svc.gateway, cfg.services_of("encoder")
+    enc = encoders[0].encoder if encoders else None
+    return ConverseLimits(gw.converse_max_turns, gw.converse_max_turn_chars, gw.converse_max_turn_audio_bytes,
+                          enc.max_audio_seconds if enc else ConverseLimits.max_audio_seconds,
+                          enc.max_items_per_request if enc else ConverseLimits.max_audio_items)
+
+
 async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
     gw = svc.gateway
     deployed = {s.kind for s in cfg.services.values() if s.kind != "gateway"}
@@ -96,10 +144,11 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     max_model_len: int | None = None
     thinkers = cfg.services_of("thinker")
     encoders = cfg.services_of("encoder")
+    talkers = cfg.services_of("talker")
     imagegens = cfg.services_of("imagegen")
-    if thinkers or encoders or imagegens:
-        runtime.reporter.enter("warming_up", total=len(thinkers[:1]) + len(encoders[:1]) + len(imagegens[:1]),
-                               unit="stages")  # fmt: skip
+    if thinkers or encoders or talkers or imagegens:
+        stages = len(thinkers[:1]) + len(encoders[:1]) + len(talkers[:1]) + len(imagegens[:1])
+        runtime.reporter.enter("warming_up", total=stages, unit="stages")
     media = None
     if encoders:
         e = encoders[0]
@@ -141,6 +190,12 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
             runtime.reporter.heartbeat(f"{t.name} unavailable; serving degraded")
             deployed.discard("thinker")
         runtime.reporter.advance()
+    speech = None
+    if talkers:
+        speech = await _start_talker(runtime, cfg, svc)
+        if speech is None:
+            deployed.discard("talker")
+        runtime.reporter.advance()
     images = None
     if imagegens:
         try:
@@ -160,7 +215,9 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         system_prompt=gw.system_prompt,
         media_dir=gw.media_dir,
         media=media,
+        speech=speech,
         images=images,
+        converse=_converse_limits(cfg, svc),
     )
     if media is not None and thinker is not None:
         runtime.reporter.heartbeat("one image through encoder and thinker")

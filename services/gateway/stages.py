@@ -23,6 +23,7 @@ from omnistage.v1 import (
     encoder_pb2_grpc,
     imagegen_pb2,
     imagegen_pb2_grpc,
+    talker_pb2_grpc,
     thinker_pb2,
     thinker_pb2_grpc,
 )
@@ -147,6 +148,34 @@ class EncoderClient(StageClient):
         self, request: encoder_pb2.EncodeRequest, timeout_s: float | None
     ) -> encoder_pb2.EncodeResponse:
         return await self.stub.Encode(request, timeout=timeout_s)
+
+
+class TalkerClient(StageClient):
+    """Talker.Speak calls, and the credits for them: the gateway holds at most the talker's stress-tested
+    number of streams (`limits.max_running_requests` of its Describe; unknown: no local limit)."""
+
+    def __init__(self, name: str, address: str, max_message_bytes: int, **admin: Any) -> None:
+        super().__init__(name, address, max_message_bytes, **admin)
+        self.stub = talker_pb2_grpc.TalkerStub(self.channel)
+        self.max_streams = 0  # 0: unknown
+        self.open_streams = 0
+
+    async def read_limits(self) -> None:
+        desc = await self.describe()
+        if desc is not None:
+            self.max_streams = desc.limits.max_running_requests
+
+    def has_credit(self) -> bool:
+        return not self.max_streams or self.open_streams < self.max_streams
+
+    def speak(self, timeout_s: float | None) -> grpc.aio.StreamStreamCall:
+        """An open Speak call (write config and text, read speech); the caller returns the credit with
+        `ended()` once the call is over."""
+        self.open_streams += 1
+        return self.stub.Speak(timeout=timeout_s)
+
+    def ended(self) -> None:
+        self.open_streams -= 1
 
 
 class ImageGenClient(StageClient):

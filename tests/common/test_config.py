@@ -114,6 +114,15 @@ def test_access_keys_are_checked(patch, message):
     assert message in error_of(_merge(base(), patch))
 
 
+@pytest.mark.parametrize("key", ["talker_start_wait_s", "talker_idle_timeout_s", "speech_buffer_events",
+                                 "converse_max_turns", "converse_max_turn_chars", "converse_max_turn_audio_bytes"])
+def test_the_gateways_speech_keys_are_positive(key):
+    assert f"services.gateway.gateway.{key}: expected > 0" in error_of(
+        _merge(base(), {"services": {"gateway": {"gateway": {key: 0}}}}))
+    cfg = config_from_dict(_merge(base(), {"services": {"gateway": {"gateway": {key: 3}}}}))
+    assert getattr(cfg.service("gateway").gateway, key) == 3
+
+
 def test_nested_values_and_names_are_filled_in():
     data = base()
     data["services"]["thinker"]["engine"] = {"block_size": 32}

@@ -21,6 +21,13 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_SYSTEM: _ClassVar[Role]
     ROLE_USER: _ClassVar[Role]
     ROLE_ASSISTANT: _ClassVar[Role]
+
+class AudioOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AUDIO_OUTCOME_UNSPECIFIED: _ClassVar[AudioOutcome]
+    AUDIO_OUTCOME_COMPLETE: _ClassVar[AudioOutcome]
+    AUDIO_OUTCOME_PARTIAL: _ClassVar[AudioOutcome]
+    AUDIO_OUTCOME_NONE: _ClassVar[AudioOutcome]
 MODALITY_UNSPECIFIED: Modality
 MODALITY_TEXT: Modality
 MODALITY_AUDIO: Modality
@@ -29,6 +36,10 @@ ROLE_UNSPECIFIED: Role
 ROLE_SYSTEM: Role
 ROLE_USER: Role
 ROLE_ASSISTANT: Role
+AUDIO_OUTCOME_UNSPECIFIED: AudioOutcome
+AUDIO_OUTCOME_COMPLETE: AudioOutcome
+AUDIO_OUTCOME_PARTIAL: AudioOutcome
+AUDIO_OUTCOME_NONE: AudioOutcome
 
 class Media(_message.Message):
     __slots__ = ("data", "path", "mime_type")
@@ -77,7 +88,7 @@ class ImageOptions(_message.Message):
     def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., edit: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "output_modalities", "sampling", "voice", "image", "system_prompt")
+    __slots__ = ("request_id", "messages", "output_modalities", "sampling", "voice", "image", "system_prompt", "custom_voice")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_MODALITIES_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +96,7 @@ class GenerateRequest(_message.Message):
     VOICE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_VOICE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     output_modalities: _containers.RepeatedScalarFieldContainer[Modality]
@@ -92,7 +104,16 @@ class GenerateRequest(_message.Message):
     voice: str
     image: ImageOptions
     system_prompt: str
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., voice: _Optional[str] = ..., image: _Optional[_Union[ImageOptions, _Mapping]] = ..., system_prompt: _Optional[str] = ...) -> None: ...
+    custom_voice: VoiceClip
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., voice: _Optional[str] = ..., image: _Optional[_Union[ImageOptions, _Mapping]] = ..., system_prompt: _Optional[str] = ..., custom_voice: _Optional[_Union[VoiceClip, _Mapping]] = ...) -> None: ...
+
+class VoiceClip(_message.Message):
+    __slots__ = ("audio", "transcript")
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    audio: bytes
+    transcript: str
+    def __init__(self, audio: _Optional[bytes] = ..., transcript: _Optional[str] = ...) -> None: ...
 
 class TextDelta(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs")
@@ -136,31 +157,57 @@ class Progress(_message.Message):
     total: int
     def __init__(self, stage: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
+class AudioStatus(_message.Message):
+    __slots__ = ("outcome", "code", "message", "retry_after_ms", "voice", "segments", "samples", "sample_rate_hz", "time_to_first_audio_ms")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    VOICE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_AUDIO_MS_FIELD_NUMBER: _ClassVar[int]
+    outcome: AudioOutcome
+    code: str
+    message: str
+    retry_after_ms: int
+    voice: str
+    segments: int
+    samples: int
+    sample_rate_hz: int
+    time_to_first_audio_ms: float
+    def __init__(self, outcome: _Optional[_Union[AudioOutcome, str]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., voice: _Optional[str] = ..., segments: _Optional[int] = ..., samples: _Optional[int] = ..., sample_rate_hz: _Optional[int] = ..., time_to_first_audio_ms: _Optional[float] = ...) -> None: ...
+
 class Finish(_message.Message):
-    __slots__ = ("reason", "usage", "message")
+    __slots__ = ("reason", "usage", "message", "audio")
     REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
     reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     message: str
-    def __init__(self, reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...
+    audio: AudioStatus
+    def __init__(self, reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., message: _Optional[str] = ..., audio: _Optional[_Union[AudioStatus, _Mapping]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("request_id", "text", "audio", "image", "progress", "finish")
+    __slots__ = ("request_id", "text", "audio", "image", "progress", "finish", "turn")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: TextDelta
     audio: AudioChunk
     image: ImageResult
     progress: Progress
     finish: Finish
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., image: _Optional[_Union[ImageResult, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ...) -> None: ...
+    turn: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., image: _Optional[_Union[ImageResult, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., turn: _Optional[int] = ...) -> None: ...
 
 class ConverseRequest(_message.Message):
     __slots__ = ("config", "text", "audio", "end_of_turn")

@@ -62,8 +62,13 @@ class OmniServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Converse(self, request_iterator, context):
-        """Live conversation: the client streams turns (text or audio chunks), the server streams text
-        deltas and speech back as soon as each sentence is ready. Needs the talker stage.
+        """Live conversation: the client streams turns (text, or audio chunks closed by end_of_turn), the
+        server answers each turn with text deltas and speech as soon as each sentence is ready, then one
+        Finish per turn (GenerateEvent.turn says which). The conversation's history (earlier turns and
+        answers) is kept by the server for the call. A new user turn while an answer is still running
+        interrupts it (barge-in): its thinker request and speech stop at once, its Finish has
+        FINISH_REASON_INTERRUPTED. Needs the talker stage (FAILED_PRECONDITION naming it otherwise),
+        unless config.output_modalities is [MODALITY_TEXT]; spoken turns need the encoder stage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -41,6 +41,11 @@ class TPError(RuntimeError):
         super().__init__(failure.message)
         self.failure = failure
 
+    @property
+    def culprit_rank(self) -> int:
+        """The rank at fault (read by the service runtime, which knows no TP types)."""
+        return self.failure.rank
+
 
 class TPControl:
     """This process's membership in the thinker's TP group (world size 1: every call is local)."""

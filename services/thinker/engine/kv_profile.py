@@ -222,6 +222,20 @@ class _Profiler:
         return torch.empty(self.settings.canary_bytes, dtype=torch.uint8, device=self.runner.device)
 
     # -- the phases ------------------------------------------------------------------------
+    def _remeasure_peers(self) -> None:
+        """What is held outside our allocator grows with the first forwards (NCCL's communicator
+        buffers, the CUDA context's kernels and library handles: ~1.5 GiB per rank on an H200 at
+        TP=2). Measured before them, the cap promised memory the device no longer had: without a
+        budget, a validation step ran out of device memory inside a TP forward. Re-measured after
+        the probe stress, the cap is what this rank can really reserve."""
+        peers = peers_bytes(self.mem)
+        if peers > self.peers:
+            log.info("auto-profile: memory held outside this allocator grew to %s during the probe stress",
+                     fmt_bytes(peers))
+            self.peers = peers
+            self.cap = min(self.settings.budget_bytes, self.mem.total() - self.peers)
+            enforce_cap(self.mem, self.cap)
+
     def probe(self) -> int:
         """Probe KV → stress → MIN-agreed target block count."""
         started = time.monotonic()
@@ -240,6 +254,7 @@ class _Profiler:
         if failure:
             raise self._fail(f"auto-profile: the stress at the probe size does not fit: {failure}")
         self.times["probe_stress_s"] = time.monotonic() - started
+        self._remeasure_peers()
         non_kv = max(0, peak - probe_kv)
         canary = self.settings.canary_bytes
         # Two limits, both the ones the rebuild is then held to: the peak reserved at max load stays

@@ -113,3 +113,28 @@ def test_sigterm_during_start_up_stops_cleanly(tmp_path):
     assert code == 0
     rec = read_status(status_path(tmp_path / "run", "alpha", 0))
     assert rec.phase == "stopped"
+
+
+def test_a_failure_that_names_another_rank_is_recorded_as_that_ranks(tmp_path):
+    """A TP rank leaving because rank 1 failed raises an error carrying `culprit_rank`; its status
+    file must name rank 1 whatever else the rank reported, so the launcher blames rank 1 (it blamed
+    the rank that happened to fail first through this path)."""
+    import asyncio
+
+    from omnistage.common.config import config_from_dict
+    from omnistage.common.runtime.server import ServiceRuntime
+    from omnistage.common.runtime.stage_main import serve
+    from synthetic_stage import free_port
+
+    class PeersFailure(RuntimeError):
+        culprit_rank = 1
+
+    async def build(runtime, cfg, svc, rank):
+        raise PeersFailure("rank 1 failed in warming_up: out of memory")
+
+    cfg = config_from_dict({"services": {"alpha": {"kind": "thinker", "port": free_port(), "tp_size": 2,
+                                                   "dist_port": free_port()}}})
+    runtime = ServiceRuntime(cfg, cfg.service("alpha"), 0, run_dir=tmp_path)
+    assert asyncio.run(serve(runtime, build)) == 1
+    rec = read_status(status_path(tmp_path, "alpha", 0))
+    assert rec.phase == "failed" and rec.culprit_rank == 1, rec

@@ -131,6 +131,28 @@ def test_the_first_proposal_leaves_the_peak_it_is_then_checked_against(tiny_ckpt
     assert unused <= prof.activation_peak_bytes + MiB + 3 * MiB
 
 
+def test_memory_held_outside_the_allocator_during_the_probe_shrinks_the_cap(tiny_ckpt):
+    """NCCL's buffers and the CUDA context grow with the first forwards, outside our allocator (~1.5 GiB
+    per rank on an H200 at TP=2). Measured before them, the cap promised memory the device no longer
+    had (without a budget: a device OOM inside a TP forward in the validation). Re-measured after the
+    probe stress, the first proposal fits."""
+    mem = SimulatedDeviceMemory(CAPACITY)
+    runner = metered_runner(tiny_ckpt, mem)
+    held = []
+
+    def lazily_held(module, args):
+        if not held:
+            held.append(mem.reserve(12 * MiB, "communicator buffers"))
+
+    runner.model.register_forward_pre_hook(lazily_held)
+    steps: list[str] = []
+    with mem.meter():
+        prof = size_kv_cache(runner, SOLO, mem, KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB),
+                             progress=lambda detail, *_: steps.append(detail))
+    assert held and prof.attempts == 1, steps
+    assert prof.cap_bytes == CAPACITY - 12 * MiB and prof.peers_bytes == 12 * MiB
+
+
 def test_gives_up_after_4_attempts_naming_every_knob(tiny_ckpt):
     mem = SimulatedDeviceMemory(CAPACITY)
     runner = metered_runner(tiny_ckpt, mem)

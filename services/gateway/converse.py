@@ -1,0 +1,331 @@
+"""Omni.Converse: one call, many turns; each user turn is answered with text and speech.
+
+A reader task takes the client's messages: a text turn, or audio chunks collected up to
+`end_of_turn` (then wav-wrapped, so the encoder hears the turn as an audio clip). Turns are answered
+one at a time, each as Omni.Generate with audio would be (thinker → talker, speech.py), from the
+call's history (history.py), with every event tagged with the turn it answers and one Finish per
+turn. A user turn that begins while an answer is still running (a text turn, or the first audio
+chunk of a spoken one) interrupts it — barge-in: the answer's thinker stream and Speak call are
+cancelled at once (the thinker aborts the request, the talker frees the stream), its audio still
+buffered is dropped, and its Finish has FINISH_REASON_INTERRUPTED; the history keeps the answer's
+text as far as it got. A turn that was already superseded when its answer would start gets that
+Finish at once. Bad input ends the call with INVALID_ARGUMENT naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
+from omnistage.common.sampling import check_sampling
+from omnistage.services.gateway.history import Entry, History, wav_of
+from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT
+from omnistage.services.gateway.speech import SpokenAnswer, VoiceChoice, voice_choice
+from omnistage.services.gateway.stages import StageError
+from omnistage.services.gateway.validation import MAX_REQUEST_ID_CHARS, MediaPart, PlannedRequest
+from omnistage.v1 import common_pb2, omni_pb2
+
+MIN_SAMPLE_RATE_HZ, MAX_SAMPLE_RATE_HZ = 8000, 48000
+_END = object()
+
+
+@dataclass(frozen=True)
+class ConverseLimits:
+    """The gateway's Converse keys (docs/config.md) and the encoder's limits on one request."""
+
+    max_turns: int = 16
+    max_turn_chars: int = 4000
+    max_turn_audio_bytes: int = 1_920_000
+    # From the encoder's deploy-file keys: the longest clip and the items of one Encode request.
+    max_audio_seconds: float = 300.0
+    max_audio_items: int = 16
+
+
+@dataclass(frozen=True)
+class ConversePlan:
+    """A checked config: what every answer of the call uses."""
+
+    request_id: str
+    system_prompt: str
+    sampling: common_pb2.SamplingParams
+    voice: VoiceChoice
+    history: tuple[Entry, ...]
+
+
+@dataclass(frozen=True)
+class UserTurn:
+    index: int
+    entry: Entry
+    ended_at: float  # when the turn was complete (TTFA counts from here)
+
+
+@dataclass
+class _Answer:
+    """What an answer got to (kept when it is interrupted)."""
+
+    text: list[str]
+    tokens: int = 0
+    speech: SpokenAnswer | None = None
+
+
+def plan_converse(config: omni_pb2.GenerateRequest, gateway: Any) -> ConversePlan:
+    """Check the call's config (the first message); errors name `config.<field>`."""
+    limits = gateway.limits
+    request_id = config.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise InvalidRequest(f"config.request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
+    for i, modality in enumerate(config.output_modalities):
+        if modality not in (omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO):
+            raise InvalidRequest(f"config.output_modalities[{i}]: Converse answers with text and speech only")
+    if config.output_modalities and omni_pb2.MODALITY_AUDIO not in config.output_modalities:
+        raise InvalidRequest("config.output_modalities: Converse always speaks (leave it empty or include "
+                             "MODALITY_AUDIO); Generate answers with text only")
+    if len(config.messages) > limits.max_messages:
+        raise InvalidRequest(f"config.messages: {len(config.messages)} messages, at most {limits.max_messages} "
+                             "(max_messages)")
+    system_prompt = config.system_prompt
+    seeded: list[Entry] = []
+    for i, msg in enumerate(config.messages):
+        where = f"config.messages[{i}]"
+        if not msg.parts:
+            raise InvalidRequest(f"{where}.parts: a message needs at least one part")
+        if len(msg.parts) > limits.max_parts_per_message:
+            raise InvalidRequest(f"{where}.parts: {len(msg.parts)} parts, at most {limits.max_parts_per_message} "
+                                 "(max_parts_per_message)")
+        for j, part in enumerate(msg.parts):
+            if part.WhichOneof("content") != "text" or not part.text:
+                raise InvalidRequest(f"{where}.parts[{j}]: the history of a Converse call takes non-empty text parts only")
+        text = "".join(part.text for part in msg.parts)
+        if msg.role == omni_pb2.ROLE_SYSTEM:
+            if i != 0 or system_prompt:
+                raise InvalidRequest(f"{where}.role: a system message may only be the first message, without "
+                                     "system_prompt")
+            system_prompt = text
+        elif msg.role in (omni_pb2.ROLE_USER, omni_pb2.ROLE_ASSISTANT):
+            seeded.append(Entry("user" if msg.role == omni_pb2.ROLE_USER else "assistant", text))
+        else:
+            raise InvalidRequest(f"{where}.role: must be ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT")
+    chars = len(system_prompt) + sum(len(e.text) for e in seeded)
+    if chars > limits.max_prompt_chars:
+        raise InvalidRequest(f"config.messages: {chars} characters, the prompt limit is {limits.max_prompt_chars} "
+                             "(max_prompt_chars)")
+    try:
+        check_sampling(config.sampling, max_model_len=limits.max_model_len)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"config.{exc}") from None
+    voice = voice_choice(config, "config.")
+    system_prompt = system_prompt or gateway.system_prompt or DEFAULT_SYSTEM_PROMPT
+    return ConversePlan(request_id, system_prompt, config.sampling, voice, tuple(seeded))
+
+
+class Conversation:
+    """One Omni.Converse call. `gateway` is the OmniServicer (its stages, limits and thinker path)."""
+
+    def __init__(self, gateway: Any, context: grpc.aio.ServicerContext) -> None:
+        self.gateway = gateway
+        self.context = context
+        self.limits: ConverseLimits = gateway.converse
+        self.turns: asyncio.Queue = asyncio.Queue(2)  # complete user turns waiting for their answer
+        self.turns_begun = 0
+        self.newer_turn = asyncio.Event()  # a user turn began: the answer running may be interrupted
+        self._requests: AsyncIterator[omni_pb2.ConverseRequest] | None = None
+
+    async def open(self, requests: AsyncIterator[omni_pb2.ConverseRequest]) -> ConversePlan:
+        """Read and check the first message (the config)."""
+        if self.gateway.speech is None:
+            raise StageUnavailable("Converse needs the 'talker' stage, which is not deployed", retryable=False)
+        if self.gateway.thinker is None:
+            raise StageUnavailable("the 'thinker' stage is not available (gateway started degraded)")
+        self._requests = aiter(requests)
+        first = await anext(self._requests, None)
+        if first is None:
+            raise InvalidRequest("config: the stream ended before its first message")
+        if first.WhichOneof("item") != "config":
+            raise InvalidRequest("config: required in the first message")
+        return plan_converse(first.config, self.gateway)
+
+    async def run(self, plan: ConversePlan) -> AsyncIterator[omni_pb2.GenerateEvent]:
+        history = History(plan.history, self.limits.max_turns)
+        reader = asyncio.create_task(self._read_turns())
+        try:
+            while (turn := await self.turns.get()) is not _END:
+                if isinstance(turn, BaseException):
+                    raise turn
+                history.add(turn.entry)
+                self.newer_turn.clear()
+                answer = _Answer([])
+                if self.turns_begun > turn.index + 1:  # already superseded: no answer
+                    yield self._interrupted(plan, turn.index, answer)
+                    continue
+                interrupted = False
+                async with contextlib.aclosing(self._interruptible(self._answer(plan, history, turn, answer))) as events:
+                    async for event in events:
+                        if event is None:
+                            interrupted = True
+                            break
+                        event.turn = turn.index
+                        yield event
+                        if event.HasField("finish"):  # answered: a turn begun now is the next one, no barge-in
+                            break
+                history.add(Entry("assistant", "".join(answer.text)))
+                if interrupted:
+                    yield self._interrupted(plan, turn.index, answer)
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    # -- the client's turns ---------------------------------------------------------------------
+
+    async def _read_turns(self) -> None:
+        try:
+            await self._collect_turns()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - bad input or a broken stream ends the call: handed over
+            await self.turns.put(exc)
+            return
+        await self.turns.put(_END)
+
+    def _begin_turn(self) -> int:
+        self.turns_begun += 1
+        self.newer_turn.set()
+        return self.turns_begun - 1
+
+    async def _collect_turns(self) -> None:
+        limits = self.limits
+        pcm, rate, index = bytearray(), 0, -1
+        async for message in self._requests:
+            kind = message.WhichOneof("item")
+            if kind == "config":
+                raise InvalidRequest("config: only the first message may carry it")
+            if kind == "text":
+                if pcm:
+                    raise InvalidRequest("text: a spoken turn is still open (send end_of_turn first)")
+                if not message.text or len(message.text) > limits.max_turn_chars:
+                    raise InvalidRequest(f"text: {len(message.text)} characters, a text turn takes 1 to "
+                                         f"{limits.max_turn_chars} (converse_max_turn_chars)")
+                index = self._begin_turn()
+                await self.turns.put(UserTurn(index, Entry("user", message.text, index=index), time.monotonic()))
+            elif kind == "audio":
+                chunk = message.audio
+                if not pcm:
+                    if self.gateway.media is None:
+                        raise StageUnavailable("audio: spoken turns need the 'encoder' stage, which is not deployed",
+                                               retryable=False)
+                    if not MIN_SAMPLE_RATE_HZ <= chunk.sample_rate_hz <= MAX_SAMPLE_RATE_HZ:
+                        raise InvalidRequest(f"audio.sample_rate_hz: {chunk.sample_rate_hz}, expected "
+                                             f"{MIN_SAMPLE_RATE_HZ} to {MAX_SAMPLE_RATE_HZ}")
+                    rate, index = chunk.sample_rate_hz, self._begin_turn()
+                elif chunk.sample_rate_hz != rate:
+                    raise InvalidRequest(f"audio.sample_rate_hz: {chunk.sample_rate_hz}, the turn began at {rate}")
+                pcm += chunk.pcm16
+                self._check_audio(pcm, rate)
+            elif kind == "end_of_turn" and message.end_of_turn:
+                if not pcm:
+                    raise InvalidRequest("end_of_turn: no audio before it (a text turn needs none)")
+                await self._spoken_turn(index, pcm, rate)
+                pcm = bytearray()
+            else:
+                raise InvalidRequest("ConverseRequest: empty message (set text, audio or end_of_turn)")
+        if pcm:  # the client half-closed in the middle of a spoken turn: that turn is over
+            await self._spoken_turn(index, pcm, rate)
+
+    def _check_audio(self, pcm: bytearray, rate: int) -> None:
+        limits = self.limits
+        if len(pcm) > limits.max_turn_audio_bytes:
+            raise InvalidRequest(f"audio.pcm16: the spoken turn passes {limits.max_turn_audio_bytes} bytes "
+                                 "(converse_max_turn_audio_bytes)")
+        if len(pcm) / 2 / rate > limits.max_audio_seconds:
+            raise InvalidRequest(f"audio.pcm16: the spoken turn passes the encoder's max_audio_seconds "
+                                 f"({limits.max_audio_seconds:g} s)")
+
+    async def _spoken_turn(self, index: int, pcm: bytearray, rate: int) -> None:
+        if len(pcm) % 2:
+            raise InvalidRequest(f"audio.pcm16: the turn has {len(pcm)} bytes, PCM16 needs an even number")
+        entry = Entry("user", wav=wav_of(bytes(pcm), rate), index=index)
+        await self.turns.put(UserTurn(index, entry, time.monotonic()))
+
+    # -- answers --------------------------------------------------------------------------------
+
+    async def _interruptible(self, events: AsyncIterator[omni_pb2.GenerateEvent]
+                             ) -> AsyncIterator[omni_pb2.GenerateEvent | None]:
+        """The answer's events until a newer user turn begins; then None, after the answer was closed
+        (which cancels its thinker and talker streams)."""
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(events, _END))
+                newer = asyncio.ensure_future(self.newer_turn.wait())
+                try:
+                    await asyncio.wait({step, newer}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    newer.cancel()
+                    if not step.done():
+                        step.cancel()
+                        await asyncio.gather(step, return_exceptions=True)
+                if step.cancelled():
+                    yield None
+                    return
+                event = step.result()
+                if event is _END:
+                    return
+                yield event
+        finally:
+            await events.aclose()
+
+    async def _answer(self, plan: ConversePlan, history: History, turn: UserTurn, answer: _Answer
+                      ) -> AsyncIterator[omni_pb2.GenerateEvent]:
+        while True:
+            try:
+                async for event in self._attempt(plan, history, turn, answer):
+                    yield event
+                return
+            except StageError as exc:
+                # The thinker refused the prompt: the history outgrew its context. Forget the oldest
+                # exchange and ask again (the refusal came before `started`: nothing was sent yet).
+                too_long = exc.code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in str(exc)
+                if not (too_long and answer.speech is None and history.forget_oldest()):
+                    raise
+
+    async def _attempt(self, plan: ConversePlan, history: History, turn: UserTurn, answer: _Answer
+                       ) -> AsyncIterator[omni_pb2.GenerateEvent]:
+        gateway = self.gateway
+        media = gateway.media
+        window = history.window(plan.system_prompt, gateway.limits.max_prompt_chars,
+                                media.max_media_bytes if media is not None else 0, self.limits.max_audio_items)
+        parts = tuple(MediaPart(where, "audio", omni_pb2.Media(data=wav)) for where, wav in window.audio)
+        encoded = []
+        if parts:
+            encoded = await media.encode(plan.request_id, parts, {}, self.context.time_remaining())
+        request = PlannedRequest(plan.request_id, window.turns, plan.system_prompt, plan.sampling,
+                                 frozenset({omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO}), parts)
+        text_events = gateway._thinker_events(request, encoded, self.context)
+        handed_over = False
+        try:
+            spoken = SpokenAnswer(gateway.speech, plan.request_id, plan.voice, self.context.time_remaining(),
+                                  turn.ended_at, "config.")
+            async for event in spoken.events(text_events):
+                if event is None:
+                    handed_over, answer.speech = True, spoken
+                    continue
+                if event.HasField("text"):
+                    answer.text.append(event.text.text)
+                    answer.tokens += len(event.text.token_ids)
+                yield event
+        finally:
+            if encoded and not handed_over:
+                media.release(encoded)
+
+    def _interrupted(self, plan: ConversePlan, index: int, answer: _Answer) -> omni_pb2.GenerateEvent:
+        status = omni_pb2.AudioStatus(code="CANCELLED", message=f"interrupted by user turn {index + 1}")
+        if answer.speech is not None:
+            status = answer.speech.interrupted(status.message)
+        finish = omni_pb2.Finish(reason=common_pb2.FINISH_REASON_INTERRUPTED, message=status.message, audio=status,
+                                 usage=common_pb2.Usage(completion_tokens=answer.tokens))
+        return omni_pb2.GenerateEvent(request_id=plan.request_id, turn=index, finish=finish)

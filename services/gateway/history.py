@@ -1,0 +1,96 @@
+"""The history of one Omni.Converse call: what each answer's prompt is built from.
+
+User turns are text or speech (kept as the WAV the encoder hears again with every later answer: the
+thinker has no transcript of it); assistant turns are the text of the answers, interrupted ones as
+far as they got. The history holds at most `max_turns` user turns (older exchanges are forgotten);
+each prompt takes the newest turns that fit the gateway's prompt characters and one encoder
+request (its bytes and items), always the turn being answered.
+"""
+
+from __future__ import annotations
+
+import io
+import wave
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from omnistage.services.gateway.prompt import MediaSlot, Turn, build_chat, prompt_chars
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One turn: a user's text or speech (`wav`), or an assistant's answer text."""
+
+    role: str  # "user" | "assistant"
+    text: str = ""
+    wav: bytes = b""
+    index: int = -1  # the user turn's number in the call (for error messages); -1 for seeded turns
+
+
+@dataclass(frozen=True)
+class Window:
+    """The turns of one prompt and the WAVs of its spoken turns (`where` names them in errors)."""
+
+    turns: tuple[Turn, ...]
+    audio: tuple[tuple[str, bytes], ...]
+
+
+def wav_of(pcm16: bytes, sample_rate_hz: int) -> bytes:
+    """Mono PCM16 little-endian samples as a WAV file (what the encoder decodes)."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate_hz)
+        w.writeframes(pcm16)
+    return buf.getvalue()
+
+
+class History:
+    def __init__(self, seeded: Sequence[Entry], max_turns: int) -> None:
+        self.entries: list[Entry] = list(seeded)
+        self.max_turns = max_turns
+        self._trim(max_turns)
+
+    def add(self, entry: Entry) -> None:
+        if entry.role == "assistant" and not entry.text:
+            return  # an answer interrupted before its first word leaves nothing to remember
+        self.entries.append(entry)
+        self._trim(self.max_turns)
+
+    def forget_oldest(self) -> bool:
+        """Drop the oldest exchange (up to the second user turn); False when only the last turn is left."""
+        users = [i for i, e in enumerate(self.entries) if e.role == "user"]
+        if len(users) < 2:
+            return False
+        del self.entries[: users[1]]
+        return True
+
+    def window(self, system_prompt: str, max_chars: int, max_audio_bytes: int, max_audio_items: int) -> Window:
+        """The newest turns that fit the limits, starting at a user turn (the last one at least)."""
+        users = [i for i, e in enumerate(self.entries) if e.role == "user"]
+        for start in users:
+            entries = self.entries[start:]
+            spoken = [e for e in entries if e.wav]
+            if start != users[-1] and (len(spoken) > max_audio_items
+                                       or sum(len(e.wav) for e in spoken) > max_audio_bytes):
+                continue
+            window = _window(entries)
+            if start == users[-1] or prompt_chars(build_chat(window.turns, system_prompt)) <= max_chars:
+                return window
+        raise ValueError("the history has no user turn to answer")
+
+    def _trim(self, max_turns: int) -> None:
+        while sum(e.role == "user" for e in self.entries) > max_turns and self.forget_oldest():
+            pass
+
+
+def _window(entries: Sequence[Entry]) -> Window:
+    turns, audio = [], []
+    for e in entries:
+        if e.wav:
+            turns.append(Turn(e.role, (MediaSlot("audio", len(audio)),)))
+            audio.append((f"audio (turn {e.index})", e.wav))
+        else:
+            turns.append(Turn(e.role, e.text))
+    return Window(tuple(turns), tuple(audio))

@@ -1,0 +1,401 @@
+"""Speech of an answer: the thinker's text goes to the client and, as it decodes, into one Talker.Speak
+call, whose audio chunks reach the client interleaved with the text in the same stream.
+
+Per answer three tasks, joined by bounded buffers, so that no loop blocks on a send while it must drain:
+  text pump      thinker events → the client buffer, and each delta into the talker's text buffer (a
+                 string that never blocks: it holds at most the talker's max_text_chars)
+  talker writer  the talker's text buffer → Speak (config first, then what has arrived, end_of_text)
+  talker reader  Speak responses → the client buffer (audio chunks)
+The client buffer holds `speech_buffer_events` events. A slow client fills it; then both pumps wait,
+which pauses this answer's thinker and talker streams through gRPC flow control and nobody else's.
+
+The text never waits for the speech beyond `talker_start_wait_s` (the talker accepting the voice):
+a talker that is down, full, refuses the text, fails or goes silent (`talker_idle_timeout_s` once it
+has all the text) ends only the speech, and the Finish says so (`Finish.audio`, an AudioStatus). A
+voice the talker refuses before the text was let through fails the request (INVALID_ARGUMENT naming
+`voice` or `custom_voice.*`). Leaving early (client cancel, deadline, error) cancels the Speak call,
+which frees the talker's state for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from omnistage.common import metrics
+from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY, InvalidRequest
+from omnistage.services.gateway.stages import TalkerClient
+from omnistage.v1 import common_pb2, omni_pb2, talker_pb2
+
+MAX_VOICE_CHARS = 256
+# Pushback a client gets when this gateway already holds all the talker's streams (the talker's own).
+NO_CREDIT_RETRY_MS = 500
+_SPOKEN_REASONS = {common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP_STRING}
+
+
+@dataclass(frozen=True)
+class VoiceChoice:
+    """How an answer is spoken: a preset name ("" = the talker's default) or a clip, and the seed."""
+
+    voice: str = ""
+    clip: omni_pb2.VoiceClip | None = None
+    seed: int | None = None
+
+    def config(self, request_id: str) -> talker_pb2.SpeakConfig:
+        seed = {} if self.seed is None else {"seed": self.seed}
+        if self.clip is not None:
+            clip = talker_pb2.CustomVoice(audio=self.clip.audio, transcript=self.clip.transcript)
+            return talker_pb2.SpeakConfig(request_id=request_id, custom_voice=clip, **seed)
+        return talker_pb2.SpeakConfig(request_id=request_id, voice=self.voice, **seed)
+
+
+def voice_choice(request: omni_pb2.GenerateRequest, where: str = "") -> VoiceChoice:
+    """The speech settings of a request (`where` prefixes field names: "config." in Converse)."""
+    seed = request.sampling.seed if request.sampling.HasField("seed") else None
+    if len(request.voice) > MAX_VOICE_CHARS or not request.voice.isprintable():
+        raise InvalidRequest(f"{where}voice: a preset voice name, at most {MAX_VOICE_CHARS} printable characters")
+    if not request.HasField("custom_voice"):
+        return VoiceChoice(request.voice, None, seed)
+    if request.voice:
+        raise InvalidRequest(f"{where}custom_voice: set voice or custom_voice, not both")
+    if not request.custom_voice.audio:
+        raise InvalidRequest(f"{where}custom_voice.audio: required (an encoded audio clip of the voice)")
+    if not request.custom_voice.transcript.strip():
+        raise InvalidRequest(f"{where}custom_voice.transcript: required (what the clip says)")
+    return VoiceChoice("", request.custom_voice, seed)
+
+
+@dataclass(frozen=True)
+class SpeechLimits:
+    """The gateway's speech knobs (docs/config.md) and the talker's text limit (its deploy-file key)."""
+
+    max_text_chars: int = 4000
+    start_wait_s: float = 2.0
+    idle_timeout_s: float = 30.0
+    buffer_events: int = 16
+
+
+class SpeechStage:
+    """The gateway's side of the talker: speaks answers, counts what the clients got."""
+
+    def __init__(self, talker: TalkerClient, limits: SpeechLimits, service: str = "gateway") -> None:
+        self.talker = talker
+        self.limits = limits
+        self.service = service
+        self._ttfa = metrics.histogram("gateway_ttfa_seconds", "Time to first audio as the client sees it: request "
+                                       "arrival at the gateway (Converse: end of the user turn) to the first audio "
+                                       "chunk sent, by voice", ("voice",))
+        self._outcomes = metrics.counter("gateway_speech_outcomes", "Answers by what became of their speech "
+                                         "(AudioOutcome) and why (gRPC code name, empty when complete)",
+                                         ("outcome", "code"))
+
+    def answer(
+        self, request_id: str, choice: VoiceChoice, text_events: AsyncIterator[omni_pb2.GenerateEvent | None],
+        timeout_s: float | None, arrived_at: float,
+    ) -> AsyncIterator[omni_pb2.GenerateEvent | None]:
+        """`text_events` with the speech interleaved (SpokenAnswer.events)."""
+        return SpokenAnswer(self, request_id, choice, timeout_s, arrived_at).events(text_events)
+
+    def observe(self, status: omni_pb2.AudioStatus) -> None:
+        self._outcomes.labels(self.service, omni_pb2.AudioOutcome.Name(status.outcome), status.code).inc()
+        if status.samples:
+            self._ttfa.labels(self.service, status.voice).observe(status.time_to_first_audio_ms / 1000)
+
+
+@dataclass
+class _Done:
+    """A pump is done (text: with the thinker's finish event)."""
+
+    finish: omni_pb2.GenerateEvent | None = None
+
+
+@dataclass
+class _TextBuffer:
+    """Text on its way to the talker: appended without blocking, taken by the writer."""
+
+    limit: int
+    pending: list[str] = field(default_factory=list)
+    chars: int = 0
+    ended: bool = False
+    truncated: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    all_in: asyncio.Event = field(default_factory=asyncio.Event)  # ended: no more text will come
+
+    def push(self, text: str) -> None:
+        if self.ended or not text:
+            return
+        room = self.limit - self.chars
+        if len(text) > room:
+            text, self.truncated = text[:room], True
+        self.chars += len(text)
+        self.pending.append(text)
+        self.wake.set()
+        if self.truncated:
+            self.end()
+
+    def end(self) -> None:
+        self.ended = True
+        self.wake.set()
+        self.all_in.set()
+
+    def take(self) -> str:
+        text = "".join(self.pending)
+        self.pending.clear()
+        self.wake.clear()
+        return text
+
+
+class TalkerStream:
+    """One Speak call: its writer and reader tasks, and the AudioStatus of what it gave. The first reason
+    the speech stopped short is the one the status keeps."""
+
+    def __init__(self, stage: SpeechStage, request_id: str, choice: VoiceChoice, timeout_s: float | None,
+                 where: str) -> None:
+        self.stage = stage
+        self.limits = stage.limits
+        self.request_id = request_id
+        self.choice = choice
+        self.timeout_s = timeout_s
+        self.where = where
+        self.text = _TextBuffer(self.limits.max_text_chars)
+        self.status = omni_pb2.AudioStatus()
+        self.accepted = asyncio.Event()  # the talker started, or the speech is over
+        self.released = False  # text has gone to the client: a refusal now ends only the speech
+        self.finished = False  # the talker said `finished`
+        self.call: grpc.aio.StreamStreamCall | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._reading = False  # the reader waits for the talker (not for the client)
+        self._read_since = 0.0
+        self._chunks = 0
+        self._segment = 0
+        self._stopped = False  # the gateway cancelled the call (stop): the status says why
+
+    def start(self) -> bool:
+        """Open the Speak call (False, with the status set, when this gateway holds all the talker's streams)."""
+        talker = self.stage.talker
+        if not talker.has_credit():
+            self.fail("RESOURCE_EXHAUSTED", f"{talker.name}: all {talker.max_streams} streams are speaking",
+                      NO_CREDIT_RETRY_MS)
+            self.accepted.set()
+            return False
+        self.call = talker.speak(self.timeout_s)
+        self.call.add_done_callback(lambda _: talker.ended())
+        return True
+
+    def run(self, out: asyncio.Queue) -> None:
+        assert self.call is not None
+        self._tasks = [asyncio.create_task(self._write(self.call)), asyncio.create_task(self._read(self.call, out)),
+                       asyncio.create_task(self._watch_silence(self.call))]
+
+    def stop(self, code: str, message: str) -> None:
+        """Stop speaking (the answer was aborted or interrupted): cancel the call, say why in the status."""
+        self.fail(code, message)
+        if self.call is not None and not self.call.done():
+            self._stopped = True
+            self.call.cancel()
+
+    async def close(self) -> None:
+        """Cancel what still runs (the call first: the talker frees the stream's state) and wait for it."""
+        if self.call is not None:
+            self.call.cancel()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def fail(self, code: str, message: str, retry_after_ms: int = 0) -> None:
+        if not self.status.code:
+            self.status.code, self.status.message, self.status.retry_after_ms = code, message, retry_after_ms
+
+    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
+        try:
+            await call.write(talker_pb2.SpeakRequest(config=self.choice.config(self.request_id)))
+            while True:
+                await self.text.wake.wait()
+                ended, text = self.text.ended, self.text.take()
+                if text or ended:
+                    await call.write(talker_pb2.SpeakRequest(text=text, end_of_text=ended))
+                if ended:
+                    break
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            return  # the call is over; the reader reports its status
+
+    async def _watch_silence(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Once the text has ended the talker must keep answering (a talker that stopped, or never took the
+        connection, is given up). Silence counts only while the reader waits for the talker, not while
+        it waits for a slow client."""
+        await self.text.all_in.wait()
+        ended_at, idle = time.monotonic(), self.limits.idle_timeout_s
+        while not call.done():
+            silent = time.monotonic() - max(self._read_since, ended_at) if self._reading else 0.0
+            if silent >= idle:
+                self.stop("DEADLINE_EXCEEDED", f"{self.stage.talker.name}: no speech for {idle:g}s "
+                          "(gateway.talker_idle_timeout_s)")
+                return
+            await asyncio.sleep(idle - silent)
+
+    async def _read(self, call: grpc.aio.StreamStreamCall, out: asyncio.Queue) -> None:
+        try:
+            await self._read_speech(call, out)
+        except grpc.aio.AioRpcError as exc:
+            refusal = self._refused_or_failed(exc)
+            if refusal is not None:
+                await out.put(refusal)  # before `accepted`: the text pump waits for this verdict
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling() or not self._stopped:
+                raise  # this task was cancelled (the answer is closing), not only the call
+        finally:
+            self.accepted.set()
+        if self._chunks:  # however it ended, the audio sent ends with a `last` chunk
+            await out.put(omni_pb2.GenerateEvent(request_id=self.request_id, audio=omni_pb2.AudioChunk(
+                sample_rate_hz=self.status.sample_rate_hz, segment_index=self._segment, last=True)))
+        await out.put(_Done())
+
+    async def _read_speech(self, call: grpc.aio.StreamStreamCall, out: asyncio.Queue) -> None:
+        name = self.stage.talker.name
+        while True:
+            self._reading, self._read_since = True, time.monotonic()
+            response = await call.read()
+            self._reading = False
+            if response is grpc.aio.EOF:
+                self.fail("UNAVAILABLE", f"{name}: the stream ended before it finished")
+                return
+            kind = response.WhichOneof("event")
+            if kind == "started":
+                self.status.voice = response.started.voice
+                self.status.sample_rate_hz = response.started.sample_rate_hz
+                self.accepted.set()
+            elif kind == "audio":
+                a = response.audio
+                self._chunks += 1
+                self._segment = a.segment_index
+                chunk = omni_pb2.AudioChunk(pcm16=a.pcm16, sample_rate_hz=self.status.sample_rate_hz,
+                                            segment_index=a.segment_index)
+                await out.put(omni_pb2.GenerateEvent(request_id=self.request_id, audio=chunk))
+            elif kind == "segment_done":
+                self.status.segments += 1
+            elif kind == "finished":
+                self.finished = True
+                if self.text.truncated:
+                    self.fail("OUT_OF_RANGE", f"the answer passed the talker's max_text_chars "
+                              f"({self.limits.max_text_chars} characters): spoken up to there")
+                return
+
+    def _refused_or_failed(self, exc: grpc.aio.AioRpcError) -> InvalidRequest | None:
+        """Set the status from the talker's error; the client's error when it refused the request's voice
+        before any text was let through (then the request fails as a whole, naming the field)."""
+        details = exc.details() or ""
+        pushback = str(dict(exc.trailing_metadata() or ()).get(RETRY_PUSHBACK_KEY, "0"))
+        self.fail(exc.code().name, f"{self.stage.talker.name}: {details}", int(pushback) if pushback.isdigit() else 0)
+        if (exc.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("config.")
+                and not self.status.voice and not self.released):
+            return InvalidRequest(self.where + details.removeprefix("config."))
+        return None
+
+
+class SpokenAnswer:
+    """One answer with speech: runs the text pump and a TalkerStream, yields their events in order. Its
+    `status` counts what the client was sent."""
+
+    def __init__(self, stage: SpeechStage, request_id: str, choice: VoiceChoice, timeout_s: float | None,
+                 arrived_at: float, where: str = "") -> None:
+        self.stage = stage
+        self.arrived_at = arrived_at
+        self.out: asyncio.Queue = asyncio.Queue(stage.limits.buffer_events)
+        self.speech = TalkerStream(stage, request_id, choice, timeout_s, where)
+        self.status = self.speech.status
+
+    async def events(self, text_events: AsyncIterator[omni_pb2.GenerateEvent | None]
+                     ) -> AsyncIterator[omni_pb2.GenerateEvent | None]:
+        """`text_events` (the thinker's, None marking `started`) with the speech interleaved; the Finish
+        comes last, once both the text and the speech are done, with `audio` set."""
+        pump = asyncio.create_task(self._pump_text(text_events))
+        try:
+            finish, done = None, 0
+            while done < 2:
+                item = await self.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, _Done):
+                    done += 1
+                    finish = item.finish or finish
+                    continue
+                if item is not None and item.HasField("audio"):
+                    self._count(item.audio)
+                yield item
+            assert finish is not None
+            self._settle()
+            finish.finish.audio.CopyFrom(self.status)
+            yield finish
+        finally:
+            pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+            await self.speech.close()
+
+    def interrupted(self, message: str) -> omni_pb2.AudioStatus:
+        """The status of an answer cut off by the client (Converse barge-in)."""
+        self.speech.fail("CANCELLED", message)
+        self._settle()
+        return self.status
+
+    def _count(self, chunk: omni_pb2.AudioChunk) -> None:
+        if chunk.pcm16 and not self.status.samples:
+            self.status.time_to_first_audio_ms = (time.monotonic() - self.arrived_at) * 1000
+        self.status.samples += len(chunk.pcm16) // 2
+
+    def _settle(self) -> None:
+        status = self.status
+        if self.speech.finished and not status.code:
+            status.outcome = omni_pb2.AUDIO_OUTCOME_COMPLETE
+        else:
+            status.outcome = omni_pb2.AUDIO_OUTCOME_PARTIAL if status.samples else omni_pb2.AUDIO_OUTCOME_NONE
+            if not status.code:
+                status.code, status.message = "UNAVAILABLE", f"{self.stage.talker.name}: the speech did not finish"
+        self.stage.observe(status)
+
+    async def _pump_text(self, text_events: AsyncIterator[omni_pb2.GenerateEvent | None]) -> None:
+        speech, out = self.speech, self.out
+        started = False
+        finish = None
+        try:
+            async for event in text_events:
+                if event is None:  # the thinker took the request: speak its answer
+                    started = True
+                    if speech.start():
+                        speech.run(out)
+                    else:
+                        await out.put(_Done())  # no speech: its part is done
+                    await out.put(None)
+                elif event.HasField("text"):
+                    speech.text.push(event.text.text)
+                    await self._release_text()
+                    await out.put(event)
+                else:  # the finish: held back until the speech is done too
+                    finish = event
+                    if finish.finish.reason in _SPOKEN_REASONS:
+                        speech.text.end()
+                    else:
+                        reason = common_pb2.FinishReason.Name(finish.finish.reason)
+                        speech.stop("CANCELLED", f"the answer ended with {reason}: not spoken to its end")
+        except Exception as exc:  # noqa: BLE001 - the thinker's error ends the request: handed to the reader
+            await out.put(exc)
+            return
+        finally:
+            with contextlib.suppress(Exception):
+                await text_events.aclose()
+        if not started:
+            await out.put(_Done())
+        await out.put(_Done(finish))
+
+    async def _release_text(self) -> None:
+        """Before the first text goes out: wait (bounded) for the talker to accept the voice."""
+        speech = self.speech
+        if speech.released:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(speech.accepted.wait(), self.stage.limits.start_wait_s)
+        speech.released = True
