@@ -2,9 +2,10 @@
 
 Runs `omnistage serve` as a child (so the demo exercises exactly what a user runs), waits for its
 ready file with a deadline, streams a text request, a text + image request (a picture drawn here
-with PIL) and a text + audio request (a WAV synthesised here) through the gateway, writes
-`<out>/result.json` (and the image and WAV it sent next to it), then stops the pipeline with
-SIGTERM and checks it exits cleanly.
+with PIL) and a text + audio request (a WAV synthesised here) through the gateway, and asks for an
+image (MODALITY_IMAGE: thinker hidden states → image stage, progress per step, then a PNG that must
+decode at the requested size), writes `<out>/result.json` (with the image and WAV it sent and the
+generated `image.png` next to it), then stops the pipeline with SIGTERM and checks it exits cleanly.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 PROMPT = "Hello! In one sentence, what is an omni-modal model?"
 IMAGE_PROMPT = "Describe the image in detail."
 AUDIO_PROMPT = "Please transcribe the audio clip."
+DRAW_PROMPT = "Draw a lighthouse on a cliff at sunset."
+DRAW_SIZE = (384, 256)  # width, height: multiples of 16; the tiny deploy generates at the 512 buckets
 
 
 def _wait_ready(proc: subprocess.Popen, ready_file: Path, timeout_s: float) -> str:
@@ -110,6 +113,42 @@ def _request(address: str, name: str, prompt: str, parts: list[omni_pb2.ContentP
     }
 
 
+def _image_request(address: str, out: Path) -> dict:
+    """Ask for an image (no text): progress per denoising step, then the PNG, saved as image.png."""
+    from PIL import Image
+
+    width, height = DRAW_SIZE
+    request = omni_pb2.GenerateRequest(
+        request_id="demo-image-1",
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=DRAW_PROMPT)])],
+        output_modalities=[omni_pb2.MODALITY_IMAGE],
+        image=omni_pb2.ImageOptions(width=width, height=height, seed=1),
+    )
+    started = time.monotonic()
+    steps, png, finish = 0, b"", None
+    print(f"demo: image: prompt: {DRAW_PROMPT}")
+    with grpc.insecure_channel(address) as channel:
+        for event in omni_pb2_grpc.OmniStub(channel).Generate(request, timeout=300):
+            kind = event.WhichOneof("event")
+            if kind == "progress":
+                steps = event.progress.done
+                print(f"\rdemo: image: denoising step {steps}/{event.progress.total}", end="", flush=True)
+            elif kind == "image":
+                png = event.image.png
+            elif kind == "finish":
+                finish = event.finish
+    print()
+    if not png or finish is None:
+        raise SystemExit("demo: image: the stream ended without an image and a Finish event")
+    decoded = Image.open(io.BytesIO(png))
+    if decoded.format != "PNG" or decoded.size != DRAW_SIZE:
+        raise SystemExit(f"demo: image: got a {decoded.format} of {decoded.size}, asked for a PNG of {DRAW_SIZE}")
+    (out / "image.png").write_bytes(png)
+    return {"modality": "image", "prompt": DRAW_PROMPT, "output": "image.png", "width": width, "height": height,
+            "steps": steps, "finish_reason": common_pb2.FinishReason.Name(finish.reason),
+            "prompt_tokens": finish.usage.prompt_tokens, "wall_s": round(time.monotonic() - started, 3)}
+
+
 def _run_requests(address: str, out: Path) -> list[dict]:
     """The text request, then text + image and text + audio; the media are saved next to the results."""
     image, audio = draw_image(), synth_wav()
@@ -121,6 +160,7 @@ def _run_requests(address: str, out: Path) -> list[dict]:
         _request(address, "text+audio", AUDIO_PROMPT, [omni_pb2.ContentPart(audio=omni_pb2.Media(data=audio))]),
     ]
     results[1]["input"], results[2]["input"] = "demo-image.png", "demo-audio.wav"
+    results.append(_image_request(address, out))
     return results
 
 
@@ -153,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         summary = {k: v for k, v in r.items() if k not in ("token_ids", "text")}
         print(f"demo: {r['modality']}: {json.dumps(summary, ensure_ascii=False)}")
-    print(f"demo: saved {out / 'result.json'} (inputs: demo-image.png, demo-audio.wav); "
+    print(f"demo: saved {out / 'result.json'} (inputs: demo-image.png, demo-audio.wav; output: image.png); "
           f"pipeline stopped (exit {proc.returncode})")
     return 0 if proc.returncode == 0 else 1
 

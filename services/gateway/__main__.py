@@ -1,9 +1,10 @@
 """`python -m omnistage.services.gateway --config F --service NAME`: the public Omni API.
 
-Start-up waits for every deployed stage it calls (the thinker; the encoder and the talker when
-deployed) to be SERVING, sends one real text request through the thinker, one sentence through the
-talker and, with an encoder, one request with an image through the whole media path (encoder →
-shared memory → thinker), then serves.
+Start-up waits for every deployed stage it calls (the thinker; the encoder, the talker and the image
+stage when deployed) to be SERVING, sends one real text request through the thinker, one sentence
+through the talker, with an encoder one request with an image through the whole media path (encoder →
+shared memory → thinker), and with an image stage one image request (thinker hidden states → shared
+memory → ImageGen, one step at the smallest size), then serves.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.common.transport import TransportContext
 from omnistage.services.gateway.converse import ConverseLimits
+from omnistage.services.gateway.imaging import ImageLimits, ImageStage
 from omnistage.services.gateway.media import MediaStage
 from omnistage.services.gateway.prompt import Turn, build_chat
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
-from omnistage.services.gateway.stages import EncoderClient, TalkerClient, ThinkerClient
+from omnistage.services.gateway.stages import EncoderClient, ImageGenClient, TalkerClient, ThinkerClient
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, control_pb2, omni_pb2, omni_pb2_grpc, talker_pb2
 
@@ -54,6 +56,39 @@ async def _warm_up_media(servicer: OmniServicer) -> None:
     events = [e async for e in servicer.Generate(request, _Deadline(60.0))]
     if not events or events[-1].WhichOneof("event") != "finish":
         raise RuntimeError("the media warm-up request ended without a finish")
+
+
+async def _warm_up_image(servicer: OmniServicer) -> None:
+    """One image request through the path clients take (thinker hidden states → ImageGen): one step
+    at the smallest size; a broken hand-over fails start-up."""
+    side = servicer.images.limits.min_side_px
+    request = omni_pb2.GenerateRequest(
+        request_id="gateway-warmup-image", output_modalities=[omni_pb2.MODALITY_IMAGE],
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="warm-up")])],
+        image=omni_pb2.ImageOptions(width=side, height=side, steps=1, seed=0),
+    )  # fmt: skip
+    events = [e async for e in servicer.Generate(request, _Deadline(120.0))]
+    kinds = [e.WhichOneof("event") for e in events]
+    if kinds[-2:] != ["image", "finish"]:
+        raise RuntimeError(f"the image warm-up request ended with {kinds[-2:]}, not an image and a finish")
+
+
+async def _image_stage(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig) -> ImageStage:
+    """The image stage's client, once it is SERVING, with its Describe limits."""
+    g = cfg.services_of("imagegen")[0]
+    client = ImageGenClient(g.name, cfg.address(g.name), max(g.max_message_bytes, svc.max_message_bytes),
+                            admin_address=cfg.admin_address(g.name), admin_metadata=auth.admin_metadata(g))
+    runtime.reporter.heartbeat(f"waiting for {g.name}")
+    try:
+        await client.wait_serving(svc.gateway.stage_wait_s)
+        desc = await client.describe()  # None without an admin port: the deploy file's limits then
+    except Exception:
+        await client.close()
+        raise
+    limits = ImageLimits.of(g.imagegen, desc.limits if desc is not None else None)
+    # Releases only (hidden states that never reach ImageGen): the gateway maps no bytes of them. A
+    # GPU image stage can open CUDA IPC handles, so hidden states made on a GPU may stay there.
+    return ImageStage(client, TransportContext(), limits, allow_cuda_ipc=g.device == "cuda")
 
 
 async def _warm_up_talker(talker: TalkerClient) -> None:
@@ -110,9 +145,10 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     thinkers = cfg.services_of("thinker")
     encoders = cfg.services_of("encoder")
     talkers = cfg.services_of("talker")
-    if thinkers or encoders or talkers:
-        runtime.reporter.enter("warming_up", total=len(thinkers[:1]) + len(encoders[:1]) + len(talkers[:1]),
-                               unit="stages")
+    imagegens = cfg.services_of("imagegen")
+    if thinkers or encoders or talkers or imagegens:
+        stages = len(thinkers[:1]) + len(encoders[:1]) + len(talkers[:1]) + len(imagegens[:1])
+        runtime.reporter.enter("warming_up", total=stages, unit="stages")
     media = None
     if encoders:
         e = encoders[0]
@@ -160,6 +196,17 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         if speech is None:
             deployed.discard("talker")
         runtime.reporter.advance()
+    images = None
+    if imagegens:
+        try:
+            images = await _image_stage(runtime, cfg, svc)
+            runtime.add_shutdown_hook(images.close)
+        except Exception:
+            if not gw.allow_degraded:
+                raise
+            runtime.reporter.heartbeat(f"{imagegens[0].name} unavailable; serving degraded")
+            deployed.discard("imagegen")
+        runtime.reporter.advance()
     servicer = OmniServicer(
         thinker,
         deployed,
@@ -169,6 +216,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         media_dir=gw.media_dir,
         media=media,
         speech=speech,
+        images=images,
         converse=_converse_limits(cfg, svc),
     )
     if media is not None and thinker is not None:
@@ -181,6 +229,16 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
             runtime.reporter.heartbeat("the media path failed its warm-up; serving without media")
             servicer.media = None
             deployed.discard("encoder")
+    if images is not None and thinker is not None:
+        runtime.reporter.heartbeat("one image through thinker and image stage")
+        try:
+            await _warm_up_image(servicer)
+        except Exception:
+            if not gw.allow_degraded:
+                raise
+            runtime.reporter.heartbeat("the image path failed its warm-up; serving without image output")
+            servicer.images = None
+            deployed.discard("imagegen")
     runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")
     runtime.set_limits_provider(
         lambda: control_pb2.Limits(

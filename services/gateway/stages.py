@@ -21,6 +21,8 @@ from omnistage.v1 import (
     control_pb2_grpc,
     encoder_pb2,
     encoder_pb2_grpc,
+    imagegen_pb2,
+    imagegen_pb2_grpc,
     talker_pb2_grpc,
     thinker_pb2,
     thinker_pb2_grpc,
@@ -159,11 +161,13 @@ class ThinkerClient(StageClient):
         sampling: common_pb2.SamplingParams,
         timeout_s: float | None,
         multimodal: list[thinker_pb2.MultimodalEmbedding] | None = None,
+        hidden_states: thinker_pb2.HiddenStatesRequest | None = None,
     ) -> AsyncIterator[thinker_pb2.ThinkerEvent]:
         """The thinker's events, `started` first. `request_id` is the client's, for the thinker's logs;
-        `multimodal` carries the encoder's refs as they came (the thinker releases their leases)."""
+        `multimodal` carries the encoder's refs as they came (the thinker releases their leases);
+        `hidden_states` asks for the image query block's hidden states instead of tokens."""
         request = thinker_pb2.ThinkerRequest(request_id=request_id, chat=prompt, sampling=sampling,
-                                             multimodal=multimodal or [])  # fmt: skip
+                                             multimodal=multimodal or [], hidden_states=hidden_states)  # fmt: skip
         self.check_up()
         call = self.track(self.stub.Generate(request, timeout=timeout_s))
         finished = False
@@ -240,3 +244,32 @@ class TalkerClient(StageClient):
 
     def ended(self) -> None:
         self.open_streams -= 1
+
+
+class ImageGenClient(StageClient):
+    """ImageGen.Generate as an async iterator of events, bounded by the caller's deadline; leaving
+    early (client gone, deadline) cancels the call, which stops the denoising at the next step."""
+
+    def __init__(self, name: str, address: str, max_message_bytes: int, **admin: Any) -> None:
+        super().__init__(name, address, max_message_bytes, **admin)
+        self.stub = imagegen_pb2_grpc.ImageGenStub(self.channel)
+
+    async def generate(
+        self, request: imagegen_pb2.ImageGenRequest, timeout_s: float | None
+    ) -> AsyncIterator[imagegen_pb2.ImageGenEvent]:
+        self.check_up()
+        call = self.track(self.stub.Generate(request, timeout=timeout_s))
+        finished = False
+        try:
+            async for event in call:
+                finished = finished or event.WhichOneof("event") == "image"
+                yield event
+        except asyncio.CancelledError:
+            if self.lost_call():
+                raise self.unavailable() from None
+            raise
+        finally:
+            if finished:  # the image is the last event: take the stream's own end (OK)
+                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+                    await asyncio.wait_for(call.code(), _FINISHED_STREAM_END_S)
+            call.cancel()
