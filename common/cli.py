@@ -174,6 +174,8 @@ def describe_lines(address: str, timeout_s: float, metadata: tuple = ()) -> tupl
             f"graphs {_mib(m.graph_pool_bytes)}, transport {_mib(m.transport_pool_bytes)})"
             + (f", budget {_mib(m.budget_bytes)}" if m.budget_bytes else "")
         )
+    for r in d.readiness:  # the gateway: which capabilities it serves now
+        lines.append(f"  {r.capability}: " + ("ready" if r.ready else f"not ready ({r.reason})"))
     if d.failure:
         lines.append(f"  failure: {d.failure}")
     return health.status == health_pb2.HealthCheckResponse.SERVING, lines

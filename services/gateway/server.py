@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
+from omnistage.services.gateway.admission import GateConfig, StageGate, check_all
 from omnistage.services.gateway.converse import Conversation, ConverseLimits
 from omnistage.services.gateway.imaging import ImagePlan, ImageStage
 from omnistage.services.gateway.media import MediaStage, thinker_items
@@ -70,8 +71,11 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         speech: SpeechStage | None = None,
         images: ImageStage | None = None,
         converse: ConverseLimits = ConverseLimits(),
+        thinker_gate: StageGate | None = None,
     ) -> None:
         self.thinker = thinker
+        # Admission by the thinker's capacity (its stress-tested max_num_seqs, from Describe).
+        self.thinker_gate = thinker_gate or StageGate("thinker", GateConfig())
         self.media = media  # None: no encoder (media parts get FAILED_PRECONDITION)
         self.speech = speech  # None: no talker (MODALITY_AUDIO and Converse get FAILED_PRECONDITION)
         self.images = images  # None: no image stage (MODALITY_IMAGE gets FAILED_PRECONDITION)
@@ -98,8 +102,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             )
         if spoken and self.speech is None:
             raise StageUnavailable("output_modalities: the 'talker' stage is not available", retryable=False)
-        if self.in_flight >= self.max_concurrent_requests:
-            raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200)
+        self._admit(context)
         if image is not None:
             self.images.admit()
         self.in_flight += 1
@@ -214,22 +217,30 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         self._check_media_tokens(plan, encoded)
         finished = False
         mode = {"hidden_states": hidden_states} if hidden_states is not None else {}
-        stream = self.thinker.generate(
-            plan.request_id, plan.chat(encoded), plan.sampling, context.time_remaining(),
-            multimodal=thinker_items(encoded), **mode,
-        )  # fmt: skip
-        try:
-            async for ev in stream:
-                yield ev
-                if ev.WhichOneof("event") == "finish":
-                    finished = True
-                    break
-        except grpc.aio.AioRpcError as exc:
-            raise self.thinker.error(exc) from exc
-        finally:
-            await stream.aclose()
+        async with self.thinker_gate.slot(context.time_remaining()):  # a slot of the thinker's tested batch
+            stream = self.thinker.generate(
+                plan.request_id, plan.chat(encoded), plan.sampling, context.time_remaining(),
+                multimodal=thinker_items(encoded), **mode,
+            )  # fmt: skip
+            try:
+                async for ev in stream:
+                    yield ev
+                    if ev.WhichOneof("event") == "finish":
+                        finished = True
+                        break
+            except grpc.aio.AioRpcError as exc:
+                raise self.thinker.error(exc) from exc
+            finally:
+                await stream.aclose()
         if not finished:
             raise StageUnavailable("thinker: stream ended without a finish event")
+
+    def _admit(self, context) -> None:
+        """Refuse at arrival (RESOURCE_EXHAUSTED with a retry hint) what cannot finish in time: the
+        gateway's bound of requests, then the thinker's capacity against the request's deadline."""
+        if self.in_flight >= self.max_concurrent_requests:
+            raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200)
+        check_all([self.thinker_gate], context.time_remaining())
 
     def _check_media_tokens(self, plan: PlannedRequest, encoded: list[encoder_pb2.EncodedItem]) -> None:
         """Media alone longer than the thinker's context: refused here, before the thinker is called."""
@@ -243,8 +254,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext):
         conversation = Conversation(self, context)
         config = await conversation.open(request_iterator)  # checks before the call counts as in flight
-        if self.in_flight >= self.max_concurrent_requests:
-            raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200)
+        self._admit(context)
         self.in_flight += 1
         try:
             async for event in conversation.run(config):
