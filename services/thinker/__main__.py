@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from omnistage.common import metrics
 from omnistage.common.config import DeployConfig, ServiceConfig
 from omnistage.common.log import get_logger
 from omnistage.common.memory.report import export_memory
@@ -95,6 +96,22 @@ def _hidden_states_pool(queries, max_num_seqs: int) -> TransportContext | None:
     return producer
 
 
+def _export_hidden_state_leases(runtime: ServiceRuntime, service: str, producer: TransportContext) -> None:
+    """/metrics: hidden states handed out (to the image stage) and not yet released; a leak shows as a
+    gauge that never falls back to 0. Reads 0 once the pool is closed (shutdown hooks run last first)."""
+    pool, closed = producer.shm_pool(), threading.Event()
+    runtime.add_shutdown_hook(closed.set)
+
+    def active() -> int:
+        if pool is None or closed.is_set():
+            return 0
+        pool.arena.reclaim()
+        return pool.arena.active_leases
+
+    metrics.gauge("thinker_hidden_state_leases_active", "Hidden-state refs leased to consumers, not yet released"
+                  ).labels(service).set_function(active)  # fmt: skip
+
+
 async def _serve_rank0(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, started: StartedRank) -> None:
     control = started.control
     # Registered first, so it runs last: the store host stays until a failure has been read.
@@ -109,6 +126,7 @@ async def _serve_rank0(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceC
     producer = _hidden_states_pool(queries, engine.cfg.max_num_seqs)
     if producer is not None:
         runtime.add_shutdown_hook(producer.close)
+        _export_hidden_state_leases(runtime, svc.name, producer)
     runtime.reporter.progress(detail="one real request through the engine")
     try:
         await _in_daemon_thread(lambda: _warm_up(engine, media))

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from gateway_speech_fakes import FakeTalker, TalkerServer
 from omnistage.common.config import config_from_dict
 from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.errors import InvalidRequest, OmniError, Overloaded, StageUnavailable
@@ -22,7 +23,8 @@ from omnistage.common.transport import TransportContext, TransportOptions, decod
 from omnistage.services.gateway.imaging import ImageLimits, ImageStage, edit_size
 from omnistage.services.gateway.media import MediaStage
 from omnistage.services.gateway.server import OmniServicer
-from omnistage.services.gateway.stages import ImageGenClient
+from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
+from omnistage.services.gateway.stages import ImageGenClient, TalkerClient
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, encoder_pb2, imagegen_pb2, imagegen_pb2_grpc, omni_pb2, thinker_pb2
 from PIL import Image
@@ -245,6 +247,30 @@ def test_text_and_image_stream_the_text_first_then_the_image_and_one_finish(tmp_
             assert [c[0] for c in thinker.calls] == ["text", "hidden"]
             usage = events[-1].finish.usage
             assert (usage.prompt_tokens, usage.completion_tokens) == (20 + 278, 2)
+            assert leases(producer) == 0
+
+    run(scenario())
+
+
+def test_speech_and_image_stream_the_spoken_answer_then_the_image_and_one_finish(tmp_path, producer):
+    async def scenario():
+        thinker = FakeThinker(producer)
+        async with TalkerServer(FakeTalker()) as talker, Gateway(thinker, FakeImageGen(), tmp_path) as gw:
+            client = TalkerClient("talker", talker.address, 1 << 22)
+            gw.servicer.speech = SpeechStage(client, SpeechLimits(start_wait_s=5.0, idle_timeout_s=5.0), "gw-test")
+            gw.servicer.deployed.add("talker")
+            outputs = (omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO, omni_pb2.MODALITY_IMAGE)
+            try:
+                events = await gw.events(request(outputs=outputs, steps=2))
+            finally:
+                await client.close()
+            k = kinds(events)
+            assert k[-4:] == ["progress", "progress", "image", "finish"] and k.count("finish") == 1
+            assert set(k[:-4]) == {"text", "audio"} and events[-5].audio.last  # the speech ends before the image
+            assert [c[0] for c in thinker.calls] == ["text", "hidden"]
+            finish = events[-1].finish
+            assert finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE  # the speech's status is kept
+            assert (finish.usage.prompt_tokens, finish.usage.completion_tokens) == (20 + 278, 2)
             assert leases(producer) == 0
 
     run(scenario())
