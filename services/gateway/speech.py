@@ -34,6 +34,8 @@ from omnistage.v1 import common_pb2, omni_pb2, talker_pb2
 MAX_VOICE_CHARS = 256
 # Pushback a client gets when this gateway already holds all the talker's streams (the talker's own).
 NO_CREDIT_RETRY_MS = 500
+# After `finished`, how long the talker's handler has to end the call itself (status OK) before it is cancelled.
+FINISHED_STREAM_END_S = 5.0
 _SPOKEN_REASONS = {common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP_STRING}
 
 
@@ -289,6 +291,10 @@ class TalkerStream:
                 if self.text.truncated:
                     self.fail("OUT_OF_RANGE", f"the answer passed the talker's max_text_chars "
                               f"({self.limits.max_text_chars} characters): spoken up to there")
+                # The last event: take the call's own end (OK) rather than cancel it on close, which the
+                # talker would count (and log) as a client cancel.
+                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+                    await asyncio.wait_for(call.code(), FINISHED_STREAM_END_S)
                 return
 
     def _refused_or_failed(self, exc: grpc.aio.AioRpcError) -> InvalidRequest | None:

@@ -80,10 +80,13 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
 
     mode: "echo" | "refuse-voice" | "busy" (RESOURCE_EXHAUSTED with pushback) | "fail-after-audio"
     (UNAVAILABLE after the first text's audio) | "silent" (accepts, then never answers) | "nothing"
-    (INVALID_ARGUMENT "text: nothing to speak" at the end)."""
+    (INVALID_ARGUMENT "text: nothing to speak" at the end). A stream the client cancels after
+    `finished`, before the handler returned, counts as cancelled (the real talker's status CANCELLED)."""
 
-    def __init__(self, mode: str = "echo", chunks_per_text: int = 1, chunk_samples: int = 441) -> None:
+    def __init__(self, mode: str = "echo", chunks_per_text: int = 1, chunk_samples: int = 441,
+                 end_delay_s: float = 0.0) -> None:
         self.mode = mode
+        self.end_delay_s = end_delay_s  # after `finished`, the handler takes this long to return (cleanup)
         self.chunks_per_text = chunks_per_text
         self.chunk_samples = chunk_samples
         self.calls: list[SpeakCall] = []
@@ -121,6 +124,7 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
             if self.mode == "nothing":
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text: nothing to speak")
             yield talker_pb2.SpeakResponse(finished=talker_pb2.SpeakFinished(segments=segment))
+            await asyncio.sleep(self.end_delay_s)
             call.completed = True
         except (asyncio.CancelledError, GeneratorExit):  # the client cancelled (gRPC closes the handler)
             call.cancelled = True

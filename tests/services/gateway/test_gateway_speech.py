@@ -79,6 +79,22 @@ def test_text_and_audio_interleave_and_one_finish_comes_after_both():
     assert thinker.calls[0].finished and thinker.calls[0].closed
 
 
+def test_a_finished_speak_call_ends_with_its_own_status_not_a_cancel():
+    """After `finished` the gateway lets the talker's handler return (its status OK) instead of cancelling
+    the call at once (the real talker then counted every fourth completed stream as CANCELLED)."""
+
+    async def scenario():
+        talker = FakeTalker(end_delay_s=0.2)
+        async with TalkerServer(talker) as srv:
+            events = await collect(gateway(FakeThinker(ANSWER), srv.address), request())
+        return talker, events
+
+    talker, events = run(scenario())
+    assert events[-1].finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE
+    (call,) = talker.calls
+    assert call.completed and not call.cancelled
+
+
 def test_without_a_seed_the_talker_picks_one_and_an_empty_voice_is_its_default():
     async def scenario():
         talker = FakeTalker()
