@@ -153,7 +153,6 @@ class _Stages:
                  watch: WatchConfig) -> None:  # fmt: skip
         self.runtime, self.cfg, self.svc, self.servicer = runtime, cfg, svc, servicer
         self.watches: dict[str, StageWatch] = {}
-        self.deployed = {s.kind for s in cfg.services.values() if s.kind != "gateway"}
         s = servicer
         steps = {"thinker": (s.thinker, self._thinker_up), "encoder": (s.media and s.media.encoder, self._encoder_up),
                  "talker": (s.speech and s.speech.talker, self._talker_up),
@@ -172,7 +171,7 @@ class _Stages:
     def readiness(self) -> list[control_pb2.Readiness]:
         out = []
         for name, kinds in CAPABILITIES.items():
-            if not set(kinds) <= self.deployed:
+            if not set(kinds) <= self.servicer.deployed:
                 continue
             down = [(k, self.watches[k].client.down_reason) for k in kinds if not self.watches[k].client.up]
             reason = "; ".join(f"{k}: {why}" for k, why in down)

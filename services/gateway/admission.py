@@ -20,7 +20,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from omnistage.common.runtime.errors import DeadlineExceeded, Overloaded
@@ -144,22 +144,3 @@ class StageGate:
             if not fut.done():
                 self.running += 1
                 fut.set_result(None)
-
-
-def check_all(gates: Iterable[StageGate], remaining_s: float | None) -> None:
-    """A request that will pass through `gates` one after another: refuse it at arrival when the sum of
-    the estimated waits and service times does not fit its deadline (no stage is entered in vain)."""
-    gates = list(gates)
-    total = sum(g.estimated_wait_s() + g.service_s for g in gates)
-    if remaining_s is None or total <= remaining_s or all(g.has_room() for g in gates):
-        for g in gates:
-            g.check(remaining_s)
-        return
-    worst = max(gates, key=lambda g: g.estimated_wait_s())
-    wait = worst.estimated_wait_s()
-    worst.refused += 1
-    raise Overloaded(
-        f"{', '.join(g.stage for g in gates)}: estimated {total:.1f}s of waiting and service exceeds the "
-        f"{remaining_s:.1f}s left to the deadline ({worst.stage}: {worst.running} running, "
-        f"{worst.waiting} waiting)", retry_after_ms=max(1, int(max(wait, 0.1) * 1000)),
-    )  # fmt: skip

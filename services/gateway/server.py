@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
-from omnistage.services.gateway.admission import GateConfig, StageGate, check_all
+from omnistage.services.gateway.admission import GateConfig, StageGate
 from omnistage.services.gateway.converse import Conversation, ConverseLimits
 from omnistage.services.gateway.imaging import ImagePlan, ImageStage
 from omnistage.services.gateway.media import MediaStage, thinker_items
@@ -240,7 +240,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         gateway's bound of requests, then the thinker's capacity against the request's deadline."""
         if self.in_flight >= self.max_concurrent_requests:
             raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200)
-        check_all([self.thinker_gate], context.time_remaining())
+        self.thinker_gate.check(context.time_remaining())
 
     def _check_media_tokens(self, plan: PlannedRequest, encoded: list[encoder_pb2.EncodedItem]) -> None:
         """Media alone longer than the thinker's context: refused here, before the thinker is called."""

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from omnistage.common.runtime.errors import OmniError, StageUnavailable
 from omnistage.v1 import (
     common_pb2,
@@ -105,6 +104,17 @@ class StageClient:
         task = asyncio.current_task()
         return bool(self.down_reason) and not (task is not None and task.cancelling())
 
+    @contextlib.contextmanager
+    def lost_as_unavailable(self) -> Iterator[None]:
+        """Around a call's use: a call the watch cancelled (the stage went down) is UNAVAILABLE naming
+        the stage, not a bare cancellation."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            if self.lost_call():
+                raise self.unavailable() from None
+            raise
+
     @property
     def calls_in_flight(self) -> int:
         return len(self._calls)
@@ -121,25 +131,6 @@ class StageClient:
         if self.control is None:
             return None
         return await self.control.Describe(control_pb2.DescribeRequest(), timeout=2.0, metadata=self.admin_metadata)
-
-    async def wait_serving(self, timeout_s: float, poll_s: float = 0.2) -> None:
-        """Wait until the stage is SERVING; on timeout say which phase it is stuck in."""
-        deadline = time.monotonic() + timeout_s
-        last = "no answer"
-        while time.monotonic() < deadline:
-            try:
-                status = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-                if status.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                last = f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)}"
-                desc = await self.describe()
-                if desc is not None:
-                    p = desc.progress
-                    last = f"phase {control_pb2.Phase.Name(p.phase)} {p.done}/{p.total} {p.unit}".strip()
-            except grpc.aio.AioRpcError as exc:
-                last = f"{exc.code().name}: {exc.details()}"
-            await asyncio.sleep(poll_s)
-        raise StageUnavailable(f"stage '{self.name}' at {self.address} not SERVING after {timeout_s:.0f}s ({last})")
 
     async def close(self) -> None:
         await self.channel.close()
@@ -172,13 +163,10 @@ class ThinkerClient(StageClient):
         call = self.track(self.stub.Generate(request, timeout=timeout_s))
         finished = False
         try:
-            async for event in call:
-                finished = finished or event.WhichOneof("event") == "finish"
-                yield event
-        except asyncio.CancelledError:
-            if self.lost_call():
-                raise self.unavailable() from None
-            raise
+            with self.lost_as_unavailable():
+                async for event in call:
+                    finished = finished or event.WhichOneof("event") == "finish"
+                    yield event
         finally:
             if finished:  # the finish is the last event: take the stream's own end (OK) instead of cancelling it
                 with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
@@ -207,14 +195,11 @@ class EncoderClient(StageClient):
         self.check_up()
         call = self.track(self.stub.Encode(request, timeout=timeout_s))
         try:
-            return await call
+            with self.lost_as_unavailable():
+                return await call
         except grpc.aio.AioRpcError as exc:
             if self.down_reason:
                 raise self.unavailable() from exc
-            raise
-        except asyncio.CancelledError:
-            if self.lost_call():
-                raise self.unavailable() from None
             raise
 
 
@@ -261,13 +246,10 @@ class ImageGenClient(StageClient):
         call = self.track(self.stub.Generate(request, timeout=timeout_s))
         finished = False
         try:
-            async for event in call:
-                finished = finished or event.WhichOneof("event") == "image"
-                yield event
-        except asyncio.CancelledError:
-            if self.lost_call():
-                raise self.unavailable() from None
-            raise
+            with self.lost_as_unavailable():
+                async for event in call:
+                    finished = finished or event.WhichOneof("event") == "image"
+                    yield event
         finally:
             if finished:  # the image is the last event: take the stream's own end (OK)
                 with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):

@@ -12,52 +12,25 @@ One pipeline start for the module.
 from __future__ import annotations
 
 import io
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-import yaml
 from omnistage.common.runtime.deadlines import wait_for
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 from PIL import Image
+from serve_pipeline import ServeProcess, free_ports, metric
 
 pytestmark = pytest.mark.timeout(300)
 START_DEADLINE_S = 240.0
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _metric(url: str, prefix: str, default: float | None = None) -> float:
-    """The sample starting with `prefix`; a gauge that is not exported fails (a check of 0 would pass)."""
-    for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
-        if line.startswith(prefix):
-            return float(line.rsplit(" ", 1)[1])
-    if default is None:
-        raise AssertionError(f"{url} exports no {prefix}")
-    return default
-
-
-class Pipeline:
+class Pipeline(ServeProcess):
     """`omnistage serve` of gateway + encoder + thinker + imagegen; output in a file."""
 
     def __init__(self, root: Path, ckpt: Path) -> None:
         (gw, gw_admin, th, th_admin, dist, th_metrics, enc, enc_admin, enc_metrics, img, img_admin,
-         img_metrics) = _free_ports(12)  # fmt: skip
+         img_metrics) = free_ports(12)  # fmt: skip
         cfg = {
             "model": {"checkpoint": str(ckpt)},
             "startup": {"stop_grace_s": 5.0, "phase_deadlines_s": {"loading_weights": 120, "profiling_memory": 120,
@@ -79,41 +52,16 @@ class Pipeline:
                 "gateway": {"kind": "gateway", "port": gw, "admin_port": gw_admin},
             },
         }  # fmt: skip
-        path = root / "deploy.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        self.ready = root / "ready"
-        self.out = root / "serve.txt"
-        with open(self.out, "w") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "omnistage.common.cli", "serve", str(path), "--ready-file", str(self.ready)],
-                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            )  # fmt: skip
+        super().__init__(root, cfg)
         self.gateway = f"127.0.0.1:{gw}"
         self.imagegen_admin = f"127.0.0.1:{img_admin}"
         self.imagegen_metrics = f"http://127.0.0.1:{img_metrics}/metrics"
         self.thinker_metrics = f"http://127.0.0.1:{th_metrics}/metrics"
         self.encoder_metrics = f"http://127.0.0.1:{enc_metrics}/metrics"
 
-    def logs(self) -> str:
-        return self.out.read_text()[-4000:]
-
     def wait_ready(self) -> Pipeline:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while not (self.ready.exists() and self.ready.read_text().strip()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                pytest.fail(f"pipeline did not start (exit {self.proc.returncode}):\n{self.logs()}")
-            time.sleep(0.2)
+        super().wait_ready(START_DEADLINE_S)
         return self
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            pytest.fail(f"omnistage serve did not stop within 60s of SIGTERM:\n{self.logs()}")
-        assert code == 0, self.logs()
 
     def generate(self, req: omni_pb2.GenerateRequest, timeout: float = 120) -> list[omni_pb2.GenerateEvent]:
         with grpc.insecure_channel(self.gateway) as ch:
@@ -128,14 +76,14 @@ class Pipeline:
         """Requests ImageGen holds (Describe), and those in its denoising loop (its gauge)."""
         with grpc.insecure_channel(self.imagegen_admin) as ch:
             desc = control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest(), timeout=5)
-        active = _metric(self.imagegen_metrics, "omnistage_imagegen_active_requests{")
+        active = metric(self.imagegen_metrics, "omnistage_imagegen_active_requests{")
         return desc.running_requests + desc.queued_requests + int(active)
 
     def hidden_state_leases(self) -> int:
-        return int(_metric(self.thinker_metrics, "omnistage_thinker_hidden_state_leases_active{"))
+        return int(metric(self.thinker_metrics, "omnistage_thinker_hidden_state_leases_active{"))
 
     def encoder_leases(self) -> int:
-        return int(_metric(self.encoder_metrics, "omnistage_encoder_leases_active{"))
+        return int(metric(self.encoder_metrics, "omnistage_encoder_leases_active{"))
 
     def wait_clean(self) -> None:
         """Every wait has a deadline: ImageGen idle, no hidden-state or embedding lease outstanding."""
@@ -208,7 +156,7 @@ def test_an_edit_of_the_last_user_image_defaults_to_its_size(pipeline):
 
 
 def test_a_client_cancel_mid_denoise_frees_the_dit_and_the_leases(pipeline):
-    cancelled = _metric(pipeline.imagegen_metrics, "omnistage_imagegen_cancelled_total{", 0.0)
+    cancelled = metric(pipeline.imagegen_metrics, "omnistage_imagegen_cancelled_total{", 0.0)
     with grpc.insecure_channel(pipeline.gateway) as ch:
         call = omni_pb2_grpc.OmniStub(ch).Generate(request(width=512, height=512, steps=50, seed=1), timeout=120)
         seen = []
@@ -219,7 +167,7 @@ def test_a_client_cancel_mid_denoise_frees_the_dit_and_the_leases(pipeline):
                 break
     assert seen == ["progress", "progress"]
     pipeline.wait_clean()
-    wait_for(lambda: _metric(pipeline.imagegen_metrics, "omnistage_imagegen_cancelled_total{", 0.0) > cancelled, 30,
+    wait_for(lambda: metric(pipeline.imagegen_metrics, "omnistage_imagegen_cancelled_total{", 0.0) > cancelled, 30,
              "ImageGen to count the cancel", poll_s=0.1)  # fmt: skip
     # ...and it keeps serving.
     assert kinds(pipeline.generate(request(width=64, height=64, steps=1)))[-2:] == ["image", "finish"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,22 +32,13 @@ from omnistage.common.runtime.deadlines import wait_for
 from omnistage.common.runtime.status_file import read_status, status_path
 from omnistage.services.gateway.history import wav_of
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
+from serve_pipeline import free_ports
 
 pytestmark = pytest.mark.timeout(600)
 START_DEADLINE_S = 300.0
 MAX_SEGMENT_SECONDS = 3.0  # every sentence spoken at most this long: short tests
 SAMPLE_RATE_HZ = 44100
 IDLE_DEADLINE_S = 30.0
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Pipeline:
@@ -62,7 +52,7 @@ class Pipeline:
 
         ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
         (th, th_admin, th_metrics, dist, tk, tk_admin, tk_metrics, enc, enc_admin, enc_metrics,
-         gw, gw_admin, gw_metrics) = _free_ports(13)
+         gw, gw_admin, gw_metrics) = free_ports(13)
         cfg = {
             "model": {"checkpoint": str(ckpt)},
             "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 240, "profiling_memory": 240,

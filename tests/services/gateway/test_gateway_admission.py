@@ -11,7 +11,7 @@ import asyncio
 import grpc
 import pytest
 from omnistage.common.runtime.errors import DeadlineExceeded, Overloaded
-from omnistage.services.gateway.admission import GateConfig, StageGate, check_all
+from omnistage.services.gateway.admission import GateConfig, StageGate
 
 
 async def _burst(gate: StageGate, n: int, deadline_s: float):
@@ -72,7 +72,7 @@ def test_an_idle_stage_admits_a_request_whose_deadline_is_shorter_than_the_mean_
     async def main():
         gate = StageGate("imagegen", GateConfig(max_running=1))
         gate.service_s = 30.0
-        check_all([gate], 0.5)  # nothing ahead: the stage may still make it; never refused idle
+        gate.check(0.5)  # nothing ahead: the stage may still make it; never refused idle
         async with gate.slot(0.5):
             assert gate.running == 1
 
@@ -118,15 +118,16 @@ def test_a_cancelled_waiter_hands_a_slot_it_was_just_given_to_the_next():
     asyncio.run(main())
 
 
-def test_check_all_refuses_when_the_stages_in_sequence_do_not_fit_together():
+def test_a_request_whose_wait_and_service_do_not_fit_its_deadline_is_refused_with_the_wait_as_hint():
     async def main():
-        enc, thk = StageGate("encoder", GateConfig(max_running=1)), StageGate("thinker", GateConfig(max_running=1))
-        enc.service_s, thk.service_s = 2.0, 2.0
-        async with enc.slot(None), thk.slot(None):
-            check_all([enc], 4.5)  # one stage: 2 s wait + 2 s service fits
+        gate = StageGate("thinker", GateConfig(max_running=1))
+        gate.service_s = 2.0
+        async with gate.slot(None):
+            assert gate.check(4.5) == 2.0  # 2 s wait + 2 s service fit
             with pytest.raises(Overloaded) as refused:
-                check_all([enc, thk], 4.5)  # both: 8 s do not
-            assert "encoder, thinker" in str(refused.value) and refused.value.retry_after_ms >= 1000
+                gate.check(3.5)
+            assert "exceeds the 3.5s left to the deadline" in str(refused.value)
+            assert refused.value.retry_after_ms == 2000 and gate.refused == 1
 
     asyncio.run(main())
 

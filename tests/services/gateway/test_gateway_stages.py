@@ -13,6 +13,7 @@ from omnistage.common import metrics
 from omnistage.common.config import config_from_dict
 from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.server import ServiceRuntime
+from omnistage.services.gateway.stage_watch import StageWatch, WatchConfig
 from omnistage.services.gateway.stages import ThinkerClient
 from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
 
@@ -68,7 +69,9 @@ def test_finished_streams_count_ok_at_the_stage_and_abandoned_ones_cancelled(tmp
         client = ThinkerClient(name, cfg.address(name), 1 << 20, admin_address=cfg.admin_address(name),
                                admin_metadata=(("authorization", "Bearer admin-key"),))
         try:
-            await client.wait_serving(10)
+            watch = StageWatch(client, WatchConfig(interval_s=0.05))
+            watch.start()
+            assert await watch.wait_admitted(10)
             assert (await client.describe()).name == name
             for _ in range(3):
                 assert await consume(client, "3") == ["delta"] * 3 + ["finish"]
@@ -78,6 +81,7 @@ def test_finished_streams_count_ok_at_the_stage_and_abandoned_ones_cancelled(tmp
             await wait_for_async(lambda: rt.in_flight == 0, 5, "abandoned stream aborted")
             assert (counted(name, "OK"), counted(name, "CANCELLED")) == (3.0, 1.0)
         finally:
+            await watch.stop()
             await client.close()
             rt.request_stop()
             await asyncio.wait_for(rt.serve_until_stopped(), 10)
