@@ -112,3 +112,52 @@ def test_describe_without_the_admin_key_is_refused(tmp_path, monkeypatch):
             await asyncio.wait_for(rt.serve_until_stopped(), 10)
 
     asyncio.run(scenario())
+
+
+def test_capability_readiness_is_served_as_health_names_and_in_describe(tmp_path):
+    """A capability is SERVING under `omnistage.v1.Omni.<name>` only while the service serves and the
+    capability is ready; Describe lists each with why not (what `omnistage status` prints)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from omnistage.v1 import control_pb2, control_pb2_grpc
+
+    name = "fake_gateway_ready"
+
+    async def scenario():
+        cfg = config_from_dict({"services": {name: {"kind": "gateway", "port": free_port(), "admin_port": free_port()}}})
+        rt = ServiceRuntime(cfg, cfg.service(name), 0, run_dir=tmp_path)
+        await rt.start()
+        why = {"speech": "talker: starting (not SERVING yet)"}
+        rt.set_readiness_provider(lambda: [control_pb2.Readiness(capability=c, ready=c not in why, reason=why.get(c, ""))
+                                           for c in ("text", "speech")])  # fmt: skip
+        rt.set_capability_health({"text": True, "speech": False})
+
+        async def health(service: str) -> int:
+            async with grpc.aio.insecure_channel(cfg.address(name)) as ch:
+                resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service))
+                return resp.status
+
+        async def until(check, want: int) -> None:  # health follows in a task of the loop
+            for _ in range(100):
+                if await check() == want:
+                    return
+                await asyncio.sleep(0.05)
+            assert await check() == want
+
+        try:
+            serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await health("omnistage.v1.Omni.text") == not_serving  # not serving yet as a whole
+            rt.set_serving()
+            await until(lambda: health("omnistage.v1.Omni.text"), serving)
+            assert await health("omnistage.v1.Omni.speech") == not_serving
+            async with grpc.aio.insecure_channel(cfg.admin_address(name)) as ch:
+                desc = await control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest())
+            assert [(r.capability, r.ready, r.reason) for r in desc.readiness] == [
+                ("text", True, ""), ("speech", False, "talker: starting (not SERVING yet)")]
+            rt.set_capability_health({"text": True, "speech": True})
+            await until(lambda: health("omnistage.v1.Omni.speech"), serving)
+        finally:
+            rt.request_stop()
+            await asyncio.wait_for(rt.serve_until_stopped(), 10)
+
+    asyncio.run(scenario())
