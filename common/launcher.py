@@ -429,7 +429,22 @@ class Launcher:
             return 0
         finally:
             self.stop_all()
+            self.remove_segments_of_stopped()
             self.say("omnistage: all services stopped")
+
+    def remove_segments_of_stopped(self) -> None:
+        """Shared memory of children that could not close it (killed, or stopped before their pools
+        closed: a TP rank 0 stuck behind a stopped peer) goes now, not at the next start's sweep."""
+        from omnistage.common.transport.host import sweep_stale_segments
+
+        pids = {c.proc.pid for c in self.children if c.proc.poll() is not None}
+        try:
+            removed = sweep_stale_segments(owners=pids)
+        except Exception as exc:  # noqa: BLE001 - the stop goes on; the next start's sweep retries
+            self.say(f"omnistage: warning: shm clean-up failed: {exc}", self.err)
+            return
+        if removed:
+            self.say(f"omnistage: removed {len(removed)} shared-memory segment(s) the stopped services left", self.err)
 
 
 def _signal_group(child: Child, sig: int, *, leader_gone: bool = False) -> None:
