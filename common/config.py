@@ -350,7 +350,8 @@ class StartupConfig:
             "capturing_graphs": 600.0,
         }
     )
-    # A phase whose progress heartbeat is older than this is reported stuck.
+    # A start-up phase whose progress heartbeat is older than this is reported stuck (after ready:
+    # supervision.heartbeat_timeout_s).
     heartbeat_timeout_s: float = 120.0
     # Launcher poll period of each service's Describe.
     poll_interval_s: float = 0.2

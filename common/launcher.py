@@ -4,6 +4,8 @@ Readiness is pulled, never pushed: the launcher reads each process's status file
 heartbeat), watches its exit at once through a pidfd, and confirms SERVING with the service's own
 health Check. Every phase has a deadline, so a start-up ends either ready or with one line per
 stage/rank naming the phase and the cause; children die with the launcher (see stage_main).
+After ready it supervises: a service that dies, fails or falls silent (liveness beat, health) is
+restarted as a whole TP group with backoff (the rules: `supervision.py`) until its budget is spent.
 """
 
 from __future__ import annotations

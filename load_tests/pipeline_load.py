@@ -155,10 +155,12 @@ async def run_all(address: str, args: argparse.Namespace) -> list[Summary]:
 
 
 @contextlib.contextmanager
-def pipeline(config: str, overrides: list[str]) -> Iterator[str]:
-    """`omnistage serve CONFIG --set ...` until the block ends; yields the gateway address."""
+def pipeline(config: str, overrides: list[str], log: Path) -> Iterator[str]:
+    """`omnistage serve CONFIG --set ...` until the block ends (its output in `log`: restarts show
+    there); yields the gateway address."""
+    log.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        ready, log = Path(tmp) / "ready", Path(tmp) / "serve.log"
+        ready = Path(tmp) / "ready"
         with open(log, "w") as out:
             proc = subprocess.Popen([sys.executable, "-m", "omnistage.common.cli", "serve", config,
                                      "--ready-file", str(ready), *(f"--set={o}" for o in overrides)], stdout=out, stderr=subprocess.STDOUT,
@@ -189,17 +191,20 @@ def plot(summaries: list[Summary], path: Path) -> str:
     except ImportError:
         return "matplotlib is not installed (pip install -e .[bench]): no plot"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ticks: set[int] = set()
     for kind in sorted({s.kind for s in summaries}):
         runs = [s for s in summaries if s.kind == kind and s.mode == "closed" and s.e2e_ms.get("p50") is not None]
         if not runs:
             continue
         cs = [int(s.load) for s in runs]
+        ticks.update(cs)
         ax1.plot(cs, [s.e2e_ms["p50"] for s in runs], marker="o", label=f"{kind} p50")
         ax1.plot(cs, [s.e2e_ms["p95"] for s in runs], marker="x", linestyle="--", label=f"{kind} p95")
         ax2.plot(cs, [s.goodput_per_s for s in runs], marker="o", label=kind)
-    ax1.set(xlabel="concurrency", ylabel="E2E latency (ms)", xscale="log", title="latency")
-    ax2.set(xlabel="concurrency", ylabel="requests OK within deadline / s", xscale="log", title="goodput")
+    ax1.set(xlabel="concurrency", ylabel="E2E latency (ms)", title="latency (closed loop)")
+    ax2.set(xlabel="concurrency", ylabel="requests OK within deadline / s", title="goodput (closed loop)")
     for ax in (ax1, ax2):
+        ax.set_xticks(sorted(ticks))
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -239,16 +244,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    with contextlib.ExitStack() as stack:
-        address = args.address or stack.enter_context(pipeline(args.config, args.overrides))
-        summaries = asyncio.run(run_all(address, args))
     out = Path(args.out)
+    log = out / "serve.log"
+    with contextlib.ExitStack() as stack:
+        address = args.address or stack.enter_context(pipeline(args.config, args.overrides, log))
+        summaries = asyncio.run(run_all(address, args))
     out.mkdir(parents=True, exist_ok=True)
-    meta = {k: v for k, v in vars(args).items()}
-    (out / "results.json").write_text(json.dumps({"args": meta, "runs": [s.to_json() for s in summaries]}, indent=1))
+    results = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": vars(args),
+               "runs": [s.to_json() for s in summaries]}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
     table = markdown_table(summaries) + "\n\n" + details_table(summaries) + "\n"
     (out / "table.md").write_text(table)
     print("\n" + table)
+    if not args.address:  # a restart in the middle of a run explains its errors
+        for line in log.read_text().splitlines():
+            if "restarting" in line:
+                print(f"warning: the pipeline restarted a service during the run: {line}")
     why = plot(summaries, out / "load.png")
     print(why or f"plot: {out / 'load.png'}")
 
