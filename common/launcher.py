@@ -383,11 +383,11 @@ class Launcher:
             if c.probe is None and c.rank == 0:
                 if c.channel is None:
                     c.channel = grpc.insecure_channel(self.health_address(c))
-                c.probe = HealthProbe(c.channel, now)
+                c.probe = HealthProbe(c.channel)
             if c.probe is not None:
                 c.probe.poll(now, sv.health_interval_s, timeout)
             alive = max(rec.alive_unix or rec.heartbeat_unix if rec else 0.0, c.ready_unix)
-            answer = now - c.probe.last_answer if c.probe is not None else None
+            answer = c.probe.silent_s(now) if c.probe is not None else None
             cause = hung_cause(sv, c.phase, now - alive, answer)
             if cause:
                 c.cause, c.hung = cause, True

@@ -50,14 +50,19 @@ class HealthProbe:
     """One health Check in flight at a time, never waited on: the supervision loop keeps polling.
 
     Any answer (SERVING or NOT_SERVING: a draining service is alive) counts as alive; only silence
-    past the deadline or a broken connection does not.
+    past the deadline or a broken connection does not. Silence is timed from the sending of the
+    first probe that got no answer, so it never overstates how long the service has been silent.
     """
 
-    def __init__(self, channel: grpc.Channel, now: float) -> None:
+    def __init__(self, channel: grpc.Channel) -> None:
         self.stub = health_pb2_grpc.HealthStub(channel)
-        self.last_answer = now
         self.last_sent = 0.0
+        # When the oldest probe still without an answer was sent; None after an answer.
+        self.unanswered_since: float | None = None
         self.future: grpc.Future | None = None
+
+    def silent_s(self, now: float) -> float:
+        return 0.0 if self.unanswered_since is None else now - self.unanswered_since
 
     def poll(self, now: float, interval_s: float, timeout_s: float) -> None:
         """Collect a finished probe; send the next one when `interval_s` has passed."""
@@ -66,12 +71,14 @@ class HealthProbe:
                 return
             try:
                 self.future.result()
-                self.last_answer = now
+                self.unanswered_since = None
             except grpc.RpcError:
                 pass
             self.future = None
         if now - self.last_sent >= interval_s:
             self.last_sent = now
+            if self.unanswered_since is None:
+                self.unanswered_since = now
             self.future = self.stub.Check.future(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
 
     def cancel(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from omnistage.common.config import ConfigError, SupervisionConfig, load_config
-from omnistage.common.supervision import RestartBudget, hung_cause
+from omnistage.common.supervision import HealthProbe, RestartBudget, hung_cause
 
 
 def test_restart_budget_counts_within_the_window_and_backs_off_exponentially_capped():
@@ -36,3 +36,54 @@ def test_supervision_keys_are_typed_and_checked(tmp_path):
         load_config(path, ["supervision.heartbeat_interval_s=20"])
     with pytest.raises(ConfigError, match="supervision.max_restarts"):
         load_config(path, ["supervision.max_restarts=-1"])
+
+
+class _Future:
+    def __init__(self) -> None:
+        self.answer: object = None  # None: still in flight; an exception: no answer
+
+    def done(self) -> bool:
+        return self.answer is not None
+
+    def result(self) -> object:
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Channel:
+    """What HealthStub asks of a channel: Check.future returns the test's futures in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[_Future] = []
+
+    def unary_unary(self, *args, **kwargs):
+        channel = self
+
+        class _Method:
+            def future(self, request, timeout):
+                channel.sent.append(_Future())
+                return channel.sent[-1]
+
+        return _Method()
+
+    unary_stream = unary_unary  # Watch: never called
+
+
+def test_health_probe_times_silence_from_the_first_unanswered_probe():
+    import grpc
+
+    channel = _Channel()
+    probe = HealthProbe(channel)  # type: ignore[arg-type]
+    probe.poll(100.0, interval_s=2.0, timeout_s=1.0)
+    channel.sent[-1].answer = "SERVING"
+    probe.poll(100.2, 2.0, 1.0)
+    assert probe.silent_s(100.2) == 0.0
+    probe.poll(102.2, 2.0, 1.0)  # sent at 102.2; the process stops answering
+    assert probe.silent_s(103.0) == pytest.approx(0.8)
+    channel.sent[-1].answer = grpc.RpcError()  # deadline exceeded
+    probe.poll(104.2, 2.0, 1.0)  # collected, and the next one sent: silence still counts from 102.2
+    assert probe.silent_s(110.0) == pytest.approx(7.8)
