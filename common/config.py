@@ -162,6 +162,17 @@ class GatewayConfig:
     converse_max_turns: int = 16
     converse_max_turn_chars: int = 4000
     converse_max_turn_audio_bytes: int = 1_920_000
+    # Stage watch (from start-up on): seconds between health checks of each stage, the deadline of one
+    # check in seconds, and the checks in a row not answering SERVING before the stage is marked down
+    # (its calls in flight fail with UNAVAILABLE; it is re-admitted when it is SERVING again).
+    stage_health_interval_s: float = 1.0
+    stage_health_timeout_s: float = 2.0
+    stage_health_failures: int = 3
+    # Admission by capacity: requests that may wait in the gateway for a slot of the thinker (beyond
+    # its max_num_seqs running ones) before RESOURCE_EXHAUSTED, and the service time in seconds
+    # assumed until the first request finished (then measured).
+    admission_max_waiting: int = 64
+    admission_initial_service_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -590,7 +601,8 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
         g = svc.gateway
         for key in ("stage_wait_s", "max_concurrent_requests", "max_messages", "max_parts_per_message", "max_prompt_chars",
                     "talker_start_wait_s", "talker_idle_timeout_s", "speech_buffer_events", "converse_max_turns",
-                    "converse_max_turn_chars", "converse_max_turn_audio_bytes"):
+                    "converse_max_turn_chars", "converse_max_turn_audio_bytes", "stage_health_interval_s",
+                    "stage_health_timeout_s", "stage_health_failures", "admission_initial_service_s"):
             _positive(f"{p}.gateway.{key}", getattr(g, key))
         if not e.chunked_prefill and e.max_num_batched_tokens < e.max_model_len:
             raise ConfigError(

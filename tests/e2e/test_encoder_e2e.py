@@ -255,3 +255,8 @@ def test_too_many_items(encoder):
         _stub(encoder).Encode(encoder_pb2.EncodeRequest(items=[item] * 5), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "items: 5 items exceed the limit of 4" in err.value.details()
+
+
+def test_metrics_pass_promtool_check_metrics(encoder, check_metrics):
+    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
+    check_metrics(urllib.request.urlopen(encoder["metrics"], timeout=5).read().decode())

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -330,3 +331,9 @@ def test_drain_and_resume_the_gateway_through_its_admin_port(pipeline):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
         control.Resume(control_pb2.ResumeRequest(), timeout=10)
     assert _generate(pipeline["gateway"], _request(max_tokens=2))[-1].WhichOneof("event") == "finish"
+
+
+def test_metrics_pass_promtool_check_metrics(pipeline, check_metrics):
+    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
+    check_metrics(urllib.request.urlopen(pipeline["gateway_metrics"], timeout=5).read().decode())
+    check_metrics(urllib.request.urlopen(pipeline["metrics"], timeout=5).read().decode())

@@ -253,3 +253,8 @@ def test_bad_conditioning_is_named(imagegen):
     assert "condition: refusing to map 'nope'" in _bad(imagegen, imagegen_pb2.ImageGenRequest(condition=bogus))
     assert _leases(imagegen) == 0
     assert _generate(imagegen, width=64, height=64, steps=1)[-1].WhichOneof("event") == "image"
+
+
+def test_metrics_pass_promtool_check_metrics(imagegen, check_metrics):
+    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
+    check_metrics(urllib.request.urlopen(imagegen["metrics"], timeout=5).read().decode())

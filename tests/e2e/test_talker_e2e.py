@@ -242,3 +242,8 @@ def test_streams_beyond_the_cap_are_refused_with_pushback(talker):
             call.cancel()
             gate.set()
     _wait_idle(talker)
+
+
+def test_metrics_pass_promtool_check_metrics(talker, check_metrics):
+    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
+    check_metrics(urllib.request.urlopen(talker["metrics"], timeout=5).read().decode())
