@@ -361,7 +361,8 @@ class StartupConfig:
             "capturing_graphs": 600.0,
         }
     )
-    # A phase whose progress heartbeat is older than this is reported stuck.
+    # A start-up phase whose progress heartbeat is older than this is reported stuck (after ready:
+    # supervision.heartbeat_timeout_s).
     heartbeat_timeout_s: float = 120.0
     # Launcher poll period of each service's Describe.
     poll_interval_s: float = 0.2
@@ -369,6 +370,26 @@ class StartupConfig:
     rpc_timeout_s: float = 2.0
     # SIGTERM → SIGKILL grace when the launcher stops children.
     stop_grace_s: float = 15.0
+
+
+@dataclass(frozen=True)
+class SupervisionConfig:
+    """After start-up: how a hung or dead service is noticed and restarted instead of ending `serve`."""
+
+    # How often each process writes its liveness heartbeat into its status file (from its event
+    # loop: a stopped or stuck loop stops it).
+    heartbeat_interval_s: float = 1.0
+    # A ready process whose heartbeat (or health answer, rank 0) is older than this is hung.
+    heartbeat_timeout_s: float = 10.0
+    # How often the launcher asks each ready service's health (non-blocking, deadline rpc_timeout_s).
+    health_interval_s: float = 2.0
+    # Restarts of one service within restart_window_s; one more failure stops everything (exit 1).
+    # 0: never restart (the first failure after ready ends `serve`).
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
+    # Delay before restart k (1-based) within the window: backoff_initial_s * 2^(k-1), capped.
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -403,6 +424,7 @@ class DeployConfig:
     log_format: Literal["text", "json"] = "text"
     model: ModelConfig = field(default_factory=ModelConfig)
     startup: StartupConfig = field(default_factory=StartupConfig)
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     # Services by name; the name is also the key here.
     services: dict[str, ServiceConfig] = field(default_factory=dict)
@@ -517,6 +539,15 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
             )
     for phase, value in cfg.startup.phase_deadlines_s.items():
         _positive(f"startup.phase_deadlines_s.{phase}", value)
+    sv = cfg.supervision
+    for key in ("heartbeat_interval_s", "heartbeat_timeout_s", "health_interval_s", "restart_window_s",
+                "backoff_max_s"):
+        _positive(f"supervision.{key}", getattr(sv, key))
+    for key in ("max_restarts", "backoff_initial_s"):
+        _positive(f"supervision.{key}", getattr(sv, key), allow_zero=True)
+    if sv.heartbeat_interval_s >= sv.heartbeat_timeout_s:
+        raise ConfigError(f"supervision.heartbeat_interval_s: must be below heartbeat_timeout_s "
+                          f"({sv.heartbeat_timeout_s:g}), got {sv.heartbeat_interval_s:g}")
     for key in ("reserve_bytes", "total_bytes_override"):
         _positive(f"devices.{key}", getattr(cfg.devices, key), allow_zero=True)
     ports: dict[int, str] = {}

@@ -125,6 +125,7 @@ class ServiceRuntime:
         self._stop_cause = "stop requested"
         self._signals = 0
         self._shutdown_hooks: list[Callable[[], Any]] = []
+        self._beat_task: asyncio.Task | None = None
 
     # -- start -------------------------------------------------------------------------------
 
@@ -155,6 +156,7 @@ class ServiceRuntime:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self.reporter.add_listener(self._on_phase)
+        self._beat_task = self._loop.create_task(self._beat(self.cfg.supervision.heartbeat_interval_s))
         if self._metrics_port:
             try:
                 self.metrics_server = metrics.start_metrics_server(self._metrics_port, self.cfg.host)
@@ -331,6 +333,18 @@ class ServiceRuntime:
         self.reporter.enter("stopped")
         self.trimmer.cancel()
         await self._stop_servers()
+        if self._beat_task is not None:
+            self._beat_task.cancel()
+
+    async def _beat(self, interval_s: float) -> None:
+        """Liveness for the launcher, on the event loop on purpose: a loop that is stuck (or a process
+        that is stopped) stops beating, and the launcher restarts the service."""
+        while True:
+            try:
+                self.reporter.beat()  # a small atomic file write: no thread, so it stops with the loop
+            except OSError as exc:  # a full disk must not end the service; the launcher will notice
+                log_fields(_log, logging.WARNING, "heartbeat write failed", error=str(exc))
+            await asyncio.sleep(interval_s)
 
     async def _stop_servers(self) -> None:
         for port in (self._main, self._admin):
