@@ -411,6 +411,18 @@ def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+# Public capabilities and the stage kinds each needs: the gateway serves each one as soon as its
+# stages are admitted (health names `omnistage.v1.Omni.<capability>`, Describe.readiness), and the
+# launcher's "ready" waits for all of them.
+CAPABILITIES: dict[str, tuple[str, ...]] = {
+    "text": ("thinker",),
+    "media_input": ("thinker", "encoder"),
+    "speech": ("thinker", "talker"),
+    "image_output": ("thinker", "imagegen"),
+}
+CAPABILITY_HEALTH_PREFIX = "omnistage.v1.Omni."
+
+
 @dataclass(frozen=True)
 class DeployConfig:
     """A whole deployment on one host."""
@@ -436,6 +448,11 @@ class DeployConfig:
 
     def services_of(self, kind: str) -> list[ServiceConfig]:
         return [s for s in self.services.values() if s.kind == kind]
+
+    def capabilities(self) -> list[str]:
+        """The public capabilities this deploy file serves: those whose stage kinds are all deployed."""
+        deployed = {s.kind for s in self.services.values()}
+        return [name for name, kinds in CAPABILITIES.items() if set(kinds) <= deployed]
 
     def dial_host(self, bind_host: str) -> str:
         """Where a server bound to `bind_host` is reached: that address, or `host` for a wildcard."""
