@@ -131,9 +131,13 @@ class DevicesConfig:
 class GatewayConfig:
     """Gateway behaviour."""
 
-    # How long the gateway waits for its stages to be SERVING at start-up.
+    # Seconds the gateway waits at start-up for the thinker to be admitted (SERVING + a warm-up
+    # through it; then it serves text), and `omnistage serve` for every other capability (speech,
+    # media input, image output) before it calls the start-up failed, naming what is missing.
     stage_wait_s: float = 600.0
-    # Serve what is ready (e.g. text when a stage is down) instead of failing at start-up.
+    # Serve what is ready instead of failing at start-up: the gateway turns SERVING without an
+    # admitted thinker, `serve` is ready as soon as the gateway is, and each capability joins when
+    # its stages are admitted (health names omnistage.v1.Omni.<capability>).
     allow_degraded: bool = False
     # Requests in flight through the gateway before RESOURCE_EXHAUSTED.
     max_concurrent_requests: int = 256
