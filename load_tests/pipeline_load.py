@@ -3,6 +3,7 @@
 python load_tests/pipeline_load.py [--config deploy/local-tiny.yaml | --address HOST:PORT]
     [--kinds text,speech,image] [--modes closed,offline,poisson] [--concurrency 1,2,4,8]
     [--requests 16] [--rates 0.5,1] [--max-tokens 16] [--deadline-s 30] [--out bench/load]
+python load_tests/pipeline_load.py --replot A/results.json [B/results.json ...] --out DIR
 
 Without --address it starts `omnistage serve CONFIG` and stops it at the end. Modes:
 - closed: `c` clients, each sends its next request when the previous one finished (per concurrency);
@@ -234,6 +235,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--image-steps", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/load", help="directory of results.json, table.md, load.png")
+    ap.add_argument("--replot", nargs="+", default=[], metavar="RESULTS_JSON",
+                    help="run nothing: write table.md and load.png in --out from these results.json files")
     args = ap.parse_args(argv)
     bad = [k for k in args.kinds if k not in MODALITY] + [m for m in args.modes if m not in
                                                           ("closed", "offline", "poisson")]
@@ -242,8 +245,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def replot(results: list[Path], out: Path) -> None:
+    """Tables and the plot again from earlier runs' results.json (e.g. a GPU machine without
+    matplotlib): every run of every file, in order."""
+    summaries = [Summary(**run) for path in results for run in json.loads(path.read_text())["runs"]]
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(summaries) + "\n\n" + details_table(summaries) + "\n"
+    (out / "table.md").write_text(table)
+    print(table)
+    why = plot(summaries, out / "load.png")
+    print(why or f"plot: {out / 'load.png'}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.replot:
+        replot([Path(p) for p in args.replot], Path(args.out))
+        return
     out = Path(args.out)
     log = out / "serve.log"
     with contextlib.ExitStack() as stack:
