@@ -15,6 +15,7 @@ import io
 import sys
 
 from omnistage.common.config import DeployConfig, ServiceConfig
+from omnistage.common.memory.report import export_host_memory
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.common.runtime.server import ServiceRuntime
@@ -258,7 +259,9 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         speech=_speech_stage(cfg, svc) if cfg.services_of("talker") else None,
         images=images,
         converse=_converse_limits(cfg, svc),
-        thinker_gate=StageGate("thinker", GateConfig(0, gw.admission_max_waiting, gw.admission_initial_service_s)),
+        thinker_gate=StageGate("thinker", GateConfig(0, gw.admission_max_waiting, gw.admission_initial_service_s),
+                               svc.name),
+        service=svc.name,
     )
     stages = _Stages(runtime, cfg, svc, servicer,
                      WatchConfig(gw.stage_health_interval_s, gw.stage_health_timeout_s, gw.stage_health_failures))
@@ -270,6 +273,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         )
     )
     runtime.set_load_provider(lambda: (servicer.in_flight, servicer.thinker_gate.waiting))
+    export_host_memory(svc.name)  # no device: its host memory in the ledger's metrics
     stages.start()
     # Start-up waits for every stage's admission (SERVING + warm-up through the path clients take),
     # bounded by gateway.stage_wait_s; with allow_degraded it serves what is admitted by then, and
