@@ -35,7 +35,7 @@ class EngineMetrics:
                       ).labels(*label).set_function(lambda: len(scheduler.waiting))  # fmt: skip
         metrics.gauge("thinker_kv_blocks_used", "KV-cache blocks held by sequences now"
                       ).labels(*label).set_function(lambda: blocks.num_blocks - blocks.num_free_blocks)  # fmt: skip
-        metrics.gauge("thinker_kv_blocks_total", "KV-cache blocks of the engine (its profiled cache size)"
+        metrics.gauge("thinker_kv_blocks_capacity", "KV-cache blocks of the engine (its profiled cache size)"
                       ).labels(*label).set(blocks.num_blocks)  # fmt: skip
         self.queue = metrics.histogram(
             "thinker_queue_time_seconds", "Time from a request's arrival in the engine to its first scheduling"

@@ -34,7 +34,7 @@ def test_tokens_requests_and_latencies_are_counted_once_each():
     assert _value("omnistage_thinker_inter_token_latency_seconds_count", svc) == 12 * 9
     assert _value("omnistage_thinker_e2e_seconds_count", svc) == 12
     assert _value("omnistage_thinker_preemptions_total", svc) > 0  # 24 blocks of 8 for 12 requests
-    assert _value("omnistage_thinker_kv_blocks_total", svc) == 24
+    assert _value("omnistage_thinker_kv_blocks_capacity", svc) == 24
     assert _value("omnistage_thinker_kv_blocks_used", svc) == 0  # all freed again
     assert _value("omnistage_thinker_running_requests", svc) == 0
     assert _value("omnistage_thinker_waiting_requests", svc) == 0
