@@ -7,7 +7,7 @@ Services create their own metrics through `counter` / `gauge` / `histogram`, whi
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +17,39 @@ from prometheus_client import Counter, Gauge, Histogram
 REGISTRY = prometheus_client.REGISTRY
 PREFIX = "omnistage_"
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Per-token and per-copy times: inter-token latency, tensor transfers (10 µs to 10 s).
+FINE_BUCKETS_S = (1e-5, 5e-5, 1e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 _lock = threading.Lock()
 _metrics: dict[str, tuple[type, tuple[str, ...], Any]] = {}
+# The `service` label of metrics a process records without knowing its service (the tensor transport):
+# the deploy file's service name, set by the service runtime at start; "" (no label value) before.
+_process_service = ""
+_on_named: list[Callable[[str], None]] = []
+
+
+def set_process_service(name: str) -> None:
+    """Name the service this process runs (ServiceRuntime does it): the `service` label of shared code.
+    Runs the `when_service_named` callbacks (they export their series at 0 under that name)."""
+    global _process_service
+    with _lock:
+        _process_service = name
+        callbacks = list(_on_named)
+    for fn in callbacks:
+        fn(name)
+
+
+def process_service() -> str:
+    return _process_service
+
+
+def when_service_named(fn: Callable[[str], None]) -> None:
+    """Call `fn(service)` now if the process's service is named already, and at every naming."""
+    with _lock:
+        _on_named.append(fn)
+        name = _process_service
+    if name:
+        fn(name)
 
 
 def _full_name(name: str) -> str:
@@ -54,6 +84,25 @@ def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
 
 def histogram(name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS_S) -> Histogram:
     return _get_or_create(Histogram, name, doc, labels, buckets=tuple(buckets))
+
+
+def observe_many(child: Any, value: float, count: int) -> None:
+    """Record `count` observations of `value` in one histogram child at once (an engine step's tokens
+    that share one latency): one bucket update instead of `count` observe() calls."""
+    if count <= 0:
+        return
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if bounds is None or buckets is None or total is None:  # another prometheus_client layout: the slow way
+        for _ in range(count):
+            child.observe(value)
+        return
+    total.inc(value * count)
+    for i, bound in enumerate(bounds):
+        if value <= bound:
+            buckets[i].inc(count)
+            break
 
 
 # Shared metrics of every service -------------------------------------------------------------

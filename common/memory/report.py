@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from omnistage.common import metrics
 from omnistage.v1 import control_pb2
 from prometheus_client import Gauge
@@ -35,3 +37,19 @@ def export_memory(service: str, rank: int, report: control_pb2.MemoryReport) -> 
     for kind, fieldname in KINDS.items():
         g.labels(service, str(rank), report.device, kind).set(getattr(report, fieldname))
     memory_budget_gauge().labels(service, str(rank), report.device).set(report.budget_bytes)
+
+
+def _resident_bytes() -> int:
+    """This process's resident set (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def export_host_memory(service: str, rank: int = 0) -> None:
+    """A service that holds no device (the gateway): its host memory as device `cpu`, kind `total`,
+    read at scrape time; no budget (0). The memory ledger then lists every service."""
+    memory_gauge().labels(service, str(rank), "cpu", "total").set_function(_resident_bytes)
+    memory_budget_gauge().labels(service, str(rank), "cpu").set(0)

@@ -228,12 +228,20 @@ class _Method:
         if isinstance(exc, asyncio.CancelledError) and token is not None and token.aborted:
             # Our drain deadline, not the client: tell the client why.
             return grpc.StatusCode.CANCELLED, f"{self.guard.service}: aborted, drain deadline passed", ()
-        if isinstance(exc, asyncio.CancelledError | GeneratorExit):
-            remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= 0
-            return (grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED), None, ()
-        if isinstance(exc, grpc.aio.AbortError):  # the handler chose its status itself
-            return context.code() or grpc.StatusCode.UNKNOWN, None, ()
-        if isinstance(exc, Exception):
-            return status_for(exc)
-        return grpc.StatusCode.UNKNOWN, None, ()
+        return status_of(exc, context)
+
+
+def status_of(exc: BaseException, context: grpc.aio.ServicerContext
+              ) -> tuple[grpc.StatusCode, str | None, tuple[tuple[str, str], ...]]:  # fmt: skip
+    """The status a handler's exception gives the client: (code, details to send or None when the
+    status is already decided, trailing metadata). A cancelled handler is CANCELLED, or
+    DEADLINE_EXCEEDED when the client's deadline has passed."""
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        remaining = context.time_remaining()
+        expired = remaining is not None and remaining <= 0
+        return (grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED), None, ()
+    if isinstance(exc, grpc.aio.AbortError):  # the handler chose its status itself
+        return context.code() or grpc.StatusCode.UNKNOWN, None, ()
+    if isinstance(exc, Exception):
+        return status_for(exc)
+    return grpc.StatusCode.UNKNOWN, None, ()

@@ -67,9 +67,10 @@ class Overloaded(OmniError):
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    def __init__(self, message: str, *, retry_after_ms: int = 100) -> None:
+    def __init__(self, message: str, *, retry_after_ms: int = 100, reason: str = "") -> None:
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
+        self.reason = reason  # the refusal's kind for metrics (`gateway_full`, `thinker_deadline`, ...)
 
 
 class DeadlineExceeded(OmniError):

@@ -94,6 +94,7 @@ class ServiceRuntime:
         self.svc = svc
         self.rank = rank
         self.name = svc.name
+        metrics.set_process_service(svc.name)  # the `service` label of shared code (the tensor transport)
         self.serves_grpc = rank == 0
         self.port = svc.port if port is None else port
         self.admin_port = svc.admin_port if admin_port is None else admin_port

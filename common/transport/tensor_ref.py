@@ -18,25 +18,49 @@ import time
 from dataclasses import dataclass
 
 import torch
+from omnistage.common import metrics
 from omnistage.common.log import get_logger, log_fields
 from omnistage.common.transport.cuda_ipc import CudaIpcAttachments, CudaIpcPool, cuda_ipc_available
 from omnistage.common.transport.dtypes import from_proto_dtype, to_proto_dtype
 from omnistage.common.transport.host import SHM_DIR, TransportError, host_id
 from omnistage.common.transport.shm_pool import ShmAttachments, ShmPool, clone_bytes, typed_view
 from omnistage.v1 import tensor_pb2
-from prometheus_client import Counter
 
 PATHS = ("inline", "shm", "cuda_ipc")
+DIRECTIONS = ("encode", "decode")
+FALLBACK_REASONS = ("pool_full", "too_large", "shm_unavailable", "cuda_ipc_unavailable")
 
-TENSORS = Counter("omnistage_transport_tensors_total", "Tensors moved, by path", ["path", "direction"])
-BYTES = Counter("omnistage_transport_bytes_total", "Tensor bytes moved, by path", ["path", "direction"])
-FALLBACKS = Counter(
-    "omnistage_transport_fallbacks_total",
+# Labelled by the process's service (metrics.set_process_service) and path / direction / reason.
+TENSORS = metrics.counter("transport_tensors", "Tensors moved, by path and direction", ("path", "direction"))
+BYTES = metrics.counter("transport_bytes", "Tensor bytes moved, by path and direction", ("path", "direction"))
+SECONDS = metrics.histogram(
+    "transport_transfer_seconds",
+    "Wall time of one tensor's encode (copy into the pool or into inline bytes) or decode (map and copy "
+    "out), by path and direction",
+    ("path", "direction"), buckets=metrics.FINE_BUCKETS_S,
+)  # fmt: skip
+FALLBACKS = metrics.counter(
+    "transport_fallbacks",
     "Tensors that wanted shared memory but went another way (pool_full, too_large, shm_unavailable, "
     "cuda_ipc_unavailable)",
-    ["reason"],
+    ("reason",),
 )
-EXPIRED = Counter("omnistage_transport_leases_expired_total", "Leases reclaimed unreleased after their TTL")
+EXPIRED = metrics.counter("transport_leases_expired", "Leases reclaimed unreleased after their TTL")
+
+
+def _init_metrics(service: str) -> None:
+    """Export every path, direction and reason at 0 for the process's service (a series that appears
+    only at its first count hides the first increase from rate())."""
+    for path in PATHS:
+        for direction in DIRECTIONS:
+            TENSORS.labels(service, path, direction)
+            BYTES.labels(service, path, direction)
+    for reason in FALLBACK_REASONS:
+        FALLBACKS.labels(service, reason)
+    EXPIRED.labels(service)
+
+
+metrics.when_service_named(_init_metrics)
 
 _log = get_logger(__name__)
 _warned: set[str] = set()
@@ -148,7 +172,7 @@ class TransportContext:
         pools = [p for p in [self._shm_pool, *self._cuda_pools.values()] if p is not None]
         before = sum(p.arena.expired_total for p in pools)
         n = sum(p.arena.reclaim() for p in pools)
-        EXPIRED.inc(sum(p.arena.expired_total for p in pools) - before)
+        EXPIRED.labels(metrics.process_service()).inc(sum(p.arena.expired_total for p in pools) - before)
         return n
 
     def _forget_parent_pools_locked(self) -> None:
@@ -174,7 +198,7 @@ class TransportContext:
 
 
 def _fallback(reason: str, nbytes: int) -> None:
-    FALLBACKS.labels(reason).inc()
+    FALLBACKS.labels(metrics.process_service(), reason).inc()
     level = logging.WARNING if reason not in _warned else logging.DEBUG  # warn once per reason, then debug
     _warned.add(reason)
     log_fields(_log, level, "tensor sent inline instead of shared memory", reason=reason, bytes=nbytes)
@@ -221,6 +245,7 @@ def encode(
     `peer_host_id` is the consumer's `host_id()`; None means "same host". Shared-memory refs must be
     decoded (or released) by the consumer before `lease_ttl_s`, after which the slice is reused.
     """
+    started = time.perf_counter()
     nbytes = tensor.numel() * tensor.element_size()
     ref = tensor_pb2.TensorRef(
         dtype=to_proto_dtype(tensor.dtype),
@@ -234,15 +259,15 @@ def encode(
         cref = _put(pool, tensor, nbytes, transport, "cuda_ipc_unavailable")
         if cref is not None:
             ref.cuda.CopyFrom(cref)
-            return _count(ref, "cuda_ipc", "encode", nbytes)
+            return _count(ref, "cuda_ipc", "encode", nbytes, started)
         path = "shm" if transport.options.enable_shm else "inline"
     if path == "shm":
         sref = _put(transport.shm_pool(), tensor, nbytes, transport, "shm_unavailable")
         if sref is not None:
             ref.shm.CopyFrom(sref)
-            return _count(ref, "shm", "encode", nbytes)
+            return _count(ref, "shm", "encode", nbytes, started)
     ref.inline_data = _to_bytes(tensor)
-    return _count(ref, "inline", "encode", nbytes)
+    return _count(ref, "inline", "encode", nbytes, started)
 
 
 def _put(pool, tensor: torch.Tensor, nbytes: int, ctx: TransportContext, unavailable: str):
@@ -252,15 +277,18 @@ def _put(pool, tensor: torch.Tensor, nbytes: int, ctx: TransportContext, unavail
         return None
     expired_before = pool.arena.expired_total
     out = pool.put(tensor, wait_s=ctx.options.alloc_wait_s)
-    EXPIRED.inc(pool.arena.expired_total - expired_before)
+    EXPIRED.labels(metrics.process_service()).inc(pool.arena.expired_total - expired_before)
     if out is None:
         _fallback("too_large" if nbytes > pool.arena.capacity else "pool_full", nbytes)
     return out
 
 
-def _count(ref: tensor_pb2.TensorRef, path: str, direction: str, nbytes: int) -> tensor_pb2.TensorRef:
-    TENSORS.labels(path, direction).inc()
-    BYTES.labels(path, direction).inc(nbytes)
+def _count(ref: tensor_pb2.TensorRef, path: str, direction: str, nbytes: int, started: float
+           ) -> tensor_pb2.TensorRef:  # fmt: skip
+    service = metrics.process_service()
+    TENSORS.labels(service, path, direction).inc()
+    BYTES.labels(service, path, direction).inc(nbytes)
+    SECONDS.labels(service, path, direction).observe(time.perf_counter() - started)
     return ref
 
 
@@ -284,6 +312,7 @@ def decode(
     into the producer's pool; the caller must `transport.release(ref)` when done, before the lease expires.
     Inline refs always give a fresh tensor.
     """
+    started = time.perf_counter()
     dtype = from_proto_dtype(ref.dtype)
     shape = tuple(ref.shape)
     numel = math.prod(shape)
@@ -296,8 +325,9 @@ def decode(
                 f"inline TensorRef {list(shape)} {dtype} needs {nbytes} bytes, got {len(data)}"
             )
         out = torch.empty(shape, dtype=dtype) if nbytes == 0 else _from_bytes(data, dtype, shape)
-        _count(ref, "inline", "decode", nbytes)
-        return out if device is None else out.to(device)
+        out = out if device is None else out.to(device)
+        _count(ref, "inline", "decode", nbytes, started)
+        return out
     if transport is None:
         raise TransportError(f"a {kind} TensorRef needs a TransportContext to decode")
     if ref.host_id != transport.host_id:
@@ -315,11 +345,11 @@ def decode(
         u8, path = transport.shm_attachments.view(sub), "shm"
     else:
         u8, path = _cuda_view(transport, ref, device), "cuda_ipc"
-    _count(ref, path, "decode", nbytes)
     target = u8.device if device is None else torch.device(device)
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     if not copy and u8.device == target:
+        _count(ref, path, "decode", nbytes, started)  # mapped, not copied: the time of the mapping
         return typed_view(u8, dtype, shape)
     try:
         if u8.device.type == "cpu" and target.type == "cpu":
@@ -330,6 +360,7 @@ def decode(
         _check_lease(sub, kind)  # expired during the copy: the producer may have reused the bytes
     finally:
         transport.release(ref)
+    _count(ref, path, "decode", nbytes, started)
     return out
 
 

@@ -14,6 +14,7 @@ import io
 import sys
 
 from omnistage.common.config import CAPABILITIES, DeployConfig, ServiceConfig
+from omnistage.common.memory.report import export_host_memory
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.common.runtime.server import ServiceRuntime
@@ -248,7 +249,9 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         speech=_speech_stage(cfg, svc) if cfg.services_of("talker") else None,
         images=images,
         converse=_converse_limits(cfg, svc),
-        thinker_gate=StageGate("thinker", GateConfig(0, gw.admission_max_waiting, gw.admission_initial_service_s)),
+        thinker_gate=StageGate("thinker", GateConfig(0, gw.admission_max_waiting, gw.admission_initial_service_s),
+                               svc.name),
+        service=svc.name,
     )
     stages = _Stages(runtime, cfg, svc, servicer,
                      WatchConfig(gw.stage_health_interval_s, gw.stage_health_timeout_s, gw.stage_health_failures))
@@ -260,6 +263,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         )
     )
     runtime.set_load_provider(lambda: (servicer.in_flight, servicer.thinker_gate.waiting))
+    export_host_memory(svc.name)  # no device: its host memory in the ledger's metrics
     stages.start()
     # Text first: the gateway turns SERVING as soon as the thinker is admitted (SERVING + a warm-up
     # through the path clients take), bounded by gateway.stage_wait_s; the other stages join as

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from omnistage.common import metrics
 from omnistage.common.runtime.errors import DeadlineExceeded, Overloaded
 
 # The weight of the newest service time in the running mean (about the last 10 requests count).
@@ -44,7 +45,7 @@ class GateConfig:
 class StageGate:
     """Slots of one stage held by this gateway's requests, and the requests waiting for one."""
 
-    def __init__(self, stage: str, cfg: GateConfig) -> None:
+    def __init__(self, stage: str, cfg: GateConfig, service: str | None = None) -> None:
         self.stage = stage
         self.cfg = cfg
         self.running = 0
@@ -52,6 +53,13 @@ class StageGate:
         self.service_s = cfg.initial_service_s
         self.finished = 0
         self.refused = 0
+        labels = (metrics.process_service() if service is None else service, stage)
+        metrics.gauge("gateway_admission_running", "Requests holding a slot of a stage (admitted by this gateway) now",
+                      ("stage",)).labels(*labels).set_function(lambda: self.running)  # fmt: skip
+        metrics.gauge("gateway_admission_waiting", "Requests waiting in this gateway for a slot of a stage now",
+                      ("stage",)).labels(*labels).set_function(lambda: self.waiting)  # fmt: skip
+        self._wait = metrics.histogram("gateway_admission_wait_seconds", "Time an admitted request waited for a "
+                                       "slot of a stage (0 when one was free)", ("stage",)).labels(*labels)  # fmt: skip
 
     @property
     def waiting(self) -> int:
@@ -89,22 +97,24 @@ class StageGate:
             self.refused += 1
             raise Overloaded(
                 f"{self.stage}: {self.running} requests running and {self.waiting} waiting, its limit; "
-                f"retry in about {wait:.1f}s", retry_after_ms=hint,
+                f"retry in about {wait:.1f}s", retry_after_ms=hint, reason=f"{self.stage}_queue_full",
             )  # fmt: skip
         if remaining_s is not None and wait + max(work_s, self.service_s) > remaining_s:
             self.refused += 1
             raise Overloaded(
                 f"{self.stage}: at capacity ({self.running} running, {self.waiting} waiting); the estimated "
                 f"wait {wait:.1f}s plus {max(work_s, self.service_s):.1f}s of service exceeds the "
-                f"{remaining_s:.1f}s left to the deadline", retry_after_ms=hint,
+                f"{remaining_s:.1f}s left to the deadline", retry_after_ms=hint, reason=f"{self.stage}_deadline",
             )  # fmt: skip
         return wait
 
     @contextlib.asynccontextmanager
     async def slot(self, remaining_s: float | None) -> AsyncIterator[None]:
         """Hold one slot of the stage for the block; waits in FIFO order within the deadline."""
+        arrived = time.monotonic()
         await self._acquire(remaining_s)
         started = time.monotonic()
+        self._wait.observe(started - arrived)
         try:
             yield
         finally:

@@ -195,6 +195,7 @@ class ImageStage:
             raise Overloaded(
                 f"{STAGE}: {self.in_flight} image requests in flight, the image stage takes {self.limits.max_in_flight} "
                 f"({self.limits.max_batch} denoising + {self.limits.max_queued} waiting)", retry_after_ms=1000,
+                reason="imagegen_full",
             )  # fmt: skip
         self.in_flight += 1
 

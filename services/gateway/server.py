@@ -28,6 +28,7 @@ from omnistage.services.gateway.converse import Conversation, ConverseLimits
 from omnistage.services.gateway.imaging import ImagePlan, ImageStage
 from omnistage.services.gateway.media import MediaStage, thinker_items
 from omnistage.services.gateway.media_path import check_media_paths
+from omnistage.services.gateway.request_metrics import GatewayMetrics
 from omnistage.services.gateway.speech import SpeechStage, voice_choice
 from omnistage.services.gateway.stages import ThinkerClient
 from omnistage.services.gateway.validation import PlannedRequest, RequestLimits, plan_request
@@ -72,8 +73,10 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         images: ImageStage | None = None,
         converse: ConverseLimits = ConverseLimits(),
         thinker_gate: StageGate | None = None,
+        service: str = "gateway",
     ) -> None:
         self.thinker = thinker
+        self.metrics = GatewayMetrics(service)
         # Admission by the thinker's capacity (its stress-tested max_num_seqs, from Describe).
         self.thinker_gate = thinker_gate or StageGate("thinker", GateConfig())
         self.media = media  # None: no encoder (media parts get FAILED_PRECONDITION)
@@ -89,6 +92,14 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     async def Generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrived_at = time.monotonic()
+        events = self.metrics.record("Generate", request, context, arrived_at,
+                                     self._generate(request, context, arrived_at))  # fmt: skip
+        async with contextlib.aclosing(events) as stream:
+            async for event in stream:
+                yield event
+
+    async def _generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                        arrived_at: float) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
         paths = check_media_paths(request, self.media_dir)  # a file path is a permission question, asked first
         plan = plan_request(request, self.deployed, self.system_prompt, self.limits)
         image = self._plan_image(request, plan)
@@ -239,7 +250,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         """Refuse at arrival (RESOURCE_EXHAUSTED with a retry hint) what cannot finish in time: the
         gateway's bound of requests, then the thinker's capacity against the request's deadline."""
         if self.in_flight >= self.max_concurrent_requests:
-            raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200)
+            raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200,
+                             reason="gateway_full")  # fmt: skip
         self.thinker_gate.check(context.time_remaining())
 
     def _check_media_tokens(self, plan: PlannedRequest, encoded: list[encoder_pb2.EncodedItem]) -> None:
@@ -252,6 +264,14 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             )
 
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext):
+        events = self.metrics.record("Converse", None, context, time.monotonic(),
+                                     self._converse(request_iterator, context))  # fmt: skip
+        async with contextlib.aclosing(events) as stream:
+            async for event in stream:
+                yield event
+
+    async def _converse(self, request_iterator, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
         conversation = Conversation(self, context)
         config = await conversation.open(request_iterator)  # checks before the call counts as in flight
         self._admit(context)

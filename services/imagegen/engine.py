@@ -40,8 +40,18 @@ class ImageResult:
     steps: int
 
 
-def _counter(name: str, doc: str):
-    return metrics.counter(name, doc)
+_COUNTERS = {
+    "imagegen_forwards": "DiT forwards run (one per step of a group of equal-shape requests)",
+    "imagegen_forward_requests": "Requests stepped in those forwards",
+    "imagegen_forward_rows": "DiT rows in those forwards (2 per request with guidance)",
+    "imagegen_steps": "Denoising steps done (per request)",
+    "imagegen_cancelled": "Requests dropped from the denoising loop (client left)",
+    "imagegen_images": "Images generated",
+}
+
+
+def _counter(name: str, doc: str = ""):
+    return metrics.counter(name, doc or _COUNTERS[name])
 
 
 class ImageGenEngine:
@@ -79,6 +89,8 @@ class ImageGenEngine:
         waiting = metrics.gauge("imagegen_waiting_requests", "Requests waiting for a denoising slot")
         active.labels(self.service).set_function(lambda: self.batcher.held)
         waiting.labels(self.service).set_function(lambda: self.waiting)
+        for name in _COUNTERS:  # exported at 0 from the start: rate() sees the first increase
+            _counter(name).labels(self.service)
 
     def _count_forward(self, jobs: int, rows: int) -> None:
         _counter("imagegen_forwards", "DiT forwards run (one per step of a group of equal-shape requests)"

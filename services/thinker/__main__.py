@@ -34,6 +34,7 @@ from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine.startup import RankConfig, StartedRank, start_rank
 from omnistage.services.thinker.engine.worker import run_plan_loop
 from omnistage.services.thinker.engine_loop import EngineFailed, EngineLoop
+from omnistage.services.thinker.engine_metrics import EngineMetrics
 from omnistage.services.thinker.image_queries import load_image_queries
 from omnistage.services.thinker.multimodal import MediaInputs
 from omnistage.services.thinker.server import ThinkerServicer
@@ -122,6 +123,7 @@ async def _serve_rank0(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceC
         await _in_daemon_thread(lambda: _warm_up(engine, media))
     except Exception as exc:
         raise TPError(_group_failure(control, "the warm-up request", exc)) from exc
+    engine.stats = EngineMetrics(svc.name, engine)  # after the warm-up: it counts clients' requests only
     loop = EngineLoop(engine, asyncio.get_running_loop())
     # A peer's failure may come while the engine thread is blocked inside a collective: the
     # requests are failed from the thread that learns of it.

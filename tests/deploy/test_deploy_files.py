@@ -344,6 +344,23 @@ def test_dashboard_and_alerts_use_only_exported_metrics():
     assert DASHBOARDS and all(_used_exprs()[p.name] for p in DASHBOARDS)
 
 
+def _declarations() -> set[str]:
+    """The name each metric declaration exports as (counters with `_total`)."""
+    names = set()
+    for path in [*(ROOT / "services").rglob("*.py"), *(ROOT / "common").rglob("*.py")]:
+        for kind, name in _DECL.findall(path.read_text()):
+            full = name if name.startswith("omnistage_") else f"omnistage_{name}"
+            names.add(f"{full.removesuffix('_total')}_total" if kind.lower() == "counter" else full)
+    return names
+
+
+def test_every_declared_metric_is_documented_and_every_documented_one_declared():
+    documented = set(re.findall(r"`(omnistage_[a-z0-9_]+)`", (ROOT / "docs/metrics.md").read_text()))
+    declared = _declarations()
+    assert not declared - documented, f"declared but not in docs/metrics.md: {sorted(declared - documented)}"
+    assert not documented - declared, f"in docs/metrics.md but declared by no service: {sorted(documented - declared)}"
+
+
 def test_dashboard_uses_the_provisioned_datasource():
     (ds,) = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
     provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/omnistage.yml").read_text())["providers"][0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from omnistage.common.log import get_logger
@@ -74,6 +74,14 @@ class GenerateResult:
     hidden_states: torch.Tensor | None = None
 
 
+class StepObserver(Protocol):
+    """Told what each step did (rank 0, engine thread; after the step's outputs are made)."""
+
+    def on_step(self, batch: ScheduledBatch, now: float) -> None: ...
+
+    def on_abort(self, seq: Sequence, now: float) -> None: ...
+
+
 class LLMEngine:
     """Scheduler + runner + sampler + detokenizers, driven one step at a time by one thread."""
 
@@ -97,6 +105,8 @@ class LLMEngine:
         self.last_plan_time = time.monotonic()
         self.num_steps = 0
         self.closed = False
+        # What each step did, for metrics (engine_metrics.py); None: nothing is recorded.
+        self.stats: StepObserver | None = None
         self._generate_ids = itertools.count()
 
     @classmethod
@@ -176,6 +186,8 @@ class LLMEngine:
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
+        if self.stats is not None:
+            self.stats.on_abort(seq, time.monotonic())
         return RequestOutput(request_id, [], "", finished=True, finish_reason=FinishReason.ABORT, usage=self._usage(seq))
 
     def has_unfinished(self) -> bool:
@@ -189,7 +201,12 @@ class LLMEngine:
         sampled = self.sampler(out.logits, batch.sampling_seqs) if out.logits is not None else SamplerOutput([], [])
         self._keep_hidden(batch, out.hidden)
         self.scheduler.postprocess(batch, sampled.token_ids)
-        return self._emit(batch.sampling_seqs, sampled) + [self._hidden_output(s) for s in batch.completing_hidden]
+        now = time.monotonic()
+        outputs = self._emit(batch.sampling_seqs, sampled, now)
+        outputs += [self._hidden_output(s, now) for s in batch.completing_hidden]
+        if self.stats is not None:
+            self.stats.on_step(batch, now)
+        return outputs
 
     def _run(self, batch: ScheduledBatch) -> StepOutput:
         if batch.is_empty:
@@ -216,19 +233,19 @@ class LLMEngine:
                 seq.hidden.store(lo, hidden[taken : taken + hi - lo])
                 taken += hi - lo
 
-    def _hidden_output(self, seq: Sequence) -> RequestOutput:
+    def _hidden_output(self, seq: Sequence, now: float) -> RequestOutput:
         """The final output of a hidden-state request whose prompt is now computed (blocks freed)."""
-        seq.first_token_time = time.monotonic()  # "first output": the states are ready
+        seq.first_token_time = now  # "first output": the states are ready
         rows, seq.hidden = seq.hidden.rows if seq.hidden is not None else None, None
         return RequestOutput(seq.request_id, [], "", finished=True, finish_reason=seq.finish_reason,
                              usage=self._usage(seq), hidden_states=rows)  # fmt: skip
 
-    def _emit(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
+    def _emit(self, seqs: list[Sequence], sampled: SamplerOutput, now: float) -> list[RequestOutput]:
         outputs = []
-        now = time.monotonic()
         for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            seq.prev_token_time, seq.last_token_time = seq.last_token_time, now
             detok = self.detokenizers[seq.request_id]
             if seq.finish_reason is FinishReason.STOP:
                 text = detok.finish()  # the stop token's own text is never shown

@@ -7,6 +7,7 @@ never an error. Waiting sequences are admitted, oldest first, only with budget a
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ class ScheduledBatch:
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Sequences scheduled for the first time this step (their queue time ends; not readmissions).
+    admitted: list[Sequence] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -126,6 +129,9 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+                batch.admitted.append(seq)
             self.running.append(seq)
             batch.scheduled.append((seq, num_new))
             budget -= num_new

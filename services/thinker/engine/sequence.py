@@ -104,7 +104,11 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None  # admitted the first time (queue time ends)
         self.first_token_time: float | None = None
+        # When the last token and the one before it were emitted (inter-token latency).
+        self.last_token_time: float | None = None
+        self.prev_token_time: float | None = None
         # An unseeded request gets a random seed now, so its draws stay one stream across preemptions.
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._generator: torch.Generator | None = None

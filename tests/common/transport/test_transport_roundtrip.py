@@ -1,5 +1,6 @@
 import pytest
 import torch
+from omnistage.common import metrics
 from omnistage.common.transport import (
     SUPPORTED_DTYPES,
     TransportContext,
@@ -139,7 +140,7 @@ def test_malformed_refs_are_rejected(producer, consumer):
 
 
 def _count(name, **labels):
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+    return REGISTRY.get_sample_value(name, {"service": metrics.process_service(), **labels}) or 0.0
 
 
 @pytest.mark.parametrize("path", ["inline", "shm"])
@@ -154,8 +155,11 @@ def test_counters_move_for_the_path_taken(producer, consumer, path):
         for p in (path, other)
         for d in ("encode", "decode")
     }
+    seconds_before = {d: _count("omnistage_transport_transfer_seconds_count", path=path, direction=d)
+                      for d in ("encode", "decode")}  # fmt: skip
     decode(encode(x, transport=producer, force=path), transport=consumer)
     for d in ("encode", "decode"):
+        assert _count("omnistage_transport_transfer_seconds_count", path=path, direction=d) == seconds_before[d] + 1
         assert _count("omnistage_transport_tensors_total", path=path, direction=d) == before[path, d][0] + 1
         assert _count("omnistage_transport_bytes_total", path=path, direction=d) == before[path, d][1] + 8000
         assert _count("omnistage_transport_tensors_total", path=other, direction=d) == before[other, d][0]

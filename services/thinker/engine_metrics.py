@@ -1,0 +1,91 @@
+"""The thinker engine's Prometheus metrics, recorded once per step on rank 0's engine thread.
+
+Cheap by construction: the state gauges (running, waiting, KV blocks) are read when /metrics is
+scraped, not set in the loop; a step records its generated tokens with one counter increment, and the
+inter-token latencies of its tokens grouped by the time of their previous token (a decode step's
+sequences mostly share one), so a batch of 256 decodes costs a handful of histogram updates. Per
+request (not per token): queue time at its first admission, TTFT at its first token, E2E at its end.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from omnistage.common import metrics
+from omnistage.services.thinker.engine.sequence import FinishReason, Sequence
+
+if TYPE_CHECKING:
+    from omnistage.services.thinker.engine.llm_engine import LLMEngine
+    from omnistage.services.thinker.engine.scheduler import ScheduledBatch
+
+FINISH_REASONS = tuple(r.value for r in FinishReason)
+
+
+class EngineMetrics:
+    """The `StepObserver` of one LLMEngine (set `engine.stats` after the warm-up)."""
+
+    def __init__(self, service: str, engine: LLMEngine) -> None:
+        self.service = service
+        label = (service,)
+        scheduler = engine.scheduler
+        blocks = scheduler.block_manager
+        metrics.gauge("thinker_running_requests", "Sequences in the running batch (holding KV blocks) now"
+                      ).labels(*label).set_function(lambda: len(scheduler.running))  # fmt: skip
+        metrics.gauge("thinker_waiting_requests", "Sequences waiting for admission (new or preempted) now"
+                      ).labels(*label).set_function(lambda: len(scheduler.waiting))  # fmt: skip
+        metrics.gauge("thinker_kv_blocks_used", "KV-cache blocks held by sequences now"
+                      ).labels(*label).set_function(lambda: blocks.num_blocks - blocks.num_free_blocks)  # fmt: skip
+        metrics.gauge("thinker_kv_blocks_capacity", "KV-cache blocks of the engine (its profiled cache size)"
+                      ).labels(*label).set(blocks.num_blocks)  # fmt: skip
+        self.queue = metrics.histogram(
+            "thinker_queue_time_seconds", "Time from a request's arrival in the engine to its first scheduling"
+        ).labels(*label)
+        self.ttft = metrics.histogram(
+            "thinker_ttft_seconds", "Time from a request's arrival in the engine to its first generated token"
+        ).labels(*label)
+        self.itl = metrics.histogram(
+            "thinker_inter_token_latency_seconds", "Time between consecutive generated tokens of a request",
+            buckets=metrics.FINE_BUCKETS_S,
+        ).labels(*label)  # fmt: skip
+        self.e2e = metrics.histogram(
+            "thinker_e2e_seconds", "Time from a request's arrival in the engine to its end (any finish reason)"
+        ).labels(*label)
+        self.prompt_tokens = metrics.counter("thinker_prompt_tokens", "Prompt tokens of requests admitted "
+                                             "(counted once, at the first admission)").labels(*label)  # fmt: skip
+        self.generated_tokens = metrics.counter("thinker_generated_tokens", "Tokens generated (sampled)"
+                                                ).labels(*label)  # fmt: skip
+        self.preemptions = metrics.counter("thinker_preemptions", "Sequences preempted (KV blocks freed, "
+                                           "recomputed on readmission) for want of KV cache").labels(*label)  # fmt: skip
+        finished = metrics.counter("thinker_requests", "Requests ended, by finish reason", ("finish_reason",))
+        self.finished = {r: finished.labels(service, r) for r in FINISH_REASONS}
+
+    def on_step(self, batch: ScheduledBatch, now: float) -> None:
+        for seq in batch.admitted:
+            self.queue.observe(seq.first_scheduled_time - seq.arrival_time)
+            self.prompt_tokens.inc(seq.num_prompt_tokens)
+        if batch.preempted:
+            self.preemptions.inc(len(batch.preempted))
+        sampling = batch.sampling_seqs
+        if sampling:
+            self.generated_tokens.inc(len(sampling))
+            since: dict[float, int] = {}  # previous token time → tokens that waited from it
+            for seq in sampling:
+                prev = seq.prev_token_time
+                if prev is None:
+                    self.ttft.observe(now - seq.arrival_time)
+                else:
+                    since[prev] = since.get(prev, 0) + 1
+                if seq.is_finished:
+                    self._ended(seq, now)
+            for prev, count in since.items():
+                metrics.observe_many(self.itl, now - prev, count)
+        for seq in batch.completing_hidden:
+            self._ended(seq, now)
+
+    def on_abort(self, seq: Sequence, now: float) -> None:
+        self._ended(seq, now)
+
+    def _ended(self, seq: Sequence, now: float) -> None:
+        self.e2e.observe(now - seq.arrival_time)
+        reason = seq.finish_reason.value if seq.finish_reason is not None else FinishReason.ERROR.value
+        self.finished[reason].inc()

@@ -1,0 +1,241 @@
+"""The dashboard and the alert rules against a real Prometheus scraping the CPU tiny pipeline under load.
+
+`omnistage serve` runs `deploy/local-tiny.yaml` (ports moved to free ones, CPU-small stress sizes);
+Debian's `prometheus` scrapes every service's /metrics each second and evaluates `alerts.yml`. Text,
+speech and image requests go through the gateway at once, with one the client cancels and one that
+is invalid. Then every expression of the Grafana dashboard must parse and return data, every alert
+rule must parse and be loaded healthy, every service's /metrics must pass `promtool check metrics`,
+and every metric a service exports must be documented in docs/metrics.md. Without `prometheus` on
+PATH the test fails (`make test` installs it), as tests/deploy does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
+from serve_pipeline import ServeProcess, free_ports
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy/grafana/dashboards/omnistage.json"
+ALERTS = ROOT / "deploy/prometheus/alerts.yml"
+DOCS = ROOT / "docs/metrics.md"
+START_DEADLINE_S = 240.0
+DATA_DEADLINE_S = 30.0
+
+
+def _deploy(root: Path) -> tuple[dict, dict[str, int]]:
+    """deploy/local-tiny.yaml with free ports, the tiny checkpoint, CPU-small start-up stress and a
+    memory budget on the image stage (so the ledger has a budget to show)."""
+    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
+
+    cfg = yaml.safe_load((ROOT / "deploy/local-tiny.yaml").read_text())
+    cfg["model"]["checkpoint"] = str(write_tiny_checkpoint(root / "ckpt", seed=0))
+    services = cfg["services"]
+    ports = iter(free_ports(4 * len(services)))
+    metrics_ports = {}
+    for name, svc in services.items():
+        svc["port"], svc["admin_port"], svc["metrics_port"] = next(ports), next(ports), next(ports)
+        metrics_ports[name] = svc["metrics_port"]
+        if "dist_port" in svc:
+            svc["dist_port"] = next(ports)
+    services["thinker"]["engine"].update(max_num_seqs=8, max_model_len=512)
+    services["encoder"]["encoder"].update(image_max_pixels=64 * 64, video_total_pixels=4 * 64 * 64,
+                                          max_video_frames=4, max_audio_seconds=1.0, stress_batch_sizes=[1])
+    services["talker"]["talker"].update(stress_batch_sizes=[1])
+    services["imagegen"]["imagegen"].update(default_steps=2, stress_batch_sizes=[1])
+    services["imagegen"]["memory"] = {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30}
+    services["gateway"]["gateway"] = {"max_concurrent_requests": 6}
+    return cfg, metrics_ports
+
+
+class Prometheus:
+    """A `prometheus` process scraping `targets` (service → metrics port) every second."""
+
+    def __init__(self, root: Path, targets: dict[str, int]) -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:  # `make test` installs it (Debian's prometheus package): absent means CI is broken
+            pytest.fail("prometheus not found: install Debian's `prometheus` package (`make test` does)")
+        (port,) = free_ports(1)
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(ALERTS)],
+            "scrape_configs": [
+                {"job_name": f"omnistage-{name}", "static_configs": [
+                    {"targets": [f"127.0.0.1:{mport}"], "labels": {"stage": name}}]}
+                for name, mport in targets.items()],
+        }  # fmt: skip
+        (root / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = root / "prometheus.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [binary, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{port}"], stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def get(self, path: str, **params: str) -> dict:
+        url = f"{self.url}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:  # a bad query is a 400 with the error in the body
+            return json.loads(exc.read())
+
+    def query(self, expr: str) -> dict:
+        return self.get("/api/v1/query", query=expr)
+
+    def wait_ready(self, deadline_s: float = 30.0) -> None:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                urllib.request.urlopen(f"{self.url}/-/ready", timeout=2)
+                return
+            except OSError:
+                time.sleep(0.2)
+        pytest.fail(f"prometheus did not become ready:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    """(panel title, expr) of every target of the dashboard."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [(p["title"], t["expr"]) for p in panels for t in p.get("targets", []) if t.get("expr")]
+
+
+def alert_exprs() -> list[tuple[str, str]]:
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    return [(r.get("alert") or r.get("record"), r["expr"]) for g in groups for r in g["rules"]]
+
+
+def _text(text: str, max_tokens: int = 8, **kw) -> omni_pb2.GenerateRequest:
+    return omni_pb2.GenerateRequest(
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=text)])],
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1), **kw)
+
+
+def _send_load(gateway: str) -> dict[str, str]:
+    """A request the client cancels; then text, speech and image requests at once with an invalid one;
+    then a burst of text requests past the gateway's limit of 6. The outcome (status name) of each."""
+    mixed = {
+        "speech": _text("Say hello.", 12, output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO]),
+        "image": _text("Draw a cat.", 4, output_modalities=[omni_pb2.MODALITY_IMAGE],
+                       image=omni_pb2.ImageOptions(width=64, height=64, steps=2, seed=1)),
+        "invalid": omni_pb2.GenerateRequest(
+            messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Hi")])],
+            sampling=common_pb2.SamplingParams(temperature=-1.0)),
+        **{f"text-{i}": _text(f"Tell me about {i}.", 16) for i in range(3)},
+    }  # fmt: skip
+    burst = {f"burst-{i}": _text(f"Count to {i}.", 24) for i in range(10)}
+
+    def run(request: omni_pb2.GenerateRequest | None) -> str:
+        with grpc.insecure_channel(gateway) as channel:
+            stub = omni_pb2_grpc.OmniStub(channel)
+            try:
+                if request is None:  # cancelled by the client after its first event
+                    call = stub.Generate(_text("A long answer, please.", 64), timeout=60)
+                    next(call)
+                    call.cancel()
+                    return "CANCELLED"
+                for _ in stub.Generate(request, timeout=120):
+                    pass
+                return "OK"
+            except grpc.RpcError as exc:
+                return exc.code().name
+
+    outcomes = {"cancelled": run(None)}
+    with concurrent.futures.ThreadPoolExecutor(len(burst)) as pool:
+        for wave in (mixed, burst):
+            futures = {name: pool.submit(run, request) for name, request in wave.items()}
+            outcomes.update({name: f.result() for name, f in futures.items()})
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prometheus-live")
+    cfg, targets = _deploy(root)
+    prometheus = Prometheus(root, targets)
+    serve = ServeProcess(root, cfg)
+    try:
+        prometheus.wait_ready()
+        serve.wait_ready(START_DEADLINE_S)
+        outcomes = _send_load(f"127.0.0.1:{cfg['services']['gateway']['port']}")
+        yield prometheus, targets, outcomes
+    finally:
+        serve.stop()
+        prometheus.stop()
+
+
+def _missing_data(prometheus: Prometheus, exprs: list[tuple[str, str]]) -> list[str]:
+    missing = []
+    for title, expr in exprs:
+        answer = prometheus.query(expr)
+        if answer.get("status") != "success":
+            missing.append(f"{title}: {expr}: {answer.get('error')}")
+        elif not answer["data"]["result"]:
+            missing.append(f"{title}: {expr}: no data")
+    return missing
+
+
+def test_every_dashboard_query_parses_and_returns_data(live):
+    prometheus, _, outcomes = live
+    assert outcomes["speech"] == outcomes["image"] == outcomes["text-0"] == "OK", outcomes
+    assert outcomes["invalid"] == "INVALID_ARGUMENT" and outcomes["cancelled"] == "CANCELLED", outcomes
+    exprs = dashboard_exprs()
+    assert len(exprs) > 30
+    deadline = time.monotonic() + DATA_DEADLINE_S  # the load's last counts reach two scrapes (rate())
+    while (missing := _missing_data(prometheus, exprs)) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    assert not missing, "dashboard queries without data:\n" + "\n".join(missing) + f"\n(load: {outcomes})"
+
+
+def test_every_alert_rule_parses_and_is_loaded_healthy(live):
+    prometheus, _, _ = live
+    for name, expr in alert_exprs():
+        answer = prometheus.query(expr)
+        assert answer.get("status") == "success", f"{name}: {expr}: {answer.get('error')}"
+    deadline = time.monotonic() + 10
+    while True:
+        rules = [r for g in prometheus.get("/api/v1/rules")["data"]["groups"] for r in g["rules"]]
+        unhealthy = [(r["name"], r.get("health"), r.get("lastError")) for r in rules if r.get("health") != "ok"]
+        if not unhealthy or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert {r["name"] for r in rules} == {name for name, _ in alert_exprs()}
+    assert not unhealthy, unhealthy
+    firing = prometheus.query('ALERTS{alertname=~"OmnistageStageDown|OmnistageStageFailed|OmnistageMemoryOverBudget"}')
+    assert firing["data"]["result"] == [], firing  # a healthy pipeline under light load raises none of these
+
+
+def test_every_exported_metric_is_documented_and_passes_promtool(live, check_metrics):
+    _, targets, _ = live
+    documented = set(re.findall(r"`(omnistage_[a-z0-9_]+)`", DOCS.read_text()))
+    undocumented = {}
+    for name, port in targets.items():
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        check_metrics(text)
+        families = {f for f in re.findall(r"^# TYPE (omnistage_[a-z0-9_]+) ", text, re.M)
+                    if not f.endswith("_created")}  # prometheus_client's creation timestamps
+        if families - documented:  # the text format names a counter's family with its _total
+            undocumented[name] = sorted(families - documented)
+    assert not undocumented, f"exported but not in docs/metrics.md: {undocumented}"

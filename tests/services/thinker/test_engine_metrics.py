@@ -1,0 +1,69 @@
+"""The thinker engine's metrics count what the engine did: tokens, requests, preemptions, latencies."""
+
+from __future__ import annotations
+
+import random
+
+from engine_fakes import make_fake_engine
+from omnistage.common import metrics
+from omnistage.services.thinker.engine.sequence import SamplingParams
+from omnistage.services.thinker.engine_metrics import EngineMetrics
+from prometheus_client import REGISTRY, Histogram
+
+
+def _value(name: str, service: str, **labels) -> float:
+    return REGISTRY.get_sample_value(name, {"service": service, **labels}) or 0.0
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(32, 128) for _ in range(rng.randrange(3, 60))] for _ in range(n)]
+
+
+def test_tokens_requests_and_latencies_are_counted_once_each():
+    engine = make_fake_engine(block_size=8, max_model_len=256, max_num_batched_tokens=64, num_kv_blocks=24)
+    engine.stats = EngineMetrics("thinker-m1", engine)
+    prompts = _prompts(12)
+    engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    svc = "thinker-m1"
+    assert _value("omnistage_thinker_prompt_tokens_total", svc) == sum(len(p) for p in prompts)
+    assert _value("omnistage_thinker_generated_tokens_total", svc) == 12 * 10
+    assert _value("omnistage_thinker_requests_total", svc, finish_reason="length") == 12
+    assert _value("omnistage_thinker_queue_time_seconds_count", svc) == 12
+    assert _value("omnistage_thinker_ttft_seconds_count", svc) == 12
+    assert _value("omnistage_thinker_inter_token_latency_seconds_count", svc) == 12 * 9
+    assert _value("omnistage_thinker_e2e_seconds_count", svc) == 12
+    assert _value("omnistage_thinker_preemptions_total", svc) > 0  # 24 blocks of 8 for 12 requests
+    assert _value("omnistage_thinker_kv_blocks_capacity", svc) == 24
+    assert _value("omnistage_thinker_kv_blocks_used", svc) == 0  # all freed again
+    assert _value("omnistage_thinker_running_requests", svc) == 0
+    assert _value("omnistage_thinker_waiting_requests", svc) == 0
+
+
+def test_state_gauges_read_the_engine_and_an_abort_ends_the_request():
+    engine = make_fake_engine(block_size=8, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=2)
+    engine.stats = EngineMetrics("thinker-m2", engine)
+    svc = "thinker-m2"
+    for i, p in enumerate(_prompts(3)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=50, ignore_eos=True))
+    assert _value("omnistage_thinker_waiting_requests", svc) == 3
+    engine.step()
+    assert _value("omnistage_thinker_running_requests", svc) == 2
+    assert _value("omnistage_thinker_waiting_requests", svc) == 1
+    assert _value("omnistage_thinker_kv_blocks_used", svc) > 0
+    engine.abort("r2")  # never admitted: it ends without a token
+    assert _value("omnistage_thinker_requests_total", svc, finish_reason="abort") == 1
+    assert _value("omnistage_thinker_e2e_seconds_count", svc) == 1
+    assert _value("omnistage_thinker_queue_time_seconds_count", svc) == 2
+
+
+def test_observe_many_equals_repeated_observe():
+    one = Histogram("omnistage_test_observe_one_seconds", "t", buckets=metrics.FINE_BUCKETS_S, registry=None)
+    many = Histogram("omnistage_test_observe_many_seconds", "t", buckets=metrics.FINE_BUCKETS_S, registry=None)
+    for value, count in [(0.003, 5), (0.2, 1), (42.0, 3), (0.0, 2)]:
+        for _ in range(count):
+            one.observe(value)
+        metrics.observe_many(many, value, count)
+    samples = [[(s.name.replace("one", "x"), s.labels, s.value) for s in m.collect()[0].samples
+                if not s.name.endswith("_created")] for m in (one, many)]  # fmt: skip
+    assert samples[0] == [(n.replace("many", "x"), lab, v) for n, lab, v in samples[1]]
