@@ -219,6 +219,11 @@ class TalkerStream:
     async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
         try:
             await call.write(talker_pb2.SpeakRequest(config=self.choice.config(self.request_id)))
+            # No text before the talker's verdict on the config: a write racing its refusal makes grpc
+            # report INTERNAL "Internal error from Core" instead of the talker's status (4 % of calls).
+            await self.accepted.wait()
+            if call.done():
+                return
             while True:
                 await self.text.wake.wait()
                 ended, text = self.text.ended, self.text.take()
