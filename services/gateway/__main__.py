@@ -190,6 +190,9 @@ class _Stages:
 
     async def _encoder_up(self) -> None:
         await self._needs_thinker("the media warm-up")
+        desc = await self.servicer.media.encoder.describe()  # 0: it reports no request cap (its batcher decides)
+        if desc is not None:
+            self.servicer.gates["encoder"].set_capacity(desc.limits.max_running_requests)
         await self._through(self.servicer.media.encoder, _warm_up_media(self.servicer))
 
     async def _talker_up(self) -> None:
@@ -203,6 +206,8 @@ class _Stages:
         desc = await images.client.describe()
         g = self.cfg.services_of("imagegen")[0]
         images.limits = ImageLimits.of(g.imagegen, desc.limits if desc is not None else None)
+        gate = images.limits.gate()
+        self.servicer.gates["imagegen"].set_capacity(gate.max_running, gate.max_waiting)
         await self._through(images.client, _warm_up_image(self.servicer))
 
     @staticmethod
@@ -249,8 +254,8 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         speech=_speech_stage(cfg, svc) if cfg.services_of("talker") else None,
         images=images,
         converse=_converse_limits(cfg, svc),
-        thinker_gate=StageGate("thinker", GateConfig(0, gw.admission_max_waiting, gw.admission_initial_service_s),
-                               svc.name),
+        gates={stage: StageGate(stage, GateConfig(0, gw.admission_max_waiting, gw.admission_initial_service_s), svc.name)
+               for stage in ("thinker", "encoder", "imagegen") if stage in deployed},
         service=svc.name,
     )
     stages = _Stages(runtime, cfg, svc, servicer,

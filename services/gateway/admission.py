@@ -1,23 +1,24 @@
 """Admission by capacity: a request enters a stage only when the stage has room for it in time.
 
-Each stage the gateway calls has a `StageGate`: the number of requests the stage runs at once (what
-its start-up stress proved, read from its Describe), the requests this gateway has in it now, and a
-bounded FIFO of requests waiting for a slot. Arrivals are judged at once against the request's
-deadline with the measured service time of the stage (an exponentially weighted mean of how long
-requests held a slot): when the estimated wait plus service time does not fit, or the waiting room is
-full, the request is refused now with RESOURCE_EXHAUSTED and a `grpc-retry-pushback-ms` hint instead of
-waiting to time out. Admitted requests therefore finish in time, and goodput stays near capacity under
-any overload (a queue that accepts what it cannot finish collapses goodput to zero).
+Each stage the gateway calls has a `StageGate` (adding a stage means declaring its capacity): the
+number of requests the stage runs at once (what its start-up stress proved, read from its Describe),
+the requests this gateway has in it now, and a bounded FIFO of requests waiting for a slot. Arrivals
+are judged at once against the request's deadline over every gated stage on its path (`check_path`),
+with the measured service time of each (an exponentially weighted mean of how long requests held a
+slot): when the estimated waits plus service times do not fit, or a waiting room is full, the request
+is refused now with RESOURCE_EXHAUSTED and a `grpc-retry-pushback-ms` hint instead of waiting to time
+out. Admitted requests therefore finish in time, and goodput stays near capacity under any overload
+(a queue that accepts what it cannot finish collapses goodput to zero).
 
 The gateway is the only client of its stages, so its own count of requests in a stage is the stage's
-load; the stage's own bounded queue remains the backstop.
+load; the stage's own bounded queue remains the backstop. The talker is not gated here: a spoken
+answer it has no stream for is still answered in text, its audio refused (speech.py's credits).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -50,6 +51,7 @@ class StageGate:
         self.cfg = cfg
         self.running = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._starts: list[float] = []  # when each running request got its slot (monotonic s)
         self.service_s = cfg.initial_service_s
         self.finished = 0
         self.refused = 0
@@ -65,48 +67,59 @@ class StageGate:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    def set_capacity(self, max_running: int) -> None:
+    def set_capacity(self, max_running: int, max_waiting: int | None = None) -> None:
         """The stage's capacity changed (read again after a restart); waiters take new slots at once."""
-        self.cfg = GateConfig(max_running, self.cfg.max_waiting, self.cfg.initial_service_s)
+        waiting = self.cfg.max_waiting if max_waiting is None else max_waiting
+        self.cfg = GateConfig(max_running, waiting, self.cfg.initial_service_s)
         self._wake()
 
     def has_room(self) -> bool:
         return not self.cfg.max_running or (self.running < self.cfg.max_running and not self._waiters)
 
     def estimated_wait_s(self, ahead: int | None = None) -> float:
-        """Seconds until a request arriving now (behind `ahead` waiters) gets a slot: the running and
-        waiting requests drain `max_running` at a time, each taking the mean service time."""
+        """Seconds until a request arriving now (behind `ahead` waiters) gets a slot. Each running
+        request is expected to hold its slot for the mean service time from when it started (one that
+        has held it longer is expected to end any moment); the freed slots go to the waiters in order,
+        and each slot serves one request per service time after that."""
         if not self.cfg.max_running:
             return 0.0
         ahead = self.waiting if ahead is None else ahead
-        if self.running < self.cfg.max_running and ahead == 0:
+        free = self.cfg.max_running - self.running
+        if ahead < free:
             return 0.0
-        # Each wave of `max_running` requests takes service_s; the running ones count as just started
-        # (a burst arrives at once): an admitted request is never promised more than it gets.
-        waves = math.ceil((ahead + 1) / self.cfg.max_running)
-        return self.service_s * waves
+        now = time.monotonic()
+        ends = sorted(max(0.0, self.service_s - (now - t)) for t in self._starts)
+        ends += [self.service_s] * (self.running - len(ends))  # handed to a waiter, not started yet
+        wave, i = divmod(ahead - max(free, 0), self.cfg.max_running)
+        return (ends[i] if i < len(ends) else 0.0) + wave * self.service_s
 
     def check(self, remaining_s: float | None, work_s: float = 0.0) -> float:
         """Refuse now (Overloaded) when a request with `remaining_s` to its deadline cannot get a slot
         and `work_s` more of service in time; returns the estimated wait."""
+        wait = self.check_room()
+        if wait and remaining_s is not None and wait + max(work_s, self.service_s) > remaining_s:
+            raise self._late(wait, max(work_s, self.service_s), remaining_s)
+        return wait
+
+    def check_room(self) -> float:
+        """Refuse now when the waiting room is full; else the estimated wait for a slot."""
         wait = self.estimated_wait_s()
-        if wait == 0.0:
-            return wait
-        hint = max(1, int(wait * 1000))
-        if self.waiting >= self.cfg.max_waiting:
+        if wait and self.waiting >= self.cfg.max_waiting:
             self.refused += 1
             raise Overloaded(
                 f"{self.stage}: {self.running} requests running and {self.waiting} waiting, its limit; "
-                f"retry in about {wait:.1f}s", retry_after_ms=hint, reason=f"{self.stage}_queue_full",
-            )  # fmt: skip
-        if remaining_s is not None and wait + max(work_s, self.service_s) > remaining_s:
-            self.refused += 1
-            raise Overloaded(
-                f"{self.stage}: at capacity ({self.running} running, {self.waiting} waiting); the estimated "
-                f"wait {wait:.1f}s plus {max(work_s, self.service_s):.1f}s of service exceeds the "
-                f"{remaining_s:.1f}s left to the deadline", retry_after_ms=hint, reason=f"{self.stage}_deadline",
+                f"retry in about {wait:.1f}s", retry_after_ms=max(1, int(wait * 1000)),
+                reason=f"{self.stage}_queue_full",
             )  # fmt: skip
         return wait
+
+    def _late(self, wait: float, work_s: float, remaining_s: float, path: str = "") -> Overloaded:
+        self.refused += 1
+        return Overloaded(
+            f"{self.stage}: at capacity ({self.running} running, {self.waiting} waiting); the estimated wait "
+            f"{wait:.1f}s plus {work_s:.1f}s of service{path} exceeds the {remaining_s:.1f}s left to the "
+            f"deadline", retry_after_ms=max(1, int(wait * 1000)), reason=f"{self.stage}_deadline",
+        )  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def slot(self, remaining_s: float | None) -> AsyncIterator[None]:
@@ -115,9 +128,11 @@ class StageGate:
         await self._acquire(remaining_s)
         started = time.monotonic()
         self._wait.observe(started - arrived)
+        self._starts.append(started)
         try:
             yield
         finally:
+            self._starts.remove(started)
             self._release(time.monotonic() - started)
 
     async def _acquire(self, remaining_s: float | None) -> None:
@@ -154,3 +169,19 @@ class StageGate:
             if not fut.done():
                 self.running += 1
                 fut.set_result(None)
+
+
+def check_path(gates: list[StageGate], remaining_s: float | None) -> None:
+    """A request that passes `gates` one after another (encoder, thinker, image stage): refused now
+    when a waiting room on its path is full, or when one of them has to wait and the sum of every
+    stage's estimated wait and service time does not fit in the `remaining_s` to its deadline (the
+    stage that makes it wait longest is named). Each slot is judged again when it is taken."""
+    waits = [(gate.check_room(), gate) for gate in gates]
+    if remaining_s is None or not any(wait for wait, _ in waits):
+        return
+    total = sum(wait + gate.service_s for wait, gate in waits)
+    if total > remaining_s:
+        wait, worst = max(waits, key=lambda wg: wg[0])
+        others = total - wait - worst.service_s
+        path = f" (and {others:.1f}s at the other stages of its path)" if others > 0 else ""
+        raise worst._late(wait, worst.service_s, remaining_s, path)

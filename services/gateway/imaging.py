@@ -29,8 +29,9 @@ from pathlib import Path
 import grpc
 from omnistage.common.config import ImageGenConfig
 from omnistage.common.log import get_logger
-from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
+from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.transport import TransportContext, TransportError
+from omnistage.services.gateway.admission import GateConfig
 from omnistage.services.gateway.stages import ImageGenClient, StageError
 from omnistage.services.gateway.validation import MediaPart, PlannedRequest
 from omnistage.v1 import common_pb2, control_pb2, imagegen_pb2, omni_pb2, tensor_pb2, thinker_pb2
@@ -56,11 +57,10 @@ class ImageLimits:
     max_batch: int = 1  # requests denoising at once (the stage's stress-tested cap)
     max_queued: int = 64  # requests the stage lets wait for a denoising slot
 
-    @property
-    def max_in_flight(self) -> int:
-        """Image requests the gateway runs at once: more would only be refused by the stage after the
-        thinker has done their prefill."""
-        return self.max_batch + self.max_queued
+    def gate(self) -> GateConfig:
+        """The gateway's admission to the stage: `max_batch` at once, `max_queued` waiting (more would
+        only be refused by the stage after the thinker has done their prefill)."""
+        return GateConfig(self.max_batch, self.max_queued)
 
     @classmethod
     def of(cls, cfg: ImageGenConfig, limits: control_pb2.Limits | None) -> ImageLimits:
@@ -172,7 +172,8 @@ def _public_details(details: str, image: ImagePlan) -> str:
 
 
 class ImageStage:
-    """The gateway's side of the image stage: options, admission, the ImageGen call, lease releases."""
+    """The gateway's side of the image stage: options, the ImageGen call, lease releases (admission:
+    the servicer's `imagegen` gate, sized by `ImageLimits.gate`)."""
 
     def __init__(self, client: ImageGenClient, transport: TransportContext, limits: ImageLimits, *,
                  allow_cuda_ipc: bool = False) -> None:  # fmt: skip
@@ -181,26 +182,12 @@ class ImageStage:
         self.limits = limits
         # ImageGen runs on a GPU: hidden states made on the thinker's GPU may stay there (CUDA IPC).
         self.allow_cuda_ipc = allow_cuda_ipc
-        self.in_flight = 0
 
     def plan(self, request: omni_pb2.GenerateRequest, plan: PlannedRequest) -> ImagePlan:
         return plan_image(request, plan, self.limits)
 
     def hidden_states_request(self) -> thinker_pb2.HiddenStatesRequest:
         return thinker_pb2.HiddenStatesRequest(allow_cuda_ipc=self.allow_cuda_ipc)
-
-    def admit(self) -> None:
-        """Count one image request in, or RESOURCE_EXHAUSTED before any stage runs; `done()` counts it out."""
-        if self.in_flight >= self.limits.max_in_flight:
-            raise Overloaded(
-                f"{STAGE}: {self.in_flight} image requests in flight, the image stage takes {self.limits.max_in_flight} "
-                f"({self.limits.max_batch} denoising + {self.limits.max_queued} waiting)", retry_after_ms=1000,
-                reason="imagegen_full",
-            )  # fmt: skip
-        self.in_flight += 1
-
-    def done(self) -> None:
-        self.in_flight -= 1
 
     async def reference_bytes(self, image: ImagePlan, paths: dict[str, Path]) -> bytes:
         """The edited part's bytes (read from `gateway.media_dir` for a path); b"" without an edit."""

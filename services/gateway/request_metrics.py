@@ -18,7 +18,8 @@ from omnistage.common.runtime.errors import Overloaded
 from omnistage.v1 import common_pb2, omni_pb2
 
 # Refusals (RESOURCE_EXHAUSTED at arrival) the gateway makes itself; `stage` for a stage's own refusal.
-REFUSAL_REASONS = ("gateway_full", "thinker_queue_full", "thinker_deadline", "imagegen_full", "stage")
+REFUSAL_REASONS = ("gateway_full", *(f"{stage}_{why}" for stage in ("thinker", "encoder", "imagegen")
+                                      for why in ("queue_full", "deadline")), "stage")
 _MODALITY_NAMES = {omni_pb2.MODALITY_TEXT: "text", omni_pb2.MODALITY_AUDIO: "audio", omni_pb2.MODALITY_IMAGE: "image"}
 
 
@@ -43,7 +44,7 @@ class GatewayMetrics:
         self.goodput = metrics.counter("gateway_goodput_requests", "Omni.Generate requests that ended OK (finish "
                                        "not ERROR) within their deadline, by output modalities", ("modality",))
         refusals = metrics.counter("gateway_refusals", "Requests refused with RESOURCE_EXHAUSTED, by reason "
-                                   "(gateway_full, <stage>_queue_full, <stage>_deadline, imagegen_full, stage)",
+                                   "(gateway_full, <stage>_queue_full, <stage>_deadline, stage)",
                                    ("reason",))  # fmt: skip
         self.refusals = {r: refusals.labels(service, r) for r in REFUSAL_REASONS}
         self.tokens = metrics.counter("gateway_streamed_tokens", "Text tokens streamed to clients, by method",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
-from omnistage.services.gateway.admission import GateConfig, StageGate
+from omnistage.services.gateway.admission import GateConfig, StageGate, check_path
 from omnistage.services.gateway.converse import Conversation, ConverseLimits
 from omnistage.services.gateway.imaging import ImagePlan, ImageStage
 from omnistage.services.gateway.media import MediaStage, thinker_items
@@ -72,13 +72,17 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         speech: SpeechStage | None = None,
         images: ImageStage | None = None,
         converse: ConverseLimits = ConverseLimits(),
-        thinker_gate: StageGate | None = None,
+        gates: dict[str, StageGate] | None = None,
         service: str = "gateway",
     ) -> None:
         self.thinker = thinker
         self.metrics = GatewayMetrics(service)
-        # Admission by the thinker's capacity (its stress-tested max_num_seqs, from Describe).
-        self.thinker_gate = thinker_gate or StageGate("thinker", GateConfig())
+        # Admission by capacity: a gate per stage (thinker, encoder, imagegen) with what its Describe
+        # says it runs at once; a request is checked against every gate on its path at arrival.
+        self.gates = gates or {}
+        self.gates.setdefault("thinker", StageGate("thinker", GateConfig(), service))
+        if images is not None:  # what the image stage denoises at once, and lets wait (its Describe)
+            self.gates.setdefault("imagegen", StageGate("imagegen", images.limits.gate(), service))
         self.media = media  # None: no encoder (media parts get FAILED_PRECONDITION)
         self.speech = speech  # None: no talker (MODALITY_AUDIO and Converse get FAILED_PRECONDITION)
         self.images = images  # None: no image stage (MODALITY_IMAGE gets FAILED_PRECONDITION)
@@ -113,9 +117,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             )
         if spoken and self.speech is None:
             raise StageUnavailable("output_modalities: the 'talker' stage is not available", retryable=False)
-        self._admit(context)
-        if image is not None:
-            self.images.admit()
+        self._admit(context, [*(["encoder"] if plan.media else []), "thinker", *(["imagegen"] if image else [])])
         self.in_flight += 1
         try:
             finish: omni_pb2.GenerateEvent | None = None
@@ -146,8 +148,6 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             yield finish
         finally:
             self.in_flight -= 1
-            if image is not None:
-                self.images.done()
 
     def _plan_image(self, request: omni_pb2.GenerateRequest, plan: PlannedRequest) -> ImagePlan | None:
         """The checked image options of a MODALITY_IMAGE request; None without one."""
@@ -166,7 +166,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         speech when `choice` is set), then the finish."""
         encoded: list[encoder_pb2.EncodedItem] = []
         if plan.media:
-            encoded = await self.media.encode(plan.request_id, plan.media, paths, context.time_remaining())
+            encoded = await self._encode(plan, paths, context)
         handed_over = False  # the thinker's `started`: from then on the leases are its business
         events = self._thinker_events(plan, encoded, context)
         if choice is not None:
@@ -192,7 +192,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         reference = await self.images.reference_bytes(image, paths)
         encoded: list[encoder_pb2.EncodedItem] = []
         if plan.media:
-            encoded = await self.media.encode(plan.request_id, plan.media, paths, context.time_remaining())
+            encoded = await self._encode(plan, paths, context)
         handed_over = False
         try:
             hidden = self._thinker_stream(plan, encoded, context, self.images.hidden_states_request())
@@ -204,7 +204,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                         handed_over = handed_over or ev.WhichOneof("event") == "started"
                         yield ev
 
-            async with contextlib.aclosing(thinker_events()) as stream:
+            async with contextlib.aclosing(thinker_events()) as stream, \
+                    self.gates["imagegen"].slot(context.time_remaining()):
                 events = self.images.events(plan.request_id, image, stream, reference, usage,
                                             context.time_remaining)  # fmt: skip
                 async with contextlib.aclosing(events) as image_events:
@@ -246,13 +247,24 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         if not finished:
             raise StageUnavailable("thinker: stream ended without a finish event")
 
-    def _admit(self, context) -> None:
+    @property
+    def thinker_gate(self) -> StageGate:
+        return self.gates["thinker"]
+
+    async def _encode(self, plan: PlannedRequest, paths: dict[str, Path], context) -> list[encoder_pb2.EncodedItem]:
+        """The request's media through the encoder, in a slot of its gate."""
+        gate = self.gates.get("encoder")
+        async with gate.slot(context.time_remaining()) if gate else contextlib.nullcontext():
+            return await self.media.encode(plan.request_id, plan.media, paths, context.time_remaining())
+
+    def _admit(self, context, stages: list[str]) -> None:
         """Refuse at arrival (RESOURCE_EXHAUSTED with a retry hint) what cannot finish in time: the
-        gateway's bound of requests, then the thinker's capacity against the request's deadline."""
+        gateway's bound of requests, then the capacity of every gated stage on the request's path
+        against its deadline."""
         if self.in_flight >= self.max_concurrent_requests:
             raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200,
                              reason="gateway_full")  # fmt: skip
-        self.thinker_gate.check(context.time_remaining())
+        check_path([self.gates[s] for s in stages if s in self.gates], context.time_remaining())
 
     def _check_media_tokens(self, plan: PlannedRequest, encoded: list[encoder_pb2.EncodedItem]) -> None:
         """Media alone longer than the thinker's context: refused here, before the thinker is called."""
@@ -274,7 +286,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                         ) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
         conversation = Conversation(self, context)
         config = await conversation.open(request_iterator)  # checks before the call counts as in flight
-        self._admit(context)
+        self._admit(context, ["thinker"])
         self.in_flight += 1
         try:
             async for event in conversation.run(config):

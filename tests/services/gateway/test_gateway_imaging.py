@@ -382,7 +382,7 @@ def test_a_cancel_mid_denoise_cancels_the_imagegen_stream(tmp_path, producer):
             assert steps < 10
             await asyncio.sleep(0.2)
             assert imagegen.steps_run == steps  # nothing runs on
-            assert gw.images.in_flight == 0 and gw.servicer.in_flight == 0
+            assert gw.servicer.gates["imagegen"].running == 0 and gw.servicer.in_flight == 0
             assert leases(producer) == 0
 
     run(scenario())
@@ -399,7 +399,7 @@ def test_a_cancel_during_the_thinker_closes_its_stream_and_calls_no_imagegen(tmp
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert thinker.closed_early == 1 and not imagegen.requests  # the thinker stream closed (aborts there)
-            assert gw.images.in_flight == 0 and leases(producer) == 0
+            assert gw.servicer.gates["imagegen"].running == 0 and leases(producer) == 0
 
     run(scenario())
 
@@ -408,9 +408,13 @@ def test_image_requests_beyond_what_the_stage_takes_are_refused_before_the_think
     async def scenario():
         thinker = FakeThinker(producer)
         async with Gateway(thinker, FakeImageGen(), tmp_path) as gw:
-            gw.images.in_flight = LIMITS.max_in_flight
-            with pytest.raises(Overloaded, match=r"^imagegen: 4 image requests in flight, the image stage takes 4"):
-                await gw.events(request())
+            gate = gw.servicer.gates["imagegen"]
+            assert (gate.cfg.max_running, gate.cfg.max_waiting) == (LIMITS.max_batch, LIMITS.max_queued)
+            gate.running = LIMITS.max_batch  # every denoising slot taken...
+            gate._waiters.extend(asyncio.get_running_loop().create_future() for _ in range(LIMITS.max_queued))
+            with pytest.raises(Overloaded, match=r"^imagegen: \d+ requests running and \d+ waiting, its limit") as err:
+                await gw.events(request())  # ...and its waiting room full: refused before the thinker runs
+            assert err.value.reason == "imagegen_queue_full"
             assert not thinker.calls
 
     run(scenario())
