@@ -109,7 +109,7 @@ class Pipeline(ServeProcess):
 
     def shm_decodes(self) -> float:
         """Tensors the thinker (rank 0) decoded from shared memory."""
-        return metric(self.thinker_metrics, 'omnistage_transport_tensors_total{direction="decode",path="shm"}', 0.0)
+        return metric(self.thinker_metrics, 'omnistage_transport_tensors_total{direction="decode",path="shm",service="thinker"}', 0.0)
 
     def leases(self) -> float:
         return metric(self.encoder_metrics, "omnistage_encoder_leases_active{")
