@@ -7,7 +7,6 @@ machine is: the gate's service time is set as if measured.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -129,28 +128,6 @@ def test_a_request_whose_wait_and_service_do_not_fit_its_deadline_is_refused_wit
                 gate.check(3.5)
             assert "exceeds the 3.5s left to the deadline" in str(refused.value)
             assert 1900 <= refused.value.retry_after_ms <= 2000 and gate.refused == 1
-
-    asyncio.run(main())
-
-
-def test_a_request_running_for_a_while_frees_its_slot_sooner():
-    """The wait counts from when the running requests started: in a steady stream they are half done
-    on average, so a waiter is not promised a whole service time per wave (which refused work that
-    would have finished in time)."""
-
-    async def main():
-        gate = StageGate("thinker", GateConfig(max_running=2, max_waiting=8))
-        gate.service_s = 4.0
-        gate.running = 2
-        mono = time.monotonic()
-        gate._starts[:] = [mono - 3.0, mono - 1.0]  # running 3 s and 1 s: expected to end in 1 s and 3 s
-        assert gate.estimated_wait_s(0) == pytest.approx(1.0, abs=0.1)  # the first slot to free
-        assert gate.estimated_wait_s(1) == pytest.approx(3.0, abs=0.1)
-        assert gate.estimated_wait_s(2) == pytest.approx(5.0, abs=0.1)  # a wave later: 1 s + 4 s
-        gate.check(5.5)  # 1 s wait + 4 s service fit
-        gate._starts[:] = [mono, mono]  # both just started (a burst): a whole service time
-        with pytest.raises(Overloaded):
-            gate.check(5.5)
 
     asyncio.run(main())
 
