@@ -108,6 +108,32 @@ def test_cancel_leaves_the_loop_and_frees_the_slot(pipeline):
     assert isinstance(asyncio.run(run())[-1], ImageResult)
 
 
+def test_a_request_that_leaves_while_waiting_for_a_slot_never_reaches_the_device(pipeline, monkeypatch):
+    """The caller's cancel also cancelled the future its holder was to fulfil; the holder went on
+    waiting, took the slot when it came free, handed the job to the device thread anyway and let go of
+    the slot at once (more than the tested batch could run)."""
+    async def run():
+        async with _engine(pipeline, cap=1) as engine:
+            submitted = []
+            real_submit = engine.batcher.submit
+            monkeypatch.setattr(engine.batcher, "submit", lambda job: (submitted.append(job), real_submit(job)))
+            first = engine.generate(_parsed(2000, seed=1), timeout_s=60)  # holds the slot well past the cancel
+            await anext(first)
+            second = asyncio.create_task(_collect(engine, _parsed(2, seed=2)))
+            await _wait_until(lambda: engine.waiting == 1, "the second request to wait for the slot")
+            second.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            await _wait_until(lambda: engine.waiting == 0, "the waiting request to be gone")
+            assert engine.limiter.in_use == 1
+            await first.aclose()
+            await _wait_until(lambda: engine.load() == (0, 0) and engine.limiter.in_use == 0, "an idle engine")
+            await asyncio.sleep(0.1)  # a holder left behind would take the free slot now
+            return len(submitted), engine.load()
+
+    assert asyncio.run(run()) == (1, (0, 0))
+
+
 def test_full_service_refuses(pipeline):
     async def run():
         async with _engine(pipeline, cap=1, service="imagegen-full", max_queued_requests=0,
