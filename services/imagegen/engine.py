@@ -91,6 +91,10 @@ class ImageGenEngine:
         waiting.labels(self.service).set_function(lambda: self.waiting)
         for name in _COUNTERS:  # exported at 0 from the start: rate() sees the first increase
             _counter(name).labels(self.service)
+        # from now on (after the warm-up): clients' requests only
+        self.batcher.on_admit = metrics.histogram(
+            "imagegen_queue_time_seconds", "Time a request waited in the image stage: its arrival in the engine "
+            "(parsed) to the device thread taking it into the denoising loop").labels(self.service).observe
 
     def _count_forward(self, jobs: int, rows: int) -> None:
         _counter("imagegen_forwards", "DiT forwards run (one per step of a group of equal-shape requests)"
