@@ -94,6 +94,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         )
     )
     engine.export_lease_gauges()
+    engine.export_queue_time()
 
     def memory() -> list[control_pb2.MemoryReport]:
         report = prof.memory_report(mem, models.weights_bytes, cuda_pool_bytes)

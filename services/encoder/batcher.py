@@ -5,7 +5,9 @@ stress proved to fit), then queues. One device thread takes everything queued fo
 (oldest modality first) and runs it as one forward, so at most `limit` items of a modality are ever
 in a forward, and the two modalities never run at once (their stress peaks were measured apart).
 A slot is held until the item's forward has finished, even when its caller gave up, so a cancelled
-request can never let more than the tested batch onto the device.
+request can never let more than the tested batch onto the device. `on_queued(seconds)` hears, as
+each item's forward starts, how long it waited since `submit` (slot wait + queue); a skipped
+(cancelled) item is never reported.
 """
 
 from __future__ import annotations
@@ -41,10 +43,16 @@ def batch_size_histogram():
                              buckets=(1, 2, 4, 8, 16, 32, 64))
 
 
+def queue_time_histogram():
+    return metrics.histogram("encoder_queue_time_seconds", "Time an item waited in the encoder: its arrival "
+                             "in the batcher (slot wait included) to the start of the forward that encodes it")
+
+
 @dataclass(eq=False)
 class _Entry:
     item: Any
     future: asyncio.Future
+    arrived: float  # submit() called: before the slot wait
     enqueued: float = field(default_factory=time.monotonic)
     cancelled: bool = False
 
@@ -58,6 +66,7 @@ class Batcher:
         self.limiters = {m: ConcurrencyLimiter(f"{service} {m}", limits[m]) for m in runners}
         self.batches = dict.fromkeys(runners, 0)
         self.largest_batch = dict.fromkeys(runners, 0)
+        self.on_queued: Callable[[float], None] | None = None  # metrics: set after the warm-up
         self._queues: dict[str, deque[_Entry]] = {m: deque() for m in runners}
         self._cv = threading.Condition()
         self._stopped = False
@@ -83,8 +92,9 @@ class Batcher:
     async def submit(self, modality: str, item: Any, timeout_s: float) -> Any:
         """Queue `item` once a slot is free (waits at most `timeout_s`: TimeoutError) and await its output."""
         assert self._loop is not None, "start() first"
+        arrived = time.monotonic()
         async with self.limiters[modality].slot(timeout_s):
-            entry = _Entry(item, self._loop.create_future())
+            entry = _Entry(item, self._loop.create_future(), arrived)
             with self._cv:
                 if self._stopped:
                     raise RuntimeError(f"{self.service}: batcher stopped")
@@ -117,6 +127,7 @@ class Batcher:
             live = [e for e in entries if not e.cancelled]
             outputs: Sequence[Any] | BaseException = []
             if live:
+                self._report_waits(live)
                 try:
                     outputs = self.runners[modality]([e.item for e in live])
                     self._count(modality, len(live))
@@ -129,6 +140,12 @@ class Batcher:
                 if e.cancelled and e not in live:
                     self._resolve(e, asyncio.CancelledError())
         self._fail_queued()
+
+    def _report_waits(self, entries: Sequence[_Entry]) -> None:
+        if self.on_queued is not None:
+            now = time.monotonic()
+            for e in entries:
+                self.on_queued(now - e.arrived)
 
     def _count(self, modality: str, n: int) -> None:
         self.batches[modality] += 1

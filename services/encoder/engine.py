@@ -23,7 +23,7 @@ from omnistage.common.log import get_logger
 from omnistage.common.runtime.errors import DeadlineExceeded, InvalidRequest, Overloaded
 from omnistage.common.transport import TransportContext, encode
 from omnistage.services.encoder import preprocess
-from omnistage.services.encoder.batcher import Batcher
+from omnistage.services.encoder.batcher import Batcher, queue_time_histogram
 from omnistage.services.encoder.items import (
     AudioInput,
     Grid,
@@ -122,6 +122,10 @@ class EncoderEngine:
         used = metrics.gauge("encoder_leased_bytes", "Bytes of the shm pool leased to consumers")
         active.labels(self.service).set_function(lambda: self.leases()[0])
         used.labels(self.service).set_function(lambda: self.leases()[1])
+
+    def export_queue_time(self) -> None:
+        """/metrics: each item's wait before its forward, from now on (after the warm-up: clients' items only)."""
+        self.batcher.on_queued = queue_time_histogram().labels(self.service).observe
 
     # -- forwards (device thread) ------------------------------------------------------------
 

@@ -91,6 +91,10 @@ class ImageGenEngine:
         waiting.labels(self.service).set_function(lambda: self.waiting)
         for name in _COUNTERS:  # exported at 0 from the start: rate() sees the first increase
             _counter(name).labels(self.service)
+        # from now on (after the warm-up): clients' requests only
+        self.batcher.on_admit = metrics.histogram(
+            "imagegen_queue_time_seconds", "Time a request waited in the image stage: its arrival in the engine "
+            "(parsed) to the device thread taking it into the denoising loop").labels(self.service).observe
 
     def _count_forward(self, jobs: int, rows: int) -> None:
         _counter("imagegen_forwards", "DiT forwards run (one per step of a group of equal-shape requests)"
@@ -142,7 +146,7 @@ class ImageGenEngine:
                     ended = True
                     raise ev.error
         finally:
-            if not admitted.done():
+            if not admitted.done() or admitted.cancelled():  # a cancelled caller's await cancels `admitted`
                 holder.cancel()
             elif not ended and not admitted.cancelled() and admitted.exception() is None:
                 job.cancel()  # the device thread has it: dropped at the next step boundary
@@ -161,9 +165,13 @@ class ImageGenEngine:
             admitted.set_exception(DeadlineExceeded(f"{self.service}: deadline passed before a denoising slot"))
             return
         self.waiting += 1
+        slotted = False
         try:
             async with self.limiter.slot(wait):
                 self.waiting -= 1
+                slotted = True
+                if admitted.done():  # the caller left while this waited: the job never reaches the device
+                    return
                 self.batcher.submit(job)
                 admitted.set_result(None)
                 await released
@@ -174,7 +182,7 @@ class ImageGenEngine:
             else:
                 admitted.set_exception(Overloaded(str(exc), retry_after_ms=1000))
         except asyncio.CancelledError:
-            if not admitted.done():
+            if not slotted:
                 self.waiting -= 1
             raise
         except BaseException as exc:  # noqa: BLE001 - the batcher stopped: the waiting request learns why

@@ -8,13 +8,16 @@ whatever step each one is at. After each step a job's `on_event(Progress)`; when
 decodes it (`Finished`); on an error, `Failed`. `on_release()` is called exactly once when the
 thread lets go of a job (finished, failed, dropped or the batcher stopped): only then may its slot
 be reused, so a cancelled request never lets more than the tested batch onto the device.
-No gRPC and no metrics here (benchmarks run it bare); `on_forward(requests, rows)` reports each forward.
+No gRPC and no metrics here (benchmarks run it bare); `on_forward(requests, rows)` reports each forward,
+`on_admit(seconds)` each job's wait from its creation to the thread taking it into the loop (once per
+job, before its preparation; a job dropped as cancelled is not reported).
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,6 +55,7 @@ class Job:
     on_release: Callable[[], None]
     cancelled: bool = False
     state: DenoiseState | None = None
+    created: float = field(default_factory=time.monotonic)  # the request's arrival: its queue time starts
     turn: int = field(default_factory=lambda: next(_order))  # lower: waited longer for a step
 
     def cancel(self) -> None:
@@ -64,10 +68,12 @@ class StepBatcher:
 
     def __init__(self, pipeline: ImagePipeline, *, name: str = "imagegen",
                  on_forward: Callable[[int, int], None] | None = None,
+                 on_admit: Callable[[float], None] | None = None,
                  on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.pipeline = pipeline
         self.name = name
         self.on_forward = on_forward
+        self.on_admit = on_admit
         # Called (on the device thread) when the thread dies of an error: the service fails.
         self.on_failure = on_failure
         self.forwards = 0
@@ -144,6 +150,8 @@ class StepBatcher:
             if job.cancelled:
                 self._drop(job)
                 continue
+            if self.on_admit is not None:
+                self.on_admit(time.monotonic() - job.created)
             try:
                 job.state = self.pipeline.prepare(job.spec)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on

@@ -24,7 +24,7 @@ from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.services.talker import startup
 from omnistage.services.talker.engine import TalkerEngine
-from omnistage.services.talker.metrics import StepMetrics, export_engine_gauges
+from omnistage.services.talker.metrics import StepMetrics, export_engine_gauges, export_queue_time
 from omnistage.services.talker.models.config import TALKER_DIR
 from omnistage.services.talker.models.loader import load_talker
 from omnistage.services.talker.runner import TalkerRunner
@@ -93,6 +93,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         max_running_requests=prof.max_streams, max_message_bytes=svc.max_message_bytes))
     runtime.set_load_provider(lambda: (limiter.in_use, engine.jobs_queued))
     export_engine_gauges(engine, svc.name)
+    export_queue_time(engine, svc.name)
 
     def memory() -> list[control_pb2.MemoryReport]:
         report = prof.memory_report(mem, models.weights_bytes, runner.cache_bytes)

@@ -7,7 +7,9 @@ device thread. All jobs in flight share each step: one LM forward (prefills run 
 one CFM sample, one aggregator and stop-head forward, one VAE forward. A job holds one cache slot
 from admission to its last chunk; a cancelled job is dropped at the next step boundary, its slot
 free again. Work that needs the device between steps (a custom voice's VAE encode) goes through
-`call`. A failing step fails the jobs in it, never the engine.
+`call`. A failing step fails the jobs in it, never the engine. `on_admit(seconds)` hears, once per
+job, how long it waited from `submit` to the step that first runs it (a job cancelled before that
+is never reported).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class SegmentJob:
     emit: Callable[[JobEvent], None]
     min_steps: int = 10
     cancelled: bool = False
+    queued: float = 0.0  # monotonic time of submit()
     # device-thread state
     slot: int = -1
     position: int = 0  # LM cache positions filled
@@ -72,9 +75,11 @@ class SegmentJob:
 
 class TalkerEngine:
     def __init__(self, runner: TalkerRunner, *, service: str = "talker", idle_wait_s: float = 0.5,
-                 on_step: Callable[[int, float], None] | None = None) -> None:
+                 on_step: Callable[[int, float], None] | None = None,
+                 on_admit: Callable[[float], None] | None = None) -> None:
         self.runner = runner
         self.on_step = on_step  # (segments in the step, seconds) after every step: metrics
+        self.on_admit = on_admit  # (seconds a job waited for its first step) once per job: metrics
         self.service = service
         self.idle_wait_s = idle_wait_s
         self._cv = threading.Condition()
@@ -113,6 +118,7 @@ class TalkerEngine:
         with self._cv:
             if self._stopped:
                 raise RuntimeError(f"{self.service}: engine stopped")
+            job.queued = time.monotonic()
             self._pending.append(job)
             self._cv.notify()
 
@@ -164,6 +170,10 @@ class TalkerEngine:
                 job.slot = self._free.pop()
                 self._active.append(job)
                 admitted.append(job)
+        if self.on_admit is not None and admitted:
+            now = time.monotonic()
+            for job in admitted:
+                self.on_admit(now - job.queued)
         return admitted
 
     def _release(self, job: SegmentJob) -> None:

@@ -1,5 +1,6 @@
-"""The talker's Prometheus metrics: per step (batch, time), per stream and voice (time to first audio,
-real-time factor, chunk gaps, underruns, seconds spoken), and the gauge of segments holding state."""
+"""The talker's Prometheus metrics: per step (batch, time), per segment (queue time), per stream and voice
+(time to first audio, real-time factor, chunk gaps, underruns, seconds spoken), and the gauge of
+segments holding state."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ class StepMetrics:
 def export_engine_gauges(engine: TalkerEngine, service: str) -> None:
     gauge = metrics.gauge("talker_active_jobs", "Segments holding talker state (LM/CFM/VAE) now, or queued for it")
     gauge.labels(service).set_function(lambda: engine.jobs_in_flight)
+
+
+def export_queue_time(engine: TalkerEngine, service: str) -> None:
+    """The engine's `on_admit` hook, from now on (after the warm-up: clients' segments only)."""
+    engine.on_admit = metrics.histogram("talker_queue_time_seconds", "Time a segment waited in the talker: "
+                                        "queued for the engine to its first talker step").labels(service).observe
 
 
 class SessionMetrics:

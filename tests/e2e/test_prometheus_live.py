@@ -2,8 +2,9 @@
 
 `omnistage serve` runs `deploy/local-tiny.yaml` (ports moved to free ones, CPU-small stress sizes);
 Debian's `prometheus` scrapes every service's /metrics each second and evaluates `alerts.yml`. Text,
-speech and image requests go through the gateway at once, with one the client cancels and one that
-is invalid. Then every expression of the Grafana dashboard must parse and return data, every alert
+speech, image-output and media-input (an image and an audio clip) requests go through the gateway at
+once, with one the client cancels and one that is invalid. Then every expression of the Grafana
+dashboard must parse and return data, every stage's queue-time histogram must have counted, every alert
 rule must parse and be loaded healthy, every service's /metrics must pass `promtool check metrics`,
 and every metric a service exports must be documented in docs/metrics.md. Without `prometheus` on
 PATH the test fails (`make test` installs it), as tests/deploy does.
@@ -12,6 +13,7 @@ PATH the test fails (`make test` installs it), as tests/deploy does.
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import json
 import re
 import shutil
@@ -19,12 +21,15 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+import wave
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import yaml
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
+from PIL import Image
 from serve_pipeline import ServeProcess, free_ports
 
 pytestmark = pytest.mark.timeout(300)
@@ -133,10 +138,37 @@ def _text(text: str, max_tokens: int = 8, **kw) -> omni_pb2.GenerateRequest:
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1), **kw)
 
 
+def _png(side: int = 48) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), (30, 120, 200)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _wav(seconds: float = 0.5, rate: int = 16000) -> bytes:
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(int(seconds * rate)) / rate) * 32767).astype(np.int16)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(tone.tobytes())
+    return buf.getvalue()
+
+
+def _media(max_tokens: int = 4) -> omni_pb2.GenerateRequest:
+    """Text with an image and an audio clip: the encoder's work (and its queue time)."""
+    parts = [omni_pb2.ContentPart(image=omni_pb2.Media(data=_png())), omni_pb2.ContentPart(audio=omni_pb2.Media(data=_wav())),
+             omni_pb2.ContentPart(text="What do you see and hear?")]  # fmt: skip
+    return omni_pb2.GenerateRequest(messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)],
+                                    sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1))
+
+
 def _send_load(gateway: str) -> dict[str, str]:
-    """A request the client cancels; then text, speech and image requests at once with an invalid one;
-    then a burst of text requests past the gateway's limit of 6. The outcome (status name) of each."""
+    """A request the client cancels; then text, speech, image and media-input requests at once with an
+    invalid one; then a burst of text requests past the gateway's limit of 6. The outcome (status name)
+    of each."""
     mixed = {
+        "media": _media(),
         "speech": _text("Say hello.", 12, output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO]),
         "image": _text("Draw a cat.", 4, output_modalities=[omni_pb2.MODALITY_IMAGE],
                        image=omni_pb2.ImageOptions(width=64, height=64, steps=2, seed=1)),
@@ -199,7 +231,7 @@ def _missing_data(prometheus: Prometheus, exprs: list[tuple[str, str]]) -> list[
 
 def test_every_dashboard_query_parses_and_returns_data(live):
     prometheus, _, outcomes = live
-    assert outcomes["speech"] == outcomes["image"] == outcomes["text-0"] == "OK", outcomes
+    assert outcomes["speech"] == outcomes["image"] == outcomes["media"] == outcomes["text-0"] == "OK", outcomes
     assert outcomes["invalid"] == "INVALID_ARGUMENT" and outcomes["cancelled"] == "CANCELLED", outcomes
     exprs = dashboard_exprs()
     assert len(exprs) > 30
@@ -207,6 +239,21 @@ def test_every_dashboard_query_parses_and_returns_data(live):
     while (missing := _missing_data(prometheus, exprs)) and time.monotonic() < deadline:
         time.sleep(1.0)
     assert not missing, "dashboard queries without data:\n" + "\n".join(missing) + f"\n(load: {outcomes})"
+
+
+def test_every_stage_counts_its_queue_time_under_the_load(live):
+    """The dashboard's queue-time panel shows real waits: each stage's histogram counted the load's
+    requests (its series exist at 0 from the start, so "data" alone would not tell)."""
+    prometheus, _, outcomes = live
+    stages = ("thinker", "encoder", "talker", "imagegen")
+    deadline = time.monotonic() + DATA_DEADLINE_S
+    while True:
+        counted = {s: prometheus.query(f"sum(omnistage_{s}_queue_time_seconds_count)")["data"]["result"] for s in stages}
+        empty = [s for s, r in counted.items() if not r or float(r[0]["value"][1]) == 0]
+        if not empty or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert not empty, f"no queue time counted by {empty} (load: {outcomes})"
 
 
 def test_every_alert_rule_parses_and_is_loaded_healthy(live):

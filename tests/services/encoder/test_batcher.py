@@ -161,3 +161,54 @@ def test_a_request_cancelled_during_the_hand_over_leaves_no_lease(tiny_encoders)
         return [r.WhichOneof("payload") for r in made]
 
     assert run_engine(tiny_encoders, body) == ["shm", "shm"]  # leased, then revoked unsent
+
+
+def _queue_time() -> tuple[float, float]:
+    """(count, sum) of the encoder's queue-time histogram of the test engine."""
+    labels = {"service": "enc-test"}
+    return (REGISTRY.get_sample_value("omnistage_encoder_queue_time_seconds_count", labels) or 0.0,
+            REGISTRY.get_sample_value("omnistage_encoder_queue_time_seconds_sum", labels) or 0.0)
+
+
+def test_queue_time_is_observed_once_per_item_with_its_wait_behind_the_running_forward(tiny_encoders):
+    async def body(engine):
+        engine.export_queue_time()
+        gate = _gated(engine)
+        before, started = _queue_time(), time.monotonic()
+        tasks = [asyncio.ensure_future(engine.encode([IMAGE]))]
+        await _until(gate.entered.is_set, "the first forward")
+        tasks += [asyncio.ensure_future(engine.encode([IMAGE, IMAGE]))]
+        await _until(lambda: engine.batcher.queued == 2, "two queued items")
+        queued_at = time.monotonic()
+        await asyncio.sleep(0.05)
+        gate.open()
+        opened_at = time.monotonic()
+        await asyncio.gather(*tasks)
+        return before, _queue_time(), opened_at - queued_at, time.monotonic() - started
+
+    before, after, held, elapsed = run_engine(tiny_encoders, body)
+    assert after[0] - before[0] == 3  # one observation per item, none per forward or per row
+    waited = after[1] - before[1]
+    assert 2 * held <= waited <= 3 * elapsed  # the two queued items waited at least while the gate was shut
+
+
+def test_an_item_cancelled_in_the_queue_leaves_no_queue_time(tiny_encoders):
+    async def body(engine):
+        engine.export_queue_time()
+        gate = _gated(engine)
+        before = _queue_time()
+        first = asyncio.ensure_future(engine.encode([IMAGE]))
+        await _until(gate.entered.is_set, "the first forward")
+        second = asyncio.ensure_future(engine.encode([IMAGE]))
+        await _until(lambda: engine.batcher.queued == 1, "one queued item")
+        (entry,) = engine.batcher._queues["vision"]
+        second.cancel()
+        await _until(lambda: entry.cancelled, "the cancellation to reach the queued item")
+        gate.open()
+        await first
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        return before, _queue_time()
+
+    before, after = run_engine(tiny_encoders, body)
+    assert after[0] - before[0] == 1  # only the item whose forward ran

@@ -1,12 +1,14 @@
 """ImageGenEngine + StepBatcher in one process (no gRPC): progress events == steps, requests of one
 shape join each other at step boundaries, a cancelled request leaves the loop and frees its slot, a
-full service refuses with RESOURCE_EXHAUSTED, a failed forward fails only its requests."""
+full service refuses with RESOURCE_EXHAUSTED, a failed forward fails only its requests; a request's
+queue time is observed once, as it enters the denoising loop, and never for one that left before."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import io
+import threading
 import time
 
 import pytest
@@ -108,6 +110,32 @@ def test_cancel_leaves_the_loop_and_frees_the_slot(pipeline):
     assert isinstance(asyncio.run(run())[-1], ImageResult)
 
 
+def test_a_request_that_leaves_while_waiting_for_a_slot_never_reaches_the_device(pipeline, monkeypatch):
+    """The caller's cancel also cancelled the future its holder was to fulfil; the holder went on
+    waiting, took the slot when it came free, handed the job to the device thread anyway and let go of
+    the slot at once (more than the tested batch could run)."""
+    async def run():
+        async with _engine(pipeline, cap=1) as engine:
+            submitted = []
+            real_submit = engine.batcher.submit
+            monkeypatch.setattr(engine.batcher, "submit", lambda job: (submitted.append(job), real_submit(job)))
+            first = engine.generate(_parsed(2000, seed=1), timeout_s=60)  # holds the slot well past the cancel
+            await anext(first)
+            second = asyncio.create_task(_collect(engine, _parsed(2, seed=2)))
+            await _wait_until(lambda: engine.waiting == 1, "the second request to wait for the slot")
+            second.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            await _wait_until(lambda: engine.waiting == 0, "the waiting request to be gone")
+            assert engine.limiter.in_use == 1
+            await first.aclose()
+            await _wait_until(lambda: engine.load() == (0, 0) and engine.limiter.in_use == 0, "an idle engine")
+            await asyncio.sleep(0.1)  # a holder left behind would take the free slot now
+            return len(submitted), engine.load()
+
+    assert asyncio.run(run()) == (1, (0, 0))
+
+
 def test_full_service_refuses(pipeline):
     async def run():
         async with _engine(pipeline, cap=1, service="imagegen-full", max_queued_requests=0,
@@ -169,3 +197,71 @@ def test_a_dead_device_thread_fails_held_requests_instead_of_leaving_them_waitin
 
     asyncio.run(run())
     assert len(failures) == 1 and "scheduling bug" in str(failures[0]), "the service was not told it failed"
+
+
+def _queue_time(service: str) -> tuple[float, float]:
+    labels = {"service": service}
+    return (REGISTRY.get_sample_value("omnistage_imagegen_queue_time_seconds_count", labels) or 0.0,
+            REGISTRY.get_sample_value("omnistage_imagegen_queue_time_seconds_sum", labels) or 0.0)
+
+
+def test_queue_time_is_observed_once_per_request_with_its_wait_for_a_slot(pipeline):
+    async def run():
+        async with _engine(pipeline, cap=1, service="imagegen-queue") as engine:
+            engine.export_metrics()
+            before, started = _queue_time("imagegen-queue"), time.monotonic()
+            first = engine.generate(_parsed(6, seed=1), timeout_s=60)
+            await anext(first)  # in the loop, holding the only slot
+            second = asyncio.create_task(_collect(engine, _parsed(2, seed=2)))
+            await _wait_until(lambda: engine.waiting == 1, "the second request to wait for the slot")
+            second_waiting_by = time.monotonic()
+            assert (await anext(first)).step == 2  # the first still has steps to go ...
+            assert engine.waiting == 1  # ... and the second still waits
+            still_waiting_at = time.monotonic()
+            [ev async for ev in first]
+            await second
+            return before, _queue_time("imagegen-queue"), still_waiting_at - second_waiting_by, \
+                time.monotonic() - started
+
+    before, after, waited_at_least, elapsed = asyncio.run(run())
+    assert after[0] - before[0] == 2  # once per request, not per step
+    assert waited_at_least <= after[1] - before[1] <= 2 * elapsed
+
+
+def test_a_request_that_leaves_before_the_loop_leaves_no_queue_time(pipeline):
+    async def run():
+        async with _engine(pipeline, cap=1, service="imagegen-queue-left") as engine:
+            engine.export_metrics()
+            before = _queue_time("imagegen-queue-left")
+            first = engine.generate(_parsed(2000, seed=1), timeout_s=60)  # holds the slot well past the cancel
+            await anext(first)
+            second = asyncio.create_task(_collect(engine, _parsed(2, seed=2)))
+            await _wait_until(lambda: engine.waiting == 1, "the second request to wait for the slot")
+            second.cancel()  # the client left while waiting for a slot
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            await _wait_until(lambda: engine.waiting == 0, "the waiting request to be gone")
+            assert engine.limiter.in_use == 1  # the first still denoises: the second left on its own
+            await first.aclose()
+            await _wait_until(lambda: engine.load() == (0, 0), "the engine to be idle")
+            return before, _queue_time("imagegen-queue-left")
+
+    before, after = asyncio.run(run())
+    assert after[0] - before[0] == 1  # the second never reached the device thread
+
+
+def test_a_job_cancelled_before_the_device_thread_takes_it_is_not_reported(pipeline):
+    from omnistage.services.imagegen.step_batcher import Job, StepBatcher
+
+    waits: list[float] = []
+    released = threading.Event()
+    batcher = StepBatcher(pipeline, name="imagegen-inbox", on_admit=waits.append)
+    job = Job(_parsed(2).spec, lambda ev: None, released.set)
+    job.cancel()
+    batcher.submit(job)  # in the inbox before the thread runs
+    batcher.start()
+    try:
+        assert released.wait(30), "the cancelled job was never let go"
+    finally:
+        batcher.stop()
+    assert waits == [] and batcher.dropped == 1

@@ -1,16 +1,21 @@
 """TalkerEngine on the tiny checkpoint, stepped by hand: seeded jobs reproduce, batched jobs equal each
-alone, a cancelled job frees its slot at once, a failing step fails only its jobs, the stop rules hold."""
+alone, a cancelled job frees its slot at once, a failing step fails only its jobs, the stop rules hold;
+each segment's queue time is observed once, at its first step, and never for a segment cancelled before."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
 import torch
 from omnistage.services.talker.engine import JobAudio, JobDone, JobFailed, SegmentJob, TalkerEngine
+from omnistage.services.talker.metrics import export_queue_time
 from omnistage.services.talker.models.loader import TalkerModels
 from omnistage.services.talker.runner import TalkerRunner
 from omnistage.services.talker.speaker import SpeakerEncoder
 from omnistage.services.talker.voices import VoiceBank
+from prometheus_client import REGISTRY
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +163,43 @@ def test_the_threaded_engine_serves_jobs_and_device_calls(talker_models, voices,
         assert rec.done is not None
     finally:
         engine.stop()
+
+
+def _queue_time(service: str) -> tuple[float, float]:
+    labels = {"service": service}
+    return (REGISTRY.get_sample_value("omnistage_talker_queue_time_seconds_count", labels) or 0.0,
+            REGISTRY.get_sample_value("omnistage_talker_queue_time_seconds_sum", labels) or 0.0)
+
+
+def test_queue_time_is_observed_once_per_segment_with_its_wait_for_a_slot(talker_models, voices):
+    engine = TalkerEngine(TalkerRunner(talker_models, 1, 256, 640), service="talker-queue")
+    export_queue_time(engine, "talker-queue")
+    before, started = _queue_time("talker-queue"), time.monotonic()
+    a, rec_a = job(talker_models, voices, max_steps=4)
+    b, rec_b = job(talker_models, voices, max_steps=4)
+    engine.submit(a)
+    engine.submit(b)  # one slot: b waits until a is done
+    b_queued_by = time.monotonic()
+    run(engine, rec_a)
+    a_done_at = time.monotonic()
+    assert _queue_time("talker-queue")[0] - before[0] == 1  # a only: observed at its first step, not per step
+    run(engine, rec_b)
+    count, total = _queue_time("talker-queue")
+    assert count - before[0] == 2
+    assert a_done_at - b_queued_by <= total - before[1] <= 2 * (time.monotonic() - started)
+
+
+def test_a_segment_cancelled_before_its_first_step_leaves_no_queue_time(talker_models, voices):
+    engine = TalkerEngine(TalkerRunner(talker_models, 1, 256, 640), service="talker-queue-cancel")
+    export_queue_time(engine, "talker-queue-cancel")
+    before = _queue_time("talker-queue-cancel")
+    a, rec_a = job(talker_models, voices, max_steps=3)
+    b, rec_b = job(talker_models, voices, max_steps=3)
+    engine.submit(a)
+    engine.submit(b)
+    engine.step()  # a takes the only slot; b waits
+    engine.cancel(b)
+    run(engine, rec_a)
+    engine.step()
+    assert not rec_b.events and engine.jobs_in_flight == 0
+    assert _queue_time("talker-queue-cancel")[0] - before[0] == 1
