@@ -190,7 +190,18 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     runtime.set_load_provider(lambda: (servicer.in_flight, 0))
     if thinker is not None:
         runtime.add_shutdown_hook(thinker.close)
+    if gw.http_port:
+        await _start_http_front(runtime, cfg, svc)
     runtime.set_serving()
+
+
+async def _start_http_front(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig) -> None:
+    """The OpenAI-compatible HTTP front (gateway.http_port), calling this gateway's own Omni port."""
+    from omnistage.services.gateway.openai.serve import HttpFront
+
+    front = HttpFront(cfg, svc, runtime.port)
+    await front.start()
+    runtime.add_shutdown_hook(front.stop)
 
 
 def main() -> None:

@@ -1,0 +1,214 @@
+"""The OpenAI-compatible HTTP front end to end, through the official `openai` client, and the
+`omnistage generate` / `bench` CLI, on one `omnistage serve` of the tiny pipeline (gateway with API keys
+and gateway.http_port, encoder, thinker, talker)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import wave
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "encoder"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
+from chaos_launch import free_ports  # noqa: E402
+from media_samples import audio_file, image_bytes  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+KEY = "sk-test-openai-front"
+START_DEADLINE_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("openai-front")
+    ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
+    (gw, gw_admin, http, th, th_admin, dist, enc, enc_admin, tk, tk_admin) = free_ports(10)
+    cfg = {
+        "model": {"checkpoint": str(ckpt)},
+        "startup": {"stop_grace_s": 5.0, "phase_deadlines_s": {"loading_weights": 240, "profiling_memory": 240,
+                                                               "warming_up": 240}},
+        "services": {
+            "thinker": {"kind": "thinker", "port": th, "admin_port": th_admin, "dist_port": dist,
+                        "drain_grace_s": 2.0,
+                        "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 512}},
+            "encoder": {"kind": "encoder", "port": enc, "admin_port": enc_admin,
+                        "encoder": {"image_max_pixels": 128 * 128, "max_audio_seconds": 2.0,
+                                    "stress_batch_sizes": [1], "video_total_pixels": 8 * 64 * 64,
+                                    "video_min_pixels": 64 * 64, "max_video_frames": 8}},
+            "talker": {"kind": "talker", "port": tk, "admin_port": tk_admin,
+                       "talker": {"stress_batch_sizes": [1], "max_segment_seconds": 20, "max_lm_tokens": 512}},
+            "gateway": {"kind": "gateway", "port": gw, "admin_port": gw_admin, "api_keys_env": "OPENAI_FRONT_KEYS",
+                        "drain_grace_s": 2.0, "gateway": {"http_port": http, "http_max_body_bytes": 4 << 20}},
+        },
+    }  # fmt: skip
+    path = root / "deploy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    ready, out = root / "ready", root / "serve.txt"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OPENAI_FRONT_KEYS=KEY)
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "omnistage.common.cli", "serve", str(path), "--ready-file",
+                                 str(ready)], stdout=f, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    deadline = time.monotonic() + START_DEADLINE_S
+    while not (ready.exists() and ready.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"pipeline did not start (exit {proc.returncode}):\n{out.read_text()[-4000:]}")
+        time.sleep(0.2)
+    yield {"base": f"http://127.0.0.1:{http}", "config": str(path), "grpc": f"127.0.0.1:{gw}", "env": env,
+           "root": root}  # fmt: skip
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("omnistage serve did not stop within 60 s of SIGTERM")
+    assert proc.returncode == 0, out.read_text()[-4000:]
+
+
+def _client(front, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=front["base"] + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _png_url(w: int = 64, h: int = 48) -> str:
+    return "data:image/png;base64," + base64.b64encode(image_bytes(w, h, seed=5)).decode()
+
+
+def test_chat_completion_text(front):
+    r = _client(front).chat.completions.create(
+        model="ming-flash-omni-2.0", messages=[{"role": "user", "content": "Hello there!"}],
+        max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason == "length" and choice.message.content
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
+
+
+def test_chat_completion_streams_deltas_and_usage(front):
+    client = _client(front)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+    stream = client.chat.completions.create(model="m", messages=messages, max_completion_tokens=10, temperature=0,
+                                            seed=3, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2, "text must stream"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+    full = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0, seed=3,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+    assert full.choices[0].message.content == text, "greedy: streamed and whole answers agree"
+
+
+def test_chat_with_an_image_and_audio_input(front):
+    content = [{"type": "text", "text": "Describe the image and the sound."},
+               {"type": "image_url", "image_url": {"url": _png_url()}},
+               {"type": "input_audio", "input_audio": {"data": base64.b64encode(audio_file("wav", 0.5)).decode(),
+                                                       "format": "wav"}}]  # fmt: skip
+    r = _client(front).chat.completions.create(model="m", messages=[{"role": "user", "content": content}],
+                                               max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 6
+    text_only = _client(front).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Describe the image and the sound."}], max_tokens=1,
+        temperature=0)  # fmt: skip
+    assert r.usage.prompt_tokens > text_only.usage.prompt_tokens + 4, "the media rows count as prompt tokens"
+
+
+def test_chat_with_spoken_answer(front):
+    client = _client(front)
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Say hello."}],
+                                       modalities=["text", "audio"], audio={"voice": "DB30", "format": "wav"},
+                                       max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    audio = r.choices[0].message.audio
+    assert audio.transcript == r.choices[0].message.content
+    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:
+        assert w.getframerate() == 44100 and w.getsampwidth() == 2 and w.getnchannels() == 1
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Say hello."}],
+                                            modalities=["text", "audio"], audio={"voice": "DB30", "format": "pcm16"},
+                                            max_tokens=12, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})  # fmt: skip
+    audios = [_as_dict(c.choices[0].delta.audio) for c in stream if c.choices and c.choices[0].delta.audio]
+    pcm = b"".join(base64.b64decode(a["data"]) for a in audios if a.get("data"))
+    status = [a for a in audios if "outcome" in a]
+    assert len(status) == 1 and status[0]["outcome"] in ("complete", "partial", "none")
+    assert len(pcm) % 2 == 0 and (pcm or status[0]["outcome"] == "none")
+
+
+def _as_dict(obj) -> dict:
+    return obj if isinstance(obj, dict) else obj.model_dump()
+
+
+def test_wrong_key_is_401(front):
+    with pytest.raises(openai.AuthenticationError) as info:
+        _client(front, "sk-wrong").chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+    assert info.value.status_code == 401 and "invalid API key" in str(info.value)
+    with pytest.raises(openai.AuthenticationError):
+        _client(front, "sk-wrong").models.list()
+
+
+def test_bad_input_is_400_naming_the_field(front):
+    client = _client(front)
+    with pytest.raises(openai.BadRequestError) as info:  # refused by the gateway's validation (gRPC)
+        client.chat.completions.create(model="m", messages=[{"role": "assistant", "content": "Hi"}])
+    assert "last message must be from ROLE_USER" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:  # refused by the translation
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}]}])  # fmt: skip
+    assert "only data: URLs" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:  # an image the encoder cannot decode
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}},
+            {"type": "text", "text": "What is it?"}]}])  # fmt: skip
+    assert "messages[0].parts[0]" in str(info.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], temperature=5)
+    with pytest.raises(openai.BadRequestError) as info:  # no imagegen stage in this deployment
+        client.images.generate(model="m", prompt="a cat", size="64x64")
+    assert "imagegen" in str(info.value)
+
+
+def _raw(front, path: str, body: bytes | None = None, key: str = KEY) -> tuple[int, dict, bytes]:
+    req = urllib.request.Request(front["base"] + path, data=body, method="POST" if body is not None else "GET",
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_models_health_ready_and_limits(front):
+    models = _client(front).models.list()
+    assert [m.id for m in models.data] == ["ming-flash-omni-2.0"]
+    assert _raw(front, "/health")[0] == 200 and _raw(front, "/ready")[0] == 200
+    status, _, body = _raw(front, "/v1/chat/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+    status, _, body = _raw(front, "/v1/chat/completions", b"x" * (5 << 20))
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def test_speech_endpoint(front):
+    status, headers, body = _raw(front, "/v1/audio/speech", json.dumps(
+        {"model": "m", "input": "Hello there.", "voice": "DB30", "response_format": "pcm"}).encode())  # fmt: skip
+    if status == 200:
+        assert len(body) % 2 == 0 and int(headers["x-sample-rate"]) == 44100
+    else:  # the tiny thinker's answer may have nothing speakable: an error naming why, never a crash
+        assert status in (400, 500, 503) and "no speech" in json.loads(body)["error"]["message"]
+    status, _, body = _raw(front, "/v1/audio/speech", json.dumps({"input": "Hi", "voice": "no-such-voice"}).encode())
+    assert status == 400 and "voice" in json.loads(body)["error"]["message"]
