@@ -9,6 +9,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -199,16 +200,65 @@ def test_models_health_ready_and_limits(front):
     assert _raw(front, "/health")[0] == 200 and _raw(front, "/ready")[0] == 200
     status, _, body = _raw(front, "/v1/chat/completions", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
-    status, _, body = _raw(front, "/v1/chat/completions", b"x" * (5 << 20))
-    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+    host, port = front["base"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:  # refused before the body is sent
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (5 << 20))  # fmt: skip
+        reply = b""
+        while b"request_too_large" not in reply and (data := sock.recv(65536)):
+            reply += data
+        reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 413") and "request_too_large" in reply
 
 
 def test_speech_endpoint(front):
     status, headers, body = _raw(front, "/v1/audio/speech", json.dumps(
-        {"model": "m", "input": "Hello there.", "voice": "DB30", "response_format": "pcm"}).encode())  # fmt: skip
+        {"model": "m", "input": "Hello there.", "voice": "DB30", "response_format": "pcm", "max_tokens": 8}).encode())  # fmt: skip
     if status == 200:
         assert len(body) % 2 == 0 and int(headers["x-sample-rate"]) == 44100
     else:  # the tiny thinker's answer may have nothing speakable: an error naming why, never a crash
         assert status in (400, 500, 503) and "no speech" in json.loads(body)["error"]["message"]
     status, _, body = _raw(front, "/v1/audio/speech", json.dumps({"input": "Hi", "voice": "no-such-voice"}).encode())
     assert status == 400 and "voice" in json.loads(body)["error"]["message"]
+
+
+# ---- the CLI (common/client.py underneath) against the same gateway's gRPC port
+
+
+def test_cli_generate_with_image_input_and_speech(front, tmp_path, monkeypatch, capsys):
+    from omnistage.common.cli import main
+
+    monkeypatch.setenv("FRONT_KEY", KEY)
+    image = tmp_path / "in.png"
+    image.write_bytes(image_bytes(64, 48, seed=2))
+    out = tmp_path / "answer.wav"
+    rc = main(["generate", "--address", front["grpc"], "--api-key-env", "FRONT_KEY", "--prompt", "What is it?",
+               "--image", str(image), "--speak", str(out), "--voice", "DB30", "--max-tokens", "6"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "[finish: " in captured.out and "completion_tokens=" in captured.out
+    assert "[speech: " in captured.err
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 44100 and w.getnchannels() == 1
+
+
+def test_cli_generate_image_out_needs_the_image_stage(front, tmp_path, monkeypatch, capsys):
+    from omnistage.common.cli import main
+
+    monkeypatch.setenv("FRONT_KEY", KEY)
+    rc = main(["generate", "--address", front["grpc"], "--api-key-env", "FRONT_KEY", "--prompt", "A cat.",
+               "--image-out", str(tmp_path / "cat.png"), "--image-size", "64x64", "--image-steps", "2"])
+    assert rc == 1 and "FAILED_PRECONDITION" in capsys.readouterr().err and not (tmp_path / "cat.png").exists()
+    assert main(["generate", "--address", front["grpc"], "--prompt", "x", "--image-out", "o.png",
+                 "--image-size", "big"]) == 2
+
+
+def test_cli_bench_sweeps_concurrency(front, monkeypatch, capsys):
+    from omnistage.common.cli import main
+
+    monkeypatch.setenv("FRONT_KEY", KEY)
+    rc = main(["bench", "--address", front["grpc"], "--api-key-env", "FRONT_KEY", "--concurrency", "1,2",
+               "--requests", "2", "--max-tokens", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "c=1 " in out and "c=2 " in out and "err=0" in out and "req/s=" in out

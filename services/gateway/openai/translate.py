@@ -344,8 +344,9 @@ def speech_request(body: Any, *, request_id: str = "", max_chars: int = 4096) ->
         request_id=request_id,
         messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=text)])],
         output_modalities=[omni_pb2.MODALITY_AUDIO],
-        # Greedy, and room for the text said back (a few tokens per word).
-        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=_integer(body, "max_tokens", 1, 2**31 - 1) or 0),
+        # Greedy, and room for the text said back (a token is ~4 characters), not for a runaway answer.
+        sampling=common_pb2.SamplingParams(
+            temperature=0.0, max_tokens=_integer(body, "max_tokens", 1, 2**31 - 1) or len(text) // 2 + 16),
         voice=voice,
         system_prompt=SPEECH_SYSTEM_PROMPT + (" " + instructions if instructions else ""),
     )
