@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CKPT := .cache/tiny-ming
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint protos bench clean
+.PHONY: install demo test test-fast lint protos bench clean deploy-tools
 
 # torch first and pinned: the CPU build (2.13.0) lies on this machine's disk; any torch already
 # importable (the GPU image's 2.11) is kept, so `pip install -e .` pulls no other build.
@@ -24,10 +24,21 @@ $(CKPT)/config.json: | $(STAMP)
 demo: $(STAMP) $(CKPT)/config.json
 	$(BIN)/python -m omnistage.common.demo --config deploy/local-tiny.yaml --out demo-output
 
-test: $(STAMP)
+# tests/deploy validates the deploy/ files with docker-compose (no engine needed) and promtool: Debian's
+# docker-compose and prometheus packages, installed when missing and apt is at hand as root (CI). Without
+# them those tests fail, never skip.
+DEPLOY_TOOLS_PKGS := docker-compose prometheus
+
+deploy-tools:
+	@if command -v docker-compose >/dev/null && command -v promtool >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEPLOY_TOOLS_PKGS); \
+	else echo "make: docker-compose / promtool missing: install $(DEPLOY_TOOLS_PKGS) (tests/deploy will fail)" >&2; fi
+
+test: $(STAMP) deploy-tools
 	$(BIN)/python -m pytest -q -ra --durations=15
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) deploy-tools
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)

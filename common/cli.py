@@ -1,4 +1,4 @@
-"""The `omnistage` command: serve, generate, bench, status, drain, resume, make-tiny-checkpoint,
+"""The `omnistage` command: serve, generate, bench, status, health, drain, resume, make-tiny-checkpoint,
 make-config-checkpoint, protos."""
 
 from __future__ import annotations
@@ -226,6 +226,30 @@ def _health(address: str, timeout_s: float) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when one process is SERVING, 1 otherwise (one line on stdout): container health checks.
+
+    ADDRESS asks grpc.health.v1 (the whole server, `service=""`) on a main or admin port;
+    `--status-file` reads the status file a process without a gRPC server writes (thinker ranks > 0).
+    """
+    if bool(args.address) == bool(args.status_file):
+        print("omnistage health: give ADDRESS (HOST:PORT) or --status-file FILE", file=sys.stderr)
+        return 2
+    if args.status_file:
+        from omnistage.common.runtime.status_file import read_status
+
+        rec = read_status(Path(args.status_file))
+        if rec is None:
+            print(f"{args.status_file}: no status yet")
+            return 1
+        phase = f"failed in {rec.failed_in}: {rec.failure}" if rec.phase == "failed" else rec.phase
+        print(f"{rec.service} r{rec.rank} (pid {rec.pid}): {phase}")
+        return 0 if rec.phase == "serving" else 1
+    health = _health(args.address, args.timeout_s)
+    print(f"{args.address}: {health}")
+    return 0 if health == "SERVING" else 1
+
+
 def describe_lines(address: str, timeout_s: float, metadata: tuple = ()) -> tuple[bool, list[str]]:
     """Human-readable Describe + health of one service at its admin address; (serving?, lines)."""
     with grpc.insecure_channel(address) as channel:
@@ -260,6 +284,8 @@ def describe_lines(address: str, timeout_s: float, metadata: tuple = ()) -> tupl
             f"graphs {_mib(m.graph_pool_bytes)}, transport {_mib(m.transport_pool_bytes)})"
             + (f", budget {_mib(m.budget_bytes)}" if m.budget_bytes else "")
         )
+    for r in d.readiness:  # the gateway: which capabilities it serves now
+        lines.append(f"  {r.capability}: " + ("ready" if r.ready else f"not ready ({r.reason})"))
     if d.failure:
         lines.append(f"  failure: {d.failure}")
     return health.status == health_pb2.HealthCheckResponse.SERVING, lines
@@ -446,6 +472,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-key-env", metavar="VAR", help="with --address: environment variable holding the admin key")
     p.add_argument("--timeout-s", type=float, default=2.0)
     p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("health", help="exit 0 when a service is SERVING (grpc.health.v1), 1 otherwise: container health checks")
+    p.add_argument("address", nargs="?", metavar="HOST:PORT", help="a main or admin port (plaintext)")
+    p.add_argument("--status-file", metavar="FILE",
+                   help="instead: the status file of a process without a gRPC server (<run-dir>/<service>.r<rank>.json)")
+    p.add_argument("--timeout-s", type=float, default=2.0)
+    p.set_defaults(fn=cmd_health)
 
     p = sub.add_parser("drain", help="stop one service taking requests (Control.Drain on its admin port)")
     _config_args(p, required=True)

@@ -162,6 +162,17 @@ class GatewayConfig:
     converse_max_turns: int = 16
     converse_max_turn_chars: int = 4000
     converse_max_turn_audio_bytes: int = 1_920_000
+    # Stage watch (from start-up on): seconds between health checks of each stage, the deadline of one
+    # check in seconds, and the checks in a row not answering SERVING before the stage is marked down
+    # (its calls in flight fail with UNAVAILABLE; it is re-admitted when it is SERVING again).
+    stage_health_interval_s: float = 1.0
+    stage_health_timeout_s: float = 2.0
+    stage_health_failures: int = 3
+    # Admission by capacity: requests that may wait in the gateway for a slot of the thinker (beyond
+    # its max_num_seqs running ones) before RESOURCE_EXHAUSTED, and the service time in seconds
+    # assumed until the first request finished (then measured).
+    admission_max_waiting: int = 64
+    admission_initial_service_s: float = 2.0
     # OpenAI-compatible HTTP front (docs/openai.md) on this port of bind_host; 0 means none. It calls the
     # gateway's own Omni port, so API keys, TLS, validation and admission are those of the gRPC API.
     http_port: int = 0
@@ -359,7 +370,8 @@ class StartupConfig:
             "capturing_graphs": 600.0,
         }
     )
-    # A phase whose progress heartbeat is older than this is reported stuck.
+    # A start-up phase whose progress heartbeat is older than this is reported stuck (after ready:
+    # supervision.heartbeat_timeout_s).
     heartbeat_timeout_s: float = 120.0
     # Launcher poll period of each service's Describe.
     poll_interval_s: float = 0.2
@@ -367,6 +379,26 @@ class StartupConfig:
     rpc_timeout_s: float = 2.0
     # SIGTERM → SIGKILL grace when the launcher stops children.
     stop_grace_s: float = 15.0
+
+
+@dataclass(frozen=True)
+class SupervisionConfig:
+    """After start-up: how a hung or dead service is noticed and restarted instead of ending `serve`."""
+
+    # How often each process writes its liveness heartbeat into its status file (from its event
+    # loop: a stopped or stuck loop stops it).
+    heartbeat_interval_s: float = 1.0
+    # A ready process whose heartbeat (or health answer, rank 0) is older than this is hung.
+    heartbeat_timeout_s: float = 10.0
+    # How often the launcher asks each ready service's health (non-blocking, deadline rpc_timeout_s).
+    health_interval_s: float = 2.0
+    # Restarts of one service within restart_window_s; one more failure stops everything (exit 1).
+    # 0: never restart (the first failure after ready ends `serve`).
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
+    # Delay before restart k (1-based) within the window: backoff_initial_s * 2^(k-1), capped.
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -401,6 +433,7 @@ class DeployConfig:
     log_format: Literal["text", "json"] = "text"
     model: ModelConfig = field(default_factory=ModelConfig)
     startup: StartupConfig = field(default_factory=StartupConfig)
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     # Services by name; the name is also the key here.
     services: dict[str, ServiceConfig] = field(default_factory=dict)
@@ -515,6 +548,15 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
             )
     for phase, value in cfg.startup.phase_deadlines_s.items():
         _positive(f"startup.phase_deadlines_s.{phase}", value)
+    sv = cfg.supervision
+    for key in ("heartbeat_interval_s", "heartbeat_timeout_s", "health_interval_s", "restart_window_s",
+                "backoff_max_s"):
+        _positive(f"supervision.{key}", getattr(sv, key))
+    for key in ("max_restarts", "backoff_initial_s"):
+        _positive(f"supervision.{key}", getattr(sv, key), allow_zero=True)
+    if sv.heartbeat_interval_s >= sv.heartbeat_timeout_s:
+        raise ConfigError(f"supervision.heartbeat_interval_s: must be below heartbeat_timeout_s "
+                          f"({sv.heartbeat_timeout_s:g}), got {sv.heartbeat_interval_s:g}")
     for key in ("reserve_bytes", "total_bytes_override"):
         _positive(f"devices.{key}", getattr(cfg.devices, key), allow_zero=True)
     ports: dict[int, str] = {}
@@ -568,8 +610,9 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
         g = svc.gateway
         for key in ("stage_wait_s", "max_concurrent_requests", "max_messages", "max_parts_per_message", "max_prompt_chars",
                     "talker_start_wait_s", "talker_idle_timeout_s", "speech_buffer_events", "converse_max_turns",
-                    "converse_max_turn_chars", "converse_max_turn_audio_bytes", "http_timeout_s",
-                    "http_max_body_bytes"):
+                    "converse_max_turn_chars", "converse_max_turn_audio_bytes", "stage_health_interval_s",
+                    "stage_health_timeout_s", "stage_health_failures", "admission_initial_service_s",
+                    "http_timeout_s", "http_max_body_bytes"):
             _positive(f"{p}.gateway.{key}", getattr(g, key))
         if not e.chunked_prefill and e.max_num_batched_tokens < e.max_model_len:
             raise ConfigError(

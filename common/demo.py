@@ -1,10 +1,12 @@
 """`make demo`: start the whole pipeline, send one real request per input modality, save, stop.
 
 Runs `omnistage serve` as a child (so the demo exercises exactly what a user runs), waits for its
-ready file with a deadline, streams a text request, a text + image request (a picture drawn here
-with PIL) and a text + audio request (a WAV synthesised here) through the gateway, writes
-`<out>/result.json` (and the image and WAV it sent next to it), then stops the pipeline with
-SIGTERM and checks it exits cleanly.
+ready file with a deadline, streams a text request (answered with text and speech), a text + image
+request (a picture drawn here with PIL) and a text + audio request (a WAV synthesised here) through
+the gateway, and asks for an image (MODALITY_IMAGE: thinker hidden states → image stage, progress per
+step, then a PNG that must decode at the requested size), writes `<out>/result.json` (with the image
+and WAV it sent, the spoken answer as `demo-answer.wav` and the generated `image.png` next to it),
+then stops the pipeline with SIGTERM and checks it exits cleanly.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 PROMPT = "Hello! In one sentence, what is an omni-modal model?"
 IMAGE_PROMPT = "Describe the image in detail."
 AUDIO_PROMPT = "Please transcribe the audio clip."
+DRAW_PROMPT = "Draw a lighthouse on a cliff at sunset."
+DRAW_SIZE = (384, 256)  # width, height: multiples of 16; the tiny deploy generates at the 512 buckets
 
 
 def _wait_ready(proc: subprocess.Popen, ready_file: Path, timeout_s: float) -> str:
@@ -72,16 +76,20 @@ def synth_wav(seconds: float = 1.5, rate: int = 16000) -> bytes:
     return buf.getvalue()
 
 
-def _request(address: str, name: str, prompt: str, parts: list[omni_pb2.ContentPart]) -> dict:
-    """Stream one request through the gateway, printing the text as it comes; its result as a dict."""
+def _request(address: str, name: str, prompt: str, parts: list[omni_pb2.ContentPart],
+             speech_to: Path | None = None) -> dict:
+    """Stream one request through the gateway, printing the text as it comes; its result as a dict.
+    With `speech_to` the answer is spoken too, and its audio saved there as a WAV."""
+    outputs = [omni_pb2.MODALITY_TEXT] + ([omni_pb2.MODALITY_AUDIO] if speech_to else [])
     request = omni_pb2.GenerateRequest(
         request_id=f"demo-{name}-1",
         messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[*parts, omni_pb2.ContentPart(text=prompt)])],
-        output_modalities=[omni_pb2.MODALITY_TEXT],
+        output_modalities=outputs,
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=48),
     )
     started = time.monotonic()
     text, token_ids, finish = [], [], None
+    pcm, rate = bytearray(), 0
     with grpc.insecure_channel(address) as channel:
         stub = omni_pb2_grpc.OmniStub(channel)
         print(f"demo: {name}: prompt: {prompt}")
@@ -92,11 +100,17 @@ def _request(address: str, name: str, prompt: str, parts: list[omni_pb2.ContentP
                 print(event.text.text, end="", flush=True)
                 text.append(event.text.text)
                 token_ids.extend(event.text.token_ids)
+            elif kind == "audio":
+                pcm += event.audio.pcm16
+                rate = event.audio.sample_rate_hz
             elif kind == "finish":
                 finish = event.finish
     print()
     if finish is None:
         raise SystemExit(f"demo: {name}: the stream ended without a Finish event")
+    speech = {}
+    if speech_to is not None:
+        speech = _save_speech(speech_to, bytes(pcm), rate, finish.audio)
     return {
         "modality": name,
         "prompt": prompt,
@@ -107,7 +121,60 @@ def _request(address: str, name: str, prompt: str, parts: list[omni_pb2.ContentP
         "completion_tokens": finish.usage.completion_tokens,
         "time_to_first_token_ms": round(finish.usage.time_to_first_token_ms, 1),
         "wall_s": round(time.monotonic() - started, 3),
+        **speech,
     }
+
+
+def _image_request(address: str, out: Path) -> dict:
+    """Ask for an image (no text): progress per denoising step, then the PNG, saved as image.png."""
+    from PIL import Image
+
+    width, height = DRAW_SIZE
+    request = omni_pb2.GenerateRequest(
+        request_id="demo-image-1",
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=DRAW_PROMPT)])],
+        output_modalities=[omni_pb2.MODALITY_IMAGE],
+        image=omni_pb2.ImageOptions(width=width, height=height, seed=1),
+    )
+    started = time.monotonic()
+    steps, png, finish = 0, b"", None
+    print(f"demo: image: prompt: {DRAW_PROMPT}")
+    with grpc.insecure_channel(address) as channel:
+        for event in omni_pb2_grpc.OmniStub(channel).Generate(request, timeout=300):
+            kind = event.WhichOneof("event")
+            if kind == "progress":
+                steps = event.progress.done
+                print(f"\rdemo: image: denoising step {steps}/{event.progress.total}", end="", flush=True)
+            elif kind == "image":
+                png = event.image.png
+            elif kind == "finish":
+                finish = event.finish
+    print()
+    if not png or finish is None:
+        raise SystemExit("demo: image: the stream ended without an image and a Finish event")
+    decoded = Image.open(io.BytesIO(png))
+    if decoded.format != "PNG" or decoded.size != DRAW_SIZE:
+        raise SystemExit(f"demo: image: got a {decoded.format} of {decoded.size}, asked for a PNG of {DRAW_SIZE}")
+    (out / "image.png").write_bytes(png)
+    return {"modality": "image", "prompt": DRAW_PROMPT, "output": "image.png", "width": width, "height": height,
+            "steps": steps, "finish_reason": common_pb2.FinishReason.Name(finish.reason),
+            "prompt_tokens": finish.usage.prompt_tokens, "wall_s": round(time.monotonic() - started, 3)}
+
+
+def _save_speech(path: Path, pcm: bytes, rate: int, status: omni_pb2.AudioStatus) -> dict:
+    """The spoken answer as a mono 16-bit WAV at `path` (none when no audio came); what to report of it."""
+    if pcm:
+        with wave.open(str(path), "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(rate)
+            w.writeframes(pcm)
+    outcome = omni_pb2.AudioOutcome.Name(status.outcome)
+    print(f"demo: speech: {outcome}{' ' + status.code if status.code else ''}, "
+          f"{len(pcm) / 2 / rate if rate else 0:.2f}s" + (f" saved as {path.name}" if pcm else ""))
+    return {"speech": path.name if pcm else None, "audio_outcome": outcome, "audio_code": status.code,
+            "audio_seconds": round(len(pcm) / 2 / rate, 3) if rate else 0.0,
+            "time_to_first_audio_ms": round(status.time_to_first_audio_ms, 1)}
 
 
 def _run_requests(address: str, out: Path) -> list[dict]:
@@ -116,11 +183,12 @@ def _run_requests(address: str, out: Path) -> list[dict]:
     (out / "demo-image.png").write_bytes(image)
     (out / "demo-audio.wav").write_bytes(audio)
     results = [
-        _request(address, "text", PROMPT, []),
+        _request(address, "text", PROMPT, [], speech_to=out / "demo-answer.wav"),
         _request(address, "text+image", IMAGE_PROMPT, [omni_pb2.ContentPart(image=omni_pb2.Media(data=image))]),
         _request(address, "text+audio", AUDIO_PROMPT, [omni_pb2.ContentPart(audio=omni_pb2.Media(data=audio))]),
     ]
     results[1]["input"], results[2]["input"] = "demo-image.png", "demo-audio.wav"
+    results.append(_image_request(address, out))
     return results
 
 
@@ -153,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         summary = {k: v for k, v in r.items() if k not in ("token_ids", "text")}
         print(f"demo: {r['modality']}: {json.dumps(summary, ensure_ascii=False)}")
-    print(f"demo: saved {out / 'result.json'} (inputs: demo-image.png, demo-audio.wav); "
+    print(f"demo: saved {out / 'result.json'} (inputs: demo-image.png, demo-audio.wav; spoken answer: "
+          f"{results[0]['speech']}; image: image.png); "
           f"pipeline stopped (exit {proc.returncode})")
     return 0 if proc.returncode == 0 else 1
 

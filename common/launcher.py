@@ -4,6 +4,8 @@ Readiness is pulled, never pushed: the launcher reads each process's status file
 heartbeat), watches its exit at once through a pidfd, and confirms SERVING with the service's own
 health Check. Every phase has a deadline, so a start-up ends either ready or with one line per
 stage/rank naming the phase and the cause; children die with the launcher (see stage_main).
+After ready it supervises: a service that dies, fails or falls silent (liveness beat, health) is
+restarted as a whole TP group with backoff (the rules: `supervision.py`) until its budget is spent.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from omnistage.common.config import (
 from omnistage.common.preflight import preflight
 from omnistage.common.runtime.stage_main import LAUNCHER_PID_ENV
 from omnistage.common.runtime.status_file import StatusRecord, read_status, status_path
+from omnistage.common.supervision import HealthProbe, RestartBudget, hung_cause
 
 # Stage kind → the module that runs it: the one closed table (tests pass `modules=` to substitute).
 MODULES: dict[str, str] = {
@@ -69,6 +72,15 @@ class Child:
     ready: bool = False
     cause: str = ""
     channel: grpc.Channel | None = None
+    # Unix time it was marked ready; the hung clock of supervision starts there at the latest.
+    ready_unix: float = 0.0
+    probe: HealthProbe | None = None
+    # The phase watch_phases last saw after ready ('' = serving).
+    announced: str = ""
+    # Silent past the heartbeat timeout after ready (SIGSTOP, a stuck event loop).
+    hung: bool = False
+    # Stopped by the launcher already (its process group may belong to someone else by now).
+    stopped: bool = False
     # phase → when this process entered it, as seen in its status file (kept after it moves on/fails).
     entered: dict[str, float] = field(default_factory=dict)
 
@@ -120,8 +132,27 @@ def stuck_cause(startup: StartupConfig, phase: str, in_phase_s: float, silent_s:
     return "stuck: " + ", ".join(reasons) if reasons else ""
 
 
+@dataclass(eq=False)
+class Group:
+    """The processes of one service (all its TP ranks): started, stopped and restarted together."""
+
+    svc: ServiceConfig
+    budget: RestartBudget
+    children: list[Child] = field(default_factory=list)
+    # starting (first start or a restart) → serving; a failure after ready → backoff → starting.
+    state: str = "starting"
+    restart_at: float = 0.0
+    # Number of the restart now under way (0: the first start).
+    attempt: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.state in ("starting", "serving")
+
+
 class Launcher:
-    """Starts the services of one deploy file in order (stages, then the gateway) and supervises them."""
+    """Starts the stages of one deploy file side by side, then the gateway, and supervises them:
+    a service that dies or hangs after ready is restarted with backoff until its budget is spent."""
 
     def __init__(
         self,
@@ -140,13 +171,17 @@ class Launcher:
         self.modules = modules
         self.out = out
         self.err = err
-        self.groups: list[list[Child]] = []
+        self.groups: list[Group] = []
         self.stop_signal: int | None = None
         self.started = time.monotonic()
 
     @property
     def children(self) -> list[Child]:
-        return [c for g in self.groups for c in g]
+        return [c for g in self.groups for c in g.children]
+
+    def live_children(self) -> list[Child]:
+        """Children of the groups that are starting or serving (not those stopped for a restart)."""
+        return [c for g in self.groups if g.active for c in g.children]
 
     def say(self, line: str, stream: TextIO | None = None) -> None:
         print(line, file=stream or self.out, flush=True)
@@ -181,7 +216,7 @@ class Launcher:
 
     def pause(self, timeout_s: float) -> None:
         """Sleep up to `timeout_s`, waking at once when any child exits."""
-        fds = [c.pidfd for c in self.children if c.pidfd is not None and c.proc.returncode is None]
+        fds = [c.pidfd for c in self.live_children() if c.pidfd is not None and c.proc.returncode is None]
         if not fds:
             time.sleep(timeout_s)
             return
@@ -228,8 +263,9 @@ class Launcher:
             return None
         return next((c for c in self.children if c.svc.name == child.svc.name and c.rank == rank), None)
 
-    def dead_child(self) -> Child | None:
-        for c in self.children:
+    def dead_child(self, groups: Sequence[Group] | None = None) -> Child | None:
+        children = self.live_children() if groups is None else [c for g in groups for c in g.children]
+        for c in children:
             if c.proc.poll() is not None:
                 c.refresh()
                 c.cause = exit_cause(c.proc.returncode, c.status)
@@ -275,7 +311,7 @@ class Launcher:
             return
         if phase == "serving":
             if child.rank > 0 or self.healthy(child):
-                child.ready = True
+                child.ready, child.ready_unix = True, now
                 self.say(f"{child.label} serving ({now - child.spawned_unix:.1f}s after start)")
                 return
             # Status says serving but health does not (yet): bounded by the starting deadline.
@@ -286,31 +322,119 @@ class Launcher:
             return
         child.cause = f"left start-up in phase {phase}"
 
-    def wait_serving(self, group: list[Child]) -> Child | None:
-        """Wait until every child of `group` is ready; returns the child that failed, or None."""
+    def wait_serving(self, groups: list[Group]) -> Child | None:
+        """Wait until every child of `groups` (started side by side) is ready; the child that failed, or None."""
         while True:
             if self.stop_signal is not None:
                 return None
-            dead = self.dead_child()
+            dead = self.dead_child(groups)
             if dead is not None:
                 return self._root_cause(dead)
             now = time.time()
-            for child in group:
+            for child in (c for g in groups for c in g.children):
                 if not child.ready:
                     self.check(child, now)
                     if child.cause:
                         return self._root_cause(child)
-            if all(c.ready for c in group):
+            if all(c.ready for g in groups for c in g.children):
+                for g in groups:
+                    g.state = "serving"
                 return None
             self.pause(self.cfg.startup.poll_interval_s)
 
+    # -- supervision after ready -------------------------------------------------------------
+
+    def supervise(self) -> int:
+        """Until SIGTERM/SIGINT (0): restart what dies or hangs; 1 when a service's restarts are spent."""
+        while self.stop_signal is None:
+            now = time.time()
+            for g in self.groups:
+                if g.state == "backoff" and now >= g.restart_at:
+                    self.respawn(g)
+            for g in self.groups:
+                now = time.time()
+                failure = self.group_failure(g, now)
+                if failure is not None and not self.restart(g, *failure, now):
+                    return 1
+            self.watch_phases()
+            waits = [g.restart_at - time.time() for g in self.groups if g.state == "backoff"]
+            self.pause(max(0.0, min([self.cfg.startup.poll_interval_s, *waits])))
+        self.say(f"omnistage: {signal.Signals(self.stop_signal).name}, stopping")
+        return 0
+
+    def group_failure(self, g: Group, now: float) -> tuple[Child, str] | None:
+        """(culprit, what happened to it) for a group that died, failed or hung; None while it is fine."""
+        if not g.active:
+            return None
+        dead = self.dead_child([g])
+        if dead is not None:
+            culprit = self._root_cause(dead)
+            verb = "died" if culprit.proc.poll() is not None else "failed"
+            return culprit, f"{verb}{' while restarting' if g.state == 'starting' else ''}: {culprit.cause}"
+        if g.state == "starting":
+            return self._restart_progress(g, now)
+        sv, timeout = self.cfg.supervision, self.cfg.startup.rpc_timeout_s
+        for c in g.children:
+            rec = c.refresh()
+            if rec is not None and rec.phase == "failed":
+                culprit = self._root_cause(c)
+                culprit.cause = culprit.cause or f"failed: {rec.failure}"
+                return culprit, culprit.cause
+            if c.probe is None and c.rank == 0:
+                if c.channel is None:
+                    c.channel = grpc.insecure_channel(self.health_address(c))
+                c.probe = HealthProbe(c.channel)
+            if c.probe is not None:
+                c.probe.poll(now, sv.health_interval_s, timeout)
+            alive = max(rec.alive_unix or rec.heartbeat_unix if rec else 0.0, c.ready_unix)
+            answer = c.probe.silent_s(now) if c.probe is not None else None
+            cause = hung_cause(sv, c.phase, now - alive, answer)
+            if cause:
+                c.cause, c.hung = cause, True
+                return c, cause
+        return None
+
+    def _restart_progress(self, g: Group, now: float) -> tuple[Child, str] | None:
+        """A restarting group: start-up rules (phase deadlines, progress), then 'serving again'."""
+        for c in g.children:
+            if not c.ready:
+                self.check(c, now)
+                if c.cause:
+                    culprit = self._root_cause(c)
+                    return culprit, f"failed while restarting: {culprit.cause}"
+        if all(c.ready for c in g.children):
+            g.state = "serving"
+            self.say(f"omnistage: {g.svc.name} serving again (restart {g.attempt}/{self.cfg.supervision.max_restarts})")
+        return None
+
+    def restart(self, g: Group, culprit: Child, what: str, now: float) -> bool:
+        """Stop the whole group and schedule its restart after the backoff; False when none is left."""
+        sv = self.cfg.supervision
+        attempt = g.budget.attempt(now)
+        if attempt is None:
+            spent = f"restarts exhausted ({sv.max_restarts} within {sv.restart_window_s:g}s), " if sv.max_restarts else ""
+            self.report(f"{culprit.label} {what}; {spent}stopping the others", culprit)
+            return False
+        delay = g.budget.delay_s(attempt)
+        self.say(f"omnistage: {culprit.label} {what}; restarting {g.svc.name} "
+                 f"(attempt {attempt}/{sv.max_restarts}, in {delay:.1f}s)", self.err)
+        self.stop_group(g, kill_first=[culprit] if culprit.hung else [])
+        g.state, g.attempt, g.restart_at = "backoff", attempt, time.time() + delay
+        return True
+
+    def respawn(self, g: Group) -> None:
+        """Start every rank of a stopped group again (the start-up deadlines apply)."""
+        self.say(f"omnistage: restarting {g.svc.name} (attempt {g.attempt}/{self.cfg.supervision.max_restarts})")
+        g.children = [self.spawn(g.svc, r) for r in range(g.svc.tp_size)]
+        g.state = "starting"
+
     def watch_phases(self) -> None:
         """After start-up: say when a service enters or leaves draining (Control.Drain / Resume)."""
-        for c in self.children:
-            before = c.phase
-            rec = c.refresh()
+        for c in (c for g in self.groups if g.state == "serving" for c in g.children):
+            before, rec = c.announced or "serving", c.refresh()
             if rec is None or rec.phase == before:
                 continue
+            c.announced = rec.phase
             why = f" ({rec.detail})" if rec.detail else ""
             if rec.phase == "draining":
                 self.say(f"{c.label} draining{why}")
@@ -320,35 +444,49 @@ class Launcher:
     # -- stopping ----------------------------------------------------------------------------
 
     def stop_all(self) -> None:
-        """SIGTERM each group (gateway first), SIGKILL what is left after stop_grace_s; bounded."""
+        """Stop each group (gateway first); bounded."""
+        for g in reversed(self.groups):
+            self.stop_group(g)
+
+    def stop_group(self, g: Group, kill_first: Sequence[Child] = ()) -> None:
+        """SIGTERM the ranks of one service, SIGKILL what is left after stop_grace_s; bounded.
+
+        `kill_first`: ranks that stopped answering get SIGKILL at once (a stopped or stuck process
+        cannot act on SIGTERM; waiting out the grace would only delay the restart).
+        """
+        group = [c for c in g.children if not c.stopped]
         grace = self.cfg.startup.stop_grace_s
-        for group in reversed(self.groups):
-            # TP rank 0 first: its engine sends the exit plan, so the other ranks leave on their own
-            # (a rank stopped while it waits in a collective dies there, not cleanly).
-            deadline = time.monotonic() + grace
-            leaders, followers = [c for c in group if c.rank == 0], [c for c in group if c.rank > 0]
-            for c in leaders:
+        for c in kill_first:
+            _signal_group(c, signal.SIGKILL)
+        # TP rank 0 first: its engine sends the exit plan, so the other ranks leave on their own
+        # (a rank stopped while it waits in a collective dies there, not cleanly).
+        deadline = time.monotonic() + grace
+        leaders, followers = [c for c in group if c.rank == 0], [c for c in group if c.rank > 0]
+        for c in leaders:
+            _signal_group(c, signal.SIGTERM)
+        if followers:
+            _wait_exit(leaders, grace)
+            _wait_exit(followers, min(max(deadline - time.monotonic(), 0.0), _FOLLOWER_GRACE_S))
+            for c in followers:
                 _signal_group(c, signal.SIGTERM)
-            if followers:
-                _wait_exit(leaders, grace)
-                _wait_exit(followers, min(max(deadline - time.monotonic(), 0.0), _FOLLOWER_GRACE_S))
-                for c in followers:
-                    _signal_group(c, signal.SIGTERM)
-            _wait_exit(group, max(deadline - time.monotonic(), min(grace, _FOLLOWER_GRACE_S)))
-            for c in group:
-                if c.proc.poll() is None:
-                    self.say(f"omnistage: {c.label} (pid {c.proc.pid}) ignored SIGTERM, killing", self.err)
-                    _signal_group(c, signal.SIGKILL)
-            _wait_exit(group, _KILL_WAIT_S)
-            for c in group:
-                if c.proc.returncode is None:
-                    self.say(f"omnistage: {c.label} (pid {c.proc.pid}) did not exit after SIGKILL", self.err)
-                else:  # helpers left in the child's process group go too
-                    _signal_group(c, signal.SIGKILL, leader_gone=True)
-                    if c.proc.returncode != 0 and not c.cause and c.proc.returncode != -signal.SIGKILL:
-                        self.say(f"omnistage: {c.label} {exit_cause(c.proc.returncode, None)} while stopping",
-                                 self.err)
-        for c in self.children:
+        _wait_exit(group, max(deadline - time.monotonic(), min(grace, _FOLLOWER_GRACE_S)))
+        for c in group:
+            if c.proc.poll() is None:
+                self.say(f"omnistage: {c.label} (pid {c.proc.pid}) ignored SIGTERM, killing", self.err)
+                _signal_group(c, signal.SIGKILL)
+        _wait_exit(group, _KILL_WAIT_S)
+        for c in group:
+            if c.proc.returncode is None:
+                self.say(f"omnistage: {c.label} (pid {c.proc.pid}) did not exit after SIGKILL", self.err)
+            else:  # helpers left in the child's process group go too
+                _signal_group(c, signal.SIGKILL, leader_gone=True)
+                if c.proc.returncode != 0 and not c.cause and c.proc.returncode != -signal.SIGKILL:
+                    self.say(f"omnistage: {c.label} {exit_cause(c.proc.returncode, None)} while stopping",
+                             self.err)
+            c.stopped = True
+            if c.probe is not None:
+                c.probe.cancel()
+                c.probe = None
             if c.pidfd is not None:
                 os.close(c.pidfd)
                 c.pidfd = None
@@ -395,14 +533,23 @@ class Launcher:
         child = next(c for c in self.children if c.svc.name == first.name and c.rank == 0)
         return (child.status.address if child.status else "") or self.cfg.address(first.name)
 
+    def start_groups(self, services: Sequence[ServiceConfig]) -> list[Group]:
+        groups = []
+        for svc in services:
+            g = Group(svc, RestartBudget(self.cfg.supervision))
+            g.children = [self.spawn(svc, r) for r in range(svc.tp_size)]
+            groups.append(g)
+        self.groups += groups
+        return groups
+
     def run(self, ready_file: Path | None, exit_after_ready: bool) -> int:
+        # Stages side by side; the gateway after them: its start-up waits for each stage (with
+        # gateway.stage_wait_s) and sends a warm-up request through it before it turns SERVING.
         stages = [s for s in self.cfg.services.values() if s.kind != "gateway"]
-        order = [g for g in (stages, self.cfg.services_of("gateway")) if g]
+        order = [b for b in (stages, self.cfg.services_of("gateway")) if b]
         try:
             for services in order:
-                group = [self.spawn(svc, r) for svc in services for r in range(svc.tp_size)]
-                self.groups.append(group)
-                culprit = self.wait_serving(group)
+                culprit = self.wait_serving(self.start_groups(services))
                 if culprit is not None:
                     self.report(f"start-up failed: {culprit.label} {culprit.cause}", culprit)
                     return 1
@@ -416,20 +563,25 @@ class Launcher:
                 _write_atomic(ready_file, address + "\n")
             if exit_after_ready:
                 return 0
-            while self.stop_signal is None:
-                dead = self.dead_child()
-                if dead is not None:
-                    culprit = self._root_cause(dead)
-                    verb = "died" if culprit.proc.poll() is not None else "failed"
-                    self.report(f"{culprit.label} {verb}: {culprit.cause}; stopping the others", culprit)
-                    return 1
-                self.watch_phases()
-                self.pause(self.cfg.startup.poll_interval_s)
-            self.say(f"omnistage: {signal.Signals(self.stop_signal).name}, stopping")
-            return 0
+            return self.supervise()
         finally:
             self.stop_all()
+            self.remove_segments_of_stopped()
             self.say("omnistage: all services stopped")
+
+    def remove_segments_of_stopped(self) -> None:
+        """Shared memory of children that could not close it (killed, or stopped before their pools
+        closed: a TP rank 0 stuck behind a stopped peer) goes now, not at the next start's sweep."""
+        from omnistage.common.transport.host import sweep_stale_segments
+
+        pids = {c.proc.pid for c in self.children if c.proc.poll() is not None}
+        try:
+            removed = sweep_stale_segments(owners=pids)
+        except Exception as exc:  # noqa: BLE001 - the stop goes on; the next start's sweep retries
+            self.say(f"omnistage: warning: shm clean-up failed: {exc}", self.err)
+            return
+        if removed:
+            self.say(f"omnistage: removed {len(removed)} shared-memory segment(s) the stopped services left", self.err)
 
 
 def _signal_group(child: Child, sig: int, *, leader_gone: bool = False) -> None:

@@ -74,6 +74,7 @@ def describe(rt: ServiceRuntime) -> control_pb2.DescribeResponse:
         queued_requests=queued,
         failure=rt.failure or rt.reporter.snapshot().failure,
         pid=os.getpid(),
+        readiness=_guarded("readiness provider", rt.readiness_provider, []) if rt.readiness_provider else [],
     )
 
 

@@ -82,6 +82,7 @@ class PhaseReporter:
         self.address = address
         self._lock = threading.Lock()
         self._listeners: list[Listener] = []
+        self._alive_unix = 0.0
         now = time.time()
         self._snap = ProgressSnapshot("starting", 0, 0, "", "", now, now)
         self._write()
@@ -137,6 +138,11 @@ class PhaseReporter:
         """Alive and working, no countable progress (a long compile): resets the stuck timer."""
         self.progress(detail=detail)
 
+    def beat(self) -> None:
+        """Liveness only (the status file's `alive_unix`): leaves progress and the stuck timer alone."""
+        self._alive_unix = time.time()
+        self._write()
+
     def fail(self, message: str, culprit_rank: int | None = None) -> None:
         """Enter the terminal `failed` phase with a one-line cause; `culprit_rank` names the rank
         whose failure it is when that is another rank of the service (default: this one)."""
@@ -174,7 +180,7 @@ class PhaseReporter:
                 service=self.service, rank=self.rank, pid=os.getpid(), phase=s.phase, done=s.done,
                 total=s.total, unit=s.unit, detail=s.detail, heartbeat_unix=s.updated_unix,
                 phase_started_unix=s.phase_started_unix, failure=s.failure, failed_in=s.failed_in,
-                culprit_rank=s.culprit_rank, address=self.address,
+                culprit_rank=s.culprit_rank, address=self.address, alive_unix=self._alive_unix,
             )
             write_status(self.status_file, record)
 

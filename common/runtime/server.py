@@ -41,6 +41,8 @@ from omnistage.v1 import control_pb2, control_pb2_grpc
 
 _log = logging.getLogger(__name__)
 
+# The public API's service name: the prefix of the gateway's per-capability health names.
+PUBLIC_API = "omnistage.v1.Omni"
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 CONTROL_SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 # Cancelled RPCs wait this long for their handlers to unwind after the drain deadline.
@@ -104,6 +106,10 @@ class ServiceRuntime:
         self.memory_provider: MemoryProvider | None = None
         self.limits_provider: LimitsProvider | None = None
         self.load_provider: LoadProvider | None = None
+        self.readiness_provider: Callable[[], list[control_pb2.Readiness]] | None = None
+        # Health names of parts of the service that come and go on their own (the gateway's
+        # capabilities): name → ready; SERVING only while the service serves and the part is ready.
+        self._parts: dict[str, bool] = {}
         self.trimmer = MemoryTrimmer()
         self.calls = CallGuard(svc.name, self.trimmer)
         self.calls.refusal = lambda: f"{self.name} is draining" if self._draining else ""
@@ -119,6 +125,7 @@ class ServiceRuntime:
         self._stop_cause = "stop requested"
         self._signals = 0
         self._shutdown_hooks: list[Callable[[], Any]] = []
+        self._beat_task: asyncio.Task | None = None
 
     # -- start -------------------------------------------------------------------------------
 
@@ -149,6 +156,7 @@ class ServiceRuntime:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self.reporter.add_listener(self._on_phase)
+        self._beat_task = self._loop.create_task(self._beat(self.cfg.supervision.heartbeat_interval_s))
         if self._metrics_port:
             try:
                 self.metrics_server = metrics.start_metrics_server(self._metrics_port, self.cfg.host)
@@ -190,6 +198,9 @@ class ServiceRuntime:
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.so_reuseport", 0),  # a second server on our port must fail, not share it
+                # Clients (the gateway) send keepalive pings every 10 s, also between calls.
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ]
         )
         server.add_generic_rpc_handlers((port.dispatcher,))
@@ -231,6 +242,17 @@ class ServiceRuntime:
     def set_load_provider(self, fn: LoadProvider) -> None:
         """`fn() -> (running, queued)` for Describe; default: stage RPCs in flight, 0 queued."""
         self.load_provider = fn
+
+    def set_readiness_provider(self, fn: Callable[[], list[control_pb2.Readiness]]) -> None:
+        """`fn()` → Describe's readiness (the gateway's capabilities)."""
+        self.readiness_provider = fn
+
+    def set_capability_health(self, ready: dict[str, bool]) -> None:
+        """Serve `omnistage.v1.Omni.<capability>` health names: SERVING while the service serves and
+        the capability is ready (clients and probes can wait for speech or images, not just text)."""
+        self._parts = {f"{PUBLIC_API}.{name}": ok for name, ok in ready.items()}
+        if self._loop is not None:
+            self._schedule(self._sync_health())
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -311,6 +333,18 @@ class ServiceRuntime:
         self.reporter.enter("stopped")
         self.trimmer.cancel()
         await self._stop_servers()
+        if self._beat_task is not None:
+            self._beat_task.cancel()
+
+    async def _beat(self, interval_s: float) -> None:
+        """Liveness for the launcher, on the event loop on purpose: a loop that is stuck (or a process
+        that is stopped) stops beating, and the launcher restarts the service."""
+        while True:
+            try:
+                self.reporter.beat()  # a small atomic file write: no thread, so it stops with the loop
+            except OSError as exc:  # a full disk must not end the service; the launcher will notice
+                log_fields(_log, logging.WARNING, "heartbeat write failed", error=str(exc))
+            await asyncio.sleep(interval_s)
 
     async def _stop_servers(self) -> None:
         for port in (self._main, self._admin):
@@ -411,6 +445,8 @@ class ServiceRuntime:
         status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self._stage_services):
             await self._main.health.set(name, status)
+        for name, ready in self._parts.items():
+            await self._main.health.set(name, status if ready else health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._admin is not None:
             await self._admin.health.set("", status)
             await self._admin.health.set(CONTROL_SERVICE, health_pb2.HealthCheckResponse.SERVING)

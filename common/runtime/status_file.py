@@ -37,6 +37,10 @@ class StatusRecord:
     culprit_rank: int = -1
     # gRPC address (rank 0 of a service; empty on ranks without a server).
     address: str = ""
+    # Latest liveness beat, written by the process's event loop every supervision.heartbeat_interval_s
+    # in every phase (a stuck loop or SIGSTOP stops it). Unlike heartbeat_unix it says nothing about
+    # progress, so a start-up step hung in a worker thread is still caught by the progress clock.
+    alive_unix: float = 0.0
 
     def progress_text(self) -> str:
         """`2/3 shards`, `5 graphs`, or '' (plus the detail when there is one)."""

@@ -132,8 +132,9 @@ class Segment:
             self._fd = None
 
 
-def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove `omnistage-<pid>-*` segments whose owner is dead; return the names removed.
+def sweep_stale_segments(shm_dir: str = SHM_DIR, owners: set[int] | None = None) -> list[str]:
+    """Remove `omnistage-<pid>-*` segments whose owner is dead (of `owners` only, when given); return
+    the names removed.
 
     A segment is removed only if its pid is not alive here *and* no process holds its flock, so a
     live process's segment is never touched (also when its pid lives in another PID namespace).
@@ -145,7 +146,7 @@ def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
         return removed
     for name in names:
         pid = segment_owner_pid(name)
-        if pid is None or pid == os.getpid() or pid_alive(pid):
+        if pid is None or pid == os.getpid() or (owners is not None and pid not in owners) or pid_alive(pid):
             continue
         path = os.path.join(shm_dir, name)
         try:

@@ -1,27 +1,40 @@
 """`python -m omnistage.services.gateway --config F --service NAME`: the public Omni API.
 
-Start-up waits for every deployed stage it calls (the thinker; the encoder and the talker when
-deployed) to be SERVING, sends one real text request through the thinker, one sentence through the
-talker and, with an encoder, one request with an image through the whole media path (encoder →
-shared memory → thinker), then serves.
+Start-up waits for every deployed stage it calls (the thinker; the encoder, the talker and the image
+stage when deployed) to be SERVING, sends one real text request through the thinker, one sentence
+through the talker, with an encoder one request with an image through the whole media path (encoder →
+shared memory → thinker), and with an image stage one image request (thinker hidden states → shared
+memory → ImageGen, one step at the smallest size), then serves.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import io
 import sys
 
 from omnistage.common.config import DeployConfig, ServiceConfig
 from omnistage.common.runtime import auth
+from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.common.transport import TransportContext
+from omnistage.services.gateway.admission import GateConfig, StageGate
 from omnistage.services.gateway.converse import ConverseLimits
+from omnistage.services.gateway.imaging import ImageLimits, ImageStage
 from omnistage.services.gateway.media import MediaStage
 from omnistage.services.gateway.prompt import Turn, build_chat
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
-from omnistage.services.gateway.stages import EncoderClient, TalkerClient, ThinkerClient
+from omnistage.services.gateway.stage_watch import StageWatch, WatchConfig
+from omnistage.services.gateway.stages import (
+    EncoderClient,
+    ImageGenClient,
+    StageClient,
+    TalkerClient,
+    ThinkerClient,
+)
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, control_pb2, omni_pb2, omni_pb2_grpc, talker_pb2
 
@@ -56,6 +69,38 @@ async def _warm_up_media(servicer: OmniServicer) -> None:
         raise RuntimeError("the media warm-up request ended without a finish")
 
 
+async def _warm_up_image(servicer: OmniServicer) -> None:
+    """One image request through the path clients take (thinker hidden states → ImageGen): one step
+    at the smallest size; a broken hand-over fails start-up."""
+    side = servicer.images.limits.min_side_px
+    request = omni_pb2.GenerateRequest(
+        request_id="gateway-warmup-image", output_modalities=[omni_pb2.MODALITY_IMAGE],
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="warm-up")])],
+        image=omni_pb2.ImageOptions(width=side, height=side, steps=1, seed=0),
+    )  # fmt: skip
+    events = [e async for e in servicer.Generate(request, _Deadline(120.0))]
+    kinds = [e.WhichOneof("event") for e in events]
+    if kinds[-2:] != ["image", "finish"]:
+        raise RuntimeError(f"the image warm-up request ended with {kinds[-2:]}, not an image and a finish")
+
+
+def _image_stage(cfg: DeployConfig, svc: ServiceConfig) -> ImageStage:
+    """The image stage's client with the deploy file's limits (its Describe's, once it is admitted)."""
+    g = cfg.services_of("imagegen")[0]
+    client = ImageGenClient(g.name, cfg.address(g.name), max(g.max_message_bytes, svc.max_message_bytes),
+                            admin_address=cfg.admin_address(g.name), admin_metadata=auth.admin_metadata(g))
+    # Releases only (hidden states that never reach ImageGen): the gateway maps no bytes of them. A
+    # GPU image stage can open CUDA IPC handles, so hidden states made on a GPU may stay there.
+    return ImageStage(client, TransportContext(), ImageLimits.of(g.imagegen, None), allow_cuda_ipc=g.device == "cuda")
+
+
+async def _warm_up_thinker(thinker: ThinkerClient) -> None:
+    """A real request end to end: the path the clients will take works."""
+    warmup = build_chat([Turn("user", "warm-up")])
+    async for _ in thinker.generate("gateway-warmup", warmup, common_pb2.SamplingParams(max_tokens=1), 60.0):
+        pass
+
+
 async def _warm_up_talker(talker: TalkerClient) -> None:
     """One sentence through Speak: the talker answers with speech before the gateway serves."""
     call = talker.speak(60.0)
@@ -72,23 +117,10 @@ async def _warm_up_talker(talker: TalkerClient) -> None:
         talker.ended()
 
 
-async def _start_talker(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig) -> SpeechStage | None:
-    """The talker's client once it is SERVING and spoke a warm-up sentence; None when degraded."""
+def _speech_stage(cfg: DeployConfig, svc: ServiceConfig) -> SpeechStage:
     gw, t = svc.gateway, cfg.services_of("talker")[0]
     talker = TalkerClient(t.name, cfg.address(t.name), max(t.max_message_bytes, svc.max_message_bytes),
                           admin_address=cfg.admin_address(t.name), admin_metadata=auth.admin_metadata(t))
-    runtime.reporter.heartbeat(f"waiting for {t.name}")
-    try:
-        await talker.wait_serving(gw.stage_wait_s)
-        await talker.read_limits()  # the streams this gateway may hold open (Describe)
-        await _warm_up_talker(talker)
-    except Exception:
-        await talker.close()
-        if not gw.allow_degraded:
-            raise
-        runtime.reporter.heartbeat(f"{t.name} unavailable; serving without speech")
-        return None
-    runtime.add_shutdown_hook(talker.close)
     limits = SpeechLimits(t.talker.max_text_chars, gw.talker_start_wait_s, gw.talker_idle_timeout_s,
                           gw.speech_buffer_events)
     return SpeechStage(talker, limits, svc.name)
@@ -102,94 +134,155 @@ def _converse_limits(cfg: DeployConfig, svc: ServiceConfig) -> ConverseLimits:
                           enc.max_items_per_request if enc else ConverseLimits.max_audio_items)
 
 
+# Public capabilities and the stage kinds each needs (readiness per modality: health names
+# `omnistage.v1.Omni.<capability>` and the gateway's Describe).
+CAPABILITIES: dict[str, tuple[str, ...]] = {
+    "text": ("thinker",),
+    "media_input": ("thinker", "encoder"),
+    "speech": ("thinker", "talker"),
+    "image_output": ("thinker", "imagegen"),
+}
+
+
+class _Stages:
+    """The gateway's stages and their watches: each stage is admitted when it is SERVING and passed its
+    warm-up (the thinker first; text is served before speech and images), marked down when it stops
+    answering, and admitted again when it is back (the launcher restarts it)."""
+
+    def __init__(self, runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, servicer: OmniServicer,
+                 watch: WatchConfig) -> None:  # fmt: skip
+        self.runtime, self.cfg, self.svc, self.servicer = runtime, cfg, svc, servicer
+        self.watches: dict[str, StageWatch] = {}
+        s = servicer
+        steps = {"thinker": (s.thinker, self._thinker_up), "encoder": (s.media and s.media.encoder, self._encoder_up),
+                 "talker": (s.speech and s.speech.talker, self._talker_up),
+                 "imagegen": (s.images and s.images.client, self._imagegen_up)}  # fmt: skip
+        for kind, (client, on_up) in steps.items():
+            if client is not None:
+                self.watches[kind] = StageWatch(client, watch, on_up, self._changed)
+                runtime.add_shutdown_hook(self.watches[kind].stop)
+                if kind in ("thinker", "talker"):  # the media and image stages close their own clients
+                    runtime.add_shutdown_hook(client.close)
+
+    def start(self) -> None:
+        for w in self.watches.values():
+            w.start()
+
+    def readiness(self) -> list[control_pb2.Readiness]:
+        out = []
+        for name, kinds in CAPABILITIES.items():
+            if not set(kinds) <= self.servicer.deployed:
+                continue
+            down = [(k, self.watches[k].client.down_reason) for k in kinds if not self.watches[k].client.up]
+            reason = "; ".join(f"{k}: {why}" for k, why in down)
+            out.append(control_pb2.Readiness(capability=name, ready=not down, reason=reason))
+        return out
+
+    def _changed(self, _client: StageClient) -> None:
+        ready = {r.capability: r.ready for r in self.readiness()}
+        self.runtime.set_capability_health(ready)
+        self.runtime.reporter.heartbeat("ready: " + (", ".join(k for k, v in ready.items() if v) or "nothing yet"))
+
+    async def _thinker_up(self) -> None:
+        client, s = self.servicer.thinker, self.servicer
+        desc = await client.describe()  # None without an admin port: then only the thinker checks lengths
+        if desc is not None:
+            s.limits = dataclasses.replace(s.limits, max_model_len=desc.limits.max_model_len or None)
+            s.thinker_gate.set_capacity(desc.limits.max_running_requests)
+        await self._through(client, _warm_up_thinker(client))
+
+    async def _needs_thinker(self, what: str) -> None:
+        """Warm-ups through the thinker wait for its admission (bounded by gateway.stage_wait_s)."""
+        watch = self.watches.get("thinker")
+        if watch is None or not await watch.wait_admitted(self.svc.gateway.stage_wait_s):
+            raise RuntimeError(f"{what} needs the thinker, which is not admitted")
+
+    async def _encoder_up(self) -> None:
+        await self._needs_thinker("the media warm-up")
+        await self._through(self.servicer.media.encoder, _warm_up_media(self.servicer))
+
+    async def _talker_up(self) -> None:
+        talker = self.servicer.speech.talker
+        await talker.read_limits()  # the streams this gateway may hold open (Describe)
+        await self._through(talker, _warm_up_talker(talker))
+
+    async def _imagegen_up(self) -> None:
+        await self._needs_thinker("the image warm-up")
+        images = self.servicer.images
+        desc = await images.client.describe()
+        g = self.cfg.services_of("imagegen")[0]
+        images.limits = ImageLimits.of(g.imagegen, desc.limits if desc is not None else None)
+        await self._through(images.client, _warm_up_image(self.servicer))
+
+    @staticmethod
+    async def _through(client: StageClient, warm_up) -> None:
+        """Run a warm-up request through `client` (let through although the stage is not admitted yet)."""
+        reason, client.down_reason = client.down_reason, ""
+        try:
+            await warm_up
+        except BaseException:
+            client.down_reason = reason
+            raise
+
+
 async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
     gw = svc.gateway
     deployed = {s.kind for s in cfg.services.values() if s.kind != "gateway"}
-    thinker = None
-    max_model_len: int | None = None
-    thinkers = cfg.services_of("thinker")
-    encoders = cfg.services_of("encoder")
-    talkers = cfg.services_of("talker")
-    if thinkers or encoders or talkers:
-        runtime.reporter.enter("warming_up", total=len(thinkers[:1]) + len(encoders[:1]) + len(talkers[:1]),
-                               unit="stages")
-    media = None
+    thinkers, encoders = cfg.services_of("thinker"), cfg.services_of("encoder")
+    thinker = media = None
+    if thinkers:
+        t = thinkers[0]
+        thinker = ThinkerClient(t.name, cfg.address(t.name), max(t.max_message_bytes, svc.max_message_bytes),
+                                admin_address=cfg.admin_address(t.name), admin_metadata=auth.admin_metadata(t))
     if encoders:
         e = encoders[0]
         encoder = EncoderClient(e.name, cfg.address(e.name), max(e.max_message_bytes, svc.max_message_bytes),
                                 admin_address=cfg.admin_address(e.name), admin_metadata=auth.admin_metadata(e))
-        runtime.reporter.heartbeat(f"waiting for {e.name}")
-        try:
-            await encoder.wait_serving(gw.stage_wait_s)
-            # Releases only (refs that never reach the thinker): the gateway maps no bytes of them.
-            # A GPU thinker can open CUDA IPC handles, so embeddings made on a GPU may stay there.
-            cuda_thinker = bool(thinkers) and thinkers[0].device == "cuda"
-            media = MediaStage(encoder, TransportContext(), max_request_bytes=e.max_message_bytes,
-                               allow_cuda_ipc=cuda_thinker)
-            runtime.add_shutdown_hook(media.close)
-        except Exception:
-            await encoder.close()
-            if not gw.allow_degraded:
-                raise
-            runtime.reporter.heartbeat(f"{e.name} unavailable; serving degraded")
-            deployed.discard("encoder")
-        runtime.reporter.advance()
-    if thinkers:
-        t = thinkers[0]
-        client = ThinkerClient(t.name, cfg.address(t.name), max(t.max_message_bytes, svc.max_message_bytes),
-                               admin_address=cfg.admin_address(t.name), admin_metadata=auth.admin_metadata(t))
-        runtime.reporter.heartbeat(f"waiting for {t.name}")
-        try:
-            await client.wait_serving(gw.stage_wait_s)
-            desc = await client.describe()  # None without an admin port: then only the thinker checks lengths
-            max_model_len = (desc.limits.max_model_len or None) if desc is not None else None
-            # A real request end to end before SERVING: the path the clients will take works.
-            warmup = build_chat([Turn("user", "warm-up")])
-            async for _ in client.generate("gateway-warmup", warmup, common_pb2.SamplingParams(max_tokens=1), 60.0):
-                pass
-            thinker = client
-        except Exception:
-            if not gw.allow_degraded:
-                raise
-            runtime.reporter.heartbeat(f"{t.name} unavailable; serving degraded")
-            deployed.discard("thinker")
-        runtime.reporter.advance()
-    speech = None
-    if talkers:
-        speech = await _start_talker(runtime, cfg, svc)
-        if speech is None:
-            deployed.discard("talker")
-        runtime.reporter.advance()
+        # Releases only (refs that never reach the thinker): the gateway maps no bytes of them.
+        # A GPU thinker can open CUDA IPC handles, so embeddings made on a GPU may stay there.
+        cuda_thinker = bool(thinkers) and thinkers[0].device == "cuda"
+        media = MediaStage(encoder, TransportContext(), max_request_bytes=e.max_message_bytes,
+                           allow_cuda_ipc=cuda_thinker)
+        runtime.add_shutdown_hook(media.close)
+    images = _image_stage(cfg, svc) if cfg.services_of("imagegen") else None
+    if images is not None:
+        runtime.add_shutdown_hook(images.close)
     servicer = OmniServicer(
         thinker,
         deployed,
         max_concurrent_requests=gw.max_concurrent_requests,
-        limits=RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars, max_model_len),
+        limits=RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars, None),
         system_prompt=gw.system_prompt,
         media_dir=gw.media_dir,
         media=media,
-        speech=speech,
+        speech=_speech_stage(cfg, svc) if cfg.services_of("talker") else None,
+        images=images,
         converse=_converse_limits(cfg, svc),
+        thinker_gate=StageGate("thinker", GateConfig(0, gw.admission_max_waiting, gw.admission_initial_service_s)),
     )
-    if media is not None and thinker is not None:
-        runtime.reporter.heartbeat("one image through encoder and thinker")
-        try:
-            await _warm_up_media(servicer)
-        except Exception:
-            if not gw.allow_degraded:
-                raise
-            runtime.reporter.heartbeat("the media path failed its warm-up; serving without media")
-            servicer.media = None
-            deployed.discard("encoder")
+    stages = _Stages(runtime, cfg, svc, servicer,
+                     WatchConfig(gw.stage_health_interval_s, gw.stage_health_timeout_s, gw.stage_health_failures))
+    runtime.set_readiness_provider(stages.readiness)
     runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")
     runtime.set_limits_provider(
         lambda: control_pb2.Limits(
             max_running_requests=gw.max_concurrent_requests, max_message_bytes=svc.max_message_bytes
         )
     )
-    runtime.set_load_provider(lambda: (servicer.in_flight, 0))
-    if thinker is not None:
-        runtime.add_shutdown_hook(thinker.close)
+    runtime.set_load_provider(lambda: (servicer.in_flight, servicer.thinker_gate.waiting))
+    stages.start()
+    # Start-up waits for every stage's admission (SERVING + warm-up through the path clients take),
+    # bounded by gateway.stage_wait_s; with allow_degraded it serves what is admitted by then, and
+    # the rest joins as its watch admits it (health names omnistage.v1.Omni.<capability>, Describe).
+    runtime.reporter.enter("warming_up", total=len(stages.watches), unit="stages")
+    deadline = asyncio.get_running_loop().time() + gw.stage_wait_s
+    for w in stages.watches.values():
+        runtime.reporter.heartbeat(f"waiting for {w.client.name}")
+        admitted = await w.wait_admitted(max(0.0, deadline - asyncio.get_running_loop().time()))
+        if not admitted and not gw.allow_degraded:
+            raise StageUnavailable(f"stage '{w.client.name}' not admitted after {gw.stage_wait_s:g}s "
+                                   f"(gateway.stage_wait_s): {w.client.down_reason}")
+        runtime.reporter.advance()
     if gw.http_port:
         await _start_http_front(runtime, cfg, svc)
     runtime.set_serving()

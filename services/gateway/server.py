@@ -1,25 +1,40 @@
 """OmniServicer: validate, run the request through the stages, stream events back.
 
 The gateway holds no model. It turns a public request into stage calls (the encoder for media parts,
-then the thinker, and the talker for speech: speech.py), passes the client's remaining deadline to
-each, and cancels the stage streams when the client goes away. Embeddings go from the encoder to the
-thinker as TensorRefs, never through the gateway's memory; refs that never reach the thinker are
-released here (media.py). Omni.Converse runs in converse.py.
+then the thinker; the talker for speech: speech.py; for MODALITY_IMAGE the thinker in hidden-state
+mode, then the image stage: imaging.py), passes the client's remaining deadline to each, and cancels
+the stage streams when the client goes away. Embeddings go from the encoder to the thinker, and hidden
+states from the thinker to the image stage, as TensorRefs, never through the gateway's memory; refs
+that never reach their consumer are released here (media.py, imaging.py). Omni.Converse runs in
+converse.py.
+
+With MODALITY_IMAGE and MODALITY_TEXT (and/or MODALITY_AUDIO), the answer streams first (text, and
+speech interleaved), then the image is made from the same conversation (a second thinker call; its
+media encoded again, because the thinker consumes the encoder's refs when it takes a request); one
+Finish ends the stream.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
+from omnistage.services.gateway.admission import GateConfig, StageGate
 from omnistage.services.gateway.converse import Conversation, ConverseLimits
+from omnistage.services.gateway.imaging import ImagePlan, ImageStage
 from omnistage.services.gateway.media import MediaStage, thinker_items
 from omnistage.services.gateway.media_path import check_media_paths
 from omnistage.services.gateway.speech import SpeechStage, voice_choice
-from omnistage.services.gateway.stages import StageError, ThinkerClient
+from omnistage.services.gateway.stages import ThinkerClient
 from omnistage.services.gateway.validation import PlannedRequest, RequestLimits, plan_request
-from omnistage.v1 import encoder_pb2, omni_pb2, omni_pb2_grpc, thinker_pb2
+from omnistage.v1 import common_pb2, encoder_pb2, omni_pb2, omni_pb2_grpc, thinker_pb2
+
+# A text answer that ended so is followed by the image, when one is asked for too.
+_COMPLETE = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP_STRING)
 
 
 def _event(request_id: str, ev: thinker_pb2.ThinkerEvent) -> omni_pb2.GenerateEvent | None:
@@ -54,11 +69,16 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         media_dir: str = "",
         media: MediaStage | None = None,
         speech: SpeechStage | None = None,
+        images: ImageStage | None = None,
         converse: ConverseLimits = ConverseLimits(),
+        thinker_gate: StageGate | None = None,
     ) -> None:
         self.thinker = thinker
+        # Admission by the thinker's capacity (its stress-tested max_num_seqs, from Describe).
+        self.thinker_gate = thinker_gate or StageGate("thinker", GateConfig())
         self.media = media  # None: no encoder (media parts get FAILED_PRECONDITION)
         self.speech = speech  # None: no talker (MODALITY_AUDIO and Converse get FAILED_PRECONDITION)
+        self.images = images  # None: no image stage (MODALITY_IMAGE gets FAILED_PRECONDITION)
         self.converse = converse
         self.deployed = deployed
         self.max_concurrent_requests = max_concurrent_requests
@@ -71,6 +91,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         arrived_at = time.monotonic()
         paths = check_media_paths(request, self.media_dir)  # a file path is a permission question, asked first
         plan = plan_request(request, self.deployed, self.system_prompt, self.limits)
+        image = self._plan_image(request, plan)
         spoken = omni_pb2.MODALITY_AUDIO in plan.outputs
         choice = voice_choice(request) if spoken else None
         if self.thinker is None:
@@ -81,50 +102,145 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             )
         if spoken and self.speech is None:
             raise StageUnavailable("output_modalities: the 'talker' stage is not available", retryable=False)
-        if self.in_flight >= self.max_concurrent_requests:
-            raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200)
+        self._admit(context)
+        if image is not None:
+            self.images.admit()
         self.in_flight += 1
         try:
-            encoded: list[encoder_pb2.EncodedItem] = []
-            if plan.media:
-                encoded = await self.media.encode(plan.request_id, plan.media, paths, context.time_remaining())
-            handed_over = False  # the thinker's `started`: from then on the leases are its business
-            events = self._thinker_events(plan, encoded, context)
-            if spoken:
-                events = self.speech.answer(plan.request_id, choice, events, context.time_remaining(), arrived_at)
-            try:
+            finish: omni_pb2.GenerateEvent | None = None
+            if image is None or plan.outputs - {omni_pb2.MODALITY_IMAGE}:
+                answer = self._answer_events(plan, paths, context, choice, arrived_at)
+                async with contextlib.aclosing(answer) as events:
+                    async for event in events:  # closing cancels the thinker stream now if the client left
+                        if image is not None and event.WhichOneof("event") == "finish":
+                            finish = event
+                        else:
+                            yield event
+                if image is None:
+                    return
+                if finish is None or finish.finish.reason not in _COMPLETE:
+                    if finish is not None:
+                        yield finish
+                    return
+            usage = common_pb2.Usage()
+            if finish is None:
+                finish = omni_pb2.GenerateEvent(request_id=plan.request_id,
+                                                finish=omni_pb2.Finish(reason=common_pb2.FINISH_REASON_STOP))  # fmt: skip
+            else:
+                usage.CopyFrom(finish.finish.usage)
+            async with contextlib.aclosing(self._image_events(plan, image, paths, usage, context)) as events:
                 async for event in events:
-                    if event is None:
-                        handed_over = True
-                    else:
-                        yield event
-            finally:
-                await events.aclose()  # cancels the thinker stream now if the client left
-                if encoded and not handed_over:
-                    self.media.release(encoded)
+                    yield event
+            finish.finish.usage.CopyFrom(usage)
+            yield finish
         finally:
             self.in_flight -= 1
+            if image is not None:
+                self.images.done()
+
+    def _plan_image(self, request: omni_pb2.GenerateRequest, plan: PlannedRequest) -> ImagePlan | None:
+        """The checked image options of a MODALITY_IMAGE request; None without one."""
+        if omni_pb2.MODALITY_IMAGE not in plan.outputs:
+            return None
+        if self.images is None:
+            raise StageUnavailable(
+                "output_modalities: MODALITY_IMAGE needs the 'imagegen' stage, which is not available "
+                "(gateway started degraded)"
+            )
+        return self.images.plan(request, plan)
+
+    async def _answer_events(self, plan: PlannedRequest, paths: dict[str, Path], context, choice,
+                             arrived_at: float) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
+        """The client's events of the answer: the encoder for media, the thinker's deltas (and the talker's
+        speech when `choice` is set), then the finish."""
+        encoded: list[encoder_pb2.EncodedItem] = []
+        if plan.media:
+            encoded = await self.media.encode(plan.request_id, plan.media, paths, context.time_remaining())
+        handed_over = False  # the thinker's `started`: from then on the leases are its business
+        events = self._thinker_events(plan, encoded, context)
+        if choice is not None:
+            events = self.speech.answer(plan.request_id, choice, events, context.time_remaining(), arrived_at)
+        try:
+            async for event in events:
+                if event is None:
+                    handed_over = True
+                else:
+                    yield event
+        finally:
+            await events.aclose()  # cancels the thinker stream now if the client left
+            if encoded and not handed_over:
+                self.media.release(encoded)
+
+    async def _image_events(
+        self, plan: PlannedRequest, image: ImagePlan, paths: dict[str, Path], usage: common_pb2.Usage, context
+    ) -> AsyncIterator[omni_pb2.GenerateEvent]:
+        """The image: hidden states of the conversation's query block, then ImageGen's progress and PNG.
+        The request's media go through the encoder again; refs of a thinker call that never answered
+        `started` are released here."""
+        assert self.images is not None
+        reference = await self.images.reference_bytes(image, paths)
+        encoded: list[encoder_pb2.EncodedItem] = []
+        if plan.media:
+            encoded = await self.media.encode(plan.request_id, plan.media, paths, context.time_remaining())
+        handed_over = False
+        try:
+            hidden = self._thinker_stream(plan, encoded, context, self.images.hidden_states_request())
+
+            async def thinker_events() -> AsyncIterator[thinker_pb2.ThinkerEvent]:
+                nonlocal handed_over
+                async with contextlib.aclosing(hidden) as stream:
+                    async for ev in stream:
+                        handed_over = handed_over or ev.WhichOneof("event") == "started"
+                        yield ev
+
+            async with contextlib.aclosing(thinker_events()) as stream:
+                events = self.images.events(plan.request_id, image, stream, reference, usage,
+                                            context.time_remaining)  # fmt: skip
+                async with contextlib.aclosing(events) as image_events:
+                    async for event in image_events:
+                        yield event
+        finally:
+            if encoded and not handed_over:
+                self.media.release(encoded)
 
     async def _thinker_events(self, plan: PlannedRequest, encoded: list[encoder_pb2.EncodedItem], context):
         """The client's events of the thinker stream; None marks `started` (the thinker has the rows)."""
-        self._check_media_tokens(plan, encoded)
-        finished = False
-        stream = self.thinker.generate(
-            plan.request_id, plan.chat(encoded), plan.sampling, context.time_remaining(),
-            multimodal=thinker_items(encoded),
-        )  # fmt: skip
-        try:
+        async with contextlib.aclosing(self._thinker_stream(plan, encoded, context)) as stream:
             async for ev in stream:
                 yield _event(plan.request_id, ev)
-                if ev.WhichOneof("event") == "finish":
-                    finished = True
-                    break
-        except grpc.aio.AioRpcError as exc:
-            raise StageError("thinker", exc) from exc
-        finally:
-            await stream.aclose()
+
+    async def _thinker_stream(
+        self, plan: PlannedRequest, encoded: list[encoder_pb2.EncodedItem], context,
+        hidden_states: thinker_pb2.HiddenStatesRequest | None = None,
+    ) -> AsyncIterator[thinker_pb2.ThinkerEvent]:
+        """The thinker's events up to its finish (hidden-state mode with `hidden_states`)."""
+        self._check_media_tokens(plan, encoded)
+        finished = False
+        mode = {"hidden_states": hidden_states} if hidden_states is not None else {}
+        async with self.thinker_gate.slot(context.time_remaining()):  # a slot of the thinker's tested batch
+            stream = self.thinker.generate(
+                plan.request_id, plan.chat(encoded), plan.sampling, context.time_remaining(),
+                multimodal=thinker_items(encoded), **mode,
+            )  # fmt: skip
+            try:
+                async for ev in stream:
+                    yield ev
+                    if ev.WhichOneof("event") == "finish":
+                        finished = True
+                        break
+            except grpc.aio.AioRpcError as exc:
+                raise self.thinker.error(exc) from exc
+            finally:
+                await stream.aclose()
         if not finished:
             raise StageUnavailable("thinker: stream ended without a finish event")
+
+    def _admit(self, context) -> None:
+        """Refuse at arrival (RESOURCE_EXHAUSTED with a retry hint) what cannot finish in time: the
+        gateway's bound of requests, then the thinker's capacity against the request's deadline."""
+        if self.in_flight >= self.max_concurrent_requests:
+            raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200)
+        self.thinker_gate.check(context.time_remaining())
 
     def _check_media_tokens(self, plan: PlannedRequest, encoded: list[encoder_pb2.EncodedItem]) -> None:
         """Media alone longer than the thinker's context: refused here, before the thinker is called."""
@@ -138,8 +254,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext):
         conversation = Conversation(self, context)
         config = await conversation.open(request_iterator)  # checks before the call counts as in flight
-        if self.in_flight >= self.max_concurrent_requests:
-            raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200)
+        self._admit(context)
         self.in_flight += 1
         try:
             async for event in conversation.run(config):

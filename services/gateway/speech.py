@@ -34,6 +34,8 @@ from omnistage.v1 import common_pb2, omni_pb2, talker_pb2
 MAX_VOICE_CHARS = 256
 # Pushback a client gets when this gateway already holds all the talker's streams (the talker's own).
 NO_CREDIT_RETRY_MS = 500
+# After `finished`, how long the talker's handler has to end the call itself (status OK) before it is cancelled.
+FINISHED_STREAM_END_S = 5.0
 _SPOKEN_REASONS = {common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP_STRING}
 
 
@@ -177,6 +179,10 @@ class TalkerStream:
     def start(self) -> bool:
         """Open the Speak call (False, with the status set, when this gateway holds all the talker's streams)."""
         talker = self.stage.talker
+        if not talker.up:  # the text goes on; the status says why there is no speech
+            self.fail("UNAVAILABLE", talker.unavailable().args[0])
+            self.accepted.set()
+            return False
         if not talker.has_credit():
             self.fail("RESOURCE_EXHAUSTED", f"{talker.name}: all {talker.max_streams} streams are speaking",
                       NO_CREDIT_RETRY_MS)
@@ -246,7 +252,9 @@ class TalkerStream:
             if refusal is not None:
                 await out.put(refusal)  # before `accepted`: the text pump waits for this verdict
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling() or not self._stopped:
+            if self.stage.talker.lost_call():  # the talker went down under the call: the text goes on
+                self.fail("UNAVAILABLE", self.stage.talker.unavailable().args[0])
+            elif asyncio.current_task().cancelling() or not self._stopped:
                 raise  # this task was cancelled (the answer is closing), not only the call
         finally:
             self.accepted.set()
@@ -283,12 +291,19 @@ class TalkerStream:
                 if self.text.truncated:
                     self.fail("OUT_OF_RANGE", f"the answer passed the talker's max_text_chars "
                               f"({self.limits.max_text_chars} characters): spoken up to there")
+                # The last event: take the call's own end (OK) rather than cancel it on close, which the
+                # talker would count (and log) as a client cancel.
+                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+                    await asyncio.wait_for(call.code(), FINISHED_STREAM_END_S)
                 return
 
     def _refused_or_failed(self, exc: grpc.aio.AioRpcError) -> InvalidRequest | None:
         """Set the status from the talker's error; the client's error when it refused the request's voice
         before any text was let through (then the request fails as a whole, naming the field)."""
         details = exc.details() or ""
+        if not self.stage.talker.up and exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+            self.fail("UNAVAILABLE", self.stage.talker.unavailable().args[0])  # went down under the call
+            return None
         pushback = str(dict(exc.trailing_metadata() or ()).get(RETRY_PUSHBACK_KEY, "0"))
         self.fail(exc.code().name, f"{self.stage.talker.name}: {details}", int(pushback) if pushback.isdigit() else 0)
         if (exc.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("config.")

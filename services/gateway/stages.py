@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from omnistage.common.runtime.errors import OmniError, StageUnavailable
 from omnistage.v1 import (
     common_pb2,
@@ -21,6 +20,8 @@ from omnistage.v1 import (
     control_pb2_grpc,
     encoder_pb2,
     encoder_pb2_grpc,
+    imagegen_pb2,
+    imagegen_pb2_grpc,
     talker_pb2_grpc,
     thinker_pb2,
     thinker_pb2_grpc,
@@ -39,9 +40,15 @@ class StageError(OmniError):
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Message bounds, and HTTP/2 keepalive pings so that a stage host that vanished (no FIN, no RST)
+    ends the gateway's calls on it instead of leaving them open until their deadlines."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
@@ -61,31 +68,69 @@ class StageClient:
         self.admin_metadata = admin_metadata
         self.admin_channel = grpc.aio.insecure_channel(admin_address) if admin_address else None
         self.control = control_pb2_grpc.ControlStub(self.admin_channel) if self.admin_channel else None
+        # Why the stage cannot take calls now ("" while it is SERVING); set by its StageWatch.
+        self.down_reason = ""
+        self._calls: set[grpc.aio.Call] = set()
+
+    @property
+    def up(self) -> bool:
+        return not self.down_reason
+
+    def unavailable(self) -> StageUnavailable:
+        """The error of a call the stage cannot take now (UNAVAILABLE naming the stage and why)."""
+        return StageUnavailable(f"stage '{self.name}' is unavailable: {self.down_reason or 'unknown'}")
+
+    def check_up(self) -> None:
+        if self.down_reason:
+            raise self.unavailable()
+
+    def track(self, call: grpc.aio.Call) -> grpc.aio.Call:
+        """Remember `call` until it ends, so that a stage found down fails it at once (`lose_calls`)."""
+        self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
+        return call
+
+    def lose_calls(self) -> int:
+        """The stage went down: cancel every call in flight on it (their callers see `down_reason`)."""
+        calls, self._calls = list(self._calls), set()
+        for call in calls:
+            call.cancel()
+        return len(calls)
+
+    def lost_call(self) -> bool:
+        """In an `except CancelledError` of a call: True when the watch cancelled the call because the
+        stage went down (grpc.aio raises CancelledError for a locally cancelled call), False when the
+        caller's own task is being cancelled."""
+        task = asyncio.current_task()
+        return bool(self.down_reason) and not (task is not None and task.cancelling())
+
+    @contextlib.contextmanager
+    def lost_as_unavailable(self) -> Iterator[None]:
+        """Around a call's use: a call the watch cancelled (the stage went down) is UNAVAILABLE naming
+        the stage, not a bare cancellation."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            if self.lost_call():
+                raise self.unavailable() from None
+            raise
+
+    @property
+    def calls_in_flight(self) -> int:
+        return len(self._calls)
+
+    def error(self, exc: grpc.aio.AioRpcError) -> OmniError:
+        """The client's error for a failed call: UNAVAILABLE naming the stage when it went down under
+        the call, else the stage's own status."""
+        if self.down_reason and exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+            return self.unavailable()
+        return StageError(self.name, exc)
 
     async def describe(self) -> control_pb2.DescribeResponse | None:
         """The stage's Describe, or None when it has no admin port."""
         if self.control is None:
             return None
         return await self.control.Describe(control_pb2.DescribeRequest(), timeout=2.0, metadata=self.admin_metadata)
-
-    async def wait_serving(self, timeout_s: float, poll_s: float = 0.2) -> None:
-        """Wait until the stage is SERVING; on timeout say which phase it is stuck in."""
-        deadline = time.monotonic() + timeout_s
-        last = "no answer"
-        while time.monotonic() < deadline:
-            try:
-                status = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-                if status.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                last = f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)}"
-                desc = await self.describe()
-                if desc is not None:
-                    p = desc.progress
-                    last = f"phase {control_pb2.Phase.Name(p.phase)} {p.done}/{p.total} {p.unit}".strip()
-            except grpc.aio.AioRpcError as exc:
-                last = f"{exc.code().name}: {exc.details()}"
-            await asyncio.sleep(poll_s)
-        raise StageUnavailable(f"stage '{self.name}' at {self.address} not SERVING after {timeout_s:.0f}s ({last})")
 
     async def close(self) -> None:
         await self.channel.close()
@@ -107,17 +152,21 @@ class ThinkerClient(StageClient):
         sampling: common_pb2.SamplingParams,
         timeout_s: float | None,
         multimodal: list[thinker_pb2.MultimodalEmbedding] | None = None,
+        hidden_states: thinker_pb2.HiddenStatesRequest | None = None,
     ) -> AsyncIterator[thinker_pb2.ThinkerEvent]:
         """The thinker's events, `started` first. `request_id` is the client's, for the thinker's logs;
-        `multimodal` carries the encoder's refs as they came (the thinker releases their leases)."""
+        `multimodal` carries the encoder's refs as they came (the thinker releases their leases);
+        `hidden_states` asks for the image query block's hidden states instead of tokens."""
         request = thinker_pb2.ThinkerRequest(request_id=request_id, chat=prompt, sampling=sampling,
-                                             multimodal=multimodal or [])  # fmt: skip
-        call = self.stub.Generate(request, timeout=timeout_s)
+                                             multimodal=multimodal or [], hidden_states=hidden_states)  # fmt: skip
+        self.check_up()
+        call = self.track(self.stub.Generate(request, timeout=timeout_s))
         finished = False
         try:
-            async for event in call:
-                finished = finished or event.WhichOneof("event") == "finish"
-                yield event
+            with self.lost_as_unavailable():
+                async for event in call:
+                    finished = finished or event.WhichOneof("event") == "finish"
+                    yield event
         finally:
             if finished:  # the finish is the last event: take the stream's own end (OK) instead of cancelling it
                 with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
@@ -143,7 +192,15 @@ class EncoderClient(StageClient):
     async def encode(
         self, request: encoder_pb2.EncodeRequest, timeout_s: float | None
     ) -> encoder_pb2.EncodeResponse:
-        return await self.stub.Encode(request, timeout=timeout_s)
+        self.check_up()
+        call = self.track(self.stub.Encode(request, timeout=timeout_s))
+        try:
+            with self.lost_as_unavailable():
+                return await call
+        except grpc.aio.AioRpcError as exc:
+            if self.down_reason:
+                raise self.unavailable() from exc
+            raise
 
 
 class TalkerClient(StageClient):
@@ -168,7 +225,33 @@ class TalkerClient(StageClient):
         """An open Speak call (write config and text, read speech); the caller returns the credit with
         `ended()` once the call is over."""
         self.open_streams += 1
-        return self.stub.Speak(timeout=timeout_s)
+        return self.track(self.stub.Speak(timeout=timeout_s))
 
     def ended(self) -> None:
         self.open_streams -= 1
+
+
+class ImageGenClient(StageClient):
+    """ImageGen.Generate as an async iterator of events, bounded by the caller's deadline; leaving
+    early (client gone, deadline) cancels the call, which stops the denoising at the next step."""
+
+    def __init__(self, name: str, address: str, max_message_bytes: int, **admin: Any) -> None:
+        super().__init__(name, address, max_message_bytes, **admin)
+        self.stub = imagegen_pb2_grpc.ImageGenStub(self.channel)
+
+    async def generate(
+        self, request: imagegen_pb2.ImageGenRequest, timeout_s: float | None
+    ) -> AsyncIterator[imagegen_pb2.ImageGenEvent]:
+        self.check_up()
+        call = self.track(self.stub.Generate(request, timeout=timeout_s))
+        finished = False
+        try:
+            with self.lost_as_unavailable():
+                async for event in call:
+                    finished = finished or event.WhichOneof("event") == "image"
+                    yield event
+        finally:
+            if finished:  # the image is the last event: take the stream's own end (OK)
+                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+                    await asyncio.wait_for(call.code(), _FINISHED_STREAM_END_S)
+            call.cancel()

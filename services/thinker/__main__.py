@@ -5,6 +5,10 @@ warming_up). Rank 0 then sends one real request through its engine and serves
 `omnistage.v1.Thinker`; ranks 1..N-1 execute its step plans. When the TP group fails (any rank
 fails, dies or stops answering) this rank's status says so naming the rank at fault, rank 0 ends
 every in-flight request with UNAVAILABLE, and the process exits (its PeerWatch sees to it).
+
+Rank 0 also loads the image-generation query rows (image_queries.py) when the checkpoint has them
+and opens the producer pool hidden states leave through; its warm-up then runs one hidden-state
+request as well.
 """
 
 from __future__ import annotations
@@ -17,21 +21,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from omnistage.common import metrics
 from omnistage.common.config import DeployConfig, ServiceConfig
+from omnistage.common.log import get_logger
 from omnistage.common.memory.report import export_memory
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
-from omnistage.common.transport import TransportContext
+from omnistage.common.transport import TransportContext, TransportOptions
 from omnistage.services.thinker.engine.distributed import GroupFailure, TPControl, TPError
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine.startup import RankConfig, StartedRank, start_rank
 from omnistage.services.thinker.engine.worker import run_plan_loop
 from omnistage.services.thinker.engine_loop import EngineFailed, EngineLoop
+from omnistage.services.thinker.image_queries import load_image_queries
 from omnistage.services.thinker.multimodal import MediaInputs
 from omnistage.services.thinker.server import ThinkerServicer
 from omnistage.v1 import control_pb2, thinker_pb2_grpc
 
+log = get_logger(__name__)
 WARMUP_PROMPT = "<role>HUMAN</role>warm-up<|role_end|><role>ASSISTANT</role>"
 
 
@@ -73,17 +81,55 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         await _in_daemon_thread(lambda: run_plan_loop(started))
         runtime.request_stop()
         return
-    await _serve_rank0(runtime, svc, started)
+    await _serve_rank0(runtime, cfg, svc, started)
 
 
-async def _serve_rank0(runtime: ServiceRuntime, svc: ServiceConfig, started: StartedRank) -> None:
+def _hidden_states_pool(queries, max_num_seqs: int) -> TransportContext | None:
+    """The producer pool hidden states leave through: room for every running request's rows at
+    once (2 MiB each for the release in bf16), at most 256 MiB; None without query rows."""
+    if queries is None:
+        return None
+    rows_bytes = queries.numel() * queries.element_size()
+    pool = min(256 << 20, max(4 << 20, rows_bytes * max_num_seqs))
+    producer = TransportContext(TransportOptions(shm_pool_bytes=pool, cuda_pool_bytes=pool, lease_ttl_s=60.0))
+    producer.shm_pool()  # made (and its pages committed) now: a /dev/shm that is too small fails the start
+    return producer
+
+
+def _export_hidden_state_leases(runtime: ServiceRuntime, service: str, producer: TransportContext) -> None:
+    """/metrics: hidden states handed out (to the image stage) and not yet released; a leak shows as a
+    gauge that never falls back to 0. Reads 0 once the pool is closed (shutdown hooks run last first)."""
+    pool, closed = producer.shm_pool(), threading.Event()
+    runtime.add_shutdown_hook(closed.set)
+
+    def active() -> int:
+        if pool is None or closed.is_set():
+            return 0
+        pool.arena.reclaim()
+        return pool.arena.active_leases
+
+    metrics.gauge("thinker_hidden_state_leases_active", "Hidden-state refs leased to consumers, not yet released"
+                  ).labels(service).set_function(active)  # fmt: skip
+
+
+async def _serve_rank0(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, started: StartedRank) -> None:
     control = started.control
     # Registered first, so it runs last: the store host stays until a failure has been read.
     runtime.add_shutdown_hook(control.close)
     engine = LLMEngine.from_started(started)
+    model_config = engine.runner.model.config
+    queries = load_image_queries(cfg.model.checkpoint, model_config.hidden_size, engine.runner.dtype,
+                                 cfg.model.load_format)  # fmt: skip
+    # Consumer side of the encoder's embeddings: its shm pool mapped once, leases released here.
+    media = MediaInputs(model_config, engine.runner.dtype, TransportContext(), queries)
+    runtime.add_shutdown_hook(media.close)
+    producer = _hidden_states_pool(queries, engine.cfg.max_num_seqs)
+    if producer is not None:
+        runtime.add_shutdown_hook(producer.close)
+        _export_hidden_state_leases(runtime, svc.name, producer)
     runtime.reporter.progress(detail="one real request through the engine")
     try:
-        await _in_daemon_thread(lambda: _warm_up(engine))
+        await _in_daemon_thread(lambda: _warm_up(engine, media))
     except Exception as exc:
         raise TPError(_group_failure(control, "the warm-up request", exc)) from exc
     loop = EngineLoop(engine, asyncio.get_running_loop())
@@ -99,10 +145,7 @@ async def _serve_rank0(runtime: ServiceRuntime, svc: ServiceConfig, started: Sta
     loop.start()
     tokenizer = engine.tokenizer
     rcfg = engine.cfg
-    # Consumer side of the encoder's embeddings: its shm pool mapped once, leases released here.
-    media = MediaInputs(engine.runner.model.config, engine.runner.dtype, TransportContext())
-    runtime.add_shutdown_hook(media.close)
-    servicer = ThinkerServicer(loop, tokenizer, rcfg.max_model_len, media=media)
+    servicer = ThinkerServicer(loop, tokenizer, rcfg.max_model_len, media=media, producer=producer)
     runtime.add_shutdown_hook(servicer.close)  # its tokenize pool
     runtime.add_servicer(thinker_pb2_grpc.add_ThinkerServicer_to_server, servicer, "omnistage.v1.Thinker")
     runtime.set_limits_provider(
@@ -132,13 +175,25 @@ def _group_failure(control: TPControl, where: str, exc: BaseException) -> GroupF
     return control.fail(where, exc)
 
 
-def _warm_up(engine: LLMEngine) -> None:
-    """One real request through the whole engine: SERVING means a forward has really run."""
+def _warm_up(engine: LLMEngine, media: MediaInputs) -> None:
+    """One real request through the whole engine: SERVING means a forward has really run. With image
+    query rows, one hidden-state request too (when its block fits max_model_len)."""
     prompt = engine.tokenizer.encode(WARMUP_PROMPT)
     started = time.monotonic()
     (result,) = engine.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True), timeout_s=600.0)
     if len(result.token_ids) != 2:
         raise RuntimeError(f"warm-up produced {len(result.token_ids)} tokens, expected 2")
+    if media.queries is not None:
+        if len(prompt) + media.query_block_tokens > engine.cfg.max_model_len:
+            log.warning("max_model_len %d leaves no room for the image query block (%d tokens): hidden-state "
+                        "requests will be refused", engine.cfg.max_model_len, media.query_block_tokens)
+        else:
+            hidden = media.build(prompt, [], image_queries=True)
+            (result,) = engine.generate([hidden], SamplingParams(), timeout_s=600.0)
+            want = tuple(media.queries.shape)
+            if result.hidden_states is None or tuple(result.hidden_states.shape) != want:
+                got = None if result.hidden_states is None else tuple(result.hidden_states.shape)
+                raise RuntimeError(f"the hidden-state warm-up returned {got}, expected {want}")
     engine.last_warmup_s = time.monotonic() - started
 
 

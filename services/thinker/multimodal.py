@@ -10,6 +10,11 @@ temporal slice of its merged grids, an audio clip one run. Every mismatch is INV
 Leases: the rows are copied (host memory, the model's dtype) when the request is taken, which
 releases each shm / CUDA IPC lease at once; `release` ends whatever a refusal or a cancel left, so
 no lease outlives the servicer's submit path (a second release of a lease is a no-op).
+
+Hidden-state requests (image generation, ming.md §6.1) get the image query block appended after the
+prompt — `<image>` + N x `<imagePatch>` + `</image>` — whose slots take the checkpoint's query rows
+(image_queries.py) exactly like an image item's: the vision router and the 3D positions of a merged
+(1, 1, N) grid (t = h = p, w = p - (N-1)//2 ... p + N//2).
 """
 
 from __future__ import annotations
@@ -70,11 +75,25 @@ def _runs(slots: torch.Tensor) -> list[_Run]:
 class MediaInputs:
     """The servicer's multimodal half: cheap checks, then (in the tokenize pool) the prompt layout."""
 
-    def __init__(self, config: ThinkerConfig, dtype: torch.dtype, transport: TransportContext) -> None:
+    def __init__(
+        self, config: ThinkerConfig, dtype: torch.dtype, transport: TransportContext,
+        queries: torch.Tensor | None = None,
+    ) -> None:
         self.config = config
         self.dtype = dtype
         self.transport = transport
         self.ids = Placeholders.of(config)
+        # [N, hidden] image-generation query rows (image_queries.py); None: no hidden-state mode.
+        if queries is not None and (queries.dim() != 2 or queries.shape[1] != config.hidden_size):
+            raise ValueError(f"image queries {list(queries.shape)}: expected [N, hidden_size {config.hidden_size}]")
+        if queries is not None and config.image_end_token_id is None:
+            raise ValueError("the checkpoint's tokenizer names no </image> token: no image query block")
+        self.queries = queries.to(dtype) if queries is not None else None
+
+    @property
+    def query_block_tokens(self) -> int:
+        """Tokens the image query block adds to a hidden-state prompt: `<image>` + N + `</image>`."""
+        return 0 if self.queries is None else self.queries.shape[0] + 2
 
     def close(self) -> None:
         self.transport.close()
@@ -130,21 +149,36 @@ class MediaInputs:
 
     # --- after tokenizing (tokenize pool) ---------------------------------------------------------
 
-    def build(self, ids: list[int], items: Sequence[Item]) -> MultimodalPrompt:
-        """Match the items to the prompt's slots, copy their rows, make the router codes and positions."""
+    def build(self, ids: list[int], items: Sequence[Item], image_queries: bool = False) -> MultimodalPrompt:
+        """Match the items to the prompt's slots, copy their rows, make the router codes and positions.
+
+        `image_queries`: a hidden-state request — the image query block is appended after `ids`, its
+        slots take the query rows, and the prompt's `hidden_slots` are those slots."""
         ids_t = torch.tensor(ids, dtype=torch.long)
         item_slots: dict[int, torch.Tensor] = {}
         for p in (self.ids.image, self.ids.video, self.ids.audio):
             item_slots.update(self._layout(ids, ids_t, p, items))
-        slots = torch.cat([item_slots[i] for i in range(len(items))]).sort().values
+        slots = torch.cat([item_slots[i] for i in range(len(items))] or [torch.zeros(0, dtype=torch.long)])
+        slots = slots.sort().values
         rows = torch.empty(slots.numel(), self.config.hidden_size, dtype=self.dtype)
         modality = torch.empty(slots.numel(), dtype=torch.long)
         for i, item in enumerate(items):
             dst = torch.searchsorted(slots, item_slots[i])
             rows[dst] = self._copy_rows(i, item)
             modality[dst] = AUDIO if item.placeholder_token_id == self.ids.audio else VISION
-        positions, delta = self._positions(ids, items)
-        return MultimodalPrompt(list(ids), PromptMedia(rows, slots, modality), positions, delta)
+        ids, query_grid, hidden_slots = list(ids), [], None
+        if image_queries:
+            if self.queries is None:
+                raise ValueError("image_queries: this thinker has no image query embeddings")
+            n = self.queries.shape[0]
+            hidden_slots = torch.arange(len(ids) + 1, len(ids) + 1 + n)
+            ids += [self.ids.image_start, *[self.ids.image] * n, self.config.image_end_token_id]
+            slots = torch.cat([slots, hidden_slots])
+            rows = torch.cat([rows, self.queries])
+            modality = torch.cat([modality, torch.full((n,), VISION, dtype=torch.long)])
+            query_grid = [(1, 1, n)]  # merged: (1, 2, 2n) in patch units, ming.md §2.3
+        positions, delta = self._positions(ids, items, query_grid)
+        return MultimodalPrompt(ids, PromptMedia(rows, slots, modality), positions, delta, hidden_slots)
 
     def _layout(
         self, ids: list[int], ids_t: torch.Tensor, p: int, items: Sequence[Item]
@@ -197,13 +231,16 @@ class MediaInputs:
             raise InvalidRequest(f"multimodal[{i}].embeddings: {exc}") from None
         return rows.to(self.dtype)
 
-    def _positions(self, ids: list[int], items: Sequence[Item]) -> tuple[torch.Tensor | None, int]:
-        """video_rope positions of a prompt with vision items (None: 1D positions do)."""
+    def _positions(
+        self, ids: list[int], items: Sequence[Item], query_grid: list[tuple[int, int, int]]
+    ) -> tuple[torch.Tensor | None, int]:
+        """video_rope positions of a prompt with vision items or the query block (None: 1D positions do)."""
         vision = [it for it in items if it.placeholder_token_id != self.ids.audio]
-        if self.config.rope_type != "video_rope" or not vision:
+        if self.config.rope_type != "video_rope" or not (vision or query_grid):
             return None, 0
         grids = {p: [(g.t, g.h, g.w) for it in vision if it.placeholder_token_id == p for g in it.merged_grids]
                  for p in (self.ids.image, self.ids.video)}  # fmt: skip
+        grids[self.ids.image] += query_grid  # the block is the prompt's last <image> run
         try:
             return get_rope_index(
                 ids,

@@ -11,6 +11,11 @@ thread pool, never on the event loop that serves the other requests (see models/
 why a worker thread does not hold the GIL). A multimodal request's encoder rows are checked, copied
 out of shared memory and laid out in that pool too (multimodal.py); whatever happens, its leases
 have ended before the request reaches the engine or is refused.
+
+Hidden-state mode (`ThinkerRequest.hidden_states`, image generation's conditioning): the image query
+block is appended to the prompt, the engine prefills it and hands back the final-norm rows at its
+slots; they leave through this rank's producer pool as one leased TensorRef (`hidden_states` event),
+made in the tokenize pool, and revoked again if the stream ends before the event is sent.
 """
 
 from __future__ import annotations
@@ -23,14 +28,14 @@ import uuid
 import grpc
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
 from omnistage.common.sampling import check_sampling
-from omnistage.common.transport import TransportContext
+from omnistage.common.transport import TransportContext, encode
 from omnistage.services.thinker.engine.llm_engine import QueueFullError, RequestError, RequestOutput
 from omnistage.services.thinker.engine.media import Prompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine_loop import EngineFailed, EngineLoop
 from omnistage.services.thinker.models.tokenizer import MingTokenizer, Piece
 from omnistage.services.thinker.multimodal import MediaInputs, release_refs
-from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
+from omnistage.v1 import common_pb2, tensor_pb2, thinker_pb2, thinker_pb2_grpc
 
 _log = logging.getLogger(__name__)
 _FINISH = {
@@ -106,9 +111,12 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
         max_model_len: int,
         tokenize_workers: int = 2,
         media: MediaInputs | None = None,
+        producer: TransportContext | None = None,
     ) -> None:
         self.loop = loop
         self.media = media  # None: this thinker takes no embeddings (FAILED_PRECONDITION)
+        # Where hidden states leave (hidden-state mode); None, or no query rows: the mode is refused.
+        self.producer = producer
         # Leases of refused requests are released through this (the media's transport, if any).
         self._transport = media.transport if media is not None else None
         self.tokenizer = tokenizer
@@ -124,14 +132,27 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
         if self._transport is not None and self.media is None:
             self._transport.close()
 
+    def _query_block_tokens(self, request: thinker_pb2.ThinkerRequest) -> int:
+        """Tokens hidden-state mode appends to the prompt (0 for a text request); refuses the mode
+        when this thinker has no image query rows or nowhere to send hidden states."""
+        if not request.HasField("hidden_states"):
+            return 0
+        if self.media is None or self.media.queries is None or self.producer is None:
+            raise StageUnavailable(
+                "hidden_states: this thinker has no image-generation query embeddings "
+                "(the checkpoint's mlp/model.safetensors query_tokens_dict)", retryable=False,
+            )  # fmt: skip
+        return self.media.query_block_tokens
+
     def _check_prompt_size(self, request: thinker_pb2.ThinkerRequest) -> None:
         """Refuse what cannot fit before tokenizing: cheap checks on the event loop."""
         kind = request.WhichOneof("prompt")
+        block = self._query_block_tokens(request)
         if request.multimodal:
             if self.media is None:
                 raise StageUnavailable("multimodal: this thinker takes no embeddings", retryable=False)
             rows = self.media.check_items(request.multimodal)
-            if rows >= self.max_model_len:
+            if rows + block >= self.max_model_len:
                 raise InvalidRequest(
                     f"multimodal: {rows} embedding rows leave no room to generate (max_model_len {self.max_model_len})"
                 )
@@ -150,7 +171,7 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
         elif kind == "text":
             chars = len(request.text)
         elif kind == "token_ids":
-            if len(request.token_ids.ids) >= self.max_model_len:
+            if len(request.token_ids.ids) + block >= self.max_model_len:
                 raise InvalidRequest(
                     f"token_ids: {len(request.token_ids.ids)} tokens leave no room to generate "
                     f"(max_model_len {self.max_model_len})"
@@ -190,6 +211,11 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
                 raise InvalidRequest(f"token_ids: {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         if not ids:
             raise InvalidRequest("prompt: empty after tokenization")
+        block = self._query_block_tokens(request)
+        if block and len(ids) + block > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt: {len(ids)} tokens + the image query block's {block} exceed max_model_len {self.max_model_len}"
+            )
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"prompt: {len(ids)} tokens leave no room to generate (max_model_len {self.max_model_len})"
@@ -197,12 +223,38 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
         return ids
 
     def _prompt(self, request: thinker_pb2.ThinkerRequest) -> Prompt:
-        """Token ids, plus the encoder rows and 3D positions of a multimodal request (tokenize pool)."""
+        """Token ids, plus the encoder rows and 3D positions of a multimodal request and the query
+        block of a hidden-state request (tokenize pool)."""
         ids = self._prompt_ids(request)
-        if not request.multimodal:
+        hidden = request.HasField("hidden_states")
+        if not request.multimodal and not hidden:
             return ids
         assert self.media is not None  # _check_prompt_size refused it otherwise
-        return self.media.build(ids, request.multimodal)
+        return self.media.build(ids, request.multimodal, image_queries=hidden)
+
+    def _hidden_ref(self, rows, allow_cuda_ipc: bool) -> tensor_pb2.TensorRef:
+        """The hidden states as a leased ref of this rank's producer pool (tokenize pool)."""
+        assert self.producer is not None
+        nbytes = rows.numel() * rows.element_size()
+        if rows.is_cuda and not allow_cuda_ipc and nbytes >= self.producer.options.shm_threshold_bytes:
+            return encode(rows, transport=self.producer, force="shm")  # the consumer cannot open CUDA IPC
+        return encode(rows, transport=self.producer)
+
+    async def _hidden_event(self, out: RequestOutput, request: thinker_pb2.ThinkerRequest) -> thinker_pb2.ThinkerEvent:
+        made = asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, self._hidden_ref, out.hidden_states, request.hidden_states.allow_cuda_ipc
+        )
+        out.hidden_states = None  # the device rows go with the copy
+        try:
+            ref = await asyncio.shield(made)
+        except asyncio.CancelledError:  # the caller left while the ref was made: nobody will release it
+            made.add_done_callback(self._revoke_when_made)
+            raise
+        return thinker_pb2.ThinkerEvent(hidden_states=thinker_pb2.HiddenStates(tensor=ref))
+
+    def _revoke_when_made(self, made: asyncio.Future) -> None:
+        if not made.cancelled() and made.exception() is None and self.producer is not None:
+            self.producer.revoke(made.result())
 
     async def Generate(self, request: thinker_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
         try:
@@ -234,6 +286,15 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
                     raise StageUnavailable(f"thinker {out}")
                 if out.token_ids or out.text:
                     yield _delta(out)
+                if out.hidden_states is not None:
+                    event = await self._hidden_event(out, request)
+                    sent = False
+                    try:
+                        yield event
+                        sent = True
+                    finally:
+                        if not sent:  # the caller left before the ref went out: nobody will release it
+                            self.producer.revoke(event.hidden_states.tensor)
                 if out.finished:
                     finished = True
                     yield _finish(out)

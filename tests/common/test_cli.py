@@ -52,7 +52,7 @@ def test_help_lists_every_command(capsys):
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for command in ("serve", "make-tiny-checkpoint", "generate", "status", "drain", "resume", "protos"):
+    for command in ("serve", "make-tiny-checkpoint", "generate", "status", "health", "drain", "resume", "protos"):
         assert command in out
 
 
@@ -76,6 +76,34 @@ def test_status_of_every_service_of_a_deploy_file_with_overrides(stage, capsys):
     assert f"front (gateway) admin {admin}: SERVING, phase serving" in capsys.readouterr().out
     assert main(["status", "--config", str(cfg), "--set", override, "--set", "services.front.admin_port=0"]) == 0
     assert f"front (gateway) at {address}: SERVING (no admin port" in capsys.readouterr().out
+
+
+def test_health_of_a_serving_service_exits_0(stage, capsys):
+    _, _, address, admin = stage
+    for target in (address, admin):
+        assert main(["health", target]) == 0
+        assert capsys.readouterr().out.strip() == f"{target}: SERVING"
+
+
+def test_health_of_an_unreachable_service_exits_1(capsys):
+    assert main(["health", f"127.0.0.1:{free_port()}", "--timeout-s", "0.5"]) == 1
+    assert "unreachable: " in capsys.readouterr().out
+
+
+def test_health_from_a_status_file(tmp_path, capsys):
+    from omnistage.common.runtime.status_file import StatusRecord, write_status
+
+    path = status_path(tmp_path, "thinker", 2)
+    assert main(["health", "--status-file", str(path)]) == 1  # not written yet
+    write_status(path, StatusRecord("thinker", 2, 4242, "warming_up"))
+    assert main(["health", "--status-file", str(path)]) == 1
+    write_status(path, StatusRecord("thinker", 2, 4242, "serving"))
+    assert main(["health", "--status-file", str(path)]) == 0
+    write_status(path, StatusRecord("thinker", 2, 4242, "failed", failure="rank 0 died", failed_in="serving"))
+    assert main(["health", "--status-file", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "thinker r2 (pid 4242): failed in serving: rank 0 died" in out
+    assert main(["health"]) == 2
 
 
 def test_status_of_an_unreachable_service_exits_1(capsys):

@@ -32,14 +32,15 @@ sys.exit(launch(sys.argv[1], [], run_dir=sys.argv[2], ready_file=sys.argv[3], mo
 class Run:
     """A launcher process driving synthetic stages; its output goes to files readable at any time."""
 
-    def __init__(self, tmp_path: Path, services: dict, step_s: float = 0.02, **startup) -> None:
-        self.cfg = write_config(tmp_path / "deploy.yaml", services, **startup)
+    def __init__(self, tmp_path: Path, services: dict, step_s: float = 0.02, supervision: dict | None = None,
+                 env: dict | None = None, **startup) -> None:
+        self.cfg = write_config(tmp_path / "deploy.yaml", services, supervision, **startup)
         self.ready_file = tmp_path / "ready"
         self.out_path, self.err_path = tmp_path / "out.txt", tmp_path / "err.txt"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", DRIVER, str(self.cfg), str(tmp_path / "run"), str(self.ready_file)],
-                stdout=out, stderr=err, env=dict(os.environ, SYNTH_STEP_S=str(step_s)),
+                stdout=out, stderr=err, env=dict(os.environ, SYNTH_STEP_S=str(step_s), **(env or {})),
             )
 
     @property
@@ -106,16 +107,29 @@ def runs():
 TWO_SERVICES = {"alpha": {"tp_size": 2}, "front": {"kind": "gateway"}}
 
 
+def serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_ready_then_sigterm_stops_every_child_and_exits_0(tmp_path, runs):
-    run = Run(tmp_path, TWO_SERVICES, step_s=0.15)  # slow enough for the 0.05 s polls to see each phase
+    services = {"alpha": {"tp_size": 2}, "beta": {}, "front": {"kind": "gateway"}}
+    run = Run(tmp_path, services, step_s=0.15)  # slow enough for the 0.05 s polls to see each phase
     runs.append(run)
     address = run.wait_ready()
     pids = run.child_pids()
-    assert set(pids) == {"alpha r0", "alpha r1", "front r0"}
+    assert set(pids) == {"alpha r0", "alpha r1", "beta r0", "front r0"}
     assert address.endswith(f":{run.cfg.read_text().split('front:')[1].split('port: ')[1].split()[0]}")
     assert "alpha r0 loading_weights" in run.out and "ready in" in run.out
+    # The stages start side by side: every stage process runs before any of them is SERVING.
+    first_serving = min(run.out.index(f"{label} serving (") for label in ("alpha r0", "alpha r1", "beta r0"))
+    assert run.out.index("started beta r0") < first_serving
     gateway_start = run.out.index("started front r0")
-    for label in ("alpha r0", "alpha r1"):  # stages are SERVING before the gateway starts
+    for label in ("alpha r0", "alpha r1", "beta r0"):  # stages are SERVING before the gateway starts
         assert run.out.index(f"{label} serving (") < gateway_start
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait_exit() == 0
@@ -163,8 +177,8 @@ def test_oom_in_a_phase_reports_the_failure(tmp_path, runs):
     assert "warming_up" in culprit[0] and "SimulatedOOM" in culprit[0]
 
 
-def test_child_killed_after_serving_stops_the_rest_and_exits_nonzero(tmp_path, runs):
-    run = Run(tmp_path, TWO_SERVICES)
+def test_child_killed_after_serving_without_restarts_stops_the_rest_and_exits_nonzero(tmp_path, runs):
+    run = Run(tmp_path, TWO_SERVICES, supervision={"max_restarts": 0})
     runs.append(run)
     run.wait_ready()
     pids = run.child_pids()
@@ -173,6 +187,49 @@ def test_child_killed_after_serving_stops_the_rest_and_exits_nonzero(tmp_path, r
     assert "omnistage: alpha r1 died: killed by SIGKILL" in run.err
     assert any(line.startswith("alpha r1 serving") and "SIGKILL" in line for line in run.err.splitlines())
     assert_all_gone(pids.values())
+
+
+FAST_SUPERVISION = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "health_interval_s": 0.3,
+                    "backoff_initial_s": 0.2, "max_restarts": 3}
+
+
+def test_hung_and_killed_services_are_restarted_a_tp_group_as_a_whole(tmp_path, runs):
+    run = Run(tmp_path, TWO_SERVICES, supervision=FAST_SUPERVISION)
+    runs.append(run)
+    address = run.wait_ready()
+    before = run.child_pids()
+    os.kill(before["alpha r1"], signal.SIGSTOP)  # hung: alive, silent
+    wait_for(lambda: "omnistage: alpha serving again (restart 1/3)" in run.out, 60, "alpha restarted\n" + run.err)
+    line = next(x for x in run.err.splitlines() if x.startswith("omnistage: alpha r1 stopped answering for "))
+    silent_s = float(line.split(" for ")[1].split("s ")[0])
+    assert 2.0 <= silent_s < 15.0, line  # noticed once the 2 s heartbeat timeout passed (generous bound)
+    assert line.endswith("(heartbeat timeout 2s) while serving; restarting alpha (attempt 1/3, in 0.2s)")
+    after = run.child_pids()
+    assert after["alpha r0"] != before["alpha r0"] and after["alpha r1"] != before["alpha r1"]  # the group
+    assert after["front r0"] == before["front r0"]
+    assert not alive(before["alpha r0"]) and not alive(before["alpha r1"])
+    assert serving(load_config(run.cfg).address("alpha"))
+
+    os.kill(after["front r0"], signal.SIGKILL)  # the gateway crashing is restarted too
+    wait_for(lambda: "omnistage: front serving again (restart 1/3)" in run.out, 60, "front restarted\n" + run.err)
+    assert "omnistage: front r0 died: killed by SIGKILL" in run.err and "restarting front (attempt 1/3" in run.err
+    assert serving(address)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_exit() == 0
+    assert_all_gone([*before.values(), *run.child_pids().values()])
+
+
+def test_restarts_exhausted_stop_everything_and_exit_1(tmp_path, runs):
+    supervision = {**FAST_SUPERVISION, "max_restarts": 2, "backoff_initial_s": 0.1}
+    run = Run(tmp_path, {"alpha": {}}, supervision=supervision, env={"SYNTH_CRASH_AFTER": "alpha:2.0"})
+    runs.append(run)
+    assert run.wait_exit(90) == 1
+    assert "restarting alpha (attempt 2/2, in 0.2s)" in run.err
+    assert "restarting alpha (attempt 1/2, in 0.1s)" in run.err  # crashed after ready: not a failed start
+    # (a restart may crash before the launcher saw it ready: "died while restarting" then)
+    assert "exited with code 5; restarts exhausted (2 within 600s), stopping the others" in run.err
+    assert "all services stopped" in run.out
+    assert_all_gone(run.child_pids().values())
 
 
 def test_children_exit_when_the_launcher_is_sigkilled(tmp_path, runs):

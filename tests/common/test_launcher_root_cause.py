@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from omnistage.common.config import ServiceConfig
-from omnistage.common.launcher import Child, Launcher
+from omnistage.common.config import ServiceConfig, SupervisionConfig
+from omnistage.common.launcher import Child, Group, Launcher
 from omnistage.common.runtime.status_file import StatusRecord, status_path, write_status
+from omnistage.common.supervision import RestartBudget
 
 
 class _ExitedProc:
@@ -39,7 +40,8 @@ def _child(run_dir: Path, svc: ServiceConfig, rank: int, failed_at: float, culpr
 
 def _launcher(children: list[Child]) -> Launcher:
     launcher = Launcher.__new__(Launcher)
-    launcher.groups, launcher.out, launcher.err = [children], io.StringIO(), io.StringIO()
+    group = Group(children[0].svc, RestartBudget(SupervisionConfig()), children)
+    launcher.groups, launcher.out, launcher.err = [group], io.StringIO(), io.StringIO()
     return launcher
 
 

@@ -24,6 +24,7 @@ import yaml
 from omnistage.common.config import EncoderConfig
 from omnistage.common.transport import TransportContext, decode, encode
 from omnistage.v1 import control_pb2, control_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from serve_pipeline import free_ports
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services", "encoder"))
 from media_samples import audio_file, image_bytes, video_file  # noqa: E402
@@ -42,27 +43,13 @@ LIMITS = {
 }
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory):
     from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("enc-e2e")
     ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
-    port, admin_port, metrics_port = _free_ports(3)
+    port, admin_port, metrics_port = free_ports(3)
     cfg = {
         "model": {"checkpoint": str(ckpt)},
         "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 120, "profiling_memory": 120,
@@ -255,3 +242,8 @@ def test_too_many_items(encoder):
         _stub(encoder).Encode(encoder_pb2.EncodeRequest(items=[item] * 5), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "items: 5 items exceed the limit of 4" in err.value.details()
+
+
+def test_metrics_pass_promtool_check_metrics(encoder, check_metrics):
+    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
+    check_metrics(urllib.request.urlopen(encoder["metrics"], timeout=5).read().decode())

@@ -4,29 +4,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
 import yaml
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
+from serve_pipeline import free_ports
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +24,7 @@ def pipeline(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("e2e")
     ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
-    gw_port, gw_admin, th_port, th_admin, dist_port, metrics_port, gw_metrics = _free_ports(7)
+    gw_port, gw_admin, th_port, th_admin, dist_port, metrics_port, gw_metrics = free_ports(7)
     cfg = {
         "model": {"checkpoint": str(ckpt)},
         "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 240, "warming_up": 240}},
@@ -330,3 +319,9 @@ def test_drain_and_resume_the_gateway_through_its_admin_port(pipeline):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
         control.Resume(control_pb2.ResumeRequest(), timeout=10)
     assert _generate(pipeline["gateway"], _request(max_tokens=2))[-1].WhichOneof("event") == "finish"
+
+
+def test_metrics_pass_promtool_check_metrics(pipeline, check_metrics):
+    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
+    check_metrics(urllib.request.urlopen(pipeline["gateway_metrics"], timeout=5).read().decode())
+    check_metrics(urllib.request.urlopen(pipeline["metrics"], timeout=5).read().decode())

@@ -13,7 +13,6 @@ import asyncio
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,19 +25,10 @@ import yaml
 from omnistage.common.transport import TransportContext, encode
 from omnistage.v1 import control_pb2, control_pb2_grpc, imagegen_pb2, imagegen_pb2_grpc, tensor_pb2
 from PIL import Image
+from serve_pipeline import free_ports
 
 pytestmark = pytest.mark.timeout(300)
 QUERIES, HIDDEN = 256, 256  # the tiny checkpoint's query slots and thinker hidden size
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +37,7 @@ def imagegen(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("imagegen-e2e")
     ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
-    port, admin_port, metrics_port = _free_ports(3)
+    port, admin_port, metrics_port = free_ports(3)
     cfg = {
         "model": {"checkpoint": str(ckpt)},
         "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 120, "profiling_memory": 120,
@@ -253,3 +243,8 @@ def test_bad_conditioning_is_named(imagegen):
     assert "condition: refusing to map 'nope'" in _bad(imagegen, imagegen_pb2.ImageGenRequest(condition=bogus))
     assert _leases(imagegen) == 0
     assert _generate(imagegen, width=64, height=64, steps=1)[-1].WhichOneof("event") == "image"
+
+
+def test_metrics_pass_promtool_check_metrics(imagegen, check_metrics):
+    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
+    check_metrics(urllib.request.urlopen(imagegen["metrics"], timeout=5).read().decode())

@@ -8,25 +8,20 @@ cancelled request leaves no lease. One pipeline start per TP size.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
-import yaml
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "encoder"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
-from chaos_launch import free_ports  # noqa: E402
 from media_samples import audio_file, image_bytes, video_file  # noqa: E402
+from serve_pipeline import ServeProcess, free_ports, metric  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 START_DEADLINE_S = 240.0
@@ -71,7 +66,7 @@ def request(parts, max_tokens: int = 8, request_id: str = "") -> omni_pb2.Genera
     )
 
 
-class Pipeline:
+class Pipeline(ServeProcess):
     """`omnistage serve` of gateway + encoder + thinker (TP `tp_size`); output in files."""
 
     def __init__(self, root: Path, ckpt: Path, tp_size: int) -> None:
@@ -93,40 +88,15 @@ class Pipeline:
                             "gateway": {"media_dir": str(self.media_dir)}},
             },
         }  # fmt: skip
-        path = root / f"deploy-tp{tp_size}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        self.ready = root / f"ready-tp{tp_size}"
-        self.out = root / f"serve-tp{tp_size}.txt"
-        with open(self.out, "w") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "omnistage.common.cli", "serve", str(path), "--ready-file", str(self.ready)],
-                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            )  # fmt: skip
+        super().__init__(root, cfg, f"-tp{tp_size}")
         self.gateway = f"127.0.0.1:{gw}"
         self.thinker_admin = f"127.0.0.1:{th_admin}"
         self.thinker_metrics = f"http://127.0.0.1:{th_metrics}/metrics"
         self.encoder_metrics = f"http://127.0.0.1:{enc_metrics}/metrics"
 
-    def logs(self) -> str:
-        return self.out.read_text()[-4000:]
-
     def wait_ready(self) -> Pipeline:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while not (self.ready.exists() and self.ready.read_text().strip()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                pytest.fail(f"pipeline did not start (exit {self.proc.returncode}):\n{self.logs()}")
-            time.sleep(0.2)
+        super().wait_ready(START_DEADLINE_S)
         return self
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            pytest.fail(f"omnistage serve did not stop within 60s of SIGTERM:\n{self.logs()}")
-        assert code == 0, self.logs()
 
     def generate(self, req: omni_pb2.GenerateRequest, timeout: float = 120) -> list[omni_pb2.GenerateEvent]:
         with grpc.insecure_channel(self.gateway) as ch:
@@ -139,10 +109,10 @@ class Pipeline:
 
     def shm_decodes(self) -> float:
         """Tensors the thinker (rank 0) decoded from shared memory."""
-        return _metric(self.thinker_metrics, 'omnistage_transport_tensors_total{direction="decode",path="shm"}')
+        return metric(self.thinker_metrics, 'omnistage_transport_tensors_total{direction="decode",path="shm"}', 0.0)
 
     def leases(self) -> float:
-        return _metric(self.encoder_metrics, "omnistage_encoder_leases_active{")
+        return metric(self.encoder_metrics, "omnistage_encoder_leases_active{")
 
     def wait_no_leases(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -154,13 +124,6 @@ class Pipeline:
         with grpc.insecure_channel(self.thinker_admin) as ch:
             desc = control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest(), timeout=5)
         return desc.running_requests + desc.queued_requests
-
-
-def _metric(url: str, prefix: str) -> float:
-    for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
-        if line.startswith(prefix):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import io
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,19 +24,10 @@ import numpy as np
 import pytest
 import yaml
 from omnistage.v1 import control_pb2, control_pb2_grpc, talker_pb2, talker_pb2_grpc
+from serve_pipeline import free_ports
 
 pytestmark = pytest.mark.timeout(600)
 STREAMS = 2  # stress_batch_sizes [2, 1]: the cap on streams speaking at once
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +36,7 @@ def talker(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("talker-e2e")
     ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
-    port, admin_port, metrics_port = _free_ports(3)
+    port, admin_port, metrics_port = free_ports(3)
     cfg = {
         "model": {"checkpoint": str(ckpt)},
         "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 120, "profiling_memory": 120,
@@ -242,3 +232,8 @@ def test_streams_beyond_the_cap_are_refused_with_pushback(talker):
             call.cancel()
             gate.set()
     _wait_idle(talker)
+
+
+def test_metrics_pass_promtool_check_metrics(talker, check_metrics):
+    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
+    check_metrics(urllib.request.urlopen(talker["metrics"], timeout=5).read().decode())

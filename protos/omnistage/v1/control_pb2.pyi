@@ -118,7 +118,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("name", "kind", "version", "model", "rank", "world_size", "progress", "memory", "limits", "config_hash", "running_requests", "queued_requests", "failure", "pid")
+    __slots__ = ("name", "kind", "version", "model", "rank", "world_size", "progress", "memory", "limits", "config_hash", "running_requests", "queued_requests", "failure", "pid", "readiness")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class DescribeResponse(_message.Message):
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    READINESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: StageKind
     version: str
@@ -147,7 +148,18 @@ class DescribeResponse(_message.Message):
     queued_requests: int
     failure: str
     pid: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[StageKind, str]] = ..., version: _Optional[str] = ..., model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., progress: _Optional[_Union[PhaseProgress, _Mapping]] = ..., memory: _Optional[_Iterable[_Union[MemoryReport, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., config_hash: _Optional[str] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., failure: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    readiness: _containers.RepeatedCompositeFieldContainer[Readiness]
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[StageKind, str]] = ..., version: _Optional[str] = ..., model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., progress: _Optional[_Union[PhaseProgress, _Mapping]] = ..., memory: _Optional[_Iterable[_Union[MemoryReport, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., config_hash: _Optional[str] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., failure: _Optional[str] = ..., pid: _Optional[int] = ..., readiness: _Optional[_Iterable[_Union[Readiness, _Mapping]]] = ...) -> None: ...
+
+class Readiness(_message.Message):
+    __slots__ = ("capability", "ready", "reason")
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    capability: str
+    ready: bool
+    reason: str
+    def __init__(self, capability: _Optional[str] = ..., ready: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("deadline_ms",)

@@ -52,6 +52,10 @@ class OmniServicer:
     def Generate(self, request, context):
         """One request in, a stream of events out: text deltas as they decode, audio chunks as
         sentences are spoken, images when they are ready, then exactly one Finish event.
+        With MODALITY_IMAGE the image is made from the conversation (the thinker's hidden states at the
+        image query slots condition the image stage): one `progress` event per denoising step (stage
+        "imagegen"), then one `image`. With MODALITY_TEXT too, the whole text answer streams first and
+        the image follows (made from the conversation, not from the answer); Finish comes last.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

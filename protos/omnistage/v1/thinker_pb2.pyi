@@ -20,20 +20,34 @@ class MultimodalEmbedding(_message.Message):
     def __init__(self, placeholder_token_id: _Optional[int] = ..., embeddings: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., merged_grids: _Optional[_Iterable[_Union[_encoder_pb2.GridTHW, _Mapping]]] = ...) -> None: ...
 
 class ThinkerRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "multimodal")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "multimodal", "hidden_states")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MULTIMODAL_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     chat: ChatPrompt
     sampling: _common_pb2.SamplingParams
     multimodal: _containers.RepeatedCompositeFieldContainer[MultimodalEmbedding]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., multimodal: _Optional[_Iterable[_Union[MultimodalEmbedding, _Mapping]]] = ...) -> None: ...
+    hidden_states: HiddenStatesRequest
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., multimodal: _Optional[_Iterable[_Union[MultimodalEmbedding, _Mapping]]] = ..., hidden_states: _Optional[_Union[HiddenStatesRequest, _Mapping]] = ...) -> None: ...
+
+class HiddenStatesRequest(_message.Message):
+    __slots__ = ("allow_cuda_ipc",)
+    ALLOW_CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    allow_cuda_ipc: bool
+    def __init__(self, allow_cuda_ipc: _Optional[bool] = ...) -> None: ...
+
+class HiddenStates(_message.Message):
+    __slots__ = ("tensor",)
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    tensor: _tensor_pb2.TensorRef
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ...) -> None: ...
 
 class ChatPrompt(_message.Message):
     __slots__ = ("pieces",)
@@ -82,14 +96,16 @@ class Started(_message.Message):
     def __init__(self, engine_request_id: _Optional[str] = ...) -> None: ...
 
 class ThinkerEvent(_message.Message):
-    __slots__ = ("delta", "finish", "started")
+    __slots__ = ("delta", "finish", "started", "hidden_states")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     delta: TokenDelta
     finish: ThinkerFinish
     started: Started
-    def __init__(self, delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., finish: _Optional[_Union[ThinkerFinish, _Mapping]] = ..., started: _Optional[_Union[Started, _Mapping]] = ...) -> None: ...
+    hidden_states: HiddenStates
+    def __init__(self, delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., finish: _Optional[_Union[ThinkerFinish, _Mapping]] = ..., started: _Optional[_Union[Started, _Mapping]] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -51,8 +51,8 @@ class ThinkerServicer:
 
     def Generate(self, request, context):
         """Prompt in; a stream of ThinkerEvents out: first `started` (the engine id of the request), then
-        token deltas, then exactly one `finish`. Refusals (bad prompt, too long, queue full) end the RPC
-        with a status before `started`.
+        token deltas (hidden-state mode: one `hidden_states` event), then exactly one `finish`.
+        Refusals (bad prompt, too long, queue full) end the RPC with a status before `started`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

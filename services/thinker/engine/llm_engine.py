@@ -1,7 +1,9 @@
 """LLMEngine: the only API the thinker server uses (add_request / step / abort), on TP rank 0.
 
 One step is the five-line story: schedule, run (plan broadcast to all ranks), sample, postprocess
-(token stops, max_tokens), emit (detokenized deltas, stop strings, usage).
+(token stops, max_tokens), emit (detokenized deltas, stop strings, usage). Hidden-state requests
+(image generation's conditioning) ride along: their chunks keep the final-norm rows of their slots,
+and when their prompt is computed they end (KV blocks freed) with those rows in their output.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from omnistage.common.log import get_logger
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.detokenizer import Decoder, Detokenizer
 from omnistage.services.thinker.engine.distributed import TPControl, TPError
+from omnistage.services.thinker.engine.hidden_states import HiddenCapture
 from omnistage.services.thinker.engine.media import Prompt, PromptMedia, unpack_prompt
-from omnistage.services.thinker.engine.model_runner import ModelRunner
+from omnistage.services.thinker.engine.model_runner import ModelRunner, StepOutput
 from omnistage.services.thinker.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from omnistage.services.thinker.engine.scheduler import ScheduledBatch, Scheduler
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams, Sequence
@@ -55,6 +58,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    # Hidden-state mode, in the final output: [N, H] final-norm rows at the request's slots (rank 0's device).
+    hidden_states: torch.Tensor | None = None
 
 
 @dataclass
@@ -66,6 +71,7 @@ class GenerateResult:
     text: str
     finish_reason: FinishReason
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    hidden_states: torch.Tensor | None = None
 
 
 class LLMEngine:
@@ -111,14 +117,25 @@ class LLMEngine:
         positions: torch.Tensor | None = None,
         rope_delta: int = 0,
         media: PromptMedia | None = None,
+        hidden_slots: torch.Tensor | None = None,
     ) -> None:
         """Queue a request. For a multimodal prompt, `positions` [3, P] and `rope_delta` come from
-        rope_index and `media` holds the encoder rows that replace its placeholder embeddings."""
+        rope_index and `media` holds the encoder rows that replace its placeholder embeddings.
+        `hidden_slots` [N] (prompt positions) makes it a hidden-state request: no token is sampled,
+        its final output carries the final-norm hidden states at those slots."""
         params = params or SamplingParams()
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise RequestError(f"request {request_id!r}: empty prompt")
-        if num_prompt >= self.cfg.max_model_len:
+        if hidden_slots is not None:
+            if num_prompt > self.cfg.max_model_len:
+                raise RequestError(
+                    f"request {request_id!r}: prompt of {num_prompt} tokens (with the image query block) "
+                    f"exceeds max_model_len {self.cfg.max_model_len}"
+                )
+            if hidden_slots.numel() == 0 or not 0 <= int(hidden_slots.min()) <= int(hidden_slots.max()) < num_prompt:
+                raise RequestError(f"request {request_id!r}: hidden-state slots must lie inside the prompt")
+        elif num_prompt >= self.cfg.max_model_len:
             raise RequestError(
                 f"request {request_id!r}: prompt of {num_prompt} tokens leaves no room to generate "
                 f"(max_model_len {self.cfg.max_model_len})"
@@ -133,6 +150,11 @@ class LLMEngine:
             raise RequestError(f"request {request_id!r} is already running")
         if len(self.scheduler.waiting) >= self.cfg.max_queued_requests:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests already wait (max_queued_requests)")
+        if hidden_slots is not None:  # no tokens: sampling parameters play no part
+            seq = Sequence(request_id, prompt_token_ids, params, 0, rope_delta, positions, media,
+                           HiddenCapture(hidden_slots))  # fmt: skip
+            self.scheduler.add(seq)
+            return
         max_model_len = self.cfg.max_model_len
         if params.max_tokens > max_model_len:
             raise RequestError(f"sampling.max_tokens: {params.max_tokens} exceeds max_model_len {max_model_len}")
@@ -163,22 +185,43 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        logits = self._run(batch)
-        sampled = self.sampler(logits, batch.sampling_seqs) if logits is not None else SamplerOutput([], [])
+        out = self._run(batch)
+        sampled = self.sampler(out.logits, batch.sampling_seqs) if out.logits is not None else SamplerOutput([], [])
+        self._keep_hidden(batch, out.hidden)
         self.scheduler.postprocess(batch, sampled.token_ids)
-        return self._emit(batch.sampling_seqs, sampled)
+        return self._emit(batch.sampling_seqs, sampled) + [self._hidden_output(s) for s in batch.completing_hidden]
 
-    def _run(self, batch: ScheduledBatch) -> torch.Tensor | None:
+    def _run(self, batch: ScheduledBatch) -> StepOutput:
         if batch.is_empty:
-            return None
+            return StepOutput()
         # A failed broadcast is reported to the group inside broadcast_plan (TPError).
         plan = self.control.broadcast_plan(build_step_plan(batch.scheduled, self.cfg.block_size))
         self.last_plan_time = time.monotonic()
         self.num_steps += 1
         try:
-            return self.runner.execute(plan)
+            return self.runner.execute_step(plan)
         except Exception as exc:  # every rank leaves with the group's first diagnostic
             raise TPError(self.control.fail(f"step {self.control.num_plans - 1} forward", exc)) from exc
+
+    @staticmethod
+    def _keep_hidden(batch: ScheduledBatch, hidden: torch.Tensor | None) -> None:
+        """Hand each hidden-state request the rows its chunk covered (the plan's hidden_index order)."""
+        taken = 0
+        for seq, n in batch.scheduled:
+            if seq.hidden is None:
+                continue
+            lo, hi = seq.hidden.span(seq.num_computed_tokens, seq.num_computed_tokens + n)
+            if hi > lo:
+                assert hidden is not None, "the step kept no hidden rows for a chunk that covers query slots"
+                seq.hidden.store(lo, hidden[taken : taken + hi - lo])
+                taken += hi - lo
+
+    def _hidden_output(self, seq: Sequence) -> RequestOutput:
+        """The final output of a hidden-state request whose prompt is now computed (blocks freed)."""
+        seq.first_token_time = time.monotonic()  # "first output": the states are ready
+        rows, seq.hidden = seq.hidden.rows if seq.hidden is not None else None, None
+        return RequestOutput(seq.request_id, [], "", finished=True, finish_reason=seq.finish_reason,
+                             usage=self._usage(seq), hidden_states=rows)  # fmt: skip
 
     def _emit(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
         outputs = []
@@ -256,4 +299,5 @@ class LLMEngine:
                 res.logprobs += out.logprobs
                 if out.finished:
                     res.finish_reason = out.finish_reason
+                    res.hidden_states = out.hidden_states
         return [results[rid] for rid in ids]

@@ -37,22 +37,32 @@ class PromptMedia:
 
     def span(self, start: int, end: int) -> tuple[int, int]:
         """[lo, hi): the rows whose slot lies in token range [start, end)."""
-        bounds = torch.searchsorted(self.slots, torch.tensor([start, end], dtype=self.slots.dtype))
-        return int(bounds[0]), int(bounds[1])
+        return slot_span(self.slots, start, end)
+
+
+def slot_span(slots: torch.Tensor, start: int, end: int) -> tuple[int, int]:
+    """[lo, hi): the indices of the (increasing) `slots` that lie in token range [start, end)."""
+    bounds = torch.searchsorted(slots, torch.tensor([start, end], dtype=slots.dtype))
+    return int(bounds[0]), int(bounds[1])
 
 
 @dataclass(frozen=True)
 class MultimodalPrompt:
-    """A prompt's token ids plus what a multimodal prompt adds: its encoder rows and 3D positions."""
+    """A prompt's token ids plus what a multimodal prompt adds: its encoder rows and 3D positions
+    (and, for a hidden-state request, the slots whose final-norm hidden states it returns)."""
 
     token_ids: list[int]
     media: PromptMedia
     positions: torch.Tensor | None = None  # [3, P] video_rope positions; None: 1D (no vision item)
     rope_delta: int = 0  # decode positions = cache position + rope_delta (ming.md §2.3)
+    hidden_slots: torch.Tensor | None = None  # [N] prompt positions (hidden-state mode); None: tokens
 
     def request_args(self) -> dict:
         """The keyword arguments of `LLMEngine.add_request` beyond the ids."""
-        return {"positions": self.positions, "rope_delta": self.rope_delta, "media": self.media}
+        args = {"positions": self.positions, "rope_delta": self.rope_delta, "media": self.media}
+        if self.hidden_slots is not None:
+            args["hidden_slots"] = self.hidden_slots
+        return args
 
 
 Prompt = list[int] | MultimodalPrompt

@@ -2,13 +2,15 @@
 
 The only engine code that touches device tensors (start-up — load, size the cache, warm up — is
 `startup.py`). Every rank runs the same plan; the model's own collectives (row-parallel
-reductions, the vocab gather of compute_logits) keep them in lockstep, and rank 0 gets the logits.
+reductions, the vocab gather of compute_logits) keep them in lockstep, and rank 0 gets the logits
+(and the final-norm hidden rows hidden-state requests keep: `StepOutput.hidden`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -25,6 +27,15 @@ log = get_logger(__name__)
 
 def to_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+
+
+@dataclass
+class StepOutput:
+    """What one step gives rank 0: float32 logits [R, vocab] of the sampling rows (None when R == 0)
+    and the final-norm hidden states [K, H] at `plan.hidden_index` (None when K == 0)."""
+
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 class KVCacheUser(Protocol):
@@ -132,11 +143,15 @@ class ModelRunner:
             total_bytes=weights + kv + activation,
         )
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run one step; returns float32 logits [R, vocab] on rank 0 (None elsewhere or if R == 0)."""
+        return self.execute_step(plan).logits
+
+    @torch.inference_mode()
+    def execute_step(self, plan: StepPlan) -> StepOutput:
+        """Run one step: the logits of the sampling rows and (rank 0) the hidden rows the plan keeps."""
         if plan.num_tokens == 0:
-            return None
+            return StepOutput()
         dev = self.device
         md = AttentionMetadata(
             query_lens=plan.query_lens.tolist(),
@@ -150,10 +165,11 @@ class ModelRunner:
                 plan.positions.to(dev, non_blocking=True),
                 **self._media_inputs(plan),
             )
+        kept = hidden[plan.hidden_index.to(dev)] if plan.hidden_index.numel() else None  # rank 0's plan only
         if plan.sample_rows.numel() == 0:
-            return None
+            return StepOutput(hidden=kept)
         logits = self.model.compute_logits(hidden[plan.sample_rows.to(dev)])
-        return logits.float() if self.rank == 0 else None
+        return StepOutput(logits.float() if self.rank == 0 else None, kept)
 
     def _media_inputs(self, plan: StepPlan) -> dict[str, torch.Tensor | None]:
         """The step's embedding overrides and per-token router codes; none in text-only steps.

@@ -33,6 +33,8 @@ class ScheduledBatch:
 
     # Sequences that reach their last known token this step, hence sample one, in batch order.
     sampling_seqs: list[Sequence] = field(default_factory=list)
+    # Hidden-state requests whose prompt completes this step: they end after it, sampling nothing.
+    completing_hidden: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
@@ -106,9 +108,9 @@ class Scheduler:
         self.running = kept
         if not batch.preempted:
             self._admit(batch, budget)
-        batch.sampling_seqs = [
-            seq for seq, n in batch.scheduled if seq.num_computed_tokens + n == seq.num_tokens
-        ]
+        for seq, n in batch.scheduled:
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                (batch.completing_hidden if seq.wants_hidden_states else batch.sampling_seqs).append(seq)
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
@@ -136,7 +138,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
-        """Advance the cache, append sampled tokens (in `sampling_seqs` order), apply token stops.
+        """Advance the cache, append sampled tokens (in `sampling_seqs` order), apply token stops; end
+        the hidden-state requests whose prompt is now computed (their KV blocks are freed here).
 
         Returns the sequences that finished here.
         """
@@ -146,6 +149,9 @@ class Scheduler:
         for seq, num_new in batch.scheduled:
             seq.num_computed_tokens += num_new
         finished = []
+        for seq in batch.completing_hidden:
+            self.finish(seq, FinishReason.STOP)
+            finished.append(seq)
         for seq, token_id in zip(sampling, sampled, strict=True):
             seq.token_ids.append(token_id)
             reason = self._stop_reason(seq, token_id)

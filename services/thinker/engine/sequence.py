@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 import torch
 from omnistage.common.sampling import sampling_violation
+from omnistage.services.thinker.engine.hidden_states import HiddenCapture
 from omnistage.services.thinker.engine.media import PromptMedia
 
 
@@ -83,6 +84,7 @@ class Sequence:
         rope_delta: int = 0,
         prompt_positions: torch.Tensor | None = None,
         media: PromptMedia | None = None,
+        hidden: HiddenCapture | None = None,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -94,6 +96,8 @@ class Sequence:
         self.prompt_positions = prompt_positions  # [3, num_prompt_tokens] for multimodal prompts
         # Encoder rows spliced into the prompt, kept until the request ends (chunks, recompute).
         self.media = media
+        # Hidden-state mode: no tokens, the final-norm rows at these slots instead (hidden_states.py).
+        self.hidden = hidden
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
@@ -127,6 +131,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_hidden_states(self) -> bool:
+        """A hidden-state request: it ends when its prompt is computed and never samples."""
+        return self.hidden is not None
 
     @property
     def is_finished(self) -> bool:

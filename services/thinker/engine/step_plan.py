@@ -13,6 +13,10 @@ is exact) at no extra collective. The alternatives cost more: broadcasting the r
 is one more collective of M x hidden per step; letting every rank open the encoder's shm / CUDA IPC
 refs would make each rank copy and keep the rows per request (the lease lasts seconds, recompute
 after a preemption needs them again), so workers would hold request state and need "free" plans.
+
+Hidden-state requests (image generation's conditioning) want the model's final-norm output at some
+prompt rows: `hidden_index` names those token rows, on rank 0 only and never encoded (every rank
+computes the same replicated rows; only rank 0 hands them on), so workers see a plain prefill.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class StepPlan:
     media_modality: torch.Tensor = field(default_factory=_empty)  # [M] their router codes (layers.moe)
     # [M, H] the encoder rows, in media_index order: rank 0 only, never encoded (see the module docstring).
     media_rows: torch.Tensor | None = None
+    # [K] token rows whose final-norm hidden states hidden-state requests keep, in batch order: rank 0 only.
+    hidden_index: torch.Tensor = field(default_factory=_empty)
 
     @property
     def num_tokens(self) -> int:
@@ -117,14 +123,17 @@ class StepPlan:
 
 def build_step_plan(scheduled: list[tuple[Sequence, int]], block_size: int) -> StepPlan:
     """Plan for sequences each computing its next `n` uncomputed tokens; rows sample where a sequence
-    reaches its last known token (prefill finished or decode). A chunk that covers placeholder slots
-    takes exactly the encoder rows of those slots (recompute after a preemption takes them again)."""
+    reaches its last known token (prefill finished or decode), unless it is a hidden-state request,
+    whose chunk instead keeps the hidden states of the slots it covers (`hidden_index`, batch order).
+    A chunk that covers placeholder slots takes exactly the encoder rows of those slots (recompute
+    after a preemption takes them again)."""
     ids: list[int] = []
     pos: list[list[int]] = [[], [], []]
     qlens, clens, slots, rows, tables = [], [], [], [], []
     media_index: list[torch.Tensor] = []
     media_modality: list[torch.Tensor] = []
     media_rows: list[torch.Tensor] = []
+    hidden_index: list[torch.Tensor] = []
     for seq, n in scheduled:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         if seq.media is not None and start < seq.num_prompt_tokens:
@@ -133,6 +142,9 @@ def build_step_plan(scheduled: list[tuple[Sequence, int]], block_size: int) -> S
                 media_index.append(seq.media.slots[lo:hi] - start + len(ids))
                 media_modality.append(seq.media.modality[lo:hi])
                 media_rows.append(seq.media.rows[lo:hi])
+        if seq.hidden is not None:
+            lo, hi = seq.hidden.span(start, end)
+            hidden_index.append(seq.hidden.slots[lo:hi] - start + len(ids))
         ids.extend(seq.token_ids[start:end])
         for axis, row in enumerate(seq.positions(start, end)):
             pos[axis].extend(row)
@@ -141,7 +153,7 @@ def build_step_plan(scheduled: list[tuple[Sequence, int]], block_size: int) -> S
         qlens.append(n)
         clens.append(end)
         tables.append(seq.block_table)
-        if end == seq.num_tokens:
+        if end == seq.num_tokens and seq.hidden is None:
             rows.append(len(ids) - 1)
     max_blocks = max((len(t) for t in tables), default=0)
     padded = [t + [-1] * (max_blocks - len(t)) for t in tables]
@@ -161,4 +173,5 @@ def build_step_plan(scheduled: list[tuple[Sequence, int]], block_size: int) -> S
         media_index=torch.cat(media_index) if media_index else _empty(),
         media_modality=torch.cat(media_modality) if media_modality else _empty(),
         media_rows=torch.cat(media_rows) if media_rows else None,
+        hidden_index=torch.cat(hidden_index) if hidden_index else _empty(),
     )

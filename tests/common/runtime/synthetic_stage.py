@@ -4,6 +4,8 @@ Run as a script (`python synthetic_stage.py --config ... --service ... --rank ..
 is what `launch(modules={kind: this file})` starts. It walks through the start-up phases with
 progress (step time from $SYNTH_STEP_S), then serves `omnistage.v1.Omni` on rank 0, where the prompt
 text drives the behaviour: `raise`, `invalid`, `overloaded`, or `n=<events> delay=<seconds>`.
+$SYNTH_CRASH_AFTER=`<service>:<seconds>` makes every process of that service exit (code 5) that
+long after it is ready: a stage that keeps crashing, for the launcher's restart budget.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ async def build(runtime: Any, cfg: Any, svc: Any, rank: int) -> None:
     r.advance()
     if runtime.serves_grpc:
         runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, SyntheticOmni(), "omnistage.v1.Omni")
+    crash = os.environ.get("SYNTH_CRASH_AFTER", "")
+    if crash.partition(":")[0] == svc.name:
+        asyncio.get_running_loop().call_later(float(crash.partition(":")[2]), os._exit, 5)
     runtime.set_memory_provider(memory_report)
     runtime.set_limits_provider(lambda: control_pb2.Limits(max_running_requests=4, max_message_bytes=svc.max_message_bytes))
 
@@ -94,7 +99,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(path: Path, services: dict[str, dict], **startup: Any) -> Path:
+def write_config(path: Path, services: dict[str, dict], supervision: dict | None = None, **startup: Any) -> Path:
     """A deploy file of synthetic services with short deadlines (tests override what they probe)."""
     deadlines = {p: 10.0 for p in ("starting", "loading_weights", "profiling_memory", "warming_up", "capturing_graphs")}
     deadlines.update(startup.pop("phase_deadlines_s", {}))
@@ -115,6 +120,7 @@ def write_config(path: Path, services: dict[str, dict], **startup: Any) -> Path:
             "stop_grace_s": 3.0,
             **startup,
         },
+        "supervision": supervision or {},
         "services": {},
     }
     for name, extra in services.items():

@@ -108,3 +108,19 @@ def test_sweep_ignores_other_files():
         assert os.path.exists(path)
     finally:
         os.unlink(path)
+
+
+def test_a_sweep_for_given_owners_leaves_other_dead_owners_segments(producers):
+    """The launcher's clean-up at stop removes its own children's segments, nobody else's."""
+    mine, mine_path = _start_producer()
+    other, other_path = _start_producer()
+    producers += [mine, other]
+    for proc in (mine, other):
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    try:
+        removed = sweep_stale_segments(owners={mine.pid})
+        assert removed == [os.path.basename(mine_path)] and not os.path.exists(mine_path)
+        assert os.path.exists(other_path)
+    finally:
+        sweep_stale_segments(owners={other.pid})

@@ -11,7 +11,7 @@ import grpc
 from omnistage.services.gateway.prompt import render
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
-from omnistage.services.gateway.stages import TalkerClient
+from omnistage.services.gateway.stages import StageError, TalkerClient
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, encoder_pb2, talker_pb2, talker_pb2_grpc, thinker_pb2
 
@@ -37,6 +37,9 @@ class FakeThinker:
         self.reason = reason
         self.max_user_turns = max_user_turns  # > 0: refuse longer prompts as the thinker does (max_model_len)
         self.calls: list[ThinkerCall] = []
+
+    def error(self, exc: grpc.aio.AioRpcError) -> StageError:  # as ThinkerClient.error of a stage that is up
+        return StageError("thinker", exc)
 
     async def generate(self, request_id, prompt, sampling, timeout_s, multimodal=None):
         call = ThinkerCall(render(prompt), timeout_s, list(multimodal or []))
@@ -77,10 +80,13 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
 
     mode: "echo" | "refuse-voice" | "busy" (RESOURCE_EXHAUSTED with pushback) | "fail-after-audio"
     (UNAVAILABLE after the first text's audio) | "silent" (accepts, then never answers) | "nothing"
-    (INVALID_ARGUMENT "text: nothing to speak" at the end)."""
+    (INVALID_ARGUMENT "text: nothing to speak" at the end). A stream the client cancels after
+    `finished`, before the handler returned, counts as cancelled (the real talker's status CANCELLED)."""
 
-    def __init__(self, mode: str = "echo", chunks_per_text: int = 1, chunk_samples: int = 441) -> None:
+    def __init__(self, mode: str = "echo", chunks_per_text: int = 1, chunk_samples: int = 441,
+                 end_delay_s: float = 0.0) -> None:
         self.mode = mode
+        self.end_delay_s = end_delay_s  # after `finished`, the handler takes this long to return (cleanup)
         self.chunks_per_text = chunks_per_text
         self.chunk_samples = chunk_samples
         self.calls: list[SpeakCall] = []
@@ -118,6 +124,7 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
             if self.mode == "nothing":
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text: nothing to speak")
             yield talker_pb2.SpeakResponse(finished=talker_pb2.SpeakFinished(segments=segment))
+            await asyncio.sleep(self.end_delay_s)
             call.completed = True
         except (asyncio.CancelledError, GeneratorExit):  # the client cancelled (gRPC closes the handler)
             call.cancelled = True

@@ -15,6 +15,7 @@ from omnistage.common.transport import TransportContext, TransportOptions, encod
 from omnistage.services.gateway.media import MediaStage
 from omnistage.services.gateway.prompt import render
 from omnistage.services.gateway.server import OmniServicer
+from omnistage.services.gateway.stages import StageError
 from omnistage.services.gateway.validation import RequestLimits, plan_request
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
@@ -138,13 +139,13 @@ class FakeEncoder:
     """Answers with shm refs from `producer`, or with `error`; remembers the requests and deadlines."""
 
     def __init__(self, producer, cfg, error: grpc.aio.AioRpcError | None = None) -> None:
-        self.producer, self.cfg, self.error = producer, cfg, error
+        self.producer, self.cfg, self.fails_with = producer, cfg, error
         self.calls: list[tuple[encoder_pb2.EncodeRequest, float | None]] = []
 
     async def encode(self, request, timeout_s):
         self.calls.append((request, timeout_s))
-        if self.error is not None:
-            raise self.error
+        if self.fails_with is not None:
+            raise self.fails_with
         kinds = {1: "image", 2: "audio", 3: "video"}
         out = []
         for item in request.items:
@@ -160,12 +161,15 @@ class FakeThinker:
     """`started` and a finish, or an error before `started`; remembers the requests."""
 
     def __init__(self, error: grpc.aio.AioRpcError | None = None) -> None:
-        self.error, self.calls = error, []
+        self.fails_with, self.calls = error, []
+
+    def error(self, exc: grpc.aio.AioRpcError) -> StageError:  # as ThinkerClient.error of a stage that is up
+        return StageError("thinker", exc)
 
     async def generate(self, request_id, prompt, sampling, timeout_s, multimodal=None):
         self.calls.append((prompt, list(multimodal or [])))
-        if self.error is not None:
-            raise self.error
+        if self.fails_with is not None:
+            raise self.fails_with
         yield thinker_pb2.ThinkerEvent(started=thinker_pb2.Started(engine_request_id="e" * 32))
         yield thinker_pb2.ThinkerEvent(finish=thinker_pb2.ThinkerFinish(reason=common_pb2.FINISH_REASON_STOP))
 

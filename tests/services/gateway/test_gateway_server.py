@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 from omnistage.services.gateway.server import OmniServicer
+from omnistage.services.gateway.stages import StageError
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, omni_pb2, thinker_pb2
 
@@ -14,6 +16,9 @@ class FakeThinker:
 
     def __init__(self) -> None:
         self.calls = []
+
+    def error(self, exc: grpc.aio.AioRpcError) -> StageError:  # as ThinkerClient.error of a stage that is up
+        return StageError("thinker", exc)
 
     async def generate(self, request_id, prompt, sampling, timeout_s, multimodal=None):
         self.calls.append((request_id, prompt))

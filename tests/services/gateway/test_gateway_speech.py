@@ -79,6 +79,22 @@ def test_text_and_audio_interleave_and_one_finish_comes_after_both():
     assert thinker.calls[0].finished and thinker.calls[0].closed
 
 
+def test_a_finished_speak_call_ends_with_its_own_status_not_a_cancel():
+    """After `finished` the gateway lets the talker's handler return (its status OK) instead of cancelling
+    the call at once (the real talker then counted every fourth completed stream as CANCELLED)."""
+
+    async def scenario():
+        talker = FakeTalker(end_delay_s=0.2)
+        async with TalkerServer(talker) as srv:
+            events = await collect(gateway(FakeThinker(ANSWER), srv.address), request())
+        return talker, events
+
+    talker, events = run(scenario())
+    assert events[-1].finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE
+    (call,) = talker.calls
+    assert call.completed and not call.cancelled
+
+
 def test_without_a_seed_the_talker_picks_one_and_an_empty_voice_is_its_default():
     async def scenario():
         talker = FakeTalker()
@@ -132,6 +148,31 @@ def test_a_talker_that_is_down_leaves_the_text_whole():
     status = events[-1].finish.audio
     assert (status.outcome, status.code) == (omni_pb2.AUDIO_OUTCOME_NONE, "UNAVAILABLE")
     assert status.message.startswith("talker: ")
+
+
+def test_a_talker_lost_mid_speech_ends_only_the_speech_naming_it_and_a_down_talker_is_not_called():
+    """What the gateway's StageWatch does when the talker stops answering: its calls are cancelled
+    (the text goes on, the status says the talker is down), and while it is down no call is made."""
+    async def scenario():
+        talker = FakeTalker("silent")
+        async with TalkerServer(talker) as srv:
+            servicer = gateway(FakeThinker(ANSWER, delay_s=0.02), srv.address)
+            client = servicer.speech.talker
+            answer = asyncio.create_task(collect(servicer, request()))
+            await wait_until(lambda: talker.calls and talker.calls[0].texts, what="the first text in the talker")
+            client.down_reason = "stopped answering: no health answer within 2s"  # the watch's verdict ...
+            assert client.lose_calls() == 1  # ... and its action
+            first = await answer
+            second = await collect(servicer, request())
+        return first, second, len(talker.calls)
+
+    first, second, calls = run(scenario())
+    for events in (first, second):
+        assert text_of(events) == ANSWER
+        status = events[-1].finish.audio
+        assert status.code == "UNAVAILABLE" and status.outcome == omni_pb2.AUDIO_OUTCOME_NONE, status
+        assert status.message == "stage 'talker' is unavailable: stopped answering: no health answer within 2s"
+    assert calls == 1  # the down talker got no second call
 
 
 def test_a_full_talker_gives_no_audio_with_its_pushback():

@@ -13,6 +13,7 @@ from omnistage.common import metrics
 from omnistage.common.config import config_from_dict
 from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.server import ServiceRuntime
+from omnistage.services.gateway.stage_watch import StageWatch, WatchConfig
 from omnistage.services.gateway.stages import ThinkerClient
 from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
 
@@ -68,7 +69,9 @@ def test_finished_streams_count_ok_at_the_stage_and_abandoned_ones_cancelled(tmp
         client = ThinkerClient(name, cfg.address(name), 1 << 20, admin_address=cfg.admin_address(name),
                                admin_metadata=(("authorization", "Bearer admin-key"),))
         try:
-            await client.wait_serving(10)
+            watch = StageWatch(client, WatchConfig(interval_s=0.05))
+            watch.start()
+            assert await watch.wait_admitted(10)
             assert (await client.describe()).name == name
             for _ in range(3):
                 assert await consume(client, "3") == ["delta"] * 3 + ["finish"]
@@ -78,6 +81,7 @@ def test_finished_streams_count_ok_at_the_stage_and_abandoned_ones_cancelled(tmp
             await wait_for_async(lambda: rt.in_flight == 0, 5, "abandoned stream aborted")
             assert (counted(name, "OK"), counted(name, "CANCELLED")) == (3.0, 1.0)
         finally:
+            await watch.stop()
             await client.close()
             rt.request_stop()
             await asyncio.wait_for(rt.serve_until_stopped(), 10)
@@ -104,6 +108,55 @@ def test_describe_without_the_admin_key_is_refused(tmp_path, monkeypatch):
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         finally:
             await client.close()
+            rt.request_stop()
+            await asyncio.wait_for(rt.serve_until_stopped(), 10)
+
+    asyncio.run(scenario())
+
+
+def test_capability_readiness_is_served_as_health_names_and_in_describe(tmp_path):
+    """A capability is SERVING under `omnistage.v1.Omni.<name>` only while the service serves and the
+    capability is ready; Describe lists each with why not (what `omnistage status` prints)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from omnistage.v1 import control_pb2, control_pb2_grpc
+
+    name = "fake_gateway_ready"
+
+    async def scenario():
+        cfg = config_from_dict({"services": {name: {"kind": "gateway", "port": free_port(), "admin_port": free_port()}}})
+        rt = ServiceRuntime(cfg, cfg.service(name), 0, run_dir=tmp_path)
+        await rt.start()
+        why = {"speech": "talker: starting (not SERVING yet)"}
+        rt.set_readiness_provider(lambda: [control_pb2.Readiness(capability=c, ready=c not in why, reason=why.get(c, ""))
+                                           for c in ("text", "speech")])  # fmt: skip
+        rt.set_capability_health({"text": True, "speech": False})
+
+        async def health(service: str) -> int:
+            async with grpc.aio.insecure_channel(cfg.address(name)) as ch:
+                resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service))
+                return resp.status
+
+        async def until(check, want: int) -> None:  # health follows in a task of the loop
+            for _ in range(100):
+                if await check() == want:
+                    return
+                await asyncio.sleep(0.05)
+            assert await check() == want
+
+        try:
+            serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await health("omnistage.v1.Omni.text") == not_serving  # not serving yet as a whole
+            rt.set_serving()
+            await until(lambda: health("omnistage.v1.Omni.text"), serving)
+            assert await health("omnistage.v1.Omni.speech") == not_serving
+            async with grpc.aio.insecure_channel(cfg.admin_address(name)) as ch:
+                desc = await control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest())
+            assert [(r.capability, r.ready, r.reason) for r in desc.readiness] == [
+                ("text", True, ""), ("speech", False, "talker: starting (not SERVING yet)")]
+            rt.set_capability_health({"text": True, "speech": True})
+            await until(lambda: health("omnistage.v1.Omni.speech"), serving)
+        finally:
             rt.request_stop()
             await asyncio.wait_for(rt.serve_until_stopped(), 10)
 

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import EngineConfig, config_from_dict
 from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.server import ServiceRuntime
-from omnistage.common.transport import TransportContext, TransportOptions, encode
+from omnistage.common.transport import TransportContext, TransportOptions, decode, encode
 from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.model_runner import ModelRunner
@@ -67,7 +67,7 @@ def fake_engine(tok: MingTokenizer, step_s: float, hidden: int = 32, **engine_kw
 @contextlib.asynccontextmanager
 async def thinker(
     tmp_path, tok: MingTokenizer, step_s: float = 0.0, servicer_max_model_len: int = 0,
-    media: MediaInputs | None = None, **engine_kw,
+    media: MediaInputs | None = None, hidden_out: TransportContext | None = None, **engine_kw,
 ) -> AsyncIterator[Stack]:
     hidden = media.config.hidden_size if media is not None else 32
     engine = fake_engine(tok, step_s, hidden, **engine_kw)
@@ -76,7 +76,8 @@ async def thinker(
     await rt.start()
     loop = EngineLoop(engine, asyncio.get_running_loop(), idle_poll_s=0.05)
     loop.start()
-    servicer = ThinkerServicer(loop, tok, servicer_max_model_len or engine.cfg.max_model_len, media=media)
+    servicer = ThinkerServicer(loop, tok, servicer_max_model_len or engine.cfg.max_model_len, media=media,
+                               producer=hidden_out)  # fmt: skip
     rt.add_servicer(thinker_pb2_grpc.add_ThinkerServicer_to_server, servicer, THINKER)
     rt.set_serving()
     try:
@@ -405,5 +406,94 @@ def test_a_refused_multimodal_request_leaves_no_lease(tmp_path, tok, tiny_ckpt, 
             err = await refusal(t.stub, request)
             assert err.code() == code and needle in err.details(), err.details()
             assert active_leases(producer) == 0
+
+    run(scenario())
+
+
+# --- hidden-state mode: the query block's rows leave as one leased ref; the request ends at once ----
+
+
+def hidden_inputs(tiny_ckpt) -> MediaInputs:
+    from omnistage.services.thinker.image_queries import load_image_queries
+
+    cfg = ThinkerConfig.from_checkpoint(tiny_ckpt)
+    return MediaInputs(cfg, torch.float32, TransportContext(), load_image_queries(tiny_ckpt, cfg.hidden_size, torch.float32))
+
+
+def hidden_request(text: str, **sampling) -> thinker_pb2.ThinkerRequest:
+    request = chat(text, **sampling)
+    request.hidden_states.SetInParent()
+    return request
+
+
+def test_a_hidden_state_request_answers_one_leased_ref_and_no_tokens(tmp_path, tok, tiny_ckpt, producer):
+    async def scenario():
+        async with thinker(tmp_path, tok, media=hidden_inputs(tiny_ckpt), hidden_out=producer) as t:
+            events = await events_of(t.stub, hidden_request("Draw a cat", max_tokens=5))
+            assert [e.WhichOneof("event") for e in events] == ["started", "hidden_states", "finish"]
+            ref = events[1].hidden_states.tensor
+            assert ref.WhichOneof("payload") == "shm" and ref.shm.pool_name == producer.shm_pool().name
+            assert list(ref.shape) == [256, 256] and active_leases(producer) == 1  # leased to the caller
+            finish = events[-1].finish
+            assert finish.reason == common_pb2.FINISH_REASON_STOP and finish.usage.completion_tokens == 0
+            assert finish.usage.prompt_tokens > 258  # the prompt and the <image> + 256 + </image> block
+            with TransportContext() as consumer:
+                cat = decode(ref, transport=consumer)  # a copy: the lease ends
+                assert active_leases(producer) == 0
+                again = (await events_of(t.stub, hidden_request("Draw a cat")))[1].hidden_states.tensor
+                dog = (await events_of(t.stub, hidden_request("Draw a dog")))[1].hidden_states.tensor
+                assert torch.equal(decode(again, transport=consumer), cat)
+                assert not torch.equal(decode(dog, transport=consumer), cat)
+            assert active_leases(producer) == 0 and not t.engine.has_unfinished()
+            assert t.engine.scheduler.block_manager.num_free_blocks == t.engine.cfg.num_kv_blocks
+
+    run(scenario())
+
+
+def test_an_edit_prompt_takes_its_image_rows_and_the_query_block(tmp_path, tok, tiny_ckpt, producer):
+    async def scenario():
+        async with thinker(tmp_path, tok, media=hidden_inputs(tiny_ckpt), hidden_out=producer) as t:
+            request = image_request(tok, torch.randn(8, 256), producer)
+            request.hidden_states.SetInParent()
+            events = await events_of(t.stub, request)
+            assert [e.WhichOneof("event") for e in events] == ["started", "hidden_states", "finish"]
+            assert list(events[1].hidden_states.tensor.shape) == [256, 256]
+            producer.release(events[1].hidden_states.tensor)
+            assert active_leases(producer) == 0  # the image's lease ended at submit, the ref's here
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "case, code, needle",
+    [
+        ("no-queries", grpc.StatusCode.FAILED_PRECONDITION, "hidden_states: this thinker has no image-generation"),
+        ("too-long", grpc.StatusCode.INVALID_ARGUMENT, "+ the image query block's 258 exceed max_model_len 300"),
+    ],
+)
+def test_hidden_state_refusals_name_the_cause(tmp_path, tok, tiny_ckpt, producer, case, code, needle):
+    async def scenario():
+        media = media_inputs(tiny_ckpt) if case == "no-queries" else hidden_inputs(tiny_ckpt)
+        async with thinker(tmp_path, tok, media=media, hidden_out=producer, max_model_len=300) as t:
+            err = await refusal(t.stub, hidden_request("word " * 60))
+            assert err.code() == code and needle in err.details(), err.details()
+            assert active_leases(producer) == 0
+
+    run(scenario())
+
+
+def test_a_client_that_leaves_mid_prefill_aborts_and_leaves_no_lease(tmp_path, tok, tiny_ckpt, producer):
+    async def scenario():
+        async with thinker(tmp_path, tok, step_s=0.05, media=hidden_inputs(tiny_ckpt), hidden_out=producer,
+                           max_num_batched_tokens=16) as t:  # fmt: skip
+            call = t.stub.Generate(hidden_request("Draw slowly"), timeout=60)
+            assert (await call.read()).WhichOneof("event") == "started"
+            await asyncio.sleep(0.2)  # a few 16-token chunks of the ~280-token prefill
+            assert t.engine.has_unfinished()
+            call.cancel()
+            await wait_for_async(lambda: not t.engine.has_unfinished(), 10, "the request to be aborted")
+            await wait_for_async(lambda: t.runtime.in_flight == 0, 10, "the handler to end")
+            assert active_leases(producer) == 0
+            assert t.engine.scheduler.block_manager.num_free_blocks == t.engine.cfg.num_kv_blocks
 
     run(scenario())

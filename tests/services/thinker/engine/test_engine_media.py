@@ -117,8 +117,8 @@ def test_greedy_tokens_equal_direct_reforwards_with_rope_delta(tiny_ckpt, model,
 def test_chunked_and_preempted_prefill_give_the_one_shot_tokens(tiny_ckpt, one_shot, kw):
     e = engine(tiny_ckpt, **kw)
     plans: list[StepPlan] = []
-    run = e.runner.execute
-    e.runner.execute = lambda plan: (plans.append(plan), run(plan))[1]
+    run = e.runner.execute_step
+    e.runner.execute_step = lambda plan: (plans.append(plan), run(plan))[1]
     preempted = []
     preempt = e.scheduler._preempt
     e.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), preempt(seq))

@@ -38,7 +38,7 @@ def _fail_after(rank: int, fail_rank: int | None, steps: int = 3, what: str = "f
         return
     import torch.distributed as dist
 
-    module, name = (ModelRunner, "execute") if what == "forward" else (dist, "broadcast")
+    module, name = (ModelRunner, "execute_step") if what == "forward" else (dist, "broadcast")
     orig, calls = getattr(module, name), [0]
 
     def broken(*args, **kwargs):

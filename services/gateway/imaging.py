@@ -1,0 +1,282 @@
+"""Image output (MODALITY_IMAGE): the thinker's hidden states at the image query slots → ImageGen.
+
+Ming makes an image in a call of its own (ming.md §6.1): the conversation's chat prompt ends with
+`<role>ASSISTANT</role>`, the thinker appends the image query block and answers the final-norm
+hidden states at its 256 slots (hidden-state mode, thinker.proto), and those condition the DiT. The
+gateway never decodes them: the thinker's TensorRef goes to `ImageGen.Generate` as it came, with the
+size, steps, guidance, seed and (for an edit) the reference image's bytes; the stage's progress per
+denoising step and its PNG stream back to the client. Edits: the image to edit is the last image
+part of the last user message, which the thinker also sees as an ordinary `<image>` input.
+
+Options are checked here, against the stage's Describe limits, before any stage runs. Leases: the
+hidden states are leased from the thinker's producer pool; ImageGen copies them and ends the lease
+before its first event. A ref the gateway never forwards (the client left, the thinker stream broke
+after the ref came, ImageGen was unreachable or refused before answering) is released here through
+the transport's release path (a store into the thinker's lease table, no bytes read); a second
+release is a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from omnistage.common.config import ImageGenConfig
+from omnistage.common.log import get_logger
+from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
+from omnistage.common.transport import TransportContext, TransportError
+from omnistage.services.gateway.stages import ImageGenClient, StageError
+from omnistage.services.gateway.validation import MediaPart, PlannedRequest
+from omnistage.v1 import common_pb2, control_pb2, imagegen_pb2, omni_pb2, tensor_pb2, thinker_pb2
+
+log = get_logger(__name__)
+STAGE = "imagegen"
+SIZE_MULTIPLE = 16  # the DiT's latent patch in pixels (VAE 8x, patch 2x2)
+# Room kept in an ImageGen message for everything but the reference image's bytes.
+MESSAGE_OVERHEAD = 64 << 10
+# ImageGen's field names in its refusals → the client's (`reference_image` → the edited part).
+_STAGE_FIELD = re.compile(r"^(height / width|width|height|steps|guidance_scale|seed|reference_image)(?=[:. ])")
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What an image request may ask for: the image stage's Describe limits (its deploy-file section
+    where it has no admin port) plus its guidance bound, which Describe does not report."""
+
+    min_side_px: int = 64
+    max_side_px: int = 2048
+    max_steps: int = 100
+    max_guidance_scale: float = 20.0
+    max_batch: int = 1  # requests denoising at once (the stage's stress-tested cap)
+    max_queued: int = 64  # requests the stage lets wait for a denoising slot
+
+    @property
+    def max_in_flight(self) -> int:
+        """Image requests the gateway runs at once: more would only be refused by the stage after the
+        thinker has done their prefill."""
+        return self.max_batch + self.max_queued
+
+    @classmethod
+    def of(cls, cfg: ImageGenConfig, limits: control_pb2.Limits | None) -> ImageLimits:
+        if limits is None:
+            return cls(cfg.min_side_px, cfg.max_side_px, cfg.max_steps, cfg.max_guidance_scale,
+                       max(cfg.stress_batch_sizes, default=1), cfg.max_queued_requests)  # fmt: skip
+        return cls(
+            limits.min_image_side_px or cfg.min_side_px,
+            limits.max_image_side_px or cfg.max_side_px,
+            limits.max_denoising_steps or cfg.max_steps,
+            cfg.max_guidance_scale,
+            limits.max_image_batch or 1,
+            limits.max_queued_requests,
+        )
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """A checked image request: what ImageGen gets (0 / None: the stage's default) and the edited part."""
+
+    width: int
+    height: int
+    steps: int | None
+    guidance_scale: float | None
+    seed: int | None
+    reference: MediaPart | None  # an edit: the last image part of the last user message
+    prompt_text: str = ""  # the last user message's text (ImageGen's glyph path, not used by it yet)
+
+    def request(self, request_id: str, condition: tensor_pb2.TensorRef, reference: bytes, prompt_text: str,
+                size: tuple[int, int]) -> imagegen_pb2.ImageGenRequest:  # fmt: skip
+        """The ImageGen request; `size` is (width, height) with an edit's defaults applied."""
+        req = imagegen_pb2.ImageGenRequest(request_id=request_id, condition=condition, width=size[0], height=size[1],
+                                           prompt_text=prompt_text, reference_image=reference)  # fmt: skip
+        if self.steps is not None:
+            req.steps = self.steps
+        if self.guidance_scale is not None:
+            req.guidance_scale = self.guidance_scale
+        if self.seed is not None:
+            req.seed = self.seed
+        return req
+
+
+def plan_image(request: omni_pb2.GenerateRequest, plan: PlannedRequest, limits: ImageLimits) -> ImagePlan:
+    """Check `request.image` against the stage's limits; INVALID_ARGUMENT names the field."""
+    opts = request.image
+    for name in ("width", "height"):
+        value = getattr(opts, name)
+        if value == 0:
+            continue
+        if value % SIZE_MULTIPLE:
+            raise InvalidRequest(f"image.{name}: {value} is not a multiple of {SIZE_MULTIPLE}")
+        if not limits.min_side_px <= value <= limits.max_side_px:
+            raise InvalidRequest(f"image.{name}: {value} is outside [{limits.min_side_px}, {limits.max_side_px}] "
+                                 "(the image stage's limits)")  # fmt: skip
+    if opts.steps > limits.max_steps:
+        raise InvalidRequest(f"image.steps: {opts.steps} exceeds the image stage's limit of {limits.max_steps}")
+    g = opts.guidance_scale
+    if not math.isfinite(g) or g < 0:
+        raise InvalidRequest(f"image.guidance_scale: must be a finite number >= 0, got {g:g}")
+    if g > limits.max_guidance_scale:
+        raise InvalidRequest(f"image.guidance_scale: {g:g} exceeds the image stage's limit of "
+                             f"{limits.max_guidance_scale:g}")  # fmt: skip
+    reference = None
+    if opts.edit:
+        last = f"messages[{len(request.messages) - 1}]."
+        images = [m for m in plan.media if m.kind == "image" and m.where.startswith(last)]
+        if not images:
+            raise InvalidRequest("image.edit: the last user message has no image part to edit")
+        reference = images[-1]
+    text = " ".join(p for p in plan.turns[-1].parts() if isinstance(p, str))
+    return ImagePlan(opts.width, opts.height, opts.steps or None, g or None,
+                     opts.seed if opts.HasField("seed") else None, reference, text)  # fmt: skip
+
+
+def edit_size(width: int, height: int, limits: ImageLimits) -> tuple[int, int]:
+    """An edit's default size: the reference's, scaled down to fit the largest side allowed, each
+    side then rounded to a multiple of 16 within the limits."""
+    scale = min(1.0, limits.max_side_px / max(width, height))
+
+    def side(v: int) -> int:
+        rounded = math.floor(v * scale / SIZE_MULTIPLE + 0.5) * SIZE_MULTIPLE  # halves round up
+        return min(max(rounded, limits.min_side_px), limits.max_side_px)
+
+    return side(width), side(height)
+
+
+def _image_size(data: bytes, where: str) -> tuple[int, int]:
+    """(width, height) from the image header (Pillow reads no pixels for this)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise InvalidRequest(f"{where}: the image to edit cannot be read: {exc}") from None
+
+
+def _public_details(details: str, image: ImagePlan) -> str:
+    """ImageGen's field names in a refusal → the request's (`width: …` → `image.width: …`)."""
+    match = _STAGE_FIELD.match(details)
+    if match is None:
+        return details
+    field = match[1]
+    if field == "reference_image":
+        name = image.reference.where if image.reference is not None else "image.edit"
+    else:
+        name = " / ".join(f"image.{f}" for f in field.split(" / "))
+    return name + details[match.end() :]
+
+
+class ImageStage:
+    """The gateway's side of the image stage: options, admission, the ImageGen call, lease releases."""
+
+    def __init__(self, client: ImageGenClient, transport: TransportContext, limits: ImageLimits, *,
+                 allow_cuda_ipc: bool = False) -> None:  # fmt: skip
+        self.client = client
+        self.transport = transport  # releases only: the gateway maps no bytes of the thinker's refs
+        self.limits = limits
+        # ImageGen runs on a GPU: hidden states made on the thinker's GPU may stay there (CUDA IPC).
+        self.allow_cuda_ipc = allow_cuda_ipc
+        self.in_flight = 0
+
+    def plan(self, request: omni_pb2.GenerateRequest, plan: PlannedRequest) -> ImagePlan:
+        return plan_image(request, plan, self.limits)
+
+    def hidden_states_request(self) -> thinker_pb2.HiddenStatesRequest:
+        return thinker_pb2.HiddenStatesRequest(allow_cuda_ipc=self.allow_cuda_ipc)
+
+    def admit(self) -> None:
+        """Count one image request in, or RESOURCE_EXHAUSTED before any stage runs; `done()` counts it out."""
+        if self.in_flight >= self.limits.max_in_flight:
+            raise Overloaded(
+                f"{STAGE}: {self.in_flight} image requests in flight, the image stage takes {self.limits.max_in_flight} "
+                f"({self.limits.max_batch} denoising + {self.limits.max_queued} waiting)", retry_after_ms=1000,
+            )  # fmt: skip
+        self.in_flight += 1
+
+    def done(self) -> None:
+        self.in_flight -= 1
+
+    async def reference_bytes(self, image: ImagePlan, paths: dict[str, Path]) -> bytes:
+        """The edited part's bytes (read from `gateway.media_dir` for a path); b"" without an edit."""
+        part = image.reference
+        if part is None:
+            return b""
+        if part.media.WhichOneof("source") == "data":
+            return part.media.data
+        where = f"{part.where}.path"
+        limit = self.client.max_message_bytes - MESSAGE_OVERHEAD
+        size = paths[where].stat().st_size
+        if size > limit:
+            raise InvalidRequest(f"{where}: the image to edit has {size} bytes, more than the {limit} "
+                                 "one image-stage request takes")  # fmt: skip
+        return await asyncio.to_thread(paths[where].read_bytes)
+
+    async def events(
+        self,
+        request_id: str,
+        image: ImagePlan,
+        thinker_events: AsyncIterator[thinker_pb2.ThinkerEvent],
+        reference: bytes,
+        usage: common_pb2.Usage,
+        time_remaining: Callable[[], float | None],
+    ) -> AsyncIterator[omni_pb2.GenerateEvent]:
+        """Read the thinker's hidden-state stream to its finish (its usage is added to `usage`), then
+        stream ImageGen with the client's remaining deadline: a progress event per denoising step,
+        then the image."""
+        condition: tensor_pb2.TensorRef | None = None
+        forwarded = False  # ImageGen answered: it has read (and released) the condition
+        try:
+            reason = "no finish"
+            async for ev in thinker_events:
+                kind = ev.WhichOneof("event")
+                if kind == "hidden_states":
+                    condition = ev.hidden_states.tensor
+                elif kind == "finish":
+                    usage.prompt_tokens += ev.finish.usage.prompt_tokens
+                    reason = common_pb2.FinishReason.Name(ev.finish.reason)
+            if condition is None:
+                raise StageUnavailable(f"thinker: the hidden-state request ended ({reason}) without hidden states")
+            size = (image.width, image.height)
+            if image.reference is not None and 0 in size:
+                default = edit_size(*_image_size(reference, image.reference.where), self.limits)
+                size = (size[0] or default[0], size[1] or default[1])
+            request = image.request(request_id, condition, reference, image.prompt_text, size)
+            try:
+                async for ev in self.client.generate(request, time_remaining()):
+                    forwarded = True
+                    if ev.WhichOneof("event") == "progress":
+                        p = ev.progress
+                        yield omni_pb2.GenerateEvent(
+                            request_id=request_id, progress=omni_pb2.Progress(stage=STAGE, done=p.step, total=p.total_steps)
+                        )  # fmt: skip
+                    else:
+                        im = ev.image
+                        yield omni_pb2.GenerateEvent(
+                            request_id=request_id, image=omni_pb2.ImageResult(png=im.png, width=im.width, height=im.height)
+                        )  # fmt: skip
+                        return
+            except grpc.aio.AioRpcError as exc:
+                if not self.client.up:  # went down under the call (its StageWatch)
+                    raise self.client.unavailable() from exc
+                raise StageError(STAGE, exc, _public_details(exc.details() or "", image)) from exc
+            raise RuntimeError(f"{STAGE}: the stream ended without an image")
+        finally:
+            if condition is not None and not forwarded:
+                self.release([condition])
+
+    def release(self, refs: Sequence[tensor_pb2.TensorRef]) -> None:
+        """End the leases of hidden-state refs that will not reach ImageGen (a second release is a no-op)."""
+        for ref in refs:
+            try:
+                self.transport.release(ref)
+            except (TransportError, OSError, ValueError) as exc:  # the thinker is gone, and its leases with it
+                log.warning("hidden-state lease not released: %s", exc)
+
+    async def close(self) -> None:
+        await self.client.close()
+        self.transport.close()

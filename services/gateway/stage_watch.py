@@ -1,0 +1,137 @@
+"""StageWatch: the gateway's view of whether one stage can take calls, from start-up on.
+
+Every `interval_s` the watch asks the stage's health (each check with its own deadline). The stage is
+admitted when it answers SERVING and its `on_up` step passed (read its limits, send a warm-up request);
+it is marked down after `failures` checks in a row that did not say SERVING — a stage that crashed,
+hangs (SIGSTOP) or restarts. Going down fails at once the calls in flight on it (UNAVAILABLE naming the
+stage) and makes new requests that need it fail fast (or, for the talker, go on as text with an audio
+status); when the stage answers SERVING again (the launcher restarted it) it is admitted again.
+Without this the gateway would wait on a hung stage until each request's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2
+from omnistage.services.gateway.stages import StageClient
+
+_log = logging.getLogger(__name__)
+
+OnChange = Callable[[StageClient], None]
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    """How often and how patiently the gateway checks a stage (gateway.stage_health_* keys)."""
+
+    # Seconds between health checks.
+    interval_s: float = 1.0
+    # Deadline of one health check, in seconds.
+    timeout_s: float = 2.0
+    # Checks in a row that do not answer SERVING before the stage is marked down.
+    failures: int = 2
+
+
+class StageWatch:
+    """Admits one stage when it is SERVING (after `on_up`), marks it down when it stops answering."""
+
+    def __init__(
+        self,
+        client: StageClient,
+        cfg: WatchConfig,
+        on_up: Callable[[], Awaitable[None]] | None = None,
+        on_change: OnChange | None = None,
+    ) -> None:
+        self.client = client
+        self.cfg = cfg
+        self.on_up = on_up
+        self.on_change = on_change
+        self.admitted = asyncio.Event()  # set while the stage is up
+        self.times_admitted = 0
+        self.times_lost = 0
+        self._task: asyncio.Task | None = None
+        client.down_reason = "starting (not SERVING yet)"
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"watch-{self.client.name}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def wait_admitted(self, timeout_s: float) -> bool:
+        """True once the stage is up (False when `timeout_s` passed first)."""
+        try:
+            await asyncio.wait_for(self.admitted.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _check(self) -> str:
+        """'' when the stage answers SERVING, else what it said."""
+        try:
+            resp = await self.client.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.cfg.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"no health answer within {self.cfg.timeout_s:g}s"
+            return f"health check {exc.code().name}: {exc.details()}"
+        if resp.status == health_pb2.HealthCheckResponse.SERVING:
+            return ""
+        return f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}"
+
+    async def _run(self) -> None:
+        misses, since = 0, time.monotonic()
+        while True:
+            why = await self._check()
+            if not why and not self.client.up:
+                why = await self._admit()
+            if why and self.client.up:
+                misses += 1
+                if misses >= self.cfg.failures:
+                    self._lose(f"{why} ({misses} checks in {time.monotonic() - since:.1f}s)")
+            elif not why:
+                misses, since = 0, time.monotonic()
+            await asyncio.sleep(self.cfg.interval_s)
+
+    async def _admit(self) -> str:
+        """The stage says SERVING: run its on_up step (limits, warm-up); '' when it is admitted."""
+        if self.on_up is not None:
+            try:
+                await self.on_up()
+            except Exception as exc:  # noqa: BLE001 - a failed warm-up keeps the stage out, and says why
+                reason = f"warm-up failed: {type(exc).__name__}: {exc}"
+                if self.client.down_reason != reason:
+                    _log.warning("stage %s is SERVING but not admitted: %s", self.client.name, reason)
+                self.client.down_reason = reason
+                return ""  # not a health miss: the stage answers; the next round tries again
+        again = self.times_admitted > 0
+        self.client.down_reason = ""
+        self.times_admitted += 1
+        self.admitted.set()
+        _log.info("stage %s %s", self.client.name, "SERVING again: re-admitted" if again else "admitted")
+        self._changed()
+        return ""
+
+    def _lose(self, why: str) -> None:
+        self.client.down_reason = f"stopped answering: {why}"
+        self.admitted.clear()
+        self.times_lost += 1
+        lost = self.client.lose_calls()
+        _log.error("stage %s is down (%s); failed %d call(s) in flight on it", self.client.name, why, lost)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change(self.client)
+            except Exception:  # noqa: BLE001 - a broken listener must not stop the watch
+                _log.exception("stage watch listener failed")

@@ -1,0 +1,27 @@
+"""Fixtures shared by every test folder."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:  # `make test` installs it (Debian's prometheus package): absent means CI is broken
+        pytest.fail("promtool not found: install Debian's `prometheus` package (`make test` does)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def check_metrics():
+    """`check_metrics(text)`: fail unless `promtool check metrics` accepts a /metrics exposition."""
+
+    def check(text: str) -> None:
+        result = subprocess.run([_promtool(), "check", "metrics"], input=text, capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0, f"promtool check metrics:\n{result.stdout}{result.stderr}"
+
+    return check
