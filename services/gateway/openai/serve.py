@@ -17,6 +17,7 @@ import grpc
 import uvicorn
 from omnistage.common.config import DeployConfig, ServiceConfig, join_host_port
 from omnistage.common.runtime import auth
+from omnistage.common.runtime.deadlines import within
 from omnistage.services.gateway.openai.app import Front, FrontOptions
 
 _log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class HttpFront:
         self.server.should_exit = True
         if self.task is not None:
             try:
-                await asyncio.wait_for(self.task, timeout=max(2.0, self.svc.drain_grace_s + 2.0))
+                await within(self.task, max(2.0, self.svc.drain_grace_s + 2.0))
             except (TimeoutError, asyncio.CancelledError):
                 self.task.cancel()
             except Exception:
