@@ -4,6 +4,8 @@ make-config-checkpoint, protos."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -12,9 +14,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import ConfigError, DeployConfig, ServiceConfig, load_config
+from omnistage.common.load_driver import MODALITY, RequestShape, plan, run_plan
+from omnistage.common.load_stats import Summary, details_table, markdown_table
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.auth import SecretError
-from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2
+from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
 
 def _mib(n: int) -> str:
@@ -190,30 +194,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import asyncio
-
+    """Closed-loop sweep of a running gateway with the load harness's driver (load_driver.py): one table
+    row per concurrency and kind as it finishes, then the latency details; exit 1 on any error."""
     try:
         address, creds, metadata = _gateway_target(args)
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
         if not levels or min(levels) < 1:
             raise ValueError(f"--concurrency: expected positive integers like 1,2,4, got {args.concurrency!r}")
+        kinds = [k for k in args.kinds.split(",") if k]
+        unknown = [k for k in kinds if k not in MODALITY]
+        if unknown or not kinds:
+            raise ValueError(f"--kinds: a comma-separated list of {', '.join(MODALITY)}, got {args.kinds!r}")
     except (ConfigError, SecretError, OSError, ValueError) as exc:
         print(f"omnistage: {exc}", file=sys.stderr)
         return 2
-    key = next((v.partition(" ")[2] for k, v in metadata if k == "authorization"), "")
-    run = _bench_runner()
+    shape = RequestShape(max_tokens=args.max_tokens, deadline_s=args.deadline_s, timeout_s=args.timeout_s,
+                         prompt=args.prompt, metadata=tuple(metadata))  # fmt: skip
     print(f"omnistage bench: {address}, {args.requests} requests per level, max_tokens={args.max_tokens}")
-    results = asyncio.run(run(address, concurrency=levels, requests=args.requests, prompt=args.prompt,
-                              max_tokens=args.max_tokens, api_key=key, credentials=creds, timeout_s=args.timeout_s,
-                              on_level=lambda level: print(level.line(), flush=True)))  # fmt: skip
-    return 1 if any(level.errors for level in results) else 0
+    print("\n".join(markdown_table([]).splitlines()[:2]), flush=True)
+    try:
+        summaries = asyncio.run(_bench(address, creds, list(plan(kinds, ["closed"], levels)), args.requests, shape))
+    except grpc.RpcError as exc:  # the unmeasured first request of a kind
+        print(f"omnistage: bench failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print("\n" + details_table(summaries))
+    if args.json:
+        Path(args.json).write_text(json.dumps([s.to_json() for s in summaries], indent=1))
+    return 1 if any(s.errors for s in summaries) else 0
 
 
-def _bench_runner():
-    """The load harness's sweep when load_tests/pipeline_load.py offers one, else the client's own."""
-    from omnistage.common import client
-
-    return client.bench
+async def _bench(address: str, creds: grpc.ChannelCredentials | None, runs: list[tuple[str, str, str]],
+                 requests: int, shape: RequestShape) -> list[Summary]:  # fmt: skip
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    channel = (grpc.aio.secure_channel(address, creds, options) if creds is not None
+               else grpc.aio.insecure_channel(address, options))  # fmt: skip
+    async with channel:
+        return await run_plan(omni_pb2_grpc.OmniStub(channel), runs, requests, shape,
+                              on_summary=lambda s: print(markdown_table([s]).splitlines()[-1], flush=True))
 
 
 def _health(address: str, timeout_s: float) -> str:
@@ -456,13 +473,16 @@ def build_parser() -> argparse.ArgumentParser:
     _target_args(p, timeout_s=120.0)
     p.set_defaults(fn=cmd_generate)
 
-    p = sub.add_parser("bench", help="closed-loop load sweep against a running gateway (text requests)")
+    p = sub.add_parser("bench", help="closed-loop load sweep against a running gateway (load_tests/pipeline_load.py's driver)")
     _config_args(p, required=False)
     p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
+    p.add_argument("--kinds", default="text", help="comma-separated request kinds: text, speech, image")
     p.add_argument("--concurrency", default="1,2,4", help="comma-separated concurrency levels")
     p.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
-    p.add_argument("--prompt", default="Tell me a story.")
+    p.add_argument("--prompt", default="", help="the prompt of every request (default: one per kind)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (ignore_eos)")
+    p.add_argument("--deadline-s", type=float, default=30.0, help="goodput: a request OK within this many seconds")
+    p.add_argument("--json", metavar="FILE", help="also write every level's summary as JSON")
     _target_args(p, timeout_s=120.0)
     p.set_defaults(fn=cmd_bench)
 

@@ -7,16 +7,12 @@
 `generate` returns a stream of GenerateEvents (iterate it for text deltas, audio chunks, progress,
 images and the one Finish); `.collect()` gathers it into a `Result` (text, WAV, PNGs, finish). Leaving
 the iteration early (or `.cancel()`) cancels the request in every stage. Every call has a deadline
-(`timeout_s`). `bench` is a minimal closed-loop text sweep (`omnistage bench`).
+(`timeout_s`). Load sweeps are `omnistage bench` (common/load_driver.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import statistics
 import struct
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,81 +245,3 @@ class AsyncOmniClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-
-# ---------------------------------------------------------------------------------------------------
-# `omnistage bench`: a minimal closed-loop text sweep.
-
-
-@dataclass
-class BenchLevel:
-    concurrency: int
-    requests: int
-    errors: int
-    wall_s: float
-    ttft_ms: list[float]
-    latency_ms: list[float]
-    completion_tokens: int
-    error_codes: dict[str, int] = field(default_factory=dict)
-
-    def line(self) -> str:
-        def pct(xs: list[float], q: float) -> str:
-            return f"{statistics.quantiles(xs, n=100)[int(q) - 1]:.0f}" if len(xs) >= 2 else (
-                f"{xs[0]:.0f}" if xs else "-")
-
-        ok = self.requests - self.errors
-        return (f"c={self.concurrency:<3} ok={ok:<4} err={self.errors:<3} req/s={ok / self.wall_s:6.2f} "
-                f"tok/s={self.completion_tokens / self.wall_s:7.1f} ttft p50/p90={pct(self.ttft_ms, 50)}/"
-                f"{pct(self.ttft_ms, 90)} ms latency p50/p90={pct(self.latency_ms, 50)}/{pct(self.latency_ms, 90)} ms"
-                + (f" errors={self.error_codes}" if self.error_codes else ""))  # fmt: skip
-
-
-async def _bench_level(client: AsyncOmniClient, concurrency: int, requests: int, prompt: str,
-                       max_tokens: int) -> BenchLevel:  # fmt: skip
-    level = BenchLevel(concurrency, requests, 0, 0.0, [], [], 0)
-    todo = iter(range(requests))
-
-    async def worker() -> None:
-        for _ in todo:
-            start = time.monotonic()
-            first = None
-            try:
-                req = build_request(prompt, max_tokens=max_tokens, ignore_eos=True,
-                                    request_id=f"bench-{uuid.uuid4().hex[:8]}")  # fmt: skip
-                result = Result()
-                async for event in client.generate(request=req):
-                    if first is None and event.WhichOneof("event") == "text":
-                        first = time.monotonic()
-                    result.add(event)
-                if not result.ok:
-                    raise RuntimeError(f"finish {common_pb2.FinishReason.Name(result.finish.reason)}"
-                                       if result.finish else "no finish")  # fmt: skip
-            except (grpc.aio.AioRpcError, RuntimeError) as exc:
-                code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "FINISH"
-                level.errors += 1
-                level.error_codes[code] = level.error_codes.get(code, 0) + 1
-                continue
-            end = time.monotonic()
-            level.latency_ms.append((end - start) * 1000)
-            level.ttft_ms.append(((first or end) - start) * 1000)
-            level.completion_tokens += result.finish.usage.completion_tokens
-
-    t0 = time.monotonic()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    level.wall_s = max(time.monotonic() - t0, 1e-9)
-    return level
-
-
-async def bench(address: str, *, concurrency: Sequence[int] = (1, 2, 4), requests: int = 8, prompt: str = "Tell me a story.",
-                max_tokens: int = 32, api_key: str = "", credentials: grpc.ChannelCredentials | None = None,
-                timeout_s: float = 120.0, on_level: Callable[[BenchLevel], None] | None = None) -> list[BenchLevel]:  # fmt: skip
-    """Closed loop: for each concurrency c, c workers send `requests` text requests in all, each one
-    after the last answered (ignore_eos, `max_tokens` tokens); throughput, TTFT and latency per level."""
-    levels = []
-    async with AsyncOmniClient(address, api_key=api_key, credentials=credentials, timeout_s=timeout_s) as client:
-        for c in concurrency:
-            level = await _bench_level(client, c, max(requests, c), prompt, max_tokens)
-            levels.append(level)
-            if on_level is not None:
-                on_level(level)
-    return levels
