@@ -9,7 +9,9 @@ cancels its Omni call (which cancels the stages' streams).
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import logging
 import time
@@ -20,6 +22,8 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from omnistage.common.runtime.deadlines import within
+from omnistage.common.runtime.server import PUBLIC_API
 from omnistage.services.gateway.openai import translate as tr
 from omnistage.services.gateway.openai.translate import HttpError
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
@@ -45,6 +49,12 @@ class FrontOptions:
     max_speech_chars: int = 4096
     # How long /ready waits for the gateway's health answer, in seconds.
     health_timeout_s: float = 2.0
+    # The gateway's deployed capabilities (text, media_input, speech, image_output): /ready reports each,
+    # read from the health names omnistage.v1.Omni.<capability>.
+    capabilities: tuple[str, ...] = ()
+    # After an answer's finish, how long its Omni call may take to end by itself (status OK) before it
+    # is cancelled.
+    finished_stream_end_s: float = 5.0
 
 
 def error_response(err: HttpError, request_id: str = "") -> JSONResponse:
@@ -149,15 +159,28 @@ class Front:
     async def health_route(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def ready_route(self, request: Request) -> Response:
+    async def _health_of(self, service: str) -> str:
+        """The gateway's health of `service` ("" = the gateway): SERVING, NOT_SERVING, or CODE: details."""
         try:
-            reply = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=self.options.health_timeout_s)
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(service=service),
+                                            timeout=self.options.health_timeout_s)  # fmt: skip
         except grpc.aio.AioRpcError as exc:
-            return JSONResponse({"status": "unavailable", "detail": f"{exc.code().name}: {exc.details()}"},
-                                status_code=503)
-        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        return JSONResponse({"status": "ready" if status == "SERVING" else status.lower()},
-                            status_code=200 if status == "SERVING" else 503)
+            return f"{exc.code().name}: {exc.details()}"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def ready_route(self, request: Request) -> Response:
+        """200 when the gateway serves (and, with `?capability=NAME`, when that capability is ready, e.g.
+        speech once the talker is admitted); the body gives each deployed capability's readiness."""
+        caps = self.options.capabilities
+        wanted = request.query_params.get("capability")
+        if wanted is not None and wanted not in caps:
+            raise HttpError(404, f"capability: {wanted!r} is not deployed here (have: {', '.join(caps) or 'none'})",
+                            type="not_found_error", param="capability", code="capability_not_found")  # fmt: skip
+        answers = await asyncio.gather(self._health_of(""), *(self._health_of(f"{PUBLIC_API}.{c}") for c in caps))
+        gateway, ready = answers[0], {c: a == "SERVING" for c, a in zip(caps, answers[1:], strict=True)}
+        ok = gateway == "SERVING" and (wanted is None or ready[wanted])
+        body: dict[str, Any] = {"status": "ready" if ok else "not_ready", "gateway": gateway, "capabilities": ready}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     def _authorize(self, request: Request) -> None:
         if self.check_key is not None:
@@ -195,20 +218,26 @@ class Front:
             raise HttpError(502, "the gateway's stream ended without an event", type="server_error")
         return call, first
 
-    @staticmethod
-    async def _events(call, first) -> AsyncIterator[omni_pb2.GenerateEvent]:
-        """first, then the rest of the stream; an RPC error becomes HttpError; the call ends with it."""
+    async def _events(self, call, first) -> AsyncIterator[omni_pb2.GenerateEvent]:
+        """first, then the rest of the stream; an RPC error becomes HttpError; the call ends with it.
+        Left after the finish, the call gets its own end (OK) first; left before, it is cancelled (the
+        client went away: the stages stop)."""
+        finished = False
         try:
-            yield first
-            while True:
-                event = await call.read()
-                if event is grpc.aio.EOF:
-                    return
+            event = first
+            while event is not grpc.aio.EOF:
+                finished = finished or event.WhichOneof("event") == "finish"
                 yield event
+                event = await call.read()
         except grpc.aio.AioRpcError as exc:
             raise tr.from_grpc(exc.code(), exc.details(), exc.trailing_metadata()) from None
         finally:
-            call.cancel()  # no-op when finished; cancels the stages when the client left
+            try:
+                if finished:
+                    with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+                        await within(call.code(), self.options.finished_stream_end_s)
+            finally:
+                call.cancel()  # a no-op on a call that ended
 
     async def _collect(self, request: Request, omni: omni_pb2.GenerateRequest) -> tr.Collected:
         call, first = await self._open(request, omni)
@@ -273,8 +302,7 @@ class Front:
         except HttpError as err:
             yield sse(err.body())
         finally:
-            call.cancel()  # the client left (or the answer ended): the stages stop now
-            await events.aclose()
+            await events.aclose()  # the client left: the stages stop now
         yield b"data: [DONE]\n\n"
 
     # ---- /v1/audio/speech
@@ -286,16 +314,19 @@ class Front:
         events = self._events(call, first)
         # The status waits for the first audio (or the end): an answer with no speech gets an error.
         pending: omni_pb2.AudioChunk | None = None
-        async for event in events:
-            kind = event.WhichOneof("event")
-            if kind == "audio" and event.audio.pcm16:
-                pending = event.audio
-                break
-            if kind == "finish":
-                err = tr.finish_error(event.finish) or tr.speech_error(event.finish.audio)
-                raise err
-        if pending is None:
-            raise HttpError(502, "the gateway's stream ended without audio or a finish event", type="server_error")
+        try:
+            async for event in events:
+                kind = event.WhichOneof("event")
+                if kind == "audio" and event.audio.pcm16:
+                    pending = event.audio
+                    break
+                if kind == "finish":
+                    raise tr.finish_error(event.finish) or tr.speech_error(event.finish.audio)
+            if pending is None:
+                raise HttpError(502, "the gateway's stream ended without audio or a finish event", type="server_error")
+        except BaseException:
+            await events.aclose()
+            raise
         rate = pending.sample_rate_hz
         headers = {"x-sample-rate": str(rate), **({"x-request-id": rid} if rid else {})}
         if plan.sse:

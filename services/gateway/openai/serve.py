@@ -37,7 +37,7 @@ class _Server(uvicorn.Server):
 class HttpFront:
     """The running HTTP front: `start()` binds (OSError naming the key when it cannot), `stop()` ends it."""
 
-    def __init__(self, cfg: DeployConfig, svc: ServiceConfig, grpc_port: int) -> None:
+    def __init__(self, cfg: DeployConfig, svc: ServiceConfig, grpc_port: int, capabilities: tuple[str, ...] = ()) -> None:
         gw = svc.gateway
         self.svc = svc
         self.where = join_host_port(svc.bind_host, gw.http_port)
@@ -50,7 +50,8 @@ class HttpFront:
         keys = auth.api_keys(svc)
         front = Front(
             self.channel,
-            FrontOptions(model=gw.http_model, timeout_s=gw.http_timeout_s, max_body_bytes=gw.http_max_body_bytes),
+            FrontOptions(model=gw.http_model, timeout_s=gw.http_timeout_s, max_body_bytes=gw.http_max_body_bytes,
+                         capabilities=capabilities),
             check_key=keys.refusal if keys is not None else None,
         )
         ssl = {}
