@@ -7,10 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -20,12 +17,10 @@ from pathlib import Path
 
 import openai
 import pytest
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "encoder"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
-from chaos_launch import free_ports  # noqa: E402
 from media_samples import audio_file, image_bytes  # noqa: E402
+from serve_pipeline import ServeProcess, free_ports, metric  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 KEY = "sk-test-openai-front"
@@ -38,51 +33,55 @@ def front(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("openai-front")
     ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
-    (gw, gw_admin, http, th, th_admin, dist, enc, enc_admin, tk, tk_admin) = free_ports(10)
+    (gw, gw_admin, gw_metrics, http, th, th_admin, th_metrics, dist, enc, enc_admin, tk, tk_admin,
+     tk_metrics) = free_ports(13)
     cfg = {
         "model": {"checkpoint": str(ckpt)},
         "startup": {"stop_grace_s": 5.0, "phase_deadlines_s": {"loading_weights": 240, "profiling_memory": 240,
                                                                "warming_up": 240}},
         "services": {
-            "thinker": {"kind": "thinker", "port": th, "admin_port": th_admin, "dist_port": dist,
-                        "drain_grace_s": 2.0,
+            "thinker": {"kind": "thinker", "port": th, "admin_port": th_admin, "metrics_port": th_metrics,
+                        "dist_port": dist, "drain_grace_s": 2.0,
                         "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 512}},
             "encoder": {"kind": "encoder", "port": enc, "admin_port": enc_admin,
                         "encoder": {"image_max_pixels": 128 * 128, "max_audio_seconds": 2.0,
                                     "stress_batch_sizes": [1], "video_total_pixels": 8 * 64 * 64,
                                     "video_min_pixels": 64 * 64, "max_video_frames": 8}},
-            "talker": {"kind": "talker", "port": tk, "admin_port": tk_admin,
+            "talker": {"kind": "talker", "port": tk, "admin_port": tk_admin, "metrics_port": tk_metrics,
                        "talker": {"stress_batch_sizes": [1], "max_segment_seconds": 20, "max_lm_tokens": 512}},
-            "gateway": {"kind": "gateway", "port": gw, "admin_port": gw_admin, "api_keys_env": "OPENAI_FRONT_KEYS",
-                        "drain_grace_s": 2.0, "gateway": {"http_port": http, "http_max_body_bytes": 4 << 20}},
+            "gateway": {"kind": "gateway", "port": gw, "admin_port": gw_admin, "metrics_port": gw_metrics,
+                        "api_keys_env": "OPENAI_FRONT_KEYS", "drain_grace_s": 2.0,
+                        "gateway": {"http_port": http, "http_max_body_bytes": 4 << 20}},
         },
     }  # fmt: skip
-    path = root / "deploy.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    ready, out = root / "ready", root / "serve.txt"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OPENAI_FRONT_KEYS=KEY)
-    with open(out, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "omnistage.common.cli", "serve", str(path), "--ready-file",
-                                 str(ready)], stdout=f, stderr=subprocess.STDOUT, env=env)  # fmt: skip
-    deadline = time.monotonic() + START_DEADLINE_S
-    while not (ready.exists() and ready.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"pipeline did not start (exit {proc.returncode}):\n{out.read_text()[-4000:]}")
-        time.sleep(0.2)
-    yield {"base": f"http://127.0.0.1:{http}", "config": str(path), "grpc": f"127.0.0.1:{gw}", "env": env,
-           "root": root}  # fmt: skip
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("omnistage serve did not stop within 60 s of SIGTERM")
-    assert proc.returncode == 0, out.read_text()[-4000:]
+    serve = ServeProcess(root, cfg, env={"OPENAI_FRONT_KEYS": KEY}).wait_ready(START_DEADLINE_S)
+    metrics = {name: f"http://127.0.0.1:{port}/metrics" for name, port in
+               (("gateway", gw_metrics), ("thinker", th_metrics), ("talker", tk_metrics))}  # fmt: skip
+    yield {"base": f"http://127.0.0.1:{http}", "config": str(root / "deploy.yaml"), "grpc": f"127.0.0.1:{gw}",
+           "root": root, "serve": serve, "metrics": metrics}  # fmt: skip
+    serve.stop()
 
 
 def _client(front, key: str = KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=front["base"] + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _in_flight(front) -> dict[str, float]:
+    """Requests each service is running now (omnistage_rpc_in_flight)."""
+    return {name: metric(url, f'omnistage_rpc_in_flight{{service="{name}"}}', 0.0) for name, url in front["metrics"].items()}
+
+
+def _diagnostic(front, what: str) -> str:
+    return f"{what}; in flight: {_in_flight(front)}\n--- omnistage serve ---\n{front['serve'].logs()}"
+
+
+def _settled(front, timeout_s: float = 30.0) -> None:
+    """Every request has ended in the gateway (a request left running there is a hang: fail, naming it)."""
+    deadline = time.monotonic() + timeout_s
+    while _in_flight(front)["gateway"]:
+        if time.monotonic() > deadline:
+            pytest.fail(_diagnostic(front, f"the gateway still runs a request {timeout_s:g}s after its answer"))
+        time.sleep(0.1)
 
 
 def _png_url(w: int = 64, h: int = 48) -> str:
@@ -100,8 +99,14 @@ def test_chat_completion_text(front):
     assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
 
 
+def _cancelled(front) -> float:
+    return metric(front["metrics"]["gateway"],
+                  'omnistage_rpc_requests_total{code="CANCELLED",method="Generate",service="gateway"}', 0.0)
+
+
 def test_chat_completion_streams_deltas_and_usage(front):
     client = _client(front)
+    cancelled = _cancelled(front)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
     stream = client.chat.completions.create(model="m", messages=messages, max_completion_tokens=10, temperature=0,
                                             seed=3, stream=True, stream_options={"include_usage": True},
@@ -115,6 +120,8 @@ def test_chat_completion_streams_deltas_and_usage(front):
     full = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0, seed=3,
                                           extra_body={"ignore_eos": True})  # fmt: skip
     assert full.choices[0].message.content == text, "greedy: streamed and whole answers agree"
+    _settled(front)
+    assert _cancelled(front) == cancelled, "a streamed answer that finished is not counted as a client cancel"
 
 
 def test_chat_with_an_image_and_audio_input(front):
@@ -185,19 +192,28 @@ def test_bad_input_is_400_naming_the_field(front):
 
 
 def _raw(front, path: str, body: bytes | None = None, key: str = KEY) -> tuple[int, dict, bytes]:
+    """One HTTP request; no answer within 60 s fails the test with what every service is running."""
     req = urllib.request.Request(front["base"] + path, data=body, method="POST" if body is not None else "GET",
                                  headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
+        with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
+    except TimeoutError:
+        pytest.fail(_diagnostic(front, f"no answer to {path} within 60s"))
 
 
 def test_models_health_ready_and_limits(front):
     models = _client(front).models.list()
     assert [m.id for m in models.data] == ["ming-flash-omni-2.0"]
-    assert _raw(front, "/health")[0] == 200 and _raw(front, "/ready")[0] == 200
+    assert _raw(front, "/health")[0] == 200
+    status, _, body = _raw(front, "/ready")
+    assert status == 200 and json.loads(body) == {
+        "status": "ready", "gateway": "SERVING", "capabilities": {"text": True, "media_input": True, "speech": True}}
+    assert _raw(front, "/ready?capability=speech")[0] == 200
+    status, _, body = _raw(front, "/ready?capability=image_output")  # no imagegen stage here
+    assert status == 404 and json.loads(body)["error"]["param"] == "capability"
     status, _, body = _raw(front, "/v1/chat/completions", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
     host, port = front["base"].removeprefix("http://").split(":")
@@ -211,15 +227,51 @@ def test_models_health_ready_and_limits(front):
     assert reply.startswith("HTTP/1.1 413") and "request_too_large" in reply
 
 
-def test_speech_endpoint(front):
-    status, headers, body = _raw(front, "/v1/audio/speech", json.dumps(
-        {"model": "m", "input": "Hello there.", "voice": "DB30", "response_format": "pcm", "max_tokens": 8}).encode())  # fmt: skip
+def _speech(front, **body) -> tuple[int, dict, bytes]:
+    return _raw(front, "/v1/audio/speech", json.dumps({"model": "m", **body}).encode())
+
+
+def _spoken_or_why_not(status: int, body: bytes) -> bool:
+    """True for speech; else the tiny thinker's answer had nothing speakable: an error naming why."""
     if status == 200:
+        return True
+    assert status in (400, 500, 503) and "no speech" in json.loads(body)["error"]["message"], body[:300]
+    return False
+
+
+def test_speech_endpoint_pcm_wav_and_sse(front):
+    status, headers, body = _speech(front, input="Hello there.", voice="DB30", response_format="pcm", max_tokens=8)
+    if _spoken_or_why_not(status, body):
         assert len(body) % 2 == 0 and int(headers["x-sample-rate"]) == 44100
-    else:  # the tiny thinker's answer may have nothing speakable: an error naming why, never a crash
-        assert status in (400, 500, 503) and "no speech" in json.loads(body)["error"]["message"]
-    status, _, body = _raw(front, "/v1/audio/speech", json.dumps({"input": "Hi", "voice": "no-such-voice"}).encode())
-    assert status == 400 and "voice" in json.loads(body)["error"]["message"]
+    status, headers, body = _speech(front, input="Hello there.", voice="DB30", max_tokens=8)  # wav by default
+    if _spoken_or_why_not(status, body):
+        assert headers["content-type"] == "audio/wav" and body[:4] == b"RIFF" and body[8:12] == b"WAVE"
+    status, headers, body = _speech(front, input="Hello there.", voice="DB30", max_tokens=8, stream_format="sse")
+    if _spoken_or_why_not(status, body):
+        events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: ")]
+        assert events[0]["type"] == "speech.audio.delta" and events[-1]["type"] == "speech.audio.done"
+        assert all(len(base64.b64decode(e["audio"])) % 2 == 0 for e in events[:-1])
+    _settled(front)
+
+
+def test_speech_with_an_unknown_voice_is_400_however_long_the_answer(front):
+    """The talker refuses the voice while the answer's text waits for its verdict: the request must end
+    (it once hung in the gateway when the answer was longer than the client buffer)."""
+    for input_text, max_tokens in (("Hi", None), ("Hello there, how are you? " * 8, 96)):
+        status, _, body = _speech(front, input=input_text, voice="no-such-voice",
+                                  **({"max_tokens": max_tokens} if max_tokens else {}))  # fmt: skip
+        error = json.loads(body)["error"]
+        assert status == 400 and error["message"].startswith("voice: unknown voice 'no-such-voice'"), body
+        _settled(front)
+
+
+def test_bad_speech_bodies_are_400_naming_the_field(front):
+    for body, param in (({"input": ""}, "input"), ({"input": "Hi", "response_format": "mp3"}, "response_format"),
+                        ({"input": "Hi", "speed": 2.0}, "speed"), ({"input": "Hi", "voice": 5}, "voice")):  # fmt: skip
+        status, _, raw = _speech(front, **body)
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
+    status, _, raw = _raw(front, "/v1/audio/speech", b"[1, 2]")
+    assert status == 400 and json.loads(raw)["error"]["param"] == "body"
 
 
 # ---- the CLI (common/client.py underneath) against the same gateway's gRPC port
@@ -253,12 +305,18 @@ def test_cli_generate_image_out_needs_the_image_stage(front, tmp_path, monkeypat
                  "--image-size", "big"]) == 2
 
 
-def test_cli_bench_sweeps_concurrency(front, monkeypatch, capsys):
+def test_cli_bench_sweeps_concurrency(front, monkeypatch, capsys, tmp_path):
     from omnistage.common.cli import main
 
     monkeypatch.setenv("FRONT_KEY", KEY)
     rc = main(["bench", "--address", front["grpc"], "--api-key-env", "FRONT_KEY", "--concurrency", "1,2",
-               "--requests", "2", "--max-tokens", "4"])
+               "--requests", "2", "--max-tokens", "4", "--kinds", "text,speech", "--json", str(tmp_path / "b.json")])
     out = capsys.readouterr().out
-    assert rc == 0, out
-    assert "c=1 " in out and "c=2 " in out and "err=0" in out and "req/s=" in out
+    runs = json.loads((tmp_path / "b.json").read_text())
+    assert [(r["kind"], r["load"], r["requests"]) for r in runs] == [
+        ("text", "1", 2), ("text", "2", 2), ("speech", "1", 2), ("speech", "2", 2)]
+    assert all(r["ok"] == 2 and r["tok_per_s"] > 0 for r in runs if r["kind"] == "text"), out
+    assert "| closed text | 1 | 2 |" in out and "| closed speech | 2 | 2" in out and "TTFA p50" in out
+    # The tiny thinker's noise may leave nothing to speak: such speech counts as an error, text never does.
+    assert rc == (1 if any(r["errors"] for r in runs) else 0)
+    assert main(["bench", "--address", front["grpc"], "--kinds", "video"]) == 2
