@@ -18,11 +18,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from omnistage.common.runtime.deadlines import within
+from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.server import PUBLIC_API
 from omnistage.services.gateway.openai import translate as tr
 from omnistage.services.gateway.openai.translate import HttpError
@@ -36,6 +36,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 _log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Bodies from this size on are parsed off the event loop.
+INLINE_PARSE_BYTES = 256 * 1024
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -99,14 +102,30 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-async def _json(request: Request) -> Any:
-    raw = await request.body()
+def _loads(raw: bytes) -> Any:
     if not raw:
         raise HttpError(400, "body: expected a JSON object", param="body")
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise HttpError(400, f"body: not valid JSON: {exc}", param="body") from None
+    except RecursionError:
+        raise HttpError(400, "body: JSON nested too deeply", param="body") from None
+
+
+async def _translate(request: Request, translate: Callable[..., T], **kwargs: Any) -> T:
+    """`translate(body, **kwargs)` of the request's JSON body. A large body (base64 media) is parsed and
+    decoded in a worker thread: the event loop also serves the gateway's gRPC API."""
+    raw = await request.body()
+    if len(raw) < INLINE_PARSE_BYTES:
+        return translate(_loads(raw), **kwargs)
+    return await asyncio.to_thread(lambda: translate(_loads(raw), **kwargs))
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (call once the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
@@ -141,12 +160,16 @@ class Front:
             Route("/v1/images/generations", self.images, methods=["POST"]),
         ]
         app = Starlette(routes=routes, exception_handlers={HttpError: self._on_error, 404: self._not_found,
-                                                             405: self._not_allowed})  # fmt: skip
+                                                             405: self._not_allowed, Exception: self._on_bug})  # fmt: skip
         return BodyLimit(app, self.options.max_body_bytes)
 
     async def _on_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HttpError)
         return error_response(exc, _request_id(request))
+
+    async def _on_bug(self, request: Request, exc: Exception) -> Response:
+        _log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(HttpError(500, f"internal error: {type(exc).__name__}", type="server_error"))
 
     async def _not_found(self, request: Request, exc: Exception) -> Response:
         return error_response(HttpError(404, f"no route {request.method} {request.url.path}", type="not_found_error"))
@@ -169,10 +192,11 @@ class Front:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def ready_route(self, request: Request) -> Response:
-        """200 when the gateway serves (and, with `?capability=NAME`, when that capability is ready, e.g.
-        speech once the talker is admitted); the body gives each deployed capability's readiness."""
+        """200 when the gateway serves text (the thinker is admitted) and, with `?capability=NAME`, that
+        capability is ready too (e.g. speech once the talker is admitted); the body gives each deployed
+        capability's readiness."""
         caps = self.options.capabilities
-        wanted = request.query_params.get("capability")
+        wanted = request.query_params.get("capability", "text" if "text" in caps else None)
         if wanted is not None and wanted not in caps:
             raise HttpError(404, f"capability: {wanted!r} is not deployed here (have: {', '.join(caps) or 'none'})",
                             type="not_found_error", param="capability", code="capability_not_found")  # fmt: skip
@@ -240,10 +264,27 @@ class Front:
                 call.cancel()  # a no-op on a call that ended
 
     async def _collect(self, request: Request, omni: omni_pb2.GenerateRequest) -> tr.Collected:
+        """The whole answer of a non-streamed response. A client that disconnects meanwhile cancels the
+        call (an image or a long answer is not made for nobody)."""
         call, first = await self._open(request, omni)
         collected = tr.Collected()
-        async for event in self._events(call, first):
-            collected.add(event)
+
+        async def gather() -> None:
+            async for event in self._events(call, first):
+                collected.add(event)
+
+        work, gone = asyncio.ensure_future(gather()), asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            left = not work.done()  # the client went away (or this task is being cancelled)
+            if left:
+                call.cancel()
+                await cancel_and_wait([work], self.options.finished_stream_end_s, "openai front: a left answer")
+        if left:
+            raise HttpError(499, "the client went away", type="cancelled", code="cancelled")
+        work.result()  # an RPC error as HttpError
         if collected.finish is None:
             raise HttpError(502, "the gateway's stream ended without a finish event", type="server_error")
         return collected
@@ -252,7 +293,7 @@ class Front:
 
     async def chat(self, request: Request) -> Response:
         rid = _request_id(request)
-        plan = tr.chat_request(await _json(request), request_id=rid)
+        plan = await _translate(request, tr.chat_request, request_id=rid)
         model = plan.model or self.options.model
         created = int(time.time())
         completion_id = f"chatcmpl-{rid or uuid.uuid4().hex}"
@@ -309,7 +350,7 @@ class Front:
 
     async def speech(self, request: Request) -> Response:
         rid = _request_id(request)
-        plan = tr.speech_request(await _json(request), request_id=rid, max_chars=self.options.max_speech_chars)
+        plan = await _translate(request, tr.speech_request, request_id=rid, max_chars=self.options.max_speech_chars)
         call, first = await self._open(request, plan.request)
         events = self._events(call, first)
         # The status waits for the first audio (or the end): an answer with no speech gets an error.
@@ -376,7 +417,7 @@ class Front:
 
     async def images(self, request: Request) -> Response:
         rid = _request_id(request)
-        omni = tr.image_request(await _json(request), request_id=rid)
+        omni = await _translate(request, tr.image_request, request_id=rid)
         collected = await self._collect(request, omni)
         err = tr.finish_error(collected.finish)
         if err is not None:
