@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -94,8 +95,8 @@ def _channel(address: str, creds: grpc.ChannelCredentials | None) -> grpc.Channe
 class _Progress:
     """One self-overwriting stderr line for long work (image denoising steps): `[imagegen 12/30]`."""
 
-    def __init__(self, stream=sys.stderr) -> None:
-        self.stream = stream
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr  # the stderr of now, not of import time
         self.shown = False
 
     def update(self, stage: str, done: int, total: int) -> None:
