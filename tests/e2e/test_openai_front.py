@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP front end to end, through the official `openai` client, and the
 `omnistage generate` / `bench` CLI, on one `omnistage serve` of the tiny pipeline (gateway with API keys
-and gateway.http_port, encoder, thinker, talker)."""
+and gateway.http_port, encoder, thinker, talker, imagegen)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def front(tmp_path_factory):
     root = tmp_path_factory.mktemp("openai-front")
     ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
     (gw, gw_admin, gw_metrics, http, th, th_admin, th_metrics, dist, enc, enc_admin, tk, tk_admin,
-     tk_metrics) = free_ports(13)
+     tk_metrics, img, img_admin) = free_ports(15)
     cfg = {
         "model": {"checkpoint": str(ckpt)},
         "startup": {"stop_grace_s": 5.0, "phase_deadlines_s": {"loading_weights": 240, "profiling_memory": 240,
@@ -49,6 +49,10 @@ def front(tmp_path_factory):
                                     "video_min_pixels": 64 * 64, "max_video_frames": 8}},
             "talker": {"kind": "talker", "port": tk, "admin_port": tk_admin, "metrics_port": tk_metrics,
                        "talker": {"stress_batch_sizes": [1], "max_segment_seconds": 20, "max_lm_tokens": 512}},
+            "imagegen": {"kind": "imagegen", "port": img, "admin_port": img_admin,
+                         "imagegen": {"highres": 512, "max_side_px": 256, "default_side_px": 64, "default_steps": 2,
+                                      "max_steps": 8, "stress_batch_sizes": [1]},
+                         "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30}},
             "gateway": {"kind": "gateway", "port": gw, "admin_port": gw_admin, "metrics_port": gw_metrics,
                         "api_keys_env": "OPENAI_FRONT_KEYS", "drain_grace_s": 2.0,
                         "gateway": {"http_port": http, "http_max_body_bytes": 4 << 20}},
@@ -186,9 +190,22 @@ def test_bad_input_is_400_naming_the_field(front):
     assert "messages[0].parts[0]" in str(info.value)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], temperature=5)
-    with pytest.raises(openai.BadRequestError) as info:  # no imagegen stage in this deployment
-        client.images.generate(model="m", prompt="a cat", size="64x64")
-    assert "imagegen" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:  # refused by the gateway's image checks
+        client.images.generate(model="m", prompt="a cat", size="100x100")
+    assert "image.width: 100 is not a multiple of 16" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:  # refused by the translation
+        client.images.generate(model="m", prompt="a cat", size="big")
+    assert "size" in str(info.value)
+
+
+def test_images_generation_gives_a_png_of_the_size(front):
+    from PIL import Image
+
+    r = _client(front).images.generate(model="m", prompt="A red bicycle.", size="96x64",
+                                       extra_body={"num_inference_steps": 2, "seed": 1})  # fmt: skip
+    with Image.open(io.BytesIO(base64.b64decode(r.data[0].b64_json))) as png:
+        assert png.format == "PNG" and png.size == (96, 64)
+    assert r.usage.input_tokens > 0
 
 
 def _raw(front, path: str, body: bytes | None = None, key: str = KEY) -> tuple[int, dict, bytes]:
@@ -210,9 +227,10 @@ def test_models_health_ready_and_limits(front):
     assert _raw(front, "/health")[0] == 200
     status, _, body = _raw(front, "/ready")
     assert status == 200 and json.loads(body) == {
-        "status": "ready", "gateway": "SERVING", "capabilities": {"text": True, "media_input": True, "speech": True}}
-    assert _raw(front, "/ready?capability=speech")[0] == 200
-    status, _, body = _raw(front, "/ready?capability=image_output")  # no imagegen stage here
+        "status": "ready", "gateway": "SERVING",
+        "capabilities": {"text": True, "media_input": True, "speech": True, "image_output": True}}
+    assert _raw(front, "/ready?capability=speech")[0] == 200 and _raw(front, "/ready?capability=image_output")[0] == 200
+    status, _, body = _raw(front, "/ready?capability=video")
     assert status == 404 and json.loads(body)["error"]["param"] == "capability"
     status, _, body = _raw(front, "/v1/chat/completions", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
@@ -251,6 +269,14 @@ def test_speech_endpoint_pcm_wav_and_sse(front):
         events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: ")]
         assert events[0]["type"] == "speech.audio.delta" and events[-1]["type"] == "speech.audio.done"
         assert all(len(base64.b64decode(e["audio"])) % 2 == 0 for e in events[:-1])
+    try:  # the official client, streaming the body as it comes
+        with _client(front).audio.speech.with_streaming_response.create(
+                model="m", voice="DB30", input="Hello there.", response_format="pcm",
+                extra_body={"max_tokens": 8}) as r:  # fmt: skip
+            pcm = b"".join(r.iter_bytes())
+        assert r.headers["x-sample-rate"] == "44100" and pcm and len(pcm) % 2 == 0
+    except openai.APIStatusError as err:
+        assert _spoken_or_why_not(err.status_code, err.response.content) is False
     _settled(front)
 
 
@@ -294,13 +320,19 @@ def test_cli_generate_with_image_input_and_speech(front, tmp_path, monkeypatch, 
         assert w.getframerate() == 44100 and w.getnchannels() == 1
 
 
-def test_cli_generate_image_out_needs_the_image_stage(front, tmp_path, monkeypatch, capsys):
+def test_cli_generate_image_out_writes_the_png_with_progress(front, tmp_path, monkeypatch, capsys):
     from omnistage.common.cli import main
+    from PIL import Image
 
     monkeypatch.setenv("FRONT_KEY", KEY)
     rc = main(["generate", "--address", front["grpc"], "--api-key-env", "FRONT_KEY", "--prompt", "A cat.",
-               "--image-out", str(tmp_path / "cat.png"), "--image-size", "64x64", "--image-steps", "2"])
-    assert rc == 1 and "FAILED_PRECONDITION" in capsys.readouterr().err and not (tmp_path / "cat.png").exists()
+               "--image-out", str(tmp_path / "cat.png"), "--image-size", "96x64", "--image-steps", "2",
+               "--max-tokens", "4"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "/2]" in err and "[image: 96x64 written to" in err  # the denoising steps, then the file
+    with Image.open(tmp_path / "cat.png") as png:
+        assert png.size == (96, 64)
     assert main(["generate", "--address", front["grpc"], "--prompt", "x", "--image-out", "o.png",
                  "--image-size", "big"]) == 2
 
