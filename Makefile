@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CKPT := .cache/tiny-ming
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint protos bench clean deploy-tools
+.PHONY: install demo test test-fast lint protos docs bench clean deploy-tools
 
 # torch first and pinned: the CPU build (2.13.0) lies on this machine's disk; any torch already
 # importable (the GPU image's 2.11) is kept, so `pip install -e .` pulls no other build.
@@ -44,8 +44,14 @@ test-fast: $(STAMP) deploy-tools
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# The generated code and the API reference (docs/api.md) both come from protos/omnistage/v1/*.proto;
+# tests/test_protos_fresh.py and tests/test_protodoc.py fail when either is stale.
 protos: $(STAMP)
 	$(BIN)/omnistage protos
+	$(BIN)/python -m omnistage.common.protodoc
+
+docs: $(STAMP)
+	$(BIN)/python -m omnistage.common.protodoc
 
 bench: $(STAMP) $(CKPT)/config.json
 	$(BIN)/python load_tests/transport_bench.py

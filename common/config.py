@@ -131,9 +131,13 @@ class DevicesConfig:
 class GatewayConfig:
     """Gateway behaviour."""
 
-    # How long the gateway waits for its stages to be SERVING at start-up.
+    # Seconds the gateway waits at start-up for the thinker to be admitted (SERVING + a warm-up
+    # through it; then it serves text), and `omnistage serve` for every other capability (speech,
+    # media input, image output) before it calls the start-up failed, naming what is missing.
     stage_wait_s: float = 600.0
-    # Serve what is ready (e.g. text when a stage is down) instead of failing at start-up.
+    # Serve what is ready instead of failing at start-up: the gateway turns SERVING without an
+    # admitted thinker, `serve` is ready as soon as the gateway is, and each capability joins when
+    # its stages are admitted (health names omnistage.v1.Omni.<capability>).
     allow_degraded: bool = False
     # Requests in flight through the gateway before RESOURCE_EXHAUSTED.
     max_concurrent_requests: int = 256
@@ -420,6 +424,18 @@ def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+# Public capabilities and the stage kinds each needs: the gateway serves each one as soon as its
+# stages are admitted (health names `omnistage.v1.Omni.<capability>`, Describe.readiness), and the
+# launcher's "ready" waits for all of them.
+CAPABILITIES: dict[str, tuple[str, ...]] = {
+    "text": ("thinker",),
+    "media_input": ("thinker", "encoder"),
+    "speech": ("thinker", "talker"),
+    "image_output": ("thinker", "imagegen"),
+}
+CAPABILITY_HEALTH_PREFIX = "omnistage.v1.Omni."
+
+
 @dataclass(frozen=True)
 class DeployConfig:
     """A whole deployment on one host."""
@@ -445,6 +461,11 @@ class DeployConfig:
 
     def services_of(self, kind: str) -> list[ServiceConfig]:
         return [s for s in self.services.values() if s.kind == kind]
+
+    def capabilities(self) -> list[str]:
+        """The public capabilities this deploy file serves: those whose stage kinds are all deployed."""
+        deployed = {s.kind for s in self.services.values()}
+        return [name for name, kinds in CAPABILITIES.items() if set(kinds) <= deployed]
 
     def dial_host(self, bind_host: str) -> str:
         """Where a server bound to `bind_host` is reached: that address, or `host` for a wildcard."""

@@ -28,6 +28,7 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import (
+    CAPABILITY_HEALTH_PREFIX,
     STARTUP_PHASES,
     ConfigError,
     DeployConfig,
@@ -151,7 +152,7 @@ class Group:
 
 
 class Launcher:
-    """Starts the stages of one deploy file side by side, then the gateway, and supervises them:
+    """Starts the services of one deploy file side by side (the gateway too) and supervises them:
     a service that dies or hangs after ready is restarted with backoff until its budget is spent."""
 
     def __init__(
@@ -278,17 +279,25 @@ class Launcher:
             return self.cfg.admin_address(child.svc.name)
         return (child.status.address if child.status else "") or self.cfg.address(child.svc.name)
 
-    def healthy(self, child: Child) -> bool:
-        """The service itself confirms SERVING (an acknowledgment, not a message that could be lost)."""
+    def healthy(self, child: Child, service: str = "") -> bool:
+        """The service itself confirms SERVING (an acknowledgment, not a message that could be lost);
+        `service`: a health name other than the whole server's (a gateway capability)."""
         if child.channel is None:
             child.channel = grpc.insecure_channel(self.health_address(child))
         try:
             reply = health_pb2_grpc.HealthStub(child.channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=self.cfg.startup.rpc_timeout_s
+                health_pb2.HealthCheckRequest(service=service), timeout=self.cfg.startup.rpc_timeout_s
             )
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def capabilities_pending(self, child: Child) -> list[str]:
+        """A serving gateway's capabilities that are not ready yet (it serves text before speech and
+        images); none for other services, TP ranks > 0 and gateways with allow_degraded."""
+        if child.svc.kind != "gateway" or child.rank > 0 or child.svc.gateway.allow_degraded:
+            return []
+        return [c for c in self.cfg.capabilities() if not self.healthy(child, CAPABILITY_HEALTH_PREFIX + c)]
 
     def check(self, child: Child, now: float) -> None:
         """Update one starting child: print progress, mark it ready, or set its failure cause."""
@@ -311,8 +320,12 @@ class Launcher:
             return
         if phase == "serving":
             if child.rank > 0 or self.healthy(child):
-                child.ready, child.ready_unix = True, now
-                self.say(f"{child.label} serving ({now - child.spawned_unix:.1f}s after start)")
+                pending = self.capabilities_pending(child)
+                if not pending:
+                    child.ready, child.ready_unix = True, now
+                    self.say(f"{child.label} serving ({now - child.spawned_unix:.1f}s after start)")
+                    return
+                self.wait_capabilities(child, pending, now - (rec.phase_started_unix if rec else child.spawned_unix))
                 return
             # Status says serving but health does not (yet): bounded by the starting deadline.
             waited = now - (rec.phase_started_unix if rec else child.spawned_unix)
@@ -321,6 +334,19 @@ class Launcher:
                 child.cause = f"stuck: phase serving but health not SERVING after {limit:g}s"
             return
         child.cause = f"left start-up in phase {phase}"
+
+    def wait_capabilities(self, child: Child, pending: list[str], waited_s: float) -> None:
+        """A gateway that serves some capabilities but not yet `pending`: say so when that changes;
+        bounded by gateway.stage_wait_s (its stages have their own start-up deadlines)."""
+        ready = [c for c in self.cfg.capabilities() if c not in pending]
+        key = ("capabilities", *pending)
+        if key != child.printed:
+            child.printed = key
+            self.say(f"{child.label} serving {', '.join(ready) or 'nothing'}; waiting for {', '.join(pending)}")
+        limit = child.svc.gateway.stage_wait_s
+        if waited_s > limit:
+            child.cause = (f"stuck: serving, but {', '.join(pending)} not ready after {limit:g}s "
+                           f"(gateway.stage_wait_s; `omnistage status` tells why)")
 
     def wait_serving(self, groups: list[Group]) -> Child | None:
         """Wait until every child of `groups` (started side by side) is ready; the child that failed, or None."""
@@ -543,19 +569,16 @@ class Launcher:
         return groups
 
     def run(self, ready_file: Path | None, exit_after_ready: bool) -> int:
-        # Stages side by side; the gateway after them: its start-up waits for each stage (with
-        # gateway.stage_wait_s) and sends a warm-up request through it before it turns SERVING.
-        stages = [s for s in self.cfg.services.values() if s.kind != "gateway"]
-        order = [b for b in (stages, self.cfg.services_of("gateway")) if b]
+        # Every service side by side, the gateway too: it serves text as soon as the thinker is
+        # admitted and each other capability when its stage is; ready = every capability ready.
         try:
-            for services in order:
-                culprit = self.wait_serving(self.start_groups(services))
-                if culprit is not None:
-                    self.report(f"start-up failed: {culprit.label} {culprit.cause}", culprit)
-                    return 1
-                if self.stop_signal is not None:
-                    self.say(f"omnistage: {signal.Signals(self.stop_signal).name} during start-up, stopping")
-                    return 0
+            culprit = self.wait_serving(self.start_groups(list(self.cfg.services.values())))
+            if culprit is not None:
+                self.report(f"start-up failed: {culprit.label} {culprit.cause}", culprit)
+                return 1
+            if self.stop_signal is not None:
+                self.say(f"omnistage: {signal.Signals(self.stop_signal).name} during start-up, stopping")
+                return 0
             address = self.ready_address()
             what = "gateway" if self.cfg.services_of("gateway") else "services"
             self.say(f"omnistage: ready in {time.monotonic() - self.started:.1f}s, {what} at {address}")

@@ -22,6 +22,7 @@ from typing import NoReturn
 
 from omnistage.common.config import STARTUP_PHASES, ConfigError, DeployConfig, ServiceConfig, load_config
 from omnistage.common.log import setup_logging
+from omnistage.common.runtime import blocking
 from omnistage.common.runtime.deadlines import within
 from omnistage.common.runtime.server import ServiceRuntime
 
@@ -127,4 +128,13 @@ def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoRetu
     # exit into "killed by SIGTERM" while the interpreter finalizes; a stuck exit still meets SIGKILL.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    busy = blocking.busy()
+    if busy:
+        # Stopped in the middle of a load: finalizing the interpreter under that thread would abort
+        # the process (SIGABRT) instead of ending it with its code (see blocking.py).
+        logging.getLogger(__name__).info("exiting without finalization: %s still running", ", ".join(busy))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)

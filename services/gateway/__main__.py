@@ -9,12 +9,11 @@ memory → ImageGen, one step at the smallest size), then serves.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import io
 import sys
 
-from omnistage.common.config import DeployConfig, ServiceConfig
+from omnistage.common.config import CAPABILITIES, DeployConfig, ServiceConfig
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.common.runtime.server import ServiceRuntime
@@ -134,16 +133,6 @@ def _converse_limits(cfg: DeployConfig, svc: ServiceConfig) -> ConverseLimits:
                           enc.max_items_per_request if enc else ConverseLimits.max_audio_items)
 
 
-# Public capabilities and the stage kinds each needs (readiness per modality: health names
-# `omnistage.v1.Omni.<capability>` and the gateway's Describe).
-CAPABILITIES: dict[str, tuple[str, ...]] = {
-    "text": ("thinker",),
-    "media_input": ("thinker", "encoder"),
-    "speech": ("thinker", "talker"),
-    "image_output": ("thinker", "imagegen"),
-}
-
-
 class _Stages:
     """The gateway's stages and their watches: each stage is admitted when it is SERVING and passed its
     warm-up (the thinker first; text is served before speech and images), marked down when it stops
@@ -165,6 +154,7 @@ class _Stages:
                     runtime.add_shutdown_hook(client.close)
 
     def start(self) -> None:
+        self._changed(None)  # every capability's health name exists (NOT_SERVING) from the start
         for w in self.watches.values():
             w.start()
 
@@ -178,7 +168,7 @@ class _Stages:
             out.append(control_pb2.Readiness(capability=name, ready=not down, reason=reason))
         return out
 
-    def _changed(self, _client: StageClient) -> None:
+    def _changed(self, _client: StageClient | None) -> None:
         ready = {r.capability: r.ready for r in self.readiness()}
         self.runtime.set_capability_health(ready)
         self.runtime.reporter.heartbeat("ready: " + (", ".join(k for k, v in ready.items() if v) or "nothing yet"))
@@ -271,17 +261,17 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     )
     runtime.set_load_provider(lambda: (servicer.in_flight, servicer.thinker_gate.waiting))
     stages.start()
-    # Start-up waits for every stage's admission (SERVING + warm-up through the path clients take),
-    # bounded by gateway.stage_wait_s; with allow_degraded it serves what is admitted by then, and
-    # the rest joins as its watch admits it (health names omnistage.v1.Omni.<capability>, Describe).
-    runtime.reporter.enter("warming_up", total=len(stages.watches), unit="stages")
-    deadline = asyncio.get_running_loop().time() + gw.stage_wait_s
-    for w in stages.watches.values():
-        runtime.reporter.heartbeat(f"waiting for {w.client.name}")
-        admitted = await w.wait_admitted(max(0.0, deadline - asyncio.get_running_loop().time()))
-        if not admitted and not gw.allow_degraded:
-            raise StageUnavailable(f"stage '{w.client.name}' not admitted after {gw.stage_wait_s:g}s "
-                                   f"(gateway.stage_wait_s): {w.client.down_reason}")
+    # Text first: the gateway turns SERVING as soon as the thinker is admitted (SERVING + a warm-up
+    # through the path clients take), bounded by gateway.stage_wait_s; the other stages join as
+    # their watches admit them (health names omnistage.v1.Omni.<capability>, Describe.readiness).
+    # `omnistage serve` calls the pipeline ready when every capability is (launcher.py).
+    runtime.reporter.enter("warming_up", total=1, unit="stages")
+    watch = stages.watches.get("thinker")
+    if watch is not None:
+        runtime.reporter.heartbeat(f"waiting for {watch.client.name}")
+        if not await watch.wait_admitted(gw.stage_wait_s) and not gw.allow_degraded:
+            raise StageUnavailable(f"stage '{watch.client.name}' not admitted after {gw.stage_wait_s:g}s "
+                                   f"(gateway.stage_wait_s): {watch.client.down_reason}")
         runtime.reporter.advance()
     if gw.http_port:
         await _start_http_front(runtime, cfg, svc, tuple(r.capability for r in stages.readiness()))

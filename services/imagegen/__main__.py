@@ -8,9 +8,7 @@ and an edit through the request path) → serving `omnistage.v1.ImageGen`. CPU o
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +16,7 @@ import torch
 from omnistage.common.config import DeployConfig, ServiceConfig
 from omnistage.common.memory.device import device_memory_for
 from omnistage.common.memory.report import export_memory
+from omnistage.common.runtime.blocking import in_daemon_thread
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.common.transport import TransportContext
@@ -30,18 +29,13 @@ from omnistage.v1 import control_pb2, imagegen_pb2_grpc
 
 
 def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    """Blocking start-up work off the event loop, in a daemon thread so a stop never waits for it."""
-    fut: concurrent.futures.Future = concurrent.futures.Future()
+    """Blocking start-up work in a daemon thread (common.runtime.blocking), under inference_mode."""
 
-    def run() -> None:
-        try:
-            with torch.inference_mode():
-                fut.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            fut.set_exception(exc)
+    def run() -> Any:
+        with torch.inference_mode():
+            return fn()
 
-    threading.Thread(target=run, name="imagegen-startup", daemon=True).start()
-    return asyncio.wrap_future(fut)
+    return in_daemon_thread(run, "imagegen-startup")
 
 
 def _device(svc: ServiceConfig) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from omnistage.common.config import DeployConfig, ServiceConfig
 from omnistage.common.memory.device import device_memory_for
 from omnistage.common.memory.report import export_memory
 from omnistage.common.memory.stress import ConcurrencyLimiter
+from omnistage.common.runtime.blocking import in_daemon_thread
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.services.talker import startup
@@ -36,17 +36,7 @@ from omnistage.v1 import control_pb2, talker_pb2_grpc
 
 
 def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    """Blocking start-up work off the event loop, in a daemon thread so a stop never waits for it."""
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            fut.set_exception(exc)
-
-    threading.Thread(target=run, name="talker-startup", daemon=True).start()
-    return asyncio.wrap_future(fut)
+    return in_daemon_thread(fn, "talker-startup")
 
 
 def _device(svc: ServiceConfig) -> str:

@@ -14,7 +14,6 @@ request as well.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ from omnistage.common import metrics
 from omnistage.common.config import DeployConfig, ServiceConfig
 from omnistage.common.log import get_logger
 from omnistage.common.memory.report import export_memory
+from omnistage.common.runtime.blocking import in_daemon_thread
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.common.transport import TransportContext, TransportOptions
@@ -44,17 +44,7 @@ WARMUP_PROMPT = "<role>HUMAN</role>warm-up<|role_end|><role>ASSISTANT</role>"
 
 
 def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    """Run blocking work off the event loop in a daemon thread, so a stop never waits for it."""
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            fut.set_exception(exc)
-
-    threading.Thread(target=run, name="thinker-blocking", daemon=True).start()
-    return asyncio.wrap_future(fut)
+    return in_daemon_thread(fn, "thinker-blocking")
 
 
 class ServiceProgress:

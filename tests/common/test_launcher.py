@@ -25,7 +25,7 @@ DRIVER = f"""
 import sys
 from omnistage.common.launcher import launch
 S = {SCRIPT!r}
-sys.exit(launch(sys.argv[1], [], run_dir=sys.argv[2], ready_file=sys.argv[3], modules={{"thinker": S, "gateway": S}}))
+sys.exit(launch(sys.argv[1], [], run_dir=sys.argv[2], ready_file=sys.argv[3], modules={{"thinker": S, "talker": S, "gateway": S}}))
 """
 
 
@@ -125,16 +125,38 @@ def test_ready_then_sigterm_stops_every_child_and_exits_0(tmp_path, runs):
     assert set(pids) == {"alpha r0", "alpha r1", "beta r0", "front r0"}
     assert address.endswith(f":{run.cfg.read_text().split('front:')[1].split('port: ')[1].split()[0]}")
     assert "alpha r0 loading_weights" in run.out and "ready in" in run.out
-    # The stages start side by side: every stage process runs before any of them is SERVING.
+    # Every service starts side by side, the gateway too: all run before any of them is SERVING.
     first_serving = min(run.out.index(f"{label} serving (") for label in ("alpha r0", "alpha r1", "beta r0"))
     assert run.out.index("started beta r0") < first_serving
-    gateway_start = run.out.index("started front r0")
-    for label in ("alpha r0", "alpha r1", "beta r0"):  # stages are SERVING before the gateway starts
-        assert run.out.index(f"{label} serving (") < gateway_start
+    assert run.out.index("started front r0") < first_serving
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait_exit() == 0
     assert "all services stopped" in run.out
     assert_all_gone(pids.values())
+
+
+def test_ready_waits_for_every_capability_the_gateway_serves_text_before(tmp_path, runs):
+    services = {"alpha": {}, "voice": {"kind": "talker"}, "front": {"kind": "gateway"}}
+    run = Run(tmp_path, services, env={"SYNTH_CAPABILITIES_AFTER_S": "2"})
+    runs.append(run)
+    address = run.wait_ready()
+    out = run.out
+    waiting = out.index("front r0 serving text; waiting for speech")
+    assert waiting < out.index("front r0 serving (") < out.index("omnistage: ready in")
+    assert serving(address)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_exit() == 0
+
+
+def test_a_capability_never_ready_fails_start_up_naming_it(tmp_path, runs):
+    services = {"alpha": {}, "voice": {"kind": "talker"},
+                "front": {"kind": "gateway", "gateway": {"stage_wait_s": 1.5}}}
+    run = Run(tmp_path, services, env={"SYNTH_CAPABILITIES_AFTER_S": "never"})
+    runs.append(run)
+    assert run.wait_exit() == 1
+    assert "start-up failed: front r0 stuck: serving, but speech not ready after 1.5s (gateway.stage_wait_s" in run.err
+    assert not run.ready_file.exists()
+    assert_all_gone(run.child_pids().values())
 
 
 def test_hang_in_a_phase_exits_nonzero_naming_stage_rank_and_phase(tmp_path, runs):
@@ -147,7 +169,7 @@ def test_hang_in_a_phase_exits_nonzero_naming_stage_rank_and_phase(tmp_path, run
     culprit = [line for line in lines if line.startswith("alpha r1 ")]
     assert len(culprit) == 1 and "loading_weights 0/3 shards" in culprit[0] and "stuck: no progress" in culprit[0]
     assert any(line.startswith("omnistage: start-up failed: alpha r1 stuck") for line in lines)
-    assert "front r0" not in run.out  # the gateway never started
+    assert "omnistage: ready" not in run.out and not run.ready_file.exists()
     assert "ignored SIGTERM, killing" in run.err  # the hung rank needed SIGKILL
     assert_all_gone(run.child_pids().values())
 

@@ -12,8 +12,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def free_ports(n: int) -> list[int]:
@@ -37,6 +39,21 @@ def metric(url: str, prefix: str, default: float | None = None) -> float:
     if default is None:
         raise AssertionError(f"{url} exports no {prefix}")
     return default
+
+
+def capabilities_ready(address: str, names: list[str]) -> bool:
+    """Whether the gateway at `address` serves every capability in `names` (its health names
+    omnistage.v1.Omni.<capability>: it serves text before its other stages are in)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for name in names:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=f"omnistage.v1.Omni.{name}"), timeout=5)
+            except grpc.RpcError:
+                return False
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                return False
+    return True
 
 
 class ServeProcess:

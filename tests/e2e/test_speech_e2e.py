@@ -32,7 +32,7 @@ from omnistage.common.runtime.deadlines import wait_for
 from omnistage.common.runtime.status_file import read_status, status_path
 from omnistage.services.gateway.history import wav_of
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
-from serve_pipeline import free_ports
+from serve_pipeline import capabilities_ready, free_ports
 
 pytestmark = pytest.mark.timeout(600)
 START_DEADLINE_S = 300.0
@@ -101,7 +101,8 @@ class Pipeline:
         deadline = time.monotonic() + START_DEADLINE_S
         while True:
             rec = read_status(status_path(self.run_dir, "gateway", 0))
-            if rec is not None and rec.phase == "serving":
+            if (rec is not None and rec.phase == "serving"
+                    and capabilities_ready(self.gateway, ["text", "speech", "media_input"])):
                 return self
             dead = [name for name, proc in self.procs.items() if proc.poll() is not None]
             if dead or time.monotonic() > deadline:

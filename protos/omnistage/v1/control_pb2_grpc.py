@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class ControlStub:
-    """Missing associated documentation comment in .proto file."""
+    """Administration of one service process: what it is (Describe), taking it out of service and back
+    (Drain, Resume). `omnistage status`, `drain` and `resume`, the launcher and the gateway (Describe of
+    its stages) call it.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,7 +55,10 @@ class ControlStub:
 
 
 class ControlServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Administration of one service process: what it is (Describe), taking it out of service and back
+    (Drain, Resume). `omnistage status`, `drain` and `resume`, the launcher and the gateway (Describe of
+    its stages) call it.
+    """
 
     def Describe(self, request, context):
         """What this service is and how it is doing: identity, start-up phase, memory, limits.
@@ -105,7 +111,10 @@ def add_ControlServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Control:
-    """Missing associated documentation comment in .proto file."""
+    """Administration of one service process: what it is (Describe), taking it out of service and back
+    (Drain, Resume). `omnistage status`, `drain` and `resume`, the launcher and the gateway (Describe of
+    its stages) call it.
+    """
 
     @staticmethod
     def Describe(request,

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class EncoderStub:
-    """Missing associated documentation comment in .proto file."""
+    """The encoder stage, served on the encoder's main port; the gateway calls it for the media parts of
+    a request and passes the embeddings on to the thinker.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -42,7 +44,9 @@ class EncoderStub:
 
 
 class EncoderServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The encoder stage, served on the encoder's main port; the gateway calls it for the media parts of
+    a request and passes the embeddings on to the thinker.
+    """
 
     def Encode(self, request, context):
         """Media items in, one embedding block per item out, in request order. Items of concurrent
@@ -71,7 +75,9 @@ def add_EncoderServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Encoder:
-    """Missing associated documentation comment in .proto file."""
+    """The encoder stage, served on the encoder's main port; the gateway calls it for the media parts of
+    a request and passes the embeddings on to the thinker.
+    """
 
     @staticmethod
     def Encode(request,

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class ImageGenStub:
-    """Missing associated documentation comment in .proto file."""
+    """The image-generation stage, served on its main port; the gateway calls it for MODALITY_IMAGE with
+    the thinker's hidden states.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -42,7 +44,9 @@ class ImageGenStub:
 
 
 class ImageGenServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The image-generation stage, served on its main port; the gateway calls it for MODALITY_IMAGE with
+    the thinker's hidden states.
+    """
 
     def Generate(self, request, context):
         """Conditioning in; one `progress` event per denoising step, then one `image` event, then the
@@ -72,7 +76,9 @@ def add_ImageGenServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ImageGen:
-    """Missing associated documentation comment in .proto file."""
+    """The image-generation stage, served on its main port; the gateway calls it for MODALITY_IMAGE with
+    the thinker's hidden states.
+    """
 
     @staticmethod
     def Generate(request,

@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class OmniStub:
-    """Missing associated documentation comment in .proto file."""
+    """The public API, served by the gateway on its main port (where TLS and API keys apply). Errors are
+    gRPC statuses naming the field (INVALID_ARGUMENT), the missing stage (FAILED_PRECONDITION), the
+    key (UNAUTHENTICATED), or the load (RESOURCE_EXHAUSTED with grpc-retry-pushback-ms).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,7 +50,10 @@ class OmniStub:
 
 
 class OmniServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The public API, served by the gateway on its main port (where TLS and API keys apply). Errors are
+    gRPC statuses naming the field (INVALID_ARGUMENT), the missing stage (FAILED_PRECONDITION), the
+    key (UNAUTHENTICATED), or the load (RESOURCE_EXHAUSTED with grpc-retry-pushback-ms).
+    """
 
     def Generate(self, request, context):
         """One request in, a stream of events out: text deltas as they decode, audio chunks as
@@ -96,7 +102,10 @@ def add_OmniServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Omni:
-    """Missing associated documentation comment in .proto file."""
+    """The public API, served by the gateway on its main port (where TLS and API keys apply). Errors are
+    gRPC statuses naming the field (INVALID_ARGUMENT), the missing stage (FAILED_PRECONDITION), the
+    key (UNAUTHENTICATED), or the load (RESOURCE_EXHAUSTED with grpc-retry-pushback-ms).
+    """
 
     @staticmethod
     def Generate(request,

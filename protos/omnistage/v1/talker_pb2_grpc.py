@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class TalkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """The talker stage: text to speech, one bidirectional stream per utterance.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -42,7 +43,8 @@ class TalkerStub:
 
 
 class TalkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The talker stage: text to speech, one bidirectional stream per utterance.
+    """
 
     def Speak(self, request_iterator, context):
         """Bidirectional: text in (any granularity, e.g. the thinker's deltas as they decode), speech out.
@@ -77,7 +79,8 @@ def add_TalkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Talker:
-    """Missing associated documentation comment in .proto file."""
+    """The talker stage: text to speech, one bidirectional stream per utterance.
+    """
 
     @staticmethod
     def Speak(request_iterator,

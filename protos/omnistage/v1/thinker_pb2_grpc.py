@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class ThinkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """The thinker stage (the LLM), served by TP rank 0 on its main port; the gateway calls it.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,7 +48,8 @@ class ThinkerStub:
 
 
 class ThinkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The thinker stage (the LLM), served by TP rank 0 on its main port; the gateway calls it.
+    """
 
     def Generate(self, request, context):
         """Prompt in; a stream of ThinkerEvents out: first `started` (the engine id of the request), then
@@ -88,7 +90,8 @@ def add_ThinkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Thinker:
-    """Missing associated documentation comment in .proto file."""
+    """The thinker stage (the LLM), served by TP rank 0 on its main port; the gateway calls it.
+    """
 
     @staticmethod
     def Generate(request,

@@ -4,7 +4,8 @@ Run as a script (`python synthetic_stage.py --config ... --service ... --rank ..
 is what `launch(modules={kind: this file})` starts. It walks through the start-up phases with
 progress (step time from $SYNTH_STEP_S), then serves `omnistage.v1.Omni` on rank 0, where the prompt
 text drives the behaviour: `raise`, `invalid`, `overloaded`, or `n=<events> delay=<seconds>`.
-$SYNTH_CRASH_AFTER=`<service>:<seconds>` makes every process of that service exit (code 5) that
+$SYNTH_TORCH_LOAD=1 makes its load run torch in a blocking thread that never ends. A synthetic gateway serves its capabilities' health names (text at once, the others
+$SYNTH_CAPABILITIES_AFTER_S later). $SYNTH_CRASH_AFTER=`<service>:<seconds>` makes every process of that service exit (code 5) that
 long after it is ready: a stage that keeps crashing, for the launcher's restart budget.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from omnistage.common.runtime.blocking import in_daemon_thread
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.v1 import common_pb2, control_pb2, omni_pb2, omni_pb2_grpc
@@ -54,6 +56,16 @@ class SyntheticOmni(omni_pb2_grpc.OmniServicer):
         )
 
 
+def _torch_forever(started: Any) -> None:
+    import torch
+
+    a = torch.randn(512, 512)
+    a = torch.tanh(a @ a)
+    started()
+    while True:
+        a = torch.tanh(a @ a)
+
+
 def memory_report() -> list[control_pb2.MemoryReport]:
     return [control_pb2.MemoryReport(device="cpu", weights_bytes=3 << 20, kv_cache_bytes=1 << 20, total_bytes=4 << 20)]
 
@@ -62,6 +74,8 @@ async def build(runtime: Any, cfg: Any, svc: Any, rank: int) -> None:
     step = float(os.environ.get("SYNTH_STEP_S", "0.02"))
     r = runtime.reporter
     r.enter("loading_weights", total=3, unit="shards")
+    if os.environ.get("SYNTH_TORCH_LOAD"):  # a load that runs torch in a blocking thread until stopped
+        await in_daemon_thread(lambda: _torch_forever(lambda: r.heartbeat("torch running")), "synthetic-load")
     for _ in range(3):
         await asyncio.sleep(step)
         r.advance()
@@ -72,6 +86,15 @@ async def build(runtime: Any, cfg: Any, svc: Any, rank: int) -> None:
     r.advance()
     if runtime.serves_grpc:
         runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, SyntheticOmni(), "omnistage.v1.Omni")
+    if svc.kind == "gateway":
+        # Like the real gateway: serves text first, the other capabilities once its stages are in
+        # ($SYNTH_CAPABILITIES_AFTER_S later; "never" keeps them NOT_SERVING).
+        later = [c for c in cfg.capabilities() if c != "text"]
+        runtime.set_capability_health({c: c == "text" for c in cfg.capabilities()})
+        after = os.environ.get("SYNTH_CAPABILITIES_AFTER_S", "0")
+        if after != "never":
+            loop = asyncio.get_running_loop()
+            loop.call_later(float(after), runtime.set_capability_health, dict.fromkeys(["text", *later], True))
     crash = os.environ.get("SYNTH_CRASH_AFTER", "")
     if crash.partition(":")[0] == svc.name:
         asyncio.get_running_loop().call_later(float(crash.partition(":")[2]), os._exit, 5)

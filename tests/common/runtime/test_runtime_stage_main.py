@@ -16,13 +16,13 @@ from omnistage.v1 import omni_pb2, omni_pb2_grpc
 from synthetic_stage import SCRIPT, write_config
 
 
-def start_stage(tmp_path, overrides=(), step_s: float = 0.02, **svc) -> subprocess.Popen:
+def start_stage(tmp_path, overrides=(), step_s: float = 0.02, env: dict | None = None, **svc) -> subprocess.Popen:
     cfg = write_config(tmp_path / "deploy.yaml", {"alpha": svc})
     cmd = [sys.executable, SCRIPT, "--config", str(cfg), "--service", "alpha", "--rank", "0",
            "--run-dir", str(tmp_path / "run")]
     for text in overrides:
         cmd += ["--set", text]
-    env = dict(os.environ, SYNTH_STEP_S=str(step_s))
+    env = dict(os.environ, SYNTH_STEP_S=str(step_s), **(env or {}))
     return subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -138,3 +138,14 @@ def test_a_failure_that_names_another_rank_is_recorded_as_that_ranks(tmp_path):
     assert asyncio.run(serve(runtime, build)) == 1
     rec = read_status(status_path(tmp_path, "alpha", 0))
     assert rec.phase == "failed" and rec.culprit_rank == 1, rec
+
+
+def test_a_stop_in_the_middle_of_a_blocking_load_exits_0_not_sigabrt(tmp_path):
+    """Finalizing the interpreter under a thread still running torch aborted the process (SIGABRT:
+    "terminate called without an active exception"): the talker stopped while loading did this."""
+    proc = start_stage(tmp_path, env={"SYNTH_TORCH_LOAD": "1"})
+    path = status_path(tmp_path / "run", "alpha", 0)
+    wait_for(lambda: (rec := read_status(path)) is not None and rec.detail == "torch running", 60, "torch at work")
+    code, err = stop_and_wait(proc, 30)
+    assert code == 0, err
+    assert "terminate called" not in err
