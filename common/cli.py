@@ -1,17 +1,22 @@
-"""The `omnistage` command: serve, generate, status, health, drain, resume, make-tiny-checkpoint,
+"""The `omnistage` command: serve, generate, bench, status, health, drain, resume, make-tiny-checkpoint,
 make-config-checkpoint, protos."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import ConfigError, DeployConfig, ServiceConfig, load_config
+from omnistage.common.load_driver import MODALITY, RequestShape, plan, run_plan
+from omnistage.common.load_stats import Summary, details_table, markdown_table
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.auth import SecretError
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
@@ -87,47 +92,146 @@ def _channel(address: str, creds: grpc.ChannelCredentials | None) -> grpc.Channe
     return grpc.secure_channel(address, creds) if creds is not None else grpc.insecure_channel(address)
 
 
+class _Progress:
+    """One self-overwriting stderr line for long work (image denoising steps): `[imagegen 12/30]`."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr  # the stderr of now, not of import time
+        self.shown = False
+
+    def update(self, stage: str, done: int, total: int) -> None:
+        self.stream.write(f"\r[{stage} {done}/{total}]" if total else f"\r[{stage} {done}]")
+        self.stream.flush()
+        self.shown = True
+
+    def end(self) -> None:
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.shown = False
+
+
+def _image_options(args: argparse.Namespace) -> omni_pb2.ImageOptions | None:
+    if not args.image_out:
+        return None
+    options = omni_pb2.ImageOptions(steps=args.image_steps, guidance_scale=args.guidance_scale)
+    if args.image_size:
+        w, sep, h = args.image_size.lower().partition("x")
+        if not (sep and w.isdigit() and h.isdigit()):
+            raise ValueError(f"--image-size: expected WIDTHxHEIGHT, got {args.image_size!r}")
+        options.width, options.height = int(w), int(h)
+    if args.seed is not None:
+        options.seed = args.seed
+    return options
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    from omnistage.common.client import OmniClient, Result, build_request
+
     try:
         address, creds, metadata = _gateway_target(args)
-    except (ConfigError, SecretError, OSError) as exc:
+        modalities = ["text"] + (["audio"] if args.speak else []) + (["image"] if args.image_out else [])
+        request = build_request(
+            args.prompt, images=args.image, audios=args.audio, videos=args.video, modalities=modalities,
+            voice=args.voice, image=_image_options(args), system_prompt=args.system_prompt,
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop,
+        )  # fmt: skip
+    except (ConfigError, SecretError, OSError, ValueError) as exc:
         print(f"omnistage: {exc}", file=sys.stderr)
         return 2
-    sampling = common_pb2.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    if args.seed is not None:
-        sampling.seed = args.seed
-    request = omni_pb2.GenerateRequest(
-        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=args.prompt)])],
-        output_modalities=[omni_pb2.MODALITY_TEXT],
-        sampling=sampling,
-    )
-    finish = None
+    result = Result()
+    progress = _Progress()
     try:
-        with _channel(address, creds) as channel:
-            for event in omni_pb2_grpc.OmniStub(channel).Generate(request, timeout=args.timeout_s, metadata=metadata):
+        with OmniClient(address, credentials=creds, metadata=metadata, timeout_s=args.timeout_s) as client:
+            for event in client.generate(request=request):
                 kind = event.WhichOneof("event")
                 if kind == "text":
+                    progress.end()
                     sys.stdout.write(event.text.text)
                     sys.stdout.flush()
-                elif kind == "finish":
-                    finish = event.finish
+                elif kind == "progress":
+                    progress.update(event.progress.stage, event.progress.done, event.progress.total)
+                elif kind == "audio" and args.speak and not progress.shown:
+                    seconds = (len(result.pcm16) + len(event.audio.pcm16)) / 2 / max(1, event.audio.sample_rate_hz)
+                    sys.stderr.write(f"\r[speech {seconds:.1f} s]")
+                    sys.stderr.flush()
+                result.add(event)
     except grpc.RpcError as exc:
+        progress.end()
         print(f"\nomnistage: generate failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # the channel is closed on the way out, which cancels the request
         print("\nomnistage: interrupted", file=sys.stderr)
         return 130
+    progress.end()
     print()
+    finish = result.finish
     if finish is None:
         print("omnistage: the stream ended without a finish event", file=sys.stderr)
         return 1
+    status = 0
+    if args.speak:
+        Path(args.speak).write_bytes(result.wav())
+        a = finish.audio
+        outcome = omni_pb2.AudioOutcome.Name(a.outcome).removeprefix("AUDIO_OUTCOME_").lower()
+        seconds = len(result.pcm16) / 2 / max(1, result.sample_rate_hz or a.sample_rate_hz or 1)
+        print(f"[speech: {outcome}, {seconds:.2f} s written to {args.speak}"
+              + (f", {a.code}: {a.message}" if a.code else "") + "]", file=sys.stderr)  # fmt: skip
+    if args.image_out:
+        if result.images:
+            Path(args.image_out).write_bytes(result.png())
+            img = result.images[0]
+            print(f"[image: {img.width}x{img.height} written to {args.image_out}]", file=sys.stderr)
+        else:
+            print("omnistage: no image in the answer", file=sys.stderr)
+            status = 1
     u = finish.usage
     print(
         f"[finish: {common_pb2.FinishReason.Name(finish.reason).removeprefix('FINISH_REASON_').lower()}, "
         f"prompt_tokens={u.prompt_tokens}, completion_tokens={u.completion_tokens}, "
         f"ttft={u.time_to_first_token_ms:.1f}ms{', ' + finish.message if finish.message else ''}]"
     )
-    return 1 if finish.reason == common_pb2.FINISH_REASON_ERROR else 0
+    return 1 if finish.reason == common_pb2.FINISH_REASON_ERROR else status
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Closed-loop sweep of a running gateway with the load harness's driver (load_driver.py): one table
+    row per concurrency and kind as it finishes, then the latency details; exit 1 on any error."""
+    try:
+        address, creds, metadata = _gateway_target(args)
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        if not levels or min(levels) < 1:
+            raise ValueError(f"--concurrency: expected positive integers like 1,2,4, got {args.concurrency!r}")
+        kinds = [k for k in args.kinds.split(",") if k]
+        unknown = [k for k in kinds if k not in MODALITY]
+        if unknown or not kinds:
+            raise ValueError(f"--kinds: a comma-separated list of {', '.join(MODALITY)}, got {args.kinds!r}")
+    except (ConfigError, SecretError, OSError, ValueError) as exc:
+        print(f"omnistage: {exc}", file=sys.stderr)
+        return 2
+    shape = RequestShape(max_tokens=args.max_tokens, deadline_s=args.deadline_s, timeout_s=args.timeout_s,
+                         prompt=args.prompt, metadata=tuple(metadata))  # fmt: skip
+    print(f"omnistage bench: {address}, {args.requests} requests per level, max_tokens={args.max_tokens}")
+    print("\n".join(markdown_table([]).splitlines()[:2]), flush=True)
+    try:
+        summaries = asyncio.run(_bench(address, creds, list(plan(kinds, ["closed"], levels)), args.requests, shape))
+    except grpc.RpcError as exc:  # the unmeasured first request of a kind
+        print(f"omnistage: bench failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print("\n" + details_table(summaries))
+    if args.json:
+        Path(args.json).write_text(json.dumps([s.to_json() for s in summaries], indent=1))
+    return 1 if any(s.errors for s in summaries) else 0
+
+
+async def _bench(address: str, creds: grpc.ChannelCredentials | None, runs: list[tuple[str, str, str]],
+                 requests: int, shape: RequestShape) -> list[Summary]:  # fmt: skip
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    channel = (grpc.aio.secure_channel(address, creds, options) if creds is not None
+               else grpc.aio.insecure_channel(address, options))  # fmt: skip
+    async with channel:
+        return await run_plan(omni_pb2_grpc.OmniStub(channel), runs, requests, shape,
+                              on_summary=lambda s: print(markdown_table([s]).splitlines()[-1], flush=True))
 
 
 def _health(address: str, timeout_s: float) -> str:
@@ -313,6 +417,15 @@ def _config_args(p: argparse.ArgumentParser, *, required: bool) -> None:
                    help="the same overrides as `serve` (repeatable)")
 
 
+def _target_args(p: argparse.ArgumentParser, *, timeout_s: float) -> None:
+    p.add_argument("--timeout-s", type=float, default=timeout_s, help="deadline of each request")
+    p.add_argument("--api-key-env", metavar="VAR",
+                   help="environment variable holding the API key (default: the gateway's api_keys_env / api_keys_file)")
+    p.add_argument("--ca-file", default="", help="TLS: CA to trust (default with --config: the gateway's certificate)")
+    p.add_argument("--cert-file", default="", help="TLS: client certificate (mutual TLS)")
+    p.add_argument("--key-file", default="", help="TLS: client key (mutual TLS)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description="Stage-wise gRPC serving of omni-modal models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -343,16 +456,36 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p, required=False)
     p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
     p.add_argument("--prompt", required=True)
+    p.add_argument("--image", action="append", default=[], metavar="FILE", help="an input image (repeatable)")
+    p.add_argument("--audio", action="append", default=[], metavar="FILE", help="an input audio clip (repeatable)")
+    p.add_argument("--video", action="append", default=[], metavar="FILE", help="an input video (repeatable)")
+    p.add_argument("--speak", metavar="OUT.wav", help="also speak the answer (MODALITY_AUDIO) into this WAV file")
+    p.add_argument("--voice", default="", help="preset voice of --speak (default: the talker's)")
+    p.add_argument("--image-out", metavar="OUT.png", help="also generate an image (MODALITY_IMAGE) into this PNG")
+    p.add_argument("--image-size", default="", metavar="WxH", help="size of --image-out (default: the stage's)")
+    p.add_argument("--image-steps", type=int, default=0, help="denoising steps of --image-out (0: the stage's)")
+    p.add_argument("--guidance-scale", type=float, default=0.0, help="guidance of --image-out (0: the stage's)")
+    p.add_argument("--system-prompt", default="")
     p.add_argument("--max-tokens", type=int, default=0, help="0: the server's default")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--timeout-s", type=float, default=120.0)
-    p.add_argument("--api-key-env", metavar="VAR",
-                   help="environment variable holding the API key (default: the gateway's api_keys_env / api_keys_file)")
-    p.add_argument("--ca-file", default="", help="TLS: CA to trust (default with --config: the gateway's certificate)")
-    p.add_argument("--cert-file", default="", help="TLS: client certificate (mutual TLS)")
-    p.add_argument("--key-file", default="", help="TLS: client key (mutual TLS)")
+    p.add_argument("--top-p", type=float, default=0.0, help="0: off")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling (and of the image's noise)")
+    _target_args(p, timeout_s=120.0)
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("bench", help="closed-loop load sweep against a running gateway (load_tests/pipeline_load.py's driver)")
+    _config_args(p, required=False)
+    p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
+    p.add_argument("--kinds", default="text", help="comma-separated request kinds: text, speech, image")
+    p.add_argument("--concurrency", default="1,2,4", help="comma-separated concurrency levels")
+    p.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
+    p.add_argument("--prompt", default="", help="the prompt of every request (default: one per kind)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (ignore_eos)")
+    p.add_argument("--deadline-s", type=float, default=30.0, help="goodput: a request OK within this many seconds")
+    p.add_argument("--json", metavar="FILE", help="also write every level's summary as JSON")
+    _target_args(p, timeout_s=120.0)
+    p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("status", help="phase, health and limits of every service of a deploy file (or one admin address)")
     _config_args(p, required=False)

@@ -177,6 +177,15 @@ class GatewayConfig:
     # assumed until the first request finished (then measured).
     admission_max_waiting: int = 64
     admission_initial_service_s: float = 2.0
+    # OpenAI-compatible HTTP front (docs/openai.md) on this port of bind_host; 0 means none. It calls the
+    # gateway's own Omni port, so API keys, TLS, validation and admission are those of the gRPC API.
+    http_port: int = 0
+    # Model id the HTTP front lists in /v1/models and puts in its responses.
+    http_model: str = "ming-flash-omni-2.0"
+    # Deadline of each HTTP request's Omni call, in seconds.
+    http_timeout_s: float = 600.0
+    # Largest HTTP request body (JSON with base64 media), in bytes; larger ones get 413.
+    http_max_body_bytes: int = 96 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -578,8 +587,8 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
         if svc.name and svc.name != name:
             raise ConfigError(f"{p}.name: must equal the key {name!r}, got {svc.name!r}")
         svc = dataclasses.replace(svc, name=name)
-        for key in ("port", "admin_port", "metrics_port", "dist_port"):
-            port = getattr(svc, key)
+        for key in ("port", "admin_port", "metrics_port", "dist_port", "gateway.http_port"):
+            port = svc.gateway.http_port if key == "gateway.http_port" else getattr(svc, key)
             if port == 0 and key == "port":
                 raise ConfigError(f"{p}.port: required")
             if not 0 <= port < 65536:
@@ -623,7 +632,8 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
         for key in ("stage_wait_s", "max_concurrent_requests", "max_messages", "max_parts_per_message", "max_prompt_chars",
                     "talker_start_wait_s", "talker_idle_timeout_s", "speech_buffer_events", "converse_max_turns",
                     "converse_max_turn_chars", "converse_max_turn_audio_bytes", "stage_health_interval_s",
-                    "stage_health_timeout_s", "stage_health_failures", "admission_initial_service_s"):
+                    "stage_health_timeout_s", "stage_health_failures", "admission_initial_service_s",
+                    "http_timeout_s", "http_max_body_bytes"):
             _positive(f"{p}.gateway.{key}", getattr(g, key))
         if not e.chunked_prefill and e.max_num_batched_tokens < e.max_model_len:
             raise ConfigError(
@@ -645,7 +655,8 @@ def _validate_access(p: str, svc: ServiceConfig) -> None:
     if svc.admin_api_key_env and not svc.admin_port:
         raise ConfigError(f"{p}.admin_api_key_env: set admin_port too (the key protects the admin port)")
     public = {"tls": svc.tls is not None, "api_keys_env": bool(svc.api_keys_env),
-              "api_keys_file": bool(svc.api_keys_file), "gateway.media_dir": bool(svc.gateway.media_dir)}
+              "api_keys_file": bool(svc.api_keys_file), "gateway.media_dir": bool(svc.gateway.media_dir),
+              "gateway.http_port": bool(svc.gateway.http_port)}
     for key, is_set in public.items():
         if is_set and svc.kind != "gateway":
             raise ConfigError(f"{p}.{key}: only the gateway serves clients from outside (kind is {svc.kind})")
@@ -655,6 +666,9 @@ def _validate_access(p: str, svc: ServiceConfig) -> None:
                 raise ConfigError(f"{p}.tls.{key}: required when tls is set")
         if not svc.admin_port:
             raise ConfigError(f"{p}.admin_port: required when tls is set (the launcher checks health there)")
+        if svc.tls.client_ca_file and svc.gateway.http_port:
+            raise ConfigError(f"{p}.gateway.http_port: not with tls.client_ca_file (the HTTP front calls the "
+                              "Omni port and has no client certificate of its own)")
 
 
 _FAULT_POINT_PHASES = {

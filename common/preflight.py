@@ -51,6 +51,8 @@ def planned_ports(cfg: DeployConfig) -> list[tuple[str, str, int]]:
             ports.append((f"{p}.admin_port", svc.admin_host, svc.admin_port))
         if svc.metrics_port:
             ports.append((f"{p}.metrics_port", cfg.host, svc.metrics_port))
+        if svc.gateway.http_port:
+            ports.append((f"{p}.gateway.http_port", svc.bind_host, svc.gateway.http_port))
         if svc.dist_port:  # the config reserves one port per TP rank
             for rank in range(svc.tp_size):
                 ports.append((f"{p}.dist_port" + (f"+{rank}" if rank else ""), cfg.host, svc.dist_port + rank))

@@ -13,6 +13,8 @@ Kinds: text (MODALITY_TEXT), speech (MODALITY_AUDIO: text + the talker's audio),
 (MODALITY_IMAGE: needs an imagegen stage). Per run: req/s, tok/s, goodput (OK within --deadline-s,
 per second), E2E p50/p95/p99, TTFT, TPOT, TTFA, RTF, errors by gRPC status. Writes
 `OUT/results.json`, `OUT/table.md` and, with matplotlib (`pip install -e .[bench]`), `OUT/load.png`.
+The requests and their statistics are omnistage.common.load_driver / load_stats, which `omnistage
+bench` runs too (against a running gateway, with its API key and TLS, no plot).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -32,127 +33,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
+from omnistage.common.load_driver import MODALITY, MODES, RequestShape, plan, run_plan
+from omnistage.common.load_stats import Summary, details_table, markdown_table
+from omnistage.v1 import omni_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).parent))
-from load_stats import Record, Summary, details_table, markdown_table, summarize  # noqa: E402
-
-PROMPTS = {
-    "text": "Tell me a short story about the moon.",
-    "speech": "Say hello and describe the weather today.",
-    "image": "A red bicycle leaning on a blue wall.",
-}
-MODALITY = {"text": omni_pb2.MODALITY_TEXT, "speech": omni_pb2.MODALITY_AUDIO, "image": omni_pb2.MODALITY_IMAGE}
 _START_DEADLINE_S = 900.0
 _STOP_DEADLINE_S = 60.0
 
 
-def make_request(kind: str, i: int, args: argparse.Namespace) -> omni_pb2.GenerateRequest:
-    parts = [omni_pb2.ContentPart(text=PROMPTS[kind])]
-    req = omni_pb2.GenerateRequest(
-        request_id=f"load-{kind}-{i}",
-        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)],
-        output_modalities=[MODALITY[kind]],
-        sampling=common_pb2.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=i),
-    )
-    if kind == "image":
-        req.image.CopyFrom(omni_pb2.ImageOptions(width=args.image_size, height=args.image_size,
-                                                 steps=args.image_steps, seed=i))
-    return req
-
-
-async def one_request(stub: omni_pb2_grpc.OmniStub, kind: str, i: int, args: argparse.Namespace) -> Record:
-    """Send one request and time its events on the client."""
-    rec = Record(kind, time.perf_counter(), 0.0, args.deadline_s)
-    finish = None
-    try:
-        async for ev in stub.Generate(make_request(kind, i, args), timeout=args.timeout_s):
-            now = time.perf_counter() - rec.start
-            which = ev.WhichOneof("event")
-            if which == "text":
-                rec.first_text_s = now if rec.first_text_s is None else rec.first_text_s
-                rec.last_text_s = now
-            elif which == "audio" and ev.audio.pcm16:
-                if rec.first_audio_s is None:
-                    rec.first_audio_s = now
-                rec.audio_seconds += len(ev.audio.pcm16) / 2 / max(ev.audio.sample_rate_hz, 1)
-            elif which == "finish":
-                finish = ev.finish
-        rec.code = _finish_code(kind, finish)
-        if finish is not None:
-            rec.completion_tokens = finish.usage.completion_tokens
-    except grpc.aio.AioRpcError as exc:
-        rec.code = exc.code().name
-    rec.end = time.perf_counter()
-    return rec
-
-
-def _finish_code(kind: str, finish: omni_pb2.Finish | None) -> str:
-    if finish is None:
-        return "NO_FINISH"
-    if finish.reason in (common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT):
-        return common_pb2.FinishReason.Name(finish.reason).replace("_REASON", "")
-    if kind == "speech" and finish.audio.outcome != omni_pb2.AUDIO_OUTCOME_COMPLETE:
-        return f"AUDIO_{finish.audio.code or omni_pb2.AudioOutcome.Name(finish.audio.outcome).split('_')[-1]}"
-    return "OK"
-
-
-async def closed_loop(stub: omni_pb2_grpc.OmniStub, kind: str, n: int, c: int,
-                      args: argparse.Namespace) -> list[Record]:
-    """`c` clients sharing `n` requests, each sending its next one when the last one ended."""
-    ids = iter(range(n))
-    records: list[Record] = []
-
-    async def client() -> None:
-        for i in ids:
-            records.append(await one_request(stub, kind, i, args))
-
-    await asyncio.gather(*(client() for _ in range(min(c, n))))
-    return records
-
-
-async def poisson(stub: omni_pb2_grpc.OmniStub, kind: str, n: int, rate: float, seed: int,
-                  args: argparse.Namespace) -> list[Record]:
-    """Open loop: `n` arrivals with exponential gaps at `rate`/s, never waiting for replies."""
-    rng = random.Random(seed)
-    tasks = []
-    for i in range(n):
-        tasks.append(asyncio.create_task(one_request(stub, kind, i, args)))
-        await asyncio.sleep(rng.expovariate(rate))
-    return list(await asyncio.gather(*tasks))
-
-
-def plan(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
-    """(mode, kind, load) of every run, in the order they run."""
-    for kind in args.kinds:
-        for mode in args.modes:
-            if mode == "closed":
-                yield from ((mode, kind, str(c)) for c in args.concurrency)
-            elif mode == "offline":
-                yield mode, kind, "all"
-            else:
-                yield from ((mode, kind, f"{r:g}/s") for r in args.rates)
+def shape_of(args: argparse.Namespace) -> RequestShape:
+    return RequestShape(max_tokens=args.max_tokens, deadline_s=args.deadline_s, timeout_s=args.timeout_s,
+                        image_size=args.image_size, image_steps=args.image_steps)
 
 
 async def run_all(address: str, args: argparse.Namespace) -> list[Summary]:
     options = [("grpc.max_receive_message_length", 64 << 20)]
-    summaries = []
+    runs = list(plan(args.kinds, args.modes, args.concurrency, args.rates))
     async with grpc.aio.insecure_channel(address, options=options) as channel:
-        stub = omni_pb2_grpc.OmniStub(channel)
-        for kind in args.kinds:  # one unmeasured request per kind: connections and first-call costs
-            await one_request(stub, kind, 0, args)
-        for mode, kind, load in plan(args):
-            started = time.perf_counter()
-            if mode == "closed":
-                records = await closed_loop(stub, kind, args.requests, int(load), args)
-            elif mode == "offline":
-                records = await closed_loop(stub, kind, args.requests, args.requests, args)
-            else:
-                records = await poisson(stub, kind, args.requests, float(load.removesuffix("/s")), args.seed, args)
-            s = summarize(mode, kind, load, records, time.perf_counter() - started)
-            print(markdown_table([s]).splitlines()[-1], flush=True)
-            summaries.append(s)
-    return summaries
+        return await run_plan(omni_pb2_grpc.OmniStub(channel), runs, args.requests, shape_of(args), seed=args.seed,
+                              on_summary=lambda s: print(markdown_table([s]).splitlines()[-1], flush=True))
 
 
 @contextlib.contextmanager
@@ -227,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--modes", default="closed", type=lambda s: [m for m in s.split(",") if m])
     ap.add_argument("--concurrency", default="1,2,4,8", type=lambda s: [int(x) for x in _floats(s)])
     ap.add_argument("--rates", default="1", type=_floats, help="Poisson arrival rates, req/s")
-    ap.add_argument("--requests", type=int, default=16, help="requests per run")
+    ap.add_argument("--requests", type=int, default=16, help="requests per run (closed: at least the concurrency)")
     ap.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (ignore_eos)")
     ap.add_argument("--deadline-s", type=float, default=30.0, help="goodput deadline per request")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="gRPC deadline per request")
@@ -238,8 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--replot", nargs="+", default=[], metavar="RESULTS_JSON",
                     help="run nothing: write table.md and load.png in --out from these results.json files")
     args = ap.parse_args(argv)
-    bad = [k for k in args.kinds if k not in MODALITY] + [m for m in args.modes if m not in
-                                                          ("closed", "offline", "poisson")]
+    bad = [k for k in args.kinds if k not in MODALITY] + [m for m in args.modes if m not in MODES]
     if bad:
         ap.error(f"unknown kind or mode {bad[0]!r}")
     return args

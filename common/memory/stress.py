@@ -20,6 +20,7 @@ import torch
 from omnistage.common.log import get_logger, log_fields
 from omnistage.common.memory.device import DeviceMemory
 from omnistage.common.memory.units import fmt_bytes
+from omnistage.common.runtime.deadlines import within
 from omnistage.v1 import control_pb2
 
 log = get_logger(__name__)
@@ -184,7 +185,7 @@ class ConcurrencyLimiter:
     async def slot(self, timeout_s: float) -> AsyncIterator[None]:
         """Hold one of `limit` slots; waits at most `timeout_s`, then TimeoutError naming the stage."""
         try:
-            await asyncio.wait_for(self._sem.acquire(), timeout_s)
+            await within(self._sem.acquire(), timeout_s)
         except TimeoutError:
             raise TimeoutError(
                 f"{self.stage}: no free batch slot within {timeout_s:g}s "

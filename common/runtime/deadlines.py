@@ -2,19 +2,50 @@
 
 An untimed wait turns a lost message into a silent hang; these turn it into one line naming the
 stage, rank and phase (`timed out after 30s waiting for rank 1 weights (stage thinker, rank 0, ...)`).
+
+Async code bounds a wait with `within`, never `asyncio.wait_for` (ruff bans it outside tests): on
+Python 3.11 wait_for returns the result, and drops the caller's cancellation, when the awaited thing
+finishes as the caller is cancelled (CPython gh-86296). A task cancelled then runs on, and a task
+that must stop before its owner can go on (a pump feeding a buffer nobody reads any more) hangs it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 from omnistage.common.runtime.errors import StartupTimeout
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
+
+
+async def within(awaitable: Awaitable[T], timeout_s: float | None) -> T:
+    """`await awaitable` for at most `timeout_s` seconds (None: unbounded), else TimeoutError (the
+    awaitable is cancelled). A cancellation of the caller always propagates (see the module doc)."""
+    async with asyncio.timeout(timeout_s):
+        return await awaitable
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout_s: float, what: str) -> list[asyncio.Task]:
+    """Cancel `tasks` and wait at most `timeout_s` for them to end; those still running are logged as an
+    error naming `what` and returned (their owner goes on: a task that ignores its cancellation must
+    not hang the request that holds it)."""
+    tasks = [t for t in tasks if not t.done()]
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return []
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    if pending:
+        names = ", ".join(sorted(t.get_name() for t in pending))
+        _log.error("%s: %d task(s) still running %gs after their cancellation: %s", what, len(pending), timeout_s,
+                   names)
+    return list(pending)
 
 
 def timeout_message(timeout_s: float, what: str, stage: str = "", rank: int | None = None, phase: str = "") -> str:
@@ -99,7 +130,7 @@ async def with_deadline(
 ) -> T:
     """Await `awaitable` for at most `timeout_s` (cancelled after), raising StartupTimeout."""
     try:
-        return await asyncio.wait_for(awaitable, timeout_s)
+        return await within(awaitable, timeout_s)
     except TimeoutError as exc:
         raise StartupTimeout(timeout_message(timeout_s, what, stage, rank, phase)) from exc
 

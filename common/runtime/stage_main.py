@@ -23,6 +23,7 @@ from typing import NoReturn
 from omnistage.common.config import STARTUP_PHASES, ConfigError, DeployConfig, ServiceConfig, load_config
 from omnistage.common.log import setup_logging
 from omnistage.common.runtime import blocking
+from omnistage.common.runtime.deadlines import within
 from omnistage.common.runtime.server import ServiceRuntime
 
 _log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ async def serve(runtime: ServiceRuntime, build: BuildFn) -> int:
         runtime.fail(cause, getattr(exc, "culprit_rank", None))
         print(f"omnistage: {runtime.name} r{runtime.rank} failed in {phase}: {cause}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(runtime.shutdown(), timeout=_BUILD_CANCEL_WAIT_S)
+            await within(runtime.shutdown(), _BUILD_CANCEL_WAIT_S)
         return 1
 
 

@@ -282,7 +282,19 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
             raise StageUnavailable(f"stage '{watch.client.name}' not admitted after {gw.stage_wait_s:g}s "
                                    f"(gateway.stage_wait_s): {watch.client.down_reason}")
         runtime.reporter.advance()
+    if gw.http_port:
+        await _start_http_front(runtime, cfg, svc, tuple(r.capability for r in stages.readiness()))
     runtime.set_serving()
+
+
+async def _start_http_front(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig,
+                            capabilities: tuple[str, ...]) -> None:  # fmt: skip
+    """The OpenAI-compatible HTTP front (gateway.http_port), calling this gateway's own Omni port."""
+    from omnistage.services.gateway.openai.serve import HttpFront
+
+    front = HttpFront(cfg, svc, runtime.port, capabilities)
+    await front.start()
+    runtime.add_shutdown_hook(front.stop)
 
 
 def main() -> None:

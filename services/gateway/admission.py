@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from omnistage.common import metrics
+from omnistage.common.runtime.deadlines import within
 from omnistage.common.runtime.errors import DeadlineExceeded, Overloaded
 
 # The weight of the newest service time in the running mean (about the last 10 requests count).
@@ -139,7 +140,7 @@ class StageGate:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), remaining_s)
+            await within(asyncio.shield(fut), remaining_s)
         except (TimeoutError, asyncio.CancelledError) as exc:
             if fut.done() and not fut.cancelled():  # a slot came as the wait ended: hand it on
                 self.running -= 1

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from omnistage.common import metrics
+from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY, InvalidRequest
 from omnistage.services.gateway.stages import TalkerClient
 from omnistage.v1 import common_pb2, omni_pb2, talker_pb2
@@ -36,6 +37,9 @@ MAX_VOICE_CHARS = 256
 NO_CREDIT_RETRY_MS = 500
 # After `finished`, how long the talker's handler has to end the call itself (status OK) before it is cancelled.
 FINISHED_STREAM_END_S = 5.0
+# How long an answer's own tasks (text pump, talker writer/reader) have to end once cancelled; a task
+# still running then is logged and left behind, so that the request ends whatever it does.
+TASK_STOP_S = 5.0
 _SPOKEN_REASONS = {common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP_STRING}
 
 
@@ -205,12 +209,11 @@ class TalkerStream:
             self.call.cancel()
 
     async def close(self) -> None:
-        """Cancel what still runs (the call first: the talker frees the stream's state) and wait for it."""
+        """Cancel what still runs (the call first: the talker frees the stream's state) and wait (bounded)
+        for it."""
         if self.call is not None:
             self.call.cancel()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks, TASK_STOP_S, f"speech of {self.request_id}: talker stream")
 
     def fail(self, code: str, message: str, retry_after_ms: int = 0) -> None:
         if not self.status.code:
@@ -299,7 +302,7 @@ class TalkerStream:
                 # The last event: take the call's own end (OK) rather than cancel it on close, which the
                 # talker would count (and log) as a client cancel.
                 with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
-                    await asyncio.wait_for(call.code(), FINISHED_STREAM_END_S)
+                    await within(call.code(), FINISHED_STREAM_END_S)
                 return
 
     def _refused_or_failed(self, exc: grpc.aio.AioRpcError) -> InvalidRequest | None:
@@ -352,8 +355,7 @@ class SpokenAnswer:
             finish.finish.audio.CopyFrom(self.status)
             yield finish
         finally:
-            pump.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
+            await cancel_and_wait([pump], TASK_STOP_S, f"speech of {self.speech.request_id}: text pump")
             await self.speech.close()
 
     def interrupted(self, message: str) -> omni_pb2.AudioStatus:
@@ -417,5 +419,5 @@ class SpokenAnswer:
         if speech.released:
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(speech.accepted.wait(), self.stage.limits.start_wait_s)
+            await within(speech.accepted.wait(), self.stage.limits.start_wait_s)
         speech.released = True

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2
+from omnistage.common.runtime.deadlines import within
 from omnistage.services.gateway.stages import StageClient
 
 _log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class StageWatch:
     async def wait_admitted(self, timeout_s: float) -> bool:
         """True once the stage is up (False when `timeout_s` passed first)."""
         try:
-            await asyncio.wait_for(self.admitted.wait(), timeout_s)
+            await within(self.admitted.wait(), timeout_s)
         except TimeoutError:
             return False
         return True

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
+from omnistage.common.runtime.deadlines import within
 from omnistage.common.runtime.errors import OmniError, StageUnavailable
 from omnistage.v1 import (
     common_pb2,
@@ -170,7 +171,7 @@ class ThinkerClient(StageClient):
         finally:
             if finished:  # the finish is the last event: take the stream's own end (OK) instead of cancelling it
                 with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
-                    await asyncio.wait_for(call.code(), _FINISHED_STREAM_END_S)
+                    await within(call.code(), _FINISHED_STREAM_END_S)
             # Client gone, deadline hit or the consumer stopped early: cancelling the stream makes the
             # thinker abort the request and free its KV blocks (a no-op on a stream that ended).
             call.cancel()
@@ -253,5 +254,5 @@ class ImageGenClient(StageClient):
         finally:
             if finished:  # the image is the last event: take the stream's own end (OK)
                 with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
-                    await asyncio.wait_for(call.code(), _FINISHED_STREAM_END_S)
+                    await within(call.code(), _FINISHED_STREAM_END_S)
             call.cancel()

@@ -57,9 +57,10 @@ def capabilities_ready(address: str, names: list[str]) -> bool:
 
 
 class ServeProcess:
-    """`omnistage serve` of the deploy dict `cfg` written under `root` (`tag` keeps several apart)."""
+    """`omnistage serve` of the deploy dict `cfg` written under `root` (`tag` keeps several apart; `env` adds
+    environment variables, e.g. the API keys the deploy file names)."""
 
-    def __init__(self, root: Path, cfg: dict, tag: str = "") -> None:
+    def __init__(self, root: Path, cfg: dict, tag: str = "", env: dict[str, str] | None = None) -> None:
         path = root / f"deploy{tag}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         self.ready = root / f"ready{tag}"
@@ -67,7 +68,7 @@ class ServeProcess:
         with open(self.out, "w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "omnistage.common.cli", "serve", str(path), "--ready-file", str(self.ready)],
-                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
             )  # fmt: skip
 
     def logs(self) -> str:

@@ -84,9 +84,10 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
     `finished`, before the handler returned, counts as cancelled (the real talker's status CANCELLED)."""
 
     def __init__(self, mode: str = "echo", chunks_per_text: int = 1, chunk_samples: int = 441,
-                 end_delay_s: float = 0.0) -> None:
+                 end_delay_s: float = 0.0, refuse_delay_s: float = 0.0) -> None:
         self.mode = mode
         self.end_delay_s = end_delay_s  # after `finished`, the handler takes this long to return (cleanup)
+        self.refuse_delay_s = refuse_delay_s  # "refuse-voice": the verdict comes this long after the config
         self.chunks_per_text = chunks_per_text
         self.chunk_samples = chunk_samples
         self.calls: list[SpeakCall] = []
@@ -96,6 +97,7 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
         call = SpeakCall(first.config, context.time_remaining())
         self.calls.append(call)
         if self.mode == "refuse-voice":
+            await asyncio.sleep(self.refuse_delay_s)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "config.voice: unknown voice 'nobody' (have: DB30)")
         if self.mode == "busy":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "talker: no free stream",

@@ -298,6 +298,27 @@ def test_an_unknown_voice_is_the_clients_error_named_as_its_field():
     assert thinker.calls[0].closed and not thinker.calls[0].finished
 
 
+def test_a_voice_refused_while_the_text_waits_for_it_ends_the_request_however_long_the_answer():
+    """The refusal wakes the text pump's wait for the voice just as the failing answer cancels the pump:
+    that cancellation must stop it (Python 3.11's asyncio.wait_for returned instead and lost it; the
+    pump then filled the client buffer nobody read, and the request hung with both stages idle)."""
+
+    async def scenario():
+        words = " ".join(f"w{i}" for i in range(64))  # 4x the client buffer (16 events)
+        thinker = FakeThinker(words)  # every delta at once: the first waits for the talker's verdict
+        async with TalkerServer(FakeTalker("refuse-voice", refuse_delay_s=0.3)) as srv:
+            servicer = gateway(thinker, srv.address)
+            with pytest.raises(InvalidRequest) as err:
+                await asyncio.wait_for(collect(servicer, request(voice="nobody")), 10)
+            await wait_until(lambda: thinker.calls[0].closed, what="the thinker stream closed")
+            assert servicer.in_flight == 0
+        return thinker, err.value
+
+    thinker, err = run(scenario())
+    assert str(err).startswith("voice: unknown voice 'nobody'")
+    assert not thinker.calls[0].finished
+
+
 def test_bad_speech_fields_are_refused_before_any_stage():
     clip = omni_pb2.VoiceClip(audio=b"RIFF", transcript="hi")
     cases = [

@@ -1,15 +1,10 @@
-"""The load harness's arithmetic (load_tests/load_stats.py) on synthetic records: percentiles,
+"""The load harness's arithmetic (common/load_stats.py) on synthetic records: percentiles,
 rates over the wall time, goodput against each request's deadline, errors by status."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "load_tests"))
-from load_stats import Record, markdown_table, percentile, summarize  # noqa: E402
+from omnistage.common.load_stats import Record, markdown_table, percentile, summarize
 
 
 def test_percentile_interpolates_between_ranks_like_numpy():

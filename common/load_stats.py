@@ -1,5 +1,6 @@
 """Statistics of a load run: per-request records in, one summary (latency percentiles, throughput,
-goodput, errors by status) out. No gRPC here, so the arithmetic has unit tests of its own.
+goodput, errors by status) out. No gRPC here, so the arithmetic has unit tests of its own. Shared by
+`omnistage bench` and load_tests/pipeline_load.py (load_driver.py makes the records).
 """
 
 from __future__ import annotations

@@ -1,0 +1,247 @@
+"""Python client of the Omni gRPC API: `OmniClient` (sync) and `AsyncOmniClient` (asyncio).
+
+    with OmniClient("127.0.0.1:7151", api_key="...") as client:
+        result = client.generate("Describe it.", images=["cat.png"], speak=True).collect()
+        print(result.text); Path("answer.wav").write_bytes(result.wav())
+
+`generate` returns a stream of GenerateEvents (iterate it for text deltas, audio chunks, progress,
+images and the one Finish); `.collect()` gathers it into a `Result` (text, WAV, PNGs, finish). Leaving
+the iteration early (or `.cancel()`) cancels the request in every stage. Every call has a deadline
+(`timeout_s`). Load sweeps are `omnistage bench` (common/load_driver.py).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from omnistage.common.runtime import auth
+from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
+
+MediaLike = bytes | str | Path
+
+_MODALITY = {"text": omni_pb2.MODALITY_TEXT, "audio": omni_pb2.MODALITY_AUDIO, "image": omni_pb2.MODALITY_IMAGE}
+
+
+def media(value: MediaLike, mime_type: str = "") -> omni_pb2.Media:
+    """Media of raw bytes or a local file (read here and sent inline)."""
+    data = value if isinstance(value, bytes) else Path(value).read_bytes()
+    return omni_pb2.Media(data=data, mime_type=mime_type)
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    messages: Sequence[omni_pb2.ChatMessage] = (),
+    images: Iterable[MediaLike] = (),
+    audios: Iterable[MediaLike] = (),
+    videos: Iterable[MediaLike] = (),
+    modalities: Iterable[str] = ("text",),
+    voice: str = "",
+    image: omni_pb2.ImageOptions | None = None,
+    system_prompt: str = "",
+    request_id: str = "",
+    max_tokens: int = 0,
+    temperature: float = 0.0,
+    top_p: float = 0.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+) -> omni_pb2.GenerateRequest:
+    """A GenerateRequest: `messages` (earlier turns) then one user message of the media and `prompt`."""
+    parts = [omni_pb2.ContentPart(image=media(m)) for m in images]
+    parts += [omni_pb2.ContentPart(audio=media(m)) for m in audios]
+    parts += [omni_pb2.ContentPart(video=media(m)) for m in videos]
+    if prompt:
+        parts.append(omni_pb2.ContentPart(text=prompt))
+    msgs = list(messages)
+    if parts:
+        msgs.append(omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts))
+    unknown = [m for m in modalities if m not in _MODALITY]
+    if unknown:
+        raise ValueError(f"modalities: unknown {unknown} (text, audio, image)")
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop,
+                                         ignore_eos=ignore_eos)  # fmt: skip
+    if seed is not None:
+        sampling.seed = seed
+    request = omni_pb2.GenerateRequest(request_id=request_id, messages=msgs, sampling=sampling, voice=voice,
+                                       system_prompt=system_prompt,
+                                       output_modalities=[_MODALITY[m] for m in modalities])  # fmt: skip
+    if image is not None:
+        request.image.CopyFrom(image)
+    return request
+
+
+def wav_bytes(pcm16: bytes, sample_rate: int) -> bytes:
+    """A PCM16 mono WAV file."""
+    return (b"RIFF" + struct.pack("<I", 36 + len(pcm16)) + b"WAVEfmt "
+            + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+            + b"data" + struct.pack("<I", len(pcm16)) + pcm16)  # fmt: skip
+
+
+@dataclass
+class Result:
+    """A whole answer: text, speech (PCM16), images (PNG) and the Finish."""
+
+    text: str = ""
+    pcm16: bytes = b""
+    sample_rate_hz: int = 0
+    images: list[omni_pb2.ImageResult] = field(default_factory=list)
+    finish: omni_pb2.Finish | None = None
+    request_id: str = ""
+
+    def add(self, event: omni_pb2.GenerateEvent) -> None:
+        self.request_id = self.request_id or event.request_id
+        kind = event.WhichOneof("event")
+        if kind == "text":
+            self.text += event.text.text
+        elif kind == "audio":
+            self.pcm16 += event.audio.pcm16
+            self.sample_rate_hz = event.audio.sample_rate_hz or self.sample_rate_hz
+        elif kind == "image":
+            self.images.append(event.image)
+        elif kind == "finish":
+            self.finish = event.finish
+
+    def wav(self) -> bytes:
+        """The speech as a WAV file (empty audio when none was spoken)."""
+        rate = self.sample_rate_hz or (self.finish.audio.sample_rate_hz if self.finish else 0) or 44100
+        return wav_bytes(self.pcm16, rate)
+
+    def png(self, index: int = 0) -> bytes:
+        """The `index`-th image's PNG bytes (IndexError when there is none)."""
+        return self.images[index].png
+
+    @property
+    def ok(self) -> bool:
+        return self.finish is not None and self.finish.reason in (
+            common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_STOP_STRING, common_pb2.FINISH_REASON_LENGTH)
+
+
+def _channel_args(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
+
+
+def tls_credentials(ca_file: str = "", cert_file: str = "", key_file: str = "") -> grpc.ChannelCredentials:
+    """TLS channel credentials: the CA to trust (system roots when empty) and a client pair (mutual TLS)."""
+    read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(ca_file), read(key_file), read(cert_file))
+
+
+class EventStream:
+    """The events of one Generate call (iterate once); `cancel()` or leaving early ends the request."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[omni_pb2.GenerateEvent]:
+        try:
+            yield from self._call
+        finally:
+            self._call.cancel()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def collect(self, on_event: Callable[[omni_pb2.GenerateEvent], None] | None = None) -> Result:
+        result = Result()
+        for event in self:
+            if on_event is not None:
+                on_event(event)
+            result.add(event)
+        return result
+
+    def __enter__(self) -> EventStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
+
+
+class OmniClient:
+    """Sync client of a gateway's Omni API (`address` HOST:PORT; TLS when `credentials` or `tls`)."""
+
+    def __init__(self, address: str, *, api_key: str = "", credentials: grpc.ChannelCredentials | None = None,
+                 tls: bool = False, timeout_s: float = 120.0, max_message_bytes: int = 64 << 20,
+                 metadata: Sequence[tuple[str, str]] = ()) -> None:  # fmt: skip
+        if credentials is None and tls:
+            credentials = grpc.ssl_channel_credentials()
+        args = _channel_args(max_message_bytes)
+        self._channel = (grpc.secure_channel(address, credentials, args) if credentials is not None
+                         else grpc.insecure_channel(address, args))  # fmt: skip
+        self._stub = omni_pb2_grpc.OmniStub(self._channel)
+        self.metadata = tuple(metadata) + (auth.bearer(api_key) if api_key else ())
+        self.timeout_s = timeout_s
+
+    def generate(self, prompt: str | None = None, *, request: omni_pb2.GenerateRequest | None = None,
+                 timeout_s: float | None = None, **kwargs) -> EventStream:  # fmt: skip
+        """Send a request (`request`, or one built by `build_request(prompt, **kwargs)`); its events."""
+        req = request if request is not None else build_request(prompt, **kwargs)
+        return EventStream(self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self.metadata))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> OmniClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncEventStream:
+    """The events of one Generate call on asyncio; `cancel()` or leaving early ends the request."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    async def __aiter__(self) -> AsyncIterator[omni_pb2.GenerateEvent]:
+        try:
+            async for event in self._call:
+                yield event
+        finally:
+            self._call.cancel()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    async def collect(self, on_event: Callable[[omni_pb2.GenerateEvent], None] | None = None) -> Result:
+        result = Result()
+        async for event in self:
+            if on_event is not None:
+                on_event(event)
+            result.add(event)
+        return result
+
+
+class AsyncOmniClient:
+    """asyncio client of a gateway's Omni API; the same arguments as OmniClient."""
+
+    def __init__(self, address: str, *, api_key: str = "", credentials: grpc.ChannelCredentials | None = None,
+                 tls: bool = False, timeout_s: float = 120.0, max_message_bytes: int = 64 << 20,
+                 metadata: Sequence[tuple[str, str]] = ()) -> None:  # fmt: skip
+        if credentials is None and tls:
+            credentials = grpc.ssl_channel_credentials()
+        args = _channel_args(max_message_bytes)
+        self._channel = (grpc.aio.secure_channel(address, credentials, args) if credentials is not None
+                         else grpc.aio.insecure_channel(address, args))  # fmt: skip
+        self._stub = omni_pb2_grpc.OmniStub(self._channel)
+        self.metadata = tuple(metadata) + (auth.bearer(api_key) if api_key else ())
+        self.timeout_s = timeout_s
+
+    def generate(self, prompt: str | None = None, *, request: omni_pb2.GenerateRequest | None = None,
+                 timeout_s: float | None = None, **kwargs) -> AsyncEventStream:  # fmt: skip
+        req = request if request is not None else build_request(prompt, **kwargs)
+        return AsyncEventStream(self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self.metadata))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncOmniClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,152 @@
+"""Load on a gateway's Omni.Generate, as `omnistage bench` and load_tests/pipeline_load.py send it.
+
+A run is (mode, kind, load): closed (`c` clients, each sending its next request when the last one
+ended), offline (every request at once) or poisson (open loop at a rate); kinds text, speech, image.
+Each request is timed on the client into a `Record`; `run_plan` summarizes each run (load_stats.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from omnistage.common.load_stats import Record, Summary, summarize
+from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
+
+PROMPTS = {
+    "text": "Tell me a short story about the moon.",
+    "speech": "Say hello and describe the weather today.",
+    "image": "A red bicycle leaning on a blue wall.",
+}
+MODALITY = {"text": omni_pb2.MODALITY_TEXT, "speech": omni_pb2.MODALITY_AUDIO, "image": omni_pb2.MODALITY_IMAGE}
+MODES = ("closed", "offline", "poisson")
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What every request asks for, and how it is judged."""
+
+    max_tokens: int = 16  # output tokens per request (ignore_eos)
+    deadline_s: float = 30.0  # goodput: OK within this many seconds
+    timeout_s: float = 300.0  # the gRPC deadline of each request
+    image_size: int = 256
+    image_steps: int = 4
+    prompt: str = ""  # "" = PROMPTS[kind]
+    metadata: tuple[tuple[str, str], ...] = ()  # call metadata (the API key)
+
+
+def make_request(kind: str, i: int, shape: RequestShape) -> omni_pb2.GenerateRequest:
+    parts = [omni_pb2.ContentPart(text=shape.prompt or PROMPTS[kind])]
+    req = omni_pb2.GenerateRequest(
+        request_id=f"load-{kind}-{i}",
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)],
+        output_modalities=[MODALITY[kind]],
+        sampling=common_pb2.SamplingParams(max_tokens=shape.max_tokens, ignore_eos=True, seed=i),
+    )
+    if kind == "image":
+        req.image.CopyFrom(omni_pb2.ImageOptions(width=shape.image_size, height=shape.image_size,
+                                                 steps=shape.image_steps, seed=i))  # fmt: skip
+    return req
+
+
+def finish_code(kind: str, finish: omni_pb2.Finish | None) -> str:
+    """"OK", or why the request does not count as done (see Record.code)."""
+    if finish is None:
+        return "NO_FINISH"
+    if finish.reason in (common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT):
+        return common_pb2.FinishReason.Name(finish.reason).replace("_REASON", "")
+    if kind == "speech" and finish.audio.outcome != omni_pb2.AUDIO_OUTCOME_COMPLETE:
+        return f"AUDIO_{finish.audio.code or omni_pb2.AudioOutcome.Name(finish.audio.outcome).split('_')[-1]}"
+    return "OK"
+
+
+async def one_request(stub: omni_pb2_grpc.OmniStub, kind: str, i: int, shape: RequestShape) -> Record:
+    """Send one request and time its events on the client."""
+    rec = Record(kind, time.perf_counter(), 0.0, shape.deadline_s)
+    finish = None
+    try:
+        call = stub.Generate(make_request(kind, i, shape), timeout=shape.timeout_s, metadata=shape.metadata)
+        async for ev in call:
+            now = time.perf_counter() - rec.start
+            which = ev.WhichOneof("event")
+            if which == "text":
+                rec.first_text_s = now if rec.first_text_s is None else rec.first_text_s
+                rec.last_text_s = now
+            elif which == "audio" and ev.audio.pcm16:
+                if rec.first_audio_s is None:
+                    rec.first_audio_s = now
+                rec.audio_seconds += len(ev.audio.pcm16) / 2 / max(ev.audio.sample_rate_hz, 1)
+            elif which == "finish":
+                finish = ev.finish
+        rec.code = finish_code(kind, finish)
+        if finish is not None:
+            rec.completion_tokens = finish.usage.completion_tokens
+    except grpc.aio.AioRpcError as exc:
+        rec.code = exc.code().name
+    rec.end = time.perf_counter()
+    return rec
+
+
+async def closed_loop(stub: omni_pb2_grpc.OmniStub, kind: str, n: int, c: int, shape: RequestShape) -> list[Record]:
+    """`c` clients sharing `n` requests, each sending its next one when the last one ended."""
+    ids = iter(range(n))
+    records: list[Record] = []
+
+    async def client() -> None:
+        for i in ids:
+            records.append(await one_request(stub, kind, i, shape))
+
+    await asyncio.gather(*(client() for _ in range(min(c, n))))
+    return records
+
+
+async def poisson(stub: omni_pb2_grpc.OmniStub, kind: str, n: int, rate: float, seed: int,
+                  shape: RequestShape) -> list[Record]:  # fmt: skip
+    """Open loop: `n` arrivals with exponential gaps at `rate`/s, never waiting for replies."""
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(n):
+        tasks.append(asyncio.create_task(one_request(stub, kind, i, shape)))
+        await asyncio.sleep(rng.expovariate(rate))
+    return list(await asyncio.gather(*tasks))
+
+
+def plan(kinds: Iterable[str], modes: Iterable[str], concurrency: Iterable[int],
+         rates: Iterable[float] = ()) -> Iterator[tuple[str, str, str]]:  # fmt: skip
+    """(mode, kind, load) of every run, in the order they run."""
+    modes, concurrency, rates = list(modes), list(concurrency), list(rates)
+    for kind in kinds:
+        for mode in modes:
+            if mode == "closed":
+                yield from ((mode, kind, str(c)) for c in concurrency)
+            elif mode == "offline":
+                yield mode, kind, "all"
+            else:
+                yield from ((mode, kind, f"{r:g}/s") for r in rates)
+
+
+async def run_plan(stub: omni_pb2_grpc.OmniStub, runs: Sequence[tuple[str, str, str]], requests: int,
+                   shape: RequestShape, *, seed: int = 0,
+                   on_summary: Callable[[Summary], None] | None = None) -> list[Summary]:  # fmt: skip
+    """Every run of `runs` (`requests` requests each, at least the concurrency), after one unmeasured
+    request per kind (connections and first-call costs); a Summary per run."""
+    for kind in dict.fromkeys(kind for _, kind, _ in runs):
+        await one_request(stub, kind, 0, shape)
+    summaries = []
+    for mode, kind, load in runs:
+        started = time.perf_counter()
+        if mode == "closed":
+            records = await closed_loop(stub, kind, max(requests, int(load)), int(load), shape)
+        elif mode == "offline":
+            records = await closed_loop(stub, kind, requests, requests, shape)
+        else:
+            records = await poisson(stub, kind, requests, float(load.removesuffix("/s")), seed, shape)
+        summary = summarize(mode, kind, load, records, time.perf_counter() - started)
+        if on_summary is not None:
+            on_summary(summary)
+        summaries.append(summary)
+    return summaries

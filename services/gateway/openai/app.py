@@ -1,0 +1,433 @@
+"""The Starlette application of the OpenAI-compatible front.
+
+Every generation goes through the gateway's own Omni port (a gRPC channel to it), with the client's
+`Authorization` header as the call's metadata: API keys, validation, admission and limits are those of
+the gRPC API. A request's first Omni event (or its error) is awaited before the HTTP status is sent,
+so a refused request gets its 4xx/5xx, never a 200 with an error inside. A client that goes away
+cancels its Omni call (which cancels the stages' streams).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from omnistage.common.runtime.deadlines import cancel_and_wait, within
+from omnistage.common.runtime.server import PUBLIC_API
+from omnistage.services.gateway.openai import translate as tr
+from omnistage.services.gateway.openai.translate import HttpError
+from omnistage.v1 import omni_pb2, omni_pb2_grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+_log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Bodies from this size on are parsed off the event loop.
+INLINE_PARSE_BYTES = 256 * 1024
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class FrontOptions:
+    model: str = "ming-flash-omni-2.0"
+    # Deadline of each Omni call, in seconds.
+    timeout_s: float = 600.0
+    # Largest request body, in bytes (413 above).
+    max_body_bytes: int = 96 * 1024 * 1024
+    # Longest /v1/audio/speech input, in characters.
+    max_speech_chars: int = 4096
+    # How long /ready waits for the gateway's health answer, in seconds.
+    health_timeout_s: float = 2.0
+    # The gateway's deployed capabilities (text, media_input, speech, image_output): /ready reports each,
+    # read from the health names omnistage.v1.Omni.<capability>.
+    capabilities: tuple[str, ...] = ()
+    # After an answer's finish, how long its Omni call may take to end by itself (status OK) before it
+    # is cancelled.
+    finished_stream_end_s: float = 5.0
+
+
+def error_response(err: HttpError, request_id: str = "") -> JSONResponse:
+    headers = dict(err.headers)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `limit` bytes gets 413 (by Content-Length, or while it arrives)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = HttpError(413, f"request body larger than {self.limit} bytes (gateway.http_max_body_bytes)",
+                              code="request_too_large")  # fmt: skip
+        for key, value in scope.get("headers", ()):
+            if key == b"content-length":
+                try:
+                    if int(value) > self.limit:
+                        await error_response(too_large)(scope, receive, send)
+                        return
+                except ValueError:
+                    pass
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise too_large  # the app's HttpError handler answers 413
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _loads(raw: bytes) -> Any:
+    if not raw:
+        raise HttpError(400, "body: expected a JSON object", param="body")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HttpError(400, f"body: not valid JSON: {exc}", param="body") from None
+    except RecursionError:
+        raise HttpError(400, "body: JSON nested too deeply", param="body") from None
+
+
+async def _translate(request: Request, translate: Callable[..., T], **kwargs: Any) -> T:
+    """`translate(body, **kwargs)` of the request's JSON body. A large body (base64 media) is parsed and
+    decoded in a worker thread: the event loop also serves the gateway's gRPC API."""
+    raw = await request.body()
+    if len(raw) < INLINE_PARSE_BYTES:
+        return translate(_loads(raw), **kwargs)
+    return await asyncio.to_thread(lambda: translate(_loads(raw), **kwargs))
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (call once the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
+    value = request.headers.get("authorization")
+    return (("authorization", value),) if value else ()
+
+
+def _request_id(request: Request) -> str:
+    rid = request.headers.get("x-request-id", "")
+    return rid if rid.isprintable() and len(rid) <= 256 else ""
+
+
+class Front:
+    """The routes; `channel` is a grpc.aio channel to the gateway's own Omni port."""
+
+    def __init__(self, channel: grpc.aio.Channel, options: FrontOptions = FrontOptions(),
+                 check_key: Callable[[tuple], str] | None = None) -> None:  # fmt: skip
+        self.stub = omni_pb2_grpc.OmniStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
+        self.options = options
+        self.check_key = check_key  # refusal(metadata) of the API keys, for routes that call no Omni RPC
+        self.created = int(time.time())
+
+    def app(self) -> ASGIApp:
+        routes = [
+            Route("/health", self.health_route, methods=["GET"]),
+            Route("/ready", self.ready_route, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/audio/speech", self.speech, methods=["POST"]),
+            Route("/v1/images/generations", self.images, methods=["POST"]),
+        ]
+        app = Starlette(routes=routes, exception_handlers={HttpError: self._on_error, 404: self._not_found,
+                                                             405: self._not_allowed, Exception: self._on_bug})  # fmt: skip
+        return BodyLimit(app, self.options.max_body_bytes)
+
+    async def _on_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HttpError)
+        return error_response(exc, _request_id(request))
+
+    async def _on_bug(self, request: Request, exc: Exception) -> Response:
+        _log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(HttpError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        return error_response(HttpError(404, f"no route {request.method} {request.url.path}", type="not_found_error"))
+
+    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
+        return error_response(HttpError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+    # ---- health and models
+
+    async def health_route(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def _health_of(self, service: str) -> str:
+        """The gateway's health of `service` ("" = the gateway): SERVING, NOT_SERVING, or CODE: details."""
+        try:
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(service=service),
+                                            timeout=self.options.health_timeout_s)  # fmt: skip
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def ready_route(self, request: Request) -> Response:
+        """200 when the gateway serves text (the thinker is admitted) and, with `?capability=NAME`, that
+        capability is ready too (e.g. speech once the talker is admitted); the body gives each deployed
+        capability's readiness."""
+        caps = self.options.capabilities
+        wanted = request.query_params.get("capability", "text" if "text" in caps else None)
+        if wanted is not None and wanted not in caps:
+            raise HttpError(404, f"capability: {wanted!r} is not deployed here (have: {', '.join(caps) or 'none'})",
+                            type="not_found_error", param="capability", code="capability_not_found")  # fmt: skip
+        answers = await asyncio.gather(self._health_of(""), *(self._health_of(f"{PUBLIC_API}.{c}") for c in caps))
+        gateway, ready = answers[0], {c: a == "SERVING" for c, a in zip(caps, answers[1:], strict=True)}
+        ok = gateway == "SERVING" and (wanted is None or ready[wanted])
+        body: dict[str, Any] = {"status": "ready" if ok else "not_ready", "gateway": gateway, "capabilities": ready}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    def _authorize(self, request: Request) -> None:
+        if self.check_key is not None:
+            why = self.check_key(_metadata(request))
+            if why:
+                raise HttpError(401, why, type="authentication_error", code="unauthenticated")
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.options.model, "object": "model", "created": self.created, "owned_by": "omnistage"}
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._authorize(request)
+        if request.path_params["model"] != self.options.model:
+            raise HttpError(404, f"model {request.path_params['model']!r} not found (serving {self.options.model!r})",
+                            type="not_found_error", code="model_not_found")
+        return JSONResponse(self._model_card())
+
+    # ---- the Omni call
+
+    async def _open(self, request: Request, omni: omni_pb2.GenerateRequest):
+        """(call, first event) of an Omni Generate; HttpError when it is refused before any event."""
+        call = self.stub.Generate(omni, timeout=self.options.timeout_s, metadata=_metadata(request))
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise tr.from_grpc(exc.code(), exc.details(), exc.trailing_metadata()) from None
+        except BaseException:
+            call.cancel()
+            raise
+        if first is grpc.aio.EOF:
+            raise HttpError(502, "the gateway's stream ended without an event", type="server_error")
+        return call, first
+
+    async def _events(self, call, first) -> AsyncIterator[omni_pb2.GenerateEvent]:
+        """first, then the rest of the stream; an RPC error becomes HttpError; the call ends with it.
+        Left after the finish, the call gets its own end (OK) first; left before, it is cancelled (the
+        client went away: the stages stop)."""
+        finished = False
+        try:
+            event = first
+            while event is not grpc.aio.EOF:
+                finished = finished or event.WhichOneof("event") == "finish"
+                yield event
+                event = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise tr.from_grpc(exc.code(), exc.details(), exc.trailing_metadata()) from None
+        finally:
+            try:
+                if finished:
+                    with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+                        await within(call.code(), self.options.finished_stream_end_s)
+            finally:
+                call.cancel()  # a no-op on a call that ended
+
+    async def _collect(self, request: Request, omni: omni_pb2.GenerateRequest) -> tr.Collected:
+        """The whole answer of a non-streamed response. A client that disconnects meanwhile cancels the
+        call (an image or a long answer is not made for nobody)."""
+        call, first = await self._open(request, omni)
+        collected = tr.Collected()
+
+        async def gather() -> None:
+            async for event in self._events(call, first):
+                collected.add(event)
+
+        work, gone = asyncio.ensure_future(gather()), asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            left = not work.done()  # the client went away (or this task is being cancelled)
+            if left:
+                call.cancel()
+                await cancel_and_wait([work], self.options.finished_stream_end_s, "openai front: a left answer")
+        if left:
+            raise HttpError(499, "the client went away", type="cancelled", code="cancelled")
+        work.result()  # an RPC error as HttpError
+        if collected.finish is None:
+            raise HttpError(502, "the gateway's stream ended without a finish event", type="server_error")
+        return collected
+
+    # ---- /v1/chat/completions
+
+    async def chat(self, request: Request) -> Response:
+        rid = _request_id(request)
+        plan = await _translate(request, tr.chat_request, request_id=rid)
+        model = plan.model or self.options.model
+        created = int(time.time())
+        completion_id = f"chatcmpl-{rid or uuid.uuid4().hex}"
+        headers = {"x-request-id": rid} if rid else {}
+        if not plan.stream:
+            collected = await self._collect(request, plan.request)
+            err = tr.finish_error(collected.finish)
+            if err is not None:
+                raise err
+            body = tr.chat_completion(collected, completion_id=completion_id, created=created, model=model,
+                                      audio_format=plan.audio_format)  # fmt: skip
+            return JSONResponse(body, headers=headers)
+        call, first = await self._open(request, plan.request)
+        return StreamingResponse(self._chat_sse(call, first, plan, completion_id, created, model),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+    async def _chat_sse(self, call, first, plan: tr.ChatPlan, completion_id: str, created: int,
+                        model: str) -> AsyncIterator[bytes]:  # fmt: skip
+        def sse(obj: dict[str, Any]) -> bytes:
+            return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+        audio = tr.AudioDeltas(f"audio-{completion_id}", plan.audio_format) if plan.audio_format else None
+        yield sse(tr.chunk(completion_id, created, model, {"role": "assistant", "content": ""}))
+        events = self._events(call, first)
+        try:
+            async for event in events:
+                kind = event.WhichOneof("event")
+                if kind == "text" and event.text.text:
+                    yield sse(tr.chunk(completion_id, created, model, {"content": event.text.text}))
+                elif kind == "audio" and audio is not None:
+                    delta = audio.delta(event.audio)
+                    if delta is not None:
+                        yield sse(tr.chunk(completion_id, created, model, {"audio": delta}))
+                elif kind == "finish":
+                    finish = event.finish
+                    err = tr.finish_error(finish)
+                    if err is not None:
+                        yield sse(err.body())
+                        break
+                    delta: dict[str, Any] = {}
+                    if audio is not None:
+                        delta["audio"] = {"id": audio.audio_id, **tr.audio_status(finish.audio)}
+                    yield sse(tr.chunk(completion_id, created, model, delta, tr.finish_reason(finish)))
+                    if plan.include_usage:
+                        yield sse(tr.chunk(completion_id, created, model, None, usage_=tr.usage(finish)))
+                    break
+        except HttpError as err:
+            yield sse(err.body())
+        finally:
+            await events.aclose()  # the client left: the stages stop now
+        yield b"data: [DONE]\n\n"
+
+    # ---- /v1/audio/speech
+
+    async def speech(self, request: Request) -> Response:
+        rid = _request_id(request)
+        plan = await _translate(request, tr.speech_request, request_id=rid, max_chars=self.options.max_speech_chars)
+        call, first = await self._open(request, plan.request)
+        events = self._events(call, first)
+        # The status waits for the first audio (or the end): an answer with no speech gets an error.
+        pending: omni_pb2.AudioChunk | None = None
+        try:
+            async for event in events:
+                kind = event.WhichOneof("event")
+                if kind == "audio" and event.audio.pcm16:
+                    pending = event.audio
+                    break
+                if kind == "finish":
+                    raise tr.finish_error(event.finish) or tr.speech_error(event.finish.audio)
+            if pending is None:
+                raise HttpError(502, "the gateway's stream ended without audio or a finish event", type="server_error")
+        except BaseException:
+            await events.aclose()
+            raise
+        rate = pending.sample_rate_hz
+        headers = {"x-sample-rate": str(rate), **({"x-request-id": rid} if rid else {})}
+        if plan.sse:
+            body = self._speech_sse(pending, events)
+            return StreamingResponse(body, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        media = tr.SPEECH_FORMATS[plan.response_format]
+        if plan.response_format == "pcm":
+            media = f"audio/pcm;rate={rate}"
+        return StreamingResponse(self._speech_bytes(pending, events, plan.response_format), media_type=media,
+                                 headers=headers)  # fmt: skip
+
+    @staticmethod
+    async def _speech_bytes(first: omni_pb2.AudioChunk, events, fmt: str) -> AsyncIterator[bytes]:
+        yield (tr.wav_header(first.sample_rate_hz) if fmt == "wav" else b"") + first.pcm16
+        try:
+            async for event in events:
+                if event.WhichOneof("event") == "audio" and event.audio.pcm16:
+                    yield event.audio.pcm16
+        except HttpError as err:  # the status is sent: the body ends short, and the log says why
+            _log.warning("speech stream ended early: %s", err.message)
+        finally:
+            await events.aclose()
+
+    @staticmethod
+    async def _speech_sse(first: omni_pb2.AudioChunk, events) -> AsyncIterator[bytes]:
+        def sse(obj: dict[str, Any]) -> bytes:
+            return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+        yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(first.pcm16).decode(),
+                   "sample_rate": first.sample_rate_hz})  # fmt: skip
+        try:
+            async for event in events:
+                kind = event.WhichOneof("event")
+                if kind == "audio" and event.audio.pcm16:
+                    yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(event.audio.pcm16).decode()})
+                elif kind == "finish":
+                    u = tr.usage(event.finish)
+                    yield sse({"type": "speech.audio.done", "usage": {"input_tokens": u["prompt_tokens"],
+                               "output_tokens": u["completion_tokens"], "total_tokens": u["total_tokens"]},
+                               "audio": tr.audio_status(event.finish.audio)})  # fmt: skip
+        except HttpError as err:
+            yield sse({"type": "error", **err.body()})
+        finally:
+            await events.aclose()
+
+    # ---- /v1/images/generations
+
+    async def images(self, request: Request) -> Response:
+        rid = _request_id(request)
+        omni = await _translate(request, tr.image_request, request_id=rid)
+        collected = await self._collect(request, omni)
+        err = tr.finish_error(collected.finish)
+        if err is not None:
+            raise err
+        if not collected.images:
+            raise HttpError(500, "the request finished without an image", type="server_error", code="no_image")
+        data = [{"b64_json": base64.b64encode(img.png).decode(), "revised_prompt": None} for img in collected.images]
+        first = collected.images[0]
+        body = {"created": int(time.time()), "data": data, "output_format": "png",
+                "size": f"{first.width}x{first.height}",
+                "usage": {"input_tokens": collected.finish.usage.prompt_tokens, "output_tokens": 0,
+                          "total_tokens": collected.finish.usage.prompt_tokens}}  # fmt: skip
+        return JSONResponse(body, headers={"x-request-id": rid} if rid else {})

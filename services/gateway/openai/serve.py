@@ -1,0 +1,110 @@
+"""Run the OpenAI front under uvicorn inside the gateway's event loop (gateway.http_port).
+
+The HTTP server binds the gateway's bind_host at http_port, with the gateway's TLS certificate when it
+has one, and calls the gateway's own Omni port through a gRPC channel. uvicorn's signal handling is
+left out: the gateway's runtime owns SIGTERM and stops this server from its shutdown hook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+
+import grpc
+import uvicorn
+from omnistage.common.config import DeployConfig, ServiceConfig, join_host_port
+from omnistage.common.runtime import auth
+from omnistage.common.runtime.deadlines import within
+from omnistage.services.gateway.openai.app import Front, FrontOptions
+
+_log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers (the gateway's runtime owns SIGINT/SIGTERM)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # uvicorn >= 0.29
+        yield
+
+    def install_signal_handlers(self) -> None:  # older uvicorn
+        pass
+
+
+class HttpFront:
+    """The running HTTP front: `start()` binds (OSError naming the key when it cannot), `stop()` ends it."""
+
+    def __init__(self, cfg: DeployConfig, svc: ServiceConfig, grpc_port: int, capabilities: tuple[str, ...] = ()) -> None:
+        gw = svc.gateway
+        self.svc = svc
+        self.where = join_host_port(svc.bind_host, gw.http_port)
+        target = join_host_port(cfg.dial_host(svc.bind_host), grpc_port)
+        options = [("grpc.max_receive_message_length", svc.max_message_bytes),
+                   ("grpc.max_send_message_length", svc.max_message_bytes)]  # fmt: skip
+        creds = auth.channel_credentials(svc)
+        self.channel = (grpc.aio.secure_channel(target, creds, options) if creds is not None
+                        else grpc.aio.insecure_channel(target, options))  # fmt: skip
+        keys = auth.api_keys(svc)
+        front = Front(
+            self.channel,
+            FrontOptions(model=gw.http_model, timeout_s=gw.http_timeout_s, max_body_bytes=gw.http_max_body_bytes,
+                         capabilities=capabilities),
+            check_key=keys.refusal if keys is not None else None,
+        )
+        ssl = {}
+        if svc.tls is not None:
+            ssl = {"ssl_certfile": svc.tls.cert_file, "ssl_keyfile": svc.tls.key_file}
+            if svc.tls.client_ca_file:
+                import ssl as ssl_mod
+
+                ssl |= {"ssl_ca_certs": svc.tls.client_ca_file, "ssl_cert_reqs": ssl_mod.CERT_REQUIRED}
+        config = uvicorn.Config(front.app(), log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=max(1, int(svc.drain_grace_s)),
+                                **ssl)  # fmt: skip
+        self.server = _Server(config)
+        self.sock: socket.socket | None = None
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Bind and serve; the bound port."""
+        family = socket.AF_INET6 if ":" in self.svc.bind_host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            if os.name != "nt":
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.svc.bind_host, self.svc.gateway.http_port))
+            sock.listen(1024)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"services.{self.svc.name}.gateway.http_port: cannot bind {self.where} (in use?): {exc}") from exc
+        self.sock = sock
+        self.task = asyncio.create_task(self.server.serve(sockets=[sock]), name="openai-http")
+        deadline = asyncio.get_running_loop().time() + 30
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()  # raises what stopped it
+                raise RuntimeError(f"{self.where}: the HTTP server stopped while starting")
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"{self.where}: the HTTP server did not start within 30 s")
+            await asyncio.sleep(0.02)
+        port = sock.getsockname()[1]
+        _log.info("OpenAI-compatible HTTP front at %s (%s)", join_host_port(self.svc.bind_host, port),
+                  "https" if self.svc.tls else "http")
+        return port
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            try:
+                await within(self.task, max(2.0, self.svc.drain_grace_s + 2.0))
+            except (TimeoutError, asyncio.CancelledError):
+                self.task.cancel()
+            except Exception:
+                _log.exception("the HTTP front failed while stopping")
+        await self.channel.close()
+        if self.sock is not None:
+            self.sock.close()

@@ -1,0 +1,210 @@
+"""The OpenAI front's routes against a fake Omni servicer over real gRPC (driven as ASGI, in one loop):
+errors in the OpenAI shape, a finished answer's call ends by itself (never counted as a cancel),
+speech refused before audio, /ready per capability."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from omnistage.services.gateway.openai.app import INLINE_PARSE_BYTES, Front, FrontOptions
+from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
+
+CAPS = ("text", "media_input", "speech")
+
+
+class FakeOmni(omni_pb2_grpc.OmniServicer):
+    """Answers with `events`, then takes `end_delay_s` to return (the gateway's own clean-up)."""
+
+    def __init__(self, events: list[omni_pb2.GenerateEvent], end_delay_s: float = 0.0) -> None:
+        self.events = events
+        self.end_delay_s = end_delay_s
+        self.requests: list[omni_pb2.GenerateRequest] = []
+        self.cancelled = 0
+        self.completed = 0
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        try:
+            for event in self.events:
+                yield event
+            await asyncio.sleep(self.end_delay_s)
+            self.completed += 1
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def text(t: str) -> omni_pb2.GenerateEvent:
+    return omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text=t))
+
+
+def finish(**audio) -> omni_pb2.GenerateEvent:
+    return omni_pb2.GenerateEvent(finish=omni_pb2.Finish(
+        reason=common_pb2.FINISH_REASON_STOP, usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=2),
+        audio=omni_pb2.AudioStatus(**audio)))  # fmt: skip
+
+
+async def asgi(app, method: str, path: str, body: bytes = b"", query: str = "",
+               leave: asyncio.Event | None = None) -> tuple[int, dict, bytes]:  # fmt: skip
+    """One request through the ASGI app: (status, headers, whole body); the client disconnects when
+    `leave` is set."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+             "query_string": query.encode(), "headers": [(b"content-type", b"application/json"),
+                                                         (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
+    delivered, out = False, {"status": 0, "headers": {}, "body": b""}
+
+    async def receive():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await (leave or asyncio.Event()).wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            out["status"] = message["status"]
+            out["headers"] = {k.decode(): v.decode() for k, v in message["headers"]}
+        elif message["type"] == "http.response.body":
+            out["body"] += message.get("body", b"")
+
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    return out["status"], out["headers"], out["body"]
+
+
+def run(scenario, omni: FakeOmni, statuses: dict[str, int] | None = None):
+    """`scenario(app, omni)` with the front's channel on a fake Omni server (and its health)."""
+
+    async def main():
+        server = grpc.aio.server()
+        omni_pb2_grpc.add_OmniServicer_to_server(omni, server)
+        checker = health.aio.HealthServicer()
+        for name, status in (statuses or {}).items():
+            await checker.set(name, status)
+        health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                front = Front(channel, FrontOptions(capabilities=CAPS, max_body_bytes=4 << 20))
+                return await scenario(front.app(), omni)
+        finally:
+            await server.stop(0)
+
+    return asyncio.run(main())
+
+
+def chat_body(**kw) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}], **kw}).encode()
+
+
+def test_bad_bodies_and_routes_get_openai_errors():
+    async def scenario(app, omni):
+        return [await asgi(app, "POST", "/v1/chat/completions", b"{"),
+                await asgi(app, "POST", "/v1/chat/completions", b"[" * 100_000),
+                await asgi(app, "POST", "/v1/chat/completions", b""),
+                await asgi(app, "GET", "/v1/nothing"),
+                await asgi(app, "GET", "/v1/chat/completions")]  # fmt: skip
+
+    replies = run(scenario, FakeOmni([]))
+    errors = [(status, json.loads(body)["error"]) for status, _, body in replies]
+    assert [(s, e["param"]) for s, e in errors[:3]] == [(400, "body")] * 3
+    assert "not valid JSON" in errors[0][1]["message"] and "nested too deeply" in errors[1][1]["message"]
+    assert [s for s, _ in errors[3:]] == [404, 405]
+
+
+def test_a_finished_streamed_answer_ends_its_call_itself():
+    omni = FakeOmni([text("Hel"), text("lo"), finish()], end_delay_s=0.2)
+
+    async def scenario(app, omni):
+        return await asgi(app, "POST", "/v1/chat/completions", chat_body(stream=True))
+
+    status, headers, body = run(scenario, omni)
+    lines = [line for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "stop"
+    assert "".join(json.loads(x[6:])["choices"][0]["delta"].get("content", "") for x in lines[:-1]) == "Hello"
+    assert (omni.completed, omni.cancelled) == (1, 0), "the gateway would count a cancel"
+
+
+def test_a_large_body_is_translated_whole():
+    big = "x" * (INLINE_PARSE_BYTES + 1)
+
+    async def scenario(app, omni):
+        return await asgi(app, "POST", "/v1/chat/completions", json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": big}]}).encode())  # fmt: skip
+
+    omni = FakeOmni([text("ok"), finish()])
+    status, _, body = run(scenario, omni)
+    assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == "ok"
+    assert omni.requests[0].messages[0].parts[0].text == big
+
+
+def test_a_client_that_leaves_a_whole_answer_cancels_its_call():
+    omni = FakeOmni([text("Hel")], end_delay_s=30)  # an answer that takes long
+
+    async def scenario(app, omni):
+        leave = asyncio.Event()
+        reply = asyncio.ensure_future(asgi(app, "POST", "/v1/chat/completions", chat_body(), leave=leave))
+        while not omni.requests:
+            await asyncio.sleep(0.01)
+        leave.set()
+        status = (await reply)[0]
+        for _ in range(500):  # at most 5 s
+            if omni.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        return status
+
+    assert run(scenario, omni) == 499
+    assert (omni.cancelled, omni.completed) == (1, 0), "the call goes on for nobody"
+
+
+def test_speech_with_nothing_spoken_is_an_error_naming_why():
+    omni = FakeOmni([text("Hi"), finish(outcome=omni_pb2.AUDIO_OUTCOME_NONE, code="INVALID_ARGUMENT",
+                                        message="talker: text: nothing to speak")])  # fmt: skip
+
+    async def scenario(app, omni):
+        return await asgi(app, "POST", "/v1/audio/speech", json.dumps({"input": "Hi"}).encode())
+
+    status, _, body = run(scenario, omni)
+    error = json.loads(body)["error"]
+    assert status == 400 and error["message"] == "no speech: talker: text: nothing to speak"
+    assert omni.cancelled == 0
+
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.mark.parametrize(("query", "expected"), [("", 200), ("capability=text", 200), ("capability=speech", 503),
+                                                 ("capability=image_output", 404)])  # fmt: skip
+def test_ready_reports_each_capability(query, expected):
+    statuses = {"": SERVING, "omnistage.v1.Omni.text": SERVING, "omnistage.v1.Omni.media_input": SERVING,
+                "omnistage.v1.Omni.speech": NOT_SERVING}  # fmt: skip
+
+    async def scenario(app, omni):
+        return await asgi(app, "GET", "/ready", query=query)
+
+    status, _, body = run(scenario, FakeOmni([]), statuses)
+    assert status == expected
+    if expected != 404:
+        assert json.loads(body)["capabilities"] == {"text": True, "media_input": True, "speech": False}
+    else:
+        assert json.loads(body)["error"]["param"] == "capability"
+
+
+def test_ready_needs_the_thinker_though_the_gateway_serves():
+    statuses = {"": SERVING, "omnistage.v1.Omni.text": NOT_SERVING, "omnistage.v1.Omni.media_input": NOT_SERVING,
+                "omnistage.v1.Omni.speech": NOT_SERVING}  # fmt: skip
+
+    async def scenario(app, omni):
+        return await asgi(app, "GET", "/ready")
+
+    status, _, body = run(scenario, FakeOmni([]), statuses)
+    assert status == 503 and json.loads(body)["status"] == "not_ready" and json.loads(body)["gateway"] == "SERVING"
