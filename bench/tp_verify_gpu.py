@@ -165,6 +165,8 @@ def deploy(args: argparse.Namespace, ckpt: Path, tp: int, dtype: str, *, product
                "engine": engine, **device}  # fmt: skip
     return {
         "model": {"checkpoint": str(ckpt), "load_format": "dummy"},
+        # No restarts: check (e) is how a lost rank ends the pipeline (the restart is tested apart).
+        "supervision": {"max_restarts": 0},
         "services": {"thinker": thinker, "gateway": {"kind": "gateway", "port": gw}},
     }
 

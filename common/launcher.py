@@ -111,7 +111,10 @@ class Child:
 
 
 def exit_cause(returncode: int, rec: StatusRecord | None) -> str:
-    """Why a child ended: its exit code or signal, plus the failure it wrote, if any."""
+    """Why a child ended: its exit code or signal, plus the failure it wrote, if any. Exit code 1
+    after phase `failed` is the service's own failure exit: just `failed: <why>`."""
+    if returncode == 1 and rec is not None and rec.phase == "failed" and rec.failure:
+        return f"failed: {rec.failure}"
     if returncode < 0:
         name = signal.Signals(-returncode).name
         cause = f"killed by {name}" + (" (out of memory? see dmesg)" if name == "SIGKILL" else "")
@@ -396,7 +399,7 @@ class Launcher:
         if dead is not None:
             culprit = self._root_cause(dead)
             verb = "died" if culprit.proc.poll() is not None else "failed"
-            return culprit, f"{verb}{' while restarting' if g.state == 'starting' else ''}: {culprit.cause}"
+            return culprit, _what(verb + (" while restarting" if g.state == "starting" else ""), culprit.cause)
         if g.state == "starting":
             return self._restart_progress(g, now)
         sv, timeout = self.cfg.supervision, self.cfg.startup.rpc_timeout_s
@@ -404,8 +407,7 @@ class Launcher:
             rec = c.refresh()
             if rec is not None and rec.phase == "failed":
                 culprit = self._root_cause(c)
-                culprit.cause = culprit.cause or f"failed: {rec.failure}"
-                return culprit, culprit.cause
+                return culprit, _what("failed", culprit.cause or rec.failure)
             if c.probe is None and c.rank == 0:
                 if c.channel is None:
                     c.channel = grpc.insecure_channel(self.health_address(c))
@@ -605,6 +607,11 @@ class Launcher:
             return
         if removed:
             self.say(f"omnistage: removed {len(removed)} shared-memory segment(s) the stopped services left", self.err)
+
+
+def _what(verb: str, cause: str) -> str:
+    """`verb: cause` for the launcher's line, unless the cause already says it failed."""
+    return cause if cause.startswith("failed: ") else f"{verb}: {cause}"
 
 
 def _signal_group(child: Child, sig: int, *, leader_gone: bool = False) -> None:

@@ -74,6 +74,8 @@ def _serve(tmp: Path, ckpt: Path, tp_size: int) -> tuple[subprocess.Popen, Path,
     cfg = {
         "model": {"checkpoint": str(ckpt)},
         "startup": {"stop_grace_s": STOP_GRACE_S, "phase_deadlines_s": {"loading_weights": 120, "warming_up": 120}},
+        # No restart: this checks how the pipeline ends (test_pipeline_resilience checks the restart).
+        "supervision": {"max_restarts": 0},
         "services": {"thinker": thinker, "gateway": {"kind": "gateway", "port": gw}},
     }
     path = tmp / "deploy.yaml"
