@@ -188,9 +188,12 @@ def _send_load(gateway: str) -> dict[str, str]:
                     next(call)
                     call.cancel()
                     return "CANCELLED"
-                for _ in stub.Generate(request, timeout=120):
-                    pass
-                return "OK"
+                events = list(stub.Generate(request, timeout=120))
+                if omni_pb2.MODALITY_AUDIO not in request.output_modalities:
+                    return "OK"
+                audio = events[-1].finish.audio  # the spoken answer's speech, as the finish tells it
+                outcome = omni_pb2.AudioOutcome.Name(audio.outcome).removeprefix("AUDIO_OUTCOME_")
+                return f"OK audio {outcome} {audio.code} {audio.message}".strip()
             except grpc.RpcError as exc:
                 return exc.code().name
 
@@ -231,7 +234,8 @@ def _missing_data(prometheus: Prometheus, exprs: list[tuple[str, str]]) -> list[
 
 def test_every_dashboard_query_parses_and_returns_data(live):
     prometheus, _, outcomes = live
-    assert outcomes["speech"] == outcomes["image"] == outcomes["media"] == outcomes["text-0"] == "OK", outcomes
+    assert outcomes["image"] == outcomes["media"] == outcomes["text-0"] == "OK", outcomes
+    assert outcomes["speech"] == "OK audio COMPLETE", outcomes  # else no TTFA reaches the dashboard
     assert outcomes["invalid"] == "INVALID_ARGUMENT" and outcomes["cancelled"] == "CANCELLED", outcomes
     exprs = dashboard_exprs()
     assert len(exprs) > 30
