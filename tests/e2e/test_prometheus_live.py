@@ -202,6 +202,14 @@ def _send_load(gateway: str) -> dict[str, str]:
         for wave in (mixed, burst):
             futures = {name: pool.submit(run, request) for name, request in wave.items()}
             outcomes.update({name: f.result() for name, f in futures.items()})
+    # The random-weight model's answer may hold nothing speakable (then no audio, no TTFA): a few
+    # other seeds, each outcome kept for the assertion's message.
+    for seed in (2, 3, 4):
+        if outcomes["speech"].startswith("OK audio COMPLETE"):
+            break
+        mixed["speech"].sampling.seed = seed
+        outcomes[f"speech-seed-{seed - 1}"] = outcomes["speech"]
+        outcomes["speech"] = run(mixed["speech"])
     return outcomes
 
 
