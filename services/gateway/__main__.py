@@ -113,8 +113,7 @@ async def _warm_up_talker(talker: TalkerClient) -> None:
         if not audio:
             raise RuntimeError(f"{talker.name}: the warm-up sentence got no audio")
     finally:
-        call.cancel()
-        talker.ended()
+        call.cancel()  # its credit comes back once the call is over
 
 
 def _speech_stage(cfg: DeployConfig, svc: ServiceConfig) -> SpeechStage:

@@ -33,6 +33,8 @@ from omnistage.services.gateway.stages import TalkerClient
 from omnistage.v1 import common_pb2, omni_pb2, talker_pb2
 
 MAX_VOICE_CHARS = 256
+# grpc's details when a batch fails in the client (a write into a broken connection), not the peer's status.
+CORE_INTERNAL = "Internal error from Core"
 # Pushback a client gets when this gateway already holds all the talker's streams (the talker's own).
 NO_CREDIT_RETRY_MS = 500
 # After `finished`, how long the talker's handler has to end the call itself (status OK) before it is cancelled.
@@ -193,7 +195,6 @@ class TalkerStream:
             self.accepted.set()
             return False
         self.call = talker.speak(self.timeout_s)
-        self.call.add_done_callback(lambda _: talker.ended())
         return True
 
     def run(self, out: asyncio.Queue) -> None:
@@ -311,6 +312,11 @@ class TalkerStream:
         details = exc.details() or ""
         if not self.stage.talker.up and exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
             self.fail("UNAVAILABLE", self.stage.talker.unavailable().args[0])  # went down under the call
+            return None
+        if exc.code() == grpc.StatusCode.INTERNAL and details == CORE_INTERNAL:
+            # grpc's own word when a write meets a connection that broke (the talker died under the
+            # call before the watch noticed): the stage is unavailable, not failing internally.
+            self.fail("UNAVAILABLE", f"{self.stage.talker.name}: the stream broke ({details})")
             return None
         pushback = str(dict(exc.trailing_metadata() or ()).get(RETRY_PUSHBACK_KEY, "0"))
         self.fail(exc.code().name, f"{self.stage.talker.name}: {details}", int(pushback) if pushback.isdigit() else 0)

@@ -212,7 +212,7 @@ class TalkerClient(StageClient):
         super().__init__(name, address, max_message_bytes, **admin)
         self.stub = talker_pb2_grpc.TalkerStub(self.channel)
         self.max_streams = 0  # 0: unknown
-        self.open_streams = 0
+        self._speaking: set[grpc.aio.Call] = set()  # Speak calls not over yet: the credits in use
 
     async def read_limits(self) -> None:
         desc = await self.describe()
@@ -222,14 +222,17 @@ class TalkerClient(StageClient):
     def has_credit(self) -> bool:
         return not self.max_streams or self.open_streams < self.max_streams
 
-    def speak(self, timeout_s: float | None) -> grpc.aio.StreamStreamCall:
-        """An open Speak call (write config and text, read speech); the caller returns the credit with
-        `ended()` once the call is over."""
-        self.open_streams += 1
-        return self.track(self.stub.Speak(timeout=timeout_s))
+    @property
+    def open_streams(self) -> int:
+        return len(self._speaking)
 
-    def ended(self) -> None:
-        self.open_streams -= 1
+    def speak(self, timeout_s: float | None) -> grpc.aio.StreamStreamCall:
+        """An open Speak call (write config and text, read speech). It holds a credit until it is over
+        (finished, failed or cancelled): counted from the calls themselves, so no path can leak one."""
+        call = self.track(self.stub.Speak(timeout=timeout_s))
+        self._speaking.add(call)
+        call.add_done_callback(self._speaking.discard)
+        return call
 
 
 class ImageGenClient(StageClient):

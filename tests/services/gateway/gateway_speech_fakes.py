@@ -79,7 +79,8 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
     """Speaks each text message as `chunks_per_text` chunks of `chunk_samples` samples at once.
 
     mode: "echo" | "refuse-voice" | "busy" (RESOURCE_EXHAUSTED with pushback) | "fail-after-audio"
-    (UNAVAILABLE after the first text's audio) | "silent" (accepts, then never answers) | "nothing"
+    (UNAVAILABLE after the first text's audio) | "broken-after-audio" (INTERNAL "Internal error from Core",
+    grpc's own status for a write into a broken connection) | "silent" (accepts, then never answers) | "nothing"
     (INVALID_ARGUMENT "text: nothing to speak" at the end). A stream the client cancels after
     `finished`, before the handler returned, counts as cancelled (the real talker's status CANCELLED)."""
 
@@ -118,6 +119,8 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
                     segment += 1
                     if self.mode == "fail-after-audio":
                         await context.abort(grpc.StatusCode.UNAVAILABLE, "talker rank 0 died while serving")
+                    if self.mode == "broken-after-audio":  # what a client sees writing into a dead connection
+                        await context.abort(grpc.StatusCode.INTERNAL, "Internal error from Core")
                 if message.end_of_text:
                     call.end_of_text = True
                     break

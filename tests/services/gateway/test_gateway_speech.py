@@ -221,6 +221,20 @@ def test_a_talker_failing_mid_speech_gives_partial_audio_and_the_whole_text():
     assert "died while serving" in status.message
 
 
+def test_a_stream_broken_under_a_write_is_the_talker_unavailable_not_an_internal_error():
+    """A talker killed mid-speech: a write racing the broken connection makes grpc say INTERNAL
+    "Internal error from Core" before the watch has marked the talker down."""
+    async def scenario():
+        async with TalkerServer(FakeTalker("broken-after-audio")) as srv:
+            return await collect(gateway(FakeThinker(ANSWER, delay_s=0.01), srv.address), request())
+
+    events = run(scenario())
+    assert text_of(events) == ANSWER
+    status = events[-1].finish.audio
+    assert (status.outcome, status.code) == (omni_pb2.AUDIO_OUTCOME_PARTIAL, "UNAVAILABLE")
+    assert status.message == "talker: the stream broke (Internal error from Core)"
+
+
 def test_a_talker_that_takes_no_connection_is_given_up_after_the_idle_timeout():
     """A listening socket that never accepts: the call never connects (gRPC would try for 20 s)."""
     async def scenario():
