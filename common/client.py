@@ -16,6 +16,7 @@ import struct
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from omnistage.common.runtime import auth
@@ -121,8 +122,15 @@ class Result:
             common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_STOP_STRING, common_pb2.FINISH_REASON_LENGTH)
 
 
-def _channel_args(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
+def _channel(api: Any, address: str, credentials: grpc.ChannelCredentials | None, tls: bool,
+             max_message_bytes: int) -> Any:  # fmt: skip
+    """A channel of `api` (grpc or grpc.aio): TLS with `credentials` (system roots when only `tls`)."""
+    args = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
+    if credentials is None and tls:
+        credentials = grpc.ssl_channel_credentials()
+    if credentials is not None:
+        return api.secure_channel(address, credentials, args)
+    return api.insecure_channel(address, args)
 
 
 def tls_credentials(ca_file: str = "", cert_file: str = "", key_file: str = "") -> grpc.ChannelCredentials:
@@ -167,11 +175,7 @@ class OmniClient:
     def __init__(self, address: str, *, api_key: str = "", credentials: grpc.ChannelCredentials | None = None,
                  tls: bool = False, timeout_s: float = 120.0, max_message_bytes: int = 64 << 20,
                  metadata: Sequence[tuple[str, str]] = ()) -> None:  # fmt: skip
-        if credentials is None and tls:
-            credentials = grpc.ssl_channel_credentials()
-        args = _channel_args(max_message_bytes)
-        self._channel = (grpc.secure_channel(address, credentials, args) if credentials is not None
-                         else grpc.insecure_channel(address, args))  # fmt: skip
+        self._channel = _channel(grpc, address, credentials, tls, max_message_bytes)
         self._stub = omni_pb2_grpc.OmniStub(self._channel)
         self.metadata = tuple(metadata) + (auth.bearer(api_key) if api_key else ())
         self.timeout_s = timeout_s
@@ -223,11 +227,7 @@ class AsyncOmniClient:
     def __init__(self, address: str, *, api_key: str = "", credentials: grpc.ChannelCredentials | None = None,
                  tls: bool = False, timeout_s: float = 120.0, max_message_bytes: int = 64 << 20,
                  metadata: Sequence[tuple[str, str]] = ()) -> None:  # fmt: skip
-        if credentials is None and tls:
-            credentials = grpc.ssl_channel_credentials()
-        args = _channel_args(max_message_bytes)
-        self._channel = (grpc.aio.secure_channel(address, credentials, args) if credentials is not None
-                         else grpc.aio.insecure_channel(address, args))  # fmt: skip
+        self._channel = _channel(grpc.aio, address, credentials, tls, max_message_bytes)
         self._stub = omni_pb2_grpc.OmniStub(self._channel)
         self.metadata = tuple(metadata) + (auth.bearer(api_key) if api_key else ())
         self.timeout_s = timeout_s

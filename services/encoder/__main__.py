@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from omnistage.common.config import DeployConfig, ServiceConfig
@@ -26,10 +24,6 @@ from omnistage.services.encoder.items import ItemLimits
 from omnistage.services.encoder.models.loader import load_encoders
 from omnistage.services.encoder.server import EncoderServicer
 from omnistage.v1 import control_pb2, encoder_pb2_grpc
-
-
-def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    return in_daemon_thread(fn, "encoder-startup")
 
 
 def _device(svc: ServiceConfig) -> str:
@@ -65,7 +59,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
             return models, limits, startup.profile(models, mem, limits, allocator_budget, report)
 
     reporter.enter("loading_weights", unit="shards")
-    models, limits, prof = await _in_daemon_thread(load_and_profile)
+    models, limits, prof = await in_daemon_thread(load_and_profile, "encoder-startup")
 
     reporter.enter("warming_up", detail="one image, video and audio clip through the request path")
     transport = TransportContext(

@@ -29,12 +29,10 @@ import grpc
 from omnistage.common import metrics
 from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY, InvalidRequest
-from omnistage.services.gateway.stages import TalkerClient
+from omnistage.services.gateway.stages import TalkerClient, broken_stream
 from omnistage.v1 import common_pb2, omni_pb2, talker_pb2
 
 MAX_VOICE_CHARS = 256
-# grpc's details when a batch fails in the client (a write into a broken connection), not the peer's status.
-CORE_INTERNAL = "Internal error from Core"
 # Pushback a client gets when this gateway already holds all the talker's streams (the talker's own).
 NO_CREDIT_RETRY_MS = 500
 # After `finished`, how long the talker's handler has to end the call itself (status OK) before it is cancelled.
@@ -313,9 +311,7 @@ class TalkerStream:
         if not self.stage.talker.up and exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
             self.fail("UNAVAILABLE", self.stage.talker.unavailable().args[0])  # went down under the call
             return None
-        if exc.code() == grpc.StatusCode.INTERNAL and details == CORE_INTERNAL:
-            # grpc's own word when a write meets a connection that broke (the talker died under the
-            # call before the watch noticed): the stage is unavailable, not failing internally.
+        if broken_stream(exc):  # the talker died under the call before its watch noticed
             self.fail("UNAVAILABLE", f"{self.stage.talker.name}: the stream broke ({details})")
             return None
         pushback = str(dict(exc.trailing_metadata() or ()).get(RETRY_PUSHBACK_KEY, "0"))

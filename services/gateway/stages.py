@@ -53,6 +53,16 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+# grpc's details when a batch fails in the client (a write into a connection the peer broke, e.g. a
+# stage that died under a streaming call before its watch noticed): not the stage's own status.
+CORE_INTERNAL = "Internal error from Core"
+
+
+def broken_stream(exc: grpc.aio.AioRpcError) -> bool:
+    """The call failed in this client because its connection broke: the stage is unavailable."""
+    return exc.code() == grpc.StatusCode.INTERNAL and exc.details() == CORE_INTERNAL
+
+
 class StageClient:
     """A channel to one stage service's main port (its API and health), and Describe on its admin port."""
 
@@ -125,6 +135,8 @@ class StageClient:
         the call, else the stage's own status."""
         if self.down_reason and exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
             return self.unavailable()
+        if broken_stream(exc):
+            return StageUnavailable(f"stage '{self.name}' is unavailable: the stream broke ({exc.details()})")
         return StageError(self.name, exc)
 
     async def describe(self) -> control_pb2.DescribeResponse | None:
@@ -212,7 +224,6 @@ class TalkerClient(StageClient):
         super().__init__(name, address, max_message_bytes, **admin)
         self.stub = talker_pb2_grpc.TalkerStub(self.channel)
         self.max_streams = 0  # 0: unknown
-        self._speaking: set[grpc.aio.Call] = set()  # Speak calls not over yet: the credits in use
 
     async def read_limits(self) -> None:
         desc = await self.describe()
@@ -220,19 +231,13 @@ class TalkerClient(StageClient):
             self.max_streams = desc.limits.max_running_requests
 
     def has_credit(self) -> bool:
-        return not self.max_streams or self.open_streams < self.max_streams
-
-    @property
-    def open_streams(self) -> int:
-        return len(self._speaking)
+        """A credit is a Speak call not over yet (tracked; the only calls this client tracks)."""
+        return not self.max_streams or self.calls_in_flight < self.max_streams
 
     def speak(self, timeout_s: float | None) -> grpc.aio.StreamStreamCall:
         """An open Speak call (write config and text, read speech). It holds a credit until it is over
         (finished, failed or cancelled): counted from the calls themselves, so no path can leak one."""
-        call = self.track(self.stub.Speak(timeout=timeout_s))
-        self._speaking.add(call)
-        call.add_done_callback(self._speaking.discard)
-        return call
+        return self.track(self.stub.Speak(timeout=timeout_s))
 
 
 class ImageGenClient(StageClient):

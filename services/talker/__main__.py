@@ -7,12 +7,9 @@ through the whole Speak path) → serving `omnistage.v1.Talker`. CPU or one GPU 
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from omnistage.common.config import DeployConfig, ServiceConfig
@@ -33,10 +30,6 @@ from omnistage.services.talker.session import SpeakSession
 from omnistage.services.talker.speaker import SpeakerEncoder
 from omnistage.services.talker.voices import VoiceBank
 from omnistage.v1 import control_pb2, talker_pb2_grpc
-
-
-def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    return in_daemon_thread(fn, "talker-startup")
 
 
 def _device(svc: ServiceConfig) -> str:
@@ -76,7 +69,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         return models, voices, prof, runner
 
     reporter.enter("loading_weights", unit="shards")
-    models, voices, prof, runner = await _in_daemon_thread(load_and_profile)
+    models, voices, prof, runner = await in_daemon_thread(load_and_profile, "talker-startup")
 
     reporter.enter("warming_up", detail="one sentence through the Speak path")
     engine = TalkerEngine(runner, service=svc.name, on_step=StepMetrics(svc.name))

@@ -17,8 +17,6 @@ import asyncio
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 from omnistage.common import metrics
 from omnistage.common.config import DeployConfig, ServiceConfig
@@ -44,10 +42,6 @@ log = get_logger(__name__)
 WARMUP_PROMPT = "<role>HUMAN</role>warm-up<|role_end|><role>ASSISTANT</role>"
 
 
-def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    return in_daemon_thread(fn, "thinker-blocking")
-
-
 class ServiceProgress:
     """Start-up progress and TP failures → the service's phase reporter (status file, Describe)."""
 
@@ -66,10 +60,10 @@ class ServiceProgress:
 
 async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
     rank_cfg = RankConfig.from_deploy(cfg, svc, rank)
-    started = await _in_daemon_thread(lambda: start_rank(rank_cfg, ServiceProgress(runtime)))
+    started = await in_daemon_thread(lambda: start_rank(rank_cfg, ServiceProgress(runtime)), "thinker-blocking")
     if rank > 0:
         runtime.set_serving()
-        await _in_daemon_thread(lambda: run_plan_loop(started))
+        await in_daemon_thread(lambda: run_plan_loop(started), "thinker-blocking")
         runtime.request_stop()
         return
     await _serve_rank0(runtime, cfg, svc, started)
@@ -120,7 +114,7 @@ async def _serve_rank0(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceC
         _export_hidden_state_leases(runtime, svc.name, producer)
     runtime.reporter.progress(detail="one real request through the engine")
     try:
-        await _in_daemon_thread(lambda: _warm_up(engine, media))
+        await in_daemon_thread(lambda: _warm_up(engine, media), "thinker-blocking")
     except Exception as exc:
         raise TPError(_group_failure(control, "the warm-up request", exc)) from exc
     engine.stats = EngineMetrics(svc.name, engine)  # after the warm-up: it counts clients' requests only

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,17 +16,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct ports free now on 127.0.0.1 (all held at once while they are picked)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
+from chaos_launch import free_ports  # noqa: E402, F401 - `n` ports free now, held at once while picked
 
 
 def metric(url: str, prefix: str, default: float | None = None) -> float:

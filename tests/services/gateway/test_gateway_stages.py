@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from omnistage.common import metrics
 from omnistage.common.config import config_from_dict
 from omnistage.common.runtime.deadlines import wait_for_async
+from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.services.gateway.stage_watch import StageWatch, WatchConfig
 from omnistage.services.gateway.stages import ThinkerClient
@@ -161,3 +163,22 @@ def test_capability_readiness_is_served_as_health_names_and_in_describe(tmp_path
             await asyncio.wait_for(rt.serve_until_stopped(), 10)
 
     asyncio.run(scenario())
+
+
+def test_a_stream_broken_in_the_client_is_the_stage_unavailable_not_internal():
+    """grpc's "Internal error from Core" (a write into a connection the stage broke by dying) names the
+    stage as UNAVAILABLE; the stage's own INTERNAL stays INTERNAL."""
+
+    async def main():
+        client = ThinkerClient("thinker", "127.0.0.1:1", 1 << 20)
+        try:
+            broken = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, None, None, "Internal error from Core")
+            err = client.error(broken)
+            assert isinstance(err, StageUnavailable) and err.code == grpc.StatusCode.UNAVAILABLE
+            assert str(err) == "stage 'thinker' is unavailable: the stream broke (Internal error from Core)"
+            own = client.error(grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, None, None, "engine bug"))
+            assert own.code == grpc.StatusCode.INTERNAL and "engine bug" in str(own)
+        finally:
+            await client.close()
+
+    asyncio.run(main())
