@@ -46,6 +46,12 @@ class FaultConfig:
     at: Literal["", "kv_rebuild", "kv_validation", "warmup_forward"] = ""
 
 
+# The thinker's kernel choices (engine.attention_backend / engine.moe_backend); `auto` takes the
+# fastest one the device runs (services/thinker/models/layers/backends.py).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+MOE_BACKENDS = ("auto", "torch", "triton")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Thinker engine limits (paged KV cache, continuous batching)."""
@@ -74,6 +80,14 @@ class EngineConfig:
     kv_canary_bytes: int = 256 * 1024 * 1024
     # KV tokens of the probe cache used while measuring the peak; 0 means chosen by the engine.
     kv_probe_tokens: int = 0
+    # Attention kernels: auto | torch (reference) | triton (paged decode + KV writes in Triton).
+    attention_backend: str = "auto"
+    # Routed-expert kernels: auto | torch (reference, one GEMM pair per expert) | triton (fused MoE).
+    moe_backend: str = "auto"
+    # Capture decode steps as CUDA graphs at padded batch sizes (CUDA with graph-safe backends only).
+    cuda_graphs: bool = True
+    # Largest decode batch replayed from a graph; 0 means max_num_seqs (bigger batches run eagerly).
+    cuda_graph_max_batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -616,8 +630,11 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
             _positive(f"{p}.engine.{key}", getattr(e, key))
         _positive(f"{p}.engine.num_kv_blocks", e.num_kv_blocks, allow_zero=True)
         _positive(f"{p}.engine.max_queued_requests", e.max_queued_requests, allow_zero=True)
-        for key in ("kv_tokens", "kv_canary_bytes", "kv_probe_tokens"):
+        for key in ("kv_tokens", "kv_canary_bytes", "kv_probe_tokens", "cuda_graph_max_batch"):
             _positive(f"{p}.engine.{key}", getattr(e, key), allow_zero=True)
+        for key, allowed in (("attention_backend", ATTENTION_BACKENDS), ("moe_backend", MOE_BACKENDS)):
+            if getattr(e, key) not in allowed:
+                raise ConfigError(f"{p}.engine.{key}: expected one of {', '.join(allowed)}, got {getattr(e, key)!r}")
         if not 0 < e.kv_safety_factor <= 1:
             raise ConfigError(f"{p}.engine.kv_safety_factor: expected a number in (0, 1], got {e.kv_safety_factor}")
         if e.kv_tokens and e.num_kv_blocks:

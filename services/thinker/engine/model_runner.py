@@ -17,6 +17,7 @@ import torch
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import fmt_bytes
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
+from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs
 from omnistage.services.thinker.engine.step_plan import StepPlan
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 from omnistage.v1 import control_pb2
@@ -69,6 +70,8 @@ class ModelRunner:
         # Set by the KV auto-profile (0 when the cache was not profiled): for Describe and metrics.
         self.budget_bytes = 0
         self.activation_peak_bytes = 0
+        # Decode steps replayed from CUDA graphs (engine/cuda_graphs.py), set by start-up when captured.
+        self.graphs: DecodeGraphs | None = None
         if allocate:
             self.allocate_kv(cfg.num_kv_blocks)
 
@@ -143,6 +146,11 @@ class ModelRunner:
             total_bytes=weights + kv + activation,
         )
 
+    def use_graphs(self, graphs: DecodeGraphs) -> None:
+        """Replay covered decode steps from `graphs` (already captured against this cache, or eager)."""
+        self.graphs = graphs
+        self.kv_users.append(graphs)
+
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run one step; returns float32 logits [R, vocab] on rank 0 (None elsewhere or if R == 0)."""
         return self.execute_step(plan).logits
@@ -152,12 +160,16 @@ class ModelRunner:
         """Run one step: the logits of the sampling rows and (rank 0) the hidden rows the plan keeps."""
         if plan.num_tokens == 0:
             return StepOutput()
+        if self.graphs is not None and self.graphs.covers(plan):
+            logits = self.graphs.run(plan)
+            return StepOutput(logits if self.rank == 0 else None)
         dev = self.device
         md = AttentionMetadata(
             query_lens=plan.query_lens.tolist(),
             context_lens=plan.context_lens.tolist(),
             slot_mapping=plan.slot_mapping.to(dev, non_blocking=True),
             block_tables=plan.block_tables.to(dev, non_blocking=True),
+            context_lens_tensor=plan.context_lens.to(dev, torch.int32, non_blocking=True),
         )
         with attention_metadata(md):
             hidden = self.model(

@@ -3,7 +3,8 @@
     loading_weights   this rank's slices, materialised in the target dtype (or dummy weights)
     profiling_memory  KV auto-profile with every rank agreeing (kv_profile.py); plain CPU: configured size
     warming_up        dummy shapes, all ranks run or skip each (warmup.py)
-    (capturing_graphs: nothing to capture yet — `capture_graphs` is where it goes)
+    capturing_graphs  decode steps as CUDA graphs at padded batch sizes (cuda_graphs.py), when the
+                      device is CUDA and the kernels chosen (models/layers/backends.py) are graph-safe
 
 It takes one resolved `RankConfig` and reports to one `StartupProgress`. The rank's PeerWatch runs
 from the rendezvous on, so a peer's failure ends this rank even inside a collective; a failure here
@@ -32,12 +33,19 @@ from omnistage.common.config import (
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import DeviceMemory, device_memory_for
 from omnistage.services.thinker.engine.config import resolve_engine_config
+from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
 from omnistage.services.thinker.engine.distributed import GroupFailure, TPControl, TPError, join_tp_group
 from omnistage.services.thinker.engine.faults import StartupFault
 from omnistage.services.thinker.engine.kv_profile import KVProfile, KVSettings, peers_bytes, size_kv_cache
 from omnistage.services.thinker.engine.model_runner import ModelRunner, to_dtype
 from omnistage.services.thinker.engine.warmup import WarmupResult, run_warmup, warmup_shapes
 from omnistage.services.thinker.models.bailing_moe_v2 import BailingMoeV2ForCausalLM
+from omnistage.services.thinker.models.layers.backends import (
+    BackendError,
+    Backends,
+    install_backends,
+    resolve_backends,
+)
 from omnistage.services.thinker.models.loader import load_model
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
 
@@ -223,6 +231,8 @@ class _Startup:
         warm: WarmupResult | None = None
         with mem.meter() if mem is not None else contextlib.nullcontext():
             model = self.load_weights()
+            backends = self.install_backends(model)
+            graphs = cfg.engine.cuda_graphs and dev.type == "cuda" and backends.graph_safe
             self.enter("profiling_memory", unit="attempts")
             if mem is None:
                 blocks = self.control.agree_min(resolve_engine_config(cfg.engine).num_kv_blocks, "agreeing on KV blocks")
@@ -232,6 +242,9 @@ class _Startup:
                 limits = resolve_engine_config(cfg.engine, one_request)  # as configured; no cache yet
                 self.runner = ModelRunner(model, limits, cfg.device, cfg.rank, allocate=False)
                 settings = KVSettings.from_config(cfg.engine, cfg.memory, mem.total())
+                if graphs:  # the graphs' pool is kept free like the canary (and proven so)
+                    reserve = graph_reserve_bytes(self.graph_batch(), model.lm_head.rows, cfg.world_size)
+                    settings = dataclasses.replace(settings, canary_bytes=settings.canary_bytes + reserve)
                 prof = size_kv_cache(
                     self.runner, self.control, mem, settings, peers_at_start=peers_at_start, progress=self.step
                 )
@@ -242,11 +255,40 @@ class _Startup:
                     cap_bytes=prof.cap_bytes if prof else 0, need_bytes=prof.shape_peaks if prof else None,
                     progress=self.step,
                 )  # fmt: skip
-            capture_graphs(self.runner)
+            if graphs:
+                self.enter("capturing_graphs", unit="graphs")
+                self.capture_graphs()
         self.seconds[self.phase] = time.monotonic() - self._phase_started
         self.control.enter_serving()
         seconds = {k: round(v, 3) for k, v in self.seconds.items()}
         return StartedRank(cfg, self.runner, self.control, tokenizer, mem, prof, warm, seconds, self.load_peak_bytes)
+
+    def install_backends(self, model: BailingMoeV2ForCausalLM) -> Backends:
+        """The deploy file's kernel choice, resolved for this device and installed in the model."""
+        e = self.cfg.engine
+        try:
+            backends = resolve_backends(e.attention_backend, e.moe_backend, torch.device(self.cfg.device),
+                                        e.block_size, model.config.head_dim)  # fmt: skip
+        except BackendError as exc:
+            raise StartupError(self.control.fail("choosing kernels", exc)) from exc
+        install_backends(model, backends)
+        log.info("kernels: attention %s, moe %s", backends.attention, backends.moe)
+        return backends
+
+    def graph_batch(self) -> int:
+        e = self.cfg.engine
+        return min(e.cuda_graph_max_batch or e.max_num_seqs, e.max_num_seqs)
+
+    def capture_graphs(self) -> None:
+        """Every rank captures the same sizes (each replays what rank 0's plan says); a failure on
+        any rank fails the group with its diagnostic, like a failed warm-up forward."""
+        runner = self.runner
+        graphs = DecodeGraphs(runner.model, self.graph_batch(), runner.cfg.max_blocks_per_seq, runner.device)
+        try:
+            graphs.capture(progress=lambda detail, done, total: self.step(detail, done, total))
+        except Exception as exc:
+            raise StartupError(self.control.fail("capturing decode graphs", exc)) from exc
+        runner.use_graphs(graphs)
 
     def load_weights(self) -> BailingMoeV2ForCausalLM:
         cfg = self.cfg
@@ -265,5 +307,3 @@ class _Startup:
         return model
 
 
-def capture_graphs(runner: ModelRunner) -> None:
-    """CUDA graphs are captured here once they exist (after warm-up, against the final KV cache)."""

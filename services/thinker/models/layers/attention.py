@@ -1,4 +1,5 @@
-"""Paged causal attention over a block-table KV cache (plain PyTorch reference kernel).
+"""Paged causal attention over a block-table KV cache: the step's metadata, the layer, and the
+PyTorch reference kernel (the CPU path and the oracle of the fast backends in `backends.py`).
 
 The model runner describes one step (prefill chunks and decodes mixed) with `AttentionMetadata`
 and installs it with `attention_metadata(...)`; every `PagedAttention` layer reads it. Tokens are
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None
     # [num_seqs, max_blocks] int64 block ids per sequence (-1 padded); None: no cache.
     block_tables: torch.Tensor | None = None
+    # [num_seqs] context_lens on the device, for kernels that read lengths there (decode graphs).
+    context_lens_tensor: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.query_lens) != len(self.context_lens):
@@ -42,6 +46,11 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token (a pure decode step)."""
+        return all(q == 1 for q in self.query_lens)
 
     @classmethod
     def no_cache(cls, query_lens: list[int]) -> AttentionMetadata:
@@ -70,11 +79,19 @@ def current_metadata(num_tokens: int) -> AttentionMetadata:
     return _CURRENT if _CURRENT is not None else AttentionMetadata.no_cache([num_tokens])
 
 
+class AttentionBackend(Protocol):
+    """How one layer's attention runs (the deploy file picks: `backends.py`)."""
+
+    def forward(
+        self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor: ...
+
+
 class PagedAttention(nn.Module):
     """Attention of one layer over its slice of heads; holds that layer's KV cache views.
 
     `k_cache`/`v_cache` are [num_blocks, block_size, num_kv_heads, head_dim] views assigned by the
-    model runner; empty tensors until then.
+    model runner; empty tensors until then. `backend` runs it (the reference unless one is installed).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -85,17 +102,26 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.backend: AttentionBackend = TORCH_ATTENTION
+
+    @property
+    def has_cache(self) -> bool:
+        return self.k_cache.numel() > 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] → [T, H, D]."""
-        md = current_metadata(q.shape[0])
-        use_cache = md.slot_mapping is not None and self.k_cache.numel() > 0
+        return self.backend.forward(self, q, k, v, current_metadata(q.shape[0]))
+
+
+class TorchAttention:
+    """The reference: K/V written with index_copy_, then each sequence attends in fp32 on its own."""
+
+    def forward(
+        self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        use_cache = md.slot_mapping is not None and layer.has_cache
         if use_cache:
-            block_size = self.k_cache.shape[1]
-            flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-            flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-            flat_k.index_copy_(0, md.slot_mapping, k.to(flat_k.dtype))
-            flat_v.index_copy_(0, md.slot_mapping, v.to(flat_v.dtype))
+            write_kv_reference(layer, k, v, md.slot_mapping)
         out = torch.empty_like(q)
         start = 0
         for i, (qlen, ctx) in enumerate(zip(md.query_lens, md.context_lens, strict=True)):
@@ -103,25 +129,49 @@ class PagedAttention(nn.Module):
                 continue
             qi = q[start : start + qlen]
             if use_cache:
-                blocks = md.block_tables[i, : (ctx + block_size - 1) // block_size]
-                slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).flatten()
-                slots = slots[:ctx]
-                ki, vi = flat_k.index_select(0, slots), flat_v.index_select(0, slots)
+                ki, vi = gather_context(layer, md.block_tables[i], ctx)
             else:
                 ki, vi = k[start : start + qlen], v[start : start + qlen]
-            out[start : start + qlen] = self._attend(qi, ki, vi, ctx - qlen)
+            out[start : start + qlen] = attend_reference(layer, qi, ki, vi, ctx - qlen)
             start += qlen
         return out
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
-        """Causal attention of q (positions offset..offset+len-1) over k/v (positions 0..ctx-1)."""
-        groups = self.num_heads // self.num_kv_heads
-        qh = q.transpose(0, 1)  # [H, q, D]
-        kh = k.transpose(0, 1).repeat_interleave(groups, dim=0)  # [H, ctx, D]
-        vh = v.transpose(0, 1).repeat_interleave(groups, dim=0)
-        scores = torch.matmul(qh.float(), kh.float().transpose(1, 2)) * self.scale
-        qpos = torch.arange(q.shape[0], device=q.device)[:, None] + offset
-        kpos = torch.arange(k.shape[0], device=q.device)[None, :]
-        scores.masked_fill_(kpos > qpos, float("-inf"))
-        probs = F.softmax(scores, dim=-1)
-        return torch.matmul(probs, vh.float()).to(q.dtype).transpose(0, 1)
+
+def write_kv_reference(layer: PagedAttention, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """K/V rows into the cache at `slots`; a slot < 0 (a padding row of a decode graph) is skipped."""
+    flat_k = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+    flat_v = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+    if slots.numel() and bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
+    flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
+
+
+def gather_context(layer: PagedAttention, table: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `ctx` cached K/V rows [ctx, KVH, D] of one sequence, through its block table row."""
+    block_size = layer.k_cache.shape[1]
+    blocks = table[: (ctx + block_size - 1) // block_size]
+    slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).flatten()[:ctx]
+    flat_k = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+    flat_v = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+    return flat_k.index_select(0, slots), flat_v.index_select(0, slots)
+
+
+def attend_reference(
+    layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int
+) -> torch.Tensor:
+    """Causal attention of q (positions offset..offset+len-1) over k/v (positions 0..ctx-1), in fp32."""
+    groups = layer.num_heads // layer.num_kv_heads
+    qh = q.transpose(0, 1)  # [H, q, D]
+    kh = k.transpose(0, 1).repeat_interleave(groups, dim=0)  # [H, ctx, D]
+    vh = v.transpose(0, 1).repeat_interleave(groups, dim=0)
+    scores = torch.matmul(qh.float(), kh.float().transpose(1, 2)) * layer.scale
+    qpos = torch.arange(q.shape[0], device=q.device)[:, None] + offset
+    kpos = torch.arange(k.shape[0], device=q.device)[None, :]
+    scores.masked_fill_(kpos > qpos, float("-inf"))
+    probs = F.softmax(scores, dim=-1)
+    return torch.matmul(probs, vh.float()).to(q.dtype).transpose(0, 1)
+
+
+TORCH_ATTENTION = TorchAttention()

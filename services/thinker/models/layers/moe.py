@@ -9,6 +9,7 @@ than expert parallelism would give.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,8 @@ class FusedExperts(nn.Module):
         self.local = divide(intermediate, tp.size, "moe_intermediate_size")
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
+        # A fused kernel with this forward's signature (layers/backends.py); None: the reference loop.
+        self.kernel: Callable[..., torch.Tensor] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """shard_id = (expert, "gate" | "up" | "down"): one checkpoint tensor per expert."""
@@ -129,6 +132,8 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Weighted expert mix, accumulated in fp32: [T, H] (this rank's partial sum under TP)."""
+        if self.kernel is not None:
+            return self.kernel(x, self.w13, self.w2, weights, ids)
         t, k = ids.shape
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
         flat = ids.flatten()

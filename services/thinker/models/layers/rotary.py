@@ -39,6 +39,8 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"unsupported rope type {rope_type!r}")
         self.head_dim, self.rotary_dim, self.theta, self.rope_type = head_dim, rotary_dim, theta, rope_type
         self._axes = video_rope_axes(rotary_dim // 2) if rope_type == "video_rope" else None
+        # The axes index per device, made once: no host-to-device copy inside a forward (CUDA graphs).
+        self._axes_on: dict[torch.device, torch.Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         exps = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device).float() / self.rotary_dim
@@ -52,7 +54,10 @@ class RotaryEmbedding(nn.Module):
         if self._axes is None:
             angles = positions[0].float()[:, None] * inv[None, :]
         else:
-            axes = torch.tensor(self._axes, dtype=torch.long, device=positions.device)
+            axes = self._axes_on.get(positions.device)
+            if axes is None:
+                axes = torch.tensor(self._axes, dtype=torch.long, device=positions.device)
+                self._axes_on[positions.device] = axes
             pos = positions.float()[axes]  # [half, T]: each pair's axis
             angles = pos.t() * inv[None, :]
         emb = torch.cat((angles, angles), dim=-1)

@@ -1,0 +1,182 @@
+"""Decode steps replayed from CUDA graphs: one graph per padded batch size, captured at start-up.
+
+A pure decode step (every sequence adds one token; nothing spliced, no hidden rows kept) of n
+sequences runs the graph of the smallest captured size >= n. The graph reads static buffers: the
+plan's ids, positions, slots, context lengths and block tables, packed on the host into one pinned
+int64 array and sent to the device in one copy. Rows n..size-1 are padding: slot -1 (no KV write),
+context length 0 (attention gives zeros), token 0; their logits are never read. The forward inside
+reads every length from those tensors (graph-safe backends only: `Backends.graph_safe`), so one
+capture serves every step of that size. Under TP every rank replays the same size (same plan).
+
+Without capture (`capture=False`: CPU tests under TRITON_INTERPRET) the same buffers drive an eager
+forward, so bucket choice, padding and buffer reuse are checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+
+import torch
+from omnistage.common.log import get_logger
+from omnistage.common.memory.device import fmt_bytes
+from omnistage.services.thinker.engine.step_plan import PlanKind, StepPlan
+from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
+from torch import nn
+
+log = get_logger(__name__)
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_batch, and max_batch itself."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch + 1, 8))
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+def graph_reserve_bytes(max_batch: int, vocab_local: int, tp_size: int) -> int:
+    """What the captured graphs keep on the device, for the KV profile to leave free: each size's
+    fp32 logits output plus the largest size's logits in flight (local bf16 + gathered), and a
+    margin for the activations of one decode step (small next to the logits)."""
+    sizes = graph_batch_sizes(max_batch)
+    outputs = sum(sizes) * vocab_local * tp_size * 4
+    in_flight = max_batch * vocab_local * (2 + 2 * tp_size)
+    return outputs + in_flight + (64 << 20)
+
+
+class DecodeGraphs:
+    """Static decode buffers, one graph per batch size; a KV-cache user (graphs die with the cache)."""
+
+    def __init__(
+        self, model: nn.Module, max_batch: int, max_blocks: int, device: torch.device, capture: bool = True
+    ) -> None:
+        if max_batch < 1 or max_blocks < 1:
+            raise ValueError(f"decode graphs need max_batch and max_blocks >= 1 (got {max_batch}, {max_blocks})")
+        self.model = model
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch, self.width, self.device, self.capture_enabled = max_batch, max_blocks, device, capture
+        n = max_batch
+        self.layout = (n, 3 * n, n, n, n * max_blocks)  # ids, positions, slots, context lens, tables
+        total = sum(self.layout)
+        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.staged = torch.zeros(total, dtype=torch.int64, device=device)
+        self.h_ids, self.h_pos, self.h_slots, self.h_ctx, self.h_tables = self._views(self.host)
+        self.ids, self.pos, self.slots, self.ctx, self.tables = self._views(self.staged)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.ready = not capture  # eager mode needs no capture; captured mode only after capture()
+        self.replays = 0
+
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = self.max_batch
+        ids, pos, slots, ctx, tables = torch.split(buf, self.layout)
+        return ids, pos.view(3, n), slots, ctx, tables.view(n, self.width)
+
+    # --- which steps -----------------------------------------------------------------------------
+
+    def size_for(self, num_seqs: int) -> int:
+        """The smallest captured size that holds `num_seqs` sequences."""
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+
+    def covers(self, plan: StepPlan) -> bool:
+        """A pure decode step within the captured sizes and block-table width."""
+        seqs = int(plan.query_lens.numel())
+        return (
+            self.ready
+            and plan.kind is PlanKind.RUN
+            and 0 < seqs <= self.max_batch
+            and plan.num_tokens == seqs
+            and plan.num_media_rows == 0
+            and plan.hidden_index.numel() == 0
+            and plan.sample_rows.numel() == seqs
+            and plan.block_tables.shape[1] <= self.width
+        )
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """fp32 logits [n, vocab] of a covered decode step (a view of the graph's output: read it
+        before the next step)."""
+        n = int(plan.query_lens.numel())
+        size = self.size_for(n)
+        self._stage(plan, n, size)
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self._forward(size)[:n]
+        graph.replay()
+        self.replays += 1
+        return self.outputs[size][:n]
+
+    def _stage(self, plan: StepPlan, n: int, size: int) -> None:
+        """The plan into the host buffer (padding rows: token 0, slot -1, length 0), then one copy."""
+        width = plan.block_tables.shape[1]
+        self.h_ids[:n] = plan.input_ids
+        self.h_ids[n:size] = 0
+        self.h_pos[:, :n] = plan.positions
+        self.h_pos[:, n:size] = 0
+        self.h_slots[:n] = plan.slot_mapping
+        self.h_slots[n:size] = -1
+        self.h_ctx[:n] = plan.context_lens
+        self.h_ctx[n:size] = 0
+        self.h_tables[:n, :width] = plan.block_tables
+        self.staged.copy_(self.host, non_blocking=True)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The model over the first `size` static rows; every length comes from the buffers."""
+        md = AttentionMetadata(
+            query_lens=[1] * size,
+            context_lens=[1] * size,  # placeholders: graph-safe backends read context_lens_tensor
+            slot_mapping=self.slots[:size],
+            block_tables=self.tables[:size],
+            context_lens_tensor=self.ctx[:size],
+        )
+        with attention_metadata(md):
+            hidden = self.model(self.ids[:size], self.pos[:, :size])
+        return self.model.compute_logits(hidden)
+
+    # --- capture ----------------------------------------------------------------------------------
+
+    def capture(self, progress: Callable[[str, int, int], None] | None = None) -> int:
+        """Capture every size, largest first, into one memory pool; returns the bytes it took."""
+        if not self.capture_enabled:
+            return 0
+        before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        started = time.monotonic()
+        for i, size in enumerate(reversed(self.sizes)):
+            self._stage_padding(size)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._forward(size)  # compiles the kernels of this size outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.outputs[size] = self._forward(size)
+            self.graphs[size] = graph
+            if progress is not None:
+                progress(f"decode graph batch {size}", i + 1, len(self.sizes))
+        torch.cuda.synchronize(self.device)
+        self.ready = True
+        took = torch.cuda.memory_reserved(self.device) - before
+        log.info("captured %d decode graphs (batch %s) in %.1fs, %s", len(self.sizes),
+                 ",".join(map(str, self.sizes)), time.monotonic() - started, fmt_bytes(took))  # fmt: skip
+        return took
+
+    def _stage_padding(self, size: int) -> None:
+        """Every row padding: nothing is written to the cache while capturing."""
+        self.host[:] = 0
+        self.h_slots[:size] = -1
+        self.staged.copy_(self.host)
+
+    # --- the KV cache: graphs point into it, so they go when it goes -------------------------------
+
+    def bind_kv(self, kv_cache: torch.Tensor) -> None:
+        """A new cache: graphs must be captured again (`capture`) before they are used."""
+
+    def release_kv(self) -> None:
+        self.graphs.clear()
+        self.outputs.clear()
+        self.ready = not self.capture_enabled

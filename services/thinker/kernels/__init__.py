@@ -1,0 +1,15 @@
+"""Triton kernels of the thinker's fast paths (fused MoE, paged decode attention, KV writes).
+
+Imported only when a fast backend is chosen (`models/layers/backends.py`), never by the reference
+path, so a CPU install needs no triton. On a CPU, tests run these kernels in fp32 under
+`TRITON_INTERPRET=1` (set before triton is imported) against the torch reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def triton_available() -> bool:
+    """triton is importable (its kernels run on CUDA devices, or anywhere under TRITON_INTERPRET=1)."""
+    return importlib.util.find_spec("triton") is not None

@@ -1,0 +1,183 @@
+"""Routed experts in two Triton launches, with no host sync (so a decode step can be a CUDA graph).
+
+1. `align_by_expert`: the T x top_k (token, expert) pairs sorted by expert into blocks of BLOCK_M
+   rows, each expert's run padded to a whole block (pad rows point past the last pair), built from
+   torch ops whose sizes depend only on T — no `.tolist()`, no bincount (which syncs on CUDA).
+2. `_gate_up_kernel`: per block, x rows @ the block's expert gate and up rows, SiLU(gate) * up in the
+   epilogue, written to an [N, I] intermediate (N = T x top_k pairs).
+3. `_down_kernel`: intermediate @ the expert's down rows, times the pair's routing weight, written
+   in fp32 to [N, H]; the top_k partials of a token are then summed (fixed order, deterministic).
+
+The reference is `FusedExperts.forward` (layers/moe.py): same experts, same weights, fp32 sums.
+Differences are rounding only: here SiLU(gate) * up is taken on fp32 accumulators before the cast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Tile sizes of both GEMMs; small-M tiles in decode (memory-bound), larger ones in prefill."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
+    """From the average rows an expert gets: a decode batch touches each expert with a few rows."""
+    per_expert = num_pairs / max(1, num_experts)
+    if per_expert <= 4:
+        return MoeTiles(16, 64, 128, 4, 3)
+    if per_expert <= 32:
+        return MoeTiles(32, 64, 64, 4, 3)
+    return MoeTiles(64, 128, 64, 8, 3)
+
+
+def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted layout in the worst case: every hit expert's run padded by block_m - 1."""
+    worst = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-worst // block_m) * block_m
+
+
+def align_by_expert(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] → (sorted_pairs [P] int32, block_expert [P / block_m] int32, num_rows [1] int32).
+
+    sorted_pairs holds pair indices (token * k + slot) grouped by expert, each expert's run starting
+    on a block boundary; pad entries hold N = T * k (out of range: masked by the kernels). Blocks past
+    `num_rows` are skipped by the kernels. P depends only on T, k, E and block_m."""
+    flat = ids.flatten().to(torch.int64)
+    n = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = flat.argsort(stable=True)
+    experts = flat[order]
+    first_of_expert = counts.cumsum(0) - counts
+    dest = starts[experts] + torch.arange(n, device=dev) - first_of_expert[experts]
+    total = max_padded_rows(n, num_experts, block_m)
+    sorted_pairs = torch.full((total,), n, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, total, block_m, device=dev)
+    block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, block_expert.to(torch.int32), ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_rows_ptr,
+    num_pairs, hidden, inter, top_k,
+    stride_xm, stride_we, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    rows = tl.where(valid, pairs // top_k, 0)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_base = w_ptr + expert * stride_we + offs_k[:, None]
+    g_ptrs = w_base + offs_n[None, :] * stride_wn
+    u_ptrs = w_base + (offs_n[None, :] + inter) * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = offs_k < hidden - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, out_ptr, weight_ptr, pairs_ptr, block_expert_ptr, num_rows_ptr,
+    num_pairs, hidden, inter,
+    stride_hm, stride_we, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    safe = tl.where(valid, pairs, 0).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + safe[:, None] * stride_hm + offs_k[None, :]
+    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = offs_k < inter - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    # The reference rounds each expert's output to the activation dtype before weighting it.
+    acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
+    acc = acc * tl.load(weight_ptr + safe, mask=valid, other=0.0)[:, None]
+    out_ptrs = out_ptr + safe[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc, mask=valid[:, None] & n_ok[None, :])
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] → fp32 [T, H]."""
+    t, k = ids.shape
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    if t == 0:
+        return torch.zeros(0, hidden, dtype=torch.float32, device=x.device)
+    x = x.contiguous()
+    n = t * k
+    tiles = choose_tiles(n, num_experts)
+    pairs, block_expert, num_rows = align_by_expert(ids, num_experts, tiles.block_m)
+    num_blocks = block_expert.numel()
+    h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    grid = (num_blocks, triton.cdiv(inter, tiles.block_n))
+    _gate_up_kernel[grid](
+        x, w13, h, pairs, block_expert, num_rows, n, hidden, inter, k,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
+    grid = (num_blocks, triton.cdiv(hidden, tiles.block_n))
+    _down_kernel[grid](
+        h, w2, out, weights.reshape(-1).float().contiguous(), pairs, block_expert, num_rows, n, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    return out.view(t, k, hidden).sum(dim=1)

@@ -1,0 +1,109 @@
+"""Paged KV writes and paged decode attention in Triton, with every length read on the device.
+
+Both run inside a captured decode graph: their launch shapes depend only on the (padded) batch, and
+what varies per step — slots, block tables, context lengths — is read from tensors. Padding rows of
+a graph carry slot -1 (nothing written) and context length 0 (output zeros).
+
+Layout: one layer's cache is [num_blocks, block_size, num_kv_heads, head_dim] for K and for V
+(models/layers/attention.py); a decode query is [B, num_heads, head_dim] with GQA groups of
+num_heads / num_kv_heads consecutive heads per KV head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    stride_kt, stride_vt, width,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    for start in range(0, width, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < width
+        tl.store(k_cache_ptr + slot * width + offs, tl.load(k_ptr + t * stride_kt + offs, mask=ok), mask=ok)
+        tl.store(v_cache_ptr + slot * width + offs, tl.load(v_ptr + t * stride_vt + offs, mask=ok), mask=ok)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:  # fmt: skip
+    """k/v [T, KVH, D] into the caches at `slots` [T] (block * block_size + offset); slot < 0: skipped."""
+    t = k.shape[0]
+    if t == 0:
+        return
+    width = k.shape[1] * k.shape[2]
+    k2, v2 = k.reshape(t, width), v.reshape(t, width)
+    _write_kv_kernel[(t,)](k2, v2, k_cache, v_cache, slots, k2.stride(0), v2.stride(0), width,
+                           BLOCK=min(1024, triton.next_power_of_2(width)))  # fmt: skip
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, out_ptr,
+    scale, group, stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
+    stride_cb, stride_cs, stride_ch,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP_PAD: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
+    heads = kvh * group + tl.arange(0, GROUP_PAD)
+    h_ok = tl.arange(0, GROUP_PAD) < group
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0)
+    q = (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
+    m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+    acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
+    offs = tl.arange(0, PAGE)
+    for page in range(0, tl.cdiv(ctx, PAGE)):
+        block = tl.load(tables_ptr + b * stride_tb + page).to(tl.int64)
+        tok_ok = page * PAGE + offs < ctx
+        kv_off = block * stride_cb + offs[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(tok_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        s = s * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.maximum(s, 1e-30)[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])  # fmt: skip
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, H, D] (one new token per sequence, its K/V already written) → [B, H, D]: attention over
+    each sequence's first context_lens[b] cached tokens through its block table row."""
+    bsz, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if bsz == 0:
+        return out
+    _decode_kernel[(bsz, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, context_lens, out,
+        scale, group, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HEAD_DIM=head_dim, PAGE=page, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,133 @@
+"""The kernel seam: which code runs the thinker's attention and routed experts.
+
+The model's layers know nothing of kernels: `PagedAttention.backend` and `FusedExperts.kernel` are
+set here once, after the model is built, from the deploy file's `engine.attention_backend` and
+`engine.moe_backend`. `torch` is the reference everywhere (the CPU path, equal to the official Ming
+code, the tests' oracle); `triton` is the GPU path, graph-safe (no host sync, lengths read on the
+device) so decode steps can be CUDA graphs. Under `TRITON_INTERPRET=1` the triton kernels also run
+on a CPU, which is how CI checks them against the reference (in fp32).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from omnistage.common.config import ATTENTION_BACKENDS, MOE_BACKENDS
+from omnistage.services.thinker.kernels import triton_available
+from omnistage.services.thinker.models.layers.attention import (
+    TORCH_ATTENTION,
+    AttentionMetadata,
+    PagedAttention,
+    gather_context,
+)
+from omnistage.services.thinker.models.layers.moe import FusedExperts
+from torch import nn
+
+
+class BackendError(ValueError):
+    """The asked backend cannot run here (says why and what would)."""
+
+
+@dataclass(frozen=True)
+class Backends:
+    """What the model runs on; `graph_safe` when a decode step can be captured as a CUDA graph."""
+
+    attention: str
+    moe: str
+
+    @property
+    def graph_safe(self) -> bool:
+        return self.attention == "triton" and self.moe == "triton"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_backends(attention: str, moe: str, device: torch.device, block_size: int, head_dim: int) -> Backends:
+    """`auto` → triton on CUDA when triton imports (and the shapes suit the kernels), else torch."""
+    if attention not in ATTENTION_BACKENDS:
+        raise BackendError(f"attention backend {attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
+    if moe not in MOE_BACKENDS:
+        raise BackendError(f"moe backend {moe!r}: expected one of {', '.join(MOE_BACKENDS)}")
+    runs_triton = triton_available() and (device.type == "cuda" or _interpreting())
+    shapes_ok = block_size >= 16 and _pow2(block_size) and head_dim >= 16 and _pow2(head_dim)
+
+    def pick(name: str, what: str, needs_shapes: bool) -> str:
+        if name == "auto":
+            return "triton" if runs_triton and device.type == "cuda" and (shapes_ok or not needs_shapes) else "torch"
+        if name == "triton" and not runs_triton:
+            raise BackendError(f"{what}_backend triton needs a CUDA device and the triton package (device {device})")
+        if name == "triton" and needs_shapes and not shapes_ok:
+            raise BackendError(
+                f"attention_backend triton needs block_size >= 16 and head_dim >= 16, both powers of two "
+                f"(block_size {block_size}, head_dim {head_dim})"
+            )
+        return name
+
+    return Backends(pick(attention, "attention", True), pick(moe, "moe", False))
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def install_backends(model: nn.Module, backends: Backends) -> None:
+    """Point every attention layer and expert block of `model` at the chosen kernels."""
+    attention = TritonAttention() if backends.attention == "triton" else TORCH_ATTENTION
+    kernel = None
+    if backends.moe == "triton":
+        from omnistage.services.thinker.kernels.fused_moe import fused_experts
+
+        kernel = fused_experts
+    for module in model.modules():
+        if isinstance(module, PagedAttention):
+            module.backend = attention
+        elif isinstance(module, FusedExperts):
+            module.kernel = kernel
+
+
+class TritonAttention:
+    """KV writes and decode steps in Triton (lengths from `context_lens_tensor`: graph-safe);
+    prefill chunks of a mixed step through SDPA, one sequence at a time."""
+
+    def __init__(self) -> None:
+        from omnistage.services.thinker.kernels import paged_attention
+
+        self.kernels = paged_attention
+
+    def forward(
+        self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        if md.slot_mapping is None or not layer.has_cache:
+            return TORCH_ATTENTION.forward(layer, q, k, v, md)
+        self.kernels.write_kv(k, v, layer.k_cache, layer.v_cache, md.slot_mapping)
+        if md.is_decode:
+            lens = md.context_lens_tensor
+            if lens is None:
+                lens = torch.tensor(md.context_lens, dtype=torch.int32, device=q.device)
+            return self.kernels.paged_decode(q, layer.k_cache, layer.v_cache, md.block_tables, lens, layer.scale)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (qlen, ctx) in enumerate(zip(md.query_lens, md.context_lens, strict=True)):
+            if qlen == 0:
+                continue
+            ki, vi = gather_context(layer, md.block_tables[i], ctx)
+            out[start : start + qlen] = _sdpa(layer, q[start : start + qlen], ki, vi, ctx - qlen)
+            start += qlen
+        return out
+
+
+def _sdpa(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+    """Causal attention of q (positions offset..) over k/v [ctx, KVH, D] through SDPA's fused kernels."""
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if offset == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=True)
+    else:
+        qpos = torch.arange(q.shape[0], device=q.device)[:, None] + offset
+        mask = torch.arange(k.shape[0], device=q.device)[None, :] <= qpos
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
