@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
+
 
 def triton_available() -> bool:
     """triton is importable (its kernels run on CUDA devices, or anywhere under TRITON_INTERPRET=1)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs multiply in full precision (the fp32 checks against the reference), not tf32."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from omnistage.services.thinker.kernels import dot_precision
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ def choose_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
     """From the average rows an expert gets: a decode batch touches each expert with a few rows."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 4:
-        return MoeTiles(16, 64, 128, 4, 3)
+        return MoeTiles(16, 32, 128, 4, 4)
     if per_expert <= 32:
         return MoeTiles(32, 64, 64, 4, 3)
     return MoeTiles(64, 128, 64, 8, 3)
@@ -81,7 +82,7 @@ def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_rows_ptr,
     num_pairs, hidden, inter, top_k,
     stride_xm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -105,8 +106,8 @@ def _gate_up_kernel(
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -120,7 +121,7 @@ def _down_kernel(
     h_ptr, w_ptr, out_ptr, weight_ptr, pairs_ptr, block_expert_ptr, num_rows_ptr,
     num_pairs, hidden, inter,
     stride_hm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -140,7 +141,7 @@ def _down_kernel(
         k_ok = offs_k < inter - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     # The reference rounds each expert's output to the activation dtype before weighting it.
@@ -169,7 +170,7 @@ def fused_experts(
     _gate_up_kernel[grid](
         x, w13, h, pairs, block_expert, num_rows, n, hidden, inter, k,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=dot_precision(x.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
@@ -177,7 +178,7 @@ def fused_experts(
     _down_kernel[grid](
         h, w2, out, weights.reshape(-1).float().contiguous(), pairs, block_expert, num_rows, n, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=dot_precision(x.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out.view(t, k, hidden).sum(dim=1)

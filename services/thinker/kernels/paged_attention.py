@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from omnistage.services.thinker.kernels import dot_precision
 
 
 @triton.jit
@@ -50,7 +51,7 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, out_ptr,
     scale, group, stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
     stride_cb, stride_cs, stride_ch,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -70,13 +71,13 @@ def _decode_kernel(
         kv_off = block * stride_cb + offs[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k))
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         scores = tl.where(tok_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         s = s * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     out = acc / tl.maximum(s, 1e-30)[:, None]
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -104,6 +105,7 @@ def paged_decode(
         scale, group, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, PAGE=page, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        PRECISION=dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
