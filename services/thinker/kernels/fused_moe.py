@@ -1,8 +1,8 @@
 """Routed experts in two Triton launches, with no host sync (so a decode step can be a CUDA graph).
 
-1. `align_by_expert`: the T x top_k (token, expert) pairs sorted by expert into blocks of BLOCK_M
-   rows, each expert's run padded to a whole block (pad rows point past the last pair), built from
-   torch ops whose sizes depend only on T — no `.tolist()`, no bincount (which syncs on CUDA).
+1. `align_by_expert`: the T x top_k (token, expert) pairs grouped by expert into blocks of BLOCK_M
+   rows, each expert's run padded to a whole block (pad rows point past the last pair), in two
+   small launches whose sizes depend only on T — no `.tolist()`, no host sync.
 2. `_gate_up_kernel`: per block, x rows @ the block's expert gate and up rows, SiLU(gate) * up in the
    epilogue, written to an [N, I] intermediate (N = T x top_k pairs).
 3. `_down_kernel`: intermediate @ the expert's down rows, times the pair's routing weight, written
@@ -49,6 +49,43 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-worst // block_m) * block_m
 
 
+@triton.jit
+def _align_kernel(
+    ids_ptr, pairs_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr, num_pairs, total_rows, num_blocks,
+    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """One program: per-expert counts → block-padded run starts (the scatter's cursors), each
+    block's expert, the used row count, and every row marked as padding (num_pairs)."""
+    experts = tl.arange(0, NUM_EXPERTS)
+    counts = tl.zeros((NUM_EXPERTS,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS)
+        counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(cursor_ptr + experts, ends - padded)
+    tl.store(num_rows_ptr, tl.max(ends, axis=0))
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        first_row = blocks * BLOCK_M
+        owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.minimum(owner, NUM_EXPERTS - 1), mask=blocks < num_blocks)
+    for start in range(0, total_rows, CHUNK):
+        rows = start + tl.arange(0, CHUNK)
+        tl.store(pairs_ptr + rows, tl.full((CHUNK,), 0, tl.int32) + num_pairs, mask=rows < total_rows)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, pairs_ptr, cursor_ptr):
+    """Pair i takes the next row of its expert's run (order within a run does not matter: each
+    row's result is computed on its own and written back at its pair index)."""
+    i = tl.program_id(0)
+    expert = tl.load(ids_ptr + i)
+    row = tl.atomic_add(cursor_ptr + expert, 1)
+    tl.store(pairs_ptr + row, i)
+
+
 def align_by_expert(
     ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,25 +93,26 @@ def align_by_expert(
 
     sorted_pairs holds pair indices (token * k + slot) grouped by expert, each expert's run starting
     on a block boundary; pad entries hold N = T * k (out of range: masked by the kernels). Blocks past
-    `num_rows` are skipped by the kernels. P depends only on T, k, E and block_m."""
-    flat = ids.flatten().to(torch.int64)
+    `num_rows` are skipped by the kernels. P depends only on T, k, E and block_m (graph-safe).
+    Two launches, no host sync."""
+    flat = ids.reshape(-1).to(torch.int32)
     n = flat.numel()
-    dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    starts = ends - padded
-    order = flat.argsort(stable=True)
-    experts = flat[order]
-    first_of_expert = counts.cumsum(0) - counts
-    dest = starts[experts] + torch.arange(n, device=dev) - first_of_expert[experts]
     total = max_padded_rows(n, num_experts, block_m)
-    sorted_pairs = torch.full((total,), n, dtype=torch.int32, device=dev)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, total, block_m, device=dev)
-    block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_pairs, block_expert.to(torch.int32), ends[-1:].to(torch.int32)
+    num_blocks = total // block_m
+    dev = flat.device
+    pairs = torch.empty(total, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](flat, pairs, block_expert, num_rows, cursor, n, total, num_blocks,
+                        NUM_EXPERTS=num_experts, BLOCK_M=block_m, CHUNK=64)  # fmt: skip
+    _scatter_kernel[(n,)](flat, pairs, cursor)
+    return pairs, block_expert, num_rows
+
+
+def align_supported(num_experts: int) -> bool:
+    """The one-program count needs a power-of-two expert count (tl.arange)."""
+    return num_experts > 0 and num_experts & (num_experts - 1) == 0
 
 
 @triton.jit

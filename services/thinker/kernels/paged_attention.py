@@ -51,8 +51,11 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, out_ptr,
     scale, group, stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
     stride_cb, stride_cs, stride_ch,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP_PAD: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """One (sequence, KV head): its GQA group of query heads over BLOCK_N cached tokens (several
+    pages) per iteration, online softmax in fp32."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
@@ -64,11 +67,12 @@ def _decode_kernel(
     m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
     s = tl.zeros((GROUP_PAD,), dtype=tl.float32)
     acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
-    offs = tl.arange(0, PAGE)
-    for page in range(0, tl.cdiv(ctx, PAGE)):
-        block = tl.load(tables_ptr + b * stride_tb + page).to(tl.int64)
-        tok_ok = page * PAGE + offs < ctx
-        kv_off = block * stride_cb + offs[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+    offs = tl.arange(0, BLOCK_N)
+    for start in range(0, ctx, BLOCK_N):
+        tok = start + offs
+        tok_ok = tok < ctx
+        block = tl.load(tables_ptr + b * stride_tb + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
+        kv_off = block[:, None] * stride_cb + (tok % PAGE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -105,7 +109,7 @@ def paged_decode(
         scale, group, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, PAGE=page, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        PRECISION=dot_precision(q.dtype),
+        BLOCK_N=max(64, page), PRECISION=dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )  # fmt: skip
     return out

@@ -8,6 +8,7 @@ Attention reads the step's AttentionMetadata (no metadata → one causal sequenc
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from omnistage.services.thinker.models.config import ThinkerConfig
@@ -38,15 +39,29 @@ class BailingMoeV2Attention(nn.Module):
         self.rotary_emb = RotaryEmbedding(d, config.rotary_dim, config.rope_theta, config.rope_type)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
         self.dense = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp)
+        self.eps = config.rms_norm_eps
+        # qk_norm_rope(qk, num_q_heads, q_weight, k_weight, eps, cos, sin), in place on the q and k
+        # heads of the qkv rows (layers/backends.py); None: the reference q_norm, k_norm, rope.
+        self.qk_kernel: Callable[..., None] | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, H] and the step's rope cos/sin [T, rotary_dim] → [T, H] (this rank's partial sum)."""
         t, d = x.shape[0], self.head_dim
         qkv = self.query_key_value(x)
-        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q_width, kv_width = self.num_heads * d, self.num_kv_heads * d
+        if self.qk_kernel is not None:
+            qk = qkv[:, : q_width + kv_width].view(t, -1, d)
+            q_w = self.q_norm.weight if self.q_norm is not None else None
+            k_w = self.k_norm.weight if self.k_norm is not None else None
+            self.qk_kernel(qk, self.num_heads, q_w, k_w, self.eps, *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, q_width + kv_width :].view(t, -1, d)
+        else:
+            q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+            q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb.apply(*rope, q, k)
         return self.dense(self.attn(q, k, v).reshape(t, -1))
 
 
@@ -74,12 +89,22 @@ class BailingMoeV2DecoderLayer(nn.Module):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, modality: RouterRows | None
-    ) -> torch.Tensor:
-        h = x + self.attention(self.input_layernorm(x), positions)
-        y = self.post_attention_layernorm(h)
-        y = self.mlp(y, modality) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(y)
-        return h + y
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        modality: RouterRows | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream as a pair: the layer's input is x + residual (residual None: x alone,
+        the first layer); returns (this layer's MLP output, the stream before it). Same sums as
+        `h = x + attn(norm(x)); return h + mlp(norm(h))`, with each add fused into the next norm."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.attention(x, rope), residual)
+        x = self.mlp(x, modality) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(x)
+        return x, residual
 
 
 class BailingMoeV2Model(nn.Module):
@@ -99,9 +124,12 @@ class BailingMoeV2Model(nn.Module):
         routers = None
         if modality is not None and self.num_routers > 1:
             routers = RouterRows.of(modality, self.num_routers)
+        # One rope table for the step, shared by every layer (all layers rotate alike).
+        rope = self.layers[0].attention.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, positions, routers)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, routers)
+        return self.norm(hidden, residual)[0]
 
 
 class BailingMoeV2ForCausalLM(nn.Module):

@@ -23,7 +23,8 @@ from omnistage.services.thinker.models.layers.attention import (
     PagedAttention,
     gather_context,
 )
-from omnistage.services.thinker.models.layers.moe import FusedExperts
+from omnistage.services.thinker.models.layers.moe import FusedExperts, GatedMLP, Router
+from omnistage.services.thinker.models.layers.norm import RMSNorm
 from torch import nn
 
 
@@ -76,18 +77,37 @@ def _pow2(n: int) -> bool:
 
 
 def install_backends(model: nn.Module, backends: Backends) -> None:
-    """Point every attention layer and expert block of `model` at the chosen kernels."""
-    attention = TritonAttention() if backends.attention == "triton" else TORCH_ATTENTION
-    kernel = None
-    if backends.moe == "triton":
-        from omnistage.services.thinker.kernels.fused_moe import fused_experts
+    """Point every layer of `model` at the chosen kernels (None everywhere: the reference).
 
-        kernel = fused_experts
+    attention triton: paged attention + KV writes, and the element-wise work around it (RMSNorm with
+    its residual add, QK-norm + rope, SiLU·mul of the dense and shared-expert MLPs) one launch each.
+    moe triton: the router's group-limited top-k and the routed experts."""
+    attention, norm, qk, act = TORCH_ATTENTION, None, None, None
+    if backends.attention == "triton":
+        from omnistage.services.thinker.kernels import norms
+
+        attention, norm, qk, act = TritonAttention(), norms.rms_norm, norms.qk_norm_rope, norms.silu_and_mul
+    experts, route = None, None
+    if backends.moe == "triton":
+        from omnistage.services.thinker.kernels.fused_moe import align_supported, fused_experts
+        from omnistage.services.thinker.kernels.router import grouped_topk_route, route_shapes_supported
+
+        experts = fused_experts
+        route = grouped_topk_route
     for module in model.modules():
         if isinstance(module, PagedAttention):
             module.backend = attention
+        elif isinstance(module, RMSNorm):
+            module.kernel = norm
+        elif hasattr(module, "qk_kernel"):  # a model's attention block (QK-norm + rope on qkv rows)
+            module.qk_kernel = qk
+        elif isinstance(module, GatedMLP):
+            module.act = act
         elif isinstance(module, FusedExperts):
-            module.kernel = kernel
+            module.kernel = experts if experts is None or align_supported(module.w13.shape[0]) else None
+        elif isinstance(module, Router):
+            e, groups, k = module.weight.shape[0], module.n_group, module.top_k
+            module.kernel = route if route is None or route_shapes_supported(e, groups, k) else None
 
 
 class TritonAttention:

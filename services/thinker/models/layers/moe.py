@@ -65,9 +65,14 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, tp, reduce=reduce)
+        # silu_and_mul(gate_up) in one launch (layers/backends.py); None: the reference.
+        self.act: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is not None:
+            return self.down_proj(self.act(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -96,10 +101,16 @@ class Router(nn.Module):
         self.top_k, self.n_group, self.topk_group, self.scaling = top_k, n_group, topk_group, scaling
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
         self.expert_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
+        # grouped_topk_route(logits, bias, top_k, n_group, topk_group, scaling): the selection below
+        # in one launch (layers/backends.py); None: the reference.
+        self.kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] → (fp32 weights [T, k], expert ids [T, k])."""
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        logits = F.linear(x.float(), self.weight.float())
+        if self.kernel is not None:
+            return self.kernel(logits, self.expert_bias, self.top_k, self.n_group, self.topk_group, self.scaling)
+        scores = torch.sigmoid(logits)
         ids = grouped_topk(scores, self.expert_bias, self.top_k, self.n_group, self.topk_group)
         w = scores.gather(1, ids)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling

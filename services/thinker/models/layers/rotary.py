@@ -66,7 +66,12 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, q.dtype)
+        return self.apply(*self.cos_sin(positions, q.dtype), q, k)
+
+    def apply(
+        self, cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rope with cos/sin [T, rotary_dim] made once per forward (`cos_sin`), shared by every layer."""
         cos, sin = cos[:, None, :], sin[:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
