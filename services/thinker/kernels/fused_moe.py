@@ -51,11 +51,11 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _align_kernel(
-    ids_ptr, pairs_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr, num_pairs, total_rows, num_blocks,
+    ids_ptr, counts_ptr, ends_ptr, cursor_ptr, num_rows_ptr, num_pairs,
     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """One program: per-expert counts → block-padded run starts (the scatter's cursors), each
-    block's expert, the used row count, and every row marked as padding (num_pairs)."""
+    """One program: pairs per expert, each expert's run padded to whole blocks and laid end to end
+    (`ends`, and the run starts as the scatter's cursors), and the rows in use."""
     experts = tl.arange(0, NUM_EXPERTS)
     counts = tl.zeros((NUM_EXPERTS,), dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -64,16 +64,10 @@ def _align_kernel(
         counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
+    tl.store(counts_ptr + experts, counts)
+    tl.store(ends_ptr + experts, ends)
     tl.store(cursor_ptr + experts, ends - padded)
     tl.store(num_rows_ptr, tl.max(ends, axis=0))
-    for start in range(0, num_blocks, CHUNK):
-        blocks = start + tl.arange(0, CHUNK)
-        first_row = blocks * BLOCK_M
-        owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, tl.minimum(owner, NUM_EXPERTS - 1), mask=blocks < num_blocks)
-    for start in range(0, total_rows, CHUNK):
-        rows = start + tl.arange(0, CHUNK)
-        tl.store(pairs_ptr + rows, tl.full((CHUNK,), 0, tl.int32) + num_pairs, mask=rows < total_rows)
 
 
 @triton.jit
@@ -86,50 +80,61 @@ def _scatter_kernel(ids_ptr, pairs_ptr, cursor_ptr):
     tl.store(pairs_ptr + row, i)
 
 
-def align_by_expert(
-    ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [T, k] → (sorted_pairs [P] int32, block_expert [P / block_m] int32, num_rows [1] int32).
+@triton.jit
+def _block_rows(pairs_ptr, counts_ptr, ends_ptr, pid_m, BLOCK_M: tl.constexpr, LOG2_EXPERTS: tl.constexpr):
+    """The expert of row block `pid_m` (binary search over the run ends) and the block's pair
+    indices, with a mask of the rows that hold one (the rest of a run's last block is padding)."""
+    first = pid_m * BLOCK_M
+    expert = 0  # ends rise with the expert: count the runs that end at or before `first`
+    for i in tl.static_range(LOG2_EXPERTS):
+        step: tl.constexpr = 1 << (LOG2_EXPERTS - 1 - i)
+        expert = tl.where(tl.load(ends_ptr + expert + step - 1) <= first, expert + step, expert)
+    count = tl.load(counts_ptr + expert)
+    run_start = tl.load(ends_ptr + expert) - (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    rows = first + tl.arange(0, BLOCK_M)
+    valid = rows - run_start < count
+    pairs = tl.load(pairs_ptr + rows, mask=valid, other=0)
+    return expert.to(tl.int64), pairs, valid
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """ids [T, k] → (sorted_pairs [P], counts [E], ends [E], num_rows [1]), all int32.
 
     sorted_pairs holds pair indices (token * k + slot) grouped by expert, each expert's run starting
-    on a block boundary; pad entries hold N = T * k (out of range: masked by the kernels). Blocks past
-    `num_rows` are skipped by the kernels. P depends only on T, k, E and block_m (graph-safe).
-    Two launches, no host sync."""
+    on a block boundary (`ends`: where each padded run ends; rows past a run's count are padding,
+    never written); blocks past `num_rows` are skipped by the kernels. P depends only on T, k, E
+    and block_m (graph-safe). Two launches, no host sync."""
     flat = ids.reshape(-1).to(torch.int32)
     n = flat.numel()
-    total = max_padded_rows(n, num_experts, block_m)
-    num_blocks = total // block_m
     dev = flat.device
-    pairs = torch.empty(total, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    pairs = torch.empty(max_padded_rows(n, num_experts, block_m), dtype=torch.int32, device=dev)
+    counts, ends, cursor = (torch.empty(num_experts, dtype=torch.int32, device=dev) for _ in range(3))
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](flat, pairs, block_expert, num_rows, cursor, n, total, num_blocks,
-                        NUM_EXPERTS=num_experts, BLOCK_M=block_m, CHUNK=64)  # fmt: skip
+    _align_kernel[(1,)](flat, counts, ends, cursor, num_rows, n,
+                        NUM_EXPERTS=num_experts, BLOCK_M=block_m, CHUNK=32)  # fmt: skip
     _scatter_kernel[(n,)](flat, pairs, cursor)
-    return pairs, block_expert, num_rows
+    return pairs, counts, ends, num_rows
 
 
 def align_supported(num_experts: int) -> bool:
-    """The one-program count needs a power-of-two expert count (tl.arange)."""
+    """The one-program count and the binary search need a power-of-two expert count."""
     return num_experts > 0 and num_experts & (num_experts - 1) == 0
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_rows_ptr,
-    num_pairs, hidden, inter, top_k,
+    x_ptr, w_ptr, out_ptr, pairs_ptr, counts_ptr, ends_ptr, num_rows_ptr,
+    hidden, inter, top_k,
     stride_xm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_EXPERTS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
-    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
+    expert, pairs, valid = _block_rows(pairs_ptr, counts_ptr, ends_ptr, pid_m, BLOCK_M, LOG2_EXPERTS)
     rows = tl.where(valid, pairs // top_k, 0)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -149,26 +154,29 @@ def _gate_up_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    # The reference's roundings: gate and up to the activation dtype, then silu, then the product.
+    dt = out_ptr.dtype.element_ty
+    gate = acc_g.to(dt).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
+    h = act * acc_u.to(dt).to(tl.float32)
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    tl.store(out_ptrs, h.to(dt), mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, weight_ptr, pairs_ptr, block_expert_ptr, num_rows_ptr,
-    num_pairs, hidden, inter,
+    h_ptr, w_ptr, out_ptr, weight_ptr, pairs_ptr, counts_ptr, ends_ptr, num_rows_ptr,
+    hidden, inter,
     stride_hm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_EXPERTS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
-    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
+    expert, pairs, valid = _block_rows(pairs_ptr, counts_ptr, ends_ptr, pid_m, BLOCK_M, LOG2_EXPERTS)
     safe = tl.where(valid, pairs, 0).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
@@ -201,22 +209,19 @@ def fused_experts(
     x = x.contiguous()
     n = t * k
     tiles = choose_tiles(n, num_experts)
-    pairs, block_expert, num_rows = align_by_expert(ids, num_experts, tiles.block_m)
-    num_blocks = block_expert.numel()
+    pairs, counts, ends, num_rows = align_by_expert(ids, num_experts, tiles.block_m)
+    num_blocks = pairs.numel() // tiles.block_m
+    meta = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                LOG2_EXPERTS=num_experts.bit_length() - 1, PRECISION=dot_precision(x.dtype),
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages)  # fmt: skip
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    grid = (num_blocks, triton.cdiv(inter, tiles.block_n))
-    _gate_up_kernel[grid](
-        x, w13, h, pairs, block_expert, num_rows, n, hidden, inter, k,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=dot_precision(x.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
+        x, w13, h, pairs, counts, ends, num_rows, hidden, inter, k,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), **meta,
     )  # fmt: skip
     out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
-    grid = (num_blocks, triton.cdiv(hidden, tiles.block_n))
-    _down_kernel[grid](
-        h, w2, out, weights.reshape(-1).float().contiguous(), pairs, block_expert, num_rows, n, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=dot_precision(x.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
+        h, w2, out, weights.reshape(-1).float().contiguous(), pairs, counts, ends, num_rows, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **meta,
     )  # fmt: skip
     return out.view(t, k, hidden).sum(dim=1)

@@ -3,8 +3,7 @@
 A decode step is hundreds of small element-wise launches in the reference (each RMSNorm is seven);
 these fold them. Rounding follows the reference (`layers/norm.py`, `layers/rotary.py`): the
 residual sum and the normalised row are rounded to the activation dtype before the weight multiply.
-The rope here is taken in fp32 and rounded once (the reference rounds after each bf16 op): equal in
-fp32, within a bf16 ulp otherwise.
+The rope rounds after each product and the sum, as the reference's bf16 ops do.
 """
 
 from __future__ import annotations
@@ -89,8 +88,11 @@ def _qk_norm_rope_kernel(
     c = tl.load(cos_ptr + t * stride_ct + d, mask=rotated, other=1.0).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_ct + d, mask=rotated, other=0.0).to(tl.float32)
     sign = tl.where(d < half, -1.0, 1.0)
-    out = tl.where(rotated, x * c + sign * xp * s, x)
-    tl.store(base + d, out.to(qk_ptr.dtype.element_ty))
+    # The reference's bf16 ops, each rounded: x * cos, rotate_half(x) * sin, their sum.
+    dt = qk_ptr.dtype.element_ty
+    out = (x * c).to(dt).to(tl.float32) + (sign * xp * s).to(dt).to(tl.float32)
+    out = tl.where(rotated, out, x)
+    tl.store(base + d, out.to(dt))
 
 
 def qk_norm_rope(
