@@ -87,7 +87,7 @@ def _block_rows(pairs_ptr, counts_ptr, ends_ptr, pid_m, BLOCK_M: tl.constexpr, L
     first = pid_m * BLOCK_M
     expert = 0  # ends rise with the expert: count the runs that end at or before `first`
     for i in tl.static_range(LOG2_EXPERTS):
-        step: tl.constexpr = 1 << (LOG2_EXPERTS - 1 - i)
+        step = 1 << (LOG2_EXPERTS - 1 - i)
         expert = tl.where(tl.load(ends_ptr + expert + step - 1) <= first, expert + step, expert)
     count = tl.load(counts_ptr + expert)
     run_start = tl.load(ends_ptr + expert) - (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
