@@ -153,7 +153,9 @@ class DecodeGraphs:
                 self._forward(size)  # compiles the kernels of this size outside the capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, stream=stream):
+            # thread_local: the peer watch and NCCL's watchdog may touch CUDA while this thread captures
+            capturing = torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
+            with torch.inference_mode(), capturing:
                 self.outputs[size] = self._forward(size)
             self.graphs[size] = graph
             if progress is not None:
