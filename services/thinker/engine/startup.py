@@ -233,6 +233,11 @@ class _Startup:
             model = self.load_weights()
             backends = self.install_backends(model)
             graphs = cfg.engine.cuda_graphs and dev.type == "cuda" and backends.graph_safe
+            if graphs and cfg.world_size > 1:
+                # Seen on 4 x H100 (2026-11-26): rank 0 never returned from capturing the last size
+                # while ranks 1-3 went on; until that is understood, TP groups decode eagerly.
+                log.warning("engine.cuda_graphs: not captured under tensor parallelism yet (tp %d)", cfg.world_size)
+                graphs = False
             self.enter("profiling_memory", unit="attempts")
             if mem is None:
                 blocks = self.control.agree_min(resolve_engine_config(cfg.engine).num_kv_blocks, "agreeing on KV blocks")
