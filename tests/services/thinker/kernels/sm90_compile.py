@@ -1,10 +1,17 @@
 """Compile the thinker's Triton kernels for sm_90 on a machine without a GPU (triton's own ptxas):
 the interpreter runs code the real compiler may reject (a reassigned constexpr, say), so CI
-compiles each kernel with the argument types and constants the fast path launches it with."""
+compiles each kernel with the argument types and constants the fast path launches it with.
+
+Run as a script in a process without TRITON_INTERPRET (the kernels must be real JIT functions):
+prints `ok NAME` or `FAIL NAME: why` per kernel, exits 1 on any failure.
+"""
 
 from __future__ import annotations
 
+import sys
+
 import triton
+from omnistage.services.thinker.kernels import fused_moe, norms, paged_attention, router
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -18,3 +25,56 @@ def compile_sm90(fn, types: dict[str, str], constants: dict[str, object]) -> obj
     if missing:
         raise ValueError(f"{fn.__name__}: no type or constant for {missing}")
     return triton.compile(ASTSource(fn, signature, constants), target=SM90)
+
+
+B, I32, F32 = "*bf16", "i32", "fp32"
+MOE_ROWS = {"pairs_ptr": "*i32", "counts_ptr": "*i32", "ends_ptr": "*i32", "num_rows_ptr": "*i32"}
+MOE_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "LOG2_EXPERTS": 8, "PRECISION": "tf32"}
+CASES = {
+    "align": (fused_moe._align_kernel, {"ids_ptr": "*i32", "counts_ptr": "*i32", "ends_ptr": "*i32",
+              "cursor_ptr": "*i32", "num_rows_ptr": "*i32", "num_pairs": I32},
+              {"NUM_EXPERTS": 256, "BLOCK_M": 16, "CHUNK": 32}),
+    "scatter": (fused_moe._scatter_kernel, {"ids_ptr": "*i32", "pairs_ptr": "*i32", "cursor_ptr": "*i32"}, {}),
+    "gate_up": (fused_moe._gate_up_kernel, {"x_ptr": B, "w_ptr": B, "out_ptr": B, **MOE_ROWS, "hidden": I32,
+                "inter": I32, "top_k": I32, "stride_xm": I32, "stride_we": I32, "stride_wn": I32,
+                "stride_om": I32}, MOE_TILES),
+    "down": (fused_moe._down_kernel, {"h_ptr": B, "w_ptr": B, "out_ptr": "*fp32", "weight_ptr": "*fp32",
+             **MOE_ROWS, "hidden": I32, "inter": I32, "stride_hm": I32, "stride_we": I32, "stride_wn": I32,
+             "stride_om": I32}, {**MOE_TILES, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}),
+    "write_kv": (paged_attention._write_kv_kernel, {"k_ptr": B, "v_ptr": B, "k_cache_ptr": B, "v_cache_ptr": B,
+                 "slots_ptr": "*i64", "stride_kt": I32, "stride_vt": I32, "width": I32}, {"BLOCK": 512}),
+    "decode": (paged_attention._decode_kernel, {"q_ptr": B, "k_cache_ptr": B, "v_cache_ptr": B,
+               "tables_ptr": "*i64", "ctx_ptr": "*i64", "out_ptr": B, "scale": F32, "group": I32,
+               **{n: I32 for n in ("stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_tb", "stride_cb",
+                                   "stride_cs", "stride_ch")}},
+               {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32"}),
+    "rms_norm": (norms._rms_norm_kernel, {"x_ptr": B, "r_ptr": B, "w_ptr": B, "out_ptr": B, "sum_ptr": B,
+                 "n": I32, "eps": F32, "stride_x": I32, "stride_r": I32, "stride_o": I32, "stride_s": I32},
+                 {"HAS_RESIDUAL": True, "BLOCK": 2048}),
+    "qk_norm_rope": (norms._qk_norm_rope_kernel, {"qk_ptr": B, "qw_ptr": B, "kw_ptr": B, "cos_ptr": B,
+                     "sin_ptr": B, "num_q_heads": I32, "eps": F32, "stride_t": I32, "stride_h": I32,
+                     "stride_ct": I32}, {"HEAD_DIM": 128, "ROT": 64, "NORM": True}),
+    "silu_mul": (norms._silu_mul_kernel, {"x_ptr": B, "out_ptr": B, "width": I32, "stride_x": I32,
+                 "stride_o": I32}, {"BLOCK": 512}),
+    "router": (router._grouped_topk_kernel, {"logits_ptr": "*fp32", "bias_ptr": B, "weights_ptr": "*fp32",
+               "ids_ptr": "*i64", "stride_l": I32, "scaling": F32},
+               {"NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4, "TOP_K": 8}),
+}  # fmt: skip
+
+
+
+def main() -> int:
+    failed = 0
+    for name, (fn, types, constants) in sorted(CASES.items()):
+        try:
+            compiled = compile_sm90(fn, types, constants)
+            assert compiled.asm["cubin"], "no machine code"
+            print(f"ok {name}", flush=True)
+        except Exception as exc:  # report every kernel, then fail
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The kernel seam: what `auto` picks, what cannot run where, what the deploy file accepts, and
+that installing a backend reaches every layer (and `torch` takes it all back)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omnistage.common.config import ConfigError, config_from_dict
+from omnistage.services.thinker.models.layers.attention import TORCH_ATTENTION
+from omnistage.services.thinker.models.layers.backends import (
+    BackendError,
+    Backends,
+    TritonAttention,
+    install_backends,
+    resolve_backends,
+)
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+def test_auto_is_the_reference_on_a_cpu_and_triton_on_cuda(monkeypatch):
+    assert resolve_backends("auto", "auto", CPU, 16, 128) == Backends("torch", "torch")
+    assert resolve_backends("auto", "auto", CUDA, 16, 128) == Backends("triton", "triton")
+    assert resolve_backends("auto", "auto", CUDA, 16, 128).graph_safe
+    # Shapes the paged kernels cannot take keep attention on the reference (experts still fused).
+    assert resolve_backends("auto", "auto", CUDA, 8, 128) == Backends("torch", "triton")
+    assert not resolve_backends("auto", "auto", CUDA, 8, 128).graph_safe
+
+
+def test_an_explicit_backend_that_cannot_run_here_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendError, match="attention_backend triton needs a CUDA device"):
+        resolve_backends("triton", "torch", CPU, 16, 128)
+    with pytest.raises(BackendError, match="block_size >= 16"):
+        resolve_backends("triton", "torch", CUDA, 8, 128)
+    with pytest.raises(BackendError, match="expected one of"):
+        resolve_backends("flash", "torch", CUDA, 16, 128)
+
+
+@pytest.mark.parametrize("key", ["attention_backend", "moe_backend"])
+def test_the_deploy_file_names_the_allowed_backends(key):
+    data = {"services": {"thinker": {"kind": "thinker", "port": 7161, "engine": {key: "cuda"}}}}
+    with pytest.raises(ConfigError, match=f"services.thinker.engine.{key}: expected one of auto, torch, triton"):
+        config_from_dict(data)
+
+
+def test_installing_reaches_every_layer_and_torch_restores_the_reference(tiny_ckpt):
+    from omnistage.services.thinker.models.loader import load_model
+
+    model = load_model(str(tiny_ckpt), dtype=torch.float32, device="cpu")
+    install_backends(model, Backends("triton", "triton"))
+    layers = model.model.layers
+    assert all(isinstance(a, TritonAttention) for a in [layer.attention.attn.backend for layer in layers])
+    assert all(layer.input_layernorm.kernel is not None and layer.attention.qk_kernel is not None for layer in layers)
+    moe = [layer.mlp for layer in layers if hasattr(layer.mlp, "experts")]
+    assert moe and all(m.experts.kernel is not None and m.gate.kernel is not None for m in moe)
+    install_backends(model, Backends("torch", "torch"))
+    assert all(layer.attention.attn.backend is TORCH_ATTENTION and layer.attention.qk_kernel is None for layer in layers)
+    assert all(m.experts.kernel is None and m.gate.kernel is None for m in moe)
+    assert model.model.norm.kernel is None

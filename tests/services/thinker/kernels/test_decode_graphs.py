@@ -1,0 +1,118 @@
+"""The decode-graph runner's logic without a GPU: bucket choice, padding rows, static buffers reused
+across steps, which steps it covers; and the tiny engine on the triton kernels through its buffers
+(no capture) gives the reference engine's greedy tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from omnistage.common.config import EngineConfig
+from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_reserve_bytes
+from omnistage.services.thinker.engine.sequence import SamplingParams
+from omnistage.services.thinker.engine.startup import RankConfig, start_engine
+from omnistage.services.thinker.engine.step_plan import StepPlan
+
+
+def test_batch_sizes_cover_every_batch_up_to_the_largest():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(6) == [1, 2, 4, 6]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = graph_batch_sizes(64)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 64 and all(b - a <= 8 for a, b in zip(sizes, sizes[1:], strict=False))
+    assert graph_reserve_bytes(8, 1000, 1) > sum(graph_batch_sizes(8)) * 1000 * 4
+
+
+class Recorder(torch.nn.Module):
+    """A stand-in model that records what the runner hands it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def forward(self, ids, positions):
+        from omnistage.services.thinker.models.layers.attention import current_metadata
+
+        md = current_metadata(ids.shape[0])
+        self.calls.append((ids.clone(), positions.clone(), md.slot_mapping.clone(), md.context_lens_tensor.clone(),
+                           md.block_tables.clone(), ids.data_ptr()))  # fmt: skip
+        return ids.float()[:, None].expand(-1, 4)
+
+    def compute_logits(self, hidden):
+        return hidden * 2
+
+
+def decode_plan(n: int, width: int = 3) -> StepPlan:
+    return StepPlan(
+        input_ids=torch.arange(100, 100 + n), positions=torch.arange(n).repeat(3, 1) + 7,
+        query_lens=torch.ones(n, dtype=torch.int64), context_lens=torch.arange(n) + 8,
+        slot_mapping=torch.arange(n) * 16 + 7, block_tables=torch.arange(n * width).view(n, width),
+        sample_rows=torch.arange(n),
+    )  # fmt: skip
+
+
+def test_a_step_runs_at_its_bucket_with_padding_rows_that_write_and_read_nothing():
+    model = Recorder()
+    graphs = DecodeGraphs(model, max_batch=8, max_blocks=4, device=torch.device("cpu"), capture=False)
+    logits = graphs.run(decode_plan(3))
+    ids, pos, slots, ctx, tables, _ = model.calls[-1]
+    assert ids.tolist() == [100, 101, 102, 0]  # bucket 4: one padding row
+    assert slots.tolist() == [7, 23, 39, -1] and ctx.tolist() == [8, 9, 10, 0]
+    assert pos[:, :3].tolist() == [[7, 8, 9]] * 3 and pos[:, 3].tolist() == [0, 0, 0]
+    assert tables[:3, :3].tolist() == decode_plan(3).block_tables.tolist()
+    assert logits.shape == (3, 4) and logits[:, 0].tolist() == [200.0, 202.0, 204.0]
+
+
+def test_buffers_are_reused_and_a_smaller_step_clears_the_rows_a_larger_one_left():
+    model = Recorder()
+    graphs = DecodeGraphs(model, max_batch=8, max_blocks=4, device=torch.device("cpu"), capture=False)
+    graphs.run(decode_plan(7))  # bucket 8
+    graphs.run(decode_plan(1))  # bucket 1
+    graphs.run(decode_plan(2))  # bucket 2
+    (ids8, *_, ptr8), (ids1, *_, ptr1), (ids2, _, slots2, ctx2, _, ptr2) = model.calls
+    assert len(ids8) == 8 and len(ids1) == 1 and len(ids2) == 2
+    assert ptr8 == ptr1 == ptr2  # one static buffer, sliced per bucket
+    assert slots2.tolist() == [7, 23] and ctx2.tolist() == [8, 9]
+
+
+def test_only_pure_decode_steps_within_the_sizes_are_covered():
+    graphs = DecodeGraphs(Recorder(), max_batch=4, max_blocks=4, device=torch.device("cpu"), capture=False)
+    assert graphs.covers(decode_plan(4))
+    assert not graphs.covers(decode_plan(5))  # more sequences than the largest graph
+    assert not graphs.covers(decode_plan(2, width=5))  # a block table wider than the buffers
+    prefill = decode_plan(2)
+    prefill.query_lens = torch.tensor([1, 3])
+    prefill.input_ids = torch.arange(4)
+    assert not graphs.covers(prefill)
+    hidden = decode_plan(2)
+    hidden.hidden_index = torch.tensor([0])
+    assert not graphs.covers(hidden)
+    assert not graphs.covers(StepPlan.noop())
+    captured = DecodeGraphs(Recorder(), max_batch=4, max_blocks=4, device=torch.device("cpu"), capture=True)
+    assert not captured.covers(decode_plan(1))  # captured mode: nothing until capture() ran
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(0, 900) for _ in range(rng.randrange(3, 12))] for _ in range(3)]
+
+
+def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_reference(tiny_ckpt, prompts):
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    cfg = dict(block_size=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
+    reference = start_engine(RankConfig(str(tiny_ckpt), EngineConfig(**cfg)))
+    want = [r.token_ids for r in reference.generate(prompts, params)]
+    # No warm-up: its largest shapes are slow in the interpreter and prove nothing here.
+    fast = EngineConfig(attention_backend="triton", moe_backend="triton", **cfg)
+    engine = start_engine(RankConfig(str(tiny_ckpt), fast, warmup=False))
+    runner = engine.runner
+    graphs = DecodeGraphs(runner.model, 4, runner.cfg.max_blocks_per_seq, runner.device, capture=False)
+    runner.use_graphs(graphs)
+    sizes = []
+    run = graphs.run
+    graphs.run = lambda plan: (sizes.append(int(plan.query_lens.numel())), run(plan))[1]
+    got = [r.token_ids for r in engine.generate(prompts, params)]
+    assert got == want
+    assert sizes == [3, 3]  # both decode steps went through the buffers (3 sequences, bucket 4)
