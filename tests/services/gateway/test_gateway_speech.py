@@ -431,3 +431,23 @@ def test_time_to_first_audio_is_exported_by_voice():
 
     run(scenario())
     assert count() == before + 1
+
+
+@pytest.mark.parametrize(("mode", "good"), [("echo", 1), ("busy", 0), ("nothing", 0), ("fail-after-audio", 0)])
+def test_a_spoken_answer_is_good_only_with_its_audio_complete(mode, good):
+    """Goodput has the definition `omnistage bench` uses (common/answer_outcome.py): the text alone does
+    not make a spoken request good."""
+    def goodput() -> float:
+        return metrics.REGISTRY.get_sample_value(
+            "omnistage_gateway_goodput_requests_total", {"service": "gateway", "modality": "audio+text"}) or 0.0
+
+    before = goodput()
+
+    async def scenario():
+        async with TalkerServer(FakeTalker(mode)) as srv:
+            return await collect(gateway(FakeThinker(ANSWER), srv.address), request())
+
+    events = run(scenario())
+    assert text_of(events) == ANSWER and events[-1].finish.reason == common_pb2.FINISH_REASON_STOP
+    assert (events[-1].finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE) == bool(good)
+    assert goodput() == before + good
