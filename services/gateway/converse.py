@@ -307,6 +307,12 @@ class Conversation:
 
     async def _attempt(self, plan: ConversePlan, history: History, turn: UserTurn, answer: _Answer
                        ) -> AsyncIterator[omni_pb2.GenerateEvent]:
+        async with self.gateway.talker_slot(plan.speaks, self.context.time_remaining()):
+            async for event in self._speak_or_write(plan, history, turn, answer):
+                yield event
+
+    async def _speak_or_write(self, plan: ConversePlan, history: History, turn: UserTurn, answer: _Answer
+                              ) -> AsyncIterator[omni_pb2.GenerateEvent]:
         gateway = self.gateway
         media = gateway.media
         window = history.window(plan.system_prompt, gateway.limits.max_prompt_chars,

@@ -19,7 +19,7 @@ from omnistage.common.runtime.errors import Overloaded
 from omnistage.v1 import omni_pb2
 
 # Refusals (RESOURCE_EXHAUSTED at arrival) the gateway makes itself; `stage` for a stage's own refusal.
-REFUSAL_REASONS = ("gateway_full", *(f"{stage}_{why}" for stage in ("thinker", "encoder", "imagegen")
+REFUSAL_REASONS = ("gateway_full", *(f"{stage}_{why}" for stage in ("thinker", "encoder", "talker", "imagegen")
                                       for why in ("queue_full", "deadline")), "stage")
 _MODALITY_NAMES = {omni_pb2.MODALITY_TEXT: "text", omni_pb2.MODALITY_AUDIO: "audio", omni_pb2.MODALITY_IMAGE: "image"}
 

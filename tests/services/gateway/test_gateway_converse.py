@@ -381,3 +381,22 @@ def test_spoken_turns_without_an_encoder_are_failed_precondition_naming_it():
 
     err = run(scenario())
     assert err.code == grpc.StatusCode.FAILED_PRECONDITION and str(err).startswith("audio: spoken turns need the 'encoder'")
+
+
+def test_spoken_conversations_wait_for_a_talker_stream_and_all_speak():
+    """Two conversations on a talker of one stream: the second turn's answer waits for it, then speaks."""
+    async def scenario():
+        talker = FakeTalker()
+        async with TalkerServer(talker) as srv:
+            servicer = gateway(FakeThinker(ANSWER, delay_s=0.02), srv.address, max_streams=1)
+            clients = [Client(config(), text("Hi?")) for _ in range(2)]
+            for client in clients:
+                client.close()
+            calls = await asyncio.gather(*(converse(servicer, client) for client in clients))
+        return calls, talker.most_active
+
+    calls, most_active = run(scenario())
+    for events in calls:
+        (done,) = finishes(events)
+        assert done.finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE and turn_text(events, 0) == ANSWER
+    assert most_active == 1
