@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import ConfigError, DeployConfig, ServiceConfig, load_config
 from omnistage.common.load_driver import MODALITY, RequestShape, plan, run_plan
-from omnistage.common.load_stats import Summary, details_table, markdown_table
+from omnistage.common.load_stats import Summary, details_table, failures, markdown_table
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.auth import SecretError
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
@@ -242,7 +242,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print("\n" + details_table(summaries))
     if args.json:
         Path(args.json).write_text(json.dumps([s.to_json() for s in summaries], indent=1))
-    return 1 if any(s.errors for s in summaries) else 0
+    problems = failures(summaries)
+    if problems:  # the exit status says "failed": stderr says which requests and why
+        print("omnistage bench: exit 1, requests that did not finish as asked (an error status, a failed "
+              "finish, or speech not complete):", file=sys.stderr)
+        print("\n".join(f"  {line}" for line in problems), file=sys.stderr)
+    return 1 if problems else 0
 
 
 async def _bench(address: str, creds: grpc.ChannelCredentials | None, runs: list[tuple[str, str, str]],

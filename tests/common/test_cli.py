@@ -211,3 +211,16 @@ def test_drain_prints_a_resume_command_that_works_as_printed(stage, capsys):
     assert command[2:] == ["--config", str(cfg), "--set", override, "--set", grace, "--service", "front"]
     assert main(command[1:]) == 0
     assert "front serving again" in capsys.readouterr().out
+
+
+def test_bench_says_on_stderr_why_it_exits_1(stage, capsys):
+    """The synthetic stage speaks no audio: every speech request is not done, and stderr says so."""
+    cfg, override, _, _ = stage
+    assert main(["bench", "--config", str(cfg), "--set", override, "--kinds", "text,speech", "--concurrency", "1",
+                 "--requests", "2", "--prompt", "n=2"]) == 1
+    err = capsys.readouterr().err
+    assert "omnistage bench: exit 1, requests that did not finish as asked" in err
+    assert "  speech closed c=1: 2 of 2 not done: AUDIO_UNSPECIFIED 2" in err and "text closed" not in err
+    assert main(["bench", "--config", str(cfg), "--set", override, "--kinds", "text", "--concurrency", "1",
+                 "--requests", "2", "--prompt", "n=2"]) == 0
+    assert capsys.readouterr().err == ""
