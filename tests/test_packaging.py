@@ -61,7 +61,7 @@ def test_make_test_installs_no_system_package():
         for forbidden in ("apt-get install", "apt install", "dpkg -i", "dpkg --install", "systemctl"):
             assert forbidden not in text, f"{where} runs {forbidden!r}"
     assert "TOOLS_STAMP := .tools/bin/docker-compose" in makefile
-    assert recipes["$(TOOLS_STAMP)"] == ["deploy/test-tools.sh"]
+    assert recipes["$(TOOLS_STAMP)"][0].startswith("deploy/test-tools.sh ")
     assert "deploy-tools" in makefile.split("\ntest:", 1)[1].splitlines()[0]
     assert "$(TOOLS_STAMP)" in makefile.split("\ndeploy-tools:", 1)[1].splitlines()[0]
     assert "Dir::State::Lists=$apt_dir/lists" in script and "dpkg-deb -x" in script
