@@ -24,16 +24,17 @@ $(CKPT)/config.json: | $(STAMP)
 demo: $(STAMP) $(CKPT)/config.json
 	$(BIN)/python -m omnistage.common.demo --config deploy/local-tiny.yaml --out demo-output
 
-# tests/deploy validates the deploy/ files with docker-compose (no engine needed) and promtool: Debian's
-# docker-compose and prometheus packages, installed when missing and apt is at hand as root (CI). Without
-# them those tests fail, never skip.
-DEPLOY_TOOLS_PKGS := docker-compose prometheus
+# tests/deploy validates the deploy/ files with docker-compose (no engine needed) and promtool, and
+# tests/e2e/test_prometheus_live.py runs prometheus: Debian's prometheus and docker-compose packages,
+# unpacked (never installed: no service, nothing outside the project, no root) into the git-ignored
+# .tools/ by deploy/test-tools.sh; tests/conftest.py puts .tools/bin first on PATH. Without them those
+# tests fail, never skip.
+TOOLS_STAMP := .tools/bin/docker-compose
 
-deploy-tools:
-	@if command -v docker-compose >/dev/null && command -v promtool >/dev/null; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEPLOY_TOOLS_PKGS); \
-	else echo "make: docker-compose / promtool missing: install $(DEPLOY_TOOLS_PKGS) (tests/deploy will fail)" >&2; fi
+$(TOOLS_STAMP):
+	deploy/test-tools.sh || echo "make: prometheus / docker-compose not unpacked (tests/deploy will fail)" >&2
+
+deploy-tools: $(TOOLS_STAMP)
 
 test: $(STAMP) deploy-tools
 	$(BIN)/python -m pytest -q -ra --durations=15
@@ -58,4 +59,4 @@ bench: $(STAMP) $(CKPT)/config.json
 	$(BIN)/python bench/thinker_cpu.py
 
 clean:
-	rm -rf $(VENV) .cache demo-output
+	rm -rf $(VENV) .cache demo-output .tools

@@ -7,7 +7,9 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
@@ -16,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import ConfigError, DeployConfig, ServiceConfig, load_config
 from omnistage.common.load_driver import MODALITY, RequestShape, plan, run_plan
-from omnistage.common.load_stats import Summary, details_table, markdown_table
+from omnistage.common.load_stats import Summary, details_table, failures, markdown_table
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.auth import SecretError
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
@@ -111,6 +113,25 @@ class _Progress:
             self.shown = False
 
 
+# Kept as they are: line breaks and tabs are layout, the joiners build emoji and scripts' ligatures.
+_KEPT_CONTROLS = frozenset("\n\t\u200c\u200d")
+_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+
+
+def terminal_safe(text: str) -> str:
+    """The model's text with what a terminal would act on written as escapes (`\\x1b`, `\\u202e`): a
+    random or hostile answer must not clear the screen, move the cursor or reorder what follows."""
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch in _KEPT_CONTROLS or unicodedata.category(ch) not in _ESCAPED_CATEGORIES:
+            out.append(ch)
+        else:
+            out.append(ascii(ch)[1:-1])
+    return "".join(out)
+
+
 def _image_options(args: argparse.Namespace) -> omni_pb2.ImageOptions | None:
     if not args.image_out:
         return None
@@ -147,7 +168,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 kind = event.WhichOneof("event")
                 if kind == "text":
                     progress.end()
-                    sys.stdout.write(event.text.text)
+                    sys.stdout.write(terminal_safe(event.text.text))
                     sys.stdout.flush()
                 elif kind == "progress":
                     progress.update(event.progress.stage, event.progress.done, event.progress.total)
@@ -221,7 +242,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print("\n" + details_table(summaries))
     if args.json:
         Path(args.json).write_text(json.dumps([s.to_json() for s in summaries], indent=1))
-    return 1 if any(s.errors for s in summaries) else 0
+    problems = failures(summaries)
+    if problems:  # the exit status says "failed": stderr says which requests and why
+        print("omnistage bench: exit 1, requests that did not finish as asked (an error status, a failed "
+              "finish, or speech not complete):", file=sys.stderr)
+        print("\n".join(f"  {line}" for line in problems), file=sys.stderr)
+    return 1 if problems else 0
 
 
 async def _bench(address: str, creds: grpc.ChannelCredentials | None, runs: list[tuple[str, str, str]],
@@ -374,8 +400,10 @@ def cmd_drain(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             print(f"omnistage: drain failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+    resume = ["omnistage", "resume", "--config", args.config, *(w for o in args.overrides for w in ("--set", o)),
+              "--service", svc.name]
     print(f"omnistage: {svc.name} draining: {reply.completed} requests finished, {reply.aborted} aborted; "
-          f"new requests get UNAVAILABLE until `omnistage resume --config {args.config} --service {svc.name}`")
+          f"new requests get UNAVAILABLE until `{shlex.join(resume)}`")
     return 0
 
 

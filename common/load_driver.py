@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+from omnistage.common.answer_outcome import answer_code
 from omnistage.common.load_stats import Record, Summary, summarize
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
@@ -54,14 +55,9 @@ def make_request(kind: str, i: int, shape: RequestShape) -> omni_pb2.GenerateReq
 
 
 def finish_code(kind: str, finish: omni_pb2.Finish | None) -> str:
-    """"OK", or why the request does not count as done (see Record.code)."""
-    if finish is None:
-        return "NO_FINISH"
-    if finish.reason in (common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT):
-        return common_pb2.FinishReason.Name(finish.reason).replace("_REASON", "")
-    if kind == "speech" and finish.audio.outcome != omni_pb2.AUDIO_OUTCOME_COMPLETE:
-        return f"AUDIO_{finish.audio.code or omni_pb2.AudioOutcome.Name(finish.audio.outcome).split('_')[-1]}"
-    return "OK"
+    """"OK", or why the request does not count as done (see Record.code): answer_outcome's definition,
+    the one the gateway's goodput counter uses."""
+    return answer_code(finish, spoken=MODALITY[kind] == omni_pb2.MODALITY_AUDIO)
 
 
 async def one_request(stub: omni_pb2_grpc.OmniStub, kind: str, i: int, shape: RequestShape) -> Record:

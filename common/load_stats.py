@@ -119,6 +119,17 @@ def summarize(mode: str, kind: str, load: str, records: list[Record], wall_s: fl
     )
 
 
+def failures(summaries: list[Summary]) -> list[str]:
+    """One line per run with requests that did not finish as asked: what `omnistage bench` says on
+    stderr when it exits 1 (`speech closed c=4: 14 of 16 not done: AUDIO_RESOURCE_EXHAUSTED 14`)."""
+    lines = []
+    for s in summaries:
+        if s.errors:
+            codes = ", ".join(f"{code} {n}" for code, n in sorted(s.errors.items(), key=lambda kv: (-kv[1], kv[0])))
+            lines.append(f"{s.kind} {s.mode} c={s.load}: {sum(s.errors.values())} of {s.requests} not done: {codes}")
+    return lines
+
+
 def _ms(v: float | None) -> str:
     return "—" if v is None else f"{v:.0f} ms" if v >= 10 else f"{v:.1f} ms"
 

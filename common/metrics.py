@@ -6,10 +6,13 @@ Services create their own metrics through `counter` / `gauge` / `histogram`, whi
 
 from __future__ import annotations
 
+import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import prometheus_client
 from prometheus_client import Counter, Gauge, Histogram
@@ -151,7 +154,36 @@ class MetricsServer:
         self.thread.join(timeout=5)
 
 
+METRICS_PATH = "/metrics"
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        """Scrapes are not logged (one line every few seconds per scraper)."""
+
+
+def metrics_only_app(registry: Any = REGISTRY) -> Callable[..., Iterable[bytes]]:
+    """A WSGI app serving the registry on /metrics and 404 on every other path: the port answers what it
+    is for, and a typo in a scrape config shows as an error, not as an empty-looking 200."""
+    export = prometheus_client.make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != METRICS_PATH:
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [f"not found: this port serves {METRICS_PATH} only\n".encode()]
+        return export(environ, start_response)
+
+    return app
+
+
 def start_metrics_server(port: int, host: str = "127.0.0.1") -> MetricsServer:
-    """Serve the registry on http://host:port/metrics (port 0 picks a free one, for tests)."""
-    server, thread = prometheus_client.start_http_server(port, addr=host, registry=REGISTRY)
+    """Serve the registry on http://host:port/metrics, 404 elsewhere (port 0 picks a free one, for tests)."""
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+    server = make_server(host, port, metrics_only_app(), Server, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
     return MetricsServer(server, thread, server.server_address[1])

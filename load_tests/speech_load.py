@@ -10,8 +10,8 @@ asking for MODALITY_TEXT + MODALITY_AUDIO, and times on the client:
   RTF    (time of the last audio chunk − time of the first) / seconds of audio received, per spoken
          request (< 1: the speech streams faster than it plays)
   req/s  requests finished per second of the level's wall time (spoken or not)
-Requests above the talker's stream cap get their text and no audio (Finish.audio RESOURCE_EXHAUSTED):
-the table says how many were spoken. Prints a markdown table; stops the pipeline it started.
+Requests above the talker's stream cap wait in the gateway for a stream (within their deadline) and
+are then spoken; the table says how many were spoken. Prints a markdown table; stops the pipeline it started.
 """
 
 from __future__ import annotations

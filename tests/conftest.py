@@ -1,17 +1,25 @@
-"""Fixtures shared by every test folder."""
+"""Fixtures shared by every test folder, and the project's own tools first on PATH."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
+
+# prometheus, promtool and docker-compose, unpacked from Debian's packages by deploy/test-tools.sh
+# (`make test` runs it): found before any of the machine's own.
+TOOLS_BIN = Path(__file__).resolve().parents[1] / ".tools" / "bin"
+if TOOLS_BIN.is_dir():
+    os.environ["PATH"] = os.pathsep.join([str(TOOLS_BIN), os.environ.get("PATH", "")])
 
 
 def _promtool() -> str:
     path = shutil.which("promtool")
     if path is None:  # `make test` installs it (Debian's prometheus package): absent means CI is broken
-        pytest.fail("promtool not found: install Debian's `prometheus` package (`make test` does)")
+        pytest.fail("promtool not found: run deploy/test-tools.sh (`make test` does)")
     return path
 
 

@@ -226,7 +226,7 @@ def write_tiny_talker(root: str | Path, *, seed: int = 0) -> Path:
     (tdir / "llm" / "config.json").write_text(json.dumps(_qwen2_config(llm), indent=2) + "\n")
     top = {"architectures": ["BailingTalker2"], "steps": 10, "patch_size": 4, "history_patch_size": 32,
            "cfg_strength": 2.0, "latent_dim": LATENT_DIM, "spk_dim": SPK_DIM,
-           "flowmodel": {**TINY_DIT, "in_channels": LATENT_DIM, "dropout": 0.0},
+           "flowmodel": {**TINY_DIT, "in_channels": LATENT_DIM, "dropout": 0.0, "llm_cond_dim": llm["hidden_size"]},
            "aggregator": {**TINY_DIT, "in_channels": LATENT_DIM, "dropout": 0.1}}
     (tdir / "config.json").write_text(json.dumps(top, indent=2) + "\n")
     hop = SAMPLE_RATE // 50

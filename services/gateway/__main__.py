@@ -197,6 +197,7 @@ class _Stages:
     async def _talker_up(self) -> None:
         talker = self.servicer.speech.talker
         await talker.read_limits()  # the streams this gateway may hold open (Describe)
+        self.servicer.gates["talker"].set_capacity(talker.max_streams)  # spoken answers wait for one
         await self._through(talker, _warm_up_talker(talker))
 
     async def _imagegen_up(self) -> None:
@@ -254,7 +255,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         images=images,
         converse=_converse_limits(cfg, svc),
         gates={stage: StageGate(stage, GateConfig(0, gw.admission_max_waiting, gw.admission_initial_service_s), svc.name)
-               for stage in ("thinker", "encoder", "imagegen") if stage in deployed},
+               for stage in ("thinker", "encoder", "talker", "imagegen") if stage in deployed},
         service=svc.name,
     )
     stages = _Stages(runtime, cfg, svc, servicer,

@@ -11,8 +11,8 @@ out. Admitted requests therefore finish in time, and goodput stays near capacity
 (a queue that accepts what it cannot finish collapses goodput to zero).
 
 The gateway is the only client of its stages, so its own count of requests in a stage is the stage's
-load; the stage's own bounded queue remains the backstop. The talker is not gated here: a spoken
-answer it has no stream for is still answered in text, its audio refused (speech.py's credits).
+load; the stage's own bounded queue remains the backstop. The talker's gate is held for a spoken
+answer's whole life (server.py's talker_slot): speech waits for a stream instead of being refused.
 """
 
 from __future__ import annotations

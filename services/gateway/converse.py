@@ -1,4 +1,5 @@
-"""Omni.Converse: one call, many turns; each user turn is answered with text and speech.
+"""Omni.Converse: one call, many turns; each user turn is answered with text and speech (or with text
+only, when the config's output_modalities is [MODALITY_TEXT]: then no talker is needed).
 
 A reader task takes the client's messages: a text turn, or audio chunks collected up to
 `end_of_turn` (then wav-wrapped, so the encoder hears the turn as an audio clip). Turns are answered
@@ -55,8 +56,17 @@ class ConversePlan:
     request_id: str
     system_prompt: str
     sampling: common_pb2.SamplingParams
-    voice: VoiceChoice
+    voice: VoiceChoice | None  # None: the answers are text only
     history: tuple[Entry, ...]
+
+    @property
+    def speaks(self) -> bool:
+        return self.voice is not None
+
+    @property
+    def outputs(self) -> frozenset[int]:
+        spoken = {omni_pb2.MODALITY_AUDIO} if self.speaks else set()
+        return frozenset({omni_pb2.MODALITY_TEXT, *spoken})
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,7 @@ class _Answer:
 
     text: list[str]
     tokens: int = 0
+    started: bool = False  # the thinker took the request (from then on, no retry with a shorter history)
     speech: SpokenAnswer | None = None
 
 
@@ -84,9 +95,8 @@ def plan_converse(config: omni_pb2.GenerateRequest, gateway: Any) -> ConversePla
     for i, modality in enumerate(config.output_modalities):
         if modality not in (omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO):
             raise InvalidRequest(f"config.output_modalities[{i}]: Converse answers with text and speech only")
-    if config.output_modalities and omni_pb2.MODALITY_AUDIO not in config.output_modalities:
-        raise InvalidRequest("config.output_modalities: Converse always speaks (leave it empty or include "
-                             "MODALITY_AUDIO); Generate answers with text only")
+    # Empty: text and speech (a conversation speaks unless told otherwise); [MODALITY_TEXT]: text only.
+    speaks = not config.output_modalities or omni_pb2.MODALITY_AUDIO in config.output_modalities
     if len(config.messages) > limits.max_messages:
         raise InvalidRequest(f"config.messages: {len(config.messages)} messages, at most {limits.max_messages} "
                              "(max_messages)")
@@ -120,7 +130,7 @@ def plan_converse(config: omni_pb2.GenerateRequest, gateway: Any) -> ConversePla
         check_sampling(config.sampling, max_model_len=limits.max_model_len)
     except InvalidRequest as exc:
         raise InvalidRequest(f"config.{exc}") from None
-    voice = voice_choice(config, "config.")
+    voice = voice_choice(config, "config.") if speaks else None
     system_prompt = system_prompt or gateway.system_prompt or DEFAULT_SYSTEM_PROMPT
     return ConversePlan(request_id, system_prompt, config.sampling, voice, tuple(seeded))
 
@@ -138,9 +148,7 @@ class Conversation:
         self._requests: AsyncIterator[omni_pb2.ConverseRequest] | None = None
 
     async def open(self, requests: AsyncIterator[omni_pb2.ConverseRequest]) -> ConversePlan:
-        """Read and check the first message (the config)."""
-        if self.gateway.speech is None:
-            raise StageUnavailable("Converse needs the 'talker' stage, which is not deployed", retryable=False)
+        """Read and check the first message (the config); a spoken conversation needs the talker."""
         if self.gateway.thinker is None:
             raise StageUnavailable("the 'thinker' stage is not available (gateway started degraded)")
         self._requests = aiter(requests)
@@ -149,7 +157,11 @@ class Conversation:
             raise InvalidRequest("config: the stream ended before its first message")
         if first.WhichOneof("item") != "config":
             raise InvalidRequest("config: required in the first message")
-        return plan_converse(first.config, self.gateway)
+        plan = plan_converse(first.config, self.gateway)
+        if plan.speaks and self.gateway.speech is None:
+            raise StageUnavailable("Converse needs the 'talker' stage to speak, which is not deployed (ask for "
+                                   "text only: config.output_modalities [MODALITY_TEXT])", retryable=False)
+        return plan
 
     async def run(self, plan: ConversePlan) -> AsyncIterator[omni_pb2.GenerateEvent]:
         history = History(plan.history, self.limits.max_turns)
@@ -290,11 +302,17 @@ class Conversation:
                 # The thinker refused the prompt: the history outgrew its context. Forget the oldest
                 # exchange and ask again (the refusal came before `started`: nothing was sent yet).
                 too_long = exc.code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in str(exc)
-                if not (too_long and answer.speech is None and history.forget_oldest()):
+                if not (too_long and not answer.started and history.forget_oldest()):
                     raise
 
     async def _attempt(self, plan: ConversePlan, history: History, turn: UserTurn, answer: _Answer
                        ) -> AsyncIterator[omni_pb2.GenerateEvent]:
+        async with self.gateway.talker_slot(plan.speaks, self.context.time_remaining()):
+            async for event in self._speak_or_write(plan, history, turn, answer):
+                yield event
+
+    async def _speak_or_write(self, plan: ConversePlan, history: History, turn: UserTurn, answer: _Answer
+                              ) -> AsyncIterator[omni_pb2.GenerateEvent]:
         gateway = self.gateway
         media = gateway.media
         window = history.window(plan.system_prompt, gateway.limits.max_prompt_chars,
@@ -303,29 +321,37 @@ class Conversation:
         encoded = []
         if parts:
             encoded = await media.encode(plan.request_id, parts, {}, self.context.time_remaining())
-        request = PlannedRequest(plan.request_id, window.turns, plan.system_prompt, plan.sampling,
-                                 frozenset({omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO}), parts)
+        request = PlannedRequest(plan.request_id, window.turns, plan.system_prompt, plan.sampling, plan.outputs, parts)
         text_events = gateway._thinker_events(request, encoded, self.context)
         handed_over = False
-        try:
+        spoken = None
+        if plan.voice is not None:
             spoken = SpokenAnswer(gateway.speech, plan.request_id, plan.voice, self.context.time_remaining(),
                                   turn.ended_at, "config.")
-            async for event in spoken.events(text_events):
+        events = spoken.events(text_events) if spoken is not None else text_events
+        try:
+            async for event in events:
                 if event is None:
-                    handed_over, answer.speech = True, spoken
+                    handed_over = answer.started = True
+                    answer.speech = spoken
                     continue
                 if event.HasField("text"):
                     answer.text.append(event.text.text)
                     answer.tokens += len(event.text.token_ids)
                 yield event
         finally:
+            await events.aclose()  # an interrupted answer's thinker (and talker) streams end now
             if encoded and not handed_over:
                 media.release(encoded)
 
     def _interrupted(self, plan: ConversePlan, index: int, answer: _Answer) -> omni_pb2.GenerateEvent:
-        status = omni_pb2.AudioStatus(code="CANCELLED", message=f"interrupted by user turn {index + 1}")
-        if answer.speech is not None:
-            status = answer.speech.interrupted(status.message)
-        finish = omni_pb2.Finish(reason=common_pb2.FINISH_REASON_INTERRUPTED, message=status.message, audio=status,
+        message = f"interrupted by user turn {index + 1}"
+        finish = omni_pb2.Finish(reason=common_pb2.FINISH_REASON_INTERRUPTED, message=message,
                                  usage=common_pb2.Usage(completion_tokens=answer.tokens))
+        if plan.speaks:  # a text-only conversation has no AudioStatus: no speech was asked for
+            status = omni_pb2.AudioStatus(code="CANCELLED", message=message)
+            if answer.speech is not None:
+                status = answer.speech.interrupted(message)
+            finish.message = status.message
+            finish.audio.CopyFrom(status)
         return omni_pb2.GenerateEvent(request_id=plan.request_id, turn=index, finish=finish)

@@ -13,12 +13,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 from omnistage.common import metrics
+from omnistage.common.answer_outcome import OK, answer_code
 from omnistage.common.runtime.calls import status_of
 from omnistage.common.runtime.errors import Overloaded
-from omnistage.v1 import common_pb2, omni_pb2
+from omnistage.v1 import omni_pb2
 
 # Refusals (RESOURCE_EXHAUSTED at arrival) the gateway makes itself; `stage` for a stage's own refusal.
-REFUSAL_REASONS = ("gateway_full", *(f"{stage}_{why}" for stage in ("thinker", "encoder", "imagegen")
+REFUSAL_REASONS = ("gateway_full", *(f"{stage}_{why}" for stage in ("thinker", "encoder", "talker", "imagegen")
                                       for why in ("queue_full", "deadline")), "stage")
 _MODALITY_NAMES = {omni_pb2.MODALITY_TEXT: "text", omni_pb2.MODALITY_AUDIO: "audio", omni_pb2.MODALITY_IMAGE: "image"}
 
@@ -41,8 +42,10 @@ class GatewayMetrics:
         self.e2e = metrics.histogram("gateway_e2e_seconds", "Omni.Generate wall time at the gateway, arrival to "
                                      "the stream's end, by output modalities and the gRPC status the client got",
                                      ("modality", "outcome"))  # fmt: skip
-        self.goodput = metrics.counter("gateway_goodput_requests", "Omni.Generate requests that ended OK (finish "
-                                       "not ERROR) within their deadline, by output modalities", ("modality",))
+        self.goodput = metrics.counter("gateway_goodput_requests", "Omni.Generate requests that ended OK within "
+                                       "their deadline with their answer done (finish not ERROR or ABORT; a "
+                                       "spoken one with its speech complete), by output modalities",
+                                       ("modality",))  # fmt: skip
         refusals = metrics.counter("gateway_refusals", "Requests refused with RESOURCE_EXHAUSTED, by reason "
                                    "(gateway_full, <stage>_queue_full, <stage>_deadline, stage)",
                                    ("reason",))  # fmt: skip
@@ -67,7 +70,8 @@ class GatewayMetrics:
         deadline = None if remaining is None else arrived_at + remaining
         tokens = self.tokens.labels(self.service, method)
         audio = self.audio_s.labels(self.service, method)
-        first_text, failed_finish = timed, False
+        first_text, finish = timed, None
+        spoken = timed and omni_pb2.MODALITY_AUDIO in request.output_modalities
         try:
             async with contextlib.aclosing(events) as stream:  # closed at once when the client leaves
                 async for event in stream:
@@ -83,7 +87,7 @@ class GatewayMetrics:
                     elif kind == "image":
                         self.images.labels(self.service).inc()
                     elif kind == "finish":
-                        failed_finish = event.finish.reason == common_pb2.FINISH_REASON_ERROR
+                        finish = event.finish
                     yield event
         except BaseException as exc:
             if isinstance(exc, Overloaded):
@@ -95,5 +99,6 @@ class GatewayMetrics:
         if timed:
             ended = time.monotonic()
             self.e2e.labels(self.service, modality, grpc.StatusCode.OK.name).observe(ended - arrived_at)
-            if not failed_finish and (deadline is None or ended <= deadline):
+            done = answer_code(finish, spoken=spoken) == OK  # the definition `omnistage bench` uses
+            if done and (deadline is None or ended <= deadline):
                 self.goodput.labels(self.service, modality).inc()

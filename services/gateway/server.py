@@ -83,6 +83,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         self.gates.setdefault("thinker", StageGate("thinker", GateConfig(), service))
         if images is not None:  # what the image stage denoises at once, and lets wait (its Describe)
             self.gates.setdefault("imagegen", StageGate("imagegen", images.limits.gate(), service))
+        if speech is not None:  # the streams the talker speaks at once (its Describe): spoken answers wait
+            self.gates.setdefault("talker", StageGate("talker", GateConfig(speech.talker.max_streams), service))
         self.media = media  # None: no encoder (media parts get FAILED_PRECONDITION)
         self.speech = speech  # None: no talker (MODALITY_AUDIO and Converse get FAILED_PRECONDITION)
         self.images = images  # None: no image stage (MODALITY_IMAGE gets FAILED_PRECONDITION)
@@ -117,7 +119,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             )
         if spoken and self.speech is None:
             raise StageUnavailable("output_modalities: the 'talker' stage is not available", retryable=False)
-        self._admit(context, [*(["encoder"] if plan.media else []), "thinker", *(["imagegen"] if image else [])])
+        self._admit(context, [*(["encoder"] if plan.media else []), "thinker", *(["talker"] if spoken and self.speech.talker.up else []),
+                              *(["imagegen"] if image else [])])  # fmt: skip
         self.in_flight += 1
         try:
             finish: omni_pb2.GenerateEvent | None = None
@@ -164,23 +167,33 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                              arrived_at: float) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
         """The client's events of the answer: the encoder for media, the thinker's deltas (and the talker's
         speech when `choice` is set), then the finish."""
-        encoded: list[encoder_pb2.EncodedItem] = []
-        if plan.media:
-            encoded = await self._encode(plan, paths, context)
-        handed_over = False  # the thinker's `started`: from then on the leases are its business
-        events = self._thinker_events(plan, encoded, context)
-        if choice is not None:
-            events = self.speech.answer(plan.request_id, choice, events, context.time_remaining(), arrived_at)
-        try:
-            async for event in events:
-                if event is None:
-                    handed_over = True
-                else:
-                    yield event
-        finally:
-            await events.aclose()  # cancels the thinker stream now if the client left
-            if encoded and not handed_over:
-                self.media.release(encoded)
+        async with self.talker_slot(choice is not None, context.time_remaining()):
+            encoded: list[encoder_pb2.EncodedItem] = []
+            if plan.media:
+                encoded = await self._encode(plan, paths, context)
+            handed_over = False  # the thinker's `started`: from then on the leases are its business
+            events = self._thinker_events(plan, encoded, context)
+            if choice is not None:
+                events = self.speech.answer(plan.request_id, choice, events, context.time_remaining(), arrived_at)
+            try:
+                async for event in events:
+                    if event is None:
+                        handed_over = True
+                    else:
+                        yield event
+            finally:
+                await events.aclose()  # cancels the thinker stream now if the client left
+                if encoded and not handed_over:
+                    self.media.release(encoded)
+
+    def talker_slot(self, spoken: bool, remaining_s: float | None) -> contextlib.AbstractAsyncContextManager:
+        """For a spoken answer, one of the talker's streams, waited for in FIFO order within the deadline
+        (admission by capacity, as for the thinker): the speech is not refused because the talker is busy
+        now. A talker that is down takes no slot (the answer is text, its status says why)."""
+        gate = self.gates.get("talker")
+        if not spoken or gate is None or not self.speech.talker.up:
+            return contextlib.nullcontext()
+        return gate.slot(remaining_s)
 
     async def _image_events(
         self, plan: PlannedRequest, image: ImagePlan, paths: dict[str, Path], usage: common_pb2.Usage, context

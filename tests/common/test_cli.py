@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -186,3 +187,40 @@ def test_bench_refuses_bad_arguments_before_calling_anything(capsys):
     assert "--kinds: a comma-separated list of text, speech, image" in capsys.readouterr().err
     assert main(["bench", "--address", "127.0.0.1:1", "--concurrency", "0,2"]) == 2
     assert "--concurrency: expected positive integers" in capsys.readouterr().err
+
+
+def test_generate_escapes_what_a_terminal_would_act_on(stage, capsys):
+    cfg, override, _, _ = stage
+    answer = "a\x1b[2Jb\x07c\x9b\nd\te\u202ef 你好\u3000👨\u200d👩"
+    assert main(["generate", "--config", str(cfg), "--set", override, "--prompt", "echo " + answer]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("a\\x1b[2Jb\\x07c\\x9b\nd\te\\u202ef 你好\u3000👨\u200d👩\n")
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+
+
+def test_drain_prints_a_resume_command_that_works_as_printed(stage, capsys):
+    """The resume command carries every `--set` flag drain was given, in order (here: the moved main port
+    and a grace), so pasted as printed it reaches the same service."""
+    cfg, override, _, _ = stage
+    grace = "services.front.drain_grace_s=5"
+    assert main(["drain", "--config", str(cfg), "--set", override, "--set", grace, "--service", "front",
+                 "--deadline-ms", "1000"]) == 0
+    line = capsys.readouterr().out
+    command = shlex.split(line.split("`")[1])
+    assert command[:2] == ["omnistage", "resume"]
+    assert command[2:] == ["--config", str(cfg), "--set", override, "--set", grace, "--service", "front"]
+    assert main(command[1:]) == 0
+    assert "front serving again" in capsys.readouterr().out
+
+
+def test_bench_says_on_stderr_why_it_exits_1(stage, capsys):
+    """The synthetic stage speaks no audio: every speech request is not done, and stderr says so."""
+    cfg, override, _, _ = stage
+    assert main(["bench", "--config", str(cfg), "--set", override, "--kinds", "text,speech", "--concurrency", "1",
+                 "--requests", "2", "--prompt", "n=2"]) == 1
+    err = capsys.readouterr().err
+    assert "omnistage bench: exit 1, requests that did not finish as asked" in err
+    assert "  speech closed c=1: 2 of 2 not done: AUDIO_UNSPECIFIED 2" in err and "text closed" not in err
+    assert main(["bench", "--config", str(cfg), "--set", override, "--kinds", "text", "--concurrency", "1",
+                 "--requests", "2", "--prompt", "n=2"]) == 0
+    assert capsys.readouterr().err == ""

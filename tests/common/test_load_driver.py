@@ -73,3 +73,13 @@ def test_finish_codes_say_why_a_request_does_not_count():
         outcome=omni_pb2.AUDIO_OUTCOME_PARTIAL, code="UNAVAILABLE"))  # fmt: skip
     assert finish_code("speech", partial) == "AUDIO_UNAVAILABLE"
     assert finish_code("text", partial) == "OK"
+
+
+def test_an_aborted_answer_and_speech_with_no_audio_are_not_done():
+    fin = omni_pb2.Finish
+    assert finish_code("text", fin(reason=common_pb2.FINISH_REASON_ABORT)) == "FINISH_ABORT"
+    none = fin(reason=common_pb2.FINISH_REASON_STOP, audio=omni_pb2.AudioStatus(outcome=omni_pb2.AUDIO_OUTCOME_NONE))
+    assert finish_code("speech", none) == "AUDIO_NONE"
+    complete = fin(reason=common_pb2.FINISH_REASON_STOP, audio=omni_pb2.AudioStatus(
+        outcome=omni_pb2.AUDIO_OUTCOME_COMPLETE))  # fmt: skip
+    assert finish_code("speech", complete) == "OK"

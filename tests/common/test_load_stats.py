@@ -4,7 +4,7 @@ rates over the wall time, goodput against each request's deadline, errors by sta
 from __future__ import annotations
 
 import pytest
-from omnistage.common.load_stats import Record, markdown_table, percentile, summarize
+from omnistage.common.load_stats import Record, failures, markdown_table, percentile, summarize
 
 
 def test_percentile_interpolates_between_ranks_like_numpy():
@@ -49,3 +49,13 @@ def test_speech_time_to_first_audio_and_real_time_factor():
     assert s.tpot_ms["p50"] == pytest.approx(1800.0 / 4)  # no last-delta time: (E2E - TTFT) / 4
     rec.last_text_s = 0.6
     assert rec.tpot_s == pytest.approx(0.1)  # the text alone: (0.6 - 0.2) / 4
+
+
+def test_failures_name_each_run_with_requests_not_done_most_frequent_first():
+    def rec(code: str) -> Record:
+        return Record("speech", 0.0, 1.0, 30.0, code=code)
+
+    runs = [summarize("closed", "speech", "4", [rec("OK"), rec("AUDIO_RESOURCE_EXHAUSTED"),
+                                                rec("AUDIO_RESOURCE_EXHAUSTED"), rec("DEADLINE_EXCEEDED")], 1.0),
+            summarize("closed", "text", "4", [rec("OK")], 1.0)]  # fmt: skip
+    assert failures(runs) == ["speech closed c=4: 3 of 4 not done: AUDIO_RESOURCE_EXHAUSTED 2, DEADLINE_EXCEEDED 1"]

@@ -48,7 +48,7 @@ def _tool(*names: str) -> list[str]:
                 return [docker, "compose"]
         elif shutil.which(name):
             return [shutil.which(name)]
-    pytest.fail(f"none of {', '.join(names)} is installed (`make test` installs Debian's docker-compose and prometheus)")
+    pytest.fail(f"none of {', '.join(names)} is on PATH: run deploy/test-tools.sh (`make test` does)")
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:

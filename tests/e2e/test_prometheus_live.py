@@ -7,7 +7,7 @@ once, with one the client cancels and one that is invalid. Then every expression
 dashboard must parse and return data, every stage's queue-time histogram must have counted, every alert
 rule must parse and be loaded healthy, every service's /metrics must pass `promtool check metrics`,
 and every metric a service exports must be documented in docs/metrics.md. Without `prometheus` on
-PATH the test fails (`make test` installs it), as tests/deploy does.
+PATH the test fails (`make test` unpacks it into .tools/, deploy/test-tools.sh), as tests/deploy does.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class Prometheus:
 
     def __init__(self, root: Path, targets: dict[str, int]) -> None:
         binary = shutil.which("prometheus")
-        if binary is None:  # `make test` installs it (Debian's prometheus package): absent means CI is broken
-            pytest.fail("prometheus not found: install Debian's `prometheus` package (`make test` does)")
+        if binary is None:  # `make test` unpacks Debian's into .tools/bin: absent means CI is broken
+            pytest.fail("prometheus not found: run deploy/test-tools.sh (`make test` does)")
         (port,) = free_ports(1)
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},

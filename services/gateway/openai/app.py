@@ -26,6 +26,7 @@ from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.server import PUBLIC_API
 from omnistage.services.gateway.openai import translate as tr
 from omnistage.services.gateway.openai.translate import HttpError
+from omnistage.services.gateway.validation import MAX_REQUEST_ID_CHARS
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -113,9 +114,22 @@ def _loads(raw: bytes) -> Any:
         raise HttpError(400, "body: JSON nested too deeply", param="body") from None
 
 
+JSON_MEDIA_TYPE = "application/json"
+
+
+def _require_json(request: Request) -> None:
+    """Bodies are JSON and say so: a form or text body is refused, not parsed on a guess."""
+    value = request.headers.get("content-type", "")
+    if value.partition(";")[0].strip().lower() != JSON_MEDIA_TYPE:
+        got = f"got {value!r}" if value else "no Content-Type was sent"
+        raise HttpError(400, f"content-type: expected {JSON_MEDIA_TYPE}, {got}", param="content-type",
+                        code="invalid_content_type")  # fmt: skip
+
+
 async def _translate(request: Request, translate: Callable[..., T], **kwargs: Any) -> T:
     """`translate(body, **kwargs)` of the request's JSON body. A large body (base64 media) is parsed and
     decoded in a worker thread: the event loop also serves the gateway's gRPC API."""
+    _require_json(request)
     raw = await request.body()
     if len(raw) < INLINE_PARSE_BYTES:
         return translate(_loads(raw), **kwargs)
@@ -133,9 +147,24 @@ def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
     return (("authorization", value),) if value else ()
 
 
+def _valid_request_id(rid: str) -> bool:
+    """The Omni API's rule for request ids (validation.py): printable, at most MAX_REQUEST_ID_CHARS."""
+    return rid.isprintable() and len(rid) <= MAX_REQUEST_ID_CHARS
+
+
 def _request_id(request: Request) -> str:
+    """The client's `x-request-id` ("" when none was sent); an invalid one is refused, not replaced."""
     rid = request.headers.get("x-request-id", "")
-    return rid if rid.isprintable() and len(rid) <= 256 else ""
+    if not _valid_request_id(rid):
+        raise HttpError(400, f"x-request-id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters",
+                        param="x-request-id", code="invalid_value")  # fmt: skip
+    return rid
+
+
+def _echoed_request_id(request: Request) -> str:
+    """The `x-request-id` an error response repeats: the client's when it is valid, else none."""
+    rid = request.headers.get("x-request-id", "")
+    return rid if _valid_request_id(rid) else ""
 
 
 class Front:
@@ -165,7 +194,7 @@ class Front:
 
     async def _on_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HttpError)
-        return error_response(exc, _request_id(request))
+        return error_response(exc, _echoed_request_id(request))
 
     async def _on_bug(self, request: Request, exc: Exception) -> Response:
         _log.error("%s %s failed", request.method, request.url.path, exc_info=exc)

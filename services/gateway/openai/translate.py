@@ -128,6 +128,11 @@ def _integer(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
     return value
 
 
+def _boolean(value: Any, param: str) -> bool:
+    """A JSON boolean (null or absent: false); `"yes"`, `1` and `"false"` are refused, never guessed."""
+    return False if value is None else _expect(value, bool, param, "a boolean (true or false)")
+
+
 def _b64(data: Any, param: str) -> bytes:
     _expect(data, str, param, "a base64 string")
     try:
@@ -295,9 +300,10 @@ def chat_request(body: Any, *, request_id: str = "") -> ChatPlan:
         if isinstance(voice, dict):
             voice = voice.get("id") or ""
         _expect(voice, str, "audio.voice", "a voice name")
-    stream = bool(body.get("stream", False))
+    stream = _boolean(body.get("stream"), "stream")
     options = body.get("stream_options") or {}
     _expect(options, dict, "stream_options", "an object")
+    include_usage = _boolean(options.get("include_usage"), "stream_options.include_usage")
     request = omni_pb2.GenerateRequest(
         request_id=request_id,
         messages=[_message(m, i) for i, m in enumerate(messages)],
@@ -305,7 +311,7 @@ def chat_request(body: Any, *, request_id: str = "") -> ChatPlan:
         sampling=sampling(body),
         voice=voice,
     )
-    return ChatPlan(request, stream, bool(options.get("include_usage")), audio_format, model)
+    return ChatPlan(request, stream, include_usage, audio_format, model)
 
 
 SPEECH_FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}
@@ -370,7 +376,7 @@ def image_request(body: Any, *, request_id: str = "") -> omni_pb2.GenerateReques
         raise bad_request("response_format", "only b64_json (the gateway keeps no files to link to)")
     if body.get("output_format", "png") != "png":
         raise bad_request("output_format", "only png")
-    if body.get("stream"):
+    if _boolean(body.get("stream"), "stream"):
         raise bad_request("stream", "streamed partial images are not supported")
     options = omni_pb2.ImageOptions()
     size = body.get("size", "auto")

@@ -69,6 +69,9 @@ class Qwen2Shape:
         )
 
 
+RELEASE_LLM_COND_DIM = 896  # the release DiT's default condition width when flowmodel has no llm_cond_dim
+
+
 @dataclass(frozen=True)
 class DiTShape:
     """The CFM DiT (`flowmodel`) and the aggregator share this block shape (ming.md §5.3)."""
@@ -187,6 +190,12 @@ class TalkerModelConfig:
         )
         if cfg.latent_dim != cfg.vae.latent_dim or cfg.flow.in_channels != cfg.latent_dim:
             raise CheckpointError(f"{where}: latent_dim {cfg.latent_dim} disagrees with the VAE or the flow model")
+        # The release's DiT builds its condition layer from `flowmodel.llm_cond_dim` (default 896, the
+        # release's talker LM width): a checkpoint whose LM is another width must say so.
+        cond_dim = int(top["flowmodel"].get("llm_cond_dim", RELEASE_LLM_COND_DIM))
+        if cond_dim != cfg.llm.hidden_size:
+            raise CheckpointError(f"{where}: flowmodel llm_cond_dim {cond_dim} != talker LM hidden_size "
+                                  f"{cfg.llm.hidden_size} (the DiT's condition is the LM's hidden state)")
         if cfg.history_patch_size < cfg.patch_size:
             raise CheckpointError(f"{where}: history_patch_size {cfg.history_patch_size} < patch_size {cfg.patch_size}")
         return cfg

@@ -3,7 +3,8 @@
 Run as a script (`python synthetic_stage.py --config ... --service ... --rank ... --run-dir ...`), it
 is what `launch(modules={kind: this file})` starts. It walks through the start-up phases with
 progress (step time from $SYNTH_STEP_S), then serves `omnistage.v1.Omni` on rank 0, where the prompt
-text drives the behaviour: `raise`, `invalid`, `overloaded`, or `n=<events> delay=<seconds>`.
+text drives the behaviour: `raise`, `invalid`, `overloaded`, `echo <text>` (one delta: the text as
+given), or `n=<events> delay=<seconds>`.
 $SYNTH_TORCH_LOAD=1 makes its load run torch in a blocking thread that never ends. A synthetic gateway serves its capabilities' health names (text at once, the others
 $SYNTH_CAPABILITIES_AFTER_S later). $SYNTH_CRASH_AFTER=`<service>:<seconds>` makes every process of that service exit (code 5) that
 long after it is ready: a stage that keeps crashing, for the launcher's restart budget.
@@ -44,10 +45,12 @@ class SyntheticOmni(omni_pb2_grpc.OmniServicer):
             raise Overloaded("synthetic queue full", retry_after_ms=250)
         opts = dict(word.split("=", 1) for word in text.split() if "=" in word)
         n, delay = int(opts.get("n", 3)), float(opts.get("delay", 0.0))
-        for i in range(n):
+        deltas = [text.removeprefix("echo ")] if text.startswith("echo ") else [f"w{i} " for i in range(n)]
+        n = len(deltas)
+        for delta in deltas:
             if delay:
                 await asyncio.sleep(delay)
-            yield omni_pb2.GenerateEvent(request_id=request.request_id, text=omni_pb2.TextDelta(text=f"w{i} "))
+            yield omni_pb2.GenerateEvent(request_id=request.request_id, text=omni_pb2.TextDelta(text=delta))
         self.finished += 1
         usage = common_pb2.Usage(prompt_tokens=len(text.split()), completion_tokens=n)
         yield omni_pb2.GenerateEvent(

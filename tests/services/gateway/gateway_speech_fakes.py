@@ -92,8 +92,18 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
         self.chunks_per_text = chunks_per_text
         self.chunk_samples = chunk_samples
         self.calls: list[SpeakCall] = []
+        self.active = self.most_active = 0  # Speak calls running now, and the most that ever ran at once
 
     async def Speak(self, requests, context):
+        self.active += 1
+        self.most_active = max(self.most_active, self.active)
+        try:
+            async for response in self._speak(requests, context):
+                yield response
+        finally:
+            self.active -= 1
+
+    async def _speak(self, requests, context):
         first = await anext(aiter(requests))
         call = SpeakCall(first.config, context.time_remaining())
         self.calls.append(call)

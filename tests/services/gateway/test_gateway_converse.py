@@ -290,7 +290,6 @@ LIMITS = ConverseLimits(max_turn_chars=20, max_turn_audio_bytes=64000, max_audio
     ([config(), audio(_pcm(1.6, 8000), rate=8000)], "audio.pcm16: the spoken turn passes the encoder's max_audio_seconds"),
     ([config(), omni_pb2.ConverseRequest()], "ConverseRequest: empty message"),
     ([config(output_modalities=[omni_pb2.MODALITY_IMAGE])], "config.output_modalities[0]: Converse answers with text"),
-    ([config(output_modalities=[omni_pb2.MODALITY_TEXT])], "config.output_modalities: Converse always speaks"),
     ([config(messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[
         omni_pb2.ContentPart(image=omni_pb2.Media(data=b"png"))])])], "config.messages[0].parts[0]: the history"),
     ([config(sampling=common_pb2.SamplingParams(temperature=1000))], "config.sampling.temperature"),
@@ -298,7 +297,7 @@ LIMITS = ConverseLimits(max_turn_chars=20, max_turn_audio_bytes=64000, max_audio
      "config.custom_voice: set voice or custom_voice, not both"),
     ([config(voice="nobody"), text("hi")], "config.voice: unknown voice 'nobody'"),
 ], ids=["no-config", "config-twice", "long-text", "low-rate", "rate-change", "empty-turn", "text-in-spoken-turn",
-        "odd-pcm", "turn-bytes", "turn-seconds", "empty-message", "image-out", "text-only", "history-media",
+        "odd-pcm", "turn-bytes", "turn-seconds", "empty-message", "image-out", "history-media",
         "sampling", "two-voices", "unknown-voice"])
 def test_bad_input_ends_the_call_naming_the_field(messages, needle):
     async def scenario():
@@ -325,6 +324,54 @@ def test_without_a_talker_converse_is_failed_precondition_naming_it():
     assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "'talker'" in str(err)
 
 
+TEXT_ONLY = [omni_pb2.MODALITY_TEXT]
+
+
+def test_a_text_only_conversation_needs_no_talker():
+    """output_modalities [MODALITY_TEXT]: turns answered with text from the history, no audio, no
+    AudioStatus (no speech was asked for), a barge-in still interrupts; no talker deployed at all."""
+    async def scenario():
+        thinker = FakeThinker(ANSWER * 20, delay_s=0.02)
+        client = Client(config(output_modalities=TEXT_ONLY, voice="DB30"), text("Tell me a long story."))
+
+        def on_event(event, events):
+            if event.HasField("text") and event.turn == 0 and sum(e.HasField("text") for e in events) == 3:
+                thinker.answer = ANSWER  # the next call's
+                client.send(text("Stop, please."))
+            if event.HasField("finish") and event.turn == 1:
+                client.close()
+
+        servicer = gateway(thinker, None)
+        events = await converse(servicer, client, on_event)
+        return thinker, events, servicer.in_flight
+
+    thinker, events, in_flight = run(scenario())
+    assert {e.WhichOneof("event") for e in events} == {"text", "finish"}
+    first, second = finishes(events)
+    assert (first.turn, first.finish.reason, first.finish.message) == (
+        0, common_pb2.FINISH_REASON_INTERRUPTED, "interrupted by user turn 1")
+    assert (second.turn, second.finish.reason) == (1, common_pb2.FINISH_REASON_STOP)
+    assert not first.finish.HasField("audio") and not second.finish.HasField("audio")
+    assert turn_text(events, 1) == ANSWER and thinker.calls[0].closed and not thinker.calls[0].finished
+    assert thinker.calls[1].prompt.endswith(f"{turn_text(events, 0)}<|role_end|><role>HUMAN</role>Stop, please."
+                                            "<|role_end|><role>ASSISTANT</role>")
+    assert in_flight == 0
+
+
+def test_a_text_only_conversation_does_not_call_a_deployed_talker():
+    async def scenario():
+        talker = FakeTalker()
+        async with TalkerServer(talker) as srv:
+            client = Client(config(output_modalities=TEXT_ONLY), text("Hi?"))
+            client.close()
+            events = await converse(gateway(FakeThinker(ANSWER), srv.address), client)
+        return talker, events
+
+    talker, events = run(scenario())
+    assert turn_text(events, 0) == ANSWER and talker.calls == []
+    assert [e.finish.reason for e in finishes(events)] == [common_pb2.FINISH_REASON_STOP]
+
+
 def test_spoken_turns_without_an_encoder_are_failed_precondition_naming_it():
     async def scenario():
         async with TalkerServer(FakeTalker()) as srv:
@@ -334,3 +381,22 @@ def test_spoken_turns_without_an_encoder_are_failed_precondition_naming_it():
 
     err = run(scenario())
     assert err.code == grpc.StatusCode.FAILED_PRECONDITION and str(err).startswith("audio: spoken turns need the 'encoder'")
+
+
+def test_spoken_conversations_wait_for_a_talker_stream_and_all_speak():
+    """Two conversations on a talker of one stream: the second turn's answer waits for it, then speaks."""
+    async def scenario():
+        talker = FakeTalker()
+        async with TalkerServer(talker) as srv:
+            servicer = gateway(FakeThinker(ANSWER, delay_s=0.02), srv.address, max_streams=1)
+            clients = [Client(config(), text("Hi?")) for _ in range(2)]
+            for client in clients:
+                client.close()
+            calls = await asyncio.gather(*(converse(servicer, client) for client in clients))
+        return calls, talker.most_active
+
+    calls, most_active = run(scenario())
+    for events in calls:
+        (done,) = finishes(events)
+        assert done.finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE and turn_text(events, 0) == ANSWER
+    assert most_active == 1

@@ -49,13 +49,14 @@ def finish(**audio) -> omni_pb2.GenerateEvent:
 
 
 async def asgi(app, method: str, path: str, body: bytes = b"", query: str = "",
-               leave: asyncio.Event | None = None) -> tuple[int, dict, bytes]:  # fmt: skip
+               leave: asyncio.Event | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict, bytes]:
     """One request through the ASGI app: (status, headers, whole body); the client disconnects when
-    `leave` is set."""
+    `leave` is set. `headers` replace the defaults (a JSON content type); a None value drops one."""
+    sent = {"content-type": "application/json", "content-length": str(len(body)), **(headers or {})}
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
-             "query_string": query.encode(), "headers": [(b"content-type", b"application/json"),
-                                                         (b"content-length", str(len(body)).encode())],
+             "query_string": query.encode(),
+             "headers": [(k.encode(), v.encode("latin-1")) for k, v in sent.items() if v is not None],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
     delivered, out = False, {"status": 0, "headers": {}, "body": b""}
 
@@ -117,6 +118,61 @@ def test_bad_bodies_and_routes_get_openai_errors():
     assert [(s, e["param"]) for s, e in errors[:3]] == [(400, "body")] * 3
     assert "not valid JSON" in errors[0][1]["message"] and "nested too deeply" in errors[1][1]["message"]
     assert [s for s, _ in errors[3:]] == [404, 405]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", chat_body(stream="yes"), "stream"),
+    ("/v1/chat/completions", chat_body(stream=1), "stream"),
+    ("/v1/chat/completions", chat_body(stream="false"), "stream"),
+    ("/v1/chat/completions", chat_body(stream=True, stream_options={"include_usage": "yes"}),
+     "stream_options.include_usage"),
+    ("/v1/images/generations", json.dumps({"prompt": "a cat", "stream": "no"}).encode(), "stream"),
+], ids=["chat-yes", "chat-1", "chat-false-string", "include_usage-yes", "image-no"])
+def test_stream_flags_must_be_json_booleans(path, body, param):
+    omni = FakeOmni([text("Hi"), finish()])
+
+    async def scenario(app, omni):
+        return await asgi(app, "POST", path, body)
+
+    status, _, reply = run(scenario, omni)
+    assert status == 400
+    assert json.loads(reply)["error"]["param"] == param
+    assert "expected a boolean (true or false)" in json.loads(reply)["error"]["message"]
+    assert omni.requests == [], "refused before any Omni call"
+
+
+@pytest.mark.parametrize(("headers", "param", "needle"), [
+    ({"content-type": "text/plain"}, "content-type", "expected application/json, got 'text/plain'"),
+    ({"content-type": "application/x-www-form-urlencoded"}, "content-type", "expected application/json"),
+    ({"content-type": None}, "content-type", "no Content-Type was sent"),
+    ({"x-request-id": "r" * 257}, "x-request-id", "at most 256 characters"),
+    ({"x-request-id": "abc\x01def"}, "x-request-id", "must be printable"),
+])
+def test_what_the_front_would_guess_is_refused(headers, param, needle):
+    omni = FakeOmni([text("Hi"), finish()])
+
+    async def scenario(app, omni):
+        return await asgi(app, "POST", "/v1/chat/completions", chat_body(), headers=headers)
+
+    status, reply_headers, reply = run(scenario, omni)
+    error = json.loads(reply)["error"]
+    assert (status, error["param"], error["type"]) == (400, param, "invalid_request_error")
+    assert needle in error["message"]
+    assert "x-request-id" not in reply_headers, "an invalid id is not echoed"
+    assert omni.requests == []
+
+
+def test_a_valid_request_id_and_a_json_content_type_with_parameters_are_taken():
+    omni = FakeOmni([text("Hi"), finish()])
+
+    async def scenario(app, omni):
+        return await asgi(app, "POST", "/v1/chat/completions", chat_body(stream=None), headers={
+            "content-type": "Application/JSON; charset=utf-8", "x-request-id": "req-7"})
+
+    status, headers, reply = run(scenario, omni)
+    assert status == 200 and headers["x-request-id"] == "req-7"
+    assert json.loads(reply)["choices"][0]["message"]["content"] == "Hi"
+    assert [r.request_id for r in omni.requests] == ["req-7"]
 
 
 def test_a_finished_streamed_answer_ends_its_call_itself():

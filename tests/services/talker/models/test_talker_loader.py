@@ -52,3 +52,17 @@ def test_a_missing_config_is_named(talker_ckpt, tmp_path):
     (root / "talker/vae/config.json").write_text(json.dumps(vae))
     with pytest.raises(CheckpointError, match=r"vae/config.json dec_kwargs: lacks required keys output_dim"):
         load_talker(root, dtype=torch.float32, device="cpu")
+
+
+def test_the_condition_width_is_the_lm_width(talker_ckpt, tmp_path):
+    """The release's DiT reads `flowmodel.llm_cond_dim` (default 896): the tiny checkpoint writes its own
+    width, and a config without it (or with another width) is refused by name, not mis-built."""
+    top = json.loads((talker_ckpt / "talker/config.json").read_text())
+    llm = json.loads((talker_ckpt / "talker/llm/config.json").read_text())
+    assert top["flowmodel"]["llm_cond_dim"] == llm["hidden_size"] != 896
+    root = tmp_path / "ckpt"
+    shutil.copytree(talker_ckpt, root)
+    del top["flowmodel"]["llm_cond_dim"]
+    (root / "talker/config.json").write_text(json.dumps(top))
+    with pytest.raises(CheckpointError, match=r"flowmodel llm_cond_dim 896 != talker LM hidden_size 64"):
+        load_talker(root, dtype=torch.float32, device="cpu")
