@@ -6,6 +6,10 @@ decoder's KV (frames of one segment). A step for a batch of requests is: LM forw
 new input (a whole prompt when it starts, else the aggregator output of its last patch) → CFM
 sample of one patch per row (10 DiT steps × 2 for CFG, one batched forward each) → aggregator →
 stop probability → streaming VAE decode of the new latents.
+
+With `graphs`, the LM decode and the CFM sample run through `StepGraphs` (padded static buffers,
+CUDA graphs on CUDA; `capture` False runs the same buffers eagerly, as on the CPU); prefills and
+the VAE stay eager (their shapes vary).
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ from omnistage.services.talker.models.dit import sway_times
 from omnistage.services.talker.models.loader import TalkerModels
 from omnistage.services.talker.models.prompt import PromptIds
 from omnistage.services.talker.models.qwen2 import KVSlots, Rows
+from omnistage.services.talker.step_graphs import StepGraphs
 from omnistage.services.talker.voice_prompt import Voice
 
 
 class TalkerRunner:
     def __init__(self, models: TalkerModels, slots: int, max_lm_tokens: int, max_vae_frames: int, *,
-                 temperature: float = 0.0, sigma: float = 0.25) -> None:
+                 temperature: float = 0.0, sigma: float = 0.25, graphs: bool = False,
+                 capture: bool | None = None) -> None:
         self.models = models
         self.config = models.config
         self.device, self.dtype = models.device, models.dtype
@@ -30,6 +36,15 @@ class TalkerRunner:
         self.vae_cache = models.vae.decoder.new_cache(slots, max_vae_frames, dtype=self.dtype, device=self.device)
         self.times = sway_times(models.config.steps)  # host tensor: step sizes are read without a device sync
         self.sde_scale = sigma * temperature**0.5
+        self.static: StepGraphs | None = None
+        if graphs:
+            cfg = self.config
+            plan = models.talker.dit.plan(self.times, cfg.history_patch_size, cfg.patch_size, self.device)
+            self.static = StepGraphs(models.talker, self.lm_cache, plan, cap=slots,
+                                     history_len=cfg.history_patch_size, patch=cfg.patch_size,
+                                     latent_dim=cfg.latent_dim, cfg_strength=cfg.cfg_strength,
+                                     sde_scale=self.sde_scale,
+                                     capture=torch.device(self.device).type == "cuda" if capture is None else capture)
 
     @property
     def cache_bytes(self) -> int:
@@ -55,6 +70,8 @@ class TalkerRunner:
     @torch.no_grad()
     def decode(self, slots: list[int], positions: list[int], inputs: torch.Tensor) -> torch.Tensor:
         """One new input per row [B, hidden] at `positions` → hidden states [B, hidden]."""
+        if self.static is not None:
+            return self.static.decode(slots, positions, inputs)
         rows = Rows.of(slots, positions, [1] * len(slots), self.device)
         return self.models.talker.model(inputs[:, None], self.lm_cache, rows)[:, 0]
 
@@ -72,6 +89,8 @@ class TalkerRunner:
         if self.sde_scale:
             sde = torch.stack([torch.randn((cfg.steps, *shape), generator=g, device=self.device)
                                for g in generators], dim=1)
+        if self.static is not None:
+            return self.static.sample(hidden, history, noise, sde)
         talker = self.models.talker
         patch = talker.dit.sample(hidden, history, noise, self.times, cfg.cfg_strength, sde, self.sde_scale)
         return patch, talker.aggregator(patch), talker.stop_probability(hidden)

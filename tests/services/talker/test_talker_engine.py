@@ -62,6 +62,19 @@ def run(engine: TalkerEngine, *recs: Recorder, limit: int = 100) -> None:
     raise AssertionError("jobs did not finish")
 
 
+def run_staggered(engine: TalkerEngine, models, voices, specs: list[dict]) -> list[Recorder]:
+    """Submit `specs` with the first one step ahead (rows at different positions share the rest), run all."""
+    recs = []
+    for i, spec in enumerate(specs):
+        j, rec = job(models, voices, **spec)
+        engine.submit(j)
+        recs.append(rec)
+        if i == 0:
+            engine.step()
+    run(engine, *recs)
+    return recs
+
+
 def test_a_seeded_job_reproduces_and_another_seed_differs(talker_models, voices, engine):
     outs = []
     for seed in (1, 1, 2):
@@ -85,14 +98,7 @@ def test_batched_jobs_equal_each_alone(talker_models, voices, engine):
         engine.submit(j)
         run(engine, rec)
         alone.append(rec.audio)
-    recs = []
-    for i, spec in enumerate(specs):
-        j, rec = job(talker_models, voices, **spec)
-        engine.submit(j)
-        recs.append(rec)
-        if i == 0:
-            engine.step()  # the first job is one step ahead: rows at different positions share the rest
-    run(engine, *recs)
+    recs = run_staggered(engine, talker_models, voices, specs)
     assert engine.largest_batch == 3
     for rec, want in zip(recs, alone, strict=True):
         np.testing.assert_allclose(rec.audio, want, atol=2e-5, rtol=1e-3)
