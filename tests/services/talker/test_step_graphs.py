@@ -10,8 +10,7 @@ import torch
 from omnistage.services.talker.engine import TalkerEngine
 from omnistage.services.talker.runner import TalkerRunner
 from omnistage.services.talker.step_graphs import batch_buckets, bucket_of, span_buckets
-
-from tests.services.talker.test_talker_engine import run_staggered, voices  # noqa: F401 - fixture
+from talker_jobs import run_staggered
 
 
 def test_buckets_cover_every_batch_up_to_the_cap_and_every_span_up_to_the_cache():
@@ -73,7 +72,7 @@ def test_static_outputs_are_copies_that_the_next_step_does_not_overwrite(talker_
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_the_engine_speaks_the_same_audio_with_static_steps(talker_models, voices):  # noqa: F811
+def test_the_engine_speaks_the_same_audio_with_static_steps(talker_models, voices):
     """Rows join at different steps and leave early: padded buckets change from step to step."""
     specs = [dict(text="Hello there, my friend.", seed=3, max_steps=5),
              dict(text="一个完全不同的句子。", seed=4, max_steps=7, voice="lingguang"),
