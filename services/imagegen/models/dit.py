@@ -15,6 +15,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from omnistage.services.imagegen.models import fused as kernels
 from omnistage.services.imagegen.models.config import DiTConfig
 from omnistage.services.imagegen.models.norms import DiffusersRMSNorm
 from torch import nn
@@ -56,23 +57,25 @@ class Attention(nn.Module):
         self.norm_q = DiffusersRMSNorm(cfg.head_dim, eps=1e-5)
         self.norm_k = DiffusersRMSNorm(cfg.head_dim, eps=1e-5)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fused: bool = False) -> torch.Tensor:
         b, n, _ = x.shape
-        q = self.norm_q(self.to_q(x).unflatten(-1, (self.heads, -1)))
-        k = self.norm_k(self.to_k(x).unflatten(-1, (self.heads, -1)))
         v = self.to_v(x).unflatten(-1, (self.heads, -1))
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if fused:
+            q, k = kernels.qk_norm_rope(self.to_q(x).unflatten(-1, (self.heads, -1)),
+                                        self.to_k(x).unflatten(-1, (self.heads, -1)),
+                                        self.norm_q.weight, self.norm_k.weight, self.norm_q.eps, *rope)
+        else:
+            q = self.norm_q(self.to_q(x).unflatten(-1, (self.heads, -1)))
+            k = self.norm_k(self.to_k(x).unflatten(-1, (self.heads, -1)))
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate consecutive channel pairs (complex multiplication) in float32; x [B, N, heads, D]."""
-    cos, sin = rope  # [B, N, D/2] float32
-    pairs = x.float().unflatten(-1, (-1, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).type_as(x)
+    """Rotate consecutive channel pairs (complex multiplication) in float32; x [B, N, heads, D], rope's
+    cos/sin [B, N, D/2] float32."""
+    return kernels.rope_ref(x, *rope)
 
 
 class FeedForward(nn.Module):
@@ -102,7 +105,9 @@ class Block(nn.Module):
             self.adaLN_modulation = nn.Sequential(nn.Linear(cfg.adaln_dim, 4 * cfg.dim))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                adaln: torch.Tensor | None = None) -> torch.Tensor:
+                adaln: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
+        if fused:
+            return self._fused(x, rope, adaln)
         if not self.modulation:
             x = x + self.attention_norm2(self.attention(self.attention_norm1(x), rope))
             return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
@@ -111,6 +116,20 @@ class Block(nn.Module):
         gate_a, gate_f = gate_a.tanh(), gate_f.tanh()
         x = x + gate_a * self.attention_norm2(self.attention(self.attention_norm1(x) * (1.0 + scale_a), rope))
         return x + gate_f * self.ffn_norm2(self.feed_forward(self.ffn_norm1(x) * (1.0 + scale_f)))
+
+    def _fused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               adaln: torch.Tensor | None) -> torch.Tensor:
+        """`forward` with each norm + modulation and norm + gate + residual one Triton kernel."""
+        scale_a = gate_a = scale_f = gate_f = None
+        if self.modulation:
+            assert adaln is not None
+            scale_a, gate_a, scale_f, gate_f = self.adaLN_modulation(adaln).unsqueeze(1).chunk(4, dim=2)
+        eps = self.attention_norm1.eps
+        h = kernels.norm_modulate(x, self.attention_norm1.weight, eps, scale_a)
+        x = kernels.norm_gate_residual(x, self.attention(h, rope, fused=True), self.attention_norm2.weight, eps,
+                                       gate_a)
+        h = kernels.norm_modulate(x, self.ffn_norm1.weight, eps, scale_f)
+        return kernels.norm_gate_residual(x, self.feed_forward(h), self.ffn_norm2.weight, eps, gate_f)
 
 
 class FinalLayer(nn.Module):
@@ -174,6 +193,13 @@ class ZImageDiT(nn.Module):
         self.cap_pad_token = nn.Parameter(torch.zeros(1, cfg.dim))
         self.layers = nn.ModuleList(Block(cfg, modulation=True) for _ in range(cfg.n_layers))
         self.rope = RopeTables(cfg)
+        # "auto": the fused Triton kernels on CUDA where Triton imports, else torch; "torch" / "triton" force one.
+        self.kernels = "auto"
+
+    def fused_for(self, x: torch.Tensor) -> bool:
+        if self.kernels == "auto":
+            return x.is_cuda and kernels.triton_ok()
+        return self.kernels == "triton"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -187,6 +213,7 @@ class ZImageDiT(nn.Module):
         cap_len = n_cap + pad_cap
         key = f"{PATCH}-1"
         adaln = self.t_embedder(t * self.cfg.t_scale).to(x.dtype)
+        fused = self.fused_for(x)
 
         patches = x.view(b, c, f, ht, PATCH, wt, PATCH).permute(0, 2, 3, 5, 4, 6, 1).reshape(b, n_img, -1)
         img = self.all_x_embedder[key](patches)
@@ -195,18 +222,18 @@ class ZImageDiT(nn.Module):
                              torch.zeros(pad_img, 3, dtype=torch.long, device=x.device)])
         img_rope = tuple(r.expand(b, -1, -1) for r in self.rope(img_pos))
         for layer in self.noise_refiner:
-            img = layer(img, img_rope, adaln)
+            img = layer(img, img_rope, adaln, fused)
 
         txt = self.cap_embedder(cap.to(x.dtype))
         txt = torch.cat([txt, self.cap_pad_token.expand(b, pad_cap, -1).to(txt.dtype)], dim=1)
         txt_pos = _grid(cap_len, 1, 1, (1, 0, 0), x.device)
         txt_rope = tuple(r.expand(b, -1, -1) for r in self.rope(txt_pos))
         for layer in self.context_refiner:
-            txt = layer(txt, txt_rope)
+            txt = layer(txt, txt_rope, fused=fused)
 
         seq = torch.cat([img, txt], dim=1)
         rope = tuple(torch.cat([a, bb], dim=1) for a, bb in zip(img_rope, txt_rope, strict=True))
         for layer in self.layers:
-            seq = layer(seq, rope, adaln)
+            seq = layer(seq, rope, adaln, fused)
         out = self.all_final_layer[key](seq, adaln)[:, :n_img]
         return out.view(b, f, ht, wt, PATCH, PATCH, c).permute(0, 6, 1, 2, 4, 3, 5).reshape(b, c, f, h, w)
