@@ -72,8 +72,10 @@ def _kernels() -> ModuleType:
     return fused_kernels
 
 
-def _block(n: int) -> int:
-    return _kernels().triton.next_power_of_2(n)
+def _block(n: int) -> dict[str, int]:
+    """Launch options of one program over n lanes: the power-of-two block and warps for its width."""
+    block = _kernels().triton.next_power_of_2(n)
+    return {"BLOCK": block, "num_warps": 8 if block >= 2048 else 4}
 
 
 def _per_batch(t: torch.Tensor | None, b: int, d: int) -> torch.Tensor | None:
@@ -88,7 +90,7 @@ def norm_modulate(x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Ten
     out = torch.empty(x.shape, dtype=w.dtype, device=x.device)
     s = _per_batch(scale, b, d)
     _kernels().norm_modulate_kernel[(b * n,)](x, w, s if s is not None else x, out, n, d, eps,
-                                       HAS_SCALE=s is not None, BLOCK=_block(d))
+                                       HAS_SCALE=s is not None, **_block(d))
     return out
 
 
@@ -100,7 +102,7 @@ def norm_gate_residual(res: torch.Tensor, h: torch.Tensor, w: torch.Tensor, eps:
     out = torch.empty_like(res)
     g = _per_batch(gate, b, d)
     _kernels().norm_gate_residual_kernel[(b * n,)](res, h, w, g if g is not None else h, out, n, d, eps,
-                                            HAS_GATE=g is not None, BLOCK=_block(d))
+                                            HAS_GATE=g is not None, **_block(d))
     return out
 
 
@@ -116,5 +118,5 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.T
     qo, ko = torch.empty(q.shape, dtype=wq.dtype, device=q.device), torch.empty(k.shape, dtype=wk.dtype,
                                                                                  device=k.device)
     _kernels().qk_norm_rope_kernel[(b * n * heads,)](q, k, wq, wk, cos, sin, qo, ko, heads, cos_rows, d // 2, eps,
-                                              BLOCK=_block(d // 2))
+                                              **_block(d // 2))
     return qo, ko

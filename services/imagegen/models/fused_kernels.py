@@ -8,36 +8,38 @@ import triton.language as tl
 
 
 @triton.jit
+def _rms_norm_row(ptr, w_ptr, row, D, eps, BLOCK: tl.constexpr):
+    """Row `row` of a [rows, D] tensor, RMS-normalised and × w, in fp32; with its columns and mask."""
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    return x * inv * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32), cols, mask
+
+
+@triton.jit
 def norm_modulate_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, tokens, D, eps,
                          HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-    y = x * inv * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y, cols, mask = _rms_norm_row(x_ptr, w_ptr, row, D, eps, BLOCK)
     if HAS_SCALE:
-        batch = row // tokens
-        y = y * (1.0 + tl.load(scale_ptr + batch * D + cols, mask=mask, other=0.0).to(tl.float32))
+        y = y * (1.0 + tl.load(scale_ptr + (row // tokens) * D + cols, mask=mask, other=0.0).to(tl.float32))
     tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
 
 @triton.jit
 def norm_gate_residual_kernel(res_ptr, h_ptr, w_ptr, gate_ptr, out_ptr, tokens, D, eps,
                               HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    h = tl.load(h_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
-    y = h * inv * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y, cols, mask = _rms_norm_row(h_ptr, w_ptr, row, D, eps, BLOCK)
     if HAS_GATE:
-        batch = row // tokens
-        g = tl.load(gate_ptr + batch * D + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + (row // tokens) * D + cols, mask=mask, other=0.0).to(tl.float32)
         e = tl.exp(-2.0 * tl.abs(g))  # tanh(g) = sign(g)(1 − e^{−2|g|}) / (1 + e^{−2|g|}), stable
         t = (1.0 - e) / (1.0 + e)
         y = y * tl.where(g < 0, -t, t)
     res = tl.load(res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * D + cols, (res + y).to(out_ptr.dtype.element_ty), mask=mask)
+
 
 @triton.jit
 def _norm_rope_head(src, dst, w_ptr, base, i, mask, c, s, HALF, eps):
