@@ -10,7 +10,9 @@ Module and parameter names equal the checkpoint's (`vision.*`, `linear_proj.*`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -43,17 +45,12 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(v.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(v.dtype)
-        out = torch.empty_like(q)
-        for index in segments:  # [num_segments, length] rows of equal-length segments
-            qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))  # [S, heads, L, d]
-            o = F.scaled_dot_product_attention(qs, ks, vs)
-            out[index] = o.transpose(1, 2)
-        return self.proj(out.reshape(n, -1))
+        return self.proj(packed_attention(q, k, v, layout).reshape(n, -1))
 
 
 class VisionMLP(nn.Module):
@@ -77,9 +74,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
         dtype = self.attn.qkv.weight.dtype
-        x = x + self.attn(layer_norm_fp32(self.norm1, x).to(dtype), cos, sin, segments).float()
+        x = x + self.attn(layer_norm_fp32(self.norm1, x).to(dtype), cos, sin, layout).float()
         return x + self.mlp(layer_norm_fp32(self.norm2, x).to(dtype)).float()
 
 
@@ -117,6 +114,9 @@ class VisionTransformer(nn.Module):
         if self.side**2 != cfg.num_position_embeddings:
             raise ValueError(f"vision_config.num_position_embeddings {cfg.num_position_embeddings} is not a square")
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        # "auto": flash varlen on CUDA (half precision) where torch has it, else equal-length segments;
+        # "segments" / "mask" (the block-diagonal reference) / "flash" force one.
+        self.attention = "auto"
 
     def _inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
         half = self.cfg.head_dim // 2  # rows and columns each rotate a quarter-pair of the head
@@ -136,9 +136,9 @@ class VisionTransformer(nn.Module):
         x = self.patch_embed(patches).float()
         x = x + self._positions(grids)
         cos, sin = self._rope(grids, x.device)
-        segments = _segments(grids, x.device)
+        layout = PackedLayout.of(grids, x.device, self.attention)
         for block in self.blocks:
-            x = block(x, cos, sin, segments)
+            x = block(x, cos, sin, layout)
         return self.merger(x)
 
     def _positions(self, grids: Sequence[Grid]) -> torch.Tensor:
@@ -199,6 +199,62 @@ def _segments(grids: Sequence[Grid], device: torch.device) -> list[torch.Tensor]
         torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None, :]
         for length, starts in by_len.items()
     ]
+
+
+def _varlen_attn():
+    """torch's flash varlen attention (torch >= 2.9), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each attention segment (a temporal slice of an item) lies in the packed sequence, and how
+    attention over it runs: `flash` (varlen over cu_seqlens), `segments` (equal-length groups through
+    SDPA), or `mask` (one SDPA with a block-diagonal mask: the reference, O(N²) memory)."""
+
+    kind: str
+    cu_seqlens: torch.Tensor  # [segments + 1] int32 on the device
+    max_len: int
+    segments: list[torch.Tensor]  # equal-length index rows (kind "segments")
+
+    @classmethod
+    def of(cls, grids: Sequence[Grid], device: torch.device, kind: str = "auto") -> PackedLayout:
+        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device, non_blocking=True)
+        if kind == "auto":
+            kind = "flash" if device.type == "cuda" and _varlen_attn() is not None else "segments"
+        return cls(kind, cu, max(lengths), _segments(grids, device) if kind == "segments" else [])
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+    """Bidirectional attention within each segment of packed q, k, v [N, heads, d] → [N, heads, d]."""
+    if layout.kind == "flash" and q.dtype in (torch.float16, torch.bfloat16):
+        varlen = _varlen_attn()
+        assert varlen is not None
+        return varlen(q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.max_len, layout.max_len)
+    if layout.kind == "mask":
+        seg = torch.repeat_interleave(torch.arange(layout.cu_seqlens.numel() - 1, device=q.device),
+                                      layout.cu_seqlens.diff().long())
+        mask = seg[:, None] == seg[None, :]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], attn_mask=mask)
+        return out[0].transpose(0, 1)
+    segments = layout.segments or _segments_of(layout)
+    out = torch.empty_like(q)
+    for index in segments:  # [num_segments, length] rows of equal-length segments
+        qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))  # [S, heads, L, d]
+        out[index] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
+    return out
+
+
+def _segments_of(layout: PackedLayout) -> list[torch.Tensor]:
+    """Equal-length index rows from cu_seqlens (a flash layout whose tensors are not half precision)."""
+    cu = layout.cu_seqlens.tolist()
+    return _segments([(1, 1, b - a) for a, b in zip(cu, cu[1:], strict=False)], layout.cu_seqlens.device)
 
 
 class VisionEncoder(nn.Module):
