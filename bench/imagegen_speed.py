@@ -30,6 +30,7 @@ import functools
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import threading
@@ -361,7 +362,7 @@ def main() -> None:
         print("\nunconfirmed shapes:\n- " + "\n- ".join(UNCONFIRMED))
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": shlex.join(["python", *sys.argv]),
         "rows": compact_rows(phases, dit_rows),
         "bench": "imagegen_speed", "tiny": tiny, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
         "steps": steps, "guidance_scale": 2.0, "weights_gib": round(models.weights_bytes / GiB, 2),

@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import threading
@@ -232,7 +233,7 @@ def main() -> None:
         main_rows, main_info = results[modes[0]]
         doc = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-               "command": " ".join(["python", *sys.argv]),
+               "command": shlex.join(["python", *sys.argv]),
                "rows": main_rows,
                "meta": {"dtype": str(dtype), "torch": torch.__version__, "steps": steps, "rounds": rounds,
                         "tiny": args.tiny, "prompt_tokens": PROMPT_TOKENS, **main_info}}

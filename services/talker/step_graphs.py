@@ -144,6 +144,7 @@ class StepGraphs:
             graph = self._graphs[key] = self._capture(body)
         graph.replay()
 
+    @torch.no_grad()
     def _capture(self, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
