@@ -201,13 +201,19 @@ def _segments(grids: Sequence[Grid], device: torch.device) -> list[torch.Tensor]
     ]
 
 
-def _varlen_attn():
-    """torch's flash varlen attention (torch >= 2.9), or None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
+def flash_varlen_available(device: torch.device) -> bool:
+    """torch's flash-attention kernel (with cu_seqlens) on this device: CUDA builds of torch have it."""
+    return device.type == "cuda" and hasattr(torch.ops.aten, "_flash_attention_forward")
+
+
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Bidirectional flash attention over the packed segments of q, k, v [N, heads, d] (fp16/bf16).
+
+    The aten op `torch.nn.attention.varlen.varlen_attn` itself calls (its positional arguments are the
+    same from torch 2.2 on; the wrapper's are not): q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, dropout,
+    is_causal, return_debug_mask."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, False,
+                                                   False)[0]
 
 
 @dataclass(frozen=True)
@@ -226,16 +232,14 @@ class PackedLayout:
         lengths = [h * w for t, h, w in grids for _ in range(t)]
         cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device, non_blocking=True)
         if kind == "auto":
-            kind = "flash" if device.type == "cuda" and _varlen_attn() is not None else "segments"
+            kind = "flash" if flash_varlen_available(device) else "segments"
         return cls(kind, cu, max(lengths), _segments(grids, device) if kind == "segments" else [])
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
     """Bidirectional attention within each segment of packed q, k, v [N, heads, d] → [N, heads, d]."""
     if layout.kind == "flash" and q.dtype in (torch.float16, torch.bfloat16):
-        varlen = _varlen_attn()
-        assert varlen is not None
-        return varlen(q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.max_len, layout.max_len)
+        return flash_varlen(q, k, v, layout.cu_seqlens, layout.max_len)
     if layout.kind == "mask":
         seg = torch.repeat_interleave(torch.arange(layout.cu_seqlens.numel() - 1, device=q.device),
                                       layout.cu_seqlens.diff().long())

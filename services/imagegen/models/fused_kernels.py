@@ -12,7 +12,7 @@ def _rms_norm_row(ptr, w_ptr, row, D, eps, BLOCK: tl.constexpr):
     """Row `row` of a [rows, D] tensor, RMS-normalised and × w, in fp32; with its columns and mask."""
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    x = tl.load(ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(ptr + row.to(tl.int64) * D + cols, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     return x * inv * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32), cols, mask
 
@@ -20,7 +20,7 @@ def _rms_norm_row(ptr, w_ptr, row, D, eps, BLOCK: tl.constexpr):
 @triton.jit
 def norm_modulate_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, tokens, D, eps,
                          HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # offsets past 2³¹ at 2048² edits with 8 requests
     y, cols, mask = _rms_norm_row(x_ptr, w_ptr, row, D, eps, BLOCK)
     if HAS_SCALE:
         y = y * (1.0 + tl.load(scale_ptr + (row // tokens) * D + cols, mask=mask, other=0.0).to(tl.float32))
@@ -30,7 +30,7 @@ def norm_modulate_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, tokens, D, eps,
 @triton.jit
 def norm_gate_residual_kernel(res_ptr, h_ptr, w_ptr, gate_ptr, out_ptr, tokens, D, eps,
                               HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     y, cols, mask = _rms_norm_row(h_ptr, w_ptr, row, D, eps, BLOCK)
     if HAS_GATE:
         g = tl.load(gate_ptr + (row // tokens) * D + cols, mask=mask, other=0.0).to(tl.float32)
@@ -54,7 +54,7 @@ def _norm_rope_head(src, dst, w_ptr, base, i, mask, c, s, HALF, eps):
 @triton.jit
 def qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, heads, cos_rows, HALF,
                         eps, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)  # (token, head) of the flattened [B·N, heads]
+    pid = tl.program_id(0).to(tl.int64)  # (token, head) of the flattened [B·N, heads]
     token = pid // heads
     i = tl.arange(0, BLOCK)
     mask = i < HALF
