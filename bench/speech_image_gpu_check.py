@@ -9,8 +9,9 @@ Checks, each printed as one JSON line with its numbers and `ok`:
   captured CUDA graphs, through the same static buffers without capture, and eagerly, at batches 1,
   3, 8 and 16 (buckets 1, 4, 8, 16) with rows at different cache positions. Graphs on/off
   (captured vs uncaptured static) must be identical; static vs eager equal to bf16 rounding (padding
-  changes the GEMM shapes). Also the graph pool's size, and a whole engine run (two staggered
-  streams) with graphs on and off.
+  changes the GEMM shapes); no host sync inside the graph path's decode and sample (CUDA's sync
+  debug mode). Also the graph pool's size, and a whole engine run (two staggered streams) with graphs
+  on and off, whose steady step syncs the host at most twice (stop probabilities, audio).
 - DiT kernels: the fused Triton norm + modulation, norm + gate + residual and QK-norm + rope at the
   release widths (3840, heads of 128) against the torch maths, both measured against an fp32
   reference (the kernels must be at least about as accurate); and a 2-layer DiT at the release
@@ -23,9 +24,11 @@ Exit status 1 when any check fails (the benchmarks still run in the script).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -78,25 +81,48 @@ def talker_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
             x = torch.randn(n, hidden, generator=gen, device=device).to(dtype)
             history = torch.randn(n, config.history_patch_size, config.latent_dim, generator=gen, device=device)
             outs = {}
+            syncs = 0
             for name, r in runners.items():
-                h = r.decode(slots, positions, x)
-                sample = r.sample(h, history, [torch.Generator(device=device).manual_seed(100 + i) for i in range(n)])
+                gens = [torch.Generator(device=device).manual_seed(100 + i) for i in range(n)]
+                with count_syncs(device) as counted:
+                    h = r.decode(slots, positions, x)
+                    sample = r.sample(h, history, gens)
+                if name == "graphs":
+                    syncs = len(counted)
                 outs[name] = (h, *sample)
             names = ("hidden", "patch", "next_input", "stop")
             on_off = {k: rel(a, b) for k, a, b in zip(names, outs["graphs"], outs["static"], strict=True)}
             vs_eager = {k: rel(a, b) for k, a, b in zip(names, outs["static"], outs["eager"], strict=True)}
             exact = all(torch.equal(a, b) for a, b in zip(outs["graphs"], outs["static"], strict=True))
             tol = 1e-5 if dtype == torch.float32 else 3e-2
-            report(f"talker_step_b{n}", max(on_off.values()) <= 1e-6 and max(vs_eager.values()) <= tol,
-                   graphs_on_off_identical=exact, graphs_on_off_rel=on_off, static_vs_eager_rel=vs_eager)
+            report(f"talker_step_b{n}", max(on_off.values()) <= 1e-6 and max(vs_eager.values()) <= tol and not syncs,
+                   graphs_on_off_identical=exact, graphs_on_off_rel=on_off, static_vs_eager_rel=vs_eager,
+                   host_syncs_in_decode_and_sample=syncs)
     del runners
     engine_check(models, config, device)
+
+
+@contextlib.contextmanager
+def count_syncs(device: str):
+    """The host syncs (CUDA sync debug mode's warnings) inside the block, as a list of messages."""
+    found: list[str] = []
+    if device != "cuda":
+        yield found
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found += [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
 
 
 def engine_check(models, config, device: str) -> None:
     """Two streams, the second joining a step later, through the engine with graphs on and off."""
     voice, prompt = talker_speech.bench_voice(models), talker_speech.bench_prompt(config.llm.vocab_size)
-    audio = {}
+    audio, step_syncs = {}, {}
     for graphs in (True, False):
         runner = TalkerRunner(models, 4, talker_speech.PROMPT_TOKENS + 16, 8 * config.patch_size * config.vae.patch_size,
                               graphs=graphs)
@@ -108,6 +134,9 @@ def engine_check(models, config, device: str) -> None:
             gen = torch.Generator(device=device).manual_seed(7 + i)
             engine.submit(SegmentJob(prompt, voice, 6, gen, events[i].append, min_steps=1 << 30))
             engine.step()
+        with count_syncs(device) as counted:  # a step of both streams, no admission: its host syncs
+            engine.step()
+        step_syncs[graphs] = len(counted)
         for _ in range(20):
             if all(any(isinstance(e, JobDone) for e in ev) for ev in events):
                 break
@@ -115,8 +144,9 @@ def engine_check(models, config, device: str) -> None:
         audio[graphs] = [torch.cat([torch.from_numpy(e.samples) for e in ev if hasattr(e, "samples")]) for ev in events]
     same_len = all(a.shape == b.shape for a, b in zip(audio[True], audio[False], strict=True))
     finite = all(bool(torch.isfinite(a).all()) for a in audio[True])
-    report("talker_engine_graphs_on_off", same_len and finite,
-           samples=[int(a.numel()) for a in audio[True]],
+    # The stop probabilities' read and the audio's copy to the host: two per step, nothing else.
+    report("talker_engine_graphs_on_off", same_len and finite and step_syncs[True] <= 2,
+           host_syncs_per_step=step_syncs, samples=[int(a.numel()) for a in audio[True]],
            rel=[rel(a, b) for a, b in zip(audio[True], audio[False], strict=True)] if same_len else None)
 
 

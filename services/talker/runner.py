@@ -36,11 +36,12 @@ class TalkerRunner:
         self.vae_cache = models.vae.decoder.new_cache(slots, max_vae_frames, dtype=self.dtype, device=self.device)
         self.times = sway_times(models.config.steps)  # host tensor: step sizes are read without a device sync
         self.sde_scale = sigma * temperature**0.5
+        cfg = self.config
+        # Time embeddings, step sizes and rotary tables of every CFM sample, made once.
+        self.plan = models.talker.dit.plan(self.times, cfg.history_patch_size, cfg.patch_size, self.device)
         self.static: StepGraphs | None = None
         if graphs:
-            cfg = self.config
-            plan = models.talker.dit.plan(self.times, cfg.history_patch_size, cfg.patch_size, self.device)
-            self.static = StepGraphs(models.talker, self.lm_cache, plan, cap=slots,
+            self.static = StepGraphs(models.talker, self.lm_cache, self.plan, cap=slots,
                                      history_len=cfg.history_patch_size, patch=cfg.patch_size,
                                      latent_dim=cfg.latent_dim, cfg_strength=cfg.cfg_strength,
                                      sde_scale=self.sde_scale,
@@ -92,7 +93,7 @@ class TalkerRunner:
         if self.static is not None:
             return self.static.sample(hidden, history, noise, sde)
         talker = self.models.talker
-        patch = talker.dit.sample(hidden, history, noise, self.times, cfg.cfg_strength, sde, self.sde_scale)
+        patch = talker.dit.sample_planned(self.plan, hidden, history, noise, cfg.cfg_strength, sde, self.sde_scale)
         return patch, talker.aggregator(patch), talker.stop_probability(hidden)
 
     # -- VAE -------------------------------------------------------------------------------------
