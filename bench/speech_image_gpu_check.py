@@ -5,7 +5,8 @@ bench/speech_image_gpu.sh before the benchmarks).
     python bench/speech_image_gpu_check.py --tiny                           # CPU smoke: tiny sizes, fp32
 
 Checks, each printed as one JSON line with its numbers and `ok`:
-- talker: the LM decode and the CFM sample (+ aggregator, stop head) at the release sizes through
+- talker: the LM decode, the CFM sample (+ aggregator, stop head) and the VAE decoder's backbone at
+  the release sizes through
   captured CUDA graphs, through the same static buffers without capture, and eagerly, at batches 1,
   3, 8 and 16 (buckets 1, 4, 8, 16) with rows at different cache positions. Graphs on/off
   (captured vs uncaptured static) must be identical; static vs eager equal to bf16 rounding (padding
@@ -36,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import talker_speech  # noqa: E402 - the bench's model builders
 from omnistage.services.talker.engine import JobDone, SegmentJob, TalkerEngine  # noqa: E402
+from omnistage.services.talker.models.qwen2 import Rows  # noqa: E402
 from omnistage.services.talker.runner import TalkerRunner  # noqa: E402
 
 FAILED: list[str] = []
@@ -98,6 +100,21 @@ def talker_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
             report(f"talker_step_b{n}", max(on_off.values()) <= 1e-6 and max(vs_eager.values()) <= tol and not syncs,
                    graphs_on_off_identical=exact, graphs_on_off_rel=on_off, static_vs_eager_rel=vs_eager,
                    host_syncs_in_decode_and_sample=syncs)
+        # The VAE decoder's backbone: a first step's 14 frames and a last step's 18 (width buckets 16, 32).
+        stack = models.vae.decoder.decoder
+        for lengths in ([14] * cap, [18] * (cap // 2)):
+            n = len(lengths)
+            x = torch.randn(n, max(lengths), stack.shape.hidden_size, generator=gen, device=device).to(dtype)
+            slots, starts = list(range(n)), [0] * n
+            with count_syncs(device) as counted:
+                got = runners["graphs"].static.vae_backbone(x, slots, starts, lengths)
+            static = runners["static"].static.vae_backbone(x, slots, starts, lengths)
+            want = stack(x, runners["eager"].vae_cache, Rows.of(slots, starts, lengths, device))
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            report(f"talker_vae_backbone_w{max(lengths)}", rel(got, static) <= 1e-6 and rel(static, want) <= tol
+                   and not counted, graphs_on_off_identical=torch.equal(got, static),
+                   graphs_on_off_rel=rel(got, static), static_vs_eager_rel=rel(static, want),
+                   host_syncs=len(counted))
     del runners
     engine_check(models, config, device)
 

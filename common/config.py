@@ -262,7 +262,7 @@ class TalkerConfig:
     queue_timeout_s: float = 0.0
     # onnxruntime threads of the CAM++ speaker model.
     speaker_threads: int = 2
-    # Run the LM decode and the CFM sample of each step as CUDA graphs at padded batch sizes, captured
+    # Run the LM decode, the CFM sample and the VAE backbone of each step as CUDA graphs at padded sizes, captured
     # at start-up (the stress counts their memory); ignored off CUDA.
     cuda_graphs: bool = True
 

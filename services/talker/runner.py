@@ -7,9 +7,9 @@ new input (a whole prompt when it starts, else the aggregator output of its last
 sample of one patch per row (10 DiT steps × 2 for CFG, one batched forward each) → aggregator →
 stop probability → streaming VAE decode of the new latents.
 
-With `graphs`, the LM decode and the CFM sample run through `StepGraphs` (padded static buffers,
-CUDA graphs on CUDA; `capture` False runs the same buffers eagerly, as on the CPU); prefills and
-the VAE stay eager (their shapes vary).
+With `graphs`, the LM decode, the CFM sample and the VAE decoder's backbone run through `StepGraphs`
+(padded static buffers, CUDA graphs on CUDA; `capture` False runs the same buffers eagerly, as on
+the CPU); prefills, the VAE's upsampling and ISTFT stay eager.
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ class TalkerRunner:
                                      history_len=cfg.history_patch_size, patch=cfg.patch_size,
                                      latent_dim=cfg.latent_dim, cfg_strength=cfg.cfg_strength,
                                      sde_scale=self.sde_scale,
-                                     capture=torch.device(self.device).type == "cuda" if capture is None else capture)
+                                     capture=torch.device(self.device).type == "cuda" if capture is None else capture,
+                                     vae=(models.vae.decoder.decoder, self.vae_cache,
+                                          cfg.patch_size * cfg.vae.patch_size))
 
     @property
     def cache_bytes(self) -> int:
@@ -99,4 +101,5 @@ class TalkerRunner:
     # -- VAE -------------------------------------------------------------------------------------
 
     def vae(self, streams: list[DecodeStream], latents: list[torch.Tensor], last: list[bool]) -> list[torch.Tensor]:
-        return self.models.vae.decoder.decode_step(streams, latents, last, self.vae_cache)
+        backbone = self.static.vae_backbone if self.static is not None else None
+        return self.models.vae.decoder.decode_step(streams, latents, last, self.vae_cache, backbone)

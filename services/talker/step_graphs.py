@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from omnistage.services.talker.models.dit import SamplePlan
-from omnistage.services.talker.models.qwen2 import KVSlots, Rows
+from omnistage.services.talker.models.qwen2 import KVSlots, Qwen2Stack, Rows
 from omnistage.services.talker.models.talker_lm import TalkerModel
 
 MIN_SPAN = 64
@@ -57,12 +57,73 @@ def bucket_of(n: int, buckets: list[int]) -> int:
 
 
 @dataclass
-class _DecodeBuffers:
-    inputs: torch.Tensor  # [B, 1, hidden]
-    rows: torch.Tensor  # [2, B] long: slots, starts (device)
-    staging: torch.Tensor  # [2, B] long on the host (pinned on CUDA)
-    lengths: torch.Tensor  # [B] long, all ones
-    out: torch.Tensor  # [B, hidden]
+class _StackBuffers:
+    inputs: torch.Tensor  # [B, W, hidden]
+    rows: torch.Tensor  # [3, B] long: slots, starts, lengths (device)
+    staging: torch.Tensor  # [3, B] long on the host (pinned on CUDA)
+    out: torch.Tensor  # [B, W, hidden]
+
+
+class CachedStackGraphs:
+    """A KV-cached Qwen2 stack (`Qwen2Stack` over `KVSlots`) at padded (rows, width, key span) buckets.
+
+    Row i of a call writes its `lengths[i]` tokens at `starts[i]` of slot `slots[i]`; padded rows point
+    at the scratch slot, padded columns of a row are written there too (as the eager path does), and
+    keys are read up to the span bucket, masked past each row's end: the eager result."""
+
+    def __init__(self, stack: Qwen2Stack, cache: KVSlots, *, cap: int, widths: list[int], dtype: torch.dtype,
+                 device: torch.device, run: Callable[[tuple, Callable[[], None]], None]) -> None:
+        self.stack, self.cache, self.run = stack, cache, run
+        self.batches, self.widths, self.spans = batch_buckets(cap), widths, span_buckets(cache.max_len)
+        hidden = stack.shape.hidden_size
+        self._buf: dict[tuple[int, int], _StackBuffers] = {}
+        for b in self.batches:
+            for w in widths:
+                rows = torch.zeros(3, b, dtype=torch.long, device=device)
+                rows[0], rows[2] = cache.num_slots, 1
+                self._buf[(b, w)] = _StackBuffers(
+                    torch.zeros(b, w, hidden, dtype=dtype, device=device), rows,
+                    torch.zeros(3, b, dtype=torch.long, pin_memory=device.type == "cuda"),
+                    torch.zeros(b, w, hidden, dtype=dtype, device=device))
+
+    def fits(self, n: int, width: int) -> bool:
+        return n <= self.batches[-1] and width <= self.widths[-1]
+
+    def body(self, b: int, w: int, span: int) -> Callable[[], None]:
+        buf = self._buf[(b, w)]
+        rows = Rows(buf.rows[0], buf.rows[1], buf.rows[2], span)
+
+        def body() -> None:
+            buf.out.copy_(self.stack(buf.inputs, self.cache, rows))
+
+        return body
+
+    def keys(self) -> list[tuple[int, int, int]]:
+        """Every (rows, width, span) bucket, largest first (the capture order)."""
+        return [(b, w, s) for b in reversed(self.batches) for w in reversed(self.widths) for s in reversed(self.spans)]
+
+    def park(self, b: int, w: int) -> None:
+        """Point every row at the scratch slot (before a capture's warm-up runs)."""
+        rows = self._buf[(b, w)].rows
+        rows[0].fill_(self.cache.num_slots)
+        rows[1].zero_()
+        rows[2].fill_(1)
+
+    def __call__(self, name: str, slots: list[int], starts: list[int], lengths: list[int],
+                 x: torch.Tensor) -> torch.Tensor:
+        """x [n, width, hidden] → the stack's output [n, width, hidden] (a copy)."""
+        n, width = x.shape[0], x.shape[1]
+        b, w = bucket_of(n, self.batches), bucket_of(width, self.widths)
+        span = bucket_of(max(s + k for s, k in zip(starts, lengths, strict=True)), self.spans)
+        buf = self._buf[(b, w)]
+        buf.staging[0].fill_(self.cache.num_slots)
+        buf.staging[1].zero_()
+        buf.staging[2].fill_(1)
+        buf.staging[:, :n] = torch.tensor([slots, starts, lengths], dtype=torch.long)
+        buf.rows.copy_(buf.staging, non_blocking=True)
+        buf.inputs[:n, :width].copy_(x)
+        self.run((name, b, w, span), self.body(b, w, span))
+        return buf.out[:n, :width].clone()
 
 
 @dataclass
@@ -80,26 +141,26 @@ class StepGraphs:
     """LM decode and CFM sample of up to `cap` rows on static buffers; CUDA graphs when `capture`."""
 
     def __init__(self, talker: TalkerModel, cache: KVSlots, plan: SamplePlan, *, cap: int, history_len: int,
-                 patch: int, latent_dim: int, cfg_strength: float, sde_scale: float, capture: bool) -> None:
+                 patch: int, latent_dim: int, cfg_strength: float, sde_scale: float, capture: bool,
+                 vae: tuple[Qwen2Stack, KVSlots, int] | None = None) -> None:
         self.talker, self.cache, self.plan = talker, cache, plan
         self.cap, self.cfg_strength, self.sde_scale = cap, cfg_strength, sde_scale
         self.capture = capture
         self.batches = batch_buckets(cap)
-        self.spans = span_buckets(cache.max_len)
         p = next(talker.parameters())
         self.device, self.dtype = p.device, p.dtype
         hidden = talker.config.llm.hidden_size
         dev, steps = self.device, len(plan.dts)
-        scratch = cache.num_slots
-        self._decode: dict[int, _DecodeBuffers] = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0  # graph replays (or eager runs of a body, without capture)
+        self.lm = CachedStackGraphs(talker.model, cache, cap=cap, widths=[1], dtype=self.dtype, device=dev,
+                                    run=self._run)
+        # The VAE decoder's backbone (stack, its cache, frames per step): widths of one step and two.
+        self.vae = None if vae is None else CachedStackGraphs(vae[0], vae[1], cap=cap, widths=[vae[2], 2 * vae[2]],
+                                                             dtype=self.dtype, device=dev, run=self._run)
         self._sample: dict[int, _SampleBuffers] = {}
         for b in self.batches:
-            staging = torch.zeros(2, b, dtype=torch.long, pin_memory=dev.type == "cuda")
-            rows = torch.zeros(2, b, dtype=torch.long, device=dev)
-            rows[0] = scratch
-            self._decode[b] = _DecodeBuffers(torch.zeros(b, 1, hidden, dtype=self.dtype, device=dev), rows, staging,
-                                             torch.ones(b, dtype=torch.long, device=dev),
-                                             torch.zeros(b, hidden, dtype=self.dtype, device=dev))
             f32 = dict(dtype=torch.float32, device=dev)
             self._sample[b] = _SampleBuffers(
                 torch.zeros(b, hidden, dtype=self.dtype, device=dev), torch.zeros(b, history_len, latent_dim, **f32),
@@ -107,20 +168,8 @@ class StepGraphs:
                 torch.zeros(steps, b, patch, latent_dim, **f32) if sde_scale else None,
                 torch.zeros(b, patch, latent_dim, **f32), torch.zeros(b, hidden, dtype=self.dtype, device=dev),
                 torch.zeros(b, **f32))
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self.replays = 0  # graph replays (or eager runs of a body, without capture)
 
     # -- bodies: the work one graph holds -------------------------------------------------------
-
-    def _decode_body(self, b: int, span: int) -> Callable[[], None]:
-        buf = self._decode[b]
-        rows = Rows(buf.rows[0], buf.rows[1], buf.lengths, span)
-
-        def body() -> None:
-            buf.out.copy_(self.talker.model(buf.inputs, self.cache, rows)[:, 0])
-
-        return body
 
     def _sample_body(self, b: int) -> Callable[[], None]:
         buf = self._sample[b]
@@ -158,19 +207,21 @@ class StepGraphs:
         return graph
 
     def capture_all(self) -> int:
-        """Capture every (bucket) graph now, largest first (start-up: inside the memory budget); returns
-        how many graphs exist. Padded rows only: the buffers point every LM row at the scratch slot."""
+        """Capture every bucket's graph now, largest first (start-up: inside the memory budget); returns
+        how many graphs exist. The stacks' buffers point every row at the scratch slot meanwhile."""
         if not self.capture:
             return 0
-        for b in reversed(self.batches):
-            self._decode[b].rows[0].fill_(self.cache.num_slots)
-            self._decode[b].rows[1].zero_()
-            for span in reversed(self.spans):
-                key = ("decode", b, span)
-                if key not in self._graphs:
-                    self._graphs[key] = self._capture(self._decode_body(b, span))
-            if ("sample", b) not in self._graphs:
-                self._graphs[("sample", b)] = self._capture(self._sample_body(b))
+        with torch.no_grad():
+            for name, stacks in (("lm", self.lm), ("vae", self.vae)):
+                if stacks is None:
+                    continue
+                for b, w, span in stacks.keys():
+                    if (name, b, w, span) not in self._graphs:
+                        stacks.park(b, w)
+                        self._graphs[(name, b, w, span)] = self._capture(stacks.body(b, w, span))
+            for b in reversed(self.batches):
+                if ("sample", b) not in self._graphs:
+                    self._graphs[("sample", b)] = self._capture(self._sample_body(b))
         torch.cuda.synchronize(self.device)
         return len(self._graphs)
 
@@ -182,18 +233,15 @@ class StepGraphs:
 
     def decode(self, slots: list[int], positions: list[int], inputs: torch.Tensor) -> torch.Tensor:
         """`TalkerRunner.decode` on the padded buffers: [n, hidden] → [n, hidden] (a copy)."""
-        n = len(slots)
-        b = bucket_of(n, self.batches)
-        span = bucket_of(max(positions) + 1, self.spans)
-        buf = self._decode[b]
-        buf.staging[0].fill_(self.cache.num_slots)
-        buf.staging[1].zero_()
-        buf.staging[0, :n] = torch.tensor(slots, dtype=torch.long)
-        buf.staging[1, :n] = torch.tensor(positions, dtype=torch.long)
-        buf.rows.copy_(buf.staging, non_blocking=True)
-        buf.inputs[:n, 0].copy_(inputs)
-        self._run(("decode", b, span), self._decode_body(b, span))
-        return buf.out[:n].clone()
+        return self.lm("lm", slots, positions, [1] * len(slots), inputs[:, None])[:, 0]
+
+    def vae_backbone(self, x: torch.Tensor, slots: list[int], starts: list[int], lengths: list[int]) -> torch.Tensor:
+        """The VAE decoder's Qwen2 over a step's frames (`VAEDecoder.decode_step`'s backbone); eager where
+        the step is wider or larger than the buckets."""
+        assert self.vae is not None
+        if not self.vae.fits(x.shape[0], x.shape[1]):
+            return self.vae.stack(x, self.vae.cache, Rows.of(slots, starts, lengths, x.device))
+        return self.vae("vae", slots, starts, lengths, x)
 
     def sample(self, hidden: torch.Tensor, history: torch.Tensor, noise: torch.Tensor,
                sde: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

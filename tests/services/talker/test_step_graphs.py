@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from omnistage.services.talker.engine import TalkerEngine
+from omnistage.services.talker.models.qwen2 import Rows
 from omnistage.services.talker.runner import TalkerRunner
 from omnistage.services.talker.step_graphs import batch_buckets, bucket_of, span_buckets
 from talker_jobs import run_staggered
@@ -87,3 +88,24 @@ def test_the_engine_speaks_the_same_audio_with_static_steps(talker_models, voice
     for got, want in zip(audio[1], audio[0], strict=True):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-3)
+
+
+def test_the_vae_backbone_at_padded_widths_equals_eager(talker_models):
+    """Rows of different lengths (a first step's 14 frames, a last step's 18) padded to the width buckets
+    16 and 32: real rows equal the eager stack's and the real slots' caches hold the same keys."""
+    eager, static = _runners(talker_models, slots=3)
+    stack = talker_models.vae.decoder.decoder
+    hidden = stack.shape.hidden_size
+    gen = torch.Generator().manual_seed(2)
+    for slots, starts, lengths in (([0, 1, 2], [0, 0, 0], [14, 14, 14]), ([0, 2], [14, 14], [16, 18]),
+                                   ([1], [14], [3])):
+        width = max(lengths)
+        x = torch.randn(len(slots), width, hidden, generator=gen)
+        with torch.no_grad():
+            want = stack(x, eager.vae_cache, Rows.of(slots, starts, lengths, "cpu"))
+        got = static.static.vae_backbone(x, slots, starts, lengths)
+        for i, n in enumerate(lengths):
+            torch.testing.assert_close(got[i, :n], want[i, :n], atol=1e-5, rtol=1e-5)
+    for layer in range(stack.shape.num_layers):
+        torch.testing.assert_close(static.vae_cache.k[layer][:3], eager.vae_cache.k[layer][:3], atol=1e-6, rtol=1e-5)
+    assert static.static.replays == 3
