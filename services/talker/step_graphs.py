@@ -1,14 +1,18 @@
-"""Static-shape talker steps: the LM decode and the whole CFM sample (Euler steps × CFG, aggregator, stop
-head) run on fixed buffers at padded batch sizes, captured as CUDA graphs on CUDA (issue 21).
+"""Static-shape talker steps: the LM decode, the whole CFM sample (Euler steps × CFG, aggregator, stop
+head) and the VAE decoder's Qwen2 run on fixed buffers at padded sizes, captured as CUDA graphs on
+CUDA (issue 21).
 
 A step of eager PyTorch is launch-bound (hundreds of small kernels: 10 Euler steps × a DiT forward,
-24 LM layers); a graph replays them in one launch. Graphs need fixed shapes and addresses, so:
-- batches are padded up to a bucket (1, 2, 4, … up to the stream cap); padded LM rows write the KV
-  cache's scratch slot at position 0 and their outputs are never read;
-- the LM reads its keys up to a span bucket (powers of two up to the cache length) instead of the
+24 LM layers, 24 VAE layers); a graph replays them in one launch. Graphs need fixed shapes and
+addresses, so:
+- batches are padded up to a bucket (1, 2, 4, … up to the stream cap), the VAE's frames up to a
+  width bucket (one step's 16, or 32); padded rows and columns write the KV cache's scratch slot and
+  their outputs are never read;
+- a stack reads its keys up to a span bucket (powers of two up to the cache length) instead of the
   longest row's end; keys past a row's end are masked, so the result is the eager one;
 - every input goes into a buffer allocated outside the graph's pool (host values through one pinned
-  staging copy), every output is copied out into one, and callers get clones of the real rows;
+  staging copy, reused once its last copy is done), every output is copied out into one, and
+  callers get clones of the real rows;
 - the CFM's noise is drawn outside (each stream's own generator, exactly as the eager path) and
   copied in; the time embeddings, step sizes and rotary tables are made once (`FlowDiT.plan`).
 Nothing in a step reads the device from the host: the engine's one sync is its read of the stop
@@ -62,6 +66,7 @@ class _StackBuffers:
     rows: torch.Tensor  # [3, B] long: slots, starts, lengths (device)
     staging: torch.Tensor  # [3, B] long on the host (pinned on CUDA)
     out: torch.Tensor  # [B, W, hidden]
+    copied: torch.cuda.Event | None = None  # the last staging → device copy (the staging is reused after it)
 
 
 class CachedStackGraphs:
@@ -116,11 +121,16 @@ class CachedStackGraphs:
         b, w = bucket_of(n, self.batches), bucket_of(width, self.widths)
         span = bucket_of(max(s + k for s, k in zip(starts, lengths, strict=True)), self.spans)
         buf = self._buf[(b, w)]
+        if buf.copied is not None:  # done long ago in a served step (a sync came since): no wait in practice
+            buf.copied.synchronize()
         buf.staging[0].fill_(self.cache.num_slots)
         buf.staging[1].zero_()
         buf.staging[2].fill_(1)
         buf.staging[:, :n] = torch.tensor([slots, starts, lengths], dtype=torch.long)
         buf.rows.copy_(buf.staging, non_blocking=True)
+        if buf.rows.is_cuda:
+            buf.copied = torch.cuda.Event()
+            buf.copied.record()
         buf.inputs[:n, :width].copy_(x)
         self.run((name, b, w, span), self.body(b, w, span))
         return buf.out[:n, :width].clone()
@@ -138,7 +148,8 @@ class _SampleBuffers:
 
 
 class StepGraphs:
-    """LM decode and CFM sample of up to `cap` rows on static buffers; CUDA graphs when `capture`."""
+    """LM decode, CFM sample and VAE backbone of up to `cap` rows on static buffers; CUDA graphs when
+    `capture`."""
 
     def __init__(self, talker: TalkerModel, cache: KVSlots, plan: SamplePlan, *, cap: int, history_len: int,
                  patch: int, latent_dim: int, cfg_strength: float, sde_scale: float, capture: bool,
@@ -229,7 +240,7 @@ class StepGraphs:
     def graphs(self) -> int:
         return len(self._graphs)
 
-    # -- the runner's two calls -------------------------------------------------------------------
+    # -- the runner's calls -------------------------------------------------------------------
 
     def decode(self, slots: list[int], positions: list[int], inputs: torch.Tensor) -> torch.Tensor:
         """`TalkerRunner.decode` on the padded buffers: [n, hidden] → [n, hidden] (a copy)."""
