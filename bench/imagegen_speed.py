@@ -241,6 +241,18 @@ def dit_versus_diffusers(pipeline: ImagePipeline, sizes: list[int], rows_list: l
                         row["ours_torch_ms"] = _median_ms(dev, functools.partial(dit, x, t, cap), iters)
                     finally:
                         dit.kernels = kernels
+                    if dev.type == "cuda":  # cuDNN's attention first (flash otherwise): which is faster here
+                        from torch.nn.attention import SDPBackend
+
+                        dit.sdpa_backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+                        try:
+                            cudnn = dit(x, t, cap)
+                            row["cudnn_max_abs_diff"] = float((cudnn.float() - theirs.float()).abs().max())
+                            row["ours_cudnn_ms"] = _median_ms(dev, functools.partial(dit, x, t, cap), iters)
+                        except RuntimeError as exc:
+                            row["ours_cudnn_ms"] = f"unavailable: {exc}"[:200]
+                        finally:
+                            dit.sdpa_backends = None
                     row["diffusers_ms"] = _median_ms(dev, functools.partial(
                         ref, list(x.unbind(0)), t, list(cap.unbind(0)), return_dict=False), iters)
                 del ours, theirs
@@ -299,7 +311,8 @@ def compact_rows(phases: list[dict], dit_rows: list[dict]) -> list[dict]:
     for p in phases:
         d = next((d for d in dit_rows if d.get("size") == p["size"] and d.get("rows") == 2 and "ours_ms" in d), {})
         out.append({"size": p["size"], "ours_forward_ms": d.get("ours_ms"), "diffusers_forward_ms": d.get("diffusers_ms"),
-                    "ours_torch_forward_ms": d.get("ours_torch_ms"), "image_s": p["seconds_per_image"],
+                    "ours_torch_forward_ms": d.get("ours_torch_ms"), "ours_cudnn_forward_ms": d.get("ours_cudnn_ms"),
+                    "image_s": p["seconds_per_image"],
                     "steps": p["steps"]})
     return out
 

@@ -20,6 +20,7 @@ from omnistage.services.imagegen.models import fused as kernels
 from omnistage.services.imagegen.models.config import DiTConfig
 from omnistage.services.imagegen.models.norms import DiffusersRMSNorm
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SEQ_MULTI_OF = 32
 PATCH = 2
@@ -206,6 +207,8 @@ class ZImageDiT(nn.Module):
         self.rope = RopeTables(cfg)
         # "auto": the fused Triton kernels on CUDA where Triton imports, else torch; "torch" / "triton" force one.
         self.kernels = "auto"
+        # SDPA backends to use, in priority order (None: torch's choice, flash on CUDA); the bench times cuDNN's.
+        self.sdpa_backends: list[SDPBackend] | None = None
 
     def fused_for(self, x: torch.Tensor) -> bool:
         if self.kernels == "auto":
@@ -242,6 +245,13 @@ class ZImageDiT(nn.Module):
                 threshold: float = 0.0) -> torch.Tensor:
         """With `cache` (one per row) and `threshold` > 0, the first-block cache (`_layers_with_cache`) is on:
         an approximation, off by default; without, the exact forward."""
+        if self.sdpa_backends:
+            with sdpa_kernel(self.sdpa_backends, set_priority=True):
+                return self._forward(x, t, cap, cache, threshold)
+        return self._forward(x, t, cap, cache, threshold)
+
+    def _forward(self, x: torch.Tensor, t: torch.Tensor, cap: torch.Tensor, cache: list[FirstBlockCache] | None,
+                 threshold: float) -> torch.Tensor:
         b, c, f, h, w = x.shape
         ht, wt = h // PATCH, w // PATCH
         n_img, n_cap = f * ht * wt, cap.shape[1]
