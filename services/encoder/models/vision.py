@@ -212,6 +212,7 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     The aten op `torch.nn.attention.varlen.varlen_attn` itself calls (its positional arguments are the
     same from torch 2.2 on; the wrapper's are not): q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, dropout,
     is_causal, return_debug_mask."""
+    q, k, v = (t.contiguous() for t in (q, k, v))  # v is a view of the fused qkv output
     return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, False,
                                                    False)[0]
 
