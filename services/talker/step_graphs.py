@@ -213,8 +213,14 @@ class StepGraphs:
                 body()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            body()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                body()
+        except RuntimeError as exc:  # an OOM inside the capture surfaces as capture_end's error: keep it an OOM
+            oom = exc if isinstance(exc, torch.OutOfMemoryError) else exc.__context__
+            if isinstance(oom, torch.OutOfMemoryError) and oom is not exc:
+                raise torch.OutOfMemoryError(f"{oom} (during a talker step-graph capture)") from exc
+            raise
         return graph
 
     def capture_all(self) -> int:
