@@ -224,17 +224,21 @@ class PackedLayout:
     SDPA), or `mask` (one SDPA with a block-diagonal mask: the reference, O(N²) memory)."""
 
     kind: str
-    cu_seqlens: torch.Tensor  # [segments + 1] int32 on the device
-    max_len: int
+    lengths: tuple[int, ...]  # tokens of each segment, in order (host)
+    cu_seqlens: torch.Tensor  # [segments + 1] int32 on the device: 0, then the running sums of lengths
     segments: list[torch.Tensor]  # equal-length index rows (kind "segments")
 
     @classmethod
     def of(cls, grids: Sequence[Grid], device: torch.device, kind: str = "auto") -> PackedLayout:
-        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        lengths = tuple(h * w for t, h, w in grids for _ in range(t))
         cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device, non_blocking=True)
         if kind == "auto":
             kind = "flash" if flash_varlen_available(device) else "segments"
-        return cls(kind, cu, max(lengths), _segments(grids, device) if kind == "segments" else [])
+        return cls(kind, lengths, cu, _segments(grids, device) if kind == "segments" else [])
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lengths)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
@@ -242,24 +246,18 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if layout.kind == "flash" and q.dtype in (torch.float16, torch.bfloat16):
         return flash_varlen(q, k, v, layout.cu_seqlens, layout.max_len)
     if layout.kind == "mask":
-        seg = torch.repeat_interleave(torch.arange(layout.cu_seqlens.numel() - 1, device=q.device),
-                                      layout.cu_seqlens.diff().long())
+        seg = torch.repeat_interleave(torch.arange(len(layout.lengths), device=q.device),
+                                      torch.tensor(layout.lengths, device=q.device), output_size=q.shape[0])
         mask = seg[:, None] == seg[None, :]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None], attn_mask=mask)
         return out[0].transpose(0, 1)
-    segments = layout.segments or _segments_of(layout)
+    segments = layout.segments or _segments([(1, 1, n) for n in layout.lengths], q.device)  # "flash" in fp32
     out = torch.empty_like(q)
     for index in segments:  # [num_segments, length] rows of equal-length segments
         qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))  # [S, heads, L, d]
         out[index] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
     return out
-
-
-def _segments_of(layout: PackedLayout) -> list[torch.Tensor]:
-    """Equal-length index rows from cu_seqlens (a flash layout whose tensors are not half precision)."""
-    cu = layout.cu_seqlens.tolist()
-    return _segments([(1, 1, b - a) for a, b in zip(cu, cu[1:], strict=False)], layout.cu_seqlens.device)
 
 
 class VisionEncoder(nn.Module):
