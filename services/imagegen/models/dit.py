@@ -237,8 +237,8 @@ class ZImageDiT(nn.Module):
         for layer in self.layers[1:]:
             out = layer(out, rope, adaln, fused)
         rest = out - first
-        for i, c in enumerate(cache):
-            c.first, c.rest = r1[i], rest[i]
+        for i, c in enumerate(cache):  # copies: a row's state must not hold its whole batch's tensors
+            c.first, c.rest = r1[i].clone(), rest[i].clone()
         return out
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cap: torch.Tensor, cache: list[FirstBlockCache] | None = None,
