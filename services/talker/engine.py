@@ -235,7 +235,7 @@ class TalkerEngine:
         h = torch.stack([hidden[id(j)] for j in batch])
         patches, next_inputs, stop = run.sample(h, torch.stack([j.history for j in batch]),
                                                 [j.generator for j in batch])
-        stop = stop.tolist()  # the step's one host sync: which rows end decides the VAE's flush
+        stop = stop.tolist()  # host sync 1 of 2: which rows end decides the VAE's flush
         ends: list[JobDone | None] = []
         for i, job in enumerate(batch):
             job.next_input = next_inputs[i]
@@ -244,7 +244,7 @@ class TalkerEngine:
             job.steps += 1
             ends.append(JobDone(job.steps, stopped) if stopped or job.steps >= job.max_steps else None)
         audio = run.vae([j.stream for j in batch], list(patches), [e is not None for e in ends])
-        # One device→host copy for the whole batch (each row's length is known on the host).
+        # Host sync 2 of 2: one device→host copy for the whole batch (each row's length is known on the host).
         flat = torch.cat([a.float().reshape(-1) for a in audio]).cpu().numpy()
         pieces = np.split(flat, np.cumsum([a.numel() for a in audio])[:-1])
         return list(zip(pieces, ends, strict=True))

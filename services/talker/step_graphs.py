@@ -15,8 +15,8 @@ addresses, so:
   callers get clones of the real rows;
 - the CFM's noise is drawn outside (each stream's own generator, exactly as the eager path) and
   copied in; the time embeddings, step sizes and rotary tables are made once (`FlowDiT.plan`).
-Nothing in a step reads the device from the host: the engine's one sync is its read of the stop
-probabilities.
+Nothing here reads the device from the host: a step's host syncs are the engine's read of the stop
+probabilities and its copy of the step's audio.
 
 With `capture=False` (the CPU, and tests) the same bodies run eagerly on the same buffers, so the
 bucketing, padding and buffer logic is tested without a GPU; it equals the eager path.
