@@ -3,7 +3,8 @@
 A `SegmentJob` is one text segment of one stream (ming.md §5.3): prefill its prompt, then one patch
 per step until the stop head fires (after `min_steps`) or its step budget is spent; every step's
 latents are decoded to audio at once (streaming VAE) and handed to the job's `emit` callback on the
-device thread. All jobs in flight share each step: one LM forward (prefills run one prompt each),
+device thread. All jobs in flight share each step: one LM prefill of the newly admitted prompts
+(right-padded, together), one LM decode of the others,
 one CFM sample, one aggregator and stop-head forward, one VAE forward. A job holds one cache slot
 from admission to its last chunk; a cancelled job is dropped at the next step boundary, its slot
 free again. Work that needs the device between steps (a custom voice's VAE encode) goes through
@@ -217,10 +218,12 @@ class TalkerEngine:
     def _forward(self, batch: list[SegmentJob], new: list[SegmentJob]) -> list[tuple[np.ndarray, JobDone | None]]:
         run, cfg = self.runner, self.runner.config
         hidden: dict[int, torch.Tensor] = {}
+        if new:  # every newly admitted prompt in one padded forward
+            prompts = [run.prompt_embeddings(job.prompt, job.voice) for job in new]
+            for job, x, h in zip(new, prompts, run.prefill_batch([j.slot for j in new], prompts), strict=True):
+                hidden[id(job)] = h
+                job.position = x.shape[0]
         for job in new:
-            x = run.prompt_embeddings(job.prompt, job.voice)
-            hidden[id(job)] = run.prefill(job.slot, x)
-            job.position = x.shape[0]
             job.history = torch.zeros(cfg.history_patch_size, cfg.latent_dim, device=run.device)
             prompt = job.voice.latents[-cfg.history_patch_size:]
             job.history[cfg.history_patch_size - prompt.shape[0]:] = prompt

@@ -71,6 +71,18 @@ class TalkerRunner:
         return self.models.talker.model(embeddings[None], self.lm_cache, rows)[0, -1]
 
     @torch.no_grad()
+    def prefill_batch(self, slots: list[int], embeddings: list[torch.Tensor]) -> torch.Tensor:
+        """Several whole prompts in one forward (right-padded; padding goes to the scratch slot) → each
+        prompt's last hidden state [n, hidden]."""
+        lengths = [e.shape[0] for e in embeddings]
+        if len(embeddings) == 1:
+            return self.prefill(slots[0], embeddings[0])[None]
+        x = torch.nn.utils.rnn.pad_sequence(embeddings, batch_first=True)
+        rows = Rows.of(slots, [0] * len(slots), lengths, self.device)
+        out = self.models.talker.model(x, self.lm_cache, rows)
+        return out[torch.arange(len(slots), device=out.device), torch.tensor(lengths, device=out.device) - 1]
+
+    @torch.no_grad()
     def decode(self, slots: list[int], positions: list[int], inputs: torch.Tensor) -> torch.Tensor:
         """One new input per row [B, hidden] at `positions` → hidden states [B, hidden]."""
         if self.static is not None:

@@ -92,7 +92,7 @@ def run_stress_batch(models: TalkerModels, cfg: TalkerConfig, caches: CacheSizes
         raise ValueError(f"talker.max_lm_tokens {caches.lm_tokens} leaves no room after the longest prompt "
                          f"({len(prompt.ids)} tokens): raise it or lower max_reference_seconds / max_segment_length")
     x = runner.prompt_embeddings(prompt, voice)
-    hidden = torch.stack([runner.prefill(slot, x) for slot in range(batch)])
+    hidden = runner.prefill_batch(list(range(batch)), [x] * batch)  # the engine prefills new streams together
     hidden = runner.decode(list(range(batch)), [caches.lm_tokens - 1] * batch, hidden)
     history = torch.zeros(batch, mc.history_patch_size, mc.latent_dim, device=runner.device)
     gens = [torch.Generator(runner.device).manual_seed(i) for i in range(batch)]

@@ -155,3 +155,17 @@ def test_a_segment_cancelled_before_its_first_step_leaves_no_queue_time(talker_m
     engine.step()
     assert not rec_b.events and engine.jobs_in_flight == 0
     assert _queue_time("talker-queue-cancel")[0] - before[0] == 1
+
+
+def test_prompts_prefilled_together_equal_each_prefilled_alone(talker_models):
+    """Right-padded prompts of different lengths in one forward: each its own last hidden state and the same
+    keys in its slot as alone; the padding went to the scratch slot."""
+    hidden = talker_models.config.llm.hidden_size
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randn(n, hidden, generator=gen) for n in (7, 12, 3)]
+    alone, together = TalkerRunner(talker_models, 3, 32, 64), TalkerRunner(talker_models, 3, 32, 64)
+    want = torch.stack([alone.prefill(slot, x) for slot, x in enumerate(prompts)])
+    got = together.prefill_batch([0, 1, 2], prompts)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for layer in range(talker_models.config.llm.num_layers):
+        torch.testing.assert_close(together.lm_cache.k[layer][:3], alone.lm_cache.k[layer][:3], atol=1e-6, rtol=1e-5)
