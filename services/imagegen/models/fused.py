@@ -75,7 +75,7 @@ def _kernels() -> ModuleType:
 def _block(n: int) -> dict[str, int]:
     """Launch options of one program over n lanes: the power-of-two block and warps for its width."""
     block = _kernels().triton.next_power_of_2(n)
-    return {"BLOCK": block, "num_warps": 8 if block >= 2048 else 4}
+    return {"BLOCK": block, "num_warps": max(1, min(8, block // 256))}  # a head's 64 pairs: one warp
 
 
 def _per_batch(t: torch.Tensor | None, b: int, d: int) -> torch.Tensor | None:
