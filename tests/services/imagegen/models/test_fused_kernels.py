@@ -2,12 +2,14 @@
 (TRITON_INTERPRET=1; speed and bf16 are the GPU run's `bench/speech_image_gpu.sh`): norm + modulation,
 norm + gate + residual (with and without modulation), QK-norm + rope with batch-shared and per-row
 tables, at widths that are not powers of two (masked lanes); and the whole DiT with the kernels forced
-equals diffusers' model, while "auto" keeps the torch path off CUDA. Skipped only where Triton cannot
-import."""
+equals diffusers' model, while "auto" keeps the torch path off CUDA; and the kernels compile for sm_90
+in bf16 (no GPU needed). Skipped only where Triton cannot import."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -77,3 +79,38 @@ def test_the_dit_with_its_kernels_forced_equals_diffusers(monkeypatch):
     n_blocks = ours.cfg.n_layers + 2 * ours.cfg.n_refiner_layers
     assert len(calls) == n_blocks
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from omnistage.services.imagegen.models import fused_kernels as fk
+
+bf16 = "*bf16"
+row = {"tokens": "i32", "D": "i32", "eps": "fp32"}
+cases = [
+    (fk.norm_modulate_kernel, {"x_ptr": bf16, "w_ptr": bf16, "scale_ptr": bf16, "out_ptr": bf16, **row},
+     {"HAS_SCALE": True, "BLOCK": 4096}),
+    (fk.norm_gate_residual_kernel, {"res_ptr": bf16, "h_ptr": bf16, "w_ptr": bf16, "gate_ptr": bf16,
+                                    "out_ptr": bf16, **row}, {"HAS_GATE": True, "BLOCK": 4096}),
+    (fk.qk_norm_rope_kernel, {"q_ptr": bf16, "k_ptr": bf16, "wq_ptr": bf16, "wk_ptr": bf16, "cos_ptr": "*fp32",
+                              "sin_ptr": "*fp32", "qo_ptr": bf16, "ko_ptr": bf16, "heads": "i32", "cos_rows": "i32",
+                              "HALF": "i32", "eps": "fp32"}, {"BLOCK": 64}),
+]
+for fn, sig, consts in cases:
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    print(fn.__name__, "cubin" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm)
+"""
+
+
+def test_the_kernels_compile_for_sm90_in_bf16(tmp_path):
+    """What the interpreter does not check — Triton's type rules and lowering — for the H100/H200 target,
+    ahead of any GPU (a fresh process: the interpreter must be off when the kernels are decorated)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == ["norm_modulate_kernel", "True", "norm_gate_residual_kernel", "True",
+                                   "qk_norm_rope_kernel", "True"]
