@@ -7,7 +7,7 @@
 #     bash bench/speech_image_gpu.sh
 # Everything is teed to $OUT/log; the results JSON land in $OUT/results/ (talker_speech.json,
 # imagegen_speed.json: copy them to bench/results/). About 5 minutes on one H100/H200; each part has
-# its own time limit (150 + 150 + 270 s: the whole stays inside one 600 s device call), and a failing
+# its own time limit (150 + 150 + 250 s: the whole stays inside one 600 s device call), and a failing
 # check does not stop the benchmarks (the exit status says).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
   timeout 150 python3 bench/talker_speech.py --concurrency 1,4,8,16 --rounds 2 --graphs both \
     --out "$OUT/results/talker_speech.json" || status=1
   echo "== image benchmark"
-  timeout 270 python3 bench/imagegen_speed.py --sizes 512,1024 --concurrency '' --steps 30 --iters 3 \
+  timeout 250 python3 bench/imagegen_speed.py --sizes 512,1024 --concurrency '' --steps 30 --iters 3 \
     --fbcache 0.05 --out "$OUT/results/imagegen_speed.json" || status=1
   echo "== exit status $status"
   exit $status
