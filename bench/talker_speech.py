@@ -222,27 +222,33 @@ def main() -> None:
     config = TINY if args.tiny else REAL
     models = build(config, device, dtype)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
-    results = {graphs: run_mode(models, config, levels, steps, rounds, graphs) for graphs in modes}
     audio_s = steps * config.samples_per_step / config.vae.sample_rate
     print(f"talker_speech: {'tiny' if args.tiny else 'real sizes'}, {device} {dtype}, {steps} steps "
-          f"({audio_s:.2f} s audio) per request, {rounds} rounds per client")
-    for graphs, (rows, info) in results.items():
-        print_table(f"graphs {'on' if graphs else 'off'} {info}", rows)
+          f"({audio_s:.2f} s audio) per request, {rounds} rounds per client", flush=True)
     out = args.out or (os.path.join(os.environ["OUT"], "talker_speech.json") if os.environ.get("OUT") else "")
-    if out:
-        main_rows, main_info = results[modes[0]]
-        doc = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-               "command": shlex.join(["python", *sys.argv]),
-               "rows": main_rows,
-               "meta": {"dtype": str(dtype), "torch": torch.__version__, "steps": steps, "rounds": rounds,
-                        "tiny": args.tiny, "prompt_tokens": PROMPT_TOKENS, **main_info}}
-        if True in results and False in results:
-            doc["eager_rows"] = results[False][0]
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {out}")
+    results: dict[bool, tuple[list[dict], dict]] = {}
+    for graphs in modes:  # the JSON is rewritten after each mode: a later one timing out keeps the first
+        results[graphs] = run_mode(models, config, levels, steps, rounds, graphs)
+        print_table(f"graphs {'on' if graphs else 'off'} {results[graphs][1]}", results[graphs][0])
+        if out:
+            write_json(out, results, modes[0], device, dtype, args.tiny, steps, rounds)
 
+
+def write_json(out: str, results: dict[bool, tuple[list[dict], dict]], main: bool, device: str, dtype: torch.dtype,
+               tiny: bool, steps: int, rounds: int) -> None:
+    """{device, date, command, rows (the first mode's), meta, eager_rows (with both modes)}."""
+    main_rows, main_info = results[main]
+    doc = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+           "command": shlex.join(["python", *sys.argv]),
+           "rows": main_rows,
+           "meta": {"dtype": str(dtype), "torch": torch.__version__, "steps": steps, "rounds": rounds,
+                    "tiny": tiny, "prompt_tokens": PROMPT_TOKENS, **main_info}}
+    if main and False in results:
+        doc["eager_rows"] = results[False][0]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}", flush=True)
 
 if __name__ == "__main__":
     main()
