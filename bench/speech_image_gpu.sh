@@ -5,14 +5,14 @@
 # (diffusers for the same-run DiT comparison → .cache/bench-whl). On the device machine, from the
 # repo root, carrying .cache/bench-whl:
 #     bash bench/speech_image_gpu.sh
-# Everything is teed to $OUT/log; the results JSON land in $OUT/results/ (talker_speech.json,
-# imagegen_speed.json: copy them to bench/results/). About 5 minutes on one H100/H200; each part has
+# Everything is teed to $OUT/log; the results JSON land in $OUT/bench/results/ (talker_speech.json,
+# imagegen_speed.json: the repo layout, so `cp -r <files_at>/bench/results bench/`). About 5 minutes on one H100/H200; each part has
 # its own time limit (150 + 150 + 250 s: the whole stays inside one 600 s device call), and a failing
 # check does not stop the benchmarks (the exit status says).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/speech-image-out}
-mkdir -p "$OUT/results"
+mkdir -p "$OUT/bench/results"
 source bench/device_env.sh  # the carried wheels (transport-whl, bench-whl) into /tmp/site; omnistage on PYTHONPATH
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 (
@@ -24,10 +24,10 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
   timeout 150 python3 bench/speech_image_gpu_check.py || status=1
   echo "== talker benchmark"
   timeout 150 python3 bench/talker_speech.py --concurrency 1,4,8,16 --rounds 2 --graphs both \
-    --out "$OUT/results/talker_speech.json" || status=1
+    --out "$OUT/bench/results/talker_speech.json" || status=1
   echo "== image benchmark"
   timeout 250 python3 bench/imagegen_speed.py --sizes 512,1024 --concurrency '' --steps 30 --iters 3 \
-    --fbcache 0.05 --out "$OUT/results/imagegen_speed.json" || status=1
+    --fbcache 0.05 --out "$OUT/bench/results/imagegen_speed.json" || status=1
   echo "== exit status $status"
   exit $status
 ) 2>&1 | tee "$OUT/log"
