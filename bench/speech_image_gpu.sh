@@ -6,9 +6,9 @@
 # repo root, carrying .cache/bench-whl:
 #     bash bench/speech_image_gpu.sh
 # Everything is teed to $OUT/log; the results JSON land in $OUT/bench/results/ (talker_speech.json,
-# imagegen_speed.json: the repo layout, so `cp -r <files_at>/bench/results bench/`). About 5 minutes on one H100/H200; each part has
-# its own time limit (150 + 150 + 250 s: the whole stays inside one 600 s device call), and a failing
-# check does not stop the benchmarks (the exit status says).
+# imagegen_speed.json; the repo's layout: `cp -r <files_at>/bench/results bench/`). About 5 minutes
+# on one H100/H200; each part has its own time limit (150 + 150 + 250 s: the whole stays inside one
+# 600 s device call), and a failing check does not stop the benchmarks (the exit status says).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/speech-image-out}
