@@ -5,8 +5,17 @@
 # grpcio-health-checking and grpcio-reflection (the service runtime), the talker's and encoder's
 # pure-Python extras and PyAV. Carry `.cache/transport-whl`
 # in the device call; `source bench/device_env.sh` there installs them into /tmp/site.
+# `bash bench/device_wheels.sh bench` instead downloads only what the benchmarks compare against
+# (diffusers, pure Python) into .cache/bench-whl (carry it for bench/speech_image_gpu.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = bench ]; then
+  mkdir -p .cache/bench-whl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    -d .cache/bench-whl diffusers==0.42.1
+  ls -l .cache/bench-whl
+  exit 0
+fi
 mkdir -p .cache/transport-whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

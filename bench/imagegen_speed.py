@@ -1,7 +1,7 @@
 """Image-generation speed at the real Ming sizes with random weights (not a test).
 
     source bench/device_env.sh            # on a lent GPU machine
-    python bench/imagegen_speed.py [--sizes 512,1024] [--concurrency 1,2,4,8] [--steps 30]
+    python bench/imagegen_speed.py [--sizes 512,1024] [--concurrency 1,2,4,8] [--steps 30] [--fbcache 0.05]
     python bench/imagegen_speed.py --tiny  # CPU, tiny models: a smoke run
 
 Builds the connector (proj_in 4096→1536, Qwen2-1.5B body, proj_out 1536→2560), the Z-Image DiT
@@ -13,8 +13,13 @@ per image, denoising steps/s); images/s with 1, 2, 4, 8 requests batched step by
 VAE decode and VAE encode (edit) times; one DiT forward of ours against diffusers'
 `ZImageTransformer2DModel` holding the same weights at the same shapes (the bar to beat; "not
 available" when diffusers is not installed), with the largest output difference. Guidance 2.0 (two
-DiT rows per request), the release's 30 steps (the last, sigma 0 → 0, needs no forward). Prints a
-markdown table; writes JSON to $OUT/imagegen_speed.json (or --out) when set. A configuration that
+DiT rows per request), the release's 30 steps (the last, sigma 0 → 0, needs no forward). Our DiT
+forward is timed with its default kernels (the fused Triton ones on CUDA) and with the torch path
+(`ours_torch_ms`). `--fbcache T` also generates the largest size with the first-block cache at
+threshold T and records its time, reused forwards and largest pixel difference against the exact
+image. `--concurrency ''` skips the batched rows. Prints markdown tables; writes JSON
+({device, date, command, rows: [{size, ours_forward_ms, diffusers_forward_ms, image_s, steps}], and
+every measurement in detail}) to $OUT/imagegen_speed.json (or --out) when set. A configuration that
 runs out of memory is reported as OOM and larger ones are skipped.
 """
 
@@ -25,7 +30,9 @@ import functools
 import json
 import os
 import platform
+import shlex
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -109,8 +116,9 @@ def _spec(cfg: ImageGenModelConfig, size: int, steps: int, seed: int, edit: bool
     return GenerationSpec(condition, (size, size), steps, 2.0, seed, reference)
 
 
-def single(pipeline: ImagePipeline, size: int, steps: int) -> dict[str, Any]:
-    """One request alone, phase by phase: conditioning + noise, denoising, VAE decode."""
+def single(pipeline: ImagePipeline, size: int, steps: int, pixels: list | None = None) -> dict[str, Any]:
+    """One request alone, phase by phase: conditioning + noise, denoising, VAE decode (the image appended
+    to `pixels` when given)."""
     cfg, dev = pipeline.models.config, pipeline.device
     _peak_reset(dev)
     state, prep_s = _timed(dev, lambda: pipeline.prepare(_spec(cfg, size, steps, 0)))
@@ -120,7 +128,9 @@ def single(pipeline: ImagePipeline, size: int, steps: int) -> dict[str, Any]:
             pipeline.step([state])
 
     _, denoise_s = _timed(dev, denoise)
-    _, decode_s = _timed(dev, lambda: pipeline.decode(state))
+    image, decode_s = _timed(dev, lambda: pipeline.decode(state))
+    if pixels is not None:
+        pixels.append((image, state))
     total = prep_s + denoise_s + decode_s
     return {"size": size, "concurrency": 1, "steps": steps, "seconds_per_image": round(total, 3),
             "images_s": round(1 / total, 3), "steps_s": round(steps / denoise_s, 2),
@@ -225,6 +235,24 @@ def dit_versus_diffusers(pipeline: ImagePipeline, sizes: list[int], rows_list: l
                     row["max_abs_diff"] = float((ours.float() - theirs.float()).abs().max())
                     row["ref_abs_max"] = float(theirs.float().abs().max())
                     row["ours_ms"] = _median_ms(dev, functools.partial(dit, x, t, cap), iters)
+                    row["ours_kernels"] = "triton" if dit.fused_for(x) else "torch"
+                    kernels, dit.kernels = dit.kernels, "torch"
+                    try:
+                        row["ours_torch_ms"] = _median_ms(dev, functools.partial(dit, x, t, cap), iters)
+                    finally:
+                        dit.kernels = kernels
+                    if dev.type == "cuda":  # cuDNN's attention first (flash otherwise): which is faster here
+                        from torch.nn.attention import SDPBackend
+
+                        dit.sdpa_backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+                        try:
+                            cudnn = dit(x, t, cap)
+                            row["cudnn_max_abs_diff"] = float((cudnn.float() - theirs.float()).abs().max())
+                            row["ours_cudnn_ms"] = _median_ms(dev, functools.partial(dit, x, t, cap), iters)
+                        except RuntimeError as exc:
+                            row["ours_cudnn_ms"] = f"unavailable: {exc}"[:200]
+                        finally:
+                            dit.sdpa_backends = None
                     row["diffusers_ms"] = _median_ms(dev, functools.partial(
                         ref, list(x.unbind(0)), t, list(cap.unbind(0)), return_dict=False), iters)
                 del ours, theirs
@@ -250,16 +278,43 @@ def _table(phases: list[dict], rows: list[dict], comps: list[dict], dit_rows: li
                          f"{r['steps_s']} | {r['forward_ms']} | {r['peak_gib']} |")
     lines += ["", "| size | connector ms | VAE decode ms | VAE encode ms |", "|---|---|---|---|"]
     lines += [f"| {c['size']} | {c['connector_ms']} | {c['vae_decode_ms']} | {c['vae_encode_ms']} |" for c in comps]
-    lines += ["", "| size | DiT rows | ours ms | diffusers ms | max abs diff |", "|---|---|---|---|---|"]
+    lines += ["", "| size | DiT rows | ours ms (kernels) | ours, torch path ms | diffusers ms | max abs diff |",
+              "|---|---|---|---|---|---|"]
     for d in dit_rows:
         if "diffusers" in d:
-            lines.append(f"| | | | {d['diffusers']} | |")
+            lines.append(f"| | | | | {d['diffusers']} | |")
         elif "error" in d:
-            lines.append(f"| {d['size']} | {d['rows']} | {d['error']} | | |")
+            lines.append(f"| {d['size']} | {d['rows']} | {d['error']} | | | |")
         else:
-            lines.append(f"| {d['size']} | {d['rows']} | {d['ours_ms']} | {d['diffusers_ms']} | "
-                         f"{d['max_abs_diff']:.3g} (of {d['ref_abs_max']:.3g}) |")
+            lines.append(f"| {d['size']} | {d['rows']} | {d['ours_ms']} ({d['ours_kernels']}) | {d['ours_torch_ms']} | "
+                         f"{d['diffusers_ms']} | {d['max_abs_diff']:.3g} (of {d['ref_abs_max']:.3g}) |")
     return "\n".join(lines)
+
+
+def first_block_cache(pipeline: ImagePipeline, size: int, steps: int, threshold: float) -> dict[str, Any]:
+    """The largest size generated exactly and with the first-block cache: time, reuse, pixel difference."""
+    exact: list = []
+    cached: list = []
+    off = single(pipeline, size, steps, exact)
+    on = single(ImagePipeline(pipeline.models, pipeline.device, first_block_cache=threshold), size, steps, cached)
+    diff = (exact[0][0].int() - cached[0][0].int()).abs()
+    return {"size": size, "steps": steps, "threshold": threshold, "exact_s": off["seconds_per_image"],
+            "cached_s": on["seconds_per_image"], "forwards": cached[0][1].forwards,
+            "reused_forwards": cached[0][1].block_cache[0].reused, "max_pixel_diff": int(diff.max()),
+            "mean_pixel_diff": round(float(diff.float().mean()), 3)}
+
+
+def compact_rows(phases: list[dict], dit_rows: list[dict]) -> list[dict]:
+    """The recorded result's rows: per size, our and diffusers' DiT forward (2 rows: one request with CFG)
+    and seconds per image alone."""
+    out = []
+    for p in phases:
+        d = next((d for d in dit_rows if d.get("size") == p["size"] and d.get("rows") == 2 and "ours_ms" in d), {})
+        out.append({"size": p["size"], "ours_forward_ms": d.get("ours_ms"), "diffusers_forward_ms": d.get("diffusers_ms"),
+                    "ours_torch_forward_ms": d.get("ours_torch_ms"), "ours_cudnn_forward_ms": d.get("ours_cudnn_ms"),
+                    "image_s": p["seconds_per_image"],
+                    "steps": p["steps"]})
+    return out
 
 
 def main() -> None:
@@ -269,11 +324,14 @@ def main() -> None:
     p.add_argument("--concurrency", default=None, help="requests batched together (default 1,2,4,8; tiny 1,2)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps per image (default 30; tiny 3)")
     p.add_argument("--iters", type=int, default=None, help="repeats of each component timing (default 5; tiny 1)")
+    p.add_argument("--fbcache", type=float, default=0.0,
+                   help="also generate the largest size with the first-block cache at this threshold (0: skip)")
     p.add_argument("--out", default=None, help="JSON output (default $OUT/imagegen_speed.json when $OUT is set)")
     args = p.parse_args()
     tiny = args.tiny or not torch.cuda.is_available()
     sizes = [int(s) for s in (args.sizes or ("64,128" if tiny else "512,1024")).split(",")]
-    conc = [int(c) for c in (args.concurrency or ("1,2" if tiny else "1,2,4,8")).split(",")]
+    conc_arg = ("1,2" if tiny else "1,2,4,8") if args.concurrency is None else args.concurrency
+    conc = [int(c) for c in conc_arg.split(",") if c]
     steps = args.steps or (3 if tiny else 30)
     iters = args.iters or (1 if tiny else 5)
     device = torch.device("cpu" if tiny else "cuda")
@@ -307,23 +365,30 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     comps = [components(pipeline, size, iters) for size in sizes]
-    dit_rows = dit_versus_diffusers(pipeline, sizes, [2, 2 * max(conc)], iters)
+    dit_rows = dit_versus_diffusers(pipeline, sizes, sorted({2, 2 * max(conc, default=1)}), iters)
     table = _table(phases, rows, comps, dit_rows)
     print(table)
     if not tiny:
         print("\nunconfirmed shapes:\n- " + "\n- ".join(UNCONFIRMED))
     result = {
-        "bench": "imagegen_speed", "tiny": tiny, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-        else platform.processor() or "cpu", "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": shlex.join(["python", *sys.argv]),
+        "rows": compact_rows(phases, dit_rows),
+        "bench": "imagegen_speed", "tiny": tiny, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
         "steps": steps, "guidance_scale": 2.0, "weights_gib": round(models.weights_bytes / GiB, 2),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "single": phases, "rows": rows, "components": comps, "dit_vs_diffusers": dit_rows,
-        "unconfirmed": UNCONFIRMED, "table": table,
+        "single": phases, "batched": rows, "components": comps, "dit_vs_diffusers": dit_rows,
+        "first_block_cache": None, "unconfirmed": UNCONFIRMED, "table": table,
     }
     out = args.out or (os.path.join(os.environ["OUT"], "imagegen_speed.json") if os.environ.get("OUT") else None)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+        print(f"wrote {out}", flush=True)
+    if args.fbcache > 0:  # last, and the JSON rewritten with it: a time-out here keeps the rest
+        result["first_block_cache"] = first_block_cache(pipeline, max(sizes), steps, args.fbcache)
+        print(f"\nfirst-block cache: {json.dumps(result['first_block_cache'])}", flush=True)
+        if out:
+            Path(out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

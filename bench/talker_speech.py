@@ -1,7 +1,7 @@
 """Talker speech throughput and latency at the real Ming talker sizes with random weights (not a test).
 
     source bench/device_env.sh          # on a lent GPU machine (no gRPC needed: the engine in-process)
-    python bench/talker_speech.py [--concurrency 1,4,8,16] [--steps 32] [--rounds 3]
+    python bench/talker_speech.py [--concurrency 1,4,8,16] [--steps 32] [--rounds 3] [--graphs on|off|both]
     python bench/talker_speech.py --tiny    # CPU, tiny sizes: a smoke run
 
 Builds the talker on the device from meta (bf16 on CUDA, fp32 on CPU) with random weights: the Qwen2
@@ -14,8 +14,12 @@ prompt of 10 patches) and a fixed number of talker steps (the stop head is disab
 makes --steps x 0.32 s of audio). `c` clients each send --rounds requests back to back.
 
 Per concurrency: TTFA (submit → first audio chunk) p50/p95, real-time factor (wall / audio seconds)
-mean and p95, requests/s, audio seconds per second, step time, peak device memory. Prints a markdown
-table; writes JSON to $OUT/talker_speech.json (or --out) when set.
+mean and p95, requests/s, audio seconds per second, step time, peak device memory. `--graphs on` runs
+the LM decode and CFM sample as CUDA graphs (captured before the warm-up, capture time reported;
+off CUDA the same static buffers run eagerly), `off` the eager step, `both` each in turn (the
+engine's production path — graphs — gives `rows`, the eager one `eager_rows`). Prints a markdown
+table per mode; writes JSON ({device, date, command, rows: [{concurrency, ttfa_p50_ms, ttfa_p95_ms,
+rtf_mean, req_s, step_ms, ...}], meta}) to $OUT/talker_speech.json (or --out) when set.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -145,24 +151,18 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="tiny sizes on CPU (smoke run)")
-    ap.add_argument("--concurrency", default="1,4,8,16")
-    ap.add_argument("--steps", type=int, default=0, help="talker steps per request (0: 32, tiny: 6)")
-    ap.add_argument("--rounds", type=int, default=0, help="requests per client (0: 3, tiny: 1)")
-    ap.add_argument("--out", default="", help="JSON path (default $OUT/talker_speech.json when $OUT is set)")
-    args = ap.parse_args()
-    levels = [int(x) for x in args.concurrency.split(",")]
-    steps = args.steps or (6 if args.tiny else 32)
-    rounds = args.rounds or (1 if args.tiny else 3)
-    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    config = TINY if args.tiny else REAL
-    models = build(config, device, dtype)
+def run_mode(models: TalkerModels, config: TalkerModelConfig, levels: list[int], steps: int, rounds: int,
+             graphs: bool) -> tuple[list[dict], dict]:
+    """Every concurrency level through one engine (graphs on or off); rows and how the graphs were made."""
+    device = models.device
     voice, prompt = bench_voice(models), bench_prompt(config.llm.vocab_size)
     frames = steps * config.patch_size * config.vae.patch_size
-    runner = TalkerRunner(models, max(levels), PROMPT_TOKENS + steps + 8, frames)
+    runner = TalkerRunner(models, max(levels), PROMPT_TOKENS + steps + 8, frames, graphs=graphs)
+    info: dict = {"graphs": graphs}
+    if runner.static is not None:
+        t0 = time.perf_counter()
+        info["graphs_captured"] = runner.static.capture_all()
+        info["capture_s"] = round(time.perf_counter() - t0, 2)
     engine = TalkerEngine(runner, service="bench")
     engine.start()
     audio_s_per_request = steps * config.samples_per_step / config.vae.sample_rate
@@ -171,7 +171,7 @@ def main() -> None:
         run_level(engine, models, voice, prompt, max(levels), 1, min(steps, 4))  # warm-up at the widest batch
         run_level(engine, models, voice, prompt, 1, 1, min(steps, 4))
         for c in levels:
-            if device == "cuda":
+            if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             steps_before = engine.steps
@@ -186,12 +186,15 @@ def main() -> None:
                 "rtf_mean": statistics.fmean(rtf), "rtf_p95": percentile(rtf, 0.95),
                 "req_s": len(reqs) / wall, "audio_s_per_s": len(reqs) * audio_s_per_request / wall,
                 "step_ms": 1000 * wall / max(1, engine.steps - steps_before),
-                "peak_mem_gib": torch.cuda.max_memory_allocated() / GiB if device == "cuda" else 0.0,
+                "peak_mem_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0.0,
             })
     finally:
         engine.stop()
-    print(f"talker_speech: {'tiny' if args.tiny else 'real sizes'}, {device} {dtype}, {steps} steps "
-          f"({audio_s_per_request:.2f} s audio) per request, {rounds} rounds per client\n")
+    return rows, info
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}\n")
     print("| concurrency | requests | TTFA p50 ms | TTFA p95 ms | RTF mean | RTF p95 | req/s | audio s/s | "
           "step ms | peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -199,13 +202,53 @@ def main() -> None:
         print(f"| {r['concurrency']} | {r['requests']} | {r['ttfa_p50_ms']:.0f} | {r['ttfa_p95_ms']:.0f} | "
               f"{r['rtf_mean']:.3f} | {r['rtf_p95']:.3f} | {r['req_s']:.2f} | {r['audio_s_per_s']:.1f} | "
               f"{r['step_ms']:.1f} | {r['peak_mem_gib']:.2f} |")
-    out = args.out or (os.path.join(os.environ["OUT"], "talker_speech.json") if os.environ.get("OUT") else "")
-    if out:
-        meta = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-                "dtype": str(dtype), "torch": torch.__version__, "steps": steps, "rounds": rounds,
-                "tiny": args.tiny, "prompt_tokens": PROMPT_TOKENS}
-        Path(out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes on CPU (smoke run)")
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--steps", type=int, default=0, help="talker steps per request (0: 32, tiny: 6)")
+    ap.add_argument("--rounds", type=int, default=0, help="requests per client (0: 3, tiny: 1)")
+    ap.add_argument("--graphs", choices=("on", "off", "both"), default="both",
+                    help="CUDA-graph steps on, off (eager), or both in turn")
+    ap.add_argument("--out", default="", help="JSON path (default $OUT/talker_speech.json when $OUT is set)")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    steps = args.steps or (6 if args.tiny else 32)
+    rounds = args.rounds or (1 if args.tiny else 3)
+    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    config = TINY if args.tiny else REAL
+    models = build(config, device, dtype)
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
+    audio_s = steps * config.samples_per_step / config.vae.sample_rate
+    print(f"talker_speech: {'tiny' if args.tiny else 'real sizes'}, {device} {dtype}, {steps} steps "
+          f"({audio_s:.2f} s audio) per request, {rounds} rounds per client", flush=True)
+    out = args.out or (os.path.join(os.environ["OUT"], "talker_speech.json") if os.environ.get("OUT") else "")
+    results: dict[bool, tuple[list[dict], dict]] = {}
+    for graphs in modes:  # the JSON is rewritten after each mode: a later one timing out keeps the first
+        results[graphs] = run_mode(models, config, levels, steps, rounds, graphs)
+        print_table(f"graphs {'on' if graphs else 'off'} {results[graphs][1]}", results[graphs][0])
+        if out:
+            write_json(out, results, modes[0], device, dtype, args.tiny, steps, rounds)
+
+
+def write_json(out: str, results: dict[bool, tuple[list[dict], dict]], main: bool, device: str, dtype: torch.dtype,
+               tiny: bool, steps: int, rounds: int) -> None:
+    """{device, date, command, rows (the first mode's), meta, eager_rows (with both modes)}."""
+    main_rows, main_info = results[main]
+    doc = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+           "command": shlex.join(["python", *sys.argv]),
+           "rows": main_rows,
+           "meta": {"dtype": str(dtype), "torch": torch.__version__, "steps": steps, "rounds": rounds,
+                    "tiny": tiny, "prompt_tokens": PROMPT_TOKENS, **main_info}}
+    if main and False in results:
+        doc["eager_rows"] = results[False][0]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}", flush=True)
 
 if __name__ == "__main__":
     main()

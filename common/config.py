@@ -276,6 +276,9 @@ class TalkerConfig:
     queue_timeout_s: float = 0.0
     # onnxruntime threads of the CAM++ speaker model.
     speaker_threads: int = 2
+    # Run the LM decode, the CFM sample and the VAE backbone of each step as CUDA graphs at padded sizes, captured
+    # at start-up (the stress counts their memory); ignored off CUDA.
+    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)
@@ -308,6 +311,9 @@ class ImageGenConfig:
     queue_timeout_s: float = 60.0
     # Threads decoding conditioning and reference images and encoding PNGs.
     postprocess_workers: int = 2
+    # First-block cache threshold (0: off, the exact forward): a denoising step whose first DiT layer's
+    # residual changed by less than this (relative mean) since the last full step reuses the rest.
+    first_block_cache: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -786,6 +792,7 @@ def _validate_imagegen(p: str, g: ImageGenConfig) -> None:
                 "max_reference_pixels", "queue_timeout_s", "postprocess_workers"):
         _positive(f"{q}.{key}", getattr(g, key))
     _positive(f"{q}.max_queued_requests", g.max_queued_requests, allow_zero=True)
+    _positive(f"{q}.first_block_cache", g.first_block_cache, allow_zero=True)
     for key in ("min_side_px", "max_side_px", "default_side_px"):
         if getattr(g, key) % IMAGE_SIZE_MULTIPLE:
             raise ConfigError(f"{q}.{key}: expected a multiple of {IMAGE_SIZE_MULTIPLE}, got {getattr(g, key)}")

@@ -15,6 +15,11 @@ TOOLS_BIN = Path(__file__).resolve().parents[1] / ".tools" / "bin"
 if TOOLS_BIN.is_dir():
     os.environ["PATH"] = os.pathsep.join([str(TOOLS_BIN), os.environ.get("PATH", "")])
 
+# Triton kernels (the DiT's fused ops) are tested on CPU machines by Triton's interpreter, which must be
+# on before anything imports triton (`import torch` does). A machine with an NVIDIA driver compiles them.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _promtool() -> str:
     path = shutil.which("promtool")

@@ -66,7 +66,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         with mem.meter():
             models = load_imagegen(cfg.model.checkpoint, dtype=dtype, device=device, progress=progress,
                                    dummy=cfg.model.load_format == "dummy")
-            pipeline = ImagePipeline(models, device)
+            pipeline = ImagePipeline(models, device, svc.imagegen.first_block_cache)
             reporter.enter("profiling_memory", unit="attempts")
             return pipeline, startup.profile(pipeline, svc.imagegen, mem, budget, report)
 

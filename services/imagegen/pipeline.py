@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from omnistage.services.imagegen import images
+from omnistage.services.imagegen.models.dit import FirstBlockCache
 from omnistage.services.imagegen.models.loader import ImageGenModels
 from omnistage.services.imagegen.models.scheduler import Schedule
 
@@ -45,6 +46,9 @@ class DenoiseState:
     schedule: Schedule
     step: int = 0
     forwards: int = field(default=0)
+    # First-block cache state of its DiT rows (positive, negative), used when the pipeline's threshold > 0.
+    block_cache: tuple[FirstBlockCache, FirstBlockCache] = field(default_factory=lambda: (FirstBlockCache(),
+                                                                                          FirstBlockCache()))
 
     @property
     def done(self) -> bool:
@@ -64,8 +68,9 @@ class DenoiseState:
 class ImagePipeline:
     """Connector + DiT + VAE of one device; every method is device work."""
 
-    def __init__(self, models: ImageGenModels, device: str | torch.device) -> None:
+    def __init__(self, models: ImageGenModels, device: str | torch.device, first_block_cache: float = 0.0) -> None:
         self.models = models
+        self.first_block_cache = first_block_cache  # threshold; 0 is off (the exact forward)
         self.device = torch.device(device)
         self.dtype = models.dit.dtype
         self.vae_factor = models.config.vae.scale_factor
@@ -124,7 +129,9 @@ class ImagePipeline:
                 cap.append(s.caption)
                 if s.cfg:
                     cap.append(self._negative_row.expand_as(s.caption))
-            out = self.models.dit(torch.cat(x), torch.cat(t), torch.cat(cap))[:, :, 0].float()
+            caches = [c for s in moving for c in s.block_cache[: 2 if s.cfg else 1]]
+            out = self.models.dit(torch.cat(x), torch.cat(t), torch.cat(cap), caches,
+                                  self.first_block_cache)[:, :, 0].float()
             row = 0
             for s in moving:
                 pos = out[row : row + 1]

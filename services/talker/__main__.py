@@ -65,7 +65,9 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
             reporter.enter("profiling_memory", unit="attempts")
             prof = startup.profile(models, mem, tcfg, budget, report, speaker.dim)
             runner = TalkerRunner(models, prof.max_streams, prof.caches.lm_tokens, prof.caches.vae_frames,
-                                  temperature=tcfg.temperature, sigma=tcfg.sigma)
+                                  temperature=tcfg.temperature, sigma=tcfg.sigma, graphs=startup.graphs_on(models, tcfg))
+            if runner.static is not None:
+                reporter.heartbeat(f"capturing {runner.static.capture_all()} step graphs")
         return models, voices, prof, runner
 
     reporter.enter("loading_weights", unit="shards")

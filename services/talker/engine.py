@@ -3,7 +3,8 @@
 A `SegmentJob` is one text segment of one stream (ming.md §5.3): prefill its prompt, then one patch
 per step until the stop head fires (after `min_steps`) or its step budget is spent; every step's
 latents are decoded to audio at once (streaming VAE) and handed to the job's `emit` callback on the
-device thread. All jobs in flight share each step: one LM forward (prefills run one prompt each),
+device thread. All jobs in flight share each step: one LM prefill of the newly admitted prompts
+(right-padded, together), one LM decode of the others,
 one CFM sample, one aggregator and stop-head forward, one VAE forward. A job holds one cache slot
 from admission to its last chunk; a cancelled job is dropped at the next step boundary, its slot
 free again. Work that needs the device between steps (a custom voice's VAE encode) goes through
@@ -217,10 +218,12 @@ class TalkerEngine:
     def _forward(self, batch: list[SegmentJob], new: list[SegmentJob]) -> list[tuple[np.ndarray, JobDone | None]]:
         run, cfg = self.runner, self.runner.config
         hidden: dict[int, torch.Tensor] = {}
+        if new:  # every newly admitted prompt in one padded forward
+            prompts = [run.prompt_embeddings(job.prompt, job.voice) for job in new]
+            for job, x, h in zip(new, prompts, run.prefill_batch([j.slot for j in new], prompts), strict=True):
+                hidden[id(job)] = h
+                job.position = x.shape[0]
         for job in new:
-            x = run.prompt_embeddings(job.prompt, job.voice)
-            hidden[id(job)] = run.prefill(job.slot, x)
-            job.position = x.shape[0]
             job.history = torch.zeros(cfg.history_patch_size, cfg.latent_dim, device=run.device)
             prompt = job.voice.latents[-cfg.history_patch_size:]
             job.history[cfg.history_patch_size - prompt.shape[0]:] = prompt
@@ -235,7 +238,7 @@ class TalkerEngine:
         h = torch.stack([hidden[id(j)] for j in batch])
         patches, next_inputs, stop = run.sample(h, torch.stack([j.history for j in batch]),
                                                 [j.generator for j in batch])
-        stop = stop.tolist()
+        stop = stop.tolist()  # host sync 1 of 2: which rows end decides the VAE's flush
         ends: list[JobDone | None] = []
         for i, job in enumerate(batch):
             job.next_input = next_inputs[i]
@@ -244,7 +247,10 @@ class TalkerEngine:
             job.steps += 1
             ends.append(JobDone(job.steps, stopped) if stopped or job.steps >= job.max_steps else None)
         audio = run.vae([j.stream for j in batch], list(patches), [e is not None for e in ends])
-        return [(a.float().cpu().numpy(), e) for a, e in zip(audio, ends, strict=True)]
+        # Host sync 2 of 2: one device→host copy for the whole batch (each row's length is known on the host).
+        flat = torch.cat([a.float().reshape(-1) for a in audio]).cpu().numpy()
+        pieces = np.split(flat, np.cumsum([a.numel() for a in audio])[:-1])
+        return list(zip(pieces, ends, strict=True))
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:

@@ -6,6 +6,10 @@ decoder's KV (frames of one segment). A step for a batch of requests is: LM forw
 new input (a whole prompt when it starts, else the aggregator output of its last patch) → CFM
 sample of one patch per row (10 DiT steps × 2 for CFG, one batched forward each) → aggregator →
 stop probability → streaming VAE decode of the new latents.
+
+With `graphs`, the LM decode, the CFM sample and the VAE decoder's backbone run through `StepGraphs`
+(padded static buffers, CUDA graphs on CUDA; `capture` False runs the same buffers eagerly, as on
+the CPU); prefills, the VAE's upsampling and ISTFT stay eager.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ from omnistage.services.talker.models.dit import sway_times
 from omnistage.services.talker.models.loader import TalkerModels
 from omnistage.services.talker.models.prompt import PromptIds
 from omnistage.services.talker.models.qwen2 import KVSlots, Rows
+from omnistage.services.talker.step_graphs import StepGraphs
 from omnistage.services.talker.voice_prompt import Voice
 
 
 class TalkerRunner:
     def __init__(self, models: TalkerModels, slots: int, max_lm_tokens: int, max_vae_frames: int, *,
-                 temperature: float = 0.0, sigma: float = 0.25) -> None:
+                 temperature: float = 0.0, sigma: float = 0.25, graphs: bool = False,
+                 capture: bool | None = None) -> None:
         self.models = models
         self.config = models.config
         self.device, self.dtype = models.device, models.dtype
@@ -30,6 +36,18 @@ class TalkerRunner:
         self.vae_cache = models.vae.decoder.new_cache(slots, max_vae_frames, dtype=self.dtype, device=self.device)
         self.times = sway_times(models.config.steps)  # host tensor: step sizes are read without a device sync
         self.sde_scale = sigma * temperature**0.5
+        cfg = self.config
+        # Time embeddings, step sizes and rotary tables of every CFM sample, made once.
+        self.plan = models.talker.dit.plan(self.times, cfg.history_patch_size, cfg.patch_size, self.device)
+        self.static: StepGraphs | None = None
+        if graphs:
+            self.static = StepGraphs(models.talker, self.lm_cache, self.plan, cap=slots,
+                                     history_len=cfg.history_patch_size, patch=cfg.patch_size,
+                                     latent_dim=cfg.latent_dim, cfg_strength=cfg.cfg_strength,
+                                     sde_scale=self.sde_scale,
+                                     capture=torch.device(self.device).type == "cuda" if capture is None else capture,
+                                     vae=(models.vae.decoder.decoder, self.vae_cache,
+                                          cfg.patch_size * cfg.vae.patch_size))
 
     @property
     def cache_bytes(self) -> int:
@@ -53,8 +71,22 @@ class TalkerRunner:
         return self.models.talker.model(embeddings[None], self.lm_cache, rows)[0, -1]
 
     @torch.no_grad()
+    def prefill_batch(self, slots: list[int], embeddings: list[torch.Tensor]) -> torch.Tensor:
+        """Several whole prompts in one forward (right-padded; padding goes to the scratch slot) → each
+        prompt's last hidden state [n, hidden]."""
+        lengths = [e.shape[0] for e in embeddings]
+        if len(embeddings) == 1:
+            return self.prefill(slots[0], embeddings[0])[None]
+        x = torch.nn.utils.rnn.pad_sequence(embeddings, batch_first=True)
+        rows = Rows.of(slots, [0] * len(slots), lengths, self.device)
+        out = self.models.talker.model(x, self.lm_cache, rows)
+        return out[torch.arange(len(slots), device=out.device), torch.tensor(lengths, device=out.device) - 1]
+
+    @torch.no_grad()
     def decode(self, slots: list[int], positions: list[int], inputs: torch.Tensor) -> torch.Tensor:
         """One new input per row [B, hidden] at `positions` → hidden states [B, hidden]."""
+        if self.static is not None:
+            return self.static.decode(slots, positions, inputs)
         rows = Rows.of(slots, positions, [1] * len(slots), self.device)
         return self.models.talker.model(inputs[:, None], self.lm_cache, rows)[:, 0]
 
@@ -72,11 +104,14 @@ class TalkerRunner:
         if self.sde_scale:
             sde = torch.stack([torch.randn((cfg.steps, *shape), generator=g, device=self.device)
                                for g in generators], dim=1)
+        if self.static is not None:
+            return self.static.sample(hidden, history, noise, sde)
         talker = self.models.talker
-        patch = talker.dit.sample(hidden, history, noise, self.times, cfg.cfg_strength, sde, self.sde_scale)
+        patch = talker.dit.sample_planned(self.plan, hidden, history, noise, cfg.cfg_strength, sde, self.sde_scale)
         return patch, talker.aggregator(patch), talker.stop_probability(hidden)
 
     # -- VAE -------------------------------------------------------------------------------------
 
     def vae(self, streams: list[DecodeStream], latents: list[torch.Tensor], last: list[bool]) -> list[torch.Tensor]:
-        return self.models.vae.decoder.decode_step(streams, latents, last, self.vae_cache)
+        backbone = self.static.vae_backbone if self.static is not None else None
+        return self.models.vae.decoder.decode_step(streams, latents, last, self.vae_cache, backbone)

@@ -4,7 +4,8 @@ The stress runs, for each candidate batch b (largest first), what b streams can 
 caches of b slots at their full size (LM: `max_lm_tokens`, VAE: `max_segment_seconds` of frames),
 b prompts of the longest segment with the longest custom voice prefilled in one step, then one
 batched step at the end of the caches (LM decode, CFM sample, aggregator, VAE decode), and one
-custom-voice encode of `max_reference_seconds` (it runs between steps). The largest b that fits is
+custom-voice encode of `max_reference_seconds` (it runs between steps), and (on CUDA, with
+`cuda_graphs`) the capture of every step graph up to b. The largest b that fits is
 the cap on streams; the engine's caches are then made for exactly that many slots. Warm-up speaks
 one sentence through the whole session path.
 """
@@ -61,6 +62,11 @@ class Profile:
             total_bytes=mem.reserved())
 
 
+def graphs_on(models: TalkerModels, cfg: TalkerConfig) -> bool:
+    """Step graphs where they pay: `cuda_graphs` on a CUDA device (elsewhere the eager step)."""
+    return cfg.cuda_graphs and torch.device(models.device).type == "cuda"
+
+
 def _longest_prompt_voice(models: TalkerModels, cfg: TalkerConfig) -> tuple[Voice, str]:
     """A voice with the most prompt patches a custom clip may give, and the longest segment text."""
     mc = models.config
@@ -79,14 +85,14 @@ def run_stress_batch(models: TalkerModels, cfg: TalkerConfig, caches: CacheSizes
     """Everything `batch` streams can hold and run at once (see the module docstring)."""
     mc = models.config
     runner = TalkerRunner(models, batch, caches.lm_tokens, caches.vae_frames, temperature=cfg.temperature,
-                          sigma=cfg.sigma)
+                          sigma=cfg.sigma, graphs=graphs_on(models, cfg))
     voice, text = _longest_prompt_voice(models, cfg)
     prompt = models.prompt.build(text, voice.prompt_text, voice.patches)
     if len(prompt.ids) >= caches.lm_tokens:
         raise ValueError(f"talker.max_lm_tokens {caches.lm_tokens} leaves no room after the longest prompt "
                          f"({len(prompt.ids)} tokens): raise it or lower max_reference_seconds / max_segment_length")
     x = runner.prompt_embeddings(prompt, voice)
-    hidden = torch.stack([runner.prefill(slot, x) for slot in range(batch)])
+    hidden = runner.prefill_batch(list(range(batch)), [x] * batch)  # the engine prefills new streams together
     hidden = runner.decode(list(range(batch)), [caches.lm_tokens - 1] * batch, hidden)
     history = torch.zeros(batch, mc.history_patch_size, mc.latent_dim, device=runner.device)
     gens = [torch.Generator(runner.device).manual_seed(i) for i in range(batch)]
@@ -99,6 +105,8 @@ def run_stress_batch(models: TalkerModels, cfg: TalkerConfig, caches: CacheSizes
     for s in streams:
         s.ola.frames = s.upsample.frames
     runner.vae(streams, list(patches), [False] * batch)
+    if runner.static is not None:
+        runner.static.capture_all()  # the graphs' memory pool is part of what `batch` streams need
     samples = int(cfg.max_reference_seconds * mc.vae.sample_rate)
     clip = ReferenceClip(np.zeros(samples, np.float32), np.zeros(0, np.float32), np.zeros(speaker_dim, np.float32))
     build_voice(models, CUSTOM, "x", clip, None)

@@ -10,7 +10,9 @@ Module and parameter names equal the checkpoint's (`vision.*`, `linear_proj.*`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -43,17 +45,12 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(v.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(v.dtype)
-        out = torch.empty_like(q)
-        for index in segments:  # [num_segments, length] rows of equal-length segments
-            qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))  # [S, heads, L, d]
-            o = F.scaled_dot_product_attention(qs, ks, vs)
-            out[index] = o.transpose(1, 2)
-        return self.proj(out.reshape(n, -1))
+        return self.proj(packed_attention(q, k, v, layout).reshape(n, -1))
 
 
 class VisionMLP(nn.Module):
@@ -77,9 +74,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
         dtype = self.attn.qkv.weight.dtype
-        x = x + self.attn(layer_norm_fp32(self.norm1, x).to(dtype), cos, sin, segments).float()
+        x = x + self.attn(layer_norm_fp32(self.norm1, x).to(dtype), cos, sin, layout).float()
         return x + self.mlp(layer_norm_fp32(self.norm2, x).to(dtype)).float()
 
 
@@ -117,6 +114,9 @@ class VisionTransformer(nn.Module):
         if self.side**2 != cfg.num_position_embeddings:
             raise ValueError(f"vision_config.num_position_embeddings {cfg.num_position_embeddings} is not a square")
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        # "auto": flash varlen on CUDA (half precision) where torch has it, else equal-length segments;
+        # "segments" / "mask" (the block-diagonal reference) / "flash" force one.
+        self.attention = "auto"
 
     def _inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
         half = self.cfg.head_dim // 2  # rows and columns each rotate a quarter-pair of the head
@@ -136,9 +136,9 @@ class VisionTransformer(nn.Module):
         x = self.patch_embed(patches).float()
         x = x + self._positions(grids)
         cos, sin = self._rope(grids, x.device)
-        segments = _segments(grids, x.device)
+        layout = PackedLayout.of(grids, x.device, self.attention)
         for block in self.blocks:
-            x = block(x, cos, sin, segments)
+            x = block(x, cos, sin, layout)
         return self.merger(x)
 
     def _positions(self, grids: Sequence[Grid]) -> torch.Tensor:
@@ -199,6 +199,65 @@ def _segments(grids: Sequence[Grid], device: torch.device) -> list[torch.Tensor]
         torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None, :]
         for length, starts in by_len.items()
     ]
+
+
+def flash_varlen_available(device: torch.device) -> bool:
+    """torch's flash-attention kernel (with cu_seqlens) on this device: CUDA builds of torch have it."""
+    return device.type == "cuda" and hasattr(torch.ops.aten, "_flash_attention_forward")
+
+
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Bidirectional flash attention over the packed segments of q, k, v [N, heads, d] (fp16/bf16).
+
+    The aten op `torch.nn.attention.varlen.varlen_attn` itself calls (its positional arguments are the
+    same from torch 2.2 on; the wrapper's are not): q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, dropout,
+    is_causal, return_debug_mask."""
+    q, k, v = (t.contiguous() for t in (q, k, v))  # v is a view of the fused qkv output
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, False,
+                                                   False)[0]
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each attention segment (a temporal slice of an item) lies in the packed sequence, and how
+    attention over it runs: `flash` (varlen over cu_seqlens), `segments` (equal-length groups through
+    SDPA), or `mask` (one SDPA with a block-diagonal mask: the reference, O(N²) memory)."""
+
+    kind: str
+    lengths: tuple[int, ...]  # tokens of each segment, in order (host)
+    cu_seqlens: torch.Tensor  # [segments + 1] int32 on the device: 0, then the running sums of lengths
+    segments: list[torch.Tensor]  # equal-length index rows (kind "segments")
+
+    @classmethod
+    def of(cls, grids: Sequence[Grid], device: torch.device, kind: str = "auto") -> PackedLayout:
+        lengths = tuple(h * w for t, h, w in grids for _ in range(t))
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device, non_blocking=True)
+        if kind == "auto":
+            kind = "flash" if flash_varlen_available(device) else "segments"
+        return cls(kind, lengths, cu, _segments(grids, device) if kind == "segments" else [])
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lengths)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+    """Bidirectional attention within each segment of packed q, k, v [N, heads, d] → [N, heads, d]."""
+    if layout.kind == "flash" and q.dtype in (torch.float16, torch.bfloat16):
+        return flash_varlen(q, k, v, layout.cu_seqlens, layout.max_len)
+    if layout.kind == "mask":
+        seg = torch.repeat_interleave(torch.arange(len(layout.lengths), device=q.device),
+                                      torch.tensor(layout.lengths, device=q.device), output_size=q.shape[0])
+        mask = seg[:, None] == seg[None, :]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], attn_mask=mask)
+        return out[0].transpose(0, 1)
+    segments = layout.segments or _segments([(1, 1, n) for n in layout.lengths], q.device)  # "flash" in fp32
+    out = torch.empty_like(q)
+    for index in segments:  # [num_segments, length] rows of equal-length segments
+        qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))  # [S, heads, L, d]
+        out[index] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
+    return out
 
 
 class VisionEncoder(nn.Module):

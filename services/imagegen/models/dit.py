@@ -12,12 +12,15 @@ the main layers. Parameter names equal the diffusers checkpoint's.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from omnistage.services.imagegen.models import fused as kernels
 from omnistage.services.imagegen.models.config import DiTConfig
 from omnistage.services.imagegen.models.norms import DiffusersRMSNorm
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SEQ_MULTI_OF = 32
 PATCH = 2
@@ -56,23 +59,25 @@ class Attention(nn.Module):
         self.norm_q = DiffusersRMSNorm(cfg.head_dim, eps=1e-5)
         self.norm_k = DiffusersRMSNorm(cfg.head_dim, eps=1e-5)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fused: bool = False) -> torch.Tensor:
         b, n, _ = x.shape
-        q = self.norm_q(self.to_q(x).unflatten(-1, (self.heads, -1)))
-        k = self.norm_k(self.to_k(x).unflatten(-1, (self.heads, -1)))
         v = self.to_v(x).unflatten(-1, (self.heads, -1))
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if fused:
+            q, k = kernels.qk_norm_rope(self.to_q(x).unflatten(-1, (self.heads, -1)),
+                                        self.to_k(x).unflatten(-1, (self.heads, -1)),
+                                        self.norm_q.weight, self.norm_k.weight, self.norm_q.eps, *rope)
+        else:
+            q = self.norm_q(self.to_q(x).unflatten(-1, (self.heads, -1)))
+            k = self.norm_k(self.to_k(x).unflatten(-1, (self.heads, -1)))
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate consecutive channel pairs (complex multiplication) in float32; x [B, N, heads, D]."""
-    cos, sin = rope  # [B, N, D/2] float32
-    pairs = x.float().unflatten(-1, (-1, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).type_as(x)
+    """Rotate consecutive channel pairs (complex multiplication) in float32; x [B, N, heads, D], rope's
+    cos/sin [B, N, D/2] float32."""
+    return kernels.rope_ref(x, *rope)
 
 
 class FeedForward(nn.Module):
@@ -102,7 +107,9 @@ class Block(nn.Module):
             self.adaLN_modulation = nn.Sequential(nn.Linear(cfg.adaln_dim, 4 * cfg.dim))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                adaln: torch.Tensor | None = None) -> torch.Tensor:
+                adaln: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
+        if fused:
+            return self._fused(x, rope, adaln)
         if not self.modulation:
             x = x + self.attention_norm2(self.attention(self.attention_norm1(x), rope))
             return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
@@ -111,6 +118,20 @@ class Block(nn.Module):
         gate_a, gate_f = gate_a.tanh(), gate_f.tanh()
         x = x + gate_a * self.attention_norm2(self.attention(self.attention_norm1(x) * (1.0 + scale_a), rope))
         return x + gate_f * self.ffn_norm2(self.feed_forward(self.ffn_norm1(x) * (1.0 + scale_f)))
+
+    def _fused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               adaln: torch.Tensor | None) -> torch.Tensor:
+        """`forward` with each norm + modulation and norm + gate + residual one Triton kernel."""
+        scale_a = gate_a = scale_f = gate_f = None
+        if self.modulation:
+            assert adaln is not None
+            scale_a, gate_a, scale_f, gate_f = self.adaLN_modulation(adaln).unsqueeze(1).chunk(4, dim=2)
+        eps = self.attention_norm1.eps
+        h = kernels.norm_modulate(x, self.attention_norm1.weight, eps, scale_a)
+        x = kernels.norm_gate_residual(x, self.attention(h, rope, fused=True), self.attention_norm2.weight, eps,
+                                       gate_a)
+        h = kernels.norm_modulate(x, self.ffn_norm1.weight, eps, scale_f)
+        return kernels.norm_gate_residual(x, self.feed_forward(h), self.ffn_norm2.weight, eps, gate_f)
 
 
 class FinalLayer(nn.Module):
@@ -156,6 +177,16 @@ def _grid(f: int, h: int, w: int, start: tuple[int, int, int], device: torch.dev
     return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
 
 
+@dataclass
+class FirstBlockCache:
+    """One DiT row's state for the first-block cache: its first-layer residual and the rest's residual at
+    the last full forward, and how many forwards reused them."""
+
+    first: torch.Tensor | None = None  # [S, D]
+    rest: torch.Tensor | None = None  # [S, D]
+    reused: int = 0
+
+
 class ZImageDiT(nn.Module):
     """`forward(x [B, C, F, H, W], t [B] in [0, 1], cap [B, L, cap_feat_dim]) → velocity [B, C, F, H, W]`."""
 
@@ -174,12 +205,53 @@ class ZImageDiT(nn.Module):
         self.cap_pad_token = nn.Parameter(torch.zeros(1, cfg.dim))
         self.layers = nn.ModuleList(Block(cfg, modulation=True) for _ in range(cfg.n_layers))
         self.rope = RopeTables(cfg)
+        # "auto": the fused Triton kernels on CUDA where Triton imports, else torch; "torch" / "triton" force one.
+        self.kernels = "auto"
+        # SDPA backends to use, in priority order (None: torch's choice, flash on CUDA); the bench times cuDNN's.
+        self.sdpa_backends: list[SDPBackend] | None = None
+
+    def fused_for(self, x: torch.Tensor) -> bool:
+        if self.kernels == "auto":
+            return x.is_cuda and kernels.triton_ok()
+        return self.kernels == "triton"
 
     @property
     def dtype(self) -> torch.dtype:
         return self.x_pad_token.dtype
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    def _layers_with_cache(self, seq: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], adaln: torch.Tensor,
+                           fused: bool, cache: list[FirstBlockCache], threshold: float) -> torch.Tensor:
+        """The main layers with a first-block cache: when every row's first-layer residual moved less than
+        `threshold` (mean |Δ| / mean |previous|) since the last full forward, the rest of the layers is
+        replaced by that forward's residual. One host sync (the decision) per forward."""
+        first = self.layers[0](seq, rope, adaln, fused)
+        r1 = first - seq
+        if all(c.first is not None and c.first.shape == r1.shape[1:] for c in cache):
+            prev = torch.stack([c.first for c in cache])
+            change = (r1 - prev).abs().flatten(1).float().mean(1) / prev.abs().flatten(1).float().mean(1)
+            if float(change.max()) < threshold:
+                for c in cache:
+                    c.reused += 1
+                return first + torch.stack([c.rest for c in cache])
+        out = first
+        for layer in self.layers[1:]:
+            out = layer(out, rope, adaln, fused)
+        rest = out - first
+        for i, c in enumerate(cache):  # copies: a row's state must not hold its whole batch's tensors
+            c.first, c.rest = r1[i].clone(), rest[i].clone()
+        return out
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, cap: torch.Tensor, cache: list[FirstBlockCache] | None = None,
+                threshold: float = 0.0) -> torch.Tensor:
+        """With `cache` (one per row) and `threshold` > 0, the first-block cache (`_layers_with_cache`) is on:
+        an approximation, off by default; without, the exact forward."""
+        if self.sdpa_backends:
+            with sdpa_kernel(self.sdpa_backends, set_priority=True):
+                return self._forward(x, t, cap, cache, threshold)
+        return self._forward(x, t, cap, cache, threshold)
+
+    def _forward(self, x: torch.Tensor, t: torch.Tensor, cap: torch.Tensor, cache: list[FirstBlockCache] | None,
+                 threshold: float) -> torch.Tensor:
         b, c, f, h, w = x.shape
         ht, wt = h // PATCH, w // PATCH
         n_img, n_cap = f * ht * wt, cap.shape[1]
@@ -187,6 +259,7 @@ class ZImageDiT(nn.Module):
         cap_len = n_cap + pad_cap
         key = f"{PATCH}-1"
         adaln = self.t_embedder(t * self.cfg.t_scale).to(x.dtype)
+        fused = self.fused_for(x)
 
         patches = x.view(b, c, f, ht, PATCH, wt, PATCH).permute(0, 2, 3, 5, 4, 6, 1).reshape(b, n_img, -1)
         img = self.all_x_embedder[key](patches)
@@ -195,18 +268,21 @@ class ZImageDiT(nn.Module):
                              torch.zeros(pad_img, 3, dtype=torch.long, device=x.device)])
         img_rope = tuple(r.expand(b, -1, -1) for r in self.rope(img_pos))
         for layer in self.noise_refiner:
-            img = layer(img, img_rope, adaln)
+            img = layer(img, img_rope, adaln, fused)
 
         txt = self.cap_embedder(cap.to(x.dtype))
         txt = torch.cat([txt, self.cap_pad_token.expand(b, pad_cap, -1).to(txt.dtype)], dim=1)
         txt_pos = _grid(cap_len, 1, 1, (1, 0, 0), x.device)
         txt_rope = tuple(r.expand(b, -1, -1) for r in self.rope(txt_pos))
         for layer in self.context_refiner:
-            txt = layer(txt, txt_rope)
+            txt = layer(txt, txt_rope, fused=fused)
 
         seq = torch.cat([img, txt], dim=1)
         rope = tuple(torch.cat([a, bb], dim=1) for a, bb in zip(img_rope, txt_rope, strict=True))
-        for layer in self.layers:
-            seq = layer(seq, rope, adaln)
+        if cache is not None and threshold > 0:
+            seq = self._layers_with_cache(seq, rope, adaln, fused, cache, threshold)
+        else:
+            for layer in self.layers:
+                seq = layer(seq, rope, adaln, fused)
         out = self.all_final_layer[key](seq, adaln)[:, :n_img]
         return out.view(b, f, ht, wt, PATCH, PATCH, c).permute(0, 6, 1, 2, 4, 3, 5).reshape(b, c, f, h, w)

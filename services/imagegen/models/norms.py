@@ -15,8 +15,13 @@ class DiffusersRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return (x * torch.rsqrt(variance + self.eps)).to(self.weight.dtype) * self.weight
+        return diffusers_rms_norm(x, self.weight, self.eps)
+
+
+def diffusers_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """`DiffusersRMSNorm`'s maths (also the fused kernels' reference)."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return (x * torch.rsqrt(variance + eps)).to(w.dtype) * w
 
 
 class Qwen2RMSNorm(nn.Module):

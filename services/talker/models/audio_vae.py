@@ -15,6 +15,7 @@ fc3 → (mean, scale); latent = mean + (softplus(scale) + 1e-4) · ε (a sample,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,9 @@ from omnistage.services.talker.models.config import VAEShape
 from omnistage.services.talker.models.istft import ISTFTHead, OverlapAddState
 from omnistage.services.talker.models.qwen2 import KVSlots, Qwen2Stack, Rows
 from torch import nn
+
+# A Qwen2 run over the decoder's cache: (frames [B, T, hidden], slots, starts, lengths) → hidden states.
+Backbone = Callable[[torch.Tensor, list[int], list[int], list[int]], torch.Tensor]
 
 
 @dataclass
@@ -91,9 +95,10 @@ class VAEDecoder(nn.Module):
 
     @torch.no_grad()
     def decode_step(self, streams: list[DecodeStream], latents: list[torch.Tensor], last: list[bool],
-                    cache: KVSlots) -> list[torch.Tensor]:
+                    cache: KVSlots, backbone: Backbone | None = None) -> list[torch.Tensor]:
         """Advance several streams in one batched forward: `latents[i]` [m_i, C] (m_i ≥ 0) are stream i's
-        new latents, `last[i]` ends it. Returns the samples each stream finished (float32, maybe empty)."""
+        new latents, `last[i]` ends it. Returns the samples each stream finished (float32, maybe empty).
+        `backbone(x, slots, starts, lengths)` runs the Qwen2 over `cache` instead (the talker's step graphs)."""
         dtype = self.fc1.weight.dtype
         device = self.fc1.weight.device
         counts = [t.shape[0] for t in latents]
@@ -112,8 +117,11 @@ class VAEDecoder(nn.Module):
             for row, i in enumerate(busy):
                 x[row, : frames[i].shape[0]] = frames[i]
             starts = [streams[i].upsample.frames - frames[i].shape[0] for i in busy]
-            rows = Rows.of([streams[i].slot for i in busy], starts, [frames[i].shape[0] for i in busy], device)
-            hidden = self.decoder(x, cache, rows)
+            slots, lengths = [streams[i].slot for i in busy], [frames[i].shape[0] for i in busy]
+            if backbone is None:
+                hidden = self.decoder(x, cache, Rows.of(slots, starts, lengths, device))
+            else:
+                hidden = backbone(x, slots, starts, lengths)
             framed = self.head.istft.frames(self.head.spectrum(hidden))
             for row, i in enumerate(busy):
                 outs[i] = self.head.istft.stream(framed[row, : frames[i].shape[0]], streams[i].ola, last[i])

@@ -12,6 +12,7 @@ y ← y + v · (τ'_{k+1} − τ'_k), with the sway-warped times τ' = 1 − cos
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,16 @@ def sway_times(steps: int, sway_coef: float = -1.0) -> torch.Tensor:
     else:
         t = torch.linspace(0, 1, steps + 1, dtype=torch.float32)
     return t + sway_coef * (torch.cos(math.pi / 2 * t) - 1 + t)
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    """A CFM sample's fixed parts: time embeddings [steps, 1, 1, D], step sizes, rotary tables."""
+
+    t_emb: torch.Tensor
+    dts: tuple[float, ...]
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 class DiTRMSNorm(nn.Module):
@@ -186,6 +197,25 @@ class FlowDiT(nn.Module):
         `times` [steps + 1] float32 (`sway_times`; keep it on the host: the step sizes are read as floats). `sde_noise` [steps, B, P, C] with `sde_scale` =
         σ·√temperature adds the reference's stochastic term; None (temperature 0) is pure Euler.
         """
+        plan = self.plan(times, history.shape[1], noise.shape[1], cond.device)
+        return self.sample_planned(plan, cond, history, noise, cfg_strength, sde_noise, sde_scale)
+
+    @torch.no_grad()
+    def plan(self, times: torch.Tensor, history_len: int, patch: int, device: torch.device | str) -> SamplePlan:
+        """What a sample at these times and lengths reuses: time embeddings, step sizes, rotary tables.
+
+        Made once per runner, it keeps the sampling loop free of host→device copies (a CUDA graph
+        captures the loop alone)."""
+        cos, sin = self.rotary_embed.cos_sin(1 + history_len + patch)
+        t_emb = self.t_embedder(times[:-1].to(device))[:, None, None]  # [steps, 1, 1, D]
+        dts = tuple(float(times[k + 1] - times[k]) for k in range(len(times) - 1))
+        return SamplePlan(t_emb, dts, cos, sin)
+
+    @torch.no_grad()
+    def sample_planned(self, plan: SamplePlan, cond: torch.Tensor, history: torch.Tensor, noise: torch.Tensor,
+                       cfg_strength: float, sde_noise: torch.Tensor | None = None,
+                       sde_scale: float = 0.0) -> torch.Tensor:
+        """`sample` with its plan made already: device work only, no host sync, fixed shapes."""
         dtype = self.x_embedder.weight.dtype
         patch = noise.shape[1]
         c_emb = self.c_embedder(cond.to(dtype))[:, None]
@@ -193,15 +223,12 @@ class FlowDiT(nn.Module):
         cond2 = torch.cat((c_emb, null))
         hist = self.x_embedder(history.to(dtype))
         hist2 = torch.cat((hist, hist))
-        cos, sin = self.rotary_embed.cos_sin(1 + hist.shape[1] + patch)
-        t_emb = self.t_embedder(times[:-1].to(cond.device))[:, None, None]  # [steps, 1, 1, D]
         y = noise.float()
-        for k in range(len(times) - 1):
+        for k, dt in enumerate(plan.dts):
             x = self.x_embedder(y.to(dtype))
-            seq = torch.cat((t_emb[k] + cond2, hist2, torch.cat((x, x))), dim=1)
-            v = self.final_layer(self.run_blocks(seq, cos, sin)[:, -patch:]).float()
+            seq = torch.cat((plan.t_emb[k] + cond2, hist2, torch.cat((x, x))), dim=1)
+            v = self.final_layer(self.run_blocks(seq, plan.cos, plan.sin)[:, -patch:]).float()
             v_cond, v_null = v.chunk(2)
-            dt = float(times[k + 1] - times[k])
             y = y + (v_cond + (v_cond - v_null) * cfg_strength) * dt
             if sde_noise is not None and sde_scale:
                 y = y + sde_scale * math.sqrt(abs(dt)) * sde_noise[k].float()

@@ -8,6 +8,8 @@ import pytest
 import torch
 from omnistage.common.checkpoint.tiny_talker import write_tiny_talker
 from omnistage.services.talker.models.loader import TalkerModels, load_talker
+from omnistage.services.talker.speaker import SpeakerEncoder
+from omnistage.services.talker.voices import VoiceBank
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +23,11 @@ def talker_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def talker_models(talker_ckpt: Path) -> TalkerModels:
     return load_talker(talker_ckpt, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def voices(talker_ckpt: Path, talker_models: TalkerModels) -> VoiceBank:
+    """The tiny checkpoint's preset voices (seed 0)."""
+    bank = VoiceBank(talker_models, SpeakerEncoder(talker_ckpt / "talker/campplus.onnx"), "DB30", 20.0)
+    bank.load_presets(seed=0)
+    return bank

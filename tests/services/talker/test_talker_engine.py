@@ -9,57 +9,16 @@ import time
 import numpy as np
 import pytest
 import torch
-from omnistage.services.talker.engine import JobAudio, JobDone, JobFailed, SegmentJob, TalkerEngine
+from omnistage.services.talker.engine import JobDone, JobFailed, TalkerEngine
 from omnistage.services.talker.metrics import export_queue_time
-from omnistage.services.talker.models.loader import TalkerModels
 from omnistage.services.talker.runner import TalkerRunner
-from omnistage.services.talker.speaker import SpeakerEncoder
-from omnistage.services.talker.voices import VoiceBank
 from prometheus_client import REGISTRY
-
-
-@pytest.fixture(scope="module")
-def voices(talker_ckpt, talker_models: TalkerModels) -> VoiceBank:
-    bank = VoiceBank(talker_models, SpeakerEncoder(talker_ckpt / "talker/campplus.onnx"), "DB30", 20.0)
-    bank.load_presets(seed=0)
-    return bank
+from talker_jobs import job, run, run_staggered
 
 
 @pytest.fixture
 def engine(talker_models):
     return TalkerEngine(TalkerRunner(talker_models, 3, 256, 640))
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list = []
-
-    def __call__(self, event) -> None:
-        self.events.append(event)
-
-    @property
-    def audio(self) -> np.ndarray:
-        return np.concatenate([e.samples for e in self.events if isinstance(e, JobAudio)])
-
-    @property
-    def done(self) -> JobDone | None:
-        return next((e for e in self.events if isinstance(e, JobDone)), None)
-
-
-def job(models, voices, text="Hello there, my friend.", seed=1, max_steps=6, min_steps=100, voice="DB30"):
-    v = voices.presets[voice]
-    rec = Recorder()
-    j = SegmentJob(models.prompt.build(text, v.prompt_text, v.patches), v, max_steps,
-                   torch.Generator().manual_seed(seed), rec, min_steps=min_steps)
-    return j, rec
-
-
-def run(engine: TalkerEngine, *recs: Recorder, limit: int = 100) -> None:
-    for _ in range(limit):
-        if all(r.done or any(isinstance(e, JobFailed) for e in r.events) for r in recs):
-            return
-        engine.step()
-    raise AssertionError("jobs did not finish")
 
 
 def test_a_seeded_job_reproduces_and_another_seed_differs(talker_models, voices, engine):
@@ -85,14 +44,7 @@ def test_batched_jobs_equal_each_alone(talker_models, voices, engine):
         engine.submit(j)
         run(engine, rec)
         alone.append(rec.audio)
-    recs = []
-    for i, spec in enumerate(specs):
-        j, rec = job(talker_models, voices, **spec)
-        engine.submit(j)
-        recs.append(rec)
-        if i == 0:
-            engine.step()  # the first job is one step ahead: rows at different positions share the rest
-    run(engine, *recs)
+    recs = run_staggered(engine, talker_models, voices, specs)
     assert engine.largest_batch == 3
     for rec, want in zip(recs, alone, strict=True):
         np.testing.assert_allclose(rec.audio, want, atol=2e-5, rtol=1e-3)
@@ -203,3 +155,17 @@ def test_a_segment_cancelled_before_its_first_step_leaves_no_queue_time(talker_m
     engine.step()
     assert not rec_b.events and engine.jobs_in_flight == 0
     assert _queue_time("talker-queue-cancel")[0] - before[0] == 1
+
+
+def test_prompts_prefilled_together_equal_each_prefilled_alone(talker_models):
+    """Right-padded prompts of different lengths in one forward: each its own last hidden state and the same
+    keys in its slot as alone; the padding went to the scratch slot."""
+    hidden = talker_models.config.llm.hidden_size
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randn(n, hidden, generator=gen) for n in (7, 12, 3)]
+    alone, together = TalkerRunner(talker_models, 3, 32, 64), TalkerRunner(talker_models, 3, 32, 64)
+    want = torch.stack([alone.prefill(slot, x) for slot, x in enumerate(prompts)])
+    got = together.prefill_batch([0, 1, 2], prompts)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for layer in range(talker_models.config.llm.num_layers):
+        torch.testing.assert_close(together.lm_cache.k[layer][:3], alone.lm_cache.k[layer][:3], atol=1e-6, rtol=1e-5)

@@ -85,3 +85,33 @@ def test_an_item_encodes_the_same_alone_and_batched(tiny_encoders):
     batched = tiny_encoders.vision.encode_items(items, grids)
     for a, b in zip(alone, batched, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_packed_layout_marks_each_temporal_slice_of_each_item():
+    from omnistage.services.encoder.models.vision import PackedLayout
+
+    layout = PackedLayout.of([(1, 4, 6), (2, 4, 4), (1, 2, 2)], torch.device("cpu"))
+    assert layout.kind == "segments"  # "auto" off CUDA
+    assert layout.cu_seqlens.tolist() == [0, 24, 40, 56, 60] and layout.cu_seqlens.dtype == torch.int32
+    assert layout.lengths == (24, 16, 16, 4) and layout.max_len == 24
+    assert sorted(len(r) for s in layout.segments for r in s.tolist()) == [4, 16, 16, 24]
+
+
+@pytest.mark.parametrize("kind", ["mask", "flash"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_block_diagonal_reference_equals_the_segment_path(case, kind, tiny_encoders):
+    """The varlen layout (cu_seqlens) that flash attention reads on CUDA, applied as a block-diagonal mask,
+    gives the equal-length segment path's features: items packed together never see each other. A flash
+    layout over fp32 tensors (no flash kernel) takes the segment path from its lengths."""
+    grids = CASES[case] + [(1, 2, 4)]
+    vision = tiny_encoders.vision.vision
+    patches = torch.randn(sum(t * h * w for t, h, w in grids), vision.cfg.patch_dim,
+                          generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = vision(patches, grids)
+        vision.attention = kind
+        try:
+            got = vision(patches, grids)
+        finally:
+            vision.attention = "auto"
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -21,6 +21,11 @@ def seeded(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[ZImageTransformer2DModel, ZImageDiT]:
+    return make_pair()
+
+
+def make_pair() -> tuple[ZImageTransformer2DModel, ZImageDiT]:
+    """diffusers' tiny model with non-trivial weights, and ours holding the same."""
     torch.manual_seed(0)
     ref = ZImageTransformer2DModel(**TINY_DIT).eval()
     with torch.no_grad():

@@ -1,0 +1,276 @@
+"""Static-shape talker steps: the LM decode, the whole CFM sample (Euler steps × CFG, aggregator, stop
+head) and the VAE decoder's Qwen2 run on fixed buffers at padded sizes, captured as CUDA graphs on
+CUDA (issue 21).
+
+A step of eager PyTorch is launch-bound (hundreds of small kernels: 10 Euler steps × a DiT forward,
+24 LM layers, 24 VAE layers); a graph replays them in one launch. Graphs need fixed shapes and
+addresses, so:
+- batches are padded up to a bucket (1, 2, 4, … up to the stream cap), the VAE's frames up to a
+  width bucket (one step's 16, or 32); padded rows and columns write the KV cache's scratch slot and
+  their outputs are never read;
+- a stack reads its keys up to a span bucket (powers of two up to the cache length) instead of the
+  longest row's end; keys past a row's end are masked, so the result is the eager one;
+- every input goes into a buffer allocated outside the graph's pool (host values through one pinned
+  staging copy, reused once its last copy is done), every output is copied out into one, and
+  callers get clones of the real rows;
+- the CFM's noise is drawn outside (each stream's own generator, exactly as the eager path) and
+  copied in; the time embeddings, step sizes and rotary tables are made once (`FlowDiT.plan`).
+Nothing here reads the device from the host: a step's host syncs are the engine's read of the stop
+probabilities and its copy of the step's audio.
+
+With `capture=False` (the CPU, and tests) the same bodies run eagerly on the same buffers, so the
+bucketing, padding and buffer logic is tested without a GPU; it equals the eager path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from omnistage.services.talker.models.dit import SamplePlan
+from omnistage.services.talker.models.qwen2 import KVSlots, Qwen2Stack, Rows
+from omnistage.services.talker.models.talker_lm import TalkerModel
+
+MIN_SPAN = 64
+
+
+def batch_buckets(cap: int) -> list[int]:
+    """1, 2, 4, … below `cap`, then `cap`: the padded batch sizes graphs are made for."""
+    out, b = [], 1
+    while b < cap:
+        out.append(b)
+        b *= 2
+    return [*out, cap]
+
+
+def span_buckets(max_len: int) -> list[int]:
+    """Key lengths an LM decode reads: MIN_SPAN, doubling, below `max_len`, then `max_len`."""
+    out, s = [], MIN_SPAN
+    while s < max_len:
+        out.append(s)
+        s *= 2
+    return [*out, max_len]
+
+
+def bucket_of(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass
+class _StackBuffers:
+    inputs: torch.Tensor  # [B, W, hidden]
+    rows: torch.Tensor  # [3, B] long: slots, starts, lengths (device)
+    staging: torch.Tensor  # [3, B] long on the host (pinned on CUDA)
+    out: torch.Tensor  # [B, W, hidden]
+    copied: torch.cuda.Event | None = None  # the last staging → device copy (the staging is reused after it)
+
+
+class CachedStackGraphs:
+    """A KV-cached Qwen2 stack (`Qwen2Stack` over `KVSlots`) at padded (rows, width, key span) buckets.
+
+    Row i of a call writes its `lengths[i]` tokens at `starts[i]` of slot `slots[i]`; padded rows point
+    at the scratch slot, padded columns of a row are written there too (as the eager path does), and
+    keys are read up to the span bucket, masked past each row's end: the eager result."""
+
+    def __init__(self, stack: Qwen2Stack, cache: KVSlots, *, cap: int, widths: list[int], dtype: torch.dtype,
+                 device: torch.device, run: Callable[[tuple, Callable[[], None]], None]) -> None:
+        self.stack, self.cache, self.run = stack, cache, run
+        self.batches, self.widths, self.spans = batch_buckets(cap), widths, span_buckets(cache.max_len)
+        hidden = stack.shape.hidden_size
+        self._buf: dict[tuple[int, int], _StackBuffers] = {}
+        for b in self.batches:
+            for w in widths:
+                rows = torch.zeros(3, b, dtype=torch.long, device=device)
+                rows[0], rows[2] = cache.num_slots, 1
+                self._buf[(b, w)] = _StackBuffers(
+                    torch.zeros(b, w, hidden, dtype=dtype, device=device), rows,
+                    torch.zeros(3, b, dtype=torch.long, pin_memory=device.type == "cuda"),
+                    torch.zeros(b, w, hidden, dtype=dtype, device=device))
+
+    def fits(self, n: int, width: int) -> bool:
+        return n <= self.batches[-1] and width <= self.widths[-1]
+
+    def body(self, b: int, w: int, span: int) -> Callable[[], None]:
+        buf = self._buf[(b, w)]
+        rows = Rows(buf.rows[0], buf.rows[1], buf.rows[2], span)
+
+        def body() -> None:
+            buf.out.copy_(self.stack(buf.inputs, self.cache, rows))
+
+        return body
+
+    def keys(self) -> list[tuple[int, int, int]]:
+        """Every (rows, width, span) bucket, largest first (the capture order)."""
+        return [(b, w, s) for b in reversed(self.batches) for w in reversed(self.widths) for s in reversed(self.spans)]
+
+    def park(self, b: int, w: int) -> None:
+        """Point every row at the scratch slot (before a capture's warm-up runs)."""
+        rows = self._buf[(b, w)].rows
+        rows[0].fill_(self.cache.num_slots)
+        rows[1].zero_()
+        rows[2].fill_(1)
+
+    def __call__(self, name: str, slots: list[int], starts: list[int], lengths: list[int],
+                 x: torch.Tensor) -> torch.Tensor:
+        """x [n, width, hidden] → the stack's output [n, width, hidden] (a copy)."""
+        n, width = x.shape[0], x.shape[1]
+        b, w = bucket_of(n, self.batches), bucket_of(width, self.widths)
+        span = bucket_of(max(s + k for s, k in zip(starts, lengths, strict=True)), self.spans)
+        buf = self._buf[(b, w)]
+        if buf.copied is not None:  # done long ago in a served step (a sync came since): no wait in practice
+            buf.copied.synchronize()
+        buf.staging[0].fill_(self.cache.num_slots)
+        buf.staging[1].zero_()
+        buf.staging[2].fill_(1)
+        buf.staging[:, :n] = torch.tensor([slots, starts, lengths], dtype=torch.long)
+        buf.rows.copy_(buf.staging, non_blocking=True)
+        if buf.rows.is_cuda:
+            buf.copied = torch.cuda.Event()
+            buf.copied.record()
+        buf.inputs[:n, :width].copy_(x)
+        self.run((name, b, w, span), self.body(b, w, span))
+        return buf.out[:n, :width].clone()
+
+
+@dataclass
+class _SampleBuffers:
+    cond: torch.Tensor  # [B, hidden] model dtype
+    history: torch.Tensor  # [B, H, C] float32
+    noise: torch.Tensor  # [B, P, C] float32
+    sde: torch.Tensor | None  # [steps, B, P, C] float32
+    patch: torch.Tensor  # [B, P, C] float32
+    next_input: torch.Tensor  # [B, hidden]
+    stop: torch.Tensor  # [B] float32
+
+
+class StepGraphs:
+    """LM decode, CFM sample and VAE backbone of up to `cap` rows on static buffers; CUDA graphs when
+    `capture`."""
+
+    def __init__(self, talker: TalkerModel, cache: KVSlots, plan: SamplePlan, *, cap: int, history_len: int,
+                 patch: int, latent_dim: int, cfg_strength: float, sde_scale: float, capture: bool,
+                 vae: tuple[Qwen2Stack, KVSlots, int] | None = None) -> None:
+        self.talker, self.cache, self.plan = talker, cache, plan
+        self.cap, self.cfg_strength, self.sde_scale = cap, cfg_strength, sde_scale
+        self.capture = capture
+        self.batches = batch_buckets(cap)
+        p = next(talker.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        hidden = talker.config.llm.hidden_size
+        dev, steps = self.device, len(plan.dts)
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0  # graph replays (or eager runs of a body, without capture)
+        self.lm = CachedStackGraphs(talker.model, cache, cap=cap, widths=[1], dtype=self.dtype, device=dev,
+                                    run=self._run)
+        # The VAE decoder's backbone (stack, its cache, frames per step): widths of one step and two.
+        self.vae = None if vae is None else CachedStackGraphs(vae[0], vae[1], cap=cap, widths=[vae[2], 2 * vae[2]],
+                                                             dtype=self.dtype, device=dev, run=self._run)
+        self._sample: dict[int, _SampleBuffers] = {}
+        for b in self.batches:
+            f32 = dict(dtype=torch.float32, device=dev)
+            self._sample[b] = _SampleBuffers(
+                torch.zeros(b, hidden, dtype=self.dtype, device=dev), torch.zeros(b, history_len, latent_dim, **f32),
+                torch.zeros(b, patch, latent_dim, **f32),
+                torch.zeros(steps, b, patch, latent_dim, **f32) if sde_scale else None,
+                torch.zeros(b, patch, latent_dim, **f32), torch.zeros(b, hidden, dtype=self.dtype, device=dev),
+                torch.zeros(b, **f32))
+
+    # -- bodies: the work one graph holds -------------------------------------------------------
+
+    def _sample_body(self, b: int) -> Callable[[], None]:
+        buf = self._sample[b]
+
+        def body() -> None:
+            y = self.talker.dit.sample_planned(self.plan, buf.cond, buf.history, buf.noise, self.cfg_strength,
+                                               buf.sde, self.sde_scale)
+            buf.patch.copy_(y)
+            buf.next_input.copy_(self.talker.aggregator(y))
+            buf.stop.copy_(self.talker.stop_probability(buf.cond))
+
+        return body
+
+    def _run(self, key: tuple, body: Callable[[], None]) -> None:
+        self.replays += 1
+        if not self.capture:
+            body()
+            return
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(body)
+        graph.replay()
+
+    @torch.no_grad()
+    def _capture(self, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graph: cuBLAS handles, lazy inits
+                body()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                body()
+        except RuntimeError as exc:  # an OOM inside the capture surfaces as capture_end's error: keep it an OOM
+            oom = exc if isinstance(exc, torch.OutOfMemoryError) else exc.__context__
+            if isinstance(oom, torch.OutOfMemoryError) and oom is not exc:
+                raise torch.OutOfMemoryError(f"{oom} (during a talker step-graph capture)") from exc
+            raise
+        return graph
+
+    def capture_all(self) -> int:
+        """Capture every bucket's graph now, largest first (start-up: inside the memory budget); returns
+        how many graphs exist. The stacks' buffers point every row at the scratch slot meanwhile."""
+        if not self.capture:
+            return 0
+        with torch.no_grad():
+            for name, stacks in (("lm", self.lm), ("vae", self.vae)):
+                if stacks is None:
+                    continue
+                for b, w, span in stacks.keys():
+                    if (name, b, w, span) not in self._graphs:
+                        stacks.park(b, w)
+                        self._graphs[(name, b, w, span)] = self._capture(stacks.body(b, w, span))
+            for b in reversed(self.batches):
+                if ("sample", b) not in self._graphs:
+                    self._graphs[("sample", b)] = self._capture(self._sample_body(b))
+        torch.cuda.synchronize(self.device)
+        return len(self._graphs)
+
+    @property
+    def graphs(self) -> int:
+        return len(self._graphs)
+
+    # -- the runner's calls -------------------------------------------------------------------
+
+    def decode(self, slots: list[int], positions: list[int], inputs: torch.Tensor) -> torch.Tensor:
+        """`TalkerRunner.decode` on the padded buffers: [n, hidden] → [n, hidden] (a copy)."""
+        return self.lm("lm", slots, positions, [1] * len(slots), inputs[:, None])[:, 0]
+
+    def vae_backbone(self, x: torch.Tensor, slots: list[int], starts: list[int], lengths: list[int]) -> torch.Tensor:
+        """The VAE decoder's Qwen2 over a step's frames (`VAEDecoder.decode_step`'s backbone); eager where
+        the step is wider or larger than the buckets."""
+        assert self.vae is not None
+        if not self.vae.fits(x.shape[0], x.shape[1]):
+            return self.vae.stack(x, self.vae.cache, Rows.of(slots, starts, lengths, x.device))
+        return self.vae("vae", slots, starts, lengths, x)
+
+    def sample(self, hidden: torch.Tensor, history: torch.Tensor, noise: torch.Tensor,
+               sde: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`TalkerRunner.sample`'s device work on the padded buffers → (patch, next inputs, stop) of the n
+        real rows (copies). Padded rows keep whatever they held: rows never mix, so they are not read."""
+        n = hidden.shape[0]
+        b = bucket_of(n, self.batches)
+        buf = self._sample[b]
+        buf.cond[:n].copy_(hidden)
+        buf.history[:n].copy_(history)
+        buf.noise[:n].copy_(noise)
+        if buf.sde is not None and sde is not None:
+            buf.sde[:, :n].copy_(sde)
+        self._run(("sample", b), self._sample_body(b))
+        return buf.patch[:n].clone(), buf.next_input[:n].clone(), buf.stop[:n].clone()
