@@ -93,6 +93,7 @@ def _finish(out: RequestOutput) -> thinker_pb2.ThinkerEvent:
                 prompt_tokens=usage.prompt_tokens,
                 completion_tokens=usage.completion_tokens,
                 time_to_first_token_ms=usage.time_to_first_token_ms,
+                cached_prompt_tokens=usage.cached_prompt_tokens,
             )
             if usage
             else None,
