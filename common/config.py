@@ -72,6 +72,9 @@ class EngineConfig:
     default_max_tokens: int = 256
     # Requests waiting beyond the running ones before RESOURCE_EXHAUSTED.
     max_queued_requests: int = 256
+    # Reuse the KV blocks of a prompt prefix computed before (same tokens, same media, same
+    # positions) instead of computing them again; freed blocks keep their K/V until needed.
+    prefix_caching: bool = True
     # KV cache size in tokens; 0 means auto-profile (on a device with a budget), >0 pins it and skips the search.
     kv_tokens: int = 0
     # Multiplier (0, 1] on the KV budget the auto-profile computes (1.0 = use all measured headroom).

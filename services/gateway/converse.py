@@ -20,7 +20,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -84,6 +84,19 @@ class _Answer:
     tokens: int = 0
     started: bool = False  # the thinker took the request (from then on, no retry with a shorter history)
     speech: SpokenAnswer | None = None
+    token_ids: list[int] = field(default_factory=list)
+    reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+
+    def entry(self) -> Entry:
+        """The answer for the history: a complete one (EOS / stop token, or max_tokens) also as its
+        generated ids, without the stop token, so the next prompt repeats them exactly; one cut off
+        (stop string, barge-in) as its text only (the ids would say more than the client saw)."""
+        ids = self.token_ids
+        if self.reason == common_pb2.FINISH_REASON_STOP:
+            ids = ids[:-1]
+        elif self.reason != common_pb2.FINISH_REASON_LENGTH:
+            ids = []
+        return Entry("assistant", "".join(self.text), token_ids=tuple(ids))
 
 
 def plan_converse(config: omni_pb2.GenerateRequest, gateway: Any) -> ConversePlan:
@@ -186,7 +199,7 @@ class Conversation:
                         yield event
                         if event.HasField("finish"):  # answered: a turn begun now is the next one, no barge-in
                             break
-                history.add(Entry("assistant", "".join(answer.text)))
+                history.add(answer.entry())
                 if interrupted:
                     yield self._interrupted(plan, turn.index, answer)
         finally:
@@ -338,6 +351,9 @@ class Conversation:
                 if event.HasField("text"):
                     answer.text.append(event.text.text)
                     answer.tokens += len(event.text.token_ids)
+                    answer.token_ids += event.text.token_ids
+                elif event.HasField("finish"):
+                    answer.reason = event.finish.reason
                 yield event
         finally:
             await events.aclose()  # an interrupted answer's thinker (and talker) streams end now

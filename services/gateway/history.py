@@ -2,7 +2,9 @@
 
 User turns are text or speech (kept as the WAV the encoder hears again with every later answer: the
 thinker has no transcript of it); assistant turns are the text of the answers, interrupted ones as
-far as they got. The history holds at most `max_turns` user turns (older exchanges are forgotten);
+far as they got, and a complete answer also as the token ids the thinker generated: the next prompt
+sends those ids as they are, so it repeats exactly the tokens the model saw (tokenizing the text
+again may give other ids) and the thinker's prefix cache serves the whole previous prompt and answer. The history holds at most `max_turns` user turns (older exchanges are forgotten);
 each prompt takes the newest turns that fit the gateway's prompt characters and one encoder
 request (its bytes and items), always the turn being answered.
 """
@@ -14,7 +16,7 @@ import wave
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from omnistage.services.gateway.prompt import MediaSlot, Turn, build_chat, prompt_chars
+from omnistage.services.gateway.prompt import AnswerTokens, MediaSlot, Turn, build_chat, prompt_chars
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class Entry:
     text: str = ""
     wav: bytes = b""
     index: int = -1  # the user turn's number in the call (for error messages); -1 for seeded turns
+    token_ids: tuple[int, ...] = ()  # an answer's generated ids (stop token left out); () : send the text
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ def _window(entries: Sequence[Entry]) -> Window:
         if e.wav:
             turns.append(Turn(e.role, (MediaSlot("audio", len(audio)),)))
             audio.append((f"audio (turn {e.index})", e.wav))
+        elif e.token_ids:
+            turns.append(Turn(e.role, (AnswerTokens(e.token_ids, e.text),)))
         else:
             turns.append(Turn(e.role, e.text))
     return Window(tuple(turns), tuple(audio))

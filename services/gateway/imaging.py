@@ -226,6 +226,7 @@ class ImageStage:
                     condition = ev.hidden_states.tensor
                 elif kind == "finish":
                     usage.prompt_tokens += ev.finish.usage.prompt_tokens
+                    usage.cached_prompt_tokens += ev.finish.usage.cached_prompt_tokens
                     reason = common_pb2.FinishReason.Name(ev.finish.reason)
             if condition is None:
                 raise StageUnavailable(f"thinker: the hidden-state request ended ({reason}) without hidden states")

@@ -38,11 +38,21 @@ class MediaSlot:
 
 
 @dataclass(frozen=True)
+class AnswerTokens:
+    """An earlier answer as the thinker generated it (its token ids, the stop token left out) and its
+    text: sent as the ids themselves, so the next prompt repeats exactly what the model saw."""
+
+    ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
 class Turn:
     role: str  # "user" | "assistant"
-    content: str | tuple[str | MediaSlot, ...]  # a text, or the message's texts and media in order
+    # A text, or the message's texts, media (and an earlier answer's tokens) in order.
+    content: str | tuple[str | MediaSlot | AnswerTokens, ...]
 
-    def parts(self) -> tuple[str | MediaSlot, ...]:
+    def parts(self) -> tuple[str | MediaSlot | AnswerTokens, ...]:
         return (self.content,) if isinstance(self.content, str) else self.content
 
 
@@ -87,6 +97,11 @@ class _Pieces:
             self._flush()
             self.pieces.append(thinker_pb2.PromptPiece(text=text))
 
+    def tokens(self, ids: tuple[int, ...]) -> None:
+        if ids:
+            self._flush()
+            self.pieces.append(thinker_pb2.PromptPiece(tokens=thinker_pb2.TokenIds(ids=ids)))
+
     def done(self) -> thinker_pb2.ChatPrompt:
         self._flush()
         return thinker_pb2.ChatPrompt(pieces=self.pieces)
@@ -122,6 +137,10 @@ def build_chat(
                 out.text(part)
                 previous = None
                 continue
+            if isinstance(part, AnswerTokens):
+                out.tokens(part.ids)
+                previous = None
+                continue
             if previous == part.kind and part.kind in ("image", "audio"):
                 out.template("\n")  # several images (clips) of one message
             if media is not None:
@@ -133,10 +152,12 @@ def build_chat(
 
 
 def prompt_chars(chat: thinker_pb2.ChatPrompt) -> int:
-    """Characters of the whole prompt, markup included (so empty turns are not free)."""
-    return sum(len(p.template) + len(p.text) for p in chat.pieces)
+    """Characters of the whole prompt, markup included (so empty turns are not free); a token piece
+    counts one per token (no token is shorter)."""
+    return sum(len(p.template) + len(p.text) + len(p.tokens.ids) for p in chat.pieces)
 
 
 def render(chat: thinker_pb2.ChatPrompt) -> str:
-    """The prompt as one string (logs and tests; never tokenize this for client text)."""
-    return "".join(p.template or p.text for p in chat.pieces)
+    """The prompt as one string (logs and tests; never tokenize this for client text); a token piece
+    shows as `<tokens:1,2,3>`."""
+    return "".join(p.template or p.text or f"<tokens:{','.join(map(str, p.tokens.ids))}>" for p in chat.pieces)

@@ -5,10 +5,12 @@ scraped, not set in the loop; a step records its generated tokens with one count
 inter-token latencies of its tokens grouped by the time of their previous token (a decode step's
 sequences mostly share one), so a batch of 256 decodes costs a handful of histogram updates. Per
 request (not per token): queue time at its first admission, TTFT at its first token, E2E at its end.
+Prefix caching: the block manager counts lookups, hits and evictions; each step adds what changed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from omnistage.common import metrics
@@ -56,10 +58,24 @@ class EngineMetrics:
                                                 ).labels(*label)  # fmt: skip
         self.preemptions = metrics.counter("thinker_preemptions", "Sequences preempted (KV blocks freed, "
                                            "recomputed on readmission) for want of KV cache").labels(*label)  # fmt: skip
+        self.blocks = blocks
+        self.cache_queries = metrics.counter(
+            "thinker_prefix_cache_queries", "Tokens of sequences looked up in the prefix cache at admission "
+            "(every admission, readmissions after preemption included), in tokens").labels(*label)  # fmt: skip
+        self.cache_hits = metrics.counter(
+            "thinker_prefix_cache_hits", "Of the looked-up tokens, those whose KV came from the prefix cache, "
+            "in tokens").labels(*label)  # fmt: skip
+        self.cache_evictions = metrics.counter(
+            "thinker_prefix_cache_evictions", "Cached KV blocks (free, still holding a prefix) handed out for "
+            "other content").labels(*label)  # fmt: skip
+        metrics.gauge("thinker_prefix_cache_blocks", "KV blocks holding an indexed prefix now (held or free)"
+                      ).labels(*label).set_function(lambda: blocks.num_cached_blocks)  # fmt: skip
+        self._seen = dataclasses.replace(blocks.stats)
         finished = metrics.counter("thinker_requests", "Requests ended, by finish reason", ("finish_reason",))
         self.finished = {r: finished.labels(service, r) for r in FINISH_REASONS}
 
     def on_step(self, batch: ScheduledBatch, now: float) -> None:
+        self._cache_counts()
         for seq in batch.admitted:
             self.queue.observe(seq.first_scheduled_time - seq.arrival_time)
             self.prompt_tokens.inc(seq.num_prompt_tokens)
@@ -81,6 +97,15 @@ class EngineMetrics:
                 metrics.observe_many(self.itl, now - prev, count)
         for seq in batch.completing_hidden:
             self._ended(seq, now)
+
+    def _cache_counts(self) -> None:
+        stats, seen = self.blocks.stats, self._seen
+        if stats.queried_tokens != seen.queried_tokens:
+            self.cache_queries.inc(stats.queried_tokens - seen.queried_tokens)
+            self.cache_hits.inc(stats.hit_tokens - seen.hit_tokens)
+        if stats.evicted_blocks != seen.evicted_blocks:
+            self.cache_evictions.inc(stats.evicted_blocks - seen.evicted_blocks)
+        self._seen = dataclasses.replace(stats)
 
     def on_abort(self, seq: Sequence, now: float) -> None:
         self._ended(seq, now)

@@ -93,6 +93,7 @@ def _finish(out: RequestOutput) -> thinker_pb2.ThinkerEvent:
                 prompt_tokens=usage.prompt_tokens,
                 completion_tokens=usage.completion_tokens,
                 time_to_first_token_ms=usage.time_to_first_token_ms,
+                cached_prompt_tokens=usage.cached_prompt_tokens,
             )
             if usage
             else None,
@@ -166,7 +167,13 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
                 )
             for i, piece in enumerate(pieces):
                 if piece.WhichOneof("piece") is None:
-                    raise InvalidRequest(f"chat.pieces[{i}]: set template or text")
+                    raise InvalidRequest(f"chat.pieces[{i}]: set template, text or tokens")
+            given = sum(len(p.tokens.ids) for p in pieces)
+            if given + block >= self.max_model_len:
+                raise InvalidRequest(
+                    f"chat.pieces: token pieces of {given} tokens leave no room to generate "
+                    f"(max_model_len {self.max_model_len})"
+                )
             chars = sum(len(p.template) + len(p.text) for p in pieces)
         elif kind == "text":
             chars = len(request.text)
@@ -189,12 +196,9 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
         """Tokenize (in the tokenize pool) and check the length; template special tokens first."""
         kind = request.WhichOneof("prompt")
         if kind == "chat":
-            pieces: list[Piece] = [
-                ("template", p.template) if p.WhichOneof("piece") == "template" else ("text", p.text)
-                for p in request.chat.pieces
-            ]
+            pieces = [self._piece(i, p) for i, p in enumerate(request.chat.pieces)]
             segments = self.tokenizer.split_pieces(pieces)
-            specials = sum(isinstance(seg, int) for seg in segments)
+            specials = sum(1 if isinstance(seg, int) else len(seg) for seg in segments if not isinstance(seg, str))
             if specials >= self.max_model_len:
                 raise InvalidRequest(
                     f"chat: the template alone has {specials} special tokens "
@@ -204,11 +208,7 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
         elif kind == "text":
             ids = self.tokenizer.encode(request.text)
         else:
-            ids = list(request.token_ids.ids)
-            vocab = self.tokenizer.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(f"token_ids: {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            ids = self._in_vocabulary("token_ids", request.token_ids.ids)
         if not ids:
             raise InvalidRequest("prompt: empty after tokenization")
         block = self._query_block_tokens(request)
@@ -221,6 +221,19 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
                 f"prompt: {len(ids)} tokens leave no room to generate (max_model_len {self.max_model_len})"
             )
         return ids
+
+    def _in_vocabulary(self, where: str, ids) -> list[int]:
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"{where}: {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return list(ids)
+
+    def _piece(self, i: int, p: thinker_pb2.PromptPiece) -> Piece:
+        kind = p.WhichOneof("piece")
+        if kind == "tokens":
+            return ("tokens", self._in_vocabulary(f"chat.pieces[{i}].tokens", p.tokens.ids))
+        return ("template", p.template) if kind == "template" else ("text", p.text)
 
     def _prompt(self, request: thinker_pb2.ThinkerRequest) -> Prompt:
         """Token ids, plus the encoder rows and 3D positions of a multimodal request and the query

@@ -2,8 +2,8 @@
 processes, over real gRPC.
 
 Generate with MODALITY_AUDIO streams text and audio in one stream, and the audio makes a valid 44.1 kHz
-WAV; Converse answers two turns from the history (the second answer equals a Generate of the whole
-conversation), a barge-in (a spoken turn) ends the answer running INTERRUPTED and frees its talker
+WAV; Converse answers two turns from the history (the second prompt repeats the first and its
+answer's ids exactly, and the thinker's prefix cache serves most of it), a barge-in (a spoken turn) ends the answer running INTERRUPTED and frees its talker
 stream; a client that cancels mid-speech frees the talker stream; with the talker killed, a Generate
 with audio still completes its text and says why there is no audio.
 
@@ -31,6 +31,7 @@ import yaml
 from omnistage.common.runtime.deadlines import wait_for
 from omnistage.common.runtime.status_file import read_status, status_path
 from omnistage.services.gateway.history import wav_of
+from omnistage.services.thinker.models.tokenizer import MingTokenizer
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 from serve_pipeline import capabilities_ready, free_ports
 
@@ -375,7 +376,9 @@ def test_converse_barge_in_interrupts_the_answer_and_frees_its_talker_stream(pip
 
 def test_converse_answers_two_turns_the_second_from_the_history(pipeline, tmp_path):
     calls = _speak_calls(pipeline)
-    client = ConverseClient(pipeline, _converse_config(6))
+    config = _converse_config(6)
+    config.system_prompt = "You are a patient assistant who answers every question kindly. " * 3
+    client = ConverseClient(pipeline, config)
     first, second = "Hello there, how are you?", "And what did I just ask you?"
     events = []
     try:
@@ -394,11 +397,19 @@ def test_converse_answers_two_turns_the_second_from_the_history(pipeline, tmp_pa
         assert got[-1].finish.usage.completion_tokens == 6
         _check_audio(got, tmp_path)
         answers.append(got)
-    # The second answer is the one a Generate of the whole conversation gives (greedy): same prompt, same tokens.
-    whole = _text_generate(pipeline, [_user(first), _assistant(_text(answers[0])), _user(second)], 6)
-    assert whole[-1].finish.usage.prompt_tokens == answers[1][-1].finish.usage.prompt_tokens
-    assert _tokens(whole) == _tokens(answers[1])
-    assert answers[1][-1].finish.usage.prompt_tokens > answers[0][-1].finish.usage.prompt_tokens
+    # The second prompt repeats the first and its answer's 6 ids exactly (the history keeps them as
+    # tokens): the thinker's prefix cache serves all of it that was computed (the prompt and 5 answer
+    # tokens) in whole blocks of 16 (engine.block_size), most of the second prompt.
+    first_usage, second_usage = answers[0][-1].finish.usage, answers[1][-1].finish.usage
+    assert first_usage.cached_prompt_tokens == 0
+    assert second_usage.cached_prompt_tokens == (first_usage.prompt_tokens + 5) // 16 * 16
+    assert second_usage.cached_prompt_tokens > 0.6 * second_usage.prompt_tokens
+    # Exactly: the first prompt, the answer's 6 ids, the new turn (the answer's text tokenized again
+    # would give other ids: the random weights' tokens do not round-trip).
+    tok = MingTokenizer(pipeline.root / "ckpt")
+    turn = tok.encode_pieces([("template", "<|role_end|><role>HUMAN</role>"), ("text", second),
+                              ("template", "<|role_end|><role>ASSISTANT</role>")])  # fmt: skip
+    assert second_usage.prompt_tokens == first_usage.prompt_tokens + 6 + len(turn)
     _wait_stages_idle(pipeline)
     assert _more_calls(calls, _speak_calls(pipeline)) == {"OK": 2}
 

@@ -56,12 +56,14 @@ class ChatPrompt(_message.Message):
     def __init__(self, pieces: _Optional[_Iterable[_Union[PromptPiece, _Mapping]]] = ...) -> None: ...
 
 class PromptPiece(_message.Message):
-    __slots__ = ("template", "text")
+    __slots__ = ("template", "text", "tokens")
     TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     template: str
     text: str
-    def __init__(self, template: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+    tokens: TokenIds
+    def __init__(self, template: _Optional[str] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -423,10 +423,12 @@ def finish_reason(finish: omni_pb2.Finish) -> str:
     return _FINISH.get(finish.reason, "stop")
 
 
-def usage(finish: omni_pb2.Finish | None) -> dict[str, int]:
+def usage(finish: omni_pb2.Finish | None) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` is the thinker's prefix-cache hit."""
     u = finish.usage if finish is not None else common_pb2.Usage()
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}  # fmt: skip
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}  # fmt: skip
 
 
 _OUTCOME = {omni_pb2.AUDIO_OUTCOME_COMPLETE: "complete", omni_pb2.AUDIO_OUTCOME_PARTIAL: "partial",
@@ -509,7 +511,7 @@ def chat_completion(c: Collected, *, completion_id: str, created: int, model: st
 
 
 def chunk(completion_id: str, created: int, model: str, delta: dict[str, Any] | None,
-          finish: str | None = None, usage_: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
+          finish: str | None = None, usage_: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """One chat.completion.chunk; `delta` None gives the usage-only chunk (no choices)."""
     out: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
                            "choices": [] if delta is None else

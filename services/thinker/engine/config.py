@@ -23,6 +23,7 @@ class ResolvedEngineConfig:
     chunked_prefill: bool
     default_max_tokens: int
     max_queued_requests: int
+    prefix_caching: bool = True
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -54,4 +55,5 @@ def resolve_engine_config(cfg: EngineConfig, num_kv_blocks: int | None = None) -
         chunked_prefill=cfg.chunked_prefill,
         default_max_tokens=cfg.default_max_tokens,
         max_queued_requests=cfg.max_queued_requests,
+        prefix_caching=cfg.prefix_caching,
     )

@@ -45,6 +45,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     time_to_first_token_ms: float
+    cached_prompt_tokens: int = 0  # prompt tokens taken from the prefix cache at the first admission
 
 
 @dataclass
@@ -266,7 +267,7 @@ class LLMEngine:
 
     def _usage(self, seq: Sequence) -> Usage:
         ttft = (seq.first_token_time - seq.arrival_time) * 1000 if seq.first_token_time else 0.0
-        return Usage(seq.num_prompt_tokens, seq.num_output_tokens, ttft)
+        return Usage(seq.num_prompt_tokens, seq.num_output_tokens, ttft, seq.num_cached_prompt_tokens)
 
     # --- TP housekeeping ------------------------------------------------------------------------
 

@@ -2,7 +2,11 @@
 
 Running sequences go first (decodes and unfinished prefill chunks, oldest first); when the KV cache
 is full the youngest running sequence is preempted (blocks freed, recomputed later from its tokens),
-never an error. Waiting sequences are admitted, oldest first, only with budget and blocks left.
+never an error. Waiting sequences are admitted, oldest first, only with budget and blocks left;
+a sequence admitted with nothing computed (new, or preempted) first takes the cached blocks of its
+longest known prefix (block_manager.py), and only the rest is prefilled. Every block a step fills
+is indexed after it (postprocess), decode blocks included, so the next turn of a conversation finds
+the previous answer too.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ class Scheduler:
     def __init__(self, cfg: ResolvedEngineConfig, eos_token_ids: Iterable[int]) -> None:
         self.cfg = cfg
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(cfg.num_kv_blocks, cfg.block_size)
+        self.block_manager = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
@@ -119,18 +123,23 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            num_new = seq.num_uncomputed_tokens
+            blocks = self.block_manager
+            prefix = blocks.match_prefix(seq)
+            num_new = seq.num_tokens - len(prefix) * blocks.block_size
             if num_new > budget:
                 if not self.cfg.chunked_prefill:
                     break
                 num_new = budget
-            if not self.block_manager.can_allocate(seq, num_new):
+            if not blocks.can_admit(seq, prefix, num_new):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, num_new)
+            blocks.record_lookup(seq, len(prefix))
+            blocks.take_prefix(seq, prefix)
+            blocks.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
+                seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
                 batch.admitted.append(seq)
             self.running.append(seq)
             batch.scheduled.append((seq, num_new))
@@ -154,6 +163,7 @@ class Scheduler:
             raise ValueError(f"postprocess: {len(sampling)} sampling sequences, {len(sampled)} tokens")
         for seq, num_new in batch.scheduled:
             seq.num_computed_tokens += num_new
+            self.block_manager.index_computed(seq)
         finished = []
         for seq in batch.completing_hidden:
             self.finish(seq, FinishReason.STOP)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 import torch
 from omnistage.common.sampling import sampling_violation
+from omnistage.services.thinker.engine.block_hash import BlockKey, block_key
 from omnistage.services.thinker.engine.hidden_states import HiddenCapture
 from omnistage.services.thinker.engine.media import PromptMedia
 
@@ -101,6 +102,12 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        # Prefix caching: keys of this sequence's full blocks (made as needed, block_hash.py), how many
+        # blocks of block_table are in the cache's index, and prompt tokens its first admission found
+        # cached (Usage.cached_prompt_tokens).
+        self.block_keys: list[BlockKey] = []
+        self.num_indexed_blocks = 0
+        self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.arrival_time = time.monotonic()
@@ -144,6 +151,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def keys_of_full_blocks(self, block_size: int, num_blocks: int) -> list[BlockKey]:
+        """Keys of the first `num_blocks` blocks (each must be full of known tokens), made once each."""
+        keys = self.block_keys
+        while len(keys) < num_blocks:
+            keys.append(block_key(self, len(keys), block_size, keys[-1] if keys else None))
+        return keys[:num_blocks]
 
     def positions(self, start: int, end: int) -> list[list[int]]:
         """3D rope positions of tokens [start, end): the prompt's own (multimodal) or index + rope_delta."""

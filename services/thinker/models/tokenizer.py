@@ -24,10 +24,12 @@ from typing import Literal
 from omnistage.common.checkpoint.shards import CheckpointError
 from tokenizers import Tokenizer
 
-# A prompt piece: ("template", markup whose special-token strings count) or ("text", client text).
-Piece = tuple[Literal["template", "text"], str]
-# A prompt split for encoding: plain-text runs (str) and special-token ids (int), in order.
-Segment = str | int
+# A prompt piece: ("template", markup whose special-token strings count), ("text", client text) or
+# ("tokens", ids generated earlier, taken as they are).
+Piece = tuple[Literal["template", "text"], str] | tuple[Literal["tokens"], list[int]]
+# A prompt split for encoding: plain-text runs (str), special-token ids (int) and ids taken as they
+# are (list), in order.
+Segment = str | int | list[int]
 
 
 def _token_content(value: object) -> str | None:
@@ -90,10 +92,15 @@ class MingTokenizer:
 
     def split_pieces(self, pieces: Iterable[Piece]) -> list[Segment]:
         """Special tokens of template pieces as ids; everything between them (template and client text
-        alike) joined into plain-text runs, so BPE sees the same runs as `encode` of the joined string."""
+        alike) joined into plain-text runs, so BPE sees the same runs as `encode` of the joined string.
+        A token piece's ids stay one list segment (no whitespace is stripped beside them)."""
         segments: list[Segment] = []
         run: list[str] = []
         for kind, text in pieces:
+            if kind == "tokens":  # ends the run: BPE never merges across ids taken as they are
+                segments += ["".join(run), list(text)]
+                run = []
+                continue
             pos = 0
             if kind == "template" and self._special_re is not None:
                 for match in self._special_re.finditer(text):
@@ -112,6 +119,8 @@ class MingTokenizer:
         for seg in segments:
             if isinstance(seg, int):
                 ids.append(seg)
+            elif isinstance(seg, list):
+                ids += seg
             elif seg:
                 ids += next(encoded).ids
         return ids

@@ -27,8 +27,12 @@ class ThinkerCall:
     finished: bool = False
 
 
+STOP_TOKEN = 99
+
+
 class FakeThinker:
-    """Streams `answer` (one delta per word, `delay_s` apart), then a finish with `reason`."""
+    """Streams `answer` (one delta per word, ids 0, 1, ..., `delay_s` apart; with FINISH_REASON_STOP
+    then the stop token's delta, as the thinker does), then a finish with `reason`."""
 
     def __init__(self, answer: str = "Hello there. How are you today? ", delay_s: float = 0.0,
                  reason: int = common_pb2.FINISH_REASON_STOP, max_user_turns: int = 0) -> None:
@@ -57,6 +61,8 @@ class FakeThinker:
                 text = word + (" " if i < len(words) - 1 else "")
                 if text:
                     yield thinker_pb2.ThinkerEvent(delta=thinker_pb2.TokenDelta(token_ids=[i], text=text))
+            if self.reason == common_pb2.FINISH_REASON_STOP:  # the stop token: its id, no text
+                yield thinker_pb2.ThinkerEvent(delta=thinker_pb2.TokenDelta(token_ids=[STOP_TOKEN]))
             call.finished = True
             yield thinker_pb2.ThinkerEvent(finish=thinker_pb2.ThinkerFinish(
                 reason=self.reason, usage=common_pb2.Usage(prompt_tokens=7, completion_tokens=len(words))))

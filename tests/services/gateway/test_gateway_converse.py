@@ -20,7 +20,8 @@ from gateway_speech_fakes import (
     wait_until,
 )
 from omnistage.common.runtime.errors import InvalidRequest, OmniError, StageUnavailable
-from omnistage.services.gateway.converse import ConverseLimits
+from omnistage.services.gateway.converse import ConverseLimits, _Answer
+from omnistage.services.gateway.history import Entry
 from omnistage.v1 import common_pb2, omni_pb2
 
 ANSWER = "Hello there. How are you today? "
@@ -112,8 +113,9 @@ def test_two_text_turns_are_answered_from_the_history():
     first, second = (c.prompt for c in thinker.calls)
     assert first.startswith("<role>SYSTEM</role>Be brief.") and first.endswith(
         "<role>HUMAN</role>First question?<|role_end|><role>ASSISTANT</role>")
-    assert second.endswith(f"<role>HUMAN</role>First question?<|role_end|><role>ASSISTANT</role>{ANSWER}<|role_end|>"
-                           "<role>HUMAN</role>Second question?<|role_end|><role>ASSISTANT</role>")
+    # The answer goes back as the ids the thinker generated, its stop token left out (prefix caching).
+    assert second.endswith("<role>HUMAN</role>First question?<|role_end|><role>ASSISTANT</role><tokens:0,1,2,3,4,5>"
+                           "<|role_end|><role>HUMAN</role>Second question?<|role_end|><role>ASSISTANT</role>")
     assert [c.config.voice for c in talker.calls] == ["DB30", "DB30"] and talker.calls[0].config.seed == 3
     assert in_flight == 0
 
@@ -400,3 +402,14 @@ def test_spoken_conversations_wait_for_a_talker_stream_and_all_speak():
         (done,) = finishes(events)
         assert done.finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE and turn_text(events, 0) == ANSWER
     assert most_active == 1
+
+
+@pytest.mark.parametrize(("reason", "kept"), [
+    (common_pb2.FINISH_REASON_STOP, (1, 2)),  # the stop token (3) left out
+    (common_pb2.FINISH_REASON_LENGTH, (1, 2, 3)),
+    (common_pb2.FINISH_REASON_STOP_STRING, ()),  # the ids say more than the client saw: text only
+    (common_pb2.FINISH_REASON_UNSPECIFIED, ()),  # interrupted before its finish
+])  # fmt: skip
+def test_the_history_keeps_a_complete_answer_as_its_generated_ids(reason, kept):
+    answer = _Answer(["Hi", " you"], token_ids=[1, 2, 3], reason=reason)
+    assert answer.entry() == Entry("assistant", "Hi you", token_ids=kept)

@@ -7,7 +7,7 @@ import io
 import wave
 
 from omnistage.services.gateway.history import Entry, History, wav_of
-from omnistage.services.gateway.prompt import MediaSlot, Turn
+from omnistage.services.gateway.prompt import AnswerTokens, MediaSlot, Turn
 
 BIG = 1 << 30
 
@@ -56,3 +56,11 @@ def test_wav_of_wraps_mono_pcm16():
     with wave.open(io.BytesIO(wav_of(pcm, 22050))) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 22050)
         assert w.readframes(w.getnframes()) == pcm
+
+
+def test_an_answer_with_token_ids_goes_back_as_tokens_and_one_without_as_text():
+    history = History([Entry("user", "a"), Entry("assistant", "Ok.", token_ids=(7, 8)), Entry("user", "b"),
+                       Entry("assistant", "Cut"), Entry("user", "c")], max_turns=8)  # fmt: skip
+    window = history.window("S", BIG, BIG, 16)
+    answers = [t.content for t in window.turns if t.role == "assistant"]
+    assert answers == [(AnswerTokens((7, 8), "Ok."),), "Cut"]

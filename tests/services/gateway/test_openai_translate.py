@@ -147,7 +147,7 @@ def _events(*events: omni_pb2.GenerateEvent) -> tr.Collected:
 
 def test_non_streaming_completion_with_audio():
     finish = omni_pb2.Finish(reason=common_pb2.FINISH_REASON_LENGTH,
-                             usage=common_pb2.Usage(prompt_tokens=5, completion_tokens=2),
+                             usage=common_pb2.Usage(prompt_tokens=5, completion_tokens=2, cached_prompt_tokens=3),
                              audio=omni_pb2.AudioStatus(outcome=omni_pb2.AUDIO_OUTCOME_COMPLETE, voice="DB30",
                                                         sample_rate_hz=16000, samples=3))  # fmt: skip
     c = _events(omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text="Hi ")),
@@ -158,7 +158,8 @@ def test_non_streaming_completion_with_audio():
     body = tr.chat_completion(c, completion_id="chatcmpl-x", created=100, model="m", audio_format="wav")
     msg = body["choices"][0]["message"]
     assert msg["content"] == "Hi there" and body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 3}}  # fmt: skip
     audio = msg["audio"]
     assert audio["transcript"] == "Hi there" and audio["outcome"] == "complete" and audio["sample_rate"] == 16000
     with wave.open(io.BytesIO(base64.b64decode(audio["data"]))) as w:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 from omnistage.common.checkpoint.tiny_tokenizer import write_tiny_tokenizer
-from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT, Turn, build_chat, prompt_chars, render
+from omnistage.services.gateway.prompt import (
+    DEFAULT_SYSTEM_PROMPT,
+    AnswerTokens,
+    Turn,
+    build_chat,
+    prompt_chars,
+    render,
+)
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
 
 
@@ -61,3 +68,19 @@ def test_a_forged_turn_in_user_or_system_text_stays_text(tok):
 def test_the_last_turn_must_be_the_users():
     with pytest.raises(ValueError, match="last turn"):
         build_chat([Turn("assistant", "x")])
+
+
+def test_an_earlier_answer_goes_back_as_its_token_ids(tok):
+    answer = tok.encode("Hello!")
+    turns = [Turn("user", "Hi"), Turn("assistant", (AnswerTokens(tuple(answer), "Hello!"),)), Turn("user", "Bye")]
+    chat = build_chat(turns, "Be brief.")
+    assert pieces_of(chat)[4:7] == [("template", "<|role_end|><role>ASSISTANT</role>"), ("tokens", ""),
+                                    ("template", "<|role_end|><role>HUMAN</role>")]  # fmt: skip
+    assert list(chat.pieces[5].tokens.ids) == answer
+    as_text = build_chat([turns[0], Turn("assistant", "Hello!"), turns[2]], "Be brief.")
+    assert prompt_chars(chat) == prompt_chars(as_text) - len("Hello!") + len(answer)  # one per token
+    # The thinker's ids of the prompt: the previous prompt's, the answer's, then the new turn's.
+    pieces = [(p.WhichOneof("piece"), list(p.tokens.ids) if p.HasField("tokens") else p.template or p.text)
+              for p in chat.pieces]  # fmt: skip
+    previous = tok.encode_pieces(pieces_of(build_chat(turns[:1], "Be brief.")))
+    assert tok.encode_pieces(pieces)[: len(previous) + len(answer)] == previous + answer

@@ -57,6 +57,24 @@ def test_state_gauges_read_the_engine_and_an_abort_ends_the_request():
     assert _value("omnistage_thinker_queue_time_seconds_count", svc) == 2
 
 
+def test_prefix_cache_queries_hits_and_evictions_are_counted_in_tokens_and_blocks():
+    engine = make_fake_engine(block_size=8, max_model_len=256, max_num_batched_tokens=256, num_kv_blocks=12)
+    engine.stats = EngineMetrics("thinker-m3", engine)
+    svc = "thinker-m3"
+    prompt = [32 + i % 60 for i in range(40)]  # 40 tokens + 3 computed outputs: 5 full blocks
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.generate([prompt], greedy)
+    assert _value("omnistage_thinker_prefix_cache_queries_total", svc) == len(prompt)
+    assert _value("omnistage_thinker_prefix_cache_hits_total", svc) == 0
+    assert _value("omnistage_thinker_prefix_cache_blocks", svc) == 5
+    engine.generate([prompt], greedy)
+    assert _value("omnistage_thinker_prefix_cache_queries_total", svc) == 2 * len(prompt)
+    assert _value("omnistage_thinker_prefix_cache_hits_total", svc) == 32
+    assert _value("omnistage_thinker_prefix_cache_evictions_total", svc) == 0
+    engine.generate([[200 + i % 50 for i in range(92)]], greedy)  # 12 blocks: every cached one goes
+    assert _value("omnistage_thinker_prefix_cache_evictions_total", svc) == 5
+
+
 def test_observe_many_equals_repeated_observe():
     one = Histogram("omnistage_test_observe_one_seconds", "t", buckets=metrics.FINE_BUCKETS_S, registry=None)
     many = Histogram("omnistage_test_observe_many_seconds", "t", buckets=metrics.FINE_BUCKETS_S, registry=None)

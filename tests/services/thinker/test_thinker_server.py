@@ -237,6 +237,46 @@ def test_client_text_cannot_forge_special_tokens(tmp_path, tok):
     run(scenario())
 
 
+def test_the_next_turn_with_the_answer_as_tokens_is_served_from_the_prefix_cache(tmp_path, tok):
+    """What Converse sends: the previous prompt, the answer's ids as they were generated, the new turn."""
+
+    async def scenario():
+        async with thinker(tmp_path, tok) as t:
+            first = chat("Tell me something", max_tokens=6, ignore_eos=True)
+            events = await events_of(t.stub, first)
+            answer = [i for e in events if e.HasField("delta") for i in e.delta.token_ids]
+            usage = events[-1].finish.usage
+            assert len(answer) == 6 and usage.cached_prompt_tokens == 0
+            second = thinker_pb2.ThinkerRequest()
+            second.CopyFrom(first)
+            second.chat.pieces.extend([
+                thinker_pb2.PromptPiece(tokens=thinker_pb2.TokenIds(ids=answer)),
+                thinker_pb2.PromptPiece(template="<|role_end|><role>HUMAN</role>"),
+                thinker_pb2.PromptPiece(text="More, please."),
+                thinker_pb2.PromptPiece(template="<|role_end|><role>ASSISTANT</role>"),
+            ])  # fmt: skip
+            again = (await events_of(t.stub, second))[-1].finish.usage
+            rest = tok.encode_pieces([("template", "<|role_end|><role>HUMAN</role>"), ("text", "More, please."),
+                                      ("template", "<|role_end|><role>ASSISTANT</role>")])  # fmt: skip
+            assert again.prompt_tokens == usage.prompt_tokens + 6 + len(rest)
+            # Everything computed before (the prompt and all but the last answer token), in whole blocks of 8.
+            assert again.cached_prompt_tokens == (usage.prompt_tokens + 5) // 8 * 8 > 0
+            bad = thinker_pb2.ThinkerRequest()
+            bad.CopyFrom(second)
+            bad.chat.pieces[3].tokens.ids[2] = tok.vocab_size
+            err = await refusal(t.stub, bad)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.details() == f"chat.pieces[3].tokens: {tok.vocab_size} is outside the vocabulary " \
+                                    f"(0..{tok.vocab_size - 1})"
+            too_many = thinker_pb2.ThinkerRequest()
+            too_many.CopyFrom(first)
+            too_many.chat.pieces.append(thinker_pb2.PromptPiece(tokens=thinker_pb2.TokenIds(ids=[5] * 512)))
+            err = await refusal(t.stub, too_many)
+            assert "token pieces of 512 tokens leave no room to generate" in err.details()
+
+    run(scenario())
+
+
 class TokenizeSpy:
     """Wraps the tokenizer: counts tokenizing calls, flags when one has started."""
 
@@ -268,7 +308,7 @@ class TokenizeSpy:
         (lambda: thinker_pb2.ThinkerRequest(token_ids=thinker_pb2.TokenIds(ids=[1] * 600)), "token_ids: 600 tokens"),
         (lambda: thinker_pb2.ThinkerRequest(), "prompt: set chat, text or token_ids"),
         (lambda: thinker_pb2.ThinkerRequest(chat=thinker_pb2.ChatPrompt(
-            pieces=[thinker_pb2.PromptPiece()])), "chat.pieces[0]: set template or text"),
+            pieces=[thinker_pb2.PromptPiece()])), "chat.pieces[0]: set template, text or tokens"),
     ],
     ids=["many-pieces", "long-text", "long-chat", "many-ids", "no-prompt", "empty-piece"],
 )

@@ -6,17 +6,13 @@ states; no LM head runs, no token is generated and the KV blocks are free at onc
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import traceback
+import functools
 
 import pytest
 import torch
 from mm_prompts import Media, items, layout, reference_inputs
-from omnistage.common.config import EngineConfig, TPConfig
-from omnistage.common.log import setup_logging
+from omnistage.common.config import EngineConfig
 from omnistage.common.transport import TransportContext
-from omnistage.services.thinker.engine import local_ranks
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.media import MultimodalPrompt
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
@@ -25,6 +21,7 @@ from omnistage.services.thinker.image_queries import load_image_queries
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.loader import load_model
 from omnistage.services.thinker.multimodal import MediaInputs
+from tp_run import run_tp2
 
 MAX_MODEL_LEN = 512
 DEADLINE_S = 120
@@ -171,41 +168,16 @@ def test_a_prompt_whose_block_does_not_fit_is_refused(tiny_ckpt):
 
 # --- TP=2 (gloo): the final-norm rows are replicated; rank 0 hands them back ------------------------
 
-TP = TPConfig(startup_collective_timeout_s=60, serving_collective_timeout_s=60, failure_exit_s=10, peer_timeout_s=5)
-
-
-def _rank0(ckpt: str, port: int, out: mp.Queue) -> None:
-    setup_logging("thinker", rank=0)
+def _tp_states(ckpt: str, e: LLMEngine) -> list:
     from pathlib import Path
 
-    cfg = RankConfig(ckpt, EngineConfig(block_size=16, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64),
-                     tp=TP, world_size=2, dist_port=port)  # fmt: skip
-    procs = local_ranks.spawn_workers(cfg)
-    try:
-        e = start_engine(cfg)
-        prompts = [hidden_prompt(Path(ckpt), parts, seed)[0] for seed, parts in enumerate([TEXT_ONLY, WITH_IMAGE])]
-        states = [r.hidden_states.numpy() for r in e.generate(prompts, timeout_s=DEADLINE_S)]  # pickled by value
-        e.shutdown()
-        out.put(("ok", states, local_ranks.join_workers(procs, 30)))
-    except Exception as exc:
-        out.put(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        raise SystemExit(1) from None
+    prompts = [hidden_prompt(Path(ckpt), parts, seed)[0] for seed, parts in enumerate([TEXT_ONLY, WITH_IMAGE])]
+    return [r.hidden_states.numpy() for r in e.generate(prompts, timeout_s=DEADLINE_S)]  # pickled by value
 
 
 @pytest.mark.slow
 def test_tp2_gives_the_direct_forward_states(tiny_ckpt, want):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_rank0, args=(str(tiny_ckpt), local_ranks.free_port(), out))
-    proc.start()
-    try:
-        status, states, detail = out.get(timeout=DEADLINE_S)
-    except queue.Empty:
-        status, states, detail = "timeout", f"rank 0 gave no result within {DEADLINE_S}s", ""
-    proc.join(30)
-    if proc.is_alive():
-        proc.kill()
-    assert status == "ok", f"{states}\n{detail}"
+    cfg = EngineConfig(block_size=16, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64)
+    states = run_tp2(functools.partial(_tp_states, str(tiny_ckpt)), tiny_ckpt, cfg, DEADLINE_S)
     for got, expected in zip(states, want, strict=True):
         torch.testing.assert_close(torch.from_numpy(got), expected, rtol=1e-4, atol=1e-4)
-    assert detail == [0]

@@ -5,17 +5,13 @@ forward whose inputs were built by hand (mm_prompts.reference_inputs); chunked p
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import traceback
+import functools
 
 import pytest
 import torch
 from mm_prompts import MIXED, Part, items, layout, reference_inputs
-from omnistage.common.config import EngineConfig, TPConfig
-from omnistage.common.log import setup_logging
+from omnistage.common.config import EngineConfig
 from omnistage.common.transport import TransportContext
-from omnistage.services.thinker.engine import local_ranks
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.media import MultimodalPrompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
@@ -24,6 +20,7 @@ from omnistage.services.thinker.engine.step_plan import StepPlan, build_step_pla
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.loader import load_model
 from omnistage.services.thinker.multimodal import MediaInputs
+from tp_run import run_tp2
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 PARTS: list[list[Part]] = [
@@ -150,37 +147,11 @@ def test_step_plan_carries_the_media_index_but_never_the_rows():
 
 # --- TP=2 (gloo): rank 0 alone holds the rows, the embedding all-reduce hands them over --------------
 
-TP = TPConfig(startup_collective_timeout_s=60, serving_collective_timeout_s=60, failure_exit_s=10, peer_timeout_s=5)
-
-
-def _rank0(ckpt: str, port: int, out: mp.Queue) -> None:
-    setup_logging("thinker", rank=0)
-    cfg = RankConfig(ckpt, EngineConfig(block_size=16, max_model_len=256, max_num_batched_tokens=32), tp=TP,
-                     world_size=2, dist_port=port)  # fmt: skip
-    procs = local_ranks.spawn_workers(cfg)
-    try:
-        e = start_engine(cfg)
-        tokens = [r.token_ids for r in e.generate(mm_prompts(ckpt), GREEDY, timeout_s=DEADLINE_S)]
-        e.shutdown()
-        out.put(("ok", tokens, local_ranks.join_workers(procs, 30)))
-    except Exception as exc:
-        out.put(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        raise SystemExit(1) from None
+def _tp_tokens(ckpt: str, e: LLMEngine) -> list[list[int]]:
+    return [r.token_ids for r in e.generate(mm_prompts(ckpt), GREEDY, timeout_s=DEADLINE_S)]
 
 
 @pytest.mark.slow
 def test_tp2_gives_the_tp1_greedy_tokens(tiny_ckpt, one_shot):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_rank0, args=(str(tiny_ckpt), local_ranks.free_port(), out))
-    proc.start()
-    try:
-        status, tokens, detail = out.get(timeout=DEADLINE_S)
-    except queue.Empty:
-        status, tokens, detail = "timeout", f"rank 0 gave no result within {DEADLINE_S}s", ""
-    proc.join(30)
-    if proc.is_alive():
-        proc.kill()
-    assert status == "ok", f"{tokens}\n{detail}"
-    assert tokens == one_shot
-    assert detail == [0]
+    cfg = EngineConfig(block_size=16, max_model_len=256, max_num_batched_tokens=32)
+    assert run_tp2(functools.partial(_tp_tokens, str(tiny_ckpt)), tiny_ckpt, cfg, DEADLINE_S) == one_shot

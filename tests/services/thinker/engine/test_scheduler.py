@@ -14,7 +14,9 @@ def make(**kw) -> Scheduler:
 
 
 def seq(rid: str, n: int, max_tokens: int = 4, **params) -> Sequence:
-    return Sequence(rid, list(range(1, n + 1)), SamplingParams(**params), max_tokens)
+    """A prompt of its own: no two requests share a prefix (prefix caching stays out of these tests)."""
+    base = 1 + 1000 * sum(map(ord, rid))
+    return Sequence(rid, list(range(base, base + n)), SamplingParams(**params), max_tokens)
 
 
 def step(s: Scheduler, token: int = 7):

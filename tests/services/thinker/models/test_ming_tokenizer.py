@@ -128,3 +128,14 @@ def test_lstrip_and_rstrip_added_tokens_swallow_whitespace_like_encode(tiny_ckpt
     tok = MingTokenizer(tmp_path)
     pieces = [("text", "left  "), ("template", " <|strip|> "), ("text", "  right"), ("template", "<role>")]
     assert tok.encode_pieces(pieces) == tok.encode("".join(t for _, t in pieces))
+
+
+def test_a_token_piece_is_taken_as_it_is_between_the_other_pieces(tok):
+    """Ids generated earlier go back unchanged, even where the text's BPE would give others, and
+    the runs beside them are encoded on their own."""
+    ids = [tok.token_id("<role>"), *tok.encode("ab"), 5]
+    pieces = [("template", "<role>HUMAN</role>"), ("text", "hi "), ("tokens", ids), ("text", " there"),
+              ("template", "<|role_end|>")]  # fmt: skip
+    want = (tok.encode_pieces(pieces[:2]) + ids + tok.encode_pieces([("text", " there")])
+            + [tok.token_id("<|role_end|>")])  # fmt: skip
+    assert tok.encode_pieces(pieces) == want
