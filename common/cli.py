@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "make-config-checkpoint",
-        help="write config.json of a real thinker shape + a tiny tokenizer, no weights (load_format: dummy)",
+        help="write the configs of every part at a real shape + tiny tokenizers, no weights (load_format: dummy)",
     )
     p.add_argument("dir")
     p.add_argument("--shape", choices=("ming-flash", "ling-mini", "tiny"), default="ming-flash")
