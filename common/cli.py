@@ -31,7 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     return launch(
         args.config, args.overrides, run_dir=args.run_dir, ready_file=args.ready_file,
-        exit_after_ready=args.exit_after_ready,
+        exit_after_ready=args.exit_after_ready, check_only=args.check,
     )
 
 
@@ -437,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None, help="directory for status files (default: a temp dir)")
     p.add_argument("--ready-file", default=None, help="write the gateway address here when ready")
     p.add_argument("--exit-after-ready", action="store_true", help="stop everything once ready (smoke tests)")
+    p.add_argument("--check", action="store_true",
+                   help="check the config, the per-GPU memory ledger, the checkpoint, secrets and ports; start nothing")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("make-tiny-checkpoint", help="write the tiny random-weight checkpoint in the HF layout")
