@@ -15,7 +15,7 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import ConfigError, DeployConfig, ServiceConfig, load_config
-from omnistage.common.load_driver import MODALITY, RequestShape, plan, run_plan
+from omnistage.common.load_driver import KINDS, RequestShape, plan, run_plan
 from omnistage.common.load_stats import Summary, details_table, markdown_table
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.auth import SecretError
@@ -203,9 +203,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not levels or min(levels) < 1:
             raise ValueError(f"--concurrency: expected positive integers like 1,2,4, got {args.concurrency!r}")
         kinds = [k for k in args.kinds.split(",") if k]
-        unknown = [k for k in kinds if k not in MODALITY]
+        unknown = [k for k in kinds if k not in KINDS]
         if unknown or not kinds:
-            raise ValueError(f"--kinds: a comma-separated list of {', '.join(MODALITY)}, got {args.kinds!r}")
+            raise ValueError(f"--kinds: a comma-separated list of {', '.join(KINDS)}, got {args.kinds!r}")
     except (ConfigError, SecretError, OSError, ValueError) as exc:
         print(f"omnistage: {exc}", file=sys.stderr)
         return 2
@@ -479,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="closed-loop load sweep against a running gateway (load_tests/pipeline_load.py's driver)")
     _config_args(p, required=False)
     p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
-    p.add_argument("--kinds", default="text", help="comma-separated request kinds: text, speech, image")
+    p.add_argument("--kinds", default="text", help="comma-separated request kinds: text, vision (image + text in), speech, image, mixed")
     p.add_argument("--concurrency", default="1,2,4", help="comma-separated concurrency levels")
     p.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
     p.add_argument("--prompt", default="", help="the prompt of every request (default: one per kind)")
