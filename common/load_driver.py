@@ -165,8 +165,8 @@ async def run_plan(stub: omni_pb2_grpc.OmniStub, runs: Sequence[tuple[str, str, 
                    on_summary: Callable[[Summary], None] | None = None) -> list[Summary]:  # fmt: skip
     """Every run of `runs` (`requests` requests each, at least the concurrency), after one unmeasured
     request per kind (connections and first-call costs); a Summary per run."""
-    for kind in dict.fromkeys(k for _, kind, _ in runs for k in (MIXED if kind == "mixed" else (kind,))):
-        await one_request(stub, kind, 0, shape)
+    for first in dict.fromkeys(k for _, kind, _ in runs for k in (MIXED if kind == "mixed" else (kind,))):
+        await one_request(stub, first, 0, shape)
     summaries = []
     for mode, kind, load in runs:
         started = time.perf_counter()
