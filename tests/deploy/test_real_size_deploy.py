@@ -34,6 +34,7 @@ from omnistage.services.thinker.models.layers.parallel import TPGroup
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 H200, H100 = 143771 * 2**20, 80 * 10**9
 REAL_SIZE = {DEPLOY / "h200x4.yaml": 4, DEPLOY / "h200x2.yaml": 2}
+REPLICAS = {DEPLOY / "h200x4.yaml": 2, DEPLOY / "h200x2.yaml": 1}  # talker and image-generation replicas
 GIB = 2**30
 
 
@@ -108,10 +109,13 @@ def test_real_size_deploy_file_passes_the_pre_start_checks_on_h200(path, ming_fl
     assert "nothing started" in out
     weights = _release_weights(ming_flash, tp)
     assert 47 * GIB < weights["thinker"] < 49 * GIB if tp == 4 else 95 * GIB < weights["thinker"] < 97 * GIB
-    for kind, w in weights.items():  # each budget holds its weights with room for KV cache / activations
-        svc = next(s for s in cfg.services.values() if s.kind == kind)
+    assert len(cfg.services_of("talker")) == len(cfg.services_of("imagegen")) == REPLICAS[path]
+    for svc in cfg.services.values():  # each budget holds its weights with room for KV cache / activations
+        if svc.kind == "gateway":
+            continue
+        w = weights[svc.kind]
         assert svc.device == "cuda" and svc.gpus[0] < tp
-        assert svc.memory.budget_of(H200) >= w + 4 * GIB, f"{kind}: budget {svc.memory.budget_of(H200)} < weights {w}"
+        assert svc.memory.budget_of(H200) >= w + 4 * GIB, f"{svc.name}: budget {svc.memory.budget_of(H200)} < {w}"
 
 
 @pytest.mark.parametrize("path", list(REAL_SIZE), ids=lambda p: p.name)
