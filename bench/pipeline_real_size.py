@@ -15,7 +15,10 @@ runs closed loops of `c` clients through Omni.Generate (common/load_driver.py):
     image   text → image 1024², 30 steps, c = 1 2 4
     mixed   text, vision, speech, image in turn, c = 8 16
 
-one unmeasured request of each kind first. After every run the results are written again (a run cut
+one unmeasured request of each kind first; then, when the deploy file has two or more image replicas,
+image requests at c = 4 with the last replica SIGKILLed under them (its requests fail with
+UNAVAILABLE naming it, the others go on; the row says how long until it was admitted again).
+After every run the results are written again (a run cut
 short still leaves the rows done): OUT/pipeline_real_size.json = {"device", "date", "command", "rows":
 [{kind, concurrency, req_s, tok_s, e2e_p50_ms, e2e_p95_ms, ttft_p50_ms, ttfa_p50_ms, rtf_mean, errors,
 ...}], "memory": the ledger and the peak memory nvidia-smi saw per GPU, "status": `omnistage status`
@@ -34,12 +37,15 @@ import datetime
 import json
 import os
 import platform
+import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "load_tests"))
 
 from omnistage.common.checkpoint.config_only import write_config_checkpoint  # noqa: E402
+from omnistage.common.config import load_config  # noqa: E402
 from omnistage.common.load_driver import KINDS, MIXED, RequestShape, closed_loop, one_request  # noqa: E402
 from omnistage.common.load_stats import Record, Summary, summarize  # noqa: E402
 from omnistage.v1 import omni_pb2_grpc  # noqa: E402
@@ -188,7 +195,56 @@ class Results:
         (self.out / "pipeline_real_size.md").write_text(table(self.data["rows"]) + "\n")
 
 
-async def run_parts(address: str, parts: list[Part], results: Results, budget_s: float) -> None:
+@dataclass(frozen=True)
+class ReplicaKill:
+    """The replica to SIGKILL under image load, and where to see it: the serve log and the gateway's /metrics."""
+
+    replica: str
+    serve_log: Path
+    gateway_metrics: str
+    part: Part
+
+    def pid(self) -> int:
+        pids = re.findall(rf"omnistage: started {self.replica} r0 \(pid (\d+)\)", self.serve_log.read_text())
+        if not pids:
+            raise RuntimeError(f"no {self.replica} process in {self.serve_log}")
+        return int(pids[-1])
+
+    def in_flight(self) -> float:
+        prefix = f'omnistage_gateway_stage_calls_in_flight{{replica="{self.replica}"'
+        try:
+            text = urllib.request.urlopen(self.gateway_metrics, timeout=5).read().decode()
+        except OSError:
+            return 0.0
+        return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+
+    def readmitted(self) -> int:
+        return self.serve_log.read_text().count(f"stage {self.replica} SERVING again: re-admitted")
+
+
+async def kill_under_load(stub: omni_pb2_grpc.OmniStub, kill: ReplicaKill, c: int) -> dict:
+    """Image requests at concurrency `c` with `kill.replica` SIGKILLed once it denoises some of them: a
+    row whose errors are its requests (each status names it), plus how long until it was admitted again."""
+    part = kill.part
+    readmitted = kill.readmitted()
+    t0 = time.perf_counter()
+    run = asyncio.create_task(closed_loop(stub, "image", part.requests(c), c, part.shape))
+    while not kill.in_flight() and not run.done() and time.perf_counter() - t0 < 120:
+        await asyncio.sleep(0.2)
+    os.kill(kill.pid(), signal.SIGKILL)
+    killed_at = time.perf_counter()
+    records = await run
+    summary = summarize("closed", "image", str(c), records, time.perf_counter() - t0)
+    out = {**row(replace(part, kind="image_replica_killed"), c, summary, records), "killed": kill.replica,
+           "killed_after_s": round(killed_at - t0, 1)}
+    while kill.readmitted() == readmitted and time.perf_counter() - killed_at < 300:
+        await asyncio.sleep(1.0)
+    out["readmitted_after_s"] = round(time.perf_counter() - killed_at, 1) if kill.readmitted() > readmitted else None
+    return out
+
+
+async def run_parts(address: str, parts: list[Part], results: Results, budget_s: float,
+                    kill: ReplicaKill | None = None) -> None:
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = omni_pb2_grpc.OmniStub(channel)
@@ -209,6 +265,25 @@ async def run_parts(address: str, parts: list[Part], results: Results, budget_s:
                 results.data["rows"].append(row(part, c, summary, records))
                 results.save()
                 print(table(results.data["rows"][-1:]).splitlines()[-1], flush=True)
+        if kill is not None:
+            if time.monotonic() - started > budget_s:
+                results.data["skipped"].append({"kind": "image_replica_killed", "why": f"past --budget-s {budget_s:g}"})
+            else:
+                results.data["rows"].append(await kill_under_load(stub, kill, 4))
+                print(table(results.data["rows"][-1:]).splitlines()[-1], flush=True)
+            results.save()
+
+
+def replica_kill(args: argparse.Namespace, overrides: list[str], serve_log: Path, plan: list[Part]) -> ReplicaKill | None:
+    """The last image-generation replica, when the deploy file has two or more and --kill-replica is on."""
+    if not args.kill_replica:
+        return None
+    cfg = load_config(args.config, overrides)
+    replicas, gateway = cfg.services_of("imagegen"), cfg.services_of("gateway")
+    if len(replicas) < 2 or not gateway or not gateway[0].metrics_port:
+        return None
+    image = next(p for p in plan if p.kind == "image")
+    return ReplicaKill(replicas[-1].name, serve_log, f"http://{cfg.host}:{gateway[0].metrics_port}/metrics", image)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -224,6 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout-s", type=float, default=300.0, help="gRPC deadline of each request")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     ap.add_argument("--command", default="", help="the command line to record (the shell wrapper passes its own)")
+    ap.add_argument("--no-kill-replica", dest="kill_replica", action="store_false",
+                    help="skip the last run: with two or more image replicas, one is SIGKILLed under image load")
     args = ap.parse_args(argv)
     args.config = args.config or str(ROOT / "deploy" / ("local-tiny.yaml" if args.tiny else "h200x4.yaml"))
     kinds = [k for k in args.kinds.split(",") if k]
@@ -256,11 +333,13 @@ def main(argv: list[str] | None = None) -> int:
         results.save()
         memory = GpuMemory()
         started = time.monotonic()
-        with memory.watching(), pipeline(args.config, overrides, out / "pipeline_real_size.serve.log") as address:
+        serve_log = out / "pipeline_real_size.serve.log"
+        kill = replica_kill(args, overrides, serve_log, plan)
+        with memory.watching(), pipeline(args.config, overrides, serve_log) as address:
             results.data["startup_s"] = round(time.monotonic() - started, 1)
             print(f"pipeline ready in {results.data['startup_s']} s at {address}", flush=True)
             try:
-                asyncio.run(run_parts(address, parts, results, args.budget_s or float("inf")))
+                asyncio.run(run_parts(address, parts, results, args.budget_s or float("inf"), kill))
             finally:
                 status = cli("status", "--config", args.config, *(f"--set={o}" for o in overrides), timeout_s=60)
                 results.data["status"] = status.stdout.strip()
@@ -271,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     if results.data["skipped"]:
         print(f"skipped (budget): {results.data['skipped']}")
     print(f"results: {out / 'pipeline_real_size.json'}")
-    return 1 if any(r["errors"] for r in results.data["rows"]) else 0
+    # The killed replica's requests are meant to fail; any other error fails the run.
+    return 1 if any(r["errors"] for r in results.data["rows"] if r["kind"] != "image_replica_killed") else 0
 
 
 if __name__ == "__main__":
