@@ -299,6 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout-s", type=float, default=300.0, help="gRPC deadline of each request")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     ap.add_argument("--command", default="", help="the command line to record (the shell wrapper passes its own)")
+    ap.add_argument("--http-front", action="store_true",
+                    help="keep the gateway's HTTP front (off by default: the load speaks gRPC)")
     ap.add_argument("--no-kill-replica", dest="kill_replica", action="store_false",
                     help="skip the last run: with two or more image replicas, one is SIGKILLed under image load")
     args = ap.parse_args(argv)
@@ -320,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         if not (ckpt / "config.json").is_file():
             write_config_checkpoint(ckpt, "tiny" if args.tiny else "ming-flash")
         overrides = [f"model.checkpoint={ckpt}", "model.load_format=dummy", *args.overrides]
+        if not args.http_front:  # the load is gRPC; the device image may lack the HTTP front's packages
+            overrides += [f"services.{g.name}.gateway.http_port=0"
+                          for g in load_config(args.config, overrides).services_of("gateway")]
         check = cli("serve", args.config, "--check", *(f"--set={o}" for o in overrides))
         print(check.stdout + check.stderr, flush=True)
         if check.returncode != 0:
