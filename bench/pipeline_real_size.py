@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "load_tests"))
 
 from omnistage.common.checkpoint.config_only import write_config_checkpoint  # noqa: E402
-from omnistage.common.config import load_config  # noqa: E402
+from omnistage.common.config import DeployConfig, load_config  # noqa: E402
 from omnistage.common.load_driver import KINDS, MIXED, RequestShape, closed_loop, one_request  # noqa: E402
 from omnistage.common.load_stats import Record, Summary, summarize  # noqa: E402
 from omnistage.v1 import omni_pb2_grpc  # noqa: E402
@@ -274,16 +274,36 @@ async def run_parts(address: str, parts: list[Part], results: Results, budget_s:
             results.save()
 
 
-def replica_kill(args: argparse.Namespace, overrides: list[str], serve_log: Path, plan: list[Part]) -> ReplicaKill | None:
+def gateway_metrics_url(cfg: DeployConfig) -> str:
+    """The gateway's /metrics ('' without a metrics port)."""
+    gateway = cfg.services_of("gateway")
+    return f"http://{cfg.host}:{gateway[0].metrics_port}/metrics" if gateway and gateway[0].metrics_port else ""
+
+
+def wait_all_replicas(url: str, timeout_s: float) -> str:
+    """Wait until the gateway has admitted every stage replica (its omnistage_gateway_stage_up all 1;
+    `serve` is ready once each capability has one); '' when they are, else the ones still out."""
+    deadline = time.monotonic() + timeout_s
+    out: list[str] = []
+    while url:
+        try:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError as exc:
+            return f"gateway metrics unreadable: {exc}"
+        out = [line.split("{")[1].split("}")[0] for line in text.splitlines()
+               if line.startswith("omnistage_gateway_stage_up{") and float(line.rsplit(" ", 1)[1]) == 0]
+        if not out or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    return "; ".join(out)
+
+
+def replica_kill(args: argparse.Namespace, cfg: DeployConfig, serve_log: Path, plan: list[Part]) -> ReplicaKill | None:
     """The last image-generation replica, when the deploy file has two or more and --kill-replica is on."""
-    if not args.kill_replica:
+    replicas, url = cfg.services_of("imagegen"), gateway_metrics_url(cfg)
+    if not args.kill_replica or len(replicas) < 2 or not url:
         return None
-    cfg = load_config(args.config, overrides)
-    replicas, gateway = cfg.services_of("imagegen"), cfg.services_of("gateway")
-    if len(replicas) < 2 or not gateway or not gateway[0].metrics_port:
-        return None
-    image = next(p for p in plan if p.kind == "image")
-    return ReplicaKill(replicas[-1].name, serve_log, f"http://{cfg.host}:{gateway[0].metrics_port}/metrics", image)
+    return ReplicaKill(replicas[-1].name, serve_log, url, next(p for p in plan if p.kind == "image"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -339,10 +359,16 @@ def main(argv: list[str] | None = None) -> int:
         memory = GpuMemory()
         started = time.monotonic()
         serve_log = out / "pipeline_real_size.serve.log"
-        kill = replica_kill(args, overrides, serve_log, plan)
+        cfg = load_config(args.config, overrides)
+        kill = replica_kill(args, cfg, serve_log, plan)
         with memory.watching(), pipeline(args.config, overrides, serve_log) as address:
             results.data["startup_s"] = round(time.monotonic() - started, 1)
             print(f"pipeline ready in {results.data['startup_s']} s at {address}", flush=True)
+            missing = wait_all_replicas(gateway_metrics_url(cfg), 300.0)
+            results.data["replicas_admitted_s"] = round(time.monotonic() - started, 1)
+            if missing:
+                results.data["replicas_not_admitted"] = missing
+                print(f"not every replica admitted: {missing}", flush=True)
             try:
                 asyncio.run(run_parts(address, parts, results, args.budget_s or float("inf"), kill))
             finally:
