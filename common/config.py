@@ -641,11 +641,9 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
                 "when chunked_prefill is false"
             )
         services[name] = svc
-    for kind in ("gateway", "thinker", "encoder"):  # the talker and the image stage may have replicas
-        of_kind = [n for n, s in services.items() if s.kind == kind]
-        if len(of_kind) > 1:
-            raise ConfigError(f"services: at most one {kind}, got {', '.join(of_kind)} (replicas: several "
-                              "services of kind talker or imagegen)")
+    gateways = [n for n, s in services.items() if s.kind == "gateway"]
+    if len(gateways) > 1:
+        raise ConfigError(f"services: at most one gateway, got {', '.join(gateways)}")
     return dataclasses.replace(cfg, services=services)
 
 

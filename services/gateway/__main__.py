@@ -16,7 +16,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from omnistage.common.config import CAPABILITIES, DeployConfig, ServiceConfig
+from omnistage.common.config import CAPABILITIES, ConfigError, DeployConfig, ServiceConfig
 from omnistage.common.memory.report import export_host_memory
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.errors import StageUnavailable
@@ -254,6 +254,11 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     gw = svc.gateway
     deployed = {s.kind for s in cfg.services.values() if s.kind != "gateway"}
     thinkers, encoders = cfg.services_of("thinker"), cfg.services_of("encoder")
+    for kind, of_kind in (("thinker", thinkers), ("encoder", encoders)):
+        if len(of_kind) > 1:  # replicas are served for the talker and the image stage only
+            raise ConfigError(f"services: the gateway calls one {kind}, the deploy file has "
+                              f"{', '.join(s.name for s in of_kind)} (replicas: several services of kind talker "
+                              "or imagegen)")
     thinker = media = None
     if thinkers:
         t = thinkers[0]
