@@ -60,14 +60,18 @@ def _free_port() -> int:
 
 
 def _port_overrides(path: Path) -> list[str]:
-    """Every port the file binds moved to a free one (other pipelines may run on this host)."""
+    """Every port the file binds moved to a free one, each its own (other pipelines may run on this host)."""
     cfg = load_config(path)
-    out = []
+    out, used = [], set()
     for key, _, _ in planned_ports(cfg):
-        if key.endswith("dist_port"):
-            out.append(f"{key}={_free_base(cfg.service(key.split('.')[1]).tp_size)}")
-        elif "+" not in key:
-            out.append(f"{key}={_free_port()}")
+        if "+" in key:
+            continue
+        tp = cfg.service(key.split(".")[1]).tp_size if key.endswith("dist_port") else 1
+        port = _free_base(tp) if key.endswith("dist_port") else _free_port()
+        while used & set(range(port, port + tp)):
+            port = _free_base(tp) if key.endswith("dist_port") else _free_port()
+        used |= set(range(port, port + tp))
+        out.append(f"{key}={port}")
     return out
 
 
