@@ -17,7 +17,7 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import ConfigError, DeployConfig, ServiceConfig, load_config
-from omnistage.common.load_driver import MODALITY, RequestShape, plan, run_plan
+from omnistage.common.load_driver import KINDS, RequestShape, plan, run_plan
 from omnistage.common.load_stats import Summary, details_table, failures, markdown_table
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.auth import SecretError
@@ -33,7 +33,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     return launch(
         args.config, args.overrides, run_dir=args.run_dir, ready_file=args.ready_file,
-        exit_after_ready=args.exit_after_ready,
+        exit_after_ready=args.exit_after_ready, check_only=args.check,
     )
 
 
@@ -224,9 +224,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not levels or min(levels) < 1:
             raise ValueError(f"--concurrency: expected positive integers like 1,2,4, got {args.concurrency!r}")
         kinds = [k for k in args.kinds.split(",") if k]
-        unknown = [k for k in kinds if k not in MODALITY]
+        unknown = [k for k in kinds if k not in KINDS]
         if unknown or not kinds:
-            raise ValueError(f"--kinds: a comma-separated list of {', '.join(MODALITY)}, got {args.kinds!r}")
+            raise ValueError(f"--kinds: a comma-separated list of {', '.join(KINDS)}, got {args.kinds!r}")
     except (ConfigError, SecretError, OSError, ValueError) as exc:
         print(f"omnistage: {exc}", file=sys.stderr)
         return 2
@@ -465,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None, help="directory for status files (default: a temp dir)")
     p.add_argument("--ready-file", default=None, help="write the gateway address here when ready")
     p.add_argument("--exit-after-ready", action="store_true", help="stop everything once ready (smoke tests)")
+    p.add_argument("--check", action="store_true",
+                   help="check the config, the per-GPU memory ledger, the checkpoint, secrets and ports; start nothing")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("make-tiny-checkpoint", help="write the tiny random-weight checkpoint in the HF layout")
@@ -474,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "make-config-checkpoint",
-        help="write config.json of a real thinker shape + a tiny tokenizer, no weights (load_format: dummy)",
+        help="write the configs of every part at a real shape + tiny tokenizers, no weights (load_format: dummy)",
     )
     p.add_argument("dir")
     p.add_argument("--shape", choices=("ming-flash", "ling-mini", "tiny"), default="ming-flash")
@@ -505,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="closed-loop load sweep against a running gateway (load_tests/pipeline_load.py's driver)")
     _config_args(p, required=False)
     p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
-    p.add_argument("--kinds", default="text", help="comma-separated request kinds: text, speech, image")
+    p.add_argument("--kinds", default="text", help="comma-separated request kinds: text, vision (image + text in), speech, image, mixed")
     p.add_argument("--concurrency", default="1,2,4", help="comma-separated concurrency levels")
     p.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
     p.add_argument("--prompt", default="", help="the prompt of every request (default: one per kind)")

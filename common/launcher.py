@@ -646,11 +646,13 @@ def launch(
     exit_after_ready: bool = False,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    check_only: bool = False,
 ) -> int:
     """Run a deployment until SIGTERM/SIGINT (0), a failed start or a dead service (1), a bad config (2).
 
     Before anything starts: the config, the per-GPU memory ledger, then the checkpoint, every secret
     the config names and every port it binds (`preflight`), each refused with one line naming the key.
+    `check_only` (`serve --check`): those checks and the ledger's table, then 0; nothing starts.
 
     `modules` maps stage kinds to a module name or a script path (tests substitute synthetic stages).
     """
@@ -675,6 +677,11 @@ def launch(
         for line in problems:
             print(f"omnistage: {line}", file=err, flush=True)
         return 2
+    if check_only:
+        print(ledger.table() if ledger.devices else "memory ledger: no device budgets", file=out)
+        print(f"omnistage: {cfg_path}: the config, memory ledger, checkpoint, secrets and ports are fine "
+              f"({len(cfg.services)} services); nothing started", file=out, flush=True)
+        return 0
     if ledger.devices:
         print(ledger.summary(), file=out, flush=True)
     sweep = _start_sweep(err)

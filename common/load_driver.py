@@ -1,30 +1,56 @@
 """Load on a gateway's Omni.Generate, as `omnistage bench` and load_tests/pipeline_load.py send it.
 
 A run is (mode, kind, load): closed (`c` clients, each sending its next request when the last one
-ended), offline (every request at once) or poisson (open loop at a rate); kinds text, speech, image.
+ended), offline (every request at once) or poisson (open loop at a rate); kinds text, vision (an
+image + text in, text out), speech, image, and mixed (request i is of kind MIXED[i % 4]).
 Each request is timed on the client into a `Record`; `run_plan` summarizes each run (load_stats.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import io
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 from omnistage.common.answer_outcome import answer_code
 from omnistage.common.load_stats import Record, Summary, summarize
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
 PROMPTS = {
     "text": "Tell me a short story about the moon.",
+    "vision": "Describe this picture in detail.",
     "speech": "Say hello and describe the weather today.",
     "image": "A red bicycle leaning on a blue wall.",
 }
-MODALITY = {"text": omni_pb2.MODALITY_TEXT, "speech": omni_pb2.MODALITY_AUDIO, "image": omni_pb2.MODALITY_IMAGE}
+# The output modality of each single kind.
+MODALITY = {"text": omni_pb2.MODALITY_TEXT, "vision": omni_pb2.MODALITY_TEXT, "speech": omni_pb2.MODALITY_AUDIO,
+            "image": omni_pb2.MODALITY_IMAGE}
+MIXED = ("text", "vision", "speech", "image")
+KINDS = (*MODALITY, "mixed")
 MODES = ("closed", "offline", "poisson")
+
+
+def kind_of(kind: str, i: int) -> str:
+    """The kind of request `i` of a run of `kind` ("mixed" cycles through MIXED)."""
+    return MIXED[i % len(MIXED)] if kind == "mixed" else kind
+
+
+@functools.lru_cache(maxsize=64)
+def input_png(side: int, i: int) -> bytes:
+    """A smooth side x side PNG, different for every `i` (64 of them cached): a vision request's image."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:side, 0:side] / max(side - 1, 1)
+    rgb = np.stack([x, y, (x + y + i / 7.0) % 1.0], axis=-1)
+    buf = io.BytesIO()
+    Image.fromarray((rgb * 255).astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 @dataclass(frozen=True)
@@ -36,12 +62,17 @@ class RequestShape:
     timeout_s: float = 300.0  # the gRPC deadline of each request
     image_size: int = 256
     image_steps: int = 4
+    input_image_px: int = 512  # side of the input image of a vision request
     prompt: str = ""  # "" = PROMPTS[kind]
     metadata: tuple[tuple[str, str], ...] = ()  # call metadata (the API key)
 
 
 def make_request(kind: str, i: int, shape: RequestShape) -> omni_pb2.GenerateRequest:
+    kind = kind_of(kind, i)
     parts = [omni_pb2.ContentPart(text=shape.prompt or PROMPTS[kind])]
+    if kind == "vision":
+        image = omni_pb2.Media(data=input_png(shape.input_image_px, i % 64), mime_type="image/png")
+        parts.insert(0, omni_pb2.ContentPart(image=image))
     req = omni_pb2.GenerateRequest(
         request_id=f"load-{kind}-{i}",
         messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)],
@@ -78,7 +109,7 @@ async def one_request(stub: omni_pb2_grpc.OmniStub, kind: str, i: int, shape: Re
                 rec.audio_seconds += len(ev.audio.pcm16) / 2 / max(ev.audio.sample_rate_hz, 1)
             elif which == "finish":
                 finish = ev.finish
-        rec.code = finish_code(kind, finish)
+        rec.code = finish_code(kind_of(kind, i), finish)
         if finish is not None:
             rec.completion_tokens = finish.usage.completion_tokens
     except grpc.aio.AioRpcError as exc:
@@ -130,8 +161,8 @@ async def run_plan(stub: omni_pb2_grpc.OmniStub, runs: Sequence[tuple[str, str, 
                    on_summary: Callable[[Summary], None] | None = None) -> list[Summary]:  # fmt: skip
     """Every run of `runs` (`requests` requests each, at least the concurrency), after one unmeasured
     request per kind (connections and first-call costs); a Summary per run."""
-    for kind in dict.fromkeys(kind for _, kind, _ in runs):
-        await one_request(stub, kind, 0, shape)
+    for first in dict.fromkeys(k for _, kind, _ in runs for k in (MIXED if kind == "mixed" else (kind,))):
+        await one_request(stub, first, 0, shape)
     summaries = []
     for mode, kind, load in runs:
         started = time.perf_counter()

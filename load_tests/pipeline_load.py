@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-from omnistage.common.load_driver import MODALITY, MODES, RequestShape, plan, run_plan
+from omnistage.common.load_driver import KINDS, MODES, RequestShape, plan, run_plan
 from omnistage.common.load_stats import Summary, details_table, markdown_table
 from omnistage.v1 import omni_pb2_grpc
 
@@ -137,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--replot", nargs="+", default=[], metavar="RESULTS_JSON",
                     help="run nothing: write table.md and load.png in --out from these results.json files")
     args = ap.parse_args(argv)
-    bad = [k for k in args.kinds if k not in MODALITY] + [m for m in args.modes if m not in MODES]
+    bad = [k for k in args.kinds if k not in KINDS] + [m for m in args.modes if m not in MODES]
     if bad:
         ap.error(f"unknown kind or mode {bad[0]!r}")
     return args

@@ -1,19 +1,28 @@
-"""Config-only Ming checkpoints: the real root `config.json` of a thinker shape plus the tiny tokenizer.
+"""Config-only Ming checkpoints: the config of every part of a shape plus the tiny tokenizers, no weights.
 
-No weights: a thinker started from one needs `model.load_format: dummy` (random weights in the real
-shapes and dtype, made on the device). So `omnistage make-config-checkpoint --shape ming-flash DIR`
-lets `omnistage serve` run the full Ming-flash-omni-2.0 thinker (ming.md §2.1) without the
-200 GB download. Token ids come from the tiny tokenizer (they are read from the files, never
-assumed), so text is noise, the shapes and the memory are the release's.
+Root `config.json` (thinker `llm_config`, `vision_config`, `audio_config`), `talker/` (its config,
+`llm/` and `vae/` configs, the LM's tokenizer, a CAM++-signature `campplus.onnx`, the preset voices),
+`mlp/`, `connector/`, `transformer/`, `vae/` and `scheduler/` configs. Every stage serves it with
+`model.load_format: dummy` (random weights in the real shapes and dtype, made on the device). So
+`omnistage make-config-checkpoint --shape ming-flash DIR` lets `omnistage serve` run the whole
+Ming-flash-omni-2.0 pipeline at its real sizes (ming.md; release_shapes.py) without the download.
+Token ids come from the tiny tokenizers (read from the files, never assumed), so text is noise; the
+shapes and the memory are the release's. `--shape tiny` writes the tiny checkpoint's sizes (CPU tests).
+The speaker model is a tiny graph with CAM++'s signature (the real one is ~7 M parameters on CPU).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omnistage.common.checkpoint.tiny import TINY_LLM
+from omnistage.common.checkpoint import release_shapes as release
+from omnistage.common.checkpoint import tiny_imagegen, tiny_talker
+from omnistage.common.checkpoint.tiny import TINY_LLM, TINY_VISION, TINY_WHISPER, root_config
+from omnistage.common.checkpoint.tiny_imagegen import write_imagegen_configs
+from omnistage.common.checkpoint.tiny_talker import write_talker_files
 from omnistage.common.checkpoint.tiny_tokenizer import write_tiny_tokenizer
 
 # The full Ming-flash-omni-2.0 thinker (ming.md §2.1): ~103 B parameters, 256 experts.
@@ -28,6 +37,31 @@ LING_MINI: dict[str, Any] = dict(
     head_dim=128, intermediate_size=5120, first_k_dense_replace=1, num_experts=256, num_experts_per_tok=8,
     num_shared_experts=1, moe_intermediate_size=512, n_group=8, topk_group=4,
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PartShapes:
+    """The sizes of every part besides the thinker, in the keys of each part's config file."""
+
+    vision: dict[str, Any]
+    whisper: dict[str, Any]
+    talker_llm: dict[str, Any]  # without vocab_size: the talker tokenizer's size
+    talker_dit: dict[str, Any]
+    audio_vae_encoder: dict[str, Any]
+    audio_vae_decoder: dict[str, Any]
+    connector: dict[str, Any]
+    image_dit: dict[str, Any]
+    image_vae: dict[str, Any]
+
+
+RELEASE_PARTS = PartShapes(
+    release.VISION, release.WHISPER, release.TALKER_LLM, release.TALKER_DIT, release.AUDIO_VAE_BACKBONE,
+    release.AUDIO_VAE_BACKBONE, release.CONNECTOR, release.IMAGE_DIT, release.IMAGE_VAE,
+)
+TINY_PARTS = PartShapes(
+    TINY_VISION, TINY_WHISPER, tiny_talker.TINY_TALKER_LLM, tiny_talker.TINY_DIT, tiny_talker.TINY_VAE_ENCODER,
+    tiny_talker.TINY_VAE_DECODER, tiny_imagegen.TINY_CONNECTOR, tiny_imagegen.TINY_DIT, tiny_imagegen.TINY_VAE,
+)
 SHAPES: dict[str, dict[str, Any]] = {
     "ming-flash": MING_FLASH,
     "ling-mini": LING_MINI,
@@ -69,21 +103,21 @@ def llm_config(shape: dict[str, Any], ids: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def write_config_checkpoint(out_dir: str | Path, shape: str | dict[str, Any] = "ming-flash") -> Path:
-    """Write config.json (thinker `llm_config` of `shape`: a name of SHAPES or a dict) and the tiny
-    tokenizer into `out_dir`; no weight files (serve it with `model.load_format: dummy`)."""
+def write_config_checkpoint(out_dir: str | Path, shape: str | dict[str, Any] = "ming-flash",
+                            parts: PartShapes | None = None) -> Path:
+    """Write the configs of every part and the tokenizers into `out_dir`, no weight files (serve it
+    with `model.load_format: dummy`). `shape`: a name of SHAPES or a thinker shape dict; `parts`: the
+    other parts' sizes (default: the tiny ones for "tiny", else the release's)."""
     dims = SHAPES[shape] if isinstance(shape, str) else shape
+    parts = parts or (TINY_PARTS if shape == "tiny" else RELEASE_PARTS)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = write_tiny_tokenizer(out)
-    config = {
-        "architectures": ["BailingMM2NativeForConditionalGeneration"],
-        "model_type": "bailingmm_moe_v2_lite",
-        "llm_config": llm_config(dims, ids),
-        "torch_dtype": "bfloat16",
-    }
+    config = root_config(llm_config(dims, ids), parts.vision, parts.whisper)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"do_sample": False, "eos_token_id": [ids["<|role_end|>"]], "pad_token_id": ids["<|endoftext|>"]}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_talker_files(out, llm=parts.talker_llm, dit=parts.talker_dit, vae_encoder=parts.audio_vae_encoder,
+                       vae_decoder=parts.audio_vae_decoder)
+    write_imagegen_configs(out, connector=parts.connector, dit=parts.image_dit, vae=parts.image_vae)
     return out
-

@@ -90,15 +90,17 @@ def _llm_config(vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _root_config(vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
+def root_config(llm_config: dict[str, Any], vision: dict[str, Any], whisper: dict[str, Any]) -> dict[str, Any]:
+    """The root `config.json` (ming.md §2.1, §3.1, §4.1): the thinker's `llm_config` and the encoders'
+    configs (the release stores the vision tower in float32)."""
     return {
         "architectures": ["BailingMM2NativeForConditionalGeneration"],
         "model_type": "bailingmm_moe_v2_lite",
         "mlp_depth": 2,
-        "llm_config": _llm_config(vocab_size, ids),
-        "vision_config": {**TINY_VISION, "torch_dtype": "float32"},
+        "llm_config": llm_config,
+        "vision_config": {**vision, "torch_dtype": "float32"},
         "audio_config": {
-            "whisper_encoder_config": dict(TINY_WHISPER),
+            "whisper_encoder_config": dict(whisper),
             "ds_kernel_size": 3,
             "ds_stride": 2,
             "norm_query_embeds": True,
@@ -196,11 +198,12 @@ def _vision_tensors(init: _Init, llm_hidden: int) -> dict[str, torch.Tensor]:
     return t
 
 
-def whisper_sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
-    """Whisper's fixed positional table: [sin | cos] over geometrically spaced timescales."""
+def whisper_sinusoids(length: int, channels: int, max_timescale: float = 10000.0,
+                      device: str | torch.device = "cpu") -> torch.Tensor:
+    """Whisper's fixed positional table: [sin | cos] over geometrically spaced timescales (float32)."""
     inc = math.log(max_timescale) / (channels // 2 - 1)
-    inv = torch.exp(-inc * torch.arange(channels // 2, dtype=torch.float64))
-    t = torch.arange(length, dtype=torch.float64)[:, None] * inv[None, :]
+    inv = torch.exp(-inc * torch.arange(channels // 2, dtype=torch.float64, device=device))
+    t = torch.arange(length, dtype=torch.float64, device=device)[:, None] * inv[None, :]
     return torch.cat([torch.sin(t), torch.cos(t)], dim=1).float()
 
 
@@ -236,7 +239,7 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     ids = write_tiny_tokenizer(out)
     vocab = -(-(max(ids.values()) + 1) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    config = _root_config(vocab, ids)
+    config = root_config(_llm_config(vocab, ids), TINY_VISION, TINY_WHISPER)
     (out / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     generation = {
         "do_sample": False,

@@ -218,24 +218,36 @@ def _vae(t: _Tensors) -> None:
     t.conv("decoder.conv_out", c["out_channels"], rev[-1], 3)
 
 
+def imagegen_configs(*, connector: dict[str, Any], dit: dict[str, Any], vae: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The image-generation config files (path under the checkpoint → JSON) for these part shapes
+    (ming.md §6.4); the conditioning width is the DiT's `cap_feat_dim`."""
+    mlp = {"dit_type": "zimage", "img_gen_scales": [QUERY_SCALE], "diffusion_c_input_dim": dit["cap_feat_dim"],
+           "text_encoder_norm": True, "use_identity_mlp": True}
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-6,
+             "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": True,
+             "use_sliding_window": False, "torch_dtype": "bfloat16", **connector}
+    return {"mlp/config.json": mlp, "connector/config.json": qwen2,
+            "transformer/config.json": {"_class_name": "ZImageTransformer2DModel", **dit},
+            "vae/config.json": {"_class_name": "AutoencoderKL", **vae},
+            "scheduler/scheduler_config.json": SCHEDULER}
+
+
+def write_imagegen_configs(out: Path, *, connector: dict[str, Any], dit: dict[str, Any], vae: dict[str, Any]) -> None:
+    """Write the config files of mlp/, connector/, transformer/, vae/ and scheduler/ under `out`."""
+    for rel, config in imagegen_configs(connector=connector, dit=dit, vae=vae).items():
+        _write_json(out / rel, config)
+
+
 def write_tiny_imagegen(out: Path, *, thinker_hidden: int, seed: int = 0) -> None:
-    """Write mlp/, connector/, transformer/, vae/ and scheduler/ under the checkpoint folder `out`."""
+    """Write mlp/, connector/, transformer/, vae/ and scheduler/ (configs and weights) under the checkpoint folder `out`."""
     gen = torch.Generator().manual_seed(seed + 7_000)
-    mlp_config = {"dit_type": "zimage", "img_gen_scales": [QUERY_SCALE], "diffusion_c_input_dim": CAP_DIM,
-                  "text_encoder_norm": True, "use_identity_mlp": True}
-    connector_config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **TINY_CONNECTOR,
-                        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-                        "max_position_embeddings": 4096, "tie_word_embeddings": True, "use_sliding_window": False,
-                        "torch_dtype": "bfloat16"}
-    for folder, config, name, fill in (
-        ("mlp", mlp_config, "model.safetensors", lambda t: _mlp(t, thinker_hidden)),
-        ("connector", connector_config, "model.safetensors", _connector),
-        ("transformer", {"_class_name": "ZImageTransformer2DModel", **TINY_DIT},
-         "diffusion_pytorch_model.safetensors", _dit),
-        ("vae", {"_class_name": "AutoencoderKL", **TINY_VAE}, "diffusion_pytorch_model.safetensors", _vae),
+    write_imagegen_configs(out, connector=TINY_CONNECTOR, dit=TINY_DIT, vae=TINY_VAE)
+    for folder, name, fill in (
+        ("mlp", "model.safetensors", lambda t: _mlp(t, thinker_hidden)),
+        ("connector", "model.safetensors", _connector),
+        ("transformer", "diffusion_pytorch_model.safetensors", _dit),
+        ("vae", "diffusion_pytorch_model.safetensors", _vae),
     ):
-        _write_json(out / folder / "config.json", config)
         tensors = _Tensors(gen)
         fill(tensors)
         tensors.save(out / folder / name)
-    _write_json(out / "scheduler" / "scheduler_config.json", SCHEDULER)

@@ -216,33 +216,35 @@ def _write_tokenizer(llm_dir: Path) -> int:
     return tok.get_vocab_size()
 
 
-def write_tiny_talker(root: str | Path, *, seed: int = 0) -> Path:
-    """Write `<root>/talker/` (root: the Ming checkpoint folder); returns the talker folder."""
+def talker_configs(llm: dict[str, Any], dit: dict[str, Any], vae_encoder: dict[str, Any],
+                   vae_decoder: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The three talker config files (path under `talker/` → JSON) for these part shapes (ming.md §5.1)."""
+    hop = SAMPLE_RATE // 50
+    top = {"architectures": ["BailingTalker2"], "steps": 10, "patch_size": 4, "history_patch_size": 32,
+           "cfg_strength": 2.0, "latent_dim": LATENT_DIM, "spk_dim": SPK_DIM,
+           "flowmodel": {**dit, "in_channels": LATENT_DIM, "dropout": 0.0, "llm_cond_dim": llm["hidden_size"]},
+           "aggregator": {**dit, "in_channels": LATENT_DIM, "dropout": 0.1}}
+    vae = {"sample_rate": SAMPLE_RATE, "patch_size": 4, "init_method": "kaiming",
+           "enc_kwargs": {"input_dim": hop, "hop_size": hop, "latent_dim": LATENT_DIM,
+                          "backbone": _qwen2_config(vae_encoder)},
+           "dec_kwargs": {"output_dim": hop, "latent_dim": LATENT_DIM, "backbone": _qwen2_config(vae_decoder)}}
+    return {"config.json": top, "llm/config.json": _qwen2_config(llm), "vae/config.json": vae}
+
+
+def write_talker_files(root: str | Path, *, llm: dict[str, Any], dit: dict[str, Any], vae_encoder: dict[str, Any],
+                       vae_decoder: dict[str, Any], seed: int = 0) -> tuple[Path, dict[str, Any]]:
+    """Everything of `<root>/talker/` but the weights: the configs, the LM's tokenizer, `campplus.onnx`
+    and the preset voices. `llm` without `vocab_size` gets the tokenizer's size rounded up to 64.
+    Returns the talker folder and the LM shape written."""
     tdir = Path(root) / "talker"
     (tdir / "llm").mkdir(parents=True, exist_ok=True)
     (tdir / "vae").mkdir(parents=True, exist_ok=True)
-    vocab = -(-_write_tokenizer(tdir / "llm") // 64) * 64
-    llm = {**TINY_TALKER_LLM, "vocab_size": vocab}
-    (tdir / "llm" / "config.json").write_text(json.dumps(_qwen2_config(llm), indent=2) + "\n")
-    top = {"architectures": ["BailingTalker2"], "steps": 10, "patch_size": 4, "history_patch_size": 32,
-           "cfg_strength": 2.0, "latent_dim": LATENT_DIM, "spk_dim": SPK_DIM,
-           "flowmodel": {**TINY_DIT, "in_channels": LATENT_DIM, "dropout": 0.0, "llm_cond_dim": llm["hidden_size"]},
-           "aggregator": {**TINY_DIT, "in_channels": LATENT_DIM, "dropout": 0.1}}
-    (tdir / "config.json").write_text(json.dumps(top, indent=2) + "\n")
-    hop = SAMPLE_RATE // 50
-    vae = {"sample_rate": SAMPLE_RATE, "patch_size": 4, "init_method": "kaiming",
-           "enc_kwargs": {"input_dim": hop, "hop_size": hop, "latent_dim": LATENT_DIM,
-                          "backbone": _qwen2_config(TINY_VAE_ENCODER)},
-           "dec_kwargs": {"output_dim": hop, "latent_dim": LATENT_DIM, "backbone": _qwen2_config(TINY_VAE_DECODER)}}
-    (tdir / "vae" / "config.json").write_text(json.dumps(vae, indent=2) + "\n")
-    init = _Init(seed + 1)
-    float32_keys = ("rotary_embed.inv_freq", "head.istft.window")
-
-    def stored(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v if k.endswith(float32_keys) else v.to(torch.bfloat16) for k, v in tensors.items()}
-
-    write_sharded(stored(_talker_tensors(init, llm)), tdir, 2)
-    write_sharded(stored(_vae_tensors(init, hop)), tdir / "vae", 1)
+    tokens = _write_tokenizer(tdir / "llm")
+    llm = {"vocab_size": -(-tokens // 64) * 64, **llm}
+    if llm["vocab_size"] < tokens:
+        raise ValueError(f"talker LM vocab_size {llm['vocab_size']} does not hold the tokenizer's {tokens} tokens")
+    for rel, config in talker_configs(llm, dit, vae_encoder, vae_decoder).items():
+        (tdir / rel).write_text(json.dumps(config, indent=2) + "\n")
     write_campplus_onnx(tdir / "campplus.onnx", seed)
     voices = {}
     for i, (name, (text, seconds, partials)) in enumerate(VOICES.items()):
@@ -250,4 +252,19 @@ def write_tiny_talker(root: str | Path, *, seed: int = 0) -> Path:
         write_voice_wav(tdir / rel, seconds, partials, seed + i)
         voices[name] = {"prompt_text": text, "prompt_wav_path": rel}
     (tdir / "data" / "voice_name.json").write_text(json.dumps(voices, indent=2, ensure_ascii=False) + "\n")
+    return tdir, llm
+
+
+def write_tiny_talker(root: str | Path, *, seed: int = 0) -> Path:
+    """Write `<root>/talker/` (root: the Ming checkpoint folder); returns the talker folder."""
+    tdir, llm = write_talker_files(root, llm=TINY_TALKER_LLM, dit=TINY_DIT, vae_encoder=TINY_VAE_ENCODER,
+                                   vae_decoder=TINY_VAE_DECODER, seed=seed)
+    init = _Init(seed + 1)
+    float32_keys = ("rotary_embed.inv_freq", "head.istft.window")
+
+    def stored(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v if k.endswith(float32_keys) else v.to(torch.bfloat16) for k, v in tensors.items()}
+
+    write_sharded(stored(_talker_tensors(init, llm)), tdir, 2)
+    write_sharded(stored(_vae_tensors(init, SAMPLE_RATE // 50)), tdir / "vae", 1)
     return tdir

@@ -53,7 +53,8 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
 
     def load_and_profile():
         with mem.meter():
-            models = load_encoders(cfg.model.checkpoint, dtype=dtype, device=device, progress=progress)
+            models = load_encoders(cfg.model.checkpoint, dtype=dtype, device=device, progress=progress,
+                                   dummy=cfg.model.load_format == "dummy")
             reporter.enter("profiling_memory", unit="attempts")
             limits = ItemLimits.of(svc.encoder, models.config)
             return models, limits, startup.profile(models, mem, limits, allocator_budget, report)

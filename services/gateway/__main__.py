@@ -10,10 +10,13 @@ memory → ImageGen, one step at the smallest size), then serves.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-from omnistage.common.config import CAPABILITIES, DeployConfig, ServiceConfig
+from omnistage.common.config import CAPABILITIES, ConfigError, DeployConfig, ServiceConfig
 from omnistage.common.memory.report import export_host_memory
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.errors import StageUnavailable
@@ -37,6 +40,8 @@ from omnistage.services.gateway.stages import (
 )
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, control_pb2, omni_pb2, omni_pb2_grpc, talker_pb2
+
+C = TypeVar("C", bound=StageClient)
 
 
 class _Deadline:
@@ -69,29 +74,37 @@ async def _warm_up_media(servicer: OmniServicer) -> None:
         raise RuntimeError("the media warm-up request ended without a finish")
 
 
-async def _warm_up_image(servicer: OmniServicer) -> None:
-    """One image request through the path clients take (thinker hidden states → ImageGen): one step
-    at the smallest size; a broken hand-over fails start-up."""
+async def _warm_up_image(servicer: OmniServicer, replica: ImageGenClient) -> None:
+    """One image request through the path clients take (thinker hidden states → ImageGen `replica`): one
+    step at the smallest size; a broken hand-over fails start-up."""
     side = servicer.images.limits.min_side_px
     request = omni_pb2.GenerateRequest(
-        request_id="gateway-warmup-image", output_modalities=[omni_pb2.MODALITY_IMAGE],
+        request_id=f"gateway-warmup-image-{replica.name}", output_modalities=[omni_pb2.MODALITY_IMAGE],
         messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="warm-up")])],
         image=omni_pb2.ImageOptions(width=side, height=side, steps=1, seed=0),
     )  # fmt: skip
-    events = [e async for e in servicer.Generate(request, _Deadline(120.0))]
+    with servicer.images.pinned(request.request_id, replica):
+        events = [e async for e in servicer.Generate(request, _Deadline(120.0))]
     kinds = [e.WhichOneof("event") for e in events]
     if kinds[-2:] != ["image", "finish"]:
         raise RuntimeError(f"the image warm-up request ended with {kinds[-2:]}, not an image and a finish")
 
 
+def _clients(cfg: DeployConfig, svc: ServiceConfig, kind: str, cls: type[C]) -> list[C]:
+    """One client per service of `kind` (its replicas), in deploy-file order."""
+    return [cls(r.name, cfg.address(r.name), max(r.max_message_bytes, svc.max_message_bytes),
+                admin_address=cfg.admin_address(r.name), admin_metadata=auth.admin_metadata(r))
+            for r in cfg.services_of(kind)]  # fmt: skip
+
+
 def _image_stage(cfg: DeployConfig, svc: ServiceConfig) -> ImageStage:
-    """The image stage's client with the deploy file's limits (its Describe's, once it is admitted)."""
-    g = cfg.services_of("imagegen")[0]
-    client = ImageGenClient(g.name, cfg.address(g.name), max(g.max_message_bytes, svc.max_message_bytes),
-                            admin_address=cfg.admin_address(g.name), admin_metadata=auth.admin_metadata(g))
+    """The image stage's replicas with the deploy file's limits (their Describe's, once admitted)."""
+    replicas = cfg.services_of("imagegen")
     # Releases only (hidden states that never reach ImageGen): the gateway maps no bytes of them. A
     # GPU image stage can open CUDA IPC handles, so hidden states made on a GPU may stay there.
-    return ImageStage(client, TransportContext(), ImageLimits.of(g.imagegen, None), allow_cuda_ipc=g.device == "cuda")
+    return ImageStage(_clients(cfg, svc, "imagegen", ImageGenClient), TransportContext(),
+                      ImageLimits.of(replicas[0].imagegen, None),
+                      allow_cuda_ipc=all(r.device == "cuda" for r in replicas), service=svc.name)
 
 
 async def _warm_up_thinker(thinker: ThinkerClient) -> None:
@@ -117,12 +130,10 @@ async def _warm_up_talker(talker: TalkerClient) -> None:
 
 
 def _speech_stage(cfg: DeployConfig, svc: ServiceConfig) -> SpeechStage:
-    gw, t = svc.gateway, cfg.services_of("talker")[0]
-    talker = TalkerClient(t.name, cfg.address(t.name), max(t.max_message_bytes, svc.max_message_bytes),
-                          admin_address=cfg.admin_address(t.name), admin_metadata=auth.admin_metadata(t))
-    limits = SpeechLimits(t.talker.max_text_chars, gw.talker_start_wait_s, gw.talker_idle_timeout_s,
-                          gw.speech_buffer_events)
-    return SpeechStage(talker, limits, svc.name)
+    gw = svc.gateway
+    max_text_chars = min(t.talker.max_text_chars for t in cfg.services_of("talker"))
+    limits = SpeechLimits(max_text_chars, gw.talker_start_wait_s, gw.talker_idle_timeout_s, gw.speech_buffer_events)
+    return SpeechStage(_clients(cfg, svc, "talker", TalkerClient), limits, svc.name)
 
 
 def _converse_limits(cfg: DeployConfig, svc: ServiceConfig) -> ConverseLimits:
@@ -134,22 +145,28 @@ def _converse_limits(cfg: DeployConfig, svc: ServiceConfig) -> ConverseLimits:
 
 
 class _Stages:
-    """The gateway's stages and their watches: each stage is admitted when it is SERVING and passed its
-    warm-up (the thinker first; text is served before speech and images), marked down when it stops
-    answering, and admitted again when it is back (the launcher restarts it)."""
+    """The gateway's stages and their watches, one per replica (the services of a kind): each replica is
+    admitted when it is SERVING and passed its warm-up (the thinker first; text is served before speech
+    and images), marked down when it stops answering, and admitted again when it is back (the launcher
+    restarts it). A capability is ready while one replica of each stage kind it needs is up."""
 
     def __init__(self, runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, servicer: OmniServicer,
                  watch: WatchConfig) -> None:  # fmt: skip
         self.runtime, self.cfg, self.svc, self.servicer = runtime, cfg, svc, servicer
-        self.watches: dict[str, StageWatch] = {}
+        self.watches: dict[str, StageWatch] = {}  # by service name
+        self.kinds: dict[str, list[StageClient]] = {}  # stage kind → its replicas' clients
         s = servicer
-        steps = {"thinker": (s.thinker, self._thinker_up), "encoder": (s.media and s.media.encoder, self._encoder_up),
-                 "talker": (s.speech and s.speech.talker, self._talker_up),
-                 "imagegen": (s.images and s.images.client, self._imagegen_up)}  # fmt: skip
-        for kind, (client, on_up) in steps.items():
-            if client is not None:
-                self.watches[kind] = StageWatch(client, watch, on_up, self._changed)
-                runtime.add_shutdown_hook(self.watches[kind].stop)
+        steps: dict[str, tuple[list[StageClient], Callable[[Any], Awaitable[None]]]] = {
+            "thinker": ([s.thinker] if s.thinker else [], self._thinker_up),
+            "encoder": ([s.media.encoder] if s.media else [], self._encoder_up),
+            "talker": (s.speech.replicas.clients if s.speech else [], self._talker_up),
+            "imagegen": (s.images.replicas.clients if s.images else [], self._imagegen_up),
+        }
+        for kind, (clients, on_up) in steps.items():
+            for client in clients:
+                self.kinds.setdefault(kind, []).append(client)
+                self.watches[client.name] = StageWatch(client, watch, functools.partial(on_up, client), self._changed)
+                runtime.add_shutdown_hook(self.watches[client.name].stop)
                 if kind in ("thinker", "talker"):  # the media and image stages close their own clients
                     runtime.add_shutdown_hook(client.close)
 
@@ -163,18 +180,25 @@ class _Stages:
         for name, kinds in CAPABILITIES.items():
             if not set(kinds) <= self.servicer.deployed:
                 continue
-            down = [(k, self.watches[k].client.down_reason) for k in kinds if not self.watches[k].client.up]
-            reason = "; ".join(f"{k}: {why}" for k, why in down)
+            down = [(c.name, c.down_reason) for k in kinds if not any(c.up for c in self.kinds[k])
+                    for c in self.kinds[k]]  # fmt: skip
+            reason = "; ".join(f"{n}: {why}" for n, why in down)
             out.append(control_pb2.Readiness(capability=name, ready=not down, reason=reason))
         return out
 
     def _changed(self, _client: StageClient | None) -> None:
+        self._size_image_gate()
         ready = {r.capability: r.ready for r in self.readiness()}
         self.runtime.set_capability_health(ready)
         self.runtime.reporter.heartbeat("ready: " + (", ".join(k for k, v in ready.items() if v) or "nothing yet"))
 
-    async def _thinker_up(self) -> None:
-        client, s = self.servicer.thinker, self.servicer
+    def _size_image_gate(self) -> None:
+        """The `imagegen` gate admits what the image replicas that are up take together."""
+        if self.servicer.images is not None:
+            self.servicer.gates["imagegen"].set_capacity(*self.servicer.images.capacity())
+
+    async def _thinker_up(self, client: ThinkerClient) -> None:
+        s = self.servicer
         desc = await client.describe()  # None without an admin port: then only the thinker checks lengths
         if desc is not None:
             s.limits = dataclasses.replace(s.limits, max_model_len=desc.limits.max_model_len or None)
@@ -183,32 +207,38 @@ class _Stages:
 
     async def _needs_thinker(self, what: str) -> None:
         """Warm-ups through the thinker wait for its admission (bounded by gateway.stage_wait_s)."""
-        watch = self.watches.get("thinker")
+        thinker = self.servicer.thinker
+        watch = self.watches.get(thinker.name) if thinker is not None else None
         if watch is None or not await watch.wait_admitted(self.svc.gateway.stage_wait_s):
             raise RuntimeError(f"{what} needs the thinker, which is not admitted")
 
-    async def _encoder_up(self) -> None:
+    async def _encoder_up(self, encoder: EncoderClient) -> None:
         await self._needs_thinker("the media warm-up")
-        desc = await self.servicer.media.encoder.describe()  # 0: it reports no request cap (its batcher decides)
+        desc = await encoder.describe()  # 0: it reports no request cap (its batcher decides)
         if desc is not None:
             self.servicer.gates["encoder"].set_capacity(desc.limits.max_running_requests)
-        await self._through(self.servicer.media.encoder, _warm_up_media(self.servicer))
+        await self._through(encoder, _warm_up_media(self.servicer))
 
-    async def _talker_up(self) -> None:
-        talker = self.servicer.speech.talker
+    async def _talker_up(self, talker: TalkerClient) -> None:
         await talker.read_limits()  # the streams this gateway may hold open (Describe)
         self.servicer.gates["talker"].set_capacity(talker.max_streams)  # spoken answers wait for one
         await self._through(talker, _warm_up_talker(talker))
 
-    async def _imagegen_up(self) -> None:
+    async def _imagegen_up(self, client: ImageGenClient) -> None:
         await self._needs_thinker("the image warm-up")
         images = self.servicer.images
-        desc = await images.client.describe()
-        g = self.cfg.services_of("imagegen")[0]
-        images.limits = ImageLimits.of(g.imagegen, desc.limits if desc is not None else None)
+        desc = await client.describe()
+        images.limits = ImageLimits.of(self.cfg.service(client.name).imagegen, desc.limits if desc is not None else None)
         gate = images.limits.gate()
-        self.servicer.gates["imagegen"].set_capacity(gate.max_running, gate.max_waiting)
-        await self._through(images.client, _warm_up_image(self.servicer))
+        client.max_running, client.max_waiting = gate.max_running, gate.max_waiting
+        try:
+            await self._through(client, self._image_warm_up(client))
+        finally:
+            self._size_image_gate()
+
+    async def _image_warm_up(self, client: ImageGenClient) -> None:
+        self._size_image_gate()  # with this replica counted: its warm-up takes a slot of the gate
+        await _warm_up_image(self.servicer, client)
 
     @staticmethod
     async def _through(client: StageClient, warm_up) -> None:
@@ -225,6 +255,11 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     gw = svc.gateway
     deployed = {s.kind for s in cfg.services.values() if s.kind != "gateway"}
     thinkers, encoders = cfg.services_of("thinker"), cfg.services_of("encoder")
+    for kind, of_kind in (("thinker", thinkers), ("encoder", encoders)):
+        if len(of_kind) > 1:  # replicas are served for the talker and the image stage only
+            raise ConfigError(f"services: the gateway calls one {kind}, the deploy file has "
+                              f"{', '.join(s.name for s in of_kind)} (replicas: several services of kind talker "
+                              "or imagegen)")
     thinker = media = None
     if thinkers:
         t = thinkers[0]
@@ -275,7 +310,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     # their watches admit them (health names omnistage.v1.Omni.<capability>, Describe.readiness).
     # `omnistage serve` calls the pipeline ready when every capability is (launcher.py).
     runtime.reporter.enter("warming_up", total=1, unit="stages")
-    watch = stages.watches.get("thinker")
+    watch = stages.watches.get(thinker.name) if thinker is not None else None
     if watch is not None:
         runtime.reporter.heartbeat(f"waiting for {watch.client.name}")
         if not await watch.wait_admitted(gw.stage_wait_s) and not gw.allow_degraded:

@@ -19,10 +19,11 @@ release is a no-op.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import math
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,8 @@ from omnistage.common.log import get_logger
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.transport import TransportContext, TransportError
 from omnistage.services.gateway.admission import GateConfig
-from omnistage.services.gateway.stages import ImageGenClient, StageError
+from omnistage.services.gateway.replicas import Replicas, in_flight_share
+from omnistage.services.gateway.stages import ImageGenClient, StageError, broken_stream
 from omnistage.services.gateway.validation import MediaPart, PlannedRequest
 from omnistage.v1 import common_pb2, control_pb2, imagegen_pb2, omni_pb2, tensor_pb2, thinker_pb2
 
@@ -171,13 +173,19 @@ def _public_details(details: str, image: ImagePlan) -> str:
     return name + details[match.end() :]
 
 
+_image_load = in_flight_share(lambda c: c.max_running)
+
+
 class ImageStage:
     """The gateway's side of the image stage: options, the ImageGen call, lease releases (admission:
-    the servicer's `imagegen` gate, sized by `ImageLimits.gate`)."""
+    the servicer's `imagegen` gate, sized by `ImageLimits.gate` summed over the replicas that are up).
+    Each request denoises on the least loaded replica that is up (replicas.py) unless pinned to one."""
 
-    def __init__(self, client: ImageGenClient, transport: TransportContext, limits: ImageLimits, *,
-                 allow_cuda_ipc: bool = False) -> None:  # fmt: skip
-        self.client = client
+    def __init__(self, client: ImageGenClient | Sequence[ImageGenClient], transport: TransportContext,
+                 limits: ImageLimits, *, allow_cuda_ipc: bool = False, service: str | None = None) -> None:  # fmt: skip
+        self.replicas = Replicas(STAGE, [client] if isinstance(client, ImageGenClient) else client, service)
+        self.client = self.replicas.first
+        self._pinned: dict[str, ImageGenClient] = {}  # request id → the replica it must use (warm-ups)
         self.transport = transport  # releases only: the gateway maps no bytes of the thinker's refs
         self.limits = limits
         # ImageGen runs on a GPU: hidden states made on the thinker's GPU may stay there (CUDA IPC).
@@ -235,24 +243,34 @@ class ImageStage:
                 default = edit_size(*_image_size(reference, image.reference.where), self.limits)
                 size = (size[0] or default[0], size[1] or default[1])
             request = image.request(request_id, condition, reference, image.prompt_text, size)
-            try:
-                async for ev in self.client.generate(request, time_remaining()):
-                    forwarded = True
-                    if ev.WhichOneof("event") == "progress":
-                        p = ev.progress
-                        yield omni_pb2.GenerateEvent(
-                            request_id=request_id, progress=omni_pb2.Progress(stage=STAGE, done=p.step, total=p.total_steps)
-                        )  # fmt: skip
-                    else:
-                        im = ev.image
-                        yield omni_pb2.GenerateEvent(
-                            request_id=request_id, image=omni_pb2.ImageResult(png=im.png, width=im.width, height=im.height)
-                        )  # fmt: skip
-                        return
-            except grpc.aio.AioRpcError as exc:
-                if not self.client.up:  # went down under the call (its StageWatch)
-                    raise self.client.unavailable() from exc
-                raise StageError(STAGE, exc, _public_details(exc.details() or "", image)) from exc
+            for _ in range(len(self.replicas)):  # another replica when one is found unreachable first
+                client = self.replica_for(request_id)
+                try:
+                    async for ev in client.generate(request, time_remaining()):
+                        forwarded = True
+                        if ev.WhichOneof("event") == "progress":
+                            p = ev.progress
+                            yield omni_pb2.GenerateEvent(
+                                request_id=request_id, progress=omni_pb2.Progress(stage=STAGE, done=p.step, total=p.total_steps)
+                            )  # fmt: skip
+                        else:
+                            im = ev.image
+                            yield omni_pb2.GenerateEvent(
+                                request_id=request_id, image=omni_pb2.ImageResult(png=im.png, width=im.width, height=im.height)
+                            )  # fmt: skip
+                            return
+                except grpc.aio.AioRpcError as exc:
+                    if not client.up:  # went down under the call (its StageWatch)
+                        raise client.unavailable() from exc
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE or broken_stream(exc):
+                        client.unreachable(exc.details() or "")  # its watch takes it out now
+                        if not forwarded and not client.up and self.replicas.up():
+                            continue  # it never began this request: the next replica takes it
+                    name = STAGE if len(self.replicas) == 1 else client.name  # a replica is named
+                    raise StageError(name, exc, _public_details(exc.details() or "", image)) from exc
+                break
+            else:
+                raise self.replicas.unavailable()
             raise RuntimeError(f"{STAGE}: the stream ended without an image")
         finally:
             if condition is not None and not forwarded:
@@ -266,6 +284,35 @@ class ImageStage:
             except (TransportError, OSError, ValueError) as exc:  # the thinker is gone, and its leases with it
                 log.warning("hidden-state lease not released: %s", exc)
 
+    def replica_for(self, request_id: str) -> ImageGenClient:
+        """The replica this request denoises on: its pinned one, else the least loaded one that is up
+        (UNAVAILABLE naming every replica when none is)."""
+        client = self._pinned.get(request_id) or self.replicas.pick(_image_load)
+        if client is None:
+            raise self.replicas.unavailable()
+        return client
+
+    @contextlib.contextmanager
+    def pinned(self, request_id: str, client: ImageGenClient) -> Iterator[None]:
+        """Within the block, request `request_id` denoises on `client` (a replica's own warm-up)."""
+        self._pinned[request_id] = client
+        try:
+            yield
+        finally:
+            self._pinned.pop(request_id, None)
+
+    def capacity(self) -> tuple[int, int]:
+        """(running, waiting) the replicas that are up take at once: the `imagegen` gate's size. A replica
+        whose limits are not read yet counts for what the first one read; none up: the first one's."""
+        known = next((c for c in self.replicas.clients if c.max_running), None)
+        if known is None:
+            gate = self.limits.gate()
+            return gate.max_running, gate.max_waiting
+        up = self.replicas.up() or [known]
+        return (sum(c.max_running or known.max_running for c in up),
+                sum(c.max_waiting or known.max_waiting for c in up))
+
     async def close(self) -> None:
-        await self.client.close()
+        for client in self.replicas.clients:
+            await client.close()
         self.transport.close()

@@ -14,7 +14,8 @@ a talker that is down, full, refuses the text, fails or goes silent (`talker_idl
 has all the text) ends only the speech, and the Finish says so (`Finish.audio`, an AudioStatus). A
 voice the talker refuses before the text was let through fails the request (INVALID_ARGUMENT naming
 `voice` or `custom_voice.*`). Leaving early (client cancel, deadline, error) cancels the Speak call,
-which frees the talker's state for it.
+which frees the talker's state for it. With several talker replicas each answer speaks on the least
+loaded one that is up and has a credit (replicas.py), and its status names that replica.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 from omnistage.common import metrics
 from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY, InvalidRequest
+from omnistage.services.gateway.replicas import Replicas, in_flight_share
 from omnistage.services.gateway.stages import TalkerClient, broken_stream
 from omnistage.v1 import common_pb2, omni_pb2, talker_pb2
 
@@ -88,8 +90,11 @@ class SpeechLimits:
 class SpeechStage:
     """The gateway's side of the talker: speaks answers, counts what the clients got."""
 
-    def __init__(self, talker: TalkerClient, limits: SpeechLimits, service: str = "gateway") -> None:
-        self.talker = talker
+    def __init__(self, talker: TalkerClient | Sequence[TalkerClient], limits: SpeechLimits,
+                 service: str = "gateway") -> None:
+        # The talker's replicas (replicas.py): each answer speaks on the least loaded one with a credit.
+        self.replicas = Replicas("talker", [talker] if isinstance(talker, TalkerClient) else talker, service)
+        self.talker = self.replicas.first
         self.limits = limits
         self.service = service
         self._ttfa = metrics.histogram("gateway_ttfa_seconds", "Time to first audio as the client sees it: request "
@@ -155,6 +160,9 @@ class _TextBuffer:
         return text
 
 
+_talker_load = in_flight_share(lambda t: t.max_streams)
+
+
 class TalkerStream:
     """One Speak call: its writer and reader tasks, and the AudioStatus of what it gave. The first reason
     the speech stopped short is the one the status keeps."""
@@ -162,6 +170,7 @@ class TalkerStream:
     def __init__(self, stage: SpeechStage, request_id: str, choice: VoiceChoice, timeout_s: float | None,
                  where: str) -> None:
         self.stage = stage
+        self.talker = stage.talker  # the replica it speaks on (start() picks it)
         self.limits = stage.limits
         self.request_id = request_id
         self.choice = choice
@@ -181,17 +190,20 @@ class TalkerStream:
         self._stopped = False  # the gateway cancelled the call (stop): the status says why
 
     def start(self) -> bool:
-        """Open the Speak call (False, with the status set, when this gateway holds all the talker's streams)."""
-        talker = self.stage.talker
-        if not talker.up:  # the text goes on; the status says why there is no speech
-            self.fail("UNAVAILABLE", talker.unavailable().args[0])
+        """Open the Speak call on the least loaded talker replica with a credit (False, with the status
+        set, when none is up, or this gateway holds all their streams)."""
+        replicas = self.stage.replicas
+        talker = replicas.pick(_talker_load, TalkerClient.has_credit)
+        if talker is None:
+            up = replicas.up()
+            if not up:  # the text goes on; the status says why there is no speech
+                self.fail("UNAVAILABLE", replicas.unavailable().args[0])
+            else:
+                self.fail("RESOURCE_EXHAUSTED", ", ".join(f"{t.name}: all {t.max_streams} streams are speaking"
+                                                          for t in up), NO_CREDIT_RETRY_MS)
             self.accepted.set()
             return False
-        if not talker.has_credit():
-            self.fail("RESOURCE_EXHAUSTED", f"{talker.name}: all {talker.max_streams} streams are speaking",
-                      NO_CREDIT_RETRY_MS)
-            self.accepted.set()
-            return False
+        self.talker = talker
         self.call = talker.speak(self.timeout_s)
         return True
 
@@ -246,7 +258,7 @@ class TalkerStream:
         while not call.done():
             silent = time.monotonic() - max(self._read_since, ended_at) if self._reading else 0.0
             if silent >= idle:
-                self.stop("DEADLINE_EXCEEDED", f"{self.stage.talker.name}: no speech for {idle:g}s "
+                self.stop("DEADLINE_EXCEEDED", f"{self.talker.name}: no speech for {idle:g}s "
                           "(gateway.talker_idle_timeout_s)")
                 return
             await asyncio.sleep(idle - silent)
@@ -259,8 +271,8 @@ class TalkerStream:
             if refusal is not None:
                 await out.put(refusal)  # before `accepted`: the text pump waits for this verdict
         except asyncio.CancelledError:
-            if self.stage.talker.lost_call():  # the talker went down under the call: the text goes on
-                self.fail("UNAVAILABLE", self.stage.talker.unavailable().args[0])
+            if self.talker.lost_call():  # the talker went down under the call: the text goes on
+                self.fail("UNAVAILABLE", self.talker.unavailable().args[0])
             elif asyncio.current_task().cancelling() or not self._stopped:
                 raise  # this task was cancelled (the answer is closing), not only the call
         finally:
@@ -271,7 +283,7 @@ class TalkerStream:
         await out.put(_Done())
 
     async def _read_speech(self, call: grpc.aio.StreamStreamCall, out: asyncio.Queue) -> None:
-        name = self.stage.talker.name
+        name = self.talker.name
         while True:
             self._reading, self._read_since = True, time.monotonic()
             response = await call.read()
@@ -308,14 +320,16 @@ class TalkerStream:
         """Set the status from the talker's error; the client's error when it refused the request's voice
         before any text was let through (then the request fails as a whole, naming the field)."""
         details = exc.details() or ""
-        if not self.stage.talker.up and exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
-            self.fail("UNAVAILABLE", self.stage.talker.unavailable().args[0])  # went down under the call
+        if not self.talker.up and exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+            self.fail("UNAVAILABLE", self.talker.unavailable().args[0])  # went down under the call
             return None
+        if broken_stream(exc) or exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self.talker.unreachable(details)  # its watch takes it out now: new answers speak elsewhere
         if broken_stream(exc):  # the talker died under the call before its watch noticed
-            self.fail("UNAVAILABLE", f"{self.stage.talker.name}: the stream broke ({details})")
+            self.fail("UNAVAILABLE", f"{self.talker.name}: the stream broke ({details})")
             return None
         pushback = str(dict(exc.trailing_metadata() or ()).get(RETRY_PUSHBACK_KEY, "0"))
-        self.fail(exc.code().name, f"{self.stage.talker.name}: {details}", int(pushback) if pushback.isdigit() else 0)
+        self.fail(exc.code().name, f"{self.talker.name}: {details}", int(pushback) if pushback.isdigit() else 0)
         if (exc.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("config.")
                 and not self.status.voice and not self.released):
             return InvalidRequest(self.where + details.removeprefix("config."))
@@ -378,7 +392,7 @@ class SpokenAnswer:
         else:
             status.outcome = omni_pb2.AUDIO_OUTCOME_PARTIAL if status.samples else omni_pb2.AUDIO_OUTCOME_NONE
             if not status.code:
-                status.code, status.message = "UNAVAILABLE", f"{self.stage.talker.name}: the speech did not finish"
+                status.code, status.message = "UNAVAILABLE", f"{self.speech.talker.name}: the speech did not finish"
         self.stage.observe(status)
 
     async def _pump_text(self, text_events: AsyncIterator[omni_pb2.GenerateEvent | None]) -> None:

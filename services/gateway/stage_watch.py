@@ -3,9 +3,11 @@
 Every `interval_s` the watch asks the stage's health (each check with its own deadline). The stage is
 admitted when it answers SERVING and its `on_up` step passed (read its limits, send a warm-up request);
 it is marked down after `failures` checks in a row that did not say SERVING — a stage that crashed,
-hangs (SIGSTOP) or restarts. Going down fails at once the calls in flight on it (UNAVAILABLE naming the
-stage) and makes new requests that need it fail fast (or, for the talker, go on as text with an audio
-status); when the stage answers SERVING again (the launcher restarted it) it is admitted again.
+hangs (SIGSTOP) or restarts — or at once when a call finds it unreachable (`StageClient.unreachable`).
+Going down fails at once the calls in flight on it (UNAVAILABLE naming the stage) and makes new
+requests that need it fail fast (or, for the talker, go on as text with an audio status; with
+replicas, go to the others); when the stage answers SERVING again (the launcher restarted it) it is
+admitted again.
 Without this the gateway would wait on a hung stage until each request's deadline.
 """
 
@@ -59,6 +61,7 @@ class StageWatch:
         self.times_lost = 0
         self._task: asyncio.Task | None = None
         client.down_reason = "starting (not SERVING yet)"
+        client.on_unreachable = self._unreachable
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"watch-{self.client.name}")
@@ -121,6 +124,11 @@ class StageWatch:
         _log.info("stage %s %s", self.client.name, "SERVING again: re-admitted" if again else "admitted")
         self._changed()
         return ""
+
+    def _unreachable(self, why: str) -> None:
+        """A call found the stage unreachable: down now, without waiting for `failures` health checks."""
+        if self.client.up:
+            self._lose(f"a call found it unreachable ({why})")
 
     def _lose(self, why: str) -> None:
         self.client.down_reason = f"stopped answering: {why}"

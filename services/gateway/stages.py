@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -81,6 +81,8 @@ class StageClient:
         self.control = control_pb2_grpc.ControlStub(self.admin_channel) if self.admin_channel else None
         # Why the stage cannot take calls now ("" while it is SERVING); set by its StageWatch.
         self.down_reason = ""
+        # Its StageWatch's: a call found the stage unreachable (see `unreachable`).
+        self.on_unreachable: Callable[[str], None] | None = None
         self._calls: set[grpc.aio.Call] = set()
 
     @property
@@ -94,6 +96,13 @@ class StageClient:
     def check_up(self) -> None:
         if self.down_reason:
             raise self.unavailable()
+
+    def unreachable(self, why: str) -> None:
+        """A call got UNAVAILABLE (a replica killed, its port refusing) before the watch's health checks
+        noticed: the watch takes the stage out now, so that no new call goes to it (a replica with no
+        calls in flight is the least loaded), and admits it again once it answers SERVING."""
+        if self.up and self.on_unreachable is not None:
+            self.on_unreachable(why)
 
     def track(self, call: grpc.aio.Call) -> grpc.aio.Call:
         """Remember `call` until it ends, so that a stage found down fails it at once (`lose_calls`)."""
@@ -247,6 +256,9 @@ class ImageGenClient(StageClient):
     def __init__(self, name: str, address: str, max_message_bytes: int, **admin: Any) -> None:
         super().__init__(name, address, max_message_bytes, **admin)
         self.stub = imagegen_pb2_grpc.ImageGenStub(self.channel)
+        # What it denoises at once and lets wait (its Describe, read when it is admitted; 0: unknown).
+        self.max_running = 0
+        self.max_waiting = 0
 
     async def generate(
         self, request: imagegen_pb2.ImageGenRequest, timeout_s: float | None

@@ -57,7 +57,8 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
 
     def load_and_profile():
         with mem.meter():
-            models = load_talker(cfg.model.checkpoint, dtype=dtype, device=device, progress=progress)
+            models = load_talker(cfg.model.checkpoint, dtype=dtype, device=device, progress=progress,
+                                 dummy=cfg.model.load_format == "dummy")
             speaker = SpeakerEncoder(Path(cfg.model.checkpoint) / TALKER_DIR / "campplus.onnx", tcfg.speaker_threads)
             voices = VoiceBank(models, speaker, tcfg.default_voice, tcfg.max_reference_seconds)
             reporter.heartbeat("encoding the preset voices")

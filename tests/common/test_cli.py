@@ -184,7 +184,7 @@ def test_console_script_is_installed():
 
 def test_bench_refuses_bad_arguments_before_calling_anything(capsys):
     assert main(["bench", "--address", "127.0.0.1:1", "--kinds", "text,video"]) == 2
-    assert "--kinds: a comma-separated list of text, speech, image" in capsys.readouterr().err
+    assert "--kinds: a comma-separated list of text, vision, speech, image, mixed" in capsys.readouterr().err
     assert main(["bench", "--address", "127.0.0.1:1", "--concurrency", "0,2"]) == 2
     assert "--concurrency: expected positive integers" in capsys.readouterr().err
 

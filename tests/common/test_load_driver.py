@@ -83,3 +83,27 @@ def test_an_aborted_answer_and_speech_with_no_audio_are_not_done():
     complete = fin(reason=common_pb2.FINISH_REASON_STOP, audio=omni_pb2.AudioStatus(
         outcome=omni_pb2.AUDIO_OUTCOME_COMPLETE))  # fmt: skip
     assert finish_code("speech", complete) == "OK"
+
+
+def test_vision_requests_send_an_image_before_the_text_and_ask_for_text():
+    from omnistage.common.load_driver import make_request
+
+    req = make_request("vision", 3, RequestShape(input_image_px=64))
+    (image, text) = req.messages[0].parts
+    assert image.image.data.startswith(b"\x89PNG") and text.text and list(req.output_modalities) == [
+        omni_pb2.MODALITY_TEXT]
+    assert make_request("vision", 4, RequestShape(input_image_px=64)).messages[0].parts[0].image.data != image.image.data
+
+
+def test_a_mixed_run_cycles_the_kinds_and_judges_each_request_by_its_own():
+    from omnistage.common.load_driver import MIXED, make_request
+
+    shape = RequestShape(max_tokens=4, input_image_px=32)
+    kinds = [make_request("mixed", i, shape) for i in range(8)]
+    assert [r.request_id.split("-")[1] for r in kinds] == [*MIXED, *MIXED]
+    stub = FakeStub()
+    (summary,) = asyncio.run(run_plan(stub, list(plan(["mixed"], ["closed"], [4])), 8, shape))
+    # one unmeasured request of every kind first; the speech requests' audio made them OK
+    assert [c[0] for c in stub.calls[:4]] == [f"load-{k}-0" for k in MIXED]
+    assert (summary.kind, summary.requests, summary.ok, summary.errors) == ("mixed", 8, 8, {})
+    assert summary.ttfa_ms["p50"] is not None

@@ -5,6 +5,8 @@ tensor is read alone (CPU, stored dtype: float32 for the release's vision tower,
 copied into its parameter, so no full-precision copy of the model ever exists. Keys and shapes are
 checked from the shard headers first: a wrong checkpoint fails with one error naming every missing,
 unexpected and mis-shaped key. Deepstack mergers are checked but not materialised (Ming discards them).
+`dummy` (`model.load_format: dummy`) reads only config.json: random weights made in place on the
+device (common/checkpoint/dummy.py), Whisper's positional table computed there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omnistage.common.checkpoint.dummy import fill_dummy_
 from omnistage.common.checkpoint.shards import CheckpointError, iter_tensors, read_headers, shard_files
+from omnistage.common.checkpoint.tiny import whisper_sinusoids
 from omnistage.common.log import get_logger
 from omnistage.services.encoder.models.audio import AudioEncoder
 from omnistage.services.encoder.models.config import EncoderModelConfig, VisionConfig
@@ -99,10 +103,14 @@ def load_encoders(
     dtype: torch.dtype,
     device: str | torch.device,
     progress: Callable[[int, int], None] | None = None,
+    dummy: bool = False,
 ) -> EncoderModels:
-    """Build both towers from a Ming checkpoint folder; `progress(done_shards, total_shards)`."""
+    """Build both towers from a Ming checkpoint folder; `progress(done_shards, total_shards)`.
+    `dummy`: only config.json is read, the weights are random (`model.load_format: dummy`)."""
     root = Path(checkpoint_dir)
     config = EncoderModelConfig.from_checkpoint(root)
+    if dummy:
+        return dummy_encoders(config, dtype=dtype, device=device, progress=progress)
     shards = shard_files(root)
     headers = read_headers(shards)
     models = build_encoders(config, dtype=dtype, device=device)
@@ -125,4 +133,17 @@ def load_encoders(
             progress(n, len(mine))
     if untouched := sorted(set(targets) - loaded):
         raise CheckpointError(f"{root}: encoder tensors never loaded: {', '.join(untouched)}")
+    return models
+
+
+def dummy_encoders(config: EncoderModelConfig, *, dtype: torch.dtype, device: str | torch.device,
+                   progress: Callable[[int, int], None] | None = None, seed: int = 0) -> EncoderModels:
+    """Both towers with random weights in `dtype` on `device` (one progress step per tower)."""
+    models = build_encoders(config, dtype=dtype, device=device)
+    for n, (tower, offset) in enumerate(((models.vision, 0), (models.audio, 1)), start=1):
+        fill_dummy_(tower, seed + offset)
+        if progress is not None:
+            progress(n, 2)
+    a = config.audio
+    models.audio.audio.positional_embedding.copy_(whisper_sinusoids(a.n_ctx, a.n_state, device=device))
     return models

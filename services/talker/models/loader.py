@@ -5,7 +5,9 @@ Keys and shapes are checked from the shard headers first (`talker/model*.safeten
 DiT, aggregator and heads; `talker/vae/model*.safetensors` for the AudioVAE): a wrong checkpoint fails
 with one error naming every missing, unexpected and mis-shaped key. The VAE backbones' token
 embeddings (unused: they read embeddings) are accepted in any shape and not materialised. Rotary
-tables stay float32 whatever the dtype.
+tables stay float32 whatever the dtype. `dummy` (`model.load_format: dummy`) reads the configs, the
+tokenizer, the speaker model and the voices but no weights: random ones are made in place on the
+device (common/checkpoint/dummy.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omnistage.common.checkpoint.dummy import fill_dummy_
 from omnistage.common.checkpoint.shards import CheckpointError, iter_tensors, read_headers, shard_files
 from omnistage.common.log import get_logger
 from omnistage.services.talker.models.audio_vae import AudioVAE
@@ -107,39 +110,33 @@ def _fill(module: nn.Module, folder: Path, optional_ok: Callable[[str], bool],
 
 
 def load_talker(checkpoint_dir: str | Path, *, dtype: torch.dtype, device: str | torch.device,
-                progress: Callable[[int, int], None] | None = None) -> TalkerModels:
-    """Build the talker from `<checkpoint_dir>/talker/`; `progress(done_shards, total_shards)`."""
+                progress: Callable[[int, int], None] | None = None, dummy: bool = False) -> TalkerModels:
+    """Build the talker from `<checkpoint_dir>/talker/`; `progress(done_shards, total_shards)`.
+    `dummy`: random weights (`model.load_format: dummy`), one progress step per module."""
     tdir = Path(checkpoint_dir) / TALKER_DIR
     config = TalkerModelConfig.from_checkpoint(checkpoint_dir)
     prompt = TalkerPrompt(tdir)
     if prompt.vocab_size > config.llm.vocab_size:
         raise CheckpointError(f"{tdir}/llm: tokenizer has {prompt.vocab_size} tokens, the LM's vocab_size is "
                               f"{config.llm.vocab_size}")
-    total = len(shard_files(tdir)) + len(shard_files(tdir / "vae"))
+    total = 2 if dummy else len(shard_files(tdir)) + len(shard_files(tdir / "vae"))
     done = 0
 
     def step() -> None:
         nonlocal done
         done += 1
-        log.info("talker weights %d/%d shards", done, total)
+        log.info("talker weights %d/%d %s", done, total, "modules (dummy)" if dummy else "shards")
         if progress is not None:
             progress(done, total)
 
     if progress is not None:
         progress(0, total)
     talker, vae = build_talker(config, dtype=dtype, device=device)
-    _fill(talker, tdir, lambda key: False, step)
-    _fill(vae, tdir / "vae", lambda key: key.endswith(_UNUSED_VAE_SUFFIX), step)
+    if dummy:
+        for seed, module in enumerate((talker, vae)):
+            fill_dummy_(module, seed)
+            step()
+    else:
+        _fill(talker, tdir, lambda key: False, step)
+        _fill(vae, tdir / "vae", lambda key: key.endswith(_UNUSED_VAE_SUFFIX), step)
     return TalkerModels(config, talker, vae, prompt, tdir)
-
-
-def random_weights(models: TalkerModels, seed: int = 0) -> None:
-    """Fill every parameter with small seeded random values (benchmarks: real shapes, no checkpoint)."""
-    gen = torch.Generator().manual_seed(seed)
-    for module in (models.talker, models.vae):
-        for name, p in module.named_parameters():
-            cpu = torch.randn(p.shape, generator=gen) * (0.02 if p.dim() > 1 else 0.01)
-            if name.endswith("norm.weight") or "layernorm" in name or name.endswith(("norm1.weight", "norm2.weight",
-                                                                                       "norm_final.weight")):
-                cpu = cpu + 1.0
-            p.data.copy_(cpu)
