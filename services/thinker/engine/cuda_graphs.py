@@ -142,6 +142,7 @@ class DecodeGraphs:
         """Capture every size, largest first, into one memory pool; returns the bytes it took."""
         if not self.capture_enabled:
             return 0
+        torch.cuda.empty_cache()  # the capture empties the cache too: measure from an empty one
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
