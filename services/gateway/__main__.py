@@ -35,7 +35,7 @@ from omnistage.services.gateway.stages import (
     TalkerClient,
     ThinkerClient,
 )
-from omnistage.services.gateway.validation import RequestLimits
+from omnistage.services.gateway.validation import RequestLimits, wire_bounds
 from omnistage.v1 import common_pb2, control_pb2, omni_pb2, omni_pb2_grpc, talker_pb2
 
 
@@ -242,11 +242,12 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     images = _image_stage(cfg, svc) if cfg.services_of("imagegen") else None
     if images is not None:
         runtime.add_shutdown_hook(images.close)
+    limits = RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars, None)
     servicer = OmniServicer(
         thinker,
         deployed,
         max_concurrent_requests=gw.max_concurrent_requests,
-        limits=RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars, None),
+        limits=limits,
         system_prompt=gw.system_prompt,
         media_dir=gw.media_dir,
         media=media,
@@ -260,7 +261,8 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     stages = _Stages(runtime, cfg, svc, servicer,
                      WatchConfig(gw.stage_health_interval_s, gw.stage_health_timeout_s, gw.stage_health_failures))
     runtime.set_readiness_provider(stages.readiness)
-    runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")
+    runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni",
+                         bounds=wire_bounds(limits))
     runtime.set_limits_provider(
         lambda: control_pb2.Limits(
             max_running_requests=gw.max_concurrent_requests, max_message_bytes=svc.max_message_bytes

@@ -31,7 +31,7 @@ from omnistage.services.gateway.media_path import check_media_paths
 from omnistage.services.gateway.request_metrics import GatewayMetrics
 from omnistage.services.gateway.speech import SpeechStage, voice_choice
 from omnistage.services.gateway.stages import ThinkerClient
-from omnistage.services.gateway.validation import PlannedRequest, RequestLimits, plan_request
+from omnistage.services.gateway.validation import PlannedRequest, RequestLimits, check_counts, plan_request
 from omnistage.v1 import common_pb2, encoder_pb2, omni_pb2, omni_pb2_grpc, thinker_pb2
 
 # A text answer that ended so is followed by the image, when one is asked for too.
@@ -104,7 +104,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     async def _generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
                         arrived_at: float) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
-        paths = check_media_paths(request, self.media_dir)  # a file path is a permission question, asked first
+        check_counts(request, self.limits)  # before any per-message work
+        paths = check_media_paths(request, self.media_dir)  # a file path is a permission question, asked next
         plan = plan_request(request, self.deployed, self.system_prompt, self.limits)
         image = self._plan_image(request, plan)
         spoken = omni_pb2.MODALITY_AUDIO in plan.outputs
