@@ -37,7 +37,7 @@ from omnistage.common.config import (
     load_config,
 )
 from omnistage.common.preflight import preflight
-from omnistage.common.runtime.stage_main import LAUNCHER_PID_ENV
+from omnistage.common.runtime.orphan import LAUNCHER_PID_ENV
 from omnistage.common.runtime.status_file import StatusRecord, read_status, status_path
 from omnistage.common.supervision import HealthProbe, RestartBudget, hung_cause
 
@@ -521,6 +521,7 @@ class Launcher:
             if c.channel is not None:
                 c.channel.close()
                 c.channel = None
+        self.remove_segments_of(group)
 
     def report(self, headline: str, culprit: Child) -> None:
         now = time.time()
@@ -591,22 +592,25 @@ class Launcher:
             return self.supervise()
         finally:
             self.stop_all()
-            self.remove_segments_of_stopped()
             self.say("omnistage: all services stopped")
 
-    def remove_segments_of_stopped(self) -> None:
-        """Shared memory of children that could not close it (killed, or stopped before their pools
-        closed: a TP rank 0 stuck behind a stopped peer) goes now, not at the next start's sweep."""
+    def remove_segments_of(self, children: Sequence[Child]) -> None:
+        """Shared memory of exited children that could not close it (killed, or stopped before their
+        pools closed: a TP rank 0 stuck behind a stopped peer) goes as soon as they are gone: at each
+        group's stop, so also before a restart, not at the next start's sweep."""
         from omnistage.common.transport.host import sweep_stale_segments
 
-        pids = {c.proc.pid for c in self.children if c.proc.poll() is not None}
+        pids = {c.proc.pid for c in children if c.proc.poll() is not None}
+        if not pids:
+            return
         try:
             removed = sweep_stale_segments(owners=pids)
         except Exception as exc:  # noqa: BLE001 - the stop goes on; the next start's sweep retries
             self.say(f"omnistage: warning: shm clean-up failed: {exc}", self.err)
             return
         if removed:
-            self.say(f"omnistage: removed {len(removed)} shared-memory segment(s) the stopped services left", self.err)
+            names = ", ".join(sorted({c.label for c in children if c.proc.pid in pids}))
+            self.say(f"omnistage: removed {len(removed)} shared-memory segment(s) that {names} left", self.err)
 
 
 def _what(verb: str, cause: str) -> str:

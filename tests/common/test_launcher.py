@@ -254,14 +254,55 @@ def test_restarts_exhausted_stop_everything_and_exit_1(tmp_path, runs):
     assert_all_gone(run.child_pids().values())
 
 
+def segments_of(pids) -> list[str]:
+    """The /dev/shm segments owned by any of `pids`."""
+    from omnistage.common.transport.host import SHM_DIR, segment_owner_pid
+
+    return sorted(n for n in os.listdir(SHM_DIR) if segment_owner_pid(n) in set(pids))
+
+
 def test_children_exit_when_the_launcher_is_sigkilled(tmp_path, runs):
-    run = Run(tmp_path, TWO_SERVICES)
+    run = Run(tmp_path, TWO_SERVICES, env={"SYNTH_SHM": "1"})
     runs.append(run)
     run.wait_ready()
+    pids = run.child_pids()
+    assert len(segments_of(pids.values())) == 3
+    run.proc.kill()
+    run.proc.wait(timeout=10)
+    assert_all_gone(pids.values())
+    assert segments_of(pids.values()) == [], f"the orphans' shared memory outlived them\n{run.err}"
+
+
+def test_children_stuck_in_start_up_exit_with_a_sigkilled_launcher_leaving_no_shm(tmp_path, runs):
+    """A load that never ends (torch in a blocking thread) and a segment no graceful stop closes: the
+    children still go, and their segments with them, though nobody is left to sweep."""
+    run = Run(tmp_path, {"alpha": {"tp_size": 2}}, env={"SYNTH_SHM": "1", "SYNTH_TORCH_LOAD": "1"},
+              phase_deadlines_s={"loading_weights": 300.0})
+    runs.append(run)
+    wait_for(lambda: len(run.child_pids()) == 2 and len(segments_of(run.child_pids().values())) == 2, 60,
+             "both ranks loading with a segment each\n" + run.err)
     pids = run.child_pids()
     run.proc.kill()
     run.proc.wait(timeout=10)
     assert_all_gone(pids.values())
+    assert segments_of(pids.values()) == [], f"the orphans' shared memory outlived them\n{run.err}"
+
+
+def test_a_restarted_service_leaves_no_segment_of_its_old_process(tmp_path, runs):
+    run = Run(tmp_path, TWO_SERVICES, supervision=FAST_SUPERVISION, env={"SYNTH_SHM": "1"})
+    runs.append(run)
+    run.wait_ready()
+    before = run.child_pids()
+    assert len(segments_of([before["alpha r0"]])) == 1
+    os.kill(before["alpha r0"], signal.SIGKILL)
+    wait_for(lambda: "omnistage: alpha serving again (restart 1/3)" in run.out, 60, "alpha restarted\n" + run.err)
+    assert segments_of([before["alpha r0"], before["alpha r1"]]) == []  # swept at the restart, not at exit
+    assert "omnistage: removed 2 shared-memory segment(s) that alpha r0, alpha r1 left" in run.err
+    after = run.child_pids()
+    assert len(segments_of([after["alpha r0"], after["alpha r1"], after["front r0"]])) == 3
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_exit() == 0
+    assert segments_of([*before.values(), *after.values()]) == []
 
 
 def test_exit_after_ready_in_process(tmp_path, monkeypatch):

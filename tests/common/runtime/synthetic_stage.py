@@ -7,6 +7,8 @@ text drives the behaviour: `raise`, `invalid`, `overloaded`, or `n=<events> dela
 $SYNTH_TORCH_LOAD=1 makes its load run torch in a blocking thread that never ends. A synthetic gateway serves its capabilities' health names (text at once, the others
 $SYNTH_CAPABILITIES_AFTER_S later). $SYNTH_CRASH_AFTER=`<service>:<seconds>` makes every process of that service exit (code 5) that
 long after it is ready: a stage that keeps crashing, for the launcher's restart budget.
+$SYNTH_SHM=1 makes every process create a /dev/shm segment first thing and never close it (a
+producer whose pool no graceful stop reaches): the launcher, or the process's own watchdog, must.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from omnistage.common.runtime.stage_main import run_service
 from omnistage.v1 import common_pb2, control_pb2, omni_pb2, omni_pb2_grpc
 
 SCRIPT = str(Path(__file__).resolve())
+_LEAKED: list[Any] = []  # $SYNTH_SHM segments, never closed
 
 
 class SyntheticOmni(omni_pb2_grpc.OmniServicer):
@@ -73,6 +76,10 @@ def memory_report() -> list[control_pb2.MemoryReport]:
 async def build(runtime: Any, cfg: Any, svc: Any, rank: int) -> None:
     step = float(os.environ.get("SYNTH_STEP_S", "0.02"))
     r = runtime.reporter
+    if os.environ.get("SYNTH_SHM"):
+        from omnistage.common.transport.host import Segment
+
+        _LEAKED.append(Segment.create(4096))
     r.enter("loading_weights", total=3, unit="shards")
     if os.environ.get("SYNTH_TORCH_LOAD"):  # a load that runs torch in a blocking thread until stopped
         await in_daemon_thread(lambda: _torch_forever(lambda: r.heartbeat("torch running")), "synthetic-load")
