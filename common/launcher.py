@@ -37,6 +37,7 @@ from omnistage.common.config import (
     load_config,
 )
 from omnistage.common.preflight import preflight
+from omnistage.common.runtime import auth
 from omnistage.common.runtime.orphan import LAUNCHER_PID_ENV
 from omnistage.common.runtime.status_file import StatusRecord, read_status, status_path
 from omnistage.common.supervision import HealthProbe, RestartBudget, hung_cause
@@ -178,6 +179,7 @@ class Launcher:
         self.groups: list[Group] = []
         self.stop_signal: int | None = None
         self.started = time.monotonic()
+        self.stage_key = auth.new_stage_key()  # this run's, unless $OMNISTAGE_STAGE_KEY pins one
 
     @property
     def children(self) -> list[Child]:
@@ -208,6 +210,7 @@ class Launcher:
         path.unlink(missing_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMNISTAGE_SERVICE=svc.name)
         env[LAUNCHER_PID_ENV] = str(os.getpid())
+        env[auth.STAGE_KEY_ENV] = self.stage_key  # stages take calls only from the deployment's processes
         # Own process group: stopping a service reaches its helpers too, and only ours.
         proc = subprocess.Popen(self.command(svc, rank), env=env, start_new_session=True)
         child = Child(svc, rank, proc, path, time.time())
@@ -688,11 +691,20 @@ def launch(
     launcher = Launcher(cfg, Path(cfg_path).resolve(), overrides, rdir, {**MODULES, **(modules or {})}, out, err)
     previous = _install_signals(launcher)
     try:
+        key_file = auth.publish_stage_key(cfg_path, launcher.stage_key) if auth.stage_key({
+            auth.STAGE_KEY_ENV: launcher.stage_key}) else None
+    except (OSError, auth.SecretError) as exc:
+        key_file = None
+        print(f"omnistage: warning: the CLI will need ${auth.STAGE_KEY_ENV} for the stages' Control: {exc}",
+              file=err, flush=True)
+    try:
         return launcher.run(Path(ready_file) if ready_file else None, exit_after_ready)
     except ConfigError as exc:
         print(f"omnistage: config error: {exc}", file=err, flush=True)
         return 2
     finally:
+        if key_file is not None:
+            auth.withdraw_stage_key(key_file, launcher.stage_key)
         sweep.join(timeout=_SWEEP_WAIT_S)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
 import pytest
+from omnistage.common.runtime.auth import STAGE_KEY_ENV, STAGE_KEY_OFF
+
+# Tests call stages directly (Thinker.Abort, Control.Describe of a stage) next to the pipelines they
+# start: no stage key unless a test sets one (tests/common/runtime/test_runtime_stage_key.py does).
+os.environ.setdefault(STAGE_KEY_ENV, STAGE_KEY_OFF)
 
 
 def _promtool() -> str:

@@ -167,9 +167,9 @@ class ServiceRuntime:
                               f"{join_host_port(self.cfg.host, self._metrics_port)}: {exc}") from exc
         if not self.serves_grpc:
             return
-        self._api_keys = auth.api_keys(self.svc)
+        self._api_keys = auth.with_stage_key(auth.api_keys(self.svc), self.svc)  # a stage: the stage key too
         credentials = auth.server_credentials(self.svc)
-        admin_keys = auth.admin_keys(self.svc)
+        admin_keys = auth.with_stage_key(auth.admin_keys(self.svc), self.svc)
         if self.svc.kind != "gateway" and not _is_loopback(self.svc.bind_host):
             log_fields(_log, logging.WARNING, "internal service listens beyond this host", bind_host=self.svc.bind_host,
                        hint=f"services.{self.name}.bind_host: only the gateway needs outside clients")
