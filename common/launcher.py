@@ -28,6 +28,7 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import (
+    CAPABILITIES,
     CAPABILITY_HEALTH_PREFIX,
     STARTUP_PHASES,
     ConfigError,
@@ -50,6 +51,8 @@ MODULES: dict[str, str] = {
     "talker": "omnistage.services.talker",
     "imagegen": "omnistage.services.imagegen",
 }
+# A restarted stage is announced "serving again" once the gateway admits it, or after this long.
+_ADMIT_WAIT_S = 60.0
 # After SIGKILL, how long to wait for the kernel to reap a child before reporting it.
 _KILL_WAIT_S = 5.0
 # The stale-shm sweep runs beside the start; the launcher waits at most this long for it at exit.
@@ -149,6 +152,8 @@ class Group:
     restart_at: float = 0.0
     # Number of the restart now under way (0: the first start).
     attempt: int = 0
+    # A restart: when every rank was ready again (the gateway's admission is awaited from then on).
+    admit_since: float = 0.0
 
     @property
     def active(self) -> bool:
@@ -434,9 +439,28 @@ class Launcher:
                     culprit = self._root_cause(c)
                     return culprit, f"failed while restarting: {culprit.cause}"
         if all(c.ready for c in g.children):
-            g.state = "serving"
-            self.say(f"omnistage: {g.svc.name} serving again (restart {g.attempt}/{self.cfg.supervision.max_restarts})")
+            if not g.admit_since:
+                g.admit_since = now
+            pending = self.admission_pending(g)
+            restart = f"restart {g.attempt}/{self.cfg.supervision.max_restarts}"
+            if pending and now - g.admit_since <= _ADMIT_WAIT_S:
+                return None  # up, but clients cannot reach it through the gateway yet
+            g.state, g.admit_since = "serving", 0.0
+            if pending:
+                self.say(f"omnistage: {g.svc.name} serving again ({restart}), but the gateway has not admitted it "
+                         f"after {_ADMIT_WAIT_S:g}s: {', '.join(pending)} not ready (`omnistage status` tells why)",
+                         self.err)  # fmt: skip
+            else:
+                self.say(f"omnistage: {g.svc.name} serving again ({restart})")
         return None
+
+    def admission_pending(self, g: Group) -> list[str]:
+        """The capabilities that need the restarted stage `g` and that a serving gateway does not serve
+        yet: the gateway admits a stage that is back only after its own health check and warm-up."""
+        needed = [c for c, kinds in CAPABILITIES.items() if g.svc.kind in kinds and c in self.cfg.capabilities()]
+        gateways = [c for gw in self.groups if gw.svc.kind == "gateway" and gw.state == "serving" and gw is not g
+                    for c in gw.children if c.rank == 0]  # fmt: skip
+        return [c for gw in gateways for c in needed if not self.healthy(gw, CAPABILITY_HEALTH_PREFIX + c)]
 
     def restart(self, g: Group, culprit: Child, what: str, now: float) -> bool:
         """Stop the whole group and schedule its restart after the backoff; False when none is left."""
@@ -457,7 +481,7 @@ class Launcher:
         """Start every rank of a stopped group again (the start-up deadlines apply)."""
         self.say(f"omnistage: restarting {g.svc.name} (attempt {g.attempt}/{self.cfg.supervision.max_restarts})")
         g.children = [self.spawn(g.svc, r) for r in range(g.svc.tp_size)]
-        g.state = "starting"
+        g.state, g.admit_since = "starting", 0.0
 
     def watch_phases(self) -> None:
         """After start-up: say when a service enters or leaves draining (Control.Drain / Resume)."""

@@ -42,9 +42,13 @@ class StageError(OmniError):
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Message bounds, and HTTP/2 keepalive pings so that a stage host that vanished (no FIN, no RST)
-    ends the gateway's calls on it instead of leaving them open until their deadlines."""
+    """Message bounds, HTTP/2 keepalive pings so that a stage host that vanished (no FIN, no RST)
+    ends the gateway's calls on it instead of leaving them open until their deadlines, and reconnect
+    attempts at most 1 s apart, so a restarted stage is reached as soon as it listens (grpc's default
+    backoff grows to minutes)."""
     return [
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 10_000),

@@ -241,6 +241,26 @@ def test_hung_and_killed_services_are_restarted_a_tp_group_as_a_whole(tmp_path, 
     assert_all_gone([*before.values(), *run.child_pids().values()])
 
 
+def test_a_restarted_stage_is_serving_again_once_the_gateway_admits_it(tmp_path, runs):
+    run = Run(tmp_path, TWO_SERVICES, supervision=FAST_SUPERVISION, env={"SYNTH_GATEWAY_WATCH": "alpha:3"})
+    runs.append(run)
+    address = run.wait_ready()
+    os.kill(run.child_pids()["alpha r1"], signal.SIGKILL)
+    wait_for(lambda: "omnistage: alpha serving again (restart 1/3)" in run.out, 60, "alpha restarted\n" + run.err)
+    assert serving_capability(address, "text")  # the gateway serves text again: it admitted alpha
+    out = run.out
+    assert out.index("synthetic gateway: admitted alpha") < out.index("omnistage: alpha serving again")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_exit() == 0
+
+
+def serving_capability(address: str, capability: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=f"omnistage.v1.Omni.{capability}"), timeout=5)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_restarts_exhausted_stop_everything_and_exit_1(tmp_path, runs):
     supervision = {**FAST_SUPERVISION, "max_restarts": 2, "backoff_initial_s": 0.1}
     run = Run(tmp_path, {"alpha": {}}, supervision=supervision, env={"SYNTH_CRASH_AFTER": "alpha:2.0"})
