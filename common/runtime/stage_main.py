@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn
 
@@ -29,6 +30,10 @@ _log = logging.getLogger(__name__)
 BuildFn = Callable[[ServiceRuntime, DeployConfig, ServiceConfig, int], Awaitable[None]]
 # How long a cancelled build gets to unwind when a stop arrives during start-up.
 _BUILD_CANCEL_WAIT_S = 5.0
+# Once stopped, how long the rest may take (the event loop's and the interpreter's clean-up: worker
+# threads joined, atexit) before the process ends itself with its code: the launcher must not find a
+# stopped service still running ("ignored SIGTERM, killing") because a thread did not end.
+_EXIT_WAIT_S = 1.0
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -72,6 +77,29 @@ async def serve(runtime: ServiceRuntime, build: BuildFn) -> int:
         return 1
 
 
+async def _serve_then_exit(runtime: ServiceRuntime, build: BuildFn) -> int:
+    """`serve`, then a timer that ends the process `_EXIT_WAIT_S` later if its clean-up has not."""
+    code = await serve(runtime, build)
+
+    def exit_now() -> None:
+        _log.warning("still running %.1fs after stopping (a thread that does not end): exiting", _EXIT_WAIT_S)
+        _exit_flushed(code)
+
+    timer = threading.Timer(_EXIT_WAIT_S, exit_now)
+    timer.daemon = True
+    timer.start()
+    return code
+
+
+def _exit_flushed(code: int) -> NoReturn:
+    """End the process now, without the interpreter's finalization, its output flushed."""
+    before_exit()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoReturn:
     """Entry point of a service process; `kind` (None: any) must match the configured kind.
 
@@ -97,7 +125,7 @@ def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoRetu
     setup_logging(svc.name, args.rank, cfg.log_level, cfg.log_format)
     watch_parent()
     runtime = ServiceRuntime(cfg, svc, args.rank, run_dir=args.run_dir)
-    code = asyncio.run(serve(runtime, build))
+    code = asyncio.run(_serve_then_exit(runtime, build))
     # Stopped already: a late SIGTERM (the launcher stopping the other ranks) must not turn this clean
     # exit into "killed by SIGTERM" while the interpreter finalizes; a stuck exit still meets SIGKILL.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -108,8 +136,5 @@ def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoRetu
         # Stopped in the middle of a load: finalizing the interpreter under that thread would abort
         # the process (SIGABRT) instead of ending it with its code (see blocking.py).
         logging.getLogger(__name__).info("exiting without finalization: %s still running", ", ".join(busy))
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_flushed(code)
     sys.exit(code)

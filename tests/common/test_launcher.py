@@ -135,6 +135,19 @@ def test_ready_then_sigterm_stops_every_child_and_exits_0(tmp_path, runs):
     assert_all_gone(pids.values())
 
 
+def test_a_service_whose_clean_up_hangs_after_stopping_still_exits_on_sigterm(tmp_path, runs):
+    """A thread that does not end must not keep a stopped service alive until the launcher's SIGKILL."""
+    run = Run(tmp_path, {"alpha": {}}, env={"SYNTH_SLOW_EXIT": "1"})
+    runs.append(run)
+    run.wait_ready()
+    pids = run.child_pids()
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_exit() == 0, run.err
+    assert "ignored SIGTERM" not in run.err and "killed by" not in run.err, run.err
+    assert "still running 1.0s after stopping (a thread that does not end): exiting" in run.err
+    assert_all_gone(pids.values())
+
+
 def test_ready_waits_for_every_capability_the_gateway_serves_text_before(tmp_path, runs):
     services = {"alpha": {}, "voice": {"kind": "talker"}, "front": {"kind": "gateway"}}
     run = Run(tmp_path, services, env={"SYNTH_CAPABILITIES_AFTER_S": "2"})
