@@ -334,3 +334,45 @@ def test_spoken_turns_without_an_encoder_are_failed_precondition_naming_it():
 
     err = run(scenario())
     assert err.code == grpc.StatusCode.FAILED_PRECONDITION and str(err).startswith("audio: spoken turns need the 'encoder'")
+
+
+def test_a_stage_error_that_comes_with_the_calls_cancellation_is_not_left_unretrieved():
+    """The encoder's DEADLINE_EXCEEDED and the call's own cancellation in one loop turn: no
+    'Task exception was never retrieved' (asyncio logs it through the loop's exception handler)."""
+    import gc
+
+    from omnistage.services.gateway.converse import Conversation
+    from omnistage.services.gateway.stages import StageError
+
+    async def main() -> list[dict]:
+        loop = asyncio.get_running_loop()
+        unhandled: list[dict] = []
+        loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
+        gate = loop.create_future()
+
+        async def events():
+            await gate
+            raise StageError("encoder", grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                                             grpc.aio.Metadata(), "Deadline Exceeded"))
+            yield  # an async generator
+
+        conversation = Conversation.__new__(Conversation)
+        conversation.newer_turn = asyncio.Event()
+
+        async def consume():
+            async for _ in conversation._interruptible(events()):
+                pass
+
+        consumer = asyncio.create_task(consume())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        gate.set_result(None)  # the encoder's error ...
+        consumer.cancel()  # ... and the call's deadline, together
+        await asyncio.gather(consumer, return_exceptions=True)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        gc.collect()
+        return unhandled
+
+    unhandled = run(main())
+    assert not [c for c in unhandled if "never retrieved" in c.get("message", "")], unhandled
