@@ -37,6 +37,7 @@ from omnistage.common.config import (
     StartupConfig,
     load_config,
 )
+from omnistage.common.oom_kills import oom_kill_count, oom_killed_since
 from omnistage.common.preflight import preflight
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.orphan import LAUNCHER_PID_ENV
@@ -88,6 +89,8 @@ class Child:
     stopped: bool = False
     # phase → when this process entered it, as seen in its status file (kept after it moves on/fails).
     entered: dict[str, float] = field(default_factory=dict)
+    # The OOM killer's count when it was started (None: this system tells none).
+    oom_kills_before: int | None = None
 
     @property
     def label(self) -> str:
@@ -114,14 +117,16 @@ class Child:
         return " ".join(p for p in (self.label, phase, progress, f"({now - beat:.1f}s ago)") if p)
 
 
-def exit_cause(returncode: int, rec: StatusRecord | None) -> str:
+def exit_cause(returncode: int, rec: StatusRecord | None, oom_kills_before: int | None = None) -> str:
     """Why a child ended: its exit code or signal, plus the failure it wrote, if any. Exit code 1
-    after phase `failed` is the service's own failure exit: just `failed: <why>`."""
+    after phase `failed` is the service's own failure exit: just `failed: <why>`. A SIGKILL is called
+    out of memory only when the OOM killer's count rose since `oom_kills_before` (its spawn)."""
     if returncode == 1 and rec is not None and rec.phase == "failed" and rec.failure:
         return f"failed: {rec.failure}"
     if returncode < 0:
         name = signal.Signals(-returncode).name
-        cause = f"killed by {name}" + (" (out of memory? see dmesg)" if name == "SIGKILL" else "")
+        oom = name == "SIGKILL" and oom_killed_since(oom_kills_before)
+        cause = f"killed by {name}" + (" (out of memory: the kernel's OOM killer ended it; see dmesg)" if oom else "")
     else:
         cause = f"exited with code {returncode}"
     if rec is not None and rec.failure:
@@ -217,8 +222,9 @@ class Launcher:
         env[LAUNCHER_PID_ENV] = str(os.getpid())
         env[auth.STAGE_KEY_ENV] = self.stage_key  # stages take calls only from the deployment's processes
         # Own process group: stopping a service reaches its helpers too, and only ours.
+        oom_kills = oom_kill_count()
         proc = subprocess.Popen(self.command(svc, rank), env=env, start_new_session=True)
-        child = Child(svc, rank, proc, path, time.time())
+        child = Child(svc, rank, proc, path, time.time(), oom_kills_before=oom_kills)
         with contextlib.suppress(OSError, AttributeError):
             child.pidfd = os.pidfd_open(proc.pid)
         self.say(f"omnistage: started {child.label} (pid {proc.pid})")
@@ -252,7 +258,7 @@ class Launcher:
             if not named.cause:
                 rec = named.refresh()
                 if named.proc.poll() is not None:
-                    named.cause = exit_cause(named.proc.returncode, rec)
+                    named.cause = exit_cause(named.proc.returncode, rec, named.oom_kills_before)
                 else:  # alive but silent (stopped, hung): the peer's diagnostic says what it saw
                     named.cause = rec.failure if rec is not None and rec.failure else mine.failure
             return named
@@ -266,7 +272,7 @@ class Launcher:
         if earliest is not first and not earliest.cause:
             rec = earliest.status
             exited = earliest.proc.poll() is not None
-            earliest.cause = exit_cause(earliest.proc.returncode, rec) if exited else f"failed: {rec.failure}"
+            earliest.cause = exit_cause(earliest.proc.returncode, rec, earliest.oom_kills_before) if exited else f"failed: {rec.failure}"
         return earliest
 
     def _rank_of(self, child: Child, rank: int) -> Child | None:
@@ -280,7 +286,7 @@ class Launcher:
         for c in children:
             if c.proc.poll() is not None:
                 c.refresh()
-                c.cause = exit_cause(c.proc.returncode, c.status)
+                c.cause = exit_cause(c.proc.returncode, c.status, c.oom_kills_before)
                 return c
         return None
 
@@ -536,7 +542,7 @@ class Launcher:
             else:  # helpers left in the child's process group go too
                 _signal_group(c, signal.SIGKILL, leader_gone=True)
                 if c.proc.returncode != 0 and not c.cause and c.proc.returncode != -signal.SIGKILL:
-                    self.say(f"omnistage: {c.label} {exit_cause(c.proc.returncode, None)} while stopping",
+                    self.say(f"omnistage: {c.label} {exit_cause(c.proc.returncode, None, c.oom_kills_before)} while stopping",
                              self.err)
             c.stopped = True
             if c.probe is not None:
@@ -557,7 +563,7 @@ class Launcher:
             if c is not culprit and not c.cause:
                 c.refresh()
                 if c.proc.poll() is not None:
-                    c.cause = exit_cause(c.proc.returncode, c.status)
+                    c.cause = exit_cause(c.proc.returncode, c.status, c.oom_kills_before)
                 elif not c.ready:
                     c.cause = self.group_cause(c, now)
             cause = c.cause or ("ready" if c.ready else "not ready yet")
