@@ -9,9 +9,11 @@ memory → ImageGen, one step at the smallest size), then serves.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import io
 import sys
+import time
 
 from omnistage.common.config import CAPABILITIES, DeployConfig, ServiceConfig
 from omnistage.common.memory.report import export_host_memory
@@ -24,6 +26,7 @@ from omnistage.services.gateway.admission import GateConfig, StageGate
 from omnistage.services.gateway.converse import ConverseLimits
 from omnistage.services.gateway.imaging import ImageLimits, ImageStage
 from omnistage.services.gateway.media import MediaStage
+from omnistage.services.gateway.pace import PaceMeter, StepPace
 from omnistage.services.gateway.prompt import Turn, build_chat
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
@@ -92,6 +95,28 @@ def _image_stage(cfg: DeployConfig, svc: ServiceConfig) -> ImageStage:
     # Releases only (hidden states that never reach ImageGen): the gateway maps no bytes of them. A
     # GPU image stage can open CUDA IPC handles, so hidden states made on a GPU may stay there.
     return ImageStage(client, TransportContext(), ImageLimits.of(g.imagegen, None), allow_cuda_ipc=g.device == "cuda")
+
+
+# Tokens of each timed warm-up request that seeds the thinker's pace (its steps at batch 1 and full).
+_PACE_TOKENS = 8
+
+
+async def _seed_pace(thinker: ThinkerClient, pace: StepPace, full_batch: int) -> None:
+    """Timed warm-ups: one request alone, then a full batch at once (the thinker's max_running, when
+    known); each gives the step time at its batch, so the first burst is admitted by what it costs."""
+    sampling = common_pb2.SamplingParams(max_tokens=_PACE_TOKENS, ignore_eos=True, temperature=0.0)
+    prompt = build_chat([Turn("user", "warm-up")])
+
+    async def one(name: str, meter: PaceMeter, batch: int) -> None:
+        async for ev in thinker.generate(name, prompt, sampling, 120.0):
+            if ev.WhichOneof("event") == "delta":
+                meter.tokens(time.monotonic(), len(ev.delta.token_ids), batch)
+
+    for batch in sorted({1, max(1, full_batch)}):
+        meters = [PaceMeter() for _ in range(batch)]
+        await asyncio.gather(*(one(f"gateway-pace-{batch}-{i}", m, batch) for i, m in enumerate(meters)))
+        for measured in filter(None, (m.measured() for m in meters)):
+            pace.observe(batch, measured[1])
 
 
 async def _warm_up_thinker(thinker: ThinkerClient) -> None:
@@ -179,7 +204,9 @@ class _Stages:
         if desc is not None:
             s.limits = dataclasses.replace(s.limits, max_model_len=desc.limits.max_model_len or None)
             s.thinker_gate.set_capacity(desc.limits.max_running_requests)
+            s.default_max_tokens = desc.limits.default_max_tokens
         await self._through(client, _warm_up_thinker(client))
+        await self._through(client, _seed_pace(client, s.pace, s.thinker_gate.cfg.max_running))
 
     async def _needs_thinker(self, what: str) -> None:
         """Warm-ups through the thinker wait for its admission (bounded by gateway.stage_wait_s)."""

@@ -114,10 +114,11 @@ class StageGate:
 
     def _late(self, wait: float, work_s: float, remaining_s: float, path: str = "") -> Overloaded:
         self.refused += 1
+        state = "at capacity " if wait else ""
         return Overloaded(
-            f"{self.stage}: at capacity ({self.running} running, {self.waiting} waiting); the estimated wait "
+            f"{self.stage}: {state}({self.running} running, {self.waiting} waiting); the estimated wait "
             f"{wait:.1f}s plus {work_s:.1f}s of service{path} exceeds the {remaining_s:.1f}s left to the "
-            f"deadline", retry_after_ms=max(1, int(wait * 1000)), reason=f"{self.stage}_deadline",
+            f"deadline", retry_after_ms=max(1, int((wait or self.service_s) * 1000)), reason=f"{self.stage}_deadline",
         )  # fmt: skip
 
     @contextlib.asynccontextmanager
@@ -168,17 +169,22 @@ class StageGate:
                 fut.set_result(None)
 
 
-def check_path(gates: list[StageGate], remaining_s: float | None) -> None:
+def check_path(gates: list[StageGate], remaining_s: float | None, work_s: dict[str, float] | None = None) -> None:
     """A request that passes `gates` one after another (encoder, thinker, image stage): refused now
-    when a waiting room on its path is full, or when one of them has to wait and the sum of every
-    stage's estimated wait and service time does not fit in the `remaining_s` to its deadline (the
-    stage that makes it wait longest is named). Each slot is judged again when it is taken."""
+    when a waiting room on its path is full, or when the sum of every stage's estimated wait and
+    service time does not fit in the `remaining_s` to its deadline (the stage that makes it wait
+    longest, or whose work is largest, is named). `work_s`: stage → this request's own service time
+    (the thinker's: its tokens at the measured pace, pace.py), judged even when a slot is free; other
+    stages count their mean service time, and only when one of them has to wait. Each slot is judged
+    again when it is taken."""
+    work_s = work_s or {}
     waits = [(gate.check_room(), gate) for gate in gates]
-    if remaining_s is None or not any(wait for wait, _ in waits):
+    if remaining_s is None or not (any(wait for wait, _ in waits) or any(g.stage in work_s for _, g in waits)):
         return
-    total = sum(wait + gate.service_s for wait, gate in waits)
+    service = {gate.stage: work_s.get(gate.stage, gate.service_s) for _, gate in waits}
+    total = sum(wait + service[gate.stage] for wait, gate in waits)
     if total > remaining_s:
-        wait, worst = max(waits, key=lambda wg: wg[0])
-        others = total - wait - worst.service_s
+        wait, worst = max(waits, key=lambda wg: (wg[0] + service[wg[1].stage], wg[0]))
+        others = total - wait - service[worst.stage]
         path = f" (and {others:.1f}s at the other stages of its path)" if others > 0 else ""
-        raise worst._late(wait, worst.service_s, remaining_s, path)
+        raise worst._late(wait, service[worst.stage], remaining_s, path)

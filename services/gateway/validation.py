@@ -68,6 +68,7 @@ class PlannedRequest:
     sampling: common_pb2.SamplingParams
     outputs: frozenset[int]
     media: tuple[MediaPart, ...] = ()
+    prompt_chars: int = 0  # with its chat markup (media placeholders not counted)
 
     def chat(self, encoded: Sequence[encoder_pb2.EncodedItem] = ()) -> thinker_pb2.ChatPrompt:
         """The thinker's prompt; `encoded[i]` (the encoder's output for media[i]) sizes its placeholders."""
@@ -197,4 +198,5 @@ def plan_request(
             f"messages: the prompt has {chars} characters with its chat markup, the limit is "
             f"{limits.max_prompt_chars} (max_prompt_chars)"
         )
-    return PlannedRequest(request_id, tuple(turns), system_prompt, req.sampling, frozenset(outputs), tuple(media))
+    return PlannedRequest(request_id, tuple(turns), system_prompt, req.sampling, frozenset(outputs), tuple(media),
+                          chars)
