@@ -16,6 +16,7 @@ Finish ends the stream.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -109,7 +110,11 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
     async def _generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
                         arrived_at: float) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
         check_counts(request, self.limits)  # before any per-message work
-        paths = check_media_paths(request, self.media_dir)  # a file path is a permission question, asked next
+        # A file path is a permission question, asked next; resolving thousands of them (realpath,
+        # stat) is file-system work for a worker thread, not the event loop (without a media_dir the
+        # first path is refused at once).
+        paths = (await asyncio.to_thread(check_media_paths, request, self.media_dir) if self.media_dir
+                 else check_media_paths(request, self.media_dir))  # fmt: skip
         plan = plan_request(request, self.deployed, self.system_prompt, self.limits)
         image = self._plan_image(request, plan)
         spoken = omni_pb2.MODALITY_AUDIO in plan.outputs

@@ -104,3 +104,18 @@ def test_the_counts_come_before_the_path_check(tmp_path, media):
     code, details = asyncio.run(_status(tmp_path, "", request))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details == f"messages: {RequestLimits().max_messages + 1} messages, at most 256 (max_messages)"
+
+
+def test_paths_are_resolved_off_the_event_loop(tmp_path, media, monkeypatch):
+    """Resolving every path (realpath, stat: 16 k of them at the bounds) is a worker thread's job."""
+    import threading
+
+    from omnistage.services.gateway import server
+
+    threads = []
+    real = server.check_media_paths
+    monkeypatch.setattr(server, "check_media_paths",
+                        lambda request, media_dir: threads.append(threading.current_thread()) or real(request, media_dir))
+    code, _ = asyncio.run(_status(tmp_path, str(media), image_request("cat.png")))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION  # resolved, then: no encoder
+    assert threads and threads[0] is not threading.main_thread()
