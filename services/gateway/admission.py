@@ -77,9 +77,10 @@ class StageGate:
     def has_room(self) -> bool:
         return not self.cfg.max_running or (self.running < self.cfg.max_running and not self._waiters)
 
-    def estimated_wait_s(self, ahead: int | None = None) -> float:
+    def estimated_wait_s(self, ahead: int | None = None, service_s: float | None = None) -> float:
         """Seconds until a request arriving now (behind `ahead` waiters) gets a slot: the running and
-        waiting requests drain `max_running` at a time, each taking the mean service time."""
+        waiting requests drain `max_running` at a time, each taking the mean service time (or
+        `service_s`: what requests like this one take at the measured pace)."""
         if not self.cfg.max_running:
             return 0.0
         ahead = self.waiting if ahead is None else ahead
@@ -90,7 +91,7 @@ class StageGate:
         # missed their deadlines (17 of 161 on the H100 Poisson run, bench/RESULTS.md); this admits
         # only what finishes in time (0 misses), at about the same goodput.
         waves = math.ceil((ahead + 1) / self.cfg.max_running)
-        return self.service_s * waves
+        return (self.service_s if service_s is None else service_s) * waves
 
     def check(self, remaining_s: float | None, work_s: float = 0.0) -> float:
         """Refuse now (Overloaded) when a request with `remaining_s` to its deadline cannot get a slot
@@ -182,6 +183,10 @@ def check_path(gates: list[StageGate], remaining_s: float | None, work_s: dict[s
     if remaining_s is None or not (any(wait for wait, _ in waits) or any(g.stage in work_s for _, g in waits)):
         return
     service = {gate.stage: work_s.get(gate.stage, gate.service_s) for _, gate in waits}
+    # Where the request's own cost is known, the requests ahead of it are taken to cost as much
+    # (a burst of alike requests), when that is more than their measured mean.
+    waits = [(gate.estimated_wait_s(service_s=max(gate.service_s, work_s[gate.stage])) if wait and gate.stage in work_s
+              else wait, gate) for wait, gate in waits]  # fmt: skip
     total = sum(wait + service[gate.stage] for wait, gate in waits)
     if total > remaining_s:
         wait, worst = max(waits, key=lambda wg: (wg[0] + service[wg[1].stage], wg[0]))

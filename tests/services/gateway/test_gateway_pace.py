@@ -85,3 +85,12 @@ def test_the_gateway_admits_by_max_tokens_at_the_measured_pace_of_the_batch_it_j
     assert servicer.pace.work_s(256, len("Hello"), admitted) <= 15.0
     unmeasured = OmniServicer(None, {"thinker"}, max_concurrent_requests=10, limits=RequestLimits(), system_prompt="")
     assert unmeasured._thinker_work(_plan(256), image=False) == {}  # nothing measured yet: slots alone
+
+
+def test_a_waiter_behind_requests_like_it_counts_their_cost_not_the_initial_guess():
+    """The initial 2 s slot time would admit a waiter whose wait is really the running batch's 12 s."""
+    gate = StageGate("thinker", GateConfig(max_running=2, max_waiting=64, initial_service_s=2.0))
+    gate.running = 2
+    check_path([gate], 15.0)  # slots alone: wait 2 s + 2 s fits
+    with pytest.raises(Overloaded, match=r"at capacity .* wait 12\.0s plus 12\.0s of service"):
+        check_path([gate], 15.0, {"thinker": 12.0})
