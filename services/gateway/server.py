@@ -130,6 +130,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         self._admit(context, [*(["encoder"] if plan.media else []), "thinker", *(["imagegen"] if image else [])],
                     self._thinker_work(plan, image is not None))
         self.in_flight += 1
+        on_its_way = self.thinker_gate.on_its_way()  # admitted: counted at the thinker's gate from now
+        on_its_way.__enter__()
         try:
             finish: omni_pb2.GenerateEvent | None = None
             if image is None or plan.outputs - {omni_pb2.MODALITY_IMAGE}:
@@ -158,6 +160,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             finish.finish.usage.CopyFrom(usage)
             yield finish
         finally:
+            on_its_way.__exit__(None, None, None)
             self.in_flight -= 1
 
     def _plan_image(self, request: omni_pb2.GenerateRequest, plan: PlannedRequest) -> ImagePlan | None:
@@ -241,6 +244,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         finished = False
         mode = {"hidden_states": hidden_states} if hidden_states is not None else {}
         pace = PaceMeter()
+        self.thinker_gate.arrived()  # no longer counted as on its way to this gate
         async with self.thinker_gate.slot(context.time_remaining()):  # a slot of the thinker's tested batch
             stream = self.thinker.generate(
                 plan.request_id, plan.chat(encoded), plan.sampling, context.time_remaining(),
@@ -258,10 +262,10 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                 raise self.thinker.error(exc) from exc
             finally:
                 await stream.aclose()
+                if (measured := pace.measured()) is not None:  # also of an answer cut by its deadline
+                    self.pace.observe(*measured)
         if not finished:
             raise StageUnavailable("thinker: stream ended without a finish event")
-        if (measured := pace.measured()) is not None:
-            self.pace.observe(*measured)
 
     @property
     def thinker_gate(self) -> StageGate:
@@ -286,7 +290,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         """The thinker's time for the request's text answer: its max_tokens (or the thinker's default)
         and prompt at the measured step time of the batch it joins; {} while unmeasured."""
         gate = self.thinker_gate
-        batch = gate.running + gate.waiting + 1
+        batch = gate.running + gate.waiting + gate.coming + 1
         if gate.cfg.max_running:
             batch = min(batch, gate.cfg.max_running)
         max_tokens = plan.sampling.max_tokens or self.default_max_tokens

@@ -68,8 +68,8 @@ def test_the_gateway_admits_by_max_tokens_at_the_measured_pace_of_the_batch_it_j
     gate.set_capacity(96)
     servicer.pace.observe(1, 0.005)  # the warm-up: alone ...
     servicer.pace.observe(96, 0.08)  # ... and at a full batch
-    outcomes = []
-    for _ in range(96):
+    outcomes, on_their_way = [], []
+    for _ in range(96):  # all judged before any of them reached the thinker's gate (a burst)
         try:
             servicer._admit(_Context(15.0), ["thinker"], servicer._thinker_work(_plan(256), image=False))
         except Overloaded as exc:
@@ -77,7 +77,9 @@ def test_the_gateway_admits_by_max_tokens_at_the_measured_pace_of_the_batch_it_j
             assert exc.reason == "thinker_deadline"
             continue
         outcomes.append("admitted")
-        gate.running += 1  # it took its slot
+        on_their_way.append(gate.on_its_way())  # as Generate counts it until it takes its slot
+        on_their_way[-1].__enter__()
+    assert gate.coming == outcomes.count("admitted") and gate.running == 0
     admitted = outcomes.count("admitted")
     assert outcomes == ["admitted"] * admitted + ["refused"] * (96 - admitted)  # refused once the batch is too slow
     assert 0 < admitted < 96
