@@ -329,8 +329,9 @@ def test_a_restarted_service_leaves_no_segment_of_its_old_process(tmp_path, runs
     assert len(segments_of([before["alpha r0"]])) == 1
     os.kill(before["alpha r0"], signal.SIGKILL)
     wait_for(lambda: "omnistage: alpha serving again (restart 1/3)" in run.out, 60, "alpha restarted\n" + run.err)
-    assert segments_of([before["alpha r0"], before["alpha r1"]]) == []  # swept at the restart, not at exit
-    assert "omnistage: removed 2 shared-memory segment(s) that alpha r0, alpha r1 left" in run.err
+    # Swept at the restart, not at exit (the launcher says "removed 2 shared-memory segment(s) that
+    # alpha r0, alpha r1 left", unless another launcher's start-up sweep on this host was quicker).
+    assert segments_of([before["alpha r0"], before["alpha r1"]]) == []
     after = run.child_pids()
     assert len(segments_of([after["alpha r0"], after["alpha r1"], after["front r0"]])) == 3
     run.proc.send_signal(signal.SIGTERM)
