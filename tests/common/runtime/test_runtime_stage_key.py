@@ -103,11 +103,12 @@ def test_serve_makes_a_key_for_its_stages_and_its_cli_finds_it(tmp_path):
     from test_launcher import Run
 
     env = {k: v for k, v in os.environ.items() if k != auth.STAGE_KEY_ENV}
-    os.environ.pop(auth.STAGE_KEY_ENV)
+    saved = os.environ.pop(auth.STAGE_KEY_ENV, None)
     try:
         run = Run(tmp_path, {"alpha": {"admin_port": free_port()}})
     finally:
-        os.environ[auth.STAGE_KEY_ENV] = auth.STAGE_KEY_OFF
+        if saved is not None:
+            os.environ[auth.STAGE_KEY_ENV] = saved
     try:
         run.wait_ready()
         cfg = load_config(run.cfg)
