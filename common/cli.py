@@ -54,8 +54,11 @@ def cmd_make_config_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> DeployConfig:
-    """The deploy file of `--config` with its `--set` overrides (ConfigError names the key)."""
-    return load_config(args.config, args.overrides)
+    """The deploy file of `--config` with its `--set` overrides (ConfigError names the key); the stage
+    key its running `serve` left is taken too (stages answer Control only with it)."""
+    cfg = load_config(args.config, args.overrides)
+    auth.adopt_stage_key(args.config)
+    return cfg
 
 
 def _key_from(var: str, flag: str) -> tuple[tuple[str, str], ...]:

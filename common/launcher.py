@@ -28,6 +28,7 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import (
+    CAPABILITIES,
     CAPABILITY_HEALTH_PREFIX,
     STARTUP_PHASES,
     ConfigError,
@@ -36,8 +37,10 @@ from omnistage.common.config import (
     StartupConfig,
     load_config,
 )
+from omnistage.common.oom_kills import oom_kill_count, oom_killed_since
 from omnistage.common.preflight import preflight
-from omnistage.common.runtime.stage_main import LAUNCHER_PID_ENV
+from omnistage.common.runtime import auth
+from omnistage.common.runtime.orphan import LAUNCHER_PID_ENV
 from omnistage.common.runtime.status_file import StatusRecord, read_status, status_path
 from omnistage.common.supervision import HealthProbe, RestartBudget, hung_cause
 
@@ -49,6 +52,8 @@ MODULES: dict[str, str] = {
     "talker": "omnistage.services.talker",
     "imagegen": "omnistage.services.imagegen",
 }
+# A restarted stage is announced "serving again" once the gateway admits it, or after this long.
+_ADMIT_WAIT_S = 60.0
 # After SIGKILL, how long to wait for the kernel to reap a child before reporting it.
 _KILL_WAIT_S = 5.0
 # The stale-shm sweep runs beside the start; the launcher waits at most this long for it at exit.
@@ -84,6 +89,8 @@ class Child:
     stopped: bool = False
     # phase → when this process entered it, as seen in its status file (kept after it moves on/fails).
     entered: dict[str, float] = field(default_factory=dict)
+    # The OOM killer's count when it was started (None: this system tells none).
+    oom_kills_before: int | None = None
 
     @property
     def label(self) -> str:
@@ -110,14 +117,16 @@ class Child:
         return " ".join(p for p in (self.label, phase, progress, f"({now - beat:.1f}s ago)") if p)
 
 
-def exit_cause(returncode: int, rec: StatusRecord | None) -> str:
+def exit_cause(returncode: int, rec: StatusRecord | None, oom_kills_before: int | None = None) -> str:
     """Why a child ended: its exit code or signal, plus the failure it wrote, if any. Exit code 1
-    after phase `failed` is the service's own failure exit: just `failed: <why>`."""
+    after phase `failed` is the service's own failure exit: just `failed: <why>`. A SIGKILL is called
+    out of memory only when the OOM killer's count rose since `oom_kills_before` (its spawn)."""
     if returncode == 1 and rec is not None and rec.phase == "failed" and rec.failure:
         return f"failed: {rec.failure}"
     if returncode < 0:
         name = signal.Signals(-returncode).name
-        cause = f"killed by {name}" + (" (out of memory? see dmesg)" if name == "SIGKILL" else "")
+        oom = name == "SIGKILL" and oom_killed_since(oom_kills_before)
+        cause = f"killed by {name}" + (" (out of memory: the kernel's OOM killer ended it; see dmesg)" if oom else "")
     else:
         cause = f"exited with code {returncode}"
     if rec is not None and rec.failure:
@@ -148,6 +157,8 @@ class Group:
     restart_at: float = 0.0
     # Number of the restart now under way (0: the first start).
     attempt: int = 0
+    # A restart: when every rank was ready again (the gateway's admission is awaited from then on).
+    admit_since: float = 0.0
 
     @property
     def active(self) -> bool:
@@ -178,6 +189,7 @@ class Launcher:
         self.groups: list[Group] = []
         self.stop_signal: int | None = None
         self.started = time.monotonic()
+        self.stage_key = auth.new_stage_key()  # this run's, unless $OMNISTAGE_STAGE_KEY pins one
 
     @property
     def children(self) -> list[Child]:
@@ -208,9 +220,11 @@ class Launcher:
         path.unlink(missing_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMNISTAGE_SERVICE=svc.name)
         env[LAUNCHER_PID_ENV] = str(os.getpid())
+        env[auth.STAGE_KEY_ENV] = self.stage_key  # stages take calls only from the deployment's processes
         # Own process group: stopping a service reaches its helpers too, and only ours.
+        oom_kills = oom_kill_count()
         proc = subprocess.Popen(self.command(svc, rank), env=env, start_new_session=True)
-        child = Child(svc, rank, proc, path, time.time())
+        child = Child(svc, rank, proc, path, time.time(), oom_kills_before=oom_kills)
         with contextlib.suppress(OSError, AttributeError):
             child.pidfd = os.pidfd_open(proc.pid)
         self.say(f"omnistage: started {child.label} (pid {proc.pid})")
@@ -244,7 +258,7 @@ class Launcher:
             if not named.cause:
                 rec = named.refresh()
                 if named.proc.poll() is not None:
-                    named.cause = exit_cause(named.proc.returncode, rec)
+                    named.cause = exit_cause(named.proc.returncode, rec, named.oom_kills_before)
                 else:  # alive but silent (stopped, hung): the peer's diagnostic says what it saw
                     named.cause = rec.failure if rec is not None and rec.failure else mine.failure
             return named
@@ -258,7 +272,7 @@ class Launcher:
         if earliest is not first and not earliest.cause:
             rec = earliest.status
             exited = earliest.proc.poll() is not None
-            earliest.cause = exit_cause(earliest.proc.returncode, rec) if exited else f"failed: {rec.failure}"
+            earliest.cause = exit_cause(earliest.proc.returncode, rec, earliest.oom_kills_before) if exited else f"failed: {rec.failure}"
         return earliest
 
     def _rank_of(self, child: Child, rank: int) -> Child | None:
@@ -272,7 +286,7 @@ class Launcher:
         for c in children:
             if c.proc.poll() is not None:
                 c.refresh()
-                c.cause = exit_cause(c.proc.returncode, c.status)
+                c.cause = exit_cause(c.proc.returncode, c.status, c.oom_kills_before)
                 return c
         return None
 
@@ -431,9 +445,28 @@ class Launcher:
                     culprit = self._root_cause(c)
                     return culprit, f"failed while restarting: {culprit.cause}"
         if all(c.ready for c in g.children):
-            g.state = "serving"
-            self.say(f"omnistage: {g.svc.name} serving again (restart {g.attempt}/{self.cfg.supervision.max_restarts})")
+            if not g.admit_since:
+                g.admit_since = now
+            pending = self.admission_pending(g)
+            restart = f"restart {g.attempt}/{self.cfg.supervision.max_restarts}"
+            if pending and now - g.admit_since <= _ADMIT_WAIT_S:
+                return None  # up, but clients cannot reach it through the gateway yet
+            g.state, g.admit_since = "serving", 0.0
+            if pending:
+                self.say(f"omnistage: {g.svc.name} serving again ({restart}), but the gateway has not admitted it "
+                         f"after {_ADMIT_WAIT_S:g}s: {', '.join(pending)} not ready (`omnistage status` tells why)",
+                         self.err)  # fmt: skip
+            else:
+                self.say(f"omnistage: {g.svc.name} serving again ({restart})")
         return None
+
+    def admission_pending(self, g: Group) -> list[str]:
+        """The capabilities that need the restarted stage `g` and that a serving gateway does not serve
+        yet: the gateway admits a stage that is back only after its own health check and warm-up."""
+        needed = [c for c, kinds in CAPABILITIES.items() if g.svc.kind in kinds and c in self.cfg.capabilities()]
+        gateways = [c for gw in self.groups if gw.svc.kind == "gateway" and gw.state == "serving" and gw is not g
+                    for c in gw.children if c.rank == 0]  # fmt: skip
+        return [c for gw in gateways for c in needed if not self.healthy(gw, CAPABILITY_HEALTH_PREFIX + c)]
 
     def restart(self, g: Group, culprit: Child, what: str, now: float) -> bool:
         """Stop the whole group and schedule its restart after the backoff; False when none is left."""
@@ -454,7 +487,7 @@ class Launcher:
         """Start every rank of a stopped group again (the start-up deadlines apply)."""
         self.say(f"omnistage: restarting {g.svc.name} (attempt {g.attempt}/{self.cfg.supervision.max_restarts})")
         g.children = [self.spawn(g.svc, r) for r in range(g.svc.tp_size)]
-        g.state = "starting"
+        g.state, g.admit_since = "starting", 0.0
 
     def watch_phases(self) -> None:
         """After start-up: say when a service enters or leaves draining (Control.Drain / Resume)."""
@@ -509,7 +542,7 @@ class Launcher:
             else:  # helpers left in the child's process group go too
                 _signal_group(c, signal.SIGKILL, leader_gone=True)
                 if c.proc.returncode != 0 and not c.cause and c.proc.returncode != -signal.SIGKILL:
-                    self.say(f"omnistage: {c.label} {exit_cause(c.proc.returncode, None)} while stopping",
+                    self.say(f"omnistage: {c.label} {exit_cause(c.proc.returncode, None, c.oom_kills_before)} while stopping",
                              self.err)
             c.stopped = True
             if c.probe is not None:
@@ -521,6 +554,7 @@ class Launcher:
             if c.channel is not None:
                 c.channel.close()
                 c.channel = None
+        self.remove_segments_of(group)
 
     def report(self, headline: str, culprit: Child) -> None:
         now = time.time()
@@ -529,7 +563,7 @@ class Launcher:
             if c is not culprit and not c.cause:
                 c.refresh()
                 if c.proc.poll() is not None:
-                    c.cause = exit_cause(c.proc.returncode, c.status)
+                    c.cause = exit_cause(c.proc.returncode, c.status, c.oom_kills_before)
                 elif not c.ready:
                     c.cause = self.group_cause(c, now)
             cause = c.cause or ("ready" if c.ready else "not ready yet")
@@ -591,22 +625,25 @@ class Launcher:
             return self.supervise()
         finally:
             self.stop_all()
-            self.remove_segments_of_stopped()
             self.say("omnistage: all services stopped")
 
-    def remove_segments_of_stopped(self) -> None:
-        """Shared memory of children that could not close it (killed, or stopped before their pools
-        closed: a TP rank 0 stuck behind a stopped peer) goes now, not at the next start's sweep."""
+    def remove_segments_of(self, children: Sequence[Child]) -> None:
+        """Shared memory of exited children that could not close it (killed, or stopped before their
+        pools closed: a TP rank 0 stuck behind a stopped peer) goes as soon as they are gone: at each
+        group's stop, so also before a restart, not at the next start's sweep."""
         from omnistage.common.transport.host import sweep_stale_segments
 
-        pids = {c.proc.pid for c in self.children if c.proc.poll() is not None}
+        pids = {c.proc.pid for c in children if c.proc.poll() is not None}
+        if not pids:
+            return
         try:
             removed = sweep_stale_segments(owners=pids)
         except Exception as exc:  # noqa: BLE001 - the stop goes on; the next start's sweep retries
             self.say(f"omnistage: warning: shm clean-up failed: {exc}", self.err)
             return
         if removed:
-            self.say(f"omnistage: removed {len(removed)} shared-memory segment(s) the stopped services left", self.err)
+            names = ", ".join(sorted({c.label for c in children if c.proc.pid in pids}))
+            self.say(f"omnistage: removed {len(removed)} shared-memory segment(s) that {names} left", self.err)
 
 
 def _what(verb: str, cause: str) -> str:
@@ -691,11 +728,20 @@ def launch(
     launcher = Launcher(cfg, Path(cfg_path).resolve(), overrides, rdir, {**MODULES, **(modules or {})}, out, err)
     previous = _install_signals(launcher)
     try:
+        key_file = auth.publish_stage_key(cfg_path, launcher.stage_key) if auth.stage_key({
+            auth.STAGE_KEY_ENV: launcher.stage_key}) else None
+    except (OSError, auth.SecretError) as exc:
+        key_file = None
+        print(f"omnistage: warning: the CLI will need ${auth.STAGE_KEY_ENV} for the stages' Control: {exc}",
+              file=err, flush=True)
+    try:
         return launcher.run(Path(ready_file) if ready_file else None, exit_after_ready)
     except ConfigError as exc:
         print(f"omnistage: config error: {exc}", file=err, flush=True)
         return 2
     finally:
+        if key_file is not None:
+            auth.withdraw_stage_key(key_file, launcher.stage_key)
         sweep.join(timeout=_SWEEP_WAIT_S)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -64,6 +64,10 @@ class Settings:
     stop_grace_s: float = 2.0
     drain_grace_s: float = 1.0
     slack_s: float = 5.0  # scheduling noise of 2 shared cores on top of every bound
+    # The benchmark holds every diagnosis to its deadline + stop grace + slack; CI (a loaded 2-core
+    # machine) checks only what happened and in what order, within launch_timeout_s, and the
+    # times go to the table.
+    timing_bounds: bool = True
     launch_timeout_s: float = 120.0  # the harness's hard limit: beyond it the launch counts as hung
 
 
@@ -395,9 +399,11 @@ def _judge(res: Result, plan: Plan, err: str, killed: str, entered: dict[int, fl
         res.problems.append("no status file shows when the fault fired")
         return
     res.diagnose_s = t_exit - fired_at
+    if res.diagnose_s < 0:
+        res.problems.append(f"the launcher exited {-res.diagnose_s:.1f}s before the fault fired")
     wait = hang_deadline(plan.phase, s) + s.poll_interval_s if plan.kind == "hang" else 0.0
     res.bound_s = wait + s.stop_grace_s + s.slack_s
-    if res.diagnose_s > res.bound_s:
+    if s.timing_bounds and res.diagnose_s > res.bound_s:
         res.problems.append(f"took {res.diagnose_s:.1f}s from the fault to the exit (bound {res.bound_s:.1f}s)")
 
 

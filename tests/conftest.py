@@ -9,16 +9,23 @@ from pathlib import Path
 
 import pytest
 
+# Triton kernels (the thinker's and the DiT's) are tested on CPU machines by Triton's interpreter, which
+# must be on before anything imports triton (`import torch` does). A machine with an NVIDIA driver
+# compiles them.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from omnistage.common.runtime.auth import STAGE_KEY_ENV, STAGE_KEY_OFF  # noqa: E402  (after the switch above)
+
+# Tests call stages directly (Thinker.Abort, Control.Describe of a stage) next to the pipelines they
+# start: no stage key unless a test sets one (tests/common/runtime/test_runtime_stage_key.py does).
+os.environ.setdefault(STAGE_KEY_ENV, STAGE_KEY_OFF)
+
 # prometheus, promtool and docker-compose, unpacked from Debian's packages by deploy/test-tools.sh
 # (`make test` runs it): found before any of the machine's own.
 TOOLS_BIN = Path(__file__).resolve().parents[1] / ".tools" / "bin"
 if TOOLS_BIN.is_dir():
     os.environ["PATH"] = os.pathsep.join([str(TOOLS_BIN), os.environ.get("PATH", "")])
-
-# Triton kernels (the DiT's fused ops) are tested on CPU machines by Triton's interpreter, which must be
-# on before anything imports triton (`import torch` does). A machine with an NVIDIA driver compiles them.
-if not os.path.exists("/dev/nvidiactl"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _promtool() -> str:

@@ -2,20 +2,36 @@
 
 Secrets never live in the deploy file: it names an environment variable or a file that holds them.
 Keys are compared with `hmac.compare_digest`, against every configured key, so timing tells nothing.
+
+Stages authenticate each other with the deployment's stage key ($OMNISTAGE_STAGE_KEY): `omnistage
+serve` generates one per run (or passes on the one in its environment) to every process it starts;
+compose and Kubernetes set it from a secret. With it, a stage's main port and admin port (not the
+gateway's: its clients and operators have their own keys) refuse any caller without it, and the
+gateway's stage channels send it on every call (`stage_interceptors`). `serve` also leaves the key
+where the CLI of the same user finds it by the deploy file's path (`publish_stage_key`, 0600 in a
+0700 directory), so `omnistage status` / `drain` of that deployment keep working.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import hmac
 import os
+import secrets
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from omnistage.common.config import ServiceConfig
 
 AUTHORIZATION = "authorization"
+STAGE_KEY_ENV = "OMNISTAGE_STAGE_KEY"
+# $OMNISTAGE_STAGE_KEY=off: no stage key (tests that call stages directly; never for a deployment).
+STAGE_KEY_OFF = "off"
 
 
 class SecretError(ValueError):
@@ -44,6 +60,97 @@ class ApiKeys:
         for key in self.keys:  # no early exit: every key is compared
             matched |= hmac.compare_digest(sent, key)
         return "" if matched else "invalid API key"
+
+
+def stage_key(environ: Mapping[str, str] = os.environ) -> str:
+    """The deployment's stage key ('' when none is set, or `off`: stages then take any caller)."""
+    key = environ.get(STAGE_KEY_ENV, "").strip()
+    return "" if key == STAGE_KEY_OFF else key
+
+
+def new_stage_key(environ: Mapping[str, str] = os.environ) -> str:
+    """The stage key `serve` gives its processes: the one in its environment (`off` too), else a fresh one."""
+    return environ.get(STAGE_KEY_ENV, "").strip() or secrets.token_urlsafe(32)
+
+
+def with_stage_key(keys: ApiKeys | None, svc: ServiceConfig, environ: Mapping[str, str] = os.environ) -> ApiKeys | None:
+    """`keys` plus the stage key, for a port of a stage (not the gateway) when the deployment has one."""
+    key = stage_key(environ)
+    if not key or svc.kind == "gateway":
+        return keys
+    if keys is None:
+        return ApiKeys((key.encode(),), STAGE_KEY_ENV)
+    return ApiKeys((*keys.keys, key.encode()), f"{keys.source} + {STAGE_KEY_ENV}")
+
+
+def stage_key_path(cfg_path: str | Path) -> Path:
+    """Where `serve` of `cfg_path` leaves its stage key for this user's CLI."""
+    digest = hashlib.sha256(str(Path(cfg_path).resolve()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"omnistage-{os.getuid()}" / f"stage-key-{digest}"
+
+
+def publish_stage_key(cfg_path: str | Path, key: str) -> Path:
+    """Write `key` for the CLI (readable by this user only); the path, to `withdraw_stage_key` later."""
+    path = stage_key_path(cfg_path)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    if path.parent.stat().st_uid != os.getuid() or path.parent.stat().st_mode & 0o077:
+        raise SecretError(f"{path.parent}: not a private directory of this user; the stage key is not written")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    os.replace(tmp, path)
+    return path
+
+
+def withdraw_stage_key(path: Path, key: str) -> None:
+    """Remove the key file `publish_stage_key` wrote, unless another run has replaced it since."""
+    with contextlib.suppress(OSError):
+        if path.read_text() == key:
+            path.unlink()
+
+
+def adopt_stage_key(cfg_path: str | Path, environ: dict[str, str] = os.environ) -> None:  # type: ignore[assignment]
+    """For the CLI: without $OMNISTAGE_STAGE_KEY, take the key a running `serve` of `cfg_path` left."""
+    if environ.get(STAGE_KEY_ENV, "").strip():
+        return
+    path = stage_key_path(cfg_path)
+    with contextlib.suppress(OSError):
+        if path.stat().st_uid == os.getuid():
+            environ[STAGE_KEY_ENV] = path.read_text().strip()
+
+
+class _StageKey:
+    """Adds `authorization: Bearer <stage key>` to a call (grpc.aio takes one interceptor per call kind)."""
+
+    def __init__(self, key: str) -> None:
+        self.pair = (AUTHORIZATION, f"Bearer {key}")
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        if AUTHORIZATION not in metadata:
+            metadata.add(*self.pair)
+        return details._replace(metadata=metadata)
+
+
+def _interceptor(base: type, method: str) -> type:
+    """A `base` interceptor whose `method` presents the key (each call kind has its own base class)."""
+
+    async def intercept(self: _StageKey, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    return type(f"StageKey{base.__name__}", (_StageKey, base), {method: intercept})
+
+
+_INTERCEPTORS = [_interceptor(base, f"intercept_{kind}") for base, kind in (
+    (grpc.aio.UnaryUnaryClientInterceptor, "unary_unary"), (grpc.aio.UnaryStreamClientInterceptor, "unary_stream"),
+    (grpc.aio.StreamUnaryClientInterceptor, "stream_unary"), (grpc.aio.StreamStreamClientInterceptor, "stream_stream"))]
+
+
+def stage_interceptors(environ: Mapping[str, str] = os.environ) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors of a channel to a stage's ports: present the stage key, when there is one."""
+    key = stage_key(environ)
+    return [kind(key) for kind in _INTERCEPTORS] if key else []
 
 
 def bearer(key: str) -> tuple[tuple[str, str], ...]:
@@ -96,8 +203,9 @@ def admin_keys(svc: ServiceConfig, environ: Mapping[str, str] = os.environ) -> A
 
 
 def admin_metadata(svc: ServiceConfig, environ: Mapping[str, str] = os.environ) -> tuple[tuple[str, str], ...]:
-    """What a client of the service's Control API sends (launcher, CLI, gateway): the key, if any."""
-    keys = admin_keys(svc, environ)
+    """What a client of the service's Control API sends (launcher, CLI, gateway): its admin key, else
+    the stage key for a stage, if any."""
+    keys = with_stage_key(admin_keys(svc, environ), svc, environ)
     return bearer(keys.keys[0].decode()) if keys else ()
 
 

@@ -1,5 +1,5 @@
 """Every RPC a service answers goes through `CallGuard.wrap`: the one place that decodes the request
-(bad bytes → INVALID_ARGUMENT, one rate-limited log line), checks the API key, refuses stage RPCs
+(past its wire bounds or bad bytes → INVALID_ARGUMENT, the latter with one rate-limited log line), checks the API key, refuses stage RPCs
 while draining, tracks them in flight, maps exceptions through the error table and counts in
 metrics the status the client really got."""
 
@@ -24,10 +24,12 @@ from omnistage.common.runtime.handlers import (
     Received,
     behavior_of,
     decoding,
+    request_type,
     request_type_name,
     unpack_stream,
 )
 from omnistage.common.runtime.memory_trim import MemoryTrimmer
+from omnistage.common.runtime.wire_bounds import WireBounds
 
 _log = logging.getLogger(__name__)
 OK = grpc.StatusCode.OK
@@ -85,11 +87,14 @@ class CallGuard:
 
     # -- wrapping ----------------------------------------------------------------------------
 
-    def wrap(self, path: str, handler: grpc.RpcMethodHandler, *, keys: ApiKeys | None, stage: bool) -> grpc.RpcMethodHandler:
+    def wrap(self, path: str, handler: grpc.RpcMethodHandler, *, keys: ApiKeys | None, stage: bool,
+             bounds: WireBounds | None = None) -> grpc.RpcMethodHandler:
         """`handler` behind the guard. `keys`: the API keys it needs (None: open). `stage`: a stage API
         method (refused while draining, tracked in flight, counted in metrics); else health, reflection
-        or Control."""
-        handler = decoding(handler)
+        or Control. `bounds`: the request's wire bounds (default: the record budget of its type)."""
+        if bounds is None and (descriptor := request_type(path)) is not None:
+            bounds = WireBounds(descriptor)
+        handler = decoding(handler, bounds)
         field, behavior = behavior_of(handler)
         method = _Method(self, path, keys, stage, handler.request_streaming)
         if inspect.isasyncgenfunction(behavior) or inspect.isgeneratorfunction(behavior):
@@ -195,11 +200,15 @@ class _Method:
                 raise StageUnavailable(why)
         if self.streaming_request:
             return unpack_stream(request, self.check_stream_message), 0
+        if request.refused:
+            raise InvalidRequest(request.refused)
         if request.error:
             raise self.guard.undecodable(self.path, self.type_name, request)
         return request.message, request.nbytes
 
     def check_stream_message(self, received: Received) -> None:
+        if received.refused:
+            raise InvalidRequest(received.refused)
         if received.error:
             raise self.guard.undecodable(self.path, self.type_name, received)
         self.guard.trimmer.request_done(received.nbytes)

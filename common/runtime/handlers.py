@@ -1,6 +1,7 @@
 """Plumbing between grpc and our handlers: collecting generated handlers, dispatching by method path,
 and decoding requests ourselves, so that bytes that are no valid message are a refusal (INVALID_ARGUMENT)
-instead of grpc's UNKNOWN with a traceback in the log."""
+instead of grpc's UNKNOWN with a traceback in the log, and a request past its wire bounds
+(wire_bounds.py) is refused before it is decoded at all."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pool
+from google.protobuf.descriptor import Descriptor
+from omnistage.common.runtime.wire_bounds import WireBounds
 
 BEHAVIORS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 
@@ -52,14 +55,20 @@ class Received:
 
     message: Any
     nbytes: int
-    error: str = ""
+    error: str = ""  # the bytes are no valid message
+    refused: str = ""  # a wire bound passed (the message was not decoded)
 
 
-def decoding(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """The handler with a deserializer that never raises: it returns `Received` (the wrapper unpacks it)."""
+def decoding(handler: grpc.RpcMethodHandler, bounds: WireBounds | None = None) -> grpc.RpcMethodHandler:
+    """The handler with a deserializer that never raises: it returns `Received` (the wrapper unpacks it).
+    With `bounds`, the raw bytes are checked against them first."""
     deserialize = handler.request_deserializer
 
     def safe(data: bytes) -> Received:
+        if bounds is not None:
+            refused = bounds.refusal(data)
+            if refused:
+                return Received(None, len(data), refused=refused)
         try:
             message = deserialize(data) if deserialize is not None else data
         except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever a deserializer raises on bad bytes
@@ -75,13 +84,20 @@ def behavior_of(handler: grpc.RpcMethodHandler) -> tuple[str, Callable[..., Any]
     return field, getattr(handler, field)
 
 
-def request_type_name(path: str) -> str:
-    """`/omnistage.v1.Omni/Generate` → `omnistage.v1.GenerateRequest` (from the descriptor pool)."""
+def request_type(path: str) -> Descriptor | None:
+    """`/omnistage.v1.Omni/Generate` → the GenerateRequest descriptor (from the descriptor pool); None
+    for a method the pool does not know."""
     service, _, method = path.strip("/").rpartition("/")
     try:
-        return descriptor_pool.Default().FindServiceByName(service).FindMethodByName(method).input_type.full_name
+        return descriptor_pool.Default().FindServiceByName(service).FindMethodByName(method).input_type
     except (KeyError, AttributeError):
-        return f"request of {path}"
+        return None
+
+
+def request_type_name(path: str) -> str:
+    """`/omnistage.v1.Omni/Generate` → `omnistage.v1.GenerateRequest`."""
+    descriptor = request_type(path)
+    return descriptor.full_name if descriptor is not None else f"request of {path}"
 
 
 async def unpack_stream(

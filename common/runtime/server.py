@@ -19,7 +19,7 @@ import ipaddress
 import logging
 import os
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from omnistage.common.runtime.handlers import Dispatcher, collect
 from omnistage.common.runtime.memory_trim import MemoryTrimmer
 from omnistage.common.runtime.phases import PHASES, PhaseReporter, ProgressSnapshot
 from omnistage.common.runtime.status_file import status_path
+from omnistage.common.runtime.wire_bounds import WireBounds
 from omnistage.v1 import control_pb2, control_pb2_grpc
 
 _log = logging.getLogger(__name__)
@@ -166,9 +167,9 @@ class ServiceRuntime:
                               f"{join_host_port(self.cfg.host, self._metrics_port)}: {exc}") from exc
         if not self.serves_grpc:
             return
-        self._api_keys = auth.api_keys(self.svc)
+        self._api_keys = auth.with_stage_key(auth.api_keys(self.svc), self.svc)  # a stage: the stage key too
         credentials = auth.server_credentials(self.svc)
-        admin_keys = auth.admin_keys(self.svc)
+        admin_keys = auth.with_stage_key(auth.admin_keys(self.svc), self.svc)
         if self.svc.kind != "gateway" and not _is_loopback(self.svc.bind_host):
             log_fields(_log, logging.WARNING, "internal service listens beyond this host", bind_host=self.svc.bind_host,
                        hint=f"services.{self.name}.bind_host: only the gateway needs outside clients")
@@ -216,17 +217,20 @@ class ServiceRuntime:
         port.server, port.address = server, join_host_port(host, bound)
         return bound
 
-    def add_servicer(self, add_fn: Callable[[Any, Any], None], servicer: Any, full_service_name: str) -> None:
+    def add_servicer(self, add_fn: Callable[[Any, Any], None], servicer: Any, full_service_name: str,
+                     bounds: Mapping[str, WireBounds] | None = None) -> None:
         """Serve a stage API on the main port: `add_fn` is the generated `add_<X>Servicer_to_server`.
 
         Its RPCs need the API key when one is configured, are refused with UNAVAILABLE while
         draining, tracked in flight, counted in metrics, and exceptions go through the error table.
+        `bounds`: method name → the wire bounds of its request (default: the record budget).
         """
         methods = {m: h for m, h in collect(add_fn, servicer).items() if m.startswith(f"/{full_service_name}/")}
         if not methods:
             raise ValueError(f"{full_service_name}: add function registered no methods of that service")
         for path, handler in methods.items():
-            self._main.dispatcher.methods[path] = self.calls.wrap(path, handler, keys=self._api_keys, stage=True)
+            self._main.dispatcher.methods[path] = self.calls.wrap(
+                path, handler, keys=self._api_keys, stage=True, bounds=(bounds or {}).get(path.rsplit("/", 1)[-1]))
         if full_service_name not in self._stage_services:
             self._stage_services.append(full_service_name)
             self._main.services.append(full_service_name)

@@ -10,13 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn
 
@@ -24,15 +22,18 @@ from omnistage.common.config import STARTUP_PHASES, ConfigError, DeployConfig, S
 from omnistage.common.log import setup_logging
 from omnistage.common.runtime import blocking
 from omnistage.common.runtime.deadlines import within
+from omnistage.common.runtime.orphan import before_exit, die_with_launcher, watch_parent
 from omnistage.common.runtime.server import ServiceRuntime
 
 _log = logging.getLogger(__name__)
 
 BuildFn = Callable[[ServiceRuntime, DeployConfig, ServiceConfig, int], Awaitable[None]]
-LAUNCHER_PID_ENV = "OMNISTAGE_LAUNCHER_PID"
-_PR_SET_PDEATHSIG = 1
 # How long a cancelled build gets to unwind when a stop arrives during start-up.
 _BUILD_CANCEL_WAIT_S = 5.0
+# Once stopped, how long the rest may take (the event loop's and the interpreter's clean-up: worker
+# threads joined, atexit) before the process ends itself with its code: the launcher must not find a
+# stopped service still running ("ignored SIGTERM, killing") because a thread did not end.
+_EXIT_WAIT_S = 1.0
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -43,29 +44,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="directory of the status files the launcher reads")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     return p.parse_args(list(argv))
-
-
-def watch_parent(hard_exit_after_s: float) -> None:
-    """Die with the launcher: PR_SET_PDEATHSIG (SIGTERM, graceful) on Linux, plus a watchdog thread
-    that exits hard `hard_exit_after_s` after the parent is gone (a hung process ignores SIGTERM)."""
-    expected = int(os.environ.get(LAUNCHER_PID_ENV, "0") or 0) or os.getppid()
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    if os.getppid() != expected:  # the launcher died before prctl took effect
-        print(f"omnistage: launcher pid {expected} is gone, exiting", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    def watchdog() -> None:
-        while os.getppid() == expected:
-            time.sleep(0.5)
-        _log.warning("launcher pid %d is gone, stopping", expected)
-        if not sys.platform.startswith("linux"):
-            os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(hard_exit_after_s)
-        os._exit(1)
-
-    threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()
 
 
 async def serve(runtime: ServiceRuntime, build: BuildFn) -> int:
@@ -99,6 +77,29 @@ async def serve(runtime: ServiceRuntime, build: BuildFn) -> int:
         return 1
 
 
+async def _serve_then_exit(runtime: ServiceRuntime, build: BuildFn) -> int:
+    """`serve`, then a timer that ends the process `_EXIT_WAIT_S` later if its clean-up has not."""
+    code = await serve(runtime, build)
+
+    def exit_now() -> None:
+        _log.warning("still running %.1fs after stopping (a thread that does not end): exiting", _EXIT_WAIT_S)
+        _exit_flushed(code)
+
+    timer = threading.Timer(_EXIT_WAIT_S, exit_now)
+    timer.daemon = True
+    timer.start()
+    return code
+
+
+def _exit_flushed(code: int) -> NoReturn:
+    """End the process now, without the interpreter's finalization, its output flushed."""
+    before_exit()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoReturn:
     """Entry point of a service process; `kind` (None: any) must match the configured kind.
 
@@ -109,6 +110,7 @@ def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoRetu
     running (a TP worker loop) and is cancelled on SIGTERM. A worker whose loop ends on its own
     calls `runtime.request_stop()`. Any exception: phase failed, one stderr line, exit 1.
     """
+    die_with_launcher()  # done already when `omnistage.services` was imported; scripts (tests) come here
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -121,20 +123,18 @@ def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoRetu
         print(f"omnistage: {args.service} r{args.rank}: config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     setup_logging(svc.name, args.rank, cfg.log_level, cfg.log_format)
-    watch_parent(hard_exit_after_s=svc.drain_grace_s + 5.0)
+    watch_parent()
     runtime = ServiceRuntime(cfg, svc, args.rank, run_dir=args.run_dir)
-    code = asyncio.run(serve(runtime, build))
+    code = asyncio.run(_serve_then_exit(runtime, build))
     # Stopped already: a late SIGTERM (the launcher stopping the other ranks) must not turn this clean
     # exit into "killed by SIGTERM" while the interpreter finalizes; a stuck exit still meets SIGKILL.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    before_exit()
     busy = blocking.busy()
     if busy:
         # Stopped in the middle of a load: finalizing the interpreter under that thread would abort
         # the process (SIGABRT) instead of ending it with its code (see blocking.py).
         logging.getLogger(__name__).info("exiting without finalization: %s still running", ", ".join(busy))
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_flushed(code)
     sys.exit(code)

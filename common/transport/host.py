@@ -10,14 +10,14 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-import re
 import secrets
 import socket
 from functools import cache
 
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "omnistage"
-_NAME_RE = re.compile(rf"^{SEGMENT_PREFIX}-(\d+)-([0-9a-f]{{16}})$")
+from omnistage.common.shm_names import SEGMENT_PREFIX, SHM_DIR, segment_owner_pid
+
+__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "Segment", "TransportError", "host_id", "pid_alive", "segment_owner_pid",
+           "sweep_stale_segments"]
 
 
 class TransportError(RuntimeError):
@@ -57,12 +57,6 @@ def pid_alive(pid: int) -> bool:
         return state not in ("Z", "X")
     except (OSError, IndexError):
         return True
-
-
-def segment_owner_pid(name: str) -> int | None:
-    """Owner pid encoded in a segment name, or None if `name` is not one of ours."""
-    m = _NAME_RE.match(name)
-    return int(m.group(1)) if m else None
 
 
 class Segment:

@@ -9,10 +9,12 @@ memory → ImageGen, one step at the smallest size), then serves.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import io
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -27,6 +29,7 @@ from omnistage.services.gateway.admission import GateConfig, StageGate
 from omnistage.services.gateway.converse import ConverseLimits
 from omnistage.services.gateway.imaging import ImageLimits, ImageStage
 from omnistage.services.gateway.media import MediaStage
+from omnistage.services.gateway.pace import PaceMeter, StepPace
 from omnistage.services.gateway.prompt import Turn, build_chat
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
@@ -38,7 +41,7 @@ from omnistage.services.gateway.stages import (
     TalkerClient,
     ThinkerClient,
 )
-from omnistage.services.gateway.validation import RequestLimits
+from omnistage.services.gateway.validation import RequestLimits, wire_bounds
 from omnistage.v1 import common_pb2, control_pb2, omni_pb2, omni_pb2_grpc, talker_pb2
 
 C = TypeVar("C", bound=StageClient)
@@ -105,6 +108,28 @@ def _image_stage(cfg: DeployConfig, svc: ServiceConfig) -> ImageStage:
     return ImageStage(_clients(cfg, svc, "imagegen", ImageGenClient), TransportContext(),
                       ImageLimits.of(replicas[0].imagegen, None),
                       allow_cuda_ipc=all(r.device == "cuda" for r in replicas), service=svc.name)
+
+
+# Tokens of each timed warm-up request that seeds the thinker's pace (its steps at batch 1 and full).
+_PACE_TOKENS = 8
+
+
+async def _seed_pace(thinker: ThinkerClient, pace: StepPace, full_batch: int) -> None:
+    """Timed warm-ups: one request alone, then a full batch at once (the thinker's max_running, when
+    known); each gives the step time at its batch, so the first burst is admitted by what it costs."""
+    sampling = common_pb2.SamplingParams(max_tokens=_PACE_TOKENS, ignore_eos=True, temperature=0.0)
+    prompt = build_chat([Turn("user", "warm-up")])
+
+    async def one(name: str, meter: PaceMeter, batch: int) -> None:
+        async for ev in thinker.generate(name, prompt, sampling, 120.0):
+            if ev.WhichOneof("event") == "delta":
+                meter.tokens(time.monotonic(), len(ev.delta.token_ids), batch)
+
+    for batch in sorted({1, max(1, full_batch)}):
+        meters = [PaceMeter() for _ in range(batch)]
+        await asyncio.gather(*(one(f"gateway-pace-{batch}-{i}", m, batch) for i, m in enumerate(meters)))
+        for measured in filter(None, (m.measured() for m in meters)):
+            pace.observe(batch, measured[1])
 
 
 async def _warm_up_thinker(thinker: ThinkerClient) -> None:
@@ -203,7 +228,9 @@ class _Stages:
         if desc is not None:
             s.limits = dataclasses.replace(s.limits, max_model_len=desc.limits.max_model_len or None)
             s.thinker_gate.set_capacity(desc.limits.max_running_requests)
+            s.default_max_tokens = desc.limits.default_max_tokens
         await self._through(client, _warm_up_thinker(client))
+        await self._through(client, _seed_pace(client, s.pace, s.thinker_gate.cfg.max_running))
 
     async def _needs_thinker(self, what: str) -> None:
         """Warm-ups through the thinker wait for its admission (bounded by gateway.stage_wait_s)."""
@@ -278,11 +305,12 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     images = _image_stage(cfg, svc) if cfg.services_of("imagegen") else None
     if images is not None:
         runtime.add_shutdown_hook(images.close)
+    limits = RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars, None)
     servicer = OmniServicer(
         thinker,
         deployed,
         max_concurrent_requests=gw.max_concurrent_requests,
-        limits=RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars, None),
+        limits=limits,
         system_prompt=gw.system_prompt,
         media_dir=gw.media_dir,
         media=media,
@@ -296,7 +324,8 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     stages = _Stages(runtime, cfg, svc, servicer,
                      WatchConfig(gw.stage_health_interval_s, gw.stage_health_timeout_s, gw.stage_health_failures))
     runtime.set_readiness_provider(stages.readiness)
-    runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")
+    runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni",
+                         bounds=wire_bounds(limits))
     runtime.set_limits_provider(
         lambda: control_pb2.Limits(
             max_running_requests=gw.max_concurrent_requests, max_message_bytes=svc.max_message_bytes

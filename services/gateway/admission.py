@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from omnistage.common import metrics
@@ -52,6 +53,11 @@ class StageGate:
         self.stage = stage
         self.cfg = cfg
         self.running = 0
+        # Requests admitted at arrival that have not reached this gate yet (a burst is judged before
+        # any of it holds a slot): counted like waiters, ahead of later arrivals.
+        self.coming = 0
+        self._coming: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(f"coming-{stage}",
+                                                                                          default=None)
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.service_s = cfg.initial_service_s
         self.finished = 0
@@ -68,6 +74,26 @@ class StageGate:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    @contextlib.contextmanager
+    def on_its_way(self) -> Iterator[None]:
+        """Count the request (this task) as coming to the gate until it `arrived()` or the block ends."""
+        token = [True]
+        self.coming += 1
+        self._coming.set(token)  # not reset: the block may end in another context (a closed generator)
+        try:
+            yield
+        finally:
+            if token[0]:
+                token[0] = False
+                self.coming -= 1
+
+    def arrived(self) -> None:
+        """The request of this task reached the gate (it takes or waits for a slot now)."""
+        token = self._coming.get()
+        if token and token[0]:
+            token[0] = False
+            self.coming -= 1
+
     def set_capacity(self, max_running: int, max_waiting: int | None = None) -> None:
         """The stage's capacity changed (read again after a restart); waiters take new slots at once."""
         waiting = self.cfg.max_waiting if max_waiting is None else max_waiting
@@ -77,32 +103,39 @@ class StageGate:
     def has_room(self) -> bool:
         return not self.cfg.max_running or (self.running < self.cfg.max_running and not self._waiters)
 
-    def estimated_wait_s(self, ahead: int | None = None) -> float:
+    def estimated_wait_s(self, ahead: int | None = None, service_s: float | None = None, *,
+                         coming: bool = True) -> float:
         """Seconds until a request arriving now (behind `ahead` waiters) gets a slot: the running and
-        waiting requests drain `max_running` at a time, each taking the mean service time."""
+        waiting requests drain `max_running` at a time, each taking the mean service time (or
+        `service_s`: what requests like this one take at the measured pace). `coming`: count the
+        requests admitted but not at the gate yet as ahead (at arrival; not at the gate itself, where
+        those are the later ones)."""
         if not self.cfg.max_running:
             return 0.0
-        ahead = self.waiting if ahead is None else ahead
-        if self.running < self.cfg.max_running and ahead == 0:
+        queued = self.waiting if ahead is None else ahead
+        on_way = self.coming if coming else 0
+        if self.running + on_way < self.cfg.max_running and queued == 0:
             return 0.0
+        # The requests on their way take the free slots first; the rest of them queue ahead too.
+        ahead = queued + max(0, on_way - max(0, self.cfg.max_running - self.running))
         # Each wave of `max_running` requests takes service_s, the running ones counted as just started.
         # Pessimistic on purpose: counting them half done (steady load) admitted requests that then
         # missed their deadlines (17 of 161 on the H100 Poisson run, bench/RESULTS.md); this admits
         # only what finishes in time (0 misses), at about the same goodput.
         waves = math.ceil((ahead + 1) / self.cfg.max_running)
-        return self.service_s * waves
+        return (self.service_s if service_s is None else service_s) * waves
 
-    def check(self, remaining_s: float | None, work_s: float = 0.0) -> float:
+    def check(self, remaining_s: float | None, work_s: float = 0.0, *, coming: bool = True) -> float:
         """Refuse now (Overloaded) when a request with `remaining_s` to its deadline cannot get a slot
         and `work_s` more of service in time; returns the estimated wait."""
-        wait = self.check_room()
+        wait = self.check_room(coming=coming)
         if wait and remaining_s is not None and wait + max(work_s, self.service_s) > remaining_s:
             raise self._late(wait, max(work_s, self.service_s), remaining_s)
         return wait
 
-    def check_room(self) -> float:
+    def check_room(self, *, coming: bool = True) -> float:
         """Refuse now when the waiting room is full; else the estimated wait for a slot."""
-        wait = self.estimated_wait_s()
+        wait = self.estimated_wait_s(coming=coming)
         if wait and self.waiting >= self.cfg.max_waiting:
             self.refused += 1
             raise Overloaded(
@@ -114,10 +147,11 @@ class StageGate:
 
     def _late(self, wait: float, work_s: float, remaining_s: float, path: str = "") -> Overloaded:
         self.refused += 1
+        state = "at capacity " if wait else ""
         return Overloaded(
-            f"{self.stage}: at capacity ({self.running} running, {self.waiting} waiting); the estimated wait "
+            f"{self.stage}: {state}({self.running} running, {self.waiting} waiting); the estimated wait "
             f"{wait:.1f}s plus {work_s:.1f}s of service{path} exceeds the {remaining_s:.1f}s left to the "
-            f"deadline", retry_after_ms=max(1, int(wait * 1000)), reason=f"{self.stage}_deadline",
+            f"deadline", retry_after_ms=max(1, int((wait or self.service_s) * 1000)), reason=f"{self.stage}_deadline",
         )  # fmt: skip
 
     @contextlib.asynccontextmanager
@@ -133,7 +167,7 @@ class StageGate:
             self._release(time.monotonic() - started)
 
     async def _acquire(self, remaining_s: float | None) -> None:
-        self.check(remaining_s)
+        self.check(remaining_s, coming=False)
         if self.has_room():
             self.running += 1
             return
@@ -168,17 +202,26 @@ class StageGate:
                 fut.set_result(None)
 
 
-def check_path(gates: list[StageGate], remaining_s: float | None) -> None:
+def check_path(gates: list[StageGate], remaining_s: float | None, work_s: dict[str, float] | None = None) -> None:
     """A request that passes `gates` one after another (encoder, thinker, image stage): refused now
-    when a waiting room on its path is full, or when one of them has to wait and the sum of every
-    stage's estimated wait and service time does not fit in the `remaining_s` to its deadline (the
-    stage that makes it wait longest is named). Each slot is judged again when it is taken."""
+    when a waiting room on its path is full, or when the sum of every stage's estimated wait and
+    service time does not fit in the `remaining_s` to its deadline (the stage that makes it wait
+    longest, or whose work is largest, is named). `work_s`: stage → this request's own service time
+    (the thinker's: its tokens at the measured pace, pace.py), judged even when a slot is free; other
+    stages count their mean service time, and only when one of them has to wait. Each slot is judged
+    again when it is taken."""
+    work_s = work_s or {}
     waits = [(gate.check_room(), gate) for gate in gates]
-    if remaining_s is None or not any(wait for wait, _ in waits):
+    if remaining_s is None or not (any(wait for wait, _ in waits) or any(g.stage in work_s for _, g in waits)):
         return
-    total = sum(wait + gate.service_s for wait, gate in waits)
+    service = {gate.stage: work_s.get(gate.stage, gate.service_s) for _, gate in waits}
+    # Where the request's own cost is known, the requests ahead of it are taken to cost as much
+    # (a burst of alike requests), when that is more than their measured mean.
+    waits = [(gate.estimated_wait_s(service_s=max(gate.service_s, work_s[gate.stage])) if wait and gate.stage in work_s
+              else wait, gate) for wait, gate in waits]  # fmt: skip
+    total = sum(wait + service[gate.stage] for wait, gate in waits)
     if total > remaining_s:
-        wait, worst = max(waits, key=lambda wg: wg[0])
-        others = total - wait - worst.service_s
+        wait, worst = max(waits, key=lambda wg: (wg[0] + service[wg[1].stage], wg[0]))
+        others = total - wait - service[worst.stage]
         path = f" (and {others:.1f}s at the other stages of its path)" if others > 0 else ""
-        raise worst._late(wait, worst.service_s, remaining_s, path)
+        raise worst._late(wait, service[worst.stage], remaining_s, path)

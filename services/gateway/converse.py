@@ -294,6 +294,10 @@ class Conversation:
                     if not step.done():
                         step.cancel()
                         await asyncio.gather(step, return_exceptions=True)
+                    elif not step.cancelled():
+                        # A stage error that came with our own cancellation (the call's deadline) is
+                        # read here, not left to asyncio's "Task exception was never retrieved".
+                        step.exception()
                 if step.cancelled():
                     yield None
                     return

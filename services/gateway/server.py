@@ -16,6 +16,7 @@ Finish ends the stream.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -28,10 +29,11 @@ from omnistage.services.gateway.converse import Conversation, ConverseLimits
 from omnistage.services.gateway.imaging import ImagePlan, ImageStage
 from omnistage.services.gateway.media import MediaStage, thinker_items
 from omnistage.services.gateway.media_path import check_media_paths
+from omnistage.services.gateway.pace import PaceMeter, StepPace
 from omnistage.services.gateway.request_metrics import GatewayMetrics
 from omnistage.services.gateway.speech import SpeechStage, voice_choice
 from omnistage.services.gateway.stages import ThinkerClient
-from omnistage.services.gateway.validation import PlannedRequest, RequestLimits, plan_request
+from omnistage.services.gateway.validation import PlannedRequest, RequestLimits, check_counts, plan_request
 from omnistage.v1 import common_pb2, encoder_pb2, omni_pb2, omni_pb2_grpc, thinker_pb2
 
 # A text answer that ended so is followed by the image, when one is asked for too.
@@ -95,6 +97,9 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         self.system_prompt = system_prompt
         self.media_dir = media_dir
         self.in_flight = 0
+        # The thinker's measured step time by batch size (pace.py): a text request's own service time.
+        self.pace = StepPace()
+        self.default_max_tokens = 0  # the thinker's, from its Describe (0: unknown)
 
     async def Generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrived_at = time.monotonic()
@@ -106,7 +111,12 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     async def _generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
                         arrived_at: float) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
-        paths = check_media_paths(request, self.media_dir)  # a file path is a permission question, asked first
+        check_counts(request, self.limits)  # before any per-message work
+        # A file path is a permission question, asked next; resolving thousands of them (realpath,
+        # stat) is file-system work for a worker thread, not the event loop (without a media_dir the
+        # first path is refused at once).
+        paths = (await asyncio.to_thread(check_media_paths, request, self.media_dir) if self.media_dir
+                 else check_media_paths(request, self.media_dir))  # fmt: skip
         plan = plan_request(request, self.deployed, self.system_prompt, self.limits)
         image = self._plan_image(request, plan)
         spoken = omni_pb2.MODALITY_AUDIO in plan.outputs
@@ -120,8 +130,10 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         if spoken and self.speech is None:
             raise StageUnavailable("output_modalities: the 'talker' stage is not available", retryable=False)
         self._admit(context, [*(["encoder"] if plan.media else []), "thinker", *(["talker"] if spoken and self.speech.talker.up else []),
-                              *(["imagegen"] if image else [])])  # fmt: skip
+                              *(["imagegen"] if image else [])], self._thinker_work(plan, image is not None))  # fmt: skip
         self.in_flight += 1
+        on_its_way = self.thinker_gate.on_its_way()  # admitted: counted at the thinker's gate from now
+        on_its_way.__enter__()
         try:
             finish: omni_pb2.GenerateEvent | None = None
             if image is None or plan.outputs - {omni_pb2.MODALITY_IMAGE}:
@@ -150,6 +162,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             finish.finish.usage.CopyFrom(usage)
             yield finish
         finally:
+            on_its_way.__exit__(None, None, None)
             self.in_flight -= 1
 
     def _plan_image(self, request: omni_pb2.GenerateRequest, plan: PlannedRequest) -> ImagePlan | None:
@@ -242,6 +255,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         self._check_media_tokens(plan, encoded)
         finished = False
         mode = {"hidden_states": hidden_states} if hidden_states is not None else {}
+        pace = PaceMeter()
+        self.thinker_gate.arrived()  # no longer counted as on its way to this gate
         async with self.thinker_gate.slot(context.time_remaining()):  # a slot of the thinker's tested batch
             stream = self.thinker.generate(
                 plan.request_id, plan.chat(encoded), plan.sampling, context.time_remaining(),
@@ -249,6 +264,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             )  # fmt: skip
             try:
                 async for ev in stream:
+                    if ev.WhichOneof("event") == "delta":
+                        pace.tokens(time.monotonic(), len(ev.delta.token_ids), self.thinker_gate.running)
                     yield ev
                     if ev.WhichOneof("event") == "finish":
                         finished = True
@@ -257,6 +274,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                 raise self.thinker.error(exc) from exc
             finally:
                 await stream.aclose()
+                if (measured := pace.measured()) is not None:  # also of an answer cut by its deadline
+                    self.pace.observe(*measured)
         if not finished:
             raise StageUnavailable("thinker: stream ended without a finish event")
 
@@ -270,14 +289,27 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         async with gate.slot(context.time_remaining()) if gate else contextlib.nullcontext():
             return await self.media.encode(plan.request_id, plan.media, paths, context.time_remaining())
 
-    def _admit(self, context, stages: list[str]) -> None:
+    def _admit(self, context, stages: list[str], work_s: dict[str, float] | None = None) -> None:
         """Refuse at arrival (RESOURCE_EXHAUSTED with a retry hint) what cannot finish in time: the
         gateway's bound of requests, then the capacity of every gated stage on the request's path
-        against its deadline."""
+        against its deadline (`work_s`: the request's own service time at a stage)."""
         if self.in_flight >= self.max_concurrent_requests:
             raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200,
                              reason="gateway_full")  # fmt: skip
-        check_path([self.gates[s] for s in stages if s in self.gates], context.time_remaining())
+        check_path([self.gates[s] for s in stages if s in self.gates], context.time_remaining(), work_s)
+
+    def _thinker_work(self, plan: PlannedRequest, image: bool) -> dict[str, float]:
+        """The thinker's time for the request's text answer: its max_tokens (or the thinker's default)
+        and prompt at the measured step time of the batch it joins; {} while unmeasured."""
+        gate = self.thinker_gate
+        batch = gate.running + gate.waiting + gate.coming + 1
+        if gate.cfg.max_running:
+            batch = min(batch, gate.cfg.max_running)
+        max_tokens = plan.sampling.max_tokens or self.default_max_tokens
+        if image and not plan.outputs - {omni_pb2.MODALITY_IMAGE}:
+            max_tokens = 1  # hidden-state mode only: one prefill
+        work = self.pace.work_s(max_tokens, plan.prompt_chars, batch) if max_tokens else None
+        return {} if work is None else {"thinker": work}
 
     def _check_media_tokens(self, plan: PlannedRequest, encoded: list[encoder_pb2.EncodedItem]) -> None:
         """Media alone longer than the thinker's context: refused here, before the thinker is called."""

@@ -1,6 +1,8 @@
 """StageWatch: the gateway's view of whether one stage can take calls, from start-up on.
 
-Every `interval_s` the watch asks the stage's health (each check with its own deadline). The stage is
+Every `interval_s` the watch asks the stage's health (each check with its own deadline), and at once
+whenever the stage's Health.Watch stream says its status changed (a restarted stage turning SERVING
+is admitted as it happens, not at the next poll; the poll alone tells a hung stage). The stage is
 admitted when it answers SERVING and its `on_up` step passed (read its limits, send a warm-up request);
 it is marked down after `failures` checks in a row that did not say SERVING — a stage that crashed,
 hangs (SIGSTOP) or restarts — or at once when a call finds it unreachable (`StageClient.unreachable`).
@@ -60,17 +62,36 @@ class StageWatch:
         self.times_admitted = 0
         self.times_lost = 0
         self._task: asyncio.Task | None = None
+        self._follow_task: asyncio.Task | None = None
+        self._wake = asyncio.Event()  # the stage's Health.Watch said something: check now
         client.down_reason = "starting (not SERVING yet)"
         client.on_unreachable = self._unreachable
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"watch-{self.client.name}")
+        self._follow_task = asyncio.create_task(self._follow(), name=f"health-watch-{self.client.name}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._follow_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _follow(self) -> None:
+        """Wake the checks whenever the stage's health stream sends a status (its first, and every
+        change); the stream waits for the channel to connect, and is opened again when it ends."""
+        while True:
+            try:
+                call = self.client.health.Watch(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True)
+                async for _ in call:
+                    self._wake.set()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return  # polling alone
+            except Exception:  # noqa: BLE001 - the channel was closed (shutdown): polling ends too
+                return
+            await asyncio.sleep(min(self.cfg.interval_s, 0.2))  # a stream that ended: the stage went away
 
     async def wait_admitted(self, timeout_s: float) -> bool:
         """True once the stage is up (False when `timeout_s` passed first)."""
@@ -104,7 +125,9 @@ class StageWatch:
                     self._lose(f"{why} ({misses} checks in {time.monotonic() - since:.1f}s)")
             elif not why:
                 misses, since = 0, time.monotonic()
-            await asyncio.sleep(self.cfg.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await within(self._wake.wait(), self.cfg.interval_s)
+            self._wake.clear()
 
     async def _admit(self) -> str:
         """The stage says SERVING: run its on_up step (limits, warm-up); '' when it is admitted."""

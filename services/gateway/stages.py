@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
+from omnistage.common.runtime import auth
 from omnistage.common.runtime.deadlines import within
 from omnistage.common.runtime.errors import OmniError, StageUnavailable
 from omnistage.v1 import (
@@ -41,9 +42,13 @@ class StageError(OmniError):
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Message bounds, and HTTP/2 keepalive pings so that a stage host that vanished (no FIN, no RST)
-    ends the gateway's calls on it instead of leaving them open until their deadlines."""
+    """Message bounds, HTTP/2 keepalive pings so that a stage host that vanished (no FIN, no RST)
+    ends the gateway's calls on it instead of leaving them open until their deadlines, and reconnect
+    attempts at most 1 s apart, so a restarted stage is reached as soon as it listens (grpc's default
+    backoff grows to minutes)."""
     return [
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 10_000),
@@ -73,11 +78,14 @@ class StageClient:
         self.name = name
         self.address = address
         self.max_message_bytes = max_message_bytes
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        # Every call presents the deployment's stage key (auth.py), when it has one.
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
+                                                 interceptors=auth.stage_interceptors())  # fmt: skip
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.admin_address = admin_address
         self.admin_metadata = admin_metadata
-        self.admin_channel = grpc.aio.insecure_channel(admin_address) if admin_address else None
+        self.admin_channel = (grpc.aio.insecure_channel(admin_address, interceptors=auth.stage_interceptors())
+                              if admin_address else None)  # fmt: skip
         self.control = control_pb2_grpc.ControlStub(self.admin_channel) if self.admin_channel else None
         # Why the stage cannot take calls now ("" while it is SERVING); set by its StageWatch.
         self.down_reason = ""

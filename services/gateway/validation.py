@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
+from omnistage.common.runtime.wire_bounds import WireBounds
 from omnistage.common.sampling import check_sampling
 from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT, MediaSlot, Turn, build_chat, prompt_chars
 from omnistage.v1 import common_pb2, encoder_pb2, omni_pb2, thinker_pb2
@@ -32,6 +33,20 @@ class RequestLimits:
     max_prompt_chars: int = 200_000
     # From the thinker's Describe Limits; None while unknown (then only the thinker checks it).
     max_model_len: int | None = None
+
+
+def wire_bounds(limits: RequestLimits) -> dict[str, WireBounds]:
+    """The Omni methods' bounds on the raw request (checked before it is decoded): the message and
+    part counts of `limits`, so that 8 M empty messages are refused before protobuf builds them."""
+
+    def bounds(descriptor, prefix: str) -> WireBounds:
+        keyed = {f"{prefix}messages": (limits.max_messages, "max_messages"),
+                 f"{prefix}messages.parts": (limits.max_parts_per_message, "max_parts_per_message")}  # fmt: skip
+        return WireBounds(descriptor, {p: n for p, (n, _) in keyed.items()},
+                          {p: f"gateway.{k}" for p, (_, k) in keyed.items()})  # fmt: skip
+
+    return {"Generate": bounds(omni_pb2.GenerateRequest.DESCRIPTOR, ""),
+            "Converse": bounds(omni_pb2.ConverseRequest.DESCRIPTOR, "config.")}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,7 @@ class PlannedRequest:
     sampling: common_pb2.SamplingParams
     outputs: frozenset[int]
     media: tuple[MediaPart, ...] = ()
+    prompt_chars: int = 0  # with its chat markup (media placeholders not counted)
 
     def chat(self, encoded: Sequence[encoder_pb2.EncodedItem] = ()) -> thinker_pb2.ChatPrompt:
         """The thinker's prompt; `encoded[i]` (the encoder's output for media[i]) sizes its placeholders."""
@@ -66,7 +82,7 @@ class PlannedRequest:
         return self.chat()
 
 
-def _check_counts(req: omni_pb2.GenerateRequest, limits: RequestLimits) -> None:
+def check_counts(req: omni_pb2.GenerateRequest, limits: RequestLimits) -> None:
     """Before anything else: how many messages and parts, and the system prompt's length."""
     if len(req.messages) > limits.max_messages:
         raise InvalidRequest(f"messages: {len(req.messages)} messages, at most {limits.max_messages} (max_messages)")
@@ -138,7 +154,7 @@ def plan_request(
     req: omni_pb2.GenerateRequest, deployed: set[str], default_system_prompt: str, limits: RequestLimits
 ) -> PlannedRequest:
     """Validate `req` against the deployed stages and limits; raise InvalidRequest / StageUnavailable."""
-    _check_counts(req, limits)
+    check_counts(req, limits)
     request_id = req.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
         raise InvalidRequest(f"request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
@@ -182,4 +198,5 @@ def plan_request(
             f"messages: the prompt has {chars} characters with its chat markup, the limit is "
             f"{limits.max_prompt_chars} (max_prompt_chars)"
         )
-    return PlannedRequest(request_id, tuple(turns), system_prompt, req.sampling, frozenset(outputs), tuple(media))
+    return PlannedRequest(request_id, tuple(turns), system_prompt, req.sampling, frozenset(outputs), tuple(media),
+                          chars)

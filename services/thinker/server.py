@@ -205,8 +205,8 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
                     f"(max_model_len {self.max_model_len})"
                 )
             ids = self.tokenizer.encode_segments(segments)
-        elif kind == "text":
-            ids = self.tokenizer.encode(request.text)
+        elif kind == "text":  # literal, like client text in `chat`: no string becomes a control token
+            ids = self.tokenizer.encode_segments(self.tokenizer.split_pieces([("text", request.text)]))
         else:
             ids = self._in_vocabulary("token_ids", request.token_ids.ids)
         if not ids:

@@ -135,6 +135,19 @@ def test_ready_then_sigterm_stops_every_child_and_exits_0(tmp_path, runs):
     assert_all_gone(pids.values())
 
 
+def test_a_service_whose_clean_up_hangs_after_stopping_still_exits_on_sigterm(tmp_path, runs):
+    """A thread that does not end must not keep a stopped service alive until the launcher's SIGKILL."""
+    run = Run(tmp_path, {"alpha": {}}, env={"SYNTH_SLOW_EXIT": "1"})
+    runs.append(run)
+    run.wait_ready()
+    pids = run.child_pids()
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_exit() == 0, run.err
+    assert "ignored SIGTERM" not in run.err and "killed by" not in run.err, run.err
+    assert "still running 1.0s after stopping (a thread that does not end): exiting" in run.err
+    assert_all_gone(pids.values())
+
+
 def test_ready_waits_for_every_capability_the_gateway_serves_text_before(tmp_path, runs):
     services = {"alpha": {}, "voice": {"kind": "talker"}, "front": {"kind": "gateway"}}
     run = Run(tmp_path, services, env={"SYNTH_CAPABILITIES_AFTER_S": "2"})
@@ -241,6 +254,26 @@ def test_hung_and_killed_services_are_restarted_a_tp_group_as_a_whole(tmp_path, 
     assert_all_gone([*before.values(), *run.child_pids().values()])
 
 
+def test_a_restarted_stage_is_serving_again_once_the_gateway_admits_it(tmp_path, runs):
+    run = Run(tmp_path, TWO_SERVICES, supervision=FAST_SUPERVISION, env={"SYNTH_GATEWAY_WATCH": "alpha:3"})
+    runs.append(run)
+    address = run.wait_ready()
+    os.kill(run.child_pids()["alpha r1"], signal.SIGKILL)
+    wait_for(lambda: "omnistage: alpha serving again (restart 1/3)" in run.out, 60, "alpha restarted\n" + run.err)
+    assert serving_capability(address, "text")  # the gateway serves text again: it admitted alpha
+    out = run.out
+    assert out.index("synthetic gateway: admitted alpha") < out.index("omnistage: alpha serving again")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_exit() == 0
+
+
+def serving_capability(address: str, capability: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=f"omnistage.v1.Omni.{capability}"), timeout=5)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_restarts_exhausted_stop_everything_and_exit_1(tmp_path, runs):
     supervision = {**FAST_SUPERVISION, "max_restarts": 2, "backoff_initial_s": 0.1}
     run = Run(tmp_path, {"alpha": {}}, supervision=supervision, env={"SYNTH_CRASH_AFTER": "alpha:2.0"})
@@ -254,14 +287,56 @@ def test_restarts_exhausted_stop_everything_and_exit_1(tmp_path, runs):
     assert_all_gone(run.child_pids().values())
 
 
+def segments_of(pids) -> list[str]:
+    """The /dev/shm segments owned by any of `pids`."""
+    from omnistage.common.transport.host import SHM_DIR, segment_owner_pid
+
+    return sorted(n for n in os.listdir(SHM_DIR) if segment_owner_pid(n) in set(pids))
+
+
 def test_children_exit_when_the_launcher_is_sigkilled(tmp_path, runs):
-    run = Run(tmp_path, TWO_SERVICES)
+    run = Run(tmp_path, TWO_SERVICES, env={"SYNTH_SHM": "1"})
     runs.append(run)
     run.wait_ready()
+    pids = run.child_pids()
+    assert len(segments_of(pids.values())) == 3
+    run.proc.kill()
+    run.proc.wait(timeout=10)
+    assert_all_gone(pids.values())
+    assert segments_of(pids.values()) == [], f"the orphans' shared memory outlived them\n{run.err}"
+
+
+def test_children_stuck_in_start_up_exit_with_a_sigkilled_launcher_leaving_no_shm(tmp_path, runs):
+    """A load that never ends (torch in a blocking thread) and a segment no graceful stop closes: the
+    children still go, and their segments with them, though nobody is left to sweep."""
+    run = Run(tmp_path, {"alpha": {"tp_size": 2}}, env={"SYNTH_SHM": "1", "SYNTH_TORCH_LOAD": "1"},
+              phase_deadlines_s={"loading_weights": 300.0})
+    runs.append(run)
+    wait_for(lambda: len(run.child_pids()) == 2 and len(segments_of(run.child_pids().values())) == 2, 60,
+             "both ranks loading with a segment each\n" + run.err)
     pids = run.child_pids()
     run.proc.kill()
     run.proc.wait(timeout=10)
     assert_all_gone(pids.values())
+    assert segments_of(pids.values()) == [], f"the orphans' shared memory outlived them\n{run.err}"
+
+
+def test_a_restarted_service_leaves_no_segment_of_its_old_process(tmp_path, runs):
+    run = Run(tmp_path, TWO_SERVICES, supervision=FAST_SUPERVISION, env={"SYNTH_SHM": "1"})
+    runs.append(run)
+    run.wait_ready()
+    before = run.child_pids()
+    assert len(segments_of([before["alpha r0"]])) == 1
+    os.kill(before["alpha r0"], signal.SIGKILL)
+    wait_for(lambda: "omnistage: alpha serving again (restart 1/3)" in run.out, 60, "alpha restarted\n" + run.err)
+    # Swept at the restart, not at exit (the launcher says "removed 2 shared-memory segment(s) that
+    # alpha r0, alpha r1 left", unless another launcher's start-up sweep on this host was quicker).
+    assert segments_of([before["alpha r0"], before["alpha r1"]]) == []
+    after = run.child_pids()
+    assert len(segments_of([after["alpha r0"], after["alpha r1"], after["front r0"]])) == 3
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_exit() == 0
+    assert segments_of([*before.values(), *after.values()]) == []
 
 
 def test_exit_after_ready_in_process(tmp_path, monkeypatch):

@@ -35,7 +35,7 @@ K8S = sorted((DEPLOY / "k8s").glob("*.yaml"))
 GIB = 2**30
 H100, H200 = 80 * 10**9, 143771 * 2**20
 COMPOSE_ENV = {"OMNISTAGE_MODEL_DIR": "/srv/models/ming", "OMNISTAGE_ADMIN_KEY": "admin-test",
-               "OMNISTAGE_API_KEYS": "k1,k2", "GRAFANA_ADMIN_PASSWORD": "pw"}
+               "OMNISTAGE_STAGE_KEY": "stage-test", "OMNISTAGE_API_KEYS": "k1,k2", "GRAFANA_ADMIN_PASSWORD": "pw"}
 # Names Prometheus makes itself (not exported by a service).
 PROMETHEUS_BUILTINS = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
 
@@ -98,7 +98,8 @@ def compose_configs() -> dict[Path, dict]:
 
 def test_compose_refuses_to_start_without_the_model_and_keys():
     cmd = _tool("docker-compose", "docker compose")
-    env = {k: "" for k in COMPOSE_ENV} | {"OMNISTAGE_ADMIN_KEY": "a", "OMNISTAGE_API_KEYS": "b", "GRAFANA_ADMIN_PASSWORD": "c"}
+    env = {k: "" for k in COMPOSE_ENV} | {"OMNISTAGE_ADMIN_KEY": "a", "OMNISTAGE_STAGE_KEY": "s", "OMNISTAGE_API_KEYS": "b",
+                                          "GRAFANA_ADMIN_PASSWORD": "c"}
     result = _run([*cmd, "-f", str(DEPLOY / "docker-compose.yml"), "config"], env=env)
     assert result.returncode != 0 and "OMNISTAGE_MODEL_DIR" in result.stdout + result.stderr
 
@@ -140,6 +141,7 @@ def test_compose_runs_each_service_and_rank_of_the_deploy_file_once(compose_conf
         assert (svc["network_mode"], svc["ipc"], svc["pid"]) == ("host", "host", "host"), name
         assert svc["restart"] == "unless-stopped"
         assert svc["environment"]["OMNISTAGE_ADMIN_KEY"] == COMPOSE_ENV["OMNISTAGE_ADMIN_KEY"]
+        assert svc["environment"]["OMNISTAGE_STAGE_KEY"] == COMPOSE_ENV["OMNISTAGE_STAGE_KEY"]
         test = svc["healthcheck"]["test"]
         if rank == 0:
             assert test == ["CMD", "omnistage", "health", cfg.admin_address(service)], name

@@ -1,5 +1,6 @@
 """Chaos launches of the real CPU pipeline (load_tests/chaos_launch.py): every start-up ends SERVING or
-with the right diagnostic within its deadline, and leaves nothing behind."""
+with the right diagnostic, and leaves nothing behind. How fast is the benchmark's question (bench/);
+here only what happened and in what order, within the launch timeout."""
 
 from __future__ import annotations
 
@@ -45,6 +46,14 @@ def test_judge_rejects_a_diagnostic_that_names_the_wrong_rank():
     late = Result(plan, outcome="failed", exit_code=1)
     _judge(late, plan, good, "", {1: 100.0}, 100.0 + Settings().stop_grace_s + Settings().slack_s + 1, Settings())
     assert any("from the fault to the exit" in p for p in late.problems)
+    # CI: what happened and in what order, not how fast (2 loaded cores); the table keeps the times.
+    untimed = Settings(timing_bounds=False)
+    late = Result(plan, outcome="failed", exit_code=1)
+    _judge(late, plan, good, "", {1: 100.0}, 100.0 + untimed.stop_grace_s + untimed.slack_s + 60, untimed)
+    assert late.ok and late.diagnose_s > late.bound_s, late.problems
+    early = Result(plan, outcome="failed", exit_code=1)
+    _judge(early, plan, good, "", {1: 100.0}, 99.0, untimed)
+    assert any("before the fault fired" in p for p in early.problems)
 
 
 @pytest.mark.slow
@@ -56,7 +65,7 @@ def test_chaos_launches_end_serving_or_diagnosed_and_leave_nothing(tmp_path):
     lines: list[str] = []
     plans = plan_launches(CI_LAUNCHES, SEED)
     assert set(ACTIONS) <= {p.kind for p in plans}
-    results = run_chaos(plans, ckpt, tmp_path, Settings(hang_deadline_s=4.0), log=lines.append)
+    results = run_chaos(plans, ckpt, tmp_path, Settings(hang_deadline_s=4.0, timing_bounds=False), log=lines.append)
     table = summary(results)
     print(table)
     assert len(results) == CI_LAUNCHES

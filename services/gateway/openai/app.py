@@ -39,6 +39,11 @@ _log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Bodies from this size on are parsed off the event loop.
 INLINE_PARSE_BYTES = 256 * 1024
+# The most '{', '[' and ',' a body may hold (strings included), counted before it is parsed: json.loads
+# holds the GIL, even in a worker thread, for ~0.25 s per million values, so `[{},{},...]` of 8 M
+# messages would stall the event loop ~2 s. The largest request the gateway takes (max_messages x
+# max_parts_per_message parts) needs ~50 k; base64 media has none.
+MAX_JSON_VALUES = 500_000
 T = TypeVar("T")
 
 
@@ -106,6 +111,9 @@ class BodyLimit:
 def _loads(raw: bytes) -> Any:
     if not raw:
         raise HttpError(400, "body: expected a JSON object", param="body")
+    values = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+    if values > MAX_JSON_VALUES:
+        raise HttpError(400, f"body: {values} JSON objects, arrays and commas, at most {MAX_JSON_VALUES}", param="body")
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

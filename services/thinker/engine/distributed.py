@@ -15,6 +15,7 @@ two collectives the layers call.)
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -93,6 +94,11 @@ class TPControl:
         to notice, so the whole group is gone within failure_exit_s)."""
         return max(self.cfg.failure_exit_s - self.cfg.peer_timeout_s, 2 * self.cfg.peer_watch_interval_s)
 
+    @property
+    def culprit_wait_s(self) -> float:
+        """How long a rank whose collective broke waits for the peer to blame before blaming itself."""
+        return max(2 * self.cfg.peer_watch_interval_s, min(self.cfg.peer_timeout_s, self.exit_budget_s / 2))
+
     def add_failure_listener(self, fn: FailureListener) -> None:
         """`fn(failure)` runs once, from whichever thread first learns of the group's failure (it
         must not block: it marks the service failed, fails in-flight requests)."""
@@ -166,7 +172,10 @@ class TPControl:
         store host then keeps the store up until every rank has read it (bounded). `culprit`: the
         rank to blame when all ranks agreed to fail because of one (a KV size it could not hold)."""
         # Another rank is to blame for a failure all agreed on: its own report (with its cause)
-        # should be the group's, so give it the moment a broken collective gets too.
+        # should be the group's, so give it the moment a broken collective gets too. A forward whose
+        # all-reduce broke is a broken collective as well: a peer that died closes its sockets before
+        # its process is gone, so this rank may notice first and must not blame itself.
+        collective = collective or (self.is_distributed and broken_collective(exc))
         failure = self._diagnose(collective or culprit not in (None, self.rank))
         if failure is None:
             rank = self.rank if culprit is None else culprit
@@ -238,8 +247,9 @@ class TPControl:
         failure = self.watch.find_dead_peer()
         if failure is not None or not collective:
             return failure
-        # A collective broke with no culprit known yet: give the watches a moment to name one.
-        deadline = time.monotonic() + 2 * self.cfg.peer_watch_interval_s
+        # A collective broke with no culprit known yet: give the watches time to name one (a peer
+        # on another host, or stopped, is named only once its heartbeat is peer_timeout_s old).
+        deadline = time.monotonic() + self.culprit_wait_s
         while failure is None and time.monotonic() < deadline:
             time.sleep(self.cfg.peer_watch_interval_s / 4)
             failure = self.first_failure() or self.watch.find_dead_peer()
@@ -276,6 +286,15 @@ def _call_listener(fn: FailureListener, failure: GroupFailure) -> None:
         fn(failure)
     except Exception:  # noqa: BLE001 - one broken listener must not stop the others or the exit
         log.exception("TP failure listener %r failed", fn)
+
+
+_COMMUNICATION = re.compile(r"gloo|nccl|connection (closed|reset|refused)|broken pipe|socket", re.IGNORECASE)
+
+
+def broken_collective(exc: BaseException) -> bool:
+    """Whether `exc` says a collective's transport broke (a peer gone), not this rank's own error."""
+    dist_error = getattr(dist, "DistError", None)
+    return (dist_error is not None and isinstance(exc, dist_error)) or bool(_COMMUNICATION.search(str(exc)))
 
 
 def _line(exc: BaseException) -> str:

@@ -8,6 +8,12 @@ given), or `n=<events> delay=<seconds>`.
 $SYNTH_TORCH_LOAD=1 makes its load run torch in a blocking thread that never ends. A synthetic gateway serves its capabilities' health names (text at once, the others
 $SYNTH_CAPABILITIES_AFTER_S later). $SYNTH_CRASH_AFTER=`<service>:<seconds>` makes every process of that service exit (code 5) that
 long after it is ready: a stage that keeps crashing, for the launcher's restart budget.
+$SYNTH_GATEWAY_WATCH=`<service>:<seconds>` makes a synthetic gateway take its capabilities down while
+that service is not SERVING, and up again that long after it is (a gateway's re-admission).
+$SYNTH_SLOW_EXIT=1 makes every process start, as it stops, a thread that keeps it from exiting for a
+minute (a stuck clean-up).
+$SYNTH_SHM=1 makes every process create a /dev/shm segment first thing and never close it (a
+producer whose pool no graceful stop reaches): the launcher, or the process's own watchdog, must.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from omnistage.common.runtime.stage_main import run_service
 from omnistage.v1 import common_pb2, control_pb2, omni_pb2, omni_pb2_grpc
 
 SCRIPT = str(Path(__file__).resolve())
+_LEAKED: list[Any] = []  # $SYNTH_SHM segments, never closed
+_BACKGROUND: list[Any] = []  # tasks that live as long as the service
 
 
 class SyntheticOmni(omni_pb2_grpc.OmniServicer):
@@ -76,6 +84,10 @@ def memory_report() -> list[control_pb2.MemoryReport]:
 async def build(runtime: Any, cfg: Any, svc: Any, rank: int) -> None:
     step = float(os.environ.get("SYNTH_STEP_S", "0.02"))
     r = runtime.reporter
+    if os.environ.get("SYNTH_SHM"):
+        from omnistage.common.transport.host import Segment
+
+        _LEAKED.append(Segment.create(4096))
     r.enter("loading_weights", total=3, unit="shards")
     if os.environ.get("SYNTH_TORCH_LOAD"):  # a load that runs torch in a blocking thread until stopped
         await in_daemon_thread(lambda: _torch_forever(lambda: r.heartbeat("torch running")), "synthetic-load")
@@ -98,11 +110,45 @@ async def build(runtime: Any, cfg: Any, svc: Any, rank: int) -> None:
         if after != "never":
             loop = asyncio.get_running_loop()
             loop.call_later(float(after), runtime.set_capability_health, dict.fromkeys(["text", *later], True))
+        watched = os.environ.get("SYNTH_GATEWAY_WATCH", "")
+        if watched:
+            name, _, delay = watched.partition(":")
+            _BACKGROUND.append(asyncio.create_task(_readmit(runtime, cfg, name, float(delay))))
     crash = os.environ.get("SYNTH_CRASH_AFTER", "")
     if crash.partition(":")[0] == svc.name:
         asyncio.get_running_loop().call_later(float(crash.partition(":")[2]), os._exit, 5)
+    if os.environ.get("SYNTH_SLOW_EXIT"):
+        import threading
+        import time
+
+        runtime.add_shutdown_hook(lambda: threading.Thread(target=time.sleep, args=(60,), daemon=False).start())
     runtime.set_memory_provider(memory_report)
     runtime.set_limits_provider(lambda: control_pb2.Limits(max_running_requests=4, max_message_bytes=svc.max_message_bytes))
+
+
+async def _readmit(runtime: Any, cfg: Any, name: str, delay_s: float) -> None:
+    """A synthetic gateway's watch of `name`: capabilities down while it is not SERVING, up `delay_s`
+    after it is again."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    caps, down = cfg.capabilities(), False
+    async with grpc.aio.insecure_channel(cfg.address(name)) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                serving = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)).status == 1
+            except grpc.aio.AioRpcError:
+                serving = False
+            if not serving and not down:
+                down = True
+                runtime.set_capability_health(dict.fromkeys(caps, False))
+            elif serving and down:
+                await asyncio.sleep(delay_s)
+                down = False
+                print(f"synthetic gateway: admitted {name}", flush=True)
+                runtime.set_capability_health(dict.fromkeys(caps, True))
+            await asyncio.sleep(0.05)
 
 
 # -- helpers of the tests ------------------------------------------------------------------------

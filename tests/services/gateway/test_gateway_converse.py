@@ -413,3 +413,45 @@ def test_spoken_conversations_wait_for_a_talker_stream_and_all_speak():
 def test_the_history_keeps_a_complete_answer_as_its_generated_ids(reason, kept):
     answer = _Answer(["Hi", " you"], token_ids=[1, 2, 3], reason=reason)
     assert answer.entry() == Entry("assistant", "Hi you", token_ids=kept)
+
+
+def test_a_stage_error_that_comes_with_the_calls_cancellation_is_not_left_unretrieved():
+    """The encoder's DEADLINE_EXCEEDED and the call's own cancellation in one loop turn: no
+    'Task exception was never retrieved' (asyncio logs it through the loop's exception handler)."""
+    import gc
+
+    from omnistage.services.gateway.converse import Conversation
+    from omnistage.services.gateway.stages import StageError
+
+    async def main() -> list[dict]:
+        loop = asyncio.get_running_loop()
+        unhandled: list[dict] = []
+        loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
+        gate = loop.create_future()
+
+        async def events():
+            await gate
+            raise StageError("encoder", grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                                             grpc.aio.Metadata(), "Deadline Exceeded"))
+            yield  # an async generator
+
+        conversation = Conversation.__new__(Conversation)
+        conversation.newer_turn = asyncio.Event()
+
+        async def consume():
+            async for _ in conversation._interruptible(events()):
+                pass
+
+        consumer = asyncio.create_task(consume())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        gate.set_result(None)  # the encoder's error ...
+        consumer.cancel()  # ... and the call's deadline, together
+        await asyncio.gather(consumer, return_exceptions=True)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        gc.collect()
+        return unhandled
+
+    unhandled = run(main())
+    assert not [c for c in unhandled if "never retrieved" in c.get("message", "")], unhandled

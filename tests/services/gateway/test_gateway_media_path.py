@@ -67,30 +67,55 @@ def test_without_a_media_dir_every_path_is_refused(media):
         check_media_paths(image_request(str(media / "cat.png")), "")
 
 
+async def _status(tmp_path, media_dir: str, request: omni_pb2.GenerateRequest) -> tuple[grpc.StatusCode, str]:
+    """The status of `request` through the gateway's servicer (no stages deployed)."""
+    cfg = config_from_dict({"services": {"gateway": {"kind": "gateway", "port": free_port()}}})
+    rt = ServiceRuntime(cfg, cfg.service("gateway"), 0, run_dir=tmp_path)
+    await rt.start()
+    servicer = OmniServicer(None, set(), max_concurrent_requests=4, limits=RequestLimits(max_prompt_chars=1000),
+                            system_prompt="",
+                            media_dir=media_dir)
+    rt.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")
+    rt.set_serving()
+    try:
+        async with grpc.aio.insecure_channel(rt.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [e async for e in omni_pb2_grpc.OmniStub(ch).Generate(request, timeout=10)]
+            return err.value.code(), err.value.details()
+    finally:
+        rt.request_stop()
+        await asyncio.wait_for(rt.serve_until_stopped(), 10)
+
+
 def test_the_path_check_comes_before_the_missing_encoder(tmp_path, media):
     """Through the gateway's servicer: PERMISSION_DENIED for a bad path, FAILED_PRECONDITION (no encoder) for a good one."""
-
-    async def status(media_dir: str, path: str) -> tuple[grpc.StatusCode, str]:
-        cfg = config_from_dict({"services": {"gateway": {"kind": "gateway", "port": free_port()}}})
-        rt = ServiceRuntime(cfg, cfg.service("gateway"), 0, run_dir=tmp_path)
-        await rt.start()
-        servicer = OmniServicer(None, set(), max_concurrent_requests=4, limits=RequestLimits(max_prompt_chars=1000),
-                                system_prompt="",
-                                media_dir=media_dir)
-        rt.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")
-        rt.set_serving()
-        try:
-            async with grpc.aio.insecure_channel(rt.address) as ch:
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    [e async for e in omni_pb2_grpc.OmniStub(ch).Generate(image_request(path), timeout=10)]
-                return err.value.code(), err.value.details()
-        finally:
-            rt.request_stop()
-            await asyncio.wait_for(rt.serve_until_stopped(), 10)
-
-    code, details = asyncio.run(status("", "cat.png"))
+    code, details = asyncio.run(_status(tmp_path, "", image_request("cat.png")))
     assert code == grpc.StatusCode.PERMISSION_DENIED and details.startswith(f"{WHERE}: ")
-    code, details = asyncio.run(status(str(media), "escape.png"))
+    code, details = asyncio.run(_status(tmp_path, str(media), image_request("escape.png")))
     assert code == grpc.StatusCode.PERMISSION_DENIED and "outside" in details
-    code, details = asyncio.run(status(str(media), "cat.png"))
+    code, details = asyncio.run(_status(tmp_path, str(media), image_request("cat.png")))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "'encoder' stage" in details
+
+
+def test_the_counts_come_before_the_path_check(tmp_path, media):
+    """Too many messages is refused before any message is looked at (the path check walks every part)."""
+    request = image_request("cat.png")
+    request.messages.extend([request.messages[0]] * RequestLimits().max_messages)
+    code, details = asyncio.run(_status(tmp_path, "", request))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == f"messages: {RequestLimits().max_messages + 1} messages, at most 256 (max_messages)"
+
+
+def test_paths_are_resolved_off_the_event_loop(tmp_path, media, monkeypatch):
+    """Resolving every path (realpath, stat: 16 k of them at the bounds) is a worker thread's job."""
+    import threading
+
+    from omnistage.services.gateway import server
+
+    threads = []
+    real = server.check_media_paths
+    monkeypatch.setattr(server, "check_media_paths",
+                        lambda request, media_dir: threads.append(threading.current_thread()) or real(request, media_dir))
+    code, _ = asyncio.run(_status(tmp_path, str(media), image_request("cat.png")))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION  # resolved, then: no encoder
+    assert threads and threads[0] is not threading.main_thread()

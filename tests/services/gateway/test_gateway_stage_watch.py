@@ -111,3 +111,31 @@ def test_a_stage_whose_warm_up_fails_stays_out_and_says_why():
 
 async def _record(ups: list) -> None:
     ups.append(True)
+
+
+def test_a_stage_turning_serving_is_admitted_as_it_happens_not_at_the_next_poll():
+    """Health.Watch: with an hour between polls, a stage that turns SERVING is still admitted now."""
+
+    async def main():
+        from grpc_health.v1 import health
+
+        server, checker = grpc.aio.server(), health.aio.HealthServicer()
+        await checker.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = ThinkerClient("thinker", f"127.0.0.1:{port}", 1 << 20)
+        ups = []
+        watch = StageWatch(client, WatchConfig(interval_s=3600, timeout_s=5, failures=2), on_up=lambda: _record(ups))
+        watch.start()
+        try:
+            assert not await watch.wait_admitted(0.5) and "starting" in client.down_reason  # the first poll said no
+            await checker.set("", health_pb2.HealthCheckResponse.SERVING)
+            assert await watch.wait_admitted(30.0), client.down_reason
+            assert client.up and len(ups) == 1
+        finally:
+            await watch.stop()
+            await client.close()
+            await server.stop(0)
+
+    asyncio.run(main())

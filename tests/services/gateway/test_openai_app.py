@@ -10,7 +10,7 @@ import json
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from omnistage.services.gateway.openai.app import INLINE_PARSE_BYTES, Front, FrontOptions
+from omnistage.services.gateway.openai.app import INLINE_PARSE_BYTES, MAX_JSON_VALUES, Front, FrontOptions
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
 CAPS = ("text", "media_input", "speech")
@@ -187,6 +187,21 @@ def test_a_finished_streamed_answer_ends_its_call_itself():
     assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "stop"
     assert "".join(json.loads(x[6:])["choices"][0]["delta"].get("content", "") for x in lines[:-1]) == "Hello"
     assert (omni.completed, omni.cancelled) == (1, 0), "the gateway would count a cancel"
+
+
+def test_a_body_of_too_many_json_values_is_refused_before_it_is_parsed():
+    """`[{},{},...]`: counted, not parsed (the parser would hold the GIL, stalling the event loop)."""
+    body = b'{"model": "m", "messages": [' + b"{}," * MAX_JSON_VALUES + b'{"role": "user", "content": "Hi"}]}'
+
+    async def scenario(app, omni):
+        return await asgi(app, "POST", "/v1/chat/completions", body)
+
+    omni = FakeOmni([text("ok"), finish()])
+    status, _, reply = run(scenario, omni)
+    error = json.loads(reply)["error"]
+    assert (status, error["param"]) == (400, "body") and omni.requests == []
+    values = sum(body.count(c) for c in (b"{", b"[", b","))
+    assert values > MAX_JSON_VALUES and error["message"] == f"body: {values} JSON objects, arrays and commas, at most {MAX_JSON_VALUES}"
 
 
 def test_a_large_body_is_translated_whole():
