@@ -212,9 +212,12 @@ def test_bad_requests_get_a_precise_status(pipeline, request_, code, needle):
     assert needle in (err.value.details() or "")
 
 
-def test_converse_without_talker_names_the_stage(pipeline):
+def test_a_spoken_converse_without_talker_names_the_stage(pipeline):
+    """Empty output_modalities: text and speech, which needs the talker this pipeline lacks (a
+    text-only conversation, [MODALITY_TEXT], needs none)."""
+    spoken = [omni_pb2.ConverseRequest(config=omni_pb2.GenerateRequest()), omni_pb2.ConverseRequest(text="hi")]
     with grpc.insecure_channel(pipeline["gateway"]) as ch, pytest.raises(grpc.RpcError) as err:
-        list(omni_pb2_grpc.OmniStub(ch).Converse(iter([omni_pb2.ConverseRequest(text="hi")]), timeout=30))
+        list(omni_pb2_grpc.OmniStub(ch).Converse(iter(spoken), timeout=30))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "talker" in err.value.details()
 
