@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import logging
 import os
@@ -82,7 +83,7 @@ async def _serve_then_exit(runtime: ServiceRuntime, build: BuildFn) -> int:
     code = await serve(runtime, build)
 
     def exit_now() -> None:
-        _log.warning("still running %.1fs after stopping (a thread that does not end): exiting", _EXIT_WAIT_S)
+        _log.warning("still running %.1fs after stopping (a clean-up that does not end): exiting", _EXIT_WAIT_S)
         _exit_flushed(code)
 
     timer = threading.Timer(_EXIT_WAIT_S, exit_now)
@@ -136,5 +137,8 @@ def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoRetu
         # Stopped in the middle of a load: finalizing the interpreter under that thread would abort
         # the process (SIGABRT) instead of ending it with its code (see blocking.py).
         logging.getLogger(__name__).info("exiting without finalization: %s still running", ", ".join(busy))
-        _exit_flushed(code)
-    sys.exit(code)
+    # Everything the service owns is released by now; what is left to the interpreter's finalization
+    # is torch's C++ teardown (gloo's threads of a TP rank), which a loaded machine has seen abort
+    # (SIGABRT while stopping). The atexit clean-up (shared-memory pools) runs, then the exit code.
+    atexit._run_exitfuncs()
+    _exit_flushed(code)

@@ -136,7 +136,8 @@ def test_ready_then_sigterm_stops_every_child_and_exits_0(tmp_path, runs):
 
 
 def test_a_service_whose_clean_up_hangs_after_stopping_still_exits_on_sigterm(tmp_path, runs):
-    """A thread that does not end must not keep a stopped service alive until the launcher's SIGKILL."""
+    """A clean-up that does not end (an exit handler stuck) must not keep a stopped service alive until
+    the launcher's SIGKILL."""
     run = Run(tmp_path, {"alpha": {}}, env={"SYNTH_SLOW_EXIT": "1"})
     runs.append(run)
     run.wait_ready()
@@ -144,7 +145,7 @@ def test_a_service_whose_clean_up_hangs_after_stopping_still_exits_on_sigterm(tm
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait_exit() == 0, run.err
     assert "ignored SIGTERM" not in run.err and "killed by" not in run.err, run.err
-    assert "still running 1.0s after stopping (a thread that does not end): exiting" in run.err
+    assert "still running 1.0s after stopping (a clean-up that does not end): exiting" in run.err
     assert_all_gone(pids.values())
 
 

@@ -10,8 +10,8 @@ $SYNTH_CAPABILITIES_AFTER_S later). $SYNTH_CRASH_AFTER=`<service>:<seconds>` mak
 long after it is ready: a stage that keeps crashing, for the launcher's restart budget.
 $SYNTH_GATEWAY_WATCH=`<service>:<seconds>` makes a synthetic gateway take its capabilities down while
 that service is not SERVING, and up again that long after it is (a gateway's re-admission).
-$SYNTH_SLOW_EXIT=1 makes every process start, as it stops, a thread that keeps it from exiting for a
-minute (a stuck clean-up).
+$SYNTH_SLOW_EXIT=1 makes every process, as it stops, register an exit handler that keeps it from
+exiting for a minute (a stuck clean-up).
 $SYNTH_SHM=1 makes every process create a /dev/shm segment first thing and never close it (a
 producer whose pool no graceful stop reaches): the launcher, or the process's own watchdog, must.
 """
@@ -118,10 +118,10 @@ async def build(runtime: Any, cfg: Any, svc: Any, rank: int) -> None:
     if crash.partition(":")[0] == svc.name:
         asyncio.get_running_loop().call_later(float(crash.partition(":")[2]), os._exit, 5)
     if os.environ.get("SYNTH_SLOW_EXIT"):
-        import threading
+        import atexit
         import time
 
-        runtime.add_shutdown_hook(lambda: threading.Thread(target=time.sleep, args=(60,), daemon=False).start())
+        runtime.add_shutdown_hook(lambda: atexit.register(time.sleep, 60))
     runtime.set_memory_provider(memory_report)
     runtime.set_limits_provider(lambda: control_pb2.Limits(max_running_requests=4, max_message_bytes=svc.max_message_bytes))
 
