@@ -2,8 +2,8 @@
 
 Daemon threads, so that a stop never waits for a load to finish. But a process must not then run
 the interpreter's finalization under them: torch's C++ state is torn down while the thread still
-uses it ("terminate called without an active exception", exit by SIGABRT). `stage_main` asks
-`busy()` at exit and, if one still runs, ends the process with `os._exit` after flushing.
+uses it ("terminate called without an active exception", exit by SIGABRT). `stage_main` never
+finalizes: it runs the exit handlers and ends with `os._exit` (naming what `busy()` still runs).
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ _log = logging.getLogger(__name__)
 BuildFn = Callable[[ServiceRuntime, DeployConfig, ServiceConfig, int], Awaitable[None]]
 # How long a cancelled build gets to unwind when a stop arrives during start-up.
 _BUILD_CANCEL_WAIT_S = 5.0
-# Once stopped, how long the rest may take (the event loop's and the interpreter's clean-up: worker
-# threads joined, atexit) before the process ends itself with its code: the launcher must not find a
-# stopped service still running ("ignored SIGTERM, killing") because a thread did not end.
+# Once stopped, how long the rest may take (the event loop's clean-up, the exit handlers) before the
+# process ends itself with its code: the launcher must not find a stopped service still running
+# ("ignored SIGTERM, killing") because a clean-up did not end.
 _EXIT_WAIT_S = 1.0
 
 
@@ -131,14 +131,12 @@ def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoRetu
     # exit into "killed by SIGTERM" while the interpreter finalizes; a stuck exit still meets SIGKILL.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    before_exit()
+    # Everything the service owns is released by now. The interpreter's finalization is never run: it
+    # would tear down torch's C++ state under threads that may still run (a blocking load stopped
+    # half-way, see blocking.py; gloo's threads of a TP rank: 'SIGABRT while stopping' under load).
+    # The exit handlers (shared-memory pools) run, then the process ends with its code.
     busy = blocking.busy()
     if busy:
-        # Stopped in the middle of a load: finalizing the interpreter under that thread would abort
-        # the process (SIGABRT) instead of ending it with its code (see blocking.py).
-        logging.getLogger(__name__).info("exiting without finalization: %s still running", ", ".join(busy))
-    # Everything the service owns is released by now; what is left to the interpreter's finalization
-    # is torch's C++ teardown (gloo's threads of a TP rank), which a loaded machine has seen abort
-    # (SIGABRT while stopping). The atexit clean-up (shared-memory pools) runs, then the exit code.
+        logging.getLogger(__name__).info("exiting with %s still running", ", ".join(busy))
     atexit._run_exitfuncs()
     _exit_flushed(code)
