@@ -18,9 +18,11 @@ Prints phase times and one JSON summary line; exit status 0 only when every chec
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -87,7 +89,14 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
                 tmp.rename(result_file)
                 saved[0] = True
 
+    stacks = _stack_file(args, rank)
+
     class Progress(LogProgress):
+        def enter(self, phase: str, total: int = 0, unit: str = "") -> None:
+            super().enter(phase, total, unit)
+            if stacks is not None and phase == "capturing_graphs":  # every thread's stack if it sticks
+                faulthandler.dump_traceback_later(args.stacks_after_s, file=stacks)
+
         def step(self, detail: str, done: int = 0, total: int = 0) -> None:
             print(f"[rank {rank}] {time.strftime('%H:%M:%S')} {detail}", flush=True)
 
@@ -113,6 +122,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
     )  # fmt: skip
     try:
         started = start_rank(cfg, Progress(rank))
+        faulthandler.cancel_dump_traceback_later()
     except StartupError as exc:
         result.update(status="error", message=str(exc), traceback=traceback.format_exc())
         save()
@@ -173,6 +183,16 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
     return result
 
 
+def _stack_file(args: argparse.Namespace, rank: int):
+    """--stacks-dir: this rank's file for faulthandler (SIGUSR1 from the parent, or a capture that sticks)."""
+    if not args.stacks_dir:
+        return None
+    Path(args.stacks_dir).mkdir(parents=True, exist_ok=True)
+    f = open(Path(args.stacks_dir) / f"rank{rank}.txt", "w")  # noqa: SIM115 - lives as long as the rank
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+    return f
+
+
 def decode_sweep(engine, args: argparse.Namespace, device: str) -> list[dict]:
     """Requests/s and output tokens/s at each concurrency (greedy, ignore EOS, fixed output length)."""
     from omnistage.services.thinker.engine.sequence import SamplingParams
@@ -190,7 +210,8 @@ def decode_sweep(engine, args: argparse.Namespace, device: str) -> list[dict]:
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         toks = sum(len(o.token_ids) for o in outs)
-        rows.append({"concurrency": c, "seconds": dt, "req_s": c / dt, "out_tok_s": toks / dt})
+        rows.append({"concurrency": c, "seconds": dt, "req_s": c / dt, "out_tok_s": toks / dt,
+                     "first_tokens": list(outs[0].token_ids[:32])})  # greedy: equal across kernel/graph modes
         print(f"[sweep] c={c} {dt:.2f}s {c / dt:.3f} req/s {toks / dt:.1f} out tok/s", flush=True)
     return rows
 
@@ -262,7 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-capacity-gib", type=float, default=0.5, help="--tiny: simulated device size")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="collective deadline")
     ap.add_argument("--out", default="", help="write the JSON summary here too")
+    ap.add_argument("--tp-graphs", choices=("off", "aligned", "unaligned"), default=None,
+                    help="decode graphs under TP (sets OMNISTAGE_TP_CUDA_GRAPHS for the ranks)")  # fmt: skip
+    ap.add_argument("--stacks-dir", default="", help="each rank's thread stacks land here if it sticks")
+    ap.add_argument("--stacks-after-s", type=float, default=60.0, help="a capture phase this long dumps stacks")
+    ap.add_argument("--wall-s", type=float, default=0.0, help="TP: stop the ranks after this long (0: no limit)")
     args = ap.parse_args(argv)
+    if args.tp_graphs is not None:  # the spawned ranks inherit it
+        os.environ["OMNISTAGE_TP_CUDA_GRAPHS"] = args.tp_graphs
     defaults = dict(max_num_seqs=(64, 8), max_num_batched_tokens=(4096, 128), max_model_len=(8192, 512),
                     canary_mib=(256, 4), real_requests=(8, 2))  # fmt: skip
     for key, (gpu, tiny) in defaults.items():
@@ -303,14 +331,19 @@ def main(argv: list[str] | None = None) -> int:
             for p in procs:
                 p.start()
             limit = args.inject_deadline_s if args.inject_oom_rank is not None else args.timeout_s * 10
+            limit = min(limit, args.wall_s) if args.wall_s else limit
             files = [Path(out_dir) / f"rank{r}.json" for r in range(args.tp)]
             while time.monotonic() < started + limit:  # until every rank has a result or is gone
                 if all(f.exists() or not p.is_alive() for f, p in zip(files, procs, strict=True)):
                     break
                 time.sleep(0.2)
             elapsed = time.monotonic() - started
+            grace = 5 if args.wall_s else 30
             for p in procs:
-                p.join(max(1.0, started + limit + 30 - time.monotonic()))
+                p.join(max(1.0, started + limit + grace - time.monotonic()))
+                if p.is_alive() and args.stacks_dir:
+                    os.kill(p.pid, signal.SIGUSR1)  # its stacks into --stacks-dir before it goes
+                    time.sleep(2)
                 if p.is_alive():
                     print(
                         f"{p.name} still running {limit + 30:.0f}s after start: killing it", file=sys.stderr

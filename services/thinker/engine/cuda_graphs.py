@@ -138,8 +138,16 @@ class DecodeGraphs:
 
     # --- capture ----------------------------------------------------------------------------------
 
-    def capture(self, progress: Callable[[str, int, int], None] | None = None) -> int:
-        """Capture every size, largest first, into one memory pool; returns the bytes it took."""
+    def capture(
+        self,
+        progress: Callable[[str, int, int], None] | None = None,
+        align: Callable[[int], None] | None = None,
+    ) -> int:
+        """Capture every size, largest first, into one memory pool; returns the bytes it took.
+
+        `align(size)` (TP groups) runs before each size once this rank's device is idle: the ranks
+        agree on the size they capture next, so none enters a capture (where collectives are only
+        recorded) while a peer still runs the eager forward whose collectives need it."""
         if not self.capture_enabled:
             return 0
         torch.cuda.empty_cache()  # the capture empties the cache too: measure from an empty one
@@ -148,6 +156,9 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         started = time.monotonic()
         for i, size in enumerate(reversed(self.sizes)):
+            if align is not None:
+                torch.cuda.synchronize(self.device)
+                align(size)
             self._stage_padding(size)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -53,6 +54,18 @@ if TYPE_CHECKING:
     from omnistage.services.thinker.engine.llm_engine import LLMEngine
 
 log = get_logger(__name__)
+
+# Decode graphs under TP (experimental until measured on a GPU group): off | aligned | unaligned.
+TP_GRAPHS_ENV = "OMNISTAGE_TP_CUDA_GRAPHS"
+
+
+def tp_graph_capture() -> str:
+    """How a TP group captures its decode graphs: `off` (decode eagerly), `aligned` (the ranks agree
+    before each size) or `unaligned` (each rank on its own: the mode that hung once, for diagnosis)."""
+    mode = os.environ.get(TP_GRAPHS_ENV, "off").strip().lower() or "off"
+    if mode not in ("off", "aligned", "unaligned"):
+        raise ValueError(f"{TP_GRAPHS_ENV}={mode!r}: expected off, aligned or unaligned")
+    return mode
 
 
 @dataclass(frozen=True)
@@ -233,10 +246,11 @@ class _Startup:
             model = self.load_weights()
             backends = self.install_backends(model)
             graphs = cfg.engine.cuda_graphs and dev.type == "cuda" and backends.graph_safe
-            if graphs and cfg.world_size > 1:
+            if graphs and cfg.world_size > 1 and tp_graph_capture() == "off":
                 # Seen on 4 x H100 (2026-11-26): rank 0 never returned from capturing the last size
                 # while ranks 1-3 went on; until that is understood, TP groups decode eagerly.
-                log.warning("engine.cuda_graphs: not captured under tensor parallelism yet (tp %d)", cfg.world_size)
+                log.warning("engine.cuda_graphs: not captured under tensor parallelism yet (tp %d; %s=aligned "
+                            "captures them)", cfg.world_size, TP_GRAPHS_ENV)  # fmt: skip
                 graphs = False
             self.enter("profiling_memory", unit="attempts")
             if mem is None:
@@ -289,11 +303,18 @@ class _Startup:
         any rank fails the group with its diagnostic, like a failed warm-up forward."""
         runner = self.runner
         graphs = DecodeGraphs(runner.model, self.graph_batch(), runner.cfg.max_blocks_per_seq, runner.device)
+        align = self.align_capture if self.cfg.world_size > 1 and tp_graph_capture() == "aligned" else None
         try:
-            graphs.capture(progress=lambda detail, done, total: self.step(detail, done, total))
+            graphs.capture(progress=lambda detail, done, total: self.step(detail, done, total), align=align)
         except Exception as exc:
             raise StartupError(self.control.fail("capturing decode graphs", exc)) from exc
         runner.use_graphs(graphs)
+
+    def align_capture(self, size: int) -> None:
+        """Every rank is about to capture `size` (a rank with another size, or gone, fails the group)."""
+        agreed = self.control.agree_min(size, f"capturing decode graph batch {size}")
+        if agreed != size:
+            raise RuntimeError(f"rank {self.cfg.rank} captures batch {size} while a peer captures {agreed}")
 
     def load_weights(self) -> BailingMoeV2ForCausalLM:
         cfg = self.cfg

@@ -116,3 +116,34 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
     got = [r.token_ids for r in engine.generate(prompts, params)]
     assert got == want
     assert sizes == [3, 3]  # both decode steps went through the buffers (3 sequences, bucket 4)
+
+
+def test_tp_groups_capture_only_when_asked_and_an_unknown_mode_is_refused(monkeypatch):
+    from omnistage.services.thinker.engine.startup import TP_GRAPHS_ENV, tp_graph_capture
+
+    monkeypatch.delenv(TP_GRAPHS_ENV, raising=False)
+    assert tp_graph_capture() == "off"
+    monkeypatch.setenv(TP_GRAPHS_ENV, " Aligned ")
+    assert tp_graph_capture() == "aligned"
+    monkeypatch.setenv(TP_GRAPHS_ENV, "yes")
+    with pytest.raises(ValueError, match="expected off, aligned or unaligned"):
+        tp_graph_capture()
+
+
+def test_aligned_capture_agrees_on_each_size_and_a_rank_out_of_step_fails_naming_both_sizes():
+    from omnistage.services.thinker.engine.startup import _Startup
+
+    class Control:
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+
+        def agree_min(self, value: int, what: str) -> int:
+            self.asked.append(what)
+            return min(value, 8)  # a peer is at batch 8
+
+    startup = _Startup.__new__(_Startup)
+    startup.cfg, startup.control = RankConfig("unused", rank=1, world_size=2), Control()
+    startup.align_capture(8)
+    with pytest.raises(RuntimeError, match="rank 1 captures batch 16 while a peer captures 8"):
+        startup.align_capture(16)
+    assert startup.control.asked == ["capturing decode graph batch 8", "capturing decode graph batch 16"]
