@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole pipeline at the real Ming sizes through the gateway (issue 22), in one device-machine call:
 #   bench/pipeline_real_size.sh [CONFIG] [pipeline_real_size.py args, e.g. --kinds text,vision]
-# CONFIG defaults by the GPUs present: 4 or more → deploy/h200x4.yaml, 2 or 3 → deploy/h200x2.yaml, none →
+# CONFIG defaults by the GPUs present: 4 or more → deploy/h200x4.yaml (80 GB cards: deploy/h100x4.yaml), 2 or 3 → deploy/h200x2.yaml, none →
 # the CPU tiny run (deploy/local-tiny.yaml, tiny sizes, a small plan: how this script is checked here).
 # On the device carry .cache/transport-whl (bench/device_wheels.sh) and .cache/ming-flash-config
 # (`omnistage make-config-checkpoint --shape ming-flash .cache/ming-flash-config`, 0.6 MB: writing it
@@ -23,7 +23,10 @@ config=""
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then config=$1; shift; fi
 args=()
 if [ -z "$config" ]; then
-  if [ "$gpus" -ge 4 ]; then config=deploy/h200x4.yaml
+  mib=0
+  [ "$gpus" -gt 0 ] && mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  if [ "$gpus" -ge 4 ] && [ "$mib" -lt 100000 ]; then config=deploy/h100x4.yaml  # 80 GB cards
+  elif [ "$gpus" -ge 4 ]; then config=deploy/h200x4.yaml
   elif [ "$gpus" -ge 2 ]; then config=deploy/h200x2.yaml
   else config=deploy/local-tiny.yaml; args+=(--tiny)
   fi

@@ -1,4 +1,4 @@
-"""The real-size deploy files (deploy/h200x4.yaml, deploy/h200x2.yaml) pass `omnistage serve --check`
+"""The real-size deploy files (deploy/h200x4.yaml, deploy/h200x2.yaml; deploy/h100x4.yaml on 80 GB cards) pass `omnistage serve --check`
 (the config, the per-GPU memory ledger, the checkpoint, secrets and ports: everything `serve` checks
 before it starts anything) on H200s with the config-only Ming-flash checkpoint and dummy weights;
 every stage's budget holds its weights at the release's sizes (built on meta), and an 80 GB GPU is
@@ -33,8 +33,10 @@ from omnistage.services.thinker.models.layers.parallel import TPGroup
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 H200, H100 = 143771 * 2**20, 80 * 10**9
-REAL_SIZE = {DEPLOY / "h200x4.yaml": 4, DEPLOY / "h200x2.yaml": 2}
-REPLICAS = {DEPLOY / "h200x4.yaml": 2, DEPLOY / "h200x2.yaml": 1}  # talker and image-generation replicas
+H100_HBM3 = 81559 * 2**20  # what an "NVIDIA H100 80GB HBM3" reports
+REAL_SIZE = {DEPLOY / "h200x4.yaml": 4, DEPLOY / "h200x2.yaml": 2, DEPLOY / "h100x4.yaml": 4}
+REPLICAS = {DEPLOY / "h200x4.yaml": 2, DEPLOY / "h200x2.yaml": 1, DEPLOY / "h100x4.yaml": 2}  # talker, imagegen
+CARD = {DEPLOY / "h200x4.yaml": H200, DEPLOY / "h200x2.yaml": H200, DEPLOY / "h100x4.yaml": H100_HBM3}
 GIB = 2**30
 
 
@@ -101,8 +103,9 @@ def _release_weights(ckpt: Path, tp: int) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("path", list(REAL_SIZE), ids=lambda p: p.name)
-def test_real_size_deploy_file_passes_the_pre_start_checks_on_h200(path, ming_flash):
-    rc, out, err = _check(path, ming_flash, H200)
+def test_real_size_deploy_file_passes_the_pre_start_checks_on_its_cards(path, ming_flash):
+    card = CARD[path]
+    rc, out, err = _check(path, ming_flash, card)
     assert rc == 0, err
     tp = REAL_SIZE[path]
     cfg = load_config(path)
@@ -119,10 +122,10 @@ def test_real_size_deploy_file_passes_the_pre_start_checks_on_h200(path, ming_fl
             continue
         w = weights[svc.kind]
         assert svc.device == "cuda" and svc.gpus[0] < tp
-        assert svc.memory.budget_of(H200) >= w + 4 * GIB, f"{svc.name}: budget {svc.memory.budget_of(H200)} < {w}"
+        assert svc.memory.budget_of(card) >= w + 4 * GIB, f"{svc.name}: budget {svc.memory.budget_of(card)} < {w}"
 
 
-@pytest.mark.parametrize("path", list(REAL_SIZE), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p, card in CARD.items() if card == H200], ids=lambda p: p.name)
 def test_real_size_deploy_file_is_refused_on_80gb_gpus_before_anything_starts(path, ming_flash):
     rc, out, err = _check(path, ming_flash, H100)
     assert rc == 2 and "budgets exceed device memory on cuda:0" in err and "overshoot" in err

@@ -191,6 +191,14 @@ class DecodeGraphs:
         """A new cache: graphs must be captured again (`capture`) before they are used."""
 
     def release_kv(self) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Destroy the graphs now. A graph that captured NCCL collectives holds a reference on the
+        communicator until it is destroyed, and destroying the communicator waits for it: a TP
+        group releases its graphs before it leaves (TPControl.on_close), else the exit hangs."""
+        for graph in self.graphs.values():
+            graph.reset()
         self.graphs.clear()
         self.outputs.clear()
         self.ready = not self.capture_enabled

@@ -73,6 +73,7 @@ class TPControl:
         self._phase = "start-up"
         self._closed = False
         self._listeners: list[FailureListener] = []
+        self._closers: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self.watch = PeerWatch(self) if self.is_distributed and store is not None else None
 
@@ -105,6 +106,11 @@ class TPControl:
         self._listeners.append(fn)
         if self.failure is not None:
             _call_listener(fn, self.failure)
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """`fn()` runs in `close()` before the process groups are destroyed (what must go first:
+        CUDA graphs that captured collectives)."""
+        self._closers.append(fn)
 
     # --- collectives ------------------------------------------------------------------------
 
@@ -275,10 +281,34 @@ class TPControl:
         self.leaving = True
         if self.watch is not None:
             self.watch.stop()
+        for fn in self._closers:
+            _call_closer(fn)
         if self.failure is None and self.is_distributed and dist.is_initialized():
-            dist.destroy_process_group()
+            self._destroy_groups()
         if self.store is not None:
             self.store.close()
+
+    def _destroy_groups(self) -> None:
+        """Destroy the process groups within the exit budget: a communicator that cannot be torn
+        down (a peer gone, a graph still holding it) is left to the process exit, with a warning,
+        instead of blocking the rank's exit for good."""
+        done = threading.Event()
+
+        def destroy() -> None:
+            dist.destroy_process_group()
+            done.set()
+
+        threading.Thread(target=destroy, name=f"tp-destroy-rank{self.rank}", daemon=True).start()
+        if not done.wait(self.exit_budget_s):
+            log.warning("rank %d: process groups not destroyed within %.0fs (%s): left to the process exit",
+                        self.rank, self.exit_budget_s, self.where)  # fmt: skip
+
+
+def _call_closer(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - leaving the group goes on
+        log.exception("TP close hook %r failed", fn)
 
 
 def _call_listener(fn: FailureListener, failure: GroupFailure) -> None:

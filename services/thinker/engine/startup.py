@@ -55,14 +55,15 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-# Decode graphs under TP (experimental until measured on a GPU group): off | aligned | unaligned.
+# How a TP group captures decode graphs: aligned (default) | off | unaligned (diagnosis only).
 TP_GRAPHS_ENV = "OMNISTAGE_TP_CUDA_GRAPHS"
 
 
 def tp_graph_capture() -> str:
-    """How a TP group captures its decode graphs: `off` (decode eagerly), `aligned` (the ranks agree
-    before each size) or `unaligned` (each rank on its own: the mode that hung once, for diagnosis)."""
-    mode = os.environ.get(TP_GRAPHS_ENV, "off").strip().lower() or "off"
+    """How a TP group captures its decode graphs: `aligned` (the ranks agree on each size once their
+    devices are idle, and on the end), `off` (the group decodes eagerly) or `unaligned` (each rank on
+    its own: the mode in which one rank stuck once on 4 x H100, kept to diagnose that)."""
+    mode = os.environ.get(TP_GRAPHS_ENV, "aligned").strip().lower() or "aligned"
     if mode not in ("off", "aligned", "unaligned"):
         raise ValueError(f"{TP_GRAPHS_ENV}={mode!r}: expected off, aligned or unaligned")
     return mode
@@ -247,10 +248,8 @@ class _Startup:
             backends = self.install_backends(model)
             graphs = cfg.engine.cuda_graphs and dev.type == "cuda" and backends.graph_safe
             if graphs and cfg.world_size > 1 and tp_graph_capture() == "off":
-                # Seen on 4 x H100 (2026-11-26): rank 0 never returned from capturing the last size
-                # while ranks 1-3 went on; until that is understood, TP groups decode eagerly.
-                log.warning("engine.cuda_graphs: not captured under tensor parallelism yet (tp %d; %s=aligned "
-                            "captures them)", cfg.world_size, TP_GRAPHS_ENV)  # fmt: skip
+                log.warning("engine.cuda_graphs: %s=off: the TP group (tp %d) decodes eagerly",
+                            TP_GRAPHS_ENV, cfg.world_size)  # fmt: skip
                 graphs = False
             self.enter("profiling_memory", unit="attempts")
             if mem is None:
@@ -306,9 +305,12 @@ class _Startup:
         align = self.align_capture if self.cfg.world_size > 1 and tp_graph_capture() == "aligned" else None
         try:
             graphs.capture(progress=lambda detail, done, total: self.step(detail, done, total), align=align)
+            if align is not None:  # a rank stuck in its last capture is named by the others' deadline
+                self.control.agree_min(0, "captured every decode graph")
         except Exception as exc:
             raise StartupError(self.control.fail("capturing decode graphs", exc)) from exc
         runner.use_graphs(graphs)
+        self.control.on_close(graphs.release)  # before the group is destroyed (see DecodeGraphs.release)
 
     def align_capture(self, size: int) -> None:
         """Every rank is about to capture `size` (a rank with another size, or gone, fails the group)."""

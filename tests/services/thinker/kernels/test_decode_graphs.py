@@ -118,13 +118,13 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
     assert sizes == [3, 3]  # both decode steps went through the buffers (3 sequences, bucket 4)
 
 
-def test_tp_groups_capture_only_when_asked_and_an_unknown_mode_is_refused(monkeypatch):
+def test_tp_groups_capture_aligned_unless_told_otherwise_and_an_unknown_mode_is_refused(monkeypatch):
     from omnistage.services.thinker.engine.startup import TP_GRAPHS_ENV, tp_graph_capture
 
     monkeypatch.delenv(TP_GRAPHS_ENV, raising=False)
-    assert tp_graph_capture() == "off"
-    monkeypatch.setenv(TP_GRAPHS_ENV, " Aligned ")
     assert tp_graph_capture() == "aligned"
+    monkeypatch.setenv(TP_GRAPHS_ENV, " Off ")
+    assert tp_graph_capture() == "off"
     monkeypatch.setenv(TP_GRAPHS_ENV, "yes")
     with pytest.raises(ValueError, match="expected off, aligned or unaligned"):
         tp_graph_capture()
