@@ -112,6 +112,7 @@ def row(part: Part, c: int, summary: Summary, records: list[Record]) -> dict:
         "rtf_mean": round(statistics.fmean(rtfs), 3) if rtfs else None, "errors": sum(summary.errors.values()),
         "requests": summary.requests, "wall_s": summary.wall_s, "max_tokens": part.shape.max_tokens,
         "errors_by_status": summary.errors,
+        "error_details": summary.error_details,
     }  # fmt: skip
 
 
@@ -129,7 +130,9 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['kind']} | {r['concurrency']} | {r['requests']}{errs} | {r['wall_s']:.1f} s | "
                      f"{_ms(r['e2e_p50_ms'])} | {_ms(r['e2e_p95_ms'])} | {r['req_s']:.2f} | {r['tok_s']:.1f} | "
                      f"{_ms(r['ttft_p50_ms'])} | {_ms(r['ttfa_p50_ms'])} | {rtf} |")
-    return "\n".join(lines)
+    details = [f"- {r['kind']} c={r['concurrency']} {code}: {text}" for r in rows
+               for code, text in (r.get("error_details") or {}).items()]
+    return "\n".join(lines + (["", "First error of each kind:", *details] if details else []))
 
 
 def device_name() -> str:

@@ -23,6 +23,8 @@ class Record:
     # AUDIO_<code> for speech that did not come out complete.
     code: str = "OK"
     completion_tokens: int = 0
+    # Why it failed, in the server's words (the RPC's details, or the finish's audio message).
+    detail: str = ""
     # Offsets from `start` of the first text delta / first audio chunk; None when there was none.
     first_text_s: float | None = None
     first_audio_s: float | None = None
@@ -87,6 +89,8 @@ class Summary:
     ttfa_ms: dict[str, float | None] = field(default_factory=dict)
     rtf: dict[str, float | None] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
+    # The first failed request's detail for each code in `errors` (what a person reads first).
+    error_details: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -98,6 +102,14 @@ def _pcts(values: list[float], scale: float = 1000.0) -> dict[str, float | None]
         v = percentile(values, q)
         out[f"p{q}"] = None if v is None else round(v * scale, 3)
     return out
+
+
+def _first_details(records: list[Record]) -> dict[str, str]:
+    details: dict[str, str] = {}
+    for r in records:
+        if not r.ok and r.code not in details:
+            details[r.code] = r.detail[:500]
+    return details
 
 
 def summarize(mode: str, kind: str, load: str, records: list[Record], wall_s: float) -> Summary:
@@ -116,6 +128,7 @@ def summarize(mode: str, kind: str, load: str, records: list[Record], wall_s: fl
         ttfa_ms=_pcts([r.first_audio_s for r in ok if r.first_audio_s is not None]),
         rtf=_pcts([x for r in ok if (x := r.rtf) is not None], scale=1.0),
         errors=dict(Counter(r.code for r in records if not r.ok)),
+        error_details=_first_details(records),
     )
 
 

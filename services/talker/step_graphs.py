@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from omnistage.common.memory.device import fmt_bytes
 from omnistage.services.talker.models.dit import SamplePlan
 from omnistage.services.talker.models.qwen2 import KVSlots, Qwen2Stack, Rows
 from omnistage.services.talker.models.talker_lm import TalkerModel
@@ -42,6 +43,26 @@ def batch_buckets(cap: int) -> list[int]:
         out.append(b)
         b *= 2
     return [*out, cap]
+
+
+# Below this much free device memory, a capture that failed on a call the capture forbids is the
+# allocator running out: it frees its cache (a synchronising call) before asking the driver again.
+_CAPTURE_OOM_FREE_BYTES = 1 << 30
+
+
+def _capture_error(exc: RuntimeError, device: torch.device) -> RuntimeError:
+    """What a failed capture really was: an out-of-memory (so the stress and its caller treat it as
+    one: a smaller batch, or the budget named), else the first error with the device's memory."""
+    first = exc.__context__ if isinstance(exc.__context__, RuntimeError) else exc
+    if isinstance(first, torch.OutOfMemoryError):
+        return torch.OutOfMemoryError(f"{first} (during a talker step-graph capture)")
+    free, total = torch.cuda.mem_get_info(device)
+    where = (f"device {fmt_bytes(free)} free of {fmt_bytes(total)}, this process "
+             f"{fmt_bytes(torch.cuda.memory_reserved(device))} reserved")  # fmt: skip
+    line = (str(first).strip().splitlines() or [""])[0]
+    if "not permitted when stream is capturing" in line and free < _CAPTURE_OOM_FREE_BYTES:
+        return torch.OutOfMemoryError(f"out of device memory during a talker step-graph capture ({where}): {line}")
+    return RuntimeError(f"talker step-graph capture failed ({where}): {line}")
 
 
 def span_buckets(max_len: int) -> list[int]:
@@ -214,13 +235,11 @@ class StepGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: the service's other threads (health, metrics, status) may call CUDA meanwhile
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 body()
         except RuntimeError as exc:  # an OOM inside the capture surfaces as capture_end's error: keep it an OOM
-            oom = exc if isinstance(exc, torch.OutOfMemoryError) else exc.__context__
-            if isinstance(oom, torch.OutOfMemoryError) and oom is not exc:
-                raise torch.OutOfMemoryError(f"{oom} (during a talker step-graph capture)") from exc
-            raise
+            raise _capture_error(exc, self.device) from exc
         return graph
 
     def capture_all(self) -> int:

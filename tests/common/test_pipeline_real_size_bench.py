@@ -41,14 +41,16 @@ def test_a_row_has_the_issues_keys_from_the_records(bench):
                    audio_seconds=4.0),
             Record("speech", 0.0, 3.0, 60.0, completion_tokens=10, first_text_s=0.7, first_audio_s=1.5,
                    audio_seconds=2.0),
-            Record("speech", 0.0, 1.0, 60.0, code="UNAVAILABLE")]
+            Record("speech", 0.0, 1.0, 60.0, code="UNAVAILABLE", detail="stage talker is down")]
     row = bench.row(part, 2, summarize("closed", "speech", "2", recs, 4.0), recs)
     assert KEYS <= set(row)
     assert (row["kind"], row["concurrency"], row["errors"], row["errors_by_status"]) == ("speech", 2, 1, {"UNAVAILABLE": 1})
     assert (row["req_s"], row["tok_s"]) == (0.5, 5.0)  # 2 OK over 4 s; 20 tokens over 4 s
     assert row["rtf_mean"] == pytest.approx((2.0 / 4.0 + 3.0 / 2.0) / 2)
     assert row["ttfa_p50_ms"] == pytest.approx(1250.0) and row["e2e_p50_ms"] == pytest.approx(2500.0)
-    line = bench.table([row]).splitlines()[-1]
+    table = bench.table([row]).splitlines()
+    assert table[-1] == "- speech c=2 UNAVAILABLE: stage talker is down"  # the first error's words, below
+    line = table[-4]
     assert line.startswith("| speech | 2 | 3 (1 errors) | 4.0 s | 2500 ms |") and line.endswith("| 1.00 |")
 
 

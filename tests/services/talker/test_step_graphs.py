@@ -109,3 +109,34 @@ def test_the_vae_backbone_at_padded_widths_equals_eager(talker_models):
     for layer in range(stack.shape.num_layers):
         torch.testing.assert_close(static.vae_cache.k[layer][:3], eager.vae_cache.k[layer][:3], atol=1e-6, rtol=1e-5)
     assert static.static.replays == 3
+
+
+def _failed_capture(first: BaseException) -> RuntimeError:
+    """capture_end's error raised while handling the first one (how a failed capture surfaces)."""
+    try:
+        try:
+            raise first
+        except BaseException:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture") from None
+    except RuntimeError as exc:
+        exc.__context__ = first
+        return exc
+
+
+@pytest.mark.parametrize(
+    ("first", "free", "kind", "says"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory"), 50 << 30, torch.OutOfMemoryError, "step-graph capture"),
+        (RuntimeError("CUDA error: operation not permitted when stream is capturing"), 300 << 20,
+         torch.OutOfMemoryError, "out of device memory during a talker step-graph capture"),
+        (RuntimeError("CUDA error: operation not permitted when stream is capturing"), 50 << 30,
+         RuntimeError, "talker step-graph capture failed (device 50.00 GiB free"),
+    ],
+)
+def test_a_failed_capture_is_named_an_oom_only_when_memory_ran_out(monkeypatch, first, free, kind, says):
+    from omnistage.services.talker.step_graphs import _capture_error
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 << 30)
+    err = _capture_error(_failed_capture(first), torch.device("cuda", 0))
+    assert type(err) is kind and says in str(err)
