@@ -169,6 +169,9 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
                 result["real_tokens"] = sum(len(o.token_ids) for o in outs)
                 if args.sweep:
                     result["sweep"] = decode_sweep(engine, args, device)
+                if args.profile_c:
+                    result["profile"] = {c: profile_steps(engine, c, graphs) for c in args.profile_c
+                                         for graphs in (True, False)}  # fmt: skip
                 engine.shutdown()
             else:
                 serve_plans(control, runner)
@@ -181,6 +184,56 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
         result.update(status="error", message=failure.message, traceback=traceback.format_exc())
     save()
     return result
+
+
+def profile_steps(engine, c: int, graphs: bool, steps: int = 8) -> dict:
+    """Rank 0's view of `steps` decode steps at concurrency c (graph replays or eager: the workers
+    follow the plans either way, their collectives in the same order): wall per step, device time by
+    kernel, and the host time the step spends outside the device."""
+    from omnistage.services.thinker.engine.sequence import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(13)
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    saved = engine.runner.graphs
+    engine.runner.graphs = saved if graphs else None
+    try:
+        for i in range(c):
+            engine.add_request(f"prof-{graphs}-{c}-{i}", torch.randint(2, 1000, (128,), generator=gen).tolist(),
+                               SamplingParams(max_tokens=steps + 8, ignore_eos=True))  # fmt: skip
+        for _ in range(3):
+            engine.step()
+        sync()
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            sync()
+            wall = (time.perf_counter() - t0) / steps
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.runner.graphs = saved
+    rows, device_ms = [], 0.0
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", 0) or 0
+        if dev_us > 0:
+            device_ms += dev_us / steps / 1e3
+            rows.append({"kernel": ev.key[:90], "calls": ev.count // steps, "ms_per_step": round(dev_us / steps / 1e3, 4)})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    host = sorted(({"op": ev.key[:90], "calls": ev.count // steps, "cpu_ms_per_step": round(ev.self_cpu_time_total / steps / 1e3, 4)}
+                   for ev in prof.key_averages() if ev.self_cpu_time_total > 0), key=lambda r: -r["cpu_ms_per_step"])  # fmt: skip
+    mode = "graphs" if graphs else "eager"
+    print(f"[profile] c={c} {mode}: {1e3 * wall:.2f} ms per step wall, {device_ms:.2f} ms of kernels", flush=True)
+    for r in rows[:18]:
+        print(f"  {r['ms_per_step']:8.3f} ms  x{r['calls']:<4d} {r['kernel']}", flush=True)
+    print(f"[profile] c={c} {mode}: host time by op (self CPU)", flush=True)
+    for r in host[:10]:
+        print(f"  {r['cpu_ms_per_step']:8.3f} ms  x{r['calls']:<4d} {r['op']}", flush=True)
+    return {"mode": mode, "wall_ms": round(1e3 * wall, 3), "device_ms": round(device_ms, 3), "top": rows[:30],
+            "host_top": host[:15]}
 
 
 def _stack_file(args: argparse.Namespace, rank: int):
@@ -287,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode graphs under TP (sets OMNISTAGE_TP_CUDA_GRAPHS for the ranks)")  # fmt: skip
     ap.add_argument("--stacks-dir", default="", help="each rank's thread stacks land here if it sticks")
     ap.add_argument("--stacks-after-s", type=float, default=60.0, help="a capture phase this long dumps stacks")
+    ap.add_argument("--profile-c", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="rank 0 profiles decode steps at these concurrencies, graphs and eager (e.g. 1,32)")  # fmt: skip
     ap.add_argument("--wall-s", type=float, default=0.0, help="TP: stop the ranks after this long (0: no limit)")
     args = ap.parse_args(argv)
     if args.tp_graphs is not None:  # the spawned ranks inherit it
