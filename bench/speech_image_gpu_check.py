@@ -119,6 +119,39 @@ def talker_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
     engine_check(models, config, device)
 
 
+
+def talker_other_device_check(tiny: bool, device: str, dtype: torch.dtype) -> None:
+    """A service's talker on cuda:1 captures from its start-up thread, whose current device is cuda:0
+    (the real-size pipeline failed so: "operation not permitted when stream is capturing")."""
+    import threading
+
+    if device != "cuda" or torch.cuda.device_count() < 2:
+        report("talker_capture_on_cuda1_from_a_thread", True, skipped="needs 2 GPUs")
+        return
+    config = talker_speech.TINY if tiny else talker_speech.REAL
+    models = talker_speech.build(config, "cuda:1", dtype)
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            runner = TalkerRunner(models, 4, 256, 64, graphs=True, capture=True)
+            hidden = config.llm.hidden_size
+            x = torch.randn(2, hidden, device="cuda:1").to(dtype)
+            with torch.no_grad():
+                for slot in range(2):
+                    runner.prefill(slot, torch.randn(12, hidden, device="cuda:1").to(dtype))
+                out = runner.decode([0, 1], [12, 12], x)
+            torch.cuda.synchronize("cuda:1")
+            result.update(ok=True, graphs=runner.static.graphs, shape=list(out.shape))
+        except Exception as exc:  # noqa: BLE001 - reported
+            result.update(ok=False, error=repr(exc)[:400])
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(120)
+    report("talker_capture_on_cuda1_from_a_thread", bool(result.get("ok")), **result)
+
+
 @contextlib.contextmanager
 def count_syncs(device: str):
     """The host syncs (CUDA sync debug mode's warnings) inside the block, as a list of messages."""
@@ -264,13 +297,14 @@ def vision_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU in fp32 (a smoke run)")
-    ap.add_argument("--only", default="talker,dit,vision", help="which checks (comma-separated)")
+    ap.add_argument("--only", default="talker,talker1,dit,vision", help="which checks (comma-separated)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
                       "dtype": str(dtype)}), flush=True)
-    checks = {"talker": talker_checks, "dit": dit_checks, "vision": vision_checks}
+    checks = {"talker": talker_checks, "talker1": talker_other_device_check, "dit": dit_checks,
+              "vision": vision_checks}
     for name in args.only.split(","):
         try:
             checks[name](args.tiny, device, dtype)

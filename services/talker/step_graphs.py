@@ -227,19 +227,23 @@ class StepGraphs:
 
     @torch.no_grad()
     def _capture(self, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside the graph: cuBLAS handles, lazy inits
-                body()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # thread_local: the service's other threads (health, metrics, status) may call CUDA meanwhile
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                body()
-        except RuntimeError as exc:  # an OOM inside the capture surfaces as capture_end's error: keep it an OOM
-            raise _capture_error(exc, self.device) from exc
+        # This device made current for the calling thread (a start-up or device-loop thread starts on
+        # cuda:0): a capture on another device's stream while the body runs on this one's legacy
+        # stream fails ("operation not permitted when stream is capturing", seen on cuda:1).
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up outside the graph: cuBLAS handles, lazy inits
+                    body()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                # thread_local: the service's other threads (health, metrics, status) may call CUDA meanwhile
+                with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                    body()
+            except RuntimeError as exc:  # an OOM inside the capture surfaces as capture_end's error
+                raise _capture_error(exc, self.device) from exc
         return graph
 
     def capture_all(self) -> int:
