@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from omnistage.common.stages import CAPABILITIES, SERVICE_KINDS
 
 
 class ConfigError(ValueError):
@@ -331,12 +332,16 @@ class TlsConfig:
     client_ca_file: str = ""
 
 
+# The kinds of service (common/stages.py, the one table of them).
+ServiceKind = Literal[SERVICE_KINDS]  # type: ignore[valid-type]
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """One service (a stage or the gateway): one process, or one per TP rank."""
 
     name: str = ""
-    kind: Literal["gateway", "thinker", "encoder", "talker", "imagegen"] = "thinker"
+    kind: ServiceKind = "thinker"
     # gRPC port of the service's API (rank 0 for TP stages).
     port: int = 0
     # Address the main port binds; 0.0.0.0 serves every interface (the gateway, for outside clients).
@@ -447,15 +452,9 @@ def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-# Public capabilities and the stage kinds each needs: the gateway serves each one as soon as its
-# stages are admitted (health names `omnistage.v1.Omni.<capability>`, Describe.readiness), and the
-# launcher's "ready" waits for all of them.
-CAPABILITIES: dict[str, tuple[str, ...]] = {
-    "text": ("thinker",),
-    "media_input": ("thinker", "encoder"),
-    "speech": ("thinker", "talker"),
-    "image_output": ("thinker", "imagegen"),
-}
+# Public capabilities and the stage kinds each needs (common/stages.py): the gateway serves each one as
+# soon as its stages are admitted (health names `omnistage.v1.Omni.<capability>`, Describe.readiness),
+# and the launcher's "ready" waits for all of them.
 CAPABILITY_HEALTH_PREFIX = "omnistage.v1.Omni."
 
 
