@@ -12,7 +12,7 @@ import sys
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -448,6 +448,12 @@ def _config_args(p: argparse.ArgumentParser, *, required: bool) -> None:
                    help="the same overrides as `serve` (repeatable)")
 
 
+def _service_args(p: argparse.ArgumentParser) -> None:
+    """One service of a deploy file (drain, resume)."""
+    _config_args(p, required=True)
+    p.add_argument("--service", required=True, help="service name (key under services:)")
+
+
 def _target_args(p: argparse.ArgumentParser, *, timeout_s: float) -> None:
     p.add_argument("--timeout-s", type=float, default=timeout_s, help="deadline of each request")
     p.add_argument("--api-key-env", metavar="VAR",
@@ -457,10 +463,24 @@ def _target_args(p: argparse.ArgumentParser, *, timeout_s: float) -> None:
     p.add_argument("--key-file", default="", help="TLS: client key (mutual TLS)")
 
 
+Subparsers = Any  # argparse's _SubParsersAction (private)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description="Stage-wise gRPC serving of omni-modal models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _serve_parser(sub)
+    _checkpoint_parsers(sub)
+    _generate_parser(sub)
+    _bench_parser(sub)
+    _admin_parsers(sub)
+    p = sub.add_parser("protos", help="regenerate omnistage/v1 *_pb2 code from the .proto files")
+    p.add_argument("--check", action="store_true", help="exit 1 when the committed generated code is stale")
+    p.set_defaults(fn=cmd_protos)
+    return parser
 
+
+def _serve_parser(sub: Subparsers) -> None:
     p = sub.add_parser("serve", help="start every service of a deploy file and supervise them")
     p.add_argument("config", help="deploy YAML (e.g. deploy/local-tiny.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
@@ -472,6 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check the config, the per-GPU memory ledger, the checkpoint, secrets and ports; start nothing")
     p.set_defaults(fn=cmd_serve)
 
+
+def _checkpoint_parsers(sub: Subparsers) -> None:
     p = sub.add_parser("make-tiny-checkpoint", help="write the tiny random-weight checkpoint in the HF layout")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
@@ -485,6 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=("ming-flash", "ling-mini", "tiny"), default="ming-flash")
     p.set_defaults(fn=cmd_make_config_checkpoint)
 
+
+def _generate_parser(sub: Subparsers) -> None:
     p = sub.add_parser("generate", help="send one text prompt to the gateway and stream the answer")
     _config_args(p, required=False)
     p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
@@ -507,6 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
     _target_args(p, timeout_s=120.0)
     p.set_defaults(fn=cmd_generate)
 
+
+def _bench_parser(sub: Subparsers) -> None:
     p = sub.add_parser("bench", help="closed-loop load sweep against a running gateway (load_tests/pipeline_load.py's driver)")
     _config_args(p, required=False)
     p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
@@ -520,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
     _target_args(p, timeout_s=120.0)
     p.set_defaults(fn=cmd_bench)
 
+
+def _admin_parsers(sub: Subparsers) -> None:
+    """status, health, drain and resume: the commands of an operator of a running deployment."""
     p = sub.add_parser("status", help="phase, health and limits of every service of a deploy file (or one admin address)")
     _config_args(p, required=False)
     p.add_argument("--address", metavar="ADMIN_HOST:PORT", help="one service's admin port instead of --config")
@@ -535,21 +564,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_health)
 
     p = sub.add_parser("drain", help="stop one service taking requests (Control.Drain on its admin port)")
-    _config_args(p, required=True)
-    p.add_argument("--service", required=True, help="service name (key under services:)")
+    _service_args(p)
     p.add_argument("--deadline-ms", type=int, default=0, help="wait this long for in-flight requests (0: drain_grace_s)")
     p.set_defaults(fn=cmd_drain)
 
     p = sub.add_parser("resume", help="let a drained service take requests again (Control.Resume)")
-    _config_args(p, required=True)
-    p.add_argument("--service", required=True, help="service name (key under services:)")
+    _service_args(p)
     p.add_argument("--timeout-s", type=float, default=10.0)
     p.set_defaults(fn=cmd_resume)
-
-    p = sub.add_parser("protos", help="regenerate omnistage/v1 *_pb2 code from the .proto files")
-    p.add_argument("--check", action="store_true", help="exit 1 when the committed generated code is stale")
-    p.set_defaults(fn=cmd_protos)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
