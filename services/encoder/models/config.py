@@ -8,11 +8,11 @@ the projectors' output width, `mlp_depth` the vision projector depth. Placeholde
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omnistage.common.checkpoint.config_files import read_added_tokens, read_json, require_keys
 from omnistage.common.checkpoint.shards import CheckpointError
 
 
@@ -90,9 +90,7 @@ class EncoderModelConfig:
     def from_checkpoint(cls, ckpt_dir: str | Path) -> EncoderModelConfig:
         root = Path(ckpt_dir)
         path = root / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{root}: config.json not found")
-        return cls.from_dict(json.loads(path.read_text()), read_added_tokens(root), where=str(path))
+        return cls.from_dict(read_json(path, "the encoders"), read_added_tokens(root), where=str(path))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], tokens: dict[str, int], where: str = "config.json") -> EncoderModelConfig:
@@ -107,14 +105,9 @@ class EncoderModelConfig:
         )
 
 
-def _require(d: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
-    if missing := [k for k in keys if k not in d]:
-        raise CheckpointError(f"{where}: lacks required keys {', '.join(missing)}")
-
-
 def _vision(v: dict[str, Any], llm: dict[str, Any], mlp_depth: int, where: str) -> VisionConfig:
-    _require(v, ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size"), f"{where} vision_config")
-    _require(llm, ("hidden_size",), f"{where} llm_config")
+    require_keys(v, ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size"), f"{where} vision_config")
+    require_keys(llm, ("hidden_size",), f"{where} llm_config")
     if mlp_depth != 2:
         raise CheckpointError(f"{where}: mlp_depth {mlp_depth} is not supported (Ming uses 2)")
     if v["hidden_size"] % v["num_heads"]:
@@ -141,7 +134,7 @@ def _audio(a: dict[str, Any], llm: dict[str, Any], where: str) -> AudioConfig:
     w = a.get("whisper_encoder_config")
     if not isinstance(w, dict):
         raise CheckpointError(f"{where} audio_config: no whisper_encoder_config")
-    _require(w, ("n_mels", "n_ctx", "n_state", "n_head", "n_layer"), f"{where} whisper_encoder_config")
+    require_keys(w, ("n_mels", "n_ctx", "n_state", "n_head", "n_layer"), f"{where} whisper_encoder_config")
     return AudioConfig(
         n_mels=w["n_mels"],
         n_ctx=w["n_ctx"],
@@ -167,12 +160,3 @@ def _placeholders(llm: dict[str, Any], tokens: dict[str, int], where: str) -> Pl
             "(llm_config image_patch_token / video_patch_token, tokenizer_config.json <audioPatch>)"
         )
     return PlaceholderIds(**{k: int(v) for k, v in ids.items()})
-
-
-def read_added_tokens(ckpt_dir: str | Path) -> dict[str, int]:
-    """Added tokens (name → id) from tokenizer_config.json's `added_tokens_decoder`; {} if absent."""
-    path = Path(ckpt_dir) / "tokenizer_config.json"
-    if not path.is_file():
-        return {}
-    decoder = json.loads(path.read_text()).get("added_tokens_decoder", {})
-    return {entry["content"]: int(i) for i, entry in decoder.items()}
