@@ -28,6 +28,13 @@ def require_keys(d: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
         raise CheckpointError(f"{where}: lacks required keys {', '.join(missing)}")
 
 
+def take(d: dict[str, Any], required: tuple[str, ...], optional: tuple[str, ...], where: str) -> dict[str, Any]:
+    """The `required` keys of `d` (all of them, else CheckpointError) and those of `optional` it has: the
+    keyword arguments of a config dataclass whose defaults stand for the optional keys left out."""
+    require_keys(d, required, where)
+    return {k: d[k] for k in (*required, *optional) if k in d}
+
+
 def read_added_tokens(ckpt_dir: str | Path) -> dict[str, int]:
     """Added tokens (name → id) from tokenizer_config.json's `added_tokens_decoder`; {} if absent."""
     path = Path(ckpt_dir) / "tokenizer_config.json"

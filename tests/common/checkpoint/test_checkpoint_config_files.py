@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from omnistage.common.checkpoint.config_files import read_added_tokens, read_json, require_keys
+from omnistage.common.checkpoint.config_files import read_added_tokens, read_json, require_keys, take
 from omnistage.common.checkpoint.shards import CheckpointError
 
 
@@ -32,3 +32,10 @@ def test_added_tokens_come_from_the_tokenizer_config_or_none(tmp_path):
     decoder = {"7": {"content": "<image>"}, "9": {"content": "<audioPatch>"}}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decoder}))
     assert read_added_tokens(tmp_path) == {"<image>": 7, "<audioPatch>": 9}
+
+
+def test_take_gives_the_required_keys_and_the_optional_ones_present():
+    d = {"depth": 2, "patch_size": 14, "other": 1}
+    assert take(d, ("depth",), ("patch_size", "in_channels"), "v") == {"depth": 2, "patch_size": 14}
+    with pytest.raises(CheckpointError, match="v: lacks required keys heads"):
+        take(d, ("depth", "heads"), (), "v")
