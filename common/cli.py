@@ -454,8 +454,11 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--service", required=True, help="service name (key under services:)")
 
 
-def _target_args(p: argparse.ArgumentParser, *, timeout_s: float) -> None:
-    p.add_argument("--timeout-s", type=float, default=timeout_s, help="deadline of each request")
+def _gateway_args(p: argparse.ArgumentParser) -> None:
+    """Where and how a client command (generate, bench) calls the gateway."""
+    _config_args(p, required=False)
+    p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each request")
     p.add_argument("--api-key-env", metavar="VAR",
                    help="environment variable holding the API key (default: the gateway's api_keys_env / api_keys_file)")
     p.add_argument("--ca-file", default="", help="TLS: CA to trust (default with --config: the gateway's certificate)")
@@ -510,8 +513,7 @@ def _checkpoint_parsers(sub: Subparsers) -> None:
 
 def _generate_parser(sub: Subparsers) -> None:
     p = sub.add_parser("generate", help="send one text prompt to the gateway and stream the answer")
-    _config_args(p, required=False)
-    p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
+    _gateway_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--image", action="append", default=[], metavar="FILE", help="an input image (repeatable)")
     p.add_argument("--audio", action="append", default=[], metavar="FILE", help="an input audio clip (repeatable)")
@@ -528,14 +530,12 @@ def _generate_parser(sub: Subparsers) -> None:
     p.add_argument("--top-p", type=float, default=0.0, help="0: off")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling (and of the image's noise)")
-    _target_args(p, timeout_s=120.0)
     p.set_defaults(fn=cmd_generate)
 
 
 def _bench_parser(sub: Subparsers) -> None:
     p = sub.add_parser("bench", help="closed-loop load sweep against a running gateway (load_tests/pipeline_load.py's driver)")
-    _config_args(p, required=False)
-    p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
+    _gateway_args(p)
     p.add_argument("--kinds", default="text", help="comma-separated request kinds: text, vision (image + text in), speech, image, mixed")
     p.add_argument("--concurrency", default="1,2,4", help="comma-separated concurrency levels")
     p.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
@@ -543,7 +543,6 @@ def _bench_parser(sub: Subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (ignore_eos)")
     p.add_argument("--deadline-s", type=float, default=30.0, help="goodput: a request OK within this many seconds")
     p.add_argument("--json", metavar="FILE", help="also write every level's summary as JSON")
-    _target_args(p, timeout_s=120.0)
     p.set_defaults(fn=cmd_bench)
 
 
