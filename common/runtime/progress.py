@@ -3,16 +3,23 @@ every stage, the thinker's ranks included (`services/thinker/engine/startup.py` 
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
-from omnistage.common.runtime.server import ServiceRuntime
+if TYPE_CHECKING:
+    from omnistage.common.runtime.server import ServiceRuntime
+
+# What a stage's stress reports each attempt to: (phase, detail), `StageProgress.in_phase`.
+Report = Callable[[str, str], None]
 
 
 class Failure(Protocol):
     """A failure that names the rank at fault (a TP group's GroupFailure)."""
 
-    message: str
-    rank: int
+    @property
+    def message(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
 
 
 class StageProgress:
