@@ -22,8 +22,8 @@ from omnistage.common import metrics
 from omnistage.common.config import DeployConfig, ServiceConfig
 from omnistage.common.log import get_logger
 from omnistage.common.memory.report import export_memory
+from omnistage.common.runtime import progress
 from omnistage.common.runtime.blocking import in_daemon_thread
-from omnistage.common.runtime.progress import StageProgress
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.common.transport import TransportContext, TransportOptions
@@ -45,7 +45,7 @@ WARMUP_PROMPT = "<role>HUMAN</role>warm-up<|role_end|><role>ASSISTANT</role>"
 
 async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
     rank_cfg = RankConfig.from_deploy(cfg, svc, rank)
-    started = await in_daemon_thread(lambda: start_rank(rank_cfg, StageProgress(runtime)), "thinker-blocking")
+    started = await in_daemon_thread(lambda: start_rank(rank_cfg, progress.StageProgress(runtime)), "thinker-blocking")
     if rank > 0:
         runtime.set_serving()
         await in_daemon_thread(lambda: run_plan_loop(started), "thinker-blocking")
