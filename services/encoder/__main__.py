@@ -13,7 +13,7 @@ import asyncio
 import sys
 
 import torch
-from omnistage.common.runtime.boot import StageStartup, run_stage
+from omnistage.common.runtime.boot import Boot, StageStartup, run_stage
 from omnistage.common.transport import TransportContext, TransportOptions
 from omnistage.services.encoder import startup
 from omnistage.services.encoder.engine import EncoderEngine
@@ -26,8 +26,13 @@ from omnistage.v1 import control_pb2, encoder_pb2_grpc
 class EncoderStartup(StageStartup):
     warm_up_detail = "one image, video and audio clip through the request path"
 
+    def __init__(self, boot: Boot) -> None:
+        super().__init__(boot)
+        # The CUDA IPC pool is made with cudaMalloc, beside torch's allocator (0 off CUDA, or where
+        # CUDA IPC turns out unavailable: the embeddings then go through shm).
+        self.cuda_pool_bytes = boot.svc.encoder.transport_pool_bytes if boot.on_cuda else 0
+
     def outside_allocator_bytes(self) -> int:
-        self.cuda_pool_bytes = self.boot.svc.encoder.transport_pool_bytes if self.boot.on_cuda else 0
         return self.cuda_pool_bytes
 
     def load(self) -> None:
