@@ -10,7 +10,7 @@ import os
 import shlex
 import sys
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -388,21 +388,32 @@ def _control(args: argparse.Namespace) -> tuple[ServiceConfig, str, tuple]:
     return svc, address, auth.admin_metadata(svc)
 
 
-def cmd_drain(args: argparse.Namespace) -> int:
+def _call_control(args: argparse.Namespace, rpc: str, request: Any,
+                  timeout_s: Callable[[ServiceConfig], float]) -> tuple[ServiceConfig, Any] | int:
+    """Control.<rpc> on the admin port of `--service`: (service, reply), or the exit code once the
+    reason is printed (2: the config or the admin key, 1: the call)."""
     try:
         svc, address, metadata = _control(args)
     except (ConfigError, SecretError) as exc:
         print(f"omnistage: {exc}", file=sys.stderr)
         return 2
-    deadline_s = args.deadline_ms / 1000 if args.deadline_ms else svc.drain_grace_s
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = control_pb2_grpc.ControlStub(channel).Drain(
-                control_pb2.DrainRequest(deadline_ms=args.deadline_ms), timeout=deadline_s + 30.0, metadata=metadata
-            )
+            call = getattr(control_pb2_grpc.ControlStub(channel), rpc)
+            return svc, call(request, timeout=timeout_s(svc), metadata=metadata)
         except grpc.RpcError as exc:
-            print(f"omnistage: drain failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"omnistage: {rpc.lower()} failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    def timeout_s(svc: ServiceConfig) -> float:
+        return (args.deadline_ms / 1000 if args.deadline_ms else svc.drain_grace_s) + 30.0
+
+    result = _call_control(args, "Drain", control_pb2.DrainRequest(deadline_ms=args.deadline_ms), timeout_s)
+    if isinstance(result, int):
+        return result
+    svc, reply = result
     resume = ["omnistage", "resume", "--config", args.config, *(w for o in args.overrides for w in ("--set", o)),
               "--service", svc.name]
     print(f"omnistage: {svc.name} draining: {reply.completed} requests finished, {reply.aborted} aborted; "
@@ -411,19 +422,10 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    try:
-        svc, address, metadata = _control(args)
-    except (ConfigError, SecretError) as exc:
-        print(f"omnistage: {exc}", file=sys.stderr)
-        return 2
-    with grpc.insecure_channel(address) as channel:
-        try:
-            control_pb2_grpc.ControlStub(channel).Resume(control_pb2.ResumeRequest(), timeout=args.timeout_s,
-                                                         metadata=metadata)
-        except grpc.RpcError as exc:
-            print(f"omnistage: resume failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-    print(f"omnistage: {svc.name} serving again")
+    result = _call_control(args, "Resume", control_pb2.ResumeRequest(), lambda svc: args.timeout_s)
+    if isinstance(result, int):
+        return result
+    print(f"omnistage: {result[0].name} serving again")
     return 0
 
 
