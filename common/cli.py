@@ -10,9 +10,9 @@ import os
 import shlex
 import sys
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -388,21 +388,32 @@ def _control(args: argparse.Namespace) -> tuple[ServiceConfig, str, tuple]:
     return svc, address, auth.admin_metadata(svc)
 
 
-def cmd_drain(args: argparse.Namespace) -> int:
+def _call_control(args: argparse.Namespace, rpc: str, request: Any,
+                  timeout_s: Callable[[ServiceConfig], float]) -> tuple[ServiceConfig, Any] | int:
+    """Control.<rpc> on the admin port of `--service`: (service, reply), or the exit code once the
+    reason is printed (2: the config or the admin key, 1: the call)."""
     try:
         svc, address, metadata = _control(args)
     except (ConfigError, SecretError) as exc:
         print(f"omnistage: {exc}", file=sys.stderr)
         return 2
-    deadline_s = args.deadline_ms / 1000 if args.deadline_ms else svc.drain_grace_s
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = control_pb2_grpc.ControlStub(channel).Drain(
-                control_pb2.DrainRequest(deadline_ms=args.deadline_ms), timeout=deadline_s + 30.0, metadata=metadata
-            )
+            call = getattr(control_pb2_grpc.ControlStub(channel), rpc)
+            return svc, call(request, timeout=timeout_s(svc), metadata=metadata)
         except grpc.RpcError as exc:
-            print(f"omnistage: drain failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"omnistage: {rpc.lower()} failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    def timeout_s(svc: ServiceConfig) -> float:
+        return (args.deadline_ms / 1000 if args.deadline_ms else svc.drain_grace_s) + 30.0
+
+    result = _call_control(args, "Drain", control_pb2.DrainRequest(deadline_ms=args.deadline_ms), timeout_s)
+    if isinstance(result, int):
+        return result
+    svc, reply = result
     resume = ["omnistage", "resume", "--config", args.config, *(w for o in args.overrides for w in ("--set", o)),
               "--service", svc.name]
     print(f"omnistage: {svc.name} draining: {reply.completed} requests finished, {reply.aborted} aborted; "
@@ -411,19 +422,10 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    try:
-        svc, address, metadata = _control(args)
-    except (ConfigError, SecretError) as exc:
-        print(f"omnistage: {exc}", file=sys.stderr)
-        return 2
-    with grpc.insecure_channel(address) as channel:
-        try:
-            control_pb2_grpc.ControlStub(channel).Resume(control_pb2.ResumeRequest(), timeout=args.timeout_s,
-                                                         metadata=metadata)
-        except grpc.RpcError as exc:
-            print(f"omnistage: resume failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-    print(f"omnistage: {svc.name} serving again")
+    result = _call_control(args, "Resume", control_pb2.ResumeRequest(), lambda svc: args.timeout_s)
+    if isinstance(result, int):
+        return result
+    print(f"omnistage: {result[0].name} serving again")
     return 0
 
 
@@ -448,8 +450,17 @@ def _config_args(p: argparse.ArgumentParser, *, required: bool) -> None:
                    help="the same overrides as `serve` (repeatable)")
 
 
-def _target_args(p: argparse.ArgumentParser, *, timeout_s: float) -> None:
-    p.add_argument("--timeout-s", type=float, default=timeout_s, help="deadline of each request")
+def _service_args(p: argparse.ArgumentParser) -> None:
+    """One service of a deploy file (drain, resume)."""
+    _config_args(p, required=True)
+    p.add_argument("--service", required=True, help="service name (key under services:)")
+
+
+def _gateway_args(p: argparse.ArgumentParser) -> None:
+    """Where and how a client command (generate, bench) calls the gateway."""
+    _config_args(p, required=False)
+    p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each request")
     p.add_argument("--api-key-env", metavar="VAR",
                    help="environment variable holding the API key (default: the gateway's api_keys_env / api_keys_file)")
     p.add_argument("--ca-file", default="", help="TLS: CA to trust (default with --config: the gateway's certificate)")
@@ -457,10 +468,24 @@ def _target_args(p: argparse.ArgumentParser, *, timeout_s: float) -> None:
     p.add_argument("--key-file", default="", help="TLS: client key (mutual TLS)")
 
 
+Subparsers = Any  # argparse's _SubParsersAction (private)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description="Stage-wise gRPC serving of omni-modal models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _serve_parser(sub)
+    _checkpoint_parsers(sub)
+    _generate_parser(sub)
+    _bench_parser(sub)
+    _admin_parsers(sub)
+    p = sub.add_parser("protos", help="regenerate omnistage/v1 *_pb2 code from the .proto files")
+    p.add_argument("--check", action="store_true", help="exit 1 when the committed generated code is stale")
+    p.set_defaults(fn=cmd_protos)
+    return parser
 
+
+def _serve_parser(sub: Subparsers) -> None:
     p = sub.add_parser("serve", help="start every service of a deploy file and supervise them")
     p.add_argument("config", help="deploy YAML (e.g. deploy/local-tiny.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
@@ -472,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check the config, the per-GPU memory ledger, the checkpoint, secrets and ports; start nothing")
     p.set_defaults(fn=cmd_serve)
 
+
+def _checkpoint_parsers(sub: Subparsers) -> None:
     p = sub.add_parser("make-tiny-checkpoint", help="write the tiny random-weight checkpoint in the HF layout")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
@@ -485,9 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=("ming-flash", "ling-mini", "tiny"), default="ming-flash")
     p.set_defaults(fn=cmd_make_config_checkpoint)
 
+
+def _generate_parser(sub: Subparsers) -> None:
     p = sub.add_parser("generate", help="send one text prompt to the gateway and stream the answer")
-    _config_args(p, required=False)
-    p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
+    _gateway_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--image", action="append", default=[], metavar="FILE", help="an input image (repeatable)")
     p.add_argument("--audio", action="append", default=[], metavar="FILE", help="an input audio clip (repeatable)")
@@ -504,12 +532,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.0, help="0: off")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling (and of the image's noise)")
-    _target_args(p, timeout_s=120.0)
     p.set_defaults(fn=cmd_generate)
 
+
+def _bench_parser(sub: Subparsers) -> None:
     p = sub.add_parser("bench", help="closed-loop load sweep against a running gateway (load_tests/pipeline_load.py's driver)")
-    _config_args(p, required=False)
-    p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
+    _gateway_args(p)
     p.add_argument("--kinds", default="text", help="comma-separated request kinds: text, vision (image + text in), speech, image, mixed")
     p.add_argument("--concurrency", default="1,2,4", help="comma-separated concurrency levels")
     p.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
@@ -517,9 +545,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (ignore_eos)")
     p.add_argument("--deadline-s", type=float, default=30.0, help="goodput: a request OK within this many seconds")
     p.add_argument("--json", metavar="FILE", help="also write every level's summary as JSON")
-    _target_args(p, timeout_s=120.0)
     p.set_defaults(fn=cmd_bench)
 
+
+def _admin_parsers(sub: Subparsers) -> None:
+    """status, health, drain and resume: the commands of an operator of a running deployment."""
     p = sub.add_parser("status", help="phase, health and limits of every service of a deploy file (or one admin address)")
     _config_args(p, required=False)
     p.add_argument("--address", metavar="ADMIN_HOST:PORT", help="one service's admin port instead of --config")
@@ -535,21 +565,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_health)
 
     p = sub.add_parser("drain", help="stop one service taking requests (Control.Drain on its admin port)")
-    _config_args(p, required=True)
-    p.add_argument("--service", required=True, help="service name (key under services:)")
+    _service_args(p)
     p.add_argument("--deadline-ms", type=int, default=0, help="wait this long for in-flight requests (0: drain_grace_s)")
     p.set_defaults(fn=cmd_drain)
 
     p = sub.add_parser("resume", help="let a drained service take requests again (Control.Resume)")
-    _config_args(p, required=True)
-    p.add_argument("--service", required=True, help="service name (key under services:)")
+    _service_args(p)
     p.add_argument("--timeout-s", type=float, default=10.0)
     p.set_defaults(fn=cmd_resume)
-
-    p = sub.add_parser("protos", help="regenerate omnistage/v1 *_pb2 code from the .proto files")
-    p.add_argument("--check", action="store_true", help="exit 1 when the committed generated code is stale")
-    p.set_defaults(fn=cmd_protos)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

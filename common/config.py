@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from omnistage.common.stages import CAPABILITIES, SERVICE_KINDS
 
 
 class ConfigError(ValueError):
@@ -331,12 +332,16 @@ class TlsConfig:
     client_ca_file: str = ""
 
 
+# The kinds of service (common/stages.py, the one table of them).
+ServiceKind = Literal[SERVICE_KINDS]  # type: ignore[valid-type]
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """One service (a stage or the gateway): one process, or one per TP rank."""
 
     name: str = ""
-    kind: Literal["gateway", "thinker", "encoder", "talker", "imagegen"] = "thinker"
+    kind: ServiceKind = "thinker"
     # gRPC port of the service's API (rank 0 for TP stages).
     port: int = 0
     # Address the main port binds; 0.0.0.0 serves every interface (the gateway, for outside clients).
@@ -447,15 +452,9 @@ def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-# Public capabilities and the stage kinds each needs: the gateway serves each one as soon as its
-# stages are admitted (health names `omnistage.v1.Omni.<capability>`, Describe.readiness), and the
-# launcher's "ready" waits for all of them.
-CAPABILITIES: dict[str, tuple[str, ...]] = {
-    "text": ("thinker",),
-    "media_input": ("thinker", "encoder"),
-    "speech": ("thinker", "talker"),
-    "image_output": ("thinker", "imagegen"),
-}
+# Public capabilities and the stage kinds each needs (common/stages.py): the gateway serves each one as
+# soon as its stages are admitted (health names `omnistage.v1.Omni.<capability>`, Describe.readiness),
+# and the launcher's "ready" waits for all of them.
 CAPABILITY_HEALTH_PREFIX = "omnistage.v1.Omni."
 
 
@@ -581,26 +580,8 @@ def _positive(path: str, value: float, allow_zero: bool = False) -> None:
 def _validate(cfg: DeployConfig) -> DeployConfig:
     if cfg.version != 1:
         raise ConfigError(f"version: expected 1, got {cfg.version}")
-    st = cfg.startup
-    for key in ("heartbeat_timeout_s", "poll_interval_s", "rpc_timeout_s"):
-        _positive(f"startup.{key}", getattr(st, key))
-    _positive("startup.stop_grace_s", st.stop_grace_s, allow_zero=True)
-    for phase in cfg.startup.phase_deadlines_s:
-        if phase not in STARTUP_PHASES:
-            raise ConfigError(
-                f"startup.phase_deadlines_s.{phase}: unknown phase (known: {', '.join(STARTUP_PHASES)})"
-            )
-    for phase, value in cfg.startup.phase_deadlines_s.items():
-        _positive(f"startup.phase_deadlines_s.{phase}", value)
-    sv = cfg.supervision
-    for key in ("heartbeat_interval_s", "heartbeat_timeout_s", "health_interval_s", "restart_window_s",
-                "backoff_max_s"):
-        _positive(f"supervision.{key}", getattr(sv, key))
-    for key in ("max_restarts", "backoff_initial_s"):
-        _positive(f"supervision.{key}", getattr(sv, key), allow_zero=True)
-    if sv.heartbeat_interval_s >= sv.heartbeat_timeout_s:
-        raise ConfigError(f"supervision.heartbeat_interval_s: must be below heartbeat_timeout_s "
-                          f"({sv.heartbeat_timeout_s:g}), got {sv.heartbeat_interval_s:g}")
+    _validate_startup(cfg.startup)
+    _validate_supervision(cfg.supervision)
     for key in ("reserve_bytes", "total_bytes_override"):
         _positive(f"devices.{key}", getattr(cfg.devices, key), allow_zero=True)
     ports: dict[int, str] = {}
@@ -610,67 +591,106 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
         if svc.name and svc.name != name:
             raise ConfigError(f"{p}.name: must equal the key {name!r}, got {svc.name!r}")
         svc = dataclasses.replace(svc, name=name)
-        for key in ("port", "admin_port", "metrics_port", "dist_port", "gateway.http_port"):
-            port = svc.gateway.http_port if key == "gateway.http_port" else getattr(svc, key)
-            if port == 0 and key == "port":
-                raise ConfigError(f"{p}.port: required")
-            if not 0 <= port < 65536:
-                raise ConfigError(f"{p}.{key}: expected a port number, got {port}")
-            if port:
-                ports_needed = svc.tp_size if key == "dist_port" else 1
-                for q in range(port, port + ports_needed):
-                    if q in ports:
-                        raise ConfigError(f"{p}.{key}: port {q} is also used by {ports[q]}")
-                    ports[q] = f"{p}.{key}"
-        _positive(f"{p}.tp_size", svc.tp_size)
-        _positive(f"{p}.max_message_bytes", svc.max_message_bytes)
-        _positive(f"{p}.drain_grace_s", svc.drain_grace_s, allow_zero=True)
-        if svc.fault is not None:
-            if not -1 <= svc.fault.rank < svc.tp_size:
-                raise ConfigError(f"{p}.fault.rank: expected -1 (every rank) or 0..{svc.tp_size - 1}, got {svc.fault.rank}")
-            _positive(f"{p}.fault.delay_s", svc.fault.delay_s, allow_zero=True)
-            _validate_fault_point(p, svc)
-        if svc.tp_size > 1 and svc.dist_port == 0:
-            raise ConfigError(f"{p}.dist_port: required when tp_size > 1")
-        if svc.device == "cuda" and svc.gpus and len(svc.gpus) != svc.tp_size:
-            raise ConfigError(f"{p}.gpus: expected {svc.tp_size} GPU indices (one per rank), got {list(svc.gpus)}")
-        e = svc.engine
-        for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "default_max_tokens"):
-            _positive(f"{p}.engine.{key}", getattr(e, key))
-        _positive(f"{p}.engine.num_kv_blocks", e.num_kv_blocks, allow_zero=True)
-        _positive(f"{p}.engine.max_queued_requests", e.max_queued_requests, allow_zero=True)
-        for key in ("kv_tokens", "kv_canary_bytes", "kv_probe_tokens", "cuda_graph_max_batch"):
-            _positive(f"{p}.engine.{key}", getattr(e, key), allow_zero=True)
-        for key, allowed in (("attention_backend", ATTENTION_BACKENDS), ("moe_backend", MOE_BACKENDS)):
-            if getattr(e, key) not in allowed:
-                raise ConfigError(f"{p}.engine.{key}: expected one of {', '.join(allowed)}, got {getattr(e, key)!r}")
-        if not 0 < e.kv_safety_factor <= 1:
-            raise ConfigError(f"{p}.engine.kv_safety_factor: expected a number in (0, 1], got {e.kv_safety_factor}")
-        if e.kv_tokens and e.num_kv_blocks:
-            raise ConfigError(f"{p}.engine.kv_tokens: set kv_tokens or num_kv_blocks, not both")
-        _validate_memory(p, svc)
-        _validate_encoder(p, svc.encoder)
-        _validate_talker(p, svc.talker)
-        _validate_imagegen(p, svc.imagegen)
-        _validate_access(p, svc)
-        _validate_tp(p, svc.tp)
-        g = svc.gateway
-        for key in ("stage_wait_s", "max_concurrent_requests", "max_messages", "max_parts_per_message", "max_prompt_chars",
-                    "talker_start_wait_s", "talker_idle_timeout_s", "speech_buffer_events", "converse_max_turns",
-                    "converse_max_turn_chars", "converse_max_turn_audio_bytes", "stage_health_interval_s",
-                    "stage_health_timeout_s", "stage_health_failures", "admission_initial_service_s",
-                    "http_timeout_s", "http_max_body_bytes"):
-            _positive(f"{p}.gateway.{key}", getattr(g, key))
-        if not e.chunked_prefill and e.max_num_batched_tokens < e.max_model_len:
-            raise ConfigError(
-                f"{p}.engine.max_num_batched_tokens: must be >= max_model_len ({e.max_model_len}) "
-                "when chunked_prefill is false"
-            )
+        _claim_ports(p, svc, ports)
+        _validate_service(p, svc)
         services[name] = svc
     gateways = [n for n, s in services.items() if s.kind == "gateway"]
     if len(gateways) > 1:
         raise ConfigError(f"services: at most one gateway, got {', '.join(gateways)}")
     return dataclasses.replace(cfg, services=services)
+
+
+def _validate_startup(st: StartupConfig) -> None:
+    for key in ("heartbeat_timeout_s", "poll_interval_s", "rpc_timeout_s"):
+        _positive(f"startup.{key}", getattr(st, key))
+    _positive("startup.stop_grace_s", st.stop_grace_s, allow_zero=True)
+    for phase in st.phase_deadlines_s:
+        if phase not in STARTUP_PHASES:
+            raise ConfigError(
+                f"startup.phase_deadlines_s.{phase}: unknown phase (known: {', '.join(STARTUP_PHASES)})"
+            )
+    for phase, value in st.phase_deadlines_s.items():
+        _positive(f"startup.phase_deadlines_s.{phase}", value)
+
+
+def _validate_supervision(sv: SupervisionConfig) -> None:
+    for key in ("heartbeat_interval_s", "heartbeat_timeout_s", "health_interval_s", "restart_window_s",
+                "backoff_max_s"):
+        _positive(f"supervision.{key}", getattr(sv, key))
+    for key in ("max_restarts", "backoff_initial_s"):
+        _positive(f"supervision.{key}", getattr(sv, key), allow_zero=True)
+    if sv.heartbeat_interval_s >= sv.heartbeat_timeout_s:
+        raise ConfigError(f"supervision.heartbeat_interval_s: must be below heartbeat_timeout_s "
+                          f"({sv.heartbeat_timeout_s:g}), got {sv.heartbeat_interval_s:g}")
+
+
+def _claim_ports(p: str, svc: ServiceConfig, ports: dict[int, str]) -> None:
+    """Check the ports of `svc` and record them in `ports` (port → key); a clash names both keys."""
+    for key in ("port", "admin_port", "metrics_port", "dist_port", "gateway.http_port"):
+        port = svc.gateway.http_port if key == "gateway.http_port" else getattr(svc, key)
+        if port == 0 and key == "port":
+            raise ConfigError(f"{p}.port: required")
+        if not 0 <= port < 65536:
+            raise ConfigError(f"{p}.{key}: expected a port number, got {port}")
+        if port:
+            ports_needed = svc.tp_size if key == "dist_port" else 1
+            for q in range(port, port + ports_needed):
+                if q in ports:
+                    raise ConfigError(f"{p}.{key}: port {q} is also used by {ports[q]}")
+                ports[q] = f"{p}.{key}"
+
+
+def _validate_service(p: str, svc: ServiceConfig) -> None:
+    _positive(f"{p}.tp_size", svc.tp_size)
+    _positive(f"{p}.max_message_bytes", svc.max_message_bytes)
+    _positive(f"{p}.drain_grace_s", svc.drain_grace_s, allow_zero=True)
+    if svc.fault is not None:
+        if not -1 <= svc.fault.rank < svc.tp_size:
+            raise ConfigError(f"{p}.fault.rank: expected -1 (every rank) or 0..{svc.tp_size - 1}, got {svc.fault.rank}")
+        _positive(f"{p}.fault.delay_s", svc.fault.delay_s, allow_zero=True)
+        _validate_fault_point(p, svc)
+    if svc.tp_size > 1 and svc.dist_port == 0:
+        raise ConfigError(f"{p}.dist_port: required when tp_size > 1")
+    if svc.device == "cuda" and svc.gpus and len(svc.gpus) != svc.tp_size:
+        raise ConfigError(f"{p}.gpus: expected {svc.tp_size} GPU indices (one per rank), got {list(svc.gpus)}")
+    _validate_engine(p, svc.engine)
+    _validate_memory(p, svc)
+    _validate_encoder(p, svc.encoder)
+    _validate_talker(p, svc.talker)
+    _validate_imagegen(p, svc.imagegen)
+    _validate_access(p, svc)
+    _validate_tp(p, svc.tp)
+    _validate_gateway(p, svc.gateway)
+    e = svc.engine
+    if not e.chunked_prefill and e.max_num_batched_tokens < e.max_model_len:
+        raise ConfigError(
+            f"{p}.engine.max_num_batched_tokens: must be >= max_model_len ({e.max_model_len}) "
+            "when chunked_prefill is false"
+        )
+
+
+def _validate_engine(p: str, e: EngineConfig) -> None:
+    for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "default_max_tokens"):
+        _positive(f"{p}.engine.{key}", getattr(e, key))
+    for key in ("num_kv_blocks", "max_queued_requests", "kv_tokens", "kv_canary_bytes", "kv_probe_tokens",
+                "cuda_graph_max_batch"):
+        _positive(f"{p}.engine.{key}", getattr(e, key), allow_zero=True)
+    for key, allowed in (("attention_backend", ATTENTION_BACKENDS), ("moe_backend", MOE_BACKENDS)):
+        if getattr(e, key) not in allowed:
+            raise ConfigError(f"{p}.engine.{key}: expected one of {', '.join(allowed)}, got {getattr(e, key)!r}")
+    if not 0 < e.kv_safety_factor <= 1:
+        raise ConfigError(f"{p}.engine.kv_safety_factor: expected a number in (0, 1], got {e.kv_safety_factor}")
+    if e.kv_tokens and e.num_kv_blocks:
+        raise ConfigError(f"{p}.engine.kv_tokens: set kv_tokens or num_kv_blocks, not both")
+
+
+def _validate_gateway(p: str, g: GatewayConfig) -> None:
+    for key in ("stage_wait_s", "max_concurrent_requests", "max_messages", "max_parts_per_message", "max_prompt_chars",
+                "talker_start_wait_s", "talker_idle_timeout_s", "speech_buffer_events", "converse_max_turns",
+                "converse_max_turn_chars", "converse_max_turn_audio_bytes", "stage_health_interval_s",
+                "stage_health_timeout_s", "stage_health_failures", "admission_initial_service_s",
+                "http_timeout_s", "http_max_body_bytes"):
+        _positive(f"{p}.gateway.{key}", getattr(g, key))
 
 
 def _validate_access(p: str, svc: ServiceConfig) -> None:

@@ -28,7 +28,6 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import (
-    CAPABILITIES,
     CAPABILITY_HEALTH_PREFIX,
     STARTUP_PHASES,
     ConfigError,
@@ -42,16 +41,9 @@ from omnistage.common.preflight import preflight
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.orphan import LAUNCHER_PID_ENV
 from omnistage.common.runtime.status_file import StatusRecord, read_status, status_path
+from omnistage.common.stages import CAPABILITIES, MODULES
 from omnistage.common.supervision import HealthProbe, RestartBudget, hung_cause
 
-# Stage kind → the module that runs it: the one closed table (tests pass `modules=` to substitute).
-MODULES: dict[str, str] = {
-    "gateway": "omnistage.services.gateway",
-    "thinker": "omnistage.services.thinker",
-    "encoder": "omnistage.services.encoder",
-    "talker": "omnistage.services.talker",
-    "imagegen": "omnistage.services.imagegen",
-}
 # A restarted stage is announced "serving again" once the gateway admits it, or after this long.
 _ADMIT_WAIT_S = 60.0
 # After SIGKILL, how long to wait for the kernel to reap a child before reporting it.

@@ -10,15 +10,13 @@ from pathlib import Path
 
 from omnistage.common.config import DeployConfig
 from omnistage.common.runtime.auth import check_secrets
-
-# Stage kinds that load model.checkpoint (the gateway holds no model).
-CHECKPOINT_KINDS = ("thinker", "encoder", "talker", "imagegen")
+from omnistage.common.stages import MODEL_KINDS
 
 
 def checkpoint_problems(cfg: DeployConfig) -> list[str]:
     """model.checkpoint must be a directory with config.json and safetensors weights, when a stage loads it
     (with `model.load_format: dummy`, config.json and the tokenizer: the weights are made at start-up)."""
-    users = [s.name for s in cfg.services.values() if s.kind in CHECKPOINT_KINDS]
+    users = [s.name for s in cfg.services.values() if s.kind in MODEL_KINDS]
     if not users:
         return []
     ckpt = Path(cfg.model.checkpoint)

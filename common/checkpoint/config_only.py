@@ -20,7 +20,7 @@ from typing import Any
 
 from omnistage.common.checkpoint import release_shapes as release
 from omnistage.common.checkpoint import tiny_imagegen, tiny_talker
-from omnistage.common.checkpoint.tiny import TINY_LLM, TINY_VISION, TINY_WHISPER, root_config
+from omnistage.common.checkpoint.tiny import TINY_LLM, TINY_VISION, TINY_WHISPER, llm_config, root_config
 from omnistage.common.checkpoint.tiny_imagegen import write_imagegen_configs
 from omnistage.common.checkpoint.tiny_talker import write_talker_files
 from omnistage.common.checkpoint.tiny_tokenizer import write_tiny_tokenizer
@@ -67,40 +67,6 @@ SHAPES: dict[str, dict[str, Any]] = {
     "ling-mini": LING_MINI,
     "tiny": {"vocab_size": 0, **TINY_LLM},  # vocab 0: just large enough for the tokenizer
 }
-
-
-def llm_config(shape: dict[str, Any], ids: dict[str, int]) -> dict[str, Any]:
-    """The release's `llm_config` keys (ming.md §2.1) for `shape`, special ids from the tokenizer."""
-    vocab = shape.get("vocab_size") or -(-(max(ids.values()) + 1) // 64) * 64
-    if vocab <= max(ids.values()):
-        raise ValueError(f"vocab_size {vocab} does not hold the tokenizer's ids (largest {max(ids.values())})")
-    return {
-        "architectures": ["BailingMoeV2ForCausalLM"],
-        "model_type": "bailing_moe_v2",
-        **shape,
-        "vocab_size": vocab,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "use_qk_norm": True,
-        "use_qkv_bias": False,
-        "use_bias": False,
-        "rope_theta": 2400000,
-        "partial_rotary_factor": 0.5,
-        "rope_scaling": {"type": "video_rope", "factor": None},
-        "max_position_embeddings": 32768,
-        "tie_word_embeddings": False,
-        "moe_router_topk_scaling_factor": 2.5,
-        "score_function": "sigmoid",
-        "use_expert_bias": True,
-        "norm_topk_prob": True,
-        "router_type": "MultiRouter",
-        "eos_token_id": ids["<|role_end|>"],
-        "pad_token_id": ids["<|endoftext|>"],
-        "image_patch_token": ids["<imagePatch>"],
-        "video_patch_token": ids["<framePatch>"],
-        "image_start_token": ids["<image>"],
-        "torch_dtype": "bfloat16",
-    }
 
 
 def write_config_checkpoint(out_dir: str | Path, shape: str | dict[str, Any] = "ming-flash",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omnistage.common.checkpoint.seeded import SeededInit
 from omnistage.common.checkpoint.shards import write_sharded
 from omnistage.common.checkpoint.tiny_imagegen import write_tiny_imagegen
 from omnistage.common.checkpoint.tiny_talker import write_tiny_talker
@@ -56,12 +57,17 @@ TINY_VISION: dict[str, Any] = {
 TINY_WHISPER: dict[str, Any] = {"n_mels": 128, "n_ctx": 200, "n_state": 64, "n_head": 4, "n_layer": 2}
 
 
-def _llm_config(vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
+def llm_config(shape: dict[str, Any], ids: dict[str, int]) -> dict[str, Any]:
+    """The release's `llm_config` keys (ming.md §2.1) for the thinker `shape` (TINY_LLM, a release shape),
+    special ids from the tokenizer; no `vocab_size` in `shape`: the smallest multiple of 64 holding them."""
+    vocab = shape.get("vocab_size") or -(-(max(ids.values()) + 1) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if vocab <= max(ids.values()):
+        raise ValueError(f"vocab_size {vocab} does not hold the tokenizer's ids (largest {max(ids.values())})")
     return {
         "architectures": ["BailingMoeV2ForCausalLM"],
         "model_type": "bailing_moe_v2",
-        "vocab_size": vocab_size,
-        **TINY_LLM,
+        **shape,
+        "vocab_size": vocab,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "use_qk_norm": True,
@@ -109,20 +115,7 @@ def root_config(llm_config: dict[str, Any], vision: dict[str, Any], whisper: dic
     }
 
 
-class _Init:
-    """Seeded random tensors with sensible scales (linear std 0.02, norms around 1)."""
-
-    def __init__(self, seed: int) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def normal(self, *shape: int, std: float = 0.02, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen) * std + mean
-
-    def norm(self, n: int) -> torch.Tensor:
-        return self.normal(n, std=0.05, mean=1.0)
-
-
-def _thinker_tensors(init: _Init, vocab: int) -> dict[str, torch.Tensor]:
+def _thinker_tensors(init: SeededInit, vocab: int) -> dict[str, torch.Tensor]:
     c = TINY_LLM
     h, hd, L = c["hidden_size"], c["head_dim"], c["num_hidden_layers"]
     qkv_rows = (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd
@@ -158,17 +151,7 @@ def _thinker_tensors(init: _Init, vocab: int) -> dict[str, torch.Tensor]:
     return t
 
 
-def _linear(t: dict[str, torch.Tensor], init: _Init, name: str, out_f: int, in_f: int) -> None:
-    t[name + ".weight"] = init.normal(out_f, in_f)
-    t[name + ".bias"] = init.normal(out_f)
-
-
-def _layernorm(t: dict[str, torch.Tensor], init: _Init, name: str, n: int) -> None:
-    t[name + ".weight"] = init.norm(n)
-    t[name + ".bias"] = init.normal(n)
-
-
-def _vision_tensors(init: _Init, llm_hidden: int) -> dict[str, torch.Tensor]:
+def _vision_tensors(init: SeededInit, llm_hidden: int) -> dict[str, torch.Tensor]:
     c = TINY_VISION
     d, p, tp = c["hidden_size"], c["patch_size"], c["temporal_patch_size"]
     merged = d * c["spatial_merge_size"] ** 2
@@ -179,22 +162,22 @@ def _vision_tensors(init: _Init, llm_hidden: int) -> dict[str, torch.Tensor]:
     }
     for i in range(c["depth"]):
         b = f"vision.blocks.{i}."
-        _layernorm(t, init, b + "norm1", d)
-        _layernorm(t, init, b + "norm2", d)
-        _linear(t, init, b + "attn.qkv", 3 * d, d)
-        _linear(t, init, b + "attn.proj", d, d)
-        _linear(t, init, b + "mlp.linear_fc1", c["intermediate_size"], d)
-        _linear(t, init, b + "mlp.linear_fc2", d, c["intermediate_size"])
-    _layernorm(t, init, "vision.merger.norm", d)
-    _linear(t, init, "vision.merger.linear_fc1", merged, merged)
-    _linear(t, init, "vision.merger.linear_fc2", c["out_hidden_size"], merged)
+        init.layernorm(t, b + "norm1", d)
+        init.layernorm(t, b + "norm2", d)
+        init.linear(t, b + "attn.qkv", 3 * d, d)
+        init.linear(t, b + "attn.proj", d, d)
+        init.linear(t, b + "mlp.linear_fc1", c["intermediate_size"], d)
+        init.linear(t, b + "mlp.linear_fc2", d, c["intermediate_size"])
+    init.layernorm(t, "vision.merger.norm", d)
+    init.linear(t, "vision.merger.linear_fc1", merged, merged)
+    init.linear(t, "vision.merger.linear_fc2", c["out_hidden_size"], merged)
     for j in range(len(c["deepstack_visual_indexes"])):
         b = f"vision.deepstack_merger_list.{j}."
-        _layernorm(t, init, b + "norm", merged)
-        _linear(t, init, b + "linear_fc1", merged, merged)
-        _linear(t, init, b + "linear_fc2", c["out_hidden_size"], merged)
-    _linear(t, init, "linear_proj.0", llm_hidden, c["out_hidden_size"])
-    _linear(t, init, "linear_proj.2", llm_hidden, llm_hidden)
+        init.layernorm(t, b + "norm", merged)
+        init.linear(t, b + "linear_fc1", merged, merged)
+        init.linear(t, b + "linear_fc2", c["out_hidden_size"], merged)
+    init.linear(t, "linear_proj.0", llm_hidden, c["out_hidden_size"])
+    init.linear(t, "linear_proj.2", llm_hidden, llm_hidden)
     return t
 
 
@@ -207,7 +190,7 @@ def whisper_sinusoids(length: int, channels: int, max_timescale: float = 10000.0
     return torch.cat([torch.sin(t), torch.cos(t)], dim=1).float()
 
 
-def _audio_tensors(init: _Init, llm_hidden: int) -> dict[str, torch.Tensor]:
+def _audio_tensors(init: SeededInit, llm_hidden: int) -> dict[str, torch.Tensor]:
     c = TINY_WHISPER
     s, m = c["n_state"], c["n_mels"]
     t: dict[str, torch.Tensor] = {
@@ -220,16 +203,16 @@ def _audio_tensors(init: _Init, llm_hidden: int) -> dict[str, torch.Tensor]:
     for i in range(c["n_layer"]):
         b = f"audio.blocks.{i}."
         for name in ("query", "value", "out"):
-            _linear(t, init, b + f"attn.{name}", s, s)
+            init.linear(t, b + f"attn.{name}", s, s)
         t[b + "attn.key.weight"] = init.normal(s, s)
-        _layernorm(t, init, b + "attn_ln", s)
-        _linear(t, init, b + "mlp.0", 4 * s, s)
-        _linear(t, init, b + "mlp.2", s, 4 * s)
-        _layernorm(t, init, b + "mlp_ln", s)
-    _layernorm(t, init, "audio.ln_post", s)
+        init.layernorm(t, b + "attn_ln", s)
+        init.linear(t, b + "mlp.0", 4 * s, s)
+        init.linear(t, b + "mlp.2", s, 4 * s)
+        init.layernorm(t, b + "mlp_ln", s)
+    init.layernorm(t, "audio.ln_post", s)
     t["linear_proj_audio.0.weight"] = init.normal(llm_hidden, s, 3)
     t["linear_proj_audio.0.bias"] = init.normal(llm_hidden)
-    _linear(t, init, "linear_proj_audio.3", llm_hidden, llm_hidden)
+    init.linear(t, "linear_proj_audio.3", llm_hidden, llm_hidden)
     return t
 
 
@@ -238,8 +221,9 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = write_tiny_tokenizer(out)
-    vocab = -(-(max(ids.values()) + 1) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    config = root_config(_llm_config(vocab, ids), TINY_VISION, TINY_WHISPER)
+    llm = llm_config(TINY_LLM, ids)
+    vocab = llm["vocab_size"]
+    config = root_config(llm, TINY_VISION, TINY_WHISPER)
     (out / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     generation = {
         "do_sample": False,
@@ -248,7 +232,7 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0) -> Path:
         "max_new_tokens": 512,
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    init = _Init(seed)
+    init = SeededInit(seed)
     hidden = TINY_LLM["hidden_size"]
     tensors = {
         **_thinker_tensors(init, vocab),

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from omnistage.common.checkpoint.seeded import SeededInit
 from omnistage.common.checkpoint.shards import write_sharded
 from omnistage.common.checkpoint.tiny_tokenizer import CORPUS, train_byte_bpe
 
@@ -66,24 +67,7 @@ def _qwen2_config(shape: dict[str, Any], **extra: Any) -> dict[str, Any]:
             "sliding_window": None, "max_window_layers": 28, "tie_word_embeddings": True, **shape, **extra}
 
 
-class _Init:
-    def __init__(self, seed: int) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def normal(self, *shape: int, std: float = 0.02, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen) * std + mean
-
-    def norm(self, n: int) -> torch.Tensor:
-        return self.normal(n, std=0.05, mean=1.0)
-
-    def linear(self, t: dict[str, torch.Tensor], name: str, out_f: int, in_f: int, bias: bool = True,
-               std: float = 0.05) -> None:
-        t[name + ".weight"] = self.normal(out_f, in_f, std=std)
-        if bias:
-            t[name + ".bias"] = self.normal(out_f, std=0.02)
-
-
-def _qwen2_tensors(init: _Init, prefix: str, c: dict[str, Any], with_embeddings: bool) -> dict[str, torch.Tensor]:
+def _qwen2_tensors(init: SeededInit, prefix: str, c: dict[str, Any], with_embeddings: bool) -> dict[str, torch.Tensor]:
     h = c["hidden_size"]
     hd = h // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * hd
@@ -105,7 +89,7 @@ def _qwen2_tensors(init: _Init, prefix: str, c: dict[str, Any], with_embeddings:
     return t
 
 
-def _dit_blocks(init: _Init, prefix: str, c: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _dit_blocks(init: SeededInit, prefix: str, c: dict[str, Any]) -> dict[str, torch.Tensor]:
     d = c["hidden_size"]
     inner = int(d * c["mlp_ratio"])
     head_dim = d // c["num_heads"]
@@ -125,7 +109,7 @@ def _dit_blocks(init: _Init, prefix: str, c: dict[str, Any]) -> dict[str, torch.
     return t
 
 
-def _talker_tensors(init: _Init, llm: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _talker_tensors(init: SeededInit, llm: dict[str, Any]) -> dict[str, torch.Tensor]:
     h = llm["hidden_size"]
     d = TINY_DIT["hidden_size"]
     t = _qwen2_tensors(init, "model.", llm, with_embeddings=True)
@@ -143,7 +127,7 @@ def _talker_tensors(init: _Init, llm: dict[str, Any]) -> dict[str, torch.Tensor]
     return {**t, **f, **a, **heads}
 
 
-def _vae_tensors(init: _Init, hop: int) -> dict[str, torch.Tensor]:
+def _vae_tensors(init: SeededInit, hop: int) -> dict[str, torch.Tensor]:
     e, d = TINY_VAE_ENCODER, TINY_VAE_DECODER
     he, hd = e["hidden_size"], d["hidden_size"]
     t: dict[str, torch.Tensor] = {}
@@ -259,7 +243,7 @@ def write_tiny_talker(root: str | Path, *, seed: int = 0) -> Path:
     """Write `<root>/talker/` (root: the Ming checkpoint folder); returns the talker folder."""
     tdir, llm = write_talker_files(root, llm=TINY_TALKER_LLM, dit=TINY_DIT, vae_encoder=TINY_VAE_ENCODER,
                                    vae_decoder=TINY_VAE_DECODER, seed=seed)
-    init = _Init(seed + 1)
+    init = SeededInit(seed + 1, linear_std=0.05)
     float32_keys = ("rotary_embed.inv_freq", "head.istft.window")
 
     def stored(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -15,8 +15,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Generic, TypeVar
 
 from omnistage.common.runtime.errors import StartupTimeout
 
@@ -70,6 +70,27 @@ class Deadline:
         return time.monotonic() >= self.expires
 
 
+class _Polls(Generic[T]):
+    """The pauses of one polling wait, shared by `wait_for` and `wait_for_async` (which sleep them
+    their own way): iterating checks `predicate` and yields the next pause until it returns something
+    truthy (then in `value`), and raises StartupTimeout once `timeout_s` has passed."""
+
+    def __init__(self, predicate: Callable[[], T], timeout_s: float, message: str, poll_s: float) -> None:
+        self.predicate, self.message, self.poll_s = predicate, message, poll_s
+        self.deadline = Deadline(timeout_s)
+        self.value: T
+
+    def __iter__(self) -> Iterator[float]:
+        while True:
+            value = self.predicate()
+            if value:
+                self.value = value
+                return
+            if self.deadline.expired():
+                raise StartupTimeout(self.message)
+            yield min(self.poll_s, self.deadline.remaining())
+
+
 def wait_for(
     predicate: Callable[[], T],
     timeout_s: float,
@@ -81,14 +102,10 @@ def wait_for(
     poll_s: float = 0.02,
 ) -> T:
     """Poll `predicate` until it returns something truthy (returned), or raise StartupTimeout."""
-    deadline = Deadline(timeout_s)
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if deadline.expired():
-            raise StartupTimeout(timeout_message(timeout_s, what, stage, rank, phase))
-        time.sleep(min(poll_s, deadline.remaining()))
+    polls = _Polls(predicate, timeout_s, timeout_message(timeout_s, what, stage, rank, phase), poll_s)
+    for pause in polls:
+        time.sleep(pause)
+    return polls.value
 
 
 def wait_event(
@@ -110,14 +127,10 @@ async def wait_for_async(
     poll_s: float = 0.02,
 ) -> T:
     """Async `wait_for`: polls without blocking the event loop."""
-    deadline = Deadline(timeout_s)
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if deadline.expired():
-            raise StartupTimeout(timeout_message(timeout_s, what, stage, rank, phase))
-        await asyncio.sleep(min(poll_s, deadline.remaining()))
+    polls = _Polls(predicate, timeout_s, timeout_message(timeout_s, what, stage, rank, phase), poll_s)
+    for pause in polls:
+        await asyncio.sleep(pause)
+    return polls.value
 
 
 async def with_deadline(

@@ -21,7 +21,7 @@ from functools import cache
 
 import torch
 from omnistage.common.transport.host import SHM_DIR, Segment, TransportError, pid_alive, segment_owner_pid
-from omnistage.common.transport.shm_pool import LeaseArena, LeaseTable, table_bytes, typed_view
+from omnistage.common.transport.shm_pool import Lease, LeaseArena, LeaseTable, table_bytes, typed_view
 from omnistage.v1 import tensor_pb2
 
 _HANDLE_BYTES = 64
@@ -187,9 +187,9 @@ class CudaIpcPool:
         except BaseException:
             rt.free(device, self._ptr)
             raise
-        LeaseTable.format(self.segment, max_leases, 0)
-        self.table = LeaseTable(self.segment)
-        self.arena = LeaseArena(self.table, byte_size, lease_ttl_s=lease_ttl_s, alignment=alignment)
+        self.arena = LeaseArena.format(self.segment, max_leases, byte_size, data_in_segment=False,
+                                       lease_ttl_s=lease_ttl_s, alignment=alignment)
+        self.table = self.arena.table
         self._closed = False
         _LOCAL_POOLS[self.pool_id] = self
 
@@ -200,19 +200,16 @@ class CudaIpcPool:
     def put(self, tensor: torch.Tensor, *, wait_s: float = 0.0) -> tensor_pb2.CudaIpcRef | None:
         """Copy `tensor` into a slice and wait for the copy, so the consumer may read at once."""
         nbytes = tensor.numel() * tensor.element_size()
-        lease = self.arena.allocate(nbytes, wait_s=wait_s)
-        if lease is None:
-            return None
-        try:
-            dst = typed_view(
-                self.buffer[lease.offset : lease.offset + nbytes], tensor.dtype, tuple(tensor.shape)
-            )
+
+        def copy(lease: Lease) -> None:
+            dst = typed_view(self.buffer[lease.offset : lease.offset + nbytes], tensor.dtype, tuple(tensor.shape))
             with torch.cuda.device(self.device):
                 dst.copy_(tensor)
                 torch.cuda.current_stream(self.device).synchronize()
-        except BaseException:
-            self.arena.release(lease.lease_id)
-            raise
+
+        lease = self.arena.fill(nbytes, copy, wait_s=wait_s)
+        if lease is None:
+            return None
         return tensor_pb2.CudaIpcRef(
             pool_id=self.pool_id,
             ipc_handle=self.handle,

@@ -14,6 +14,7 @@ import bisect
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,6 +106,14 @@ class LeaseArena:
         self._active: dict[int, Lease] = {}  # slot -> lease
         self._seq = 0
 
+    @classmethod
+    def format(cls, segment: Segment, max_leases: int, capacity: int, *, data_in_segment: bool, lease_ttl_s: float,
+               alignment: int) -> LeaseArena:
+        """Write a lease table of `max_leases` slots at the start of `segment` and lease `capacity` bytes
+        through it: the segment's own data region (shm) or memory elsewhere (a CUDA IPC buffer)."""
+        LeaseTable.format(segment, max_leases, capacity if data_in_segment else 0)
+        return cls(LeaseTable(segment), capacity, lease_ttl_s=lease_ttl_s, alignment=alignment)
+
     @property
     def used_bytes(self) -> int:
         with self._lock:
@@ -130,6 +139,19 @@ class LeaseArena:
                 return lease
             time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
             pause = min(pause * 2, 0.01)
+
+    def fill(self, nbytes: int, copy: Callable[[Lease], None], *, wait_s: float = 0.0) -> Lease | None:
+        """A lease of `nbytes` with `copy(lease)` done into it (None when it does not fit within `wait_s`);
+        a copy that fails releases the lease again."""
+        lease = self.allocate(nbytes, wait_s=wait_s)
+        if lease is None:
+            return None
+        try:
+            copy(lease)
+        except BaseException:
+            self.release(lease.lease_id)
+            raise
+        return lease
 
     def release(self, lease_id: int) -> bool:
         """Producer-side release (e.g. the send was aborted). False if the lease is not active."""
@@ -246,9 +268,9 @@ class ShmPool:
             raise ValueError(f"bad pool geometry: data_bytes={data_bytes} alignment={alignment}")
         data_bytes = _align(data_bytes, _PAGE)
         self.segment = Segment.create(table_bytes(max_leases) + data_bytes, shm_dir=shm_dir, reserve=reserve)
-        LeaseTable.format(self.segment, max_leases, data_bytes)
-        self.table = LeaseTable(self.segment)
-        self.arena = LeaseArena(self.table, data_bytes, lease_ttl_s=lease_ttl_s, alignment=alignment)
+        self.arena = LeaseArena.format(self.segment, max_leases, data_bytes, data_in_segment=True,
+                                       lease_ttl_s=lease_ttl_s, alignment=alignment)
+        self.table = self.arena.table
         self._closed = False
 
     @property
@@ -262,15 +284,12 @@ class ShmPool:
     def put(self, tensor: torch.Tensor, *, wait_s: float = 0.0) -> tensor_pb2.ShmRef | None:
         """Copy `tensor` (any strides/device) into a new slice; None if the pool cannot fit it in time."""
         nbytes = tensor.numel() * tensor.element_size()
-        lease = self.arena.allocate(nbytes, wait_s=wait_s)
+        base = self.table.data_offset
+        lease = self.arena.fill(nbytes, lambda lease: copy_bytes(_u8_view(self.segment, base + lease.offset, nbytes),
+                                                                 tensor), wait_s=wait_s)
         if lease is None:
             return None
-        offset = self.table.data_offset + lease.offset
-        try:
-            copy_bytes(_u8_view(self.segment, offset, nbytes), tensor)
-        except BaseException:
-            self.arena.release(lease.lease_id)
-            raise
+        offset = base + lease.offset
         return tensor_pb2.ShmRef(
             pool_name=self.segment.name,
             pool_byte_size=self.segment.byte_size,

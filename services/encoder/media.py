@@ -66,6 +66,16 @@ def _png_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
+def check_frame_size(kind: str, width: int, height: int, max_input_pixels: int) -> None:
+    """An image or a video's frames (`kind`): not empty, and within the pixel bound before decoding."""
+    if width <= 0 or height <= 0:
+        raise MediaError(f"zero-size {kind} ({width}x{height})")
+    if width * height > max_input_pixels:
+        frame = "image" if kind == "image" else f"{kind} frame"
+        raise MediaError(f"{frame} of {width}x{height} = {width * height} pixels exceeds the limit of "
+                         f"{max_input_pixels} (encoder.max_input_image_pixels)")
+
+
 def decode_image(data: bytes, max_input_pixels: int) -> Image.Image:
     """Encoded image bytes → RGB PIL image (first frame of an animation). Size checked before decoding."""
     if not data:
@@ -80,14 +90,7 @@ def decode_image(data: bytes, max_input_pixels: int) -> Image.Image:
         raise MediaError(f"image too large: {exc}") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise MediaError(f"corrupt image: {exc}") from None
-    width, height = image.size
-    if width <= 0 or height <= 0:
-        raise MediaError(f"zero-size image ({width}x{height})")
-    if width * height > max_input_pixels:
-        raise MediaError(
-            f"image of {width}x{height} = {width * height} pixels exceeds the limit of {max_input_pixels} "
-            "(encoder.max_input_image_pixels)"
-        )
+    check_frame_size("image", *image.size, max_input_pixels)
     try:
         image.load()
         return to_rgb(image)
@@ -240,13 +243,7 @@ def probe_video(data: bytes, max_seconds: float, max_input_pixels: int) -> Video
                 f"video is {declared:.1f} s long; the limit is {max_seconds:g} s (encoder.max_video_seconds)"
             )
         width, height = stream.codec_context.width, stream.codec_context.height
-        if width <= 0 or height <= 0:
-            raise MediaError(f"zero-size video ({width}x{height})")
-        if width * height > max_input_pixels:
-            raise MediaError(
-                f"video frames of {width}x{height} exceed the limit of {max_input_pixels} pixels "
-                "(encoder.max_input_image_pixels)"
-            )
+        check_frame_size("video", width, height, max_input_pixels)
         listed = stream.frames  # from the container's index (0 when it has none)
         try:
             total = sum(1 for packet in container.demux(stream) if packet.size)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import math
 import wave
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +19,7 @@ import torch
 from omnistage.common.config import EncoderConfig
 from omnistage.common.memory.device import DeviceMemory
 from omnistage.common.memory.stress import StressAndCap, StressResult
+from omnistage.common.runtime.progress import Report
 from omnistage.common.transport import decode
 from omnistage.services.encoder.engine import vision_forward
 from omnistage.services.encoder.items import ItemLimits, MediaItem
@@ -27,8 +27,6 @@ from omnistage.services.encoder.models.loader import EncoderModels
 from omnistage.services.encoder.preprocess import SAMPLE_RATE, video_pixel_range
 from omnistage.v1 import control_pb2
 from PIL import Image
-
-Report = Callable[[str, str], None]  # (phase, detail)
 
 
 @dataclass

@@ -18,12 +18,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from omnistage.common.config import CAPABILITIES, ConfigError, DeployConfig, ServiceConfig
+from omnistage.common.config import ConfigError, DeployConfig, ServiceConfig
 from omnistage.common.memory.report import export_host_memory
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
+from omnistage.common.stages import CAPABILITIES, MODEL_KINDS
 from omnistage.common.transport import TransportContext
 from omnistage.services.gateway.admission import GateConfig, StageGate
 from omnistage.services.gateway.converse import ConverseLimits
@@ -318,7 +319,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         images=images,
         converse=_converse_limits(cfg, svc),
         gates={stage: StageGate(stage, GateConfig(0, gw.admission_max_waiting, gw.admission_initial_service_s), svc.name)
-               for stage in ("thinker", "encoder", "talker", "imagegen") if stage in deployed},
+               for stage in MODEL_KINDS if stage in deployed},
         service=svc.name,
     )
     stages = _Stages(runtime, cfg, svc, servicer,

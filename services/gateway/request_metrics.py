@@ -16,10 +16,11 @@ from omnistage.common import metrics
 from omnistage.common.answer_outcome import OK, answer_code
 from omnistage.common.runtime.calls import status_of
 from omnistage.common.runtime.errors import Overloaded
+from omnistage.common.stages import MODEL_KINDS
 from omnistage.v1 import omni_pb2
 
 # Refusals (RESOURCE_EXHAUSTED at arrival) the gateway makes itself; `stage` for a stage's own refusal.
-REFUSAL_REASONS = ("gateway_full", *(f"{stage}_{why}" for stage in ("thinker", "encoder", "talker", "imagegen")
+REFUSAL_REASONS = ("gateway_full", *(f"{stage}_{why}" for stage in MODEL_KINDS
                                       for why in ("queue_full", "deadline")), "stage")
 _MODALITY_NAMES = {omni_pb2.MODALITY_TEXT: "text", omni_pb2.MODALITY_AUDIO: "audio", omni_pb2.MODALITY_IMAGE: "image"}
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.runtime.wire_bounds import WireBounds
 from omnistage.common.sampling import check_sampling
+from omnistage.common.stages import MEDIA_INPUT_KIND, OUTPUT_KIND
 from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT, MediaSlot, Turn, build_chat, prompt_chars
 from omnistage.v1 import common_pb2, encoder_pb2, omni_pb2, thinker_pb2
 
 MAX_REQUEST_ID_CHARS = 256
-_MEDIA_STAGE = {"image": "encoder", "audio": "encoder", "video": "encoder"}
-_OUTPUT_STAGE = {omni_pb2.MODALITY_AUDIO: "talker", omni_pb2.MODALITY_IMAGE: "imagegen"}
+_OUTPUT_STAGE = {omni_pb2.Modality.Value(f"MODALITY_{name.upper()}"): kind for name, kind in OUTPUT_KIND.items()}
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def _message_content(
         if kind is None:
             raise InvalidRequest(f"{where}.parts[{j}]: empty part (set text, image, audio or video)")
         if kind != "text":
-            stage = _MEDIA_STAGE[kind]
+            stage = MEDIA_INPUT_KIND[kind]
             if stage not in deployed:
                 raise StageUnavailable(
                     f"{where}.parts[{j}]: {kind} input needs the '{stage}' stage, which is not deployed",

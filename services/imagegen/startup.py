@@ -11,7 +11,6 @@ engine (parse, slot, step batcher, PNG).
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from omnistage.common.config import ImageGenConfig
 from omnistage.common.memory.device import DeviceMemory
 from omnistage.common.memory.stress import StressAndCap, StressResult
+from omnistage.common.runtime.progress import Report
 from omnistage.common.transport import encode
 from omnistage.services.imagegen import images
 from omnistage.services.imagegen.engine import ImageGenEngine, ImageResult
@@ -26,7 +26,6 @@ from omnistage.services.imagegen.pipeline import GenerationSpec, ImagePipeline
 from omnistage.v1 import control_pb2, imagegen_pb2
 from PIL import Image
 
-Report = Callable[[str, str], None]  # (phase, detail)
 STRESS_STEPS = 2
 
 

@@ -1,8 +1,9 @@
 """`python -m omnistage.services.talker --config F --service NAME`: the talker (text to speech) stage.
 
-Start-up phases: loading_weights (talker shards, the VAE, CAM++, then the preset voices encoded once)
-→ profiling_memory (stress-and-cap of the streams speaking at once) → warming_up (one sentence
-through the whole Speak path) → serving `omnistage.v1.Talker`. CPU or one GPU (`gpus[0]`).
+Start-up phases (common/runtime/boot.py): loading_weights (talker shards, the VAE, CAM++, then the
+preset voices encoded once) → profiling_memory (stress-and-cap of the streams speaking at once, then
+the step graphs captured for that many) → warming_up (one sentence through the whole Speak path) →
+serving `omnistage.v1.Talker`. CPU or one GPU (`gpus[0]`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,8 @@ import concurrent.futures
 import sys
 from pathlib import Path
 
-import torch
-from omnistage.common.config import DeployConfig, ServiceConfig
-from omnistage.common.memory.device import device_memory_for
-from omnistage.common.memory.report import export_memory
 from omnistage.common.memory.stress import ConcurrencyLimiter
-from omnistage.common.runtime.blocking import in_daemon_thread
-from omnistage.common.runtime.server import ServiceRuntime
-from omnistage.common.runtime.stage_main import run_service
+from omnistage.common.runtime.boot import StageStartup, run_stage
 from omnistage.services.talker import startup
 from omnistage.services.talker.engine import TalkerEngine
 from omnistage.services.talker.metrics import StepMetrics, export_engine_gauges, export_queue_time
@@ -32,77 +27,55 @@ from omnistage.services.talker.voices import VoiceBank
 from omnistage.v1 import control_pb2, talker_pb2_grpc
 
 
-def _device(svc: ServiceConfig) -> str:
-    return "cpu" if svc.device == "cpu" else f"cuda:{(svc.gpus or (0,))[0]}"
+class TalkerStartup(StageStartup):
+    warm_up_detail = "one sentence through the Speak path"
 
+    def load(self) -> None:
+        b, tcfg = self.boot, self.boot.svc.talker
+        self.models = load_talker(b.checkpoint, dtype=b.dtype, device=b.device, progress=b.progress.shards,
+                                  dummy=b.dummy_weights)
+        self.speaker = SpeakerEncoder(Path(b.checkpoint) / TALKER_DIR / "campplus.onnx", tcfg.speaker_threads)
+        self.voices = VoiceBank(self.models, self.speaker, tcfg.default_voice, tcfg.max_reference_seconds)
+        b.progress.heartbeat("encoding the preset voices")
+        self.voices.load_presets(tcfg.voice_seed)
 
-async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
-    device = _device(svc)
-    dtype = getattr(torch, svc.dtype)
-    tcfg = svc.talker
-    mem = device_memory_for(device, svc.memory.simulated_capacity_bytes or None)
-    budget = svc.memory.budget_of(mem.total())
-    if budget and hasattr(mem, "set_limit"):
-        mem.set_limit(budget)
-    reporter = runtime.reporter
+    def stress(self) -> None:
+        b, tcfg = self.boot, self.boot.svc.talker
+        self.profile = startup.profile(self.models, b.mem, tcfg, b.allocator_budget, b.progress.in_phase,
+                                       self.speaker.dim)
+        caches = self.profile.caches
+        self.runner = TalkerRunner(self.models, self.profile.max_streams, caches.lm_tokens, caches.vae_frames,
+                                   temperature=tcfg.temperature, sigma=tcfg.sigma,
+                                   graphs=startup.graphs_on(self.models, tcfg))
+        if self.runner.static is not None:
+            b.progress.heartbeat(f"capturing {self.runner.static.capture_all()} step graphs")
 
-    def report(phase: str, detail: str) -> None:
-        if reporter.phase != phase:
-            reporter.enter(phase, detail=detail)
-        else:
-            reporter.heartbeat(detail)
+    async def warm_up(self) -> None:
+        svc, runtime = self.boot.svc, self.boot.runtime
+        self.engine = TalkerEngine(self.runner, service=svc.name, on_step=StepMetrics(svc.name))
+        self.engine.start()
+        self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"{svc.name}-clip")
+        runtime.add_shutdown_hook(lambda: self.pool.shutdown(wait=False, cancel_futures=True))
+        runtime.add_shutdown_hook(self.engine.stop)
+        await startup.warm_up(SpeakSession(self.engine, self.voices, svc.talker, self.pool, svc.name))
 
-    def progress(done: int, total: int) -> None:
-        reporter.progress(done, total=total, detail=f"{done}/{total} shards")
+    def serve(self) -> None:
+        svc, runtime, engine, streams = self.boot.svc, self.boot.runtime, self.engine, self.profile.max_streams
+        limiter = ConcurrencyLimiter(f"{svc.name} streams", streams)
+        servicer = TalkerServicer(engine, self.voices, svc.talker, limiter, self.pool, svc.name)
+        runtime.add_servicer(talker_pb2_grpc.add_TalkerServicer_to_server, servicer, "omnistage.v1.Talker")
+        runtime.set_limits_provider(lambda: control_pb2.Limits(
+            max_running_requests=streams, max_message_bytes=svc.max_message_bytes))
+        runtime.set_load_provider(lambda: (limiter.in_use, engine.jobs_queued))
+        export_engine_gauges(engine, svc.name)
+        export_queue_time(engine, svc.name)
 
-    def load_and_profile():
-        with mem.meter():
-            models = load_talker(cfg.model.checkpoint, dtype=dtype, device=device, progress=progress,
-                                 dummy=cfg.model.load_format == "dummy")
-            speaker = SpeakerEncoder(Path(cfg.model.checkpoint) / TALKER_DIR / "campplus.onnx", tcfg.speaker_threads)
-            voices = VoiceBank(models, speaker, tcfg.default_voice, tcfg.max_reference_seconds)
-            reporter.heartbeat("encoding the preset voices")
-            voices.load_presets(tcfg.voice_seed)
-            reporter.enter("profiling_memory", unit="attempts")
-            prof = startup.profile(models, mem, tcfg, budget, report, speaker.dim)
-            runner = TalkerRunner(models, prof.max_streams, prof.caches.lm_tokens, prof.caches.vae_frames,
-                                  temperature=tcfg.temperature, sigma=tcfg.sigma, graphs=startup.graphs_on(models, tcfg))
-            if runner.static is not None:
-                reporter.heartbeat(f"capturing {runner.static.capture_all()} step graphs")
-        return models, voices, prof, runner
-
-    reporter.enter("loading_weights", unit="shards")
-    models, voices, prof, runner = await in_daemon_thread(load_and_profile, "talker-startup")
-
-    reporter.enter("warming_up", detail="one sentence through the Speak path")
-    engine = TalkerEngine(runner, service=svc.name, on_step=StepMetrics(svc.name))
-    engine.start()
-    pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"{svc.name}-clip")
-    runtime.add_shutdown_hook(lambda: pool.shutdown(wait=False, cancel_futures=True))
-    runtime.add_shutdown_hook(engine.stop)
-    await startup.warm_up(SpeakSession(engine, voices, tcfg, pool, svc.name))
-
-    limiter = ConcurrencyLimiter(f"{svc.name} streams", prof.max_streams)
-    servicer = TalkerServicer(engine, voices, tcfg, limiter, pool, svc.name)
-    runtime.add_servicer(talker_pb2_grpc.add_TalkerServicer_to_server, servicer, "omnistage.v1.Talker")
-    runtime.set_limits_provider(lambda: control_pb2.Limits(
-        max_running_requests=prof.max_streams, max_message_bytes=svc.max_message_bytes))
-    runtime.set_load_provider(lambda: (limiter.in_use, engine.jobs_queued))
-    export_engine_gauges(engine, svc.name)
-    export_queue_time(engine, svc.name)
-
-    def memory() -> list[control_pb2.MemoryReport]:
-        report = prof.memory_report(mem, models.weights_bytes, runner.cache_bytes)
-        report.budget_bytes = budget
-        return [report]
-
-    runtime.set_memory_provider(memory)
-    export_memory(svc.name, rank, memory()[0])
-    runtime.set_serving()
+    def memory_report(self) -> control_pb2.MemoryReport:
+        return self.profile.memory_report(self.boot.mem, self.models.weights_bytes, self.runner.cache_bytes)
 
 
 def main() -> None:
-    run_service(sys.argv[1:], "talker", build)
+    run_stage(sys.argv[1:], "talker", TalkerStartup)
 
 
 if __name__ == "__main__":

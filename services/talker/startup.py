@@ -13,7 +13,7 @@ one sentence through the whole session path.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +21,7 @@ import torch
 from omnistage.common.config import TalkerConfig
 from omnistage.common.memory.device import DeviceMemory
 from omnistage.common.memory.stress import StressAndCap, StressResult
+from omnistage.common.runtime.progress import Report
 from omnistage.services.talker.models.audio_vae import DecodeStream, UpsampleState
 from omnistage.services.talker.models.loader import TalkerModels
 from omnistage.services.talker.runner import TalkerRunner
@@ -28,8 +29,6 @@ from omnistage.services.talker.session import Chunk, Finished, SpeakSession, Str
 from omnistage.services.talker.voice_prompt import CUSTOM, Voice
 from omnistage.services.talker.voices import ReferenceClip, build_voice
 from omnistage.v1 import control_pb2
-
-Report = Callable[[str, str], None]  # (phase, detail)
 
 
 @dataclass(frozen=True)

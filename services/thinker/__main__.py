@@ -22,6 +22,7 @@ from omnistage.common import metrics
 from omnistage.common.config import DeployConfig, ServiceConfig
 from omnistage.common.log import get_logger
 from omnistage.common.memory.report import export_memory
+from omnistage.common.runtime import progress
 from omnistage.common.runtime.blocking import in_daemon_thread
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
@@ -42,25 +43,9 @@ log = get_logger(__name__)
 WARMUP_PROMPT = "<role>HUMAN</role>warm-up<|role_end|><role>ASSISTANT</role>"
 
 
-class ServiceProgress:
-    """Start-up progress and TP failures → the service's phase reporter (status file, Describe)."""
-
-    def __init__(self, runtime: ServiceRuntime) -> None:
-        self.runtime = runtime
-
-    def enter(self, phase: str, total: int = 0, unit: str = "") -> None:
-        self.runtime.reporter.enter(phase, total=total, unit=unit)
-
-    def step(self, detail: str, done: int = 0, total: int = 0) -> None:
-        self.runtime.reporter.progress(done, total=total or None, detail=detail)
-
-    def failed(self, failure: GroupFailure) -> None:
-        self.runtime.fail(failure.message, failure.rank)
-
-
 async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
     rank_cfg = RankConfig.from_deploy(cfg, svc, rank)
-    started = await in_daemon_thread(lambda: start_rank(rank_cfg, ServiceProgress(runtime)), "thinker-blocking")
+    started = await in_daemon_thread(lambda: start_rank(rank_cfg, progress.StageProgress(runtime)), "thinker-blocking")
     if rank > 0:
         runtime.set_serving()
         await in_daemon_thread(lambda: run_plan_loop(started), "thinker-blocking")

@@ -8,11 +8,11 @@ the projectors' output width, `mlp_depth` the vision projector depth. Placeholde
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omnistage.common.checkpoint.config_files import read_added_tokens, read_json, require_keys, take
 from omnistage.common.checkpoint.shards import CheckpointError
 
 
@@ -90,9 +90,7 @@ class EncoderModelConfig:
     def from_checkpoint(cls, ckpt_dir: str | Path) -> EncoderModelConfig:
         root = Path(ckpt_dir)
         path = root / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{root}: config.json not found")
-        return cls.from_dict(json.loads(path.read_text()), read_added_tokens(root), where=str(path))
+        return cls.from_dict(read_json(path, "the encoders"), read_added_tokens(root), where=str(path))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], tokens: dict[str, int], where: str = "config.json") -> EncoderModelConfig:
@@ -107,52 +105,30 @@ class EncoderModelConfig:
         )
 
 
-def _require(d: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
-    if missing := [k for k in keys if k not in d]:
-        raise CheckpointError(f"{where}: lacks required keys {', '.join(missing)}")
+_VISION_KEYS = ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size")
+_VISION_OPTIONAL = ("patch_size", "temporal_patch_size", "in_channels", "spatial_merge_size", "num_position_embeddings",
+                    "hidden_act")
+_WHISPER_KEYS = ("n_mels", "n_ctx", "n_state", "n_head", "n_layer")
 
 
 def _vision(v: dict[str, Any], llm: dict[str, Any], mlp_depth: int, where: str) -> VisionConfig:
-    _require(v, ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size"), f"{where} vision_config")
-    _require(llm, ("hidden_size",), f"{where} llm_config")
+    keys = take(v, _VISION_KEYS, _VISION_OPTIONAL, f"{where} vision_config")
+    require_keys(llm, ("hidden_size",), f"{where} llm_config")
     if mlp_depth != 2:
         raise CheckpointError(f"{where}: mlp_depth {mlp_depth} is not supported (Ming uses 2)")
     if v["hidden_size"] % v["num_heads"]:
         raise CheckpointError(f"{where} vision_config: hidden_size not divisible by num_heads")
-    return VisionConfig(
-        depth=v["depth"],
-        hidden_size=v["hidden_size"],
-        num_heads=v["num_heads"],
-        intermediate_size=v["intermediate_size"],
-        out_hidden_size=v["out_hidden_size"],
-        projector_size=llm["hidden_size"],
-        patch_size=v.get("patch_size", 16),
-        temporal_patch_size=v.get("temporal_patch_size", 2),
-        in_channels=v.get("in_channels", 3),
-        spatial_merge_size=v.get("spatial_merge_size", 2),
-        num_position_embeddings=v.get("num_position_embeddings", 2304),
-        hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
-        deepstack_visual_indexes=tuple(v.get("deepstack_visual_indexes") or ()),
-        mlp_depth=mlp_depth,
-    )
+    return VisionConfig(**keys, projector_size=llm["hidden_size"], mlp_depth=mlp_depth,
+                        deepstack_visual_indexes=tuple(v.get("deepstack_visual_indexes") or ()))
 
 
 def _audio(a: dict[str, Any], llm: dict[str, Any], where: str) -> AudioConfig:
     w = a.get("whisper_encoder_config")
     if not isinstance(w, dict):
         raise CheckpointError(f"{where} audio_config: no whisper_encoder_config")
-    _require(w, ("n_mels", "n_ctx", "n_state", "n_head", "n_layer"), f"{where} whisper_encoder_config")
-    return AudioConfig(
-        n_mels=w["n_mels"],
-        n_ctx=w["n_ctx"],
-        n_state=w["n_state"],
-        n_head=w["n_head"],
-        n_layer=w["n_layer"],
-        projector_size=llm["hidden_size"],
-        ds_kernel_size=a.get("ds_kernel_size", 3),
-        ds_stride=a.get("ds_stride", 2),
-        norm_query_embeds=bool(a.get("norm_query_embeds", True)),
-    )
+    return AudioConfig(**take(w, _WHISPER_KEYS, (), f"{where} whisper_encoder_config"),
+                       **take(a, (), ("ds_kernel_size", "ds_stride"), f"{where} audio_config"),
+                       projector_size=llm["hidden_size"], norm_query_embeds=bool(a.get("norm_query_embeds", True)))
 
 
 def _placeholders(llm: dict[str, Any], tokens: dict[str, int], where: str) -> PlaceholderIds:
@@ -167,12 +143,3 @@ def _placeholders(llm: dict[str, Any], tokens: dict[str, int], where: str) -> Pl
             "(llm_config image_patch_token / video_patch_token, tokenizer_config.json <audioPatch>)"
         )
     return PlaceholderIds(**{k: int(v) for k, v in ids.items()})
-
-
-def read_added_tokens(ckpt_dir: str | Path) -> dict[str, int]:
-    """Added tokens (name → id) from tokenizer_config.json's `added_tokens_decoder`; {} if absent."""
-    path = Path(ckpt_dir) / "tokenizer_config.json"
-    if not path.is_file():
-        return {}
-    decoder = json.loads(path.read_text()).get("added_tokens_decoder", {})
-    return {entry["content"]: int(i) for i, entry in decoder.items()}

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omnistage.common.checkpoint import loading
 from omnistage.common.checkpoint.dummy import fill_dummy_
-from omnistage.common.checkpoint.shards import CheckpointError, iter_tensors, read_headers, shard_files
+from omnistage.common.checkpoint.shards import read_headers, shard_files
 from omnistage.common.checkpoint.tiny import whisper_sinusoids
 from omnistage.common.log import get_logger
 from omnistage.services.encoder.models.audio import AudioEncoder
@@ -27,7 +28,6 @@ from torch import nn
 
 log = get_logger(__name__)
 ENCODER_PREFIXES = ("vision.", "linear_proj.", "audio.", "linear_proj_audio.")
-_MAX_LISTED = 20
 
 
 @dataclass
@@ -68,31 +68,10 @@ def _targets(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _listing(what: str, keys: list[str]) -> str:
-    more = f" (+{len(keys) - _MAX_LISTED} more)" if len(keys) > _MAX_LISTED else ""
-    return f"{what} keys: {', '.join(keys[:_MAX_LISTED])}{more}"
-
-
-def _check_keys(root: Path, want: dict[str, tuple[int, ...]], headers: dict) -> None:
-    have = {k: v for k, v in headers.items() if is_encoder_key(k)}
-    problems = []
-    if missing := sorted(set(want) - set(have)):
-        problems.append(_listing("missing", missing))
-    if unexpected := sorted(set(have) - set(want)):
-        problems.append(_listing("unexpected", unexpected))
-    if bad := sorted(f"{k} {list(have[k].shape)} != {list(want[k])}" for k in set(want) & set(have)
-                     if tuple(have[k].shape) != tuple(want[k])):
-        problems.append(_listing("mis-shaped", bad))
-    if problems:
-        raise CheckpointError(f"{root}: encoder weights do not match config.json: " + "; ".join(problems))
-
-
 def build_encoders(config: EncoderModelConfig, *, dtype: torch.dtype, device: str | torch.device) -> EncoderModels:
     """Empty towers (uninitialised parameters) in `dtype` on `device`; the loader or a benchmark fills them."""
-    with torch.device("meta"):
-        vision, audio = VisionEncoder(config.vision), AudioEncoder(config.audio)
-    vision = vision.to(dtype=dtype).to_empty(device=device)
-    audio = audio.to(dtype=dtype).to_empty(device=device)
+    vision = loading.empty_on(lambda: VisionEncoder(config.vision), dtype=dtype, device=device)
+    audio = loading.empty_on(lambda: AudioEncoder(config.audio), dtype=dtype, device=device)
     vision.vision.init_buffers()
     return EncoderModels(config, vision.requires_grad_(False).eval(), audio.requires_grad_(False).eval())
 
@@ -116,7 +95,8 @@ def load_encoders(
     models = build_encoders(config, dtype=dtype, device=device)
     targets = _targets([models.vision, models.audio])
     skipped = deepstack_shapes(config.vision)
-    _check_keys(root, {**{k: tuple(t.shape) for k, t in targets.items()}, **skipped}, headers)
+    want = {**loading.state_shapes(targets), **skipped}
+    loading.check_keys(root, "encoder weights do not match config.json", want, loading.shapes(headers, is_encoder_key))
 
     mine = [s for s in shards if any(h.shard == s and is_encoder_key(k) and k not in skipped
                                      for k, h in headers.items())]
@@ -124,15 +104,11 @@ def load_encoders(
         progress(0, len(mine))
     loaded: set[str] = set()
     for n, shard in enumerate(mine, start=1):
-        keys = [k for k, h in headers.items() if h.shard == shard and k in targets]
-        for key, tensor in iter_tensors(shard, keys):
-            targets[key].data.copy_(tensor)
-            loaded.add(key)
+        loaded |= loading.copy_shard(shard, headers, targets)
         log.info("encoder weights %d/%d shards", n, len(mine))
         if progress is not None:
             progress(n, len(mine))
-    if untouched := sorted(set(targets) - loaded):
-        raise CheckpointError(f"{root}: encoder tensors never loaded: {', '.join(untouched)}")
+    loading.check_all_loaded(root, "encoder tensors", targets, loaded)
     return models
 
 

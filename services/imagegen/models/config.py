@@ -9,26 +9,14 @@ reference classes; options the release does not use are refused with the key nam
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from omnistage.common.checkpoint.config_files import read_json
 from omnistage.common.checkpoint.shards import CheckpointError
 
 SUBFOLDERS = ("mlp", "connector", "transformer", "vae", "scheduler")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing (image generation needs it)") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
 
 
 def _pick(cls: type, data: dict[str, Any], path: Path, renames: dict[str, str] | None = None) -> Any:
@@ -236,13 +224,11 @@ class ImageGenModelConfig:
     @classmethod
     def from_checkpoint(cls, root: str | Path) -> ImageGenModelConfig:
         root = Path(root)
-        mlp = _pick(MlpConfig, _read_json(root / "mlp" / "config.json"), root / "mlp" / "config.json")
-        connector = _pick(ConnectorConfig, _read_json(root / "connector" / "config.json"),
-                          root / "connector" / "config.json")
-        dit = _pick(DiTConfig, _read_json(root / "transformer" / "config.json"), root / "transformer" / "config.json")
-        vae = _pick(VaeConfig, _read_json(root / "vae" / "config.json"), root / "vae" / "config.json")
-        sched_path = root / "scheduler" / "scheduler_config.json"
-        sched_data = _read_json(sched_path)
+        mlp = _pick(MlpConfig, *_read(root / "mlp" / "config.json"))
+        connector = _pick(ConnectorConfig, *_read(root / "connector" / "config.json"))
+        dit = _pick(DiTConfig, *_read(root / "transformer" / "config.json"))
+        vae = _pick(VaeConfig, *_read(root / "vae" / "config.json"))
+        sched_data, sched_path = _read(root / "scheduler" / "scheduler_config.json")
         off = {k: v for k, v in sched_data.items() if k in _SCHEDULER_OFF and v not in (_SCHEDULER_OFF[k], None)}
         scheduler = _pick(SchedulerConfig, {**sched_data, "unsupported": off}, sched_path)
         thinker_hidden = _thinker_hidden(root)
@@ -257,9 +243,13 @@ class ImageGenModelConfig:
         return cls(mlp, connector, dit, vae, scheduler, thinker_hidden)
 
 
+def _read(path: Path) -> tuple[dict[str, Any], Path]:
+    return read_json(path, "image generation"), path
+
+
 def _thinker_hidden(root: Path) -> int:
     """Width of the thinker's hidden states: root `config.json` → `llm_config.hidden_size`."""
-    data = _read_json(root / "config.json")
+    data, _ = _read(root / "config.json")
     llm = data.get("llm_config", data)
     hidden = llm.get("hidden_size") if isinstance(llm, dict) else None
     if not isinstance(hidden, int) or hidden <= 0:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omnistage.common.checkpoint.loading import check_keys, copy_shard, empty_on, shapes, state_shapes
 from omnistage.common.checkpoint.shards import (
     CheckpointError,
     TensorInfo,
-    iter_tensors,
     read_headers,
     shard_files,
 )
@@ -32,7 +32,6 @@ from omnistage.services.imagegen.models.vae import AutoencoderKL
 from torch import nn
 
 log = get_logger(__name__)
-_MAX_LISTED = 20
 DIFFUSERS_STEM = "diffusion_pytorch_model"
 _NORMS = (nn.LayerNorm, nn.GroupNorm, DiffusersRMSNorm, Qwen2RMSNorm)
 
@@ -68,12 +67,9 @@ class _Part:
 
 def build_models(config: ImageGenModelConfig, *, dtype: torch.dtype, device: str | torch.device) -> ImageGenModels:
     """Empty modules (uninitialised parameters) in `dtype` on `device`; the loader or `random_init` fills them."""
-    with torch.device("meta"):
-        cond = ConditionEncoder(config.mlp, config.connector, config.thinker_hidden, config.dit.cap_feat_dim)
-        dit = ZImageDiT(config.dit)
-        vae = AutoencoderKL(config.vae)
-    mods = [m.to(dtype=dtype).to_empty(device=device).requires_grad_(False).eval() for m in (cond, dit, vae)]
-    cond, dit, vae = mods
+    builds = (lambda: ConditionEncoder(config.mlp, config.connector, config.thinker_hidden, config.dit.cap_feat_dim),
+              lambda: ZImageDiT(config.dit), lambda: AutoencoderKL(config.vae))
+    cond, dit, vae = (empty_on(b, dtype=dtype, device=device).requires_grad_(False).eval() for b in builds)
     dit.rope.init_buffers(config.dit)
     return ImageGenModels(config, cond, dit, vae)
 
@@ -99,24 +95,9 @@ def _parts(models: ImageGenModels) -> list[_Part]:
     ]
 
 
-def _listing(what: str, keys: list[str]) -> str:
-    more = f" (+{len(keys) - _MAX_LISTED} more)" if len(keys) > _MAX_LISTED else ""
-    return f"{what} keys: {', '.join(keys[:_MAX_LISTED])}{more}"
-
-
 def _check_keys(where: Path, part: _Part, headers: dict[str, TensorInfo]) -> None:
-    want = {**{k: tuple(t.shape) for k, t in part.targets.items()}, **part.skipped}
-    allowed = {**want, **part.optional}
-    problems = []
-    if missing := sorted(set(want) - set(headers)):
-        problems.append(_listing("missing", missing))
-    if unexpected := sorted(set(headers) - set(allowed)):
-        problems.append(_listing("unexpected", unexpected))
-    if bad := sorted(f"{k} {list(headers[k].shape)} != {list(allowed[k])}" for k in set(allowed) & set(headers)
-                     if tuple(headers[k].shape) != tuple(allowed[k])):
-        problems.append(_listing("mis-shaped", bad))
-    if problems:
-        raise CheckpointError(f"{where}: weights do not match its config: " + "; ".join(problems))
+    check_keys(where, "weights do not match its config", {**state_shapes(part.targets), **part.skipped},
+               shapes(headers), part.optional)
 
 
 def _shards(folder: Path, stem: str) -> list[Path]:
@@ -157,9 +138,7 @@ def load_imagegen(
     if progress is not None:
         progress(0, len(plan))
     for n, (part, shard, headers) in enumerate(plan, start=1):
-        keys = [k for k in headers if k in part.targets]
-        for key, tensor in iter_tensors(shard, keys):
-            part.targets[key].data.copy_(tensor)
+        copy_shard(shard, headers, part.targets)
         log.info("imagegen weights %d/%d shards (%s)", n, len(plan), part.folder)
         if progress is not None:
             progress(n, len(plan))

@@ -7,14 +7,15 @@ other sizes than the release. Missing required keys fail naming the file and the
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omnistage.common.checkpoint.config_files import read_json, require_keys
 from omnistage.common.checkpoint.shards import CheckpointError
 
 TALKER_DIR = "talker"
+_NEEDED_BY = "the talker, from the release's talker/ folder,"
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class DiTShape:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str) -> DiTShape:
-        _require(d, ("hidden_size", "depth", "num_heads"), where)
+        require_keys(d, ("hidden_size", "depth", "num_heads"), where)
         if d.get("qk_norm") or d.get("spk_dim") or d.get("pe_attn_head"):
             raise CheckpointError(f"{where}: qk_norm / spk_dim / pe_attn_head are not supported (the release has none)")
         if d["hidden_size"] % d["num_heads"]:
@@ -126,10 +127,10 @@ class VAEShape:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str) -> VAEShape:
-        _require(d, ("sample_rate", "enc_kwargs", "dec_kwargs"), where)
+        require_keys(d, ("sample_rate", "enc_kwargs", "dec_kwargs"), where)
         enc, dec = d["enc_kwargs"], d["dec_kwargs"]
-        _require(enc, ("input_dim", "latent_dim", "backbone"), f"{where} enc_kwargs")
-        _require(dec, ("output_dim", "latent_dim", "backbone"), f"{where} dec_kwargs")
+        require_keys(enc, ("input_dim", "latent_dim", "backbone"), f"{where} enc_kwargs")
+        require_keys(dec, ("output_dim", "latent_dim", "backbone"), f"{where} dec_kwargs")
         patch = int(d.get("patch_size", -1))
         if patch < 1:
             raise CheckpointError(f"{where}: patch_size {patch} is not supported (the release uses 4)")
@@ -171,11 +172,11 @@ class TalkerModelConfig:
     def from_checkpoint(cls, root: str | Path) -> TalkerModelConfig:
         """From `<root>/talker/` (root: the Ming checkpoint folder)."""
         tdir = Path(root) / TALKER_DIR
-        top = _read_json(tdir / "config.json")
-        llm = _read_json(tdir / "llm" / "config.json")
-        vae = _read_json(tdir / "vae" / "config.json")
+        top = read_json(tdir / "config.json", _NEEDED_BY)
+        llm = read_json(tdir / "llm" / "config.json", _NEEDED_BY)
+        vae = read_json(tdir / "vae" / "config.json", _NEEDED_BY)
         where = str(tdir / "config.json")
-        _require(top, ("flowmodel", "aggregator"), where)
+        require_keys(top, ("flowmodel", "aggregator"), where)
         cfg = cls(
             llm=Qwen2Shape.from_hf(llm, str(tdir / "llm" / "config.json")),
             flow=DiTShape.from_dict(top["flowmodel"], f"{where} flowmodel"),
@@ -199,14 +200,3 @@ class TalkerModelConfig:
         if cfg.history_patch_size < cfg.patch_size:
             raise CheckpointError(f"{where}: history_patch_size {cfg.history_patch_size} < patch_size {cfg.patch_size}")
         return cfg
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise CheckpointError(f"{path} not found (the talker needs the release's talker/ folder)")
-    return json.loads(path.read_text())
-
-
-def _require(d: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
-    if missing := [k for k in keys if k not in d]:
-        raise CheckpointError(f"{where}: lacks required keys {', '.join(missing)}")

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omnistage.common.checkpoint import loading
 from omnistage.common.checkpoint.dummy import fill_dummy_
-from omnistage.common.checkpoint.shards import CheckpointError, iter_tensors, read_headers, shard_files
+from omnistage.common.checkpoint.shards import CheckpointError, read_headers, shard_files
 from omnistage.common.log import get_logger
 from omnistage.services.talker.models.audio_vae import AudioVAE
 from omnistage.services.talker.models.config import TALKER_DIR, TalkerModelConfig
@@ -30,7 +31,6 @@ from omnistage.services.talker.models.talker_lm import TalkerModel
 from torch import nn
 
 log = get_logger(__name__)
-_MAX_LISTED = 20
 _UNUSED_VAE_SUFFIX = "embed_tokens.weight"
 
 
@@ -58,9 +58,9 @@ class TalkerModels:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _materialise(module: nn.Module, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    """Meta → empty `dtype` tensors on `device`; buffers recomputed (rotary tables and windows float32)."""
-    module = module.to(dtype=dtype).to_empty(device=device)
+def _materialise(build: Callable[[], nn.Module], dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """Built on meta → empty `dtype` tensors on `device`; buffers recomputed (rotary tables and windows float32)."""
+    module = loading.empty_on(build, dtype=dtype, device=device)
     for m in module.modules():
         if isinstance(m, Qwen2Stack | InterleavedRotary | ISTFT):
             m.init_buffers()
@@ -69,26 +69,8 @@ def _materialise(module: nn.Module, dtype: torch.dtype, device: str | torch.devi
 
 def build_talker(config: TalkerModelConfig, *, dtype: torch.dtype, device: str | torch.device) -> tuple[TalkerModel, AudioVAE]:
     """Empty modules (uninitialised parameters) in `dtype` on `device`; buffers computed."""
-    with torch.device("meta"):
-        talker, vae = TalkerModel(config), AudioVAE(config.vae)
-    return _materialise(talker, dtype, device), _materialise(vae, dtype, device)
-
-
-def _listing(what: str, keys: list[str]) -> str:
-    more = f" (+{len(keys) - _MAX_LISTED} more)" if len(keys) > _MAX_LISTED else ""
-    return f"{what} keys: {', '.join(keys[:_MAX_LISTED])}{more}"
-
-
-def _check(where: Path, want: dict[str, tuple[int, ...]], have: dict[str, tuple[int, ...]], optional: set[str]) -> None:
-    problems = []
-    if missing := sorted(set(want) - set(have)):
-        problems.append(_listing("missing", missing))
-    if unexpected := sorted(set(have) - set(want) - optional):
-        problems.append(_listing("unexpected", unexpected))
-    if bad := sorted(f"{k} {list(have[k])} != {list(want[k])}" for k in set(want) & set(have) if have[k] != want[k]):
-        problems.append(_listing("mis-shaped", bad))
-    if problems:
-        raise CheckpointError(f"{where}: talker weights do not match the configs: " + "; ".join(problems))
+    return (_materialise(lambda: TalkerModel(config), dtype, device),
+            _materialise(lambda: AudioVAE(config.vae), dtype, device))
 
 
 def _fill(module: nn.Module, folder: Path, optional_ok: Callable[[str], bool],
@@ -96,17 +78,14 @@ def _fill(module: nn.Module, folder: Path, optional_ok: Callable[[str], bool],
     shards = shard_files(folder)
     headers = read_headers(shards)
     targets = module.state_dict(keep_vars=True)
-    have = {k: h.shape for k, h in headers.items()}
-    _check(folder, {k: tuple(t.shape) for k, t in targets.items()}, have, {k for k in have if optional_ok(k)})
+    have = loading.shapes(headers)
+    any_shape = {k: None for k in have if optional_ok(k)}
+    loading.check_keys(folder, "talker weights do not match the configs", loading.state_shapes(targets), have, any_shape)
     loaded: set[str] = set()
     for shard in shards:
-        keys = [k for k, h in headers.items() if h.shard == shard and k in targets]
-        for key, tensor in iter_tensors(shard, keys):
-            targets[key].data.copy_(tensor)
-            loaded.add(key)
+        loaded |= loading.copy_shard(shard, headers, targets)
         progress()
-    if untouched := sorted(set(targets) - loaded):
-        raise CheckpointError(f"{folder}: talker tensors never loaded: {', '.join(untouched)}")
+    loading.check_all_loaded(folder, "talker tensors", targets, loaded)
 
 
 def load_talker(checkpoint_dir: str | Path, *, dtype: torch.dtype, device: str | torch.device,

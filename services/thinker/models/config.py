@@ -6,11 +6,11 @@ tokenizer files, never from constants, because the tiny checkpoint's ids differ 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omnistage.common.checkpoint.config_files import read_added_tokens, read_json
 from omnistage.common.checkpoint.shards import CheckpointError
 
 # Token names whose ids the thinker stack needs; looked up in tokenizer_config.json.
@@ -143,18 +143,6 @@ class ThinkerConfig:
     def from_checkpoint(cls, ckpt_dir: str | Path) -> ThinkerConfig:
         """Read `config.json` (`llm_config`, or a bare LLM config) and the tokenizer's added tokens."""
         root = Path(ckpt_dir)
-        path = root / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{root}: config.json not found")
-        cfg = json.loads(path.read_text())
+        cfg = read_json(root / "config.json", "the thinker")
         llm = cfg.get("llm_config", cfg)
         return cls.from_dict(llm, read_added_tokens(root))
-
-
-def read_added_tokens(ckpt_dir: str | Path) -> dict[str, int]:
-    """Added tokens (name → id) from tokenizer_config.json's `added_tokens_decoder`; {} if absent."""
-    path = Path(ckpt_dir) / "tokenizer_config.json"
-    if not path.is_file():
-        return {}
-    decoder = json.loads(path.read_text()).get("added_tokens_decoder", {})
-    return {entry["content"]: int(i) for i, entry in decoder.items()}

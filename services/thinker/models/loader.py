@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from omnistage.common.checkpoint.loading import check_keys, empty_on, shapes
 from omnistage.common.checkpoint.shards import CheckpointError, iter_tensors, read_headers, shard_files
 from omnistage.common.log import get_logger
 from omnistage.services.thinker.models.bailing_moe_v2 import (
@@ -31,34 +32,11 @@ from omnistage.services.thinker.models.layers.parallel import TPGroup
 from torch import nn
 
 log = get_logger(__name__)
-_MAX_LISTED = 20
-
-
-def _listing(what: str, keys: list[str]) -> str:
-    shown = ", ".join(keys[:_MAX_LISTED])
-    more = f" (+{len(keys) - _MAX_LISTED} more)" if len(keys) > _MAX_LISTED else ""
-    return f"{what} keys: {shown}{more}"
 
 
 def _check_keys(ckpt_dir: Path, config: ThinkerConfig, headers: dict) -> None:
-    want = checkpoint_shapes(config)
-    thinker = {k: v for k, v in headers.items() if param_for_checkpoint_key(k) is not None}
-    problems = []
-    if missing := sorted(set(want) - set(thinker)):
-        problems.append(_listing("missing", missing))
-    if unexpected := sorted(set(thinker) - set(want)):
-        problems.append(_listing("unexpected", unexpected))
-    bad = sorted(
-        f"{k} {list(thinker[k].shape)} != {list(want[k])}"
-        for k in set(want) & set(thinker)
-        if thinker[k].shape != want[k]
-    )
-    if bad:
-        problems.append(_listing("mis-shaped", bad))
-    if problems:
-        raise CheckpointError(
-            f"{ckpt_dir}: thinker checkpoint does not match its config: " + "; ".join(problems)
-        )
+    check_keys(ckpt_dir, "thinker checkpoint does not match its config", checkpoint_shapes(config),
+               shapes(headers, lambda key: param_for_checkpoint_key(key) is not None))
 
 
 Batches = list[Callable[[], Iterator[tuple[str, torch.Tensor]]]]
@@ -87,9 +65,7 @@ def load_model(
     else:
         raise ValueError(f"model.load_format: expected 'safetensors' or 'dummy', got {load_format!r}")
 
-    with torch.device("meta"):
-        model = BailingMoeV2ForCausalLM(config, tp)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = empty_on(lambda: BailingMoeV2ForCausalLM(config, tp), dtype=dtype, device=device)
     params = dict(model.named_parameters())
     loaded: set[tuple[str, object]] = set()
     total = len(batches)

@@ -175,3 +175,17 @@ def test_revoke_takes_back_an_unsent_ref_and_only_our_own():
         with TransportContext(TransportOptions(shm_pool_bytes=1 << 20, shm_threshold_bytes=0)) as other:
             foreign = encode(torch.ones(10), transport=other)
             assert ctx.revoke(foreign) is False and other.shm_pool().arena.active_leases == 1
+
+
+def test_a_copy_that_fails_gives_its_slice_back(pool, monkeypatch):
+    from omnistage.common.transport import shm_pool
+
+    def broken_copy(dst, src):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(shm_pool, "copy_bytes", broken_copy)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        pool.put(torch.ones(1024))
+    assert pool.arena.active_leases == 0 and pool.arena.used_bytes == 0
+    monkeypatch.undo()
+    assert pool.put(torch.ones(1024)) is not None

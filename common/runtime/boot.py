@@ -1,0 +1,164 @@
+"""The one start-up path of a single-device stage (encoder, talker, image-gen), driven by its `StageStartup`.
+
+    starting          the server is bound (stage_main); the device, its memory and budget are resolved
+    loading_weights   `load()` in a daemon thread, its device memory metered, counted in shards
+    profiling_memory  `stress()` in the same thread: stress-and-cap within the budget, counted in attempts
+    warming_up        `warm_up()` on the event loop: the engine started, one real request through it
+    serving           `serve()` registers the API, limits and load; the memory report is exported
+
+A stage supplies only what is its own (which models, which stress, which request); the device, the
+budget and its allocator limit, the phases and their progress, the memory report's budget and SERVING
+come from here, the same for every stage. The thinker's ranks start through `engine/startup.py`
+(a TP group agrees on each step) but report through the same `StageProgress`.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, NoReturn
+
+import torch
+from omnistage.common.config import DeployConfig, ServiceConfig
+from omnistage.common.memory.device import DeviceMemory, device_memory_for
+from omnistage.common.memory.report import export_memory
+from omnistage.common.runtime.blocking import in_daemon_thread
+from omnistage.common.runtime.progress import StageProgress
+from omnistage.common.runtime.server import ServiceRuntime
+from omnistage.common.runtime.stage_main import run_service
+from omnistage.v1 import control_pb2
+
+
+def stage_device(svc: ServiceConfig, rank: int = 0) -> str:
+    """The device of one rank: "cpu", or "cuda:<gpus[rank]>" (no `gpus`: one GPU per rank, from 0)."""
+    if svc.device == "cpu":
+        return "cpu"
+    gpus = svc.gpus or tuple(range(svc.tp_size))
+    return f"cuda:{gpus[rank]}"
+
+
+@dataclass
+class Boot:
+    """What every stage's start-up resolves the same way: where it runs, its memory and budget, progress."""
+
+    runtime: ServiceRuntime
+    cfg: DeployConfig
+    svc: ServiceConfig
+    rank: int
+    device: str
+    mem: DeviceMemory
+    # The service's budget on its device in bytes (0: none): what its memory report says.
+    budget: int
+    progress: StageProgress
+    # What torch's allocator may hold (the budget less memory held outside it); 0: no limit.
+    allocator_budget: int = 0
+
+    @classmethod
+    def resolve(cls, runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int = 0) -> Boot:
+        device = stage_device(svc, rank)
+        mem = device_memory_for(device, svc.memory.simulated_capacity_bytes or None)
+        budget = svc.memory.budget_of(mem.total())
+        return cls(runtime, cfg, svc, rank, device, mem, budget, StageProgress(runtime), budget)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.svc.dtype)
+
+    @property
+    def checkpoint(self) -> str:
+        return self.cfg.model.checkpoint
+
+    @property
+    def dummy_weights(self) -> bool:
+        """`model.load_format: dummy`: random weights in the real shapes, made on the device."""
+        return self.cfg.model.load_format == "dummy"
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def limit_allocator(self, outside_bytes: int) -> None:
+        """Cap torch's allocator at the budget less `outside_bytes` held outside it (a CUDA IPC pool)."""
+        self.allocator_budget = max(self.budget - outside_bytes, 1) if self.budget else 0
+        if self.allocator_budget and hasattr(self.mem, "set_limit"):
+            self.mem.set_limit(self.allocator_budget)
+
+
+class StageStartup(abc.ABC):
+    """One stage's own start-up steps; `start_stage` runs them in order inside the common phases.
+
+    `load` and `stress` run in one daemon thread inside `mem.meter()` (they block); the rest runs on the
+    event loop. State passes between the steps as attributes of the subclass.
+    """
+
+    # The `warming_up` phase's detail: what the warm-up sends through the stage.
+    warm_up_detail: ClassVar[str] = ""
+    # Run `load` and `stress` under torch.inference_mode (tensors made there are inference tensors).
+    inference_mode: ClassVar[bool] = False
+
+    def __init__(self, boot: Boot) -> None:
+        self.boot = boot
+
+    def outside_allocator_bytes(self) -> int:
+        """Device memory the stage will hold outside torch's allocator (asked before anything loads)."""
+        return 0
+
+    @abc.abstractmethod
+    def load(self) -> None:
+        """loading_weights: build the models on the device (report shards to `boot.progress.shards`)."""
+
+    @abc.abstractmethod
+    def stress(self) -> None:
+        """profiling_memory: stress-and-cap within `boot.allocator_budget` (report to `boot.progress.in_phase`)."""
+
+    @abc.abstractmethod
+    async def warm_up(self) -> None:
+        """warming_up: start the engine (its stop as a shutdown hook), then one real request through it."""
+
+    @abc.abstractmethod
+    def serve(self) -> None:
+        """Register the servicer and the limits, load and metrics providers."""
+
+    @abc.abstractmethod
+    def memory_report(self) -> control_pb2.MemoryReport:
+        """The stage's device memory now (the budget is filled in by the boot)."""
+
+
+async def start_stage(stage: StageStartup) -> None:
+    """Run one stage's start-up through every phase to SERVING; any exception fails the start."""
+    boot = stage.boot
+    if boot.on_cuda:
+        torch.cuda.set_device(torch.device(boot.device))
+    boot.limit_allocator(stage.outside_allocator_bytes())
+
+    def load_and_stress() -> None:
+        with torch.inference_mode() if stage.inference_mode else contextlib.nullcontext(), boot.mem.meter():
+            stage.load()
+            boot.progress.enter("profiling_memory", unit="attempts")
+            stage.stress()
+
+    boot.progress.enter("loading_weights", unit="shards")
+    await in_daemon_thread(load_and_stress, f"{boot.svc.kind}-startup")
+    boot.progress.enter("warming_up", detail=stage.warm_up_detail)
+    await stage.warm_up()
+    stage.serve()
+
+    def memory() -> list[control_pb2.MemoryReport]:
+        report = stage.memory_report()
+        report.budget_bytes = boot.budget
+        return [report]
+
+    boot.runtime.set_memory_provider(memory)
+    export_memory(boot.svc.name, boot.rank, memory()[0])
+    boot.runtime.set_serving()
+
+
+def run_stage(argv: Sequence[str], kind: str, startup: type[StageStartup]) -> NoReturn:
+    """`main()` of a single-device stage: `run_service` with the common start-up around `startup`."""
+
+    async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
+        await start_stage(startup(Boot.resolve(runtime, cfg, svc, rank)))
+
+    run_service(argv, kind, build)

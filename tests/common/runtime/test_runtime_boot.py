@@ -1,0 +1,159 @@
+"""The common start-up of a single-device stage: phases in order, blocking steps off the event loop and
+metered, the allocator capped at the budget less what the stage holds outside it, the memory report's
+budget, SERVING last; a failing step fails the start in its phase."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from omnistage.common.config import config_from_dict
+from omnistage.common.runtime.boot import Boot, StageStartup, stage_device, start_stage
+from omnistage.common.runtime.progress import StageProgress
+from omnistage.common.runtime.server import ServiceRuntime
+from omnistage.v1 import control_pb2
+
+MiB = 1 << 20
+
+
+def runtime(tmp_path, **svc) -> ServiceRuntime:
+    memory = {"simulated_capacity_bytes": 64 * MiB, "budget_bytes": 32 * MiB}
+    cfg = config_from_dict({"services": {"enc": {"kind": "encoder", "port": 1, "memory": memory, **svc}}})
+    return ServiceRuntime(cfg, cfg.service("enc"), 0, run_dir=tmp_path, port=0)
+
+
+class Recorded(StageStartup):
+    """A stage that records what each step saw."""
+
+    warm_up_detail = "one request"
+    outside = 4 * MiB
+    fail_in = ""
+
+    def __init__(self, boot: Boot) -> None:
+        super().__init__(boot)
+        self.seen: list[tuple] = []
+
+    def _step(self, name: str) -> None:
+        before = self.boot.mem.allocated()
+        made = torch.empty(MiB, dtype=torch.uint8)
+        metered = self.boot.mem.allocated() - before >= MiB
+        del made
+        self.seen.append((name, self.boot.runtime.phase, threading.current_thread().name,
+                          torch.is_inference_mode_enabled(), metered))
+        if self.fail_in == name:
+            raise RuntimeError(f"{name} broke")
+
+    def outside_allocator_bytes(self) -> int:
+        return self.outside
+
+    def load(self) -> None:
+        self.boot.progress.shards(1, 2)
+        self._step("load")
+
+    def stress(self) -> None:
+        self.boot.progress.in_phase("profiling_memory", "batch 4")
+        self._step("stress")
+
+    async def warm_up(self) -> None:
+        self._step("warm_up")
+
+    def serve(self) -> None:
+        self._step("serve")
+
+    def memory_report(self) -> control_pb2.MemoryReport:
+        return control_pb2.MemoryReport(device="sim", budget_bytes=self.boot.allocator_budget, weights_bytes=7)
+
+
+def phases_of(rt: ServiceRuntime) -> list[tuple[str, str, str]]:
+    """(phase, unit, detail) as each phase is entered."""
+    seen: list[tuple[str, str, str]] = []
+
+    def on_change(snap) -> None:
+        if not seen or seen[-1][0] != snap.phase:
+            seen.append((snap.phase, snap.unit, snap.detail))
+
+    rt.reporter.add_listener(on_change)
+    return seen
+
+
+def test_the_device_of_a_rank():
+    cfg = config_from_dict({"services": {
+        "c": {"kind": "encoder", "port": 1},
+        "g": {"kind": "encoder", "port": 2, "device": "cuda", "gpus": [3]},
+        "t": {"kind": "thinker", "port": 3, "device": "cuda", "tp_size": 2, "dist_port": 9000},
+    }})
+    assert stage_device(cfg.service("c")) == "cpu"
+    assert stage_device(cfg.service("g")) == "cuda:3"
+    assert [stage_device(cfg.service("t"), r) for r in (0, 1)] == ["cuda:0", "cuda:1"]
+
+
+def test_the_phases_come_in_order_and_the_blocking_steps_run_metered_off_the_loop(tmp_path):
+    rt = runtime(tmp_path)
+    phases = phases_of(rt)
+    stage = Recorded(Boot.resolve(rt, rt.cfg, rt.svc, 0))
+    asyncio.run(start_stage(stage))
+    assert [p for p, _, _ in phases] == ["starting", "loading_weights", "profiling_memory", "warming_up", "serving"]
+    assert phases[1][1] == "shards" and phases[2][1] == "attempts" and phases[3][2] == "one request"
+    loop_thread = threading.current_thread().name
+    assert [s[:2] for s in stage.seen] == [("load", "loading_weights"), ("stress", "profiling_memory"),
+                                           ("warm_up", "warming_up"), ("serve", "warming_up")]
+    assert {s[2] for s in stage.seen[:2]} == {"encoder-startup"}
+    assert {s[2] for s in stage.seen[2:]} == {loop_thread}
+    assert [s[4] for s in stage.seen] == [True, True, False, False]  # load and stress inside mem.meter()
+    assert not any(s[3] for s in stage.seen)  # no inference_mode unless the stage asks
+
+
+def test_the_allocator_gets_the_budget_less_the_memory_held_outside_it_and_the_report_the_whole_budget(tmp_path):
+    rt = runtime(tmp_path)
+    boot = Boot.resolve(rt, rt.cfg, rt.svc, 0)
+    asyncio.run(start_stage(Recorded(boot)))
+    assert boot.budget == 32 * MiB and boot.allocator_budget == 28 * MiB
+    assert boot.mem.limit == 28 * MiB
+    (report,) = rt.memory_provider()
+    assert report.budget_bytes == 32 * MiB and report.weights_bytes == 7
+
+
+def test_without_a_budget_the_allocator_is_not_limited(tmp_path):
+    rt = runtime(tmp_path, memory={"simulated_capacity_bytes": 64 * MiB})
+    boot = Boot.resolve(rt, rt.cfg, rt.svc, 0)
+    asyncio.run(start_stage(Recorded(boot)))
+    assert boot.allocator_budget == 0 and rt.memory_provider()[0].budget_bytes == 0
+
+
+def test_inference_mode_covers_load_and_stress_when_the_stage_asks(tmp_path):
+    class Inference(Recorded):
+        inference_mode = True
+
+    rt = runtime(tmp_path)
+    stage = Inference(Boot.resolve(rt, rt.cfg, rt.svc, 0))
+    asyncio.run(start_stage(stage))
+    assert [s[3] for s in stage.seen] == [True, True, False, False]
+
+
+@pytest.mark.parametrize("step, phase", [("load", "loading_weights"), ("stress", "profiling_memory"),
+                                         ("warm_up", "warming_up")])
+def test_a_failing_step_fails_the_start_in_its_phase_and_never_serves(tmp_path, step, phase):
+    class Broken(Recorded):
+        fail_in = step
+
+    rt = runtime(tmp_path)
+    with pytest.raises(RuntimeError, match=f"{step} broke"):
+        asyncio.run(start_stage(Broken(Boot.resolve(rt, rt.cfg, rt.svc, 0))))
+    assert rt.phase == phase and rt.memory_provider is None
+
+
+def test_progress_counts_shards_and_a_stress_reports_in_its_phase(tmp_path):
+    rt = runtime(tmp_path)
+    progress = StageProgress(rt)
+    progress.enter("loading_weights", unit="shards")
+    progress.shards(2, 5)
+    snap = rt.reporter.snapshot()
+    assert (snap.done, snap.total, snap.detail) == (2, 5, "2/5 shards")
+    progress.in_phase("profiling_memory", "batch 8")
+    progress.in_phase("profiling_memory", "batch 4")  # same phase: a heartbeat, not a new phase
+    snap = rt.reporter.snapshot()
+    assert (snap.phase, snap.detail) == ("profiling_memory", "batch 4")
+    progress.step("probe", 1, 3)
+    assert (rt.reporter.snapshot().done, rt.reporter.snapshot().total) == (1, 3)
