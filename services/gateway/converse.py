@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.sampling import check_sampling
 from omnistage.services.gateway.history import Entry, History, wav_of
 from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT
 from omnistage.services.gateway.speech import SpokenAnswer, VoiceChoice, voice_choice
 from omnistage.services.gateway.stages import StageError
-from omnistage.services.gateway.validation import MAX_REQUEST_ID_CHARS, MediaPart, PlannedRequest
+from omnistage.services.gateway.validation import MediaPart, PlannedRequest
 from omnistage.v1 import common_pb2, omni_pb2
 
 MIN_SAMPLE_RATE_HZ, MAX_SAMPLE_RATE_HZ = 8000, 48000
@@ -103,7 +104,7 @@ def plan_converse(config: omni_pb2.GenerateRequest, gateway: Any) -> ConversePla
     """Check the call's config (the first message); errors name `config.<field>`."""
     limits = gateway.limits
     request_id = config.request_id or uuid.uuid4().hex
-    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+    if not valid_request_id(request_id):
         raise InvalidRequest(f"config.request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
     for i, modality in enumerate(config.output_modalities):
         if modality not in (omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO):

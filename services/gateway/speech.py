@@ -31,14 +31,12 @@ from omnistage.common import metrics
 from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY, InvalidRequest
 from omnistage.services.gateway.replicas import Replicas, in_flight_share
-from omnistage.services.gateway.stages import TalkerClient, broken_stream
+from omnistage.services.gateway.stages import TalkerClient, broken_stream, take_end
 from omnistage.v1 import common_pb2, omni_pb2, talker_pb2
 
 MAX_VOICE_CHARS = 256
 # Pushback a client gets when this gateway already holds all the talker's streams (the talker's own).
 NO_CREDIT_RETRY_MS = 500
-# After `finished`, how long the talker's handler has to end the call itself (status OK) before it is cancelled.
-FINISHED_STREAM_END_S = 5.0
 # How long an answer's own tasks (text pump, talker writer/reader) have to end once cancelled; a task
 # still running then is logged and left behind, so that the request ends whatever it does.
 TASK_STOP_S = 5.0
@@ -310,10 +308,7 @@ class TalkerStream:
                 if self.text.truncated:
                     self.fail("OUT_OF_RANGE", f"the answer passed the talker's max_text_chars "
                               f"({self.limits.max_text_chars} characters): spoken up to there")
-                # The last event: take the call's own end (OK) rather than cancel it on close, which the
-                # talker would count (and log) as a client cancel.
-                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
-                    await within(call.code(), FINISHED_STREAM_END_S)
+                await take_end(call)  # the last event: its own end (OK), not a cancel on close
                 return
 
     def _refused_or_failed(self, exc: grpc.aio.AioRpcError) -> InvalidRequest | None:

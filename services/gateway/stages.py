@@ -29,8 +29,16 @@ from omnistage.v1 import (
     thinker_pb2_grpc,
 )
 
-# After the finish event a stage stream ends at once; this bounds the wait for its status.
-_FINISHED_STREAM_END_S = 5.0
+# After its last event (finish, image, `finished`) a stage stream ends at once; this bounds the wait
+# for its status.
+FINISHED_STREAM_END_S = 5.0
+
+
+async def take_end(call: grpc.aio.Call) -> None:
+    """After a stream's last event: wait (bounded) for the call's own end (status OK) instead of
+    cancelling it, which the stage would count (and log) as a client cancel."""
+    with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+        await within(call.code(), FINISHED_STREAM_END_S)
 
 
 class StageError(OmniError):
@@ -199,8 +207,7 @@ class ThinkerClient(StageClient):
                     yield event
         finally:
             if finished:  # the finish is the last event: take the stream's own end (OK) instead of cancelling it
-                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
-                    await within(call.code(), _FINISHED_STREAM_END_S)
+                await take_end(call)
             # Client gone, deadline hit or the consumer stopped early: cancelling the stream makes the
             # thinker abort the request and free its KV blocks (a no-op on a stream that ended).
             call.cancel()
@@ -281,6 +288,5 @@ class ImageGenClient(StageClient):
                     yield event
         finally:
             if finished:  # the image is the last event: take the stream's own end (OK)
-                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
-                    await within(call.code(), _FINISHED_STREAM_END_S)
+                await take_end(call)
             call.cancel()

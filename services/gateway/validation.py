@@ -13,13 +13,13 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.runtime.wire_bounds import WireBounds
 from omnistage.common.sampling import check_sampling
 from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT, MediaSlot, Turn, build_chat, prompt_chars
 from omnistage.v1 import common_pb2, encoder_pb2, omni_pb2, thinker_pb2
 
-MAX_REQUEST_ID_CHARS = 256
 _MEDIA_STAGE = {"image": "encoder", "audio": "encoder", "video": "encoder"}
 _OUTPUT_STAGE = {omni_pb2.MODALITY_AUDIO: "talker", omni_pb2.MODALITY_IMAGE: "imagegen"}
 
@@ -156,7 +156,7 @@ def plan_request(
     """Validate `req` against the deployed stages and limits; raise InvalidRequest / StageUnavailable."""
     check_counts(req, limits)
     request_id = req.request_id or uuid.uuid4().hex
-    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+    if not valid_request_id(request_id):
         raise InvalidRequest(f"request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
     if not req.messages:
         raise InvalidRequest("messages: at least one message is required")

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 from omnistage.common.config import TalkerConfig
 from omnistage.common.memory.stress import ConcurrencyLimiter
+from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded
 from omnistage.services.talker.engine import TalkerEngine
 from omnistage.services.talker.session import (
@@ -28,11 +29,9 @@ from omnistage.services.talker.session import (
 from omnistage.services.talker.voices import VoiceBank
 from omnistage.v1 import talker_pb2, talker_pb2_grpc
 
-MAX_REQUEST_ID_CHARS = 256
-
 
 def settings_of(config: talker_pb2.SpeakConfig, cfg: TalkerConfig) -> StreamSettings:
-    if len(config.request_id) > MAX_REQUEST_ID_CHARS or not config.request_id.isprintable():
+    if not valid_request_id(config.request_id):
         raise InvalidRequest(f"config.request_id: at most {MAX_REQUEST_ID_CHARS} printable characters")
     seed = config.seed if config.HasField("seed") else None
     if config.WhichOneof("voice_source") != "custom_voice":
