@@ -31,7 +31,7 @@ from omnistage.common import metrics
 from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY, InvalidRequest
 from omnistage.services.gateway.replicas import Replicas, in_flight_share
-from omnistage.services.gateway.stages import TalkerClient, broken_stream, take_end
+from omnistage.services.gateway.stages import HandedOver, TalkerClient, broken_stream, take_end
 from omnistage.v1 import common_pb2, omni_pb2, talker_pb2
 
 MAX_VOICE_CHARS = 256
@@ -101,13 +101,6 @@ class SpeechStage:
         self._outcomes = metrics.counter("gateway_speech_outcomes", "Answers by what became of their speech "
                                          "(AudioOutcome) and why (gRPC code name, empty when complete)",
                                          ("outcome", "code"))
-
-    def answer(
-        self, request_id: str, choice: VoiceChoice, text_events: AsyncIterator[omni_pb2.GenerateEvent | None],
-        timeout_s: float | None, arrived_at: float,
-    ) -> AsyncIterator[omni_pb2.GenerateEvent | None]:
-        """`text_events` with the speech interleaved (SpokenAnswer.events)."""
-        return SpokenAnswer(self, request_id, choice, timeout_s, arrived_at).events(text_events)
 
     def observe(self, status: omni_pb2.AudioStatus) -> None:
         self._outcomes.labels(self.service, omni_pb2.AudioOutcome.Name(status.outcome), status.code).inc()
@@ -343,10 +336,10 @@ class SpokenAnswer:
         self.speech = TalkerStream(stage, request_id, choice, timeout_s, where)
         self.status = self.speech.status
 
-    async def events(self, text_events: AsyncIterator[omni_pb2.GenerateEvent | None]
-                     ) -> AsyncIterator[omni_pb2.GenerateEvent | None]:
-        """`text_events` (the thinker's, None marking `started`) with the speech interleaved; the Finish
-        comes last, once both the text and the speech are done, with `audio` set."""
+    async def events(self, text_events: AsyncIterator[omni_pb2.GenerateEvent | HandedOver]
+                     ) -> AsyncIterator[omni_pb2.GenerateEvent | HandedOver]:
+        """`text_events` (the thinker's, HandedOver for its `started`) with the speech interleaved; the
+        Finish comes last, once both the text and the speech are done, with `audio` set."""
         pump = asyncio.create_task(self._pump_text(text_events))
         try:
             finish, done = None, 0
@@ -358,7 +351,7 @@ class SpokenAnswer:
                     done += 1
                     finish = item.finish or finish
                     continue
-                if item is not None and item.HasField("audio"):
+                if isinstance(item, omni_pb2.GenerateEvent) and item.HasField("audio"):
                     self._count(item.audio)
                 yield item
             assert finish is not None
@@ -390,19 +383,19 @@ class SpokenAnswer:
                 status.code, status.message = "UNAVAILABLE", f"{self.speech.talker.name}: the speech did not finish"
         self.stage.observe(status)
 
-    async def _pump_text(self, text_events: AsyncIterator[omni_pb2.GenerateEvent | None]) -> None:
+    async def _pump_text(self, text_events: AsyncIterator[omni_pb2.GenerateEvent | HandedOver]) -> None:
         speech, out = self.speech, self.out
         started = False
         finish = None
         try:
             async for event in text_events:
-                if event is None:  # the thinker took the request: speak its answer
+                if isinstance(event, HandedOver):  # the thinker took the request: speak its answer
                     started = True
                     if speech.start():
                         speech.run(out)
                     else:
                         await out.put(_Done())  # no speech: its part is done
-                    await out.put(None)
+                    await out.put(event)
                 elif event.HasField("text"):
                     speech.text.push(event.text.text)
                     await self._release_text()

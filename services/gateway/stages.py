@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -39,6 +40,15 @@ async def take_end(call: grpc.aio.Call) -> None:
     cancelling it, which the stage would count (and log) as a client cancel."""
     with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
         await within(call.code(), FINISHED_STREAM_END_S)
+
+
+@dataclass(frozen=True)
+class HandedOver:
+    """The thinker took the request (its `started` event): the media's leases are its business from
+    now, and a spoken answer starts its speech. An event of the gateway's answer path, never sent to the
+    client; `speech` is the answer's SpokenAnswer once it has one (speech.py)."""
+
+    speech: Any = None
 
 
 class StageError(OmniError):

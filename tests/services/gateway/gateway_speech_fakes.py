@@ -8,6 +8,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import grpc
+from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.prompt import render
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
@@ -196,8 +197,8 @@ def gateway(thinker: FakeThinker, talker_address: str | None, *, limits: SpeechL
     if media is not None:
         deployed.add("encoder")
     extra = {"converse": converse} if converse is not None else {}
-    return OmniServicer(thinker, deployed, max_concurrent_requests=8, limits=RequestLimits(), system_prompt="",
-                        media=media, speech=speech, **extra)
+    return OmniServicer(Pipeline(thinker, deployed, max_concurrent_requests=8, limits=RequestLimits(), system_prompt="",
+                        media=media, speech=speech), **extra)
 
 
 async def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:

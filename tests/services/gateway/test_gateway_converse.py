@@ -97,7 +97,7 @@ def test_two_text_turns_are_answered_from_the_history():
                     client.close()
 
             events = await converse(servicer, client, on_event)
-            in_flight = servicer.in_flight
+            in_flight = servicer.pipeline.in_flight
         return thinker, talker, events, in_flight
 
     thinker, talker, events, in_flight = run(scenario())
@@ -309,7 +309,7 @@ def test_bad_input_ends_the_call_naming_the_field(messages, needle):
             client = Client(*messages)
             with pytest.raises(OmniError) as err:
                 await converse(servicer, client)
-            return err.value, servicer.in_flight
+            return err.value, servicer.pipeline.in_flight
 
     err, in_flight = run(scenario())
     assert isinstance(err, InvalidRequest) and str(err).startswith(needle), str(err)
@@ -345,7 +345,7 @@ def test_a_text_only_conversation_needs_no_talker():
 
         servicer = gateway(thinker, None)
         events = await converse(servicer, client, on_event)
-        return thinker, events, servicer.in_flight
+        return thinker, events, servicer.pipeline.in_flight
 
     thinker, events, in_flight = run(scenario())
     assert {e.WhichOneof("event") for e in events} == {"text", "finish"}

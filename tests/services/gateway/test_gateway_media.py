@@ -13,6 +13,7 @@ from omnistage.common.checkpoint import write_tiny_checkpoint
 from omnistage.common.runtime.errors import InvalidRequest, OmniError, StageUnavailable
 from omnistage.common.transport import TransportContext, TransportOptions, encode
 from omnistage.services.gateway.media import MediaStage
+from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.prompt import render
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.stages import StageError
@@ -181,8 +182,8 @@ class Context:
 
 def run_gateway(thinker, encoder, request, producer, media_dir="", max_model_len=None):
     media = MediaStage(encoder, TransportContext(), max_request_bytes=1 << 20) if encoder is not None else None
-    servicer = OmniServicer(thinker, DEPLOYED, max_concurrent_requests=4, media=media, media_dir=media_dir,
-                            limits=RequestLimits(max_model_len=max_model_len), system_prompt="")  # fmt: skip
+    servicer = OmniServicer(Pipeline(thinker, DEPLOYED, max_concurrent_requests=4, media=media, media_dir=media_dir,
+                            limits=RequestLimits(max_model_len=max_model_len), system_prompt=""))  # fmt: skip
 
     async def collect():
         return [e async for e in servicer.Generate(request, Context())]
