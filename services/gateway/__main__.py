@@ -300,7 +300,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     images = _image_stage(cfg, svc) if cfg.services_of("imagegen") else None
     if images is not None:
         runtime.add_shutdown_hook(images.close)
-    limits = RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars, None)
+    limits = RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars)
     pipeline = Pipeline(
         thinker,
         deployed,

@@ -145,7 +145,7 @@ def plan_converse(config: omni_pb2.GenerateRequest, limits: RequestLimits, defau
         raise InvalidRequest(f"config.messages: {chars} characters, the prompt limit is {limits.max_prompt_chars} "
                              "(max_prompt_chars)")
     try:
-        check_sampling(config.sampling, max_model_len=limits.max_model_len)
+        check_sampling(config.sampling)
     except InvalidRequest as exc:
         raise InvalidRequest(f"config.{exc}") from None
     voice = voice_choice(config, "config.") if speaks else None
@@ -331,8 +331,10 @@ class Conversation:
                 return
             except StageError as exc:
                 # The thinker refused the prompt: the history outgrew its context. Forget the oldest
-                # exchange and ask again (the refusal came before `started`: nothing was sent yet).
-                too_long = exc.code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in str(exc)
+                # exchange and ask again (the refusal came before `started`: nothing was sent yet). A
+                # max_tokens above max_model_len is no matter of history: it fails the call.
+                too_long = (exc.code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in str(exc)
+                            and "sampling.max_tokens:" not in str(exc))
                 if not (too_long and not answer.started and history.forget_oldest()):
                     raise
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
+from omnistage.common.runtime.errors import Overloaded, StageUnavailable
 from omnistage.services.gateway.admission import GateConfig, StageGate, check_path
 from omnistage.services.gateway.imaging import ImagePlan, ImageStage
 from omnistage.services.gateway.media import MediaStage, thinker_items
@@ -201,8 +200,7 @@ class Pipeline:
     # -- what the stage watches learn (gateway/__main__.py) --------------------------------------
 
     def thinker_described(self, limits: control_pb2.Limits) -> None:
-        """The thinker's Describe: its context length, batch and default max_tokens."""
-        self.limits = dataclasses.replace(self.limits, max_model_len=limits.max_model_len or None)
+        """The thinker's Describe: its batch and default max_tokens (admission's measure of a request)."""
         self.thinker_gate.set_capacity(limits.max_running_requests)
         self.default_max_tokens = limits.default_max_tokens
 
@@ -381,7 +379,6 @@ class Pipeline:
     ) -> AsyncIterator[Any]:
         """One thinker call in a slot of its gate, `to_event` of each of its events up to the finish
         (hidden-state mode with `hidden_states`); its `started` hands the media's leases over."""
-        self._check_media_tokens(media.items)
         finished = False
         mode = {"hidden_states": hidden_states} if hidden_states is not None else {}
         pace = PaceMeter()
@@ -410,12 +407,3 @@ class Pipeline:
                     self.pace.observe(*measured)
         if not finished:
             raise StageUnavailable("thinker: stream ended without a finish event")
-
-    def _check_media_tokens(self, encoded: Sequence[encoder_pb2.EncodedItem]) -> None:
-        """Media alone longer than the thinker's context: refused here, before the thinker is called."""
-        limit = self.limits.max_model_len
-        tokens = sum(item.num_tokens for item in encoded)
-        if limit and tokens >= limit:
-            raise InvalidRequest(
-                f"messages: the media parts take {tokens} prompt tokens, the thinker's max_model_len is {limit}"
-            )

@@ -26,13 +26,12 @@ _OUTPUT_STAGE = {omni_pb2.MODALITY_AUDIO: "talker", omni_pb2.MODALITY_IMAGE: "im
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Bounds of one request: the gateway's deploy-file keys plus the thinker's max_model_len."""
+    """Bounds of one request's shape: the gateway's deploy-file keys. Tokens are the thinker's to count:
+    its engine admits prompt + max_tokens against max_model_len with the precise error."""
 
     max_messages: int = 256
     max_parts_per_message: int = 64
     max_prompt_chars: int = 200_000
-    # From the thinker's Describe Limits; None while unknown (then only the thinker checks it).
-    max_model_len: int | None = None
 
 
 def wire_bounds(limits: RequestLimits) -> dict[str, WireBounds]:
@@ -188,7 +187,7 @@ def plan_request(
             turns.append(Turn("user" if msg.role == omni_pb2.ROLE_USER else "assistant", content))
     if not turns or turns[-1].role != "user":
         raise InvalidRequest("messages: the last message must be from ROLE_USER")
-    check_sampling(req.sampling, max_model_len=limits.max_model_len)
+    check_sampling(req.sampling)  # the values' shape; max_tokens against max_model_len is the thinker's
     system_prompt = system_prompt or default_system_prompt or DEFAULT_SYSTEM_PROMPT
     # Media placeholders are not counted: their token counts come from the encoder, and the
     # thinker bounds the prompt's tokens.
