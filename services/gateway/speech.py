@@ -30,11 +30,11 @@ import grpc
 from omnistage.common import metrics
 from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY, InvalidRequest
+from omnistage.common.voice_rules import custom_voice_problem, voice_name_problem
 from omnistage.services.gateway.replicas import Replicas, in_flight_share
 from omnistage.services.gateway.stages import HandedOver, TalkerClient, broken_stream, take_end
 from omnistage.v1 import common_pb2, omni_pb2, talker_pb2
 
-MAX_VOICE_CHARS = 256
 # Pushback a client gets when this gateway already holds all the talker's streams (the talker's own).
 NO_CREDIT_RETRY_MS = 500
 # How long an answer's own tasks (text pump, talker writer/reader) have to end once cancelled; a task
@@ -62,16 +62,14 @@ class VoiceChoice:
 def voice_choice(request: omni_pb2.GenerateRequest, where: str = "") -> VoiceChoice:
     """The speech settings of a request (`where` prefixes field names: "config." in Converse)."""
     seed = request.sampling.seed if request.sampling.HasField("seed") else None
-    if len(request.voice) > MAX_VOICE_CHARS or not request.voice.isprintable():
-        raise InvalidRequest(f"{where}voice: a preset voice name, at most {MAX_VOICE_CHARS} printable characters")
+    if (problem := voice_name_problem(request.voice)) is not None:
+        raise InvalidRequest(where + problem)
     if not request.HasField("custom_voice"):
         return VoiceChoice(request.voice, None, seed)
     if request.voice:
         raise InvalidRequest(f"{where}custom_voice: set voice or custom_voice, not both")
-    if not request.custom_voice.audio:
-        raise InvalidRequest(f"{where}custom_voice.audio: required (an encoded audio clip of the voice)")
-    if not request.custom_voice.transcript.strip():
-        raise InvalidRequest(f"{where}custom_voice.transcript: required (what the clip says)")
+    if (problem := custom_voice_problem(request.custom_voice.audio, request.custom_voice.transcript)) is not None:
+        raise InvalidRequest(where + problem)
     return VoiceChoice("", request.custom_voice, seed)
 
 
