@@ -171,8 +171,9 @@ class Conversation:
         plan = await self.open(requests)
         self.pipeline.admit(self.context, ["thinker"])
         with self.pipeline.counted():
-            async for event in self.run(plan):
-                yield event
+            async with contextlib.aclosing(self.run(plan)) as events:
+                async for event in events:
+                    yield event
 
     async def open(self, requests: AsyncIterator[omni_pb2.ConverseRequest]) -> ConversePlan:
         """Read and check the first message (the config); a spoken conversation needs the talker."""

@@ -239,8 +239,9 @@ class Pipeline:
                         if plan.image is not None and finish is not None:
                             yield finish
                         return
-                async for event in self._image(plan, media, finish, context):
-                    yield event
+                async with contextlib.aclosing(self._image(plan, media, finish, context)) as events:
+                    async for event in events:
+                        yield event
             finally:
                 media.release()
 

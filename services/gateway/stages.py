@@ -161,6 +161,21 @@ class StageClient:
                 raise self.unavailable() from None
             raise
 
+    async def stream(self, call: grpc.aio.UnaryStreamCall, last: str) -> AsyncIterator[Any]:
+        """The events of a streaming call. After its `last` event kind the call's own end (OK) is taken
+        instead of cancelling it; a consumer that stops early (client gone, deadline) cancels it, which
+        aborts the request inside the stage (a no-op on a stream that ended)."""
+        finished = False
+        try:
+            with self.lost_as_unavailable():
+                async for event in call:
+                    finished = finished or event.WhichOneof("event") == last
+                    yield event
+        finally:
+            if finished:
+                await take_end(call)
+            call.cancel()
+
     @property
     def calls_in_flight(self) -> int:
         return len(self._calls)
@@ -208,19 +223,11 @@ class ThinkerClient(StageClient):
         request = thinker_pb2.ThinkerRequest(request_id=request_id, chat=prompt, sampling=sampling,
                                              multimodal=multimodal or [], hidden_states=hidden_states)  # fmt: skip
         self.check_up()
+        # Leaving early cancels the stream: the thinker aborts the request and frees its KV blocks.
         call = self.track(self.stub.Generate(request, timeout=timeout_s))
-        finished = False
-        try:
-            with self.lost_as_unavailable():
-                async for event in call:
-                    finished = finished or event.WhichOneof("event") == "finish"
-                    yield event
-        finally:
-            if finished:  # the finish is the last event: take the stream's own end (OK) instead of cancelling it
-                await take_end(call)
-            # Client gone, deadline hit or the consumer stopped early: cancelling the stream makes the
-            # thinker abort the request and free its KV blocks (a no-op on a stream that ended).
-            call.cancel()
+        async with contextlib.aclosing(self.stream(call, "finish")) as events:  # closed at once when left early
+            async for event in events:
+                yield event
 
     async def abort(self, engine_request_id: str) -> bool:
         """Abort by the engine id of the stream's `started` event (no other id aborts anything)."""
@@ -290,13 +297,6 @@ class ImageGenClient(StageClient):
     ) -> AsyncIterator[imagegen_pb2.ImageGenEvent]:
         self.check_up()
         call = self.track(self.stub.Generate(request, timeout=timeout_s))
-        finished = False
-        try:
-            with self.lost_as_unavailable():
-                async for event in call:
-                    finished = finished or event.WhichOneof("event") == "image"
-                    yield event
-        finally:
-            if finished:  # the image is the last event: take the stream's own end (OK)
-                await take_end(call)
-            call.cancel()
+        async with contextlib.aclosing(self.stream(call, "image")) as events:  # closed at once when left early
+            async for event in events:
+                yield event
