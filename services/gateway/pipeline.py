@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from omnistage.common.runtime.errors import Overloaded, StageUnavailable
@@ -41,6 +41,13 @@ from omnistage.v1 import common_pb2, control_pb2, encoder_pb2, omni_pb2, thinker
 _COMPLETE = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP_STRING)
 # Leases this close to their expiry are not sent to a thinker call: they are encoded again.
 _LEASE_MARGIN_MS = 1000
+
+
+class CallContext(Protocol):
+    """What the pipeline asks of a call's context (a grpc.aio.ServicerContext; start-up's warm-ups pass
+    their own): the seconds left to the client's deadline, None without one."""
+
+    def time_remaining(self) -> float | None: ...
 
 
 def client_event(request_id: str, ev: thinker_pb2.ThinkerEvent) -> omni_pb2.GenerateEvent | HandedOver:
@@ -93,7 +100,7 @@ class EncodedMedia:
     the gateway for all but the last call, handed to the thinker by that one's `started`, released
     here for whatever no thinker took (`release`, when the request ends)."""
 
-    def __init__(self, pipeline: Pipeline, request: PlannedRequest, paths: dict[str, Path], context: Any,
+    def __init__(self, pipeline: Pipeline, request: PlannedRequest, paths: dict[str, Path], context: CallContext,
                  calls: int = 1, *, gated: bool = True) -> None:  # fmt: skip
         self.pipeline = pipeline
         self.request = request
@@ -215,7 +222,7 @@ class Pipeline:
 
     # -- Omni.Generate ----------------------------------------------------------------------------
 
-    async def generate(self, request: omni_pb2.GenerateRequest, context: Any,
+    async def generate(self, request: omni_pb2.GenerateRequest, context: CallContext,
                        arrived_at: float) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
         """Plan, admit, then run the plan: the answer (text, speech interleaved), then the image; one
         Finish ends the stream (an answer cut short gets no image)."""
@@ -278,7 +285,7 @@ class Pipeline:
             )
         return self.images.plan(request, plan)
 
-    def admit(self, context: Any, stages: list[str], work_s: dict[str, float] | None = None) -> None:
+    def admit(self, context: CallContext, stages: list[str], work_s: dict[str, float] | None = None) -> None:
         """Refuse at arrival (RESOURCE_EXHAUSTED with a retry hint) what cannot finish in time: the
         gateway's bound of requests, then the capacity of every gated stage on the request's path
         against its deadline (`work_s`: the request's own service time at a stage). A talker that is
@@ -315,7 +322,7 @@ class Pipeline:
     # -- the steps ---------------------------------------------------------------------------------
 
     async def answer(
-        self, request: PlannedRequest, media: EncodedMedia, context: Any, voice: VoiceChoice | None,
+        self, request: PlannedRequest, media: EncodedMedia, context: CallContext, voice: VoiceChoice | None,
         arrived_at: float, where: str = "",
     ) -> AsyncIterator[omni_pb2.GenerateEvent | HandedOver]:
         """The answer's events: in a talker slot when spoken (`voice`), the media encoded, then the
@@ -342,7 +349,7 @@ class Pipeline:
             return contextlib.nullcontext()
         return gate.slot(remaining_s)
 
-    async def encode(self, request: PlannedRequest, paths: dict[str, Path], context: Any, *,
+    async def encode(self, request: PlannedRequest, paths: dict[str, Path], context: CallContext, *,
                      gated: bool = True) -> list[encoder_pb2.EncodedItem]:  # fmt: skip
         """The request's media through the encoder (in a slot of its gate when `gated`)."""
         gate = self.gates.get("encoder") if gated else None
@@ -350,7 +357,7 @@ class Pipeline:
             return await self.media.encode(request.request_id, request.media, paths, context.time_remaining())
 
     async def _image(self, plan: RequestPlan, media: EncodedMedia, finish: omni_pb2.GenerateEvent | None,
-                     context: Any) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
+                     context: CallContext) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
         """The image: hidden states of the conversation's query block (the thinker again, with the
         media encoded for the answer), then ImageGen's progress and PNG, then the Finish (the answer's,
         its usage with the hidden-state call's prompt added)."""
@@ -374,7 +381,7 @@ class Pipeline:
         yield finish
 
     async def _thinker(
-        self, request: PlannedRequest, media: EncodedMedia, context: Any,
+        self, request: PlannedRequest, media: EncodedMedia, context: CallContext,
         to_event: Callable[[thinker_pb2.ThinkerEvent], Any] = lambda ev: ev,
         hidden_states: thinker_pb2.HiddenStatesRequest | None = None,
     ) -> AsyncIterator[Any]:
