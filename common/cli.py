@@ -85,11 +85,7 @@ def _gateway_target(args: argparse.Namespace) -> tuple[str, grpc.ChannelCredenti
         raise ConfigError("give --config FILE (the gateway is found there) or --address HOST:PORT")
     creds = None
     if args.ca_file or args.cert_file:
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=Path(args.ca_file).read_bytes() if args.ca_file else None,
-            private_key=Path(args.key_file).read_bytes() if args.key_file else None,
-            certificate_chain=Path(args.cert_file).read_bytes() if args.cert_file else None,
-        )
+        creds = auth.tls_credentials(args.ca_file, args.cert_file, args.key_file)
     return args.address, creds, _key_from(key_env, "--api-key-env") if key_env else ()
 
 

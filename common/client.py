@@ -135,8 +135,7 @@ def _channel(api: Any, address: str, credentials: grpc.ChannelCredentials | None
 
 def tls_credentials(ca_file: str = "", cert_file: str = "", key_file: str = "") -> grpc.ChannelCredentials:
     """TLS channel credentials: the CA to trust (system roots when empty) and a client pair (mutual TLS)."""
-    read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
-    return grpc.ssl_channel_credentials(read(ca_file), read(key_file), read(cert_file))
+    return auth.tls_credentials(ca_file, cert_file, key_file)
 
 
 class EventStream:

@@ -243,7 +243,20 @@ def channel_credentials(
     """
     if svc.tls is None:
         return None
-    root = _read(ca_file, "--ca-file") if ca_file else _read(svc.tls.cert_file, f"services.{svc.name}.tls.cert_file")
+    own = (svc.tls.cert_file, f"services.{svc.name}.tls.cert_file")
+    return tls_credentials(ca_file, cert_file, key_file, default_ca=own)
+
+
+def tls_credentials(
+    ca_file: str = "", cert_file: str = "", key_file: str = "", *, default_ca: tuple[str, str] | None = None
+) -> grpc.ChannelCredentials:
+    """The one builder of TLS channel credentials (the CLI, the client library, the HTTP front): the CA
+    to trust (`default_ca` (file, its deploy-file key) when no `ca_file`; else the system roots) and the
+    client's pair for mutual TLS. A file that cannot be read is a SecretError naming its flag or key."""
+    if ca_file:
+        root = _read(ca_file, "--ca-file")
+    else:
+        root = _read(*default_ca) if default_ca is not None else None
     key = _read(key_file, "--key-file") if key_file else None
     chain = _read(cert_file, "--cert-file") if cert_file else None
     return grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=chain)

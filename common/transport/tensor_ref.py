@@ -305,10 +305,12 @@ def decode(
     transport: TransportContext | None = None,
     device: torch.device | str | None = None,
     copy: bool = True,
+    release: bool = True,
 ) -> torch.Tensor:
     """The tensor a ref describes, on `device` (default: CPU for inline/shm, the ref's GPU for CUDA IPC).
 
-    `copy=True` copies out of shared memory and releases the lease at once. `copy=False` returns a view
+    `copy=True` copies out of shared memory and releases the lease at once (with `release=False` the
+    lease stays with whoever keeps it: a copy for a consumer that is not its last). `copy=False` returns a view
     into the producer's pool; the caller must `transport.release(ref)` when done, before the lease expires.
     Inline refs always give a fresh tensor.
     """
@@ -359,7 +361,8 @@ def decode(
             torch.cuda.current_stream(out.device if out.is_cuda else u8.device).synchronize()
         _check_lease(sub, kind)  # expired during the copy: the producer may have reused the bytes
     finally:
-        transport.release(ref)
+        if release:
+            transport.release(ref)
     _count(ref, path, "decode", nbytes, started)
     return out
 

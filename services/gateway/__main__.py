@@ -10,7 +10,6 @@ memory → ImageGen, one step at the smallest size), then serves.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import io
 import sys
@@ -31,6 +30,7 @@ from omnistage.services.gateway.converse import ConverseLimits
 from omnistage.services.gateway.imaging import ImageLimits, ImageStage
 from omnistage.services.gateway.media import MediaStage
 from omnistage.services.gateway.pace import PaceMeter, StepPace
+from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.prompt import Turn, build_chat
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
@@ -81,13 +81,14 @@ async def _warm_up_media(servicer: OmniServicer) -> None:
 async def _warm_up_image(servicer: OmniServicer, replica: ImageGenClient) -> None:
     """One image request through the path clients take (thinker hidden states → ImageGen `replica`): one
     step at the smallest size; a broken hand-over fails start-up."""
-    side = servicer.images.limits.min_side_px
+    images = servicer.pipeline.images
+    side = images.limits.min_side_px
     request = omni_pb2.GenerateRequest(
         request_id=f"gateway-warmup-image-{replica.name}", output_modalities=[omni_pb2.MODALITY_IMAGE],
         messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="warm-up")])],
         image=omni_pb2.ImageOptions(width=side, height=side, steps=1, seed=0),
     )  # fmt: skip
-    with servicer.images.pinned(request.request_id, replica):
+    with images.pinned(request.request_id, replica):
         events = [e async for e in servicer.Generate(request, _Deadline(120.0))]
     kinds = [e.WhichOneof("event") for e in events]
     if kinds[-2:] != ["image", "finish"]:
@@ -179,9 +180,10 @@ class _Stages:
     def __init__(self, runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, servicer: OmniServicer,
                  watch: WatchConfig) -> None:  # fmt: skip
         self.runtime, self.cfg, self.svc, self.servicer = runtime, cfg, svc, servicer
+        self.pipeline = servicer.pipeline
         self.watches: dict[str, StageWatch] = {}  # by service name
         self.kinds: dict[str, list[StageClient]] = {}  # stage kind → its replicas' clients
-        s = servicer
+        s = servicer.pipeline
         steps: dict[str, tuple[list[StageClient], Callable[[Any], Awaitable[None]]]] = {
             "thinker": ([s.thinker] if s.thinker else [], self._thinker_up),
             "encoder": ([s.media.encoder] if s.media else [], self._encoder_up),
@@ -204,7 +206,7 @@ class _Stages:
     def readiness(self) -> list[control_pb2.Readiness]:
         out = []
         for name, kinds in CAPABILITIES.items():
-            if not set(kinds) <= self.servicer.deployed:
+            if not set(kinds) <= self.pipeline.deployed:
                 continue
             down = [(c.name, c.down_reason) for k in kinds if not any(c.up for c in self.kinds[k])
                     for c in self.kinds[k]]  # fmt: skip
@@ -213,29 +215,22 @@ class _Stages:
         return out
 
     def _changed(self, _client: StageClient | None) -> None:
-        self._size_image_gate()
+        self.pipeline.size_image_gate()
         ready = {r.capability: r.ready for r in self.readiness()}
         self.runtime.set_capability_health(ready)
         self.runtime.reporter.heartbeat("ready: " + (", ".join(k for k, v in ready.items() if v) or "nothing yet"))
 
-    def _size_image_gate(self) -> None:
-        """The `imagegen` gate admits what the image replicas that are up take together."""
-        if self.servicer.images is not None:
-            self.servicer.gates["imagegen"].set_capacity(*self.servicer.images.capacity())
-
     async def _thinker_up(self, client: ThinkerClient) -> None:
-        s = self.servicer
+        p = self.pipeline
         desc = await client.describe()  # None without an admin port: then only the thinker checks lengths
         if desc is not None:
-            s.limits = dataclasses.replace(s.limits, max_model_len=desc.limits.max_model_len or None)
-            s.thinker_gate.set_capacity(desc.limits.max_running_requests)
-            s.default_max_tokens = desc.limits.default_max_tokens
+            p.thinker_described(desc.limits)
         await self._through(client, _warm_up_thinker(client))
-        await self._through(client, _seed_pace(client, s.pace, s.thinker_gate.cfg.max_running))
+        await self._through(client, _seed_pace(client, p.pace, p.thinker_gate.cfg.max_running))
 
     async def _needs_thinker(self, what: str) -> None:
         """Warm-ups through the thinker wait for its admission (bounded by gateway.stage_wait_s)."""
-        thinker = self.servicer.thinker
+        thinker = self.pipeline.thinker
         watch = self.watches.get(thinker.name) if thinker is not None else None
         if watch is None or not await watch.wait_admitted(self.svc.gateway.stage_wait_s):
             raise RuntimeError(f"{what} needs the thinker, which is not admitted")
@@ -244,17 +239,17 @@ class _Stages:
         await self._needs_thinker("the media warm-up")
         desc = await encoder.describe()  # 0: it reports no request cap (its batcher decides)
         if desc is not None:
-            self.servicer.gates["encoder"].set_capacity(desc.limits.max_running_requests)
+            self.pipeline.set_capacity("encoder", desc.limits.max_running_requests)
         await self._through(encoder, _warm_up_media(self.servicer))
 
     async def _talker_up(self, talker: TalkerClient) -> None:
         await talker.read_limits()  # the streams this gateway may hold open (Describe)
-        self.servicer.gates["talker"].set_capacity(talker.max_streams)  # spoken answers wait for one
+        self.pipeline.set_capacity("talker", talker.max_streams)  # spoken answers wait for one
         await self._through(talker, _warm_up_talker(talker))
 
     async def _imagegen_up(self, client: ImageGenClient) -> None:
         await self._needs_thinker("the image warm-up")
-        images = self.servicer.images
+        images = self.pipeline.images
         desc = await client.describe()
         images.limits = ImageLimits.of(self.cfg.service(client.name).imagegen, desc.limits if desc is not None else None)
         gate = images.limits.gate()
@@ -262,10 +257,10 @@ class _Stages:
         try:
             await self._through(client, self._image_warm_up(client))
         finally:
-            self._size_image_gate()
+            self.pipeline.size_image_gate()
 
     async def _image_warm_up(self, client: ImageGenClient) -> None:
-        self._size_image_gate()  # with this replica counted: its warm-up takes a slot of the gate
+        self.pipeline.size_image_gate()  # with this replica counted: its warm-up takes a slot of the gate
         await _warm_up_image(self.servicer, client)
 
     @staticmethod
@@ -306,8 +301,8 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     images = _image_stage(cfg, svc) if cfg.services_of("imagegen") else None
     if images is not None:
         runtime.add_shutdown_hook(images.close)
-    limits = RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars, None)
-    servicer = OmniServicer(
+    limits = RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars)
+    pipeline = Pipeline(
         thinker,
         deployed,
         max_concurrent_requests=gw.max_concurrent_requests,
@@ -317,11 +312,11 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         media=media,
         speech=_speech_stage(cfg, svc) if cfg.services_of("talker") else None,
         images=images,
-        converse=_converse_limits(cfg, svc),
         gates={stage: StageGate(stage, GateConfig(0, gw.admission_max_waiting, gw.admission_initial_service_s), svc.name)
                for stage in MODEL_KINDS if stage in deployed},
         service=svc.name,
     )
+    servicer = OmniServicer(pipeline, _converse_limits(cfg, svc))
     stages = _Stages(runtime, cfg, svc, servicer,
                      WatchConfig(gw.stage_health_interval_s, gw.stage_health_timeout_s, gw.stage_health_failures))
     runtime.set_readiness_provider(stages.readiness)
@@ -332,7 +327,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
             max_running_requests=gw.max_concurrent_requests, max_message_bytes=svc.max_message_bytes
         )
     )
-    runtime.set_load_provider(lambda: (servicer.in_flight, servicer.thinker_gate.waiting))
+    runtime.set_load_provider(lambda: (pipeline.in_flight, pipeline.thinker_gate.waiting))
     export_host_memory(svc.name)  # no device: its host memory in the ledger's metrics
     stages.start()
     # Text first: the gateway turns SERVING as soon as the thinker is admitted (SERVING + a warm-up

@@ -12,7 +12,7 @@ out. Admitted requests therefore finish in time, and goodput stays near capacity
 
 The gateway is the only client of its stages, so its own count of requests in a stage is the stage's
 load; the stage's own bounded queue remains the backstop. The talker's gate is held for a spoken
-answer's whole life (server.py's talker_slot): speech waits for a stream instead of being refused.
+answer's whole life (Pipeline.talker_slot, pipeline.py): speech waits for a stream instead of being refused.
 """
 
 from __future__ import annotations

@@ -21,20 +21,26 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
+from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.sampling import check_sampling
 from omnistage.services.gateway.history import Entry, History, wav_of
+from omnistage.services.gateway.pipeline import EncodedMedia, Pipeline
 from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT
 from omnistage.services.gateway.speech import SpokenAnswer, VoiceChoice, voice_choice
-from omnistage.services.gateway.stages import StageError
-from omnistage.services.gateway.validation import MAX_REQUEST_ID_CHARS, MediaPart, PlannedRequest
+from omnistage.services.gateway.stages import HandedOver, StageError
+from omnistage.services.gateway.validation import MediaPart, PlannedRequest, RequestLimits
 from omnistage.v1 import common_pb2, omni_pb2
 
 MIN_SAMPLE_RATE_HZ, MAX_SAMPLE_RATE_HZ = 8000, 48000
 _END = object()
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """A newer user turn began while an answer ran: the answer was closed (its stage streams cancelled)."""
 
 
 @dataclass(frozen=True)
@@ -99,11 +105,10 @@ class _Answer:
         return Entry("assistant", "".join(self.text), token_ids=tuple(ids))
 
 
-def plan_converse(config: omni_pb2.GenerateRequest, gateway: Any) -> ConversePlan:
+def plan_converse(config: omni_pb2.GenerateRequest, limits: RequestLimits, default_system_prompt: str) -> ConversePlan:
     """Check the call's config (the first message); errors name `config.<field>`."""
-    limits = gateway.limits
     request_id = config.request_id or uuid.uuid4().hex
-    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+    if not valid_request_id(request_id):
         raise InvalidRequest(f"config.request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
     for i, modality in enumerate(config.output_modalities):
         if modality not in (omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO):
@@ -140,29 +145,39 @@ def plan_converse(config: omni_pb2.GenerateRequest, gateway: Any) -> ConversePla
         raise InvalidRequest(f"config.messages: {chars} characters, the prompt limit is {limits.max_prompt_chars} "
                              "(max_prompt_chars)")
     try:
-        check_sampling(config.sampling, max_model_len=limits.max_model_len)
+        check_sampling(config.sampling)
     except InvalidRequest as exc:
         raise InvalidRequest(f"config.{exc}") from None
     voice = voice_choice(config, "config.") if speaks else None
-    system_prompt = system_prompt or gateway.system_prompt or DEFAULT_SYSTEM_PROMPT
+    system_prompt = system_prompt or default_system_prompt or DEFAULT_SYSTEM_PROMPT
     return ConversePlan(request_id, system_prompt, config.sampling, voice, tuple(seeded))
 
 
 class Conversation:
-    """One Omni.Converse call. `gateway` is the OmniServicer (its stages, limits and thinker path)."""
+    """One Omni.Converse call: its turns, each answered by the `pipeline` (thinker, talker, encoder)."""
 
-    def __init__(self, gateway: Any, context: grpc.aio.ServicerContext) -> None:
-        self.gateway = gateway
+    def __init__(self, pipeline: Pipeline, context: grpc.aio.ServicerContext, limits: ConverseLimits) -> None:
+        self.pipeline = pipeline
         self.context = context
-        self.limits: ConverseLimits = gateway.converse
+        self.limits = limits
         self.turns: asyncio.Queue = asyncio.Queue(2)  # complete user turns waiting for their answer
         self.turns_begun = 0
         self.newer_turn = asyncio.Event()  # a user turn began: the answer running may be interrupted
         self._requests: AsyncIterator[omni_pb2.ConverseRequest] | None = None
 
+    async def events(self, requests: AsyncIterator[omni_pb2.ConverseRequest]) -> AsyncIterator[omni_pb2.GenerateEvent]:
+        """The call: its config checked before it counts as in flight, admitted at the thinker's gate,
+        then its answers."""
+        plan = await self.open(requests)
+        self.pipeline.admit(self.context, ["thinker"])
+        with self.pipeline.counted():
+            async with contextlib.aclosing(self.run(plan)) as events:
+                async for event in events:
+                    yield event
+
     async def open(self, requests: AsyncIterator[omni_pb2.ConverseRequest]) -> ConversePlan:
         """Read and check the first message (the config); a spoken conversation needs the talker."""
-        if self.gateway.thinker is None:
+        if self.pipeline.thinker is None:
             raise StageUnavailable("the 'thinker' stage is not available (gateway started degraded)")
         self._requests = aiter(requests)
         first = await anext(self._requests, None)
@@ -170,8 +185,8 @@ class Conversation:
             raise InvalidRequest("config: the stream ended before its first message")
         if first.WhichOneof("item") != "config":
             raise InvalidRequest("config: required in the first message")
-        plan = plan_converse(first.config, self.gateway)
-        if plan.speaks and self.gateway.speech is None:
+        plan = plan_converse(first.config, self.pipeline.limits, self.pipeline.system_prompt)
+        if plan.speaks and self.pipeline.speech is None:
             raise StageUnavailable("Converse needs the 'talker' stage to speak, which is not deployed (ask for "
                                    "text only: config.output_modalities [MODALITY_TEXT])", retryable=False)
         return plan
@@ -192,7 +207,7 @@ class Conversation:
                 interrupted = False
                 async with contextlib.aclosing(self._interruptible(self._answer(plan, history, turn, answer))) as events:
                     async for event in events:
-                        if event is None:
+                        if isinstance(event, Interrupted):
                             interrupted = True
                             break
                         event.turn = turn.index
@@ -241,7 +256,7 @@ class Conversation:
             elif kind == "audio":
                 chunk = message.audio
                 if not pcm:
-                    if self.gateway.media is None:
+                    if self.pipeline.media is None:
                         raise StageUnavailable("audio: spoken turns need the 'encoder' stage, which is not deployed",
                                                retryable=False)
                     if not MIN_SAMPLE_RATE_HZ <= chunk.sample_rate_hz <= MAX_SAMPLE_RATE_HZ:
@@ -280,9 +295,9 @@ class Conversation:
     # -- answers --------------------------------------------------------------------------------
 
     async def _interruptible(self, events: AsyncIterator[omni_pb2.GenerateEvent]
-                             ) -> AsyncIterator[omni_pb2.GenerateEvent | None]:
-        """The answer's events until a newer user turn begins; then None, after the answer was closed
-        (which cancels its thinker and talker streams)."""
+                             ) -> AsyncIterator[omni_pb2.GenerateEvent | Interrupted]:
+        """The answer's events until a newer user turn begins; then Interrupted, after the answer was
+        closed (which cancels its thinker and talker streams)."""
         try:
             while True:
                 step = asyncio.ensure_future(anext(events, _END))
@@ -299,7 +314,7 @@ class Conversation:
                         # read here, not left to asyncio's "Task exception was never retrieved".
                         step.exception()
                 if step.cancelled():
-                    yield None
+                    yield Interrupted()
                     return
                 event = step.result()
                 if event is _END:
@@ -317,52 +332,41 @@ class Conversation:
                 return
             except StageError as exc:
                 # The thinker refused the prompt: the history outgrew its context. Forget the oldest
-                # exchange and ask again (the refusal came before `started`: nothing was sent yet).
-                too_long = exc.code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in str(exc)
+                # exchange and ask again (the refusal came before `started`: nothing was sent yet). A
+                # max_tokens above max_model_len is no matter of history: it fails the call.
+                too_long = (exc.code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in str(exc)
+                            and "sampling.max_tokens:" not in str(exc))
                 if not (too_long and not answer.started and history.forget_oldest()):
                     raise
 
     async def _attempt(self, plan: ConversePlan, history: History, turn: UserTurn, answer: _Answer
                        ) -> AsyncIterator[omni_pb2.GenerateEvent]:
-        async with self.gateway.talker_slot(plan.speaks, self.context.time_remaining()):
-            async for event in self._speak_or_write(plan, history, turn, answer):
-                yield event
-
-    async def _speak_or_write(self, plan: ConversePlan, history: History, turn: UserTurn, answer: _Answer
-                              ) -> AsyncIterator[omni_pb2.GenerateEvent]:
-        gateway = self.gateway
-        media = gateway.media
-        window = history.window(plan.system_prompt, gateway.limits.max_prompt_chars,
-                                media.max_media_bytes if media is not None else 0, self.limits.max_audio_items)
+        """One answer by the pipeline from the history's window (its spoken turns encoded again: the
+        window changes from turn to turn), kept in `answer` as it streams."""
+        pipeline = self.pipeline
+        max_media_bytes = pipeline.media.max_media_bytes if pipeline.media is not None else 0
+        window = history.window(plan.system_prompt, pipeline.limits.max_prompt_chars, max_media_bytes,
+                                self.limits.max_audio_items)  # fmt: skip
         parts = tuple(MediaPart(where, "audio", omni_pb2.Media(data=wav)) for where, wav in window.audio)
-        encoded = []
-        if parts:
-            encoded = await media.encode(plan.request_id, parts, {}, self.context.time_remaining())
         request = PlannedRequest(plan.request_id, window.turns, plan.system_prompt, plan.sampling, plan.outputs, parts)
-        text_events = gateway._thinker_events(request, encoded, self.context)
-        handed_over = False
-        spoken = None
-        if plan.voice is not None:
-            spoken = SpokenAnswer(gateway.speech, plan.request_id, plan.voice, self.context.time_remaining(),
-                                  turn.ended_at, "config.")
-        events = spoken.events(text_events) if spoken is not None else text_events
+        # Not through the encoder's gate: a conversation is admitted once, at the thinker's.
+        media = EncodedMedia(pipeline, request, {}, self.context, gated=False)
+        events = pipeline.answer(request, media, self.context, plan.voice, turn.ended_at, "config.")
         try:
-            async for event in events:
-                if event is None:
-                    handed_over = answer.started = True
-                    answer.speech = spoken
-                    continue
-                if event.HasField("text"):
-                    answer.text.append(event.text.text)
-                    answer.tokens += len(event.text.token_ids)
-                    answer.token_ids += event.text.token_ids
-                elif event.HasField("finish"):
-                    answer.reason = event.finish.reason
-                yield event
+            async with contextlib.aclosing(events) as stream:  # an interrupted answer's stage streams end now
+                async for event in stream:
+                    if isinstance(event, HandedOver):
+                        answer.started, answer.speech = True, event.speech
+                        continue
+                    if event.HasField("text"):
+                        answer.text.append(event.text.text)
+                        answer.tokens += len(event.text.token_ids)
+                        answer.token_ids += event.text.token_ids
+                    elif event.HasField("finish"):
+                        answer.reason = event.finish.reason
+                    yield event
         finally:
-            await events.aclose()  # an interrupted answer's thinker (and talker) streams end now
-            if encoded and not handed_over:
-                media.release(encoded)
+            media.release()
 
     def _interrupted(self, plan: ConversePlan, index: int, answer: _Answer) -> omni_pb2.GenerateEvent:
         message = f"interrupted by user turn {index + 1}"

@@ -178,7 +178,7 @@ _image_load = in_flight_share(lambda c: c.max_running)
 
 class ImageStage:
     """The gateway's side of the image stage: options, the ImageGen call, lease releases (admission:
-    the servicer's `imagegen` gate, sized by `ImageLimits.gate` summed over the replicas that are up).
+    the pipeline's `imagegen` gate, sized by `ImageLimits.gate` summed over the replicas that are up).
     Each request denoises on the least loaded replica that is up (replicas.py) unless pinned to one."""
 
     def __init__(self, client: ImageGenClient | Sequence[ImageGenClient], transport: TransportContext,

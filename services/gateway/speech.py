@@ -30,15 +30,13 @@ import grpc
 from omnistage.common import metrics
 from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY, InvalidRequest
+from omnistage.common.voice_rules import custom_voice_problem, voice_name_problem
 from omnistage.services.gateway.replicas import Replicas, in_flight_share
-from omnistage.services.gateway.stages import TalkerClient, broken_stream
+from omnistage.services.gateway.stages import HandedOver, TalkerClient, broken_stream, take_end
 from omnistage.v1 import common_pb2, omni_pb2, talker_pb2
 
-MAX_VOICE_CHARS = 256
 # Pushback a client gets when this gateway already holds all the talker's streams (the talker's own).
 NO_CREDIT_RETRY_MS = 500
-# After `finished`, how long the talker's handler has to end the call itself (status OK) before it is cancelled.
-FINISHED_STREAM_END_S = 5.0
 # How long an answer's own tasks (text pump, talker writer/reader) have to end once cancelled; a task
 # still running then is logged and left behind, so that the request ends whatever it does.
 TASK_STOP_S = 5.0
@@ -64,16 +62,14 @@ class VoiceChoice:
 def voice_choice(request: omni_pb2.GenerateRequest, where: str = "") -> VoiceChoice:
     """The speech settings of a request (`where` prefixes field names: "config." in Converse)."""
     seed = request.sampling.seed if request.sampling.HasField("seed") else None
-    if len(request.voice) > MAX_VOICE_CHARS or not request.voice.isprintable():
-        raise InvalidRequest(f"{where}voice: a preset voice name, at most {MAX_VOICE_CHARS} printable characters")
+    if (problem := voice_name_problem(request.voice)) is not None:
+        raise InvalidRequest(where + problem)
     if not request.HasField("custom_voice"):
         return VoiceChoice(request.voice, None, seed)
     if request.voice:
         raise InvalidRequest(f"{where}custom_voice: set voice or custom_voice, not both")
-    if not request.custom_voice.audio:
-        raise InvalidRequest(f"{where}custom_voice.audio: required (an encoded audio clip of the voice)")
-    if not request.custom_voice.transcript.strip():
-        raise InvalidRequest(f"{where}custom_voice.transcript: required (what the clip says)")
+    if (problem := custom_voice_problem(request.custom_voice.audio, request.custom_voice.transcript)) is not None:
+        raise InvalidRequest(where + problem)
     return VoiceChoice("", request.custom_voice, seed)
 
 
@@ -103,13 +99,6 @@ class SpeechStage:
         self._outcomes = metrics.counter("gateway_speech_outcomes", "Answers by what became of their speech "
                                          "(AudioOutcome) and why (gRPC code name, empty when complete)",
                                          ("outcome", "code"))
-
-    def answer(
-        self, request_id: str, choice: VoiceChoice, text_events: AsyncIterator[omni_pb2.GenerateEvent | None],
-        timeout_s: float | None, arrived_at: float,
-    ) -> AsyncIterator[omni_pb2.GenerateEvent | None]:
-        """`text_events` with the speech interleaved (SpokenAnswer.events)."""
-        return SpokenAnswer(self, request_id, choice, timeout_s, arrived_at).events(text_events)
 
     def observe(self, status: omni_pb2.AudioStatus) -> None:
         self._outcomes.labels(self.service, omni_pb2.AudioOutcome.Name(status.outcome), status.code).inc()
@@ -310,10 +299,7 @@ class TalkerStream:
                 if self.text.truncated:
                     self.fail("OUT_OF_RANGE", f"the answer passed the talker's max_text_chars "
                               f"({self.limits.max_text_chars} characters): spoken up to there")
-                # The last event: take the call's own end (OK) rather than cancel it on close, which the
-                # talker would count (and log) as a client cancel.
-                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
-                    await within(call.code(), FINISHED_STREAM_END_S)
+                await take_end(call)  # the last event: its own end (OK), not a cancel on close
                 return
 
     def _refused_or_failed(self, exc: grpc.aio.AioRpcError) -> InvalidRequest | None:
@@ -348,10 +334,10 @@ class SpokenAnswer:
         self.speech = TalkerStream(stage, request_id, choice, timeout_s, where)
         self.status = self.speech.status
 
-    async def events(self, text_events: AsyncIterator[omni_pb2.GenerateEvent | None]
-                     ) -> AsyncIterator[omni_pb2.GenerateEvent | None]:
-        """`text_events` (the thinker's, None marking `started`) with the speech interleaved; the Finish
-        comes last, once both the text and the speech are done, with `audio` set."""
+    async def events(self, text_events: AsyncIterator[omni_pb2.GenerateEvent | HandedOver]
+                     ) -> AsyncIterator[omni_pb2.GenerateEvent | HandedOver]:
+        """`text_events` (the thinker's, HandedOver for its `started`) with the speech interleaved; the
+        Finish comes last, once both the text and the speech are done, with `audio` set."""
         pump = asyncio.create_task(self._pump_text(text_events))
         try:
             finish, done = None, 0
@@ -363,7 +349,7 @@ class SpokenAnswer:
                     done += 1
                     finish = item.finish or finish
                     continue
-                if item is not None and item.HasField("audio"):
+                if isinstance(item, omni_pb2.GenerateEvent) and item.HasField("audio"):
                     self._count(item.audio)
                 yield item
             assert finish is not None
@@ -395,19 +381,19 @@ class SpokenAnswer:
                 status.code, status.message = "UNAVAILABLE", f"{self.speech.talker.name}: the speech did not finish"
         self.stage.observe(status)
 
-    async def _pump_text(self, text_events: AsyncIterator[omni_pb2.GenerateEvent | None]) -> None:
+    async def _pump_text(self, text_events: AsyncIterator[omni_pb2.GenerateEvent | HandedOver]) -> None:
         speech, out = self.speech, self.out
         started = False
         finish = None
         try:
             async for event in text_events:
-                if event is None:  # the thinker took the request: speak its answer
+                if isinstance(event, HandedOver):  # the thinker took the request: speak its answer
                     started = True
                     if speech.start():
                         speech.run(out)
                     else:
                         await out.put(_Done())  # no speech: its part is done
-                    await out.put(None)
+                    await out.put(event)
                 elif event.HasField("text"):
                     speech.text.push(event.text.text)
                     await self._release_text()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -29,8 +30,25 @@ from omnistage.v1 import (
     thinker_pb2_grpc,
 )
 
-# After the finish event a stage stream ends at once; this bounds the wait for its status.
-_FINISHED_STREAM_END_S = 5.0
+# After its last event (finish, image, `finished`) a stage stream ends at once; this bounds the wait
+# for its status.
+FINISHED_STREAM_END_S = 5.0
+
+
+async def take_end(call: grpc.aio.Call) -> None:
+    """After a stream's last event: wait (bounded) for the call's own end (status OK) instead of
+    cancelling it, which the stage would count (and log) as a client cancel."""
+    with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+        await within(call.code(), FINISHED_STREAM_END_S)
+
+
+@dataclass(frozen=True)
+class HandedOver:
+    """The thinker took the request (its `started` event): the media's leases are its business from
+    now, and a spoken answer starts its speech. An event of the gateway's answer path, never sent to the
+    client; `speech` is the answer's SpokenAnswer once it has one (speech.py)."""
+
+    speech: Any = None
 
 
 class StageError(OmniError):
@@ -143,6 +161,21 @@ class StageClient:
                 raise self.unavailable() from None
             raise
 
+    async def stream(self, call: grpc.aio.UnaryStreamCall, last: str) -> AsyncIterator[Any]:
+        """The events of a streaming call. After its `last` event kind the call's own end (OK) is taken
+        instead of cancelling it; a consumer that stops early (client gone, deadline) cancels it, which
+        aborts the request inside the stage (a no-op on a stream that ended)."""
+        finished = False
+        try:
+            with self.lost_as_unavailable():
+                async for event in call:
+                    finished = finished or event.WhichOneof("event") == last
+                    yield event
+        finally:
+            if finished:
+                await take_end(call)
+            call.cancel()
+
     @property
     def calls_in_flight(self) -> int:
         return len(self._calls)
@@ -190,20 +223,11 @@ class ThinkerClient(StageClient):
         request = thinker_pb2.ThinkerRequest(request_id=request_id, chat=prompt, sampling=sampling,
                                              multimodal=multimodal or [], hidden_states=hidden_states)  # fmt: skip
         self.check_up()
+        # Leaving early cancels the stream: the thinker aborts the request and frees its KV blocks.
         call = self.track(self.stub.Generate(request, timeout=timeout_s))
-        finished = False
-        try:
-            with self.lost_as_unavailable():
-                async for event in call:
-                    finished = finished or event.WhichOneof("event") == "finish"
-                    yield event
-        finally:
-            if finished:  # the finish is the last event: take the stream's own end (OK) instead of cancelling it
-                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
-                    await within(call.code(), _FINISHED_STREAM_END_S)
-            # Client gone, deadline hit or the consumer stopped early: cancelling the stream makes the
-            # thinker abort the request and free its KV blocks (a no-op on a stream that ended).
-            call.cancel()
+        async with contextlib.aclosing(self.stream(call, "finish")) as events:  # closed at once when left early
+            async for event in events:
+                yield event
 
     async def abort(self, engine_request_id: str) -> bool:
         """Abort by the engine id of the stream's `started` event (no other id aborts anything)."""
@@ -273,14 +297,6 @@ class ImageGenClient(StageClient):
     ) -> AsyncIterator[imagegen_pb2.ImageGenEvent]:
         self.check_up()
         call = self.track(self.stub.Generate(request, timeout=timeout_s))
-        finished = False
-        try:
-            with self.lost_as_unavailable():
-                async for event in call:
-                    finished = finished or event.WhichOneof("event") == "image"
-                    yield event
-        finally:
-            if finished:  # the image is the last event: take the stream's own end (OK)
-                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
-                    await within(call.code(), _FINISHED_STREAM_END_S)
-            call.cancel()
+        async with contextlib.aclosing(self.stream(call, "image")) as events:  # closed at once when left early
+            async for event in events:
+                yield event

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.runtime.wire_bounds import WireBounds
 from omnistage.common.sampling import check_sampling
@@ -20,19 +21,17 @@ from omnistage.common.stages import MEDIA_INPUT_KIND, OUTPUT_KIND
 from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT, MediaSlot, Turn, build_chat, prompt_chars
 from omnistage.v1 import common_pb2, encoder_pb2, omni_pb2, thinker_pb2
 
-MAX_REQUEST_ID_CHARS = 256
 _OUTPUT_STAGE = {omni_pb2.Modality.Value(f"MODALITY_{name.upper()}"): kind for name, kind in OUTPUT_KIND.items()}
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Bounds of one request: the gateway's deploy-file keys plus the thinker's max_model_len."""
+    """Bounds of one request's shape: the gateway's deploy-file keys. Tokens are the thinker's to count:
+    its engine admits prompt + max_tokens against max_model_len with the precise error."""
 
     max_messages: int = 256
     max_parts_per_message: int = 64
     max_prompt_chars: int = 200_000
-    # From the thinker's Describe Limits; None while unknown (then only the thinker checks it).
-    max_model_len: int | None = None
 
 
 def wire_bounds(limits: RequestLimits) -> dict[str, WireBounds]:
@@ -156,7 +155,7 @@ def plan_request(
     """Validate `req` against the deployed stages and limits; raise InvalidRequest / StageUnavailable."""
     check_counts(req, limits)
     request_id = req.request_id or uuid.uuid4().hex
-    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+    if not valid_request_id(request_id):
         raise InvalidRequest(f"request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
     if not req.messages:
         raise InvalidRequest("messages: at least one message is required")
@@ -188,7 +187,7 @@ def plan_request(
             turns.append(Turn("user" if msg.role == omni_pb2.ROLE_USER else "assistant", content))
     if not turns or turns[-1].role != "user":
         raise InvalidRequest("messages: the last message must be from ROLE_USER")
-    check_sampling(req.sampling, max_model_len=limits.max_model_len)
+    check_sampling(req.sampling)  # the values' shape; max_tokens against max_model_len is the thinker's
     system_prompt = system_prompt or default_system_prompt or DEFAULT_SYSTEM_PROMPT
     # Media placeholders are not counted: their token counts come from the encoder, and the
     # thinker bounds the prompt's tokens.

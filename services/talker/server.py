@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator
 import grpc
 from omnistage.common.config import TalkerConfig
 from omnistage.common.memory.stress import ConcurrencyLimiter
+from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded
+from omnistage.common.voice_rules import custom_voice_problem
 from omnistage.services.talker.engine import TalkerEngine
 from omnistage.services.talker.session import (
     Chunk,
@@ -28,21 +30,17 @@ from omnistage.services.talker.session import (
 from omnistage.services.talker.voices import VoiceBank
 from omnistage.v1 import talker_pb2, talker_pb2_grpc
 
-MAX_REQUEST_ID_CHARS = 256
-
 
 def settings_of(config: talker_pb2.SpeakConfig, cfg: TalkerConfig) -> StreamSettings:
-    if len(config.request_id) > MAX_REQUEST_ID_CHARS or not config.request_id.isprintable():
+    if not valid_request_id(config.request_id):
         raise InvalidRequest(f"config.request_id: at most {MAX_REQUEST_ID_CHARS} printable characters")
     seed = config.seed if config.HasField("seed") else None
     if config.WhichOneof("voice_source") != "custom_voice":
         return StreamSettings(config.request_id, voice=config.voice, seed=seed)
     custom = config.custom_voice
-    if not custom.audio:
-        raise InvalidRequest("config.custom_voice.audio: required (an encoded audio clip of the voice)")
+    if (problem := custom_voice_problem(custom.audio, custom.transcript)) is not None:
+        raise InvalidRequest("config." + problem)
     transcript = custom.transcript.strip()
-    if not transcript:
-        raise InvalidRequest("config.custom_voice.transcript: required (what the clip says)")
     if len(transcript) > cfg.max_transcript_chars:
         raise InvalidRequest(f"config.custom_voice.transcript: {len(transcript)} characters exceed "
                              f"talker.max_transcript_chars ({cfg.max_transcript_chars})")

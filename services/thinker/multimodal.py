@@ -9,7 +9,8 @@ temporal slice of its merged grids, an audio clip one run. Every mismatch is INV
 
 Leases: the rows are copied (host memory, the model's dtype) when the request is taken, which
 releases each shm / CUDA IPC lease at once; `release` ends whatever a refusal or a cancel left, so
-no lease outlives the servicer's submit path (a second release of a lease is a no-op).
+no lease outlives the servicer's submit path (a second release of a lease is a no-op). An item with
+`caller_keeps_lease` is copied all the same, but its lease is the caller's to end (thinker.proto).
 
 Hidden-state requests (image generation, ming.md §6.1) get the image query block appended after the
 prompt — `<image>` + N x `<imagePatch>` + `</image>` — whose slots take the checkpoint's query rows
@@ -226,7 +227,8 @@ class MediaInputs:
     def _copy_rows(self, i: int, item: Item) -> torch.Tensor:
         """The item's rows in host memory (copying out of shm releases the lease)."""
         try:
-            rows = decode(item.embeddings, transport=self.transport, device="cpu", copy=True)
+            rows = decode(item.embeddings, transport=self.transport, device="cpu", copy=True,
+                          release=not item.caller_keeps_lease)
         except (TransportError, OSError, ValueError) as exc:
             raise InvalidRequest(f"multimodal[{i}].embeddings: {exc}") from None
         return rows.to(self.dtype)
@@ -262,9 +264,10 @@ class MediaInputs:
 
 
 def release_refs(transport: TransportContext, items: Sequence[Item]) -> None:
-    """Release the shm / CUDA IPC lease of every item's ref; idempotent, never raises."""
+    """Release the shm / CUDA IPC lease of every item's ref whose caller did not keep it; idempotent,
+    never raises."""
     for i, item in enumerate(items):
-        if not item.HasField("embeddings"):
+        if not item.HasField("embeddings") or item.caller_keeps_lease:
             continue
         try:
             transport.release(item.embeddings)

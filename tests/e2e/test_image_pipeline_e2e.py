@@ -146,6 +146,19 @@ def test_text_and_image_stream_the_text_then_the_image(pipeline):
     pipeline.wait_clean()
 
 
+def test_text_and_image_of_a_photo_encode_it_once_for_both_thinker_calls(pipeline):
+    """The answer's thinker call leaves the photo's leases with the gateway, the image's call takes them:
+    one Encode, no lease left anywhere."""
+    encoded = metric(pipeline.encoder_metrics, "omnistage_encoder_items_total{", 0.0)
+    parts = (omni_pb2.ContentPart(image=omni_pb2.Media(data=_photo(64, 64))), omni_pb2.ContentPart(text="Paint this."))
+    events = pipeline.generate(request(*parts, outputs=(omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_IMAGE), width=64,
+                                       height=64, steps=1))  # fmt: skip
+    k = kinds(events)
+    assert k == ["text"] * k.count("text") + ["progress", "image", "finish"] and k.count("text") >= 1
+    assert metric(pipeline.encoder_metrics, "omnistage_encoder_items_total{") == encoded + 1
+    pipeline.wait_clean()
+
+
 def test_an_edit_of_the_last_user_image_defaults_to_its_size(pipeline):
     parts = (omni_pb2.ContentPart(text="Make the sky blue."), omni_pb2.ContentPart(image=omni_pb2.Media(data=_photo(200, 136))))
     events = pipeline.generate(request(*parts, edit=True, steps=2, seed=3))

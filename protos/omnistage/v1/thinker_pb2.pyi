@@ -10,14 +10,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MultimodalEmbedding(_message.Message):
-    __slots__ = ("placeholder_token_id", "embeddings", "merged_grids")
+    __slots__ = ("placeholder_token_id", "embeddings", "merged_grids", "caller_keeps_lease")
     PLACEHOLDER_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     MERGED_GRIDS_FIELD_NUMBER: _ClassVar[int]
+    CALLER_KEEPS_LEASE_FIELD_NUMBER: _ClassVar[int]
     placeholder_token_id: int
     embeddings: _tensor_pb2.TensorRef
     merged_grids: _containers.RepeatedCompositeFieldContainer[_encoder_pb2.GridTHW]
-    def __init__(self, placeholder_token_id: _Optional[int] = ..., embeddings: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., merged_grids: _Optional[_Iterable[_Union[_encoder_pb2.GridTHW, _Mapping]]] = ...) -> None: ...
+    caller_keeps_lease: bool
+    def __init__(self, placeholder_token_id: _Optional[int] = ..., embeddings: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., merged_grids: _Optional[_Iterable[_Union[_encoder_pb2.GridTHW, _Mapping]]] = ..., caller_keeps_lease: _Optional[bool] = ...) -> None: ...
 
 class ThinkerRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "multimodal", "hidden_states")

@@ -22,11 +22,11 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.server import PUBLIC_API
 from omnistage.services.gateway.openai import translate as tr
 from omnistage.services.gateway.openai.translate import HttpError
-from omnistage.services.gateway.validation import MAX_REQUEST_ID_CHARS
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -155,15 +155,10 @@ def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
     return (("authorization", value),) if value else ()
 
 
-def _valid_request_id(rid: str) -> bool:
-    """The Omni API's rule for request ids (validation.py): printable, at most MAX_REQUEST_ID_CHARS."""
-    return rid.isprintable() and len(rid) <= MAX_REQUEST_ID_CHARS
-
-
 def _request_id(request: Request) -> str:
     """The client's `x-request-id` ("" when none was sent); an invalid one is refused, not replaced."""
     rid = request.headers.get("x-request-id", "")
-    if not _valid_request_id(rid):
+    if not valid_request_id(rid):
         raise HttpError(400, f"x-request-id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters",
                         param="x-request-id", code="invalid_value")  # fmt: skip
     return rid
@@ -172,7 +167,7 @@ def _request_id(request: Request) -> str:
 def _echoed_request_id(request: Request) -> str:
     """The `x-request-id` an error response repeats: the client's when it is valid, else none."""
     rid = request.headers.get("x-request-id", "")
-    return rid if _valid_request_id(rid) else ""
+    return rid if valid_request_id(rid) else ""
 
 
 class Front:

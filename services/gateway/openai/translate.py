@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY
 from omnistage.v1 import common_pb2, omni_pb2
 
-RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 # OpenAI's default temperature (the Omni default, 0, is greedy).
 DEFAULT_TEMPERATURE = 1.0
 # /v1/audio/speech: the thinker is asked to say the input back; it has no plain text-to-speech call.

@@ -8,6 +8,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import grpc
+from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.prompt import render
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
@@ -35,11 +36,12 @@ class FakeThinker:
     then the stop token's delta, as the thinker does), then a finish with `reason`."""
 
     def __init__(self, answer: str = "Hello there. How are you today? ", delay_s: float = 0.0,
-                 reason: int = common_pb2.FINISH_REASON_STOP, max_user_turns: int = 0) -> None:
+                 reason: int = common_pb2.FINISH_REASON_STOP, max_user_turns: int = 0, refuse: str = "") -> None:
         self.answer = answer
         self.delay_s = delay_s
         self.reason = reason
         self.max_user_turns = max_user_turns  # > 0: refuse longer prompts as the thinker does (max_model_len)
+        self.refuse = refuse  # set: every call is refused (INVALID_ARGUMENT) with these details
         self.calls: list[ThinkerCall] = []
 
     def error(self, exc: grpc.aio.AioRpcError) -> StageError:  # as ThinkerClient.error of a stage that is up
@@ -48,11 +50,13 @@ class FakeThinker:
     async def generate(self, request_id, prompt, sampling, timeout_s, multimodal=None):
         call = ThinkerCall(render(prompt), timeout_s, list(multimodal or []))
         self.calls.append(call)
+        refusal = self.refuse
         if self.max_user_turns and call.prompt.count("<role>HUMAN</role>") > self.max_user_turns:
+            refusal = "request 'x': prompt of 2000 tokens leaves no room to generate (max_model_len 1024)"
+        if refusal:
             call.closed = True
             raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       details="request 'x': prompt of 2000 tokens leaves no room to generate "
-                                               "(max_model_len 1024)")
+                                       details=refusal)
         try:
             yield thinker_pb2.ThinkerEvent(started=thinker_pb2.Started(engine_request_id="e" * 32))
             words = self.answer.split(" ")
@@ -196,8 +200,8 @@ def gateway(thinker: FakeThinker, talker_address: str | None, *, limits: SpeechL
     if media is not None:
         deployed.add("encoder")
     extra = {"converse": converse} if converse is not None else {}
-    return OmniServicer(thinker, deployed, max_concurrent_requests=8, limits=RequestLimits(), system_prompt="",
-                        media=media, speech=speech, **extra)
+    return OmniServicer(Pipeline(thinker, deployed, max_concurrent_requests=8, limits=RequestLimits(), system_prompt="",
+                        media=media, speech=speech), **extra)
 
 
 async def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:

@@ -22,6 +22,7 @@ from gateway_speech_fakes import (
 from omnistage.common.runtime.errors import InvalidRequest, OmniError, StageUnavailable
 from omnistage.services.gateway.converse import ConverseLimits, _Answer
 from omnistage.services.gateway.history import Entry
+from omnistage.services.gateway.stages import StageError
 from omnistage.v1 import common_pb2, omni_pb2
 
 ANSWER = "Hello there. How are you today? "
@@ -97,7 +98,7 @@ def test_two_text_turns_are_answered_from_the_history():
                     client.close()
 
             events = await converse(servicer, client, on_event)
-            in_flight = servicer.in_flight
+            in_flight = servicer.pipeline.in_flight
         return thinker, talker, events, in_flight
 
     thinker, talker, events, in_flight = run(scenario())
@@ -276,6 +277,26 @@ def test_a_history_past_the_thinkers_context_loses_its_oldest_turns():
     assert "A?" not in last and "B?" in last and "C?" in last
 
 
+def test_max_tokens_above_the_thinkers_context_fails_the_call_without_forgetting_the_history():
+    """The thinker owns max_model_len: its refusal of max_tokens ends the call (the gateway checks only the
+    sampling's shape), and is no reason to drop history turns and ask again."""
+    refusal = "sampling.max_tokens: 5000 exceeds max_model_len 1024"
+    seeded = [omni_pb2.ChatMessage(role=role, parts=[omni_pb2.ContentPart(text=t)])
+              for role, t in ((omni_pb2.ROLE_USER, "Hi"), (omni_pb2.ROLE_ASSISTANT, "Hello"))]  # fmt: skip
+
+    async def scenario():
+        thinker = FakeThinker("Ok. ", refuse=refusal)
+        async with TalkerServer(FakeTalker()) as srv:
+            client = Client(config(messages=seeded, sampling=common_pb2.SamplingParams(max_tokens=5000)), text("A?"))
+            with pytest.raises(StageError) as err:
+                await converse(gateway(thinker, srv.address), client)
+        return thinker, err.value
+
+    thinker, err = run(scenario())
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and str(err) == f"thinker: {refusal}"
+    assert len(thinker.calls) == 1  # asked once, with the whole history
+
+
 LIMITS = ConverseLimits(max_turn_chars=20, max_turn_audio_bytes=64000, max_audio_seconds=1.5)
 
 
@@ -309,7 +330,7 @@ def test_bad_input_ends_the_call_naming_the_field(messages, needle):
             client = Client(*messages)
             with pytest.raises(OmniError) as err:
                 await converse(servicer, client)
-            return err.value, servicer.in_flight
+            return err.value, servicer.pipeline.in_flight
 
     err, in_flight = run(scenario())
     assert isinstance(err, InvalidRequest) and str(err).startswith(needle), str(err)
@@ -345,7 +366,7 @@ def test_a_text_only_conversation_needs_no_talker():
 
         servicer = gateway(thinker, None)
         events = await converse(servicer, client, on_event)
-        return thinker, events, servicer.in_flight
+        return thinker, events, servicer.pipeline.in_flight
 
     thinker, events, in_flight = run(scenario())
     assert {e.WhichOneof("event") for e in events} == {"text", "finish"}

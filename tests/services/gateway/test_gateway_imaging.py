@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -22,6 +23,7 @@ from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.transport import TransportContext, TransportOptions, decode, encode
 from omnistage.services.gateway.imaging import ImageLimits, ImageStage, edit_size
 from omnistage.services.gateway.media import MediaStage
+from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
 from omnistage.services.gateway.stages import ImageGenClient, TalkerClient
@@ -178,8 +180,8 @@ class Gateway:
         media = None
         if self.encoder is not None:
             media = MediaStage(self.encoder, TransportContext(), max_request_bytes=1 << 20)
-        self.servicer = OmniServicer(self.thinker, self.deployed, max_concurrent_requests=8, limits=RequestLimits(),
-                                     system_prompt="", images=self.images, media=media)  # fmt: skip
+        self.servicer = OmniServicer(Pipeline(self.thinker, self.deployed, max_concurrent_requests=8, limits=RequestLimits(),
+                                     system_prompt="", images=self.images, media=media))  # fmt: skip
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -257,8 +259,8 @@ def test_speech_and_image_stream_the_spoken_answer_then_the_image_and_one_finish
         thinker = FakeThinker(producer)
         async with TalkerServer(FakeTalker()) as talker, Gateway(thinker, FakeImageGen(), tmp_path) as gw:
             client = TalkerClient("talker", talker.address, 1 << 22)
-            gw.servicer.speech = SpeechStage(client, SpeechLimits(start_wait_s=5.0, idle_timeout_s=5.0), "gw-test")
-            gw.servicer.deployed.add("talker")
+            gw.servicer.pipeline.speech = SpeechStage(client, SpeechLimits(start_wait_s=5.0, idle_timeout_s=5.0), "gw-test")
+            gw.servicer.pipeline.deployed.add("talker")
             outputs = (omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO, omni_pb2.MODALITY_IMAGE)
             try:
                 events = await gw.events(request(outputs=outputs, steps=2))
@@ -338,7 +340,7 @@ def test_image_output_needs_the_image_stage(tmp_path, producer):
                 await gw.events(request())
             assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
             assert str(err.value) == "output_modalities: MODALITY_IMAGE needs the 'imagegen' stage, which is not deployed"
-            gw.servicer.deployed, gw.servicer.images = {"thinker", "imagegen"}, None  # started degraded without it
+            gw.servicer.pipeline.deployed, gw.servicer.pipeline.images = {"thinker", "imagegen"}, None  # started degraded without it
             with pytest.raises(StageUnavailable, match="'imagegen' stage, which is not available") as err:
                 await gw.events(request())
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
@@ -382,7 +384,7 @@ def test_a_cancel_mid_denoise_cancels_the_imagegen_stream(tmp_path, producer):
             assert steps < 10
             await asyncio.sleep(0.2)
             assert imagegen.steps_run == steps  # nothing runs on
-            assert gw.servicer.gates["imagegen"].running == 0 and gw.servicer.in_flight == 0
+            assert gw.servicer.pipeline.gates["imagegen"].running == 0 and gw.servicer.pipeline.in_flight == 0
             assert leases(producer) == 0
 
     run(scenario())
@@ -399,7 +401,7 @@ def test_a_cancel_during_the_thinker_closes_its_stream_and_calls_no_imagegen(tmp
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert thinker.closed_early == 1 and not imagegen.requests  # the thinker stream closed (aborts there)
-            assert gw.servicer.gates["imagegen"].running == 0 and leases(producer) == 0
+            assert gw.servicer.pipeline.gates["imagegen"].running == 0 and leases(producer) == 0
 
     run(scenario())
 
@@ -408,7 +410,7 @@ def test_image_requests_beyond_what_the_stage_takes_are_refused_before_the_think
     async def scenario():
         thinker = FakeThinker(producer)
         async with Gateway(thinker, FakeImageGen(), tmp_path) as gw:
-            gate = gw.servicer.gates["imagegen"]
+            gate = gw.servicer.pipeline.gates["imagegen"]
             assert (gate.cfg.max_running, gate.cfg.max_waiting) == (LIMITS.max_batch, LIMITS.max_queued)
             gate.running = LIMITS.max_batch  # every denoising slot taken...
             gate._waiters.extend(asyncio.get_running_loop().create_future() for _ in range(LIMITS.max_queued))
@@ -418,3 +420,76 @@ def test_image_requests_beyond_what_the_stage_takes_are_refused_before_the_think
             assert not thinker.calls
 
     run(scenario())
+
+
+class LeaseTakingThinker(FakeThinker):
+    """Ends the lease of every media item it takes, unless the caller keeps it (as the thinker does)."""
+
+    def __init__(self, producer: TransportContext) -> None:
+        super().__init__(producer)
+        self.consumer = TransportContext()
+
+    async def generate(self, request_id, prompt, sampling, timeout_s, multimodal=None, hidden_states=None):
+        for item in multimodal or []:
+            if not item.caller_keeps_lease:
+                self.consumer.release(item.embeddings)
+        async for event in super().generate(request_id, prompt, sampling, timeout_s, multimodal, hidden_states):
+            yield event
+
+
+class ExpiringEncoder(FakeEncoder):
+    """Its leases run out within the gateway's margin: a second thinker call must not get them."""
+
+    async def encode(self, request, timeout_s):
+        response = await super().encode(request, timeout_s)
+        for item in response.items:
+            item.embeddings.shm.lease_expiry_unix_ms = int(time.time() * 1000) + 100
+        return response
+
+
+def _text_and_image_with_a_photo() -> omni_pb2.GenerateRequest:
+    parts = (omni_pb2.ContentPart(image=omni_pb2.Media(data=png(64, 64))), omni_pb2.ContentPart(text="Paint this"))
+    return request(*parts, outputs=(omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_IMAGE), steps=1)
+
+
+def _text_and_image(tmp_path, producer, encoder_cls=FakeEncoder, **stop):
+    """A text+image request with a photo through the gateway: (events, thinker calls, Encode calls, encoder
+    leases left); `stop`: where the client leaves (Gateway.events)."""
+
+    async def scenario():
+        thinker = LeaseTakingThinker(producer)
+        with TransportContext(TransportOptions(shm_pool_bytes=1 << 20)) as encoder_pool:
+            encoder = encoder_cls(encoder_pool)
+            async with Gateway(thinker, FakeImageGen(), tmp_path, encoder=encoder) as gw:
+                events = await gw.events(_text_and_image_with_a_photo(), **stop)
+            return events, thinker.calls, encoder.calls, leases(encoder_pool)
+
+    return run(scenario())
+
+
+def test_text_and_image_encode_the_media_once_and_the_image_call_takes_the_leases(tmp_path, producer):
+    events, calls, encodes, left = _text_and_image(tmp_path, producer)
+    assert kinds(events) == ["text", "text", "progress", "image", "finish"]
+    assert encodes == 1  # one Encode for both thinker calls
+    (text_mode, _, first), (hidden_mode, _, second) = calls
+    assert (text_mode, hidden_mode) == ("text", "hidden")
+    assert [m.caller_keeps_lease for m in first] == [True]  # the answer leaves the lease to the gateway
+    assert [m.caller_keeps_lease for m in second] == [False]  # the image's call takes it over
+    assert first[0].embeddings.shm.lease_id == second[0].embeddings.shm.lease_id
+    assert left == 0 and leases(producer) == 0
+
+
+def test_a_client_gone_during_the_text_leaves_no_media_lease_the_gateway_kept(tmp_path, producer):
+    events, calls, encodes, left = _text_and_image(tmp_path, producer, stop_after="text", n=1)
+    assert kinds(events) == ["text"] and [c[0] for c in calls] == ["text"]
+    assert encodes == 1 and left == 0  # released by the gateway, which kept it
+
+
+def test_leases_that_would_expire_before_the_image_call_are_encoded_again(tmp_path, producer):
+    events, calls, encodes, left = _text_and_image(tmp_path, producer, ExpiringEncoder)
+    assert kinds(events)[-2:] == ["image", "finish"]
+    assert encodes == 2  # the answer's leases were about to run out
+    (_, _, first), (_, _, second) = calls
+    assert first[0].embeddings.shm.lease_id != second[0].embeddings.shm.lease_id
+    assert not second[0].caller_keeps_lease
+    assert left == 0  # the first encoding released by the gateway, the second taken by the thinker

@@ -13,6 +13,7 @@ from omnistage.common.checkpoint import write_tiny_checkpoint
 from omnistage.common.runtime.errors import InvalidRequest, OmniError, StageUnavailable
 from omnistage.common.transport import TransportContext, TransportOptions, encode
 from omnistage.services.gateway.media import MediaStage
+from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.prompt import render
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.stages import StageError
@@ -179,10 +180,10 @@ class Context:
         return 12.5
 
 
-def run_gateway(thinker, encoder, request, producer, media_dir="", max_model_len=None):
+def run_gateway(thinker, encoder, request, producer, media_dir=""):
     media = MediaStage(encoder, TransportContext(), max_request_bytes=1 << 20) if encoder is not None else None
-    servicer = OmniServicer(thinker, DEPLOYED, max_concurrent_requests=4, media=media, media_dir=media_dir,
-                            limits=RequestLimits(max_model_len=max_model_len), system_prompt="")  # fmt: skip
+    servicer = OmniServicer(Pipeline(thinker, DEPLOYED, max_concurrent_requests=4, media=media, media_dir=media_dir,
+                            limits=RequestLimits(), system_prompt=""))  # fmt: skip
 
     async def collect():
         return [e async for e in servicer.Generate(request, Context())]
@@ -206,21 +207,23 @@ def test_media_is_encoded_once_with_the_deadline_and_the_refs_go_to_the_thinker_
 
 
 @pytest.mark.parametrize(
-    "thinker_error, max_model_len, code, needle",
+    "thinker_error, code, needle",
     [
-        (rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused"), None, grpc.StatusCode.UNAVAILABLE,
+        (rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused"), grpc.StatusCode.UNAVAILABLE,
          "thinker: connection refused"),
-        (rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prompt: too long"), None, grpc.StatusCode.INVALID_ARGUMENT,
+        (rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prompt: too long"), grpc.StatusCode.INVALID_ARGUMENT,
          "thinker: prompt: too long"),
-        (None, 7, grpc.StatusCode.INVALID_ARGUMENT, "the media parts take 7 prompt tokens, the thinker's max_model_len is 7"),
+        (rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "multimodal: 7 embedding rows leave no room to generate "
+                   "(max_model_len 7)"), grpc.StatusCode.INVALID_ARGUMENT,
+         "thinker: multimodal: 7 embedding rows leave no room to generate (max_model_len 7)"),
     ],
     ids=["thinker-unreachable", "thinker-refuses", "media-over-max-model-len"],
 )
-def test_refs_that_never_reach_the_thinker_are_released(ckpt, producer, thinker_error, max_model_len, code, needle):
+def test_refs_that_never_reach_the_thinker_are_released(ckpt, producer, thinker_error, code, needle):
     cfg = ThinkerConfig.from_checkpoint(ckpt)
     with pytest.raises(OmniError) as err:
         run_gateway(FakeThinker(thinker_error), FakeEncoder(producer, cfg), user(image(), audio(), text("?")),
-                    producer, max_model_len=max_model_len)  # fmt: skip
+                    producer)
     assert err.value.code == code and needle in str(err.value), str(err.value)
     assert leases(producer) == 0
 

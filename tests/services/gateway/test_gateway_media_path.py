@@ -12,6 +12,7 @@ from omnistage.common.config import config_from_dict
 from omnistage.common.runtime.errors import InvalidRequest, PermissionDenied
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.services.gateway.media_path import check_media_paths, resolve_media_path
+from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
@@ -72,9 +73,9 @@ async def _status(tmp_path, media_dir: str, request: omni_pb2.GenerateRequest) -
     cfg = config_from_dict({"services": {"gateway": {"kind": "gateway", "port": free_port()}}})
     rt = ServiceRuntime(cfg, cfg.service("gateway"), 0, run_dir=tmp_path)
     await rt.start()
-    servicer = OmniServicer(None, set(), max_concurrent_requests=4, limits=RequestLimits(max_prompt_chars=1000),
+    servicer = OmniServicer(Pipeline(None, set(), max_concurrent_requests=4, limits=RequestLimits(max_prompt_chars=1000),
                             system_prompt="",
-                            media_dir=media_dir)
+                            media_dir=media_dir))
     rt.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")
     rt.set_serving()
     try:
@@ -110,11 +111,11 @@ def test_paths_are_resolved_off_the_event_loop(tmp_path, media, monkeypatch):
     """Resolving every path (realpath, stat: 16 k of them at the bounds) is a worker thread's job."""
     import threading
 
-    from omnistage.services.gateway import server
+    from omnistage.services.gateway import pipeline
 
     threads = []
-    real = server.check_media_paths
-    monkeypatch.setattr(server, "check_media_paths",
+    real = pipeline.check_media_paths
+    monkeypatch.setattr(pipeline, "check_media_paths",
                         lambda request, media_dir: threads.append(threading.current_thread()) or real(request, media_dir))
     code, _ = asyncio.run(_status(tmp_path, str(media), image_request("cat.png")))
     assert code == grpc.StatusCode.FAILED_PRECONDITION  # resolved, then: no encoder

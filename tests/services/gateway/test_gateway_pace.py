@@ -9,6 +9,7 @@ import pytest
 from omnistage.common.runtime.errors import Overloaded
 from omnistage.services.gateway.admission import GateConfig, StageGate, check_path
 from omnistage.services.gateway.pace import PaceMeter, StepPace
+from omnistage.services.gateway.pipeline import Pipeline, RequestPlan
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.validation import RequestLimits, plan_request
 from omnistage.v1 import common_pb2, omni_pb2
@@ -63,15 +64,15 @@ def _plan(max_tokens: int):
 def test_the_gateway_admits_by_max_tokens_at_the_measured_pace_of_the_batch_it_joins():
     """A burst on a seeded pace: the first requests fit (batch 1 is quick), once the batch is large each
     request's 256 steps no longer fit 15 s and it is refused at arrival, not timed out later."""
-    servicer = OmniServicer(None, {"thinker"}, max_concurrent_requests=1000, limits=RequestLimits(), system_prompt="")
-    gate = servicer.thinker_gate
+    servicer = OmniServicer(Pipeline(None, {"thinker"}, max_concurrent_requests=1000, limits=RequestLimits(), system_prompt=""))
+    gate = servicer.pipeline.thinker_gate
     gate.set_capacity(96)
-    servicer.pace.observe(1, 0.005)  # the warm-up: alone ...
-    servicer.pace.observe(96, 0.08)  # ... and at a full batch
+    servicer.pipeline.pace.observe(1, 0.005)  # the warm-up: alone ...
+    servicer.pipeline.pace.observe(96, 0.08)  # ... and at a full batch
     outcomes, on_their_way = [], []
     for _ in range(96):  # all judged before any of them reached the thinker's gate (a burst)
         try:
-            servicer._admit(_Context(15.0), ["thinker"], servicer._thinker_work(_plan(256), image=False))
+            servicer.pipeline.admit(_Context(15.0), ["thinker"], servicer.pipeline.thinker_work(RequestPlan(_plan(256), {}, 0.0)))
         except Overloaded as exc:
             outcomes.append("refused")
             assert exc.reason == "thinker_deadline"
@@ -84,9 +85,9 @@ def test_the_gateway_admits_by_max_tokens_at_the_measured_pace_of_the_batch_it_j
     assert outcomes == ["admitted"] * admitted + ["refused"] * (96 - admitted)  # refused once the batch is too slow
     assert 0 < admitted < 96
     # every admitted request finishes within 15 s at the batch it ended up in
-    assert servicer.pace.work_s(256, len("Hello"), admitted) <= 15.0
-    unmeasured = OmniServicer(None, {"thinker"}, max_concurrent_requests=10, limits=RequestLimits(), system_prompt="")
-    assert unmeasured._thinker_work(_plan(256), image=False) == {}  # nothing measured yet: slots alone
+    assert servicer.pipeline.pace.work_s(256, len("Hello"), admitted) <= 15.0
+    unmeasured = OmniServicer(Pipeline(None, {"thinker"}, max_concurrent_requests=10, limits=RequestLimits(), system_prompt=""))
+    assert unmeasured.pipeline.thinker_work(RequestPlan(_plan(256), {}, 0.0)) == {}  # nothing measured yet: slots alone
 
 
 def test_a_waiter_behind_requests_like_it_counts_their_cost_not_the_initial_guess():

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from omnistage.common.runtime.errors import Overloaded
+from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.request_metrics import modality_label
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.validation import RequestLimits
@@ -24,8 +25,8 @@ def _request() -> omni_pb2.GenerateRequest:
 
 
 def _servicer(limit: int = 4) -> OmniServicer:
-    return OmniServicer(FakeThinker(), {"thinker"}, max_concurrent_requests=limit, limits=RequestLimits(),
-                        system_prompt="", service="gw-metrics")  # fmt: skip
+    return OmniServicer(Pipeline(FakeThinker(), {"thinker"}, max_concurrent_requests=limit, limits=RequestLimits(),
+                        system_prompt="", service="gw-metrics"))  # fmt: skip
 
 
 async def _collect(servicer: OmniServicer) -> list[omni_pb2.GenerateEvent]:
@@ -51,7 +52,7 @@ def test_a_finished_request_counts_ttft_e2e_goodput_and_tokens():
 
 def test_a_refusal_counts_its_reason_and_an_e2e_with_its_status_and_no_goodput():
     servicer = _servicer(limit=1)
-    servicer.in_flight = 1  # the gateway is full
+    servicer.pipeline.in_flight = 1  # the gateway is full
     refused = _value("omnistage_gateway_refusals_total", reason="gateway_full")
     goodput = _value("omnistage_gateway_goodput_requests_total", modality="text")
     with pytest.raises(Overloaded):
@@ -73,7 +74,7 @@ def test_a_client_that_leaves_is_counted_cancelled_and_the_stream_closed():
     before = _value("omnistage_gateway_e2e_seconds_count", modality="text", outcome="CANCELLED")
     asyncio.run(leave_after_one())
     assert _value("omnistage_gateway_e2e_seconds_count", modality="text", outcome="CANCELLED") == before + 1
-    assert servicer.in_flight == 0
+    assert servicer.pipeline.in_flight == 0
 
 
 @pytest.mark.parametrize(("modalities", "label"), [

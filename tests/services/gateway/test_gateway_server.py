@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.stages import StageError
 from omnistage.services.gateway.validation import RequestLimits
@@ -46,7 +47,7 @@ def generate(servicer, request_id: str) -> list[omni_pb2.GenerateEvent]:
 
 
 def servicer(thinker: FakeThinker) -> OmniServicer:
-    return OmniServicer(thinker, {"thinker"}, max_concurrent_requests=4, limits=RequestLimits(), system_prompt="")
+    return OmniServicer(Pipeline(thinker, {"thinker"}, max_concurrent_requests=4, limits=RequestLimits(), system_prompt=""))
 
 
 def test_every_event_carries_the_clients_id_and_started_stays_inside():

@@ -157,7 +157,7 @@ def test_a_talker_lost_mid_speech_ends_only_the_speech_naming_it_and_a_down_talk
         talker = FakeTalker("silent")
         async with TalkerServer(talker) as srv:
             servicer = gateway(FakeThinker(ANSWER, delay_s=0.02), srv.address)
-            client = servicer.speech.talker
+            client = servicer.pipeline.speech.talker
             answer = asyncio.create_task(collect(servicer, request()))
             await wait_until(lambda: talker.calls and talker.calls[0].texts, what="the first text in the talker")
             client.down_reason = "stopped answering: no health answer within 2s"  # the watch's verdict ...
@@ -198,7 +198,7 @@ def test_a_spoken_answer_waits_for_a_talker_stream_within_its_deadline():
             await anext(first)
             await wait_until(lambda: len(talker.calls) == 1, what="the first Speak")
             second = asyncio.create_task(collect(servicer, request()))
-            await wait_until(lambda: servicer.gates["talker"].waiting == 1, what="the second answer waiting")
+            await wait_until(lambda: servicer.pipeline.gates["talker"].waiting == 1, what="the second answer waiting")
             calls_then = (len(thinker.calls), len(talker.calls))
             rest = [e async for e in first]
             second = await second
@@ -217,7 +217,7 @@ def test_concurrent_spoken_answers_share_the_talkers_streams_and_all_speak():
         async with TalkerServer(talker) as srv:
             servicer = gateway(FakeThinker(ANSWER, delay_s=0.01), srv.address, max_streams=2)
             answers = await asyncio.gather(*(collect(servicer, request()) for _ in range(5)))
-        return answers, talker.most_active, servicer.gates["talker"].running
+        return answers, talker.most_active, servicer.pipeline.gates["talker"].running
 
     answers, most_active, running = run(scenario())
     assert [a[-1].finish.audio.outcome for a in answers] == [omni_pb2.AUDIO_OUTCOME_COMPLETE] * 5
@@ -359,7 +359,7 @@ def test_a_voice_refused_while_the_text_waits_for_it_ends_the_request_however_lo
             with pytest.raises(InvalidRequest) as err:
                 await asyncio.wait_for(collect(servicer, request(voice="nobody")), 10)
             await wait_until(lambda: thinker.calls[0].closed, what="the thinker stream closed")
-            assert servicer.in_flight == 0
+            assert servicer.pipeline.in_flight == 0
         return thinker, err.value
 
     thinker, err = run(scenario())

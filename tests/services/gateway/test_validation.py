@@ -64,11 +64,9 @@ def test_an_empty_text_part_is_refused_naming_it():
     assert refused([msg(USER, "fine", "")]).startswith("messages[0].parts[1].text: empty text")
 
 
-def test_max_tokens_above_the_thinkers_max_model_len_is_refused_early():
+def test_max_tokens_is_left_to_the_thinker_which_owns_max_model_len():
     sampling = common_pb2.SamplingParams(max_tokens=5000)
-    error = refused([msg(USER, "hi")], RequestLimits(max_model_len=1024), sampling=sampling)
-    assert error == "sampling.max_tokens: 5000 exceeds max_model_len 1024"
-    assert plan([msg(USER, "hi")], sampling=sampling).sampling.max_tokens == 5000  # limit unknown: thinker decides
+    assert plan([msg(USER, "hi")], sampling=sampling).sampling.max_tokens == 5000  # the engine admits tokens
 
 
 def test_sampling_uses_the_shared_rules():

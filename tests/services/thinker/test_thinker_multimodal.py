@@ -162,6 +162,26 @@ def test_every_lease_ends_after_a_build_and_after_a_refusal(cfg, inputs, produce
     inputs.release(its)  # twice is harmless
 
 
+def test_a_lease_the_caller_keeps_outlives_the_copy_and_a_refusal(cfg, inputs, producer):
+    """The gateway sends one encoding to two thinker calls: the first copies the rows and leaves the
+    leases to the gateway, which releases them after the last call."""
+    ids, media = layout(cfg, MIXED)
+    its = items(cfg, media, producer, force="shm")
+    for item in its:
+        item.caller_keeps_lease = True
+    built = inputs.build(ids, its)
+    assert torch.equal(built.media.rows[: media[0].rows.shape[0]], media[0].rows)
+    assert leases(producer) == len(its)  # copied, not released
+    inputs.release(its)  # a refusal's or a cancel's clean-up leaves them too
+    assert leases(producer) == len(its)
+    again = inputs.build(ids, its)  # the second call reads the same rows
+    assert torch.equal(again.media.rows, built.media.rows)
+    for item in its:
+        item.caller_keeps_lease = False
+    inputs.release(its)  # the caller's own release
+    assert leases(producer) == 0
+
+
 def test_an_expired_lease_is_refused_naming_the_item(cfg, inputs, producer):
     ids, media = layout(cfg, [("text", 1), ("audio", 3)])
     its = items(cfg, media, producer, force="shm")
