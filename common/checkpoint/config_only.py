@@ -23,7 +23,7 @@ from omnistage.common.checkpoint import tiny_imagegen, tiny_talker
 from omnistage.common.checkpoint.tiny import TINY_LLM, TINY_VISION, TINY_WHISPER, llm_config, root_config
 from omnistage.common.checkpoint.tiny_imagegen import write_imagegen_configs
 from omnistage.common.checkpoint.tiny_talker import write_talker_files
-from omnistage.common.checkpoint.tiny_tokenizer import write_tiny_tokenizer
+from omnistage.common.checkpoint.tiny_tokenizer import pad_tokenizer, write_tiny_tokenizer
 
 # The full Ming-flash-omni-2.0 thinker (ming.md §2.1): ~103 B parameters, 256 experts.
 MING_FLASH: dict[str, Any] = dict(
@@ -79,6 +79,8 @@ def write_config_checkpoint(out_dir: str | Path, shape: str | dict[str, Any] = "
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = write_tiny_tokenizer(out)
+    if dims["vocab_size"]:  # the release's vocabulary: every id the dummy model samples decodes to a word
+        pad_tokenizer(out, dims["vocab_size"])
     config = root_config(llm_config(dims, ids), parts.vision, parts.whisper)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"do_sample": False, "eos_token_id": [ids["<|role_end|>"]], "pad_token_id": ids["<|endoftext|>"]}

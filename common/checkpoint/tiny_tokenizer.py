@@ -138,3 +138,39 @@ def write_tiny_tokenizer(out_dir: str | Path) -> dict[str, int]:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2, ensure_ascii=False) + "\n")
     return ids
+
+
+_ONSETS = ("b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "ch", "sh", "tr", "br")
+_VOWELS = ("a", "e", "i", "o", "u")
+
+
+def filler_words(count: int) -> list[str]:
+    """`count` distinct pronounceable words (" ka", " kalo", " kalomi", ...: syllables, a leading space)."""
+    syllables = [c + v for c in _ONSETS for v in _VOWELS]
+    words: list[str] = []
+    for length in (1, 2, 3, 4):
+        frontier = [""]
+        for _ in range(length):
+            frontier = [w + s for w in frontier for s in syllables]
+        for w in frontier:
+            words.append(" " + w)
+            if len(words) == count:
+                return words
+    raise ValueError(f"{count} filler words: more than this scheme makes")
+
+
+def pad_tokenizer(out_dir: str | Path, vocab_size: int) -> int:
+    """Extend the tokenizer in `out_dir` with filler words up to `vocab_size` ids (a config-only
+    checkpoint at a release's size: every id its random-weight model samples then decodes to a
+    speakable word instead of nothing, so speech and text downstream get real work). Returns how
+    many were added."""
+    path = Path(out_dir) / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    missing = vocab_size - tok.get_vocab_size(with_added_tokens=True)
+    if missing <= 0:
+        return 0
+    vocab = tok.get_vocab(with_added_tokens=True)
+    words = [w for w in filler_words(missing + len(vocab)) if w not in vocab][:missing]
+    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in words])
+    tok.save(str(path))
+    return len(words)
