@@ -73,7 +73,8 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     )
     if cuda_pool_bytes and transport.cuda_pool(torch.device(device).index) is None:
         cuda_pool_bytes = 0  # CUDA IPC unavailable here: embeddings go through shm
-    engine = EncoderEngine(models, svc.encoder, transport, prof.caps, service=svc.name)
+    engine = EncoderEngine(models, svc.encoder, transport, prof.caps, service=svc.name,
+                           on_failure=lambda exc: runtime.fail(str(exc)))
     engine.start(asyncio.get_running_loop())
     runtime.add_shutdown_hook(transport.close)  # hooks run last-added first: the engine stops, then the pool goes
     runtime.add_shutdown_hook(engine.stop)
