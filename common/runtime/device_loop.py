@@ -193,7 +193,7 @@ class DeviceLoop:
             while self._await_turn():
                 self._run_calls()
                 if self._has_work():
-                    self._step()
+                    self.step()
                 else:
                     self.runner.idle()
         except BaseException as exc:  # noqa: BLE001 - every job held must hear about it
@@ -226,7 +226,9 @@ class DeviceLoop:
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(exc)
 
-    def _step(self) -> None:
+    def step(self) -> None:
+        """One step of the runner, counted and reported to the `on_step` hooks: the device thread's
+        turn, or a test or bench driving an unstarted loop by hand."""
         started = time.monotonic()
         stepped = self.runner.step()
         if stepped:

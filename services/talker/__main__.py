@@ -75,7 +75,8 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     models, voices, prof, runner = await in_daemon_thread(load_and_profile, "talker-startup")
 
     reporter.enter("warming_up", detail="one sentence through the Speak path")
-    engine = TalkerEngine(runner, service=svc.name, on_step=StepMetrics(svc.name))
+    engine = TalkerEngine(runner, service=svc.name, on_step=StepMetrics(svc.name),
+                          on_failure=lambda exc: runtime.fail(str(exc)))
     engine.start()
     pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"{svc.name}-clip")
     runtime.add_shutdown_hook(lambda: pool.shutdown(wait=False, cancel_futures=True))
