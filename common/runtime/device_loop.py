@@ -217,14 +217,19 @@ class DeviceLoop:
             return self.runner.has_work()
 
     def _run_calls(self) -> None:
-        with self._cv:
-            calls = self._take_calls()
-        for fn, fut in calls:
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(exc)
+        """Every queued call, also those queued while the others ran, before the next step (an
+        abort sent while its request's add ran takes effect before that request is stepped)."""
+        while True:
+            with self._cv:
+                calls = self._take_calls()
+            if not calls:
+                return
+            for fn, fut in calls:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(exc)
 
     def step(self) -> None:
         """One step of the runner, counted and reported to the `on_step` hooks: the device thread's

@@ -184,3 +184,26 @@ def test_an_idle_loop_calls_the_runners_idle_hook():
     finally:
         loop.stop()
     assert runner.events == ["fail_all DeviceStopped 0", "close"]
+
+
+def test_a_call_queued_while_calls_run_runs_before_the_next_step():
+    runner = Jobs()
+    loop = DeviceLoop("engine", runner)
+    in_call, release = threading.Event(), threading.Event()
+
+    def slow_call() -> None:
+        in_call.set()
+        assert release.wait(WAIT_S)
+        runner.events.append("call 1")
+
+    loop.start()
+    try:
+        first = loop.call(slow_call)
+        assert in_call.wait(WAIT_S)
+        job = loop.admit(lambda: runner.put("a"))
+        second = loop.call(lambda: runner.events.append("call 2"))
+        release.set()
+        first.result(WAIT_S), second.result(WAIT_S), job.result(WAIT_S)
+    finally:
+        loop.stop()
+    assert runner.events[:3] == ["call 1", "call 2", "step a"]
