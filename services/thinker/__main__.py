@@ -1,6 +1,6 @@
 """`python -m omnistage.services.thinker --config F --service NAME --rank R`: one thinker rank.
 
-Every rank runs the same start-up (`engine/startup.py`: loading_weights → profiling_memory →
+Every rank runs the same start-up (`group/startup.py`: loading_weights → profiling_memory →
 warming_up). Rank 0 then sends one real request through its engine and serves
 `omnistage.v1.Thinker`; ranks 1..N-1 execute its step plans. When the TP group fails (any rank
 fails, dies or stops answering) this rank's status says so naming the rank at fault, rank 0 ends
@@ -27,12 +27,12 @@ from omnistage.common.runtime.device_loop import DeviceFailed
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.common.transport import TransportContext, TransportOptions
-from omnistage.services.thinker.engine.distributed import GroupFailure, TPControl, TPError
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.engine.startup import RankConfig, StartedRank, start_rank
-from omnistage.services.thinker.engine.worker import run_plan_loop
 from omnistage.services.thinker.engine_metrics import EngineMetrics
+from omnistage.services.thinker.group.distributed import GroupFailure, TPControl, TPError
+from omnistage.services.thinker.group.startup import RankConfig, StartedRank, start_rank
+from omnistage.services.thinker.group.worker import run_plan_loop
 from omnistage.services.thinker.image_queries import load_image_queries
 from omnistage.services.thinker.multimodal import MediaInputs
 from omnistage.services.thinker.request_flow import ThinkerEngine

@@ -34,7 +34,6 @@ from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop, Devic
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
 from omnistage.common.sampling import check_sampling
 from omnistage.common.transport import TransportContext, encode
-from omnistage.services.thinker.engine.distributed import TPError
 from omnistage.services.thinker.engine.llm_engine import (
     LLMEngine,
     QueueFullError,
@@ -43,6 +42,7 @@ from omnistage.services.thinker.engine.llm_engine import (
 )
 from omnistage.services.thinker.engine.media import Prompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
+from omnistage.services.thinker.group.distributed import TPError
 from omnistage.services.thinker.models.tokenizer import MingTokenizer, Piece
 from omnistage.services.thinker.multimodal import MediaInputs, release_refs
 from omnistage.services.thinker.runner import Stream, ThinkerRunner

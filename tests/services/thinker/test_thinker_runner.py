@@ -7,8 +7,8 @@ import threading
 
 from engine_fakes import make_fake_engine, slow_steps
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop, DeviceStopped
-from omnistage.services.thinker.engine.distributed import TPError
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
+from omnistage.services.thinker.group.distributed import TPError
 from omnistage.services.thinker.runner import ThinkerRunner
 
 

@@ -11,8 +11,8 @@ import torch
 from omnistage.common.config import EngineConfig
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_reserve_bytes
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.engine.startup import RankConfig, start_engine
 from omnistage.services.thinker.engine.step_plan import StepPlan
+from omnistage.services.thinker.group.startup import RankConfig, start_engine
 
 
 def test_batch_sizes_cover_every_batch_up_to_the_largest():
