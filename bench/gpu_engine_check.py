@@ -19,11 +19,11 @@ import torch
 from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
 from omnistage.common.config import EngineConfig
 from omnistage.common.log import setup_logging
-from omnistage.services.thinker.engine import local_ranks
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.engine.startup import RankConfig, start_engine
 from omnistage.services.thinker.engine.step_plan import build_step_plan
+from omnistage.services.thinker.group import local_ranks
+from omnistage.services.thinker.group.startup import RankConfig, start_engine
 
 CFG = EngineConfig(block_size=16, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024)
 

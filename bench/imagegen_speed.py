@@ -8,7 +8,7 @@ Builds the connector (proj_in 4096→1536, Qwen2-1.5B body, proj_out 1536→2560
 (dim 3840, 30 layers, 2 + 2 refiners, 30 heads, caption 2560) and the 16-channel KL VAE
 (Flux/Z-Image: channels 128/256/512/512) straight on the device in bf16 (fp32 on CPU) with random
 weights; the shapes marked unconfirmed in ming.md (§6.2, §9) are listed in the output. Measures,
-through the service's own pipeline and step batcher (no gRPC): one request phase by phase (seconds
+through the service's own pipeline and runner (no gRPC): one request phase by phase (seconds
 per image, denoising steps/s); images/s with 1, 2, 4, 8 requests batched step by step; the connector,
 VAE decode and VAE encode (edit) times; one DiT forward of ours against diffusers'
 `ZImageTransformer2DModel` holding the same weights at the same shapes (the bar to beat; "not
@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from omnistage.common.checkpoint.tiny_imagegen import CAP_DIM, TINY_CONNECTOR, TINY_DIT, TINY_VAE
+from omnistage.common.runtime.device_loop import DeviceLoop
 from omnistage.services.imagegen.models.config import (
     ConnectorConfig,
     DiTConfig,
@@ -51,7 +52,7 @@ from omnistage.services.imagegen.models.config import (
 )
 from omnistage.services.imagegen.models.loader import build_models, random_init
 from omnistage.services.imagegen.pipeline import GenerationSpec, ImagePipeline
-from omnistage.services.imagegen.step_batcher import Failed, Finished, Job, StepBatcher
+from omnistage.services.imagegen.runner import Failed, Finished, ImageGenRunner, Job
 
 GiB = 1 << 30
 SCHEDULER = SchedulerConfig(shift=3.0, use_dynamic_shifting=True)
@@ -140,9 +141,10 @@ def single(pipeline: ImagePipeline, size: int, steps: int, pixels: list | None =
 
 
 def batched(pipeline: ImagePipeline, size: int, steps: int, concurrency: int) -> dict[str, Any]:
-    """`concurrency` requests submitted at once to the step batcher: one DiT forward per step for all."""
+    """`concurrency` requests submitted at once to the runner: one DiT forward per step for all."""
     cfg, dev = pipeline.models.config, pipeline.device
-    batcher = StepBatcher(pipeline, name="bench")
+    runner = ImageGenRunner(pipeline, name="bench")
+    loop = DeviceLoop("bench", runner)
     done = threading.Semaphore(0)
     errors: list[BaseException] = []
 
@@ -153,25 +155,25 @@ def batched(pipeline: ImagePipeline, size: int, steps: int, concurrency: int) ->
             done.release()
 
     _peak_reset(dev)
-    batcher.start()
+    loop.start()
     try:
         specs = [_spec(cfg, size, steps, seed) for seed in range(concurrency)]
         _sync(dev)
         t0 = time.perf_counter()
         for spec in specs:
-            batcher.submit(Job(spec, on_event, lambda: None))
+            loop.admit(lambda spec=spec: runner.put(Job(spec, on_event, lambda: None)))
         for _ in specs:
             if not done.acquire(timeout=3600):
                 raise TimeoutError("bench: a batched request did not finish within an hour")
         _sync(dev)
         wall = time.perf_counter() - t0
     finally:
-        batcher.stop()
+        loop.stop()
     if errors:
         raise errors[0]
     return {"size": size, "concurrency": concurrency, "steps": steps, "seconds_per_image": round(wall / concurrency, 3),
             "images_s": round(concurrency / wall, 3), "steps_s": round(concurrency * steps / wall, 2),
-            "forward_ms": round(1000 * wall / max(batcher.forwards, 1), 1), "largest_batch": batcher.largest_batch,
+            "forward_ms": round(1000 * wall / max(loop.steps, 1), 1), "largest_batch": loop.largest_batch,
             "peak_gib": _peak_gib(dev)}
 
 

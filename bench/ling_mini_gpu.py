@@ -4,7 +4,7 @@
     python bench/ling_mini_gpu.py [--budget-fraction 0.9] [--peer-gib 8] [--tp 2 [--inject-oom-rank 1]]
     python bench/ling_mini_gpu.py --tiny          # CPU, tiny shape, simulated device (a smoke run)
 
-Starts the thinker the service's way (`engine/startup.py`) from a config-only checkpoint with
+Starts the thinker the service's way (`group/startup.py`) from a config-only checkpoint with
 `load_format: dummy` (random bf16 weights made on the device, no fp32 copy), runs the auto-profile
 against the device's real memory with a budget, warms up (rank-agreed), then a max-load stress (largest prefill chunk, largest decode batch at max
 context with sampling, and real engine requests at near max context) that must stay inside the
@@ -66,13 +66,13 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
     from omnistage.common.config import FaultConfig, MemoryConfig, TPConfig
     from omnistage.common.log import setup_logging
     from omnistage.common.memory.device import SimulatedDeviceMemory, fmt_bytes
-    from omnistage.services.thinker.engine import startup
     from omnistage.services.thinker.engine.llm_engine import LLMEngine
     from omnistage.services.thinker.engine.sampler import Sampler
     from omnistage.services.thinker.engine.sequence import SamplingParams
-    from omnistage.services.thinker.engine.startup import LogProgress, RankConfig, StartupError, start_rank
-    from omnistage.services.thinker.engine.warmup import run_dummy_step, stress_shapes
-    from omnistage.services.thinker.engine.worker import serve_plans
+    from omnistage.services.thinker.group import startup
+    from omnistage.services.thinker.group.startup import LogProgress, RankConfig, StartupError, start_rank
+    from omnistage.services.thinker.group.warmup import run_dummy_step, stress_shapes
+    from omnistage.services.thinker.group.worker import serve_plans
 
     setup_logging("thinker", rank=rank)
     result_file = Path(out_dir) / f"rank{rank}.json"
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny and not torch.cuda.is_available():
         print("no CUDA device: use --tiny on CPU", file=sys.stderr)
         return 2
-    from omnistage.services.thinker.engine.local_ranks import free_port
+    from omnistage.services.thinker.group.local_ranks import free_port
 
     peer = None
     if args.peer_gib and not args.tiny:

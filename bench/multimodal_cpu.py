@@ -23,7 +23,7 @@ from omnistage.common.config import EngineConfig
 from omnistage.common.log import setup_logging
 from omnistage.common.transport import TransportContext, TransportOptions, encode
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.engine.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, start_engine
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.multimodal import MediaInputs
 from omnistage.v1 import encoder_pb2, thinker_pb2

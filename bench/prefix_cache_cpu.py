@@ -26,7 +26,7 @@ from omnistage.common.config import EngineConfig
 from omnistage.common.log import setup_logging
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.engine.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, start_engine
 
 
 def ttft(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int, float]:

@@ -174,7 +174,7 @@ def run_mode(models: TalkerModels, config: TalkerModelConfig, levels: list[int],
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            steps_before = engine.steps
+            steps_before = engine.loop.steps
             start = time.perf_counter()
             reqs = run_level(engine, models, voice, prompt, c, rounds, steps)
             wall = time.perf_counter() - start
@@ -185,7 +185,7 @@ def run_mode(models: TalkerModels, config: TalkerModelConfig, levels: list[int],
                 "ttfa_p50_ms": statistics.median(ttfa), "ttfa_p95_ms": percentile(ttfa, 0.95),
                 "rtf_mean": statistics.fmean(rtf), "rtf_p95": percentile(rtf, 0.95),
                 "req_s": len(reqs) / wall, "audio_s_per_s": len(reqs) * audio_s_per_request / wall,
-                "step_ms": 1000 * wall / max(1, engine.steps - steps_before),
+                "step_ms": 1000 * wall / max(1, engine.loop.steps - steps_before),
                 "peak_mem_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0.0,
             })
     finally:

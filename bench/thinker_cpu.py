@@ -14,10 +14,10 @@ import torch
 from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
 from omnistage.common.config import EngineConfig
 from omnistage.common.log import setup_logging
-from omnistage.services.thinker.engine import local_ranks
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.engine.startup import RankConfig, start_engine
+from omnistage.services.thinker.group import local_ranks
+from omnistage.services.thinker.group.startup import RankConfig, start_engine
 
 
 def run(engine: LLMEngine, concurrency: int, prompt_len: int, max_tokens: int) -> dict[str, float]:

@@ -53,7 +53,7 @@ def copy_bandwidth(device: torch.device) -> float:
 def start(ckpt: str, dtype: str, device: str, attention: str, moe: str, graphs: bool, max_seqs: int,
           max_len: int, kv_tokens: int):  # fmt: skip
     from omnistage.common.config import EngineConfig, MemoryConfig
-    from omnistage.services.thinker.engine.startup import RankConfig, start_engine
+    from omnistage.services.thinker.group.startup import RankConfig, start_engine
 
     engine_cfg = EngineConfig(block_size=16, max_num_seqs=max_seqs, max_num_batched_tokens=max(2048, max_seqs * 2),
                               max_model_len=max_len, kv_tokens=kv_tokens, attention_backend=attention,

@@ -340,7 +340,7 @@ def _oom_rank(cfg_dict: dict, out: str) -> None:
     """One spawned rank: start-up with the warm-up fault; the group failure it sees goes to `out`."""
     from omnistage.common.config import EngineConfig, FaultConfig, MemoryConfig
     from omnistage.common.log import setup_logging
-    from omnistage.services.thinker.engine.startup import LogProgress, RankConfig, StartupError, start_rank
+    from omnistage.services.thinker.group.startup import LogProgress, RankConfig, StartupError, start_rank
 
     rank = cfg_dict["rank"]
     setup_logging("thinker", rank=rank)

@@ -17,7 +17,7 @@ if not os.path.exists("/dev/nvidiactl"):
 
 from omnistage.common.runtime.auth import STAGE_KEY_ENV, STAGE_KEY_OFF  # noqa: E402  (after the switch above)
 
-# Tests call stages directly (Thinker.Abort, Control.Describe of a stage) next to the pipelines they
+# Tests call stages directly (Thinker.Generate, Control.Describe of a stage) next to the pipelines they
 # start: no stage key unless a test sets one (tests/common/runtime/test_runtime_stage_key.py does).
 os.environ.setdefault(STAGE_KEY_ENV, STAGE_KEY_OFF)
 

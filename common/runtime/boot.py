@@ -8,7 +8,7 @@
 
 A stage supplies only what is its own (which models, which stress, which request); the device, the
 budget and its allocator limit, the phases and their progress, the memory report's budget and SERVING
-come from here, the same for every stage. The thinker's ranks start through `engine/startup.py`
+come from here, the same for every stage. The thinker's ranks start through `group/startup.py`
 (a TP group agrees on each step) but report through the same `StageProgress`.
 """
 

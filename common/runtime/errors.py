@@ -80,7 +80,7 @@ class DeadlineExceeded(OmniError):
 
 
 class Aborted(OmniError):
-    """The request was aborted (client cancel, Abort RPC, drain deadline)."""
+    """The request was aborted (client cancel, drain deadline)."""
 
     code = grpc.StatusCode.CANCELLED
 

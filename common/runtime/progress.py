@@ -1,5 +1,5 @@
 """Start-up progress of a stage → its phase reporter (status file, Describe, Health): one interface for
-every stage, the thinker's ranks included (`services/thinker/engine/startup.py` calls the same methods)."""
+every stage, the thinker's ranks included (`services/thinker/group/startup.py` calls the same methods)."""
 
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ class EncoderStartup(StageStartup):
                                                       lease_ttl_s=ecfg.lease_ttl_s))
         if self.cuda_pool_bytes and transport.cuda_pool(torch.device(b.device).index) is None:
             self.cuda_pool_bytes = 0  # CUDA IPC unavailable here: embeddings go through shm
-        self.engine = EncoderEngine(self.models, ecfg, transport, self.profile.caps, service=b.svc.name)
+        self.engine = EncoderEngine(self.models, ecfg, transport, self.profile.caps, service=b.svc.name,
+                                    on_failure=lambda exc: b.runtime.fail(str(exc)))
         self.engine.start(asyncio.get_running_loop())
         b.runtime.add_shutdown_hook(transport.close)  # hooks run last-added first: the engine stops, then the pool
         b.runtime.add_shutdown_hook(self.engine.stop)

@@ -2,7 +2,8 @@
 
 One request: every item is decoded and preprocessed on a thread pool first, so a bad item fails the
 whole request (INVALID_ARGUMENT "items[i]: reason") before any device work; then each item takes
-a slot of its modality and joins the batcher's next forward; the outputs leave through the
+a slot of its modality and joins the runner's next forward (runner.py, on the stage's `DeviceLoop`
+thread); the outputs leave through the
 producer's shared-memory pool (CUDA IPC when the consumer may open it). If anything fails after
 some refs were made, those slices are taken back, so a failed request never leaves a lease behind.
 """
@@ -10,20 +11,23 @@ some refs were made, those slices are taken back, so a failed request never leav
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from omnistage.common import metrics
 from omnistage.common.config import EncoderConfig
 from omnistage.common.log import get_logger
+from omnistage.common.memory.stress import ConcurrencyLimiter
+from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop
 from omnistage.common.runtime.errors import DeadlineExceeded, InvalidRequest, Overloaded
 from omnistage.common.transport import TransportContext, encode
 from omnistage.services.encoder import preprocess
-from omnistage.services.encoder.batcher import Batcher, queue_time_histogram
 from omnistage.services.encoder.items import (
     AudioInput,
     Grid,
@@ -35,6 +39,7 @@ from omnistage.services.encoder.items import (
 )
 from omnistage.services.encoder.models.loader import EncoderModels
 from omnistage.services.encoder.preprocess import MediaError
+from omnistage.services.encoder.runner import EncoderRunner, Entry, queue_time_histogram
 from omnistage.v1 import tensor_pb2
 
 log = get_logger(__name__)
@@ -85,6 +90,7 @@ class EncoderEngine:
         caps: dict[str, int],
         *,
         service: str = "encoder",
+        on_failure: Callable[[DeviceFailed], None] | None = None,
     ) -> None:
         self.models = models
         self.cfg = cfg
@@ -97,15 +103,20 @@ class EncoderEngine:
             "audio": models.config.placeholders.audio_patch,
         }
         self._pool = ThreadPoolExecutor(cfg.preprocess_workers, thread_name_prefix=f"{service}-prep")
-        self.batcher = Batcher(service, {"vision": self.run_vision, "audio": self.run_audio}, caps)
+        self.runner = EncoderRunner(service, {"vision": self.run_vision, "audio": self.run_audio}, caps)
+        self.limiters = {m: ConcurrencyLimiter(f"{service} {m}", caps[m]) for m in self.runner.forwards}
+        self.loop = DeviceLoop(service, self.runner)
+        if on_failure is not None:
+            self.loop.on_failure.append(on_failure)
 
     # -- life cycle --------------------------------------------------------------------------
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.batcher.start(loop)
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the device thread (`loop` is not needed any more: outputs go to each item's own loop)."""
+        self.loop.start()
 
     def stop(self) -> None:
-        self.batcher.stop()
+        self.loop.stop(10.0)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def leases(self) -> tuple[int, int]:
@@ -125,7 +136,7 @@ class EncoderEngine:
 
     def export_queue_time(self) -> None:
         """/metrics: each item's wait before its forward, from now on (after the warm-up: clients' items only)."""
-        self.batcher.on_queued = queue_time_histogram().labels(self.service).observe
+        self.runner.on_queued = queue_time_histogram().labels(self.service).observe
 
     # -- forwards (device thread) ------------------------------------------------------------
 
@@ -193,7 +204,7 @@ class EncoderEngine:
         if wait <= 0:
             raise DeadlineExceeded(f"{self.service}: deadline passed before the {modality} forward")
         try:
-            out = await self.batcher.submit(modality, x, wait)
+            out = await self._submit(modality, x, wait)
         except torch.OutOfMemoryError as exc:  # the stress cap should prevent this; tell the client to back off
             raise Overloaded(f"{self.service}: {modality} forward ran out of device memory", retry_after_ms=1000) from exc
         except TimeoutError as exc:
@@ -203,6 +214,22 @@ class EncoderEngine:
         if out.shape[0] != x.num_tokens:
             raise RuntimeError(f"{x.kind} produced {out.shape[0]} rows, expected {x.num_tokens}")
         return out
+
+    async def _submit(self, modality: str, item: Any, timeout_s: float) -> Any:
+        """Queue `item` once a slot of its modality is free (waits at most `timeout_s`: TimeoutError)
+        and await its output. The slot is held until the item's forward has finished, even when the
+        caller gives up, so a cancelled request never lets more than the tested batch onto the device."""
+        arrived = time.monotonic()
+        async with self.limiters[modality].slot(timeout_s):
+            entry = Entry(item, asyncio.get_running_loop().create_future(), arrived)
+            self.loop.admit(lambda: self.runner.put(modality, entry))
+            try:
+                return await asyncio.shield(entry.future)
+            except asyncio.CancelledError:
+                entry.cancelled = True  # skipped if its forward has not started
+                with contextlib.suppress(BaseException):
+                    await entry.future  # keep the slot until the device is done with the item
+                raise
 
     def _to_refs(self, tensors: Sequence[torch.Tensor], consumer_host_id: str, allow_cuda_ipc: bool) -> list:
         """TensorRefs of all outputs, or none: on any failure the slices already leased are revoked."""

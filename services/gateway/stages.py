@@ -229,11 +229,6 @@ class ThinkerClient(StageClient):
             async for event in events:
                 yield event
 
-    async def abort(self, engine_request_id: str) -> bool:
-        """Abort by the engine id of the stream's `started` event (no other id aborts anything)."""
-        resp = await self.stub.Abort(thinker_pb2.AbortRequest(request_id=engine_request_id), timeout=5.0)
-        return resp.aborted
-
 
 class EncoderClient(StageClient):
     """Encoder.Encode bounded by the caller's deadline (a cancelled caller cancels the call, and the

@@ -3,7 +3,7 @@
 A request is parsed on a worker thread (conditioning copied out of shared memory, reference image
 decoded), then waits for one of the `cap` slots the start-up stress proved (at most
 `max_queued_requests` wait; a wait is bounded by `queue_timeout_s` and the request's deadline).
-With a slot it joins the step batcher; each step's progress is yielded as it happens; the final
+With a slot it joins the runner (runner.py, stepped on the stage's `DeviceLoop` thread); each step's progress is yielded as it happens; the final
 pixels are resized and PNG-encoded on a worker thread. When the caller leaves (cancel, deadline),
 the job is dropped at the next step boundary; its slot is held until the device thread lets go.
 """
@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from omnistage.common import metrics
 from omnistage.common.config import ImageGenConfig
 from omnistage.common.memory.stress import ConcurrencyLimiter
+from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop
 from omnistage.common.runtime.errors import DeadlineExceeded, Overloaded
 from omnistage.common.transport import TransportContext
 from omnistage.services.imagegen import images
 from omnistage.services.imagegen.pipeline import ImagePipeline
 from omnistage.services.imagegen.request import ParsedRequest, RequestLimits, parse_request
-from omnistage.services.imagegen.step_batcher import Failed, Finished, Job, Progress, StepBatcher
+from omnistage.services.imagegen.runner import Failed, Finished, ImageGenRunner, Job, Progress
 from omnistage.v1 import imagegen_pb2
 
 
@@ -58,7 +59,7 @@ class ImageGenEngine:
     """`parse(request)` then `generate(parsed, timeout_s)` → Progress events, then one ImageResult."""
 
     def __init__(self, pipeline: ImagePipeline, cfg: ImageGenConfig, transport: TransportContext, cap: int, *,
-                 service: str = "imagegen", on_failure: Callable[[BaseException], None] | None = None) -> None:
+                 service: str = "imagegen", on_failure: Callable[[DeviceFailed], None] | None = None) -> None:
         self.pipeline = pipeline
         self.cfg = cfg
         self.transport = transport
@@ -66,7 +67,10 @@ class ImageGenEngine:
         mc = pipeline.models.config
         self.limits = RequestLimits(cfg, mc.mlp.num_queries, mc.thinker_hidden, pipeline.size_multiple)
         self.limiter = ConcurrencyLimiter(f"{service} denoising", cap)
-        self.batcher = StepBatcher(pipeline, name=service, on_forward=self._count_forward, on_failure=on_failure)
+        self.runner = ImageGenRunner(pipeline, name=service, on_forward=self._count_forward)
+        self.loop = DeviceLoop(service, self.runner)
+        if on_failure is not None:  # the device thread died of an error: the service fails
+            self.loop.on_failure.append(on_failure)
         self.waiting = 0
         self._pool = ThreadPoolExecutor(cfg.postprocess_workers, thread_name_prefix=f"{service}-post")
         self._holders: set[asyncio.Task] = set()
@@ -74,25 +78,25 @@ class ImageGenEngine:
     # -- life cycle --------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.batcher.start()
+        self.loop.start()
 
     def stop(self) -> None:
-        self.batcher.stop()
+        self.loop.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def load(self) -> tuple[int, int]:
         """(requests the device thread holds, requests waiting for a slot) for Describe."""
-        return self.batcher.held, self.waiting
+        return self.runner.held, self.waiting
 
     def export_metrics(self) -> None:
         active = metrics.gauge("imagegen_active_requests", "Requests in the denoising loop (device thread)")
         waiting = metrics.gauge("imagegen_waiting_requests", "Requests waiting for a denoising slot")
-        active.labels(self.service).set_function(lambda: self.batcher.held)
+        active.labels(self.service).set_function(lambda: self.runner.held)
         waiting.labels(self.service).set_function(lambda: self.waiting)
         for name in _COUNTERS:  # exported at 0 from the start: rate() sees the first increase
             _counter(name).labels(self.service)
         # from now on (after the warm-up): clients' requests only
-        self.batcher.on_admit = metrics.histogram(
+        self.runner.on_admit = metrics.histogram(
             "imagegen_queue_time_seconds", "Time a request waited in the image stage: its arrival in the engine "
             "(parsed) to the device thread taking it into the denoising loop").labels(self.service).observe
 
@@ -172,7 +176,7 @@ class ImageGenEngine:
                 slotted = True
                 if admitted.done():  # the caller left while this waited: the job never reaches the device
                     return
-                self.batcher.submit(job)
+                self.loop.admit(lambda: self.runner.put(job))
                 admitted.set_result(None)
                 await released
         except TimeoutError as exc:
@@ -185,7 +189,7 @@ class ImageGenEngine:
             if not slotted:
                 self.waiting -= 1
             raise
-        except BaseException as exc:  # noqa: BLE001 - the batcher stopped: the waiting request learns why
+        except BaseException as exc:  # noqa: BLE001 - the device loop stopped: the waiting request learns why
             if not admitted.done():
                 admitted.set_exception(exc)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 from omnistage.services.imagegen.engine import ImageGenEngine, ImageResult
-from omnistage.services.imagegen.step_batcher import Progress
+from omnistage.services.imagegen.runner import Progress
 from omnistage.v1 import imagegen_pb2, imagegen_pb2_grpc
 
 

@@ -52,7 +52,8 @@ class TalkerStartup(StageStartup):
 
     async def warm_up(self) -> None:
         svc, runtime = self.boot.svc, self.boot.runtime
-        self.engine = TalkerEngine(self.runner, service=svc.name, on_step=StepMetrics(svc.name))
+        self.engine = TalkerEngine(self.runner, service=svc.name, on_step=StepMetrics(svc.name),
+                                   on_failure=lambda exc: runtime.fail(str(exc)))
         self.engine.start()
         self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"{svc.name}-clip")
         runtime.add_shutdown_hook(lambda: self.pool.shutdown(wait=False, cancel_futures=True))

@@ -1,5 +1,16 @@
-"""TalkerRunner: the device work of talker steps, batched over requests (the only model-calling code of
-the engine; the start-up stress runs the same methods).
+"""The talker's device step: `SegmentRunner` picks the segments that share each step, `TalkerRunner`
+runs the step's model calls for them (the only model-calling code of the stage; the start-up stress
+runs the same methods). The stage's `DeviceLoop` thread calls `SegmentRunner.step`.
+
+A `SegmentJob` is one text segment of one stream (ming.md §5.3): prefill its prompt, then one patch
+per step until the stop head fires (after `min_steps`) or its step budget is spent; every step's
+latents are decoded to audio at once (streaming VAE) and handed to the job's `emit` callback on the
+device thread. All jobs in flight share each step: one LM prefill of the newly admitted prompts
+(right-padded, together), one LM decode of the others, one CFM sample, one aggregator and stop-head
+forward, one VAE forward. A job holds one cache slot from admission to its last chunk; a cancelled
+job is dropped at the next step boundary, its slot free again. A failing step fails the jobs in it,
+never the loop. `on_admit(seconds)` hears, once per job, how long it waited from being queued to
+the step that first runs it (a job cancelled before that is never reported).
 
 It owns the caches of `slots` requests: the LM's KV (prompt + one position per step) and the VAE
 decoder's KV (frames of one segment). A step for a batch of requests is: LM forward of each row's
@@ -14,7 +25,16 @@ the CPU); prefills, the VAE's upsampling and ISTFT stay eager.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
+from omnistage.common.log import get_logger
+from omnistage.common.runtime.device_loop import DeviceRunner
 from omnistage.services.talker.models.audio_vae import DecodeStream
 from omnistage.services.talker.models.dit import sway_times
 from omnistage.services.talker.models.loader import TalkerModels
@@ -22,6 +42,48 @@ from omnistage.services.talker.models.prompt import PromptIds
 from omnistage.services.talker.models.qwen2 import KVSlots, Rows
 from omnistage.services.talker.step_graphs import StepGraphs
 from omnistage.services.talker.voice_prompt import Voice
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class JobAudio:
+    samples: np.ndarray  # float32 mono at the VAE rate; may be empty
+
+
+@dataclass(frozen=True)
+class JobDone:
+    steps: int
+    stopped_by_model: bool
+
+
+@dataclass(frozen=True)
+class JobFailed:
+    error: BaseException
+
+
+JobEvent = JobAudio | JobDone | JobFailed
+
+
+@dataclass(eq=False)
+class SegmentJob:
+    """One segment to speak. `emit` runs on the device thread and must not block."""
+
+    prompt: PromptIds
+    voice: Voice
+    max_steps: int
+    generator: torch.Generator
+    emit: Callable[[JobEvent], None]
+    min_steps: int = 10
+    cancelled: bool = False
+    queued: float = 0.0  # monotonic time of submit()
+    # device-thread state
+    slot: int = -1
+    position: int = 0  # LM cache positions filled
+    steps: int = 0
+    history: torch.Tensor | None = None
+    next_input: torch.Tensor | None = None
+    stream: DecodeStream | None = field(default=None, repr=False)
 
 
 class TalkerRunner:
@@ -115,3 +177,136 @@ class TalkerRunner:
     def vae(self, streams: list[DecodeStream], latents: list[torch.Tensor], last: list[bool]) -> list[torch.Tensor]:
         backbone = self.static.vae_backbone if self.static is not None else None
         return self.models.vae.decoder.decode_step(streams, latents, last, self.vae_cache, backbone)
+
+
+class SegmentRunner(DeviceRunner):
+    """The segments in flight: admission to cache slots, one batched step for all of them."""
+
+    def __init__(self, model: TalkerRunner) -> None:
+        self.model = model
+        self.on_admit: Callable[[float], None] | None = None  # (seconds a job waited for its first step)
+        self._lock = threading.Lock()
+        self._pending: deque[SegmentJob] = deque()
+        self._active: list[SegmentJob] = []
+        self._free = list(range(model.slots - 1, -1, -1))
+
+    def put(self, job: SegmentJob) -> None:
+        """Queue a job (through `DeviceLoop.admit`, which refuses once the loop has stopped)."""
+        with self._lock:
+            job.queued = time.monotonic()
+            self._pending.append(job)
+
+    @property
+    def jobs_in_flight(self) -> int:
+        with self._lock:
+            return len(self._active) + len(self._pending)
+
+    @property
+    def jobs_queued(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    # -- device thread ---------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._pending or self._active)
+
+    def step(self) -> int:
+        """One talker step for every active job; returns how many it stepped (0: none, or it failed)."""
+        new = self._admit()
+        with self._lock:
+            batch = list(self._active)
+        if not batch:
+            return 0
+        try:
+            outputs = self._forward(batch, new)
+        except BaseException as exc:  # noqa: BLE001 - one failed step fails its jobs, not the loop
+            log.exception("talker step of %d segments failed", len(batch))
+            with self._lock:
+                for job in batch:
+                    self._release(job)
+            for job in batch:
+                job.emit(JobFailed(exc))
+            return 0
+        for job, (audio, done) in zip(batch, outputs, strict=True):
+            if job.cancelled:
+                continue
+            job.emit(JobAudio(audio))
+            if done is not None:
+                with self._lock:
+                    self._release(job)
+                job.emit(done)
+        return len(batch)
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            jobs = [*self._active, *self._pending]
+            for job in list(self._active):
+                self._release(job)
+            self._pending.clear()
+        for job in jobs:
+            if not job.cancelled:
+                job.emit(JobFailed(error))
+
+    def _admit(self) -> list[SegmentJob]:
+        with self._lock:
+            for job in [j for j in self._active if j.cancelled]:
+                self._release(job)
+            admitted = []
+            while self._pending and self._free:
+                job = self._pending.popleft()
+                if job.cancelled:
+                    continue
+                job.slot = self._free.pop()
+                self._active.append(job)
+                admitted.append(job)
+        if self.on_admit is not None and admitted:
+            now = time.monotonic()
+            for job in admitted:
+                self.on_admit(now - job.queued)
+        return admitted
+
+    def _release(self, job: SegmentJob) -> None:
+        """Caller holds the lock."""
+        if job in self._active:
+            self._active.remove(job)
+            self._free.append(job.slot)
+        job.history = job.next_input = job.stream = None
+
+    def _forward(self, batch: list[SegmentJob], new: list[SegmentJob]) -> list[tuple[np.ndarray, JobDone | None]]:
+        run, cfg = self.model, self.model.config
+        hidden: dict[int, torch.Tensor] = {}
+        if new:  # every newly admitted prompt in one padded forward
+            prompts = [run.prompt_embeddings(job.prompt, job.voice) for job in new]
+            for job, x, h in zip(new, prompts, run.prefill_batch([j.slot for j in new], prompts), strict=True):
+                hidden[id(job)] = h
+                job.position = x.shape[0]
+        for job in new:
+            job.history = torch.zeros(cfg.history_patch_size, cfg.latent_dim, device=run.device)
+            prompt = job.voice.latents[-cfg.history_patch_size:]
+            job.history[cfg.history_patch_size - prompt.shape[0]:] = prompt
+            job.stream = DecodeStream(job.slot)
+        going = [j for j in batch if id(j) not in hidden]
+        if going:
+            out = run.decode([j.slot for j in going], [j.position for j in going],
+                             torch.stack([j.next_input for j in going]))
+            for j, h in zip(going, out, strict=True):
+                hidden[id(j)] = h
+                j.position += 1
+        h = torch.stack([hidden[id(j)] for j in batch])
+        patches, next_inputs, stop = run.sample(h, torch.stack([j.history for j in batch]),
+                                                [j.generator for j in batch])
+        stop = stop.tolist()  # host sync 1 of 2: which rows end decides the VAE's flush
+        ends: list[JobDone | None] = []
+        for i, job in enumerate(batch):
+            job.next_input = next_inputs[i]
+            job.history = torch.cat((job.history[cfg.patch_size:], patches[i]))
+            stopped = job.steps > job.min_steps and stop[i] > 0.5
+            job.steps += 1
+            ends.append(JobDone(job.steps, stopped) if stopped or job.steps >= job.max_steps else None)
+        audio = run.vae([j.stream for j in batch], list(patches), [e is not None for e in ends])
+        # Host sync 2 of 2: one device→host copy for the whole batch (each row's length is known on the host).
+        flat = torch.cat([a.float().reshape(-1) for a in audio]).cpu().numpy()
+        pieces = np.split(flat, np.cumsum([a.numel() for a in audio])[:-1])
+        return list(zip(pieces, ends, strict=True))

@@ -1,6 +1,6 @@
 """`python -m omnistage.services.thinker --config F --service NAME --rank R`: one thinker rank.
 
-Every rank runs the same start-up (`engine/startup.py`: loading_weights → profiling_memory →
+Every rank runs the same start-up (`group/startup.py`: loading_weights → profiling_memory →
 warming_up). Rank 0 then sends one real request through its engine and serves
 `omnistage.v1.Thinker`; ranks 1..N-1 execute its step plans. When the TP group fails (any rank
 fails, dies or stops answering) this rank's status says so naming the rank at fault, rank 0 ends
@@ -24,18 +24,19 @@ from omnistage.common.log import get_logger
 from omnistage.common.memory.report import export_memory
 from omnistage.common.runtime import progress
 from omnistage.common.runtime.blocking import in_daemon_thread
+from omnistage.common.runtime.device_loop import DeviceFailed
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.common.transport import TransportContext, TransportOptions
-from omnistage.services.thinker.engine.distributed import GroupFailure, TPControl, TPError
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.engine.startup import RankConfig, StartedRank, start_rank
-from omnistage.services.thinker.engine.worker import run_plan_loop
-from omnistage.services.thinker.engine_loop import EngineFailed, EngineLoop
 from omnistage.services.thinker.engine_metrics import EngineMetrics
+from omnistage.services.thinker.group.distributed import GroupFailure, TPControl, TPError
+from omnistage.services.thinker.group.startup import RankConfig, StartedRank, start_rank
+from omnistage.services.thinker.group.worker import run_plan_loop
 from omnistage.services.thinker.image_queries import load_image_queries
 from omnistage.services.thinker.multimodal import MediaInputs
+from omnistage.services.thinker.request_flow import ThinkerEngine
 from omnistage.services.thinker.server import ThinkerServicer
 from omnistage.v1 import control_pb2, thinker_pb2_grpc
 
@@ -103,22 +104,20 @@ async def _serve_rank0(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceC
     except Exception as exc:
         raise TPError(_group_failure(control, "the warm-up request", exc)) from exc
     engine.stats = EngineMetrics(svc.name, engine)  # after the warm-up: it counts clients' requests only
-    loop = EngineLoop(engine, asyncio.get_running_loop())
+    flow = ThinkerEngine(engine, asyncio.get_running_loop(), media=media, producer=producer)
     # A peer's failure may come while the engine thread is blocked inside a collective: the
     # requests are failed from the thread that learns of it.
-    control.add_failure_listener(lambda failure: loop.fail(EngineFailed(failure.message)))
+    control.add_failure_listener(lambda failure: flow.loop.fail(DeviceFailed(failure.message)))
 
-    def on_engine_failure(exc: BaseException) -> None:
-        failure = _group_failure(control, "serving", exc)
+    def on_engine_failure(error: DeviceFailed) -> None:
+        failure = _group_failure(control, "serving", error.cause or error)
         runtime.fail(failure.message, failure.rank)
 
-    loop.on_failure = on_engine_failure
-    loop.start()
-    tokenizer = engine.tokenizer
+    flow.loop.on_failure.append(on_engine_failure)
+    flow.start()
     rcfg = engine.cfg
-    servicer = ThinkerServicer(loop, tokenizer, rcfg.max_model_len, media=media, producer=producer)
-    runtime.add_shutdown_hook(servicer.close)  # its tokenize pool
-    runtime.add_servicer(thinker_pb2_grpc.add_ThinkerServicer_to_server, servicer, "omnistage.v1.Thinker")
+    runtime.add_shutdown_hook(flow.close)  # its tokenize pool
+    runtime.add_servicer(thinker_pb2_grpc.add_ThinkerServicer_to_server, ThinkerServicer(flow), "omnistage.v1.Thinker")
     runtime.set_limits_provider(
         lambda: control_pb2.Limits(
             max_running_requests=rcfg.max_num_seqs,
@@ -129,11 +128,11 @@ async def _serve_rank0(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceC
             default_max_tokens=rcfg.default_max_tokens,
         )
     )
-    runtime.set_load_provider(loop.load)
+    runtime.set_load_provider(flow.load)
     runtime.set_memory_provider(lambda: [engine.runner.memory_report()])
     export_memory(svc.name, 0, engine.runner.memory_report())
     # The runtime drains in-flight RPCs first; only then does the engine stop (and release the ranks).
-    runtime.add_shutdown_hook(loop.stop)
+    runtime.add_shutdown_hook(flow.stop)
     runtime.set_serving()
 
 
@@ -141,7 +140,7 @@ def _group_failure(control: TPControl, where: str, exc: BaseException) -> GroupF
     """The group's failure behind `exc`; an error of rank 0's own is reported to the group first."""
     if isinstance(exc, TPError):
         return exc.failure
-    if isinstance(exc, EngineFailed) and control.failure is not None:
+    if isinstance(exc, DeviceFailed) and control.failure is not None:
         return control.failure
     return control.fail(where, exc)
 

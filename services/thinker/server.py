@@ -1,43 +1,18 @@
-"""ThinkerServicer: proto in → engine call → proto out. No model or scheduling logic here.
+"""ThinkerServicer: proto in → engine call → proto out. The request flow is request_flow.py.
 
-Rank 0 serves `omnistage.v1.Thinker`. Every request gets an engine id made here (uuid4), sent to the
-caller in the stream's first event (`started`); the caller's `request_id` is only logged, so two
-callers never collide and nobody can abort another's request by guessing its id. A stream that ends
-early (cancel, deadline, error; also while the add is still in flight) aborts the engine request at
-once, so its KV blocks are freed.
-
-Prompts are bounded before any tokenizing (pieces, characters), and tokenizing runs in a small
-thread pool, never on the event loop that serves the other requests (see models/tokenizer.py for
-why a worker thread does not hold the GIL). A multimodal request's encoder rows are checked, copied
-out of shared memory and laid out in that pool too (multimodal.py); whatever happens, its leases
-have ended before the request reaches the engine or is refused.
-
-Hidden-state mode (`ThinkerRequest.hidden_states`, image generation's conditioning): the image query
-block is appended to the prompt, the engine prefills it and hands back the final-norm rows at its
-slots; they leave through this rank's producer pool as one leased TensorRef (`hidden_states` event),
-made in the tokenize pool, and revoked again if the stream ends before the event is sent.
+Rank 0 serves `omnistage.v1.Thinker`. A caller stops a request by cancelling its stream: the
+engine request is aborted at once and its KV blocks freed.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import logging
-import uuid
+import contextlib
 
 import grpc
-from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
-from omnistage.common.sampling import check_sampling
-from omnistage.common.transport import TransportContext, encode
-from omnistage.services.thinker.engine.llm_engine import QueueFullError, RequestError, RequestOutput
-from omnistage.services.thinker.engine.media import Prompt
-from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.engine_loop import EngineFailed, EngineLoop
-from omnistage.services.thinker.models.tokenizer import MingTokenizer, Piece
-from omnistage.services.thinker.multimodal import MediaInputs, release_refs
-from omnistage.v1 import common_pb2, tensor_pb2, thinker_pb2, thinker_pb2_grpc
+from omnistage.services.thinker.engine.llm_engine import RequestOutput
+from omnistage.services.thinker.request_flow import Event, Finished, Hidden, Started, ThinkerEngine, Tokens
+from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
 
-_log = logging.getLogger(__name__)
 _FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -47,23 +22,25 @@ _FINISH = {
 }
 
 
-def sampling_from_proto(s: common_pb2.SamplingParams, vocab_size: int, max_model_len: int) -> SamplingParams:
-    """The shared rules (`common/sampling.py`) give the INVALID_ARGUMENT message; zero means "off"."""
-    check_sampling(s, max_model_len=max_model_len, vocab_size=vocab_size)
-    return SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
-        seed=s.seed if s.HasField("seed") else None,
-        max_tokens=s.max_tokens,
-        stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids),
-        logprobs=s.logprobs,
-        ignore_eos=s.ignore_eos,
-    )
+class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
+    def __init__(self, engine: ThinkerEngine) -> None:
+        self.engine = engine
+
+    async def Generate(self, request: thinker_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
+        async with contextlib.aclosing(self.engine.generate(request)) as events:
+            async for event in events:
+                yield _event(event)
+
+
+def _event(event: Event) -> thinker_pb2.ThinkerEvent:
+    if isinstance(event, Started):
+        return thinker_pb2.ThinkerEvent(started=thinker_pb2.Started(engine_request_id=event.engine_request_id))
+    if isinstance(event, Tokens):
+        return _delta(event.out)
+    if isinstance(event, Hidden):
+        return thinker_pb2.ThinkerEvent(hidden_states=thinker_pb2.HiddenStates(tensor=event.ref))
+    assert isinstance(event, Finished)
+    return _finish(event.out)
 
 
 def _delta(out: RequestOutput) -> thinker_pb2.ThinkerEvent:
@@ -100,226 +77,3 @@ def _finish(out: RequestOutput) -> thinker_pb2.ThinkerEvent:
             message="aborted" if out.finish_reason.value == "abort" else "",
         )
     )
-
-
-class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
-    """One short method per RPC; the engine thread does the work, the tokenize pool the tokenizing."""
-
-    def __init__(
-        self,
-        loop: EngineLoop,
-        tokenizer: MingTokenizer,
-        max_model_len: int,
-        tokenize_workers: int = 2,
-        media: MediaInputs | None = None,
-        producer: TransportContext | None = None,
-    ) -> None:
-        self.loop = loop
-        self.media = media  # None: this thinker takes no embeddings (FAILED_PRECONDITION)
-        # Where hidden states leave (hidden-state mode); None, or no query rows: the mode is refused.
-        self.producer = producer
-        # Leases of refused requests are released through this (the media's transport, if any).
-        self._transport = media.transport if media is not None else None
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        # A prompt longer than this cannot fit max_model_len tokens whatever it says.
-        self.max_prompt_chars = max_model_len * tokenizer.max_token_chars
-        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(tokenize_workers, "tokenize")
-        self._live: dict[str, str] = {}  # engine id → caller's request_id, while its stream is open
-
-    def close(self) -> None:
-        """Stop the tokenize pool (tokenizations under way finish in their threads, unawaited)."""
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
-        if self._transport is not None and self.media is None:
-            self._transport.close()
-
-    def _query_block_tokens(self, request: thinker_pb2.ThinkerRequest) -> int:
-        """Tokens hidden-state mode appends to the prompt (0 for a text request); refuses the mode
-        when this thinker has no image query rows or nowhere to send hidden states."""
-        if not request.HasField("hidden_states"):
-            return 0
-        if self.media is None or self.media.queries is None or self.producer is None:
-            raise StageUnavailable(
-                "hidden_states: this thinker has no image-generation query embeddings "
-                "(the checkpoint's mlp/model.safetensors query_tokens_dict)", retryable=False,
-            )  # fmt: skip
-        return self.media.query_block_tokens
-
-    def _check_prompt_size(self, request: thinker_pb2.ThinkerRequest) -> None:
-        """Refuse what cannot fit before tokenizing: cheap checks on the event loop."""
-        kind = request.WhichOneof("prompt")
-        block = self._query_block_tokens(request)
-        if request.multimodal:
-            if self.media is None:
-                raise StageUnavailable("multimodal: this thinker takes no embeddings", retryable=False)
-            rows = self.media.check_items(request.multimodal)
-            if rows + block >= self.max_model_len:
-                raise InvalidRequest(
-                    f"multimodal: {rows} embedding rows leave no room to generate (max_model_len {self.max_model_len})"
-                )
-        if kind == "chat":
-            pieces = request.chat.pieces
-            if not pieces:
-                raise InvalidRequest("chat.pieces: a chat prompt needs at least one piece")
-            if len(pieces) > self.max_model_len:
-                raise InvalidRequest(
-                    f"chat.pieces: {len(pieces)} pieces, at most max_model_len {self.max_model_len} are accepted"
-                )
-            for i, piece in enumerate(pieces):
-                if piece.WhichOneof("piece") is None:
-                    raise InvalidRequest(f"chat.pieces[{i}]: set template, text or tokens")
-            given = sum(len(p.tokens.ids) for p in pieces)
-            if given + block >= self.max_model_len:
-                raise InvalidRequest(
-                    f"chat.pieces: token pieces of {given} tokens leave no room to generate "
-                    f"(max_model_len {self.max_model_len})"
-                )
-            chars = sum(len(p.template) + len(p.text) for p in pieces)
-        elif kind == "text":
-            chars = len(request.text)
-        elif kind == "token_ids":
-            if len(request.token_ids.ids) + block >= self.max_model_len:
-                raise InvalidRequest(
-                    f"token_ids: {len(request.token_ids.ids)} tokens leave no room to generate "
-                    f"(max_model_len {self.max_model_len})"
-                )
-            return
-        else:
-            raise InvalidRequest("prompt: set chat, text or token_ids")
-        if chars > self.max_prompt_chars:
-            raise InvalidRequest(
-                f"prompt: {chars} characters cannot fit max_model_len {self.max_model_len} tokens "
-                f"(at most {self.max_prompt_chars} characters)"
-            )
-
-    def _prompt_ids(self, request: thinker_pb2.ThinkerRequest) -> list[int]:
-        """Tokenize (in the tokenize pool) and check the length; template special tokens first."""
-        kind = request.WhichOneof("prompt")
-        if kind == "chat":
-            pieces = [self._piece(i, p) for i, p in enumerate(request.chat.pieces)]
-            segments = self.tokenizer.split_pieces(pieces)
-            specials = sum(1 if isinstance(seg, int) else len(seg) for seg in segments if not isinstance(seg, str))
-            if specials >= self.max_model_len:
-                raise InvalidRequest(
-                    f"chat: the template alone has {specials} special tokens "
-                    f"(max_model_len {self.max_model_len})"
-                )
-            ids = self.tokenizer.encode_segments(segments)
-        elif kind == "text":  # literal, like client text in `chat`: no string becomes a control token
-            ids = self.tokenizer.encode_segments(self.tokenizer.split_pieces([("text", request.text)]))
-        else:
-            ids = self._in_vocabulary("token_ids", request.token_ids.ids)
-        if not ids:
-            raise InvalidRequest("prompt: empty after tokenization")
-        block = self._query_block_tokens(request)
-        if block and len(ids) + block > self.max_model_len:
-            raise InvalidRequest(
-                f"prompt: {len(ids)} tokens + the image query block's {block} exceed max_model_len {self.max_model_len}"
-            )
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt: {len(ids)} tokens leave no room to generate (max_model_len {self.max_model_len})"
-            )
-        return ids
-
-    def _in_vocabulary(self, where: str, ids) -> list[int]:
-        vocab = self.tokenizer.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"{where}: {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        return list(ids)
-
-    def _piece(self, i: int, p: thinker_pb2.PromptPiece) -> Piece:
-        kind = p.WhichOneof("piece")
-        if kind == "tokens":
-            return ("tokens", self._in_vocabulary(f"chat.pieces[{i}].tokens", p.tokens.ids))
-        return ("template", p.template) if kind == "template" else ("text", p.text)
-
-    def _prompt(self, request: thinker_pb2.ThinkerRequest) -> Prompt:
-        """Token ids, plus the encoder rows and 3D positions of a multimodal request and the query
-        block of a hidden-state request (tokenize pool)."""
-        ids = self._prompt_ids(request)
-        hidden = request.HasField("hidden_states")
-        if not request.multimodal and not hidden:
-            return ids
-        assert self.media is not None  # _check_prompt_size refused it otherwise
-        return self.media.build(ids, request.multimodal, image_queries=hidden)
-
-    def _hidden_ref(self, rows, allow_cuda_ipc: bool) -> tensor_pb2.TensorRef:
-        """The hidden states as a leased ref of this rank's producer pool (tokenize pool)."""
-        assert self.producer is not None
-        nbytes = rows.numel() * rows.element_size()
-        if rows.is_cuda and not allow_cuda_ipc and nbytes >= self.producer.options.shm_threshold_bytes:
-            return encode(rows, transport=self.producer, force="shm")  # the consumer cannot open CUDA IPC
-        return encode(rows, transport=self.producer)
-
-    async def _hidden_event(self, out: RequestOutput, request: thinker_pb2.ThinkerRequest) -> thinker_pb2.ThinkerEvent:
-        made = asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, self._hidden_ref, out.hidden_states, request.hidden_states.allow_cuda_ipc
-        )
-        out.hidden_states = None  # the device rows go with the copy
-        try:
-            ref = await asyncio.shield(made)
-        except asyncio.CancelledError:  # the caller left while the ref was made: nobody will release it
-            made.add_done_callback(self._revoke_when_made)
-            raise
-        return thinker_pb2.ThinkerEvent(hidden_states=thinker_pb2.HiddenStates(tensor=ref))
-
-    def _revoke_when_made(self, made: asyncio.Future) -> None:
-        if not made.cancelled() and made.exception() is None and self.producer is not None:
-            self.producer.revoke(made.result())
-
-    async def Generate(self, request: thinker_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
-        try:
-            self._check_prompt_size(request)
-            params = sampling_from_proto(request.sampling, self.tokenizer.vocab_size, self.max_model_len)
-            prompt = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self._prompt, request)
-        finally:
-            if request.multimodal:  # copied, refused or cancelled: no lease outlives this
-                if self._transport is None:
-                    self._transport = TransportContext()
-                release_refs(self._transport, request.multimodal)
-        engine_id = uuid.uuid4().hex
-        self._live[engine_id] = request.request_id
-        finished = False
-        try:
-            # Inside the try: a cancel while the add is in flight still aborts what it added.
-            try:
-                stream = await self.loop.submit(engine_id, prompt, params)
-            except RequestError as exc:
-                raise InvalidRequest(str(exc)) from exc
-            except QueueFullError as exc:
-                raise Overloaded(f"thinker queue full: {exc}", retry_after_ms=200) from exc
-            except EngineFailed as exc:
-                raise StageUnavailable(f"thinker {exc}") from exc
-            yield thinker_pb2.ThinkerEvent(started=thinker_pb2.Started(engine_request_id=engine_id))
-            while not finished:
-                out = await stream.get()
-                if isinstance(out, BaseException):  # e.g. "thinker rank 2 died while serving (step 57): ..."
-                    raise StageUnavailable(f"thinker {out}")
-                if out.token_ids or out.text:
-                    yield _delta(out)
-                if out.hidden_states is not None:
-                    event = await self._hidden_event(out, request)
-                    sent = False
-                    try:
-                        yield event
-                        sent = True
-                    finally:
-                        if not sent:  # the caller left before the ref went out: nobody will release it
-                            self.producer.revoke(event.hidden_states.tensor)
-                if out.finished:
-                    finished = True
-                    yield _finish(out)
-        finally:
-            self._live.pop(engine_id, None)
-            if not finished:
-                # Cancelled, refused or failed: free the KV blocks now, not at max_tokens.
-                self.loop.abort(engine_id)
-                _log.info("request %s (engine id %s) ended before it finished", request.request_id, engine_id)
-
-    async def Abort(self, request: thinker_pb2.AbortRequest, context: grpc.aio.ServicerContext):
-        if request.request_id not in self._live:
-            return thinker_pb2.AbortResponse(aborted=False)  # not an engine id of an open stream
-        out = await asyncio.wrap_future(self.loop.abort(request.request_id))
-        return thinker_pb2.AbortResponse(aborted=out is not None)

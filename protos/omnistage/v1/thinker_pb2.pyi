@@ -110,15 +110,3 @@ class ThinkerEvent(_message.Message):
     started: Started
     hidden_states: HiddenStates
     def __init__(self, delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., finish: _Optional[_Union[ThinkerFinish, _Mapping]] = ..., started: _Optional[_Union[Started, _Mapping]] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
-
-class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class AbortResponse(_message.Message):
-    __slots__ = ("aborted",)
-    ABORTED_FIELD_NUMBER: _ClassVar[int]
-    aborted: bool
-    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...

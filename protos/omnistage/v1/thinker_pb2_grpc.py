@@ -40,11 +40,6 @@ class ThinkerStub:
                 request_serializer=omnistage_dot_v1_dot_thinker__pb2.ThinkerRequest.SerializeToString,
                 response_deserializer=omnistage_dot_v1_dot_thinker__pb2.ThinkerEvent.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/omnistage.v1.Thinker/Abort',
-                request_serializer=omnistage_dot_v1_dot_thinker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=omnistage_dot_v1_dot_thinker__pb2.AbortResponse.FromString,
-                _registered_method=True)
 
 
 class ThinkerServicer:
@@ -55,14 +50,7 @@ class ThinkerServicer:
         """Prompt in; a stream of ThinkerEvents out: first `started` (the engine id of the request), then
         token deltas (hidden-state mode: one `hidden_states` event), then exactly one `finish`.
         Refusals (bad prompt, too long, queue full) end the RPC with a status before `started`.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Stop a running request at once and free its KV blocks. Only an engine_request_id from a
-        Started event names a request; any other string aborts nothing and is not an error.
+        Cancelling the stream stops the request at once and frees its KV blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,11 +63,6 @@ def add_ThinkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=omnistage_dot_v1_dot_thinker__pb2.ThinkerRequest.FromString,
                     response_serializer=omnistage_dot_v1_dot_thinker__pb2.ThinkerEvent.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=omnistage_dot_v1_dot_thinker__pb2.AbortRequest.FromString,
-                    response_serializer=omnistage_dot_v1_dot_thinker__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -110,33 +93,6 @@ class Thinker:
             '/omnistage.v1.Thinker/Generate',
             omnistage_dot_v1_dot_thinker__pb2.ThinkerRequest.SerializeToString,
             omnistage_dot_v1_dot_thinker__pb2.ThinkerEvent.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/omnistage.v1.Thinker/Abort',
-            omnistage_dot_v1_dot_thinker__pb2.AbortRequest.SerializeToString,
-            omnistage_dot_v1_dot_thinker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,7 +17,6 @@ import torch
 from omnistage.common.log import get_logger
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.detokenizer import Decoder, Detokenizer
-from omnistage.services.thinker.engine.distributed import TPControl, TPError
 from omnistage.services.thinker.engine.hidden_states import HiddenCapture
 from omnistage.services.thinker.engine.media import Prompt, PromptMedia, unpack_prompt
 from omnistage.services.thinker.engine.model_runner import ModelRunner, StepOutput
@@ -25,9 +24,10 @@ from omnistage.services.thinker.engine.sampler import Sampler, SamplerOutput, To
 from omnistage.services.thinker.engine.scheduler import ScheduledBatch, Scheduler
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams, Sequence
 from omnistage.services.thinker.engine.step_plan import StepPlan, build_step_plan
+from omnistage.services.thinker.group.distributed import TPControl, TPError
 
 if TYPE_CHECKING:
-    from omnistage.services.thinker.engine.startup import StartedRank
+    from omnistage.services.thinker.group.startup import StartedRank
 
 log = get_logger(__name__)
 

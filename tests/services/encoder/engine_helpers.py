@@ -1,4 +1,4 @@
-"""An in-process EncoderEngine on the tiny towers with small limits, for engine and batcher tests."""
+"""An in-process EncoderEngine on the tiny towers with small limits, for engine and runner tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ImageGenEngine + StepBatcher in one process (no gRPC): progress events == steps, requests of one
+"""ImageGenEngine + ImageGenRunner in one process (no gRPC): progress events == steps, requests of one
 shape join each other at step boundaries, a cancelled request leaves the loop and frees its slot, a
 full service refuses with RESOURCE_EXHAUSTED, a failed forward fails only its requests; a request's
 queue time is observed once, as it enters the denoising loop, and never for one that left before."""
@@ -20,7 +20,7 @@ from omnistage.common.transport import TransportContext
 from omnistage.services.imagegen.engine import ImageGenEngine, ImageResult
 from omnistage.services.imagegen.pipeline import GenerationSpec
 from omnistage.services.imagegen.request import ParsedRequest
-from omnistage.services.imagegen.step_batcher import Progress
+from omnistage.services.imagegen.runner import Progress
 from PIL import Image
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,12 +79,12 @@ def test_a_later_request_joins_at_a_step_boundary(pipeline):
             events = [await anext(first), await anext(first)]  # two steps done alone
             second = asyncio.create_task(_collect(engine, _parsed(3, seed=2)))
             events += [ev async for ev in first]
-            return engine.batcher, events, await second
+            return engine.loop, events, await second
 
-    batcher, first, second = asyncio.run(run())
+    loop, first, second = asyncio.run(run())
     assert len(first) == 41 and len(second) == 4
-    assert batcher.largest_batch == 2  # the second request shared forwards with the first
-    assert batcher.forwards < 39 + 2  # fewer forwards than moving steps (39 + 2) run one by one
+    assert loop.largest_batch == 2  # the second request shared forwards with the first
+    assert loop.steps < 39 + 2  # fewer forwards than moving steps (39 + 2) run one by one
 
 
 def test_different_shapes_take_turns(pipeline):
@@ -103,8 +103,8 @@ def test_cancel_leaves_the_loop_and_frees_the_slot(pipeline):
             gen = engine.generate(_parsed(200, seed=4), timeout_s=60)
             assert isinstance(await anext(gen), Progress)
             await gen.aclose()  # what a client cancel does to the servicer's stream
-            await _wait_until(lambda: engine.batcher.held == 0 and engine.limiter.in_use == 0, "the drop")
-            assert engine.batcher.dropped == 1 and engine.load() == (0, 0)
+            await _wait_until(lambda: engine.runner.held == 0 and engine.limiter.in_use == 0, "the drop")
+            assert engine.runner.dropped == 1 and engine.load() == (0, 0)
             return await _collect(engine, _parsed(2, seed=5))  # the one slot is free again
 
     assert isinstance(asyncio.run(run())[-1], ImageResult)
@@ -117,8 +117,8 @@ def test_a_request_that_leaves_while_waiting_for_a_slot_never_reaches_the_device
     async def run():
         async with _engine(pipeline, cap=1) as engine:
             submitted = []
-            real_submit = engine.batcher.submit
-            monkeypatch.setattr(engine.batcher, "submit", lambda job: (submitted.append(job), real_submit(job)))
+            real_put = engine.runner.put
+            monkeypatch.setattr(engine.runner, "put", lambda job: (submitted.append(job), real_put(job)))
             first = engine.generate(_parsed(2000, seed=1), timeout_s=60)  # holds the slot well past the cancel
             await anext(first)
             second = asyncio.create_task(_collect(engine, _parsed(2, seed=2)))
@@ -180,7 +180,7 @@ def test_a_dead_device_thread_fails_held_requests_instead_of_leaving_them_waitin
     """An error outside one request's work ended the device thread (on a GPU: `torch.cuda.set_device`
     of a device without an index); the request it held waited forever. Now every held request fails
     with the cause, and later ones are refused."""
-    from omnistage.services.imagegen.step_batcher import StepBatcher
+    from omnistage.services.imagegen.runner import ImageGenRunner
 
     def broken(self):
         raise RuntimeError("scheduling bug")
@@ -189,7 +189,7 @@ def test_a_dead_device_thread_fails_held_requests_instead_of_leaving_them_waitin
 
     async def run():
         async with _engine(pipeline, on_failure=failures.append) as engine:
-            monkeypatch.setattr(StepBatcher, "_next_group", broken)
+            monkeypatch.setattr(ImageGenRunner, "_next_group", broken)
             with pytest.raises(RuntimeError, match="device thread failed: RuntimeError: scheduling bug"):
                 await asyncio.wait_for(_collect(engine, _parsed(3, seed=5)), 30)
             with pytest.raises(Exception, match="stopped|failed"):
@@ -251,17 +251,19 @@ def test_a_request_that_leaves_before_the_loop_leaves_no_queue_time(pipeline):
 
 
 def test_a_job_cancelled_before_the_device_thread_takes_it_is_not_reported(pipeline):
-    from omnistage.services.imagegen.step_batcher import Job, StepBatcher
+    from omnistage.common.runtime.device_loop import DeviceLoop
+    from omnistage.services.imagegen.runner import ImageGenRunner, Job
 
     waits: list[float] = []
     released = threading.Event()
-    batcher = StepBatcher(pipeline, name="imagegen-inbox", on_admit=waits.append)
+    runner = ImageGenRunner(pipeline, name="imagegen-inbox", on_admit=waits.append)
+    loop = DeviceLoop("imagegen-inbox", runner)
     job = Job(_parsed(2).spec, lambda ev: None, released.set)
     job.cancel()
-    batcher.submit(job)  # in the inbox before the thread runs
-    batcher.start()
+    loop.admit(lambda: runner.put(job))  # in the inbox before the thread runs
+    loop.start()
     try:
         assert released.wait(30), "the cancelled job was never let go"
     finally:
-        batcher.stop()
-    assert waits == [] and batcher.dropped == 1
+        loop.stop()
+    assert waits == [] and runner.dropped == 1

@@ -84,7 +84,7 @@ def test_the_engine_speaks_the_same_audio_with_static_steps(talker_models, voice
         recs = run_staggered(engine, talker_models, voices, specs)
         audio.append([r.audio for r in recs])
         if graphs:
-            assert engine.runner.static.replays > 0
+            assert engine.runner.model.static.replays > 0
     for got, want in zip(audio[1], audio[0], strict=True):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-3)

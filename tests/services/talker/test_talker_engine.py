@@ -45,7 +45,7 @@ def test_batched_jobs_equal_each_alone(talker_models, voices, engine):
         run(engine, rec)
         alone.append(rec.audio)
     recs = run_staggered(engine, talker_models, voices, specs)
-    assert engine.largest_batch == 3
+    assert engine.loop.largest_batch == 3
     for rec, want in zip(recs, alone, strict=True):
         np.testing.assert_allclose(rec.audio, want, atol=2e-5, rtol=1e-3)
 
@@ -55,11 +55,11 @@ def test_a_cancelled_job_frees_its_slot_at_the_next_step(talker_models, voices, 
     engine.submit(j)
     engine.step()
     engine.step()
-    assert engine.jobs_in_flight == 1 and len(engine._free) == 2
+    assert engine.jobs_in_flight == 1 and len(engine.runner._free) == 2
     engine.cancel(j)
     seen = len(rec.events)
     engine.step()
-    assert engine.jobs_in_flight == 0 and len(engine._free) == 3
+    assert engine.jobs_in_flight == 0 and len(engine.runner._free) == 3
     assert j.history is None and j.stream is None and j.next_input is None
     assert len(rec.events) == seen  # nothing after the cancel
     queued, queued_rec = job(talker_models, voices)
@@ -72,15 +72,15 @@ def test_a_cancelled_job_frees_its_slot_at_the_next_step(talker_models, voices, 
 def test_a_failing_step_fails_its_jobs_and_the_engine_goes_on(talker_models, voices, engine, monkeypatch):
     a, rec_a = job(talker_models, voices)
     engine.submit(a)
-    real = engine.runner.sample
+    real = engine.runner.model.sample
 
     def broken(*args, **kwargs):
         raise torch.OutOfMemoryError("simulated")
 
-    monkeypatch.setattr(engine.runner, "sample", broken)
+    monkeypatch.setattr(engine.runner.model, "sample", broken)
     engine.step()
-    assert isinstance(rec_a.events[-1], JobFailed) and engine.jobs_in_flight == 0 and len(engine._free) == 3
-    monkeypatch.setattr(engine.runner, "sample", real)
+    assert isinstance(rec_a.events[-1], JobFailed) and engine.jobs_in_flight == 0 and len(engine.runner._free) == 3
+    monkeypatch.setattr(engine.runner.model, "sample", real)
     b, rec_b = job(talker_models, voices)
     engine.submit(b)
     run(engine, rec_b)
@@ -88,13 +88,13 @@ def test_a_failing_step_fails_its_jobs_and_the_engine_goes_on(talker_models, voi
 
 
 def test_the_stop_head_ends_a_segment_only_after_min_steps(talker_models, voices, engine, monkeypatch):
-    real = engine.runner.sample
+    real = engine.runner.model.sample
 
     def always_stop(*args, **kwargs):
         patch, nxt, stop = real(*args, **kwargs)
         return patch, nxt, torch.ones_like(stop)
 
-    monkeypatch.setattr(engine.runner, "sample", always_stop)
+    monkeypatch.setattr(engine.runner.model, "sample", always_stop)
     j, rec = job(talker_models, voices, max_steps=50, min_steps=4)
     engine.submit(j)
     run(engine, rec)

@@ -1,4 +1,5 @@
-"""ThinkerServicer over real gRPC (in process): engine ids, Abort, cancel during the add, prompt bounds,
+"""ThinkerServicer + ThinkerEngine over real gRPC (in process): engine ids, a cancel that aborts (also
+during the add), prompt bounds,
 tokenizing off the event loop, max_tokens. The engine is real with a small fake model and the tiny
 checkpoint's tokenizer."""
 
@@ -7,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 import pytest
 import torch
-from engine_fakes import FakeModel
+from engine_fakes import FakeModel, slow_steps
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import EngineConfig, config_from_dict
 from omnistage.common.runtime.deadlines import wait_for_async
@@ -24,10 +24,10 @@ from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sequence import FinishReason
-from omnistage.services.thinker.engine_loop import EngineLoop
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
 from omnistage.services.thinker.multimodal import MediaInputs
+from omnistage.services.thinker.request_flow import ThinkerEngine
 from omnistage.services.thinker.server import ThinkerServicer
 from omnistage.v1 import common_pb2, encoder_pb2, thinker_pb2, thinker_pb2_grpc
 
@@ -53,15 +53,7 @@ def fake_engine(tok: MingTokenizer, step_s: float, hidden: int = 32, **engine_kw
     cfg = resolve_engine_config(EngineConfig(**{"block_size": 8, "max_model_len": 512, **engine_kw}))
     model = FakeModel(vocab=tok.vocab_size, hidden=hidden)
     engine = LLMEngine(ModelRunner(model, cfg, "cpu"), tok, list(tok.stop_token_ids))
-    if step_s:
-        real_step = engine.step
-
-        def step():
-            time.sleep(step_s)
-            return real_step()
-
-        engine.step = step
-    return engine
+    return slow_steps(engine, step_s) if step_s else engine
 
 
 @contextlib.asynccontextmanager
@@ -74,10 +66,10 @@ async def thinker(
     cfg = config_from_dict({"services": {"thinker": {"kind": "thinker", "port": 1}}})
     rt = ServiceRuntime(cfg, cfg.service("thinker"), 0, run_dir=tmp_path, port=0)
     await rt.start()
-    loop = EngineLoop(engine, asyncio.get_running_loop(), idle_poll_s=0.05)
-    loop.start()
-    servicer = ThinkerServicer(loop, tok, servicer_max_model_len or engine.cfg.max_model_len, media=media,
-                               producer=hidden_out)  # fmt: skip
+    flow = ThinkerEngine(engine, asyncio.get_running_loop(), max_model_len=servicer_max_model_len or None,
+                         media=media, producer=hidden_out, idle_wait_s=0.05)  # fmt: skip
+    flow.start()
+    servicer = ThinkerServicer(flow)
     rt.add_servicer(thinker_pb2_grpc.add_ThinkerServicer_to_server, servicer, THINKER)
     rt.set_serving()
     try:
@@ -86,8 +78,8 @@ async def thinker(
     finally:
         rt.request_stop()
         await asyncio.wait_for(rt.serve_until_stopped(), 10)
-        loop.stop()
-        servicer.close()
+        flow.stop()
+        flow.close()
 
 
 def chat(text: str, request_id: str = "client-1", **sampling) -> thinker_pb2.ThinkerRequest:
@@ -153,23 +145,25 @@ def test_two_requests_with_the_same_client_id_both_finish(tmp_path, tok):
     run(scenario())
 
 
-def test_abort_by_the_client_id_ends_nothing_abort_by_the_engine_id_ends_the_stream(tmp_path, tok):
+def test_a_cancel_mid_stream_aborts_the_request_and_frees_its_blocks(tmp_path, tok):
+    """Thinker has no Abort RPC: the caller stops a request by cancelling its stream."""
+
     async def scenario():
         async with thinker(tmp_path, tok, step_s=0.02) as t:
+            free_before = t.engine.scheduler.block_manager.num_free_blocks
+            aborted: list = []
+            real_abort = t.engine.abort
+            t.engine.abort = lambda request_id: aborted.append(real_abort(request_id)) or aborted[-1]
             call = t.stub.Generate(chat("Long one", request_id="victim", max_tokens=400, ignore_eos=True), timeout=60)
-            started = await call.read()
-            engine_id = started.started.engine_request_id
+            engine_id = (await call.read()).started.engine_request_id
             assert (await call.read()).WhichOneof("event") == "delta"
-            for guess in ("victim", "", "generate-0", engine_id.upper()):
-                reply = await t.stub.Abort(thinker_pb2.AbortRequest(request_id=guess), timeout=5)
-                assert not reply.aborted
-            assert t.engine.scheduler.seqs, "a guessed id ended the request"
-            reply = await t.stub.Abort(thinker_pb2.AbortRequest(request_id=engine_id), timeout=5)
-            assert reply.aborted
-            rest = await read_rest(call)
-            assert rest[-1].finish.reason == common_pb2.FINISH_REASON_ABORT
-            assert 1 <= rest[-1].finish.usage.completion_tokens < 400
-            assert not t.engine.has_unfinished()
+            assert t.engine.has_unfinished()
+            call.cancel()
+            await wait_for_async(lambda: not t.engine.has_unfinished(), 10, "the engine to end the request")
+            (out,) = aborted
+            assert out.request_id == engine_id and out.finish_reason is FinishReason.ABORT
+            assert 1 <= out.usage.completion_tokens < 400
+            assert t.engine.scheduler.block_manager.num_free_blocks == free_before
 
     run(scenario())
 
@@ -333,7 +327,7 @@ def test_oversized_prompts_are_refused_before_tokenizing(tmp_path, tok, make, ne
     async def scenario():
         spy = TokenizeSpy(tok)
         async with thinker(tmp_path, tok) as t:
-            t.servicer.tokenizer = spy
+            t.servicer.engine.tokenizer = spy
             err = await refusal(t.stub, make())
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.details(), err.details()
             assert spy.calls == 0
@@ -363,7 +357,7 @@ def test_a_small_request_is_served_while_a_huge_prompt_is_tokenized(tmp_path, to
         spy = TokenizeSpy(tok)
         # The servicer's own limit is large so the huge text passes the character bound and is tokenized.
         async with thinker(tmp_path, tok, servicer_max_model_len=200_000) as t:
-            t.servicer.tokenizer = spy
+            t.servicer.engine.tokenizer = spy
             huge = chat("The quick brown fox, 你好世界! " * 100_000, max_tokens=1)
             order = []
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from omnistage.common.config import EngineConfig
@@ -71,3 +72,16 @@ def make_fake_engine(**engine_kw) -> LLMEngine:
     cfg = resolve_engine_config(EngineConfig(**engine_kw))
     runner = ModelRunner(FakeModel(), cfg, "cpu")
     return LLMEngine(runner, ByteTokenizer(), [EOS])
+
+
+def slow_steps(engine: LLMEngine, step_s: float) -> LLMEngine:
+    """Make each of `engine`'s steps take `step_s` longer, so a request lives long enough to be
+    cancelled or aborted mid-way."""
+    real_step = engine.step
+
+    def step():
+        time.sleep(step_s)
+        return real_step()
+
+    engine.step = step
+    return engine

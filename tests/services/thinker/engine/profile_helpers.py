@@ -61,8 +61,8 @@ def tp_rank(kwargs: dict) -> None:
     write {"status", "message", "culprit", "noticed_unix", ...} to `out_dir/rank{r}.json` (first
     writer wins: the group failure seen by any thread, or this rank's own outcome) and exit."""
     from omnistage.common.log import setup_logging
-    from omnistage.services.thinker.engine import startup
-    from omnistage.services.thinker.engine.startup import LogProgress, RankConfig, StartupError, start_rank
+    from omnistage.services.thinker.group import startup
+    from omnistage.services.thinker.group.startup import LogProgress, RankConfig, StartupError, start_rank
 
     rank, out = kwargs["rank"], Path(kwargs["out_dir"]) / f"rank{kwargs['rank']}.json"
     setup_logging("thinker", rank=rank)
@@ -111,7 +111,7 @@ def tp_rank(kwargs: dict) -> None:
 def _grow_validation_steps(extra_bytes: int) -> None:
     """Every stress step after the probe's (the validation's) holds `extra_bytes` more than measured:
     the rounding a huge cache brings on a real GPU, made deterministic."""
-    from omnistage.services.thinker.engine import kv_profile
+    from omnistage.services.thinker.group import kv_profile
 
     probe_steps, calls, step = 2, [0], kv_profile.run_dummy_step
 
@@ -129,7 +129,7 @@ def run_ranks(ckpt: Path, out_dir: Path, world_size: int = 2, deadline_s: float 
     seconds, as `noticed_unix`), start time). Fails naming the ranks still running at the deadline."""
     import multiprocessing as mp
 
-    from omnistage.services.thinker.engine.local_ranks import free_port
+    from omnistage.services.thinker.group.local_ranks import free_port
 
     ctx = mp.get_context("spawn")
     port = free_port()

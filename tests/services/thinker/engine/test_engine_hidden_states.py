@@ -16,7 +16,7 @@ from omnistage.common.transport import TransportContext
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.media import MultimodalPrompt
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
-from omnistage.services.thinker.engine.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, start_engine
 from omnistage.services.thinker.image_queries import load_image_queries
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.loader import load_model

@@ -15,8 +15,8 @@ from omnistage.common.transport import TransportContext
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.media import MultimodalPrompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.engine.startup import RankConfig, start_engine
 from omnistage.services.thinker.engine.step_plan import StepPlan, build_step_plan
+from omnistage.services.thinker.group.startup import RankConfig, start_engine
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.loader import load_model
 from omnistage.services.thinker.multimodal import MediaInputs

@@ -10,7 +10,7 @@ from omnistage.common.config import EngineConfig
 from omnistage.services.thinker.engine.detokenizer import Detokenizer
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
-from omnistage.services.thinker.engine.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, start_engine
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)

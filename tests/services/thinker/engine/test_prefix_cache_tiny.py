@@ -13,7 +13,7 @@ from omnistage.common.transport import TransportContext
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.media import Prompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.engine.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, start_engine
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.multimodal import MediaInputs
 from tp_run import run_tp2

@@ -11,8 +11,8 @@ import torch
 from omnistage.common.config import EngineConfig
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_reserve_bytes
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.engine.startup import RankConfig, start_engine
 from omnistage.services.thinker.engine.step_plan import StepPlan
+from omnistage.services.thinker.group.startup import RankConfig, start_engine
 
 
 def test_batch_sizes_cover_every_batch_up_to_the_largest():
@@ -119,7 +119,7 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
 
 
 def test_tp_groups_capture_aligned_unless_told_otherwise_and_an_unknown_mode_is_refused(monkeypatch):
-    from omnistage.services.thinker.engine.startup import TP_GRAPHS_ENV, tp_graph_capture
+    from omnistage.services.thinker.group.startup import TP_GRAPHS_ENV, tp_graph_capture
 
     monkeypatch.delenv(TP_GRAPHS_ENV, raising=False)
     assert tp_graph_capture() == "aligned"
@@ -131,7 +131,7 @@ def test_tp_groups_capture_aligned_unless_told_otherwise_and_an_unknown_mode_is_
 
 
 def test_aligned_capture_agrees_on_each_size_and_a_rank_out_of_step_fails_naming_both_sizes():
-    from omnistage.services.thinker.engine.startup import _Startup
+    from omnistage.services.thinker.group.startup import _Startup
 
     class Control:
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""The dynamic batcher on the real engine: concurrent requests share a forward, never above the tested
+"""The encoder runner on the real engine: concurrent requests share a forward, never above the tested
 cap; a full service answers RESOURCE_EXHAUSTED; a cancelled request holds its slot until the device
 is done with it and leaves no lease behind."""
 
@@ -49,8 +49,8 @@ async def _until(predicate, what: str, timeout_s: float = 10.0) -> None:
 
 
 def _gated(engine, modality="vision") -> Gate:
-    gate = Gate(engine.batcher.runners[modality])
-    engine.batcher.runners[modality] = gate
+    gate = Gate(engine.runner.forwards[modality])
+    engine.runner.forwards[modality] = gate
     return gate
 
 
@@ -66,14 +66,14 @@ def test_concurrent_requests_share_one_forward(tiny_encoders):
         tasks = [asyncio.ensure_future(engine.encode([IMAGE]))]
         await _until(gate.entered.is_set, "the first forward")
         tasks += [asyncio.ensure_future(engine.encode([IMAGE])) for _ in range(3)]
-        await _until(lambda: engine.batcher.queued == 3, "three queued items")
+        await _until(lambda: engine.runner.queued == 3, "three queued items")
         gate.open()
         outs = await asyncio.gather(*tasks)
         for (o,) in outs:
             decode(o.ref, transport=engine.transport)
         after = (_metric("omnistage_encoder_batches_total", "vision"),
                  _metric("omnistage_encoder_batched_items_total", "vision"))
-        return engine.batcher.batches["vision"], engine.batcher.largest_batch["vision"], before, after
+        return engine.runner.batches["vision"], engine.runner.largest_batch["vision"], before, after
 
     batches, largest, before, after = run_engine(tiny_encoders, body)
     assert (batches, largest) == (2, 3)  # one alone (blocked), then the three that queued behind it
@@ -86,13 +86,13 @@ def test_batches_never_exceed_the_stress_tested_cap(tiny_encoders):
         tasks = [asyncio.ensure_future(engine.encode([IMAGE]))]
         await _until(gate.entered.is_set, "the first forward")
         tasks += [asyncio.ensure_future(engine.encode([IMAGE])) for _ in range(4)]
-        limiter = engine.batcher.limiters["vision"]
-        await _until(lambda: engine.batcher.queued == 1, "one queued item")
+        limiter = engine.limiters["vision"]
+        await _until(lambda: engine.runner.queued == 1, "one queued item")
         await asyncio.sleep(0.2)
-        held = (limiter.in_use, engine.batcher.queued)  # 1 in the forward + 1 queued; 3 wait for a slot
+        held = (limiter.in_use, engine.runner.queued)  # 1 in the forward + 1 queued; 3 wait for a slot
         gate.open()
         await asyncio.gather(*tasks)
-        return held, engine.batcher.largest_batch["vision"], limiter.peak_in_use
+        return held, engine.runner.largest_batch["vision"], limiter.peak_in_use
 
     held, largest, peak = run_engine(tiny_encoders, body, caps={"vision": 2, "audio": 2})
     assert held == (2, 1)
@@ -119,13 +119,13 @@ def test_a_full_service_answers_resource_exhausted(tiny_encoders):
 def test_a_cancelled_request_keeps_its_slot_until_its_forward_ends(tiny_encoders):
     async def body(engine):
         gate = _gated(engine)
-        limiter = engine.batcher.limiters["vision"]
+        limiter = engine.limiters["vision"]
         first = asyncio.ensure_future(engine.encode([IMAGE]))
         await _until(gate.entered.is_set, "the first forward")
         first.cancel()
         second = asyncio.ensure_future(engine.encode([IMAGE]))
         await asyncio.sleep(0.3)
-        during = (limiter.in_use, engine.batcher.queued, second.done())
+        during = (limiter.in_use, engine.runner.queued, second.done())
         gate.open()
         (out,) = await second
         decode(out.ref, transport=engine.transport)
@@ -178,7 +178,7 @@ def test_queue_time_is_observed_once_per_item_with_its_wait_behind_the_running_f
         tasks = [asyncio.ensure_future(engine.encode([IMAGE]))]
         await _until(gate.entered.is_set, "the first forward")
         tasks += [asyncio.ensure_future(engine.encode([IMAGE, IMAGE]))]
-        await _until(lambda: engine.batcher.queued == 2, "two queued items")
+        await _until(lambda: engine.runner.queued == 2, "two queued items")
         queued_at = time.monotonic()
         await asyncio.sleep(0.05)
         gate.open()
@@ -200,8 +200,8 @@ def test_an_item_cancelled_in_the_queue_leaves_no_queue_time(tiny_encoders):
         first = asyncio.ensure_future(engine.encode([IMAGE]))
         await _until(gate.entered.is_set, "the first forward")
         second = asyncio.ensure_future(engine.encode([IMAGE]))
-        await _until(lambda: engine.batcher.queued == 1, "one queued item")
-        (entry,) = engine.batcher._queues["vision"]
+        await _until(lambda: engine.runner.queued == 1, "one queued item")
+        (entry,) = engine.runner._queues["vision"]
         second.cancel()
         await _until(lambda: entry.cancelled, "the cancellation to reach the queued item")
         gate.open()

@@ -1,13 +1,14 @@
-"""StepBatcher: one device thread runs every admitted request's denoising, step by step.
+"""ImageGenRunner: the image stage's device step — every admitted request's denoising, step by step.
 
-A request enters as a `Job` (already holding one of the stress-tested slots). At each step
-boundary the thread prepares new jobs (connector, reference encoding, noise), drops jobs whose
+A request enters as a `Job` (already holding one of the stress-tested slots); the stage's
+`DeviceLoop` thread runs the steps. At each step boundary the runner prepares new jobs (connector, reference encoding, noise), drops jobs whose
 client left, then runs ONE DiT forward for all jobs of one shape (the group waiting longest; groups
 of different shapes take turns), so requests of equal size join each other at step boundaries,
 whatever step each one is at. After each step a job's `on_event(Progress)`; when done, the VAE
 decodes it (`Finished`); on an error, `Failed`. `on_release()` is called exactly once when the
-thread lets go of a job (finished, failed, dropped or the batcher stopped): only then may its slot
+thread lets go of a job (finished, failed, dropped or the loop stopped): only then may its slot
 be reused, so a cancelled request never lets more than the tested batch onto the device.
+When the loop stops or fails, every job still held gets `Failed` with the loop's error.
 No gRPC and no metrics here (benchmarks run it bare); `on_forward(requests, rows)` reports each forward,
 `on_admit(seconds)` each job's wait from its creation to the thread taking it into the loop (once per
 job, before its preparation; a job dropped as cancelled is not reported).
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 from omnistage.common.log import get_logger
+from omnistage.common.runtime.device_loop import DeviceRunner
 from omnistage.services.imagegen.pipeline import DenoiseState, GenerationSpec, ImagePipeline
 
 log = get_logger(__name__)
@@ -63,88 +65,60 @@ class Job:
         self.cancelled = True
 
 
-class StepBatcher:
-    """`submit(job)`; `start()` / `stop()` the device thread; counters for Describe and metrics."""
+class ImageGenRunner(DeviceRunner):
+    """`put(job)` (through `DeviceLoop.admit`); the loop's thread calls `step()`; counters for Describe."""
 
     def __init__(self, pipeline: ImagePipeline, *, name: str = "imagegen",
                  on_forward: Callable[[int, int], None] | None = None,
-                 on_admit: Callable[[float], None] | None = None,
-                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+                 on_admit: Callable[[float], None] | None = None) -> None:
         self.pipeline = pipeline
         self.name = name
         self.on_forward = on_forward
         self.on_admit = on_admit
-        # Called (on the device thread) when the thread dies of an error: the service fails.
-        self.on_failure = on_failure
-        self.forwards = 0
-        self.largest_batch = 0
         self.dropped = 0
         self._inbox: list[Job] = []
         self._active: list[Job] = []
-        self._cv = threading.Condition()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name=f"{name}-device", daemon=True)
+        self._lock = threading.Lock()
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Finish the step in progress, fail every job still held, join the thread."""
-        with self._cv:
-            self._stopped = True
-            self._cv.notify_all()
-        self._thread.join(timeout_s)
-
-    def submit(self, job: Job) -> None:
-        with self._cv:
-            if self._stopped:
-                raise RuntimeError(f"{self.name}: stopped")
+    def put(self, job: Job) -> None:
+        with self._lock:
             self._inbox.append(job)
-            self._cv.notify()
 
     @property
     def held(self) -> int:
         """Jobs the device thread holds (in the loop or about to be prepared)."""
-        with self._cv:
+        with self._lock:
             return len(self._inbox) + len(self._active)
 
     # -- device thread -----------------------------------------------------------------------
 
-    def _run(self) -> None:
-        """The device loop. Whatever ends it (stop, or an error outside one request's work) fails
-        every job it holds and refuses new ones: a request never waits on a thread that is gone."""
-        why: BaseException = RuntimeError(f"{self.name}: stopped")
-        try:
-            device = self.pipeline.device
-            if device.type == "cuda" and device.index is not None:
-                torch.cuda.set_device(device)
-            with torch.inference_mode():
-                while self._wait_for_work():
-                    self._admit()
-                    self._drop_cancelled()
-                    group = self._next_group()
-                    if group:
-                        self._step(group)
-        except BaseException as exc:  # noqa: BLE001 - every held request hears about it
-            log.exception("%s: the device thread failed", self.name)
-            why = RuntimeError(f"{self.name}: the device thread failed: {type(exc).__name__}: {exc}")
-            if self.on_failure is not None:
-                self.on_failure(why)
-        with self._cv:
-            self._stopped = True
+    def open(self) -> None:
+        device = self.pipeline.device
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._active)
+
+    @torch.inference_mode()
+    def step(self) -> int:
+        """Prepare new jobs, drop cancelled ones, one forward for the group that waited longest.
+        Returns the requests that forward moved (0: none)."""
+        self._admit()
+        self._drop_cancelled()
+        group = self._next_group()
+        return self._step(group) if group else 0
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._lock:
             left = self._inbox + self._active
             self._inbox, self._active = [], []
         for job in left:
-            self._finish(job, Failed(why))
-
-    def _wait_for_work(self) -> bool:
-        with self._cv:
-            while not self._stopped and not self._inbox and not self._active:
-                self._cv.wait()
-            return not self._stopped
+            self._finish(job, Failed(error))
 
     def _admit(self) -> None:
-        with self._cv:
+        with self._lock:
             new, self._inbox = self._inbox, []
         for job in new:
             if job.cancelled:
@@ -158,25 +132,25 @@ class StepBatcher:
                 log.exception("%s: preparing a request failed", self.name)
                 self._finish(job, Failed(exc))
                 continue
-            with self._cv:
+            with self._lock:
                 self._active.append(job)
 
     def _drop_cancelled(self) -> None:
-        with self._cv:
+        with self._lock:
             gone = [j for j in self._active if j.cancelled]
             self._active = [j for j in self._active if not j.cancelled]
         for job in gone:
             self._drop(job)
 
     def _next_group(self) -> list[Job]:
-        with self._cv:
+        with self._lock:
             if not self._active:
                 return []
             first = min(self._active, key=lambda j: j.turn)
             key = first.state.shape_key  # type: ignore[union-attr]
             return [j for j in self._active if j.state.shape_key == key]  # type: ignore[union-attr]
 
-    def _step(self, group: list[Job]) -> None:
+    def _step(self, group: list[Job]) -> int:
         states = [j.state for j in group]
         try:
             moved, rows = self.pipeline.step(states)  # type: ignore[arg-type]
@@ -185,12 +159,9 @@ class StepBatcher:
             for job in group:
                 self._remove(job)
                 self._finish(job, Failed(exc))
-            return
-        if moved:
-            self.forwards += 1
-            self.largest_batch = max(self.largest_batch, moved)
-            if self.on_forward is not None:
-                self.on_forward(moved, rows)
+            return 0
+        if moved and self.on_forward is not None:
+            self.on_forward(moved, rows)
         for job in group:
             job.turn = next(_order)
             state = job.state
@@ -199,6 +170,7 @@ class StepBatcher:
             if state.done:
                 self._remove(job)
                 self._decode(job)
+        return moved
 
     def _decode(self, job: Job) -> None:
         try:
@@ -210,7 +182,7 @@ class StepBatcher:
         self._finish(job, Finished(pixels))
 
     def _remove(self, job: Job) -> None:
-        with self._cv:
+        with self._lock:
             if job in self._active:
                 self._active.remove(job)
 

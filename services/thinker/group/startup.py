@@ -35,11 +35,11 @@ from omnistage.common.log import get_logger
 from omnistage.common.memory.device import DeviceMemory, device_memory_for
 from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
-from omnistage.services.thinker.engine.distributed import GroupFailure, TPControl, TPError, join_tp_group
-from omnistage.services.thinker.engine.faults import StartupFault
-from omnistage.services.thinker.engine.kv_profile import KVProfile, KVSettings, peers_bytes, size_kv_cache
 from omnistage.services.thinker.engine.model_runner import ModelRunner, to_dtype
-from omnistage.services.thinker.engine.warmup import WarmupResult, run_warmup, warmup_shapes
+from omnistage.services.thinker.group.distributed import GroupFailure, TPControl, TPError, join_tp_group
+from omnistage.services.thinker.group.faults import StartupFault
+from omnistage.services.thinker.group.kv_profile import KVProfile, KVSettings, peers_bytes, size_kv_cache
+from omnistage.services.thinker.group.warmup import WarmupResult, run_warmup, warmup_shapes
 from omnistage.services.thinker.models.bailing_moe_v2 import BailingMoeV2ForCausalLM
 from omnistage.services.thinker.models.layers.backends import (
     BackendError,

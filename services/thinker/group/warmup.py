@@ -23,11 +23,11 @@ import torch
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import DeviceMemory, fmt_bytes
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
-from omnistage.services.thinker.engine.distributed import TPControl
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sampler import Sampler
 from omnistage.services.thinker.engine.sequence import SamplingParams, Sequence
 from omnistage.services.thinker.engine.step_plan import PlanKind, StepPlan
+from omnistage.services.thinker.group.distributed import TPControl
 
 log = get_logger(__name__)
 

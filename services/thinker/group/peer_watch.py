@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from omnistage.common.log import get_logger
-from omnistage.services.thinker.engine.tp_store import (
+from omnistage.services.thinker.group.tp_store import (
     GroupFailure,
     PeerProcess,
     StoreLost,
@@ -29,7 +29,7 @@ from omnistage.services.thinker.engine.tp_store import (
 )
 
 if TYPE_CHECKING:
-    from omnistage.services.thinker.engine.distributed import TPControl
+    from omnistage.services.thinker.group.distributed import TPControl
 
 log = get_logger(__name__)
 

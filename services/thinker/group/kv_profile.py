@@ -23,10 +23,10 @@ import torch
 from omnistage.common.config import EngineConfig, MemoryConfig
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import SEGMENT_BYTES, DeviceMemory, fmt_bytes
-from omnistage.services.thinker.engine.distributed import TPControl
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sampler import Sampler
-from omnistage.services.thinker.engine.warmup import (
+from omnistage.services.thinker.group.distributed import TPControl
+from omnistage.services.thinker.group.warmup import (
     DummyShape,
     StepProgress,
     release_after_failure,

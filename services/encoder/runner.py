@@ -1,0 +1,155 @@
+"""EncoderRunner: the encoder's device step — concurrent requests' items share one forward per modality.
+
+Items arrive already holding a slot of their modality's `ConcurrencyLimiter` (the request flow,
+engine.py, takes it; limit = the batch the start-up stress proved to fit). Each step takes
+everything queued for one modality (oldest modality first), at most its cap, and runs it as one
+forward, so at most `cap` items of a modality are ever in a forward and the two modalities never run
+at once (their stress peaks were measured apart). The `DeviceLoop` runs the steps on its thread.
+An item whose caller gave up before its forward started is skipped (its future cancelled);
+`on_queued(seconds)` hears, as each item's forward starts, how long it waited since its request
+asked for a slot (a skipped item is never reported). A forward's error goes to its items' callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnistage.common import metrics
+from omnistage.common.log import get_logger
+from omnistage.common.runtime.device_loop import DeviceRunner, call_in_loop
+
+log = get_logger(__name__)
+
+Forward = Callable[[Sequence[Any]], Sequence[Any]]
+
+
+def batches_counter():
+    return metrics.counter("encoder_batches", "Encoder forwards run, by modality", ("modality",))
+
+
+def batched_items_counter():
+    return metrics.counter("encoder_batched_items", "Items encoded in those forwards, by modality", ("modality",))
+
+
+def batch_size_histogram():
+    return metrics.histogram("encoder_batch_items", "Items per encoder forward, by modality", ("modality",),
+                             buckets=(1, 2, 4, 8, 16, 32, 64))
+
+
+def queue_time_histogram():
+    return metrics.histogram("encoder_queue_time_seconds", "Time an item waited in the encoder: its arrival "
+                             "in the batcher (slot wait included) to the start of the forward that encodes it")
+
+
+@dataclass(eq=False)
+class Entry:
+    """One item waiting for its forward; `future` (on the request's event loop) gets its output."""
+
+    item: Any
+    future: asyncio.Future
+    arrived: float  # the request asked for a slot: before the slot wait
+    enqueued: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+
+
+class EncoderRunner(DeviceRunner):
+    """Per-modality queues and the batched forward of one modality per step."""
+
+    def __init__(self, service: str, forwards: dict[str, Forward], caps: dict[str, int]) -> None:
+        self.service = service
+        self.forwards = forwards
+        self.caps = {m: caps[m] for m in forwards}
+        self.batches = dict.fromkeys(forwards, 0)
+        self.largest_batch = dict.fromkeys(forwards, 0)
+        self.on_queued: Callable[[float], None] | None = None  # metrics: set after the warm-up
+        self._queues: dict[str, deque[Entry]] = {m: deque() for m in forwards}
+        self._lock = threading.Lock()
+
+    def put(self, modality: str, entry: Entry) -> None:
+        """Queue an item (through `DeviceLoop.admit`, which refuses once the loop has stopped)."""
+        with self._lock:
+            self._queues[modality].append(entry)
+
+    @property
+    def queued(self) -> int:
+        with self._lock:
+            return sum(len(q) for q in self._queues.values())
+
+    # -- device thread -----------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return any(self._queues.values())
+
+    def step(self) -> int:
+        batch = self._next_batch()
+        if batch is None:
+            return 0
+        modality, entries = batch
+        live = [e for e in entries if not e.cancelled]
+        outputs: Sequence[Any] | BaseException = []
+        if live:
+            self._report_waits(live)
+            try:
+                outputs = self.forwards[modality]([e.item for e in live])
+                self._count(modality, len(live))
+            except BaseException as exc:  # noqa: BLE001 - handed to every waiting request
+                log.exception("%s forward of %d items failed", modality, len(live))
+                outputs = exc
+        for i, e in enumerate(live):
+            _settle(e, outputs if isinstance(outputs, BaseException) else outputs[i])
+        for e in entries:
+            if e.cancelled and e not in live:
+                _settle(e, asyncio.CancelledError())
+        return len(live) if not isinstance(outputs, BaseException) else 0
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            entries = [e for q in self._queues.values() for e in q]
+            for q in self._queues.values():
+                q.clear()
+        for e in entries:
+            _settle(e, error)
+
+    def _next_batch(self) -> tuple[str, list[Entry]] | None:
+        with self._lock:
+            if not any(self._queues.values()):
+                return None
+            modality = min((m for m, q in self._queues.items() if q), key=lambda m: self._queues[m][0].enqueued)
+            queue, cap = self._queues[modality], self.caps[modality]
+            return modality, [queue.popleft() for _ in range(min(len(queue), cap))]
+
+    def _report_waits(self, entries: Sequence[Entry]) -> None:
+        if self.on_queued is not None:
+            now = time.monotonic()
+            for e in entries:
+                self.on_queued(now - e.arrived)
+
+    def _count(self, modality: str, n: int) -> None:
+        self.batches[modality] += 1
+        self.largest_batch[modality] = max(self.largest_batch[modality], n)
+        batches_counter().labels(self.service, modality).inc()
+        batched_items_counter().labels(self.service, modality).inc(n)
+        batch_size_histogram().labels(self.service, modality).observe(n)
+
+
+def _settle(entry: Entry, value: Any) -> None:
+    """Hand an item's output (or error, or cancellation) to its request's event loop."""
+
+    def settle() -> None:
+        if entry.future.done():
+            return
+        if isinstance(value, asyncio.CancelledError):
+            entry.future.cancel()
+        elif isinstance(value, BaseException):
+            entry.future.set_exception(value)
+        else:
+            entry.future.set_result(value)
+
+    call_in_loop(entry.future.get_loop(), settle)

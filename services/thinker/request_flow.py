@@ -1,0 +1,342 @@
+"""ThinkerEngine: the thinker's request flow — bound, tokenize, submit, stream outputs, end the request.
+
+Every request gets an engine id made here (uuid4), sent to the caller in the stream's first event
+(`Started`); the caller's `request_id` is only logged, so two callers never collide. A stream that
+ends early (cancel, deadline, error; also while the add is still in flight) aborts the engine
+request at once, so its KV blocks are freed: a caller stops a request by cancelling its stream.
+
+Prompts are bounded before any tokenizing (pieces, characters), and tokenizing runs in a small
+thread pool, never on the event loop that serves the other requests (see models/tokenizer.py for
+why a worker thread does not hold the GIL). A multimodal request's encoder rows are checked, copied
+out of shared memory and laid out in that pool too (multimodal.py); whatever happens, its leases
+have ended before the request reaches the engine or is refused.
+
+Hidden-state mode (`ThinkerRequest.hidden_states`, image generation's conditioning): the image query
+block is appended to the prompt, the engine prefills it and hands back the final-norm rows at its
+slots; they leave through this rank's producer pool as one leased TensorRef (`Hidden`), made in the
+tokenize pool, and revoked again if the stream ends before the caller has taken it.
+
+The engine itself (`LLMEngine`, engine/) runs on the stage's `DeviceLoop` thread through
+`ThinkerRunner` (runner.py). This module is not `engine.py` as in the other stages because the
+`engine/` package (the step engine) has that name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop, DeviceStopped
+from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
+from omnistage.common.sampling import check_sampling
+from omnistage.common.transport import TransportContext, encode
+from omnistage.services.thinker.engine.llm_engine import (
+    LLMEngine,
+    QueueFullError,
+    RequestError,
+    RequestOutput,
+)
+from omnistage.services.thinker.engine.media import Prompt
+from omnistage.services.thinker.engine.sequence import SamplingParams
+from omnistage.services.thinker.group.distributed import TPError
+from omnistage.services.thinker.models.tokenizer import MingTokenizer, Piece
+from omnistage.services.thinker.multimodal import MediaInputs, release_refs
+from omnistage.services.thinker.runner import Stream, ThinkerRunner
+from omnistage.v1 import common_pb2, tensor_pb2, thinker_pb2
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Started:
+    """First of every stream: the engine's id of the request."""
+
+    engine_request_id: str
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """New tokens (and their text, logprobs) of one step."""
+
+    out: RequestOutput
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """Hidden-state mode: the query block's rows, leased to the caller."""
+
+    ref: tensor_pb2.TensorRef
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Last of a stream that ran to its end: the finish reason and usage."""
+
+    out: RequestOutput
+
+
+Event = Started | Tokens | Hidden | Finished
+
+
+def sampling_from_proto(s: common_pb2.SamplingParams, vocab_size: int, max_model_len: int) -> SamplingParams:
+    """The shared rules (`common/sampling.py`) give the INVALID_ARGUMENT message; zero means "off"."""
+    check_sampling(s, max_model_len=max_model_len, vocab_size=vocab_size)
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        seed=s.seed if s.HasField("seed") else None,
+        max_tokens=s.max_tokens,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        logprobs=s.logprobs,
+        ignore_eos=s.ignore_eos,
+    )
+
+
+class ThinkerEngine:
+    """`generate(request)` → Started, then Tokens / Hidden, then Finished. Owns the device loop."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        events: asyncio.AbstractEventLoop,
+        *,
+        max_model_len: int | None = None,
+        tokenize_workers: int = 2,
+        media: MediaInputs | None = None,
+        producer: TransportContext | None = None,
+        idle_wait_s: float = 0.5,
+    ) -> None:
+        self.runner = ThinkerRunner(engine, events)
+        # A failure's message is the group's own (`rank 2 died while ...`); a TPError says it all.
+        self.loop = DeviceLoop("engine", self.runner, idle_wait_s=idle_wait_s, describe_failure=str,
+                               quiet_failures=(TPError,))  # fmt: skip
+        self.media = media  # None: this thinker takes no embeddings (FAILED_PRECONDITION)
+        # Where hidden states leave (hidden-state mode); None, or no query rows: the mode is refused.
+        self.producer = producer
+        # Leases of refused requests are released through this (the media's transport, if any).
+        self._transport = media.transport if media is not None else None
+        self.tokenizer: MingTokenizer = engine.tokenizer
+        self.max_model_len = max_model_len or engine.cfg.max_model_len
+        # A prompt longer than this cannot fit max_model_len tokens whatever it says.
+        self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars
+        self._pool = concurrent.futures.ThreadPoolExecutor(tokenize_workers, "tokenize")
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        """Stop the device loop (after the servicer has drained): open streams end with DeviceStopped."""
+        self.loop.stop()
+
+    def close(self) -> None:
+        """Stop the tokenize pool (tokenizations under way finish in their threads, unawaited)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._transport is not None and self.media is None:
+            self._transport.close()
+
+    def load(self) -> tuple[int, int]:
+        return self.runner.load()
+
+    async def generate(self, request: thinker_pb2.ThinkerRequest) -> AsyncIterator[Event]:
+        """The request's events. Close the iterator (`contextlib.aclosing`) when leaving early: that
+        aborts the engine request and takes back a hidden-state ref not yet handed on."""
+        prompt, params = await self._admit(request)
+        engine_id = uuid.uuid4().hex
+        finished = False
+        try:
+            # Inside the try: a cancel while the add is in flight still aborts what it added.
+            stream = await self._submit(engine_id, prompt, params)
+            yield Started(engine_id)
+            while not finished:
+                out = await stream.get()
+                if isinstance(out, BaseException):  # e.g. "thinker rank 2 died while serving (step 57): ..."
+                    raise StageUnavailable(f"thinker {out}")
+                if out.token_ids or out.text:
+                    yield Tokens(out)
+                if out.hidden_states is not None:
+                    hidden = await self._hidden(out, request)
+                    handed = False
+                    try:
+                        yield hidden
+                        handed = True
+                    finally:
+                        if not handed and self.producer is not None:  # nobody will release it
+                            self.producer.revoke(hidden.ref)
+                if out.finished:
+                    finished = True
+                    yield Finished(out)
+        finally:
+            if not finished:
+                # Cancelled, refused or failed: free the KV blocks now, not at max_tokens.
+                self.loop.call(lambda: self.runner.abort(engine_id))
+                _log.info("request %s (engine id %s) ended before it finished", request.request_id, engine_id)
+
+    async def _admit(self, request: thinker_pb2.ThinkerRequest) -> tuple[Prompt, SamplingParams]:
+        """Bound, check the sampling, tokenize (in the pool); the request's leases end here."""
+        try:
+            self._check_prompt_size(request)
+            params = sampling_from_proto(request.sampling, self.tokenizer.vocab_size, self.max_model_len)
+            prompt = await asyncio.get_running_loop().run_in_executor(self._pool, self._prompt, request)
+        finally:
+            if request.multimodal:  # copied, refused or cancelled: no lease outlives this
+                if self._transport is None:
+                    self._transport = TransportContext()
+                release_refs(self._transport, request.multimodal)
+        return prompt, params
+
+    async def _submit(self, engine_id: str, prompt: Prompt, params: SamplingParams) -> Stream:
+        stream: Stream = asyncio.Queue()
+        try:
+            await asyncio.wrap_future(self.loop.call(lambda: self.runner.add(engine_id, prompt, params, stream)))
+        except RequestError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        except QueueFullError as exc:
+            raise Overloaded(f"thinker queue full: {exc}", retry_after_ms=200) from exc
+        except (DeviceFailed, DeviceStopped) as exc:
+            raise StageUnavailable(f"thinker {exc}") from exc
+        return stream
+
+    def _query_block_tokens(self, request: thinker_pb2.ThinkerRequest) -> int:
+        """Tokens hidden-state mode appends to the prompt (0 for a text request); refuses the mode
+        when this thinker has no image query rows or nowhere to send hidden states."""
+        if not request.HasField("hidden_states"):
+            return 0
+        if self.media is None or self.media.queries is None or self.producer is None:
+            raise StageUnavailable(
+                "hidden_states: this thinker has no image-generation query embeddings "
+                "(the checkpoint's mlp/model.safetensors query_tokens_dict)", retryable=False,
+            )  # fmt: skip
+        return self.media.query_block_tokens
+
+    def _check_prompt_size(self, request: thinker_pb2.ThinkerRequest) -> None:
+        """Refuse what cannot fit before tokenizing: cheap checks on the event loop."""
+        kind = request.WhichOneof("prompt")
+        block = self._query_block_tokens(request)
+        if request.multimodal:
+            if self.media is None:
+                raise StageUnavailable("multimodal: this thinker takes no embeddings", retryable=False)
+            rows = self.media.check_items(request.multimodal)
+            if rows + block >= self.max_model_len:
+                raise InvalidRequest(
+                    f"multimodal: {rows} embedding rows leave no room to generate (max_model_len {self.max_model_len})"
+                )
+        if kind == "chat":
+            pieces = request.chat.pieces
+            if not pieces:
+                raise InvalidRequest("chat.pieces: a chat prompt needs at least one piece")
+            if len(pieces) > self.max_model_len:
+                raise InvalidRequest(
+                    f"chat.pieces: {len(pieces)} pieces, at most max_model_len {self.max_model_len} are accepted"
+                )
+            for i, piece in enumerate(pieces):
+                if piece.WhichOneof("piece") is None:
+                    raise InvalidRequest(f"chat.pieces[{i}]: set template, text or tokens")
+            given = sum(len(p.tokens.ids) for p in pieces)
+            if given + block >= self.max_model_len:
+                raise InvalidRequest(
+                    f"chat.pieces: token pieces of {given} tokens leave no room to generate "
+                    f"(max_model_len {self.max_model_len})"
+                )
+            chars = sum(len(p.template) + len(p.text) for p in pieces)
+        elif kind == "text":
+            chars = len(request.text)
+        elif kind == "token_ids":
+            if len(request.token_ids.ids) + block >= self.max_model_len:
+                raise InvalidRequest(
+                    f"token_ids: {len(request.token_ids.ids)} tokens leave no room to generate "
+                    f"(max_model_len {self.max_model_len})"
+                )
+            return
+        else:
+            raise InvalidRequest("prompt: set chat, text or token_ids")
+        if chars > self.max_prompt_chars:
+            raise InvalidRequest(
+                f"prompt: {chars} characters cannot fit max_model_len {self.max_model_len} tokens "
+                f"(at most {self.max_prompt_chars} characters)"
+            )
+
+    def _prompt_ids(self, request: thinker_pb2.ThinkerRequest) -> list[int]:
+        """Tokenize (in the tokenize pool) and check the length; template special tokens first."""
+        kind = request.WhichOneof("prompt")
+        if kind == "chat":
+            pieces = [self._piece(i, p) for i, p in enumerate(request.chat.pieces)]
+            segments = self.tokenizer.split_pieces(pieces)
+            specials = sum(1 if isinstance(seg, int) else len(seg) for seg in segments if not isinstance(seg, str))
+            if specials >= self.max_model_len:
+                raise InvalidRequest(
+                    f"chat: the template alone has {specials} special tokens "
+                    f"(max_model_len {self.max_model_len})"
+                )
+            ids = self.tokenizer.encode_segments(segments)
+        elif kind == "text":  # literal, like client text in `chat`: no string becomes a control token
+            ids = self.tokenizer.encode_segments(self.tokenizer.split_pieces([("text", request.text)]))
+        else:
+            ids = self._in_vocabulary("token_ids", request.token_ids.ids)
+        if not ids:
+            raise InvalidRequest("prompt: empty after tokenization")
+        block = self._query_block_tokens(request)
+        if block and len(ids) + block > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt: {len(ids)} tokens + the image query block's {block} exceed max_model_len {self.max_model_len}"
+            )
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"prompt: {len(ids)} tokens leave no room to generate (max_model_len {self.max_model_len})"
+            )
+        return ids
+
+    def _in_vocabulary(self, where: str, ids) -> list[int]:
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"{where}: {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return list(ids)
+
+    def _piece(self, i: int, p: thinker_pb2.PromptPiece) -> Piece:
+        kind = p.WhichOneof("piece")
+        if kind == "tokens":
+            return ("tokens", self._in_vocabulary(f"chat.pieces[{i}].tokens", p.tokens.ids))
+        return ("template", p.template) if kind == "template" else ("text", p.text)
+
+    def _prompt(self, request: thinker_pb2.ThinkerRequest) -> Prompt:
+        """Token ids, plus the encoder rows and 3D positions of a multimodal request and the query
+        block of a hidden-state request (tokenize pool)."""
+        ids = self._prompt_ids(request)
+        hidden = request.HasField("hidden_states")
+        if not request.multimodal and not hidden:
+            return ids
+        assert self.media is not None  # _check_prompt_size refused it otherwise
+        return self.media.build(ids, request.multimodal, image_queries=hidden)
+
+    def _hidden_ref(self, rows, allow_cuda_ipc: bool) -> tensor_pb2.TensorRef:
+        """The hidden states as a leased ref of this rank's producer pool (tokenize pool)."""
+        assert self.producer is not None
+        nbytes = rows.numel() * rows.element_size()
+        if rows.is_cuda and not allow_cuda_ipc and nbytes >= self.producer.options.shm_threshold_bytes:
+            return encode(rows, transport=self.producer, force="shm")  # the consumer cannot open CUDA IPC
+        return encode(rows, transport=self.producer)
+
+    async def _hidden(self, out: RequestOutput, request: thinker_pb2.ThinkerRequest) -> Hidden:
+        made = asyncio.get_running_loop().run_in_executor(
+            self._pool, self._hidden_ref, out.hidden_states, request.hidden_states.allow_cuda_ipc
+        )
+        out.hidden_states = None  # the device rows go with the copy
+        try:
+            ref = await asyncio.shield(made)
+        except asyncio.CancelledError:  # the caller left while the ref was made: nobody will release it
+            made.add_done_callback(self._revoke_when_made)
+            raise
+        return Hidden(ref)
+
+    def _revoke_when_made(self, made: asyncio.Future) -> None:
+        if not made.cancelled() and made.exception() is None and self.producer is not None:
+            self.producer.revoke(made.result())

@@ -1,0 +1,93 @@
+"""ThinkerRunner: the thinker's device step — `LLMEngine.step` — and each request's stream of outputs.
+
+`LLMEngine` is not thread-safe: every call into it (add, abort, step) runs on the stage's
+`DeviceLoop` thread (add and abort through `DeviceLoop.call`, between two steps). Each request's
+outputs go to its own asyncio queue on the serving event loop; the device thread never waits on a
+reader (no blocking send in a loop that must also drain): outputs are handed over with
+`call_soon_threadsafe`. An idle turn keeps the TP group alive (`LLMEngine.keepalive`).
+When the loop fails or stops, every open stream gets the error as its last item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from omnistage.common.runtime.device_loop import DeviceFailed, DeviceRunner, call_in_loop
+from omnistage.services.thinker.engine.llm_engine import LLMEngine, RequestOutput
+from omnistage.services.thinker.engine.media import Prompt, unpack_prompt
+from omnistage.services.thinker.engine.sequence import SamplingParams
+
+Stream = asyncio.Queue  # of RequestOutput, then maybe one BaseException (the loop failed or stopped)
+
+
+class ThinkerRunner(DeviceRunner):
+    """The engine's requests and their streams; `add` / `abort` run on the device thread."""
+
+    def __init__(self, engine: LLMEngine, events: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.events = events  # the event loop the streams belong to
+        self._streams: dict[str, Stream] = {}
+        self._lock = threading.Lock()  # _streams and _ended: the device thread and fail_all both touch them
+        self._ended: BaseException | None = None
+
+    # -- device thread, through DeviceLoop.call ------------------------------------------------------
+
+    def add(self, request_id: str, prompt: Prompt, params: SamplingParams, stream: Stream) -> None:
+        """Add a request (token ids or a MultimodalPrompt); raises what add_request raises (bad
+        request, queue full), or DeviceFailed when the streams have been ended meanwhile."""
+        prompt_ids, extra = unpack_prompt(prompt)
+        self.engine.add_request(request_id, prompt_ids, params, **extra)
+        with self._lock:
+            if self._ended is not None:
+                raise DeviceFailed(str(self._ended))
+            self._streams[request_id] = stream
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request now; its stream gets a final ABORT output. Returns that output, or None when
+        the request is unknown or already finished."""
+        out = self.engine.abort(request_id)
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if out is not None and stream is not None:
+            call_in_loop(self.events, stream.put_nowait, out)
+        return out
+
+    # -- any thread ----------------------------------------------------------------------------------
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) as last seen; read without the engine's thread, so approximate."""
+        sched = self.engine.scheduler
+        return len(sched.running), len(sched.waiting)
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            if self._ended is None:
+                self._ended = error
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            call_in_loop(self.events, stream.put_nowait, error)
+
+    # -- device thread -------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def step(self) -> int:
+        outputs = self.engine.step()
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue  # aborted while the step ran, or failed meanwhile
+                if out.finished:
+                    del self._streams[out.request_id]
+                call_in_loop(self.events, stream.put_nowait, out)
+        return len(outputs)
+
+    def idle(self) -> None:
+        self.engine.keepalive()
+
+    def close(self) -> None:
+        self.engine.shutdown()
