@@ -170,8 +170,8 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
                 if args.sweep:
                     result["sweep"] = decode_sweep(engine, args, device)
                 if args.profile_c:
-                    result["profile"] = {c: profile_steps(engine, c, graphs) for c in args.profile_c
-                                         for graphs in (True, False)}  # fmt: skip
+                    result["profile"] = {f"c{c}-{'graphs' if graphs else 'eager'}": profile_steps(engine, c, graphs)
+                                         for c in args.profile_c for graphs in (True, False)}  # fmt: skip
                 engine.shutdown()
             else:
                 serve_plans(control, runner)
