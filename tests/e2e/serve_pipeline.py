@@ -16,8 +16,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
-from chaos_launch import free_ports  # noqa: E402, F401 - `n` ports free now, held at once while picked
+from load_tests.chaos_launch import free_ports  # noqa: F401 - `n` ports free now, held at once while picked
 
 
 def metric(url: str, prefix: str, default: float | None = None) -> float:

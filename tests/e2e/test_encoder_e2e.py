@@ -24,10 +24,9 @@ import yaml
 from omnistage.common.config import EncoderConfig
 from omnistage.common.transport import TransportContext, decode, encode
 from omnistage.v1 import control_pb2, control_pb2_grpc, encoder_pb2, encoder_pb2_grpc
-from serve_pipeline import free_ports
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services", "encoder"))
-from media_samples import audio_file, image_bytes, video_file  # noqa: E402
+from tests.e2e.serve_pipeline import free_ports
+from tests.services.encoder.media_samples import audio_file, image_bytes, video_file
 
 pytestmark = pytest.mark.timeout(600)
 

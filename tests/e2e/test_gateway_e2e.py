@@ -13,7 +13,8 @@ import grpc
 import pytest
 import yaml
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
-from serve_pipeline import free_ports
+
+from tests.e2e.serve_pipeline import free_ports
 
 pytestmark = pytest.mark.timeout(600)
 

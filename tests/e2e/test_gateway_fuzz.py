@@ -12,16 +12,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 import yaml
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
-from chaos_launch import free_ports  # noqa: E402
-from gateway_fuzz import run_cases  # noqa: E402
+from load_tests.chaos_launch import free_ports
+from load_tests.gateway_fuzz import run_cases
 
 pytestmark = pytest.mark.timeout(600)
 CASES = 150  # typed, and as many raw

@@ -25,7 +25,8 @@ import yaml
 from omnistage.common.transport import TransportContext, encode
 from omnistage.v1 import control_pb2, control_pb2_grpc, imagegen_pb2, imagegen_pb2_grpc, tensor_pb2
 from PIL import Image
-from serve_pipeline import free_ports
+
+from tests.e2e.serve_pipeline import free_ports
 
 pytestmark = pytest.mark.timeout(300)
 QUERIES, HIDDEN = 256, 256  # the tiny checkpoint's query slots and thinker hidden size

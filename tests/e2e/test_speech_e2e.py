@@ -33,7 +33,8 @@ from omnistage.common.runtime.status_file import read_status, status_path
 from omnistage.services.gateway.history import wav_of
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
-from serve_pipeline import capabilities_ready, free_ports
+
+from tests.e2e.serve_pipeline import capabilities_ready, free_ports
 
 pytestmark = pytest.mark.timeout(600)
 START_DEADLINE_S = 300.0

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 import yaml
 from omnistage.v1 import control_pb2, control_pb2_grpc, talker_pb2, talker_pb2_grpc
-from serve_pipeline import free_ports
+
+from tests.e2e.serve_pipeline import free_ports
 
 pytestmark = pytest.mark.timeout(600)
 STREAMS = 2  # stress_batch_sizes [2, 1]: the cap on streams speaking at once

@@ -22,8 +22,7 @@ import pytest
 import yaml
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
-from chaos_launch import free_ports, leftovers, started_children  # noqa: E402
+from load_tests.chaos_launch import free_ports, leftovers, started_children
 
 pytestmark = pytest.mark.timeout(300)
 START_DEADLINE_S = 150.0

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import io
-import sys
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from gateway_speech_fakes import FakeTalker, TalkerServer
 from omnistage.common.config import config_from_dict
 from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.errors import InvalidRequest, OmniError, Overloaded, StageUnavailable
@@ -29,8 +26,8 @@ from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, encoder_pb2, imagegen_pb2, imagegen_pb2_grpc, omni_pb2, thinker_pb2
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common" / "runtime"))
-from synthetic_stage import free_port  # noqa: E402
+from tests.common.runtime.synthetic_stage import free_port
+from tests.services.gateway.gateway_speech_fakes import FakeTalker, TalkerServer
 
 QUERIES, HIDDEN = 256, 64
 LIMITS = ImageLimits(min_side_px=64, max_side_px=1024, max_steps=50, max_guidance_scale=20.0, max_batch=2,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from engine_fakes import make_fake_engine
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
 from omnistage.services.thinker.engine_loop import EngineLoop
+
+from tests.services.thinker.engine.engine_fakes import make_fake_engine
 
 
 def slow_engine(step_s: float = 0.02):

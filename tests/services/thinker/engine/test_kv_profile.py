@@ -19,7 +19,8 @@ from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine.startup import RankConfig, start_rank
 from omnistage.services.thinker.engine.warmup import run_dummy_step, stress_shapes
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
-from profile_helpers import CFG, MiB, metered_runner
+
+from tests.services.thinker.engine.profile_helpers import CFG, MiB, metered_runner
 
 SOLO = TPControl()
 CAPACITY = 200 * MiB

@@ -10,7 +10,8 @@ measured outage: ranks 1 and 3 used to wait in a collective forever once rank 0 
 from __future__ import annotations
 
 import pytest
-from profile_helpers import TP_TEST, MiB, run_ranks
+
+from tests.services.thinker.engine.profile_helpers import TP_TEST, MiB, run_ranks
 
 MARGIN_S = 6.0  # process exit and scheduling on two shared cores, on top of the bound under test
 

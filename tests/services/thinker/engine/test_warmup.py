@@ -12,7 +12,14 @@ from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine.warmup import WarmupError, dummy_plan, run_warmup, warmup_shapes
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
-from profile_helpers import CFG, AllocationRecorder, MiB, metered_runner, run_ranks
+
+from tests.services.thinker.engine.profile_helpers import (
+    CFG,
+    AllocationRecorder,
+    MiB,
+    metered_runner,
+    run_ranks,
+)
 
 SOLO = TPControl()
 
