@@ -9,10 +9,6 @@ producer's leases are all released (Describe / decode) once consumers have decod
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -20,12 +16,11 @@ import grpc
 import numpy as np
 import pytest
 import torch
-import yaml
 from omnistage.common.config import EncoderConfig
 from omnistage.common.transport import TransportContext, decode, encode
 from omnistage.v1 import control_pb2, control_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 
-from tests.e2e.serve_pipeline import free_ports
+from tests.e2e.serve_pipeline import ServeProcess, free_ports
 from tests.services.encoder.media_samples import audio_file, image_bytes, video_file
 
 pytestmark = pytest.mark.timeout(600)
@@ -58,26 +53,9 @@ def encoder(tmp_path_factory):
                         "encoder": LIMITS, "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30}},
         },
     }
-    cfg_path = root / "deploy.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    ready = root / "ready"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.common.cli", "serve", str(cfg_path), "--ready-file", str(ready)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    deadline = time.monotonic() + 300
-    while not (ready.exists() and ready.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"encoder did not start (exit {proc.returncode}):\n{proc.stdout.read().decode()[-4000:]}")
-        time.sleep(0.2)
+    serve = ServeProcess(root, cfg).wait_ready(300)
     yield {"address": f"127.0.0.1:{port}", "admin": f"127.0.0.1:{admin_port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "ckpt": ckpt}
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("omnistage serve did not stop within 60s of SIGTERM")
+    serve.stop()
 
 
 @pytest.fixture(scope="module")

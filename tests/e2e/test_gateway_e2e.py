@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
 import grpc
 import pytest
-import yaml
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
-from tests.e2e.serve_pipeline import free_ports
+from tests.e2e.serve_pipeline import ServeProcess, free_ports
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,22 +37,7 @@ def pipeline(tmp_path_factory):
                         "max_message_bytes": 1 << 20},
         },
     }
-    cfg_path = root / "deploy.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    ready = root / "ready"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.common.cli", "serve", str(cfg_path), "--ready-file", str(ready)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    deadline = time.monotonic() + 300
-    while not (ready.exists() and ready.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            out = proc.stdout.read().decode(errors="replace")
-            pytest.fail(f"pipeline did not start (exit {proc.returncode}):\n{out[-4000:]}")
-        time.sleep(0.2)
+    serve = ServeProcess(root, cfg).wait_ready(300)
     yield {
         "checkpoint": ckpt,
         "gateway": f"127.0.0.1:{gw_port}",
@@ -66,15 +46,9 @@ def pipeline(tmp_path_factory):
         "thinker_admin": f"127.0.0.1:{th_admin}",
         "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
         "gateway_metrics": f"http://127.0.0.1:{gw_metrics}/metrics",
-        "proc": proc,
+        "proc": serve.proc,
     }
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("omnistage serve did not stop within 60s of SIGTERM")
-    assert proc.returncode == 0, proc.stdout.read().decode(errors="replace")[-4000:]
+    serve.stop()
 
 
 def _request(text="Hello there, how are you?", request_id="", system_prompt="", **sampling) -> omni_pb2.GenerateRequest:
