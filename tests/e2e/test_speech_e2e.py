@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 import wave
 from pathlib import Path
@@ -34,7 +33,7 @@ from omnistage.services.gateway.history import wav_of
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
-from tests.e2e.serve_pipeline import capabilities_ready, free_ports
+from tests.e2e.serve_pipeline import capabilities_ready, free_ports, wait_started
 
 pytestmark = pytest.mark.timeout(600)
 START_DEADLINE_S = 300.0
@@ -99,18 +98,19 @@ class Pipeline:
     def all_logs(self) -> str:
         return "\n".join(f"--- {name} ---\n{self.logs(name)}" for name in self.SERVICES)
 
+    def serving(self) -> bool:
+        rec = read_status(status_path(self.run_dir, "gateway", 0))
+        return (rec is not None and rec.phase == "serving"
+                and capabilities_ready(self.gateway, ["text", "speech", "media_input"]))
+
+    def exited(self) -> str:
+        return ", ".join(f"{name} (exit {proc.returncode})" for name, proc in self.procs.items()
+                         if proc.poll() is not None)
+
     def wait_ready(self) -> Pipeline:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while True:
-            rec = read_status(status_path(self.run_dir, "gateway", 0))
-            if (rec is not None and rec.phase == "serving"
-                    and capabilities_ready(self.gateway, ["text", "speech", "media_input"])):
-                return self
-            dead = [name for name, proc in self.procs.items() if proc.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                self.stop(check=False)
-                pytest.fail(f"pipeline did not start (exited: {dead}):\n{self.all_logs()}")
-            time.sleep(0.2)
+        wait_started("the speech pipeline", self.serving, self.exited, START_DEADLINE_S, self.run_dir, self.all_logs,
+                     on_failure=lambda: self.stop(check=False))
+        return self
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]
