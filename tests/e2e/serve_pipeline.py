@@ -41,6 +41,17 @@ def metric(url: str, prefix: str, default: float | None = None) -> float:
     return default
 
 
+def exposition_with_codes(url: str, *codes: str) -> str:
+    """The /metrics text at `url`, checked to hold an `omnistage_rpc_requests_total` series for each gRPC
+    status in `codes`: a test's own traffic made them, so that a check of the exposition (promtool) sees
+    the labelled series, whatever ran before it (labelled series appear only once counted)."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    rpcs = [line for line in text.splitlines() if line.startswith("omnistage_rpc_requests_total{")]
+    for code in codes:
+        assert any(f'code="{code}"' in line for line in rpcs), f"{url} counts no {code} RPC: {rpcs}"
+    return text
+
+
 def capabilities_ready(address: str, names: list[str]) -> bool:
     """Whether the gateway at `address` serves every capability in `names` (its health names
     omnistage.v1.Omni.<capability>: it serves text before its other stages are in)."""

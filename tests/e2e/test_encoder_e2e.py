@@ -20,7 +20,7 @@ from omnistage.common.config import EncoderConfig
 from omnistage.common.transport import TransportContext, decode, encode
 from omnistage.v1 import control_pb2, control_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 
-from tests.e2e.serve_pipeline import ServeProcess, free_ports
+from tests.e2e.serve_pipeline import ServeProcess, exposition_with_codes, free_ports
 from tests.services.encoder.media_samples import audio_file, image_bytes, video_file
 
 pytestmark = pytest.mark.timeout(600)
@@ -222,5 +222,19 @@ def test_too_many_items(encoder):
 
 
 def test_metrics_pass_promtool_check_metrics(encoder, check_metrics):
-    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
-    check_metrics(urllib.request.urlopen(encoder["metrics"], timeout=5).read().decode())
+    """/metrics after this test's own traffic (an item of each kind, a refused request), whatever ran before
+    it: the labelled series they count are there and pass promtool (tests/deploy checks the names)."""
+    kinds = [(encoder_pb2.MEDIA_KIND_IMAGE, IMAGE), (encoder_pb2.MEDIA_KIND_AUDIO, AUDIO),
+             (encoder_pb2.MEDIA_KIND_VIDEO, VIDEO)]
+    ok = _stub(encoder).Encode(encoder_pb2.EncodeRequest(
+        items=[encoder_pb2.EncodeItem(kind=kind, data=data) for kind, data in kinds]), timeout=60)
+    with TransportContext() as consumer:  # decoded: the leases come back
+        for item in ok.items:
+            decode(item.embeddings, transport=consumer)
+    with pytest.raises(grpc.RpcError):
+        _stub(encoder).Encode(encoder_pb2.EncodeRequest(items=[encoder_pb2.EncodeItem(data=b"x")]), timeout=30)
+    text = exposition_with_codes(encoder["metrics"], "OK", "INVALID_ARGUMENT")
+    batches = [line for line in text.splitlines() if line.startswith("omnistage_encoder_batches_total{")]
+    for modality in ("vision", "audio"):  # the towers' forwards (images and video share the vision one)
+        assert any(f'modality="{modality}"' in line for line in batches), batches
+    check_metrics(text)

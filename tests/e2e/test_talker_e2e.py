@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from omnistage.v1 import control_pb2, control_pb2_grpc, talker_pb2, talker_pb2_grpc
 
-from tests.e2e.serve_pipeline import ServeProcess, free_ports
+from tests.e2e.serve_pipeline import ServeProcess, exposition_with_codes, free_ports
 
 pytestmark = pytest.mark.timeout(600)
 STREAMS = 2  # stress_batch_sizes [2, 1]: the cap on streams speaking at once
@@ -214,5 +214,12 @@ def test_streams_beyond_the_cap_are_refused_with_pushback(talker):
 
 
 def test_metrics_pass_promtool_check_metrics(talker, check_metrics):
-    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
-    check_metrics(urllib.request.urlopen(talker["metrics"], timeout=5).read().decode())
+    """/metrics after this test's own traffic (a spoken sentence, a refused request), whatever ran before
+    it: the labelled series they count are there and pass promtool (tests/deploy checks the names)."""
+    ok = list(_stub(talker).Speak(iter([_config(seed=1), talker_pb2.SpeakRequest(text="Fine.", end_of_text=True)]),
+                                  timeout=120))
+    assert ok[-1].finished.total_samples > 0
+    with pytest.raises(grpc.RpcError):
+        list(_stub(talker).Speak(iter([talker_pb2.SpeakRequest(text="Hi.")]), timeout=60))
+    _wait_idle(talker)
+    check_metrics(exposition_with_codes(talker["metrics"], "OK", "INVALID_ARGUMENT"))
