@@ -1,9 +1,10 @@
 """What the e2e tests of real services share: free local ports, a metric read off /metrics, and an
 `omnistage serve` process of a deploy dict with its output in a file.
 
-`ServeProcess` is the one launch-and-wait of the e2e tests: every wait on it has a deadline, and a start
-that fails or runs out of time names the stage, rank and phase each process last reported (the
-launcher's status files, in a run directory of the test's own) above the launcher's output."""
+`wait_started` is the one launch-and-wait of the e2e tests (`ServeProcess.wait_ready` for `omnistage
+serve`; a pipeline of one process per service calls it too): every wait has a deadline, and a start that
+fails or runs out of time names the stage, rank and phase each process last reported (the status files,
+in a run directory of the test's own) above the processes' output."""
 
 from __future__ import annotations
 
