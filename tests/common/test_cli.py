@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-sys.path.insert(0, str(Path(__file__).parent / "runtime"))
 from omnistage.common.cli import main  # noqa: E402
 from omnistage.common.runtime.deadlines import wait_for  # noqa: E402
 from omnistage.common.runtime.status_file import read_status, status_path  # noqa: E402
-from synthetic_stage import SCRIPT, free_port, write_config  # noqa: E402
+
+from tests.common.runtime.synthetic_stage import SCRIPT, free_port, write_config
 
 KEY_ENV = "OMNISTAGE_CLI_TEST_KEYS"
 

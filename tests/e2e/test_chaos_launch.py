@@ -4,14 +4,11 @@ here only what happened and in what order, within the launch timeout."""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
-from chaos_launch import ACTIONS, Plan, Result, Settings, _judge, plan_launches, run_chaos, summary  # noqa: E402
+from load_tests.chaos_launch import ACTIONS, Plan, Result, Settings, _judge, plan_launches, run_chaos, summary
 
 SEED = 20261122
 LAUNCHES = 50

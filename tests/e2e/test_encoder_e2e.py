@@ -9,10 +9,6 @@ producer's leases are all released (Describe / decode) once consumers have decod
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -20,14 +16,12 @@ import grpc
 import numpy as np
 import pytest
 import torch
-import yaml
 from omnistage.common.config import EncoderConfig
 from omnistage.common.transport import TransportContext, decode, encode
 from omnistage.v1 import control_pb2, control_pb2_grpc, encoder_pb2, encoder_pb2_grpc
-from serve_pipeline import free_ports
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services", "encoder"))
-from media_samples import audio_file, image_bytes, video_file  # noqa: E402
+from tests.e2e.serve_pipeline import ServeProcess, exposition_with_codes, free_ports
+from tests.services.encoder.media_samples import audio_file, image_bytes, video_file
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -59,26 +53,9 @@ def encoder(tmp_path_factory):
                         "encoder": LIMITS, "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30}},
         },
     }
-    cfg_path = root / "deploy.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    ready = root / "ready"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.common.cli", "serve", str(cfg_path), "--ready-file", str(ready)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    deadline = time.monotonic() + 300
-    while not (ready.exists() and ready.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"encoder did not start (exit {proc.returncode}):\n{proc.stdout.read().decode()[-4000:]}")
-        time.sleep(0.2)
+    serve = ServeProcess(root, cfg).wait_ready(300)
     yield {"address": f"127.0.0.1:{port}", "admin": f"127.0.0.1:{admin_port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "ckpt": ckpt}
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("omnistage serve did not stop within 60s of SIGTERM")
+    serve.stop()
 
 
 @pytest.fixture(scope="module")
@@ -245,5 +222,19 @@ def test_too_many_items(encoder):
 
 
 def test_metrics_pass_promtool_check_metrics(encoder, check_metrics):
-    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
-    check_metrics(urllib.request.urlopen(encoder["metrics"], timeout=5).read().decode())
+    """/metrics after this test's own traffic (an item of each kind, a refused request), whatever ran before
+    it: the labelled series they count are there and pass promtool (tests/deploy checks the names)."""
+    kinds = [(encoder_pb2.MEDIA_KIND_IMAGE, IMAGE), (encoder_pb2.MEDIA_KIND_AUDIO, AUDIO),
+             (encoder_pb2.MEDIA_KIND_VIDEO, VIDEO)]
+    ok = _stub(encoder).Encode(encoder_pb2.EncodeRequest(
+        items=[encoder_pb2.EncodeItem(kind=kind, data=data) for kind, data in kinds]), timeout=60)
+    with TransportContext() as consumer:  # decoded: the leases come back
+        for item in ok.items:
+            decode(item.embeddings, transport=consumer)
+    with pytest.raises(grpc.RpcError):
+        _stub(encoder).Encode(encoder_pb2.EncodeRequest(items=[encoder_pb2.EncodeItem(data=b"x")]), timeout=30)
+    text = exposition_with_codes(encoder["metrics"], "OK", "INVALID_ARGUMENT")
+    batches = [line for line in text.splitlines() if line.startswith("omnistage_encoder_batches_total{")]
+    for modality in ("vision", "audio"):  # the towers' forwards (images and video share the vision one)
+        assert any(f'modality="{modality}"' in line for line in batches), batches
+    check_metrics(text)

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 
 import grpc
 import pytest
-import yaml
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
-from serve_pipeline import free_ports
+
+from tests.e2e.serve_pipeline import ServeProcess, exposition_with_codes, free_ports
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,22 +36,7 @@ def pipeline(tmp_path_factory):
                         "max_message_bytes": 1 << 20},
         },
     }
-    cfg_path = root / "deploy.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    ready = root / "ready"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.common.cli", "serve", str(cfg_path), "--ready-file", str(ready)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    deadline = time.monotonic() + 300
-    while not (ready.exists() and ready.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            out = proc.stdout.read().decode(errors="replace")
-            pytest.fail(f"pipeline did not start (exit {proc.returncode}):\n{out[-4000:]}")
-        time.sleep(0.2)
+    serve = ServeProcess(root, cfg).wait_ready(300)
     yield {
         "checkpoint": ckpt,
         "gateway": f"127.0.0.1:{gw_port}",
@@ -65,15 +45,9 @@ def pipeline(tmp_path_factory):
         "thinker_admin": f"127.0.0.1:{th_admin}",
         "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
         "gateway_metrics": f"http://127.0.0.1:{gw_metrics}/metrics",
-        "proc": proc,
+        "proc": serve.proc,
     }
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("omnistage serve did not stop within 60s of SIGTERM")
-    assert proc.returncode == 0, proc.stdout.read().decode(errors="replace")[-4000:]
+    serve.stop()
 
 
 def _request(text="Hello there, how are you?", request_id="", system_prompt="", **sampling) -> omni_pb2.GenerateRequest:
@@ -325,6 +299,10 @@ def test_drain_and_resume_the_gateway_through_its_admin_port(pipeline):
 
 
 def test_metrics_pass_promtool_check_metrics(pipeline, check_metrics):
-    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
-    check_metrics(urllib.request.urlopen(pipeline["gateway_metrics"], timeout=5).read().decode())
-    check_metrics(urllib.request.urlopen(pipeline["metrics"], timeout=5).read().decode())
+    """/metrics of both stages after this test's own traffic (an answer, a refused request), whatever ran
+    before it: the labelled series they count are there and pass promtool (tests/deploy checks the names)."""
+    assert _generate(pipeline["gateway"], _request(max_tokens=2))[-1].WhichOneof("event") == "finish"
+    with pytest.raises(grpc.RpcError):
+        _generate(pipeline["gateway"], _request(temperature=-1))
+    check_metrics(exposition_with_codes(pipeline["gateway_metrics"], "OK", "INVALID_ARGUMENT"))
+    check_metrics(exposition_with_codes(pipeline["metrics"], "OK"))

@@ -7,21 +7,12 @@ message, the services keep serving, nothing stays running, and no traceback reac
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import grpc
 import pytest
-import yaml
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
-from chaos_launch import free_ports  # noqa: E402
-from gateway_fuzz import run_cases  # noqa: E402
+from load_tests.gateway_fuzz import run_cases
+from tests.e2e.serve_pipeline import ServeProcess, free_ports
 
 pytestmark = pytest.mark.timeout(600)
 CASES = 150  # typed, and as many raw
@@ -44,28 +35,9 @@ def pipeline(tmp_path_factory):
                         "gateway": {"max_messages": 16, "max_parts_per_message": 4, "max_prompt_chars": 4000}},
         },
     }  # fmt: skip
-    path = root / "deploy.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    ready, log = root / "ready", root / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "omnistage.common.cli", "serve", str(path), "--ready-file", str(ready)],
-            stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not (ready.exists() and ready.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"pipeline did not start:\n{log.read_text()[-4000:]}")
-        time.sleep(0.2)
-    yield {"gateway": f"127.0.0.1:{gw}", "thinker_admin": f"127.0.0.1:{th_admin}", "log": log}
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("omnistage serve did not stop within 60s of SIGTERM")
-    assert proc.returncode == 0, log.read_text()[-4000:]
+    serve = ServeProcess(root, cfg).wait_ready(300)
+    yield {"gateway": f"127.0.0.1:{gw}", "thinker_admin": f"127.0.0.1:{th_admin}", "log": serve.out}
+    serve.stop()
 
 
 def test_fuzzed_requests_get_precise_statuses_and_leave_the_pipeline_serving(pipeline):

@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import io
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
 import grpc
 import pytest
 import torch
-import yaml
+from omnistage.common.runtime.deadlines import wait_for
 from omnistage.common.transport import TransportContext, encode
 from omnistage.v1 import control_pb2, control_pb2_grpc, imagegen_pb2, imagegen_pb2_grpc, tensor_pb2
 from PIL import Image
-from serve_pipeline import free_ports
+
+from tests.e2e.serve_pipeline import ServeProcess, exposition_with_codes, free_ports
 
 pytestmark = pytest.mark.timeout(300)
 QUERIES, HIDDEN = 256, 256  # the tiny checkpoint's query slots and thinker hidden size
@@ -49,28 +46,11 @@ def imagegen(tmp_path_factory):
                          "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30}},
         },
     }
-    cfg_path = root / "deploy.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    ready = root / "ready"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.common.cli", "serve", str(cfg_path), "--ready-file", str(ready)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    deadline = time.monotonic() + 240
-    while not (ready.exists() and ready.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"imagegen did not start (exit {proc.returncode}):\n{proc.stdout.read().decode()[-4000:]}")
-        time.sleep(0.2)
+    serve = ServeProcess(root, cfg).wait_ready(240)
     with TransportContext() as producer:
         yield {"address": f"127.0.0.1:{port}", "admin": f"127.0.0.1:{admin_port}",
                "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "producer": producer}
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("omnistage serve did not stop within 60s of SIGTERM")
+    serve.stop()
 
 
 def _condition(imagegen, seed: int = 0, dtype=torch.bfloat16) -> tensor_pb2.TensorRef:
@@ -171,19 +151,22 @@ def test_concurrent_requests_of_one_size_share_forwards(imagegen):
     assert forwards >= stepped / 2  # never more than the stress-tested 2 per forward
 
 
-def test_cancel_stops_the_denoising(imagegen):
-    stepped = "omnistage_imagegen_forward_requests_total"  # counted on the device thread
-    before = _metric(imagegen, stepped)
+def _cancel_at_step(imagegen, step: int) -> None:
+    """A 50-step request cancelled by its client at progress `step`; returns once nothing is running."""
     request = imagegen_pb2.ImageGenRequest(condition=_condition(imagegen), width=512, height=512, steps=50, seed=1)
     call = _stub(imagegen).Generate(request, timeout=120)
     for event in call:
-        if event.progress.step == 2:
+        if event.progress.step == step:
             call.cancel()
             break
-    deadline = time.monotonic() + 30
-    while _describe(imagegen).running_requests and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _describe(imagegen).running_requests == 0
+    wait_for(lambda: _describe(imagegen).running_requests == 0, 30, "the cancelled request to stop", stage="imagegen",
+             poll_s=0.05)
+
+
+def test_cancel_stops_the_denoising(imagegen):
+    stepped = "omnistage_imagegen_forward_requests_total"  # counted on the device thread
+    before = _metric(imagegen, stepped)
+    _cancel_at_step(imagegen, 2)
     assert _metric(imagegen, "omnistage_imagegen_active_requests") == 0
     assert _metric(imagegen, "omnistage_imagegen_cancelled_total") >= 1
     done = _metric(imagegen, stepped) - before
@@ -246,5 +229,11 @@ def test_bad_conditioning_is_named(imagegen):
 
 
 def test_metrics_pass_promtool_check_metrics(imagegen, check_metrics):
-    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
-    check_metrics(urllib.request.urlopen(imagegen["metrics"], timeout=5).read().decode())
+    """/metrics after this test's own traffic (an image, a refused request, a cancelled one), whatever ran
+    before it: the labelled series they count are exported, and pass promtool (tests/deploy checks the names)."""
+    assert _generate(imagegen, width=64, height=64, steps=1)[-1].WhichOneof("event") == "image"
+    _bad(imagegen, imagegen_pb2.ImageGenRequest(condition=_condition(imagegen), steps=0))
+    _cancel_at_step(imagegen, 1)
+    text = exposition_with_codes(imagegen["metrics"], "OK", "INVALID_ARGUMENT", "CANCELLED")
+    assert "omnistage_imagegen_cancelled_total{" in text and "omnistage_imagegen_images_total{" in text
+    check_metrics(text)

@@ -8,7 +8,6 @@ cancelled request leaves no lease. One pipeline start per TP size.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,10 +17,8 @@ import grpc
 import pytest
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "encoder"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
-from media_samples import audio_file, image_bytes, video_file  # noqa: E402
-from serve_pipeline import ServeProcess, free_ports, metric  # noqa: E402
+from tests.e2e.serve_pipeline import ServeProcess, free_ports, metric
+from tests.services.encoder.media_samples import audio_file, image_bytes, video_file
 
 pytestmark = pytest.mark.timeout(600)
 START_DEADLINE_S = 240.0

@@ -8,19 +8,16 @@ import base64
 import io
 import json
 import socket
-import sys
 import time
 import urllib.error
 import urllib.request
 import wave
-from pathlib import Path
 
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "encoder"))
-from media_samples import audio_file, image_bytes  # noqa: E402
-from serve_pipeline import ServeProcess, free_ports, metric  # noqa: E402
+from tests.e2e.serve_pipeline import ServeProcess, free_ports, metric
+from tests.services.encoder.media_samples import audio_file, image_bytes
 
 pytestmark = pytest.mark.timeout(600)
 KEY = "sk-test-openai-front"

@@ -28,7 +28,8 @@ import pytest
 from omnistage.common.runtime.deadlines import wait_for
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 from PIL import Image
-from serve_pipeline import ServeProcess, capabilities_ready, free_ports, metric
+
+from tests.e2e.serve_pipeline import ServeProcess, capabilities_ready, free_ports, metric
 
 pytestmark = pytest.mark.timeout(600)
 START_DEADLINE_S = 300.0
@@ -178,10 +179,9 @@ class Stream(threading.Thread):
         self.events: list[omni_pb2.GenerateEvent] = []
         self.error: grpc.RpcError | None = None
         self.first = threading.Event()
-        self.started = self.ended = 0.0
+        self.ended = 0.0
 
     def run(self) -> None:
-        self.started = time.monotonic()
         with grpc.insecure_channel(self.address) as ch:
             try:
                 for event in omni_pb2_grpc.OmniStub(ch).Generate(self.req, timeout=self.timeout_s):
@@ -233,11 +233,11 @@ def test_overload_at_4x_capacity_refuses_the_excess_at_once_and_admitted_request
         refused = [c for c in calls if c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
         assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
         assert len(ok) >= RUNNING and len(refused) >= 2 * capacity, codes
-        for c in ok:  # admitted means finished, whole, within the deadline
+        for c in ok:  # admitted means finished and whole (OK: within its gRPC deadline)
             assert _kinds(c.events)[-1] == "finish" and _tokens(c.events) == 48
-            assert c.ended - c.started < deadline_s
-        for c in refused:  # refused at arrival, with when to come back, not after a wait
-            assert c.ended - c.started < deadline_s / 4, c.ended - c.started
+        first_answer = min(c.ended for c in ok)
+        for c in refused:  # refused at arrival, with when to come back, not after a wait: nothing streamed,
+            assert not c.events and c.ended < first_answer  # and refused while the admitted ones still ran
             pushback = dict(c.error.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
             assert pushback is not None and int(pushback) > 0, c.error
         pipeline.wait_idle()

@@ -30,7 +30,8 @@ import pytest
 import yaml
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from PIL import Image
-from serve_pipeline import ServeProcess, free_ports
+
+from tests.e2e.serve_pipeline import ServeProcess, free_ports
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]

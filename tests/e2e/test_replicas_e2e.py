@@ -19,7 +19,8 @@ import pytest
 from omnistage.common.checkpoint.config_only import write_config_checkpoint
 from omnistage.common.runtime.deadlines import wait_for
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
-from serve_pipeline import ServeProcess, capabilities_ready, free_ports, metric
+
+from tests.e2e.serve_pipeline import ServeProcess, capabilities_ready, free_ports, metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REPLICAS = ("talker", "talker_b", "imagegen", "imagegen_b")

@@ -3,20 +3,14 @@ gateway, SIGTERM stops every rank; a crash of rank 1 while loading weights names
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
-import yaml
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "load_tests"))
-from chaos_launch import free_ports, leftovers, started_children  # noqa: E402
+from tests.e2e.serve_pipeline import ServeProcess, free_ports
 
 pytestmark = pytest.mark.timeout(300)
 START_DEADLINE_S = 120.0
@@ -29,51 +23,18 @@ def ckpt(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "ckpt", seed=0)
 
 
-class Serve:
-    """`omnistage serve` on a fresh deploy file; output in files, readable at any time."""
-
-    def __init__(self, tmp: Path, ckpt: Path, tp_size: int, fault: dict | None = None) -> None:
-        gw, th, dist = free_ports(3)
-        thinker = {"kind": "thinker", "port": th, "tp_size": tp_size, "dist_port": dist, "drain_grace_s": 2.0,
-                   "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 256}}
-        if fault:
-            thinker["fault"] = fault
-        cfg = {"model": {"checkpoint": str(ckpt)},
-               "startup": {"stop_grace_s": 5.0, "phase_deadlines_s": {"loading_weights": 60, "warming_up": 60}},
-               "services": {"thinker": thinker, "gateway": {"kind": "gateway", "port": gw}}}
-        self.cfg = tmp / f"deploy-tp{tp_size}.yaml"
-        self.cfg.write_text(yaml.safe_dump(cfg))
-        self.ready = tmp / f"ready-tp{tp_size}"
-        self.out, self.err = tmp / f"out-tp{tp_size}.txt", tmp / f"err-tp{tp_size}.txt"
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "omnistage.common.cli", "serve", str(self.cfg), "--ready-file", str(self.ready)],
-                stdout=out, stderr=err, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            )
-
-    def logs(self) -> str:
-        return self.out.read_text() + self.err.read_text()
-
-    def wait_ready(self) -> str:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while not (self.ready.exists() and self.ready.read_text().strip()):
-            assert self.proc.poll() is None, f"serve exited {self.proc.returncode}:\n{self.logs()[-4000:]}"
-            assert time.monotonic() < deadline, f"serve not ready in {START_DEADLINE_S:g}s:\n{self.logs()[-4000:]}"
-            time.sleep(0.1)
-        return self.ready.read_text().strip()
-
-    def wait_exit(self, timeout_s: float = 60.0) -> int:
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            pytest.fail(f"serve still running {timeout_s:g}s later:\n{self.logs()[-4000:]}")
-
-    def cleanup(self) -> list[str]:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        return leftovers(list(started_children(self.out.read_text()).values()), self.cfg, 5.0)
+def serve(tmp: Path, ckpt: Path, tp_size: int, fault: dict | None = None) -> ServeProcess:
+    """`omnistage serve` of gateway + thinker at `tp_size` on a fresh deploy file (the launcher's
+    verdicts on stderr, apart)."""
+    gw, th, dist = free_ports(3)
+    thinker = {"kind": "thinker", "port": th, "tp_size": tp_size, "dist_port": dist, "drain_grace_s": 2.0,
+               "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 256}}
+    if fault:
+        thinker["fault"] = fault
+    cfg = {"model": {"checkpoint": str(ckpt)},
+           "startup": {"stop_grace_s": 5.0, "phase_deadlines_s": {"loading_weights": 60, "warming_up": 60}},
+           "services": {"thinker": thinker, "gateway": {"kind": "gateway", "port": gw}}}
+    return ServeProcess(tmp, cfg, tag=f"-tp{tp_size}", err_apart=True)
 
 
 def greedy_tokens(address: str) -> list[int]:
@@ -86,15 +47,15 @@ def greedy_tokens(address: str) -> list[int]:
     return [t for e in events if e.WhichOneof("event") == "text" for t in e.text.token_ids]
 
 
-def serve_and_generate(tmp: Path, ckpt: Path, tp_size: int) -> tuple[list[int], Serve]:
-    run = Serve(tmp, ckpt, tp_size)
+def serve_and_generate(tmp: Path, ckpt: Path, tp_size: int) -> tuple[list[int], ServeProcess]:
+    run = serve(tmp, ckpt, tp_size)
     try:
-        tokens = greedy_tokens(run.wait_ready())
-        pids = started_children(run.out.read_text())
+        tokens = greedy_tokens(run.wait_ready(START_DEADLINE_S).address)
+        pids = run.children()
         run.proc.send_signal(signal.SIGTERM)
-        assert run.wait_exit() == 0, run.logs()[-4000:]
+        assert run.wait_exit() == 0, run.logs()
     finally:
-        left = run.cleanup()
+        left = run.leftovers()
     assert not left, f"left behind: {left}"
     assert set(pids) == {("thinker", r) for r in range(tp_size)} | {("gateway", 0)}
     return tokens, run
@@ -112,11 +73,11 @@ def test_tp2_serves_the_tp1_greedy_tokens_and_sigterm_stops_every_rank(tmp_path,
 
 
 def test_crash_of_rank1_while_loading_weights_names_it(tmp_path, ckpt):
-    run = Serve(tmp_path, ckpt, 2, fault={"phase": "loading_weights", "action": "crash", "rank": 1})
+    run = serve(tmp_path, ckpt, 2, fault={"phase": "loading_weights", "action": "crash", "rank": 1})
     try:
         assert run.wait_exit() != 0
     finally:
-        left = run.cleanup()
+        left = run.leftovers()
     assert not left, f"left behind: {left}"
     lines = run.err.read_text().splitlines()
     assert any(line.startswith("omnistage: start-up failed: thinker r1 ") for line in lines), lines[-20:]

@@ -8,8 +8,8 @@ stream; a client that cancels mid-speech frees the talker stream; with the talke
 with audio still completes its text and says why there is no audio.
 
 The services are started one process each (as `omnistage serve` starts them, without its supervision:
-the launcher stops the whole pipeline when a stage dies, and the last test kills the talker to see
-what the gateway does without it). One pipeline for the module; the talker-down test runs last.
+the launcher stops the whole pipeline when a stage dies, and one test kills the talker to see
+what the gateway does without it, then starts it again). One pipeline for the module.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 import wave
 from pathlib import Path
@@ -33,7 +32,8 @@ from omnistage.common.runtime.status_file import read_status, status_path
 from omnistage.services.gateway.history import wav_of
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
-from serve_pipeline import capabilities_ready, free_ports
+
+from tests.e2e.serve_pipeline import capabilities_ready, free_ports, wait_started
 
 pytestmark = pytest.mark.timeout(600)
 START_DEADLINE_S = 300.0
@@ -79,18 +79,22 @@ class Pipeline:
         self.run_dir = root / "run"
         self.procs: dict[str, subprocess.Popen] = {}
         for name in self.SERVICES:
-            with open(root / f"{name}.log", "w") as log:
-                self.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", f"omnistage.services.{name}", "--config", str(self.cfg_path),
-                     "--service", name, "--rank", "0", "--run-dir", str(self.run_dir)],
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                    env=dict(os.environ, PYTHONUNBUFFERED="1", OMNISTAGE_SERVICE=name),
-                )  # fmt: skip
+            self.start(name)
         self.gateway = f"127.0.0.1:{gw}"
         self.thinker_admin = f"127.0.0.1:{th_admin}"
         self.talker_admin = f"127.0.0.1:{tk_admin}"
         self.talker_metrics = f"http://127.0.0.1:{tk_metrics}/metrics"
         self.gateway_metrics = f"http://127.0.0.1:{gw_metrics}/metrics"
+
+    def start(self, name: str) -> None:
+        """Start service `name` (again: its log goes on)."""
+        with open(self.root / f"{name}.log", "a") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", f"omnistage.services.{name}", "--config", str(self.cfg_path),
+                 "--service", name, "--rank", "0", "--run-dir", str(self.run_dir)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env=dict(os.environ, PYTHONUNBUFFERED="1", OMNISTAGE_SERVICE=name),
+            )  # fmt: skip
 
     def logs(self, name: str) -> str:
         return (self.root / f"{name}.log").read_text()[-3000:]
@@ -98,18 +102,19 @@ class Pipeline:
     def all_logs(self) -> str:
         return "\n".join(f"--- {name} ---\n{self.logs(name)}" for name in self.SERVICES)
 
+    def serving(self) -> bool:
+        rec = read_status(status_path(self.run_dir, "gateway", 0))
+        return (rec is not None and rec.phase == "serving"
+                and capabilities_ready(self.gateway, ["text", "speech", "media_input"]))
+
+    def exited(self) -> str:
+        return ", ".join(f"{name} (exit {proc.returncode})" for name, proc in self.procs.items()
+                         if proc.poll() is not None)
+
     def wait_ready(self) -> Pipeline:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while True:
-            rec = read_status(status_path(self.run_dir, "gateway", 0))
-            if (rec is not None and rec.phase == "serving"
-                    and capabilities_ready(self.gateway, ["text", "speech", "media_input"])):
-                return self
-            dead = [name for name, proc in self.procs.items() if proc.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                self.stop(check=False)
-                pytest.fail(f"pipeline did not start (exited: {dead}):\n{self.all_logs()}")
-            time.sleep(0.2)
+        wait_started("the speech pipeline", self.serving, self.exited, START_DEADLINE_S, self.run_dir, self.all_logs,
+                     on_failure=lambda: self.stop(check=False))
+        return self
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]
@@ -414,8 +419,19 @@ def test_converse_answers_two_turns_the_second_from_the_history(pipeline, tmp_pa
     assert _more_calls(calls, _speak_calls(pipeline)) == {"OK": 2}
 
 
-def test_talker_down_the_text_completes_and_the_finish_says_why_there_is_no_audio(pipeline):
-    """Runs last: it kills the talker, first in the middle of an answer's speech, then for good."""
+@pytest.fixture
+def talker_killed(pipeline):
+    """The test kills the talker; after it the talker is started again and the gateway serves speech
+    again (it re-admits the stage), so that the tests of this module run in any order."""
+    yield
+    if pipeline.procs["talker"].poll() is None:
+        pipeline.kill("talker")
+    pipeline.start("talker")
+    pipeline.wait_ready()
+
+
+def test_talker_down_the_text_completes_and_the_finish_says_why_there_is_no_audio(pipeline, talker_killed):
+    """It kills the talker, first in the middle of an answer's speech, then for good."""
     with grpc.insecure_channel(pipeline.gateway) as ch:
         call = omni_pb2_grpc.OmniStub(ch).Generate(_spoken_request(16), timeout=60)
         events = []

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -22,9 +18,9 @@ import wave
 import grpc
 import numpy as np
 import pytest
-import yaml
 from omnistage.v1 import control_pb2, control_pb2_grpc, talker_pb2, talker_pb2_grpc
-from serve_pipeline import free_ports
+
+from tests.e2e.serve_pipeline import ServeProcess, exposition_with_codes, free_ports
 
 pytestmark = pytest.mark.timeout(600)
 STREAMS = 2  # stress_batch_sizes [2, 1]: the cap on streams speaking at once
@@ -48,27 +44,10 @@ def talker(tmp_path_factory):
                        "max_text_chars": 400, "max_reference_seconds": 5},
         }},
     }
-    cfg_path = root / "deploy.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    ready = root / "ready"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.common.cli", "serve", str(cfg_path), "--ready-file", str(ready)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    deadline = time.monotonic() + 300
-    while not (ready.exists() and ready.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"talker did not start (exit {proc.returncode}):\n{proc.stdout.read().decode()[-4000:]}")
-        time.sleep(0.2)
+    serve = ServeProcess(root, cfg).wait_ready(300)
     yield {"address": f"127.0.0.1:{port}", "admin": f"127.0.0.1:{admin_port}",
            "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("omnistage serve did not stop within 60s of SIGTERM")
+    serve.stop()
 
 
 def _stub(talker) -> talker_pb2_grpc.TalkerStub:
@@ -235,5 +214,12 @@ def test_streams_beyond_the_cap_are_refused_with_pushback(talker):
 
 
 def test_metrics_pass_promtool_check_metrics(talker, check_metrics):
-    """Last in this file, so /metrics holds what the tests above made it count (tests/deploy checks the names)."""
-    check_metrics(urllib.request.urlopen(talker["metrics"], timeout=5).read().decode())
+    """/metrics after this test's own traffic (a spoken sentence, a refused request), whatever ran before
+    it: the labelled series they count are there and pass promtool (tests/deploy checks the names)."""
+    ok = list(_stub(talker).Speak(iter([_config(seed=1), talker_pb2.SpeakRequest(text="Fine.", end_of_text=True)]),
+                                  timeout=120))
+    assert ok[-1].finished.total_samples > 0
+    with pytest.raises(grpc.RpcError):
+        list(_stub(talker).Speak(iter([talker_pb2.SpeakRequest(text="Hi.")]), timeout=60))
+    _wait_idle(talker)
+    check_metrics(exposition_with_codes(talker["metrics"], "OK", "INVALID_ARGUMENT"))

@@ -5,7 +5,6 @@ the device, without a float32 copy."""
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,8 +29,7 @@ from omnistage.services.talker.voices import VoiceBank
 from omnistage.services.thinker.models.config import ThinkerConfig
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "services" / "thinker" / "models"))
-from test_loader_memory import ShapeRecorder  # noqa: E402
+from tests.services.thinker.models.test_loader_memory import ShapeRecorder
 
 
 def _params(module: nn.Module) -> int:

@@ -150,8 +150,7 @@ def test_launch_refuses_a_ledger_that_does_not_fit_and_starts_nothing(tmp_path: 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="pidfd launcher")
 def test_launch_with_a_fitting_ledger_prints_it_and_starts(tmp_path: Path):
-    sys.path.insert(0, str(Path(__file__).parents[1] / "runtime"))
-    from synthetic_stage import SCRIPT, write_config
+    from tests.common.runtime.synthetic_stage import SCRIPT, write_config
 
     cfg = write_config(tmp_path / "deploy.yaml", {
         "alpha": {"memory": {"simulated_capacity_bytes": GiB, "budget_fraction": 0.5}},

@@ -15,7 +15,8 @@ from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
 from prometheus_client import generate_latest
-from synthetic_stage import SyntheticOmni
+
+from tests.common.runtime.synthetic_stage import SyntheticOmni
 
 OMNI = "omnistage.v1.Omni"
 GENERATE = f"/{OMNI}/Generate"

@@ -25,7 +25,8 @@ from omnistage.v1 import (
     omni_pb2,
     omni_pb2_grpc,
 )
-from synthetic_stage import SyntheticOmni, free_port, memory_report
+
+from tests.common.runtime.synthetic_stage import SyntheticOmni, free_port, memory_report
 
 OMNI = "omnistage.v1.Omni"
 CONTROL = "omnistage.v1.Control"

@@ -6,7 +6,6 @@ import asyncio
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -15,7 +14,8 @@ from omnistage.common.runtime import auth
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.services.gateway.stages import StageClient
 from omnistage.v1 import control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
-from synthetic_stage import SyntheticOmni, free_port
+
+from tests.common.runtime.synthetic_stage import SyntheticOmni, free_port
 
 OMNI = "omnistage.v1.Omni"
 
@@ -99,8 +99,7 @@ def test_the_gateway_keeps_its_own_keys_and_its_stage_channels_present_the_key(t
 def test_serve_makes_a_key_for_its_stages_and_its_cli_finds_it(tmp_path):
     """`serve` without $OMNISTAGE_STAGE_KEY: its stage refuses a local caller without the key it made,
     while `omnistage status` of the same deploy file still reads every stage's Describe."""
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from test_launcher import Run
+    from tests.common.test_launcher import Run
 
     env = {k: v for k, v in os.environ.items() if k != auth.STAGE_KEY_ENV}
     saved = os.environ.pop(auth.STAGE_KEY_ENV, None)

@@ -13,7 +13,8 @@ import pytest
 from omnistage.common.runtime.deadlines import wait_for
 from omnistage.common.runtime.status_file import read_status, status_path
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
-from synthetic_stage import SCRIPT, write_config
+
+from tests.common.runtime.synthetic_stage import SCRIPT, write_config
 
 
 def start_stage(tmp_path, overrides=(), step_s: float = 0.02, env: dict | None = None, **svc) -> subprocess.Popen:
@@ -124,7 +125,8 @@ def test_a_failure_that_names_another_rank_is_recorded_as_that_ranks(tmp_path):
     from omnistage.common.config import config_from_dict
     from omnistage.common.runtime.server import ServiceRuntime
     from omnistage.common.runtime.stage_main import serve
-    from synthetic_stage import free_port
+
+    from tests.common.runtime.synthetic_stage import free_port
 
     class PeersFailure(RuntimeError):
         culprit_rank = 1

@@ -12,7 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import config_from_dict
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
-from synthetic_stage import SyntheticOmni, free_port, self_signed
+
+from tests.common.runtime.synthetic_stage import SyntheticOmni, free_port, self_signed
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 

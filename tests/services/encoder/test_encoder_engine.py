@@ -11,13 +11,14 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from engine_helpers import SMALL, leases, run_engine
-from media_samples import audio_file, image_bytes, video_file, wav_bytes
 from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.common.transport import decode
 from omnistage.services.encoder.engine import vision_forward
 from omnistage.services.encoder.items import MediaItem, prepare_item
 from PIL import Image
+
+from tests.services.encoder.engine_helpers import SMALL, leases, run_engine
+from tests.services.encoder.media_samples import audio_file, image_bytes, video_file, wav_bytes
 
 
 def _png_of_size(width: int, height: int) -> bytes:

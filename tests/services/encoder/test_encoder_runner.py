@@ -10,12 +10,13 @@ import threading
 import time
 
 import pytest
-from engine_helpers import SMALL, leases, run_engine
-from media_samples import image_bytes
 from omnistage.common.runtime.errors import Overloaded
 from omnistage.common.transport import decode
 from omnistage.services.encoder.items import MediaItem
 from prometheus_client import REGISTRY
+
+from tests.services.encoder.engine_helpers import SMALL, leases, run_engine
+from tests.services.encoder.media_samples import image_bytes
 
 IMAGE = MediaItem("image", data=image_bytes(96, 64))
 

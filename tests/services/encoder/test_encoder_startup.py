@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from engine_helpers import SMALL
 from omnistage.common.memory.device import SimulatedDeviceMemory
 from omnistage.services.encoder import startup
 from omnistage.services.encoder.items import ItemLimits
 from omnistage.services.encoder.models.loader import load_encoders
+
+from tests.services.encoder.engine_helpers import SMALL
 
 CFG = dataclasses.replace(SMALL, stress_batch_sizes=(4, 2, 1))
 

@@ -9,11 +9,12 @@ import sys
 
 import pytest
 import torch
-from engine_helpers import run_engine
-from media_samples import image_bytes
 from omnistage.common.transport import decode
 from omnistage.services.encoder.items import MediaItem
 from omnistage.services.encoder.models.loader import load_encoders
+
+from tests.services.encoder.engine_helpers import run_engine
+from tests.services.encoder.media_samples import image_bytes
 
 pytestmark = [
     pytest.mark.gpu,

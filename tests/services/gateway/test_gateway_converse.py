@@ -10,7 +10,13 @@ import wave
 
 import grpc
 import pytest
-from gateway_speech_fakes import (
+from omnistage.common.runtime.errors import InvalidRequest, OmniError, StageUnavailable
+from omnistage.services.gateway.converse import ConverseLimits, _Answer
+from omnistage.services.gateway.history import Entry
+from omnistage.services.gateway.stages import StageError
+from omnistage.v1 import common_pb2, omni_pb2
+
+from tests.services.gateway.gateway_speech_fakes import (
     Context,
     FakeMedia,
     FakeTalker,
@@ -19,11 +25,6 @@ from gateway_speech_fakes import (
     gateway,
     wait_until,
 )
-from omnistage.common.runtime.errors import InvalidRequest, OmniError, StageUnavailable
-from omnistage.services.gateway.converse import ConverseLimits, _Answer
-from omnistage.services.gateway.history import Entry
-from omnistage.services.gateway.stages import StageError
-from omnistage.v1 import common_pb2, omni_pb2
 
 ANSWER = "Hello there. How are you today? "
 

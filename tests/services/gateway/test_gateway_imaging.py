@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import io
-import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from gateway_speech_fakes import FakeTalker, TalkerServer
 from omnistage.common.config import config_from_dict
 from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.errors import InvalidRequest, OmniError, Overloaded, StageUnavailable
@@ -30,9 +27,10 @@ from omnistage.services.gateway.stages import ImageGenClient, TalkerClient
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, encoder_pb2, imagegen_pb2, imagegen_pb2_grpc, omni_pb2, thinker_pb2
 from PIL import Image
+from prometheus_client import REGISTRY
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common" / "runtime"))
-from synthetic_stage import free_port  # noqa: E402
+from tests.common.runtime.synthetic_stage import free_port
+from tests.services.gateway.gateway_speech_fakes import FakeTalker, TalkerServer
 
 QUERIES, HIDDEN = 256, 64
 LIMITS = ImageLimits(min_side_px=64, max_side_px=1024, max_steps=50, max_guidance_scale=20.0, max_batch=2,
@@ -155,12 +153,15 @@ def request(*parts: omni_pb2.ContentPart, outputs=(omni_pb2.MODALITY_IMAGE,), **
 
 
 class Gateway:
-    """OmniServicer over a fake thinker and a real ImageGenClient to a fake ImageGen gRPC service."""
+    """OmniServicer over a fake thinker and a real ImageGenClient to a fake ImageGen gRPC service, built
+    as the gateway builds it: `speech` for a talker, `with_images=False` for an image stage that is
+    deployed but was not reachable when the gateway started."""
 
     def __init__(self, thinker: FakeThinker, imagegen: FakeImageGen | None, tmp_path, encoder=None,
-                 deployed=("thinker", "imagegen", "encoder")) -> None:  # fmt: skip
+                 deployed=("thinker", "imagegen", "encoder"), speech: SpeechStage | None = None,
+                 with_images: bool = True) -> None:  # fmt: skip
         self.thinker, self.imagegen, self.tmp_path = thinker, imagegen, tmp_path
-        self.encoder, self.deployed = encoder, set(deployed)
+        self.encoder, self.deployed, self.speech, self.with_images = encoder, set(deployed), speech, with_images
 
     async def __aenter__(self) -> Gateway:
         name = "fake_imagegen"
@@ -180,8 +181,10 @@ class Gateway:
         media = None
         if self.encoder is not None:
             media = MediaStage(self.encoder, TransportContext(), max_request_bytes=1 << 20)
-        self.servicer = OmniServicer(Pipeline(self.thinker, self.deployed, max_concurrent_requests=8, limits=RequestLimits(),
-                                     system_prompt="", images=self.images, media=media))  # fmt: skip
+        self.servicer = OmniServicer(Pipeline(self.thinker, self.deployed, max_concurrent_requests=8,
+                                              limits=RequestLimits(), system_prompt="",
+                                              images=self.images if self.with_images else None, media=media,
+                                              speech=self.speech))
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -189,6 +192,12 @@ class Gateway:
         if self.imagegen is not None:
             self.runtime.request_stop()
             await asyncio.wait_for(self.runtime.serve_until_stopped(), 10)
+
+    @staticmethod
+    def admitted(stage: str, what: str = "running") -> float:
+        """The gateway's admission gauge of `stage` on /metrics: requests holding (`running`) or awaiting
+        (`waiting`) one of its slots."""
+        return REGISTRY.get_sample_value(f"omnistage_gateway_admission_{what}", {"service": "gateway", "stage": stage})
 
     async def events(self, req: omni_pb2.GenerateRequest, stop_after: str = "", n: int = 0) -> list:
         """The client's events; `stop_after` an event kind seen `n` times: the client leaves there."""
@@ -257,13 +266,14 @@ def test_text_and_image_stream_the_text_first_then_the_image_and_one_finish(tmp_
 def test_speech_and_image_stream_the_spoken_answer_then_the_image_and_one_finish(tmp_path, producer):
     async def scenario():
         thinker = FakeThinker(producer)
-        async with TalkerServer(FakeTalker()) as talker, Gateway(thinker, FakeImageGen(), tmp_path) as gw:
+        async with TalkerServer(FakeTalker()) as talker:
             client = TalkerClient("talker", talker.address, 1 << 22)
-            gw.servicer.pipeline.speech = SpeechStage(client, SpeechLimits(start_wait_s=5.0, idle_timeout_s=5.0), "gw-test")
-            gw.servicer.pipeline.deployed.add("talker")
+            speech = SpeechStage(client, SpeechLimits(start_wait_s=5.0, idle_timeout_s=5.0), "gw-test")
             outputs = (omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO, omni_pb2.MODALITY_IMAGE)
             try:
-                events = await gw.events(request(outputs=outputs, steps=2))
+                async with Gateway(thinker, FakeImageGen(), tmp_path, speech=speech,
+                                   deployed=("thinker", "imagegen", "encoder", "talker")) as gw:
+                    events = await gw.events(request(outputs=outputs, steps=2))
             finally:
                 await client.close()
             k = kinds(events)
@@ -340,7 +350,9 @@ def test_image_output_needs_the_image_stage(tmp_path, producer):
                 await gw.events(request())
             assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
             assert str(err.value) == "output_modalities: MODALITY_IMAGE needs the 'imagegen' stage, which is not deployed"
-            gw.servicer.pipeline.deployed, gw.servicer.pipeline.images = {"thinker", "imagegen"}, None  # started degraded without it
+        # Deployed, but the gateway started degraded without it.
+        async with Gateway(FakeThinker(producer), FakeImageGen(), tmp_path, deployed=("thinker", "imagegen"),
+                           with_images=False) as gw:
             with pytest.raises(StageUnavailable, match="'imagegen' stage, which is not available") as err:
                 await gw.events(request())
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
@@ -384,7 +396,7 @@ def test_a_cancel_mid_denoise_cancels_the_imagegen_stream(tmp_path, producer):
             assert steps < 10
             await asyncio.sleep(0.2)
             assert imagegen.steps_run == steps  # nothing runs on
-            assert gw.servicer.pipeline.gates["imagegen"].running == 0 and gw.servicer.pipeline.in_flight == 0
+            assert gw.admitted("imagegen") == 0 and gw.admitted("thinker") == 0  # every slot came back
             assert leases(producer) == 0
 
     run(scenario())
@@ -401,7 +413,7 @@ def test_a_cancel_during_the_thinker_closes_its_stream_and_calls_no_imagegen(tmp
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert thinker.closed_early == 1 and not imagegen.requests  # the thinker stream closed (aborts there)
-            assert gw.servicer.pipeline.gates["imagegen"].running == 0 and leases(producer) == 0
+            assert gw.admitted("imagegen") == 0 and gw.admitted("imagegen", "waiting") == 0 and leases(producer) == 0
 
     run(scenario())
 
@@ -409,15 +421,22 @@ def test_a_cancel_during_the_thinker_closes_its_stream_and_calls_no_imagegen(tmp
 def test_image_requests_beyond_what_the_stage_takes_are_refused_before_the_thinker(tmp_path, producer):
     async def scenario():
         thinker = FakeThinker(producer)
-        async with Gateway(thinker, FakeImageGen(), tmp_path) as gw:
-            gate = gw.servicer.pipeline.gates["imagegen"]
-            assert (gate.cfg.max_running, gate.cfg.max_waiting) == (LIMITS.max_batch, LIMITS.max_queued)
-            gate.running = LIMITS.max_batch  # every denoising slot taken...
-            gate._waiters.extend(asyncio.get_running_loop().create_future() for _ in range(LIMITS.max_queued))
-            with pytest.raises(Overloaded, match=r"^imagegen: \d+ requests running and \d+ waiting, its limit") as err:
-                await gw.events(request())  # ...and its waiting room full: refused before the thinker runs
-            assert err.value.reason == "imagegen_queue_full"
-            assert not thinker.calls
+        async with Gateway(thinker, FakeImageGen(step_s=0.05), tmp_path) as gw:
+            # Every denoising slot taken and the waiting room full, by clients' requests.
+            held = [asyncio.ensure_future(gw.events(request(steps=40)))
+                    for _ in range(LIMITS.max_batch + LIMITS.max_queued)]
+            try:
+                await wait_for_async(lambda: (gw.admitted("imagegen"), gw.admitted("imagegen", "waiting"))
+                                     == (LIMITS.max_batch, LIMITS.max_queued), 10, "the image stage to fill up")
+                calls = len(thinker.calls)
+                with pytest.raises(Overloaded, match=r"^imagegen: 2 requests running and 2 waiting, its limit") as err:
+                    await gw.events(request())  # refused at arrival, before the thinker runs
+                assert err.value.reason == "imagegen_queue_full"
+                assert len(thinker.calls) == calls
+            finally:
+                for task in held:
+                    task.cancel()
+                await asyncio.gather(*held, return_exceptions=True)
 
     run(scenario())
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
@@ -16,8 +15,7 @@ from omnistage.common.runtime.deadlines import wait_for
 from omnistage.common.runtime.status_file import read_status, status_path
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common" / "runtime"))
-from synthetic_stage import free_port  # noqa: E402
+from tests.common.runtime.synthetic_stage import free_port
 
 MIB = 1 << 20
 # Generous: the interpreter, grpc's buffers and the allocator keep some; 3 x 60 MiB would be ~180+ MiB.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import grpc
@@ -17,8 +16,7 @@ from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common" / "runtime"))
-from synthetic_stage import free_port  # noqa: E402
+from tests.common.runtime.synthetic_stage import free_port
 
 WHERE = "messages[0].parts[1].image.path"
 

@@ -238,7 +238,16 @@ def test_a_replica_a_call_finds_unreachable_is_taken_out_and_the_request_goes_to
     the request, which it never began, denoises on the other replica (its condition forwarded there)."""
     from omnistage.common.transport import TransportOptions
     from omnistage.services.gateway.replicas import Replicas
-    from test_gateway_imaging import FakeImageGen, FakeThinker, Gateway, free_port, kinds, leases, request
+
+    from tests.services.gateway.test_gateway_imaging import (
+        FakeImageGen,
+        FakeThinker,
+        Gateway,
+        free_port,
+        kinds,
+        leases,
+        request,
+    )
 
     async def main():
         producer = TransportContext(TransportOptions(shm_threshold_bytes=0, shm_pool_bytes=1 << 20))

@@ -12,7 +12,8 @@ from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import omni_pb2
 from prometheus_client import REGISTRY
-from test_gateway_server import Context, FakeThinker
+
+from tests.services.gateway.test_gateway_server import Context, FakeThinker
 
 
 def _value(name: str, **labels) -> float:

@@ -10,7 +10,12 @@ import socket
 
 import grpc
 import pytest
-from gateway_speech_fakes import (
+from omnistage.common import metrics
+from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
+from omnistage.services.gateway.speech import SpeechLimits
+from omnistage.v1 import common_pb2, omni_pb2
+
+from tests.services.gateway.gateway_speech_fakes import (
     Context,
     FakeTalker,
     FakeThinker,
@@ -19,10 +24,6 @@ from gateway_speech_fakes import (
     gateway,
     wait_until,
 )
-from omnistage.common import metrics
-from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
-from omnistage.services.gateway.speech import SpeechLimits
-from omnistage.v1 import common_pb2, omni_pb2
 
 ANSWER = "Hello there. How are you today? "
 

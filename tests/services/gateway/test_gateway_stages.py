@@ -4,8 +4,6 @@ left early is cancelled (the stage aborts it); Describe goes to the stage's admi
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,8 +17,7 @@ from omnistage.services.gateway.stage_watch import StageWatch, WatchConfig
 from omnistage.services.gateway.stages import ThinkerClient
 from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "common" / "runtime"))
-from synthetic_stage import free_port  # noqa: E402
+from tests.common.runtime.synthetic_stage import free_port
 
 
 class FakeThinker(thinker_pb2_grpc.ThinkerServicer):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from omnistage.services.imagegen.models.dit import FirstBlockCache
 from omnistage.services.imagegen.pipeline import GenerationSpec, ImagePipeline
-from test_pipeline import BUCKET, _hidden, _run
+
+from tests.services.imagegen.test_pipeline import BUCKET, _hidden, _run
 
 
 def _inputs(dit, seed: int):

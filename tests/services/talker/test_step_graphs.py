@@ -11,7 +11,8 @@ from omnistage.services.talker.engine import TalkerEngine
 from omnistage.services.talker.models.qwen2 import Rows
 from omnistage.services.talker.runner import TalkerRunner
 from omnistage.services.talker.step_graphs import batch_buckets, bucket_of, span_buckets
-from talker_jobs import run_staggered
+
+from tests.services.talker.talker_jobs import run_staggered
 
 
 def test_buckets_cover_every_batch_up_to_the_cap_and_every_span_up_to_the_cache():

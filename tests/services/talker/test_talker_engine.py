@@ -13,7 +13,8 @@ from omnistage.services.talker.engine import JobDone, JobFailed, TalkerEngine
 from omnistage.services.talker.metrics import export_queue_time
 from omnistage.services.talker.runner import TalkerRunner
 from prometheus_client import REGISTRY
-from talker_jobs import job, run, run_staggered
+
+from tests.services.talker.talker_jobs import job, run, run_staggered
 
 
 @pytest.fixture

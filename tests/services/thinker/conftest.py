@@ -1,14 +1,11 @@
-"""Fixtures of the thinker service tests (server, engine loop): the tiny checkpoint, the engine doubles."""
+"""Fixtures of the thinker service tests (server, engine loop): the tiny checkpoint (the engine doubles
+are imported from tests.services.thinker.engine.engine_fakes)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-# The engine test doubles (engine_fakes.py) serve the service-level tests too.
-sys.path.insert(0, str(Path(__file__).parent / "engine"))
 
 
 @pytest.fixture(scope="session")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 
-from engine_fakes import make_fake_engine
 from omnistage.common import metrics
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine_metrics import EngineMetrics
 from prometheus_client import REGISTRY, Histogram
+
+from tests.services.thinker.engine.engine_fakes import make_fake_engine
 
 
 def _value(name: str, service: str, **labels) -> float:

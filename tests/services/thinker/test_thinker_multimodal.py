@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mm_prompts import MIXED, Media, items, layout, reference_inputs
 from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.common.transport import TransportContext, TransportOptions
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.multimodal import MediaInputs
+
+from tests.services.thinker.engine.mm_prompts import MIXED, Media, items, layout, reference_inputs
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from engine_fakes import make_fake_engine, slow_steps
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop, DeviceStopped
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
 from omnistage.services.thinker.group.distributed import TPError
 from omnistage.services.thinker.runner import ThinkerRunner
+
+from tests.services.thinker.engine.engine_fakes import make_fake_engine, slow_steps
 
 
 def slow_engine(step_s: float = 0.02):

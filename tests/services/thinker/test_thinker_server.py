@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
-from engine_fakes import FakeModel, slow_steps
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import EngineConfig, config_from_dict
 from omnistage.common.runtime.deadlines import wait_for_async
@@ -30,6 +29,8 @@ from omnistage.services.thinker.multimodal import MediaInputs
 from omnistage.services.thinker.request_flow import ThinkerEngine
 from omnistage.services.thinker.server import ThinkerServicer
 from omnistage.v1 import common_pb2, encoder_pb2, thinker_pb2, thinker_pb2_grpc
+
+from tests.services.thinker.engine.engine_fakes import FakeModel, slow_steps
 
 THINKER = "omnistage.v1.Thinker"
 

@@ -61,7 +61,7 @@ def test_qk_norm_rope_equals_norm_then_rotary(shared_table):
 
 
 def test_the_dit_with_its_kernels_forced_equals_diffusers(monkeypatch):
-    from test_dit_parity import make_pair, seeded
+    from tests.services.imagegen.models.test_dit_parity import make_pair, seeded
 
     ref, ours = make_pair()
     x, t = seeded(1, 16, 1, 8, 8, seed=1), torch.tensor([0.3])  # small: the interpreter runs each program in Python

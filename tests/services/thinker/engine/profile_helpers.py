@@ -50,8 +50,10 @@ class AllocationRecorder(TorchDispatchMode):
 
 
 # Short deadlines for multi-process tests (the bounds under test scale with them).
+# A start-up collective waits longer than run_ranks' deadline: a rank that a peer's failure did not end
+# (its watch) is still running there, named, instead of leaving later by its collective's own timeout.
 TP_TEST = TPConfig(
-    startup_collective_timeout_s=90, serving_collective_timeout_s=60, failure_exit_s=8,
+    startup_collective_timeout_s=600, serving_collective_timeout_s=60, failure_exit_s=8,
     peer_watch_interval_s=0.2, peer_timeout_s=4,
 )  # fmt: skip
 

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
-from engine_fakes import ByteTokenizer
 from omnistage.services.thinker.engine.detokenizer import Detokenizer
 from omnistage.services.thinker.engine.stop import StopStringMatcher
+
+from tests.services.thinker.engine.engine_fakes import ByteTokenizer
 
 
 def stream(text: str, stop: tuple[str, ...] = (), prompt: str = "Hi: ") -> tuple[list[str], Detokenizer]:

@@ -10,7 +10,6 @@ import functools
 
 import pytest
 import torch
-from mm_prompts import Media, items, layout, reference_inputs
 from omnistage.common.config import EngineConfig
 from omnistage.common.transport import TransportContext
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
@@ -21,7 +20,9 @@ from omnistage.services.thinker.image_queries import load_image_queries
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.loader import load_model
 from omnistage.services.thinker.multimodal import MediaInputs
-from tp_run import run_tp2
+
+from tests.services.thinker.engine.mm_prompts import Media, items, layout, reference_inputs
+from tests.services.thinker.engine.tp_run import run_tp2
 
 MAX_MODEL_LEN = 512
 DEADLINE_S = 120

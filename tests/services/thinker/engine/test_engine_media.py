@@ -9,7 +9,6 @@ import functools
 
 import pytest
 import torch
-from mm_prompts import MIXED, Part, items, layout, reference_inputs
 from omnistage.common.config import EngineConfig
 from omnistage.common.transport import TransportContext
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
@@ -20,7 +19,9 @@ from omnistage.services.thinker.group.startup import RankConfig, start_engine
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.loader import load_model
 from omnistage.services.thinker.multimodal import MediaInputs
-from tp_run import run_tp2
+
+from tests.services.thinker.engine.mm_prompts import MIXED, Part, items, layout, reference_inputs
+from tests.services.thinker.engine.tp_run import run_tp2
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 PARTS: list[list[Part]] = [

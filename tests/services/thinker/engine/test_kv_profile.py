@@ -19,7 +19,8 @@ from omnistage.services.thinker.group.kv_profile import KVProfileError, KVSettin
 from omnistage.services.thinker.group.startup import RankConfig, start_rank
 from omnistage.services.thinker.group.warmup import run_dummy_step, stress_shapes
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
-from profile_helpers import CFG, MiB, metered_runner
+
+from tests.services.thinker.engine.profile_helpers import CFG, MiB, metered_runner
 
 SOLO = TPControl()
 CAPACITY = 200 * MiB

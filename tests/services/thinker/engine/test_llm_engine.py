@@ -6,10 +6,11 @@ import random
 
 import pytest
 import torch
-from engine_fakes import FakeModel, make_fake_engine
 from omnistage.services.thinker.engine.llm_engine import QueueFullError, RequestError
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
+
+from tests.services.thinker.engine.engine_fakes import FakeModel, make_fake_engine
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

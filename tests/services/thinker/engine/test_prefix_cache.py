@@ -11,7 +11,6 @@ import random
 from collections import Counter
 
 import pytest
-from engine_fakes import make_fake_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omnistage.common.config import EngineConfig
@@ -19,6 +18,8 @@ from omnistage.services.thinker.engine.block_manager import BlockManager
 from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.scheduler import Scheduler
 from omnistage.services.thinker.engine.sequence import SamplingParams, Sequence, SequenceStatus
+
+from tests.services.thinker.engine.engine_fakes import make_fake_engine
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 

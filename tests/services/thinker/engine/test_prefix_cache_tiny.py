@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-from mm_prompts import items, layout
 from omnistage.common.config import EngineConfig
 from omnistage.common.transport import TransportContext
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
@@ -16,7 +15,9 @@ from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group.startup import RankConfig, start_engine
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.multimodal import MediaInputs
-from tp_run import run_tp2
+
+from tests.services.thinker.engine.mm_prompts import items, layout
+from tests.services.thinker.engine.tp_run import run_tp2
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 DEADLINE_S = 120
@@ -98,7 +99,7 @@ def test_an_image_prompt_hits_only_for_the_same_image(tiny_ckpt):
 
 
 def test_a_hidden_state_request_computes_every_slot_it_wants(tiny_ckpt):
-    from test_engine_hidden_states import hidden_prompt
+    from tests.services.thinker.engine.test_engine_hidden_states import hidden_prompt
 
     prompt = hidden_prompt(tiny_ckpt, [("text", 40)], seed=3)[0]
     first_slot = int(prompt.hidden_slots[0])

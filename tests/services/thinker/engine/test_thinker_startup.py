@@ -4,32 +4,22 @@ memory, and an OOM on rank 1 during warm-up makes the whole service fail promptl
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import grpc
 import pytest
-import yaml
 from omnistage.v1 import control_pb2, control_pb2_grpc
+
+from tests.e2e.serve_pipeline import ServeProcess, free_ports
 
 MiB = 1 << 20
 DEADLINE_S = 120
 pytestmark = pytest.mark.timeout(300)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(tmp_path, tiny_ckpt, **extra) -> tuple[subprocess.Popen, int, object]:
-    port, admin_port, dist_port = _free_port(), _free_port(), _free_port()
+def _serve(tmp_path, tiny_ckpt, **extra) -> tuple[ServeProcess, int]:
+    port, admin_port, dist_port = free_ports(3)
     thinker = {
         "kind": "thinker",
         "port": port,
@@ -46,16 +36,7 @@ def _serve(tmp_path, tiny_ckpt, **extra) -> tuple[subprocess.Popen, int, object]
         **extra,
     }
     cfg = {"model": {"checkpoint": str(tiny_ckpt)}, "services": {"thinker": thinker}}
-    path = tmp_path / "deploy.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.common.cli", "serve", str(path), "--ready-file", str(ready)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    return proc, admin_port, ready
+    return ServeProcess(tmp_path, cfg), admin_port
 
 
 def _phases(output: str, rank: int) -> list[str]:
@@ -63,13 +44,9 @@ def _phases(output: str, rank: int) -> list[str]:
 
 
 def test_every_rank_profiles_then_warms_up_then_serves(tmp_path, tiny_ckpt):
-    proc, admin_port, ready = _serve(tmp_path, tiny_ckpt)
+    serve, admin_port = _serve(tmp_path, tiny_ckpt)
     try:
-        deadline = time.monotonic() + DEADLINE_S
-        while not (ready.exists() and ready.read_text().strip()):
-            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "the thinker did not become ready"
-            time.sleep(0.2)
+        serve.wait_ready(DEADLINE_S)
         with grpc.insecure_channel(f"127.0.0.1:{admin_port}") as ch:  # Control is on the admin port only
             desc = control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest(), timeout=5)
         (mem,) = desc.memory
@@ -77,26 +54,22 @@ def test_every_rank_profiles_then_warms_up_then_serves(tmp_path, tiny_ckpt):
         assert mem.kv_cache_bytes > 100 * MiB and mem.activation_peak_bytes > 0 and mem.weights_bytes > 0
         assert mem.total_bytes <= mem.budget_bytes
     finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    output = out.decode(errors="replace")
+        serve.proc.send_signal(signal.SIGTERM)
+        code = serve.wait_exit()
+    output = serve.out.read_text()
     want = ["loading_weights", "profiling_memory", "warming_up", "serving"]
     for rank in (0, 1):
         seen = [p for p in _phases(output, rank) if p in want]
         assert seen == want, (rank, _phases(output, rank))
-    assert proc.returncode == 0, output[-3000:]
+    assert code == 0, output[-3000:]
 
 
 @pytest.mark.parametrize("bad_rank", [1, 0])
 def test_an_oom_on_one_rank_in_warm_up_fails_the_service_naming_it(tmp_path, tiny_ckpt, bad_rank):
-    proc, _, _ = _serve(tmp_path, tiny_ckpt, fault={"phase": "warming_up", "action": "oom", "rank": bad_rank})
-    try:
-        out, _ = proc.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"omnistage serve still running {DEADLINE_S}s after rank 1 failed")
-    output = out.decode(errors="replace")
-    assert proc.returncode != 0, output[-3000:]
+    serve, _ = _serve(tmp_path, tiny_ckpt, fault={"phase": "warming_up", "action": "oom", "rank": bad_rank})
+    code = serve.wait_exit(DEADLINE_S)
+    output = serve.out.read_text()
+    assert code != 0, output[-3000:]
     assert f"rank {bad_rank} failed in warming_up: SimulatedOOM" in output, output[-3000:]
     # The launcher's headline blames the rank that failed, not the peer that copied its diagnostic
     # (rank 0 used to say "failed" only after waiting for the others' acknowledgements).

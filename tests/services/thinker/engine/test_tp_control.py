@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 from omnistage.common.config import TPConfig
+from omnistage.common.runtime.deadlines import wait_event, wait_for
 from omnistage.services.thinker.group.distributed import TPError, join_tp_group
 from omnistage.services.thinker.group.local_ranks import free_port
 from omnistage.services.thinker.group.tp_store import GroupFailure, GroupStore, StoreLost, process_gone
@@ -63,10 +64,9 @@ def test_a_stopped_store_host_is_a_failure_within_the_deadline_not_a_hang(store_
     store = GroupStore("127.0.0.1", port, timeout_s=1.0)
     store.beat(1)
     os.kill(proc.pid, signal.SIGSTOP)
-    started = time.monotonic()
-    with pytest.raises(StoreLost, match="no reply within 1s") as err:
+    with pytest.raises(StoreLost, match="no reply within 1s") as err:  # the call's own deadline ended it
         store.first_failure()
-    assert err.value.silent and time.monotonic() - started < 5
+    assert err.value.silent
     with pytest.raises(StoreLost):  # and it stays lost: no second wait
         store.beat(1)
 
@@ -77,20 +77,18 @@ def test_a_store_host_that_is_gone_is_a_failure_at_once(store_host):
     store.beat(1)
     proc.kill()
     proc.wait(10)
-    started = time.monotonic()
     with pytest.raises(StoreLost) as err:
         store.beat(1)
-    assert not err.value.silent and time.monotonic() - started < 5
+    # At once: the broken connection ended the call, not its 10 s deadline (which would be `silent`).
+    assert not err.value.silent and "no reply within" not in str(err.value), err.value
 
 
 def test_a_dead_process_is_gone_even_before_it_is_reaped():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     assert not process_gone(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while not process_gone(proc.pid):  # a zombie until we reap it below
-        assert time.monotonic() < deadline, "a killed process still looks alive"
-        time.sleep(0.05)
+    # A zombie until we reap it below.
+    wait_for(lambda: process_gone(proc.pid), 10, "a killed process to look gone before it is reaped", poll_s=0.05)
     proc.wait(10)
     assert process_gone(proc.pid)
 
@@ -120,16 +118,13 @@ def test_a_collective_while_serving_gives_up_at_the_serving_deadline(tmp_path):
         seen = []
         control.add_failure_listener(seen.append)
         control.enter_serving()
-        started = time.monotonic()
         with pytest.raises(TPError, match=r"rank 0 failed in agreeing while serving: RuntimeError") as err:
             control.agree_min(1, "agreeing while serving")
-        elapsed = time.monotonic() - started
     finally:
         peer.kill()
         peer.join(10)
-    # The startup deadline (60 s) would still be waiting; the serving one (2 s) gave up (then the rank
-    # looked for a peer to blame for up to min(peer_timeout_s, exit budget / 2) = 5 s).
-    assert TP.serving_collective_timeout_s <= elapsed < TP.startup_collective_timeout_s, elapsed
+    # The deadline that fired is the serving one (gloo names it: 2000ms), not the start-up one (60000ms).
+    assert f"Timed out waiting {TP.serving_collective_timeout_s * 1000:g}ms" in str(err.value), err.value
     assert seen == [err.value.failure]
 
 
@@ -150,22 +145,23 @@ def test_the_store_host_dying_ends_the_other_ranks_naming_it():
     host.start()
     try:
         control = join_tp_group(1, 2, port=port, cfg=replace(TP, peer_timeout_s=5, failure_exit_s=30))
-        exited = []
-        control.watch.exit_process = exited.append
-        seen = []
-        control.add_failure_listener(seen.append)
-        assert ready.wait(60)
+        events = []  # what the rank did, in order: noticed the failure (its listeners), then left
+        control.add_failure_listener(lambda failure: events.append(("noticed", failure)))
+        control.watch.exit_process = lambda code: events.append(("exit", code))
+        wait_event(ready, 60, "rank 0 to host the store", stage="thinker", rank=0)
         host.kill()
-        killed = time.monotonic()
-        while not exited and time.monotonic() < killed + 30:
-            time.sleep(0.05)
+        wait_for(lambda: ("exit", 1) in events, control.cfg.failure_exit_s,
+                 "rank 1 to leave once the store host died", stage="thinker", rank=1, poll_s=0.05)
     finally:
         host.kill()
         host.join(10)
-    assert exited == [1], "the rank did not leave"
-    assert time.monotonic() - killed < control.cfg.failure_exit_s
-    (failure,) = seen
-    assert failure.rank == 0 and failure.message.startswith("rank 0 (store host) is gone while start-up"), failure
+    # The loss was noticed as such (the connection gone, not a store call's deadline), blamed on rank 0,
+    # and the rank left because of it (a rank that left without noticing would have named nobody).
+    assert [what for what, _ in events] == ["noticed", "exit"], events
+    (_, failure), (_, code) = events
+    assert code == 1
+    assert failure.rank == 0 and failure.kind == "store_lost", failure
+    assert failure.message.startswith("rank 0 (store host) is gone while start-up"), failure
 
 
 # --- who is blamed --------------------------------------------------------------------------------

@@ -12,7 +12,14 @@ from omnistage.services.thinker.group.distributed import TPControl
 from omnistage.services.thinker.group.kv_profile import KVSettings, size_kv_cache
 from omnistage.services.thinker.group.warmup import WarmupError, dummy_plan, run_warmup, warmup_shapes
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
-from profile_helpers import CFG, AllocationRecorder, MiB, metered_runner, run_ranks
+
+from tests.services.thinker.engine.profile_helpers import (
+    CFG,
+    AllocationRecorder,
+    MiB,
+    metered_runner,
+    run_ranks,
+)
 
 SOLO = TPControl()
 

@@ -5,13 +5,10 @@ imports them. triton is a dev dependency: these tests never skip for want of it.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, str(Path(__file__).parent))  # sm90_compile
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sm90_compile import CASES
+from tests.services.thinker.kernels.sm90_compile import CASES
 
 
 def test_every_kernel_compiles_for_sm90():

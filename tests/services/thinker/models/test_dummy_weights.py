@@ -12,7 +12,8 @@ from omnistage.common.memory.device import SimulatedDeviceMemory
 from omnistage.services.thinker.models.bailing_moe_v2 import checkpoint_shapes
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.loader import load_model
-from test_loader_memory import ShapeRecorder
+
+from tests.services.thinker.models.test_loader_memory import ShapeRecorder
 
 
 @pytest.fixture(scope="module")
