@@ -47,8 +47,11 @@ class TalkerStartup(StageStartup):
         self.runner = TalkerRunner(self.models, self.profile.max_streams, caches.lm_tokens, caches.vae_frames,
                                    temperature=tcfg.temperature, sigma=tcfg.sigma,
                                    graphs=startup.graphs_on(self.models, tcfg))
+        self.graph_pool_bytes = 0
         if self.runner.static is not None:
+            before = b.mem.reserved()
             b.progress.heartbeat(f"capturing {self.runner.static.capture_all()} step graphs")
+            self.graph_pool_bytes = max(b.mem.reserved() - before, 0)
 
     async def warm_up(self) -> None:
         svc, runtime = self.boot.svc, self.boot.runtime
@@ -72,7 +75,8 @@ class TalkerStartup(StageStartup):
         export_queue_time(engine, svc.name)
 
     def memory_report(self) -> control_pb2.MemoryReport:
-        return self.profile.memory_report(self.boot.mem, self.models.weights_bytes, self.runner.cache_bytes)
+        return self.profile.memory_report(self.boot.mem, self.models.weights_bytes, self.runner.cache_bytes,
+                                          self.graph_pool_bytes)
 
 
 def main() -> None:

@@ -54,11 +54,12 @@ class Profile:
     def max_streams(self) -> int:
         return self.stress.max_batch
 
-    def memory_report(self, mem: DeviceMemory, weights_bytes: int, cache_bytes: int) -> control_pb2.MemoryReport:
+    def memory_report(self, mem: DeviceMemory, weights_bytes: int, cache_bytes: int,
+                      graph_pool_bytes: int = 0) -> control_pb2.MemoryReport:  # fmt: skip
         return control_pb2.MemoryReport(
             device=mem.device_name, budget_bytes=self.stress.budget_bytes, weights_bytes=weights_bytes,
             kv_cache_bytes=cache_bytes, activation_peak_bytes=self.stress.activation_peak_bytes,
-            total_bytes=mem.reserved())
+            graph_pool_bytes=graph_pool_bytes, total_bytes=mem.reserved())
 
 
 def graphs_on(models: TalkerModels, cfg: TalkerConfig) -> bool:

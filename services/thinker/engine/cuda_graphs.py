@@ -68,6 +68,7 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.ready = not capture  # eager mode needs no capture; captured mode only after capture()
         self.replays = 0
+        self.pool_bytes = 0  # what the capture took on the device (the memory report's graph pool)
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = self.max_batch
@@ -175,6 +176,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         self.ready = True
         took = torch.cuda.memory_reserved(self.device) - before
+        self.pool_bytes = max(took, 0)
         log.info("captured %d decode graphs (batch %s) in %.1fs, %s", len(self.sizes),
                  ",".join(map(str, self.sizes)), time.monotonic() - started, fmt_bytes(took))  # fmt: skip
         return took

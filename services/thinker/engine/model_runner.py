@@ -133,17 +133,20 @@ class ModelRunner:
 
     def memory_report(self) -> control_pb2.MemoryReport:
         """What this rank holds on its device, for Describe and metrics: weights, KV cache, the
-        activation peak measured by the auto-profile, and the budget it was sized against."""
+        activation peak measured by the auto-profile, the decode graphs' pool, and the budget it was
+        sized against."""
         weights = self.weights_bytes()
         kv = self.kv_bytes()
         activation = self.activation_peak_bytes
+        graphs = self.graphs.pool_bytes if self.graphs is not None else 0
         return control_pb2.MemoryReport(
             device=str(self.device),
             budget_bytes=self.budget_bytes,
             weights_bytes=weights,
             kv_cache_bytes=kv,
             activation_peak_bytes=activation,
-            total_bytes=weights + kv + activation,
+            graph_pool_bytes=graphs,
+            total_bytes=weights + kv + activation + graphs,
         )
 
     def use_graphs(self, graphs: DecodeGraphs) -> None:
