@@ -44,6 +44,7 @@ test-fast: $(STAMP) deploy-tools
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The generated code and the API reference (docs/api.md) both come from protos/omnistage/v1/*.proto;
 # tests/test_protos_fresh.py and tests/test_protodoc.py fail when either is stale.

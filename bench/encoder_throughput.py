@@ -36,17 +36,34 @@ from omnistage.services.encoder.models.vision import VisionEncoder
 from PIL import Image
 
 GiB = 1 << 30
-REAL_VISION = VisionConfig(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, out_hidden_size=4096,
-                           projector_size=4096, deepstack_visual_indexes=(8, 16, 24))
+REAL_VISION = VisionConfig(
+    depth=27,
+    hidden_size=1152,
+    num_heads=16,
+    intermediate_size=4304,
+    out_hidden_size=4096,
+    projector_size=4096,
+    deepstack_visual_indexes=(8, 16, 24),
+)
 REAL_AUDIO = AudioConfig(n_mels=128, n_ctx=15000, n_state=1280, n_head=20, n_layer=32, projector_size=4096)
-TINY_VISION = VisionConfig(depth=3, hidden_size=64, num_heads=4, intermediate_size=128, out_hidden_size=256,
-                           projector_size=256, num_position_embeddings=64)
+TINY_VISION = VisionConfig(
+    depth=3,
+    hidden_size=64,
+    num_heads=4,
+    intermediate_size=128,
+    out_hidden_size=256,
+    projector_size=256,
+    num_position_embeddings=64,
+)
 TINY_AUDIO = AudioConfig(n_mels=128, n_ctx=1500, n_state=64, n_head=4, n_layer=2, projector_size=256)
 
 
 def whisper_sinusoids(length: int, channels: int) -> torch.Tensor:
     inc = math.log(10000.0) / (channels // 2 - 1)
-    t = torch.arange(length, dtype=torch.float64)[:, None] * torch.exp(-inc * torch.arange(channels // 2))[None, :]
+    t = (
+        torch.arange(length, dtype=torch.float64)[:, None]
+        * torch.exp(-inc * torch.arange(channels // 2))[None, :]
+    )
     return torch.cat([torch.sin(t), torch.cos(t)], dim=1).float()
 
 
@@ -103,12 +120,16 @@ def vision_images(vision: VisionEncoder, cfg: VisionConfig, frames: list[torch.T
     return vision(torch.cat([p for p, _ in items]), [g for _, g in items])
 
 
-def vision_rows(vision: VisionEncoder, cfg: VisionConfig, sizes: list[int], batches: list[int], device, iters: int):
+def vision_rows(
+    vision: VisionEncoder, cfg: VisionConfig, sizes: list[int], batches: list[int], device, iters: int
+):
     rows = []
     for side in sizes:
         tokens = (side // cfg.pixels_per_token) ** 2
         for b in batches:
-            frames = [torch.randint(0, 256, (1, side, side, 3), dtype=torch.uint8, device=device) for _ in range(b)]
+            frames = [
+                torch.randint(0, 256, (1, side, side, 3), dtype=torch.uint8, device=device) for _ in range(b)
+            ]
             forward = functools.partial(vision_images, vision, cfg, frames)
             try:
                 secs, peak = timed(forward, device, iters)
@@ -116,8 +137,17 @@ def vision_rows(vision: VisionEncoder, cfg: VisionConfig, sizes: list[int], batc
                 rows.append({"modality": "vision", "input": f"{side}x{side}", "batch": b, "oom": True})
                 torch.cuda.empty_cache()
                 break
-            rows.append({"modality": "vision", "input": f"{side}x{side}", "batch": b, "ms": secs * 1000,
-                         "items_s": b / secs, "tokens_s": b * tokens / secs, "peak_gib": peak / GiB})
+            rows.append(
+                {
+                    "modality": "vision",
+                    "input": f"{side}x{side}",
+                    "batch": b,
+                    "ms": secs * 1000,
+                    "items_s": b / secs,
+                    "tokens_s": b * tokens / secs,
+                    "peak_gib": peak / GiB,
+                }
+            )
             del forward
     return rows
 
@@ -135,9 +165,18 @@ def audio_rows(audio: AudioEncoder, cfg: AudioConfig, seconds: float, batches: l
             rows.append({"modality": "audio", "input": f"{seconds:g} s", "batch": b, "oom": True})
             torch.cuda.empty_cache()
             break
-        rows.append({"modality": "audio", "input": f"{seconds:g} s", "batch": b, "ms": secs * 1000,
-                     "items_s": b / secs, "tokens_s": b * tokens / secs, "audio_s_per_s": b * seconds / secs,
-                     "peak_gib": peak / GiB})
+        rows.append(
+            {
+                "modality": "audio",
+                "input": f"{seconds:g} s",
+                "batch": b,
+                "ms": secs * 1000,
+                "items_s": b / secs,
+                "tokens_s": b * tokens / secs,
+                "audio_s_per_s": b * seconds / secs,
+                "peak_gib": peak / GiB,
+            }
+        )
     return rows
 
 
@@ -146,14 +185,31 @@ def preprocess_rows(sizes: list[int], seconds: float, iters: int) -> list[dict]:
     rows = []
     src = Image.fromarray(np.random.default_rng(0).integers(0, 256, (1080, 1920, 3), dtype=np.uint8))
     cpu = torch.device("cpu")
-    for side in sizes:  # the CPU part of an image: resize to uint8 frames (normalise + patchify run on the device)
+    for (
+        side
+    ) in sizes:  # the CPU part of an image: resize to uint8 frames (normalise + patchify run on the device)
         secs, _ = timed(functools.partial(preprocess.image_frames, src, (side, side)), cpu, iters, warmup=1)
-        rows.append({"modality": "preprocess", "input": f"1920x1080 → {side}x{side}", "batch": 1, "ms": secs * 1000,
-                     "items_s": 1 / secs})
+        rows.append(
+            {
+                "modality": "preprocess",
+                "input": f"1920x1080 → {side}x{side}",
+                "batch": 1,
+                "ms": secs * 1000,
+                "items_s": 1 / secs,
+            }
+        )
     wave = torch.randn(int(seconds * 16000)) * 0.1
     secs, _ = timed(lambda: preprocess.log_mel(wave, 128), cpu, iters, warmup=1)
-    rows.append({"modality": "preprocess", "input": f"log-mel {seconds:g} s", "batch": 1, "ms": secs * 1000,
-                 "items_s": 1 / secs, "audio_s_per_s": seconds / secs})
+    rows.append(
+        {
+            "modality": "preprocess",
+            "input": f"log-mel {seconds:g} s",
+            "batch": 1,
+            "ms": secs * 1000,
+            "items_s": 1 / secs,
+            "audio_s_per_s": seconds / secs,
+        }
+    )
     return rows
 
 
@@ -168,8 +224,13 @@ def table(rows: list[dict]) -> str:
         if r.get("oom"):
             lines.append(f"| {r['modality']} | {r['input']} | {r['batch']} | OOM | | | | |")
             continue
-        cells = [_cell(r, "ms", ".1f"), _cell(r, "items_s", ".1f"), _cell(r, "tokens_s", ".0f"),
-                 _cell(r, "audio_s_per_s", ".1f"), _cell(r, "peak_gib", ".2f")]
+        cells = [
+            _cell(r, "ms", ".1f"),
+            _cell(r, "items_s", ".1f"),
+            _cell(r, "tokens_s", ".0f"),
+            _cell(r, "audio_s_per_s", ".1f"),
+            _cell(r, "peak_gib", ".2f"),
+        ]
         lines.append(f"| {r['modality']} | {r['input']} | {r['batch']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -182,7 +243,9 @@ def main() -> None:
     ap.add_argument("--audio-seconds", type=float, default=10.0)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="", help="default: cuda when available, else cpu")
-    ap.add_argument("--out", default="", help="JSON path (default $OUT/encoder_throughput.json when $OUT is set)")
+    ap.add_argument(
+        "--out", default="", help="JSON path (default $OUT/encoder_throughput.json when $OUT is set)"
+    )
     args = ap.parse_args()
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu"))
@@ -195,24 +258,41 @@ def main() -> None:
 
     started = time.perf_counter()
     vision, audio = build(cfg_v, cfg_a, dtype, device)
-    weights = {name: sum(p.numel() * p.element_size() for p in m.parameters()) for name, m in
-               (("vision", vision), ("audio", audio))}
+    weights = {
+        name: sum(p.numel() * p.element_size() for p in m.parameters())
+        for name, m in (("vision", vision), ("audio", audio))
+    }
     with torch.inference_mode():
         rows = vision_rows(vision, cfg_v, sizes, batches, device, args.iters)
         rows += audio_rows(audio, cfg_a, args.audio_seconds, batches, device, args.iters)
     rows += preprocess_rows(sizes, args.audio_seconds, args.iters)
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU x{torch.get_num_threads()} threads"
-    print(f"encoder towers ({'tiny' if args.tiny else 'real sizes'}, random weights), {name}, {dtype}, "
-          f"torch {torch.__version__}; weights: vision {weights['vision'] / GiB:.2f} GiB, audio "
-          f"{weights['audio'] / GiB:.2f} GiB; median of {args.iters}")
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU x{torch.get_num_threads()} threads"
+    )
+    print(
+        f"encoder towers ({'tiny' if args.tiny else 'real sizes'}, random weights), {name}, {dtype}, "
+        f"torch {torch.__version__}; weights: vision {weights['vision'] / GiB:.2f} GiB, audio "
+        f"{weights['audio'] / GiB:.2f} GiB; median of {args.iters}"
+    )
     print(table(rows))
     summary = {
-        "device": name, "dtype": str(dtype), "torch": torch.__version__, "python": platform.python_version(),
-        "tiny": args.tiny, "iters": args.iters, "weights_bytes": weights, "rows": rows,
-        "elapsed_s": time.perf_counter() - started, "date": time.strftime("%Y-%m-%d"),
+        "device": name,
+        "dtype": str(dtype),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "tiny": args.tiny,
+        "iters": args.iters,
+        "weights_bytes": weights,
+        "rows": rows,
+        "elapsed_s": time.perf_counter() - started,
+        "date": time.strftime("%Y-%m-%d"),
     }
-    out = args.out or (os.path.join(os.environ["OUT"], "encoder_throughput.json") if os.environ.get("OUT") else "")
+    out = args.out or (
+        os.path.join(os.environ["OUT"], "encoder_throughput.json") if os.environ.get("OUT") else ""
+    )
     if out:
         Path(out).write_text(json.dumps(summary, indent=2) + "\n")
         print(f"wrote {out}")

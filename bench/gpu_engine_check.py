@@ -45,7 +45,9 @@ def _first_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
 
 def _run(ckpt, device: str, dtype: str, tp: int, prompts, max_tokens: int):
     dev0 = "cpu" if device == "cpu" else "cuda:0"
-    cfg = RankConfig(str(ckpt), CFG, dtype=dtype, device=dev0, world_size=tp, dist_port=local_ranks.free_port())
+    cfg = RankConfig(
+        str(ckpt), CFG, dtype=dtype, device=dev0, world_size=tp, dist_port=local_ranks.free_port()
+    )
     procs = local_ranks.spawn_workers(cfg) if tp > 1 else []
     engine = start_engine(cfg)
     try:
@@ -101,8 +103,10 @@ def main() -> None:
             identical = sum(a == b for a, b in zip(tokens, ref_tokens, strict=True))
             agree = [_agree(a, b) for a, b in zip(tokens, ref_tokens, strict=True)]
             rows.append((tp, dtype, rel, identical, min(agree), sum(agree) / len(agree), speed))
-    print("\n| TP | dtype | first-step logits rel. err vs CPU fp32 | prompts with identical greedy tokens "
-          f"({args.max_tokens}) | min / mean agreeing prefix | out tok/s c=1 / 8 / 32 |")
+    print(
+        "\n| TP | dtype | first-step logits rel. err vs CPU fp32 | prompts with identical greedy tokens "
+        f"({args.max_tokens}) | min / mean agreeing prefix | out tok/s c=1 / 8 / 32 |"
+    )
     print("|---|---|---|---|---|---|")
     for tp, dtype, rel, identical, amin, amean, speed in rows:
         sp = " / ".join(f"{speed[c]:.0f}" for c in (1, 8, 32))

@@ -60,7 +60,9 @@ REAL = ImageGenModelConfig(
     mlp=MlpConfig(),  # 16x16 queries, 2560-wide conditioning, identity wrapper MLP, ×1000 norm
     connector=ConnectorConfig(),  # Qwen2-1.5B: 1536 wide, 28 layers, 12/2 heads, 8960 MLP
     dit=DiTConfig(),  # Z-Image defaults: 3840, 30 layers, 2 + 2 refiners, 30 heads, axes (32, 48, 48)
-    vae=VaeConfig(use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159),
+    vae=VaeConfig(
+        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159
+    ),
     scheduler=SCHEDULER,
     thinker_hidden=4096,
 )
@@ -109,11 +111,14 @@ def _peak_gib(device: torch.device) -> float:
 
 
 def _spec(cfg: ImageGenModelConfig, size: int, steps: int, seed: int, edit: bool = False) -> GenerationSpec:
-    condition = torch.randn(cfg.mlp.num_queries, cfg.thinker_hidden, generator=torch.Generator().manual_seed(seed))
+    condition = torch.randn(
+        cfg.mlp.num_queries, cfg.thinker_hidden, generator=torch.Generator().manual_seed(seed)
+    )
     reference = None
     if edit:
-        reference = torch.randint(0, 256, (size, size, 3), generator=torch.Generator().manual_seed(seed),
-                                  dtype=torch.uint8).numpy()
+        reference = torch.randint(
+            0, 256, (size, size, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
+        ).numpy()
     return GenerationSpec(condition, (size, size), steps, 2.0, seed, reference)
 
 
@@ -133,11 +138,18 @@ def single(pipeline: ImagePipeline, size: int, steps: int, pixels: list | None =
     if pixels is not None:
         pixels.append((image, state))
     total = prep_s + denoise_s + decode_s
-    return {"size": size, "concurrency": 1, "steps": steps, "seconds_per_image": round(total, 3),
-            "images_s": round(1 / total, 3), "steps_s": round(steps / denoise_s, 2),
-            "forward_ms": round(1000 * denoise_s / max(state.forwards, 1), 1),
-            "prepare_ms": round(1000 * prep_s, 1), "vae_decode_ms": round(1000 * decode_s, 1),
-            "peak_gib": _peak_gib(dev)}
+    return {
+        "size": size,
+        "concurrency": 1,
+        "steps": steps,
+        "seconds_per_image": round(total, 3),
+        "images_s": round(1 / total, 3),
+        "steps_s": round(steps / denoise_s, 2),
+        "forward_ms": round(1000 * denoise_s / max(state.forwards, 1), 1),
+        "prepare_ms": round(1000 * prep_s, 1),
+        "vae_decode_ms": round(1000 * decode_s, 1),
+        "peak_gib": _peak_gib(dev),
+    }
 
 
 def batched(pipeline: ImagePipeline, size: int, steps: int, concurrency: int) -> dict[str, Any]:
@@ -171,10 +183,17 @@ def batched(pipeline: ImagePipeline, size: int, steps: int, concurrency: int) ->
         loop.stop()
     if errors:
         raise errors[0]
-    return {"size": size, "concurrency": concurrency, "steps": steps, "seconds_per_image": round(wall / concurrency, 3),
-            "images_s": round(concurrency / wall, 3), "steps_s": round(concurrency * steps / wall, 2),
-            "forward_ms": round(1000 * wall / max(loop.steps, 1), 1), "largest_batch": loop.largest_batch,
-            "peak_gib": _peak_gib(dev)}
+    return {
+        "size": size,
+        "concurrency": concurrency,
+        "steps": steps,
+        "seconds_per_image": round(wall / concurrency, 3),
+        "images_s": round(concurrency / wall, 3),
+        "steps_s": round(concurrency * steps / wall, 2),
+        "forward_ms": round(1000 * wall / max(loop.steps, 1), 1),
+        "largest_batch": loop.largest_batch,
+        "peak_gib": _peak_gib(dev),
+    }
 
 
 def components(pipeline: ImagePipeline, size: int, iters: int) -> dict[str, Any]:
@@ -185,9 +204,11 @@ def components(pipeline: ImagePipeline, size: int, iters: int) -> dict[str, Any]
     img = torch.rand(1, 3, size, size, device=dev) * 2 - 1
     out: dict[str, Any] = {"size": size}
     with torch.inference_mode():
-        for name, fn in (("connector_ms", lambda: models.cond.caption(models.cond.condition(hidden))),
-                         ("vae_decode_ms", lambda: models.vae.decode(lat)),
-                         ("vae_encode_ms", lambda: models.vae.encode(img))):
+        for name, fn in (
+            ("connector_ms", lambda: models.cond.caption(models.cond.condition(hidden))),
+            ("vae_decode_ms", lambda: models.vae.decode(lat)),
+            ("vae_encode_ms", lambda: models.vae.encode(img)),
+        ):
             fn()
             out[name] = _median_ms(dev, fn, iters)
     return out
@@ -202,11 +223,23 @@ def _diffusers_dit(pipeline: ImagePipeline) -> Any:
 
     dit = pipeline.models.dit
     c = dit.cfg
-    kwargs = {"all_patch_size": c.all_patch_size, "all_f_patch_size": c.all_f_patch_size, "in_channels": c.in_channels,
-              "dim": c.dim, "n_layers": c.n_layers, "n_refiner_layers": c.n_refiner_layers, "n_heads": c.n_heads,
-              "n_kv_heads": c.n_kv_heads, "norm_eps": c.norm_eps, "qk_norm": c.qk_norm, "cap_feat_dim": c.cap_feat_dim,
-              "rope_theta": c.rope_theta, "t_scale": c.t_scale, "axes_dims": list(c.axes_dims),
-              "axes_lens": list(c.axes_lens)}
+    kwargs = {
+        "all_patch_size": c.all_patch_size,
+        "all_f_patch_size": c.all_f_patch_size,
+        "in_channels": c.in_channels,
+        "dim": c.dim,
+        "n_layers": c.n_layers,
+        "n_refiner_layers": c.n_refiner_layers,
+        "n_heads": c.n_heads,
+        "n_kv_heads": c.n_kv_heads,
+        "norm_eps": c.norm_eps,
+        "qk_norm": c.qk_norm,
+        "cap_feat_dim": c.cap_feat_dim,
+        "rope_theta": c.rope_theta,
+        "t_scale": c.t_scale,
+        "axes_dims": list(c.axes_dims),
+        "axes_lens": list(c.axes_lens),
+    }
     with torch.device("meta"):
         ref = ZImageTransformer2DModel(**kwargs)
     ref = ref.to(dtype=dit.dtype).to_empty(device=pipeline.device).eval().requires_grad_(False)
@@ -214,7 +247,9 @@ def _diffusers_dit(pipeline: ImagePipeline) -> Any:
     return ref
 
 
-def dit_versus_diffusers(pipeline: ImagePipeline, sizes: list[int], rows_list: list[int], iters: int) -> list[dict]:
+def dit_versus_diffusers(
+    pipeline: ImagePipeline, sizes: list[int], rows_list: list[int], iters: int
+) -> list[dict]:
     """One DiT forward of ours and of diffusers' model on the same weights and inputs."""
     dev, dit = pipeline.device, pipeline.models.dit
     try:
@@ -255,8 +290,11 @@ def dit_versus_diffusers(pipeline: ImagePipeline, sizes: list[int], rows_list: l
                             row["ours_cudnn_ms"] = f"unavailable: {exc}"[:200]
                         finally:
                             dit.sdpa_backends = None
-                    row["diffusers_ms"] = _median_ms(dev, functools.partial(
-                        ref, list(x.unbind(0)), t, list(cap.unbind(0)), return_dict=False), iters)
+                    row["diffusers_ms"] = _median_ms(
+                        dev,
+                        functools.partial(ref, list(x.unbind(0)), t, list(cap.unbind(0)), return_dict=False),
+                        iters,
+                    )
                 del ours, theirs
             except torch.OutOfMemoryError:
                 row["error"] = "OOM"
@@ -266,30 +304,47 @@ def dit_versus_diffusers(pipeline: ImagePipeline, sizes: list[int], rows_list: l
 
 
 def _table(phases: list[dict], rows: list[dict], comps: list[dict], dit_rows: list[dict]) -> str:
-    lines = ["| size | one request: s/image | steps/s | DiT step ms | prepare ms | VAE decode ms | peak GiB |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['size']} | {r['seconds_per_image']} | {r['steps_s']} | {r['forward_ms']} | {r['prepare_ms']} | "
-              f"{r['vae_decode_ms']} | {r['peak_gib']} |" for r in phases]
-    lines += ["", "| size | concurrency (batched) | s/image | images/s | steps/s | DiT forward ms | peak GiB |",
-              "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| size | one request: s/image | steps/s | DiT step ms | prepare ms | VAE decode ms | peak GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['size']} | {r['seconds_per_image']} | {r['steps_s']} | {r['forward_ms']} | {r['prepare_ms']} | "
+        f"{r['vae_decode_ms']} | {r['peak_gib']} |"
+        for r in phases
+    ]
+    lines += [
+        "",
+        "| size | concurrency (batched) | s/image | images/s | steps/s | DiT forward ms | peak GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['size']} | {r['concurrency']} | {r['error']} | | | | |")
         else:
-            lines.append(f"| {r['size']} | {r['concurrency']} | {r['seconds_per_image']} | {r['images_s']} | "
-                         f"{r['steps_s']} | {r['forward_ms']} | {r['peak_gib']} |")
+            lines.append(
+                f"| {r['size']} | {r['concurrency']} | {r['seconds_per_image']} | {r['images_s']} | "
+                f"{r['steps_s']} | {r['forward_ms']} | {r['peak_gib']} |"
+            )
     lines += ["", "| size | connector ms | VAE decode ms | VAE encode ms |", "|---|---|---|---|"]
-    lines += [f"| {c['size']} | {c['connector_ms']} | {c['vae_decode_ms']} | {c['vae_encode_ms']} |" for c in comps]
-    lines += ["", "| size | DiT rows | ours ms (kernels) | ours, torch path ms | diffusers ms | max abs diff |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        f"| {c['size']} | {c['connector_ms']} | {c['vae_decode_ms']} | {c['vae_encode_ms']} |" for c in comps
+    ]
+    lines += [
+        "",
+        "| size | DiT rows | ours ms (kernels) | ours, torch path ms | diffusers ms | max abs diff |",
+        "|---|---|---|---|---|---|",
+    ]
     for d in dit_rows:
         if "diffusers" in d:
             lines.append(f"| | | | | {d['diffusers']} | |")
         elif "error" in d:
             lines.append(f"| {d['size']} | {d['rows']} | {d['error']} | | | |")
         else:
-            lines.append(f"| {d['size']} | {d['rows']} | {d['ours_ms']} ({d['ours_kernels']}) | {d['ours_torch_ms']} | "
-                         f"{d['diffusers_ms']} | {d['max_abs_diff']:.3g} (of {d['ref_abs_max']:.3g}) |")
+            lines.append(
+                f"| {d['size']} | {d['rows']} | {d['ours_ms']} ({d['ours_kernels']}) | {d['ours_torch_ms']} | "
+                f"{d['diffusers_ms']} | {d['max_abs_diff']:.3g} (of {d['ref_abs_max']:.3g}) |"
+            )
     return "\n".join(lines)
 
 
@@ -298,12 +353,21 @@ def first_block_cache(pipeline: ImagePipeline, size: int, steps: int, threshold:
     exact: list = []
     cached: list = []
     off = single(pipeline, size, steps, exact)
-    on = single(ImagePipeline(pipeline.models, pipeline.device, first_block_cache=threshold), size, steps, cached)
+    on = single(
+        ImagePipeline(pipeline.models, pipeline.device, first_block_cache=threshold), size, steps, cached
+    )
     diff = (exact[0][0].int() - cached[0][0].int()).abs()
-    return {"size": size, "steps": steps, "threshold": threshold, "exact_s": off["seconds_per_image"],
-            "cached_s": on["seconds_per_image"], "forwards": cached[0][1].forwards,
-            "reused_forwards": cached[0][1].block_cache[0].reused, "max_pixel_diff": int(diff.max()),
-            "mean_pixel_diff": round(float(diff.float().mean()), 3)}
+    return {
+        "size": size,
+        "steps": steps,
+        "threshold": threshold,
+        "exact_s": off["seconds_per_image"],
+        "cached_s": on["seconds_per_image"],
+        "forwards": cached[0][1].forwards,
+        "reused_forwards": cached[0][1].block_cache[0].reused,
+        "max_pixel_diff": int(diff.max()),
+        "mean_pixel_diff": round(float(diff.float().mean()), 3),
+    }
 
 
 def compact_rows(phases: list[dict], dit_rows: list[dict]) -> list[dict]:
@@ -311,24 +375,45 @@ def compact_rows(phases: list[dict], dit_rows: list[dict]) -> list[dict]:
     and seconds per image alone."""
     out = []
     for p in phases:
-        d = next((d for d in dit_rows if d.get("size") == p["size"] and d.get("rows") == 2 and "ours_ms" in d), {})
-        out.append({"size": p["size"], "ours_forward_ms": d.get("ours_ms"), "diffusers_forward_ms": d.get("diffusers_ms"),
-                    "ours_torch_forward_ms": d.get("ours_torch_ms"), "ours_cudnn_forward_ms": d.get("ours_cudnn_ms"),
-                    "image_s": p["seconds_per_image"],
-                    "steps": p["steps"]})
+        d = next(
+            (d for d in dit_rows if d.get("size") == p["size"] and d.get("rows") == 2 and "ours_ms" in d), {}
+        )
+        out.append(
+            {
+                "size": p["size"],
+                "ours_forward_ms": d.get("ours_ms"),
+                "diffusers_forward_ms": d.get("diffusers_ms"),
+                "ours_torch_forward_ms": d.get("ours_torch_ms"),
+                "ours_cudnn_forward_ms": d.get("ours_cudnn_ms"),
+                "image_s": p["seconds_per_image"],
+                "steps": p["steps"],
+            }
+        )
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU (smoke run)")
-    p.add_argument("--sizes", default=None, help="square image sides in pixels (default 512,1024; tiny 64,128)")
-    p.add_argument("--concurrency", default=None, help="requests batched together (default 1,2,4,8; tiny 1,2)")
+    p.add_argument(
+        "--sizes", default=None, help="square image sides in pixels (default 512,1024; tiny 64,128)"
+    )
+    p.add_argument(
+        "--concurrency", default=None, help="requests batched together (default 1,2,4,8; tiny 1,2)"
+    )
     p.add_argument("--steps", type=int, default=None, help="denoising steps per image (default 30; tiny 3)")
-    p.add_argument("--iters", type=int, default=None, help="repeats of each component timing (default 5; tiny 1)")
-    p.add_argument("--fbcache", type=float, default=0.0,
-                   help="also generate the largest size with the first-block cache at this threshold (0: skip)")
-    p.add_argument("--out", default=None, help="JSON output (default $OUT/imagegen_speed.json when $OUT is set)")
+    p.add_argument(
+        "--iters", type=int, default=None, help="repeats of each component timing (default 5; tiny 1)"
+    )
+    p.add_argument(
+        "--fbcache",
+        type=float,
+        default=0.0,
+        help="also generate the largest size with the first-block cache at this threshold (0: skip)",
+    )
+    p.add_argument(
+        "--out", default=None, help="JSON output (default $OUT/imagegen_speed.json when $OUT is set)"
+    )
     args = p.parse_args()
     tiny = args.tiny or not torch.cuda.is_available()
     sizes = [int(s) for s in (args.sizes or ("64,128" if tiny else "512,1024")).split(",")]
@@ -345,8 +430,11 @@ def main() -> None:
     random_init(models)
     pipeline = ImagePipeline(models, device)
     build_s = time.perf_counter() - t0
-    print(f"built {'tiny' if tiny else 'real-size'} models on {device} in {build_s:.1f}s "
-          f"({models.weights_bytes / GiB:.2f} GiB of weights)", flush=True)
+    print(
+        f"built {'tiny' if tiny else 'real-size'} models on {device} in {build_s:.1f}s "
+        f"({models.weights_bytes / GiB:.2f} GiB of weights)",
+        flush=True,
+    )
 
     rows: list[dict] = []
     phases: list[dict] = []
@@ -373,15 +461,30 @@ def main() -> None:
     if not tiny:
         print("\nunconfirmed shapes:\n- " + "\n- ".join(UNCONFIRMED))
     result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": shlex.join(["python", *sys.argv]),
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": shlex.join(["python", *sys.argv]),
         "rows": compact_rows(phases, dit_rows),
-        "bench": "imagegen_speed", "tiny": tiny, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
-        "steps": steps, "guidance_scale": 2.0, "weights_gib": round(models.weights_bytes / GiB, 2),
-        "single": phases, "batched": rows, "components": comps, "dit_vs_diffusers": dit_rows,
-        "first_block_cache": None, "unconfirmed": UNCONFIRMED, "table": table,
+        "bench": "imagegen_speed",
+        "tiny": tiny,
+        "torch": torch.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
+        "steps": steps,
+        "guidance_scale": 2.0,
+        "weights_gib": round(models.weights_bytes / GiB, 2),
+        "single": phases,
+        "batched": rows,
+        "components": comps,
+        "dit_vs_diffusers": dit_rows,
+        "first_block_cache": None,
+        "unconfirmed": UNCONFIRMED,
+        "table": table,
     }
-    out = args.out or (os.path.join(os.environ["OUT"], "imagegen_speed.json") if os.environ.get("OUT") else None)
+    out = args.out or (
+        os.path.join(os.environ["OUT"], "imagegen_speed.json") if os.environ.get("OUT") else None
+    )
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2) + "\n")

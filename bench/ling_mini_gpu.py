@@ -116,10 +116,18 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
     if args.inject_oom_rank is not None:
         fault = FaultConfig(phase="warming_up", action="oom", rank=args.inject_oom_rank, at="warmup_forward")
     cfg = RankConfig(
-        ckpt, _engine_config(args), MemoryConfig(budget_fraction=args.budget_fraction, simulated_capacity_bytes=simulated),
-        TPConfig(startup_collective_timeout_s=args.timeout_s), load_format="dummy", dtype=args.dtype,
-        device=device, rank=rank, world_size=args.tp, dist_port=port, fault=fault,
-    )  # fmt: skip
+        ckpt,
+        _engine_config(args),
+        MemoryConfig(budget_fraction=args.budget_fraction, simulated_capacity_bytes=simulated),
+        TPConfig(startup_collective_timeout_s=args.timeout_s),
+        load_format="dummy",
+        dtype=args.dtype,
+        device=device,
+        rank=rank,
+        world_size=args.tp,
+        dist_port=port,
+        fault=fault,
+    )
     try:
         started = start_rank(cfg, Progress(rank))
         faulthandler.cancel_dump_traceback_later()
@@ -132,15 +140,25 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
         times.update({f"{k}_s": v for k, v in started.phase_seconds.items()})
         weights = runner.weights_bytes()
         result.update(weights_bytes=weights, load_peak_bytes=started.load_peak_bytes)
-        print(f"[rank {rank}] weights {fmt_bytes(weights)}, peak while loading {fmt_bytes(started.load_peak_bytes)}",
-              flush=True)  # fmt: skip
+        print(
+            f"[rank {rank}] weights {fmt_bytes(weights)}, peak while loading {fmt_bytes(started.load_peak_bytes)}",
+            flush=True,
+        )
         result.update(
-            kv_blocks=prof.num_blocks, kv_tokens=prof.num_blocks * runner.cfg.block_size,
-            kv_bytes=prof.kv_bytes, cap_bytes=prof.cap_bytes, peers_bytes=prof.peers_bytes,
-            activation_peak_bytes=prof.activation_peak_bytes, peak_reserved_bytes=prof.peak_reserved_bytes,
-            headroom_bytes=prof.headroom_bytes, attempts=prof.attempts, profile_phases=prof.phase_seconds,
-            summary=prof.summary(), warmup_ran=started.warmup.ran, warmup_skipped=started.warmup.skipped,
-        )  # fmt: skip
+            kv_blocks=prof.num_blocks,
+            kv_tokens=prof.num_blocks * runner.cfg.block_size,
+            kv_bytes=prof.kv_bytes,
+            cap_bytes=prof.cap_bytes,
+            peers_bytes=prof.peers_bytes,
+            activation_peak_bytes=prof.activation_peak_bytes,
+            peak_reserved_bytes=prof.peak_reserved_bytes,
+            headroom_bytes=prof.headroom_bytes,
+            attempts=prof.attempts,
+            profile_phases=prof.phase_seconds,
+            summary=prof.summary(),
+            warmup_ran=started.warmup.ran,
+            warmup_skipped=started.warmup.skipped,
+        )
 
         # Max-load stress at the chosen size: must not OOM and must stay inside the budget.
         t0 = time.monotonic()
@@ -161,7 +179,9 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
                 engine = LLMEngine.from_started(started)
                 prompt_len = runner.cfg.max_model_len - args.real_max_tokens
                 gen = torch.Generator().manual_seed(1)
-                prompts = [torch.randint(2, 1000, (prompt_len,), generator=gen).tolist() for _ in range(n_req)]
+                prompts = [
+                    torch.randint(2, 1000, (prompt_len,), generator=gen).tolist() for _ in range(n_req)
+                ]
                 params = SamplingParams(
                     temperature=0.8, top_k=50, top_p=0.9, max_tokens=args.real_max_tokens, ignore_eos=True
                 )
@@ -170,8 +190,11 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
                 if args.sweep:
                     result["sweep"] = decode_sweep(engine, args, device)
                 if args.profile_c:
-                    result["profile"] = {f"c{c}-{'graphs' if graphs else 'eager'}": profile_steps(engine, c, graphs)
-                                         for c in args.profile_c for graphs in (True, False)}  # fmt: skip
+                    result["profile"] = {
+                        f"c{c}-{'graphs' if graphs else 'eager'}": profile_steps(engine, c, graphs)
+                        for c in args.profile_c
+                        for graphs in (True, False)
+                    }
                 engine.shutdown()
             else:
                 serve_plans(control, runner)
@@ -201,8 +224,11 @@ def profile_steps(engine, c: int, graphs: bool, steps: int = 8) -> dict:
     engine.runner.graphs = saved if graphs else None
     try:
         for i in range(c):
-            engine.add_request(f"prof-{graphs}-{c}-{i}", torch.randint(2, 1000, (128,), generator=gen).tolist(),
-                               SamplingParams(max_tokens=steps + 8, ignore_eos=True))  # fmt: skip
+            engine.add_request(
+                f"prof-{graphs}-{c}-{i}",
+                torch.randint(2, 1000, (128,), generator=gen).tolist(),
+                SamplingParams(max_tokens=steps + 8, ignore_eos=True),
+            )
         for _ in range(3):
             engine.step()
         sync()
@@ -221,19 +247,43 @@ def profile_steps(engine, c: int, graphs: bool, steps: int = 8) -> dict:
         dev_us = getattr(ev, "self_device_time_total", 0) or 0
         if dev_us > 0:
             device_ms += dev_us / steps / 1e3
-            rows.append({"kernel": ev.key[:90], "calls": ev.count // steps, "ms_per_step": round(dev_us / steps / 1e3, 4)})
+            rows.append(
+                {
+                    "kernel": ev.key[:90],
+                    "calls": ev.count // steps,
+                    "ms_per_step": round(dev_us / steps / 1e3, 4),
+                }
+            )
     rows.sort(key=lambda r: -r["ms_per_step"])
-    host = sorted(({"op": ev.key[:90], "calls": ev.count // steps, "cpu_ms_per_step": round(ev.self_cpu_time_total / steps / 1e3, 4)}
-                   for ev in prof.key_averages() if ev.self_cpu_time_total > 0), key=lambda r: -r["cpu_ms_per_step"])  # fmt: skip
+    host = sorted(
+        (
+            {
+                "op": ev.key[:90],
+                "calls": ev.count // steps,
+                "cpu_ms_per_step": round(ev.self_cpu_time_total / steps / 1e3, 4),
+            }
+            for ev in prof.key_averages()
+            if ev.self_cpu_time_total > 0
+        ),
+        key=lambda r: -r["cpu_ms_per_step"],
+    )
     mode = "graphs" if graphs else "eager"
-    print(f"[profile] c={c} {mode}: {1e3 * wall:.2f} ms per step wall, {device_ms:.2f} ms of kernels", flush=True)
+    print(
+        f"[profile] c={c} {mode}: {1e3 * wall:.2f} ms per step wall, {device_ms:.2f} ms of kernels",
+        flush=True,
+    )
     for r in rows[:18]:
         print(f"  {r['ms_per_step']:8.3f} ms  x{r['calls']:<4d} {r['kernel']}", flush=True)
     print(f"[profile] c={c} {mode}: host time by op (self CPU)", flush=True)
     for r in host[:10]:
         print(f"  {r['cpu_ms_per_step']:8.3f} ms  x{r['calls']:<4d} {r['op']}", flush=True)
-    return {"mode": mode, "wall_ms": round(1e3 * wall, 3), "device_ms": round(device_ms, 3), "top": rows[:30],
-            "host_top": host[:15]}
+    return {
+        "mode": mode,
+        "wall_ms": round(1e3 * wall, 3),
+        "device_ms": round(device_ms, 3),
+        "top": rows[:30],
+        "host_top": host[:15],
+    }
 
 
 def _stack_file(args: argparse.Namespace, rank: int):
@@ -263,8 +313,15 @@ def decode_sweep(engine, args: argparse.Namespace, device: str) -> list[dict]:
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         toks = sum(len(o.token_ids) for o in outs)
-        rows.append({"concurrency": c, "seconds": dt, "req_s": c / dt, "out_tok_s": toks / dt,
-                     "first_tokens": list(outs[0].token_ids[:32])})  # greedy: equal across kernel/graph modes
+        rows.append(
+            {
+                "concurrency": c,
+                "seconds": dt,
+                "req_s": c / dt,
+                "out_tok_s": toks / dt,
+                "first_tokens": list(outs[0].token_ids[:32]),
+            }
+        )  # greedy: equal across kernel/graph modes
         print(f"[sweep] c={c} {dt:.2f}s {c / dt:.3f} req/s {toks / dt:.1f} out tok/s", flush=True)
     return rows
 
@@ -336,18 +393,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-capacity-gib", type=float, default=0.5, help="--tiny: simulated device size")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="collective deadline")
     ap.add_argument("--out", default="", help="write the JSON summary here too")
-    ap.add_argument("--tp-graphs", choices=("off", "aligned", "unaligned"), default=None,
-                    help="decode graphs under TP (sets OMNISTAGE_TP_CUDA_GRAPHS for the ranks)")  # fmt: skip
+    ap.add_argument(
+        "--tp-graphs",
+        choices=("off", "aligned", "unaligned"),
+        default=None,
+        help="decode graphs under TP (sets OMNISTAGE_TP_CUDA_GRAPHS for the ranks)",
+    )
     ap.add_argument("--stacks-dir", default="", help="each rank's thread stacks land here if it sticks")
-    ap.add_argument("--stacks-after-s", type=float, default=60.0, help="a capture phase this long dumps stacks")
-    ap.add_argument("--profile-c", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
-                    help="rank 0 profiles decode steps at these concurrencies, graphs and eager (e.g. 1,32)")  # fmt: skip
-    ap.add_argument("--wall-s", type=float, default=0.0, help="TP: stop the ranks after this long (0: no limit)")
+    ap.add_argument(
+        "--stacks-after-s", type=float, default=60.0, help="a capture phase this long dumps stacks"
+    )
+    ap.add_argument(
+        "--profile-c",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[],
+        help="rank 0 profiles decode steps at these concurrencies, graphs and eager (e.g. 1,32)",
+    )
+    ap.add_argument(
+        "--wall-s", type=float, default=0.0, help="TP: stop the ranks after this long (0: no limit)"
+    )
     args = ap.parse_args(argv)
     if args.tp_graphs is not None:  # the spawned ranks inherit it
         os.environ["OMNISTAGE_TP_CUDA_GRAPHS"] = args.tp_graphs
-    defaults = dict(max_num_seqs=(64, 8), max_num_batched_tokens=(4096, 128), max_model_len=(8192, 512),
-                    canary_mib=(256, 4), real_requests=(8, 2))  # fmt: skip
+    defaults = dict(
+        max_num_seqs=(64, 8),
+        max_num_batched_tokens=(4096, 128),
+        max_model_len=(8192, 512),
+        canary_mib=(256, 4),
+        real_requests=(8, 2),
+    )
     for key, (gpu, tiny) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, tiny if args.tiny else gpu)
@@ -422,11 +496,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(r, indent=1, default=str)[:4000], flush=True)
     summary = {
         "device": "cpu (simulated)" if args.tiny else torch.cuda.get_device_name(0),
-        "tp": args.tp, "elapsed_s": round(elapsed, 1), "ok": not problems, "problems": problems,
-        "kv_tokens": [r.get("kv_tokens") for r in results], "headroom_gib": [
+        "tp": args.tp,
+        "elapsed_s": round(elapsed, 1),
+        "ok": not problems,
+        "problems": problems,
+        "kv_tokens": [r.get("kv_tokens") for r in results],
+        "headroom_gib": [
             round(r["headroom_bytes"] / GiB, 3) if "headroom_bytes" in r else None for r in results
         ],
-    }  # fmt: skip
+    }
     line = json.dumps(summary)
     print("SUMMARY " + line, flush=True)
     if args.out:

@@ -40,8 +40,13 @@ def median_ms(fn, repeat: int) -> float:
 
 def image_prompt(cfg: ThinkerConfig, side: int, before: int = 30, after: int = 10) -> list[int]:
     """Text ids, then `<image>` + side·side `<imagePatch>` + `</image>`, then text ids."""
-    return ([i % 900 for i in range(before)] + [cfg.image_start_token_id] + [cfg.image_patch_token_id] * side * side
-            + [cfg.image_end_token_id] + [i % 900 for i in range(after)])  # fmt: skip
+    return (
+        [i % 900 for i in range(before)]
+        + [cfg.image_start_token_id]
+        + [cfg.image_patch_token_id] * side * side
+        + [cfg.image_end_token_id]
+        + [i % 900 for i in range(after)]
+    )
 
 
 def image_item(cfg: ThinkerConfig, data: torch.Tensor, side: int, producer: TransportContext | None):
@@ -83,15 +88,23 @@ def main() -> None:
     ckpt = args.checkpoint or write_tiny_checkpoint(tempfile.mkdtemp(prefix="tiny-ming-"))
     tiny = ThinkerConfig.from_checkpoint(ckpt)
     ming = dataclasses.replace(tiny, hidden_size=4096)
-    print(f"1. taking a request with one image (MediaInputs.build, rows from shm), CPU x{torch.get_num_threads()}")
+    print(
+        f"1. taking a request with one image (MediaInputs.build, rows from shm), CPU x{torch.get_num_threads()}"
+    )
     print(f"{'hidden':>7} {'dtype':>9} {'rows':>6} {'MiB':>7} {'ms':>8}")
     for cfg, dtype in ((tiny, torch.float32), (ming, torch.bfloat16)):
         for side in (16, 32):
             rows, mib, ms = build_cost(cfg, dtype, side, args.repeat)
-            print(f"{cfg.hidden_size:>7} {str(dtype).removeprefix('torch.'):>9} {rows:>6} {mib:>7.2f} {ms:>8.2f}")
+            print(
+                f"{cfg.hidden_size:>7} {str(dtype).removeprefix('torch.'):>9} {rows:>6} {mib:>7.2f} {ms:>8.2f}"
+            )
 
-    engine = start_engine(RankConfig(str(ckpt), EngineConfig(block_size=16, max_num_batched_tokens=2048,
-                                                             max_model_len=2048, max_num_seqs=4)))  # fmt: skip
+    engine = start_engine(
+        RankConfig(
+            str(ckpt),
+            EngineConfig(block_size=16, max_num_batched_tokens=2048, max_model_len=2048, max_num_seqs=4),
+        )
+    )
     inputs = MediaInputs(tiny, torch.float32, TransportContext())
     print("2. prefill of one prompt (tiny checkpoint, TP=1, one step + 1 token), median ms")
     print(f"{'prompt':>28} {'tokens':>7} {'ms':>8}")
@@ -101,7 +114,9 @@ def main() -> None:
         prompt = inputs.build(ids, [image_item(tiny, rows, side, None)])
         text = [i % 900 for i in range(len(ids))]
         prefill_ms(engine, text, 2)  # warm-up of this shape
-        print(f"{f'text + {side}x{side} image':>28} {len(ids):>7} {prefill_ms(engine, prompt, args.repeat):>8.2f}")
+        print(
+            f"{f'text + {side}x{side} image':>28} {len(ids):>7} {prefill_ms(engine, prompt, args.repeat):>8.2f}"
+        )
         print(f"{'text only, same length':>28} {len(ids):>7} {prefill_ms(engine, text, args.repeat):>8.2f}")
     engine.shutdown()
 

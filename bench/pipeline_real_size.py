@@ -79,8 +79,14 @@ class Part:
 
 
 def real_plan(timeout_s: float) -> list[Part]:
-    base = RequestShape(max_tokens=150, deadline_s=timeout_s, timeout_s=timeout_s, image_size=1024, image_steps=30,
-                        input_image_px=512)
+    base = RequestShape(
+        max_tokens=150,
+        deadline_s=timeout_s,
+        timeout_s=timeout_s,
+        image_size=1024,
+        image_steps=30,
+        input_image_px=512,
+    )
     return [
         Part("text", (1, 2, 4, 8, 16, 32), base),
         Part("vision", (1, 4, 16), base),
@@ -91,8 +97,14 @@ def real_plan(timeout_s: float) -> list[Part]:
 
 
 def tiny_plan(timeout_s: float) -> list[Part]:
-    base = RequestShape(max_tokens=16, deadline_s=timeout_s, timeout_s=timeout_s, image_size=256, image_steps=4,
-                        input_image_px=128)
+    base = RequestShape(
+        max_tokens=16,
+        deadline_s=timeout_s,
+        timeout_s=timeout_s,
+        image_size=256,
+        image_steps=4,
+        input_image_px=128,
+    )
     return [
         Part("text", (1, 2), base, min_requests=2),
         Part("vision", (1,), base, min_requests=2),
@@ -106,14 +118,22 @@ def row(part: Part, c: int, summary: Summary, records: list[Record]) -> dict:
     """One results row (issue 22's keys), with the run's size and errors by status besides."""
     rtfs = [x for r in records if r.ok and (x := r.rtf) is not None]
     return {
-        "kind": part.kind, "concurrency": c, "req_s": summary.req_per_s, "tok_s": summary.tok_per_s,
-        "e2e_p50_ms": summary.e2e_ms.get("p50"), "e2e_p95_ms": summary.e2e_ms.get("p95"),
-        "ttft_p50_ms": summary.ttft_ms.get("p50"), "ttfa_p50_ms": summary.ttfa_ms.get("p50"),
-        "rtf_mean": round(statistics.fmean(rtfs), 3) if rtfs else None, "errors": sum(summary.errors.values()),
-        "requests": summary.requests, "wall_s": summary.wall_s, "max_tokens": part.shape.max_tokens,
+        "kind": part.kind,
+        "concurrency": c,
+        "req_s": summary.req_per_s,
+        "tok_s": summary.tok_per_s,
+        "e2e_p50_ms": summary.e2e_ms.get("p50"),
+        "e2e_p95_ms": summary.e2e_ms.get("p95"),
+        "ttft_p50_ms": summary.ttft_ms.get("p50"),
+        "ttfa_p50_ms": summary.ttfa_ms.get("p50"),
+        "rtf_mean": round(statistics.fmean(rtfs), 3) if rtfs else None,
+        "errors": sum(summary.errors.values()),
+        "requests": summary.requests,
+        "wall_s": summary.wall_s,
+        "max_tokens": part.shape.max_tokens,
         "errors_by_status": summary.errors,
         "error_details": summary.error_details,
-    }  # fmt: skip
+    }
 
 
 def _ms(v: float | None) -> str:
@@ -122,27 +142,42 @@ def _ms(v: float | None) -> str:
 
 def table(rows: list[dict]) -> str:
     """bench/RESULTS.md's columns plus TTFT / TTFA / RTF."""
-    lines = ["| Mode | Concurrency | Reqs | Wall | E2E p50 | E2E p95 | req/s | tok/s | TTFT p50 | TTFA p50 | RTF mean |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| Mode | Concurrency | Reqs | Wall | E2E p50 | E2E p95 | req/s | tok/s | TTFT p50 | TTFA p50 | RTF mean |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         errs = f" ({r['errors']} errors)" if r["errors"] else ""
         rtf = "—" if r["rtf_mean"] is None else f"{r['rtf_mean']:.2f}"
-        lines.append(f"| {r['kind']} | {r['concurrency']} | {r['requests']}{errs} | {r['wall_s']:.1f} s | "
-                     f"{_ms(r['e2e_p50_ms'])} | {_ms(r['e2e_p95_ms'])} | {r['req_s']:.2f} | {r['tok_s']:.1f} | "
-                     f"{_ms(r['ttft_p50_ms'])} | {_ms(r['ttfa_p50_ms'])} | {rtf} |")
-    details = [f"- {r['kind']} c={r['concurrency']} {code}: {text}" for r in rows
-               for code, text in (r.get("error_details") or {}).items()]
+        lines.append(
+            f"| {r['kind']} | {r['concurrency']} | {r['requests']}{errs} | {r['wall_s']:.1f} s | "
+            f"{_ms(r['e2e_p50_ms'])} | {_ms(r['e2e_p95_ms'])} | {r['req_s']:.2f} | {r['tok_s']:.1f} | "
+            f"{_ms(r['ttft_p50_ms'])} | {_ms(r['ttfa_p50_ms'])} | {rtf} |"
+        )
+    details = [
+        f"- {r['kind']} c={r['concurrency']} {code}: {text}"
+        for r in rows
+        for code, text in (r.get("error_details") or {}).items()
+    ]
     return "\n".join(lines + (["", "First error of each kind:", *details] if details else []))
 
 
 def device_name() -> str:
     try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                               text=True, timeout=30).stdout.split("\n")
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split("\n")
     except (OSError, subprocess.SubprocessError):
         names = []
     names = [n.strip() for n in names if n.strip()]
-    return f"{len(names)} x {names[0]}" if names else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return (
+        f"{len(names)} x {names[0]}"
+        if names
+        else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    )
 
 
 class GpuMemory:
@@ -156,8 +191,12 @@ class GpuMemory:
 
     def sample(self) -> None:
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used,memory.total",
-                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
         except (OSError, subprocess.SubprocessError):
             return
         for line in out.splitlines():
@@ -181,8 +220,13 @@ class GpuMemory:
 
 
 def cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "omnistage.common.cli", *args], capture_output=True, text=True,
-                          timeout=timeout_s, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return subprocess.run(
+        [sys.executable, "-m", "omnistage.common.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
 
 
 class Results:
@@ -219,7 +263,9 @@ class ReplicaKill:
             text = urllib.request.urlopen(self.gateway_metrics, timeout=5).read().decode()
         except OSError:
             return 0.0
-        return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+        return next(
+            (float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)), 0.0
+        )
 
     def readmitted(self) -> int:
         return self.serve_log.read_text().count(f"stage {self.replica} SERVING again: re-admitted")
@@ -238,28 +284,39 @@ async def kill_under_load(stub: omni_pb2_grpc.OmniStub, kill: ReplicaKill, c: in
     killed_at = time.perf_counter()
     records = await run
     summary = summarize("closed", "image", str(c), records, time.perf_counter() - t0)
-    out = {**row(replace(part, kind="image_replica_killed"), c, summary, records), "killed": kill.replica,
-           "killed_after_s": round(killed_at - t0, 1)}
+    out = {
+        **row(replace(part, kind="image_replica_killed"), c, summary, records),
+        "killed": kill.replica,
+        "killed_after_s": round(killed_at - t0, 1),
+    }
     while kill.readmitted() == readmitted and time.perf_counter() - killed_at < 300:
         await asyncio.sleep(1.0)
-    out["readmitted_after_s"] = round(time.perf_counter() - killed_at, 1) if kill.readmitted() > readmitted else None
+    out["readmitted_after_s"] = (
+        round(time.perf_counter() - killed_at, 1) if kill.readmitted() > readmitted else None
+    )
     return out
 
 
-async def run_parts(address: str, parts: list[Part], results: Results, budget_s: float,
-                    kill: ReplicaKill | None = None) -> None:
+async def run_parts(
+    address: str, parts: list[Part], results: Results, budget_s: float, kill: ReplicaKill | None = None
+) -> None:
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = omni_pb2_grpc.OmniStub(channel)
         firsts = {k: p.shape for p in parts for k in (MIXED if p.kind == "mixed" else (p.kind,))}
-        for kind, shape in firsts.items():  # one unmeasured request of every kind (connections, first-call costs)
+        for (
+            kind,
+            shape,
+        ) in firsts.items():  # one unmeasured request of every kind (connections, first-call costs)
             rec = await one_request(stub, kind, 0, shape)
             print(f"first {kind} request: {rec.code} in {rec.e2e_s:.1f} s", flush=True)
         started = time.monotonic()
         for part in parts:
             for c in part.levels:
                 if time.monotonic() - started > budget_s:
-                    results.data["skipped"].append({"kind": part.kind, "concurrency": c, "why": f"past --budget-s {budget_s:g}"})
+                    results.data["skipped"].append(
+                        {"kind": part.kind, "concurrency": c, "why": f"past --budget-s {budget_s:g}"}
+                    )
                     results.save()
                     continue
                 t0 = time.perf_counter()
@@ -270,7 +327,9 @@ async def run_parts(address: str, parts: list[Part], results: Results, budget_s:
                 print(table(results.data["rows"][-1:]).splitlines()[-1], flush=True)
         if kill is not None:
             if time.monotonic() - started > budget_s:
-                results.data["skipped"].append({"kind": "image_replica_killed", "why": f"past --budget-s {budget_s:g}"})
+                results.data["skipped"].append(
+                    {"kind": "image_replica_killed", "why": f"past --budget-s {budget_s:g}"}
+                )
             else:
                 results.data["rows"].append(await kill_under_load(stub, kill, 4))
                 print(table(results.data["rows"][-1:]).splitlines()[-1], flush=True)
@@ -280,7 +339,9 @@ async def run_parts(address: str, parts: list[Part], results: Results, budget_s:
 def gateway_metrics_url(cfg: DeployConfig) -> str:
     """The gateway's /metrics ('' without a metrics port)."""
     gateway = cfg.services_of("gateway")
-    return f"http://{cfg.host}:{gateway[0].metrics_port}/metrics" if gateway and gateway[0].metrics_port else ""
+    return (
+        f"http://{cfg.host}:{gateway[0].metrics_port}/metrics" if gateway and gateway[0].metrics_port else ""
+    )
 
 
 def wait_all_replicas(url: str, timeout_s: float) -> str:
@@ -293,15 +354,20 @@ def wait_all_replicas(url: str, timeout_s: float) -> str:
             text = urllib.request.urlopen(url, timeout=5).read().decode()
         except OSError as exc:
             return f"gateway metrics unreadable: {exc}"
-        out = [line.split("{")[1].split("}")[0] for line in text.splitlines()
-               if line.startswith("omnistage_gateway_stage_up{") and float(line.rsplit(" ", 1)[1]) == 0]
+        out = [
+            line.split("{")[1].split("}")[0]
+            for line in text.splitlines()
+            if line.startswith("omnistage_gateway_stage_up{") and float(line.rsplit(" ", 1)[1]) == 0
+        ]
         if not out or time.monotonic() > deadline:
             break
         time.sleep(1.0)
     return "; ".join(out)
 
 
-def replica_kill(args: argparse.Namespace, cfg: DeployConfig, serve_log: Path, plan: list[Part]) -> ReplicaKill | None:
+def replica_kill(
+    args: argparse.Namespace, cfg: DeployConfig, serve_log: Path, plan: list[Part]
+) -> ReplicaKill | None:
     """The last image-generation replica, when the deploy file has two or more and --kill-replica is on."""
     replicas, url = cfg.services_of("imagegen"), gateway_metrics_url(cfg)
     if not args.kill_replica or len(replicas) < 2 or not url:
@@ -311,21 +377,46 @@ def replica_kill(args: argparse.Namespace, cfg: DeployConfig, serve_log: Path, p
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="", help="deploy file (default deploy/h200x4.yaml; --tiny: deploy/local-tiny.yaml)")
+    ap.add_argument(
+        "--config",
+        default="",
+        help="deploy file (default deploy/h200x4.yaml; --tiny: deploy/local-tiny.yaml)",
+    )
     ap.add_argument("--tiny", action="store_true", help="the tiny sizes and a small plan (CPU)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ", ".join(KINDS))
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override for `omnistage serve` (repeatable)")
-    ap.add_argument("--checkpoint", default="", help="config-only checkpoint folder (default: written to a temp dir)")
-    ap.add_argument("--budget-s", type=float, default=0.0, help="skip runs that would start later than this "
-                    "many seconds into the load (0: no limit)")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for `omnistage serve` (repeatable)",
+    )
+    ap.add_argument(
+        "--checkpoint", default="", help="config-only checkpoint folder (default: written to a temp dir)"
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="skip runs that would start later than this many seconds into the load (0: no limit)",
+    )
     ap.add_argument("--timeout-s", type=float, default=300.0, help="gRPC deadline of each request")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
-    ap.add_argument("--command", default="", help="the command line to record (the shell wrapper passes its own)")
-    ap.add_argument("--http-front", action="store_true",
-                    help="keep the gateway's HTTP front (off by default: the load speaks gRPC)")
-    ap.add_argument("--no-kill-replica", dest="kill_replica", action="store_false",
-                    help="skip the last run: with two or more image replicas, one is SIGKILLed under image load")
+    ap.add_argument(
+        "--command", default="", help="the command line to record (the shell wrapper passes its own)"
+    )
+    ap.add_argument(
+        "--http-front",
+        action="store_true",
+        help="keep the gateway's HTTP front (off by default: the load speaks gRPC)",
+    )
+    ap.add_argument(
+        "--no-kill-replica",
+        dest="kill_replica",
+        action="store_false",
+        help="skip the last run: with two or more image replicas, one is SIGKILLed under image load",
+    )
     args = ap.parse_args(argv)
     args.config = args.config or str(ROOT / "deploy" / ("local-tiny.yaml" if args.tiny else "h200x4.yaml"))
     kinds = [k for k in args.kinds.split(",") if k]
@@ -346,18 +437,26 @@ def main(argv: list[str] | None = None) -> int:
             write_config_checkpoint(ckpt, "tiny" if args.tiny else "ming-flash")
         overrides = [f"model.checkpoint={ckpt}", "model.load_format=dummy", *args.overrides]
         if not args.http_front:  # the load is gRPC; the device image may lack the HTTP front's packages
-            overrides += [f"services.{g.name}.gateway.http_port=0"
-                          for g in load_config(args.config, overrides).services_of("gateway")]
+            overrides += [
+                f"services.{g.name}.gateway.http_port=0"
+                for g in load_config(args.config, overrides).services_of("gateway")
+            ]
         check = cli("serve", args.config, "--check", *(f"--set={o}" for o in overrides))
         print(check.stdout + check.stderr, flush=True)
         if check.returncode != 0:
             return check.returncode
-        results = Results(out, {
-            "device": device_name(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": args.command or " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-            "config": os.path.relpath(args.config, ROOT), "shape": "tiny" if args.tiny else "ming-flash",
-            "load_format": "dummy", "memory": {"ledger": check.stdout.strip()},
-        })  # fmt: skip
+        results = Results(
+            out,
+            {
+                "device": device_name(),
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "command": args.command or " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+                "config": os.path.relpath(args.config, ROOT),
+                "shape": "tiny" if args.tiny else "ming-flash",
+                "load_format": "dummy",
+                "memory": {"ledger": check.stdout.strip()},
+            },
+        )
         results.save()
         memory = GpuMemory()
         started = time.monotonic()
@@ -375,7 +474,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 asyncio.run(run_parts(address, parts, results, args.budget_s or float("inf"), kill))
             finally:
-                status = cli("status", "--config", args.config, *(f"--set={o}" for o in overrides), timeout_s=60)
+                status = cli(
+                    "status", "--config", args.config, *(f"--set={o}" for o in overrides), timeout_s=60
+                )
                 results.data["status"] = status.stdout.strip()
                 memory.sample()
                 results.data["memory"] |= {"peak_used_mib": memory.peak_mib, "total_mib": memory.total_mib}

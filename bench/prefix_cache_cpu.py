@@ -29,7 +29,9 @@ from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group.startup import RankConfig, start_engine
 
 
-def ttft(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int, float]:
+def ttft(
+    engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int
+) -> tuple[float, list[int], int, float]:
     """(seconds to the first token, the answer's ids, cached prompt tokens, CPU seconds of this process
     to the first token: less sensitive than wall time to other load on a shared machine) of one
     request alone."""
@@ -60,14 +62,18 @@ def shared_prefix(engines: dict[str, LLMEngine], prefix_len: int, repeat: int) -
     for i, q in enumerate(questions[1:]):  # off and on alternate: a noisy machine slows both alike
         for name, engine in engines.items():
             runs[name].append(ttft(engine, f"{name}-{i}", prefix + q, 4))
-    print(f"\n1. shared prefix of {prefix_len} tokens + a new 32-token question, 4 output tokens (median of {repeat})")
+    print(
+        f"\n1. shared prefix of {prefix_len} tokens + a new 32-token question, 4 output tokens (median of {repeat})"
+    )
     print(f"{'cache':>6} {'TTFT ms':>9} {'CPU ms':>9} {'cached tokens':>14}")
     for name, r in runs.items():
         wall, cpu = (1000 * statistics.median(x[k] for x in r) for k in (0, 3))
         print(f"{name:>6} {wall:>9.1f} {cpu:>9.1f} {r[-1][2]:>14}")
 
 
-def conversation(engines: dict[str, LLMEngine], turns: int, system_len: int, answer_len: int, repeat: int) -> None:
+def conversation(
+    engines: dict[str, LLMEngine], turns: int, system_len: int, answer_len: int, repeat: int
+) -> None:
     """`repeat` conversations (each new: turn 0 is cold for both); per turn, off and on alternate."""
     seconds = {name: [[] for _ in range(turns)] for name in engines}
     cpu = {name: [[] for _ in range(turns)] for name in engines}
@@ -87,15 +93,21 @@ def conversation(engines: dict[str, LLMEngine], turns: int, system_len: int, ans
                 if name == "on":
                     cached[turn] = c
                 prompts[name] = prompt + answer
-    print(f"\n2. {turns}-turn conversation: system {system_len} tokens, 24-token user turns, {answer_len}-token "
-          f"answers (median of {repeat} conversations)")
-    print(f"{'turn':>4} {'prompt':>7} {'TTFT off ms':>12} {'TTFT on ms':>11} {'CPU off ms':>11} {'CPU on ms':>10} "
-          f"{'cached':>7}")
+    print(
+        f"\n2. {turns}-turn conversation: system {system_len} tokens, 24-token user turns, {answer_len}-token "
+        f"answers (median of {repeat} conversations)"
+    )
+    print(
+        f"{'turn':>4} {'prompt':>7} {'TTFT off ms':>12} {'TTFT on ms':>11} {'CPU off ms':>11} {'CPU on ms':>10} "
+        f"{'cached':>7}"
+    )
     for turn in range(turns):
         off, on = (1000 * statistics.median(seconds[n][turn]) for n in ("off", "on"))
         cpu_off, cpu_on = (1000 * statistics.median(cpu[n][turn]) for n in ("off", "on"))
-        print(f"{turn:>4} {lengths[turn]:>7} {off:>12.1f} {on:>11.1f} {cpu_off:>11.1f} {cpu_on:>10.1f} "
-              f"{cached[turn]:>7}")
+        print(
+            f"{turn:>4} {lengths[turn]:>7} {off:>12.1f} {on:>11.1f} {cpu_off:>11.1f} {cpu_on:>10.1f} "
+            f"{cached[turn]:>7}"
+        )
 
 
 def main() -> None:
@@ -111,10 +123,13 @@ def main() -> None:
     ckpt = args.checkpoint or write_tiny_checkpoint(tempfile.mkdtemp(prefix="tiny-ming-"))
     engines = {}
     for name, on in (("off", False), ("on", True)):
-        cfg = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=8192, max_model_len=8192,
-                           prefix_caching=on)  # fmt: skip
+        cfg = EngineConfig(
+            block_size=16, max_num_seqs=4, max_num_batched_tokens=8192, max_model_len=8192, prefix_caching=on
+        )
         engines[name] = start_engine(RankConfig(str(ckpt), cfg))
-    print(f"tiny checkpoint, CPU x{torch.get_num_threads()} threads, torch {torch.__version__}, block_size 16")
+    print(
+        f"tiny checkpoint, CPU x{torch.get_num_threads()} threads, torch {torch.__version__}, block_size 16"
+    )
     try:
         shared_prefix(engines, args.prefix_len, args.repeat)
         conversation(engines, args.turns, args.system_len, args.answer_len, args.repeat)

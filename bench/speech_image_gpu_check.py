@@ -60,16 +60,23 @@ def talker_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
     cap, max_len = (4, 64) if tiny else (16, 256)
     capture = device == "cuda"
     before = torch.cuda.memory_allocated() if capture else 0
-    runners = {"eager": TalkerRunner(models, cap, max_len, 64),
-               "static": TalkerRunner(models, cap, max_len, 64, graphs=True, capture=False),
-               "graphs": TalkerRunner(models, cap, max_len, 64, graphs=True, capture=capture)}
+    runners = {
+        "eager": TalkerRunner(models, cap, max_len, 64),
+        "static": TalkerRunner(models, cap, max_len, 64, graphs=True, capture=False),
+        "graphs": TalkerRunner(models, cap, max_len, 64, graphs=True, capture=capture),
+    }
     graphs = runners["graphs"].static
     assert graphs is not None
     t0 = time.perf_counter()
     made = graphs.capture_all()
     pool = (torch.cuda.memory_allocated() - before) if capture else 0
-    report("talker_capture", made > 0 or not capture, graphs=made, seconds=round(time.perf_counter() - t0, 2),
-           runners_and_pool_mib=round(pool / 2**20, 1))
+    report(
+        "talker_capture",
+        made > 0 or not capture,
+        graphs=made,
+        seconds=round(time.perf_counter() - t0, 2),
+        runners_and_pool_mib=round(pool / 2**20, 1),
+    )
     hidden = config.llm.hidden_size
     gen = torch.Generator(device=device).manual_seed(0)
     prompt = torch.randn(10 + cap, hidden, generator=gen, device=device).to(dtype)
@@ -81,7 +88,9 @@ def talker_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
             slots = list(range(n))
             positions = [10 + s for s in slots]
             x = torch.randn(n, hidden, generator=gen, device=device).to(dtype)
-            history = torch.randn(n, config.history_patch_size, config.latent_dim, generator=gen, device=device)
+            history = torch.randn(
+                n, config.history_patch_size, config.latent_dim, generator=gen, device=device
+            )
             outs = {}
             syncs = 0
             for name, r in runners.items():
@@ -97,9 +106,14 @@ def talker_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
             vs_eager = {k: rel(a, b) for k, a, b in zip(names, outs["static"], outs["eager"], strict=True)}
             exact = all(torch.equal(a, b) for a, b in zip(outs["graphs"], outs["static"], strict=True))
             tol = 1e-5 if dtype == torch.float32 else 3e-2
-            report(f"talker_step_b{n}", max(on_off.values()) <= 1e-6 and max(vs_eager.values()) <= tol and not syncs,
-                   graphs_on_off_identical=exact, graphs_on_off_rel=on_off, static_vs_eager_rel=vs_eager,
-                   host_syncs_in_decode_and_sample=syncs)
+            report(
+                f"talker_step_b{n}",
+                max(on_off.values()) <= 1e-6 and max(vs_eager.values()) <= tol and not syncs,
+                graphs_on_off_identical=exact,
+                graphs_on_off_rel=on_off,
+                static_vs_eager_rel=vs_eager,
+                host_syncs_in_decode_and_sample=syncs,
+            )
         # The VAE decoder's backbone: a first step's 14 frames and a last step's 18 (width buckets 16, 32).
         stack = models.vae.decoder.decoder
         for lengths in ([14] * cap, [18] * (cap // 2)):
@@ -111,13 +125,16 @@ def talker_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
             static = runners["static"].static.vae_backbone(x, slots, starts, lengths)
             want = stack(x, runners["eager"].vae_cache, Rows.of(slots, starts, lengths, device))
             tol = 1e-5 if dtype == torch.float32 else 3e-2
-            report(f"talker_vae_backbone_w{max(lengths)}", rel(got, static) <= 1e-6 and rel(static, want) <= tol
-                   and not counted, graphs_on_off_identical=torch.equal(got, static),
-                   graphs_on_off_rel=rel(got, static), static_vs_eager_rel=rel(static, want),
-                   host_syncs=len(counted))
+            report(
+                f"talker_vae_backbone_w{max(lengths)}",
+                rel(got, static) <= 1e-6 and rel(static, want) <= tol and not counted,
+                graphs_on_off_identical=torch.equal(got, static),
+                graphs_on_off_rel=rel(got, static),
+                static_vs_eager_rel=rel(static, want),
+                host_syncs=len(counted),
+            )
     del runners
     engine_check(models, config, device)
-
 
 
 def talker_other_device_check(tiny: bool, device: str, dtype: torch.dtype) -> None:
@@ -175,8 +192,13 @@ def engine_check(models, config, device: str) -> None:
     voice, prompt = talker_speech.bench_voice(models), talker_speech.bench_prompt(config.llm.vocab_size)
     audio, step_syncs = {}, {}
     for graphs in (True, False):
-        runner = TalkerRunner(models, 4, talker_speech.PROMPT_TOKENS + 16, 8 * config.patch_size * config.vae.patch_size,
-                              graphs=graphs)
+        runner = TalkerRunner(
+            models,
+            4,
+            talker_speech.PROMPT_TOKENS + 16,
+            8 * config.patch_size * config.vae.patch_size,
+            graphs=graphs,
+        )
         if runner.static is not None:
             runner.static.capture_all()
         engine = TalkerEngine(runner, service="check")
@@ -192,13 +214,19 @@ def engine_check(models, config, device: str) -> None:
             if all(any(isinstance(e, JobDone) for e in ev) for ev in events):
                 break
             engine.step()
-        audio[graphs] = [torch.cat([torch.from_numpy(e.samples) for e in ev if hasattr(e, "samples")]) for ev in events]
+        audio[graphs] = [
+            torch.cat([torch.from_numpy(e.samples) for e in ev if hasattr(e, "samples")]) for ev in events
+        ]
     same_len = all(a.shape == b.shape for a, b in zip(audio[True], audio[False], strict=True))
     finite = all(bool(torch.isfinite(a).all()) for a in audio[True])
     # The stop probabilities' read and the audio's copy to the host: two per step, nothing else.
-    report("talker_engine_graphs_on_off", same_len and finite and step_syncs[True] <= 2,
-           host_syncs_per_step=step_syncs, samples=[int(a.numel()) for a in audio[True]],
-           rel=[rel(a, b) for a, b in zip(audio[True], audio[False], strict=True)] if same_len else None)
+    report(
+        "talker_engine_graphs_on_off",
+        same_len and finite and step_syncs[True] <= 2,
+        host_syncs_per_step=step_syncs,
+        samples=[int(a.numel()) for a in audio[True]],
+        rel=[rel(a, b) for a, b in zip(audio[True], audio[False], strict=True)] if same_len else None,
+    )
 
 
 def dit_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
@@ -228,8 +256,16 @@ def dit_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
 
     cases = {
         "norm_modulate": (fused.norm_modulate, fused.norm_modulate_ref, (x, w, 1e-5, scale)),
-        "norm_gate_residual": (fused.norm_gate_residual, fused.norm_gate_residual_ref, (res, h, w, 1e-5, gate)),
-        "qk_norm_rope": (fused.qk_norm_rope, fused.qk_norm_rope_ref, (q, k, w[:hd], w[hd:2 * hd], 1e-5, cos, sin)),
+        "norm_gate_residual": (
+            fused.norm_gate_residual,
+            fused.norm_gate_residual_ref,
+            (res, h, w, 1e-5, gate),
+        ),
+        "qk_norm_rope": (
+            fused.qk_norm_rope,
+            fused.qk_norm_rope_ref,
+            (q, k, w[:hd], w[hd : 2 * hd], 1e-5, cos, sin),
+        ),
     }
     for name, (kernel, ref, args) in cases.items():
         got, want = kernel(*args), ref(*args)
@@ -237,18 +273,31 @@ def dit_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
         got, want, truth = ((t,) if isinstance(t, torch.Tensor) else t for t in (got, want, truth))
         err_k = max(rel(a, t) for a, t in zip(got, truth, strict=True))
         err_t = max(rel(a, t) for a, t in zip(want, truth, strict=True))
-        report(f"dit_kernel_{name}", err_k <= max(1.5 * err_t, 1e-5), kernel_vs_fp32=err_k, torch_vs_fp32=err_t,
-               kernel_vs_torch=max(rel(a, b) for a, b in zip(got, want, strict=True)))
-    cfg = DiTConfig(dim=d, n_heads=heads, n_kv_heads=heads, n_layers=2, n_refiner_layers=1,
-                    **({"axes_dims": (16, 16, 16), "cap_feat_dim": 64} if tiny else {}))
+        report(
+            f"dit_kernel_{name}",
+            err_k <= max(1.5 * err_t, 1e-5),
+            kernel_vs_fp32=err_k,
+            torch_vs_fp32=err_t,
+            kernel_vs_torch=max(rel(a, b) for a, b in zip(got, want, strict=True)),
+        )
+    cfg = DiTConfig(
+        dim=d,
+        n_heads=heads,
+        n_kv_heads=heads,
+        n_layers=2,
+        n_refiner_layers=1,
+        **({"axes_dims": (16, 16, 16), "cap_feat_dim": 64} if tiny else {}),
+    )
     with torch.device("meta"):
         dit = ZImageDiT(cfg)
     dit = dit.to(dtype=dtype).to_empty(device=device).eval()
     dit.rope.init_buffers(cfg)
     with torch.no_grad():
         for pname, p in dit.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g, device=device) * (0.1 if "norm" in pname else 0.02)
-                    + (1.0 if "norm" in pname else 0.0))
+            p.copy_(
+                torch.randn(p.shape, generator=g, device=device) * (0.1 if "norm" in pname else 0.02)
+                + (1.0 if "norm" in pname else 0.0)
+            )
         side = 16 if tiny else 64
         xin = r(2, cfg.in_channels, 1, side, side)
         t = torch.rand(2, generator=g, device=device)
@@ -261,9 +310,14 @@ def dit_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
         truth = dit.float()(xin.float(), t, cap.float())
         dit.kernels = "auto"
     auto = device == "cuda"
-    report("dit_forward_kernels_vs_torch", rel(got, truth) <= max(1.5 * rel(want, truth), 1e-5),
-           kernels_vs_torch=rel(got, want), kernels_vs_fp32=rel(got, truth), torch_vs_fp32=rel(want, truth),
-           auto_uses_kernels=auto and dit.fused_for(xin))
+    report(
+        "dit_forward_kernels_vs_torch",
+        rel(got, truth) <= max(1.5 * rel(want, truth), 1e-5),
+        kernels_vs_torch=rel(got, want),
+        kernels_vs_fp32=rel(got, truth),
+        torch_vs_fp32=rel(want, truth),
+        auto_uses_kernels=auto and dit.fused_for(xin),
+    )
 
 
 def vision_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
@@ -280,7 +334,9 @@ def vision_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
     encoder_throughput.random_init(enc, 0)
     grids = [(1, 8, 8), (2, 4, 6), (1, 4, 8)] if tiny else [(1, 32, 32), (1, 16, 24), (2, 16, 16), (1, 4, 8)]
     n = sum(t * h * w for t, h, w in grids)
-    patches = torch.randn(n, cfg.patch_dim, generator=torch.Generator(device=device).manual_seed(1), device=device)
+    patches = torch.randn(
+        n, cfg.patch_dim, generator=torch.Generator(device=device).manual_seed(1), device=device
+    )
     auto_kind = PackedLayout.of(grids, torch.device(device)).kind
     outs = {}
     with torch.inference_mode():
@@ -290,9 +346,15 @@ def vision_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
     enc.vision.attention = "auto"
     tol = 1e-5 if dtype == torch.float32 else 5e-2  # 27 bf16 layers; the numbers are printed
     want_kind = "flash" if device == "cuda" else "segments"
-    report("vision_varlen", auto_kind == want_kind and rel(outs["auto"], outs["segments"]) <= tol
-           and rel(outs["mask"], outs["segments"]) <= tol, auto_kind=auto_kind,
-           auto_vs_segments=rel(outs["auto"], outs["segments"]), mask_vs_segments=rel(outs["mask"], outs["segments"]))
+    report(
+        "vision_varlen",
+        auto_kind == want_kind
+        and rel(outs["auto"], outs["segments"]) <= tol
+        and rel(outs["mask"], outs["segments"]) <= tol,
+        auto_kind=auto_kind,
+        auto_vs_segments=rel(outs["auto"], outs["segments"]),
+        mask_vs_segments=rel(outs["mask"], outs["segments"]),
+    )
 
 
 def main() -> None:
@@ -302,10 +364,22 @@ def main() -> None:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-                      "dtype": str(dtype)}), flush=True)
-    checks = {"talker": talker_checks, "talker1": talker_other_device_check, "dit": dit_checks,
-              "vision": vision_checks}
+    print(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "torch": torch.__version__,
+                "dtype": str(dtype),
+            }
+        ),
+        flush=True,
+    )
+    checks = {
+        "talker": talker_checks,
+        "talker1": talker_other_device_check,
+        "dit": dit_checks,
+        "vision": vision_checks,
+    }
     for name in args.only.split(","):
         try:
             checks[name](args.tiny, device, dtype)

@@ -44,23 +44,55 @@ from omnistage.services.talker.runner import TalkerRunner
 from omnistage.services.talker.voice_prompt import Voice
 
 GiB = 1 << 30
-QWEN2_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, intermediate_size=4864,
-                 vocab_size=151936, rope_theta=1e6)
+QWEN2_05B = dict(
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    head_dim=64,
+    intermediate_size=4864,
+    vocab_size=151936,
+    rope_theta=1e6,
+)
 REAL = TalkerModelConfig(
     llm=Qwen2Shape(**QWEN2_05B),
     flow=DiTShape(1024, 8, 16),
     aggregator=DiTShape(1024, 8, 16),  # unconfirmed: "same block shape as the flow DiT" (third-party port)
-    vae=VAEShape(sample_rate=44100, patch_size=4, latent_dim=64, enc_input_dim=882, enc_hop=882, dec_hop=882,
-                 encoder=Qwen2Shape(**QWEN2_05B), decoder=Qwen2Shape(**QWEN2_05B)),  # backbones unconfirmed
+    vae=VAEShape(
+        sample_rate=44100,
+        patch_size=4,
+        latent_dim=64,
+        enc_input_dim=882,
+        enc_hop=882,
+        dec_hop=882,
+        encoder=Qwen2Shape(**QWEN2_05B),
+        decoder=Qwen2Shape(**QWEN2_05B),
+    ),  # backbones unconfirmed
 )
-TINY_QWEN = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                 vocab_size=2048, rope_theta=1e6)
+TINY_QWEN = dict(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=2048,
+    rope_theta=1e6,
+)
 TINY = TalkerModelConfig(
     llm=Qwen2Shape(**TINY_QWEN),
     flow=DiTShape(64, 2, 4),
     aggregator=DiTShape(64, 2, 4),
-    vae=VAEShape(sample_rate=44100, patch_size=4, latent_dim=64, enc_input_dim=882, enc_hop=882, dec_hop=882,
-                 encoder=Qwen2Shape(**{**TINY_QWEN, "num_layers": 4}), decoder=Qwen2Shape(**TINY_QWEN)),
+    vae=VAEShape(
+        sample_rate=44100,
+        patch_size=4,
+        latent_dim=64,
+        enc_input_dim=882,
+        enc_hop=882,
+        dec_hop=882,
+        encoder=Qwen2Shape(**{**TINY_QWEN, "num_layers": 4}),
+        decoder=Qwen2Shape(**TINY_QWEN),
+    ),
 )
 PROMPT_TOKENS = 120
 PROMPT_PATCHES = 10
@@ -86,16 +118,21 @@ def build(config: TalkerModelConfig, device: str, dtype: torch.dtype) -> TalkerM
 def bench_voice(models: TalkerModels) -> Voice:
     cfg, dev, dt = models.config, models.device, models.dtype
     gen = torch.Generator(device=dev).manual_seed(2)
-    return Voice("bench", "", torch.randn(cfg.llm.hidden_size, generator=gen, device=dev).to(dt),
-                 torch.randn(PROMPT_PATCHES * cfg.patch_size, cfg.latent_dim, generator=gen, device=dev),
-                 torch.randn(PROMPT_PATCHES, cfg.llm.hidden_size, generator=gen, device=dev).to(dt))
+    return Voice(
+        "bench",
+        "",
+        torch.randn(cfg.llm.hidden_size, generator=gen, device=dev).to(dt),
+        torch.randn(PROMPT_PATCHES * cfg.patch_size, cfg.latent_dim, generator=gen, device=dev),
+        torch.randn(PROMPT_PATCHES, cfg.llm.hidden_size, generator=gen, device=dev).to(dt),
+    )
 
 
 def bench_prompt(vocab: int) -> PromptIds:
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, vocab, (PROMPT_TOKENS,), generator=g).tolist()
-    return PromptIds(ids, speaker_position=20, audio_position=PROMPT_TOKENS - PROMPT_PATCHES,
-                     prompt_patches=PROMPT_PATCHES)
+    return PromptIds(
+        ids, speaker_position=20, audio_position=PROMPT_TOKENS - PROMPT_PATCHES, prompt_patches=PROMPT_PATCHES
+    )
 
 
 class Request:
@@ -121,8 +158,15 @@ class Request:
             self.done.set()
 
 
-def run_level(engine: TalkerEngine, models: TalkerModels, voice: Voice, prompt: PromptIds, clients: int,
-              rounds: int, steps: int) -> list[Request]:
+def run_level(
+    engine: TalkerEngine,
+    models: TalkerModels,
+    voice: Voice,
+    prompt: PromptIds,
+    clients: int,
+    rounds: int,
+    steps: int,
+) -> list[Request]:
     done: list[Request] = []
     lock = threading.Lock()
 
@@ -151,8 +195,9 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def run_mode(models: TalkerModels, config: TalkerModelConfig, levels: list[int], steps: int, rounds: int,
-             graphs: bool) -> tuple[list[dict], dict]:
+def run_mode(
+    models: TalkerModels, config: TalkerModelConfig, levels: list[int], steps: int, rounds: int, graphs: bool
+) -> tuple[list[dict], dict]:
     """Every concurrency level through one engine (graphs on or off); rows and how the graphs were made."""
     device = models.device
     voice, prompt = bench_voice(models), bench_prompt(config.llm.vocab_size)
@@ -180,14 +225,21 @@ def run_mode(models: TalkerModels, config: TalkerModelConfig, levels: list[int],
             wall = time.perf_counter() - start
             ttfa = [1000 * (r.first_audio - r.submitted) for r in reqs]
             rtf = [(r.ended - r.submitted) / (r.samples / config.vae.sample_rate) for r in reqs]
-            rows.append({
-                "concurrency": c, "requests": len(reqs), "audio_s_per_request": audio_s_per_request,
-                "ttfa_p50_ms": statistics.median(ttfa), "ttfa_p95_ms": percentile(ttfa, 0.95),
-                "rtf_mean": statistics.fmean(rtf), "rtf_p95": percentile(rtf, 0.95),
-                "req_s": len(reqs) / wall, "audio_s_per_s": len(reqs) * audio_s_per_request / wall,
-                "step_ms": 1000 * wall / max(1, engine.loop.steps - steps_before),
-                "peak_mem_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0.0,
-            })
+            rows.append(
+                {
+                    "concurrency": c,
+                    "requests": len(reqs),
+                    "audio_s_per_request": audio_s_per_request,
+                    "ttfa_p50_ms": statistics.median(ttfa),
+                    "ttfa_p95_ms": percentile(ttfa, 0.95),
+                    "rtf_mean": statistics.fmean(rtf),
+                    "rtf_p95": percentile(rtf, 0.95),
+                    "req_s": len(reqs) / wall,
+                    "audio_s_per_s": len(reqs) * audio_s_per_request / wall,
+                    "step_ms": 1000 * wall / max(1, engine.loop.steps - steps_before),
+                    "peak_mem_gib": torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else 0.0,
+                }
+            )
     finally:
         engine.stop()
     return rows, info
@@ -195,13 +247,17 @@ def run_mode(models: TalkerModels, config: TalkerModelConfig, levels: list[int],
 
 def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}\n")
-    print("| concurrency | requests | TTFA p50 ms | TTFA p95 ms | RTF mean | RTF p95 | req/s | audio s/s | "
-          "step ms | peak GiB |")
+    print(
+        "| concurrency | requests | TTFA p50 ms | TTFA p95 ms | RTF mean | RTF p95 | req/s | audio s/s | "
+        "step ms | peak GiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['requests']} | {r['ttfa_p50_ms']:.0f} | {r['ttfa_p95_ms']:.0f} | "
-              f"{r['rtf_mean']:.3f} | {r['rtf_p95']:.3f} | {r['req_s']:.2f} | {r['audio_s_per_s']:.1f} | "
-              f"{r['step_ms']:.1f} | {r['peak_mem_gib']:.2f} |")
+        print(
+            f"| {r['concurrency']} | {r['requests']} | {r['ttfa_p50_ms']:.0f} | {r['ttfa_p95_ms']:.0f} | "
+            f"{r['rtf_mean']:.3f} | {r['rtf_p95']:.3f} | {r['req_s']:.2f} | {r['audio_s_per_s']:.1f} | "
+            f"{r['step_ms']:.1f} | {r['peak_mem_gib']:.2f} |"
+        )
 
 
 def main() -> None:
@@ -210,8 +266,12 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--steps", type=int, default=0, help="talker steps per request (0: 32, tiny: 6)")
     ap.add_argument("--rounds", type=int, default=0, help="requests per client (0: 3, tiny: 1)")
-    ap.add_argument("--graphs", choices=("on", "off", "both"), default="both",
-                    help="CUDA-graph steps on, off (eager), or both in turn")
+    ap.add_argument(
+        "--graphs",
+        choices=("on", "off", "both"),
+        default="both",
+        help="CUDA-graph steps on, off (eager), or both in turn",
+    )
     ap.add_argument("--out", default="", help="JSON path (default $OUT/talker_speech.json when $OUT is set)")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -223,8 +283,11 @@ def main() -> None:
     models = build(config, device, dtype)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
     audio_s = steps * config.samples_per_step / config.vae.sample_rate
-    print(f"talker_speech: {'tiny' if args.tiny else 'real sizes'}, {device} {dtype}, {steps} steps "
-          f"({audio_s:.2f} s audio) per request, {rounds} rounds per client", flush=True)
+    print(
+        f"talker_speech: {'tiny' if args.tiny else 'real sizes'}, {device} {dtype}, {steps} steps "
+        f"({audio_s:.2f} s audio) per request, {rounds} rounds per client",
+        flush=True,
+    )
     out = args.out or (os.path.join(os.environ["OUT"], "talker_speech.json") if os.environ.get("OUT") else "")
     results: dict[bool, tuple[list[dict], dict]] = {}
     for graphs in modes:  # the JSON is rewritten after each mode: a later one timing out keeps the first
@@ -234,21 +297,39 @@ def main() -> None:
             write_json(out, results, modes[0], device, dtype, args.tiny, steps, rounds)
 
 
-def write_json(out: str, results: dict[bool, tuple[list[dict], dict]], main: bool, device: str, dtype: torch.dtype,
-               tiny: bool, steps: int, rounds: int) -> None:
+def write_json(
+    out: str,
+    results: dict[bool, tuple[list[dict], dict]],
+    main: bool,
+    device: str,
+    dtype: torch.dtype,
+    tiny: bool,
+    steps: int,
+    rounds: int,
+) -> None:
     """{device, date, command, rows (the first mode's), meta, eager_rows (with both modes)}."""
     main_rows, main_info = results[main]
-    doc = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-           "command": shlex.join(["python", *sys.argv]),
-           "rows": main_rows,
-           "meta": {"dtype": str(dtype), "torch": torch.__version__, "steps": steps, "rounds": rounds,
-                    "tiny": tiny, "prompt_tokens": PROMPT_TOKENS, **main_info}}
+    doc = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": shlex.join(["python", *sys.argv]),
+        "rows": main_rows,
+        "meta": {
+            "dtype": str(dtype),
+            "torch": torch.__version__,
+            "steps": steps,
+            "rounds": rounds,
+            "tiny": tiny,
+            "prompt_tokens": PROMPT_TOKENS,
+            **main_info,
+        },
+    }
     if main and False in results:
         doc["eager_rows"] = results[False][0]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out}", flush=True)
+
 
 if __name__ == "__main__":
     main()

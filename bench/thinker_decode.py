@@ -50,14 +50,30 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 4 * GiB / sorted(times[3:])[len(times[3:]) // 2]
 
 
-def start(ckpt: str, dtype: str, device: str, attention: str, moe: str, graphs: bool, max_seqs: int,
-          max_len: int, kv_tokens: int):  # fmt: skip
+def start(
+    ckpt: str,
+    dtype: str,
+    device: str,
+    attention: str,
+    moe: str,
+    graphs: bool,
+    max_seqs: int,
+    max_len: int,
+    kv_tokens: int,
+):
     from omnistage.common.config import EngineConfig, MemoryConfig
     from omnistage.services.thinker.group.startup import RankConfig, start_engine
 
-    engine_cfg = EngineConfig(block_size=16, max_num_seqs=max_seqs, max_num_batched_tokens=max(2048, max_seqs * 2),
-                              max_model_len=max_len, kv_tokens=kv_tokens, attention_backend=attention,
-                              moe_backend=moe, cuda_graphs=graphs)  # fmt: skip
+    engine_cfg = EngineConfig(
+        block_size=16,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=max(2048, max_seqs * 2),
+        max_model_len=max_len,
+        kv_tokens=kv_tokens,
+        attention_backend=attention,
+        moe_backend=moe,
+        cuda_graphs=graphs,
+    )
     memory = MemoryConfig(budget_fraction=0.9) if device != "cpu" else MemoryConfig()
     load = "dummy" if dtype == "bfloat16" else "safetensors"
     return start_engine(RankConfig(ckpt, engine_cfg, memory, load_format=load, dtype=dtype, device=device))
@@ -77,8 +93,13 @@ def correctness(device: str, steps: int) -> dict:
         ref = start(ckpt, "float32", "cpu", "torch", "torch", False, 8, 512, 0)
         want = [r.token_ids for r in ref.generate(prompts, params)]
         release(ref)
-        combos = [("torch", "torch", False), ("triton", "triton", False), ("triton", "triton", True),
-                  ("torch", "triton", False), ("triton", "torch", False)]  # fmt: skip
+        combos = [
+            ("torch", "torch", False),
+            ("triton", "triton", False),
+            ("triton", "triton", True),
+            ("torch", "triton", False),
+            ("triton", "torch", False),
+        ]
         for attention, moe, graphs in combos:
             name = f"{attention}/{moe}/{'graphs' if graphs else 'eager'}"
             try:
@@ -86,11 +107,18 @@ def correctness(device: str, steps: int) -> dict:
                 got = [r.token_ids for r in e.generate(prompts, params)]
                 same = sum(a == b for x, y in zip(got, want, strict=True) for a, b in zip(x, y, strict=True))
                 replays = e.runner.graphs.replays if e.runner.graphs is not None else 0
-                out[name] = {"identical": got == want, "tokens_equal": same, "tokens": steps * len(prompts),
-                             "graph_replays": replays}  # fmt: skip
+                out[name] = {
+                    "identical": got == want,
+                    "tokens_equal": same,
+                    "tokens": steps * len(prompts),
+                    "graph_replays": replays,
+                }
                 release(e)
             except Exception as exc:
-                out[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-1500:]}
+                out[name] = {
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc()[-1500:],
+                }
             print(f"[correctness] fp32 {name}: {out[name]}", flush=True)
         out["bf16_logits"] = bf16_logits(ckpt, device)
         print(f"[correctness] bf16 logits triton vs torch: {out['bf16_logits']}", flush=True)
@@ -107,8 +135,10 @@ def bf16_logits(ckpt: str, device: str) -> dict:
     gen = torch.Generator().manual_seed(5)
     from omnistage.services.thinker.engine.sequence import SamplingParams, Sequence
 
-    seqs = [Sequence(f"s{i}", torch.randint(0, 900, (n,), generator=gen).tolist(), SamplingParams(), 8)
-            for i, n in enumerate((7, 50, 90))]  # fmt: skip
+    seqs = [
+        Sequence(f"s{i}", torch.randint(0, 900, (n,), generator=gen).tolist(), SamplingParams(), 8)
+        for i, n in enumerate((7, 50, 90))
+    ]
     bm = e.scheduler.block_manager
     for s in seqs:
         bm.allocate(s, s.num_prompt_tokens)
@@ -165,11 +195,19 @@ def sweep_ours(engine, concurrency: list[int], prompt_len: int, new: int, vocab:
         timed_generate(engine, prompts, 4)  # every shape of this run compiled before timing
         step = decode_step_ms(engine, prompts, new)
         tn = timed_generate(engine, prompts, new)
-        rows[c] = {"step_ms": step["median_ms"], "tok_s": c * 1e3 / step["median_ms"], "e2e_tok_s": c * new / tn,
-                   "e2e_s": tn, **{k: v for k, v in step.items() if k != "median_ms"}}  # fmt: skip
-        print(f"[ours] c={c} decode step {step['median_ms']:.2f} ms (runner+sync {step['runner_ms']:.2f} ms, "
-              f"{step['graph_replays']} replays / {step['steps']}), {c * 1e3 / step['median_ms']:.1f} tok/s; "
-              f"e2e {c * new / tn:.1f} tok/s", flush=True)  # fmt: skip
+        rows[c] = {
+            "step_ms": step["median_ms"],
+            "tok_s": c * 1e3 / step["median_ms"],
+            "e2e_tok_s": c * new / tn,
+            "e2e_s": tn,
+            **{k: v for k, v in step.items() if k != "median_ms"},
+        }
+        print(
+            f"[ours] c={c} decode step {step['median_ms']:.2f} ms (runner+sync {step['runner_ms']:.2f} ms, "
+            f"{step['graph_replays']} replays / {step['steps']}), {c * 1e3 / step['median_ms']:.1f} tok/s; "
+            f"e2e {c * new / tn:.1f} tok/s",
+            flush=True,
+        )
     return rows
 
 
@@ -209,8 +247,13 @@ def decode_step_ms(engine, prompts: list[list[int]], new: int) -> dict:
         engine.step()
     walls.sort()
     spent.sort()
-    return {"median_ms": walls[len(walls) // 2], "runner_ms": spent[len(spent) // 2], "min_ms": walls[0],
-            "graph_replays": replayed, "steps": len(walls)}  # fmt: skip
+    return {
+        "median_ms": walls[len(walls) // 2],
+        "runner_ms": spent[len(spent) // 2],
+        "min_ms": walls[0],
+        "graph_replays": replayed,
+        "steps": len(walls),
+    }
 
 
 def profile_step(engine, c: int, prompt_len: int, vocab: int) -> list[dict]:
@@ -222,8 +265,11 @@ def profile_step(engine, c: int, prompt_len: int, vocab: int) -> list[dict]:
     graphs, engine.runner.graphs = engine.runner.graphs, None
     try:
         for i in range(c):
-            engine.add_request(f"p{i}", torch.randint(2, vocab - 1, (prompt_len,), generator=gen).tolist(),
-                               SamplingParams(max_tokens=16, ignore_eos=True))  # fmt: skip
+            engine.add_request(
+                f"p{i}",
+                torch.randint(2, vocab - 1, (prompt_len,), generator=gen).tolist(),
+                SamplingParams(max_tokens=16, ignore_eos=True),
+            )
         for _ in range(3):
             engine.step()
         torch.cuda.synchronize()
@@ -251,16 +297,29 @@ def hf_model(shape: dict):
     import transformers
 
     cfg = transformers.Glm4MoeConfig(
-        vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
-        num_hidden_layers=shape["num_hidden_layers"], num_attention_heads=shape["num_attention_heads"],
-        num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"], hidden_act="silu",
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"],
+        head_dim=shape["head_dim"],
+        hidden_act="silu",
         rope_parameters={"rope_type": "default", "rope_theta": 2400000.0, "partial_rotary_factor": 0.5},
-        moe_intermediate_size=shape["moe_intermediate_size"], num_experts_per_tok=shape["num_experts_per_tok"],
-        n_shared_experts=shape["num_shared_experts"], n_routed_experts=shape["num_experts"], routed_scaling_factor=2.5,
-        n_group=shape["n_group"], topk_group=shape["topk_group"], first_k_dense_replace=shape["first_k_dense_replace"],
-        norm_topk_prob=True, use_qk_norm=True, attention_bias=False, tie_word_embeddings=False,
+        moe_intermediate_size=shape["moe_intermediate_size"],
+        num_experts_per_tok=shape["num_experts_per_tok"],
+        n_shared_experts=shape["num_shared_experts"],
+        n_routed_experts=shape["num_experts"],
+        routed_scaling_factor=2.5,
+        n_group=shape["n_group"],
+        topk_group=shape["topk_group"],
+        first_k_dense_replace=shape["first_k_dense_replace"],
+        norm_topk_prob=True,
+        use_qk_norm=True,
+        attention_bias=False,
+        tie_word_embeddings=False,
         num_nextn_predict_layers=0,
-    )  # fmt: skip
+    )
     with torch.device("cuda"):
         model = transformers.Glm4MoeForCausalLM._from_config(cfg, dtype=torch.bfloat16)
     return model.eval()
@@ -275,8 +334,14 @@ def sweep_hf(shape: dict, concurrency: list[int], prompt_len: int, new: int) -> 
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)  # fmt: skip
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -296,13 +361,21 @@ def sweep_hf(shape: dict, concurrency: list[int], prompt_len: int, new: int) -> 
 def floor_ms(shape: dict, c: int, ctx: int, bandwidth: float) -> tuple[float, float]:
     """(ms, bytes) a decode step must read at least: weights it touches + the KV it attends."""
     s, b = shape, 2
-    h, layers, moe_layers = s["hidden_size"], s["num_hidden_layers"], s["num_hidden_layers"] - s["first_k_dense_replace"]
+    h, layers, moe_layers = (
+        s["hidden_size"],
+        s["num_hidden_layers"],
+        s["num_hidden_layers"] - s["first_k_dense_replace"],
+    )
     d, heads, kv = s["head_dim"], s["num_attention_heads"], s["num_key_value_heads"]
     attn = h * (heads + 2 * kv) * d + heads * d * h + 2 * d + 2 * h
     dense = 3 * h * s["intermediate_size"]
     expert = 3 * h * s["moe_intermediate_size"]
     router = s["num_experts"] * h  # text tokens read the text router only
-    non_expert = layers * attn + s["first_k_dense_replace"] * dense + moe_layers * (router + expert * s["num_shared_experts"])
+    non_expert = (
+        layers * attn
+        + s["first_k_dense_replace"] * dense
+        + moe_layers * (router + expert * s["num_shared_experts"])
+    )
     non_expert += s["vocab_size"] * h + h  # LM head + final norm
     e, k = s["num_experts"], s["num_experts_per_tok"]
     distinct = e * (1 - (1 - k / e) ** c)
@@ -330,9 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda:0")
     conc = [int(x) for x in args.concurrency.split(",")]
     ref_conc = [int(x) for x in args.reference_concurrency.split(",") if x]
-    result: dict = {"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
-                    "command": "python bench/thinker_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                    "versions": {"torch": torch.__version__}}  # fmt: skip
+    result: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python bench/thinker_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "versions": {"torch": torch.__version__},
+    }
     try:
         import transformers
         import triton
@@ -340,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         result["versions"].update(triton=triton.__version__, transformers=transformers.__version__)
     except ImportError as exc:
         result["versions"]["missing"] = str(exc)
+
     def save() -> None:  # after every section: a run stopped at its time limit keeps what it measured
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1, default=str))
@@ -363,8 +440,10 @@ def main(argv: list[str] | None = None) -> int:
             result["ours"] = ours
             save()
             if "profile" not in skip:
-                result["profile"] = {c: profile_step(engine, c, args.prompt_len, LING_MINI["vocab_size"])
-                                     for c in (1, min(32, max_seqs))}  # fmt: skip
+                result["profile"] = {
+                    c: profile_step(engine, c, args.prompt_len, LING_MINI["vocab_size"])
+                    for c in (1, min(32, max_seqs))
+                }
             if "reference" not in skip and ref_conc:
                 from omnistage.services.thinker.models.layers.backends import Backends, install_backends
 
@@ -394,19 +473,33 @@ def main(argv: list[str] | None = None) -> int:
     for c in conc:
         fl_ms, fl_bytes = floor_ms(LING_MINI, c, ctx, bw)
         o, h, r = ours.get(c, {}), hf.get(c, {}), ref.get(c, {})
-        rows.append({"concurrency": c, "ours_tok_s": o.get("tok_s"), "transformers_tok_s": h.get("tok_s"),
-                     "floor_tok_s": c * 1e3 / fl_ms, "step_ms": o.get("step_ms"), "floor_step_ms": fl_ms,
-                     "floor_bytes": fl_bytes, "transformers_step_ms": h.get("step_ms"),
-                     "reference_kernels_tok_s": r.get("tok_s"), "ours_e2e_tok_s": o.get("e2e_tok_s")})  # fmt: skip
+        rows.append(
+            {
+                "concurrency": c,
+                "ours_tok_s": o.get("tok_s"),
+                "transformers_tok_s": h.get("tok_s"),
+                "floor_tok_s": c * 1e3 / fl_ms,
+                "step_ms": o.get("step_ms"),
+                "floor_step_ms": fl_ms,
+                "floor_bytes": fl_bytes,
+                "transformers_step_ms": h.get("step_ms"),
+                "reference_kernels_tok_s": r.get("tok_s"),
+                "ours_e2e_tok_s": o.get("e2e_tok_s"),
+            }
+        )
     result["rows"] = rows
-    print("\n| c | ours tok/s | step ms | transformers tok/s | ratio | floor tok/s | % of floor | torch kernels tok/s |")
+    print(
+        "\n| c | ours tok/s | step ms | transformers tok/s | ratio | floor tok/s | % of floor | torch kernels tok/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         o, h, f = row["ours_tok_s"], row["transformers_tok_s"], row["floor_tok_s"]
         fmt = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
-        print(f"| {row['concurrency']} | {fmt(o)} | {fmt(row['step_ms'], 2)} | {fmt(h)} | "
-              f"{fmt(o / h if o and h else None, 2)}x | {fmt(f)} | {fmt(100 * o / f if o else None)} % | "
-              f"{fmt(row['reference_kernels_tok_s'])} |")  # fmt: skip
+        print(
+            f"| {row['concurrency']} | {fmt(o)} | {fmt(row['step_ms'], 2)} | {fmt(h)} | "
+            f"{fmt(o / h if o and h else None, 2)}x | {fmt(f)} | {fmt(100 * o / f if o else None)} % | "
+            f"{fmt(row['reference_kernels_tok_s'])} |"
+        )
     save()
     return 0
 

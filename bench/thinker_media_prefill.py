@@ -36,8 +36,13 @@ from omnistage.v1 import encoder_pb2, thinker_pb2
 
 def image_prompt(cfg: ThinkerConfig, side: int, before: int = 30, after: int = 10) -> list[int]:
     """Text ids, then `<image>` + side·side `<imagePatch>` + `</image>`, then text ids."""
-    return ([i % 900 for i in range(before)] + [cfg.image_start_token_id] + [cfg.image_patch_token_id] * side * side
-            + [cfg.image_end_token_id] + [i % 900 for i in range(after)])  # fmt: skip
+    return (
+        [i % 900 for i in range(before)]
+        + [cfg.image_start_token_id]
+        + [cfg.image_patch_token_id] * side * side
+        + [cfg.image_end_token_id]
+        + [i % 900 for i in range(after)]
+    )
 
 
 def timed_ms(engine, prompt, device: str, repeat: int) -> float:
@@ -68,9 +73,14 @@ def main() -> None:
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     engine_cfg = EngineConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=2048, max_model_len=4096)
     rank_cfg = RankConfig(
-        str(ckpt), engine_cfg, load_format="dummy", dtype=dtype, device="cpu" if args.device == "cpu" else "cuda:0",
-        world_size=args.tp, dist_port=local_ranks.free_port(),
-    )  # fmt: skip
+        str(ckpt),
+        engine_cfg,
+        load_format="dummy",
+        dtype=dtype,
+        device="cpu" if args.device == "cpu" else "cuda:0",
+        world_size=args.tp,
+        dist_port=local_ranks.free_port(),
+    )
     procs = local_ranks.spawn_workers(rank_cfg) if args.tp > 1 else []
     engine = start_engine(rank_cfg)
     rows_dtype = getattr(torch, dtype)
@@ -80,7 +90,9 @@ def main() -> None:
             inputs = MediaInputs(cfg, rows_dtype, TransportContext())
             for side in (int(s) for s in args.sides.split(",")):
                 ids = image_prompt(cfg, side)
-                rows = torch.nn.functional.normalize(torch.randn(side * side, cfg.hidden_size), dim=-1).to(rows_dtype)
+                rows = torch.nn.functional.normalize(torch.randn(side * side, cfg.hidden_size), dim=-1).to(
+                    rows_dtype
+                )
 
                 def image_request(ids=ids, rows=rows, side=side):
                     item = thinker_pb2.MultimodalEmbedding(
@@ -98,20 +110,31 @@ def main() -> None:
                 timed_ms(engine, prompt, args.device, 1)
                 image_ms = timed_ms(engine, prompt, args.device, args.repeat)
                 text_ms = timed_ms(engine, text, args.device, args.repeat)
-                results.append({"image_side_px": side * 32, "tokens": len(ids), "image_rows": side * side,
-                                "take_request_ms": round(build, 2), "image_prefill_ms": round(image_ms, 1),
-                                "text_prefill_ms": round(text_ms, 1)})  # fmt: skip
+                results.append(
+                    {
+                        "image_side_px": side * 32,
+                        "tokens": len(ids),
+                        "image_rows": side * side,
+                        "take_request_ms": round(build, 2),
+                        "image_prefill_ms": round(image_ms, 1),
+                        "text_prefill_ms": round(text_ms, 1),
+                    }
+                )
             inputs.close()
     finally:
         engine.shutdown()
         local_ranks.join_workers(procs, 120)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     print(f"thinker prefill, shape {args.shape}, TP={args.tp}, {device}, {dtype}, torch {torch.__version__}")
-    print("| image | prompt tokens | taking the request ms | image prompt prefill ms | text prompt, same length ms |")
+    print(
+        "| image | prompt tokens | taking the request ms | image prompt prefill ms | text prompt, same length ms |"
+    )
     print("|---|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['image_side_px']}² ({r['image_rows']} rows) | {r['tokens']} | {r['take_request_ms']} | "
-              f"{r['image_prefill_ms']} | {r['text_prefill_ms']} |")
+        print(
+            f"| {r['image_side_px']}² ({r['image_rows']} rows) | {r['tokens']} | {r['take_request_ms']} | "
+            f"{r['image_prefill_ms']} | {r['text_prefill_ms']} |"
+        )
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "thinker_media_prefill.json").write_text(json.dumps(results, indent=2))
 

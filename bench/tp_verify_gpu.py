@@ -43,10 +43,21 @@ GiB = 1 << 30
 # (c): Ming's attention geometry and routing at a size that fits one GPU in fp32 (~2.4 B parameters);
 # every TP size up to 8 divides it (KV heads are replicated past 4 ranks).
 MING_SMALL = dict(
-    vocab_size=157184, hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
-    head_dim=128, intermediate_size=5632, first_k_dense_replace=1, num_experts=64, num_experts_per_tok=8,
-    num_shared_experts=1, moe_intermediate_size=512, n_group=8, topk_group=4,
-)  # fmt: skip
+    vocab_size=157184,
+    hidden_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=5632,
+    first_k_dense_replace=1,
+    num_experts=64,
+    num_experts_per_tok=8,
+    num_shared_experts=1,
+    moe_intermediate_size=512,
+    n_group=8,
+    topk_group=4,
+)
 _STARTED = re.compile(r"^omnistage: started (\S+) r(\d+) \(pid (\d+)\)$", re.M)
 _STARTUP_DONE = re.compile(r"thinker\[r(\d+)\] INFO start-up done: (\{.*\})$", re.M)
 PARITY_PROMPTS = ["Count to ten.", "Describe the weather in Hangzhou.", "你好，世界！", "def main():"]
@@ -84,9 +95,19 @@ class Serve:
         self.started = time.monotonic()
         with open(self.out, "w") as o, open(self.err, "w") as e:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "omnistage.common.cli", "serve", str(self.path), "--ready-file", str(self.ready)],
-                stdout=o, stderr=e, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "omnistage.common.cli",
+                    "serve",
+                    str(self.path),
+                    "--ready-file",
+                    str(self.ready),
+                ],
+                stdout=o,
+                stderr=e,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
 
     def logs(self, n: int = 3000) -> str:
         return (self.out.read_text() + self.err.read_text())[-n:]
@@ -161,8 +182,15 @@ def deploy(args: argparse.Namespace, ckpt: Path, tp: int, dtype: str, *, product
         device = {"device": "cuda", "gpus": list(range(tp)), "memory": {"budget_fraction": 0.9}}
     if not production:  # parity: small, quick, one request at a time is enough
         engine = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 512}
-    thinker = {"kind": "thinker", "port": th, "tp_size": tp, "dist_port": dist, "dtype": dtype,
-               "engine": engine, **device}  # fmt: skip
+    thinker = {
+        "kind": "thinker",
+        "port": th,
+        "tp_size": tp,
+        "dist_port": dist,
+        "dtype": dtype,
+        "engine": engine,
+        **device,
+    }
     return {
         "model": {"checkpoint": str(ckpt), "load_format": "dummy"},
         # No restarts: check (e) is how a lost rank ends the pipeline (the restart is tested apart).
@@ -200,7 +228,9 @@ def stream(address: str, max_tokens: int, first: threading.Event, out: Stream) -
     from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
     request = omni_pb2.GenerateRequest(
-        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Tell a story.")])],
+        messages=[
+            omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Tell a story.")])
+        ],
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
     )
     with grpc.insecure_channel(address) as ch:
@@ -239,8 +269,9 @@ def check_starts(args: argparse.Namespace, work: Path, ckpt: Path) -> tuple[list
         detail = (
             f"ready {ready_s:.1f}s; r0 {phases}; KV {kv} blocks = {r0.get('kv_tokens', 0)} tokens "
             f"({r0.get('kv_bytes', 0) / GiB:.2f} GiB/rank), attempts {sorted({r['kv_attempts'] for r in recs.values()})}, "
-            f"weights {r0.get('weights_bytes', 0) / GiB:.2f} GiB/rank" + (f"; warm-up skipped on {skipped}" if skipped else "")
-        )  # fmt: skip
+            f"weights {r0.get('weights_bytes', 0) / GiB:.2f} GiB/rank"
+            + (f"; warm-up skipped on {skipped}" if skipped else "")
+        )
         checks.append(Check(name, ok, detail, {"ready_s": ready_s, "ranks": recs}))
         if k < args.starts:
             code = serve.stop()
@@ -254,8 +285,10 @@ def check_sigkill(args: argparse.Namespace, serve: Serve) -> Check:
     victim = args.tp - 1
     results = [Stream() for _ in range(args.streams)]
     firsts = [threading.Event() for _ in results]
-    threads = [threading.Thread(target=stream, args=(address, args.stream_tokens, f, r), daemon=True)
-               for f, r in zip(firsts, results, strict=True)]  # fmt: skip
+    threads = [
+        threading.Thread(target=stream, args=(address, args.stream_tokens, f, r), daemon=True)
+        for f, r in zip(firsts, results, strict=True)
+    ]
     for t in threads:
         t.start()
     name = f"(e) SIGKILL rank {victim}, {args.streams} streams"
@@ -279,7 +312,13 @@ def check_sigkill(args: argparse.Namespace, serve: Serve) -> Check:
     unavailable = [r for r in results if r.code == "UNAVAILABLE" and f"rank {victim} died" in r.details]
     err = serve.err.read_text()
     named = f"omnistage: thinker r{victim} died: killed by SIGKILL" in err
-    ok = len(unavailable) == len(results) and max(delays) <= 10 and code not in (0, None) and named and not left
+    ok = (
+        len(unavailable) == len(results)
+        and max(delays) <= 10
+        and code not in (0, None)
+        and named
+        and not left
+    )
     odd = [f"{r.code} {r.details[:120]}" for r in results if r not in unavailable][:3]
     detail = (
         f"{len(unavailable)}/{len(results)} UNAVAILABLE naming rank {victim}, slowest {max(delays):.1f}s after the "
@@ -321,16 +360,21 @@ def check_parity(args: argparse.Namespace, work: Path) -> list[Check]:
         same = sum(a == b for a, b in zip(tokens[tp], tokens[1], strict=True))
         first_diff = [_first_difference(a, b) for a, b in zip(tokens[tp], tokens[1], strict=True)]
         ok = same == len(PARITY_PROMPTS) and all(len(t) == args.parity_tokens for t in tokens[tp])
-        checks.append(Check(
-            f"(c) greedy TP={tp} == TP=1 (fp32)", ok,
-            f"{same}/{len(PARITY_PROMPTS)} prompts identical over {args.parity_tokens} tokens; first differences {first_diff}",
-            {"tokens": tokens[tp], "reference": tokens[1]},
-        ))  # fmt: skip
+        checks.append(
+            Check(
+                f"(c) greedy TP={tp} == TP=1 (fp32)",
+                ok,
+                f"{same}/{len(PARITY_PROMPTS)} prompts identical over {args.parity_tokens} tokens; first differences {first_diff}",
+                {"tokens": tokens[tp], "reference": tokens[1]},
+            )
+        )
     return checks
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None if len(a) == len(b) else 0)
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None if len(a) == len(b) else 0
+    )
 
 
 # --- (d) -------------------------------------------------------------------------------------
@@ -357,10 +401,17 @@ def _oom_rank(cfg_dict: dict, out: str) -> None:
             write(message=failure.message, culprit=failure.rank, noticed_unix=time.time())
 
     cfg = RankConfig(
-        cfg_dict["ckpt"], EngineConfig(**cfg_dict["engine"]), MemoryConfig(**cfg_dict["memory"]),
-        load_format="dummy", dtype=cfg_dict["dtype"], device=cfg_dict["device"], rank=rank,
-        world_size=cfg_dict["world_size"], dist_port=cfg_dict["port"], fault=FaultConfig(**cfg_dict["fault"]),
-    )  # fmt: skip
+        cfg_dict["ckpt"],
+        EngineConfig(**cfg_dict["engine"]),
+        MemoryConfig(**cfg_dict["memory"]),
+        load_format="dummy",
+        dtype=cfg_dict["dtype"],
+        device=cfg_dict["device"],
+        rank=rank,
+        world_size=cfg_dict["world_size"],
+        dist_port=cfg_dict["port"],
+        fault=FaultConfig(**cfg_dict["fault"]),
+    )
     try:
         start_rank(cfg, Progress(rank))
     except StartupError as exc:
@@ -382,10 +433,16 @@ def check_oom(args: argparse.Namespace, work: Path, ckpt: Path, bad: int) -> Che
         out = work / f"oom-r{bad}-rank{rank}.json"
         out.unlink(missing_ok=True)
         cfg = {
-            "ckpt": str(ckpt), "engine": prod["engine"], "memory": prod.get("memory", {}), "dtype": args.dtype,
-            "device": "cpu" if args.tiny else f"cuda:{rank}", "rank": rank, "world_size": args.tp, "port": port,
+            "ckpt": str(ckpt),
+            "engine": prod["engine"],
+            "memory": prod.get("memory", {}),
+            "dtype": args.dtype,
+            "device": "cpu" if args.tiny else f"cuda:{rank}",
+            "rank": rank,
+            "world_size": args.tp,
+            "port": port,
             "fault": {"phase": "warming_up", "action": "oom", "rank": bad, "at": "warmup_forward"},
-        }  # fmt: skip
+        }
         procs.append(ctx.Process(target=_oom_rank, args=(cfg, str(out)), name=f"oom-rank{rank}"))
         outs.append(out)
     for p in procs:
@@ -409,7 +466,8 @@ def check_oom(args: argparse.Namespace, work: Path, ckpt: Path, bad: int) -> Che
     want = f"rank {bad} failed in warm-up shape"
     ok = not hung and len(messages) == 1 and want in next(iter(messages)) and spread <= bound + 2
     detail = (
-        f"all {args.tp} ranks gone {spread:.1f}s after the failure (bound {bound:g}s)" if not hung
+        f"all {args.tp} ranks gone {spread:.1f}s after the failure (bound {bound:g}s)"
+        if not hung
         else f"ranks {hung} still running {args.start_timeout_s:g}s after start"
     ) + f"; {len(messages)} diagnostic(s): {sorted(messages)[0][:160]!r}"
     return Check(f"(d) OOM in warm-up on rank {bad}", ok, detail, {"results": results, "spread_s": spread})
@@ -427,10 +485,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--stream-tokens", type=int, default=None, help="per stream (default 2000; tiny 450)")
     ap.add_argument("--parity-tokens", type=int, default=32)
-    ap.add_argument("--oom-ranks", default="", help="(d): ranks that fail in warm-up, comma-separated (default: last, 0)")
+    ap.add_argument(
+        "--oom-ranks", default="", help="(d): ranks that fail in warm-up, comma-separated (default: last, 0)"
+    )
     ap.add_argument("--dtype", default=None, help="production dtype (default bfloat16; tiny float32)")
     ap.add_argument("--start-timeout-s", type=float, default=600)
-    ap.add_argument("--json", default="", help="write the JSON report here ($OUT/tp_verify.json when OUT is set)")
+    ap.add_argument(
+        "--json", default="", help="write the JSON report here ($OUT/tp_verify.json when OUT is set)"
+    )
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
     args.stream_tokens = args.stream_tokens or (450 if args.tiny else 2000)
@@ -438,9 +500,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not args.tiny and torch.cuda.device_count() < args.tp:
-        print(f"--tp {args.tp} needs {args.tp} GPUs, found {torch.cuda.device_count()} (CPU: --tiny)", file=sys.stderr)
+        print(
+            f"--tp {args.tp} needs {args.tp} GPUs, found {torch.cuda.device_count()} (CPU: --tiny)",
+            file=sys.stderr,
+        )
         return 2
-    device = "cpu (gloo, tiny shape)" if args.tiny else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    device = (
+        "cpu (gloo, tiny shape)"
+        if args.tiny
+        else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    )
     from omnistage.common.checkpoint.config_only import write_config_checkpoint
 
     checks: list[Check] = []
@@ -449,9 +518,14 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         ckpt = write_config_checkpoint(work / "ckpt", "tiny" if args.tiny else "ming-flash")
         cfg = json.loads((ckpt / "config.json").read_text())["llm_config"]
-        checks.append(Check("(a) config-only checkpoint", not list(ckpt.glob("*.safetensors*")),
-                            f"{'tiny' if args.tiny else 'ming-flash'}: hidden {cfg['hidden_size']}, "
-                            f"{cfg['num_hidden_layers']} layers, {cfg['num_experts']} experts, vocab {cfg['vocab_size']}"))  # fmt: skip
+        checks.append(
+            Check(
+                "(a) config-only checkpoint",
+                not list(ckpt.glob("*.safetensors*")),
+                f"{'tiny' if args.tiny else 'ming-flash'}: hidden {cfg['hidden_size']}, "
+                f"{cfg['num_hidden_layers']} layers, {cfg['num_experts']} experts, vocab {cfg['vocab_size']}",
+            )
+        )
         last = None
         if wanted & {"b", "e"}:
             starts, last = check_starts(args, work, ckpt)
@@ -472,8 +546,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nTP verification: TP={args.tp} on {device}, torch {torch.__version__}, {elapsed:.0f}s")
     for c in checks:
         print(f"{c.name:<{width}}  {'ok  ' if c.ok else 'FAIL'}  {c.detail}")
-    report = {"tp": args.tp, "device": device, "torch": torch.__version__, "elapsed_s": round(elapsed, 1),
-              "ok": all(c.ok for c in checks), "checks": [c.__dict__ for c in checks]}  # fmt: skip
+    report = {
+        "tp": args.tp,
+        "device": device,
+        "torch": torch.__version__,
+        "elapsed_s": round(elapsed, 1),
+        "ok": all(c.ok for c in checks),
+        "checks": [c.__dict__ for c in checks],
+    }
     path = args.json or (str(Path(os.environ["OUT"]) / "tp_verify.json") if os.environ.get("OUT") else "")
     if path:
         Path(path).write_text(json.dumps(report, indent=1, default=str))

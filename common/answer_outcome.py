@@ -15,7 +15,7 @@ _FAILED_REASONS = (common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABOR
 
 
 def answer_code(finish: omni_pb2.Finish | None, *, spoken: bool) -> str:
-    """"OK", or why the answer is not done: NO_FINISH, FINISH_ERROR, FINISH_ABORT, or AUDIO_<code> (the
+    """ "OK", or why the answer is not done: NO_FINISH, FINISH_ERROR, FINISH_ABORT, or AUDIO_<code> (the
     AudioStatus code, else its outcome: AUDIO_NONE, AUDIO_PARTIAL) for speech that is not complete."""
     if finish is None:
         return "NO_FINISH"

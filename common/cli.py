@@ -32,8 +32,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from omnistage.common.launcher import launch
 
     return launch(
-        args.config, args.overrides, run_dir=args.run_dir, ready_file=args.ready_file,
-        exit_after_ready=args.exit_after_ready, check_only=args.check,
+        args.config,
+        args.overrides,
+        run_dir=args.run_dir,
+        ready_file=args.ready_file,
+        exit_after_ready=args.exit_after_ready,
+        check_only=args.check,
     )
 
 
@@ -49,7 +53,9 @@ def cmd_make_config_checkpoint(args: argparse.Namespace) -> int:
     from omnistage.common.checkpoint.config_only import write_config_checkpoint
 
     path = write_config_checkpoint(args.dir, args.shape)
-    print(f"omnistage: config-only {args.shape} checkpoint written to {path} (serve it with model.load_format: dummy)")
+    print(
+        f"omnistage: config-only {args.shape} checkpoint written to {path} (serve it with model.load_format: dummy)"
+    )
     return 0
 
 
@@ -152,10 +158,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         address, creds, metadata = _gateway_target(args)
         modalities = ["text"] + (["audio"] if args.speak else []) + (["image"] if args.image_out else [])
         request = build_request(
-            args.prompt, images=args.image, audios=args.audio, videos=args.video, modalities=modalities,
-            voice=args.voice, image=_image_options(args), system_prompt=args.system_prompt,
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop,
-        )  # fmt: skip
+            args.prompt,
+            images=args.image,
+            audios=args.audio,
+            videos=args.video,
+            modalities=modalities,
+            voice=args.voice,
+            image=_image_options(args),
+            system_prompt=args.system_prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=args.stop,
+        )
     except (ConfigError, SecretError, OSError, ValueError) as exc:
         print(f"omnistage: {exc}", file=sys.stderr)
         return 2
@@ -172,7 +188,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 elif kind == "progress":
                     progress.update(event.progress.stage, event.progress.done, event.progress.total)
                 elif kind == "audio" and args.speak and not progress.shown:
-                    seconds = (len(result.pcm16) + len(event.audio.pcm16)) / 2 / max(1, event.audio.sample_rate_hz)
+                    seconds = (
+                        (len(result.pcm16) + len(event.audio.pcm16)) / 2 / max(1, event.audio.sample_rate_hz)
+                    )
                     sys.stderr.write(f"\r[speech {seconds:.1f} s]")
                     sys.stderr.flush()
                 result.add(event)
@@ -195,8 +213,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         a = finish.audio
         outcome = omni_pb2.AudioOutcome.Name(a.outcome).removeprefix("AUDIO_OUTCOME_").lower()
         seconds = len(result.pcm16) / 2 / max(1, result.sample_rate_hz or a.sample_rate_hz or 1)
-        print(f"[speech: {outcome}, {seconds:.2f} s written to {args.speak}"
-              + (f", {a.code}: {a.message}" if a.code else "") + "]", file=sys.stderr)  # fmt: skip
+        print(
+            f"[speech: {outcome}, {seconds:.2f} s written to {args.speak}"
+            + (f", {a.code}: {a.message}" if a.code else "")
+            + "]",
+            file=sys.stderr,
+        )
     if args.image_out:
         if result.images:
             Path(args.image_out).write_bytes(result.png())
@@ -221,7 +243,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         address, creds, metadata = _gateway_target(args)
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
         if not levels or min(levels) < 1:
-            raise ValueError(f"--concurrency: expected positive integers like 1,2,4, got {args.concurrency!r}")
+            raise ValueError(
+                f"--concurrency: expected positive integers like 1,2,4, got {args.concurrency!r}"
+            )
         kinds = [k for k in args.kinds.split(",") if k]
         unknown = [k for k in kinds if k not in KINDS]
         if unknown or not kinds:
@@ -229,12 +253,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except (ConfigError, SecretError, OSError, ValueError) as exc:
         print(f"omnistage: {exc}", file=sys.stderr)
         return 2
-    shape = RequestShape(max_tokens=args.max_tokens, deadline_s=args.deadline_s, timeout_s=args.timeout_s,
-                         prompt=args.prompt, metadata=tuple(metadata))  # fmt: skip
+    shape = RequestShape(
+        max_tokens=args.max_tokens,
+        deadline_s=args.deadline_s,
+        timeout_s=args.timeout_s,
+        prompt=args.prompt,
+        metadata=tuple(metadata),
+    )
     print(f"omnistage bench: {address}, {args.requests} requests per level, max_tokens={args.max_tokens}")
     print("\n".join(markdown_table([]).splitlines()[:2]), flush=True)
     try:
-        summaries = asyncio.run(_bench(address, creds, list(plan(kinds, ["closed"], levels)), args.requests, shape))
+        summaries = asyncio.run(
+            _bench(address, creds, list(plan(kinds, ["closed"], levels)), args.requests, shape)
+        )
     except grpc.RpcError as exc:  # the unmeasured first request of a kind
         print(f"omnistage: bench failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -243,27 +274,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps([s.to_json() for s in summaries], indent=1))
     problems = failures(summaries)
     if problems:  # the exit status says "failed": stderr says which requests and why
-        print("omnistage bench: exit 1, requests that did not finish as asked (an error status, a failed "
-              "finish, or speech not complete):", file=sys.stderr)
+        print(
+            "omnistage bench: exit 1, requests that did not finish as asked (an error status, a failed "
+            "finish, or speech not complete):",
+            file=sys.stderr,
+        )
         print("\n".join(f"  {line}" for line in problems), file=sys.stderr)
     return 1 if problems else 0
 
 
-async def _bench(address: str, creds: grpc.ChannelCredentials | None, runs: list[tuple[str, str, str]],
-                 requests: int, shape: RequestShape) -> list[Summary]:  # fmt: skip
+async def _bench(
+    address: str,
+    creds: grpc.ChannelCredentials | None,
+    runs: list[tuple[str, str, str]],
+    requests: int,
+    shape: RequestShape,
+) -> list[Summary]:
     options = [("grpc.max_receive_message_length", 64 << 20)]
-    channel = (grpc.aio.secure_channel(address, creds, options) if creds is not None
-               else grpc.aio.insecure_channel(address, options))  # fmt: skip
+    channel = (
+        grpc.aio.secure_channel(address, creds, options)
+        if creds is not None
+        else grpc.aio.insecure_channel(address, options)
+    )
     async with channel:
-        return await run_plan(omni_pb2_grpc.OmniStub(channel), runs, requests, shape,
-                              on_summary=lambda s: print(markdown_table([s]).splitlines()[-1], flush=True))
+        return await run_plan(
+            omni_pb2_grpc.OmniStub(channel),
+            runs,
+            requests,
+            shape,
+            on_summary=lambda s: print(markdown_table([s]).splitlines()[-1], flush=True),
+        )
 
 
 def _health(address: str, timeout_s: float) -> str:
     """`SERVING`, `NOT_SERVING`, or `unreachable: CODE: details`."""
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
         except grpc.RpcError as exc:
             return f"unreachable: {exc.code().name}: {exc.details()}"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
@@ -297,9 +346,12 @@ def describe_lines(address: str, timeout_s: float, metadata: tuple = ()) -> tupl
     """Human-readable Describe + health of one service at its admin address; (serving?, lines)."""
     with grpc.insecure_channel(address) as channel:
         try:
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-            d = control_pb2_grpc.ControlStub(channel).Describe(control_pb2.DescribeRequest(), timeout=timeout_s,
-                                                               metadata=metadata)
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
+            d = control_pb2_grpc.ControlStub(channel).Describe(
+                control_pb2.DescribeRequest(), timeout=timeout_s, metadata=metadata
+            )
         except grpc.RpcError as exc:
             return False, [f"{address}  unreachable: {exc.code().name}: {exc.details()}"]
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
@@ -318,7 +370,11 @@ def describe_lines(address: str, timeout_s: float, metadata: tuple = ()) -> tupl
     lines.append(
         f"  limits: max_running {lim.max_running_requests}, max_queued {lim.max_queued_requests}, "
         f"max_message {_mib(lim.max_message_bytes)}"
-        + (f", max_model_len {lim.max_model_len}, default_max_tokens {lim.default_max_tokens}" if lim.max_model_len else "")
+        + (
+            f", max_model_len {lim.max_model_len}, default_max_tokens {lim.default_max_tokens}"
+            if lim.max_model_len
+            else ""
+        )
     )
     for m in d.memory:
         lines.append(
@@ -345,8 +401,10 @@ def service_lines(cfg: DeployConfig, svc: ServiceConfig, timeout_s: float) -> tu
         health = _health(cfg.address(svc.name), timeout_s)
     else:
         health = "health not checked (TLS)"
-    return health == "SERVING", [f"{svc.name} ({svc.kind}) at {cfg.address(svc.name)}: {health} "
-                                 f"(no admin port: set services.{svc.name}.admin_port to see its phase)"]
+    return health == "SERVING", [
+        f"{svc.name} ({svc.kind}) at {cfg.address(svc.name)}: {health} "
+        f"(no admin port: set services.{svc.name}.admin_port to see its phase)"
+    ]
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -380,12 +438,15 @@ def _control(args: argparse.Namespace) -> tuple[ServiceConfig, str, tuple]:
     svc = cfg.service(args.service)
     address = cfg.admin_address(svc.name)
     if not address:
-        raise ConfigError(f"services.{svc.name}.admin_port: not set; Control (Drain, Resume) is served only there")
+        raise ConfigError(
+            f"services.{svc.name}.admin_port: not set; Control (Drain, Resume) is served only there"
+        )
     return svc, address, auth.admin_metadata(svc)
 
 
-def _call_control(args: argparse.Namespace, rpc: str, request: Any,
-                  timeout_s: Callable[[ServiceConfig], float]) -> tuple[ServiceConfig, Any] | int:
+def _call_control(
+    args: argparse.Namespace, rpc: str, request: Any, timeout_s: Callable[[ServiceConfig], float]
+) -> tuple[ServiceConfig, Any] | int:
     """Control.<rpc> on the admin port of `--service`: (service, reply), or the exit code once the
     reason is printed (2: the config or the admin key, 1: the call)."""
     try:
@@ -410,10 +471,19 @@ def cmd_drain(args: argparse.Namespace) -> int:
     if isinstance(result, int):
         return result
     svc, reply = result
-    resume = ["omnistage", "resume", "--config", args.config, *(w for o in args.overrides for w in ("--set", o)),
-              "--service", svc.name]
-    print(f"omnistage: {svc.name} draining: {reply.completed} requests finished, {reply.aborted} aborted; "
-          f"new requests get UNAVAILABLE until `{shlex.join(resume)}`")
+    resume = [
+        "omnistage",
+        "resume",
+        "--config",
+        args.config,
+        *(w for o in args.overrides for w in ("--set", o)),
+        "--service",
+        svc.name,
+    ]
+    print(
+        f"omnistage: {svc.name} draining: {reply.completed} requests finished, {reply.aborted} aborted; "
+        f"new requests get UNAVAILABLE until `{shlex.join(resume)}`"
+    )
     return 0
 
 
@@ -442,8 +512,14 @@ def cmd_protos(args: argparse.Namespace) -> int:
 
 def _config_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--config", required=required, help="deploy YAML (the one `serve` runs)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="the same overrides as `serve` (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="the same overrides as `serve` (repeatable)",
+    )
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
@@ -457,9 +533,14 @@ def _gateway_args(p: argparse.ArgumentParser) -> None:
     _config_args(p, required=False)
     p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each request")
-    p.add_argument("--api-key-env", metavar="VAR",
-                   help="environment variable holding the API key (default: the gateway's api_keys_env / api_keys_file)")
-    p.add_argument("--ca-file", default="", help="TLS: CA to trust (default with --config: the gateway's certificate)")
+    p.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        help="environment variable holding the API key (default: the gateway's api_keys_env / api_keys_file)",
+    )
+    p.add_argument(
+        "--ca-file", default="", help="TLS: CA to trust (default with --config: the gateway's certificate)"
+    )
     p.add_argument("--cert-file", default="", help="TLS: client certificate (mutual TLS)")
     p.add_argument("--key-file", default="", help="TLS: client key (mutual TLS)")
 
@@ -468,7 +549,9 @@ Subparsers = Any  # argparse's _SubParsersAction (private)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omnistage", description="Stage-wise gRPC serving of omni-modal models.")
+    parser = argparse.ArgumentParser(
+        prog="omnistage", description="Stage-wise gRPC serving of omni-modal models."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(sub)
     _checkpoint_parsers(sub)
@@ -484,18 +567,29 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve_parser(sub: Subparsers) -> None:
     p = sub.add_parser("serve", help="start every service of a deploy file and supervise them")
     p.add_argument("config", help="deploy YAML (e.g. deploy/local-tiny.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="override a config key (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a config key (repeatable)",
+    )
     p.add_argument("--run-dir", default=None, help="directory for status files (default: a temp dir)")
     p.add_argument("--ready-file", default=None, help="write the gateway address here when ready")
     p.add_argument("--exit-after-ready", action="store_true", help="stop everything once ready (smoke tests)")
-    p.add_argument("--check", action="store_true",
-                   help="check the config, the per-GPU memory ledger, the checkpoint, secrets and ports; start nothing")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config, the per-GPU memory ledger, the checkpoint, secrets and ports; start nothing",
+    )
     p.set_defaults(fn=cmd_serve)
 
 
 def _checkpoint_parsers(sub: Subparsers) -> None:
-    p = sub.add_parser("make-tiny-checkpoint", help="write the tiny random-weight checkpoint in the HF layout")
+    p = sub.add_parser(
+        "make-tiny-checkpoint", help="write the tiny random-weight checkpoint in the HF layout"
+    )
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny_checkpoint)
@@ -514,14 +608,26 @@ def _generate_parser(sub: Subparsers) -> None:
     _gateway_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--image", action="append", default=[], metavar="FILE", help="an input image (repeatable)")
-    p.add_argument("--audio", action="append", default=[], metavar="FILE", help="an input audio clip (repeatable)")
+    p.add_argument(
+        "--audio", action="append", default=[], metavar="FILE", help="an input audio clip (repeatable)"
+    )
     p.add_argument("--video", action="append", default=[], metavar="FILE", help="an input video (repeatable)")
-    p.add_argument("--speak", metavar="OUT.wav", help="also speak the answer (MODALITY_AUDIO) into this WAV file")
+    p.add_argument(
+        "--speak", metavar="OUT.wav", help="also speak the answer (MODALITY_AUDIO) into this WAV file"
+    )
     p.add_argument("--voice", default="", help="preset voice of --speak (default: the talker's)")
-    p.add_argument("--image-out", metavar="OUT.png", help="also generate an image (MODALITY_IMAGE) into this PNG")
-    p.add_argument("--image-size", default="", metavar="WxH", help="size of --image-out (default: the stage's)")
-    p.add_argument("--image-steps", type=int, default=0, help="denoising steps of --image-out (0: the stage's)")
-    p.add_argument("--guidance-scale", type=float, default=0.0, help="guidance of --image-out (0: the stage's)")
+    p.add_argument(
+        "--image-out", metavar="OUT.png", help="also generate an image (MODALITY_IMAGE) into this PNG"
+    )
+    p.add_argument(
+        "--image-size", default="", metavar="WxH", help="size of --image-out (default: the stage's)"
+    )
+    p.add_argument(
+        "--image-steps", type=int, default=0, help="denoising steps of --image-out (0: the stage's)"
+    )
+    p.add_argument(
+        "--guidance-scale", type=float, default=0.0, help="guidance of --image-out (0: the stage's)"
+    )
     p.add_argument("--system-prompt", default="")
     p.add_argument("--max-tokens", type=int, default=0, help="0: the server's default")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -532,37 +638,60 @@ def _generate_parser(sub: Subparsers) -> None:
 
 
 def _bench_parser(sub: Subparsers) -> None:
-    p = sub.add_parser("bench", help="closed-loop load sweep against a running gateway (load_tests/pipeline_load.py's driver)")
+    p = sub.add_parser(
+        "bench",
+        help="closed-loop load sweep against a running gateway (load_tests/pipeline_load.py's driver)",
+    )
     _gateway_args(p)
-    p.add_argument("--kinds", default="text", help="comma-separated request kinds: text, vision (image + text in), speech, image, mixed")
+    p.add_argument(
+        "--kinds",
+        default="text",
+        help="comma-separated request kinds: text, vision (image + text in), speech, image, mixed",
+    )
     p.add_argument("--concurrency", default="1,2,4", help="comma-separated concurrency levels")
     p.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
     p.add_argument("--prompt", default="", help="the prompt of every request (default: one per kind)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (ignore_eos)")
-    p.add_argument("--deadline-s", type=float, default=30.0, help="goodput: a request OK within this many seconds")
+    p.add_argument(
+        "--deadline-s", type=float, default=30.0, help="goodput: a request OK within this many seconds"
+    )
     p.add_argument("--json", metavar="FILE", help="also write every level's summary as JSON")
     p.set_defaults(fn=cmd_bench)
 
 
 def _admin_parsers(sub: Subparsers) -> None:
     """status, health, drain and resume: the commands of an operator of a running deployment."""
-    p = sub.add_parser("status", help="phase, health and limits of every service of a deploy file (or one admin address)")
+    p = sub.add_parser(
+        "status", help="phase, health and limits of every service of a deploy file (or one admin address)"
+    )
     _config_args(p, required=False)
-    p.add_argument("--address", metavar="ADMIN_HOST:PORT", help="one service's admin port instead of --config")
-    p.add_argument("--admin-key-env", metavar="VAR", help="with --address: environment variable holding the admin key")
+    p.add_argument(
+        "--address", metavar="ADMIN_HOST:PORT", help="one service's admin port instead of --config"
+    )
+    p.add_argument(
+        "--admin-key-env", metavar="VAR", help="with --address: environment variable holding the admin key"
+    )
     p.add_argument("--timeout-s", type=float, default=2.0)
     p.set_defaults(fn=cmd_status)
 
-    p = sub.add_parser("health", help="exit 0 when a service is SERVING (grpc.health.v1), 1 otherwise: container health checks")
+    p = sub.add_parser(
+        "health",
+        help="exit 0 when a service is SERVING (grpc.health.v1), 1 otherwise: container health checks",
+    )
     p.add_argument("address", nargs="?", metavar="HOST:PORT", help="a main or admin port (plaintext)")
-    p.add_argument("--status-file", metavar="FILE",
-                   help="instead: the status file of a process without a gRPC server (<run-dir>/<service>.r<rank>.json)")
+    p.add_argument(
+        "--status-file",
+        metavar="FILE",
+        help="instead: the status file of a process without a gRPC server (<run-dir>/<service>.r<rank>.json)",
+    )
     p.add_argument("--timeout-s", type=float, default=2.0)
     p.set_defaults(fn=cmd_health)
 
     p = sub.add_parser("drain", help="stop one service taking requests (Control.Drain on its admin port)")
     _service_args(p)
-    p.add_argument("--deadline-ms", type=int, default=0, help="wait this long for in-flight requests (0: drain_grace_s)")
+    p.add_argument(
+        "--deadline-ms", type=int, default=0, help="wait this long for in-flight requests (0: drain_grace_s)"
+    )
     p.set_defaults(fn=cmd_drain)
 
     p = sub.add_parser("resume", help="let a drained service take requests again (Control.Resume)")

@@ -24,7 +24,11 @@ from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
 MediaLike = bytes | str | Path
 
-_MODALITY = {"text": omni_pb2.MODALITY_TEXT, "audio": omni_pb2.MODALITY_AUDIO, "image": omni_pb2.MODALITY_IMAGE}
+_MODALITY = {
+    "text": omni_pb2.MODALITY_TEXT,
+    "audio": omni_pb2.MODALITY_AUDIO,
+    "image": omni_pb2.MODALITY_IMAGE,
+}
 
 
 def media(value: MediaLike, mime_type: str = "") -> omni_pb2.Media:
@@ -64,13 +68,19 @@ def build_request(
     unknown = [m for m in modalities if m not in _MODALITY]
     if unknown:
         raise ValueError(f"modalities: unknown {unknown} (text, audio, image)")
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop,
-                                         ignore_eos=ignore_eos)  # fmt: skip
+    sampling = common_pb2.SamplingParams(
+        temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos
+    )
     if seed is not None:
         sampling.seed = seed
-    request = omni_pb2.GenerateRequest(request_id=request_id, messages=msgs, sampling=sampling, voice=voice,
-                                       system_prompt=system_prompt,
-                                       output_modalities=[_MODALITY[m] for m in modalities])  # fmt: skip
+    request = omni_pb2.GenerateRequest(
+        request_id=request_id,
+        messages=msgs,
+        sampling=sampling,
+        voice=voice,
+        system_prompt=system_prompt,
+        output_modalities=[_MODALITY[m] for m in modalities],
+    )
     if image is not None:
         request.image.CopyFrom(image)
     return request
@@ -78,9 +88,15 @@ def build_request(
 
 def wav_bytes(pcm16: bytes, sample_rate: int) -> bytes:
     """A PCM16 mono WAV file."""
-    return (b"RIFF" + struct.pack("<I", 36 + len(pcm16)) + b"WAVEfmt "
-            + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
-            + b"data" + struct.pack("<I", len(pcm16)) + pcm16)  # fmt: skip
+    return (
+        b"RIFF"
+        + struct.pack("<I", 36 + len(pcm16))
+        + b"WAVEfmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", len(pcm16))
+        + pcm16
+    )
 
 
 @dataclass
@@ -119,13 +135,20 @@ class Result:
     @property
     def ok(self) -> bool:
         return self.finish is not None and self.finish.reason in (
-            common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_STOP_STRING, common_pb2.FINISH_REASON_LENGTH)
+            common_pb2.FINISH_REASON_STOP,
+            common_pb2.FINISH_REASON_STOP_STRING,
+            common_pb2.FINISH_REASON_LENGTH,
+        )
 
 
-def _channel(api: Any, address: str, credentials: grpc.ChannelCredentials | None, tls: bool,
-             max_message_bytes: int) -> Any:  # fmt: skip
+def _channel(
+    api: Any, address: str, credentials: grpc.ChannelCredentials | None, tls: bool, max_message_bytes: int
+) -> Any:
     """A channel of `api` (grpc or grpc.aio): TLS with `credentials` (system roots when only `tls`)."""
-    args = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
+    args = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
     if credentials is None and tls:
         credentials = grpc.ssl_channel_credentials()
     if credentials is not None:
@@ -171,19 +194,35 @@ class EventStream:
 class OmniClient:
     """Sync client of a gateway's Omni API (`address` HOST:PORT; TLS when `credentials` or `tls`)."""
 
-    def __init__(self, address: str, *, api_key: str = "", credentials: grpc.ChannelCredentials | None = None,
-                 tls: bool = False, timeout_s: float = 120.0, max_message_bytes: int = 64 << 20,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        address: str,
+        *,
+        api_key: str = "",
+        credentials: grpc.ChannelCredentials | None = None,
+        tls: bool = False,
+        timeout_s: float = 120.0,
+        max_message_bytes: int = 64 << 20,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
         self._channel = _channel(grpc, address, credentials, tls, max_message_bytes)
         self._stub = omni_pb2_grpc.OmniStub(self._channel)
         self.metadata = tuple(metadata) + (auth.bearer(api_key) if api_key else ())
         self.timeout_s = timeout_s
 
-    def generate(self, prompt: str | None = None, *, request: omni_pb2.GenerateRequest | None = None,
-                 timeout_s: float | None = None, **kwargs) -> EventStream:  # fmt: skip
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        request: omni_pb2.GenerateRequest | None = None,
+        timeout_s: float | None = None,
+        **kwargs,
+    ) -> EventStream:
         """Send a request (`request`, or one built by `build_request(prompt, **kwargs)`); its events."""
         req = request if request is not None else build_request(prompt, **kwargs)
-        return EventStream(self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self.metadata))
+        return EventStream(
+            self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+        )
 
     def close(self) -> None:
         self._channel.close()
@@ -223,18 +262,34 @@ class AsyncEventStream:
 class AsyncOmniClient:
     """asyncio client of a gateway's Omni API; the same arguments as OmniClient."""
 
-    def __init__(self, address: str, *, api_key: str = "", credentials: grpc.ChannelCredentials | None = None,
-                 tls: bool = False, timeout_s: float = 120.0, max_message_bytes: int = 64 << 20,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        address: str,
+        *,
+        api_key: str = "",
+        credentials: grpc.ChannelCredentials | None = None,
+        tls: bool = False,
+        timeout_s: float = 120.0,
+        max_message_bytes: int = 64 << 20,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
         self._channel = _channel(grpc.aio, address, credentials, tls, max_message_bytes)
         self._stub = omni_pb2_grpc.OmniStub(self._channel)
         self.metadata = tuple(metadata) + (auth.bearer(api_key) if api_key else ())
         self.timeout_s = timeout_s
 
-    def generate(self, prompt: str | None = None, *, request: omni_pb2.GenerateRequest | None = None,
-                 timeout_s: float | None = None, **kwargs) -> AsyncEventStream:  # fmt: skip
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        request: omni_pb2.GenerateRequest | None = None,
+        timeout_s: float | None = None,
+        **kwargs,
+    ) -> AsyncEventStream:
         req = request if request is not None else build_request(prompt, **kwargs)
-        return AsyncEventStream(self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self.metadata))
+        return AsyncEventStream(
+            self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+        )
 
     async def close(self) -> None:
         await self._channel.close()

@@ -614,14 +614,21 @@ def _validate_startup(st: StartupConfig) -> None:
 
 
 def _validate_supervision(sv: SupervisionConfig) -> None:
-    for key in ("heartbeat_interval_s", "heartbeat_timeout_s", "health_interval_s", "restart_window_s",
-                "backoff_max_s"):
+    for key in (
+        "heartbeat_interval_s",
+        "heartbeat_timeout_s",
+        "health_interval_s",
+        "restart_window_s",
+        "backoff_max_s",
+    ):
         _positive(f"supervision.{key}", getattr(sv, key))
     for key in ("max_restarts", "backoff_initial_s"):
         _positive(f"supervision.{key}", getattr(sv, key), allow_zero=True)
     if sv.heartbeat_interval_s >= sv.heartbeat_timeout_s:
-        raise ConfigError(f"supervision.heartbeat_interval_s: must be below heartbeat_timeout_s "
-                          f"({sv.heartbeat_timeout_s:g}), got {sv.heartbeat_interval_s:g}")
+        raise ConfigError(
+            f"supervision.heartbeat_interval_s: must be below heartbeat_timeout_s "
+            f"({sv.heartbeat_timeout_s:g}), got {sv.heartbeat_interval_s:g}"
+        )
 
 
 def _claim_ports(p: str, svc: ServiceConfig, ports: dict[int, str]) -> None:
@@ -646,13 +653,17 @@ def _validate_service(p: str, svc: ServiceConfig) -> None:
     _positive(f"{p}.drain_grace_s", svc.drain_grace_s, allow_zero=True)
     if svc.fault is not None:
         if not -1 <= svc.fault.rank < svc.tp_size:
-            raise ConfigError(f"{p}.fault.rank: expected -1 (every rank) or 0..{svc.tp_size - 1}, got {svc.fault.rank}")
+            raise ConfigError(
+                f"{p}.fault.rank: expected -1 (every rank) or 0..{svc.tp_size - 1}, got {svc.fault.rank}"
+            )
         _positive(f"{p}.fault.delay_s", svc.fault.delay_s, allow_zero=True)
         _validate_fault_point(p, svc)
     if svc.tp_size > 1 and svc.dist_port == 0:
         raise ConfigError(f"{p}.dist_port: required when tp_size > 1")
     if svc.device == "cuda" and svc.gpus and len(svc.gpus) != svc.tp_size:
-        raise ConfigError(f"{p}.gpus: expected {svc.tp_size} GPU indices (one per rank), got {list(svc.gpus)}")
+        raise ConfigError(
+            f"{p}.gpus: expected {svc.tp_size} GPU indices (one per rank), got {list(svc.gpus)}"
+        )
     _validate_engine(p, svc.engine)
     _validate_memory(p, svc)
     _validate_encoder(p, svc.encoder)
@@ -670,26 +681,56 @@ def _validate_service(p: str, svc: ServiceConfig) -> None:
 
 
 def _validate_engine(p: str, e: EngineConfig) -> None:
-    for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "default_max_tokens"):
+    for key in (
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "default_max_tokens",
+    ):
         _positive(f"{p}.engine.{key}", getattr(e, key))
-    for key in ("num_kv_blocks", "max_queued_requests", "kv_tokens", "kv_canary_bytes", "kv_probe_tokens",
-                "cuda_graph_max_batch"):
+    for key in (
+        "num_kv_blocks",
+        "max_queued_requests",
+        "kv_tokens",
+        "kv_canary_bytes",
+        "kv_probe_tokens",
+        "cuda_graph_max_batch",
+    ):
         _positive(f"{p}.engine.{key}", getattr(e, key), allow_zero=True)
     for key, allowed in (("attention_backend", ATTENTION_BACKENDS), ("moe_backend", MOE_BACKENDS)):
         if getattr(e, key) not in allowed:
-            raise ConfigError(f"{p}.engine.{key}: expected one of {', '.join(allowed)}, got {getattr(e, key)!r}")
+            raise ConfigError(
+                f"{p}.engine.{key}: expected one of {', '.join(allowed)}, got {getattr(e, key)!r}"
+            )
     if not 0 < e.kv_safety_factor <= 1:
-        raise ConfigError(f"{p}.engine.kv_safety_factor: expected a number in (0, 1], got {e.kv_safety_factor}")
+        raise ConfigError(
+            f"{p}.engine.kv_safety_factor: expected a number in (0, 1], got {e.kv_safety_factor}"
+        )
     if e.kv_tokens and e.num_kv_blocks:
         raise ConfigError(f"{p}.engine.kv_tokens: set kv_tokens or num_kv_blocks, not both")
 
 
 def _validate_gateway(p: str, g: GatewayConfig) -> None:
-    for key in ("stage_wait_s", "max_concurrent_requests", "max_messages", "max_parts_per_message", "max_prompt_chars",
-                "talker_start_wait_s", "talker_idle_timeout_s", "speech_buffer_events", "converse_max_turns",
-                "converse_max_turn_chars", "converse_max_turn_audio_bytes", "stage_health_interval_s",
-                "stage_health_timeout_s", "stage_health_failures", "admission_initial_service_s",
-                "http_timeout_s", "http_max_body_bytes"):
+    for key in (
+        "stage_wait_s",
+        "max_concurrent_requests",
+        "max_messages",
+        "max_parts_per_message",
+        "max_prompt_chars",
+        "talker_start_wait_s",
+        "talker_idle_timeout_s",
+        "speech_buffer_events",
+        "converse_max_turns",
+        "converse_max_turn_chars",
+        "converse_max_turn_audio_bytes",
+        "stage_health_interval_s",
+        "stage_health_timeout_s",
+        "stage_health_failures",
+        "admission_initial_service_s",
+        "http_timeout_s",
+        "http_max_body_bytes",
+    ):
         _positive(f"{p}.gateway.{key}", getattr(g, key))
 
 
@@ -700,9 +741,13 @@ def _validate_access(p: str, svc: ServiceConfig) -> None:
             raise ConfigError(f"{p}.{key}: expected an address (127.0.0.1, 0.0.0.0, ...), got ''")
     if svc.admin_api_key_env and not svc.admin_port:
         raise ConfigError(f"{p}.admin_api_key_env: set admin_port too (the key protects the admin port)")
-    public = {"tls": svc.tls is not None, "api_keys_env": bool(svc.api_keys_env),
-              "api_keys_file": bool(svc.api_keys_file), "gateway.media_dir": bool(svc.gateway.media_dir),
-              "gateway.http_port": bool(svc.gateway.http_port)}
+    public = {
+        "tls": svc.tls is not None,
+        "api_keys_env": bool(svc.api_keys_env),
+        "api_keys_file": bool(svc.api_keys_file),
+        "gateway.media_dir": bool(svc.gateway.media_dir),
+        "gateway.http_port": bool(svc.gateway.http_port),
+    }
     for key, is_set in public.items():
         if is_set and svc.kind != "gateway":
             raise ConfigError(f"{p}.{key}: only the gateway serves clients from outside (kind is {svc.kind})")
@@ -713,8 +758,10 @@ def _validate_access(p: str, svc: ServiceConfig) -> None:
         if not svc.admin_port:
             raise ConfigError(f"{p}.admin_port: required when tls is set (the launcher checks health there)")
         if svc.tls.client_ca_file and svc.gateway.http_port:
-            raise ConfigError(f"{p}.gateway.http_port: not with tls.client_ca_file (the HTTP front calls the "
-                              "Omni port and has no client certificate of its own)")
+            raise ConfigError(
+                f"{p}.gateway.http_port: not with tls.client_ca_file (the HTTP front calls the "
+                "Omni port and has no client certificate of its own)"
+            )
 
 
 _FAULT_POINT_PHASES = {
@@ -735,8 +782,13 @@ def _validate_fault_point(p: str, svc: ServiceConfig) -> None:
 
 
 def _validate_tp(p: str, tp: TPConfig) -> None:
-    for key in ("startup_collective_timeout_s", "serving_collective_timeout_s", "failure_exit_s",
-                "peer_watch_interval_s", "peer_timeout_s"):  # fmt: skip
+    for key in (
+        "startup_collective_timeout_s",
+        "serving_collective_timeout_s",
+        "failure_exit_s",
+        "peer_watch_interval_s",
+        "peer_timeout_s",
+    ):
         _positive(f"{p}.tp.{key}", getattr(tp, key))
     if tp.peer_timeout_s < 2 * tp.peer_watch_interval_s:
         raise ConfigError(
@@ -759,7 +811,9 @@ def _validate_memory(p: str, svc: ServiceConfig) -> None:
     if m.budget_bytes and m.budget_fraction:
         raise ConfigError(f"{p}.memory.budget_bytes: set budget_bytes or budget_fraction, not both")
     if m.simulated_capacity_bytes and svc.device != "cpu":
-        raise ConfigError(f"{p}.memory.simulated_capacity_bytes: only for device cpu (got device {svc.device})")
+        raise ConfigError(
+            f"{p}.memory.simulated_capacity_bytes: only for device cpu (got device {svc.device})"
+        )
     if m.has_budget and svc.device == "cpu" and not m.simulated_capacity_bytes:
         raise ConfigError(f"{p}.memory: a budget on device cpu needs simulated_capacity_bytes > 0")
     if m.budget_bytes and m.simulated_capacity_bytes and m.budget_bytes > m.simulated_capacity_bytes:
@@ -776,32 +830,57 @@ def _validate_memory(p: str, svc: ServiceConfig) -> None:
 
 def _validate_encoder(p: str, e: EncoderConfig) -> None:
     q = f"{p}.encoder"
-    for key in ("image_min_pixels", "image_max_pixels", "max_input_image_pixels", "video_min_pixels",
-                "video_total_pixels", "max_video_frames", "max_video_seconds", "max_audio_seconds",
-                "max_items_per_request", "queue_timeout_s", "preprocess_workers", "transport_pool_bytes",
-                "lease_ttl_s"):
+    for key in (
+        "image_min_pixels",
+        "image_max_pixels",
+        "max_input_image_pixels",
+        "video_min_pixels",
+        "video_total_pixels",
+        "max_video_frames",
+        "max_video_seconds",
+        "max_audio_seconds",
+        "max_items_per_request",
+        "queue_timeout_s",
+        "preprocess_workers",
+        "transport_pool_bytes",
+        "lease_ttl_s",
+    ):
         _positive(f"{q}.{key}", getattr(e, key))
     _positive(f"{q}.inline_max_bytes", e.inline_max_bytes, allow_zero=True)
     if e.image_min_pixels > e.image_max_pixels:
-        raise ConfigError(f"{q}.image_min_pixels: {e.image_min_pixels} exceeds image_max_pixels {e.image_max_pixels}")
+        raise ConfigError(
+            f"{q}.image_min_pixels: {e.image_min_pixels} exceeds image_max_pixels {e.image_max_pixels}"
+        )
     if e.max_video_frames % 2:
         raise ConfigError(f"{q}.max_video_frames: expected an even number, got {e.max_video_frames}")
     if not e.stress_batch_sizes or any(b < 1 for b in e.stress_batch_sizes):
-        raise ConfigError(f"{q}.stress_batch_sizes: expected batch sizes >= 1, got {list(e.stress_batch_sizes)}")
+        raise ConfigError(
+            f"{q}.stress_batch_sizes: expected batch sizes >= 1, got {list(e.stress_batch_sizes)}"
+        )
 
 
 def _validate_talker(p: str, t: TalkerConfig) -> None:
     q = f"{p}.talker"
-    for key in ("max_text_chars", "max_reference_seconds", "max_transcript_chars", "max_segment_length",
-                "first_segment_min_pieces", "segment_min_pieces", "max_segment_seconds", "max_lm_tokens",
-                "speaker_threads"):
+    for key in (
+        "max_text_chars",
+        "max_reference_seconds",
+        "max_transcript_chars",
+        "max_segment_length",
+        "first_segment_min_pieces",
+        "segment_min_pieces",
+        "max_segment_seconds",
+        "max_lm_tokens",
+        "speaker_threads",
+    ):
         _positive(f"{q}.{key}", getattr(t, key))
     for key in ("min_steps", "temperature", "sigma", "queue_timeout_s", "voice_seed"):
         _positive(f"{q}.{key}", getattr(t, key), allow_zero=True)
     if not t.default_voice.strip():
         raise ConfigError(f"{q}.default_voice: expected a preset voice name, got ''")
     if not t.stress_batch_sizes or any(b < 1 for b in t.stress_batch_sizes):
-        raise ConfigError(f"{q}.stress_batch_sizes: expected batch sizes >= 1, got {list(t.stress_batch_sizes)}")
+        raise ConfigError(
+            f"{q}.stress_batch_sizes: expected batch sizes >= 1, got {list(t.stress_batch_sizes)}"
+        )
 
 
 IMAGE_SIZE_MULTIPLE = 16  # the Z-Image VAE's 8x times the DiT's 2x2 patch
@@ -810,27 +889,47 @@ IMAGE_SIZE_MULTIPLE = 16  # the Z-Image VAE's 8x times the DiT's 2x2 patch
 def _validate_imagegen(p: str, g: ImageGenConfig) -> None:
     q = f"{p}.imagegen"
     if g.highres not in (512, 672, 1024):
-        raise ConfigError(f"{q}.highres: expected 512, 672 or 1024 (the model's bucket tables), got {g.highres}")
-    for key in ("min_side_px", "max_side_px", "default_side_px", "default_steps", "max_steps",
-                "max_reference_pixels", "queue_timeout_s", "postprocess_workers"):
+        raise ConfigError(
+            f"{q}.highres: expected 512, 672 or 1024 (the model's bucket tables), got {g.highres}"
+        )
+    for key in (
+        "min_side_px",
+        "max_side_px",
+        "default_side_px",
+        "default_steps",
+        "max_steps",
+        "max_reference_pixels",
+        "queue_timeout_s",
+        "postprocess_workers",
+    ):
         _positive(f"{q}.{key}", getattr(g, key))
     _positive(f"{q}.max_queued_requests", g.max_queued_requests, allow_zero=True)
     _positive(f"{q}.first_block_cache", g.first_block_cache, allow_zero=True)
     for key in ("min_side_px", "max_side_px", "default_side_px"):
         if getattr(g, key) % IMAGE_SIZE_MULTIPLE:
-            raise ConfigError(f"{q}.{key}: expected a multiple of {IMAGE_SIZE_MULTIPLE}, got {getattr(g, key)}")
+            raise ConfigError(
+                f"{q}.{key}: expected a multiple of {IMAGE_SIZE_MULTIPLE}, got {getattr(g, key)}"
+            )
     if not g.min_side_px <= g.default_side_px <= g.max_side_px:
-        raise ConfigError(f"{q}.default_side_px: {g.default_side_px} is outside [min_side_px {g.min_side_px}, "
-                          f"max_side_px {g.max_side_px}]")
+        raise ConfigError(
+            f"{q}.default_side_px: {g.default_side_px} is outside [min_side_px {g.min_side_px}, "
+            f"max_side_px {g.max_side_px}]"
+        )
     if g.default_steps > g.max_steps:
         raise ConfigError(f"{q}.default_steps: {g.default_steps} exceeds max_steps {g.max_steps}")
     if not (math.isfinite(g.max_guidance_scale) and g.max_guidance_scale >= 0):
-        raise ConfigError(f"{q}.max_guidance_scale: expected a finite number >= 0, got {g.max_guidance_scale}")
+        raise ConfigError(
+            f"{q}.max_guidance_scale: expected a finite number >= 0, got {g.max_guidance_scale}"
+        )
     if not 0 <= g.default_guidance_scale <= g.max_guidance_scale:
-        raise ConfigError(f"{q}.default_guidance_scale: expected 0..max_guidance_scale ({g.max_guidance_scale}), "
-                          f"got {g.default_guidance_scale}")
+        raise ConfigError(
+            f"{q}.default_guidance_scale: expected 0..max_guidance_scale ({g.max_guidance_scale}), "
+            f"got {g.default_guidance_scale}"
+        )
     if not g.stress_batch_sizes or any(b < 1 for b in g.stress_batch_sizes):
-        raise ConfigError(f"{q}.stress_batch_sizes: expected batch sizes >= 1, got {list(g.stress_batch_sizes)}")
+        raise ConfigError(
+            f"{q}.stress_batch_sizes: expected batch sizes >= 1, got {list(g.stress_batch_sizes)}"
+        )
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

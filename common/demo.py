@@ -76,14 +76,17 @@ def synth_wav(seconds: float = 1.5, rate: int = 16000) -> bytes:
     return buf.getvalue()
 
 
-def _request(address: str, name: str, prompt: str, parts: list[omni_pb2.ContentPart],
-             speech_to: Path | None = None) -> dict:
+def _request(
+    address: str, name: str, prompt: str, parts: list[omni_pb2.ContentPart], speech_to: Path | None = None
+) -> dict:
     """Stream one request through the gateway, printing the text as it comes; its result as a dict.
     With `speech_to` the answer is spoken too, and its audio saved there as a WAV."""
     outputs = [omni_pb2.MODALITY_TEXT] + ([omni_pb2.MODALITY_AUDIO] if speech_to else [])
     request = omni_pb2.GenerateRequest(
         request_id=f"demo-{name}-1",
-        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[*parts, omni_pb2.ContentPart(text=prompt)])],
+        messages=[
+            omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[*parts, omni_pb2.ContentPart(text=prompt)])
+        ],
         output_modalities=outputs,
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=48),
     )
@@ -132,7 +135,9 @@ def _image_request(address: str, out: Path) -> dict:
     width, height = DRAW_SIZE
     request = omni_pb2.GenerateRequest(
         request_id="demo-image-1",
-        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=DRAW_PROMPT)])],
+        messages=[
+            omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=DRAW_PROMPT)])
+        ],
         output_modalities=[omni_pb2.MODALITY_IMAGE],
         image=omni_pb2.ImageOptions(width=width, height=height, seed=1),
     )
@@ -154,11 +159,21 @@ def _image_request(address: str, out: Path) -> dict:
         raise SystemExit("demo: image: the stream ended without an image and a Finish event")
     decoded = Image.open(io.BytesIO(png))
     if decoded.format != "PNG" or decoded.size != DRAW_SIZE:
-        raise SystemExit(f"demo: image: got a {decoded.format} of {decoded.size}, asked for a PNG of {DRAW_SIZE}")
+        raise SystemExit(
+            f"demo: image: got a {decoded.format} of {decoded.size}, asked for a PNG of {DRAW_SIZE}"
+        )
     (out / "image.png").write_bytes(png)
-    return {"modality": "image", "prompt": DRAW_PROMPT, "output": "image.png", "width": width, "height": height,
-            "steps": steps, "finish_reason": common_pb2.FinishReason.Name(finish.reason),
-            "prompt_tokens": finish.usage.prompt_tokens, "wall_s": round(time.monotonic() - started, 3)}
+    return {
+        "modality": "image",
+        "prompt": DRAW_PROMPT,
+        "output": "image.png",
+        "width": width,
+        "height": height,
+        "steps": steps,
+        "finish_reason": common_pb2.FinishReason.Name(finish.reason),
+        "prompt_tokens": finish.usage.prompt_tokens,
+        "wall_s": round(time.monotonic() - started, 3),
+    }
 
 
 def _save_speech(path: Path, pcm: bytes, rate: int, status: omni_pb2.AudioStatus) -> dict:
@@ -170,11 +185,17 @@ def _save_speech(path: Path, pcm: bytes, rate: int, status: omni_pb2.AudioStatus
             w.setframerate(rate)
             w.writeframes(pcm)
     outcome = omni_pb2.AudioOutcome.Name(status.outcome)
-    print(f"demo: speech: {outcome}{' ' + status.code if status.code else ''}, "
-          f"{len(pcm) / 2 / rate if rate else 0:.2f}s" + (f" saved as {path.name}" if pcm else ""))
-    return {"speech": path.name if pcm else None, "audio_outcome": outcome, "audio_code": status.code,
-            "audio_seconds": round(len(pcm) / 2 / rate, 3) if rate else 0.0,
-            "time_to_first_audio_ms": round(status.time_to_first_audio_ms, 1)}
+    print(
+        f"demo: speech: {outcome}{' ' + status.code if status.code else ''}, "
+        f"{len(pcm) / 2 / rate if rate else 0:.2f}s" + (f" saved as {path.name}" if pcm else "")
+    )
+    return {
+        "speech": path.name if pcm else None,
+        "audio_outcome": outcome,
+        "audio_code": status.code,
+        "audio_seconds": round(len(pcm) / 2 / rate, 3) if rate else 0.0,
+        "time_to_first_audio_ms": round(status.time_to_first_audio_ms, 1),
+    }
 
 
 def _run_requests(address: str, out: Path) -> list[dict]:
@@ -184,8 +205,12 @@ def _run_requests(address: str, out: Path) -> list[dict]:
     (out / "demo-audio.wav").write_bytes(audio)
     results = [
         _request(address, "text", PROMPT, [], speech_to=out / "demo-answer.wav"),
-        _request(address, "text+image", IMAGE_PROMPT, [omni_pb2.ContentPart(image=omni_pb2.Media(data=image))]),
-        _request(address, "text+audio", AUDIO_PROMPT, [omni_pb2.ContentPart(audio=omni_pb2.Media(data=audio))]),
+        _request(
+            address, "text+image", IMAGE_PROMPT, [omni_pb2.ContentPart(image=omni_pb2.Media(data=image))]
+        ),
+        _request(
+            address, "text+audio", AUDIO_PROMPT, [omni_pb2.ContentPart(audio=omni_pb2.Media(data=audio))]
+        ),
     ]
     results[1]["input"], results[2]["input"] = "demo-image.png", "demo-audio.wav"
     results.append(_image_request(address, out))
@@ -202,7 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="omnistage-demo-") as tmp:
         ready_file = Path(tmp) / "ready"
-        cmd = [sys.executable, "-m", "omnistage.common.cli", "serve", args.config, "--ready-file", str(ready_file)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "omnistage.common.cli",
+            "serve",
+            args.config,
+            "--ready-file",
+            str(ready_file),
+        ]
         print("demo: starting:", " ".join(cmd[2:]), flush=True)
         proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         try:
@@ -221,9 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         summary = {k: v for k, v in r.items() if k not in ("token_ids", "text")}
         print(f"demo: {r['modality']}: {json.dumps(summary, ensure_ascii=False)}")
-    print(f"demo: saved {out / 'result.json'} (inputs: demo-image.png, demo-audio.wav; spoken answer: "
-          f"{results[0]['speech']}; image: image.png); "
-          f"pipeline stopped (exit {proc.returncode})")
+    print(
+        f"demo: saved {out / 'result.json'} (inputs: demo-image.png, demo-audio.wav; spoken answer: "
+        f"{results[0]['speech']}; image: image.png); "
+        f"pipeline stopped (exit {proc.returncode})"
+    )
     return 0 if proc.returncode == 0 else 1
 
 

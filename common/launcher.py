@@ -118,7 +118,9 @@ def exit_cause(returncode: int, rec: StatusRecord | None, oom_kills_before: int 
     if returncode < 0:
         name = signal.Signals(-returncode).name
         oom = name == "SIGKILL" and oom_killed_since(oom_kills_before)
-        cause = f"killed by {name}" + (" (out of memory: the kernel's OOM killer ended it; see dmesg)" if oom else "")
+        cause = f"killed by {name}" + (
+            " (out of memory: the kernel's OOM killer ended it; see dmesg)" if oom else ""
+        )
     else:
         cause = f"exited with code {returncode}"
     if rec is not None and rec.failure:
@@ -131,7 +133,9 @@ def stuck_cause(startup: StartupConfig, phase: str, in_phase_s: float, silent_s:
     deadline = startup.phase_deadlines_s.get(phase, StartupConfig().phase_deadlines_s.get(phase, 60.0))
     reasons = []
     if silent_s > startup.heartbeat_timeout_s:
-        reasons.append(f"no progress for {silent_s:.0f}s (heartbeat timeout {startup.heartbeat_timeout_s:g}s)")
+        reasons.append(
+            f"no progress for {silent_s:.0f}s (heartbeat timeout {startup.heartbeat_timeout_s:g}s)"
+        )
     if in_phase_s > deadline:
         reasons.append(f"phase deadline {deadline:g}s exceeded")
     return "stuck: " + ", ".join(reasons) if reasons else ""
@@ -201,8 +205,16 @@ class Launcher:
         if target is None:
             raise ConfigError(f"services.{svc.name}.kind: no program for kind {svc.kind!r}")
         run = [target] if target.endswith(".py") or os.sep in target else ["-m", target]
-        args = ["--config", str(self.cfg_path), "--service", svc.name, "--rank", str(rank), "--run-dir",
-                str(self.run_dir)]
+        args = [
+            "--config",
+            str(self.cfg_path),
+            "--service",
+            svc.name,
+            "--rank",
+            str(rank),
+            "--run-dir",
+            str(self.run_dir),
+        ]
         for text in self.overrides:
             args += ["--set", text]
         return [sys.executable, *run, *args]
@@ -264,7 +276,11 @@ class Launcher:
         if earliest is not first and not earliest.cause:
             rec = earliest.status
             exited = earliest.proc.poll() is not None
-            earliest.cause = exit_cause(earliest.proc.returncode, rec, earliest.oom_kills_before) if exited else f"failed: {rec.failure}"
+            earliest.cause = (
+                exit_cause(earliest.proc.returncode, rec, earliest.oom_kills_before)
+                if exited
+                else f"failed: {rec.failure}"
+            )
         return earliest
 
     def _rank_of(self, child: Child, rank: int) -> Child | None:
@@ -323,7 +339,9 @@ class Launcher:
             child.cause = f"failed: {rec.failure if rec else 'unknown'}"
             return
         if phase in STARTUP_PHASES:
-            started = rec.phase_started_unix if rec is not None and phase != "starting" else child.spawned_unix
+            started = (
+                rec.phase_started_unix if rec is not None and phase != "starting" else child.spawned_unix
+            )
             beat = rec.heartbeat_unix if rec is not None else child.spawned_unix
             child.cause = stuck_cause(self.cfg.startup, phase, now - started, now - beat)
             return
@@ -334,7 +352,9 @@ class Launcher:
                     child.ready, child.ready_unix = True, now
                     self.say(f"{child.label} serving ({now - child.spawned_unix:.1f}s after start)")
                     return
-                self.wait_capabilities(child, pending, now - (rec.phase_started_unix if rec else child.spawned_unix))
+                self.wait_capabilities(
+                    child, pending, now - (rec.phase_started_unix if rec else child.spawned_unix)
+                )
                 return
             # Status says serving but health does not (yet): bounded by the starting deadline.
             waited = now - (rec.phase_started_unix if rec else child.spawned_unix)
@@ -351,11 +371,15 @@ class Launcher:
         key = ("capabilities", *pending)
         if key != child.printed:
             child.printed = key
-            self.say(f"{child.label} serving {', '.join(ready) or 'nothing'}; waiting for {', '.join(pending)}")
+            self.say(
+                f"{child.label} serving {', '.join(ready) or 'nothing'}; waiting for {', '.join(pending)}"
+            )
         limit = child.svc.gateway.stage_wait_s
         if waited_s > limit:
-            child.cause = (f"stuck: serving, but {', '.join(pending)} not ready after {limit:g}s "
-                           f"(gateway.stage_wait_s; `omnistage status` tells why)")
+            child.cause = (
+                f"stuck: serving, but {', '.join(pending)} not ready after {limit:g}s "
+                f"(gateway.stage_wait_s; `omnistage status` tells why)"
+            )
 
     def wait_serving(self, groups: list[Group]) -> Child | None:
         """Wait until every child of `groups` (started side by side) is ready; the child that failed, or None."""
@@ -405,7 +429,9 @@ class Launcher:
         if dead is not None:
             culprit = self._root_cause(dead)
             verb = "died" if culprit.proc.poll() is not None else "failed"
-            return culprit, _what(verb + (" while restarting" if g.state == "starting" else ""), culprit.cause)
+            return culprit, _what(
+                verb + (" while restarting" if g.state == "starting" else ""), culprit.cause
+            )
         if g.state == "starting":
             return self._restart_progress(g, now)
         sv, timeout = self.cfg.supervision, self.cfg.startup.rpc_timeout_s
@@ -445,9 +471,11 @@ class Launcher:
                 return None  # up, but clients cannot reach it through the gateway yet
             g.state, g.admit_since = "serving", 0.0
             if pending:
-                self.say(f"omnistage: {g.svc.name} serving again ({restart}), but the gateway has not admitted it "
-                         f"after {_ADMIT_WAIT_S:g}s: {', '.join(pending)} not ready (`omnistage status` tells why)",
-                         self.err)  # fmt: skip
+                self.say(
+                    f"omnistage: {g.svc.name} serving again ({restart}), but the gateway has not admitted it "
+                    f"after {_ADMIT_WAIT_S:g}s: {', '.join(pending)} not ready (`omnistage status` tells why)",
+                    self.err,
+                )
             else:
                 self.say(f"omnistage: {g.svc.name} serving again ({restart})")
         return None
@@ -455,9 +483,16 @@ class Launcher:
     def admission_pending(self, g: Group) -> list[str]:
         """The capabilities that need the restarted stage `g` and that a serving gateway does not serve
         yet: the gateway admits a stage that is back only after its own health check and warm-up."""
-        needed = [c for c, kinds in CAPABILITIES.items() if g.svc.kind in kinds and c in self.cfg.capabilities()]
-        gateways = [c for gw in self.groups if gw.svc.kind == "gateway" and gw.state == "serving" and gw is not g
-                    for c in gw.children if c.rank == 0]  # fmt: skip
+        needed = [
+            c for c, kinds in CAPABILITIES.items() if g.svc.kind in kinds and c in self.cfg.capabilities()
+        ]
+        gateways = [
+            c
+            for gw in self.groups
+            if gw.svc.kind == "gateway" and gw.state == "serving" and gw is not g
+            for c in gw.children
+            if c.rank == 0
+        ]
         return [c for gw in gateways for c in needed if not self.healthy(gw, CAPABILITY_HEALTH_PREFIX + c)]
 
     def restart(self, g: Group, culprit: Child, what: str, now: float) -> bool:
@@ -465,19 +500,28 @@ class Launcher:
         sv = self.cfg.supervision
         attempt = g.budget.attempt(now)
         if attempt is None:
-            spent = f"restarts exhausted ({sv.max_restarts} within {sv.restart_window_s:g}s), " if sv.max_restarts else ""
+            spent = (
+                f"restarts exhausted ({sv.max_restarts} within {sv.restart_window_s:g}s), "
+                if sv.max_restarts
+                else ""
+            )
             self.report(f"{culprit.label} {what}; {spent}stopping the others", culprit)
             return False
         delay = g.budget.delay_s(attempt)
-        self.say(f"omnistage: {culprit.label} {what}; restarting {g.svc.name} "
-                 f"(attempt {attempt}/{sv.max_restarts}, in {delay:.1f}s)", self.err)
+        self.say(
+            f"omnistage: {culprit.label} {what}; restarting {g.svc.name} "
+            f"(attempt {attempt}/{sv.max_restarts}, in {delay:.1f}s)",
+            self.err,
+        )
         self.stop_group(g, kill_first=[culprit] if culprit.hung else [])
         g.state, g.attempt, g.restart_at = "backoff", attempt, time.time() + delay
         return True
 
     def respawn(self, g: Group) -> None:
         """Start every rank of a stopped group again (the start-up deadlines apply)."""
-        self.say(f"omnistage: restarting {g.svc.name} (attempt {g.attempt}/{self.cfg.supervision.max_restarts})")
+        self.say(
+            f"omnistage: restarting {g.svc.name} (attempt {g.attempt}/{self.cfg.supervision.max_restarts})"
+        )
         g.children = [self.spawn(g.svc, r) for r in range(g.svc.tp_size)]
         g.state, g.admit_since = "starting", 0.0
 
@@ -534,8 +578,10 @@ class Launcher:
             else:  # helpers left in the child's process group go too
                 _signal_group(c, signal.SIGKILL, leader_gone=True)
                 if c.proc.returncode != 0 and not c.cause and c.proc.returncode != -signal.SIGKILL:
-                    self.say(f"omnistage: {c.label} {exit_cause(c.proc.returncode, None, c.oom_kills_before)} while stopping",
-                             self.err)
+                    self.say(
+                        f"omnistage: {c.label} {exit_cause(c.proc.returncode, None, c.oom_kills_before)} while stopping",
+                        self.err,
+                    )
             c.stopped = True
             if c.probe is not None:
                 c.probe.cancel()
@@ -574,7 +620,9 @@ class Launcher:
         if phase not in STARTUP_PHASES:
             return f"not ready yet (phase {phase})"
         own = rec.phase_started_unix if rec is not None and phase != "starting" else child.spawned_unix
-        starts = [c.entered[phase] for c in self.children if c.svc.name == child.svc.name and phase in c.entered]
+        starts = [
+            c.entered[phase] for c in self.children if c.svc.name == child.svc.name and phase in c.entered
+        ]
         started = min([own, *starts])
         cause = stuck_cause(self.cfg.startup, phase, now - started, now - beat)
         return cause or f"not ready yet (no progress for {now - beat:.1f}s)"
@@ -635,7 +683,9 @@ class Launcher:
             return
         if removed:
             names = ", ".join(sorted({c.label for c in children if c.proc.pid in pids}))
-            self.say(f"omnistage: removed {len(removed)} shared-memory segment(s) that {names} left", self.err)
+            self.say(
+                f"omnistage: removed {len(removed)} shared-memory segment(s) that {names} left", self.err
+            )
 
 
 def _what(verb: str, cause: str) -> str:
@@ -708,8 +758,12 @@ def launch(
         return 2
     if check_only:
         print(ledger.table() if ledger.devices else "memory ledger: no device budgets", file=out)
-        print(f"omnistage: {cfg_path}: the config, memory ledger, checkpoint, secrets and ports are fine "
-              f"({len(cfg.services)} services); nothing started", file=out, flush=True)
+        print(
+            f"omnistage: {cfg_path}: the config, memory ledger, checkpoint, secrets and ports are fine "
+            f"({len(cfg.services)} services); nothing started",
+            file=out,
+            flush=True,
+        )
         return 0
     if ledger.devices:
         print(ledger.summary(), file=out, flush=True)
@@ -717,15 +771,23 @@ def launch(
     own_run_dir = run_dir is None
     rdir = Path(tempfile.mkdtemp(prefix="omnistage-run-")) if run_dir is None else Path(run_dir)
     rdir.mkdir(parents=True, exist_ok=True)
-    launcher = Launcher(cfg, Path(cfg_path).resolve(), overrides, rdir, {**MODULES, **(modules or {})}, out, err)
+    launcher = Launcher(
+        cfg, Path(cfg_path).resolve(), overrides, rdir, {**MODULES, **(modules or {})}, out, err
+    )
     previous = _install_signals(launcher)
     try:
-        key_file = auth.publish_stage_key(cfg_path, launcher.stage_key) if auth.stage_key({
-            auth.STAGE_KEY_ENV: launcher.stage_key}) else None
+        key_file = (
+            auth.publish_stage_key(cfg_path, launcher.stage_key)
+            if auth.stage_key({auth.STAGE_KEY_ENV: launcher.stage_key})
+            else None
+        )
     except (OSError, auth.SecretError) as exc:
         key_file = None
-        print(f"omnistage: warning: the CLI will need ${auth.STAGE_KEY_ENV} for the stages' Control: {exc}",
-              file=err, flush=True)
+        print(
+            f"omnistage: warning: the CLI will need ${auth.STAGE_KEY_ENV} for the stages' Control: {exc}",
+            file=err,
+            flush=True,
+        )
     try:
         return launcher.run(Path(ready_file) if ready_file else None, exit_after_ready)
     except ConfigError as exc:

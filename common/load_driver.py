@@ -29,8 +29,12 @@ PROMPTS = {
     "image": "A red bicycle leaning on a blue wall.",
 }
 # The output modality of each single kind.
-MODALITY = {"text": omni_pb2.MODALITY_TEXT, "vision": omni_pb2.MODALITY_TEXT, "speech": omni_pb2.MODALITY_AUDIO,
-            "image": omni_pb2.MODALITY_IMAGE}
+MODALITY = {
+    "text": omni_pb2.MODALITY_TEXT,
+    "vision": omni_pb2.MODALITY_TEXT,
+    "speech": omni_pb2.MODALITY_AUDIO,
+    "image": omni_pb2.MODALITY_IMAGE,
+}
 MIXED = ("text", "vision", "speech", "image")
 KINDS = (*MODALITY, "mixed")
 MODES = ("closed", "offline", "poisson")
@@ -80,13 +84,16 @@ def make_request(kind: str, i: int, shape: RequestShape) -> omni_pb2.GenerateReq
         sampling=common_pb2.SamplingParams(max_tokens=shape.max_tokens, ignore_eos=True, seed=i),
     )
     if kind == "image":
-        req.image.CopyFrom(omni_pb2.ImageOptions(width=shape.image_size, height=shape.image_size,
-                                                 steps=shape.image_steps, seed=i))  # fmt: skip
+        req.image.CopyFrom(
+            omni_pb2.ImageOptions(
+                width=shape.image_size, height=shape.image_size, steps=shape.image_steps, seed=i
+            )
+        )
     return req
 
 
 def finish_code(kind: str, finish: omni_pb2.Finish | None) -> str:
-    """"OK", or why the request does not count as done (see Record.code): answer_outcome's definition,
+    """ "OK", or why the request does not count as done (see Record.code): answer_outcome's definition,
     the one the gateway's goodput counter uses."""
     return answer_code(finish, spoken=MODALITY[kind] == omni_pb2.MODALITY_AUDIO)
 
@@ -119,7 +126,9 @@ async def one_request(stub: omni_pb2_grpc.OmniStub, kind: str, i: int, shape: Re
     return rec
 
 
-async def closed_loop(stub: omni_pb2_grpc.OmniStub, kind: str, n: int, c: int, shape: RequestShape) -> list[Record]:
+async def closed_loop(
+    stub: omni_pb2_grpc.OmniStub, kind: str, n: int, c: int, shape: RequestShape
+) -> list[Record]:
     """`c` clients sharing `n` requests, each sending its next one when the last one ended."""
     ids = iter(range(n))
     records: list[Record] = []
@@ -132,8 +141,9 @@ async def closed_loop(stub: omni_pb2_grpc.OmniStub, kind: str, n: int, c: int, s
     return records
 
 
-async def poisson(stub: omni_pb2_grpc.OmniStub, kind: str, n: int, rate: float, seed: int,
-                  shape: RequestShape) -> list[Record]:  # fmt: skip
+async def poisson(
+    stub: omni_pb2_grpc.OmniStub, kind: str, n: int, rate: float, seed: int, shape: RequestShape
+) -> list[Record]:
     """Open loop: `n` arrivals with exponential gaps at `rate`/s, never waiting for replies."""
     rng = random.Random(seed)
     tasks = []
@@ -143,8 +153,9 @@ async def poisson(stub: omni_pb2_grpc.OmniStub, kind: str, n: int, rate: float, 
     return list(await asyncio.gather(*tasks))
 
 
-def plan(kinds: Iterable[str], modes: Iterable[str], concurrency: Iterable[int],
-         rates: Iterable[float] = ()) -> Iterator[tuple[str, str, str]]:  # fmt: skip
+def plan(
+    kinds: Iterable[str], modes: Iterable[str], concurrency: Iterable[int], rates: Iterable[float] = ()
+) -> Iterator[tuple[str, str, str]]:
     """(mode, kind, load) of every run, in the order they run."""
     modes, concurrency, rates = list(modes), list(concurrency), list(rates)
     for kind in kinds:
@@ -157,9 +168,15 @@ def plan(kinds: Iterable[str], modes: Iterable[str], concurrency: Iterable[int],
                 yield from ((mode, kind, f"{r:g}/s") for r in rates)
 
 
-async def run_plan(stub: omni_pb2_grpc.OmniStub, runs: Sequence[tuple[str, str, str]], requests: int,
-                   shape: RequestShape, *, seed: int = 0,
-                   on_summary: Callable[[Summary], None] | None = None) -> list[Summary]:  # fmt: skip
+async def run_plan(
+    stub: omni_pb2_grpc.OmniStub,
+    runs: Sequence[tuple[str, str, str]],
+    requests: int,
+    shape: RequestShape,
+    *,
+    seed: int = 0,
+    on_summary: Callable[[Summary], None] | None = None,
+) -> list[Summary]:
     """Every run of `runs` (`requests` requests each, at least the concurrency), after one unmeasured
     request per kind (connections and first-call costs); a Summary per run."""
     for first in dict.fromkeys(k for _, kind, _ in runs for k in (MIXED if kind == "mixed" else (kind,))):

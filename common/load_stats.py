@@ -117,8 +117,13 @@ def summarize(mode: str, kind: str, load: str, records: list[Record], wall_s: fl
     ok = [r for r in records if r.ok]
     wall = max(wall_s, 1e-9)
     return Summary(
-        mode=mode, kind=kind, load=load, requests=len(records), wall_s=round(wall_s, 3),
-        ok=len(ok), good=sum(r.good for r in records),
+        mode=mode,
+        kind=kind,
+        load=load,
+        requests=len(records),
+        wall_s=round(wall_s, 3),
+        ok=len(ok),
+        good=sum(r.good for r in records),
         req_per_s=round(len(ok) / wall, 3),
         tok_per_s=round(sum(r.completion_tokens for r in ok) / wall, 3),
         goodput_per_s=round(sum(r.good for r in records) / wall, 3),
@@ -138,8 +143,12 @@ def failures(summaries: list[Summary]) -> list[str]:
     lines = []
     for s in summaries:
         if s.errors:
-            codes = ", ".join(f"{code} {n}" for code, n in sorted(s.errors.items(), key=lambda kv: (-kv[1], kv[0])))
-            lines.append(f"{s.kind} {s.mode} c={s.load}: {sum(s.errors.values())} of {s.requests} not done: {codes}")
+            codes = ", ".join(
+                f"{code} {n}" for code, n in sorted(s.errors.items(), key=lambda kv: (-kv[1], kv[0]))
+            )
+            lines.append(
+                f"{s.kind} {s.mode} c={s.load}: {sum(s.errors.values())} of {s.requests} not done: {codes}"
+            )
     return lines
 
 
@@ -149,25 +158,33 @@ def _ms(v: float | None) -> str:
 
 def markdown_table(summaries: list[Summary]) -> str:
     """| Mode | Concurrency | Reqs | Wall | E2E p50 | E2E p95 | req/s | tok/s | goodput |"""
-    lines = ["| Mode | Concurrency | Reqs | Wall | E2E p50 | E2E p95 | req/s | tok/s | goodput |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| Mode | Concurrency | Reqs | Wall | E2E p50 | E2E p95 | req/s | tok/s | goodput |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for s in summaries:
         errs = f" ({sum(s.errors.values())} errors)" if s.errors else ""
-        lines.append(f"| {s.mode} {s.kind} | {s.load} | {s.requests}{errs} | {s.wall_s:.1f} s | "
-                     f"{_ms(s.e2e_ms.get('p50'))} | {_ms(s.e2e_ms.get('p95'))} | {s.req_per_s:.2f} | "
-                     f"{s.tok_per_s:.1f} | {s.goodput_per_s:.2f}/s |")
+        lines.append(
+            f"| {s.mode} {s.kind} | {s.load} | {s.requests}{errs} | {s.wall_s:.1f} s | "
+            f"{_ms(s.e2e_ms.get('p50'))} | {_ms(s.e2e_ms.get('p95'))} | {s.req_per_s:.2f} | "
+            f"{s.tok_per_s:.1f} | {s.goodput_per_s:.2f}/s |"
+        )
     return "\n".join(lines)
 
 
 def details_table(summaries: list[Summary]) -> str:
     """The latencies the main table leaves out: TTFT, TPOT, TTFA, RTF, p99, errors by status."""
-    lines = ["| Mode | Concurrency | E2E p99 | TTFT p50 / p95 | TPOT p50 | TTFA p50 / p95 | RTF p50 | errors |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| Mode | Concurrency | E2E p99 | TTFT p50 / p95 | TPOT p50 | TTFA p50 / p95 | RTF p50 | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in summaries:
         rtf = s.rtf.get("p50")
         errs = ", ".join(f"{k} {v}" for k, v in sorted(s.errors.items())) or "—"
-        lines.append(f"| {s.mode} {s.kind} | {s.load} | {_ms(s.e2e_ms.get('p99'))} | "
-                     f"{_ms(s.ttft_ms.get('p50'))} / {_ms(s.ttft_ms.get('p95'))} | {_ms(s.tpot_ms.get('p50'))} | "
-                     f"{_ms(s.ttfa_ms.get('p50'))} / {_ms(s.ttfa_ms.get('p95'))} | "
-                     f"{'—' if rtf is None else f'{rtf:.2f}'} | {errs} |")
+        lines.append(
+            f"| {s.mode} {s.kind} | {s.load} | {_ms(s.e2e_ms.get('p99'))} | "
+            f"{_ms(s.ttft_ms.get('p50'))} / {_ms(s.ttft_ms.get('p95'))} | {_ms(s.tpot_ms.get('p50'))} | "
+            f"{_ms(s.ttfa_ms.get('p50'))} / {_ms(s.ttfa_ms.get('p95'))} | "
+            f"{'—' if rtf is None else f'{rtf:.2f}'} | {errs} |"
+        )
     return "\n".join(lines)

@@ -21,7 +21,24 @@ REGISTRY = prometheus_client.REGISTRY
 PREFIX = "omnistage_"
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # Per-token and per-copy times: inter-token latency, tensor transfers (10 µs to 10 s).
-FINE_BUCKETS_S = (1e-5, 5e-5, 1e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+FINE_BUCKETS_S = (
+    1e-5,
+    5e-5,
+    1e-4,
+    5e-4,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
 
 _lock = threading.Lock()
 _metrics: dict[str, tuple[type, tuple[str, ...], Any]] = {}
@@ -85,7 +102,9 @@ def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
     return _get_or_create(Gauge, name, doc, labels)
 
 
-def histogram(name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS_S) -> Histogram:
+def histogram(
+    name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS_S
+) -> Histogram:
     return _get_or_create(Histogram, name, doc, labels, buckets=tuple(buckets))
 
 
@@ -110,8 +129,11 @@ def observe_many(child: Any, value: float, count: int) -> None:
 
 # Shared metrics of every service -------------------------------------------------------------
 
+
 def phase_gauge() -> Gauge:
-    return gauge("phase", "1 for the current life-cycle phase of the process, 0 for the others", ("rank", "phase"))
+    return gauge(
+        "phase", "1 for the current life-cycle phase of the process, 0 for the others", ("rank", "phase")
+    )
 
 
 def phase_progress_gauge() -> Gauge:
@@ -139,6 +161,7 @@ def set_phase(service: str, rank: int, phase: str, phases: Sequence[str], done: 
 
 
 # /metrics HTTP port --------------------------------------------------------------------------
+
 
 @dataclass
 class MetricsServer:

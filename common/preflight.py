@@ -35,8 +35,10 @@ def checkpoint_problems(cfg: DeployConfig) -> list[str]:
         missing = f"{ckpt} has no *.safetensors weights"
     else:
         return []
-    return [f"model.checkpoint: {missing} (needed by {', '.join(users)}); {make}, or point model.checkpoint "
-            "at a downloaded checkpoint"]
+    return [
+        f"model.checkpoint: {missing} (needed by {', '.join(users)}); {make}, or point model.checkpoint "
+        "at a downloaded checkpoint"
+    ]
 
 
 def planned_ports(cfg: DeployConfig) -> list[tuple[str, str, int]]:
@@ -53,7 +55,9 @@ def planned_ports(cfg: DeployConfig) -> list[tuple[str, str, int]]:
             ports.append((f"{p}.gateway.http_port", svc.bind_host, svc.gateway.http_port))
         if svc.dist_port:  # the config reserves one port per TP rank
             for rank in range(svc.tp_size):
-                ports.append((f"{p}.dist_port" + (f"+{rank}" if rank else ""), cfg.host, svc.dist_port + rank))
+                ports.append(
+                    (f"{p}.dist_port" + (f"+{rank}" if rank else ""), cfg.host, svc.dist_port + rank)
+                )
     return ports
 
 

@@ -29,10 +29,21 @@ _ENUM_VALUE, _SERVICE_METHOD = 2, 2
 
 _F = descriptor_pb2.FieldDescriptorProto
 _SCALARS = {
-    _F.TYPE_DOUBLE: "double", _F.TYPE_FLOAT: "float", _F.TYPE_INT64: "int64", _F.TYPE_UINT64: "uint64",
-    _F.TYPE_INT32: "int32", _F.TYPE_FIXED64: "fixed64", _F.TYPE_FIXED32: "fixed32", _F.TYPE_BOOL: "bool",
-    _F.TYPE_STRING: "string", _F.TYPE_BYTES: "bytes", _F.TYPE_UINT32: "uint32", _F.TYPE_SFIXED32: "sfixed32",
-    _F.TYPE_SFIXED64: "sfixed64", _F.TYPE_SINT32: "sint32", _F.TYPE_SINT64: "sint64",
+    _F.TYPE_DOUBLE: "double",
+    _F.TYPE_FLOAT: "float",
+    _F.TYPE_INT64: "int64",
+    _F.TYPE_UINT64: "uint64",
+    _F.TYPE_INT32: "int32",
+    _F.TYPE_FIXED64: "fixed64",
+    _F.TYPE_FIXED32: "fixed32",
+    _F.TYPE_BOOL: "bool",
+    _F.TYPE_STRING: "string",
+    _F.TYPE_BYTES: "bytes",
+    _F.TYPE_UINT32: "uint32",
+    _F.TYPE_SFIXED32: "sfixed32",
+    _F.TYPE_SFIXED64: "sfixed64",
+    _F.TYPE_SINT32: "sint32",
+    _F.TYPE_SINT64: "sint64",
 }
 
 
@@ -56,8 +67,13 @@ def descriptor_set(root: Path | None = None) -> descriptor_pb2.FileDescriptorSet
         raise FileNotFoundError(f"no .proto files in {root / protogen.PACKAGE_DIR}")
     with tempfile.TemporaryDirectory(prefix="omnistage-protodoc-") as tmp:
         out = Path(tmp) / "api.pb"
-        args = ["grpc_tools.protoc", f"-I{root}", "--include_source_info", f"--descriptor_set_out={out}",
-                *(str(p.relative_to(root)) for p in protos)]
+        args = [
+            "grpc_tools.protoc",
+            f"-I{root}",
+            "--include_source_info",
+            f"--descriptor_set_out={out}",
+            *(str(p.relative_to(root)) for p in protos),
+        ]
         code = protoc.main(args)
         if code != 0:
             raise RuntimeError(f"protoc failed with exit code {code} (args: {' '.join(args[1:])})")
@@ -69,8 +85,11 @@ def _ours(fds: descriptor_pb2.FileDescriptorSet) -> list[descriptor_pb2.FileDesc
 
 
 def _comments(file: descriptor_pb2.FileDescriptorProto) -> dict[tuple[int, ...], str]:
-    return {tuple(loc.path): loc.leading_comments for loc in file.source_code_info.location
-            if loc.leading_comments.strip()}
+    return {
+        tuple(loc.path): loc.leading_comments
+        for loc in file.source_code_info.location
+        if loc.leading_comments.strip()
+    }
 
 
 def _walk_enum(file, comments, enum, path, prefix):
@@ -99,8 +118,9 @@ def _walk_message(file, comments, msg, path, prefix):
 
 def _is_synthetic(msg: descriptor_pb2.DescriptorProto, oneof_index: int) -> bool:
     """The oneof protoc makes for a proto3 `optional` field (not a oneof of the source)."""
-    return any(f.proto3_optional and f.oneof_index == oneof_index and f.HasField("oneof_index")
-               for f in msg.field)
+    return any(
+        f.proto3_optional and f.oneof_index == oneof_index and f.HasField("oneof_index") for f in msg.field
+    )
 
 
 def _walk(file: descriptor_pb2.FileDescriptorProto):
@@ -112,8 +132,11 @@ def _walk(file: descriptor_pb2.FileDescriptorProto):
         yield Element(file.name, "service", f"{prefix}.{svc.name}", comments.get(path, "")), svc, path
         for j, method in enumerate(svc.method):
             mpath = (*path, _SERVICE_METHOD, j)
-            yield (Element(file.name, "rpc", f"{prefix}.{svc.name}.{method.name}", comments.get(mpath, "")),
-                   method, mpath)
+            yield (
+                Element(file.name, "rpc", f"{prefix}.{svc.name}.{method.name}", comments.get(mpath, "")),
+                method,
+                mpath,
+            )
     for i, msg in enumerate(file.message_type):
         yield from _walk_message(file, comments, msg, (_FILE_MESSAGE, i), prefix)
     for i, enum in enumerate(file.enum_type):
@@ -195,7 +218,14 @@ def _render_file(file: descriptor_pb2.FileDescriptorProto, out: list[str]) -> No
             resp = ("stream " if desc.server_streaming else "") + _link(desc.output_type)
             out += [f"#### rpc `{desc.name}`", "", f"{req} → {resp}", "", text, ""]
         elif element.kind == "message":
-            out += [heading, "", f"### message `{element.name.removeprefix(file.package + '.')}`", "", text, ""]
+            out += [
+                heading,
+                "",
+                f"### message `{element.name.removeprefix(file.package + '.')}`",
+                "",
+                text,
+                "",
+            ]
             if desc.field:
                 out += ["| Field | Type | Number | Description |", "|---|---|---|---|"]
                 oneofs = [o.name for o in desc.oneof_decl]
@@ -207,17 +237,32 @@ def _render_file(file: descriptor_pb2.FileDescriptorProto, out: list[str]) -> No
                 out.append("")
             for i, oneof in enumerate(desc.oneof_decl):
                 if not _is_synthetic(desc, i):
-                    out += [f"oneof `{oneof.name}`: {_paragraphs(comments.get((*path, _MSG_ONEOF, i), ''))}", ""]
+                    out += [
+                        f"oneof `{oneof.name}`: {_paragraphs(comments.get((*path, _MSG_ONEOF, i), ''))}",
+                        "",
+                    ]
             if desc.reserved_range or desc.reserved_name:
-                numbers = ", ".join(str(r.start) if r.end - r.start == 1 else f"{r.start}..{r.end - 1}"
-                                    for r in desc.reserved_range)
+                numbers = ", ".join(
+                    str(r.start) if r.end - r.start == 1 else f"{r.start}..{r.end - 1}"
+                    for r in desc.reserved_range
+                )
                 names = ", ".join(f"`{n}`" for n in desc.reserved_name)
                 out += [f"Reserved: {', '.join(x for x in (numbers, names) if x)}.", ""]
         elif element.kind == "enum":
-            out += [heading, "", f"### enum `{element.name.removeprefix(file.package + '.')}`", "", text, "",
-                    "| Value | Number | Description |", "|---|---|---|"]
+            out += [
+                heading,
+                "",
+                f"### enum `{element.name.removeprefix(file.package + '.')}`",
+                "",
+                text,
+                "",
+                "| Value | Number | Description |",
+                "|---|---|---|",
+            ]
             for i, value in enumerate(desc.value):
-                out.append(f"| `{value.name}` | {value.number} | {_cell(comments.get((*path, _ENUM_VALUE, i), ''))} |")
+                out.append(
+                    f"| `{value.name}` | {value.number} | {_cell(comments.get((*path, _ENUM_VALUE, i), ''))} |"
+                )
             out.append("")
 
 
@@ -237,8 +282,10 @@ def render(fds: descriptor_pb2.FileDescriptorSet | None = None) -> str:
     ]
     for file in files:
         names = [f"[`{s.name}`](#{_anchor(f'{file.package}.{s.name}')})" for s in file.service]
-        out.append(f"- [`{Path(file.name).name}`](#{_file_anchor(file)})"
-                   + (f": {', '.join(names)}" if names else ""))
+        out.append(
+            f"- [`{Path(file.name).name}`](#{_file_anchor(file)})"
+            + (f": {', '.join(names)}" if names else "")
+        )
     out.append("")
     for file in files:
         _render_file(file, out)
@@ -262,7 +309,9 @@ def write(path: Path = API_DOC, root: Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omnistage.common.protodoc", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m omnistage.common.protodoc", description=__doc__.split("\n")[0]
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="exit 1 when docs/api.md is stale")
     mode.add_argument("--coverage", action="store_true", help="count elements with a leading comment")

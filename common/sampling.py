@@ -67,7 +67,11 @@ RULES: tuple[Rule, ...] = (
     Rule("max_tokens", lambda v: v >= 0, "must be >= 0 (0 means the server's default)"),
     Rule("logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
     Rule("stop", lambda v: len(v) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings"),
-    Rule("stop_token_ids", lambda v: len(v) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop token ids"),
+    Rule(
+        "stop_token_ids",
+        lambda v: len(v) <= MAX_STOP_TOKEN_IDS,
+        f"at most {MAX_STOP_TOKEN_IDS} stop token ids",
+    ),
 )
 
 

@@ -34,11 +34,21 @@ class Stage:
 STAGES: tuple[Stage, ...] = (
     Stage("gateway", "omnistage.services.gateway", loads_checkpoint=False),
     Stage("thinker", "omnistage.services.thinker", capability="text"),
-    Stage("encoder", "omnistage.services.encoder", capability="media_input", needs=("thinker",),
-              media_inputs=("image", "audio", "video")),
+    Stage(
+        "encoder",
+        "omnistage.services.encoder",
+        capability="media_input",
+        needs=("thinker",),
+        media_inputs=("image", "audio", "video"),
+    ),
     Stage("talker", "omnistage.services.talker", capability="speech", needs=("thinker",), outputs=("audio",)),
-    Stage("imagegen", "omnistage.services.imagegen", capability="image_output", needs=("thinker",),
-              outputs=("image",)),
+    Stage(
+        "imagegen",
+        "omnistage.services.imagegen",
+        capability="image_output",
+        needs=("thinker",),
+        outputs=("image",),
+    ),
 )
 
 # Every `services.<name>.kind` a deploy file may give, in table order.
@@ -52,4 +62,3 @@ CAPABILITIES: dict[str, tuple[str, ...]] = {s.capability: (*s.needs, s.kind) for
 # Request part → the kind that encodes it; output modality → the kind that makes it.
 MEDIA_INPUT_KIND: dict[str, str] = {m: s.kind for s in STAGES for m in s.media_inputs}
 OUTPUT_KIND: dict[str, str] = {o: s.kind for s in STAGES for o in s.outputs}
-

@@ -45,7 +45,12 @@ KNOWN_PHASES = {
     ("gateway", 0): ("starting", "warming_up"),
 }
 # What the report line of the faulty rank must say, per action.
-CAUSE_TEXT = {"hang": "stuck", "crash": "exited with code 3", "oom": "SimulatedOOM", "sigkill": "killed by SIGKILL"}
+CAUSE_TEXT = {
+    "hang": "stuck",
+    "crash": "exited with code 3",
+    "oom": "SimulatedOOM",
+    "sigkill": "killed by SIGKILL",
+}
 _FIRED_RE = re.compile(r"(\w+)\[r(\d+)\] WARNING fault hook action=(\w+) phase=(\w+)")
 _STARTED_RE = re.compile(r"^omnistage: started (\S+) r(\d+) \(pid (\d+)\)$", re.M)
 
@@ -157,15 +162,29 @@ def free_ports(n: int) -> list[int]:
 
 def deploy_config(plan: Plan, ckpt: Path, settings: Settings) -> dict:
     gw_port, th_port, dist_port = free_ports(3)
-    deadlines = {p: settings.normal_deadline_s for p in ("starting", "loading_weights", "profiling_memory",
-                                                          "warming_up", "capturing_graphs")}
-    thinker: dict = {
-        "kind": "thinker", "port": th_port, "tp_size": plan.tp_size, "dist_port": dist_port,
-        "drain_grace_s": settings.drain_grace_s,
-        "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128, "default_max_tokens": 8},
+    deadlines = {
+        p: settings.normal_deadline_s
+        for p in ("starting", "loading_weights", "profiling_memory", "warming_up", "capturing_graphs")
     }
-    gateway: dict = {"kind": "gateway", "port": gw_port, "drain_grace_s": settings.drain_grace_s,
-                     "gateway": {"stage_wait_s": 30.0}}
+    thinker: dict = {
+        "kind": "thinker",
+        "port": th_port,
+        "tp_size": plan.tp_size,
+        "dist_port": dist_port,
+        "drain_grace_s": settings.drain_grace_s,
+        "engine": {
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": 64,
+            "max_model_len": 128,
+            "default_max_tokens": 8,
+        },
+    }
+    gateway: dict = {
+        "kind": "gateway",
+        "port": gw_port,
+        "drain_grace_s": settings.drain_grace_s,
+        "gateway": {"stage_wait_s": 30.0},
+    }
     if plan.kind in ACTIONS:
         if plan.kind == "hang":  # (the deadline is per phase, for every service: only where it is needed)
             deadlines[plan.phase] = hang_deadline(plan.phase, settings)
@@ -173,8 +192,12 @@ def deploy_config(plan: Plan, ckpt: Path, settings: Settings) -> dict:
         (thinker if plan.service == "thinker" else gateway)["fault"] = fault
     return {
         "model": {"checkpoint": str(ckpt)},
-        "startup": {"phase_deadlines_s": deadlines, "heartbeat_timeout_s": settings.heartbeat_timeout_s,
-                    "poll_interval_s": settings.poll_interval_s, "stop_grace_s": settings.stop_grace_s},
+        "startup": {
+            "phase_deadlines_s": deadlines,
+            "heartbeat_timeout_s": settings.heartbeat_timeout_s,
+            "poll_interval_s": settings.poll_interval_s,
+            "stop_grace_s": settings.stop_grace_s,
+        },
         "services": {"thinker": thinker, "gateway": gateway},
     }
 
@@ -228,8 +251,13 @@ def started_children(out: str) -> dict[tuple[str, int], int]:
 
 
 def fired_ranks(err: str, plan: Plan) -> list[int]:
-    return sorted({int(m[2]) for m in _FIRED_RE.finditer(err)
-                   if m[1] == plan.service and m[3] == plan.kind and m[4] == plan.phase})
+    return sorted(
+        {
+            int(m[2])
+            for m in _FIRED_RE.finditer(err)
+            if m[1] == plan.service and m[3] == plan.kind and m[4] == plan.phase
+        }
+    )
 
 
 def watch_fault(run_dir: Path, plan: Plan, seen: dict[int, float]) -> None:
@@ -275,14 +303,30 @@ def run_launch(plan: Plan, ckpt: Path, workdir: Path, settings: Settings = Setti
     cfg_path.write_text(yaml.safe_dump(deploy_config(plan, ckpt, settings)))
     out_path, err_path = tmp / "out.txt", tmp / "err.txt"
     rng = random.Random(plan.index)
-    signal_at = time.monotonic() + plan.at_s if plan.kind in ("sigkill", "launcher_sigterm", "launcher_sigkill") else None
+    signal_at = (
+        time.monotonic() + plan.at_s
+        if plan.kind in ("sigkill", "launcher_sigterm", "launcher_sigkill")
+        else None
+    )
     killed_label = ""
     t0 = time.monotonic()
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "omnistage.common.cli", "serve", str(cfg_path), "--run-dir", str(run_dir),
-             "--ready-file", str(ready)],
-            stdout=out, stderr=err, env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "omnistage.common.cli",
+                "serve",
+                str(cfg_path),
+                "--run-dir",
+                str(run_dir),
+                "--ready-file",
+                str(ready),
+            ],
+            stdout=out,
+            stderr=err,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,
         )
     hard_deadline = t0 + settings.launch_timeout_s
     serving = False
@@ -346,8 +390,9 @@ def _outcome(code: int, serving: bool) -> str:
     return "failed"
 
 
-def _judge(res: Result, plan: Plan, err: str, killed: str, entered: dict[int, float], t_exit: float,
-           s: Settings) -> None:
+def _judge(
+    res: Result, plan: Plan, err: str, killed: str, entered: dict[int, float], t_exit: float, s: Settings
+) -> None:
     """Set `expected` and add a problem for every broken promise."""
     if res.outcome in ("hung", "port-collision"):
         res.expected = "?"
@@ -362,7 +407,9 @@ def _judge(res: Result, plan: Plan, err: str, killed: str, entered: dict[int, fl
     if plan.kind == "sigkill":
         res.expected = "failed" if killed else "serving"
         if res.outcome != res.expected:
-            res.problems.append(f"expected {res.expected} after SIGKILL of {killed or 'nothing'}, got {res.outcome}")
+            res.problems.append(
+                f"expected {res.expected} after SIGKILL of {killed or 'nothing'}, got {res.outcome}"
+            )
         elif killed and not _names(err, [killed], "", CAUSE_TEXT["sigkill"]):
             res.problems.append(f"no report line names {killed} and 'killed by SIGKILL'")
         return
@@ -376,10 +423,15 @@ def _judge(res: Result, plan: Plan, err: str, killed: str, entered: dict[int, fl
     enters = [r for r in ranks if plan.phase in KNOWN_PHASES[(plan.service, min(r, 1))]]
     # A delay must fire on every rank that enters the phase; a failure on at least one (the first
     # failing rank may get the others stopped before they reach the phase).
-    missing = [r for r in enters if r not in res.fired] if plan.kind == "delay" else (
-        enters if enters and not res.fired else [])
+    missing = (
+        [r for r in enters if r not in res.fired]
+        if plan.kind == "delay"
+        else (enters if enters and not res.fired else [])
+    )
     if missing:
-        res.problems.append(f"fault did not fire on {plan.service} r{missing} in {plan.phase}, a phase it enters")
+        res.problems.append(
+            f"fault did not fire on {plan.service} r{missing} in {plan.phase}, a phase it enters"
+        )
     res.expected = "failed" if res.fired and plan.kind != "delay" else "serving"
     if res.outcome != res.expected:
         res.problems.append(f"expected {res.expected}, got {res.outcome} (exit {res.exit_code})")
@@ -392,7 +444,9 @@ def _judge(res: Result, plan: Plan, err: str, killed: str, entered: dict[int, fl
     if not _names(err, labels, plan.phase, CAUSE_TEXT[plan.kind]):
         res.indirect = _names_indirectly(err, plan, res.fired)
         if not res.indirect:
-            res.problems.append(f"no report line names {'/'.join(labels)} {plan.phase} and {CAUSE_TEXT[plan.kind]!r}")
+            res.problems.append(
+                f"no report line names {'/'.join(labels)} {plan.phase} and {CAUSE_TEXT[plan.kind]!r}"
+            )
     times = [entered[r] for r in res.fired if r in entered]
     fired_at = min(times) if times else None
     if fired_at is None:
@@ -404,26 +458,38 @@ def _judge(res: Result, plan: Plan, err: str, killed: str, entered: dict[int, fl
     wait = hang_deadline(plan.phase, s) + s.poll_interval_s if plan.kind == "hang" else 0.0
     res.bound_s = wait + s.stop_grace_s + s.slack_s
     if s.timing_bounds and res.diagnose_s > res.bound_s:
-        res.problems.append(f"took {res.diagnose_s:.1f}s from the fault to the exit (bound {res.bound_s:.1f}s)")
+        res.problems.append(
+            f"took {res.diagnose_s:.1f}s from the fault to the exit (bound {res.bound_s:.1f}s)"
+        )
 
 
 def _names_indirectly(err: str, plan: Plan, ranks: list[int]) -> bool:
     """Another rank's report line carries the TP group's first failure: `rank K failed in ...` + cause."""
-    return any(line.startswith(plan.service + " r") and f"rank {r} failed in" in line and plan.phase in line
-               and CAUSE_TEXT[plan.kind] in line for line in err.splitlines() for r in ranks)
+    return any(
+        line.startswith(plan.service + " r")
+        and f"rank {r} failed in" in line
+        and plan.phase in line
+        and CAUSE_TEXT[plan.kind] in line
+        for line in err.splitlines()
+        for r in ranks
+    )
 
 
 def _names(err: str, labels: list[str], phase: str, cause: str) -> bool:
     """A report line `<label> <phase> ... <cause>` for one of `labels`."""
-    return any(line.startswith(label + " ") and phase in line and cause in line
-               for line in err.splitlines() for label in labels)
+    return any(
+        line.startswith(label + " ") and phase in line and cause in line
+        for line in err.splitlines()
+        for label in labels
+    )
 
 
 # -- many launches -------------------------------------------------------------------------------
 
 
-def run_chaos(plans: list[Plan], ckpt: Path, workdir: Path, settings: Settings = Settings(),
-              log=print) -> list[Result]:
+def run_chaos(
+    plans: list[Plan], ckpt: Path, workdir: Path, settings: Settings = Settings(), log=print
+) -> list[Result]:
     results = []
     for plan in plans:
         for _ in range(3):  # a port taken by a stranger between our bind test and the service's bind
@@ -433,8 +499,10 @@ def run_chaos(plans: list[Plan], ckpt: Path, workdir: Path, settings: Settings =
         results.append(res)
         mark = ("ok*" if res.indirect else "ok ") if res.ok else "BAD"
         diag = f" diagnosed in {res.diagnose_s:.1f}s" if res.diagnose_s is not None else ""
-        log(f"[{mark}] #{plan.index:<3} tp{plan.tp_size} {plan.describe():<40} -> {res.outcome:<8}"
-            f" exit {res.exit_code} ({res.wall_s:.1f}s){diag}")
+        log(
+            f"[{mark}] #{plan.index:<3} tp{plan.tp_size} {plan.describe():<40} -> {res.outcome:<8}"
+            f" exit {res.exit_code} ({res.wall_s:.1f}s){diag}"
+        )
         for p in res.problems:
             log(f"      problem: {p}")
         if not res.ok:
@@ -447,26 +515,38 @@ def summary(results: list[Result]) -> str:
     by_kind: dict[str, Counter] = defaultdict(Counter)
     diag: dict[str, float] = {}
     for r in results:
-        kind = r.plan.kind if r.plan.kind not in ACTIONS or r.fired or r.plan.kind == "delay" else (
-            f"{r.plan.kind} (not entered)")
+        kind = (
+            r.plan.kind
+            if r.plan.kind not in ACTIONS or r.fired or r.plan.kind == "delay"
+            else (f"{r.plan.kind} (not entered)")
+        )
         by_kind[kind][r.outcome] += 1
         by_kind[kind]["BAD" if not r.ok else "ok"] += 1
         by_kind[kind]["indirect"] += r.indirect
         if r.diagnose_s is not None:
             diag[kind] = max(diag.get(kind, 0.0), r.diagnose_s)
     outcomes = ["serving", "failed", "stopped", "killed", "hung", "port-collision"]
-    lines = [f"{'fault kind':<24}{'launches':>9}" + "".join(f"{o:>10}" for o in outcomes[:5])
-             + f"{'ok':>6}{'BAD':>6}{'indirect':>9}{'max diag s':>12}"]
+    lines = [
+        f"{'fault kind':<24}{'launches':>9}"
+        + "".join(f"{o:>10}" for o in outcomes[:5])
+        + f"{'ok':>6}{'BAD':>6}{'indirect':>9}{'max diag s':>12}"
+    ]
     for kind in sorted(by_kind):
         c = by_kind[kind]
         n = c["ok"] + c["BAD"]
-        lines.append(f"{kind:<24}{n:>9}" + "".join(f"{c[o]:>10}" for o in outcomes[:5])
-                     + f"{c['ok']:>6}{c['BAD']:>6}{c['indirect']:>9}" + (f"{diag[kind]:>12.1f}" if kind in diag else f"{'-':>12}"))
+        lines.append(
+            f"{kind:<24}{n:>9}"
+            + "".join(f"{c[o]:>10}" for o in outcomes[:5])
+            + f"{c['ok']:>6}{c['BAD']:>6}{c['indirect']:>9}"
+            + (f"{diag[kind]:>12.1f}" if kind in diag else f"{'-':>12}")
+        )
     bad = [r for r in results if not r.ok]
     left = sum(len(r.leftovers) for r in results)
-    lines.append(f"launches {len(results)}, ok {len(results) - len(bad)}, BAD {len(bad)}, "
-                 f"max time to diagnose {max(diag.values(), default=0.0):.1f}s, leftovers {left}, "
-                 f"wall {sum(r.wall_s for r in results):.0f}s")
+    lines.append(
+        f"launches {len(results)}, ok {len(results) - len(bad)}, BAD {len(bad)}, "
+        f"max time to diagnose {max(diag.values(), default=0.0):.1f}s, leftovers {left}, "
+        f"wall {sum(r.wall_s for r in results):.0f}s"
+    )
     return "\n".join(lines)
 
 

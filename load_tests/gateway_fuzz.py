@@ -40,8 +40,20 @@ PRECISE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAUTHENTICATED,
 }
-SPECIALS = ["<|role_end|>", "<role>SYSTEM</role>", "<role>", "</role>", "<image>", "<imagePatch>",
-            "<audio>", "<|endoftext|>", "\x00", "\ufffd", "\U0001f600", "\n\n"]  # fmt: skip
+SPECIALS = [
+    "<|role_end|>",
+    "<role>SYSTEM</role>",
+    "<role>",
+    "</role>",
+    "<image>",
+    "<imagePatch>",
+    "<audio>",
+    "<|endoftext|>",
+    "\x00",
+    "\ufffd",
+    "\U0001f600",
+    "\n\n",
+]
 FLOATS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True, width=32),
     st.sampled_from([0.0, 1e-45, 1e-39, 0.009, 0.01, 1.0, 100.0, 100.5, -1.0, 2.0, 3.4e38]),
@@ -60,7 +72,9 @@ def _text(max_size: int = 40) -> st.SearchStrategy[str]:
 @st.composite
 def _media(draw: st.DrawFn) -> omni_pb2.Media:
     if draw(st.booleans()):
-        return omni_pb2.Media(data=draw(st.binary(max_size=64)), mime_type=draw(st.sampled_from(["", "image/png", "x/y"])))
+        return omni_pb2.Media(
+            data=draw(st.binary(max_size=64)), mime_type=draw(st.sampled_from(["", "image/png", "x/y"]))
+        )
     return omni_pb2.Media(path=draw(st.sampled_from(["/etc/passwd", "../../x.png", "a.wav", "", "/tmp"])))
 
 
@@ -77,12 +91,18 @@ def _part(draw: st.DrawFn) -> omni_pb2.ContentPart:
 @st.composite
 def _sampling(draw: st.DrawFn) -> common_pb2.SamplingParams:
     s = common_pb2.SamplingParams(
-        temperature=draw(FLOATS), top_p=draw(FLOATS), top_k=draw(INT32), min_p=draw(FLOATS),
-        repetition_penalty=draw(FLOATS), presence_penalty=draw(FLOATS),
-        max_tokens=draw(st.one_of(st.integers(0, 8), UINT32)), logprobs=draw(st.integers(0, 40)),
+        temperature=draw(FLOATS),
+        top_p=draw(FLOATS),
+        top_k=draw(INT32),
+        min_p=draw(FLOATS),
+        repetition_penalty=draw(FLOATS),
+        presence_penalty=draw(FLOATS),
+        max_tokens=draw(st.one_of(st.integers(0, 8), UINT32)),
+        logprobs=draw(st.integers(0, 40)),
         ignore_eos=draw(st.booleans()),
-        stop=draw(st.lists(_text(8), max_size=3)), stop_token_ids=draw(st.lists(INT32, max_size=3)),
-    )  # fmt: skip
+        stop=draw(st.lists(_text(8), max_size=3)),
+        stop_token_ids=draw(st.lists(INT32, max_size=3)),
+    )
     if draw(st.booleans()):
         s.seed = draw(st.integers(0, 2**64 - 1))
     return s
@@ -91,14 +111,20 @@ def _sampling(draw: st.DrawFn) -> common_pb2.SamplingParams:
 @st.composite
 def _hostile(draw: st.DrawFn) -> omni_pb2.GenerateRequest:
     """Any roles, parts, enums and numbers: mostly refused, each refusal must name what is wrong."""
-    messages = draw(st.lists(
-        st.builds(lambda role, parts: omni_pb2.ChatMessage(role=role, parts=parts),
-                  st.one_of(st.sampled_from([1, 2, 2, 2, 3]), st.integers(-1, 5)),
-                  st.lists(_part(), max_size=3)),
-        max_size=4,
-    ))  # fmt: skip
+    messages = draw(
+        st.lists(
+            st.builds(
+                lambda role, parts: omni_pb2.ChatMessage(role=role, parts=parts),
+                st.one_of(st.sampled_from([1, 2, 2, 2, 3]), st.integers(-1, 5)),
+                st.lists(_part(), max_size=3),
+            ),
+            max_size=4,
+        )
+    )
     if draw(st.booleans()) and messages:  # often make it plausible, so the thinker is reached
-        messages[-1] = omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=draw(_text()))])
+        messages[-1] = omni_pb2.ChatMessage(
+            role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=draw(_text()))]
+        )
     req = omni_pb2.GenerateRequest(
         request_id=draw(st.one_of(st.just(""), _text(20))),
         messages=messages,
@@ -116,20 +142,33 @@ def _hostile(draw: st.DrawFn) -> omni_pb2.GenerateRequest:
 def _plausible(draw: st.DrawFn) -> omni_pb2.GenerateRequest:
     """Valid requests at the edges (special-token text, bounds of every sampling knob): served."""
     turns = draw(st.lists(st.tuples(_text(), _text()), max_size=2))
-    messages = [omni_pb2.ChatMessage(role=role, parts=[omni_pb2.ContentPart(text=text)])
-                for user, answer in turns for role, text in ((2, user), (3, answer)) if text]  # fmt: skip
+    messages = [
+        omni_pb2.ChatMessage(role=role, parts=[omni_pb2.ContentPart(text=text)])
+        for user, answer in turns
+        for role, text in ((2, user), (3, answer))
+        if text
+    ]
     messages.append(omni_pb2.ChatMessage(role=2, parts=[omni_pb2.ContentPart(text=draw(_text()) or "hi")]))
     sampling = common_pb2.SamplingParams(
         temperature=draw(st.sampled_from([0.0, 0.01, 0.7, 1.0, 2.0, 100.0])),
-        top_p=draw(st.sampled_from([0.0, 0.01, 0.5, 1.0])), top_k=draw(st.sampled_from([0, 1, 5, 50])),
-        min_p=draw(st.sampled_from([0.0, 0.05, 1.0])), repetition_penalty=draw(st.sampled_from([0.0, 0.01, 1.2, 100.0])),
-        presence_penalty=draw(st.sampled_from([0.0, -2.0, 2.0])), max_tokens=draw(st.integers(1, 8)),
-        logprobs=draw(st.integers(0, 20)), ignore_eos=draw(st.booleans()), stop=draw(st.lists(_text(4).filter(bool), max_size=2)),
-    )  # fmt: skip
+        top_p=draw(st.sampled_from([0.0, 0.01, 0.5, 1.0])),
+        top_k=draw(st.sampled_from([0, 1, 5, 50])),
+        min_p=draw(st.sampled_from([0.0, 0.05, 1.0])),
+        repetition_penalty=draw(st.sampled_from([0.0, 0.01, 1.2, 100.0])),
+        presence_penalty=draw(st.sampled_from([0.0, -2.0, 2.0])),
+        max_tokens=draw(st.integers(1, 8)),
+        logprobs=draw(st.integers(0, 20)),
+        ignore_eos=draw(st.booleans()),
+        stop=draw(st.lists(_text(4).filter(bool), max_size=2)),
+    )
     if draw(st.booleans()):
         sampling.seed = draw(st.integers(0, 2**64 - 1))
-    return omni_pb2.GenerateRequest(request_id=draw(_text(16)), messages=messages, sampling=sampling,
-                                    system_prompt=draw(st.one_of(st.just(""), _text())))  # fmt: skip
+    return omni_pb2.GenerateRequest(
+        request_id=draw(_text(16)),
+        messages=messages,
+        sampling=sampling,
+        system_prompt=draw(st.one_of(st.just(""), _text())),
+    )
 
 
 def typed_requests() -> st.SearchStrategy[omni_pb2.GenerateRequest]:
@@ -194,8 +233,13 @@ def run_cases(address: str, cases: int, timeout_s: float = 60.0, seed: int | Non
     """Send `cases` typed and `cases` raw requests; every status is tallied."""
     tally = Tally()
     with grpc.insecure_channel(address) as channel:
-        sett = settings(max_examples=cases, deadline=None, database=None, derandomize=seed is not None,
-                        suppress_health_check=list(HealthCheck))  # fmt: skip
+        sett = settings(
+            max_examples=cases,
+            deadline=None,
+            database=None,
+            derandomize=seed is not None,
+            suppress_health_check=list(HealthCheck),
+        )
 
         @sett
         @given(typed_requests())
@@ -218,8 +262,10 @@ def _serve(config: str, out: Path) -> tuple[subprocess.Popen, str]:
     ready = out / "ready"
     proc = subprocess.Popen(
         [sys.executable, "-m", "omnistage.common.cli", "serve", config, "--ready-file", str(ready)],
-        stdout=open(out / "serve.log", "w"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )  # fmt: skip
+        stdout=open(out / "serve.log", "w"),
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     deadline = time.monotonic() + 600
     while not (ready.exists() and ready.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -254,9 +300,16 @@ def main(argv: list[str] | None = None) -> int:
     for line in tally.bad[:20]:
         print("  ", line)
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "counts": {f"{k}/{c}": n for (k, c), n in tally.counts.items()}, "bad": tally.bad, "wall_s": wall,
-        }, indent=2))  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "counts": {f"{k}/{c}": n for (k, c), n in tally.counts.items()},
+                    "bad": tally.bad,
+                    "wall_s": wall,
+                },
+                indent=2,
+            )
+        )
     return 1 if tally.bad else 0
 
 

@@ -66,7 +66,9 @@ def main() -> None:
             thinker = cfg.address(cfg.services_of("thinker")[0].name)
             sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
             omni_req = omni_pb2.GenerateRequest(
-                messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=TEXT)])],
+                messages=[
+                    omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=TEXT)])
+                ],
                 sampling=sampling,
             )
             th_req = thinker_pb2.ThinkerRequest(chat=build_chat([Turn("user", TEXT)]), sampling=sampling)
@@ -77,8 +79,10 @@ def main() -> None:
                     _timed(omni.Generate(omni_req, timeout=60))
                     _timed(th.Generate(th_req, timeout=60))
                 for _ in range(args.requests):
-                    for name, call in (("thinker", lambda: th.Generate(th_req, timeout=60)),
-                                       ("gateway", lambda: omni.Generate(omni_req, timeout=60))):
+                    for name, call in (
+                        ("thinker", lambda: th.Generate(th_req, timeout=60)),
+                        ("gateway", lambda: omni.Generate(omni_req, timeout=60)),
+                    ):
                         first, total = _timed(call())
                         res[name][0].append(first)
                         res[name][1].append(total)
@@ -89,9 +93,13 @@ def main() -> None:
     print("| path | first event p50 / p95 (ms) | whole request p50 / p95 (ms) |")
     print("|---|---|---|")
     for name, (first, total) in res.items():
-        print(f"| {name} | {_pct(first, .5):.2f} / {_pct(first, .95):.2f} | {_pct(total, .5):.2f} / {_pct(total, .95):.2f} |")
+        print(
+            f"| {name} | {_pct(first, 0.5):.2f} / {_pct(first, 0.95):.2f} | {_pct(total, 0.5):.2f} / {_pct(total, 0.95):.2f} |"
+        )
     added = [g - t for g, t in zip(res["gateway"][1], res["thinker"][1], strict=True)]
-    print(f"| added by the gateway (paired) | | {statistics.median(added) * 1000:.2f} / {_pct(added, .95):.2f} |")
+    print(
+        f"| added by the gateway (paired) | | {statistics.median(added) * 1000:.2f} / {_pct(added, 0.95):.2f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -42,16 +42,27 @@ _STOP_DEADLINE_S = 60.0
 
 
 def shape_of(args: argparse.Namespace) -> RequestShape:
-    return RequestShape(max_tokens=args.max_tokens, deadline_s=args.deadline_s, timeout_s=args.timeout_s,
-                        image_size=args.image_size, image_steps=args.image_steps)
+    return RequestShape(
+        max_tokens=args.max_tokens,
+        deadline_s=args.deadline_s,
+        timeout_s=args.timeout_s,
+        image_size=args.image_size,
+        image_steps=args.image_steps,
+    )
 
 
 async def run_all(address: str, args: argparse.Namespace) -> list[Summary]:
     options = [("grpc.max_receive_message_length", 64 << 20)]
     runs = list(plan(args.kinds, args.modes, args.concurrency, args.rates))
     async with grpc.aio.insecure_channel(address, options=options) as channel:
-        return await run_plan(omni_pb2_grpc.OmniStub(channel), runs, args.requests, shape_of(args), seed=args.seed,
-                              on_summary=lambda s: print(markdown_table([s]).splitlines()[-1], flush=True))
+        return await run_plan(
+            omni_pb2_grpc.OmniStub(channel),
+            runs,
+            args.requests,
+            shape_of(args),
+            seed=args.seed,
+            on_summary=lambda s: print(markdown_table([s]).splitlines()[-1], flush=True),
+        )
 
 
 @contextlib.contextmanager
@@ -62,9 +73,21 @@ def pipeline(config: str, overrides: list[str], log: Path) -> Iterator[str]:
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready"
         with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "omnistage.common.cli", "serve", config,
-                                     "--ready-file", str(ready), *(f"--set={o}" for o in overrides)], stdout=out, stderr=subprocess.STDOUT,
-                                    env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "omnistage.common.cli",
+                    "serve",
+                    config,
+                    "--ready-file",
+                    str(ready),
+                    *(f"--set={o}" for o in overrides),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
         try:
             deadline = time.monotonic() + _START_DEADLINE_S
             while not (ready.exists() and ready.read_text().strip()):
@@ -93,7 +116,9 @@ def plot(summaries: list[Summary], path: Path) -> str:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ticks: set[int] = set()
     for kind in sorted({s.kind for s in summaries}):
-        runs = [s for s in summaries if s.kind == kind and s.mode == "closed" and s.e2e_ms.get("p50") is not None]
+        runs = [
+            s for s in summaries if s.kind == kind and s.mode == "closed" and s.e2e_ms.get("p50") is not None
+        ]
         if not runs:
             continue
         cs = [int(s.load) for s in runs]
@@ -118,15 +143,25 @@ def _floats(text: str) -> list[float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="deploy/local-tiny.yaml", help="deploy file to start (without --address)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override passed to `omnistage serve` (repeatable)")
+    ap.add_argument(
+        "--config", default="deploy/local-tiny.yaml", help="deploy file to start (without --address)"
+    )
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override passed to `omnistage serve` (repeatable)",
+    )
     ap.add_argument("--address", default="", help="gateway of a running pipeline (nothing is started)")
     ap.add_argument("--kinds", default="text", type=lambda s: [k for k in s.split(",") if k])
     ap.add_argument("--modes", default="closed", type=lambda s: [m for m in s.split(",") if m])
     ap.add_argument("--concurrency", default="1,2,4,8", type=lambda s: [int(x) for x in _floats(s)])
     ap.add_argument("--rates", default="1", type=_floats, help="Poisson arrival rates, req/s")
-    ap.add_argument("--requests", type=int, default=16, help="requests per run (closed: at least the concurrency)")
+    ap.add_argument(
+        "--requests", type=int, default=16, help="requests per run (closed: at least the concurrency)"
+    )
     ap.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (ignore_eos)")
     ap.add_argument("--deadline-s", type=float, default=30.0, help="goodput deadline per request")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="gRPC deadline per request")
@@ -134,8 +169,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--image-steps", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/load", help="directory of results.json, table.md, load.png")
-    ap.add_argument("--replot", nargs="+", default=[], metavar="RESULTS_JSON",
-                    help="run nothing: write table.md and load.png in --out from these results.json files")
+    ap.add_argument(
+        "--replot",
+        nargs="+",
+        default=[],
+        metavar="RESULTS_JSON",
+        help="run nothing: write table.md and load.png in --out from these results.json files",
+    )
     args = ap.parse_args(argv)
     bad = [k for k in args.kinds if k not in KINDS] + [m for m in args.modes if m not in MODES]
     if bad:
@@ -166,8 +206,11 @@ def main(argv: list[str] | None = None) -> None:
         address = args.address or stack.enter_context(pipeline(args.config, args.overrides, log))
         summaries = asyncio.run(run_all(address, args))
     out.mkdir(parents=True, exist_ok=True)
-    results = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": vars(args),
-               "runs": [s.to_json() for s in summaries]}
+    results = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "args": vars(args),
+        "runs": [s.to_json() for s in summaries],
+    }
     (out / "results.json").write_text(json.dumps(results, indent=1))
     table = markdown_table(summaries) + "\n\n" + details_table(summaries) + "\n"
     (out / "table.md").write_text(table)

@@ -48,7 +48,9 @@ def _one(stub: omni_pb2_grpc.OmniStub, seed: int, max_tokens: int, timeout_s: fl
         request_id=f"speech-load-{seed}",
         messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=TEXT)])],
         output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO],
-        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=seed),
+        sampling=common_pb2.SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=seed
+        ),
     )
     start = time.perf_counter()
     first = last = None
@@ -79,8 +81,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run_level(address: str, concurrency: int, requests: int, max_tokens: int, timeout_s: float
-              ) -> tuple[list[Result], float]:
+def run_level(
+    address: str, concurrency: int, requests: int, max_tokens: int, timeout_s: float
+) -> tuple[list[Result], float]:
     results: list[Result] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -121,13 +124,17 @@ def row(concurrency: int, results: list[Result], wall: float) -> str:
     if spoken:
         ttfa = [r.ttfa_s * 1000 for r in spoken]
         rtf = [r.rtf for r in spoken if r.rtf is not None]
-        timing = (f"{_pct(ttfa, 0.5):.0f} | {_pct(ttfa, 0.95):.0f} | {_pct(rtf, 0.5):.2f} | {_pct(rtf, 0.95):.2f} | "
-                  f"{sum(r.audio_s for r in spoken) / len(spoken):.2f}")
+        timing = (
+            f"{_pct(ttfa, 0.5):.0f} | {_pct(ttfa, 0.95):.0f} | {_pct(rtf, 0.5):.2f} | {_pct(rtf, 0.95):.2f} | "
+            f"{sum(r.audio_s for r in spoken) / len(spoken):.2f}"
+        )
     else:
         timing = "– | – | – | – | –"
     detail = ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
-    return (f"| {concurrency} | {len(results)} | {len(spoken)} | {timing} | {len(results) / wall:.2f} | "
-            f"{_pct([r.wall_s for r in results], 0.5):.2f} | {detail} |")
+    return (
+        f"| {concurrency} | {len(results)} | {len(spoken)} | {timing} | {len(results) / wall:.2f} | "
+        f"{_pct([r.wall_s for r in results], 0.5):.2f} | {detail} |"
+    )
 
 
 def _serve(config: str, overrides: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
@@ -136,7 +143,9 @@ def _serve(config: str, overrides: list[str], tmp: Path) -> tuple[subprocess.Pop
     for o in overrides:
         cmd += ["--set", o]
     log = open(tmp / "serve.log", "w")  # noqa: SIM115 - lives as long as the pipeline
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1")
+    )
     deadline = time.monotonic() + 600
     while not (ready.exists() and ready.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -149,8 +158,14 @@ def _serve(config: str, overrides: list[str], tmp: Path) -> tuple[subprocess.Pop
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="deploy/local-tiny.yaml")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                    help="passed to `omnistage serve` (repeatable)")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="passed to `omnistage serve` (repeatable)",
+    )
     ap.add_argument("--address", default="", help="use this running gateway instead of starting one")
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--rounds", type=int, default=2, help="requests per level: max(4, rounds x concurrency)")
@@ -159,19 +174,29 @@ def main() -> None:
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory(prefix="speech-load-") as tmp:
-        proc, address = (None, args.address) if args.address else _serve(args.config, args.overrides, Path(tmp))
+        proc, address = (
+            (None, args.address) if args.address else _serve(args.config, args.overrides, Path(tmp))
+        )
         try:
-            _one(omni_pb2_grpc.OmniStub(grpc.insecure_channel(address)), 0, args.max_tokens, args.timeout_s)  # warm
-            print("| concurrency | requests | spoken | TTFA p50 ms | TTFA p95 ms | RTF p50 | RTF p95 | audio s/req "
-                  "| req/s | wall p50 s | Finish.audio |")
+            _one(
+                omni_pb2_grpc.OmniStub(grpc.insecure_channel(address)), 0, args.max_tokens, args.timeout_s
+            )  # warm
+            print(
+                "| concurrency | requests | spoken | TTFA p50 ms | TTFA p95 ms | RTF p50 | RTF p95 | audio s/req "
+                "| req/s | wall p50 s | Finish.audio |"
+            )
             print("|---|---|---|---|---|---|---|---|---|---|---|")
             for c in levels:
-                results, wall = run_level(address, c, max(4, args.rounds * c), args.max_tokens, args.timeout_s)
+                results, wall = run_level(
+                    address, c, max(4, args.rounds * c), args.max_tokens, args.timeout_s
+                )
                 print(row(c, results, wall), flush=True)
         except BaseException:
             if proc is not None:
-                print(f"--- omnistage serve (last lines) ---\n{(Path(tmp) / 'serve.log').read_text()[-6000:]}",
-                      file=sys.stderr)
+                print(
+                    f"--- omnistage serve (last lines) ---\n{(Path(tmp) / 'serve.log').read_text()[-6000:]}",
+                    file=sys.stderr,
+                )
             raise
         finally:
             if proc is not None:

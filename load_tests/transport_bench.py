@@ -148,10 +148,7 @@ def table(rows: list[dict]) -> str:
             return "-"
         return f"{seconds * 1e3:.3f} ms, {size / seconds / 1e9:.2f} GB/s"
 
-    lines = [
-        "| size | path | encode+decode in process | gRPC unary hop (loopback) |",
-        "|---:|---|---:|---:|",
-    ]
+    lines = ["| size | path | encode+decode in process | gRPC unary hop (loopback) |", "|---:|---|---:|---:|"]
     for r in rows:
         went = {"inline_data": "inline", "shm": "shm", "cuda": "cuda_ipc"}[r["taken"]]
         path = r["path"] if went == r["path"] else f"{r['path']} (went {went})"

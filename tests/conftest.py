@@ -40,8 +40,9 @@ def check_metrics():
     """`check_metrics(text)`: fail unless `promtool check metrics` accepts a /metrics exposition."""
 
     def check(text: str) -> None:
-        result = subprocess.run([_promtool(), "check", "metrics"], input=text, capture_output=True, text=True,
-                                timeout=60)
+        result = subprocess.run(
+            [_promtool(), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 0, f"promtool check metrics:\n{result.stdout}{result.stderr}"
 
     return check

@@ -12,18 +12,24 @@ def test_every_proto_element_has_a_leading_comment():
     fds = protodoc.descriptor_set()
     missing = protodoc.undocumented(fds)
     every = protodoc.elements(fds)
-    assert missing == [], f"{len(missing)} of {len(every)} proto elements have no leading comment:\n" + "\n".join(
-        f"  {e.kind} {e.name} ({e.file})" for e in missing
+    assert missing == [], (
+        f"{len(missing)} of {len(every)} proto elements have no leading comment:\n"
+        + "\n".join(f"  {e.kind} {e.name} ({e.file})" for e in missing)
     )
     kinds = {e.kind for e in every}
     assert kinds == {"service", "rpc", "message", "field", "oneof", "enum", "value"}
-    assert not any(e.file.endswith("grpc_reflection_v1.proto") for e in every), "the vendored proto is upstream's"
+    assert not any(e.file.endswith("grpc_reflection_v1.proto") for e in every), (
+        "the vendored proto is upstream's"
+    )
 
 
 def _copy_protos(tmp_path):
     root = tmp_path / "protos"
-    shutil.copytree(protogen.proto_root() / protogen.PACKAGE_DIR, root / protogen.PACKAGE_DIR,
-                    ignore=shutil.ignore_patterns("*.py", "*.pyi", "__pycache__"))
+    shutil.copytree(
+        protogen.proto_root() / protogen.PACKAGE_DIR,
+        root / protogen.PACKAGE_DIR,
+        ignore=shutil.ignore_patterns("*.py", "*.pyi", "__pycache__"),
+    )
     return root
 
 
@@ -61,8 +67,12 @@ def test_check_detects_a_stale_api_doc(tmp_path):
     protodoc.write(doc, root)
     assert protodoc.check(doc, root) == []
     proto = root / protogen.PACKAGE_DIR / "tensor.proto"
-    proto.write_text(proto.read_text().replace("// Byte offset of the tensor inside the segment.",
-                                               "// Byte offset of the tensor inside the segment, in bytes."))
+    proto.write_text(
+        proto.read_text().replace(
+            "// Byte offset of the tensor inside the segment.",
+            "// Byte offset of the tensor inside the segment, in bytes.",
+        )
+    )
     assert protodoc.check(doc, root) == [f"{doc}: stale (run `make docs`)"]
 
 
@@ -82,7 +92,9 @@ def test_api_doc_lists_every_element():
         else:
             assert f"oneof `{short}`" in text, e.name
     # Streaming shapes and field numbers come from the descriptors.
-    assert ("stream [`ConverseRequest`](#omnistage-v1-converserequest) → stream "
-            "[`GenerateEvent`](#omnistage-v1-generateevent)") in text
+    assert (
+        "stream [`ConverseRequest`](#omnistage-v1-converserequest) → stream "
+        "[`GenerateEvent`](#omnistage-v1-generateevent)"
+    ) in text
     assert "| `custom_voice` | [`VoiceClip`](#omnistage-v1-voiceclip) | 20 |" in text
     assert "| `seed` | optional `uint64` | 7 |" in text

@@ -28,7 +28,9 @@ def require_keys(d: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
         raise CheckpointError(f"{where}: lacks required keys {', '.join(missing)}")
 
 
-def take(d: dict[str, Any], required: tuple[str, ...], optional: tuple[str, ...], where: str) -> dict[str, Any]:
+def take(
+    d: dict[str, Any], required: tuple[str, ...], optional: tuple[str, ...], where: str
+) -> dict[str, Any]:
     """The `required` keys of `d` (all of them, else CheckpointError) and those of `optional` it has: the
     keyword arguments of a config dataclass whose defaults stand for the optional keys left out."""
     require_keys(d, required, where)

@@ -27,16 +27,38 @@ from omnistage.common.checkpoint.tiny_tokenizer import pad_tokenizer, write_tiny
 
 # The full Ming-flash-omni-2.0 thinker (ming.md §2.1): ~103 B parameters, 256 experts.
 MING_FLASH: dict[str, Any] = dict(
-    vocab_size=157184, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=4,
-    head_dim=128, intermediate_size=9216, first_k_dense_replace=1, num_experts=256, num_experts_per_tok=8,
-    num_shared_experts=1, moe_intermediate_size=1024, n_group=8, topk_group=4,
-)  # fmt: skip
+    vocab_size=157184,
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=9216,
+    first_k_dense_replace=1,
+    num_experts=256,
+    num_experts_per_tok=8,
+    num_shared_experts=1,
+    moe_intermediate_size=1024,
+    n_group=8,
+    topk_group=4,
+)
 # Ling-mini-2.0's size with Ming's thinker features (16.3 B parameters).
 LING_MINI: dict[str, Any] = dict(
-    vocab_size=157184, hidden_size=2048, num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4,
-    head_dim=128, intermediate_size=5120, first_k_dense_replace=1, num_experts=256, num_experts_per_tok=8,
-    num_shared_experts=1, moe_intermediate_size=512, n_group=8, topk_group=4,
-)  # fmt: skip
+    vocab_size=157184,
+    hidden_size=2048,
+    num_hidden_layers=20,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=5120,
+    first_k_dense_replace=1,
+    num_experts=256,
+    num_experts_per_tok=8,
+    num_shared_experts=1,
+    moe_intermediate_size=512,
+    n_group=8,
+    topk_group=4,
+)
 
 
 @dataclass(frozen=True)
@@ -55,12 +77,26 @@ class PartShapes:
 
 
 RELEASE_PARTS = PartShapes(
-    release.VISION, release.WHISPER, release.TALKER_LLM, release.TALKER_DIT, release.AUDIO_VAE_BACKBONE,
-    release.AUDIO_VAE_BACKBONE, release.CONNECTOR, release.IMAGE_DIT, release.IMAGE_VAE,
+    release.VISION,
+    release.WHISPER,
+    release.TALKER_LLM,
+    release.TALKER_DIT,
+    release.AUDIO_VAE_BACKBONE,
+    release.AUDIO_VAE_BACKBONE,
+    release.CONNECTOR,
+    release.IMAGE_DIT,
+    release.IMAGE_VAE,
 )
 TINY_PARTS = PartShapes(
-    TINY_VISION, TINY_WHISPER, tiny_talker.TINY_TALKER_LLM, tiny_talker.TINY_DIT, tiny_talker.TINY_VAE_ENCODER,
-    tiny_talker.TINY_VAE_DECODER, tiny_imagegen.TINY_CONNECTOR, tiny_imagegen.TINY_DIT, tiny_imagegen.TINY_VAE,
+    TINY_VISION,
+    TINY_WHISPER,
+    tiny_talker.TINY_TALKER_LLM,
+    tiny_talker.TINY_DIT,
+    tiny_talker.TINY_VAE_ENCODER,
+    tiny_talker.TINY_VAE_DECODER,
+    tiny_imagegen.TINY_CONNECTOR,
+    tiny_imagegen.TINY_DIT,
+    tiny_imagegen.TINY_VAE,
 )
 SHAPES: dict[str, dict[str, Any]] = {
     "ming-flash": MING_FLASH,
@@ -69,8 +105,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def write_config_checkpoint(out_dir: str | Path, shape: str | dict[str, Any] = "ming-flash",
-                            parts: PartShapes | None = None) -> Path:
+def write_config_checkpoint(
+    out_dir: str | Path, shape: str | dict[str, Any] = "ming-flash", parts: PartShapes | None = None
+) -> Path:
     """Write the configs of every part and the tokenizers into `out_dir`, no weight files (serve it
     with `model.load_format: dummy`). `shape`: a name of SHAPES or a thinker shape dict; `parts`: the
     other parts' sizes (default: the tiny ones for "tiny", else the release's)."""
@@ -83,9 +120,18 @@ def write_config_checkpoint(out_dir: str | Path, shape: str | dict[str, Any] = "
         pad_tokenizer(out, dims["vocab_size"])
     config = root_config(llm_config(dims, ids), parts.vision, parts.whisper)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"do_sample": False, "eos_token_id": [ids["<|role_end|>"]], "pad_token_id": ids["<|endoftext|>"]}
+    generation = {
+        "do_sample": False,
+        "eos_token_id": [ids["<|role_end|>"]],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    write_talker_files(out, llm=parts.talker_llm, dit=parts.talker_dit, vae_encoder=parts.audio_vae_encoder,
-                       vae_decoder=parts.audio_vae_decoder)
+    write_talker_files(
+        out,
+        llm=parts.talker_llm,
+        dit=parts.talker_dit,
+        vae_encoder=parts.audio_vae_encoder,
+        vae_decoder=parts.audio_vae_decoder,
+    )
     write_imagegen_configs(out, connector=parts.connector, dit=parts.image_dit, vae=parts.image_vae)
     return out

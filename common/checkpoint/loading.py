@@ -33,8 +33,13 @@ def _listing(what: str, keys: list[str]) -> str:
     return f"{what} keys: {', '.join(keys[:MAX_LISTED])}{more}"
 
 
-def check_keys(where: str | Path, mismatch: str, want: Mapping[str, Shape], have: Mapping[str, Shape],
-               optional: Mapping[str, Shape | None] | None = None) -> None:
+def check_keys(
+    where: str | Path,
+    mismatch: str,
+    want: Mapping[str, Shape],
+    have: Mapping[str, Shape],
+    optional: Mapping[str, Shape | None] | None = None,
+) -> None:
     """Raise CheckpointError(`<where>: <mismatch>: ...`) naming every key of `want` missing from `have`,
     every key of `have` neither wanted nor `optional`, and every shape that differs. An optional key's
     shape is checked too unless it is None (any shape)."""
@@ -45,14 +50,19 @@ def check_keys(where: str | Path, mismatch: str, want: Mapping[str, Shape], have
         problems.append(_listing("missing", missing))
     if unexpected := sorted(set(have) - set(allowed)):
         problems.append(_listing("unexpected", unexpected))
-    if bad := sorted(f"{k} {list(have[k])} != {list(sized[k])}" for k in set(sized) & set(have)
-                     if tuple(have[k]) != tuple(sized[k])):
+    if bad := sorted(
+        f"{k} {list(have[k])} != {list(sized[k])}"
+        for k in set(sized) & set(have)
+        if tuple(have[k]) != tuple(sized[k])
+    ):
         problems.append(_listing("mis-shaped", bad))
     if problems:
         raise CheckpointError(f"{where}: {mismatch}: " + "; ".join(problems))
 
 
-def shapes(headers: Mapping[str, TensorInfo], keep: Callable[[str], bool] = lambda key: True) -> dict[str, Shape]:
+def shapes(
+    headers: Mapping[str, TensorInfo], keep: Callable[[str], bool] = lambda key: True
+) -> dict[str, Shape]:
     """Key → stored shape of the headers' tensors that `keep` accepts."""
     return {k: h.shape for k, h in headers.items() if keep(k)}
 
@@ -61,7 +71,9 @@ def state_shapes(targets: Mapping[str, torch.Tensor]) -> dict[str, Shape]:
     return {k: tuple(t.shape) for k, t in targets.items()}
 
 
-def copy_shard(shard: Path, headers: Mapping[str, TensorInfo], targets: Mapping[str, torch.Tensor]) -> set[str]:
+def copy_shard(
+    shard: Path, headers: Mapping[str, TensorInfo], targets: Mapping[str, torch.Tensor]
+) -> set[str]:
     """Copy the tensors of `shard` that have a target into it (cast to its dtype, moved to its device);
     returns the keys copied."""
     keys = [k for k, h in headers.items() if h.shard == shard and k in targets]

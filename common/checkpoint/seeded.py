@@ -22,8 +22,9 @@ class SeededInit:
         """A norm's weight: around 1."""
         return self.normal(n, std=0.05, mean=1.0)
 
-    def linear(self, t: Tensors, name: str, out_f: int, in_f: int, bias: bool = True,
-               std: float | None = None) -> None:
+    def linear(
+        self, t: Tensors, name: str, out_f: int, in_f: int, bias: bool = True, std: float | None = None
+    ) -> None:
         """`name.weight` (std `std`, default `linear_std`) and `name.bias` (std 0.02) into `t`."""
         t[name + ".weight"] = self.normal(out_f, in_f, std=self.linear_std if std is None else std)
         if bias:

@@ -62,7 +62,9 @@ def llm_config(shape: dict[str, Any], ids: dict[str, int]) -> dict[str, Any]:
     special ids from the tokenizer; no `vocab_size` in `shape`: the smallest multiple of 64 holding them."""
     vocab = shape.get("vocab_size") or -(-(max(ids.values()) + 1) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     if vocab <= max(ids.values()):
-        raise ValueError(f"vocab_size {vocab} does not hold the tokenizer's ids (largest {max(ids.values())})")
+        raise ValueError(
+            f"vocab_size {vocab} does not hold the tokenizer's ids (largest {max(ids.values())})"
+        )
     return {
         "architectures": ["BailingMoeV2ForCausalLM"],
         "model_type": "bailing_moe_v2",
@@ -96,7 +98,9 @@ def llm_config(shape: dict[str, Any], ids: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def root_config(llm_config: dict[str, Any], vision: dict[str, Any], whisper: dict[str, Any]) -> dict[str, Any]:
+def root_config(
+    llm_config: dict[str, Any], vision: dict[str, Any], whisper: dict[str, Any]
+) -> dict[str, Any]:
     """The root `config.json` (ming.md §2.1, §3.1, §4.1): the thinker's `llm_config` and the encoders'
     configs (the release stores the vision tower in float32)."""
     return {
@@ -181,8 +185,9 @@ def _vision_tensors(init: SeededInit, llm_hidden: int) -> dict[str, torch.Tensor
     return t
 
 
-def whisper_sinusoids(length: int, channels: int, max_timescale: float = 10000.0,
-                      device: str | torch.device = "cpu") -> torch.Tensor:
+def whisper_sinusoids(
+    length: int, channels: int, max_timescale: float = 10000.0, device: str | torch.device = "cpu"
+) -> torch.Tensor:
     """Whisper's fixed positional table: [sin | cos] over geometrically spaced timescales (float32)."""
     inc = math.log(max_timescale) / (channels // 2 - 1)
     inv = torch.exp(-inc * torch.arange(channels // 2, dtype=torch.float64, device=device))

@@ -105,8 +105,11 @@ class _Tensors:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in self.out.items()}, str(path),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.to(torch.bfloat16).contiguous() for k, v in self.out.items()},
+            str(path),
+            metadata={"format": "pt"},
+        )
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -218,21 +221,42 @@ def _vae(t: _Tensors) -> None:
     t.conv("decoder.conv_out", c["out_channels"], rev[-1], 3)
 
 
-def imagegen_configs(*, connector: dict[str, Any], dit: dict[str, Any], vae: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def imagegen_configs(
+    *, connector: dict[str, Any], dit: dict[str, Any], vae: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
     """The image-generation config files (path under the checkpoint → JSON) for these part shapes
     (ming.md §6.4); the conditioning width is the DiT's `cap_feat_dim`."""
-    mlp = {"dit_type": "zimage", "img_gen_scales": [QUERY_SCALE], "diffusion_c_input_dim": dit["cap_feat_dim"],
-           "text_encoder_norm": True, "use_identity_mlp": True}
-    qwen2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-6,
-             "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": True,
-             "use_sliding_window": False, "torch_dtype": "bfloat16", **connector}
-    return {"mlp/config.json": mlp, "connector/config.json": qwen2,
-            "transformer/config.json": {"_class_name": "ZImageTransformer2DModel", **dit},
-            "vae/config.json": {"_class_name": "AutoencoderKL", **vae},
-            "scheduler/scheduler_config.json": SCHEDULER}
+    mlp = {
+        "dit_type": "zimage",
+        "img_gen_scales": [QUERY_SCALE],
+        "diffusion_c_input_dim": dit["cap_feat_dim"],
+        "text_encoder_norm": True,
+        "use_identity_mlp": True,
+    }
+    qwen2 = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "torch_dtype": "bfloat16",
+        **connector,
+    }
+    return {
+        "mlp/config.json": mlp,
+        "connector/config.json": qwen2,
+        "transformer/config.json": {"_class_name": "ZImageTransformer2DModel", **dit},
+        "vae/config.json": {"_class_name": "AutoencoderKL", **vae},
+        "scheduler/scheduler_config.json": SCHEDULER,
+    }
 
 
-def write_imagegen_configs(out: Path, *, connector: dict[str, Any], dit: dict[str, Any], vae: dict[str, Any]) -> None:
+def write_imagegen_configs(
+    out: Path, *, connector: dict[str, Any], dit: dict[str, Any], vae: dict[str, Any]
+) -> None:
     """Write the config files of mlp/, connector/, transformer/, vae/ and scheduler/ under `out`."""
     for rel, config in imagegen_configs(connector=connector, dit=dit, vae=vae).items():
         _write_json(out / rel, config)

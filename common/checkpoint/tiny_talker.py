@@ -29,29 +29,59 @@ SPK_DIM = 192
 FBANK_BINS = 80
 
 TALKER_SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<audio>", "<audioPatch>", "</audio>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<audio>",
+    "<audioPatch>",
+    "</audio>",
 )
-TALKER_CORPUS = CORPUS + """\
+TALKER_CORPUS = (
+    CORPUS
+    + """\
 Please generate speech based on the following description.
 You are a helpful assistant. Text input: speaker_1: speaker_2:
 感谢你的认可。很高兴认识你。Nice to meet you. Thank you for listening.
 """
+)
 
 TINY_TALKER_LLM: dict[str, Any] = {
-    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
     "intermediate_size": 128,
 }
 TINY_DIT: dict[str, Any] = {"hidden_size": 64, "depth": 2, "num_heads": 4, "mlp_ratio": 4.0}
 TINY_VAE_ENCODER: dict[str, Any] = {
-    "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "intermediate_size": 64, "vocab_size": 16,
+    "hidden_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 64,
+    "vocab_size": 16,
 }
 # Layer 1 sees the last 24 frames only: the streaming decode is tested across the window edge.
 TINY_VAE_DECODER: dict[str, Any] = {
-    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "intermediate_size": 64, "vocab_size": 16, "use_sliding_window": True, "sliding_window": 24,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 64,
+    "vocab_size": 16,
+    "use_sliding_window": True,
+    "sliding_window": 24,
     "max_window_layers": 1,
 }
 VOICES: dict[str, tuple[str, float, tuple[float, ...]]] = {
@@ -62,12 +92,25 @@ VOICES: dict[str, tuple[str, float, tuple[float, ...]]] = {
 
 
 def _qwen2_config(shape: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"architectures": ["Qwen2Model"], "model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0, "max_position_embeddings": 32768, "use_sliding_window": False,
-            "sliding_window": None, "max_window_layers": 28, "tie_word_embeddings": True, **shape, **extra}
+    return {
+        "architectures": ["Qwen2Model"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 28,
+        "tie_word_embeddings": True,
+        **shape,
+        **extra,
+    }
 
 
-def _qwen2_tensors(init: SeededInit, prefix: str, c: dict[str, Any], with_embeddings: bool) -> dict[str, torch.Tensor]:
+def _qwen2_tensors(
+    init: SeededInit, prefix: str, c: dict[str, Any], with_embeddings: bool
+) -> dict[str, torch.Tensor]:
     h = c["hidden_size"]
     hd = h // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * hd
@@ -94,7 +137,7 @@ def _dit_blocks(init: SeededInit, prefix: str, c: dict[str, Any]) -> dict[str, t
     inner = int(d * c["mlp_ratio"])
     head_dim = d // c["num_heads"]
     t: dict[str, torch.Tensor] = {
-        prefix + "rotary_embed.inv_freq": 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)),
+        prefix + "rotary_embed.inv_freq": 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     }
     init.linear(t, prefix + "x_embedder", d, LATENT_DIM)
     for i in range(c["depth"]):
@@ -156,10 +199,12 @@ def write_campplus_onnx(path: Path, seed: int) -> None:
     w1 = numpy_helper.from_array((rng.standard_normal((FBANK_BINS, 32)) * 0.1).astype(np.float32), "w1")
     w2 = numpy_helper.from_array((rng.standard_normal((32, SPK_DIM)) * 0.3).astype(np.float32), "w2")
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["feats", "w1"], ["h"]),
-         helper.make_node("Relu", ["h"], ["r"]),
-         helper.make_node("ReduceMean", ["r"], ["pooled"], axes=[1], keepdims=0),
-         helper.make_node("MatMul", ["pooled", "w2"], ["embs"])],
+        [
+            helper.make_node("MatMul", ["feats", "w1"], ["h"]),
+            helper.make_node("Relu", ["h"], ["r"]),
+            helper.make_node("ReduceMean", ["r"], ["pooled"], axes=[1], keepdims=0),
+            helper.make_node("MatMul", ["pooled", "w2"], ["embs"]),
+        ],
         "campplus_tiny",
         [helper.make_tensor_value_info("feats", TensorProto.FLOAT, ["batch", "frames", FBANK_BINS])],
         [helper.make_tensor_value_info("embs", TensorProto.FLOAT, ["batch", SPK_DIM])],
@@ -177,7 +222,9 @@ def write_voice_wav(path: Path, seconds: float, partials: tuple[float, ...], see
     t = np.arange(int(seconds * SAMPLE_RATE)) / SAMPLE_RATE
     vibrato = 1 + 0.02 * np.sin(2 * math.pi * 5 * t)
     sig = sum(np.sin(2 * math.pi * f * vibrato * t) / (k + 1) for k, f in enumerate(partials))
-    envelope = 0.5 * (1 - np.cos(2 * math.pi * 3 * t)) * np.minimum(1, 10 * t) * np.minimum(1, 10 * (seconds - t))
+    envelope = (
+        0.5 * (1 - np.cos(2 * math.pi * 3 * t)) * np.minimum(1, 10 * t) * np.minimum(1, 10 * (seconds - t))
+    )
     x = 0.3 * sig * envelope + 0.003 * rng.standard_normal(t.shape)
     pcm = (np.clip(x, -1, 1) * 32767).astype("<i2")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,32 +238,70 @@ def write_voice_wav(path: Path, seconds: float, partials: tuple[float, ...], see
 def _write_tokenizer(llm_dir: Path) -> int:
     tok = train_byte_bpe(TALKER_CORPUS, TALKER_SPECIAL_TOKENS)
     tok.save(str(llm_dir / "tokenizer.json"))
-    decoder = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                         "single_word": False, "special": True} for t in TALKER_SPECIAL_TOKENS}
-    config = {"added_tokens_decoder": decoder, "bos_token": None, "eos_token": "<|endoftext|>",
-              "pad_token": "<|endoftext|>", "model_max_length": 32768, "tokenizer_class": "Qwen2Tokenizer",
-              "clean_up_tokenization_spaces": False}
+    decoder = {
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t in TALKER_SPECIAL_TOKENS
+    }
+    config = {
+        "added_tokens_decoder": decoder,
+        "bos_token": None,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 32768,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "clean_up_tokenization_spaces": False,
+    }
     (llm_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return tok.get_vocab_size()
 
 
-def talker_configs(llm: dict[str, Any], dit: dict[str, Any], vae_encoder: dict[str, Any],
-                   vae_decoder: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def talker_configs(
+    llm: dict[str, Any], dit: dict[str, Any], vae_encoder: dict[str, Any], vae_decoder: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
     """The three talker config files (path under `talker/` → JSON) for these part shapes (ming.md §5.1)."""
     hop = SAMPLE_RATE // 50
-    top = {"architectures": ["BailingTalker2"], "steps": 10, "patch_size": 4, "history_patch_size": 32,
-           "cfg_strength": 2.0, "latent_dim": LATENT_DIM, "spk_dim": SPK_DIM,
-           "flowmodel": {**dit, "in_channels": LATENT_DIM, "dropout": 0.0, "llm_cond_dim": llm["hidden_size"]},
-           "aggregator": {**dit, "in_channels": LATENT_DIM, "dropout": 0.1}}
-    vae = {"sample_rate": SAMPLE_RATE, "patch_size": 4, "init_method": "kaiming",
-           "enc_kwargs": {"input_dim": hop, "hop_size": hop, "latent_dim": LATENT_DIM,
-                          "backbone": _qwen2_config(vae_encoder)},
-           "dec_kwargs": {"output_dim": hop, "latent_dim": LATENT_DIM, "backbone": _qwen2_config(vae_decoder)}}
+    top = {
+        "architectures": ["BailingTalker2"],
+        "steps": 10,
+        "patch_size": 4,
+        "history_patch_size": 32,
+        "cfg_strength": 2.0,
+        "latent_dim": LATENT_DIM,
+        "spk_dim": SPK_DIM,
+        "flowmodel": {**dit, "in_channels": LATENT_DIM, "dropout": 0.0, "llm_cond_dim": llm["hidden_size"]},
+        "aggregator": {**dit, "in_channels": LATENT_DIM, "dropout": 0.1},
+    }
+    vae = {
+        "sample_rate": SAMPLE_RATE,
+        "patch_size": 4,
+        "init_method": "kaiming",
+        "enc_kwargs": {
+            "input_dim": hop,
+            "hop_size": hop,
+            "latent_dim": LATENT_DIM,
+            "backbone": _qwen2_config(vae_encoder),
+        },
+        "dec_kwargs": {"output_dim": hop, "latent_dim": LATENT_DIM, "backbone": _qwen2_config(vae_decoder)},
+    }
     return {"config.json": top, "llm/config.json": _qwen2_config(llm), "vae/config.json": vae}
 
 
-def write_talker_files(root: str | Path, *, llm: dict[str, Any], dit: dict[str, Any], vae_encoder: dict[str, Any],
-                       vae_decoder: dict[str, Any], seed: int = 0) -> tuple[Path, dict[str, Any]]:
+def write_talker_files(
+    root: str | Path,
+    *,
+    llm: dict[str, Any],
+    dit: dict[str, Any],
+    vae_encoder: dict[str, Any],
+    vae_decoder: dict[str, Any],
+    seed: int = 0,
+) -> tuple[Path, dict[str, Any]]:
     """Everything of `<root>/talker/` but the weights: the configs, the LM's tokenizer, `campplus.onnx`
     and the preset voices. `llm` without `vocab_size` gets the tokenizer's size rounded up to 64.
     Returns the talker folder and the LM shape written."""
@@ -226,7 +311,9 @@ def write_talker_files(root: str | Path, *, llm: dict[str, Any], dit: dict[str, 
     tokens = _write_tokenizer(tdir / "llm")
     llm = {"vocab_size": -(-tokens // 64) * 64, **llm}
     if llm["vocab_size"] < tokens:
-        raise ValueError(f"talker LM vocab_size {llm['vocab_size']} does not hold the tokenizer's {tokens} tokens")
+        raise ValueError(
+            f"talker LM vocab_size {llm['vocab_size']} does not hold the tokenizer's {tokens} tokens"
+        )
     for rel, config in talker_configs(llm, dit, vae_encoder, vae_decoder).items():
         (tdir / rel).write_text(json.dumps(config, indent=2) + "\n")
     write_campplus_onnx(tdir / "campplus.onnx", seed)
@@ -241,8 +328,14 @@ def write_talker_files(root: str | Path, *, llm: dict[str, Any], dit: dict[str, 
 
 def write_tiny_talker(root: str | Path, *, seed: int = 0) -> Path:
     """Write `<root>/talker/` (root: the Ming checkpoint folder); returns the talker folder."""
-    tdir, llm = write_talker_files(root, llm=TINY_TALKER_LLM, dit=TINY_DIT, vae_encoder=TINY_VAE_ENCODER,
-                                   vae_decoder=TINY_VAE_DECODER, seed=seed)
+    tdir, llm = write_talker_files(
+        root,
+        llm=TINY_TALKER_LLM,
+        dit=TINY_DIT,
+        vae_encoder=TINY_VAE_ENCODER,
+        vae_decoder=TINY_VAE_DECODER,
+        seed=seed,
+    )
     init = SeededInit(seed + 1, linear_std=0.05)
     float32_keys = ("rotary_embed.inv_freq", "head.istft.window")
 

@@ -75,7 +75,9 @@ def main():\n    print("hello")\n    return 0\n
 """
 
 
-def train_byte_bpe(corpus: str, special_tokens: tuple[str, ...], vocab_size: int = BPE_VOCAB_SIZE) -> Tokenizer:
+def train_byte_bpe(
+    corpus: str, special_tokens: tuple[str, ...], vocab_size: int = BPE_VOCAB_SIZE
+) -> Tokenizer:
     """A byte-level BPE trained on `corpus`, with `special_tokens` added after the BPE vocabulary."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -140,7 +142,28 @@ def write_tiny_tokenizer(out_dir: str | Path) -> dict[str, int]:
     return ids
 
 
-_ONSETS = ("b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "ch", "sh", "tr", "br")
+_ONSETS = (
+    "b",
+    "d",
+    "f",
+    "g",
+    "h",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "w",
+    "z",
+    "ch",
+    "sh",
+    "tr",
+    "br",
+)
 _VOWELS = ("a", "e", "i", "o", "u")
 
 

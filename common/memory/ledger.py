@@ -57,7 +57,10 @@ class DeviceLedger:
         return self.overshoot <= 0
 
     def rows(self) -> list[tuple[str, str, str]]:
-        out = [(self.device, f"{e.service} (rank {e.rank})", e.how if e.budget else "no budget") for e in self.entries]
+        out = [
+            (self.device, f"{e.service} (rank {e.rank})", e.how if e.budget else "no budget")
+            for e in self.entries
+        ]
         out.append((self.device, "reserve", fmt_bytes(self.reserve)))
         out.append((self.device, "total", fmt_bytes(self.total)))
         label = "overshoot" if not self.fits else "headroom"
@@ -119,7 +122,11 @@ def budgeted_devices(cfg: DeployConfig) -> list[str]:
 def _entry(svc: ServiceConfig, rank: int, total: int) -> LedgerEntry:
     m = svc.memory
     budget = m.budget_of(total)
-    how = fmt_bytes(budget) if m.budget_bytes else f"{fmt_bytes(budget)} ({m.budget_fraction:g} x {fmt_bytes(total)})"
+    how = (
+        fmt_bytes(budget)
+        if m.budget_bytes
+        else f"{fmt_bytes(budget)} ({m.budget_fraction:g} x {fmt_bytes(total)})"
+    )
     return LedgerEntry(svc.name, rank, budget, how)
 
 
@@ -133,7 +140,9 @@ def check_ledger(cfg: DeployConfig, device_totals: Mapping[str, int]) -> LedgerR
     place = placements(cfg)
     for dev in budgeted_devices(cfg):
         if dev not in device_totals:
-            raise LedgerError(f"memory ledger: no total size known for device {dev} (have: {', '.join(device_totals)})")
+            raise LedgerError(
+                f"memory ledger: no total size known for device {dev} (have: {', '.join(device_totals)})"
+            )
         total = int(device_totals[dev])
         entries = tuple(_entry(svc, rank, total) for svc, rank in place[dev])
         ledgers.append(DeviceLedger(dev, total, cfg.devices.reserve_bytes, entries))
@@ -141,7 +150,8 @@ def check_ledger(cfg: DeployConfig, device_totals: Mapping[str, int]) -> LedgerR
     if not report.fits:
         refused = ", ".join(d.device for d in report.devices if not d.fits)
         raise LedgerError(
-            f"memory ledger: budgets exceed device memory on {refused}\n{report.table(only_refused=True)}", report
+            f"memory ledger: budgets exceed device memory on {refused}\n{report.table(only_refused=True)}",
+            report,
         )
     return report
 
@@ -182,7 +192,9 @@ def cuda_totals(devices: list[str], override: int = 0) -> dict[str, int]:
     for dev in devices:
         index = int(dev.split(":")[1])
         if index >= count:
-            raise LedgerError(f"memory ledger: {dev} is used by the deploy file but this host has {count} GPUs")
+            raise LedgerError(
+                f"memory ledger: {dev} is used by the deploy file but this host has {count} GPUs"
+            )
         out[dev] = int(torch.cuda.mem_get_info(index)[1])
     return out
 

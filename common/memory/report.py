@@ -28,7 +28,9 @@ def memory_gauge() -> Gauge:
 
 
 def memory_budget_gauge() -> Gauge:
-    return metrics.gauge("memory_budget_bytes", "Device-memory budget of a service rank; 0 when none", ("rank", "device"))
+    return metrics.gauge(
+        "memory_budget_bytes", "Device-memory budget of a service rank; 0 when none", ("rank", "device")
+    )
 
 
 def export_memory(service: str, rank: int, report: control_pb2.MemoryReport) -> None:

@@ -62,7 +62,9 @@ class StressResult:
             f"batch {a.batch}: {a.reason} (peak reserved {fmt_bytes(a.peak_reserved)})" for a in self.attempts
         )
 
-    def memory_report(self, weights_bytes: int = 0, transport_pool_bytes: int = 0) -> control_pb2.MemoryReport:
+    def memory_report(
+        self, weights_bytes: int = 0, transport_pool_bytes: int = 0
+    ) -> control_pb2.MemoryReport:
         """The stage's footprint for Describe / metrics (weights as measured by the caller)."""
         return control_pb2.MemoryReport(
             device=self.device,
@@ -116,7 +118,9 @@ class StressAndCap:
         peak = self.mem.peak_reserved()
         if self.budget_bytes and peak > self.budget_bytes:
             self.mem.empty_cache()
-            return StressAttempt(batch, False, peak, f"peak over the budget of {fmt_bytes(self.budget_bytes)}")
+            return StressAttempt(
+                batch, False, peak, f"peak over the budget of {fmt_bytes(self.budget_bytes)}"
+            )
         return StressAttempt(batch, True, peak, "fits")
 
     def run(self) -> StressResult:
@@ -126,9 +130,16 @@ class StressAndCap:
         for batch in self.candidates:
             attempt = self._attempt(batch)
             attempts.append(attempt)
-            log_fields(self.log, logging.INFO if attempt.fits else logging.WARNING, "stress attempt",
-                       stage=self.stage, batch=batch, fits=attempt.fits, reason=attempt.reason,
-                       peak_reserved=attempt.peak_reserved)
+            log_fields(
+                self.log,
+                logging.INFO if attempt.fits else logging.WARNING,
+                "stress attempt",
+                stage=self.stage,
+                batch=batch,
+                fits=attempt.fits,
+                reason=attempt.reason,
+                peak_reserved=attempt.peak_reserved,
+            )
             if attempt.fits:
                 break
         fitting = [a for a in attempts if a.fits]
@@ -154,11 +165,20 @@ class StressAndCap:
         if result.max_batch < result.configured_max:
             self.log.warning(
                 "%s: concurrency capped at %d of configured %d on %s: %s",
-                self.stage, result.max_batch, result.configured_max, result.device, result.why(),
+                self.stage,
+                result.max_batch,
+                result.configured_max,
+                result.device,
+                result.why(),
             )
         else:
-            self.log.info("%s: batch %d fits on %s (peak reserved %s, kept reserved)",
-                          self.stage, result.max_batch, result.device, fmt_bytes(result.peak_reserved))
+            self.log.info(
+                "%s: batch %d fits on %s (peak reserved %s, kept reserved)",
+                self.stage,
+                result.max_batch,
+                result.device,
+                fmt_bytes(result.peak_reserved),
+            )
         return result
 
 

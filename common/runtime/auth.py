@@ -73,7 +73,9 @@ def new_stage_key(environ: Mapping[str, str] = os.environ) -> str:
     return environ.get(STAGE_KEY_ENV, "").strip() or secrets.token_urlsafe(32)
 
 
-def with_stage_key(keys: ApiKeys | None, svc: ServiceConfig, environ: Mapping[str, str] = os.environ) -> ApiKeys | None:
+def with_stage_key(
+    keys: ApiKeys | None, svc: ServiceConfig, environ: Mapping[str, str] = os.environ
+) -> ApiKeys | None:
     """`keys` plus the stage key, for a port of a stage (not the gateway) when the deployment has one."""
     key = stage_key(environ)
     if not key or svc.kind == "gateway":
@@ -94,7 +96,9 @@ def publish_stage_key(cfg_path: str | Path, key: str) -> Path:
     path = stage_key_path(cfg_path)
     path.parent.mkdir(mode=0o700, exist_ok=True)
     if path.parent.stat().st_uid != os.getuid() or path.parent.stat().st_mode & 0o077:
-        raise SecretError(f"{path.parent}: not a private directory of this user; the stage key is not written")
+        raise SecretError(
+            f"{path.parent}: not a private directory of this user; the stage key is not written"
+        )
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -142,9 +146,15 @@ def _interceptor(base: type, method: str) -> type:
     return type(f"StageKey{base.__name__}", (_StageKey, base), {method: intercept})
 
 
-_INTERCEPTORS = [_interceptor(base, f"intercept_{kind}") for base, kind in (
-    (grpc.aio.UnaryUnaryClientInterceptor, "unary_unary"), (grpc.aio.UnaryStreamClientInterceptor, "unary_stream"),
-    (grpc.aio.StreamUnaryClientInterceptor, "stream_unary"), (grpc.aio.StreamStreamClientInterceptor, "stream_stream"))]
+_INTERCEPTORS = [
+    _interceptor(base, f"intercept_{kind}")
+    for base, kind in (
+        (grpc.aio.UnaryUnaryClientInterceptor, "unary_unary"),
+        (grpc.aio.UnaryStreamClientInterceptor, "unary_stream"),
+        (grpc.aio.StreamUnaryClientInterceptor, "stream_unary"),
+        (grpc.aio.StreamStreamClientInterceptor, "stream_stream"),
+    )
+]
 
 
 def stage_interceptors(environ: Mapping[str, str] = os.environ) -> list[grpc.aio.ClientInterceptor]:
@@ -202,14 +212,18 @@ def admin_keys(svc: ServiceConfig, environ: Mapping[str, str] = os.environ) -> A
     return ApiKeys(tuple(k.encode() for k in _env_keys(svc.admin_api_key_env, key_path, environ)), key_path)
 
 
-def admin_metadata(svc: ServiceConfig, environ: Mapping[str, str] = os.environ) -> tuple[tuple[str, str], ...]:
+def admin_metadata(
+    svc: ServiceConfig, environ: Mapping[str, str] = os.environ
+) -> tuple[tuple[str, str], ...]:
     """What a client of the service's Control API sends (launcher, CLI, gateway): its admin key, else
     the stage key for a stage, if any."""
     keys = with_stage_key(admin_keys(svc, environ), svc, environ)
     return bearer(keys.keys[0].decode()) if keys else ()
 
 
-def client_metadata(svc: ServiceConfig, environ: Mapping[str, str] = os.environ) -> tuple[tuple[str, str], ...]:
+def client_metadata(
+    svc: ServiceConfig, environ: Mapping[str, str] = os.environ
+) -> tuple[tuple[str, str], ...]:
     """What a client of the service's public API sends: its first API key, if it has any."""
     keys = api_keys(svc, environ)
     return bearer(keys.keys[0].decode()) if keys else ()
@@ -265,7 +279,11 @@ def tls_credentials(
 def check_secrets(svc: ServiceConfig, environ: Mapping[str, str] = os.environ) -> list[str]:
     """Every secret the service needs, read once: the problems (for `serve` before anything starts)."""
     problems = []
-    for load in (lambda: api_keys(svc, environ), lambda: admin_keys(svc, environ), lambda: server_credentials(svc)):
+    for load in (
+        lambda: api_keys(svc, environ),
+        lambda: admin_keys(svc, environ),
+        lambda: server_credentials(svc),
+    ):
         try:
             load()
         except SecretError as exc:

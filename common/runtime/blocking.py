@@ -44,4 +44,3 @@ def busy() -> list[str]:
     """Names of the blocking threads still running (a stop came in the middle of their work)."""
     with _lock:
         return sorted(t.name for t in _threads if t.is_alive())
-

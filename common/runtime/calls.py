@@ -87,8 +87,15 @@ class CallGuard:
 
     # -- wrapping ----------------------------------------------------------------------------
 
-    def wrap(self, path: str, handler: grpc.RpcMethodHandler, *, keys: ApiKeys | None, stage: bool,
-             bounds: WireBounds | None = None) -> grpc.RpcMethodHandler:
+    def wrap(
+        self,
+        path: str,
+        handler: grpc.RpcMethodHandler,
+        *,
+        keys: ApiKeys | None,
+        stage: bool,
+        bounds: WireBounds | None = None,
+    ) -> grpc.RpcMethodHandler:
         """`handler` behind the guard. `keys`: the API keys it needs (None: open). `stage`: a stage API
         method (refused while draining, tracked in flight, counted in metrics); else health, reflection
         or Control. `bounds`: the request's wire bounds (default: the record budget of its type)."""
@@ -109,8 +116,13 @@ class CallGuard:
         metrics.rpc_latency().labels(self.service, method).observe(time.monotonic() - started)
 
     def undecodable(self, path: str, type_name: str, received: Received) -> InvalidRequest:
-        self._bad_bytes_log.log(logging.WARNING, "undecodable request refused", method=path, bytes=received.nbytes,
-                                error=received.error)
+        self._bad_bytes_log.log(
+            logging.WARNING,
+            "undecodable request refused",
+            method=path,
+            bytes=received.nbytes,
+            error=received.error,
+        )
         return InvalidRequest(f"request is not a valid {type_name}: {received.error}")
 
 
@@ -139,7 +151,9 @@ def _async_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
 class _Method:
     """The guard of one method: admission before the handler, the status and its count after."""
 
-    def __init__(self, guard: CallGuard, path: str, keys: ApiKeys | None, stage: bool, streaming_request: bool):
+    def __init__(
+        self, guard: CallGuard, path: str, keys: ApiKeys | None, stage: bool, streaming_request: bool
+    ):
         self.guard = guard
         self.path = path
         self.keys = keys
@@ -213,8 +227,9 @@ class _Method:
             raise self.guard.undecodable(self.path, self.type_name, received)
         self.guard.trimmer.request_done(received.nbytes)
 
-    async def end(self, exc: BaseException, token: InFlight | None, context: grpc.aio.ServicerContext,
-                  started: float) -> None:
+    async def end(
+        self, exc: BaseException, token: InFlight | None, context: grpc.aio.ServicerContext, started: float
+    ) -> None:
         """Count the status the client gets for `exc`, then send it (raises AbortError) or let `exc` go on.
 
         The finished frames of `exc`'s traceback are cleared first: grpc keeps the last call's abort
@@ -231,8 +246,9 @@ class _Method:
             _log.error("handler failed: %s", details, exc_info=exc)
         await context.abort(code, details, trailing_metadata=trailing)
 
-    def status(self, exc: BaseException, token: InFlight | None, context: grpc.aio.ServicerContext
-               ) -> tuple[grpc.StatusCode, str | None, tuple[tuple[str, str], ...]]:
+    def status(
+        self, exc: BaseException, token: InFlight | None, context: grpc.aio.ServicerContext
+    ) -> tuple[grpc.StatusCode, str | None, tuple[tuple[str, str], ...]]:
         """(code, details to send or None when the status is already decided, trailing metadata)."""
         if isinstance(exc, asyncio.CancelledError) and token is not None and token.aborted:
             # Our drain deadline, not the client: tell the client why.
@@ -240,8 +256,9 @@ class _Method:
         return status_of(exc, context)
 
 
-def status_of(exc: BaseException, context: grpc.aio.ServicerContext
-              ) -> tuple[grpc.StatusCode, str | None, tuple[tuple[str, str], ...]]:  # fmt: skip
+def status_of(
+    exc: BaseException, context: grpc.aio.ServicerContext
+) -> tuple[grpc.StatusCode, str | None, tuple[tuple[str, str], ...]]:
     """The status a handler's exception gives the client: (code, details to send or None when the
     status is already decided, trailing metadata). A cancelled handler is CANCELLED, or
     DEADLINE_EXCEEDED when the client's deadline has passed."""

@@ -37,7 +37,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def __init__(self, runtime: ServiceRuntime) -> None:
         self._rt = runtime
 
-    async def Describe(self, request: control_pb2.DescribeRequest, context: Any) -> control_pb2.DescribeResponse:
+    async def Describe(
+        self, request: control_pb2.DescribeRequest, context: Any
+    ) -> control_pb2.DescribeResponse:
         return describe(self._rt)
 
     async def Drain(self, request: control_pb2.DrainRequest, context: Any) -> control_pb2.DrainResponse:

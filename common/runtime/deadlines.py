@@ -43,15 +43,25 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout_s: float, what:
     _, pending = await asyncio.wait(tasks, timeout=timeout_s)
     if pending:
         names = ", ".join(sorted(t.get_name() for t in pending))
-        _log.error("%s: %d task(s) still running %gs after their cancellation: %s", what, len(pending), timeout_s,
-                   names)
+        _log.error(
+            "%s: %d task(s) still running %gs after their cancellation: %s",
+            what,
+            len(pending),
+            timeout_s,
+            names,
+        )
     return list(pending)
 
 
-def timeout_message(timeout_s: float, what: str, stage: str = "", rank: int | None = None, phase: str = "") -> str:
+def timeout_message(
+    timeout_s: float, what: str, stage: str = "", rank: int | None = None, phase: str = ""
+) -> str:
     """`timed out after 5s waiting for X (stage thinker, rank 1, phase loading_weights)`."""
-    where = [f"stage {stage}" if stage else "", f"rank {rank}" if rank is not None else "",
-             f"phase {phase}" if phase else ""]
+    where = [
+        f"stage {stage}" if stage else "",
+        f"rank {rank}" if rank is not None else "",
+        f"phase {phase}" if phase else "",
+    ]
     where_text = ", ".join(w for w in where if w)
     return f"timed out after {timeout_s:g}s waiting for {what}" + (f" ({where_text})" if where_text else "")
 
@@ -109,7 +119,12 @@ def wait_for(
 
 
 def wait_event(
-    event: threading.Event, timeout_s: float, what: str, stage: str = "", rank: int | None = None, phase: str = ""
+    event: threading.Event,
+    timeout_s: float,
+    what: str,
+    stage: str = "",
+    rank: int | None = None,
+    phase: str = "",
 ) -> None:
     """`event.wait` that raises StartupTimeout instead of returning False."""
     if not event.wait(timeout_s):
@@ -149,7 +164,12 @@ async def with_deadline(
 
 
 async def wait_event_async(
-    event: asyncio.Event, timeout_s: float, what: str, stage: str = "", rank: int | None = None, phase: str = ""
+    event: asyncio.Event,
+    timeout_s: float,
+    what: str,
+    stage: str = "",
+    rank: int | None = None,
+    phase: str = "",
 ) -> None:
     """`asyncio.Event.wait` with a deadline and a message."""
     await with_deadline(event.wait(), timeout_s, what, stage, rank, phase)

@@ -27,7 +27,9 @@ class HandlerCollector:
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         self.generic.extend(handlers)
 
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
         for name, handler in handlers.items():
             self.methods[f"/{service}/{name}"] = handler
 

@@ -69,7 +69,9 @@ class MemoryTrimmer:
         assert self._trim is not None
         before = _rss_bytes()
         self._trim(0)
-        _log.debug("malloc_trim after a large request: RSS %.0f -> %.0f MiB", before / 2**20, _rss_bytes() / 2**20)
+        _log.debug(
+            "malloc_trim after a large request: RSS %.0f -> %.0f MiB", before / 2**20, _rss_bytes() / 2**20
+        )
 
     def cancel(self) -> None:
         if self._pending is not None:

@@ -68,7 +68,9 @@ def watch_parent(exit_after_s: float = ORPHAN_EXIT_S) -> None:
     if _parent is not None:
         return
     parent = _parent = die_with_launcher() or os.getppid()
-    threading.Thread(target=_watchdog, args=(parent, exit_after_s), name="parent-watchdog", daemon=True).start()
+    threading.Thread(
+        target=_watchdog, args=(parent, exit_after_s), name="parent-watchdog", daemon=True
+    ).start()
 
 
 def _wait_gone(pid: int) -> None:

@@ -119,15 +119,23 @@ class PhaseReporter:
         self._apply_fault(phase)
 
     def progress(
-        self, done: int | None = None, *, total: int | None = None, detail: str | None = None, advance: int = 0
+        self,
+        done: int | None = None,
+        *,
+        total: int | None = None,
+        detail: str | None = None,
+        advance: int = 0,
     ) -> None:
         """Update progress inside the current phase (also a heartbeat)."""
         with self._lock:
             s = self._snap
             new_done = (s.done if done is None else done) + advance
             self._snap = dataclasses.replace(
-                s, done=new_done, total=s.total if total is None else total,
-                detail=s.detail if detail is None else detail, updated_unix=time.time(),
+                s,
+                done=new_done,
+                total=s.total if total is None else total,
+                detail=s.detail if detail is None else detail,
+                updated_unix=time.time(),
             )
         self._changed()
 
@@ -161,8 +169,13 @@ class PhaseReporter:
     def to_proto(self) -> control_pb2.PhaseProgress:
         s = self._snap
         return control_pb2.PhaseProgress(
-            phase=phase_to_proto(s.phase), done=s.done, total=s.total, unit=s.unit, detail=s.detail,
-            updated_unix_ms=int(s.updated_unix * 1000), elapsed_s=s.elapsed_s,
+            phase=phase_to_proto(s.phase),
+            done=s.done,
+            total=s.total,
+            unit=s.unit,
+            detail=s.detail,
+            updated_unix_ms=int(s.updated_unix * 1000),
+            elapsed_s=s.elapsed_s,
         )
 
     def _changed(self) -> None:
@@ -177,10 +190,21 @@ class PhaseReporter:
         with self._lock:  # build and write under one lock: a stale snapshot never overwrites a newer one
             s = self._snap
             record = StatusRecord(
-                service=self.service, rank=self.rank, pid=os.getpid(), phase=s.phase, done=s.done,
-                total=s.total, unit=s.unit, detail=s.detail, heartbeat_unix=s.updated_unix,
-                phase_started_unix=s.phase_started_unix, failure=s.failure, failed_in=s.failed_in,
-                culprit_rank=s.culprit_rank, address=self.address, alive_unix=self._alive_unix,
+                service=self.service,
+                rank=self.rank,
+                pid=os.getpid(),
+                phase=s.phase,
+                done=s.done,
+                total=s.total,
+                unit=s.unit,
+                detail=s.detail,
+                heartbeat_unix=s.updated_unix,
+                phase_started_unix=s.phase_started_unix,
+                failure=s.failure,
+                failed_in=s.failed_in,
+                culprit_rank=s.culprit_rank,
+                address=self.address,
+                alive_unix=self._alive_unix,
             )
             write_status(self.status_file, record)
 

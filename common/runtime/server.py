@@ -116,7 +116,9 @@ class ServiceRuntime:
         self.calls = CallGuard(svc.name, self.trimmer)
         self.calls.refusal = lambda: f"{self.name} is draining" if self._draining else ""
         self._main = _Port(f"services.{svc.name}.port")
-        self._admin = _Port(f"services.{svc.name}.admin_port") if self.admin_port and self.serves_grpc else None
+        self._admin = (
+            _Port(f"services.{svc.name}.admin_port") if self.admin_port and self.serves_grpc else None
+        )
         self._api_keys: auth.ApiKeys | None = None
         self._stage_services: list[str] = []
         self._draining = False
@@ -163,22 +165,34 @@ class ServiceRuntime:
             try:
                 self.metrics_server = metrics.start_metrics_server(self._metrics_port, self.cfg.host)
             except OSError as exc:
-                raise OSError(f"services.{self.name}.metrics_port: cannot bind "
-                              f"{join_host_port(self.cfg.host, self._metrics_port)}: {exc}") from exc
+                raise OSError(
+                    f"services.{self.name}.metrics_port: cannot bind "
+                    f"{join_host_port(self.cfg.host, self._metrics_port)}: {exc}"
+                ) from exc
         if not self.serves_grpc:
             return
         self._api_keys = auth.with_stage_key(auth.api_keys(self.svc), self.svc)  # a stage: the stage key too
         credentials = auth.server_credentials(self.svc)
         admin_keys = auth.with_stage_key(auth.admin_keys(self.svc), self.svc)
         if self.svc.kind != "gateway" and not _is_loopback(self.svc.bind_host):
-            log_fields(_log, logging.WARNING, "internal service listens beyond this host", bind_host=self.svc.bind_host,
-                       hint=f"services.{self.name}.bind_host: only the gateway needs outside clients")
+            log_fields(
+                _log,
+                logging.WARNING,
+                "internal service listens beyond this host",
+                bind_host=self.svc.bind_host,
+                hint=f"services.{self.name}.bind_host: only the gateway needs outside clients",
+            )
         self._add(self._main, health_pb2_grpc.add_HealthServicer_to_server, self._main.health)
         self._refresh_reflection(self._main)
         if self._admin is not None:
             self._admin.services.append(CONTROL_SERVICE)
             self._add(self._admin, health_pb2_grpc.add_HealthServicer_to_server, self._admin.health)
-            self._add(self._admin, control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(self), keys=admin_keys)
+            self._add(
+                self._admin,
+                control_pb2_grpc.add_ControlServicer_to_server,
+                ControlServicer(self),
+                keys=admin_keys,
+            )
             self._refresh_reflection(self._admin)
         await self._sync_health()  # NOT_SERVING before the first client can ask
         try:
@@ -189,11 +203,20 @@ class ServiceRuntime:
             await self._stop_servers()  # a half-started service must not keep a port
             raise
         self.reporter.set_address(self.address)
-        log_fields(_log, logging.INFO, "listening", address=self.address, admin=self.admin_address or "off",
-                   tls="on" if credentials else "off", api_keys="on" if self._api_keys else "off",
-                   metrics_port=self._metrics_port or "off")
+        log_fields(
+            _log,
+            logging.INFO,
+            "listening",
+            address=self.address,
+            admin=self.admin_address or "off",
+            tls="on" if credentials else "off",
+            api_keys="on" if self._api_keys else "off",
+            metrics_port=self._metrics_port or "off",
+        )
 
-    async def _bind(self, port: _Port, host: str, number: int, credentials: grpc.ServerCredentials | None) -> int:
+    async def _bind(
+        self, port: _Port, host: str, number: int, credentials: grpc.ServerCredentials | None
+    ) -> int:
         limit = self.svc.max_message_bytes
         server = grpc.aio.server(
             options=[
@@ -208,7 +231,9 @@ class ServiceRuntime:
         server.add_generic_rpc_handlers((port.dispatcher,))
         where = join_host_port(host, number)
         try:
-            bound = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
+            bound = (
+                server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
+            )
         except RuntimeError as exc:
             raise OSError(f"{port.key}: cannot bind {where} (in use?): {exc}") from exc
         if bound == 0:
@@ -217,20 +242,32 @@ class ServiceRuntime:
         port.server, port.address = server, join_host_port(host, bound)
         return bound
 
-    def add_servicer(self, add_fn: Callable[[Any, Any], None], servicer: Any, full_service_name: str,
-                     bounds: Mapping[str, WireBounds] | None = None) -> None:
+    def add_servicer(
+        self,
+        add_fn: Callable[[Any, Any], None],
+        servicer: Any,
+        full_service_name: str,
+        bounds: Mapping[str, WireBounds] | None = None,
+    ) -> None:
         """Serve a stage API on the main port: `add_fn` is the generated `add_<X>Servicer_to_server`.
 
         Its RPCs need the API key when one is configured, are refused with UNAVAILABLE while
         draining, tracked in flight, counted in metrics, and exceptions go through the error table.
         `bounds`: method name → the wire bounds of its request (default: the record budget).
         """
-        methods = {m: h for m, h in collect(add_fn, servicer).items() if m.startswith(f"/{full_service_name}/")}
+        methods = {
+            m: h for m, h in collect(add_fn, servicer).items() if m.startswith(f"/{full_service_name}/")
+        }
         if not methods:
             raise ValueError(f"{full_service_name}: add function registered no methods of that service")
         for path, handler in methods.items():
             self._main.dispatcher.methods[path] = self.calls.wrap(
-                path, handler, keys=self._api_keys, stage=True, bounds=(bounds or {}).get(path.rsplit("/", 1)[-1]))
+                path,
+                handler,
+                keys=self._api_keys,
+                stage=True,
+                bounds=(bounds or {}).get(path.rsplit("/", 1)[-1]),
+            )
         if full_service_name not in self._stage_services:
             self._stage_services.append(full_service_name)
             self._main.services.append(full_service_name)
@@ -371,8 +408,10 @@ class ServiceRuntime:
         Returns (completed during the drain, aborted).
         """
         if by == DRAIN_BY_CONTROL and (self.stop_requested or self.phase not in ("serving", "draining")):
-            raise FailedPrecondition(f"{self.name} is in phase {self.phase}"
-                                     f"{' (stopping)' if self.stop_requested else ''}: only a serving service drains")
+            raise FailedPrecondition(
+                f"{self.name} is in phase {self.phase}"
+                f"{' (stopping)' if self.stop_requested else ''}: only a serving service drains"
+            )
         grace = self.svc.drain_grace_s if grace_s is None else grace_s
         finished_before = self.calls.finished
         self._draining, self._drain_by = True, by or self._stop_cause
@@ -385,7 +424,9 @@ class ServiceRuntime:
             return self.calls.finished - finished_before, 0
         aborted = self.calls.abort_all() if self.calls.calls else 0
         if aborted:
-            log_fields(_log, logging.WARNING, "drain deadline passed, cancelling", requests=aborted, grace_s=grace)
+            log_fields(
+                _log, logging.WARNING, "drain deadline passed, cancelling", requests=aborted, grace_s=grace
+            )
             await self._wait_idle_or_resumed(_CANCEL_WAIT_S)
         return self.calls.finished - finished_before, aborted
 
@@ -402,8 +443,9 @@ class ServiceRuntime:
     def resume(self) -> None:
         """Serve again after a drain by Control (not after a stop: SIGTERM is final)."""
         if self.stop_requested or self.phase in ("stopped", "failed"):
-            raise FailedPrecondition(f"{self.name} is stopping ({self._drain_by or self._stop_cause}); a stop cannot "
-                                     "be resumed")
+            raise FailedPrecondition(
+                f"{self.name} is stopping ({self._drain_by or self._stop_cause}); a stop cannot be resumed"
+            )
         if not self._draining:
             raise FailedPrecondition(f"{self.name} is not draining (phase {self.phase})")
         if self._drain_by != DRAIN_BY_CONTROL:
@@ -420,8 +462,9 @@ class ServiceRuntime:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _add(self, port: _Port, add_fn: Callable[[Any, Any], None], servicer: Any,
-             keys: auth.ApiKeys | None = None) -> None:
+    def _add(
+        self, port: _Port, add_fn: Callable[[Any, Any], None], servicer: Any, keys: auth.ApiKeys | None = None
+    ) -> None:
         for path, handler in collect(add_fn, servicer).items():
             port.dispatcher.methods[path] = self.calls.wrap(path, handler, keys=keys, stage=False)
 
@@ -462,4 +505,3 @@ def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
-

@@ -72,7 +72,11 @@ async def serve(runtime: ServiceRuntime, build: BuildFn) -> int:
         # A TP rank that leaves because of another rank's failure names that rank (`culprit_rank`),
         # so the launcher blames the rank at fault, whichever rank's status it reads first.
         runtime.fail(cause, getattr(exc, "culprit_rank", None))
-        print(f"omnistage: {runtime.name} r{runtime.rank} failed in {phase}: {cause}", file=sys.stderr, flush=True)
+        print(
+            f"omnistage: {runtime.name} r{runtime.rank} failed in {phase}: {cause}",
+            file=sys.stderr,
+            flush=True,
+        )
         with contextlib.suppress(Exception):
             await within(runtime.shutdown(), _BUILD_CANCEL_WAIT_S)
         return 1
@@ -83,7 +87,9 @@ async def _serve_then_exit(runtime: ServiceRuntime, build: BuildFn) -> int:
     code = await serve(runtime, build)
 
     def exit_now() -> None:
-        _log.warning("still running %.1fs after stopping (a clean-up that does not end): exiting", _EXIT_WAIT_S)
+        _log.warning(
+            "still running %.1fs after stopping (a clean-up that does not end): exiting", _EXIT_WAIT_S
+        )
         _exit_flushed(code)
 
     timer = threading.Timer(_EXIT_WAIT_S, exit_now)

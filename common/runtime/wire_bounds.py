@@ -90,7 +90,7 @@ class _Walk:
                     if repeated:
                         self._count(counts, number, sub)
                     if sub_type is not None:
-                        self.message(data[pos:pos + length], sub_type, sub, depth + 1)
+                        self.message(data[pos : pos + length], sub_type, sub, depth + 1)
                 pos += length
             else:
                 raise _Malformed  # groups (3, 4) are not used by these protos; 6, 7 do not exist
@@ -114,7 +114,11 @@ def _fields(descriptor: Descriptor) -> dict[int, tuple[str, bool, Descriptor | N
     table = _FIELDS.get(descriptor.full_name)
     if table is None:
         table = {
-            fd.number: (fd.name, fd.is_repeated, fd.message_type if fd.type == FieldDescriptor.TYPE_MESSAGE else None)
+            fd.number: (
+                fd.name,
+                fd.is_repeated,
+                fd.message_type if fd.type == FieldDescriptor.TYPE_MESSAGE else None,
+            )
             for fd in descriptor.fields
         }
         _FIELDS[descriptor.full_name] = table

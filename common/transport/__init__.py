@@ -2,12 +2,7 @@
 
 from omnistage.common.transport.dtypes import SUPPORTED_DTYPES, from_proto_dtype, to_proto_dtype
 from omnistage.common.transport.host import TransportError, host_id, sweep_stale_segments
-from omnistage.common.transport.tensor_ref import (
-    TransportContext,
-    TransportOptions,
-    decode,
-    encode,
-)
+from omnistage.common.transport.tensor_ref import TransportContext, TransportOptions, decode, encode
 
 __all__ = [
     "SUPPORTED_DTYPES",

@@ -187,8 +187,14 @@ class CudaIpcPool:
         except BaseException:
             rt.free(device, self._ptr)
             raise
-        self.arena = LeaseArena.format(self.segment, max_leases, byte_size, data_in_segment=False,
-                                       lease_ttl_s=lease_ttl_s, alignment=alignment)
+        self.arena = LeaseArena.format(
+            self.segment,
+            max_leases,
+            byte_size,
+            data_in_segment=False,
+            lease_ttl_s=lease_ttl_s,
+            alignment=alignment,
+        )
         self.table = self.arena.table
         self._closed = False
         _LOCAL_POOLS[self.pool_id] = self
@@ -202,7 +208,9 @@ class CudaIpcPool:
         nbytes = tensor.numel() * tensor.element_size()
 
         def copy(lease: Lease) -> None:
-            dst = typed_view(self.buffer[lease.offset : lease.offset + nbytes], tensor.dtype, tuple(tensor.shape))
+            dst = typed_view(
+                self.buffer[lease.offset : lease.offset + nbytes], tensor.dtype, tuple(tensor.shape)
+            )
             with torch.cuda.device(self.device):
                 dst.copy_(tensor)
                 torch.cuda.current_stream(self.device).synchronize()

@@ -16,8 +16,16 @@ from functools import cache
 
 from omnistage.common.shm_names import SEGMENT_PREFIX, SHM_DIR, segment_owner_pid
 
-__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "Segment", "TransportError", "host_id", "pid_alive", "segment_owner_pid",
-           "sweep_stale_segments"]
+__all__ = [
+    "SEGMENT_PREFIX",
+    "SHM_DIR",
+    "Segment",
+    "TransportError",
+    "host_id",
+    "pid_alive",
+    "segment_owner_pid",
+    "sweep_stale_segments",
+]
 
 
 class TransportError(RuntimeError):

@@ -107,8 +107,16 @@ class LeaseArena:
         self._seq = 0
 
     @classmethod
-    def format(cls, segment: Segment, max_leases: int, capacity: int, *, data_in_segment: bool, lease_ttl_s: float,
-               alignment: int) -> LeaseArena:
+    def format(
+        cls,
+        segment: Segment,
+        max_leases: int,
+        capacity: int,
+        *,
+        data_in_segment: bool,
+        lease_ttl_s: float,
+        alignment: int,
+    ) -> LeaseArena:
         """Write a lease table of `max_leases` slots at the start of `segment` and lease `capacity` bytes
         through it: the segment's own data region (shm) or memory elsewhere (a CUDA IPC buffer)."""
         LeaseTable.format(segment, max_leases, capacity if data_in_segment else 0)
@@ -268,8 +276,14 @@ class ShmPool:
             raise ValueError(f"bad pool geometry: data_bytes={data_bytes} alignment={alignment}")
         data_bytes = _align(data_bytes, _PAGE)
         self.segment = Segment.create(table_bytes(max_leases) + data_bytes, shm_dir=shm_dir, reserve=reserve)
-        self.arena = LeaseArena.format(self.segment, max_leases, data_bytes, data_in_segment=True,
-                                       lease_ttl_s=lease_ttl_s, alignment=alignment)
+        self.arena = LeaseArena.format(
+            self.segment,
+            max_leases,
+            data_bytes,
+            data_in_segment=True,
+            lease_ttl_s=lease_ttl_s,
+            alignment=alignment,
+        )
         self.table = self.arena.table
         self._closed = False
 
@@ -285,8 +299,11 @@ class ShmPool:
         """Copy `tensor` (any strides/device) into a new slice; None if the pool cannot fit it in time."""
         nbytes = tensor.numel() * tensor.element_size()
         base = self.table.data_offset
-        lease = self.arena.fill(nbytes, lambda lease: copy_bytes(_u8_view(self.segment, base + lease.offset, nbytes),
-                                                                 tensor), wait_s=wait_s)
+        lease = self.arena.fill(
+            nbytes,
+            lambda lease: copy_bytes(_u8_view(self.segment, base + lease.offset, nbytes), tensor),
+            wait_s=wait_s,
+        )
         if lease is None:
             return None
         offset = base + lease.offset

@@ -37,8 +37,9 @@ SECONDS = metrics.histogram(
     "transport_transfer_seconds",
     "Wall time of one tensor's encode (copy into the pool or into inline bytes) or decode (map and copy "
     "out), by path and direction",
-    ("path", "direction"), buckets=metrics.FINE_BUCKETS_S,
-)  # fmt: skip
+    ("path", "direction"),
+    buckets=metrics.FINE_BUCKETS_S,
+)
 FALLBACKS = metrics.counter(
     "transport_fallbacks",
     "Tensors that wanted shared memory but went another way (pool_full, too_large, shm_unavailable, "
@@ -283,8 +284,9 @@ def _put(pool, tensor: torch.Tensor, nbytes: int, ctx: TransportContext, unavail
     return out
 
 
-def _count(ref: tensor_pb2.TensorRef, path: str, direction: str, nbytes: int, started: float
-           ) -> tensor_pb2.TensorRef:  # fmt: skip
+def _count(
+    ref: tensor_pb2.TensorRef, path: str, direction: str, nbytes: int, started: float
+) -> tensor_pb2.TensorRef:
     service = metrics.process_service()
     TENSORS.labels(service, path, direction).inc()
     BYTES.labels(service, path, direction).inc(nbytes)

@@ -37,36 +37,59 @@ class EncoderStartup(StageStartup):
 
     def load(self) -> None:
         b = self.boot
-        self.models = load_encoders(b.checkpoint, dtype=b.dtype, device=b.device, progress=b.progress.shards,
-                                    dummy=b.dummy_weights)
+        self.models = load_encoders(
+            b.checkpoint, dtype=b.dtype, device=b.device, progress=b.progress.shards, dummy=b.dummy_weights
+        )
 
     def stress(self) -> None:
         b = self.boot
         self.limits = ItemLimits.of(b.svc.encoder, self.models.config)
-        self.profile = startup.profile(self.models, b.mem, self.limits, b.allocator_budget, b.progress.in_phase)
+        self.profile = startup.profile(
+            self.models, b.mem, self.limits, b.allocator_budget, b.progress.in_phase
+        )
 
     async def warm_up(self) -> None:
         b, ecfg = self.boot, self.boot.svc.encoder
-        transport = TransportContext(TransportOptions(shm_threshold_bytes=ecfg.inline_max_bytes,
-                                                      shm_pool_bytes=ecfg.transport_pool_bytes,
-                                                      cuda_pool_bytes=ecfg.transport_pool_bytes,
-                                                      lease_ttl_s=ecfg.lease_ttl_s))
+        transport = TransportContext(
+            TransportOptions(
+                shm_threshold_bytes=ecfg.inline_max_bytes,
+                shm_pool_bytes=ecfg.transport_pool_bytes,
+                cuda_pool_bytes=ecfg.transport_pool_bytes,
+                lease_ttl_s=ecfg.lease_ttl_s,
+            )
+        )
         if self.cuda_pool_bytes and transport.cuda_pool(torch.device(b.device).index) is None:
             self.cuda_pool_bytes = 0  # CUDA IPC unavailable here: embeddings go through shm
-        self.engine = EncoderEngine(self.models, ecfg, transport, self.profile.caps, service=b.svc.name,
-                                    on_failure=lambda exc: b.runtime.fail(str(exc)))
+        self.engine = EncoderEngine(
+            self.models,
+            ecfg,
+            transport,
+            self.profile.caps,
+            service=b.svc.name,
+            on_failure=lambda exc: b.runtime.fail(str(exc)),
+        )
         self.engine.start(asyncio.get_running_loop())
-        b.runtime.add_shutdown_hook(transport.close)  # hooks run last-added first: the engine stops, then the pool
+        b.runtime.add_shutdown_hook(
+            transport.close
+        )  # hooks run last-added first: the engine stops, then the pool
         b.runtime.add_shutdown_hook(self.engine.stop)
         await startup.warm_up(self.engine)
 
     def serve(self) -> None:
         svc, prof, runtime = self.boot.svc, self.profile, self.boot.runtime
-        runtime.add_servicer(encoder_pb2_grpc.add_EncoderServicer_to_server, EncoderServicer(self.engine),
-                             "omnistage.v1.Encoder")
-        runtime.set_limits_provider(lambda: control_pb2.Limits(
-            max_message_bytes=svc.max_message_bytes, max_vision_batch_items=prof.vision.max_batch,
-            max_audio_batch_items=prof.audio.max_batch, max_items_per_request=svc.encoder.max_items_per_request))
+        runtime.add_servicer(
+            encoder_pb2_grpc.add_EncoderServicer_to_server,
+            EncoderServicer(self.engine),
+            "omnistage.v1.Encoder",
+        )
+        runtime.set_limits_provider(
+            lambda: control_pb2.Limits(
+                max_message_bytes=svc.max_message_bytes,
+                max_vision_batch_items=prof.vision.max_batch,
+                max_audio_batch_items=prof.audio.max_batch,
+                max_items_per_request=svc.encoder.max_items_per_request,
+            )
+        )
         self.engine.export_lease_gauges()
         self.engine.export_queue_time()
 

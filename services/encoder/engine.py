@@ -129,7 +129,9 @@ class EncoderEngine:
 
     def export_lease_gauges(self) -> None:
         """/metrics: embeddings handed out and not yet released (a leak shows as a gauge that never falls)."""
-        active = metrics.gauge("encoder_leases_active", "Embedding slices leased to consumers, not yet released")
+        active = metrics.gauge(
+            "encoder_leases_active", "Embedding slices leased to consumers, not yet released"
+        )
         used = metrics.gauge("encoder_leased_bytes", "Bytes of the shm pool leased to consumers")
         active.labels(self.service).set_function(lambda: self.leases()[0])
         used.labels(self.service).set_function(lambda: self.leases()[1])
@@ -205,11 +207,17 @@ class EncoderEngine:
             raise DeadlineExceeded(f"{self.service}: deadline passed before the {modality} forward")
         try:
             out = await self._submit(modality, x, wait)
-        except torch.OutOfMemoryError as exc:  # the stress cap should prevent this; tell the client to back off
-            raise Overloaded(f"{self.service}: {modality} forward ran out of device memory", retry_after_ms=1000) from exc
+        except (
+            torch.OutOfMemoryError
+        ) as exc:  # the stress cap should prevent this; tell the client to back off
+            raise Overloaded(
+                f"{self.service}: {modality} forward ran out of device memory", retry_after_ms=1000
+            ) from exc
         except TimeoutError as exc:
             if time.monotonic() >= deadline:
-                raise DeadlineExceeded(f"{self.service}: deadline passed waiting for a {modality} batch slot") from exc
+                raise DeadlineExceeded(
+                    f"{self.service}: deadline passed waiting for a {modality} batch slot"
+                ) from exc
             raise Overloaded(f"{exc}", retry_after_ms=500) from exc
         if out.shape[0] != x.num_tokens:
             raise RuntimeError(f"{x.kind} produced {out.shape[0]} rows, expected {x.num_tokens}")
@@ -258,7 +266,9 @@ class EncoderEngine:
         return encode(t, transport=self.transport)
 
     def _output(self, x: ModelInput, ref: tensor_pb2.TensorRef) -> EncodedOutput:
-        common = dict(kind=x.kind, ref=ref, num_tokens=x.num_tokens, placeholder_token_id=self.placeholders[x.kind])
+        common = dict(
+            kind=x.kind, ref=ref, num_tokens=x.num_tokens, placeholder_token_id=self.placeholders[x.kind]
+        )
         if isinstance(x, AudioInput):
             return EncodedOutput(**common, duration_s=x.duration_s)
         return EncodedOutput(

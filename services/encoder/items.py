@@ -93,7 +93,9 @@ def prepare_item(item: MediaItem, limits: ItemLimits) -> ModelInput:
 def _image(item: MediaItem, limits: ItemLimits) -> VisionInput:
     e, v = limits.encoder, limits.model.vision
     image = media.decode_image(item.data, e.max_input_image_pixels)
-    size = preprocess.smart_resize(image.height, image.width, v.pixels_per_token, e.image_min_pixels, e.image_max_pixels)
+    size = preprocess.smart_resize(
+        image.height, image.width, v.pixels_per_token, e.image_min_pixels, e.image_max_pixels
+    )
     frames = preprocess.image_frames(image, size)
     return VisionInput(frames, preprocess.frames_grid(frames, v), "image", size, v.spatial_merge_size)
 
@@ -118,7 +120,9 @@ def _video_file(item: MediaItem, limits: ItemLimits) -> VisionInput:
 def _video_frames(item: MediaItem, limits: ItemLimits) -> VisionInput:
     e = limits.encoder
     if len(item.frames) > e.max_video_frames:
-        raise MediaError(f"{len(item.frames)} frames exceed the limit of {e.max_video_frames} (encoder.max_video_frames)")
+        raise MediaError(
+            f"{len(item.frames)} frames exceed the limit of {e.max_video_frames} (encoder.max_video_frames)"
+        )
     if item.fps < 0:
         raise MediaError(f"frames.fps must be >= 0, got {item.fps}")
     fps = item.fps or preprocess.VIDEO_FPS
@@ -135,11 +139,17 @@ def _video_frames(item: MediaItem, limits: ItemLimits) -> VisionInput:
     return _video_input([preprocess.resize_rgb(img, size) for img in images], times, size, limits)
 
 
-def _video_input(frames: list[np.ndarray], times: list[float], size: tuple[int, int], limits: ItemLimits) -> VisionInput:
+def _video_input(
+    frames: list[np.ndarray], times: list[float], size: tuple[int, int], limits: ItemLimits
+) -> VisionInput:
     stacked = preprocess.stack_frames(frames)
     v = limits.model.vision
     return VisionInput(
-        stacked, preprocess.frames_grid(stacked, v), "video", size, v.spatial_merge_size,
+        stacked,
+        preprocess.frames_grid(stacked, v),
+        "video",
+        size,
+        v.spatial_merge_size,
         timestamps_s=tuple(preprocess.temporal_patch_times(times)),
         duration_s=times[-1] - times[0],
     )

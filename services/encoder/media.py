@@ -72,8 +72,10 @@ def check_frame_size(kind: str, width: int, height: int, max_input_pixels: int) 
         raise MediaError(f"zero-size {kind} ({width}x{height})")
     if width * height > max_input_pixels:
         frame = "image" if kind == "image" else f"{kind} frame"
-        raise MediaError(f"{frame} of {width}x{height} = {width * height} pixels exceeds the limit of "
-                         f"{max_input_pixels} (encoder.max_input_image_pixels)")
+        raise MediaError(
+            f"{frame} of {width}x{height} = {width * height} pixels exceeds the limit of "
+            f"{max_input_pixels} (encoder.max_input_image_pixels)"
+        )
 
 
 def decode_image(data: bytes, max_input_pixels: int) -> Image.Image:
@@ -143,7 +145,9 @@ def _check_wav_complete(data: bytes) -> None:
         if chunk == b"data":
             available = len(data) - pos - 8
             if size not in _WAV_UNKNOWN_SIZES and size > available:
-                raise MediaError(f"truncated audio: the WAV header declares {size} data bytes, the file holds {available}")
+                raise MediaError(
+                    f"truncated audio: the WAV header declares {size} data bytes, the file holds {available}"
+                )
             return
         pos += 8 + size + (size & 1)
 
@@ -175,8 +179,14 @@ def decode_audio(data: bytes, max_seconds: float) -> DecodedAudio:
             raise MediaError(f"corrupt or truncated audio: {exc.strerror or exc}") from None
     if out.samples.size == 0:
         raise MediaError("audio has no samples")
-    if names & set(_EXACT_LENGTH_FORMATS) and declared is not None and out.duration_s < declared - _TRUNCATION_SLACK_S:
-        raise MediaError(f"truncated audio: the header declares {declared:.3f} s, decoded {out.duration_s:.3f} s")
+    if (
+        names & set(_EXACT_LENGTH_FORMATS)
+        and declared is not None
+        and out.duration_s < declared - _TRUNCATION_SLACK_S
+    ):
+        raise MediaError(
+            f"truncated audio: the header declares {declared:.3f} s, decoded {out.duration_s:.3f} s"
+        )
     return out
 
 
@@ -187,7 +197,9 @@ def resample_samples(samples: np.ndarray, sample_rate_hz: int, max_seconds: floa
     if samples.ndim == 2:
         samples = samples[0]
     if samples.ndim != 1 or samples.size == 0:
-        raise MediaError(f"samples must be [num_samples] or [channels, num_samples], got shape {list(samples.shape)}")
+        raise MediaError(
+            f"samples must be [num_samples] or [channels, num_samples], got shape {list(samples.shape)}"
+        )
     if not np.isfinite(samples).all():
         raise MediaError("samples contain NaN or infinity")
     if samples.size / sample_rate_hz > max_seconds:
@@ -198,7 +210,9 @@ def resample_samples(samples: np.ndarray, sample_rate_hz: int, max_seconds: floa
     if sample_rate_hz == SAMPLE_RATE:
         x = samples.astype(np.float32)
         return DecodedAudio(x, x.size / SAMPLE_RATE)
-    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, np.float32)[None, :], format="fltp", layout="mono")
+    frame = av.AudioFrame.from_ndarray(
+        np.ascontiguousarray(samples, np.float32)[None, :], format="fltp", layout="mono"
+    )
     frame.sample_rate = sample_rate_hz
     collector = _Collector(max_seconds)
     collector.add(frame)
@@ -276,5 +290,7 @@ def decode_video_frames(data: bytes, indices: list[int], size: tuple[int, int]) 
         except av.error.FFmpegError as exc:
             raise MediaError(f"corrupt video: {exc.strerror or exc}") from None
     if len(frames) < len(indices):
-        raise MediaError(f"corrupt or truncated video: decoded {len(frames)} of the {len(indices)} sampled frames")
+        raise MediaError(
+            f"corrupt or truncated video: decoded {len(frames)} of the {len(indices)} sampled frames"
+        )
     return frames

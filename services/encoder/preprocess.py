@@ -112,7 +112,9 @@ def image_frames(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
     return stack_frames([resize_rgb(image, size)])
 
 
-def image_patches(image: Image.Image, size: tuple[int, int], cfg: VisionConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def image_patches(
+    image: Image.Image, size: tuple[int, int], cfg: VisionConfig
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """One still image at `size` (h, w) → patches of its 2 duplicated frames."""
     return pixel_patches(image_frames(image, size), cfg)
 
@@ -167,9 +169,12 @@ def _mel_to_hz(m: torch.Tensor) -> torch.Tensor:
 def mel_filters(n_mels: int, sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> torch.Tensor:
     """[n_mels, n_fft/2 + 1] Slaney-normalised triangular filters (librosa's `filters.mel` defaults)."""
     fft_freqs = torch.linspace(0, sample_rate / 2, n_fft // 2 + 1, dtype=torch.float64)
-    mels = torch.linspace(float(_hz_to_mel(torch.tensor(0.0, dtype=torch.float64))),
-                          float(_hz_to_mel(torch.tensor(sample_rate / 2, dtype=torch.float64))),
-                          n_mels + 2, dtype=torch.float64)
+    mels = torch.linspace(
+        float(_hz_to_mel(torch.tensor(0.0, dtype=torch.float64))),
+        float(_hz_to_mel(torch.tensor(sample_rate / 2, dtype=torch.float64))),
+        n_mels + 2,
+        dtype=torch.float64,
+    )
     edges = _mel_to_hz(mels)
     widths = edges[1:] - edges[:-1]
     ramps = edges[:, None] - fft_freqs[None, :]

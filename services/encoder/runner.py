@@ -34,17 +34,26 @@ def batches_counter():
 
 
 def batched_items_counter():
-    return metrics.counter("encoder_batched_items", "Items encoded in those forwards, by modality", ("modality",))
+    return metrics.counter(
+        "encoder_batched_items", "Items encoded in those forwards, by modality", ("modality",)
+    )
 
 
 def batch_size_histogram():
-    return metrics.histogram("encoder_batch_items", "Items per encoder forward, by modality", ("modality",),
-                             buckets=(1, 2, 4, 8, 16, 32, 64))
+    return metrics.histogram(
+        "encoder_batch_items",
+        "Items per encoder forward, by modality",
+        ("modality",),
+        buckets=(1, 2, 4, 8, 16, 32, 64),
+    )
 
 
 def queue_time_histogram():
-    return metrics.histogram("encoder_queue_time_seconds", "Time an item waited in the encoder: its arrival "
-                             "in the batcher (slot wait included) to the start of the forward that encodes it")
+    return metrics.histogram(
+        "encoder_queue_time_seconds",
+        "Time an item waited in the encoder: its arrival "
+        "in the batcher (slot wait included) to the start of the forward that encodes it",
+    )
 
 
 @dataclass(eq=False)
@@ -121,7 +130,9 @@ class EncoderRunner(DeviceRunner):
         with self._lock:
             if not any(self._queues.values()):
                 return None
-            modality = min((m for m, q in self._queues.items() if q), key=lambda m: self._queues[m][0].enqueued)
+            modality = min(
+                (m for m, q in self._queues.items() if q), key=lambda m: self._queues[m][0].enqueued
+            )
             queue, cap = self._queues[modality], self.caps[modality]
             return modality, [queue.popleft() for _ in range(min(len(queue), cap))]
 

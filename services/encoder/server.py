@@ -46,12 +46,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     def _item(self, i: int, item: encoder_pb2.EncodeItem) -> MediaItem:
         kind = _KINDS.get(item.kind)
         if kind is None:
-            raise InvalidRequest(f"items[{i}].kind: set MEDIA_KIND_IMAGE, MEDIA_KIND_AUDIO or MEDIA_KIND_VIDEO")
+            raise InvalidRequest(
+                f"items[{i}].kind: set MEDIA_KIND_IMAGE, MEDIA_KIND_AUDIO or MEDIA_KIND_VIDEO"
+            )
         source = item.WhichOneof("source")
         if source is None:
             raise InvalidRequest(f"items[{i}]: set one of {', '.join(_SOURCES[kind])}")
         if source not in _SOURCES[kind]:
-            raise InvalidRequest(f"items[{i}].{source}: not accepted for a {kind} item (use {', '.join(_SOURCES[kind])})")
+            raise InvalidRequest(
+                f"items[{i}].{source}: not accepted for a {kind} item (use {', '.join(_SOURCES[kind])})"
+            )
         if source == "data":
             return MediaItem(kind, data=item.data)
         if source == "frames":

@@ -41,7 +41,9 @@ class Profile:
     def caps(self) -> dict[str, int]:
         return {"vision": self.vision.max_batch, "audio": self.audio.max_batch}
 
-    def memory_report(self, mem: DeviceMemory, weights_bytes: int, transport_pool_bytes: int) -> control_pb2.MemoryReport:
+    def memory_report(
+        self, mem: DeviceMemory, weights_bytes: int, transport_pool_bytes: int
+    ) -> control_pb2.MemoryReport:
         baseline = self.vision.baseline_reserved
         peak = max(self.vision.peak_reserved, self.audio.peak_reserved)
         return control_pb2.MemoryReport(
@@ -57,7 +59,9 @@ class Profile:
 def largest_vision_grid(cfg: EncoderConfig, limits: ItemLimits) -> tuple[int, int, int]:
     """Patch grid of the largest vision item the limits allow (square frames at the pixel budget)."""
     v = limits.model.vision
-    side = max(v.pixels_per_token, math.isqrt(cfg.image_max_pixels) // v.pixels_per_token * v.pixels_per_token)
+    side = max(
+        v.pixels_per_token, math.isqrt(cfg.image_max_pixels) // v.pixels_per_token * v.pixels_per_token
+    )
     image = (1, side // v.patch_size, side // v.patch_size)
     _, frame_max = video_pixel_range(cfg.max_video_frames, cfg.video_min_pixels, cfg.video_total_pixels)
     fside = max(v.pixels_per_token, math.isqrt(frame_max) // v.pixels_per_token * v.pixels_per_token)
@@ -65,7 +69,9 @@ def largest_vision_grid(cfg: EncoderConfig, limits: ItemLimits) -> tuple[int, in
     return max(image, video, key=lambda g: g[0] * g[1] * g[2])
 
 
-def profile(models: EncoderModels, mem: DeviceMemory, limits: ItemLimits, budget: int, report: Report) -> Profile:
+def profile(
+    models: EncoderModels, mem: DeviceMemory, limits: ItemLimits, budget: int, report: Report
+) -> Profile:
     """Stress-and-cap both towers on `mem` within `budget` bytes (0: none); call inside `mem.meter()`,
     after the weights are loaded."""
     cfg = limits.encoder
@@ -129,4 +135,6 @@ async def warm_up(engine) -> None:
     for out in outputs:
         rows = decode(out.ref, transport=engine.transport)
         if rows.shape[0] != out.num_tokens or not torch.isfinite(rows.float()).all():
-            raise RuntimeError(f"warm-up {out.kind} produced {tuple(rows.shape)} rows, expected {out.num_tokens} finite")
+            raise RuntimeError(
+                f"warm-up {out.kind} produced {tuple(rows.shape)} rows, expected {out.num_tokens} finite"
+            )

@@ -68,11 +68,15 @@ def _warmup_image() -> bytes:
 
 async def _warm_up_media(servicer: OmniServicer) -> None:
     """One image request through the path clients take: a broken shm hand-over fails start-up."""
-    parts = [omni_pb2.ContentPart(image=omni_pb2.Media(data=_warmup_image())), omni_pb2.ContentPart(text="warm-up")]
+    parts = [
+        omni_pb2.ContentPart(image=omni_pb2.Media(data=_warmup_image())),
+        omni_pb2.ContentPart(text="warm-up"),
+    ]
     request = omni_pb2.GenerateRequest(
-        request_id="gateway-warmup-media", messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)],
+        request_id="gateway-warmup-media",
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)],
         sampling=common_pb2.SamplingParams(max_tokens=1),
-    )  # fmt: skip
+    )
     events = [e async for e in servicer.Generate(request, _Deadline(60.0))]
     if not events or events[-1].WhichOneof("event") != "finish":
         raise RuntimeError("the media warm-up request ended without a finish")
@@ -84,10 +88,13 @@ async def _warm_up_image(servicer: OmniServicer, replica: ImageGenClient) -> Non
     images = servicer.pipeline.images
     side = images.limits.min_side_px
     request = omni_pb2.GenerateRequest(
-        request_id=f"gateway-warmup-image-{replica.name}", output_modalities=[omni_pb2.MODALITY_IMAGE],
-        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="warm-up")])],
+        request_id=f"gateway-warmup-image-{replica.name}",
+        output_modalities=[omni_pb2.MODALITY_IMAGE],
+        messages=[
+            omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="warm-up")])
+        ],
         image=omni_pb2.ImageOptions(width=side, height=side, steps=1, seed=0),
-    )  # fmt: skip
+    )
     with images.pinned(request.request_id, replica):
         events = [e async for e in servicer.Generate(request, _Deadline(120.0))]
     kinds = [e.WhichOneof("event") for e in events]
@@ -97,9 +104,16 @@ async def _warm_up_image(servicer: OmniServicer, replica: ImageGenClient) -> Non
 
 def _clients(cfg: DeployConfig, svc: ServiceConfig, kind: str, cls: type[C]) -> list[C]:
     """One client per service of `kind` (its replicas), in deploy-file order."""
-    return [cls(r.name, cfg.address(r.name), max(r.max_message_bytes, svc.max_message_bytes),
-                admin_address=cfg.admin_address(r.name), admin_metadata=auth.admin_metadata(r))
-            for r in cfg.services_of(kind)]  # fmt: skip
+    return [
+        cls(
+            r.name,
+            cfg.address(r.name),
+            max(r.max_message_bytes, svc.max_message_bytes),
+            admin_address=cfg.admin_address(r.name),
+            admin_metadata=auth.admin_metadata(r),
+        )
+        for r in cfg.services_of(kind)
+    ]
 
 
 def _image_stage(cfg: DeployConfig, svc: ServiceConfig) -> ImageStage:
@@ -107,9 +121,13 @@ def _image_stage(cfg: DeployConfig, svc: ServiceConfig) -> ImageStage:
     replicas = cfg.services_of("imagegen")
     # Releases only (hidden states that never reach ImageGen): the gateway maps no bytes of them. A
     # GPU image stage can open CUDA IPC handles, so hidden states made on a GPU may stay there.
-    return ImageStage(_clients(cfg, svc, "imagegen", ImageGenClient), TransportContext(),
-                      ImageLimits.of(replicas[0].imagegen, None),
-                      allow_cuda_ipc=all(r.device == "cuda" for r in replicas), service=svc.name)
+    return ImageStage(
+        _clients(cfg, svc, "imagegen", ImageGenClient),
+        TransportContext(),
+        ImageLimits.of(replicas[0].imagegen, None),
+        allow_cuda_ipc=all(r.device == "cuda" for r in replicas),
+        service=svc.name,
+    )
 
 
 # Tokens of each timed warm-up request that seeds the thinker's pace (its steps at batch 1 and full).
@@ -145,7 +163,9 @@ async def _warm_up_talker(talker: TalkerClient) -> None:
     """One sentence through Speak: the talker answers with speech before the gateway serves."""
     call = talker.speak(60.0)
     try:
-        await call.write(talker_pb2.SpeakRequest(config=talker_pb2.SpeakConfig(request_id="gateway-warmup", seed=0)))
+        await call.write(
+            talker_pb2.SpeakRequest(config=talker_pb2.SpeakConfig(request_id="gateway-warmup", seed=0))
+        )
         await call.write(talker_pb2.SpeakRequest(text="Warm-up.", end_of_text=True))
         audio = False
         async for response in call:
@@ -159,16 +179,22 @@ async def _warm_up_talker(talker: TalkerClient) -> None:
 def _speech_stage(cfg: DeployConfig, svc: ServiceConfig) -> SpeechStage:
     gw = svc.gateway
     max_text_chars = min(t.talker.max_text_chars for t in cfg.services_of("talker"))
-    limits = SpeechLimits(max_text_chars, gw.talker_start_wait_s, gw.talker_idle_timeout_s, gw.speech_buffer_events)
+    limits = SpeechLimits(
+        max_text_chars, gw.talker_start_wait_s, gw.talker_idle_timeout_s, gw.speech_buffer_events
+    )
     return SpeechStage(_clients(cfg, svc, "talker", TalkerClient), limits, svc.name)
 
 
 def _converse_limits(cfg: DeployConfig, svc: ServiceConfig) -> ConverseLimits:
     gw, encoders = svc.gateway, cfg.services_of("encoder")
     enc = encoders[0].encoder if encoders else None
-    return ConverseLimits(gw.converse_max_turns, gw.converse_max_turn_chars, gw.converse_max_turn_audio_bytes,
-                          enc.max_audio_seconds if enc else ConverseLimits.max_audio_seconds,
-                          enc.max_items_per_request if enc else ConverseLimits.max_audio_items)
+    return ConverseLimits(
+        gw.converse_max_turns,
+        gw.converse_max_turn_chars,
+        gw.converse_max_turn_audio_bytes,
+        enc.max_audio_seconds if enc else ConverseLimits.max_audio_seconds,
+        enc.max_items_per_request if enc else ConverseLimits.max_audio_items,
+    )
 
 
 class _Stages:
@@ -177,8 +203,14 @@ class _Stages:
     and images), marked down when it stops answering, and admitted again when it is back (the launcher
     restarts it). A capability is ready while one replica of each stage kind it needs is up."""
 
-    def __init__(self, runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, servicer: OmniServicer,
-                 watch: WatchConfig) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runtime: ServiceRuntime,
+        cfg: DeployConfig,
+        svc: ServiceConfig,
+        servicer: OmniServicer,
+        watch: WatchConfig,
+    ) -> None:
         self.runtime, self.cfg, self.svc, self.servicer = runtime, cfg, svc, servicer
         self.pipeline = servicer.pipeline
         self.watches: dict[str, StageWatch] = {}  # by service name
@@ -193,7 +225,9 @@ class _Stages:
         for kind, (clients, on_up) in steps.items():
             for client in clients:
                 self.kinds.setdefault(kind, []).append(client)
-                self.watches[client.name] = StageWatch(client, watch, functools.partial(on_up, client), self._changed)
+                self.watches[client.name] = StageWatch(
+                    client, watch, functools.partial(on_up, client), self._changed
+                )
                 runtime.add_shutdown_hook(self.watches[client.name].stop)
                 if kind in ("thinker", "talker"):  # the media and image stages close their own clients
                     runtime.add_shutdown_hook(client.close)
@@ -208,8 +242,12 @@ class _Stages:
         for name, kinds in CAPABILITIES.items():
             if not set(kinds) <= self.pipeline.deployed:
                 continue
-            down = [(c.name, c.down_reason) for k in kinds if not any(c.up for c in self.kinds[k])
-                    for c in self.kinds[k]]  # fmt: skip
+            down = [
+                (c.name, c.down_reason)
+                for k in kinds
+                if not any(c.up for c in self.kinds[k])
+                for c in self.kinds[k]
+            ]
             reason = "; ".join(f"{n}: {why}" for n, why in down)
             out.append(control_pb2.Readiness(capability=name, ready=not down, reason=reason))
         return out
@@ -218,7 +256,9 @@ class _Stages:
         self.pipeline.size_image_gate()
         ready = {r.capability: r.ready for r in self.readiness()}
         self.runtime.set_capability_health(ready)
-        self.runtime.reporter.heartbeat("ready: " + (", ".join(k for k, v in ready.items() if v) or "nothing yet"))
+        self.runtime.reporter.heartbeat(
+            "ready: " + (", ".join(k for k, v in ready.items() if v) or "nothing yet")
+        )
 
     async def _thinker_up(self, client: ThinkerClient) -> None:
         p = self.pipeline
@@ -251,7 +291,9 @@ class _Stages:
         await self._needs_thinker("the image warm-up")
         images = self.pipeline.images
         desc = await client.describe()
-        images.limits = ImageLimits.of(self.cfg.service(client.name).imagegen, desc.limits if desc is not None else None)
+        images.limits = ImageLimits.of(
+            self.cfg.service(client.name).imagegen, desc.limits if desc is not None else None
+        )
         gate = images.limits.gate()
         client.max_running, client.max_waiting = gate.max_running, gate.max_waiting
         try:
@@ -280,23 +322,36 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     thinkers, encoders = cfg.services_of("thinker"), cfg.services_of("encoder")
     for kind, of_kind in (("thinker", thinkers), ("encoder", encoders)):
         if len(of_kind) > 1:  # replicas are served for the talker and the image stage only
-            raise ConfigError(f"services: the gateway calls one {kind}, the deploy file has "
-                              f"{', '.join(s.name for s in of_kind)} (replicas: several services of kind talker "
-                              "or imagegen)")
+            raise ConfigError(
+                f"services: the gateway calls one {kind}, the deploy file has "
+                f"{', '.join(s.name for s in of_kind)} (replicas: several services of kind talker "
+                "or imagegen)"
+            )
     thinker = media = None
     if thinkers:
         t = thinkers[0]
-        thinker = ThinkerClient(t.name, cfg.address(t.name), max(t.max_message_bytes, svc.max_message_bytes),
-                                admin_address=cfg.admin_address(t.name), admin_metadata=auth.admin_metadata(t))
+        thinker = ThinkerClient(
+            t.name,
+            cfg.address(t.name),
+            max(t.max_message_bytes, svc.max_message_bytes),
+            admin_address=cfg.admin_address(t.name),
+            admin_metadata=auth.admin_metadata(t),
+        )
     if encoders:
         e = encoders[0]
-        encoder = EncoderClient(e.name, cfg.address(e.name), max(e.max_message_bytes, svc.max_message_bytes),
-                                admin_address=cfg.admin_address(e.name), admin_metadata=auth.admin_metadata(e))
+        encoder = EncoderClient(
+            e.name,
+            cfg.address(e.name),
+            max(e.max_message_bytes, svc.max_message_bytes),
+            admin_address=cfg.admin_address(e.name),
+            admin_metadata=auth.admin_metadata(e),
+        )
         # Releases only (refs that never reach the thinker): the gateway maps no bytes of them.
         # A GPU thinker can open CUDA IPC handles, so embeddings made on a GPU may stay there.
         cuda_thinker = bool(thinkers) and thinkers[0].device == "cuda"
-        media = MediaStage(encoder, TransportContext(), max_request_bytes=e.max_message_bytes,
-                           allow_cuda_ipc=cuda_thinker)
+        media = MediaStage(
+            encoder, TransportContext(), max_request_bytes=e.max_message_bytes, allow_cuda_ipc=cuda_thinker
+        )
         runtime.add_shutdown_hook(media.close)
     images = _image_stage(cfg, svc) if cfg.services_of("imagegen") else None
     if images is not None:
@@ -312,16 +367,27 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         media=media,
         speech=_speech_stage(cfg, svc) if cfg.services_of("talker") else None,
         images=images,
-        gates={stage: StageGate(stage, GateConfig(0, gw.admission_max_waiting, gw.admission_initial_service_s), svc.name)
-               for stage in MODEL_KINDS if stage in deployed},
+        gates={
+            stage: StageGate(
+                stage, GateConfig(0, gw.admission_max_waiting, gw.admission_initial_service_s), svc.name
+            )
+            for stage in MODEL_KINDS
+            if stage in deployed
+        },
         service=svc.name,
     )
     servicer = OmniServicer(pipeline, _converse_limits(cfg, svc))
-    stages = _Stages(runtime, cfg, svc, servicer,
-                     WatchConfig(gw.stage_health_interval_s, gw.stage_health_timeout_s, gw.stage_health_failures))
+    stages = _Stages(
+        runtime,
+        cfg,
+        svc,
+        servicer,
+        WatchConfig(gw.stage_health_interval_s, gw.stage_health_timeout_s, gw.stage_health_failures),
+    )
     runtime.set_readiness_provider(stages.readiness)
-    runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni",
-                         bounds=wire_bounds(limits))
+    runtime.add_servicer(
+        omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni", bounds=wire_bounds(limits)
+    )
     runtime.set_limits_provider(
         lambda: control_pb2.Limits(
             max_running_requests=gw.max_concurrent_requests, max_message_bytes=svc.max_message_bytes
@@ -339,16 +405,19 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     if watch is not None:
         runtime.reporter.heartbeat(f"waiting for {watch.client.name}")
         if not await watch.wait_admitted(gw.stage_wait_s) and not gw.allow_degraded:
-            raise StageUnavailable(f"stage '{watch.client.name}' not admitted after {gw.stage_wait_s:g}s "
-                                   f"(gateway.stage_wait_s): {watch.client.down_reason}")
+            raise StageUnavailable(
+                f"stage '{watch.client.name}' not admitted after {gw.stage_wait_s:g}s "
+                f"(gateway.stage_wait_s): {watch.client.down_reason}"
+            )
         runtime.reporter.advance()
     if gw.http_port:
         await _start_http_front(runtime, cfg, svc, tuple(r.capability for r in stages.readiness()))
     runtime.set_serving()
 
 
-async def _start_http_front(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig,
-                            capabilities: tuple[str, ...]) -> None:  # fmt: skip
+async def _start_http_front(
+    runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, capabilities: tuple[str, ...]
+) -> None:
     """The OpenAI-compatible HTTP front (gateway.http_port), calling this gateway's own Omni port."""
     from omnistage.services.gateway.openai.serve import HttpFront
 

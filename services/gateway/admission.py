@@ -56,19 +56,29 @@ class StageGate:
         # Requests admitted at arrival that have not reached this gate yet (a burst is judged before
         # any of it holds a slot): counted like waiters, ahead of later arrivals.
         self.coming = 0
-        self._coming: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(f"coming-{stage}",
-                                                                                          default=None)
+        self._coming: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+            f"coming-{stage}", default=None
+        )
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.service_s = cfg.initial_service_s
         self.finished = 0
         self.refused = 0
         labels = (metrics.process_service() if service is None else service, stage)
-        metrics.gauge("gateway_admission_running", "Requests holding a slot of a stage (admitted by this gateway) now",
-                      ("stage",)).labels(*labels).set_function(lambda: self.running)  # fmt: skip
-        metrics.gauge("gateway_admission_waiting", "Requests waiting in this gateway for a slot of a stage now",
-                      ("stage",)).labels(*labels).set_function(lambda: self.waiting)  # fmt: skip
-        self._wait = metrics.histogram("gateway_admission_wait_seconds", "Time an admitted request waited for a "
-                                       "slot of a stage (0 when one was free)", ("stage",)).labels(*labels)  # fmt: skip
+        metrics.gauge(
+            "gateway_admission_running",
+            "Requests holding a slot of a stage (admitted by this gateway) now",
+            ("stage",),
+        ).labels(*labels).set_function(lambda: self.running)
+        metrics.gauge(
+            "gateway_admission_waiting",
+            "Requests waiting in this gateway for a slot of a stage now",
+            ("stage",),
+        ).labels(*labels).set_function(lambda: self.waiting)
+        self._wait = metrics.histogram(
+            "gateway_admission_wait_seconds",
+            "Time an admitted request waited for a slot of a stage (0 when one was free)",
+            ("stage",),
+        ).labels(*labels)
 
     @property
     def waiting(self) -> int:
@@ -103,8 +113,9 @@ class StageGate:
     def has_room(self) -> bool:
         return not self.cfg.max_running or (self.running < self.cfg.max_running and not self._waiters)
 
-    def estimated_wait_s(self, ahead: int | None = None, service_s: float | None = None, *,
-                         coming: bool = True) -> float:
+    def estimated_wait_s(
+        self, ahead: int | None = None, service_s: float | None = None, *, coming: bool = True
+    ) -> float:
         """Seconds until a request arriving now (behind `ahead` waiters) gets a slot: the running and
         waiting requests drain `max_running` at a time, each taking the mean service time (or
         `service_s`: what requests like this one take at the measured pace). `coming`: count the
@@ -140,9 +151,10 @@ class StageGate:
             self.refused += 1
             raise Overloaded(
                 f"{self.stage}: {self.running} requests running and {self.waiting} waiting, its limit; "
-                f"retry in about {wait:.1f}s", retry_after_ms=max(1, int(wait * 1000)),
+                f"retry in about {wait:.1f}s",
+                retry_after_ms=max(1, int(wait * 1000)),
                 reason=f"{self.stage}_queue_full",
-            )  # fmt: skip
+            )
         return wait
 
     def _late(self, wait: float, work_s: float, remaining_s: float, path: str = "") -> Overloaded:
@@ -151,8 +163,10 @@ class StageGate:
         return Overloaded(
             f"{self.stage}: {state}({self.running} running, {self.waiting} waiting); the estimated wait "
             f"{wait:.1f}s plus {work_s:.1f}s of service{path} exceeds the {remaining_s:.1f}s left to the "
-            f"deadline", retry_after_ms=max(1, int((wait or self.service_s) * 1000)), reason=f"{self.stage}_deadline",
-        )  # fmt: skip
+            f"deadline",
+            retry_after_ms=max(1, int((wait or self.service_s) * 1000)),
+            reason=f"{self.stage}_deadline",
+        )
 
     @contextlib.asynccontextmanager
     async def slot(self, remaining_s: float | None) -> AsyncIterator[None]:
@@ -202,7 +216,9 @@ class StageGate:
                 fut.set_result(None)
 
 
-def check_path(gates: list[StageGate], remaining_s: float | None, work_s: dict[str, float] | None = None) -> None:
+def check_path(
+    gates: list[StageGate], remaining_s: float | None, work_s: dict[str, float] | None = None
+) -> None:
     """A request that passes `gates` one after another (encoder, thinker, image stage): refused now
     when a waiting room on its path is full, or when the sum of every stage's estimated wait and
     service time does not fit in the `remaining_s` to its deadline (the stage that makes it wait
@@ -212,13 +228,22 @@ def check_path(gates: list[StageGate], remaining_s: float | None, work_s: dict[s
     again when it is taken."""
     work_s = work_s or {}
     waits = [(gate.check_room(), gate) for gate in gates]
-    if remaining_s is None or not (any(wait for wait, _ in waits) or any(g.stage in work_s for _, g in waits)):
+    if remaining_s is None or not (
+        any(wait for wait, _ in waits) or any(g.stage in work_s for _, g in waits)
+    ):
         return
     service = {gate.stage: work_s.get(gate.stage, gate.service_s) for _, gate in waits}
     # Where the request's own cost is known, the requests ahead of it are taken to cost as much
     # (a burst of alike requests), when that is more than their measured mean.
-    waits = [(gate.estimated_wait_s(service_s=max(gate.service_s, work_s[gate.stage])) if wait and gate.stage in work_s
-              else wait, gate) for wait, gate in waits]  # fmt: skip
+    waits = [
+        (
+            gate.estimated_wait_s(service_s=max(gate.service_s, work_s[gate.stage]))
+            if wait and gate.stage in work_s
+            else wait,
+            gate,
+        )
+        for wait, gate in waits
+    ]
     total = sum(wait + service[gate.stage] for wait, gate in waits)
     if total > remaining_s:
         wait, worst = max(waits, key=lambda wg: (wg[0] + service[wg[1].stage], wg[0]))

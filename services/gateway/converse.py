@@ -105,19 +105,24 @@ class _Answer:
         return Entry("assistant", "".join(self.text), token_ids=tuple(ids))
 
 
-def plan_converse(config: omni_pb2.GenerateRequest, limits: RequestLimits, default_system_prompt: str) -> ConversePlan:
+def plan_converse(
+    config: omni_pb2.GenerateRequest, limits: RequestLimits, default_system_prompt: str
+) -> ConversePlan:
     """Check the call's config (the first message); errors name `config.<field>`."""
     request_id = config.request_id or uuid.uuid4().hex
     if not valid_request_id(request_id):
-        raise InvalidRequest(f"config.request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
+        raise InvalidRequest(
+            f"config.request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters"
+        )
     for i, modality in enumerate(config.output_modalities):
         if modality not in (omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO):
             raise InvalidRequest(f"config.output_modalities[{i}]: Converse answers with text and speech only")
     # Empty: text and speech (a conversation speaks unless told otherwise); [MODALITY_TEXT]: text only.
     speaks = not config.output_modalities or omni_pb2.MODALITY_AUDIO in config.output_modalities
     if len(config.messages) > limits.max_messages:
-        raise InvalidRequest(f"config.messages: {len(config.messages)} messages, at most {limits.max_messages} "
-                             "(max_messages)")
+        raise InvalidRequest(
+            f"config.messages: {len(config.messages)} messages, at most {limits.max_messages} (max_messages)"
+        )
     system_prompt = config.system_prompt
     seeded: list[Entry] = []
     for i, msg in enumerate(config.messages):
@@ -125,16 +130,21 @@ def plan_converse(config: omni_pb2.GenerateRequest, limits: RequestLimits, defau
         if not msg.parts:
             raise InvalidRequest(f"{where}.parts: a message needs at least one part")
         if len(msg.parts) > limits.max_parts_per_message:
-            raise InvalidRequest(f"{where}.parts: {len(msg.parts)} parts, at most {limits.max_parts_per_message} "
-                                 "(max_parts_per_message)")
+            raise InvalidRequest(
+                f"{where}.parts: {len(msg.parts)} parts, at most {limits.max_parts_per_message} "
+                "(max_parts_per_message)"
+            )
         for j, part in enumerate(msg.parts):
             if part.WhichOneof("content") != "text" or not part.text:
-                raise InvalidRequest(f"{where}.parts[{j}]: the history of a Converse call takes non-empty text parts only")
+                raise InvalidRequest(
+                    f"{where}.parts[{j}]: the history of a Converse call takes non-empty text parts only"
+                )
         text = "".join(part.text for part in msg.parts)
         if msg.role == omni_pb2.ROLE_SYSTEM:
             if i != 0 or system_prompt:
-                raise InvalidRequest(f"{where}.role: a system message may only be the first message, without "
-                                     "system_prompt")
+                raise InvalidRequest(
+                    f"{where}.role: a system message may only be the first message, without system_prompt"
+                )
             system_prompt = text
         elif msg.role in (omni_pb2.ROLE_USER, omni_pb2.ROLE_ASSISTANT):
             seeded.append(Entry("user" if msg.role == omni_pb2.ROLE_USER else "assistant", text))
@@ -142,8 +152,10 @@ def plan_converse(config: omni_pb2.GenerateRequest, limits: RequestLimits, defau
             raise InvalidRequest(f"{where}.role: must be ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT")
     chars = len(system_prompt) + sum(len(e.text) for e in seeded)
     if chars > limits.max_prompt_chars:
-        raise InvalidRequest(f"config.messages: {chars} characters, the prompt limit is {limits.max_prompt_chars} "
-                             "(max_prompt_chars)")
+        raise InvalidRequest(
+            f"config.messages: {chars} characters, the prompt limit is {limits.max_prompt_chars} "
+            "(max_prompt_chars)"
+        )
     try:
         check_sampling(config.sampling)
     except InvalidRequest as exc:
@@ -165,7 +177,9 @@ class Conversation:
         self.newer_turn = asyncio.Event()  # a user turn began: the answer running may be interrupted
         self._requests: AsyncIterator[omni_pb2.ConverseRequest] | None = None
 
-    async def events(self, requests: AsyncIterator[omni_pb2.ConverseRequest]) -> AsyncIterator[omni_pb2.GenerateEvent]:
+    async def events(
+        self, requests: AsyncIterator[omni_pb2.ConverseRequest]
+    ) -> AsyncIterator[omni_pb2.GenerateEvent]:
         """The call: its config checked before it counts as in flight, admitted at the thinker's gate,
         then its answers."""
         plan = await self.open(requests)
@@ -187,8 +201,11 @@ class Conversation:
             raise InvalidRequest("config: required in the first message")
         plan = plan_converse(first.config, self.pipeline.limits, self.pipeline.system_prompt)
         if plan.speaks and self.pipeline.speech is None:
-            raise StageUnavailable("Converse needs the 'talker' stage to speak, which is not deployed (ask for "
-                                   "text only: config.output_modalities [MODALITY_TEXT])", retryable=False)
+            raise StageUnavailable(
+                "Converse needs the 'talker' stage to speak, which is not deployed (ask for "
+                "text only: config.output_modalities [MODALITY_TEXT])",
+                retryable=False,
+            )
         return plan
 
     async def run(self, plan: ConversePlan) -> AsyncIterator[omni_pb2.GenerateEvent]:
@@ -205,14 +222,18 @@ class Conversation:
                     yield self._interrupted(plan, turn.index, answer)
                     continue
                 interrupted = False
-                async with contextlib.aclosing(self._interruptible(self._answer(plan, history, turn, answer))) as events:
+                async with contextlib.aclosing(
+                    self._interruptible(self._answer(plan, history, turn, answer))
+                ) as events:
                     async for event in events:
                         if isinstance(event, Interrupted):
                             interrupted = True
                             break
                         event.turn = turn.index
                         yield event
-                        if event.HasField("finish"):  # answered: a turn begun now is the next one, no barge-in
+                        if event.HasField(
+                            "finish"
+                        ):  # answered: a turn begun now is the next one, no barge-in
                             break
                 history.add(answer.entry())
                 if interrupted:
@@ -249,22 +270,32 @@ class Conversation:
                 if pcm:
                     raise InvalidRequest("text: a spoken turn is still open (send end_of_turn first)")
                 if not message.text or len(message.text) > limits.max_turn_chars:
-                    raise InvalidRequest(f"text: {len(message.text)} characters, a text turn takes 1 to "
-                                         f"{limits.max_turn_chars} (converse_max_turn_chars)")
+                    raise InvalidRequest(
+                        f"text: {len(message.text)} characters, a text turn takes 1 to "
+                        f"{limits.max_turn_chars} (converse_max_turn_chars)"
+                    )
                 index = self._begin_turn()
-                await self.turns.put(UserTurn(index, Entry("user", message.text, index=index), time.monotonic()))
+                await self.turns.put(
+                    UserTurn(index, Entry("user", message.text, index=index), time.monotonic())
+                )
             elif kind == "audio":
                 chunk = message.audio
                 if not pcm:
                     if self.pipeline.media is None:
-                        raise StageUnavailable("audio: spoken turns need the 'encoder' stage, which is not deployed",
-                                               retryable=False)
+                        raise StageUnavailable(
+                            "audio: spoken turns need the 'encoder' stage, which is not deployed",
+                            retryable=False,
+                        )
                     if not MIN_SAMPLE_RATE_HZ <= chunk.sample_rate_hz <= MAX_SAMPLE_RATE_HZ:
-                        raise InvalidRequest(f"audio.sample_rate_hz: {chunk.sample_rate_hz}, expected "
-                                             f"{MIN_SAMPLE_RATE_HZ} to {MAX_SAMPLE_RATE_HZ}")
+                        raise InvalidRequest(
+                            f"audio.sample_rate_hz: {chunk.sample_rate_hz}, expected "
+                            f"{MIN_SAMPLE_RATE_HZ} to {MAX_SAMPLE_RATE_HZ}"
+                        )
                     rate, index = chunk.sample_rate_hz, self._begin_turn()
                 elif chunk.sample_rate_hz != rate:
-                    raise InvalidRequest(f"audio.sample_rate_hz: {chunk.sample_rate_hz}, the turn began at {rate}")
+                    raise InvalidRequest(
+                        f"audio.sample_rate_hz: {chunk.sample_rate_hz}, the turn began at {rate}"
+                    )
                 pcm += chunk.pcm16
                 self._check_audio(pcm, rate)
             elif kind == "end_of_turn" and message.end_of_turn:
@@ -280,11 +311,15 @@ class Conversation:
     def _check_audio(self, pcm: bytearray, rate: int) -> None:
         limits = self.limits
         if len(pcm) > limits.max_turn_audio_bytes:
-            raise InvalidRequest(f"audio.pcm16: the spoken turn passes {limits.max_turn_audio_bytes} bytes "
-                                 "(converse_max_turn_audio_bytes)")
+            raise InvalidRequest(
+                f"audio.pcm16: the spoken turn passes {limits.max_turn_audio_bytes} bytes "
+                "(converse_max_turn_audio_bytes)"
+            )
         if len(pcm) / 2 / rate > limits.max_audio_seconds:
-            raise InvalidRequest(f"audio.pcm16: the spoken turn passes the encoder's max_audio_seconds "
-                                 f"({limits.max_audio_seconds:g} s)")
+            raise InvalidRequest(
+                f"audio.pcm16: the spoken turn passes the encoder's max_audio_seconds "
+                f"({limits.max_audio_seconds:g} s)"
+            )
 
     async def _spoken_turn(self, index: int, pcm: bytearray, rate: int) -> None:
         if len(pcm) % 2:
@@ -294,8 +329,9 @@ class Conversation:
 
     # -- answers --------------------------------------------------------------------------------
 
-    async def _interruptible(self, events: AsyncIterator[omni_pb2.GenerateEvent]
-                             ) -> AsyncIterator[omni_pb2.GenerateEvent | Interrupted]:
+    async def _interruptible(
+        self, events: AsyncIterator[omni_pb2.GenerateEvent]
+    ) -> AsyncIterator[omni_pb2.GenerateEvent | Interrupted]:
         """The answer's events until a newer user turn begins; then Interrupted, after the answer was
         closed (which cancels its thinker and talker streams)."""
         try:
@@ -323,8 +359,9 @@ class Conversation:
         finally:
             await events.aclose()
 
-    async def _answer(self, plan: ConversePlan, history: History, turn: UserTurn, answer: _Answer
-                      ) -> AsyncIterator[omni_pb2.GenerateEvent]:
+    async def _answer(
+        self, plan: ConversePlan, history: History, turn: UserTurn, answer: _Answer
+    ) -> AsyncIterator[omni_pb2.GenerateEvent]:
         while True:
             try:
                 async for event in self._attempt(plan, history, turn, answer):
@@ -334,21 +371,28 @@ class Conversation:
                 # The thinker refused the prompt: the history outgrew its context. Forget the oldest
                 # exchange and ask again (the refusal came before `started`: nothing was sent yet). A
                 # max_tokens above max_model_len is no matter of history: it fails the call.
-                too_long = (exc.code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in str(exc)
-                            and "sampling.max_tokens:" not in str(exc))
+                too_long = (
+                    exc.code == grpc.StatusCode.INVALID_ARGUMENT
+                    and "max_model_len" in str(exc)
+                    and "sampling.max_tokens:" not in str(exc)
+                )
                 if not (too_long and not answer.started and history.forget_oldest()):
                     raise
 
-    async def _attempt(self, plan: ConversePlan, history: History, turn: UserTurn, answer: _Answer
-                       ) -> AsyncIterator[omni_pb2.GenerateEvent]:
+    async def _attempt(
+        self, plan: ConversePlan, history: History, turn: UserTurn, answer: _Answer
+    ) -> AsyncIterator[omni_pb2.GenerateEvent]:
         """One answer by the pipeline from the history's window (its spoken turns encoded again: the
         window changes from turn to turn), kept in `answer` as it streams."""
         pipeline = self.pipeline
         max_media_bytes = pipeline.media.max_media_bytes if pipeline.media is not None else 0
-        window = history.window(plan.system_prompt, pipeline.limits.max_prompt_chars, max_media_bytes,
-                                self.limits.max_audio_items)  # fmt: skip
+        window = history.window(
+            plan.system_prompt, pipeline.limits.max_prompt_chars, max_media_bytes, self.limits.max_audio_items
+        )
         parts = tuple(MediaPart(where, "audio", omni_pb2.Media(data=wav)) for where, wav in window.audio)
-        request = PlannedRequest(plan.request_id, window.turns, plan.system_prompt, plan.sampling, plan.outputs, parts)
+        request = PlannedRequest(
+            plan.request_id, window.turns, plan.system_prompt, plan.sampling, plan.outputs, parts
+        )
         # Not through the encoder's gate: a conversation is admitted once, at the thinker's.
         media = EncodedMedia(pipeline, request, {}, self.context, gated=False)
         events = pipeline.answer(request, media, self.context, plan.voice, turn.ended_at, "config.")
@@ -370,8 +414,11 @@ class Conversation:
 
     def _interrupted(self, plan: ConversePlan, index: int, answer: _Answer) -> omni_pb2.GenerateEvent:
         message = f"interrupted by user turn {index + 1}"
-        finish = omni_pb2.Finish(reason=common_pb2.FINISH_REASON_INTERRUPTED, message=message,
-                                 usage=common_pb2.Usage(completion_tokens=answer.tokens))
+        finish = omni_pb2.Finish(
+            reason=common_pb2.FINISH_REASON_INTERRUPTED,
+            message=message,
+            usage=common_pb2.Usage(completion_tokens=answer.tokens),
+        )
         if plan.speaks:  # a text-only conversation has no AudioStatus: no speech was asked for
             status = omni_pb2.AudioStatus(code="CANCELLED", message=message)
             if answer.speech is not None:

@@ -69,14 +69,17 @@ class History:
         del self.entries[: users[1]]
         return True
 
-    def window(self, system_prompt: str, max_chars: int, max_audio_bytes: int, max_audio_items: int) -> Window:
+    def window(
+        self, system_prompt: str, max_chars: int, max_audio_bytes: int, max_audio_items: int
+    ) -> Window:
         """The newest turns that fit the limits, starting at a user turn (the last one at least)."""
         users = [i for i, e in enumerate(self.entries) if e.role == "user"]
         for start in users:
             entries = self.entries[start:]
             spoken = [e for e in entries if e.wav]
-            if start != users[-1] and (len(spoken) > max_audio_items
-                                       or sum(len(e.wav) for e in spoken) > max_audio_bytes):
+            if start != users[-1] and (
+                len(spoken) > max_audio_items or sum(len(e.wav) for e in spoken) > max_audio_bytes
+            ):
                 continue
             window = _window(entries)
             if start == users[-1] or prompt_chars(build_chat(window.turns, system_prompt)) <= max_chars:

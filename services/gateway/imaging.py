@@ -44,7 +44,9 @@ SIZE_MULTIPLE = 16  # the DiT's latent patch in pixels (VAE 8x, patch 2x2)
 # Room kept in an ImageGen message for everything but the reference image's bytes.
 MESSAGE_OVERHEAD = 64 << 10
 # ImageGen's field names in its refusals → the client's (`reference_image` → the edited part).
-_STAGE_FIELD = re.compile(r"^(height / width|width|height|steps|guidance_scale|seed|reference_image)(?=[:. ])")
+_STAGE_FIELD = re.compile(
+    r"^(height / width|width|height|steps|guidance_scale|seed|reference_image)(?=[:. ])"
+)
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,14 @@ class ImageLimits:
     @classmethod
     def of(cls, cfg: ImageGenConfig, limits: control_pb2.Limits | None) -> ImageLimits:
         if limits is None:
-            return cls(cfg.min_side_px, cfg.max_side_px, cfg.max_steps, cfg.max_guidance_scale,
-                       max(cfg.stress_batch_sizes, default=1), cfg.max_queued_requests)  # fmt: skip
+            return cls(
+                cfg.min_side_px,
+                cfg.max_side_px,
+                cfg.max_steps,
+                cfg.max_guidance_scale,
+                max(cfg.stress_batch_sizes, default=1),
+                cfg.max_queued_requests,
+            )
         return cls(
             limits.min_image_side_px or cfg.min_side_px,
             limits.max_image_side_px or cfg.max_side_px,
@@ -91,11 +99,23 @@ class ImagePlan:
     reference: MediaPart | None  # an edit: the last image part of the last user message
     prompt_text: str = ""  # the last user message's text (ImageGen's glyph path, not used by it yet)
 
-    def request(self, request_id: str, condition: tensor_pb2.TensorRef, reference: bytes, prompt_text: str,
-                size: tuple[int, int]) -> imagegen_pb2.ImageGenRequest:  # fmt: skip
+    def request(
+        self,
+        request_id: str,
+        condition: tensor_pb2.TensorRef,
+        reference: bytes,
+        prompt_text: str,
+        size: tuple[int, int],
+    ) -> imagegen_pb2.ImageGenRequest:
         """The ImageGen request; `size` is (width, height) with an edit's defaults applied."""
-        req = imagegen_pb2.ImageGenRequest(request_id=request_id, condition=condition, width=size[0], height=size[1],
-                                           prompt_text=prompt_text, reference_image=reference)  # fmt: skip
+        req = imagegen_pb2.ImageGenRequest(
+            request_id=request_id,
+            condition=condition,
+            width=size[0],
+            height=size[1],
+            prompt_text=prompt_text,
+            reference_image=reference,
+        )
         if self.steps is not None:
             req.steps = self.steps
         if self.guidance_scale is not None:
@@ -115,16 +135,21 @@ def plan_image(request: omni_pb2.GenerateRequest, plan: PlannedRequest, limits: 
         if value % SIZE_MULTIPLE:
             raise InvalidRequest(f"image.{name}: {value} is not a multiple of {SIZE_MULTIPLE}")
         if not limits.min_side_px <= value <= limits.max_side_px:
-            raise InvalidRequest(f"image.{name}: {value} is outside [{limits.min_side_px}, {limits.max_side_px}] "
-                                 "(the image stage's limits)")  # fmt: skip
+            raise InvalidRequest(
+                f"image.{name}: {value} is outside [{limits.min_side_px}, {limits.max_side_px}] "
+                "(the image stage's limits)"
+            )
     if opts.steps > limits.max_steps:
-        raise InvalidRequest(f"image.steps: {opts.steps} exceeds the image stage's limit of {limits.max_steps}")
+        raise InvalidRequest(
+            f"image.steps: {opts.steps} exceeds the image stage's limit of {limits.max_steps}"
+        )
     g = opts.guidance_scale
     if not math.isfinite(g) or g < 0:
         raise InvalidRequest(f"image.guidance_scale: must be a finite number >= 0, got {g:g}")
     if g > limits.max_guidance_scale:
-        raise InvalidRequest(f"image.guidance_scale: {g:g} exceeds the image stage's limit of "
-                             f"{limits.max_guidance_scale:g}")  # fmt: skip
+        raise InvalidRequest(
+            f"image.guidance_scale: {g:g} exceeds the image stage's limit of {limits.max_guidance_scale:g}"
+        )
     reference = None
     if opts.edit:
         last = f"messages[{len(request.messages) - 1}]."
@@ -133,8 +158,15 @@ def plan_image(request: omni_pb2.GenerateRequest, plan: PlannedRequest, limits: 
             raise InvalidRequest("image.edit: the last user message has no image part to edit")
         reference = images[-1]
     text = " ".join(p for p in plan.turns[-1].parts() if isinstance(p, str))
-    return ImagePlan(opts.width, opts.height, opts.steps or None, g or None,
-                     opts.seed if opts.HasField("seed") else None, reference, text)  # fmt: skip
+    return ImagePlan(
+        opts.width,
+        opts.height,
+        opts.steps or None,
+        g or None,
+        opts.seed if opts.HasField("seed") else None,
+        reference,
+        text,
+    )
 
 
 def edit_size(width: int, height: int, limits: ImageLimits) -> tuple[int, int]:
@@ -181,8 +213,15 @@ class ImageStage:
     the pipeline's `imagegen` gate, sized by `ImageLimits.gate` summed over the replicas that are up).
     Each request denoises on the least loaded replica that is up (replicas.py) unless pinned to one."""
 
-    def __init__(self, client: ImageGenClient | Sequence[ImageGenClient], transport: TransportContext,
-                 limits: ImageLimits, *, allow_cuda_ipc: bool = False, service: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: ImageGenClient | Sequence[ImageGenClient],
+        transport: TransportContext,
+        limits: ImageLimits,
+        *,
+        allow_cuda_ipc: bool = False,
+        service: str | None = None,
+    ) -> None:
         self.replicas = Replicas(STAGE, [client] if isinstance(client, ImageGenClient) else client, service)
         self.client = self.replicas.first
         self._pinned: dict[str, ImageGenClient] = {}  # request id → the replica it must use (warm-ups)
@@ -208,8 +247,10 @@ class ImageStage:
         limit = self.client.max_message_bytes - MESSAGE_OVERHEAD
         size = paths[where].stat().st_size
         if size > limit:
-            raise InvalidRequest(f"{where}: the image to edit has {size} bytes, more than the {limit} "
-                                 "one image-stage request takes")  # fmt: skip
+            raise InvalidRequest(
+                f"{where}: the image to edit has {size} bytes, more than the {limit} "
+                "one image-stage request takes"
+            )
         return await asyncio.to_thread(paths[where].read_bytes)
 
     async def events(
@@ -237,7 +278,9 @@ class ImageStage:
                     usage.cached_prompt_tokens += ev.finish.usage.cached_prompt_tokens
                     reason = common_pb2.FinishReason.Name(ev.finish.reason)
             if condition is None:
-                raise StageUnavailable(f"thinker: the hidden-state request ended ({reason}) without hidden states")
+                raise StageUnavailable(
+                    f"thinker: the hidden-state request ended ({reason}) without hidden states"
+                )
             size = (image.width, image.height)
             if image.reference is not None and 0 in size:
                 default = edit_size(*_image_size(reference, image.reference.where), self.limits)
@@ -251,13 +294,15 @@ class ImageStage:
                         if ev.WhichOneof("event") == "progress":
                             p = ev.progress
                             yield omni_pb2.GenerateEvent(
-                                request_id=request_id, progress=omni_pb2.Progress(stage=STAGE, done=p.step, total=p.total_steps)
-                            )  # fmt: skip
+                                request_id=request_id,
+                                progress=omni_pb2.Progress(stage=STAGE, done=p.step, total=p.total_steps),
+                            )
                         else:
                             im = ev.image
                             yield omni_pb2.GenerateEvent(
-                                request_id=request_id, image=omni_pb2.ImageResult(png=im.png, width=im.width, height=im.height)
-                            )  # fmt: skip
+                                request_id=request_id,
+                                image=omni_pb2.ImageResult(png=im.png, width=im.width, height=im.height),
+                            )
                             return
                 except grpc.aio.AioRpcError as exc:
                     if not client.up:  # went down under the call (its StageWatch)
@@ -281,7 +326,11 @@ class ImageStage:
         for ref in refs:
             try:
                 self.transport.release(ref)
-            except (TransportError, OSError, ValueError) as exc:  # the thinker is gone, and its leases with it
+            except (
+                TransportError,
+                OSError,
+                ValueError,
+            ) as exc:  # the thinker is gone, and its leases with it
                 log.warning("hidden-state lease not released: %s", exc)
 
     def replica_for(self, request_id: str) -> ImageGenClient:
@@ -309,8 +358,10 @@ class ImageStage:
             gate = self.limits.gate()
             return gate.max_running, gate.max_waiting
         up = self.replicas.up() or [known]
-        return (sum(c.max_running or known.max_running for c in up),
-                sum(c.max_waiting or known.max_waiting for c in up))
+        return (
+            sum(c.max_running or known.max_running for c in up),
+            sum(c.max_waiting or known.max_waiting for c in up),
+        )
 
     async def close(self) -> None:
         for client in self.replicas.clients:

@@ -25,8 +25,11 @@ from omnistage.services.gateway.validation import MediaPart
 from omnistage.v1 import encoder_pb2, thinker_pb2
 
 log = get_logger(__name__)
-_KIND = {"image": encoder_pb2.MEDIA_KIND_IMAGE, "audio": encoder_pb2.MEDIA_KIND_AUDIO,
-         "video": encoder_pb2.MEDIA_KIND_VIDEO}  # fmt: skip
+_KIND = {
+    "image": encoder_pb2.MEDIA_KIND_IMAGE,
+    "audio": encoder_pb2.MEDIA_KIND_AUDIO,
+    "video": encoder_pb2.MEDIA_KIND_VIDEO,
+}
 _ITEM = re.compile(r"^items\[(\d+)\](?: \((?:image|audio|video)\))?")
 # Room kept in an Encode message for everything but the media bytes.
 MESSAGE_OVERHEAD = 64 << 10
@@ -36,7 +39,11 @@ class MediaStage:
     """The gateway's side of the encoder: encode a request's media, release refs it never forwarded."""
 
     def __init__(
-        self, encoder: EncoderClient, transport: TransportContext, *, max_request_bytes: int,
+        self,
+        encoder: EncoderClient,
+        transport: TransportContext,
+        *,
+        max_request_bytes: int,
         allow_cuda_ipc: bool = False,
     ) -> None:
         self.encoder = encoder
@@ -57,7 +64,9 @@ class MediaStage:
                 f"messages: the media parts hold {size} bytes, more than the {self.max_media_bytes} one encoder "
                 "request takes"
             )
-        request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, allow_cuda_ipc=self.allow_cuda_ipc)
+        request = encoder_pb2.EncodeRequest(
+            request_id=request_id, items=items, allow_cuda_ipc=self.allow_cuda_ipc
+        )
         try:
             response = await self.encoder.encode(request, timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -79,7 +88,11 @@ class MediaStage:
         for item in items:
             try:
                 self.transport.release(item.embeddings)
-            except (TransportError, OSError, ValueError) as exc:  # the encoder is gone, and its leases with it
+            except (
+                TransportError,
+                OSError,
+                ValueError,
+            ) as exc:  # the encoder is gone, and its leases with it
                 log.warning("embedding lease not released: %s", exc)
 
     async def close(self) -> None:
@@ -91,7 +104,9 @@ def thinker_items(items: Sequence[encoder_pb2.EncodedItem]) -> list[thinker_pb2.
     """The thinker's view of the encoder's outputs: the same refs, placeholder ids and grids."""
     return [
         thinker_pb2.MultimodalEmbedding(
-            placeholder_token_id=it.placeholder_token_id, embeddings=it.embeddings, merged_grids=it.merged_grids
+            placeholder_token_id=it.placeholder_token_id,
+            embeddings=it.embeddings,
+            merged_grids=it.merged_grids,
         )
         for it in items
     ]
@@ -101,7 +116,9 @@ def _read(path: Path, where: str, limit: int) -> bytes:
     """A media file's bytes, refused (naming the part) when it cannot fit one message to the encoder."""
     size = path.stat().st_size
     if size > limit:
-        raise InvalidRequest(f"{where}: the file has {size} bytes, more than the {limit} one encoder message takes")
+        raise InvalidRequest(
+            f"{where}: the file has {size} bytes, more than the {limit} one encoder message takes"
+        )
     if size == 0:
         raise InvalidRequest(f"{where}: the file is empty")
     return path.read_bytes()

@@ -20,8 +20,10 @@ MEDIA_KINDS = ("image", "audio", "video")
 def resolve_media_path(path: str, media_dir: str, where: str) -> Path:
     """The real path of `path` (relative paths are relative to `media_dir`); raises naming `where`."""
     if not media_dir:
-        raise PermissionDenied(f"{where}: this gateway accepts no file paths (gateway.media_dir is not set); "
-                               "send the file's bytes in Media.data")
+        raise PermissionDenied(
+            f"{where}: this gateway accepts no file paths (gateway.media_dir is not set); "
+            "send the file's bytes in Media.data"
+        )
     if not path or "\0" in path:
         raise InvalidRequest(f"{where}: must be a non-empty path without NUL characters")
     root = Path(os.path.realpath(media_dir))

@@ -38,7 +38,11 @@ from omnistage.services.gateway.validation import PlannedRequest, RequestLimits,
 from omnistage.v1 import common_pb2, control_pb2, encoder_pb2, omni_pb2, thinker_pb2
 
 # A text answer that ended so is followed by the image, when one is asked for too.
-_COMPLETE = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP_STRING)
+_COMPLETE = (
+    common_pb2.FINISH_REASON_STOP,
+    common_pb2.FINISH_REASON_LENGTH,
+    common_pb2.FINISH_REASON_STOP_STRING,
+)
 # Leases this close to their expiry are not sent to a thinker call: they are encoded again.
 _LEASE_MARGIN_MS = 1000
 
@@ -91,8 +95,12 @@ class RequestPlan:
     @property
     def stages(self) -> list[str]:
         """The stages it passes, in order (its admission judges the gate of each)."""
-        return [*(["encoder"] if self.request.media else []), "thinker", *(["talker"] if self.voice else []),
-                *(["imagegen"] if self.image else [])]  # fmt: skip
+        return [
+            *(["encoder"] if self.request.media else []),
+            "thinker",
+            *(["talker"] if self.voice else []),
+            *(["imagegen"] if self.image else []),
+        ]
 
 
 class EncodedMedia:
@@ -100,8 +108,16 @@ class EncodedMedia:
     the gateway for all but the last call, handed to the thinker by that one's `started`, released
     here for whatever no thinker took (`release`, when the request ends)."""
 
-    def __init__(self, pipeline: Pipeline, request: PlannedRequest, paths: dict[str, Path], context: CallContext,
-                 calls: int = 1, *, gated: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        request: PlannedRequest,
+        paths: dict[str, Path],
+        context: CallContext,
+        calls: int = 1,
+        *,
+        gated: bool = True,
+    ) -> None:
         self.pipeline = pipeline
         self.request = request
         self.paths = paths
@@ -194,7 +210,9 @@ class Pipeline:
         if images is not None:  # what the image stage denoises at once, and lets wait (its Describe)
             self.gates.setdefault("imagegen", StageGate("imagegen", images.limits.gate(), service))
         if speech is not None:  # the streams the talker speaks at once (its Describe): spoken answers wait
-            self.gates.setdefault("talker", StageGate("talker", GateConfig(speech.talker.max_streams), service))
+            self.gates.setdefault(
+                "talker", StageGate("talker", GateConfig(speech.talker.max_streams), service)
+            )
         self.in_flight = 0
         # The thinker's measured step time by batch size (pace.py): a text request's own service time.
         self.pace = StepPace()
@@ -222,14 +240,18 @@ class Pipeline:
 
     # -- Omni.Generate ----------------------------------------------------------------------------
 
-    async def generate(self, request: omni_pb2.GenerateRequest, context: CallContext,
-                       arrived_at: float) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
+    async def generate(
+        self, request: omni_pb2.GenerateRequest, context: CallContext, arrived_at: float
+    ) -> AsyncIterator[omni_pb2.GenerateEvent]:
         """Plan, admit, then run the plan: the answer (text, speech interleaved), then the image; one
         Finish ends the stream (an answer cut short gets no image)."""
         plan = await self.plan(request, arrived_at)
         self.admit(context, plan.stages, self.thinker_work(plan))
         media = EncodedMedia(self, plan.request, plan.paths, context, plan.thinker_calls)
-        with self.counted(), self.thinker_gate.on_its_way():  # admitted: counted at the thinker's gate from now
+        with (
+            self.counted(),
+            self.thinker_gate.on_its_way(),
+        ):  # admitted: counted at the thinker's gate from now
             try:
                 finish: omni_pb2.GenerateEvent | None = None
                 if plan.answers:
@@ -258,8 +280,11 @@ class Pipeline:
         # A file path is a permission question, asked next; resolving thousands of them (realpath,
         # stat) is file-system work for a worker thread, not the event loop (without a media_dir the
         # first path is refused at once).
-        paths = (await asyncio.to_thread(check_media_paths, request, self.media_dir) if self.media_dir
-                 else check_media_paths(request, self.media_dir))  # fmt: skip
+        paths = (
+            await asyncio.to_thread(check_media_paths, request, self.media_dir)
+            if self.media_dir
+            else check_media_paths(request, self.media_dir)
+        )
         planned = plan_request(request, self.deployed, self.system_prompt, self.limits)
         image = self._plan_image(request, planned)
         spoken = omni_pb2.MODALITY_AUDIO in planned.outputs
@@ -291,8 +316,11 @@ class Pipeline:
         against its deadline (`work_s`: the request's own service time at a stage). A talker that is
         down is no stage of the path: the answer goes on as text (its AudioStatus says why)."""
         if self.in_flight >= self.max_concurrent_requests:
-            raise Overloaded(f"gateway at its limit of {self.max_concurrent_requests} requests", retry_after_ms=200,
-                             reason="gateway_full")  # fmt: skip
+            raise Overloaded(
+                f"gateway at its limit of {self.max_concurrent_requests} requests",
+                retry_after_ms=200,
+                reason="gateway_full",
+            )
         talker_down = self.speech is not None and not self.speech.talker.up
         gates = [self.gates[s] for s in stages if s in self.gates and not (s == "talker" and talker_down)]
         check_path(gates, context.time_remaining(), work_s)
@@ -322,8 +350,13 @@ class Pipeline:
     # -- the steps ---------------------------------------------------------------------------------
 
     async def answer(
-        self, request: PlannedRequest, media: EncodedMedia, context: CallContext, voice: VoiceChoice | None,
-        arrived_at: float, where: str = "",
+        self,
+        request: PlannedRequest,
+        media: EncodedMedia,
+        context: CallContext,
+        voice: VoiceChoice | None,
+        arrived_at: float,
+        where: str = "",
     ) -> AsyncIterator[omni_pb2.GenerateEvent | HandedOver]:
         """The answer's events: in a talker slot when spoken (`voice`), the media encoded, then the
         thinker's text with the talker's speech interleaved, HandedOver (carrying the SpokenAnswer) when
@@ -333,10 +366,13 @@ class Pipeline:
             events = self._thinker(request, media, context, lambda ev: client_event(request.request_id, ev))
             spoken = None
             if voice is not None:
-                spoken = SpokenAnswer(self.speech, request.request_id, voice, context.time_remaining(), arrived_at,
-                                      where)  # fmt: skip
+                spoken = SpokenAnswer(
+                    self.speech, request.request_id, voice, context.time_remaining(), arrived_at, where
+                )
                 events = spoken.events(events)
-            async with contextlib.aclosing(events) as stream:  # cancels the thinker stream now if the client left
+            async with contextlib.aclosing(
+                events
+            ) as stream:  # cancels the thinker stream now if the client left
                 async for event in stream:
                     yield HandedOver(spoken) if isinstance(event, HandedOver) else event
 
@@ -349,31 +385,45 @@ class Pipeline:
             return contextlib.nullcontext()
         return gate.slot(remaining_s)
 
-    async def encode(self, request: PlannedRequest, paths: dict[str, Path], context: CallContext, *,
-                     gated: bool = True) -> list[encoder_pb2.EncodedItem]:  # fmt: skip
+    async def encode(
+        self, request: PlannedRequest, paths: dict[str, Path], context: CallContext, *, gated: bool = True
+    ) -> list[encoder_pb2.EncodedItem]:
         """The request's media through the encoder (in a slot of its gate when `gated`)."""
         gate = self.gates.get("encoder") if gated else None
         async with gate.slot(context.time_remaining()) if gate else contextlib.nullcontext():
             return await self.media.encode(request.request_id, request.media, paths, context.time_remaining())
 
-    async def _image(self, plan: RequestPlan, media: EncodedMedia, finish: omni_pb2.GenerateEvent | None,
-                     context: CallContext) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
+    async def _image(
+        self,
+        plan: RequestPlan,
+        media: EncodedMedia,
+        finish: omni_pb2.GenerateEvent | None,
+        context: CallContext,
+    ) -> AsyncIterator[omni_pb2.GenerateEvent]:
         """The image: hidden states of the conversation's query block (the thinker again, with the
         media encoded for the answer), then ImageGen's progress and PNG, then the Finish (the answer's,
         its usage with the hidden-state call's prompt added)."""
         assert self.images is not None and plan.image is not None
         usage = common_pb2.Usage()
         if finish is None:
-            finish = omni_pb2.GenerateEvent(request_id=plan.request.request_id,
-                                            finish=omni_pb2.Finish(reason=common_pb2.FINISH_REASON_STOP))  # fmt: skip
+            finish = omni_pb2.GenerateEvent(
+                request_id=plan.request.request_id,
+                finish=omni_pb2.Finish(reason=common_pb2.FINISH_REASON_STOP),
+            )
         else:
             usage.CopyFrom(finish.finish.usage)
         reference = await self.images.reference_bytes(plan.image, plan.paths)
         await media.for_call()
-        hidden = self._thinker(plan.request, media, context, hidden_states=self.images.hidden_states_request())
-        async with contextlib.aclosing(hidden) as stream, self.gates["imagegen"].slot(context.time_remaining()):
-            events = self.images.events(plan.request.request_id, plan.image, stream, reference, usage,
-                                        context.time_remaining)  # fmt: skip
+        hidden = self._thinker(
+            plan.request, media, context, hidden_states=self.images.hidden_states_request()
+        )
+        async with (
+            contextlib.aclosing(hidden) as stream,
+            self.gates["imagegen"].slot(context.time_remaining()),
+        ):
+            events = self.images.events(
+                plan.request.request_id, plan.image, stream, reference, usage, context.time_remaining
+            )
             async with contextlib.aclosing(events) as image_events:
                 async for event in image_events:
                     yield event
@@ -381,7 +431,10 @@ class Pipeline:
         yield finish
 
     async def _thinker(
-        self, request: PlannedRequest, media: EncodedMedia, context: CallContext,
+        self,
+        request: PlannedRequest,
+        media: EncodedMedia,
+        context: CallContext,
         to_event: Callable[[thinker_pb2.ThinkerEvent], Any] = lambda ev: ev,
         hidden_states: thinker_pb2.HiddenStatesRequest | None = None,
     ) -> AsyncIterator[Any]:
@@ -393,9 +446,13 @@ class Pipeline:
         self.thinker_gate.arrived()  # no longer counted as on its way to this gate
         async with self.thinker_gate.slot(context.time_remaining()):  # a slot of the thinker's tested batch
             stream = self.thinker.generate(
-                request.request_id, request.chat(media.items), request.sampling, context.time_remaining(),
-                multimodal=media.thinker_items(), **mode,
-            )  # fmt: skip
+                request.request_id,
+                request.chat(media.items),
+                request.sampling,
+                context.time_remaining(),
+                multimodal=media.thinker_items(),
+                **mode,
+            )
             try:
                 async for ev in stream:
                     kind = ev.WhichOneof("event")

@@ -160,4 +160,6 @@ def prompt_chars(chat: thinker_pb2.ChatPrompt) -> int:
 def render(chat: thinker_pb2.ChatPrompt) -> str:
     """The prompt as one string (logs and tests; never tokenize this for client text); a token piece
     shows as `<tokens:1,2,3>`."""
-    return "".join(p.template or p.text or f"<tokens:{','.join(map(str, p.tokens.ids))}>" for p in chat.pieces)
+    return "".join(
+        p.template or p.text or f"<tokens:{','.join(map(str, p.tokens.ids))}>" for p in chat.pieces
+    )

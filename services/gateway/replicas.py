@@ -31,10 +31,16 @@ class Replicas(Generic[C]):
         self.clients = list(clients)
         self._next = 0  # where the round-robin among equally loaded replicas starts
         service = metrics.process_service() if service is None else service
-        up = metrics.gauge("gateway_stage_up", "1 while a stage replica is admitted (SERVING and warmed up), else 0",
-                           ("stage", "replica"))  # fmt: skip
-        calls = metrics.gauge("gateway_stage_calls_in_flight", "Calls of this gateway in flight on a stage replica",
-                              ("stage", "replica"))  # fmt: skip
+        up = metrics.gauge(
+            "gateway_stage_up",
+            "1 while a stage replica is admitted (SERVING and warmed up), else 0",
+            ("stage", "replica"),
+        )
+        calls = metrics.gauge(
+            "gateway_stage_calls_in_flight",
+            "Calls of this gateway in flight on a stage replica",
+            ("stage", "replica"),
+        )
         for c in self.clients:
             up.labels(service, kind, c.name).set_function(lambda c=c: float(c.up))
             calls.labels(service, kind, c.name).set_function(lambda c=c: c.calls_in_flight)

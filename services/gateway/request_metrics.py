@@ -20,9 +20,16 @@ from omnistage.common.stages import MODEL_KINDS
 from omnistage.v1 import omni_pb2
 
 # Refusals (RESOURCE_EXHAUSTED at arrival) the gateway makes itself; `stage` for a stage's own refusal.
-REFUSAL_REASONS = ("gateway_full", *(f"{stage}_{why}" for stage in MODEL_KINDS
-                                      for why in ("queue_full", "deadline")), "stage")
-_MODALITY_NAMES = {omni_pb2.MODALITY_TEXT: "text", omni_pb2.MODALITY_AUDIO: "audio", omni_pb2.MODALITY_IMAGE: "image"}
+REFUSAL_REASONS = (
+    "gateway_full",
+    *(f"{stage}_{why}" for stage in MODEL_KINDS for why in ("queue_full", "deadline")),
+    "stage",
+)
+_MODALITY_NAMES = {
+    omni_pb2.MODALITY_TEXT: "text",
+    omni_pb2.MODALITY_AUDIO: "audio",
+    omni_pb2.MODALITY_IMAGE: "image",
+}
 
 
 def modality_label(request: omni_pb2.GenerateRequest) -> str:
@@ -37,33 +44,53 @@ class GatewayMetrics:
 
     def __init__(self, service: str) -> None:
         self.service = service
-        self.ttft = metrics.histogram("gateway_ttft_seconds", "Time to first token as the client sees it: "
-                                      "request arrival at the gateway to the first text event sent, by output "
-                                      "modalities", ("modality",))  # fmt: skip
-        self.e2e = metrics.histogram("gateway_e2e_seconds", "Omni.Generate wall time at the gateway, arrival to "
-                                     "the stream's end, by output modalities and the gRPC status the client got",
-                                     ("modality", "outcome"))  # fmt: skip
-        self.goodput = metrics.counter("gateway_goodput_requests", "Omni.Generate requests that ended OK within "
-                                       "their deadline with their answer done (finish not ERROR or ABORT; a "
-                                       "spoken one with its speech complete), by output modalities",
-                                       ("modality",))  # fmt: skip
-        refusals = metrics.counter("gateway_refusals", "Requests refused with RESOURCE_EXHAUSTED, by reason "
-                                   "(gateway_full, <stage>_queue_full, <stage>_deadline, stage)",
-                                   ("reason",))  # fmt: skip
+        self.ttft = metrics.histogram(
+            "gateway_ttft_seconds",
+            "Time to first token as the client sees it: "
+            "request arrival at the gateway to the first text event sent, by output "
+            "modalities",
+            ("modality",),
+        )
+        self.e2e = metrics.histogram(
+            "gateway_e2e_seconds",
+            "Omni.Generate wall time at the gateway, arrival to "
+            "the stream's end, by output modalities and the gRPC status the client got",
+            ("modality", "outcome"),
+        )
+        self.goodput = metrics.counter(
+            "gateway_goodput_requests",
+            "Omni.Generate requests that ended OK within "
+            "their deadline with their answer done (finish not ERROR or ABORT; a "
+            "spoken one with its speech complete), by output modalities",
+            ("modality",),
+        )
+        refusals = metrics.counter(
+            "gateway_refusals",
+            "Requests refused with RESOURCE_EXHAUSTED, by reason "
+            "(gateway_full, <stage>_queue_full, <stage>_deadline, stage)",
+            ("reason",),
+        )
         self.refusals = {r: refusals.labels(service, r) for r in REFUSAL_REASONS}
-        self.tokens = metrics.counter("gateway_streamed_tokens", "Text tokens streamed to clients, by method",
-                                      ("method",))  # fmt: skip
-        self.audio_s = metrics.counter("gateway_audio_seconds", "Seconds of speech streamed to clients, by method",
-                                       ("method",))  # fmt: skip
+        self.tokens = metrics.counter(
+            "gateway_streamed_tokens", "Text tokens streamed to clients, by method", ("method",)
+        )
+        self.audio_s = metrics.counter(
+            "gateway_audio_seconds", "Seconds of speech streamed to clients, by method", ("method",)
+        )
         self.images = metrics.counter("gateway_images", "Images sent to clients")
         for method in ("Generate", "Converse"):
             self.tokens.labels(service, method)
             self.audio_s.labels(service, method)
         self.images.labels(service)
 
-    async def record(self, method: str, request: omni_pb2.GenerateRequest | None, context: grpc.aio.ServicerContext,
-                     arrived_at: float, events: AsyncIterator[omni_pb2.GenerateEvent]
-                     ) -> AsyncIterator[omni_pb2.GenerateEvent]:  # fmt: skip
+    async def record(
+        self,
+        method: str,
+        request: omni_pb2.GenerateRequest | None,
+        context: grpc.aio.ServicerContext,
+        arrived_at: float,
+        events: AsyncIterator[omni_pb2.GenerateEvent],
+    ) -> AsyncIterator[omni_pb2.GenerateEvent]:
         """`events` as they are, counted. With `request` (Generate) the call's TTFT, E2E and goodput too."""
         timed = request is not None
         modality = modality_label(request) if timed else ""

@@ -31,16 +31,18 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     async def Generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrived_at = time.monotonic()
-        events = self.metrics.record("Generate", request, context, arrived_at,
-                                     self.pipeline.generate(request, context, arrived_at))  # fmt: skip
+        events = self.metrics.record(
+            "Generate", request, context, arrived_at, self.pipeline.generate(request, context, arrived_at)
+        )
         async with contextlib.aclosing(events) as stream:
             async for event in stream:
                 yield event
 
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext):
         conversation = Conversation(self.pipeline, context, self.converse)
-        events = self.metrics.record("Converse", None, context, time.monotonic(),
-                                     conversation.events(request_iterator))  # fmt: skip
+        events = self.metrics.record(
+            "Converse", None, context, time.monotonic(), conversation.events(request_iterator)
+        )
         async with contextlib.aclosing(events) as stream:
             async for event in stream:
                 yield event

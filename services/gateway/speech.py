@@ -40,7 +40,11 @@ NO_CREDIT_RETRY_MS = 500
 # How long an answer's own tasks (text pump, talker writer/reader) have to end once cancelled; a task
 # still running then is logged and left behind, so that the request ends whatever it does.
 TASK_STOP_S = 5.0
-_SPOKEN_REASONS = {common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP_STRING}
+_SPOKEN_REASONS = {
+    common_pb2.FINISH_REASON_STOP,
+    common_pb2.FINISH_REASON_LENGTH,
+    common_pb2.FINISH_REASON_STOP_STRING,
+}
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,9 @@ def voice_choice(request: omni_pb2.GenerateRequest, where: str = "") -> VoiceCho
         return VoiceChoice(request.voice, None, seed)
     if request.voice:
         raise InvalidRequest(f"{where}custom_voice: set voice or custom_voice, not both")
-    if (problem := custom_voice_problem(request.custom_voice.audio, request.custom_voice.transcript)) is not None:
+    if (
+        problem := custom_voice_problem(request.custom_voice.audio, request.custom_voice.transcript)
+    ) is not None:
         raise InvalidRequest(where + problem)
     return VoiceChoice("", request.custom_voice, seed)
 
@@ -86,19 +92,27 @@ class SpeechLimits:
 class SpeechStage:
     """The gateway's side of the talker: speaks answers, counts what the clients got."""
 
-    def __init__(self, talker: TalkerClient | Sequence[TalkerClient], limits: SpeechLimits,
-                 service: str = "gateway") -> None:
+    def __init__(
+        self, talker: TalkerClient | Sequence[TalkerClient], limits: SpeechLimits, service: str = "gateway"
+    ) -> None:
         # The talker's replicas (replicas.py): each answer speaks on the least loaded one with a credit.
         self.replicas = Replicas("talker", [talker] if isinstance(talker, TalkerClient) else talker, service)
         self.talker = self.replicas.first
         self.limits = limits
         self.service = service
-        self._ttfa = metrics.histogram("gateway_ttfa_seconds", "Time to first audio as the client sees it: request "
-                                       "arrival at the gateway (Converse: end of the user turn) to the first audio "
-                                       "chunk sent, by voice", ("voice",))
-        self._outcomes = metrics.counter("gateway_speech_outcomes", "Answers by what became of their speech "
-                                         "(AudioOutcome) and why (gRPC code name, empty when complete)",
-                                         ("outcome", "code"))
+        self._ttfa = metrics.histogram(
+            "gateway_ttfa_seconds",
+            "Time to first audio as the client sees it: request "
+            "arrival at the gateway (Converse: end of the user turn) to the first audio "
+            "chunk sent, by voice",
+            ("voice",),
+        )
+        self._outcomes = metrics.counter(
+            "gateway_speech_outcomes",
+            "Answers by what became of their speech "
+            "(AudioOutcome) and why (gRPC code name, empty when complete)",
+            ("outcome", "code"),
+        )
 
     def observe(self, status: omni_pb2.AudioStatus) -> None:
         self._outcomes.labels(self.service, omni_pb2.AudioOutcome.Name(status.outcome), status.code).inc()
@@ -156,8 +170,9 @@ class TalkerStream:
     """One Speak call: its writer and reader tasks, and the AudioStatus of what it gave. The first reason
     the speech stopped short is the one the status keeps."""
 
-    def __init__(self, stage: SpeechStage, request_id: str, choice: VoiceChoice, timeout_s: float | None,
-                 where: str) -> None:
+    def __init__(
+        self, stage: SpeechStage, request_id: str, choice: VoiceChoice, timeout_s: float | None, where: str
+    ) -> None:
         self.stage = stage
         self.talker = stage.talker  # the replica it speaks on (start() picks it)
         self.limits = stage.limits
@@ -188,8 +203,11 @@ class TalkerStream:
             if not up:  # the text goes on; the status says why there is no speech
                 self.fail("UNAVAILABLE", replicas.unavailable().args[0])
             else:
-                self.fail("RESOURCE_EXHAUSTED", ", ".join(f"{t.name}: all {t.max_streams} streams are speaking"
-                                                          for t in up), NO_CREDIT_RETRY_MS)
+                self.fail(
+                    "RESOURCE_EXHAUSTED",
+                    ", ".join(f"{t.name}: all {t.max_streams} streams are speaking" for t in up),
+                    NO_CREDIT_RETRY_MS,
+                )
             self.accepted.set()
             return False
         self.talker = talker
@@ -198,8 +216,11 @@ class TalkerStream:
 
     def run(self, out: asyncio.Queue) -> None:
         assert self.call is not None
-        self._tasks = [asyncio.create_task(self._write(self.call)), asyncio.create_task(self._read(self.call, out)),
-                       asyncio.create_task(self._watch_silence(self.call))]
+        self._tasks = [
+            asyncio.create_task(self._write(self.call)),
+            asyncio.create_task(self._read(self.call, out)),
+            asyncio.create_task(self._watch_silence(self.call)),
+        ]
 
     def stop(self, code: str, message: str) -> None:
         """Stop speaking (the answer was aborted or interrupted): cancel the call, say why in the status."""
@@ -247,8 +268,10 @@ class TalkerStream:
         while not call.done():
             silent = time.monotonic() - max(self._read_since, ended_at) if self._reading else 0.0
             if silent >= idle:
-                self.stop("DEADLINE_EXCEEDED", f"{self.talker.name}: no speech for {idle:g}s "
-                          "(gateway.talker_idle_timeout_s)")
+                self.stop(
+                    "DEADLINE_EXCEEDED",
+                    f"{self.talker.name}: no speech for {idle:g}s (gateway.talker_idle_timeout_s)",
+                )
                 return
             await asyncio.sleep(idle - silent)
 
@@ -267,8 +290,14 @@ class TalkerStream:
         finally:
             self.accepted.set()
         if self._chunks:  # however it ended, the audio sent ends with a `last` chunk
-            await out.put(omni_pb2.GenerateEvent(request_id=self.request_id, audio=omni_pb2.AudioChunk(
-                sample_rate_hz=self.status.sample_rate_hz, segment_index=self._segment, last=True)))
+            await out.put(
+                omni_pb2.GenerateEvent(
+                    request_id=self.request_id,
+                    audio=omni_pb2.AudioChunk(
+                        sample_rate_hz=self.status.sample_rate_hz, segment_index=self._segment, last=True
+                    ),
+                )
+            )
         await out.put(_Done())
 
     async def _read_speech(self, call: grpc.aio.StreamStreamCall, out: asyncio.Queue) -> None:
@@ -289,16 +318,20 @@ class TalkerStream:
                 a = response.audio
                 self._chunks += 1
                 self._segment = a.segment_index
-                chunk = omni_pb2.AudioChunk(pcm16=a.pcm16, sample_rate_hz=self.status.sample_rate_hz,
-                                            segment_index=a.segment_index)
+                chunk = omni_pb2.AudioChunk(
+                    pcm16=a.pcm16, sample_rate_hz=self.status.sample_rate_hz, segment_index=a.segment_index
+                )
                 await out.put(omni_pb2.GenerateEvent(request_id=self.request_id, audio=chunk))
             elif kind == "segment_done":
                 self.status.segments += 1
             elif kind == "finished":
                 self.finished = True
                 if self.text.truncated:
-                    self.fail("OUT_OF_RANGE", f"the answer passed the talker's max_text_chars "
-                              f"({self.limits.max_text_chars} characters): spoken up to there")
+                    self.fail(
+                        "OUT_OF_RANGE",
+                        f"the answer passed the talker's max_text_chars "
+                        f"({self.limits.max_text_chars} characters): spoken up to there",
+                    )
                 await take_end(call)  # the last event: its own end (OK), not a cancel on close
                 return
 
@@ -315,9 +348,15 @@ class TalkerStream:
             self.fail("UNAVAILABLE", f"{self.talker.name}: the stream broke ({details})")
             return None
         pushback = str(dict(exc.trailing_metadata() or ()).get(RETRY_PUSHBACK_KEY, "0"))
-        self.fail(exc.code().name, f"{self.talker.name}: {details}", int(pushback) if pushback.isdigit() else 0)
-        if (exc.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("config.")
-                and not self.status.voice and not self.released):
+        self.fail(
+            exc.code().name, f"{self.talker.name}: {details}", int(pushback) if pushback.isdigit() else 0
+        )
+        if (
+            exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and details.startswith("config.")
+            and not self.status.voice
+            and not self.released
+        ):
             return InvalidRequest(self.where + details.removeprefix("config."))
         return None
 
@@ -326,16 +365,24 @@ class SpokenAnswer:
     """One answer with speech: runs the text pump and a TalkerStream, yields their events in order. Its
     `status` counts what the client was sent."""
 
-    def __init__(self, stage: SpeechStage, request_id: str, choice: VoiceChoice, timeout_s: float | None,
-                 arrived_at: float, where: str = "") -> None:
+    def __init__(
+        self,
+        stage: SpeechStage,
+        request_id: str,
+        choice: VoiceChoice,
+        timeout_s: float | None,
+        arrived_at: float,
+        where: str = "",
+    ) -> None:
         self.stage = stage
         self.arrived_at = arrived_at
         self.out: asyncio.Queue = asyncio.Queue(stage.limits.buffer_events)
         self.speech = TalkerStream(stage, request_id, choice, timeout_s, where)
         self.status = self.speech.status
 
-    async def events(self, text_events: AsyncIterator[omni_pb2.GenerateEvent | HandedOver]
-                     ) -> AsyncIterator[omni_pb2.GenerateEvent | HandedOver]:
+    async def events(
+        self, text_events: AsyncIterator[omni_pb2.GenerateEvent | HandedOver]
+    ) -> AsyncIterator[omni_pb2.GenerateEvent | HandedOver]:
         """`text_events` (the thinker's, HandedOver for its `started`) with the speech interleaved; the
         Finish comes last, once both the text and the speech are done, with `audio` set."""
         pump = asyncio.create_task(self._pump_text(text_events))
@@ -378,7 +425,10 @@ class SpokenAnswer:
         else:
             status.outcome = omni_pb2.AUDIO_OUTCOME_PARTIAL if status.samples else omni_pb2.AUDIO_OUTCOME_NONE
             if not status.code:
-                status.code, status.message = "UNAVAILABLE", f"{self.speech.talker.name}: the speech did not finish"
+                status.code, status.message = (
+                    "UNAVAILABLE",
+                    f"{self.speech.talker.name}: the speech did not finish",
+                )
         self.stage.observe(status)
 
     async def _pump_text(self, text_events: AsyncIterator[omni_pb2.GenerateEvent | HandedOver]) -> None:

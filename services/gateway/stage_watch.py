@@ -83,7 +83,9 @@ class StageWatch:
         change); the stream waits for the channel to connect, and is opened again when it ends."""
         while True:
             try:
-                call = self.client.health.Watch(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True)
+                call = self.client.health.Watch(
+                    health_pb2.HealthCheckRequest(service=""), wait_for_ready=True
+                )
                 async for _ in call:
                     self._wake.set()
             except grpc.aio.AioRpcError as exc:
@@ -104,7 +106,9 @@ class StageWatch:
     async def _check(self) -> str:
         """'' when the stage answers SERVING, else what it said."""
         try:
-            resp = await self.client.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.cfg.timeout_s)
+            resp = await self.client.health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=self.cfg.timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return f"no health answer within {self.cfg.timeout_s:g}s"

@@ -90,20 +90,29 @@ class StageClient:
     """A channel to one stage service's main port (its API and health), and Describe on its admin port."""
 
     def __init__(
-        self, name: str, address: str, max_message_bytes: int, *, admin_address: str = "",
+        self,
+        name: str,
+        address: str,
+        max_message_bytes: int,
+        *,
+        admin_address: str = "",
         admin_metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.name = name
         self.address = address
         self.max_message_bytes = max_message_bytes
         # Every call presents the deployment's stage key (auth.py), when it has one.
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
-                                                 interceptors=auth.stage_interceptors())  # fmt: skip
+        self.channel = grpc.aio.insecure_channel(
+            address, options=channel_options(max_message_bytes), interceptors=auth.stage_interceptors()
+        )
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.admin_address = admin_address
         self.admin_metadata = admin_metadata
-        self.admin_channel = (grpc.aio.insecure_channel(admin_address, interceptors=auth.stage_interceptors())
-                              if admin_address else None)  # fmt: skip
+        self.admin_channel = (
+            grpc.aio.insecure_channel(admin_address, interceptors=auth.stage_interceptors())
+            if admin_address
+            else None
+        )
         self.control = control_pb2_grpc.ControlStub(self.admin_channel) if self.admin_channel else None
         # Why the stage cannot take calls now ("" while it is SERVING); set by its StageWatch.
         self.down_reason = ""
@@ -193,7 +202,9 @@ class StageClient:
         """The stage's Describe, or None when it has no admin port."""
         if self.control is None:
             return None
-        return await self.control.Describe(control_pb2.DescribeRequest(), timeout=2.0, metadata=self.admin_metadata)
+        return await self.control.Describe(
+            control_pb2.DescribeRequest(), timeout=2.0, metadata=self.admin_metadata
+        )
 
     async def close(self) -> None:
         await self.channel.close()
@@ -220,12 +231,19 @@ class ThinkerClient(StageClient):
         """The thinker's events, `started` first. `request_id` is the client's, for the thinker's logs;
         `multimodal` carries the encoder's refs as they came (the thinker releases their leases);
         `hidden_states` asks for the image query block's hidden states instead of tokens."""
-        request = thinker_pb2.ThinkerRequest(request_id=request_id, chat=prompt, sampling=sampling,
-                                             multimodal=multimodal or [], hidden_states=hidden_states)  # fmt: skip
+        request = thinker_pb2.ThinkerRequest(
+            request_id=request_id,
+            chat=prompt,
+            sampling=sampling,
+            multimodal=multimodal or [],
+            hidden_states=hidden_states,
+        )
         self.check_up()
         # Leaving early cancels the stream: the thinker aborts the request and frees its KV blocks.
         call = self.track(self.stub.Generate(request, timeout=timeout_s))
-        async with contextlib.aclosing(self.stream(call, "finish")) as events:  # closed at once when left early
+        async with contextlib.aclosing(
+            self.stream(call, "finish")
+        ) as events:  # closed at once when left early
             async for event in events:
                 yield event
 
@@ -292,6 +310,8 @@ class ImageGenClient(StageClient):
     ) -> AsyncIterator[imagegen_pb2.ImageGenEvent]:
         self.check_up()
         call = self.track(self.stub.Generate(request, timeout=timeout_s))
-        async with contextlib.aclosing(self.stream(call, "image")) as events:  # closed at once when left early
+        async with contextlib.aclosing(
+            self.stream(call, "image")
+        ) as events:  # closed at once when left early
             async for event in events:
                 yield event

@@ -21,7 +21,9 @@ from omnistage.common.stages import MEDIA_INPUT_KIND, OUTPUT_KIND
 from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT, MediaSlot, Turn, build_chat, prompt_chars
 from omnistage.v1 import common_pb2, encoder_pb2, omni_pb2, thinker_pb2
 
-_OUTPUT_STAGE = {omni_pb2.Modality.Value(f"MODALITY_{name.upper()}"): kind for name, kind in OUTPUT_KIND.items()}
+_OUTPUT_STAGE = {
+    omni_pb2.Modality.Value(f"MODALITY_{name.upper()}"): kind for name, kind in OUTPUT_KIND.items()
+}
 
 
 @dataclass(frozen=True)
@@ -39,13 +41,20 @@ def wire_bounds(limits: RequestLimits) -> dict[str, WireBounds]:
     part counts of `limits`, so that 8 M empty messages are refused before protobuf builds them."""
 
     def bounds(descriptor, prefix: str) -> WireBounds:
-        keyed = {f"{prefix}messages": (limits.max_messages, "max_messages"),
-                 f"{prefix}messages.parts": (limits.max_parts_per_message, "max_parts_per_message")}  # fmt: skip
-        return WireBounds(descriptor, {p: n for p, (n, _) in keyed.items()},
-                          {p: f"gateway.{k}" for p, (_, k) in keyed.items()})  # fmt: skip
+        keyed = {
+            f"{prefix}messages": (limits.max_messages, "max_messages"),
+            f"{prefix}messages.parts": (limits.max_parts_per_message, "max_parts_per_message"),
+        }
+        return WireBounds(
+            descriptor,
+            {p: n for p, (n, _) in keyed.items()},
+            {p: f"gateway.{k}" for p, (_, k) in keyed.items()},
+        )
 
-    return {"Generate": bounds(omni_pb2.GenerateRequest.DESCRIPTOR, ""),
-            "Converse": bounds(omni_pb2.ConverseRequest.DESCRIPTOR, "config.")}  # fmt: skip
+    return {
+        "Generate": bounds(omni_pb2.GenerateRequest.DESCRIPTOR, ""),
+        "Converse": bounds(omni_pb2.ConverseRequest.DESCRIPTOR, "config."),
+    }
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,9 @@ class PlannedRequest:
 def check_counts(req: omni_pb2.GenerateRequest, limits: RequestLimits) -> None:
     """Before anything else: how many messages and parts, and the system prompt's length."""
     if len(req.messages) > limits.max_messages:
-        raise InvalidRequest(f"messages: {len(req.messages)} messages, at most {limits.max_messages} (max_messages)")
+        raise InvalidRequest(
+            f"messages: {len(req.messages)} messages, at most {limits.max_messages} (max_messages)"
+        )
     for i, msg in enumerate(req.messages):
         if len(msg.parts) > limits.max_parts_per_message:
             raise InvalidRequest(
@@ -197,5 +208,6 @@ def plan_request(
             f"messages: the prompt has {chars} characters with its chat markup, the limit is "
             f"{limits.max_prompt_chars} (max_prompt_chars)"
         )
-    return PlannedRequest(request_id, tuple(turns), system_prompt, req.sampling, frozenset(outputs), tuple(media),
-                          chars)
+    return PlannedRequest(
+        request_id, tuple(turns), system_prompt, req.sampling, frozenset(outputs), tuple(media), chars
+    )

@@ -58,8 +58,16 @@ def _counter(name: str, doc: str = ""):
 class ImageGenEngine:
     """`parse(request)` then `generate(parsed, timeout_s)` → Progress events, then one ImageResult."""
 
-    def __init__(self, pipeline: ImagePipeline, cfg: ImageGenConfig, transport: TransportContext, cap: int, *,
-                 service: str = "imagegen", on_failure: Callable[[DeviceFailed], None] | None = None) -> None:
+    def __init__(
+        self,
+        pipeline: ImagePipeline,
+        cfg: ImageGenConfig,
+        transport: TransportContext,
+        cap: int,
+        *,
+        service: str = "imagegen",
+        on_failure: Callable[[DeviceFailed], None] | None = None,
+    ) -> None:
         self.pipeline = pipeline
         self.cfg = cfg
         self.transport = transport
@@ -96,16 +104,26 @@ class ImageGenEngine:
         for name in _COUNTERS:  # exported at 0 from the start: rate() sees the first increase
             _counter(name).labels(self.service)
         # from now on (after the warm-up): clients' requests only
-        self.runner.on_admit = metrics.histogram(
-            "imagegen_queue_time_seconds", "Time a request waited in the image stage: its arrival in the engine "
-            "(parsed) to the device thread taking it into the denoising loop").labels(self.service).observe
+        self.runner.on_admit = (
+            metrics.histogram(
+                "imagegen_queue_time_seconds",
+                "Time a request waited in the image stage: its arrival in the engine "
+                "(parsed) to the device thread taking it into the denoising loop",
+            )
+            .labels(self.service)
+            .observe
+        )
 
     def _count_forward(self, jobs: int, rows: int) -> None:
-        _counter("imagegen_forwards", "DiT forwards run (one per step of a group of equal-shape requests)"
-                 ).labels(self.service).inc()
-        _counter("imagegen_forward_requests", "Requests stepped in those forwards").labels(self.service).inc(jobs)
-        _counter("imagegen_forward_rows", "DiT rows in those forwards (2 per request with guidance)"
-                 ).labels(self.service).inc(rows)
+        _counter(
+            "imagegen_forwards", "DiT forwards run (one per step of a group of equal-shape requests)"
+        ).labels(self.service).inc()
+        _counter("imagegen_forward_requests", "Requests stepped in those forwards").labels(self.service).inc(
+            jobs
+        )
+        _counter("imagegen_forward_rows", "DiT rows in those forwards (2 per request with guidance)").labels(
+            self.service
+        ).inc(rows)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -113,8 +131,9 @@ class ImageGenEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, parse_request, request, self.limits, self.transport)
 
-    async def generate(self, parsed: ParsedRequest, *, timeout_s: float | None = None
-                       ) -> AsyncIterator[Progress | ImageResult]:
+    async def generate(
+        self, parsed: ParsedRequest, *, timeout_s: float | None = None
+    ) -> AsyncIterator[Progress | ImageResult]:
         """Progress after every step, then the ImageResult. Leaving the iterator early drops the job."""
         deadline = time.monotonic() + timeout_s if timeout_s is not None else math.inf
         loop = asyncio.get_running_loop()
@@ -140,7 +159,9 @@ class ImageGenEngine:
             while True:
                 ev = await events.get()
                 if isinstance(ev, Progress):
-                    _counter("imagegen_steps", "Denoising steps done (per request)").labels(self.service).inc()
+                    _counter("imagegen_steps", "Denoising steps done (per request)").labels(
+                        self.service
+                    ).inc()
                     yield ev
                 elif isinstance(ev, Finished):
                     ended = True
@@ -154,19 +175,28 @@ class ImageGenEngine:
                 holder.cancel()
             elif not ended and not admitted.cancelled() and admitted.exception() is None:
                 job.cancel()  # the device thread has it: dropped at the next step boundary
-                _counter("imagegen_cancelled", "Requests dropped from the denoising loop (client left)"
-                         ).labels(self.service).inc()
+                _counter(
+                    "imagegen_cancelled", "Requests dropped from the denoising loop (client left)"
+                ).labels(self.service).inc()
 
-    async def _hold(self, job: Job, deadline: float, admitted: asyncio.Future, released: asyncio.Future) -> None:
+    async def _hold(
+        self, job: Job, deadline: float, admitted: asyncio.Future, released: asyncio.Future
+    ) -> None:
         """Take a slot, hand the job to the device thread, keep the slot until the thread lets go of it."""
         if self.waiting >= self.cfg.max_queued_requests and self.limiter.in_use >= self.limiter.limit:
-            admitted.set_exception(Overloaded(
-                f"{self.service}: {self.limiter.in_use} requests denoising and {self.waiting} waiting "
-                "(imagegen.max_queued_requests)", retry_after_ms=1000))
+            admitted.set_exception(
+                Overloaded(
+                    f"{self.service}: {self.limiter.in_use} requests denoising and {self.waiting} waiting "
+                    "(imagegen.max_queued_requests)",
+                    retry_after_ms=1000,
+                )
+            )
             return
         wait = min(deadline - time.monotonic(), self.cfg.queue_timeout_s)
         if wait <= 0:
-            admitted.set_exception(DeadlineExceeded(f"{self.service}: deadline passed before a denoising slot"))
+            admitted.set_exception(
+                DeadlineExceeded(f"{self.service}: deadline passed before a denoising slot")
+            )
             return
         self.waiting += 1
         slotted = False
@@ -182,7 +212,9 @@ class ImageGenEngine:
         except TimeoutError as exc:
             self.waiting -= 1
             if time.monotonic() >= deadline:
-                admitted.set_exception(DeadlineExceeded(f"{self.service}: deadline passed waiting for a slot"))
+                admitted.set_exception(
+                    DeadlineExceeded(f"{self.service}: deadline passed waiting for a slot")
+                )
             else:
                 admitted.set_exception(Overloaded(str(exc), retry_after_ms=1000))
         except asyncio.CancelledError:

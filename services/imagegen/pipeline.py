@@ -47,8 +47,9 @@ class DenoiseState:
     step: int = 0
     forwards: int = field(default=0)
     # First-block cache state of its DiT rows (positive, negative), used when the pipeline's threshold > 0.
-    block_cache: tuple[FirstBlockCache, FirstBlockCache] = field(default_factory=lambda: (FirstBlockCache(),
-                                                                                          FirstBlockCache()))
+    block_cache: tuple[FirstBlockCache, FirstBlockCache] = field(
+        default_factory=lambda: (FirstBlockCache(), FirstBlockCache())
+    )
 
     @property
     def done(self) -> bool:
@@ -68,15 +69,18 @@ class DenoiseState:
 class ImagePipeline:
     """Connector + DiT + VAE of one device; every method is device work."""
 
-    def __init__(self, models: ImageGenModels, device: str | torch.device, first_block_cache: float = 0.0) -> None:
+    def __init__(
+        self, models: ImageGenModels, device: str | torch.device, first_block_cache: float = 0.0
+    ) -> None:
         self.models = models
         self.first_block_cache = first_block_cache  # threshold; 0 is off (the exact forward)
         self.device = torch.device(device)
         self.dtype = models.dit.dtype
         self.vae_factor = models.config.vae.scale_factor
         with torch.inference_mode():
-            zeros = torch.zeros(1, 1, models.config.mlp.diffusion_c_input_dim, device=self.device,
-                                dtype=models.cond.dtype)
+            zeros = torch.zeros(
+                1, 1, models.config.mlp.diffusion_c_input_dim, device=self.device, dtype=models.cond.dtype
+            )
             self._negative_row = models.cond.caption(zeros).to(self.dtype)  # [1, 1, cap_feat_dim]
 
     @property
@@ -130,8 +134,9 @@ class ImagePipeline:
                 if s.cfg:
                     cap.append(self._negative_row.expand_as(s.caption))
             caches = [c for s in moving for c in s.block_cache[: 2 if s.cfg else 1]]
-            out = self.models.dit(torch.cat(x), torch.cat(t), torch.cat(cap), caches,
-                                  self.first_block_cache)[:, :, 0].float()
+            out = self.models.dit(torch.cat(x), torch.cat(t), torch.cat(cap), caches, self.first_block_cache)[
+                :, :, 0
+            ].float()
             row = 0
             for s in moving:
                 pos = out[row : row + 1]

@@ -40,8 +40,9 @@ class ParsedRequest:
     height: int
 
 
-def parse_request(req: imagegen_pb2.ImageGenRequest, limits: RequestLimits,
-                  transport: TransportContext) -> ParsedRequest:
+def parse_request(
+    req: imagegen_pb2.ImageGenRequest, limits: RequestLimits, transport: TransportContext
+) -> ParsedRequest:
     """Every field checked (the conditioning last); INVALID_ARGUMENT names the first bad one."""
     try:
         width, height, steps, guidance, seed, bucket, reference = _fields(req, limits)
@@ -60,11 +61,15 @@ def _fields(req: imagegen_pb2.ImageGenRequest, limits: RequestLimits):
     height = _side("height", req.height or cfg.default_side_px, limits)
     aspect = height / width
     if not images.MIN_ASPECT <= aspect <= images.MAX_ASPECT:
-        raise InvalidRequest(f"height / width: aspect ratio {height}/{width} = {aspect:.3g} is outside "
-                             f"[{images.MIN_ASPECT}, {images.MAX_ASPECT}]")
+        raise InvalidRequest(
+            f"height / width: aspect ratio {height}/{width} = {aspect:.3g} is outside "
+            f"[{images.MIN_ASPECT}, {images.MAX_ASPECT}]"
+        )
     steps = req.steps if req.HasField("steps") else cfg.default_steps
     if steps < 1:
-        raise InvalidRequest(f"steps: must be at least 1, got {steps} (leave it unset for {cfg.default_steps})")
+        raise InvalidRequest(
+            f"steps: must be at least 1, got {steps} (leave it unset for {cfg.default_steps})"
+        )
     if steps > cfg.max_steps:
         raise InvalidRequest(f"steps: {steps} exceeds the limit of {cfg.max_steps} (imagegen.max_steps)")
     guidance = req.guidance_scale if req.HasField("guidance_scale") else cfg.default_guidance_scale
@@ -73,14 +78,18 @@ def _fields(req: imagegen_pb2.ImageGenRequest, limits: RequestLimits):
     if guidance < 0:
         raise InvalidRequest(f"guidance_scale: must be >= 0, got {guidance:g}")
     if guidance > cfg.max_guidance_scale:
-        raise InvalidRequest(f"guidance_scale: {guidance:g} exceeds the limit of {cfg.max_guidance_scale:g} "
-                             "(imagegen.max_guidance_scale)")
+        raise InvalidRequest(
+            f"guidance_scale: {guidance:g} exceeds the limit of {cfg.max_guidance_scale:g} "
+            "(imagegen.max_guidance_scale)"
+        )
     seed = req.seed if req.HasField("seed") else secrets.randbits(63)
     bucket = images.bucket_for(height, width, cfg.highres)
     reference = None
     if req.reference_image:
         if not cfg.allow_edits:
-            raise InvalidRequest("reference_image: edits are turned off on this service (imagegen.allow_edits)")
+            raise InvalidRequest(
+                "reference_image: edits are turned off on this service (imagegen.allow_edits)"
+            )
         try:
             reference = images.decode_reference(req.reference_image, bucket, cfg.max_reference_pixels)
         except images.ImageError as exc:
@@ -93,15 +102,21 @@ def _side(name: str, value: int, limits: RequestLimits) -> int:
     if value % m:
         raise InvalidRequest(f"{name}: {value} is not a multiple of {m}")
     if not cfg.min_side_px <= value <= cfg.max_side_px:
-        raise InvalidRequest(f"{name}: {value} is outside [{cfg.min_side_px}, {cfg.max_side_px}] "
-                             "(imagegen.min_side_px / max_side_px)")
+        raise InvalidRequest(
+            f"{name}: {value} is outside [{cfg.min_side_px}, {cfg.max_side_px}] "
+            "(imagegen.min_side_px / max_side_px)"
+        )
     return value
 
 
-def _condition(req: imagegen_pb2.ImageGenRequest, limits: RequestLimits, transport: TransportContext) -> torch.Tensor:
+def _condition(
+    req: imagegen_pb2.ImageGenRequest, limits: RequestLimits, transport: TransportContext
+) -> torch.Tensor:
     want = [limits.num_queries, limits.thinker_hidden]
-    what = (f"the thinker's final-norm hidden states at the {limits.num_queries} image query slots, "
-            f"{want} bfloat16/float16/float32")
+    what = (
+        f"the thinker's final-norm hidden states at the {limits.num_queries} image query slots, "
+        f"{want} bfloat16/float16/float32"
+    )
     if not req.HasField("condition"):
         raise InvalidRequest(f"condition: required ({what})")
     ref = req.condition
@@ -111,7 +126,9 @@ def _condition(req: imagegen_pb2.ImageGenRequest, limits: RequestLimits, transpo
         except TypeError as exc:
             raise InvalidRequest(f"condition.dtype: {exc} ({what})") from None
         if dtype not in FLOAT_DTYPES:
-            raise InvalidRequest(f"condition.dtype: expected bfloat16, float16 or float32, got {dtype} ({what})")
+            raise InvalidRequest(
+                f"condition.dtype: expected bfloat16, float16 or float32, got {dtype} ({what})"
+            )
         if list(ref.shape) != want:
             raise InvalidRequest(f"condition.shape: expected {want}, got {list(ref.shape)} ({what})")
         try:

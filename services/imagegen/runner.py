@@ -68,9 +68,14 @@ class Job:
 class ImageGenRunner(DeviceRunner):
     """`put(job)` (through `DeviceLoop.admit`); the loop's thread calls `step()`; counters for Describe."""
 
-    def __init__(self, pipeline: ImagePipeline, *, name: str = "imagegen",
-                 on_forward: Callable[[int, int], None] | None = None,
-                 on_admit: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self,
+        pipeline: ImagePipeline,
+        *,
+        name: str = "imagegen",
+        on_forward: Callable[[int, int], None] | None = None,
+        on_admit: Callable[[float], None] | None = None,
+    ) -> None:
         self.pipeline = pipeline
         self.name = name
         self.on_forward = on_forward

@@ -20,8 +20,17 @@ class ImageGenServicer(imagegen_pb2_grpc.ImageGenServicer):
 
 def _event(ev: Progress | ImageResult) -> imagegen_pb2.ImageGenEvent:
     if isinstance(ev, Progress):
-        return imagegen_pb2.ImageGenEvent(progress=imagegen_pb2.ImageGenProgress(step=ev.step, total_steps=ev.total))
-    return imagegen_pb2.ImageGenEvent(image=imagegen_pb2.ImageGenImage(
-        png=ev.png, width=ev.width, height=ev.height, seed=ev.seed,
-        generated_width=ev.bucket[1], generated_height=ev.bucket[0], steps=ev.steps,
-    ))
+        return imagegen_pb2.ImageGenEvent(
+            progress=imagegen_pb2.ImageGenProgress(step=ev.step, total_steps=ev.total)
+        )
+    return imagegen_pb2.ImageGenEvent(
+        image=imagegen_pb2.ImageGenImage(
+            png=ev.png,
+            width=ev.width,
+            height=ev.height,
+            seed=ev.seed,
+            generated_width=ev.bucket[1],
+            generated_height=ev.bucket[0],
+            steps=ev.steps,
+        )
+    )

@@ -51,22 +51,33 @@ class Profile:
         )
 
 
-def stress_spec(pipeline: ImagePipeline, cfg: ImageGenConfig, bucket: tuple[int, int], seed: int) -> GenerationSpec:
+def stress_spec(
+    pipeline: ImagePipeline, cfg: ImageGenConfig, bucket: tuple[int, int], seed: int
+) -> GenerationSpec:
     mc = pipeline.models.config
-    condition = torch.randn(mc.mlp.num_queries, mc.thinker_hidden, generator=torch.Generator().manual_seed(seed))
+    condition = torch.randn(
+        mc.mlp.num_queries, mc.thinker_hidden, generator=torch.Generator().manual_seed(seed)
+    )
     reference = None
     if cfg.allow_edits:
         reference = np.random.default_rng(seed).integers(0, 256, (*bucket, 3), dtype=np.uint8)
-    return GenerationSpec(condition, bucket, STRESS_STEPS, max(cfg.default_guidance_scale, 2.0), seed, reference)
+    return GenerationSpec(
+        condition, bucket, STRESS_STEPS, max(cfg.default_guidance_scale, 2.0), seed, reference
+    )
 
 
-def profile(pipeline: ImagePipeline, cfg: ImageGenConfig, mem: DeviceMemory, budget: int, report: Report) -> Profile:
+def profile(
+    pipeline: ImagePipeline, cfg: ImageGenConfig, mem: DeviceMemory, budget: int, report: Report
+) -> Profile:
     """Stress-and-cap on `mem` within `budget` bytes (0: none); call inside `mem.meter()` after loading."""
     bucket = images.largest_bucket(cfg.highres)
 
     def run(batch: int) -> object:
-        report("profiling_memory", f"{batch} requests at {bucket[1]}x{bucket[0]}"
-                                   f"{' with a reference frame' if cfg.allow_edits else ''}, guidance on")
+        report(
+            "profiling_memory",
+            f"{batch} requests at {bucket[1]}x{bucket[0]}"
+            f"{' with a reference frame' if cfg.allow_edits else ''}, guidance on",
+        )
         states = [pipeline.prepare(stress_spec(pipeline, cfg, bucket, seed)) for seed in range(batch)]
         pipeline.step(states)
         return pipeline.decode(states[0])
@@ -87,11 +98,22 @@ async def warm_up(engine: ImageGenEngine) -> None:
     mc = engine.pipeline.models.config
     condition = torch.randn(mc.mlp.num_queries, mc.thinker_hidden, generator=torch.Generator().manual_seed(0))
     side = engine.cfg.min_side_px
-    requests = [imagegen_pb2.ImageGenRequest(condition=encode(condition, force="inline"), width=side,
-                                             height=side, steps=2, seed=0)]
+    requests = [
+        imagegen_pb2.ImageGenRequest(
+            condition=encode(condition, force="inline"), width=side, height=side, steps=2, seed=0
+        )
+    ]
     if engine.cfg.allow_edits:
-        requests.append(imagegen_pb2.ImageGenRequest(condition=encode(condition, force="inline"), width=side,
-                                                     height=side, steps=1, seed=1, reference_image=png_bytes(48, 32)))
+        requests.append(
+            imagegen_pb2.ImageGenRequest(
+                condition=encode(condition, force="inline"),
+                width=side,
+                height=side,
+                steps=1,
+                seed=1,
+                reference_image=png_bytes(48, 32),
+            )
+        )
     for req in requests:
         parsed = await engine.parse(req)
         results = [ev async for ev in engine.generate(parsed, timeout_s=600.0) if isinstance(ev, ImageResult)]

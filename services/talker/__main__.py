@@ -32,8 +32,9 @@ class TalkerStartup(StageStartup):
 
     def load(self) -> None:
         b, tcfg = self.boot, self.boot.svc.talker
-        self.models = load_talker(b.checkpoint, dtype=b.dtype, device=b.device, progress=b.progress.shards,
-                                  dummy=b.dummy_weights)
+        self.models = load_talker(
+            b.checkpoint, dtype=b.dtype, device=b.device, progress=b.progress.shards, dummy=b.dummy_weights
+        )
         self.speaker = SpeakerEncoder(Path(b.checkpoint) / TALKER_DIR / "campplus.onnx", tcfg.speaker_threads)
         self.voices = VoiceBank(self.models, self.speaker, tcfg.default_voice, tcfg.max_reference_seconds)
         b.progress.heartbeat("encoding the preset voices")
@@ -41,12 +42,19 @@ class TalkerStartup(StageStartup):
 
     def stress(self) -> None:
         b, tcfg = self.boot, self.boot.svc.talker
-        self.profile = startup.profile(self.models, b.mem, tcfg, b.allocator_budget, b.progress.in_phase,
-                                       self.speaker.dim)
+        self.profile = startup.profile(
+            self.models, b.mem, tcfg, b.allocator_budget, b.progress.in_phase, self.speaker.dim
+        )
         caches = self.profile.caches
-        self.runner = TalkerRunner(self.models, self.profile.max_streams, caches.lm_tokens, caches.vae_frames,
-                                   temperature=tcfg.temperature, sigma=tcfg.sigma,
-                                   graphs=startup.graphs_on(self.models, tcfg))
+        self.runner = TalkerRunner(
+            self.models,
+            self.profile.max_streams,
+            caches.lm_tokens,
+            caches.vae_frames,
+            temperature=tcfg.temperature,
+            sigma=tcfg.sigma,
+            graphs=startup.graphs_on(self.models, tcfg),
+        )
         self.graph_pool_bytes = 0
         if self.runner.static is not None:
             before = b.mem.reserved()
@@ -55,8 +63,12 @@ class TalkerStartup(StageStartup):
 
     async def warm_up(self) -> None:
         svc, runtime = self.boot.svc, self.boot.runtime
-        self.engine = TalkerEngine(self.runner, service=svc.name, on_step=StepMetrics(svc.name),
-                                   on_failure=lambda exc: runtime.fail(str(exc)))
+        self.engine = TalkerEngine(
+            self.runner,
+            service=svc.name,
+            on_step=StepMetrics(svc.name),
+            on_failure=lambda exc: runtime.fail(str(exc)),
+        )
         self.engine.start()
         self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"{svc.name}-clip")
         runtime.add_shutdown_hook(lambda: self.pool.shutdown(wait=False, cancel_futures=True))
@@ -64,19 +76,26 @@ class TalkerStartup(StageStartup):
         await startup.warm_up(SpeakSession(self.engine, self.voices, svc.talker, self.pool, svc.name))
 
     def serve(self) -> None:
-        svc, runtime, engine, streams = self.boot.svc, self.boot.runtime, self.engine, self.profile.max_streams
+        svc, runtime, engine, streams = (
+            self.boot.svc,
+            self.boot.runtime,
+            self.engine,
+            self.profile.max_streams,
+        )
         limiter = ConcurrencyLimiter(f"{svc.name} streams", streams)
         servicer = TalkerServicer(engine, self.voices, svc.talker, limiter, self.pool, svc.name)
         runtime.add_servicer(talker_pb2_grpc.add_TalkerServicer_to_server, servicer, "omnistage.v1.Talker")
-        runtime.set_limits_provider(lambda: control_pb2.Limits(
-            max_running_requests=streams, max_message_bytes=svc.max_message_bytes))
+        runtime.set_limits_provider(
+            lambda: control_pb2.Limits(max_running_requests=streams, max_message_bytes=svc.max_message_bytes)
+        )
         runtime.set_load_provider(lambda: (limiter.in_use, engine.jobs_queued))
         export_engine_gauges(engine, svc.name)
         export_queue_time(engine, svc.name)
 
     def memory_report(self) -> control_pb2.MemoryReport:
-        return self.profile.memory_report(self.boot.mem, self.models.weights_bytes, self.runner.cache_bytes,
-                                          self.graph_pool_bytes)
+        return self.profile.memory_report(
+            self.boot.mem, self.models.weights_bytes, self.runner.cache_bytes, self.graph_pool_bytes
+        )
 
 
 def main() -> None:

@@ -31,10 +31,16 @@ T = TypeVar("T")
 class TalkerEngine:
     """`submit(job)` / `cancel(job)` / `call(fn)` from any thread; `start()` / `stop()` the device loop."""
 
-    def __init__(self, model: TalkerRunner, *, service: str = "talker", idle_wait_s: float = 0.5,
-                 on_step: Callable[[int, float], None] | None = None,
-                 on_admit: Callable[[float], None] | None = None,
-                 on_failure: Callable[[DeviceFailed], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: TalkerRunner,
+        *,
+        service: str = "talker",
+        idle_wait_s: float = 0.5,
+        on_step: Callable[[int, float], None] | None = None,
+        on_admit: Callable[[float], None] | None = None,
+        on_failure: Callable[[DeviceFailed], None] | None = None,
+    ) -> None:
         self.service = service
         self.runner = SegmentRunner(model)
         self.runner.on_admit = on_admit

@@ -25,7 +25,9 @@ def _mel(f: np.ndarray) -> np.ndarray:
     return 1127.0 * np.log1p(f / 700.0)
 
 
-def mel_banks(bins: int = BINS, low_hz: float = LOW_HZ, rate: int = SAMPLE_RATE, fft: int = FFT) -> np.ndarray:
+def mel_banks(
+    bins: int = BINS, low_hz: float = LOW_HZ, rate: int = SAMPLE_RATE, fft: int = FFT
+) -> np.ndarray:
     """[bins, fft/2 + 1] triangular weights (the Nyquist column is zero, as Kaldi's)."""
     lo, hi = _mel(np.array(low_hz)), _mel(np.array(rate / 2))
     delta = (hi - lo) / (bins + 1)

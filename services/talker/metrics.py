@@ -12,13 +12,18 @@ class StepMetrics:
     """The engine's `on_step` hook."""
 
     def __init__(self, service: str) -> None:
-        self.steps = metrics.counter("talker_steps", "Talker steps run (one patch of 4 latents for every "
-                                     "segment in the batch)").labels(service)
-        self.batch = metrics.histogram("talker_step_batch", "Segments sharing one talker step", (),
-                                       buckets=(1, 2, 4, 8, 16, 32, 64)).labels(service)
-        self.seconds = metrics.histogram("talker_step_seconds", "Wall time of one batched talker step", (),
-                                         buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
-                                                  2.56)).labels(service)
+        self.steps = metrics.counter(
+            "talker_steps", "Talker steps run (one patch of 4 latents for every segment in the batch)"
+        ).labels(service)
+        self.batch = metrics.histogram(
+            "talker_step_batch", "Segments sharing one talker step", (), buckets=(1, 2, 4, 8, 16, 32, 64)
+        ).labels(service)
+        self.seconds = metrics.histogram(
+            "talker_step_seconds",
+            "Wall time of one batched talker step",
+            (),
+            buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
+        ).labels(service)
 
     def __call__(self, batch: int, seconds: float) -> None:
         self.steps.inc()
@@ -27,14 +32,22 @@ class StepMetrics:
 
 
 def export_engine_gauges(engine: TalkerEngine, service: str) -> None:
-    gauge = metrics.gauge("talker_active_jobs", "Segments holding talker state (LM/CFM/VAE) now, or queued for it")
+    gauge = metrics.gauge(
+        "talker_active_jobs", "Segments holding talker state (LM/CFM/VAE) now, or queued for it"
+    )
     gauge.labels(service).set_function(lambda: engine.jobs_in_flight)
 
 
 def export_queue_time(engine: TalkerEngine, service: str) -> None:
     """The engine's `on_admit` hook, from now on (after the warm-up: clients' segments only)."""
-    engine.on_admit = metrics.histogram("talker_queue_time_seconds", "Time a segment waited in the talker: "
-                                        "queued for the engine to its first talker step").labels(service).observe
+    engine.on_admit = (
+        metrics.histogram(
+            "talker_queue_time_seconds",
+            "Time a segment waited in the talker: queued for the engine to its first talker step",
+        )
+        .labels(service)
+        .observe
+    )
 
 
 class SessionMetrics:
@@ -42,18 +55,31 @@ class SessionMetrics:
 
     def __init__(self, service: str, voice: str, sample_rate: int) -> None:
         labels = (service, voice)
-        self.ttfa = metrics.histogram("talker_ttfa_seconds", "Time to first audio of a Speak stream (first "
-                                      "segment ready to its first chunk), by voice", ("voice",)).labels(*labels)
-        self.rtf = metrics.histogram("talker_rtf", "Real-time factor of a segment: wall time to make it / its "
-                                     "audio duration, by voice", ("voice",),
-                                     buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0)).labels(*labels)
-        self.gap = metrics.histogram("talker_chunk_gap_seconds", "Time between consecutive audio chunks of a "
-                                     "segment, by voice", ("voice",)).labels(*labels)
-        self.underruns = metrics.counter("talker_underruns", "Chunks that came after the audio sent before "
-                                         "them had finished playing (a listener would hear a gap), by voice",
-                                         ("voice",)).labels(*labels)
-        self.audio_s = metrics.counter("talker_audio_seconds", "Seconds of speech sent, by voice",
-                                       ("voice",)).labels(*labels)
+        self.ttfa = metrics.histogram(
+            "talker_ttfa_seconds",
+            "Time to first audio of a Speak stream (first segment ready to its first chunk), by voice",
+            ("voice",),
+        ).labels(*labels)
+        self.rtf = metrics.histogram(
+            "talker_rtf",
+            "Real-time factor of a segment: wall time to make it / its audio duration, by voice",
+            ("voice",),
+            buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0),
+        ).labels(*labels)
+        self.gap = metrics.histogram(
+            "talker_chunk_gap_seconds",
+            "Time between consecutive audio chunks of a segment, by voice",
+            ("voice",),
+        ).labels(*labels)
+        self.underruns = metrics.counter(
+            "talker_underruns",
+            "Chunks that came after the audio sent before "
+            "them had finished playing (a listener would hear a gap), by voice",
+            ("voice",),
+        ).labels(*labels)
+        self.audio_s = metrics.counter(
+            "talker_audio_seconds", "Seconds of speech sent, by voice", ("voice",)
+        ).labels(*labels)
         self.sample_rate = sample_rate
         self.play_start: float | None = None  # wall time the listener started playing
         self.played = 0  # samples sent

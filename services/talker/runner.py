@@ -87,15 +87,26 @@ class SegmentJob:
 
 
 class TalkerRunner:
-    def __init__(self, models: TalkerModels, slots: int, max_lm_tokens: int, max_vae_frames: int, *,
-                 temperature: float = 0.0, sigma: float = 0.25, graphs: bool = False,
-                 capture: bool | None = None) -> None:
+    def __init__(
+        self,
+        models: TalkerModels,
+        slots: int,
+        max_lm_tokens: int,
+        max_vae_frames: int,
+        *,
+        temperature: float = 0.0,
+        sigma: float = 0.25,
+        graphs: bool = False,
+        capture: bool | None = None,
+    ) -> None:
         self.models = models
         self.config = models.config
         self.device, self.dtype = models.device, models.dtype
         self.slots = slots
         self.lm_cache = KVSlots(models.config.llm, slots, max_lm_tokens, dtype=self.dtype, device=self.device)
-        self.vae_cache = models.vae.decoder.new_cache(slots, max_vae_frames, dtype=self.dtype, device=self.device)
+        self.vae_cache = models.vae.decoder.new_cache(
+            slots, max_vae_frames, dtype=self.dtype, device=self.device
+        )
         self.times = sway_times(models.config.steps)  # host tensor: step sizes are read without a device sync
         self.sde_scale = sigma * temperature**0.5
         cfg = self.config
@@ -103,13 +114,19 @@ class TalkerRunner:
         self.plan = models.talker.dit.plan(self.times, cfg.history_patch_size, cfg.patch_size, self.device)
         self.static: StepGraphs | None = None
         if graphs:
-            self.static = StepGraphs(models.talker, self.lm_cache, self.plan, cap=slots,
-                                     history_len=cfg.history_patch_size, patch=cfg.patch_size,
-                                     latent_dim=cfg.latent_dim, cfg_strength=cfg.cfg_strength,
-                                     sde_scale=self.sde_scale,
-                                     capture=torch.device(self.device).type == "cuda" if capture is None else capture,
-                                     vae=(models.vae.decoder.decoder, self.vae_cache,
-                                          cfg.patch_size * cfg.vae.patch_size))
+            self.static = StepGraphs(
+                models.talker,
+                self.lm_cache,
+                self.plan,
+                cap=slots,
+                history_len=cfg.history_patch_size,
+                patch=cfg.patch_size,
+                latent_dim=cfg.latent_dim,
+                cfg_strength=cfg.cfg_strength,
+                sde_scale=self.sde_scale,
+                capture=torch.device(self.device).type == "cuda" if capture is None else capture,
+                vae=(models.vae.decoder.decoder, self.vae_cache, cfg.patch_size * cfg.vae.patch_size),
+            )
 
     @property
     def cache_bytes(self) -> int:
@@ -123,7 +140,7 @@ class TalkerRunner:
         x = self.models.talker.embed(ids)
         x[prompt.speaker_position] = voice.speaker.to(x.dtype)
         a = prompt.audio_position
-        x[a:a + prompt.prompt_patches] = voice.embeddings.to(x.dtype)
+        x[a : a + prompt.prompt_patches] = voice.embeddings.to(x.dtype)
         return x
 
     @torch.no_grad()
@@ -155,8 +172,9 @@ class TalkerRunner:
     # -- CFM, aggregator, stop head --------------------------------------------------------------
 
     @torch.no_grad()
-    def sample(self, hidden: torch.Tensor, history: torch.Tensor, generators: list[torch.Generator]
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def sample(
+        self, hidden: torch.Tensor, history: torch.Tensor, generators: list[torch.Generator]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows' hidden [B, hidden] + history [B, H, C] → (patch [B, P, C] float32, next LM inputs [B, hidden],
         stop probability [B]). Each row's noise comes from its own generator (batched == alone)."""
         cfg = self.config
@@ -164,17 +182,22 @@ class TalkerRunner:
         noise = torch.stack([torch.randn(shape, generator=g, device=self.device) for g in generators])
         sde = None
         if self.sde_scale:
-            sde = torch.stack([torch.randn((cfg.steps, *shape), generator=g, device=self.device)
-                               for g in generators], dim=1)
+            sde = torch.stack(
+                [torch.randn((cfg.steps, *shape), generator=g, device=self.device) for g in generators], dim=1
+            )
         if self.static is not None:
             return self.static.sample(hidden, history, noise, sde)
         talker = self.models.talker
-        patch = talker.dit.sample_planned(self.plan, hidden, history, noise, cfg.cfg_strength, sde, self.sde_scale)
+        patch = talker.dit.sample_planned(
+            self.plan, hidden, history, noise, cfg.cfg_strength, sde, self.sde_scale
+        )
         return patch, talker.aggregator(patch), talker.stop_probability(hidden)
 
     # -- VAE -------------------------------------------------------------------------------------
 
-    def vae(self, streams: list[DecodeStream], latents: list[torch.Tensor], last: list[bool]) -> list[torch.Tensor]:
+    def vae(
+        self, streams: list[DecodeStream], latents: list[torch.Tensor], last: list[bool]
+    ) -> list[torch.Tensor]:
         backbone = self.static.vae_backbone if self.static is not None else None
         return self.models.vae.decoder.decode_step(streams, latents, last, self.vae_cache, backbone)
 
@@ -274,34 +297,42 @@ class SegmentRunner(DeviceRunner):
             self._free.append(job.slot)
         job.history = job.next_input = job.stream = None
 
-    def _forward(self, batch: list[SegmentJob], new: list[SegmentJob]) -> list[tuple[np.ndarray, JobDone | None]]:
+    def _forward(
+        self, batch: list[SegmentJob], new: list[SegmentJob]
+    ) -> list[tuple[np.ndarray, JobDone | None]]:
         run, cfg = self.model, self.model.config
         hidden: dict[int, torch.Tensor] = {}
         if new:  # every newly admitted prompt in one padded forward
             prompts = [run.prompt_embeddings(job.prompt, job.voice) for job in new]
-            for job, x, h in zip(new, prompts, run.prefill_batch([j.slot for j in new], prompts), strict=True):
+            for job, x, h in zip(
+                new, prompts, run.prefill_batch([j.slot for j in new], prompts), strict=True
+            ):
                 hidden[id(job)] = h
                 job.position = x.shape[0]
         for job in new:
             job.history = torch.zeros(cfg.history_patch_size, cfg.latent_dim, device=run.device)
-            prompt = job.voice.latents[-cfg.history_patch_size:]
-            job.history[cfg.history_patch_size - prompt.shape[0]:] = prompt
+            prompt = job.voice.latents[-cfg.history_patch_size :]
+            job.history[cfg.history_patch_size - prompt.shape[0] :] = prompt
             job.stream = DecodeStream(job.slot)
         going = [j for j in batch if id(j) not in hidden]
         if going:
-            out = run.decode([j.slot for j in going], [j.position for j in going],
-                             torch.stack([j.next_input for j in going]))
+            out = run.decode(
+                [j.slot for j in going],
+                [j.position for j in going],
+                torch.stack([j.next_input for j in going]),
+            )
             for j, h in zip(going, out, strict=True):
                 hidden[id(j)] = h
                 j.position += 1
         h = torch.stack([hidden[id(j)] for j in batch])
-        patches, next_inputs, stop = run.sample(h, torch.stack([j.history for j in batch]),
-                                                [j.generator for j in batch])
+        patches, next_inputs, stop = run.sample(
+            h, torch.stack([j.history for j in batch]), [j.generator for j in batch]
+        )
         stop = stop.tolist()  # host sync 1 of 2: which rows end decides the VAE's flush
         ends: list[JobDone | None] = []
         for i, job in enumerate(batch):
             job.next_input = next_inputs[i]
-            job.history = torch.cat((job.history[cfg.patch_size:], patches[i]))
+            job.history = torch.cat((job.history[cfg.patch_size :], patches[i]))
             stopped = job.steps > job.min_steps and stop[i] > 0.5
             job.steps += 1
             ends.append(JobDone(job.steps, stopped) if stopped or job.steps >= job.max_steps else None)

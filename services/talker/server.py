@@ -42,13 +42,18 @@ def settings_of(config: talker_pb2.SpeakConfig, cfg: TalkerConfig) -> StreamSett
         raise InvalidRequest("config." + problem)
     transcript = custom.transcript.strip()
     if len(transcript) > cfg.max_transcript_chars:
-        raise InvalidRequest(f"config.custom_voice.transcript: {len(transcript)} characters exceed "
-                             f"talker.max_transcript_chars ({cfg.max_transcript_chars})")
-    return StreamSettings(config.request_id, custom_audio=custom.audio, custom_transcript=transcript, seed=seed)
+        raise InvalidRequest(
+            f"config.custom_voice.transcript: {len(transcript)} characters exceed "
+            f"talker.max_transcript_chars ({cfg.max_transcript_chars})"
+        )
+    return StreamSettings(
+        config.request_id, custom_audio=custom.audio, custom_transcript=transcript, seed=seed
+    )
 
 
-async def text_inputs(first: talker_pb2.SpeakRequest,
-                      rest: AsyncIterator[talker_pb2.SpeakRequest]) -> AsyncIterator[TextInput]:
+async def text_inputs(
+    first: talker_pb2.SpeakRequest, rest: AsyncIterator[talker_pb2.SpeakRequest]
+) -> AsyncIterator[TextInput]:
     yield TextInput(first.text, first.flush, first.end_of_text)
     if first.end_of_text:
         return
@@ -64,23 +69,48 @@ async def text_inputs(first: talker_pb2.SpeakRequest,
 
 def to_proto(event: object) -> talker_pb2.SpeakResponse:
     if isinstance(event, Chunk):
-        return talker_pb2.SpeakResponse(audio=talker_pb2.SpeechChunk(
-            pcm16=event.pcm16, segment_index=event.segment_index, start_sample=event.start_sample))
+        return talker_pb2.SpeakResponse(
+            audio=talker_pb2.SpeechChunk(
+                pcm16=event.pcm16, segment_index=event.segment_index, start_sample=event.start_sample
+            )
+        )
     if isinstance(event, SegmentSpoken):
-        return talker_pb2.SpeakResponse(segment_done=talker_pb2.SegmentDone(
-            segment_index=event.segment_index, text=event.text, num_samples=event.num_samples,
-            steps=event.steps, stopped_by_model=event.stopped_by_model))
+        return talker_pb2.SpeakResponse(
+            segment_done=talker_pb2.SegmentDone(
+                segment_index=event.segment_index,
+                text=event.text,
+                num_samples=event.num_samples,
+                steps=event.steps,
+                stopped_by_model=event.stopped_by_model,
+            )
+        )
     if isinstance(event, Started):
-        return talker_pb2.SpeakResponse(started=talker_pb2.SpeakStarted(
-            request_id=event.request_id, sample_rate_hz=event.sample_rate_hz, channels=1, voice=event.voice))
+        return talker_pb2.SpeakResponse(
+            started=talker_pb2.SpeakStarted(
+                request_id=event.request_id,
+                sample_rate_hz=event.sample_rate_hz,
+                channels=1,
+                voice=event.voice,
+            )
+        )
     assert isinstance(event, Finished)
-    return talker_pb2.SpeakResponse(finished=talker_pb2.SpeakFinished(
-        segments=event.segments, total_samples=event.total_samples, first_audio_s=event.first_audio_s))
+    return talker_pb2.SpeakResponse(
+        finished=talker_pb2.SpeakFinished(
+            segments=event.segments, total_samples=event.total_samples, first_audio_s=event.first_audio_s
+        )
+    )
 
 
 class TalkerServicer(talker_pb2_grpc.TalkerServicer):
-    def __init__(self, engine: TalkerEngine, voices: VoiceBank, cfg: TalkerConfig, limiter: ConcurrencyLimiter,
-                 pool: concurrent.futures.Executor, service: str = "talker") -> None:
+    def __init__(
+        self,
+        engine: TalkerEngine,
+        voices: VoiceBank,
+        cfg: TalkerConfig,
+        limiter: ConcurrencyLimiter,
+        pool: concurrent.futures.Executor,
+        service: str = "talker",
+    ) -> None:
         self.engine = engine
         self.voices = voices
         self.cfg = cfg
@@ -88,7 +118,9 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
         self.pool = pool
         self.service = service
 
-    async def Speak(self, request_iterator: AsyncIterator[talker_pb2.SpeakRequest], context: grpc.aio.ServicerContext):
+    async def Speak(
+        self, request_iterator: AsyncIterator[talker_pb2.SpeakRequest], context: grpc.aio.ServicerContext
+    ):
         requests = aiter(request_iterator)
         first = await anext(requests, None)
         if first is None:

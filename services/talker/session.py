@@ -92,8 +92,14 @@ def pcm16(samples: np.ndarray) -> bytes:
 
 
 class SpeakSession:
-    def __init__(self, engine: TalkerEngine, voices: VoiceBank, cfg: TalkerConfig,
-                 pool: concurrent.futures.Executor, service: str = "talker") -> None:
+    def __init__(
+        self,
+        engine: TalkerEngine,
+        voices: VoiceBank,
+        cfg: TalkerConfig,
+        pool: concurrent.futures.Executor,
+        service: str = "talker",
+    ) -> None:
         self.engine = engine
         self.voices = voices
         self.models = voices.models
@@ -111,17 +117,26 @@ class SpeakSession:
         if settings.custom_audio is None:
             voice = self.voices.preset(settings.voice)
             if voice is None:
-                raise InvalidRequest(f"config.voice: unknown voice {settings.voice!r} "
-                                     f"(have: {', '.join(self.voices.presets)})")
+                raise InvalidRequest(
+                    f"config.voice: unknown voice {settings.voice!r} (have: {', '.join(self.voices.presets)})"
+                )
             return voice
         loop = asyncio.get_running_loop()
         try:
-            clip = await loop.run_in_executor(self.pool, prepare_clip, settings.custom_audio, self.voices.speaker,
-                                              self.sample_rate, self.cfg.max_reference_seconds)
+            clip = await loop.run_in_executor(
+                self.pool,
+                prepare_clip,
+                settings.custom_audio,
+                self.voices.speaker,
+                self.sample_rate,
+                self.cfg.max_reference_seconds,
+            )
         except ClipError as exc:
             raise InvalidRequest(f"config.custom_voice.audio: {exc}") from None
         generator = torch.Generator(self.models.device).manual_seed(seed)
-        fut = self.engine.call(lambda: build_voice(self.models, CUSTOM, settings.custom_transcript, clip, generator))
+        fut = self.engine.call(
+            lambda: build_voice(self.models, CUSTOM, settings.custom_transcript, clip, generator)
+        )
         return await asyncio.wrap_future(fut)
 
     # -- the stream ------------------------------------------------------------------------------
@@ -148,23 +163,29 @@ class SpeakSession:
                     yield event
                 index += 1
             if index == 0:
-                raise InvalidRequest("text: nothing to speak (the stream's text has no letters, digits or CJK "
-                                     "characters)")
+                raise InvalidRequest(
+                    "text: nothing to speak (the stream's text has no letters, digits or CJK characters)"
+                )
             yield Finished(index, total, first_audio_s)
         finally:
             self._reader.cancel()
 
     async def _read(self, inputs: AsyncIterator[TextInput]) -> None:
         """Text in → segments out (with the time each became ready); errors and the end go in order."""
-        seg = SentenceSegmenter(SegmenterLimits(self.cfg.first_segment_min_pieces, self.cfg.segment_min_pieces,
-                                                self.cfg.max_segment_length))
+        seg = SentenceSegmenter(
+            SegmenterLimits(
+                self.cfg.first_segment_min_pieces, self.cfg.segment_min_pieces, self.cfg.max_segment_length
+            )
+        )
         chars = 0
         try:
             async for message in inputs:
                 chars += len(message.text)
                 if chars > self.cfg.max_text_chars:
-                    raise InvalidRequest(f"text: the stream's text exceeds talker.max_text_chars "
-                                         f"({self.cfg.max_text_chars} characters)")
+                    raise InvalidRequest(
+                        f"text: the stream's text exceeds talker.max_text_chars "
+                        f"({self.cfg.max_text_chars} characters)"
+                    )
                 ready = seg.push(message.text)
                 if message.flush or message.end_of_text:
                     ready += seg.flush()
@@ -186,13 +207,23 @@ class SpeakSession:
         seconds = min(max(_MIN_SEGMENT_SECONDS, len(text) * _SECONDS_PER_CHAR), self.cfg.max_segment_seconds)
         return min(max(1, int(seconds / step_s)), self.cfg.max_lm_tokens - prompt_len)
 
-    async def _speak(self, index: int, text: str, voice: Voice, seed: int, start_sample: int, ready_at: float,
-                     stats: SessionMetrics) -> AsyncIterator[Event]:
+    async def _speak(
+        self,
+        index: int,
+        text: str,
+        voice: Voice,
+        seed: int,
+        start_sample: int,
+        ready_at: float,
+        stats: SessionMetrics,
+    ) -> AsyncIterator[Event]:
         prompt = self.models.prompt.build(text, voice.prompt_text, voice.patches)
         max_steps = self._max_steps(text, len(prompt.ids))
         if max_steps < 1:
-            raise InvalidRequest(f"text: segment {index} needs {len(prompt.ids)} prompt tokens, over "
-                                 f"talker.max_lm_tokens ({self.cfg.max_lm_tokens}) with the voice prompt")
+            raise InvalidRequest(
+                f"text: segment {index} needs {len(prompt.ids)} prompt tokens, over "
+                f"talker.max_lm_tokens ({self.cfg.max_lm_tokens}) with the voice prompt"
+            )
         loop = asyncio.get_running_loop()
         events = self._events
 
@@ -239,6 +270,8 @@ class SpeakSession:
         finally:
             self.engine.cancel(job)  # no-op for a finished job; frees a running one at the next step
 
-    def _chunk(self, samples: np.ndarray, index: int, start: int, ready_at: float, stats: SessionMetrics) -> Chunk:
+    def _chunk(
+        self, samples: np.ndarray, index: int, start: int, ready_at: float, stats: SessionMetrics
+    ) -> Chunk:
         stats.chunk(samples.size, time.monotonic(), ready_at)
         return Chunk(pcm16(samples), index, start)

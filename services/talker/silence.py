@@ -11,7 +11,9 @@ import numpy as np
 
 
 class SilenceTrimmer:
-    def __init__(self, sample_rate: int, threshold: float = 1e-3, frame_s: float = 0.1, keep_tail_s: float = 0.3):
+    def __init__(
+        self, sample_rate: int, threshold: float = 1e-3, frame_s: float = 0.1, keep_tail_s: float = 0.3
+    ):
         self.frame = max(1, int(sample_rate * frame_s))
         self.threshold = threshold
         self.keep_tail = int(sample_rate * keep_tail_s)

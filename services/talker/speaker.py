@@ -19,8 +19,9 @@ class SpeakerEncoder:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = onnxruntime.InferenceSession(str(path), sess_options=options,
-                                                    providers=["CPUExecutionProvider"])
+        self.session = onnxruntime.InferenceSession(
+            str(path), sess_options=options, providers=["CPUExecutionProvider"]
+        )
         self.input_name = self.session.get_inputs()[0].name
         self.dim = int(self.session.get_outputs()[0].shape[-1])
 

@@ -54,12 +54,18 @@ class Profile:
     def max_streams(self) -> int:
         return self.stress.max_batch
 
-    def memory_report(self, mem: DeviceMemory, weights_bytes: int, cache_bytes: int,
-                      graph_pool_bytes: int = 0) -> control_pb2.MemoryReport:  # fmt: skip
+    def memory_report(
+        self, mem: DeviceMemory, weights_bytes: int, cache_bytes: int, graph_pool_bytes: int = 0
+    ) -> control_pb2.MemoryReport:
         return control_pb2.MemoryReport(
-            device=mem.device_name, budget_bytes=self.stress.budget_bytes, weights_bytes=weights_bytes,
-            kv_cache_bytes=cache_bytes, activation_peak_bytes=self.stress.activation_peak_bytes,
-            graph_pool_bytes=graph_pool_bytes, total_bytes=mem.reserved())
+            device=mem.device_name,
+            budget_bytes=self.stress.budget_bytes,
+            weights_bytes=weights_bytes,
+            kv_cache_bytes=cache_bytes,
+            activation_peak_bytes=self.stress.activation_peak_bytes,
+            graph_pool_bytes=graph_pool_bytes,
+            total_bytes=mem.reserved(),
+        )
 
 
 def graphs_on(models: TalkerModels, cfg: TalkerConfig) -> bool:
@@ -73,24 +79,37 @@ def _longest_prompt_voice(models: TalkerModels, cfg: TalkerConfig) -> tuple[Voic
     samples_per_patch = mc.vae.enc_hop * mc.vae.patch_size * mc.patch_size
     patches = math.ceil(cfg.max_reference_seconds * mc.vae.sample_rate / samples_per_patch)
     hidden = mc.llm.hidden_size
-    voice = Voice(CUSTOM, "word " * min(cfg.max_transcript_chars // 5, 100),
-                  torch.zeros(hidden, dtype=models.dtype, device=models.device),
-                  torch.zeros(patches * mc.patch_size, mc.latent_dim, device=models.device),
-                  torch.zeros(patches, hidden, dtype=models.dtype, device=models.device))
+    voice = Voice(
+        CUSTOM,
+        "word " * min(cfg.max_transcript_chars // 5, 100),
+        torch.zeros(hidden, dtype=models.dtype, device=models.device),
+        torch.zeros(patches * mc.patch_size, mc.latent_dim, device=models.device),
+        torch.zeros(patches, hidden, dtype=models.dtype, device=models.device),
+    )
     return voice, "word " * cfg.max_segment_length
 
 
-def run_stress_batch(models: TalkerModels, cfg: TalkerConfig, caches: CacheSizes, batch: int,
-                     speaker_dim: int) -> None:
+def run_stress_batch(
+    models: TalkerModels, cfg: TalkerConfig, caches: CacheSizes, batch: int, speaker_dim: int
+) -> None:
     """Everything `batch` streams can hold and run at once (see the module docstring)."""
     mc = models.config
-    runner = TalkerRunner(models, batch, caches.lm_tokens, caches.vae_frames, temperature=cfg.temperature,
-                          sigma=cfg.sigma, graphs=graphs_on(models, cfg))
+    runner = TalkerRunner(
+        models,
+        batch,
+        caches.lm_tokens,
+        caches.vae_frames,
+        temperature=cfg.temperature,
+        sigma=cfg.sigma,
+        graphs=graphs_on(models, cfg),
+    )
     voice, text = _longest_prompt_voice(models, cfg)
     prompt = models.prompt.build(text, voice.prompt_text, voice.patches)
     if len(prompt.ids) >= caches.lm_tokens:
-        raise ValueError(f"talker.max_lm_tokens {caches.lm_tokens} leaves no room after the longest prompt "
-                         f"({len(prompt.ids)} tokens): raise it or lower max_reference_seconds / max_segment_length")
+        raise ValueError(
+            f"talker.max_lm_tokens {caches.lm_tokens} leaves no room after the longest prompt "
+            f"({len(prompt.ids)} tokens): raise it or lower max_reference_seconds / max_segment_length"
+        )
     x = runner.prompt_embeddings(prompt, voice)
     hidden = runner.prefill_batch(list(range(batch)), [x] * batch)  # the engine prefills new streams together
     hidden = runner.decode(list(range(batch)), [caches.lm_tokens - 1] * batch, hidden)
@@ -99,30 +118,46 @@ def run_stress_batch(models: TalkerModels, cfg: TalkerConfig, caches: CacheSizes
     patches, _, _ = runner.sample(hidden, history, gens)
     latents_so_far = caches.vae_frames // mc.vae.patch_size - mc.patch_size
     h = models.vae.decoder.fc1.out_features
-    streams = [DecodeStream(slot, UpsampleState(torch.zeros(h, dtype=runner.dtype, device=runner.device),
-                                                latents_so_far, mc.vae.patch_size * latents_so_far - 2))
-               for slot in range(batch)]
+    streams = [
+        DecodeStream(
+            slot,
+            UpsampleState(
+                torch.zeros(h, dtype=runner.dtype, device=runner.device),
+                latents_so_far,
+                mc.vae.patch_size * latents_so_far - 2,
+            ),
+        )
+        for slot in range(batch)
+    ]
     for s in streams:
         s.ola.frames = s.upsample.frames
     runner.vae(streams, list(patches), [False] * batch)
     if runner.static is not None:
         runner.static.capture_all()  # the graphs' memory pool is part of what `batch` streams need
     samples = int(cfg.max_reference_seconds * mc.vae.sample_rate)
-    clip = ReferenceClip(np.zeros(samples, np.float32), np.zeros(0, np.float32), np.zeros(speaker_dim, np.float32))
+    clip = ReferenceClip(
+        np.zeros(samples, np.float32), np.zeros(0, np.float32), np.zeros(speaker_dim, np.float32)
+    )
     build_voice(models, CUSTOM, "x", clip, None)
 
 
-def profile(models: TalkerModels, mem: DeviceMemory, cfg: TalkerConfig, budget: int, report: Report,
-            speaker_dim: int) -> Profile:
+def profile(
+    models: TalkerModels, mem: DeviceMemory, cfg: TalkerConfig, budget: int, report: Report, speaker_dim: int
+) -> Profile:
     """Stress-and-cap the streams on `mem` within `budget` bytes (0: none); call inside `mem.meter()`."""
     caches = CacheSizes.of(models, cfg)
 
     def run(batch: int) -> None:
-        report("profiling_memory", f"{batch} streams: caches of {caches.lm_tokens} LM tokens and "
-                                   f"{caches.vae_frames} VAE frames each, prefill + one step")
+        report(
+            "profiling_memory",
+            f"{batch} streams: caches of {caches.lm_tokens} LM tokens and "
+            f"{caches.vae_frames} VAE frames each, prefill + one step",
+        )
         run_stress_batch(models, cfg, caches, batch, speaker_dim)
 
-    return Profile(StressAndCap("talker", mem, run, cfg.stress_batch_sizes, budget_bytes=budget).run(), caches)
+    return Profile(
+        StressAndCap("talker", mem, run, cfg.stress_batch_sizes, budget_bytes=budget).run(), caches
+    )
 
 
 WARMUP_TEXT = "Hello, this is a warm-up. 你好。"

@@ -57,11 +57,15 @@ def _capture_error(exc: RuntimeError, device: torch.device) -> RuntimeError:
     if isinstance(first, torch.OutOfMemoryError):
         return torch.OutOfMemoryError(f"{first} (during a talker step-graph capture)")
     free, total = torch.cuda.mem_get_info(device)
-    where = (f"device {fmt_bytes(free)} free of {fmt_bytes(total)}, this process "
-             f"{fmt_bytes(torch.cuda.memory_reserved(device))} reserved")  # fmt: skip
+    where = (
+        f"device {fmt_bytes(free)} free of {fmt_bytes(total)}, this process "
+        f"{fmt_bytes(torch.cuda.memory_reserved(device))} reserved"
+    )
     line = (str(first).strip().splitlines() or [""])[0]
     if "not permitted when stream is capturing" in line and free < _CAPTURE_OOM_FREE_BYTES:
-        return torch.OutOfMemoryError(f"out of device memory during a talker step-graph capture ({where}): {line}")
+        return torch.OutOfMemoryError(
+            f"out of device memory during a talker step-graph capture ({where}): {line}"
+        )
     return RuntimeError(f"talker step-graph capture failed ({where}): {line}")
 
 
@@ -97,8 +101,17 @@ class CachedStackGraphs:
     at the scratch slot, padded columns of a row are written there too (as the eager path does), and
     keys are read up to the span bucket, masked past each row's end: the eager result."""
 
-    def __init__(self, stack: Qwen2Stack, cache: KVSlots, *, cap: int, widths: list[int], dtype: torch.dtype,
-                 device: torch.device, run: Callable[[tuple, Callable[[], None]], None]) -> None:
+    def __init__(
+        self,
+        stack: Qwen2Stack,
+        cache: KVSlots,
+        *,
+        cap: int,
+        widths: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        run: Callable[[tuple, Callable[[], None]], None],
+    ) -> None:
         self.stack, self.cache, self.run = stack, cache, run
         self.batches, self.widths, self.spans = batch_buckets(cap), widths, span_buckets(cache.max_len)
         hidden = stack.shape.hidden_size
@@ -108,9 +121,11 @@ class CachedStackGraphs:
                 rows = torch.zeros(3, b, dtype=torch.long, device=device)
                 rows[0], rows[2] = cache.num_slots, 1
                 self._buf[(b, w)] = _StackBuffers(
-                    torch.zeros(b, w, hidden, dtype=dtype, device=device), rows,
+                    torch.zeros(b, w, hidden, dtype=dtype, device=device),
+                    rows,
                     torch.zeros(3, b, dtype=torch.long, pin_memory=device.type == "cuda"),
-                    torch.zeros(b, w, hidden, dtype=dtype, device=device))
+                    torch.zeros(b, w, hidden, dtype=dtype, device=device),
+                )
 
     def fits(self, n: int, width: int) -> bool:
         return n <= self.batches[-1] and width <= self.widths[-1]
@@ -126,7 +141,12 @@ class CachedStackGraphs:
 
     def keys(self) -> list[tuple[int, int, int]]:
         """Every (rows, width, span) bucket, largest first (the capture order)."""
-        return [(b, w, s) for b in reversed(self.batches) for w in reversed(self.widths) for s in reversed(self.spans)]
+        return [
+            (b, w, s)
+            for b in reversed(self.batches)
+            for w in reversed(self.widths)
+            for s in reversed(self.spans)
+        ]
 
     def park(self, b: int, w: int) -> None:
         """Point every row at the scratch slot (before a capture's warm-up runs)."""
@@ -135,8 +155,9 @@ class CachedStackGraphs:
         rows[1].zero_()
         rows[2].fill_(1)
 
-    def __call__(self, name: str, slots: list[int], starts: list[int], lengths: list[int],
-                 x: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, name: str, slots: list[int], starts: list[int], lengths: list[int], x: torch.Tensor
+    ) -> torch.Tensor:
         """x [n, width, hidden] → the stack's output [n, width, hidden] (a copy)."""
         n, width = x.shape[0], x.shape[1]
         b, w = bucket_of(n, self.batches), bucket_of(width, self.widths)
@@ -172,9 +193,21 @@ class StepGraphs:
     """LM decode, CFM sample and VAE backbone of up to `cap` rows on static buffers; CUDA graphs when
     `capture`."""
 
-    def __init__(self, talker: TalkerModel, cache: KVSlots, plan: SamplePlan, *, cap: int, history_len: int,
-                 patch: int, latent_dim: int, cfg_strength: float, sde_scale: float, capture: bool,
-                 vae: tuple[Qwen2Stack, KVSlots, int] | None = None) -> None:
+    def __init__(
+        self,
+        talker: TalkerModel,
+        cache: KVSlots,
+        plan: SamplePlan,
+        *,
+        cap: int,
+        history_len: int,
+        patch: int,
+        latent_dim: int,
+        cfg_strength: float,
+        sde_scale: float,
+        capture: bool,
+        vae: tuple[Qwen2Stack, KVSlots, int] | None = None,
+    ) -> None:
         self.talker, self.cache, self.plan = talker, cache, plan
         self.cap, self.cfg_strength, self.sde_scale = cap, cfg_strength, sde_scale
         self.capture = capture
@@ -186,20 +219,35 @@ class StepGraphs:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0  # graph replays (or eager runs of a body, without capture)
-        self.lm = CachedStackGraphs(talker.model, cache, cap=cap, widths=[1], dtype=self.dtype, device=dev,
-                                    run=self._run)
+        self.lm = CachedStackGraphs(
+            talker.model, cache, cap=cap, widths=[1], dtype=self.dtype, device=dev, run=self._run
+        )
         # The VAE decoder's backbone (stack, its cache, frames per step): widths of one step and two.
-        self.vae = None if vae is None else CachedStackGraphs(vae[0], vae[1], cap=cap, widths=[vae[2], 2 * vae[2]],
-                                                             dtype=self.dtype, device=dev, run=self._run)
+        self.vae = (
+            None
+            if vae is None
+            else CachedStackGraphs(
+                vae[0],
+                vae[1],
+                cap=cap,
+                widths=[vae[2], 2 * vae[2]],
+                dtype=self.dtype,
+                device=dev,
+                run=self._run,
+            )
+        )
         self._sample: dict[int, _SampleBuffers] = {}
         for b in self.batches:
             f32 = dict(dtype=torch.float32, device=dev)
             self._sample[b] = _SampleBuffers(
-                torch.zeros(b, hidden, dtype=self.dtype, device=dev), torch.zeros(b, history_len, latent_dim, **f32),
+                torch.zeros(b, hidden, dtype=self.dtype, device=dev),
+                torch.zeros(b, history_len, latent_dim, **f32),
                 torch.zeros(b, patch, latent_dim, **f32),
                 torch.zeros(steps, b, patch, latent_dim, **f32) if sde_scale else None,
-                torch.zeros(b, patch, latent_dim, **f32), torch.zeros(b, hidden, dtype=self.dtype, device=dev),
-                torch.zeros(b, **f32))
+                torch.zeros(b, patch, latent_dim, **f32),
+                torch.zeros(b, hidden, dtype=self.dtype, device=dev),
+                torch.zeros(b, **f32),
+            )
 
     # -- bodies: the work one graph holds -------------------------------------------------------
 
@@ -207,8 +255,9 @@ class StepGraphs:
         buf = self._sample[b]
 
         def body() -> None:
-            y = self.talker.dit.sample_planned(self.plan, buf.cond, buf.history, buf.noise, self.cfg_strength,
-                                               buf.sde, self.sde_scale)
+            y = self.talker.dit.sample_planned(
+                self.plan, buf.cond, buf.history, buf.noise, self.cfg_strength, buf.sde, self.sde_scale
+            )
             buf.patch.copy_(y)
             buf.next_input.copy_(self.talker.aggregator(y))
             buf.stop.copy_(self.talker.stop_probability(buf.cond))
@@ -275,7 +324,9 @@ class StepGraphs:
         """`TalkerRunner.decode` on the padded buffers: [n, hidden] → [n, hidden] (a copy)."""
         return self.lm("lm", slots, positions, [1] * len(slots), inputs[:, None])[:, 0]
 
-    def vae_backbone(self, x: torch.Tensor, slots: list[int], starts: list[int], lengths: list[int]) -> torch.Tensor:
+    def vae_backbone(
+        self, x: torch.Tensor, slots: list[int], starts: list[int], lengths: list[int]
+    ) -> torch.Tensor:
         """The VAE decoder's Qwen2 over a step's frames (`VAEDecoder.decode_step`'s backbone); eager where
         the step is wider or larger than the buckets."""
         assert self.vae is not None
@@ -283,8 +334,9 @@ class StepGraphs:
             return self.vae.stack(x, self.vae.cache, Rows.of(slots, starts, lengths, x.device))
         return self.vae("vae", slots, starts, lengths, x)
 
-    def sample(self, hidden: torch.Tensor, history: torch.Tensor, noise: torch.Tensor,
-               sde: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def sample(
+        self, hidden: torch.Tensor, history: torch.Tensor, noise: torch.Tensor, sde: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`TalkerRunner.sample`'s device work on the padded buffers → (patch, next inputs, stop) of the n
         real rows (copies). Padded rows keep whatever they held: rows never mix, so they are not read."""
         n = hidden.shape[0]

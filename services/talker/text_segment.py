@@ -109,8 +109,10 @@ class SentenceSegmenter:
 def _split_after(text: str, marks: str) -> list[str]:
     parts, start = [], 0
     for i, ch in enumerate(text):
-        if ch in marks and not (ch == "." and 0 < i < len(text) - 1 and text[i - 1].isdigit() and text[i + 1].isdigit()):
-            parts.append(text[start:i + 1])
+        if ch in marks and not (
+            ch == "." and 0 < i < len(text) - 1 and text[i - 1].isdigit() and text[i + 1].isdigit()
+        ):
+            parts.append(text[start : i + 1])
             start = i + 1
     if start < len(text):
         parts.append(text[start:])

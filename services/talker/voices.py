@@ -43,20 +43,25 @@ def prepare_clip(data: bytes, speaker: SpeakerEncoder, vae_rate: int, max_second
 
 
 @torch.no_grad()
-def build_voice(models: TalkerModels, name: str, prompt_text: str, clip: ReferenceClip,
-                generator: torch.Generator | None) -> Voice:
+def build_voice(
+    models: TalkerModels, name: str, prompt_text: str, clip: ReferenceClip, generator: torch.Generator | None
+) -> Voice:
     """The device part: VAE latents (a posterior sample from `generator`), aggregator embeddings, spk_head."""
     cfg = models.config
     device, dtype = models.device, models.dtype
     samples_per_patch = cfg.vae.enc_hop * cfg.vae.patch_size * cfg.patch_size
     wave = torch.from_numpy(clip.at_vae_rate).to(device)
-    wave = torch.nn.functional.pad(wave, ((-wave.shape[0]) % samples_per_patch, 0))  # left: the end stays aligned
+    wave = torch.nn.functional.pad(
+        wave, ((-wave.shape[0]) % samples_per_patch, 0)
+    )  # left: the end stays aligned
     latents = models.vae.encoder.latents(wave[None], generator)[0]
     latents = latents[: latents.shape[0] // cfg.patch_size * cfg.patch_size]
     embeddings = models.talker.aggregator(latents.reshape(-1, cfg.patch_size, cfg.latent_dim))
     vector = torch.from_numpy(clip.speaker_vector).to(device, dtype)
     if vector.shape[0] != cfg.spk_dim:
-        raise CheckpointError(f"campplus.onnx gives {vector.shape[0]}-d vectors, spk_head takes {cfg.spk_dim}")
+        raise CheckpointError(
+            f"campplus.onnx gives {vector.shape[0]}-d vectors, spk_head takes {cfg.spk_dim}"
+        )
     return Voice(name, prompt_text, models.talker.spk_head(vector), latents.float(), embeddings)
 
 
@@ -80,7 +85,9 @@ def read_presets(talker_dir: Path) -> dict[str, tuple[str, Path]]:
 class VoiceBank:
     """Preset voices (computed at start-up) and the helpers for custom ones."""
 
-    def __init__(self, models: TalkerModels, speaker: SpeakerEncoder, default: str, max_reference_seconds: float):
+    def __init__(
+        self, models: TalkerModels, speaker: SpeakerEncoder, default: str, max_reference_seconds: float
+    ):
         self.models = models
         self.speaker = speaker
         self.max_reference_seconds = max_reference_seconds
@@ -99,7 +106,9 @@ class VoiceBank:
         if not self.default:
             self.default = next(iter(self.presets))
         if self.default not in self.presets:
-            raise CheckpointError(f"talker.default_voice {self.default!r} is not a preset (have: {', '.join(self.presets)})")
+            raise CheckpointError(
+                f"talker.default_voice {self.default!r} is not a preset (have: {', '.join(self.presets)})"
+            )
 
     def preset(self, name: str) -> Voice | None:
         return self.presets.get(name or self.default)

@@ -46,7 +46,9 @@ WARMUP_PROMPT = "<role>HUMAN</role>warm-up<|role_end|><role>ASSISTANT</role>"
 
 async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
     rank_cfg = RankConfig.from_deploy(cfg, svc, rank)
-    started = await in_daemon_thread(lambda: start_rank(rank_cfg, progress.StageProgress(runtime)), "thinker-blocking")
+    started = await in_daemon_thread(
+        lambda: start_rank(rank_cfg, progress.StageProgress(runtime)), "thinker-blocking"
+    )
     if rank > 0:
         runtime.set_serving()
         await in_daemon_thread(lambda: run_plan_loop(started), "thinker-blocking")
@@ -79,18 +81,22 @@ def _export_hidden_state_leases(runtime: ServiceRuntime, service: str, producer:
         pool.arena.reclaim()
         return pool.arena.active_leases
 
-    metrics.gauge("thinker_hidden_state_leases_active", "Hidden-state refs leased to consumers, not yet released"
-                  ).labels(service).set_function(active)  # fmt: skip
+    metrics.gauge(
+        "thinker_hidden_state_leases_active", "Hidden-state refs leased to consumers, not yet released"
+    ).labels(service).set_function(active)
 
 
-async def _serve_rank0(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, started: StartedRank) -> None:
+async def _serve_rank0(
+    runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, started: StartedRank
+) -> None:
     control = started.control
     # Registered first, so it runs last: the store host stays until a failure has been read.
     runtime.add_shutdown_hook(control.close)
     engine = LLMEngine.from_started(started)
     model_config = engine.runner.model.config
-    queries = load_image_queries(cfg.model.checkpoint, model_config.hidden_size, engine.runner.dtype,
-                                 cfg.model.load_format)  # fmt: skip
+    queries = load_image_queries(
+        cfg.model.checkpoint, model_config.hidden_size, engine.runner.dtype, cfg.model.load_format
+    )
     # Consumer side of the encoder's embeddings: its shm pool mapped once, leases released here.
     media = MediaInputs(model_config, engine.runner.dtype, TransportContext(), queries)
     runtime.add_shutdown_hook(media.close)
@@ -117,7 +123,9 @@ async def _serve_rank0(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceC
     flow.start()
     rcfg = engine.cfg
     runtime.add_shutdown_hook(flow.close)  # its tokenize pool
-    runtime.add_servicer(thinker_pb2_grpc.add_ThinkerServicer_to_server, ThinkerServicer(flow), "omnistage.v1.Thinker")
+    runtime.add_servicer(
+        thinker_pb2_grpc.add_ThinkerServicer_to_server, ThinkerServicer(flow), "omnistage.v1.Thinker"
+    )
     runtime.set_limits_provider(
         lambda: control_pb2.Limits(
             max_running_requests=rcfg.max_num_seqs,
@@ -155,8 +163,12 @@ def _warm_up(engine: LLMEngine, media: MediaInputs) -> None:
         raise RuntimeError(f"warm-up produced {len(result.token_ids)} tokens, expected 2")
     if media.queries is not None:
         if len(prompt) + media.query_block_tokens > engine.cfg.max_model_len:
-            log.warning("max_model_len %d leaves no room for the image query block (%d tokens): hidden-state "
-                        "requests will be refused", engine.cfg.max_model_len, media.query_block_tokens)
+            log.warning(
+                "max_model_len %d leaves no room for the image query block (%d tokens): hidden-state "
+                "requests will be refused",
+                engine.cfg.max_model_len,
+                media.query_block_tokens,
+            )
         else:
             hidden = media.build(prompt, [], image_queries=True)
             (result,) = engine.generate([hidden], SamplingParams(), timeout_s=600.0)

@@ -31,45 +31,62 @@ class EngineMetrics:
         label = (service,)
         scheduler = engine.scheduler
         blocks = scheduler.block_manager
-        metrics.gauge("thinker_running_requests", "Sequences in the running batch (holding KV blocks) now"
-                      ).labels(*label).set_function(lambda: len(scheduler.running))  # fmt: skip
-        metrics.gauge("thinker_waiting_requests", "Sequences waiting for admission (new or preempted) now"
-                      ).labels(*label).set_function(lambda: len(scheduler.waiting))  # fmt: skip
-        metrics.gauge("thinker_kv_blocks_used", "KV-cache blocks held by sequences now"
-                      ).labels(*label).set_function(lambda: blocks.num_blocks - blocks.num_free_blocks)  # fmt: skip
-        metrics.gauge("thinker_kv_blocks_capacity", "KV-cache blocks of the engine (its profiled cache size)"
-                      ).labels(*label).set(blocks.num_blocks)  # fmt: skip
+        metrics.gauge(
+            "thinker_running_requests", "Sequences in the running batch (holding KV blocks) now"
+        ).labels(*label).set_function(lambda: len(scheduler.running))
+        metrics.gauge(
+            "thinker_waiting_requests", "Sequences waiting for admission (new or preempted) now"
+        ).labels(*label).set_function(lambda: len(scheduler.waiting))
+        metrics.gauge("thinker_kv_blocks_used", "KV-cache blocks held by sequences now").labels(
+            *label
+        ).set_function(lambda: blocks.num_blocks - blocks.num_free_blocks)
+        metrics.gauge(
+            "thinker_kv_blocks_capacity", "KV-cache blocks of the engine (its profiled cache size)"
+        ).labels(*label).set(blocks.num_blocks)
         self.queue = metrics.histogram(
-            "thinker_queue_time_seconds", "Time from a request's arrival in the engine to its first scheduling"
+            "thinker_queue_time_seconds",
+            "Time from a request's arrival in the engine to its first scheduling",
         ).labels(*label)
         self.ttft = metrics.histogram(
             "thinker_ttft_seconds", "Time from a request's arrival in the engine to its first generated token"
         ).labels(*label)
         self.itl = metrics.histogram(
-            "thinker_inter_token_latency_seconds", "Time between consecutive generated tokens of a request",
+            "thinker_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request",
             buckets=metrics.FINE_BUCKETS_S,
-        ).labels(*label)  # fmt: skip
-        self.e2e = metrics.histogram(
-            "thinker_e2e_seconds", "Time from a request's arrival in the engine to its end (any finish reason)"
         ).labels(*label)
-        self.prompt_tokens = metrics.counter("thinker_prompt_tokens", "Prompt tokens of requests admitted "
-                                             "(counted once, at the first admission)").labels(*label)  # fmt: skip
-        self.generated_tokens = metrics.counter("thinker_generated_tokens", "Tokens generated (sampled)"
-                                                ).labels(*label)  # fmt: skip
-        self.preemptions = metrics.counter("thinker_preemptions", "Sequences preempted (KV blocks freed, "
-                                           "recomputed on readmission) for want of KV cache").labels(*label)  # fmt: skip
+        self.e2e = metrics.histogram(
+            "thinker_e2e_seconds",
+            "Time from a request's arrival in the engine to its end (any finish reason)",
+        ).labels(*label)
+        self.prompt_tokens = metrics.counter(
+            "thinker_prompt_tokens",
+            "Prompt tokens of requests admitted (counted once, at the first admission)",
+        ).labels(*label)
+        self.generated_tokens = metrics.counter(
+            "thinker_generated_tokens", "Tokens generated (sampled)"
+        ).labels(*label)
+        self.preemptions = metrics.counter(
+            "thinker_preemptions",
+            "Sequences preempted (KV blocks freed, recomputed on readmission) for want of KV cache",
+        ).labels(*label)
         self.blocks = blocks
         self.cache_queries = metrics.counter(
-            "thinker_prefix_cache_queries", "Tokens of sequences looked up in the prefix cache at admission "
-            "(every admission, readmissions after preemption included), in tokens").labels(*label)  # fmt: skip
+            "thinker_prefix_cache_queries",
+            "Tokens of sequences looked up in the prefix cache at admission "
+            "(every admission, readmissions after preemption included), in tokens",
+        ).labels(*label)
         self.cache_hits = metrics.counter(
-            "thinker_prefix_cache_hits", "Of the looked-up tokens, those whose KV came from the prefix cache, "
-            "in tokens").labels(*label)  # fmt: skip
+            "thinker_prefix_cache_hits",
+            "Of the looked-up tokens, those whose KV came from the prefix cache, in tokens",
+        ).labels(*label)
         self.cache_evictions = metrics.counter(
-            "thinker_prefix_cache_evictions", "Cached KV blocks (free, still holding a prefix) handed out for "
-            "other content").labels(*label)  # fmt: skip
-        metrics.gauge("thinker_prefix_cache_blocks", "KV blocks holding an indexed prefix now (held or free)"
-                      ).labels(*label).set_function(lambda: blocks.num_cached_blocks)  # fmt: skip
+            "thinker_prefix_cache_evictions",
+            "Cached KV blocks (free, still holding a prefix) handed out for other content",
+        ).labels(*label)
+        metrics.gauge(
+            "thinker_prefix_cache_blocks", "KV blocks holding an indexed prefix now (held or free)"
+        ).labels(*label).set_function(lambda: blocks.num_cached_blocks)
         self._seen = dataclasses.replace(blocks.stats)
         finished = metrics.counter("thinker_requests", "Requests ended, by finish reason", ("finish_reason",))
         self.finished = {r: finished.labels(service, r) for r in FINISH_REASONS}

@@ -35,7 +35,11 @@ def query_scale(checkpoint: str | Path) -> int | None:
 
 
 def load_image_queries(
-    checkpoint: str | Path, hidden_size: int, dtype: torch.dtype, load_format: str = "safetensors", seed: int = 0
+    checkpoint: str | Path,
+    hidden_size: int,
+    dtype: torch.dtype,
+    load_format: str = "safetensors",
+    seed: int = 0,
 ) -> torch.Tensor | None:
     """The query rows [s², hidden_size] (host memory, `dtype`), or None when the checkpoint has no
     `mlp/` folder (hidden-state requests are then refused). `load_format="dummy"` makes seeded
@@ -47,16 +51,22 @@ def load_image_queries(
         gen = torch.Generator().manual_seed(seed + 12_000)
         return (torch.randn(n, hidden_size, generator=gen) * 0.02).to(dtype)
     if scale is None:
-        log.info("%s has no mlp/config.json: no image-generation queries, hidden-state requests are refused", root)
+        log.info(
+            "%s has no mlp/config.json: no image-generation queries, hidden-state requests are refused", root
+        )
         return None
     key = f"query_tokens_dict.{scale}x{scale}"
     try:
         headers = read_headers(shard_files(root / "mlp"))
     except (CheckpointError, OSError) as exc:
-        raise CheckpointError(f"{root / 'mlp'}: the image-generation query embeddings cannot be read: {exc}") from None
+        raise CheckpointError(
+            f"{root / 'mlp'}: the image-generation query embeddings cannot be read: {exc}"
+        ) from None
     info = headers.get(key)
     if info is None:
-        raise CheckpointError(f"{root / 'mlp'}: {key} missing (img_gen_scales[-1] = {scale} in mlp/config.json)")
+        raise CheckpointError(
+            f"{root / 'mlp'}: {key} missing (img_gen_scales[-1] = {scale} in mlp/config.json)"
+        )
     want = (scale * scale, hidden_size)
     if info.shape != want:
         raise CheckpointError(f"{root / 'mlp'}: {key} has shape {list(info.shape)}, expected {list(want)}")

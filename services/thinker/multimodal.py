@@ -48,10 +48,16 @@ class Placeholders:
 
     @classmethod
     def of(cls, config: ThinkerConfig) -> Placeholders:
-        ids = (config.image_patch_token_id, config.video_patch_token_id, config.audio_patch_token_id,
-               config.image_start_token_id)  # fmt: skip
+        ids = (
+            config.image_patch_token_id,
+            config.video_patch_token_id,
+            config.audio_patch_token_id,
+            config.image_start_token_id,
+        )
         if any(i is None for i in ids):
-            raise ValueError("the checkpoint names no <imagePatch>, <framePatch>, <audioPatch> or <image> token")
+            raise ValueError(
+                "the checkpoint names no <imagePatch>, <framePatch>, <audioPatch> or <image> token"
+            )
         return cls(*ids)  # type: ignore[arg-type]
 
     def name(self, token_id: int) -> str:
@@ -77,7 +83,10 @@ class MediaInputs:
     """The servicer's multimodal half: cheap checks, then (in the tokenize pool) the prompt layout."""
 
     def __init__(
-        self, config: ThinkerConfig, dtype: torch.dtype, transport: TransportContext,
+        self,
+        config: ThinkerConfig,
+        dtype: torch.dtype,
+        transport: TransportContext,
         queries: torch.Tensor | None = None,
     ) -> None:
         self.config = config
@@ -86,7 +95,9 @@ class MediaInputs:
         self.ids = Placeholders.of(config)
         # [N, hidden] image-generation query rows (image_queries.py); None: no hidden-state mode.
         if queries is not None and (queries.dim() != 2 or queries.shape[1] != config.hidden_size):
-            raise ValueError(f"image queries {list(queries.shape)}: expected [N, hidden_size {config.hidden_size}]")
+            raise ValueError(
+                f"image queries {list(queries.shape)}: expected [N, hidden_size {config.hidden_size}]"
+            )
         if queries is not None and config.image_end_token_id is None:
             raise ValueError("the checkpoint's tokenizer names no </image> token: no image query block")
         self.queries = queries.to(dtype) if queries is not None else None
@@ -145,7 +156,9 @@ class MediaInputs:
         shape = list(ref.shape)
         hidden = self.config.hidden_size
         if len(shape) != 2 or shape[0] < 1 or shape[1] != hidden:
-            raise InvalidRequest(f"{where}.embeddings: shape {shape}, expected [rows >= 1, hidden_size {hidden}]")
+            raise InvalidRequest(
+                f"{where}.embeddings: shape {shape}, expected [rows >= 1, hidden_size {hidden}]"
+            )
         return shape[0]
 
     # --- after tokenizing (tokenize pool) ---------------------------------------------------------
@@ -205,7 +218,9 @@ class MediaInputs:
                         f"the item needs {length}"
                     )
                 if p != self.ids.audio and (run.start == 0 or ids[run.start - 1] != self.ids.image_start):
-                    raise InvalidRequest(f"multimodal[{i}]: its {name} run at token {run.start} does not follow <image>")
+                    raise InvalidRequest(
+                        f"multimodal[{i}]: its {name} run at token {run.start} does not follow <image>"
+                    )
                 used_runs += 1
             rows = int(item.embeddings.shape[0])
             out[i] = slots[used_slots : used_slots + rows]
@@ -227,8 +242,13 @@ class MediaInputs:
     def _copy_rows(self, i: int, item: Item) -> torch.Tensor:
         """The item's rows in host memory (copying out of shm releases the lease)."""
         try:
-            rows = decode(item.embeddings, transport=self.transport, device="cpu", copy=True,
-                          release=not item.caller_keeps_lease)
+            rows = decode(
+                item.embeddings,
+                transport=self.transport,
+                device="cpu",
+                copy=True,
+                release=not item.caller_keeps_lease,
+            )
         except (TransportError, OSError, ValueError) as exc:
             raise InvalidRequest(f"multimodal[{i}].embeddings: {exc}") from None
         return rows.to(self.dtype)
@@ -240,8 +260,10 @@ class MediaInputs:
         vision = [it for it in items if it.placeholder_token_id != self.ids.audio]
         if self.config.rope_type != "video_rope" or not (vision or query_grid):
             return None, 0
-        grids = {p: [(g.t, g.h, g.w) for it in vision if it.placeholder_token_id == p for g in it.merged_grids]
-                 for p in (self.ids.image, self.ids.video)}  # fmt: skip
+        grids = {
+            p: [(g.t, g.h, g.w) for it in vision if it.placeholder_token_id == p for g in it.merged_grids]
+            for p in (self.ids.image, self.ids.video)
+        }
         grids[self.ids.image] += query_grid  # the block is the prompt's last <image> run
         try:
             return get_rope_index(

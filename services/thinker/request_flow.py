@@ -117,8 +117,9 @@ class ThinkerEngine:
     ) -> None:
         self.runner = ThinkerRunner(engine, events)
         # A failure's message is the group's own (`rank 2 died while ...`); a TPError says it all.
-        self.loop = DeviceLoop("engine", self.runner, idle_wait_s=idle_wait_s, describe_failure=str,
-                               quiet_failures=(TPError,))  # fmt: skip
+        self.loop = DeviceLoop(
+            "engine", self.runner, idle_wait_s=idle_wait_s, describe_failure=str, quiet_failures=(TPError,)
+        )
         self.media = media  # None: this thinker takes no embeddings (FAILED_PRECONDITION)
         # Where hidden states leave (hidden-state mode); None, or no query rows: the mode is refused.
         self.producer = producer
@@ -196,7 +197,9 @@ class ThinkerEngine:
     async def _submit(self, engine_id: str, prompt: Prompt, params: SamplingParams) -> Stream:
         stream: Stream = asyncio.Queue()
         try:
-            await asyncio.wrap_future(self.loop.call(lambda: self.runner.add(engine_id, prompt, params, stream)))
+            await asyncio.wrap_future(
+                self.loop.call(lambda: self.runner.add(engine_id, prompt, params, stream))
+            )
         except RequestError as exc:
             raise InvalidRequest(str(exc)) from exc
         except QueueFullError as exc:
@@ -213,8 +216,9 @@ class ThinkerEngine:
         if self.media is None or self.media.queries is None or self.producer is None:
             raise StageUnavailable(
                 "hidden_states: this thinker has no image-generation query embeddings "
-                "(the checkpoint's mlp/model.safetensors query_tokens_dict)", retryable=False,
-            )  # fmt: skip
+                "(the checkpoint's mlp/model.safetensors query_tokens_dict)",
+                retryable=False,
+            )
         return self.media.query_block_tokens
 
     def _check_prompt_size(self, request: thinker_pb2.ThinkerRequest) -> None:
@@ -270,7 +274,9 @@ class ThinkerEngine:
         if kind == "chat":
             pieces = [self._piece(i, p) for i, p in enumerate(request.chat.pieces)]
             segments = self.tokenizer.split_pieces(pieces)
-            specials = sum(1 if isinstance(seg, int) else len(seg) for seg in segments if not isinstance(seg, str))
+            specials = sum(
+                1 if isinstance(seg, int) else len(seg) for seg in segments if not isinstance(seg, str)
+            )
             if specials >= self.max_model_len:
                 raise InvalidRequest(
                     f"chat: the template alone has {specials} special tokens "

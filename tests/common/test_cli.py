@@ -25,17 +25,33 @@ def stage(tmp_path_factory):
     """A synthetic stage as the gateway `front`, with an admin port and an API key, SERVING on a port that only
     `--set` tells (the file says another): (config path, --set override, main address, admin address)."""
     tmp = tmp_path_factory.mktemp("cli")
-    cfg = write_config(tmp / "deploy.yaml", {"front": {"kind": "gateway", "admin_port": free_port(),
-                                                       "api_keys_env": KEY_ENV}})
+    cfg = write_config(
+        tmp / "deploy.yaml",
+        {"front": {"kind": "gateway", "admin_port": free_port(), "api_keys_env": KEY_ENV}},
+    )
     override = f"services.front.port={free_port()}"
     run = tmp / "run"
     previous = os.environ.get(KEY_ENV)
     os.environ[KEY_ENV] = "cli-key-1,cli-key-2"
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--config", str(cfg), "--service", "front", "--run-dir", str(run),
-                             "--set", override])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            SCRIPT,
+            "--config",
+            str(cfg),
+            "--service",
+            "front",
+            "--run-dir",
+            str(run),
+            "--set",
+            override,
+        ]
+    )
     try:
         path = status_path(run, "front", 0)
-        rec = wait_for(lambda: (r := read_status(path)) is not None and r.phase == "serving" and r, 60, "front serving")
+        rec = wait_for(
+            lambda: (r := read_status(path)) is not None and r.phase == "serving" and r, 60, "front serving"
+        )
         admin = f"127.0.0.1:{yaml.safe_load(cfg.read_text())['services']['front']['admin_port']}"
         yield cfg, override, rec.address, admin
     finally:
@@ -52,13 +68,23 @@ def test_help_lists_every_command(capsys):
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for command in ("serve", "make-tiny-checkpoint", "generate", "status", "health", "drain", "resume", "protos"):
+    for command in (
+        "serve",
+        "make-tiny-checkpoint",
+        "generate",
+        "status",
+        "health",
+        "drain",
+        "resume",
+        "protos",
+    ):
         assert command in out
 
 
 def test_module_entry_point_runs():
-    result = subprocess.run([sys.executable, "-m", "omnistage.common.cli", "--help"], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "omnistage.common.cli", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and "usage: omnistage" in result.stdout
 
 
@@ -74,7 +100,9 @@ def test_status_of_every_service_of_a_deploy_file_with_overrides(stage, capsys):
     cfg, override, address, admin = stage
     assert main(["status", "--config", str(cfg), "--set", override]) == 0
     assert f"front (gateway) admin {admin}: SERVING, phase serving" in capsys.readouterr().out
-    assert main(["status", "--config", str(cfg), "--set", override, "--set", "services.front.admin_port=0"]) == 0
+    assert (
+        main(["status", "--config", str(cfg), "--set", override, "--set", "services.front.admin_port=0"]) == 0
+    )
     assert f"front (gateway) at {address}: SERVING (no admin port" in capsys.readouterr().out
 
 
@@ -129,7 +157,9 @@ def test_generate_without_the_override_does_not_find_the_moved_port(stage, capsy
 def test_generate_by_address_needs_the_key(stage, capsys, monkeypatch):
     _, _, address, _ = stage
     assert main(["generate", "--address", address, "--prompt", "n=1"]) == 1
-    assert "generate failed: UNAUTHENTICATED: omnistage.v1.Omni: missing credentials" in capsys.readouterr().err
+    assert (
+        "generate failed: UNAUTHENTICATED: omnistage.v1.Omni: missing credentials" in capsys.readouterr().err
+    )
     monkeypatch.setenv("MY_KEY", "cli-key-2")
     assert main(["generate", "--address", address, "--api-key-env", "MY_KEY", "--prompt", "n=1"]) == 0
 
@@ -137,15 +167,29 @@ def test_generate_by_address_needs_the_key(stage, capsys, monkeypatch):
 def test_generate_error_exits_1_with_the_status(stage, capsys):
     cfg, override, _, _ = stage
     assert main(["generate", "--config", str(cfg), "--set", override, "--prompt", "invalid"]) == 1
-    assert "generate failed: INVALID_ARGUMENT: messages[0]: synthetic invalid request" in capsys.readouterr().err
+    assert (
+        "generate failed: INVALID_ARGUMENT: messages[0]: synthetic invalid request" in capsys.readouterr().err
+    )
 
 
 def test_ctrl_c_in_generate_exits_130_with_one_line(stage):
     cfg, override, _, _ = stage
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.common.cli", "generate", "--config", str(cfg), "--set", override,
-         "--prompt", "n=1000 delay=0.05"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        [
+            sys.executable,
+            "-m",
+            "omnistage.common.cli",
+            "generate",
+            "--config",
+            str(cfg),
+            "--set",
+            override,
+            "--prompt",
+            "n=1000 delay=0.05",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     try:
         assert proc.stdout.read(3) == b"w0 "  # streaming has begun
@@ -160,9 +204,26 @@ def test_ctrl_c_in_generate_exits_130_with_one_line(stage):
 
 def test_drain_and_resume_need_an_admin_port(stage, capsys):
     cfg, override, _, _ = stage
-    assert main(["drain", "--config", str(cfg), "--set", override, "--set", "services.front.admin_port=0",
-                 "--service", "front"]) == 2
-    assert "services.front.admin_port: not set; Control (Drain, Resume) is served only there" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "drain",
+                "--config",
+                str(cfg),
+                "--set",
+                override,
+                "--set",
+                "services.front.admin_port=0",
+                "--service",
+                "front",
+            ]
+        )
+        == 2
+    )
+    assert (
+        "services.front.admin_port: not set; Control (Drain, Resume) is served only there"
+        in capsys.readouterr().err
+    )
     assert main(["resume", "--config", str(cfg), "--service", "front"]) == 1  # it is not draining
     assert "resume failed: FAILED_PRECONDITION: front is not draining" in capsys.readouterr().err
 
@@ -176,8 +237,9 @@ def test_console_script_is_installed():
     script = Path(sys.executable).parent / "omnistage"
     if not script.exists():
         pytest.skip("console script not installed in this environment")
-    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60,
-                            env=dict(os.environ))
+    result = subprocess.run(
+        [str(script), "--help"], capture_output=True, text=True, timeout=60, env=dict(os.environ)
+    )
     assert result.returncode == 0 and "serve" in result.stdout
 
 
@@ -202,8 +264,24 @@ def test_drain_prints_a_resume_command_that_works_as_printed(stage, capsys):
     and a grace), so pasted as printed it reaches the same service."""
     cfg, override, _, _ = stage
     grace = "services.front.drain_grace_s=5"
-    assert main(["drain", "--config", str(cfg), "--set", override, "--set", grace, "--service", "front",
-                 "--deadline-ms", "1000"]) == 0
+    assert (
+        main(
+            [
+                "drain",
+                "--config",
+                str(cfg),
+                "--set",
+                override,
+                "--set",
+                grace,
+                "--service",
+                "front",
+                "--deadline-ms",
+                "1000",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out
     command = shlex.split(line.split("`")[1])
     assert command[:2] == ["omnistage", "resume"]
@@ -215,11 +293,47 @@ def test_drain_prints_a_resume_command_that_works_as_printed(stage, capsys):
 def test_bench_says_on_stderr_why_it_exits_1(stage, capsys):
     """The synthetic stage speaks no audio: every speech request is not done, and stderr says so."""
     cfg, override, _, _ = stage
-    assert main(["bench", "--config", str(cfg), "--set", override, "--kinds", "text,speech", "--concurrency", "1",
-                 "--requests", "2", "--prompt", "n=2"]) == 1
+    assert (
+        main(
+            [
+                "bench",
+                "--config",
+                str(cfg),
+                "--set",
+                override,
+                "--kinds",
+                "text,speech",
+                "--concurrency",
+                "1",
+                "--requests",
+                "2",
+                "--prompt",
+                "n=2",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "omnistage bench: exit 1, requests that did not finish as asked" in err
     assert "  speech closed c=1: 2 of 2 not done: AUDIO_UNSPECIFIED 2" in err and "text closed" not in err
-    assert main(["bench", "--config", str(cfg), "--set", override, "--kinds", "text", "--concurrency", "1",
-                 "--requests", "2", "--prompt", "n=2"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--config",
+                str(cfg),
+                "--set",
+                override,
+                "--kinds",
+                "text",
+                "--concurrency",
+                "1",
+                "--requests",
+                "2",
+                "--prompt",
+                "n=2",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().err == ""

@@ -23,8 +23,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def base() -> dict:
     return {
         "services": {
-            "thinker": {"kind": "thinker", "port": 7161, "admin_port": 7162, "metrics_port": 9461, "tp_size": 2,
-                        "dist_port": 29561},
+            "thinker": {
+                "kind": "thinker",
+                "port": 7161,
+                "admin_port": 7162,
+                "metrics_port": 9461,
+                "tp_size": 2,
+                "dist_port": 29561,
+            },
             "gateway": {"kind": "gateway", "port": 7151},
         }
     }
@@ -58,13 +64,19 @@ def test_shipped_deploy_file_loads():
     assert talker.talker.default_voice == "DB30" and not 32768 <= talker.port <= 60999
 
 
-@pytest.mark.parametrize(("talker", "needle"), [
-    ({"max_text_chars": 0}, "services.thinker.talker.max_text_chars: expected > 0, got 0"),
-    ({"temperature": -1.0}, "services.thinker.talker.temperature: expected >= 0"),
-    ({"stress_batch_sizes": [4, 0]}, "services.thinker.talker.stress_batch_sizes: expected batch sizes >= 1"),
-    ({"default_voice": " "}, "services.thinker.talker.default_voice: expected a preset voice name"),
-    ({"voices": 2}, "services.thinker.talker.voices"),
-])
+@pytest.mark.parametrize(
+    ("talker", "needle"),
+    [
+        ({"max_text_chars": 0}, "services.thinker.talker.max_text_chars: expected > 0, got 0"),
+        ({"temperature": -1.0}, "services.thinker.talker.temperature: expected >= 0"),
+        (
+            {"stress_batch_sizes": [4, 0]},
+            "services.thinker.talker.stress_batch_sizes: expected batch sizes >= 1",
+        ),
+        ({"default_voice": " "}, "services.thinker.talker.default_voice: expected a preset voice name"),
+        ({"voices": 2}, "services.thinker.talker.voices"),
+    ],
+)
 def test_talker_knobs_are_checked(talker, needle):
     data = base()
     data["services"]["thinker"]["talker"] = talker
@@ -75,16 +87,24 @@ def test_talker_knobs_are_checked(talker, needle):
 
 def test_access_keys_and_dial_addresses():
     data = base()
-    data["services"]["gateway"].update({
-        "bind_host": "0.0.0.0", "admin_port": 7152, "admin_api_key_env": "GW_ADMIN_KEY",
-        "tls": {"cert_file": "c.pem", "key_file": "k.pem"}, "api_keys_env": "GW_KEYS", "api_keys_file": "keys.txt",
-        "gateway": {"media_dir": "/srv/media"},
-    })
+    data["services"]["gateway"].update(
+        {
+            "bind_host": "0.0.0.0",
+            "admin_port": 7152,
+            "admin_api_key_env": "GW_ADMIN_KEY",
+            "tls": {"cert_file": "c.pem", "key_file": "k.pem"},
+            "api_keys_env": "GW_KEYS",
+            "api_keys_file": "keys.txt",
+            "gateway": {"media_dir": "/srv/media"},
+        }
+    )
     cfg = config_from_dict(data)
     gw, th = cfg.service("gateway"), cfg.service("thinker")
     assert (gw.tls.cert_file, gw.tls.client_ca_file, gw.gateway.media_dir) == ("c.pem", "", "/srv/media")
     assert cfg.address("gateway") == "127.0.0.1:7151"  # a wildcard bind is dialed at `host`
-    assert cfg.admin_address("gateway") == "127.0.0.1:7152" and cfg.admin_address("thinker") == "127.0.0.1:7162"
+    assert (
+        cfg.admin_address("gateway") == "127.0.0.1:7152" and cfg.admin_address("thinker") == "127.0.0.1:7162"
+    )
     assert (th.bind_host, th.admin_host, th.tls, th.api_keys_env) == ("127.0.0.1", "127.0.0.1", None, "")
     data["services"]["thinker"]["bind_host"] = "::1"
     assert config_from_dict(data).address("thinker") == "[::1]:7161"
@@ -93,19 +113,35 @@ def test_access_keys_and_dial_addresses():
 @pytest.mark.parametrize(
     ("patch", "message"),
     [
-        ({"services": {"gateway": {"admin_api_key_env": "K"}}},
-         "services.gateway.admin_api_key_env: set admin_port too"),
-        ({"services": {"thinker": {"tls": {"cert_file": "c", "key_file": "k"}}}},
-         "services.thinker.tls: only the gateway serves clients from outside (kind is thinker)"),
+        (
+            {"services": {"gateway": {"admin_api_key_env": "K"}}},
+            "services.gateway.admin_api_key_env: set admin_port too",
+        ),
+        (
+            {"services": {"thinker": {"tls": {"cert_file": "c", "key_file": "k"}}}},
+            "services.thinker.tls: only the gateway serves clients from outside (kind is thinker)",
+        ),
         ({"services": {"thinker": {"api_keys_env": "K"}}}, "services.thinker.api_keys_env: only the gateway"),
-        ({"services": {"thinker": {"api_keys_file": "k.txt"}}}, "services.thinker.api_keys_file: only the gateway"),
-        ({"services": {"thinker": {"gateway": {"media_dir": "/m"}}}}, "services.thinker.gateway.media_dir: only the"),
-        ({"services": {"gateway": {"admin_port": 7152, "tls": {"cert_file": "c"}}}},
-         "services.gateway.tls.key_file: required when tls is set"),
-        ({"services": {"gateway": {"tls": {"cert_file": "c", "key_file": "k"}}}},
-         "services.gateway.admin_port: required when tls is set"),
-        ({"services": {"gateway": {"admin_port": 7162}}},
-         "services.gateway.admin_port: port 7162 is also used by services.thinker.admin_port"),
+        (
+            {"services": {"thinker": {"api_keys_file": "k.txt"}}},
+            "services.thinker.api_keys_file: only the gateway",
+        ),
+        (
+            {"services": {"thinker": {"gateway": {"media_dir": "/m"}}}},
+            "services.thinker.gateway.media_dir: only the",
+        ),
+        (
+            {"services": {"gateway": {"admin_port": 7152, "tls": {"cert_file": "c"}}}},
+            "services.gateway.tls.key_file: required when tls is set",
+        ),
+        (
+            {"services": {"gateway": {"tls": {"cert_file": "c", "key_file": "k"}}}},
+            "services.gateway.admin_port: required when tls is set",
+        ),
+        (
+            {"services": {"gateway": {"admin_port": 7162}}},
+            "services.gateway.admin_port: port 7162 is also used by services.thinker.admin_port",
+        ),
         ({"services": {"gateway": {"bind_host": ""}}}, "services.gateway.bind_host: expected an address"),
         ({"services": {"gateway": {"tls": {"certfile": "c"}}}}, "services.gateway.tls.certfile: unknown key"),
     ],
@@ -114,11 +150,21 @@ def test_access_keys_are_checked(patch, message):
     assert message in error_of(_merge(base(), patch))
 
 
-@pytest.mark.parametrize("key", ["talker_start_wait_s", "talker_idle_timeout_s", "speech_buffer_events",
-                                 "converse_max_turns", "converse_max_turn_chars", "converse_max_turn_audio_bytes"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "talker_start_wait_s",
+        "talker_idle_timeout_s",
+        "speech_buffer_events",
+        "converse_max_turns",
+        "converse_max_turn_chars",
+        "converse_max_turn_audio_bytes",
+    ],
+)
 def test_the_gateways_speech_keys_are_positive(key):
     assert f"services.gateway.gateway.{key}: expected > 0" in error_of(
-        _merge(base(), {"services": {"gateway": {"gateway": {key: 0}}}}))
+        _merge(base(), {"services": {"gateway": {"gateway": {key: 0}}}})
+    )
     cfg = config_from_dict(_merge(base(), {"services": {"gateway": {"gateway": {key: 3}}}}))
     assert getattr(cfg.service("gateway").gateway, key) == 3
 
@@ -137,26 +183,59 @@ def test_nested_values_and_names_are_filled_in():
 @pytest.mark.parametrize(
     ("patch", "message"),
     [
-        ({"services": {"thinker": {"engine": {"blok_size": 8}}}}, "services.thinker.engine.blok_size: unknown key"),
+        (
+            {"services": {"thinker": {"engine": {"blok_size": 8}}}},
+            "services.thinker.engine.blok_size: unknown key",
+        ),
         ({"startup": {"deadline": 1}}, "startup.deadline: unknown key"),
         ({"colour": "red"}, "colour: unknown key"),
-        ({"services": {"thinker": {"engine": {"block_size": "x"}}}},
-         "services.thinker.engine.block_size: expected an integer, got 'x'"),
-        ({"services": {"thinker": {"engine": {"block_size": 0}}}}, "services.thinker.engine.block_size: expected > 0"),
-        ({"services": {"thinker": {"device": "tpu"}}}, "services.thinker.device: expected one of 'cpu', 'cuda'"),
-        ({"services": {"thinker": {"engine": {"chunked_prefill": "yes"}}}},
-         "services.thinker.engine.chunked_prefill: expected true/false"),
+        (
+            {"services": {"thinker": {"engine": {"block_size": "x"}}}},
+            "services.thinker.engine.block_size: expected an integer, got 'x'",
+        ),
+        (
+            {"services": {"thinker": {"engine": {"block_size": 0}}}},
+            "services.thinker.engine.block_size: expected > 0",
+        ),
+        (
+            {"services": {"thinker": {"device": "tpu"}}},
+            "services.thinker.device: expected one of 'cpu', 'cuda'",
+        ),
+        (
+            {"services": {"thinker": {"engine": {"chunked_prefill": "yes"}}}},
+            "services.thinker.engine.chunked_prefill: expected true/false",
+        ),
         ({"services": {"thinker": {"gpus": 3}}}, "services.thinker.gpus: expected a list"),
-        ({"services": {"thinker": {"fault": {"action": "explode"}}}}, "services.thinker.fault.action: expected one of"),
-        ({"startup": {"phase_deadlines_s": {"loading": 5}}}, "startup.phase_deadlines_s.loading: unknown phase"),
-        ({"startup": {"phase_deadlines_s": {"warming_up": -1}}}, "startup.phase_deadlines_s.warming_up: expected > 0"),
+        (
+            {"services": {"thinker": {"fault": {"action": "explode"}}}},
+            "services.thinker.fault.action: expected one of",
+        ),
+        (
+            {"startup": {"phase_deadlines_s": {"loading": 5}}},
+            "startup.phase_deadlines_s.loading: unknown phase",
+        ),
+        (
+            {"startup": {"phase_deadlines_s": {"warming_up": -1}}},
+            "startup.phase_deadlines_s.warming_up: expected > 0",
+        ),
         ({"services": {"thinker": {"name": "other"}}}, "services.thinker.name: must equal the key 'thinker'"),
-        ({"services": {"thinker": {"port": 70000}}}, "services.thinker.port: expected a port number, got 70000"),
+        (
+            {"services": {"thinker": {"port": 70000}}},
+            "services.thinker.port: expected a port number, got 70000",
+        ),
         ({"services": {"thinker": {"tp_size": 0}}}, "services.thinker.tp_size: expected > 0"),
-        ({"services": {"thinker": {"dist_port": 0}}}, "services.thinker.dist_port: required when tp_size > 1"),
-        ({"services": {"thinker": {"device": "cuda", "gpus": [0]}}}, "services.thinker.gpus: expected 2 GPU indices"),
-        ({"services": {"thinker": {"engine": {"chunked_prefill": False}}}},
-         "services.thinker.engine.max_num_batched_tokens: must be >= max_model_len"),
+        (
+            {"services": {"thinker": {"dist_port": 0}}},
+            "services.thinker.dist_port: required when tp_size > 1",
+        ),
+        (
+            {"services": {"thinker": {"device": "cuda", "gpus": [0]}}},
+            "services.thinker.gpus: expected 2 GPU indices",
+        ),
+        (
+            {"services": {"thinker": {"engine": {"chunked_prefill": False}}}},
+            "services.thinker.engine.max_num_batched_tokens: must be >= max_model_len",
+        ),
         ({"services": {"gw2": {"kind": "gateway", "port": 7153}}}, "services: at most one gateway"),
         ({"services": {"thinker": {"port": None}}}, "services.thinker.port: expected an integer, got None"),
         ({"services": {"thinker": 5}}, "services.thinker: expected a mapping"),
@@ -175,11 +254,23 @@ def test_missing_port_is_required():
 @pytest.mark.parametrize(
     ("patch", "message"),
     [
-        ({"services": {"gateway": {"port": 7161}}}, "services.gateway.port: port 7161 is also used by services.thinker.port"),
-        ({"services": {"gateway": {"metrics_port": 9461}}}, "port 9461 is also used by services.thinker.metrics_port"),
+        (
+            {"services": {"gateway": {"port": 7161}}},
+            "services.gateway.port: port 7161 is also used by services.thinker.port",
+        ),
+        (
+            {"services": {"gateway": {"metrics_port": 9461}}},
+            "port 9461 is also used by services.thinker.metrics_port",
+        ),
         # dist_port reserves one port per TP rank: 29561 and 29562.
-        ({"services": {"gateway": {"port": 29562}}}, "services.gateway.port: port 29562 is also used by services.thinker.dist_port"),
-        ({"services": {"thinker": {"metrics_port": 7161}}}, "services.thinker.metrics_port: port 7161 is also used"),
+        (
+            {"services": {"gateway": {"port": 29562}}},
+            "services.gateway.port: port 29562 is also used by services.thinker.dist_port",
+        ),
+        (
+            {"services": {"thinker": {"metrics_port": 7161}}},
+            "services.thinker.metrics_port: port 7161 is also used",
+        ),
     ],
 )
 def test_port_clashes_name_both_keys(patch, message):
@@ -196,24 +287,52 @@ def test_port_clashes_name_both_keys(patch, message):
         ({"startup": {"stop_grace_s": -1}}, "startup.stop_grace_s: expected >= 0"),
         ({"services": {"thinker": {"drain_grace_s": -1}}}, "services.thinker.drain_grace_s: expected >= 0"),
         ({"services": {"thinker": {"fault": {"rank": 2}}}}, "services.thinker.fault.rank: expected -1"),
-        ({"services": {"thinker": {"fault": {"delay_s": -1}}}}, "services.thinker.fault.delay_s: expected >= 0"),
-        ({"services": {"thinker": {"engine": {"max_queued_requests": -1}}}},
-         "services.thinker.engine.max_queued_requests: expected >= 0"),
-        ({"services": {"gateway": {"gateway": {"max_concurrent_requests": 0}}}},
-         "services.gateway.gateway.max_concurrent_requests: expected > 0"),
-        ({"services": {"gateway": {"gateway": {"stage_wait_s": 0}}}}, "services.gateway.gateway.stage_wait_s: expected > 0"),
-        ({"services": {"thinker": {"tp": {"serving_collective_timeout_s": 0}}}},
-         "services.thinker.tp.serving_collective_timeout_s: expected > 0"),
-        ({"services": {"thinker": {"tp": {"peer_timeout_s": 0.5, "peer_watch_interval_s": 0.5}}}},
-         "services.thinker.tp.peer_timeout_s: must be at least twice peer_watch_interval_s"),
-        ({"services": {"thinker": {"tp": {"failure_exit_s": 10}}}},
-         "services.thinker.tp.failure_exit_s: must leave time after a silent peer is detected"),
+        (
+            {"services": {"thinker": {"fault": {"delay_s": -1}}}},
+            "services.thinker.fault.delay_s: expected >= 0",
+        ),
+        (
+            {"services": {"thinker": {"engine": {"max_queued_requests": -1}}}},
+            "services.thinker.engine.max_queued_requests: expected >= 0",
+        ),
+        (
+            {"services": {"gateway": {"gateway": {"max_concurrent_requests": 0}}}},
+            "services.gateway.gateway.max_concurrent_requests: expected > 0",
+        ),
+        (
+            {"services": {"gateway": {"gateway": {"stage_wait_s": 0}}}},
+            "services.gateway.gateway.stage_wait_s: expected > 0",
+        ),
+        (
+            {"services": {"thinker": {"tp": {"serving_collective_timeout_s": 0}}}},
+            "services.thinker.tp.serving_collective_timeout_s: expected > 0",
+        ),
+        (
+            {"services": {"thinker": {"tp": {"peer_timeout_s": 0.5, "peer_watch_interval_s": 0.5}}}},
+            "services.thinker.tp.peer_timeout_s: must be at least twice peer_watch_interval_s",
+        ),
+        (
+            {"services": {"thinker": {"tp": {"failure_exit_s": 10}}}},
+            "services.thinker.tp.failure_exit_s: must leave time after a silent peer is detected",
+        ),
         ({"services": {"thinker": {"tp": {"deadline": 1}}}}, "services.thinker.tp.deadline: unknown key"),
         ({"model": {"load_format": "pt"}}, "model.load_format: expected one of 'safetensors', 'dummy'"),
-        ({"services": {"thinker": {"fault": {"at": "kv_rebuild", "action": "oom", "phase": "warming_up"}}}},
-         "services.thinker.fault.at: kv_rebuild happens in phase profiling_memory, not warming_up"),
-        ({"services": {"thinker": {"fault": {"at": "warmup_forward", "action": "hang", "phase": "warming_up"}}}},
-         "services.thinker.fault.at: only for action oom of a thinker"),
+        (
+            {
+                "services": {
+                    "thinker": {"fault": {"at": "kv_rebuild", "action": "oom", "phase": "warming_up"}}
+                }
+            },
+            "services.thinker.fault.at: kv_rebuild happens in phase profiling_memory, not warming_up",
+        ),
+        (
+            {
+                "services": {
+                    "thinker": {"fault": {"at": "warmup_forward", "action": "hang", "phase": "warming_up"}}
+                }
+            },
+            "services.thinker.fault.at: only for action oom of a thinker",
+        ),
     ],
 )
 def test_timing_and_limit_values_are_checked(patch, message):
@@ -223,8 +342,16 @@ def test_timing_and_limit_values_are_checked(patch, message):
 def test_overrides_apply_yaml_values_at_key_paths(tmp_path):
     path = tmp_path / "deploy.yaml"
     path.write_text(yaml.safe_dump(base()))
-    cfg = load_config(path, ["services.thinker.engine.block_size=8", "services.thinker.gpus=[4, 5]",
-                             "services.thinker.device=cuda", "startup.stop_grace_s=2.5", "log_format=json"])
+    cfg = load_config(
+        path,
+        [
+            "services.thinker.engine.block_size=8",
+            "services.thinker.gpus=[4, 5]",
+            "services.thinker.device=cuda",
+            "startup.stop_grace_s=2.5",
+            "log_format=json",
+        ],
+    )
     t = cfg.service("thinker")
     assert (t.engine.block_size, t.gpus, t.device) == (8, (4, 5), "cuda")
     assert cfg.startup.stop_grace_s == 2.5 and cfg.log_format == "json"
@@ -237,7 +364,9 @@ def test_override_errors_name_the_override_or_key(tmp_path):
         load_config(path, ["services.thinker.tp_size"])
     with pytest.raises(ConfigError, match="services.thinker.port is not a mapping"):
         load_config(path, ["services.thinker.port.x=1"])
-    with pytest.raises(ConfigError, match="services.thinker.engine.block_size: expected an integer, got 'big'"):
+    with pytest.raises(
+        ConfigError, match="services.thinker.engine.block_size: expected an integer, got 'big'"
+    ):
         load_config(path, ["services.thinker.engine.block_size=big"])
 
 
@@ -299,9 +428,15 @@ def _merge(data: dict, patch: dict) -> dict:
     [
         ({"max_items_per_request": 0}, "services.enc.encoder.max_items_per_request: expected > 0"),
         ({"max_audio_seconds": -1}, "services.enc.encoder.max_audio_seconds: expected > 0"),
-        ({"image_min_pixels": 5000, "image_max_pixels": 4096}, "services.enc.encoder.image_min_pixels: 5000 exceeds"),
+        (
+            {"image_min_pixels": 5000, "image_max_pixels": 4096},
+            "services.enc.encoder.image_min_pixels: 5000 exceeds",
+        ),
         ({"max_video_frames": 7}, "services.enc.encoder.max_video_frames: expected an even number, got 7"),
-        ({"stress_batch_sizes": [4, 0]}, "services.enc.encoder.stress_batch_sizes: expected batch sizes >= 1"),
+        (
+            {"stress_batch_sizes": [4, 0]},
+            "services.enc.encoder.stress_batch_sizes: expected batch sizes >= 1",
+        ),
         ({"stress_batch_sizes": []}, "services.enc.encoder.stress_batch_sizes: expected batch sizes >= 1"),
         ({"inline_max_bytes": -1}, "services.enc.encoder.inline_max_bytes: expected >= 0"),
         ({"max_pixels": 5}, "services.enc.encoder.max_pixels: unknown key"),
@@ -315,7 +450,11 @@ def test_encoder_limits_are_checked(patch, message):
 def test_encoder_defaults_are_the_models_preprocessing_numbers():
     e = config_from_dict({"services": {"enc": {"kind": "encoder", "port": 50171}}}).services["enc"].encoder
     assert (e.image_min_pixels, e.image_max_pixels) == (4 * 32 * 32, 16384 * 32 * 32)
-    assert (e.video_min_pixels, e.video_total_pixels, e.max_video_frames) == (128 * 32 * 32, 96 * 128 * 32 * 32, 256)
+    assert (e.video_min_pixels, e.video_total_pixels, e.max_video_frames) == (
+        128 * 32 * 32,
+        96 * 128 * 32 * 32,
+        256,
+    )
     assert e.stress_batch_sizes == (8, 4, 2, 1)
 
 
@@ -326,10 +465,22 @@ def test_encoder_defaults_are_the_models_preprocessing_numbers():
         ({"min_side_px": 100}, "services.img.imagegen.min_side_px: expected a multiple of 16, got 100"),
         ({"default_side_px": 4096}, "services.img.imagegen.default_side_px: 4096 is outside [min_side_px 64"),
         ({"max_steps": 0}, "services.img.imagegen.max_steps: expected > 0"),
-        ({"default_steps": 40, "max_steps": 30}, "services.img.imagegen.default_steps: 40 exceeds max_steps 30"),
-        ({"max_guidance_scale": float("nan")}, "services.img.imagegen.max_guidance_scale: expected a finite number"),
-        ({"default_guidance_scale": 30.0}, "services.img.imagegen.default_guidance_scale: expected 0..max_guidance"),
-        ({"stress_batch_sizes": [2, 0]}, "services.img.imagegen.stress_batch_sizes: expected batch sizes >= 1"),
+        (
+            {"default_steps": 40, "max_steps": 30},
+            "services.img.imagegen.default_steps: 40 exceeds max_steps 30",
+        ),
+        (
+            {"max_guidance_scale": float("nan")},
+            "services.img.imagegen.max_guidance_scale: expected a finite number",
+        ),
+        (
+            {"default_guidance_scale": 30.0},
+            "services.img.imagegen.default_guidance_scale: expected 0..max_guidance",
+        ),
+        (
+            {"stress_batch_sizes": [2, 0]},
+            "services.img.imagegen.stress_batch_sizes: expected batch sizes >= 1",
+        ),
         ({"max_queued_requests": -1}, "services.img.imagegen.max_queued_requests: expected >= 0"),
         ({"size": 5}, "services.img.imagegen.size: unknown key"),
     ],

@@ -31,15 +31,24 @@ sys.exit(launch(sys.argv[1], [], run_dir=sys.argv[2], ready_file=sys.argv[3], mo
 class Run:
     """A launcher process driving synthetic stages; its output goes to files readable at any time."""
 
-    def __init__(self, tmp_path: Path, services: dict, step_s: float = 0.02, supervision: dict | None = None,
-                 env: dict | None = None, **startup) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        services: dict,
+        step_s: float = 0.02,
+        supervision: dict | None = None,
+        env: dict | None = None,
+        **startup,
+    ) -> None:
         self.cfg = write_config(tmp_path / "deploy.yaml", services, supervision, **startup)
         self.ready_file = tmp_path / "ready"
         self.out_path, self.err_path = tmp_path / "out.txt", tmp_path / "err.txt"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", DRIVER, str(self.cfg), str(tmp_path / "run"), str(self.ready_file)],
-                stdout=out, stderr=err, env=dict(os.environ, SYNTH_STEP_S=str(step_s), **(env or {})),
+                stdout=out,
+                stderr=err,
+                env=dict(os.environ, SYNTH_STEP_S=str(step_s), **(env or {})),
             )
 
     @property
@@ -162,25 +171,37 @@ def test_ready_waits_for_every_capability_the_gateway_serves_text_before(tmp_pat
 
 
 def test_a_capability_never_ready_fails_start_up_naming_it(tmp_path, runs):
-    services = {"alpha": {}, "voice": {"kind": "talker"},
-                "front": {"kind": "gateway", "gateway": {"stage_wait_s": 1.5}}}
+    services = {
+        "alpha": {},
+        "voice": {"kind": "talker"},
+        "front": {"kind": "gateway", "gateway": {"stage_wait_s": 1.5}},
+    }
     run = Run(tmp_path, services, env={"SYNTH_CAPABILITIES_AFTER_S": "never"})
     runs.append(run)
     assert run.wait_exit() == 1
-    assert "start-up failed: front r0 stuck: serving, but speech not ready after 1.5s (gateway.stage_wait_s" in run.err
+    assert (
+        "start-up failed: front r0 stuck: serving, but speech not ready after 1.5s (gateway.stage_wait_s"
+        in run.err
+    )
     assert not run.ready_file.exists()
     assert_all_gone(run.child_pids().values())
 
 
 def test_hang_in_a_phase_exits_nonzero_naming_stage_rank_and_phase(tmp_path, runs):
-    services = {"alpha": {"tp_size": 2, "fault": {"phase": "loading_weights", "action": "hang", "rank": 1}},
-                "front": {"kind": "gateway"}}
+    services = {
+        "alpha": {"tp_size": 2, "fault": {"phase": "loading_weights", "action": "hang", "rank": 1}},
+        "front": {"kind": "gateway"},
+    }
     run = Run(tmp_path, services, heartbeat_timeout_s=3.0, stop_grace_s=0.5)
     runs.append(run)
     assert run.wait_exit() == 1
     lines = run.err.splitlines()
     culprit = [line for line in lines if line.startswith("alpha r1 ")]
-    assert len(culprit) == 1 and "loading_weights 0/3 shards" in culprit[0] and "stuck: no progress" in culprit[0]
+    assert (
+        len(culprit) == 1
+        and "loading_weights 0/3 shards" in culprit[0]
+        and "stuck: no progress" in culprit[0]
+    )
     assert any(line.startswith("omnistage: start-up failed: alpha r1 stuck") for line in lines)
     assert "omnistage: ready" not in run.out and not run.ready_file.exists()
     assert "ignored SIGTERM, killing" in run.err  # the hung rank needed SIGKILL
@@ -224,8 +245,13 @@ def test_child_killed_after_serving_without_restarts_stops_the_rest_and_exits_no
     assert_all_gone(pids.values())
 
 
-FAST_SUPERVISION = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "health_interval_s": 0.3,
-                    "backoff_initial_s": 0.2, "max_restarts": 3}
+FAST_SUPERVISION = {
+    "heartbeat_interval_s": 0.2,
+    "heartbeat_timeout_s": 2.0,
+    "health_interval_s": 0.3,
+    "backoff_initial_s": 0.2,
+    "max_restarts": 3,
+}
 
 
 def test_hung_and_killed_services_are_restarted_a_tp_group_as_a_whole(tmp_path, runs):
@@ -234,10 +260,14 @@ def test_hung_and_killed_services_are_restarted_a_tp_group_as_a_whole(tmp_path, 
     address = run.wait_ready()
     before = run.child_pids()
     os.kill(before["alpha r1"], signal.SIGSTOP)  # hung: alive, silent
-    wait_for(lambda: "omnistage: alpha serving again (restart 1/3)" in run.out, 60, "alpha restarted\n" + run.err)
+    wait_for(
+        lambda: "omnistage: alpha serving again (restart 1/3)" in run.out, 60, "alpha restarted\n" + run.err
+    )
     line = next(x for x in run.err.splitlines() if x.startswith("omnistage: alpha r1 stopped answering for "))
     silent_s = float(line.split(" for ")[1].split("s ")[0])
-    assert silent_s >= 2.0, line  # declared silent only once its 2 s heartbeat timeout passed (the wait above bounds when)
+    assert silent_s >= 2.0, (
+        line
+    )  # declared silent only once its 2 s heartbeat timeout passed (the wait above bounds when)
     assert line.endswith("(heartbeat timeout 2s) while serving; restarting alpha (attempt 1/3, in 0.2s)")
     after = run.child_pids()
     assert after["alpha r0"] != before["alpha r0"] and after["alpha r1"] != before["alpha r1"]  # the group
@@ -246,8 +276,13 @@ def test_hung_and_killed_services_are_restarted_a_tp_group_as_a_whole(tmp_path, 
     assert serving(load_config(run.cfg).address("alpha"))
 
     os.kill(after["front r0"], signal.SIGKILL)  # the gateway crashing is restarted too
-    wait_for(lambda: "omnistage: front serving again (restart 1/3)" in run.out, 60, "front restarted\n" + run.err)
-    assert "omnistage: front r0 died: killed by SIGKILL" in run.err and "restarting front (attempt 1/3" in run.err
+    wait_for(
+        lambda: "omnistage: front serving again (restart 1/3)" in run.out, 60, "front restarted\n" + run.err
+    )
+    assert (
+        "omnistage: front r0 died: killed by SIGKILL" in run.err
+        and "restarting front (attempt 1/3" in run.err
+    )
     assert serving(address)
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait_exit() == 0
@@ -259,7 +294,9 @@ def test_a_restarted_stage_is_serving_again_once_the_gateway_admits_it(tmp_path,
     runs.append(run)
     address = run.wait_ready()
     os.kill(run.child_pids()["alpha r1"], signal.SIGKILL)
-    wait_for(lambda: "omnistage: alpha serving again (restart 1/3)" in run.out, 60, "alpha restarted\n" + run.err)
+    wait_for(
+        lambda: "omnistage: alpha serving again (restart 1/3)" in run.out, 60, "alpha restarted\n" + run.err
+    )
     assert serving_capability(address, "text")  # the gateway serves text again: it admitted alpha
     out = run.out
     assert out.index("synthetic gateway: admitted alpha") < out.index("omnistage: alpha serving again")
@@ -270,7 +307,8 @@ def test_a_restarted_stage_is_serving_again_once_the_gateway_admits_it(tmp_path,
 def serving_capability(address: str, capability: str) -> bool:
     with grpc.insecure_channel(address) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service=f"omnistage.v1.Omni.{capability}"), timeout=5)
+            health_pb2.HealthCheckRequest(service=f"omnistage.v1.Omni.{capability}"), timeout=5
+        )
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -309,11 +347,18 @@ def test_children_exit_when_the_launcher_is_sigkilled(tmp_path, runs):
 def test_children_stuck_in_start_up_exit_with_a_sigkilled_launcher_leaving_no_shm(tmp_path, runs):
     """A load that never ends (torch in a blocking thread) and a segment no graceful stop closes: the
     children still go, and their segments with them, though nobody is left to sweep."""
-    run = Run(tmp_path, {"alpha": {"tp_size": 2}}, env={"SYNTH_SHM": "1", "SYNTH_TORCH_LOAD": "1"},
-              phase_deadlines_s={"loading_weights": 300.0})
+    run = Run(
+        tmp_path,
+        {"alpha": {"tp_size": 2}},
+        env={"SYNTH_SHM": "1", "SYNTH_TORCH_LOAD": "1"},
+        phase_deadlines_s={"loading_weights": 300.0},
+    )
     runs.append(run)
-    wait_for(lambda: len(run.child_pids()) == 2 and len(segments_of(run.child_pids().values())) == 2, 60,
-             "both ranks loading with a segment each\n" + run.err)
+    wait_for(
+        lambda: len(run.child_pids()) == 2 and len(segments_of(run.child_pids().values())) == 2,
+        60,
+        "both ranks loading with a segment each\n" + run.err,
+    )
     pids = run.child_pids()
     run.proc.kill()
     run.proc.wait(timeout=10)
@@ -328,7 +373,9 @@ def test_a_restarted_service_leaves_no_segment_of_its_old_process(tmp_path, runs
     before = run.child_pids()
     assert len(segments_of([before["alpha r0"]])) == 1
     os.kill(before["alpha r0"], signal.SIGKILL)
-    wait_for(lambda: "omnistage: alpha serving again (restart 1/3)" in run.out, 60, "alpha restarted\n" + run.err)
+    wait_for(
+        lambda: "omnistage: alpha serving again (restart 1/3)" in run.out, 60, "alpha restarted\n" + run.err
+    )
     # Swept at the restart, not at exit (the launcher says "removed 2 shared-memory segment(s) that
     # alpha r0, alpha r1 left", unless another launcher's start-up sweep on this host was quicker).
     assert segments_of([before["alpha r0"], before["alpha r1"]]) == []
@@ -343,10 +390,14 @@ def test_exit_after_ready_in_process(tmp_path, monkeypatch):
     cfg = write_config(tmp_path / "deploy.yaml", {"alpha": {}})
     out, err = io.StringIO(), io.StringIO()
     ready = tmp_path / "ready"
-    code = launch(cfg, [], modules={"thinker": SCRIPT}, ready_file=ready, exit_after_ready=True, out=out, err=err)
+    code = launch(
+        cfg, [], modules={"thinker": SCRIPT}, ready_file=ready, exit_after_ready=True, out=out, err=err
+    )
     assert code == 0, err.getvalue()
     assert "ready in" in out.getvalue() and ready.read_text().startswith("127.0.0.1:")
-    pids = [int(line.rsplit("(pid ", 1)[1].rstrip(")")) for line in out.getvalue().splitlines() if "(pid " in line]
+    pids = [
+        int(line.rsplit("(pid ", 1)[1].rstrip(")")) for line in out.getvalue().splitlines() if "(pid " in line
+    ]
     assert pids and not any(alive(p) for p in pids)
 
 
@@ -356,12 +407,16 @@ def test_serve_sweeps_the_shm_segments_of_dead_processes(tmp_path):
         "import os; from omnistage.common.transport.host import Segment; "
         "seg = Segment.create(4096); print(seg.name, flush=True); os._exit(0)"
     )
-    name = subprocess.run([sys.executable, "-c", producer], capture_output=True, text=True, check=True).stdout.strip()
+    name = subprocess.run(
+        [sys.executable, "-c", producer], capture_output=True, text=True, check=True
+    ).stdout.strip()
     from omnistage.common.transport.host import SHM_DIR
 
     assert os.path.exists(os.path.join(SHM_DIR, name))
     cfg = write_config(tmp_path / "deploy.yaml", {"alpha": {}})
-    code = launch(cfg, [], modules={"thinker": SCRIPT}, exit_after_ready=True, out=io.StringIO(), err=io.StringIO())
+    code = launch(
+        cfg, [], modules={"thinker": SCRIPT}, exit_after_ready=True, out=io.StringIO(), err=io.StringIO()
+    )
     assert code == 0
     assert not os.path.exists(os.path.join(SHM_DIR, name)), "the dead producer's segment is still there"
 
@@ -384,7 +439,10 @@ def test_launcher_reports_drain_and_resume_and_status_shows_the_phase(tmp_path, 
 
     from tests.common.runtime.synthetic_stage import free_port
 
-    run = Run(tmp_path, {"alpha": {"admin_port": free_port()}, "front": {"kind": "gateway", "admin_port": free_port()}})
+    run = Run(
+        tmp_path,
+        {"alpha": {"admin_port": free_port()}, "front": {"kind": "gateway", "admin_port": free_port()}},
+    )
     runs.append(run)
     run.wait_ready()
     assert main(["drain", "--config", str(run.cfg), "--service", "front", "--deadline-ms", "500"]) == 0
@@ -392,7 +450,11 @@ def test_launcher_reports_drain_and_resume_and_status_shows_the_phase(tmp_path, 
     wait_for(lambda: "front r0 draining (Control.Drain)" in run.out, 10, "launcher line for the drain")
     assert main(["status", "--config", str(run.cfg)]) == 1  # not every service is SERVING
     out = capsys.readouterr().out
-    assert "front (gateway) admin 127.0.0.1:" in out and "NOT_SERVING, phase draining" in out and "Control.Drain" in out
+    assert (
+        "front (gateway) admin 127.0.0.1:" in out
+        and "NOT_SERVING, phase draining" in out
+        and "Control.Drain" in out
+    )
     assert main(["resume", "--config", str(run.cfg), "--service", "front"]) == 0
     wait_for(lambda: "front r0 serving again (Control.Resume)" in run.out, 10, "launcher line for the resume")
     assert main(["status", "--config", str(run.cfg)]) == 0
@@ -411,11 +473,18 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
         port = taken.getsockname()[1]
         out, err = io.StringIO(), io.StringIO()
         for key in ("port", "admin_port", "metrics_port"):
-            code = launch(cfg, [f"services.alpha.{key}={port}"], modules={"thinker": SCRIPT}, out=out, err=err)
+            code = launch(
+                cfg, [f"services.alpha.{key}={port}"], modules={"thinker": SCRIPT}, out=out, err=err
+            )
             assert code == 2
             assert f"omnistage: services.alpha.{key} {port} is in use" in err.getvalue()
-        code = launch(cfg, ["services.alpha.tp_size=2", f"services.alpha.dist_port={port - 1}"],
-                      modules={"thinker": SCRIPT}, out=out, err=err)
+        code = launch(
+            cfg,
+            ["services.alpha.tp_size=2", f"services.alpha.dist_port={port - 1}"],
+            modules={"thinker": SCRIPT},
+            out=out,
+            err=err,
+        )
         assert code == 2 and f"services.alpha.dist_port+1 {port} is in use" in err.getvalue()
     assert "started" not in out.getvalue()
 
@@ -452,12 +521,16 @@ def test_a_missing_secret_is_refused_naming_the_key(tmp_path, monkeypatch):
     from tests.common.runtime.synthetic_stage import free_port
 
     monkeypatch.delenv("NO_SUCH_ADMIN_KEY", raising=False)
-    cfg = write_config(tmp_path / "deploy.yaml", {"alpha": {"admin_port": free_port(),
-                                                             "admin_api_key_env": "NO_SUCH_ADMIN_KEY"}})
+    cfg = write_config(
+        tmp_path / "deploy.yaml",
+        {"alpha": {"admin_port": free_port(), "admin_api_key_env": "NO_SUCH_ADMIN_KEY"}},
+    )
     err = io.StringIO()
     assert launch(cfg, [], modules={"thinker": SCRIPT}, out=io.StringIO(), err=err) == 2
-    assert ("services.alpha.admin_api_key_env: environment variable NO_SUCH_ADMIN_KEY is not set or holds no key"
-            in err.getvalue())
+    assert (
+        "services.alpha.admin_api_key_env: environment variable NO_SUCH_ADMIN_KEY is not set or holds no key"
+        in err.getvalue()
+    )
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")

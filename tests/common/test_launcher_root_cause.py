@@ -28,13 +28,25 @@ class _ExitedProc:
         return self.returncode
 
 
-def _child(run_dir: Path, svc: ServiceConfig, rank: int, failed_at: float, culprit: int, failure: str) -> Child:
+def _child(
+    run_dir: Path, svc: ServiceConfig, rank: int, failed_at: float, culprit: int, failure: str
+) -> Child:
     path = status_path(run_dir, svc.name, rank)
     pid = 1000 + rank
-    write_status(path, StatusRecord(
-        svc.name, rank, pid, "failed", phase_started_unix=failed_at, heartbeat_unix=failed_at,
-        failure=failure, failed_in="warming_up", culprit_rank=culprit,
-    ))  # fmt: skip
+    write_status(
+        path,
+        StatusRecord(
+            svc.name,
+            rank,
+            pid,
+            "failed",
+            phase_started_unix=failed_at,
+            heartbeat_unix=failed_at,
+            failure=failure,
+            failed_in="warming_up",
+            culprit_rank=culprit,
+        ),
+    )
     return Child(svc, rank, _ExitedProc(pid), path, failed_at - 10)  # type: ignore[arg-type]
 
 

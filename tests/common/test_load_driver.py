@@ -29,22 +29,37 @@ class FakeStub:
         try:
             await asyncio.sleep(0.01)
             if request.request_id in self.fail:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata())
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata()
+                )
             yield omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text="hi"))
             audio = omni_pb2.AudioStatus(outcome=omni_pb2.AUDIO_OUTCOME_COMPLETE)
             if omni_pb2.MODALITY_AUDIO in request.output_modalities:
-                yield omni_pb2.GenerateEvent(audio=omni_pb2.AudioChunk(pcm16=b"\0\0" * 441, sample_rate_hz=44100))
-            yield omni_pb2.GenerateEvent(finish=omni_pb2.Finish(
-                reason=common_pb2.FINISH_REASON_LENGTH, usage=common_pb2.Usage(completion_tokens=4), audio=audio))
+                yield omni_pb2.GenerateEvent(
+                    audio=omni_pb2.AudioChunk(pcm16=b"\0\0" * 441, sample_rate_hz=44100)
+                )
+            yield omni_pb2.GenerateEvent(
+                finish=omni_pb2.Finish(
+                    reason=common_pb2.FINISH_REASON_LENGTH,
+                    usage=common_pb2.Usage(completion_tokens=4),
+                    audio=audio,
+                )
+            )
         finally:
             self.running -= 1
 
 
 def test_plan_orders_runs_by_kind_then_mode():
     assert list(plan(["text", "speech"], ["closed", "offline", "poisson"], [1, 4], [0.5])) == [
-        ("closed", "text", "1"), ("closed", "text", "4"), ("offline", "text", "all"), ("poisson", "text", "0.5/s"),
-        ("closed", "speech", "1"), ("closed", "speech", "4"), ("offline", "speech", "all"),
-        ("poisson", "speech", "0.5/s")]  # fmt: skip
+        ("closed", "text", "1"),
+        ("closed", "text", "4"),
+        ("offline", "text", "all"),
+        ("poisson", "text", "0.5/s"),
+        ("closed", "speech", "1"),
+        ("closed", "speech", "4"),
+        ("offline", "speech", "all"),
+        ("poisson", "speech", "0.5/s"),
+    ]
 
 
 def test_closed_runs_send_at_least_the_concurrency_with_the_shapes_metadata():
@@ -53,7 +68,11 @@ def test_closed_runs_send_at_least_the_concurrency_with_the_shapes_metadata():
     runs = list(plan(["text", "speech"], ["closed"], [1, 3]))
     summaries = asyncio.run(run_plan(stub, runs, 2, shape))
     assert [(s.kind, s.load, s.requests) for s in summaries] == [
-        ("text", "1", 2), ("text", "3", 3), ("speech", "1", 2), ("speech", "3", 3)]
+        ("text", "1", 2),
+        ("text", "3", 3),
+        ("speech", "1", 2),
+        ("speech", "3", 3),
+    ]
     assert stub.most_running == 3
     # one unmeasured request per kind first, then the runs; every call with the shape's deadline and key
     assert [c[0] for c in stub.calls[:3]] == ["load-text-0", "load-speech-0", "load-text-0"]
@@ -69,8 +88,10 @@ def test_finish_codes_say_why_a_request_does_not_count():
     assert finish_code("text", None) == "NO_FINISH"
     assert finish_code("text", fin(reason=common_pb2.FINISH_REASON_ERROR)) == "FINISH_ERROR"
     assert finish_code("text", fin(reason=common_pb2.FINISH_REASON_STOP)) == "OK"
-    partial = fin(reason=common_pb2.FINISH_REASON_STOP, audio=omni_pb2.AudioStatus(
-        outcome=omni_pb2.AUDIO_OUTCOME_PARTIAL, code="UNAVAILABLE"))  # fmt: skip
+    partial = fin(
+        reason=common_pb2.FINISH_REASON_STOP,
+        audio=omni_pb2.AudioStatus(outcome=omni_pb2.AUDIO_OUTCOME_PARTIAL, code="UNAVAILABLE"),
+    )
     assert finish_code("speech", partial) == "AUDIO_UNAVAILABLE"
     assert finish_code("text", partial) == "OK"
 
@@ -78,10 +99,14 @@ def test_finish_codes_say_why_a_request_does_not_count():
 def test_an_aborted_answer_and_speech_with_no_audio_are_not_done():
     fin = omni_pb2.Finish
     assert finish_code("text", fin(reason=common_pb2.FINISH_REASON_ABORT)) == "FINISH_ABORT"
-    none = fin(reason=common_pb2.FINISH_REASON_STOP, audio=omni_pb2.AudioStatus(outcome=omni_pb2.AUDIO_OUTCOME_NONE))
+    none = fin(
+        reason=common_pb2.FINISH_REASON_STOP, audio=omni_pb2.AudioStatus(outcome=omni_pb2.AUDIO_OUTCOME_NONE)
+    )
     assert finish_code("speech", none) == "AUDIO_NONE"
-    complete = fin(reason=common_pb2.FINISH_REASON_STOP, audio=omni_pb2.AudioStatus(
-        outcome=omni_pb2.AUDIO_OUTCOME_COMPLETE))  # fmt: skip
+    complete = fin(
+        reason=common_pb2.FINISH_REASON_STOP,
+        audio=omni_pb2.AudioStatus(outcome=omni_pb2.AUDIO_OUTCOME_COMPLETE),
+    )
     assert finish_code("speech", complete) == "OK"
 
 
@@ -90,9 +115,15 @@ def test_vision_requests_send_an_image_before_the_text_and_ask_for_text():
 
     req = make_request("vision", 3, RequestShape(input_image_px=64))
     (image, text) = req.messages[0].parts
-    assert image.image.data.startswith(b"\x89PNG") and text.text and list(req.output_modalities) == [
-        omni_pb2.MODALITY_TEXT]
-    assert make_request("vision", 4, RequestShape(input_image_px=64)).messages[0].parts[0].image.data != image.image.data
+    assert (
+        image.image.data.startswith(b"\x89PNG")
+        and text.text
+        and list(req.output_modalities) == [omni_pb2.MODALITY_TEXT]
+    )
+    assert (
+        make_request("vision", 4, RequestShape(input_image_px=64)).messages[0].parts[0].image.data
+        != image.image.data
+    )
 
 
 def test_a_mixed_run_cycles_the_kinds_and_judges_each_request_by_its_own():

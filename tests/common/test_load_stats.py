@@ -42,8 +42,16 @@ def test_summary_rates_goodput_latencies_and_errors():
 
 
 def test_speech_time_to_first_audio_and_real_time_factor():
-    rec = Record("speech", 10.0, 12.0, 30.0, completion_tokens=5, first_text_s=0.2, first_audio_s=0.8,
-                 audio_seconds=4.0)
+    rec = Record(
+        "speech",
+        10.0,
+        12.0,
+        30.0,
+        completion_tokens=5,
+        first_text_s=0.2,
+        first_audio_s=0.8,
+        audio_seconds=4.0,
+    )
     s = summarize("poisson", "speech", "1/s", [rec], wall_s=2.0)
     assert s.ttfa_ms["p50"] == 800.0 and s.rtf["p50"] == 0.5 and s.goodput_per_s == 0.5
     assert s.tpot_ms["p50"] == pytest.approx(1800.0 / 4)  # no last-delta time: (E2E - TTFT) / 4
@@ -55,7 +63,21 @@ def test_failures_name_each_run_with_requests_not_done_most_frequent_first():
     def rec(code: str) -> Record:
         return Record("speech", 0.0, 1.0, 30.0, code=code)
 
-    runs = [summarize("closed", "speech", "4", [rec("OK"), rec("AUDIO_RESOURCE_EXHAUSTED"),
-                                                rec("AUDIO_RESOURCE_EXHAUSTED"), rec("DEADLINE_EXCEEDED")], 1.0),
-            summarize("closed", "text", "4", [rec("OK")], 1.0)]  # fmt: skip
-    assert failures(runs) == ["speech closed c=4: 3 of 4 not done: AUDIO_RESOURCE_EXHAUSTED 2, DEADLINE_EXCEEDED 1"]
+    runs = [
+        summarize(
+            "closed",
+            "speech",
+            "4",
+            [
+                rec("OK"),
+                rec("AUDIO_RESOURCE_EXHAUSTED"),
+                rec("AUDIO_RESOURCE_EXHAUSTED"),
+                rec("DEADLINE_EXCEEDED"),
+            ],
+            1.0,
+        ),
+        summarize("closed", "text", "4", [rec("OK")], 1.0),
+    ]
+    assert failures(runs) == [
+        "speech closed c=4: 3 of 4 not done: AUDIO_RESOURCE_EXHAUSTED 2, DEADLINE_EXCEEDED 1"
+    ]

@@ -34,7 +34,9 @@ def test_metrics_is_served(port):
     assert status == 200 and "omnistage_metrics_port_probe_total" in body
 
 
-@pytest.mark.parametrize("path", ["/", "/metric", "/metrics/", "/metricsx", "/favicon.ico", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "path", ["/", "/metric", "/metrics/", "/metricsx", "/favicon.ico", "/v1/chat/completions"]
+)
 def test_every_other_path_is_404(port, path):
     status, body = _get(port, path)
     assert status == 404

@@ -33,7 +33,8 @@ def test_a_sigkill_is_out_of_memory_only_when_the_oom_killer_did_it(fake_system)
     assert exit_cause(-signal.SIGKILL, None, before) == "killed by SIGKILL"  # someone's kill -9
     fake_system(3)
     assert exit_cause(-signal.SIGKILL, None, before) == (
-        "killed by SIGKILL (out of memory: the kernel's OOM killer ended it; see dmesg)")
+        "killed by SIGKILL (out of memory: the kernel's OOM killer ended it; see dmesg)"
+    )
     assert exit_cause(-signal.SIGTERM, None, before) == "killed by SIGTERM"
 
 

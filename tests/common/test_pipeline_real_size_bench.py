@@ -13,13 +13,25 @@ import pytest
 from omnistage.common.load_stats import Record, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = {"kind", "concurrency", "req_s", "tok_s", "e2e_p50_ms", "e2e_p95_ms", "ttft_p50_ms", "ttfa_p50_ms",
-        "rtf_mean", "errors"}
+KEYS = {
+    "kind",
+    "concurrency",
+    "req_s",
+    "tok_s",
+    "e2e_p50_ms",
+    "e2e_p95_ms",
+    "ttft_p50_ms",
+    "ttfa_p50_ms",
+    "rtf_mean",
+    "errors",
+}
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("pipeline_real_size", ROOT / "bench" / "pipeline_real_size.py")
+    spec = importlib.util.spec_from_file_location(
+        "pipeline_real_size", ROOT / "bench" / "pipeline_real_size.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -37,14 +49,37 @@ def test_the_real_plan_is_the_issues(bench):
 
 def test_a_row_has_the_issues_keys_from_the_records(bench):
     part = bench.real_plan(60.0)[2]  # speech
-    recs = [Record("speech", 0.0, 2.0, 60.0, completion_tokens=10, first_text_s=0.5, first_audio_s=1.0,
-                   audio_seconds=4.0),
-            Record("speech", 0.0, 3.0, 60.0, completion_tokens=10, first_text_s=0.7, first_audio_s=1.5,
-                   audio_seconds=2.0),
-            Record("speech", 0.0, 1.0, 60.0, code="UNAVAILABLE", detail="stage talker is down")]
+    recs = [
+        Record(
+            "speech",
+            0.0,
+            2.0,
+            60.0,
+            completion_tokens=10,
+            first_text_s=0.5,
+            first_audio_s=1.0,
+            audio_seconds=4.0,
+        ),
+        Record(
+            "speech",
+            0.0,
+            3.0,
+            60.0,
+            completion_tokens=10,
+            first_text_s=0.7,
+            first_audio_s=1.5,
+            audio_seconds=2.0,
+        ),
+        Record("speech", 0.0, 1.0, 60.0, code="UNAVAILABLE", detail="stage talker is down"),
+    ]
     row = bench.row(part, 2, summarize("closed", "speech", "2", recs, 4.0), recs)
     assert KEYS <= set(row)
-    assert (row["kind"], row["concurrency"], row["errors"], row["errors_by_status"]) == ("speech", 2, 1, {"UNAVAILABLE": 1})
+    assert (row["kind"], row["concurrency"], row["errors"], row["errors_by_status"]) == (
+        "speech",
+        2,
+        1,
+        {"UNAVAILABLE": 1},
+    )
     assert (row["req_s"], row["tok_s"]) == (0.5, 5.0)  # 2 OK over 4 s; 20 tokens over 4 s
     assert row["rtf_mean"] == pytest.approx((2.0 / 4.0 + 3.0 / 2.0) / 2)
     assert row["ttfa_p50_ms"] == pytest.approx(1250.0) and row["e2e_p50_ms"] == pytest.approx(2500.0)
@@ -57,14 +92,19 @@ def test_a_row_has_the_issues_keys_from_the_records(bench):
 def test_the_wrapper_runs_the_cpu_tiny_plan_without_gpus(tmp_path):
     """Without nvidia-smi the wrapper picks deploy/local-tiny.yaml and --tiny (checked by its dry parse)."""
     fake = tmp_path / "python"
-    fake.write_text("#!/bin/sh\necho \"$@\"\n")
+    fake.write_text('#!/bin/sh\necho "$@"\n')
     fake.chmod(0o755)
     script = (ROOT / "bench" / "pipeline_real_size.sh").read_text().replace("PY=python3\n", f"PY={fake}\n")
     script = script.replace("[ -x .venv/bin/python ] && PY=.venv/bin/python\n", "")
     wrapper = ROOT / "bench" / "pipeline_real_size.sh"
     (tmp_path / "run.sh").write_text(script.replace('cd "$(dirname "$0")/.."', f'cd "{ROOT}"'))
-    out = subprocess.run(["bash", str(tmp_path / "run.sh"), "--kinds", "text"], capture_output=True, text=True,
-                         timeout=60, env={"PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        ["bash", str(tmp_path / "run.sh"), "--kinds", "text"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("bench/pipeline_real_size.py --config deploy/local-tiny.yaml") and "--tiny" in last

@@ -13,6 +13,8 @@ def test_the_http_front_port_is_checked_before_start():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        cfg = config_from_dict({"services": {"gateway": {"kind": "gateway", "port": 1, "gateway": {"http_port": port}}}})
+        cfg = config_from_dict(
+            {"services": {"gateway": {"kind": "gateway", "port": 1, "gateway": {"http_port": port}}}}
+        )
         assert ("services.gateway.gateway.http_port", "127.0.0.1", port) in planned_ports(cfg)
         assert any(f"services.gateway.gateway.http_port {port} is in use" in p for p in port_problems(cfg))

@@ -47,8 +47,17 @@ def test_the_engine_applies_the_same_rules(fields, needle):
 
 
 def test_good_values_pass_and_proto_zero_means_off_in_the_engine():
-    s = common_pb2.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.05,
-                                  presence_penalty=-0.5, max_tokens=100, stop=["\n\n"], logprobs=5)
+    s = common_pb2.SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.05,
+        presence_penalty=-0.5,
+        max_tokens=100,
+        stop=["\n\n"],
+        logprobs=5,
+    )
     check_sampling(s, max_model_len=1024, vocab_size=1000)
     check_sampling(common_pb2.SamplingParams())
     check_sampling(common_pb2.SamplingParams(temperature=0.01))
@@ -66,5 +75,7 @@ def test_max_tokens_above_max_model_len_is_refused_naming_the_limit(max_tokens):
 
 
 def test_stop_token_ids_are_bounded_by_the_vocabulary():
-    with pytest.raises(InvalidRequest, match=r"sampling.stop_token_ids\[0\]: must be a token id \(0..99\), got 100"):
+    with pytest.raises(
+        InvalidRequest, match=r"sampling.stop_token_ids\[0\]: must be a token id \(0..99\), got 100"
+    ):
         check_sampling(common_pb2.SamplingParams(stop_token_ids=[100]), vocab_size=100)

@@ -28,7 +28,9 @@ def test_the_deploy_file_accepts_exactly_the_kinds_of_the_table():
 
 
 def test_capabilities_follow_the_deployed_kinds():
-    cfg = config_from_dict({"services": {"t": {"kind": "thinker", "port": 1}, "v": {"kind": "talker", "port": 2}}})
+    cfg = config_from_dict(
+        {"services": {"t": {"kind": "thinker", "port": 1}, "v": {"kind": "talker", "port": 2}}}
+    )
     assert cfg.capabilities() == ["text", "speech"]
     assert stages.CAPABILITIES["image_output"] == ("thinker", "imagegen")
 
@@ -41,15 +43,19 @@ def test_the_launcher_starts_the_tables_modules():
 def test_preflight_checks_the_checkpoint_only_for_kinds_that_load_it(tmp_path):
     gateway_only = {"services": {"g": {"kind": "gateway", "port": 1}}}
     absent = str(tmp_path / "absent")
-    assert preflight.checkpoint_problems(config_from_dict({**gateway_only, "model": {"checkpoint": absent}})) == []
+    assert (
+        preflight.checkpoint_problems(config_from_dict({**gateway_only, "model": {"checkpoint": absent}}))
+        == []
+    )
     with_talker = {"services": {"v": {"kind": "talker", "port": 1}}, "model": {"checkpoint": absent}}
     (problem,) = preflight.checkpoint_problems(config_from_dict(with_talker))
     assert "needed by v" in problem
 
 
 def _refusal(deployed: set[str], part: omni_pb2.ContentPart, *outputs: int) -> str:
-    req = omni_pb2.GenerateRequest(messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[part])],
-                                   output_modalities=outputs)
+    req = omni_pb2.GenerateRequest(
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[part])], output_modalities=outputs
+    )
     with pytest.raises(StageUnavailable) as err:
         plan_request(req, deployed, "", RequestLimits())
     return str(err.value)
@@ -60,7 +66,8 @@ def test_the_gateway_routes_media_and_outputs_by_the_table():
     video = omni_pb2.ContentPart(video=omni_pb2.Media(data=b"x", mime_type="video/mp4"))
     assert "video input needs the 'encoder' stage" in _refusal({"thinker"}, video)
     assert "MODALITY_AUDIO needs the 'talker' stage" in _refusal({"thinker"}, text, omni_pb2.MODALITY_AUDIO)
-    assert "MODALITY_IMAGE needs the 'imagegen' stage" in _refusal({"thinker", "talker"}, text,
-                                                                   omni_pb2.MODALITY_IMAGE)
+    assert "MODALITY_IMAGE needs the 'imagegen' stage" in _refusal(
+        {"thinker", "talker"}, text, omni_pb2.MODALITY_IMAGE
+    )
     assert "imagegen_queue_full" in request_metrics.REFUSAL_REASONS
     assert not any(r.startswith("gateway_") and r != "gateway_full" for r in request_metrics.REFUSAL_REASONS)

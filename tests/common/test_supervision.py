@@ -24,7 +24,8 @@ def test_hung_cause_names_the_silence_and_the_timeout():
     cfg = SupervisionConfig(heartbeat_timeout_s=10.0)
     assert hung_cause(cfg, "serving", 1.0, 1.0) == ""
     assert hung_cause(cfg, "serving", 10.2, None) == (
-        "stopped answering for 10.2s (heartbeat timeout 10s) while serving")
+        "stopped answering for 10.2s (heartbeat timeout 10s) while serving"
+    )
     assert "has not answered health for 12.0s" in hung_cause(cfg, "draining", 0.5, 12.0)
 
 
@@ -32,7 +33,9 @@ def test_supervision_keys_are_typed_and_checked(tmp_path):
     path = tmp_path / "d.yaml"
     path.write_text("version: 1\nservices: {a: {port: 7000}}\n")
     assert load_config(path, ["supervision.max_restarts=2"]).supervision.max_restarts == 2
-    with pytest.raises(ConfigError, match="supervision.heartbeat_interval_s: must be below heartbeat_timeout_s"):
+    with pytest.raises(
+        ConfigError, match="supervision.heartbeat_interval_s: must be below heartbeat_timeout_s"
+    ):
         load_config(path, ["supervision.heartbeat_interval_s=20"])
     with pytest.raises(ConfigError, match="supervision.max_restarts"):
         load_config(path, ["supervision.max_restarts=-1"])

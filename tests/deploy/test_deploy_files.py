@@ -34,8 +34,13 @@ DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
 K8S = sorted((DEPLOY / "k8s").glob("*.yaml"))
 GIB = 2**30
 H100, H200 = 80 * 10**9, 143771 * 2**20
-COMPOSE_ENV = {"OMNISTAGE_MODEL_DIR": "/srv/models/ming", "OMNISTAGE_ADMIN_KEY": "admin-test",
-               "OMNISTAGE_STAGE_KEY": "stage-test", "OMNISTAGE_API_KEYS": "k1,k2", "GRAFANA_ADMIN_PASSWORD": "pw"}
+COMPOSE_ENV = {
+    "OMNISTAGE_MODEL_DIR": "/srv/models/ming",
+    "OMNISTAGE_ADMIN_KEY": "admin-test",
+    "OMNISTAGE_STAGE_KEY": "stage-test",
+    "OMNISTAGE_API_KEYS": "k1,k2",
+    "GRAFANA_ADMIN_PASSWORD": "pw",
+}
 # Names Prometheus makes itself (not exported by a service).
 PROMETHEUS_BUILTINS = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
 
@@ -52,22 +57,36 @@ def _tool(*names: str) -> list[str]:
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd,
-                          env=None if env is None else {**os.environ, **env})
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env=None if env is None else {**os.environ, **env},
+    )
 
 
 # -- deploy files ---------------------------------------------------------------------------------
 
+
 def test_production_places_the_thinker_on_0_3_encoder_and_talker_on_4_imagegen_on_5():
     cfg = load_config(PRODUCTION)
     s = cfg.services
-    assert {n: sv.kind for n, sv in s.items()} == {"thinker": "thinker", "encoder": "encoder", "talker": "talker",
-                                                  "imagegen": "imagegen", "gateway": "gateway"}
+    assert {n: sv.kind for n, sv in s.items()} == {
+        "thinker": "thinker",
+        "encoder": "encoder",
+        "talker": "talker",
+        "imagegen": "imagegen",
+        "gateway": "gateway",
+    }
     assert (s["thinker"].tp_size, s["thinker"].gpus) == (4, (0, 1, 2, 3))
     assert s["encoder"].gpus == s["talker"].gpus == (4,) and s["imagegen"].gpus == (5,)
     assert all(sv.device == "cuda" and sv.dtype == "bfloat16" for sv in s.values() if sv.kind != "gateway")
     assert s["gateway"].bind_host == "0.0.0.0" and s["gateway"].api_keys_env
-    assert all(sv.bind_host == "127.0.0.1" for n, sv in s.items() if n != "gateway")  # only the gateway faces others
+    assert all(
+        sv.bind_host == "127.0.0.1" for n, sv in s.items() if n != "gateway"
+    )  # only the gateway faces others
     assert all(sv.admin_port and sv.metrics_port and sv.admin_api_key_env for sv in s.values())
     assert all(sv.fault is None for sv in s.values())
 
@@ -84,6 +103,7 @@ def test_deploy_file_memory_ledger_fits(path, total):
 
 # -- docker-compose ---------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def compose_configs() -> dict[Path, dict]:
     """`docker-compose config` of each stack (validates it), parsed."""
@@ -98,8 +118,12 @@ def compose_configs() -> dict[Path, dict]:
 
 def test_compose_refuses_to_start_without_the_model_and_keys():
     cmd = _tool("docker-compose", "docker compose")
-    env = {k: "" for k in COMPOSE_ENV} | {"OMNISTAGE_ADMIN_KEY": "a", "OMNISTAGE_STAGE_KEY": "s", "OMNISTAGE_API_KEYS": "b",
-                                          "GRAFANA_ADMIN_PASSWORD": "c"}
+    env = {k: "" for k in COMPOSE_ENV} | {
+        "OMNISTAGE_ADMIN_KEY": "a",
+        "OMNISTAGE_STAGE_KEY": "s",
+        "OMNISTAGE_API_KEYS": "b",
+        "GRAFANA_ADMIN_PASSWORD": "c",
+    }
     result = _run([*cmd, "-f", str(DEPLOY / "docker-compose.yml"), "config"], env=env)
     assert result.returncode != 0 and "OMNISTAGE_MODEL_DIR" in result.stdout + result.stderr
 
@@ -146,14 +170,22 @@ def test_compose_runs_each_service_and_rank_of_the_deploy_file_once(compose_conf
         if rank == 0:
             assert test == ["CMD", "omnistage", "health", cfg.admin_address(service)], name
         else:
-            assert test == ["CMD", "omnistage", "health", "--status-file", f"/run/omnistage/{service}.r{rank}.json"]
+            assert test == [
+                "CMD",
+                "omnistage",
+                "health",
+                "--status-file",
+                f"/run/omnistage/{service}.r{rank}.json",
+            ]
         sv = cfg.service(service)
         devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
         if sv.device == "cuda":
             reserved = {int(i) for d in devices for i in d["device_ids"]}
             # in-container indices equal the deploy file's only if the reservation is 0..n-1 (the GPUs
             # the host exposes are renumbered from 0)
-            assert set(sv.gpus) <= reserved and reserved == set(range(len(reserved))) or len(reserved) == 1, name
+            assert set(sv.gpus) <= reserved and reserved == set(range(len(reserved))) or len(reserved) == 1, (
+                name
+            )
             assert all(d["driver"] == "nvidia" and d["capabilities"] == ["gpu"] for d in devices)
         else:
             assert not devices, name
@@ -183,6 +215,7 @@ def test_image_installs_the_project_and_checks_grpc_health():
 
 # -- Prometheus -------------------------------------------------------------------------------------
 
+
 def test_promtool_accepts_the_config_and_the_rules():
     promtool = _tool("promtool")
     for args in (["check", "config", str(PROMETHEUS)], ["check", "rules", str(ALERTS)]):
@@ -199,12 +232,17 @@ def test_promtool_unit_tests_of_the_alert_rules():
 def test_prometheus_scrapes_every_metrics_port_of_the_deploy_file(path):
     cfg = load_config(path)
     wanted = {f"omnistage-{n}": f"{cfg.host}:{sv.metrics_port}" for n, sv in cfg.services.items()}
-    jobs = {j["job_name"]: [t for sc in j["static_configs"] for t in sc["targets"]]
-            for j in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]}
-    assert {j: t for j, t in jobs.items() if j.startswith("omnistage-")} == {j: [t] for j, t in wanted.items()}
+    jobs = {
+        j["job_name"]: [t for sc in j["static_configs"] for t in sc["targets"]]
+        for j in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]
+    }
+    assert {j: t for j, t in jobs.items() if j.startswith("omnistage-")} == {
+        j: [t] for j, t in wanted.items()
+    }
 
 
 # -- Kubernetes -------------------------------------------------------------------------------------
+
 
 def _k8s_docs() -> list[tuple[Path, dict]]:
     return [(p, d) for p in K8S for d in yaml.safe_load_all(p.read_text()) if d]
@@ -220,12 +258,16 @@ def test_kubernetes_manifests_match_the_bundled_schemas():
         try:
             kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
         except kubernetes_validate.ValidationError as exc:
-            problems.append(f"{path.name} {doc['kind']}/{doc['metadata']['name']}: {exc.message} at {list(exc.path)}")
+            problems.append(
+                f"{path.name} {doc['kind']}/{doc['metadata']['name']}: {exc.message} at {list(exc.path)}"
+            )
     assert not problems, "\n".join(problems)
 
 
 def _k8s_deploy_file(tmp_path: Path) -> Path:
-    (cm,) = [d for _, d in _k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "omnistage-deploy"]
+    (cm,) = [
+        d for _, d in _k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "omnistage-deploy"
+    ]
     path = tmp_path / "deploy.yaml"
     path.write_text(cm["data"]["deploy.yaml"])
     return path
@@ -252,7 +294,9 @@ def test_kubernetes_deploy_file_is_production_with_pod_addresses_and_gpus(tmp_pa
 
 def test_kubernetes_workloads_run_every_rank_with_one_gpu_and_a_readiness_probe(tmp_path):
     cfg = load_config(_k8s_deploy_file(tmp_path))
-    workloads = {d["metadata"]["name"]: d for _, d in _k8s_docs() if d["kind"] in ("StatefulSet", "Deployment")}
+    workloads = {
+        d["metadata"]["name"]: d for _, d in _k8s_docs() if d["kind"] in ("StatefulSet", "Deployment")
+    }
     services = {d["metadata"]["name"]: d for _, d in _k8s_docs() if d["kind"] == "Service"}
     assert set(workloads) == set(cfg.services)
     for name, svc in cfg.services.items():
@@ -280,7 +324,9 @@ def test_kubernetes_workloads_run_every_rank_with_one_gpu_and_a_readiness_probe(
 
 # -- metric names -------------------------------------------------------------------------------------
 
-_DECL = re.compile(r"\b(?:metrics\.|_)?(counter|gauge|histogram|Counter|Gauge|Histogram)\(\s*\"([A-Za-z_:][A-Za-z0-9_:]*)\"")
+_DECL = re.compile(
+    r"\b(?:metrics\.|_)?(counter|gauge|histogram|Counter|Gauge|Histogram)\(\s*\"([A-Za-z_:][A-Za-z0-9_:]*)\""
+)
 
 
 def declared_metrics() -> set[str]:
@@ -300,10 +346,46 @@ def declared_metrics() -> set[str]:
     return names
 
 
-_FUNCTIONS = {"rate", "irate", "increase", "sum", "max", "min", "avg", "count", "by", "without", "on", "ignoring",
-              "histogram_quantile", "le", "and", "or", "unless", "bool", "group_left", "group_right", "offset",
-              "humanize", "topk", "bottomk", "abs", "clamp_min", "clamp_max", "delta", "deriv", "time", "vector",
-              "label_replace", "absent", "changes", "resets", "avg_over_time", "max_over_time", "min_over_time"}
+_FUNCTIONS = {
+    "rate",
+    "irate",
+    "increase",
+    "sum",
+    "max",
+    "min",
+    "avg",
+    "count",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "histogram_quantile",
+    "le",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "group_left",
+    "group_right",
+    "offset",
+    "humanize",
+    "topk",
+    "bottomk",
+    "abs",
+    "clamp_min",
+    "clamp_max",
+    "delta",
+    "deriv",
+    "time",
+    "vector",
+    "label_replace",
+    "absent",
+    "changes",
+    "resets",
+    "avg_over_time",
+    "max_over_time",
+    "min_over_time",
+}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -312,8 +394,11 @@ def metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\{[^}]*\}", "{}", expr)
     expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
     expr = re.sub(r"\[[^\]]*\]", "", expr)
-    return {n for n in re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\b(?!\s*\()", expr)
-            if n not in _FUNCTIONS and not re.fullmatch(r"[0-9.e]+", n)} - {"e"}
+    return {
+        n
+        for n in re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\b(?!\s*\()", expr)
+        if n not in _FUNCTIONS and not re.fullmatch(r"[0-9.e]+", n)
+    } - {"e"}
 
 
 def _used_exprs() -> dict[str, list[str]]:
@@ -328,20 +413,36 @@ def _used_exprs() -> dict[str, list[str]]:
 
 
 def test_metric_name_parser():
-    assert metric_names('histogram_quantile(0.95, sum by (service, le) (rate(omnistage_x_bucket{a="b c"}[5m])))') \
-        == {"omnistage_x_bucket"}
-    assert metric_names('omnistage_a{kind="total"} > ignoring(kind) (omnistage_b > 0)') == {"omnistage_a", "omnistage_b"}
+    assert metric_names(
+        'histogram_quantile(0.95, sum by (service, le) (rate(omnistage_x_bucket{a="b c"}[5m])))'
+    ) == {"omnistage_x_bucket"}
+    assert metric_names('omnistage_a{kind="total"} > ignoring(kind) (omnistage_b > 0)') == {
+        "omnistage_a",
+        "omnistage_b",
+    }
     declared = declared_metrics()
-    for name in ("omnistage_rpc_requests_total", "omnistage_rpc_latency_seconds_bucket", "omnistage_phase",
-                 "omnistage_memory_bytes", "omnistage_transport_bytes_total", "omnistage_gateway_ttfa_seconds_bucket",
-                 "omnistage_imagegen_images_total", "omnistage_talker_active_jobs"):
+    for name in (
+        "omnistage_rpc_requests_total",
+        "omnistage_rpc_latency_seconds_bucket",
+        "omnistage_phase",
+        "omnistage_memory_bytes",
+        "omnistage_transport_bytes_total",
+        "omnistage_gateway_ttfa_seconds_bucket",
+        "omnistage_imagegen_images_total",
+        "omnistage_talker_active_jobs",
+    ):
         assert name in declared, name
 
 
 def test_dashboard_and_alerts_use_only_exported_metrics():
     declared = declared_metrics()
-    unknown = {f"{where}: {name}" for where, exprs in _used_exprs().items() for e in exprs for name in metric_names(e)
-               if name not in declared and name not in PROMETHEUS_BUILTINS}
+    unknown = {
+        f"{where}: {name}"
+        for where, exprs in _used_exprs().items()
+        for e in exprs
+        for name in metric_names(e)
+        if name not in declared and name not in PROMETHEUS_BUILTINS
+    }
     assert not unknown, "metrics used but exported by no service:\n" + "\n".join(sorted(unknown))
     assert DASHBOARDS and all(_used_exprs()[p.name] for p in DASHBOARDS)
 
@@ -360,12 +461,18 @@ def test_every_declared_metric_is_documented_and_every_documented_one_declared()
     documented = set(re.findall(r"`(omnistage_[a-z0-9_]+)`", (ROOT / "docs/metrics.md").read_text()))
     declared = _declarations()
     assert not declared - documented, f"declared but not in docs/metrics.md: {sorted(declared - documented)}"
-    assert not documented - declared, f"in docs/metrics.md but declared by no service: {sorted(documented - declared)}"
+    assert not documented - declared, (
+        f"in docs/metrics.md but declared by no service: {sorted(documented - declared)}"
+    )
 
 
 def test_dashboard_uses_the_provisioned_datasource():
-    (ds,) = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
-    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/omnistage.yml").read_text())["providers"][0]
+    (ds,) = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())[
+        "datasources"
+    ]
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/omnistage.yml").read_text())[
+        "providers"
+    ][0]
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
     for path in DASHBOARDS:
         dash = json.loads(path.read_text())

@@ -35,7 +35,11 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 H200, H100 = 143771 * 2**20, 80 * 10**9
 H100_HBM3 = 81559 * 2**20  # what an "NVIDIA H100 80GB HBM3" reports
 REAL_SIZE = {DEPLOY / "h200x4.yaml": 4, DEPLOY / "h200x2.yaml": 2, DEPLOY / "h100x4.yaml": 4}
-REPLICAS = {DEPLOY / "h200x4.yaml": 2, DEPLOY / "h200x2.yaml": 1, DEPLOY / "h100x4.yaml": 2}  # talker, imagegen
+REPLICAS = {
+    DEPLOY / "h200x4.yaml": 2,
+    DEPLOY / "h200x2.yaml": 1,
+    DEPLOY / "h100x4.yaml": 2,
+}  # talker, imagegen
 CARD = {DEPLOY / "h200x4.yaml": H200, DEPLOY / "h200x2.yaml": H200, DEPLOY / "h100x4.yaml": H100_HBM3}
 GIB = 2**30
 
@@ -79,8 +83,12 @@ def _port_overrides(path: Path) -> list[str]:
 
 def _check(path: Path, ckpt: Path, total: int) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    overrides = [f"model.checkpoint={ckpt}", "model.load_format=dummy", f"devices.total_bytes_override={total}",
-                 *_port_overrides(path)]
+    overrides = [
+        f"model.checkpoint={ckpt}",
+        "model.load_format=dummy",
+        f"devices.total_bytes_override={total}",
+        *_port_overrides(path),
+    ]
     rc = launch(path, overrides, out=out, err=err, check_only=True)
     return rc, out.getvalue(), err.getvalue()
 
@@ -91,14 +99,21 @@ def _bf16_bytes(*modules: torch.nn.Module) -> int:
 
 def _release_weights(ckpt: Path, tp: int) -> dict[str, int]:
     """bf16 bytes of each stage's weights at the release's sizes (one thinker rank), built on meta."""
-    enc, talk, img = (c.from_checkpoint(ckpt) for c in (EncoderModelConfig, TalkerModelConfig, ImageGenModelConfig))
+    enc, talk, img = (
+        c.from_checkpoint(ckpt) for c in (EncoderModelConfig, TalkerModelConfig, ImageGenModelConfig)
+    )
     with torch.device("meta"):
         return {
-            "thinker": _bf16_bytes(BailingMoeV2ForCausalLM(ThinkerConfig.from_checkpoint(ckpt), TPGroup(0, tp))),
+            "thinker": _bf16_bytes(
+                BailingMoeV2ForCausalLM(ThinkerConfig.from_checkpoint(ckpt), TPGroup(0, tp))
+            ),
             "encoder": _bf16_bytes(VisionEncoder(enc.vision), AudioEncoder(enc.audio)),
             "talker": _bf16_bytes(TalkerModel(talk), AudioVAE(talk.vae)),
-            "imagegen": _bf16_bytes(ConditionEncoder(img.mlp, img.connector, img.thinker_hidden, img.dit.cap_feat_dim),
-                                    ZImageDiT(img.dit), AutoencoderKL(img.vae)),
+            "imagegen": _bf16_bytes(
+                ConditionEncoder(img.mlp, img.connector, img.thinker_hidden, img.dit.cap_feat_dim),
+                ZImageDiT(img.dit),
+                AutoencoderKL(img.vae),
+            ),
         }
 
 
@@ -122,7 +137,9 @@ def test_real_size_deploy_file_passes_the_pre_start_checks_on_its_cards(path, mi
             continue
         w = weights[svc.kind]
         assert svc.device == "cuda" and svc.gpus[0] < tp
-        assert svc.memory.budget_of(card) >= w + 4 * GIB, f"{svc.name}: budget {svc.memory.budget_of(card)} < {w}"
+        assert svc.memory.budget_of(card) >= w + 4 * GIB, (
+            f"{svc.name}: budget {svc.memory.budget_of(card)} < {w}"
+        )
 
 
 @pytest.mark.parametrize("path", [p for p, card in CARD.items() if card == H200], ids=lambda p: p.name)
@@ -135,6 +152,10 @@ def test_real_size_deploy_file_is_refused_on_80gb_gpus_before_anything_starts(pa
 def test_without_dummy_weights_the_config_only_checkpoint_is_refused(ming_flash):
     path = DEPLOY / "h200x2.yaml"
     out, err = io.StringIO(), io.StringIO()
-    overrides = [f"model.checkpoint={ming_flash}", f"devices.total_bytes_override={H200}", *_port_overrides(path)]
+    overrides = [
+        f"model.checkpoint={ming_flash}",
+        f"devices.total_bytes_override={H200}",
+        *_port_overrides(path),
+    ]
     assert launch(path, overrides, out=out, err=err, check_only=True) == 2
     assert "has no *.safetensors weights" in err.getvalue()

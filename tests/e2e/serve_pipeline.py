@@ -60,7 +60,9 @@ def capabilities_ready(address: str, names: list[str]) -> bool:
         stub = health_pb2_grpc.HealthStub(channel)
         for name in names:
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=f"omnistage.v1.Omni.{name}"), timeout=5)
+                reply = stub.Check(
+                    health_pb2.HealthCheckRequest(service=f"omnistage.v1.Omni.{name}"), timeout=5
+                )
             except grpc.RpcError:
                 return False
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
@@ -82,8 +84,15 @@ def stage_diagnosis(run_dir: Path) -> str:
     return "\n".join(lines) or f"every stage that wrote a status under {run_dir} is serving"
 
 
-def wait_started(what: str, ready: Callable[[], bool], exited: Callable[[], str], deadline_s: float, run_dir: Path,
-                 logs: Callable[[], str], on_failure: Callable[[], None] = lambda: None) -> None:
+def wait_started(
+    what: str,
+    ready: Callable[[], bool],
+    exited: Callable[[], str],
+    deadline_s: float,
+    run_dir: Path,
+    logs: Callable[[], str],
+    on_failure: Callable[[], None] = lambda: None,
+) -> None:
     """The one launch-and-wait of the e2e tests: poll `ready` until true. When `exited` names a process that
     ended first, or `deadline_s` passes, `on_failure` (stop what was started), then fail the test with the
     stages still starting (`stage_diagnosis` of `run_dir`) above the `logs`."""
@@ -92,7 +101,11 @@ def wait_started(what: str, ready: Callable[[], bool], exited: Callable[[], str]
         dead = exited()
         if dead or deadline.expired():
             on_failure()
-            why = f"{dead} ended before {what} was ready" if dead else timeout_message(deadline_s, f"{what} to be ready")
+            why = (
+                f"{dead} ended before {what} was ready"
+                if dead
+                else timeout_message(deadline_s, f"{what} to be ready")
+            )
             pytest.fail(f"{why}; not serving:\n{stage_diagnosis(run_dir)}\n{logs()}")
         time.sleep(0.2)
 
@@ -102,8 +115,9 @@ class ServeProcess:
     environment variables, e.g. the API keys the deploy file names). Its output goes to `out`, or with
     `err_apart` its stderr (the launcher's verdicts: a failed start, a dead rank) to `err` alone."""
 
-    def __init__(self, root: Path, cfg: dict, tag: str = "", env: dict[str, str] | None = None,
-                 err_apart: bool = False) -> None:
+    def __init__(
+        self, root: Path, cfg: dict, tag: str = "", env: dict[str, str] | None = None, err_apart: bool = False
+    ) -> None:
         self.cfg_path = root / f"deploy{tag}.yaml"
         self.cfg_path.write_text(yaml.safe_dump(cfg))
         self.ready = root / f"ready{tag}"
@@ -112,11 +126,21 @@ class ServeProcess:
         self.err = root / f"serve{tag}.err.txt" if err_apart else None
         with open(self.out, "w") as out, open(self.err or os.devnull, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "omnistage.common.cli", "serve", str(self.cfg_path),
-                 "--ready-file", str(self.ready), "--run-dir", str(self.run_dir)],
-                stdout=out, stderr=err if self.err else subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "omnistage.common.cli",
+                    "serve",
+                    str(self.cfg_path),
+                    "--ready-file",
+                    str(self.ready),
+                    "--run-dir",
+                    str(self.run_dir),
+                ],
+                stdout=out,
+                stderr=err if self.err else subprocess.STDOUT,
                 env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
-            )  # fmt: skip
+            )
 
     @property
     def address(self) -> str:
@@ -130,9 +154,19 @@ class ServeProcess:
     def wait_ready(self, deadline_s: float) -> ServeProcess:
         """Until the ready file names the gateway; a `serve` that exits first, or is not ready within
         `deadline_s`, fails the test naming the stages still starting (and is killed)."""
-        exit_code = lambda: "" if self.proc.poll() is None else f"omnistage serve (exit {self.proc.returncode})"  # noqa: E731
-        wait_started("omnistage serve", lambda: bool(self.address), exit_code, deadline_s, self.run_dir,
-                     lambda: f"--- omnistage serve ---\n{self.logs()}", on_failure=self.kill)
+
+        def exit_code() -> str:
+            return "" if self.proc.poll() is None else f"omnistage serve (exit {self.proc.returncode})"
+
+        wait_started(
+            "omnistage serve",
+            lambda: bool(self.address),
+            exit_code,
+            deadline_s,
+            self.run_dir,
+            lambda: f"--- omnistage serve ---\n{self.logs()}",
+            on_failure=self.kill,
+        )
         return self
 
     def wait_exit(self, timeout_s: float = 60.0) -> int:
@@ -141,8 +175,10 @@ class ServeProcess:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
-            pytest.fail(f"omnistage serve still running {timeout_s:g}s later:\n{stage_diagnosis(self.run_dir)}\n"
-                        f"{self.logs()}")
+            pytest.fail(
+                f"omnistage serve still running {timeout_s:g}s later:\n{stage_diagnosis(self.run_dir)}\n"
+                f"{self.logs()}"
+            )
 
     def stop(self) -> None:
         """SIGTERM; the launcher must stop every service and exit 0 within a minute."""

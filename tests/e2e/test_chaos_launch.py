@@ -29,9 +29,11 @@ def test_plans_are_reproducible_and_cover_every_fault_kind():
 
 def test_judge_rejects_a_diagnostic_that_names_the_wrong_rank():
     plan = Plan(0, 2, "crash", "thinker", "loading_weights", 1)
-    err = ("03:00:00 thinker[r1] WARNING fault hook action=crash phase=loading_weights\n"
-           "omnistage: start-up failed: thinker r0 exited with code 1: TPError\n"
-           "thinker r0 loading_weights (1.0s ago) exited with code 1: TPError\n")
+    err = (
+        "03:00:00 thinker[r1] WARNING fault hook action=crash phase=loading_weights\n"
+        "omnistage: start-up failed: thinker r0 exited with code 1: TPError\n"
+        "thinker r0 loading_weights (1.0s ago) exited with code 1: TPError\n"
+    )
     res = Result(plan, outcome="failed", exit_code=1)
     _judge(res, plan, err, "", {1: 100.0}, 101.0, Settings())
     assert res.fired == [1] and res.expected == "failed"
@@ -41,7 +43,9 @@ def test_judge_rejects_a_diagnostic_that_names_the_wrong_rank():
     _judge(res, plan, good, "", {1: 100.0}, 101.0, Settings())
     assert res.ok, res.problems
     late = Result(plan, outcome="failed", exit_code=1)
-    _judge(late, plan, good, "", {1: 100.0}, 100.0 + Settings().stop_grace_s + Settings().slack_s + 1, Settings())
+    _judge(
+        late, plan, good, "", {1: 100.0}, 100.0 + Settings().stop_grace_s + Settings().slack_s + 1, Settings()
+    )
     assert any("from the fault to the exit" in p for p in late.problems)
     # CI: what happened and in what order, not how fast (2 loaded cores); the table keeps the times.
     untimed = Settings(timing_bounds=False)
@@ -62,7 +66,9 @@ def test_chaos_launches_end_serving_or_diagnosed_and_leave_nothing(tmp_path):
     lines: list[str] = []
     plans = plan_launches(CI_LAUNCHES, SEED)
     assert set(ACTIONS) <= {p.kind for p in plans}
-    results = run_chaos(plans, ckpt, tmp_path, Settings(hang_deadline_s=4.0, timing_bounds=False), log=lines.append)
+    results = run_chaos(
+        plans, ckpt, tmp_path, Settings(hang_deadline_s=4.0, timing_bounds=False), log=lines.append
+    )
     table = summary(results)
     print(table)
     assert len(results) == CI_LAUNCHES

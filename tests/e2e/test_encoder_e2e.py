@@ -46,15 +46,32 @@ def encoder(tmp_path_factory):
     port, admin_port, metrics_port = free_ports(3)
     cfg = {
         "model": {"checkpoint": str(ckpt)},
-        "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 120, "profiling_memory": 120,
-                                          "warming_up": 120}},
+        "startup": {
+            "phase_deadlines_s": {
+                "starting": 60,
+                "loading_weights": 120,
+                "profiling_memory": 120,
+                "warming_up": 120,
+            }
+        },
         "services": {
-            "encoder": {"kind": "encoder", "port": port, "admin_port": admin_port, "metrics_port": metrics_port,
-                        "encoder": LIMITS, "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30}},
+            "encoder": {
+                "kind": "encoder",
+                "port": port,
+                "admin_port": admin_port,
+                "metrics_port": metrics_port,
+                "encoder": LIMITS,
+                "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30},
+            }
         },
     }
     serve = ServeProcess(root, cfg).wait_ready(300)
-    yield {"address": f"127.0.0.1:{port}", "admin": f"127.0.0.1:{admin_port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "ckpt": ckpt}
+    yield {
+        "address": f"127.0.0.1:{port}",
+        "admin": f"127.0.0.1:{admin_port}",
+        "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+        "ckpt": ckpt,
+    }
     serve.stop()
 
 
@@ -79,7 +96,7 @@ def _describe(encoder) -> control_pb2.DescribeResponse:
 def _metric(encoder, name: str, modality: str) -> float:
     text = urllib.request.urlopen(encoder["metrics"], timeout=5).read().decode()
     for line in text.splitlines():
-        if line.startswith(f'{name}{{') and f'modality="{modality}"' in line:
+        if line.startswith(f"{name}{{") and f'modality="{modality}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -104,23 +121,28 @@ def test_image_audio_and_video_come_back_as_shm_refs_equal_to_the_towers(encoder
     from omnistage.services.encoder.items import MediaItem, prepare_item
 
     models, limits = towers
-    request = encoder_pb2.EncodeRequest(request_id="e2e", items=[
-        encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_IMAGE, data=IMAGE),
-        encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_AUDIO, data=AUDIO),
-        encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_VIDEO, data=VIDEO),
-    ])
+    request = encoder_pb2.EncodeRequest(
+        request_id="e2e",
+        items=[
+            encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_IMAGE, data=IMAGE),
+            encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_AUDIO, data=AUDIO),
+            encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_VIDEO, data=VIDEO),
+        ],
+    )
     response = _stub(encoder).Encode(request, timeout=60)
     assert response.spatial_merge_size == 2
     ph = models.config.placeholders
     image, audio, video = response.items
     with TransportContext() as consumer:
         rows = [decode(item.embeddings, transport=consumer) for item in response.items]
-    for item, got, (kind, data) in zip(response.items, rows, [("image", IMAGE), ("audio", AUDIO), ("video", VIDEO)],
-                                       strict=True):
+    for item, got, (kind, data) in zip(
+        response.items, rows, [("image", IMAGE), ("audio", AUDIO), ("video", VIDEO)], strict=True
+    ):
         assert item.embeddings.WhichOneof("payload") == "shm", kind
         x = prepare_item(MediaItem(kind, data=data), limits)
-        want = (models.audio.encode_items([x.mel]) if kind == "audio"
-                else vision_forward(models, [x.frames]))[0]
+        want = (
+            models.audio.encode_items([x.mel]) if kind == "audio" else vision_forward(models, [x.frames])
+        )[0]
         assert got.shape == (item.num_tokens, 256) and torch.allclose(got, want, atol=1e-5), kind
     assert image.placeholder_token_id == ph.image_patch and audio.placeholder_token_id == ph.audio_patch
     assert video.placeholder_token_id == ph.video_patch
@@ -139,8 +161,16 @@ def test_decoded_samples_through_a_tensor_ref(encoder, towers):
     with TransportContext() as producer:
         ref = encode(samples, transport=producer)  # 96 KB: a shm ref of this (client) process
         assert ref.WhichOneof("payload") == "shm"
-        response = _stub(encoder).Encode(encoder_pb2.EncodeRequest(items=[encoder_pb2.EncodeItem(
-            kind=encoder_pb2.MEDIA_KIND_AUDIO, samples=ref, sample_rate_hz=12000)]), timeout=60)
+        response = _stub(encoder).Encode(
+            encoder_pb2.EncodeRequest(
+                items=[
+                    encoder_pb2.EncodeItem(
+                        kind=encoder_pb2.MEDIA_KIND_AUDIO, samples=ref, sample_rate_hz=12000
+                    )
+                ]
+            ),
+            timeout=60,
+        )
         pool = producer.shm_pool()
         pool.arena.reclaim()
         assert pool.arena.active_leases == 0  # the encoder decoded (copied and released) our samples
@@ -151,19 +181,24 @@ def test_decoded_samples_through_a_tensor_ref(encoder, towers):
 
 
 def test_concurrent_requests_are_batched_and_every_lease_returns(encoder):
-    before = (_metric(encoder, "omnistage_encoder_batches_total", "vision"),
-              _metric(encoder, "omnistage_encoder_batched_items_total", "vision"))
+    before = (
+        _metric(encoder, "omnistage_encoder_batches_total", "vision"),
+        _metric(encoder, "omnistage_encoder_batched_items_total", "vision"),
+    )
 
     async def run() -> list[encoder_pb2.EncodeResponse]:
         async with grpc.aio.insecure_channel(encoder["address"]) as ch:
             stub = encoder_pb2_grpc.EncoderStub(ch)
-            request = encoder_pb2.EncodeRequest(items=[encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_IMAGE,
-                                                                              data=IMAGE)] * 4)
+            request = encoder_pb2.EncodeRequest(
+                items=[encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_IMAGE, data=IMAGE)] * 4
+            )
             return await asyncio.gather(*(stub.Encode(request, timeout=120) for _ in range(6)))
 
     responses = asyncio.run(run())
-    after = (_metric(encoder, "omnistage_encoder_batches_total", "vision"),
-             _metric(encoder, "omnistage_encoder_batched_items_total", "vision"))
+    after = (
+        _metric(encoder, "omnistage_encoder_batches_total", "vision"),
+        _metric(encoder, "omnistage_encoder_batched_items_total", "vision"),
+    )
     batches, items = after[0] - before[0], after[1] - before[1]
     assert items == 24 and batches < items  # 24 images in fewer forwards than images
     assert batches >= 24 / 4  # never more than the stress-tested 4 per forward
@@ -190,15 +225,26 @@ def _metric_plain(encoder, name: str) -> float:
 @pytest.mark.parametrize(
     ("item", "needle"),
     [
-        (encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_IMAGE, data=b"not an image"),
-         "items[1] (image): not a supported image format"),
-        (encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_AUDIO, data=b"RIFF1234WAVEjunk"), "items[1] (audio)"),
+        (
+            encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_IMAGE, data=b"not an image"),
+            "items[1] (image): not a supported image format",
+        ),
+        (
+            encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_AUDIO, data=b"RIFF1234WAVEjunk"),
+            "items[1] (audio)",
+        ),
         (encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_UNSPECIFIED, data=b"x"), "items[1].kind"),
         (encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_IMAGE), "items[1]: set one of data"),
-        (encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_VIDEO, frames=encoder_pb2.VideoFrames()),
-         "items[1].frames.images: at least one frame"),
-        (encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_IMAGE, frames=encoder_pb2.VideoFrames(images=[IMAGE])),
-         "items[1].frames: not accepted for a image item"),
+        (
+            encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_VIDEO, frames=encoder_pb2.VideoFrames()),
+            "items[1].frames.images: at least one frame",
+        ),
+        (
+            encoder_pb2.EncodeItem(
+                kind=encoder_pb2.MEDIA_KIND_IMAGE, frames=encoder_pb2.VideoFrames(images=[IMAGE])
+            ),
+            "items[1].frames: not accepted for a image item",
+        ),
     ],
 )
 def test_a_bad_item_fails_the_rpc_naming_it(encoder, item, needle):
@@ -224,15 +270,24 @@ def test_too_many_items(encoder):
 def test_metrics_pass_promtool_check_metrics(encoder, check_metrics):
     """/metrics after this test's own traffic (an item of each kind, a refused request), whatever ran before
     it: the labelled series they count are there and pass promtool (tests/deploy checks the names)."""
-    kinds = [(encoder_pb2.MEDIA_KIND_IMAGE, IMAGE), (encoder_pb2.MEDIA_KIND_AUDIO, AUDIO),
-             (encoder_pb2.MEDIA_KIND_VIDEO, VIDEO)]
-    ok = _stub(encoder).Encode(encoder_pb2.EncodeRequest(
-        items=[encoder_pb2.EncodeItem(kind=kind, data=data) for kind, data in kinds]), timeout=60)
+    kinds = [
+        (encoder_pb2.MEDIA_KIND_IMAGE, IMAGE),
+        (encoder_pb2.MEDIA_KIND_AUDIO, AUDIO),
+        (encoder_pb2.MEDIA_KIND_VIDEO, VIDEO),
+    ]
+    ok = _stub(encoder).Encode(
+        encoder_pb2.EncodeRequest(
+            items=[encoder_pb2.EncodeItem(kind=kind, data=data) for kind, data in kinds]
+        ),
+        timeout=60,
+    )
     with TransportContext() as consumer:  # decoded: the leases come back
         for item in ok.items:
             decode(item.embeddings, transport=consumer)
     with pytest.raises(grpc.RpcError):
-        _stub(encoder).Encode(encoder_pb2.EncodeRequest(items=[encoder_pb2.EncodeItem(data=b"x")]), timeout=30)
+        _stub(encoder).Encode(
+            encoder_pb2.EncodeRequest(items=[encoder_pb2.EncodeItem(data=b"x")]), timeout=30
+        )
     text = exposition_with_codes(encoder["metrics"], "OK", "INVALID_ARGUMENT")
     batches = [line for line in text.splitlines() if line.startswith("omnistage_encoder_batches_total{")]
     for modality in ("vision", "audio"):  # the towers' forwards (images and video share the vision one)

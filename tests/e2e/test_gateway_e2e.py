@@ -32,8 +32,13 @@ def pipeline(tmp_path_factory):
                 "metrics_port": metrics_port,
                 "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 128, "max_model_len": 512},
             },
-            "gateway": {"kind": "gateway", "port": gw_port, "admin_port": gw_admin, "metrics_port": gw_metrics,
-                        "max_message_bytes": 1 << 20},
+            "gateway": {
+                "kind": "gateway",
+                "port": gw_port,
+                "admin_port": gw_admin,
+                "metrics_port": gw_metrics,
+                "max_message_bytes": 1 << 20,
+            },
         },
     }
     serve = ServeProcess(root, cfg).wait_ready(300)
@@ -50,7 +55,9 @@ def pipeline(tmp_path_factory):
     serve.stop()
 
 
-def _request(text="Hello there, how are you?", request_id="", system_prompt="", **sampling) -> omni_pb2.GenerateRequest:
+def _request(
+    text="Hello there, how are you?", request_id="", system_prompt="", **sampling
+) -> omni_pb2.GenerateRequest:
     return omni_pb2.GenerateRequest(
         request_id=request_id,
         messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=text)])],
@@ -100,7 +107,11 @@ def test_greedy_is_deterministic_and_matches_the_thinker(pipeline):
 
 def test_seeded_sampling_is_reproducible(pipeline):
     def run(seed):
-        return _tokens(_generate(pipeline["gateway"], _request(temperature=1.0, seed=seed, max_tokens=24, ignore_eos=True)))
+        return _tokens(
+            _generate(
+                pipeline["gateway"], _request(temperature=1.0, seed=seed, max_tokens=24, ignore_eos=True)
+            )
+        )
 
     assert run(7) == run(7)
     assert run(7) != run(8)
@@ -142,7 +153,9 @@ def test_deadline_propagates_to_the_thinker(pipeline):
         (_request("word " * 3000), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len"),
         (
             omni_pb2.GenerateRequest(
-                messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_ASSISTANT, parts=[omni_pb2.ContentPart(text="x")])]
+                messages=[
+                    omni_pb2.ChatMessage(role=omni_pb2.ROLE_ASSISTANT, parts=[omni_pb2.ContentPart(text="x")])
+                ]
             ),
             grpc.StatusCode.INVALID_ARGUMENT,
             "ROLE_USER",
@@ -151,7 +164,8 @@ def test_deadline_propagates_to_the_thinker(pipeline):
             omni_pb2.GenerateRequest(
                 messages=[
                     omni_pb2.ChatMessage(
-                        role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(image=omni_pb2.Media(data=b"\x89PNG"))]
+                        role=omni_pb2.ROLE_USER,
+                        parts=[omni_pb2.ContentPart(image=omni_pb2.Media(data=b"\x89PNG"))],
                     )
                 ]
             ),
@@ -166,18 +180,39 @@ def test_deadline_propagates_to_the_thinker(pipeline):
             "'talker' stage",
         ),
         (_request("x" * (2 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
-        (_request(max_tokens=5000), grpc.StatusCode.INVALID_ARGUMENT,
-         "sampling.max_tokens: 5000 exceeds max_model_len 512"),
+        (
+            _request(max_tokens=5000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.max_tokens: 5000 exceeds max_model_len 512",
+        ),
         (_request(max_tokens=500), grpc.StatusCode.INVALID_ARGUMENT, "+ sampling.max_tokens 500 = "),
         (_request(temperature=1e-40), grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
         (_request(""), grpc.StatusCode.INVALID_ARGUMENT, "messages[0].parts[0].text: empty text"),
-        (omni_pb2.GenerateRequest(messages=list(_request().messages) * 257), grpc.StatusCode.INVALID_ARGUMENT,
-         "messages: more than 256 elements (gateway.max_messages)"),  # refused on the wire, before decoding
+        (
+            omni_pb2.GenerateRequest(messages=list(_request().messages) * 257),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "messages: more than 256 elements (gateway.max_messages)",
+        ),  # refused on the wire, before decoding
         (_request(system_prompt="s" * 200_001), grpc.StatusCode.INVALID_ARGUMENT, "system_prompt"),
     ],
-    ids=["no-messages", "temperature", "top_p", "empty-stop", "stop-id", "too-long", "last-not-user",
-         "image-no-encoder", "audio-no-talker", "oversized", "max-tokens-over-len", "prompt-plus-max-tokens",
-         "subnormal-temperature", "empty-text-part", "too-many-messages", "huge-system-prompt"],
+    ids=[
+        "no-messages",
+        "temperature",
+        "top_p",
+        "empty-stop",
+        "stop-id",
+        "too-long",
+        "last-not-user",
+        "image-no-encoder",
+        "audio-no-talker",
+        "oversized",
+        "max-tokens-over-len",
+        "prompt-plus-max-tokens",
+        "subnormal-temperature",
+        "empty-text-part",
+        "too-many-messages",
+        "huge-system-prompt",
+    ],
 )
 def test_bad_requests_get_a_precise_status(pipeline, request_, code, needle):
     with pytest.raises(grpc.RpcError) as err:
@@ -189,7 +224,10 @@ def test_bad_requests_get_a_precise_status(pipeline, request_, code, needle):
 def test_a_spoken_converse_without_talker_names_the_stage(pipeline):
     """Empty output_modalities: text and speech, which needs the talker this pipeline lacks (a
     text-only conversation, [MODALITY_TEXT], needs none)."""
-    spoken = [omni_pb2.ConverseRequest(config=omni_pb2.GenerateRequest()), omni_pb2.ConverseRequest(text="hi")]
+    spoken = [
+        omni_pb2.ConverseRequest(config=omni_pb2.GenerateRequest()),
+        omni_pb2.ConverseRequest(text="hi"),
+    ]
     with grpc.insecure_channel(pipeline["gateway"]) as ch, pytest.raises(grpc.RpcError) as err:
         list(omni_pb2_grpc.OmniStub(ch).Converse(iter(spoken), timeout=30))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -217,7 +255,9 @@ def test_thinker_reports_its_memory_in_describe_and_metrics(pipeline):
     assert mem.weights_bytes > 0 and mem.kv_cache_bytes > 0
     assert mem.total_bytes >= mem.weights_bytes + mem.kv_cache_bytes
     body = urllib.request.urlopen(pipeline["metrics"], timeout=5).read().decode()
-    kv_lines = [ln for ln in body.splitlines() if ln.startswith("omnistage_memory_bytes") and 'kind="kv_cache"' in ln]
+    kv_lines = [
+        ln for ln in body.splitlines() if ln.startswith("omnistage_memory_bytes") and 'kind="kv_cache"' in ln
+    ]
     assert kv_lines and float(kv_lines[0].split()[-1]) == mem.kv_cache_bytes
 
 
@@ -253,8 +293,11 @@ def _rpc_counts(url: str, service: str) -> dict[str, float]:
 
     counts = {}
     for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
-        if line.startswith("omnistage_rpc_requests_total{") and f'service="{service}"' in line and \
-                'method="Generate"' in line:
+        if (
+            line.startswith("omnistage_rpc_requests_total{")
+            and f'service="{service}"' in line
+            and 'method="Generate"' in line
+        ):
             counts[line.split('code="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
     return counts
 
@@ -263,14 +306,21 @@ def test_metrics_count_what_clients_got_at_both_stages(pipeline):
     th_before = _rpc_counts(pipeline["metrics"], "thinker")
     gw_before = _rpc_counts(pipeline["gateway_metrics"], "gateway")
     for _ in range(3):
-        assert _generate(pipeline["gateway"], _request(max_tokens=4, ignore_eos=True))[-1].WhichOneof("event") == "finish"
+        assert (
+            _generate(pipeline["gateway"], _request(max_tokens=4, ignore_eos=True))[-1].WhichOneof("event")
+            == "finish"
+        )
     with pytest.raises(grpc.RpcError):
         _generate(pipeline["gateway"], _request(temperature=-1))
     th_after = _rpc_counts(pipeline["metrics"], "thinker")
     gw_after = _rpc_counts(pipeline["gateway_metrics"], "gateway")
 
     def delta(after, before):
-        return {code: after[code] - before.get(code, 0.0) for code in after if after[code] != before.get(code, 0.0)}
+        return {
+            code: after[code] - before.get(code, 0.0)
+            for code in after
+            if after[code] != before.get(code, 0.0)
+        }
 
     assert delta(th_after, th_before) == {"OK": 3.0}  # finished streams are read to their end, not cancelled
     assert delta(gw_after, gw_before) == {"OK": 3.0, "INVALID_ARGUMENT": 1.0}
@@ -279,8 +329,10 @@ def test_metrics_count_what_clients_got_at_both_stages(pipeline):
 def test_control_is_not_reachable_on_the_main_ports(pipeline):
     for address in (pipeline["gateway"], pipeline["thinker"]):
         with grpc.insecure_channel(address) as ch:
-            for call in (lambda c: c.Drain(control_pb2.DrainRequest(deadline_ms=1), timeout=5),
-                         lambda c: c.Describe(control_pb2.DescribeRequest(), timeout=5)):
+            for call in (
+                lambda c: c.Drain(control_pb2.DrainRequest(deadline_ms=1), timeout=5),
+                lambda c: c.Describe(control_pb2.DescribeRequest(), timeout=5),
+            ):
                 with pytest.raises(grpc.RpcError) as err:
                     call(control_pb2_grpc.ControlStub(ch))
                 assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, address

@@ -28,13 +28,27 @@ def pipeline(tmp_path_factory):
     cfg = {
         "model": {"checkpoint": str(ckpt)},
         "services": {
-            "thinker": {"kind": "thinker", "port": th, "admin_port": th_admin, "dist_port": dist,
-                        "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 128, "max_model_len": 256,
-                                   "default_max_tokens": 8}},
-            "gateway": {"kind": "gateway", "port": gw, "admin_port": gw_admin, "max_message_bytes": 1 << 20,
-                        "gateway": {"max_messages": 16, "max_parts_per_message": 4, "max_prompt_chars": 4000}},
+            "thinker": {
+                "kind": "thinker",
+                "port": th,
+                "admin_port": th_admin,
+                "dist_port": dist,
+                "engine": {
+                    "max_num_seqs": 8,
+                    "max_num_batched_tokens": 128,
+                    "max_model_len": 256,
+                    "default_max_tokens": 8,
+                },
+            },
+            "gateway": {
+                "kind": "gateway",
+                "port": gw,
+                "admin_port": gw_admin,
+                "max_message_bytes": 1 << 20,
+                "gateway": {"max_messages": 16, "max_parts_per_message": 4, "max_prompt_chars": 4000},
+            },
         },
-    }  # fmt: skip
+    }
     serve = ServeProcess(root, cfg).wait_ready(300)
     yield {"gateway": f"127.0.0.1:{gw}", "thinker_admin": f"127.0.0.1:{th_admin}", "log": serve.out}
     serve.stop()
@@ -48,7 +62,9 @@ def test_fuzzed_requests_get_precise_statuses_and_leave_the_pipeline_serving(pip
     assert tally.counts[("raw", "INVALID_ARGUMENT")] > 0, dict(tally.counts)
 
     request = omni_pb2.GenerateRequest(
-        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Still there?")])],
+        messages=[
+            omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Still there?")])
+        ],
         sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
     )
     with grpc.insecure_channel(pipeline["gateway"]) as ch:

@@ -30,29 +30,70 @@ class Pipeline(ServeProcess):
     """`omnistage serve` of gateway + encoder + thinker + imagegen; output in a file."""
 
     def __init__(self, root: Path, ckpt: Path) -> None:
-        (gw, gw_admin, th, th_admin, dist, th_metrics, enc, enc_admin, enc_metrics, img, img_admin,
-         img_metrics) = free_ports(12)  # fmt: skip
+        (
+            gw,
+            gw_admin,
+            th,
+            th_admin,
+            dist,
+            th_metrics,
+            enc,
+            enc_admin,
+            enc_metrics,
+            img,
+            img_admin,
+            img_metrics,
+        ) = free_ports(12)
         cfg = {
             "model": {"checkpoint": str(ckpt)},
-            "startup": {"stop_grace_s": 5.0, "phase_deadlines_s": {"loading_weights": 120, "profiling_memory": 120,
-                                                                   "warming_up": 120}},
+            "startup": {
+                "stop_grace_s": 5.0,
+                "phase_deadlines_s": {"loading_weights": 120, "profiling_memory": 120, "warming_up": 120},
+            },
             "services": {
-                "thinker": {"kind": "thinker", "port": th, "admin_port": th_admin, "metrics_port": th_metrics,
-                            "dist_port": dist, "drain_grace_s": 2.0,
-                            "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 128, "max_model_len": 512}},
-                "encoder": {"kind": "encoder", "port": enc, "admin_port": enc_admin, "metrics_port": enc_metrics,
-                            # Small media limits: the start-up stress runs at them (images are all this needs).
-                            "encoder": {"image_max_pixels": 256 * 256, "video_min_pixels": 64 * 64,
-                                        "video_total_pixels": 4 * 64 * 64, "max_video_frames": 4,
-                                        "max_audio_seconds": 1.0, "stress_batch_sizes": [1],
-                                        "inline_max_bytes": 1024}},
-                "imagegen": {"kind": "imagegen", "port": img, "admin_port": img_admin, "metrics_port": img_metrics,
-                             "imagegen": {"highres": 512, "max_side_px": 1024, "default_side_px": 512,
-                                          "default_steps": 4, "max_steps": 50, "stress_batch_sizes": [1]},
-                             "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30}},
+                "thinker": {
+                    "kind": "thinker",
+                    "port": th,
+                    "admin_port": th_admin,
+                    "metrics_port": th_metrics,
+                    "dist_port": dist,
+                    "drain_grace_s": 2.0,
+                    "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 128, "max_model_len": 512},
+                },
+                "encoder": {
+                    "kind": "encoder",
+                    "port": enc,
+                    "admin_port": enc_admin,
+                    "metrics_port": enc_metrics,
+                    # Small media limits: the start-up stress runs at them (images are all this needs).
+                    "encoder": {
+                        "image_max_pixels": 256 * 256,
+                        "video_min_pixels": 64 * 64,
+                        "video_total_pixels": 4 * 64 * 64,
+                        "max_video_frames": 4,
+                        "max_audio_seconds": 1.0,
+                        "stress_batch_sizes": [1],
+                        "inline_max_bytes": 1024,
+                    },
+                },
+                "imagegen": {
+                    "kind": "imagegen",
+                    "port": img,
+                    "admin_port": img_admin,
+                    "metrics_port": img_metrics,
+                    "imagegen": {
+                        "highres": 512,
+                        "max_side_px": 1024,
+                        "default_side_px": 512,
+                        "default_steps": 4,
+                        "max_steps": 50,
+                        "stress_batch_sizes": [1],
+                    },
+                    "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30},
+                },
                 "gateway": {"kind": "gateway", "port": gw, "admin_port": gw_admin},
             },
-        }  # fmt: skip
+        }
         super().__init__(root, cfg)
         self.gateway = f"127.0.0.1:{gw}"
         self.imagegen_admin = f"127.0.0.1:{img_admin}"
@@ -89,7 +130,9 @@ class Pipeline(ServeProcess):
     def wait_clean(self) -> None:
         """Every wait has a deadline: ImageGen idle, no hidden-state or embedding lease outstanding."""
         wait_for(lambda: self.imagegen_busy() == 0, 30, "ImageGen to hold no request", poll_s=0.1)
-        wait_for(lambda: self.hidden_state_leases() == 0, 30, "the thinker's hidden-state leases back", poll_s=0.1)
+        wait_for(
+            lambda: self.hidden_state_leases() == 0, 30, "the thinker's hidden-state leases back", poll_s=0.1
+        )
         wait_for(lambda: self.encoder_leases() == 0, 30, "the encoder's leases back", poll_s=0.1)
 
 
@@ -109,14 +152,17 @@ def _photo(width: int, height: int) -> bytes:
     return buf.getvalue()
 
 
-def request(*parts: omni_pb2.ContentPart, outputs=(omni_pb2.MODALITY_IMAGE,), request_id: str = "",
-            **image) -> omni_pb2.GenerateRequest:  # fmt: skip
+def request(
+    *parts: omni_pb2.ContentPart, outputs=(omni_pb2.MODALITY_IMAGE,), request_id: str = "", **image
+) -> omni_pb2.GenerateRequest:
     parts = parts or (omni_pb2.ContentPart(text="Draw a lighthouse on a cliff."),)
     return omni_pb2.GenerateRequest(
-        request_id=request_id, messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=list(parts))],
-        output_modalities=list(outputs), image=omni_pb2.ImageOptions(**image),
+        request_id=request_id,
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=list(parts))],
+        output_modalities=list(outputs),
+        image=omni_pb2.ImageOptions(**image),
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-    )  # fmt: skip
+    )
 
 
 def kinds(events) -> list[str]:
@@ -127,19 +173,23 @@ def test_progress_per_step_then_a_png_of_the_requested_size(pipeline):
     events = pipeline.generate(request(request_id="draw-1", width=192, height=128, steps=3, seed=7))
     assert kinds(events) == ["progress"] * 3 + ["image", "finish"]
     assert [(e.progress.stage, e.progress.done, e.progress.total) for e in events[:3]] == [
-        ("imagegen", i, 3) for i in (1, 2, 3)]  # fmt: skip
+        ("imagegen", i, 3) for i in (1, 2, 3)
+    ]
     image = events[3].image
     png = Image.open(io.BytesIO(image.png))
     assert png.format == "PNG" and png.size == (192, 128) == (image.width, image.height)
     finish = events[-1].finish
-    assert finish.reason == common_pb2.FINISH_REASON_STOP and finish.usage.prompt_tokens > 256  # + the query block
+    assert (
+        finish.reason == common_pb2.FINISH_REASON_STOP and finish.usage.prompt_tokens > 256
+    )  # + the query block
     assert {e.request_id for e in events} == {"draw-1"}
     pipeline.wait_clean()
 
 
 def test_text_and_image_stream_the_text_then_the_image(pipeline):
-    events = pipeline.generate(request(outputs=(omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_IMAGE), width=64,
-                                       height=64, steps=1))  # fmt: skip
+    events = pipeline.generate(
+        request(outputs=(omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_IMAGE), width=64, height=64, steps=1)
+    )
     k = kinds(events)
     assert k == ["text"] * k.count("text") + ["progress", "image", "finish"] and k.count("text") >= 1
     assert events[-1].finish.usage.completion_tokens == 4
@@ -151,9 +201,15 @@ def test_text_and_image_of_a_photo_encode_it_once_for_both_thinker_calls(pipelin
     """The answer's thinker call leaves the photo's leases with the gateway, the image's call takes them:
     one Encode, no lease left anywhere."""
     encoded = metric(pipeline.encoder_metrics, "omnistage_encoder_items_total{", 0.0)
-    parts = (omni_pb2.ContentPart(image=omni_pb2.Media(data=_photo(64, 64))), omni_pb2.ContentPart(text="Paint this."))
-    events = pipeline.generate(request(*parts, outputs=(omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_IMAGE), width=64,
-                                       height=64, steps=1))  # fmt: skip
+    parts = (
+        omni_pb2.ContentPart(image=omni_pb2.Media(data=_photo(64, 64))),
+        omni_pb2.ContentPart(text="Paint this."),
+    )
+    events = pipeline.generate(
+        request(
+            *parts, outputs=(omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_IMAGE), width=64, height=64, steps=1
+        )
+    )
     k = kinds(events)
     assert k == ["text"] * k.count("text") + ["progress", "image", "finish"] and k.count("text") >= 1
     assert metric(pipeline.encoder_metrics, "omnistage_encoder_items_total{") == encoded + 1
@@ -161,18 +217,26 @@ def test_text_and_image_of_a_photo_encode_it_once_for_both_thinker_calls(pipelin
 
 
 def test_an_edit_of_the_last_user_image_defaults_to_its_size(pipeline):
-    parts = (omni_pb2.ContentPart(text="Make the sky blue."), omni_pb2.ContentPart(image=omni_pb2.Media(data=_photo(200, 136))))
+    parts = (
+        omni_pb2.ContentPart(text="Make the sky blue."),
+        omni_pb2.ContentPart(image=omni_pb2.Media(data=_photo(200, 136))),
+    )
     events = pipeline.generate(request(*parts, edit=True, steps=2, seed=3))
     assert kinds(events) == ["progress", "progress", "image", "finish"]
     png = Image.open(io.BytesIO(events[2].image.png))
-    assert png.format == "PNG" and png.size == (208, 144)  # 200 x 136, each side to the nearest multiple of 16
+    assert png.format == "PNG" and png.size == (
+        208,
+        144,
+    )  # 200 x 136, each side to the nearest multiple of 16
     pipeline.wait_clean()
 
 
 def test_a_client_cancel_mid_denoise_frees_the_dit_and_the_leases(pipeline):
     cancelled = metric(pipeline.imagegen_metrics, "omnistage_imagegen_cancelled_total{", 0.0)
     with grpc.insecure_channel(pipeline.gateway) as ch:
-        call = omni_pb2_grpc.OmniStub(ch).Generate(request(width=512, height=512, steps=50, seed=1), timeout=120)
+        call = omni_pb2_grpc.OmniStub(ch).Generate(
+            request(width=512, height=512, steps=50, seed=1), timeout=120
+        )
         seen = []
         for event in call:
             seen.append(event.WhichOneof("event"))
@@ -181,8 +245,12 @@ def test_a_client_cancel_mid_denoise_frees_the_dit_and_the_leases(pipeline):
                 break
     assert seen == ["progress", "progress"]
     pipeline.wait_clean()
-    wait_for(lambda: metric(pipeline.imagegen_metrics, "omnistage_imagegen_cancelled_total{", 0.0) > cancelled, 30,
-             "ImageGen to count the cancel", poll_s=0.1)  # fmt: skip
+    wait_for(
+        lambda: metric(pipeline.imagegen_metrics, "omnistage_imagegen_cancelled_total{", 0.0) > cancelled,
+        30,
+        "ImageGen to count the cancel",
+        poll_s=0.1,
+    )
     # ...and it keeps serving.
     assert kinds(pipeline.generate(request(width=64, height=64, steps=1)))[-2:] == ["image", "finish"]
 

@@ -37,19 +37,39 @@ def imagegen(tmp_path_factory):
     port, admin_port, metrics_port = free_ports(3)
     cfg = {
         "model": {"checkpoint": str(ckpt)},
-        "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 120, "profiling_memory": 120,
-                                          "warming_up": 120}},
+        "startup": {
+            "phase_deadlines_s": {
+                "starting": 60,
+                "loading_weights": 120,
+                "profiling_memory": 120,
+                "warming_up": 120,
+            }
+        },
         "services": {
-            "imagegen": {"kind": "imagegen", "port": port, "admin_port": admin_port, "metrics_port": metrics_port,
-                         "imagegen": {"highres": 512, "max_side_px": 1024, "default_side_px": 512, "max_steps": 50,
-                                      "stress_batch_sizes": [2, 1]},
-                         "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30}},
+            "imagegen": {
+                "kind": "imagegen",
+                "port": port,
+                "admin_port": admin_port,
+                "metrics_port": metrics_port,
+                "imagegen": {
+                    "highres": 512,
+                    "max_side_px": 1024,
+                    "default_side_px": 512,
+                    "max_steps": 50,
+                    "stress_batch_sizes": [2, 1],
+                },
+                "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30},
+            }
         },
     }
     serve = ServeProcess(root, cfg).wait_ready(240)
     with TransportContext() as producer:
-        yield {"address": f"127.0.0.1:{port}", "admin": f"127.0.0.1:{admin_port}",
-               "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "producer": producer}
+        yield {
+            "address": f"127.0.0.1:{port}",
+            "admin": f"127.0.0.1:{admin_port}",
+            "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+            "producer": producer,
+        }
     serve.stop()
 
 
@@ -85,7 +105,9 @@ def _leases(imagegen) -> int:
 
 
 def _generate(imagegen, **fields) -> list[imagegen_pb2.ImageGenEvent]:
-    request = imagegen_pb2.ImageGenRequest(condition=_condition(imagegen, fields.pop("cond_seed", 0)), **fields)
+    request = imagegen_pb2.ImageGenRequest(
+        condition=_condition(imagegen, fields.pop("cond_seed", 0)), **fields
+    )
     return list(_stub(imagegen).Generate(request, timeout=120))
 
 
@@ -93,7 +115,11 @@ def test_describe_reports_the_stress_cap_and_limits(imagegen):
     desc = _describe(imagegen)
     assert desc.kind == control_pb2.STAGE_KIND_IMAGEGEN and desc.progress.phase == control_pb2.PHASE_SERVING
     assert desc.limits.max_image_batch == 2 == desc.limits.max_running_requests
-    assert (desc.limits.min_image_side_px, desc.limits.max_image_side_px, desc.limits.max_denoising_steps) == (64, 1024, 50)
+    assert (
+        desc.limits.min_image_side_px,
+        desc.limits.max_image_side_px,
+        desc.limits.max_denoising_steps,
+    ) == (64, 1024, 50)
     (mem,) = desc.memory
     assert mem.weights_bytes > 0 and mem.activation_peak_bytes > 0 and mem.budget_bytes == 1 << 30
 
@@ -128,16 +154,19 @@ def test_an_edit_with_a_reference_image(imagegen):
 
 
 def test_concurrent_requests_of_one_size_share_forwards(imagegen):
-    before = _metric(imagegen, "omnistage_imagegen_forwards_total"), _metric(
-        imagegen, "omnistage_imagegen_forward_requests_total")
+    before = (
+        _metric(imagegen, "omnistage_imagegen_forwards_total"),
+        _metric(imagegen, "omnistage_imagegen_forward_requests_total"),
+    )
 
     async def run() -> list[list[imagegen_pb2.ImageGenEvent]]:
         async with grpc.aio.insecure_channel(imagegen["address"]) as ch:
             stub = imagegen_pb2_grpc.ImageGenStub(ch)
 
             async def one(seed: int):
-                req = imagegen_pb2.ImageGenRequest(condition=_condition(imagegen, seed), width=256, height=256,
-                                                   steps=8, seed=seed)
+                req = imagegen_pb2.ImageGenRequest(
+                    condition=_condition(imagegen, seed), width=256, height=256, steps=8, seed=seed
+                )
                 return [e async for e in stub.Generate(req, timeout=120)]
 
             return await asyncio.gather(*(one(s) for s in range(4)))
@@ -153,14 +182,21 @@ def test_concurrent_requests_of_one_size_share_forwards(imagegen):
 
 def _cancel_at_step(imagegen, step: int) -> None:
     """A 50-step request cancelled by its client at progress `step`; returns once nothing is running."""
-    request = imagegen_pb2.ImageGenRequest(condition=_condition(imagegen), width=512, height=512, steps=50, seed=1)
+    request = imagegen_pb2.ImageGenRequest(
+        condition=_condition(imagegen), width=512, height=512, steps=50, seed=1
+    )
     call = _stub(imagegen).Generate(request, timeout=120)
     for event in call:
         if event.progress.step == step:
             call.cancel()
             break
-    wait_for(lambda: _describe(imagegen).running_requests == 0, 30, "the cancelled request to stop", stage="imagegen",
-             poll_s=0.05)
+    wait_for(
+        lambda: _describe(imagegen).running_requests == 0,
+        30,
+        "the cancelled request to stop",
+        stage="imagegen",
+        poll_s=0.05,
+    )
 
 
 def test_cancel_stops_the_denoising(imagegen):
@@ -209,21 +245,33 @@ def test_bad_conditioning_is_named(imagegen):
     producer = imagegen["producer"]
     wrong_shape = encode(torch.randn(255, HIDDEN), transport=producer)
     assert "condition.shape: expected [256, 256], got [255, 256]" in _bad(
-        imagegen, imagegen_pb2.ImageGenRequest(condition=wrong_shape))
+        imagegen, imagegen_pb2.ImageGenRequest(condition=wrong_shape)
+    )
     wrong_dtype = encode(torch.zeros(QUERIES, HIDDEN, dtype=torch.int32), transport=producer)
     assert "condition.dtype: expected bfloat16, float16 or float32" in _bad(
-        imagegen, imagegen_pb2.ImageGenRequest(condition=wrong_dtype))
+        imagegen, imagegen_pb2.ImageGenRequest(condition=wrong_dtype)
+    )
     nan = torch.randn(QUERIES, HIDDEN)
     nan[3, 4] = float("nan")
     assert "condition: contains NaN" in _bad(
-        imagegen, imagegen_pb2.ImageGenRequest(condition=encode(nan, transport=producer)))
+        imagegen, imagegen_pb2.ImageGenRequest(condition=encode(nan, transport=producer))
+    )
     assert "condition: required" in _bad(imagegen, imagegen_pb2.ImageGenRequest(width=64, height=64))
-    short = tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[QUERIES, HIDDEN], inline_data=b"\0" * 10)
+    short = tensor_pb2.TensorRef(
+        dtype=tensor_pb2.DTYPE_FLOAT32, shape=[QUERIES, HIDDEN], inline_data=b"\0" * 10
+    )
     assert "condition: inline TensorRef" in _bad(imagegen, imagegen_pb2.ImageGenRequest(condition=short))
-    bogus = tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_BFLOAT16, shape=[QUERIES, HIDDEN], host_id=producer.host_id,
-                                 shm=tensor_pb2.ShmRef(pool_name="nope", pool_byte_size=1 << 20,
-                                                       byte_size=QUERIES * HIDDEN * 2, lease_id=1))
-    assert "condition: refusing to map 'nope'" in _bad(imagegen, imagegen_pb2.ImageGenRequest(condition=bogus))
+    bogus = tensor_pb2.TensorRef(
+        dtype=tensor_pb2.DTYPE_BFLOAT16,
+        shape=[QUERIES, HIDDEN],
+        host_id=producer.host_id,
+        shm=tensor_pb2.ShmRef(
+            pool_name="nope", pool_byte_size=1 << 20, byte_size=QUERIES * HIDDEN * 2, lease_id=1
+        ),
+    )
+    assert "condition: refusing to map 'nope'" in _bad(
+        imagegen, imagegen_pb2.ImageGenRequest(condition=bogus)
+    )
     assert _leases(imagegen) == 0
     assert _generate(imagegen, width=64, height=64, steps=1)[-1].WhichOneof("event") == "image"
 

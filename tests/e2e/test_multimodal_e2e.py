@@ -72,19 +72,40 @@ class Pipeline(ServeProcess):
         self.media_dir.mkdir(exist_ok=True)
         cfg = {
             "model": {"checkpoint": str(ckpt)},
-            "startup": {"stop_grace_s": 5.0, "phase_deadlines_s": {"loading_weights": 120, "profiling_memory": 120,
-                                                                   "warming_up": 120}},
-            "services": {
-                "thinker": {"kind": "thinker", "port": th, "admin_port": th_admin, "metrics_port": th_metrics,
-                            "tp_size": tp_size, "dist_port": dist, "drain_grace_s": 2.0,
-                            "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 64,
-                                       "max_model_len": MAX_MODEL_LEN}},
-                "encoder": {"kind": "encoder", "port": enc, "admin_port": enc_admin, "metrics_port": enc_metrics,
-                            "encoder": ENCODER_LIMITS},
-                "gateway": {"kind": "gateway", "port": gw, "admin_port": gw_admin,
-                            "gateway": {"media_dir": str(self.media_dir)}},
+            "startup": {
+                "stop_grace_s": 5.0,
+                "phase_deadlines_s": {"loading_weights": 120, "profiling_memory": 120, "warming_up": 120},
             },
-        }  # fmt: skip
+            "services": {
+                "thinker": {
+                    "kind": "thinker",
+                    "port": th,
+                    "admin_port": th_admin,
+                    "metrics_port": th_metrics,
+                    "tp_size": tp_size,
+                    "dist_port": dist,
+                    "drain_grace_s": 2.0,
+                    "engine": {
+                        "max_num_seqs": 16,
+                        "max_num_batched_tokens": 64,
+                        "max_model_len": MAX_MODEL_LEN,
+                    },
+                },
+                "encoder": {
+                    "kind": "encoder",
+                    "port": enc,
+                    "admin_port": enc_admin,
+                    "metrics_port": enc_metrics,
+                    "encoder": ENCODER_LIMITS,
+                },
+                "gateway": {
+                    "kind": "gateway",
+                    "port": gw,
+                    "admin_port": gw_admin,
+                    "gateway": {"media_dir": str(self.media_dir)},
+                },
+            },
+        }
         super().__init__(root, cfg, f"-tp{tp_size}")
         self.gateway = f"127.0.0.1:{gw}"
         self.thinker_admin = f"127.0.0.1:{th_admin}"
@@ -106,7 +127,11 @@ class Pipeline(ServeProcess):
 
     def shm_decodes(self) -> float:
         """Tensors the thinker (rank 0) decoded from shared memory."""
-        return metric(self.thinker_metrics, 'omnistage_transport_tensors_total{direction="decode",path="shm",service="thinker"}', 0.0)
+        return metric(
+            self.thinker_metrics,
+            'omnistage_transport_tensors_total{direction="decode",path="shm",service="thinker"}',
+            0.0,
+        )
 
     def leases(self) -> float:
         return metric(self.encoder_metrics, "omnistage_encoder_leases_active{")
@@ -192,7 +217,10 @@ def test_a_media_path_is_read_by_the_gateway(pipeline, alone):
     "parts, needle",
     [
         ([_text("Look:"), _image(b"not an image at all")], "messages[0].parts[1].image: "),
-        ([_image(), omni_pb2.ContentPart(audio=omni_pb2.Media(data=b"RIFF1234WAVEjunk"))], "messages[0].parts[1].audio"),
+        (
+            [_image(), omni_pb2.ContentPart(audio=omni_pb2.Media(data=b"RIFF1234WAVEjunk"))],
+            "messages[0].parts[1].audio",
+        ),
     ],
     ids=["image", "audio"],
 )

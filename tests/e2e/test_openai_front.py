@@ -30,36 +30,97 @@ def front(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("openai-front")
     ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
-    (gw, gw_admin, gw_metrics, http, th, th_admin, th_metrics, dist, enc, enc_admin, tk, tk_admin,
-     tk_metrics, img, img_admin) = free_ports(15)
+    (
+        gw,
+        gw_admin,
+        gw_metrics,
+        http,
+        th,
+        th_admin,
+        th_metrics,
+        dist,
+        enc,
+        enc_admin,
+        tk,
+        tk_admin,
+        tk_metrics,
+        img,
+        img_admin,
+    ) = free_ports(15)
     cfg = {
         "model": {"checkpoint": str(ckpt)},
-        "startup": {"stop_grace_s": 5.0, "phase_deadlines_s": {"loading_weights": 240, "profiling_memory": 240,
-                                                               "warming_up": 240}},
-        "services": {
-            "thinker": {"kind": "thinker", "port": th, "admin_port": th_admin, "metrics_port": th_metrics,
-                        "dist_port": dist, "drain_grace_s": 2.0,
-                        "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 512}},
-            "encoder": {"kind": "encoder", "port": enc, "admin_port": enc_admin,
-                        "encoder": {"image_max_pixels": 128 * 128, "max_audio_seconds": 2.0,
-                                    "stress_batch_sizes": [1], "video_total_pixels": 8 * 64 * 64,
-                                    "video_min_pixels": 64 * 64, "max_video_frames": 8}},
-            "talker": {"kind": "talker", "port": tk, "admin_port": tk_admin, "metrics_port": tk_metrics,
-                       "talker": {"stress_batch_sizes": [1], "max_segment_seconds": 20, "max_lm_tokens": 512}},
-            "imagegen": {"kind": "imagegen", "port": img, "admin_port": img_admin,
-                         "imagegen": {"highres": 512, "max_side_px": 256, "default_side_px": 64, "default_steps": 2,
-                                      "max_steps": 8, "stress_batch_sizes": [1]},
-                         "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30}},
-            "gateway": {"kind": "gateway", "port": gw, "admin_port": gw_admin, "metrics_port": gw_metrics,
-                        "api_keys_env": "OPENAI_FRONT_KEYS", "drain_grace_s": 2.0,
-                        "gateway": {"http_port": http, "http_max_body_bytes": 4 << 20}},
+        "startup": {
+            "stop_grace_s": 5.0,
+            "phase_deadlines_s": {"loading_weights": 240, "profiling_memory": 240, "warming_up": 240},
         },
-    }  # fmt: skip
+        "services": {
+            "thinker": {
+                "kind": "thinker",
+                "port": th,
+                "admin_port": th_admin,
+                "metrics_port": th_metrics,
+                "dist_port": dist,
+                "drain_grace_s": 2.0,
+                "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 512},
+            },
+            "encoder": {
+                "kind": "encoder",
+                "port": enc,
+                "admin_port": enc_admin,
+                "encoder": {
+                    "image_max_pixels": 128 * 128,
+                    "max_audio_seconds": 2.0,
+                    "stress_batch_sizes": [1],
+                    "video_total_pixels": 8 * 64 * 64,
+                    "video_min_pixels": 64 * 64,
+                    "max_video_frames": 8,
+                },
+            },
+            "talker": {
+                "kind": "talker",
+                "port": tk,
+                "admin_port": tk_admin,
+                "metrics_port": tk_metrics,
+                "talker": {"stress_batch_sizes": [1], "max_segment_seconds": 20, "max_lm_tokens": 512},
+            },
+            "imagegen": {
+                "kind": "imagegen",
+                "port": img,
+                "admin_port": img_admin,
+                "imagegen": {
+                    "highres": 512,
+                    "max_side_px": 256,
+                    "default_side_px": 64,
+                    "default_steps": 2,
+                    "max_steps": 8,
+                    "stress_batch_sizes": [1],
+                },
+                "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30},
+            },
+            "gateway": {
+                "kind": "gateway",
+                "port": gw,
+                "admin_port": gw_admin,
+                "metrics_port": gw_metrics,
+                "api_keys_env": "OPENAI_FRONT_KEYS",
+                "drain_grace_s": 2.0,
+                "gateway": {"http_port": http, "http_max_body_bytes": 4 << 20},
+            },
+        },
+    }
     serve = ServeProcess(root, cfg, env={"OPENAI_FRONT_KEYS": KEY}).wait_ready(START_DEADLINE_S)
-    metrics = {name: f"http://127.0.0.1:{port}/metrics" for name, port in
-               (("gateway", gw_metrics), ("thinker", th_metrics), ("talker", tk_metrics))}  # fmt: skip
-    yield {"base": f"http://127.0.0.1:{http}", "config": str(root / "deploy.yaml"), "grpc": f"127.0.0.1:{gw}",
-           "root": root, "serve": serve, "metrics": metrics}  # fmt: skip
+    metrics = {
+        name: f"http://127.0.0.1:{port}/metrics"
+        for name, port in (("gateway", gw_metrics), ("thinker", th_metrics), ("talker", tk_metrics))
+    }
+    yield {
+        "base": f"http://127.0.0.1:{http}",
+        "config": str(root / "deploy.yaml"),
+        "grpc": f"127.0.0.1:{gw}",
+        "root": root,
+        "serve": serve,
+        "metrics": metrics,
+    }
     serve.stop()
 
 
@@ -69,7 +130,10 @@ def _client(front, key: str = KEY) -> openai.OpenAI:
 
 def _in_flight(front) -> dict[str, float]:
     """Requests each service is running now (omnistage_rpc_in_flight)."""
-    return {name: metric(url, f'omnistage_rpc_in_flight{{service="{name}"}}', 0.0) for name, url in front["metrics"].items()}
+    return {
+        name: metric(url, f'omnistage_rpc_in_flight{{service="{name}"}}', 0.0)
+        for name, url in front["metrics"].items()
+    }
 
 
 def _diagnostic(front, what: str) -> str:
@@ -81,7 +145,9 @@ def _settled(front, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while _in_flight(front)["gateway"]:
         if time.monotonic() > deadline:
-            pytest.fail(_diagnostic(front, f"the gateway still runs a request {timeout_s:g}s after its answer"))
+            pytest.fail(
+                _diagnostic(front, f"the gateway still runs a request {timeout_s:g}s after its answer")
+            )
         time.sleep(0.1)
 
 
@@ -91,9 +157,12 @@ def _png_url(w: int = 64, h: int = 48) -> str:
 
 def test_chat_completion_text(front):
     r = _client(front).chat.completions.create(
-        model="ming-flash-omni-2.0", messages=[{"role": "user", "content": "Hello there!"}],
-        max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model="ming-flash-omni-2.0",
+        messages=[{"role": "user", "content": "Hello there!"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     choice = r.choices[0]
     assert r.object == "chat.completion" and choice.message.role == "assistant"
     assert choice.finish_reason == "length" and choice.message.content
@@ -101,65 +170,103 @@ def test_chat_completion_text(front):
     # Asked again: the thinker's prefix cache serves the prompt's whole blocks of 16 (engine.block_size)
     # but the last token's, and OpenAI's usage says so.
     again = _client(front).chat.completions.create(
-        model="ming-flash-omni-2.0", messages=[{"role": "user", "content": "Hello there!"}],
-        max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model="ming-flash-omni-2.0",
+        messages=[{"role": "user", "content": "Hello there!"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert again.usage.prompt_tokens_details.cached_tokens == (r.usage.prompt_tokens - 1) // 16 * 16 > 0
     assert again.choices[0].message.content == choice.message.content
 
 
 def _cancelled(front) -> float:
-    return metric(front["metrics"]["gateway"],
-                  'omnistage_rpc_requests_total{code="CANCELLED",method="Generate",service="gateway"}', 0.0)
+    return metric(
+        front["metrics"]["gateway"],
+        'omnistage_rpc_requests_total{code="CANCELLED",method="Generate",service="gateway"}',
+        0.0,
+    )
 
 
 def test_chat_completion_streams_deltas_and_usage(front):
     client = _client(front)
     cancelled = _cancelled(front)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
-    stream = client.chat.completions.create(model="m", messages=messages, max_completion_tokens=10, temperature=0,
-                                            seed=3, stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model="m",
+        messages=messages,
+        max_completion_tokens=10,
+        temperature=0,
+        seed=3,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["length"]
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2, "text must stream"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
-    full = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0, seed=3,
-                                          extra_body={"ignore_eos": True})  # fmt: skip
+    full = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=10, temperature=0, seed=3, extra_body={"ignore_eos": True}
+    )
     assert full.choices[0].message.content == text, "greedy: streamed and whole answers agree"
     _settled(front)
     assert _cancelled(front) == cancelled, "a streamed answer that finished is not counted as a client cancel"
 
 
 def test_chat_with_an_image_and_audio_input(front):
-    content = [{"type": "text", "text": "Describe the image and the sound."},
-               {"type": "image_url", "image_url": {"url": _png_url()}},
-               {"type": "input_audio", "input_audio": {"data": base64.b64encode(audio_file("wav", 0.5)).decode(),
-                                                       "format": "wav"}}]  # fmt: skip
-    r = _client(front).chat.completions.create(model="m", messages=[{"role": "user", "content": content}],
-                                               max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    content = [
+        {"type": "text", "text": "Describe the image and the sound."},
+        {"type": "image_url", "image_url": {"url": _png_url()}},
+        {
+            "type": "input_audio",
+            "input_audio": {"data": base64.b64encode(audio_file("wav", 0.5)).decode(), "format": "wav"},
+        },
+    ]
+    r = _client(front).chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert r.usage.completion_tokens == 6
     text_only = _client(front).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Describe the image and the sound."}], max_tokens=1,
-        temperature=0)  # fmt: skip
+        model="m",
+        messages=[{"role": "user", "content": "Describe the image and the sound."}],
+        max_tokens=1,
+        temperature=0,
+    )
     assert r.usage.prompt_tokens > text_only.usage.prompt_tokens + 4, "the media rows count as prompt tokens"
 
 
 def test_chat_with_spoken_answer(front):
     client = _client(front)
-    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Say hello."}],
-                                       modalities=["text", "audio"], audio={"voice": "DB30", "format": "wav"},
-                                       max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Say hello."}],
+        modalities=["text", "audio"],
+        audio={"voice": "DB30", "format": "wav"},
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     audio = r.choices[0].message.audio
     assert audio.transcript == r.choices[0].message.content
     with wave.open(io.BytesIO(base64.b64decode(audio.data))) as w:
         assert w.getframerate() == 44100 and w.getsampwidth() == 2 and w.getnchannels() == 1
-    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Say hello."}],
-                                            modalities=["text", "audio"], audio={"voice": "DB30", "format": "pcm16"},
-                                            max_tokens=12, temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Say hello."}],
+        modalities=["text", "audio"],
+        audio={"voice": "DB30", "format": "pcm16"},
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     audios = [_as_dict(c.choices[0].delta.audio) for c in stream if c.choices and c.choices[0].delta.audio]
     pcm = b"".join(base64.b64decode(a["data"]) for a in audios if a.get("data"))
     status = [a for a in audios if "outcome" in a]
@@ -173,7 +280,9 @@ def _as_dict(obj) -> dict:
 
 def test_wrong_key_is_401(front):
     with pytest.raises(openai.AuthenticationError) as info:
-        _client(front, "sk-wrong").chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+        _client(front, "sk-wrong").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}]
+        )
     assert info.value.status_code == 401 and "invalid API key" in str(info.value)
     with pytest.raises(openai.AuthenticationError):
         _client(front, "sk-wrong").models.list()
@@ -185,13 +294,29 @@ def test_bad_input_is_400_naming_the_field(front):
         client.chat.completions.create(model="m", messages=[{"role": "assistant", "content": "Hi"}])
     assert "last message must be from ROLE_USER" in str(info.value)
     with pytest.raises(openai.BadRequestError) as info:  # refused by the translation
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}]}])  # fmt: skip
+        client.chat.completions.create(
+            model="m",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}],
+                }
+            ],
+        )
     assert "only data: URLs" in str(info.value)
     with pytest.raises(openai.BadRequestError) as info:  # an image the encoder cannot decode
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}},
-            {"type": "text", "text": "What is it?"}]}])  # fmt: skip
+        client.chat.completions.create(
+            model="m",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}},
+                        {"type": "text", "text": "What is it?"},
+                    ],
+                }
+            ],
+        )
     assert "messages[0].parts[0]" in str(info.value)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], temperature=5)
@@ -206,8 +331,9 @@ def test_bad_input_is_400_naming_the_field(front):
 def test_images_generation_gives_a_png_of_the_size(front):
     from PIL import Image
 
-    r = _client(front).images.generate(model="m", prompt="A red bicycle.", size="96x64",
-                                       extra_body={"num_inference_steps": 2, "seed": 1})  # fmt: skip
+    r = _client(front).images.generate(
+        model="m", prompt="A red bicycle.", size="96x64", extra_body={"num_inference_steps": 2, "seed": 1}
+    )
     with Image.open(io.BytesIO(base64.b64decode(r.data[0].b64_json))) as png:
         assert png.format == "PNG" and png.size == (96, 64)
     assert r.usage.input_tokens > 0
@@ -215,8 +341,12 @@ def test_images_generation_gives_a_png_of_the_size(front):
 
 def _raw(front, path: str, body: bytes | None = None, key: str = KEY) -> tuple[int, dict, bytes]:
     """One HTTP request; no answer within 60 s fails the test with what every service is running."""
-    req = urllib.request.Request(front["base"] + path, data=body, method="POST" if body is not None else "GET",
-                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    req = urllib.request.Request(
+        front["base"] + path,
+        data=body,
+        method="POST" if body is not None else "GET",
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, dict(r.headers), r.read()
@@ -232,17 +362,24 @@ def test_models_health_ready_and_limits(front):
     assert _raw(front, "/health")[0] == 200
     status, _, body = _raw(front, "/ready")
     assert status == 200 and json.loads(body) == {
-        "status": "ready", "gateway": "SERVING",
-        "capabilities": {"text": True, "media_input": True, "speech": True, "image_output": True}}
-    assert _raw(front, "/ready?capability=speech")[0] == 200 and _raw(front, "/ready?capability=image_output")[0] == 200
+        "status": "ready",
+        "gateway": "SERVING",
+        "capabilities": {"text": True, "media_input": True, "speech": True, "image_output": True},
+    }
+    assert (
+        _raw(front, "/ready?capability=speech")[0] == 200
+        and _raw(front, "/ready?capability=image_output")[0] == 200
+    )
     status, _, body = _raw(front, "/ready?capability=video")
     assert status == 404 and json.loads(body)["error"]["param"] == "capability"
     status, _, body = _raw(front, "/v1/chat/completions", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
     host, port = front["base"].removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:  # refused before the body is sent
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % (5 << 20))  # fmt: skip
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (5 << 20)
+        )
         reply = b""
         while b"request_too_large" not in reply and (data := sock.recv(65536)):
             reply += data
@@ -263,21 +400,25 @@ def _spoken_or_why_not(status: int, body: bytes) -> bool:
 
 
 def test_speech_endpoint_pcm_wav_and_sse(front):
-    status, headers, body = _speech(front, input="Hello there.", voice="DB30", response_format="pcm", max_tokens=8)
+    status, headers, body = _speech(
+        front, input="Hello there.", voice="DB30", response_format="pcm", max_tokens=8
+    )
     if _spoken_or_why_not(status, body):
         assert len(body) % 2 == 0 and int(headers["x-sample-rate"]) == 44100
     status, headers, body = _speech(front, input="Hello there.", voice="DB30", max_tokens=8)  # wav by default
     if _spoken_or_why_not(status, body):
         assert headers["content-type"] == "audio/wav" and body[:4] == b"RIFF" and body[8:12] == b"WAVE"
-    status, headers, body = _speech(front, input="Hello there.", voice="DB30", max_tokens=8, stream_format="sse")
+    status, headers, body = _speech(
+        front, input="Hello there.", voice="DB30", max_tokens=8, stream_format="sse"
+    )
     if _spoken_or_why_not(status, body):
         events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: ")]
         assert events[0]["type"] == "speech.audio.delta" and events[-1]["type"] == "speech.audio.done"
         assert all(len(base64.b64decode(e["audio"])) % 2 == 0 for e in events[:-1])
     try:  # the official client, streaming the body as it comes
         with _client(front).audio.speech.with_streaming_response.create(
-                model="m", voice="DB30", input="Hello there.", response_format="pcm",
-                extra_body={"max_tokens": 8}) as r:  # fmt: skip
+            model="m", voice="DB30", input="Hello there.", response_format="pcm", extra_body={"max_tokens": 8}
+        ) as r:
             pcm = b"".join(r.iter_bytes())
         assert r.headers["x-sample-rate"] == "44100" and pcm and len(pcm) % 2 == 0
     except openai.APIStatusError as err:
@@ -289,16 +430,24 @@ def test_speech_with_an_unknown_voice_is_400_however_long_the_answer(front):
     """The talker refuses the voice while the answer's text waits for its verdict: the request must end
     (it once hung in the gateway when the answer was longer than the client buffer)."""
     for input_text, max_tokens in (("Hi", None), ("Hello there, how are you? " * 8, 96)):
-        status, _, body = _speech(front, input=input_text, voice="no-such-voice",
-                                  **({"max_tokens": max_tokens} if max_tokens else {}))  # fmt: skip
+        status, _, body = _speech(
+            front,
+            input=input_text,
+            voice="no-such-voice",
+            **({"max_tokens": max_tokens} if max_tokens else {}),
+        )
         error = json.loads(body)["error"]
         assert status == 400 and error["message"].startswith("voice: unknown voice 'no-such-voice'"), body
         _settled(front)
 
 
 def test_bad_speech_bodies_are_400_naming_the_field(front):
-    for body, param in (({"input": ""}, "input"), ({"input": "Hi", "response_format": "mp3"}, "response_format"),
-                        ({"input": "Hi", "speed": 2.0}, "speed"), ({"input": "Hi", "voice": 5}, "voice")):  # fmt: skip
+    for body, param in (
+        ({"input": ""}, "input"),
+        ({"input": "Hi", "response_format": "mp3"}, "response_format"),
+        ({"input": "Hi", "speed": 2.0}, "speed"),
+        ({"input": "Hi", "voice": 5}, "voice"),
+    ):
         status, _, raw = _speech(front, **body)
         assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
     status, _, raw = _raw(front, "/v1/audio/speech", b"[1, 2]")
@@ -315,8 +464,25 @@ def test_cli_generate_with_image_input_and_speech(front, tmp_path, monkeypatch, 
     image = tmp_path / "in.png"
     image.write_bytes(image_bytes(64, 48, seed=2))
     out = tmp_path / "answer.wav"
-    rc = main(["generate", "--address", front["grpc"], "--api-key-env", "FRONT_KEY", "--prompt", "What is it?",
-               "--image", str(image), "--speak", str(out), "--voice", "DB30", "--max-tokens", "6"])
+    rc = main(
+        [
+            "generate",
+            "--address",
+            front["grpc"],
+            "--api-key-env",
+            "FRONT_KEY",
+            "--prompt",
+            "What is it?",
+            "--image",
+            str(image),
+            "--speak",
+            str(out),
+            "--voice",
+            "DB30",
+            "--max-tokens",
+            "6",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "[finish: " in captured.out and "completion_tokens=" in captured.out
@@ -330,28 +496,79 @@ def test_cli_generate_image_out_writes_the_png_with_progress(front, tmp_path, mo
     from PIL import Image
 
     monkeypatch.setenv("FRONT_KEY", KEY)
-    rc = main(["generate", "--address", front["grpc"], "--api-key-env", "FRONT_KEY", "--prompt", "A cat.",
-               "--image-out", str(tmp_path / "cat.png"), "--image-size", "96x64", "--image-steps", "2",
-               "--max-tokens", "4"])  # fmt: skip
+    rc = main(
+        [
+            "generate",
+            "--address",
+            front["grpc"],
+            "--api-key-env",
+            "FRONT_KEY",
+            "--prompt",
+            "A cat.",
+            "--image-out",
+            str(tmp_path / "cat.png"),
+            "--image-size",
+            "96x64",
+            "--image-steps",
+            "2",
+            "--max-tokens",
+            "4",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "/2]" in err and "[image: 96x64 written to" in err  # the denoising steps, then the file
     with Image.open(tmp_path / "cat.png") as png:
         assert png.size == (96, 64)
-    assert main(["generate", "--address", front["grpc"], "--prompt", "x", "--image-out", "o.png",
-                 "--image-size", "big"]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--address",
+                front["grpc"],
+                "--prompt",
+                "x",
+                "--image-out",
+                "o.png",
+                "--image-size",
+                "big",
+            ]
+        )
+        == 2
+    )
 
 
 def test_cli_bench_sweeps_concurrency(front, monkeypatch, capsys, tmp_path):
     from omnistage.common.cli import main
 
     monkeypatch.setenv("FRONT_KEY", KEY)
-    rc = main(["bench", "--address", front["grpc"], "--api-key-env", "FRONT_KEY", "--concurrency", "1,2",
-               "--requests", "2", "--max-tokens", "4", "--kinds", "text,speech", "--json", str(tmp_path / "b.json")])
+    rc = main(
+        [
+            "bench",
+            "--address",
+            front["grpc"],
+            "--api-key-env",
+            "FRONT_KEY",
+            "--concurrency",
+            "1,2",
+            "--requests",
+            "2",
+            "--max-tokens",
+            "4",
+            "--kinds",
+            "text,speech",
+            "--json",
+            str(tmp_path / "b.json"),
+        ]
+    )
     out = capsys.readouterr().out
     runs = json.loads((tmp_path / "b.json").read_text())
     assert [(r["kind"], r["load"], r["requests"]) for r in runs] == [
-        ("text", "1", 2), ("text", "2", 2), ("speech", "1", 2), ("speech", "2", 2)]
+        ("text", "1", 2),
+        ("text", "2", 2),
+        ("speech", "1", 2),
+        ("speech", "2", 2),
+    ]
     assert all(r["ok"] == 2 and r["tok_per_s"] > 0 for r in runs if r["kind"] == "text"), out
     assert "| closed text | 1 | 2 |" in out and "| closed speech | 2 | 2" in out and "TTFA p50" in out
     # The tiny thinker's noise may leave nothing to speak: such speech counts as an error, text never does.

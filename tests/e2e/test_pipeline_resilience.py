@@ -46,27 +46,61 @@ class Pipeline(ServeProcess):
         ports = iter(free_ports(16))
         svc = {}
         for name in STAGES + ("gateway",):
-            svc[name] = {"kind": name, "port": next(ports), "admin_port": next(ports), "metrics_port": next(ports),
-                         "drain_grace_s": 2.0}  # fmt: skip
-        svc["thinker"].update(dist_port=next(ports),
-                              engine={"max_num_seqs": RUNNING, "max_num_batched_tokens": 128, "max_model_len": 512})
-        svc["encoder"]["encoder"] = {"image_max_pixels": 64 * 64, "video_min_pixels": 32 * 32,
-                                     "video_total_pixels": 4 * 64 * 64, "max_video_frames": 4,
-                                     "max_audio_seconds": 1.0, "stress_batch_sizes": [1]}  # fmt: skip
-        svc["talker"]["talker"] = {"stress_batch_sizes": [2, 1], "max_segment_seconds": 8, "max_lm_tokens": 512}
-        svc["imagegen"].update(imagegen={"highres": 512, "max_side_px": 512, "default_side_px": 256,
-                                         "default_steps": 2, "max_steps": 50, "stress_batch_sizes": [1]},
-                               memory={"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30})  # fmt: skip
-        svc["gateway"]["gateway"] = {"admission_max_waiting": WAITING, "stage_health_interval_s": 0.5,
-                                     "stage_health_timeout_s": 1.0, "stage_health_failures": 3}  # fmt: skip
+            svc[name] = {
+                "kind": name,
+                "port": next(ports),
+                "admin_port": next(ports),
+                "metrics_port": next(ports),
+                "drain_grace_s": 2.0,
+            }
+        svc["thinker"].update(
+            dist_port=next(ports),
+            engine={"max_num_seqs": RUNNING, "max_num_batched_tokens": 128, "max_model_len": 512},
+        )
+        svc["encoder"]["encoder"] = {
+            "image_max_pixels": 64 * 64,
+            "video_min_pixels": 32 * 32,
+            "video_total_pixels": 4 * 64 * 64,
+            "max_video_frames": 4,
+            "max_audio_seconds": 1.0,
+            "stress_batch_sizes": [1],
+        }
+        svc["talker"]["talker"] = {
+            "stress_batch_sizes": [2, 1],
+            "max_segment_seconds": 8,
+            "max_lm_tokens": 512,
+        }
+        svc["imagegen"].update(
+            imagegen={
+                "highres": 512,
+                "max_side_px": 512,
+                "default_side_px": 256,
+                "default_steps": 2,
+                "max_steps": 50,
+                "stress_batch_sizes": [1],
+            },
+            memory={"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30},
+        )
+        svc["gateway"]["gateway"] = {
+            "admission_max_waiting": WAITING,
+            "stage_health_interval_s": 0.5,
+            "stage_health_timeout_s": 1.0,
+            "stage_health_failures": 3,
+        }
         cfg = {
             "model": {"checkpoint": str(ckpt)},
-            "startup": {"stop_grace_s": 5.0, "phase_deadlines_s": {"loading_weights": 120, "profiling_memory": 120,
-                                                                   "warming_up": 120}},
-            "supervision": {"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "health_interval_s": 0.5,
-                            "backoff_initial_s": 2.0, "max_restarts": 4},
+            "startup": {
+                "stop_grace_s": 5.0,
+                "phase_deadlines_s": {"loading_weights": 120, "profiling_memory": 120, "warming_up": 120},
+            },
+            "supervision": {
+                "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+                "health_interval_s": 0.5,
+                "backoff_initial_s": 2.0,
+                "max_restarts": 4,
+            },
             "services": svc,
-        }  # fmt: skip
+        }
         super().__init__(root, cfg)
         self.svc = svc
         self.gateway = f"127.0.0.1:{svc['gateway']['port']}"
@@ -93,14 +127,19 @@ class Pipeline(ServeProcess):
 
     def leftovers(self) -> dict[str, float]:
         """What every stage still holds: requests, jobs, leases (all 0 when the pipeline is idle)."""
-        held = {f"{n} requests": self.describe(n).running_requests + self.describe(n).queued_requests
-                for n in STAGES + ("gateway",)}  # fmt: skip
+        held = {
+            f"{n} requests": self.describe(n).running_requests + self.describe(n).queued_requests
+            for n in STAGES + ("gateway",)
+        }
         held["talker jobs"] = metric(self.metrics_url("talker"), "omnistage_talker_active_jobs{")
         held["imagegen active"] = metric(self.metrics_url("imagegen"), "omnistage_imagegen_active_requests{")
-        held["imagegen waiting"] = metric(self.metrics_url("imagegen"), "omnistage_imagegen_waiting_requests{")
+        held["imagegen waiting"] = metric(
+            self.metrics_url("imagegen"), "omnistage_imagegen_waiting_requests{"
+        )
         held["encoder leases"] = metric(self.metrics_url("encoder"), "omnistage_encoder_leases_active{")
-        held["hidden-state leases"] = metric(self.metrics_url("thinker"),
-                                             "omnistage_thinker_hidden_state_leases_active{")
+        held["hidden-state leases"] = metric(
+            self.metrics_url("thinker"), "omnistage_thinker_hidden_state_leases_active{"
+        )
         return held
 
     def wait_idle(self) -> None:
@@ -114,7 +153,7 @@ class Pipeline(ServeProcess):
         try:
             wait_for(idle, 60, "every stage to hold nothing", poll_s=0.2)
         except Exception:
-            pytest.fail(f"still held: {({k: v for k, v in last.items() if v})}\n{self.logs()}")
+            pytest.fail(f"still held: { ({k: v for k, v in last.items() if v}) }\n{self.logs()}")
 
     def rss_bytes(self, name: str) -> int:
         with open(f"/proc/{self.pid(name)}/status") as f:
@@ -132,6 +171,7 @@ def pipeline(tmp_path_factory):
 
 
 # -- requests --------------------------------------------------------------------------------------
+
 
 def _png(side: int = 32) -> bytes:
     buf = io.BytesIO()
@@ -166,8 +206,12 @@ def image_request(steps: int, side: int = 256) -> omni_pb2.GenerateRequest:
     return req
 
 
-REQUESTS = {"thinker": lambda: text_request(400), "encoder": lambda: media_request(8),
-            "talker": lambda: speech_request(24), "imagegen": lambda: image_request(50)}
+REQUESTS = {
+    "thinker": lambda: text_request(400),
+    "encoder": lambda: media_request(8),
+    "talker": lambda: speech_request(24),
+    "imagegen": lambda: image_request(50),
+}
 
 
 class Stream(threading.Thread):
@@ -216,6 +260,7 @@ def _tokens(events) -> int:
 
 # -- overload, slow reader, cancel storm ------------------------------------------------------------
 
+
 def _burst(pipeline: Pipeline, n: int, deadline_s: float) -> list[Stream]:
     calls = [Stream(pipeline.gateway, text_request(48), deadline_s) for _ in range(n)]
     for c in calls:
@@ -223,7 +268,9 @@ def _burst(pipeline: Pipeline, n: int, deadline_s: float) -> list[Stream]:
     return [c.result(deadline_s + 30) for c in calls]
 
 
-def test_overload_at_4x_capacity_refuses_the_excess_at_once_and_admitted_requests_meet_their_deadlines(pipeline):
+def test_overload_at_4x_capacity_refuses_the_excess_at_once_and_admitted_requests_meet_their_deadlines(
+    pipeline,
+):
     capacity, deadline_s = RUNNING + WAITING, 60.0
     rss = []
     for _ in range(3):  # the same burst three times: memory must not grow with it
@@ -265,8 +312,12 @@ def test_a_slow_reader_pauses_only_its_own_request(pipeline):
 
 
 def test_a_cancel_storm_leaves_nothing_held_in_any_stage(pipeline):
-    kinds = [lambda: text_request(200), lambda: speech_request(24), lambda: media_request(64),
-             lambda: image_request(30)] * 3  # fmt: skip
+    kinds = [
+        lambda: text_request(200),
+        lambda: speech_request(24),
+        lambda: media_request(64),
+        lambda: image_request(30),
+    ] * 3
     cancelled = 0
     with grpc.insecure_channel(pipeline.gateway) as ch:
         stub = omni_pb2_grpc.OmniStub(ch)
@@ -282,13 +333,17 @@ def test_a_cancel_storm_leaves_nothing_held_in_any_stage(pipeline):
     assert cancelled >= RUNNING  # live calls were cancelled (the rest were refused at arrival)
     pipeline.wait_idle()
     # ...and every path still serves.
-    for make, expect in ((lambda: text_request(4), "finish"), (lambda: media_request(4), "finish"),
-                         (lambda: image_request(1, 64), "finish")):  # fmt: skip
+    for make, expect in (
+        (lambda: text_request(4), "finish"),
+        (lambda: media_request(4), "finish"),
+        (lambda: image_request(1, 64), "finish"),
+    ):
         call = Stream(pipeline.gateway, make(), 60).call_here()
         assert call.error is None and _kinds(call.events)[-1] == expect, call.error
 
 
 # -- a stage killed or stopped after ready ------------------------------------------------------------
+
 
 def _in_flight(pipeline: Pipeline, stage: str) -> Stream:
     """A request busy in `stage` (the encoder is too quick to catch inside: its call starts after)."""
@@ -314,8 +369,11 @@ def test_a_stage_killed_or_stopped_after_ready_is_restarted_and_serves_again(pip
         os.kill(pid, sig)
     # Noticed within the heartbeat timeout (plus the polls), restarted as a whole.
     noticed = "died: killed by SIGKILL" if sig == signal.SIGKILL else "stopped answering"
-    wait_for(lambda: f"{stage} r0 {noticed}" in pipeline.log() or f"{stage} r0 has not answered" in pipeline.log(),
-             HEARTBEAT_TIMEOUT_S + 10, f"the launcher to notice {stage} {signal.Signals(sig).name}")  # fmt: skip
+    wait_for(
+        lambda: f"{stage} r0 {noticed}" in pipeline.log() or f"{stage} r0 has not answered" in pipeline.log(),
+        HEARTBEAT_TIMEOUT_S + 10,
+        f"the launcher to notice {stage} {signal.Signals(sig).name}",
+    )
     call.result(150)
     if stage == "talker":  # the text is whole; the finish says why the speech stopped
         finish = call.events[-1].finish
@@ -325,14 +383,21 @@ def test_a_stage_killed_or_stopped_after_ready_is_restarted_and_serves_again(pip
     else:
         assert call.code() == grpc.StatusCode.UNAVAILABLE, (call.code(), call.events[-1:])
         assert stage in call.error.details(), call.error.details()
-    wait_for(lambda: pipeline.log().count(f"restarting {stage} (attempt") > restarts, 60, f"{stage} restarted")
-    wait_for(lambda: f"{stage} serving again (restart" in pipeline.log().split(f"restarting {stage} (attempt")[-1],
-             180, f"{stage} serving again")  # fmt: skip
-    wait_for(lambda: capabilities_ready(pipeline.gateway, ["text", "media_input", "speech", "image_output"]), 60,
-             "the gateway to admit it again")  # fmt: skip
+    wait_for(
+        lambda: pipeline.log().count(f"restarting {stage} (attempt") > restarts, 60, f"{stage} restarted"
+    )
+    wait_for(
+        lambda: f"{stage} serving again (restart" in pipeline.log().split(f"restarting {stage} (attempt")[-1],
+        180,
+        f"{stage} serving again",
+    )
+    wait_for(
+        lambda: capabilities_ready(pipeline.gateway, ["text", "media_input", "speech", "image_output"]),
+        60,
+        "the gateway to admit it again",
+    )
     after = Stream(pipeline.gateway, REQUESTS[stage](), 120).call_here()
     assert _kinds(after.events)[-1] == "finish", (after.error, _kinds(after.events))
     if stage == "talker":
         assert after.events[-1].finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE
     pipeline.wait_idle()
-

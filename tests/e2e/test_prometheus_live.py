@@ -58,8 +58,13 @@ def _deploy(root: Path) -> tuple[dict, dict[str, int]]:
         if "dist_port" in svc:
             svc["dist_port"] = next(ports)
     services["thinker"]["engine"].update(max_num_seqs=8, max_model_len=512)
-    services["encoder"]["encoder"].update(image_max_pixels=64 * 64, video_total_pixels=4 * 64 * 64,
-                                          max_video_frames=4, max_audio_seconds=1.0, stress_batch_sizes=[1])
+    services["encoder"]["encoder"].update(
+        image_max_pixels=64 * 64,
+        video_total_pixels=4 * 64 * 64,
+        max_video_frames=4,
+        max_audio_seconds=1.0,
+        stress_batch_sizes=[1],
+    )
     services["talker"]["talker"].update(stress_batch_sizes=[1])
     services["imagegen"]["imagegen"].update(default_steps=2, stress_batch_sizes=[1])
     services["imagegen"]["memory"] = {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30}
@@ -79,17 +84,27 @@ class Prometheus:
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(ALERTS)],
             "scrape_configs": [
-                {"job_name": f"omnistage-{name}", "static_configs": [
-                    {"targets": [f"127.0.0.1:{mport}"], "labels": {"stage": name}}]}
-                for name, mport in targets.items()],
-        }  # fmt: skip
+                {
+                    "job_name": f"omnistage-{name}",
+                    "static_configs": [{"targets": [f"127.0.0.1:{mport}"], "labels": {"stage": name}}],
+                }
+                for name, mport in targets.items()
+            ],
+        }
         (root / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.url = f"http://127.0.0.1:{port}"
         self.log = root / "prometheus.log"
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
-                [binary, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'tsdb'}",
-                 f"--web.listen-address=127.0.0.1:{port}"], stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+                [
+                    binary,
+                    f"--config.file={root / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={root / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
     def get(self, path: str, **params: str) -> dict:
         url = f"{self.url}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
@@ -136,7 +151,9 @@ def alert_exprs() -> list[tuple[str, str]]:
 def _text(text: str, max_tokens: int = 8, **kw) -> omni_pb2.GenerateRequest:
     return omni_pb2.GenerateRequest(
         messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=text)])],
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1), **kw)
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1),
+        **kw,
+    )
 
 
 def _png(side: int = 48) -> bytes:
@@ -158,10 +175,15 @@ def _wav(seconds: float = 0.5, rate: int = 16000) -> bytes:
 
 def _media(max_tokens: int = 4) -> omni_pb2.GenerateRequest:
     """Text with an image and an audio clip: the encoder's work (and its queue time)."""
-    parts = [omni_pb2.ContentPart(image=omni_pb2.Media(data=_png())), omni_pb2.ContentPart(audio=omni_pb2.Media(data=_wav())),
-             omni_pb2.ContentPart(text="What do you see and hear?")]  # fmt: skip
-    return omni_pb2.GenerateRequest(messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)],
-                                    sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1))
+    parts = [
+        omni_pb2.ContentPart(image=omni_pb2.Media(data=_png())),
+        omni_pb2.ContentPart(audio=omni_pb2.Media(data=_wav())),
+        omni_pb2.ContentPart(text="What do you see and hear?"),
+    ]
+    return omni_pb2.GenerateRequest(
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)],
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1),
+    )
 
 
 def _send_load(gateway: str) -> dict[str, str]:
@@ -170,14 +192,21 @@ def _send_load(gateway: str) -> dict[str, str]:
     of each."""
     mixed = {
         "media": _media(),
-        "speech": _text("Say hello.", 12, output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO]),
-        "image": _text("Draw a cat.", 4, output_modalities=[omni_pb2.MODALITY_IMAGE],
-                       image=omni_pb2.ImageOptions(width=64, height=64, steps=2, seed=1)),
+        "speech": _text(
+            "Say hello.", 12, output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO]
+        ),
+        "image": _text(
+            "Draw a cat.",
+            4,
+            output_modalities=[omni_pb2.MODALITY_IMAGE],
+            image=omni_pb2.ImageOptions(width=64, height=64, steps=2, seed=1),
+        ),
         "invalid": omni_pb2.GenerateRequest(
             messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Hi")])],
-            sampling=common_pb2.SamplingParams(temperature=-1.0)),
+            sampling=common_pb2.SamplingParams(temperature=-1.0),
+        ),
         **{f"text-{i}": _text(f"Tell me about {i}.", 16) for i in range(3)},
-    }  # fmt: skip
+    }
     burst = {f"burst-{i}": _text(f"Count to {i}.", 24) for i in range(10)}
 
     def run(request: omni_pb2.GenerateRequest | None) -> str:
@@ -261,7 +290,10 @@ def test_every_stage_counts_its_queue_time_under_the_load(live):
     stages = ("thinker", "encoder", "talker", "imagegen")
     deadline = time.monotonic() + DATA_DEADLINE_S
     while True:
-        counted = {s: prometheus.query(f"sum(omnistage_{s}_queue_time_seconds_count)")["data"]["result"] for s in stages}
+        counted = {
+            s: prometheus.query(f"sum(omnistage_{s}_queue_time_seconds_count)")["data"]["result"]
+            for s in stages
+        }
         empty = [s for s, r in counted.items() if not r or float(r[0]["value"][1]) == 0]
         if not empty or time.monotonic() > deadline:
             break
@@ -277,13 +309,17 @@ def test_every_alert_rule_parses_and_is_loaded_healthy(live):
     deadline = time.monotonic() + 10
     while True:
         rules = [r for g in prometheus.get("/api/v1/rules")["data"]["groups"] for r in g["rules"]]
-        unhealthy = [(r["name"], r.get("health"), r.get("lastError")) for r in rules if r.get("health") != "ok"]
+        unhealthy = [
+            (r["name"], r.get("health"), r.get("lastError")) for r in rules if r.get("health") != "ok"
+        ]
         if not unhealthy or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert {r["name"] for r in rules} == {name for name, _ in alert_exprs()}
     assert not unhealthy, unhealthy
-    firing = prometheus.query('ALERTS{alertname=~"OmnistageStageDown|OmnistageStageFailed|OmnistageMemoryOverBudget"}')
+    firing = prometheus.query(
+        'ALERTS{alertname=~"OmnistageStageDown|OmnistageStageFailed|OmnistageMemoryOverBudget"}'
+    )
     assert firing["data"]["result"] == [], firing  # a healthy pipeline under light load raises none of these
 
 
@@ -294,8 +330,11 @@ def test_every_exported_metric_is_documented_and_passes_promtool(live, check_met
     for name, port in targets.items():
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         check_metrics(text)
-        families = {f for f in re.findall(r"^# TYPE (omnistage_[a-z0-9_]+) ", text, re.M)
-                    if not f.endswith("_created")}  # prometheus_client's creation timestamps
+        families = {
+            f
+            for f in re.findall(r"^# TYPE (omnistage_[a-z0-9_]+) ", text, re.M)
+            if not f.endswith("_created")
+        }  # prometheus_client's creation timestamps
         if families - documented:  # the text format names a counter's family with its _total
             undocumented[name] = sorted(families - documented)
     assert not undocumented, f"exported but not in docs/metrics.md: {undocumented}"

@@ -30,21 +30,46 @@ class Pipeline(ServeProcess):
     def __init__(self, root: Path) -> None:
         ckpt = write_config_checkpoint(root / "ckpt", "tiny")
         ports = iter(free_ports(20))
-        svc = {name: {"kind": name.removesuffix("_b"), "port": next(ports), "admin_port": next(ports),
-                      "metrics_port": next(ports), "drain_grace_s": 1.0} for name in ("thinker", *REPLICAS, "gateway")}
-        svc["thinker"].update(dist_port=next(ports), engine={"max_num_seqs": 8, "max_num_batched_tokens": 128,
-                                                             "max_model_len": 512})
+        svc = {
+            name: {
+                "kind": name.removesuffix("_b"),
+                "port": next(ports),
+                "admin_port": next(ports),
+                "metrics_port": next(ports),
+                "drain_grace_s": 1.0,
+            }
+            for name in ("thinker", *REPLICAS, "gateway")
+        }
+        svc["thinker"].update(
+            dist_port=next(ports),
+            engine={"max_num_seqs": 8, "max_num_batched_tokens": 128, "max_model_len": 512},
+        )
         for name in ("talker", "talker_b"):
-            svc[name]["talker"] = {"stress_batch_sizes": [2, 1], "max_segment_seconds": 8, "max_lm_tokens": 512}
+            svc[name]["talker"] = {
+                "stress_batch_sizes": [2, 1],
+                "max_segment_seconds": 8,
+                "max_lm_tokens": 512,
+            }
         for name in ("imagegen", "imagegen_b"):
-            svc[name]["imagegen"] = {"highres": 512, "max_side_px": 512, "default_side_px": 256, "default_steps": 2,
-                                     "max_steps": 100, "stress_batch_sizes": [2, 1]}
-        svc["gateway"]["gateway"] = {"stage_health_interval_s": 0.5, "stage_health_timeout_s": 1.0,
-                                     "stage_health_failures": 3}
-        cfg = {"model": {"checkpoint": str(ckpt), "load_format": "dummy"},
-               "startup": {"stop_grace_s": 5.0},
-               "supervision": {"heartbeat_timeout_s": 10.0, "health_interval_s": 0.5, "backoff_initial_s": 1.0},
-               "services": svc}  # fmt: skip
+            svc[name]["imagegen"] = {
+                "highres": 512,
+                "max_side_px": 512,
+                "default_side_px": 256,
+                "default_steps": 2,
+                "max_steps": 100,
+                "stress_batch_sizes": [2, 1],
+            }
+        svc["gateway"]["gateway"] = {
+            "stage_health_interval_s": 0.5,
+            "stage_health_timeout_s": 1.0,
+            "stage_health_failures": 3,
+        }
+        cfg = {
+            "model": {"checkpoint": str(ckpt), "load_format": "dummy"},
+            "startup": {"stop_grace_s": 5.0},
+            "supervision": {"heartbeat_timeout_s": 10.0, "health_interval_s": 0.5, "backoff_initial_s": 1.0},
+            "services": svc,
+        }
         super().__init__(root, cfg)
         self.svc = svc
         self.gateway = f"127.0.0.1:{svc['gateway']['port']}"
@@ -67,17 +92,24 @@ def pipeline(tmp_path_factory):
     p = Pipeline(tmp_path_factory.mktemp("replicas"))
     p.wait_ready(300.0)
     # ready = every capability; wait for every replica too
-    wait_for(lambda: all(f"stage {n} admitted" in p.out.read_text() for n in REPLICAS), 120,
-             "every replica admitted", poll_s=0.5)
+    wait_for(
+        lambda: all(f"stage {n} admitted" in p.out.read_text() for n in REPLICAS),
+        120,
+        "every replica admitted",
+        poll_s=0.5,
+    )
     yield p
     p.stop()
 
 
 def _request(i: int, spoken: bool = False, steps: int = 2) -> omni_pb2.GenerateRequest:
     req = omni_pb2.GenerateRequest(
-        request_id=f"rep-{i}", messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER,
-                                                               parts=[omni_pb2.ContentPart(text="Hello there.")])],
-        sampling=common_pb2.SamplingParams(max_tokens=6, ignore_eos=True, seed=i))
+        request_id=f"rep-{i}",
+        messages=[
+            omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Hello there.")])
+        ],
+        sampling=common_pb2.SamplingParams(max_tokens=6, ignore_eos=True, seed=i),
+    )
     if spoken:
         req.output_modalities[:] = [omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO]
     else:
@@ -86,8 +118,11 @@ def _request(i: int, spoken: bool = False, steps: int = 2) -> omni_pb2.GenerateR
     return req
 
 
-async def _send(address: str, reqs: list[omni_pb2.GenerateRequest]) -> list[tuple[str, omni_pb2.Finish | None]]:
+async def _send(
+    address: str, reqs: list[omni_pb2.GenerateRequest]
+) -> list[tuple[str, omni_pb2.Finish | None]]:
     """Each request's outcome: ("OK", its finish) or (status: details, None)."""
+
     async def one(stub, req):
         finish = None
         try:
@@ -105,8 +140,12 @@ async def _send(address: str, reqs: list[omni_pb2.GenerateRequest]) -> list[tupl
 
 def test_calls_are_spread_over_both_replicas_of_each_stage(pipeline):
     before = {n: pipeline.calls(n, "Generate" if n.startswith("imagegen") else "Speak") for n in REPLICAS}
-    outcomes = asyncio.run(_send(pipeline.gateway, [_request(i) for i in range(4)]
-                                 + [_request(10 + i, spoken=True) for i in range(4)]))
+    outcomes = asyncio.run(
+        _send(
+            pipeline.gateway,
+            [_request(i) for i in range(4)] + [_request(10 + i, spoken=True) for i in range(4)],
+        )
+    )
     assert [code for code, _ in outcomes] == ["OK"] * 8, outcomes
     spoken = [f for _, f in outcomes[4:]]
     assert all(f.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE for f in spoken), spoken
@@ -131,11 +170,21 @@ def test_a_killed_image_replica_fails_only_its_requests_naming_it_and_comes_back
     assert failed and len(failed) < len(slow), slow  # imagegen_b's requests, not imagegen's
     assert all(code.startswith("UNAVAILABLE") and "imagegen_b" in code for code in failed), failed
     assert [code for code, _ in meanwhile] == ["OK"] * 3, meanwhile  # the other replica served them
-    wait_for(lambda: pipeline.out.read_text().count("imagegen_b serving again") > before_restart, 120,
-             "the launcher to restart imagegen_b", poll_s=0.5)
-    wait_for(lambda: capabilities_ready(pipeline.gateway, ["image_output"])
-             and pipeline.out.read_text().count("stage imagegen_b SERVING again: re-admitted") >= 1, 60,
-             "the gateway to admit imagegen_b again", poll_s=0.5)
+    wait_for(
+        lambda: pipeline.out.read_text().count("imagegen_b serving again") > before_restart,
+        120,
+        "the launcher to restart imagegen_b",
+        poll_s=0.5,
+    )
+    wait_for(
+        lambda: (
+            capabilities_ready(pipeline.gateway, ["image_output"])
+            and pipeline.out.read_text().count("stage imagegen_b SERVING again: re-admitted") >= 1
+        ),
+        60,
+        "the gateway to admit imagegen_b again",
+        poll_s=0.5,
+    )
     after_back = pipeline.calls("imagegen_b", "Generate")  # its warm-up counted
     outcomes = asyncio.run(_send(pipeline.gateway, [_request(40 + i) for i in range(4)]))
     assert [code for code, _ in outcomes] == ["OK"] * 4, outcomes

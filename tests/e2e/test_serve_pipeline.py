@@ -10,8 +10,10 @@ from tests.e2e.serve_pipeline import stage_diagnosis, wait_started
 
 
 def _status(run_dir, service: str, rank: int, phase: str, **fields) -> None:
-    write_status(status_path(run_dir, service, rank), StatusRecord(service=service, rank=rank, pid=1, phase=phase,
-                                                                   **fields))
+    write_status(
+        status_path(run_dir, service, rank),
+        StatusRecord(service=service, rank=rank, pid=1, phase=phase, **fields),
+    )
 
 
 def test_a_process_that_exits_first_fails_the_wait_naming_the_stages_still_starting(tmp_path):
@@ -20,8 +22,15 @@ def test_a_process_that_exits_first_fails_the_wait_naming_the_stages_still_start
     _status(tmp_path, "thinker", 1, "failed", failed_in="loading_weights", failure="exited with code 3")
     stopped = []
     with pytest.raises(pytest.fail.Exception) as failed:
-        wait_started("the pipeline", lambda: False, lambda: "omnistage serve (exit 1)", 60.0, tmp_path,
-                     lambda: "--- launcher output ---", on_failure=lambda: stopped.append(True))
+        wait_started(
+            "the pipeline",
+            lambda: False,
+            lambda: "omnistage serve (exit 1)",
+            60.0,
+            tmp_path,
+            lambda: "--- launcher output ---",
+            on_failure=lambda: stopped.append(True),
+        )
     message = str(failed.value)
     assert message.startswith("omnistage serve (exit 1) ended before the pipeline was ready")
     assert "thinker r0 in phase loading_weights: 2/3 shards" in message

@@ -27,19 +27,29 @@ def serve(tmp: Path, ckpt: Path, tp_size: int, fault: dict | None = None) -> Ser
     """`omnistage serve` of gateway + thinker at `tp_size` on a fresh deploy file (the launcher's
     verdicts on stderr, apart)."""
     gw, th, dist = free_ports(3)
-    thinker = {"kind": "thinker", "port": th, "tp_size": tp_size, "dist_port": dist, "drain_grace_s": 2.0,
-               "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 256}}
+    thinker = {
+        "kind": "thinker",
+        "port": th,
+        "tp_size": tp_size,
+        "dist_port": dist,
+        "drain_grace_s": 2.0,
+        "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 256},
+    }
     if fault:
         thinker["fault"] = fault
-    cfg = {"model": {"checkpoint": str(ckpt)},
-           "startup": {"stop_grace_s": 5.0, "phase_deadlines_s": {"loading_weights": 60, "warming_up": 60}},
-           "services": {"thinker": thinker, "gateway": {"kind": "gateway", "port": gw}}}
+    cfg = {
+        "model": {"checkpoint": str(ckpt)},
+        "startup": {"stop_grace_s": 5.0, "phase_deadlines_s": {"loading_weights": 60, "warming_up": 60}},
+        "services": {"thinker": thinker, "gateway": {"kind": "gateway", "port": gw}},
+    }
     return ServeProcess(tmp, cfg, tag=f"-tp{tp_size}", err_apart=True)
 
 
 def greedy_tokens(address: str) -> list[int]:
     request = omni_pb2.GenerateRequest(
-        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Count to ten.")])],
+        messages=[
+            omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Count to ten.")])
+        ],
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
     )
     with grpc.insecure_channel(address) as ch:

@@ -52,27 +52,74 @@ class Pipeline:
         from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
 
         ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
-        (th, th_admin, th_metrics, dist, tk, tk_admin, tk_metrics, enc, enc_admin, enc_metrics,
-         gw, gw_admin, gw_metrics) = free_ports(13)
+        (
+            th,
+            th_admin,
+            th_metrics,
+            dist,
+            tk,
+            tk_admin,
+            tk_metrics,
+            enc,
+            enc_admin,
+            enc_metrics,
+            gw,
+            gw_admin,
+            gw_metrics,
+        ) = free_ports(13)
         cfg = {
             "model": {"checkpoint": str(ckpt)},
-            "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 240, "profiling_memory": 240,
-                                              "warming_up": 240}},
-            "services": {
-                "thinker": {"kind": "thinker", "port": th, "admin_port": th_admin, "metrics_port": th_metrics,
-                            "dist_port": dist,
-                            "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 128, "max_model_len": 512}},
-                # Two streams at once: a barge-in's new answer may open its stream while the old one closes.
-                "talker": {"kind": "talker", "port": tk, "admin_port": tk_admin, "metrics_port": tk_metrics,
-                           "talker": {"stress_batch_sizes": [2, 1], "max_segment_seconds": MAX_SEGMENT_SECONDS,
-                                      "max_lm_tokens": 512}},
-                "encoder": {"kind": "encoder", "port": enc, "admin_port": enc_admin, "metrics_port": enc_metrics,
-                            "encoder": {"image_max_pixels": 64 * 64, "video_min_pixels": 32 * 32,
-                                        "video_total_pixels": 4 * 64 * 64, "max_video_frames": 4,
-                                        "max_audio_seconds": 2.0, "stress_batch_sizes": [1]}},
-                "gateway": {"kind": "gateway", "port": gw, "admin_port": gw_admin, "metrics_port": gw_metrics},
+            "startup": {
+                "phase_deadlines_s": {
+                    "starting": 60,
+                    "loading_weights": 240,
+                    "profiling_memory": 240,
+                    "warming_up": 240,
+                }
             },
-        }  # fmt: skip
+            "services": {
+                "thinker": {
+                    "kind": "thinker",
+                    "port": th,
+                    "admin_port": th_admin,
+                    "metrics_port": th_metrics,
+                    "dist_port": dist,
+                    "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 128, "max_model_len": 512},
+                },
+                # Two streams at once: a barge-in's new answer may open its stream while the old one closes.
+                "talker": {
+                    "kind": "talker",
+                    "port": tk,
+                    "admin_port": tk_admin,
+                    "metrics_port": tk_metrics,
+                    "talker": {
+                        "stress_batch_sizes": [2, 1],
+                        "max_segment_seconds": MAX_SEGMENT_SECONDS,
+                        "max_lm_tokens": 512,
+                    },
+                },
+                "encoder": {
+                    "kind": "encoder",
+                    "port": enc,
+                    "admin_port": enc_admin,
+                    "metrics_port": enc_metrics,
+                    "encoder": {
+                        "image_max_pixels": 64 * 64,
+                        "video_min_pixels": 32 * 32,
+                        "video_total_pixels": 4 * 64 * 64,
+                        "max_video_frames": 4,
+                        "max_audio_seconds": 2.0,
+                        "stress_batch_sizes": [1],
+                    },
+                },
+                "gateway": {
+                    "kind": "gateway",
+                    "port": gw,
+                    "admin_port": gw_admin,
+                    "metrics_port": gw_metrics,
+                },
+            },
+        }
         self.root = root
         self.cfg_path = root / "deploy.yaml"
         self.cfg_path.write_text(yaml.safe_dump(cfg))
@@ -90,11 +137,24 @@ class Pipeline:
         """Start service `name` (again: its log goes on)."""
         with open(self.root / f"{name}.log", "a") as log:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", f"omnistage.services.{name}", "--config", str(self.cfg_path),
-                 "--service", name, "--rank", "0", "--run-dir", str(self.run_dir)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                [
+                    sys.executable,
+                    "-m",
+                    f"omnistage.services.{name}",
+                    "--config",
+                    str(self.cfg_path),
+                    "--service",
+                    name,
+                    "--rank",
+                    "0",
+                    "--run-dir",
+                    str(self.run_dir),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 env=dict(os.environ, PYTHONUNBUFFERED="1", OMNISTAGE_SERVICE=name),
-            )  # fmt: skip
+            )
 
     def logs(self, name: str) -> str:
         return (self.root / f"{name}.log").read_text()[-3000:]
@@ -104,16 +164,27 @@ class Pipeline:
 
     def serving(self) -> bool:
         rec = read_status(status_path(self.run_dir, "gateway", 0))
-        return (rec is not None and rec.phase == "serving"
-                and capabilities_ready(self.gateway, ["text", "speech", "media_input"]))
+        return (
+            rec is not None
+            and rec.phase == "serving"
+            and capabilities_ready(self.gateway, ["text", "speech", "media_input"])
+        )
 
     def exited(self) -> str:
-        return ", ".join(f"{name} (exit {proc.returncode})" for name, proc in self.procs.items()
-                         if proc.poll() is not None)
+        return ", ".join(
+            f"{name} (exit {proc.returncode})" for name, proc in self.procs.items() if proc.poll() is not None
+        )
 
     def wait_ready(self) -> Pipeline:
-        wait_started("the speech pipeline", self.serving, self.exited, START_DEADLINE_S, self.run_dir, self.all_logs,
-                     on_failure=lambda: self.stop(check=False))
+        wait_started(
+            "the speech pipeline",
+            self.serving,
+            self.exited,
+            START_DEADLINE_S,
+            self.run_dir,
+            self.all_logs,
+            on_failure=lambda: self.stop(check=False),
+        )
         return self
 
     def kill(self, name: str) -> None:
@@ -155,10 +226,13 @@ PROMPT, SEED = "Hello there, how are you?", 33
 
 def _spoken_request(max_tokens: int, request_id: str = "", text: str = PROMPT) -> omni_pb2.GenerateRequest:
     return omni_pb2.GenerateRequest(
-        request_id=request_id, messages=[_user(text)],
+        request_id=request_id,
+        messages=[_user(text)],
         output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO],
-        sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=SEED),
-    )  # fmt: skip
+        sampling=common_pb2.SamplingParams(
+            temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=SEED
+        ),
+    )
 
 
 def _kinds(events) -> list[str]:
@@ -199,17 +273,29 @@ def _more_calls(before: dict[str, float], after: dict[str, float]) -> dict[str, 
 
 
 def _talker_busy(pipeline: Pipeline) -> tuple[int, float]:
-    return (_describe(pipeline.talker_admin).running_requests,
-            _metric(pipeline.talker_metrics, "omnistage_talker_active_jobs"))
+    return (
+        _describe(pipeline.talker_admin).running_requests,
+        _metric(pipeline.talker_metrics, "omnistage_talker_active_jobs"),
+    )
 
 
 def _wait_stages_idle(pipeline: Pipeline) -> None:
     """The talker holds no stream and no job, the thinker no request (within a deadline)."""
-    wait_for(lambda: _talker_busy(pipeline) == (0, 0.0), IDLE_DEADLINE_S, "the talker to free its streams",
-             stage="talker", poll_s=0.1)
+    wait_for(
+        lambda: _talker_busy(pipeline) == (0, 0.0),
+        IDLE_DEADLINE_S,
+        "the talker to free its streams",
+        stage="talker",
+        poll_s=0.1,
+    )
     desc = lambda: _describe(pipeline.thinker_admin)  # noqa: E731
-    wait_for(lambda: desc().running_requests + desc().queued_requests == 0, IDLE_DEADLINE_S,
-             "the thinker to finish its requests", stage="thinker", poll_s=0.1)
+    wait_for(
+        lambda: desc().running_requests + desc().queued_requests == 0,
+        IDLE_DEADLINE_S,
+        "the thinker to finish its requests",
+        stage="thinker",
+        poll_s=0.1,
+    )
 
 
 def _check_audio(events, tmp_path: Path) -> np.ndarray:
@@ -310,8 +396,9 @@ class ConverseClient:
 
 def _converse_config(max_tokens: int) -> omni_pb2.GenerateRequest:
     return omni_pb2.GenerateRequest(
-        request_id="conv", sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                                              seed=3))  # fmt: skip
+        request_id="conv",
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=3),
+    )
 
 
 def _turn(events, turn: int) -> list[omni_pb2.GenerateEvent]:
@@ -320,7 +407,9 @@ def _turn(events, turn: int) -> list[omni_pb2.GenerateEvent]:
 
 def _text_generate(pipeline: Pipeline, messages, max_tokens: int) -> list[omni_pb2.GenerateEvent]:
     request = omni_pb2.GenerateRequest(
-        messages=messages, sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        messages=messages,
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
     with grpc.insecure_channel(pipeline.gateway) as ch:
         return list(omni_pb2_grpc.OmniStub(ch).Generate(request, timeout=60))
 
@@ -350,9 +439,16 @@ def test_converse_barge_in_interrupts_the_answer_and_frees_its_talker_stream(pip
             events.append(event)
             if event.HasField("audio") and event.turn == 0 and not sent_barge_in:
                 busy_at_barge_in = _describe(pipeline.talker_admin).running_requests
-                client.send(omni_pb2.ConverseRequest(audio=omni_pb2.AudioChunk(pcm16=pcm[:16000], sample_rate_hz=16000)),
-                            omni_pb2.ConverseRequest(audio=omni_pb2.AudioChunk(pcm16=pcm[16000:], sample_rate_hz=16000)),
-                            omni_pb2.ConverseRequest(end_of_turn=True), None)
+                client.send(
+                    omni_pb2.ConverseRequest(
+                        audio=omni_pb2.AudioChunk(pcm16=pcm[:16000], sample_rate_hz=16000)
+                    ),
+                    omni_pb2.ConverseRequest(
+                        audio=omni_pb2.AudioChunk(pcm16=pcm[16000:], sample_rate_hz=16000)
+                    ),
+                    omni_pb2.ConverseRequest(end_of_turn=True),
+                    None,
+                )
                 sent_barge_in = True
     finally:
         client.close()
@@ -370,8 +466,9 @@ def test_converse_barge_in_interrupts_the_answer_and_frees_its_talker_stream(pip
     _check_audio(answer, tmp_path)
     # Turn 1 is answered as a Generate of the conversation so far answers (greedy): turn 0, the part of
     # its answer that was sent, and the spoken turn as a WAV through the encoder.
-    spoken = omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(
-        audio=omni_pb2.Media(data=wav_of(pcm, 16000)))])
+    spoken = omni_pb2.ChatMessage(
+        role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(audio=omni_pb2.Media(data=wav_of(pcm, 16000)))]
+    )
     whole = _text_generate(pipeline, [_user(first), _assistant(_text(_turn(events, 0))), spoken], 12)
     assert whole[-1].finish.usage.prompt_tokens == answer[-1].finish.usage.prompt_tokens
     assert _tokens(whole) == _tokens(answer)
@@ -412,8 +509,13 @@ def test_converse_answers_two_turns_the_second_from_the_history(pipeline, tmp_pa
     # Exactly: the first prompt, the answer's 6 ids, the new turn (the answer's text tokenized again
     # would give other ids: the random weights' tokens do not round-trip).
     tok = MingTokenizer(pipeline.root / "ckpt")
-    turn = tok.encode_pieces([("template", "<|role_end|><role>HUMAN</role>"), ("text", second),
-                              ("template", "<|role_end|><role>ASSISTANT</role>")])  # fmt: skip
+    turn = tok.encode_pieces(
+        [
+            ("template", "<|role_end|><role>HUMAN</role>"),
+            ("text", second),
+            ("template", "<|role_end|><role>ASSISTANT</role>"),
+        ]
+    )
     assert second_usage.prompt_tokens == first_usage.prompt_tokens + 6 + len(turn)
     _wait_stages_idle(pipeline)
     assert _more_calls(calls, _speak_calls(pipeline)) == {"OK": 2}
@@ -459,7 +561,9 @@ def test_talker_down_the_text_completes_and_the_finish_says_why_there_is_no_audi
     assert audio.outcome == omni_pb2.AUDIO_OUTCOME_NONE and audio.code == "UNAVAILABLE", audio
     assert "talker" in audio.message
 
-    client = ConverseClient(pipeline, _converse_config(4), timeout=60)  # Converse too: text, and why no speech
+    client = ConverseClient(
+        pipeline, _converse_config(4), timeout=60
+    )  # Converse too: text, and why no speech
     try:
         client.send(omni_pb2.ConverseRequest(text="Are you there?"), None)
         turn = list(client.call)

@@ -35,18 +35,37 @@ def talker(tmp_path_factory):
     port, admin_port, metrics_port = free_ports(3)
     cfg = {
         "model": {"checkpoint": str(ckpt)},
-        "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 120, "profiling_memory": 120,
-                                          "warming_up": 120}},
-        "services": {"talker": {
-            "kind": "talker", "port": port, "admin_port": admin_port, "metrics_port": metrics_port,
-            "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30},
-            "talker": {"stress_batch_sizes": [STREAMS, 1], "max_segment_seconds": 20, "max_lm_tokens": 512,
-                       "max_text_chars": 400, "max_reference_seconds": 5},
-        }},
+        "startup": {
+            "phase_deadlines_s": {
+                "starting": 60,
+                "loading_weights": 120,
+                "profiling_memory": 120,
+                "warming_up": 120,
+            }
+        },
+        "services": {
+            "talker": {
+                "kind": "talker",
+                "port": port,
+                "admin_port": admin_port,
+                "metrics_port": metrics_port,
+                "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30},
+                "talker": {
+                    "stress_batch_sizes": [STREAMS, 1],
+                    "max_segment_seconds": 20,
+                    "max_lm_tokens": 512,
+                    "max_text_chars": 400,
+                    "max_reference_seconds": 5,
+                },
+            }
+        },
     }
     serve = ServeProcess(root, cfg).wait_ready(300)
-    yield {"address": f"127.0.0.1:{port}", "admin": f"127.0.0.1:{admin_port}",
-           "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
+    yield {
+        "address": f"127.0.0.1:{port}",
+        "admin": f"127.0.0.1:{admin_port}",
+        "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+    }
     serve.stop()
 
 
@@ -80,20 +99,30 @@ def test_describe_reports_the_stress_cap(talker):
 
 
 def test_two_segments_make_a_valid_44k_wav(talker, tmp_path):
-    requests = [_config(request_id="e2e", seed=7), talker_pb2.SpeakRequest(text="Hello there, my good friend. "),
-                talker_pb2.SpeakRequest(text="How are you doing today?", end_of_text=True)]
+    requests = [
+        _config(request_id="e2e", seed=7),
+        talker_pb2.SpeakRequest(text="Hello there, my good friend. "),
+        talker_pb2.SpeakRequest(text="How are you doing today?", end_of_text=True),
+    ]
     events = list(_stub(talker).Speak(iter(requests), timeout=120))
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds[0] == "started" and kinds[-1] == "finished"
     started = events[0].started
-    assert (started.request_id, started.sample_rate_hz, started.channels, started.voice) == ("e2e", 44100, 1, "DB30")
+    assert (started.request_id, started.sample_rate_hz, started.channels, started.voice) == (
+        "e2e",
+        44100,
+        1,
+        "DB30",
+    )
     done = [e.segment_done for e in events if e.HasField("segment_done")]
     assert [d.text for d in done] == ["Hello there, my good friend.", "How are you doing today?"]
     chunks = [e.audio for e in events if e.HasField("audio")]
     pcm = b"".join(c.pcm16 for c in chunks)
     offsets = np.cumsum([0] + [len(c.pcm16) // 2 for c in chunks])[:-1]
     assert [c.start_sample for c in chunks] == offsets.tolist()  # in order, no gaps or overlaps
-    assert [c.segment_index for c in chunks] == sorted(c.segment_index for c in chunks) and chunks[-1].segment_index == 1
+    assert [c.segment_index for c in chunks] == sorted(c.segment_index for c in chunks) and chunks[
+        -1
+    ].segment_index == 1
     assert sum(d.num_samples for d in done) == len(pcm) // 2 == events[-1].finished.total_samples
     path = tmp_path / "speech.wav"
     with wave.open(str(path), "wb") as w:
@@ -123,8 +152,14 @@ def _wav(seconds: float, rate: int = 22050) -> bytes:
 
 def test_a_custom_voice_speaks(talker):
     custom = talker_pb2.CustomVoice(audio=_wav(1.2), transcript="A short reference clip.")
-    events = list(_stub(talker).Speak(iter([_config(custom_voice=custom, seed=1),
-                                            talker_pb2.SpeakRequest(text="Hi.", end_of_text=True)]), timeout=120))
+    events = list(
+        _stub(talker).Speak(
+            iter(
+                [_config(custom_voice=custom, seed=1), talker_pb2.SpeakRequest(text="Hi.", end_of_text=True)]
+            ),
+            timeout=120,
+        )
+    )
     assert events[0].started.voice == "custom"
     assert events[-1].finished.total_samples > 0
 
@@ -135,8 +170,10 @@ def _wait_idle(talker) -> None:
         if _describe(talker).running_requests == 0 and _metric(talker, "omnistage_talker_active_jobs") == 0:
             return
         time.sleep(0.1)
-    raise AssertionError(f"still active: {_describe(talker).running_requests} streams, "
-                         f"{_metric(talker, 'omnistage_talker_active_jobs')} jobs")
+    raise AssertionError(
+        f"still active: {_describe(talker).running_requests} streams, "
+        f"{_metric(talker, 'omnistage_talker_active_jobs')} jobs"
+    )
 
 
 def test_a_cancel_mid_speech_frees_the_stream(talker):
@@ -144,8 +181,9 @@ def test_a_cancel_mid_speech_frees_the_stream(talker):
 
     def requests():
         yield _config(seed=3)
-        yield talker_pb2.SpeakRequest(text="This sentence is long enough to take many talker steps to say. " * 3,
-                                      flush=True)
+        yield talker_pb2.SpeakRequest(
+            text="This sentence is long enough to take many talker steps to say. " * 3, flush=True
+        )
         gate.wait(60)  # keep the stream open: the client cancels before it ends
 
     call = _stub(talker).Speak(requests(), timeout=120)
@@ -162,27 +200,60 @@ def test_a_cancel_mid_speech_frees_the_stream(talker):
     _wait_idle(talker)
 
 
-@pytest.mark.parametrize(("requests", "needle"), [
-    ([_config(voice="nobody"), talker_pb2.SpeakRequest(text="Hi.", end_of_text=True)],
-     "config.voice: unknown voice 'nobody' (have: DB30, lingguang)"),
-    ([_config(), talker_pb2.SpeakRequest(text="  ... !!", end_of_text=True)], "text: nothing to speak"),
-    ([_config(), talker_pb2.SpeakRequest(text="a" * 401, end_of_text=True)], "talker.max_text_chars (400"),
-    ([_config(custom_voice=talker_pb2.CustomVoice(audio=b"RIFF not a wav", transcript="x")),
-      talker_pb2.SpeakRequest(text="Hi.", end_of_text=True)], "config.custom_voice.audio: not a decodable audio file"),
-    ([_config(custom_voice=talker_pb2.CustomVoice(audio=_wav(6.0), transcript="x")),
-      talker_pb2.SpeakRequest(text="Hi.", end_of_text=True)], "config.custom_voice.audio: longer than 5 s"),
-    ([_config(custom_voice=talker_pb2.CustomVoice(audio=_wav(1.0)))], "config.custom_voice.transcript: required"),
-    ([talker_pb2.SpeakRequest(text="Hi.")], "config: required in the first message"),
-    ([_config(), _config()], "config: only the first message may carry it"),
-], ids=["unknown-voice", "no-speakable-text", "text-too-long", "corrupt-clip", "clip-too-long", "no-transcript",
-        "no-config", "config-twice"])
+@pytest.mark.parametrize(
+    ("requests", "needle"),
+    [
+        (
+            [_config(voice="nobody"), talker_pb2.SpeakRequest(text="Hi.", end_of_text=True)],
+            "config.voice: unknown voice 'nobody' (have: DB30, lingguang)",
+        ),
+        ([_config(), talker_pb2.SpeakRequest(text="  ... !!", end_of_text=True)], "text: nothing to speak"),
+        (
+            [_config(), talker_pb2.SpeakRequest(text="a" * 401, end_of_text=True)],
+            "talker.max_text_chars (400",
+        ),
+        (
+            [
+                _config(custom_voice=talker_pb2.CustomVoice(audio=b"RIFF not a wav", transcript="x")),
+                talker_pb2.SpeakRequest(text="Hi.", end_of_text=True),
+            ],
+            "config.custom_voice.audio: not a decodable audio file",
+        ),
+        (
+            [
+                _config(custom_voice=talker_pb2.CustomVoice(audio=_wav(6.0), transcript="x")),
+                talker_pb2.SpeakRequest(text="Hi.", end_of_text=True),
+            ],
+            "config.custom_voice.audio: longer than 5 s",
+        ),
+        (
+            [_config(custom_voice=talker_pb2.CustomVoice(audio=_wav(1.0)))],
+            "config.custom_voice.transcript: required",
+        ),
+        ([talker_pb2.SpeakRequest(text="Hi.")], "config: required in the first message"),
+        ([_config(), _config()], "config: only the first message may carry it"),
+    ],
+    ids=[
+        "unknown-voice",
+        "no-speakable-text",
+        "text-too-long",
+        "corrupt-clip",
+        "clip-too-long",
+        "no-transcript",
+        "no-config",
+        "config-twice",
+    ],
+)
 def test_bad_input_is_named_and_the_service_keeps_serving(talker, requests, needle):
     with pytest.raises(grpc.RpcError) as err:
         list(_stub(talker).Speak(iter(requests), timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in err.value.details()
-    ok = list(_stub(talker).Speak(iter([_config(seed=1), talker_pb2.SpeakRequest(text="Fine.", end_of_text=True)]),
-                                  timeout=120))
+    ok = list(
+        _stub(talker).Speak(
+            iter([_config(seed=1), talker_pb2.SpeakRequest(text="Fine.", end_of_text=True)]), timeout=120
+        )
+    )
     assert ok[-1].finished.total_samples > 0
     _wait_idle(talker)
 
@@ -202,8 +273,11 @@ def test_streams_beyond_the_cap_are_refused_with_pushback(talker):
         assert next(call).HasField("started")  # holds a slot
     try:
         with pytest.raises(grpc.RpcError) as err:
-            list(_stub(talker).Speak(iter([_config(), talker_pb2.SpeakRequest(text="Hi.", end_of_text=True)]),
-                                     timeout=30))
+            list(
+                _stub(talker).Speak(
+                    iter([_config(), talker_pb2.SpeakRequest(text="Hi.", end_of_text=True)]), timeout=30
+                )
+            )
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert dict(err.value.trailing_metadata())["grpc-retry-pushback-ms"] == "500"
     finally:
@@ -216,8 +290,11 @@ def test_streams_beyond_the_cap_are_refused_with_pushback(talker):
 def test_metrics_pass_promtool_check_metrics(talker, check_metrics):
     """/metrics after this test's own traffic (a spoken sentence, a refused request), whatever ran before
     it: the labelled series they count are there and pass promtool (tests/deploy checks the names)."""
-    ok = list(_stub(talker).Speak(iter([_config(seed=1), talker_pb2.SpeakRequest(text="Fine.", end_of_text=True)]),
-                                  timeout=120))
+    ok = list(
+        _stub(talker).Speak(
+            iter([_config(seed=1), talker_pb2.SpeakRequest(text="Fine.", end_of_text=True)]), timeout=120
+        )
+    )
     assert ok[-1].finished.total_samples > 0
     with pytest.raises(grpc.RpcError):
         list(_stub(talker).Speak(iter([talker_pb2.SpeakRequest(text="Hi.")]), timeout=60))

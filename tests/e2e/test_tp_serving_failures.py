@@ -25,7 +25,12 @@ pytestmark = pytest.mark.timeout(300)
 START_DEADLINE_S = 150.0
 STREAMS = 6
 # The deploy file's TP deadlines: a silent peer is declared after 3 s, every rank gone 8 s after.
-TP = {"failure_exit_s": 8, "peer_watch_interval_s": 0.2, "peer_timeout_s": 3, "serving_collective_timeout_s": 60}
+TP = {
+    "failure_exit_s": 8,
+    "peer_watch_interval_s": 0.2,
+    "peer_timeout_s": 3,
+    "serving_collective_timeout_s": 60,
+}
 STOP_GRACE_S = 4.0
 # The deadlines of the test's waits, not claims about speed (two shared cores): far above the bounds
 # under test, below what a missed fault costs (streams held until the serving collective's 60 s timeout;
@@ -50,7 +55,9 @@ class StreamResult:
 
 def _stream(address: str, first_event: threading.Event, out: StreamResult) -> None:
     request = omni_pb2.GenerateRequest(
-        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Tell a story.")])],
+        messages=[
+            omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Tell a story.")])
+        ],
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True),
     )
     with grpc.insecure_channel(address) as ch:
@@ -69,12 +76,20 @@ def _stream(address: str, first_event: threading.Event, out: StreamResult) -> No
 def _serve(tmp: Path, ckpt: Path, tp_size: int) -> ServeProcess:
     gw, th, dist = free_ports(3)
     thinker = {
-        "kind": "thinker", "port": th, "tp_size": tp_size, "dist_port": dist, "drain_grace_s": 2.0, "tp": TP,
+        "kind": "thinker",
+        "port": th,
+        "tp_size": tp_size,
+        "dist_port": dist,
+        "drain_grace_s": 2.0,
+        "tp": TP,
         "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 512},
-    }  # fmt: skip
+    }
     cfg = {
         "model": {"checkpoint": str(ckpt)},
-        "startup": {"stop_grace_s": STOP_GRACE_S, "phase_deadlines_s": {"loading_weights": 120, "warming_up": 120}},
+        "startup": {
+            "stop_grace_s": STOP_GRACE_S,
+            "phase_deadlines_s": {"loading_weights": 120, "warming_up": 120},
+        },
         # No restart: this checks how the pipeline ends (test_pipeline_resilience checks the restart).
         "supervision": {"max_restarts": 0},
         "services": {"thinker": thinker, "gateway": {"kind": "gateway", "port": gw}},
@@ -110,7 +125,9 @@ def test_a_rank_lost_while_serving_fails_every_stream_naming_it(tmp_path, ckpt, 
         for t in threads:
             t.join(deadline.remaining())
         hung = [r for r, t in zip(results, threads, strict=True) if t.is_alive()]
-        assert not hung, f"{len(hung)} stream(s) still open {STREAMS_END_DEADLINE_S:g}s after the fault:\n{logs()}"
+        assert not hung, (
+            f"{len(hung)} stream(s) still open {STREAMS_END_DEADLINE_S:g}s after the fault:\n{logs()}"
+        )
         for r in results:
             assert r.code == grpc.StatusCode.UNAVAILABLE, (r, logs())
             what = "died" if sig == signal.SIGKILL else "stopped answering"

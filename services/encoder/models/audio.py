@@ -41,7 +41,9 @@ class WhisperAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = (p(x).view(b, t, self.n_head, -1).transpose(1, 2) for p in (self.query, self.key, self.value))
+        q, k, v = (
+            p(x).view(b, t, self.n_head, -1).transpose(1, 2) for p in (self.query, self.key, self.value)
+        )
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out(o.transpose(1, 2).reshape(b, t, -1))
 
@@ -68,7 +70,9 @@ class WhisperEncoder(nn.Module):
         self.conv1 = nn.Conv1d(cfg.n_mels, cfg.n_state, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(cfg.n_state, cfg.n_state, kernel_size=3, stride=2, padding=1)
         self.register_buffer("positional_embedding", torch.empty(cfg.n_ctx, cfg.n_state))
-        self.blocks = nn.ModuleList(ResidualAttentionBlock(cfg.n_state, cfg.n_head) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(
+            ResidualAttentionBlock(cfg.n_state, cfg.n_head) for _ in range(cfg.n_layer)
+        )
         self.ln_post = nn.LayerNorm(cfg.n_state)
 
     def forward(self, mel: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -93,7 +93,9 @@ class EncoderModelConfig:
         return cls.from_dict(read_json(path, "the encoders"), read_added_tokens(root), where=str(path))
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any], tokens: dict[str, int], where: str = "config.json") -> EncoderModelConfig:
+    def from_dict(
+        cls, cfg: dict[str, Any], tokens: dict[str, int], where: str = "config.json"
+    ) -> EncoderModelConfig:
         for key in ("vision_config", "audio_config", "llm_config"):
             if not isinstance(cfg.get(key), dict):
                 raise CheckpointError(f"{where}: no {key} (not a Ming omni checkpoint?)")
@@ -106,8 +108,14 @@ class EncoderModelConfig:
 
 
 _VISION_KEYS = ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size")
-_VISION_OPTIONAL = ("patch_size", "temporal_patch_size", "in_channels", "spatial_merge_size", "num_position_embeddings",
-                    "hidden_act")
+_VISION_OPTIONAL = (
+    "patch_size",
+    "temporal_patch_size",
+    "in_channels",
+    "spatial_merge_size",
+    "num_position_embeddings",
+    "hidden_act",
+)
 _WHISPER_KEYS = ("n_mels", "n_ctx", "n_state", "n_head", "n_layer")
 
 
@@ -118,17 +126,24 @@ def _vision(v: dict[str, Any], llm: dict[str, Any], mlp_depth: int, where: str) 
         raise CheckpointError(f"{where}: mlp_depth {mlp_depth} is not supported (Ming uses 2)")
     if v["hidden_size"] % v["num_heads"]:
         raise CheckpointError(f"{where} vision_config: hidden_size not divisible by num_heads")
-    return VisionConfig(**keys, projector_size=llm["hidden_size"], mlp_depth=mlp_depth,
-                        deepstack_visual_indexes=tuple(v.get("deepstack_visual_indexes") or ()))
+    return VisionConfig(
+        **keys,
+        projector_size=llm["hidden_size"],
+        mlp_depth=mlp_depth,
+        deepstack_visual_indexes=tuple(v.get("deepstack_visual_indexes") or ()),
+    )
 
 
 def _audio(a: dict[str, Any], llm: dict[str, Any], where: str) -> AudioConfig:
     w = a.get("whisper_encoder_config")
     if not isinstance(w, dict):
         raise CheckpointError(f"{where} audio_config: no whisper_encoder_config")
-    return AudioConfig(**take(w, _WHISPER_KEYS, (), f"{where} whisper_encoder_config"),
-                       **take(a, (), ("ds_kernel_size", "ds_stride"), f"{where} audio_config"),
-                       projector_size=llm["hidden_size"], norm_query_embeds=bool(a.get("norm_query_embeds", True)))
+    return AudioConfig(
+        **take(w, _WHISPER_KEYS, (), f"{where} whisper_encoder_config"),
+        **take(a, (), ("ds_kernel_size", "ds_stride"), f"{where} audio_config"),
+        projector_size=llm["hidden_size"],
+        norm_query_embeds=bool(a.get("norm_query_embeds", True)),
+    )
 
 
 def _placeholders(llm: dict[str, Any], tokens: dict[str, int], where: str) -> PlaceholderIds:

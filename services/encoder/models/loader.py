@@ -56,7 +56,10 @@ def deepstack_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
         p = f"vision.deepstack_merger_list.{j}."
         out |= {p + "norm.weight": (merged,), p + "norm.bias": (merged,)}
         out |= {p + "linear_fc1.weight": (merged, merged), p + "linear_fc1.bias": (merged,)}
-        out |= {p + "linear_fc2.weight": (cfg.out_hidden_size, merged), p + "linear_fc2.bias": (cfg.out_hidden_size,)}
+        out |= {
+            p + "linear_fc2.weight": (cfg.out_hidden_size, merged),
+            p + "linear_fc2.bias": (cfg.out_hidden_size,),
+        }
     return out
 
 
@@ -68,7 +71,9 @@ def _targets(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_encoders(config: EncoderModelConfig, *, dtype: torch.dtype, device: str | torch.device) -> EncoderModels:
+def build_encoders(
+    config: EncoderModelConfig, *, dtype: torch.dtype, device: str | torch.device
+) -> EncoderModels:
     """Empty towers (uninitialised parameters) in `dtype` on `device`; the loader or a benchmark fills them."""
     vision = loading.empty_on(lambda: VisionEncoder(config.vision), dtype=dtype, device=device)
     audio = loading.empty_on(lambda: AudioEncoder(config.audio), dtype=dtype, device=device)
@@ -96,10 +101,15 @@ def load_encoders(
     targets = _targets([models.vision, models.audio])
     skipped = deepstack_shapes(config.vision)
     want = {**loading.state_shapes(targets), **skipped}
-    loading.check_keys(root, "encoder weights do not match config.json", want, loading.shapes(headers, is_encoder_key))
+    loading.check_keys(
+        root, "encoder weights do not match config.json", want, loading.shapes(headers, is_encoder_key)
+    )
 
-    mine = [s for s in shards if any(h.shard == s and is_encoder_key(k) and k not in skipped
-                                     for k, h in headers.items())]
+    mine = [
+        s
+        for s in shards
+        if any(h.shard == s and is_encoder_key(k) and k not in skipped for k, h in headers.items())
+    ]
     if progress is not None:
         progress(0, len(mine))
     loaded: set[str] = set()
@@ -112,8 +122,14 @@ def load_encoders(
     return models
 
 
-def dummy_encoders(config: EncoderModelConfig, *, dtype: torch.dtype, device: str | torch.device,
-                   progress: Callable[[int, int], None] | None = None, seed: int = 0) -> EncoderModels:
+def dummy_encoders(
+    config: EncoderModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    progress: Callable[[int, int], None] | None = None,
+    seed: int = 0,
+) -> EncoderModels:
     """Both towers with random weights in `dtype` on `device` (one progress step per tower)."""
     models = build_encoders(config, dtype=dtype, device=device)
     for n, (tower, offset) in enumerate(((models.vision, 0), (models.audio, 1)), start=1):

@@ -45,7 +45,9 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: PackedLayout
+    ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(v.dtype)
@@ -74,7 +76,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: PackedLayout
+    ) -> torch.Tensor:
         dtype = self.attn.qkv.weight.dtype
         x = x + self.attn(layer_norm_fp32(self.norm1, x).to(dtype), cos, sin, layout).float()
         return x + self.mlp(layer_norm_fp32(self.norm2, x).to(dtype)).float()
@@ -112,7 +116,9 @@ class VisionTransformer(nn.Module):
         self.merger = PatchMerger(cfg)
         self.side = int(round(cfg.num_position_embeddings**0.5))
         if self.side**2 != cfg.num_position_embeddings:
-            raise ValueError(f"vision_config.num_position_embeddings {cfg.num_position_embeddings} is not a square")
+            raise ValueError(
+                f"vision_config.num_position_embeddings {cfg.num_position_embeddings} is not a square"
+            )
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         # "auto": flash varlen on CUDA (half precision) where torch has it, else equal-length segments;
         # "segments" / "mask" (the block-diagonal reference) / "flash" force one.
@@ -161,8 +167,12 @@ class VisionTransformer(nn.Module):
         def at(r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
             return t[(r[:, None] * side + c[None, :]).reshape(-1)].view(h, w, -1)
 
-        pe = (at(h0, w0) * (1 - dh) * (1 - dw) + at(h0, w1) * (1 - dh) * dw
-              + at(h1, w0) * dh * (1 - dw) + at(h1, w1) * dh * dw)
+        pe = (
+            at(h0, w0) * (1 - dh) * (1 - dw)
+            + at(h0, w1) * (1 - dh) * dw
+            + at(h1, w0) * dh * (1 - dw)
+            + at(h1, w1) * dh * dw
+        )
         return pe.view(h // m, m, w // m, m, -1).permute(0, 2, 1, 3, 4).reshape(h * w, -1)
 
     def _rope(self, grids: Sequence[Grid], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,15 +216,18 @@ def flash_varlen_available(device: torch.device) -> bool:
     return device.type == "cuda" and hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
-def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+def flash_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
+) -> torch.Tensor:
     """Bidirectional flash attention over the packed segments of q, k, v [N, heads, d] (fp16/bf16).
 
     The aten op `torch.nn.attention.varlen.varlen_attn` itself calls (its positional arguments are the
     same from torch 2.2 on; the wrapper's are not): q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, dropout,
     is_causal, return_debug_mask."""
     q, k, v = (t.contiguous() for t in (q, k, v))  # v is a view of the fused qkv output
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, False,
-                                                   False)[0]
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, False, False
+    )[0]
 
 
 @dataclass(frozen=True)
@@ -231,7 +244,9 @@ class PackedLayout:
     @classmethod
     def of(cls, grids: Sequence[Grid], device: torch.device, kind: str = "auto") -> PackedLayout:
         lengths = tuple(h * w for t, h, w in grids for _ in range(t))
-        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device, non_blocking=True)
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(
+            device, non_blocking=True
+        )
         if kind == "auto":
             kind = "flash" if flash_varlen_available(device) else "segments"
         return cls(kind, lengths, cu, _segments(grids, device) if kind == "segments" else [])
@@ -246,11 +261,15 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if layout.kind == "flash" and q.dtype in (torch.float16, torch.bfloat16):
         return flash_varlen(q, k, v, layout.cu_seqlens, layout.max_len)
     if layout.kind == "mask":
-        seg = torch.repeat_interleave(torch.arange(len(layout.lengths), device=q.device),
-                                      torch.tensor(layout.lengths, device=q.device), output_size=q.shape[0])
+        seg = torch.repeat_interleave(
+            torch.arange(len(layout.lengths), device=q.device),
+            torch.tensor(layout.lengths, device=q.device),
+            output_size=q.shape[0],
+        )
         mask = seg[:, None] == seg[None, :]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], attn_mask=mask)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask
+        )
         return out[0].transpose(0, 1)
     segments = layout.segments or _segments([(1, 1, n) for n in layout.lengths], q.device)  # "flash" in fp32
     out = torch.empty_like(q)

@@ -84,8 +84,11 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = HttpError(413, f"request body larger than {self.limit} bytes (gateway.http_max_body_bytes)",
-                              code="request_too_large")  # fmt: skip
+        too_large = HttpError(
+            413,
+            f"request body larger than {self.limit} bytes (gateway.http_max_body_bytes)",
+            code="request_too_large",
+        )
         for key, value in scope.get("headers", ()):
             if key == b"content-length":
                 try:
@@ -113,7 +116,9 @@ def _loads(raw: bytes) -> Any:
         raise HttpError(400, "body: expected a JSON object", param="body")
     values = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
     if values > MAX_JSON_VALUES:
-        raise HttpError(400, f"body: {values} JSON objects, arrays and commas, at most {MAX_JSON_VALUES}", param="body")
+        raise HttpError(
+            400, f"body: {values} JSON objects, arrays and commas, at most {MAX_JSON_VALUES}", param="body"
+        )
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -130,8 +135,12 @@ def _require_json(request: Request) -> None:
     value = request.headers.get("content-type", "")
     if value.partition(";")[0].strip().lower() != JSON_MEDIA_TYPE:
         got = f"got {value!r}" if value else "no Content-Type was sent"
-        raise HttpError(400, f"content-type: expected {JSON_MEDIA_TYPE}, {got}", param="content-type",
-                        code="invalid_content_type")  # fmt: skip
+        raise HttpError(
+            400,
+            f"content-type: expected {JSON_MEDIA_TYPE}, {got}",
+            param="content-type",
+            code="invalid_content_type",
+        )
 
 
 async def _translate(request: Request, translate: Callable[..., T], **kwargs: Any) -> T:
@@ -159,8 +168,12 @@ def _request_id(request: Request) -> str:
     """The client's `x-request-id` ("" when none was sent); an invalid one is refused, not replaced."""
     rid = request.headers.get("x-request-id", "")
     if not valid_request_id(rid):
-        raise HttpError(400, f"x-request-id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters",
-                        param="x-request-id", code="invalid_value")  # fmt: skip
+        raise HttpError(
+            400,
+            f"x-request-id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters",
+            param="x-request-id",
+            code="invalid_value",
+        )
     return rid
 
 
@@ -173,8 +186,12 @@ def _echoed_request_id(request: Request) -> str:
 class Front:
     """The routes; `channel` is a grpc.aio channel to the gateway's own Omni port."""
 
-    def __init__(self, channel: grpc.aio.Channel, options: FrontOptions = FrontOptions(),
-                 check_key: Callable[[tuple], str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        options: FrontOptions = FrontOptions(),
+        check_key: Callable[[tuple], str] | None = None,
+    ) -> None:
         self.stub = omni_pb2_grpc.OmniStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
         self.options = options
@@ -191,8 +208,15 @@ class Front:
             Route("/v1/audio/speech", self.speech, methods=["POST"]),
             Route("/v1/images/generations", self.images, methods=["POST"]),
         ]
-        app = Starlette(routes=routes, exception_handlers={HttpError: self._on_error, 404: self._not_found,
-                                                             405: self._not_allowed, Exception: self._on_bug})  # fmt: skip
+        app = Starlette(
+            routes=routes,
+            exception_handlers={
+                HttpError: self._on_error,
+                404: self._not_found,
+                405: self._not_allowed,
+                Exception: self._on_bug,
+            },
+        )
         return BodyLimit(app, self.options.max_body_bytes)
 
     async def _on_error(self, request: Request, exc: Exception) -> Response:
@@ -204,7 +228,9 @@ class Front:
         return error_response(HttpError(500, f"internal error: {type(exc).__name__}", type="server_error"))
 
     async def _not_found(self, request: Request, exc: Exception) -> Response:
-        return error_response(HttpError(404, f"no route {request.method} {request.url.path}", type="not_found_error"))
+        return error_response(
+            HttpError(404, f"no route {request.method} {request.url.path}", type="not_found_error")
+        )
 
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
         return error_response(HttpError(405, f"{request.method} is not allowed on {request.url.path}"))
@@ -217,8 +243,9 @@ class Front:
     async def _health_of(self, service: str) -> str:
         """The gateway's health of `service` ("" = the gateway): SERVING, NOT_SERVING, or CODE: details."""
         try:
-            reply = await self.health.Check(health_pb2.HealthCheckRequest(service=service),
-                                            timeout=self.options.health_timeout_s)  # fmt: skip
+            reply = await self.health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=self.options.health_timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
@@ -230,12 +257,23 @@ class Front:
         caps = self.options.capabilities
         wanted = request.query_params.get("capability", "text" if "text" in caps else None)
         if wanted is not None and wanted not in caps:
-            raise HttpError(404, f"capability: {wanted!r} is not deployed here (have: {', '.join(caps) or 'none'})",
-                            type="not_found_error", param="capability", code="capability_not_found")  # fmt: skip
-        answers = await asyncio.gather(self._health_of(""), *(self._health_of(f"{PUBLIC_API}.{c}") for c in caps))
+            raise HttpError(
+                404,
+                f"capability: {wanted!r} is not deployed here (have: {', '.join(caps) or 'none'})",
+                type="not_found_error",
+                param="capability",
+                code="capability_not_found",
+            )
+        answers = await asyncio.gather(
+            self._health_of(""), *(self._health_of(f"{PUBLIC_API}.{c}") for c in caps)
+        )
         gateway, ready = answers[0], {c: a == "SERVING" for c, a in zip(caps, answers[1:], strict=True)}
         ok = gateway == "SERVING" and (wanted is None or ready[wanted])
-        body: dict[str, Any] = {"status": "ready" if ok else "not_ready", "gateway": gateway, "capabilities": ready}
+        body: dict[str, Any] = {
+            "status": "ready" if ok else "not_ready",
+            "gateway": gateway,
+            "capabilities": ready,
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def _authorize(self, request: Request) -> None:
@@ -254,8 +292,12 @@ class Front:
     async def model(self, request: Request) -> Response:
         self._authorize(request)
         if request.path_params["model"] != self.options.model:
-            raise HttpError(404, f"model {request.path_params['model']!r} not found (serving {self.options.model!r})",
-                            type="not_found_error", code="model_not_found")
+            raise HttpError(
+                404,
+                f"model {request.path_params['model']!r} not found (serving {self.options.model!r})",
+                type="not_found_error",
+                code="model_not_found",
+            )
         return JSONResponse(self._model_card())
 
     # ---- the Omni call
@@ -313,7 +355,9 @@ class Front:
             left = not work.done()  # the client went away (or this task is being cancelled)
             if left:
                 call.cancel()
-                await cancel_and_wait([work], self.options.finished_stream_end_s, "openai front: a left answer")
+                await cancel_and_wait(
+                    [work], self.options.finished_stream_end_s, "openai front: a left answer"
+                )
         if left:
             raise HttpError(499, "the client went away", type="cancelled", code="cancelled")
         work.result()  # an RPC error as HttpError
@@ -335,15 +379,24 @@ class Front:
             err = tr.finish_error(collected.finish)
             if err is not None:
                 raise err
-            body = tr.chat_completion(collected, completion_id=completion_id, created=created, model=model,
-                                      audio_format=plan.audio_format)  # fmt: skip
+            body = tr.chat_completion(
+                collected,
+                completion_id=completion_id,
+                created=created,
+                model=model,
+                audio_format=plan.audio_format,
+            )
             return JSONResponse(body, headers=headers)
         call, first = await self._open(request, plan.request)
-        return StreamingResponse(self._chat_sse(call, first, plan, completion_id, created, model),
-                                 media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return StreamingResponse(
+            self._chat_sse(call, first, plan, completion_id, created, model),
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **headers},
+        )
 
-    async def _chat_sse(self, call, first, plan: tr.ChatPlan, completion_id: str, created: int,
-                        model: str) -> AsyncIterator[bytes]:  # fmt: skip
+    async def _chat_sse(
+        self, call, first, plan: tr.ChatPlan, completion_id: str, created: int, model: str
+    ) -> AsyncIterator[bytes]:
         def sse(obj: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -382,7 +435,9 @@ class Front:
 
     async def speech(self, request: Request) -> Response:
         rid = _request_id(request)
-        plan = await _translate(request, tr.speech_request, request_id=rid, max_chars=self.options.max_speech_chars)
+        plan = await _translate(
+            request, tr.speech_request, request_id=rid, max_chars=self.options.max_speech_chars
+        )
         call, first = await self._open(request, plan.request)
         events = self._events(call, first)
         # The status waits for the first audio (or the end): an answer with no speech gets an error.
@@ -396,7 +451,9 @@ class Front:
                 if kind == "finish":
                     raise tr.finish_error(event.finish) or tr.speech_error(event.finish.audio)
             if pending is None:
-                raise HttpError(502, "the gateway's stream ended without audio or a finish event", type="server_error")
+                raise HttpError(
+                    502, "the gateway's stream ended without audio or a finish event", type="server_error"
+                )
         except BaseException:
             await events.aclose()
             raise
@@ -408,8 +465,9 @@ class Front:
         media = tr.SPEECH_FORMATS[plan.response_format]
         if plan.response_format == "pcm":
             media = f"audio/pcm;rate={rate}"
-        return StreamingResponse(self._speech_bytes(pending, events, plan.response_format), media_type=media,
-                                 headers=headers)  # fmt: skip
+        return StreamingResponse(
+            self._speech_bytes(pending, events, plan.response_format), media_type=media, headers=headers
+        )
 
     @staticmethod
     async def _speech_bytes(first: omni_pb2.AudioChunk, events, fmt: str) -> AsyncIterator[bytes]:
@@ -428,18 +486,33 @@ class Front:
         def sse(obj: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
-        yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(first.pcm16).decode(),
-                   "sample_rate": first.sample_rate_hz})  # fmt: skip
+        yield sse(
+            {
+                "type": "speech.audio.delta",
+                "audio": base64.b64encode(first.pcm16).decode(),
+                "sample_rate": first.sample_rate_hz,
+            }
+        )
         try:
             async for event in events:
                 kind = event.WhichOneof("event")
                 if kind == "audio" and event.audio.pcm16:
-                    yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(event.audio.pcm16).decode()})
+                    yield sse(
+                        {"type": "speech.audio.delta", "audio": base64.b64encode(event.audio.pcm16).decode()}
+                    )
                 elif kind == "finish":
                     u = tr.usage(event.finish)
-                    yield sse({"type": "speech.audio.done", "usage": {"input_tokens": u["prompt_tokens"],
-                               "output_tokens": u["completion_tokens"], "total_tokens": u["total_tokens"]},
-                               "audio": tr.audio_status(event.finish.audio)})  # fmt: skip
+                    yield sse(
+                        {
+                            "type": "speech.audio.done",
+                            "usage": {
+                                "input_tokens": u["prompt_tokens"],
+                                "output_tokens": u["completion_tokens"],
+                                "total_tokens": u["total_tokens"],
+                            },
+                            "audio": tr.audio_status(event.finish.audio),
+                        }
+                    )
         except HttpError as err:
             yield sse({"type": "error", **err.body()})
         finally:
@@ -455,11 +528,23 @@ class Front:
         if err is not None:
             raise err
         if not collected.images:
-            raise HttpError(500, "the request finished without an image", type="server_error", code="no_image")
-        data = [{"b64_json": base64.b64encode(img.png).decode(), "revised_prompt": None} for img in collected.images]
+            raise HttpError(
+                500, "the request finished without an image", type="server_error", code="no_image"
+            )
+        data = [
+            {"b64_json": base64.b64encode(img.png).decode(), "revised_prompt": None}
+            for img in collected.images
+        ]
         first = collected.images[0]
-        body = {"created": int(time.time()), "data": data, "output_format": "png",
-                "size": f"{first.width}x{first.height}",
-                "usage": {"input_tokens": collected.finish.usage.prompt_tokens, "output_tokens": 0,
-                          "total_tokens": collected.finish.usage.prompt_tokens}}  # fmt: skip
+        body = {
+            "created": int(time.time()),
+            "data": data,
+            "output_format": "png",
+            "size": f"{first.width}x{first.height}",
+            "usage": {
+                "input_tokens": collected.finish.usage.prompt_tokens,
+                "output_tokens": 0,
+                "total_tokens": collected.finish.usage.prompt_tokens,
+            },
+        }
         return JSONResponse(body, headers={"x-request-id": rid} if rid else {})

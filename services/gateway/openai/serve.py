@@ -37,21 +37,32 @@ class _Server(uvicorn.Server):
 class HttpFront:
     """The running HTTP front: `start()` binds (OSError naming the key when it cannot), `stop()` ends it."""
 
-    def __init__(self, cfg: DeployConfig, svc: ServiceConfig, grpc_port: int, capabilities: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, cfg: DeployConfig, svc: ServiceConfig, grpc_port: int, capabilities: tuple[str, ...] = ()
+    ) -> None:
         gw = svc.gateway
         self.svc = svc
         self.where = join_host_port(svc.bind_host, gw.http_port)
         target = join_host_port(cfg.dial_host(svc.bind_host), grpc_port)
-        options = [("grpc.max_receive_message_length", svc.max_message_bytes),
-                   ("grpc.max_send_message_length", svc.max_message_bytes)]  # fmt: skip
+        options = [
+            ("grpc.max_receive_message_length", svc.max_message_bytes),
+            ("grpc.max_send_message_length", svc.max_message_bytes),
+        ]
         creds = auth.channel_credentials(svc)
-        self.channel = (grpc.aio.secure_channel(target, creds, options) if creds is not None
-                        else grpc.aio.insecure_channel(target, options))  # fmt: skip
+        self.channel = (
+            grpc.aio.secure_channel(target, creds, options)
+            if creds is not None
+            else grpc.aio.insecure_channel(target, options)
+        )
         keys = auth.api_keys(svc)
         front = Front(
             self.channel,
-            FrontOptions(model=gw.http_model, timeout_s=gw.http_timeout_s, max_body_bytes=gw.http_max_body_bytes,
-                         capabilities=capabilities),
+            FrontOptions(
+                model=gw.http_model,
+                timeout_s=gw.http_timeout_s,
+                max_body_bytes=gw.http_max_body_bytes,
+                capabilities=capabilities,
+            ),
             check_key=keys.refusal if keys is not None else None,
         )
         ssl = {}
@@ -61,9 +72,14 @@ class HttpFront:
                 import ssl as ssl_mod
 
                 ssl |= {"ssl_ca_certs": svc.tls.client_ca_file, "ssl_cert_reqs": ssl_mod.CERT_REQUIRED}
-        config = uvicorn.Config(front.app(), log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=max(1, int(svc.drain_grace_s)),
-                                **ssl)  # fmt: skip
+        config = uvicorn.Config(
+            front.app(),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=max(1, int(svc.drain_grace_s)),
+            **ssl,
+        )
         self.server = _Server(config)
         self.sock: socket.socket | None = None
         self.task: asyncio.Task | None = None
@@ -80,7 +96,9 @@ class HttpFront:
             sock.setblocking(False)
         except OSError as exc:
             sock.close()
-            raise OSError(f"services.{self.svc.name}.gateway.http_port: cannot bind {self.where} (in use?): {exc}") from exc
+            raise OSError(
+                f"services.{self.svc.name}.gateway.http_port: cannot bind {self.where} (in use?): {exc}"
+            ) from exc
         self.sock = sock
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]), name="openai-http")
         deadline = asyncio.get_running_loop().time() + 30
@@ -92,8 +110,11 @@ class HttpFront:
                 raise RuntimeError(f"{self.where}: the HTTP server did not start within 30 s")
             await asyncio.sleep(0.02)
         port = sock.getsockname()[1]
-        _log.info("OpenAI-compatible HTTP front at %s (%s)", join_host_port(self.svc.bind_host, port),
-                  "https" if self.svc.tls else "http")
+        _log.info(
+            "OpenAI-compatible HTTP front at %s (%s)",
+            join_host_port(self.svc.bind_host, port),
+            "https" if self.svc.tls else "http",
+        )
         return port
 
     async def stop(self) -> None:

@@ -23,16 +23,22 @@ from omnistage.v1 import common_pb2, omni_pb2
 # OpenAI's default temperature (the Omni default, 0, is greedy).
 DEFAULT_TEMPERATURE = 1.0
 # /v1/audio/speech: the thinker is asked to say the input back; it has no plain text-to-speech call.
-SPEECH_SYSTEM_PROMPT = (
-    "Repeat the user's message word for word, exactly as written, and nothing else."
-)
+SPEECH_SYSTEM_PROMPT = "Repeat the user's message word for word, exactly as written, and nothing else."
 
 
 class HttpError(Exception):
     """An OpenAI-style error response: status, message, type, code, param and extra headers."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -83,7 +89,9 @@ def retry_headers(ms: int) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(ms / 1000))), "retry-after-ms": str(ms)}
 
 
-def from_grpc(code: grpc.StatusCode, details: str | None, trailing: Iterable[tuple[str, Any]] | None = ()) -> HttpError:
+def from_grpc(
+    code: grpc.StatusCode, details: str | None, trailing: Iterable[tuple[str, Any]] | None = ()
+) -> HttpError:
     """The HTTP error of a failed Omni call."""
     details = details or code.name
     status, kind = _STATUS.get(code, (500, "server_error"))
@@ -144,7 +152,9 @@ def _b64(data: Any, param: str) -> bytes:
     return raw
 
 
-_DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.S)
+_DATA_URL = re.compile(
+    r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.S
+)
 
 
 def data_url(url: Any, param: str) -> omni_pb2.Media:
@@ -153,7 +163,9 @@ def data_url(url: Any, param: str) -> omni_pb2.Media:
     m = _DATA_URL.match(url)
     if m is None:
         if url.startswith(("http://", "https://")):
-            raise bad_request(param, "only data: URLs (data:image/png;base64,...) are accepted; the gateway fetches nothing")
+            raise bad_request(
+                param, "only data: URLs (data:image/png;base64,...) are accepted; the gateway fetches nothing"
+            )
         raise bad_request(param, "expected a data URL: data:<mime type>;base64,<data>")
     return omni_pb2.Media(data=_b64(m["data"], param), mime_type=m["mime"] or "")
 
@@ -175,19 +187,27 @@ def _part(part: Any, where: str) -> omni_pb2.ContentPart:
         fmt = audio.get("format", "wav")
         if fmt not in _AUDIO_MIME:
             raise bad_request(f"{where}.input_audio.format", f"one of {', '.join(_AUDIO_MIME)}, got {fmt!r}")
-        return omni_pb2.ContentPart(audio=omni_pb2.Media(data=_b64(audio.get("data"), f"{where}.input_audio.data"),
-                                                         mime_type=_AUDIO_MIME[fmt]))
+        return omni_pb2.ContentPart(
+            audio=omni_pb2.Media(
+                data=_b64(audio.get("data"), f"{where}.input_audio.data"), mime_type=_AUDIO_MIME[fmt]
+            )
+        )
     if kind in ("audio_url", "video_url"):  # de-facto extensions (vLLM): data URLs only
         inner = part.get(kind)
         url = inner.get("url") if isinstance(inner, dict) else inner
         media = data_url(url, f"{where}.{kind}.url")
         return omni_pb2.ContentPart(audio=media) if kind == "audio_url" else omni_pb2.ContentPart(video=media)
-    raise bad_request(f"{where}.type", "one of text, image_url, input_audio, audio_url, video_url, "
-                                      f"got {kind!r}")  # fmt: skip
+    raise bad_request(
+        f"{where}.type", f"one of text, image_url, input_audio, audio_url, video_url, got {kind!r}"
+    )
 
 
-_ROLES = {"system": omni_pb2.ROLE_SYSTEM, "developer": omni_pb2.ROLE_SYSTEM, "user": omni_pb2.ROLE_USER,
-          "assistant": omni_pb2.ROLE_ASSISTANT}  # fmt: skip
+_ROLES = {
+    "system": omni_pb2.ROLE_SYSTEM,
+    "developer": omni_pb2.ROLE_SYSTEM,
+    "user": omni_pb2.ROLE_USER,
+    "assistant": omni_pb2.ROLE_ASSISTANT,
+}
 
 
 def _message(msg: Any, i: int) -> omni_pb2.ChatMessage:
@@ -200,7 +220,9 @@ def _message(msg: Any, i: int) -> omni_pb2.ChatMessage:
         raise bad_request(f"{where}.tool_calls", "tools are not supported")
     content = msg.get("content")
     if content is None and role == "assistant" and isinstance(msg.get("audio"), dict):
-        raise bad_request(f"{where}.audio", "earlier audio answers are not kept: send the answer's transcript as content")
+        raise bad_request(
+            f"{where}.audio", "earlier audio answers are not kept: send the answer's transcript as content"
+        )
     if isinstance(content, str):
         parts = [omni_pb2.ContentPart(text=content)]
     elif isinstance(content, list):
@@ -220,12 +242,16 @@ def _stop(value: Any) -> list[str]:
     raise bad_request("stop", "expected a string or a list of strings")
 
 
-def sampling(body: Mapping[str, Any], *, default_temperature: float = DEFAULT_TEMPERATURE) -> common_pb2.SamplingParams:
+def sampling(
+    body: Mapping[str, Any], *, default_temperature: float = DEFAULT_TEMPERATURE
+) -> common_pb2.SamplingParams:
     """SamplingParams of a chat body (OpenAI fields, plus vLLM's top_k / min_p / repetition_penalty / ignore_eos)."""
     max_tokens = _integer(body, "max_tokens", 1, 2**31 - 1)
     max_completion = _integer(body, "max_completion_tokens", 1, 2**31 - 1)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
-        raise bad_request("max_completion_tokens", f"differs from max_tokens ({max_completion} vs {max_tokens}); give one")
+        raise bad_request(
+            "max_completion_tokens", f"differs from max_tokens ({max_completion} vs {max_tokens}); give one"
+        )
     temperature = _number(body, "temperature", 0.0, 2.0)
     sp = common_pb2.SamplingParams(
         temperature=default_temperature if temperature is None else temperature,
@@ -282,10 +308,10 @@ def chat_request(body: Any, *, request_id: str = "") -> ChatPlan:
         raise bad_request("tools", "tools are not supported")
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad_request("response_format", "only {\"type\": \"text\"} is supported")
+        raise bad_request("response_format", 'only {"type": "text"} is supported')
     modalities = body.get("modalities") or ["text"]
     if not isinstance(modalities, list) or not all(m in ("text", "audio") for m in modalities):
-        raise bad_request("modalities", "a list of \"text\" and \"audio\" (images: /v1/images/generations)")
+        raise bad_request("modalities", 'a list of "text" and "audio" (images: /v1/images/generations)')
     outputs = [omni_pb2.MODALITY_TEXT]
     audio_format = ""
     voice = ""
@@ -340,7 +366,7 @@ def speech_request(body: Any, *, request_id: str = "", max_chars: int = 4096) ->
         raise bad_request("speed", "only 1.0 is supported")
     stream_format = body.get("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
-        raise bad_request("stream_format", f"\"audio\" or \"sse\", got {stream_format!r}")
+        raise bad_request("stream_format", f'"audio" or "sse", got {stream_format!r}')
     voice = body.get("voice") or ""
     if isinstance(voice, dict):
         voice = voice.get("id") or ""
@@ -352,7 +378,8 @@ def speech_request(body: Any, *, request_id: str = "", max_chars: int = 4096) ->
         output_modalities=[omni_pb2.MODALITY_AUDIO],
         # Greedy, and room for the text said back (a token is ~4 characters), not for a runaway answer.
         sampling=common_pb2.SamplingParams(
-            temperature=0.0, max_tokens=_integer(body, "max_tokens", 1, 2**31 - 1) or len(text) // 2 + 16),
+            temperature=0.0, max_tokens=_integer(body, "max_tokens", 1, 2**31 - 1) or len(text) // 2 + 16
+        ),
         voice=voice,
         system_prompt=SPEECH_SYSTEM_PROMPT + (" " + instructions if instructions else ""),
     )
@@ -383,7 +410,7 @@ def image_request(body: Any, *, request_id: str = "") -> omni_pb2.GenerateReques
     if size not in (None, "auto"):
         m = _SIZE.match(size) if isinstance(size, str) else None
         if m is None:
-            raise bad_request("size", f"expected \"WIDTHxHEIGHT\" (e.g. \"1024x1024\") or \"auto\", got {size!r}")
+            raise bad_request("size", f'expected "WIDTHxHEIGHT" (e.g. "1024x1024") or "auto", got {size!r}')
         options.width, options.height = int(m[1]), int(m[2])
     steps = _integer(body, "num_inference_steps", 1, 10_000)
     options.steps = steps or 0
@@ -416,7 +443,9 @@ def finish_error(finish: omni_pb2.Finish) -> HttpError | None:
     if finish.reason == common_pb2.FINISH_REASON_ERROR:
         return HttpError(500, finish.message or "a stage failed", type="server_error", code="stage_error")
     name = common_pb2.FinishReason.Name(finish.reason).removeprefix("FINISH_REASON_").lower()
-    return HttpError(503, finish.message or f"the request ended: {name}", type="service_unavailable", code=name)
+    return HttpError(
+        503, finish.message or f"the request ended: {name}", type="service_unavailable", code=name
+    )
 
 
 def finish_reason(finish: omni_pb2.Finish) -> str:
@@ -426,19 +455,29 @@ def finish_reason(finish: omni_pb2.Finish) -> str:
 def usage(finish: omni_pb2.Finish | None) -> dict[str, Any]:
     """OpenAI's usage object; `prompt_tokens_details.cached_tokens` is the thinker's prefix-cache hit."""
     u = finish.usage if finish is not None else common_pb2.Usage()
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}  # fmt: skip
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    }
 
 
-_OUTCOME = {omni_pb2.AUDIO_OUTCOME_COMPLETE: "complete", omni_pb2.AUDIO_OUTCOME_PARTIAL: "partial",
-            omni_pb2.AUDIO_OUTCOME_NONE: "none"}  # fmt: skip
+_OUTCOME = {
+    omni_pb2.AUDIO_OUTCOME_COMPLETE: "complete",
+    omni_pb2.AUDIO_OUTCOME_PARTIAL: "partial",
+    omni_pb2.AUDIO_OUTCOME_NONE: "none",
+}
 
 
 def audio_status(status: omni_pb2.AudioStatus) -> dict[str, Any]:
     """Finish.audio as JSON (an extension of the `audio` object)."""
-    out: dict[str, Any] = {"outcome": _OUTCOME.get(status.outcome, "none"), "voice": status.voice,
-                           "sample_rate": status.sample_rate_hz, "samples": status.samples}  # fmt: skip
+    out: dict[str, Any] = {
+        "outcome": _OUTCOME.get(status.outcome, "none"),
+        "voice": status.voice,
+        "sample_rate": status.sample_rate_hz,
+        "samples": status.samples,
+    }
     if status.code:
         out["code"], out["message"] = status.code, status.message
     if status.retry_after_ms:
@@ -462,8 +501,14 @@ def wav_header(sample_rate: int, data_bytes: int | None = None) -> bytes:
     """A 44-byte PCM16 mono WAV header; `data_bytes` None gives the streaming form (sizes 0xFFFFFFFF)."""
     data = 0xFFFFFFFF if data_bytes is None else data_bytes
     riff = 0xFFFFFFFF if data_bytes is None else 36 + data_bytes
-    return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate,
-            sample_rate * 2, 2, 16) + b"data" + struct.pack("<I", data))  # fmt: skip
+    return (
+        b"RIFF"
+        + struct.pack("<I", riff)
+        + b"WAVEfmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", data)
+    )
 
 
 def wav(pcm16: bytes, sample_rate: int) -> bytes:
@@ -493,7 +538,9 @@ class Collected:
             self.finish = event.finish
 
 
-def chat_completion(c: Collected, *, completion_id: str, created: int, model: str, audio_format: str) -> dict[str, Any]:
+def chat_completion(
+    c: Collected, *, completion_id: str, created: int, model: str, audio_format: str
+) -> dict[str, Any]:
     """The non-streaming chat.completion of a finished stream."""
     assert c.finish is not None
     text = "".join(c.text)
@@ -501,21 +548,44 @@ def chat_completion(c: Collected, *, completion_id: str, created: int, model: st
     if audio_format:
         rate = c.sample_rate or c.finish.audio.sample_rate_hz
         data = wav(bytes(c.pcm), rate) if audio_format == "wav" else bytes(c.pcm)
-        message["audio"] = {"id": f"audio-{completion_id}", "data": base64.b64encode(data).decode(),
-                            "transcript": text, "expires_at": created + 3600,
-                            **audio_status(c.finish.audio)}  # fmt: skip
+        message["audio"] = {
+            "id": f"audio-{completion_id}",
+            "data": base64.b64encode(data).decode(),
+            "transcript": text,
+            "expires_at": created + 3600,
+            **audio_status(c.finish.audio),
+        }
         message["audio"]["sample_rate"] = rate
-    return {"id": completion_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(c.finish), "logprobs": None}],
-            "usage": usage(c.finish)}  # fmt: skip
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": finish_reason(c.finish), "logprobs": None}
+        ],
+        "usage": usage(c.finish),
+    }
 
 
-def chunk(completion_id: str, created: int, model: str, delta: dict[str, Any] | None,
-          finish: str | None = None, usage_: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def chunk(
+    completion_id: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any] | None,
+    finish: str | None = None,
+    usage_: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One chat.completion.chunk; `delta` None gives the usage-only chunk (no choices)."""
-    out: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": [] if delta is None else
-                           [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}  # fmt: skip
+    out: dict[str, Any] = {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": []
+        if delta is None
+        else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+    }
     if usage_ is not None:
         out["usage"] = usage_
     return out

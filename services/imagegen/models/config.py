@@ -124,7 +124,9 @@ class DiTConfig:
         if len(self.axes_dims) != 3 or len(self.axes_lens) != 3:
             raise ValueError("axes_dims / axes_lens: three axes (frame/caption, row, column)")
         if sum(self.axes_dims) != self.head_dim or any(d % 2 for d in self.axes_dims):
-            raise ValueError(f"axes_dims {list(self.axes_dims)}: even sizes summing to head_dim {self.head_dim}")
+            raise ValueError(
+                f"axes_dims {list(self.axes_dims)}: even sizes summing to head_dim {self.head_dim}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -165,13 +167,17 @@ class VaeConfig:
     def __post_init__(self) -> None:
         if self.act_fn != "silu":
             raise ValueError(f"act_fn {self.act_fn!r}: only silu")
-        if set(self.down_block_types) != {"DownEncoderBlock2D"} or set(self.up_block_types) != {"UpDecoderBlock2D"}:
+        if set(self.down_block_types) != {"DownEncoderBlock2D"} or set(self.up_block_types) != {
+            "UpDecoderBlock2D"
+        }:
             raise ValueError("down/up_block_types: only DownEncoderBlock2D / UpDecoderBlock2D")
         n = len(self.block_out_channels)
         if len(self.down_block_types) != n or len(self.up_block_types) != n:
             raise ValueError("down_block_types / up_block_types: one per block_out_channels entry")
         if any(c % self.norm_num_groups for c in self.block_out_channels):
-            raise ValueError(f"block_out_channels must be multiples of norm_num_groups {self.norm_num_groups}")
+            raise ValueError(
+                f"block_out_channels must be multiples of norm_num_groups {self.norm_num_groups}"
+            )
 
     @property
     def scale_factor(self) -> int:
@@ -206,8 +212,14 @@ class SchedulerConfig:
             raise ValueError(f"{key}={value!r} is not supported (the release's scheduler leaves it off)")
 
 
-_SCHEDULER_OFF = {"invert_sigmas": False, "shift_terminal": None, "use_karras_sigmas": False,
-                  "use_exponential_sigmas": False, "use_beta_sigmas": False, "stochastic_sampling": False}
+_SCHEDULER_OFF = {
+    "invert_sigmas": False,
+    "shift_terminal": None,
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "stochastic_sampling": False,
+}
 
 
 @dataclass(frozen=True)
@@ -229,7 +241,9 @@ class ImageGenModelConfig:
         dit = _pick(DiTConfig, *_read(root / "transformer" / "config.json"))
         vae = _pick(VaeConfig, *_read(root / "vae" / "config.json"))
         sched_data, sched_path = _read(root / "scheduler" / "scheduler_config.json")
-        off = {k: v for k, v in sched_data.items() if k in _SCHEDULER_OFF and v not in (_SCHEDULER_OFF[k], None)}
+        off = {
+            k: v for k, v in sched_data.items() if k in _SCHEDULER_OFF and v not in (_SCHEDULER_OFF[k], None)
+        }
         scheduler = _pick(SchedulerConfig, {**sched_data, "unsupported": off}, sched_path)
         thinker_hidden = _thinker_hidden(root)
         if mlp.diffusion_c_input_dim != dit.cap_feat_dim and mlp.use_identity_mlp:
@@ -238,8 +252,10 @@ class ImageGenModelConfig:
                 f"{dit.cap_feat_dim} (with the identity MLP they must match)"
             )
         if vae.latent_channels != dit.in_channels:
-            raise CheckpointError(f"{root}: vae latent_channels {vae.latent_channels} != transformer "
-                                  f"in_channels {dit.in_channels}")
+            raise CheckpointError(
+                f"{root}: vae latent_channels {vae.latent_channels} != transformer "
+                f"in_channels {dit.in_channels}"
+            )
         return cls(mlp, connector, dit, vae, scheduler, thinker_hidden)
 
 

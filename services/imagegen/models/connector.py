@@ -88,7 +88,9 @@ class Qwen2Encoder(nn.Module):
     def rope(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions 0..n-1, default RoPE (float32 angles, cos/sin cast to the activation dtype)."""
         d = self.cfg.head_size
-        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+        inv_freq = 1.0 / (
+            self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d)
+        )
         freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -118,13 +120,19 @@ class ToClipMLP(nn.Module):
 class ConditionEncoder(nn.Module):
     """`condition(hidden)` → normalised conditioning; `caption(condition)` → the DiT's caption features."""
 
-    def __init__(self, mlp_cfg: MlpConfig, conn_cfg: ConnectorConfig, thinker_hidden: int, cap_feat_dim: int) -> None:
+    def __init__(
+        self, mlp_cfg: MlpConfig, conn_cfg: ConnectorConfig, thinker_hidden: int, cap_feat_dim: int
+    ) -> None:
         super().__init__()
         self.text_encoder_norm = mlp_cfg.text_encoder_norm
         self.proj_in = nn.Linear(thinker_hidden, conn_cfg.hidden_size)
         self.connector = Qwen2Encoder(conn_cfg)
         self.proj_out = nn.Linear(conn_cfg.hidden_size, mlp_cfg.diffusion_c_input_dim)
-        self.mlp = nn.Identity() if mlp_cfg.use_identity_mlp else ToClipMLP(mlp_cfg.diffusion_c_input_dim, cap_feat_dim)
+        self.mlp = (
+            nn.Identity()
+            if mlp_cfg.use_identity_mlp
+            else ToClipMLP(mlp_cfg.diffusion_c_input_dim, cap_feat_dim)
+        )
 
     @property
     def dtype(self) -> torch.dtype:

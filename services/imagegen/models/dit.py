@@ -36,7 +36,9 @@ class TimestepEmbedder(nn.Module):
     def __init__(self, out_size: int, mid_size: int = 1024, frequency_size: int = 256) -> None:
         super().__init__()
         self.frequency_size = frequency_size
-        self.mlp = nn.Sequential(nn.Linear(frequency_size, mid_size), nn.SiLU(), nn.Linear(mid_size, out_size))
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_size, mid_size), nn.SiLU(), nn.Linear(mid_size, out_size)
+        )
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         half = self.frequency_size // 2
@@ -59,13 +61,20 @@ class Attention(nn.Module):
         self.norm_q = DiffusersRMSNorm(cfg.head_dim, eps=1e-5)
         self.norm_k = DiffusersRMSNorm(cfg.head_dim, eps=1e-5)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fused: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fused: bool = False
+    ) -> torch.Tensor:
         b, n, _ = x.shape
         v = self.to_v(x).unflatten(-1, (self.heads, -1))
         if fused:
-            q, k = kernels.qk_norm_rope(self.to_q(x).unflatten(-1, (self.heads, -1)),
-                                        self.to_k(x).unflatten(-1, (self.heads, -1)),
-                                        self.norm_q.weight, self.norm_k.weight, self.norm_q.eps, *rope)
+            q, k = kernels.qk_norm_rope(
+                self.to_q(x).unflatten(-1, (self.heads, -1)),
+                self.to_k(x).unflatten(-1, (self.heads, -1)),
+                self.norm_q.weight,
+                self.norm_k.weight,
+                self.norm_q.eps,
+                *rope,
+            )
         else:
             q = self.norm_q(self.to_q(x).unflatten(-1, (self.heads, -1)))
             k = self.norm_k(self.to_k(x).unflatten(-1, (self.heads, -1)))
@@ -106,8 +115,13 @@ class Block(nn.Module):
         if modulation:
             self.adaLN_modulation = nn.Sequential(nn.Linear(cfg.adaln_dim, 4 * cfg.dim))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                adaln: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        adaln: torch.Tensor | None = None,
+        fused: bool = False,
+    ) -> torch.Tensor:
         if fused:
             return self._fused(x, rope, adaln)
         if not self.modulation:
@@ -119,8 +133,9 @@ class Block(nn.Module):
         x = x + gate_a * self.attention_norm2(self.attention(self.attention_norm1(x) * (1.0 + scale_a), rope))
         return x + gate_f * self.ffn_norm2(self.feed_forward(self.ffn_norm1(x) * (1.0 + scale_f)))
 
-    def _fused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-               adaln: torch.Tensor | None) -> torch.Tensor:
+    def _fused(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], adaln: torch.Tensor | None
+    ) -> torch.Tensor:
         """`forward` with each norm + modulation and norm + gate + residual one Triton kernel."""
         scale_a = gate_a = scale_f = gate_f = None
         if self.modulation:
@@ -128,8 +143,9 @@ class Block(nn.Module):
             scale_a, gate_a, scale_f, gate_f = self.adaLN_modulation(adaln).unsqueeze(1).chunk(4, dim=2)
         eps = self.attention_norm1.eps
         h = kernels.norm_modulate(x, self.attention_norm1.weight, eps, scale_a)
-        x = kernels.norm_gate_residual(x, self.attention(h, rope, fused=True), self.attention_norm2.weight, eps,
-                                       gate_a)
+        x = kernels.norm_gate_residual(
+            x, self.attention(h, rope, fused=True), self.attention_norm2.weight, eps, gate_a
+        )
         h = kernels.norm_modulate(x, self.ffn_norm1.weight, eps, scale_f)
         return kernels.norm_gate_residual(x, self.feed_forward(h), self.ffn_norm2.weight, eps, gate_f)
 
@@ -197,10 +213,13 @@ class ZImageDiT(nn.Module):
         self.all_x_embedder = nn.ModuleDict({key: nn.Linear(cfg.patch_dim, cfg.dim)})
         self.all_final_layer = nn.ModuleDict({key: FinalLayer(cfg.dim, cfg.adaln_dim, cfg.patch_dim)})
         self.noise_refiner = nn.ModuleList(Block(cfg, modulation=True) for _ in range(cfg.n_refiner_layers))
-        self.context_refiner = nn.ModuleList(Block(cfg, modulation=False) for _ in range(cfg.n_refiner_layers))
+        self.context_refiner = nn.ModuleList(
+            Block(cfg, modulation=False) for _ in range(cfg.n_refiner_layers)
+        )
         self.t_embedder = TimestepEmbedder(cfg.adaln_dim)
-        self.cap_embedder = nn.Sequential(DiffusersRMSNorm(cfg.cap_feat_dim, cfg.norm_eps),
-                                          nn.Linear(cfg.cap_feat_dim, cfg.dim))
+        self.cap_embedder = nn.Sequential(
+            DiffusersRMSNorm(cfg.cap_feat_dim, cfg.norm_eps), nn.Linear(cfg.cap_feat_dim, cfg.dim)
+        )
         self.x_pad_token = nn.Parameter(torch.zeros(1, cfg.dim))
         self.cap_pad_token = nn.Parameter(torch.zeros(1, cfg.dim))
         self.layers = nn.ModuleList(Block(cfg, modulation=True) for _ in range(cfg.n_layers))
@@ -219,8 +238,15 @@ class ZImageDiT(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.x_pad_token.dtype
 
-    def _layers_with_cache(self, seq: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], adaln: torch.Tensor,
-                           fused: bool, cache: list[FirstBlockCache], threshold: float) -> torch.Tensor:
+    def _layers_with_cache(
+        self,
+        seq: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        adaln: torch.Tensor,
+        fused: bool,
+        cache: list[FirstBlockCache],
+        threshold: float,
+    ) -> torch.Tensor:
         """The main layers with a first-block cache: when every row's first-layer residual moved less than
         `threshold` (mean |Δ| / mean |previous|) since the last full forward, the rest of the layers is
         replaced by that forward's residual. One host sync (the decision) per forward."""
@@ -241,8 +267,14 @@ class ZImageDiT(nn.Module):
             c.first, c.rest = r1[i].clone(), rest[i].clone()
         return out
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, cap: torch.Tensor, cache: list[FirstBlockCache] | None = None,
-                threshold: float = 0.0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        cap: torch.Tensor,
+        cache: list[FirstBlockCache] | None = None,
+        threshold: float = 0.0,
+    ) -> torch.Tensor:
         """With `cache` (one per row) and `threshold` > 0, the first-block cache (`_layers_with_cache`) is on:
         an approximation, off by default; without, the exact forward."""
         if self.sdpa_backends:
@@ -250,8 +282,14 @@ class ZImageDiT(nn.Module):
                 return self._forward(x, t, cap, cache, threshold)
         return self._forward(x, t, cap, cache, threshold)
 
-    def _forward(self, x: torch.Tensor, t: torch.Tensor, cap: torch.Tensor, cache: list[FirstBlockCache] | None,
-                 threshold: float) -> torch.Tensor:
+    def _forward(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        cap: torch.Tensor,
+        cache: list[FirstBlockCache] | None,
+        threshold: float,
+    ) -> torch.Tensor:
         b, c, f, h, w = x.shape
         ht, wt = h // PATCH, w // PATCH
         n_img, n_cap = f * ht * wt, cap.shape[1]
@@ -264,8 +302,12 @@ class ZImageDiT(nn.Module):
         patches = x.view(b, c, f, ht, PATCH, wt, PATCH).permute(0, 2, 3, 5, 4, 6, 1).reshape(b, n_img, -1)
         img = self.all_x_embedder[key](patches)
         img = torch.cat([img, self.x_pad_token.expand(b, pad_img, -1).to(img.dtype)], dim=1)
-        img_pos = torch.cat([_grid(f, ht, wt, (cap_len + 1, 0, 0), x.device),
-                             torch.zeros(pad_img, 3, dtype=torch.long, device=x.device)])
+        img_pos = torch.cat(
+            [
+                _grid(f, ht, wt, (cap_len + 1, 0, 0), x.device),
+                torch.zeros(pad_img, 3, dtype=torch.long, device=x.device),
+            ]
+        )
         img_rope = tuple(r.expand(b, -1, -1) for r in self.rope(img_pos))
         for layer in self.noise_refiner:
             img = layer(img, img_rope, adaln, fused)

@@ -36,14 +36,17 @@ def triton_ok() -> bool:
 # -- the torch reference: the block's maths exactly as `Block` / `Attention` compute it ---------------
 
 
-def norm_modulate_ref(x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor | None) -> torch.Tensor:
+def norm_modulate_ref(
+    x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor | None
+) -> torch.Tensor:
     """RMSNorm(x)·w·(1 + scale); x [B, N, D], scale [B, 1, D] or None."""
     y = rms_norm_ref(x, w, eps)
     return y if scale is None else y * (1.0 + scale)
 
 
-def norm_gate_residual_ref(res: torch.Tensor, h: torch.Tensor, w: torch.Tensor, eps: float,
-                           gate: torch.Tensor | None) -> torch.Tensor:
+def norm_gate_residual_ref(
+    res: torch.Tensor, h: torch.Tensor, w: torch.Tensor, eps: float, gate: torch.Tensor | None
+) -> torch.Tensor:
     """res + tanh(gate)·RMSNorm(h)·w; gate [B, 1, D] (before tanh) or None."""
     y = rms_norm_ref(h, w, eps)
     return res + (y if gate is None else gate.tanh() * y)
@@ -57,8 +60,15 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).type_as(x)
 
 
-def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
-                     cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_norm_rope_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return rope_ref(rms_norm_ref(q, wq, eps), cos, sin), rope_ref(rms_norm_ref(k, wk, eps), cos, sin)
 
 
@@ -89,25 +99,35 @@ def norm_modulate(x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Ten
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=w.dtype, device=x.device)
     s = _per_batch(scale, b, d)
-    _kernels().norm_modulate_kernel[(b * n,)](x, w, s if s is not None else x, out, n, d, eps,
-                                       HAS_SCALE=s is not None, **_block(d))
+    _kernels().norm_modulate_kernel[(b * n,)](
+        x, w, s if s is not None else x, out, n, d, eps, HAS_SCALE=s is not None, **_block(d)
+    )
     return out
 
 
-def norm_gate_residual(res: torch.Tensor, h: torch.Tensor, w: torch.Tensor, eps: float,
-                       gate: torch.Tensor | None) -> torch.Tensor:
+def norm_gate_residual(
+    res: torch.Tensor, h: torch.Tensor, w: torch.Tensor, eps: float, gate: torch.Tensor | None
+) -> torch.Tensor:
     """`norm_gate_residual_ref` in one kernel; result in res's dtype."""
     b, n, d = h.shape
     res, h = res.contiguous(), h.contiguous()
     out = torch.empty_like(res)
     g = _per_batch(gate, b, d)
-    _kernels().norm_gate_residual_kernel[(b * n,)](res, h, w, g if g is not None else h, out, n, d, eps,
-                                            HAS_GATE=g is not None, **_block(d))
+    _kernels().norm_gate_residual_kernel[(b * n,)](
+        res, h, w, g if g is not None else h, out, n, d, eps, HAS_GATE=g is not None, **_block(d)
+    )
     return out
 
 
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
-                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`qk_norm_rope_ref` in one kernel; q, k [B, N, heads, D], cos/sin [B, N, D/2] float32."""
     b, n, heads, d = q.shape
     q, k = q.contiguous(), k.contiguous()
@@ -115,8 +135,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.T
         cos, sin = cos[0], sin[0]
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     cos_rows = cos.numel() // (d // 2)
-    qo, ko = torch.empty(q.shape, dtype=wq.dtype, device=q.device), torch.empty(k.shape, dtype=wk.dtype,
-                                                                                 device=k.device)
-    _kernels().qk_norm_rope_kernel[(b * n * heads,)](q, k, wq, wk, cos, sin, qo, ko, heads, cos_rows, d // 2, eps,
-                                              **_block(d // 2))
+    qo, ko = (
+        torch.empty(q.shape, dtype=wq.dtype, device=q.device),
+        torch.empty(k.shape, dtype=wk.dtype, device=k.device),
+    )
+    _kernels().qk_norm_rope_kernel[(b * n * heads,)](
+        q, k, wq, wk, cos, sin, qo, ko, heads, cos_rows, d // 2, eps, **_block(d // 2)
+    )
     return qo, ko

@@ -18,8 +18,9 @@ def _rms_norm_row(ptr, w_ptr, row, D, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def norm_modulate_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, tokens, D, eps,
-                         HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def norm_modulate_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, tokens, D, eps, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)  # offsets past 2³¹ at 2048² edits with 8 requests
     y, cols, mask = _rms_norm_row(x_ptr, w_ptr, row, D, eps, BLOCK)
     if HAS_SCALE:
@@ -28,8 +29,9 @@ def norm_modulate_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, tokens, D, eps,
 
 
 @triton.jit
-def norm_gate_residual_kernel(res_ptr, h_ptr, w_ptr, gate_ptr, out_ptr, tokens, D, eps,
-                              HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+def norm_gate_residual_kernel(
+    res_ptr, h_ptr, w_ptr, gate_ptr, out_ptr, tokens, D, eps, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     y, cols, mask = _rms_norm_row(h_ptr, w_ptr, row, D, eps, BLOCK)
     if HAS_GATE:
@@ -51,9 +53,23 @@ def _norm_rope_head(src, dst, w_ptr, base, i, mask, c, s, HALF, eps):
     tl.store(dst + base + 2 * i, (a * c - b * s).to(dst.dtype.element_ty), mask=mask)
     tl.store(dst + base + 2 * i + 1, (a * s + b * c).to(dst.dtype.element_ty), mask=mask)
 
+
 @triton.jit
-def qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, heads, cos_rows, HALF,
-                        eps, BLOCK: tl.constexpr):
+def qk_norm_rope_kernel(
+    q_ptr,
+    k_ptr,
+    wq_ptr,
+    wk_ptr,
+    cos_ptr,
+    sin_ptr,
+    qo_ptr,
+    ko_ptr,
+    heads,
+    cos_rows,
+    HALF,
+    eps,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)  # (token, head) of the flattened [B·N, heads]
     token = pid // heads
     i = tl.arange(0, BLOCK)

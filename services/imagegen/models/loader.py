@@ -16,12 +16,7 @@ from pathlib import Path
 
 import torch
 from omnistage.common.checkpoint.loading import check_keys, copy_shard, empty_on, shapes, state_shapes
-from omnistage.common.checkpoint.shards import (
-    CheckpointError,
-    TensorInfo,
-    read_headers,
-    shard_files,
-)
+from omnistage.common.checkpoint.shards import CheckpointError, TensorInfo, read_headers, shard_files
 from omnistage.common.log import get_logger
 from omnistage.services.imagegen.models.config import ImageGenModelConfig
 from omnistage.services.imagegen.models.connector import ConditionEncoder
@@ -65,10 +60,17 @@ class _Part:
     optional: dict[str, tuple[int, ...]]
 
 
-def build_models(config: ImageGenModelConfig, *, dtype: torch.dtype, device: str | torch.device) -> ImageGenModels:
+def build_models(
+    config: ImageGenModelConfig, *, dtype: torch.dtype, device: str | torch.device
+) -> ImageGenModels:
     """Empty modules (uninitialised parameters) in `dtype` on `device`; the loader or `random_init` fills them."""
-    builds = (lambda: ConditionEncoder(config.mlp, config.connector, config.thinker_hidden, config.dit.cap_feat_dim),
-              lambda: ZImageDiT(config.dit), lambda: AutoencoderKL(config.vae))
+    builds = (
+        lambda: ConditionEncoder(
+            config.mlp, config.connector, config.thinker_hidden, config.dit.cap_feat_dim
+        ),
+        lambda: ZImageDiT(config.dit),
+        lambda: AutoencoderKL(config.vae),
+    )
     cond, dit, vae = (empty_on(b, dtype=dtype, device=device).requires_grad_(False).eval() for b in builds)
     dit.rope.init_buffers(config.dit)
     return ImageGenModels(config, cond, dit, vae)
@@ -81,23 +83,37 @@ def _state(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
 def _parts(models: ImageGenModels) -> list[_Part]:
     cfg = models.config
     cond = models.cond
-    mlp_targets = {**_state(cond.proj_in, "proj_in."), **_state(cond.proj_out, "proj_out."), **_state(cond.mlp, "mlp.")}
+    mlp_targets = {
+        **_state(cond.proj_in, "proj_in."),
+        **_state(cond.proj_out, "proj_out."),
+        **_state(cond.mlp, "mlp."),
+    }
     queries = {f"query_tokens_dict.{s}x{s}": (s * s, cfg.thinker_hidden) for s in cfg.mlp.img_gen_scales}
     c = cfg.connector
     embed = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
     head = {"lm_head.weight": (c.vocab_size, c.hidden_size)}
     return [
         _Part("mlp", "model", mlp_targets, queries, {}),
-        _Part("connector", "model", _state(cond.connector), {**embed, **({} if c.tie_word_embeddings else head)},
-              head if c.tie_word_embeddings else {}),
+        _Part(
+            "connector",
+            "model",
+            _state(cond.connector),
+            {**embed, **({} if c.tie_word_embeddings else head)},
+            head if c.tie_word_embeddings else {},
+        ),
         _Part("transformer", DIFFUSERS_STEM, _state(models.dit), {}, {}),
         _Part("vae", DIFFUSERS_STEM, _state(models.vae), {}, {}),
     ]
 
 
 def _check_keys(where: Path, part: _Part, headers: dict[str, TensorInfo]) -> None:
-    check_keys(where, "weights do not match its config", {**state_shapes(part.targets), **part.skipped},
-               shapes(headers), part.optional)
+    check_keys(
+        where,
+        "weights do not match its config",
+        {**state_shapes(part.targets), **part.skipped},
+        shapes(headers),
+        part.optional,
+    )
 
 
 def _shards(folder: Path, stem: str) -> list[Path]:

@@ -52,7 +52,9 @@ class SpatialAttention(nn.Module):
 class MidBlock(nn.Module):
     def __init__(self, channels: int, groups: int, attention: bool) -> None:
         super().__init__()
-        self.resnets = nn.ModuleList([ResnetBlock(channels, channels, groups), ResnetBlock(channels, channels, groups)])
+        self.resnets = nn.ModuleList(
+            [ResnetBlock(channels, channels, groups), ResnetBlock(channels, channels, groups)]
+        )
         self.attentions = nn.ModuleList([SpatialAttention(channels, groups)] if attention else [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +85,9 @@ class Upsample(nn.Module):
 class DownBlock(nn.Module):
     def __init__(self, cin: int, cout: int, layers: int, groups: int, downsample: bool) -> None:
         super().__init__()
-        self.resnets = nn.ModuleList(ResnetBlock(cin if i == 0 else cout, cout, groups) for i in range(layers))
+        self.resnets = nn.ModuleList(
+            ResnetBlock(cin if i == 0 else cout, cout, groups) for i in range(layers)
+        )
         self.downsamplers = nn.ModuleList([Downsample(cout)] if downsample else [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +101,9 @@ class DownBlock(nn.Module):
 class UpBlock(nn.Module):
     def __init__(self, cin: int, cout: int, layers: int, groups: int, upsample: bool) -> None:
         super().__init__()
-        self.resnets = nn.ModuleList(ResnetBlock(cin if i == 0 else cout, cout, groups) for i in range(layers))
+        self.resnets = nn.ModuleList(
+            ResnetBlock(cin if i == 0 else cout, cout, groups) for i in range(layers)
+        )
         self.upsamplers = nn.ModuleList([Upsample(cout)] if upsample else [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +164,9 @@ class AutoencoderKL(nn.Module):
         self.decoder = Decoder(cfg)
         c = 2 * cfg.latent_channels
         self.quant_conv = nn.Conv2d(c, c, 1) if cfg.use_quant_conv else None
-        self.post_quant_conv = nn.Conv2d(cfg.latent_channels, cfg.latent_channels, 1) if cfg.use_post_quant_conv else None
+        self.post_quant_conv = (
+            nn.Conv2d(cfg.latent_channels, cfg.latent_channels, 1) if cfg.use_post_quant_conv else None
+        )
 
     @property
     def dtype(self) -> torch.dtype:

@@ -82,20 +82,30 @@ class VAEDecoder(nn.Module):
         self.decoder = Qwen2Stack(shape.decoder, with_embeddings=False)
         self.head = ISTFTHead(shape.decoder.hidden_size, shape.n_fft, shape.dec_hop)
 
-    def new_cache(self, num_slots: int, max_frames: int, *, dtype: torch.dtype, device: str | torch.device) -> KVSlots:
+    def new_cache(
+        self, num_slots: int, max_frames: int, *, dtype: torch.dtype, device: str | torch.device
+    ) -> KVSlots:
         return KVSlots(self.shape.decoder, num_slots, max_frames, dtype=dtype, device=device)
 
     @torch.no_grad()
     def decode_whole(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents [T, C] → T · samples_per_latent samples (no cache: the reference's non-streaming path)."""
         x = self.fc1(latents.to(self.fc1.weight.dtype))
-        x = F.interpolate(x.T[None], scale_factor=self.shape.patch_size, mode="linear", align_corners=False)[0].T
+        x = F.interpolate(x.T[None], scale_factor=self.shape.patch_size, mode="linear", align_corners=False)[
+            0
+        ].T
         hidden = self.decoder(x[None])[0]
         return self.head.decode_whole(hidden)
 
     @torch.no_grad()
-    def decode_step(self, streams: list[DecodeStream], latents: list[torch.Tensor], last: list[bool],
-                    cache: KVSlots, backbone: Backbone | None = None) -> list[torch.Tensor]:
+    def decode_step(
+        self,
+        streams: list[DecodeStream],
+        latents: list[torch.Tensor],
+        last: list[bool],
+        cache: KVSlots,
+        backbone: Backbone | None = None,
+    ) -> list[torch.Tensor]:
         """Advance several streams in one batched forward: `latents[i]` [m_i, C] (m_i ≥ 0) are stream i's
         new latents, `last[i]` ends it. Returns the samples each stream finished (float32, maybe empty).
         `backbone(x, slots, starts, lengths)` runs the Qwen2 over `cache` instead (the talker's step graphs)."""
@@ -105,8 +115,11 @@ class VAEDecoder(nn.Module):
         feats = self.fc1(torch.cat(latents).to(device, dtype)) if sum(counts) else None
         frames, offset = [], 0
         for s, n, end in zip(streams, counts, last, strict=True):
-            new = feats[offset:offset + n] if feats is not None else torch.empty(0, self.fc1.out_features,
-                                                                                dtype=dtype, device=device)
+            new = (
+                feats[offset : offset + n]
+                if feats is not None
+                else torch.empty(0, self.fc1.out_features, dtype=dtype, device=device)
+            )
             offset += n
             frames.append(upsample_frames(new, s.upsample, self.shape.patch_size, end))
         busy = [i for i, f in enumerate(frames) if f.shape[0]]

@@ -44,15 +44,23 @@ class Qwen2Shape:
         heads = int(d.get("num_attention_heads", 32))
         layers = int(d.get("num_hidden_layers", 32))
         if hidden % heads and "head_dim" not in d:
-            raise CheckpointError(f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+            raise CheckpointError(
+                f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {heads}"
+            )
         rope_scaling = d.get("rope_scaling")
-        if rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) not in (None, "default"):
+        if rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) not in (
+            None,
+            "default",
+        ):
             raise CheckpointError(f"{where}: rope_scaling {rope_scaling} is not supported")
         window = int(d.get("sliding_window") or 0) if d.get("use_sliding_window", False) else 0
         types = d.get("layer_types")
         if types is None:
             first_windowed = int(d.get("max_window_layers", 28))
-            types = ["sliding_attention" if window and i >= first_windowed else "full_attention" for i in range(layers)]
+            types = [
+                "sliding_attention" if window and i >= first_windowed else "full_attention"
+                for i in range(layers)
+            ]
         if len(types) != layers:
             raise CheckpointError(f"{where}: layer_types has {len(types)} entries for {layers} layers")
         windows = tuple(window if t == "sliding_attention" else 0 for t in types)
@@ -91,11 +99,20 @@ class DiTShape:
     def from_dict(cls, d: dict[str, Any], where: str) -> DiTShape:
         require_keys(d, ("hidden_size", "depth", "num_heads"), where)
         if d.get("qk_norm") or d.get("spk_dim") or d.get("pe_attn_head"):
-            raise CheckpointError(f"{where}: qk_norm / spk_dim / pe_attn_head are not supported (the release has none)")
+            raise CheckpointError(
+                f"{where}: qk_norm / spk_dim / pe_attn_head are not supported (the release has none)"
+            )
         if d["hidden_size"] % d["num_heads"]:
-            raise CheckpointError(f"{where}: hidden_size {d['hidden_size']} not divisible by num_heads {d['num_heads']}")
-        return cls(int(d["hidden_size"]), int(d["depth"]), int(d["num_heads"]), float(d.get("mlp_ratio", 4.0)),
-                   int(d.get("in_channels", 64)))
+            raise CheckpointError(
+                f"{where}: hidden_size {d['hidden_size']} not divisible by num_heads {d['num_heads']}"
+            )
+        return cls(
+            int(d["hidden_size"]),
+            int(d["depth"]),
+            int(d["num_heads"]),
+            float(d.get("mlp_ratio", 4.0)),
+            int(d.get("in_channels", 64)),
+        )
 
 
 @dataclass(frozen=True)
@@ -122,8 +139,13 @@ class VAEShape:
     @property
     def encoder_aggregator(self) -> Qwen2Shape:
         """The encoder's 4-layer Qwen2 that pools each patch of frames into one latent."""
-        return Qwen2Shape(**{**self.encoder.__dict__, "num_layers": 4,
-                             "windows": self.encoder.windows[:4] if self.encoder.windows else ()})
+        return Qwen2Shape(
+            **{
+                **self.encoder.__dict__,
+                "num_layers": 4,
+                "windows": self.encoder.windows[:4] if self.encoder.windows else (),
+            }
+        )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str) -> VAEShape:
@@ -135,7 +157,9 @@ class VAEShape:
         if patch < 1:
             raise CheckpointError(f"{where}: patch_size {patch} is not supported (the release uses 4)")
         if enc["latent_dim"] != dec["latent_dim"]:
-            raise CheckpointError(f"{where}: encoder latent_dim {enc['latent_dim']} != decoder {dec['latent_dim']}")
+            raise CheckpointError(
+                f"{where}: encoder latent_dim {enc['latent_dim']} != decoder {dec['latent_dim']}"
+            )
         return cls(
             sample_rate=int(d["sample_rate"]),
             patch_size=patch,
@@ -190,13 +214,19 @@ class TalkerModelConfig:
             spk_dim=int(top.get("spk_dim", 192)),
         )
         if cfg.latent_dim != cfg.vae.latent_dim or cfg.flow.in_channels != cfg.latent_dim:
-            raise CheckpointError(f"{where}: latent_dim {cfg.latent_dim} disagrees with the VAE or the flow model")
+            raise CheckpointError(
+                f"{where}: latent_dim {cfg.latent_dim} disagrees with the VAE or the flow model"
+            )
         # The release's DiT builds its condition layer from `flowmodel.llm_cond_dim` (default 896, the
         # release's talker LM width): a checkpoint whose LM is another width must say so.
         cond_dim = int(top["flowmodel"].get("llm_cond_dim", RELEASE_LLM_COND_DIM))
         if cond_dim != cfg.llm.hidden_size:
-            raise CheckpointError(f"{where}: flowmodel llm_cond_dim {cond_dim} != talker LM hidden_size "
-                                  f"{cfg.llm.hidden_size} (the DiT's condition is the LM's hidden state)")
+            raise CheckpointError(
+                f"{where}: flowmodel llm_cond_dim {cond_dim} != talker LM hidden_size "
+                f"{cfg.llm.hidden_size} (the DiT's condition is the LM's hidden state)"
+            )
         if cfg.history_patch_size < cfg.patch_size:
-            raise CheckpointError(f"{where}: history_patch_size {cfg.history_patch_size} < patch_size {cfg.patch_size}")
+            raise CheckpointError(
+                f"{where}: history_patch_size {cfg.history_patch_size} < patch_size {cfg.patch_size}"
+            )
         return cfg

@@ -105,8 +105,10 @@ class DiTAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = (proj(x).view(b, t, self.heads, d // self.heads).transpose(1, 2)
-                   for proj in (self.to_q, self.to_k, self.to_v))
+        q, k, v = (
+            proj(x).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+            for proj in (self.to_q, self.to_k, self.to_v)
+        )
         q, k = apply_interleaved_rotary(q, cos, sin), apply_interleaved_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v)
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, d).to(x.dtype))
@@ -116,8 +118,11 @@ class DiTFeedForward(nn.Module):
     def __init__(self, dim: int, mult: float) -> None:
         super().__init__()
         inner = int(dim * mult)
-        self.ff = nn.Sequential(nn.Sequential(nn.Linear(dim, inner), nn.GELU(approximate="tanh")),
-                                nn.Identity(), nn.Linear(inner, dim))
+        self.ff = nn.Sequential(
+            nn.Sequential(nn.Linear(dim, inner), nn.GELU(approximate="tanh")),
+            nn.Identity(),
+            nn.Linear(inner, dim),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ff(x)
@@ -157,7 +162,9 @@ class TimestepEmbedder(nn.Module):
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         half = self.FREQ_DIM // 2
-        freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * -(math.log(10000) / (half - 1)))
+        freqs = torch.exp(
+            torch.arange(half, device=t.device, dtype=torch.float32) * -(math.log(10000) / (half - 1))
+        )
         args = 1000.0 * t.float()[:, None] * freqs[None, :]
         return self.time_mlp(torch.cat((args.sin(), args.cos()), dim=-1).to(self.time_mlp[0].weight.dtype))
 
@@ -190,8 +197,16 @@ class FlowDiT(nn.Module):
         return seq
 
     @torch.no_grad()
-    def sample(self, cond: torch.Tensor, history: torch.Tensor, noise: torch.Tensor, times: torch.Tensor,
-               cfg_strength: float, sde_noise: torch.Tensor | None = None, sde_scale: float = 0.0) -> torch.Tensor:
+    def sample(
+        self,
+        cond: torch.Tensor,
+        history: torch.Tensor,
+        noise: torch.Tensor,
+        times: torch.Tensor,
+        cfg_strength: float,
+        sde_noise: torch.Tensor | None = None,
+        sde_scale: float = 0.0,
+    ) -> torch.Tensor:
         """One patch per row: cond [B, cond_dim] (LM hidden), history [B, H, C], noise [B, P, C] → [B, P, C] float32.
 
         `times` [steps + 1] float32 (`sway_times`; keep it on the host: the step sizes are read as floats). `sde_noise` [steps, B, P, C] with `sde_scale` =
@@ -201,7 +216,9 @@ class FlowDiT(nn.Module):
         return self.sample_planned(plan, cond, history, noise, cfg_strength, sde_noise, sde_scale)
 
     @torch.no_grad()
-    def plan(self, times: torch.Tensor, history_len: int, patch: int, device: torch.device | str) -> SamplePlan:
+    def plan(
+        self, times: torch.Tensor, history_len: int, patch: int, device: torch.device | str
+    ) -> SamplePlan:
         """What a sample at these times and lengths reuses: time embeddings, step sizes, rotary tables.
 
         Made once per runner, it keeps the sampling loop free of host→device copies (a CUDA graph
@@ -212,9 +229,16 @@ class FlowDiT(nn.Module):
         return SamplePlan(t_emb, dts, cos, sin)
 
     @torch.no_grad()
-    def sample_planned(self, plan: SamplePlan, cond: torch.Tensor, history: torch.Tensor, noise: torch.Tensor,
-                       cfg_strength: float, sde_noise: torch.Tensor | None = None,
-                       sde_scale: float = 0.0) -> torch.Tensor:
+    def sample_planned(
+        self,
+        plan: SamplePlan,
+        cond: torch.Tensor,
+        history: torch.Tensor,
+        noise: torch.Tensor,
+        cfg_strength: float,
+        sde_noise: torch.Tensor | None = None,
+        sde_scale: float = 0.0,
+    ) -> torch.Tensor:
         """`sample` with its plan made already: device work only, no host sync, fixed shapes."""
         dtype = self.x_embedder.weight.dtype
         patch = noise.shape[1]

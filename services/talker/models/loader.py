@@ -67,20 +67,27 @@ def _materialise(build: Callable[[], nn.Module], dtype: torch.dtype, device: str
     return module.requires_grad_(False).eval()
 
 
-def build_talker(config: TalkerModelConfig, *, dtype: torch.dtype, device: str | torch.device) -> tuple[TalkerModel, AudioVAE]:
+def build_talker(
+    config: TalkerModelConfig, *, dtype: torch.dtype, device: str | torch.device
+) -> tuple[TalkerModel, AudioVAE]:
     """Empty modules (uninitialised parameters) in `dtype` on `device`; buffers computed."""
-    return (_materialise(lambda: TalkerModel(config), dtype, device),
-            _materialise(lambda: AudioVAE(config.vae), dtype, device))
+    return (
+        _materialise(lambda: TalkerModel(config), dtype, device),
+        _materialise(lambda: AudioVAE(config.vae), dtype, device),
+    )
 
 
-def _fill(module: nn.Module, folder: Path, optional_ok: Callable[[str], bool],
-          progress: Callable[[], None]) -> None:
+def _fill(
+    module: nn.Module, folder: Path, optional_ok: Callable[[str], bool], progress: Callable[[], None]
+) -> None:
     shards = shard_files(folder)
     headers = read_headers(shards)
     targets = module.state_dict(keep_vars=True)
     have = loading.shapes(headers)
     any_shape = {k: None for k in have if optional_ok(k)}
-    loading.check_keys(folder, "talker weights do not match the configs", loading.state_shapes(targets), have, any_shape)
+    loading.check_keys(
+        folder, "talker weights do not match the configs", loading.state_shapes(targets), have, any_shape
+    )
     loaded: set[str] = set()
     for shard in shards:
         loaded |= loading.copy_shard(shard, headers, targets)
@@ -88,16 +95,24 @@ def _fill(module: nn.Module, folder: Path, optional_ok: Callable[[str], bool],
     loading.check_all_loaded(folder, "talker tensors", targets, loaded)
 
 
-def load_talker(checkpoint_dir: str | Path, *, dtype: torch.dtype, device: str | torch.device,
-                progress: Callable[[int, int], None] | None = None, dummy: bool = False) -> TalkerModels:
+def load_talker(
+    checkpoint_dir: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    progress: Callable[[int, int], None] | None = None,
+    dummy: bool = False,
+) -> TalkerModels:
     """Build the talker from `<checkpoint_dir>/talker/`; `progress(done_shards, total_shards)`.
     `dummy`: random weights (`model.load_format: dummy`), one progress step per module."""
     tdir = Path(checkpoint_dir) / TALKER_DIR
     config = TalkerModelConfig.from_checkpoint(checkpoint_dir)
     prompt = TalkerPrompt(tdir)
     if prompt.vocab_size > config.llm.vocab_size:
-        raise CheckpointError(f"{tdir}/llm: tokenizer has {prompt.vocab_size} tokens, the LM's vocab_size is "
-                              f"{config.llm.vocab_size}")
+        raise CheckpointError(
+            f"{tdir}/llm: tokenizer has {prompt.vocab_size} tokens, the LM's vocab_size is "
+            f"{config.llm.vocab_size}"
+        )
     total = 2 if dummy else len(shard_files(tdir)) + len(shard_files(tdir / "vae"))
     done = 0
 

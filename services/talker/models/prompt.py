@@ -19,8 +19,15 @@ from omnistage.common.checkpoint.shards import CheckpointError
 from tokenizers import Tokenizer
 
 INSTRUCTION = "Please generate speech based on the following description.\n"
-SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_pad|>", "<|vision_end|>",
-                  "<audio>", "<audioPatch>")
+SPECIAL_TOKENS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_pad|>",
+    "<|vision_end|>",
+    "<audio>",
+    "<audioPatch>",
+)
 
 
 @dataclass(frozen=True)
@@ -58,13 +65,25 @@ class TalkerPrompt:
 
     def build(self, text: str, prompt_text: str, prompt_patches: int) -> PromptIds:
         s = self.special
-        head = (self._markup("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
-                + self._markup("<|im_start|>user\n") + self._markup(INSTRUCTION)
-                + self._markup("  speaker_1:") + [s["<|vision_start|>"]])
+        head = (
+            self._markup("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+            + self._markup("<|im_start|>user\n")
+            + self._markup(INSTRUCTION)
+            + self._markup("  speaker_1:")
+            + [s["<|vision_start|>"]]
+        )
         speaker_position = len(head)
-        ids = (head + [s["<|vision_pad|>"]] + self._markup("<|vision_end|>\n") + self._markup(" Text input:\n")
-               + self._text(prompt_text) + self._text(text)
-               + self._markup("<|im_end|>\n") + self._markup("<|im_start|>assistant\n") + [s["<audio>"]])
+        ids = (
+            head
+            + [s["<|vision_pad|>"]]
+            + self._markup("<|vision_end|>\n")
+            + self._markup(" Text input:\n")
+            + self._text(prompt_text)
+            + self._text(text)
+            + self._markup("<|im_end|>\n")
+            + self._markup("<|im_start|>assistant\n")
+            + [s["<audio>"]]
+        )
         audio_position = len(ids)
         ids += [s["<audioPatch>"]] * prompt_patches
         return PromptIds(ids, speaker_position, audio_position, prompt_patches)

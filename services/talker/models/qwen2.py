@@ -60,8 +60,15 @@ class KVSlots:
     One extra slot at index `num_slots` takes the writes of padded tokens.
     """
 
-    def __init__(self, shape: Qwen2Shape, num_slots: int, max_len: int, *, dtype: torch.dtype,
-                 device: str | torch.device) -> None:
+    def __init__(
+        self,
+        shape: Qwen2Shape,
+        num_slots: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> None:
         size = (num_slots + 1, shape.num_kv_heads, max_len, shape.head_dim)
         self.k = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
         self.v = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
@@ -81,10 +88,22 @@ class Qwen2Attention(nn.Module):
         self.k_proj = nn.Linear(h, shape.num_kv_heads * hd, bias=True)
         self.v_proj = nn.Linear(h, shape.num_kv_heads * hd, bias=True)
         self.o_proj = nn.Linear(shape.num_heads * hd, h, bias=False)
-        self.heads, self.kv_heads, self.head_dim, self.window = shape.num_heads, shape.num_kv_heads, hd, window
+        self.heads, self.kv_heads, self.head_dim, self.window = (
+            shape.num_heads,
+            shape.num_kv_heads,
+            hd,
+            window,
+        )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor] | None, rows: Rows | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+        rows: Rows | None,
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -99,15 +118,22 @@ class Qwen2Attention(nn.Module):
             keys, values = _write_and_read(cache, rows, positions, k, v)
             key_pos = torch.arange(keys.shape[2], device=x.device)
             valid_end = rows.starts + rows.lengths
-        allowed = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < valid_end[:, None, None])
+        allowed = (key_pos[None, None, :] <= positions[:, :, None]) & (
+            key_pos[None, None, :] < valid_end[:, None, None]
+        )
         if self.window:
             allowed &= key_pos[None, None, :] > positions[:, :, None] - self.window
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
-def _write_and_read(cache: tuple[torch.Tensor, torch.Tensor], rows: Rows, positions: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _write_and_read(
+    cache: tuple[torch.Tensor, torch.Tensor],
+    rows: Rows,
+    positions: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Store this forward's K/V at their positions (padded tokens into the scratch slot), then read the
     rows' caches up to the longest row."""
     kc, vc = cache
@@ -117,7 +143,7 @@ def _write_and_read(cache: tuple[torch.Tensor, torch.Tensor], rows: Rows, positi
     pos = torch.where(real, positions, 0)
     kc[slot, :, pos] = k.transpose(1, 2)
     vc[slot, :, pos] = v.transpose(1, 2)
-    return kc[rows.slots, :, :rows.span], vc[rows.slots, :, :rows.span]
+    return kc[rows.slots, :, : rows.span], vc[rows.slots, :, : rows.span]
 
 
 class Qwen2MLP(nn.Module):
@@ -164,7 +190,9 @@ class Qwen2Stack(nn.Module):
         """Recompute the rotary table after `to_empty` (it is not stored in checkpoints)."""
         self.inv_freq = self.rope_inv_freq(self.shape).to(self.inv_freq.device)
 
-    def forward(self, x: torch.Tensor, cache: KVSlots | None = None, rows: Rows | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVSlots | None = None, rows: Rows | None = None
+    ) -> torch.Tensor:
         """x [B, T, hidden] → final-norm hidden states [B, T, hidden].
 
         Without a cache: every row is a whole causal sequence from position 0. With one: row b's tokens

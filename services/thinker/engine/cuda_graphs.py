@@ -53,7 +53,9 @@ class DecodeGraphs:
         self, model: nn.Module, max_batch: int, max_blocks: int, device: torch.device, capture: bool = True
     ) -> None:
         if max_batch < 1 or max_blocks < 1:
-            raise ValueError(f"decode graphs need max_batch and max_blocks >= 1 (got {max_batch}, {max_blocks})")
+            raise ValueError(
+                f"decode graphs need max_batch and max_blocks >= 1 (got {max_batch}, {max_blocks})"
+            )
         self.model = model
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch, self.width, self.device, self.capture_enabled = max_batch, max_blocks, device, capture
@@ -177,8 +179,13 @@ class DecodeGraphs:
         self.ready = True
         took = torch.cuda.memory_reserved(self.device) - before
         self.pool_bytes = max(took, 0)
-        log.info("captured %d decode graphs (batch %s) in %.1fs, %s", len(self.sizes),
-                 ",".join(map(str, self.sizes)), time.monotonic() - started, fmt_bytes(took))  # fmt: skip
+        log.info(
+            "captured %d decode graphs (batch %s) in %.1fs, %s",
+            len(self.sizes),
+            ",".join(map(str, self.sizes)),
+            time.monotonic() - started,
+            fmt_bytes(took),
+        )
         return took
 
     def _stage_padding(self, size: int) -> None:

@@ -114,7 +114,9 @@ class LLMEngine:
     def from_started(cls, started: StartedRank) -> LLMEngine:
         """Rank 0 after start-up: the engine around its runner, tokenizer and TP group."""
         if started.tokenizer is None:
-            raise ValueError(f"LLMEngine runs on rank 0 only (got rank {started.cfg.rank}); other ranks run the plan loop")
+            raise ValueError(
+                f"LLMEngine runs on rank 0 only (got rank {started.cfg.rank}); other ranks run the plan loop"
+            )
         tok = started.tokenizer
         return cls(started.runner, tok, list(tok.stop_token_ids), started.control)
 
@@ -144,7 +146,10 @@ class LLMEngine:
                     f"request {request_id!r}: prompt of {num_prompt} tokens (with the image query block) "
                     f"exceeds max_model_len {self.cfg.max_model_len}"
                 )
-            if hidden_slots.numel() == 0 or not 0 <= int(hidden_slots.min()) <= int(hidden_slots.max()) < num_prompt:
+            if (
+                hidden_slots.numel() == 0
+                or not 0 <= int(hidden_slots.min()) <= int(hidden_slots.max()) < num_prompt
+            ):
                 raise RequestError(f"request {request_id!r}: hidden-state slots must lie inside the prompt")
         elif num_prompt >= self.cfg.max_model_len:
             raise RequestError(
@@ -153,7 +158,11 @@ class LLMEngine:
             )
         if positions is not None and tuple(positions.shape) != (3, num_prompt):
             raise RequestError(f"request {request_id!r}: positions must be [3, {num_prompt}]")
-        if media is not None and media.num_rows and not 0 <= int(media.slots[0]) <= int(media.slots[-1]) < num_prompt:
+        if (
+            media is not None
+            and media.num_rows
+            and not 0 <= int(media.slots[0]) <= int(media.slots[-1]) < num_prompt
+        ):
             raise RequestError(
                 f"request {request_id!r}: media slots must lie inside the prompt (0..{num_prompt - 1})"
             )
@@ -162,13 +171,23 @@ class LLMEngine:
         if len(self.scheduler.waiting) >= self.cfg.max_queued_requests:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests already wait (max_queued_requests)")
         if hidden_slots is not None:  # no tokens: sampling parameters play no part
-            seq = Sequence(request_id, prompt_token_ids, params, 0, rope_delta, positions, media,
-                           HiddenCapture(hidden_slots))  # fmt: skip
+            seq = Sequence(
+                request_id,
+                prompt_token_ids,
+                params,
+                0,
+                rope_delta,
+                positions,
+                media,
+                HiddenCapture(hidden_slots),
+            )
             self.scheduler.add(seq)
             return
         max_model_len = self.cfg.max_model_len
         if params.max_tokens > max_model_len:
-            raise RequestError(f"sampling.max_tokens: {params.max_tokens} exceeds max_model_len {max_model_len}")
+            raise RequestError(
+                f"sampling.max_tokens: {params.max_tokens} exceeds max_model_len {max_model_len}"
+            )
         if num_prompt + params.max_tokens > max_model_len:
             raise RequestError(
                 f"prompt of {num_prompt} tokens + sampling.max_tokens {params.max_tokens} = "
@@ -189,7 +208,9 @@ class LLMEngine:
             return None
         if self.stats is not None:
             self.stats.on_abort(seq, time.monotonic())
-        return RequestOutput(request_id, [], "", finished=True, finish_reason=FinishReason.ABORT, usage=self._usage(seq))
+        return RequestOutput(
+            request_id, [], "", finished=True, finish_reason=FinishReason.ABORT, usage=self._usage(seq)
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -199,7 +220,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         out = self._run(batch)
-        sampled = self.sampler(out.logits, batch.sampling_seqs) if out.logits is not None else SamplerOutput([], [])
+        sampled = (
+            self.sampler(out.logits, batch.sampling_seqs) if out.logits is not None else SamplerOutput([], [])
+        )
         self._keep_hidden(batch, out.hidden)
         self.scheduler.postprocess(batch, sampled.token_ids)
         now = time.monotonic()
@@ -238,8 +261,15 @@ class LLMEngine:
         """The final output of a hidden-state request whose prompt is now computed (blocks freed)."""
         seq.first_token_time = now  # "first output": the states are ready
         rows, seq.hidden = seq.hidden.rows if seq.hidden is not None else None, None
-        return RequestOutput(seq.request_id, [], "", finished=True, finish_reason=seq.finish_reason,
-                             usage=self._usage(seq), hidden_states=rows)  # fmt: skip
+        return RequestOutput(
+            seq.request_id,
+            [],
+            "",
+            finished=True,
+            finish_reason=seq.finish_reason,
+            usage=self._usage(seq),
+            hidden_states=rows,
+        )
 
     def _emit(self, seqs: list[Sequence], sampled: SamplerOutput, now: float) -> list[RequestOutput]:
         outputs = []

@@ -23,7 +23,12 @@ class PromptMedia:
 
     def __post_init__(self) -> None:
         m = self.slots.numel()
-        if self.rows.dim() != 2 or self.rows.shape[0] != m or self.modality.shape != (m,) or self.slots.dim() != 1:
+        if (
+            self.rows.dim() != 2
+            or self.rows.shape[0] != m
+            or self.modality.shape != (m,)
+            or self.slots.dim() != 1
+        ):
             raise ValueError(
                 f"PromptMedia: rows {list(self.rows.shape)}, slots {list(self.slots.shape)} and "
                 f"modality {list(self.modality.shape)} disagree"

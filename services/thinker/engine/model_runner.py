@@ -201,5 +201,7 @@ class ModelRunner:
         if plan.media_rows is not None:
             rows = plan.media_rows.to(dev, self.dtype, non_blocking=True)
         elif self.rank == 0:
-            raise RuntimeError(f"step plan splices {plan.num_media_rows} media rows but carries none on rank 0")
+            raise RuntimeError(
+                f"step plan splices {plan.num_media_rows} media rows but carries none on rank 0"
+            )
         return {"modality": modality, "media_index": index, "media_rows": rows}

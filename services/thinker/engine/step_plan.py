@@ -81,7 +81,14 @@ class StepPlan:
         """Pack into one int64 tensor: header [kind, S, T, R, B, M] then the arrays (not media_rows)."""
         num_seqs, max_blocks = self.block_tables.shape if self.block_tables.dim() == 2 else (0, 0)
         header = torch.tensor(
-            [int(self.kind), num_seqs, self.num_tokens, self.sample_rows.numel(), max_blocks, self.num_media_rows],
+            [
+                int(self.kind),
+                num_seqs,
+                self.num_tokens,
+                self.sample_rows.numel(),
+                max_blocks,
+                self.num_media_rows,
+            ],
             dtype=torch.int64,
         )
         parts = [
@@ -102,11 +109,22 @@ class StepPlan:
     def decode(cls, buf: torch.Tensor) -> StepPlan:
         head = len(_HEADER)
         kind, num_seqs, num_tokens, num_rows, max_blocks, num_media = (int(x) for x in buf[:head].tolist())
-        sizes = [num_tokens, 3 * num_tokens, num_seqs, num_seqs, num_tokens, num_rows, num_seqs * max_blocks,
-                 num_media, num_media]  # fmt: skip
+        sizes = [
+            num_tokens,
+            3 * num_tokens,
+            num_seqs,
+            num_seqs,
+            num_tokens,
+            num_rows,
+            num_seqs * max_blocks,
+            num_media,
+            num_media,
+        ]
         if buf.numel() != head + sum(sizes):
             raise ValueError(f"step plan: buffer of {buf.numel()} int64s, header says {head + sum(sizes)}")
-        ids, pos, qlens, clens, slots, rows, tables, media_index, media_modality = torch.split(buf[head:], sizes)
+        ids, pos, qlens, clens, slots, rows, tables, media_index, media_modality = torch.split(
+            buf[head:], sizes
+        )
         return cls(
             kind=PlanKind(kind),
             input_ids=ids,

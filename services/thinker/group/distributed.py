@@ -123,7 +123,9 @@ class TPControl:
         try:
             from torch.distributed.distributed_c10d import _set_pg_timeout
         except ImportError:  # older torch: the start-up deadline stays (the PeerWatch still bounds exits)
-            log.warning("this torch cannot change a process group's timeout: collectives keep the start-up one")
+            log.warning(
+                "this torch cannot change a process group's timeout: collectives keep the start-up one"
+            )
             return
         _set_pg_timeout(timeout)
         _set_pg_timeout(timeout, self.plan_group)
@@ -300,8 +302,12 @@ class TPControl:
 
         threading.Thread(target=destroy, name=f"tp-destroy-rank{self.rank}", daemon=True).start()
         if not done.wait(self.exit_budget_s):
-            log.warning("rank %d: process groups not destroyed within %.0fs (%s): left to the process exit",
-                        self.rank, self.exit_budget_s, self.where)  # fmt: skip
+            log.warning(
+                "rank %d: process groups not destroyed within %.0fs (%s): left to the process exit",
+                self.rank,
+                self.exit_budget_s,
+                self.where,
+            )
 
 
 def _call_closer(fn: Callable[[], None]) -> None:
@@ -354,9 +360,15 @@ def join_tp_group(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     timeout = timedelta(seconds=cfg.startup_collective_timeout_s)
     try:
-        host_store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
+        host_store = dist.TCPStore(
+            host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True
+        )
         dist.init_process_group(
-            backend, store=dist.PrefixStore("model", host_store), rank=rank, world_size=world_size, timeout=timeout
+            backend,
+            store=dist.PrefixStore("model", host_store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
         )
         plan_group = dist.new_group(backend="gloo", timeout=timeout)
         store = GroupStore(host, port, timeout_s=cfg.peer_timeout_s)
@@ -373,4 +385,3 @@ def join_tp_group(
     control.watch.start()
     log.info("joined TP group rank %d/%d (%s) at %s:%d", rank, world_size, backend, host, port)
     return control
-

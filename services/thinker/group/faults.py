@@ -32,7 +32,9 @@ class StartupFault:
     def check_device(self, mem: DeviceMemory | None) -> None:
         """The KV points need a simulated device (they take its memory); refuse anything else early."""
         if self.point in _STEP_PREFIX and not isinstance(mem, SimulatedDeviceMemory):
-            raise ValueError(f"fault.at {self.point}: needs memory.simulated_capacity_bytes (a simulated device)")
+            raise ValueError(
+                f"fault.at {self.point}: needs memory.simulated_capacity_bytes (a simulated device)"
+            )
 
     def on_step(self, phase: str, detail: str, runner: ModelRunner | None, mem: DeviceMemory | None) -> None:
         if not self.point or self.fired:
@@ -42,7 +44,9 @@ class StartupFault:
             self.fired = True
             assert isinstance(mem, SimulatedDeviceMemory)
             free = max(0, mem.limit - mem.reserved() - mem.reserved_elsewhere())
-            log.warning("fault hook: a peer takes the %d free bytes of rank %d before %s", free, self.rank, prefix)
+            log.warning(
+                "fault hook: a peer takes the %d free bytes of rank %d before %s", free, self.rank, prefix
+            )
             mem.reserve(free, "fault hook")
         elif self.point == "warmup_forward" and phase == "warming_up" and runner is not None:
             self.fired = True

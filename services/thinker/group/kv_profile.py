@@ -230,8 +230,10 @@ class _Profiler:
         the probe stress, the cap is what this rank can really reserve."""
         peers = peers_bytes(self.mem)
         if peers > self.peers:
-            log.info("auto-profile: memory held outside this allocator grew to %s during the probe stress",
-                     fmt_bytes(peers))
+            log.info(
+                "auto-profile: memory held outside this allocator grew to %s during the probe stress",
+                fmt_bytes(peers),
+            )
             self.peers = peers
             self.cap = min(self.settings.budget_bytes, self.mem.total() - self.peers)
             enforce_cap(self.mem, self.cap)
@@ -270,9 +272,15 @@ class _Profiler:
         log.info(
             "auto-profile measure: peak reserved %s with probe KV %s → non-KV %s; kept %s, largest step %s; "
             "cap %s, canary %s → %d blocks",
-            fmt_bytes(peak), fmt_bytes(probe_kv), fmt_bytes(non_kv), fmt_bytes(kept), fmt_bytes(largest_step),
-            fmt_bytes(self.cap), fmt_bytes(canary), proposal,
-        )  # fmt: skip
+            fmt_bytes(peak),
+            fmt_bytes(probe_kv),
+            fmt_bytes(non_kv),
+            fmt_bytes(kept),
+            fmt_bytes(largest_step),
+            fmt_bytes(self.cap),
+            fmt_bytes(canary),
+            proposal,
+        )
         self._progress(f"agree: this rank proposes {proposal} blocks")
         blocks = self.control.agree_min(proposal, "agreeing on the KV cache size")
         if blocks < self.min_blocks:

@@ -58,5 +58,7 @@ def join_workers(procs: list[BaseProcess], timeout_s: float) -> list[int]:
             proc.kill()
             proc.join(5)
     if stuck:
-        raise TimeoutError(timeout_message(timeout_s, f"TP workers {', '.join(stuck)} to exit", stage="thinker"))
+        raise TimeoutError(
+            timeout_message(timeout_s, f"TP workers {', '.join(stuck)} to exit", stage="thinker")
+        )
     return [p.exitcode for p in procs]

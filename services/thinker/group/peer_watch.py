@@ -53,7 +53,9 @@ class PeerWatch:
         self._seen: dict[int, tuple[int, float]] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"tp-peer-watch-rank{control.rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"tp-peer-watch-rank{control.rank}", daemon=True
+        )
 
     def start(self) -> None:
         now = time.monotonic()

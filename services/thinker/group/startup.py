@@ -194,7 +194,9 @@ def start_rank(cfg: RankConfig, progress: StartupProgress | None = None) -> Star
     try:
         started = startup.run()
     except Exception as exc:
-        raise StartupError(control.fail(control.where, exc, culprit=getattr(exc, "culprit_rank", None))) from exc
+        raise StartupError(
+            control.fail(control.where, exc, culprit=getattr(exc, "culprit_rank", None))
+        ) from exc
     log.info("start-up done: %s", json.dumps(started.summary()))  # one line per rank, for benchmarks
     return started
 
@@ -248,13 +250,20 @@ class _Startup:
             backends = self.install_backends(model)
             graphs = cfg.engine.cuda_graphs and dev.type == "cuda" and backends.graph_safe
             if graphs and cfg.world_size > 1 and tp_graph_capture() == "off":
-                log.warning("engine.cuda_graphs: %s=off: the TP group (tp %d) decodes eagerly",
-                            TP_GRAPHS_ENV, cfg.world_size)  # fmt: skip
+                log.warning(
+                    "engine.cuda_graphs: %s=off: the TP group (tp %d) decodes eagerly",
+                    TP_GRAPHS_ENV,
+                    cfg.world_size,
+                )
                 graphs = False
             self.enter("profiling_memory", unit="attempts")
             if mem is None:
-                blocks = self.control.agree_min(resolve_engine_config(cfg.engine).num_kv_blocks, "agreeing on KV blocks")
-                self.runner = ModelRunner(model, resolve_engine_config(cfg.engine, blocks), cfg.device, cfg.rank)
+                blocks = self.control.agree_min(
+                    resolve_engine_config(cfg.engine).num_kv_blocks, "agreeing on KV blocks"
+                )
+                self.runner = ModelRunner(
+                    model, resolve_engine_config(cfg.engine, blocks), cfg.device, cfg.rank
+                )
             else:
                 one_request = -(-cfg.engine.max_model_len // cfg.engine.block_size)
                 limits = resolve_engine_config(cfg.engine, one_request)  # as configured; no cache yet
@@ -264,29 +273,45 @@ class _Startup:
                     reserve = graph_reserve_bytes(self.graph_batch(), model.lm_head.rows, cfg.world_size)
                     settings = dataclasses.replace(settings, canary_bytes=settings.canary_bytes + reserve)
                 prof = size_kv_cache(
-                    self.runner, self.control, mem, settings, peers_at_start=peers_at_start, progress=self.step
+                    self.runner,
+                    self.control,
+                    mem,
+                    settings,
+                    peers_at_start=peers_at_start,
+                    progress=self.step,
                 )
             if cfg.warmup:
                 self.enter("warming_up", unit="shapes")
                 warm = run_warmup(
-                    self.runner, self.control, warmup_shapes(self.runner.cfg), mem=mem,
-                    cap_bytes=prof.cap_bytes if prof else 0, need_bytes=prof.shape_peaks if prof else None,
+                    self.runner,
+                    self.control,
+                    warmup_shapes(self.runner.cfg),
+                    mem=mem,
+                    cap_bytes=prof.cap_bytes if prof else 0,
+                    need_bytes=prof.shape_peaks if prof else None,
                     progress=self.step,
-                )  # fmt: skip
+                )
             if graphs:
                 self.enter("capturing_graphs", unit="graphs")
                 self.capture_graphs()
         self.seconds[self.phase] = time.monotonic() - self._phase_started
         self.control.enter_serving()
         seconds = {k: round(v, 3) for k, v in self.seconds.items()}
-        return StartedRank(cfg, self.runner, self.control, tokenizer, mem, prof, warm, seconds, self.load_peak_bytes)
+        return StartedRank(
+            cfg, self.runner, self.control, tokenizer, mem, prof, warm, seconds, self.load_peak_bytes
+        )
 
     def install_backends(self, model: BailingMoeV2ForCausalLM) -> Backends:
         """The deploy file's kernel choice, resolved for this device and installed in the model."""
         e = self.cfg.engine
         try:
-            backends = resolve_backends(e.attention_backend, e.moe_backend, torch.device(self.cfg.device),
-                                        e.block_size, model.config.head_dim)  # fmt: skip
+            backends = resolve_backends(
+                e.attention_backend,
+                e.moe_backend,
+                torch.device(self.cfg.device),
+                e.block_size,
+                model.config.head_dim,
+            )
         except BackendError as exc:
             raise StartupError(self.control.fail("choosing kernels", exc)) from exc
         install_backends(model, backends)
@@ -323,15 +348,22 @@ class _Startup:
         unit = "shards" if cfg.load_format == "safetensors" else "layers"
 
         def shards(done: int, total: int) -> None:
-            self.step(f"{done}/{total} {unit}" + (" (dummy weights)" if cfg.load_format == "dummy" else ""), done, total)
+            self.step(
+                f"{done}/{total} {unit}" + (" (dummy weights)" if cfg.load_format == "dummy" else ""),
+                done,
+                total,
+            )
 
         model = load_model(
-            cfg.checkpoint, dtype=to_dtype(cfg.dtype), device=cfg.device, tp_rank=cfg.rank,
-            tp_size=cfg.world_size, progress=shards, load_format=cfg.load_format,
-        )  # fmt: skip
+            cfg.checkpoint,
+            dtype=to_dtype(cfg.dtype),
+            device=cfg.device,
+            tp_rank=cfg.rank,
+            tp_size=cfg.world_size,
+            progress=shards,
+            load_format=cfg.load_format,
+        )
         if self.mem is not None:
             self.load_peak_bytes = self.mem.peak_allocated()
             self.mem.empty_cache()  # loading's temporaries must not count as the profile's peak
         return model
-
-

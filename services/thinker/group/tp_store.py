@@ -178,7 +178,9 @@ def process_gone(pid: int) -> bool:
 
 
 def _connect(host: str, port: int, timeout_s: float) -> dist.Store:
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(
+        host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -34,9 +34,16 @@ log = get_logger(__name__)
 # Sampling that allocates every buffer the sampler has (penalties, temperature, top-k/top-p/min-p
 # sort, exponential draw, logprobs): a greedy dummy run would miss the sort (LightLLM's lesson).
 DUMMY_SAMPLING = SamplingParams(
-    temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1, presence_penalty=0.1,
-    seed=0, logprobs=5, max_tokens=1,
-)  # fmt: skip
+    temperature=0.8,
+    top_k=50,
+    top_p=0.9,
+    min_p=0.01,
+    repetition_penalty=1.1,
+    presence_penalty=0.1,
+    seed=0,
+    logprobs=5,
+    max_tokens=1,
+)
 
 # progress(detail, done, total): a start-up step within the current phase (a shape, an attempt).
 StepProgress = Callable[[str, int, int], None]
@@ -215,8 +222,10 @@ def run_warmup(
         if not all_ready:
             log.warning(
                 "warm-up shape %r skipped on every rank: rank %d is not ready%s",
-                shape.name, first_bad, f" ({why})" if why else "",
-            )  # fmt: skip
+                shape.name,
+                first_bad,
+                f" ({why})" if why else "",
+            )
             result.skipped.append(shape.name)
             continue
         diagnostic = ""

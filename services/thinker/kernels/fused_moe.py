@@ -51,9 +51,16 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _align_kernel(
-    ids_ptr, counts_ptr, ends_ptr, cursor_ptr, num_rows_ptr, num_pairs,
-    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
+    ids_ptr,
+    counts_ptr,
+    ends_ptr,
+    cursor_ptr,
+    num_rows_ptr,
+    num_pairs,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """One program: pairs per expert, each expert's run padded to whole blocks and laid end to end
     (`ends`, and the run starts as the scatter's cursors), and the rows in use."""
     experts = tl.arange(0, NUM_EXPERTS)
@@ -110,8 +117,9 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     pairs = torch.empty(max_padded_rows(n, num_experts, block_m), dtype=torch.int32, device=dev)
     counts, ends, cursor = (torch.empty(num_experts, dtype=torch.int32, device=dev) for _ in range(3))
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](flat, counts, ends, cursor, num_rows, n,
-                        NUM_EXPERTS=num_experts, BLOCK_M=block_m, CHUNK=32)  # fmt: skip
+    _align_kernel[(1,)](
+        flat, counts, ends, cursor, num_rows, n, NUM_EXPERTS=num_experts, BLOCK_M=block_m, CHUNK=32
+    )
     _scatter_kernel[(n,)](flat, pairs, cursor)
     return pairs, counts, ends, num_rows
 
@@ -123,12 +131,26 @@ def align_supported(num_experts: int) -> bool:
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, pairs_ptr, counts_ptr, ends_ptr, num_rows_ptr,
-    hidden, inter, top_k,
-    stride_xm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_EXPERTS: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    pairs_ptr,
+    counts_ptr,
+    ends_ptr,
+    num_rows_ptr,
+    hidden,
+    inter,
+    top_k,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    LOG2_EXPERTS: tl.constexpr,
     PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -165,12 +187,26 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, weight_ptr, pairs_ptr, counts_ptr, ends_ptr, num_rows_ptr,
-    hidden, inter,
-    stride_hm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_EXPERTS: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    weight_ptr,
+    pairs_ptr,
+    counts_ptr,
+    ends_ptr,
+    num_rows_ptr,
+    hidden,
+    inter,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    LOG2_EXPERTS: tl.constexpr,
     PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -211,17 +247,49 @@ def fused_experts(
     tiles = choose_tiles(n, num_experts)
     pairs, counts, ends, num_rows = align_by_expert(ids, num_experts, tiles.block_m)
     num_blocks = pairs.numel() // tiles.block_m
-    meta = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                LOG2_EXPERTS=num_experts.bit_length() - 1, PRECISION=dot_precision(x.dtype),
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages)  # fmt: skip
+    meta = dict(
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        LOG2_EXPERTS=num_experts.bit_length() - 1,
+        PRECISION=dot_precision(x.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
-        x, w13, h, pairs, counts, ends, num_rows, hidden, inter, k,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), **meta,
-    )  # fmt: skip
+        x,
+        w13,
+        h,
+        pairs,
+        counts,
+        ends,
+        num_rows,
+        hidden,
+        inter,
+        k,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        h.stride(0),
+        **meta,
+    )
     out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
-        h, w2, out, weights.reshape(-1).float().contiguous(), pairs, counts, ends, num_rows, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **meta,
-    )  # fmt: skip
+        h,
+        w2,
+        out,
+        weights.reshape(-1).float().contiguous(),
+        pairs,
+        counts,
+        ends,
+        num_rows,
+        hidden,
+        inter,
+        h.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        **meta,
+    )
     return out.view(t, k, hidden).sum(dim=1)

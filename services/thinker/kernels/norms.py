@@ -15,10 +15,20 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n, eps,
-    stride_x, stride_r, stride_o, stride_s,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    n,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -50,9 +60,20 @@ def rms_norm(
         s2 = torch.empty_like(out)
     if rows:
         _rms_norm_kernel[(rows,)](
-            x2, r2, weight, out, s2, n, eps, x2.stride(0), r2.stride(0), out.stride(0), s2.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
-        )  # fmt: skip
+            x2,
+            r2,
+            weight,
+            out,
+            s2,
+            n,
+            eps,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            s2.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(n),
+        )
     if residual is None:
         return out.view(shape)
     return out.view(shape), s2.view(shape)
@@ -60,10 +81,20 @@ def rms_norm(
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    qk_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, num_q_heads, eps,
-    stride_t, stride_h, stride_ct,
-    HEAD_DIM: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr,
-):  # fmt: skip
+    qk_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_q_heads,
+    eps,
+    stride_t,
+    stride_h,
+    stride_ct,
+    HEAD_DIM: tl.constexpr,
+    ROT: tl.constexpr,
+    NORM: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -114,10 +145,20 @@ def qk_norm_rope(
     norm = q_weight is not None
     cos, sin = cos.contiguous(), sin.contiguous()
     _qk_norm_rope_kernel[(t, heads)](
-        qk, q_weight if norm else cos, k_weight if norm else cos, cos, sin, num_q_heads, eps,
-        qk.stride(0), qk.stride(1), cos.stride(0),
-        HEAD_DIM=head_dim, ROT=cos.shape[-1], NORM=norm,
-    )  # fmt: skip
+        qk,
+        q_weight if norm else cos,
+        k_weight if norm else cos,
+        cos,
+        sin,
+        num_q_heads,
+        eps,
+        qk.stride(0),
+        qk.stride(1),
+        cos.stride(0),
+        HEAD_DIM=head_dim,
+        ROT=cos.shape[-1],
+        NORM=norm,
+    )
 
 
 @triton.jit
@@ -139,6 +180,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     t, two_i = x.shape
     out = torch.empty(t, two_i // 2, dtype=x.dtype, device=x.device)
     if t:
-        _silu_mul_kernel[(t,)](x, out, two_i // 2, x.stride(0), out.stride(0),
-                               BLOCK=min(1024, triton.next_power_of_2(two_i // 2)))  # fmt: skip
+        _silu_mul_kernel[(t,)](
+            x,
+            out,
+            two_i // 2,
+            x.stride(0),
+            out.stride(0),
+            BLOCK=min(1024, triton.next_power_of_2(two_i // 2)),
+        )
     return out

@@ -19,10 +19,8 @@ from omnistage.services.thinker.kernels import dot_precision
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-    stride_kt, stride_vt, width,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kt, stride_vt, width, BLOCK: tl.constexpr
+):
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     if slot < 0:
@@ -34,26 +32,52 @@ def _write_kv_kernel(
         tl.store(v_cache_ptr + slot * width + offs, tl.load(v_ptr + t * stride_vt + offs, mask=ok), mask=ok)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor) -> None:  # fmt: skip
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
     """k/v [T, KVH, D] into the caches at `slots` [T] (block * block_size + offset); slot < 0: skipped."""
     t = k.shape[0]
     if t == 0:
         return
     width = k.shape[1] * k.shape[2]
     k2, v2 = k.reshape(t, width), v.reshape(t, width)
-    _write_kv_kernel[(t,)](k2, v2, k_cache, v_cache, slots, k2.stride(0), v2.stride(0), width,
-                           BLOCK=min(1024, triton.next_power_of_2(width)))  # fmt: skip
+    _write_kv_kernel[(t,)](
+        k2,
+        v2,
+        k_cache,
+        v_cache,
+        slots,
+        k2.stride(0),
+        v2.stride(0),
+        width,
+        BLOCK=min(1024, triton.next_power_of_2(width)),
+    )
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, out_ptr,
-    scale, group, stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
-    stride_cb, stride_cs, stride_ch,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    tables_ptr,
+    ctx_ptr,
+    out_ptr,
+    scale,
+    group,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_tb,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     """One (sequence, KV head): its GQA group of query heads over BLOCK_N cached tokens (several
     pages) per iteration, online softmax in fp32."""
     b = tl.program_id(0)
@@ -62,7 +86,9 @@ def _decode_kernel(
     heads = kvh * group + tl.arange(0, GROUP_PAD)
     h_ok = tl.arange(0, GROUP_PAD) < group
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0
+    )
     q = (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
     m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
     s = tl.zeros((GROUP_PAD,), dtype=tl.float32)
@@ -84,8 +110,11 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     out = acc / tl.maximum(s, 1e-30)[:, None]
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])  # fmt: skip
+    tl.store(
+        out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=h_ok[:, None],
+    )
 
 
 def paged_decode(
@@ -105,11 +134,28 @@ def paged_decode(
     if bsz == 0:
         return out
     _decode_kernel[(bsz, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out,
-        scale, group, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=head_dim, PAGE=page, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=max(64, page), PRECISION=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        scale,
+        group,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HEAD_DIM=head_dim,
+        PAGE=page,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=max(64, page),
+        PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
     return out

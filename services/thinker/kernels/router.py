@@ -16,9 +16,17 @@ import triton.language as tl
 
 @triton.jit
 def _grouped_topk_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
-    NUM_EXPERTS: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    stride_l,
+    scaling,
+    NUM_EXPERTS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     per_group: tl.constexpr = NUM_EXPERTS // GROUPS
     g = tl.arange(0, GROUPS)
@@ -63,9 +71,17 @@ def grouped_topk_route(
     if t:
         logits = logits.contiguous()
         _grouped_topk_kernel[(t,)](
-            logits, bias, weights, ids, logits.stride(0), scaling,
-            NUM_EXPERTS=num_experts, GROUPS=n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
-        )  # fmt: skip
+            logits,
+            bias,
+            weights,
+            ids,
+            logits.stride(0),
+            scaling,
+            NUM_EXPERTS=num_experts,
+            GROUPS=n_group,
+            TOPK_GROUP=topk_group,
+            TOP_K=top_k,
+        )
     return weights, ids
 
 
@@ -77,4 +93,3 @@ def route_shapes_supported(num_experts: int, n_group: int, top_k: int) -> bool:
         return n > 0 and n & (n - 1) == 0
 
     return num_experts % n_group == 0 and pow2(per_group) and pow2(n_group) and pow2(top_k)
-

@@ -169,7 +169,9 @@ class BailingMoeV2ForCausalLM(nn.Module):
 
         modality [T]: router codes 0 text / 1 vision / 2 audio (None: text); media_index [M] and
         media_rows [M, H]: encoder rows to splice (under TP only rank 0 passes the rows)."""
-        hidden = self.embed_tokens(input_ids, media_index, media_rows) if inputs_embeds is None else inputs_embeds
+        hidden = (
+            self.embed_tokens(input_ids, media_index, media_rows) if inputs_embeds is None else inputs_embeds
+        )
         if positions.dim() == 1:
             positions = positions[None].expand(3, -1)
         return self.model(hidden, positions, modality)

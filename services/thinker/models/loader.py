@@ -35,8 +35,12 @@ log = get_logger(__name__)
 
 
 def _check_keys(ckpt_dir: Path, config: ThinkerConfig, headers: dict) -> None:
-    check_keys(ckpt_dir, "thinker checkpoint does not match its config", checkpoint_shapes(config),
-               shapes(headers, lambda key: param_for_checkpoint_key(key) is not None))
+    check_keys(
+        ckpt_dir,
+        "thinker checkpoint does not match its config",
+        checkpoint_shapes(config),
+        shapes(headers, lambda key: param_for_checkpoint_key(key) is not None),
+    )
 
 
 Batches = list[Callable[[], Iterator[tuple[str, torch.Tensor]]]]

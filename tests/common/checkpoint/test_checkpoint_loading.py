@@ -29,8 +29,10 @@ def test_one_error_names_every_missing_unexpected_and_mis_shaped_key():
     have = {"a": (2,), "b": (4, 3), "x": (5,)}
     with pytest.raises(CheckpointError) as err:
         loading.check_keys("/ckpt", "weights do not match", want, have)
-    assert str(err.value) == ("/ckpt: weights do not match: missing keys: c; unexpected keys: x; "
-                              "mis-shaped keys: b [4, 3] != [3, 4]")
+    assert str(err.value) == (
+        "/ckpt: weights do not match: missing keys: c; unexpected keys: x; "
+        "mis-shaped keys: b [4, 3] != [3, 4]"
+    )
 
 
 def test_optional_keys_may_be_absent_and_are_shape_checked_unless_any_shape_goes():

@@ -31,4 +31,6 @@ def test_the_tiny_shape_sizes_its_vocabulary_to_the_tokenizer(tmp_path):
     write_config_checkpoint(tmp_path, "tiny")
     llm = json.loads((tmp_path / "config.json").read_text())["llm_config"]
     added = json.loads((tmp_path / "tokenizer_config.json").read_text())["added_tokens_decoder"]
-    assert llm["vocab_size"] % 64 == 0 and max(map(int, added)) < llm["vocab_size"] < max(map(int, added)) + 65
+    assert (
+        llm["vocab_size"] % 64 == 0 and max(map(int, added)) < llm["vocab_size"] < max(map(int, added)) + 65
+    )

@@ -48,16 +48,37 @@ def tiny(tmp_path_factory) -> Path:
 
 def test_no_weight_file_is_written_anywhere(release):
     assert not [p for p in release.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt")]
-    assert {p.name for p in release.iterdir()} >= {"config.json", "tokenizer.json", "talker", "mlp", "connector",
-                                                   "transformer", "vae", "scheduler"}
+    assert {p.name for p in release.iterdir()} >= {
+        "config.json",
+        "tokenizer.json",
+        "talker",
+        "mlp",
+        "connector",
+        "transformer",
+        "vae",
+        "scheduler",
+    }
 
 
 def test_the_encoders_read_the_release_sizes(release):
     cfg = EncoderModelConfig.from_checkpoint(release)
     v, a = cfg.vision, cfg.audio
-    assert (v.depth, v.hidden_size, v.num_heads, v.intermediate_size, v.patch_size) == (27, 1152, 16, 4304, 16)
+    assert (v.depth, v.hidden_size, v.num_heads, v.intermediate_size, v.patch_size) == (
+        27,
+        1152,
+        16,
+        4304,
+        16,
+    )
     assert (v.num_position_embeddings, v.out_hidden_size, v.projector_size) == (2304, 4096, 4096)
-    assert (a.n_mels, a.n_ctx, a.n_state, a.n_head, a.n_layer, a.projector_size) == (128, 15000, 1280, 20, 32, 4096)
+    assert (a.n_mels, a.n_ctx, a.n_state, a.n_head, a.n_layer, a.projector_size) == (
+        128,
+        15000,
+        1280,
+        20,
+        32,
+        4096,
+    )
     with torch.device("meta"):
         vision, audio = VisionEncoder(v), AudioEncoder(a)
     # ming.md §1: ViT 576 M with 120 M of unused deepstack mergers (not built), projector 33.6 M;
@@ -69,9 +90,24 @@ def test_the_encoders_read_the_release_sizes(release):
 def test_the_talker_reads_the_release_sizes(release):
     cfg = TalkerModelConfig.from_checkpoint(release)
     llm = cfg.llm
-    assert (llm.hidden_size, llm.num_layers, llm.num_heads, llm.num_kv_heads, llm.vocab_size) == (896, 24, 14, 2, 151936)
-    assert (cfg.flow.hidden_size, cfg.flow.depth, cfg.flow.num_heads) == (1024, 8, 16) and cfg.aggregator == cfg.flow
-    assert (cfg.vae.sample_rate, cfg.vae.dec_hop, cfg.vae.n_fft, cfg.samples_per_step) == (44100, 882, 3528, 14112)
+    assert (llm.hidden_size, llm.num_layers, llm.num_heads, llm.num_kv_heads, llm.vocab_size) == (
+        896,
+        24,
+        14,
+        2,
+        151936,
+    )
+    assert (cfg.flow.hidden_size, cfg.flow.depth, cfg.flow.num_heads) == (
+        1024,
+        8,
+        16,
+    ) and cfg.aggregator == cfg.flow
+    assert (cfg.vae.sample_rate, cfg.vae.dec_hop, cfg.vae.n_fft, cfg.samples_per_step) == (
+        44100,
+        882,
+        3528,
+        14112,
+    )
     with torch.device("meta"):
         talker, vae = TalkerModel(cfg), AudioVAE(cfg.vae)
     assert 493e6 < _params(talker.model) < 495e6  # Qwen2-0.5B (ming.md §5.1)
@@ -84,8 +120,14 @@ def test_the_talker_reads_the_release_sizes(release):
 def test_image_generation_reads_the_release_sizes(release):
     cfg = ImageGenModelConfig.from_checkpoint(release)
     assert (cfg.dit.dim, cfg.dit.n_layers, cfg.dit.n_heads, cfg.dit.cap_feat_dim) == (3840, 30, 30, 2560)
-    assert (cfg.connector.hidden_size, cfg.connector.num_hidden_layers, cfg.thinker_hidden) == (1536, 28, 4096)
-    assert cfg.vae.block_out_channels == (128, 256, 512, 512) and cfg.vae.latent_channels == cfg.dit.in_channels
+    assert (cfg.connector.hidden_size, cfg.connector.num_hidden_layers, cfg.thinker_hidden) == (
+        1536,
+        28,
+        4096,
+    )
+    assert (
+        cfg.vae.block_out_channels == (128, 256, 512, 512) and cfg.vae.latent_channels == cfg.dit.in_channels
+    )
     assert cfg.mlp.num_queries == 256 and cfg.scheduler.use_dynamic_shifting
     with torch.device("meta"):
         dit = ZImageDiT(cfg.dit)
@@ -111,7 +153,9 @@ def _assert_dummy(module: nn.Module, dtype: torch.dtype, rec: ShapeRecorder) -> 
     params = dict(module.named_parameters())
     assert params and all(p.dtype == dtype and torch.isfinite(p).all() for p in params.values())
     shapes = {tuple(p.shape) for p in params.values()}
-    assert not [s for s, dt in rec.tensors if dt == torch.float32 and s in shapes], "fp32 copies of bf16 weights"
+    assert not [s for s, dt in rec.tensors if dt == torch.float32 and s in shapes], (
+        "fp32 copies of bf16 weights"
+    )
     big = [p for n, p in params.items() if p.dim() > 1 and p.numel() > 4096]
     assert big and all(0.015 < float(p.float().std()) < 0.025 for p in big)
 
@@ -137,7 +181,11 @@ def test_dummy_talker_at_the_tiny_size_encodes_its_preset_voices(tiny):
     bank = VoiceBank(models, SpeakerEncoder(tiny / TALKER_DIR / "campplus.onnx"), "DB30", 10.0)
     bank.load_presets(0)
     voice = bank.preset("DB30")
-    assert voice is not None and voice.patches > 0 and voice.embeddings.shape[-1] == models.config.llm.hidden_size
+    assert (
+        voice is not None
+        and voice.patches > 0
+        and voice.embeddings.shape[-1] == models.config.llm.hidden_size
+    )
     assert torch.isfinite(voice.embeddings.float()).all() and torch.isfinite(voice.speaker.float()).all()
 
 
@@ -146,4 +194,7 @@ def test_dummy_image_generation_at_the_tiny_size(tiny):
     for module in (models.cond, models.dit):
         _assert_dummy(module, torch.bfloat16, rec)
     assert models.config.thinker_hidden == ThinkerConfig.from_checkpoint(tiny).hidden_size
-    assert math.prod(models.cond.proj_in.weight.shape) == models.config.thinker_hidden * models.config.connector.hidden_size
+    assert (
+        math.prod(models.cond.proj_in.weight.shape)
+        == models.config.thinker_hidden * models.config.connector.hidden_size
+    )

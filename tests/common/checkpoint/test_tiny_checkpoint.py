@@ -55,7 +55,10 @@ def test_deterministic_per_seed_across_processes(tmp_path):
     assert fa["tokenizer.json"] == fc["tokenizer.json"]
     assert fa["model-00001-of-00004.safetensors"] != fc["model-00001-of-00004.safetensors"]
     assert fa["talker/model-00001-of-00002.safetensors"] != fc["talker/model-00001-of-00002.safetensors"]
-    assert fa["transformer/diffusion_pytorch_model.safetensors"] != fc["transformer/diffusion_pytorch_model.safetensors"]
+    assert (
+        fa["transformer/diffusion_pytorch_model.safetensors"]
+        != fc["transformer/diffusion_pytorch_model.safetensors"]
+    )
 
 
 def test_layout_keys_and_dtypes(tmp_path):
@@ -97,14 +100,24 @@ def test_image_generation_layout(tmp_path):
     """ming.md §6.4: mlp/ (query embeddings, proj_in/out), connector/ (HF Qwen2), transformer/ and vae/
     (diffusers names), scheduler/ (tests/services/imagegen load it with its key checks)."""
     root = write_tiny_checkpoint(tmp_path / "ckpt")
-    for folder, name in (("mlp", "model.safetensors"), ("connector", "model.safetensors"),
-                         ("transformer", "diffusion_pytorch_model.safetensors"),
-                         ("vae", "diffusion_pytorch_model.safetensors")):
+    for folder, name in (
+        ("mlp", "model.safetensors"),
+        ("connector", "model.safetensors"),
+        ("transformer", "diffusion_pytorch_model.safetensors"),
+        ("vae", "diffusion_pytorch_model.safetensors"),
+    ):
         assert (root / folder / "config.json").is_file() and (root / folder / name).is_file(), folder
-    assert json.loads((root / "scheduler" / "scheduler_config.json").read_text())["use_dynamic_shifting"] is True
+    assert (
+        json.loads((root / "scheduler" / "scheduler_config.json").read_text())["use_dynamic_shifting"] is True
+    )
     with safe_open(str(root / "mlp" / "model.safetensors"), "pt") as f:
-        assert set(f.keys()) == {"query_tokens_dict.16x16", "proj_in.weight", "proj_in.bias", "proj_out.weight",
-                                 "proj_out.bias"}
+        assert set(f.keys()) == {
+            "query_tokens_dict.16x16",
+            "proj_in.weight",
+            "proj_in.bias",
+            "proj_out.weight",
+            "proj_out.bias",
+        }
         assert f.get_slice("query_tokens_dict.16x16").get_shape() == [256, TINY_LLM["hidden_size"]]
     vae = json.loads((root / "vae" / "config.json").read_text())
     assert vae["latent_channels"] == 16 and len(vae["block_out_channels"]) == 4  # 8x spatial factor

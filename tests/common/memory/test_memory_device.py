@@ -6,12 +6,7 @@ import gc
 
 import pytest
 import torch
-from omnistage.common.memory.device import (
-    MiB,
-    SimulatedDeviceMemory,
-    device_memory_for,
-    host_memory_bytes,
-)
+from omnistage.common.memory.device import MiB, SimulatedDeviceMemory, device_memory_for, host_memory_bytes
 
 FOUR_MIB = 1024 * 1024 * 4  # a [1024, 1024] float32 tensor
 

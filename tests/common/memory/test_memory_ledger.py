@@ -10,12 +10,7 @@ import pytest
 import yaml
 from omnistage.common.config import config_from_dict
 from omnistage.common.launcher import launch
-from omnistage.common.memory.ledger import (
-    LedgerError,
-    check_deploy_memory,
-    check_ledger,
-    placements,
-)
+from omnistage.common.memory.ledger import LedgerError, check_deploy_memory, check_ledger, placements
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -31,11 +26,13 @@ def _cfg(services: dict, **devices) -> object:
 
 
 def test_tp_ranks_land_on_their_gpus_and_share_devices():
-    cfg = _cfg({
-        "thinker": {"device": "cuda", "tp_size": 2, "gpus": [2, 3], "memory": {"budget_fraction": 0.5}},
-        "talker": {"kind": "talker", "device": "cuda", "memory": {"budget_bytes": 10 * GiB}},
-        "gateway": {"kind": "gateway"},
-    })
+    cfg = _cfg(
+        {
+            "thinker": {"device": "cuda", "tp_size": 2, "gpus": [2, 3], "memory": {"budget_fraction": 0.5}},
+            "talker": {"kind": "talker", "device": "cuda", "memory": {"budget_bytes": 10 * GiB}},
+            "gateway": {"kind": "gateway"},
+        }
+    )
     place = {dev: [(s.name, r) for s, r in ranks] for dev, ranks in placements(cfg).items()}
     assert place == {"cuda:2": [("thinker", 0)], "cuda:3": [("thinker", 1)], "cuda:0": [("talker", 0)]}
 
@@ -78,47 +75,60 @@ def test_overshoot_raises_a_table_naming_device_services_reserve_total_and_overs
 
 
 def test_unbudgeted_services_are_listed_but_not_summed_and_unknown_totals_refuse():
-    cfg = _cfg({
-        "a": {"device": "cuda", "memory": {"budget_bytes": 10 * GiB}},
-        "b": {"device": "cuda"},
-    })
+    cfg = _cfg({"a": {"device": "cuda", "memory": {"budget_bytes": 10 * GiB}}, "b": {"device": "cuda"}})
     (dev,) = check_ledger(cfg, {"cuda:0": 16 * GiB}).devices
     assert dev.used == 10 * GiB and [e.budget for e in dev.entries] == [10 * GiB, 0]
     with pytest.raises(LedgerError, match="no total size known for device cuda:0"):
         check_ledger(cfg, {})
-    assert check_deploy_memory(_cfg({"b": {"device": "cuda"}})).devices == ()  # nothing budgeted: no CUDA query
+    assert (
+        check_deploy_memory(_cfg({"b": {"device": "cuda"}})).devices == ()
+    )  # nothing budgeted: no CUDA query
 
 
 def test_simulated_gpus_are_shared_by_index_and_must_agree_on_capacity():
     sim = {"simulated_capacity_bytes": 512 * MiB}
-    cfg = _cfg({
-        "thinker": {"memory": {**sim, "budget_bytes": 300 * MiB}},
-        "talker": {"kind": "talker", "memory": {**sim, "budget_fraction": 0.25}},
-    })
+    cfg = _cfg(
+        {
+            "thinker": {"memory": {**sim, "budget_bytes": 300 * MiB}},
+            "talker": {"kind": "talker", "memory": {**sim, "budget_fraction": 0.25}},
+        }
+    )
     (dev,) = check_deploy_memory(cfg).devices
     assert (dev.device, dev.total, dev.used) == ("sim:0", 512 * MiB, 300 * MiB + 128 * MiB)
-    over = _cfg({
-        "thinker": {"memory": {**sim, "budget_bytes": 400 * MiB}},
-        "talker": {"kind": "talker", "memory": {**sim, "budget_fraction": 0.25}},
-    })
+    over = _cfg(
+        {
+            "thinker": {"memory": {**sim, "budget_bytes": 400 * MiB}},
+            "talker": {"kind": "talker", "memory": {**sim, "budget_fraction": 0.25}},
+        }
+    )
     with pytest.raises(LedgerError, match="overshoot"):
         check_deploy_memory(over)
-    apart = _cfg({
-        "thinker": {"memory": {**sim, "budget_bytes": 400 * MiB}},
-        "talker": {"kind": "talker", "gpus": [1], "memory": {**sim, "budget_fraction": 0.25}},
-    })
+    apart = _cfg(
+        {
+            "thinker": {"memory": {**sim, "budget_bytes": 400 * MiB}},
+            "talker": {"kind": "talker", "gpus": [1], "memory": {**sim, "budget_fraction": 0.25}},
+        }
+    )
     assert [d.device for d in check_deploy_memory(apart).devices] == ["sim:0", "sim:1"]
-    clash = _cfg({
-        "thinker": {"memory": sim},
-        "talker": {"kind": "talker", "memory": {"simulated_capacity_bytes": 256 * MiB, "budget_bytes": MiB}},
-    })
+    clash = _cfg(
+        {
+            "thinker": {"memory": sim},
+            "talker": {
+                "kind": "talker",
+                "memory": {"simulated_capacity_bytes": 256 * MiB, "budget_bytes": MiB},
+            },
+        }
+    )
     with pytest.raises(LedgerError, match="simulated GPU sim:0 has capacity"):
         check_deploy_memory(clash)
 
 
 def test_total_bytes_override_replaces_the_driver_number():
-    cfg = _cfg({"thinker": {"device": "cuda", "tp_size": 2, "memory": {"budget_fraction": 0.9}}},
-               total_bytes_override=24 * GiB, reserve_bytes=3 * GiB)
+    cfg = _cfg(
+        {"thinker": {"device": "cuda", "tp_size": 2, "memory": {"budget_fraction": 0.9}}},
+        total_bytes_override=24 * GiB,
+        reserve_bytes=3 * GiB,
+    )
     with pytest.raises(LedgerError, match="cuda:0, cuda:1"):
         check_deploy_memory(cfg)  # 21.6 + 3 > 24 on both, without touching CUDA
 
@@ -139,8 +149,15 @@ def test_launch_refuses_a_ledger_that_does_not_fit_and_starts_nothing(tmp_path: 
     cfg = tmp_path / "deploy.yaml"
     cfg.write_text(yaml.safe_dump(data))
     out, err = io.StringIO(), io.StringIO()
-    code = launch(cfg, [], modules={"thinker": str(stage), "talker": str(stage)}, out=out, err=err,
-                  run_dir=tmp_path / "run", exit_after_ready=True)
+    code = launch(
+        cfg,
+        [],
+        modules={"thinker": str(stage), "talker": str(stage)},
+        out=out,
+        err=err,
+        run_dir=tmp_path / "run",
+        exit_after_ready=True,
+    )
     assert code == 2
     assert "budgets exceed device memory on sim:0" in err.getvalue()
     assert "overshoot" in err.getvalue() and "thinker (rank 0)" in err.getvalue()
@@ -152,12 +169,20 @@ def test_launch_refuses_a_ledger_that_does_not_fit_and_starts_nothing(tmp_path: 
 def test_launch_with_a_fitting_ledger_prints_it_and_starts(tmp_path: Path):
     from tests.common.runtime.synthetic_stage import SCRIPT, write_config
 
-    cfg = write_config(tmp_path / "deploy.yaml", {
-        "alpha": {"memory": {"simulated_capacity_bytes": GiB, "budget_fraction": 0.5}},
-    })
+    cfg = write_config(
+        tmp_path / "deploy.yaml",
+        {"alpha": {"memory": {"simulated_capacity_bytes": GiB, "budget_fraction": 0.5}}},
+    )
     out, err = io.StringIO(), io.StringIO()
-    code = launch(cfg, [], modules={"thinker": SCRIPT}, out=out, err=err, exit_after_ready=True,
-                  ready_file=tmp_path / "ready")
+    code = launch(
+        cfg,
+        [],
+        modules={"thinker": SCRIPT},
+        out=out,
+        err=err,
+        exit_after_ready=True,
+        ready_file=tmp_path / "ready",
+    )
     assert code == 0, err.getvalue()
     assert "memory ledger: sim:0: 512.00 MiB of 1.00 GiB budgeted" in out.getvalue()
     assert "ready in" in out.getvalue()

@@ -61,7 +61,9 @@ def test_a_stage_that_fits_only_4_gets_4_and_logs_why(caplog):
     assert result.max_batch == 4
     assert [(a.batch, a.fits) for a in result.attempts] == [(8, False), (4, True)]
     assert "out of memory" in result.attempts[0].reason
-    assert "concurrency capped at 4 of configured 8" in caplog.text and "batch 8: out of memory" in caplog.text
+    assert (
+        "concurrency capped at 4 of configured 8" in caplog.text and "batch 8: out of memory" in caplog.text
+    )
     assert mem.reserved() == result.peak_reserved  # batch 4's peak kept, batch 8's growth given back
 
 

@@ -78,7 +78,11 @@ def _torch_forever(started: Any) -> None:
 
 
 def memory_report() -> list[control_pb2.MemoryReport]:
-    return [control_pb2.MemoryReport(device="cpu", weights_bytes=3 << 20, kv_cache_bytes=1 << 20, total_bytes=4 << 20)]
+    return [
+        control_pb2.MemoryReport(
+            device="cpu", weights_bytes=3 << 20, kv_cache_bytes=1 << 20, total_bytes=4 << 20
+        )
+    ]
 
 
 async def build(runtime: Any, cfg: Any, svc: Any, rank: int) -> None:
@@ -109,7 +113,9 @@ async def build(runtime: Any, cfg: Any, svc: Any, rank: int) -> None:
         after = os.environ.get("SYNTH_CAPABILITIES_AFTER_S", "0")
         if after != "never":
             loop = asyncio.get_running_loop()
-            loop.call_later(float(after), runtime.set_capability_health, dict.fromkeys(["text", *later], True))
+            loop.call_later(
+                float(after), runtime.set_capability_health, dict.fromkeys(["text", *later], True)
+            )
         watched = os.environ.get("SYNTH_GATEWAY_WATCH", "")
         if watched:
             name, _, delay = watched.partition(":")
@@ -123,7 +129,9 @@ async def build(runtime: Any, cfg: Any, svc: Any, rank: int) -> None:
 
         runtime.add_shutdown_hook(lambda: atexit.register(time.sleep, 60))
     runtime.set_memory_provider(memory_report)
-    runtime.set_limits_provider(lambda: control_pb2.Limits(max_running_requests=4, max_message_bytes=svc.max_message_bytes))
+    runtime.set_limits_provider(
+        lambda: control_pb2.Limits(max_running_requests=4, max_message_bytes=svc.max_message_bytes)
+    )
 
 
 async def _readmit(runtime: Any, cfg: Any, name: str, delay_s: float) -> None:
@@ -153,14 +161,34 @@ async def _readmit(runtime: Any, cfg: Any, name: str, delay_s: float) -> None:
 
 # -- helpers of the tests ------------------------------------------------------------------------
 
+
 def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
     """A self-signed P-256 certificate for localhost / 127.0.0.1 (its own CA), made by the openssl command."""
     cert, key = directory / f"{name}.pem", directory / f"{name}.key"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={name}",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            f"/CN={name}",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
     )
     return cert, key
 
@@ -171,11 +199,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(path: Path, services: dict[str, dict], supervision: dict | None = None, **startup: Any) -> Path:
+def write_config(
+    path: Path, services: dict[str, dict], supervision: dict | None = None, **startup: Any
+) -> Path:
     """A deploy file of synthetic services with short deadlines (tests override what they probe)."""
-    deadlines = {p: 10.0 for p in ("starting", "loading_weights", "profiling_memory", "warming_up", "capturing_graphs")}
+    deadlines = {
+        p: 10.0 for p in ("starting", "loading_weights", "profiling_memory", "warming_up", "capturing_graphs")
+    }
     deadlines.update(startup.pop("phase_deadlines_s", {}))
-    ckpt = path.parent / "synthetic-ckpt"  # `serve` checks that the checkpoint exists; synthetic stages never read it
+    ckpt = (
+        path.parent / "synthetic-ckpt"
+    )  # `serve` checks that the checkpoint exists; synthetic stages never read it
     ckpt.mkdir(parents=True, exist_ok=True)
     (ckpt / "config.json").write_text("{}")
     (ckpt / "model.safetensors").write_bytes(b"")

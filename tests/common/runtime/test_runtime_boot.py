@@ -40,8 +40,15 @@ class Recorded(StageStartup):
         made = torch.empty(MiB, dtype=torch.uint8)
         metered = self.boot.mem.allocated() - before >= MiB
         del made
-        self.seen.append((name, self.boot.runtime.phase, threading.current_thread().name,
-                          torch.is_inference_mode_enabled(), metered))
+        self.seen.append(
+            (
+                name,
+                self.boot.runtime.phase,
+                threading.current_thread().name,
+                torch.is_inference_mode_enabled(),
+                metered,
+            )
+        )
         if self.fail_in == name:
             raise RuntimeError(f"{name} broke")
 
@@ -63,7 +70,9 @@ class Recorded(StageStartup):
         self._step("serve")
 
     def memory_report(self) -> control_pb2.MemoryReport:
-        return control_pb2.MemoryReport(device="sim", budget_bytes=self.boot.allocator_budget, weights_bytes=7)
+        return control_pb2.MemoryReport(
+            device="sim", budget_bytes=self.boot.allocator_budget, weights_bytes=7
+        )
 
 
 def phases_of(rt: ServiceRuntime) -> list[tuple[str, str, str]]:
@@ -79,11 +88,15 @@ def phases_of(rt: ServiceRuntime) -> list[tuple[str, str, str]]:
 
 
 def test_the_device_of_a_rank():
-    cfg = config_from_dict({"services": {
-        "c": {"kind": "encoder", "port": 1},
-        "g": {"kind": "encoder", "port": 2, "device": "cuda", "gpus": [3]},
-        "t": {"kind": "thinker", "port": 3, "device": "cuda", "tp_size": 2, "dist_port": 9000},
-    }})
+    cfg = config_from_dict(
+        {
+            "services": {
+                "c": {"kind": "encoder", "port": 1},
+                "g": {"kind": "encoder", "port": 2, "device": "cuda", "gpus": [3]},
+                "t": {"kind": "thinker", "port": 3, "device": "cuda", "tp_size": 2, "dist_port": 9000},
+            }
+        }
+    )
     assert stage_device(cfg.service("c")) == "cpu"
     assert stage_device(cfg.service("g")) == "cuda:3"
     assert [stage_device(cfg.service("t"), r) for r in (0, 1)] == ["cuda:0", "cuda:1"]
@@ -94,18 +107,30 @@ def test_the_phases_come_in_order_and_the_blocking_steps_run_metered_off_the_loo
     phases = phases_of(rt)
     stage = Recorded(Boot.resolve(rt, rt.cfg, rt.svc, 0))
     asyncio.run(start_stage(stage))
-    assert [p for p, _, _ in phases] == ["starting", "loading_weights", "profiling_memory", "warming_up", "serving"]
+    assert [p for p, _, _ in phases] == [
+        "starting",
+        "loading_weights",
+        "profiling_memory",
+        "warming_up",
+        "serving",
+    ]
     assert phases[1][1] == "shards" and phases[2][1] == "attempts" and phases[3][2] == "one request"
     loop_thread = threading.current_thread().name
-    assert [s[:2] for s in stage.seen] == [("load", "loading_weights"), ("stress", "profiling_memory"),
-                                           ("warm_up", "warming_up"), ("serve", "warming_up")]
+    assert [s[:2] for s in stage.seen] == [
+        ("load", "loading_weights"),
+        ("stress", "profiling_memory"),
+        ("warm_up", "warming_up"),
+        ("serve", "warming_up"),
+    ]
     assert {s[2] for s in stage.seen[:2]} == {"encoder-startup"}
     assert {s[2] for s in stage.seen[2:]} == {loop_thread}
     assert [s[4] for s in stage.seen] == [True, True, False, False]  # load and stress inside mem.meter()
     assert not any(s[3] for s in stage.seen)  # no inference_mode unless the stage asks
 
 
-def test_the_allocator_gets_the_budget_less_the_memory_held_outside_it_and_the_report_the_whole_budget(tmp_path):
+def test_the_allocator_gets_the_budget_less_the_memory_held_outside_it_and_the_report_the_whole_budget(
+    tmp_path,
+):
     rt = runtime(tmp_path)
     boot = Boot.resolve(rt, rt.cfg, rt.svc, 0)
     asyncio.run(start_stage(Recorded(boot)))
@@ -132,8 +157,9 @@ def test_inference_mode_covers_load_and_stress_when_the_stage_asks(tmp_path):
     assert [s[3] for s in stage.seen] == [True, True, False, False]
 
 
-@pytest.mark.parametrize("step, phase", [("load", "loading_weights"), ("stress", "profiling_memory"),
-                                         ("warm_up", "warming_up")])
+@pytest.mark.parametrize(
+    "step, phase", [("load", "loading_weights"), ("stress", "profiling_memory"), ("warm_up", "warming_up")]
+)
 def test_a_failing_step_fails_the_start_in_its_phase_and_never_serves(tmp_path, step, phase):
     class Broken(Recorded):
         fail_in = step

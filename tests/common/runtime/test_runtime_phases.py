@@ -50,7 +50,12 @@ def test_failed_is_terminal_and_keeps_the_phase_it_failed_in(tmp_path):
     r.enter("serving")
     r.enter("stopped")
     rec = read_status(path)
-    assert (rec.phase, rec.failed_in, rec.failure, rec.done) == ("failed", "warming_up", "CUDA error: device lost", 1)
+    assert (rec.phase, rec.failed_in, rec.failure, rec.done) == (
+        "failed",
+        "warming_up",
+        "CUDA error: device lost",
+        1,
+    )
 
 
 def test_stopped_only_turns_into_failed():

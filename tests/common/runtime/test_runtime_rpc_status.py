@@ -41,7 +41,9 @@ def counted(service: str) -> dict[tuple[str, str], float]:
     out = {}
     for line in generate_latest(metrics.REGISTRY).decode().splitlines():
         if line.startswith("omnistage_rpc_requests_total{") and f'service="{service}"' in line:
-            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1 : line.index("}")].split(","))
+            labels = dict(
+                part.split("=", 1) for part in line[line.index("{") + 1 : line.index("}")].split(",")
+            )
             key = (labels["method"].strip('"'), labels["code"].strip('"'))
             out[key] = float(line.rsplit(" ", 1)[1])
     return out
@@ -136,8 +138,11 @@ def test_undecodable_bytes_get_invalid_argument_and_one_log_line(tmp_path, caplo
 
 @pytest.mark.parametrize(
     "path",
-    ["/grpc.health.v1.Health/Check", "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
-     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"],
+    [
+        "/grpc.health.v1.Health/Check",
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    ],
 )
 def test_undecodable_bytes_to_health_and_reflection_are_refused_too(tmp_path, path):
     async def scenario():
@@ -147,7 +152,9 @@ def test_undecodable_bytes_to_health_and_reflection_are_refused_too(tmp_path, pa
                     call = ch.stream_stream(path, request_serializer=None, response_deserializer=None)
                     [r async for r in call(iter([b"\xff\xff\xff"]), timeout=10)]
                 else:
-                    await ch.unary_unary(path, request_serializer=None, response_deserializer=None)(b"\xff\xff", timeout=10)
+                    await ch.unary_unary(path, request_serializer=None, response_deserializer=None)(
+                        b"\xff\xff", timeout=10
+                    )
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details().startswith("request is not a valid grpc.")
 

@@ -37,8 +37,14 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def make_runtime(tmp_path, name="alpha", metrics_port=0, **svc) -> ServiceRuntime:
-    svc = {"kind": "thinker", "port": 1, "admin_port": free_port(), "max_message_bytes": 65536, "drain_grace_s": 2.0,
-           **svc}
+    svc = {
+        "kind": "thinker",
+        "port": 1,
+        "admin_port": free_port(),
+        "max_message_bytes": 65536,
+        "drain_grace_s": 2.0,
+        **svc,
+    }
     cfg = config_from_dict({"services": {name: svc}})
     return ServiceRuntime(cfg, cfg.service(name), 0, run_dir=tmp_path, port=0, metrics_port=metrics_port)
 
@@ -64,7 +70,9 @@ async def running(tmp_path, serving: bool = True, **kw) -> AsyncIterator[Service
 
 
 async def health_status(channel, service: str = "") -> int:
-    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+    reply = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=service), timeout=2
+    )
     return reply.status
 
 
@@ -94,8 +102,11 @@ def control_of(channel) -> control_pb2_grpc.ControlStub:
 
 def test_health_follows_phase_and_describe_reports_progress(tmp_path):
     async def scenario():
-        async with (running(tmp_path, serving=False) as rt, grpc.aio.insecure_channel(rt.address) as ch,
-                    grpc.aio.insecure_channel(rt.admin_address) as admin):
+        async with (
+            running(tmp_path, serving=False) as rt,
+            grpc.aio.insecure_channel(rt.address) as ch,
+            grpc.aio.insecure_channel(rt.admin_address) as admin,
+        ):
             control = control_of(admin)
             assert await health_status(ch) == NOT_SERVING
             d = await control.Describe(control_pb2.DescribeRequest(), timeout=2)
@@ -104,7 +115,11 @@ def test_health_follows_phase_and_describe_reports_progress(tmp_path):
             rt.reporter.enter("loading_weights", total=3, unit="shards")
             rt.reporter.advance(detail="shard-00001")
             d = await control.Describe(control_pb2.DescribeRequest(), timeout=2)
-            assert (d.progress.phase, d.progress.done, d.progress.total) == (control_pb2.PHASE_LOADING_WEIGHTS, 1, 3)
+            assert (d.progress.phase, d.progress.done, d.progress.total) == (
+                control_pb2.PHASE_LOADING_WEIGHTS,
+                1,
+                3,
+            )
             assert (d.progress.unit, d.progress.detail) == ("shards", "shard-00001")
             assert d.progress.updated_unix_ms > 0
             assert d.name == "alpha" and d.kind == control_pb2.STAGE_KIND_THINKER
@@ -133,11 +148,16 @@ def test_health_follows_phase_and_describe_reports_progress(tmp_path):
 
 def test_drain_lets_in_flight_stream_finish_and_refuses_new_rpcs(tmp_path):
     async def scenario():
-        async with (running(tmp_path) as rt, grpc.aio.insecure_channel(rt.address) as ch,
-                    grpc.aio.insecure_channel(rt.admin_address) as admin):
+        async with (
+            running(tmp_path) as rt,
+            grpc.aio.insecure_channel(rt.address) as ch,
+            grpc.aio.insecure_channel(rt.admin_address) as admin,
+        ):
             stream = asyncio.create_task(collect(ch, "n=5 delay=0.1"))
             await wait_for_async(lambda: rt.in_flight == 1, 5, "stream in flight")
-            drain = asyncio.ensure_future(control_of(admin).Drain(control_pb2.DrainRequest(deadline_ms=5000), timeout=10))
+            drain = asyncio.ensure_future(
+                control_of(admin).Drain(control_pb2.DrainRequest(deadline_ms=5000), timeout=10)
+            )
             await wait_for_async(lambda: rt.phase == "draining", 5, "draining phase")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(ch, "n=1")
@@ -157,8 +177,11 @@ def test_drain_lets_in_flight_stream_finish_and_refuses_new_rpcs(tmp_path):
 
 def test_drain_deadline_cancels_the_rest(tmp_path):
     async def scenario():
-        async with (running(tmp_path) as rt, grpc.aio.insecure_channel(rt.address) as ch,
-                    grpc.aio.insecure_channel(rt.admin_address) as admin):
+        async with (
+            running(tmp_path) as rt,
+            grpc.aio.insecure_channel(rt.address) as ch,
+            grpc.aio.insecure_channel(rt.admin_address) as admin,
+        ):
             stream = asyncio.create_task(collect(ch, "n=1000 delay=0.05"))
             await wait_for_async(lambda: rt.in_flight == 1, 5, "stream in flight")
             reply = await control_of(admin).Drain(control_pb2.DrainRequest(deadline_ms=200), timeout=10)
@@ -173,8 +196,11 @@ def test_drain_deadline_cancels_the_rest(tmp_path):
 
 def test_drain_then_resume_serves_again(tmp_path):
     async def scenario():
-        async with (running(tmp_path) as rt, grpc.aio.insecure_channel(rt.address) as ch,
-                    grpc.aio.insecure_channel(rt.admin_address) as admin):
+        async with (
+            running(tmp_path) as rt,
+            grpc.aio.insecure_channel(rt.address) as ch,
+            grpc.aio.insecure_channel(rt.admin_address) as admin,
+        ):
             await control_of(admin).Drain(control_pb2.DrainRequest(deadline_ms=1000), timeout=10)
             assert read_status(status_path(tmp_path, "alpha", 0)).phase == "draining"
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -188,18 +214,26 @@ def test_drain_then_resume_serves_again(tmp_path):
             assert (rec.phase, rec.detail) == ("serving", "Control.Resume")
             with pytest.raises(grpc.aio.AioRpcError) as err:  # nothing to resume now
                 await control_of(admin).Resume(control_pb2.ResumeRequest(), timeout=5)
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not draining" in err.value.details()
+            assert (
+                err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                and "not draining" in err.value.details()
+            )
 
     asyncio.run(scenario())
 
 
 def test_resume_during_a_drain_ends_the_wait_without_cancelling(tmp_path):
     async def scenario():
-        async with (running(tmp_path) as rt, grpc.aio.insecure_channel(rt.address) as ch,
-                    grpc.aio.insecure_channel(rt.admin_address) as admin):
+        async with (
+            running(tmp_path) as rt,
+            grpc.aio.insecure_channel(rt.address) as ch,
+            grpc.aio.insecure_channel(rt.admin_address) as admin,
+        ):
             stream = asyncio.create_task(collect(ch, "n=20 delay=0.05"))
             await wait_for_async(lambda: rt.in_flight == 1, 5, "stream in flight")
-            drain = asyncio.ensure_future(control_of(admin).Drain(control_pb2.DrainRequest(deadline_ms=30000), timeout=60))
+            drain = asyncio.ensure_future(
+                control_of(admin).Drain(control_pb2.DrainRequest(deadline_ms=30000), timeout=60)
+            )
             await wait_for_async(lambda: rt.phase == "draining", 5, "draining phase")
             await control_of(admin).Resume(control_pb2.ResumeRequest(), timeout=5)
             reply = await asyncio.wait_for(drain, 10)
@@ -211,11 +245,17 @@ def test_resume_during_a_drain_ends_the_wait_without_cancelling(tmp_path):
 
 def test_a_stop_cannot_be_resumed_and_drain_needs_a_serving_service(tmp_path):
     async def scenario():
-        async with (running(tmp_path, serving=False) as rt, grpc.aio.insecure_channel(rt.address) as ch,
-                    grpc.aio.insecure_channel(rt.admin_address) as admin):
+        async with (
+            running(tmp_path, serving=False) as rt,
+            grpc.aio.insecure_channel(rt.address) as ch,
+            grpc.aio.insecure_channel(rt.admin_address) as admin,
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as err:  # still starting
                 await control_of(admin).Drain(control_pb2.DrainRequest(), timeout=5)
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "phase starting" in err.value.details()
+            assert (
+                err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                and "phase starting" in err.value.details()
+            )
             rt.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, SyntheticOmni(), OMNI)
             rt.set_serving()
             stream = asyncio.create_task(collect(ch, "n=20 delay=0.05"))  # keeps the stop's drain waiting
@@ -225,7 +265,10 @@ def test_a_stop_cannot_be_resumed_and_drain_needs_a_serving_service(tmp_path):
             await wait_for_async(lambda: rt.phase == "draining", 5, "stopping")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await control_of(admin).Resume(control_pb2.ResumeRequest(), timeout=5)
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot be resumed" in err.value.details()
+            assert (
+                err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                and "cannot be resumed" in err.value.details()
+            )
             assert (await stream)[-1].WhichOneof("event") == "finish"
             assert await asyncio.wait_for(stopping, 10) == 0
 
@@ -235,9 +278,11 @@ def test_a_stop_cannot_be_resumed_and_drain_needs_a_serving_service(tmp_path):
 def test_control_is_not_served_on_the_main_port(tmp_path):
     async def scenario():
         async with running(tmp_path) as rt, grpc.aio.insecure_channel(rt.address) as ch:
-            for call in (control_of(ch).Drain(control_pb2.DrainRequest(), timeout=5),
-                         control_of(ch).Describe(control_pb2.DescribeRequest(), timeout=5),
-                         control_of(ch).Resume(control_pb2.ResumeRequest(), timeout=5)):
+            for call in (
+                control_of(ch).Drain(control_pb2.DrainRequest(), timeout=5),
+                control_of(ch).Describe(control_pb2.DescribeRequest(), timeout=5),
+                control_of(ch).Resume(control_pb2.ResumeRequest(), timeout=5),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await call
                 assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -262,13 +307,20 @@ def test_admin_key_is_required_for_every_control_call(tmp_path, monkeypatch):
     monkeypatch.setenv("ALPHA_ADMIN_KEY", "s3cret-admin")
 
     async def scenario():
-        async with (running(tmp_path, admin_api_key_env="ALPHA_ADMIN_KEY") as rt,
-                    grpc.aio.insecure_channel(rt.admin_address) as admin):
+        async with (
+            running(tmp_path, admin_api_key_env="ALPHA_ADMIN_KEY") as rt,
+            grpc.aio.insecure_channel(rt.admin_address) as admin,
+        ):
             control = control_of(admin)
-            for metadata, why in [((), "missing credentials"), ((("authorization", "Bearer wrong"),), "invalid API key"),
-                                  ((("authorization", "s3cret-admin"),), "malformed credentials")]:
-                for call in (control.Drain(control_pb2.DrainRequest(), timeout=5, metadata=metadata),
-                             control.Describe(control_pb2.DescribeRequest(), timeout=5, metadata=metadata)):
+            for metadata, why in [
+                ((), "missing credentials"),
+                ((("authorization", "Bearer wrong"),), "invalid API key"),
+                ((("authorization", "s3cret-admin"),), "malformed credentials"),
+            ]:
+                for call in (
+                    control.Drain(control_pb2.DrainRequest(), timeout=5, metadata=metadata),
+                    control.Describe(control_pb2.DescribeRequest(), timeout=5, metadata=metadata),
+                ):
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await call
                     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and why in err.value.details()
@@ -287,21 +339,38 @@ def test_api_keys_guard_the_stage_api_and_leave_health_open(tmp_path, monkeypatc
     monkeypatch.setenv("FRONT_KEYS", "key-a, key-b")
 
     async def scenario():
-        async with (running(tmp_path, name="front", kind="gateway", api_keys_env="FRONT_KEYS",
-                            api_keys_file=str(keys)) as rt,
-                    grpc.aio.insecure_channel(rt.address) as ch):
+        async with (
+            running(
+                tmp_path, name="front", kind="gateway", api_keys_env="FRONT_KEYS", api_keys_file=str(keys)
+            ) as rt,
+            grpc.aio.insecure_channel(rt.address) as ch,
+        ):
             stub = omni_pb2_grpc.OmniStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(ch, "n=1")
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert "omnistage.v1.Omni: missing credentials: send the metadata 'authorization: Bearer <key>'" in (
-                err.value.details())
+            assert (
+                "omnistage.v1.Omni: missing credentials: send the metadata 'authorization: Bearer <key>'"
+                in (err.value.details())
+            )
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                [e async for e in stub.Generate(request("n=1"), timeout=5, metadata=(("authorization", "Bearer key-c"),))]
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "invalid API key" in err.value.details()
+                [
+                    e
+                    async for e in stub.Generate(
+                        request("n=1"), timeout=5, metadata=(("authorization", "Bearer key-c"),)
+                    )
+                ]
+            assert (
+                err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                and "invalid API key" in err.value.details()
+            )
             for key in ("key-a", "key-b", "key-from-file"):
-                events = [e async for e in stub.Generate(request("n=1"), timeout=5,
-                                                         metadata=(("authorization", f"Bearer {key}"),))]
+                events = [
+                    e
+                    async for e in stub.Generate(
+                        request("n=1"), timeout=5, metadata=(("authorization", f"Bearer {key}"),)
+                    )
+                ]
                 assert events[-1].WhichOneof("event") == "finish"
             assert await health_status(ch) == SERVING
 
@@ -334,7 +403,10 @@ def test_errors_map_to_status_and_server_keeps_serving(tmp_path):
 
 def test_message_size_limit_gives_resource_exhausted(tmp_path):
     async def scenario():
-        async with running(tmp_path, max_message_bytes=4096) as rt, grpc.aio.insecure_channel(rt.address) as ch:
+        async with (
+            running(tmp_path, max_message_bytes=4096) as rt,
+            grpc.aio.insecure_channel(rt.address) as ch,
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(ch, "n=1 " + "x" * 8192)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -344,7 +416,9 @@ def test_message_size_limit_gives_resource_exhausted(tmp_path):
 
 
 async def listed(channel, v1: bool) -> set[str]:
-    pb2, grpc_mod = (grpc_reflection_v1_pb2, grpc_reflection_v1_pb2_grpc) if v1 else (reflection_pb2, reflection_pb2_grpc)
+    pb2, grpc_mod = (
+        (grpc_reflection_v1_pb2, grpc_reflection_v1_pb2_grpc) if v1 else (reflection_pb2, reflection_pb2_grpc)
+    )
     stub = grpc_mod.ServerReflectionStub(channel)
     req = pb2.ServerReflectionRequest(list_services="")
     replies = [r async for r in stub.ServerReflectionInfo(iter([req]), timeout=5)]
@@ -353,8 +427,11 @@ async def listed(channel, v1: bool) -> set[str]:
 
 def test_reflection_v1_and_v1alpha_list_exactly_what_each_port_serves(tmp_path):
     async def scenario():
-        async with (running(tmp_path) as rt, grpc.aio.insecure_channel(rt.address) as ch,
-                    grpc.aio.insecure_channel(rt.admin_address) as admin):
+        async with (
+            running(tmp_path) as rt,
+            grpc.aio.insecure_channel(rt.address) as ch,
+            grpc.aio.insecure_channel(rt.admin_address) as admin,
+        ):
             for v1 in (True, False):
                 assert await listed(ch, v1) == {OMNI, HEALTH, *REFLECTION}
                 assert await listed(admin, v1) == {CONTROL, HEALTH, *REFLECTION}
@@ -369,8 +446,11 @@ def test_reflection_v1_and_v1alpha_list_exactly_what_each_port_serves(tmp_path):
 
 def test_health_answers_for_control_on_the_admin_port_and_each_stage_api_on_the_main_port(tmp_path):
     async def scenario():
-        async with (running(tmp_path, serving=False) as rt, grpc.aio.insecure_channel(rt.address) as ch,
-                    grpc.aio.insecure_channel(rt.admin_address) as admin):
+        async with (
+            running(tmp_path, serving=False) as rt,
+            grpc.aio.insecure_channel(rt.address) as ch,
+            grpc.aio.insecure_channel(rt.admin_address) as admin,
+        ):
             assert await health_status(admin, CONTROL) == SERVING  # Control answers in every phase
             assert await health_status(admin) == NOT_SERVING
             rt.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, SyntheticOmni(), OMNI)
@@ -398,7 +478,10 @@ def test_metrics_port_exports_phase_and_rpcs(tmp_path):
             body = await asyncio.to_thread(scrape)
             assert 'omnistage_phase{phase="serving",rank="0",service="metrics_probe"} 1.0' in body
             assert 'omnistage_phase{phase="starting",rank="0",service="metrics_probe"} 0.0' in body
-            assert 'omnistage_rpc_requests_total{code="OK",method="Generate",service="metrics_probe"} 1.0' in body
+            assert (
+                'omnistage_rpc_requests_total{code="OK",method="Generate",service="metrics_probe"} 1.0'
+                in body
+            )
             assert await stop(rt) == 0
         with pytest.raises(OSError):
             await asyncio.to_thread(scrape)
@@ -413,7 +496,9 @@ def test_port_in_use_is_an_error_naming_the_key_and_address(tmp_path):
             with pytest.raises(OSError, match=f"services.alpha.port: cannot bind 127.0.0.1:{first.port}"):
                 await second.start()
             third = ServiceRuntime(first.cfg, first.svc, 0, port=0, admin_port=first.admin_port)
-            with pytest.raises(OSError, match=f"services.alpha.admin_port: cannot bind 127.0.0.1:{first.admin_port}"):
+            with pytest.raises(
+                OSError, match=f"services.alpha.admin_port: cannot bind 127.0.0.1:{first.admin_port}"
+            ):
                 await third.start()
 
     asyncio.run(scenario())

@@ -34,8 +34,9 @@ async def _codes(address: str, admin: str, metadata=()) -> tuple[grpc.StatusCode
         except grpc.aio.AioRpcError as exc:
             generate = exc.code()
         try:
-            await control_pb2_grpc.ControlStub(ach).Describe(control_pb2.DescribeRequest(), timeout=10,
-                                                             metadata=metadata)  # fmt: skip
+            await control_pb2_grpc.ControlStub(ach).Describe(
+                control_pb2.DescribeRequest(), timeout=10, metadata=metadata
+            )
             describe = grpc.StatusCode.OK
         except grpc.aio.AioRpcError as exc:
             describe = exc.code()
@@ -63,9 +64,11 @@ def test_a_stage_answers_only_callers_with_the_stage_key(tmp_path, monkeypatch):
     monkeypatch.setenv(auth.STAGE_KEY_ENV, "deployment-key")
 
     async def scenario(rt):
-        return (await _codes(rt.address, rt.admin_address),
-                await _codes(rt.address, rt.admin_address, auth.bearer("guess")),
-                await _codes(rt.address, rt.admin_address, auth.bearer("deployment-key")))  # fmt: skip
+        return (
+            await _codes(rt.address, rt.admin_address),
+            await _codes(rt.address, rt.admin_address, auth.bearer("guess")),
+            await _codes(rt.address, rt.admin_address, auth.bearer("deployment-key")),
+        )
 
     anyone, guess, member = _serve(tmp_path, "thinker", scenario)
     serving = health_pb2.HealthCheckResponse.SERVING
@@ -86,7 +89,9 @@ def test_the_gateway_keeps_its_own_keys_and_its_stage_channels_present_the_key(t
     async def through_stage_client(rt):
         client = StageClient("s", rt.address, 1 << 20, admin_address=rt.admin_address)
         try:
-            events = [e async for e in omni_pb2_grpc.OmniStub(client.channel).Generate(_request(), timeout=10)]
+            events = [
+                e async for e in omni_pb2_grpc.OmniStub(client.channel).Generate(_request(), timeout=10)
+            ]
             await client.control.Describe(control_pb2.DescribeRequest(), timeout=10)
             return events
         finally:
@@ -113,8 +118,13 @@ def test_serve_makes_a_key_for_its_stages_and_its_cli_finds_it(tmp_path):
         cfg = load_config(run.cfg)
         code = asyncio.run(_codes(cfg.address("alpha"), cfg.admin_address("alpha")))[:2]
         assert code == (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAUTHENTICATED)
-        status = subprocess.run([sys.executable, "-m", "omnistage.common.cli", "status", "--config", str(run.cfg)],
-                                capture_output=True, text=True, env=env, timeout=60)
+        status = subprocess.run(
+            [sys.executable, "-m", "omnistage.common.cli", "status", "--config", str(run.cfg)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert status.returncode == 0, status.stdout + status.stderr
         assert "alpha" in status.stdout and "serving" in status.stdout.lower()
     finally:

@@ -17,10 +17,22 @@ from omnistage.v1 import omni_pb2, omni_pb2_grpc
 from tests.common.runtime.synthetic_stage import SCRIPT, write_config
 
 
-def start_stage(tmp_path, overrides=(), step_s: float = 0.02, env: dict | None = None, **svc) -> subprocess.Popen:
+def start_stage(
+    tmp_path, overrides=(), step_s: float = 0.02, env: dict | None = None, **svc
+) -> subprocess.Popen:
     cfg = write_config(tmp_path / "deploy.yaml", {"alpha": svc})
-    cmd = [sys.executable, SCRIPT, "--config", str(cfg), "--service", "alpha", "--rank", "0",
-           "--run-dir", str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        "--config",
+        str(cfg),
+        "--service",
+        "alpha",
+        "--rank",
+        "0",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     for text in overrides:
         cmd += ["--set", text]
     env = dict(os.environ, SYNTH_STEP_S=str(step_s), **(env or {}))
@@ -29,8 +41,11 @@ def start_stage(tmp_path, overrides=(), step_s: float = 0.02, env: dict | None =
 
 def wait_phase(tmp_path, phase: str, timeout_s: float = 30.0):
     path = status_path(tmp_path / "run", "alpha", 0)
-    return wait_for(lambda: (rec := read_status(path)) is not None and rec.phase == phase and rec,
-                    timeout_s, f"alpha phase {phase}")
+    return wait_for(
+        lambda: (rec := read_status(path)) is not None and rec.phase == phase and rec,
+        timeout_s,
+        f"alpha phase {phase}",
+    )
 
 
 class StreamReader(threading.Thread):
@@ -47,7 +62,9 @@ class StreamReader(threading.Thread):
         msg = omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text=self.text)])
         with grpc.insecure_channel(self.address) as ch:
             try:
-                for event in omni_pb2_grpc.OmniStub(ch).Generate(omni_pb2.GenerateRequest(messages=[msg]), timeout=30):
+                for event in omni_pb2_grpc.OmniStub(ch).Generate(
+                    omni_pb2.GenerateRequest(messages=[msg]), timeout=30
+                ):
                     self.events.append(event)
                     self.first.set()
             except grpc.RpcError as exc:
@@ -134,8 +151,13 @@ def test_a_failure_that_names_another_rank_is_recorded_as_that_ranks(tmp_path):
     async def build(runtime, cfg, svc, rank):
         raise PeersFailure("rank 1 failed in warming_up: out of memory")
 
-    cfg = config_from_dict({"services": {"alpha": {"kind": "thinker", "port": free_port(), "tp_size": 2,
-                                                   "dist_port": free_port()}}})
+    cfg = config_from_dict(
+        {
+            "services": {
+                "alpha": {"kind": "thinker", "port": free_port(), "tp_size": 2, "dist_port": free_port()}
+            }
+        }
+    )
     runtime = ServiceRuntime(cfg, cfg.service("alpha"), 0, run_dir=tmp_path)
     assert asyncio.run(serve(runtime, build)) == 1
     rec = read_status(status_path(tmp_path, "alpha", 0))
@@ -147,7 +169,9 @@ def test_a_stop_in_the_middle_of_a_blocking_load_exits_0_not_sigabrt(tmp_path):
     "terminate called without an active exception"): the talker stopped while loading did this."""
     proc = start_stage(tmp_path, env={"SYNTH_TORCH_LOAD": "1"})
     path = status_path(tmp_path / "run", "alpha", 0)
-    wait_for(lambda: (rec := read_status(path)) is not None and rec.detail == "torch running", 60, "torch at work")
+    wait_for(
+        lambda: (rec := read_status(path)) is not None and rec.detail == "torch running", 60, "torch at work"
+    )
     code, err = stop_and_wait(proc, 30)
     assert code == 0, err
     assert "terminate called" not in err

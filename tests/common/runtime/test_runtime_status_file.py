@@ -10,7 +10,9 @@ from omnistage.common.runtime.status_file import StatusRecord, read_status, stat
 def test_round_trip_and_path(tmp_path):
     path = status_path(tmp_path / "run", "thinker", 2)
     assert path.name == "thinker.r2.json"
-    rec = StatusRecord(service="thinker", rank=2, pid=123, phase="warming_up", done=1, total=4, unit="batches")
+    rec = StatusRecord(
+        service="thinker", rank=2, pid=123, phase="warming_up", done=1, total=4, unit="batches"
+    )
     write_status(path, rec)
     assert read_status(path) == rec
     assert [p.name for p in path.parent.iterdir()] == ["thinker.r2.json"]  # no temp file left behind

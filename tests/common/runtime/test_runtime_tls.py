@@ -15,7 +15,9 @@ from omnistage.v1 import omni_pb2, omni_pb2_grpc
 
 from tests.common.runtime.synthetic_stage import SyntheticOmni, free_port, self_signed
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+pytestmark = pytest.mark.skipif(
+    shutil.which("openssl") is None, reason="needs the openssl command to make a certificate"
+)
 
 
 def gateway(tmp_path: Path, **tls) -> ServiceRuntime:
@@ -26,8 +28,12 @@ def gateway(tmp_path: Path, **tls) -> ServiceRuntime:
 
 async def generate(channel) -> list:
     msg = omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="n=1")])
-    return [e async for e in omni_pb2_grpc.OmniStub(channel).Generate(omni_pb2.GenerateRequest(messages=[msg]),
-                                                                       timeout=10)]
+    return [
+        e
+        async for e in omni_pb2_grpc.OmniStub(channel).Generate(
+            omni_pb2.GenerateRequest(messages=[msg]), timeout=10
+        )
+    ]
 
 
 async def serve(rt: ServiceRuntime) -> None:
@@ -55,8 +61,12 @@ def test_tls_port_serves_tls_clients_only(tmp_path):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await generate(ch)
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            async with grpc.aio.insecure_channel(rt.admin_address) as admin:  # the launcher checks health here
-                reply = await health_pb2_grpc.HealthStub(admin).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            async with grpc.aio.insecure_channel(
+                rt.admin_address
+            ) as admin:  # the launcher checks health here
+                reply = await health_pb2_grpc.HealthStub(admin).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
         finally:
             await stop(rt)
@@ -73,8 +83,11 @@ def test_mutual_tls_needs_a_client_certificate_signed_by_the_client_ca(tmp_path)
         rt = gateway(tmp_path, cert_file=str(cert), key_file=str(key), client_ca_file=str(client_cert))
         await serve(rt)
         try:
-            for chain, private, ok in ((client_cert, client_key, True), (stranger_cert, stranger_key, False),
-                                       (None, None, False)):
+            for chain, private, ok in (
+                (client_cert, client_key, True),
+                (stranger_cert, stranger_key, False),
+                (None, None, False),
+            ):
                 creds = grpc.ssl_channel_credentials(
                     root_certificates=cert.read_bytes(),
                     private_key=private.read_bytes() if private else None,
@@ -95,7 +108,9 @@ def test_mutual_tls_needs_a_client_certificate_signed_by_the_client_ca(tmp_path)
 
 def test_an_unreadable_certificate_fails_the_start_naming_the_key(tmp_path):
     async def scenario():
-        rt = gateway(tmp_path, cert_file=str(tmp_path / "missing.pem"), key_file=str(tmp_path / "missing.key"))
+        rt = gateway(
+            tmp_path, cert_file=str(tmp_path / "missing.pem"), key_file=str(tmp_path / "missing.key")
+        )
         with pytest.raises(ValueError, match=r"services.front.tls.key_file: cannot read .*missing.key"):
             await rt.start()
 

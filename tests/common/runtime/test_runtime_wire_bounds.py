@@ -31,15 +31,23 @@ def test_counts_per_field_and_per_parent():
     assert bounds.refusal(many_parts(4, 3)) == ""
     assert bounds.refusal(many_parts(5, 1)) == "messages: more than 4 elements (gateway.max_messages)"
     # parts are counted in each message, not over the request
-    assert bounds.refusal(many_parts(2, 4)) == "messages.parts: more than 3 elements (gateway.max_parts_per_message)"
+    assert (
+        bounds.refusal(many_parts(2, 4))
+        == "messages.parts: more than 3 elements (gateway.max_parts_per_message)"
+    )
     converse = wire_bounds(RequestLimits(max_messages=4))["Converse"]
     config = omni_pb2.ConverseRequest(config=omni_pb2.GenerateRequest.FromString(many_parts(5, 1)))
-    assert converse.refusal(config.SerializeToString()) == "config.messages: more than 4 elements (gateway.max_messages)"
+    assert (
+        converse.refusal(config.SerializeToString())
+        == "config.messages: more than 4 elements (gateway.max_messages)"
+    )
 
 
 def test_the_record_budget_bounds_any_field_even_a_repeated_singular_one():
     bounds = WireBounds(omni_pb2.GenerateRequest.DESCRIPTOR, max_records=1000)
-    assert bounds.refusal(b"\x0a\x00" * 1001) == "request: more than 1000 protobuf fields in all"  # request_id x 1001
+    assert (
+        bounds.refusal(b"\x0a\x00" * 1001) == "request: more than 1000 protobuf fields in all"
+    )  # request_id x 1001
     assert bounds.refusal(b"\x0a\x00" * 1000) == ""
 
 
@@ -66,7 +74,9 @@ def test_a_request_past_its_bounds_never_reaches_the_parser_or_the_handler(tmp_p
     never run, and a normal request on the same port is served after it."""
     parsed: list[int] = []
     real = omni_pb2.GenerateRequest.FromString
-    monkeypatch.setattr(omni_pb2.GenerateRequest, "FromString", lambda data: parsed.append(len(data)) or real(data))
+    monkeypatch.setattr(
+        omni_pb2.GenerateRequest, "FromString", lambda data: parsed.append(len(data)) or real(data)
+    )
 
     async def main() -> tuple[grpc.StatusCode, str, int]:
         cfg = config_from_dict({"services": {"gw": {"kind": "gateway", "port": 1}}})
@@ -74,8 +84,9 @@ def test_a_request_past_its_bounds_never_reaches_the_parser_or_the_handler(tmp_p
         await rt.start()
         servicer = _Recording()
         try:
-            rt.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, OMNI,
-                            bounds=wire_bounds(RequestLimits()))
+            rt.add_servicer(
+                omni_pb2_grpc.add_OmniServicer_to_server, servicer, OMNI, bounds=wire_bounds(RequestLimits())
+            )
             rt.set_serving()
             options = [("grpc.max_send_message_length", 64 << 20)]
             async with grpc.aio.insecure_channel(rt.address, options=options) as ch:

@@ -66,16 +66,27 @@ def fake_cuda(monkeypatch):
 
 
 def _producer(mode: str, shm_dir) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", PRODUCER, mode, str(shm_dir)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PRODUCER, mode, str(shm_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     name = proc.stdout.readline().strip()
     assert name, "producer printed no segment name"
     return proc, name
 
 
 def _ref(pool_id: str) -> tensor_pb2.CudaIpcRef:
-    return tensor_pb2.CudaIpcRef(pool_id=pool_id, ipc_handle=b"\0" * 64, device_index=0,
-                                 pool_byte_size=POOL_BYTES, offset=0, byte_size=16, lease_id=1)
+    return tensor_pb2.CudaIpcRef(
+        pool_id=pool_id,
+        ipc_handle=b"\0" * 64,
+        device_index=0,
+        pool_byte_size=POOL_BYTES,
+        offset=0,
+        byte_size=16,
+        lease_id=1,
+    )
 
 
 def test_handle_of_a_dead_producer_is_closed_when_another_pool_opens(fake_cuda, tmp_path):
@@ -126,4 +137,3 @@ def test_a_live_producer_is_never_pruned(fake_cuda, tmp_path):
         live.stdin.write("\n")
         live.stdin.flush()
         live.wait(timeout=30)
-

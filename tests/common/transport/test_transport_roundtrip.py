@@ -155,11 +155,16 @@ def test_counters_move_for_the_path_taken(producer, consumer, path):
         for p in (path, other)
         for d in ("encode", "decode")
     }
-    seconds_before = {d: _count("omnistage_transport_transfer_seconds_count", path=path, direction=d)
-                      for d in ("encode", "decode")}  # fmt: skip
+    seconds_before = {
+        d: _count("omnistage_transport_transfer_seconds_count", path=path, direction=d)
+        for d in ("encode", "decode")
+    }
     decode(encode(x, transport=producer, force=path), transport=consumer)
     for d in ("encode", "decode"):
-        assert _count("omnistage_transport_transfer_seconds_count", path=path, direction=d) == seconds_before[d] + 1
+        assert (
+            _count("omnistage_transport_transfer_seconds_count", path=path, direction=d)
+            == seconds_before[d] + 1
+        )
         assert _count("omnistage_transport_tensors_total", path=path, direction=d) == before[path, d][0] + 1
         assert _count("omnistage_transport_bytes_total", path=path, direction=d) == before[path, d][1] + 8000
         assert _count("omnistage_transport_tensors_total", path=other, direction=d) == before[other, d][0]

@@ -30,7 +30,12 @@ def _service_label():
 
 
 def _fallbacks(reason):
-    return REGISTRY.get_sample_value("omnistage_transport_fallbacks_total", {"service": metrics.process_service(), "reason": reason}) or 0.0
+    return (
+        REGISTRY.get_sample_value(
+            "omnistage_transport_fallbacks_total", {"service": metrics.process_service(), "reason": reason}
+        )
+        or 0.0
+    )
 
 
 def test_segment_is_private_named_and_removed_on_close():
@@ -86,13 +91,18 @@ def test_unreleased_lease_is_reclaimed_after_expiry(attachments):
 def test_expired_ref_is_refused_by_decode_and_counted():
     opts = TransportOptions(shm_pool_bytes=1 << 16, lease_ttl_s=0.05, shm_threshold_bytes=0)
     with TransportContext(opts) as producer, TransportContext() as consumer:
-        before = REGISTRY.get_sample_value("omnistage_transport_leases_expired_total", _service_label()) or 0.0
+        before = (
+            REGISTRY.get_sample_value("omnistage_transport_leases_expired_total", _service_label()) or 0.0
+        )
         ref = encode(torch.ones(100), transport=producer)
         time.sleep(0.1)
         with pytest.raises(TransportError, match="expired"):
             decode(ref, transport=consumer)
         encode(torch.ones(100), transport=producer)  # the next allocation reclaims the expired slice
-        assert REGISTRY.get_sample_value("omnistage_transport_leases_expired_total", _service_label()) == before + 1
+        assert (
+            REGISTRY.get_sample_value("omnistage_transport_leases_expired_total", _service_label())
+            == before + 1
+        )
 
 
 def test_full_pool_waits_briefly_then_falls_back_inline_and_counts():

@@ -23,8 +23,14 @@ SMALL = EncoderConfig(
 )
 
 
-def run_engine(models, body: Callable[[EncoderEngine], Awaitable[Any]], *, caps: dict[str, int] | None = None,
-               cfg: EncoderConfig = SMALL, pool_bytes: int = 8 << 20) -> Any:
+def run_engine(
+    models,
+    body: Callable[[EncoderEngine], Awaitable[Any]],
+    *,
+    caps: dict[str, int] | None = None,
+    cfg: EncoderConfig = SMALL,
+    pool_bytes: int = 8 << 20,
+) -> Any:
     """Start an engine on a fresh loop, run `body(engine)`, stop everything; returns body's result."""
 
     async def main() -> Any:

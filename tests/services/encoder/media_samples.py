@@ -14,8 +14,13 @@ from PIL import Image
 __all__ = ["audio_file", "image_bytes", "png_bytes", "tone", "video_file", "wav_bytes"]
 
 # container → (codec, sample format)
-AUDIO_CODECS = {"wav": ("pcm_s16le", "s16"), "flac": ("flac", "s16"), "ogg": ("libopus", "flt"),
-                "mp3": ("libmp3lame", "fltp"), "adts": ("aac", "fltp")}
+AUDIO_CODECS = {
+    "wav": ("pcm_s16le", "s16"),
+    "flac": ("flac", "s16"),
+    "ogg": ("libopus", "flt"),
+    "mp3": ("libmp3lame", "fltp"),
+    "adts": ("aac", "fltp"),
+}
 
 
 def tone(seconds: float, rate: int, channels: int = 1, freq_hz: float = 440.0) -> np.ndarray:
@@ -61,8 +66,9 @@ def image_bytes(width: int, height: int, fmt: str = "PNG", seed: int = 0) -> byt
     return buf.getvalue()
 
 
-def video_file(frames: int, fps: int = 10, width: int = 96, height: int = 64, fmt: str = "mp4",
-               faststart: bool = False) -> bytes:
+def video_file(
+    frames: int, fps: int = 10, width: int = 96, height: int = 64, fmt: str = "mp4", faststart: bool = False
+) -> bytes:
     """`frames` frames at `fps` (mpeg4 in mp4); frame i is a flat grey of level 8·i, so frames differ.
 
     `faststart` puts the index (moov) before the frames, so a truncated file still opens."""

@@ -26,7 +26,12 @@ def _png_of_size(width: int, height: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b""))
+        + chunk(b"IEND", b"")
+    )
 
 
 def _wav_with_bad_utf8_title() -> bytes:
@@ -53,7 +58,9 @@ GOOD = {
     "image": MediaItem("image", data=image_bytes(300, 200)),
     "audio_flac": MediaItem("audio", data=audio_file("flac", 1.3, rate=22050)),
     "audio_ogg": MediaItem("audio", data=audio_file("ogg", 0.8)),
-    "audio_samples": MediaItem("audio", samples=np.sin(np.arange(8000) / 7).astype(np.float32), sample_rate_hz=8000),
+    "audio_samples": MediaItem(
+        "audio", samples=np.sin(np.arange(8000) / 7).astype(np.float32), sample_rate_hz=8000
+    ),
     "video_file": MediaItem("video", data=video_file(25, fps=10)),
     "video_frames": MediaItem("video", frames=tuple(image_bytes(80, 60, seed=i) for i in range(3)), fps=4.0),
 }
@@ -102,7 +109,9 @@ def _limits(models):
 
 def test_item_details_grids_timestamps_and_durations(tiny_encoders):
     async def body(engine):
-        return await engine.encode([GOOD["image"], GOOD["video_file"], GOOD["video_frames"], GOOD["audio_flac"]])
+        return await engine.encode(
+            [GOOD["image"], GOOD["video_file"], GOOD["video_frames"], GOOD["audio_flac"]]
+        )
 
     image, video, frames, audio = run_engine(tiny_encoders, body)
     assert image.resized == (192, 288) and image.num_tokens == 192 * 288 // 1024 and image.timestamps_s == ()
@@ -118,30 +127,63 @@ BAD = {
     "corrupt image": (MediaItem("image", data=b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4), "image"),
     "truncated image": (MediaItem("image", data=image_bytes(64, 64)[:400]), "truncated"),
     "zero-size image": (MediaItem("image", data=_png_of_size(0, 16)), "zero-size image (0x16)"),
-    "image above the pixel bound": (MediaItem("image", data=_solid_png(2001, 2000)), "exceeds the limit of 4000000"),
+    "image above the pixel bound": (
+        MediaItem("image", data=_solid_png(2001, 2000)),
+        "exceeds the limit of 4000000",
+    ),
     "image aspect above 200": (MediaItem("image", data=_solid_png(2010, 10)), "aspect ratio 201.0"),
-    "unsupported image format": (MediaItem("image", data=b"just some text, not a picture"), "not a supported image format"),
+    "unsupported image format": (
+        MediaItem("image", data=b"just some text, not a picture"),
+        "not a supported image format",
+    ),
     "empty image": (MediaItem("image", data=b""), "empty image data"),
-    "corrupt audio": (MediaItem("audio", data=bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8))),
-                      "not a decodable audio file"),
+    "corrupt audio": (
+        MediaItem("audio", data=bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8))),
+        "not a decodable audio file",
+    ),
     "truncated audio": (MediaItem("audio", data=wav_bytes(2.0)[:20000]), "truncated audio"),
-    "audio over the limit": (MediaItem("audio", data=wav_bytes(3.5)), "the limit is 3 s (encoder.max_audio_seconds)"),
-    "unsupported audio format": (MediaItem("audio", data=audio_file("adts", 1.0)), "unsupported audio format 'aac'"),
+    "audio over the limit": (
+        MediaItem("audio", data=wav_bytes(3.5)),
+        "the limit is 3 s (encoder.max_audio_seconds)",
+    ),
+    "unsupported audio format": (
+        MediaItem("audio", data=audio_file("adts", 1.0)),
+        "unsupported audio format 'aac'",
+    ),
     "an image as audio": (MediaItem("audio", data=image_bytes(32, 32)), "unsupported audio format"),
-    "samples without a rate": (MediaItem("audio", samples=np.zeros(1000, np.float32)), "sample_rate_hz must be > 0"),
-    "samples with NaN": (MediaItem("audio", samples=np.full(1000, np.nan, np.float32), sample_rate_hz=16000), "NaN"),
-    "samples over the limit": (MediaItem("audio", samples=np.zeros(16000 * 4, np.float32), sample_rate_hz=16000),
-                               "the limit is 3 s (encoder.max_audio_seconds)"),
+    "samples without a rate": (
+        MediaItem("audio", samples=np.zeros(1000, np.float32)),
+        "sample_rate_hz must be > 0",
+    ),
+    "samples with NaN": (
+        MediaItem("audio", samples=np.full(1000, np.nan, np.float32), sample_rate_hz=16000),
+        "NaN",
+    ),
+    "samples over the limit": (
+        MediaItem("audio", samples=np.zeros(16000 * 4, np.float32), sample_rate_hz=16000),
+        "the limit is 3 s (encoder.max_audio_seconds)",
+    ),
     "corrupt video": (MediaItem("video", data=b"\x00\x00\x00\x18ftypmp42" + bytes(3000)), "video"),
     "truncated video": (MediaItem("video", data=video_file(20)[:1400]), "not a decodable video file"),
-    "truncated video, index first": (MediaItem("video", data=video_file(20, faststart=True)[:1900]),
-                                     "truncated video: the container lists 20 frames"),
-    "video with an unknown codec": (MediaItem("video", data=_mkv_with_unknown_codec()), "unknown or unsupported codec"),
+    "truncated video, index first": (
+        MediaItem("video", data=video_file(20, faststart=True)[:1900]),
+        "truncated video: the container lists 20 frames",
+    ),
+    "video with an unknown codec": (
+        MediaItem("video", data=_mkv_with_unknown_codec()),
+        "unknown or unsupported codec",
+    ),
     "one-frame video": (MediaItem("video", data=video_file(1)), "at least 2"),
-    "video over the limit": (MediaItem("video", data=video_file(210, fps=10)), "the limit is 20 s (encoder.max_video_seconds)"),
+    "video over the limit": (
+        MediaItem("video", data=video_file(210, fps=10)),
+        "the limit is 20 s (encoder.max_video_seconds)",
+    ),
     "an image as video": (MediaItem("video", data=image_bytes(32, 32)), "image format, not a video"),
     "a corrupt frame": (MediaItem("video", frames=(image_bytes(32, 32), b"nope")), "frames.images[1]"),
-    "too many frames": (MediaItem("video", frames=(image_bytes(32, 32),) * 17), "17 frames exceed the limit of 16"),
+    "too many frames": (
+        MediaItem("video", frames=(image_bytes(32, 32),) * 17),
+        "17 frames exceed the limit of 16",
+    ),
 }
 
 
@@ -165,7 +207,9 @@ def test_a_bad_item_fails_the_request_naming_it_and_leaves_nothing_behind(case, 
 
 def test_request_shape_errors(tiny_encoders):
     async def body(engine):
-        with pytest.raises(InvalidRequest, match=r"items: 5 items exceed the limit of 4 \(encoder.max_items_per_request\)"):
+        with pytest.raises(
+            InvalidRequest, match=r"items: 5 items exceed the limit of 4 \(encoder.max_items_per_request\)"
+        ):
             await engine.encode([GOOD["image"]] * 5)
         with pytest.raises(InvalidRequest, match="at least one item"):
             await engine.encode([])

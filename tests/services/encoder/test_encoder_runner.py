@@ -62,8 +62,10 @@ def _metric(name: str, modality: str) -> float:
 def test_concurrent_requests_share_one_forward(tiny_encoders):
     async def body(engine):
         gate = _gated(engine)
-        before = (_metric("omnistage_encoder_batches_total", "vision"),
-                  _metric("omnistage_encoder_batched_items_total", "vision"))
+        before = (
+            _metric("omnistage_encoder_batches_total", "vision"),
+            _metric("omnistage_encoder_batched_items_total", "vision"),
+        )
         tasks = [asyncio.ensure_future(engine.encode([IMAGE]))]
         await _until(gate.entered.is_set, "the first forward")
         tasks += [asyncio.ensure_future(engine.encode([IMAGE])) for _ in range(3)]
@@ -72,8 +74,10 @@ def test_concurrent_requests_share_one_forward(tiny_encoders):
         outs = await asyncio.gather(*tasks)
         for (o,) in outs:
             decode(o.ref, transport=engine.transport)
-        after = (_metric("omnistage_encoder_batches_total", "vision"),
-                 _metric("omnistage_encoder_batched_items_total", "vision"))
+        after = (
+            _metric("omnistage_encoder_batches_total", "vision"),
+            _metric("omnistage_encoder_batched_items_total", "vision"),
+        )
         return engine.runner.batches["vision"], engine.runner.largest_batch["vision"], before, after
 
     batches, largest, before, after = run_engine(tiny_encoders, body)
@@ -167,8 +171,10 @@ def test_a_request_cancelled_during_the_hand_over_leaves_no_lease(tiny_encoders)
 def _queue_time() -> tuple[float, float]:
     """(count, sum) of the encoder's queue-time histogram of the test engine."""
     labels = {"service": "enc-test"}
-    return (REGISTRY.get_sample_value("omnistage_encoder_queue_time_seconds_count", labels) or 0.0,
-            REGISTRY.get_sample_value("omnistage_encoder_queue_time_seconds_sum", labels) or 0.0)
+    return (
+        REGISTRY.get_sample_value("omnistage_encoder_queue_time_seconds_count", labels) or 0.0,
+        REGISTRY.get_sample_value("omnistage_encoder_queue_time_seconds_sum", labels) or 0.0,
+    )
 
 
 def test_queue_time_is_observed_once_per_item_with_its_wait_behind_the_running_forward(tiny_encoders):

@@ -33,7 +33,11 @@ def test_largest_vision_item_is_the_image_or_the_video_with_more_patches(tiny_en
     assert startup.largest_vision_grid(CFG, limits) == (1, 16, 16)  # 256x256 image: 256 patches
     many_frames = dataclasses.replace(CFG, max_video_frames=64, video_total_pixels=64 * 64 * 64)
     # 64 frames of 2·262144/64 = 8192 px → 64x64 → 32 temporal patches x 4 x 4 = 512 patches > 256.
-    assert startup.largest_vision_grid(many_frames, ItemLimits.of(many_frames, tiny_encoders.config)) == (32, 4, 4)
+    assert startup.largest_vision_grid(many_frames, ItemLimits.of(many_frames, tiny_encoders.config)) == (
+        32,
+        4,
+        4,
+    )
 
 
 def test_ample_memory_gives_the_largest_candidate_and_keeps_the_peak(tiny_ckpt):

@@ -41,8 +41,13 @@ def test_gpu_outputs_go_by_cuda_ipc_when_allowed_and_by_shm_otherwise(tiny_ckpt)
         (shm,) = await engine.encode([image])
         (ipc,) = await engine.encode([image], allow_cuda_ipc=True)
         local = decode(shm.ref, transport=engine.transport)
-        proc = subprocess.run([sys.executable, "-c", CONSUMER], input=base64.b64encode(ipc.ref.SerializeToString()).decode(),
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", CONSUMER],
+            input=base64.b64encode(ipc.ref.SerializeToString()).decode(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         return shm.ref.WhichOneof("payload"), local, proc
 
     kind, local, proc = run_engine(models, body)

@@ -38,7 +38,9 @@ def test_log_mel_matches_whisper_feature_extractor(extractor, seconds, extra):
     ours = log_mel(torch.from_numpy(x), 128)
     frames = x.size // 160
     assert ours.shape == (128, frames)
-    unpadded = extractor(x, sampling_rate=16000, padding="longest", truncation=False, return_tensors="pt").input_features[0]
+    unpadded = extractor(
+        x, sampling_rate=16000, padding="longest", truncation=False, return_tensors="pt"
+    ).input_features[0]
     assert unpadded.shape == ours.shape
     assert torch.allclose(ours, unpadded, atol=1e-5)
     padded = extractor(x, sampling_rate=16000, return_tensors="pt").input_features[0]

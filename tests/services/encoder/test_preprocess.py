@@ -11,8 +11,14 @@ from omnistage.services.encoder.models.config import VisionConfig
 from omnistage.services.encoder.preprocess import MediaError, smart_resize
 
 MIN_PX, MAX_PX = 4 * 32 * 32, 16384 * 32 * 32
-REAL = VisionConfig(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, out_hidden_size=4096,
-                    projector_size=4096)
+REAL = VisionConfig(
+    depth=27,
+    hidden_size=1152,
+    num_heads=16,
+    intermediate_size=4304,
+    out_hidden_size=4096,
+    projector_size=4096,
+)
 
 
 @pytest.mark.parametrize(
@@ -44,7 +50,9 @@ def test_smart_resize_refuses_aspect_over_200_and_zero_size():
 def test_patch_order_is_t_blockrow_blockcol_inrow_incol_and_each_patch_is_c_t_y_x():
     """Pixel values encode (frame, channel, y, x); every flattened patch must read back in that order."""
     T, C, H, W = 2, 3, 64, 96
-    f, c, y, x = torch.meshgrid(torch.arange(T), torch.arange(C), torch.arange(H), torch.arange(W), indexing="ij")
+    f, c, y, x = torch.meshgrid(
+        torch.arange(T), torch.arange(C), torch.arange(H), torch.arange(W), indexing="ij"
+    )
     pixels = (f * 1_000_000 + c * 100_000 + y * 1000 + x).double()
     patches, grid = preprocess.patchify(pixels, REAL)
     assert grid == (1, 4, 6) and patches.shape == (24, 1536)
@@ -54,7 +62,9 @@ def test_patch_order_is_t_blockrow_blockcol_inrow_incol_and_each_patch_is_c_t_y_
         block_row, block_col = divmod(block, 6 // m)
         in_row, in_col = divmod(inner, m)
         row, col = block_row * m + in_row, block_col * m + in_col
-        expected = pixels[:, :, row * p:(row + 1) * p, col * p:(col + 1) * p].permute(1, 0, 2, 3).reshape(-1)
+        expected = (
+            pixels[:, :, row * p : (row + 1) * p, col * p : (col + 1) * p].permute(1, 0, 2, 3).reshape(-1)
+        )
         assert torch.equal(patches[n], expected), n
 
 
@@ -80,7 +90,9 @@ def test_image_token_count_is_hw_over_1024(size, tokens):
     assert t * h * w // 4 == tokens == size[0] * size[1] // 1024
 
 
-@pytest.mark.parametrize(("frames", "tokens"), [(100, 25), (101, 26), (3000, 750), (1, 1), (2, 1), (3, 1), (5, 2)])
+@pytest.mark.parametrize(
+    ("frames", "tokens"), [(100, 25), (101, 26), (3000, 750), (1, 1), (2, 1), (3, 1), (5, 2)]
+)
 def test_audio_token_count(frames, tokens):
     assert audio_token_count(frames) == tokens
 
@@ -117,7 +129,9 @@ def test_video_indices_timestamps_and_pixel_budget():
     times = [i / 30.0 for i in idx]
     stamps = preprocess.temporal_patch_times(times)
     assert len(stamps) == 10
-    assert stamps[0] == pytest.approx((times[0] + times[1]) / 2) and stamps[-1] == pytest.approx((times[-2] + times[-1]) / 2)
+    assert stamps[0] == pytest.approx((times[0] + times[1]) / 2) and stamps[-1] == pytest.approx(
+        (times[-2] + times[-1]) / 2
+    )
     lo, hi = preprocess.video_pixel_range(20, 131072, 12582912)
     assert (lo, hi) == (131072, 12582912 // 10)
     assert preprocess.video_pixel_range(256, 131072, 12582912)[1] == int(131072 * 1.05)  # the floor wins

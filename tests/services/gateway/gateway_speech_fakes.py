@@ -35,8 +35,14 @@ class FakeThinker:
     """Streams `answer` (one delta per word, ids 0, 1, ..., `delay_s` apart; with FINISH_REASON_STOP
     then the stop token's delta, as the thinker does), then a finish with `reason`."""
 
-    def __init__(self, answer: str = "Hello there. How are you today? ", delay_s: float = 0.0,
-                 reason: int = common_pb2.FINISH_REASON_STOP, max_user_turns: int = 0, refuse: str = "") -> None:
+    def __init__(
+        self,
+        answer: str = "Hello there. How are you today? ",
+        delay_s: float = 0.0,
+        reason: int = common_pb2.FINISH_REASON_STOP,
+        max_user_turns: int = 0,
+        refuse: str = "",
+    ) -> None:
         self.answer = answer
         self.delay_s = delay_s
         self.reason = reason
@@ -55,8 +61,9 @@ class FakeThinker:
             refusal = "request 'x': prompt of 2000 tokens leaves no room to generate (max_model_len 1024)"
         if refusal:
             call.closed = True
-            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       details=refusal)
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), details=refusal
+            )
         try:
             yield thinker_pb2.ThinkerEvent(started=thinker_pb2.Started(engine_request_id="e" * 32))
             words = self.answer.split(" ")
@@ -68,8 +75,11 @@ class FakeThinker:
             if self.reason == common_pb2.FINISH_REASON_STOP:  # the stop token: its id, no text
                 yield thinker_pb2.ThinkerEvent(delta=thinker_pb2.TokenDelta(token_ids=[STOP_TOKEN]))
             call.finished = True
-            yield thinker_pb2.ThinkerEvent(finish=thinker_pb2.ThinkerFinish(
-                reason=self.reason, usage=common_pb2.Usage(prompt_tokens=7, completion_tokens=len(words))))
+            yield thinker_pb2.ThinkerEvent(
+                finish=thinker_pb2.ThinkerFinish(
+                    reason=self.reason, usage=common_pb2.Usage(prompt_tokens=7, completion_tokens=len(words))
+                )
+            )
         finally:
             call.closed = True
 
@@ -94,8 +104,14 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
     (INVALID_ARGUMENT "text: nothing to speak" at the end). A stream the client cancels after
     `finished`, before the handler returned, counts as cancelled (the real talker's status CANCELLED)."""
 
-    def __init__(self, mode: str = "echo", chunks_per_text: int = 1, chunk_samples: int = 441,
-                 end_delay_s: float = 0.0, refuse_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        mode: str = "echo",
+        chunks_per_text: int = 1,
+        chunk_samples: int = 441,
+        end_delay_s: float = 0.0,
+        refuse_delay_s: float = 0.0,
+    ) -> None:
         self.mode = mode
         self.end_delay_s = end_delay_s  # after `finished`, the handler takes this long to return (cleanup)
         self.refuse_delay_s = refuse_delay_s  # "refuse-voice": the verdict comes this long after the config
@@ -119,21 +135,32 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
         self.calls.append(call)
         if self.mode == "refuse-voice":
             await asyncio.sleep(self.refuse_delay_s)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "config.voice: unknown voice 'nobody' (have: DB30)")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "config.voice: unknown voice 'nobody' (have: DB30)"
+            )
         if self.mode == "busy":
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "talker: no free stream",
-                                trailing_metadata=(("grpc-retry-pushback-ms", "500"),))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "talker: no free stream",
+                trailing_metadata=(("grpc-retry-pushback-ms", "500"),),
+            )
         try:
             voice = "custom" if first.config.HasField("custom_voice") else (first.config.voice or "DB30")
-            yield talker_pb2.SpeakResponse(started=talker_pb2.SpeakStarted(
-                request_id=first.config.request_id, sample_rate_hz=RATE, channels=1, voice=voice))
+            yield talker_pb2.SpeakResponse(
+                started=talker_pb2.SpeakStarted(
+                    request_id=first.config.request_id, sample_rate_hz=RATE, channels=1, voice=voice
+                )
+            )
             segment = 0
             async for message in requests:
                 call.texts.append(message.text)
                 if message.text and self.mode != "silent":
                     for _ in range(self.chunks_per_text):
-                        yield talker_pb2.SpeakResponse(audio=talker_pb2.SpeechChunk(
-                            pcm16=b"\x01\x00" * self.chunk_samples, segment_index=segment))
+                        yield talker_pb2.SpeakResponse(
+                            audio=talker_pb2.SpeechChunk(
+                                pcm16=b"\x01\x00" * self.chunk_samples, segment_index=segment
+                            )
+                        )
                         call.produced += 1
                     yield talker_pb2.SpeakResponse(segment_done=talker_pb2.SegmentDone(segment_index=segment))
                     segment += 1
@@ -187,8 +214,15 @@ class Context:
         return self.remaining_s
 
 
-def gateway(thinker: FakeThinker, talker_address: str | None, *, limits: SpeechLimits | None = None,
-            max_streams: int = 0, media=None, converse=None) -> OmniServicer:
+def gateway(
+    thinker: FakeThinker,
+    talker_address: str | None,
+    *,
+    limits: SpeechLimits | None = None,
+    max_streams: int = 0,
+    media=None,
+    converse=None,
+) -> OmniServicer:
     """An OmniServicer over the fakes (talker_address None: no talker deployed)."""
     speech = None
     deployed = {"thinker"}
@@ -200,8 +234,18 @@ def gateway(thinker: FakeThinker, talker_address: str | None, *, limits: SpeechL
     if media is not None:
         deployed.add("encoder")
     extra = {"converse": converse} if converse is not None else {}
-    return OmniServicer(Pipeline(thinker, deployed, max_concurrent_requests=8, limits=RequestLimits(), system_prompt="",
-                        media=media, speech=speech), **extra)
+    return OmniServicer(
+        Pipeline(
+            thinker,
+            deployed,
+            max_concurrent_requests=8,
+            limits=RequestLimits(),
+            system_prompt="",
+            media=media,
+            speech=speech,
+        ),
+        **extra,
+    )
 
 
 async def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
@@ -228,8 +272,10 @@ class FakeMedia:
 
     async def encode(self, request_id, parts, paths, timeout_s):
         self.requests.append(list(parts))
-        return [encoder_pb2.EncodedItem(kind=encoder_pb2.MEDIA_KIND_AUDIO, num_tokens=3, placeholder_token_id=99)
-                for _ in parts]
+        return [
+            encoder_pb2.EncodedItem(kind=encoder_pb2.MEDIA_KIND_AUDIO, num_tokens=3, placeholder_token_id=99)
+            for _ in parts
+        ]
 
     def release(self, items) -> None:
         self.released.extend(items)

@@ -157,15 +157,19 @@ def test_a_request_is_judged_over_every_gated_stage_of_its_path():
     imagegen.running = 1  # the image stage busy: wait 4 s, then 1 + 2 + 4 s of service = 11 s
     check_path([encoder, thinker, imagegen], 12.0)
     check_path([encoder, thinker], 1.0)  # a text request does not pass the image stage
-    with pytest.raises(Overloaded, match=r"^imagegen: at capacity .* wait 4\.0s plus 4\.0s of service \(and 3\.0s at "
-                                         r"the other stages of its path\) exceeds the 10\.0s left") as err:
+    with pytest.raises(
+        Overloaded,
+        match=r"^imagegen: at capacity .* wait 4\.0s plus 4\.0s of service \(and 3\.0s at "
+        r"the other stages of its path\) exceeds the 10\.0s left",
+    ) as err:
         check_path([encoder, thinker, imagegen], 10.0)
     assert err.value.reason == "imagegen_deadline" and err.value.retry_after_ms == 4000
 
-
     async def full_waiting_room() -> None:
         imagegen._waiters.append(asyncio.get_running_loop().create_future())  # its waiting room (1) is full
-        with pytest.raises(Overloaded, match=r"^imagegen: 1 requests running and 1 waiting, its limit") as err:
+        with pytest.raises(
+            Overloaded, match=r"^imagegen: 1 requests running and 1 waiting, its limit"
+        ) as err:
             check_path([encoder, thinker, imagegen], None)
         assert err.value.reason == "imagegen_queue_full"
         check_path([encoder, thinker], None)

@@ -104,8 +104,10 @@ def test_two_text_turns_are_answered_from_the_history():
 
     thinker, talker, events, in_flight = run(scenario())
     done = finishes(events)
-    assert [(f.turn, f.finish.reason) for f in done] == [(0, common_pb2.FINISH_REASON_STOP),
-                                                         (1, common_pb2.FINISH_REASON_STOP)]
+    assert [(f.turn, f.finish.reason) for f in done] == [
+        (0, common_pb2.FINISH_REASON_STOP),
+        (1, common_pb2.FINISH_REASON_STOP),
+    ]
     assert events[-1] is done[-1] and {e.request_id for e in events} == {"c1"}
     assert [f.finish.audio.outcome for f in done] == [omni_pb2.AUDIO_OUTCOME_COMPLETE] * 2
     assert turn_text(events, 0) == turn_text(events, 1) == ANSWER
@@ -114,10 +116,13 @@ def test_two_text_turns_are_answered_from_the_history():
         assert chunks[0].pcm16 and chunks[-1].last
     first, second = (c.prompt for c in thinker.calls)
     assert first.startswith("<role>SYSTEM</role>Be brief.") and first.endswith(
-        "<role>HUMAN</role>First question?<|role_end|><role>ASSISTANT</role>")
+        "<role>HUMAN</role>First question?<|role_end|><role>ASSISTANT</role>"
+    )
     # The answer goes back as the ids the thinker generated, its stop token left out (prefix caching).
-    assert second.endswith("<role>HUMAN</role>First question?<|role_end|><role>ASSISTANT</role><tokens:0,1,2,3,4,5>"
-                           "<|role_end|><role>HUMAN</role>Second question?<|role_end|><role>ASSISTANT</role>")
+    assert second.endswith(
+        "<role>HUMAN</role>First question?<|role_end|><role>ASSISTANT</role><tokens:0,1,2,3,4,5>"
+        "<|role_end|><role>HUMAN</role>Second question?<|role_end|><role>ASSISTANT</role>"
+    )
     assert [c.config.voice for c in talker.calls] == ["DB30", "DB30"] and talker.calls[0].config.seed == 3
     assert in_flight == 0
 
@@ -129,7 +134,11 @@ def test_a_new_turn_interrupts_the_answer_and_both_stages_stop():
             client = Client(config(), text("Tell me a long story."))
 
             def on_event(event, events):
-                if event.HasField("audio") and event.turn == 0 and sum(e.HasField("audio") for e in events) == 2:
+                if (
+                    event.HasField("audio")
+                    and event.turn == 0
+                    and sum(e.HasField("audio") for e in events) == 2
+                ):
                     thinker.answer, thinker.delay_s = "Sure. ", 0.0
                     client.send(text("Stop, please."))
                 if event.HasField("finish") and event.turn == 1:
@@ -144,18 +153,25 @@ def test_a_new_turn_interrupts_the_answer_and_both_stages_stop():
     assert (first.turn, first.finish.reason) == (0, common_pb2.FINISH_REASON_INTERRUPTED)
     assert first.finish.message == "interrupted by user turn 1"
     status = first.finish.audio
-    assert (status.outcome, status.code) == (omni_pb2.AUDIO_OUTCOME_PARTIAL, "CANCELLED") and status.samples > 0
+    assert (status.outcome, status.code) == (
+        omni_pb2.AUDIO_OUTCOME_PARTIAL,
+        "CANCELLED",
+    ) and status.samples > 0
     assert (second.turn, second.finish.reason) == (1, common_pb2.FINISH_REASON_STOP)
-    assert max(i for i, e in enumerate(events) if e.turn == 0) < events.index(second) - 1  # turn 0 ended before 1
+    assert (
+        max(i for i, e in enumerate(events) if e.turn == 0) < events.index(second) - 1
+    )  # turn 0 ended before 1
     assert thinker.calls[0].closed and not thinker.calls[0].finished  # the thinker request was aborted
     assert not talker.calls[0].completed and talker.calls[1].completed
     partial = turn_text(events, 0)
     assert partial and len(partial) < len(ANSWER * 20)
-    assert first.finish.usage.completion_tokens == sum(len(e.text.token_ids) for e in events
-                                                       if e.HasField("text") and e.turn == 0)
+    assert first.finish.usage.completion_tokens == sum(
+        len(e.text.token_ids) for e in events if e.HasField("text") and e.turn == 0
+    )
     # The history keeps the interrupted answer as far as the client got it.
     assert thinker.calls[1].prompt.endswith(
-        f"<role>ASSISTANT</role>{partial}<|role_end|><role>HUMAN</role>Stop, please.<|role_end|><role>ASSISTANT</role>")
+        f"<role>ASSISTANT</role>{partial}<|role_end|><role>HUMAN</role>Stop, please.<|role_end|><role>ASSISTANT</role>"
+    )
 
 
 def test_turns_sent_back_to_back_each_get_one_finish():
@@ -198,7 +214,10 @@ def test_spoken_turns_reach_the_encoder_as_wav_and_stay_in_the_history():
     thinker, media, events = run(scenario())
     assert [f.finish.reason for f in finishes(events)] == [common_pb2.FINISH_REASON_STOP] * 2
     first, second = media.requests
-    assert [p.kind for p in first] == ["audio"] and [p.where for p in second] == ["audio (turn 0)", "audio (turn 1)"]
+    assert [p.kind for p in first] == ["audio"] and [p.where for p in second] == [
+        "audio (turn 0)",
+        "audio (turn 1)",
+    ]
     with wave.open(io.BytesIO(first[0].media.data)) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 16000)
         assert w.readframes(w.getnframes()) == _pcm(0.5)
@@ -238,8 +257,12 @@ def test_the_history_keeps_at_most_max_turns_user_turns():
         thinker = FakeThinker("Ok. ")
         async with TalkerServer(FakeTalker()) as srv:
             servicer = gateway(thinker, srv.address, converse=ConverseLimits(max_turns=2))
-            seeded = [omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Seed?")]),
-                      omni_pb2.ChatMessage(role=omni_pb2.ROLE_ASSISTANT, parts=[omni_pb2.ContentPart(text="Seeded.")])]
+            seeded = [
+                omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Seed?")]),
+                omni_pb2.ChatMessage(
+                    role=omni_pb2.ROLE_ASSISTANT, parts=[omni_pb2.ContentPart(text="Seeded.")]
+                ),
+            ]
             client = Client(config(messages=seeded), text("A?"))
             sent = iter(["B?", "C?"])
 
@@ -282,13 +305,17 @@ def test_max_tokens_above_the_thinkers_context_fails_the_call_without_forgetting
     """The thinker owns max_model_len: its refusal of max_tokens ends the call (the gateway checks only the
     sampling's shape), and is no reason to drop history turns and ask again."""
     refusal = "sampling.max_tokens: 5000 exceeds max_model_len 1024"
-    seeded = [omni_pb2.ChatMessage(role=role, parts=[omni_pb2.ContentPart(text=t)])
-              for role, t in ((omni_pb2.ROLE_USER, "Hi"), (omni_pb2.ROLE_ASSISTANT, "Hello"))]  # fmt: skip
+    seeded = [
+        omni_pb2.ChatMessage(role=role, parts=[omni_pb2.ContentPart(text=t)])
+        for role, t in ((omni_pb2.ROLE_USER, "Hi"), (omni_pb2.ROLE_ASSISTANT, "Hello"))
+    ]
 
     async def scenario():
         thinker = FakeThinker("Ok. ", refuse=refusal)
         async with TalkerServer(FakeTalker()) as srv:
-            client = Client(config(messages=seeded, sampling=common_pb2.SamplingParams(max_tokens=5000)), text("A?"))
+            client = Client(
+                config(messages=seeded, sampling=common_pb2.SamplingParams(max_tokens=5000)), text("A?")
+            )
             with pytest.raises(StageError) as err:
                 await converse(gateway(thinker, srv.address), client)
         return thinker, err.value
@@ -301,33 +328,82 @@ def test_max_tokens_above_the_thinkers_context_fails_the_call_without_forgetting
 LIMITS = ConverseLimits(max_turn_chars=20, max_turn_audio_bytes=64000, max_audio_seconds=1.5)
 
 
-@pytest.mark.parametrize(("messages", "needle"), [
-    ([text("hi")], "config: required in the first message"),
-    ([config(), config()], "config: only the first message may carry it"),
-    ([config(), text("x" * 21)], "text: 21 characters, a text turn takes 1 to 20 (converse_max_turn_chars)"),
-    ([config(), audio(b"\0\0", rate=4000)], "audio.sample_rate_hz: 4000, expected 8000 to 48000"),
-    ([config(), audio(b"\0\0"), audio(b"\0\0", rate=8000)], "audio.sample_rate_hz: 8000, the turn began at 16000"),
-    ([config(), END_OF_TURN], "end_of_turn: no audio before it"),
-    ([config(), audio(b"\0\0"), text("hi")], "text: a spoken turn is still open"),
-    ([config(), audio(b"\0\0\0"), END_OF_TURN], "audio.pcm16: the turn has 3 bytes, PCM16 needs an even number"),
-    ([config(), audio(b"\0" * 64002)], "audio.pcm16: the spoken turn passes 64000 bytes"),
-    ([config(), audio(_pcm(1.6, 8000), rate=8000)], "audio.pcm16: the spoken turn passes the encoder's max_audio_seconds"),
-    ([config(), omni_pb2.ConverseRequest()], "ConverseRequest: empty message"),
-    ([config(output_modalities=[omni_pb2.MODALITY_IMAGE])], "config.output_modalities[0]: Converse answers with text"),
-    ([config(messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[
-        omni_pb2.ContentPart(image=omni_pb2.Media(data=b"png"))])])], "config.messages[0].parts[0]: the history"),
-    ([config(sampling=common_pb2.SamplingParams(temperature=1000))], "config.sampling.temperature"),
-    ([config(voice="a", custom_voice=omni_pb2.VoiceClip(audio=b"x", transcript="y"))],
-     "config.custom_voice: set voice or custom_voice, not both"),
-    ([config(voice="nobody"), text("hi")], "config.voice: unknown voice 'nobody'"),
-], ids=["no-config", "config-twice", "long-text", "low-rate", "rate-change", "empty-turn", "text-in-spoken-turn",
-        "odd-pcm", "turn-bytes", "turn-seconds", "empty-message", "image-out", "history-media",
-        "sampling", "two-voices", "unknown-voice"])
+@pytest.mark.parametrize(
+    ("messages", "needle"),
+    [
+        ([text("hi")], "config: required in the first message"),
+        ([config(), config()], "config: only the first message may carry it"),
+        (
+            [config(), text("x" * 21)],
+            "text: 21 characters, a text turn takes 1 to 20 (converse_max_turn_chars)",
+        ),
+        ([config(), audio(b"\0\0", rate=4000)], "audio.sample_rate_hz: 4000, expected 8000 to 48000"),
+        (
+            [config(), audio(b"\0\0"), audio(b"\0\0", rate=8000)],
+            "audio.sample_rate_hz: 8000, the turn began at 16000",
+        ),
+        ([config(), END_OF_TURN], "end_of_turn: no audio before it"),
+        ([config(), audio(b"\0\0"), text("hi")], "text: a spoken turn is still open"),
+        (
+            [config(), audio(b"\0\0\0"), END_OF_TURN],
+            "audio.pcm16: the turn has 3 bytes, PCM16 needs an even number",
+        ),
+        ([config(), audio(b"\0" * 64002)], "audio.pcm16: the spoken turn passes 64000 bytes"),
+        (
+            [config(), audio(_pcm(1.6, 8000), rate=8000)],
+            "audio.pcm16: the spoken turn passes the encoder's max_audio_seconds",
+        ),
+        ([config(), omni_pb2.ConverseRequest()], "ConverseRequest: empty message"),
+        (
+            [config(output_modalities=[omni_pb2.MODALITY_IMAGE])],
+            "config.output_modalities[0]: Converse answers with text",
+        ),
+        (
+            [
+                config(
+                    messages=[
+                        omni_pb2.ChatMessage(
+                            role=omni_pb2.ROLE_USER,
+                            parts=[omni_pb2.ContentPart(image=omni_pb2.Media(data=b"png"))],
+                        )
+                    ]
+                )
+            ],
+            "config.messages[0].parts[0]: the history",
+        ),
+        ([config(sampling=common_pb2.SamplingParams(temperature=1000))], "config.sampling.temperature"),
+        (
+            [config(voice="a", custom_voice=omni_pb2.VoiceClip(audio=b"x", transcript="y"))],
+            "config.custom_voice: set voice or custom_voice, not both",
+        ),
+        ([config(voice="nobody"), text("hi")], "config.voice: unknown voice 'nobody'"),
+    ],
+    ids=[
+        "no-config",
+        "config-twice",
+        "long-text",
+        "low-rate",
+        "rate-change",
+        "empty-turn",
+        "text-in-spoken-turn",
+        "odd-pcm",
+        "turn-bytes",
+        "turn-seconds",
+        "empty-message",
+        "image-out",
+        "history-media",
+        "sampling",
+        "two-voices",
+        "unknown-voice",
+    ],
+)
 def test_bad_input_ends_the_call_naming_the_field(messages, needle):
     async def scenario():
         talker = FakeTalker("refuse-voice" if needle.startswith("config.voice") else "echo")
         async with TalkerServer(talker) as srv:
-            servicer = gateway(FakeThinker(ANSWER, delay_s=0.02), srv.address, media=FakeMedia(), converse=LIMITS)
+            servicer = gateway(
+                FakeThinker(ANSWER, delay_s=0.02), srv.address, media=FakeMedia(), converse=LIMITS
+            )
             client = Client(*messages)
             with pytest.raises(OmniError) as err:
                 await converse(servicer, client)
@@ -354,6 +430,7 @@ TEXT_ONLY = [omni_pb2.MODALITY_TEXT]
 def test_a_text_only_conversation_needs_no_talker():
     """output_modalities [MODALITY_TEXT]: turns answered with text from the history, no audio, no
     AudioStatus (no speech was asked for), a barge-in still interrupts; no talker deployed at all."""
+
     async def scenario():
         thinker = FakeThinker(ANSWER * 20, delay_s=0.02)
         client = Client(config(output_modalities=TEXT_ONLY, voice="DB30"), text("Tell me a long story."))
@@ -373,12 +450,16 @@ def test_a_text_only_conversation_needs_no_talker():
     assert {e.WhichOneof("event") for e in events} == {"text", "finish"}
     first, second = finishes(events)
     assert (first.turn, first.finish.reason, first.finish.message) == (
-        0, common_pb2.FINISH_REASON_INTERRUPTED, "interrupted by user turn 1")
+        0,
+        common_pb2.FINISH_REASON_INTERRUPTED,
+        "interrupted by user turn 1",
+    )
     assert (second.turn, second.finish.reason) == (1, common_pb2.FINISH_REASON_STOP)
     assert not first.finish.HasField("audio") and not second.finish.HasField("audio")
     assert turn_text(events, 1) == ANSWER and thinker.calls[0].closed and not thinker.calls[0].finished
-    assert thinker.calls[1].prompt.endswith(f"{turn_text(events, 0)}<|role_end|><role>HUMAN</role>Stop, please."
-                                            "<|role_end|><role>ASSISTANT</role>")
+    assert thinker.calls[1].prompt.endswith(
+        f"{turn_text(events, 0)}<|role_end|><role>HUMAN</role>Stop, please.<|role_end|><role>ASSISTANT</role>"
+    )
     assert in_flight == 0
 
 
@@ -404,11 +485,14 @@ def test_spoken_turns_without_an_encoder_are_failed_precondition_naming_it():
         return err.value
 
     err = run(scenario())
-    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and str(err).startswith("audio: spoken turns need the 'encoder'")
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and str(err).startswith(
+        "audio: spoken turns need the 'encoder'"
+    )
 
 
 def test_spoken_conversations_wait_for_a_talker_stream_and_all_speak():
     """Two conversations on a talker of one stream: the second turn's answer waits for it, then speaks."""
+
     async def scenario():
         talker = FakeTalker()
         async with TalkerServer(talker) as srv:
@@ -426,12 +510,15 @@ def test_spoken_conversations_wait_for_a_talker_stream_and_all_speak():
     assert most_active == 1
 
 
-@pytest.mark.parametrize(("reason", "kept"), [
-    (common_pb2.FINISH_REASON_STOP, (1, 2)),  # the stop token (3) left out
-    (common_pb2.FINISH_REASON_LENGTH, (1, 2, 3)),
-    (common_pb2.FINISH_REASON_STOP_STRING, ()),  # the ids say more than the client saw: text only
-    (common_pb2.FINISH_REASON_UNSPECIFIED, ()),  # interrupted before its finish
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("reason", "kept"),
+    [
+        (common_pb2.FINISH_REASON_STOP, (1, 2)),  # the stop token (3) left out
+        (common_pb2.FINISH_REASON_LENGTH, (1, 2, 3)),
+        (common_pb2.FINISH_REASON_STOP_STRING, ()),  # the ids say more than the client saw: text only
+        (common_pb2.FINISH_REASON_UNSPECIFIED, ()),  # interrupted before its finish
+    ],
+)
 def test_the_history_keeps_a_complete_answer_as_its_generated_ids(reason, kept):
     answer = _Answer(["Hi", " you"], token_ids=[1, 2, 3], reason=reason)
     assert answer.entry() == Entry("assistant", "Hi you", token_ids=kept)
@@ -453,8 +540,15 @@ def test_a_stage_error_that_comes_with_the_calls_cancellation_is_not_left_unretr
 
         async def events():
             await gate
-            raise StageError("encoder", grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
-                                                             grpc.aio.Metadata(), "Deadline Exceeded"))
+            raise StageError(
+                "encoder",
+                grpc.aio.AioRpcError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.aio.Metadata(),
+                    grpc.aio.Metadata(),
+                    "Deadline Exceeded",
+                ),
+            )
             yield  # an async generator
 
         conversation = Conversation.__new__(Conversation)

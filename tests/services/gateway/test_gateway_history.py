@@ -17,7 +17,9 @@ def users(window) -> list:
 
 
 def test_at_most_max_turns_user_turns_are_kept_and_empty_answers_are_not():
-    history = History([Entry("assistant", "Hi, I am here."), Entry("user", "a"), Entry("assistant", "A")], max_turns=2)
+    history = History(
+        [Entry("assistant", "Hi, I am here."), Entry("user", "a"), Entry("assistant", "A")], max_turns=2
+    )
     history.add(Entry("user", "b"))
     history.add(Entry("assistant", ""))
     history.add(Entry("user", "c"))
@@ -25,7 +27,9 @@ def test_at_most_max_turns_user_turns_are_kept_and_empty_answers_are_not():
 
 
 def test_the_window_drops_the_oldest_turns_until_the_prompt_fits():
-    history = History([Entry("user", "x" * 100), Entry("assistant", "y" * 100), Entry("user", "short")], max_turns=8)
+    history = History(
+        [Entry("user", "x" * 100), Entry("assistant", "y" * 100), Entry("user", "short")], max_turns=8
+    )
     assert users(history.window("S", BIG, BIG, 16)) == ["x" * 100, "short"]
     assert users(history.window("S", 150, BIG, 16)) == ["short"]
     assert users(history.window("S", 1, BIG, 16)) == ["short"]  # the turn being answered, whatever its size
@@ -59,8 +63,16 @@ def test_wav_of_wraps_mono_pcm16():
 
 
 def test_an_answer_with_token_ids_goes_back_as_tokens_and_one_without_as_text():
-    history = History([Entry("user", "a"), Entry("assistant", "Ok.", token_ids=(7, 8)), Entry("user", "b"),
-                       Entry("assistant", "Cut"), Entry("user", "c")], max_turns=8)  # fmt: skip
+    history = History(
+        [
+            Entry("user", "a"),
+            Entry("assistant", "Ok.", token_ids=(7, 8)),
+            Entry("user", "b"),
+            Entry("assistant", "Cut"),
+            Entry("user", "c"),
+        ],
+        max_turns=8,
+    )
     window = history.window("S", BIG, BIG, 16)
     answers = [t.content for t in window.turns if t.role == "assistant"]
     assert answers == [(AnswerTokens((7, 8), "Ok."),), "Cut"]

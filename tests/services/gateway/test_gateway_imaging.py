@@ -33,8 +33,9 @@ from tests.common.runtime.synthetic_stage import free_port
 from tests.services.gateway.gateway_speech_fakes import FakeTalker, TalkerServer
 
 QUERIES, HIDDEN = 256, 64
-LIMITS = ImageLimits(min_side_px=64, max_side_px=1024, max_steps=50, max_guidance_scale=20.0, max_batch=2,
-                     max_queued=2)  # fmt: skip
+LIMITS = ImageLimits(
+    min_side_px=64, max_side_px=1024, max_steps=50, max_guidance_scale=20.0, max_batch=2, max_queued=2
+)
 
 
 @pytest.fixture
@@ -67,7 +68,9 @@ class FakeThinker:
         self.refs: list = []
 
     async def generate(self, request_id, prompt, sampling, timeout_s, multimodal=None, hidden_states=None):
-        self.calls.append(("hidden" if hidden_states is not None else "text", hidden_states, list(multimodal or [])))
+        self.calls.append(
+            ("hidden" if hidden_states is not None else "text", hidden_states, list(multimodal or []))
+        )
         done = False
         try:
             yield thinker_pb2.ThinkerEvent(started=thinker_pb2.Started(engine_request_id="e" * 32))
@@ -75,16 +78,20 @@ class FakeThinker:
                 for text in ("An ", "answer"):
                     yield thinker_pb2.ThinkerEvent(delta=thinker_pb2.TokenDelta(text=text, token_ids=[1]))
                 usage = common_pb2.Usage(prompt_tokens=20, completion_tokens=2)
-                yield thinker_pb2.ThinkerEvent(finish=thinker_pb2.ThinkerFinish(reason=common_pb2.FINISH_REASON_STOP,
-                                                                                usage=usage))  # fmt: skip
+                yield thinker_pb2.ThinkerEvent(
+                    finish=thinker_pb2.ThinkerFinish(reason=common_pb2.FINISH_REASON_STOP, usage=usage)
+                )
             else:
                 await asyncio.sleep(self.delay_s)
-                ref = encode(torch.randn(QUERIES, HIDDEN).to(torch.bfloat16), transport=self.producer, force="shm")
+                ref = encode(
+                    torch.randn(QUERIES, HIDDEN).to(torch.bfloat16), transport=self.producer, force="shm"
+                )
                 self.refs.append(ref)
                 yield thinker_pb2.ThinkerEvent(hidden_states=thinker_pb2.HiddenStates(tensor=ref))
                 usage = common_pb2.Usage(prompt_tokens=278, completion_tokens=0)
-                yield thinker_pb2.ThinkerEvent(finish=thinker_pb2.ThinkerFinish(reason=common_pb2.FINISH_REASON_STOP,
-                                                                                usage=usage))  # fmt: skip
+                yield thinker_pb2.ThinkerEvent(
+                    finish=thinker_pb2.ThinkerFinish(reason=common_pb2.FINISH_REASON_STOP, usage=usage)
+                )
             done = True
         finally:
             self.closed_early += not done
@@ -112,9 +119,13 @@ class FakeImageGen(imagegen_pb2_grpc.ImageGenServicer):
             for step in range(1, steps + 1):
                 await asyncio.sleep(self.step_s)
                 self.steps_run += 1
-                yield imagegen_pb2.ImageGenEvent(progress=imagegen_pb2.ImageGenProgress(step=step, total_steps=steps))
+                yield imagegen_pb2.ImageGenEvent(
+                    progress=imagegen_pb2.ImageGenProgress(step=step, total_steps=steps)
+                )
             w, h = request.width or 512, request.height or 512
-            yield imagegen_pb2.ImageGenEvent(image=imagegen_pb2.ImageGenImage(png=png(w, h), width=w, height=h))
+            yield imagegen_pb2.ImageGenEvent(
+                image=imagegen_pb2.ImageGenImage(png=png(w, h), width=w, height=h)
+            )
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -136,20 +147,29 @@ class FakeEncoder:
 
     async def encode(self, request, timeout_s):
         self.calls += 1
-        items = [encoder_pb2.EncodedItem(kind=1, embeddings=encode(torch.randn(4, HIDDEN), transport=self.pool,
-                                                                   force="shm"),
-                                         num_tokens=4, placeholder_token_id=7,
-                                         merged_grids=[encoder_pb2.GridTHW(t=1, h=2, w=2)])
-                 for _ in request.items]  # fmt: skip
+        items = [
+            encoder_pb2.EncodedItem(
+                kind=1,
+                embeddings=encode(torch.randn(4, HIDDEN), transport=self.pool, force="shm"),
+                num_tokens=4,
+                placeholder_token_id=7,
+                merged_grids=[encoder_pb2.GridTHW(t=1, h=2, w=2)],
+            )
+            for _ in request.items
+        ]
         return encoder_pb2.EncodeResponse(items=items)
 
 
-def request(*parts: omni_pb2.ContentPart, outputs=(omni_pb2.MODALITY_IMAGE,), **image) -> omni_pb2.GenerateRequest:
+def request(
+    *parts: omni_pb2.ContentPart, outputs=(omni_pb2.MODALITY_IMAGE,), **image
+) -> omni_pb2.GenerateRequest:
     parts = parts or (omni_pb2.ContentPart(text="Draw a lighthouse"),)
     return omni_pb2.GenerateRequest(
-        request_id="img-1", messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=list(parts))],
-        output_modalities=list(outputs), image=omni_pb2.ImageOptions(**image),
-    )  # fmt: skip
+        request_id="img-1",
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=list(parts))],
+        output_modalities=list(outputs),
+        image=omni_pb2.ImageOptions(**image),
+    )
 
 
 class Gateway:
@@ -157,11 +177,23 @@ class Gateway:
     as the gateway builds it: `speech` for a talker, `with_images=False` for an image stage that is
     deployed but was not reachable when the gateway started."""
 
-    def __init__(self, thinker: FakeThinker, imagegen: FakeImageGen | None, tmp_path, encoder=None,
-                 deployed=("thinker", "imagegen", "encoder"), speech: SpeechStage | None = None,
-                 with_images: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        thinker: FakeThinker,
+        imagegen: FakeImageGen | None,
+        tmp_path,
+        encoder=None,
+        deployed=("thinker", "imagegen", "encoder"),
+        speech: SpeechStage | None = None,
+        with_images: bool = True,
+    ) -> None:
         self.thinker, self.imagegen, self.tmp_path = thinker, imagegen, tmp_path
-        self.encoder, self.deployed, self.speech, self.with_images = encoder, set(deployed), speech, with_images
+        self.encoder, self.deployed, self.speech, self.with_images = (
+            encoder,
+            set(deployed),
+            speech,
+            with_images,
+        )
 
     async def __aenter__(self) -> Gateway:
         name = "fake_imagegen"
@@ -169,8 +201,9 @@ class Gateway:
         self.runtime = ServiceRuntime(cfg, cfg.service(name), 0, run_dir=self.tmp_path)
         await self.runtime.start()
         if self.imagegen is not None:
-            self.runtime.add_servicer(imagegen_pb2_grpc.add_ImageGenServicer_to_server, self.imagegen,
-                                      "omnistage.v1.ImageGen")  # fmt: skip
+            self.runtime.add_servicer(
+                imagegen_pb2_grpc.add_ImageGenServicer_to_server, self.imagegen, "omnistage.v1.ImageGen"
+            )
             self.runtime.set_serving()
         else:  # ImageGen is down: nothing listens where the gateway dials
             self.runtime.request_stop()
@@ -181,10 +214,18 @@ class Gateway:
         media = None
         if self.encoder is not None:
             media = MediaStage(self.encoder, TransportContext(), max_request_bytes=1 << 20)
-        self.servicer = OmniServicer(Pipeline(self.thinker, self.deployed, max_concurrent_requests=8,
-                                              limits=RequestLimits(), system_prompt="",
-                                              images=self.images if self.with_images else None, media=media,
-                                              speech=self.speech))
+        self.servicer = OmniServicer(
+            Pipeline(
+                self.thinker,
+                self.deployed,
+                max_concurrent_requests=8,
+                limits=RequestLimits(),
+                system_prompt="",
+                images=self.images if self.with_images else None,
+                media=media,
+                speech=self.speech,
+            )
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -197,7 +238,9 @@ class Gateway:
     def admitted(stage: str, what: str = "running") -> float:
         """The gateway's admission gauge of `stage` on /metrics: requests holding (`running`) or awaiting
         (`waiting`) one of its slots."""
-        return REGISTRY.get_sample_value(f"omnistage_gateway_admission_{what}", {"service": "gateway", "stage": stage})
+        return REGISTRY.get_sample_value(
+            f"omnistage_gateway_admission_{what}", {"service": "gateway", "stage": stage}
+        )
 
     async def events(self, req: omni_pb2.GenerateRequest, stop_after: str = "", n: int = 0) -> list:
         """The client's events; `stop_after` an event kind seen `n` times: the client leaves there."""
@@ -228,9 +271,13 @@ def test_image_only_streams_progress_per_step_then_the_png(tmp_path, producer):
             events = await gw.events(request(width=320, height=192, steps=5, seed=9))
             assert kinds(events) == ["progress"] * 5 + ["image", "finish"]
             assert [(e.progress.stage, e.progress.done, e.progress.total) for e in events[:5]] == [
-                ("imagegen", i, 5) for i in range(1, 6)]
+                ("imagegen", i, 5) for i in range(1, 6)
+            ]
             image = events[5].image
-            assert (image.width, image.height) == (320, 192) and Image.open(io.BytesIO(image.png)).size == (320, 192)
+            assert (image.width, image.height) == (320, 192) and Image.open(io.BytesIO(image.png)).size == (
+                320,
+                192,
+            )
             finish = events[-1].finish
             assert finish.reason == common_pb2.FINISH_REASON_STOP and finish.usage.prompt_tokens == 278
             assert {e.request_id for e in events} == {"img-1"}
@@ -253,7 +300,9 @@ def test_text_and_image_stream_the_text_first_then_the_image_and_one_finish(tmp_
     async def scenario():
         thinker = FakeThinker(producer)
         async with Gateway(thinker, FakeImageGen(), tmp_path) as gw:
-            events = await gw.events(request(outputs=(omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_IMAGE), steps=2))
+            events = await gw.events(
+                request(outputs=(omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_IMAGE), steps=2)
+            )
             assert kinds(events) == ["text", "text", "progress", "progress", "image", "finish"]
             assert [c[0] for c in thinker.calls] == ["text", "hidden"]
             usage = events[-1].finish.usage
@@ -271,14 +320,21 @@ def test_speech_and_image_stream_the_spoken_answer_then_the_image_and_one_finish
             speech = SpeechStage(client, SpeechLimits(start_wait_s=5.0, idle_timeout_s=5.0), "gw-test")
             outputs = (omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO, omni_pb2.MODALITY_IMAGE)
             try:
-                async with Gateway(thinker, FakeImageGen(), tmp_path, speech=speech,
-                                   deployed=("thinker", "imagegen", "encoder", "talker")) as gw:
+                async with Gateway(
+                    thinker,
+                    FakeImageGen(),
+                    tmp_path,
+                    speech=speech,
+                    deployed=("thinker", "imagegen", "encoder", "talker"),
+                ) as gw:
                     events = await gw.events(request(outputs=outputs, steps=2))
             finally:
                 await client.close()
             k = kinds(events)
             assert k[-4:] == ["progress", "progress", "image", "finish"] and k.count("finish") == 1
-            assert set(k[:-4]) == {"text", "audio"} and events[-5].audio.last  # the speech ends before the image
+            assert (
+                set(k[:-4]) == {"text", "audio"} and events[-5].audio.last
+            )  # the speech ends before the image
             assert [c[0] for c in thinker.calls] == ["text", "hidden"]
             finish = events[-1].finish
             assert finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE  # the speech's status is kept
@@ -294,9 +350,11 @@ def test_an_edit_sends_the_last_user_image_as_the_reference_and_defaults_to_its_
         with TransportContext(TransportOptions(shm_pool_bytes=1 << 20)) as encoder_pool:
             encoder = FakeEncoder(encoder_pool)
             photo = png(300, 200, fmt="JPEG")
-            parts = (omni_pb2.ContentPart(image=omni_pb2.Media(data=png(64, 64))),
-                     omni_pb2.ContentPart(text="Make it blue"),
-                     omni_pb2.ContentPart(image=omni_pb2.Media(data=photo)))  # fmt: skip
+            parts = (
+                omni_pb2.ContentPart(image=omni_pb2.Media(data=png(64, 64))),
+                omni_pb2.ContentPart(text="Make it blue"),
+                omni_pb2.ContentPart(image=omni_pb2.Media(data=photo)),
+            )
             async with Gateway(thinker, imagegen, tmp_path, encoder=encoder) as gw:
                 events = await gw.events(request(*parts, edit=True, steps=1))
                 assert kinds(events) == ["progress", "image", "finish"]
@@ -307,6 +365,7 @@ def test_an_edit_sends_the_last_user_image_as_the_reference_and_defaults_to_its_
                 assert (events[1].image.width, events[1].image.height) == (304, 208)
                 events = await gw.events(request(*parts, edit=True, steps=1, width=128))
                 assert (imagegen.requests[1].width, imagegen.requests[1].height) == (128, 208)
+
     assert leases(producer) == 0
 
     run(scenario())
@@ -349,10 +408,18 @@ def test_image_output_needs_the_image_stage(tmp_path, producer):
             with pytest.raises(StageUnavailable) as err:
                 await gw.events(request())
             assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
-            assert str(err.value) == "output_modalities: MODALITY_IMAGE needs the 'imagegen' stage, which is not deployed"
+            assert (
+                str(err.value)
+                == "output_modalities: MODALITY_IMAGE needs the 'imagegen' stage, which is not deployed"
+            )
         # Deployed, but the gateway started degraded without it.
-        async with Gateway(FakeThinker(producer), FakeImageGen(), tmp_path, deployed=("thinker", "imagegen"),
-                           with_images=False) as gw:
+        async with Gateway(
+            FakeThinker(producer),
+            FakeImageGen(),
+            tmp_path,
+            deployed=("thinker", "imagegen"),
+            with_images=False,
+        ) as gw:
             with pytest.raises(StageUnavailable, match="'imagegen' stage, which is not available") as err:
                 await gw.events(request())
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
@@ -367,7 +434,9 @@ def test_imagegen_down_is_unavailable_naming_it_and_the_condition_is_released(tm
             with pytest.raises(OmniError) as err:
                 await gw.events(request(steps=2))
             assert err.value.code == grpc.StatusCode.UNAVAILABLE and str(err.value).startswith("imagegen: ")
-            assert len(thinker.refs) == 1 and leases(producer) == 0  # never forwarded: released by the gateway
+            assert (
+                len(thinker.refs) == 1 and leases(producer) == 0
+            )  # never forwarded: released by the gateway
 
     run(scenario())
 
@@ -379,7 +448,10 @@ def test_an_imagegen_refusal_names_the_clients_field_and_the_condition_is_releas
             with pytest.raises(OmniError) as err:
                 await gw.events(request(width=64, height=1024))
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-            assert str(err.value) == "imagegen: image.height / image.width: aspect ratio 1024/64 = 16 is outside [0.25, 4.0]"
+            assert (
+                str(err.value)
+                == "imagegen: image.height / image.width: aspect ratio 1024/64 = 16 is outside [0.25, 4.0]"
+            )
             assert leases(producer) == 0  # the fake refused without reading it: the gateway released it
 
     run(scenario())
@@ -412,8 +484,14 @@ def test_a_cancel_during_the_thinker_closes_its_stream_and_calls_no_imagegen(tmp
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert thinker.closed_early == 1 and not imagegen.requests  # the thinker stream closed (aborts there)
-            assert gw.admitted("imagegen") == 0 and gw.admitted("imagegen", "waiting") == 0 and leases(producer) == 0
+            assert (
+                thinker.closed_early == 1 and not imagegen.requests
+            )  # the thinker stream closed (aborts there)
+            assert (
+                gw.admitted("imagegen") == 0
+                and gw.admitted("imagegen", "waiting") == 0
+                and leases(producer) == 0
+            )
 
     run(scenario())
 
@@ -423,13 +501,23 @@ def test_image_requests_beyond_what_the_stage_takes_are_refused_before_the_think
         thinker = FakeThinker(producer)
         async with Gateway(thinker, FakeImageGen(step_s=0.05), tmp_path) as gw:
             # Every denoising slot taken and the waiting room full, by clients' requests.
-            held = [asyncio.ensure_future(gw.events(request(steps=40)))
-                    for _ in range(LIMITS.max_batch + LIMITS.max_queued)]
+            held = [
+                asyncio.ensure_future(gw.events(request(steps=40)))
+                for _ in range(LIMITS.max_batch + LIMITS.max_queued)
+            ]
             try:
-                await wait_for_async(lambda: (gw.admitted("imagegen"), gw.admitted("imagegen", "waiting"))
-                                     == (LIMITS.max_batch, LIMITS.max_queued), 10, "the image stage to fill up")
+                await wait_for_async(
+                    lambda: (
+                        (gw.admitted("imagegen"), gw.admitted("imagegen", "waiting"))
+                        == (LIMITS.max_batch, LIMITS.max_queued)
+                    ),
+                    10,
+                    "the image stage to fill up",
+                )
                 calls = len(thinker.calls)
-                with pytest.raises(Overloaded, match=r"^imagegen: 2 requests running and 2 waiting, its limit") as err:
+                with pytest.raises(
+                    Overloaded, match=r"^imagegen: 2 requests running and 2 waiting, its limit"
+                ) as err:
                     await gw.events(request())  # refused at arrival, before the thinker runs
                 assert err.value.reason == "imagegen_queue_full"
                 assert len(thinker.calls) == calls
@@ -452,7 +540,9 @@ class LeaseTakingThinker(FakeThinker):
         for item in multimodal or []:
             if not item.caller_keeps_lease:
                 self.consumer.release(item.embeddings)
-        async for event in super().generate(request_id, prompt, sampling, timeout_s, multimodal, hidden_states):
+        async for event in super().generate(
+            request_id, prompt, sampling, timeout_s, multimodal, hidden_states
+        ):
             yield event
 
 
@@ -467,7 +557,10 @@ class ExpiringEncoder(FakeEncoder):
 
 
 def _text_and_image_with_a_photo() -> omni_pb2.GenerateRequest:
-    parts = (omni_pb2.ContentPart(image=omni_pb2.Media(data=png(64, 64))), omni_pb2.ContentPart(text="Paint this"))
+    parts = (
+        omni_pb2.ContentPart(image=omni_pb2.Media(data=png(64, 64))),
+        omni_pb2.ContentPart(text="Paint this"),
+    )
     return request(*parts, outputs=(omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_IMAGE), steps=1)
 
 

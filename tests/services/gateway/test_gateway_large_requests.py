@@ -38,17 +38,33 @@ def refused(address: str, text: str) -> grpc.StatusCode:
 @pytest.fixture
 def gateway(tmp_path):
     """A gateway process with no stages (every request is refused), SERVING; yields (address, pid)."""
-    cfg = {"log_level": "warning",
-           "services": {"gateway": {"kind": "gateway", "port": free_port(), "drain_grace_s": 1.0}}}
+    cfg = {
+        "log_level": "warning",
+        "services": {"gateway": {"kind": "gateway", "port": free_port(), "drain_grace_s": 1.0}},
+    }
     path = tmp_path / "deploy.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "omnistage.services.gateway", "--config", str(path),
-                             "--service", "gateway", "--run-dir", str(run)])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "omnistage.services.gateway",
+            "--config",
+            str(path),
+            "--service",
+            "gateway",
+            "--run-dir",
+            str(run),
+        ]
+    )
     try:
         status = status_path(run, "gateway", 0)
-        rec = wait_for(lambda: (r := read_status(status)) is not None and r.phase == "serving" and r, 60,
-                       "gateway serving")
+        rec = wait_for(
+            lambda: (r := read_status(status)) is not None and r.phase == "serving" and r,
+            60,
+            "gateway serving",
+        )
         yield rec.address, proc.pid
     finally:
         proc.terminate()

@@ -45,12 +45,16 @@ def leases(producer: TransportContext) -> int:
     return pool.arena.active_leases
 
 
-def encoded(kind: str, producer: TransportContext, ckpt_cfg: ThinkerConfig, grids=(), n: int = 0,
-            timestamps=()) -> encoder_pb2.EncodedItem:
+def encoded(
+    kind: str, producer: TransportContext, ckpt_cfg: ThinkerConfig, grids=(), n: int = 0, timestamps=()
+) -> encoder_pb2.EncodedItem:
     """What the encoder answers for one item (rows in shm)."""
     n = n or sum(t * h * w for t, h, w in grids)
-    pid = {"image": ckpt_cfg.image_patch_token_id, "video": ckpt_cfg.video_patch_token_id,
-           "audio": ckpt_cfg.audio_patch_token_id}[kind]  # fmt: skip
+    pid = {
+        "image": ckpt_cfg.image_patch_token_id,
+        "video": ckpt_cfg.video_patch_token_id,
+        "audio": ckpt_cfg.audio_patch_token_id,
+    }[kind]
     return encoder_pb2.EncodedItem(
         kind={"image": 1, "audio": 2, "video": 3}[kind],
         embeddings=encode(torch.randn(n, HIDDEN), transport=producer, force="shm"),
@@ -62,8 +66,10 @@ def encoded(kind: str, producer: TransportContext, ckpt_cfg: ThinkerConfig, grid
 
 
 def user(*parts: omni_pb2.ContentPart) -> omni_pb2.GenerateRequest:
-    return omni_pb2.GenerateRequest(messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=list(parts))],
-                                    sampling=common_pb2.SamplingParams(max_tokens=4))  # fmt: skip
+    return omni_pb2.GenerateRequest(
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=list(parts))],
+        sampling=common_pb2.SamplingParams(max_tokens=4),
+    )
 
 
 def text(t: str) -> omni_pb2.ContentPart:
@@ -87,8 +93,12 @@ def video(data: bytes = b"mp4") -> omni_pb2.ContentPart:
 
 def test_the_reference_layout_sized_by_the_encoder(ckpt, producer):
     cfg = ThinkerConfig.from_checkpoint(ckpt)
-    plan = plan_request(user(text("Look:"), image(), image(), text("and"), video(), audio(), audio(), text("?")),
-                        DEPLOYED, "", RequestLimits())  # fmt: skip
+    plan = plan_request(
+        user(text("Look:"), image(), image(), text("and"), video(), audio(), audio(), text("?")),
+        DEPLOYED,
+        "",
+        RequestLimits(),
+    )
     items = [
         encoded("image", producer, cfg, [(1, 2, 3)]),
         encoded("image", producer, cfg, [(1, 1, 2)]),
@@ -100,27 +110,41 @@ def test_the_reference_layout_sized_by_the_encoder(ckpt, producer):
     human = render(chat).split("<role>HUMAN</role>")[1]
     assert human == (
         "Look:<image>" + "<imagePatch>" * 6 + "</image>\n\n<image>" + "<imagePatch>" * 2 + "</image>\n"
-        "and<video><0.2 seconds><image>" + "<framePatch>" * 4 + "</image><1.2 seconds><image>"
-        + "<framePatch>" * 4 + "</image></video>"
-        "<audio>" + "<audioPatch>" * 3 + "</audio>\n<audio>" + "<audioPatch>" * 2 + "</audio>?<|role_end|><role>ASSISTANT</role>"
-    )  # fmt: skip
+        "and<video><0.2 seconds><image>"
+        + "<framePatch>" * 4
+        + "</image><1.2 seconds><image>"
+        + "<framePatch>" * 4
+        + "</image></video>"
+        "<audio>"
+        + "<audioPatch>" * 3
+        + "</audio>\n<audio>"
+        + "<audioPatch>" * 2
+        + "</audio>?<|role_end|><role>ASSISTANT</role>"
+    )
     texts = [p.text for p in chat.pieces if p.WhichOneof("piece") == "text"]
     assert texts[1:] == ["Look:", "and", "?"]  # client text stays text; the markup is template
     # The thinker takes this prompt as it is: tokenized, its slots match the items one to one.
     tok = MingTokenizer(ckpt)
     ids = tok.encode_pieces([(p.WhichOneof("piece"), p.template or p.text) for p in chat.pieces])
     inputs = MediaInputs(cfg, torch.float32, TransportContext())
-    forwarded = [thinker_pb2.MultimodalEmbedding(placeholder_token_id=i.placeholder_token_id, embeddings=i.embeddings,
-                                                 merged_grids=i.merged_grids) for i in items]  # fmt: skip
+    forwarded = [
+        thinker_pb2.MultimodalEmbedding(
+            placeholder_token_id=i.placeholder_token_id, embeddings=i.embeddings, merged_grids=i.merged_grids
+        )
+        for i in items
+    ]
     built = inputs.build(ids, forwarded)
     assert built.media.num_rows == 6 + 2 + 8 + 3 + 2 and built.positions is not None
     assert leases(producer) == 0  # the thinker's copy ended them
 
 
 def test_a_system_message_takes_text_only():
-    req = omni_pb2.GenerateRequest(messages=[
-        omni_pb2.ChatMessage(role=omni_pb2.ROLE_SYSTEM, parts=[image()]),
-        omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[text("hi")])])  # fmt: skip
+    req = omni_pb2.GenerateRequest(
+        messages=[
+            omni_pb2.ChatMessage(role=omni_pb2.ROLE_SYSTEM, parts=[image()]),
+            omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[text("hi")]),
+        ]
+    )
     with pytest.raises(InvalidRequest, match=r"^messages\[0\]\.parts: a system message takes text only"):
         plan_request(req, DEPLOYED, "", RequestLimits())
     with pytest.raises(InvalidRequest, match=r"^messages\[0\]\.parts\[1\]\.audio\.data: empty"):
@@ -154,7 +178,9 @@ class FakeEncoder:
             if kind == "audio":
                 out.append(encoded(kind, self.producer, self.cfg, n=3))
             else:
-                out.append(encoded(kind, self.producer, self.cfg, [(1, 2, 2)], timestamps=[0.0] * (kind == "video")))
+                out.append(
+                    encoded(kind, self.producer, self.cfg, [(1, 2, 2)], timestamps=[0.0] * (kind == "video"))
+                )
         return encoder_pb2.EncodeResponse(items=out, spatial_merge_size=2)
 
 
@@ -181,9 +207,20 @@ class Context:
 
 
 def run_gateway(thinker, encoder, request, producer, media_dir=""):
-    media = MediaStage(encoder, TransportContext(), max_request_bytes=1 << 20) if encoder is not None else None
-    servicer = OmniServicer(Pipeline(thinker, DEPLOYED, max_concurrent_requests=4, media=media, media_dir=media_dir,
-                            limits=RequestLimits(), system_prompt=""))  # fmt: skip
+    media = (
+        MediaStage(encoder, TransportContext(), max_request_bytes=1 << 20) if encoder is not None else None
+    )
+    servicer = OmniServicer(
+        Pipeline(
+            thinker,
+            DEPLOYED,
+            max_concurrent_requests=4,
+            media=media,
+            media_dir=media_dir,
+            limits=RequestLimits(),
+            system_prompt="",
+        )
+    )
 
     async def collect():
         return [e async for e in servicer.Generate(request, Context())]
@@ -191,7 +228,9 @@ def run_gateway(thinker, encoder, request, producer, media_dir=""):
     return asyncio.run(collect())
 
 
-def test_media_is_encoded_once_with_the_deadline_and_the_refs_go_to_the_thinker_unchanged(ckpt, producer, tmp_path):
+def test_media_is_encoded_once_with_the_deadline_and_the_refs_go_to_the_thinker_unchanged(
+    ckpt, producer, tmp_path
+):
     cfg = ThinkerConfig.from_checkpoint(ckpt)
     (tmp_path / "cat.png").write_bytes(b"file-bytes")
     encoder, thinker = FakeEncoder(producer, cfg), FakeThinker()
@@ -209,21 +248,36 @@ def test_media_is_encoded_once_with_the_deadline_and_the_refs_go_to_the_thinker_
 @pytest.mark.parametrize(
     "thinker_error, code, needle",
     [
-        (rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused"), grpc.StatusCode.UNAVAILABLE,
-         "thinker: connection refused"),
-        (rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prompt: too long"), grpc.StatusCode.INVALID_ARGUMENT,
-         "thinker: prompt: too long"),
-        (rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "multimodal: 7 embedding rows leave no room to generate "
-                   "(max_model_len 7)"), grpc.StatusCode.INVALID_ARGUMENT,
-         "thinker: multimodal: 7 embedding rows leave no room to generate (max_model_len 7)"),
+        (
+            rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused"),
+            grpc.StatusCode.UNAVAILABLE,
+            "thinker: connection refused",
+        ),
+        (
+            rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prompt: too long"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "thinker: prompt: too long",
+        ),
+        (
+            rpc_error(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "multimodal: 7 embedding rows leave no room to generate (max_model_len 7)",
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "thinker: multimodal: 7 embedding rows leave no room to generate (max_model_len 7)",
+        ),
     ],
     ids=["thinker-unreachable", "thinker-refuses", "media-over-max-model-len"],
 )
 def test_refs_that_never_reach_the_thinker_are_released(ckpt, producer, thinker_error, code, needle):
     cfg = ThinkerConfig.from_checkpoint(ckpt)
     with pytest.raises(OmniError) as err:
-        run_gateway(FakeThinker(thinker_error), FakeEncoder(producer, cfg), user(image(), audio(), text("?")),
-                    producer)
+        run_gateway(
+            FakeThinker(thinker_error),
+            FakeEncoder(producer, cfg),
+            user(image(), audio(), text("?")),
+            producer,
+        )
     assert err.value.code == code and needle in str(err.value), str(err.value)
     assert leases(producer) == 0
 
@@ -233,19 +287,25 @@ def test_an_encoder_refusal_names_the_part(ckpt, producer):
     bad = rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "items[1] (image): cannot decode the image")
     thinker = FakeThinker()
     with pytest.raises(OmniError) as err:
-        run_gateway(thinker, FakeEncoder(producer, cfg, bad), user(text("a"), audio(), text("b"), image()), producer)
+        run_gateway(
+            thinker, FakeEncoder(producer, cfg, bad), user(text("a"), audio(), text("b"), image()), producer
+        )
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert str(err.value) == "encoder: messages[0].parts[3].image: cannot decode the image"
     assert not thinker.calls
 
 
 def test_media_needs_an_encoder(ckpt, producer, tmp_path):
-    with pytest.raises(StageUnavailable, match=r"^messages\[0\]\.parts\[1\]\.image: the 'encoder' stage is not available"):
+    with pytest.raises(
+        StageUnavailable, match=r"^messages\[0\]\.parts\[1\]\.image: the 'encoder' stage is not available"
+    ):
         run_gateway(FakeThinker(), None, user(text("a"), image()), producer)
     (tmp_path / "big.wav").write_bytes(b"x" * (2 << 20))
     cfg = ThinkerConfig.from_checkpoint(ckpt)
     request = user(omni_pb2.ContentPart(audio=omni_pb2.Media(path="big.wav")))
-    with pytest.raises(InvalidRequest, match=r"^messages\[0\]\.parts\[0\]\.audio\.path: the file has 2097152 bytes"):
+    with pytest.raises(
+        InvalidRequest, match=r"^messages\[0\]\.parts\[0\]\.audio\.path: the file has 2097152 bytes"
+    ):
         run_gateway(FakeThinker(), FakeEncoder(producer, cfg), request, producer, media_dir=str(tmp_path))
     request = user(*[audio(b"x" * (400 << 10))] * 3)  # each fits, together they do not
     with pytest.raises(InvalidRequest, match=r"^messages: the media parts hold 1228800 bytes, more than the"):

@@ -33,7 +33,10 @@ def media(tmp_path) -> Path:
 
 
 def image_request(path: str) -> omni_pb2.GenerateRequest:
-    parts = [omni_pb2.ContentPart(text="What is this?"), omni_pb2.ContentPart(image=omni_pb2.Media(path=path))]
+    parts = [
+        omni_pb2.ContentPart(text="What is this?"),
+        omni_pb2.ContentPart(image=omni_pb2.Media(path=path)),
+    ]
     return omni_pb2.GenerateRequest(messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)])
 
 
@@ -62,7 +65,10 @@ def test_paths_outside_or_missing_are_refused_naming_the_field(media, path, erro
 
 
 def test_without_a_media_dir_every_path_is_refused(media):
-    with pytest.raises(PermissionDenied, match=rf"^{WHERE.replace('[', '.').replace(']', '.')}: this gateway accepts no file paths"):
+    with pytest.raises(
+        PermissionDenied,
+        match=rf"^{WHERE.replace('[', '.').replace(']', '.')}: this gateway accepts no file paths",
+    ):
         check_media_paths(image_request(str(media / "cat.png")), "")
 
 
@@ -71,9 +77,16 @@ async def _status(tmp_path, media_dir: str, request: omni_pb2.GenerateRequest) -
     cfg = config_from_dict({"services": {"gateway": {"kind": "gateway", "port": free_port()}}})
     rt = ServiceRuntime(cfg, cfg.service("gateway"), 0, run_dir=tmp_path)
     await rt.start()
-    servicer = OmniServicer(Pipeline(None, set(), max_concurrent_requests=4, limits=RequestLimits(max_prompt_chars=1000),
-                            system_prompt="",
-                            media_dir=media_dir))
+    servicer = OmniServicer(
+        Pipeline(
+            None,
+            set(),
+            max_concurrent_requests=4,
+            limits=RequestLimits(max_prompt_chars=1000),
+            system_prompt="",
+            media_dir=media_dir,
+        )
+    )
     rt.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni")
     rt.set_serving()
     try:
@@ -113,8 +126,11 @@ def test_paths_are_resolved_off_the_event_loop(tmp_path, media, monkeypatch):
 
     threads = []
     real = pipeline.check_media_paths
-    monkeypatch.setattr(pipeline, "check_media_paths",
-                        lambda request, media_dir: threads.append(threading.current_thread()) or real(request, media_dir))
+    monkeypatch.setattr(
+        pipeline,
+        "check_media_paths",
+        lambda request, media_dir: threads.append(threading.current_thread()) or real(request, media_dir),
+    )
     code, _ = asyncio.run(_status(tmp_path, str(media), image_request("cat.png")))
     assert code == grpc.StatusCode.FAILED_PRECONDITION  # resolved, then: no encoder
     assert threads and threads[0] is not threading.main_thread()

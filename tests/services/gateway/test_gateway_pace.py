@@ -64,7 +64,9 @@ def _plan(max_tokens: int):
 def test_the_gateway_admits_by_max_tokens_at_the_measured_pace_of_the_batch_it_joins():
     """A burst on a seeded pace: the first requests fit (batch 1 is quick), once the batch is large each
     request's 256 steps no longer fit 15 s and it is refused at arrival, not timed out later."""
-    servicer = OmniServicer(Pipeline(None, {"thinker"}, max_concurrent_requests=1000, limits=RequestLimits(), system_prompt=""))
+    servicer = OmniServicer(
+        Pipeline(None, {"thinker"}, max_concurrent_requests=1000, limits=RequestLimits(), system_prompt="")
+    )
     gate = servicer.pipeline.thinker_gate
     gate.set_capacity(96)
     servicer.pipeline.pace.observe(1, 0.005)  # the warm-up: alone ...
@@ -72,7 +74,9 @@ def test_the_gateway_admits_by_max_tokens_at_the_measured_pace_of_the_batch_it_j
     outcomes, on_their_way = [], []
     for _ in range(96):  # all judged before any of them reached the thinker's gate (a burst)
         try:
-            servicer.pipeline.admit(_Context(15.0), ["thinker"], servicer.pipeline.thinker_work(RequestPlan(_plan(256), {}, 0.0)))
+            servicer.pipeline.admit(
+                _Context(15.0), ["thinker"], servicer.pipeline.thinker_work(RequestPlan(_plan(256), {}, 0.0))
+            )
         except Overloaded as exc:
             outcomes.append("refused")
             assert exc.reason == "thinker_deadline"
@@ -82,12 +86,18 @@ def test_the_gateway_admits_by_max_tokens_at_the_measured_pace_of_the_batch_it_j
         on_their_way[-1].__enter__()
     assert gate.coming == outcomes.count("admitted") and gate.running == 0
     admitted = outcomes.count("admitted")
-    assert outcomes == ["admitted"] * admitted + ["refused"] * (96 - admitted)  # refused once the batch is too slow
+    assert outcomes == ["admitted"] * admitted + ["refused"] * (
+        96 - admitted
+    )  # refused once the batch is too slow
     assert 0 < admitted < 96
     # every admitted request finishes within 15 s at the batch it ended up in
     assert servicer.pipeline.pace.work_s(256, len("Hello"), admitted) <= 15.0
-    unmeasured = OmniServicer(Pipeline(None, {"thinker"}, max_concurrent_requests=10, limits=RequestLimits(), system_prompt=""))
-    assert unmeasured.pipeline.thinker_work(RequestPlan(_plan(256), {}, 0.0)) == {}  # nothing measured yet: slots alone
+    unmeasured = OmniServicer(
+        Pipeline(None, {"thinker"}, max_concurrent_requests=10, limits=RequestLimits(), system_prompt="")
+    )
+    assert (
+        unmeasured.pipeline.thinker_work(RequestPlan(_plan(256), {}, 0.0)) == {}
+    )  # nothing measured yet: slots alone
 
 
 def test_a_waiter_behind_requests_like_it_counts_their_cost_not_the_initial_guess():

@@ -17,8 +17,9 @@ def _plan(*outputs: int, media: bool = False) -> RequestPlan:
     parts = [omni_pb2.ContentPart(text="Hi")]
     if media:
         parts.append(omni_pb2.ContentPart(image=omni_pb2.Media(data=b"png")))
-    request = omni_pb2.GenerateRequest(messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)],
-                                       output_modalities=list(outputs))  # fmt: skip
+    request = omni_pb2.GenerateRequest(
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)], output_modalities=list(outputs)
+    )
     planned = plan_request(request, DEPLOYED, "", RequestLimits())
     voice = VoiceChoice() if omni_pb2.MODALITY_AUDIO in planned.outputs else None
     image = IMAGE if omni_pb2.MODALITY_IMAGE in planned.outputs else None

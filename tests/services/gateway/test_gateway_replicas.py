@@ -56,8 +56,11 @@ class HeldTalker(talker_pb2_grpc.TalkerServicer):
 
     async def Speak(self, requests, context):
         first = await anext(aiter(requests))
-        yield talker_pb2.SpeakResponse(started=talker_pb2.SpeakStarted(request_id=first.config.request_id,
-                                                                       sample_rate_hz=44100, channels=1))
+        yield talker_pb2.SpeakResponse(
+            started=talker_pb2.SpeakStarted(
+                request_id=first.config.request_id, sample_rate_hz=44100, channels=1
+            )
+        )
         await asyncio.sleep(3600)
 
 
@@ -87,10 +90,18 @@ async def _replicas(names, servicer_cls, add, client_cls):
 @contextlib.asynccontextmanager
 async def _two_image_replicas():
     """An ImageStage over replicas `imagegen` and `imagegen_b`: (stage, [(client, health, servicer)] x 2)."""
-    async with _replicas(("imagegen", "imagegen_b"), HeldImageGen, imagegen_pb2_grpc.add_ImageGenServicer_to_server,
-                         ImageGenClient) as reps:
-        stage = ImageStage([c for c, _, _ in reps], TransportContext(), ImageLimits.of(ImageGenConfig(), None),
-                           service="test")
+    async with _replicas(
+        ("imagegen", "imagegen_b"),
+        HeldImageGen,
+        imagegen_pb2_grpc.add_ImageGenServicer_to_server,
+        ImageGenClient,
+    ) as reps:
+        stage = ImageStage(
+            [c for c, _, _ in reps],
+            TransportContext(),
+            ImageLimits.of(ImageGenConfig(), None),
+            service="test",
+        )
         yield stage, reps
 
 
@@ -169,9 +180,12 @@ def test_a_replica_that_stops_answering_fails_its_calls_naming_it_while_the_othe
                 sb.release.set()
                 assert await asyncio.wait_for(task, 10.0) == "imagegen_b"
                 a.down_reason = b.down_reason = "stopped answering: test"
-                with pytest.raises(StageUnavailable, match="stage imagegen is unavailable: no replica can take "
-                                                           "the call \\('imagegen': stopped answering: test; "
-                                                           "'imagegen_b': stopped answering: test\\)"):
+                with pytest.raises(
+                    StageUnavailable,
+                    match="stage imagegen is unavailable: no replica can take "
+                    "the call \\('imagegen': stopped answering: test; "
+                    "'imagegen_b': stopped answering: test\\)",
+                ):
                     stage.replica_for("none")
             finally:
                 for w in watches:
@@ -207,8 +221,9 @@ def test_admission_counts_the_capacity_of_the_replicas_that_are_up():
 
 def test_speech_takes_the_least_loaded_talker_with_a_credit_and_names_every_full_one():
     async def main():
-        async with _replicas(("talker", "talker_b"), HeldTalker, talker_pb2_grpc.add_TalkerServicer_to_server,
-                             TalkerClient) as reps:
+        async with _replicas(
+            ("talker", "talker_b"), HeldTalker, talker_pb2_grpc.add_TalkerServicer_to_server, TalkerClient
+        ) as reps:
             (t1, _, _), (t2, _, _) = reps
             t1.max_streams = t2.max_streams = 1
             stage = SpeechStage([t1, t2], SpeechLimits(1000), "test")
@@ -219,14 +234,18 @@ def test_speech_takes_the_least_loaded_talker_with_a_credit_and_names_every_full
             assert not streams[2].start()
             status = streams[2].status
             assert status.code == "RESOURCE_EXHAUSTED"
-            assert status.message == "talker: all 1 streams are speaking, talker_b: all 1 streams are speaking"
+            assert (
+                status.message == "talker: all 1 streams are speaking, talker_b: all 1 streams are speaking"
+            )
             streams[0].call.cancel()
             await asyncio.sleep(0.1)
             again = TalkerStream(stage, "s3", VoiceChoice(), 30.0, "")
             assert again.start() and again.talker.name == "talker"  # the freed credit
             t1.down_reason = t2.down_reason = "stopped answering: test"
             down = TalkerStream(stage, "s4", VoiceChoice(), 30.0, "")
-            assert not down.start() and down.status.code == "UNAVAILABLE" and "'talker_b'" in down.status.message
+            assert (
+                not down.start() and down.status.code == "UNAVAILABLE" and "'talker_b'" in down.status.message
+            )
             for s in (streams[1], again):
                 s.call.cancel()
 
@@ -254,12 +273,18 @@ def test_a_replica_a_call_finds_unreachable_is_taken_out_and_the_request_goes_to
         try:
             async with Gateway(FakeThinker(producer), FakeImageGen(), tmp_path) as gw:
                 dead = ImageGenClient("imagegen_dead", f"127.0.0.1:{free_port()}", 4 << 20)
-                watch = StageWatch(dead, WatchConfig(interval_s=60.0, timeout_s=1.0, failures=5))  # never checks
+                watch = StageWatch(
+                    dead, WatchConfig(interval_s=60.0, timeout_s=1.0, failures=5)
+                )  # never checks
                 dead.down_reason = gw.client.down_reason = ""
-                gw.images.replicas = Replicas("imagegen", [dead, gw.client], "test")  # the dead one first in turn
+                gw.images.replicas = Replicas(
+                    "imagegen", [dead, gw.client], "test"
+                )  # the dead one first in turn
                 events = await gw.events(request(steps=2))
                 assert kinds(events)[-2:] == ["image", "finish"] and len(gw.imagegen.requests) == 1
-                assert not dead.up and dead.down_reason.startswith("stopped answering: a call found it unreachable")
+                assert not dead.up and dead.down_reason.startswith(
+                    "stopped answering: a call found it unreachable"
+                )
                 assert watch.times_lost == 1 and gw.client.up and leases(producer) == 0
                 events = await gw.events(request(steps=1))  # the next one goes straight to the live replica
                 assert kinds(events)[-1] == "finish" and len(gw.imagegen.requests) == 2

@@ -22,12 +22,21 @@ def _value(name: str, **labels) -> float:
 
 def _request() -> omni_pb2.GenerateRequest:
     return omni_pb2.GenerateRequest(
-        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Hi")])])
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Hi")])]
+    )
 
 
 def _servicer(limit: int = 4) -> OmniServicer:
-    return OmniServicer(Pipeline(FakeThinker(), {"thinker"}, max_concurrent_requests=limit, limits=RequestLimits(),
-                        system_prompt="", service="gw-metrics"))  # fmt: skip
+    return OmniServicer(
+        Pipeline(
+            FakeThinker(),
+            {"thinker"},
+            max_concurrent_requests=limit,
+            limits=RequestLimits(),
+            system_prompt="",
+            service="gw-metrics",
+        )
+    )
 
 
 async def _collect(servicer: OmniServicer) -> list[omni_pb2.GenerateEvent]:
@@ -35,20 +44,32 @@ async def _collect(servicer: OmniServicer) -> list[omni_pb2.GenerateEvent]:
 
 
 def test_a_finished_request_counts_ttft_e2e_goodput_and_tokens():
-    before = {n: _value(n, **lab) for n, lab in [
-        ("omnistage_gateway_ttft_seconds_count", {"modality": "text"}),
-        ("omnistage_gateway_e2e_seconds_count", {"modality": "text", "outcome": "OK"}),
-        ("omnistage_gateway_goodput_requests_total", {"modality": "text"}),
-        ("omnistage_gateway_streamed_tokens_total", {"method": "Generate"})]}  # fmt: skip
+    before = {
+        n: _value(n, **lab)
+        for n, lab in [
+            ("omnistage_gateway_ttft_seconds_count", {"modality": "text"}),
+            ("omnistage_gateway_e2e_seconds_count", {"modality": "text", "outcome": "OK"}),
+            ("omnistage_gateway_goodput_requests_total", {"modality": "text"}),
+            ("omnistage_gateway_streamed_tokens_total", {"method": "Generate"}),
+        ]
+    }
     asyncio.run(_collect(_servicer()))
-    assert _value("omnistage_gateway_ttft_seconds_count", modality="text") == before[
-        "omnistage_gateway_ttft_seconds_count"] + 1
-    assert _value("omnistage_gateway_e2e_seconds_count", modality="text", outcome="OK") == before[
-        "omnistage_gateway_e2e_seconds_count"] + 1
-    assert _value("omnistage_gateway_goodput_requests_total", modality="text") == before[
-        "omnistage_gateway_goodput_requests_total"] + 1
-    assert _value("omnistage_gateway_streamed_tokens_total", method="Generate") == before[
-        "omnistage_gateway_streamed_tokens_total"] + 2  # two deltas of one token
+    assert (
+        _value("omnistage_gateway_ttft_seconds_count", modality="text")
+        == before["omnistage_gateway_ttft_seconds_count"] + 1
+    )
+    assert (
+        _value("omnistage_gateway_e2e_seconds_count", modality="text", outcome="OK")
+        == before["omnistage_gateway_e2e_seconds_count"] + 1
+    )
+    assert (
+        _value("omnistage_gateway_goodput_requests_total", modality="text")
+        == before["omnistage_gateway_goodput_requests_total"] + 1
+    )
+    assert (
+        _value("omnistage_gateway_streamed_tokens_total", method="Generate")
+        == before["omnistage_gateway_streamed_tokens_total"] + 2
+    )  # two deltas of one token
 
 
 def test_a_refusal_counts_its_reason_and_an_e2e_with_its_status_and_no_goodput():
@@ -78,8 +99,14 @@ def test_a_client_that_leaves_is_counted_cancelled_and_the_stream_closed():
     assert servicer.pipeline.in_flight == 0
 
 
-@pytest.mark.parametrize(("modalities", "label"), [
-    ([], "text"), ([omni_pb2.MODALITY_AUDIO, omni_pb2.MODALITY_TEXT], "audio+text"),
-    ([omni_pb2.MODALITY_IMAGE], "image"), ([99], "invalid")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("modalities", "label"),
+    [
+        ([], "text"),
+        ([omni_pb2.MODALITY_AUDIO, omni_pb2.MODALITY_TEXT], "audio+text"),
+        ([omni_pb2.MODALITY_IMAGE], "image"),
+        ([99], "invalid"),
+    ],
+)
 def test_modality_label(modalities, label):
     assert modality_label(omni_pb2.GenerateRequest(output_modalities=modalities)) == label

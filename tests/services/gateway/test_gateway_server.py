@@ -47,7 +47,9 @@ def generate(servicer, request_id: str) -> list[omni_pb2.GenerateEvent]:
 
 
 def servicer(thinker: FakeThinker) -> OmniServicer:
-    return OmniServicer(Pipeline(thinker, {"thinker"}, max_concurrent_requests=4, limits=RequestLimits(), system_prompt=""))
+    return OmniServicer(
+        Pipeline(thinker, {"thinker"}, max_concurrent_requests=4, limits=RequestLimits(), system_prompt="")
+    )
 
 
 def test_every_event_carries_the_clients_id_and_started_stays_inside():

@@ -31,9 +31,13 @@ ANSWER = "Hello there. How are you today? "
 def request(voice: str = "", seed: int | None = 5, **kw) -> omni_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(max_tokens=16, **({"seed": seed} if seed is not None else {}))
     return omni_pb2.GenerateRequest(
-        request_id="r1", voice=voice, sampling=sampling,
+        request_id="r1",
+        voice=voice,
+        sampling=sampling,
         output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO],
-        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Hi")])], **kw)
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Hi")])],
+        **kw,
+    )
 
 
 async def collect(servicer, req, context=None) -> list[omni_pb2.GenerateEvent]:
@@ -64,7 +68,9 @@ def test_text_and_audio_interleave_and_one_finish_comes_after_both():
     assert k[-1] == "finish" and k.count("finish") == 1
     assert text_of(events) == ANSWER  # the whole text, as the thinker made it
     audio = [e.audio for e in events if e.HasField("audio")]
-    assert k.index("audio") < len(k) - 1 - k[::-1].index("text")  # audio before the last text delta: interleaved
+    assert k.index("audio") < len(k) - 1 - k[::-1].index(
+        "text"
+    )  # audio before the last text delta: interleaved
     assert [a.last for a in audio] == [False] * (len(audio) - 1) + [True] and audio[-1].pcm16 == b""
     assert {a.sample_rate_hz for a in audio} == {44100}
     assert {e.request_id for e in events} == {"r1"}
@@ -74,9 +80,16 @@ def test_text_and_audio_interleave_and_one_finish_comes_after_both():
     status = events[-1].finish.audio
     assert status.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE and status.code == ""
     assert status.samples == sum(len(a.pcm16) for a in audio) // 2 > 0
-    assert (status.voice, status.sample_rate_hz, status.segments) == ("DB30", 44100, len(ANSWER.split(" ")) - 1)
+    assert (status.voice, status.sample_rate_hz, status.segments) == (
+        "DB30",
+        44100,
+        len(ANSWER.split(" ")) - 1,
+    )
     assert 0 < status.time_to_first_audio_ms
-    assert events[-1].finish.reason == common_pb2.FINISH_REASON_STOP and events[-1].finish.usage.prompt_tokens == 7
+    assert (
+        events[-1].finish.reason == common_pb2.FINISH_REASON_STOP
+        and events[-1].finish.usage.prompt_tokens == 7
+    )
     assert thinker.calls[0].finished and thinker.calls[0].closed
 
 
@@ -116,11 +129,18 @@ def test_a_slow_client_fills_only_its_own_bounded_buffer():
     async def scenario():
         talker = FakeTalker(chunks_per_text=400, chunk_samples=32768)
         async with TalkerServer(talker) as srv:
-            servicer = gateway(FakeThinker("Hello. "), srv.address,
-                               limits=SpeechLimits(start_wait_s=5.0, idle_timeout_s=30.0, buffer_events=buffer))
+            servicer = gateway(
+                FakeThinker("Hello. "),
+                srv.address,
+                limits=SpeechLimits(start_wait_s=5.0, idle_timeout_s=30.0, buffer_events=buffer),
+            )
             slow = servicer.Generate(request(), Context())
-            first = [await anext(slow) for _ in range(3)]  # the text and the first chunk: then the client stalls
-            await wait_until(lambda: talker.calls and talker.calls[0].produced > buffer, what="talker producing")
+            first = [
+                await anext(slow) for _ in range(3)
+            ]  # the text and the first chunk: then the client stalls
+            await wait_until(
+                lambda: talker.calls and talker.calls[0].produced > buffer, what="talker producing"
+            )
             await asyncio.sleep(1.0)  # time enough to read all 400 chunks if nothing held the talker back
             stalled_at = talker.calls[0].produced
             other = gateway(FakeThinker("Fine. "), srv.address)
@@ -132,7 +152,9 @@ def test_a_slow_client_fills_only_its_own_bounded_buffer():
 
     first, stalled_at, _, other_events, events = run(scenario())
     assert stalled_at < 200, f"the talker ran ahead of a stalled client: {stalled_at} chunks of 64 KiB"
-    assert other_events[-1].finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE  # not held by the slow one
+    assert (
+        other_events[-1].finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE
+    )  # not held by the slow one
     audio = [e for e in events if e.HasField("audio") and e.audio.pcm16]
     assert len(audio) == 400 and events[-1].finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE
 
@@ -154,13 +176,16 @@ def test_a_talker_that_is_down_leaves_the_text_whole():
 def test_a_talker_lost_mid_speech_ends_only_the_speech_naming_it_and_a_down_talker_is_not_called():
     """What the gateway's StageWatch does when the talker stops answering: its calls are cancelled
     (the text goes on, the status says the talker is down), and while it is down no call is made."""
+
     async def scenario():
         talker = FakeTalker("silent")
         async with TalkerServer(talker) as srv:
             servicer = gateway(FakeThinker(ANSWER, delay_s=0.02), srv.address)
             client = servicer.pipeline.speech.talker
             answer = asyncio.create_task(collect(servicer, request()))
-            await wait_until(lambda: talker.calls and talker.calls[0].texts, what="the first text in the talker")
+            await wait_until(
+                lambda: talker.calls and talker.calls[0].texts, what="the first text in the talker"
+            )
             client.down_reason = "stopped answering: no health answer within 2s"  # the watch's verdict ...
             assert client.lose_calls() == 1  # ... and its action
             first = await answer
@@ -172,7 +197,9 @@ def test_a_talker_lost_mid_speech_ends_only_the_speech_naming_it_and_a_down_talk
         assert text_of(events) == ANSWER
         status = events[-1].finish.audio
         assert status.code == "UNAVAILABLE" and status.outcome == omni_pb2.AUDIO_OUTCOME_NONE, status
-        assert status.message == "stage 'talker' is unavailable: stopped answering: no health answer within 2s"
+        assert (
+            status.message == "stage 'talker' is unavailable: stopped answering: no health answer within 2s"
+        )
     assert calls == 1  # the down talker got no second call
 
 
@@ -184,13 +211,18 @@ def test_a_full_talker_gives_no_audio_with_its_pushback():
     events = run(scenario())
     assert text_of(events) == ANSWER
     status = events[-1].finish.audio
-    assert (status.outcome, status.code, status.retry_after_ms) == (omni_pb2.AUDIO_OUTCOME_NONE, "RESOURCE_EXHAUSTED", 500)
+    assert (status.outcome, status.code, status.retry_after_ms) == (
+        omni_pb2.AUDIO_OUTCOME_NONE,
+        "RESOURCE_EXHAUSTED",
+        500,
+    )
 
 
 def test_a_spoken_answer_waits_for_a_talker_stream_within_its_deadline():
     """With the talker's cap (Describe) of 1 held by one answer, the next waits in the gateway (no thinker
     or Speak call yet) and is spoken once the first is over: speech is admitted by capacity, not
     refused because the talker is busy now."""
+
     async def scenario():
         thinker, talker = FakeThinker(ANSWER, delay_s=0.05), FakeTalker()
         async with TalkerServer(talker) as srv:
@@ -199,7 +231,9 @@ def test_a_spoken_answer_waits_for_a_talker_stream_within_its_deadline():
             await anext(first)
             await wait_until(lambda: len(talker.calls) == 1, what="the first Speak")
             second = asyncio.create_task(collect(servicer, request()))
-            await wait_until(lambda: servicer.pipeline.gates["talker"].waiting == 1, what="the second answer waiting")
+            await wait_until(
+                lambda: servicer.pipeline.gates["talker"].waiting == 1, what="the second answer waiting"
+            )
             calls_then = (len(thinker.calls), len(talker.calls))
             rest = [e async for e in first]
             second = await second
@@ -259,6 +293,7 @@ def test_a_talker_failing_mid_speech_gives_partial_audio_and_the_whole_text():
 def test_a_stream_broken_under_a_write_is_the_talker_unavailable_not_an_internal_error():
     """A talker killed mid-speech: a write racing the broken connection makes grpc say INTERNAL
     "Internal error from Core" before the watch has marked the talker down."""
+
     async def scenario():
         async with TalkerServer(FakeTalker("broken-after-audio")) as srv:
             return await collect(gateway(FakeThinker(ANSWER, delay_s=0.01), srv.address), request())
@@ -272,26 +307,33 @@ def test_a_stream_broken_under_a_write_is_the_talker_unavailable_not_an_internal
 
 def test_a_talker_that_takes_no_connection_is_given_up_after_the_idle_timeout():
     """A listening socket that never accepts: the call never connects (gRPC would try for 20 s)."""
+
     async def scenario():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             s.listen(0)
-            servicer = gateway(FakeThinker(ANSWER), f"127.0.0.1:{s.getsockname()[1]}",
-                               limits=SpeechLimits(start_wait_s=0.2, idle_timeout_s=0.3))
+            servicer = gateway(
+                FakeThinker(ANSWER),
+                f"127.0.0.1:{s.getsockname()[1]}",
+                limits=SpeechLimits(start_wait_s=0.2, idle_timeout_s=0.3),
+            )
             return await collect(servicer, request())
 
     events = run(scenario())
     assert text_of(events) == ANSWER
-    assert (events[-1].finish.audio.outcome, events[-1].finish.audio.code) == (omni_pb2.AUDIO_OUTCOME_NONE,
-                                                                                "DEADLINE_EXCEEDED")
+    assert (events[-1].finish.audio.outcome, events[-1].finish.audio.code) == (
+        omni_pb2.AUDIO_OUTCOME_NONE,
+        "DEADLINE_EXCEEDED",
+    )
 
 
 def test_a_silent_talker_is_given_up_after_the_idle_timeout():
     async def scenario():
         talker = FakeTalker("silent")
         async with TalkerServer(talker) as srv:
-            servicer = gateway(FakeThinker(ANSWER), srv.address,
-                               limits=SpeechLimits(start_wait_s=5.0, idle_timeout_s=0.3))
+            servicer = gateway(
+                FakeThinker(ANSWER), srv.address, limits=SpeechLimits(start_wait_s=5.0, idle_timeout_s=0.3)
+            )
             events = await collect(servicer, request())
             await wait_until(lambda: talker.calls[0].cancelled, what="the Speak call cancelled")
         return events
@@ -310,7 +352,10 @@ def test_an_answer_with_nothing_to_speak_is_said_in_the_status():
 
     events = run(scenario())
     status = events[-1].finish.audio
-    assert (status.outcome, status.code) == (omni_pb2.AUDIO_OUTCOME_PARTIAL, "INVALID_ARGUMENT")  # the echo spoke "..."
+    assert (status.outcome, status.code) == (
+        omni_pb2.AUDIO_OUTCOME_PARTIAL,
+        "INVALID_ARGUMENT",
+    )  # the echo spoke "..."
     assert "nothing to speak" in status.message and events[-1].finish.reason == common_pb2.FINISH_REASON_STOP
 
 
@@ -318,8 +363,9 @@ def test_text_past_the_talkers_limit_is_spoken_up_to_it():
     async def scenario():
         talker = FakeTalker()
         async with TalkerServer(talker) as srv:
-            servicer = gateway(FakeThinker(ANSWER), srv.address,
-                               limits=SpeechLimits(max_text_chars=20, start_wait_s=5.0))
+            servicer = gateway(
+                FakeThinker(ANSWER), srv.address, limits=SpeechLimits(max_text_chars=20, start_wait_s=5.0)
+            )
             events = await collect(servicer, request())
         return talker, events
 
@@ -443,20 +489,28 @@ def test_an_aborted_answer_is_not_spoken_to_its_end():
     async def scenario():
         talker = FakeTalker()
         async with TalkerServer(talker) as srv:
-            events = await collect(gateway(FakeThinker(ANSWER, reason=common_pb2.FINISH_REASON_ABORT), srv.address),
-                                   request())
+            events = await collect(
+                gateway(FakeThinker(ANSWER, reason=common_pb2.FINISH_REASON_ABORT), srv.address), request()
+            )
             await wait_until(lambda: talker.calls[0].cancelled, what="the Speak call cancelled")
         return events
 
     events = run(scenario())
     assert events[-1].finish.reason == common_pb2.FINISH_REASON_ABORT
-    assert events[-1].finish.audio.code == "CANCELLED" and "FINISH_REASON_ABORT" in events[-1].finish.audio.message
+    assert (
+        events[-1].finish.audio.code == "CANCELLED"
+        and "FINISH_REASON_ABORT" in events[-1].finish.audio.message
+    )
 
 
 def test_time_to_first_audio_is_exported_by_voice():
     def count() -> float:
-        return metrics.REGISTRY.get_sample_value(
-            "omnistage_gateway_ttfa_seconds_count", {"service": "gw-test", "voice": "DB30"}) or 0.0
+        return (
+            metrics.REGISTRY.get_sample_value(
+                "omnistage_gateway_ttfa_seconds_count", {"service": "gw-test", "voice": "DB30"}
+            )
+            or 0.0
+        )
 
     before = count()
 
@@ -468,13 +522,20 @@ def test_time_to_first_audio_is_exported_by_voice():
     assert count() == before + 1
 
 
-@pytest.mark.parametrize(("mode", "good"), [("echo", 1), ("busy", 0), ("nothing", 0), ("fail-after-audio", 0)])
+@pytest.mark.parametrize(
+    ("mode", "good"), [("echo", 1), ("busy", 0), ("nothing", 0), ("fail-after-audio", 0)]
+)
 def test_a_spoken_answer_is_good_only_with_its_audio_complete(mode, good):
     """Goodput has the definition `omnistage bench` uses (common/answer_outcome.py): the text alone does
     not make a spoken request good."""
+
     def goodput() -> float:
-        return metrics.REGISTRY.get_sample_value(
-            "omnistage_gateway_goodput_requests_total", {"service": "gateway", "modality": "audio+text"}) or 0.0
+        return (
+            metrics.REGISTRY.get_sample_value(
+                "omnistage_gateway_goodput_requests_total", {"service": "gateway", "modality": "audio+text"}
+            )
+            or 0.0
+        )
 
     before = goodput()
 

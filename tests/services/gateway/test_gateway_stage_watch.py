@@ -126,10 +126,14 @@ def test_a_stage_turning_serving_is_admitted_as_it_happens_not_at_the_next_poll(
         await server.start()
         client = ThinkerClient("thinker", f"127.0.0.1:{port}", 1 << 20)
         ups = []
-        watch = StageWatch(client, WatchConfig(interval_s=3600, timeout_s=5, failures=2), on_up=lambda: _record(ups))
+        watch = StageWatch(
+            client, WatchConfig(interval_s=3600, timeout_s=5, failures=2), on_up=lambda: _record(ups)
+        )
         watch.start()
         try:
-            assert not await watch.wait_admitted(0.5) and "starting" in client.down_reason  # the first poll said no
+            assert (
+                not await watch.wait_admitted(0.5) and "starting" in client.down_reason
+            )  # the first poll said no
             await checker.set("", health_pb2.HealthCheckResponse.SERVING)
             assert await watch.wait_admitted(30.0), client.down_reason
             assert client.up and len(ups) == 1

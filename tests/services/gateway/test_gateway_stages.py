@@ -34,7 +34,8 @@ class FakeThinker(thinker_pb2_grpc.ThinkerServicer):
 
 def counted(service: str, code: str) -> float:
     value = metrics.REGISTRY.get_sample_value(
-        "omnistage_rpc_requests_total", {"service": service, "method": "Generate", "code": code})
+        "omnistage_rpc_requests_total", {"service": service, "method": "Generate", "code": code}
+    )
     return value or 0.0
 
 
@@ -58,15 +59,24 @@ def test_finished_streams_count_ok_at_the_stage_and_abandoned_ones_cancelled(tmp
     monkeypatch.setenv("FAKE_THINKER_ADMIN_KEY", "admin-key")
 
     async def scenario():
-        svc = {"kind": "thinker", "port": free_port(), "admin_port": free_port(),
-               "admin_api_key_env": "FAKE_THINKER_ADMIN_KEY"}
+        svc = {
+            "kind": "thinker",
+            "port": free_port(),
+            "admin_port": free_port(),
+            "admin_api_key_env": "FAKE_THINKER_ADMIN_KEY",
+        }
         cfg = config_from_dict({"services": {name: svc}})
         rt = ServiceRuntime(cfg, cfg.service(name), 0, run_dir=tmp_path)
         await rt.start()
         rt.add_servicer(thinker_pb2_grpc.add_ThinkerServicer_to_server, FakeThinker(), "omnistage.v1.Thinker")
         rt.set_serving()
-        client = ThinkerClient(name, cfg.address(name), 1 << 20, admin_address=cfg.admin_address(name),
-                               admin_metadata=(("authorization", "Bearer admin-key"),))
+        client = ThinkerClient(
+            name,
+            cfg.address(name),
+            1 << 20,
+            admin_address=cfg.admin_address(name),
+            admin_metadata=(("authorization", "Bearer admin-key"),),
+        )
         try:
             watch = StageWatch(client, WatchConfig(interval_s=0.05))
             watch.start()
@@ -95,8 +105,12 @@ def test_describe_without_the_admin_key_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_THINKER_ADMIN_KEY", "admin-key")
 
     async def scenario():
-        svc = {"kind": "thinker", "port": free_port(), "admin_port": free_port(),
-               "admin_api_key_env": "FAKE_THINKER_ADMIN_KEY"}
+        svc = {
+            "kind": "thinker",
+            "port": free_port(),
+            "admin_port": free_port(),
+            "admin_api_key_env": "FAKE_THINKER_ADMIN_KEY",
+        }
         cfg = config_from_dict({"services": {name: svc}})
         rt = ServiceRuntime(cfg, cfg.service(name), 0, run_dir=tmp_path)
         await rt.start()
@@ -123,17 +137,25 @@ def test_capability_readiness_is_served_as_health_names_and_in_describe(tmp_path
     name = "fake_gateway_ready"
 
     async def scenario():
-        cfg = config_from_dict({"services": {name: {"kind": "gateway", "port": free_port(), "admin_port": free_port()}}})
+        cfg = config_from_dict(
+            {"services": {name: {"kind": "gateway", "port": free_port(), "admin_port": free_port()}}}
+        )
         rt = ServiceRuntime(cfg, cfg.service(name), 0, run_dir=tmp_path)
         await rt.start()
         why = {"speech": "talker: starting (not SERVING yet)"}
-        rt.set_readiness_provider(lambda: [control_pb2.Readiness(capability=c, ready=c not in why, reason=why.get(c, ""))
-                                           for c in ("text", "speech")])  # fmt: skip
+        rt.set_readiness_provider(
+            lambda: [
+                control_pb2.Readiness(capability=c, ready=c not in why, reason=why.get(c, ""))
+                for c in ("text", "speech")
+            ]
+        )
         rt.set_capability_health({"text": True, "speech": False})
 
         async def health(service: str) -> int:
             async with grpc.aio.insecure_channel(cfg.address(name)) as ch:
-                resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service))
+                resp = await health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=service)
+                )
                 return resp.status
 
         async def until(check, want: int) -> None:  # health follows in a task of the loop
@@ -144,7 +166,10 @@ def test_capability_readiness_is_served_as_health_names_and_in_describe(tmp_path
             assert await check() == want
 
         try:
-            serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+            serving, not_serving = (
+                health_pb2.HealthCheckResponse.SERVING,
+                health_pb2.HealthCheckResponse.NOT_SERVING,
+            )
             assert await health("omnistage.v1.Omni.text") == not_serving  # not serving yet as a whole
             rt.set_serving()
             await until(lambda: health("omnistage.v1.Omni.text"), serving)
@@ -152,7 +177,9 @@ def test_capability_readiness_is_served_as_health_names_and_in_describe(tmp_path
             async with grpc.aio.insecure_channel(cfg.admin_address(name)) as ch:
                 desc = await control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest())
             assert [(r.capability, r.ready, r.reason) for r in desc.readiness] == [
-                ("text", True, ""), ("speech", False, "talker: starting (not SERVING yet)")]
+                ("text", True, ""),
+                ("speech", False, "talker: starting (not SERVING yet)"),
+            ]
             rt.set_capability_health({"text": True, "speech": True})
             await until(lambda: health("omnistage.v1.Omni.speech"), serving)
         finally:

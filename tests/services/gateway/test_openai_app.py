@@ -43,21 +43,41 @@ def text(t: str) -> omni_pb2.GenerateEvent:
 
 
 def finish(**audio) -> omni_pb2.GenerateEvent:
-    return omni_pb2.GenerateEvent(finish=omni_pb2.Finish(
-        reason=common_pb2.FINISH_REASON_STOP, usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=2),
-        audio=omni_pb2.AudioStatus(**audio)))  # fmt: skip
+    return omni_pb2.GenerateEvent(
+        finish=omni_pb2.Finish(
+            reason=common_pb2.FINISH_REASON_STOP,
+            usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=2),
+            audio=omni_pb2.AudioStatus(**audio),
+        )
+    )
 
 
-async def asgi(app, method: str, path: str, body: bytes = b"", query: str = "",
-               leave: asyncio.Event | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict, bytes]:
+async def asgi(
+    app,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    query: str = "",
+    leave: asyncio.Event | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict, bytes]:
     """One request through the ASGI app: (status, headers, whole body); the client disconnects when
     `leave` is set. `headers` replace the defaults (a JSON content type); a None value drops one."""
     sent = {"content-type": "application/json", "content-length": str(len(body)), **(headers or {})}
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
-             "query_string": query.encode(),
-             "headers": [(k.encode(), v.encode("latin-1")) for k, v in sent.items() if v is not None],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": query.encode(),
+        "headers": [(k.encode(), v.encode("latin-1")) for k, v in sent.items() if v is not None],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
     delivered, out = False, {"status": 0, "headers": {}, "body": b""}
 
     async def receive():
@@ -107,11 +127,13 @@ def chat_body(**kw) -> bytes:
 
 def test_bad_bodies_and_routes_get_openai_errors():
     async def scenario(app, omni):
-        return [await asgi(app, "POST", "/v1/chat/completions", b"{"),
-                await asgi(app, "POST", "/v1/chat/completions", b"[" * 100_000),
-                await asgi(app, "POST", "/v1/chat/completions", b""),
-                await asgi(app, "GET", "/v1/nothing"),
-                await asgi(app, "GET", "/v1/chat/completions")]  # fmt: skip
+        return [
+            await asgi(app, "POST", "/v1/chat/completions", b"{"),
+            await asgi(app, "POST", "/v1/chat/completions", b"[" * 100_000),
+            await asgi(app, "POST", "/v1/chat/completions", b""),
+            await asgi(app, "GET", "/v1/nothing"),
+            await asgi(app, "GET", "/v1/chat/completions"),
+        ]
 
     replies = run(scenario, FakeOmni([]))
     errors = [(status, json.loads(body)["error"]) for status, _, body in replies]
@@ -120,14 +142,21 @@ def test_bad_bodies_and_routes_get_openai_errors():
     assert [s for s, _ in errors[3:]] == [404, 405]
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/chat/completions", chat_body(stream="yes"), "stream"),
-    ("/v1/chat/completions", chat_body(stream=1), "stream"),
-    ("/v1/chat/completions", chat_body(stream="false"), "stream"),
-    ("/v1/chat/completions", chat_body(stream=True, stream_options={"include_usage": "yes"}),
-     "stream_options.include_usage"),
-    ("/v1/images/generations", json.dumps({"prompt": "a cat", "stream": "no"}).encode(), "stream"),
-], ids=["chat-yes", "chat-1", "chat-false-string", "include_usage-yes", "image-no"])
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", chat_body(stream="yes"), "stream"),
+        ("/v1/chat/completions", chat_body(stream=1), "stream"),
+        ("/v1/chat/completions", chat_body(stream="false"), "stream"),
+        (
+            "/v1/chat/completions",
+            chat_body(stream=True, stream_options={"include_usage": "yes"}),
+            "stream_options.include_usage",
+        ),
+        ("/v1/images/generations", json.dumps({"prompt": "a cat", "stream": "no"}).encode(), "stream"),
+    ],
+    ids=["chat-yes", "chat-1", "chat-false-string", "include_usage-yes", "image-no"],
+)
 def test_stream_flags_must_be_json_booleans(path, body, param):
     omni = FakeOmni([text("Hi"), finish()])
 
@@ -141,13 +170,16 @@ def test_stream_flags_must_be_json_booleans(path, body, param):
     assert omni.requests == [], "refused before any Omni call"
 
 
-@pytest.mark.parametrize(("headers", "param", "needle"), [
-    ({"content-type": "text/plain"}, "content-type", "expected application/json, got 'text/plain'"),
-    ({"content-type": "application/x-www-form-urlencoded"}, "content-type", "expected application/json"),
-    ({"content-type": None}, "content-type", "no Content-Type was sent"),
-    ({"x-request-id": "r" * 257}, "x-request-id", "at most 256 characters"),
-    ({"x-request-id": "abc\x01def"}, "x-request-id", "must be printable"),
-])
+@pytest.mark.parametrize(
+    ("headers", "param", "needle"),
+    [
+        ({"content-type": "text/plain"}, "content-type", "expected application/json, got 'text/plain'"),
+        ({"content-type": "application/x-www-form-urlencoded"}, "content-type", "expected application/json"),
+        ({"content-type": None}, "content-type", "no Content-Type was sent"),
+        ({"x-request-id": "r" * 257}, "x-request-id", "at most 256 characters"),
+        ({"x-request-id": "abc\x01def"}, "x-request-id", "must be printable"),
+    ],
+)
 def test_what_the_front_would_guess_is_refused(headers, param, needle):
     omni = FakeOmni([text("Hi"), finish()])
 
@@ -166,8 +198,13 @@ def test_a_valid_request_id_and_a_json_content_type_with_parameters_are_taken():
     omni = FakeOmni([text("Hi"), finish()])
 
     async def scenario(app, omni):
-        return await asgi(app, "POST", "/v1/chat/completions", chat_body(stream=None), headers={
-            "content-type": "Application/JSON; charset=utf-8", "x-request-id": "req-7"})
+        return await asgi(
+            app,
+            "POST",
+            "/v1/chat/completions",
+            chat_body(stream=None),
+            headers={"content-type": "Application/JSON; charset=utf-8", "x-request-id": "req-7"},
+        )
 
     status, headers, reply = run(scenario, omni)
     assert status == 200 and headers["x-request-id"] == "req-7"
@@ -201,15 +238,22 @@ def test_a_body_of_too_many_json_values_is_refused_before_it_is_parsed():
     error = json.loads(reply)["error"]
     assert (status, error["param"]) == (400, "body") and omni.requests == []
     values = sum(body.count(c) for c in (b"{", b"[", b","))
-    assert values > MAX_JSON_VALUES and error["message"] == f"body: {values} JSON objects, arrays and commas, at most {MAX_JSON_VALUES}"
+    assert (
+        values > MAX_JSON_VALUES
+        and error["message"] == f"body: {values} JSON objects, arrays and commas, at most {MAX_JSON_VALUES}"
+    )
 
 
 def test_a_large_body_is_translated_whole():
     big = "x" * (INLINE_PARSE_BYTES + 1)
 
     async def scenario(app, omni):
-        return await asgi(app, "POST", "/v1/chat/completions", json.dumps(
-            {"model": "m", "messages": [{"role": "user", "content": big}]}).encode())  # fmt: skip
+        return await asgi(
+            app,
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({"model": "m", "messages": [{"role": "user", "content": big}]}).encode(),
+        )
 
     omni = FakeOmni([text("ok"), finish()])
     status, _, body = run(scenario, omni)
@@ -238,8 +282,16 @@ def test_a_client_that_leaves_a_whole_answer_cancels_its_call():
 
 
 def test_speech_with_nothing_spoken_is_an_error_naming_why():
-    omni = FakeOmni([text("Hi"), finish(outcome=omni_pb2.AUDIO_OUTCOME_NONE, code="INVALID_ARGUMENT",
-                                        message="talker: text: nothing to speak")])  # fmt: skip
+    omni = FakeOmni(
+        [
+            text("Hi"),
+            finish(
+                outcome=omni_pb2.AUDIO_OUTCOME_NONE,
+                code="INVALID_ARGUMENT",
+                message="talker: text: nothing to speak",
+            ),
+        ]
+    )
 
     async def scenario(app, omni):
         return await asgi(app, "POST", "/v1/audio/speech", json.dumps({"input": "Hi"}).encode())
@@ -253,11 +305,17 @@ def test_speech_with_nothing_spoken_is_an_error_naming_why():
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-@pytest.mark.parametrize(("query", "expected"), [("", 200), ("capability=text", 200), ("capability=speech", 503),
-                                                 ("capability=image_output", 404)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [("", 200), ("capability=text", 200), ("capability=speech", 503), ("capability=image_output", 404)],
+)
 def test_ready_reports_each_capability(query, expected):
-    statuses = {"": SERVING, "omnistage.v1.Omni.text": SERVING, "omnistage.v1.Omni.media_input": SERVING,
-                "omnistage.v1.Omni.speech": NOT_SERVING}  # fmt: skip
+    statuses = {
+        "": SERVING,
+        "omnistage.v1.Omni.text": SERVING,
+        "omnistage.v1.Omni.media_input": SERVING,
+        "omnistage.v1.Omni.speech": NOT_SERVING,
+    }
 
     async def scenario(app, omni):
         return await asgi(app, "GET", "/ready", query=query)
@@ -271,11 +329,19 @@ def test_ready_reports_each_capability(query, expected):
 
 
 def test_ready_needs_the_thinker_though_the_gateway_serves():
-    statuses = {"": SERVING, "omnistage.v1.Omni.text": NOT_SERVING, "omnistage.v1.Omni.media_input": NOT_SERVING,
-                "omnistage.v1.Omni.speech": NOT_SERVING}  # fmt: skip
+    statuses = {
+        "": SERVING,
+        "omnistage.v1.Omni.text": NOT_SERVING,
+        "omnistage.v1.Omni.media_input": NOT_SERVING,
+        "omnistage.v1.Omni.speech": NOT_SERVING,
+    }
 
     async def scenario(app, omni):
         return await asgi(app, "GET", "/ready")
 
     status, _, body = run(scenario, FakeOmni([]), statuses)
-    assert status == 503 and json.loads(body)["status"] == "not_ready" and json.loads(body)["gateway"] == "SERVING"
+    assert (
+        status == 503
+        and json.loads(body)["status"] == "not_ready"
+        and json.loads(body)["gateway"] == "SERVING"
+    )

@@ -24,23 +24,37 @@ def test_chat_body_maps_messages_parts_and_sampling():
         "model": "m",
         "messages": [
             {"role": "developer", "content": "Be brief."},
-            {"role": "user", "content": [
-                {"type": "text", "text": "What is this?"},
-                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_b64(PNG)}"}},
-                {"type": "input_audio", "input_audio": {"data": _b64(b"RIFFxx"), "format": "mp3"}},
-            ]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_b64(PNG)}"}},
+                    {"type": "input_audio", "input_audio": {"data": _b64(b"RIFFxx"), "format": "mp3"}},
+                ],
+            },
             {"role": "assistant", "content": "A cat."},
             {"role": "user", "content": "And now?"},
         ],
-        "max_completion_tokens": 20, "temperature": 0.5, "top_p": 0.9, "seed": -1, "stop": "END",
-        "presence_penalty": 0.5, "top_k": -1, "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
+        "max_completion_tokens": 20,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": -1,
+        "stop": "END",
+        "presence_penalty": 0.5,
+        "top_k": -1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     plan = tr.chat_request(body, request_id="r1")
     req = plan.request
     assert plan.stream and plan.include_usage and plan.audio_format == "" and plan.model == "m"
     assert req.request_id == "r1" and list(req.output_modalities) == [omni_pb2.MODALITY_TEXT]
-    assert [m.role for m in req.messages] == [omni_pb2.ROLE_SYSTEM, omni_pb2.ROLE_USER, omni_pb2.ROLE_ASSISTANT,
-                                              omni_pb2.ROLE_USER]  # fmt: skip
+    assert [m.role for m in req.messages] == [
+        omni_pb2.ROLE_SYSTEM,
+        omni_pb2.ROLE_USER,
+        omni_pb2.ROLE_ASSISTANT,
+        omni_pb2.ROLE_USER,
+    ]
     parts = req.messages[1].parts
     assert parts[0].text == "What is this?"
     assert parts[1].image.data == PNG and parts[1].image.mime_type == "image/png"
@@ -58,36 +72,86 @@ def test_chat_defaults_follow_openai():
 
 
 def test_audio_modality_and_voice():
-    plan = tr.chat_request({"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"],
-                            "audio": {"voice": "DB30", "format": "pcm16"}})  # fmt: skip
+    plan = tr.chat_request(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "modalities": ["text", "audio"],
+            "audio": {"voice": "DB30", "format": "pcm16"},
+        }
+    )
     assert list(plan.request.output_modalities) == [omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO]
     assert plan.request.voice == "DB30" and plan.audio_format == "pcm16"
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
-     "messages[0].content[0].image_url.url"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}]},
-     "messages[0].content[0].image_url.url"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA==", "format": "aac"}}]}]},
-     "messages[0].content[0].input_audio.format"),
-    ({"messages": [{"role": "user", "content": [{"type": "file"}]}]}, "messages[0].content[0].type"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
-    ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["image"]}, "modalities"),
-    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["audio"], "audio": {"format": "mp3"}}, "audio.format"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),
-    ([1, 2], "body"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                    }
+                ]
+            },
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}],
+                    }
+                ]
+            },
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_audio", "input_audio": {"data": "AA==", "format": "aac"}}
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[0].input_audio.format",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "file"}]}]}, "messages[0].content[0].type"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 6},
+            "max_completion_tokens",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "modalities": ["image"]}, "modalities"),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "modalities": ["audio"],
+                "audio": {"format": "mp3"},
+            },
+            "audio.format",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),
+        ([1, 2], "body"),
+    ],
+)
 def test_bad_chat_bodies_are_400_naming_the_field(body, param):
     with pytest.raises(tr.HttpError) as info:
         tr.chat_request(body)
@@ -96,34 +160,53 @@ def test_bad_chat_bodies_are_400_naming_the_field(body, param):
 
 
 def test_speech_and_image_bodies():
-    plan = tr.speech_request({"input": "Hello.", "voice": "DB30", "response_format": "pcm", "stream_format": "sse"})
+    plan = tr.speech_request(
+        {"input": "Hello.", "voice": "DB30", "response_format": "pcm", "stream_format": "sse"}
+    )
     req = plan.request
     assert plan.sse and plan.response_format == "pcm"
     assert list(req.output_modalities) == [omni_pb2.MODALITY_AUDIO] and req.voice == "DB30"
     assert req.messages[0].parts[0].text == "Hello." and req.system_prompt == tr.SPEECH_SYSTEM_PROMPT
-    for bad, param in (({"input": ""}, "input"), ({"input": "x", "response_format": "mp3"}, "response_format"),
-                       ({"input": "x", "speed": 2.0}, "speed"), ({"input": "x" * 10}, "input")):
+    for bad, param in (
+        ({"input": ""}, "input"),
+        ({"input": "x", "response_format": "mp3"}, "response_format"),
+        ({"input": "x", "speed": 2.0}, "speed"),
+        ({"input": "x" * 10}, "input"),
+    ):
         with pytest.raises(tr.HttpError) as info:
             tr.speech_request(bad, max_chars=5)
         assert info.value.param == param
-    img = tr.image_request({"prompt": "a cat", "size": "512x256", "num_inference_steps": 4, "seed": 9,
-                            "guidance_scale": 3.5})  # fmt: skip
+    img = tr.image_request(
+        {"prompt": "a cat", "size": "512x256", "num_inference_steps": 4, "seed": 9, "guidance_scale": 3.5}
+    )
     assert list(img.output_modalities) == [omni_pb2.MODALITY_IMAGE]
     o = img.image
     assert (o.width, o.height, o.steps, o.seed, o.guidance_scale) == (512, 256, 4, 9, 3.5)
-    for bad, param in (({"prompt": "x", "size": "big"}, "size"), ({"prompt": "x", "n": 2}, "n"),
-                       ({"prompt": "x", "response_format": "url"}, "response_format"), ({}, "prompt")):
+    for bad, param in (
+        ({"prompt": "x", "size": "big"}, "size"),
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "response_format": "url"}, "response_format"),
+        ({}, "prompt"),
+    ):
         with pytest.raises(tr.HttpError) as info:
             tr.image_request(bad)
         assert info.value.param == param
 
 
-@pytest.mark.parametrize(("code", "status"), [
-    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.FAILED_PRECONDITION, 400),
-    (grpc.StatusCode.UNAUTHENTICATED, 401), (grpc.StatusCode.PERMISSION_DENIED, 403),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500), (grpc.StatusCode.UNKNOWN, 500),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.FAILED_PRECONDITION, 400),
+        (grpc.StatusCode.UNAUTHENTICATED, 401),
+        (grpc.StatusCode.PERMISSION_DENIED, 403),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.INTERNAL, 500),
+        (grpc.StatusCode.UNKNOWN, 500),
+    ],
+)
 def test_grpc_status_to_http(code, status):
     err = tr.from_grpc(code, "detail")
     assert err.status == status and err.message == "detail" and err.code == code.name.lower()
@@ -146,29 +229,42 @@ def _events(*events: omni_pb2.GenerateEvent) -> tr.Collected:
 
 
 def test_non_streaming_completion_with_audio():
-    finish = omni_pb2.Finish(reason=common_pb2.FINISH_REASON_LENGTH,
-                             usage=common_pb2.Usage(prompt_tokens=5, completion_tokens=2, cached_prompt_tokens=3),
-                             audio=omni_pb2.AudioStatus(outcome=omni_pb2.AUDIO_OUTCOME_COMPLETE, voice="DB30",
-                                                        sample_rate_hz=16000, samples=3))  # fmt: skip
-    c = _events(omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text="Hi ")),
-                omni_pb2.GenerateEvent(audio=omni_pb2.AudioChunk(pcm16=b"\x01\x00\x02\x00", sample_rate_hz=16000)),
-                omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text="there")),
-                omni_pb2.GenerateEvent(audio=omni_pb2.AudioChunk(pcm16=b"\x03\x00", sample_rate_hz=16000, last=True)),
-                omni_pb2.GenerateEvent(finish=finish))  # fmt: skip
+    finish = omni_pb2.Finish(
+        reason=common_pb2.FINISH_REASON_LENGTH,
+        usage=common_pb2.Usage(prompt_tokens=5, completion_tokens=2, cached_prompt_tokens=3),
+        audio=omni_pb2.AudioStatus(
+            outcome=omni_pb2.AUDIO_OUTCOME_COMPLETE, voice="DB30", sample_rate_hz=16000, samples=3
+        ),
+    )
+    c = _events(
+        omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text="Hi ")),
+        omni_pb2.GenerateEvent(audio=omni_pb2.AudioChunk(pcm16=b"\x01\x00\x02\x00", sample_rate_hz=16000)),
+        omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text="there")),
+        omni_pb2.GenerateEvent(audio=omni_pb2.AudioChunk(pcm16=b"\x03\x00", sample_rate_hz=16000, last=True)),
+        omni_pb2.GenerateEvent(finish=finish),
+    )
     body = tr.chat_completion(c, completion_id="chatcmpl-x", created=100, model="m", audio_format="wav")
     msg = body["choices"][0]["message"]
     assert msg["content"] == "Hi there" and body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
-                             "prompt_tokens_details": {"cached_tokens": 3}}  # fmt: skip
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
     audio = msg["audio"]
-    assert audio["transcript"] == "Hi there" and audio["outcome"] == "complete" and audio["sample_rate"] == 16000
+    assert (
+        audio["transcript"] == "Hi there" and audio["outcome"] == "complete" and audio["sample_rate"] == 16000
+    )
     with wave.open(io.BytesIO(base64.b64decode(audio["data"]))) as w:
         assert w.getframerate() == 16000 and w.readframes(10) == b"\x01\x00\x02\x00\x03\x00"
 
 
 def test_finish_errors_and_streamed_audio_deltas():
     assert tr.finish_error(omni_pb2.Finish(reason=common_pb2.FINISH_REASON_STOP)) is None
-    assert tr.finish_error(omni_pb2.Finish(reason=common_pb2.FINISH_REASON_ERROR, message="boom")).status == 500
+    assert (
+        tr.finish_error(omni_pb2.Finish(reason=common_pb2.FINISH_REASON_ERROR, message="boom")).status == 500
+    )
     assert tr.finish_error(omni_pb2.Finish(reason=common_pb2.FINISH_REASON_ABORT)).status == 503
     deltas = tr.AudioDeltas("a1", "wav")
     first = deltas.delta(omni_pb2.AudioChunk(pcm16=b"\x01\x00", sample_rate_hz=8000))
@@ -176,8 +272,11 @@ def test_finish_errors_and_streamed_audio_deltas():
     assert raw[:4] == b"RIFF" and raw[44:] == b"\x01\x00" and first["sample_rate"] == 8000
     assert base64.b64decode(deltas.delta(omni_pb2.AudioChunk(pcm16=b"\x02\x00"))["data"]) == b"\x02\x00"
     assert deltas.delta(omni_pb2.AudioChunk(pcm16=b"", last=True)) is None
-    busy = tr.speech_error(omni_pb2.AudioStatus(outcome=omni_pb2.AUDIO_OUTCOME_NONE, code="RESOURCE_EXHAUSTED",
-                                                retry_after_ms=1500))  # fmt: skip
+    busy = tr.speech_error(
+        omni_pb2.AudioStatus(
+            outcome=omni_pb2.AUDIO_OUTCOME_NONE, code="RESOURCE_EXHAUSTED", retry_after_ms=1500
+        )
+    )
     assert busy.status == 429 and busy.headers["Retry-After"] == "2"
 
 
@@ -190,8 +289,10 @@ def test_body_limit_answers_413():
     async def echo(request):
         return JSONResponse({"n": len(await request.body())})
 
-    app = Starlette(routes=[Route("/", echo, methods=["POST"])],
-                    exception_handlers={tr.HttpError: lambda r, e: JSONResponse(e.body(), status_code=e.status)})
+    app = Starlette(
+        routes=[Route("/", echo, methods=["POST"])],
+        exception_handlers={tr.HttpError: lambda r, e: JSONResponse(e.body(), status_code=e.status)},
+    )
     client = TestClient(BodyLimit(app, 100))
     assert client.post("/", content=b"x" * 100).json() == {"n": 100}
     r = client.post("/", content=b"x" * 101)

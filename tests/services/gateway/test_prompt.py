@@ -49,7 +49,9 @@ def test_the_ming_format_with_texts_kept_apart():
 
 
 def test_the_thinker_gets_todays_ids_for_benign_text(tok):
-    chat = build_chat([Turn("user", "你好，世界！ How are you?"), Turn("assistant", "Fine."), Turn("user", "ok\n")])
+    chat = build_chat(
+        [Turn("user", "你好，世界！ How are you?"), Turn("assistant", "Fine."), Turn("user", "ok\n")]
+    )
     assert tok.encode_pieces(pieces_of(chat)) == tok.encode(render(chat))
 
 
@@ -72,15 +74,24 @@ def test_the_last_turn_must_be_the_users():
 
 def test_an_earlier_answer_goes_back_as_its_token_ids(tok):
     answer = tok.encode("Hello!")
-    turns = [Turn("user", "Hi"), Turn("assistant", (AnswerTokens(tuple(answer), "Hello!"),)), Turn("user", "Bye")]
+    turns = [
+        Turn("user", "Hi"),
+        Turn("assistant", (AnswerTokens(tuple(answer), "Hello!"),)),
+        Turn("user", "Bye"),
+    ]
     chat = build_chat(turns, "Be brief.")
-    assert pieces_of(chat)[4:7] == [("template", "<|role_end|><role>ASSISTANT</role>"), ("tokens", ""),
-                                    ("template", "<|role_end|><role>HUMAN</role>")]  # fmt: skip
+    assert pieces_of(chat)[4:7] == [
+        ("template", "<|role_end|><role>ASSISTANT</role>"),
+        ("tokens", ""),
+        ("template", "<|role_end|><role>HUMAN</role>"),
+    ]
     assert list(chat.pieces[5].tokens.ids) == answer
     as_text = build_chat([turns[0], Turn("assistant", "Hello!"), turns[2]], "Be brief.")
     assert prompt_chars(chat) == prompt_chars(as_text) - len("Hello!") + len(answer)  # one per token
     # The thinker's ids of the prompt: the previous prompt's, the answer's, then the new turn's.
-    pieces = [(p.WhichOneof("piece"), list(p.tokens.ids) if p.HasField("tokens") else p.template or p.text)
-              for p in chat.pieces]  # fmt: skip
+    pieces = [
+        (p.WhichOneof("piece"), list(p.tokens.ids) if p.HasField("tokens") else p.template or p.text)
+        for p in chat.pieces
+    ]
     previous = tok.encode_pieces(pieces_of(build_chat(turns[:1], "Be brief.")))
     assert tok.encode_pieces(pieces)[: len(previous) + len(answer)] == previous + answer

@@ -56,7 +56,9 @@ def test_empty_turns_are_not_free_the_markup_counts():
 def test_the_system_prompt_counts():
     error = refused([msg(USER, "hi")], RequestLimits(max_prompt_chars=100), system_prompt="s" * 101)
     assert error == "system_prompt: 101 characters, the prompt limit is 100"
-    error = refused([msg(omni_pb2.ROLE_SYSTEM, "s" * 60), msg(USER, "u" * 50)], RequestLimits(max_prompt_chars=100))
+    error = refused(
+        [msg(omni_pb2.ROLE_SYSTEM, "s" * 60), msg(USER, "u" * 50)], RequestLimits(max_prompt_chars=100)
+    )
     assert "passes 100 characters at messages[1]" in error
 
 

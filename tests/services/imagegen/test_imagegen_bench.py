@@ -13,12 +13,33 @@ BENCH = Path(__file__).resolve().parents[3] / "bench" / "imagegen_speed.py"
 def test_tiny_run_writes_every_row(tmp_path):
     out = tmp_path / "bench.json"
     # The GPU image has no gRPC or Prometheus packages: the bench must not import them (or our protos).
-    run = ("import runpy, sys\n"
-           "for name in ('grpc', 'prometheus_client', 'omnistage.v1'): sys.modules[name] = None\n"
-           f"sys.argv = [{str(BENCH)!r}] + sys.argv[1:]\n"
-           f"runpy.run_path({str(BENCH)!r}, run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", run, "--tiny", "--sizes", "64", "--concurrency", "1,2", "--steps", "2",
-                           "--fbcache", "1e9", "--out", str(out)], capture_output=True, text=True, timeout=240)
+    run = (
+        "import runpy, sys\n"
+        "for name in ('grpc', 'prometheus_client', 'omnistage.v1'): sys.modules[name] = None\n"
+        f"sys.argv = [{str(BENCH)!r}] + sys.argv[1:]\n"
+        f"runpy.run_path({str(BENCH)!r}, run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            run,
+            "--tiny",
+            "--sizes",
+            "64",
+            "--concurrency",
+            "1,2",
+            "--steps",
+            "2",
+            "--fbcache",
+            "1e9",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     result = json.loads(out.read_text())
     assert result["tiny"] and result["steps"] == 2 and "imagegen_speed.py" in result["command"]

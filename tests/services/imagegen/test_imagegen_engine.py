@@ -35,8 +35,9 @@ def _parsed(steps: int, seed: int = 0, bucket: tuple[int, int] = SMALL) -> Parse
 @contextlib.asynccontextmanager
 async def _engine(pipeline, cap: int = 2, service: str = "imagegen-test", on_failure=None, **cfg):
     with TransportContext() as transport:
-        engine = ImageGenEngine(pipeline, ImageGenConfig(**cfg), transport, cap, service=service,
-                                on_failure=on_failure)
+        engine = ImageGenEngine(
+            pipeline, ImageGenConfig(**cfg), transport, cap, service=service, on_failure=on_failure
+        )
         engine.start()
         try:
             yield engine
@@ -90,7 +91,9 @@ def test_a_later_request_joins_at_a_step_boundary(pipeline):
 def test_different_shapes_take_turns(pipeline):
     async def run():
         async with _engine(pipeline) as engine:
-            return await asyncio.gather(_collect(engine, _parsed(3, 1)), _collect(engine, _parsed(3, 2, (96, 64))))
+            return await asyncio.gather(
+                _collect(engine, _parsed(3, 1)), _collect(engine, _parsed(3, 2, (96, 64)))
+            )
 
     a, b = asyncio.run(run())
     assert isinstance(a[-1], ImageResult) and isinstance(b[-1], ImageResult)
@@ -114,12 +117,15 @@ def test_a_request_that_leaves_while_waiting_for_a_slot_never_reaches_the_device
     """The caller's cancel also cancelled the future its holder was to fulfil; the holder went on
     waiting, took the slot when it came free, handed the job to the device thread anyway and let go of
     the slot at once (more than the tested batch could run)."""
+
     async def run():
         async with _engine(pipeline, cap=1) as engine:
             submitted = []
             real_put = engine.runner.put
             monkeypatch.setattr(engine.runner, "put", lambda job: (submitted.append(job), real_put(job)))
-            first = engine.generate(_parsed(2000, seed=1), timeout_s=60)  # holds the slot well past the cancel
+            first = engine.generate(
+                _parsed(2000, seed=1), timeout_s=60
+            )  # holds the slot well past the cancel
             await anext(first)
             second = asyncio.create_task(_collect(engine, _parsed(2, seed=2)))
             await _wait_until(lambda: engine.waiting == 1, "the second request to wait for the slot")
@@ -129,7 +135,9 @@ def test_a_request_that_leaves_while_waiting_for_a_slot_never_reaches_the_device
             await _wait_until(lambda: engine.waiting == 0, "the waiting request to be gone")
             assert engine.limiter.in_use == 1
             await first.aclose()
-            await _wait_until(lambda: engine.load() == (0, 0) and engine.limiter.in_use == 0, "an idle engine")
+            await _wait_until(
+                lambda: engine.load() == (0, 0) and engine.limiter.in_use == 0, "an idle engine"
+            )
             await asyncio.sleep(0.1)  # a holder left behind would take the free slot now
             return len(submitted), engine.load()
 
@@ -138,8 +146,9 @@ def test_a_request_that_leaves_while_waiting_for_a_slot_never_reaches_the_device
 
 def test_full_service_refuses(pipeline):
     async def run():
-        async with _engine(pipeline, cap=1, service="imagegen-full", max_queued_requests=0,
-                           queue_timeout_s=0.2) as engine:
+        async with _engine(
+            pipeline, cap=1, service="imagegen-full", max_queued_requests=0, queue_timeout_s=0.2
+        ) as engine:
             busy = engine.generate(_parsed(2000, seed=6), timeout_s=60)  # busy well past the 0.2 s waits
             await anext(busy)
             with pytest.raises(Overloaded, match="1 requests denoising and 0 waiting"):
@@ -201,8 +210,10 @@ def test_a_dead_device_thread_fails_held_requests_instead_of_leaving_them_waitin
 
 def _queue_time(service: str) -> tuple[float, float]:
     labels = {"service": service}
-    return (REGISTRY.get_sample_value("omnistage_imagegen_queue_time_seconds_count", labels) or 0.0,
-            REGISTRY.get_sample_value("omnistage_imagegen_queue_time_seconds_sum", labels) or 0.0)
+    return (
+        REGISTRY.get_sample_value("omnistage_imagegen_queue_time_seconds_count", labels) or 0.0,
+        REGISTRY.get_sample_value("omnistage_imagegen_queue_time_seconds_sum", labels) or 0.0,
+    )
 
 
 def test_queue_time_is_observed_once_per_request_with_its_wait_for_a_slot(pipeline):
@@ -220,8 +231,12 @@ def test_queue_time_is_observed_once_per_request_with_its_wait_for_a_slot(pipeli
             still_waiting_at = time.monotonic()
             [ev async for ev in first]
             await second
-            return before, _queue_time("imagegen-queue"), still_waiting_at - second_waiting_by, \
-                time.monotonic() - started
+            return (
+                before,
+                _queue_time("imagegen-queue"),
+                still_waiting_at - second_waiting_by,
+                time.monotonic() - started,
+            )
 
     before, after, waited_at_least, elapsed = asyncio.run(run())
     assert after[0] - before[0] == 2  # once per request, not per step
@@ -233,7 +248,9 @@ def test_a_request_that_leaves_before_the_loop_leaves_no_queue_time(pipeline):
         async with _engine(pipeline, cap=1, service="imagegen-queue-left") as engine:
             engine.export_metrics()
             before = _queue_time("imagegen-queue-left")
-            first = engine.generate(_parsed(2000, seed=1), timeout_s=60)  # holds the slot well past the cancel
+            first = engine.generate(
+                _parsed(2000, seed=1), timeout_s=60
+            )  # holds the slot well past the cancel
             await anext(first)
             second = asyncio.create_task(_collect(engine, _parsed(2, seed=2)))
             await _wait_until(lambda: engine.waiting == 1, "the second request to wait for the slot")

@@ -58,7 +58,10 @@ def test_reference_image_is_rgb_at_the_bucket(mode):
     [
         (b"not an image at all", "not a supported image"),
         (_encoded(Image.new("RGB", (64, 64)), "PNG")[:60], "cannot be decoded"),
-        (_encoded(Image.new("RGB", (2000, 1000)), "PNG"), "2000x1000 has 2000000 pixels, more than the limit"),
+        (
+            _encoded(Image.new("RGB", (2000, 1000)), "PNG"),
+            "2000x1000 has 2000000 pixels, more than the limit",
+        ),
     ],
 )
 def test_bad_reference_images_are_refused(data, needle):

@@ -42,14 +42,18 @@ class ReferenceLoop:
         self.proj_in.load_state_dict({"weight": mlp["proj_in.weight"], "bias": mlp["proj_in.bias"]})
         self.proj_out = torch.nn.Linear(*mlp["proj_out.weight"].shape[::-1])
         self.proj_out.load_state_dict({"weight": mlp["proj_out.weight"], "bias": mlp["proj_out.bias"]})
-        self.dit = ZImageTransformer2DModel.from_pretrained(root, subfolder="transformer", torch_dtype=f32).eval()
+        self.dit = ZImageTransformer2DModel.from_pretrained(
+            root, subfolder="transformer", torch_dtype=f32
+        ).eval()
         self.vae = AutoencoderKL.from_pretrained(root, subfolder="vae", torch_dtype=f32).eval()
         self.root = root
 
     @torch.no_grad()
     def generate(self, hidden: torch.Tensor, steps: int, guidance: float, seed: int, rgb: np.ndarray | None):
         e = self.proj_in(hidden[None])
-        e = self.connector(inputs_embeds=e, attention_mask=torch.ones(1, 1, 256, 256), output_hidden_states=True)
+        e = self.connector(
+            inputs_embeds=e, attention_mask=torch.ones(1, 1, 256, 256), output_hidden_states=True
+        )
         cond = F.normalize(self.proj_out(e.hidden_states[-1]), dim=-1)
         wrap = lambda c: F.normalize(c, dim=-1) * 1000.0  # noqa: E731 - text_encoder_norm, identity MLP
         pos_cap, neg_cap = wrap(cond)[0], wrap(cond * 0.0)[0]
@@ -58,12 +62,16 @@ class ReferenceLoop:
         ref = None
         if rgb is not None:
             cfg = self.vae.config
-            ref = (self.vae.encode(images.reference_tensor(rgb)).latent_dist.mode() - cfg.shift_factor) * cfg.scaling_factor
+            ref = (
+                self.vae.encode(images.reference_tensor(rgb)).latent_dist.mode() - cfg.shift_factor
+            ) * cfg.scaling_factor
         sched = FlowMatchEulerDiscreteScheduler.from_pretrained(self.root, subfolder="scheduler")
         sched.config["use_dynamic_shifting"] = True
         sched.sigma_min = 0.0
         c = sched.config  # the pipeline's calculate_shift, on the scheduler's own config
-        m = (c.get("max_shift", 1.15) - c.get("base_shift", 0.5)) / (c.get("max_image_seq_len", 4096) - c.get("base_image_seq_len", 256))
+        m = (c.get("max_shift", 1.15) - c.get("base_shift", 0.5)) / (
+            c.get("max_image_seq_len", 4096) - c.get("base_image_seq_len", 256)
+        )
         mu = (h // 2) * (w // 2) * m + c.get("base_shift", 0.5) - m * c.get("base_image_seq_len", 256)
         sched.set_timesteps(steps, mu=mu)
         cfg_on = guidance > 1
@@ -118,8 +126,11 @@ def test_seeded_generation_is_reproducible(pipeline):
 def test_batched_equals_alone(pipeline):
     """Requests of one shape in one forward — with and without guidance, joining at different steps — each
     end with the latents they get alone."""
-    specs = [GenerationSpec(_hidden(3), BUCKET, 5, 2.0, 1), GenerationSpec(_hidden(4), BUCKET, 5, 1.0, 2),
-             GenerationSpec(_hidden(5), BUCKET, 3, 4.0, 3)]
+    specs = [
+        GenerationSpec(_hidden(3), BUCKET, 5, 2.0, 1),
+        GenerationSpec(_hidden(4), BUCKET, 5, 1.0, 2),
+        GenerationSpec(_hidden(5), BUCKET, 3, 4.0, 3),
+    ]
     alone = [_run(pipeline, s)[0].latents for s in specs]
     first, second = pipeline.prepare(specs[0]), pipeline.prepare(specs[1])
     pipeline.step([first, second])

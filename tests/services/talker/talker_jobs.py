@@ -27,8 +27,14 @@ class Recorder:
 def job(models, voices, text="Hello there, my friend.", seed=1, max_steps=6, min_steps=100, voice="DB30"):
     v = voices.presets[voice]
     rec = Recorder()
-    j = SegmentJob(models.prompt.build(text, v.prompt_text, v.patches), v, max_steps,
-                   torch.Generator().manual_seed(seed), rec, min_steps=min_steps)
+    j = SegmentJob(
+        models.prompt.build(text, v.prompt_text, v.patches),
+        v,
+        max_steps,
+        torch.Generator().manual_seed(seed),
+        rec,
+        min_steps=min_steps,
+    )
     return j, rec
 
 

@@ -13,13 +13,25 @@ CHECK = Path(__file__).resolve().parents[3] / "bench" / "speech_image_gpu_check.
 
 
 def test_tiny_checks_pass():
-    proc = subprocess.run([sys.executable, str(CHECK), "--tiny", "--only", "talker,vision"], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(CHECK), "--tiny", "--only", "talker,vision"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     checks = {d["check"]: d for d in lines if "check" in d}
-    assert {"talker_capture", "talker_step_b1", "talker_step_b3", "talker_step_b4", "talker_vae_backbone_w14",
-            "talker_vae_backbone_w18", "talker_engine_graphs_on_off", "vision_varlen"} <= checks.keys()
+    assert {
+        "talker_capture",
+        "talker_step_b1",
+        "talker_step_b3",
+        "talker_step_b4",
+        "talker_vae_backbone_w14",
+        "talker_vae_backbone_w18",
+        "talker_engine_graphs_on_off",
+        "vision_varlen",
+    } <= checks.keys()
     assert all(d["ok"] for d in checks.values())
     assert checks["talker_step_b3"]["graphs_on_off_identical"]
     assert lines[-1] == {"failed": []}

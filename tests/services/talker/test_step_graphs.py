@@ -58,8 +58,9 @@ def test_static_decode_and_sample_equal_eager_at_every_bucket(talker_models, tem
     assert static.static is not None and static.static.replays == 10 and static.static.graphs == 0
     for slot in range(6):  # both caches hold the same keys: padded rows only ever wrote the scratch slot
         for layer in range(cfg.llm.num_layers):
-            torch.testing.assert_close(static.lm_cache.k[layer][slot], eager.lm_cache.k[layer][slot],
-                                       atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(
+                static.lm_cache.k[layer][slot], eager.lm_cache.k[layer][slot], atol=1e-6, rtol=1e-5
+            )
 
 
 def test_static_outputs_are_copies_that_the_next_step_does_not_overwrite(talker_models):
@@ -76,9 +77,11 @@ def test_static_outputs_are_copies_that_the_next_step_does_not_overwrite(talker_
 
 def test_the_engine_speaks_the_same_audio_with_static_steps(talker_models, voices):
     """Rows join at different steps and leave early: padded buckets change from step to step."""
-    specs = [dict(text="Hello there, my friend.", seed=3, max_steps=5),
-             dict(text="一个完全不同的句子。", seed=4, max_steps=7, voice="lingguang"),
-             dict(text="Short.", seed=5, max_steps=3)]
+    specs = [
+        dict(text="Hello there, my friend.", seed=3, max_steps=5),
+        dict(text="一个完全不同的句子。", seed=4, max_steps=7, voice="lingguang"),
+        dict(text="Short.", seed=5, max_steps=3),
+    ]
     audio = []
     for graphs in (False, True):
         engine = TalkerEngine(TalkerRunner(talker_models, 3, 256, 640, graphs=graphs, capture=False))
@@ -98,8 +101,11 @@ def test_the_vae_backbone_at_padded_widths_equals_eager(talker_models):
     stack = talker_models.vae.decoder.decoder
     hidden = stack.shape.hidden_size
     gen = torch.Generator().manual_seed(2)
-    for slots, starts, lengths in (([0, 1, 2], [0, 0, 0], [14, 14, 14]), ([0, 2], [14, 14], [16, 18]),
-                                   ([1], [14], [3])):
+    for slots, starts, lengths in (
+        ([0, 1, 2], [0, 0, 0], [14, 14, 14]),
+        ([0, 2], [14, 14], [16, 18]),
+        ([1], [14], [3]),
+    ):
         width = max(lengths)
         x = torch.randn(len(slots), width, hidden, generator=gen)
         with torch.no_grad():
@@ -108,7 +114,9 @@ def test_the_vae_backbone_at_padded_widths_equals_eager(talker_models):
         for i, n in enumerate(lengths):
             torch.testing.assert_close(got[i, :n], want[i, :n], atol=1e-5, rtol=1e-5)
     for layer in range(stack.shape.num_layers):
-        torch.testing.assert_close(static.vae_cache.k[layer][:3], eager.vae_cache.k[layer][:3], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            static.vae_cache.k[layer][:3], eager.vae_cache.k[layer][:3], atol=1e-6, rtol=1e-5
+        )
     assert static.static.replays == 3
 
 
@@ -118,7 +126,9 @@ def _failed_capture(first: BaseException) -> RuntimeError:
         try:
             raise first
         except BaseException:
-            raise RuntimeError("CUDA error: operation failed due to a previous error during capture") from None
+            raise RuntimeError(
+                "CUDA error: operation failed due to a previous error during capture"
+            ) from None
     except RuntimeError as exc:
         exc.__context__ = first
         return exc
@@ -127,11 +137,24 @@ def _failed_capture(first: BaseException) -> RuntimeError:
 @pytest.mark.parametrize(
     ("first", "free", "kind", "says"),
     [
-        (torch.OutOfMemoryError("CUDA out of memory"), 50 << 30, torch.OutOfMemoryError, "step-graph capture"),
-        (RuntimeError("CUDA error: operation not permitted when stream is capturing"), 300 << 20,
-         torch.OutOfMemoryError, "out of device memory during a talker step-graph capture"),
-        (RuntimeError("CUDA error: operation not permitted when stream is capturing"), 50 << 30,
-         RuntimeError, "talker step-graph capture failed (device 50.00 GiB free"),
+        (
+            torch.OutOfMemoryError("CUDA out of memory"),
+            50 << 30,
+            torch.OutOfMemoryError,
+            "step-graph capture",
+        ),
+        (
+            RuntimeError("CUDA error: operation not permitted when stream is capturing"),
+            300 << 20,
+            torch.OutOfMemoryError,
+            "out of device memory during a talker step-graph capture",
+        ),
+        (
+            RuntimeError("CUDA error: operation not permitted when stream is capturing"),
+            50 << 30,
+            RuntimeError,
+            "talker step-graph capture failed (device 50.00 GiB free",
+        ),
     ],
 )
 def test_a_failed_capture_is_named_an_oom_only_when_memory_ran_out(monkeypatch, first, free, kind, says):

@@ -13,8 +13,12 @@ BENCH = Path(__file__).resolve().parents[3] / "bench" / "talker_speech.py"
 
 def test_tiny_run_writes_a_row_per_concurrency(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--tiny", "--concurrency", "1,2", "--steps", "3",
-                           "--out", str(out)], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--tiny", "--concurrency", "1,2", "--steps", "3", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "| concurrency | requests | TTFA p50 ms |" in proc.stdout
     doc = json.loads(out.read_text())

@@ -36,9 +36,11 @@ def test_a_seeded_job_reproduces_and_another_seed_differs(talker_models, voices,
 
 
 def test_batched_jobs_equal_each_alone(talker_models, voices, engine):
-    specs = [dict(text="Hello there, my friend.", seed=3, max_steps=5),
-             dict(text="一个完全不同的句子。", seed=4, max_steps=7, voice="lingguang"),
-             dict(text="Short.", seed=5, max_steps=3)]
+    specs = [
+        dict(text="Hello there, my friend.", seed=3, max_steps=5),
+        dict(text="一个完全不同的句子。", seed=4, max_steps=7, voice="lingguang"),
+        dict(text="Short.", seed=5, max_steps=3),
+    ]
     alone = []
     for spec in specs:
         j, rec = job(talker_models, voices, **spec)
@@ -80,7 +82,11 @@ def test_a_failing_step_fails_its_jobs_and_the_engine_goes_on(talker_models, voi
 
     monkeypatch.setattr(engine.runner.model, "sample", broken)
     engine.step()
-    assert isinstance(rec_a.events[-1], JobFailed) and engine.jobs_in_flight == 0 and len(engine.runner._free) == 3
+    assert (
+        isinstance(rec_a.events[-1], JobFailed)
+        and engine.jobs_in_flight == 0
+        and len(engine.runner._free) == 3
+    )
     monkeypatch.setattr(engine.runner.model, "sample", real)
     b, rec_b = job(talker_models, voices)
     engine.submit(b)
@@ -120,8 +126,10 @@ def test_the_threaded_engine_serves_jobs_and_device_calls(talker_models, voices,
 
 def _queue_time(service: str) -> tuple[float, float]:
     labels = {"service": service}
-    return (REGISTRY.get_sample_value("omnistage_talker_queue_time_seconds_count", labels) or 0.0,
-            REGISTRY.get_sample_value("omnistage_talker_queue_time_seconds_sum", labels) or 0.0)
+    return (
+        REGISTRY.get_sample_value("omnistage_talker_queue_time_seconds_count", labels) or 0.0,
+        REGISTRY.get_sample_value("omnistage_talker_queue_time_seconds_sum", labels) or 0.0,
+    )
 
 
 def test_queue_time_is_observed_once_per_segment_with_its_wait_for_a_slot(talker_models, voices):
@@ -169,4 +177,6 @@ def test_prompts_prefilled_together_equal_each_prefilled_alone(talker_models):
     got = together.prefill_batch([0, 1, 2], prompts)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for layer in range(talker_models.config.llm.num_layers):
-        torch.testing.assert_close(together.lm_cache.k[layer][:3], alone.lm_cache.k[layer][:3], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            together.lm_cache.k[layer][:3], alone.lm_cache.k[layer][:3], atol=1e-6, rtol=1e-5
+        )

@@ -11,15 +11,17 @@ from omnistage.services.talker.text_segment import (
     spell_numbers,
 )
 
-TEXT = ("Well, I think so, my friend, and here is why. The plan has three parts; each one matters. "
-        "今天天气很好，我们去公园散步吧。然后回家。Done!")
+TEXT = (
+    "Well, I think so, my friend, and here is why. The plan has three parts; each one matters. "
+    "今天天气很好，我们去公园散步吧。然后回家。Done!"
+)
 
 
 def segments(text: str, step: int, limits: SegmenterLimits | None = None) -> list[str]:
     seg = SentenceSegmenter(limits)
     out = []
     for i in range(0, len(text), step):
-        out += seg.push(text[i:i + step])
+        out += seg.push(text[i : i + step])
     return out + seg.flush()
 
 
@@ -63,12 +65,15 @@ def test_text_without_letters_gives_no_segment():
     assert segments("... !!! ,,, \n\n", 2) == []
 
 
-@pytest.mark.parametrize(("text", "spoken"), [
-    ("I have 3 cats.", "I have three cats."),
-    ("It costs $1,250 today.", "It costs one thousand, two hundred fifty dollars today."),
-    ("Up 12.5% on the 2nd day", "Up twelve point five percent on the second day"),
-    ("£1 only", "one pound only"),
-])
+@pytest.mark.parametrize(
+    ("text", "spoken"),
+    [
+        ("I have 3 cats.", "I have three cats."),
+        ("It costs $1,250 today.", "It costs one thousand, two hundred fifty dollars today."),
+        ("Up 12.5% on the 2nd day", "Up twelve point five percent on the second day"),
+        ("£1 only", "one pound only"),
+    ],
+)
 def test_english_numbers_are_spelled_out(text, spoken):
     assert spell_numbers(text) == spoken
 

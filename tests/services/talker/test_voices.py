@@ -37,7 +37,7 @@ def test_fbank_frame_follows_the_kaldi_recipe():
     feats = kaldi_fbank(x)
     assert feats.shape == (1 + (1600 - 400) // 160, 80)
     k = 3  # one frame by the recipe, with a plain DFT and triangles built bin by bin
-    frame = x[k * 160:k * 160 + 400].astype(np.float64)
+    frame = x[k * 160 : k * 160 + 400].astype(np.float64)
     frame = frame - frame.mean()
     frame = frame - 0.97 * np.concatenate(([frame[0]], frame[:-1]))
     n = np.arange(400)
@@ -59,7 +59,11 @@ def test_fbank_frame_follows_the_kaldi_recipe():
         for i in range(256):
             m = mel(i * 16000 / 512)
             if left < m < right:
-                energy += power[i] * (m - left) / (center - left) if m <= center else power[i] * (right - m) / (right - center)
+                energy += (
+                    power[i] * (m - left) / (center - left)
+                    if m <= center
+                    else power[i] * (right - m) / (right - center)
+                )
         want.append(math.log(max(energy, np.finfo(np.float32).eps)))
     np.testing.assert_allclose(feats[k], want, rtol=1e-4, atol=1e-4)
 

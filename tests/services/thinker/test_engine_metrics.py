@@ -78,11 +78,19 @@ def test_prefix_cache_queries_hits_and_evictions_are_counted_in_tokens_and_block
 
 def test_observe_many_equals_repeated_observe():
     one = Histogram("omnistage_test_observe_one_seconds", "t", buckets=metrics.FINE_BUCKETS_S, registry=None)
-    many = Histogram("omnistage_test_observe_many_seconds", "t", buckets=metrics.FINE_BUCKETS_S, registry=None)
+    many = Histogram(
+        "omnistage_test_observe_many_seconds", "t", buckets=metrics.FINE_BUCKETS_S, registry=None
+    )
     for value, count in [(0.003, 5), (0.2, 1), (42.0, 3), (0.0, 2)]:
         for _ in range(count):
             one.observe(value)
         metrics.observe_many(many, value, count)
-    samples = [[(s.name.replace("one", "x"), s.labels, s.value) for s in m.collect()[0].samples
-                if not s.name.endswith("_created")] for m in (one, many)]  # fmt: skip
+    samples = [
+        [
+            (s.name.replace("one", "x"), s.labels, s.value)
+            for s in m.collect()[0].samples
+            if not s.name.endswith("_created")
+        ]
+        for m in (one, many)
+    ]
     assert samples[0] == [(n.replace("many", "x"), lab, v) for n, lab, v in samples[1]]

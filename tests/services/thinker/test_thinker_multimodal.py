@@ -73,7 +73,9 @@ def test_several_images_take_their_rows_in_order(cfg, inputs):
 def test_worked_example_of_ming_md(cfg, inputs):
     """ming.md §2.3: [x, x, x, <image>, 6 patches (H'=2, W'=3), </image>, x, x]."""
     x = 7
-    ids = [x, x, x, cfg.image_start_token_id] + [cfg.image_patch_token_id] * 6 + [cfg.image_end_token_id, x, x]
+    ids = (
+        [x, x, x, cfg.image_start_token_id] + [cfg.image_patch_token_id] * 6 + [cfg.image_end_token_id, x, x]
+    )
     rows = torch.nn.functional.normalize(torch.randn(6, cfg.hidden_size), dim=-1)
     (item,) = items(cfg, [Media("image", rows, [(1, 2, 3)])])
     built = inputs.build(ids, [item])

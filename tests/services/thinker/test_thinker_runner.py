@@ -20,7 +20,9 @@ def slow_engine(step_s: float = 0.02):
 
 def thinker_loop(engine) -> tuple[ThinkerRunner, DeviceLoop]:
     runner = ThinkerRunner(engine, asyncio.get_running_loop())
-    return runner, DeviceLoop("engine", runner, idle_wait_s=0.05, describe_failure=str, quiet_failures=(TPError,))
+    return runner, DeviceLoop(
+        "engine", runner, idle_wait_s=0.05, describe_failure=str, quiet_failures=(TPError,)
+    )
 
 
 async def _add(loop: DeviceLoop, runner: ThinkerRunner, request_id: str, max_tokens: int) -> asyncio.Queue:

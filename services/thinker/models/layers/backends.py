@@ -48,10 +48,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_backends(attention: str, moe: str, device: torch.device, block_size: int, head_dim: int) -> Backends:
+def resolve_backends(
+    attention: str, moe: str, device: torch.device, block_size: int, head_dim: int
+) -> Backends:
     """`auto` → triton on CUDA when triton imports (and the shapes suit the kernels), else torch."""
     if attention not in ATTENTION_BACKENDS:
-        raise BackendError(f"attention backend {attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
+        raise BackendError(
+            f"attention backend {attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}"
+        )
     if moe not in MOE_BACKENDS:
         raise BackendError(f"moe backend {moe!r}: expected one of {', '.join(MOE_BACKENDS)}")
     runs_triton = triton_available() and (device.type == "cuda" or _interpreting())
@@ -59,9 +63,15 @@ def resolve_backends(attention: str, moe: str, device: torch.device, block_size:
 
     def pick(name: str, what: str, needs_shapes: bool) -> str:
         if name == "auto":
-            return "triton" if runs_triton and device.type == "cuda" and (shapes_ok or not needs_shapes) else "torch"
+            return (
+                "triton"
+                if runs_triton and device.type == "cuda" and (shapes_ok or not needs_shapes)
+                else "torch"
+            )
         if name == "triton" and not runs_triton:
-            raise BackendError(f"{what}_backend triton needs a CUDA device and the triton package (device {device})")
+            raise BackendError(
+                f"{what}_backend triton needs a CUDA device and the triton package (device {device})"
+            )
         if name == "triton" and needs_shapes and not shapes_ok:
             raise BackendError(
                 f"attention_backend triton needs block_size >= 16 and head_dim >= 16, both powers of two "
@@ -129,7 +139,9 @@ class TritonAttention:
             lens = md.context_lens_tensor
             if lens is None:
                 lens = torch.tensor(md.context_lens, dtype=torch.int32, device=q.device)
-            return self.kernels.paged_decode(q, layer.k_cache, layer.v_cache, md.block_tables, lens, layer.scale)
+            return self.kernels.paged_decode(
+                q, layer.k_cache, layer.v_cache, md.block_tables, lens, layer.scale
+            )
         out = torch.empty_like(q)
         start = 0
         for i, (qlen, ctx) in enumerate(zip(md.query_lens, md.context_lens, strict=True)):
@@ -141,7 +153,9 @@ class TritonAttention:
         return out
 
 
-def _sdpa(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+def _sdpa(
+    layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int
+) -> torch.Tensor:
     """Causal attention of q (positions offset..) over k/v [ctx, KVH, D] through SDPA's fused kernels."""
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if offset == 0:

@@ -32,7 +32,10 @@ class _VocabParallel(nn.Module):
 
 class VocabParallelEmbedding(_VocabParallel):
     def forward(
-        self, ids: torch.Tensor, splice_index: torch.Tensor | None = None, splice_rows: torch.Tensor | None = None
+        self,
+        ids: torch.Tensor,
+        splice_index: torch.Tensor | None = None,
+        splice_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[T] ids → [T, H] rows; rows `splice_index` are replaced by `splice_rows` (multimodal slots).
 

@@ -46,7 +46,9 @@ class RouterRows:
         except RuntimeError as exc:  # a negative code
             raise ValueError(f"modality codes must be 0 (text), 1 (vision) or 2 (audio): {exc}") from None
         if len(counts) > num_routers:
-            raise ValueError(f"modality codes must be 0 (text), 1 (vision) or 2 (audio) with {num_routers} routers")
+            raise ValueError(
+                f"modality codes must be 0 (text), 1 (vision) or 2 (audio) with {num_routers} routers"
+            )
         present = [code for code, n in enumerate(counts) if n]
         if len(present) <= 1:
             return cls((None,) * num_routers, present[0] if present else 0)
@@ -109,7 +111,9 @@ class Router(nn.Module):
         """x [T, H] → (fp32 weights [T, k], expert ids [T, k])."""
         logits = F.linear(x.float(), self.weight.float())
         if self.kernel is not None:
-            return self.kernel(logits, self.expert_bias, self.top_k, self.n_group, self.topk_group, self.scaling)
+            return self.kernel(
+                logits, self.expert_bias, self.top_k, self.n_group, self.topk_group, self.scaling
+            )
         scores = torch.sigmoid(logits)
         ids = grouped_topk(scores, self.expert_bias, self.top_k, self.n_group, self.topk_group)
         w = scores.gather(1, ids)
@@ -200,7 +204,9 @@ class SparseMoeBlock(nn.Module):
         codes or, from the model, the RouterRows it found once for all layers of the step."""
         if modality is None or len(self.router_names) == 1:
             return self.gate(x)
-        groups = modality if isinstance(modality, RouterRows) else RouterRows.of(modality, len(self.router_names))
+        groups = (
+            modality if isinstance(modality, RouterRows) else RouterRows.of(modality, len(self.router_names))
+        )
         if groups.single is not None:
             return getattr(self, self.router_names[groups.single])(x)
         k = self.gate.top_k

@@ -32,9 +32,16 @@ def _hf_whisper(cfg, raw, positions: int):
     )
     hf_cfg._attn_implementation = "eager"
     model = transformers.models.whisper.modeling_whisper.WhisperEncoder(hf_cfg).float().eval()
-    names = {"attn.query": "self_attn.q_proj", "attn.key": "self_attn.k_proj", "attn.value": "self_attn.v_proj",
-             "attn.out": "self_attn.out_proj", "attn_ln": "self_attn_layer_norm", "mlp.0": "fc1",
-             "mlp.2": "fc2", "mlp_ln": "final_layer_norm"}
+    names = {
+        "attn.query": "self_attn.q_proj",
+        "attn.key": "self_attn.k_proj",
+        "attn.value": "self_attn.v_proj",
+        "attn.out": "self_attn.out_proj",
+        "attn_ln": "self_attn_layer_norm",
+        "mlp.0": "fc1",
+        "mlp.2": "fc2",
+        "mlp_ln": "final_layer_norm",
+    }
     state = {"embed_positions.weight": raw["audio.positional_embedding"][:positions]}
     for key, value in raw.items():
         if not key.startswith("audio.") or key == "audio.positional_embedding":
@@ -66,10 +73,18 @@ def test_projector_conv_gelu_linear_and_l2_norm(tiny_encoders, raw_tensors):
     mel = torch.randn(1, cfg.n_mels, 101, generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         hidden, _ = tiny_encoders.audio.audio(mel, torch.tensor([101]))
-        x = F.conv1d(hidden.transpose(1, 2), raw_tensors["linear_proj_audio.0.weight"],
-                     raw_tensors["linear_proj_audio.0.bias"], stride=2, padding=1)
-        x = F.linear(F.gelu(x.transpose(1, 2)), raw_tensors["linear_proj_audio.3.weight"],
-                     raw_tensors["linear_proj_audio.3.bias"])
+        x = F.conv1d(
+            hidden.transpose(1, 2),
+            raw_tensors["linear_proj_audio.0.weight"],
+            raw_tensors["linear_proj_audio.0.bias"],
+            stride=2,
+            padding=1,
+        )
+        x = F.linear(
+            F.gelu(x.transpose(1, 2)),
+            raw_tensors["linear_proj_audio.3.weight"],
+            raw_tensors["linear_proj_audio.3.bias"],
+        )
         ref = F.normalize(x, dim=-1)[0]
         (ours,) = tiny_encoders.audio.encode_items([mel[0]])
     assert ours.shape[0] == audio_token_count(101) == 26

@@ -68,7 +68,9 @@ def test_fp32_stored_vision_loads_into_bf16_without_a_full_precision_copy(tiny_c
                 t[k] = t[k].float()
 
     release_like = _variant(tiny_ckpt, tmp_path / "fp32-vision", to_fp32)
-    stored = {k: v for shard in shard_files(release_like) for k, v in iter_tensors(shard) if is_encoder_key(k)}
+    stored = {
+        k: v for shard in shard_files(release_like) for k, v in iter_tensors(shard) if is_encoder_key(k)
+    }
     mem = SimulatedDeviceMemory(1 << 34)
     with mem.meter():
         models = load_encoders(release_like, dtype=torch.bfloat16, device="cpu")

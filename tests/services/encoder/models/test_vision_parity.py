@@ -54,7 +54,9 @@ def hf_vision(tiny_encoders, raw_tensors):
 def test_vision_tower_matches_transformers(case, tiny_encoders, hf_vision):
     grids = CASES[case]
     n = sum(t * h * w for t, h, w in grids)
-    patches = torch.randn(n, tiny_encoders.config.vision.patch_dim, generator=torch.Generator().manual_seed(1))
+    patches = torch.randn(
+        n, tiny_encoders.config.vision.patch_dim, generator=torch.Generator().manual_seed(1)
+    )
     with torch.inference_mode():
         ours = tiny_encoders.vision.vision(patches, grids)
         ref = hf_vision(hidden_states=patches, grid_thw=torch.tensor(grids)).pooler_output
@@ -65,11 +67,16 @@ def test_vision_tower_matches_transformers(case, tiny_encoders, hf_vision):
 def test_projector_and_l2_norm_follow_the_merger(tiny_encoders, hf_vision, raw_tensors):
     grids = CASES["two_images"]
     n = sum(t * h * w for t, h, w in grids)
-    patches = torch.randn(n, tiny_encoders.config.vision.patch_dim, generator=torch.Generator().manual_seed(2))
+    patches = torch.randn(
+        n, tiny_encoders.config.vision.patch_dim, generator=torch.Generator().manual_seed(2)
+    )
     with torch.inference_mode():
         merged = hf_vision(hidden_states=patches, grid_thw=torch.tensor(grids)).pooler_output
         h = F.linear(merged, raw_tensors["linear_proj.0.weight"], raw_tensors["linear_proj.0.bias"])
-        ref = F.normalize(F.linear(F.gelu(h), raw_tensors["linear_proj.2.weight"], raw_tensors["linear_proj.2.bias"]), dim=-1)
+        ref = F.normalize(
+            F.linear(F.gelu(h), raw_tensors["linear_proj.2.weight"], raw_tensors["linear_proj.2.bias"]),
+            dim=-1,
+        )
         blocks = tiny_encoders.vision.encode_items([patches[:24], patches[24:]], grids)
     ours = torch.cat(blocks)
     assert [b.shape[0] for b in blocks] == [6, 3]
@@ -80,7 +87,9 @@ def test_projector_and_l2_norm_follow_the_merger(tiny_encoders, hf_vision, raw_t
 def test_an_item_encodes_the_same_alone_and_batched(tiny_encoders):
     grids = CASES["larger_than_table_and_video"]
     gen = torch.Generator().manual_seed(3)
-    items = [torch.randn(t * h * w, tiny_encoders.config.vision.patch_dim, generator=gen) for t, h, w in grids]
+    items = [
+        torch.randn(t * h * w, tiny_encoders.config.vision.patch_dim, generator=gen) for t, h, w in grids
+    ]
     alone = [tiny_encoders.vision.encode_items([p], [g])[0] for p, g in zip(items, grids, strict=True)]
     batched = tiny_encoders.vision.encode_items(items, grids)
     for a, b in zip(alone, batched, strict=True):
@@ -105,8 +114,9 @@ def test_the_block_diagonal_reference_equals_the_segment_path(case, kind, tiny_e
     layout over fp32 tensors (no flash kernel) takes the segment path from its lengths."""
     grids = CASES[case] + [(1, 2, 4)]
     vision = tiny_encoders.vision.vision
-    patches = torch.randn(sum(t * h * w for t, h, w in grids), vision.cfg.patch_dim,
-                          generator=torch.Generator().manual_seed(5))
+    patches = torch.randn(
+        sum(t * h * w for t, h, w in grids), vision.cfg.patch_dim, generator=torch.Generator().manual_seed(5)
+    )
     with torch.inference_mode():
         want = vision(patches, grids)
         vision.attention = kind

@@ -18,8 +18,15 @@ def seeded(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
 
 def _reference() -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    ref = Qwen2ForCausalLM(Qwen2Config(**TINY_CONNECTOR, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
-                                       attn_implementation="sdpa")).eval()
+    ref = Qwen2ForCausalLM(
+        Qwen2Config(
+            **TINY_CONNECTOR,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            tie_word_embeddings=True,
+            attn_implementation="sdpa",
+        )
+    ).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
             p.normal_(1.0, 0.05) if "norm" in name else p.normal_(0.0, 0.1)
@@ -35,7 +42,9 @@ def test_bidirectional_connector_equals_transformers():
     for layer in ref.model.layers:
         layer.self_attn.is_causal = False
     with torch.no_grad():
-        want = ref(inputs_embeds=x, attention_mask=torch.ones(2, 1, 256, 256), output_hidden_states=True).hidden_states[-1]
+        want = ref(
+            inputs_embeds=x, attention_mask=torch.ones(2, 1, 256, 256), output_hidden_states=True
+        ).hidden_states[-1]
         got = ours(x)
         for layer in ref.model.layers:
             layer.self_attn.is_causal = True

@@ -34,12 +34,16 @@ def make_pair() -> tuple[ZImageTransformer2DModel, ZImageDiT]:
                 p.normal_(1.0, 0.1)
             else:
                 p.normal_(0.0, 0.08)
-    ours = ZImageDiT(DiTConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in TINY_DIT.items()})).eval()
+    ours = ZImageDiT(
+        DiTConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in TINY_DIT.items()})
+    ).eval()
     ours.load_state_dict(ref.state_dict(), strict=True)  # the same parameter names
     return ref, ours
 
 
-@pytest.mark.parametrize(("frames", "h", "w", "cap_len"), [(1, 24, 40, 37), (1, 16, 16, 256), (2, 16, 24, 64)])
+@pytest.mark.parametrize(
+    ("frames", "h", "w", "cap_len"), [(1, 24, 40, 37), (1, 16, 16, 256), (2, 16, 24, 64)]
+)
 def test_forward_equals_diffusers(pair, frames, h, w, cap_len):
     ref, ours = pair
     x = seeded(2, 16, frames, h, w, seed=1)

@@ -45,7 +45,9 @@ def test_dynamic_shift_depends_on_the_image_size():
     cfg = _ours(SCHEDULER)
     small, large = make_schedule(cfg, 10, 256), make_schedule(cfg, 10, 4096)
     assert (large.sigmas[1:-2] > small.sigmas[1:-2]).all()  # more tokens, more time at high noise
-    assert calculate_shift(256, cfg) == pytest.approx(0.5) and calculate_shift(4096, cfg) == pytest.approx(1.15)
+    assert calculate_shift(256, cfg) == pytest.approx(0.5) and calculate_shift(4096, cfg) == pytest.approx(
+        1.15
+    )
 
 
 def test_the_file_flag_decides_the_shift():

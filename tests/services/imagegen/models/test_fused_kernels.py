@@ -17,8 +17,10 @@ from omnistage.services.imagegen.models import fused
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install '.[dev]')")
 if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py turns it on where no NVIDIA driver is
-    pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before torch is imported)",
-                allow_module_level=True)
+    pytest.skip(
+        "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before torch is imported)",
+        allow_module_level=True,
+    )
 
 
 def rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -32,10 +34,18 @@ def test_norm_modulate_and_gate_residual_equal_the_torch_block_maths(d, modulate
     w = 1 + rand(d, seed=4, scale=0.1)
     scale = rand(2, 1, d, seed=5) if modulated else None
     gate = rand(2, 1, d, seed=6, scale=2.0) if modulated else None
-    torch.testing.assert_close(fused.norm_modulate(x, w, 1e-5, scale), fused.norm_modulate_ref(x, w, 1e-5, scale),
-                               atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fused.norm_gate_residual(res, h, w, 1e-5, gate),
-                               fused.norm_gate_residual_ref(res, h, w, 1e-5, gate), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        fused.norm_modulate(x, w, 1e-5, scale),
+        fused.norm_modulate_ref(x, w, 1e-5, scale),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    torch.testing.assert_close(
+        fused.norm_gate_residual(res, h, w, 1e-5, gate),
+        fused.norm_gate_residual_ref(res, h, w, 1e-5, gate),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_the_kernels_read_the_modulation_of_each_rows_own_batch_entry():
@@ -64,7 +74,10 @@ def test_the_dit_with_its_kernels_forced_equals_diffusers(monkeypatch):
     from tests.services.imagegen.models.test_dit_parity import make_pair, seeded
 
     ref, ours = make_pair()
-    x, t = seeded(1, 16, 1, 8, 8, seed=1), torch.tensor([0.3])  # small: the interpreter runs each program in Python
+    x, t = (
+        seeded(1, 16, 1, 8, 8, seed=1),
+        torch.tensor([0.3]),
+    )  # small: the interpreter runs each program in Python
     cap = seeded(1, 5, ours.cfg.cap_feat_dim, seed=2, scale=3.0)
     calls = []
     real = fused.qk_norm_rope
@@ -110,7 +123,15 @@ def test_the_kernels_compile_for_sm90_in_bf16(tmp_path):
     ahead of any GPU (a fresh process: the interpreter must be off when the kernels are decorated)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPILE], capture_output=True, text=True, timeout=300, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split() == ["norm_modulate_kernel", "True", "norm_gate_residual_kernel", "True",
-                                   "qk_norm_rope_kernel", "True"]
+    assert proc.stdout.split() == [
+        "norm_modulate_kernel",
+        "True",
+        "norm_gate_residual_kernel",
+        "True",
+        "qk_norm_rope_kernel",
+        "True",
+    ]

@@ -28,10 +28,16 @@ def _rewrite(path, edit) -> None:
 
 def test_loads_the_tiny_checkpoint_in_the_target_dtype(tiny_ckpt, tiny_models):
     cfg = tiny_models.config
-    assert cfg.thinker_hidden == 256 and cfg.mlp.num_queries == 256 and cfg.mlp.query_key == "query_tokens_dict.16x16"
+    assert (
+        cfg.thinker_hidden == 256
+        and cfg.mlp.num_queries == 256
+        and cfg.mlp.query_key == "query_tokens_dict.16x16"
+    )
     assert cfg.scheduler.use_dynamic_shifting and cfg.vae.scale_factor == 8
     stored = dict(iter_tensors(tiny_ckpt / "transformer" / "diffusion_pytorch_model.safetensors"))
-    assert torch.equal(tiny_models.dit.layers[1].attention.to_q.weight, stored["layers.1.attention.to_q.weight"].float())
+    assert torch.equal(
+        tiny_models.dit.layers[1].attention.to_q.weight, stored["layers.1.attention.to_q.weight"].float()
+    )
     conn = dict(iter_tensors(tiny_ckpt / "connector" / "model.safetensors"))
     assert torch.equal(tiny_models.cond.connector.model.norm.weight, conn["model.norm.weight"].float())
     names = {n for n, _ in tiny_models.cond.named_parameters()}
@@ -55,8 +61,10 @@ def test_wrong_keys_and_shapes_are_named(ckpt_copy):
 
 
 def test_query_embeddings_are_checked(ckpt_copy):
-    _rewrite(ckpt_copy / "mlp" / "model.safetensors",
-             lambda t: t.__setitem__("query_tokens_dict.16x16", torch.zeros(255, 256)))
+    _rewrite(
+        ckpt_copy / "mlp" / "model.safetensors",
+        lambda t: t.__setitem__("query_tokens_dict.16x16", torch.zeros(255, 256)),
+    )
     with pytest.raises(CheckpointError, match=r"query_tokens_dict.16x16 \[255, 256\] != \[256, 256\]"):
         load_imagegen(ckpt_copy, dtype=torch.float32, device="cpu")
 

@@ -23,8 +23,13 @@ def test_decode_and_encode_equal_diffusers(quant_conv):
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0.0, 0.1)
-    cfg = VaeConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()
-                       if k not in ("sample_size", "force_upcast")})
+    cfg = VaeConfig(
+        **{
+            k: tuple(v) if isinstance(v, list) else v
+            for k, v in settings.items()
+            if k not in ("sample_size", "force_upcast")
+        }
+    )
     ours = AutoencoderKL(cfg).eval()
     ours.load_state_dict(ref.state_dict(), strict=True)
     scale, shift = TINY_VAE["scaling_factor"], TINY_VAE["shift_factor"]

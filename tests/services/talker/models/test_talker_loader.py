@@ -30,11 +30,18 @@ def _rewrite(folder, edit) -> None:
     write_sharded(tensors, folder, 1)
 
 
-@pytest.mark.parametrize(("folder", "edit", "needle"), [
-    ("talker", lambda t: t.pop("stop_head.weight"), "missing keys: stop_head.weight"),
-    ("talker", lambda t: t.update({"extra.weight": torch.zeros(1)}), "unexpected keys: extra.weight"),
-    ("talker/vae", lambda t: t.update({"decoder.fc1.bias": torch.zeros(3)}), "mis-shaped keys: decoder.fc1.bias [3]"),
-])
+@pytest.mark.parametrize(
+    ("folder", "edit", "needle"),
+    [
+        ("talker", lambda t: t.pop("stop_head.weight"), "missing keys: stop_head.weight"),
+        ("talker", lambda t: t.update({"extra.weight": torch.zeros(1)}), "unexpected keys: extra.weight"),
+        (
+            "talker/vae",
+            lambda t: t.update({"decoder.fc1.bias": torch.zeros(3)}),
+            "mis-shaped keys: decoder.fc1.bias [3]",
+        ),
+    ],
+)
 def test_a_wrong_checkpoint_fails_naming_the_keys(talker_ckpt, tmp_path, folder, edit, needle):
     root = tmp_path / "ckpt"
     shutil.copytree(talker_ckpt, root)

@@ -56,8 +56,14 @@ def test_lm_matches_transformers_qwen2(talker_ckpt, talker_models):
         want = [hf(inputs_embeds=s[None]).last_hidden_state[0] for s in seqs]
         whole = ours(seqs[0][None])[0]
         # prefill of different lengths, then three decode steps of both rows in one batch
-        got = _cached(ours, [[seqs[0][:10], seqs[1][:6]], *[[s[i:i + 1] for s in (seqs[0][10:], seqs[1][6:])]
-                                                            for i in range(3)]], 32)
+        got = _cached(
+            ours,
+            [
+                [seqs[0][:10], seqs[1][:6]],
+                *[[s[i : i + 1] for s in (seqs[0][10:], seqs[1][6:])] for i in range(3)],
+            ],
+            32,
+        )
     torch.testing.assert_close(whole, want[0], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=1e-4)
@@ -72,7 +78,7 @@ def test_vae_decoder_backbone_matches_transformers_with_its_sliding_window(talke
     with torch.no_grad():
         want = hf(inputs_embeds=x[None]).last_hidden_state[0]
         whole = ours(x[None])[0]
-        chunks = [x[i:i + 16] for i in range(0, 70, 16)]
+        chunks = [x[i : i + 16] for i in range(0, 70, 16)]
         got = _cached(ours, [[c] for c in chunks], 80)[0]
     torch.testing.assert_close(whole, want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
@@ -91,7 +97,7 @@ def test_istft_head_matches_torch_istft(talker_models):
     assert ours.shape == (12 * hop,)
     # "same" padding trims (n_fft - hop) / 2 per side, torch's center mode n_fft / 2: offset hop / 2.
     offset = n_fft // 2 - (n_fft - hop) // 2
-    torch.testing.assert_close(ours[offset:offset + ref.shape[0]], ref, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(ours[offset : offset + ref.shape[0]], ref, atol=1e-6, rtol=1e-4)
 
 
 def _velocity(dit, y, tau, cond, history):
@@ -100,10 +106,16 @@ def _velocity(dit, y, tau, cond, history):
     freqs = torch.exp(-math.log(10000) * torch.arange(half) / (half - 1))
     args = 1000 * tau * freqs
     t_emb = dit.t_embedder.time_mlp(torch.cat((args.sin(), args.cos()))[None])
-    seq = torch.cat((t_emb[:, None] + dit.c_embedder.cond_embedder(cond)[:, None], dit.x_embedder(history),
-                     dit.x_embedder(y)), dim=1)
+    seq = torch.cat(
+        (
+            t_emb[:, None] + dit.c_embedder.cond_embedder(cond)[:, None],
+            dit.x_embedder(history),
+            dit.x_embedder(y),
+        ),
+        dim=1,
+    )
     cos, sin = dit.rotary_embed.cos_sin(seq.shape[1])
-    return dit.final_layer(dit.run_blocks(seq, cos, sin))[:, -y.shape[1]:]
+    return dit.final_layer(dit.run_blocks(seq, cos, sin))[:, -y.shape[1] :]
 
 
 def test_cfm_sample_follows_the_euler_cfg_sway_update(talker_models):

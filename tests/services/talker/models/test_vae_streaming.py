@@ -14,7 +14,7 @@ def test_upsampler_in_chunks_equals_interpolate(chunks):
     want = F.interpolate(feats.T[None], scale_factor=4, mode="linear", align_corners=False)[0].T
     state, got, offset = UpsampleState(), [], 0
     for i, n in enumerate(chunks):
-        got.append(upsample_frames(feats[offset:offset + n], state, 4, last=i == len(chunks) - 1))
+        got.append(upsample_frames(feats[offset : offset + n], state, 4, last=i == len(chunks) - 1))
         offset += n
     got = torch.cat(got)
     assert got.shape == want.shape
@@ -32,7 +32,9 @@ def test_upsampler_emits_a_frame_as_soon_as_its_latents_exist():
 def _stream(decoder, cache, slot, latents, chunks):
     stream, out, offset = DecodeStream(slot), [], 0
     for i, n in enumerate(chunks):
-        out.append(decoder.decode_step([stream], [latents[offset:offset + n]], [i == len(chunks) - 1], cache)[0])
+        out.append(
+            decoder.decode_step([stream], [latents[offset : offset + n]], [i == len(chunks) - 1], cache)[0]
+        )
         offset += n
     return torch.cat(out)
 
@@ -61,7 +63,9 @@ def test_batched_streams_equal_each_alone(talker_models):
     out = decoder.decode_step([sa], [a[:4]], [False], cache)
     outs_a.append(out[0])
     for i in range(2):
-        out = decoder.decode_step([sa, sb], [a[4 + 4 * i:8 + 4 * i], b[4 * i:4 + 4 * i]], [i == 1, i == 1], cache)
+        out = decoder.decode_step(
+            [sa, sb], [a[4 + 4 * i : 8 + 4 * i], b[4 * i : 4 + 4 * i]], [i == 1, i == 1], cache
+        )
         outs_a.append(out[0])
         outs_b.append(out[1])
     torch.testing.assert_close(torch.cat(outs_a), alone_a, atol=1e-5, rtol=1e-4)

@@ -48,7 +48,9 @@ class FakeModel(nn.Module):
         self.head = nn.Parameter(torch.randn(hidden, vocab, generator=g))
         self.attn = PagedAttention(heads, kv_heads, self.head_dim, 1 / math.sqrt(self.head_dim))
 
-    def forward(self, input_ids, positions, modality=None, inputs_embeds=None, media_index=None, media_rows=None):
+    def forward(
+        self, input_ids, positions, modality=None, inputs_embeds=None, media_index=None, media_rows=None
+    ):
         x = self.embed[input_ids]
         if media_index is not None:
             x = x.index_copy(0, media_index, media_rows)

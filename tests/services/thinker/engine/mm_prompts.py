@@ -19,9 +19,16 @@ from omnistage.v1 import encoder_pb2, thinker_pb2
 Part = tuple[str, object]
 
 MIXED: list[Part] = [
-    ("text", 5), ("image", (2, 3)), ("text", 3), ("audio", 4), ("text", 2),
-    ("video", [(2, 2), (2, 2)]), ("text", 3), ("image", (2, 2)), ("text", 2),
-]  # fmt: skip
+    ("text", 5),
+    ("image", (2, 3)),
+    ("text", 3),
+    ("audio", 4),
+    ("text", 2),
+    ("video", [(2, 2), (2, 2)]),
+    ("text", 3),
+    ("image", (2, 2)),
+    ("text", 2),
+]
 
 
 @dataclass
@@ -63,11 +70,18 @@ def layout(cfg: ThinkerConfig, parts: list[Part], seed: int = 0) -> tuple[list[i
 
 
 def placeholder(cfg: ThinkerConfig, kind: str) -> int:
-    return {"image": cfg.image_patch_token_id, "video": cfg.video_patch_token_id, "audio": cfg.audio_patch_token_id}[kind]
+    return {
+        "image": cfg.image_patch_token_id,
+        "video": cfg.video_patch_token_id,
+        "audio": cfg.audio_patch_token_id,
+    }[kind]
 
 
 def items(
-    cfg: ThinkerConfig, media: list[Media], transport: TransportContext | None = None, force: str | None = None
+    cfg: ThinkerConfig,
+    media: list[Media],
+    transport: TransportContext | None = None,
+    force: str | None = None,
 ) -> list[thinker_pb2.MultimodalEmbedding]:
     """The items as the gateway forwards them (inline refs, or `force`="shm" through `transport`)."""
     return [
@@ -105,8 +119,10 @@ def reference_inputs(
         image_start_token_id=cfg.image_start_token_id,
         image_patch_token_id=cfg.image_patch_token_id,
         video_patch_token_id=cfg.video_patch_token_id,
-        image_grid_thw=[(t, h * merge, w * merge) for m in media if m.kind == "image" for t, h, w in m.grids] or None,
-        video_grid_thw=[(t, h * merge, w * merge) for m in media if m.kind == "video" for t, h, w in m.grids] or None,
+        image_grid_thw=[(t, h * merge, w * merge) for m in media if m.kind == "image" for t, h, w in m.grids]
+        or None,
+        video_grid_thw=[(t, h * merge, w * merge) for m in media if m.kind == "video" for t, h, w in m.grids]
+        or None,
         spatial_merge_size=merge,
     )
     return embeds, modality, positions, delta

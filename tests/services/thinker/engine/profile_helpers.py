@@ -53,9 +53,12 @@ class AllocationRecorder(TorchDispatchMode):
 # A start-up collective waits longer than run_ranks' deadline: a rank that a peer's failure did not end
 # (its watch) is still running there, named, instead of leaving later by its collective's own timeout.
 TP_TEST = TPConfig(
-    startup_collective_timeout_s=600, serving_collective_timeout_s=60, failure_exit_s=8,
-    peer_watch_interval_s=0.2, peer_timeout_s=4,
-)  # fmt: skip
+    startup_collective_timeout_s=600,
+    serving_collective_timeout_s=60,
+    failure_exit_s=8,
+    peer_watch_interval_s=0.2,
+    peer_timeout_s=4,
+)
 
 
 def tp_rank(kwargs: dict) -> None:
@@ -93,17 +96,29 @@ def tp_rank(kwargs: dict) -> None:
     if kwargs.get("validation_extra_bytes"):
         _grow_validation_steps(kwargs["validation_extra_bytes"])
     cfg = RankConfig(
-        kwargs["ckpt"], engine, MemoryConfig(simulated_capacity_bytes=capacity), TP_TEST, rank=rank,
-        world_size=kwargs.get("world_size", 2), dist_port=kwargs["port"], fault=fault,
-    )  # fmt: skip
+        kwargs["ckpt"],
+        engine,
+        MemoryConfig(simulated_capacity_bytes=capacity),
+        TP_TEST,
+        rank=rank,
+        world_size=kwargs.get("world_size", 2),
+        dist_port=kwargs["port"],
+        fault=fault,
+    )
     try:
         started = start_rank(cfg, Progress(rank))
     except StartupError as exc:
         write("error", str(exc), culprit=exc.failure.rank)
         os._exit(1)
     prof = started.kv_profile
-    write("ok", "", blocks=started.runner.num_kv_blocks, proposed=prof.proposed_blocks, cap=prof.cap_bytes,
-          attempts=prof.attempts)
+    write(
+        "ok",
+        "",
+        blocks=started.runner.num_kv_blocks,
+        proposed=prof.proposed_blocks,
+        cap=prof.cap_bytes,
+        attempts=prof.attempts,
+    )
     started.control.leaving = True  # every rank sets it before the last barrier: nobody sees a "death"
     started.control.agree_min(0, "test done")
     started.control.close()
@@ -138,9 +153,14 @@ def run_ranks(ckpt: Path, out_dir: Path, world_size: int = 2, deadline_s: float 
     procs = []
     for rank in range(world_size):
         kwargs = dict(
-            rank=rank, world_size=world_size, port=port, ckpt=str(ckpt), out_dir=str(out_dir),
-            capacity=200 * MiB, **scenario,
-        )  # fmt: skip
+            rank=rank,
+            world_size=world_size,
+            port=port,
+            ckpt=str(ckpt),
+            out_dir=str(out_dir),
+            capacity=200 * MiB,
+            **scenario,
+        )
         procs.append(ctx.Process(target=tp_rank, args=(kwargs,), name=f"test-rank{rank}"))
     started = time.monotonic()
     for p in procs:

@@ -31,7 +31,9 @@ WITH_IMAGE = [("text", 5), ("image", (2, 3)), ("text", 4)]  # an edit: the refer
 
 
 def engine(ckpt, **kw) -> LLMEngine:
-    return start_engine(RankConfig(str(ckpt), EngineConfig(**{"block_size": 16, "max_model_len": MAX_MODEL_LEN, **kw})))
+    return start_engine(
+        RankConfig(str(ckpt), EngineConfig(**{"block_size": 16, "max_model_len": MAX_MODEL_LEN, **kw}))
+    )
 
 
 def queries(ckpt) -> torch.Tensor:
@@ -151,7 +153,9 @@ def test_a_hidden_state_request_frees_its_blocks_when_its_prefill_completes(tiny
     while e.has_unfinished():
         outputs += e.step()
     ((out,),) = [outputs]
-    assert out.finished and out.usage.prompt_tokens == len(prompt.token_ids) and out.usage.completion_tokens == 0
+    assert (
+        out.finished and out.usage.prompt_tokens == len(prompt.token_ids) and out.usage.completion_tokens == 0
+    )
     assert e.scheduler.block_manager.num_free_blocks == e.cfg.num_kv_blocks
     # Aborted half-way: blocks free, nothing kept.
     e.add_request("a", prompt.token_ids, SamplingParams(), **prompt.request_args())
@@ -169,10 +173,13 @@ def test_a_prompt_whose_block_does_not_fit_is_refused(tiny_ckpt):
 
 # --- TP=2 (gloo): the final-norm rows are replicated; rank 0 hands them back ------------------------
 
+
 def _tp_states(ckpt: str, e: LLMEngine) -> list:
     from pathlib import Path
 
-    prompts = [hidden_prompt(Path(ckpt), parts, seed)[0] for seed, parts in enumerate([TEXT_ONLY, WITH_IMAGE])]
+    prompts = [
+        hidden_prompt(Path(ckpt), parts, seed)[0] for seed, parts in enumerate([TEXT_ONLY, WITH_IMAGE])
+    ]
     return [r.hidden_states.numpy() for r in e.generate(prompts, timeout_s=DEADLINE_S)]  # pickled by value
 
 

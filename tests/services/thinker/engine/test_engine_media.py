@@ -71,7 +71,9 @@ def direct_logits(model, ids: list[int], media, extra: list[int] = ()) -> torch.
     embeds = torch.cat([embeds, weight[torch.tensor(list(extra), dtype=torch.long)]])
     modality = torch.cat([modality, torch.zeros(len(extra), dtype=torch.int8)])
     decode = (torch.arange(len(ids), n) + delta).expand(3, -1)
-    hidden = model(torch.zeros(n, dtype=torch.long), torch.cat([positions, decode], 1), modality, inputs_embeds=embeds)
+    hidden = model(
+        torch.zeros(n, dtype=torch.long), torch.cat([positions, decode], 1), modality, inputs_embeds=embeds
+    )
     return model.compute_logits(hidden)
 
 
@@ -93,7 +95,9 @@ def test_first_logits_equal_a_direct_forward_with_the_rows_spliced_by_hand(tiny_
         variants = {
             "placeholder embeddings": model(ids_t, positions, modality),
             "text router only": model(ids_t, positions, None, inputs_embeds=embeds),
-            "1D positions": model(ids_t, torch.arange(len(ids)).expand(3, -1), modality, inputs_embeds=embeds),
+            "1D positions": model(
+                ids_t, torch.arange(len(ids)).expand(3, -1), modality, inputs_embeds=embeds
+            ),
         }
     for name, hidden in variants.items():
         assert (model.compute_logits(hidden[-1:]) - want).abs().max() > 1e-3, name
@@ -128,25 +132,45 @@ def test_chunked_and_preempted_prefill_give_the_one_shot_tokens(tiny_ckpt, one_s
         assert preempted and rows > total  # recompute spliced rows again
     else:
         assert rows == total and sum(p.num_media_rows > 0 for p in plans) > len(PARTS)  # split over chunks
-    assert all(p.num_media_rows == 0 for p in plans if int(p.query_lens.max()) == 1)  # decode plans carry none
+    assert all(
+        p.num_media_rows == 0 for p in plans if int(p.query_lens.max()) == 1
+    )  # decode plans carry none
     assert e.scheduler.block_manager.num_free_blocks == e.cfg.num_kv_blocks
 
 
 def test_step_plan_carries_the_media_index_but_never_the_rows():
     plan = StepPlan(
-        input_ids=torch.arange(5), positions=torch.arange(5).expand(3, -1), query_lens=torch.tensor([5]),
-        context_lens=torch.tensor([5]), slot_mapping=torch.arange(5), block_tables=torch.zeros(1, 1, dtype=torch.long),
-        sample_rows=torch.tensor([4]), media_index=torch.tensor([1, 2]), media_modality=torch.tensor([1, 2]),
+        input_ids=torch.arange(5),
+        positions=torch.arange(5).expand(3, -1),
+        query_lens=torch.tensor([5]),
+        context_lens=torch.tensor([5]),
+        slot_mapping=torch.arange(5),
+        block_tables=torch.zeros(1, 1, dtype=torch.long),
+        sample_rows=torch.tensor([4]),
+        media_index=torch.tensor([1, 2]),
+        media_modality=torch.tensor([1, 2]),
         media_rows=torch.ones(2, 8),
-    )  # fmt: skip
+    )
     back = StepPlan.decode(plan.encode())
     assert back.media_index.tolist() == [1, 2] and back.media_modality.tolist() == [1, 2]
     assert back.media_rows is None and back.input_ids.tolist() == list(range(5))
-    assert plan.encode().numel() == StepPlan(**{**plan.__dict__, "media_index": torch.zeros(0, dtype=torch.long),
-                                                "media_modality": torch.zeros(0, dtype=torch.long)}).encode().numel() + 4
+    assert (
+        plan.encode().numel()
+        == StepPlan(
+            **{
+                **plan.__dict__,
+                "media_index": torch.zeros(0, dtype=torch.long),
+                "media_modality": torch.zeros(0, dtype=torch.long),
+            }
+        )
+        .encode()
+        .numel()
+        + 4
+    )
 
 
 # --- TP=2 (gloo): rank 0 alone holds the rows, the embedding all-reduce hands them over --------------
+
 
 def _tp_tokens(ckpt: str, e: LLMEngine) -> list[list[int]]:
     return [r.token_ids for r in e.generate(mm_prompts(ckpt), GREEDY, timeout_s=DEADLINE_S)]

@@ -50,7 +50,9 @@ def _fail_after(rank: int, fail_rank: int | None, steps: int = 3, what: str = "f
     setattr(module, name, broken)
 
 
-TP = TPConfig(startup_collective_timeout_s=60, serving_collective_timeout_s=60, failure_exit_s=10, peer_timeout_s=5)
+TP = TPConfig(
+    startup_collective_timeout_s=60, serving_collective_timeout_s=60, failure_exit_s=10, peer_timeout_s=5
+)
 
 
 def _worker(fail_rank: int | None, what: str, cfg: RankConfig) -> None:
@@ -76,7 +78,9 @@ def _rank0(ckpt: str, world_size: int, port: int, fail_rank: int | None, what: s
 def run_tp(ckpt, world_size: int, fail_rank: int | None = None, what: str = "forward"):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_rank0, args=(str(ckpt), world_size, local_ranks.free_port(), fail_rank, what, out))
+    proc = ctx.Process(
+        target=_rank0, args=(str(ckpt), world_size, local_ranks.free_port(), fail_rank, what, out)
+    )
     proc.start()
     try:
         result = out.get(timeout=DEADLINE_S)

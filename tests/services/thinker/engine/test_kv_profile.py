@@ -123,9 +123,12 @@ def test_the_first_proposal_leaves_the_peak_it_is_then_checked_against(tiny_ckpt
     steps: list[str] = []
     with mem.meter():
         prof = size_kv_cache(
-            runner, SOLO, mem, KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB),
+            runner,
+            SOLO,
+            mem,
+            KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB),
             progress=lambda detail, *_: steps.append(detail),
-        )  # fmt: skip
+        )
     assert workspace and prof.attempts == 1, steps
     # ... and it still takes what there is: what is left is the largest step plus canary and rounding.
     unused = CAPACITY - mem.allocated()
@@ -148,8 +151,13 @@ def test_memory_held_outside_the_allocator_during_the_probe_shrinks_the_cap(tiny
     runner.model.register_forward_pre_hook(lazily_held)
     steps: list[str] = []
     with mem.meter():
-        prof = size_kv_cache(runner, SOLO, mem, KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB),
-                             progress=lambda detail, *_: steps.append(detail))
+        prof = size_kv_cache(
+            runner,
+            SOLO,
+            mem,
+            KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB),
+            progress=lambda detail, *_: steps.append(detail),
+        )
     assert held and prof.attempts == 1, steps
     assert prof.cap_bytes == CAPACITY - 12 * MiB and prof.peers_bytes == 12 * MiB
 
@@ -165,14 +173,22 @@ def test_gives_up_after_4_attempts_naming_every_knob(tiny_ckpt):
             mem.reserve(mem.free() - 64 * 1024, "greedy peer")
 
     with mem.meter(), pytest.raises(KVProfileError) as err:
-        size_kv_cache(runner, SOLO, mem, KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB), progress=progress)
+        size_kv_cache(
+            runner, SOLO, mem, KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB), progress=progress
+        )
     assert len(attempts) == 4 and "attempt 4/4" in attempts[-1]
     msg = str(err.value)
     assert "failed after 4 attempt(s)" in msg
     for knob in (
-        "memory.budget_bytes", "memory.budget_fraction", "engine.max_num_seqs", "engine.max_num_batched_tokens",
-        "engine.max_model_len", "CUDA graph sizes", "engine.kv_tokens", "engine.kv_safety_factor",
-    ):  # fmt: skip
+        "memory.budget_bytes",
+        "memory.budget_fraction",
+        "engine.max_num_seqs",
+        "engine.max_num_batched_tokens",
+        "engine.max_model_len",
+        "CUDA graph sizes",
+        "engine.kv_tokens",
+        "engine.kv_safety_factor",
+    ):
         assert knob in msg
 
 

@@ -131,7 +131,9 @@ def test_max_tokens_that_cannot_fit_is_refused_with_both_numbers():
     engine = make_fake_engine(block_size=8, max_model_len=64)
     with pytest.raises(RequestError, match=r"^sampling.max_tokens: 1000 exceeds max_model_len 64$"):
         engine.add_request("a", [1, 2], SamplingParams(max_tokens=1000))
-    with pytest.raises(RequestError, match=r"prompt of 2 tokens \+ sampling.max_tokens 63 = 65 exceeds max_model_len 64"):
+    with pytest.raises(
+        RequestError, match=r"prompt of 2 tokens \+ sampling.max_tokens 63 = 65 exceeds max_model_len 64"
+    ):
         engine.add_request("b", [1, 2], SamplingParams(max_tokens=63))
     engine.add_request("c", [1, 2], SamplingParams(max_tokens=62))
     assert engine.scheduler.seqs["c"].max_tokens == 62
@@ -146,7 +148,9 @@ def test_stop_string_on_the_last_allowed_token_reports_stop_string():
     first = engine.generate([p], SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,)))[0]
     assert first.finish_reason is FinishReason.STOP_STRING
     # The same request with max_tokens ending exactly on the token that completes the stop string.
-    last = engine.generate([p], SamplingParams(max_tokens=len(first.token_ids), ignore_eos=True, stop=(stop,)))[0]
+    last = engine.generate(
+        [p], SamplingParams(max_tokens=len(first.token_ids), ignore_eos=True, stop=(stop,))
+    )[0]
     assert last.token_ids == first.token_ids
     assert last.finish_reason is FinishReason.STOP_STRING
     assert last.text == first.text

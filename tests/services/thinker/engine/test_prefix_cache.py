@@ -79,8 +79,11 @@ def test_the_next_turn_hits_the_previous_answer_too():
     assert usage.cached_prompt_tokens == (30 + 20 - 1) // 8 * 8  # the last answer token was never computed
 
 
-@pytest.mark.parametrize("kw", [dict(max_num_batched_tokens=16), dict(max_num_batched_tokens=64, num_kv_blocks=24)],
-                         ids=["chunked", "preempting"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw",
+    [dict(max_num_batched_tokens=16), dict(max_num_batched_tokens=64, num_kv_blocks=24)],
+    ids=["chunked", "preempting"],
+)
 def test_greedy_tokens_identical_with_and_without_caching(kw):
     """Many requests sharing prefixes, chunked or preempted: caching changes no token."""
     system = tokens(40, seed=8)
@@ -88,8 +91,12 @@ def test_greedy_tokens_identical_with_and_without_caching(kw):
     prompts += prompts[:4]  # exact repeats
     off = make_fake_engine(block_size=8, max_model_len=256, prefix_caching=False, **kw)
     on = make_fake_engine(block_size=8, max_model_len=256, **kw)
-    want = [r.token_ids for r in off.generate(prompts[:6], GREEDY)] + [r.token_ids for r in off.generate(prompts[6:], GREEDY)]
-    got = [r.token_ids for r in on.generate(prompts[:6], GREEDY)] + [r.token_ids for r in on.generate(prompts[6:], GREEDY)]
+    want = [r.token_ids for r in off.generate(prompts[:6], GREEDY)] + [
+        r.token_ids for r in off.generate(prompts[6:], GREEDY)
+    ]
+    got = [r.token_ids for r in on.generate(prompts[:6], GREEDY)] + [
+        r.token_ids for r in on.generate(prompts[6:], GREEDY)
+    ]
     assert got == want
     stats = on.scheduler.block_manager.stats
     assert stats.hit_tokens >= 10 * 40 // 8 * 8  # the later requests found the system prompt at least
@@ -185,7 +192,9 @@ class CacheModel:
     def write(self, s: Sequence, start: int, end: int) -> None:
         for i in range(start // BS, -(-end // BS)):
             full = (i + 1) * BS <= end
-            self.content[s.block_table[i]] = s.keys_of_full_blocks(BS, i + 1)[i] if full else ("partial", s.seq_id)
+            self.content[s.block_table[i]] = (
+                s.keys_of_full_blocks(BS, i + 1)[i] if full else ("partial", s.seq_id)
+            )
 
 
 def check(s: Scheduler, model: CacheModel) -> None:
@@ -207,8 +216,15 @@ def check(s: Scheduler, model: CacheModel) -> None:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(op, min_size=1, max_size=60), st.integers(4, 14))
 def test_fuzz_add_finish_preempt_never_loses_a_block_in_use(ops, num_blocks):
-    cfg = resolve_engine_config(EngineConfig(block_size=BS, num_kv_blocks=num_blocks, max_model_len=num_blocks * BS,
-                                             max_num_batched_tokens=12, max_num_seqs=4))  # fmt: skip
+    cfg = resolve_engine_config(
+        EngineConfig(
+            block_size=BS,
+            num_kv_blocks=num_blocks,
+            max_model_len=num_blocks * BS,
+            max_num_batched_tokens=12,
+            max_num_seqs=4,
+        )
+    )
     s, model, rng = Scheduler(cfg, [0]), CacheModel(), random.Random(0)
     prefixes = [tokens(16, seed=i) for i in range(4)]
     for n, action in enumerate(ops):

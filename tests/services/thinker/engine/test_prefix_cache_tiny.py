@@ -59,8 +59,9 @@ def uncached(tiny_ckpt):
     return waves(engine(tiny_ckpt, max_num_batched_tokens=256, prefix_caching=False))
 
 
-@pytest.mark.parametrize("kw", [dict(max_num_batched_tokens=256), dict(max_num_batched_tokens=24)],
-                         ids=["one-shot", "chunked"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw", [dict(max_num_batched_tokens=256), dict(max_num_batched_tokens=24)], ids=["one-shot", "chunked"]
+)
 def test_greedy_tokens_identical_with_and_without_a_hit(tiny_ckpt, uncached, kw):
     tokens, cached = waves(engine(tiny_ckpt, **kw))
     assert tokens == uncached[0]

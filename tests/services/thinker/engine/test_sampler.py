@@ -132,7 +132,9 @@ def test_filters_match_hf_warpers_on_random_logits(seed):
     settings = [(k, p, m) for k in (0, 1, 7, 50) for p in (1.0, 0.3, 0.9) for m in (0.0, 0.05)]
     for k, p, m in settings:
         n = logits.shape[0]
-        ours = filter_logits(logits, torch.full((n,), k), torch.full((n,), p), torch.full((n,), m)) > float("-inf")
+        ours = filter_logits(logits, torch.full((n,), k), torch.full((n,), p), torch.full((n,), m)) > float(
+            "-inf"
+        )
         assert torch.equal(ours, _hf_kept(logits, k, p, m)), (k, p, m)
 
 
@@ -176,4 +178,6 @@ def test_seeded_generator_is_made_lazily_from_the_seed():
     assert a.generator(torch.device("cpu")).initial_seed() == 11
     assert a.generator(torch.device("cpu")) is a.generator(torch.device("cpu"))
     logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(0))
-    assert [Sampler()(logits, [a]).token_ids[0] for _ in range(5)] == [Sampler()(logits, [b]).token_ids[0] for _ in range(5)]
+    assert [Sampler()(logits, [a]).token_ids[0] for _ in range(5)] == [
+        Sampler()(logits, [b]).token_ids[0] for _ in range(5)
+    ]

@@ -56,7 +56,12 @@ def test_the_first_failure_wins_and_every_rank_reads_it(store_host):
     a, b = GroupStore("127.0.0.1", port, timeout_s=5), GroupStore("127.0.0.1", port, timeout_s=5)
     first = a.report(GroupFailure(2, "rank 2 failed in warming_up: OutOfMemoryError: x"))
     second = b.report(GroupFailure(1, "rank 1 failed in warming_up: RuntimeError: y"))
-    assert first == second == b.first_failure() == GroupFailure(2, "rank 2 failed in warming_up: OutOfMemoryError: x")
+    assert (
+        first
+        == second
+        == b.first_failure()
+        == GroupFailure(2, "rank 2 failed in warming_up: OutOfMemoryError: x")
+    )
 
 
 def test_a_stopped_store_host_is_a_failure_within_the_deadline_not_a_hang(store_host):
@@ -88,7 +93,9 @@ def test_a_dead_process_is_gone_even_before_it_is_reaped():
     assert not process_gone(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     # A zombie until we reap it below.
-    wait_for(lambda: process_gone(proc.pid), 10, "a killed process to look gone before it is reaped", poll_s=0.05)
+    wait_for(
+        lambda: process_gone(proc.pid), 10, "a killed process to look gone before it is reaped", poll_s=0.05
+    )
     proc.wait(10)
     assert process_gone(proc.pid)
 
@@ -96,9 +103,12 @@ def test_a_dead_process_is_gone_even_before_it_is_reaped():
 # --- the serving deadline of collectives -------------------------------------------------------
 
 TP = TPConfig(
-    startup_collective_timeout_s=60, serving_collective_timeout_s=2, failure_exit_s=30,
-    peer_watch_interval_s=0.2, peer_timeout_s=20,
-)  # fmt: skip
+    startup_collective_timeout_s=60,
+    serving_collective_timeout_s=2,
+    failure_exit_s=30,
+    peer_watch_interval_s=0.2,
+    peer_timeout_s=20,
+)
 
 
 def _idle_peer(port: int) -> None:
@@ -128,7 +138,6 @@ def test_a_collective_while_serving_gives_up_at_the_serving_deadline(tmp_path):
     assert seen == [err.value.failure]
 
 
-
 def _store_host(port: int, ready) -> None:
     """Rank 0: hosts the store, joins, then waits to be killed."""
     join_tp_group(0, 2, port=port, cfg=replace(TP, peer_timeout_s=5, failure_exit_s=30))
@@ -150,8 +159,14 @@ def test_the_store_host_dying_ends_the_other_ranks_naming_it():
         control.watch.exit_process = lambda code: events.append(("exit", code))
         wait_event(ready, 60, "rank 0 to host the store", stage="thinker", rank=0)
         host.kill()
-        wait_for(lambda: ("exit", 1) in events, control.cfg.failure_exit_s,
-                 "rank 1 to leave once the store host died", stage="thinker", rank=1, poll_s=0.05)
+        wait_for(
+            lambda: ("exit", 1) in events,
+            control.cfg.failure_exit_s,
+            "rank 1 to leave once the store host died",
+            stage="thinker",
+            rank=1,
+            poll_s=0.05,
+        )
     finally:
         host.kill()
         host.join(10)
@@ -176,7 +191,11 @@ class _PeerDiesLate:
 
     def find_dead_peer(self):
         self.looks += 1
-        return self.control.report_peer(3, "died", "process 4242 is gone") if self.looks >= self.found_on else None
+        return (
+            self.control.report_peer(3, "died", "process 4242 is gone")
+            if self.looks >= self.found_on
+            else None
+        )
 
     def wake(self) -> None:
         pass
@@ -189,7 +208,9 @@ def test_a_forward_broken_by_a_dead_peer_blames_the_peer_not_the_rank_that_notic
     control = TPControl(2, 4, cfg)
     control.watch = _PeerDiesLate(control, found_on=6)
     control.serving, control.num_plans = True, 13
-    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234")
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234"
+    )
     failure = control.fail("step 12 forward", gloo)  # as llm_engine / worker report a failed forward
     assert failure == GroupFailure(3, "rank 3 died while serving (step 13): process 4242 is gone", "died")
     assert control.watch.looks == 6
@@ -201,5 +222,8 @@ def test_a_forward_that_fails_on_its_own_blames_its_rank_at_once():
     control = TPControl(2, 4, TPConfig(peer_watch_interval_s=0.02, peer_timeout_s=5, failure_exit_s=30))
     control.watch = _PeerDiesLate(control, found_on=10**9)
     failure = control.fail("step 12 forward", ValueError("shape mismatch"))
-    assert failure.rank == 2 and failure.message == "rank 2 failed in step 12 forward: ValueError: shape mismatch"
+    assert (
+        failure.rank == 2
+        and failure.message == "rank 2 failed in step 12 forward: ValueError: shape mismatch"
+    )
     assert control.watch.looks == 1  # no wait for a culprit

@@ -15,8 +15,16 @@ import pytest
 from tests.services.thinker.engine.profile_helpers import MiB, run_ranks
 
 CASES = {
-    "rebuild": ("profiling_memory", "kv_rebuild", "failed in profiling_memory: KVProfileError: auto-profile failed"),
-    "validation": ("profiling_memory", "kv_validation", "failed in profiling memory (validation (attempt 1/4)"),
+    "rebuild": (
+        "profiling_memory",
+        "kv_rebuild",
+        "failed in profiling_memory: KVProfileError: auto-profile failed",
+    ),
+    "validation": (
+        "profiling_memory",
+        "kv_validation",
+        "failed in profiling memory (validation (attempt 1/4)",
+    ),
     "warm-up": ("warming_up", "warmup_forward", "failed in warm-up shape 'prefill"),
 }
 
@@ -35,17 +43,27 @@ def _check(results: dict, bad: int, expected: str, cause: str) -> None:
 @pytest.mark.parametrize(
     "world_size, bad, case",
     [(2, 1, "rebuild"), (2, 0, "validation"), (2, 1, "warm-up"), (4, 2, "warm-up"), (4, 3, "rebuild")],
-    ids=["tp2-rank1-rebuild", "tp2-rank0-validation", "tp2-rank1-warmup", "tp4-rank2-warmup", "tp4-rank3-rebuild"],
+    ids=[
+        "tp2-rank1-rebuild",
+        "tp2-rank0-validation",
+        "tp2-rank1-warmup",
+        "tp4-rank2-warmup",
+        "tp4-rank3-rebuild",
+    ],
 )
 def test_a_start_up_oom_on_one_rank_ends_every_rank_naming_it(tiny_ckpt, tmp_path, world_size, bad, case):
     phase, point, expected = CASES[case]
     fault = {"phase": phase, "action": "oom", "rank": bad, "at": point}
-    results, _, _ = run_ranks(tiny_ckpt, tmp_path, world_size, fault=fault)  # fails naming a rank still running
+    results, _, _ = run_ranks(
+        tiny_ckpt, tmp_path, world_size, fault=fault
+    )  # fails naming a rank still running
     _check(results, bad, expected, "OutOfMemoryError")
 
 
 @pytest.mark.slow
-def test_a_validation_step_a_little_over_the_probe_shrinks_on_every_rank_instead_of_failing(tiny_ckpt, tmp_path):
+def test_a_validation_step_a_little_over_the_probe_shrinks_on_every_rank_instead_of_failing(
+    tiny_ckpt, tmp_path
+):
     """Seen on 2 x H200 (fp32, ~121 GiB cache): a validation step needed 16 MiB more than the probe
     measured; with the canary held during the validation that was an OOM inside a TP forward, fatal to
     the group. The canary is proven, freed, and the validation's peak must leave it free: the overshoot

@@ -17,9 +17,23 @@ BENCH = Path(__file__).resolve().parents[4] / "bench" / "tp_verify_gpu.py"
 def test_tiny_tp2_passes_every_check(tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--tiny", "--tp", "2", "--starts", "1", "--streams", "4", "--json", str(out)],
-        capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCH),
+            "--tiny",
+            "--tp",
+            "2",
+            "--starts",
+            "1",
+            "--streams",
+            "4",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(out.read_text())
     names = [c["name"] for c in report["checks"]]

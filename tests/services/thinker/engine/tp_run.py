@@ -16,10 +16,14 @@ from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.group import local_ranks
 from omnistage.services.thinker.group.startup import RankConfig, start_engine
 
-TP = TPConfig(startup_collective_timeout_s=60, serving_collective_timeout_s=60, failure_exit_s=10, peer_timeout_s=5)
+TP = TPConfig(
+    startup_collective_timeout_s=60, serving_collective_timeout_s=60, failure_exit_s=10, peer_timeout_s=5
+)
 
 
-def _rank0(scenario: Callable[[LLMEngine], Any], ckpt: str, engine_cfg: EngineConfig, port: int, out: mp.Queue) -> None:
+def _rank0(
+    scenario: Callable[[LLMEngine], Any], ckpt: str, engine_cfg: EngineConfig, port: int, out: mp.Queue
+) -> None:
     setup_logging("thinker", rank=0)
     cfg = RankConfig(ckpt, engine_cfg, tp=TP, world_size=2, dist_port=port)
     procs = local_ranks.spawn_workers(cfg)
@@ -33,7 +37,9 @@ def _rank0(scenario: Callable[[LLMEngine], Any], ckpt: str, engine_cfg: EngineCo
         raise SystemExit(1) from None
 
 
-def run_tp2(scenario: Callable[[LLMEngine], Any], ckpt, engine_cfg: EngineConfig, deadline_s: float = 120) -> Any:
+def run_tp2(
+    scenario: Callable[[LLMEngine], Any], ckpt, engine_cfg: EngineConfig, deadline_s: float = 120
+) -> Any:
     """`scenario(engine)` on rank 0 of a TP=2 group (a module-level function: it is pickled); its
     result (picklable), after the worker exited with 0."""
     ctx = mp.get_context("spawn")

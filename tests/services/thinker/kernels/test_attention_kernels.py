@@ -36,7 +36,9 @@ def test_decode_attention_equals_the_reference_over_several_pages():
     layer = layer_with_cache(0)
     contexts = [5, 33, 16, 130]  # within one page, across pages, a full page, past one 64-token step
     tables = tables_for(contexts)
-    slots = torch.tensor([int(tables[b, (c - 1) // PAGE]) * PAGE + (c - 1) % PAGE for b, c in enumerate(contexts)])
+    slots = torch.tensor(
+        [int(tables[b, (c - 1) // PAGE]) * PAGE + (c - 1) % PAGE for b, c in enumerate(contexts)]
+    )
     q, k, v = torch.randn(4, HEADS, DIM), torch.randn(4, KV_HEADS, DIM), torch.randn(4, KV_HEADS, DIM)
     k_cache, v_cache = layer.k_cache.clone(), layer.v_cache.clone()
     with attention_metadata(AttentionMetadata([1] * 4, contexts, slots, tables)):
@@ -56,6 +58,12 @@ def test_padding_rows_write_nothing_and_attend_to_nothing():
     assert changed == [1]  # block 1 (slot 17 = block 1, offset 1) only
     assert torch.equal(layer.k_cache[1, 1], k[1]) and torch.equal(layer.v_cache[1, 1], v[1])
     assert torch.equal(layer.v_cache[0], before_v[0])
-    out = paged_decode(torch.randn(2, HEADS, DIM), layer.k_cache, layer.v_cache,
-                       torch.zeros(2, 4, dtype=torch.int64), torch.tensor([0, 0]), layer.scale)  # fmt: skip
+    out = paged_decode(
+        torch.randn(2, HEADS, DIM),
+        layer.k_cache,
+        layer.v_cache,
+        torch.zeros(2, 4, dtype=torch.int64),
+        torch.tensor([0, 0]),
+        layer.scale,
+    )
     assert torch.equal(out, torch.zeros_like(out))

@@ -40,7 +40,9 @@ def test_an_explicit_backend_that_cannot_run_here_is_refused(monkeypatch):
 @pytest.mark.parametrize("key", ["attention_backend", "moe_backend"])
 def test_the_deploy_file_names_the_allowed_backends(key):
     data = {"services": {"thinker": {"kind": "thinker", "port": 7161, "engine": {key: "cuda"}}}}
-    with pytest.raises(ConfigError, match=f"services.thinker.engine.{key}: expected one of auto, torch, triton"):
+    with pytest.raises(
+        ConfigError, match=f"services.thinker.engine.{key}: expected one of auto, torch, triton"
+    ):
         config_from_dict(data)
 
 
@@ -51,10 +53,15 @@ def test_installing_reaches_every_layer_and_torch_restores_the_reference(tiny_ck
     install_backends(model, Backends("triton", "triton"))
     layers = model.model.layers
     assert all(isinstance(a, TritonAttention) for a in [layer.attention.attn.backend for layer in layers])
-    assert all(layer.input_layernorm.kernel is not None and layer.attention.qk_kernel is not None for layer in layers)
+    assert all(
+        layer.input_layernorm.kernel is not None and layer.attention.qk_kernel is not None for layer in layers
+    )
     moe = [layer.mlp for layer in layers if hasattr(layer.mlp, "experts")]
     assert moe and all(m.experts.kernel is not None and m.gate.kernel is not None for m in moe)
     install_backends(model, Backends("torch", "torch"))
-    assert all(layer.attention.attn.backend is TORCH_ATTENTION and layer.attention.qk_kernel is None for layer in layers)
+    assert all(
+        layer.attention.attn.backend is TORCH_ATTENTION and layer.attention.qk_kernel is None
+        for layer in layers
+    )
     assert all(m.experts.kernel is None and m.gate.kernel is None for m in moe)
     assert model.model.norm.kernel is None

@@ -20,7 +20,11 @@ def test_batch_sizes_cover_every_batch_up_to_the_largest():
     assert graph_batch_sizes(6) == [1, 2, 4, 6]
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     sizes = graph_batch_sizes(64)
-    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 64 and all(b - a <= 8 for a, b in zip(sizes, sizes[1:], strict=False))
+    assert (
+        sizes[:4] == [1, 2, 4, 8]
+        and sizes[-1] == 64
+        and all(b - a <= 8 for a, b in zip(sizes, sizes[1:], strict=False))
+    )
     assert graph_reserve_bytes(8, 1000, 1) > sum(graph_batch_sizes(8)) * 1000 * 4
 
 
@@ -35,8 +39,16 @@ class Recorder(torch.nn.Module):
         from omnistage.services.thinker.models.layers.attention import current_metadata
 
         md = current_metadata(ids.shape[0])
-        self.calls.append((ids.clone(), positions.clone(), md.slot_mapping.clone(), md.context_lens_tensor.clone(),
-                           md.block_tables.clone(), ids.data_ptr()))  # fmt: skip
+        self.calls.append(
+            (
+                ids.clone(),
+                positions.clone(),
+                md.slot_mapping.clone(),
+                md.context_lens_tensor.clone(),
+                md.block_tables.clone(),
+                ids.data_ptr(),
+            )
+        )
         return ids.float()[:, None].expand(-1, 4)
 
     def compute_logits(self, hidden):
@@ -45,11 +57,14 @@ class Recorder(torch.nn.Module):
 
 def decode_plan(n: int, width: int = 3) -> StepPlan:
     return StepPlan(
-        input_ids=torch.arange(100, 100 + n), positions=torch.arange(n).repeat(3, 1) + 7,
-        query_lens=torch.ones(n, dtype=torch.int64), context_lens=torch.arange(n) + 8,
-        slot_mapping=torch.arange(n) * 16 + 7, block_tables=torch.arange(n * width).view(n, width),
+        input_ids=torch.arange(100, 100 + n),
+        positions=torch.arange(n).repeat(3, 1) + 7,
+        query_lens=torch.ones(n, dtype=torch.int64),
+        context_lens=torch.arange(n) + 8,
+        slot_mapping=torch.arange(n) * 16 + 7,
+        block_tables=torch.arange(n * width).view(n, width),
         sample_rows=torch.arange(n),
-    )  # fmt: skip
+    )
 
 
 def test_a_step_runs_at_its_bucket_with_padding_rows_that_write_and_read_nothing():

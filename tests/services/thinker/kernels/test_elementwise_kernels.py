@@ -33,11 +33,15 @@ def test_qk_norm_and_partial_rope_in_place_on_the_qkv_rows(dim, rotary_dim, rope
     q_norm.weight.data.normal_()
     k_norm.weight.data.normal_()
     rope = RotaryEmbedding(dim, rotary_dim, 10000.0, rope_type)
-    positions = torch.stack([torch.arange(tokens), torch.arange(tokens) * 2, torch.arange(tokens) + 5])  # t, h, w
+    positions = torch.stack(
+        [torch.arange(tokens), torch.arange(tokens) * 2, torch.arange(tokens) + 5]
+    )  # t, h, w
     cos, sin = rope.cos_sin(positions, torch.float32)
     q, k, v = qkv.split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     with torch.no_grad():
-        want_q, want_k = rope.apply(cos, sin, q_norm(q.view(tokens, q_heads, dim)), k_norm(k.view(tokens, kv_heads, dim)))
+        want_q, want_k = rope.apply(
+            cos, sin, q_norm(q.view(tokens, q_heads, dim)), k_norm(k.view(tokens, kv_heads, dim))
+        )
         rows = qkv.clone()
         qk = rows[:, : (q_heads + kv_heads) * dim].view(tokens, -1, dim)
         qk_norm_rope(qk, q_heads, q_norm.weight, k_norm.weight, 1e-6, cos, sin)

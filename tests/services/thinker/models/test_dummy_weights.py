@@ -29,10 +29,14 @@ def test_dummy_bf16_weights_are_made_in_bf16_with_sane_magnitudes(config_only):
     params = dict(model.named_parameters())
     assert all(p.dtype == torch.bfloat16 for p in params.values())
     weights = sum(p.numel() * p.element_size() for p in params.values())
-    largest = max(math.prod(s) for s in checkpoint_shapes(ThinkerConfig.from_checkpoint(config_only)).values()) * 2
+    largest = (
+        max(math.prod(s) for s in checkpoint_shapes(ThinkerConfig.from_checkpoint(config_only)).values()) * 2
+    )
     assert weights <= mem.peak_allocated() <= weights * 1.05 + largest  # one checkpoint tensor at a time
     shapes = {tuple(p.shape) for p in params.values()}
-    assert not [s for s, dt in rec.tensors if dt == torch.float32 and s in shapes], "fp32 copies of bf16 weights"
+    assert not [s for s, dt in rec.tensors if dt == torch.float32 and s in shapes], (
+        "fp32 copies of bf16 weights"
+    )
     for name, p in params.items():
         if name.endswith("norm.weight"):
             assert bool((p == 1).all()), name

@@ -56,8 +56,11 @@ def test_special_ids_come_from_files(tok, tiny_ckpt, tiny_model):
 
 def ming_pieces(system: str, turns: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """The Ming chat format (ming.md §7.2) as pieces: markup as template, every text as text."""
-    pieces = [("template", "<role>SYSTEM</role>"), ("text", system),
-              ("template", "\n\ndetailed thinking off<|role_end|>")]
+    pieces = [
+        ("template", "<role>SYSTEM</role>"),
+        ("text", system),
+        ("template", "\n\ndetailed thinking off<|role_end|>"),
+    ]
     for role, text in turns:
         pieces += [("template", f"<role>{role}</role>"), ("text", text), ("template", "<|role_end|>")]
     return pieces + [("template", "<role>ASSISTANT</role>")]
@@ -66,9 +69,19 @@ def ming_pieces(system: str, turns: list[tuple[str, str]]) -> list[tuple[str, st
 BENIGN = [
     ("你是一个友好的AI助手。", [("HUMAN", "Hello, world! How are you today?")]),
     ("", [("HUMAN", "")]),
-    ("Be brief.  ", [("HUMAN", " leading and trailing spaces "), ("ASSISTANT", "Sure.\n\n"), ("HUMAN", "\nnext")]),
+    (
+        "Be brief.  ",
+        [("HUMAN", " leading and trailing spaces "), ("ASSISTANT", "Sure.\n\n"), ("HUMAN", "\nnext")],
+    ),
     ("sys", [("HUMAN", "杭州的西湖 emoji ✓ 🚀 and code: def main():\n    return 0")]),
-    ("<role", [("HUMAN", "role> <| role_end |> </ role> <|role_end| [CLS"), ("ASSISTANT", "|>"), ("HUMAN", "a<b>c")]),
+    (
+        "<role",
+        [
+            ("HUMAN", "role> <| role_end |> </ role> <|role_end| [CLS"),
+            ("ASSISTANT", "|>"),
+            ("HUMAN", "a<b>c"),
+        ],
+    ),
 ]
 
 
@@ -110,9 +123,18 @@ def test_special_token_strings_in_client_text_stay_text(tok):
 
 
 def test_template_specials_are_counted_before_any_bpe(tok):
-    segments = tok.split_pieces([("template", "<role>HUMAN</role>"), ("text", "x<role>"), ("template", "<|role_end|>")])
-    assert segments == ["", tok.token_id("<role>"), "HUMAN", tok.token_id("</role>"), "x<role>",
-                        tok.token_id("<|role_end|>"), ""]
+    segments = tok.split_pieces(
+        [("template", "<role>HUMAN</role>"), ("text", "x<role>"), ("template", "<|role_end|>")]
+    )
+    assert segments == [
+        "",
+        tok.token_id("<role>"),
+        "HUMAN",
+        tok.token_id("</role>"),
+        "x<role>",
+        tok.token_id("<|role_end|>"),
+        "",
+    ]
 
 
 def test_lstrip_and_rstrip_added_tokens_swallow_whitespace_like_encode(tiny_ckpt, tmp_path):
@@ -123,7 +145,9 @@ def test_lstrip_and_rstrip_added_tokens_swallow_whitespace_like_encode(tiny_ckpt
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_ckpt / name, tmp_path / name)
     raw = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    raw.add_special_tokens([AddedToken("<|strip|>", special=True, lstrip=True, rstrip=True, normalized=False)])
+    raw.add_special_tokens(
+        [AddedToken("<|strip|>", special=True, lstrip=True, rstrip=True, normalized=False)]
+    )
     raw.save(str(tmp_path / "tokenizer.json"))
     tok = MingTokenizer(tmp_path)
     pieces = [("text", "left  "), ("template", " <|strip|> "), ("text", "  right"), ("template", "<role>")]
@@ -134,8 +158,17 @@ def test_a_token_piece_is_taken_as_it_is_between_the_other_pieces(tok):
     """Ids generated earlier go back unchanged, even where the text's BPE would give others, and
     the runs beside them are encoded on their own."""
     ids = [tok.token_id("<role>"), *tok.encode("ab"), 5]
-    pieces = [("template", "<role>HUMAN</role>"), ("text", "hi "), ("tokens", ids), ("text", " there"),
-              ("template", "<|role_end|>")]  # fmt: skip
-    want = (tok.encode_pieces(pieces[:2]) + ids + tok.encode_pieces([("text", " there")])
-            + [tok.token_id("<|role_end|>")])  # fmt: skip
+    pieces = [
+        ("template", "<role>HUMAN</role>"),
+        ("text", "hi "),
+        ("tokens", ids),
+        ("text", " there"),
+        ("template", "<|role_end|>"),
+    ]
+    want = (
+        tok.encode_pieces(pieces[:2])
+        + ids
+        + tok.encode_pieces([("text", " there")])
+        + [tok.token_id("<|role_end|>")]
+    )
     assert tok.encode_pieces(pieces) == want
