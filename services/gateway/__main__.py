@@ -34,7 +34,7 @@ from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.prompt import Turn, build_chat
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
-from omnistage.services.gateway.stage_watch import StageWatch, WatchConfig
+from omnistage.services.gateway.stage_watch import StageWatch
 from omnistage.services.gateway.stages import (
     EncoderClient,
     ImageGenClient,
@@ -177,8 +177,7 @@ class _Stages:
     and images), marked down when it stops answering, and admitted again when it is back (the launcher
     restarts it). A capability is ready while one replica of each stage kind it needs is up."""
 
-    def __init__(self, runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, servicer: OmniServicer,
-                 watch: WatchConfig) -> None:  # fmt: skip
+    def __init__(self, runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, servicer: OmniServicer) -> None:
         self.runtime, self.cfg, self.svc, self.servicer = runtime, cfg, svc, servicer
         self.pipeline = servicer.pipeline
         self.watches: dict[str, StageWatch] = {}  # by service name
@@ -193,7 +192,7 @@ class _Stages:
         for kind, (clients, on_up) in steps.items():
             for client in clients:
                 self.kinds.setdefault(kind, []).append(client)
-                self.watches[client.name] = StageWatch(client, watch, functools.partial(on_up, client), self._changed)
+                self.watches[client.name] = StageWatch(client, svc.gateway, functools.partial(on_up, client), self._changed)
                 runtime.add_shutdown_hook(self.watches[client.name].stop)
                 if kind in ("thinker", "talker"):  # the media and image stages close their own clients
                     runtime.add_shutdown_hook(client.close)
@@ -317,8 +316,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         service=svc.name,
     )
     servicer = OmniServicer(pipeline, _converse_limits(cfg, svc))
-    stages = _Stages(runtime, cfg, svc, servicer,
-                     WatchConfig(gw.stage_health_interval_s, gw.stage_health_timeout_s, gw.stage_health_failures))
+    stages = _Stages(runtime, cfg, svc, servicer)
     runtime.set_readiness_provider(stages.readiness)
     runtime.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni",
                          bounds=wire_bounds(limits))
