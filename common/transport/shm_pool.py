@@ -256,7 +256,7 @@ class LeasedPool:
     lives in a shared segment, the lease fields of every ref, and one close."""
 
     def __init__(self, segment: Segment, max_leases: int, data_bytes: int, *, data_in_segment: bool,
-                 lease_ttl_s: float, alignment: int) -> None:  # fmt: skip
+                 lease_ttl_s: float, alignment: int) -> None:
         self.segment = segment
         self.arena = LeaseArena.format(segment, max_leases, data_bytes, data_in_segment=data_in_segment,
                                        lease_ttl_s=lease_ttl_s, alignment=alignment)

@@ -17,7 +17,7 @@ class FakeOmni(omni_pb2_grpc.OmniServicer):
     async def Generate(self, request, context):
         keys = dict(context.invocation_metadata())
         self.seen.append((request.messages[-1].parts[0].text, keys.get("authorization", ""),
-                          context.time_remaining() is not None))  # fmt: skip
+                          context.time_remaining() is not None))
         yield omni_pb2.GenerateEvent(request_id="r1", text=omni_pb2.TextDelta(text="Hel"))
         yield omni_pb2.GenerateEvent(audio=omni_pb2.AudioChunk(pcm16=b"\x01\x00", sample_rate_hz=16000))
         yield omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text="lo"))

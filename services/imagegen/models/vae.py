@@ -87,7 +87,7 @@ class ResnetStack(nn.Module):
     one downsampler or upsampler, kept under the checkpoint's key (`downsamplers` / `upsamplers`)."""
 
     def __init__(self, cin: int, cout: int, layers: int, groups: int, resample: Literal["down", "up"],
-                 with_resampler: bool) -> None:  # fmt: skip
+                 with_resampler: bool) -> None:
         super().__init__()
         self.resnets = nn.ModuleList(ResnetBlock(cin if i == 0 else cout, cout, groups) for i in range(layers))
         resampler = Downsample if resample == "down" else Upsample
