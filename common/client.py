@@ -16,13 +16,14 @@ import struct
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar
 
 import grpc
 from omnistage.common.runtime import auth
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
 MediaLike = bytes | str | Path
+StreamT = TypeVar("StreamT")
 
 _MODALITY = {
     "text": omni_pb2.MODALITY_TEXT,
@@ -191,49 +192,6 @@ class EventStream:
         self.cancel()
 
 
-class OmniClient:
-    """Sync client of a gateway's Omni API (`address` HOST:PORT; TLS when `credentials` or `tls`)."""
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        api_key: str = "",
-        credentials: grpc.ChannelCredentials | None = None,
-        tls: bool = False,
-        timeout_s: float = 120.0,
-        max_message_bytes: int = 64 << 20,
-        metadata: Sequence[tuple[str, str]] = (),
-    ) -> None:
-        self._channel = _channel(grpc, address, credentials, tls, max_message_bytes)
-        self._stub = omni_pb2_grpc.OmniStub(self._channel)
-        self.metadata = tuple(metadata) + (auth.bearer(api_key) if api_key else ())
-        self.timeout_s = timeout_s
-
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        request: omni_pb2.GenerateRequest | None = None,
-        timeout_s: float | None = None,
-        **kwargs,
-    ) -> EventStream:
-        """Send a request (`request`, or one built by `build_request(prompt, **kwargs)`); its events."""
-        req = request if request is not None else build_request(prompt, **kwargs)
-        return EventStream(
-            self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
-        )
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> OmniClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 class AsyncEventStream:
     """The events of one Generate call on asyncio; `cancel()` or leaving early ends the request."""
 
@@ -259,8 +217,11 @@ class AsyncEventStream:
         return result
 
 
-class AsyncOmniClient:
-    """asyncio client of a gateway's Omni API; the same arguments as OmniClient."""
+class _Client(Generic[StreamT]):
+    """What the sync and the asyncio client share: the channel, the API key, the deadline, Generate."""
+
+    _api: ClassVar[Any]  # grpc or grpc.aio
+    _stream: ClassVar[Callable[[Any], Any]]  # EventStream or AsyncEventStream
 
     def __init__(
         self,
@@ -273,7 +234,7 @@ class AsyncOmniClient:
         max_message_bytes: int = 64 << 20,
         metadata: Sequence[tuple[str, str]] = (),
     ) -> None:
-        self._channel = _channel(grpc.aio, address, credentials, tls, max_message_bytes)
+        self._channel = _channel(self._api, address, credentials, tls, max_message_bytes)
         self._stub = omni_pb2_grpc.OmniStub(self._channel)
         self.metadata = tuple(metadata) + (auth.bearer(api_key) if api_key else ())
         self.timeout_s = timeout_s
@@ -285,11 +246,35 @@ class AsyncOmniClient:
         request: omni_pb2.GenerateRequest | None = None,
         timeout_s: float | None = None,
         **kwargs,
-    ) -> AsyncEventStream:
+    ) -> StreamT:
+        """Send a request (`request`, or one built by `build_request(prompt, **kwargs)`); its events."""
         req = request if request is not None else build_request(prompt, **kwargs)
-        return AsyncEventStream(
+        return self._stream(
             self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
         )
+
+
+class OmniClient(_Client[EventStream]):
+    """Sync client of a gateway's Omni API (`address` HOST:PORT; TLS when `credentials` or `tls`)."""
+
+    _api = grpc
+    _stream = EventStream
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> OmniClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncOmniClient(_Client[AsyncEventStream]):
+    """asyncio client of a gateway's Omni API; the same arguments as OmniClient."""
+
+    _api = grpc.aio
+    _stream = AsyncEventStream
 
     async def close(self) -> None:
         await self._channel.close()

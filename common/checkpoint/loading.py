@@ -6,6 +6,7 @@ parameters (one stored tensor in memory at a time, never a full-precision copy o
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TypeVar
@@ -86,3 +87,30 @@ def check_all_loaded(where: str | Path, what: str, targets: Iterable[str], loade
     """Every target was filled: a checkpoint that names a key but never stores it fails here."""
     if untouched := sorted(set(targets) - loaded):
         raise CheckpointError(f"{where}: {what} never loaded: {', '.join(untouched)}")
+
+
+class LoadProgress:
+    """A loader's steps (shards, or modules of dummy weights): `progress(0, total)` at once, then one
+    log line and one `progress(done, total)` per `step()` (the launcher's start-up progress and the
+    culprit of a stuck load read these)."""
+
+    def __init__(
+        self,
+        total: int,
+        progress: Callable[[int, int], None] | None,
+        log: logging.Logger,
+        what: str,
+        unit: str,
+    ) -> None:
+        self.total, self.progress, self.log, self.what, self.unit = total, progress, log, what, unit
+        self.done = 0
+        if progress is not None:
+            progress(0, total)
+
+    def step(self, detail: str = "") -> None:
+        self.done += 1
+        self.log.info(
+            "%s %d/%d %s%s", self.what, self.done, self.total, self.unit, f" ({detail})" if detail else ""
+        )
+        if self.progress is not None:
+            self.progress(self.done, self.total)

@@ -21,7 +21,7 @@ from functools import cache
 
 import torch
 from omnistage.common.transport.host import SHM_DIR, Segment, TransportError, pid_alive, segment_owner_pid
-from omnistage.common.transport.shm_pool import Lease, LeaseArena, LeaseTable, table_bytes, typed_view
+from omnistage.common.transport.shm_pool import Lease, LeasedPool, LeaseTable, table_bytes, typed_view
 from omnistage.v1 import tensor_pb2
 
 _HANDLE_BYTES = 64
@@ -163,7 +163,7 @@ def _wrap(ptr: int, nbytes: int, device: int) -> tuple[torch.Tensor, weakref.ref
     return torch.as_tensor(holder, device=torch.device("cuda", device)), weakref.ref(holder)
 
 
-class CudaIpcPool:
+class CudaIpcPool(LeasedPool):
     """Producer side, one per device: `put` copies a CUDA tensor into a leased slice of the exported buffer."""
 
     def __init__(
@@ -183,20 +183,18 @@ class CudaIpcPool:
         try:
             self.handle = rt.export(device, self._ptr)
             self.buffer, _ = _wrap(self._ptr, byte_size, device)
-            self.segment = Segment.create(table_bytes(max_leases), shm_dir=shm_dir)
+            segment = Segment.create(table_bytes(max_leases), shm_dir=shm_dir)
         except BaseException:
             rt.free(device, self._ptr)
             raise
-        self.arena = LeaseArena.format(
-            self.segment,
+        super().__init__(
+            segment,
             max_leases,
             byte_size,
             data_in_segment=False,
             lease_ttl_s=lease_ttl_s,
             alignment=alignment,
         )
-        self.table = self.arena.table
-        self._closed = False
         _LOCAL_POOLS[self.pool_id] = self
 
     @property
@@ -224,20 +222,15 @@ class CudaIpcPool:
             device_index=self.device,
             pool_byte_size=self.byte_size,
             offset=lease.offset,
-            byte_size=nbytes,
-            lease_id=lease.lease_id,
-            lease_expiry_unix_ms=lease.expiry_unix_ms,
+            **self.lease_fields(lease, nbytes),
         )
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _close_data(self) -> None:
+        """The device buffer: no copy in flight, no view of ours left, then freed (consumers' mappings
+        keep the memory until they close their handles)."""
         _LOCAL_POOLS.pop(self.pool_id, None)
         torch.cuda.synchronize(self.device)
         self.buffer = None
-        self.table.close()
-        self.segment.close()
         cuda_runtime().free(self.device, self._ptr)
 
 

@@ -259,7 +259,51 @@ def clone_bytes(src_u8: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class ShmPool:
+class LeasedPool:
+    """What both producer pools share (ShmPool here, CudaIpcPool on a GPU): a lease arena whose table
+    lives in a shared segment, the lease fields of every ref, and one close."""
+
+    def __init__(
+        self,
+        segment: Segment,
+        max_leases: int,
+        data_bytes: int,
+        *,
+        data_in_segment: bool,
+        lease_ttl_s: float,
+        alignment: int,
+    ) -> None:
+        self.segment = segment
+        self.arena = LeaseArena.format(
+            segment,
+            max_leases,
+            data_bytes,
+            data_in_segment=data_in_segment,
+            lease_ttl_s=lease_ttl_s,
+            alignment=alignment,
+        )
+        self.table = self.arena.table
+        self._closed = False
+
+    @staticmethod
+    def lease_fields(lease: Lease, nbytes: int) -> dict[str, int]:
+        """The fields every ref carries about its slice and lease (ShmRef and CudaIpcRef alike)."""
+        return {"byte_size": nbytes, "lease_id": lease.lease_id, "lease_expiry_unix_ms": lease.expiry_unix_ms}
+
+    def close(self) -> None:
+        """Unlink and unmap; safe to call twice and from atexit."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_data()
+        self.table.close()
+        self.segment.close()
+
+    def _close_data(self) -> None:
+        """Let go of the data kept outside the segment (ShmPool keeps none)."""
+
+
+class ShmPool(LeasedPool):
     """One producer-owned segment per process: `put` copies a tensor into a leased slice and returns the ref."""
 
     def __init__(
@@ -275,17 +319,15 @@ class ShmPool:
         if data_bytes <= 0 or alignment % 64 or _PAGE % alignment:
             raise ValueError(f"bad pool geometry: data_bytes={data_bytes} alignment={alignment}")
         data_bytes = _align(data_bytes, _PAGE)
-        self.segment = Segment.create(table_bytes(max_leases) + data_bytes, shm_dir=shm_dir, reserve=reserve)
-        self.arena = LeaseArena.format(
-            self.segment,
+        segment = Segment.create(table_bytes(max_leases) + data_bytes, shm_dir=shm_dir, reserve=reserve)
+        super().__init__(
+            segment,
             max_leases,
             data_bytes,
             data_in_segment=True,
             lease_ttl_s=lease_ttl_s,
             alignment=alignment,
         )
-        self.table = self.arena.table
-        self._closed = False
 
     @property
     def name(self) -> str:
@@ -311,18 +353,8 @@ class ShmPool:
             pool_name=self.segment.name,
             pool_byte_size=self.segment.byte_size,
             offset=offset,
-            byte_size=nbytes,
-            lease_id=lease.lease_id,
-            lease_expiry_unix_ms=lease.expiry_unix_ms,
+            **self.lease_fields(lease, nbytes),
         )
-
-    def close(self) -> None:
-        """Unlink and unmap; safe to call twice and from atexit."""
-        if self._closed:
-            return
-        self._closed = True
-        self.table.close()
-        self.segment.close()
 
 
 class ShmAttachments:

@@ -34,7 +34,7 @@ from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.prompt import Turn, build_chat
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
-from omnistage.services.gateway.stage_watch import StageWatch, WatchConfig
+from omnistage.services.gateway.stage_watch import StageWatch
 from omnistage.services.gateway.stages import (
     EncoderClient,
     ImageGenClient,
@@ -204,12 +204,7 @@ class _Stages:
     restarts it). A capability is ready while one replica of each stage kind it needs is up."""
 
     def __init__(
-        self,
-        runtime: ServiceRuntime,
-        cfg: DeployConfig,
-        svc: ServiceConfig,
-        servicer: OmniServicer,
-        watch: WatchConfig,
+        self, runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, servicer: OmniServicer
     ) -> None:
         self.runtime, self.cfg, self.svc, self.servicer = runtime, cfg, svc, servicer
         self.pipeline = servicer.pipeline
@@ -226,7 +221,7 @@ class _Stages:
             for client in clients:
                 self.kinds.setdefault(kind, []).append(client)
                 self.watches[client.name] = StageWatch(
-                    client, watch, functools.partial(on_up, client), self._changed
+                    client, svc.gateway, functools.partial(on_up, client), self._changed
                 )
                 runtime.add_shutdown_hook(self.watches[client.name].stop)
                 if kind in ("thinker", "talker"):  # the media and image stages close their own clients
@@ -377,13 +372,7 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         service=svc.name,
     )
     servicer = OmniServicer(pipeline, _converse_limits(cfg, svc))
-    stages = _Stages(
-        runtime,
-        cfg,
-        svc,
-        servicer,
-        WatchConfig(gw.stage_health_interval_s, gw.stage_health_timeout_s, gw.stage_health_failures),
-    )
+    stages = _Stages(runtime, cfg, svc, servicer)
     runtime.set_readiness_provider(stages.readiness)
     runtime.add_servicer(
         omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni", bounds=wire_bounds(limits)

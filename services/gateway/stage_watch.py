@@ -20,10 +20,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2
+from omnistage.common.config import GatewayConfig
 from omnistage.common.runtime.deadlines import within
 from omnistage.services.gateway.stages import StageClient
 
@@ -32,30 +32,18 @@ _log = logging.getLogger(__name__)
 OnChange = Callable[[StageClient], None]
 
 
-@dataclass(frozen=True)
-class WatchConfig:
-    """How often and how patiently the gateway checks a stage (gateway.stage_health_* keys)."""
-
-    # Seconds between health checks.
-    interval_s: float = 1.0
-    # Deadline of one health check, in seconds.
-    timeout_s: float = 2.0
-    # Checks in a row that do not answer SERVING before the stage is marked down.
-    failures: int = 2
-
-
 class StageWatch:
     """Admits one stage when it is SERVING (after `on_up`), marks it down when it stops answering."""
 
     def __init__(
         self,
         client: StageClient,
-        cfg: WatchConfig,
+        cfg: GatewayConfig,
         on_up: Callable[[], Awaitable[None]] | None = None,
         on_change: OnChange | None = None,
     ) -> None:
         self.client = client
-        self.cfg = cfg
+        self.cfg = cfg  # how often and how patiently: its stage_health_* keys
         self.on_up = on_up
         self.on_change = on_change
         self.admitted = asyncio.Event()  # set while the stage is up
@@ -93,7 +81,9 @@ class StageWatch:
                     return  # polling alone
             except Exception:  # noqa: BLE001 - the channel was closed (shutdown): polling ends too
                 return
-            await asyncio.sleep(min(self.cfg.interval_s, 0.2))  # a stream that ended: the stage went away
+            await asyncio.sleep(
+                min(self.cfg.stage_health_interval_s, 0.2)
+            )  # a stream that ended: the stage went away
 
     async def wait_admitted(self, timeout_s: float) -> bool:
         """True once the stage is up (False when `timeout_s` passed first)."""
@@ -107,11 +97,11 @@ class StageWatch:
         """'' when the stage answers SERVING, else what it said."""
         try:
             resp = await self.client.health.Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=self.cfg.timeout_s
+                health_pb2.HealthCheckRequest(service=""), timeout=self.cfg.stage_health_timeout_s
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return f"no health answer within {self.cfg.timeout_s:g}s"
+                return f"no health answer within {self.cfg.stage_health_timeout_s:g}s"
             return f"health check {exc.code().name}: {exc.details()}"
         if resp.status == health_pb2.HealthCheckResponse.SERVING:
             return ""
@@ -125,12 +115,12 @@ class StageWatch:
                 why = await self._admit()
             if why and self.client.up:
                 misses += 1
-                if misses >= self.cfg.failures:
+                if misses >= self.cfg.stage_health_failures:
                     self._lose(f"{why} ({misses} checks in {time.monotonic() - since:.1f}s)")
             elif not why:
                 misses, since = 0, time.monotonic()
             with contextlib.suppress(TimeoutError):
-                await within(self._wake.wait(), self.cfg.interval_s)
+                await within(self._wake.wait(), self.cfg.stage_health_interval_s)
             self._wake.clear()
 
     async def _admit(self) -> str:

@@ -27,7 +27,7 @@ from omnistage.services.talker.engine import JobAudio, JobDone, JobFailed, Segme
 from omnistage.services.talker.metrics import SessionMetrics
 from omnistage.services.talker.reference_audio import ClipError
 from omnistage.services.talker.silence import SilenceTrimmer
-from omnistage.services.talker.text_segment import SegmenterLimits, SentenceSegmenter
+from omnistage.services.talker.text_segment import SentenceSegmenter
 from omnistage.services.talker.voice_prompt import CUSTOM, Voice
 from omnistage.services.talker.voices import VoiceBank, build_voice, prepare_clip
 
@@ -172,11 +172,7 @@ class SpeakSession:
 
     async def _read(self, inputs: AsyncIterator[TextInput]) -> None:
         """Text in → segments out (with the time each became ready); errors and the end go in order."""
-        seg = SentenceSegmenter(
-            SegmenterLimits(
-                self.cfg.first_segment_min_pieces, self.cfg.segment_min_pieces, self.cfg.max_segment_length
-            )
-        )
+        seg = SentenceSegmenter(self.cfg)
         chars = 0
         try:
             async for message in inputs:

@@ -3,19 +3,19 @@
 The text is split into pieces (an English word, a number, one CJK character, a run of spaces, one
 punctuation mark) and a segment is cut after a punctuation piece once enough pieces have gathered:
 the first segment early — at any clause or sentence mark (, ; : . ! ? and their CJK forms) after
-`first_min_pieces` — later ones at sentence marks (the reference's set, CJK comma included) after
-`min_pieces`. A '.' right after a digit does not end a sentence; a newline does. Text that runs on
+`first_segment_min_pieces` — later ones at sentence marks (the reference's set, CJK comma included) after
+`segment_min_pieces`. A '.' right after a digit does not end a sentence; a newline does. Text that runs on
 with no mark is cut at a word boundary once it is twice the longest piece. Each segment is then cut
-into fragments of at most `max_length` (the reference's semantic length: CJK characters + English
+into fragments of at most `max_segment_length` (the reference's semantic length: CJK characters + English
 words) at sentence, then clause marks, then words; English fragments get their numbers spelled out.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import inflect
+from omnistage.common.config import TalkerConfig
 
 PIECE = re.compile(r"(?:[a-zA-Z]\.)+|[a-zA-Z]+(?:['\-][a-zA-Z]+)*|\d+(?:\.\d+)?|[\u4e00-\u9fff]|\s+|\S")
 SENTENCE_MARKS = "。！？!?，"
@@ -38,18 +38,12 @@ def speakable(text: str) -> bool:
     return bool(_SPEAKABLE.search(text))
 
 
-@dataclass(frozen=True)
-class SegmenterLimits:
-    first_min_pieces: int = 8
-    min_pieces: int = 8
-    max_length: int = 50
-
-
 class SentenceSegmenter:
     """`push(delta)` → the segments that became complete; `flush()` → the rest. Not thread-safe."""
 
-    def __init__(self, limits: SegmenterLimits | None = None) -> None:
-        self.limits = limits or SegmenterLimits()
+    def __init__(self, cfg: TalkerConfig | None = None) -> None:
+        # The talker's deploy-file keys own these limits (and their defaults).
+        self.cfg = cfg or TalkerConfig()
         self._pieces: list[str] = []  # pieces of the open segment
         self._tail = ""  # text not split into pieces yet (the last piece may still grow)
         self.segments_cut = 0
@@ -87,7 +81,7 @@ class SentenceSegmenter:
         ends = piece[-1] in marks or (piece == "." and not self._after_digit())
         if ends and len(self._pieces) >= self._min_pieces():
             return self._cut()
-        if semantic_length("".join(self._pieces)) >= 2 * self.limits.max_length and piece.isspace():
+        if semantic_length("".join(self._pieces)) >= 2 * self.cfg.max_segment_length and piece.isspace():
             return self._cut()
         return []
 
@@ -95,7 +89,7 @@ class SentenceSegmenter:
         return len(self._pieces) >= 2 and self._pieces[-2][-1:].isdigit()
 
     def _min_pieces(self) -> int:
-        return self.limits.first_min_pieces if self.segments_cut == 0 else self.limits.min_pieces
+        return self.cfg.first_segment_min_pieces if self.segments_cut == 0 else self.cfg.segment_min_pieces
 
     def _cut(self) -> list[str]:
         text = "".join(self._pieces).strip()
@@ -103,7 +97,7 @@ class SentenceSegmenter:
         if not speakable(text):
             return []
         self.segments_cut += 1
-        return [normalize(f) for f in cut_by_length(text, self.limits.max_length)]
+        return [normalize(f) for f in cut_by_length(text, self.cfg.max_segment_length)]
 
 
 def _split_after(text: str, marks: str) -> list[str]:

@@ -110,14 +110,11 @@ def load_encoders(
         for s in shards
         if any(h.shard == s and is_encoder_key(k) and k not in skipped for k, h in headers.items())
     ]
-    if progress is not None:
-        progress(0, len(mine))
+    steps = loading.LoadProgress(len(mine), progress, log, "encoder weights", "shards")
     loaded: set[str] = set()
-    for n, shard in enumerate(mine, start=1):
+    for shard in mine:
         loaded |= loading.copy_shard(shard, headers, targets)
-        log.info("encoder weights %d/%d shards", n, len(mine))
-        if progress is not None:
-            progress(n, len(mine))
+        steps.step()
     loading.check_all_loaded(root, "encoder tensors", targets, loaded)
     return models
 

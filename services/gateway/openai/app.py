@@ -337,11 +337,11 @@ class Front:
             finally:
                 call.cancel()  # a no-op on a call that ended
 
-    async def _collect(self, request: Request, omni: omni_pb2.GenerateRequest) -> tr.Collected:
+    async def _collect(self, request: Request, omni: omni_pb2.GenerateRequest) -> tr.Result:
         """The whole answer of a non-streamed response. A client that disconnects meanwhile cancels the
         call (an image or a long answer is not made for nobody)."""
         call, first = await self._open(request, omni)
-        collected = tr.Collected()
+        collected = tr.Result()
 
         async def gather() -> None:
             async for event in self._events(call, first):

@@ -13,10 +13,11 @@ import math
 import re
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from omnistage.common.client import Result, wav_bytes
 from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY
 from omnistage.v1 import common_pb2, omni_pb2
 
@@ -511,43 +512,16 @@ def wav_header(sample_rate: int, data_bytes: int | None = None) -> bytes:
     )
 
 
-def wav(pcm16: bytes, sample_rate: int) -> bytes:
-    return wav_header(sample_rate, len(pcm16)) + pcm16
-
-
-@dataclass
-class Collected:
-    """Every event of one Omni stream, gathered (non-streaming responses)."""
-
-    text: list[str] = field(default_factory=list)
-    pcm: bytearray = field(default_factory=bytearray)
-    sample_rate: int = 0
-    images: list[omni_pb2.ImageResult] = field(default_factory=list)
-    finish: omni_pb2.Finish | None = None
-
-    def add(self, event: omni_pb2.GenerateEvent) -> None:
-        kind = event.WhichOneof("event")
-        if kind == "text":
-            self.text.append(event.text.text)
-        elif kind == "audio":
-            self.pcm += event.audio.pcm16
-            self.sample_rate = event.audio.sample_rate_hz or self.sample_rate
-        elif kind == "image":
-            self.images.append(event.image)
-        elif kind == "finish":
-            self.finish = event.finish
-
-
 def chat_completion(
-    c: Collected, *, completion_id: str, created: int, model: str, audio_format: str
+    c: Result, *, completion_id: str, created: int, model: str, audio_format: str
 ) -> dict[str, Any]:
-    """The non-streaming chat.completion of a finished stream."""
+    """The non-streaming chat.completion of a finished stream (gathered by the Python client's `Result`)."""
     assert c.finish is not None
-    text = "".join(c.text)
+    text = c.text
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if audio_format:
-        rate = c.sample_rate or c.finish.audio.sample_rate_hz
-        data = wav(bytes(c.pcm), rate) if audio_format == "wav" else bytes(c.pcm)
+        rate = c.sample_rate_hz or c.finish.audio.sample_rate_hz
+        data = wav_bytes(c.pcm16, rate) if audio_format == "wav" else c.pcm16
         message["audio"] = {
             "id": f"audio-{completion_id}",
             "data": base64.b64encode(data).decode(),

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omnistage.common.checkpoint.loading import check_keys, copy_shard, empty_on, shapes, state_shapes
+from omnistage.common.checkpoint.loading import (
+    LoadProgress,
+    check_keys,
+    copy_shard,
+    empty_on,
+    shapes,
+    state_shapes,
+)
 from omnistage.common.checkpoint.shards import CheckpointError, TensorInfo, read_headers, shard_files
 from omnistage.common.log import get_logger
 from omnistage.services.imagegen.models.config import ImageGenModelConfig
@@ -151,13 +158,10 @@ def load_imagegen(
         headers = read_headers(shards)
         _check_keys(folder, part, headers)
         plan.extend((part, shard, {k: h for k, h in headers.items() if h.shard == shard}) for shard in shards)
-    if progress is not None:
-        progress(0, len(plan))
-    for n, (part, shard, headers) in enumerate(plan, start=1):
+    steps = LoadProgress(len(plan), progress, log, "imagegen weights", "shards")
+    for part, shard, headers in plan:
         copy_shard(shard, headers, part.targets)
-        log.info("imagegen weights %d/%d shards (%s)", n, len(plan), part.folder)
-        if progress is not None:
-            progress(n, len(plan))
+        steps.step(part.folder)
     return models
 
 

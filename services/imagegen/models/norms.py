@@ -6,13 +6,18 @@ import torch
 from torch import nn
 
 
-class DiffusersRMSNorm(nn.Module):
-    """x · rsqrt(mean(x²) + eps) in float32, cast to the weight's dtype, then × weight (diffusers)."""
+class RMSNorm(nn.Module):
+    """The weight (`weight`, ones at init) and eps both references keep; they differ in the dtype they
+    scale in (subclasses' `forward`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+
+
+class DiffusersRMSNorm(RMSNorm):
+    """x · rsqrt(mean(x²) + eps) in float32, cast to the weight's dtype, then × weight (diffusers)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return diffusers_rms_norm(x, self.weight, self.eps)
@@ -24,13 +29,8 @@ def diffusers_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Te
     return (x * torch.rsqrt(variance + eps)).to(w.dtype) * w
 
 
-class Qwen2RMSNorm(nn.Module):
+class Qwen2RMSNorm(RMSNorm):
     """Normalised in float32, cast back to the input dtype, then × weight (HF Qwen2)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()

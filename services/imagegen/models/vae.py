@@ -7,6 +7,8 @@ conventions are the pipeline's: `decode` takes `z / scaling_factor + shift_facto
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from omnistage.services.imagegen.models.config import VaeConfig
@@ -82,35 +84,32 @@ class Upsample(nn.Module):
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
-class DownBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, layers: int, groups: int, downsample: bool) -> None:
+class ResnetStack(nn.Module):
+    """diffusers' DownEncoderBlock2D / UpDecoderBlock2D: `layers` resnets, then (all but the last block)
+    one downsampler or upsampler, kept under the checkpoint's key (`downsamplers` / `upsamplers`)."""
+
+    def __init__(
+        self,
+        cin: int,
+        cout: int,
+        layers: int,
+        groups: int,
+        resample: Literal["down", "up"],
+        with_resampler: bool,
+    ) -> None:
         super().__init__()
         self.resnets = nn.ModuleList(
             ResnetBlock(cin if i == 0 else cout, cout, groups) for i in range(layers)
         )
-        self.downsamplers = nn.ModuleList([Downsample(cout)] if downsample else [])
+        resampler = Downsample if resample == "down" else Upsample
+        self.resamplers_key = f"{resample}samplers"
+        self.add_module(self.resamplers_key, nn.ModuleList([resampler(cout)] if with_resampler else []))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for r in self.resnets:
             x = r(x)
-        for d in self.downsamplers:
-            x = d(x)
-        return x
-
-
-class UpBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, layers: int, groups: int, upsample: bool) -> None:
-        super().__init__()
-        self.resnets = nn.ModuleList(
-            ResnetBlock(cin if i == 0 else cout, cout, groups) for i in range(layers)
-        )
-        self.upsamplers = nn.ModuleList([Upsample(cout)] if upsample else [])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for r in self.resnets:
-            x = r(x)
-        for u in self.upsamplers:
-            x = u(x)
+        for s in self.get_submodule(self.resamplers_key):
+            x = s(x)
         return x
 
 
@@ -120,7 +119,9 @@ class Encoder(nn.Module):
         ch, g = cfg.block_out_channels, cfg.norm_num_groups
         self.conv_in = nn.Conv2d(cfg.in_channels, ch[0], 3, padding=1)
         self.down_blocks = nn.ModuleList(
-            DownBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block, g, downsample=i < len(ch) - 1)
+            ResnetStack(
+                ch[max(i - 1, 0)], ch[i], cfg.layers_per_block, g, "down", with_resampler=i < len(ch) - 1
+            )
             for i in range(len(ch))
         )
         self.mid_block = MidBlock(ch[-1], g, cfg.mid_block_add_attention)
@@ -141,7 +142,9 @@ class Decoder(nn.Module):
         self.conv_in = nn.Conv2d(cfg.latent_channels, ch[0], 3, padding=1)
         self.mid_block = MidBlock(ch[0], g, cfg.mid_block_add_attention)
         self.up_blocks = nn.ModuleList(
-            UpBlock(ch[max(i - 1, 0)], ch[i], cfg.layers_per_block + 1, g, upsample=i < len(ch) - 1)
+            ResnetStack(
+                ch[max(i - 1, 0)], ch[i], cfg.layers_per_block + 1, g, "up", with_resampler=i < len(ch) - 1
+            )
             for i in range(len(ch))
         )
         self.conv_norm_out = nn.GroupNorm(g, ch[-1], eps=EPS)

@@ -114,23 +114,15 @@ def load_talker(
             f"{config.llm.vocab_size}"
         )
     total = 2 if dummy else len(shard_files(tdir)) + len(shard_files(tdir / "vae"))
-    done = 0
-
-    def step() -> None:
-        nonlocal done
-        done += 1
-        log.info("talker weights %d/%d %s", done, total, "modules (dummy)" if dummy else "shards")
-        if progress is not None:
-            progress(done, total)
-
-    if progress is not None:
-        progress(0, total)
+    steps = loading.LoadProgress(
+        total, progress, log, "talker weights", "modules (dummy)" if dummy else "shards"
+    )
     talker, vae = build_talker(config, dtype=dtype, device=device)
     if dummy:
         for seed, module in enumerate((talker, vae)):
             fill_dummy_(module, seed)
-            step()
+            steps.step()
     else:
-        _fill(talker, tdir, lambda key: False, step)
-        _fill(vae, tdir / "vae", lambda key: key.endswith(_UNUSED_VAE_SUFFIX), step)
+        _fill(talker, tdir, lambda key: False, steps.step)
+        _fill(vae, tdir / "vae", lambda key: key.endswith(_UNUSED_VAE_SUFFIX), steps.step)
     return TalkerModels(config, talker, vae, prompt, tdir)

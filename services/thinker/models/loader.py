@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from omnistage.common.checkpoint.loading import check_keys, empty_on, shapes
+from omnistage.common.checkpoint.loading import LoadProgress, check_keys, empty_on, shapes
 from omnistage.common.checkpoint.shards import CheckpointError, iter_tensors, read_headers, shard_files
 from omnistage.common.log import get_logger
 from omnistage.services.thinker.models.bailing_moe_v2 import (
@@ -72,10 +72,10 @@ def load_model(
     model = empty_on(lambda: BailingMoeV2ForCausalLM(config, tp), dtype=dtype, device=device)
     params = dict(model.named_parameters())
     loaded: set[tuple[str, object]] = set()
-    total = len(batches)
-    if progress is not None:
-        progress(0, total)
-    for n, batch in enumerate(batches, start=1):
+    steps = LoadProgress(
+        len(batches), progress, log, "loading weights", "shards" if load_format == "safetensors" else "layers"
+    )
+    for batch in batches:
         for key, tensor in batch():
             name, shard_id = param_for_checkpoint_key(key)  # type: ignore[misc]
             param = params.get(name)
@@ -89,9 +89,7 @@ def load_model(
                 raise CheckpointError(f"{root}: {key}: {e}") from e
             loaded.add((name, shard_id))
             del tensor
-        log.info("loading weights %d/%d %s", n, total, "shards" if load_format == "safetensors" else "layers")
-        if progress is not None:
-            progress(n, total)
+        steps.step()
     _check_all_loaded(root, params, loaded)
     model.requires_grad_(False).eval()
     return model

@@ -3,6 +3,8 @@ every problem, shard-by-shard copies, and targets never filled named."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from omnistage.common.checkpoint import loading
@@ -62,3 +64,21 @@ def test_shards_are_copied_into_their_targets_in_the_targets_dtype_and_unfilled_
     assert targets["b"].tolist() == [[1, 1], [1, 1]]
     with pytest.raises(CheckpointError, match="/ckpt: tensors never loaded: c"):
         loading.check_all_loaded("/ckpt", "tensors", targets, loaded)
+
+
+def test_load_progress_reports_zero_at_once_then_one_step_each_with_a_log_line(caplog):
+    calls: list[tuple[int, int]] = []
+    log = logging.getLogger("tests.load_progress")
+    with caplog.at_level(logging.INFO, logger="tests.load_progress"):
+        steps = loading.LoadProgress(
+            2, lambda done, total: calls.append((done, total)), log, "imagegen weights", "shards"
+        )
+        assert calls == [(0, 2)]
+        steps.step("vae")
+        steps.step()
+    assert calls == [(0, 2), (1, 2), (2, 2)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "imagegen weights 1/2 shards (vae)",
+        "imagegen weights 2/2 shards",
+    ]
+    loading.LoadProgress(1, None, log, "talker weights", "shards").step()  # no callback: only the log

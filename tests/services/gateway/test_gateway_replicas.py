@@ -12,17 +12,17 @@ import contextlib
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from omnistage.common.config import ImageGenConfig
+from omnistage.common.config import GatewayConfig, ImageGenConfig
 from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.common.transport import TransportContext
 from omnistage.services.gateway.admission import GateConfig, StageGate
 from omnistage.services.gateway.imaging import ImageLimits, ImageStage
 from omnistage.services.gateway.speech import SpeechLimits, SpeechStage, TalkerStream, VoiceChoice
-from omnistage.services.gateway.stage_watch import StageWatch, WatchConfig
+from omnistage.services.gateway.stage_watch import StageWatch
 from omnistage.services.gateway.stages import ImageGenClient, TalkerClient
 from omnistage.v1 import imagegen_pb2, imagegen_pb2_grpc, talker_pb2, talker_pb2_grpc
 
-FAST = WatchConfig(interval_s=0.05, timeout_s=0.3, failures=2)
+FAST = GatewayConfig(stage_health_interval_s=0.05, stage_health_timeout_s=0.3, stage_health_failures=2)
 
 
 class Health(health_pb2_grpc.HealthServicer):
@@ -273,9 +273,10 @@ def test_a_replica_a_call_finds_unreachable_is_taken_out_and_the_request_goes_to
         try:
             async with Gateway(FakeThinker(producer), FakeImageGen(), tmp_path) as gw:
                 dead = ImageGenClient("imagegen_dead", f"127.0.0.1:{free_port()}", 4 << 20)
-                watch = StageWatch(
-                    dead, WatchConfig(interval_s=60.0, timeout_s=1.0, failures=5)
-                )  # never checks
+                never_checks = GatewayConfig(
+                    stage_health_interval_s=60.0, stage_health_timeout_s=1.0, stage_health_failures=5
+                )
+                watch = StageWatch(dead, never_checks)
                 dead.down_reason = gw.client.down_reason = ""
                 gw.images.replicas = Replicas(
                     "imagegen", [dead, gw.client], "test"

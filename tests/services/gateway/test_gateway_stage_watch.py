@@ -8,12 +8,13 @@ import asyncio
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from omnistage.common.config import GatewayConfig
 from omnistage.common.runtime.errors import StageUnavailable
-from omnistage.services.gateway.stage_watch import StageWatch, WatchConfig
+from omnistage.services.gateway.stage_watch import StageWatch
 from omnistage.services.gateway.stages import ThinkerClient
 from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
 
-FAST = WatchConfig(interval_s=0.05, timeout_s=0.3, failures=2)
+FAST = GatewayConfig(stage_health_interval_s=0.05, stage_health_timeout_s=0.3, stage_health_failures=2)
 
 
 class Health(health_pb2_grpc.HealthServicer):
@@ -126,9 +127,8 @@ def test_a_stage_turning_serving_is_admitted_as_it_happens_not_at_the_next_poll(
         await server.start()
         client = ThinkerClient("thinker", f"127.0.0.1:{port}", 1 << 20)
         ups = []
-        watch = StageWatch(
-            client, WatchConfig(interval_s=3600, timeout_s=5, failures=2), on_up=lambda: _record(ups)
-        )
+        slow = GatewayConfig(stage_health_interval_s=3600, stage_health_timeout_s=5, stage_health_failures=2)
+        watch = StageWatch(client, slow, on_up=lambda: _record(ups))
         watch.start()
         try:
             assert (

@@ -9,11 +9,11 @@ from typing import Any
 import grpc
 import pytest
 from omnistage.common import metrics
-from omnistage.common.config import config_from_dict
+from omnistage.common.config import GatewayConfig, config_from_dict
 from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.common.runtime.server import ServiceRuntime
-from omnistage.services.gateway.stage_watch import StageWatch, WatchConfig
+from omnistage.services.gateway.stage_watch import StageWatch
 from omnistage.services.gateway.stages import ThinkerClient
 from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
 
@@ -78,7 +78,7 @@ def test_finished_streams_count_ok_at_the_stage_and_abandoned_ones_cancelled(tmp
             admin_metadata=(("authorization", "Bearer admin-key"),),
         )
         try:
-            watch = StageWatch(client, WatchConfig(interval_s=0.05))
+            watch = StageWatch(client, GatewayConfig(stage_health_interval_s=0.05, stage_health_failures=2))
             watch.start()
             assert await watch.wait_admitted(10)
             assert (await client.describe()).name == name

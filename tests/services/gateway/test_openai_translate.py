@@ -221,8 +221,8 @@ def test_retry_after_from_pushback_and_message_size_is_413():
     assert big.status == 413
 
 
-def _events(*events: omni_pb2.GenerateEvent) -> tr.Collected:
-    c = tr.Collected()
+def _events(*events: omni_pb2.GenerateEvent) -> tr.Result:
+    c = tr.Result()
     for e in events:
         c.add(e)
     return c

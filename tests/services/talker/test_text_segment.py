@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from omnistage.common.config import TalkerConfig
 from omnistage.services.talker.text_segment import (
-    SegmenterLimits,
     SentenceSegmenter,
     cut_by_length,
     semantic_length,
@@ -17,8 +17,8 @@ TEXT = (
 )
 
 
-def segments(text: str, step: int, limits: SegmenterLimits | None = None) -> list[str]:
-    seg = SentenceSegmenter(limits)
+def segments(text: str, step: int, cfg: TalkerConfig | None = None) -> list[str]:
+    seg = SentenceSegmenter(cfg)
     out = []
     for i in range(0, len(text), step):
         out += seg.push(text[i : i + step])
@@ -48,7 +48,7 @@ def test_nothing_is_cut_before_enough_pieces_or_inside_a_number():
 
 def test_run_on_text_is_cut_and_every_piece_is_bounded():
     text = "word " * 230
-    out = segments(text, 11, SegmenterLimits(max_length=50))
+    out = segments(text, 11, TalkerConfig(max_segment_length=50))
     assert sum(semantic_length(s) for s in out) == 230
     assert all(semantic_length(s) <= 50 for s in out)
 
