@@ -311,52 +311,53 @@ class _Stages:
             raise
 
 
-async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
-    gw = svc.gateway
-    deployed = {s.kind for s in cfg.services.values() if s.kind != "gateway"}
-    thinkers, encoders = cfg.services_of("thinker"), cfg.services_of("encoder")
-    for kind, of_kind in (("thinker", thinkers), ("encoder", encoders)):
-        if len(of_kind) > 1:  # replicas are served for the talker and the image stage only
+def _one_of_each(cfg: DeployConfig) -> None:
+    """The gateway calls one thinker and one encoder: replicas are served for the talker and the image
+    stage only."""
+    for kind in ("thinker", "encoder"):
+        of_kind = cfg.services_of(kind)
+        if len(of_kind) > 1:
             raise ConfigError(
                 f"services: the gateway calls one {kind}, the deploy file has "
                 f"{', '.join(s.name for s in of_kind)} (replicas: several services of kind talker "
                 "or imagegen)"
             )
-    thinker = media = None
-    if thinkers:
-        t = thinkers[0]
-        thinker = ThinkerClient(
-            t.name,
-            cfg.address(t.name),
-            max(t.max_message_bytes, svc.max_message_bytes),
-            admin_address=cfg.admin_address(t.name),
-            admin_metadata=auth.admin_metadata(t),
-        )
-    if encoders:
-        e = encoders[0]
-        encoder = EncoderClient(
-            e.name,
-            cfg.address(e.name),
-            max(e.max_message_bytes, svc.max_message_bytes),
-            admin_address=cfg.admin_address(e.name),
-            admin_metadata=auth.admin_metadata(e),
-        )
-        # Releases only (refs that never reach the thinker): the gateway maps no bytes of them.
-        # A GPU thinker can open CUDA IPC handles, so embeddings made on a GPU may stay there.
-        cuda_thinker = bool(thinkers) and thinkers[0].device == "cuda"
-        media = MediaStage(
-            encoder, TransportContext(), max_request_bytes=e.max_message_bytes, allow_cuda_ipc=cuda_thinker
-        )
-        runtime.add_shutdown_hook(media.close)
+
+
+def _media_stage(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig) -> MediaStage | None:
+    """The encoder's media path, closed at shutdown (None without an encoder)."""
+    encoders, thinkers = cfg.services_of("encoder"), cfg.services_of("thinker")
+    if not encoders:
+        return None
+    encoder = _clients(cfg, svc, "encoder", EncoderClient)[0]
+    # Releases only (refs that never reach the thinker): the gateway maps no bytes of them.
+    # A GPU thinker can open CUDA IPC handles, so embeddings made on a GPU may stay there.
+    cuda_thinker = bool(thinkers) and thinkers[0].device == "cuda"
+    media = MediaStage(
+        encoder,
+        TransportContext(),
+        max_request_bytes=encoders[0].max_message_bytes,
+        allow_cuda_ipc=cuda_thinker,
+    )
+    runtime.add_shutdown_hook(media.close)
+    return media
+
+
+def _pipeline(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig) -> Pipeline:
+    """The stage clients the deploy file names, their admission gates and the gateway's limits."""
+    gw = svc.gateway
+    deployed = {s.kind for s in cfg.services.values() if s.kind != "gateway"}
+    _one_of_each(cfg)
+    thinkers = _clients(cfg, svc, "thinker", ThinkerClient)
+    media = _media_stage(runtime, cfg, svc)
     images = _image_stage(cfg, svc) if cfg.services_of("imagegen") else None
     if images is not None:
         runtime.add_shutdown_hook(images.close)
-    limits = RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars)
-    pipeline = Pipeline(
-        thinker,
+    return Pipeline(
+        thinkers[0] if thinkers else None,
         deployed,
         max_concurrent_requests=gw.max_concurrent_requests,
-        limits=limits,
+        limits=RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars),
         system_prompt=gw.system_prompt,
         media_dir=gw.media_dir,
         media=media,
@@ -371,11 +372,17 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         },
         service=svc.name,
     )
-    servicer = OmniServicer(pipeline, _converse_limits(cfg, svc))
-    stages = _Stages(runtime, cfg, svc, servicer)
+
+
+def _serve_omni(runtime: ServiceRuntime, svc: ServiceConfig, servicer: OmniServicer, stages: _Stages) -> None:
+    """The Omni service on the runtime's port, with what Describe and the load reports read."""
+    gw, pipeline = svc.gateway, servicer.pipeline
     runtime.set_readiness_provider(stages.readiness)
     runtime.add_servicer(
-        omni_pb2_grpc.add_OmniServicer_to_server, servicer, "omnistage.v1.Omni", bounds=wire_bounds(limits)
+        omni_pb2_grpc.add_OmniServicer_to_server,
+        servicer,
+        "omnistage.v1.Omni",
+        bounds=wire_bounds(pipeline.limits),
     )
     runtime.set_limits_provider(
         lambda: control_pb2.Limits(
@@ -383,23 +390,35 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
         )
     )
     runtime.set_load_provider(lambda: (pipeline.in_flight, pipeline.thinker_gate.waiting))
-    export_host_memory(svc.name)  # no device: its host memory in the ledger's metrics
-    stages.start()
-    # Text first: the gateway turns SERVING as soon as the thinker is admitted (SERVING + a warm-up
-    # through the path clients take), bounded by gateway.stage_wait_s; the other stages join as
-    # their watches admit them (health names omnistage.v1.Omni.<capability>, Describe.readiness).
-    # `omnistage serve` calls the pipeline ready when every capability is (launcher.py).
+
+
+async def _wait_for_thinker(runtime: ServiceRuntime, svc: ServiceConfig, stages: _Stages) -> None:
+    """Text first: the gateway turns SERVING as soon as the thinker is admitted (SERVING + a warm-up
+    through the path clients take), bounded by gateway.stage_wait_s; the other stages join as their
+    watches admit them (health names omnistage.v1.Omni.<capability>, Describe.readiness).
+    `omnistage serve` calls the pipeline ready when every capability is (launcher.py)."""
+    gw, thinker = svc.gateway, stages.pipeline.thinker
     runtime.reporter.enter("warming_up", total=1, unit="stages")
     watch = stages.watches.get(thinker.name) if thinker is not None else None
-    if watch is not None:
-        runtime.reporter.heartbeat(f"waiting for {watch.client.name}")
-        if not await watch.wait_admitted(gw.stage_wait_s) and not gw.allow_degraded:
-            raise StageUnavailable(
-                f"stage '{watch.client.name}' not admitted after {gw.stage_wait_s:g}s "
-                f"(gateway.stage_wait_s): {watch.client.down_reason}"
-            )
-        runtime.reporter.advance()
-    if gw.http_port:
+    if watch is None:
+        return
+    runtime.reporter.heartbeat(f"waiting for {watch.client.name}")
+    if not await watch.wait_admitted(gw.stage_wait_s) and not gw.allow_degraded:
+        raise StageUnavailable(
+            f"stage '{watch.client.name}' not admitted after {gw.stage_wait_s:g}s "
+            f"(gateway.stage_wait_s): {watch.client.down_reason}"
+        )
+    runtime.reporter.advance()
+
+
+async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
+    servicer = OmniServicer(_pipeline(runtime, cfg, svc), _converse_limits(cfg, svc))
+    stages = _Stages(runtime, cfg, svc, servicer)
+    _serve_omni(runtime, svc, servicer, stages)
+    export_host_memory(svc.name)  # no device: its host memory in the ledger's metrics
+    stages.start()
+    await _wait_for_thinker(runtime, svc, stages)
+    if svc.gateway.http_port:
         await _start_http_front(runtime, cfg, svc, tuple(r.capability for r in stages.readiness()))
     runtime.set_serving()
 
