@@ -29,16 +29,15 @@ from pathlib import Path
 
 import grpc
 from omnistage.common.config import ImageGenConfig
-from omnistage.common.log import get_logger
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
-from omnistage.common.transport import TransportContext, TransportError
+from omnistage.common.transport import TransportContext
+from omnistage.common.transport.release import release_quietly
 from omnistage.services.gateway.admission import GateConfig
 from omnistage.services.gateway.replicas import Replicas, in_flight_share
 from omnistage.services.gateway.stages import ImageGenClient, StageError, broken_stream
 from omnistage.services.gateway.validation import MediaPart, PlannedRequest
 from omnistage.v1 import common_pb2, control_pb2, imagegen_pb2, omni_pb2, tensor_pb2, thinker_pb2
 
-log = get_logger(__name__)
 STAGE = "imagegen"
 SIZE_MULTIPLE = 16  # the DiT's latent patch in pixels (VAE 8x, patch 2x2)
 # Room kept in an ImageGen message for everything but the reference image's bytes.
@@ -324,14 +323,7 @@ class ImageStage:
     def release(self, refs: Sequence[tensor_pb2.TensorRef]) -> None:
         """End the leases of hidden-state refs that will not reach ImageGen (a second release is a no-op)."""
         for ref in refs:
-            try:
-                self.transport.release(ref)
-            except (
-                TransportError,
-                OSError,
-                ValueError,
-            ) as exc:  # the thinker is gone, and its leases with it
-                log.warning("hidden-state lease not released: %s", exc)
+            release_quietly(self.transport, ref, "hidden-state lease")  # the thinker may be gone
 
     def replica_for(self, request_id: str) -> ImageGenClient:
         """The replica this request denoises on: its pinned one, else the least loaded one that is up

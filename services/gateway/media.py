@@ -17,14 +17,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
-from omnistage.common.log import get_logger
 from omnistage.common.runtime.errors import InvalidRequest
-from omnistage.common.transport import TransportContext, TransportError
+from omnistage.common.transport import TransportContext
+from omnistage.common.transport.release import release_quietly
 from omnistage.services.gateway.stages import EncoderClient, StageError
 from omnistage.services.gateway.validation import MediaPart
 from omnistage.v1 import encoder_pb2, thinker_pb2
 
-log = get_logger(__name__)
 _KIND = {
     "image": encoder_pb2.MEDIA_KIND_IMAGE,
     "audio": encoder_pb2.MEDIA_KIND_AUDIO,
@@ -86,14 +85,7 @@ class MediaStage:
     def release(self, items: Sequence[encoder_pb2.EncodedItem]) -> None:
         """End the leases of refs that will not reach the thinker (a second release is a no-op)."""
         for item in items:
-            try:
-                self.transport.release(item.embeddings)
-            except (
-                TransportError,
-                OSError,
-                ValueError,
-            ) as exc:  # the encoder is gone, and its leases with it
-                log.warning("embedding lease not released: %s", exc)
+            release_quietly(self.transport, item.embeddings, "embedding lease")  # the encoder may be gone
 
     async def close(self) -> None:
         await self.encoder.close()

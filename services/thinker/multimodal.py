@@ -24,16 +24,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from omnistage.common.log import get_logger
 from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.common.transport import TransportContext, TransportError, decode, from_proto_dtype
+from omnistage.common.transport.release import release_quietly
 from omnistage.services.thinker.engine.media import MultimodalPrompt, PromptMedia
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.layers.moe import AUDIO, VISION
 from omnistage.services.thinker.models.rope_index import get_rope_index
 from omnistage.v1 import thinker_pb2
 
-log = get_logger(__name__)
 Item = thinker_pb2.MultimodalEmbedding
 
 
@@ -291,7 +290,4 @@ def release_refs(transport: TransportContext, items: Sequence[Item]) -> None:
     for i, item in enumerate(items):
         if not item.HasField("embeddings") or item.caller_keeps_lease:
             continue
-        try:
-            transport.release(item.embeddings)
-        except (TransportError, OSError, ValueError) as exc:  # producer gone: its lease died with it
-            log.warning("multimodal[%d]: lease not released: %s", i, exc)
+        release_quietly(transport, item.embeddings, f"multimodal[{i}]: lease")  # its producer may be gone
