@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from omnistage.common.config import ImageGenConfig
+from omnistage.common.config import IMAGE_SIZE_MULTIPLE, ImageGenConfig
+from omnistage.common.image_side import check_image_side
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.transport import TransportContext
 from omnistage.common.transport.release import release_quietly
@@ -39,7 +40,6 @@ from omnistage.services.gateway.validation import MediaPart, PlannedRequest
 from omnistage.v1 import common_pb2, control_pb2, imagegen_pb2, omni_pb2, tensor_pb2, thinker_pb2
 
 STAGE = "imagegen"
-SIZE_MULTIPLE = 16  # the DiT's latent patch in pixels (VAE 8x, patch 2x2)
 # Room kept in an ImageGen message for everything but the reference image's bytes.
 MESSAGE_OVERHEAD = 64 << 10
 # ImageGen's field names in its refusals → the client's (`reference_image` → the edited part).
@@ -129,14 +129,14 @@ def plan_image(request: omni_pb2.GenerateRequest, plan: PlannedRequest, limits: 
     opts = request.image
     for name in ("width", "height"):
         value = getattr(opts, name)
-        if value == 0:
-            continue
-        if value % SIZE_MULTIPLE:
-            raise InvalidRequest(f"image.{name}: {value} is not a multiple of {SIZE_MULTIPLE}")
-        if not limits.min_side_px <= value <= limits.max_side_px:
-            raise InvalidRequest(
-                f"image.{name}: {value} is outside [{limits.min_side_px}, {limits.max_side_px}] "
-                "(the image stage's limits)"
+        if value != 0:
+            check_image_side(
+                f"image.{name}",
+                value,
+                IMAGE_SIZE_MULTIPLE,
+                limits.min_side_px,
+                limits.max_side_px,
+                "the image stage's limits",
             )
     if opts.steps > limits.max_steps:
         raise InvalidRequest(
@@ -174,7 +174,7 @@ def edit_size(width: int, height: int, limits: ImageLimits) -> tuple[int, int]:
     scale = min(1.0, limits.max_side_px / max(width, height))
 
     def side(v: int) -> int:
-        rounded = math.floor(v * scale / SIZE_MULTIPLE + 0.5) * SIZE_MULTIPLE  # halves round up
+        rounded = math.floor(v * scale / IMAGE_SIZE_MULTIPLE + 0.5) * IMAGE_SIZE_MULTIPLE  # halves round up
         return min(max(rounded, limits.min_side_px), limits.max_side_px)
 
     return side(width), side(height)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from omnistage.common.config import ImageGenConfig
+from omnistage.common.image_side import check_image_side
 from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.common.transport import TransportContext, TransportError, decode, from_proto_dtype
 from omnistage.services.imagegen import images
@@ -98,15 +99,15 @@ def _fields(req: imagegen_pb2.ImageGenRequest, limits: RequestLimits):
 
 
 def _side(name: str, value: int, limits: RequestLimits) -> int:
-    cfg, m = limits.cfg, limits.size_multiple
-    if value % m:
-        raise InvalidRequest(f"{name}: {value} is not a multiple of {m}")
-    if not cfg.min_side_px <= value <= cfg.max_side_px:
-        raise InvalidRequest(
-            f"{name}: {value} is outside [{cfg.min_side_px}, {cfg.max_side_px}] "
-            "(imagegen.min_side_px / max_side_px)"
-        )
-    return value
+    cfg = limits.cfg
+    return check_image_side(
+        name,
+        value,
+        limits.size_multiple,
+        cfg.min_side_px,
+        cfg.max_side_px,
+        "imagegen.min_side_px / max_side_px",
+    )
 
 
 def _condition(
