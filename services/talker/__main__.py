@@ -9,6 +9,7 @@ serving `omnistage.v1.Talker`. CPU or one GPU (`gpus[0]`).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import sys
 from pathlib import Path
 
@@ -73,7 +74,10 @@ class TalkerStartup(StageStartup):
         self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"{svc.name}-clip")
         runtime.add_shutdown_hook(lambda: self.pool.shutdown(wait=False, cancel_futures=True))
         runtime.add_shutdown_hook(self.engine.stop)
-        await startup.warm_up(SpeakSession(self.engine, self.voices, svc.talker, self.pool, svc.name))
+        self.new_session = functools.partial(
+            SpeakSession, self.engine, self.voices, svc.talker, self.pool, svc.name
+        )
+        await startup.warm_up(self.new_session())
 
     def serve(self) -> None:
         svc, runtime, engine, streams = (
@@ -83,7 +87,7 @@ class TalkerStartup(StageStartup):
             self.profile.max_streams,
         )
         limiter = ConcurrencyLimiter(f"{svc.name} streams", streams)
-        servicer = TalkerServicer(engine, self.voices, svc.talker, limiter, self.pool, svc.name)
+        servicer = TalkerServicer(self.new_session, svc.talker, limiter, svc.name)
         runtime.add_servicer(talker_pb2_grpc.add_TalkerServicer_to_server, servicer, "omnistage.v1.Talker")
         runtime.set_limits_provider(
             lambda: control_pb2.Limits(max_running_requests=streams, max_message_bytes=svc.max_message_bytes)

@@ -7,9 +7,8 @@ A stream takes one of the stress-tested slots for its whole life; none free with
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from omnistage.common.config import TalkerConfig
@@ -17,7 +16,6 @@ from omnistage.common.memory.stress import ConcurrencyLimiter
 from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded
 from omnistage.common.voice_rules import custom_voice_problem
-from omnistage.services.talker.engine import TalkerEngine
 from omnistage.services.talker.session import (
     Chunk,
     Finished,
@@ -27,7 +25,6 @@ from omnistage.services.talker.session import (
     StreamSettings,
     TextInput,
 )
-from omnistage.services.talker.voices import VoiceBank
 from omnistage.v1 import talker_pb2, talker_pb2_grpc
 
 
@@ -102,20 +99,19 @@ def to_proto(event: object) -> talker_pb2.SpeakResponse:
 
 
 class TalkerServicer(talker_pb2_grpc.TalkerServicer):
+    """Speak streams: one `SpeakSession` (from `new_session`, the one the warm-up used) per stream that
+    gets one of the `limiter`'s slots."""
+
     def __init__(
         self,
-        engine: TalkerEngine,
-        voices: VoiceBank,
+        new_session: Callable[[], SpeakSession],
         cfg: TalkerConfig,
         limiter: ConcurrencyLimiter,
-        pool: concurrent.futures.Executor,
         service: str = "talker",
     ) -> None:
-        self.engine = engine
-        self.voices = voices
+        self.new_session = new_session
         self.cfg = cfg
         self.limiter = limiter
-        self.pool = pool
         self.service = service
 
     async def Speak(
@@ -133,6 +129,6 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
                 await stack.enter_async_context(self.limiter.slot(max(self.cfg.queue_timeout_s, 0.001)))
             except TimeoutError as exc:
                 raise Overloaded(f"{self.service}: {exc}", retry_after_ms=500) from None
-            session = SpeakSession(self.engine, self.voices, self.cfg, self.pool, self.service)
+            session = self.new_session()
             async for event in session.run(settings, text_inputs(first, requests)):
                 yield to_proto(event)
