@@ -197,29 +197,11 @@ class FlowDiT(nn.Module):
         return seq
 
     @torch.no_grad()
-    def sample(
-        self,
-        cond: torch.Tensor,
-        history: torch.Tensor,
-        noise: torch.Tensor,
-        times: torch.Tensor,
-        cfg_strength: float,
-        sde_noise: torch.Tensor | None = None,
-        sde_scale: float = 0.0,
-    ) -> torch.Tensor:
-        """One patch per row: cond [B, cond_dim] (LM hidden), history [B, H, C], noise [B, P, C] → [B, P, C] float32.
-
-        `times` [steps + 1] float32 (`sway_times`; keep it on the host: the step sizes are read as floats). `sde_noise` [steps, B, P, C] with `sde_scale` =
-        σ·√temperature adds the reference's stochastic term; None (temperature 0) is pure Euler.
-        """
-        plan = self.plan(times, history.shape[1], noise.shape[1], cond.device)
-        return self.sample_planned(plan, cond, history, noise, cfg_strength, sde_noise, sde_scale)
-
-    @torch.no_grad()
     def plan(
         self, times: torch.Tensor, history_len: int, patch: int, device: torch.device | str
     ) -> SamplePlan:
         """What a sample at these times and lengths reuses: time embeddings, step sizes, rotary tables.
+        `times` [steps + 1] float32 (`sway_times`; keep it on the host: the step sizes are read as floats).
 
         Made once per runner, it keeps the sampling loop free of host→device copies (a CUDA graph
         captures the loop alone)."""
@@ -239,7 +221,12 @@ class FlowDiT(nn.Module):
         sde_noise: torch.Tensor | None = None,
         sde_scale: float = 0.0,
     ) -> torch.Tensor:
-        """`sample` with its plan made already: device work only, no host sync, fixed shapes."""
+        """One patch per row: cond [B, cond_dim] (LM hidden), history [B, H, C], noise [B, P, C] → [B, P, C] float32.
+
+        `sde_noise` [steps, B, P, C] with `sde_scale` = σ·√temperature adds the reference's stochastic
+        term; None (temperature 0) is pure Euler. With its plan made already (`plan`): device work only,
+        no host sync, fixed shapes.
+        """
         dtype = self.x_embedder.weight.dtype
         patch = noise.shape[1]
         c_emb = self.c_embedder(cond.to(dtype))[:, None]

@@ -15,7 +15,7 @@ from torch import nn
 
 
 class CFM(nn.Module):
-    """Holds the DiT as `cfm.model` (the checkpoint's prefix); sampling lives in `FlowDiT.sample`."""
+    """Holds the DiT as `cfm.model` (the checkpoint's prefix); sampling lives in `FlowDiT.sample_planned`."""
 
     def __init__(self, dit: FlowDiT) -> None:
         super().__init__()

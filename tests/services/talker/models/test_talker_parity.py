@@ -127,7 +127,8 @@ def test_cfm_sample_follows_the_euler_cfg_sway_update(talker_models):
     from omnistage.services.talker.models.dit import sway_times
 
     with torch.no_grad():
-        got = dit.sample(cond, history, noise, sway_times(10), cfg_strength=2.0)
+        plan = dit.plan(sway_times(10), history.shape[1], noise.shape[1], cond.device)
+        got = dit.sample_planned(plan, cond, history, noise, cfg_strength=2.0)
         grid = torch.tensor([0, 2, 4, 6, 8, 12, 16, 20, 24, 28, 32]) / 32
         times = 1 - torch.cos(math.pi / 2 * grid)
         y = noise.clone()
