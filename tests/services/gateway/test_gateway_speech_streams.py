@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
+from pathlib import Path
 
 import pytest
 from omnistage.common.runtime.auth import STAGE_KEY_ENV, STAGE_KEY_OFF
 from omnistage.services.gateway.speech import SpeechLimits
 from omnistage.services.gateway.stages import TalkerClient
+from omnistage.v1 import common_pb2, omni_pb2
 
 from tests.services.gateway.gateway_speech_fakes import (
     Context,
@@ -29,6 +32,8 @@ from tests.services.gateway.gateway_speech_fakes import (
     wait_until,
 )
 from tests.services.gateway.test_gateway_speech import ANSWER, request, run
+
+GATEWAY_CODE = str(Path(sys.modules[TalkerClient.__module__].__file__).parent)  # the gateway's source folder
 
 # A talker for each way a Speak call can end on its side ("slow": the thinker finishes long before it).
 TALKERS = {
@@ -53,13 +58,24 @@ def stage_key(request, monkeypatch):
 
 class Leftovers:
     """What a scenario leaves behind: tasks still running (besides those there when it began and the fake
-    talker's server's), and what asyncio reports to the loop's exception handler (tasks and generators
-    left to the GC)."""
+    talker's server's), what asyncio reports to the loop's exception handler (tasks and generators
+    left to the GC), and the gateway's async generators that nobody closed (asyncio's finalizer hook
+    closes them when they are collected, in a task of its own, whenever that is)."""
 
     def __init__(self) -> None:
         self.reports: list[str] = []
         self.before = asyncio.all_tasks()
-        asyncio.get_running_loop().set_exception_handler(self._report)
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(self._report)
+        hooks = sys.get_asyncgen_hooks()
+
+        def finalizer(agen) -> None:
+            code = getattr(agen, "ag_code", None)
+            if code is not None and GATEWAY_CODE in code.co_filename:
+                self.reports.append(f"left to asyncio's finalizer: {code.co_qualname}")
+            hooks.finalizer(agen)
+
+        sys.set_asyncgen_hooks(firstiter=hooks.firstiter, finalizer=finalizer)
 
     def _report(self, _loop: asyncio.AbstractEventLoop, context: dict) -> None:
         what = context.get("task") or context.get("future") or context.get("exception")
@@ -68,7 +84,7 @@ class Leftovers:
     def pending(self) -> list[str]:
         me = asyncio.current_task()
         tasks = [t for t in asyncio.all_tasks() - self.before if t is not me and not t.done()]
-        return [repr(t) for t in tasks if not t.get_coro().__qualname__.startswith("AioServer.")]
+        return [repr(t) for t in tasks if not getattr(t.get_coro(), "__qualname__", "").startswith("AioServer.")]
 
     async def no_task_left(self) -> None:
         """Wait (bounded) until no task is left running; else fail naming them."""
@@ -161,3 +177,43 @@ def test_the_talker_warm_up_leaves_nothing_to_the_gc(stage_key):
     assert reports == []
     (call,) = talker.calls
     assert call.texts == ["Warm-up."] and call.end_of_text and call.completed
+
+
+async def _turns(*texts: str):
+    """A Converse client's messages: the config, then its text turns back to back (each interrupts the
+    answer before it), then the half-close."""
+    sampling = common_pb2.SamplingParams(max_tokens=16, seed=3)
+    yield omni_pb2.ConverseRequest(config=omni_pb2.GenerateRequest(request_id="c1", voice="DB30", sampling=sampling))
+    for t in texts:
+        yield omni_pb2.ConverseRequest(text=t)
+
+
+@pytest.mark.parametrize("mode", ["echo", "refuse-voice", "busy", "fail-after-audio"])
+def test_a_conversation_with_barge_ins_leaves_nothing_to_the_gc(stage_key, mode):
+    async def scenario():
+        left = Leftovers()
+        talker = TALKERS[mode]()
+        async with TalkerServer(talker) as srv:
+            servicer = gateway(FakeThinker(ANSWER * 4, delay_s=0.002), srv.address,
+                               limits=SpeechLimits(start_wait_s=5.0, idle_timeout_s=5.0))
+            events, error = [], None
+            try:
+                async for event in servicer.Converse(_turns("One?", "Two?", "Three?"), Context()):
+                    events.append(event)
+            except Exception as exc:  # noqa: BLE001 - a refused voice ends the call
+                error = type(exc).__name__
+            await wait_until(lambda: talker.active == 0, what="every Speak handler in the talker to return")
+            await left.no_task_left()
+            in_flight = servicer.pipeline.speech.talker.calls_in_flight
+            await servicer.pipeline.speech.talker.close()
+        return talker, events, error, in_flight, left.pending(), await left.collected()
+
+    talker, events, error, in_flight, pending, reports = run(scenario())
+    assert reports == []
+    assert pending == [] and in_flight == 0 and talker.active == 0
+    if mode == "refuse-voice":
+        assert error == "InvalidRequest" and len(talker.calls) == 1
+    else:
+        assert error is None
+        assert [e.turn for e in events if e.HasField("finish")] == [0, 1, 2]
+        assert len(talker.calls) >= 1
