@@ -1,9 +1,11 @@
 """Every Speak call a spoken answer opens is over when the answer is, whoever ended it: the talker
 (finished, refused, full, failed, "nothing to speak"), the thinker before the talker, or the client
-(left mid-answer, cancelled). Nothing of it is left to the garbage collector: no task still pending
-(grpc's reader of the call's requests, the answer's own tasks) and no async generator closed under a
-running iteration, which asyncio reports as "Task was destroyed but it is pending!" and "Task
-exception was never retrieved" (aclose(): asynchronous generator is already running).
+(left mid-answer, cancelled), in Generate, in Converse with barge-ins, and in the gateway's warm-up.
+Nothing of it is left to the garbage collector: no task still pending (grpc's reader of the call's
+requests, the answer's own tasks), no async generator closed under a running iteration, which
+asyncio reports as "Task was destroyed but it is pending!" and "Task exception was never retrieved"
+(aclose(): asynchronous generator is already running), and no gateway generator left for asyncio's
+finalizer to close.
 
 Run with and without the deployment's stage key: with it every stage channel has grpc's client
 interceptors, which turn a call's write()/done_writing() into a queue-fed async generator read by a
