@@ -161,12 +161,12 @@ async def _warm_up_thinker(thinker: ThinkerClient) -> None:
 
 async def _warm_up_talker(talker: TalkerClient) -> None:
     """One sentence through Speak: the talker answers with speech before the gateway serves."""
-    call = talker.speak(60.0)
+    config = talker_pb2.SpeakConfig(request_id="gateway-warmup", seed=0)
+    call = talker.speak(
+        [talker_pb2.SpeakRequest(config=config), talker_pb2.SpeakRequest(text="Warm-up.", end_of_text=True)],
+        60.0,
+    )
     try:
-        await call.write(
-            talker_pb2.SpeakRequest(config=talker_pb2.SpeakConfig(request_id="gateway-warmup", seed=0))
-        )
-        await call.write(talker_pb2.SpeakRequest(text="Warm-up.", end_of_text=True))
         audio = False
         async for response in call:
             audio = audio or response.HasField("audio")

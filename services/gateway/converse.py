@@ -364,8 +364,11 @@ class Conversation:
     ) -> AsyncIterator[omni_pb2.GenerateEvent]:
         while True:
             try:
-                async for event in self._attempt(plan, history, turn, answer):
-                    yield event
+                # Closed here when this answer is (its Finish passed on, or a barge-in): its stage streams
+                # end now, not when asyncio's finalizer gets to the generator in a task of its own.
+                async with contextlib.aclosing(self._attempt(plan, history, turn, answer)) as events:
+                    async for event in events:
+                        yield event
                 return
             except StageError as exc:
                 # The thinker refused the prompt: the history outgrew its context. Forget the oldest

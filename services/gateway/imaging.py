@@ -288,21 +288,24 @@ class ImageStage:
             for _ in range(len(self.replicas)):  # another replica when one is found unreachable first
                 client = self.replica_for(request_id)
                 try:
-                    async for ev in client.generate(request, time_remaining()):
-                        forwarded = True
-                        if ev.WhichOneof("event") == "progress":
-                            p = ev.progress
-                            yield omni_pb2.GenerateEvent(
-                                request_id=request_id,
-                                progress=omni_pb2.Progress(stage=STAGE, done=p.step, total=p.total_steps),
-                            )
-                        else:
-                            im = ev.image
-                            yield omni_pb2.GenerateEvent(
-                                request_id=request_id,
-                                image=omni_pb2.ImageResult(png=im.png, width=im.width, height=im.height),
-                            )
-                            return
+                    # Closed here (after the image, or when the client leaves): the call's end is taken
+                    # or it is cancelled now, not when asyncio's finalizer gets to the generator.
+                    async with contextlib.aclosing(client.generate(request, time_remaining())) as events:
+                        async for ev in events:
+                            forwarded = True
+                            if ev.WhichOneof("event") == "progress":
+                                p = ev.progress
+                                yield omni_pb2.GenerateEvent(
+                                    request_id=request_id,
+                                    progress=omni_pb2.Progress(stage=STAGE, done=p.step, total=p.total_steps),
+                                )
+                            else:
+                                im = ev.image
+                                yield omni_pb2.GenerateEvent(
+                                    request_id=request_id,
+                                    image=omni_pb2.ImageResult(png=im.png, width=im.width, height=im.height),
+                                )
+                                return
                 except grpc.aio.AioRpcError as exc:
                     if not client.up:  # went down under the call (its StageWatch)
                         raise client.unavailable() from exc

@@ -1,10 +1,13 @@
 """Speech of an answer: the thinker's text goes to the client and, as it decodes, into one Talker.Speak
 call, whose audio chunks reach the client interleaved with the text in the same stream.
 
-Per answer three tasks, joined by bounded buffers, so that no loop blocks on a send while it must drain:
+Per answer two tasks and one request stream, joined by bounded buffers, so that no loop blocks on a
+send while it must drain:
   text pump      thinker events → the client buffer, and each delta into the talker's text buffer (a
                  string that never blocks: it holds at most the talker's max_text_chars)
-  talker writer  the talker's text buffer → Speak (config first, then what has arrived, end_of_text)
+  Speak requests the talker's text buffer → Speak (config first, then what has arrived, end_of_text): an
+                 async iterator read by grpc's own task for the call, ended by the answer on every
+                 path (a flag, never aclose() from another task), so that task always ends
   talker reader  Speak responses → the client buffer (audio chunks)
 The client buffer holds `speech_buffer_events` events. A slow client fills it; then both pumps wait,
 which pauses this answer's thinker and talker streams through gRPC flow control and nobody else's.
@@ -166,9 +169,46 @@ class _TextBuffer:
 _talker_load = in_flight_share(lambda t: t.max_streams)
 
 
+class _SpeakRequests:
+    """What one Speak call sends: the config, then (once the talker accepted it) the answer's text as it
+    comes, end_of_text last. Its only reader is grpc's task for the call (TalkerClient.speak); its
+    owner ends it with `stop` on every path (the call over, the answer closing), after which grpc
+    half-closes a live call or finds it over, and its task ends either way."""
+
+    def __init__(self, config: talker_pb2.SpeakConfig, text: _TextBuffer, accepted: asyncio.Event) -> None:
+        self._config: talker_pb2.SpeakConfig | None = config
+        self._text = text
+        self._accepted = accepted
+        self._over = False  # end_of_text went out, or `stop`: nothing more to send
+
+    def stop(self) -> None:
+        """Nothing more to send: the next read (or the one waiting now) ends the stream."""
+        self._over = True
+        self._text.wake.set()
+        self._accepted.set()
+
+    def __aiter__(self) -> _SpeakRequests:
+        return self
+
+    async def __anext__(self) -> talker_pb2.SpeakRequest:
+        if self._config is not None:
+            config, self._config = self._config, None
+            return talker_pb2.SpeakRequest(config=config)
+        # No text before the talker's verdict on the config: a write racing its refusal makes grpc
+        # report INTERNAL "Internal error from Core" instead of the talker's status (4 % of calls).
+        await self._accepted.wait()
+        while not self._over:
+            ended, text = self._text.ended, self._text.take()
+            if text or ended:
+                self._over = ended
+                return talker_pb2.SpeakRequest(text=text, end_of_text=ended)
+            await self._text.wake.wait()
+        raise StopAsyncIteration
+
+
 class TalkerStream:
-    """One Speak call: its writer and reader tasks, and the AudioStatus of what it gave. The first reason
-    the speech stopped short is the one the status keeps."""
+    """One Speak call: its request stream, its reader task, and the AudioStatus of what it gave. The first
+    reason the speech stopped short is the one the status keeps."""
 
     def __init__(
         self, stage: SpeechStage, request_id: str, choice: VoiceChoice, timeout_s: float | None, where: str
@@ -185,6 +225,7 @@ class TalkerStream:
         self.accepted = asyncio.Event()  # the talker started, or the speech is over
         self.released = False  # text has gone to the client: a refusal now ends only the speech
         self.finished = False  # the talker said `finished`
+        self.requests = _SpeakRequests(choice.config(request_id), self.text, self.accepted)
         self.call: grpc.aio.StreamStreamCall | None = None
         self._tasks: list[asyncio.Task] = []
         self._reading = False  # the reader waits for the talker (not for the client)
@@ -211,13 +252,12 @@ class TalkerStream:
             self.accepted.set()
             return False
         self.talker = talker
-        self.call = talker.speak(self.timeout_s)
+        self.call = talker.speak(self.requests, self.timeout_s)
         return True
 
     def run(self, out: asyncio.Queue) -> None:
         assert self.call is not None
         self._tasks = [
-            asyncio.create_task(self._write(self.call)),
             asyncio.create_task(self._read(self.call, out)),
             asyncio.create_task(self._watch_silence(self.call)),
         ]
@@ -225,39 +265,23 @@ class TalkerStream:
     def stop(self, code: str, message: str) -> None:
         """Stop speaking (the answer was aborted or interrupted): cancel the call, say why in the status."""
         self.fail(code, message)
+        self.requests.stop()
         if self.call is not None and not self.call.done():
             self._stopped = True
             self.call.cancel()
 
     async def close(self) -> None:
-        """Cancel what still runs (the call first: the talker frees the stream's state) and wait (bounded)
-        for it."""
+        """Cancel what still runs (the call first: the talker frees the stream's state), end the request
+        stream (grpc's task reading it ends too when the call was over already) and wait (bounded) for
+        the answer's tasks."""
         if self.call is not None:
             self.call.cancel()
+        self.requests.stop()
         await cancel_and_wait(self._tasks, TASK_STOP_S, f"speech of {self.request_id}: talker stream")
 
     def fail(self, code: str, message: str, retry_after_ms: int = 0) -> None:
         if not self.status.code:
             self.status.code, self.status.message, self.status.retry_after_ms = code, message, retry_after_ms
-
-    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
-        try:
-            await call.write(talker_pb2.SpeakRequest(config=self.choice.config(self.request_id)))
-            # No text before the talker's verdict on the config: a write racing its refusal makes grpc
-            # report INTERNAL "Internal error from Core" instead of the talker's status (4 % of calls).
-            await self.accepted.wait()
-            if call.done():
-                return
-            while True:
-                await self.text.wake.wait()
-                ended, text = self.text.ended, self.text.take()
-                if text or ended:
-                    await call.write(talker_pb2.SpeakRequest(text=text, end_of_text=ended))
-                if ended:
-                    break
-            await call.done_writing()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
-            return  # the call is over; the reader reports its status
 
     async def _watch_silence(self, call: grpc.aio.StreamStreamCall) -> None:
         """Once the text has ended the talker must keep answering (a talker that stopped, or never took the
@@ -288,7 +312,7 @@ class TalkerStream:
             elif asyncio.current_task().cancelling() or not self._stopped:
                 raise  # this task was cancelled (the answer is closing), not only the call
         finally:
-            self.accepted.set()
+            self.requests.stop()  # the speech is over (`accepted`): nothing more goes to the call
         if self._chunks:  # however it ended, the audio sent ends with a `last` chunk
             await out.put(
                 omni_pb2.GenerateEvent(
@@ -404,8 +428,10 @@ class SpokenAnswer:
             finish.finish.audio.CopyFrom(self.status)
             yield finish
         finally:
-            await cancel_and_wait([pump], TASK_STOP_S, f"speech of {self.speech.request_id}: text pump")
-            await self.speech.close()
+            try:
+                await cancel_and_wait([pump], TASK_STOP_S, f"speech of {self.speech.request_id}: text pump")
+            finally:  # even when cancelled again while the pump stops: the Speak call ends
+                await self.speech.close()
 
     def interrupted(self, message: str) -> omni_pb2.AudioStatus:
         """The status of an answer cut off by the client (Converse barge-in)."""

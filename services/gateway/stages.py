@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from omnistage.v1 import (
     encoder_pb2_grpc,
     imagegen_pb2,
     imagegen_pb2_grpc,
+    talker_pb2,
     talker_pb2_grpc,
     thinker_pb2,
     thinker_pb2_grpc,
@@ -288,10 +289,23 @@ class TalkerClient(StageClient):
         """A credit is a Speak call not over yet (tracked; the only calls this client tracks)."""
         return not self.max_streams or self.calls_in_flight < self.max_streams
 
-    def speak(self, timeout_s: float | None) -> grpc.aio.StreamStreamCall:
-        """An open Speak call (write config and text, read speech). It holds a credit until it is over
-        (finished, failed or cancelled): counted from the calls themselves, so no path can leak one."""
-        return self.track(self.stub.Speak(timeout=timeout_s))
+    def speak(
+        self,
+        requests: AsyncIterable[talker_pb2.SpeakRequest] | Iterable[talker_pb2.SpeakRequest],
+        timeout_s: float | None,
+    ) -> grpc.aio.StreamStreamCall:
+        """An open Speak call that sends `requests` (read by a task of grpc's, their only reader) and is
+        read for speech. It holds a credit until it is over (finished, failed or cancelled): counted
+        from the calls themselves, so no path can leak one.
+
+        The caller ends `requests` on every path (an iterator that runs out, or a flag its owner sets;
+        never aclose() from another task): grpc cancels its reading task only when the call is
+        cancelled while live, so a call the talker ended (finished, refused, failed) leaves it waiting
+        for the next request. Not the write()/done_writing() style: through the stage key's
+        interceptors grpc makes those its own queue-fed generator, which nothing ends once the talker
+        ended the call first; its task and generator were left to the GC ("Task was destroyed but it
+        is pending!", "aclose(): asynchronous generator is already running")."""
+        return self.track(self.stub.Speak(requests, timeout=timeout_s))
 
 
 class ImageGenClient(StageClient):

@@ -7,14 +7,17 @@ answer's ids exactly, and the thinker's prefix cache serves most of it), a barge
 stream; a client that cancels mid-speech frees the talker stream; with the talker killed, a Generate
 with audio still completes its text and says why there is no audio.
 
-The services are started one process each (as `omnistage serve` starts them, without its supervision:
-the launcher stops the whole pipeline when a stage dies, and one test kills the talker to see
-what the gateway does without it, then starts it again). One pipeline for the module.
+The services are started one process each (as `omnistage serve` starts them, with a stage key, without
+its supervision: the launcher stops the whole pipeline when a stage dies, and one test kills the
+talker to see what the gateway does without it, then starts it again). One pipeline for the module;
+when it stops, the gateway's log has no report of a task or generator left to the GC.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -27,6 +30,7 @@ import grpc
 import numpy as np
 import pytest
 import yaml
+from omnistage.common.runtime import auth
 from omnistage.common.runtime.deadlines import wait_for
 from omnistage.common.runtime.status_file import read_status, status_path
 from omnistage.services.gateway.history import wav_of
@@ -40,6 +44,17 @@ START_DEADLINE_S = 300.0
 MAX_SEGMENT_SECONDS = 3.0  # every sentence spoken at most this long: short tests
 SAMPLE_RATE_HZ = 44100
 IDLE_DEADLINE_S = 30.0
+# The deployment's stage key, as `omnistage serve` gives one to every process: the gateway's stage
+# channels then carry grpc's client interceptors (the path production runs), and the stages' ports
+# take only callers that present it.
+STAGE_KEY = secrets.token_urlsafe(24)
+# What asyncio logs when a task or an async generator was left to the garbage collector.
+LEFT_TO_GC = (
+    "Task was destroyed but it is pending",
+    "Task exception was never retrieved",
+    "asynchronous generator is already running",
+    "an error occurred during closing of asynchronous generator",
+)
 
 
 class Pipeline:
@@ -153,7 +168,12 @@ class Pipeline:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env=dict(os.environ, PYTHONUNBUFFERED="1", OMNISTAGE_SERVICE=name),
+                env=dict(
+                    os.environ,
+                    PYTHONUNBUFFERED="1",
+                    OMNISTAGE_SERVICE=name,
+                    **{auth.STAGE_KEY_ENV: STAGE_KEY},
+                ),
             )
 
     def logs(self, name: str) -> str:
@@ -206,6 +226,9 @@ class Pipeline:
                 codes[name] = "hung"
         if check:
             assert all(code == 0 for code in codes.values()), f"exits {codes}:\n{self.all_logs()}"
+            log = (self.root / "gateway.log").read_text()
+            left = [line for line in log.splitlines() if any(s in line for s in LEFT_TO_GC)]
+            assert not left, "the gateway left tasks or generators to the GC:\n" + "\n".join(left[:10])
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +271,11 @@ def _text(events) -> str:
 
 
 def _describe(address: str) -> control_pb2.DescribeResponse:
+    """A stage's Describe (its admin port takes the stage key)."""
     with grpc.insecure_channel(address) as ch:
-        return control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest(), timeout=5)
+        return control_pb2_grpc.ControlStub(ch).Describe(
+            control_pb2.DescribeRequest(), timeout=5, metadata=auth.bearer(STAGE_KEY)
+        )
 
 
 def _metric(url: str, name: str) -> float:
@@ -363,6 +389,46 @@ def test_client_cancel_mid_speech_frees_the_talker_stream(pipeline):
         call.cancel()
     _wait_stages_idle(pipeline)
     assert _more_calls(calls, _speak_calls(pipeline)) == {"CANCELLED": 1}
+
+
+def test_spoken_answers_that_end_every_way_at_once_each_end_their_speak_call(pipeline):
+    """At once: two answers spoken to their end, one in a voice the talker refuses (the talker ends that
+    Speak call itself), one whose client leaves at its first audio. Each Speak call ends once, with
+    its own status; the module's end checks that the gateway left nothing of them to the GC."""
+    calls = _speak_calls(pipeline)
+
+    async def answers() -> list:
+        async with grpc.aio.insecure_channel(pipeline.gateway) as ch:
+            stub = omni_pb2_grpc.OmniStub(ch)
+
+            async def whole(request: omni_pb2.GenerateRequest):
+                events = [e async for e in stub.Generate(request, timeout=180)]
+                return events[-1].finish.audio.code or "complete"
+
+            async def refused():
+                request = _spoken_request(8, "sp-refused")
+                request.voice = "nobody"
+                try:  # refused before its text went out: the request fails; after: only its speech
+                    return await whole(request)
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code().name
+
+            async def leaves():
+                call = stub.Generate(_spoken_request(24, "sp-leaves"), timeout=180)
+                async for event in call:
+                    if event.HasField("audio"):
+                        break
+                call.cancel()
+                return "left"
+
+            return await asyncio.gather(
+                whole(_spoken_request(8, "sp-a")), whole(_spoken_request(8, "sp-b")), refused(), leaves()
+            )
+
+    outcomes = asyncio.run(answers())
+    assert outcomes == ["complete", "complete", "INVALID_ARGUMENT", "left"], outcomes
+    _wait_stages_idle(pipeline)
+    assert _more_calls(calls, _speak_calls(pipeline)) == {"OK": 2, "INVALID_ARGUMENT": 1, "CANCELLED": 1}
 
 
 class ConverseClient:

@@ -102,7 +102,8 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
     (UNAVAILABLE after the first text's audio) | "broken-after-audio" (INTERNAL "Internal error from Core",
     grpc's own status for a write into a broken connection) | "silent" (accepts, then never answers) | "nothing"
     (INVALID_ARGUMENT "text: nothing to speak" at the end). A stream the client cancels after
-    `finished`, before the handler returned, counts as cancelled (the real talker's status CANCELLED)."""
+    `finished`, before the handler returned, counts as cancelled (the real talker's status CANCELLED).
+    `speak_delay_s` > 0: each text is spoken that long after it came (a talker slower than the thinker)."""
 
     def __init__(
         self,
@@ -111,8 +112,10 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
         chunk_samples: int = 441,
         end_delay_s: float = 0.0,
         refuse_delay_s: float = 0.0,
+        speak_delay_s: float = 0.0,
     ) -> None:
         self.mode = mode
+        self.speak_delay_s = speak_delay_s
         self.end_delay_s = end_delay_s  # after `finished`, the handler takes this long to return (cleanup)
         self.refuse_delay_s = refuse_delay_s  # "refuse-voice": the verdict comes this long after the config
         self.chunks_per_text = chunks_per_text
@@ -155,6 +158,7 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
             async for message in requests:
                 call.texts.append(message.text)
                 if message.text and self.mode != "silent":
+                    await asyncio.sleep(self.speak_delay_s)
                     for _ in range(self.chunks_per_text):
                         yield talker_pb2.SpeakResponse(
                             audio=talker_pb2.SpeechChunk(

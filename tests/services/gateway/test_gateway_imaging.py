@@ -31,6 +31,7 @@ from prometheus_client import REGISTRY
 
 from tests.common.runtime.synthetic_stage import free_port
 from tests.services.gateway.gateway_speech_fakes import FakeTalker, TalkerServer
+from tests.services.gateway.leftovers import Leftovers
 
 QUERIES, HIDDEN = 256, 64
 LIMITS = ImageLimits(
@@ -605,3 +606,22 @@ def test_leases_that_would_expire_before_the_image_call_are_encoded_again(tmp_pa
     assert first[0].embeddings.shm.lease_id != second[0].embeddings.shm.lease_id
     assert not second[0].caller_keeps_lease
     assert left == 0  # the first encoding released by the gateway, the second taken by the thinker
+
+
+def test_image_calls_end_with_their_request_and_leave_nothing_to_the_gc(tmp_path, producer):
+    """A finished image and one whose client leaves mid-denoise: each ImageGen stream is ended by the
+    request (its own end taken, or cancelled), none by asyncio's finalizer closing a gateway generator
+    later in a task of its own."""
+
+    async def scenario():
+        left = Leftovers()
+        thinker, imagegen = FakeThinker(producer), FakeImageGen()
+        async with Gateway(thinker, imagegen, tmp_path) as gw:
+            done = await gw.events(request(steps=3))
+            gone = await gw.events(request(steps=40), stop_after="progress", n=2)
+            await wait_for_async(lambda: imagegen.cancelled == 1, 5, "ImageGen to see the cancel")
+        return done, gone, await left.collected()
+
+    done, gone, reports = run(scenario())
+    assert kinds(done)[-2:] == ["image", "finish"] and kinds(gone) == ["progress", "progress"]
+    assert reports == []
