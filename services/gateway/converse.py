@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from omnistage.common.config import EncoderConfig, GatewayConfig
 from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.sampling import check_sampling
@@ -45,14 +46,15 @@ class Interrupted:
 
 @dataclass(frozen=True)
 class ConverseLimits:
-    """The gateway's Converse keys (docs/config.md) and the encoder's limits on one request."""
+    """The gateway's Converse keys (docs/config.md) and the encoder's limits on one request; the
+    defaults are the deploy file's (the config classes own them)."""
 
-    max_turns: int = 16
-    max_turn_chars: int = 4000
-    max_turn_audio_bytes: int = 1_920_000
+    max_turns: int = GatewayConfig.converse_max_turns
+    max_turn_chars: int = GatewayConfig.converse_max_turn_chars
+    max_turn_audio_bytes: int = GatewayConfig.converse_max_turn_audio_bytes
     # From the encoder's deploy-file keys: the longest clip and the items of one Encode request.
-    max_audio_seconds: float = 300.0
-    max_audio_items: int = 16
+    max_audio_seconds: float = EncoderConfig.max_audio_seconds
+    max_audio_items: int = EncoderConfig.max_items_per_request
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from omnistage.common import metrics
+from omnistage.common.config import GatewayConfig, TalkerConfig
 from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY, InvalidRequest
 from omnistage.common.voice_rules import custom_voice_problem, voice_name_problem
@@ -84,12 +85,13 @@ def voice_choice(request: omni_pb2.GenerateRequest, where: str = "") -> VoiceCho
 
 @dataclass(frozen=True)
 class SpeechLimits:
-    """The gateway's speech knobs (docs/config.md) and the talker's text limit (its deploy-file key)."""
+    """The gateway's speech knobs (docs/config.md) and the talker's text limit (its deploy-file key);
+    the defaults are the deploy file's (the config classes own them)."""
 
-    max_text_chars: int = 4000
-    start_wait_s: float = 2.0
-    idle_timeout_s: float = 30.0
-    buffer_events: int = 16
+    max_text_chars: int = TalkerConfig.max_text_chars
+    start_wait_s: float = GatewayConfig.talker_start_wait_s
+    idle_timeout_s: float = GatewayConfig.talker_idle_timeout_s
+    buffer_events: int = GatewayConfig.speech_buffer_events
 
 
 class SpeechStage:
