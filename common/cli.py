@@ -546,13 +546,13 @@ def cmd_protos(args: argparse.Namespace) -> int:
 
 def _config_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--config", required=required, help="deploy YAML (the one `serve` runs)")
+    _overrides_arg(p, "the same overrides as `serve` (repeatable)")
+
+
+def _overrides_arg(p: argparse.ArgumentParser, help_text: str) -> None:
+    """`--set KEY.PATH=VALUE` (repeatable) into `args.overrides`: `serve`'s and every command's that reads its config."""
     p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="the same overrides as `serve` (repeatable)",
+        "--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help=help_text
     )
 
 
@@ -601,14 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve_parser(sub: Subparsers) -> None:
     p = sub.add_parser("serve", help="start every service of a deploy file and supervise them")
     p.add_argument("config", help="deploy YAML (e.g. deploy/local-tiny.yaml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override a config key (repeatable)",
-    )
+    _overrides_arg(p, "override a config key (repeatable)")
     p.add_argument("--run-dir", default=None, help="directory for status files (default: a temp dir)")
     p.add_argument("--ready-file", default=None, help="write the gateway address here when ready")
     p.add_argument("--exit-after-ready", action="store_true", help="stop everything once ready (smoke tests)")

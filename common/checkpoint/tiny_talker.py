@@ -69,18 +69,15 @@ TINY_VAE_ENCODER = qwen2_shape(
     intermediate_size=64,
     vocab_size=16,
 )
-# Layer 1 sees the last 24 frames only: the streaming decode is tested across the window edge.
-TINY_VAE_DECODER = qwen2_shape(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    intermediate_size=64,
-    vocab_size=16,
-    use_sliding_window=True,
-    sliding_window=24,
-    max_window_layers=1,
-)
+# The encoder's backbone with 2 layers, layer 1 seeing the last 24 frames only: the streaming decode is
+# tested across the window edge.
+TINY_VAE_DECODER = {
+    **TINY_VAE_ENCODER,
+    "num_hidden_layers": 2,
+    "use_sliding_window": True,
+    "sliding_window": 24,
+    "max_window_layers": 1,
+}
 VOICES: dict[str, tuple[str, float, tuple[float, ...]]] = {
     # name: (prompt text, seconds, partial frequencies in Hz)
     "DB30": ("感谢你的认可。", 0.9, (180.0, 360.0, 540.0)),
