@@ -12,7 +12,7 @@ import sys
 import unicodedata
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,6 +22,9 @@ from omnistage.common.load_stats import Summary, details_table, failures, markdo
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.auth import SecretError
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
+
+if TYPE_CHECKING:
+    from omnistage.common.client import Result
 
 
 def _mib(n: int) -> str:
@@ -152,48 +155,18 @@ def _image_options(args: argparse.Namespace) -> omni_pb2.ImageOptions | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from omnistage.common.client import OmniClient, Result, build_request
+    from omnistage.common.client import Result
 
     try:
         address, creds, metadata = _gateway_target(args)
-        modalities = ["text"] + (["audio"] if args.speak else []) + (["image"] if args.image_out else [])
-        request = build_request(
-            args.prompt,
-            images=args.image,
-            audios=args.audio,
-            videos=args.video,
-            modalities=modalities,
-            voice=args.voice,
-            image=_image_options(args),
-            system_prompt=args.system_prompt,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            stop=args.stop,
-        )
+        request = _generate_request(args)
     except (ConfigError, SecretError, OSError, ValueError) as exc:
         print(f"omnistage: {exc}", file=sys.stderr)
         return 2
     result = Result()
     progress = _Progress()
     try:
-        with OmniClient(address, credentials=creds, metadata=metadata, timeout_s=args.timeout_s) as client:
-            for event in client.generate(request=request):
-                kind = event.WhichOneof("event")
-                if kind == "text":
-                    progress.end()
-                    sys.stdout.write(terminal_safe(event.text.text))
-                    sys.stdout.flush()
-                elif kind == "progress":
-                    progress.update(event.progress.stage, event.progress.done, event.progress.total)
-                elif kind == "audio" and args.speak and not progress.shown:
-                    seconds = (
-                        (len(result.pcm16) + len(event.audio.pcm16)) / 2 / max(1, event.audio.sample_rate_hz)
-                    )
-                    sys.stderr.write(f"\r[speech {seconds:.1f} s]")
-                    sys.stderr.flush()
-                result.add(event)
+        _stream_answer(args, address, creds, metadata, request, result, progress)
     except grpc.RpcError as exc:
         progress.end()
         print(f"\nomnistage: generate failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -207,6 +180,73 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if finish is None:
         print("omnistage: the stream ended without a finish event", file=sys.stderr)
         return 1
+    status = _write_answer_files(args, result, finish)
+    u = finish.usage
+    print(
+        f"[finish: {common_pb2.FinishReason.Name(finish.reason).removeprefix('FINISH_REASON_').lower()}, "
+        f"prompt_tokens={u.prompt_tokens}, completion_tokens={u.completion_tokens}, "
+        f"ttft={u.time_to_first_token_ms:.1f}ms{', ' + finish.message if finish.message else ''}]"
+    )
+    return 1 if finish.reason == common_pb2.FINISH_REASON_ERROR else status
+
+
+def _generate_request(args: argparse.Namespace) -> omni_pb2.GenerateRequest:
+    """The GenerateRequest of `generate`'s flags: text always, audio with --speak, an image with --image-out."""
+    from omnistage.common.client import build_request
+
+    modalities = ["text"] + (["audio"] if args.speak else []) + (["image"] if args.image_out else [])
+    return build_request(
+        args.prompt,
+        images=args.image,
+        audios=args.audio,
+        videos=args.video,
+        modalities=modalities,
+        voice=args.voice,
+        image=_image_options(args),
+        system_prompt=args.system_prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+
+
+def _stream_answer(
+    args: argparse.Namespace,
+    address: str,
+    creds: grpc.ChannelCredentials | None,
+    metadata: tuple,
+    request: omni_pb2.GenerateRequest,
+    result: Result,
+    progress: _Progress,
+) -> None:
+    """Call Generate and show the answer as it comes: text on stdout, progress and speech length on stderr.
+
+    Every event is also added to `result`, which the caller writes out once the stream ends.
+    """
+    from omnistage.common.client import OmniClient
+
+    with OmniClient(address, credentials=creds, metadata=metadata, timeout_s=args.timeout_s) as client:
+        for event in client.generate(request=request):
+            kind = event.WhichOneof("event")
+            if kind == "text":
+                progress.end()
+                sys.stdout.write(terminal_safe(event.text.text))
+                sys.stdout.flush()
+            elif kind == "progress":
+                progress.update(event.progress.stage, event.progress.done, event.progress.total)
+            elif kind == "audio" and args.speak and not progress.shown:
+                seconds = (
+                    (len(result.pcm16) + len(event.audio.pcm16)) / 2 / max(1, event.audio.sample_rate_hz)
+                )
+                sys.stderr.write(f"\r[speech {seconds:.1f} s]")
+                sys.stderr.flush()
+            result.add(event)
+
+
+def _write_answer_files(args: argparse.Namespace, result: Result, finish: omni_pb2.Finish) -> int:
+    """Write the speech (--speak) and image (--image-out) files, one line each on stderr; 1 if no image came."""
     status = 0
     if args.speak:
         Path(args.speak).write_bytes(result.wav())
@@ -227,13 +267,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print("omnistage: no image in the answer", file=sys.stderr)
             status = 1
-    u = finish.usage
-    print(
-        f"[finish: {common_pb2.FinishReason.Name(finish.reason).removeprefix('FINISH_REASON_').lower()}, "
-        f"prompt_tokens={u.prompt_tokens}, completion_tokens={u.completion_tokens}, "
-        f"ttft={u.time_to_first_token_ms:.1f}ms{', ' + finish.message if finish.message else ''}]"
-    )
-    return 1 if finish.reason == common_pb2.FINISH_REASON_ERROR else status
+    return status
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -512,13 +546,13 @@ def cmd_protos(args: argparse.Namespace) -> int:
 
 def _config_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--config", required=required, help="deploy YAML (the one `serve` runs)")
+    _overrides_arg(p, "the same overrides as `serve` (repeatable)")
+
+
+def _overrides_arg(p: argparse.ArgumentParser, help_text: str) -> None:
+    """`--set KEY.PATH=VALUE` (repeatable) into `args.overrides`: `serve`'s and every command's that reads its config."""
     p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="the same overrides as `serve` (repeatable)",
+        "--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help=help_text
     )
 
 
@@ -567,14 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve_parser(sub: Subparsers) -> None:
     p = sub.add_parser("serve", help="start every service of a deploy file and supervise them")
     p.add_argument("config", help="deploy YAML (e.g. deploy/local-tiny.yaml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override a config key (repeatable)",
-    )
+    _overrides_arg(p, "override a config key (repeatable)")
     p.add_argument("--run-dir", default=None, help="directory for status files (default: a temp dir)")
     p.add_argument("--ready-file", default=None, help="write the gateway address here when ready")
     p.add_argument("--exit-after-ready", action="store_true", help="stop everything once ready (smoke tests)")

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -43,6 +43,9 @@ from omnistage.common.runtime.orphan import LAUNCHER_PID_ENV
 from omnistage.common.runtime.status_file import StatusRecord, read_status, status_path
 from omnistage.common.stages import CAPABILITIES, MODULES
 from omnistage.common.supervision import HealthProbe, RestartBudget, hung_cause
+
+if TYPE_CHECKING:
+    from omnistage.common.memory.ledger import LedgerReport
 
 # A restarted stage is announced "serving again" once the gateway admits it, or after this long.
 _ADMIT_WAIT_S = 60.0
@@ -736,6 +739,52 @@ def launch(
     `modules` maps stage kinds to a module name or a script path (tests substitute synthetic stages).
     """
     out, err = out or sys.stdout, err or sys.stderr
+    checked = _checked_deploy(cfg_path, overrides, err)
+    if isinstance(checked, int):
+        return checked
+    cfg, ledger = checked
+    if check_only:
+        print(ledger.table() if ledger.devices else "memory ledger: no device budgets", file=out)
+        print(
+            f"omnistage: {cfg_path}: the config, memory ledger, checkpoint, secrets and ports are fine "
+            f"({len(cfg.services)} services); nothing started",
+            file=out,
+            flush=True,
+        )
+        return 0
+    if ledger.devices:
+        print(ledger.summary(), file=out, flush=True)
+    sweep = _start_sweep(err)
+    own_run_dir = run_dir is None
+    rdir = Path(tempfile.mkdtemp(prefix="omnistage-run-")) if run_dir is None else Path(run_dir)
+    rdir.mkdir(parents=True, exist_ok=True)
+    launcher = Launcher(
+        cfg, Path(cfg_path).resolve(), overrides, rdir, {**MODULES, **(modules or {})}, out, err
+    )
+    previous = _install_signals(launcher)
+    key_file = _publish_stage_key(cfg_path, launcher.stage_key, err)
+    try:
+        return launcher.run(Path(ready_file) if ready_file else None, exit_after_ready)
+    except ConfigError as exc:
+        print(f"omnistage: config error: {exc}", file=err, flush=True)
+        return 2
+    finally:
+        if key_file is not None:
+            auth.withdraw_stage_key(key_file, launcher.stage_key)
+        sweep.join(timeout=_SWEEP_WAIT_S)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if own_run_dir:
+            shutil.rmtree(rdir, ignore_errors=True)
+
+
+def _checked_deploy(
+    cfg_path: str | Path, overrides: Sequence[str], err: TextIO
+) -> tuple[DeployConfig, LedgerReport] | int:
+    """The config, its per-GPU memory ledger and `preflight`, checked before anything starts.
+
+    Returns the config and its ledger, or 2 after one line per problem on `err`.
+    """
     try:
         cfg = load_config(cfg_path, list(overrides))
     except ConfigError as exc:
@@ -756,51 +805,27 @@ def launch(
         for line in problems:
             print(f"omnistage: {line}", file=err, flush=True)
         return 2
-    if check_only:
-        print(ledger.table() if ledger.devices else "memory ledger: no device budgets", file=out)
-        print(
-            f"omnistage: {cfg_path}: the config, memory ledger, checkpoint, secrets and ports are fine "
-            f"({len(cfg.services)} services); nothing started",
-            file=out,
-            flush=True,
-        )
-        return 0
-    if ledger.devices:
-        print(ledger.summary(), file=out, flush=True)
-    sweep = _start_sweep(err)
-    own_run_dir = run_dir is None
-    rdir = Path(tempfile.mkdtemp(prefix="omnistage-run-")) if run_dir is None else Path(run_dir)
-    rdir.mkdir(parents=True, exist_ok=True)
-    launcher = Launcher(
-        cfg, Path(cfg_path).resolve(), overrides, rdir, {**MODULES, **(modules or {})}, out, err
-    )
-    previous = _install_signals(launcher)
+    return cfg, ledger
+
+
+def _publish_stage_key(cfg_path: str | Path, stage_key: str, err: TextIO) -> Path | None:
+    """Publish this run's stage key for the CLI's Control calls (none when it is '' or `off`).
+
+    A key that cannot be published is a warning, not a failed start: the CLI then needs the env var.
+    """
     try:
-        key_file = (
-            auth.publish_stage_key(cfg_path, launcher.stage_key)
-            if auth.stage_key({auth.STAGE_KEY_ENV: launcher.stage_key})
+        return (
+            auth.publish_stage_key(cfg_path, stage_key)
+            if auth.stage_key({auth.STAGE_KEY_ENV: stage_key})
             else None
         )
     except (OSError, auth.SecretError) as exc:
-        key_file = None
         print(
             f"omnistage: warning: the CLI will need ${auth.STAGE_KEY_ENV} for the stages' Control: {exc}",
             file=err,
             flush=True,
         )
-    try:
-        return launcher.run(Path(ready_file) if ready_file else None, exit_after_ready)
-    except ConfigError as exc:
-        print(f"omnistage: config error: {exc}", file=err, flush=True)
-        return 2
-    finally:
-        if key_file is not None:
-            auth.withdraw_stage_key(key_file, launcher.stage_key)
-        sweep.join(timeout=_SWEEP_WAIT_S)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if own_run_dir:
-            shutil.rmtree(rdir, ignore_errors=True)
+        return None
 
 
 def _install_signals(launcher: Launcher) -> dict[int, object]:

@@ -42,23 +42,16 @@ MING_FLASH: dict[str, Any] = dict(
     n_group=8,
     topk_group=4,
 )
-# Ling-mini-2.0's size with Ming's thinker features (16.3 B parameters).
-LING_MINI: dict[str, Any] = dict(
-    vocab_size=157184,
-    hidden_size=2048,
-    num_hidden_layers=20,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    head_dim=128,
-    intermediate_size=5120,
-    first_k_dense_replace=1,
-    num_experts=256,
-    num_experts_per_tok=8,
-    num_shared_experts=1,
-    moe_intermediate_size=512,
-    n_group=8,
-    topk_group=4,
-)
+# Ling-mini-2.0's size with Ming's thinker features (16.3 B parameters): the same vocabulary, head_dim 128,
+# 4 KV heads, 256 experts (8 per token, 8 groups, top 4) and one shared expert.
+LING_MINI: dict[str, Any] = {
+    **MING_FLASH,
+    "hidden_size": 2048,
+    "num_hidden_layers": 20,
+    "num_attention_heads": 16,
+    "intermediate_size": 5120,
+    "moe_intermediate_size": 512,
+}
 
 
 @dataclass(frozen=True)

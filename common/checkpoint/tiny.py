@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omnistage.common.checkpoint.part_shapes import vision_shape, whisper_shape
 from omnistage.common.checkpoint.seeded import SeededInit
 from omnistage.common.checkpoint.shards import write_sharded
 from omnistage.common.checkpoint.tiny_imagegen import write_tiny_imagegen
@@ -39,22 +40,17 @@ TINY_LLM: dict[str, Any] = {
     "topk_group": 2,
 }
 
-TINY_VISION: dict[str, Any] = {
-    "depth": 3,
-    "hidden_size": 64,
-    "num_heads": 4,
-    "intermediate_size": 128,
-    "hidden_act": "gelu_pytorch_tanh",
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "in_channels": 3,
-    "spatial_merge_size": 2,
-    "num_position_embeddings": 64,
-    "out_hidden_size": 256,
-    "deepstack_visual_indexes": [0, 1, 2],
-}
+TINY_VISION = vision_shape(
+    depth=3,
+    hidden_size=64,
+    num_heads=4,
+    intermediate_size=128,
+    num_position_embeddings=64,
+    out_hidden_size=256,
+    deepstack_visual_indexes=[0, 1, 2],
+)
 
-TINY_WHISPER: dict[str, Any] = {"n_mels": 128, "n_ctx": 200, "n_state": 64, "n_head": 4, "n_layer": 2}
+TINY_WHISPER = whisper_shape(n_ctx=200, n_state=64, n_head=4, n_layer=2)
 
 
 def llm_config(shape: dict[str, Any], ids: dict[str, int]) -> dict[str, Any]:

@@ -15,57 +15,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omnistage.common.checkpoint.part_shapes import autoencoder_kl_shape, qwen2_shape, zimage_dit_shape
 from safetensors.torch import save_file
 
 QUERY_SCALE = 16
 CAP_DIM = 40
 
-TINY_CONNECTOR: dict[str, Any] = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-}
+TINY_CONNECTOR = qwen2_shape(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=128,
+)
 
-TINY_DIT: dict[str, Any] = {
-    "all_patch_size": [2],
-    "all_f_patch_size": [1],
-    "in_channels": 16,
-    "dim": 96,
-    "n_layers": 2,
-    "n_refiner_layers": 1,
-    "n_heads": 2,
-    "n_kv_heads": 2,
-    "norm_eps": 1e-5,
-    "qk_norm": True,
-    "cap_feat_dim": CAP_DIM,
-    "rope_theta": 256.0,
-    "t_scale": 1000.0,
-    "axes_dims": [16, 16, 16],
-    "axes_lens": [1024, 512, 512],
-}
+TINY_DIT = zimage_dit_shape(
+    dim=96,
+    n_layers=2,
+    n_refiner_layers=1,
+    n_heads=2,
+    n_kv_heads=2,
+    cap_feat_dim=CAP_DIM,
+    axes_dims=[16, 16, 16],
+)
 
-TINY_VAE: dict[str, Any] = {
-    "in_channels": 3,
-    "out_channels": 3,
-    "latent_channels": 16,
-    "block_out_channels": [8, 8, 16, 16],
-    "layers_per_block": 1,
-    "norm_num_groups": 4,
-    "act_fn": "silu",
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "mid_block_add_attention": True,
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-    # The Flux / Z-Image VAE's factors (the release's vae/config.json is unconfirmed, ming.md §9).
-    "scaling_factor": 0.3611,
-    "shift_factor": 0.1159,
-    "sample_size": 1024,
-    "force_upcast": True,
-}
+TINY_VAE = autoencoder_kl_shape(block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=4)
 
 SCHEDULER: dict[str, Any] = {
     "_class_name": "FlowMatchEulerDiscreteScheduler",

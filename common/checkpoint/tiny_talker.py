@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from omnistage.common.checkpoint.part_shapes import cfm_dit_shape, qwen2_shape
 from omnistage.common.checkpoint.seeded import SeededInit
 from omnistage.common.checkpoint.shards import write_sharded
-from omnistage.common.checkpoint.tiny_tokenizer import CORPUS, train_byte_bpe
+from omnistage.common.checkpoint.tiny_tokenizer import CORPUS, added_tokens_decoder, train_byte_bpe
 
 SAMPLE_RATE = 44100
 LATENT_DIM = 64
@@ -56,30 +57,23 @@ You are a helpful assistant. Text input: speaker_1: speaker_2:
 """
 )
 
-TINY_TALKER_LLM: dict[str, Any] = {
-    "hidden_size": 64,
+TINY_TALKER_LLM = qwen2_shape(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
+)
+TINY_DIT = cfm_dit_shape(hidden_size=64, depth=2, num_heads=4)
+TINY_VAE_ENCODER = qwen2_shape(
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=64,
+    vocab_size=16,
+)
+# The encoder's backbone with 2 layers, layer 1 seeing the last 24 frames only: the streaming decode is
+# tested across the window edge.
+TINY_VAE_DECODER = {
+    **TINY_VAE_ENCODER,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-}
-TINY_DIT: dict[str, Any] = {"hidden_size": 64, "depth": 2, "num_heads": 4, "mlp_ratio": 4.0}
-TINY_VAE_ENCODER: dict[str, Any] = {
-    "hidden_size": 32,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "intermediate_size": 64,
-    "vocab_size": 16,
-}
-# Layer 1 sees the last 24 frames only: the streaming decode is tested across the window edge.
-TINY_VAE_DECODER: dict[str, Any] = {
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "intermediate_size": 64,
-    "vocab_size": 16,
     "use_sliding_window": True,
     "sliding_window": 24,
     "max_window_layers": 1,
@@ -238,19 +232,8 @@ def write_voice_wav(path: Path, seconds: float, partials: tuple[float, ...], see
 def _write_tokenizer(llm_dir: Path) -> int:
     tok = train_byte_bpe(TALKER_CORPUS, TALKER_SPECIAL_TOKENS)
     tok.save(str(llm_dir / "tokenizer.json"))
-    decoder = {
-        str(tok.token_to_id(t)): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for t in TALKER_SPECIAL_TOKENS
-    }
     config = {
-        "added_tokens_decoder": decoder,
+        "added_tokens_decoder": added_tokens_decoder({t: tok.token_to_id(t) for t in TALKER_SPECIAL_TOKENS}),
         "bos_token": None,
         "eos_token": "<|endoftext|>",
         "pad_token": "<|endoftext|>",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -99,14 +100,9 @@ def _train(corpus: str) -> Tokenizer:
     return train_byte_bpe(corpus, SPECIAL_TOKENS)
 
 
-def write_tiny_tokenizer(out_dir: str | Path) -> dict[str, int]:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return name → id."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = _train(CORPUS)
-    tok.save(str(out / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    decoder = {
+def added_tokens_decoder(ids: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """`tokenizer_config.json`'s `added_tokens_decoder` for special tokens (name → id), in their order."""
+    return {
         str(i): {
             "content": t,
             "lstrip": False,
@@ -117,10 +113,19 @@ def write_tiny_tokenizer(out_dir: str | Path) -> dict[str, int]:
         }
         for t, i in ids.items()
     }
+
+
+def write_tiny_tokenizer(out_dir: str | Path) -> dict[str, int]:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return name → id."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _train(CORPUS)
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     config = {
         "add_bos_token": False,
         "add_eos_token": False,
-        "added_tokens_decoder": decoder,
+        "added_tokens_decoder": added_tokens_decoder(ids),
         "bos_token": "<|startoftext|>",
         "clean_up_tokenization_spaces": False,
         "cls_token": "[CLS]",
