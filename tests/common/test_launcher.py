@@ -132,7 +132,13 @@ def test_ready_then_sigterm_stops_every_child_and_exits_0(tmp_path, runs):
     pids = run.child_pids()
     assert set(pids) == {"alpha r0", "alpha r1", "beta r0", "front r0"}
     assert address.endswith(f":{run.cfg.read_text().split('front:')[1].split('port: ')[1].split()[0]}")
-    assert "alpha r0 loading_weights" in run.out and "ready in" in run.out
+    # Progress is shown as the launcher's polls see it (a loaded machine may poll past a short phase).
+    shown = [
+        p
+        for p in ("starting", "loading_weights", "profiling_memory", "warming_up")
+        if f"alpha r0 {p}" in run.out
+    ]
+    assert shown and "ready in" in run.out
     # Every service starts side by side, the gateway too: all run before any of them is SERVING.
     first_serving = min(run.out.index(f"{label} serving (") for label in ("alpha r0", "alpha r1", "beta r0"))
     assert run.out.index("started beta r0") < first_serving
