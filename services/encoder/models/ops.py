@@ -12,9 +12,3 @@ def layer_norm_fp32(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     w = norm.weight.float() if norm.weight is not None else None
     b = norm.bias.float() if norm.bias is not None else None
     return F.layer_norm(x.float(), norm.normalized_shape, w, b, norm.eps)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[a, b] → [−b, a] over the last dim (NeoX-style rotary)."""
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)

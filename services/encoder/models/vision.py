@@ -17,8 +17,9 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+from omnistage.common.hf_blocks import rotate_half
 from omnistage.services.encoder.models.config import VisionConfig
-from omnistage.services.encoder.models.ops import layer_norm_fp32, rotate_half
+from omnistage.services.encoder.models.ops import layer_norm_fp32
 from torch import nn
 
 Grid = tuple[int, int, int]

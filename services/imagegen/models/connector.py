@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from omnistage.common.hf_blocks import Qwen2MLP, Qwen2RMSNorm, rotate_half
 from omnistage.services.imagegen.models.config import ConnectorConfig, MlpConfig
-from omnistage.services.imagegen.models.norms import Qwen2RMSNorm
 from torch import nn
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
 
 
 class Qwen2Attention(nn.Module):
@@ -37,29 +32,18 @@ class Qwen2Attention(nn.Module):
         q = self.q_proj(x).view(b, n, self.heads, -1).transpose(1, 2)
         k = self.k_proj(x).view(b, n, self.kv_heads, -1).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.kv_heads, -1).transpose(1, 2)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v)  # bidirectional: no mask, not causal
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
-class Qwen2MLP(nn.Module):
-    def __init__(self, cfg: ConnectorConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Qwen2Layer(nn.Module):
     def __init__(self, cfg: ConnectorConfig) -> None:
         super().__init__()
         self.self_attn = Qwen2Attention(cfg)
-        self.mlp = Qwen2MLP(cfg)
+        self.mlp = Qwen2MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = Qwen2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

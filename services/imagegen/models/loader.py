@@ -24,11 +24,12 @@ from omnistage.common.checkpoint.loading import (
     state_shapes,
 )
 from omnistage.common.checkpoint.shards import CheckpointError, TensorInfo, read_headers, shard_files
+from omnistage.common.hf_blocks import Qwen2RMSNorm
 from omnistage.common.log import get_logger
 from omnistage.services.imagegen.models.config import ImageGenModelConfig
 from omnistage.services.imagegen.models.connector import ConditionEncoder
 from omnistage.services.imagegen.models.dit import ZImageDiT
-from omnistage.services.imagegen.models.norms import DiffusersRMSNorm, Qwen2RMSNorm
+from omnistage.services.imagegen.models.norms import DiffusersRMSNorm
 from omnistage.services.imagegen.models.scheduler import Schedule, make_schedule
 from omnistage.services.imagegen.models.vae import AutoencoderKL
 from torch import nn

@@ -27,12 +27,3 @@ def diffusers_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Te
     """`DiffusersRMSNorm`'s maths (also the fused kernels' reference)."""
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return (x * torch.rsqrt(variance + eps)).to(w.dtype) * w
-
-
-class Qwen2RMSNorm(RMSNorm):
-    """Normalised in float32, cast back to the input dtype, then × weight (HF Qwen2)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)

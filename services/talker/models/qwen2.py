@@ -13,28 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from omnistage.common.hf_blocks import Qwen2MLP, Qwen2RMSNorm, rotate_half
 from omnistage.services.talker.models.config import Qwen2Shape
 from torch import nn
-
-
-class Qwen2RMSNorm(nn.Module):
-    """RMSNorm in float32, weight applied after casting back (transformers' Qwen2RMSNorm)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -109,8 +90,8 @@ class Qwen2Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos[:, None], sin[:, None]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         if cache is None:
             keys, values, key_pos, valid_end = k, v, positions[0], positions[:, -1] + 1
         else:
@@ -146,24 +127,13 @@ def _write_and_read(
     return kc[rows.slots, :, : rows.span], vc[rows.slots, :, : rows.span]
 
 
-class Qwen2MLP(nn.Module):
-    def __init__(self, shape: Qwen2Shape) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Qwen2Layer(nn.Module):
     def __init__(self, shape: Qwen2Shape, layer: int) -> None:
         super().__init__()
         self.input_layernorm = Qwen2RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.self_attn = Qwen2Attention(shape, shape.window(layer))
         self.post_attention_layernorm = Qwen2RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = Qwen2MLP(shape)
+        self.mlp = Qwen2MLP(shape.hidden_size, shape.intermediate_size)
 
     def forward(self, x, cos, sin, positions, cache, rows):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, rows)
