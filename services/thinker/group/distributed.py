@@ -297,8 +297,12 @@ class TPControl:
         done = threading.Event()
 
         def destroy() -> None:
-            dist.destroy_process_group()
-            done.set()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - leaving goes on; the process exit frees the rest
+                log.exception("rank %d: destroying the process groups failed", self.rank)
+            finally:
+                done.set()
 
         threading.Thread(target=destroy, name=f"tp-destroy-rank{self.rank}", daemon=True).start()
         if not done.wait(self.exit_budget_s):
