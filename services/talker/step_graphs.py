@@ -45,14 +45,9 @@ def batch_buckets(cap: int) -> list[int]:
     return [*out, cap]
 
 
-# Below this much free device memory, a capture that failed on a call the capture forbids is the
-# allocator running out: it frees its cache (a synchronising call) before asking the driver again.
-_CAPTURE_OOM_FREE_BYTES = 1 << 30
-
-
 def _capture_error(exc: RuntimeError, device: torch.device) -> RuntimeError:
-    """What a failed capture really was: an out-of-memory (so the stress and its caller treat it as
-    one: a smaller batch, or the budget named), else the first error with the device's memory."""
+    """What a failed capture really was: an out-of-memory stays one (the stress then tries a smaller
+    batch, or names the budget); anything else is its first error, with the device's memory."""
     first = exc.__context__ if isinstance(exc.__context__, RuntimeError) else exc
     if isinstance(first, torch.OutOfMemoryError):
         return torch.OutOfMemoryError(f"{first} (during a talker step-graph capture)")
@@ -62,10 +57,6 @@ def _capture_error(exc: RuntimeError, device: torch.device) -> RuntimeError:
         f"{fmt_bytes(torch.cuda.memory_reserved(device))} reserved"
     )
     line = (str(first).strip().splitlines() or [""])[0]
-    if "not permitted when stream is capturing" in line and free < _CAPTURE_OOM_FREE_BYTES:
-        return torch.OutOfMemoryError(
-            f"out of device memory during a talker step-graph capture ({where}): {line}"
-        )
     return RuntimeError(f"talker step-graph capture failed ({where}): {line}")
 
 
