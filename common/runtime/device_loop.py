@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -48,31 +49,31 @@ class DeviceFailed(RuntimeError):
         self.cause = cause
 
 
-class DeviceRunner:
+class DeviceRunner(ABC):
     """What a stage supplies: its batching policy and its step. Only the device thread calls
     `open`, `step`, `idle` and `close`; `has_work` is called on it under the loop's lock."""
 
+    @abstractmethod
     def has_work(self) -> bool:
         """Something to step (a job queued or in flight)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def step(self) -> int:
         """One device step over the jobs the policy picks; returns how many it stepped (0: none).
         An error of one request's work is the runner's to hand to that request; what escapes fails
         the loop."""
-        raise NotImplementedError
 
+    @abstractmethod
     def fail_all(self, error: BaseException) -> None:
         """End every job held (queued or in flight) with `error`. Any thread; idempotent."""
-        raise NotImplementedError
 
-    def open(self) -> None:
+    def open(self) -> None:  # noqa: B027 - an optional hook: a no-op unless the stage needs it
         """First thing on the device thread (e.g. bind the CUDA device)."""
 
-    def idle(self) -> None:
+    def idle(self) -> None:  # noqa: B027 - an optional hook: a no-op unless the stage needs it
         """A turn with nothing to step: at least every `idle_wait_s` while idle."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: a no-op unless the stage needs it
         """Last thing on the device thread, after every job has been ended."""
 
 
