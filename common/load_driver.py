@@ -119,7 +119,7 @@ async def one_request(stub: omni_pb2_grpc.OmniStub, kind: str, i: int, shape: Re
         rec.code = finish_code(kind_of(kind, i), finish)
         if finish is not None:
             rec.completion_tokens = finish.usage.completion_tokens
-            rec.detail = finish.audio.message or finish.message if not rec.ok else ""
+            rec.detail = "" if rec.ok else (finish.audio.message or finish.message)
     except grpc.aio.AioRpcError as exc:
         rec.code, rec.detail = exc.code().name, exc.details() or ""
     rec.end = time.perf_counter()

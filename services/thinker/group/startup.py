@@ -249,7 +249,8 @@ class _Startup:
             model = self.load_weights()
             backends = self.install_backends(model)
             graphs = cfg.engine.cuda_graphs and dev.type == "cuda" and backends.graph_safe
-            if graphs and cfg.world_size > 1 and tp_graph_capture() == "off":
+            self.tp_graphs = tp_graph_capture() if cfg.world_size > 1 else "off"  # read once, refused early
+            if graphs and cfg.world_size > 1 and self.tp_graphs == "off":
                 log.warning(
                     "engine.cuda_graphs: %s=off: the TP group (tp %d) decodes eagerly",
                     TP_GRAPHS_ENV,
@@ -327,7 +328,7 @@ class _Startup:
         any rank fails the group with its diagnostic, like a failed warm-up forward."""
         runner = self.runner
         graphs = DecodeGraphs(runner.model, self.graph_batch(), runner.cfg.max_blocks_per_seq, runner.device)
-        align = self.align_capture if self.cfg.world_size > 1 and tp_graph_capture() == "aligned" else None
+        align = self.align_capture if self.tp_graphs == "aligned" else None
         try:
             graphs.capture(progress=lambda detail, done, total: self.step(detail, done, total), align=align)
             if align is not None:  # a rank stuck in its last capture is named by the others' deadline
