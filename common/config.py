@@ -258,6 +258,12 @@ class TalkerConfig:
     # first segment at any clause or sentence mark, later ones at sentence marks.
     first_segment_min_pieces: int = 8
     segment_min_pieces: int = 8
+    # The first segment's bound, so that the first audio never waits for punctuation: it is cut at a
+    # word boundary once it holds this many words (CJK characters, English words, numbers; 0: no bound)
+    # or once this many seconds have passed since its first text (0: no time limit), whichever comes
+    # first. Later segments keep the reference's rules.
+    first_segment_max_pieces: int = 10
+    first_segment_max_wait_s: float = 0.25
     # Longest audio of one segment, in seconds (bounds the VAE cache; the reference also caps each
     # segment at max(2 s, 0.36 s per character)).
     max_segment_seconds: float = 60.0
@@ -873,7 +879,15 @@ def _validate_talker(p: str, t: TalkerConfig) -> None:
         "speaker_threads",
     ):
         _positive(f"{q}.{key}", getattr(t, key))
-    for key in ("min_steps", "temperature", "sigma", "queue_timeout_s", "voice_seed"):
+    for key in (
+        "min_steps",
+        "temperature",
+        "sigma",
+        "queue_timeout_s",
+        "voice_seed",
+        "first_segment_max_pieces",
+        "first_segment_max_wait_s",
+    ):
         _positive(f"{q}.{key}", getattr(t, key), allow_zero=True)
     if not t.default_voice.strip():
         raise ConfigError(f"{q}.default_voice: expected a preset voice name, got ''")

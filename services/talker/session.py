@@ -171,32 +171,58 @@ class SpeakSession:
             self._reader.cancel()
 
     async def _read(self, inputs: AsyncIterator[TextInput]) -> None:
-        """Text in → segments out (with the time each became ready); errors and the end go in order."""
+        """Text in → segments out (with the time each became ready); errors and the end go in order.
+
+        While the first segment waits for more text, its time limit (`first_segment_max_wait_s`) may
+        cut it between two messages: the wait for the next message ends at the segmenter's deadline."""
         seg = SentenceSegmenter(self.cfg)
         chars = 0
+        messages = aiter(inputs)
+        pending: asyncio.Future | None = None
         try:
-            async for message in inputs:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(messages))
+                deadline = seg.deadline()
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, _ = await asyncio.wait({pending}, timeout=timeout)
+                if not done:
+                    self._ready(seg.due(time.monotonic()))
+                    continue
+                try:
+                    message = pending.result()
+                except StopAsyncIteration:
+                    break
+                finally:
+                    pending = None
                 chars += len(message.text)
                 if chars > self.cfg.max_text_chars:
                     raise InvalidRequest(
                         f"text: the stream's text exceeds talker.max_text_chars "
                         f"({self.cfg.max_text_chars} characters)"
                     )
-                ready = seg.push(message.text)
+                now = time.monotonic()
+                ready = seg.push(message.text, now) + seg.due(now)
                 if message.flush or message.end_of_text:
                     ready += seg.flush()
-                for text in ready:
-                    self._segments.put_nowait((text, time.monotonic()))
+                self._ready(ready)
                 if message.end_of_text:
                     break
-            for text in seg.flush():
-                self._segments.put_nowait((text, time.monotonic()))
+            self._ready(seg.flush())
             self._segments.put_nowait(_END)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the stream, which ends with it
             self._segments.put_nowait(exc)
             self._events.put_nowait(exc)
+        finally:
+            if pending is not None:
+                pending.cancel()
+
+    def _ready(self, texts: list[str]) -> None:
+        now = time.monotonic()
+        for text in texts:
+            self._segments.put_nowait((text, now))
 
     def _max_steps(self, text: str, prompt_len: int) -> int:
         step_s = self.models.config.samples_per_step / self.sample_rate

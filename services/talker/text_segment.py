@@ -4,8 +4,11 @@ The text is split into pieces (an English word, a number, one CJK character, a r
 punctuation mark) and a segment is cut after a punctuation piece once enough pieces have gathered:
 the first segment early — at any clause or sentence mark (, ; : . ! ? and their CJK forms) after
 `first_segment_min_pieces` — later ones at sentence marks (the reference's set, CJK comma included) after
-`segment_min_pieces`. A '.' right after a digit does not end a sentence; a newline does. Text that runs on
-with no mark is cut at a word boundary once it is twice the longest piece. Each segment is then cut
+`segment_min_pieces`. A '.' right after a digit does not end a sentence; a newline does. The first
+segment is also bounded, so that the first audio never waits for punctuation: it is cut at a word
+boundary once it holds `first_segment_max_pieces` words, or (`due`) once `first_segment_max_wait_s` have
+passed since its first text. Text that runs on with no mark is cut at a word boundary once it is twice
+the longest piece. Each segment is then cut
 into fragments of at most `max_segment_length` (the reference's semantic length: CJK characters + English
 words) at sentence, then clause marks, then words; English fragments get their numbers spelled out.
 """
@@ -13,6 +16,7 @@ words) at sentence, then clause marks, then words; English fragments get their n
 from __future__ import annotations
 
 import re
+import time
 
 import inflect
 from omnistage.common.config import TalkerConfig
@@ -39,28 +43,48 @@ def speakable(text: str) -> bool:
 
 
 class SentenceSegmenter:
-    """`push(delta)` → the segments that became complete; `flush()` → the rest. Not thread-safe."""
+    """`push(delta)` → the segments that became complete; `due(now)` → the first segment once its wait
+    is over; `flush()` → the rest. Not thread-safe."""
 
     def __init__(self, cfg: TalkerConfig | None = None) -> None:
         # The talker's deploy-file keys own these limits (and their defaults).
         self.cfg = cfg or TalkerConfig()
         self._pieces: list[str] = []  # pieces of the open segment
+        self._words = 0  # speakable pieces among them
         self._tail = ""  # text not split into pieces yet (the last piece may still grow)
+        self._first_text_at: float | None = None  # when the first segment's first text came
         self.segments_cut = 0
 
-    def push(self, text: str) -> list[str]:
+    def push(self, text: str, now: float | None = None) -> list[str]:
+        """Add a delta; `now` (monotonic seconds) starts the first segment's wait at its first text."""
+        if text and self._first_text_at is None and self.segments_cut == 0:
+            self._first_text_at = time.monotonic() if now is None else now
         self._tail += text
         pieces = PIECE.findall(self._tail)
         if not pieces:
             return []
-        if _may_grow(pieces[-1]):
-            self._tail = pieces.pop()  # may continue in the next delta ("Hel" + "lo", "3." + "14")
-        else:
-            self._tail = ""
+        keep = 0
+        if _may_grow(pieces[-1]):  # may continue in the next delta ("Hel" + "lo", "3" + "." + "14")
+            keep = 2 if pieces[-1] == "." and len(pieces) > 1 and pieces[-2][-1].isdigit() else 1
+        self._tail = "".join(pieces[len(pieces) - keep :])
+        del pieces[len(pieces) - keep :]
         out = []
         for piece in pieces:
             out.extend(self._add(piece))
         return out
+
+    def deadline(self) -> float | None:
+        """When `due` will cut the first segment (monotonic seconds), or None: no wait is running."""
+        if self.segments_cut or self._first_text_at is None or self.cfg.first_segment_max_wait_s <= 0:
+            return None
+        return self._first_text_at + self.cfg.first_segment_max_wait_s
+
+    def due(self, now: float) -> list[str]:
+        """The first segment, cut at its last whole word, once its wait is over and it holds a word."""
+        deadline = self.deadline()
+        if deadline is None or now < deadline or not self._words:
+            return []
+        return self._cut()
 
     def flush(self) -> list[str]:
         out = []
@@ -77,10 +101,14 @@ class SentenceSegmenter:
             if len(self._pieces) >= self._min_pieces():
                 return self._cut()
         self._pieces.append(piece)
-        marks = CLAUSE_MARKS + SENTENCE_MARKS if self.segments_cut == 0 else SENTENCE_MARKS
+        self._words += speakable(piece)
+        first = self.segments_cut == 0
+        marks = CLAUSE_MARKS + SENTENCE_MARKS if first else SENTENCE_MARKS
         ends = piece[-1] in marks or (piece == "." and not self._after_digit())
         if ends and len(self._pieces) >= self._min_pieces():
             return self._cut()
+        if first and 0 < self.cfg.first_segment_max_pieces <= self._words and speakable(piece):
+            return self._cut()  # a word just ended the bound: the first audio waits for no mark
         if semantic_length("".join(self._pieces)) >= 2 * self.cfg.max_segment_length and piece.isspace():
             return self._cut()
         return []
@@ -94,6 +122,7 @@ class SentenceSegmenter:
     def _cut(self) -> list[str]:
         text = "".join(self._pieces).strip()
         self._pieces = []
+        self._words = 0
         if not speakable(text):
             return []
         self.segments_cut += 1

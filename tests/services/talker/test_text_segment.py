@@ -80,3 +80,63 @@ def test_english_numbers_are_spelled_out(text, spoken):
 
 def test_cjk_fragments_keep_their_digits():
     assert segments("我家里有3只小猫，它们都很可爱。", 100) == ["我家里有3只小猫，", "它们都很可爱。"]
+
+
+# -- the first segment's bound: the first audio never waits for punctuation --------------------------
+
+BOUNDED = TalkerConfig(first_segment_max_pieces=10, first_segment_max_wait_s=0)
+
+
+def test_unpunctuated_text_gives_a_first_segment_of_the_bound_in_words():
+    text = " ".join(f"word{chr(97 + i % 26)}" for i in range(40)) + " end"
+    out = segments(text, 3, BOUNDED)
+    assert out[0].split() == text.split()[:10]  # cut at the word boundary where it reached 10 words
+    assert " ".join(out).split() == text.split()  # nothing lost, nothing repeated
+    assert all(semantic_length(s) <= 50 for s in out)
+
+
+def test_a_mark_before_the_bound_still_ends_the_first_segment_and_later_ones_keep_the_rules():
+    out = segments(
+        "Well, I think so, my friend, and here is why it matters so much to all of us.", 2, BOUNDED
+    )
+    assert out[0] == "Well, I think so,"
+    # the second segment ends at the sentence mark only, however many words it holds
+    assert out[1] == "my friend, and here is why it matters so much to all of us."
+
+
+def test_the_bound_counts_cjk_characters_and_numbers_as_words():
+    out = segments("今天天气很好我们去公园散步然后回家吃饭", 1, BOUNDED)
+    assert out[0] == "今天天气很好我们去公" and "".join(out) == "今天天气很好我们去公园散步然后回家吃饭"
+    out = segments("it is 3.14 and 2.71 and 1.41 and 42 or 7 and more text here", 4, BOUNDED)
+    # numbers are single words, never split at their decimal point; English ones are spelled out
+    assert out[0] == spell_numbers("it is 3.14 and 2.71 and 1.41 and 42 or")
+
+
+def test_a_word_still_growing_is_not_cut_by_the_bound():
+    seg = SentenceSegmenter(BOUNDED)
+    assert seg.push("a b c d e f g h i jump") == []  # 'jump' may go on ('jumping'): 9 whole words
+    assert seg.push("ing on") == ["a b c d e f g h i jumping"]
+
+
+def test_the_time_limit_cuts_the_first_segment_at_its_last_whole_word():
+    seg = SentenceSegmenter(TalkerConfig(first_segment_max_pieces=0, first_segment_max_wait_s=0.25))
+    assert seg.deadline() is None  # no text yet: no wait running
+    assert seg.push("Hello there my fri", now=100.0) == []
+    assert seg.deadline() == 100.25
+    assert seg.due(100.2) == []  # not yet
+    assert seg.due(100.3) == ["Hello there my"]  # 'fri' may still grow: it stays for the next segment
+    assert seg.deadline() is None  # only the first segment has a time limit
+    assert seg.push("end, and on it goes. ") == ["friend, and on it goes."]
+
+
+def test_the_time_limit_waits_for_a_word():
+    seg = SentenceSegmenter(TalkerConfig(first_segment_max_wait_s=0.25))
+    assert seg.push("  ", now=0.0) == []
+    assert seg.due(1.0) == []  # nothing speakable to cut yet
+    assert seg.push("Yes ", now=1.0) == [] and seg.due(1.0) == ["Yes"]
+
+
+def test_zero_turns_the_bounds_off():
+    cfg = TalkerConfig(first_segment_max_pieces=0, first_segment_max_wait_s=0)
+    seg = SentenceSegmenter(cfg)
+    assert seg.push("word " * 60, now=0.0) == [] and seg.due(99.0) == []
