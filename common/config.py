@@ -136,6 +136,21 @@ class MemoryConfig:
 
 
 @dataclass(frozen=True)
+class MpsConfig:
+    """CUDA MPS, so that stage processes sharing a GPU run their kernels side by side (common/mps.py)."""
+
+    # "auto": a daemon when a GPU hosts more than one stage process, else none; a daemon that cannot
+    # start is a warning (the stages time-slice the GPU as without MPS). "on": a daemon for any CUDA
+    # stage, and `serve` fails when it cannot start. "off": never.
+    mode: Literal["auto", "on", "off"] = "auto"
+    # The control program (PATH is searched).
+    control_binary: str = "nvidia-cuda-mps-control"
+    # How long the daemon may take to open its control pipe, and to quit at the end, in seconds.
+    start_timeout_s: float = 30.0
+    stop_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class DevicesConfig:
     """The GPUs of the host, as the launcher's memory ledger sees them."""
 
@@ -143,6 +158,7 @@ class DevicesConfig:
     reserve_bytes: int = 0
     # Total bytes of each GPU used by the ledger instead of what the driver reports; 0 asks torch.cuda.
     total_bytes_override: int = 0
+    mps: MpsConfig = field(default_factory=MpsConfig)
 
 
 @dataclass(frozen=True)
@@ -376,6 +392,9 @@ class ServiceConfig:
     dist_port: int = 0
     # Weights and activations dtype.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Under CUDA MPS (devices.mps), the percentage of each GPU's SMs this service's kernels may use
+    # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); 0: no limit.
+    mps_active_thread_percentage: int = 0
     # Largest gRPC message in either direction, in bytes.
     max_message_bytes: int = 64 * 1024 * 1024
     # Seconds in-flight requests get to finish after SIGTERM / Drain.
@@ -590,6 +609,8 @@ def _validate(cfg: DeployConfig) -> DeployConfig:
     _validate_supervision(cfg.supervision)
     for key in ("reserve_bytes", "total_bytes_override"):
         _positive(f"devices.{key}", getattr(cfg.devices, key), allow_zero=True)
+    for key in ("start_timeout_s", "stop_timeout_s"):
+        _positive(f"devices.mps.{key}", getattr(cfg.devices.mps, key))
     ports: dict[int, str] = {}
     services = {}
     for name, svc in cfg.services.items():
@@ -657,6 +678,11 @@ def _validate_service(p: str, svc: ServiceConfig) -> None:
     _positive(f"{p}.tp_size", svc.tp_size)
     _positive(f"{p}.max_message_bytes", svc.max_message_bytes)
     _positive(f"{p}.drain_grace_s", svc.drain_grace_s, allow_zero=True)
+    if not 0 <= svc.mps_active_thread_percentage <= 100:
+        raise ConfigError(
+            f"{p}.mps_active_thread_percentage: expected 0 (no limit) to 100, "
+            f"got {svc.mps_active_thread_percentage}"
+        )
     if svc.fault is not None:
         if not -1 <= svc.fault.rank < svc.tp_size:
             raise ConfigError(

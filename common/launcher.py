@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from omnistage.common import mps
 from omnistage.common.config import (
     CAPABILITY_HEALTH_PREFIX,
     STARTUP_PHASES,
@@ -189,6 +190,7 @@ class Launcher:
         self.stop_signal: int | None = None
         self.started = time.monotonic()
         self.stage_key = auth.new_stage_key()  # this run's, unless $OMNISTAGE_STAGE_KEY pins one
+        self.mps: mps.MpsDaemon | None = None  # the CUDA MPS daemon of this run, while it runs
 
     @property
     def children(self) -> list[Child]:
@@ -228,6 +230,8 @@ class Launcher:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMNISTAGE_SERVICE=svc.name)
         env[LAUNCHER_PID_ENV] = str(os.getpid())
         env[auth.STAGE_KEY_ENV] = self.stage_key  # stages take calls only from the deployment's processes
+        if self.mps is not None and svc.device == "cuda":
+            env |= self.mps.env(svc.mps_active_thread_percentage)
         # Own process group: stopping a service reaches its helpers too, and only ours.
         oom_kills = oom_kill_count()
         proc = subprocess.Popen(self.command(svc, rank), env=env, start_new_session=True)
@@ -651,6 +655,8 @@ class Launcher:
         # Every service side by side, the gateway too: it serves text as soon as the thinker is
         # admitted and each other capability when its stage is; ready = every capability ready.
         try:
+            if not self.start_mps():
+                return 1
             culprit = self.wait_serving(self.start_groups(list(self.cfg.services.values())))
             if culprit is not None:
                 self.report(f"start-up failed: {culprit.label} {culprit.cause}", culprit)
@@ -669,6 +675,49 @@ class Launcher:
         finally:
             self.stop_all()
             self.say("omnistage: all services stopped")
+            self.stop_mps()
+
+    def start_mps(self) -> bool:
+        """The CUDA MPS daemon, where the deploy file wants one (common/mps.py), before any stage
+        starts; False when `devices.mps.mode: on` and it could not start (the start fails)."""
+        if not mps.wanted(self.cfg):
+            return True
+        mode = self.cfg.devices.mps.mode
+        daemon = mps.MpsDaemon(self.cfg.devices.mps, self.run_dir)
+        try:
+            daemon.start()
+        except mps.MpsError as exc:
+            if mode == "on":
+                self.say(
+                    f"omnistage: start-up failed: CUDA MPS (devices.mps.mode: on) did not start: {exc}",
+                    self.err,
+                )
+                return False
+            self.say(
+                f"omnistage: warning: CUDA MPS did not start, the stages that share a GPU will time-slice "
+                f"it (devices.mps.mode: auto; 'off' silences this): {exc}",
+                self.err,
+            )
+            return True
+        self.mps = daemon
+        shared = "; ".join(f"GPU {g}: {', '.join(n)}" for g, n in mps.shared_gpus(self.cfg).items())
+        assert daemon.proc is not None
+        self.say(
+            f"omnistage: CUDA MPS control daemon started (pid {daemon.proc.pid}, pipe {daemon.pipe_dir})"
+            + (f" for {shared}" if shared else "")
+        )
+        return True
+
+    def stop_mps(self) -> None:
+        """Stop this run's MPS daemon, after every stage (its clients) has gone."""
+        if self.mps is None:
+            return
+        problem = self.mps.stop()
+        self.mps = None
+        if problem:
+            self.say(f"omnistage: warning: CUDA MPS control daemon: {problem}", self.err)
+        else:
+            self.say("omnistage: CUDA MPS control daemon stopped")
 
     def remove_segments_of(self, children: Sequence[Child]) -> None:
         """Shared memory of exited children that could not close it (killed, or stopped before their

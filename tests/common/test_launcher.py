@@ -38,9 +38,10 @@ class Run:
         step_s: float = 0.02,
         supervision: dict | None = None,
         env: dict | None = None,
+        devices: dict | None = None,
         **startup,
     ) -> None:
-        self.cfg = write_config(tmp_path / "deploy.yaml", services, supervision, **startup)
+        self.cfg = write_config(tmp_path / "deploy.yaml", services, supervision, devices, **startup)
         self.ready_file = tmp_path / "ready"
         self.out_path, self.err_path = tmp_path / "out.txt", tmp_path / "err.txt"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:

@@ -200,7 +200,11 @@ def free_port() -> int:
 
 
 def write_config(
-    path: Path, services: dict[str, dict], supervision: dict | None = None, **startup: Any
+    path: Path,
+    services: dict[str, dict],
+    supervision: dict | None = None,
+    devices: dict | None = None,
+    **startup: Any,
 ) -> Path:
     """A deploy file of synthetic services with short deadlines (tests override what they probe)."""
     deadlines = {
@@ -227,6 +231,7 @@ def write_config(
             **startup,
         },
         "supervision": supervision or {},
+        "devices": devices or {},
         "services": {},
     }
     for name, extra in services.items():
