@@ -280,6 +280,9 @@ class TalkerConfig:
     # first. Later segments keep the reference's rules.
     first_segment_max_pieces: int = 10
     first_segment_max_wait_s: float = 0.25
+    # Pace each stream to real time plus this lead, in seconds of audio, instead of racing ahead of
+    # its listener (a talker sharing a GPU then leaves the thinker its time); 0: as fast as it goes.
+    realtime_lead_s: float = 0.0
     # Longest audio of one segment, in seconds (bounds the VAE cache; the reference also caps each
     # segment at max(2 s, 0.36 s per character)).
     max_segment_seconds: float = 60.0
@@ -547,6 +550,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         non_none = [a for a in args if a is not type(None)]
         return _convert(value, non_none[0], path)
     if origin is Literal:
+        if isinstance(value, bool) and {"on", "off"} <= set(args):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
         if value not in args:
             raise ConfigError(f"{path}: expected one of {', '.join(map(repr, args))}, got {value!r}")
         return value
@@ -913,6 +918,7 @@ def _validate_talker(p: str, t: TalkerConfig) -> None:
         "voice_seed",
         "first_segment_max_pieces",
         "first_segment_max_wait_s",
+        "realtime_lead_s",
     ):
         _positive(f"{q}.{key}", getattr(t, key), allow_zero=True)
     if not t.default_voice.strip():

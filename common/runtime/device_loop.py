@@ -7,7 +7,8 @@ a precise error and reaches health. Written once here, a stage's `runner.py` hol
 its own: which jobs share the next step (its batching policy) and the step itself.
 
 The thread, turn after turn: wait until there is work, a call or a stop (never longer than
-`idle_wait_s`: every wait ends by itself, a stop wakes it at once), run the queued calls, then one
+`idle_wait_s`, or than the runner's `wake_in` when its work comes due by itself: every wait ends by
+itself, a stop wakes it at once), run the queued calls, then one
 step if the runner has work, else the runner's `idle()` (the thinker's keep-alive). A step that
 raises fails the loop: every job held and every call queued gets `DeviceFailed`, new work is
 refused with it, and the `on_failure` hooks hear it (the service's health). `fail()` does the same
@@ -66,6 +67,11 @@ class DeviceRunner(ABC):
     @abstractmethod
     def fail_all(self, error: BaseException) -> None:
         """End every job held (queued or in flight) with `error`. Any thread; idempotent."""
+
+    def wake_in(self) -> float | None:
+        """Seconds until work becomes due by itself (a paced job), when `has_work` is False; None: only
+        new work makes it due. Called on the device thread under the loop's lock."""
+        return None
 
     def open(self) -> None:  # noqa: B027 - an optional hook: a no-op unless the stage needs it
         """First thing on the device thread (e.g. bind the CUDA device)."""
@@ -210,7 +216,8 @@ class DeviceLoop:
         """Wait (at most `idle_wait_s`, woken by work or a stop) for a turn; False once stopped."""
         with self._cv:
             if not (self._stopped or self._calls or self.runner.has_work()):
-                self._cv.wait(self.idle_wait_s)
+                due = self.runner.wake_in()
+                self._cv.wait(self.idle_wait_s if due is None else min(due, self.idle_wait_s))
             return not self._stopped
 
     def _has_work(self) -> bool:

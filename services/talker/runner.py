@@ -9,7 +9,8 @@ device thread. All jobs in flight share each step: one LM prefill of the newly a
 (right-padded, together), one LM decode of the others, one CFM sample, one aggregator and stop-head
 forward, one VAE forward. A job holds one cache slot from admission to its last chunk; a cancelled
 job is dropped at the next step boundary, its slot free again. A failing step fails the jobs in it,
-never the loop. `on_admit(seconds)` hears, once per job, how long it waited from being queued to
+never the loop. A job with a `pace` (pacing.py) is stepped only while its stream is not too far
+ahead of real time. `on_admit(seconds)` hears, once per job, how long it waited from being queued to
 the step that first runs it (a job cancelled before that is never reported).
 
 It owns the caches of `slots` requests: the LM's KV (prompt + one position per step) and the VAE
@@ -40,6 +41,7 @@ from omnistage.services.talker.models.dit import sway_times
 from omnistage.services.talker.models.loader import TalkerModels
 from omnistage.services.talker.models.prompt import PromptIds
 from omnistage.services.talker.models.qwen2 import KVSlots, Rows
+from omnistage.services.talker.pacing import StreamPace
 from omnistage.services.talker.step_graphs import StepGraphs
 from omnistage.services.talker.voice_prompt import Voice
 
@@ -75,6 +77,7 @@ class SegmentJob:
     generator: torch.Generator
     emit: Callable[[JobEvent], None]
     min_steps: int = 10
+    pace: StreamPace | None = None  # the stream's real-time pace (None: as fast as the device goes)
     cancelled: bool = False
     queued: float = 0.0  # monotonic time of submit()
     # device-thread state
@@ -205,8 +208,9 @@ class TalkerRunner:
 class SegmentRunner(DeviceRunner):
     """The segments in flight: admission to cache slots, one batched step for all of them."""
 
-    def __init__(self, model: TalkerRunner) -> None:
+    def __init__(self, model: TalkerRunner, clock: Callable[[], float] = time.monotonic) -> None:
         self.model = model
+        self.clock = clock  # paced jobs' clock
         self.on_admit: Callable[[float], None] | None = None  # (seconds a job waited for its first step)
         self._lock = threading.Lock()
         self._pending: deque[SegmentJob] = deque()
@@ -232,14 +236,25 @@ class SegmentRunner(DeviceRunner):
     # -- device thread ---------------------------------------------------------------------------
 
     def has_work(self) -> bool:
+        now = self.clock()
         with self._lock:
-            return bool(self._pending or self._active)
+            return bool(self._pending) or any(j.pace is None or j.pace.due(now) for j in self._active)
+
+    def wake_in(self) -> float | None:
+        now = self.clock()
+        with self._lock:
+            waits = [j.pace.due_in(now) for j in self._active if j.pace is not None and not j.cancelled]
+        return min(waits) if waits else None
 
     def step(self) -> int:
-        """One talker step for every active job; returns how many it stepped (0: none, or it failed)."""
+        """One talker step for the active jobs that are due (a paced stream ahead of its listener
+        waits), new ones always; returns how many it stepped (0: none, or it failed)."""
         new = self._admit()
+        now = self.clock()
         with self._lock:
-            batch = list(self._active)
+            due = [j for j in self._active if j in new or j.pace is None or j.pace.due(now)]
+            # paced jobs nearly due share the step rather than each taking one of their own
+            batch = [j for j in self._active if j in due or (due and j.pace.may_join(now))]
         if not batch:
             return 0
         try:
@@ -252,9 +267,12 @@ class SegmentRunner(DeviceRunner):
             for job in batch:
                 job.emit(JobFailed(exc))
             return 0
+        now = self.clock()
         for job, (audio, done) in zip(batch, outputs, strict=True):
             if job.cancelled:
                 continue
+            if job.pace is not None:
+                job.pace.advance(audio.size, now)
             job.emit(JobAudio(audio))
             if done is not None:
                 with self._lock:

@@ -25,6 +25,7 @@ from omnistage.common.config import TalkerConfig
 from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.services.talker.engine import JobAudio, JobDone, JobFailed, SegmentJob, TalkerEngine
 from omnistage.services.talker.metrics import SessionMetrics
+from omnistage.services.talker.pacing import StreamPace
 from omnistage.services.talker.reference_audio import ClipError
 from omnistage.services.talker.silence import SilenceTrimmer
 from omnistage.services.talker.text_segment import SentenceSegmenter
@@ -145,6 +146,8 @@ class SpeakSession:
         seed = settings.seed if settings.seed is not None else secrets.randbits(63)
         voice = await self.resolve_voice(settings, seed)
         stats = SessionMetrics(self.service, voice.name, self.sample_rate)
+        lead = self.cfg.realtime_lead_s
+        pace = StreamPace(lead, self.sample_rate) if lead > 0 else None  # one clock for all its segments
         yield Started(settings.request_id, self.sample_rate, voice.name)
         self._reader = asyncio.create_task(self._read(inputs))
         total = index = 0
@@ -154,7 +157,7 @@ class SpeakSession:
                 if isinstance(item, BaseException):
                     raise item
                 text, ready_at = item
-                async for event in self._speak(index, text, voice, seed, total, ready_at, stats):
+                async for event in self._speak(index, text, voice, seed, total, ready_at, stats, pace):
                     if isinstance(event, Chunk):
                         if not first_audio_s and index == 0:
                             first_audio_s = time.monotonic() - ready_at
@@ -238,6 +241,7 @@ class SpeakSession:
         start_sample: int,
         ready_at: float,
         stats: SessionMetrics,
+        pace: StreamPace | None = None,
     ) -> AsyncIterator[Event]:
         prompt = self.models.prompt.build(text, voice.prompt_text, voice.patches)
         max_steps = self._max_steps(text, len(prompt.ids))
@@ -256,7 +260,7 @@ class SpeakSession:
                 pass
 
         generator = torch.Generator(self.models.device).manual_seed((seed + index * _SEED_STRIDE) % (1 << 63))
-        job = SegmentJob(prompt, voice, max_steps, generator, emit, min_steps=self.cfg.min_steps)
+        job = SegmentJob(prompt, voice, max_steps, generator, emit, min_steps=self.cfg.min_steps, pace=pace)
         trimmer = SilenceTrimmer(self.sample_rate) if self.cfg.trim_silence else None
         submitted = time.monotonic()
         self.engine.submit(job)

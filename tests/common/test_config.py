@@ -493,3 +493,20 @@ def test_imagegen_limits_are_checked(patch, message):
 def test_imagegen_defaults_are_the_models():
     g = config_from_dict({"services": {"img": {"kind": "imagegen", "port": 50181}}}).services["img"].imagegen
     assert (g.highres, g.default_side_px, g.default_steps, g.default_guidance_scale) == (1024, 1024, 30, 2.0)
+
+
+def test_mps_mode_reads_a_bare_yaml_on_off_and_refuses_the_rest(tmp_path):
+    for text, mode in (("off", "off"), ("on", "on"), ("auto", "auto")):
+        path = tmp_path / f"{text}.yaml"
+        path.write_text(yaml.safe_dump(base()) + f"devices:\n  mps:\n    mode: {text}\n")
+        assert load_config(path).devices.mps.mode == mode  # YAML reads a bare off as False
+        assert load_config(tmp_path / "off.yaml", [f"devices.mps.mode={text}"]).devices.mps.mode == mode
+    assert "devices.mps.mode: expected one of 'auto', 'on', 'off', got 'sometimes'" in error_of(
+        base() | {"devices": {"mps": {"mode": "sometimes"}}}
+    )
+    assert "devices.mps.start_timeout_s: expected > 0" in error_of(
+        base() | {"devices": {"mps": {"start_timeout_s": 0}}}
+    )
+    data = base()
+    data["services"]["thinker"]["mps_active_thread_percentage"] = 101
+    assert "services.thinker.mps_active_thread_percentage: expected 0 (no limit) to 100" in error_of(data)

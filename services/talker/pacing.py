@@ -1,0 +1,43 @@
+"""Real-time pacing of a spoken stream: its audio kept at most a lead ahead of its listener.
+
+Unpaced, the talker races ahead of real time (RTF ~0.05 on a GPU of its own): fine alone, but beside
+a thinker rank every step it takes early is GPU time the thinker waits for, and audio nobody hears
+yet. A paced stream's listener clock starts at its first audio; a step is due while the stream's
+audio is less than `lead_s` ahead of that clock, and a stream that is stepped anyway (another one is
+due) may join while it is less than twice the lead ahead, so paced streams still share steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class StreamPace:
+    """One stream's audio clock; the device thread alone calls `advance` (after a step's audio)."""
+
+    def __init__(self, lead_s: float, sample_rate: int) -> None:
+        self.lead_s = lead_s
+        self.sample_rate = sample_rate
+        self.origin: float | None = None  # when its first audio came out (monotonic seconds)
+        self.samples = 0
+
+    def advance(self, samples: int, now: float) -> None:
+        if self.origin is None and samples:
+            self.origin = now
+        self.samples += samples
+
+    def ahead_s(self, now: float) -> float:
+        """Seconds of audio made beyond what a listener who started at its first audio has heard."""
+        if self.origin is None:
+            return -math.inf
+        return self.samples / self.sample_rate - (now - self.origin)
+
+    def due(self, now: float) -> bool:
+        return self.ahead_s(now) < self.lead_s
+
+    def may_join(self, now: float) -> bool:
+        return self.ahead_s(now) < 2 * self.lead_s
+
+    def due_in(self, now: float) -> float:
+        """Seconds until `due` (0 when it is)."""
+        return max(0.0, self.ahead_s(now) - self.lead_s)
