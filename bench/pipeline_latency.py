@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -42,7 +43,7 @@ sys.path.insert(0, str(ROOT / "load_tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from omnistage.common.checkpoint.config_only import write_config_checkpoint  # noqa: E402
-from omnistage.common.config import load_config  # noqa: E402
+from omnistage.common.config import DeployConfig, load_config  # noqa: E402
 from omnistage.common.load_driver import RequestShape, closed_loop, kind_of, one_request  # noqa: E402
 from omnistage.common.load_stats import Record, percentile  # noqa: E402
 from omnistage.v1 import omni_pb2_grpc  # noqa: E402
@@ -50,6 +51,7 @@ from pipeline_load import pipeline  # noqa: E402
 from pipeline_real_size import cli, device_name, gateway_metrics_url, wait_all_replicas  # noqa: E402
 
 ALIASES = {"mps": "devices.mps.mode"}
+ROWS = ("speech", "text_under_speech", "mixed")
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ async def mixed_loop(stub, n: int, c: int, shape: RequestShape) -> list[Record]:
     return records
 
 
-async def run_rows(address: str, plan: Plan, timeout_s: float, base: dict, save) -> None:
+async def run_rows(address: str, plan: Plan, timeout_s: float, base: dict, save, rows=ROWS) -> None:
     shape = RequestShape(
         max_tokens=plan.text_tokens,
         deadline_s=timeout_s,
@@ -177,32 +179,52 @@ async def run_rows(address: str, plan: Plan, timeout_s: float, base: dict, save)
         for kind in ("text", "speech", "vision", "image"):  # first-call costs, unmeasured
             rec = await one_request(stub, kind, 0, speech)
             print(f"first {kind} request: {rec.code} in {rec.e2e_s:.1f} s", flush=True)
-        for c in plan.speech_levels:
+        for c in plan.speech_levels if "speech" in rows else ():
             records = await closed_loop(stub, "speech", max(6, 2 * c), c, speech)
             save(latency_row("speech", c, records, **base))
-        alone = await streams_alone(stub, plan.text_streams, shape)
-        timed, spoken = await streams_under_speech(stub, plan.text_streams, shape, plan.under_speech, speech)
-        alone_rate = latency_row("text", 1, alone)["stream_decode_tok_s"]
-        row = latency_row("text_under_speech", 1, timed, text_alone_tok_s=alone_rate, **base)
-        under = latency_row("speech", plan.under_speech, spoken)
-        row |= {
-            "speakers": plan.under_speech,
-            "speech_errors": under["errors"],
-            "rtf_mean": under["rtf_mean"],
-        }
-        if alone_rate and row["stream_decode_tok_s"]:
-            row["ratio"] = round(row["stream_decode_tok_s"] / alone_rate, 3)
-        save(row)
-        c = plan.mixed_c
-        text_only = await closed_loop(stub, "text", 2 * c, c, speech)
-        mixed = await mixed_loop(stub, 2 * c, c, speech)
-        text_rate = latency_row("text", c, text_only)["stream_decode_tok_s"]
-        row = latency_row("mixed", c, mixed, text_alone_tok_s=text_rate, **base)
-        mixed_text = latency_row("text", c, [r for r in mixed if r.kind == "text"])["stream_decode_tok_s"]
-        row |= {"stream_decode_tok_s": mixed_text}
-        if text_rate and mixed_text:
-            row["ratio"] = round(mixed_text / text_rate, 3)
-        save(row)
+        if "text_under_speech" in rows:
+            await text_under_speech(stub, plan, shape, speech, base, save)
+        if "mixed" in rows:
+            await mixed_row(stub, plan, speech, base, save)
+
+
+async def text_under_speech(stub, plan: Plan, shape: RequestShape, speech: RequestShape, base: dict, save):
+    alone = await streams_alone(stub, plan.text_streams, shape)
+    timed, spoken = await streams_under_speech(stub, plan.text_streams, shape, plan.under_speech, speech)
+    alone_rate = latency_row("text", 1, alone)["stream_decode_tok_s"]
+    row = latency_row("text_under_speech", 1, timed, text_alone_tok_s=alone_rate, **base)
+    under = latency_row("speech", plan.under_speech, spoken)
+    row |= {"speakers": plan.under_speech, "speech_errors": under["errors"], "rtf_mean": under["rtf_mean"]}
+    if alone_rate and row["stream_decode_tok_s"]:
+        row["ratio"] = round(row["stream_decode_tok_s"] / alone_rate, 3)
+    save(row)
+
+
+async def mixed_row(stub, plan: Plan, speech: RequestShape, base: dict, save) -> None:
+    c = plan.mixed_c
+    text_only = await closed_loop(stub, "text", 2 * c, c, speech)
+    mixed = await mixed_loop(stub, 2 * c, c, speech)
+    text_rate = latency_row("text", c, text_only)["stream_decode_tok_s"]
+    row = latency_row("mixed", c, mixed, text_alone_tok_s=text_rate, **base)
+    mixed_text = latency_row("text", c, [r for r in mixed if r.kind == "text"])["stream_decode_tok_s"]
+    row |= {"stream_decode_tok_s": mixed_text}
+    if text_rate and mixed_text:
+        row["ratio"] = round(mixed_text / text_rate, 3)
+    save(row)
+
+
+def latency_metrics(url: str) -> list[str]:
+    """The gateway's latency histograms' sums and counts (TTFT, TTFA, the talker's side), for the profile."""
+    try:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    except (OSError, ValueError) as exc:
+        return [f"unreadable: {exc}"]
+    keep = ("ttft", "ttfa", "first", "queue", "admission")
+    return [
+        line
+        for line in text.splitlines()
+        if not line.startswith("#") and any(k in line for k in keep) and ("_sum" in line or "_count" in line)
+    ]
 
 
 def table(rows: list[dict]) -> str:
@@ -223,12 +245,30 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def variant_overrides(text: str) -> list[str]:
-    out = []
+def variant_overrides(text: str, cfg: DeployConfig) -> tuple[list[str], set[str]]:
+    """A variant's serve overrides and the rows it runs (all unless `only=` names them with '+').
+
+    Aliases: `mps=MODE` (devices.mps.mode); `first=off` (every talker's first segment unbounded: the
+    reference's rule, waiting for a mark); `lead=SECONDS` (every talker's realtime_lead_s);
+    `talker_sm=PCT` (every talker's mps_active_thread_percentage)."""
+    out: list[str] = []
+    rows = set(ROWS)
+    talkers = [s.name for s in cfg.services_of("talker")]
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        out.append(f"{ALIASES.get(key, key)}={value}")
-    return out
+        if key == "only":
+            rows = set(value.split("+"))
+        elif key == "first" and value == "off":
+            out += [
+                f"services.{t}.talker.first_segment_max_{k}=0" for t in talkers for k in ("pieces", "wait_s")
+            ]
+        elif key == "lead":
+            out += [f"services.{t}.talker.realtime_lead_s={value}" for t in talkers]
+        elif key == "talker_sm":
+            out += [f"services.{t}.mps_active_thread_percentage={value}" for t in talkers]
+        else:
+            out.append(f"{ALIASES.get(key, key)}={value}")
+    return out, rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -284,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, base_overrides)
         base_overrides += [f"services.{g.name}.gateway.http_port=0" for g in cfg.services_of("gateway")]
         for index, text in enumerate(args.variant or [""]):
-            overrides = base_overrides + variant_overrides(text)
+            extra, rows = variant_overrides(text, cfg)
+            overrides = base_overrides + extra
             cfg = load_config(args.config, overrides)
             base = {"placement": Path(args.config).name, "mps": cfg.devices.mps.mode, "variant": text}
             log = out / f"pipeline_latency.serve{index}.log"
@@ -295,8 +336,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{text or 'as configured'}] ready in {ready_s} s; not admitted: {missing or 'none'}")
                 data["variants"][text or "default"] = {"ready_s": ready_s, "not_admitted": missing}
                 try:
-                    asyncio.run(run_rows(address, plan, args.timeout_s, base, save))
+                    asyncio.run(run_rows(address, plan, args.timeout_s, base, save, rows))
                 finally:
+                    data["variants"][text or "default"]["gateway_metrics"] = latency_metrics(
+                        gateway_metrics_url(cfg)
+                    )
                     status = cli("status", "--config", args.config, *(f"--set={o}" for o in overrides))
                     data["variants"][text or "default"]["status"] = status.stdout.strip()[-4000:]
                     save()
