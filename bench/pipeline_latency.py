@@ -249,8 +249,8 @@ def variant_overrides(text: str, cfg: DeployConfig) -> tuple[list[str], set[str]
     """A variant's serve overrides and the rows it runs (all unless `only=` names them with '+').
 
     Aliases: `mps=MODE` (devices.mps.mode); `first=off` (every talker's first segment unbounded: the
-    reference's rule, waiting for a mark); `lead=SECONDS` (every talker's realtime_lead_s);
-    `talker_sm=PCT` (every talker's mps_active_thread_percentage)."""
+    reference's rule, waiting for a mark), `first=N` (its bound in words); `lead=SECONDS` (every talker's
+    realtime_lead_s); `<kind>_sm=PCT` (the mps_active_thread_percentage of every service of that kind)."""
     out: list[str] = []
     rows = set(ROWS)
     talkers = [s.name for s in cfg.services_of("talker")]
@@ -262,10 +262,13 @@ def variant_overrides(text: str, cfg: DeployConfig) -> tuple[list[str], set[str]
             out += [
                 f"services.{t}.talker.first_segment_max_{k}=0" for t in talkers for k in ("pieces", "wait_s")
             ]
+        elif key == "first":
+            out += [f"services.{t}.talker.first_segment_max_pieces={value}" for t in talkers]
         elif key == "lead":
             out += [f"services.{t}.talker.realtime_lead_s={value}" for t in talkers]
-        elif key == "talker_sm":
-            out += [f"services.{t}.mps_active_thread_percentage={value}" for t in talkers]
+        elif key.endswith("_sm"):  # talker_sm, imagegen_sm, encoder_sm: that kind's SM share
+            kind = key.removesuffix("_sm")
+            out += [f"services.{x.name}.mps_active_thread_percentage={value}" for x in cfg.services_of(kind)]
         else:
             out.append(f"{ALIASES.get(key, key)}={value}")
     return out, rows
