@@ -266,6 +266,9 @@ def variant_overrides(text: str, cfg: DeployConfig) -> tuple[list[str], set[str]
             out += [f"services.{t}.talker.first_segment_max_pieces={value}" for t in talkers]
         elif key == "lead":
             out += [f"services.{t}.talker.realtime_lead_s={value}" for t in talkers]
+        elif key.endswith("_prio"):  # talker_prio=below_normal: that kind's MPS client priority
+            kind = key.removesuffix("_prio")
+            out += [f"services.{x.name}.mps_client_priority={value}" for x in cfg.services_of(kind)]
         elif key.endswith("_sm"):  # talker_sm, imagegen_sm, encoder_sm: that kind's SM share
             kind = key.removesuffix("_sm")
             out += [f"services.{x.name}.mps_active_thread_percentage={value}" for x in cfg.services_of(kind)]

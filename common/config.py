@@ -278,7 +278,7 @@ class TalkerConfig:
     # word boundary once it holds this many words (CJK characters, English words, numbers; 0: no bound)
     # or once this many seconds have passed since its first text (0: no time limit), whichever comes
     # first. Later segments keep the reference's rules.
-    first_segment_max_pieces: int = 10
+    first_segment_max_pieces: int = 6
     first_segment_max_wait_s: float = 0.25
     # Pace each stream to real time plus this lead, in seconds of audio, instead of racing ahead of
     # its listener (a talker sharing a GPU then leaves the thinker its time); 0: as fast as it goes.
@@ -398,6 +398,9 @@ class ServiceConfig:
     # Under CUDA MPS (devices.mps), the percentage of each GPU's SMs this service's kernels may use
     # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); 0: no limit.
     mps_active_thread_percentage: int = 0
+    # Under CUDA MPS, the scheduling priority of this service's kernels against the other clients on
+    # its GPU (CUDA_MPS_CLIENT_PRIORITY): "below_normal" lets a co-located stage yield to the thinker.
+    mps_client_priority: Literal["normal", "below_normal"] = "normal"
     # Largest gRPC message in either direction, in bytes.
     max_message_bytes: int = 64 * 1024 * 1024
     # Seconds in-flight requests get to finish after SIGTERM / Drain.

@@ -231,7 +231,7 @@ class Launcher:
         env[LAUNCHER_PID_ENV] = str(os.getpid())
         env[auth.STAGE_KEY_ENV] = self.stage_key  # stages take calls only from the deployment's processes
         if self.mps is not None and svc.device == "cuda":
-            env |= self.mps.env(svc.mps_active_thread_percentage)
+            env |= self.mps.env(svc.mps_active_thread_percentage, svc.mps_client_priority)
         # Own process group: stopping a service reaches its helpers too, and only ours.
         oom_kills = oom_kill_count()
         proc = subprocess.Popen(self.command(svc, rank), env=env, start_new_session=True)

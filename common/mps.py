@@ -5,8 +5,8 @@ their contexts, so a thinker rank beside a talker decodes at ~0.4x its pace alon
 kernels share the SMs. The launcher starts `nvidia-cuda-mps-control -f` before the stages, with its
 pipe and log directories under the run dir (nothing host-wide: another daemon's pipe is not ours;
 a run dir too long for a socket's path puts the pipe in a temp dir of its own, removed at the stop),
-hands each stage the pipe directory (and its `mps_active_thread_percentage`, the share of the SMs its
-kernels may take), and stops the daemon after the stages (`quit`, then its exit, then SIGKILL). The
+hands each stage the pipe directory (with its `mps_active_thread_percentage`, the share of the SMs
+its kernels may take, and its `mps_client_priority`), and stops the daemon after the stages (`quit`, then its exit, then SIGKILL). The
 daemon dies with the launcher (PR_SET_PDEATHSIG) should the launcher itself be killed. The GPU's
 compute mode is never touched: MPS clients and plain contexts both work in the Default mode.
 """
@@ -30,6 +30,8 @@ from omnistage.common.config import DeployConfig, MpsConfig
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
 THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
+PRIORITIES = {"normal": "0", "below_normal": "1"}
 # A unix socket's path has room for 107 bytes: a longer run dir puts the pipe under a short temp dir.
 _MAX_PIPE_DIR = 80
 _POLL_S = 0.05
@@ -88,12 +90,12 @@ class MpsDaemon:
         self.proc: subprocess.Popen | None = None
 
     def _daemon_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != THREAD_PERCENTAGE_ENV}
+        env = {k: v for k, v in os.environ.items() if k not in (THREAD_PERCENTAGE_ENV, PRIORITY_ENV)}
         return env | {PIPE_ENV: str(self.pipe_dir), LOG_ENV: str(self.log_dir)}
 
-    def env(self, thread_percentage: int = 0) -> dict[str, str]:
-        """What a stage process needs to be this daemon's client."""
-        out = {PIPE_ENV: str(self.pipe_dir), LOG_ENV: str(self.log_dir)}
+    def env(self, thread_percentage: int = 0, priority: str = "normal") -> dict[str, str]:
+        """What a stage process needs to be this daemon's client (its SM share and priority)."""
+        out = {PIPE_ENV: str(self.pipe_dir), LOG_ENV: str(self.log_dir), PRIORITY_ENV: PRIORITIES[priority]}
         if thread_percentage:
             out[THREAD_PERCENTAGE_ENV] = str(thread_percentage)
         return out

@@ -21,7 +21,13 @@ from tests.common.test_launcher import Run, alive
 FAKE = str(Path(__file__).with_name("fake_mps_control.py"))
 SHARED = {
     "alpha": {"device": "cuda", "gpus": [0]},
-    "beta": {"kind": "talker", "device": "cuda", "gpus": [0], "mps_active_thread_percentage": 30},
+    "beta": {
+        "kind": "talker",
+        "device": "cuda",
+        "gpus": [0],
+        "mps_active_thread_percentage": 30,
+        "mps_client_priority": "below_normal",
+    },
 }
 MODULES = {"thinker": SCRIPT, "talker": SCRIPT}
 
@@ -80,6 +86,7 @@ def test_the_daemon_starts_before_the_stages_reaches_them_and_stops_after_them(t
     alpha, beta = environ(pids["alpha r0"]), environ(pids["beta r0"])
     assert alpha[mps.PIPE_ENV] == beta[mps.PIPE_ENV] == pipe  # both stages are the daemon's clients
     assert mps.THREAD_PERCENTAGE_ENV not in alpha and beta[mps.THREAD_PERCENTAGE_ENV] == "30"
+    assert alpha[mps.PRIORITY_ENV] == "0" and beta[mps.PRIORITY_ENV] == "1"  # the talker yields
     log_dir = Path(environ(pid)[mps.LOG_ENV])
     assert log_dir.is_relative_to(tmp_path / "run")  # under the run dir, nothing host-wide
     # (pytest's run dir is too long for a socket path: the pipe has a temp dir of its own)
