@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from google.protobuf.message import DecodeError
 from omnistage.common.config import config_from_dict
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.wire_bounds import WireBounds
@@ -120,7 +123,7 @@ def test_groups_are_walked_through_not_a_way_around_the_bounds():
     # unbalanced groups are the parser's to refuse
     for bad in (b"\x43\x08\x01", b"\x44", b"\x43\x4c"):
         assert bounds.refusal(bad) == ""
-        with pytest.raises(Exception):
+        with pytest.raises(DecodeError):
             omni_pb2.GenerateRequest.FromString(bad)
 
 
@@ -131,6 +134,27 @@ def test_the_public_receive_limit_is_what_a_legitimate_request_carries():
     assert 4 * limits.max_prompt_chars < text_only < 4 << 20
     assert public_receive_bytes(limits, 32 << 20, 0) == text_only + (32 << 20)
     assert public_receive_bytes(limits, 32 << 20, 8 << 20) == text_only + (40 << 20)
+
+
+@contextlib.asynccontextmanager
+async def serving(tmp_path, servicer, bounds=None, **runtime_args) -> AsyncIterator[grpc.aio.Channel]:
+    """A gateway runtime serving `servicer` as Omni (with `bounds`), and a channel to it."""
+    cfg = config_from_dict({"services": {"gw": {"kind": "gateway", "port": 1}}})
+    rt = ServiceRuntime(cfg, cfg.service("gw"), 0, run_dir=tmp_path, port=0, metrics_port=0, **runtime_args)
+    await rt.start()
+    try:
+        rt.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, OMNI, bounds=bounds)
+        rt.set_serving()
+        options = [("grpc.max_send_message_length", 64 << 20)]
+        async with grpc.aio.insecure_channel(rt.address, options=options) as ch:
+            yield ch
+    finally:
+        rt.request_stop()
+        await asyncio.wait_for(rt.serve_until_stopped(), 10)
+
+
+def raw_generate(ch: grpc.aio.Channel):
+    return ch.unary_stream(GENERATE, request_serializer=None, response_deserializer=None)
 
 
 class _Recording(omni_pb2_grpc.OmniServicer):
@@ -152,27 +176,15 @@ def test_a_request_past_its_bounds_never_reaches_the_parser_or_the_handler(tmp_p
     )
 
     async def main() -> tuple[grpc.StatusCode, str, int]:
-        cfg = config_from_dict({"services": {"gw": {"kind": "gateway", "port": 1}}})
-        rt = ServiceRuntime(cfg, cfg.service("gw"), 0, run_dir=tmp_path, port=0, metrics_port=0)
-        await rt.start()
         servicer = _Recording()
-        try:
-            rt.add_servicer(
-                omni_pb2_grpc.add_OmniServicer_to_server, servicer, OMNI, bounds=wire_bounds(RequestLimits())
-            )
-            rt.set_serving()
-            options = [("grpc.max_send_message_length", 64 << 20)]
-            async with grpc.aio.insecure_channel(rt.address, options=options) as ch:
-                raw = ch.unary_stream(GENERATE, request_serializer=None, response_deserializer=None)
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    [e async for e in raw(EMPTY_MESSAGE * 8_000_000, timeout=60)]
-                assert servicer.calls == 0 and parsed == []
-                ok = [e async for e in raw(many_parts(1, 1), timeout=60)]
-                assert len(ok) == 1 and servicer.calls == 1
-                return err.value.code(), err.value.details(), len(parsed)
-        finally:
-            rt.request_stop()
-            await asyncio.wait_for(rt.serve_until_stopped(), 10)
+        async with serving(tmp_path, servicer, wire_bounds(RequestLimits())) as ch:
+            raw = raw_generate(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [e async for e in raw(EMPTY_MESSAGE * 8_000_000, timeout=60)]
+            assert servicer.calls == 0 and parsed == []
+            ok = [e async for e in raw(many_parts(1, 1), timeout=60)]
+            assert len(ok) == 1 and servicer.calls == 1
+            return err.value.code(), err.value.details(), len(parsed)
 
     code, details, parsed_after = asyncio.run(main())
     assert code == grpc.StatusCode.INVALID_ARGUMENT
@@ -218,42 +230,29 @@ def test_a_packed_60mb_field_beside_a_canary_stream(tmp_path, monkeypatch):
     canary.messages.add(role=omni_pb2.ROLE_USER).parts.add(text="hi")
 
     async def main() -> list[str]:
-        cfg = config_from_dict({"services": {"gw": {"kind": "gateway", "port": 1}}})
-        rt = ServiceRuntime(cfg, cfg.service("gw"), 0, run_dir=tmp_path, port=0, metrics_port=0)
-        await rt.start()
         servicer = _Validating()
         order: list[str] = []
-        try:
-            rt.add_servicer(
-                omni_pb2_grpc.add_OmniServicer_to_server, servicer, OMNI, bounds=wire_bounds(RequestLimits())
-            )
-            rt.set_serving()
-            options = [("grpc.max_send_message_length", 64 << 20)]
-            async with grpc.aio.insecure_channel(rt.address, options=options) as ch:
-                raw = ch.unary_stream(GENERATE, request_serializer=None, response_deserializer=None)
-                stream = omni_pb2_grpc.OmniStub(ch).Generate(canary, timeout=60)
-                await stream.read()
-                order.append("canary streaming")
+        async with serving(tmp_path, servicer, wire_bounds(RequestLimits())) as ch:
+            stream = omni_pb2_grpc.OmniStub(ch).Generate(canary, timeout=60)
+            await stream.read()
+            order.append("canary streaming")
 
-                async def canary_rest() -> None:
-                    while await stream.read() is not grpc.aio.EOF:
-                        order.append("canary event")
-                    order.append(f"canary {(await stream.code()).name}")
+            async def canary_rest() -> None:
+                while await stream.read() is not grpc.aio.EOF:
+                    order.append("canary event")
+                order.append(f"canary {(await stream.code()).name}")
 
-                rest = asyncio.create_task(canary_rest())
-                try:
-                    [e async for e in raw(bad, timeout=60)]
-                    order.append("bad OK")
-                except grpc.aio.AioRpcError as exc:
-                    order.append(f"bad {exc.code().name}: {exc.details()}")
-                servicer.stop_canary.set()
-                await asyncio.wait_for(rest, 30)
-            assert servicer.planned == ["canary"]  # the bad request never reached validation
-            assert len(parsed) == 1 and parsed[0] < 1000  # nor the parser: only the canary was decoded
-            return order
-        finally:
-            rt.request_stop()
-            await asyncio.wait_for(rt.serve_until_stopped(), 10)
+            rest = asyncio.create_task(canary_rest())
+            try:
+                [e async for e in raw_generate(ch)(bad, timeout=60)]
+                order.append("bad OK")
+            except grpc.aio.AioRpcError as exc:
+                order.append(f"bad {exc.code().name}: {exc.details()}")
+            servicer.stop_canary.set()
+            await asyncio.wait_for(rest, 30)
+        assert servicer.planned == ["canary"]  # the bad request never reached validation
+        assert len(parsed) == 1 and parsed[0] < 1000  # nor the parser: only the canary was decoded
+        return order
 
     order = asyncio.run(main())
     answered = order.index("bad INVALID_ARGUMENT: output_modalities: more than 8 elements")
@@ -266,24 +265,12 @@ def test_the_main_port_receives_at_most_its_receive_limit(tmp_path):
     larger request with RESOURCE_EXHAUSTED before it is handled; one within it is served."""
 
     async def main() -> tuple[grpc.StatusCode, int]:
-        cfg = config_from_dict({"services": {"gw": {"kind": "gateway", "port": 1}}})
-        rt = ServiceRuntime(
-            cfg, cfg.service("gw"), 0, run_dir=tmp_path, port=0, metrics_port=0, max_receive_bytes=1 << 20
-        )
-        await rt.start()
         servicer = _Recording()
-        try:
-            rt.add_servicer(omni_pb2_grpc.add_OmniServicer_to_server, servicer, OMNI)
-            rt.set_serving()
-            async with grpc.aio.insecure_channel(rt.address) as ch:
-                raw = ch.unary_stream(GENERATE, request_serializer=None, response_deserializer=None)
-                big = omni_pb2.GenerateRequest(request_id="r", system_prompt="x" * (2 << 20))
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    [e async for e in raw(big.SerializeToString(), timeout=60)]
-                [e async for e in raw(many_parts(1, 1), timeout=60)]
-                return err.value.code(), servicer.calls
-        finally:
-            rt.request_stop()
-            await asyncio.wait_for(rt.serve_until_stopped(), 10)
+        async with serving(tmp_path, servicer, max_receive_bytes=1 << 20) as ch:
+            big = omni_pb2.GenerateRequest(request_id="r", system_prompt="x" * (2 << 20))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [e async for e in raw_generate(ch)(big.SerializeToString(), timeout=60)]
+            [e async for e in raw_generate(ch)(many_parts(1, 1), timeout=60)]
+            return err.value.code(), servicer.calls
 
     assert asyncio.run(main()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 1)
