@@ -851,7 +851,9 @@ def _admin_parsers(sub: Subparsers) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()  # here, not at exit: a reader that left is seen where it can be handled
+        return code
     except BrokenPipeError:  # `omnistage status | head`: the reader left; no traceback, the shell's code
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
