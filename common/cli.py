@@ -1,5 +1,6 @@
-"""The `omnistage` command: serve, generate, bench, status, health, drain, resume, make-tiny-checkpoint,
-make-config-checkpoint, protos."""
+"""The `omnistage` command: serve, generate, bench, status, health, drain, resume, stage-key, keys,
+make-tiny-checkpoint, make-config-checkpoint, protos. Commands of a running deployment take it from
+`--config` (+ `--set`), else from this user's running `serve` (run_record.py)."""
 
 from __future__ import annotations
 
@@ -534,7 +535,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     all_ok = True
     for ok, lines in results:
         all_ok &= ok
-        print("\n".join(lines))
+        print(terminal_safe("\n".join(lines)))  # phase details and failures quote what services say
     return 0 if all_ok else 1
 
 

@@ -157,3 +157,9 @@ def test_serve_keys_its_stages_and_the_cli_finds_the_run_and_prints_its_key_to_i
     record = json.loads((tmp_path / "run" / "run.json").read_text())  # the run dir keeps its record
     assert record["config"] == str(run.cfg.resolve()) and record["overrides"] == []
     assert record["admin"] == {"alpha": cfg.admin_address("alpha")} and key not in json.dumps(record)
+
+
+def test_serve_takes_the_stage_key_of_its_environment_else_makes_one():
+    assert auth.new_stage_key({auth.STAGE_KEY_ENV: " mine "}) == "mine"
+    made = {auth.new_stage_key({}) for _ in range(2)}
+    assert len(made) == 2 and all(len(k) >= 40 for k in made)  # fresh, 256 bits each
