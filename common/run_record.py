@@ -2,11 +2,11 @@
 its flags.
 
 `serve` writes `run.json` in its run directory (config path, `--set` overrides, addresses, pid) and the
-same record as `current-run.json` in this user's private directory (auth.user_dir: 0700, the file
+same record as `runs/<pid>.json` in this user's private directory (auth.user_dir: 0700, the files
 0600). `status`, `generate`, `bench`, `drain`, `resume` and `stage-key` given no `--config` (nor
-`--address`) take the deployment from it; its `--set` overrides come with it, and a command's own
-`--set` flags are applied after them. A record whose `serve` has ended (its pid is gone) is ignored;
-`serve` removes it when it stops, unless a later `serve` has replaced it.
+`--address`) take the deployment of the newest record whose `serve` still runs; its `--set`
+overrides come with it, and a command's own `--set` flags are applied after them. `serve` removes
+its record when it stops; one a killed `serve` left is ignored (its pid is gone).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from omnistage.common.runtime import auth
 from omnistage.common.transport.host import pid_alive
 
 RUN_FILE = "run.json"
-CURRENT_RUN_FILE = "current-run.json"
+RUNS_DIR = "runs"
 
 
 @dataclass(frozen=True)
@@ -61,33 +61,40 @@ class RunRecord:
         return json.dumps({**asdict(self), "overrides": list(self.overrides)}, indent=1) + "\n"
 
 
-def current_path() -> Path:
-    return auth.user_dir() / CURRENT_RUN_FILE
+def record_path(pid: int) -> Path:
+    return auth.user_dir() / RUNS_DIR / f"{pid}.json"
 
 
 def publish(record: RunRecord) -> Path:
-    """Write the record in its run directory and as this user's current run; the latter's path."""
+    """Write the record in its run directory and among this user's running deployments; the latter's path."""
     text = record.to_json()
     Path(record.run_dir, RUN_FILE).write_text(text)
-    return auth.write_private(current_path(), text)
+    auth.private_dir(auth.user_dir())
+    return auth.write_private(record_path(record.pid), text)
 
 
 def withdraw(record: RunRecord) -> None:
-    """Remove the current-run record, unless a later `serve` has replaced it."""
-    with contextlib.suppress(OSError, ValueError):
-        path = current_path()
-        if json.loads(path.read_text()).get("pid") == record.pid:
-            path.unlink()
+    """Remove the record of this user's running deployments (the run directory keeps its copy)."""
+    with contextlib.suppress(OSError):
+        record_path(record.pid).unlink()
 
 
 def current() -> RunRecord | None:
-    """This user's running `serve`, or None (no record, not this user's, or its process is gone)."""
-    path = current_path()
+    """This user's newest running `serve`, or None (no record, not this user's, or its process is gone)."""
+    runs: list[tuple[float, RunRecord]] = []
+    with contextlib.suppress(OSError):
+        for path in (auth.user_dir() / RUNS_DIR).glob("*.json"):
+            record = _read(path)
+            if record is not None and pid_alive(record.pid):
+                runs.append((path.stat().st_mtime, record))
+    return max(runs, key=lambda r: r[0])[1] if runs else None
+
+
+def _read(path: Path) -> RunRecord | None:
     try:
         if path.stat().st_uid != os.getuid():
             return None
         data = json.loads(path.read_text())
-        record = RunRecord(**{**data, "overrides": tuple(data["overrides"])})
+        return RunRecord(**{**data, "overrides": tuple(data["overrides"])})
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    return record if pid_alive(record.pid) else None

@@ -113,12 +113,18 @@ def stage_key_path(cfg_path: str | Path) -> Path:
     return user_dir() / f"stage-key-{digest}"
 
 
+def private_dir(path: Path) -> Path:
+    """`path` as a directory of this user's only (made 0700 if missing); SecretError if it is not."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    if path.stat().st_uid != os.getuid() or path.stat().st_mode & 0o077:
+        raise SecretError(f"{path}: not a private directory of this user; nothing secret is written there")
+    return path
+
+
 def write_private(path: Path, text: str) -> Path:
     """Write `text` to `path` readable by this user only (0600, replaced atomically), in a directory
     that must be this user's and private (0700; created so)."""
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    if path.parent.stat().st_uid != os.getuid() or path.parent.stat().st_mode & 0o077:
-        raise SecretError(f"{path.parent}: not a private directory of this user; {path.name} is not written")
+    private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:

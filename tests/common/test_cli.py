@@ -359,14 +359,26 @@ def test_commands_default_to_the_running_serve(stage, tmp_path, monkeypatch, cap
     record = run_record.RunRecord.of(loaded, cfg, [override], tmp_path)
     assert record.pid == os.getpid() and record.admin == {"front": admin}
     run_record.publish(record)
-    assert stat.S_IMODE(run_record.current_path().stat().st_mode) == 0o600
+    assert stat.S_IMODE(run_record.record_path(os.getpid()).stat().st_mode) == 0o600
     assert main(["generate", "--prompt", "n=2"]) == 0
     assert capsys.readouterr().out.startswith("w0 w1 \n")
     assert main(["status"]) == 0 and f"front (gateway) admin {admin}: SERVING" in capsys.readouterr().out
     assert main(["drain", "--service", "front", "--deadline-ms", "100"]) == 0
     assert main(["resume", "--service", "front"]) == 0 and "front serving again" in capsys.readouterr().out
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a second serve
+    try:
+        newer = dataclasses.replace(record, pid=other.pid, overrides=())
+        os.utime(run_record.publish(record), (1, 1))  # the first is the older one
+        run_record.publish(newer)
+        assert run_record.current() == newer  # the newest running deployment is the default
+        run_record.withdraw(newer)  # it stopped: the other is the default again
+        assert run_record.current() == record
+    finally:
+        other.kill()
+        other.wait(timeout=60)
+    run_record.withdraw(record)
     run_record.publish(dataclasses.replace(record, pid=_exited_pid()))
-    assert run_record.current() is None
+    assert run_record.current() is None  # a record a killed serve left
     assert main(["generate", "--prompt", "n=2"]) == 2
 
 
