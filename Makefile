@@ -9,16 +9,23 @@ STAMP := $(VENV)/.installed
 
 # torch first and pinned: the CPU build (2.13.0) lies on this machine's disk; any torch already
 # importable (the GPU image's 2.11) is kept, so `pip install -e .` pulls no other build.
+# One line per step (the install takes minutes on a fresh machine), pip's own output kept quiet.
 $(STAMP): pyproject.toml
+	@echo "make: [1/4] the virtual environment $(VENV)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo "make: [2/4] pip"
 	$(BIN)/python -m pip install -q --upgrade pip
+	@echo "make: [3/4] torch (kept when one is importable; else torch==2.13.0, the CPU build)"
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	@echo "make: [4/4] omnistage and what pyproject.toml names (the dev extra too; a few minutes the first time)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
+	@echo "make: $(VENV) ready"
 
 install: $(STAMP)
 
 $(CKPT)/config.json: | $(STAMP)
+	@echo "make: the tiny random-weight checkpoint $(CKPT)"
 	$(BIN)/omnistage make-tiny-checkpoint $(CKPT)
 
 demo: $(STAMP) $(CKPT)/config.json

@@ -1,5 +1,6 @@
-"""The `omnistage` command: serve, generate, bench, status, health, drain, resume, make-tiny-checkpoint,
-make-config-checkpoint, protos."""
+"""The `omnistage` command: serve, generate, bench, status, health, drain, resume, stage-key, keys,
+make-tiny-checkpoint, make-config-checkpoint, protos. Commands of a running deployment take it from
+`--config` (+ `--set`), else from this user's running `serve` (run_record.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from omnistage.common.load_driver import KINDS, RequestShape, plan, run_plan
 from omnistage.common.load_stats import Summary, details_table, failures, markdown_table
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.auth import SecretError
+from omnistage.common.runtime.control import omnistage_version
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
 if TYPE_CHECKING:
@@ -36,12 +38,82 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     return launch(
         args.config,
-        args.overrides,
+        [*args.overrides, *_public_port_overrides(args)],
         run_dir=args.run_dir,
         ready_file=args.ready_file,
         exit_after_ready=args.exit_after_ready,
         check_only=args.check,
     )
+
+
+def _public_port_overrides(args: argparse.Namespace) -> list[str]:
+    """`serve --host/--port/--http-port` as the `--set` overrides of the gateway they move (recorded
+    with the run like any other, so the other commands find the moved ports)."""
+    flags = {"bind_host": args.host, "port": args.port, "gateway.http_port": args.http_port}
+    if all(v is None for v in flags.values()):
+        return []
+    try:
+        gateways = load_config(args.config, args.overrides).services_of("gateway")
+    except ConfigError:
+        return []  # `serve` reports the config's problem itself
+    if not gateways:
+        return []
+    name = gateways[0].name
+    return [f"services.{name}.{key}={value}" for key, value in flags.items() if value is not None]
+
+
+def cmd_stage_key(args: argparse.Namespace) -> int:
+    """Print the stage key of the running `serve` (of `--config`, else this user's current run): what
+    a client calling a stage directly (its main or admin port) presents as `authorization: Bearer`."""
+    try:
+        _from_run(args)
+    except ConfigError as exc:
+        print(f"omnistage: {exc}", file=sys.stderr)
+        return 2
+    key = auth.published_stage_key(args.config)
+    if not key:
+        print(
+            f"omnistage: no stage key of a running `omnistage serve {args.config}` for this user "
+            f"(a deployment started elsewhere: its ${auth.STAGE_KEY_ENV})",
+            file=sys.stderr,
+        )
+        return 1
+    print(key)
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from omnistage.common.deploy_keys import write_env_file
+
+    try:
+        path = write_env_file(args.env_file, api_keys=args.api_keys, force=args.force)
+    except FileExistsError:
+        print(f"omnistage: {args.env_file} exists; --force replaces its keys (rotation)", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"omnistage: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"omnistage: the deployment's keys written to {path} (0600): "
+        f"docker-compose --env-file {path} ...; kubectl create secret generic omnistage-keys --from-env-file={path}"
+    )
+    return 0
+
+
+def _from_run(args: argparse.Namespace) -> None:
+    """Without --config (and --address), the deployment of this user's running `serve` (run_record.py):
+    its config and `--set` overrides, the command's own after them. ConfigError when neither is given
+    and no `serve` runs."""
+    if getattr(args, "config", None) or getattr(args, "address", None):
+        return
+    from omnistage.common import run_record
+
+    record = run_record.current()
+    if record is None:
+        where = "--config FILE" + (" or --address HOST:PORT" if hasattr(args, "address") else "")
+        raise ConfigError(f"give {where} (no running `omnistage serve` of this user found)")
+    args.config = record.config
+    args.overrides = [*record.overrides, *args.overrides]
 
 
 def cmd_make_tiny_checkpoint(args: argparse.Namespace) -> int:
@@ -80,6 +152,7 @@ def _key_from(var: str, flag: str) -> tuple[tuple[str, str], ...]:
 def _gateway_target(args: argparse.Namespace) -> tuple[str, grpc.ChannelCredentials | None, tuple]:
     """(address, TLS credentials or None, call metadata) of the gateway `generate` talks to."""
     key_env = args.api_key_env
+    _from_run(args)
     if args.config:
         cfg = _config(args)
         gateways = cfg.services_of("gateway")
@@ -442,28 +515,40 @@ def service_lines(cfg: DeployConfig, svc: ServiceConfig, timeout_s: float) -> tu
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    if args.config:
+    if args.config or not args.address:
         try:
+            _from_run(args)
             cfg = _config(args)
             results = [service_lines(cfg, svc, args.timeout_s) for svc in cfg.services.values()]
         except (ConfigError, SecretError) as exc:
             print(f"omnistage: {exc}", file=sys.stderr)
             return 2
-    elif args.address:
+    else:
         try:
-            metadata = _key_from(args.admin_key_env, "--admin-key-env") if args.admin_key_env else ()
+            metadata = (
+                _key_from(args.admin_key_env, "--admin-key-env") if args.admin_key_env else _stage_key()
+            )
         except SecretError as exc:
             print(f"omnistage: {exc}", file=sys.stderr)
             return 2
         results = [describe_lines(args.address, args.timeout_s, metadata)]
-    else:
-        print("omnistage status: give --config FILE or --address ADMIN_HOST:PORT", file=sys.stderr)
-        return 2
     all_ok = True
     for ok, lines in results:
         all_ok &= ok
-        print("\n".join(lines))
+        print(terminal_safe("\n".join(lines)))  # phase details and failures quote what services say
     return 0 if all_ok else 1
+
+
+def _stage_key() -> tuple[tuple[str, str], ...]:
+    """What `status --address` presents without --admin-key-env: the stage key ($OMNISTAGE_STAGE_KEY,
+    else the one this user's running `serve` left), which a stage's admin port takes as its admin key."""
+    key = auth.stage_key()
+    if not key:
+        from omnistage.common import run_record
+
+        record = run_record.current()
+        key = auth.published_stage_key(record.config) if record is not None else ""
+    return auth.bearer(key) if key else ()
 
 
 def _control(args: argparse.Namespace) -> tuple[ServiceConfig, str, tuple]:
@@ -484,6 +569,7 @@ def _call_control(
     """Control.<rpc> on the admin port of `--service`: (service, reply), or the exit code once the
     reason is printed (2: the config or the admin key, 1: the call)."""
     try:
+        _from_run(args)
         svc, address, metadata = _control(args)
     except (ConfigError, SecretError) as exc:
         print(f"omnistage: {exc}", file=sys.stderr)
@@ -544,8 +630,10 @@ def cmd_protos(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config_args(p: argparse.ArgumentParser, *, required: bool) -> None:
-    p.add_argument("--config", required=required, help="deploy YAML (the one `serve` runs)")
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", help="deploy YAML (the one `serve` runs; default: this user's running `serve`)"
+    )
     _overrides_arg(p, "the same overrides as `serve` (repeatable)")
 
 
@@ -558,13 +646,13 @@ def _overrides_arg(p: argparse.ArgumentParser, help_text: str) -> None:
 
 def _service_args(p: argparse.ArgumentParser) -> None:
     """One service of a deploy file (drain, resume)."""
-    _config_args(p, required=True)
+    _config_args(p)
     p.add_argument("--service", required=True, help="service name (key under services:)")
 
 
 def _gateway_args(p: argparse.ArgumentParser) -> None:
     """Where and how a client command (generate, bench) calls the gateway."""
-    _config_args(p, required=False)
+    _config_args(p)
     p.add_argument("--address", metavar="HOST:PORT", help="the gateway (default: from --config)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each request")
     p.add_argument(
@@ -592,16 +680,50 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _bench_parser(sub)
     _admin_parsers(sub)
+    _key_parsers(sub)
     p = sub.add_parser("protos", help="regenerate omnistage/v1 *_pb2 code from the .proto files")
     p.add_argument("--check", action="store_true", help="exit 1 when the committed generated code is stale")
     p.set_defaults(fn=cmd_protos)
+    version = f"omnistage {omnistage_version()}"
+    for p in (parser, *sub.choices.values()):
+        p.add_argument("--version", action="version", version=version)
     return parser
+
+
+def _key_parsers(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "stage-key",
+        help="print the stage key of this user's running `serve` (for calling a stage's ports directly)",
+    )
+    _config_args(p)
+    p.set_defaults(fn=cmd_stage_key)
+
+    p = sub.add_parser(
+        "keys", help="write fresh deployment keys (API, admin, stage, Grafana) to a 0600 env file"
+    )
+    p.add_argument(
+        "--env-file",
+        required=True,
+        metavar="PATH",
+        help="docker-compose --env-file / kubectl --from-env-file",
+    )
+    p.add_argument("--api-keys", type=int, default=1, help="how many client keys OMNISTAGE_API_KEYS holds")
+    p.add_argument("--force", action="store_true", help="replace an existing file (new keys)")
+    p.set_defaults(fn=cmd_keys)
 
 
 def _serve_parser(sub: Subparsers) -> None:
     p = sub.add_parser("serve", help="start every service of a deploy file and supervise them")
     p.add_argument("config", help="deploy YAML (e.g. deploy/local-tiny.yaml)")
     _overrides_arg(p, "override a config key (repeatable)")
+    p.add_argument("--host", default=None, help="address the gateway's public ports bind (its bind_host)")
+    p.add_argument("--port", type=int, default=None, help="the gateway's gRPC port (its port)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="the gateway's OpenAI-compatible HTTP port (gateway.http_port)",
+    )
     p.add_argument("--run-dir", default=None, help="directory for status files (default: a temp dir)")
     p.add_argument("--ready-file", default=None, help="write the gateway address here when ready")
     p.add_argument("--exit-after-ready", action="store_true", help="stop everything once ready (smoke tests)")
@@ -691,7 +813,7 @@ def _admin_parsers(sub: Subparsers) -> None:
     p = sub.add_parser(
         "status", help="phase, health and limits of every service of a deploy file (or one admin address)"
     )
-    _config_args(p, required=False)
+    _config_args(p)
     p.add_argument(
         "--address", metavar="ADMIN_HOST:PORT", help="one service's admin port instead of --config"
     )
@@ -729,7 +851,14 @@ def _admin_parsers(sub: Subparsers) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        code = args.fn(args)
+        sys.stdout.flush()  # here, not at exit: a reader that left is seen where it can be handled
+        return code
+    except BrokenPipeError:  # `omnistage status | head`: the reader left; no traceback, the shell's code
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
+        return 141
 
 
 if __name__ == "__main__":

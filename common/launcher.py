@@ -20,14 +20,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from omnistage.common import mps
+from omnistage.common import mps, run_record
 from omnistage.common.config import (
     CAPABILITY_HEALTH_PREFIX,
     STARTUP_PHASES,
@@ -812,6 +812,7 @@ def launch(
     )
     previous = _install_signals(launcher)
     key_file = _publish_stage_key(cfg_path, launcher.stage_key, err)
+    record = _publish_run(cfg, cfg_path, overrides, rdir, err)
     try:
         return launcher.run(Path(ready_file) if ready_file else None, exit_after_ready)
     except ConfigError as exc:
@@ -820,6 +821,8 @@ def launch(
     finally:
         if key_file is not None:
             auth.withdraw_stage_key(key_file, launcher.stage_key)
+        if record is not None:
+            run_record.withdraw(record)
         sweep.join(timeout=_SWEEP_WAIT_S)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -857,23 +860,33 @@ def _checked_deploy(
     return cfg, ledger
 
 
-def _publish_stage_key(cfg_path: str | Path, stage_key: str, err: TextIO) -> Path | None:
-    """Publish this run's stage key for the CLI's Control calls (none when it is '' or `off`).
+def _publish_run(
+    cfg: DeployConfig, cfg_path: str | Path, overrides: Sequence[str], rdir: Path, err: TextIO
+) -> run_record.RunRecord | None:
+    """Record this run for the CLI (run_record.py); one that cannot be written is a warning."""
+    record = run_record.RunRecord.of(cfg, cfg_path, overrides, rdir)
+    published = _for_cli(lambda: run_record.publish(record), "the CLI will need --config", err)
+    return record if published is not None else None
 
-    A key that cannot be published is a warning, not a failed start: the CLI then needs the env var.
-    """
+
+def _publish_stage_key(cfg_path: str | Path, stage_key: str, err: TextIO) -> Path | None:
+    """Publish this run's stage key for the CLI's Control calls (none when it is '' or `off`)."""
+    if not auth.stage_key({auth.STAGE_KEY_ENV: stage_key}):
+        return None
+    return _for_cli(
+        lambda: auth.publish_stage_key(cfg_path, stage_key),
+        f"the CLI will need ${auth.STAGE_KEY_ENV} for the stages' Control",
+        err,
+    )
+
+
+def _for_cli(publish: Callable[[], Path], without: str, err: TextIO) -> Path | None:
+    """`publish()` something the CLI reads; a failure is a warning (`without` says what it costs),
+    not a failed start."""
     try:
-        return (
-            auth.publish_stage_key(cfg_path, stage_key)
-            if auth.stage_key({auth.STAGE_KEY_ENV: stage_key})
-            else None
-        )
+        return publish()
     except (OSError, auth.SecretError) as exc:
-        print(
-            f"omnistage: warning: the CLI will need ${auth.STAGE_KEY_ENV} for the stages' Control: {exc}",
-            file=err,
-            flush=True,
-        )
+        print(f"omnistage: warning: {without}: {exc}", file=err, flush=True)
         return None
 
 

@@ -38,28 +38,42 @@ class SecretError(ValueError):
     """A key or certificate the deploy file names cannot be read; the message names the key path."""
 
 
+# How a caller sends a key: gRPC metadata, or the HTTP header of the OpenAI front (same name).
+_SEND_AS = "'authorization: Bearer <key>' (gRPC metadata; over HTTP the header 'Authorization: Bearer <key>')"
+# What a refusal says of the stage key: its variable, and how its owner gets the running one.
+STAGE_KEY_HINT = f"${STAGE_KEY_ENV}; `omnistage stage-key` prints the running deployment's to its owner"
+
+
 @dataclass(frozen=True)
 class ApiKeys:
-    """The keys one port accepts, and where they came from (for messages, never the keys)."""
+    """The keys one port accepts, and where they came from (for messages, never the keys).
+
+    `expects` names the credential for a caller refused (`the admin key (services.x.admin_api_key_env)`),
+    so a refusal says which one the port takes without echoing any."""
 
     keys: tuple[bytes, ...]
     source: str
+    expects: str = ""
+
+    @property
+    def wanted(self) -> str:
+        return self.expects or f"the API key ({self.source})"
 
     def refusal(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
         """'' when `metadata` carries `authorization: Bearer <one of the keys>`; else why not."""
         value = next((v for k, v in (metadata or ()) if k.lower() == AUTHORIZATION), None)
         if value is None:
-            return "missing credentials: send the metadata 'authorization: Bearer <key>'"
+            return f"missing credentials: this port takes {self.wanted}, sent as {_SEND_AS}"
         if isinstance(value, bytes):
             value = value.decode("latin-1")
         scheme, _, token = value.strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return "malformed credentials: the 'authorization' metadata must be 'Bearer <key>'"
+            return f"malformed credentials: send {self.wanted} as {_SEND_AS}"
         sent = token.strip().encode("utf-8", "surrogateescape")
         matched = False
         for key in self.keys:  # no early exit: every key is compared
             matched |= hmac.compare_digest(sent, key)
-        return "" if matched else "invalid API key"
+        return "" if matched else f"invalid key: this port takes {self.wanted}"
 
 
 def stage_key(environ: Mapping[str, str] = os.environ) -> str:
@@ -80,31 +94,57 @@ def with_stage_key(
     key = stage_key(environ)
     if not key or svc.kind == "gateway":
         return keys
+    stage = f"the stage key ({STAGE_KEY_HINT})"
     if keys is None:
-        return ApiKeys((key.encode(),), STAGE_KEY_ENV)
-    return ApiKeys((*keys.keys, key.encode()), f"{keys.source} + {STAGE_KEY_ENV}")
+        return ApiKeys((key.encode(),), STAGE_KEY_ENV, stage)
+    return ApiKeys(
+        (*keys.keys, key.encode()), f"{keys.source} + {STAGE_KEY_ENV}", f"{keys.wanted} or {stage}"
+    )
+
+
+def user_dir() -> Path:
+    """This user's directory of what a running `serve` leaves for the CLI (stage keys, the run record)."""
+    return Path(tempfile.gettempdir()) / f"omnistage-{os.getuid()}"
 
 
 def stage_key_path(cfg_path: str | Path) -> Path:
     """Where `serve` of `cfg_path` leaves its stage key for this user's CLI."""
     digest = hashlib.sha256(str(Path(cfg_path).resolve()).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"omnistage-{os.getuid()}" / f"stage-key-{digest}"
+    return user_dir() / f"stage-key-{digest}"
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory of this user's only (made 0700 if missing); SecretError if it is not."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    if path.stat().st_uid != os.getuid() or path.stat().st_mode & 0o077:
+        raise SecretError(f"{path}: not a private directory of this user; nothing secret is written there")
+    return path
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write `text` to `path` readable by this user only (0600, replaced atomically), in a directory
+    that must be this user's and private (0700; created so)."""
+    private_dir(path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return path
 
 
 def publish_stage_key(cfg_path: str | Path, key: str) -> Path:
     """Write `key` for the CLI (readable by this user only); the path, to `withdraw_stage_key` later."""
+    return write_private(stage_key_path(cfg_path), key)
+
+
+def published_stage_key(cfg_path: str | Path) -> str:
+    """The key a running `serve` of `cfg_path` left for this user ('' when there is none)."""
     path = stage_key_path(cfg_path)
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    if path.parent.stat().st_uid != os.getuid() or path.parent.stat().st_mode & 0o077:
-        raise SecretError(
-            f"{path.parent}: not a private directory of this user; the stage key is not written"
-        )
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key)
-    os.replace(tmp, path)
-    return path
+    with contextlib.suppress(OSError):
+        if path.stat().st_uid == os.getuid():
+            return path.read_text().strip()
+    return ""
 
 
 def withdraw_stage_key(path: Path, key: str) -> None:
@@ -118,10 +158,9 @@ def adopt_stage_key(cfg_path: str | Path, environ: dict[str, str] = os.environ) 
     """For the CLI: without $OMNISTAGE_STAGE_KEY, take the key a running `serve` of `cfg_path` left."""
     if environ.get(STAGE_KEY_ENV, "").strip():
         return
-    path = stage_key_path(cfg_path)
-    with contextlib.suppress(OSError):
-        if path.stat().st_uid == os.getuid():
-            environ[STAGE_KEY_ENV] = path.read_text().strip()
+    key = published_stage_key(cfg_path)
+    if key:
+        environ[STAGE_KEY_ENV] = key
 
 
 class _StageKey:
@@ -209,7 +248,8 @@ def admin_keys(svc: ServiceConfig, environ: Mapping[str, str] = os.environ) -> A
     if not svc.admin_api_key_env:
         return None
     key_path = f"services.{svc.name}.admin_api_key_env"
-    return ApiKeys(tuple(k.encode() for k in _env_keys(svc.admin_api_key_env, key_path, environ)), key_path)
+    keys = _env_keys(svc.admin_api_key_env, key_path, environ)
+    return ApiKeys(tuple(k.encode() for k in keys), key_path, f"the admin key ({key_path})")
 
 
 def admin_metadata(

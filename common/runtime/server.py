@@ -90,8 +90,12 @@ class ServiceRuntime:
         port: int | None = None,
         admin_port: int | None = None,
         metrics_port: int | None = None,
+        max_receive_bytes: int | None = None,
     ) -> None:
         self.cfg = cfg
+        # The main port's receive limit: max_message_bytes, or less where the service knows that no
+        # legitimate request is larger (the gateway's public API).
+        self.max_receive_bytes = min(svc.max_message_bytes, max_receive_bytes or svc.max_message_bytes)
         self.svc = svc
         self.rank = rank
         self.name = svc.name
@@ -196,7 +200,9 @@ class ServiceRuntime:
             self._refresh_reflection(self._admin)
         await self._sync_health()  # NOT_SERVING before the first client can ask
         try:
-            self.port = await self._bind(self._main, self.svc.bind_host, self.port, credentials)
+            self.port = await self._bind(
+                self._main, self.svc.bind_host, self.port, credentials, self.max_receive_bytes
+            )
             if self._admin is not None:
                 self.admin_port = await self._bind(self._admin, self.svc.admin_host, self.admin_port, None)
         except BaseException:
@@ -215,13 +221,18 @@ class ServiceRuntime:
         )
 
     async def _bind(
-        self, port: _Port, host: str, number: int, credentials: grpc.ServerCredentials | None
+        self,
+        port: _Port,
+        host: str,
+        number: int,
+        credentials: grpc.ServerCredentials | None,
+        receive_limit: int | None = None,
     ) -> int:
         limit = self.svc.max_message_bytes
         server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", limit),
-                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_receive_message_length", receive_limit or limit),
                 ("grpc.so_reuseport", 0),  # a second server on our port must fail, not share it
                 # Clients (the gateway) send keepalive pings every 10 s, also between calls.
                 ("grpc.keepalive_permit_without_calls", 1),

@@ -29,6 +29,8 @@ from omnistage.common.runtime.server import ServiceRuntime
 _log = logging.getLogger(__name__)
 
 BuildFn = Callable[[ServiceRuntime, DeployConfig, ServiceConfig, int], Awaitable[None]]
+# The main port's receive limit of a service that knows its largest legitimate request (the gateway).
+ReceiveBytesFn = Callable[[DeployConfig, ServiceConfig], int]
 # How long a cancelled build gets to unwind when a stop arrives during start-up.
 _BUILD_CANCEL_WAIT_S = 5.0
 # Once stopped, how long the rest may take (the event loop's clean-up, the exit handlers) before the
@@ -107,7 +109,9 @@ def _exit_flushed(code: int) -> NoReturn:
     os._exit(code)
 
 
-def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoReturn:
+def run_service(
+    argv: Sequence[str], kind: str | None, build: BuildFn, receive_bytes: ReceiveBytesFn | None = None
+) -> NoReturn:
     """Entry point of a service process; `kind` (None: any) must match the configured kind.
 
     `build(runtime, cfg, svc, rank)` loads and warms up the service, registering its API with
@@ -116,6 +120,7 @@ def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoRetu
     is SERVING (set for it unless it already called `runtime.set_serving()`); it may also keep
     running (a TP worker loop) and is cancelled on SIGTERM. A worker whose loop ends on its own
     calls `runtime.request_stop()`. Any exception: phase failed, one stderr line, exit 1.
+    `receive_bytes(cfg, svc)`: the main port's gRPC receive limit (default: max_message_bytes).
     """
     die_with_launcher()  # done already when `omnistage.services` was imported; scripts (tests) come here
     args = parse_args(argv)
@@ -131,7 +136,8 @@ def run_service(argv: Sequence[str], kind: str | None, build: BuildFn) -> NoRetu
         sys.exit(2)
     setup_logging(svc.name, args.rank, cfg.log_level, cfg.log_format)
     watch_parent()
-    runtime = ServiceRuntime(cfg, svc, args.rank, run_dir=args.run_dir)
+    receive = receive_bytes(cfg, svc) if receive_bytes is not None else None
+    runtime = ServiceRuntime(cfg, svc, args.rank, run_dir=args.run_dir, max_receive_bytes=receive)
     code = asyncio.run(_serve_then_exit(runtime, build))
     # Stopped already: a late SIGTERM (the launcher stopping the other ranks) must not turn this clean
     # exit into "killed by SIGTERM" while the interpreter finalizes; a stuck exit still meets SIGKILL.

@@ -28,7 +28,7 @@ from omnistage.common.transport import TransportContext
 from omnistage.services.gateway.admission import GateConfig, StageGate
 from omnistage.services.gateway.converse import ConverseLimits
 from omnistage.services.gateway.imaging import ImageLimits, ImageStage
-from omnistage.services.gateway.media import MediaStage
+from omnistage.services.gateway.media import MESSAGE_OVERHEAD, MediaStage
 from omnistage.services.gateway.pace import PaceMeter, StepPace
 from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.prompt import Turn, build_chat
@@ -42,7 +42,7 @@ from omnistage.services.gateway.stages import (
     TalkerClient,
     ThinkerClient,
 )
-from omnistage.services.gateway.validation import RequestLimits, wire_bounds
+from omnistage.services.gateway.validation import RequestLimits, public_receive_bytes, wire_bounds
 from omnistage.v1 import common_pb2, control_pb2, omni_pb2, omni_pb2_grpc, talker_pb2
 
 C = TypeVar("C", bound=StageClient)
@@ -357,7 +357,7 @@ def _pipeline(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig) ->
         thinkers[0] if thinkers else None,
         deployed,
         max_concurrent_requests=gw.max_concurrent_requests,
-        limits=RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars),
+        limits=_request_limits(svc),
         system_prompt=gw.system_prompt,
         media_dir=gw.media_dir,
         media=media,
@@ -434,8 +434,24 @@ async def _start_http_front(
     runtime.add_shutdown_hook(front.stop)
 
 
+def _request_limits(svc: ServiceConfig) -> RequestLimits:
+    gw = svc.gateway
+    return RequestLimits(gw.max_messages, gw.max_parts_per_message, gw.max_prompt_chars)
+
+
+def _receive_bytes(cfg: DeployConfig, svc: ServiceConfig) -> int:
+    """The public API's gRPC receive limit: the largest request a legitimate client can send this
+    deployment (media only with an encoder, a custom voice only with a talker)."""
+    encoders, talkers = cfg.services_of("encoder"), cfg.services_of("talker")
+    return public_receive_bytes(
+        _request_limits(svc),
+        encoders[0].max_message_bytes - MESSAGE_OVERHEAD if encoders else 0,
+        talkers[0].max_message_bytes if talkers else 0,
+    )
+
+
 def main() -> None:
-    run_service(sys.argv[1:], "gateway", build)
+    run_service(sys.argv[1:], "gateway", build, receive_bytes=_receive_bytes)
 
 
 if __name__ == "__main__":

@@ -150,8 +150,8 @@ class StageGate:
         if wait and self.waiting >= self.cfg.max_waiting:
             self.refused += 1
             raise Overloaded(
-                f"{self.stage}: {self.running} requests running and {self.waiting} waiting, its limit; "
-                f"retry in about {wait:.1f}s",
+                f"{self.stage}: {self.waiting} requests waiting, the most that may wait for it "
+                f"({self.running} running of {self.cfg.max_running}); retry in about {wait:.1f}s",
                 retry_after_ms=max(1, int(wait * 1000)),
                 reason=f"{self.stage}_queue_full",
             )

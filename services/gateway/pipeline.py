@@ -317,7 +317,8 @@ class Pipeline:
         down is no stage of the path: the answer goes on as text (its AudioStatus says why)."""
         if self.in_flight >= self.max_concurrent_requests:
             raise Overloaded(
-                f"gateway at its limit of {self.max_concurrent_requests} requests",
+                f"gateway at its limit of {self.max_concurrent_requests} requests in flight "
+                "(gateway.max_concurrent_requests)",
                 retry_after_ms=200,
                 reason="gateway_full",
             )

@@ -16,10 +16,18 @@ from dataclasses import dataclass
 from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.runtime.wire_bounds import WireBounds
-from omnistage.common.sampling import check_sampling
+from omnistage.common.sampling import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_sampling
 from omnistage.common.stages import MEDIA_INPUT_KIND, OUTPUT_KIND
 from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT, MediaSlot, Turn, build_chat, prompt_chars
 from omnistage.v1 import common_pb2, encoder_pb2, omni_pb2, thinker_pb2
+
+# output_modalities holds each of the three modalities at most once in any sensible request; a few
+# repeats are tolerated (a set is what counts), more are refused on the wire.
+MAX_OUTPUT_MODALITIES = 8
+# What a request carries besides its text and media: tags, lengths, roles, sampling, options, ids
+# (a few bytes per part, a few KiB for the rest), generously.
+_PART_OVERHEAD_BYTES = 64
+_REQUEST_OVERHEAD_BYTES = 1 << 20
 
 _OUTPUT_STAGE = {
     omni_pb2.Modality.Value(f"MODALITY_{name.upper()}"): kind for name, kind in OUTPUT_KIND.items()
@@ -37,24 +45,35 @@ class RequestLimits:
 
 
 def wire_bounds(limits: RequestLimits) -> dict[str, WireBounds]:
-    """The Omni methods' bounds on the raw request (checked before it is decoded): the message and
-    part counts of `limits`, so that 8 M empty messages are refused before protobuf builds them."""
+    """The Omni methods' bounds on the raw request (checked before it is decoded): every repeated field
+    of a GenerateRequest, so that 8 M empty messages or a packed field of 60 M modalities are refused
+    before protobuf builds them and before any validation loops over them."""
 
     def bounds(descriptor, prefix: str) -> WireBounds:
         keyed = {
-            f"{prefix}messages": (limits.max_messages, "max_messages"),
-            f"{prefix}messages.parts": (limits.max_parts_per_message, "max_parts_per_message"),
+            f"{prefix}messages": (limits.max_messages, "gateway.max_messages"),
+            f"{prefix}messages.parts": (limits.max_parts_per_message, "gateway.max_parts_per_message"),
+            f"{prefix}output_modalities": (MAX_OUTPUT_MODALITIES, ""),
+            f"{prefix}sampling.stop": (MAX_STOP_STRINGS, ""),
+            f"{prefix}sampling.stop_token_ids": (MAX_STOP_TOKEN_IDS, ""),
         }
         return WireBounds(
-            descriptor,
-            {p: n for p, (n, _) in keyed.items()},
-            {p: f"gateway.{k}" for p, (_, k) in keyed.items()},
+            descriptor, {p: n for p, (n, _) in keyed.items()}, {p: k for p, (_, k) in keyed.items() if k}
         )
 
     return {
         "Generate": bounds(omni_pb2.GenerateRequest.DESCRIPTOR, ""),
         "Converse": bounds(omni_pb2.ConverseRequest.DESCRIPTOR, "config."),
     }
+
+
+def public_receive_bytes(limits: RequestLimits, media_bytes: int, voice_bytes: int) -> int:
+    """The largest request message a legitimate client sends the public API (the gateway's gRPC
+    receive limit, capped by its max_message_bytes): the media one encoder request takes
+    (`media_bytes`, 0 without an encoder), a custom voice clip the talker takes (`voice_bytes`, 0
+    without a talker), the prompt's characters as UTF-8 (4 bytes at most each), and the structure."""
+    structure = limits.max_messages * limits.max_parts_per_message * _PART_OVERHEAD_BYTES
+    return media_bytes + voice_bytes + 4 * limits.max_prompt_chars + structure + _REQUEST_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -109,6 +128,8 @@ def check_counts(req: omni_pb2.GenerateRequest, limits: RequestLimits) -> None:
 
 
 def _check_outputs(req: omni_pb2.GenerateRequest, deployed: set[str]) -> set[int]:
+    if len(req.output_modalities) > MAX_OUTPUT_MODALITIES:  # the wire walk refuses these before decoding
+        raise InvalidRequest(f"output_modalities: more than {MAX_OUTPUT_MODALITIES} elements")
     outputs = set(req.output_modalities) or {omni_pb2.MODALITY_TEXT}
     for i, modality in enumerate(req.output_modalities):
         if modality not in (omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO, omni_pb2.MODALITY_IMAGE):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -336,4 +339,92 @@ def test_bench_says_on_stderr_why_it_exits_1(stage, capsys):
         )
         == 0
     )
+    assert capsys.readouterr().err == ""
+
+
+def test_commands_default_to_the_running_serve(stage, tmp_path, monkeypatch, capsys):
+    """With this user's run record (what `serve` writes: config and `--set` overrides), `generate`,
+    `status` and `drain`/`resume` need no --config and no repeated --set; a record whose `serve` has
+    ended is not followed."""
+    from omnistage.common import run_record
+    from omnistage.common.config import load_config
+
+    cfg, override, _, admin = stage
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["status"]) == 2
+    assert (
+        "give --config FILE or --address HOST:PORT (no running `omnistage serve`" in capsys.readouterr().err
+    )
+    loaded = load_config(cfg, [override])
+    record = run_record.RunRecord.of(loaded, cfg, [override], tmp_path)
+    assert record.pid == os.getpid() and record.admin == {"front": admin}
+    run_record.publish(record)
+    assert stat.S_IMODE(run_record.record_path(os.getpid()).stat().st_mode) == 0o600
+    assert main(["generate", "--prompt", "n=2"]) == 0
+    assert capsys.readouterr().out.startswith("w0 w1 \n")
+    assert main(["status"]) == 0 and f"front (gateway) admin {admin}: SERVING" in capsys.readouterr().out
+    assert main(["drain", "--service", "front", "--deadline-ms", "100"]) == 0
+    assert main(["resume", "--service", "front"]) == 0 and "front serving again" in capsys.readouterr().out
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a second serve
+    try:
+        newer = dataclasses.replace(record, pid=other.pid, overrides=())
+        os.utime(run_record.publish(record), (1, 1))  # the first is the older one
+        run_record.publish(newer)
+        assert run_record.current() == newer  # the newest running deployment is the default
+        run_record.withdraw(newer)  # it stopped: the other is the default again
+        assert run_record.current() == record
+    finally:
+        other.kill()
+        other.wait(timeout=60)
+    run_record.withdraw(record)
+    run_record.publish(dataclasses.replace(record, pid=_exited_pid()))
+    assert run_record.current() is None  # a record a killed serve left
+    assert main(["generate", "--prompt", "n=2"]) == 2
+
+
+def _exited_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=60)
+    return proc.pid
+
+
+def test_serve_host_and_port_move_the_gateway_s_public_ports(stage, monkeypatch):
+    import omnistage.common.launcher as launcher
+
+    cfg, override, _, _ = stage
+    seen = []
+    monkeypatch.setattr(launcher, "launch", lambda path, overrides, **kw: seen.append(overrides) or 0)
+    assert main(["serve", str(cfg), "--host", "0.0.0.0", "--port", "7000", "--http-port", "8000"]) == 0
+    assert main(["serve", str(cfg), "--set", override]) == 0
+    assert seen == [
+        [
+            "services.front.bind_host=0.0.0.0",
+            "services.front.port=7000",
+            "services.front.gateway.http_port=8000",
+        ],
+        [override],
+    ]
+
+
+def test_every_command_has_version(capsys):
+    from omnistage.common.cli import build_parser
+    from omnistage.common.runtime.control import omnistage_version
+
+    commands = build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001 - every subcommand
+    for argv in ([], *([c] for c in commands)):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--version"])
+        assert exc.value.code == 0
+        assert capsys.readouterr().out.strip() == f"omnistage {omnistage_version()}", argv
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly(stage, monkeypatch, capsys):
+    """`omnistage status | head -1`: the reader is gone before anything is written (its end of the pipe
+    closed first); the command ends 141 with nothing on stderr, no BrokenPipeError traceback."""
+    _, _, _, admin = stage
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as pipe:
+        monkeypatch.setattr(sys, "stdout", pipe)
+        assert main(["status", "--address", admin]) == 141
     assert capsys.readouterr().err == ""

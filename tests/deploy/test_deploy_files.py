@@ -15,11 +15,13 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from omnistage.common.cli import main as cli_main
 from omnistage.common.config import config_to_dict, load_config
 from omnistage.common.memory.ledger import budgeted_devices, check_ledger
 
@@ -193,6 +195,60 @@ def test_compose_runs_each_service_and_rank_of_the_deploy_file_once(compose_conf
     assert set(seen) == wanted
     assert {"prometheus", "grafana"} <= set(stack)
     assert stack["gateway"]["environment"]["OMNISTAGE_API_KEYS"] == COMPOSE_ENV["OMNISTAGE_API_KEYS"]
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    pairs = [
+        line.split("=", 1) for line in path.read_text().splitlines() if line and not line.startswith("#")
+    ]
+    return dict(pairs)
+
+
+def test_the_keys_env_file_is_what_compose_and_kubernetes_read(tmp_path, capsys):
+    """`omnistage keys --env-file` writes every key both stacks need (0600, never over an existing
+    file): `docker-compose --env-file` starts from it with nothing but the model in the environment,
+    and each key a Kubernetes manifest takes from the omnistage-keys Secret is a name in it."""
+    path = tmp_path / "keys.env"
+    assert cli_main(["keys", "--env-file", str(path), "--api-keys", "2"]) == 0
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    keys = _env_file(path)
+    assert set(keys) == {
+        "OMNISTAGE_API_KEYS",
+        "OMNISTAGE_ADMIN_KEY",
+        "OMNISTAGE_STAGE_KEY",
+        "GRAFANA_ADMIN_PASSWORD",
+    }
+    assert len(keys["OMNISTAGE_API_KEYS"].split(",")) == 2 and len(set(keys.values())) == 4
+    assert cli_main(["keys", "--env-file", str(path)]) == 2 and _env_file(path) == keys
+    assert "--force" in capsys.readouterr().err
+    assert cli_main(["keys", "--env-file", str(path), "--force"]) == 0 and _env_file(path) != keys
+    keys = _env_file(path)
+    cmd = _tool("docker-compose", "docker compose")
+    # nothing but the model from the environment (a variable set there would win over the file)
+    env = {k: v for k, v in os.environ.items() if k not in keys}
+    env["OMNISTAGE_MODEL_DIR"] = COMPOSE_ENV["OMNISTAGE_MODEL_DIR"]
+    for compose in COMPOSE:
+        result = subprocess.run(
+            [*cmd, "--env-file", str(path), "-f", str(compose), "config"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=env,
+        )
+        assert result.returncode == 0, f"{compose.name}: {result.stderr}"
+        stack = yaml.safe_load(result.stdout)["services"]
+        assert stack["gateway"]["environment"]["OMNISTAGE_STAGE_KEY"] == keys["OMNISTAGE_STAGE_KEY"]
+        assert stack["gateway"]["environment"]["OMNISTAGE_API_KEYS"] == keys["OMNISTAGE_API_KEYS"]
+    refs = {
+        e["valueFrom"]["secretKeyRef"]["key"]
+        for _, d in _k8s_docs()
+        if d["kind"] in ("StatefulSet", "Deployment")
+        for c in d["spec"]["template"]["spec"]["containers"]
+        for e in c.get("env", [])
+        if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "omnistage-keys"
+    }
+    assert refs and refs <= set(keys)
 
 
 def test_single_gpu_compose_maps_one_host_gpu_to_cuda_0(compose_configs):

@@ -283,7 +283,12 @@ def test_wrong_key_is_401(front):
         _client(front, "sk-wrong").chat.completions.create(
             model="m", messages=[{"role": "user", "content": "Hi"}]
         )
-    assert info.value.status_code == 401 and "invalid API key" in str(info.value)
+    assert info.value.status_code == 401 and "invalid key: this port takes the API key" in str(info.value)
+    assert "sk-wrong" not in str(info.value)
+    with pytest.raises(urllib.error.HTTPError) as missing:  # no key at all: the 401 says how to send one
+        urllib.request.urlopen(front["base"] + "/v1/models", timeout=30)
+    assert missing.value.code == 401
+    assert "the header 'Authorization: Bearer <key>'" in json.loads(missing.value.read())["error"]["message"]
     with pytest.raises(openai.AuthenticationError):
         _client(front, "sk-wrong").models.list()
 

@@ -312,10 +312,11 @@ def test_admin_key_is_required_for_every_control_call(tmp_path, monkeypatch):
             grpc.aio.insecure_channel(rt.admin_address) as admin,
         ):
             control = control_of(admin)
+            wanted = "the admin key (services.alpha.admin_api_key_env)"  # which credential, never its value
             for metadata, why in [
-                ((), "missing credentials"),
-                ((("authorization", "Bearer wrong"),), "invalid API key"),
-                ((("authorization", "s3cret-admin"),), "malformed credentials"),
+                ((), f"missing credentials: this port takes {wanted}, sent as 'authorization: Bearer <key>'"),
+                ((("authorization", "Bearer wrong"),), f"invalid key: this port takes {wanted}"),
+                ((("authorization", "s3cret-admin"),), f"malformed credentials: send {wanted} as"),
             ]:
                 for call in (
                     control.Drain(control_pb2.DrainRequest(), timeout=5, metadata=metadata),
@@ -324,6 +325,7 @@ def test_admin_key_is_required_for_every_control_call(tmp_path, monkeypatch):
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await call
                     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and why in err.value.details()
+                    assert "s3cret" not in err.value.details()
             assert rt.phase == "serving"
             good = (("authorization", "Bearer s3cret-admin"),)
             d = await control.Describe(control_pb2.DescribeRequest(), timeout=5, metadata=good)
@@ -349,9 +351,10 @@ def test_api_keys_guard_the_stage_api_and_leave_health_open(tmp_path, monkeypatc
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(ch, "n=1")
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert (
-                "omnistage.v1.Omni: missing credentials: send the metadata 'authorization: Bearer <key>'"
-                in (err.value.details())
+            assert err.value.details() == (
+                "omnistage.v1.Omni: missing credentials: this port takes the API key "
+                "(services.front.api_keys_env + services.front.api_keys_file), sent as 'authorization: Bearer "
+                "<key>' (gRPC metadata; over HTTP the header 'Authorization: Bearer <key>')"
             )
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [
@@ -362,7 +365,8 @@ def test_api_keys_guard_the_stage_api_and_leave_health_open(tmp_path, monkeypatc
                 ]
             assert (
                 err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                and "invalid API key" in err.value.details()
+                and "invalid key: this port takes the API key (services.front" in err.value.details()
+                and "key-" not in err.value.details()
             )
             for key in ("key-a", "key-b", "key-from-file"):
                 events = [

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
+import json
+import signal
+import tempfile
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -101,32 +101,65 @@ def test_the_gateway_keeps_its_own_keys_and_its_stage_channels_present_the_key(t
     assert _serve(tmp_path, "thinker", through_stage_client)[-1].WhichOneof("event") == "finish"
 
 
-def test_serve_makes_a_key_for_its_stages_and_its_cli_finds_it(tmp_path):
-    """`serve` without $OMNISTAGE_STAGE_KEY: its stage refuses a local caller without the key it made,
-    while `omnistage status` of the same deploy file still reads every stage's Describe."""
+def test_serve_keys_its_stages_and_the_cli_finds_the_run_and_prints_its_key_to_its_owner(
+    tmp_path, monkeypatch, capsys
+):
+    """`serve` without $OMNISTAGE_STAGE_KEY makes a key: its stage refuses a local caller without it,
+    naming the stage key (never echoing one). `serve` records its run: `status` with no flags describes
+    it, `status --address <a stage's admin port>` presents the run's stage key, and `stage-key` prints
+    the key that opens the stage's own port to an outside client. When `serve` stops, its record and
+    key go, and the CLI says it finds no running serve."""
+    from omnistage.common.cli import main
+
     from tests.common.test_launcher import Run
 
-    env = {k: v for k, v in os.environ.items() if k != auth.STAGE_KEY_ENV}
-    saved = os.environ.pop(auth.STAGE_KEY_ENV, None)
-    try:
-        run = Run(tmp_path, {"alpha": {"admin_port": free_port()}})
-    finally:
-        if saved is not None:
-            os.environ[auth.STAGE_KEY_ENV] = saved
+    private = tmp_path / "tmp"  # this test's own user directory: no other test's `serve` is "current"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    monkeypatch.delenv(auth.STAGE_KEY_ENV, raising=False)  # restored after: `status` adopts the run's key
+    run = Run(tmp_path, {"alpha": {"admin_port": free_port()}}, env={"TMPDIR": str(private)})
     try:
         run.wait_ready()
         cfg = load_config(run.cfg)
-        code = asyncio.run(_codes(cfg.address("alpha"), cfg.admin_address("alpha")))[:2]
-        assert code == (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAUTHENTICATED)
-        status = subprocess.run(
-            [sys.executable, "-m", "omnistage.common.cli", "status", "--config", str(run.cfg)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
+        assert main(["status"]) == 0
+        assert f"alpha (thinker) admin {cfg.admin_address('alpha')}: SERVING" in capsys.readouterr().out
+        monkeypatch.delenv(auth.STAGE_KEY_ENV)
+        assert main(["status", "--address", cfg.admin_address("alpha")]) == 0
+        assert "alpha (thinker)" in capsys.readouterr().out
+        assert main(["stage-key"]) == 0
+        key = capsys.readouterr().out.strip()
+        monkeypatch.delenv(auth.STAGE_KEY_ENV, raising=False)
+
+        async def outside_client():
+            async with grpc.aio.insecure_channel(cfg.address("alpha")) as ch:
+                stub = omni_pb2_grpc.OmniStub(ch)
+                try:
+                    [e async for e in stub.Generate(_request(), timeout=10)]
+                except grpc.aio.AioRpcError as exc:
+                    refused = exc.code(), exc.details()
+                events = [e async for e in stub.Generate(_request(), timeout=10, metadata=auth.bearer(key))]
+                return refused, events[-1].WhichOneof("event")
+
+        (code, refused), last = asyncio.run(outside_client())
+        assert code == grpc.StatusCode.UNAUTHENTICATED and last == "finish"
+        assert (
+            "missing credentials: this port takes the stage key ($OMNISTAGE_STAGE_KEY; `omnistage stage-key`"
+            in refused
         )
-        assert status.returncode == 0, status.stdout + status.stderr
-        assert "alpha" in status.stdout and "serving" in status.stdout.lower()
+        assert key not in refused
     finally:
-        run.kill()
-    assert not auth.stage_key_path(run.cfg).exists() or run.proc.returncode == -9
+        run.proc.send_signal(signal.SIGTERM)
+        run.proc.wait(timeout=60)
+    assert not auth.stage_key_path(run.cfg).exists()
+    assert main(["status"]) == 2
+    assert "no running `omnistage serve` of this user found" in capsys.readouterr().err
+    assert main(["stage-key", "--config", str(run.cfg)]) == 1
+    record = json.loads((tmp_path / "run" / "run.json").read_text())  # the run dir keeps its record
+    assert record["config"] == str(run.cfg.resolve()) and record["overrides"] == []
+    assert record["admin"] == {"alpha": cfg.admin_address("alpha")} and key not in json.dumps(record)
+
+
+def test_serve_takes_the_stage_key_of_its_environment_else_makes_one():
+    assert auth.new_stage_key({auth.STAGE_KEY_ENV: " mine "}) == "mine"
+    made = {auth.new_stage_key({}) for _ in range(2)}
+    assert len(made) == 2 and all(len(k) >= 40 for k in made)  # fresh, 256 bits each

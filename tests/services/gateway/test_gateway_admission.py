@@ -168,7 +168,8 @@ def test_a_request_is_judged_over_every_gated_stage_of_its_path():
     async def full_waiting_room() -> None:
         imagegen._waiters.append(asyncio.get_running_loop().create_future())  # its waiting room (1) is full
         with pytest.raises(
-            Overloaded, match=r"^imagegen: 1 requests running and 1 waiting, its limit"
+            Overloaded,
+            match=r"^imagegen: 1 requests waiting, the most that may wait for it \(1 running of 1\)",
         ) as err:
             check_path([encoder, thinker, imagegen], None)
         assert err.value.reason == "imagegen_queue_full"

@@ -517,7 +517,8 @@ def test_image_requests_beyond_what_the_stage_takes_are_refused_before_the_think
                 )
                 calls = len(thinker.calls)
                 with pytest.raises(
-                    Overloaded, match=r"^imagegen: 2 requests running and 2 waiting, its limit"
+                    Overloaded,
+                    match=r"^imagegen: 2 requests waiting, the most that may wait for it \(2 running of 2\)",
                 ) as err:
                     await gw.events(request())  # refused at arrival, before the thinker runs
                 assert err.value.reason == "imagegen_queue_full"

@@ -37,11 +37,17 @@ def refused(address: str, text: str) -> grpc.StatusCode:
 
 @pytest.fixture
 def gateway(tmp_path):
-    """A gateway process with no stages (every request is refused), SERVING; yields (address, pid)."""
-    cfg = {
-        "log_level": "warning",
-        "services": {"gateway": {"kind": "gateway", "port": free_port(), "drain_grace_s": 1.0}},
+    """A gateway process with no stages (every request is refused), SERVING; yields (address, pid).
+
+    Its prompt limit (16 M characters) makes 60 MiB a size its public API receives (the receive limit
+    is what a legitimate request can carry), so the requests are parsed before they are refused."""
+    gw = {
+        "kind": "gateway",
+        "port": free_port(),
+        "drain_grace_s": 1.0,
+        "gateway": {"max_prompt_chars": 16_000_000},
     }
+    cfg = {"log_level": "warning", "services": {"gateway": gw}}
     path = tmp_path / "deploy.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = tmp_path / "run"
