@@ -32,7 +32,7 @@ from omnistage.services.gateway.pipeline import EncodedMedia, Pipeline
 from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT
 from omnistage.services.gateway.speech import SpokenAnswer, VoiceChoice, voice_choice
 from omnistage.services.gateway.stages import HandedOver, StageError
-from omnistage.services.gateway.validation import MediaPart, PlannedRequest, RequestLimits
+from omnistage.services.gateway.validation import MediaPart, PlannedRequest, RequestLimits, check_context
 from omnistage.v1 import common_pb2, omni_pb2
 
 MIN_SAMPLE_RATE_HZ, MAX_SAMPLE_RATE_HZ = 8000, 48000
@@ -185,6 +185,11 @@ class Conversation:
         """The call: its config checked before it counts as in flight, admitted at the thinker's gate,
         then its answers."""
         plan = await self.open(requests)
+        # Never possible (max_tokens past the thinker's context): INVALID_ARGUMENT before admission.
+        try:
+            check_context(plan.sampling, 1, self.pipeline.max_model_len)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"config.{exc}") from None
         self.pipeline.admit(self.context, ["thinker"])
         with self.pipeline.counted():
             async with contextlib.aclosing(self.run(plan)) as events:

@@ -34,7 +34,13 @@ from omnistage.services.gateway.media_path import check_media_paths
 from omnistage.services.gateway.pace import PaceMeter, StepPace
 from omnistage.services.gateway.speech import SpeechStage, SpokenAnswer, VoiceChoice, voice_choice
 from omnistage.services.gateway.stages import HandedOver, ThinkerClient
-from omnistage.services.gateway.validation import PlannedRequest, RequestLimits, check_counts, plan_request
+from omnistage.services.gateway.validation import (
+    PlannedRequest,
+    RequestLimits,
+    check_context,
+    check_counts,
+    plan_request,
+)
 from omnistage.v1 import common_pb2, control_pb2, encoder_pb2, omni_pb2, thinker_pb2
 
 # A text answer that ended so is followed by the image, when one is asked for too.
@@ -217,6 +223,7 @@ class Pipeline:
         # The thinker's measured step time by batch size (pace.py): a text request's own service time.
         self.pace = StepPace()
         self.default_max_tokens = 0  # the thinker's, from its Describe (0: unknown)
+        self.max_model_len = 0  # the thinker's, from its Describe (0: unknown; then the thinker alone checks)
 
     @property
     def thinker_gate(self) -> StageGate:
@@ -225,9 +232,11 @@ class Pipeline:
     # -- what the stage watches learn (gateway/__main__.py) --------------------------------------
 
     def thinker_described(self, limits: control_pb2.Limits) -> None:
-        """The thinker's Describe: its batch and default max_tokens (admission's measure of a request)."""
+        """The thinker's Describe: its batch and default max_tokens (admission's measure of a request),
+        and its max_model_len (what no request can pass, refused before admission)."""
         self.thinker_gate.set_capacity(limits.max_running_requests)
         self.default_max_tokens = limits.default_max_tokens
+        self.max_model_len = limits.max_model_len
 
     def set_capacity(self, stage: str, max_running: int) -> None:
         """What a stage runs at once (its Describe, read again after a restart)."""
@@ -246,6 +255,7 @@ class Pipeline:
         """Plan, admit, then run the plan: the answer (text, speech interleaved), then the image; one
         Finish ends the stream (an answer cut short gets no image)."""
         plan = await self.plan(request, arrived_at)
+        self.check_context(plan.request)  # never possible: INVALID_ARGUMENT, whatever the load
         self.admit(context, plan.stages, self.thinker_work(plan))
         media = EncodedMedia(self, plan.request, plan.paths, context, plan.thinker_calls)
         with (
@@ -309,6 +319,11 @@ class Pipeline:
                 "(gateway started degraded)"
             )
         return self.images.plan(request, plan)
+
+    def check_context(self, request: PlannedRequest) -> None:
+        """Refuse what no thinker call can serve (max_tokens past the thinker's max_model_len) before
+        admission: a request that can never be served is INVALID_ARGUMENT, not "not now"."""
+        check_context(request.sampling, request.least_prompt_tokens, self.max_model_len)
 
     def admit(self, context: CallContext, stages: list[str], work_s: dict[str, float] | None = None) -> None:
         """Refuse at arrival (RESOURCE_EXHAUSTED with a retry hint) what cannot finish in time: the
