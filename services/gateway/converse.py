@@ -10,7 +10,9 @@ chunk of a spoken one) interrupts it — barge-in: the answer's thinker stream a
 cancelled at once (the thinker aborts the request, the talker frees the stream), its audio still
 buffered is dropped, and its Finish has FINISH_REASON_INTERRUPTED; the history keeps the answer's
 text as far as it got. A turn that was already superseded when its answer would start gets that
-Finish at once. Bad input ends the call with INVALID_ARGUMENT naming the field.
+Finish at once. Bad input ends the call with INVALID_ARGUMENT naming the field, as soon as it arrives:
+each message is checked by the reader when it comes, and an answer running (or waiting for a talker
+stream) is closed then, not after it ends.
 """
 
 from __future__ import annotations
@@ -107,6 +109,23 @@ class _Answer:
         return Entry("assistant", "".join(self.text), token_ids=tuple(ids))
 
 
+async def _first_of(step: asyncio.Future, *events: asyncio.Event) -> None:
+    """Wait for `step` or any of `events`; `step` is cancelled (and awaited) when an event came first."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait({step, *waits}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+        if not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+        elif not step.cancelled():
+            # A stage error that came with our own cancellation (the call's deadline) is read here,
+            # not left to asyncio's "Task exception was never retrieved".
+            step.exception()
+
+
 def plan_converse(
     config: omni_pb2.GenerateRequest, limits: RequestLimits, default_system_prompt: str
 ) -> ConversePlan:
@@ -177,6 +196,10 @@ class Conversation:
         self.turns: asyncio.Queue = asyncio.Queue(2)  # complete user turns waiting for their answer
         self.turns_begun = 0
         self.newer_turn = asyncio.Event()  # a user turn began: the answer running may be interrupted
+        # The client's stream broke or sent bad input: the call ends at once with this error, whatever
+        # answer runs (each message is checked when it arrives, not after the answer before it).
+        self.failure: BaseException | None = None
+        self.failed = asyncio.Event()
         self._requests: AsyncIterator[omni_pb2.ConverseRequest] | None = None
 
     async def events(
@@ -219,9 +242,7 @@ class Conversation:
         history = History(plan.history, self.limits.max_turns)
         reader = asyncio.create_task(self._read_turns())
         try:
-            while (turn := await self.turns.get()) is not _END:
-                if isinstance(turn, BaseException):
-                    raise turn
+            while (turn := await self._next_turn()) is not _END:
                 history.add(turn.entry)
                 self.newer_turn.clear()
                 answer = _Answer([])
@@ -257,9 +278,20 @@ class Conversation:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - bad input or a broken stream ends the call: handed over
-            await self.turns.put(exc)
+            self.failure = exc
+            self.failed.set()
             return
         await self.turns.put(_END)
+
+    async def _next_turn(self) -> UserTurn | object:
+        """The next complete user turn (_END once the client half-closed); the reader's error first."""
+        turn = asyncio.ensure_future(self.turns.get())
+        await _first_of(turn, self.failed)
+        if self.failure is not None:
+            if turn.done() and not turn.cancelled():  # a turn taken as the failure came: put back
+                self.turns.put_nowait(turn.result())
+            raise self.failure
+        return turn.result()
 
     def _begin_turn(self) -> int:
         self.turns_begun += 1
@@ -344,18 +376,9 @@ class Conversation:
         try:
             while True:
                 step = asyncio.ensure_future(anext(events, _END))
-                newer = asyncio.ensure_future(self.newer_turn.wait())
-                try:
-                    await asyncio.wait({step, newer}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    newer.cancel()
-                    if not step.done():
-                        step.cancel()
-                        await asyncio.gather(step, return_exceptions=True)
-                    elif not step.cancelled():
-                        # A stage error that came with our own cancellation (the call's deadline) is
-                        # read here, not left to asyncio's "Task exception was never retrieved".
-                        step.exception()
+                await _first_of(step, self.newer_turn, self.failed)
+                if self.failure is not None:  # bad input: the call ends now (the answer is closed)
+                    raise self.failure
                 if step.cancelled():
                     yield Interrupted()
                     return
