@@ -92,6 +92,7 @@ class _Answer:
 
     text: list[str]
     tokens: int = 0
+    prompt_tokens: int = 0  # the thinker's count, from its `started` (an interrupted answer has no finish)
     started: bool = False  # the thinker took the request (from then on, no retry with a shorter history)
     speech: SpokenAnswer | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -434,6 +435,7 @@ class Conversation:
                 async for event in stream:
                     if isinstance(event, HandedOver):
                         answer.started, answer.speech = True, event.speech
+                        answer.prompt_tokens = event.prompt_tokens
                         continue
                     if event.HasField("text"):
                         answer.text.append(event.text.text)
@@ -450,7 +452,7 @@ class Conversation:
         finish = omni_pb2.Finish(
             reason=common_pb2.FINISH_REASON_INTERRUPTED,
             message=message,
-            usage=common_pb2.Usage(completion_tokens=answer.tokens),
+            usage=common_pb2.Usage(prompt_tokens=answer.prompt_tokens, completion_tokens=answer.tokens),
         )
         if plan.speaks:  # a text-only conversation has no AudioStatus: no speech was asked for
             status = omni_pb2.AudioStatus(code="CANCELLED", message=message)

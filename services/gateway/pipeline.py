@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ def client_event(request_id: str, ev: thinker_pb2.ThinkerEvent) -> omni_pb2.Gene
     whose engine id stays inside (the gateway aborts by cancelling the stage stream)."""
     kind = ev.WhichOneof("event")
     if kind == "started":
-        return HandedOver()
+        return HandedOver(prompt_tokens=ev.started.prompt_tokens)
     if kind == "delta":
         d = ev.delta
         return omni_pb2.GenerateEvent(
@@ -389,7 +390,9 @@ class Pipeline:
                 events
             ) as stream:  # cancels the thinker stream now if the client left
                 async for event in stream:
-                    yield HandedOver(spoken) if isinstance(event, HandedOver) else event
+                    yield (
+                        dataclasses.replace(event, speech=spoken) if isinstance(event, HandedOver) else event
+                    )
 
     def talker_slot(self, spoken: bool, remaining_s: float | None) -> contextlib.AbstractAsyncContextManager:
         """For a spoken answer, one of the talker's streams, waited for in FIFO order within the deadline

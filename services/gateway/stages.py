@@ -47,9 +47,11 @@ async def take_end(call: grpc.aio.Call) -> None:
 class HandedOver:
     """The thinker took the request (its `started` event): the media's leases are its business from
     now, and a spoken answer starts its speech. An event of the gateway's answer path, never sent to the
-    client; `speech` is the answer's SpokenAnswer once it has one (speech.py)."""
+    client; `speech` is the answer's SpokenAnswer once it has one (speech.py), `prompt_tokens` the
+    prompt's length as the thinker took it (the usage of an answer cut off before its finish)."""
 
     speech: Any = None
+    prompt_tokens: int = 0
 
 
 class StageError(OmniError):

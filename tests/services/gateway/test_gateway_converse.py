@@ -17,6 +17,7 @@ from omnistage.services.gateway.stages import StageError
 from omnistage.v1 import common_pb2, omni_pb2
 
 from tests.services.gateway.gateway_speech_fakes import (
+    PROMPT_TOKENS,
     Context,
     FakeMedia,
     FakeTalker,
@@ -168,6 +169,8 @@ def test_a_new_turn_interrupts_the_answer_and_both_stages_stop():
     assert first.finish.usage.completion_tokens == sum(
         len(e.text.token_ids) for e in events if e.HasField("text") and e.turn == 0
     )
+    # Its prompt as the thinker counted it (its `started`): the answer never got the thinker's finish.
+    assert first.finish.usage.prompt_tokens == PROMPT_TOKENS
     # The history keeps the interrupted answer as far as the client got it.
     assert thinker.calls[1].prompt.endswith(
         f"<role>ASSISTANT</role>{partial}<|role_end|><role>HUMAN</role>Stop, please.<|role_end|><role>ASSISTANT</role>"
