@@ -248,7 +248,7 @@ class _Stages:
         return out
 
     def _changed(self, _client: StageClient | None) -> None:
-        self.pipeline.size_image_gate()
+        self.pipeline.stages_changed()
         ready = {r.capability: r.ready for r in self.readiness()}
         self.runtime.set_capability_health(ready)
         self.runtime.reporter.heartbeat(
@@ -278,8 +278,9 @@ class _Stages:
         await self._through(encoder, _warm_up_media(self.servicer))
 
     async def _talker_up(self, talker: TalkerClient) -> None:
-        await talker.read_limits()  # the streams this gateway may hold open (Describe)
-        self.pipeline.set_capacity("talker", talker.max_streams)  # spoken answers wait for one
+        # The streams this gateway may hold open on it (Describe): the `talker` gate counts them once it
+        # is admitted (_changed), with those of the other replicas that are up.
+        await talker.read_limits()
         await self._through(talker, _warm_up_talker(talker))
 
     async def _imagegen_up(self, client: ImageGenClient) -> None:

@@ -11,8 +11,9 @@ out. Admitted requests therefore finish in time, and goodput stays near capacity
 (a queue that accepts what it cannot finish collapses goodput to zero).
 
 The gateway is the only client of its stages, so its own count of requests in a stage is the stage's
-load; the stage's own bounded queue remains the backstop. The talker's gate is held for a spoken
-answer's whole life (Pipeline.talker_slot, pipeline.py): speech waits for a stream instead of being refused.
+load; the stage's own bounded queue remains the backstop. The talker's gate is held by a spoken answer
+until its speech is over (Pipeline.talker_slot, pipeline.py): speech waits for a stream instead of being
+refused; its capacity is the streams of the talker replicas that are up, together.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import contextvars
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from omnistage.common import metrics
@@ -169,16 +170,26 @@ class StageGate:
         )
 
     @contextlib.asynccontextmanager
-    async def slot(self, remaining_s: float | None) -> AsyncIterator[None]:
-        """Hold one slot of the stage for the block; waits in FIFO order within the deadline."""
+    async def slot(self, remaining_s: float | None) -> AsyncIterator[Callable[[], None]]:
+        """Hold one slot of the stage for the block; waits in FIFO order within the deadline. Yields a
+        function that gives the slot back before the block ends (once; e.g. an answer whose speech
+        is over while its text goes on)."""
         arrived = time.monotonic()
         await self._acquire(remaining_s)
         started = time.monotonic()
         self._wait.observe(started - arrived)
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self._release(time.monotonic() - started)
+
         try:
-            yield
+            yield release
         finally:
-            self._release(time.monotonic() - started)
+            release()
 
     async def _acquire(self, remaining_s: float | None) -> None:
         self.check(remaining_s, coming=False)

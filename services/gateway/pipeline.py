@@ -167,6 +167,10 @@ class EncodedMedia:
         self.held = False
 
 
+def _nothing_held() -> None:
+    """The release of a slot that was not taken."""
+
+
 def _expiring(items: Sequence[encoder_pb2.EncodedItem]) -> bool:
     soon = time.time() * 1000 + _LEASE_MARGIN_MS
     for item in items:
@@ -217,9 +221,7 @@ class Pipeline:
         if images is not None:  # what the image stage denoises at once, and lets wait (its Describe)
             self.gates.setdefault("imagegen", StageGate("imagegen", images.limits.gate(), service))
         if speech is not None:  # the streams the talker speaks at once (its Describe): spoken answers wait
-            self.gates.setdefault(
-                "talker", StageGate("talker", GateConfig(speech.talker.max_streams), service)
-            )
+            self.gates.setdefault("talker", StageGate("talker", GateConfig(speech.capacity()), service))
         self.in_flight = 0
         # The thinker's measured step time by batch size (pace.py): a text request's own service time.
         self.pace = StepPace()
@@ -247,6 +249,18 @@ class Pipeline:
         """The `imagegen` gate admits what the image replicas that are up take together."""
         if self.images is not None:
             self.gates["imagegen"].set_capacity(*self.images.capacity())
+
+    def size_talker_gate(self) -> None:
+        """The `talker` gate admits the streams of the talker replicas that are up, together: a replica
+        that goes down leaves the path (its streams leave the gate), the gate stays."""
+        if self.speech is not None:
+            self.gates["talker"].set_capacity(self.speech.capacity())
+            self.speech.credit_back()
+
+    def stages_changed(self) -> None:
+        """A stage replica was admitted or went down (its watch): the replicated stages' gates follow."""
+        self.size_image_gate()
+        self.size_talker_gate()
 
     # -- Omni.Generate ----------------------------------------------------------------------------
 
@@ -337,7 +351,7 @@ class Pipeline:
                 retry_after_ms=200,
                 reason="gateway_full",
             )
-        talker_down = self.speech is not None and not self.speech.talker.up
+        talker_down = self.speech is not None and not self.speech.replicas.up()
         gates = [self.gates[s] for s in stages if s in self.gates and not (s == "talker" and talker_down)]
         check_path(gates, context.time_remaining(), work_s)
 
@@ -377,13 +391,19 @@ class Pipeline:
         """The answer's events: in a talker slot when spoken (`voice`), the media encoded, then the
         thinker's text with the talker's speech interleaved, HandedOver (carrying the SpokenAnswer) when
         the thinker took the request, and the Finish. `where` prefixes field names in errors."""
-        async with self.talker_slot(voice is not None, context.time_remaining()):
+        async with self.talker_slot(voice is not None, context.time_remaining()) as speech_over:
             await media.for_call()
             events = self._thinker(request, media, context, lambda ev: client_event(request.request_id, ev))
             spoken = None
             if voice is not None:
                 spoken = SpokenAnswer(
-                    self.speech, request.request_id, voice, context.time_remaining(), arrived_at, where
+                    self.speech,
+                    request.request_id,
+                    voice,
+                    context.time_remaining(),
+                    arrived_at,
+                    where,
+                    on_speech_over=speech_over,
                 )
                 events = spoken.events(events)
             async with contextlib.aclosing(
@@ -395,12 +415,14 @@ class Pipeline:
                     )
 
     def talker_slot(self, spoken: bool, remaining_s: float | None) -> contextlib.AbstractAsyncContextManager:
-        """For a spoken answer, one of the talker's streams, waited for in FIFO order within the deadline
-        (admission by capacity, as for the thinker): the speech is not refused because the talker is busy
-        now. A talker that is down takes no slot (the answer is text, its status says why)."""
+        """For a spoken answer, one of the streams of the talker replicas that are up, waited for in FIFO
+        order within the deadline (admission by capacity, as for the thinker): the speech is not refused
+        because the talkers are busy now, and goes to whichever replica has the stream. Yields the
+        function that gives the stream back when the speech is over (its Speak call ended), before the
+        answer's text. No replica up takes no slot (the answer is text, its status says why)."""
         gate = self.gates.get("talker")
-        if not spoken or gate is None or not self.speech.talker.up:
-            return contextlib.nullcontext()
+        if not spoken or gate is None or not self.speech.replicas.up():
+            return contextlib.nullcontext(_nothing_held)
         return gate.slot(remaining_s)
 
     async def encode(
