@@ -135,8 +135,9 @@ _PACE_TOKENS = 8
 
 
 async def _seed_pace(thinker: ThinkerClient, pace: StepPace, full_batch: int) -> None:
-    """Timed warm-ups: one request alone, then a full batch at once (the thinker's max_running, when
-    known); each gives the step time at its batch, so the first burst is admitted by what it costs."""
+    """The start-up stress: timed warm-ups alone, then a quarter, half and full batch at once (of the
+    thinker's max_running, when known); each gives the step time at its batch, so the first burst is
+    admitted by what it costs at the batch it makes."""
     sampling = common_pb2.SamplingParams(max_tokens=_PACE_TOKENS, ignore_eos=True, temperature=0.0)
     prompt = build_chat([Turn("user", "warm-up")])
 
@@ -145,7 +146,8 @@ async def _seed_pace(thinker: ThinkerClient, pace: StepPace, full_batch: int) ->
             if ev.WhichOneof("event") == "delta":
                 meter.tokens(time.monotonic(), len(ev.delta.token_ids), batch)
 
-    for batch in sorted({1, max(1, full_batch)}):
+    full = max(1, full_batch)
+    for batch in sorted({1, max(1, full // 4), max(1, full // 2), full}):
         meters = [PaceMeter() for _ in range(batch)]
         await asyncio.gather(*(one(f"gateway-pace-{batch}-{i}", m, batch) for i, m in enumerate(meters)))
         for measured in filter(None, (m.measured() for m in meters)):

@@ -111,6 +111,12 @@ class StageGate:
         self.cfg = GateConfig(max_running, waiting, self.cfg.initial_service_s)
         self._wake()
 
+    @property
+    def idle(self) -> bool:
+        """Nothing of this gateway's in the stage or on its way: a lone request is never refused for its
+        cost here (its deadline is the client's choice)."""
+        return not (self.running or self.waiting or self.coming)
+
     def has_room(self) -> bool:
         return not self.cfg.max_running or (self.running < self.cfg.max_running and not self._waiters)
 
@@ -236,8 +242,12 @@ def check_path(
     longest, or whose work is largest, is named). `work_s`: stage → this request's own service time
     (the thinker's: its tokens at the measured pace, pace.py), judged even when a slot is free; other
     stages count their mean service time, and only when one of them has to wait. Each slot is judged
-    again when it is taken."""
-    work_s = work_s or {}
+    again when it is taken. A stage that is idle does not judge the request's own work: a lone request
+    is never refused for cost."""
+    by_stage = {gate.stage: gate for gate in gates}
+    work_s = {
+        stage: w for stage, w in (work_s or {}).items() if stage in by_stage and not by_stage[stage].idle
+    }
     waits = [(gate.check_room(), gate) for gate in gates]
     if remaining_s is None or not (
         any(wait for wait, _ in waits) or any(g.stage in work_s for _, g in waits)

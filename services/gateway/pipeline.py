@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import grpc
 from omnistage.common.runtime.errors import Overloaded, StageUnavailable
 from omnistage.services.gateway.admission import GateConfig, StageGate, check_path
+from omnistage.services.gateway.expected_cost import AdmittedText, OutputLengths
 from omnistage.services.gateway.imaging import ImagePlan, ImageStage
 from omnistage.services.gateway.media import MediaStage, thinker_items
 from omnistage.services.gateway.media_path import check_media_paths
@@ -167,6 +168,11 @@ class EncodedMedia:
         self.held = False
 
 
+def _kind(request: PlannedRequest) -> tuple[int, ...]:
+    """What answers are alike in length: those asked for the same output modalities."""
+    return tuple(sorted(request.outputs))
+
+
 def _nothing_held() -> None:
     """The release of a slot that was not taken."""
 
@@ -223,8 +229,11 @@ class Pipeline:
         if speech is not None:  # the streams the talker speaks at once (its Describe): spoken answers wait
             self.gates.setdefault("talker", StageGate("talker", GateConfig(speech.capacity()), service))
         self.in_flight = 0
-        # The thinker's measured step time by batch size (pace.py): a text request's own service time.
+        # The thinker's measured step time by batch size (pace.py), what answers of each kind produce
+        # and the text requests admitted (expected_cost.py): a text request's own service time.
         self.pace = StepPace()
+        self.lengths = OutputLengths()
+        self.text = AdmittedText()
         self.default_max_tokens = 0  # the thinker's, from its Describe (0: unknown)
         self.max_model_len = 0  # the thinker's, from its Describe (0: unknown; then the thinker alone checks)
 
@@ -273,10 +282,7 @@ class Pipeline:
         self.check_context(plan.request)  # never possible: INVALID_ARGUMENT, whatever the load
         self.admit(context, plan.stages, self.thinker_work(plan))
         media = EncodedMedia(self, plan.request, plan.paths, context, plan.thinker_calls)
-        with (
-            self.counted(),
-            self.thinker_gate.on_its_way(),
-        ):  # admitted: counted at the thinker's gate from now
+        with self.admitted(plan, context):  # counted at the thinker's gate and in its batch from now
             try:
                 finish: omni_pb2.GenerateEvent | None = None
                 if plan.answers:
@@ -354,6 +360,20 @@ class Pipeline:
         talker_down = self.speech is not None and not self.speech.replicas.up()
         gates = [self.gates[s] for s in stages if s in self.gates and not (s == "talker" and talker_down)]
         check_path(gates, context.time_remaining(), work_s)
+        if work_s and "thinker" in work_s:
+            self._check_join()
+
+    @contextlib.contextmanager
+    def admitted(self, plan: RequestPlan, context: CallContext) -> Iterator[None]:
+        """An admitted Generate request for the block: in flight, on its way to the thinker's gate, and
+        (with a text answer) one of the admitted text requests whose deadlines later arrivals keep."""
+        text = (
+            self.text.admitted(context.time_remaining(), self.expected_tokens(plan))
+            if plan.answers
+            else contextlib.nullcontext()
+        )
+        with self.counted(), self.thinker_gate.on_its_way(), text:
+            yield
 
     @contextlib.contextmanager
     def counted(self) -> Iterator[None]:
@@ -364,18 +384,51 @@ class Pipeline:
         finally:
             self.in_flight -= 1
 
+    def expected_tokens(self, plan: RequestPlan) -> int:
+        """Tokens the request's text answer is priced at: what finished answers of its kind produced,
+        within its max_tokens (or the thinker's default, clamped to its context); 0: unknown."""
+        if not plan.answers:
+            return 1  # hidden-state mode only: one prefill
+        request = plan.request
+        cap = request.sampling.max_tokens or self.default_max_tokens
+        if self.max_model_len:
+            cap = min(cap, self.max_model_len - request.least_prompt_tokens)
+        return self.lengths.expected(_kind(request), cap) if cap > 0 else 0
+
     def thinker_work(self, plan: RequestPlan) -> dict[str, float]:
-        """The thinker's time for the request's text answer: its max_tokens (or the thinker's default)
-        and prompt at the measured step time of the batch it joins; {} while unmeasured."""
+        """The thinker's time for the request's text answer: its expected tokens and prompt at the
+        measured step time of the batch it joins; {} while unmeasured."""
+        tokens = self.expected_tokens(plan)
+        work = self.pace.work_s(tokens, plan.request.prompt_chars, self._joined_batch()) if tokens else None
+        return {} if work is None else {"thinker": work}
+
+    def _joined_batch(self) -> int:
+        """The thinker's batch with one more request (at most what it runs at once)."""
         gate = self.thinker_gate
         batch = gate.running + gate.waiting + gate.coming + 1
-        if gate.cfg.max_running:
-            batch = min(batch, gate.cfg.max_running)
-        max_tokens = plan.request.sampling.max_tokens or self.default_max_tokens
-        if not plan.answers:
-            max_tokens = 1  # hidden-state mode only: one prefill
-        work = self.pace.work_s(max_tokens, plan.request.prompt_chars, batch) if max_tokens else None
-        return {} if work is None else {"thinker": work}
+        return min(batch, gate.cfg.max_running) if gate.cfg.max_running else batch
+
+    def _check_join(self) -> None:
+        """Refuse now (Overloaded) a request whose joining the thinker's batch would make an admitted
+        one late that finishes in time at today's batch: each step slows as the batch grows. A request
+        that has to wait for a slot does not slow the batch (the wait estimate judged it)."""
+        gate = self.thinker_gate
+        batch = gate.running + gate.waiting + gate.coming + 1
+        if batch < 2 or (gate.cfg.max_running and batch > gate.cfg.max_running):
+            return
+        step_now, step_joined = self.pace.step_s(batch - 1), self.pace.step_s(batch)
+        late = (
+            None if step_now is None or step_joined is None else self.text.slowed_late(step_now, step_joined)
+        )
+        if late is not None:
+            request, done_in_s = late
+            gate.refused += 1
+            raise Overloaded(
+                f"thinker: joining its batch of {batch - 1} would slow an admitted request past its deadline "
+                f"({request.left()} tokens left at {step_joined:.3f}s a step instead of {step_now:.3f}s)",
+                retry_after_ms=max(1, int(done_in_s * 1000)),
+                reason="thinker_deadline",
+            )
 
     # -- the steps ---------------------------------------------------------------------------------
 
@@ -499,7 +552,17 @@ class Pipeline:
                     if kind == "started":
                         media.taken()
                     elif kind == "delta":
-                        pace.tokens(time.monotonic(), len(ev.delta.token_ids), self.thinker_gate.running)
+                        count = len(ev.delta.token_ids)
+                        self.text.tokens(count)
+                        live = pace.tokens(time.monotonic(), count, self.thinker_gate.running)
+                        if live is not None:
+                            self.pace.observe(*live)
+                    elif kind == "finish" and hidden_states is None:
+                        self.lengths.observe(
+                            _kind(request),
+                            ev.finish.usage.completion_tokens,
+                            ev.finish.reason == common_pb2.FINISH_REASON_LENGTH,
+                        )
                     yield to_event(ev)
                     if kind == "finish":
                         finished = True
