@@ -45,7 +45,8 @@ from omnistage.services.gateway.validation import (
 )
 from omnistage.v1 import common_pb2, control_pb2, encoder_pb2, omni_pb2, thinker_pb2
 
-# A text answer that ended so is followed by the image, when one is asked for too.
+# A text answer that ended so is followed by the image, when one is asked for too, and its length
+# counts for what answers of its kind produce (expected_cost.py).
 _COMPLETE = (
     common_pb2.FINISH_REASON_STOP,
     common_pb2.FINISH_REASON_LENGTH,
@@ -557,7 +558,7 @@ class Pipeline:
                         live = pace.tokens(time.monotonic(), count, self.thinker_gate.running)
                         if live is not None:
                             self.pace.observe(*live)
-                    elif kind == "finish" and hidden_states is None:
+                    elif kind == "finish" and hidden_states is None and ev.finish.reason in _COMPLETE:
                         self.lengths.observe(
                             _kind(request),
                             ev.finish.usage.completion_tokens,
