@@ -135,8 +135,9 @@ _PACE_TOKENS = 8
 
 
 async def _seed_pace(thinker: ThinkerClient, pace: StepPace, full_batch: int) -> None:
-    """Timed warm-ups: one request alone, then a full batch at once (the thinker's max_running, when
-    known); each gives the step time at its batch, so the first burst is admitted by what it costs."""
+    """The start-up stress: timed warm-ups alone, then a quarter, half and full batch at once (of the
+    thinker's max_running, when known); each gives the step time at its batch, so the first burst is
+    admitted by what it costs at the batch it makes."""
     sampling = common_pb2.SamplingParams(max_tokens=_PACE_TOKENS, ignore_eos=True, temperature=0.0)
     prompt = build_chat([Turn("user", "warm-up")])
 
@@ -145,7 +146,8 @@ async def _seed_pace(thinker: ThinkerClient, pace: StepPace, full_batch: int) ->
             if ev.WhichOneof("event") == "delta":
                 meter.tokens(time.monotonic(), len(ev.delta.token_ids), batch)
 
-    for batch in sorted({1, max(1, full_batch)}):
+    full = max(1, full_batch)
+    for batch in sorted({1, max(1, full // 4), max(1, full // 2), full}):
         meters = [PaceMeter() for _ in range(batch)]
         await asyncio.gather(*(one(f"gateway-pace-{batch}-{i}", m, batch) for i, m in enumerate(meters)))
         for measured in filter(None, (m.measured() for m in meters)):
@@ -248,7 +250,7 @@ class _Stages:
         return out
 
     def _changed(self, _client: StageClient | None) -> None:
-        self.pipeline.size_image_gate()
+        self.pipeline.stages_changed()
         ready = {r.capability: r.ready for r in self.readiness()}
         self.runtime.set_capability_health(ready)
         self.runtime.reporter.heartbeat(
@@ -278,8 +280,9 @@ class _Stages:
         await self._through(encoder, _warm_up_media(self.servicer))
 
     async def _talker_up(self, talker: TalkerClient) -> None:
-        await talker.read_limits()  # the streams this gateway may hold open (Describe)
-        self.pipeline.set_capacity("talker", talker.max_streams)  # spoken answers wait for one
+        # The streams this gateway may hold open on it (Describe): the `talker` gate counts them once it
+        # is admitted (_changed), with those of the other replicas that are up.
+        await talker.read_limits()
         await self._through(talker, _warm_up_talker(talker))
 
     async def _imagegen_up(self, client: ImageGenClient) -> None:

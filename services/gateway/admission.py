@@ -11,8 +11,9 @@ out. Admitted requests therefore finish in time, and goodput stays near capacity
 (a queue that accepts what it cannot finish collapses goodput to zero).
 
 The gateway is the only client of its stages, so its own count of requests in a stage is the stage's
-load; the stage's own bounded queue remains the backstop. The talker's gate is held for a spoken
-answer's whole life (Pipeline.talker_slot, pipeline.py): speech waits for a stream instead of being refused.
+load; the stage's own bounded queue remains the backstop. The talker's gate is held by a spoken answer
+until its speech is over (Pipeline.talker_slot, pipeline.py): speech waits for a stream instead of being
+refused; its capacity is the streams of the talker replicas that are up, together.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import contextvars
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from omnistage.common import metrics
@@ -110,6 +111,12 @@ class StageGate:
         self.cfg = GateConfig(max_running, waiting, self.cfg.initial_service_s)
         self._wake()
 
+    @property
+    def idle(self) -> bool:
+        """Nothing of this gateway's in the stage or on its way: a lone request is never refused for its
+        cost here (its deadline is the client's choice)."""
+        return not (self.running or self.waiting or self.coming)
+
     def has_room(self) -> bool:
         return not self.cfg.max_running or (self.running < self.cfg.max_running and not self._waiters)
 
@@ -169,16 +176,26 @@ class StageGate:
         )
 
     @contextlib.asynccontextmanager
-    async def slot(self, remaining_s: float | None) -> AsyncIterator[None]:
-        """Hold one slot of the stage for the block; waits in FIFO order within the deadline."""
+    async def slot(self, remaining_s: float | None) -> AsyncIterator[Callable[[], None]]:
+        """Hold one slot of the stage for the block; waits in FIFO order within the deadline. Yields a
+        function that gives the slot back before the block ends (once; e.g. an answer whose speech
+        is over while its text goes on)."""
         arrived = time.monotonic()
         await self._acquire(remaining_s)
         started = time.monotonic()
         self._wait.observe(started - arrived)
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self._release(time.monotonic() - started)
+
         try:
-            yield
+            yield release
         finally:
-            self._release(time.monotonic() - started)
+            release()
 
     async def _acquire(self, remaining_s: float | None) -> None:
         self.check(remaining_s, coming=False)
@@ -225,8 +242,12 @@ def check_path(
     longest, or whose work is largest, is named). `work_s`: stage → this request's own service time
     (the thinker's: its tokens at the measured pace, pace.py), judged even when a slot is free; other
     stages count their mean service time, and only when one of them has to wait. Each slot is judged
-    again when it is taken."""
-    work_s = work_s or {}
+    again when it is taken. A stage that is idle does not judge the request's own work: a lone request
+    is never refused for cost."""
+    by_stage = {gate.stage: gate for gate in gates}
+    work_s = {
+        stage: w for stage, w in (work_s or {}).items() if stage in by_stage and not by_stage[stage].idle
+    }
     waits = [(gate.check_room(), gate) for gate in gates]
     if remaining_s is None or not (
         any(wait for wait, _ in waits) or any(g.stage in work_s for _, g in waits)

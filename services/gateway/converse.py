@@ -10,7 +10,9 @@ chunk of a spoken one) interrupts it — barge-in: the answer's thinker stream a
 cancelled at once (the thinker aborts the request, the talker frees the stream), its audio still
 buffered is dropped, and its Finish has FINISH_REASON_INTERRUPTED; the history keeps the answer's
 text as far as it got. A turn that was already superseded when its answer would start gets that
-Finish at once. Bad input ends the call with INVALID_ARGUMENT naming the field.
+Finish at once. Bad input ends the call with INVALID_ARGUMENT naming the field, as soon as it arrives:
+each message is checked by the reader when it comes, and an answer running (or waiting for a talker
+stream) is closed then, not after it ends.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from omnistage.services.gateway.pipeline import EncodedMedia, Pipeline
 from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT
 from omnistage.services.gateway.speech import SpokenAnswer, VoiceChoice, voice_choice
 from omnistage.services.gateway.stages import HandedOver, StageError
-from omnistage.services.gateway.validation import MediaPart, PlannedRequest, RequestLimits
+from omnistage.services.gateway.validation import MediaPart, PlannedRequest, RequestLimits, check_context
 from omnistage.v1 import common_pb2, omni_pb2
 
 MIN_SAMPLE_RATE_HZ, MAX_SAMPLE_RATE_HZ = 8000, 48000
@@ -90,6 +92,7 @@ class _Answer:
 
     text: list[str]
     tokens: int = 0
+    prompt_tokens: int = 0  # the thinker's count, from its `started` (an interrupted answer has no finish)
     started: bool = False  # the thinker took the request (from then on, no retry with a shorter history)
     speech: SpokenAnswer | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -105,6 +108,23 @@ class _Answer:
         elif self.reason != common_pb2.FINISH_REASON_LENGTH:
             ids = []
         return Entry("assistant", "".join(self.text), token_ids=tuple(ids))
+
+
+async def _first_of(step: asyncio.Future, *events: asyncio.Event) -> None:
+    """Wait for `step` or any of `events`; `step` is cancelled (and awaited) when an event came first."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait({step, *waits}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+        if not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+        elif not step.cancelled():
+            # A stage error that came with our own cancellation (the call's deadline) is read here,
+            # not left to asyncio's "Task exception was never retrieved".
+            step.exception()
 
 
 def plan_converse(
@@ -177,6 +197,10 @@ class Conversation:
         self.turns: asyncio.Queue = asyncio.Queue(2)  # complete user turns waiting for their answer
         self.turns_begun = 0
         self.newer_turn = asyncio.Event()  # a user turn began: the answer running may be interrupted
+        # The client's stream broke or sent bad input: the call ends at once with this error, whatever
+        # answer runs (each message is checked when it arrives, not after the answer before it).
+        self.failure: BaseException | None = None
+        self.failed = asyncio.Event()
         self._requests: AsyncIterator[omni_pb2.ConverseRequest] | None = None
 
     async def events(
@@ -185,6 +209,11 @@ class Conversation:
         """The call: its config checked before it counts as in flight, admitted at the thinker's gate,
         then its answers."""
         plan = await self.open(requests)
+        # Never possible (max_tokens past the thinker's context): INVALID_ARGUMENT before admission.
+        try:
+            check_context(plan.sampling, 1, self.pipeline.max_model_len)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"config.{exc}") from None
         self.pipeline.admit(self.context, ["thinker"])
         with self.pipeline.counted():
             async with contextlib.aclosing(self.run(plan)) as events:
@@ -214,9 +243,7 @@ class Conversation:
         history = History(plan.history, self.limits.max_turns)
         reader = asyncio.create_task(self._read_turns())
         try:
-            while (turn := await self.turns.get()) is not _END:
-                if isinstance(turn, BaseException):
-                    raise turn
+            while (turn := await self._next_turn()) is not _END:
                 history.add(turn.entry)
                 self.newer_turn.clear()
                 answer = _Answer([])
@@ -252,9 +279,20 @@ class Conversation:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - bad input or a broken stream ends the call: handed over
-            await self.turns.put(exc)
+            self.failure = exc
+            self.failed.set()
             return
         await self.turns.put(_END)
+
+    async def _next_turn(self) -> UserTurn | object:
+        """The next complete user turn (_END once the client half-closed); the reader's error first."""
+        turn = asyncio.ensure_future(self.turns.get())
+        await _first_of(turn, self.failed)
+        if self.failure is not None:
+            if turn.done() and not turn.cancelled():  # a turn taken as the failure came: put back
+                self.turns.put_nowait(turn.result())
+            raise self.failure
+        return turn.result()
 
     def _begin_turn(self) -> int:
         self.turns_begun += 1
@@ -339,18 +377,9 @@ class Conversation:
         try:
             while True:
                 step = asyncio.ensure_future(anext(events, _END))
-                newer = asyncio.ensure_future(self.newer_turn.wait())
-                try:
-                    await asyncio.wait({step, newer}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    newer.cancel()
-                    if not step.done():
-                        step.cancel()
-                        await asyncio.gather(step, return_exceptions=True)
-                    elif not step.cancelled():
-                        # A stage error that came with our own cancellation (the call's deadline) is
-                        # read here, not left to asyncio's "Task exception was never retrieved".
-                        step.exception()
+                await _first_of(step, self.newer_turn, self.failed)
+                if self.failure is not None:  # bad input: the call ends now (the answer is closed)
+                    raise self.failure
                 if step.cancelled():
                     yield Interrupted()
                     return
@@ -406,6 +435,7 @@ class Conversation:
                 async for event in stream:
                     if isinstance(event, HandedOver):
                         answer.started, answer.speech = True, event.speech
+                        answer.prompt_tokens = event.prompt_tokens
                         continue
                     if event.HasField("text"):
                         answer.text.append(event.text.text)
@@ -422,7 +452,7 @@ class Conversation:
         finish = omni_pb2.Finish(
             reason=common_pb2.FINISH_REASON_INTERRUPTED,
             message=message,
-            usage=common_pb2.Usage(completion_tokens=answer.tokens),
+            usage=common_pb2.Usage(prompt_tokens=answer.prompt_tokens, completion_tokens=answer.tokens),
         )
         if plan.speaks:  # a text-only conversation has no AudioStatus: no speech was asked for
             status = omni_pb2.AudioStatus(code="CANCELLED", message=message)

@@ -1,12 +1,13 @@
 """The thinker's pace: seconds per engine step at each batch size, measured, and what a request costs.
 
 Admission by slots alone admits what cannot finish: a free slot says nothing about how long the
-request takes once in it. A text request runs about `max_tokens` decode steps plus its prefill, each
-step as long as the batch it joins makes it. So the gateway measures the thinker's step time itself,
-per batch size: seeded by its warm-up (a timed request alone, then a full batch of them), updated by
-every answer it streams (time between its first and last token over the steps between, at the
-number of requests running in the thinker meanwhile). Between measured batch sizes the step time is
-interpolated linearly; beyond the largest it grows in proportion to the batch (pessimistic).
+request takes once in it. A text request runs its expected tokens (at most `max_tokens`) in decode
+steps plus its prefill, each step as long as the batch it joins makes it. So the gateway measures the thinker's step time itself,
+per batch size: seeded by its start-up stress (timed requests alone, then at a quarter, half and full
+batch), updated by the live steps of every answer it streams (each LIVE_STEPS of its steps over the
+time they took, at the number of requests running in the thinker meanwhile). Between measured batch
+sizes the step time is interpolated linearly; beyond the largest it grows in proportion to the batch
+(pessimistic). How many tokens a request is priced at is expected_cost.py's.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ _EWMA_WEIGHT = 0.2
 # prefill is counted as ceil(chars / (CHARS_PER_TOKEN * PREFILL_TOKENS_PER_STEP)) steps.
 PREFILL_TOKENS_PER_STEP = 256
 CHARS_PER_TOKEN = 3
+# Steps an answer's meter measures before it reports (and starts a new measurement): the live pace.
+LIVE_STEPS = 16
 
 
 class PaceMeter:
@@ -31,16 +34,23 @@ class PaceMeter:
         self.steps = 0
         self.batches: list[int] = []
 
-    def tokens(self, now: float, count: int, batch: int) -> None:
-        """`count` tokens arrived at `now` while `batch` requests ran in the thinker."""
+    def tokens(self, now: float, count: int, batch: int) -> tuple[int, float] | None:
+        """`count` tokens arrived at `now` while `batch` requests ran in the thinker. Every LIVE_STEPS
+        steps, the measurement so far (a new one starts at `now`): the pace follows live steps, not
+        only finished answers (a first burst is judged by what its first steps took)."""
         if count <= 0:
-            return
+            return None
         if self.first is None:
             self.first = now
         else:
             self.steps += count
         self.last = now
         self.batches.append(batch)
+        if self.steps < LIVE_STEPS:
+            return None
+        measured = self.measured()
+        self.first, self.steps, self.batches = now, 0, [batch]
+        return measured
 
     def measured(self) -> tuple[int, float] | None:
         """(mean batch, seconds per step), or None with fewer than two tokens."""
@@ -87,10 +97,10 @@ class StepPace:
         frac = (batch - lo) / (hi - lo)
         return self._step_s[lo] + frac * (self._step_s[hi] - self._step_s[lo])
 
-    def work_s(self, max_tokens: int, prompt_chars: int, batch: int) -> float | None:
-        """Seconds a request of `max_tokens` and a prompt of `prompt_chars` takes in a batch of `batch`."""
+    def work_s(self, tokens: int, prompt_chars: int, batch: int) -> float | None:
+        """Seconds a request of `tokens` and a prompt of `prompt_chars` takes in a batch of `batch`."""
         step = self.step_s(batch)
         if step is None:
             return None
         prefill = math.ceil(prompt_chars / (CHARS_PER_TOKEN * PREFILL_TOKENS_PER_STEP))
-        return (max(1, max_tokens) + prefill) * step
+        return (max(1, tokens) + prefill) * step

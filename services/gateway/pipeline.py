@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,16 +29,24 @@ from typing import Any, Protocol
 import grpc
 from omnistage.common.runtime.errors import Overloaded, StageUnavailable
 from omnistage.services.gateway.admission import GateConfig, StageGate, check_path
+from omnistage.services.gateway.expected_cost import AdmittedText, OutputLengths
 from omnistage.services.gateway.imaging import ImagePlan, ImageStage
 from omnistage.services.gateway.media import MediaStage, thinker_items
 from omnistage.services.gateway.media_path import check_media_paths
 from omnistage.services.gateway.pace import PaceMeter, StepPace
 from omnistage.services.gateway.speech import SpeechStage, SpokenAnswer, VoiceChoice, voice_choice
 from omnistage.services.gateway.stages import HandedOver, ThinkerClient
-from omnistage.services.gateway.validation import PlannedRequest, RequestLimits, check_counts, plan_request
+from omnistage.services.gateway.validation import (
+    PlannedRequest,
+    RequestLimits,
+    check_context,
+    check_counts,
+    plan_request,
+)
 from omnistage.v1 import common_pb2, control_pb2, encoder_pb2, omni_pb2, thinker_pb2
 
-# A text answer that ended so is followed by the image, when one is asked for too.
+# A text answer that ended so is followed by the image, when one is asked for too, and its length
+# counts for what answers of its kind produce (expected_cost.py).
 _COMPLETE = (
     common_pb2.FINISH_REASON_STOP,
     common_pb2.FINISH_REASON_LENGTH,
@@ -59,7 +68,7 @@ def client_event(request_id: str, ev: thinker_pb2.ThinkerEvent) -> omni_pb2.Gene
     whose engine id stays inside (the gateway aborts by cancelling the stage stream)."""
     kind = ev.WhichOneof("event")
     if kind == "started":
-        return HandedOver()
+        return HandedOver(prompt_tokens=ev.started.prompt_tokens)
     if kind == "delta":
         d = ev.delta
         return omni_pb2.GenerateEvent(
@@ -160,6 +169,15 @@ class EncodedMedia:
         self.held = False
 
 
+def _kind(request: PlannedRequest) -> tuple[int, ...]:
+    """What answers are alike in length: those asked for the same output modalities."""
+    return tuple(sorted(request.outputs))
+
+
+def _nothing_held() -> None:
+    """The release of a slot that was not taken."""
+
+
 def _expiring(items: Sequence[encoder_pb2.EncodedItem]) -> bool:
     soon = time.time() * 1000 + _LEASE_MARGIN_MS
     for item in items:
@@ -210,13 +228,15 @@ class Pipeline:
         if images is not None:  # what the image stage denoises at once, and lets wait (its Describe)
             self.gates.setdefault("imagegen", StageGate("imagegen", images.limits.gate(), service))
         if speech is not None:  # the streams the talker speaks at once (its Describe): spoken answers wait
-            self.gates.setdefault(
-                "talker", StageGate("talker", GateConfig(speech.talker.max_streams), service)
-            )
+            self.gates.setdefault("talker", StageGate("talker", GateConfig(speech.capacity()), service))
         self.in_flight = 0
-        # The thinker's measured step time by batch size (pace.py): a text request's own service time.
+        # The thinker's measured step time by batch size (pace.py), what answers of each kind produce
+        # and the text requests admitted (expected_cost.py): a text request's own service time.
         self.pace = StepPace()
+        self.lengths = OutputLengths()
+        self.text = AdmittedText()
         self.default_max_tokens = 0  # the thinker's, from its Describe (0: unknown)
+        self.max_model_len = 0  # the thinker's, from its Describe (0: unknown; then the thinker alone checks)
 
     @property
     def thinker_gate(self) -> StageGate:
@@ -225,9 +245,11 @@ class Pipeline:
     # -- what the stage watches learn (gateway/__main__.py) --------------------------------------
 
     def thinker_described(self, limits: control_pb2.Limits) -> None:
-        """The thinker's Describe: its batch and default max_tokens (admission's measure of a request)."""
+        """The thinker's Describe: its batch and default max_tokens (admission's measure of a request),
+        and its max_model_len (what no request can pass, refused before admission)."""
         self.thinker_gate.set_capacity(limits.max_running_requests)
         self.default_max_tokens = limits.default_max_tokens
+        self.max_model_len = limits.max_model_len
 
     def set_capacity(self, stage: str, max_running: int) -> None:
         """What a stage runs at once (its Describe, read again after a restart)."""
@@ -238,6 +260,18 @@ class Pipeline:
         if self.images is not None:
             self.gates["imagegen"].set_capacity(*self.images.capacity())
 
+    def size_talker_gate(self) -> None:
+        """The `talker` gate admits the streams of the talker replicas that are up, together: a replica
+        that goes down leaves the path (its streams leave the gate), the gate stays."""
+        if self.speech is not None:
+            self.gates["talker"].set_capacity(self.speech.capacity())
+            self.speech.credit_back()
+
+    def stages_changed(self) -> None:
+        """A stage replica was admitted or went down (its watch): the replicated stages' gates follow."""
+        self.size_image_gate()
+        self.size_talker_gate()
+
     # -- Omni.Generate ----------------------------------------------------------------------------
 
     async def generate(
@@ -246,12 +280,10 @@ class Pipeline:
         """Plan, admit, then run the plan: the answer (text, speech interleaved), then the image; one
         Finish ends the stream (an answer cut short gets no image)."""
         plan = await self.plan(request, arrived_at)
+        self.check_context(plan.request)  # never possible: INVALID_ARGUMENT, whatever the load
         self.admit(context, plan.stages, self.thinker_work(plan))
         media = EncodedMedia(self, plan.request, plan.paths, context, plan.thinker_calls)
-        with (
-            self.counted(),
-            self.thinker_gate.on_its_way(),
-        ):  # admitted: counted at the thinker's gate from now
+        with self.admitted(plan, context):  # counted at the thinker's gate and in its batch from now
             try:
                 finish: omni_pb2.GenerateEvent | None = None
                 if plan.answers:
@@ -310,6 +342,11 @@ class Pipeline:
             )
         return self.images.plan(request, plan)
 
+    def check_context(self, request: PlannedRequest) -> None:
+        """Refuse what no thinker call can serve (max_tokens past the thinker's max_model_len) before
+        admission: a request that can never be served is INVALID_ARGUMENT, not "not now"."""
+        check_context(request.sampling, request.least_prompt_tokens, self.max_model_len)
+
     def admit(self, context: CallContext, stages: list[str], work_s: dict[str, float] | None = None) -> None:
         """Refuse at arrival (RESOURCE_EXHAUSTED with a retry hint) what cannot finish in time: the
         gateway's bound of requests, then the capacity of every gated stage on the request's path
@@ -322,9 +359,23 @@ class Pipeline:
                 retry_after_ms=200,
                 reason="gateway_full",
             )
-        talker_down = self.speech is not None and not self.speech.talker.up
+        talker_down = self.speech is not None and not self.speech.replicas.up()
         gates = [self.gates[s] for s in stages if s in self.gates and not (s == "talker" and talker_down)]
         check_path(gates, context.time_remaining(), work_s)
+        if work_s and "thinker" in work_s:
+            self._check_join()
+
+    @contextlib.contextmanager
+    def admitted(self, plan: RequestPlan, context: CallContext) -> Iterator[None]:
+        """An admitted Generate request for the block: in flight, on its way to the thinker's gate, and
+        (with a text answer) one of the admitted text requests whose deadlines later arrivals keep."""
+        text = (
+            self.text.admitted(context.time_remaining(), self.expected_tokens(plan))
+            if plan.answers
+            else contextlib.nullcontext()
+        )
+        with self.counted(), self.thinker_gate.on_its_way(), text:
+            yield
 
     @contextlib.contextmanager
     def counted(self) -> Iterator[None]:
@@ -335,18 +386,51 @@ class Pipeline:
         finally:
             self.in_flight -= 1
 
+    def expected_tokens(self, plan: RequestPlan) -> int:
+        """Tokens the request's text answer is priced at: what finished answers of its kind produced,
+        within its max_tokens (or the thinker's default, clamped to its context); 0: unknown."""
+        if not plan.answers:
+            return 1  # hidden-state mode only: one prefill
+        request = plan.request
+        cap = request.sampling.max_tokens or self.default_max_tokens
+        if self.max_model_len:
+            cap = min(cap, self.max_model_len - request.least_prompt_tokens)
+        return self.lengths.expected(_kind(request), cap) if cap > 0 else 0
+
     def thinker_work(self, plan: RequestPlan) -> dict[str, float]:
-        """The thinker's time for the request's text answer: its max_tokens (or the thinker's default)
-        and prompt at the measured step time of the batch it joins; {} while unmeasured."""
+        """The thinker's time for the request's text answer: its expected tokens and prompt at the
+        measured step time of the batch it joins; {} while unmeasured."""
+        tokens = self.expected_tokens(plan)
+        work = self.pace.work_s(tokens, plan.request.prompt_chars, self._joined_batch()) if tokens else None
+        return {} if work is None else {"thinker": work}
+
+    def _joined_batch(self) -> int:
+        """The thinker's batch with one more request (at most what it runs at once)."""
         gate = self.thinker_gate
         batch = gate.running + gate.waiting + gate.coming + 1
-        if gate.cfg.max_running:
-            batch = min(batch, gate.cfg.max_running)
-        max_tokens = plan.request.sampling.max_tokens or self.default_max_tokens
-        if not plan.answers:
-            max_tokens = 1  # hidden-state mode only: one prefill
-        work = self.pace.work_s(max_tokens, plan.request.prompt_chars, batch) if max_tokens else None
-        return {} if work is None else {"thinker": work}
+        return min(batch, gate.cfg.max_running) if gate.cfg.max_running else batch
+
+    def _check_join(self) -> None:
+        """Refuse now (Overloaded) a request whose joining the thinker's batch would make an admitted
+        one late that finishes in time at today's batch: each step slows as the batch grows. A request
+        that has to wait for a slot does not slow the batch (the wait estimate judged it)."""
+        gate = self.thinker_gate
+        batch = gate.running + gate.waiting + gate.coming + 1
+        if batch < 2 or (gate.cfg.max_running and batch > gate.cfg.max_running):
+            return
+        step_now, step_joined = self.pace.step_s(batch - 1), self.pace.step_s(batch)
+        late = (
+            None if step_now is None or step_joined is None else self.text.slowed_late(step_now, step_joined)
+        )
+        if late is not None:
+            request, done_in_s = late
+            gate.refused += 1
+            raise Overloaded(
+                f"thinker: joining its batch of {batch - 1} would slow an admitted request past its deadline "
+                f"({request.left()} tokens left at {step_joined:.3f}s a step instead of {step_now:.3f}s)",
+                retry_after_ms=max(1, int(done_in_s * 1000)),
+                reason="thinker_deadline",
+            )
 
     # -- the steps ---------------------------------------------------------------------------------
 
@@ -362,28 +446,38 @@ class Pipeline:
         """The answer's events: in a talker slot when spoken (`voice`), the media encoded, then the
         thinker's text with the talker's speech interleaved, HandedOver (carrying the SpokenAnswer) when
         the thinker took the request, and the Finish. `where` prefixes field names in errors."""
-        async with self.talker_slot(voice is not None, context.time_remaining()):
+        async with self.talker_slot(voice is not None, context.time_remaining()) as speech_over:
             await media.for_call()
             events = self._thinker(request, media, context, lambda ev: client_event(request.request_id, ev))
             spoken = None
             if voice is not None:
                 spoken = SpokenAnswer(
-                    self.speech, request.request_id, voice, context.time_remaining(), arrived_at, where
+                    self.speech,
+                    request.request_id,
+                    voice,
+                    context.time_remaining(),
+                    arrived_at,
+                    where,
+                    on_speech_over=speech_over,
                 )
                 events = spoken.events(events)
             async with contextlib.aclosing(
                 events
             ) as stream:  # cancels the thinker stream now if the client left
                 async for event in stream:
-                    yield HandedOver(spoken) if isinstance(event, HandedOver) else event
+                    yield (
+                        dataclasses.replace(event, speech=spoken) if isinstance(event, HandedOver) else event
+                    )
 
     def talker_slot(self, spoken: bool, remaining_s: float | None) -> contextlib.AbstractAsyncContextManager:
-        """For a spoken answer, one of the talker's streams, waited for in FIFO order within the deadline
-        (admission by capacity, as for the thinker): the speech is not refused because the talker is busy
-        now. A talker that is down takes no slot (the answer is text, its status says why)."""
+        """For a spoken answer, one of the streams of the talker replicas that are up, waited for in FIFO
+        order within the deadline (admission by capacity, as for the thinker): the speech is not refused
+        because the talkers are busy now, and goes to whichever replica has the stream. Yields the
+        function that gives the stream back when the speech is over (its Speak call ended), before the
+        answer's text. No replica up takes no slot (the answer is text, its status says why)."""
         gate = self.gates.get("talker")
-        if not spoken or gate is None or not self.speech.talker.up:
-            return contextlib.nullcontext()
+        if not spoken or gate is None or not self.speech.replicas.up():
+            return contextlib.nullcontext(_nothing_held)
         return gate.slot(remaining_s)
 
     async def encode(
@@ -460,7 +554,17 @@ class Pipeline:
                     if kind == "started":
                         media.taken()
                     elif kind == "delta":
-                        pace.tokens(time.monotonic(), len(ev.delta.token_ids), self.thinker_gate.running)
+                        count = len(ev.delta.token_ids)
+                        self.text.tokens(count)
+                        live = pace.tokens(time.monotonic(), count, self.thinker_gate.running)
+                        if live is not None:
+                            self.pace.observe(*live)
+                    elif kind == "finish" and hidden_states is None and ev.finish.reason in _COMPLETE:
+                        self.lengths.observe(
+                            _kind(request),
+                            ev.finish.usage.completion_tokens,
+                            ev.finish.reason == common_pb2.FINISH_REASON_LENGTH,
+                        )
                     yield to_event(ev)
                     if kind == "finish":
                         finished = True

@@ -18,7 +18,10 @@ has all the text) ends only the speech, and the Finish says so (`Finish.audio`, 
 voice the talker refuses before the text was let through fails the request (INVALID_ARGUMENT naming
 `voice` or `custom_voice.*`). Leaving early (client cancel, deadline, error) cancels the Speak call,
 which frees the talker's state for it. With several talker replicas each answer speaks on the least
-loaded one that is up and has a credit (replicas.py), and its status names that replica.
+loaded one that is up and has a credit (replicas.py), and its status names that replica. The answer
+holds a slot of the `talker` gate (the streams of the replicas that are up, together) until its Speak
+call is over: a replica that goes down frees its answers' slots, and spoken answers wait for a stream
+on any replica that is up.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -105,6 +108,11 @@ class SpeechStage:
         self.talker = self.replicas.first
         self.limits = limits
         self.service = service
+        # Set when a credit may have come back (a Speak call ended, a replica was admitted): speech
+        # the `talker` gate let through waits for it instead of being refused.
+        self._credit = asyncio.Event()
+        for t in self.replicas.clients:
+            t.on_credit = self._credit.set
         self._ttfa = metrics.histogram(
             "gateway_ttfa_seconds",
             "Time to first audio as the client sees it: request "
@@ -118,6 +126,23 @@ class SpeechStage:
             "(AudioOutcome) and why (gRPC code name, empty when complete)",
             ("outcome", "code"),
         )
+
+    def capacity(self) -> int:
+        """The streams the talker replicas that are up speak at once, together (the `talker` gate's size);
+        0 (no limit here) while an up replica's is unknown; none up: all replicas' (no answer waits on
+        a gate then: speech is UNAVAILABLE, the text goes on)."""
+        up = self.replicas.up() or self.replicas.clients
+        return 0 if any(not t.max_streams for t in up) else sum(t.max_streams for t in up)
+
+    def credit_back(self) -> None:
+        """A credit may be free now (a replica was admitted): the speech waiting for one looks again."""
+        self._credit.set()
+
+    async def wait_credit(self, timeout_s: float) -> None:
+        """Until a credit may be free, at most `timeout_s` (the caller looks again either way)."""
+        self._credit.clear()
+        with contextlib.suppress(TimeoutError):
+            await within(self._credit.wait(), timeout_s)
 
     def observe(self, status: omni_pb2.AudioStatus) -> None:
         self._outcomes.labels(self.service, omni_pb2.AudioOutcome.Name(status.outcome), status.code).inc()
@@ -213,9 +238,17 @@ class TalkerStream:
     reason the speech stopped short is the one the status keeps."""
 
     def __init__(
-        self, stage: SpeechStage, request_id: str, choice: VoiceChoice, timeout_s: float | None, where: str
+        self,
+        stage: SpeechStage,
+        request_id: str,
+        choice: VoiceChoice,
+        timeout_s: float | None,
+        where: str,
+        on_over: Callable[[], None] = lambda: None,
     ) -> None:
         self.stage = stage
+        # Called once the speech is over: no call opened, or the call ended (after its credit came back).
+        self.on_over = on_over
         self.talker = stage.talker  # the replica it speaks on (start() picks it)
         self.limits = stage.limits
         self.request_id = request_id
@@ -236,11 +269,18 @@ class TalkerStream:
         self._segment = 0
         self._stopped = False  # the gateway cancelled the call (stop): the status says why
 
-    def start(self) -> bool:
+    async def start(self) -> bool:
         """Open the Speak call on the least loaded talker replica with a credit (False, with the status
-        set, when none is up, or this gateway holds all their streams)."""
+        set, when none is up, or this gateway holds all their streams past `start_wait_s`). The
+        `talker` gate let this answer through for a stream: a call that just ended may hold its
+        credit a moment longer, a replica may be coming back; so it waits for one (bounded)."""
         replicas = self.stage.replicas
-        talker = replicas.pick(_talker_load, TalkerClient.has_credit)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.limits.start_wait_s
+        while (talker := replicas.pick(_talker_load, TalkerClient.has_credit)) is None:
+            if not replicas.up() or loop.time() >= until:
+                break
+            await self.stage.wait_credit(until - loop.time())
         if talker is None:
             up = replicas.up()
             if not up:  # the text goes on; the status says why there is no speech
@@ -252,9 +292,11 @@ class TalkerStream:
                     NO_CREDIT_RETRY_MS,
                 )
             self.accepted.set()
+            self.on_over()
             return False
         self.talker = talker
         self.call = talker.speak(self.requests, self.timeout_s)
+        self.call.add_done_callback(lambda _call: self.on_over())  # after the replica's credit came back
         return True
 
     def run(self, out: asyncio.Queue) -> None:
@@ -399,11 +441,12 @@ class SpokenAnswer:
         timeout_s: float | None,
         arrived_at: float,
         where: str = "",
+        on_speech_over: Callable[[], None] = lambda: None,
     ) -> None:
         self.stage = stage
         self.arrived_at = arrived_at
         self.out: asyncio.Queue = asyncio.Queue(stage.limits.buffer_events)
-        self.speech = TalkerStream(stage, request_id, choice, timeout_s, where)
+        self.speech = TalkerStream(stage, request_id, choice, timeout_s, where, on_speech_over)
         self.status = self.speech.status
 
     async def events(
@@ -467,7 +510,7 @@ class SpokenAnswer:
             async for event in text_events:
                 if isinstance(event, HandedOver):  # the thinker took the request: speak its answer
                     started = True
-                    if speech.start():
+                    if await speech.start():
                         speech.run(out)
                     else:
                         await out.put(_Done())  # no speech: its part is done

@@ -47,9 +47,11 @@ async def take_end(call: grpc.aio.Call) -> None:
 class HandedOver:
     """The thinker took the request (its `started` event): the media's leases are its business from
     now, and a spoken answer starts its speech. An event of the gateway's answer path, never sent to the
-    client; `speech` is the answer's SpokenAnswer once it has one (speech.py)."""
+    client; `speech` is the answer's SpokenAnswer once it has one (speech.py), `prompt_tokens` the
+    prompt's length as the thinker took it (the usage of an answer cut off before its finish)."""
 
     speech: Any = None
+    prompt_tokens: int = 0
 
 
 class StageError(OmniError):
@@ -279,6 +281,7 @@ class TalkerClient(StageClient):
         super().__init__(name, address, max_message_bytes, **admin)
         self.stub = talker_pb2_grpc.TalkerStub(self.channel)
         self.max_streams = 0  # 0: unknown
+        self.on_credit: Callable[[], None] = lambda: None  # a Speak call ended: its credit is back
 
     async def read_limits(self) -> None:
         desc = await self.describe()
@@ -305,7 +308,9 @@ class TalkerClient(StageClient):
         interceptors grpc makes those its own queue-fed generator, which nothing ends once the talker
         ended the call first; its task and generator were left to the GC ("Task was destroyed but it
         is pending!", "aclose(): asynchronous generator is already running")."""
-        return self.track(self.stub.Speak(requests, timeout=timeout_s))
+        call = self.track(self.stub.Speak(requests, timeout=timeout_s))
+        call.add_done_callback(lambda _call: self.on_credit())  # after `track`'s: the credit is back
+        return call
 
 
 class ImageGenClient(StageClient):

@@ -18,7 +18,14 @@ from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.runtime.wire_bounds import WireBounds
 from omnistage.common.sampling import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_sampling
 from omnistage.common.stages import MEDIA_INPUT_KIND, OUTPUT_KIND
-from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT, MediaSlot, Turn, build_chat, prompt_chars
+from omnistage.services.gateway.prompt import (
+    DEFAULT_SYSTEM_PROMPT,
+    AnswerTokens,
+    MediaSlot,
+    Turn,
+    build_chat,
+    prompt_chars,
+)
 from omnistage.v1 import common_pb2, encoder_pb2, omni_pb2, thinker_pb2
 
 # output_modalities holds each of the three modalities at most once in any sensible request; a few
@@ -37,7 +44,8 @@ _OUTPUT_STAGE = {
 @dataclass(frozen=True)
 class RequestLimits:
     """Bounds of one request's shape: the gateway's deploy-file keys. Tokens are the thinker's to count:
-    its engine admits prompt + max_tokens against max_model_len with the precise error."""
+    its engine admits prompt + max_tokens against max_model_len with the precise error; the gateway
+    refuses before admission only what no tokenization could fit (`check_context`)."""
 
     max_messages: int = 256
     max_parts_per_message: int = 64
@@ -107,6 +115,29 @@ class PlannedRequest:
     def prompt(self) -> thinker_pb2.ChatPrompt:
         """The prompt of a text-only request."""
         return self.chat()
+
+    @property
+    def least_prompt_tokens(self) -> int:
+        """Tokens its prompt has whatever the tokenizer: the ids it sends as they are (earlier answers),
+        plus one (a prompt is never empty). Text and media rows only the thinker and encoder count."""
+        return 1 + sum(
+            len(part.ids) for turn in self.turns for part in turn.parts() if isinstance(part, AnswerTokens)
+        )
+
+
+def check_context(sampling: common_pb2.SamplingParams, least_prompt_tokens: int, max_model_len: int) -> None:
+    """Refuse (INVALID_ARGUMENT) what can never be served, before admission prices it: max_tokens above
+    the thinker's max_model_len (its Describe; 0: unknown, the thinker alone checks), or above what is
+    left of it after the least the prompt can take. What only the prompt's tokenization makes too long
+    is the thinker's to refuse, also INVALID_ARGUMENT."""
+    if not max_model_len:
+        return
+    check_sampling(sampling, max_model_len=max_model_len)  # the shared rule: max_tokens > max_model_len
+    if sampling.max_tokens and sampling.max_tokens + least_prompt_tokens > max_model_len:
+        raise InvalidRequest(
+            f"sampling.max_tokens: {sampling.max_tokens} + a prompt of at least {least_prompt_tokens} "
+            f"token(s) exceeds max_model_len {max_model_len}"
+        )
 
 
 def check_counts(req: omni_pb2.GenerateRequest, limits: RequestLimits) -> None:
@@ -219,7 +250,7 @@ def plan_request(
             turns.append(Turn("user" if msg.role == omni_pb2.ROLE_USER else "assistant", content))
     if not turns or turns[-1].role != "user":
         raise InvalidRequest("messages: the last message must be from ROLE_USER")
-    check_sampling(req.sampling)  # the values' shape; max_tokens against max_model_len is the thinker's
+    check_sampling(req.sampling)  # the values' shape; against the thinker's max_model_len: check_context
     system_prompt = system_prompt or default_system_prompt or DEFAULT_SYSTEM_PROMPT
     # Media placeholders are not counted: their token counts come from the encoder, and the
     # thinker bounds the prompt's tokens.

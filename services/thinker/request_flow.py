@@ -40,7 +40,7 @@ from omnistage.services.thinker.engine.llm_engine import (
     RequestError,
     RequestOutput,
 )
-from omnistage.services.thinker.engine.media import Prompt
+from omnistage.services.thinker.engine.media import Prompt, unpack_prompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group.distributed import TPError
 from omnistage.services.thinker.models.tokenizer import MingTokenizer, Piece
@@ -53,9 +53,10 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Started:
-    """First of every stream: the engine's id of the request."""
+    """First of every stream: the engine's id of the request and its prompt's length in tokens."""
 
     engine_request_id: str
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ class ThinkerEngine:
         try:
             # Inside the try: a cancel while the add is in flight still aborts what it added.
             stream = await self._submit(engine_id, prompt, params)
-            yield Started(engine_id)
+            yield Started(engine_id, len(unpack_prompt(prompt)[0]))
             while not finished:
                 out = await stream.get()
                 if isinstance(out, BaseException):  # e.g. "thinker rank 2 died while serving (step 57): ..."

@@ -35,7 +35,9 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
 def _event(event: Event) -> thinker_pb2.ThinkerEvent:
     if isinstance(event, Started):
         return thinker_pb2.ThinkerEvent(
-            started=thinker_pb2.Started(engine_request_id=event.engine_request_id)
+            started=thinker_pb2.Started(
+                engine_request_id=event.engine_request_id, prompt_tokens=event.prompt_tokens
+            )
         )
     if isinstance(event, Tokens):
         return _delta(event.out)

@@ -94,10 +94,12 @@ class ThinkerFinish(_message.Message):
     def __init__(self, reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Started(_message.Message):
-    __slots__ = ("engine_request_id",)
+    __slots__ = ("engine_request_id", "prompt_tokens")
     ENGINE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     engine_request_id: str
-    def __init__(self, engine_request_id: _Optional[str] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, engine_request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ThinkerEvent(_message.Message):
     __slots__ = ("delta", "finish", "started", "hidden_states")

@@ -29,6 +29,7 @@ class ThinkerCall:
 
 
 STOP_TOKEN = 99
+PROMPT_TOKENS = 7  # what the fake thinker counts of every prompt (its `started` and its finish say so)
 
 
 class FakeThinker:
@@ -65,7 +66,9 @@ class FakeThinker:
                 grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), details=refusal
             )
         try:
-            yield thinker_pb2.ThinkerEvent(started=thinker_pb2.Started(engine_request_id="e" * 32))
+            yield thinker_pb2.ThinkerEvent(
+                started=thinker_pb2.Started(engine_request_id="e" * 32, prompt_tokens=PROMPT_TOKENS)
+            )
             words = self.answer.split(" ")
             for i, word in enumerate(words):
                 await asyncio.sleep(self.delay_s)
@@ -77,7 +80,8 @@ class FakeThinker:
             call.finished = True
             yield thinker_pb2.ThinkerEvent(
                 finish=thinker_pb2.ThinkerFinish(
-                    reason=self.reason, usage=common_pb2.Usage(prompt_tokens=7, completion_tokens=len(words))
+                    reason=self.reason,
+                    usage=common_pb2.Usage(prompt_tokens=PROMPT_TOKENS, completion_tokens=len(words)),
                 )
             )
         finally:

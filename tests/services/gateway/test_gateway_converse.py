@@ -17,6 +17,7 @@ from omnistage.services.gateway.stages import StageError
 from omnistage.v1 import common_pb2, omni_pb2
 
 from tests.services.gateway.gateway_speech_fakes import (
+    PROMPT_TOKENS,
     Context,
     FakeMedia,
     FakeTalker,
@@ -168,6 +169,8 @@ def test_a_new_turn_interrupts_the_answer_and_both_stages_stop():
     assert first.finish.usage.completion_tokens == sum(
         len(e.text.token_ids) for e in events if e.HasField("text") and e.turn == 0
     )
+    # Its prompt as the thinker counted it (its `started`): the answer never got the thinker's finish.
+    assert first.finish.usage.prompt_tokens == PROMPT_TOKENS
     # The history keeps the interrupted answer as far as the client got it.
     assert thinker.calls[1].prompt.endswith(
         f"<role>ASSISTANT</role>{partial}<|role_end|><role>HUMAN</role>Stop, please.<|role_end|><role>ASSISTANT</role>"
@@ -250,6 +253,60 @@ def test_the_first_audio_chunk_of_a_turn_interrupts_the_answer():
     events, seen = run(scenario())
     assert seen == [common_pb2.FINISH_REASON_INTERRUPTED]
     assert [f.finish.reason for f in finishes(events)][1] == common_pb2.FINISH_REASON_STOP
+
+
+def test_a_malformed_message_during_a_spoken_answer_ends_the_call_at_once():
+    """Each incoming message is checked when it arrives (issue 30, point 5): a bad audio chunk while the
+    answer before it speaks ends the call with INVALID_ARGUMENT before that answer's Finish, and its
+    thinker and talker streams are cancelled."""
+
+    async def scenario():
+        thinker, talker = FakeThinker(ANSWER * 20, delay_s=0.03), FakeTalker()
+        async with TalkerServer(talker) as srv:
+            client = Client(config(), text("Tell me a long story."))
+
+            def on_event(event, events):
+                if event.HasField("audio") and sum(e.HasField("audio") for e in events) == 2:
+                    client.send(audio(_pcm(0.1), rate=64))
+
+            with pytest.raises(InvalidRequest) as err:
+                await converse(gateway(thinker, srv.address, media=FakeMedia()), client, on_event)
+            await wait_until(lambda: talker.calls[0].cancelled, what="turn 0's Speak call cancelled")
+        return thinker, talker, err.value
+
+    thinker, talker, err = run(scenario())
+    assert str(err).startswith("audio.sample_rate_hz: 64")
+    assert thinker.calls[0].closed and not thinker.calls[0].finished  # the answer was not run to its end
+    assert not talker.calls[0].completed
+
+
+def test_a_malformed_message_while_the_answer_waits_for_a_talker_stream_ends_the_call_at_once():
+    """The talker's only stream is busy with another call: the bad chunk is refused while that call
+    still speaks, not once this call's answer got a stream and ended."""
+
+    async def scenario():
+        thinker, talker = FakeThinker(ANSWER * 20, delay_s=0.03), FakeTalker()
+        async with TalkerServer(talker) as srv:
+            servicer = gateway(thinker, srv.address, media=FakeMedia(), max_streams=1)
+            servicer.pipeline.set_capacity("talker", 1)
+            busy = Client(config(request_id="busy"), text("Talk for a while."))
+            speaking = asyncio.create_task(converse(servicer, busy))
+            await wait_until(lambda: talker.calls, what="the first call speaking")
+            waiting = Client(config(request_id="waits"), text("Me too."))
+            refused = asyncio.create_task(converse(servicer, waiting))
+            await wait_until(lambda: servicer.pipeline.gates["talker"].waiting == 1, what="a talker waiter")
+            waiting.send(audio(_pcm(0.1), rate=64))
+            with pytest.raises(InvalidRequest) as err:
+                await refused
+            still_speaking = not speaking.done() and not thinker.calls[0].finished
+            busy.close()
+            speaking.cancel()
+            await asyncio.gather(speaking, return_exceptions=True)
+        return err.value, still_speaking, len(thinker.calls), servicer.pipeline.gates["talker"].waiting
+
+    err, still_speaking, calls, waiters = run(scenario())
+    assert str(err).startswith("audio.sample_rate_hz: 64") and still_speaking
+    assert calls == 1 and waiters == 0  # the refused call never reached the thinker, and left the queue
 
 
 def test_the_history_keeps_at_most_max_turns_user_turns():

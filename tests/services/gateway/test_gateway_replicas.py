@@ -226,12 +226,13 @@ def test_speech_takes_the_least_loaded_talker_with_a_credit_and_names_every_full
         ) as reps:
             (t1, _, _), (t2, _, _) = reps
             t1.max_streams = t2.max_streams = 1
-            stage = SpeechStage([t1, t2], SpeechLimits(1000), "test")
+            # A credit is waited for at most start_wait_s: then the speech is refused naming every full one.
+            stage = SpeechStage([t1, t2], SpeechLimits(1000, start_wait_s=0.1), "test")
             streams = [TalkerStream(stage, f"s{i}", VoiceChoice(), 30.0, "") for i in range(3)]
-            assert streams[0].start() and streams[1].start()
+            assert await streams[0].start() and await streams[1].start()
             assert (streams[0].talker.name, streams[1].talker.name) == ("talker", "talker_b")
             assert (t1.calls_in_flight, t2.calls_in_flight) == (1, 1)
-            assert not streams[2].start()
+            assert not await streams[2].start()
             status = streams[2].status
             assert status.code == "RESOURCE_EXHAUSTED"
             assert (
@@ -240,11 +241,13 @@ def test_speech_takes_the_least_loaded_talker_with_a_credit_and_names_every_full
             streams[0].call.cancel()
             await asyncio.sleep(0.1)
             again = TalkerStream(stage, "s3", VoiceChoice(), 30.0, "")
-            assert again.start() and again.talker.name == "talker"  # the freed credit
+            assert await again.start() and again.talker.name == "talker"  # the freed credit
             t1.down_reason = t2.down_reason = "stopped answering: test"
             down = TalkerStream(stage, "s4", VoiceChoice(), 30.0, "")
             assert (
-                not down.start() and down.status.code == "UNAVAILABLE" and "'talker_b'" in down.status.message
+                not await down.start()
+                and down.status.code == "UNAVAILABLE"
+                and "'talker_b'" in down.status.message
             )
             for s in (streams[1], again):
                 s.call.cancel()

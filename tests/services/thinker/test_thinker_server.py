@@ -140,6 +140,8 @@ def test_started_comes_first_with_an_engine_id_then_deltas_then_one_finish(tmp_p
             assert len(engine_id) == 32 and engine_id != "client-1"
             assert events[-1].finish.reason == common_pb2.FINISH_REASON_LENGTH
             assert events[-1].finish.usage.completion_tokens == 5
+            # The prompt's length comes with `started`: the usage of an answer left before its finish.
+            assert events[0].started.prompt_tokens == events[-1].finish.usage.prompt_tokens > 0
 
     run(scenario())
 

@@ -1,0 +1,104 @@
+"""What a text request is expected to cost the thinker, and what its joining costs the others.
+
+`max_tokens` is a cap, not the work: most answers stop well before it. `OutputLengths` learns from the
+answers that finished how many tokens requests of a kind (their output modalities) actually produce,
+and prices a new one at a high quantile of that (an answer cut by its cap says only "at least", so it
+counts as the new request's whole cap); until enough of a kind finished, the cap is the price.
+
+A request that joins the thinker's batch slows every request in it (each step takes as long as the
+batch makes it). `AdmittedText` holds the text requests admitted and not ended, each with its
+deadline and expected tokens left; `slowed_late` names one that would finish in time at today's batch
+but late at the batch the newcomer makes, so that admission refuses the newcomer ("not now") instead
+of admitting what makes others miss their deadlines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+
+# Finished answers remembered per kind, how many must have finished before they set the price, and
+# the quantile of their lengths a new request is priced at.
+WINDOW = 64
+MIN_FINISHED = 8
+QUANTILE = 0.9
+
+
+class OutputLengths:
+    """Tokens that finished answers of each kind produced (the newest WINDOW of each)."""
+
+    def __init__(self) -> None:
+        self._finished: dict[Hashable, deque[tuple[int, bool]]] = {}
+
+    def observe(self, kind: Hashable, tokens: int, capped: bool) -> None:
+        """An answer of `kind` finished with `tokens`; `capped`: its max_tokens (or the context) ended it."""
+        self._finished.setdefault(kind, deque(maxlen=WINDOW)).append((max(0, tokens), capped))
+
+    def expected(self, kind: Hashable, cap: int) -> int:
+        """Tokens a new answer of `kind` with `cap` (its max_tokens) is priced at: the QUANTILE of what
+        finished ones produced, within the cap; the cap itself while fewer than MIN_FINISHED finished."""
+        finished = self._finished.get(kind)
+        if finished is None or len(finished) < MIN_FINISHED:
+            return cap
+        # A capped answer would have gone on: for this cap it counts as all of it.
+        lengths = sorted(cap if capped and tokens < cap else min(tokens, cap) for tokens, capped in finished)
+        return max(1, lengths[min(len(lengths) - 1, math.ceil(QUANTILE * len(lengths)) - 1)])
+
+
+@dataclass
+class TextRequest:
+    """One admitted text request: when it must be done and what it is expected to produce."""
+
+    deadline: float | None  # monotonic seconds; None: no deadline
+    expected: int  # tokens
+    produced: int = 0
+
+    def left(self) -> int:
+        return max(1, self.expected - self.produced)
+
+
+class AdmittedText:
+    """The text requests admitted and not ended yet (Generate's answers), for the cost of joining them."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.requests: list[TextRequest] = []
+        self._current: contextvars.ContextVar[TextRequest | None] = contextvars.ContextVar(
+            "admitted-text", default=None
+        )
+
+    @contextlib.contextmanager
+    def admitted(self, remaining_s: float | None, expected: int) -> Iterator[TextRequest]:
+        """Count the request (this task's) for the block; `produced` is counted by `tokens`."""
+        deadline = None if remaining_s is None else self.clock() + remaining_s
+        request = TextRequest(deadline, expected)
+        self.requests.append(request)
+        self._current.set(request)
+        try:
+            yield request
+        finally:
+            self.requests.remove(request)
+
+    def tokens(self, count: int) -> None:
+        """This task's request streamed `count` more tokens."""
+        request = self._current.get()
+        if request is not None:
+            request.produced += count
+
+    def slowed_late(self, step_now: float, step_joined: float) -> tuple[TextRequest, float] | None:
+        """An admitted request that finishes in time at `step_now` seconds a step but not at
+        `step_joined` (the batch with one more), with the seconds until it is done at `step_now`
+        (the retry hint); None when every one that can still make it still does."""
+        now = self.clock()
+        for request in self.requests:
+            if request.deadline is None:
+                continue
+            left = request.deadline - now
+            if request.left() * step_now <= left < request.left() * step_joined:
+                return request, request.left() * step_now
+        return None
