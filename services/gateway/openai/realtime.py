@@ -138,9 +138,12 @@ class RealtimeSession:
 
     # ---- the socket
 
-    async def send(self, event: dict[str, Any]) -> None:
+    async def send(self, event: dict[str, Any], unless_done: Response | None = None) -> None:
+        """Send `event`; with `unless_done`, not once that response is done (checked in turn, so no
+        delta of a response follows its `response.done`)."""
         async with self._send_lock:
-            await self.ws.send_json(event)
+            if unless_done is None or not unless_done.done:
+                await self.ws.send_json(event)
 
     async def run(self) -> str:
         """The session until its socket goes (or a limit ends it); why it ended."""
@@ -352,13 +355,14 @@ class RealtimeSession:
     # ---- responses through the Converse call
 
     async def _respond(self, trigger: str) -> None:
-        await self._open_call()
         items, self.pending = self.pending, []
-        response = Response(self, self.turns_sent + len(items) - 1, trigger)
+        fresh = self.call is None
+        response = Response(self, (0 if fresh else self.turns_sent) + len(items) - 1, trigger)
         self.active = response
         self.endpoint.metrics.response_started(trigger)
         await response.begin()
         try:
+            await self._open_call()
             for item in items:
                 await self._write_item(item)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
@@ -393,8 +397,9 @@ class RealtimeSession:
             metadata=self.metadata, timeout=self.options.max_session_s + 30.0
         )
         self.call_fields, self.turns_sent = c.conversation_fields(), 0
-        await self.call.write(omni_pb2.ConverseRequest(config=config))
+        # Reading first: a call refused at once is reported by the reader like any failed call.
         self.reader = asyncio.create_task(self._read_call(self.call), name=f"realtime-{self.id}")
+        await self.call.write(omni_pb2.ConverseRequest(config=config))
 
     async def _read_call(self, call: grpc.aio.StreamStreamCall) -> None:
         """The Converse call's events to the response they answer; its end (an error, or the call

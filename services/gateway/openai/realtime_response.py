@@ -117,7 +117,7 @@ class Response:
             name = (
                 "response.output_audio_transcript.delta" if self.audio_out else "response.output_text.delta"
             )
-            await send(rt.event(name, **self._ids(), delta=event.text.text))
+            await send(rt.event(name, **self._ids(), delta=event.text.text), unless_done=self)
         elif kind == "audio" and self.audio_out:
             chunk = event.audio
             if self._resampler is None:
@@ -125,10 +125,9 @@ class Response:
             pcm = self._resampler.convert(chunk.pcm16) + (self._resampler.flush() if chunk.last else b"")
             if pcm:
                 self.samples += len(pcm) // 2
+                delta = base64.b64encode(pcm).decode()
                 await send(
-                    rt.event(
-                        "response.output_audio.delta", **self._ids(), delta=base64.b64encode(pcm).decode()
-                    )
+                    rt.event("response.output_audio.delta", **self._ids(), delta=delta), unless_done=self
                 )
         elif kind == "finish":
             finish = event.finish
