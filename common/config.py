@@ -202,7 +202,8 @@ class GatewayConfig:
     http_model: str = "ming-flash-omni-2.0"
     # Deadline of each HTTP request's Omni call, in seconds.
     http_timeout_s: float = 600.0
-    # Largest HTTP request body (JSON with base64 media), in bytes; larger ones get 413.
+    # Largest HTTP request body (JSON with base64 media), in bytes; larger ones get 413. Also the largest
+    # /v1/realtime WebSocket message.
     http_max_body_bytes: int = 96 * 1024 * 1024
     # Realtime API (GET /v1/realtime on http_port, docs/openai.md): WebSocket sessions open in all and
     # per API key (one more is accepted, told why in an `error` event and closed with 1013); PCM16

@@ -18,6 +18,7 @@ import uvicorn
 from omnistage.common.config import DeployConfig, EncoderConfig, ServiceConfig, join_host_port
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.deadlines import within
+from omnistage.services.gateway.openai import vad
 from omnistage.services.gateway.openai.app import Front, FrontOptions
 from omnistage.services.gateway.openai.realtime import RealtimeEndpoint
 from omnistage.services.gateway.openai.realtime_limits import RealtimeOptions
@@ -127,6 +128,7 @@ class HttpFront:
                 f"services.{self.svc.name}.gateway.http_port: cannot bind {self.where} (in use?): {exc}"
             ) from exc
         self.sock = sock
+        await asyncio.to_thread(vad.warm_up)  # the VAD model loads now (and a missing one fails here)
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]), name="openai-http")
         deadline = asyncio.get_running_loop().time() + 30
         while not self.server.started:
