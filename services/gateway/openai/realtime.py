@@ -30,6 +30,7 @@ from omnistage.services.gateway.openai.realtime_limits import (
     key_of,
 )
 from omnistage.services.gateway.openai.realtime_response import Response
+from omnistage.services.gateway.openai.translate import from_grpc
 from omnistage.services.gateway.openai.vad import TurnDetector
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from starlette.responses import JSONResponse
@@ -122,6 +123,7 @@ class RealtimeSession:
         self.conversation_id = rt.new_id("conv")
         self.config = rt.SessionConfig()
         self.detector: TurnDetector | None = TurnDetector(self.config.vad, rt.RATE)
+        self.vad_origin = 0  # sample of the session's input where the detector's clock began
         self.buffer = bytearray()
         self.buffer_start = 0  # sample of the session's input where `buffer` begins
         self.speech_start: int | None = None  # sample where the speech being heard began (server VAD)
@@ -239,6 +241,7 @@ class RealtimeSession:
             )
         if config.vad != self.config.vad:
             self.detector = TurnDetector(config.vad, rt.RATE) if config.vad is not None else None
+            self.vad_origin = self.buffer_start + len(self.buffer) // 2  # its clock starts now
             self.speech_start = None
         self.config = config
         await self.send(rt.event("session.updated", session=self._session()))
@@ -264,11 +267,11 @@ class RealtimeSession:
             return
         for decision in await self.detector.feed(pcm):
             self.endpoint.metrics.vad(decision.started)
-            sample = decision.ms * rt.RATE // 1000
+            sample = self.vad_origin + decision.ms * rt.RATE // 1000
             if decision.started:
                 await self._speech_started(sample)
             elif self.speech_start is not None:
-                await self._speech_stopped(decision.ms)
+                await self._speech_stopped(sample * 1000 // rt.RATE)
         if self.speech_start is None:  # keep only the prefix padding before speech
             keep = self.config.vad.prefix_padding_ms * rt.RATE // 1000 * 2
             drop = max(0, len(self.buffer) - keep) // 2 * 2
@@ -414,9 +417,7 @@ class RealtimeSession:
             if exc.code() == grpc.StatusCode.CANCELLED and self.call is not call:
                 return
             err = rt.EventError(exc.details() or exc.code().name, code=exc.code().name.lower())
-            err.type = (
-                "invalid_request_error" if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else "server_error"
-            )
+            err.type = from_grpc(exc.code(), exc.details()).type  # as the HTTP front types it
         except _GONE:
             return  # the socket went: the session's end closes the call
         if self.call is call:

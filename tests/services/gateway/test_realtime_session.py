@@ -15,6 +15,8 @@ from omnistage.services.gateway.openai.realtime import RealtimeEndpoint
 from omnistage.services.gateway.openai.realtime_limits import RealtimeOptions
 from omnistage.v1 import omni_pb2
 
+from tests.services.gateway.realtime_audio import silence, utterance
+
 KEY, OTHER = "sk-one", "sk-two"
 KEYS = ApiKeys((KEY.encode(), OTHER.encode()), "test")
 
@@ -272,3 +274,43 @@ def test_a_failed_conversation_fails_the_response_and_the_next_one_opens_a_new_c
     assert failed["response"]["status_details"]["error"]["message"] == "config.voice: unknown"
     assert (error["error"]["type"], error["error"]["code"]) == ("invalid_request_error", "invalid_argument")
     assert len(app.stub.calls) == 2 and app.slots.total == 0
+
+
+def test_server_vad_times_speech_on_the_session_clock_and_sends_the_turn_with_its_padding():
+    async def scenario():
+        app = endpoint()
+        s = Socket(app)
+        s.send({"type": "session.update", "session": {"output_modalities": ["text"]}})
+        for _ in range(10):  # 1 s before the detector changes
+            s.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(silence(0.1)).decode()})
+        turn_detection = {"type": "server_vad", "silence_duration_ms": 300, "prefix_padding_ms": 200}
+        s.send(
+            {"type": "session.update", "session": {"audio": {"input": {"turn_detection": turn_detection}}}}
+        )
+        said = utterance(0.8, 0.5, 0.8)
+        for at in range(0, len(said), 4800):
+            s.send(
+                {
+                    "type": "input_audio_buffer.append",
+                    "audio": base64.b64encode(said[at : at + 4800]).decode(),
+                }
+            )
+        started = await s.until("input_audio_buffer.speech_started")
+        stopped = await s.until("input_audio_buffer.speech_stopped")
+        done = await s.until("response.done")
+        s.close()
+        await s.task
+        return app.stub.calls[0], started, stopped, done, s.events()
+
+    call, started, stopped, done, events = run(scenario())
+    assert 1500 - 64 <= started["audio_start_ms"] <= 1500 + 128  # 1 s + the utterance's 0.5 s lead
+    assert 2300 - 192 <= stopped["audio_end_ms"] <= 2300 + 128
+    committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")
+    assert committed["item_id"] == started["item_id"] == stopped["item_id"]
+    kinds = [m.WhichOneof("item") for m in call.written]
+    assert kinds[0] == "config" and kinds[-1] == "end_of_turn" and set(kinds[1:-1]) == {"audio"}
+    pcm = b"".join(m.audio.pcm16 for m in call.written[1:-1])
+    assert {m.audio.sample_rate_hz for m in call.written[1:-1]} == {24000}
+    # The turn: 200 ms of padding before the speech start, through the silence that ended it.
+    assert len(pcm) // 48 >= 200 + (stopped["audio_end_ms"] - started["audio_start_ms"]) + 300 - 100
+    assert done["response"]["status"] == "completed"
