@@ -3,13 +3,14 @@ client) with audio both ways, then every gauge back to 0.
 
 python load_tests/realtime_load.py [--config deploy/local-tiny.yaml] [--set KEY.PATH=VALUE ...]
                                    [--http http://127.0.0.1:7153] [--metrics http://127.0.0.1:9451/metrics]
-                                   [--concurrency 1,8,16] [--duration-s 30] [--key KEY]
+                                   [--concurrency 1,8,16] [--duration-s 30] [--key KEY] [--talk-over]
 
 Starts `omnistage serve` (or uses the gateway whose HTTP front is at --http when --no-serve), then for
 each concurrency c opens c sessions at once, each with server VAD, for --duration-s seconds: a
 microphone paced in real time (100 ms appends) says an utterance (a speech-like signal Silero hears as
-speech, tests/services/gateway/realtime_audio.py) and pauses, again and again, also while the answer
-streams (barge-ins happen). Times on the client:
+speech, tests/services/gateway/realtime_audio.py) and pauses, again and again: after the answer is
+done (the microphone sends silence meanwhile), or with --talk-over at once, over the answer (barge-ins).
+Times on the client:
   turn latency   `input_audio_buffer.speech_stopped` received → the response's first
                  `response.output_audio.delta` (the VAD's speech end to the first audio)
 and counts responses by `response.done` status, barge-ins, errors. After each level the gateway's
@@ -33,7 +34,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from load_tests.speech_load import _pct, _serve  # noqa: E402
-from tests.services.gateway.realtime_audio import utterance  # noqa: E402
+from tests.services.gateway.realtime_audio import silence, utterance  # noqa: E402
 
 CHUNK = 4800  # 100 ms of PCM16 at 24 kHz
 
@@ -46,15 +47,23 @@ class SessionStats:
     audio_bytes: int = 0
 
 
-async def _microphone(conn, stop: float) -> None:
+async def _microphone(conn, stop: float, answered: asyncio.Event | None) -> None:
+    """Always on, in real time: an utterance, then silence until its answer is done (`answered`; None:
+    the next utterance comes at once, over the answer)."""
     said = utterance(0.8, 0.2, 1.2)  # speech, then a pause long enough to end the turn
+    quiet = base64.b64encode(silence(0.1)).decode()
     while time.monotonic() < stop:
+        if answered is not None:
+            answered.clear()
         for at in range(0, len(said), CHUNK):
             await conn.input_audio_buffer.append(audio=base64.b64encode(said[at : at + CHUNK]).decode())
-            await asyncio.sleep(0.1)  # real time
+            await asyncio.sleep(0.1)
+        while answered is not None and not answered.is_set() and time.monotonic() < stop:
+            await conn.input_audio_buffer.append(audio=quiet)
+            await asyncio.sleep(0.1)
 
 
-async def _listen(conn, stats: SessionStats) -> None:
+async def _listen(conn, stats: SessionStats, answered: asyncio.Event) -> None:
     stopped_at: float | None = None
     first_audio: set[str] = set()
     async for event in conn:
@@ -68,12 +77,13 @@ async def _listen(conn, stats: SessionStats) -> None:
                 stats.latencies_s.append(time.monotonic() - stopped_at)
         elif kind == "response.done":
             stats.statuses[event.response.status] += 1
+            answered.set()
         elif kind == "error":
             stats.errors.append(f"{event.error.code}: {event.error.message}")
 
 
-async def _session(http: str, key: str, model: str, duration_s: float) -> SessionStats:
-    stats = SessionStats()
+async def _session(http: str, key: str, model: str, duration_s: float, talk_over: bool) -> SessionStats:
+    stats, answered = SessionStats(), asyncio.Event()
     client = openai.AsyncOpenAI(base_url=http + "/v1", api_key=key, max_retries=0)
     async with client.realtime.connect(model=model) as conn:
         await conn.session.update(
@@ -81,8 +91,8 @@ async def _session(http: str, key: str, model: str, duration_s: float) -> Sessio
                 "audio": {"input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 400}}}
             }
         )
-        listener = asyncio.create_task(_listen(conn, stats))
-        await _microphone(conn, time.monotonic() + duration_s)
+        listener = asyncio.create_task(_listen(conn, stats, answered))
+        await _microphone(conn, time.monotonic() + duration_s, None if talk_over else answered)
         await asyncio.sleep(2.0)  # the last answer starts
         listener.cancel()
         await asyncio.gather(listener, return_exceptions=True)
@@ -102,7 +112,7 @@ def _gauges(metrics_url: str) -> dict[str, float]:
 
 async def _level(args, c: int) -> str:
     runs = await asyncio.gather(
-        *(_session(args.http, args.key, args.model, args.duration_s) for _ in range(c)),
+        *(_session(args.http, args.key, args.model, args.duration_s, args.talk_over) for _ in range(c)),
         return_exceptions=True,
     )
     failed = [r for r in runs if isinstance(r, BaseException)]
@@ -141,6 +151,11 @@ def main() -> None:
     ap.add_argument("--key", default="no-key")
     ap.add_argument("--concurrency", default="1,8,16")
     ap.add_argument("--duration-s", type=float, default=30.0)
+    ap.add_argument(
+        "--talk-over",
+        action="store_true",
+        help="speak again at once, over the answer (barge-ins), not after it",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="realtime-load-") as tmp:
         proc = None if args.no_serve else _serve(args.config, args.overrides, Path(tmp))[0]

@@ -103,7 +103,9 @@ class HttpFront:
             log_config=None,
             access_log=False,
             lifespan="off",
-            ws="websockets",  # /v1/realtime; its messages at most as large as an HTTP body
+            # /v1/realtime: uvicorn's implementation on the `websockets` package (its Sans-I/O protocol;
+            # the legacy one is deprecated there); a message at most as large as an HTTP body.
+            ws="websockets-sansio",
             ws_max_size=gw.http_max_body_bytes,
             timeout_graceful_shutdown=max(1, int(svc.drain_grace_s)),
             **ssl,
