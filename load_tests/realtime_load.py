@@ -13,8 +13,10 @@ done (the microphone sends silence meanwhile), or with --talk-over at once, over
 Times on the client:
   turn latency   `input_audio_buffer.speech_stopped` received → the response's first
                  `response.output_audio.delta` (the VAD's speech end to the first audio)
-and counts responses by `response.done` status, barge-ins, errors. After each level the gateway's
-realtime gauges and every service's requests in flight must be back to 0 (exit 1 otherwise).
+and counts responses by `response.done` status, `error` events, and what was lost (a speech end with no
+commit, a response other than the last with no `response.done`). After each level the gateway's
+realtime gauges and every service's requests in flight must be back to 0 (exit 1 otherwise, and on any
+error or loss).
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ class SessionStats:
     statuses: Counter = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
     audio_bytes: int = 0
+    seen: Counter = field(default_factory=Counter)  # events by type
+
+    def lost(self) -> str:
+        """'' when every speech end was committed and every response but the last one (open when the
+        session ended) was done; else what went missing."""
+        s = self.seen
+        if s["input_audio_buffer.committed"] != s["input_audio_buffer.speech_stopped"]:
+            return f"{s['input_audio_buffer.speech_stopped']} speech ends, {s['input_audio_buffer.committed']} commits"
+        if not 0 <= s["response.created"] - s["response.done"] <= 1:
+            return f"{s['response.created']} responses created, {s['response.done']} done"
+        return ""
 
 
 async def _microphone(conn, stop: float, answered: asyncio.Event | None) -> None:
@@ -68,6 +81,7 @@ async def _listen(conn, stats: SessionStats, answered: asyncio.Event) -> None:
     first_audio: set[str] = set()
     async for event in conn:
         kind = event.type
+        stats.seen[kind] += 1
         if kind == "input_audio_buffer.speech_stopped":
             stopped_at = time.monotonic()
         elif kind == "response.output_audio.delta":
@@ -119,7 +133,7 @@ async def _level(args, c: int) -> str:
     stats = [r for r in runs if isinstance(r, SessionStats)]
     lat = [x * 1000 for s in stats for x in s.latencies_s]
     statuses = sum((s.statuses for s in stats), Counter())
-    errors = [e for s in stats for e in s.errors]
+    errors = [e for s in stats for e in s.errors] + [lost for s in stats if (lost := s.lost())]
     deadline = time.monotonic() + 60
     left = _gauges(args.metrics)
     while any(left.values()) and time.monotonic() < deadline:
@@ -162,7 +176,7 @@ def main() -> None:
         try:
             print(
                 "| sessions | ended cleanly | turns timed | speech end → first audio p50 ms | p95 ms "
-                "| responses | audio s received | errors | gauges after |"
+                "| responses | audio s received | errors + lost | gauges after |"
             )
             print("|---|---|---|---|---|---|---|---|---|")
             for c in (int(x) for x in args.concurrency.split(",")):
