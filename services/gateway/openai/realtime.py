@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 from omnistage.common.runtime.deadlines import within
 from omnistage.services.gateway.openai import realtime_events as rt
+from omnistage.services.gateway.openai.app import INLINE_PARSE_BYTES
 from omnistage.services.gateway.openai.realtime_limits import (
     RealtimeMetrics,
     RealtimeOptions,
@@ -186,7 +187,9 @@ class RealtimeSession:
             raw = message.get("text") if message.get("text") is not None else message.get("bytes")
             event = None
             try:
-                event = rt.parse(raw or b"")
+                # A large event (audio) is parsed in a worker thread: the loop serves the gateway's API.
+                large = len(raw or b"") >= INLINE_PARSE_BYTES
+                event = await asyncio.to_thread(rt.parse, raw) if large else rt.parse(raw or b"")
                 await self._handle(event)
             except rt.EventError as err:
                 await self.send(rt.error_event(rt.with_event_id(err, event)))

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from omnistage.services.gateway.openai.app import MAX_JSON_VALUES
 from omnistage.services.gateway.openai.vad import VadSettings
 
 RATE = 24000  # the protocol's audio/pcm rate, both ways
@@ -63,7 +64,15 @@ class SessionConfig:
 
 
 def parse(raw: str | bytes) -> dict[str, Any]:
-    """A client event as an object with a known `type` (EventError otherwise)."""
+    """A client event as an object with a known `type` (EventError otherwise). Its JSON values are
+    counted first, as the HTTP front counts a body's (the parser holds the GIL, even in a thread)."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    values = data.count(b"{") + data.count(b"[") + data.count(b",")
+    if values > MAX_JSON_VALUES:
+        raise EventError(
+            f"the event has {values} JSON objects, arrays and commas, at most {MAX_JSON_VALUES}",
+            code="invalid_event",
+        )
     try:
         event = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:

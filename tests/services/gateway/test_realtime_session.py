@@ -314,3 +314,26 @@ def test_server_vad_times_speech_on_the_session_clock_and_sends_the_turn_with_it
     # The turn: 200 ms of padding before the speech start, through the silence that ended it.
     assert len(pcm) // 48 >= 200 + (stopped["audio_end_ms"] - started["audio_start_ms"]) + 300 - 100
     assert done["response"]["status"] == "completed"
+
+
+def test_an_event_of_too_many_json_values_is_refused_before_it_is_parsed():
+    from omnistage.services.gateway.openai.app import MAX_JSON_VALUES
+
+    async def scenario():
+        s = Socket(endpoint())
+        many = (
+            '{"type": "session.update", "session": {"instructions": "x"}, "pad": ['
+            + "0," * MAX_JSON_VALUES
+            + "0]}"
+        )
+        s.inbox.put_nowait({"type": "websocket.receive", "text": many})
+        refused = await s.until("error")
+        s.send({"type": "session.update", "session": {"instructions": "ok"}})
+        updated = await s.until("session.updated")
+        s.close()
+        await s.task
+        return refused, updated
+
+    refused, updated = run(scenario())
+    assert refused["error"]["code"] == "invalid_event" and str(MAX_JSON_VALUES) in refused["error"]["message"]
+    assert updated["session"]["instructions"] == "ok"
