@@ -242,19 +242,22 @@ def session_update(event: dict[str, Any], config: SessionConfig, max_chars: int)
 
 
 def audio_bytes(value: Any, where: str, limit: int) -> bytes:
-    """Base64 PCM16 of at most `limit` bytes (checked before decoding)."""
+    """Base64 PCM16 of at most `limit` bytes (its length checked before decoding, and after)."""
     if not isinstance(value, str):
         raise EventError(f"{where}: expected base64 PCM16 text", param=where)
-    if len(value) > (limit + 2) // 3 * 4:
-        raise EventError(
-            f"{where}: more than {limit} bytes of audio (gateway.realtime_max_buffer_bytes)",
-            code="input_audio_buffer_full",
-            param=where,
-        )
+    full = EventError(
+        f"{where}: more than {max(limit, 0)} bytes of audio fit (gateway.realtime_max_buffer_bytes)",
+        code="input_audio_buffer_full",
+        param=where,
+    )
+    if len(value) > (max(limit, 0) + 2) // 3 * 4:
+        raise full
     try:
         pcm = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise EventError(f"{where}: not valid base64", param=where) from None
+    if len(pcm) > limit:
+        raise full
     if len(pcm) % 2:
         raise EventError(f"{where}: {len(pcm)} bytes, PCM16 needs an even number", param=where)
     return pcm
