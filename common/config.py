@@ -218,8 +218,20 @@ class GatewayConfig:
     http_model: str = "ming-flash-omni-2.0"
     # Deadline of each HTTP request's Omni call, in seconds.
     http_timeout_s: float = 600.0
-    # Largest HTTP request body (JSON with base64 media), in bytes; larger ones get 413.
+    # Largest HTTP request body (JSON with base64 media), in bytes; larger ones get 413. Also the largest
+    # /v1/realtime WebSocket message.
     http_max_body_bytes: int = 96 * 1024 * 1024
+    # Realtime API (GET /v1/realtime on http_port, docs/openai.md): WebSocket sessions open in all and
+    # per API key (one more is accepted, told why in an `error` event and closed with 1013); PCM16
+    # bytes the input audio buffer holds (also capped by converse_max_turn_audio_bytes and the
+    # encoder's max_audio_seconds at 24 kHz; more clears it with an `error`); the longest session and
+    # the longest time without a client event (not counting a response being streamed), in seconds
+    # (then an `error` event and close code 1008).
+    realtime_max_sessions: int = 64
+    realtime_max_sessions_per_key: int = 16
+    realtime_max_buffer_bytes: int = 1_920_000
+    realtime_max_session_s: float = 1800.0
+    realtime_idle_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -770,6 +782,11 @@ def _validate_gateway(p: str, g: GatewayConfig) -> None:
         "admission_initial_service_s",
         "http_timeout_s",
         "http_max_body_bytes",
+        "realtime_max_sessions",
+        "realtime_max_sessions_per_key",
+        "realtime_max_buffer_bytes",
+        "realtime_max_session_s",
+        "realtime_idle_timeout_s",
     ):
         _positive(f"{p}.gateway.{key}", getattr(g, key))
 

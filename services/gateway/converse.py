@@ -6,7 +6,7 @@ A reader task takes the client's messages: a text turn, or audio chunks collecte
 one at a time, each as Omni.Generate with audio would be (thinker → talker, speech.py), from the
 call's history (history.py), with every event tagged with the turn it answers and one Finish per
 turn. A user turn that begins while an answer is still running (a text turn, or the first audio
-chunk of a spoken one) interrupts it — barge-in: the answer's thinker stream and Speak call are
+chunk of a spoken one) interrupts it — barge-in — and so does a `cancel` message: the answer's thinker stream and Speak call are
 cancelled at once (the thinker aborts the request, the talker frees the stream), its audio still
 buffered is dropped, and its Finish has FINISH_REASON_INTERRUPTED; the history keeps the answer's
 text as far as it got. A turn that was already superseded when its answer would start gets that
@@ -201,6 +201,7 @@ class Conversation:
         # answer runs (each message is checked when it arrives, not after the answer before it).
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
+        self.cancelled_below = 0  # a `cancel` message: answers of the turns begun before it are not given
         self._requests: AsyncIterator[omni_pb2.ConverseRequest] | None = None
 
     async def events(
@@ -247,7 +248,8 @@ class Conversation:
                 history.add(turn.entry)
                 self.newer_turn.clear()
                 answer = _Answer([])
-                if self.turns_begun > turn.index + 1:  # already superseded: no answer
+                # Already superseded or cancelled: no answer.
+                if self.turns_begun > turn.index + 1 or self.cancelled_below > turn.index:
                     yield self._interrupted(plan, turn.index, answer)
                     continue
                 interrupted = False
@@ -338,13 +340,18 @@ class Conversation:
                     )
                 pcm += chunk.pcm16
                 self._check_audio(pcm, rate)
+            elif kind == "cancel" and message.cancel:
+                self.cancelled_below = self.turns_begun
+                self.newer_turn.set()
             elif kind == "end_of_turn" and message.end_of_turn:
                 if not pcm:
                     raise InvalidRequest("end_of_turn: no audio before it (a text turn needs none)")
                 await self._spoken_turn(index, pcm, rate)
                 pcm = bytearray()
             else:
-                raise InvalidRequest("ConverseRequest: empty message (set text, audio or end_of_turn)")
+                raise InvalidRequest(
+                    "ConverseRequest: empty message (set text, audio, end_of_turn or cancel)"
+                )
         if pcm:  # the client half-closed in the middle of a spoken turn: that turn is over
             await self._spoken_turn(index, pcm, rate)
 
@@ -449,6 +456,8 @@ class Conversation:
 
     def _interrupted(self, plan: ConversePlan, index: int, answer: _Answer) -> omni_pb2.GenerateEvent:
         message = f"interrupted by user turn {index + 1}"
+        if self.turns_begun <= index + 1:  # no newer turn: a `cancel` message
+            message = "cancelled by the client"
         finish = omni_pb2.Finish(
             reason=common_pb2.FINISH_REASON_INTERRUPTED,
             message=message,

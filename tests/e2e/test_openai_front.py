@@ -4,6 +4,7 @@ and gateway.http_port, encoder, thinker, talker, imagegen)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -16,6 +17,7 @@ import wave
 import openai
 import pytest
 
+from tests.e2e import realtime_client as rc
 from tests.e2e.serve_pipeline import ServeProcess, free_ports, metric
 from tests.services.encoder.media_samples import audio_file, image_bytes
 
@@ -579,3 +581,244 @@ def test_cli_bench_sweeps_concurrency(front, monkeypatch, capsys, tmp_path):
     # The tiny thinker's noise may leave nothing to speak: such speech counts as an error, text never does.
     assert rc == (1 if any(r["errors"] for r in runs) else 0)
     assert main(["bench", "--address", front["grpc"], "--kinds", "video"]) == 2
+
+
+# ---- /v1/realtime (the official client's realtime connection)
+
+
+def _realtime(coro):
+    return asyncio.run(asyncio.wait_for(coro, 300))
+
+
+def _realtime_gauges(front) -> dict[str, float]:
+    gw = front["metrics"]["gateway"]
+    return {
+        "sessions": metric(gw, 'omnistage_gateway_realtime_sessions{service="gateway"}', 0.0),
+        "responses": metric(gw, 'omnistage_gateway_realtime_responses_active{service="gateway"}', 0.0),
+        **_in_flight(front),
+    }
+
+
+def _answered(response: dict) -> bool:
+    """A whole answer: ended by the model, or by max_output_tokens (the tiny random model's usual end)."""
+    if response["status"] == "incomplete":
+        details = response["status_details"]
+        return (details["type"], details["reason"]) == ("incomplete", "max_output_tokens")
+    return response["status"] == "completed"
+
+
+def _wait_realtime_idle(front) -> None:
+    deadline = time.monotonic() + 60
+    while any(_realtime_gauges(front).values()):
+        assert time.monotonic() < deadline, _diagnostic(front, f"realtime left: {_realtime_gauges(front)}")
+        time.sleep(0.1)
+
+
+def test_realtime_text_turn_answers_with_audio_and_transcript(front):
+    ttfa = 'omnistage_gateway_ttfa_seconds_count{service="gateway"'
+
+    async def scenario():
+        log: list = []
+        async with rc.client(front["base"], KEY).realtime.connect(model=rc.MODEL) as conn:
+            created = await rc.next_event(conn, log)
+            await conn.session.update(session={"type": "realtime", "instructions": "Be brief."})
+            updated = await rc.until(conn, log, "session.updated")
+            await conn.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi!"}]}
+            )
+            await conn.response.create()
+            done = await rc.until(conn, log, "response.done")
+        return created, updated, done, log
+
+    before = metric(front["metrics"]["gateway"], ttfa, 0.0)
+    created, updated, done, log = _realtime(scenario())
+    assert (
+        created["type"] == "session.created"
+        and created["session"]["audio"]["output"]["format"]["rate"] == 24000
+    )
+    assert updated["session"]["instructions"] == "Be brief."
+    kinds = rc.types(log)
+    order = ["conversation.item.created", "response.created", "response.output_item.added"]
+    assert [k for k in kinds if k in order] == order
+    assert kinds.index("response.output_audio.done") < kinds.index("response.done") == len(kinds) - 1
+    response = done["response"]
+    assert _answered(response) and response["usage"]["output_tokens"] > 0
+    transcript = "".join(e["delta"] for e in log if e["type"] == "response.output_audio_transcript.delta")
+    assert transcript and response["output"][0]["content"][0]["transcript"] == transcript
+    assert len(rc.audio_of(log, response["id"])) > 0  # 24 kHz PCM16 from the talker's rate
+    assert metric(front["metrics"]["gateway"], ttfa, 0.0) > before  # the turn's TTFA was observed
+    _wait_realtime_idle(front)
+
+
+def test_realtime_server_vad_commits_speech_and_answers_it(front):
+    async def scenario():
+        log: list = []
+        async with rc.client(front["base"], KEY).realtime.connect(model=rc.MODEL) as conn:
+            await conn.session.update(
+                session={
+                    "output_modalities": ["text"],
+                    "audio": {
+                        "input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 300}}
+                    },
+                }
+            )
+            await rc.until(conn, log, "session.updated")
+            await rc.speak(conn)
+            done = await rc.until(conn, log, "response.done")
+        return done, log
+
+    done, log = _realtime(scenario())
+    kinds = rc.types(log)
+    steps = [
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "conversation.item.created",
+        "response.created",
+        "response.done",
+    ]
+    assert [k for k in kinds if k in steps] == steps, kinds
+    started = next(e for e in log if e["type"] == "input_audio_buffer.speech_started")
+    stopped = next(e for e in log if e["type"] == "input_audio_buffer.speech_stopped")
+    assert 200 <= started["audio_start_ms"] < stopped["audio_end_ms"] <= 1300
+    assert _answered(done["response"])
+    assert any(e["type"] == "response.output_text.delta" for e in log)
+    assert not any(e["type"] == "response.output_audio.delta" for e in log)
+
+
+def test_realtime_barge_in_cancels_the_answer_and_the_next_one_answers(front):
+    gw = front["metrics"]["gateway"]
+    barge_ins = 'omnistage_gateway_realtime_barge_ins_total{service="gateway"}'
+
+    async def scenario():
+        log: list = []
+        async with rc.client(front["base"], KEY).realtime.connect(model=rc.MODEL) as conn:
+            await conn.session.update(
+                session={
+                    "max_output_tokens": 200,
+                    "audio": {
+                        "input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 300}}
+                    },
+                }
+            )
+            await conn.conversation.item.create(
+                item={
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "A story."}],
+                }
+            )
+            await conn.response.create()
+            first = await rc.until(conn, log, "response.output_audio.delta")
+            await rc.speak(conn)  # the user talks over the answer
+            cancelled = await rc.until(conn, log, "response.done")
+            answered = await rc.until(conn, log, "response.done")
+        return first, cancelled, answered, log
+
+    before = metric(gw, barge_ins, 0.0)
+    first, cancelled, answered, log = _realtime(scenario())
+    kinds = rc.types(log)
+    assert cancelled["response"]["id"] == first["response_id"]
+    assert cancelled["response"]["status"] == "cancelled"
+    assert cancelled["response"]["status_details"]["reason"] == "turn_detected"
+    assert kinds.index("input_audio_buffer.speech_started") < log.index(cancelled)
+    # Nothing of the cancelled answer after its response.done.
+    assert not [e for e in log[log.index(cancelled) + 1 :] if e.get("response_id") == first["response_id"]]
+    assert answered["response"]["id"] != first["response_id"]
+    assert _answered(answered["response"])
+    assert metric(gw, barge_ins) == before + 1
+    _wait_realtime_idle(front)
+
+
+def test_realtime_manual_turns_and_cancel(front):
+    async def scenario():
+        log: list = []
+        async with rc.client(front["base"], KEY).realtime.connect(model=rc.MODEL) as conn:
+            await conn.session.update(
+                session={"output_modalities": ["text"], "audio": {"input": {"turn_detection": None}}}
+            )
+            updated = await rc.until(conn, log, "session.updated")
+            await rc.speak(conn)
+            await conn.input_audio_buffer.commit()
+            committed = await rc.until(conn, log, "input_audio_buffer.committed")
+            await conn.response.create()
+            done = await rc.until(conn, log, "response.done")
+            await conn.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "More."}]}
+            )
+            await conn.response.create()
+            await rc.until(conn, log, "response.created")
+            await conn.response.cancel()
+            cancelled = await rc.until(conn, log, "response.done")
+        return updated, committed, done, cancelled, log
+
+    updated, committed, done, cancelled, log = _realtime(scenario())
+    assert updated["session"]["audio"]["input"]["turn_detection"] is None
+    assert "input_audio_buffer.speech_started" not in rc.types(log)  # no VAD: the client's turns
+    assert committed["item_id"] and _answered(done["response"])
+    assert cancelled["response"]["status"] == "cancelled"
+    assert cancelled["response"]["status_details"]["reason"] == "client_cancelled"
+    _wait_realtime_idle(front)
+
+
+def test_realtime_bad_events_get_errors_and_the_session_goes_on(front):
+    async def scenario():
+        log: list = []
+        async with rc.client(front["base"], KEY).realtime.connect(model=rc.MODEL) as conn:
+            await rc.next_event(conn, log)  # session.created
+            await conn.send_raw("{not json")
+            bad_json = await rc.until(conn, log, "error")
+            await conn.send_raw(json.dumps({"type": "response.dance", "event_id": "ev1"}))
+            unknown = await rc.until(conn, log, "error")
+            await conn.send_raw(
+                json.dumps({"type": "input_audio_buffer.append", "audio": "***", "event_id": "ev2"})
+            )
+            bad_audio = await rc.until(conn, log, "error")
+            await conn.send_raw(json.dumps({"type": "response.create", "event_id": "ev3"}))
+            no_input = await rc.until(conn, log, "error")
+            await conn.session.update(session={"audio": {"output": {"format": {"type": "audio/pcmu"}}}})
+            bad_format = await rc.until(conn, log, "error")
+            await conn.session.update(session={"instructions": "Still here."})
+            updated = await rc.until(conn, log, "session.updated")
+        return bad_json, unknown, bad_audio, no_input, bad_format, updated
+
+    bad_json, unknown, bad_audio, no_input, bad_format, updated = _realtime(scenario())
+    assert bad_json["error"]["code"] == "invalid_json"
+    assert (unknown["error"]["event_id"], unknown["error"]["param"]) == ("ev1", "type")
+    assert (bad_audio["error"]["event_id"], bad_audio["error"]["param"]) == ("ev2", "audio")
+    assert (no_input["error"]["event_id"], no_input["error"]["code"]) == ("ev3", "response_without_input")
+    assert bad_format["error"]["param"] == "session.audio.output.format"
+    assert updated["session"]["instructions"] == "Still here."
+
+
+def test_realtime_wrong_key_is_refused_at_the_handshake(front):
+    async def scenario():
+        async with rc.client(front["base"], "sk-wrong").realtime.connect(model=rc.MODEL) as conn:
+            await conn.recv()
+
+    with pytest.raises(Exception) as info:
+        _realtime(scenario())
+    assert "401" in str(info.value)
+
+
+def test_realtime_socket_closed_mid_answer_ends_every_stage_stream(front):
+    async def scenario():
+        log: list = []
+        async with rc.client(front["base"], KEY).realtime.connect(model=rc.MODEL) as conn:
+            await conn.session.update(session={"max_output_tokens": 200})
+            await conn.conversation.item.create(
+                item={
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Go on."}],
+                }
+            )
+            await conn.response.create()
+            await rc.until(conn, log, "response.output_audio.delta")
+            during = _realtime_gauges(front)
+        return during
+
+    during = _realtime(scenario())  # the socket closes with the answer still streaming
+    assert during["sessions"] == 1 and during["responses"] == 1 and during["gateway"] == 1
+    assert during["thinker"] + during["talker"] >= 1  # a stage stream is open when the socket goes
+    _wait_realtime_idle(front)

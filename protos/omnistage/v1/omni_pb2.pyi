@@ -210,13 +210,15 @@ class GenerateEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., image: _Optional[_Union[ImageResult, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., turn: _Optional[int] = ...) -> None: ...
 
 class ConverseRequest(_message.Message):
-    __slots__ = ("config", "text", "audio", "end_of_turn")
+    __slots__ = ("config", "text", "audio", "end_of_turn", "cancel")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     END_OF_TURN_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     config: GenerateRequest
     text: str
     audio: AudioChunk
     end_of_turn: bool
-    def __init__(self, config: _Optional[_Union[GenerateRequest, _Mapping]] = ..., text: _Optional[str] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., end_of_turn: _Optional[bool] = ...) -> None: ...
+    cancel: bool
+    def __init__(self, config: _Optional[_Union[GenerateRequest, _Mapping]] = ..., text: _Optional[str] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., end_of_turn: _Optional[bool] = ..., cancel: _Optional[bool] = ...) -> None: ...

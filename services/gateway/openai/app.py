@@ -31,7 +31,7 @@ from omnistage.v1 import omni_pb2, omni_pb2_grpc
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _log = logging.getLogger(__name__)
@@ -191,12 +191,14 @@ class Front:
         channel: grpc.aio.Channel,
         options: FrontOptions = FrontOptions(),
         check_key: Callable[[tuple], str] | None = None,
+        realtime: ASGIApp | None = None,
     ) -> None:
         self.stub = omni_pb2_grpc.OmniStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
         self.options = options
         self.check_key = check_key  # refusal(metadata) of the API keys, for routes that call no Omni RPC
         self.created = int(time.time())
+        self.realtime = realtime  # the /v1/realtime WebSocket app (realtime.py), when served
 
     def app(self) -> ASGIApp:
         routes = [
@@ -208,6 +210,8 @@ class Front:
             Route("/v1/audio/speech", self.speech, methods=["POST"]),
             Route("/v1/images/generations", self.images, methods=["POST"]),
         ]
+        if self.realtime is not None:
+            routes.append(WebSocketRoute("/v1/realtime", self.realtime))
         app = Starlette(
             routes=routes,
             exception_handlers={

@@ -15,10 +15,14 @@ import socket
 
 import grpc
 import uvicorn
-from omnistage.common.config import DeployConfig, ServiceConfig, join_host_port
+from omnistage.common.config import DeployConfig, EncoderConfig, ServiceConfig, join_host_port
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.deadlines import within
+from omnistage.services.gateway.openai import vad
 from omnistage.services.gateway.openai.app import Front, FrontOptions
+from omnistage.services.gateway.openai.realtime import RealtimeEndpoint
+from omnistage.services.gateway.openai.realtime_limits import RealtimeOptions
+from omnistage.v1 import omni_pb2_grpc
 
 _log = logging.getLogger(__name__)
 
@@ -32,6 +36,23 @@ class _Server(uvicorn.Server):
 
     def install_signal_handlers(self) -> None:  # older uvicorn
         pass
+
+
+def _realtime_options(cfg: DeployConfig, svc: ServiceConfig) -> RealtimeOptions:
+    """The gateway's realtime_* keys, the buffer capped by what one Converse turn may hold."""
+    gw = svc.gateway
+    encoders = cfg.services_of("encoder")  # the first one, as the Converse limits take it
+    max_audio_s = encoders[0].encoder.max_audio_seconds if encoders else EncoderConfig.max_audio_seconds
+    options = RealtimeOptions(
+        gw.realtime_max_sessions,
+        gw.realtime_max_sessions_per_key,
+        gw.realtime_max_buffer_bytes,
+        gw.realtime_max_session_s,
+        gw.realtime_idle_timeout_s,
+        gw.converse_max_turn_chars,
+        gw.max_prompt_chars,
+    )
+    return options.buffer_limit(gw.converse_max_turn_audio_bytes, max_audio_s)
 
 
 class HttpFront:
@@ -55,6 +76,10 @@ class HttpFront:
             else grpc.aio.insecure_channel(target, options)
         )
         keys = auth.api_keys(svc)
+        check_key = keys.refusal if keys is not None else None
+        realtime = RealtimeEndpoint(
+            omni_pb2_grpc.OmniStub(self.channel), _realtime_options(cfg, svc), gw.http_model, check_key
+        )
         front = Front(
             self.channel,
             FrontOptions(
@@ -63,7 +88,8 @@ class HttpFront:
                 max_body_bytes=gw.http_max_body_bytes,
                 capabilities=capabilities,
             ),
-            check_key=keys.refusal if keys is not None else None,
+            check_key=check_key,
+            realtime=realtime,
         )
         ssl = {}
         if svc.tls is not None:
@@ -77,6 +103,10 @@ class HttpFront:
             log_config=None,
             access_log=False,
             lifespan="off",
+            # /v1/realtime: uvicorn's implementation on the `websockets` package (its Sans-I/O protocol;
+            # the legacy one is deprecated there); a message at most as large as an HTTP body.
+            ws="websockets-sansio",
+            ws_max_size=gw.http_max_body_bytes,
             timeout_graceful_shutdown=max(1, int(svc.drain_grace_s)),
             **ssl,
         )
@@ -100,6 +130,7 @@ class HttpFront:
                 f"services.{self.svc.name}.gateway.http_port: cannot bind {self.where} (in use?): {exc}"
             ) from exc
         self.sock = sock
+        await asyncio.to_thread(vad.warm_up)  # the VAD model loads now (and a missing one fails here)
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]), name="openai-http")
         deadline = asyncio.get_running_loop().time() + 30
         while not self.server.started:

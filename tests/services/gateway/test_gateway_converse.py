@@ -177,6 +177,39 @@ def test_a_new_turn_interrupts_the_answer_and_both_stages_stop():
     )
 
 
+def test_a_cancel_message_stops_the_answer_and_the_next_turn_is_answered():
+    async def scenario():
+        thinker, talker = FakeThinker(ANSWER * 20, delay_s=0.03), FakeTalker()
+        async with TalkerServer(talker) as srv:
+            client = Client(config(), text("Tell me a long story."))
+
+            def on_event(event, events):
+                if (
+                    event.HasField("audio")
+                    and event.turn == 0
+                    and sum(e.HasField("audio") for e in events) == 2
+                ):
+                    client.send(omni_pb2.ConverseRequest(cancel=True))
+                if event.HasField("finish") and event.turn == 0:
+                    thinker.answer, thinker.delay_s = "Sure. ", 0.0
+                    client.send(omni_pb2.ConverseRequest(cancel=True))  # none runs: nothing happens
+                    client.send(text("Short, then."))
+                if event.HasField("finish") and event.turn == 1:
+                    client.close()
+
+            events = await converse(gateway(thinker, srv.address), client, on_event)
+            await wait_until(lambda: talker.calls[0].cancelled, what="turn 0's Speak call cancelled")
+        return thinker, events
+
+    thinker, events = run(scenario())
+    first, second = finishes(events)
+    assert (first.turn, first.finish.reason) == (0, common_pb2.FINISH_REASON_INTERRUPTED)
+    assert first.finish.message == "cancelled by the client" and first.finish.audio.code == "CANCELLED"
+    assert thinker.calls[0].closed and not thinker.calls[0].finished
+    assert (second.turn, second.finish.reason) == (1, common_pb2.FINISH_REASON_STOP)
+    assert turn_text(events, 1) == "Sure. "
+
+
 def test_turns_sent_back_to_back_each_get_one_finish():
     async def scenario():
         thinker = FakeThinker(ANSWER, delay_s=0.01)
