@@ -204,6 +204,9 @@ class GatewayConfig:
     http_timeout_s: float = 600.0
     # Largest HTTP request body (JSON with base64 media), in bytes; larger ones get 413.
     http_max_body_bytes: int = 96 * 1024 * 1024
+    # Accept HTTP bodies with top-level fields OpenAI's schema does not have (they are ignored); off:
+    # 400 naming them, as OpenAI answers.
+    http_allow_unknown_fields: bool = False
 
 
 @dataclass(frozen=True)

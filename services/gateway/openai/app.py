@@ -25,7 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.server import PUBLIC_API
+from omnistage.services.gateway.openai import fields
 from omnistage.services.gateway.openai import translate as tr
+from omnistage.services.gateway.openai.extras_routes import ExtraRoutes
 from omnistage.services.gateway.openai.translate import HttpError
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
 from starlette.applications import Starlette
@@ -64,6 +66,8 @@ class FrontOptions:
     # After an answer's finish, how long its Omni call may take to end by itself (status OK) before it
     # is cancelled.
     finished_stream_end_s: float = 5.0
+    # Take bodies with top-level fields OpenAI's schema does not have (else 400 naming them).
+    allow_unknown_fields: bool = False
 
 
 def error_response(err: HttpError, request_id: str = "") -> JSONResponse:
@@ -143,14 +147,21 @@ def _require_json(request: Request) -> None:
         )
 
 
-async def _translate(request: Request, translate: Callable[..., T], **kwargs: Any) -> T:
-    """`translate(body, **kwargs)` of the request's JSON body. A large body (base64 media) is parsed and
-    decoded in a worker thread: the event loop also serves the gateway's gRPC API."""
+async def _translate(request: Request, translate: Callable[..., T], known: fields.Known, **kwargs: Any) -> T:
+    """`translate(body, **kwargs)` of the request's JSON body, its top-level fields checked against
+    `known` first. A large body (base64 media) is parsed and decoded in a worker thread: the event loop
+    also serves the gateway's gRPC API."""
     _require_json(request)
     raw = await request.body()
+
+    def parsed() -> T:
+        body = _loads(raw)
+        fields.check_fields(body, known)
+        return translate(body, **kwargs)
+
     if len(raw) < INLINE_PARSE_BYTES:
-        return translate(_loads(raw), **kwargs)
-    return await asyncio.to_thread(lambda: translate(_loads(raw), **kwargs))
+        return parsed()
+    return await asyncio.to_thread(parsed)
 
 
 async def _disconnected(request: Request) -> None:
@@ -207,6 +218,7 @@ class Front:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/audio/speech", self.speech, methods=["POST"]),
             Route("/v1/images/generations", self.images, methods=["POST"]),
+            *ExtraRoutes(self._authorize).routes(),
         ]
         app = Starlette(
             routes=routes,
@@ -275,6 +287,10 @@ class Front:
             "capabilities": ready,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    def _known(self, route_fields: frozenset[str]) -> fields.Known:
+        """The fields a route takes; every field when `allow_unknown_fields`."""
+        return fields.ANY if self.options.allow_unknown_fields else route_fields
 
     def _authorize(self, request: Request) -> None:
         if self.check_key is not None:
@@ -369,7 +385,7 @@ class Front:
 
     async def chat(self, request: Request) -> Response:
         rid = _request_id(request)
-        plan = await _translate(request, tr.chat_request, request_id=rid)
+        plan = await _translate(request, tr.chat_request, self._known(fields.CHAT), request_id=rid)
         model = plan.model or self.options.model
         created = int(time.time())
         completion_id = f"chatcmpl-{rid or uuid.uuid4().hex}"
@@ -436,7 +452,11 @@ class Front:
     async def speech(self, request: Request) -> Response:
         rid = _request_id(request)
         plan = await _translate(
-            request, tr.speech_request, request_id=rid, max_chars=self.options.max_speech_chars
+            request,
+            tr.speech_request,
+            self._known(fields.SPEECH),
+            request_id=rid,
+            max_chars=self.options.max_speech_chars,
         )
         call, first = await self._open(request, plan.request)
         events = self._events(call, first)
@@ -522,7 +542,7 @@ class Front:
 
     async def images(self, request: Request) -> Response:
         rid = _request_id(request)
-        omni = await _translate(request, tr.image_request, request_id=rid)
+        omni = await _translate(request, tr.image_request, self._known(fields.IMAGES), request_id=rid)
         collected = await self._collect(request, omni)
         err = tr.finish_error(collected.finish)
         if err is not None:

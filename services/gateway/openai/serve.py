@@ -61,6 +61,7 @@ class HttpFront:
                 model=gw.http_model,
                 timeout_s=gw.http_timeout_s,
                 max_body_bytes=gw.http_max_body_bytes,
+                allow_unknown_fields=gw.http_allow_unknown_fields,
                 capabilities=capabilities,
             ),
             check_key=keys.refusal if keys is not None else None,

@@ -128,9 +128,12 @@ def _number(body: Mapping[str, Any], key: str, lo: float, hi: float) -> float | 
 
 
 def _integer(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
+    """An integer field; an integral float (`8.0`, as JavaScript clients send numbers) is taken as one."""
     value = body.get(key)
     if value is None:
         return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
     _expect(value, int, key, "an integer")
     if not lo <= value <= hi:
         raise bad_request(key, f"must be in [{lo}, {hi}], got {value}")
@@ -279,6 +282,9 @@ def sampling(
         raise bad_request("logprobs", "not supported by the HTTP front (the gRPC API returns them)")
     if body.get("logit_bias"):
         raise bad_request("logit_bias", "not supported")
+    for key in ("prediction", "web_search_options"):
+        if body.get(key):
+            raise bad_request(key, "not supported")
     return sp
 
 
