@@ -110,12 +110,15 @@ class Result:
     images: list[omni_pb2.ImageResult] = field(default_factory=list)
     finish: omni_pb2.Finish | None = None
     request_id: str = ""
+    # One per generated token when SamplingParams.logprobs > 0, in order.
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
 
     def add(self, event: omni_pb2.GenerateEvent) -> None:
         self.request_id = self.request_id or event.request_id
         kind = event.WhichOneof("event")
         if kind == "text":
             self.text += event.text.text
+            self.logprobs.extend(event.text.logprobs)
         elif kind == "audio":
             self.pcm16 += event.audio.pcm16
             self.sample_rate_hz = event.audio.sample_rate_hz or self.sample_rate_hz

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import socket
 import time
 import urllib.error
@@ -452,6 +453,83 @@ def test_bad_speech_bodies_are_400_naming_the_field(front):
         assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
     status, _, raw = _raw(front, "/v1/audio/speech", b"[1, 2]")
     assert status == 400 and json.loads(raw)["error"]["param"] == "body"
+
+
+# ---- the OpenAI surface: n, logprobs, request hygiene, /version and /metrics
+
+
+def _check_logprobs(choice, top: int, greedy: bool) -> None:
+    """Every token has its logprob, `top` alternatives most likely first, and bytes that join to the text
+    (the random tiny model also makes byte sequences that are no UTF-8: U+FFFD in the text)."""
+    content = choice.logprobs.content
+    joined = b"".join(bytes(t.bytes) for t in content).decode(errors="replace")
+    assert joined == (choice.message.content or ""), content
+    for t in content:
+        tops = [x.logprob for x in t.top_logprobs]
+        assert len(tops) == top and tops == sorted(tops, reverse=True) and t.logprob <= 0
+        assert sum(math.exp(x) for x in tops) <= 1 + 1e-4, "probabilities of distinct tokens"
+        assert t.logprob <= tops[0] + 1e-5
+        if greedy:
+            assert t.logprob == pytest.approx(tops[0], abs=1e-5) and t.token == t.top_logprobs[0].token
+
+
+def test_n_choices_share_the_prompt_through_the_prefix_cache_with_logprobs(front):
+    client = _client(front)
+    r = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Three samples of a story about a lighthouse keeper, please."}],
+        n=3,
+        max_tokens=5,
+        temperature=1.0,
+        seed=11,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 15 and all(len(c.logprobs.content) == 5 for c in r.choices)
+    # The later choices took the prompt's whole blocks (but the last token's) from the cache.
+    assert r.usage.prompt_tokens_details.cached_tokens == (r.usage.prompt_tokens - 1) // 16 * 16 > 0
+    for choice in r.choices:
+        _check_logprobs(choice, 3, greedy=False)
+    stream = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Two greedy answers."}],
+        n=2,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    texts, tokens = {0: "", 1: ""}, {0: [], 1: []}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            tokens[choice.index] += choice.logprobs.content if choice.logprobs else []
+    assert texts[0] == texts[1] and len(tokens[0]) == len(tokens[1]) == 4, "greedy choices agree"
+    assert [t.logprob for t in tokens[0]] == pytest.approx([t.logprob for t in tokens[1]], abs=1e-5)
+    assert chunks[-1].usage.completion_tokens == 8
+    _settled(front)
+
+
+def test_unknown_fields_are_400_and_the_api_port_serves_version_and_metrics(front):
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(front).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], extra_body={"max_token": 5}
+        )
+    assert "Unrecognized request argument supplied: max_token" in str(info.value)
+    status, _, body = _raw(front, "/version")
+    assert status == 200 and json.loads(body)["version"]
+    status, headers, body = _raw(front, "/metrics")
+    assert (
+        status == 200
+        and 'omnistage_rpc_requests_total{code="OK",method="Generate",service="gateway"}' in (body.decode())
+    )
+    assert _raw(front, "/metrics", key="sk-wrong")[0] == 401
 
 
 # ---- the CLI (common/client.py underneath) against the same gateway's gRPC port

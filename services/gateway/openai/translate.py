@@ -2,7 +2,7 @@
 
 Everything the Omni API checks itself (roles, empty parts, limits, voices, sampling ranges) is left to
 it, so the HTTP and gRPC fronts refuse the same requests with the same words; this module refuses
-only what has no Omni equivalent (an http:// image URL, `n` > 1, tools, ...), naming the JSON field.
+only what has no Omni equivalent (an http:// image URL, tools, ...), naming the JSON field.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ from typing import Any
 import grpc
 from omnistage.common.client import Result, wav_bytes
 from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY
+from omnistage.common.sampling import MAX_LOGPROBS
 from omnistage.v1 import common_pb2, omni_pb2
 
 # OpenAI's default temperature (the Omni default, 0, is greedy).
 DEFAULT_TEMPERATURE = 1.0
+# Most choices (`n`) of one chat request: each is its own Omni call, admitted as any other.
+MAX_CHOICES = 16
 # /v1/audio/speech: the thinker is asked to say the input back; it has no plain text-to-speech call.
 SPEECH_SYSTEM_PROMPT = "Repeat the user's message word for word, exactly as written, and nothing else."
 
@@ -278,8 +281,12 @@ def sampling(
         sp.ignore_eos = bool(_expect(body["ignore_eos"], bool, "ignore_eos", "a boolean"))
     if _number(body, "frequency_penalty", -2.0, 2.0):
         raise bad_request("frequency_penalty", "not supported (presence_penalty and repetition_penalty are)")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise bad_request("logprobs", "not supported by the HTTP front (the gRPC API returns them)")
+    logprobs = _boolean(body.get("logprobs"), "logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not logprobs:
+        raise bad_request("top_logprobs", "needs logprobs: true")
+    if logprobs:  # the chosen token's logprob comes with the top list: at least one of it
+        sp.logprobs = max(top or 0, 1)
     if body.get("logit_bias"):
         raise bad_request("logit_bias", "not supported")
     for key in ("prediction", "web_search_options"):
@@ -300,6 +307,9 @@ class ChatPlan:
     include_usage: bool
     audio_format: str = ""  # "" when no speech was asked for
     model: str = ""
+    n: int = 1  # choices: one Omni call each
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 def chat_request(body: Any, *, request_id: str = "") -> ChatPlan:
@@ -309,8 +319,7 @@ def chat_request(body: Any, *, request_id: str = "") -> ChatPlan:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", "expected a non-empty list of messages")
-    n = _integer(body, "n", 1, 1)
-    del n
+    n = _integer(body, "n", 1, MAX_CHOICES) or 1
     if body.get("tools") or body.get("functions"):
         raise bad_request("tools", "tools are not supported")
     rf = body.get("response_format")
@@ -344,7 +353,11 @@ def chat_request(body: Any, *, request_id: str = "") -> ChatPlan:
         sampling=sampling(body),
         voice=voice,
     )
-    return ChatPlan(request, stream, include_usage, audio_format, model)
+    if n > 1 and audio_format:
+        raise bad_request("n", "more than one choice with a spoken answer is not supported")
+    logprobs = request.sampling.logprobs > 0
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
+    return ChatPlan(request, stream, include_usage, audio_format, model, n, logprobs, top)
 
 
 SPEECH_FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}

@@ -12,7 +12,7 @@ import pytest
 from omnistage.common.metrics import counter
 from omnistage.services.gateway.openai.app import Front, FrontOptions
 from omnistage.services.gateway.openai.fields import CHAT, IMAGES, MAX_NAMED, SPEECH
-from omnistage.v1 import omni_pb2_grpc
+from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
 from tests.services.gateway.test_openai_app import FakeOmni, asgi, chat_body, finish, text
 
@@ -133,3 +133,156 @@ def test_version_and_metrics_need_the_key_and_export_the_registry():
     assert m_status == 200 and m_headers["content-type"].startswith("text/plain")
     assert 'omnistage_extras_route_probe_total{service="test"} 3.0' in m_body.decode()
     assert [s for s, _, _ in refused] == [401, 401]
+
+
+def lp_text(t: str, token_id: int, logprob: float) -> omni_pb2.GenerateEvent:
+    """A text delta of one token with its logprobs (the second alternative a partial character)."""
+    return omni_pb2.GenerateEvent(
+        text=omni_pb2.TextDelta(
+            text=t,
+            token_ids=[token_id],
+            logprobs=[
+                common_pb2.TokenLogprobs(
+                    token_id=token_id,
+                    logprob=logprob,
+                    token=t.encode(),
+                    top_token_ids=[token_id, 99],
+                    top_logprobs=[logprob, logprob - 1],
+                    top_tokens=[t.encode(), b"\xe4"],
+                )
+            ],
+        )
+    )
+
+
+def finish_of(completion: int, cached: int) -> omni_pb2.GenerateEvent:
+    return omni_pb2.GenerateEvent(
+        finish=omni_pb2.Finish(
+            reason=common_pb2.FINISH_REASON_STOP,
+            usage=common_pb2.Usage(
+                prompt_tokens=40, completion_tokens=completion, cached_prompt_tokens=cached
+            ),
+        )
+    )
+
+
+class ChoicesOmni(FakeOmni):
+    """Call k answers `answers[k]`; `log` records each call's arrival and its first event, in order;
+    the call numbered `refuse` is refused (RESOURCE_EXHAUSTED) at arrival."""
+
+    def __init__(self, answers: list[list[omni_pb2.GenerateEvent]], refuse: int = -1) -> None:
+        super().__init__([])
+        self.answers = answers
+        self.refuse = refuse
+        self.log: list[str] = []
+
+    async def Generate(self, request, context):
+        k = len(self.requests)
+        self.requests.append(request)
+        self.log.append(f"call{k}")
+        if k == self.refuse:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "thinker full")
+        try:
+            if k == 0:
+                await asyncio.sleep(0.2)  # the prompt's prefill: the other choices must wait for it
+            for i, event in enumerate(self.answers[k]):
+                if i == 0:
+                    self.log.append(f"first{k}")
+                yield event
+            await asyncio.sleep(self.end_delay_s)
+            self.completed += 1
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def _answers() -> list[list[omni_pb2.GenerateEvent]]:
+    return [
+        [lp_text("A", 1, -0.25), lp_text("b", 2, -0.5), finish_of(2, 0)],
+        [lp_text("C", 3, -1.0), finish_of(1, 32)],
+        [lp_text("D", 4, -2.0), lp_text("e", 5, -0.125), lp_text("f", 6, -0.5), finish_of(3, 32)],
+    ]
+
+
+def test_n_choices_open_after_the_first_prompt_with_their_own_seeds_and_logprobs():
+    omni = ChoicesOmni(_answers())
+
+    async def scenario(app, omni):
+        body = chat_body(n=3, seed=7, logprobs=True, top_logprobs=2)
+        return await asgi(app, "POST", "/v1/chat/completions", body)
+
+    status, _, reply = run(scenario, omni)
+    body = json.loads(reply)
+    assert status == 200, body
+    log = omni.log
+    assert log[:2] == ["call0", "first0"] and log.index("call1") > 1 and log.index("call2") > 1
+    assert [r.sampling.seed for r in omni.requests] == [7, 8, 9]
+    assert all(r.sampling.logprobs == 2 for r in omni.requests)
+    assert [(c["index"], c["message"]["content"]) for c in body["choices"]] == [
+        (0, "Ab"),
+        (1, "C"),
+        (2, "Def"),
+    ]
+    assert body["usage"] == {
+        "prompt_tokens": 40,
+        "completion_tokens": 6,
+        "total_tokens": 46,
+        "prompt_tokens_details": {"cached_tokens": 32},
+    }
+    content = body["choices"][2]["logprobs"]["content"]
+    assert [(t["token"], t["logprob"], t["bytes"]) for t in content] == [
+        ("D", -2.0, [68]),
+        ("e", -0.125, [101]),
+        ("f", -0.5, [102]),
+    ]
+    top = content[0]["top_logprobs"]
+    assert [t["logprob"] for t in top] == [-2.0, -3.0] and top[1] == {
+        "token": "\ufffd",
+        "logprob": -3.0,
+        "bytes": [0xE4],
+    }
+
+
+def test_n_choices_stream_by_index_with_logprobs_and_one_usage():
+    omni = ChoicesOmni(_answers())
+
+    async def scenario(app, omni):
+        body = chat_body(n=3, stream=True, logprobs=True, stream_options={"include_usage": True})
+        return await asgi(app, "POST", "/v1/chat/completions", body)
+
+    status, _, reply = run(scenario, omni)
+    lines = [line[6:] for line in reply.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and lines[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in lines[:-1]]
+    texts, finishes, logprobs = {0: "", 1: "", 2: ""}, {}, {0: [], 1: [], 2: []}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+        if choice["logprobs"]:
+            logprobs[choice["index"]] += choice["logprobs"]["content"]
+    assert texts == {0: "Ab", 1: "C", 2: "Def"} and finishes == {0: "stop", 1: "stop", 2: "stop"}
+    assert [t["logprob"] for t in logprobs[2]] == [-2.0, -0.125, -0.5]
+    assert all(t["top_logprobs"] == [] for t in logprobs[0]), "top_logprobs 0: the chosen token only"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert (omni.completed, omni.cancelled) == (3, 0)
+
+
+def test_a_refused_choice_refuses_the_request_and_cancels_the_others():
+    answers = _answers()
+    answers[0] = [lp_text("A", 1, -0.25)]  # a long answer: it would still run
+    omni = ChoicesOmni(answers, refuse=2)
+    omni.end_delay_s = 30
+
+    async def scenario(app, omni):
+        reply = await asgi(app, "POST", "/v1/chat/completions", chat_body(n=3))
+        for _ in range(500):  # at most 5 s for the cancels to reach the server
+            if omni.cancelled + omni.completed >= 2:
+                break
+            await asyncio.sleep(0.01)
+        return reply
+
+    status, _, reply = run(scenario, omni)
+    assert status == 429 and "thinker full" in json.loads(reply)["error"]["message"]
+    assert len(omni.requests) == 3 and (omni.cancelled, omni.completed) == (2, 0), "none runs for nobody"

@@ -125,7 +125,17 @@ def test_audio_modality_and_voice():
             "messages[0].content[0].input_audio.format",
         ),
         ({"messages": [{"role": "user", "content": [{"type": "file"}]}]}, "messages[0].content[0].type"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": tr.MAX_CHOICES + 1}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "n": 2,
+                "modalities": ["text", "audio"],
+                "audio": {"voice": "DB30"},
+            },
+            "n",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
@@ -147,7 +157,12 @@ def test_audio_modality_and_voice():
             {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
             "response_format",
         ),
-        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),
         ([1, 2], "body"),
     ],
@@ -303,3 +318,13 @@ def test_body_limit_answers_413():
         yield b"x" * 60
 
     assert client.post("/", content=chunks()).status_code == 413  # no Content-Length: counted as it arrives
+
+
+@pytest.mark.parametrize(
+    ("extra", "wanted", "top"),
+    [({"logprobs": True}, 1, 0), ({"logprobs": True, "top_logprobs": 5}, 5, 5), ({}, 0, 0)],
+)
+def test_logprobs_ask_the_thinker_for_the_top_list_they_show(extra, wanted, top):
+    plan = tr.chat_request({"messages": [{"role": "user", "content": "x"}], "n": 3, **extra})
+    assert plan.request.sampling.logprobs == wanted and plan.top_logprobs == top
+    assert plan.logprobs == bool(wanted) and plan.n == 3

@@ -144,6 +144,21 @@ def test_started_comes_first_with_an_engine_id_then_deltas_then_one_finish(tmp_p
     run(scenario())
 
 
+def test_logprobs_carry_each_tokens_bytes(tmp_path, tok):
+    async def scenario():
+        async with thinker(tmp_path, tok) as t:
+            events = await events_of(t.stub, chat("Hello there", max_tokens=6, ignore_eos=True, logprobs=3))
+            deltas = [e.delta for e in events if e.WhichOneof("event") == "delta"]
+            lps = [lp for d in deltas for lp in d.logprobs]
+            assert [lp.token_id for lp in lps] == [i for d in deltas for i in d.token_ids] and len(lps) == 6
+            for lp in lps:
+                assert lp.token == tok.token_bytes(lp.token_id)
+                assert list(lp.top_tokens) == [tok.token_bytes(i) for i in lp.top_token_ids]
+                assert len(lp.top_tokens) == 3
+
+    run(scenario())
+
+
 def test_two_requests_with_the_same_client_id_both_finish(tmp_path, tok):
     async def scenario():
         async with thinker(tmp_path, tok, step_s=0.01) as t:
