@@ -28,12 +28,13 @@ import concurrent.futures
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop, DeviceStopped
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
 from omnistage.common.sampling import check_sampling
 from omnistage.common.transport import TransportContext, encode
+from omnistage.services.thinker.engine.grammar import GrammarError, Grammars, GrammarSpec
 from omnistage.services.thinker.engine.llm_engine import (
     LLMEngine,
     QueueFullError,
@@ -101,6 +102,14 @@ def sampling_from_proto(s: common_pb2.SamplingParams, vocab_size: int, max_model
     )
 
 
+def grammar_spec(s: common_pb2.SamplingParams) -> GrammarSpec | None:
+    """The constraint of a (checked) proto, or None."""
+    if not s.HasField("constraint"):
+        return None
+    kind = s.constraint.WhichOneof("kind")
+    return GrammarSpec(kind, "" if kind == "json_object" else getattr(s.constraint, kind))
+
+
 class ThinkerEngine:
     """`generate(request)` → Started, then Tokens / Hidden, then Finished. Owns the device loop."""
 
@@ -130,6 +139,8 @@ class ThinkerEngine:
         # A prompt longer than this cannot fit max_model_len tokens whatever it says.
         self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars
         self._pool = concurrent.futures.ThreadPoolExecutor(tokenize_workers, "tokenize")
+        # Structured outputs: constraints compiled for this tokenizer (in the pool), cached by text.
+        self.grammars = Grammars(self.tokenizer)
 
     def start(self) -> None:
         self.loop.start()
@@ -186,7 +197,15 @@ class ThinkerEngine:
         try:
             self._check_prompt_size(request)
             params = sampling_from_proto(request.sampling, self.tokenizer.vocab_size, self.max_model_len)
-            prompt = await asyncio.get_running_loop().run_in_executor(self._pool, self._prompt, request)
+            loop = asyncio.get_running_loop()
+            prompt = await loop.run_in_executor(self._pool, self._prompt, request)
+            spec = grammar_spec(request.sampling)
+            if spec is not None and not request.HasField("hidden_states"):
+                try:
+                    grammar = await loop.run_in_executor(self._pool, self.grammars.compile, spec)
+                except GrammarError as exc:
+                    raise InvalidRequest(str(exc)) from None
+                params = replace(params, grammar=grammar)
         finally:
             if request.multimodal:  # copied, refused or cancelled: no lease outlives this
                 if self._transport is None:

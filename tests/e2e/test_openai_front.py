@@ -516,6 +516,49 @@ def test_n_choices_share_the_prompt_through_the_prefix_cache_with_logprobs(front
     _settled(front)
 
 
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Hangzhou", "Paris", "Lima"]},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 10},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+    },
+    "required": ["city", "rank", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_follow_their_schema_streamed_or_not(front):
+    import jsonschema
+
+    client = _client(front)
+    rf = {
+        "type": "json_schema",
+        "json_schema": {"name": "place", "schema": STRUCTURED_SCHEMA, "strict": True},
+    }
+    messages = [{"role": "user", "content": "Name a city as JSON."}]
+    r = client.chat.completions.create(
+        model="m", messages=messages, response_format=rf, max_tokens=200, temperature=1.0, seed=3
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), STRUCTURED_SCHEMA)
+    stream = client.chat.completions.create(
+        model="m", messages=messages, response_format=rf, max_tokens=200, temperature=1.0, seed=3, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == r.choices[0].message.content, "the same seed, streamed"
+    r = client.chat.completions.create(
+        model="m", messages=messages, response_format={"type": "json_object"}, max_tokens=200, temperature=0
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=messages, response_format=bad)
+    assert "sampling.constraint.json_schema: does not compile" in str(info.value)
+    _settled(front)
+
+
 def test_unknown_fields_are_400_and_the_api_port_serves_version_and_metrics(front):
     with pytest.raises(openai.BadRequestError) as info:
         _client(front).chat.completions.create(

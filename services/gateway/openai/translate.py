@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 import re
 import struct
@@ -295,6 +296,26 @@ def sampling(
     return sp
 
 
+def response_format(value: Any) -> common_pb2.GrammarConstraint | None:
+    """The thinker's constraint of a chat `response_format` (structured outputs); None for text."""
+    if value is None:
+        return None
+    _expect(value, dict, "response_format", 'an object {"type": ...}')
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return common_pb2.GrammarConstraint(json_object=True)
+    if kind != "json_schema":
+        raise bad_request("response_format.type", f"one of text, json_object, json_schema; got {kind!r}")
+    spec = _expect(value.get("json_schema"), dict, "response_format.json_schema", "an object {name, schema}")
+    schema = spec.get("schema")
+    if schema is None:
+        raise bad_request("response_format.json_schema.schema", "the JSON Schema is required")
+    _expect(schema, (dict, bool), "response_format.json_schema.schema", "a JSON Schema object")
+    return common_pb2.GrammarConstraint(json_schema=json.dumps(schema, separators=(",", ":")))
+
+
 AUDIO_FORMATS = ("wav", "pcm16")
 
 
@@ -322,9 +343,6 @@ def chat_request(body: Any, *, request_id: str = "") -> ChatPlan:
     n = _integer(body, "n", 1, MAX_CHOICES) or 1
     if body.get("tools") or body.get("functions"):
         raise bad_request("tools", "tools are not supported")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad_request("response_format", 'only {"type": "text"} is supported')
     modalities = body.get("modalities") or ["text"]
     if not isinstance(modalities, list) or not all(m in ("text", "audio") for m in modalities):
         raise bad_request("modalities", 'a list of "text" and "audio" (images: /v1/images/generations)')
@@ -353,6 +371,9 @@ def chat_request(body: Any, *, request_id: str = "") -> ChatPlan:
         sampling=sampling(body),
         voice=voice,
     )
+    constraint = response_format(body.get("response_format"))
+    if constraint is not None:
+        request.sampling.constraint.CopyFrom(constraint)
     if n > 1 and audio_format:
         raise bad_request("n", "more than one choice with a spoken answer is not supported")
     logprobs = request.sampling.logprobs > 0

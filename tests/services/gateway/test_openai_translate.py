@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import wave
 
 import grpc
@@ -154,8 +155,19 @@ def test_audio_modality_and_voice():
         ),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
         (
-            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-            "response_format",
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+            "response_format.type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a"}},
+            },
+            "response_format.json_schema.schema",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, "logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
@@ -328,3 +340,14 @@ def test_logprobs_ask_the_thinker_for_the_top_list_they_show(extra, wanted, top)
     plan = tr.chat_request({"messages": [{"role": "user", "content": "x"}], "n": 3, **extra})
     assert plan.request.sampling.logprobs == wanted and plan.top_logprobs == top
     assert plan.logprobs == bool(wanted) and plan.n == 3
+
+
+def test_response_formats_become_the_thinkers_constraint():
+    def constraint(rf):
+        return tr.chat_request({"messages": [{"role": "user", "content": "x"}], "response_format": rf})
+
+    assert not constraint({"type": "text"}).request.sampling.HasField("constraint")
+    assert constraint({"type": "json_object"}).request.sampling.constraint.json_object
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    plan = constraint({"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+    assert json.loads(plan.request.sampling.constraint.json_schema) == schema

@@ -159,6 +159,26 @@ def test_logprobs_carry_each_tokens_bytes(tmp_path, tok):
     run(scenario())
 
 
+def test_a_constrained_request_over_grpc_and_a_grammar_that_does_not_compile(tmp_path, tok):
+    async def scenario():
+        async with thinker(tmp_path, tok) as t:
+            req = chat("Yes or no?", max_tokens=10, temperature=1.0, seed=4)
+            req.sampling.constraint.ebnf = 'root ::= "yes" | "no"'
+            events = await events_of(t.stub, req)
+            assert "".join(e.delta.text for e in events if e.HasField("delta")) in ("yes", "no")
+            assert events[-1].finish.reason == common_pb2.FINISH_REASON_STOP
+            req.sampling.constraint.json_schema = '{"type": "nope"}'
+            err = await refusal(t.stub, req)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.details().startswith("sampling.constraint.json_schema: does not compile: ")
+            req.sampling.constraint.json_object = True
+            req.sampling.ignore_eos = True
+            err = await refusal(t.stub, req)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "ignore_eos" in err.details()
+
+    run(scenario())
+
+
 def test_two_requests_with_the_same_client_id_both_finish(tmp_path, tok):
     async def scenario():
         async with thinker(tmp_path, tok, step_s=0.01) as t:
