@@ -34,6 +34,7 @@ from omnistage.services.gateway.media_path import check_media_paths
 from omnistage.services.gateway.pace import PaceMeter, StepPace
 from omnistage.services.gateway.speech import SpeechStage, SpokenAnswer, VoiceChoice, voice_choice
 from omnistage.services.gateway.stages import HandedOver, ThinkerClient
+from omnistage.services.gateway.tools import tool_events
 from omnistage.services.gateway.validation import PlannedRequest, RequestLimits, check_counts, plan_request
 from omnistage.v1 import common_pb2, control_pb2, encoder_pb2, omni_pb2, thinker_pb2
 
@@ -364,6 +365,8 @@ class Pipeline:
         async with self.talker_slot(voice is not None, context.time_remaining()):
             await media.for_call()
             events = self._thinker(request, media, context, lambda ev: client_event(request.request_id, ev))
+            if request.tools is not None:  # calls in the text become ToolCall events
+                events = tool_events(events, request.tools, request.request_id)
             spoken = None
             if voice is not None:
                 spoken = SpokenAnswer(

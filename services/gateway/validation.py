@@ -18,12 +18,23 @@ from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.runtime.wire_bounds import WireBounds
 from omnistage.common.sampling import check_sampling
 from omnistage.common.stages import MEDIA_INPUT_KIND, OUTPUT_KIND
-from omnistage.services.gateway.prompt import DEFAULT_SYSTEM_PROMPT, MediaSlot, Turn, build_chat, prompt_chars
+from omnistage.services.gateway.prompt import (
+    DEFAULT_SYSTEM_PROMPT,
+    MediaSlot,
+    ToolCallPart,
+    Turn,
+    build_chat,
+    prompt_chars,
+)
+from omnistage.services.gateway.tools import MAX_TOOL_CALLS, ToolPlan, plan_tools
 from omnistage.v1 import common_pb2, encoder_pb2, omni_pb2, thinker_pb2
 
 _OUTPUT_STAGE = {
     omni_pb2.Modality.Value(f"MODALITY_{name.upper()}"): kind for name, kind in OUTPUT_KIND.items()
 }
+
+
+_TURN_ROLE = {omni_pb2.ROLE_USER: "user", omni_pb2.ROLE_ASSISTANT: "assistant", omni_pb2.ROLE_TOOL: "tool"}
 
 
 @dataclass(frozen=True)
@@ -77,17 +88,29 @@ class PlannedRequest:
     outputs: frozenset[int]
     media: tuple[MediaPart, ...] = ()
     prompt_chars: int = 0  # with its chat markup (media placeholders not counted)
+    tools: ToolPlan | None = None  # tools shown to the model (tools.py)
 
     def chat(self, encoded: Sequence[encoder_pb2.EncodedItem] = ()) -> thinker_pb2.ChatPrompt:
         """The thinker's prompt; `encoded[i]` (the encoder's output for media[i]) sizes its placeholders."""
         if len(encoded) != len(self.media):
             raise ValueError(f"{len(self.media)} media parts, {len(encoded)} encoder outputs")
-        return build_chat(self.turns, self.system_prompt, media=encoded)
+        return _chat(self.turns, self.system_prompt, self.tools, encoded)
 
     @property
     def prompt(self) -> thinker_pb2.ChatPrompt:
         """The prompt of a text-only request."""
         return self.chat()
+
+
+def _chat(
+    turns: Sequence[Turn],
+    system_prompt: str,
+    tools: ToolPlan | None,
+    media: Sequence[encoder_pb2.EncodedItem] | None,
+) -> thinker_pb2.ChatPrompt:
+    if tools is None:
+        return build_chat(turns, system_prompt, media=media)
+    return build_chat(turns, system_prompt, media=media, tools=tools.shown, call_tool=tools.forced)
 
 
 def check_counts(req: omni_pb2.GenerateRequest, limits: RequestLimits) -> None:
@@ -123,14 +146,29 @@ def _check_outputs(req: omni_pb2.GenerateRequest, deployed: set[str]) -> set[int
     return outputs
 
 
+def _tool_calls(where: str, msg: omni_pb2.ChatMessage) -> list[ToolCallPart]:
+    """An assistant message's earlier tool calls (other roles have none)."""
+    if not msg.tool_calls:
+        return []
+    if msg.role != omni_pb2.ROLE_ASSISTANT:
+        raise InvalidRequest(f"{where}.tool_calls: only an assistant message has tool calls")
+    if len(msg.tool_calls) > MAX_TOOL_CALLS:
+        raise InvalidRequest(f"{where}.tool_calls: {len(msg.tool_calls)} calls, at most {MAX_TOOL_CALLS}")
+    for j, call in enumerate(msg.tool_calls):
+        if not call.name:
+            raise InvalidRequest(f"{where}.tool_calls[{j}].name: empty")
+    return [ToolCallPart(c.name, c.arguments_json or "{}") for c in msg.tool_calls]
+
+
 def _message_content(
     where: str, msg: omni_pb2.ChatMessage, deployed: set[str], media: list[MediaPart]
-) -> tuple[str | MediaSlot, ...]:
-    """Texts (adjacent ones joined) and media slots of one message, in order; media parts are
-    appended to `media`."""
-    if not msg.parts:
+) -> tuple[str | MediaSlot | ToolCallPart, ...]:
+    """Texts (adjacent ones joined), media slots and tool calls of one message, in order; media parts
+    are appended to `media`."""
+    calls = _tool_calls(where, msg)
+    if not msg.parts and not calls:
         raise InvalidRequest(f"{where}.parts: a message needs at least one part")
-    content: list[str | MediaSlot] = []
+    content: list[str | MediaSlot | ToolCallPart] = []
     for j, part in enumerate(msg.parts):
         kind = part.WhichOneof("content")
         if kind is None:
@@ -157,7 +195,9 @@ def _message_content(
             content[-1] += part.text
         else:
             content.append(part.text)
-    return tuple(content)
+    if msg.role == omni_pb2.ROLE_TOOL and any(not isinstance(c, str) for c in content):
+        raise InvalidRequest(f"{where}.parts: a tool message takes text only")
+    return (*content, *calls)
 
 
 def plan_request(
@@ -182,10 +222,23 @@ def plan_request(
                 raise InvalidRequest(f"{where}.role: a system message may only be the first message")
             if system_prompt:
                 raise InvalidRequest(f"{where}.role: system_prompt and a system message are both set")
+        elif msg.role == omni_pb2.ROLE_TOOL:
+            if (
+                not turns
+                or turns[-1].role not in ("tool", "assistant")
+                or (turns[-1].role == "assistant" and not req.messages[i - 1].tool_calls)
+            ):
+                raise InvalidRequest(
+                    f"{where}.role: a tool message must follow an assistant message with tool_calls"
+                )
         elif msg.role not in (omni_pb2.ROLE_USER, omni_pb2.ROLE_ASSISTANT):
-            raise InvalidRequest(f"{where}.role: must be ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT")
+            raise InvalidRequest(f"{where}.role: must be ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT or ROLE_TOOL")
         content = _message_content(where, msg, deployed, media)
-        text_chars += sum(len(c) for c in content if isinstance(c, str))
+        text_chars += sum(
+            len(c) if isinstance(c, str) else len(c.name) + len(c.arguments)
+            for c in content
+            if isinstance(c, str | ToolCallPart)
+        )
         if text_chars > limits.max_prompt_chars:
             raise InvalidRequest(
                 f"messages: the prompt passes {limits.max_prompt_chars} characters at {where} (max_prompt_chars)"
@@ -195,19 +248,25 @@ def plan_request(
                 raise InvalidRequest(f"{where}.parts: a system message takes text only")
             system_prompt = content[0]
         else:
-            turns.append(Turn("user" if msg.role == omni_pb2.ROLE_USER else "assistant", content))
-    if not turns or turns[-1].role != "user":
-        raise InvalidRequest("messages: the last message must be from ROLE_USER")
+            turns.append(Turn(_TURN_ROLE[msg.role], content))
+    if not turns or turns[-1].role not in ("user", "tool"):
+        raise InvalidRequest("messages: the last message must be from ROLE_USER (or ROLE_TOOL)")
     check_sampling(req.sampling)  # the values' shape; max_tokens against max_model_len is the thinker's
+    tools = plan_tools(req, outputs)
+    sampling = req.sampling
+    if tools is not None and tools.forced:
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(req.sampling)
+        sampling.constraint.CopyFrom(tools.constraint())
     system_prompt = system_prompt or default_system_prompt or DEFAULT_SYSTEM_PROMPT
     # Media placeholders are not counted: their token counts come from the encoder, and the
     # thinker bounds the prompt's tokens.
-    chars = prompt_chars(build_chat(turns, system_prompt, media=None))
+    chars = prompt_chars(_chat(turns, system_prompt, tools, None))
     if chars > limits.max_prompt_chars:
         raise InvalidRequest(
             f"messages: the prompt has {chars} characters with its chat markup, the limit is "
             f"{limits.max_prompt_chars} (max_prompt_chars)"
         )
     return PlannedRequest(
-        request_id, tuple(turns), system_prompt, req.sampling, frozenset(outputs), tuple(media), chars
+        request_id, tuple(turns), system_prompt, sampling, frozenset(outputs), tuple(media), chars, tools
     )

@@ -62,7 +62,7 @@ def front(tmp_path_factory):
                 "metrics_port": th_metrics,
                 "dist_port": dist,
                 "drain_grace_s": 2.0,
-                "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 512},
+                "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 1024},
             },
             "encoder": {
                 "kind": "encoder",
@@ -556,6 +556,91 @@ def test_structured_outputs_follow_their_schema_streamed_or_not(front):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="m", messages=messages, response_format=bad)
     assert "sampling.constraint.json_schema: does not compile" in str(info.value)
+    _settled(front)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather of a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Paris", "Lima"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+
+
+def test_required_and_named_tool_calls_are_valid_calls_streamed_or_not(front):
+    import jsonschema
+
+    client = _client(front)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    r = client.chat.completions.create(
+        model="m",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=120,
+        temperature=1.0,
+        seed=5,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in schemas
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    stream = client.chat.completions.create(
+        model="m",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=120,
+        temperature=1.0,
+        seed=6,
+        stream=True,
+    )
+    chunks = [c for c in stream if c.choices]
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [d.index for d in deltas] == [0] and deltas[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(deltas[0].function.arguments), schemas["get_weather"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    # The call's result goes back as a tool message (the OBSERVATION turn); the model answers on.
+    follow = client.chat.completions.create(
+        model="m",
+        messages=[
+            *messages,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'},
+        ],
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert follow.usage.prompt_tokens > r.usage.prompt_tokens and follow.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="m",
+            messages=messages,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "x"}},
+        )
+    assert "tool_choice_function: 'x' is not one of the tools" in str(info.value)
     _settled(front)
 
 

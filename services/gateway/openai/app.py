@@ -456,6 +456,7 @@ class Front:
         for index in range(len(opened)):
             yield chunk(index, {"role": "assistant", "content": ""})
         finishes: list[omni_pb2.Finish] = []
+        calls = [0] * len(opened)  # tool calls streamed so far, per choice
         events = fan_in([self._events(call, first) for call, first in opened])
         try:
             async for index, event in events:
@@ -463,6 +464,9 @@ class Front:
                 if kind == "text" and (event.text.text or event.text.logprobs):
                     lps = choices.logprobs_object(plan, event.text.logprobs)
                     yield chunk(index, {"content": event.text.text}, logprobs=lps)
+                elif kind == "tool_call":
+                    yield chunk(index, {"tool_calls": [tr.tool_call(event.tool_call, calls[index])]})
+                    calls[index] += 1
                 elif kind == "audio" and audio is not None:
                     delta = audio.delta(event.audio)
                     if delta is not None:

@@ -215,7 +215,66 @@ _ROLES = {
     "developer": omni_pb2.ROLE_SYSTEM,
     "user": omni_pb2.ROLE_USER,
     "assistant": omni_pb2.ROLE_ASSISTANT,
+    "tool": omni_pb2.ROLE_TOOL,
 }
+
+
+def _tool_calls(calls: Any, where: str) -> list[omni_pb2.ToolCall]:
+    """An assistant message's earlier `tool_calls` (function calls; arguments as JSON text)."""
+    _expect(calls, list, where, "a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        _expect(call, dict, at, "a tool call object")
+        function = _expect(call.get("function"), dict, f"{at}.function", "an object {name, arguments}")
+        name = _expect(function.get("name"), str, f"{at}.function.name", "a string")
+        arguments = function.get("arguments") or "{}"
+        _expect(arguments, str, f"{at}.function.arguments", "a JSON string")
+        call_id = _expect(call.get("id") or "", str, f"{at}.id", "a string")
+        out.append(omni_pb2.ToolCall(id=call_id, name=name, arguments_json=arguments))
+    return out
+
+
+def tools_of(body: Mapping[str, Any]) -> tuple[list[omni_pb2.Tool], int, str]:
+    """(tools, tool_choice, tool_choice_function) of a chat body."""
+    if body.get("functions") or body.get("function_call"):
+        raise bad_request("functions", "the deprecated functions API is not supported: use tools")
+    tools = []
+    for i, tool in enumerate(_expect(body.get("tools") or [], list, "tools", "a list of tools")):
+        where = f"tools[{i}]"
+        _expect(tool, dict, where, "a tool object")
+        if tool.get("type", "function") != "function":
+            raise bad_request(f"{where}.type", f'only "function" tools, got {tool.get("type")!r}')
+        function = _expect(tool.get("function"), dict, f"{where}.function", "an object {name, parameters}")
+        params = function.get("parameters")
+        tools.append(
+            omni_pb2.Tool(
+                name=_expect(function.get("name"), str, f"{where}.function.name", "a string"),
+                description=_expect(
+                    function.get("description") or "", str, f"{where}.function.description", "a string"
+                ),
+                parameters_json=json.dumps(
+                    _expect(params, dict, f"{where}.function.parameters", "a JSON Schema object"),
+                    ensure_ascii=False,
+                )
+                if params is not None
+                else "",
+            )
+        )
+    choice = body.get("tool_choice")
+    if choice is None or choice == "auto":
+        return tools, omni_pb2.TOOL_CHOICE_AUTO, ""
+    if choice == "none":
+        return tools, omni_pb2.TOOL_CHOICE_NONE, ""
+    if choice == "required":
+        return tools, omni_pb2.TOOL_CHOICE_REQUIRED, ""
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request(
+            "tool_choice",
+            'one of "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+        )
+    return tools, omni_pb2.TOOL_CHOICE_FUNCTION, function["name"]
 
 
 def _message(msg: Any, i: int) -> omni_pb2.ChatMessage:
@@ -223,21 +282,29 @@ def _message(msg: Any, i: int) -> omni_pb2.ChatMessage:
     _expect(msg, dict, where, "a message object")
     role = msg.get("role")
     if role not in _ROLES:
-        raise bad_request(f"{where}.role", f"one of system, developer, user, assistant; got {role!r}")
-    if msg.get("tool_calls") or msg.get("function_call"):
-        raise bad_request(f"{where}.tool_calls", "tools are not supported")
+        raise bad_request(f"{where}.role", f"one of system, developer, user, assistant, tool; got {role!r}")
+    if msg.get("function_call"):
+        raise bad_request(
+            f"{where}.function_call", "the deprecated functions API is not supported: use tools"
+        )
+    calls = _tool_calls(msg["tool_calls"], f"{where}.tool_calls") if msg.get("tool_calls") else []
+    if calls and role != "assistant":
+        raise bad_request(f"{where}.tool_calls", "only an assistant message has tool calls")
     content = msg.get("content")
     if content is None and role == "assistant" and isinstance(msg.get("audio"), dict):
         raise bad_request(
             f"{where}.audio", "earlier audio answers are not kept: send the answer's transcript as content"
         )
     if isinstance(content, str):
-        parts = [omni_pb2.ContentPart(text=content)]
+        parts = [omni_pb2.ContentPart(text=content)] if content or not calls else []
     elif isinstance(content, list):
         parts = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
+    elif content is None and calls:
+        parts = []
     else:
         raise bad_request(f"{where}.content", "expected a string or a list of content parts")
-    return omni_pb2.ChatMessage(role=_ROLES[role], parts=parts)
+    call_id = _expect(msg.get("tool_call_id") or "", str, f"{where}.tool_call_id", "a string")
+    return omni_pb2.ChatMessage(role=_ROLES[role], parts=parts, tool_calls=calls, tool_call_id=call_id)
 
 
 def _stop(value: Any) -> list[str]:
@@ -341,8 +408,7 @@ def chat_request(body: Any, *, request_id: str = "") -> ChatPlan:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", "expected a non-empty list of messages")
     n = _integer(body, "n", 1, MAX_CHOICES) or 1
-    if body.get("tools") or body.get("functions"):
-        raise bad_request("tools", "tools are not supported")
+    tools, tool_choice, tool_function = tools_of(body)
     modalities = body.get("modalities") or ["text"]
     if not isinstance(modalities, list) or not all(m in ("text", "audio") for m in modalities):
         raise bad_request("modalities", 'a list of "text" and "audio" (images: /v1/images/generations)')
@@ -370,6 +436,9 @@ def chat_request(body: Any, *, request_id: str = "") -> ChatPlan:
         output_modalities=outputs,
         sampling=sampling(body),
         voice=voice,
+        tools=tools,
+        tool_choice=tool_choice,
+        tool_choice_function=tool_function,
     )
     constraint = response_format(body.get("response_format"))
     if constraint is not None:
@@ -473,6 +542,7 @@ def image_request(body: Any, *, request_id: str = "") -> omni_pb2.GenerateReques
 _FINISH = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_STOP_STRING: "stop",
+    common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
     common_pb2.FINISH_REASON_LENGTH: "length",
 }
 
@@ -558,7 +628,9 @@ def chat_completion(
     """The non-streaming chat.completion of a finished stream (gathered by the Python client's `Result`)."""
     assert c.finish is not None
     text = c.text
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+    message: dict[str, Any] = {"role": "assistant", "content": text or (None if c.tool_calls else "")}
+    if c.tool_calls:
+        message["tool_calls"] = [tool_call(call) for call in c.tool_calls]
     if audio_format:
         rate = c.sample_rate_hz or c.finish.audio.sample_rate_hz
         data = wav_bytes(c.pcm16, rate) if audio_format == "wav" else c.pcm16
@@ -580,6 +652,17 @@ def chat_completion(
         ],
         "usage": usage(c.finish),
     }
+
+
+def tool_call(call: omni_pb2.ToolCall, index: int | None = None) -> dict[str, Any]:
+    """An OpenAI tool call object (with `index` in a streamed delta)."""
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    out |= {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments_json},
+    }
+    return out
 
 
 def chunk(

@@ -88,7 +88,7 @@ def test_audio_modality_and_voice():
     ("body", "param"),
     [
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
         (
             {
@@ -153,7 +153,23 @@ def test_audio_modality_and_voice():
             },
             "audio.format",
         ),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools[0].function",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "web_search", "function": {}}],
+            },
+            "tools[0].type",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "always"}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
+            "messages[0].tool_calls",
+        ),
         (
             {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
             "response_format.type",
@@ -351,3 +367,55 @@ def test_response_formats_become_the_thinkers_constraint():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     plan = constraint({"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
     assert json.loads(plan.request.sampling.constraint.json_schema) == schema
+
+
+def test_tools_tool_choice_and_tool_turns_map_to_omni():
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Weather of a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        "tools": [weather],
+        "tool_choice": {"type": "function", "function": {"name": "weather"}},
+    }
+    request = tr.chat_request(body).request
+    assert request.tool_choice == omni_pb2.TOOL_CHOICE_FUNCTION and request.tool_choice_function == "weather"
+    (tool,) = request.tools
+    assert (tool.name, tool.description) == ("weather", "Weather of a city.")
+    assert json.loads(tool.parameters_json) == weather["function"]["parameters"]
+    assistant, result = request.messages[1], request.messages[2]
+    assert list(assistant.parts) == [] and assistant.tool_calls[0].arguments_json == '{"city": "Paris"}'
+    assert (
+        result.role == omni_pb2.ROLE_TOOL
+        and result.tool_call_id == "call_1"
+        and result.parts[0].text == "sunny"
+    )
+    for choice, want in (
+        ("auto", omni_pb2.TOOL_CHOICE_AUTO),
+        ("none", omni_pb2.TOOL_CHOICE_NONE),
+        ("required", omni_pb2.TOOL_CHOICE_REQUIRED),
+    ):
+        assert tr.chat_request({**body, "tool_choice": choice}).request.tool_choice == want
