@@ -27,9 +27,10 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   -d .cache/transport-whl \
   inflect==7.6.0 typeguard==4.6.0 more-itertools==11.2.1 jaraco.functools==4.6.0 importlib-metadata==10.2.0 av==18.1.0
 # The thinker's grammar-constrained sampling (structured outputs): xgrammar and its FFI runtime
-# (it imports pydantic and transformers: the device image must have them).
+# (xgrammar imports pydantic and transformers: the device image must have them); the HTTP front's
+# multipart parser (/v1/audio/transcriptions).
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .cache/transport-whl \
-  xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+  xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 python-multipart==0.0.34
 ls -l .cache/transport-whl

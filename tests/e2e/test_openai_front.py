@@ -644,6 +644,31 @@ def test_required_and_named_tool_calls_are_valid_calls_streamed_or_not(front):
     _settled(front)
 
 
+def test_a_transcription_of_a_wav_returns_its_text(front):
+    client = _client(front)
+    wav = audio_file("wav", 1.0)
+    r = client.audio.transcriptions.create(
+        model="m", file=("speech.wav", wav), extra_body={"max_tokens": 6, "seed": 1}, temperature=0.5
+    )
+    assert isinstance(r.text, str) and r.text.strip() and r.usage.output_tokens == 6
+    text_only = client.chat.completions.create(
+        model="m",
+        messages=[
+            {"role": "user", "content": "Please recognize the language of this speech and transcribe it."}
+        ],
+        max_tokens=1,
+    )
+    assert r.usage.input_tokens > text_only.usage.prompt_tokens + 4, "the audio rows are in the prompt"
+    verbose = client.audio.transcriptions.create(
+        model="m", file=("speech.wav", wav), response_format="verbose_json", extra_body={"max_tokens": 4}
+    )
+    assert verbose.duration == pytest.approx(1.0, abs=0.05) and isinstance(verbose.text, str)
+    with pytest.raises(openai.BadRequestError) as info:  # the encoder cannot decode it
+        client.audio.transcriptions.create(model="m", file=("speech.wav", b"not audio at all"))
+    assert "messages[0].parts[1].audio" in str(info.value)
+    _settled(front)
+
+
 def test_unknown_fields_are_400_and_the_api_port_serves_version_and_metrics(front):
     with pytest.raises(openai.BadRequestError) as info:
         _client(front).chat.completions.create(

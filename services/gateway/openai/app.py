@@ -29,6 +29,7 @@ from omnistage.services.gateway.openai import choices, fields
 from omnistage.services.gateway.openai import translate as tr
 from omnistage.services.gateway.openai.extras_routes import ExtraRoutes
 from omnistage.services.gateway.openai.fan_in import fan_in
+from omnistage.services.gateway.openai.transcriptions import TranscriptionRoute
 from omnistage.services.gateway.openai.translate import HttpError
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
 from starlette.applications import Starlette
@@ -220,6 +221,7 @@ class Front:
             Route("/v1/audio/speech", self.speech, methods=["POST"]),
             Route("/v1/images/generations", self.images, methods=["POST"]),
             *ExtraRoutes(self._authorize).routes(),
+            *TranscriptionRoute(self._collect, _request_id, self.options.allow_unknown_fields).routes(),
         ]
         app = Starlette(
             routes=routes,

@@ -286,3 +286,83 @@ def test_a_refused_choice_refuses_the_request_and_cancels_the_others():
     status, _, reply = run(scenario, omni)
     assert status == 429 and "thinker full" in json.loads(reply)["error"]["message"]
     assert len(omni.requests) == 3 and (omni.cancelled, omni.completed) == (2, 0), "none runs for nobody"
+
+
+def multipart(fields: dict[str, str], file: tuple[str, bytes] | None) -> tuple[bytes, str]:
+    boundary = "omnistage-test-boundary"
+    out = b""
+    for key, value in fields.items():
+        out += f'--{boundary}\r\nContent-Disposition: form-data; name="{key}"\r\n\r\n{value}\r\n'.encode()
+    if file is not None:
+        name, data = file
+        out += (
+            (
+                f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+                "Content-Type: application/octet-stream\r\n\r\n"
+            ).encode()
+            + data
+            + b"\r\n"
+        )
+    return out + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def _transcribe(fields: dict[str, str], file=("speech.wav", b"RIFF-not-really"), **options):
+    omni = FakeOmni([text(" Hello world. "), finish()])
+    body, kind = multipart(fields, file)
+
+    async def scenario(app, omni):
+        return await asgi(app, "POST", "/v1/audio/transcriptions", body, headers={"content-type": kind})
+
+    status, headers, reply = run(scenario, omni, **options)
+    return status, headers, reply, omni
+
+
+def test_a_transcription_asks_the_release_asr_prompt_with_the_audio():
+    from omnistage.services.gateway.openai.transcriptions import ASR_INSTRUCTION
+
+    status, _, reply, omni = _transcribe({"model": "m", "prompt": "Names: Zelle."})
+    assert status == 200 and json.loads(reply)["text"] == "Hello world."
+    (message,) = omni.requests[0].messages
+    assert message.parts[0].text == ASR_INSTRUCTION + " Names: Zelle."
+    assert (
+        message.parts[1].audio.data == b"RIFF-not-really" and message.parts[1].audio.mime_type == "audio/wav"
+    )
+    assert omni.requests[0].sampling.temperature == 0.0, "greedy unless asked"
+    status, headers, reply, _ = _transcribe({"model": "m", "response_format": "text"})
+    assert status == 200 and reply == b"Hello world." and headers["content-type"].startswith("text/plain")
+    status, _, reply, _ = _transcribe({"model": "m", "response_format": "verbose_json", "language": "en"})
+    body = json.loads(reply)
+    assert (body["task"], body["language"], body["text"], body["duration"]) == (
+        "transcribe",
+        "en",
+        "Hello world.",
+        0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "file", "param"),
+    [
+        ({"model": "m"}, None, "file"),
+        ({"model": "m", "response_format": "srt"}, ("a.wav", b"x"), "response_format"),
+        ({"model": "m", "temperature": "hot"}, ("a.wav", b"x"), "temperature"),
+        ({"model": "m", "speaker": "x"}, ("a.wav", b"x"), "speaker"),
+        ({"model": "m", "timestamp_granularities[]": "word"}, ("a.wav", b"x"), "timestamp_granularities[]"),
+        ({"model": "m"}, ("a.wav", b""), "file"),
+    ],
+    ids=["no-file", "srt", "temperature", "unknown", "timestamps", "empty"],
+)
+def test_bad_transcription_forms_are_400_naming_the_field(fields, file, param):
+    status, _, reply, omni = _transcribe(fields, file)
+    assert status == 400 and json.loads(reply)["error"]["param"] == param, reply
+    assert omni.requests == []
+
+
+def test_a_transcription_needs_a_multipart_upload():
+    omni = FakeOmni([])
+
+    async def scenario(app, omni):
+        return await asgi(app, "POST", "/v1/audio/transcriptions", b"{}")
+
+    status, _, reply = run(scenario, omni)
+    assert status == 400 and json.loads(reply)["error"]["param"] == "content-type"
