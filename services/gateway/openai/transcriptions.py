@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from omnistage.services.gateway.openai.fields import ANY, check_fields
 from omnistage.services.gateway.openai.translate import HttpError, bad_request, finish_error
 from omnistage.v1 import common_pb2, omni_pb2
 from starlette.requests import Request
@@ -80,16 +81,8 @@ def _number(form: Any, key: str, lo: float, hi: float) -> float | None:
 
 
 def check_form_fields(form: Any, allow_unknown: bool) -> None:
-    """OpenAI's refusal of fields its schema does not have (400 naming them)."""
-    unknown = [key for key in dict.fromkeys(form.keys()) if key not in FIELDS]
-    if unknown and not allow_unknown:
-        plural = "s" if len(unknown) > 1 else ""
-        raise HttpError(
-            400,
-            f"Unrecognized request argument{plural} supplied: {', '.join(unknown[:8])}",
-            param=unknown[0],
-            code="unknown_parameter",
-        )
+    """OpenAI's refusal of fields its schema does not have (400 naming them), as for JSON bodies."""
+    check_fields(dict.fromkeys(form.keys()), ANY if allow_unknown else FIELDS)
 
 
 def transcription_request(
