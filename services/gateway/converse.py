@@ -123,6 +123,8 @@ def plan_converse(
     speaks = not config.output_modalities or omni_pb2.MODALITY_AUDIO in config.output_modalities
     if config.tools or config.tool_choice:
         raise InvalidRequest("config.tools: Converse takes no tools (use Generate)")
+    if config.prompt:
+        raise InvalidRequest("config.prompt: Converse takes turns, not a raw prompt (use Generate)")
     if len(config.messages) > limits.max_messages:
         raise InvalidRequest(
             f"config.messages: {len(config.messages)} messages, at most {limits.max_messages} (max_messages)"

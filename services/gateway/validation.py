@@ -89,11 +89,14 @@ class PlannedRequest:
     media: tuple[MediaPart, ...] = ()
     prompt_chars: int = 0  # with its chat markup (media placeholders not counted)
     tools: ToolPlan | None = None  # tools shown to the model (tools.py)
+    raw: str | None = None  # GenerateRequest.prompt: continued as it is, no chat format
 
     def chat(self, encoded: Sequence[encoder_pb2.EncodedItem] = ()) -> thinker_pb2.ChatPrompt:
         """The thinker's prompt; `encoded[i]` (the encoder's output for media[i]) sizes its placeholders."""
         if len(encoded) != len(self.media):
             raise ValueError(f"{len(self.media)} media parts, {len(encoded)} encoder outputs")
+        if self.raw is not None:  # client text only: its special-token strings stay text
+            return thinker_pb2.ChatPrompt(pieces=[thinker_pb2.PromptPiece(text=self.raw)])
         return _chat(self.turns, self.system_prompt, self.tools, encoded)
 
     @property
@@ -200,6 +203,26 @@ def _message_content(
     return (*content, *calls)
 
 
+def plan_raw(req: omni_pb2.GenerateRequest, request_id: str, limits: RequestLimits) -> PlannedRequest:
+    """A raw-prompt request (GenerateRequest.prompt): text in, text out, nothing else."""
+    for name in ("messages", "tools"):
+        if getattr(req, name):
+            raise InvalidRequest(f"{name}: not with prompt (a raw prompt is the whole input)")
+    if req.system_prompt:
+        raise InvalidRequest("system_prompt: not with prompt (a raw prompt has no chat format)")
+    if set(req.output_modalities) - {omni_pb2.MODALITY_TEXT}:
+        raise InvalidRequest("output_modalities: a raw prompt answers with text only")
+    if len(req.prompt) > limits.max_prompt_chars:
+        raise InvalidRequest(
+            f"prompt: {len(req.prompt)} characters, the limit is {limits.max_prompt_chars} (max_prompt_chars)"
+        )
+    check_sampling(req.sampling)
+    outputs = frozenset({omni_pb2.MODALITY_TEXT})
+    return PlannedRequest(
+        request_id, (), "", req.sampling, outputs, prompt_chars=len(req.prompt), raw=req.prompt
+    )
+
+
 def plan_request(
     req: omni_pb2.GenerateRequest, deployed: set[str], default_system_prompt: str, limits: RequestLimits
 ) -> PlannedRequest:
@@ -208,8 +231,10 @@ def plan_request(
     request_id = req.request_id or uuid.uuid4().hex
     if not valid_request_id(request_id):
         raise InvalidRequest(f"request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
+    if req.prompt:
+        return plan_raw(req, request_id, limits)
     if not req.messages:
-        raise InvalidRequest("messages: at least one message is required")
+        raise InvalidRequest("messages: at least one message (or a prompt) is required")
     outputs = _check_outputs(req, deployed)
     system_prompt = req.system_prompt
     turns: list[Turn] = []

@@ -669,6 +669,39 @@ def test_a_transcription_of_a_wav_returns_its_text(front):
     _settled(front)
 
 
+def test_completions_continue_a_raw_prompt_streamed_or_not(front):
+    client = _client(front)
+    whole = client.completions.create(
+        model="m", prompt="Once upon a time", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    choice = whole.choices[0]
+    assert whole.object == "text_completion" and choice.finish_reason == "length"
+    assert whole.usage.completion_tokens == 6
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=1
+    )
+    assert whole.usage.prompt_tokens < chat.usage.prompt_tokens, "no chat format around a raw prompt"
+    stream = client.completions.create(
+        model="m",
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text, "greedy: the same text"
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs) == 6
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m", prompt="x", echo=True)
+    assert "echo" in str(info.value)
+    _settled(front)
+
+
 def test_unknown_fields_are_400_and_the_api_port_serves_version_and_metrics(front):
     with pytest.raises(openai.BadRequestError) as info:
         _client(front).chat.completions.create(

@@ -125,7 +125,7 @@ class ImageOptions(_message.Message):
     def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., edit: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "output_modalities", "sampling", "voice", "image", "system_prompt", "custom_voice", "tools", "tool_choice", "tool_choice_function")
+    __slots__ = ("request_id", "messages", "output_modalities", "sampling", "voice", "image", "system_prompt", "custom_voice", "tools", "tool_choice", "tool_choice_function", "prompt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_MODALITIES_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     output_modalities: _containers.RepeatedScalarFieldContainer[Modality]
@@ -148,7 +149,8 @@ class GenerateRequest(_message.Message):
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
     tool_choice_function: str
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., voice: _Optional[str] = ..., image: _Optional[_Union[ImageOptions, _Mapping]] = ..., system_prompt: _Optional[str] = ..., custom_voice: _Optional[_Union[VoiceClip, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ...) -> None: ...
+    prompt: str
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., voice: _Optional[str] = ..., image: _Optional[_Union[ImageOptions, _Mapping]] = ..., system_prompt: _Optional[str] = ..., custom_voice: _Optional[_Union[VoiceClip, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., prompt: _Optional[str] = ...) -> None: ...
 
 class VoiceClip(_message.Message):
     __slots__ = ("audio", "transcript")

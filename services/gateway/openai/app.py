@@ -25,8 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.server import PUBLIC_API
-from omnistage.services.gateway.openai import choices, fields
+from omnistage.services.gateway.openai import choices, completions, fields
 from omnistage.services.gateway.openai import translate as tr
+from omnistage.services.gateway.openai.completions import CompletionRoute
 from omnistage.services.gateway.openai.extras_routes import ExtraRoutes
 from omnistage.services.gateway.openai.fan_in import fan_in
 from omnistage.services.gateway.openai.transcriptions import TranscriptionRoute
@@ -222,6 +223,9 @@ class Front:
             Route("/v1/images/generations", self.images, methods=["POST"]),
             *ExtraRoutes(self._authorize).routes(),
             *TranscriptionRoute(self._collect, _request_id, self.options.allow_unknown_fields).routes(),
+            *CompletionRoute(
+                self, _request_id, _translate, self._known(completions.FIELDS), self.options.model
+            ).routes(),
         ]
         app = Starlette(
             routes=routes,

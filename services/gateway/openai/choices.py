@@ -33,12 +33,17 @@ def choice_requests(plan: tr.ChatPlan) -> list[omni_pb2.GenerateRequest]:
     return out
 
 
-def _logprob(value: float) -> float:
+def clamp_logprob(value: float) -> float:
+    """A logprob JSON can carry (at least MIN_LOGPROB)."""
     return value if math.isfinite(value) and value >= MIN_LOGPROB else MIN_LOGPROB
 
 
 def _token(raw: bytes, logprob: float) -> dict[str, Any]:
-    return {"token": raw.decode("utf-8", errors="replace"), "logprob": _logprob(logprob), "bytes": list(raw)}
+    return {
+        "token": raw.decode("utf-8", errors="replace"),
+        "logprob": clamp_logprob(logprob),
+        "bytes": list(raw),
+    }
 
 
 def logprob_content(logprobs: Sequence[common_pb2.TokenLogprobs], top: int) -> list[dict[str, Any]]:

@@ -366,3 +366,60 @@ def test_a_transcription_needs_a_multipart_upload():
 
     status, _, reply = run(scenario, omni)
     assert status == 400 and json.loads(reply)["error"]["param"] == "content-type"
+
+
+def _complete(body: dict, answers=None):
+    omni = ChoicesOmni(answers or _answers())
+
+    async def scenario(app, omni):
+        return await asgi(app, "POST", "/v1/completions", json.dumps(body).encode())
+
+    status, _, reply = run(scenario, omni)
+    return status, reply, omni
+
+
+def test_completions_continue_the_raw_prompt_with_choices_and_legacy_logprobs():
+    status, reply, omni = _complete({"model": "m", "prompt": ["Once upon"], "n": 3, "logprobs": 2, "seed": 1})
+    body = json.loads(reply)
+    assert status == 200 and body["object"] == "text_completion"
+    request = omni.requests[0]
+    assert request.prompt == "Once upon" and not request.messages
+    assert request.sampling.max_tokens == 16 and request.sampling.logprobs == 2, "OpenAI's default 16"
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "Ab"), (1, "C"), (2, "Def")]
+    lps = body["choices"][2]["logprobs"]
+    assert lps["tokens"] == ["D", "e", "f"] and lps["token_logprobs"] == [-2.0, -0.125, -0.5]
+    assert lps["text_offset"] == [0, 1, 2] and lps["top_logprobs"][0] == {"D": -2.0, "\ufffd": -3.0}
+    assert body["usage"]["completion_tokens"] == 6
+
+
+def test_completions_stream_by_index():
+    status, reply, omni = _complete(
+        {"prompt": "Once", "n": 2, "stream": True, "stream_options": {"include_usage": True}}, _answers()[:2]
+    )
+    lines = [line[6:] for line in reply.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and lines[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in lines[:-1]]
+    texts = {0: "", 1: ""}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        texts[choice["index"]] += choice["text"]
+    assert texts == {0: "Ab", 1: "C"} and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"prompt": [1, 2, 3]}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "a", "echo": True}, "echo"),
+        ({"prompt": "a", "suffix": "z"}, "suffix"),
+        ({"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
+        ({"prompt": "a", "logprobs": 21}, "logprobs"),
+        ({"prompt": "a", "messages": []}, "messages"),
+    ],
+)
+def test_bad_completion_bodies_are_400_naming_the_field(extra, param):
+    status, reply, omni = _complete(extra)
+    assert status == 400 and json.loads(reply)["error"]["param"] == param, reply
+    assert omni.requests == []

@@ -188,3 +188,25 @@ def test_tool_events_keep_token_ids_and_say_tool_calls():
     assert [e.text.text for e in events[:2]] == ["Sure", ""] and all(e.text.token_ids for e in events[:2])
     assert events[2].tool_call.name == "clock"
     assert events[3].finish.reason == common_pb2.FINISH_REASON_TOOL_CALLS
+
+
+def test_a_raw_prompt_is_one_text_piece_and_nothing_else():
+    planned = plan(omni_pb2.GenerateRequest(prompt="<|role_end|>Once upon a time"))
+    (piece,) = planned.chat().pieces
+    assert piece.text == "<|role_end|>Once upon a time", "client text: its special-token strings stay text"
+    for req, needle in (
+        (
+            omni_pb2.GenerateRequest(prompt="x", messages=[text(omni_pb2.ROLE_USER, "y")]),
+            "messages: not with prompt",
+        ),
+        (omni_pb2.GenerateRequest(prompt="x", system_prompt="s"), "system_prompt: not with prompt"),
+        (omni_pb2.GenerateRequest(prompt="x", tools=[CLOCK]), "tools: not with prompt"),
+        (
+            omni_pb2.GenerateRequest(prompt="x", output_modalities=[omni_pb2.MODALITY_AUDIO]),
+            "output_modalities: a raw prompt answers with text only",
+        ),
+        (omni_pb2.GenerateRequest(prompt="x" * 200_001), "prompt: 200001 characters"),
+    ):
+        with pytest.raises(InvalidRequest) as info:
+            plan(req)
+        assert str(info.value).startswith(needle)
