@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
-from omnistage.common.runtime.errors import Overloaded, StageUnavailable
+from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
 from omnistage.services.gateway.admission import GateConfig, StageGate, check_path
 from omnistage.services.gateway.imaging import ImagePlan, ImageStage
 from omnistage.services.gateway.media import MediaStage, thinker_items
@@ -274,6 +274,31 @@ class Pipeline:
                         yield event
             finally:
                 media.release()
+
+    async def tokenize(
+        self, request: omni_pb2.GenerateRequest, context: CallContext
+    ) -> common_pb2.TokenizeResponse:
+        """Omni.Tokenize: the thinker's ids of the request's prompt, checked as Generate checks it."""
+        for i, msg in enumerate(request.messages):
+            for j, part in enumerate(msg.parts):
+                if part.WhichOneof("content") not in ("text", None):
+                    raise InvalidRequest(
+                        f"messages[{i}].parts[{j}]: media are not tokenized here (their token counts "
+                        "come from the encoder: Generate reports them in usage.prompt_tokens)"
+                    )
+        planned = plan_request(request, self.deployed, self.system_prompt, self.limits)
+        if self.thinker is None:
+            raise StageUnavailable("the 'thinker' stage is not available (gateway started degraded)")
+        asked = thinker_pb2.TokenizeRequest(chat=planned.chat())
+        return await self.thinker.tokenize(asked, context.time_remaining())
+
+    async def detokenize(
+        self, request: common_pb2.DetokenizeRequest, context: CallContext
+    ) -> common_pb2.DetokenizeResponse:
+        """Omni.Detokenize: the thinker's text of token ids."""
+        if self.thinker is None:
+            raise StageUnavailable("the 'thinker' stage is not available (gateway started degraded)")
+        return await self.thinker.detokenize(request, context.time_remaining())
 
     async def plan(self, request: omni_pb2.GenerateRequest, arrived_at: float) -> RequestPlan:
         """Check the request (counts first, then file paths, then the rest) against the deployed stages."""

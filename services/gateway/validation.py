@@ -65,6 +65,7 @@ def wire_bounds(limits: RequestLimits) -> dict[str, WireBounds]:
     return {
         "Generate": bounds(omni_pb2.GenerateRequest.DESCRIPTOR, ""),
         "Converse": bounds(omni_pb2.ConverseRequest.DESCRIPTOR, "config."),
+        "Tokenize": bounds(omni_pb2.GenerateRequest.DESCRIPTOR, ""),
     }
 
 

@@ -27,7 +27,7 @@ import asyncio
 import concurrent.futures
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop, DeviceStopped
@@ -191,6 +191,22 @@ class ThinkerEngine:
                 # Cancelled, refused or failed: free the KV blocks now, not at max_tokens.
                 self.loop.call(lambda: self.runner.abort(engine_id))
                 _log.info("request %s (engine id %s) ended before it finished", request.request_id, engine_id)
+
+    async def tokenize(self, request: thinker_pb2.TokenizeRequest) -> list[int]:
+        """The ids Generate would prefill for this prompt: the same bounds, in the tokenize pool."""
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidRequest("prompt: set text or chat")
+        as_generate = thinker_pb2.ThinkerRequest(**{kind: getattr(request, kind)})
+        self._check_prompt_size(as_generate)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._prompt_ids, as_generate)
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of `ids` (at most max_model_len of them, inside the vocabulary)."""
+        if len(ids) > self.max_model_len:
+            raise InvalidRequest(f"token_ids: {len(ids)} ids, at most max_model_len {self.max_model_len}")
+        checked = self._in_vocabulary("token_ids", ids)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenizer.decode, checked)
 
     async def _admit(self, request: thinker_pb2.ThinkerRequest) -> tuple[Prompt, SamplingParams]:
         """Bound, check the sampling, tokenize (in the pool); the request's leases end here."""

@@ -32,6 +32,13 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
             async for event in events:
                 yield _event(event, self.engine.tokenizer)
 
+    async def Tokenize(self, request: thinker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
+        ids = await self.engine.tokenize(request)
+        return common_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.engine.max_model_len)
+
+    async def Detokenize(self, request: common_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        return common_pb2.DetokenizeResponse(text=await self.engine.detokenize(request.token_ids))
+
 
 class TokenBytes(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...

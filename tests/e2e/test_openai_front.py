@@ -702,6 +702,26 @@ def test_completions_continue_a_raw_prompt_streamed_or_not(front):
     _settled(front)
 
 
+def test_tokenize_counts_what_generate_prefills_and_detokenize_reads_it_back(front):
+    def post(path: str, body: dict, key: str = KEY):
+        status, _, raw = _raw(front, path, json.dumps(body).encode(), key=key)
+        return status, json.loads(raw)
+
+    messages = [{"role": "user", "content": "Count my tokens, please."}]
+    status, counted = post("/tokenize", {"model": "m", "messages": messages})
+    chat = _client(front).chat.completions.create(model="m", messages=messages, max_tokens=1)
+    assert status == 200 and counted["count"] == len(counted["tokens"]) == chat.usage.prompt_tokens
+    assert counted["max_model_len"] == 1024
+    status, raw = post("/tokenize", {"prompt": "Once upon a time"})
+    completion = _client(front).completions.create(model="m", prompt="Once upon a time", max_tokens=1)
+    assert status == 200 and raw["count"] == completion.usage.prompt_tokens
+    status, text = post("/detokenize", {"tokens": raw["tokens"]})
+    assert status == 200 and text["prompt"] == "Once upon a time"
+    status, err = post("/detokenize", {"tokens": [10**9]})
+    assert status == 400 and "token_ids" in err["error"]["message"]
+    assert post("/tokenize", {"prompt": "x"}, key="sk-wrong")[0] == 401
+
+
 def test_unknown_fields_are_400_and_the_api_port_serves_version_and_metrics(front):
     with pytest.raises(openai.BadRequestError) as info:
         _client(front).chat.completions.create(

@@ -30,6 +30,7 @@ from omnistage.services.gateway.openai import translate as tr
 from omnistage.services.gateway.openai.completions import CompletionRoute
 from omnistage.services.gateway.openai.extras_routes import ExtraRoutes
 from omnistage.services.gateway.openai.fan_in import fan_in
+from omnistage.services.gateway.openai.tokens_routes import TokenRoutes
 from omnistage.services.gateway.openai.transcriptions import TranscriptionRoute
 from omnistage.services.gateway.openai.translate import HttpError
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
@@ -226,6 +227,7 @@ class Front:
             *CompletionRoute(
                 self, _request_id, _translate, self._known(completions.FIELDS), self.options.model
             ).routes(),
+            *TokenRoutes(self.stub, _metadata, _translate, self._known, self.options.timeout_s).routes(),
         ]
         app = Starlette(
             routes=routes,

@@ -423,3 +423,26 @@ def test_bad_completion_bodies_are_400_naming_the_field(extra, param):
     status, reply, omni = _complete(extra)
     assert status == 400 and json.loads(reply)["error"]["param"] == param, reply
     assert omni.requests == []
+
+
+def test_tokenize_and_detokenize_bodies():
+    from omnistage.services.gateway.openai.tokens_routes import detokenize_request, tokenize_request
+    from omnistage.services.gateway.openai.translate import HttpError
+
+    assert tokenize_request({"prompt": "Once"}).prompt == "Once"
+    asked = tokenize_request(
+        {"messages": [{"role": "user", "content": "Hi"}], "tools": [], "tool_choice": "none"}
+    )
+    assert asked.messages[0].parts[0].text == "Hi" and not asked.prompt
+    assert list(detokenize_request({"tokens": [1, 2]}).token_ids) == [1, 2]
+    for fn, body, param in (
+        (tokenize_request, {"prompt": ""}, "prompt"),
+        (tokenize_request, {"prompt": "a", "messages": []}, "prompt"),
+        (tokenize_request, {"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt"),
+        (detokenize_request, {"tokens": ["a"]}, "tokens"),
+        (detokenize_request, {"tokens": [2**40]}, "tokens"),
+        (detokenize_request, {"tokens": [True]}, "tokens"),
+    ):
+        with pytest.raises(HttpError) as info:
+            fn(body)
+        assert info.value.param == param

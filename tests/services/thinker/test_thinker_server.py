@@ -179,6 +179,37 @@ def test_a_constrained_request_over_grpc_and_a_grammar_that_does_not_compile(tmp
     run(scenario())
 
 
+def test_tokenize_gives_generates_prompt_ids_and_detokenize_their_text(tmp_path, tok):
+    async def scenario():
+        async with thinker(tmp_path, tok) as t:
+            req = chat("Hello <|role_end|> there", max_tokens=1)
+            got = await t.stub.Tokenize(thinker_pb2.TokenizeRequest(chat=req.chat), timeout=10)
+            pieces = [(p.WhichOneof("piece"), p.template or p.text) for p in req.chat.pieces]
+            assert list(got.token_ids) == tok.encode_pieces(pieces) and got.max_model_len == 512
+            events = await events_of(t.stub, req)
+            assert events[-1].finish.usage.prompt_tokens == len(got.token_ids), "the ids Generate prefills"
+            text = await t.stub.Detokenize(common_pb2.DetokenizeRequest(token_ids=got.token_ids), timeout=10)
+            assert text.text == tok.decode(list(got.token_ids)) and "Hello <|role_end|> there" in text.text
+            for call, needle in (
+                (
+                    t.stub.Detokenize(common_pb2.DetokenizeRequest(token_ids=[tok.vocab_size]), timeout=10),
+                    "token_ids:",
+                ),
+                (
+                    t.stub.Detokenize(common_pb2.DetokenizeRequest(token_ids=[1] * 513), timeout=10),
+                    "at most max_model_len",
+                ),
+                (t.stub.Tokenize(thinker_pb2.TokenizeRequest(), timeout=10), "prompt: set text or chat"),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call
+                assert (
+                    info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in info.value.details()
+                )
+
+    run(scenario())
+
+
 def test_two_requests_with_the_same_client_id_both_finish(tmp_path, tok):
     async def scenario():
         async with thinker(tmp_path, tok, step_s=0.01) as t:
