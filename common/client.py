@@ -110,17 +110,24 @@ class Result:
     images: list[omni_pb2.ImageResult] = field(default_factory=list)
     finish: omni_pb2.Finish | None = None
     request_id: str = ""
+    # One per generated token when SamplingParams.logprobs > 0, in order.
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    # The tools the answer called (GenerateRequest.tools), in order.
+    tool_calls: list[omni_pb2.ToolCall] = field(default_factory=list)
 
     def add(self, event: omni_pb2.GenerateEvent) -> None:
         self.request_id = self.request_id or event.request_id
         kind = event.WhichOneof("event")
         if kind == "text":
             self.text += event.text.text
+            self.logprobs.extend(event.text.logprobs)
         elif kind == "audio":
             self.pcm16 += event.audio.pcm16
             self.sample_rate_hz = event.audio.sample_rate_hz or self.sample_rate_hz
         elif kind == "image":
             self.images.append(event.image)
+        elif kind == "tool_call":
+            self.tool_calls.append(event.tool_call)
         elif kind == "finish":
             self.finish = event.finish
 
@@ -138,6 +145,7 @@ class Result:
         return self.finish is not None and self.finish.reason in (
             common_pb2.FINISH_REASON_STOP,
             common_pb2.FINISH_REASON_STOP_STRING,
+            common_pb2.FINISH_REASON_TOOL_CALLS,
             common_pb2.FINISH_REASON_LENGTH,
         )
 

@@ -232,6 +232,9 @@ class GatewayConfig:
     realtime_max_buffer_bytes: int = 1_920_000
     realtime_max_session_s: float = 1800.0
     realtime_idle_timeout_s: float = 300.0
+    # Accept HTTP bodies with top-level fields OpenAI's schema does not have (they are ignored); off:
+    # 400 naming them, as OpenAI answers.
+    http_allow_unknown_fields: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+# Longest grammar (JSON schema or EBNF text) of SamplingParams.constraint: compiling is work for the
+# thinker's tokenize threads, bounded by what it is given.
+MAX_GRAMMAR_CHARS = 65536
 
 
 @dataclass(frozen=True)
@@ -106,11 +109,32 @@ def proto_values(s: Any) -> dict[str, Any]:
     return {rule.field: getattr(s, rule.field) for rule in RULES}
 
 
+def constraint_violation(s: Any) -> str | None:
+    """The shape rules of the proto's `constraint` (a kind set, its text bounded, no ignore_eos); that
+    the grammar compiles is the thinker's to find out."""
+    if not s.HasField("constraint"):
+        return None
+    kind = s.constraint.WhichOneof("kind")
+    where = f"sampling.constraint.{kind}"
+    if kind is None:
+        return "sampling.constraint: set json_object, json_schema or ebnf"
+    if s.ignore_eos:
+        return f"{where}: not with sampling.ignore_eos (a complete output ends with EOS)"
+    if kind == "json_object":
+        return None if s.constraint.json_object else f"{where}: must be true when set"
+    text = getattr(s.constraint, kind)
+    if not 1 <= len(text) <= MAX_GRAMMAR_CHARS:
+        return f"{where}: must be 1..{MAX_GRAMMAR_CHARS} characters, got {len(text)}"
+    return None
+
+
 def check_sampling(s: Any, *, max_model_len: int | None = None, vocab_size: int | None = None) -> None:
     """Raise InvalidRequest naming `sampling.<field>` when the proto `s` breaks a rule.
 
     `max_model_len` (when known) bounds max_tokens; `vocab_size` (the thinker's) bounds stop_token_ids.
     """
     error = sampling_violation(proto_values(s), max_model_len=max_model_len, vocab_size=vocab_size)
+    if error is None:
+        error = constraint_violation(s)
     if error is not None:
         raise InvalidRequest(error)

@@ -141,6 +141,10 @@ def plan_converse(
             raise InvalidRequest(f"config.output_modalities[{i}]: Converse answers with text and speech only")
     # Empty: text and speech (a conversation speaks unless told otherwise); [MODALITY_TEXT]: text only.
     speaks = not config.output_modalities or omni_pb2.MODALITY_AUDIO in config.output_modalities
+    if config.tools or config.tool_choice:
+        raise InvalidRequest("config.tools: Converse takes no tools (use Generate)")
+    if config.prompt:
+        raise InvalidRequest("config.prompt: Converse takes turns, not a raw prompt (use Generate)")
     if len(config.messages) > limits.max_messages:
         raise InvalidRequest(
             f"config.messages: {len(config.messages)} messages, at most {limits.max_messages} (max_messages)"

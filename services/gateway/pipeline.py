@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
-from omnistage.common.runtime.errors import Overloaded, StageUnavailable
+from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
 from omnistage.services.gateway.admission import GateConfig, StageGate, check_path
 from omnistage.services.gateway.expected_cost import AdmittedText, OutputLengths
 from omnistage.services.gateway.imaging import ImagePlan, ImageStage
@@ -36,6 +36,7 @@ from omnistage.services.gateway.media_path import check_media_paths
 from omnistage.services.gateway.pace import PaceMeter, StepPace
 from omnistage.services.gateway.speech import SpeechStage, SpokenAnswer, VoiceChoice, voice_choice
 from omnistage.services.gateway.stages import HandedOver, ThinkerClient
+from omnistage.services.gateway.tools import tool_events
 from omnistage.services.gateway.validation import (
     PlannedRequest,
     RequestLimits,
@@ -306,6 +307,31 @@ class Pipeline:
             finally:
                 media.release()
 
+    async def tokenize(
+        self, request: omni_pb2.GenerateRequest, context: CallContext
+    ) -> common_pb2.TokenizeResponse:
+        """Omni.Tokenize: the thinker's ids of the request's prompt, checked as Generate checks it."""
+        for i, msg in enumerate(request.messages):
+            for j, part in enumerate(msg.parts):
+                if part.WhichOneof("content") not in ("text", None):
+                    raise InvalidRequest(
+                        f"messages[{i}].parts[{j}]: media are not tokenized here (their token counts "
+                        "come from the encoder: Generate reports them in usage.prompt_tokens)"
+                    )
+        planned = plan_request(request, self.deployed, self.system_prompt, self.limits)
+        if self.thinker is None:
+            raise StageUnavailable("the 'thinker' stage is not available (gateway started degraded)")
+        asked = thinker_pb2.TokenizeRequest(chat=planned.chat())
+        return await self.thinker.tokenize(asked, context.time_remaining())
+
+    async def detokenize(
+        self, request: common_pb2.DetokenizeRequest, context: CallContext
+    ) -> common_pb2.DetokenizeResponse:
+        """Omni.Detokenize: the thinker's text of token ids."""
+        if self.thinker is None:
+            raise StageUnavailable("the 'thinker' stage is not available (gateway started degraded)")
+        return await self.thinker.detokenize(request, context.time_remaining())
+
     async def plan(self, request: omni_pb2.GenerateRequest, arrived_at: float) -> RequestPlan:
         """Check the request (counts first, then file paths, then the rest) against the deployed stages."""
         check_counts(request, self.limits)  # before any per-message work
@@ -449,6 +475,8 @@ class Pipeline:
         async with self.talker_slot(voice is not None, context.time_remaining()) as speech_over:
             await media.for_call()
             events = self._thinker(request, media, context, lambda ev: client_event(request.request_id, ev))
+            if request.tools is not None:  # calls in the text become ToolCall events
+                events = tool_events(events, request.tools, request.request_id)
             spoken = None
             if voice is not None:
                 spoken = SpokenAnswer(

@@ -47,13 +47,34 @@ class AnswerTokens:
 
 
 @dataclass(frozen=True)
-class Turn:
-    role: str  # "user" | "assistant"
-    # A text, or the message's texts, media (and an earlier answer's tokens) in order.
-    content: str | tuple[str | MediaSlot | AnswerTokens, ...]
+class ToolCallPart:
+    """A call an earlier answer made: rendered after its text as the chat format's `<tool_call>` block."""
 
-    def parts(self) -> tuple[str | MediaSlot | AnswerTokens, ...]:
+    name: str
+    arguments: str  # JSON text, as the call gave it
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str  # "user" | "assistant" | "tool" (a tool's result: the OBSERVATION turn)
+    # A text, or the message's texts, media (and an earlier answer's tokens and tool calls) in order.
+    content: str | tuple[str | MediaSlot | AnswerTokens | ToolCallPart, ...]
+
+    def parts(self) -> tuple[str | MediaSlot | AnswerTokens | ToolCallPart, ...]:
         return (self.content,) if isinstance(self.content, str) else self.content
+
+
+# The tools block of Ling's chat template (the thinker's; ming.md §7.2: it comes after the system
+# text, before the thinking switch): fixed wording around one JSON object per tool.
+TOOLS_HEAD = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_TAIL = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n'
+)
 
 
 def image_markup(item: encoder_pb2.EncodedItem) -> str:
@@ -117,38 +138,80 @@ def build_chat(
     system_prompt: str = "",
     thinking: bool = False,
     media: Sequence[encoder_pb2.EncodedItem] | None = None,
+    tools: Sequence[str] = (),
+    call_tool: bool = False,
 ) -> thinker_pb2.ChatPrompt:
-    """A conversation whose last turn is the user's, ending with the assistant's generation prompt.
+    """A conversation whose last turn is the user's (or tool results), ending with the assistant's
+    generation prompt.
 
     `media[slot.index]` is the encoder's output for each MediaSlot; None leaves media out (only
-    to measure the prompt's text and markup)."""
-    if not turns or turns[-1].role != "user":
-        raise ValueError("the last turn must be the user's")
+    to measure the prompt's text and markup). `tools` (each tool's JSON) are shown in the system
+    turn; `call_tool` primes the answer with `<tool_call>\n` (a forced call)."""
+    if not turns or turns[-1].role not in ("user", "tool"):
+        raise ValueError("the last turn must be the user's or tool results")
     mode = "detailed thinking on" if thinking else "detailed thinking off"
     out = _Pieces()
     out.template("<role>SYSTEM</role>")
     out.text(system_prompt or DEFAULT_SYSTEM_PROMPT)
-    out.template(f"\n\n{mode}{ROLE_END}")
-    for turn in turns:
+    out.template("\n\n")
+    if tools:
+        out.template(TOOLS_HEAD)
+        for tool in tools:
+            out.template("\n")
+            out.text(tool)
+        out.template(TOOLS_TAIL)
+    out.template(f"{mode}{ROLE_END}")
+    for i, turn in enumerate(turns):
+        if turn.role == "tool":
+            _tool_result(out, turn, first=i == 0 or turns[i - 1].role != "tool")
+            if i + 1 == len(turns) or turns[i + 1].role != "tool":
+                out.template(ROLE_END)
+            continue
         out.template(f"<role>{_ROLE_TAG[turn.role]}</role>")
-        previous: str | None = None
-        for part in turn.parts():
-            if isinstance(part, str):
-                out.text(part)
-                previous = None
-                continue
-            if isinstance(part, AnswerTokens):
-                out.tokens(part.ids)
-                previous = None
-                continue
-            if previous == part.kind and part.kind in ("image", "audio"):
-                out.template("\n")  # several images (clips) of one message
-            if media is not None:
-                out.template(_MARKUP[part.kind](media[part.index]))
-            previous = part.kind
+        _turn_parts(out, turn, media)
         out.template(ROLE_END)
     out.template("<role>ASSISTANT</role>")
+    if call_tool:
+        out.template("<tool_call>\n")
     return out.done()
+
+
+def _turn_parts(out: _Pieces, turn: Turn, media: Sequence[encoder_pb2.EncodedItem] | None) -> None:
+    previous: str | None = None
+    written = False  # text before a tool call: the call starts on a new line
+    for part in turn.parts():
+        if isinstance(part, str):
+            out.text(part)
+            previous, written = None, written or bool(part)
+            continue
+        if isinstance(part, AnswerTokens):
+            out.tokens(part.ids)
+            previous, written = None, True
+            continue
+        if isinstance(part, ToolCallPart):
+            out.template('\n<tool_call>\n{"name": "' if written else '<tool_call>\n{"name": "')
+            out.text(part.name)
+            out.template('", "arguments": ')
+            out.text(part.arguments)
+            out.template("}\n</tool_call>")
+            previous, written = None, True
+            continue
+        if previous == part.kind and part.kind in ("image", "audio"):
+            out.template("\n")  # several images (clips) of one message
+        if media is not None:
+            out.template(_MARKUP[part.kind](media[part.index]))
+        previous, written = part.kind, True
+
+
+def _tool_result(out: _Pieces, turn: Turn, first: bool) -> None:
+    """One tool result; consecutive results share one OBSERVATION turn."""
+    if first:
+        out.template("<role>OBSERVATION</role>")
+    out.template("\n<tool_response>\n")
+    for part in turn.parts():
+        if isinstance(part, str):
+            out.text(part)
+    out.template("\n</tool_response>")
 
 
 def prompt_chars(chat: thinker_pb2.ChatPrompt) -> int:

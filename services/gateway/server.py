@@ -18,7 +18,7 @@ import grpc
 from omnistage.services.gateway.converse import Conversation, ConverseLimits
 from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.request_metrics import GatewayMetrics
-from omnistage.v1 import omni_pb2, omni_pb2_grpc
+from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
 
 class OmniServicer(omni_pb2_grpc.OmniServicer):
@@ -37,6 +37,12 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         async with contextlib.aclosing(events) as stream:
             async for event in stream:
                 yield event
+
+    async def Tokenize(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        return await self.pipeline.tokenize(request, context)
+
+    async def Detokenize(self, request: common_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        return await self.pipeline.detokenize(request, context)
 
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext):
         conversation = Conversation(self.pipeline, context, self.converse)

@@ -250,6 +250,25 @@ class ThinkerClient(StageClient):
             async for event in events:
                 yield event
 
+    async def tokenize(
+        self, request: thinker_pb2.TokenizeRequest, timeout_s: float | None
+    ) -> common_pb2.TokenizeResponse:
+        return await self._unary(self.stub.Tokenize(request, timeout=timeout_s))
+
+    async def detokenize(
+        self, request: common_pb2.DetokenizeRequest, timeout_s: float | None
+    ) -> common_pb2.DetokenizeResponse:
+        return await self._unary(self.stub.Detokenize(request, timeout=timeout_s))
+
+    async def _unary(self, call: Any) -> Any:
+        self.check_up()
+        call = self.track(call)
+        try:
+            with self.lost_as_unavailable():
+                return await call
+        except grpc.aio.AioRpcError as exc:
+            raise self.error(exc) from exc
+
 
 class EncoderClient(StageClient):
     """Encoder.Encode bounded by the caller's deadline (a cancelled caller cancels the call, and the

@@ -22,10 +22,12 @@ from omnistage.services.gateway.prompt import (
     DEFAULT_SYSTEM_PROMPT,
     AnswerTokens,
     MediaSlot,
+    ToolCallPart,
     Turn,
     build_chat,
     prompt_chars,
 )
+from omnistage.services.gateway.tools import MAX_TOOL_CALLS, ToolPlan, plan_tools
 from omnistage.v1 import common_pb2, encoder_pb2, omni_pb2, thinker_pb2
 
 # output_modalities holds each of the three modalities at most once in any sensible request; a few
@@ -39,6 +41,9 @@ _REQUEST_OVERHEAD_BYTES = 1 << 20
 _OUTPUT_STAGE = {
     omni_pb2.Modality.Value(f"MODALITY_{name.upper()}"): kind for name, kind in OUTPUT_KIND.items()
 }
+
+
+_TURN_ROLE = {omni_pb2.ROLE_USER: "user", omni_pb2.ROLE_ASSISTANT: "assistant", omni_pb2.ROLE_TOOL: "tool"}
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ def wire_bounds(limits: RequestLimits) -> dict[str, WireBounds]:
     return {
         "Generate": bounds(omni_pb2.GenerateRequest.DESCRIPTOR, ""),
         "Converse": bounds(omni_pb2.ConverseRequest.DESCRIPTOR, "config."),
+        "Tokenize": bounds(omni_pb2.GenerateRequest.DESCRIPTOR, ""),
     }
 
 
@@ -104,12 +110,16 @@ class PlannedRequest:
     outputs: frozenset[int]
     media: tuple[MediaPart, ...] = ()
     prompt_chars: int = 0  # with its chat markup (media placeholders not counted)
+    tools: ToolPlan | None = None  # tools shown to the model (tools.py)
+    raw: str | None = None  # GenerateRequest.prompt: continued as it is, no chat format
 
     def chat(self, encoded: Sequence[encoder_pb2.EncodedItem] = ()) -> thinker_pb2.ChatPrompt:
         """The thinker's prompt; `encoded[i]` (the encoder's output for media[i]) sizes its placeholders."""
         if len(encoded) != len(self.media):
             raise ValueError(f"{len(self.media)} media parts, {len(encoded)} encoder outputs")
-        return build_chat(self.turns, self.system_prompt, media=encoded)
+        if self.raw is not None:  # client text only: its special-token strings stay text
+            return thinker_pb2.ChatPrompt(pieces=[thinker_pb2.PromptPiece(text=self.raw)])
+        return _chat(self.turns, self.system_prompt, self.tools, encoded)
 
     @property
     def prompt(self) -> thinker_pb2.ChatPrompt:
@@ -138,6 +148,17 @@ def check_context(sampling: common_pb2.SamplingParams, least_prompt_tokens: int,
             f"sampling.max_tokens: {sampling.max_tokens} + a prompt of at least {least_prompt_tokens} "
             f"token(s) exceeds max_model_len {max_model_len}"
         )
+
+
+def _chat(
+    turns: Sequence[Turn],
+    system_prompt: str,
+    tools: ToolPlan | None,
+    media: Sequence[encoder_pb2.EncodedItem] | None,
+) -> thinker_pb2.ChatPrompt:
+    if tools is None:
+        return build_chat(turns, system_prompt, media=media)
+    return build_chat(turns, system_prompt, media=media, tools=tools.shown, call_tool=tools.forced)
 
 
 def check_counts(req: omni_pb2.GenerateRequest, limits: RequestLimits) -> None:
@@ -175,14 +196,29 @@ def _check_outputs(req: omni_pb2.GenerateRequest, deployed: set[str]) -> set[int
     return outputs
 
 
+def _tool_calls(where: str, msg: omni_pb2.ChatMessage) -> list[ToolCallPart]:
+    """An assistant message's earlier tool calls (other roles have none)."""
+    if not msg.tool_calls:
+        return []
+    if msg.role != omni_pb2.ROLE_ASSISTANT:
+        raise InvalidRequest(f"{where}.tool_calls: only an assistant message has tool calls")
+    if len(msg.tool_calls) > MAX_TOOL_CALLS:
+        raise InvalidRequest(f"{where}.tool_calls: {len(msg.tool_calls)} calls, at most {MAX_TOOL_CALLS}")
+    for j, call in enumerate(msg.tool_calls):
+        if not call.name:
+            raise InvalidRequest(f"{where}.tool_calls[{j}].name: empty")
+    return [ToolCallPart(c.name, c.arguments_json or "{}") for c in msg.tool_calls]
+
+
 def _message_content(
     where: str, msg: omni_pb2.ChatMessage, deployed: set[str], media: list[MediaPart]
-) -> tuple[str | MediaSlot, ...]:
-    """Texts (adjacent ones joined) and media slots of one message, in order; media parts are
-    appended to `media`."""
-    if not msg.parts:
+) -> tuple[str | MediaSlot | ToolCallPart, ...]:
+    """Texts (adjacent ones joined), media slots and tool calls of one message, in order; media parts
+    are appended to `media`."""
+    calls = _tool_calls(where, msg)
+    if not msg.parts and not calls:
         raise InvalidRequest(f"{where}.parts: a message needs at least one part")
-    content: list[str | MediaSlot] = []
+    content: list[str | MediaSlot | ToolCallPart] = []
     for j, part in enumerate(msg.parts):
         kind = part.WhichOneof("content")
         if kind is None:
@@ -209,7 +245,29 @@ def _message_content(
             content[-1] += part.text
         else:
             content.append(part.text)
-    return tuple(content)
+    if msg.role == omni_pb2.ROLE_TOOL and any(not isinstance(c, str) for c in content):
+        raise InvalidRequest(f"{where}.parts: a tool message takes text only")
+    return (*content, *calls)
+
+
+def plan_raw(req: omni_pb2.GenerateRequest, request_id: str, limits: RequestLimits) -> PlannedRequest:
+    """A raw-prompt request (GenerateRequest.prompt): text in, text out, nothing else."""
+    for name in ("messages", "tools"):
+        if getattr(req, name):
+            raise InvalidRequest(f"{name}: not with prompt (a raw prompt is the whole input)")
+    if req.system_prompt:
+        raise InvalidRequest("system_prompt: not with prompt (a raw prompt has no chat format)")
+    if set(req.output_modalities) - {omni_pb2.MODALITY_TEXT}:
+        raise InvalidRequest("output_modalities: a raw prompt answers with text only")
+    if len(req.prompt) > limits.max_prompt_chars:
+        raise InvalidRequest(
+            f"prompt: {len(req.prompt)} characters, the limit is {limits.max_prompt_chars} (max_prompt_chars)"
+        )
+    check_sampling(req.sampling)
+    outputs = frozenset({omni_pb2.MODALITY_TEXT})
+    return PlannedRequest(
+        request_id, (), "", req.sampling, outputs, prompt_chars=len(req.prompt), raw=req.prompt
+    )
 
 
 def plan_request(
@@ -220,8 +278,10 @@ def plan_request(
     request_id = req.request_id or uuid.uuid4().hex
     if not valid_request_id(request_id):
         raise InvalidRequest(f"request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
+    if req.prompt:
+        return plan_raw(req, request_id, limits)
     if not req.messages:
-        raise InvalidRequest("messages: at least one message is required")
+        raise InvalidRequest("messages: at least one message (or a prompt) is required")
     outputs = _check_outputs(req, deployed)
     system_prompt = req.system_prompt
     turns: list[Turn] = []
@@ -234,10 +294,23 @@ def plan_request(
                 raise InvalidRequest(f"{where}.role: a system message may only be the first message")
             if system_prompt:
                 raise InvalidRequest(f"{where}.role: system_prompt and a system message are both set")
+        elif msg.role == omni_pb2.ROLE_TOOL:
+            if (
+                not turns
+                or turns[-1].role not in ("tool", "assistant")
+                or (turns[-1].role == "assistant" and not req.messages[i - 1].tool_calls)
+            ):
+                raise InvalidRequest(
+                    f"{where}.role: a tool message must follow an assistant message with tool_calls"
+                )
         elif msg.role not in (omni_pb2.ROLE_USER, omni_pb2.ROLE_ASSISTANT):
-            raise InvalidRequest(f"{where}.role: must be ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT")
+            raise InvalidRequest(f"{where}.role: must be ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT or ROLE_TOOL")
         content = _message_content(where, msg, deployed, media)
-        text_chars += sum(len(c) for c in content if isinstance(c, str))
+        text_chars += sum(
+            len(c) if isinstance(c, str) else len(c.name) + len(c.arguments)
+            for c in content
+            if isinstance(c, str | ToolCallPart)
+        )
         if text_chars > limits.max_prompt_chars:
             raise InvalidRequest(
                 f"messages: the prompt passes {limits.max_prompt_chars} characters at {where} (max_prompt_chars)"
@@ -247,19 +320,25 @@ def plan_request(
                 raise InvalidRequest(f"{where}.parts: a system message takes text only")
             system_prompt = content[0]
         else:
-            turns.append(Turn("user" if msg.role == omni_pb2.ROLE_USER else "assistant", content))
-    if not turns or turns[-1].role != "user":
-        raise InvalidRequest("messages: the last message must be from ROLE_USER")
+            turns.append(Turn(_TURN_ROLE[msg.role], content))
+    if not turns or turns[-1].role not in ("user", "tool"):
+        raise InvalidRequest("messages: the last message must be from ROLE_USER (or ROLE_TOOL)")
     check_sampling(req.sampling)  # the values' shape; against the thinker's max_model_len: check_context
+    tools = plan_tools(req, outputs)
+    sampling = req.sampling
+    if tools is not None and tools.forced:
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(req.sampling)
+        sampling.constraint.CopyFrom(tools.constraint())
     system_prompt = system_prompt or default_system_prompt or DEFAULT_SYSTEM_PROMPT
     # Media placeholders are not counted: their token counts come from the encoder, and the
     # thinker bounds the prompt's tokens.
-    chars = prompt_chars(build_chat(turns, system_prompt, media=None))
+    chars = prompt_chars(_chat(turns, system_prompt, tools, None))
     if chars > limits.max_prompt_chars:
         raise InvalidRequest(
             f"messages: the prompt has {chars} characters with its chat markup, the limit is "
             f"{limits.max_prompt_chars} (max_prompt_chars)"
         )
     return PlannedRequest(
-        request_id, tuple(turns), system_prompt, req.sampling, frozenset(outputs), tuple(media), chars
+        request_id, tuple(turns), system_prompt, sampling, frozenset(outputs), tuple(media), chars, tools
     )

@@ -27,13 +27,14 @@ import asyncio
 import concurrent.futures
 import logging
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
 
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop, DeviceStopped
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
 from omnistage.common.sampling import check_sampling
 from omnistage.common.transport import TransportContext, encode
+from omnistage.services.thinker.engine.grammar import GrammarError, Grammars, GrammarSpec
 from omnistage.services.thinker.engine.llm_engine import (
     LLMEngine,
     QueueFullError,
@@ -102,6 +103,14 @@ def sampling_from_proto(s: common_pb2.SamplingParams, vocab_size: int, max_model
     )
 
 
+def grammar_spec(s: common_pb2.SamplingParams) -> GrammarSpec | None:
+    """The constraint of a (checked) proto, or None."""
+    if not s.HasField("constraint"):
+        return None
+    kind = s.constraint.WhichOneof("kind")
+    return GrammarSpec(kind, "" if kind == "json_object" else getattr(s.constraint, kind))
+
+
 class ThinkerEngine:
     """`generate(request)` → Started, then Tokens / Hidden, then Finished. Owns the device loop."""
 
@@ -131,6 +140,8 @@ class ThinkerEngine:
         # A prompt longer than this cannot fit max_model_len tokens whatever it says.
         self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars
         self._pool = concurrent.futures.ThreadPoolExecutor(tokenize_workers, "tokenize")
+        # Structured outputs: constraints compiled for this tokenizer (in the pool), cached by text.
+        self.grammars = Grammars(self.tokenizer)
 
     def start(self) -> None:
         self.loop.start()
@@ -182,12 +193,36 @@ class ThinkerEngine:
                 self.loop.call(lambda: self.runner.abort(engine_id))
                 _log.info("request %s (engine id %s) ended before it finished", request.request_id, engine_id)
 
+    async def tokenize(self, request: thinker_pb2.TokenizeRequest) -> list[int]:
+        """The ids Generate would prefill for this prompt: the same bounds, in the tokenize pool."""
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidRequest("prompt: set text or chat")
+        as_generate = thinker_pb2.ThinkerRequest(**{kind: getattr(request, kind)})
+        self._check_prompt_size(as_generate)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._prompt_ids, as_generate)
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of `ids` (at most max_model_len of them, inside the vocabulary)."""
+        if len(ids) > self.max_model_len:
+            raise InvalidRequest(f"token_ids: {len(ids)} ids, at most max_model_len {self.max_model_len}")
+        checked = self._in_vocabulary("token_ids", ids)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenizer.decode, checked)
+
     async def _admit(self, request: thinker_pb2.ThinkerRequest) -> tuple[Prompt, SamplingParams]:
         """Bound, check the sampling, tokenize (in the pool); the request's leases end here."""
         try:
             self._check_prompt_size(request)
             params = sampling_from_proto(request.sampling, self.tokenizer.vocab_size, self.max_model_len)
-            prompt = await asyncio.get_running_loop().run_in_executor(self._pool, self._prompt, request)
+            loop = asyncio.get_running_loop()
+            prompt = await loop.run_in_executor(self._pool, self._prompt, request)
+            spec = grammar_spec(request.sampling)
+            if spec is not None and not request.HasField("hidden_states"):
+                try:
+                    grammar = await loop.run_in_executor(self._pool, self.grammars.compile, spec)
+                except GrammarError as exc:
+                    raise InvalidRequest(str(exc)) from None
+                params = replace(params, grammar=grammar)
         finally:
             if request.multimodal:  # copied, refused or cancelled: no lease outlives this
                 if self._transport is None:

@@ -7,6 +7,7 @@ engine request is aborted at once and its KV blocks freed.
 from __future__ import annotations
 
 import contextlib
+from typing import Protocol
 
 import grpc
 from omnistage.services.thinker.engine.llm_engine import RequestOutput
@@ -29,10 +30,21 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
     async def Generate(self, request: thinker_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
         async with contextlib.aclosing(self.engine.generate(request)) as events:
             async for event in events:
-                yield _event(event)
+                yield _event(event, self.engine.tokenizer)
+
+    async def Tokenize(self, request: thinker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
+        ids = await self.engine.tokenize(request)
+        return common_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.engine.max_model_len)
+
+    async def Detokenize(self, request: common_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        return common_pb2.DetokenizeResponse(text=await self.engine.detokenize(request.token_ids))
 
 
-def _event(event: Event) -> thinker_pb2.ThinkerEvent:
+class TokenBytes(Protocol):
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+def _event(event: Event, tokens: TokenBytes) -> thinker_pb2.ThinkerEvent:
     if isinstance(event, Started):
         return thinker_pb2.ThinkerEvent(
             started=thinker_pb2.Started(
@@ -40,14 +52,14 @@ def _event(event: Event) -> thinker_pb2.ThinkerEvent:
             )
         )
     if isinstance(event, Tokens):
-        return _delta(event.out)
+        return _delta(event.out, tokens)
     if isinstance(event, Hidden):
         return thinker_pb2.ThinkerEvent(hidden_states=thinker_pb2.HiddenStates(tensor=event.ref))
     assert isinstance(event, Finished)
     return _finish(event.out)
 
 
-def _delta(out: RequestOutput) -> thinker_pb2.ThinkerEvent:
+def _delta(out: RequestOutput, tokens: TokenBytes) -> thinker_pb2.ThinkerEvent:
     return thinker_pb2.ThinkerEvent(
         delta=thinker_pb2.TokenDelta(
             token_ids=out.token_ids,
@@ -58,6 +70,8 @@ def _delta(out: RequestOutput) -> thinker_pb2.ThinkerEvent:
                     logprob=lp.logprob,
                     top_token_ids=lp.top_token_ids,
                     top_logprobs=lp.top_logprobs,
+                    token=tokens.token_bytes(lp.token_id),
+                    top_tokens=[tokens.token_bytes(t) for t in lp.top_token_ids],
                 )
                 for lp in out.logprobs
             ],

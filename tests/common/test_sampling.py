@@ -79,3 +79,34 @@ def test_stop_token_ids_are_bounded_by_the_vocabulary():
         InvalidRequest, match=r"sampling.stop_token_ids\[0\]: must be a token id \(0..99\), got 100"
     ):
         check_sampling(common_pb2.SamplingParams(stop_token_ids=[100]), vocab_size=100)
+
+
+@pytest.mark.parametrize(
+    ("set_it", "needle"),
+    [
+        (lambda s: s.constraint.SetInParent(), "sampling.constraint: set json_object, json_schema or ebnf"),
+        (
+            lambda s: setattr(s.constraint, "json_object", False),
+            "sampling.constraint.json_object: must be true",
+        ),
+        (lambda s: setattr(s.constraint, "ebnf", "x" * 65537), "sampling.constraint.ebnf: must be 1..65536"),
+        (
+            lambda s: (setattr(s.constraint, "json_schema", "{}"), setattr(s, "ignore_eos", True)),
+            "sampling.constraint.json_schema: not with sampling.ignore_eos",
+        ),
+    ],
+    ids=["no-kind", "json-object-false", "too-long", "ignore-eos"],
+)
+def test_constraint_shape_rules_name_the_field(set_it, needle):
+    from omnistage.common.runtime.errors import InvalidRequest
+    from omnistage.common.sampling import check_sampling
+    from omnistage.v1 import common_pb2
+
+    s = common_pb2.SamplingParams()
+    set_it(s)
+    with pytest.raises(InvalidRequest) as info:
+        check_sampling(s)
+    assert str(info.value).startswith(needle)
+    ok = common_pb2.SamplingParams()
+    ok.constraint.json_schema = '{"type": "object"}'
+    check_sampling(ok)

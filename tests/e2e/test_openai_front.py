@@ -8,6 +8,7 @@ import asyncio
 import base64
 import io
 import json
+import math
 import socket
 import time
 import urllib.error
@@ -63,7 +64,7 @@ def front(tmp_path_factory):
                 "metrics_port": th_metrics,
                 "dist_port": dist,
                 "drain_grace_s": 2.0,
-                "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 512},
+                "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 1024},
             },
             "encoder": {
                 "kind": "encoder",
@@ -459,6 +460,289 @@ def test_bad_speech_bodies_are_400_naming_the_field(front):
         assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
     status, _, raw = _raw(front, "/v1/audio/speech", b"[1, 2]")
     assert status == 400 and json.loads(raw)["error"]["param"] == "body"
+
+
+# ---- the OpenAI surface: n, logprobs, request hygiene, /version and /metrics
+
+
+def _check_logprobs(choice, top: int, greedy: bool) -> None:
+    """Every token has its logprob, `top` alternatives most likely first, and bytes that join to the text
+    (the random tiny model also makes byte sequences that are no UTF-8: U+FFFD in the text)."""
+    content = choice.logprobs.content
+    joined = b"".join(bytes(t.bytes) for t in content).decode(errors="replace")
+    assert joined == (choice.message.content or ""), content
+    for t in content:
+        tops = [x.logprob for x in t.top_logprobs]
+        assert len(tops) == top and tops == sorted(tops, reverse=True) and t.logprob <= 0
+        assert sum(math.exp(x) for x in tops) <= 1 + 1e-4, "probabilities of distinct tokens"
+        assert t.logprob <= tops[0] + 1e-5
+        if greedy:
+            assert t.logprob == pytest.approx(tops[0], abs=1e-5) and t.token == t.top_logprobs[0].token
+
+
+def test_n_choices_share_the_prompt_through_the_prefix_cache_with_logprobs(front):
+    client = _client(front)
+    r = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Three samples of a story about a lighthouse keeper, please."}],
+        n=3,
+        max_tokens=5,
+        temperature=1.0,
+        seed=11,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 15 and all(len(c.logprobs.content) == 5 for c in r.choices)
+    # The later choices took the prompt's whole blocks (but the last token's) from the cache.
+    assert r.usage.prompt_tokens_details.cached_tokens == (r.usage.prompt_tokens - 1) // 16 * 16 > 0
+    for choice in r.choices:
+        _check_logprobs(choice, 3, greedy=False)
+    stream = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Two greedy answers."}],
+        n=2,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    texts, tokens = {0: "", 1: ""}, {0: [], 1: []}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            tokens[choice.index] += choice.logprobs.content if choice.logprobs else []
+    assert texts[0] == texts[1] and len(tokens[0]) == len(tokens[1]) == 4, "greedy choices agree"
+    assert [t.logprob for t in tokens[0]] == pytest.approx([t.logprob for t in tokens[1]], abs=1e-5)
+    assert chunks[-1].usage.completion_tokens == 8
+    _settled(front)
+
+
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Hangzhou", "Paris", "Lima"]},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 10},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+    },
+    "required": ["city", "rank", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_follow_their_schema_streamed_or_not(front):
+    import jsonschema
+
+    client = _client(front)
+    rf = {
+        "type": "json_schema",
+        "json_schema": {"name": "place", "schema": STRUCTURED_SCHEMA, "strict": True},
+    }
+    messages = [{"role": "user", "content": "Name a city as JSON."}]
+    r = client.chat.completions.create(
+        model="m", messages=messages, response_format=rf, max_tokens=200, temperature=1.0, seed=3
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), STRUCTURED_SCHEMA)
+    stream = client.chat.completions.create(
+        model="m", messages=messages, response_format=rf, max_tokens=200, temperature=1.0, seed=3, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == r.choices[0].message.content, "the same seed, streamed"
+    r = client.chat.completions.create(
+        model="m", messages=messages, response_format={"type": "json_object"}, max_tokens=200, temperature=0
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=messages, response_format=bad)
+    assert "sampling.constraint.json_schema: does not compile" in str(info.value)
+    _settled(front)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather of a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Paris", "Lima"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+
+
+def test_required_and_named_tool_calls_are_valid_calls_streamed_or_not(front):
+    import jsonschema
+
+    client = _client(front)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    r = client.chat.completions.create(
+        model="m",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=120,
+        temperature=1.0,
+        seed=5,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in schemas
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    stream = client.chat.completions.create(
+        model="m",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=120,
+        temperature=1.0,
+        seed=6,
+        stream=True,
+    )
+    chunks = [c for c in stream if c.choices]
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [d.index for d in deltas] == [0] and deltas[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(deltas[0].function.arguments), schemas["get_weather"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    # The call's result goes back as a tool message (the OBSERVATION turn); the model answers on.
+    follow = client.chat.completions.create(
+        model="m",
+        messages=[
+            *messages,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'},
+        ],
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert follow.usage.prompt_tokens > r.usage.prompt_tokens and follow.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="m",
+            messages=messages,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "x"}},
+        )
+    assert "tool_choice_function: 'x' is not one of the tools" in str(info.value)
+    _settled(front)
+
+
+def test_a_transcription_of_a_wav_returns_its_text(front):
+    client = _client(front)
+    wav = audio_file("wav", 1.0)
+    r = client.audio.transcriptions.create(
+        model="m", file=("speech.wav", wav), extra_body={"max_tokens": 6, "seed": 1}, temperature=0.5
+    )
+    assert isinstance(r.text, str) and r.text.strip() and r.usage.output_tokens == 6
+    text_only = client.chat.completions.create(
+        model="m",
+        messages=[
+            {"role": "user", "content": "Please recognize the language of this speech and transcribe it."}
+        ],
+        max_tokens=1,
+    )
+    assert r.usage.input_tokens > text_only.usage.prompt_tokens + 4, "the audio rows are in the prompt"
+    verbose = client.audio.transcriptions.create(
+        model="m", file=("speech.wav", wav), response_format="verbose_json", extra_body={"max_tokens": 4}
+    )
+    assert verbose.duration == pytest.approx(1.0, abs=0.05) and isinstance(verbose.text, str)
+    with pytest.raises(openai.BadRequestError) as info:  # the encoder cannot decode it
+        client.audio.transcriptions.create(model="m", file=("speech.wav", b"not audio at all"))
+    assert "messages[0].parts[1].audio" in str(info.value)
+    _settled(front)
+
+
+def test_completions_continue_a_raw_prompt_streamed_or_not(front):
+    client = _client(front)
+    whole = client.completions.create(
+        model="m", prompt="Once upon a time", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    choice = whole.choices[0]
+    assert whole.object == "text_completion" and choice.finish_reason == "length"
+    assert whole.usage.completion_tokens == 6
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=1
+    )
+    assert whole.usage.prompt_tokens < chat.usage.prompt_tokens, "no chat format around a raw prompt"
+    stream = client.completions.create(
+        model="m",
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text, "greedy: the same text"
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs) == 6
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m", prompt="x", echo=True)
+    assert "echo" in str(info.value)
+    _settled(front)
+
+
+def test_tokenize_counts_what_generate_prefills_and_detokenize_reads_it_back(front):
+    def post(path: str, body: dict, key: str = KEY):
+        status, _, raw = _raw(front, path, json.dumps(body).encode(), key=key)
+        return status, json.loads(raw)
+
+    messages = [{"role": "user", "content": "Count my tokens, please."}]
+    status, counted = post("/tokenize", {"model": "m", "messages": messages})
+    chat = _client(front).chat.completions.create(model="m", messages=messages, max_tokens=1)
+    assert status == 200 and counted["count"] == len(counted["tokens"]) == chat.usage.prompt_tokens
+    assert counted["max_model_len"] == 1024
+    status, raw = post("/tokenize", {"prompt": "Once upon a time"})
+    completion = _client(front).completions.create(model="m", prompt="Once upon a time", max_tokens=1)
+    assert status == 200 and raw["count"] == completion.usage.prompt_tokens
+    status, text = post("/detokenize", {"tokens": raw["tokens"]})
+    assert status == 200 and text["prompt"] == "Once upon a time"
+    status, err = post("/detokenize", {"tokens": [10**9]})
+    assert status == 400 and "token_ids" in err["error"]["message"]
+    assert post("/tokenize", {"prompt": "x"}, key="sk-wrong")[0] == 401
+
+
+def test_unknown_fields_are_400_and_the_api_port_serves_version_and_metrics(front):
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(front).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], extra_body={"max_token": 5}
+        )
+    assert "Unrecognized request argument supplied: max_token" in str(info.value)
+    status, _, body = _raw(front, "/version")
+    assert status == 200 and json.loads(body)["version"]
+    status, headers, body = _raw(front, "/metrics")
+    assert (
+        status == 200
+        and 'omnistage_rpc_requests_total{code="OK",method="Generate",service="gateway"}' in (body.decode())
+    )
+    assert _raw(front, "/metrics", key="sk-wrong")[0] == 401
 
 
 # ---- the CLI (common/client.py underneath) against the same gateway's gRPC port

@@ -21,6 +21,14 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_SYSTEM: _ClassVar[Role]
     ROLE_USER: _ClassVar[Role]
     ROLE_ASSISTANT: _ClassVar[Role]
+    ROLE_TOOL: _ClassVar[Role]
+
+class ToolChoice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_CHOICE_AUTO: _ClassVar[ToolChoice]
+    TOOL_CHOICE_NONE: _ClassVar[ToolChoice]
+    TOOL_CHOICE_REQUIRED: _ClassVar[ToolChoice]
+    TOOL_CHOICE_FUNCTION: _ClassVar[ToolChoice]
 
 class AudioOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +44,11 @@ ROLE_UNSPECIFIED: Role
 ROLE_SYSTEM: Role
 ROLE_USER: Role
 ROLE_ASSISTANT: Role
+ROLE_TOOL: Role
+TOOL_CHOICE_AUTO: ToolChoice
+TOOL_CHOICE_NONE: ToolChoice
+TOOL_CHOICE_REQUIRED: ToolChoice
+TOOL_CHOICE_FUNCTION: ToolChoice
 AUDIO_OUTCOME_UNSPECIFIED: AudioOutcome
 AUDIO_OUTCOME_COMPLETE: AudioOutcome
 AUDIO_OUTCOME_PARTIAL: AudioOutcome
@@ -64,12 +77,36 @@ class ContentPart(_message.Message):
     def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[Media, _Mapping]] = ..., audio: _Optional[_Union[Media, _Mapping]] = ..., video: _Optional[_Union[Media, _Mapping]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "parts")
+    __slots__ = ("role", "parts", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: Role
     parts: _containers.RepeatedCompositeFieldContainer[ContentPart]
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments_json")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments_json: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
 
 class ImageOptions(_message.Message):
     __slots__ = ("width", "height", "steps", "guidance_scale", "seed", "edit")
@@ -88,7 +125,7 @@ class ImageOptions(_message.Message):
     def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., edit: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "output_modalities", "sampling", "voice", "image", "system_prompt", "custom_voice")
+    __slots__ = ("request_id", "messages", "output_modalities", "sampling", "voice", "image", "system_prompt", "custom_voice", "tools", "tool_choice", "tool_choice_function", "prompt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_MODALITIES_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +134,10 @@ class GenerateRequest(_message.Message):
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_VOICE_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     output_modalities: _containers.RepeatedScalarFieldContainer[Modality]
@@ -105,7 +146,11 @@ class GenerateRequest(_message.Message):
     image: ImageOptions
     system_prompt: str
     custom_voice: VoiceClip
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., voice: _Optional[str] = ..., image: _Optional[_Union[ImageOptions, _Mapping]] = ..., system_prompt: _Optional[str] = ..., custom_voice: _Optional[_Union[VoiceClip, _Mapping]] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: ToolChoice
+    tool_choice_function: str
+    prompt: str
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., voice: _Optional[str] = ..., image: _Optional[_Union[ImageOptions, _Mapping]] = ..., system_prompt: _Optional[str] = ..., custom_voice: _Optional[_Union[VoiceClip, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., prompt: _Optional[str] = ...) -> None: ...
 
 class VoiceClip(_message.Message):
     __slots__ = ("audio", "transcript")
@@ -192,13 +237,14 @@ class Finish(_message.Message):
     def __init__(self, reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., message: _Optional[str] = ..., audio: _Optional[_Union[AudioStatus, _Mapping]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("request_id", "text", "audio", "image", "progress", "finish", "turn")
+    __slots__ = ("request_id", "text", "audio", "image", "progress", "finish", "tool_call", "turn")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: TextDelta
@@ -206,8 +252,9 @@ class GenerateEvent(_message.Message):
     image: ImageResult
     progress: Progress
     finish: Finish
+    tool_call: ToolCall
     turn: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., image: _Optional[_Union[ImageResult, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., turn: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., image: _Optional[_Union[ImageResult, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., turn: _Optional[int] = ...) -> None: ...
 
 class ConverseRequest(_message.Message):
     __slots__ = ("config", "text", "audio", "end_of_turn", "cancel")

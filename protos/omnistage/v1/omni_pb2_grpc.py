@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from omnistage.v1 import common_pb2 as omnistage_dot_v1_dot_common__pb2
 from omnistage.v1 import omni_pb2 as omnistage_dot_v1_dot_omni__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -47,6 +48,16 @@ class OmniStub:
                 request_serializer=omnistage_dot_v1_dot_omni__pb2.ConverseRequest.SerializeToString,
                 response_deserializer=omnistage_dot_v1_dot_omni__pb2.GenerateEvent.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/omnistage.v1.Omni/Tokenize',
+                request_serializer=omnistage_dot_v1_dot_omni__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_common__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/omnistage.v1.Omni/Detokenize',
+                request_serializer=omnistage_dot_v1_dot_common__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_common__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class OmniServicer:
@@ -80,6 +91,22 @@ class OmniServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids the thinker would take for this request's prompt (chat format, system prompt and
+        tools included; or its raw `prompt`), checked as Generate checks it; nothing is generated. Media
+        parts are refused (INVALID_ARGUMENT: their token counts come from the encoder).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of the thinker's token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OmniServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +119,16 @@ def add_OmniServicer_to_server(servicer, server):
                     servicer.Converse,
                     request_deserializer=omnistage_dot_v1_dot_omni__pb2.ConverseRequest.FromString,
                     response_serializer=omnistage_dot_v1_dot_omni__pb2.GenerateEvent.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=omnistage_dot_v1_dot_omni__pb2.GenerateRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_common__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=omnistage_dot_v1_dot_common__pb2.DetokenizeRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_common__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -151,6 +188,60 @@ class Omni:
             '/omnistage.v1.Omni/Converse',
             omnistage_dot_v1_dot_omni__pb2.ConverseRequest.SerializeToString,
             omnistage_dot_v1_dot_omni__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.Omni/Tokenize',
+            omnistage_dot_v1_dot_omni__pb2.GenerateRequest.SerializeToString,
+            omnistage_dot_v1_dot_common__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.Omni/Detokenize',
+            omnistage_dot_v1_dot_common__pb2.DetokenizeRequest.SerializeToString,
+            omnistage_dot_v1_dot_common__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,6 +9,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text", "chat")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    chat: ChatPrompt
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ...) -> None: ...
+
 class MultimodalEmbedding(_message.Message):
     __slots__ = ("placeholder_token_id", "embeddings", "merged_grids", "caller_keeps_lease")
     PLACEHOLDER_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from omnistage.v1 import common_pb2 as omnistage_dot_v1_dot_common__pb2
 from omnistage.v1 import thinker_pb2 as omnistage_dot_v1_dot_thinker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -40,6 +41,16 @@ class ThinkerStub:
                 request_serializer=omnistage_dot_v1_dot_thinker__pb2.ThinkerRequest.SerializeToString,
                 response_deserializer=omnistage_dot_v1_dot_thinker__pb2.ThinkerEvent.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/omnistage.v1.Thinker/Tokenize',
+                request_serializer=omnistage_dot_v1_dot_thinker__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_common__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/omnistage.v1.Thinker/Detokenize',
+                request_serializer=omnistage_dot_v1_dot_common__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_common__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class ThinkerServicer:
@@ -56,6 +67,21 @@ class ThinkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids of a prompt as Generate would take it (the same bounds and tokenization; nothing
+        is generated).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids (the tokenizer's decode).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ThinkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -63,6 +89,16 @@ def add_ThinkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=omnistage_dot_v1_dot_thinker__pb2.ThinkerRequest.FromString,
                     response_serializer=omnistage_dot_v1_dot_thinker__pb2.ThinkerEvent.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=omnistage_dot_v1_dot_thinker__pb2.TokenizeRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_common__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=omnistage_dot_v1_dot_common__pb2.DetokenizeRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_common__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -93,6 +129,60 @@ class Thinker:
             '/omnistage.v1.Thinker/Generate',
             omnistage_dot_v1_dot_thinker__pb2.ThinkerRequest.SerializeToString,
             omnistage_dot_v1_dot_thinker__pb2.ThinkerEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.Thinker/Tokenize',
+            omnistage_dot_v1_dot_thinker__pb2.TokenizeRequest.SerializeToString,
+            omnistage_dot_v1_dot_common__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.Thinker/Detokenize',
+            omnistage_dot_v1_dot_common__pb2.DetokenizeRequest.SerializeToString,
+            omnistage_dot_v1_dot_common__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.deadlines import cancel_and_wait, within
 from omnistage.common.runtime.server import PUBLIC_API
+from omnistage.services.gateway.openai import choices, completions, fields
 from omnistage.services.gateway.openai import translate as tr
+from omnistage.services.gateway.openai.completions import CompletionRoute
+from omnistage.services.gateway.openai.extras_routes import ExtraRoutes
+from omnistage.services.gateway.openai.fan_in import fan_in
+from omnistage.services.gateway.openai.tokens_routes import TokenRoutes
+from omnistage.services.gateway.openai.transcriptions import TranscriptionRoute
 from omnistage.services.gateway.openai.translate import HttpError
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
 from starlette.applications import Starlette
@@ -64,6 +70,8 @@ class FrontOptions:
     # After an answer's finish, how long its Omni call may take to end by itself (status OK) before it
     # is cancelled.
     finished_stream_end_s: float = 5.0
+    # Take bodies with top-level fields OpenAI's schema does not have (else 400 naming them).
+    allow_unknown_fields: bool = False
 
 
 def error_response(err: HttpError, request_id: str = "") -> JSONResponse:
@@ -143,14 +151,21 @@ def _require_json(request: Request) -> None:
         )
 
 
-async def _translate(request: Request, translate: Callable[..., T], **kwargs: Any) -> T:
-    """`translate(body, **kwargs)` of the request's JSON body. A large body (base64 media) is parsed and
-    decoded in a worker thread: the event loop also serves the gateway's gRPC API."""
+async def _translate(request: Request, translate: Callable[..., T], known: fields.Known, **kwargs: Any) -> T:
+    """`translate(body, **kwargs)` of the request's JSON body, its top-level fields checked against
+    `known` first. A large body (base64 media) is parsed and decoded in a worker thread: the event loop
+    also serves the gateway's gRPC API."""
     _require_json(request)
     raw = await request.body()
+
+    def parsed() -> T:
+        body = _loads(raw)
+        fields.check_fields(body, known)
+        return translate(body, **kwargs)
+
     if len(raw) < INLINE_PARSE_BYTES:
-        return translate(_loads(raw), **kwargs)
-    return await asyncio.to_thread(lambda: translate(_loads(raw), **kwargs))
+        return parsed()
+    return await asyncio.to_thread(parsed)
 
 
 async def _disconnected(request: Request) -> None:
@@ -209,6 +224,12 @@ class Front:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/audio/speech", self.speech, methods=["POST"]),
             Route("/v1/images/generations", self.images, methods=["POST"]),
+            *ExtraRoutes(self._authorize).routes(),
+            *TranscriptionRoute(self._collect, _request_id, self.options.allow_unknown_fields).routes(),
+            *CompletionRoute(
+                self, _request_id, _translate, self._known(completions.FIELDS), self.options.model
+            ).routes(),
+            *TokenRoutes(self.stub, _metadata, _translate, self._known, self.options.timeout_s).routes(),
         ]
         if self.realtime is not None:
             routes.append(WebSocketRoute("/v1/realtime", self.realtime))
@@ -280,6 +301,10 @@ class Front:
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    def _known(self, route_fields: frozenset[str]) -> fields.Known:
+        """The fields a route takes; every field when `allow_unknown_fields`."""
+        return fields.ANY if self.options.allow_unknown_fields else route_fields
+
     def _authorize(self, request: Request) -> None:
         if self.check_key is not None:
             why = self.check_key(_metadata(request))
@@ -342,14 +367,26 @@ class Front:
                 call.cancel()  # a no-op on a call that ended
 
     async def _collect(self, request: Request, omni: omni_pb2.GenerateRequest) -> tr.Result:
-        """The whole answer of a non-streamed response. A client that disconnects meanwhile cancels the
-        call (an image or a long answer is not made for nobody)."""
-        call, first = await self._open(request, omni)
-        collected = tr.Result()
+        """The whole answer of a non-streamed response."""
+        return (await self._collect_calls(request, [await self._open(request, omni)]))[0]
+
+    async def _collect_calls(self, request: Request, opened: list) -> list[tr.Result]:
+        """The whole answers of opened calls ((call, first event) each). A client that disconnects
+        meanwhile cancels them (an image or a long answer is not made for nobody); the first failure
+        of one cancels the others."""
+        collected = [tr.Result() for _ in opened]
+
+        async def fill(result: tr.Result, call, first) -> None:
+            async for event in self._events(call, first):
+                result.add(event)
 
         async def gather() -> None:
-            async for event in self._events(call, first):
-                collected.add(event)
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for result, (call, first) in zip(collected, opened, strict=True):
+                        group.create_task(fill(result, call, first))
+            except ExceptionGroup as failed:
+                raise failed.exceptions[0] from None
 
         work, gone = asyncio.ensure_future(gather()), asyncio.ensure_future(_disconnected(request))
         try:
@@ -358,64 +395,94 @@ class Front:
             gone.cancel()
             left = not work.done()  # the client went away (or this task is being cancelled)
             if left:
-                call.cancel()
+                for call, _ in opened:
+                    call.cancel()
                 await cancel_and_wait(
                     [work], self.options.finished_stream_end_s, "openai front: a left answer"
                 )
         if left:
             raise HttpError(499, "the client went away", type="cancelled", code="cancelled")
         work.result()  # an RPC error as HttpError
-        if collected.finish is None:
+        if any(result.finish is None for result in collected):
             raise HttpError(502, "the gateway's stream ended without a finish event", type="server_error")
         return collected
+
+    async def _open_choices(self, request: Request, plan: tr.ChatPlan) -> list:
+        """(call, first event) of each choice: the first alone, the others once its prompt is computed
+        (choices.py); a refusal of any cancels those opened."""
+        requests = choices.choice_requests(plan)
+        opened = [await self._open(request, requests[0])]
+        if len(requests) == 1:
+            return opened
+        try:
+            rest = await asyncio.gather(
+                *(self._open(request, r) for r in requests[1:]), return_exceptions=True
+            )
+        except BaseException:  # this task is cancelled (each _open cancels its own call)
+            opened[0][0].cancel()
+            raise
+        failed = [r for r in rest if isinstance(r, BaseException)]
+        opened += [r for r in rest if not isinstance(r, BaseException)]
+        if failed:
+            for call, _ in opened:
+                call.cancel()
+            raise failed[0]
+        return opened
 
     # ---- /v1/chat/completions
 
     async def chat(self, request: Request) -> Response:
         rid = _request_id(request)
-        plan = await _translate(request, tr.chat_request, request_id=rid)
+        plan = await _translate(request, tr.chat_request, self._known(fields.CHAT), request_id=rid)
         model = plan.model or self.options.model
         created = int(time.time())
         completion_id = f"chatcmpl-{rid or uuid.uuid4().hex}"
         headers = {"x-request-id": rid} if rid else {}
+        opened = await self._open_choices(request, plan)
         if not plan.stream:
-            collected = await self._collect(request, plan.request)
-            err = tr.finish_error(collected.finish)
-            if err is not None:
-                raise err
-            body = tr.chat_completion(
-                collected,
-                completion_id=completion_id,
-                created=created,
-                model=model,
-                audio_format=plan.audio_format,
+            results = await self._collect_calls(request, opened)
+            for result in results:
+                err = tr.finish_error(result.finish)
+                if err is not None:
+                    raise err
+            body = choices.completion(
+                results, plan, completion_id=completion_id, created=created, model=model
             )
             return JSONResponse(body, headers=headers)
-        call, first = await self._open(request, plan.request)
         return StreamingResponse(
-            self._chat_sse(call, first, plan, completion_id, created, model),
+            self._chat_sse(opened, plan, completion_id, created, model),
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **headers},
         )
 
     async def _chat_sse(
-        self, call, first, plan: tr.ChatPlan, completion_id: str, created: int, model: str
+        self, opened: list, plan: tr.ChatPlan, completion_id: str, created: int, model: str
     ) -> AsyncIterator[bytes]:
         def sse(obj: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
+        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs=None) -> bytes:
+            return sse(choices.chunk(completion_id, created, model, index, delta, finish, logprobs))
+
         audio = tr.AudioDeltas(f"audio-{completion_id}", plan.audio_format) if plan.audio_format else None
-        yield sse(tr.chunk(completion_id, created, model, {"role": "assistant", "content": ""}))
-        events = self._events(call, first)
+        for index in range(len(opened)):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        finishes: list[omni_pb2.Finish] = []
+        calls = [0] * len(opened)  # tool calls streamed so far, per choice
+        events = fan_in([self._events(call, first) for call, first in opened])
         try:
-            async for event in events:
+            async for index, event in events:
                 kind = event.WhichOneof("event")
-                if kind == "text" and event.text.text:
-                    yield sse(tr.chunk(completion_id, created, model, {"content": event.text.text}))
+                if kind == "text" and (event.text.text or event.text.logprobs):
+                    lps = choices.logprobs_object(plan, event.text.logprobs)
+                    yield chunk(index, {"content": event.text.text}, logprobs=lps)
+                elif kind == "tool_call":
+                    yield chunk(index, {"tool_calls": [tr.tool_call(event.tool_call, calls[index])]})
+                    calls[index] += 1
                 elif kind == "audio" and audio is not None:
                     delta = audio.delta(event.audio)
                     if delta is not None:
-                        yield sse(tr.chunk(completion_id, created, model, {"audio": delta}))
+                        yield chunk(index, {"audio": delta})
                 elif kind == "finish":
                     finish = event.finish
                     err = tr.finish_error(finish)
@@ -425,10 +492,12 @@ class Front:
                     delta: dict[str, Any] = {}
                     if audio is not None:
                         delta["audio"] = {"id": audio.audio_id, **tr.audio_status(finish.audio)}
-                    yield sse(tr.chunk(completion_id, created, model, delta, tr.finish_reason(finish)))
-                    if plan.include_usage:
-                        yield sse(tr.chunk(completion_id, created, model, None, usage_=tr.usage(finish)))
-                    break
+                    yield chunk(index, delta, tr.finish_reason(finish))
+                    finishes.append(finish)
+                    if len(finishes) == len(opened) and plan.include_usage:
+                        yield sse(
+                            tr.chunk(completion_id, created, model, None, usage_=choices.usage(finishes))
+                        )
         except HttpError as err:
             yield sse(err.body())
         finally:
@@ -440,7 +509,11 @@ class Front:
     async def speech(self, request: Request) -> Response:
         rid = _request_id(request)
         plan = await _translate(
-            request, tr.speech_request, request_id=rid, max_chars=self.options.max_speech_chars
+            request,
+            tr.speech_request,
+            self._known(fields.SPEECH),
+            request_id=rid,
+            max_chars=self.options.max_speech_chars,
         )
         call, first = await self._open(request, plan.request)
         events = self._events(call, first)
@@ -526,7 +599,7 @@ class Front:
 
     async def images(self, request: Request) -> Response:
         rid = _request_id(request)
-        omni = await _translate(request, tr.image_request, request_id=rid)
+        omni = await _translate(request, tr.image_request, self._known(fields.IMAGES), request_id=rid)
         collected = await self._collect(request, omni)
         err = tr.finish_error(collected.finish)
         if err is not None:

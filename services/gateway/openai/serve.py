@@ -86,6 +86,7 @@ class HttpFront:
                 model=gw.http_model,
                 timeout_s=gw.http_timeout_s,
                 max_body_bytes=gw.http_max_body_bytes,
+                allow_unknown_fields=gw.http_allow_unknown_fields,
                 capabilities=capabilities,
             ),
             check_key=check_key,

@@ -2,13 +2,14 @@
 
 Everything the Omni API checks itself (roles, empty parts, limits, voices, sampling ranges) is left to
 it, so the HTTP and gRPC fronts refuse the same requests with the same words; this module refuses
-only what has no Omni equivalent (an http:// image URL, `n` > 1, tools, ...), naming the JSON field.
+only what has no Omni equivalent (an http:// image URL, tools, ...), naming the JSON field.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 import re
 import struct
@@ -19,10 +20,13 @@ from typing import Any
 import grpc
 from omnistage.common.client import Result, wav_bytes
 from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY
+from omnistage.common.sampling import MAX_LOGPROBS
 from omnistage.v1 import common_pb2, omni_pb2
 
 # OpenAI's default temperature (the Omni default, 0, is greedy).
 DEFAULT_TEMPERATURE = 1.0
+# Most choices (`n`) of one chat request: each is its own Omni call, admitted as any other.
+MAX_CHOICES = 16
 # /v1/audio/speech: the thinker is asked to say the input back; it has no plain text-to-speech call.
 SPEECH_SYSTEM_PROMPT = "Repeat the user's message word for word, exactly as written, and nothing else."
 
@@ -128,9 +132,12 @@ def _number(body: Mapping[str, Any], key: str, lo: float, hi: float) -> float | 
 
 
 def _integer(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
+    """An integer field; an integral float (`8.0`, as JavaScript clients send numbers) is taken as one."""
     value = body.get(key)
     if value is None:
         return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
     _expect(value, int, key, "an integer")
     if not lo <= value <= hi:
         raise bad_request(key, f"must be in [{lo}, {hi}], got {value}")
@@ -208,7 +215,66 @@ _ROLES = {
     "developer": omni_pb2.ROLE_SYSTEM,
     "user": omni_pb2.ROLE_USER,
     "assistant": omni_pb2.ROLE_ASSISTANT,
+    "tool": omni_pb2.ROLE_TOOL,
 }
+
+
+def _tool_calls(calls: Any, where: str) -> list[omni_pb2.ToolCall]:
+    """An assistant message's earlier `tool_calls` (function calls; arguments as JSON text)."""
+    _expect(calls, list, where, "a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        _expect(call, dict, at, "a tool call object")
+        function = _expect(call.get("function"), dict, f"{at}.function", "an object {name, arguments}")
+        name = _expect(function.get("name"), str, f"{at}.function.name", "a string")
+        arguments = function.get("arguments") or "{}"
+        _expect(arguments, str, f"{at}.function.arguments", "a JSON string")
+        call_id = _expect(call.get("id") or "", str, f"{at}.id", "a string")
+        out.append(omni_pb2.ToolCall(id=call_id, name=name, arguments_json=arguments))
+    return out
+
+
+def tools_of(body: Mapping[str, Any]) -> tuple[list[omni_pb2.Tool], int, str]:
+    """(tools, tool_choice, tool_choice_function) of a chat body."""
+    if body.get("functions") or body.get("function_call"):
+        raise bad_request("functions", "the deprecated functions API is not supported: use tools")
+    tools = []
+    for i, tool in enumerate(_expect(body.get("tools") or [], list, "tools", "a list of tools")):
+        where = f"tools[{i}]"
+        _expect(tool, dict, where, "a tool object")
+        if tool.get("type", "function") != "function":
+            raise bad_request(f"{where}.type", f'only "function" tools, got {tool.get("type")!r}')
+        function = _expect(tool.get("function"), dict, f"{where}.function", "an object {name, parameters}")
+        params = function.get("parameters")
+        tools.append(
+            omni_pb2.Tool(
+                name=_expect(function.get("name"), str, f"{where}.function.name", "a string"),
+                description=_expect(
+                    function.get("description") or "", str, f"{where}.function.description", "a string"
+                ),
+                parameters_json=json.dumps(
+                    _expect(params, dict, f"{where}.function.parameters", "a JSON Schema object"),
+                    ensure_ascii=False,
+                )
+                if params is not None
+                else "",
+            )
+        )
+    choice = body.get("tool_choice")
+    if choice is None or choice == "auto":
+        return tools, omni_pb2.TOOL_CHOICE_AUTO, ""
+    if choice == "none":
+        return tools, omni_pb2.TOOL_CHOICE_NONE, ""
+    if choice == "required":
+        return tools, omni_pb2.TOOL_CHOICE_REQUIRED, ""
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request(
+            "tool_choice",
+            'one of "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+        )
+    return tools, omni_pb2.TOOL_CHOICE_FUNCTION, function["name"]
 
 
 def _message(msg: Any, i: int) -> omni_pb2.ChatMessage:
@@ -216,21 +282,29 @@ def _message(msg: Any, i: int) -> omni_pb2.ChatMessage:
     _expect(msg, dict, where, "a message object")
     role = msg.get("role")
     if role not in _ROLES:
-        raise bad_request(f"{where}.role", f"one of system, developer, user, assistant; got {role!r}")
-    if msg.get("tool_calls") or msg.get("function_call"):
-        raise bad_request(f"{where}.tool_calls", "tools are not supported")
+        raise bad_request(f"{where}.role", f"one of system, developer, user, assistant, tool; got {role!r}")
+    if msg.get("function_call"):
+        raise bad_request(
+            f"{where}.function_call", "the deprecated functions API is not supported: use tools"
+        )
+    calls = _tool_calls(msg["tool_calls"], f"{where}.tool_calls") if msg.get("tool_calls") else []
+    if calls and role != "assistant":
+        raise bad_request(f"{where}.tool_calls", "only an assistant message has tool calls")
     content = msg.get("content")
     if content is None and role == "assistant" and isinstance(msg.get("audio"), dict):
         raise bad_request(
             f"{where}.audio", "earlier audio answers are not kept: send the answer's transcript as content"
         )
     if isinstance(content, str):
-        parts = [omni_pb2.ContentPart(text=content)]
+        parts = [omni_pb2.ContentPart(text=content)] if content or not calls else []
     elif isinstance(content, list):
         parts = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
+    elif content is None and calls:
+        parts = []
     else:
         raise bad_request(f"{where}.content", "expected a string or a list of content parts")
-    return omni_pb2.ChatMessage(role=_ROLES[role], parts=parts)
+    call_id = _expect(msg.get("tool_call_id") or "", str, f"{where}.tool_call_id", "a string")
+    return omni_pb2.ChatMessage(role=_ROLES[role], parts=parts, tool_calls=calls, tool_call_id=call_id)
 
 
 def _stop(value: Any) -> list[str]:
@@ -275,11 +349,38 @@ def sampling(
         sp.ignore_eos = bool(_expect(body["ignore_eos"], bool, "ignore_eos", "a boolean"))
     if _number(body, "frequency_penalty", -2.0, 2.0):
         raise bad_request("frequency_penalty", "not supported (presence_penalty and repetition_penalty are)")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise bad_request("logprobs", "not supported by the HTTP front (the gRPC API returns them)")
+    logprobs = _boolean(body.get("logprobs"), "logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not logprobs:
+        raise bad_request("top_logprobs", "needs logprobs: true")
+    if logprobs:  # the chosen token's logprob comes with the top list: at least one of it
+        sp.logprobs = max(top or 0, 1)
     if body.get("logit_bias"):
         raise bad_request("logit_bias", "not supported")
+    for key in ("prediction", "web_search_options"):
+        if body.get(key):
+            raise bad_request(key, "not supported")
     return sp
+
+
+def response_format(value: Any) -> common_pb2.GrammarConstraint | None:
+    """The thinker's constraint of a chat `response_format` (structured outputs); None for text."""
+    if value is None:
+        return None
+    _expect(value, dict, "response_format", 'an object {"type": ...}')
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return common_pb2.GrammarConstraint(json_object=True)
+    if kind != "json_schema":
+        raise bad_request("response_format.type", f"one of text, json_object, json_schema; got {kind!r}")
+    spec = _expect(value.get("json_schema"), dict, "response_format.json_schema", "an object {name, schema}")
+    schema = spec.get("schema")
+    if schema is None:
+        raise bad_request("response_format.json_schema.schema", "the JSON Schema is required")
+    _expect(schema, (dict, bool), "response_format.json_schema.schema", "a JSON Schema object")
+    return common_pb2.GrammarConstraint(json_schema=json.dumps(schema, separators=(",", ":")))
 
 
 AUDIO_FORMATS = ("wav", "pcm16")
@@ -294,6 +395,9 @@ class ChatPlan:
     include_usage: bool
     audio_format: str = ""  # "" when no speech was asked for
     model: str = ""
+    n: int = 1  # choices: one Omni call each
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 def chat_request(body: Any, *, request_id: str = "") -> ChatPlan:
@@ -303,13 +407,8 @@ def chat_request(body: Any, *, request_id: str = "") -> ChatPlan:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", "expected a non-empty list of messages")
-    n = _integer(body, "n", 1, 1)
-    del n
-    if body.get("tools") or body.get("functions"):
-        raise bad_request("tools", "tools are not supported")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad_request("response_format", 'only {"type": "text"} is supported')
+    n = _integer(body, "n", 1, MAX_CHOICES) or 1
+    tools, tool_choice, tool_function = tools_of(body)
     modalities = body.get("modalities") or ["text"]
     if not isinstance(modalities, list) or not all(m in ("text", "audio") for m in modalities):
         raise bad_request("modalities", 'a list of "text" and "audio" (images: /v1/images/generations)')
@@ -337,8 +436,18 @@ def chat_request(body: Any, *, request_id: str = "") -> ChatPlan:
         output_modalities=outputs,
         sampling=sampling(body),
         voice=voice,
+        tools=tools,
+        tool_choice=tool_choice,
+        tool_choice_function=tool_function,
     )
-    return ChatPlan(request, stream, include_usage, audio_format, model)
+    constraint = response_format(body.get("response_format"))
+    if constraint is not None:
+        request.sampling.constraint.CopyFrom(constraint)
+    if n > 1 and audio_format:
+        raise bad_request("n", "more than one choice with a spoken answer is not supported")
+    logprobs = request.sampling.logprobs > 0
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
+    return ChatPlan(request, stream, include_usage, audio_format, model, n, logprobs, top)
 
 
 SPEECH_FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}
@@ -433,6 +542,7 @@ def image_request(body: Any, *, request_id: str = "") -> omni_pb2.GenerateReques
 _FINISH = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_STOP_STRING: "stop",
+    common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
     common_pb2.FINISH_REASON_LENGTH: "length",
 }
 
@@ -518,7 +628,9 @@ def chat_completion(
     """The non-streaming chat.completion of a finished stream (gathered by the Python client's `Result`)."""
     assert c.finish is not None
     text = c.text
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+    message: dict[str, Any] = {"role": "assistant", "content": text or (None if c.tool_calls else "")}
+    if c.tool_calls:
+        message["tool_calls"] = [tool_call(call) for call in c.tool_calls]
     if audio_format:
         rate = c.sample_rate_hz or c.finish.audio.sample_rate_hz
         data = wav_bytes(c.pcm16, rate) if audio_format == "wav" else c.pcm16
@@ -540,6 +652,17 @@ def chat_completion(
         ],
         "usage": usage(c.finish),
     }
+
+
+def tool_call(call: omni_pb2.ToolCall, index: int | None = None) -> dict[str, Any]:
+    """An OpenAI tool call object (with `index` in a streamed delta)."""
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    out |= {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments_json},
+    }
+    return out
 
 
 def chunk(

@@ -1,16 +1,22 @@
 """Next-token choice for the rows that sample: penalties, greedy or filtered random draw, logprobs.
 
-Masks (top-k, top-p, min-p) and penalties are batched; the random noise is drawn per row with the
+Rows with a grammar (structured output) are masked to what it allows first (grammar.py), so greedy
+and random draws alike pick only tokens that keep the output valid. Masks (top-k, top-p, min-p) and
+penalties are batched; the random noise is drawn per row with the
 sequence's own torch.Generator on the logits' device, so a seeded request gets the same tokens whatever else is in the
 batch. Logprobs are those of the model (log-softmax of the raw logits), like OpenAI's API.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+from omnistage.services.thinker.engine.grammar import advance, mask_logits
 from omnistage.services.thinker.engine.sequence import Sequence
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,6 +82,8 @@ class Sampler:
             return SamplerOutput([], [])
         raw = logits.float()
         logits = apply_penalties(raw.clone(), seqs)
+        constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+        mask_logits(logits, constrained)
         greedy = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         tokens = greedy
@@ -83,6 +91,8 @@ class Sampler:
             tokens = greedy.clone()
             tokens[random_rows] = self._draw(logits[random_rows], [seqs[i] for i in random_rows])
         token_ids = tokens.tolist()
+        for i in advance(constrained, token_ids):  # never expected: the mask let only these through
+            _log.error("request %s: its grammar refused sampled token %d", seqs[i].request_id, token_ids[i])
         return SamplerOutput(token_ids, self._logprobs(raw, seqs, token_ids))
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

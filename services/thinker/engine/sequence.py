@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 import torch
 from omnistage.common.sampling import sampling_violation
 from omnistage.services.thinker.engine.block_hash import BlockKey, block_key
+from omnistage.services.thinker.engine.grammar import Grammar, Matcher
 from omnistage.services.thinker.engine.hidden_states import HiddenCapture
 from omnistage.services.thinker.engine.media import PromptMedia
 
@@ -52,6 +53,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = 0  # top-n logprobs per generated token; 0: none
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # structured output: the compiled constraint (grammar.py)
 
     def __post_init__(self) -> None:
         error = sampling_violation({f.name: getattr(self, f.name) for f in fields(self)})
@@ -119,6 +121,8 @@ class Sequence:
         # An unseeded request gets a random seed now, so its draws stay one stream across preemptions.
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._generator: torch.Generator | None = None
+        # Structured output: this sequence's place in its grammar, advanced by the sampler.
+        self.matcher: Matcher | None = params.grammar.matcher() if params.grammar is not None else None
 
     def generator(self, device: torch.device) -> torch.Generator:
         """This request's own random stream on `device` (where the logits are), made on first use."""

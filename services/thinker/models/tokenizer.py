@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from omnistage.common.checkpoint.shards import CheckpointError
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 # A prompt piece: ("template", markup whose special-token strings count), ("text", client text) or
 # ("tokens", ids generated earlier, taken as they are).
@@ -30,6 +30,18 @@ Piece = tuple[Literal["template", "text"], str] | tuple[Literal["tokens"], list[
 # A prompt split for encoding: plain-text runs (str), special-token ids (int) and ids taken as they
 # are (list), in order.
 Segment = str | int | list[int]
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters → the bytes they stand for (GPT-2's printable remapping: printable
+    Latin-1 bytes are themselves, the rest shifted to U+0100 on)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in kept}
+    shifted = iter(range(256, 512))
+    return {chars.get(b) or chr(next(shifted)): b for b in range(256)}
+
+
+_BYTE_OF = _byte_level_alphabet()
 
 
 def _token_content(value: object) -> str | None:
@@ -69,6 +81,8 @@ class MingTokenizer:
         # No token stands for more characters than this (byte-level BPE: one vocab character per
         # byte), so a text of n characters has at least n / max_token_chars tokens.
         self.max_token_chars = max(map(len, vocab), default=1)
+        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        self._token_bytes: dict[int, bytes] = {}  # token_bytes, made on first use (at most the vocab)
 
     @property
     def vocab_size(self) -> int:
@@ -139,6 +153,23 @@ class MingTokenizer:
                 if rstrip and i + 1 < len(segments) and isinstance(segments[i + 1], str):
                     segments[i + 1] = segments[i + 1].lstrip()
         return segments
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a token holding part of a UTF-8 character gives just those
+        bytes, which a decode would turn into U+FFFD); a special token's name; b"" for an id the
+        tokenizer does not have (the model's vocabulary may be padded). Logprobs show tokens so."""
+        got = self._token_bytes.get(token_id)
+        if got is None:
+            got = self._token_bytes[token_id] = self._bytes_of(token_id)
+        return got
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        name = self._tok.id_to_token(token_id)
+        if name is None:
+            return b""
+        if name in self._added or not self._byte_level or any(c not in _BYTE_OF for c in name):
+            return self._tok.decode([token_id], skip_special_tokens=False).encode()
+        return bytes(_BYTE_OF[c] for c in name)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

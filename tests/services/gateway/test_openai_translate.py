@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import wave
 
 import grpc
@@ -87,7 +88,7 @@ def test_audio_modality_and_voice():
     ("body", "param"),
     [
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
         (
             {
@@ -125,7 +126,17 @@ def test_audio_modality_and_voice():
             "messages[0].content[0].input_audio.format",
         ),
         ({"messages": [{"role": "user", "content": [{"type": "file"}]}]}, "messages[0].content[0].type"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": tr.MAX_CHOICES + 1}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "n": 2,
+                "modalities": ["text", "audio"],
+                "audio": {"voice": "DB30"},
+            },
+            "n",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
@@ -142,12 +153,44 @@ def test_audio_modality_and_voice():
             },
             "audio.format",
         ),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
         (
-            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-            "response_format",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools[0].function",
         ),
-        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "web_search", "function": {}}],
+            },
+            "tools[0].type",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "always"}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
+            "messages[0].tool_calls",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+            "response_format.type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a"}},
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),
         ([1, 2], "body"),
     ],
@@ -303,3 +346,76 @@ def test_body_limit_answers_413():
         yield b"x" * 60
 
     assert client.post("/", content=chunks()).status_code == 413  # no Content-Length: counted as it arrives
+
+
+@pytest.mark.parametrize(
+    ("extra", "wanted", "top"),
+    [({"logprobs": True}, 1, 0), ({"logprobs": True, "top_logprobs": 5}, 5, 5), ({}, 0, 0)],
+)
+def test_logprobs_ask_the_thinker_for_the_top_list_they_show(extra, wanted, top):
+    plan = tr.chat_request({"messages": [{"role": "user", "content": "x"}], "n": 3, **extra})
+    assert plan.request.sampling.logprobs == wanted and plan.top_logprobs == top
+    assert plan.logprobs == bool(wanted) and plan.n == 3
+
+
+def test_response_formats_become_the_thinkers_constraint():
+    def constraint(rf):
+        return tr.chat_request({"messages": [{"role": "user", "content": "x"}], "response_format": rf})
+
+    assert not constraint({"type": "text"}).request.sampling.HasField("constraint")
+    assert constraint({"type": "json_object"}).request.sampling.constraint.json_object
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    plan = constraint({"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+    assert json.loads(plan.request.sampling.constraint.json_schema) == schema
+
+
+def test_tools_tool_choice_and_tool_turns_map_to_omni():
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Weather of a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        "tools": [weather],
+        "tool_choice": {"type": "function", "function": {"name": "weather"}},
+    }
+    request = tr.chat_request(body).request
+    assert request.tool_choice == omni_pb2.TOOL_CHOICE_FUNCTION and request.tool_choice_function == "weather"
+    (tool,) = request.tools
+    assert (tool.name, tool.description) == ("weather", "Weather of a city.")
+    assert json.loads(tool.parameters_json) == weather["function"]["parameters"]
+    assistant, result = request.messages[1], request.messages[2]
+    assert list(assistant.parts) == [] and assistant.tool_calls[0].arguments_json == '{"city": "Paris"}'
+    assert (
+        result.role == omni_pb2.ROLE_TOOL
+        and result.tool_call_id == "call_1"
+        and result.parts[0].text == "sunny"
+    )
+    for choice, want in (
+        ("auto", omni_pb2.TOOL_CHOICE_AUTO),
+        ("none", omni_pb2.TOOL_CHOICE_NONE),
+        ("required", omni_pb2.TOOL_CHOICE_REQUIRED),
+    ):
+        assert tr.chat_request({**body, "tool_choice": choice}).request.tool_choice == want

@@ -83,7 +83,10 @@ def test_english_numbers_are_spelled_out(text, spoken):
 
 
 def test_cjk_fragments_keep_their_digits():
-    assert segments("我家里有3只小猫，它们都很可爱。", 100, UNBOUNDED) == ["我家里有3只小猫，", "它们都很可爱。"]
+    assert segments("我家里有3只小猫，它们都很可爱。", 100, UNBOUNDED) == [
+        "我家里有3只小猫，",
+        "它们都很可爱。",
+    ]
 
 
 # -- the first segment's bound: the first audio never waits for punctuation --------------------------

@@ -146,6 +146,72 @@ def test_started_comes_first_with_an_engine_id_then_deltas_then_one_finish(tmp_p
     run(scenario())
 
 
+def test_logprobs_carry_each_tokens_bytes(tmp_path, tok):
+    async def scenario():
+        async with thinker(tmp_path, tok) as t:
+            events = await events_of(t.stub, chat("Hello there", max_tokens=6, ignore_eos=True, logprobs=3))
+            deltas = [e.delta for e in events if e.WhichOneof("event") == "delta"]
+            lps = [lp for d in deltas for lp in d.logprobs]
+            assert [lp.token_id for lp in lps] == [i for d in deltas for i in d.token_ids] and len(lps) == 6
+            for lp in lps:
+                assert lp.token == tok.token_bytes(lp.token_id)
+                assert list(lp.top_tokens) == [tok.token_bytes(i) for i in lp.top_token_ids]
+                assert len(lp.top_tokens) == 3
+
+    run(scenario())
+
+
+def test_a_constrained_request_over_grpc_and_a_grammar_that_does_not_compile(tmp_path, tok):
+    async def scenario():
+        async with thinker(tmp_path, tok) as t:
+            req = chat("Yes or no?", max_tokens=10, temperature=1.0, seed=4)
+            req.sampling.constraint.ebnf = 'root ::= "yes" | "no"'
+            events = await events_of(t.stub, req)
+            assert "".join(e.delta.text for e in events if e.HasField("delta")) in ("yes", "no")
+            assert events[-1].finish.reason == common_pb2.FINISH_REASON_STOP
+            req.sampling.constraint.json_schema = '{"type": "nope"}'
+            err = await refusal(t.stub, req)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.details().startswith("sampling.constraint.json_schema: does not compile: ")
+            req.sampling.constraint.json_object = True
+            req.sampling.ignore_eos = True
+            err = await refusal(t.stub, req)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "ignore_eos" in err.details()
+
+    run(scenario())
+
+
+def test_tokenize_gives_generates_prompt_ids_and_detokenize_their_text(tmp_path, tok):
+    async def scenario():
+        async with thinker(tmp_path, tok) as t:
+            req = chat("Hello <|role_end|> there", max_tokens=1)
+            got = await t.stub.Tokenize(thinker_pb2.TokenizeRequest(chat=req.chat), timeout=10)
+            pieces = [(p.WhichOneof("piece"), p.template or p.text) for p in req.chat.pieces]
+            assert list(got.token_ids) == tok.encode_pieces(pieces) and got.max_model_len == 512
+            events = await events_of(t.stub, req)
+            assert events[-1].finish.usage.prompt_tokens == len(got.token_ids), "the ids Generate prefills"
+            text = await t.stub.Detokenize(common_pb2.DetokenizeRequest(token_ids=got.token_ids), timeout=10)
+            assert text.text == tok.decode(list(got.token_ids)) and "Hello <|role_end|> there" in text.text
+            for call, needle in (
+                (
+                    t.stub.Detokenize(common_pb2.DetokenizeRequest(token_ids=[tok.vocab_size]), timeout=10),
+                    "token_ids:",
+                ),
+                (
+                    t.stub.Detokenize(common_pb2.DetokenizeRequest(token_ids=[1] * 513), timeout=10),
+                    "at most max_model_len",
+                ),
+                (t.stub.Tokenize(thinker_pb2.TokenizeRequest(), timeout=10), "prompt: set text or chat"),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call
+                assert (
+                    info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in info.value.details()
+                )
+
+    run(scenario())
+
+
 def test_two_requests_with_the_same_client_id_both_finish(tmp_path, tok):
     async def scenario():
         async with thinker(tmp_path, tok, step_s=0.01) as t:

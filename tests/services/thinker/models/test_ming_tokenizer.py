@@ -172,3 +172,25 @@ def test_a_token_piece_is_taken_as_it_is_between_the_other_pieces(tok):
         + [tok.token_id("<|role_end|>")]
     )
     assert tok.encode_pieces(pieces) == want
+
+
+def test_token_bytes_concatenate_to_the_text_even_inside_a_character(tok):
+    """Each token's bytes (logprobs show tokens so) joined give the text's UTF-8, also where a token
+    holds part of a character (whose own decode is U+FFFD)."""
+    text = "杭州的西湖 emoji ✓ 🚀 and plain words."
+    ids = tok.encode(text)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode()
+    partial = [p for p in pieces if not _is_utf8(p)]
+    assert partial, "the tiny tokenizer splits some character across tokens"
+    assert all("\ufffd" in tok.decode([i]) for i, p in zip(ids, pieces, strict=True) if not _is_utf8(p))
+    assert tok.token_bytes(tok.token_id("<|role_end|>")) == b"<|role_end|>"
+    assert tok.token_bytes(tok.vocab_size + 10) == b""
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
