@@ -6,7 +6,8 @@ Resolves the project's runtime dependencies (and the named extras) for the devic
 (3.12, x86-64 manylinux) with pip's resolver, drops what the image already holds (torch and the CUDA
 stack, numpy, the model-file readers: `IMAGE_HAS`), and downloads the rest, each pinned and without
 its dependencies (the resolution already named them). One list, pyproject's: a dependency added there
-travels without anyone editing this script.
+travels without anyone editing this script. A device call carries 64 MiB in all: the benchmarks that
+speak gRPC only (gateway.http_port 0) leave the Realtime endpoint's VAD behind (`--skip silero-vad`).
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def image_has(name: str) -> bool:
     return name in IMAGE_HAS or name.startswith(IMAGE_PREFIXES)
 
 
-def resolve(reqs: list[str]) -> list[tuple[str, str]]:
-    """(name, version) of every package the requirements need on the device, by pip's resolver."""
+def resolve(reqs: list[str], skip: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """(name, version) of every package the requirements need on the device, by pip's resolver, less
+    what only the image's own packages need (their dependencies are the image's too)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         subprocess.run(
@@ -88,16 +90,45 @@ def resolve(reqs: list[str]) -> list[tuple[str, str]]:
             + ["--report", str(report), "--target", str(Path(tmp) / "t"), *PLATFORM, *reqs],
             check=True,
         )
-        items = json.loads(report.read_text())["install"]
-    return [(m["name"], m["version"]) for m in (i["metadata"] for i in items)]
+        items = {
+            canonical(i["metadata"]["name"]): i["metadata"] for i in json.loads(report.read_text())["install"]
+        }
+    needed: set[str] = set()
+    todo = [requirement_name(r) for r in reqs]
+    while todo:  # walk from the project's requirements, never into a package the image holds
+        name = todo.pop()
+        if name in needed or image_has(name) or name in skip or name not in items:
+            continue
+        needed.add(name)
+        todo += [requirement_name(r) for r in items[name].get("requires_dist", []) if _applies(r)]
+    return [(items[n]["name"], items[n]["version"]) for n in sorted(needed)]
+
+
+def _applies(requirement: str) -> bool:
+    """A requirement the device's Python 3.12 on Linux x86-64 installs (no extras asked for)."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # pip vendors it
+        from pip._vendor.packaging.requirements import Requirement
+    marker = Requirement(requirement).marker
+    env = {"python_version": "3.12", "sys_platform": "linux", "platform_machine": "x86_64", "extra": ""}
+    return marker is None or marker.evaluate(env)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--extra", action="append", default=[], help="an optional-dependencies group too")
     ap.add_argument("--dest", default=str(ROOT / ".cache" / "transport-whl"))
+    ap.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        help="leave a package (and what only it needs) behind, for a run that never imports it: "
+        "silero-vad (11 MiB) is the Realtime endpoint's VAD, loaded only when gateway.http_port is set",
+    )
     args = ap.parse_args()
-    pins = [f"{n}=={v}" for n, v in resolve(requirements(args.extra)) if not image_has(canonical(n))]
+    skip = frozenset(canonical(n) for n in args.skip)
+    pins = [f"{n}=={v}" for n, v in resolve(requirements(args.extra), skip)]
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
     for stale in dest.glob("*.whl"):

@@ -4,7 +4,8 @@
 # CONFIG defaults by the GPUs present: 4 or more → deploy/h200x4.yaml (80 GB cards: deploy/h100x4.yaml);
 # none → the CPU tiny run (how this script is checked here). Variants default to
 # `--variant mps=off --variant mps=on --variant mps=off,first=off,only=speech` (each its own serve).
-# On the device carry .cache/transport-whl (bench/device_wheels.sh) and .cache/ming-flash-config
+# On the device carry .cache/transport-whl (`bench/device_wheels.sh --skip silero-vad`: the load speaks
+# gRPC, the HTTP front is off) and .cache/ming-flash-config
 # (`omnistage make-config-checkpoint --shape ming-flash .cache/ming-flash-config`). Results in $OUT
 # (default bench/results): pipeline_latency.{json,md} and each variant's serve log.
 set -uo pipefail

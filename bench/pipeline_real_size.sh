@@ -3,7 +3,8 @@
 #   bench/pipeline_real_size.sh [CONFIG] [pipeline_real_size.py args, e.g. --kinds text,vision]
 # CONFIG defaults by the GPUs present: 4 or more → deploy/h200x4.yaml (80 GB cards: deploy/h100x4.yaml), 2 or 3 → deploy/h200x2.yaml, none →
 # the CPU tiny run (deploy/local-tiny.yaml, tiny sizes, a small plan: how this script is checked here).
-# On the device carry .cache/transport-whl (bench/device_wheels.sh) and .cache/ming-flash-config
+# On the device carry .cache/transport-whl (`bench/device_wheels.sh --skip silero-vad`: the load speaks
+# gRPC, the HTTP front is off) and .cache/ming-flash-config
 # (`omnistage make-config-checkpoint --shape ming-flash .cache/ming-flash-config`, 0.6 MB: writing it
 # needs the `onnx` package, which the device image lacks). $BUDGET_S (default 240 on GPUs) bounds the
 # seconds of load after start-up: later runs are skipped and listed, so one call fits the device's
