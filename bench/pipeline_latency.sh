@@ -10,25 +10,11 @@
 # (default bench/results): pipeline_latency.{json,md} and each variant's serve log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=python3
-[ -x .venv/bin/python ] && PY=.venv/bin/python
-gpus=0
-if command -v nvidia-smi >/dev/null 2>&1; then
-  source bench/device_env.sh
-  nvidia-smi -L
-  gpus=$(nvidia-smi -L | grep -c '^GPU')
-fi
 config=""
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then config=$1; shift; fi
+source bench/device_select.sh
 args=()
-if [ -z "$config" ]; then
-  mib=0
-  [ "$gpus" -gt 0 ] && mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  if [ "$gpus" -ge 4 ] && [ "$mib" -lt 100000 ]; then config=deploy/h100x4.yaml
-  elif [ "$gpus" -ge 4 ]; then config=deploy/h200x4.yaml
-  else config=deploy/local-tiny.yaml; args+=(--tiny)
-  fi
-fi
+case "$config" in *local-tiny*) args+=(--tiny) ;; esac
 [ -f .cache/ming-flash-config/config.json ] && [ "$gpus" -gt 0 ] && args+=(--checkpoint .cache/ming-flash-config)
 if [[ " $* " != *" --variant"* ]]; then
   args+=(--variant mps=off --variant mps=on --variant mps=off,first=off,only=speech)

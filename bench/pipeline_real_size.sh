@@ -12,27 +12,11 @@
 # (default 120). Results in $OUT (default bench/results): pipeline_real_size.{json,md,serve.log}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=python3
-[ -x .venv/bin/python ] && PY=.venv/bin/python
-gpus=0
-if command -v nvidia-smi >/dev/null 2>&1; then
-  source bench/device_env.sh
-  nvidia-smi -L
-  gpus=$(nvidia-smi -L | grep -c '^GPU')
-fi
 config=""
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then config=$1; shift; fi
+source bench/device_select.sh
 args=()
-if [ -z "$config" ]; then
-  mib=0
-  [ "$gpus" -gt 0 ] && mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  if [ "$gpus" -ge 4 ] && [ "$mib" -lt 100000 ]; then config=deploy/h100x4.yaml  # 80 GB cards
-  elif [ "$gpus" -ge 4 ]; then config=deploy/h200x4.yaml
-  elif [ "$gpus" -ge 2 ]; then config=deploy/h200x2.yaml
-  else config=deploy/local-tiny.yaml; args+=(--tiny)
-  fi
-fi
-case "$config" in *local-tiny*) [[ " ${args[*]-} " == *" --tiny "* ]] || args+=(--tiny) ;; esac
+case "$config" in *local-tiny*) args+=(--tiny) ;; esac
 if [ "$gpus" -gt 0 ]; then
   args+=(--budget-s "${BUDGET_S:-240}")
   [ -f .cache/ming-flash-config/config.json ] && args+=(--checkpoint .cache/ming-flash-config)

@@ -89,23 +89,21 @@ def test_a_row_has_the_issues_keys_from_the_records(bench):
     assert line.startswith("| speech | 2 | 3 (1 errors) | 4.0 s | 2500 ms |") and line.endswith("| 1.00 |")
 
 
-def test_the_wrapper_runs_the_cpu_tiny_plan_without_gpus(tmp_path):
+@pytest.mark.parametrize("name", ["pipeline_real_size", "pipeline_latency"])
+def test_the_wrapper_runs_the_cpu_tiny_plan_without_gpus(tmp_path, name):
     """Without nvidia-smi the wrapper picks deploy/local-tiny.yaml and --tiny (checked by its dry parse)."""
     fake = tmp_path / "python"
     fake.write_text('#!/bin/sh\necho "$@"\n')
     fake.chmod(0o755)
-    script = (ROOT / "bench" / "pipeline_real_size.sh").read_text().replace("PY=python3\n", f"PY={fake}\n")
-    script = script.replace("[ -x .venv/bin/python ] && PY=.venv/bin/python\n", "")
-    wrapper = ROOT / "bench" / "pipeline_real_size.sh"
-    (tmp_path / "run.sh").write_text(script.replace('cd "$(dirname "$0")/.."', f'cd "{ROOT}"'))
+    wrapper = ROOT / "bench" / f"{name}.sh"
     out = subprocess.run(
-        ["bash", str(tmp_path / "run.sh"), "--kinds", "text"],
+        ["bash", str(wrapper), "--kinds", "text"],
         capture_output=True,
         text=True,
         timeout=60,
-        env={"PATH": "/usr/bin:/bin"},
+        env={"PATH": "/usr/bin:/bin", "PY": str(fake)},
     )
     assert out.returncode == 0, out.stderr
     last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith("bench/pipeline_real_size.py --config deploy/local-tiny.yaml") and "--tiny" in last
+    assert last.startswith(f"bench/{name}.py --config deploy/local-tiny.yaml") and "--tiny" in last
     assert "--kinds text" in last and wrapper.stat().st_mode & 0o111
