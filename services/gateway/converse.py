@@ -143,7 +143,7 @@ def plan_converse(
     speaks = not config.output_modalities or omni_pb2.MODALITY_AUDIO in config.output_modalities
     if config.tools or config.tool_choice:
         raise InvalidRequest("config.tools: Converse takes no tools (use Generate)")
-    if config.prompt:
+    if config.prompt or config.prompt_token_ids:
         raise InvalidRequest("config.prompt: Converse takes turns, not a raw prompt (use Generate)")
     if len(config.messages) > limits.max_messages:
         raise InvalidRequest(

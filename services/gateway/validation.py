@@ -67,6 +67,7 @@ def wire_bounds(limits: RequestLimits) -> dict[str, WireBounds]:
             f"{prefix}messages": (limits.max_messages, "gateway.max_messages"),
             f"{prefix}messages.parts": (limits.max_parts_per_message, "gateway.max_parts_per_message"),
             f"{prefix}output_modalities": (MAX_OUTPUT_MODALITIES, ""),
+            f"{prefix}prompt_token_ids": (limits.max_prompt_chars, "gateway.max_prompt_chars"),
             f"{prefix}sampling.stop": (MAX_STOP_STRINGS, ""),
             f"{prefix}sampling.stop_token_ids": (MAX_STOP_TOKEN_IDS, ""),
         }
@@ -112,11 +113,15 @@ class PlannedRequest:
     prompt_chars: int = 0  # with its chat markup (media placeholders not counted)
     tools: ToolPlan | None = None  # tools shown to the model (tools.py)
     raw: str | None = None  # GenerateRequest.prompt: continued as it is, no chat format
+    raw_ids: tuple[int, ...] = ()  # GenerateRequest.prompt_token_ids: the same, as a client's token ids
 
     def chat(self, encoded: Sequence[encoder_pb2.EncodedItem] = ()) -> thinker_pb2.ChatPrompt:
         """The thinker's prompt; `encoded[i]` (the encoder's output for media[i]) sizes its placeholders."""
         if len(encoded) != len(self.media):
             raise ValueError(f"{len(self.media)} media parts, {len(encoded)} encoder outputs")
+        if self.raw_ids:  # a client's ids: the thinker refuses special tokens among them
+            piece = thinker_pb2.PromptPiece(client_tokens=thinker_pb2.TokenIds(ids=self.raw_ids))
+            return thinker_pb2.ChatPrompt(pieces=[piece])
         if self.raw is not None:  # client text only: its special-token strings stay text
             return thinker_pb2.ChatPrompt(pieces=[thinker_pb2.PromptPiece(text=self.raw)])
         return _chat(self.turns, self.system_prompt, self.tools, encoded)
@@ -130,6 +135,8 @@ class PlannedRequest:
     def least_prompt_tokens(self) -> int:
         """Tokens its prompt has whatever the tokenizer: the ids it sends as they are (earlier answers),
         plus one (a prompt is never empty). Text and media rows only the thinker and encoder count."""
+        if self.raw_ids:
+            return len(self.raw_ids)
         return 1 + sum(
             len(part.ids) for turn in self.turns for part in turn.parts() if isinstance(part, AnswerTokens)
         )
@@ -251,7 +258,14 @@ def _message_content(
 
 
 def plan_raw(req: omni_pb2.GenerateRequest, request_id: str, limits: RequestLimits) -> PlannedRequest:
-    """A raw-prompt request (GenerateRequest.prompt): text in, text out, nothing else."""
+    """A raw-prompt request (GenerateRequest.prompt or prompt_token_ids): text in, text out, nothing else."""
+    if req.prompt and req.prompt_token_ids:
+        raise InvalidRequest("prompt_token_ids: not with prompt (one raw prompt, as text or as ids)")
+    if len(req.prompt_token_ids) > limits.max_prompt_chars:  # the wire walk refuses these before decoding
+        raise InvalidRequest(
+            f"prompt_token_ids: {len(req.prompt_token_ids)} ids, the limit is {limits.max_prompt_chars} "
+            "(max_prompt_chars)"
+        )
     for name in ("messages", "tools"):
         if getattr(req, name):
             raise InvalidRequest(f"{name}: not with prompt (a raw prompt is the whole input)")
@@ -266,7 +280,14 @@ def plan_raw(req: omni_pb2.GenerateRequest, request_id: str, limits: RequestLimi
     check_sampling(req.sampling)
     outputs = frozenset({omni_pb2.MODALITY_TEXT})
     return PlannedRequest(
-        request_id, (), "", req.sampling, outputs, prompt_chars=len(req.prompt), raw=req.prompt
+        request_id,
+        (),
+        "",
+        req.sampling,
+        outputs,
+        prompt_chars=len(req.prompt),
+        raw=req.prompt,
+        raw_ids=tuple(req.prompt_token_ids),
     )
 
 
@@ -278,7 +299,7 @@ def plan_request(
     request_id = req.request_id or uuid.uuid4().hex
     if not valid_request_id(request_id):
         raise InvalidRequest(f"request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
-    if req.prompt:
+    if req.prompt or req.prompt_token_ids:
         return plan_raw(req, request_id, limits)
     if not req.messages:
         raise InvalidRequest("messages: at least one message (or a prompt) is required")

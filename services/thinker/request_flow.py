@@ -139,6 +139,8 @@ class ThinkerEngine:
         self.max_model_len = max_model_len or engine.cfg.max_model_len
         # A prompt longer than this cannot fit max_model_len tokens whatever it says.
         self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars
+        # A client's token ids may be none of these (client input never becomes control tokens).
+        self._special_ids = frozenset(self.tokenizer.special_tokens.values())
         self._pool = concurrent.futures.ThreadPoolExecutor(tokenize_workers, "tokenize")
         # Structured outputs: constraints compiled for this tokenizer (in the pool), cached by text.
         self.grammars = Grammars(self.tokenizer)
@@ -279,8 +281,8 @@ class ThinkerEngine:
                 )
             for i, piece in enumerate(pieces):
                 if piece.WhichOneof("piece") is None:
-                    raise InvalidRequest(f"chat.pieces[{i}]: set template, text or tokens")
-            given = sum(len(p.tokens.ids) for p in pieces)
+                    raise InvalidRequest(f"chat.pieces[{i}]: set template, text, tokens or client_tokens")
+            given = sum(len(p.tokens.ids) + len(p.client_tokens.ids) for p in pieces)
             if given + block >= self.max_model_len:
                 raise InvalidRequest(
                     f"chat.pieces: token pieces of {given} tokens leave no room to generate "
@@ -347,6 +349,16 @@ class ThinkerEngine:
         kind = p.WhichOneof("piece")
         if kind == "tokens":
             return ("tokens", self._in_vocabulary(f"chat.pieces[{i}].tokens", p.tokens.ids))
+        if kind == "client_tokens":
+            where = f"chat.pieces[{i}].client_tokens"
+            ids = self._in_vocabulary(where, p.client_tokens.ids)
+            special = self._special_ids
+            bad = next((t for t in ids if t in special), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"{where}: {bad} is a special token (a client's ids are text tokens only)"
+                )
+            return ("tokens", ids)
         return ("template", p.template) if kind == "template" else ("text", p.text)
 
     def _prompt(self, request: thinker_pb2.ThinkerRequest) -> Prompt:

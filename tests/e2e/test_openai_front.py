@@ -709,6 +709,34 @@ def test_completions_continue_a_raw_prompt_streamed_or_not(front):
     _settled(front)
 
 
+def test_a_token_array_prompt_continues_like_its_text_and_no_special_token_passes(front):
+    client = _client(front)
+    status, _, raw = _raw(
+        front, "/tokenize", json.dumps({"model": "m", "prompt": "Once upon a time"}).encode()
+    )
+    ids = json.loads(raw)["tokens"]
+    assert status == 200 and ids
+    text = client.completions.create(model="m", prompt="Once upon a time", max_tokens=5, temperature=0)
+    tokens = client.completions.create(model="m", prompt=ids, max_tokens=5, temperature=0)
+    assert tokens.choices[0].text == text.choices[0].text, "greedy: the same continuation"
+    assert tokens.usage.prompt_tokens == len(ids)
+    batch = client.completions.create(model="m", prompt=[ids], max_tokens=5, temperature=0)  # one prompt
+    assert batch.choices[0].text == text.choices[0].text
+    status, _, raw = _raw(
+        front,
+        "/tokenize",
+        json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode(),
+    )
+    special = json.loads(raw)["tokens"][0]  # the chat format opens with a special token
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m", prompt=[*ids, special], max_tokens=2)
+    assert f"{special} is a special token" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m", prompt=[ids, ids], max_tokens=2)
+    assert "one prompt per request" in str(info.value)
+    _settled(front)
+
+
 def test_tokenize_counts_what_generate_prefills_and_detokenize_reads_it_back(front):
     def post(path: str, body: dict, key: str = KEY):
         status, _, raw = _raw(front, path, json.dumps(body).encode(), key=key)

@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from omnistage.v1 import common_pb2 as omnistage_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17omnistage/v1/omni.proto\x12\x0comnistage.v1\x1a\x19omnistage/v1/common.proto\"D\n\x05Media\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x0e\n\x04path\x18\x02 \x01(\tH\x00\x12\x11\n\tmime_type\x18\x03 \x01(\tB\x08\n\x06source\"\x9a\x01\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12$\n\x05image\x18\x02 \x01(\x0b\x32\x13.omnistage.v1.MediaH\x00\x12$\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x13.omnistage.v1.MediaH\x00\x12$\n\x05video\x18\x04 \x01(\x0b\x32\x13.omnistage.v1.MediaH\x00\x42\t\n\x07\x63ontent\"\x9b\x01\n\x0b\x43hatMessage\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.omnistage.v1.Role\x12(\n\x05parts\x18\x02 \x03(\x0b\x32\x19.omnistage.v1.ContentPart\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.omnistage.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"~\n\x0cImageOptions\x12\r\n\x05width\x18\x01 \x01(\r\x12\x0e\n\x06height\x18\x02 \x01(\r\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x16\n\x0eguidance_scale\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04\x65\x64it\x18\x06 \x01(\x08\x42\x07\n\x05_seed\"\xb5\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.omnistage.v1.ChatMessage\x12\x31\n\x11output_modalities\x18\x03 \x03(\x0e\x32\x16.omnistage.v1.Modality\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.omnistage.v1.SamplingParams\x12\r\n\x05voice\x18\x05 \x01(\t\x12)\n\x05image\x18\x06 \x01(\x0b\x32\x1a.omnistage.v1.ImageOptions\x12\x15\n\rsystem_prompt\x18\x07 \x01(\t\x12-\n\x0c\x63ustom_voice\x18\x14 \x01(\x0b\x32\x17.omnistage.v1.VoiceClip\x12!\n\x05tools\x18\x1e \x03(\x0b\x32\x12.omnistage.v1.Tool\x12-\n\x0btool_choice\x18\x1f \x01(\x0e\x32\x18.omnistage.v1.ToolChoice\x12\x1c\n\x14tool_choice_function\x18  \x01(\t\x12\x0e\n\x06prompt\x18( \x01(\t\".\n\tVoiceClip\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x12\n\ntranscript\x18\x02 \x01(\t\"[\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.omnistage.v1.TokenLogprobs\"X\n\nAudioChunk\x12\r\n\x05pcm16\x18\x01 \x01(\x0c\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\r\x12\x15\n\rsegment_index\x18\x03 \x01(\r\x12\x0c\n\x04last\x18\x04 \x01(\x08\"9\n\x0bImageResult\x12\x0b\n\x03png\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\"6\n\x08Progress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0c\n\x04\x64one\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\"\xdb\x01\n\x0b\x41udioStatus\x12+\n\x07outcome\x18\x01 \x01(\x0e\x32\x1a.omnistage.v1.AudioOutcome\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\x12\r\n\x05voice\x18\x05 \x01(\t\x12\x10\n\x08segments\x18\x06 \x01(\r\x12\x0f\n\x07samples\x18\x07 \x01(\x04\x12\x16\n\x0esample_rate_hz\x18\x08 \x01(\r\x12\x1e\n\x16time_to_first_audio_ms\x18\t \x01(\x01\"\x93\x01\n\x06\x46inish\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.omnistage.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.omnistage.v1.Usage\x12\x0f\n\x07message\x18\x03 \x01(\t\x12(\n\x05\x61udio\x18\x14 \x01(\x0b\x32\x19.omnistage.v1.AudioStatus\"\xbb\x02\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x04text\x18\x02 \x01(\x0b\x32\x17.omnistage.v1.TextDeltaH\x00\x12)\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x18.omnistage.v1.AudioChunkH\x00\x12*\n\x05image\x18\x04 \x01(\x0b\x32\x19.omnistage.v1.ImageResultH\x00\x12*\n\x08progress\x18\x05 \x01(\x0b\x32\x16.omnistage.v1.ProgressH\x00\x12&\n\x06\x66inish\x18\x06 \x01(\x0b\x32\x14.omnistage.v1.FinishH\x00\x12+\n\ttool_call\x18\x07 \x01(\x0b\x32\x16.omnistage.v1.ToolCallH\x00\x12\x0c\n\x04turn\x18\x14 \x01(\rB\x07\n\x05\x65vent\"\xae\x01\n\x0f\x43onverseRequest\x12/\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1d.omnistage.v1.GenerateRequestH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x18.omnistage.v1.AudioChunkH\x00\x12\x15\n\x0b\x65nd_of_turn\x18\x04 \x01(\x08H\x00\x12\x10\n\x06\x63\x61ncel\x18\x05 \x01(\x08H\x00\x42\x06\n\x04item*_\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x11\n\rMODALITY_TEXT\x10\x01\x12\x12\n\x0eMODALITY_AUDIO\x10\x02\x12\x12\n\x0eMODALITY_IMAGE\x10\x03*_\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x12\r\n\tROLE_TOOL\x10\x04*l\n\nToolChoice\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x02\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x03*|\n\x0c\x41udioOutcome\x12\x1d\n\x19\x41UDIO_OUTCOME_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41UDIO_OUTCOME_COMPLETE\x10\x01\x12\x19\n\x15\x41UDIO_OUTCOME_PARTIAL\x10\x02\x12\x16\n\x12\x41UDIO_OUTCOME_NONE\x10\x03\x32\xb8\x02\n\x04Omni\x12H\n\x08Generate\x12\x1d.omnistage.v1.GenerateRequest\x1a\x1b.omnistage.v1.GenerateEvent0\x01\x12J\n\x08\x43onverse\x12\x1d.omnistage.v1.ConverseRequest\x1a\x1b.omnistage.v1.GenerateEvent(\x01\x30\x01\x12I\n\x08Tokenize\x12\x1d.omnistage.v1.GenerateRequest\x1a\x1e.omnistage.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.omnistage.v1.DetokenizeRequest\x1a .omnistage.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17omnistage/v1/omni.proto\x12\x0comnistage.v1\x1a\x19omnistage/v1/common.proto\"D\n\x05Media\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x0e\n\x04path\x18\x02 \x01(\tH\x00\x12\x11\n\tmime_type\x18\x03 \x01(\tB\x08\n\x06source\"\x9a\x01\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12$\n\x05image\x18\x02 \x01(\x0b\x32\x13.omnistage.v1.MediaH\x00\x12$\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x13.omnistage.v1.MediaH\x00\x12$\n\x05video\x18\x04 \x01(\x0b\x32\x13.omnistage.v1.MediaH\x00\x42\t\n\x07\x63ontent\"\x9b\x01\n\x0b\x43hatMessage\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.omnistage.v1.Role\x12(\n\x05parts\x18\x02 \x03(\x0b\x32\x19.omnistage.v1.ContentPart\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.omnistage.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"~\n\x0cImageOptions\x12\r\n\x05width\x18\x01 \x01(\r\x12\x0e\n\x06height\x18\x02 \x01(\r\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x16\n\x0eguidance_scale\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04\x65\x64it\x18\x06 \x01(\x08\x42\x07\n\x05_seed\"\xcf\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.omnistage.v1.ChatMessage\x12\x31\n\x11output_modalities\x18\x03 \x03(\x0e\x32\x16.omnistage.v1.Modality\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.omnistage.v1.SamplingParams\x12\r\n\x05voice\x18\x05 \x01(\t\x12)\n\x05image\x18\x06 \x01(\x0b\x32\x1a.omnistage.v1.ImageOptions\x12\x15\n\rsystem_prompt\x18\x07 \x01(\t\x12-\n\x0c\x63ustom_voice\x18\x14 \x01(\x0b\x32\x17.omnistage.v1.VoiceClip\x12!\n\x05tools\x18\x1e \x03(\x0b\x32\x12.omnistage.v1.Tool\x12-\n\x0btool_choice\x18\x1f \x01(\x0e\x32\x18.omnistage.v1.ToolChoice\x12\x1c\n\x14tool_choice_function\x18  \x01(\t\x12\x0e\n\x06prompt\x18( \x01(\t\x12\x18\n\x10prompt_token_ids\x18) \x03(\x05\".\n\tVoiceClip\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x12\n\ntranscript\x18\x02 \x01(\t\"[\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.omnistage.v1.TokenLogprobs\"X\n\nAudioChunk\x12\r\n\x05pcm16\x18\x01 \x01(\x0c\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\r\x12\x15\n\rsegment_index\x18\x03 \x01(\r\x12\x0c\n\x04last\x18\x04 \x01(\x08\"9\n\x0bImageResult\x12\x0b\n\x03png\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\"6\n\x08Progress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0c\n\x04\x64one\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\"\xdb\x01\n\x0b\x41udioStatus\x12+\n\x07outcome\x18\x01 \x01(\x0e\x32\x1a.omnistage.v1.AudioOutcome\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\x12\r\n\x05voice\x18\x05 \x01(\t\x12\x10\n\x08segments\x18\x06 \x01(\r\x12\x0f\n\x07samples\x18\x07 \x01(\x04\x12\x16\n\x0esample_rate_hz\x18\x08 \x01(\r\x12\x1e\n\x16time_to_first_audio_ms\x18\t \x01(\x01\"\x93\x01\n\x06\x46inish\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.omnistage.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.omnistage.v1.Usage\x12\x0f\n\x07message\x18\x03 \x01(\t\x12(\n\x05\x61udio\x18\x14 \x01(\x0b\x32\x19.omnistage.v1.AudioStatus\"\xbb\x02\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x04text\x18\x02 \x01(\x0b\x32\x17.omnistage.v1.TextDeltaH\x00\x12)\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x18.omnistage.v1.AudioChunkH\x00\x12*\n\x05image\x18\x04 \x01(\x0b\x32\x19.omnistage.v1.ImageResultH\x00\x12*\n\x08progress\x18\x05 \x01(\x0b\x32\x16.omnistage.v1.ProgressH\x00\x12&\n\x06\x66inish\x18\x06 \x01(\x0b\x32\x14.omnistage.v1.FinishH\x00\x12+\n\ttool_call\x18\x07 \x01(\x0b\x32\x16.omnistage.v1.ToolCallH\x00\x12\x0c\n\x04turn\x18\x14 \x01(\rB\x07\n\x05\x65vent\"\xae\x01\n\x0f\x43onverseRequest\x12/\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1d.omnistage.v1.GenerateRequestH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x18.omnistage.v1.AudioChunkH\x00\x12\x15\n\x0b\x65nd_of_turn\x18\x04 \x01(\x08H\x00\x12\x10\n\x06\x63\x61ncel\x18\x05 \x01(\x08H\x00\x42\x06\n\x04item*_\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x11\n\rMODALITY_TEXT\x10\x01\x12\x12\n\x0eMODALITY_AUDIO\x10\x02\x12\x12\n\x0eMODALITY_IMAGE\x10\x03*_\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x12\r\n\tROLE_TOOL\x10\x04*l\n\nToolChoice\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x02\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x03*|\n\x0c\x41udioOutcome\x12\x1d\n\x19\x41UDIO_OUTCOME_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41UDIO_OUTCOME_COMPLETE\x10\x01\x12\x19\n\x15\x41UDIO_OUTCOME_PARTIAL\x10\x02\x12\x16\n\x12\x41UDIO_OUTCOME_NONE\x10\x03\x32\xb8\x02\n\x04Omni\x12H\n\x08Generate\x12\x1d.omnistage.v1.GenerateRequest\x1a\x1b.omnistage.v1.GenerateEvent0\x01\x12J\n\x08\x43onverse\x12\x1d.omnistage.v1.ConverseRequest\x1a\x1b.omnistage.v1.GenerateEvent(\x01\x30\x01\x12I\n\x08Tokenize\x12\x1d.omnistage.v1.GenerateRequest\x1a\x1e.omnistage.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.omnistage.v1.DetokenizeRequest\x1a .omnistage.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnistage.v1.omni_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODALITY']._serialized_start=2364
-  _globals['_MODALITY']._serialized_end=2459
-  _globals['_ROLE']._serialized_start=2461
-  _globals['_ROLE']._serialized_end=2556
-  _globals['_TOOLCHOICE']._serialized_start=2558
-  _globals['_TOOLCHOICE']._serialized_end=2666
-  _globals['_AUDIOOUTCOME']._serialized_start=2668
-  _globals['_AUDIOOUTCOME']._serialized_end=2792
+  _globals['_MODALITY']._serialized_start=2390
+  _globals['_MODALITY']._serialized_end=2485
+  _globals['_ROLE']._serialized_start=2487
+  _globals['_ROLE']._serialized_end=2582
+  _globals['_TOOLCHOICE']._serialized_start=2584
+  _globals['_TOOLCHOICE']._serialized_end=2692
+  _globals['_AUDIOOUTCOME']._serialized_start=2694
+  _globals['_AUDIOOUTCOME']._serialized_end=2818
   _globals['_MEDIA']._serialized_start=68
   _globals['_MEDIA']._serialized_end=136
   _globals['_CONTENTPART']._serialized_start=139
@@ -53,25 +53,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_IMAGEOPTIONS']._serialized_start=583
   _globals['_IMAGEOPTIONS']._serialized_end=709
   _globals['_GENERATEREQUEST']._serialized_start=712
-  _globals['_GENERATEREQUEST']._serialized_end=1149
-  _globals['_VOICECLIP']._serialized_start=1151
-  _globals['_VOICECLIP']._serialized_end=1197
-  _globals['_TEXTDELTA']._serialized_start=1199
-  _globals['_TEXTDELTA']._serialized_end=1290
-  _globals['_AUDIOCHUNK']._serialized_start=1292
-  _globals['_AUDIOCHUNK']._serialized_end=1380
-  _globals['_IMAGERESULT']._serialized_start=1382
-  _globals['_IMAGERESULT']._serialized_end=1439
-  _globals['_PROGRESS']._serialized_start=1441
-  _globals['_PROGRESS']._serialized_end=1495
-  _globals['_AUDIOSTATUS']._serialized_start=1498
-  _globals['_AUDIOSTATUS']._serialized_end=1717
-  _globals['_FINISH']._serialized_start=1720
-  _globals['_FINISH']._serialized_end=1867
-  _globals['_GENERATEEVENT']._serialized_start=1870
-  _globals['_GENERATEEVENT']._serialized_end=2185
-  _globals['_CONVERSEREQUEST']._serialized_start=2188
-  _globals['_CONVERSEREQUEST']._serialized_end=2362
-  _globals['_OMNI']._serialized_start=2795
-  _globals['_OMNI']._serialized_end=3107
+  _globals['_GENERATEREQUEST']._serialized_end=1175
+  _globals['_VOICECLIP']._serialized_start=1177
+  _globals['_VOICECLIP']._serialized_end=1223
+  _globals['_TEXTDELTA']._serialized_start=1225
+  _globals['_TEXTDELTA']._serialized_end=1316
+  _globals['_AUDIOCHUNK']._serialized_start=1318
+  _globals['_AUDIOCHUNK']._serialized_end=1406
+  _globals['_IMAGERESULT']._serialized_start=1408
+  _globals['_IMAGERESULT']._serialized_end=1465
+  _globals['_PROGRESS']._serialized_start=1467
+  _globals['_PROGRESS']._serialized_end=1521
+  _globals['_AUDIOSTATUS']._serialized_start=1524
+  _globals['_AUDIOSTATUS']._serialized_end=1743
+  _globals['_FINISH']._serialized_start=1746
+  _globals['_FINISH']._serialized_end=1893
+  _globals['_GENERATEEVENT']._serialized_start=1896
+  _globals['_GENERATEEVENT']._serialized_end=2211
+  _globals['_CONVERSEREQUEST']._serialized_start=2214
+  _globals['_CONVERSEREQUEST']._serialized_end=2388
+  _globals['_OMNI']._serialized_start=2821
+  _globals['_OMNI']._serialized_end=3133
 # @@protoc_insertion_point(module_scope)

@@ -125,7 +125,7 @@ class ImageOptions(_message.Message):
     def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., edit: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "output_modalities", "sampling", "voice", "image", "system_prompt", "custom_voice", "tools", "tool_choice", "tool_choice_function", "prompt")
+    __slots__ = ("request_id", "messages", "output_modalities", "sampling", "voice", "image", "system_prompt", "custom_voice", "tools", "tool_choice", "tool_choice_function", "prompt", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_MODALITIES_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     output_modalities: _containers.RepeatedScalarFieldContainer[Modality]
@@ -150,7 +151,8 @@ class GenerateRequest(_message.Message):
     tool_choice: ToolChoice
     tool_choice_function: str
     prompt: str
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., voice: _Optional[str] = ..., image: _Optional[_Union[ImageOptions, _Mapping]] = ..., system_prompt: _Optional[str] = ..., custom_voice: _Optional[_Union[VoiceClip, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., prompt: _Optional[str] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., voice: _Optional[str] = ..., image: _Optional[_Union[ImageOptions, _Mapping]] = ..., system_prompt: _Optional[str] = ..., custom_voice: _Optional[_Union[VoiceClip, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VoiceClip(_message.Message):
     __slots__ = ("audio", "transcript")

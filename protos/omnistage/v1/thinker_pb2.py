@@ -27,7 +27,7 @@ from omnistage.v1 import encoder_pb2 as omnistage_dot_v1_dot_encoder__pb2
 from omnistage.v1 import tensor_pb2 as omnistage_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomnistage/v1/thinker.proto\x12\x0comnistage.v1\x1a\x19omnistage/v1/common.proto\x1a\x1aomnistage/v1/encoder.proto\x1a\x19omnistage/v1/tensor.proto\"U\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.omnistage.v1.ChatPromptH\x00\x42\x08\n\x06prompt\"\xb9\x01\n\x13MultimodalEmbedding\x12\x1c\n\x14placeholder_token_id\x18\x01 \x01(\x05\x12+\n\nembeddings\x18\x02 \x01(\x0b\x32\x17.omnistage.v1.TensorRef\x12+\n\x0cmerged_grids\x18\x04 \x03(\x0b\x32\x15.omnistage.v1.GridTHW\x12\x1a\n\x12\x63\x61ller_keeps_lease\x18\x05 \x01(\x08J\x04\x08\x03\x10\x04R\x08grid_thw\"\xb6\x02\n\x0eThinkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.omnistage.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x18.omnistage.v1.ChatPromptH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.omnistage.v1.SamplingParams\x12\x35\n\nmultimodal\x18\x05 \x03(\x0b\x32!.omnistage.v1.MultimodalEmbedding\x12\x38\n\rhidden_states\x18\x07 \x01(\x0b\x32!.omnistage.v1.HiddenStatesRequestB\x08\n\x06prompt\"-\n\x13HiddenStatesRequest\x12\x16\n\x0e\x61llow_cuda_ipc\x18\x01 \x01(\x08\"7\n\x0cHiddenStates\x12\'\n\x06tensor\x18\x01 \x01(\x0b\x32\x17.omnistage.v1.TensorRef\"7\n\nChatPrompt\x12)\n\x06pieces\x18\x01 \x03(\x0b\x32\x19.omnistage.v1.PromptPiece\"d\n\x0bPromptPiece\x12\x12\n\x08template\x18\x01 \x01(\tH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x06tokens\x18\x03 \x01(\x0b\x32\x16.omnistage.v1.TokenIdsH\x00\x42\x07\n\x05piece\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\\\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.omnistage.v1.TokenLogprobs\"p\n\rThinkerFinish\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.omnistage.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.omnistage.v1.Usage\x12\x0f\n\x07message\x18\x03 \x01(\t\";\n\x07Started\x12\x19\n\x11\x65ngine_request_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\xd0\x01\n\x0cThinkerEvent\x12)\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.omnistage.v1.TokenDeltaH\x00\x12-\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x1b.omnistage.v1.ThinkerFinishH\x00\x12(\n\x07started\x18\x03 \x01(\x0b\x32\x15.omnistage.v1.StartedH\x00\x12\x33\n\rhidden_states\x18\x04 \x01(\x0b\x32\x1a.omnistage.v1.HiddenStatesH\x00\x42\x07\n\x05\x65vent2\xed\x01\n\x07Thinker\x12\x46\n\x08Generate\x12\x1c.omnistage.v1.ThinkerRequest\x1a\x1a.omnistage.v1.ThinkerEvent0\x01\x12I\n\x08Tokenize\x12\x1d.omnistage.v1.TokenizeRequest\x1a\x1e.omnistage.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.omnistage.v1.DetokenizeRequest\x1a .omnistage.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomnistage/v1/thinker.proto\x12\x0comnistage.v1\x1a\x19omnistage/v1/common.proto\x1a\x1aomnistage/v1/encoder.proto\x1a\x19omnistage/v1/tensor.proto\"U\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.omnistage.v1.ChatPromptH\x00\x42\x08\n\x06prompt\"\xb9\x01\n\x13MultimodalEmbedding\x12\x1c\n\x14placeholder_token_id\x18\x01 \x01(\x05\x12+\n\nembeddings\x18\x02 \x01(\x0b\x32\x17.omnistage.v1.TensorRef\x12+\n\x0cmerged_grids\x18\x04 \x03(\x0b\x32\x15.omnistage.v1.GridTHW\x12\x1a\n\x12\x63\x61ller_keeps_lease\x18\x05 \x01(\x08J\x04\x08\x03\x10\x04R\x08grid_thw\"\xb6\x02\n\x0eThinkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.omnistage.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x18.omnistage.v1.ChatPromptH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.omnistage.v1.SamplingParams\x12\x35\n\nmultimodal\x18\x05 \x03(\x0b\x32!.omnistage.v1.MultimodalEmbedding\x12\x38\n\rhidden_states\x18\x07 \x01(\x0b\x32!.omnistage.v1.HiddenStatesRequestB\x08\n\x06prompt\"-\n\x13HiddenStatesRequest\x12\x16\n\x0e\x61llow_cuda_ipc\x18\x01 \x01(\x08\"7\n\x0cHiddenStates\x12\'\n\x06tensor\x18\x01 \x01(\x0b\x32\x17.omnistage.v1.TensorRef\"7\n\nChatPrompt\x12)\n\x06pieces\x18\x01 \x03(\x0b\x32\x19.omnistage.v1.PromptPiece\"\x95\x01\n\x0bPromptPiece\x12\x12\n\x08template\x18\x01 \x01(\tH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x06tokens\x18\x03 \x01(\x0b\x32\x16.omnistage.v1.TokenIdsH\x00\x12/\n\rclient_tokens\x18\x04 \x01(\x0b\x32\x16.omnistage.v1.TokenIdsH\x00\x42\x07\n\x05piece\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\\\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.omnistage.v1.TokenLogprobs\"p\n\rThinkerFinish\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.omnistage.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.omnistage.v1.Usage\x12\x0f\n\x07message\x18\x03 \x01(\t\";\n\x07Started\x12\x19\n\x11\x65ngine_request_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\xd0\x01\n\x0cThinkerEvent\x12)\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.omnistage.v1.TokenDeltaH\x00\x12-\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x1b.omnistage.v1.ThinkerFinishH\x00\x12(\n\x07started\x18\x03 \x01(\x0b\x32\x15.omnistage.v1.StartedH\x00\x12\x33\n\rhidden_states\x18\x04 \x01(\x0b\x32\x1a.omnistage.v1.HiddenStatesH\x00\x42\x07\n\x05\x65vent2\xed\x01\n\x07Thinker\x12\x46\n\x08Generate\x12\x1c.omnistage.v1.ThinkerRequest\x1a\x1a.omnistage.v1.ThinkerEvent0\x01\x12I\n\x08Tokenize\x12\x1d.omnistage.v1.TokenizeRequest\x1a\x1e.omnistage.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.omnistage.v1.DetokenizeRequest\x1a .omnistage.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,18 +46,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HIDDENSTATES']._serialized_end=816
   _globals['_CHATPROMPT']._serialized_start=818
   _globals['_CHATPROMPT']._serialized_end=873
-  _globals['_PROMPTPIECE']._serialized_start=875
-  _globals['_PROMPTPIECE']._serialized_end=975
-  _globals['_TOKENIDS']._serialized_start=977
-  _globals['_TOKENIDS']._serialized_end=1000
-  _globals['_TOKENDELTA']._serialized_start=1002
-  _globals['_TOKENDELTA']._serialized_end=1094
-  _globals['_THINKERFINISH']._serialized_start=1096
-  _globals['_THINKERFINISH']._serialized_end=1208
-  _globals['_STARTED']._serialized_start=1210
-  _globals['_STARTED']._serialized_end=1269
-  _globals['_THINKEREVENT']._serialized_start=1272
-  _globals['_THINKEREVENT']._serialized_end=1480
-  _globals['_THINKER']._serialized_start=1483
-  _globals['_THINKER']._serialized_end=1720
+  _globals['_PROMPTPIECE']._serialized_start=876
+  _globals['_PROMPTPIECE']._serialized_end=1025
+  _globals['_TOKENIDS']._serialized_start=1027
+  _globals['_TOKENIDS']._serialized_end=1050
+  _globals['_TOKENDELTA']._serialized_start=1052
+  _globals['_TOKENDELTA']._serialized_end=1144
+  _globals['_THINKERFINISH']._serialized_start=1146
+  _globals['_THINKERFINISH']._serialized_end=1258
+  _globals['_STARTED']._serialized_start=1260
+  _globals['_STARTED']._serialized_end=1319
+  _globals['_THINKEREVENT']._serialized_start=1322
+  _globals['_THINKEREVENT']._serialized_end=1530
+  _globals['_THINKER']._serialized_start=1533
+  _globals['_THINKER']._serialized_end=1770
 # @@protoc_insertion_point(module_scope)

@@ -66,14 +66,16 @@ class ChatPrompt(_message.Message):
     def __init__(self, pieces: _Optional[_Iterable[_Union[PromptPiece, _Mapping]]] = ...) -> None: ...
 
 class PromptPiece(_message.Message):
-    __slots__ = ("template", "text", "tokens")
+    __slots__ = ("template", "text", "tokens", "client_tokens")
     TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     template: str
     text: str
     tokens: TokenIds
-    def __init__(self, template: _Optional[str] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    client_tokens: TokenIds
+    def __init__(self, template: _Optional[str] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., client_tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

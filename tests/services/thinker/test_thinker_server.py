@@ -388,6 +388,32 @@ def test_raw_text_cannot_forge_special_tokens_either(tmp_path, tok):
     run(scenario())
 
 
+def test_a_clients_token_ids_are_text_tokens_only(tmp_path, tok):
+    """PromptPiece.client_tokens (a token-array prompt): any special-token id is refused, naming it;
+    text-token ids are prefilled as they are."""
+
+    async def scenario():
+        async with thinker(tmp_path, tok) as t:
+            ids = tok.encode_pieces([("text", "Once upon a time")])
+            sampling = common_pb2.SamplingParams(max_tokens=1, ignore_eos=True)
+
+            def request(client_ids):
+                piece = thinker_pb2.PromptPiece(client_tokens=thinker_pb2.TokenIds(ids=client_ids))
+                return thinker_pb2.ThinkerRequest(
+                    chat=thinker_pb2.ChatPrompt(pieces=[piece]), sampling=sampling
+                )
+
+            events = await events_of(t.stub, request(ids))
+            assert events[-1].finish.usage.prompt_tokens == len(ids)
+            special = tok.token_id("<|role_end|>")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await events_of(t.stub, request([*ids, special]))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"chat.pieces[0].client_tokens: {special} is a special token" in err.value.details()
+
+    run(scenario())
+
+
 class TokenizeSpy:
     """Wraps the tokenizer: counts tokenizing calls, flags when one has started."""
 
@@ -442,7 +468,7 @@ class TokenizeSpy:
             lambda: thinker_pb2.ThinkerRequest(
                 chat=thinker_pb2.ChatPrompt(pieces=[thinker_pb2.PromptPiece()])
             ),
-            "chat.pieces[0]: set template, text or tokens",
+            "chat.pieces[0]: set template, text, tokens or client_tokens",
         ),
     ],
     ids=[
