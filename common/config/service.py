@@ -69,9 +69,9 @@ class ServiceConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     tp: TPConfig = field(default_factory=TPConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     # Each model stage's own limits, under the key of its kind (a new stage: its module in
     # common/config/ and its row here; STAGE_SECTIONS below finds it through common/stages.py).
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
     # Encoder limits (kind encoder only).
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     # Talker limits (kind talker only).
