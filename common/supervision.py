@@ -1,6 +1,6 @@
 """What the launcher decides about a service after start-up: is it hung, and may it be restarted, when.
 
-Kept apart from the process handling in `launcher.py` so the rules (restart budget, backoff, the
+Kept apart from the process handling in `common/launcher/` so the rules (restart budget, backoff, the
 hung test, the non-blocking health probe) are plain code with unit tests.
 """
 

@@ -510,3 +510,18 @@ def test_mps_mode_reads_a_bare_yaml_on_off_and_refuses_the_rest(tmp_path):
     data = base()
     data["services"]["thinker"]["mps_active_thread_percentage"] = 101
     assert "services.thinker.mps_active_thread_percentage: expected 0 (no limit) to 100" in error_of(data)
+
+
+def test_every_model_stage_but_the_thinker_has_its_own_checked_section():
+    """A new stage's limits are its module in common/config/ and one field of ServiceConfig named
+    after its kind (common/stages.py): found and checked without another line of code."""
+    from omnistage.common.config import STAGE_SECTIONS
+    from omnistage.common.stages import MODEL_KINDS
+
+    assert STAGE_SECTIONS == tuple(k for k in MODEL_KINDS if k != "thinker")
+    for kind in STAGE_SECTIONS:
+        data = base()
+        data["services"]["thinker"][kind] = {"stress_batch_sizes": [0]}
+        assert error_of(data) == (
+            f"services.thinker.{kind}.stress_batch_sizes: expected batch sizes >= 1, got [0]"
+        )

@@ -1,0 +1,89 @@
+"""The thinker's step engine (`engine:`): paged KV cache, continuous batching, kernels, graphs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omnistage.common.config.checks import ConfigError, positive_fields
+
+# The thinker's kernel choices (engine.attention_backend / engine.moe_backend); `auto` takes the
+# fastest one the device runs (services/thinker/models/layers/backends.py).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+MOE_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Thinker engine limits (paged KV cache, continuous batching)."""
+
+    # Tokens per KV block.
+    block_size: int = 16
+    # KV blocks; 0 means sized automatically (CPU: from max_num_seqs * max_model_len).
+    num_kv_blocks: int = 0
+    # Requests decoded together in one step.
+    max_num_seqs: int = 32
+    # Tokens (prefill chunks + decodes) in one step.
+    max_num_batched_tokens: int = 512
+    # Prompt + output tokens of one request.
+    max_model_len: int = 2048
+    # Split long prompts into chunks of at most max_num_batched_tokens, mixed with decodes.
+    chunked_prefill: bool = True
+    # max_tokens when a request gives 0; requests may not exceed max_model_len - prompt.
+    default_max_tokens: int = 256
+    # Requests waiting beyond the running ones before RESOURCE_EXHAUSTED.
+    max_queued_requests: int = 256
+    # Reuse the KV blocks of a prompt prefix computed before (same tokens, same media, same
+    # positions) instead of computing them again; freed blocks keep their K/V until needed.
+    prefix_caching: bool = True
+    # KV cache size in tokens; 0 means auto-profile (on a device with a budget), >0 pins it and skips the search.
+    kv_tokens: int = 0
+    # Multiplier (0, 1] on the KV budget the auto-profile computes (1.0 = use all measured headroom).
+    kv_safety_factor: float = 1.0
+    # Headroom the auto-profile keeps and proves free after the rebuild by allocating it once.
+    kv_canary_bytes: int = 256 * 1024 * 1024
+    # KV tokens of the probe cache used while measuring the peak; 0 means chosen by the engine.
+    kv_probe_tokens: int = 0
+    # Attention kernels: auto | torch (reference) | triton (paged decode + KV writes in Triton).
+    attention_backend: str = "auto"
+    # Routed-expert kernels: auto | torch (reference, one GEMM pair per expert) | triton (fused MoE).
+    moe_backend: str = "auto"
+    # Capture decode steps as CUDA graphs at padded batch sizes (CUDA with graph-safe backends only).
+    cuda_graphs: bool = True
+    # Largest decode batch replayed from a graph; 0 means max_num_seqs (bigger batches run eagerly).
+    cuda_graph_max_batch: int = 0
+
+    def validate(self, path: str) -> None:
+        positive_fields(
+            self,
+            path,
+            ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "default_max_tokens"),
+        )
+        positive_fields(
+            self,
+            path,
+            (
+                "num_kv_blocks",
+                "max_queued_requests",
+                "kv_tokens",
+                "kv_canary_bytes",
+                "kv_probe_tokens",
+                "cuda_graph_max_batch",
+            ),
+            allow_zero=True,
+        )
+        for key, allowed in (("attention_backend", ATTENTION_BACKENDS), ("moe_backend", MOE_BACKENDS)):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(
+                    f"{path}.{key}: expected one of {', '.join(allowed)}, got {getattr(self, key)!r}"
+                )
+        if not 0 < self.kv_safety_factor <= 1:
+            raise ConfigError(
+                f"{path}.kv_safety_factor: expected a number in (0, 1], got {self.kv_safety_factor}"
+            )
+        if self.kv_tokens and self.num_kv_blocks:
+            raise ConfigError(f"{path}.kv_tokens: set kv_tokens or num_kv_blocks, not both")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"{path}.max_num_batched_tokens: must be >= max_model_len ({self.max_model_len}) "
+                "when chunked_prefill is false"
+            )
