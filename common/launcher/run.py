@@ -26,6 +26,9 @@ class Launcher(Supervisor):
         # Every service side by side, the gateway too: it serves text as soon as the thinker is
         # admitted and each other capability when its stage is; ready = every capability ready.
         try:
+            if self.stop_signal is not None:  # asked before anything started: nothing to stop
+                self.say(f"omnistage: {signal.Signals(self.stop_signal).name} before start-up, stopping")
+                return 0
             if not self.start_mps():
                 return 1
             culprit = self.wait_serving(self.start_groups(list(self.cfg.services.values())))

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from omnistage.common import run_record
+from omnistage.common import run_record, stop_signals
 from omnistage.common.config import ConfigError, DeployConfig, load_config
 from omnistage.common.launcher.run import Launcher
 from omnistage.common.preflight import preflight
@@ -160,7 +160,9 @@ def _install_signals(launcher: Launcher) -> dict[int, object]:
     def on_signal(sig: int, frame: object) -> None:
         launcher.stop_signal = sig
 
-    return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    launcher.stop_signal = stop_signals.take()  # asked before this process listened (stop_signals.py)
+    return previous
 
 
 def _sweep_shm(err: TextIO) -> None:

@@ -555,3 +555,22 @@ def test_a_tls_gateway_is_health_checked_on_its_admin_port(tmp_path, runs):
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait_exit() == 0
+
+
+def test_a_stop_asked_before_the_launcher_listens_ends_serve_cleanly(tmp_path):
+    """`serve` defers SIGTERM from its first line (the CLI's imports and checks take seconds on a loaded
+    host): the launcher takes it over, starts nothing and exits 0 instead of dying by the signal."""
+    from omnistage.common import stop_signals
+
+    cfg = write_config(tmp_path / "deploy.yaml", {"alpha": {}})
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop_signals.defer()
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop arrives while the CLI is still importing
+        out, err = io.StringIO(), io.StringIO()
+        assert launch(cfg, [], modules={"thinker": SCRIPT}, out=out, err=err) == 0, err.getvalue()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert "SIGTERM before start-up, stopping" in out.getvalue()
+    assert "omnistage: started" not in out.getvalue() and stop_signals.take() is None
