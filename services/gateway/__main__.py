@@ -29,7 +29,7 @@ from omnistage.services.gateway.admission import GateConfig, StageGate
 from omnistage.services.gateway.converse import ConverseLimits
 from omnistage.services.gateway.imaging import ImageLimits, ImageStage
 from omnistage.services.gateway.media import MESSAGE_OVERHEAD, MediaStage
-from omnistage.services.gateway.pace import PaceMeter, StepPace
+from omnistage.services.gateway.pace import StepPace
 from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.prompt import Turn, build_chat
 from omnistage.services.gateway.server import OmniServicer
@@ -131,27 +131,31 @@ def _image_stage(cfg: DeployConfig, svc: ServiceConfig) -> ImageStage:
 
 
 # Tokens of each timed warm-up request that seeds the thinker's pace (its steps at batch 1 and full).
-_PACE_TOKENS = 8
+_PACE_TOKENS = 16
 
 
 async def _seed_pace(thinker: ThinkerClient, pace: StepPace, full_batch: int) -> None:
     """The start-up stress: timed warm-ups alone, then a quarter, half and full batch at once (of the
     thinker's max_running, when known); each gives the step time at its batch, so the first burst is
-    admitted by what it costs at the batch it makes."""
+    admitted by what it costs at the batch it makes. Each request is timed from its call to its last
+    token over its tokens (its prefill and queueing included): on a loaded host the gateway may read
+    several deltas at once, and their arrival times would make the steps look faster than they are."""
     sampling = common_pb2.SamplingParams(max_tokens=_PACE_TOKENS, ignore_eos=True, temperature=0.0)
     prompt = build_chat([Turn("user", "warm-up")])
 
-    async def one(name: str, meter: PaceMeter, batch: int) -> None:
+    async def one(name: str) -> float | None:
+        started, tokens, last = time.monotonic(), 0, 0.0
         async for ev in thinker.generate(name, prompt, sampling, 120.0):
-            if ev.WhichOneof("event") == "delta":
-                meter.tokens(time.monotonic(), len(ev.delta.token_ids), batch)
+            if ev.WhichOneof("event") == "delta" and ev.delta.token_ids:
+                tokens += len(ev.delta.token_ids)
+                last = time.monotonic()
+        return (last - started) / tokens if tokens else None
 
     full = max(1, full_batch)
     for batch in sorted({1, max(1, full // 4), max(1, full // 2), full}):
-        meters = [PaceMeter() for _ in range(batch)]
-        await asyncio.gather(*(one(f"gateway-pace-{batch}-{i}", m, batch) for i, m in enumerate(meters)))
-        for measured in filter(None, (m.measured() for m in meters)):
-            pace.observe(batch, measured[1])
+        steps = await asyncio.gather(*(one(f"gateway-pace-{batch}-{i}") for i in range(batch)))
+        for step_s in filter(None, steps):
+            pace.observe(batch, step_s)
 
 
 async def _warm_up_thinker(thinker: ThinkerClient) -> None:
