@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from omnistage.common.config import ConfigError, DeployConfig, ServiceConfig
+from omnistage.common.log import get_logger
 from omnistage.common.memory.report import export_host_memory
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.errors import StageUnavailable
@@ -130,6 +131,8 @@ def _image_stage(cfg: DeployConfig, svc: ServiceConfig) -> ImageStage:
     )
 
 
+_log = get_logger(__name__)
+
 # Tokens of each timed warm-up request that seeds the thinker's pace (its steps at batch 1 and full).
 _PACE_TOKENS = 16
 
@@ -156,6 +159,7 @@ async def _seed_pace(thinker: ThinkerClient, pace: StepPace, full_batch: int) ->
         steps = await asyncio.gather(*(one(f"gateway-pace-{batch}-{i}") for i in range(batch)))
         for step_s in filter(None, steps):
             pace.observe(batch, step_s)
+        _log.info("thinker pace at a batch of %d: %.1f ms a step", batch, 1000 * (pace.step_s(batch) or 0))
 
 
 async def _warm_up_thinker(thinker: ThinkerClient) -> None:
