@@ -23,7 +23,7 @@ from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine.step_plan import build_step_plan
 from omnistage.services.thinker.group import local_ranks
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 
 CFG = EngineConfig(block_size=16, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024)
 
@@ -49,7 +49,7 @@ def _run(ckpt, device: str, dtype: str, tp: int, prompts, max_tokens: int):
         str(ckpt), CFG, dtype=dtype, device=dev0, world_size=tp, dist_port=local_ranks.free_port()
     )
     procs = local_ranks.spawn_workers(cfg) if tp > 1 else []
-    engine = start_engine(cfg)
+    engine = rank0_engine(start_rank(cfg))
     try:
         logits = _first_logits(engine, prompts[0])
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -17,7 +17,7 @@ from omnistage.common.log import setup_logging
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group import local_ranks
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 
 
 def run(engine: LLMEngine, concurrency: int, prompt_len: int, max_tokens: int) -> dict[str, float]:
@@ -52,7 +52,7 @@ def main() -> None:
     cfg = EngineConfig(block_size=16, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024)
     rank_cfg = RankConfig(str(ckpt), cfg, world_size=args.tp, dist_port=local_ranks.free_port())
     procs = local_ranks.spawn_workers(rank_cfg) if args.tp > 1 else []
-    engine = start_engine(rank_cfg)
+    engine = rank0_engine(start_rank(rank_cfg))
     try:
         run(engine, 2, 8, 4)  # warm-up
         print(

@@ -28,7 +28,7 @@ from omnistage.common.log import setup_logging
 from omnistage.common.transport import TransportContext, TransportOptions, encode
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group import local_ranks
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.multimodal import MediaInputs
 from omnistage.v1 import encoder_pb2, thinker_pb2
@@ -82,7 +82,7 @@ def main() -> None:
         dist_port=local_ranks.free_port(),
     )
     procs = local_ranks.spawn_workers(rank_cfg) if args.tp > 1 else []
-    engine = start_engine(rank_cfg)
+    engine = rank0_engine(start_rank(rank_cfg))
     rows_dtype = getattr(torch, dtype)
     results = []
     try:

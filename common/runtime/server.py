@@ -19,7 +19,7 @@ import ipaddress
 import logging
 import os
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,15 @@ from omnistage.common.config import DeployConfig, ServiceConfig, config_hash, jo
 from omnistage.common.log import log_fields
 from omnistage.common.runtime import auth, reflection
 from omnistage.common.runtime.calls import CallGuard, InFlight
-from omnistage.common.runtime.control import DRAIN_BY_CONTROL, RESUME_BY_CONTROL, ControlServicer
+from omnistage.common.runtime.control import (
+    DRAIN_BY_CONTROL,
+    RESUME_BY_CONTROL,
+    ControlServicer,
+    LimitsProvider,
+    LoadProvider,
+    MemoryProvider,
+    ReadinessProvider,
+)
 from omnistage.common.runtime.errors import FailedPrecondition
 from omnistage.common.runtime.handlers import Dispatcher, collect
 from omnistage.common.runtime.memory_trim import MemoryTrimmer
@@ -48,10 +56,6 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 CONTROL_SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 # Cancelled RPCs wait this long for their handlers to unwind after the drain deadline.
 _CANCEL_WAIT_S = 2.0
-
-MemoryProvider = Callable[[], Sequence[control_pb2.MemoryReport]]
-LimitsProvider = Callable[[], control_pb2.Limits]
-LoadProvider = Callable[[], tuple[int, int]]
 
 __all__ = ["CONTROL_SERVICE", "HEALTH_SERVICE", "InFlight", "ServiceRuntime"]
 
@@ -112,7 +116,7 @@ class ServiceRuntime:
         self.memory_provider: MemoryProvider | None = None
         self.limits_provider: LimitsProvider | None = None
         self.load_provider: LoadProvider | None = None
-        self.readiness_provider: Callable[[], list[control_pb2.Readiness]] | None = None
+        self.readiness_provider: ReadinessProvider | None = None
         # Health names of parts of the service that come and go on their own (the gateway's
         # capabilities): name → ready; SERVING only while the service serves and the part is ready.
         self._parts: dict[str, bool] = {}

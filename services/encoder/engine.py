@@ -23,7 +23,7 @@ import torch
 from omnistage.common import metrics
 from omnistage.common.config import EncoderConfig
 from omnistage.common.log import get_logger
-from omnistage.common.memory.stress import ConcurrencyLimiter
+from omnistage.common.runtime.concurrency import ConcurrencyLimiter
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop
 from omnistage.common.runtime.errors import DeadlineExceeded, InvalidRequest, Overloaded
 from omnistage.common.transport import TransportContext, encode

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from omnistage.common import metrics
 from omnistage.common.config import ImageGenConfig
-from omnistage.common.memory.stress import ConcurrencyLimiter
+from omnistage.common.runtime.concurrency import ConcurrencyLimiter
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop
 from omnistage.common.runtime.errors import DeadlineExceeded, Overloaded
 from omnistage.common.transport import TransportContext

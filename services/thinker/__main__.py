@@ -31,13 +31,13 @@ from omnistage.common.transport import TransportContext, TransportOptions
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine_metrics import EngineMetrics
-from omnistage.services.thinker.group.distributed import GroupFailure, TPControl, TPError
-from omnistage.services.thinker.group.startup import RankConfig, StartedRank, start_rank
+from omnistage.services.thinker.group.startup import RankConfig, StartedRank, rank0_engine, start_rank
 from omnistage.services.thinker.group.worker import run_plan_loop
 from omnistage.services.thinker.image_queries import load_image_queries
 from omnistage.services.thinker.multimodal import MediaInputs
 from omnistage.services.thinker.request_flow import ThinkerEngine
 from omnistage.services.thinker.server import ThinkerServicer
+from omnistage.services.thinker.tp.distributed import GroupFailure, TPControl, TPError
 from omnistage.v1 import control_pb2, thinker_pb2_grpc
 
 log = get_logger(__name__)
@@ -92,7 +92,7 @@ async def _serve_rank0(
     control = started.control
     # Registered first, so it runs last: the store host stays until a failure has been read.
     runtime.add_shutdown_hook(control.close)
-    engine = LLMEngine.from_started(started)
+    engine = rank0_engine(started)
     model_config = engine.runner.model.config
     queries = load_image_queries(
         cfg.model.checkpoint, model_config.hidden_size, engine.runner.dtype, cfg.model.load_format

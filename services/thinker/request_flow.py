@@ -43,10 +43,10 @@ from omnistage.services.thinker.engine.llm_engine import (
 )
 from omnistage.services.thinker.engine.media import Prompt, unpack_prompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.group.distributed import TPError
 from omnistage.services.thinker.models.tokenizer import MingTokenizer, Piece
 from omnistage.services.thinker.multimodal import MediaInputs, release_refs
 from omnistage.services.thinker.runner import Stream, ThinkerRunner
+from omnistage.services.thinker.tp.distributed import TPError
 from omnistage.v1 import common_pb2, tensor_pb2, thinker_pb2
 
 _log = logging.getLogger(__name__)

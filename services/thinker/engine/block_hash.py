@@ -15,15 +15,25 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from omnistage.services.thinker.engine.sequence import Sequence
+from omnistage.services.thinker.engine.media import PromptMedia
 
 BlockKey = bytes
 _ROOT = b"omnistage-kv-v1"
+
+
+class KeyedTokens(Protocol):
+    """What a block's key is made of (sequence.Sequence)."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    media: PromptMedia | None
+    prompt_positions: torch.Tensor | None
+    rope_delta: int
+
+    def positions(self, start: int, end: int) -> list[list[int]]: ...
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -31,7 +41,7 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def block_key(seq: Sequence, index: int, block_size: int, parent: BlockKey | None) -> BlockKey:
+def block_key(seq: KeyedTokens, index: int, block_size: int, parent: BlockKey | None) -> BlockKey:
     """Key of block `index` of `seq` (its tokens must all be known), chained on `parent`'s key."""
     start, end = index * block_size, (index + 1) * block_size
     h = hashlib.blake2b(parent or _ROOT, digest_size=16)

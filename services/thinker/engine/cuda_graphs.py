@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import fmt_bytes
-from omnistage.services.thinker.engine.step_plan import PlanKind, StepPlan
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
+from omnistage.services.thinker.tp.plan import PlanKind, StepPlan
 from torch import nn
 
 log = get_logger(__name__)

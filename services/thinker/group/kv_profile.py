@@ -25,7 +25,6 @@ from omnistage.common.log import get_logger
 from omnistage.common.memory.device import SEGMENT_BYTES, DeviceMemory, fmt_bytes
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sampler import Sampler
-from omnistage.services.thinker.group.distributed import TPControl
 from omnistage.services.thinker.group.warmup import (
     DummyShape,
     StepProgress,
@@ -33,6 +32,7 @@ from omnistage.services.thinker.group.warmup import (
     run_dummy_step,
     stress_shapes,
 )
+from omnistage.services.thinker.tp.distributed import TPControl
 
 log = get_logger(__name__)
 OOM_ERRORS = (torch.OutOfMemoryError, MemoryError)

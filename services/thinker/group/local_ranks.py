@@ -12,9 +12,9 @@ from multiprocessing.process import BaseProcess
 
 from omnistage.common.log import get_logger, setup_logging
 from omnistage.common.runtime.deadlines import Deadline, timeout_message
-from omnistage.services.thinker.group.distributed import TPError
 from omnistage.services.thinker.group.startup import RankConfig
 from omnistage.services.thinker.group.worker import run_worker
+from omnistage.services.thinker.tp.distributed import TPError
 
 log = get_logger(__name__)
 

@@ -20,7 +20,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from omnistage.common.config import (
@@ -35,8 +35,8 @@ from omnistage.common.log import get_logger
 from omnistage.common.memory.device import DeviceMemory, device_memory_for
 from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
+from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.model_runner import ModelRunner, to_dtype
-from omnistage.services.thinker.group.distributed import GroupFailure, TPControl, TPError, join_tp_group
 from omnistage.services.thinker.group.faults import StartupFault
 from omnistage.services.thinker.group.kv_profile import KVProfile, KVSettings, peers_bytes, size_kv_cache
 from omnistage.services.thinker.group.warmup import WarmupResult, run_warmup, warmup_shapes
@@ -49,9 +49,7 @@ from omnistage.services.thinker.models.layers.backends import (
 )
 from omnistage.services.thinker.models.loader import load_model
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
-
-if TYPE_CHECKING:
-    from omnistage.services.thinker.engine.llm_engine import LLMEngine
+from omnistage.services.thinker.tp.distributed import GroupFailure, TPControl, TPError, join_tp_group
 
 log = get_logger(__name__)
 
@@ -201,12 +199,14 @@ def start_rank(cfg: RankConfig, progress: StartupProgress | None = None) -> Star
     return started
 
 
-def start_engine(cfg: RankConfig, progress: StartupProgress | None = None) -> LLMEngine:
-    """Rank 0's start-up plus its engine (tests and benchmarks; the service does the same steps)."""
-    from omnistage.services.thinker.engine.llm_engine import LLMEngine
-
-    started = start_rank(cfg, progress)
-    return LLMEngine.from_started(started)
+def rank0_engine(started: StartedRank) -> LLMEngine:
+    """Rank 0 after start-up: the step engine around its runner, tokenizer and TP group."""
+    if started.tokenizer is None:
+        raise ValueError(
+            f"LLMEngine runs on rank 0 only (got rank {started.cfg.rank}); other ranks run the plan loop"
+        )
+    tok = started.tokenizer
+    return LLMEngine(started.runner, tok, list(tok.stop_token_ids), started.control)
 
 
 class _Startup:

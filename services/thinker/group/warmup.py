@@ -26,8 +26,8 @@ from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sampler import Sampler
 from omnistage.services.thinker.engine.sequence import SamplingParams, Sequence
-from omnistage.services.thinker.engine.step_plan import PlanKind, StepPlan
-from omnistage.services.thinker.group.distributed import TPControl
+from omnistage.services.thinker.tp.distributed import TPControl
+from omnistage.services.thinker.tp.plan import PlanKind, StepPlan
 
 log = get_logger(__name__)
 

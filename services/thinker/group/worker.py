@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from omnistage.common.log import get_logger
 from omnistage.services.thinker.engine.model_runner import ModelRunner
-from omnistage.services.thinker.engine.step_plan import PlanKind
-from omnistage.services.thinker.group.distributed import TPControl, TPError
 from omnistage.services.thinker.group.startup import RankConfig, StartedRank, StartupProgress, start_rank
+from omnistage.services.thinker.tp.distributed import TPControl, TPError
+from omnistage.services.thinker.tp.plan import PlanKind
 
 log = get_logger(__name__)
 

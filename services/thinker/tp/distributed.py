@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from omnistage.common.config import TPConfig
 from omnistage.common.log import get_logger
-from omnistage.services.thinker.engine.step_plan import PlanKind, StepPlan
-from omnistage.services.thinker.group.peer_watch import PeerWatch
-from omnistage.services.thinker.group.tp_store import GroupFailure, GroupStore, StoreLost, this_process
+from omnistage.services.thinker.tp.peer_watch import PeerWatch
+from omnistage.services.thinker.tp.plan import PlanKind, StepPlan
+from omnistage.services.thinker.tp.tp_store import GroupFailure, GroupStore, StoreLost, this_process
 
 log = get_logger(__name__)
 T = TypeVar("T")
