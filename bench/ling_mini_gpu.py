@@ -433,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny and not torch.cuda.is_available():
         print("no CUDA device: use --tiny on CPU", file=sys.stderr)
         return 2
-    from omnistage.services.thinker.group.local_ranks import free_port
+    # The repository root, for tests/…/local_ranks.py.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.services.thinker.group.local_ranks import free_port
 
     peer = None
     if args.peer_gib and not args.tiny:

@@ -17,8 +17,9 @@ from omnistage.common.config import EngineConfig, TPConfig
 from omnistage.common.log import setup_logging
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.group import local_ranks
 from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
+
+from tests.services.thinker.group import local_ranks
 
 CFG = EngineConfig(block_size=16, max_model_len=256, max_num_batched_tokens=64)
 PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True)] * 5 + [

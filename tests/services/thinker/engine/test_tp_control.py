@@ -13,10 +13,11 @@ from dataclasses import replace
 
 import pytest
 from omnistage.common.config import TPConfig
-from omnistage.common.runtime.deadlines import wait_event, wait_for
-from omnistage.services.thinker.group.local_ranks import free_port
 from omnistage.services.thinker.tp.distributed import TPError, join_tp_group
 from omnistage.services.thinker.tp.tp_store import GroupFailure, GroupStore, StoreLost, process_gone
+
+from tests.services.thinker.group.local_ranks import free_port
+from tests.waits import wait_event, wait_for
 
 STORE_HOST = """
 import sys, time

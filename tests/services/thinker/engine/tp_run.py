@@ -13,8 +13,9 @@ import pytest
 from omnistage.common.config import EngineConfig, TPConfig
 from omnistage.common.log import setup_logging
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
-from omnistage.services.thinker.group import local_ranks
 from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
+
+from tests.services.thinker.group import local_ranks
 
 TP = TPConfig(
     startup_collective_timeout_s=60, serving_collective_timeout_s=60, failure_exit_s=10, peer_timeout_s=5
