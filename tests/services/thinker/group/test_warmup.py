@@ -13,7 +13,7 @@ from omnistage.services.thinker.group.warmup import WarmupError, dummy_plan, run
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
 from omnistage.services.thinker.tp.distributed import TPControl
 
-from tests.services.thinker.engine.profile_helpers import (
+from tests.services.thinker.group.profile_helpers import (
     CFG,
     AllocationRecorder,
     MiB,

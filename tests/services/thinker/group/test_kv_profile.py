@@ -20,7 +20,7 @@ from omnistage.services.thinker.group.warmup import run_dummy_step, stress_shape
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
 from omnistage.services.thinker.tp.distributed import TPControl
 
-from tests.services.thinker.engine.profile_helpers import CFG, MiB, metered_runner
+from tests.services.thinker.group.profile_helpers import CFG, MiB, metered_runner
 
 SOLO = TPControl()
 CAPACITY = 200 * MiB
