@@ -1,11 +1,4 @@
-"""Stress-and-cap for stages without a KV cache (encoders, talker, DiT).
-
-At start-up a stage runs its largest batch, keeps that peak reserved (no `empty_cache()` after a
-success, so services that profile later on the same GPU see it as used), and never runs more at
-once than it tested. Candidates are tried largest first; an OOM (or a peak over the budget) moves
-to the next smaller one and every decision is recorded. The cap is the LARGEST batch that fit:
-LightLLM's layer-0 bug took a `min` here and silently served every request one at a time.
-"""
+"""Stress-and-cap for stages without a KV cache (encoders, talker, DiT)."""
 
 from __future__ import annotations
 

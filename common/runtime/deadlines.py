@@ -1,11 +1,5 @@
 """Deadlines for waits: `within` bounds an async wait, `cancel_and_wait` stops tasks within a bound,
-`Deadline` feeds the timeouts of successive waits.
-
-Async code bounds a wait with `within`, never `asyncio.wait_for` (ruff bans it outside tests): on
-Python 3.11 wait_for returns the result, and drops the caller's cancellation, when the awaited thing
-finishes as the caller is cancelled (CPython gh-86296). A task cancelled then runs on, and a task
-that must stop before its owner can go on (a pump feeding a buffer nobody reads any more) hangs it.
-"""
+`Deadline` feeds the timeouts of successive waits."""
 
 from __future__ import annotations
 

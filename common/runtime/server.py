@@ -1,14 +1,4 @@
-"""`ServiceRuntime`: the grpc.aio servers every service runs on.
-
-Two ports, so nothing that can stop a service is reachable through the port its clients use:
-- the main port (`bind_host:port`) serves the stage API (or the gateway's public Omni API),
-  grpc.health.v1 and reflection of exactly those; TLS and API keys apply here;
-- the admin port (`admin_host:admin_port`, loopback by default) serves omnistage.v1.Control
-  (Describe, Drain, Resume), health and reflection, optionally behind an admin key.
-Both are bound before anything slow happens (health NOT_SERVING, phase readable through Describe).
-Every RPC goes through `CallGuard`. SIGTERM/SIGINT stop gracefully: stop accepting, let in-flight RPCs
-finish within `drain_grace_s`, cancel the rest, stop. A drain through Control can be resumed.
-"""
+"""`ServiceRuntime`: the grpc.aio servers every service runs on."""
 
 from __future__ import annotations
 

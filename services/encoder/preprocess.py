@@ -1,11 +1,4 @@
-"""Model inputs from decoded media: resized, normalised, patchified pixels; Whisper log-mel (ming.md §3.4-§4.2).
-
-Vision: `smart_resize` (factor 32, min/max pixels, aspect ≤ 200), PIL bicubic, rescale 1/255, CLIP
-mean/std, a single image duplicated to 2 frames, patches in (t, block_row, block_col, in_row, in_col)
-order, each flattened as (C, T, y, x). Video: 2 fps sampling between 4 and 256 frames (even count),
-per-frame pixel budget, one timestamp per temporal patch. Audio: 128-bin Whisper log-mel without
-the 30 s padding (torch.stft, periodic Hann, Slaney mel filters), T = ⌊samples / 160⌋ frames.
-"""
+"""Model inputs from decoded media: resized, normalised, patchified pixels; Whisper log-mel (ming.md §3.4-§4.2)."""
 
 from __future__ import annotations
 

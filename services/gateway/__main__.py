@@ -1,11 +1,4 @@
-"""`python -m omnistage.services.gateway --config F --service NAME`: the public Omni API.
-
-Start-up waits for every deployed stage it calls (the thinker; the encoder, the talker and the image
-stage when deployed) to be SERVING, sends one real text request through the thinker, one sentence
-through the talker, with an encoder one request with an image through the whole media path (encoder →
-shared memory → thinker), and with an image stage one image request (thinker hidden states → shared
-memory → ImageGen, one step at the smallest size), then serves.
-"""
+"""`python -m omnistage.services.gateway --config F --service NAME`: the public Omni API."""
 
 from __future__ import annotations
 

@@ -1,15 +1,4 @@
-"""`python -m omnistage.services.thinker --config F --service NAME --rank R`: one thinker rank.
-
-Every rank runs the same start-up (`group/startup.py`: loading_weights → profiling_memory →
-warming_up). Rank 0 then sends one real request through its engine and serves
-`omnistage.v1.Thinker`; ranks 1..N-1 execute its step plans. When the TP group fails (any rank
-fails, dies or stops answering) this rank's status says so naming the rank at fault, rank 0 ends
-every in-flight request with UNAVAILABLE, and the process exits (its PeerWatch sees to it).
-
-Rank 0 also loads the image-generation query rows (image_queries.py) when the checkpoint has them
-and opens the producer pool hidden states leave through; its warm-up then runs one hidden-state
-request as well.
-"""
+"""`python -m omnistage.services.thinker --config F --service NAME --rank R`: one thinker rank."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""`POST /v1/completions` (OpenAI's legacy text completions) on GenerateRequest.prompt.
-
-The prompt is continued as it is (no chat format): a string, or a list holding one string. Choices
-(`n`), streaming, `stop`, `logprobs` (0..20 alternatives, in the legacy shape) and the sampling fields
-are the chat route's; `echo`, `suffix`, `best_of` other than `n`, token-array prompts and several
-prompts in one request are refused with a 400 naming the field. `max_tokens` defaults to 16, as
-OpenAI's.
-"""
+"""`POST /v1/completions` (OpenAI's legacy text completions) on GenerateRequest.prompt."""
 
 from __future__ import annotations
 

@@ -1,15 +1,4 @@
-"""Content keys of full KV blocks, for prefix caching: equal keys mean equal K/V in every layer.
-
-A block's K/V depend on everything before it, so its key is a hash chained over the previous
-block's key and what the block itself holds: its token ids and, where the prompt is multimodal,
-what replaces or moves those tokens — the bytes of the encoder rows spliced into its slots (with
-their routers) and the 3D rope positions of its tokens. An image's blocks therefore match only for
-the same image bytes at the same place. Anything else that would change the K/V (model, dtype, TP
-layout) is fixed for the life of one engine, whose cache starts empty.
-
-Keys are 16-byte BLAKE2b digests: made on rank 0 only (the decisions travel in the step plan as
-block tables), stable across processes, and collision-free in practice.
-"""
+"""Content keys of full KV blocks, for prefix caching: equal keys mean equal K/V in every layer."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""One thinker rank's start-up, the same on every rank: join the group → load → size KV → warm up.
-
-    loading_weights   this rank's slices, materialised in the target dtype (or dummy weights)
-    profiling_memory  KV auto-profile with every rank agreeing (kv_profile.py); plain CPU: configured size
-    warming_up        dummy shapes, all ranks run or skip each (warmup.py)
-    capturing_graphs  decode steps as CUDA graphs at padded batch sizes (cuda_graphs.py), when the
-                      device is CUDA and the kernels chosen (models/layers/backends.py) are graph-safe
-
-It takes one resolved `RankConfig` and reports to one `StartupProgress`. The rank's PeerWatch runs
-from the rendezvous on, so a peer's failure ends this rank even inside a collective; a failure here
-is reported to the group before it is raised. Afterwards collectives get the serving deadline, rank
-0 builds its LLMEngine around the runner and the other ranks enter the plan loop (worker.py).
-"""
+"""One thinker rank's start-up, the same on every rank: join the group → load → size KV → warm up."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""TPControl: the thinker's TP group as the engine sees it — plans, agreement, failures, deadlines.
-
-Two process groups share one TCPStore hosted by rank 0: the model's group (nccl on CUDA, gloo on
-CPU: the layers' all-reduces) and a gloo group for step plans and start-up agreement. Every
-collective has a deadline: `tp.startup_collective_timeout_s` until `enter_serving()`, then
-`tp.serving_collective_timeout_s`. The first failure of the group (a rank's own error, or a peer
-found dead, silent, or the store host gone) is one `GroupFailure` in the store; every rank's
-PeerWatch (peer_watch.py) sees it and ends its rank within `tp.failure_exit_s`, because a rank
-blocked in an NCCL/gloo collective cannot be woken from Python.
-
-(Not to be confused with `models.layers.parallel.TPGroup`: a rank's slice of the model and the
-two collectives the layers call.)
-"""
+"""TPControl: the thinker's TP group as the engine sees it — plans, agreement, failures, deadlines."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
 """PeerWatch: one thread per TP rank that ends the rank when the group fails, whatever this rank's
-other threads are blocked in.
-
-Every `tp.peer_watch_interval_s` it writes this rank's heartbeat and reads the group's store:
-the first failure (a rank's own error), peers whose process is gone (same host: seen at once),
-peers whose heartbeat stopped for `tp.peer_timeout_s` (dead on another host, or SIGSTOPped), and
-the store itself (its host, rank 0, gone or stopped: fatal too). On any of these it tells the
-rank's failure listeners (status file, in-flight requests), lets the store host wait until the
-other ranks have read the diagnostic, and exits the process within the exit budget: a thread
-blocked inside an NCCL or gloo collective cannot be unblocked from Python.
-"""
+other threads are blocked in."""
 
 from __future__ import annotations
 

@@ -1,23 +1,4 @@
-"""StepPlan: everything a rank needs to run one forward, as int64 tensors that pack into one buffer.
-
-Rank 0 decides; ranks 1..N-1 execute what the plan says and nothing else, so ranks cannot diverge.
-The plan is flat integers (no pickled engine objects), a few hundred int64s in decode.
-
-Multimodal prompts: every rank must put the same encoder rows into the same token rows. The plan
-says only *which* flattened token rows take an encoder row (`media_index`) and their router
-(`media_modality`): two int64s per row, in prefill steps that reach placeholder slots, and nothing
-in decode plans. The rows themselves (`media_rows`) stay on rank 0 and are never encoded: rank 0
-writes them into its share of the vocab-parallel embedding while every other rank zeroes its share
-at those rows, so the all-reduce the embedding does anyway hands every rank the exact rows (x + 0
-is exact) at no extra collective. The alternatives cost more: broadcasting the rows with the plan
-is one more collective of M x hidden per step; letting every rank open the encoder's shm / CUDA IPC
-refs would make each rank copy and keep the rows per request (the lease lasts seconds, recompute
-after a preemption needs them again), so workers would hold request state and need "free" plans.
-
-Hidden-state requests (image generation's conditioning) want the model's final-norm output at some
-prompt rows: `hidden_index` names those token rows, on rank 0 only and never encoded (every rank
-computes the same replicated rows; only rank 0 hands them on), so workers see a plain prefill.
-"""
+"""StepPlan: everything a rank needs to run one forward, as int64 tensors that pack into one buffer."""
 
 from __future__ import annotations
 
