@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
@@ -22,8 +24,10 @@ from omnistage.common.log import setup_logging
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine.step_plan import build_step_plan
-from omnistage.services.thinker.group import local_ranks
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (tests/…/local_ranks.py)
+from tests.services.thinker.group import local_ranks  # noqa: E402
 
 CFG = EngineConfig(block_size=16, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024)
 
@@ -49,7 +53,7 @@ def _run(ckpt, device: str, dtype: str, tp: int, prompts, max_tokens: int):
         str(ckpt), CFG, dtype=dtype, device=dev0, world_size=tp, dist_port=local_ranks.free_port()
     )
     procs = local_ranks.spawn_workers(cfg) if tp > 1 else []
-    engine = start_engine(cfg)
+    engine = rank0_engine(start_rank(cfg))
     try:
         logits = _first_logits(engine, prompts[0])
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -66,11 +66,16 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
     from omnistage.common.config import FaultConfig, MemoryConfig, TPConfig
     from omnistage.common.log import setup_logging
     from omnistage.common.memory.device import SimulatedDeviceMemory, fmt_bytes
-    from omnistage.services.thinker.engine.llm_engine import LLMEngine
     from omnistage.services.thinker.engine.sampler import Sampler
     from omnistage.services.thinker.engine.sequence import SamplingParams
     from omnistage.services.thinker.group import startup
-    from omnistage.services.thinker.group.startup import LogProgress, RankConfig, StartupError, start_rank
+    from omnistage.services.thinker.group.startup import (
+        LogProgress,
+        RankConfig,
+        StartupError,
+        rank0_engine,
+        start_rank,
+    )
     from omnistage.services.thinker.group.warmup import run_dummy_step, stress_shapes
     from omnistage.services.thinker.group.worker import serve_plans
 
@@ -176,7 +181,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
             t0 = time.monotonic()
             n_req = min(args.real_requests, runner.cfg.max_num_seqs)
             if rank == 0:
-                engine = LLMEngine.from_started(started)
+                engine = rank0_engine(started)
                 prompt_len = runner.cfg.max_model_len - args.real_max_tokens
                 gen = torch.Generator().manual_seed(1)
                 prompts = [
@@ -428,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny and not torch.cuda.is_available():
         print("no CUDA device: use --tiny on CPU", file=sys.stderr)
         return 2
-    from omnistage.services.thinker.group.local_ranks import free_port
+    # The repository root, for tests/…/local_ranks.py.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.services.thinker.group.local_ranks import free_port
 
     peer = None
     if args.peer_gib and not args.tiny:

@@ -23,7 +23,7 @@ from omnistage.common.config import EngineConfig
 from omnistage.common.log import setup_logging
 from omnistage.common.transport import TransportContext, TransportOptions, encode
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.multimodal import MediaInputs
 from omnistage.v1 import encoder_pb2, thinker_pb2
@@ -99,10 +99,12 @@ def main() -> None:
                 f"{cfg.hidden_size:>7} {str(dtype).removeprefix('torch.'):>9} {rows:>6} {mib:>7.2f} {ms:>8.2f}"
             )
 
-    engine = start_engine(
-        RankConfig(
-            str(ckpt),
-            EngineConfig(block_size=16, max_num_batched_tokens=2048, max_model_len=2048, max_num_seqs=4),
+    engine = rank0_engine(
+        start_rank(
+            RankConfig(
+                str(ckpt),
+                EngineConfig(block_size=16, max_num_batched_tokens=2048, max_model_len=2048, max_num_seqs=4),
+            )
         )
     )
     inputs = MediaInputs(tiny, torch.float32, TransportContext())

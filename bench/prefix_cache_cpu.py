@@ -26,7 +26,7 @@ from omnistage.common.config import EngineConfig
 from omnistage.common.log import setup_logging
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 
 
 def ttft(
@@ -126,7 +126,7 @@ def main() -> None:
         cfg = EngineConfig(
             block_size=16, max_num_seqs=4, max_num_batched_tokens=8192, max_model_len=8192, prefix_caching=on
         )
-        engines[name] = start_engine(RankConfig(str(ckpt), cfg))
+        engines[name] = rank0_engine(start_rank(RankConfig(str(ckpt), cfg)))
     print(
         f"tiny checkpoint, CPU x{torch.get_num_threads()} threads, torch {torch.__version__}, block_size 16"
     )

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
@@ -16,8 +18,10 @@ from omnistage.common.config import EngineConfig
 from omnistage.common.log import setup_logging
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.group import local_ranks
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (tests/…/local_ranks.py)
+from tests.services.thinker.group import local_ranks  # noqa: E402
 
 
 def run(engine: LLMEngine, concurrency: int, prompt_len: int, max_tokens: int) -> dict[str, float]:
@@ -52,7 +56,7 @@ def main() -> None:
     cfg = EngineConfig(block_size=16, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024)
     rank_cfg = RankConfig(str(ckpt), cfg, world_size=args.tp, dist_port=local_ranks.free_port())
     procs = local_ranks.spawn_workers(rank_cfg) if args.tp > 1 else []
-    engine = start_engine(rank_cfg)
+    engine = rank0_engine(start_rank(rank_cfg))
     try:
         run(engine, 2, 8, 4)  # warm-up
         print(

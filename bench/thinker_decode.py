@@ -62,7 +62,7 @@ def start(
     kv_tokens: int,
 ):
     from omnistage.common.config import EngineConfig, MemoryConfig
-    from omnistage.services.thinker.group.startup import RankConfig, start_engine
+    from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 
     engine_cfg = EngineConfig(
         block_size=16,
@@ -76,7 +76,9 @@ def start(
     )
     memory = MemoryConfig(budget_fraction=0.9) if device != "cpu" else MemoryConfig()
     load = "dummy" if dtype == "bfloat16" else "safetensors"
-    return start_engine(RankConfig(ckpt, engine_cfg, memory, load_format=load, dtype=dtype, device=device))
+    return rank0_engine(
+        start_rank(RankConfig(ckpt, engine_cfg, memory, load_format=load, dtype=dtype, device=device))
+    )
 
 
 def correctness(device: str, steps: int) -> dict:

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,11 +28,13 @@ from omnistage.common.config import EngineConfig
 from omnistage.common.log import setup_logging
 from omnistage.common.transport import TransportContext, TransportOptions, encode
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.group import local_ranks
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.multimodal import MediaInputs
 from omnistage.v1 import encoder_pb2, thinker_pb2
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (tests/…/local_ranks.py)
+from tests.services.thinker.group import local_ranks  # noqa: E402
 
 
 def image_prompt(cfg: ThinkerConfig, side: int, before: int = 30, after: int = 10) -> list[int]:
@@ -82,7 +85,7 @@ def main() -> None:
         dist_port=local_ranks.free_port(),
     )
     procs = local_ranks.spawn_workers(rank_cfg) if args.tp > 1 else []
-    engine = start_engine(rank_cfg)
+    engine = rank0_engine(start_rank(rank_cfg))
     rows_dtype = getattr(torch, dtype)
     results = []
     try:

@@ -1,14 +1,4 @@
-"""Python client of the Omni gRPC API: `OmniClient` (sync) and `AsyncOmniClient` (asyncio).
-
-    with OmniClient("127.0.0.1:7151", api_key="...") as client:
-        result = client.generate("Describe it.", images=["cat.png"], speak=True).collect()
-        print(result.text); Path("answer.wav").write_bytes(result.wav())
-
-`generate` returns a stream of GenerateEvents (iterate it for text deltas, audio chunks, progress,
-images and the one Finish); `.collect()` gathers it into a `Result` (text, WAV, PNGs, finish). Leaving
-the iteration early (or `.cancel()`) cancels the request in every stage. Every call has a deadline
-(`timeout_s`). Load sweeps are `omnistage bench` (common/load_driver.py).
-"""
+"""Python client of the Omni gRPC API: `OmniClient` (sync) and `AsyncOmniClient` (asyncio)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""`make demo`: start the whole pipeline, send one real request per input modality, save, stop.
-
-Runs `omnistage serve` as a child (so the demo exercises exactly what a user runs), waits for its
-ready file with a deadline, streams a text request (answered with text and speech), a text + image
-request (a picture drawn here with PIL) and a text + audio request (a WAV synthesised here) through
-the gateway, and asks for an image (MODALITY_IMAGE: thinker hidden states → image stage, progress per
-step, then a PNG that must decode at the requested size), writes `<out>/result.json` (with the image
-and WAV it sent, the spoken answer as `demo-answer.wav` and the generated `image.png` next to it),
-then stops the pipeline with SIGTERM and checks it exits cleanly.
-"""
+"""`make demo`: start the whole pipeline, send one real request per input modality, save, stop."""
 
 from __future__ import annotations
 

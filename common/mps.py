@@ -1,15 +1,4 @@
-"""CUDA MPS for stages that share a GPU: one control daemon per `serve`, owned by the launcher.
-
-Without MPS, kernels of two processes on one GPU never run at once: the GPU time-slices between
-their contexts, so a thinker rank beside a talker decodes at ~0.4x its pace alone. Under MPS their
-kernels share the SMs. The launcher starts `nvidia-cuda-mps-control -f` before the stages, with its
-pipe and log directories under the run dir (nothing host-wide: another daemon's pipe is not ours;
-a run dir too long for a socket's path puts the pipe in a temp dir of its own, removed at the stop),
-hands each stage the pipe directory (with its `mps_active_thread_percentage`, the share of the SMs
-its kernels may take, and its `mps_client_priority`), and stops the daemon after the stages (`quit`, then its exit, then SIGKILL). The
-daemon dies with the launcher (PR_SET_PDEATHSIG) should the launcher itself be killed. The GPU's
-compute mode is never touched: MPS clients and plain contexts both work in the Default mode.
-"""
+"""CUDA MPS for stages that share a GPU: one control daemon per `serve`, owned by the launcher."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""The API reference `docs/api.md`, generated from the omnistage/v1 .proto files and their comments.
-
-protoc parses the protos with `--include_source_info`; every element (service, rpc, message, field,
-oneof, enum, enum value) and its leading comment comes from the descriptors, so the page says what
-the protos say. `undocumented()` lists elements without a leading comment (a test wants none);
-`check()` compares the committed page with a fresh one (a test fails when it is stale).
-`python -m omnistage.common.protodoc [--check | --coverage]` writes, checks or reports.
-"""
+"""The API reference `docs/api.md`, generated from the omnistage/v1 .proto files and their comments."""
 
 from __future__ import annotations
 

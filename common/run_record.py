@@ -1,13 +1,5 @@
 """The record of a running `omnistage serve`: what the other commands need to reach it without repeating
-its flags.
-
-`serve` writes `run.json` in its run directory (config path, `--set` overrides, addresses, pid) and the
-same record as `runs/<pid>.json` in this user's private directory (auth.user_dir: 0700, the files
-0600). `status`, `generate`, `bench`, `drain`, `resume` and `stage-key` given no `--config` (nor
-`--address`) take the deployment of the newest record whose `serve` still runs; its `--set`
-overrides come with it, and a command's own `--set` flags are applied after them. `serve` removes
-its record when it stops; one a killed `serve` left is ignored (its pid is gone).
-"""
+its flags."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""The one table of stage kinds: what runs each kind and what the deployment gets from it.
-
-Every other place that needs to know the kinds reads this table: the deploy file's `kind` values
-and public capabilities (common/config/), the module the launcher starts (common/launcher/), the
-kinds whose checkpoint preflight checks (preflight.py), and the gateway's routing of media inputs and
-output modalities to stages, its admission gates and its refusal labels. Adding a stage is one row
-here, its deploy key (a module of common/config/) and its own folder under `services/`
-(docs/architecture.md lists the files).
-"""
+"""The one table of stage kinds: what runs each kind and what the deployment gets from it."""
 
 from __future__ import annotations
 

@@ -1,15 +1,4 @@
-"""Config-only Ming checkpoints: the config of every part of a shape plus the tiny tokenizers, no weights.
-
-Root `config.json` (thinker `llm_config`, `vision_config`, `audio_config`), `talker/` (its config,
-`llm/` and `vae/` configs, the LM's tokenizer, a CAM++-signature `campplus.onnx`, the preset voices),
-`mlp/`, `connector/`, `transformer/`, `vae/` and `scheduler/` configs. Every stage serves it with
-`model.load_format: dummy` (random weights in the real shapes and dtype, made on the device). So
-`omnistage make-config-checkpoint --shape ming-flash DIR` lets `omnistage serve` run the whole
-Ming-flash-omni-2.0 pipeline at its real sizes (ming.md; release_shapes.py) without the download.
-Token ids come from the tiny tokenizers (read from the files, never assumed), so text is noise; the
-shapes and the memory are the release's. `--shape tiny` writes the tiny checkpoint's sizes (CPU tests).
-The speaker model is a tiny graph with CAM++'s signature (the real one is ~7 M parameters on CPU).
-"""
+"""Config-only Ming checkpoints: the config of every part of a shape plus the tiny tokenizers, no weights."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Random weights for `model.load_format: dummy`, made in place where the module already lives.
-
-The module is built on meta and materialised empty in its target dtype on its device first (as a
-checkpoint load does); this fills every parameter there, one at a time, from one seeded generator
-on that device: no host copy, no float32 copy of a low-precision weight. Norm weights 1 and norm
-biases 0 (so activations keep their scale through deep stacks), other biases 0, everything else
-normal(0, 0.02) (bf16-safe).
-"""
+"""Random weights for `model.load_format: dummy`, made in place where the module already lives."""
 
 from __future__ import annotations
 

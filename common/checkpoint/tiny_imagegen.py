@@ -1,12 +1,4 @@
-"""The image-generation part of the tiny Ming checkpoint (ming.md §6.4), in the release's layout.
-
-`mlp/` (config.json + model.safetensors: the thinker's query embeddings `query_tokens_dict.16x16`,
-`proj_in`, `proj_out`), `connector/` (HF Qwen2ForCausalLM, tied embeddings), `transformer/`
-(diffusers Z-Image DiT names), `vae/` (diffusers AutoencoderKL names, 16 latent channels, the
-Flux/Z-Image scaling and shift factors) and `scheduler/scheduler_config.json`. Tiny shapes: DiT
-dim 96 (2 heads of 48 = RoPE axes 16 + 16 + 16), 2 layers and 1 refiner of each kind; connector
-Qwen2 hidden 64; VAE channels (8, 8, 16, 16) keeping the 8x spatial factor. bf16 storage.
-"""
+"""The image-generation part of the tiny Ming checkpoint (ming.md §6.4), in the release's layout."""
 
 from __future__ import annotations
 

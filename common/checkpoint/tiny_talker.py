@@ -1,13 +1,4 @@
-"""Writes the tiny talker in the release's `talker/` layout (ming.md §5.1, §5.6), next to the tiny thinker.
-
-`talker/config.json` (CFM DiT, aggregator, patch sizes), `llm/` (Qwen2 config + a small byte-level
-BPE tokenizer with the special tokens the prompt needs), `vae/` (AudioVAE config + weights),
-`campplus.onnx` (a tiny graph with CAM++'s signature: fbank [1, T, 80] → embedding [1, 192]),
-`data/voice_name.json` + `data/spks/*.wav` (two preset voices, `DB30` first), and the model shards
-with the real key names. Tiny sizes, real structure: latent 64, hop 882, patch 4, history 32, the
-VAE encoder backbone ≥ 4 layers (the aggregator copies its config), a sliding-window decoder layer.
-Needs the `onnx` package (a dev dependency) for `campplus.onnx`. Deterministic for a seed.
-"""
+"""Writes the tiny talker in the release's `talker/` layout (ming.md §5.1, §5.6), next to the tiny thinker."""
 
 from __future__ import annotations
 

@@ -1,18 +1,4 @@
-"""Device-memory accountants: the one interface every budgeting decision reads.
-
-`CudaDeviceMemory` reports what torch.cuda and the driver say. `SimulatedDeviceMemory` gives CPU
-runs (tests, CI) the same numbers by metering the real tensor allocations of real code, with a
-caching-allocator model (reserved grows in segments and only shrinks on `empty_cache()`) and a real
-`torch.OutOfMemoryError` at the capacity, so profiling, stress and retry logic run unchanged on CPU.
-
-Why a TorchDispatchMode: CPU tensors have no Python-visible allocator hook, and `torch.overrides`
-(`__torch_function__`) sees calls before decomposition, misses tensors made inside composite ops and
-cannot tell views from new tensors. A dispatch mode sees every aten op that produces a tensor —
-factories (`empty`, `zeros`, `randn`), op outputs, decomposed intermediates — after views and
-in-place ops are resolved; a new storage is counted once and freed by `weakref.finalize` when the
-storage itself dies (views keep it alive). Scratch buffers a C++ kernel makes and frees inside one op
-are not seen; the dispatch mode is thread-local, so only ops of the metering thread count.
-"""
+"""Device-memory accountants: the one interface every budgeting decision reads."""
 
 from __future__ import annotations
 

@@ -1,14 +1,4 @@
-"""The per-GPU memory ledger `omnistage serve` checks before it starts anything.
-
-Every TP rank of a service with a budget is placed on the device it runs on (`gpus[rank]`, or
-`rank` when `gpus` is empty); on each device the budgets (fractions resolved against that device's
-total) plus `devices.reserve_bytes` must fit the total. Refusing here costs nothing; discovering it
-as an OOM in the third service's profiling costs a whole start-up.
-
-CPU services with `memory.simulated_capacity_bytes` run on simulated GPUs (`sim:N`, same index
-rule) whose total is that capacity, so the ledger logic is exercised on CPU exactly as on CUDA.
-This module does not import torch unless it must read CUDA totals (the launcher stays light).
-"""
+"""The per-GPU memory ledger `omnistage serve` checks before it starts anything."""
 
 from __future__ import annotations
 

@@ -1,26 +1,16 @@
-"""Stress-and-cap for stages without a KV cache (encoders, talker, DiT).
-
-At start-up a stage runs its largest batch, keeps that peak reserved (no `empty_cache()` after a
-success, so services that profile later on the same GPU see it as used), and never runs more at
-once than it tested. Candidates are tried largest first; an OOM (or a peak over the budget) moves
-to the next smaller one and every decision is recorded. The cap is the LARGEST batch that fit:
-LightLLM's layer-0 bug took a `min` here and silently served every request one at a time.
-"""
+"""Stress-and-cap for stages without a KV cache (encoders, talker, DiT)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import gc
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from omnistage.common.log import get_logger, log_fields
 from omnistage.common.memory.device import DeviceMemory
 from omnistage.common.memory.units import fmt_bytes
-from omnistage.common.runtime.deadlines import within
 from omnistage.v1 import control_pb2
 
 log = get_logger(__name__)
@@ -180,41 +170,3 @@ class StressAndCap:
                 fmt_bytes(result.peak_reserved),
             )
         return result
-
-
-class ConcurrencyLimiter:
-    """Never run more than the tested batch at once: an asyncio gate with a deadline on every wait.
-
-    Used from the stage's event loop (grpc.aio handlers); `in_use` / `peak_in_use` feed Describe.
-    """
-
-    def __init__(self, stage: str, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"{stage}: concurrency limit must be >= 1, got {limit}")
-        self.stage = stage
-        self.limit = limit
-        self.in_use = 0
-        self.peak_in_use = 0
-        self._sem = asyncio.Semaphore(limit)
-
-    @classmethod
-    def from_stress(cls, result: StressResult) -> ConcurrencyLimiter:
-        return cls(result.stage, result.max_batch)
-
-    @contextlib.asynccontextmanager
-    async def slot(self, timeout_s: float) -> AsyncIterator[None]:
-        """Hold one of `limit` slots; waits at most `timeout_s`, then TimeoutError naming the stage."""
-        try:
-            await within(self._sem.acquire(), timeout_s)
-        except TimeoutError:
-            raise TimeoutError(
-                f"{self.stage}: no free batch slot within {timeout_s:g}s "
-                f"({self.in_use}/{self.limit} busy; the limit is the stress-tested batch)"
-            ) from None
-        self.in_use += 1
-        self.peak_in_use = max(self.peak_in_use, self.in_use)
-        try:
-            yield
-        finally:
-            self.in_use -= 1
-            self._sem.release()

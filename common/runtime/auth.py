@@ -1,16 +1,4 @@
-"""Who may call: API keys sent as `authorization: Bearer <key>`, and the TLS credentials of a port.
-
-Secrets never live in the deploy file: it names an environment variable or a file that holds them.
-Keys are compared with `hmac.compare_digest`, against every configured key, so timing tells nothing.
-
-Stages authenticate each other with the deployment's stage key ($OMNISTAGE_STAGE_KEY): `omnistage
-serve` generates one per run (or passes on the one in its environment) to every process it starts;
-compose and Kubernetes set it from a secret. With it, a stage's main port and admin port (not the
-gateway's: its clients and operators have their own keys) refuse any caller without it, and the
-gateway's stage channels send it on every call (`stage_interceptors`). `serve` also leaves the key
-where the CLI of the same user finds it by the deploy file's path (`publish_stage_key`, 0600 in a
-0700 directory), so `omnistage status` / `drain` of that deployment keep working.
-"""
+"""Who may call: API keys sent as `authorization: Bearer <key>`, and the TLS credentials of a port."""
 
 from __future__ import annotations
 

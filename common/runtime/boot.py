@@ -1,16 +1,4 @@
-"""The one start-up path of a single-device stage (encoder, talker, image-gen), driven by its `StageStartup`.
-
-    starting          the server is bound (stage_main); the device, its memory and budget are resolved
-    loading_weights   `load()` in a daemon thread, its device memory metered, counted in shards
-    profiling_memory  `stress()` in the same thread: stress-and-cap within the budget, counted in attempts
-    warming_up        `warm_up()` on the event loop: the engine started, one real request through it
-    serving           `serve()` registers the API, limits and load; the memory report is exported
-
-A stage supplies only what is its own (which models, which stress, which request); the device, the
-budget and its allocator limit, the phases and their progress, the memory report's budget and SERVING
-come from here, the same for every stage. The thinker's ranks start through `group/startup.py`
-(a TP group agrees on each step) but report through the same `StageProgress`.
-"""
+"""The one start-up path of a single-device stage (encoder, talker, image-gen), driven by its `StageStartup`."""
 
 from __future__ import annotations
 

@@ -5,19 +5,49 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omnistage.v1 import control_pb2, control_pb2_grpc
 
 if TYPE_CHECKING:
-    from omnistage.common.runtime.server import ServiceRuntime
+    from omnistage.common.config import DeployConfig, ServiceConfig
+    from omnistage.common.runtime.phases import PhaseReporter
 
 _log = logging.getLogger(__name__)
 
 # Who asked for a drain, as the phase detail, the status file and the launcher show it.
 DRAIN_BY_CONTROL = "Control.Drain"
 RESUME_BY_CONTROL = "Control.Resume"
+
+
+MemoryProvider = Callable[[], Sequence[control_pb2.MemoryReport]]
+LimitsProvider = Callable[[], control_pb2.Limits]
+LoadProvider = Callable[[], tuple[int, int]]
+ReadinessProvider = Callable[[], list[control_pb2.Readiness]]
+
+
+class ControlledRuntime(Protocol):
+    """What Control reads and calls of the service's runtime (server.ServiceRuntime)."""
+
+    name: str
+    rank: int
+    cfg: DeployConfig
+    svc: ServiceConfig
+    reporter: PhaseReporter
+    config_hash: str
+    failure: str
+    memory_provider: MemoryProvider | None
+    limits_provider: LimitsProvider | None
+    load_provider: LoadProvider | None
+    readiness_provider: ReadinessProvider | None
+
+    @property
+    def in_flight(self) -> int: ...
+
+    async def drain(self, grace_s: float | None = None, *, by: str = "") -> tuple[int, int]: ...
+
+    def resume(self) -> None: ...
 
 
 def omnistage_version() -> str:
@@ -34,7 +64,7 @@ def stage_kind_to_proto(kind: str) -> int:
 class ControlServicer(control_pb2_grpc.ControlServicer):
     """One short method per RPC; the runtime holds the state."""
 
-    def __init__(self, runtime: ServiceRuntime) -> None:
+    def __init__(self, runtime: ControlledRuntime) -> None:
         self._rt = runtime
 
     async def Describe(
@@ -52,7 +82,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return control_pb2.ResumeResponse(phase=control_pb2.PHASE_SERVING)
 
 
-def describe(rt: ServiceRuntime) -> control_pb2.DescribeResponse:
+def describe(rt: ControlledRuntime) -> control_pb2.DescribeResponse:
     """What the service is and how it is doing; a failing provider answers with its default."""
     running, queued = rt.in_flight, 0
     if rt.load_provider is not None:

@@ -1,24 +1,4 @@
-"""DeviceLoop: the one thread that drives a stage's device; each stage supplies only its step.
-
-Why one loop: a device (and the model state on it) is driven by exactly one thread, so every stage
-needs the same machinery around its step — a thread, a wake-up when work arrives, calls run
-between two steps, a stop that fails what is still held, a failure that ends every request with
-a precise error and reaches health. Written once here, a stage's `runner.py` holds only what is
-its own: which jobs share the next step (its batching policy) and the step itself.
-
-The thread, turn after turn: wait until there is work, a call or a stop (never longer than
-`idle_wait_s`, or than the runner's `wake_in` when its work comes due by itself: every wait ends by
-itself, a stop wakes it at once), run the queued calls, then one
-step if the runner has work, else the runner's `idle()` (the thinker's keep-alive). A step that
-raises fails the loop: every job held and every call queued gets `DeviceFailed`, new work is
-refused with it, and the `on_failure` hooks hear it (the service's health). `fail()` does the same
-from any thread, for a failure learnt elsewhere while the device thread may be blocked for good.
-A stop lets the step in progress finish, then ends everything held with `DeviceStopped`.
-
-Locks: the loop's condition guards its own state (stopped, failure, calls); a runner guards its
-queues with its own lock, taken inside the loop's (in `has_work` and in `admit`'s `put`), never
-the other way round.
-"""
+"""DeviceLoop: the one thread that drives a stage's device; each stage supplies only its step."""
 
 from __future__ import annotations
 

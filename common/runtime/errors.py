@@ -79,18 +79,8 @@ class DeadlineExceeded(OmniError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-class Aborted(OmniError):
-    """The request was aborted (client cancel, drain deadline)."""
-
-    code = grpc.StatusCode.CANCELLED
-
-
 class SimulatedOOM(MemoryError):
     """Raised by the test-only fault hook (`fault.action: oom`) in place of a real device OOM."""
-
-
-class StartupTimeout(TimeoutError):
-    """A start-up wait ran past its deadline; the message names what, stage, rank and phase."""
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:

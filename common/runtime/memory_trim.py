@@ -1,12 +1,4 @@
-"""Give the memory of large requests back to the operating system.
-
-A refused 60 MiB request used to raise a gateway's RSS by ~180 MB for good
-(tests/services/gateway/test_gateway_large_requests.py measures it). Two things held it: grpc keeps
-the last call's abort error alive until the next call, and its traceback's frames held the parsed
-request (`CallGuard` now clears those frames); and glibc keeps freed pages in its arenas. So
-shortly after a large request, and at most once per `min_interval_s`, `malloc_trim(0)` returns them
-(Linux glibc only; elsewhere this does nothing). It runs in a thread: ctypes releases the GIL.
-"""
+"""Give the memory of large requests back to the operating system."""
 
 from __future__ import annotations
 

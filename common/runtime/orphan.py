@@ -1,17 +1,4 @@
-"""A service process never outlives its launcher, nor leaves its shared memory behind when it goes.
-
-`die_with_launcher()` runs first thing in a service process (importing `omnistage.services` calls it,
-before torch or any model code is imported): PR_SET_PDEATHSIG makes the kernel send SIGHUP when the
-launcher dies, and a launcher that died before that took effect ends the process at once. SIGHUP,
-not SIGTERM: the kernel sends it once for every thread of the launcher that ends (a second SIGTERM
-would mean "exit now"); its handler unlinks the process's `/dev/shm` segments (mappings stay valid,
-so nothing in flight breaks; a launcher killed by SIGKILL can sweep nothing) and begins the graceful
-stop with one SIGTERM; later ones change nothing.
-`watch_parent()` (from `run_service`) adds a watchdog thread that wakes when the launcher is gone
-(or, without one, the parent), for a main thread too busy to run the handler: it does the same, then
-gives the graceful stop `ORPHAN_EXIT_S` and ends the process hard. Nobody serves through an orphan:
-its stages go too.
-"""
+"""A service process never outlives its launcher, nor leaves its shared memory behind when it goes."""
 
 from __future__ import annotations
 

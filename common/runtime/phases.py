@@ -33,11 +33,6 @@ def phase_to_proto(phase: str) -> int:
     return control_pb2.Phase.Value(f"PHASE_{phase.upper()}")
 
 
-def phase_from_proto(value: int) -> str:
-    name = control_pb2.Phase.Name(value)
-    return name.removeprefix("PHASE_").lower()
-
-
 @dataclass(frozen=True)
 class ProgressSnapshot:
     """Phase and progress at one moment (Unix seconds)."""

@@ -1,14 +1,4 @@
-"""`ServiceRuntime`: the grpc.aio servers every service runs on.
-
-Two ports, so nothing that can stop a service is reachable through the port its clients use:
-- the main port (`bind_host:port`) serves the stage API (or the gateway's public Omni API),
-  grpc.health.v1 and reflection of exactly those; TLS and API keys apply here;
-- the admin port (`admin_host:admin_port`, loopback by default) serves omnistage.v1.Control
-  (Describe, Drain, Resume), health and reflection, optionally behind an admin key.
-Both are bound before anything slow happens (health NOT_SERVING, phase readable through Describe).
-Every RPC goes through `CallGuard`. SIGTERM/SIGINT stop gracefully: stop accepting, let in-flight RPCs
-finish within `drain_grace_s`, cancel the rest, stop. A drain through Control can be resumed.
-"""
+"""`ServiceRuntime`: the grpc.aio servers every service runs on."""
 
 from __future__ import annotations
 
@@ -19,7 +9,7 @@ import ipaddress
 import logging
 import os
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +21,15 @@ from omnistage.common.config import DeployConfig, ServiceConfig, config_hash, jo
 from omnistage.common.log import log_fields
 from omnistage.common.runtime import auth, reflection
 from omnistage.common.runtime.calls import CallGuard, InFlight
-from omnistage.common.runtime.control import DRAIN_BY_CONTROL, RESUME_BY_CONTROL, ControlServicer
+from omnistage.common.runtime.control import (
+    DRAIN_BY_CONTROL,
+    RESUME_BY_CONTROL,
+    ControlServicer,
+    LimitsProvider,
+    LoadProvider,
+    MemoryProvider,
+    ReadinessProvider,
+)
 from omnistage.common.runtime.errors import FailedPrecondition
 from omnistage.common.runtime.handlers import Dispatcher, collect
 from omnistage.common.runtime.memory_trim import MemoryTrimmer
@@ -48,10 +46,6 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 CONTROL_SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 # Cancelled RPCs wait this long for their handlers to unwind after the drain deadline.
 _CANCEL_WAIT_S = 2.0
-
-MemoryProvider = Callable[[], Sequence[control_pb2.MemoryReport]]
-LimitsProvider = Callable[[], control_pb2.Limits]
-LoadProvider = Callable[[], tuple[int, int]]
 
 __all__ = ["CONTROL_SERVICE", "HEALTH_SERVICE", "InFlight", "ServiceRuntime"]
 
@@ -112,7 +106,7 @@ class ServiceRuntime:
         self.memory_provider: MemoryProvider | None = None
         self.limits_provider: LimitsProvider | None = None
         self.load_provider: LoadProvider | None = None
-        self.readiness_provider: Callable[[], list[control_pb2.Readiness]] | None = None
+        self.readiness_provider: ReadinessProvider | None = None
         # Health names of parts of the service that come and go on their own (the gateway's
         # capabilities): name → ready; SERVING only while the service serves and the part is ready.
         self._parts: dict[str, bool] = {}

@@ -1,18 +1,4 @@
-"""Bounds on a request's wire records, checked on the raw bytes before protobuf builds the message.
-
-A protobuf message of 16 MiB can hold 8 M empty sub-messages, and a packed repeated field of 60 MB
-60 M enum values: the C parser builds them in a fraction of a second and any Python loop over them
-takes seconds, all on the event loop that serves every other call. So before a request is decoded,
-`WireBounds.refusal` walks its records (tag, length, skip; sub-messages by their descriptor) and
-stops at the first bound passed: a repeated field with more elements than its configured limit
-(`messages: more than 256 elements (max_messages)`), or a request with more records in all than
-`max_records`. Every element of a repeated field counts: one record each, or, for a packed field
-of numbers, the values its bytes hold (bounded by its byte length before any is counted). Groups
-(wire types 3/4, which no proto here declares) are skipped as protobuf skips an unknown field, their
-records counted. The walk costs at most about `max_records` steps, whatever the size of the
-request; a normal request has a few dozen records, and bytes fields (media) are skipped by their
-length, never read.
-"""
+"""Bounds on a request's wire records, checked on the raw bytes before protobuf builds the message."""
 
 from __future__ import annotations
 

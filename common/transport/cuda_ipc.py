@@ -1,11 +1,4 @@
-"""CUDA IPC pool: one cudaMalloc'ed buffer per device, exported once; consumers open it once and cache it.
-
-Opening a handle costs milliseconds (cudaIpcOpenMemHandle), so refs name a long-lived pool plus an offset
-instead of carrying a handle per tensor. Leases work as in `shm_pool`: the lease table lives in a small
-companion `/dev/shm` segment whose name is the pool id, so consumers release with one store. The buffer
-is allocated with cudaMalloc (not torch's caching allocator) so its handle names exactly this buffer;
-it is device memory outside torch's accounting that the memory budget must reserve.
-"""
+"""CUDA IPC pool: one cudaMalloc'ed buffer per device, exported once; consumers open it once and cache it."""
 
 from __future__ import annotations
 

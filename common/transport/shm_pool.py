@@ -1,12 +1,4 @@
-"""Producer-owned POSIX shm pool: slices with leases that consumers release through the segment itself.
-
-Segment layout: a 64-byte header, then a lease table of `max_leases` slots of two u64 words
-`(lease_id, released_id)`, then the data region (page aligned). The producer writes `lease_id` when it
-hands a slice out; the consumer releases by writing the same id into `released_id` (one aligned 8-byte
-store, no RPC). The producer reclaims a slot when the two words match, or when the lease expired
-(consumer died or forgot). A stale release of an old lease can never free the slot's next lease, since
-lease ids are never reused. Producer bookkeeping (offsets, expiry) stays private to the producer.
-"""
+"""Producer-owned POSIX shm pool: slices with leases that consumers release through the segment itself."""
 
 from __future__ import annotations
 

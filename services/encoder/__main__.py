@@ -1,11 +1,4 @@
-"""`python -m omnistage.services.encoder --config F --service NAME`: the vision + audio encoder stage.
-
-Start-up phases (common/runtime/boot.py): loading_weights (per shard) → profiling_memory
-(stress-and-cap per modality) → warming_up (one real image, video and audio clip through the request
-path) → serving `omnistage.v1.Encoder`. CPU or one GPU (`gpus[0]`). The shared-memory pool the
-embeddings leave through is also the CUDA IPC pool on a GPU: made with cudaMalloc, outside torch's
-allocator, so the allocator's limit is the budget less the pool.
-"""
+"""`python -m omnistage.services.encoder --config F --service NAME`: the vision + audio encoder stage."""
 
 from __future__ import annotations
 

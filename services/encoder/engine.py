@@ -1,12 +1,4 @@
-"""EncoderEngine: items in, embeddings out as TensorRefs — validate, preprocess, batch, hand over.
-
-One request: every item is decoded and preprocessed on a thread pool first, so a bad item fails the
-whole request (INVALID_ARGUMENT "items[i]: reason") before any device work; then each item takes
-a slot of its modality and joins the runner's next forward (runner.py, on the stage's `DeviceLoop`
-thread); the outputs leave through the
-producer's shared-memory pool (CUDA IPC when the consumer may open it). If anything fails after
-some refs were made, those slices are taken back, so a failed request never leaves a lease behind.
-"""
+"""EncoderEngine: items in, embeddings out as TensorRefs — validate, preprocess, batch, hand over."""
 
 from __future__ import annotations
 
@@ -23,7 +15,7 @@ import torch
 from omnistage.common import metrics
 from omnistage.common.config import EncoderConfig
 from omnistage.common.log import get_logger
-from omnistage.common.memory.stress import ConcurrencyLimiter
+from omnistage.common.runtime.concurrency import ConcurrencyLimiter
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop
 from omnistage.common.runtime.errors import DeadlineExceeded, InvalidRequest, Overloaded
 from omnistage.common.transport import TransportContext, encode

@@ -1,11 +1,4 @@
-"""Decoding of request media: images (PIL), audio and video (PyAV: FFmpeg decoders + libswresample).
-
-Why PyAV for audio as well: one well-kept wheel with FFmpeg bundled decodes WAV/FLAC/OGG/MP3 and
-every video container, and its resampler (libswresample) is a proper band-limited resampler, so
-no second audio stack is needed. Every limit is checked from headers before the expensive decode
-where the header allows it, and again while decoding. Errors are `MediaError` with the reason; the
-engine prefixes the item index.
-"""
+"""Decoding of request media: images (PIL), audio and video (PyAV: FFmpeg decoders + libswresample)."""
 
 from __future__ import annotations
 

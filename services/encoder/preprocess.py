@@ -1,16 +1,8 @@
-"""Model inputs from decoded media: resized, normalised, patchified pixels; Whisper log-mel (ming.md §3.4-§4.2).
-
-Vision: `smart_resize` (factor 32, min/max pixels, aspect ≤ 200), PIL bicubic, rescale 1/255, CLIP
-mean/std, a single image duplicated to 2 frames, patches in (t, block_row, block_col, in_row, in_col)
-order, each flattened as (C, T, y, x). Video: 2 fps sampling between 4 and 256 frames (even count),
-per-frame pixel budget, one timestamp per temporal patch. Audio: 128-bin Whisper log-mel without
-the 30 s padding (torch.stft, periodic Hann, Slaney mel filters), T = ⌊samples / 160⌋ frames.
-"""
+"""Model inputs from decoded media: resized, normalised, patchified pixels; Whisper log-mel (ming.md §3.4-§4.2)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -112,18 +104,6 @@ def image_frames(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
     return stack_frames([resize_rgb(image, size)])
 
 
-def image_patches(
-    image: Image.Image, size: tuple[int, int], cfg: VisionConfig
-) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """One still image at `size` (h, w) → patches of its 2 duplicated frames."""
-    return pixel_patches(image_frames(image, size), cfg)
-
-
-def frames_patches(frames: list[np.ndarray], cfg: VisionConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """Video frames, already resized to one size (count a multiple of the temporal patch) → patches."""
-    return pixel_patches(stack_frames(frames), cfg)
-
-
 def video_frame_count(total_frames: int, video_fps: float, max_frames: int) -> int:
     """Frames sampled from a video of `total_frames` at `video_fps` (Qwen-VL `smart_nframes`, 2 fps)."""
     upper = min(max_frames, total_frames) // FRAME_FACTOR * FRAME_FACTOR
@@ -196,9 +176,3 @@ def log_mel(samples: torch.Tensor, n_mels: int) -> torch.Tensor:
     logs = torch.clamp(mel, min=1e-10).log10()
     logs = torch.maximum(logs, logs.max() - 8.0)
     return (logs + 4.0) / 4.0
-
-
-@dataclass(frozen=True)
-class AudioFeatures:
-    mel: torch.Tensor  # [n_mels, frames]
-    duration_s: float

@@ -1,14 +1,4 @@
-"""EncoderRunner: the encoder's device step — concurrent requests' items share one forward per modality.
-
-Items arrive already holding a slot of their modality's `ConcurrencyLimiter` (the request flow,
-engine.py, takes it; limit = the batch the start-up stress proved to fit). Each step takes
-everything queued for one modality (oldest modality first), at most its cap, and runs it as one
-forward, so at most `cap` items of a modality are ever in a forward and the two modalities never run
-at once (their stress peaks were measured apart). The `DeviceLoop` runs the steps on its thread.
-An item whose caller gave up before its forward started is skipped (its future cancelled);
-`on_queued(seconds)` hears, as each item's forward starts, how long it waited since its request
-asked for a slot (a skipped item is never reported). A forward's error goes to its items' callers.
-"""
+"""EncoderRunner: the encoder's device step — concurrent requests' items share one forward per modality."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Encoder start-up work: load the towers, stress-and-cap each modality, warm up with real media.
-
-The stress runs each tower's forward at its largest configured item (an image at image_max_pixels
-or the biggest video the frame budget allows, whichever has more patches; audio at
-max_audio_seconds) for each candidate batch, largest first, keeps the peak reserved and returns
-the per-modality caps the batcher enforces. Warm-up sends one image, one video and one audio clip
-through the whole request path (decode, preprocess, batcher, forward, shared-memory hand-over).
-"""
+"""Encoder start-up work: load the towers, stress-and-cap each modality, warm up with real media."""
 
 from __future__ import annotations
 

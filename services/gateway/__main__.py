@@ -1,11 +1,4 @@
-"""`python -m omnistage.services.gateway --config F --service NAME`: the public Omni API.
-
-Start-up waits for every deployed stage it calls (the thinker; the encoder, the talker and the image
-stage when deployed) to be SERVING, sends one real text request through the thinker, one sentence
-through the talker, with an encoder one request with an image through the whole media path (encoder →
-shared memory → thinker), and with an image stage one image request (thinker hidden states → shared
-memory → ImageGen, one step at the smallest size), then serves.
-"""
+"""`python -m omnistage.services.gateway --config F --service NAME`: the public Omni API."""
 
 from __future__ import annotations
 
@@ -407,7 +400,7 @@ async def _wait_for_thinker(runtime: ServiceRuntime, svc: ServiceConfig, stages:
     """Text first: the gateway turns SERVING as soon as the thinker is admitted (SERVING + a warm-up
     through the path clients take), bounded by gateway.stage_wait_s; the other stages join as their
     watches admit them (health names omnistage.v1.Omni.<capability>, Describe.readiness).
-    `omnistage serve` calls the pipeline ready when every capability is (launcher.py)."""
+    `omnistage serve` calls the pipeline ready when every capability is (common/launcher/)."""
     gw, thinker = svc.gateway, stages.pipeline.thinker
     runtime.reporter.enter("warming_up", total=1, unit="stages")
     watch = stages.watches.get(thinker.name) if thinker is not None else None

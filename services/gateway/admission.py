@@ -1,20 +1,4 @@
-"""Admission by capacity: a request enters a stage only when the stage has room for it in time.
-
-Each stage the gateway calls has a `StageGate` (adding a stage means declaring its capacity): the
-number of requests the stage runs at once (what its start-up stress proved, read from its Describe),
-the requests this gateway has in it now, and a bounded FIFO of requests waiting for a slot. Arrivals
-are judged at once against the request's deadline over every gated stage on its path (`check_path`),
-with the measured service time of each (an exponentially weighted mean of how long requests held a
-slot): when the estimated waits plus service times do not fit, or a waiting room is full, the request
-is refused now with RESOURCE_EXHAUSTED and a `grpc-retry-pushback-ms` hint instead of waiting to time
-out. Admitted requests therefore finish in time, and goodput stays near capacity under any overload
-(a queue that accepts what it cannot finish collapses goodput to zero).
-
-The gateway is the only client of its stages, so its own count of requests in a stage is the stage's
-load; the stage's own bounded queue remains the backstop. The talker's gate is held by a spoken answer
-until its speech is over (Pipeline.talker_slot, pipeline.py): speech waits for a stream instead of being
-refused; its capacity is the streams of the talker replicas that are up, together.
-"""
+"""Admission by capacity: a request enters a stage only when the stage has room for it in time."""
 
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
 """Omni.Converse: one call, many turns; each user turn is answered with text and speech (or with text
-only, when the config's output_modalities is [MODALITY_TEXT]: then no talker is needed).
-
-A reader task takes the client's messages: a text turn, or audio chunks collected up to
-`end_of_turn` (then wav-wrapped, so the encoder hears the turn as an audio clip). Turns are answered
-one at a time, each as Omni.Generate with audio would be (thinker → talker, speech.py), from the
-call's history (history.py), with every event tagged with the turn it answers and one Finish per
-turn. A user turn that begins while an answer is still running (a text turn, or the first audio
-chunk of a spoken one) interrupts it — barge-in — and so does a `cancel` message: the answer's thinker stream and Speak call are
-cancelled at once (the thinker aborts the request, the talker frees the stream), its audio still
-buffered is dropped, and its Finish has FINISH_REASON_INTERRUPTED; the history keeps the answer's
-text as far as it got. A turn that was already superseded when its answer would start gets that
-Finish at once. Bad input ends the call with INVALID_ARGUMENT naming the field, as soon as it arrives:
-each message is checked by the reader when it comes, and an answer running (or waiting for a talker
-stream) is closed then, not after it ends.
-"""
+only, when the config's output_modalities is [MODALITY_TEXT]: then no talker is needed)."""
 
 from __future__ import annotations
 

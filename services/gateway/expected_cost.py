@@ -1,16 +1,4 @@
-"""What a text request is expected to cost the thinker, and what its joining costs the others.
-
-`max_tokens` is a cap, not the work: most answers stop well before it. `OutputLengths` learns from the
-answers that finished how many tokens requests of a kind (their output modalities) actually produce,
-and prices a new one at a high quantile of that (an answer cut by its cap says only "at least", so it
-counts as the new request's whole cap); until enough of a kind finished, the cap is the price.
-
-A request that joins the thinker's batch slows every request in it (each step takes as long as the
-batch makes it). `AdmittedText` holds the text requests admitted and not ended, each with its
-deadline and expected tokens left; `slowed_late` names one that would finish in time at today's batch
-but late at the batch the newcomer makes, so that admission refuses the newcomer ("not now") instead
-of admitting what makes others miss their deadlines.
-"""
+"""What a text request is expected to cost the thinker, and what its joining costs the others."""
 
 from __future__ import annotations
 

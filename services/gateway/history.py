@@ -1,13 +1,4 @@
-"""The history of one Omni.Converse call: what each answer's prompt is built from.
-
-User turns are text or speech (kept as the WAV the encoder hears again with every later answer: the
-thinker has no transcript of it); assistant turns are the text of the answers, interrupted ones as
-far as they got, and a complete answer also as the token ids the thinker generated: the next prompt
-sends those ids as they are, so it repeats exactly the tokens the model saw (tokenizing the text
-again may give other ids) and the thinker's prefix cache serves the whole previous prompt and answer. The history holds at most `max_turns` user turns (older exchanges are forgotten);
-each prompt takes the newest turns that fit the gateway's prompt characters and one encoder
-request (its bytes and items), always the turn being answered.
-"""
+"""The history of one Omni.Converse call: what each answer's prompt is built from."""
 
 from __future__ import annotations
 

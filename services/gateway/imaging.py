@@ -1,20 +1,4 @@
-"""Image output (MODALITY_IMAGE): the thinker's hidden states at the image query slots → ImageGen.
-
-Ming makes an image in a call of its own (ming.md §6.1): the conversation's chat prompt ends with
-`<role>ASSISTANT</role>`, the thinker appends the image query block and answers the final-norm
-hidden states at its 256 slots (hidden-state mode, thinker.proto), and those condition the DiT. The
-gateway never decodes them: the thinker's TensorRef goes to `ImageGen.Generate` as it came, with the
-size, steps, guidance, seed and (for an edit) the reference image's bytes; the stage's progress per
-denoising step and its PNG stream back to the client. Edits: the image to edit is the last image
-part of the last user message, which the thinker also sees as an ordinary `<image>` input.
-
-Options are checked here, against the stage's Describe limits, before any stage runs. Leases: the
-hidden states are leased from the thinker's producer pool; ImageGen copies them and ends the lease
-before its first event. A ref the gateway never forwards (the client left, the thinker stream broke
-after the ref came, ImageGen was unreachable or refused before answering) is released here through
-the transport's release path (a store into the thinker's lease table, no bytes read); a second
-release is a no-op.
-"""
+"""Image output (MODALITY_IMAGE): the thinker's hidden states at the image query slots → ImageGen."""
 
 from __future__ import annotations
 

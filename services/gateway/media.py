@@ -1,13 +1,4 @@
-"""A request's media parts → one Encoder.Encode call → what the prompt and the thinker need.
-
-The gateway never decodes an embedding: it sends the media bytes (read from `gateway.media_dir` for
-a `Media.path`, checked by media_path.py) to the encoder with the client's remaining deadline, and
-forwards the encoder's TensorRefs to the thinker as they came. Their leases are ended by the thinker
-when it takes or refuses the request (unless the gateway keeps them for a second thinker call:
-pipeline.py's EncodedMedia); refs that no thinker took (the client left, the thinker was
-unreachable, a check here failed) are released here, through the transport's release path (a store
-into the producer's lease table: no bytes are read), so none waits for its TTL.
-"""
+"""A request's media parts → one Encoder.Encode call → what the prompt and the thinker need."""
 
 from __future__ import annotations
 

@@ -1,14 +1,4 @@
-"""The thinker's pace: seconds per engine step at each batch size, measured, and what a request costs.
-
-Admission by slots alone admits what cannot finish: a free slot says nothing about how long the
-request takes once in it. A text request runs its expected tokens (at most `max_tokens`) in decode
-steps plus its prefill, each step as long as the batch it joins makes it. So the gateway measures the thinker's step time itself,
-per batch size: seeded by its start-up stress (timed requests alone, then at a quarter, half and full
-batch), updated by the live steps of every answer it streams (each LIVE_STEPS of its steps over the
-time they took, at the number of requests running in the thinker meanwhile). Between measured batch
-sizes the step time is interpolated linearly; beyond the largest it grows in proportion to the batch
-(pessimistic). How many tokens a request is priced at is expected_cost.py's.
-"""
+"""The thinker's pace: seconds per engine step at each batch size, measured, and what a request costs."""
 
 from __future__ import annotations
 

@@ -1,19 +1,4 @@
-"""The gateway's request path: a checked request becomes a RequestPlan, and one Pipeline runs it.
-
-The plan says which stages the request passes, in order — the encoder (media parts), the thinker
-(the answer's text), the talker (its speech, interleaved), the thinker again in hidden-state mode
-and the image stage (MODALITY_IMAGE) — and so who holds the media's leases when. The Pipeline owns
-what every request shares: the stage clients (through MediaStage, SpeechStage and ImageStage), one
-admission gate per stage (admission.py) and the thinker's measured pace (pace.py). Omni.Generate
-runs `generate`; Omni.Converse (converse.py) runs `answer` once per user turn.
-
-Leases: a request's media are encoded once (EncodedMedia). The thinker copies the rows when it
-takes a call; the last thinker call of the plan takes the leases over (its `started`, passed on as
-the typed HandedOver event), an earlier one leaves them with the gateway
-(MultimodalEmbedding.caller_keeps_lease), and whatever no thinker took is released when the request
-ends. Leases that ran out while the answer streamed (encoder.lease_ttl_s) are encoded again for the
-image's call: the one case with a second Encode.
-"""
+"""The gateway's request path: a checked request becomes a RequestPlan, and one Pipeline runs it."""
 
 from __future__ import annotations
 

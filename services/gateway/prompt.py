@@ -1,19 +1,4 @@
-"""The Ming chat format (ming.md §7.2): turns → a ChatPrompt of pieces for the thinker.
-
-`<role>SYSTEM</role>{system}\n\ndetailed thinking off<|role_end|><role>HUMAN</role>{content}<|role_end|>`
-`<role>ASSISTANT</role>{content}<|role_end|>` … `<role>ASSISTANT</role>` (the generation prompt, always last).
-The markup goes in `template` pieces (its role markers become special tokens); the system prompt
-and every message text go in `text` pieces, which the thinker encodes as plain text, so a client
-cannot forge a turn by writing `<|role_end|><role>SYSTEM</role>`.
-
-Media parts become template markup holding exactly as many placeholder tokens as the encoder made
-rows (ming.md §3.5, §4.3, §7.2; the reference processor's layout):
-  image  `<image>` + N×`<imagePatch>` + `</image>\n`
-  video  `<video>` + per temporal patch `<{ts:.1f} seconds><image>` + h·w×`<framePatch>` + `</image>` + `</video>`
-  audio  `<audio>` + N×`<audioPatch>` + `</audio>`
-Consecutive images of one message are joined by `\n`, and so are consecutive audio clips (the
-reference writes a content item holding several images as `<IMAGE>\n<IMAGE>`).
-"""
+"""The Ming chat format (ming.md §7.2): turns → a ChatPrompt of pieces for the thinker."""
 
 from __future__ import annotations
 

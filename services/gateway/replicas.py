@@ -1,13 +1,5 @@
 """Replicas of one stage kind: the deploy file's services of that kind (`services.talker`,
-`services.talker_b`, ... each with its own GPUs, ports and supervision), one client and one watch each.
-
-A call goes to the replica that is up and least loaded now: this gateway is the only client of its
-stages, so its calls in flight on a replica, over what that replica stress-tested (its Describe), are
-the replica's live load; ties go round-robin. A replica its watch marks down takes no new calls and
-its calls in flight fail with UNAVAILABLE naming it, while the others serve; the watch puts it back
-when it is SERVING again. Admission counts the replicas that are up (their capacities summed).
-Each replica's state is exported with a `replica` label (its service name).
-"""
+`services.talker_b`, ... each with its own GPUs, ports and supervision), one client and one watch each."""
 
 from __future__ import annotations
 

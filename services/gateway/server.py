@@ -1,13 +1,4 @@
-"""OmniServicer: the public API; each RPC hands its request to the Pipeline and counts what it sends.
-
-The gateway holds no model. The Pipeline (pipeline.py) turns a public request into a RequestPlan and
-runs it through the stages: the encoder for media parts, then the thinker; the talker for speech
-(speech.py); for MODALITY_IMAGE the thinker in hidden-state mode, then the image stage (imaging.py).
-It passes the client's remaining deadline to each and cancels the stage streams when the client goes
-away. Embeddings go from the encoder to the thinker, and hidden states from the thinker to the image
-stage, as TensorRefs, never through the gateway's memory. Omni.Converse runs in converse.py, one
-Pipeline answer per user turn.
-"""
+"""OmniServicer: the public API; each RPC hands its request to the Pipeline and counts what it sends."""
 
 from __future__ import annotations
 

@@ -1,28 +1,5 @@
 """Speech of an answer: the thinker's text goes to the client and, as it decodes, into one Talker.Speak
-call, whose audio chunks reach the client interleaved with the text in the same stream.
-
-Per answer two tasks and one request stream, joined by bounded buffers, so that no loop blocks on a
-send while it must drain:
-  text pump      thinker events → the client buffer, and each delta into the talker's text buffer (a
-                 string that never blocks: it holds at most the talker's max_text_chars)
-  Speak requests the talker's text buffer → Speak (config first, then what has arrived, end_of_text): an
-                 async iterator read by grpc's own task for the call, ended by the answer on every
-                 path (a flag, never aclose() from another task), so that task always ends
-  talker reader  Speak responses → the client buffer (audio chunks)
-The client buffer holds `speech_buffer_events` events. A slow client fills it; then both pumps wait,
-which pauses this answer's thinker and talker streams through gRPC flow control and nobody else's.
-
-The text never waits for the speech beyond `talker_start_wait_s` (the talker accepting the voice):
-a talker that is down, full, refuses the text, fails or goes silent (`talker_idle_timeout_s` once it
-has all the text) ends only the speech, and the Finish says so (`Finish.audio`, an AudioStatus). A
-voice the talker refuses before the text was let through fails the request (INVALID_ARGUMENT naming
-`voice` or `custom_voice.*`). Leaving early (client cancel, deadline, error) cancels the Speak call,
-which frees the talker's state for it. With several talker replicas each answer speaks on the least
-loaded one that is up and has a credit (replicas.py), and its status names that replica. The answer
-holds a slot of the `talker` gate (the streams of the replicas that are up, together) until its Speak
-call is over: a replica that goes down frees its answers' slots, and spoken answers wait for a stream
-on any replica that is up.
-"""
+call, whose audio chunks reach the client interleaved with the text in the same stream."""
 
 from __future__ import annotations
 

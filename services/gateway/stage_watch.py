@@ -1,17 +1,4 @@
-"""StageWatch: the gateway's view of whether one stage can take calls, from start-up on.
-
-Every `interval_s` the watch asks the stage's health (each check with its own deadline), and at once
-whenever the stage's Health.Watch stream says its status changed (a restarted stage turning SERVING
-is admitted as it happens, not at the next poll; the poll alone tells a hung stage). The stage is
-admitted when it answers SERVING and its `on_up` step passed (read its limits, send a warm-up request);
-it is marked down after `failures` checks in a row that did not say SERVING — a stage that crashed,
-hangs (SIGSTOP) or restarts — or at once when a call finds it unreachable (`StageClient.unreachable`).
-Going down fails at once the calls in flight on it (UNAVAILABLE naming the stage) and makes new
-requests that need it fail fast (or, for the talker, go on as text with an audio status; with
-replicas, go to the others); when the stage answers SERVING again (the launcher restarted it) it is
-admitted again.
-Without this the gateway would wait on a hung stage until each request's deadline.
-"""
+"""StageWatch: the gateway's view of whether one stage can take calls, from start-up on."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""Tool calls: the request's tools checked, their constraint, and the model's calls found in its text.
-
-Ming's thinker (Ling's chat format) is shown the tools as a block in its system turn and calls one by
-writing `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (its special tokens around a
-JSON object); results come back as an OBSERVATION turn (prompt.py renders both). The gateway reads
-the calls out of the answer's text (`ToolCallScanner`) and sends each as a ToolCall event instead of
-its text.
-
-TOOL_CHOICE_REQUIRED / FUNCTION are enforced, not hoped for: the generation prompt is primed with
-`<tool_call>\\n` and the thinker samples under a JSON Schema constraint allowing exactly
-`{"name": <one of the tools>, "arguments": <its parameters>}` (SamplingParams.constraint), so the
-whole answer is one call to a declared function with arguments valid under its schema.
-"""
+"""Tool calls: the request's tools checked, their constraint, and the model's calls found in its text."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Checks of a public GenerateRequest, turned into what the pipeline runs.
-
-Every refusal names the field and the rule (`messages[1].parts[0]: image input needs the 'encoder'
-stage, which is not deployed`), so a client can fix its request without reading server logs. Counts
-(messages, parts) are checked before any content is looked at, and the prompt's size (system prompt,
-texts and chat markup) before it goes to the thinker, so a huge request costs the gateway little
-and the thinker nothing. Sampling follows the shared rules of `common/sampling.py`.
-"""
+"""Checks of a public GenerateRequest, turned into what the pipeline runs."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""ImageGenEngine: the servicer's only API — parse, admit, stream progress, hand back the PNG.
-
-A request is parsed on a worker thread (conditioning copied out of shared memory, reference image
-decoded), then waits for one of the `cap` slots the start-up stress proved (at most
-`max_queued_requests` wait; a wait is bounded by `queue_timeout_s` and the request's deadline).
-With a slot it joins the runner (runner.py, stepped on the stage's `DeviceLoop` thread); each step's progress is yielded as it happens; the final
-pixels are resized and PNG-encoded on a worker thread. When the caller leaves (cancel, deadline),
-the job is dropped at the next step boundary; its slot is held until the device thread lets go.
-"""
+"""ImageGenEngine: the servicer's only API — parse, admit, stream progress, hand back the PNG."""
 
 from __future__ import annotations
 
@@ -20,7 +12,7 @@ from dataclasses import dataclass
 
 from omnistage.common import metrics
 from omnistage.common.config import ImageGenConfig
-from omnistage.common.memory.stress import ConcurrencyLimiter
+from omnistage.common.runtime.concurrency import ConcurrencyLimiter
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop
 from omnistage.common.runtime.errors import DeadlineExceeded, Overloaded
 from omnistage.common.transport import TransportContext

@@ -1,12 +1,4 @@
-"""Pixels in and out: resolution buckets, the edit's reference image, the PNG (ming.md §6.3).
-
-The DiT generates at a bucket of the model's table (`process_ratio`: the entry whose height/width
-ratio is closest to the request's, from the table nearest `highres`; 1:1 → highres × highres) and
-the result is resized with Lanczos to the requested size. A reference image is decoded with
-Pillow (size checked from the header first), made RGB and resized (bilinear) to the bucket, as
-the reference processor does with torchvision on a PIL image. (The reference returns the image at
-the bucket's scale with the request's aspect; this service returns exactly the requested size.)
-"""
+"""Pixels in and out: resolution buckets, the edit's reference image, the PNG (ming.md §6.3)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""ImagePipeline: one request's denoising state and the batched step (ming.md §6.1–§6.3).
-
-`prepare(spec)` runs what a request needs once — the connector on its thinker hidden states, the
-VAE encoder on its reference image, its seeded noise and schedule. `step(states)` advances every
-state by one Euler step with one DiT forward over all of them (each state contributes a positive
-row and, with CFG, a negative row with the zero conditioning); states must share `shape_key`.
-`decode(state)` turns finished latents into uint8 pixels. Latents and the update stay float32;
-the DiT runs in the model dtype. A row's result does not depend on the rows beside it, so a
-request batched with others gets its alone result. Device work only: the caller serialises calls.
-"""
+"""ImagePipeline: one request's denoising state and the batched step (ming.md §6.1–§6.3)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,4 @@
-"""ImageGenRunner: the image stage's device step — every admitted request's denoising, step by step.
-
-A request enters as a `Job` (already holding one of the stress-tested slots); the stage's
-`DeviceLoop` thread runs the steps. At each step boundary the runner prepares new jobs (connector, reference encoding, noise), drops jobs whose
-client left, then runs ONE DiT forward for all jobs of one shape (the group waiting longest; groups
-of different shapes take turns), so requests of equal size join each other at step boundaries,
-whatever step each one is at. After each step a job's `on_event(Progress)`; when done, the VAE
-decodes it (`Finished`); on an error, `Failed`. `on_release()` is called exactly once when the
-thread lets go of a job (finished, failed, dropped or the loop stopped): only then may its slot
-be reused, so a cancelled request never lets more than the tested batch onto the device.
-When the loop stops or fails, every job still held gets `Failed` with the loop's error.
-No gRPC and no metrics here (benchmarks run it bare); `on_forward(requests, rows)` reports each forward,
-`on_admit(seconds)` each job's wait from its creation to the thread taking it into the loop (once per
-job, before its preparation; a job dropped as cancelled is not reported).
-"""
+"""ImageGenRunner: the image stage's device step — every admitted request's denoising, step by step."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""ImageGen start-up work: stress-and-cap the denoising batch, warm up through the request path.
-
-The stress runs, for each candidate batch (largest first), what that many requests at the largest
-bucket of the table put on the device at once: each request's connector forward, noise, and — with
-edits allowed — its reference encoding (the second frame doubles the image tokens), then one DiT
-step over all of them with guidance (two rows each), then a VAE decode. The largest batch that fits
-is the cap of concurrent requests. Warm-up sends a text-to-image request and an edit through the
-engine (parse, slot, step batcher, PNG).
-"""
+"""ImageGen start-up work: stress-and-cap the denoising batch, warm up through the request path."""
 
 from __future__ import annotations
 

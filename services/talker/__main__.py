@@ -13,8 +13,8 @@ import functools
 import sys
 from pathlib import Path
 
-from omnistage.common.memory.stress import ConcurrencyLimiter
 from omnistage.common.runtime.boot import StageStartup, run_stage
+from omnistage.common.runtime.concurrency import ConcurrencyLimiter
 from omnistage.services.talker import startup
 from omnistage.services.talker.engine import TalkerEngine
 from omnistage.services.talker.metrics import StepMetrics, export_engine_gauges, export_queue_time

@@ -1,11 +1,4 @@
-"""TalkerEngine: the talker's request flow — what the servicer and each Speak session call.
-
-A session (session.py, one Speak stream) turns text into `SegmentJob`s and submits them here; the
-stage's `DeviceLoop` thread steps every segment in flight together through `SegmentRunner`
-(runner.py), which emits each job's audio on that thread. Work that needs the device between steps
-(a custom voice's VAE encode) goes through `call`. A failing step fails the jobs in it, never the
-engine; a failure of the loop itself fails every job and reaches health through `on_failure`.
-"""
+"""TalkerEngine: the talker's request flow — what the servicer and each Speak session call."""
 
 from __future__ import annotations
 

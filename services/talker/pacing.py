@@ -1,11 +1,4 @@
-"""Real-time pacing of a spoken stream: its audio kept at most a lead ahead of its listener.
-
-Unpaced, the talker races ahead of real time (RTF ~0.05 on a GPU of its own): fine alone, but beside
-a thinker rank every step it takes early is GPU time the thinker waits for, and audio nobody hears
-yet. A paced stream's listener clock starts at its first audio; a step is due while the stream's
-audio is less than `lead_s` ahead of that clock, and a stream that is stepped anyway (another one is
-due) may join while it is less than twice the lead ahead, so paced streams still share steps.
-"""
+"""Real-time pacing of a spoken stream: its audio kept at most a lead ahead of its listener."""
 
 from __future__ import annotations
 

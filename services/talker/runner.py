@@ -1,28 +1,6 @@
 """The talker's device step: `SegmentRunner` picks the segments that share each step, `TalkerRunner`
 runs the step's model calls for them (the only model-calling code of the stage; the start-up stress
-runs the same methods). The stage's `DeviceLoop` thread calls `SegmentRunner.step`.
-
-A `SegmentJob` is one text segment of one stream (ming.md §5.3): prefill its prompt, then one patch
-per step until the stop head fires (after `min_steps`) or its step budget is spent; every step's
-latents are decoded to audio at once (streaming VAE) and handed to the job's `emit` callback on the
-device thread. All jobs in flight share each step: one LM prefill of the newly admitted prompts
-(right-padded, together), one LM decode of the others, one CFM sample, one aggregator and stop-head
-forward, one VAE forward. A job holds one cache slot from admission to its last chunk; a cancelled
-job is dropped at the next step boundary, its slot free again. A failing step fails the jobs in it,
-never the loop. A job with a `pace` (pacing.py) is stepped only while its stream is not too far
-ahead of real time. `on_admit(seconds)` hears, once per job, how long it waited from being queued to
-the step that first runs it (a job cancelled before that is never reported).
-
-It owns the caches of `slots` requests: the LM's KV (prompt + one position per step) and the VAE
-decoder's KV (frames of one segment). A step for a batch of requests is: LM forward of each row's
-new input (a whole prompt when it starts, else the aggregator output of its last patch) → CFM
-sample of one patch per row (10 DiT steps × 2 for CFG, one batched forward each) → aggregator →
-stop probability → streaming VAE decode of the new latents.
-
-With `graphs`, the LM decode, the CFM sample and the VAE decoder's backbone run through `StepGraphs`
-(padded static buffers, CUDA graphs on CUDA; `capture` False runs the same buffers eagerly, as on
-the CPU); prefills, the VAE's upsampling and ISTFT stay eager.
-"""
+runs the same methods). The stage's `DeviceLoop` thread calls `SegmentRunner.step`."""
 
 from __future__ import annotations
 

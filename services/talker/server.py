@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from omnistage.common.config import TalkerConfig
-from omnistage.common.memory.stress import ConcurrencyLimiter
 from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
+from omnistage.common.runtime.concurrency import ConcurrencyLimiter
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded
 from omnistage.common.voice_rules import custom_voice_problem
 from omnistage.services.talker.session import (

@@ -1,14 +1,4 @@
-"""SpeakSession: one Speak stream from text to PCM16 — voice, segmenting, one engine job per segment.
-
-Flow: resolve the voice (a preset, or a custom clip decoded + CAM++ in a worker thread and encoded
-by the VAE on the device thread) → `Started` → a reader task turns incoming text into segments
-(SentenceSegmenter) while the main loop speaks them in order: each segment is one `SegmentJob`
-whose audio chunks are silence-trimmed, converted to PCM16 and yielded as they are decoded. The
-next segment is submitted once the previous one has finished, so at most one job per stream holds
-device state, and a reader that stops pulling pauses only its own stream (the engine never waits
-for it: one segment's audio is at most `max_segment_seconds`). Leaving the generator early (client
-cancel, error) cancels the job in flight and the reader.
-"""
+"""SpeakSession: one Speak stream from text to PCM16 — voice, segmenting, one engine job per segment."""
 
 from __future__ import annotations
 

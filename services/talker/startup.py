@@ -1,14 +1,4 @@
-"""Talker start-up work: stress-and-cap the number of streams speaking at once, and warm up.
-
-The stress runs, for each candidate batch b (largest first), what b streams can need at once: the
-caches of b slots at their full size (LM: `max_lm_tokens`, VAE: `max_segment_seconds` of frames),
-b prompts of the longest segment with the longest custom voice prefilled in one step, then one
-batched step at the end of the caches (LM decode, CFM sample, aggregator, VAE decode), and one
-custom-voice encode of `max_reference_seconds` (it runs between steps), and (on CUDA, with
-`cuda_graphs`) the capture of every step graph up to b. The largest b that fits is
-the cap on streams; the engine's caches are then made for exactly that many slots. Warm-up speaks
-one sentence through the whole session path.
-"""
+"""Talker start-up work: stress-and-cap the number of streams speaking at once, and warm up."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
 """Static-shape talker steps: the LM decode, the whole CFM sample (Euler steps × CFG, aggregator, stop
 head) and the VAE decoder's Qwen2 run on fixed buffers at padded sizes, captured as CUDA graphs on
-CUDA (issue 21).
-
-A step of eager PyTorch is launch-bound (hundreds of small kernels: 10 Euler steps × a DiT forward,
-24 LM layers, 24 VAE layers); a graph replays them in one launch. Graphs need fixed shapes and
-addresses, so:
-- batches are padded up to a bucket (1, 2, 4, … up to the stream cap), the VAE's frames up to a
-  width bucket (one step's 16, or 32); padded rows and columns write the KV cache's scratch slot and
-  their outputs are never read;
-- a stack reads its keys up to a span bucket (powers of two up to the cache length) instead of the
-  longest row's end; keys past a row's end are masked, so the result is the eager one;
-- every input goes into a buffer allocated outside the graph's pool (host values through one pinned
-  staging copy, reused once its last copy is done), every output is copied out into one, and
-  callers get clones of the real rows;
-- the CFM's noise is drawn outside (each stream's own generator, exactly as the eager path) and
-  copied in; the time embeddings, step sizes and rotary tables are made once (`FlowDiT.plan`).
-Nothing here reads the device from the host: a step's host syncs are the engine's read of the stop
-probabilities and its copy of the step's audio.
-
-With `capture=False` (the CPU, and tests) the same bodies run eagerly on the same buffers, so the
-bucketing, padding and buffer logic is tested without a GPU; it equals the eager path.
-"""
+CUDA (issue 21)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,4 @@
-"""Text to speakable segments, as text streams in (ming.md §5.5).
-
-The text is split into pieces (an English word, a number, one CJK character, a run of spaces, one
-punctuation mark) and a segment is cut after a punctuation piece once enough pieces have gathered:
-the first segment early — at any clause or sentence mark (, ; : . ! ? and their CJK forms) after
-`first_segment_min_pieces` — later ones at sentence marks (the reference's set, CJK comma included) after
-`segment_min_pieces`. A '.' right after a digit does not end a sentence; a newline does. The first
-segment is also bounded, so that the first audio never waits for punctuation: it is cut at a word
-boundary once it holds `first_segment_max_pieces` words, or (`due`) once `first_segment_max_wait_s` have
-passed since its first text. Text that runs on with no mark is cut at a word boundary once it is twice
-the longest piece. Each segment is then cut
-into fragments of at most `max_segment_length` (the reference's semantic length: CJK characters + English
-words) at sentence, then clause marks, then words; English fragments get their numbers spelled out.
-"""
+"""Text to speakable segments, as text streams in (ming.md §5.5)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Voices: what the talker clones for each request (ming.md §5.2, §5.5).
-
-A voice is a speaker vector (spk_head of CAM++ on the 16 kHz clip), a prompt text (what the clip
-says), the clip's VAE latents (left-padded to whole talker patches; the last 32 start the CFM
-history) and their aggregator embeddings (the LM's `<audioPatch>` positions). Preset voices come
-from `talker/data/voice_name.json` and are computed once at start-up; a custom voice (reference clip
-+ transcript) is computed per request, its length bounded by `talker.max_reference_seconds`.
-"""
+"""Voices: what the talker clones for each request (ming.md §5.2, §5.5)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,4 @@
-"""`python -m omnistage.services.thinker --config F --service NAME --rank R`: one thinker rank.
-
-Every rank runs the same start-up (`group/startup.py`: loading_weights → profiling_memory →
-warming_up). Rank 0 then sends one real request through its engine and serves
-`omnistage.v1.Thinker`; ranks 1..N-1 execute its step plans. When the TP group fails (any rank
-fails, dies or stops answering) this rank's status says so naming the rank at fault, rank 0 ends
-every in-flight request with UNAVAILABLE, and the process exits (its PeerWatch sees to it).
-
-Rank 0 also loads the image-generation query rows (image_queries.py) when the checkpoint has them
-and opens the producer pool hidden states leave through; its warm-up then runs one hidden-state
-request as well.
-"""
+"""`python -m omnistage.services.thinker --config F --service NAME --rank R`: one thinker rank."""
 
 from __future__ import annotations
 
@@ -31,13 +20,13 @@ from omnistage.common.transport import TransportContext, TransportOptions
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine_metrics import EngineMetrics
-from omnistage.services.thinker.group.distributed import GroupFailure, TPControl, TPError
-from omnistage.services.thinker.group.startup import RankConfig, StartedRank, start_rank
+from omnistage.services.thinker.group.startup import RankConfig, StartedRank, rank0_engine, start_rank
 from omnistage.services.thinker.group.worker import run_plan_loop
 from omnistage.services.thinker.image_queries import load_image_queries
 from omnistage.services.thinker.multimodal import MediaInputs
 from omnistage.services.thinker.request_flow import ThinkerEngine
 from omnistage.services.thinker.server import ThinkerServicer
+from omnistage.services.thinker.tp.distributed import GroupFailure, TPControl, TPError
 from omnistage.v1 import control_pb2, thinker_pb2_grpc
 
 log = get_logger(__name__)
@@ -92,7 +81,7 @@ async def _serve_rank0(
     control = started.control
     # Registered first, so it runs last: the store host stays until a failure has been read.
     runtime.add_shutdown_hook(control.close)
-    engine = LLMEngine.from_started(started)
+    engine = rank0_engine(started)
     model_config = engine.runner.model.config
     queries = load_image_queries(
         cfg.model.checkpoint, model_config.hidden_size, engine.runner.dtype, cfg.model.load_format

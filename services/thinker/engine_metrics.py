@@ -1,12 +1,4 @@
-"""The thinker engine's Prometheus metrics, recorded once per step on rank 0's engine thread.
-
-Cheap by construction: the state gauges (running, waiting, KV blocks) are read when /metrics is
-scraped, not set in the loop; a step records its generated tokens with one counter increment, and the
-inter-token latencies of its tokens grouped by the time of their previous token (a decode step's
-sequences mostly share one), so a batch of 256 decodes costs a handful of histogram updates. Per
-request (not per token): queue time at its first admission, TTFT at its first token, E2E at its end.
-Prefix caching: the block manager counts lookups, hits and evictions; each step adds what changed.
-"""
+"""The thinker engine's Prometheus metrics, recorded once per step on rank 0's engine thread."""
 
 from __future__ import annotations
 

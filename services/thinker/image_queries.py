@@ -1,11 +1,4 @@
-"""The image-generation query embeddings that hidden-state requests splice in (ming.md §6.1, §6.4).
-
-Ming conditions its image DiT on the thinker's final-norm hidden states at N query slots appended
-after the prompt; their input embeddings are learned rows stored with the image head, not token
-embeddings: `mlp/model.safetensors` → `query_tokens_dict.{s}x{s}` ([s², hidden]) with s =
-`img_gen_scales[-1]` of `mlp/config.json` (16 → 256 rows for the release). Rank 0 keeps them in host
-memory in the model's dtype, like an encoder item's rows, and uses them as stored (no re-norm).
-"""
+"""The image-generation query embeddings that hidden-state requests splice in (ming.md §6.1, §6.4)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
 """Multimodal prompts on rank 0: the encoder's items checked against the prompt, their rows copied
-out of shared memory, and the slots, router codes and 3D positions laid out (ming.md §2.2, §2.3).
-
-Where an item's rows go is read from the prompt, not from offsets (thinker.proto,
-MultimodalEmbedding): items sharing a placeholder id fill its slots in request order, each covering
-whole runs — an image one `<image>` run of t·h·w slots, a video one `<image>` run of h·w slots per
-temporal slice of its merged grids, an audio clip one run. Every mismatch is INVALID_ARGUMENT naming
-`multimodal[i]`.
-
-Leases: the rows are copied (host memory, the model's dtype) when the request is taken, which
-releases each shm / CUDA IPC lease at once; `release` ends whatever a refusal or a cancel left, so
-no lease outlives the servicer's submit path (a second release of a lease is a no-op). An item with
-`caller_keeps_lease` is copied all the same, but its lease is the caller's to end (thinker.proto).
-
-Hidden-state requests (image generation, ming.md §6.1) get the image query block appended after the
-prompt — `<image>` + N x `<imagePatch>` + `</image>` — whose slots take the checkpoint's query rows
-(image_queries.py) exactly like an image item's: the vision router and the 3D positions of a merged
-(1, 1, N) grid (t = h = p, w = p - (N-1)//2 ... p + N//2).
-"""
+out of shared memory, and the slots, router codes and 3D positions laid out (ming.md §2.2, §2.3)."""
 
 from __future__ import annotations
 

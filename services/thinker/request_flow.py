@@ -1,25 +1,4 @@
-"""ThinkerEngine: the thinker's request flow — bound, tokenize, submit, stream outputs, end the request.
-
-Every request gets an engine id made here (uuid4), sent to the caller in the stream's first event
-(`Started`); the caller's `request_id` is only logged, so two callers never collide. A stream that
-ends early (cancel, deadline, error; also while the add is still in flight) aborts the engine
-request at once, so its KV blocks are freed: a caller stops a request by cancelling its stream.
-
-Prompts are bounded before any tokenizing (pieces, characters), and tokenizing runs in a small
-thread pool, never on the event loop that serves the other requests (see models/tokenizer.py for
-why a worker thread does not hold the GIL). A multimodal request's encoder rows are checked, copied
-out of shared memory and laid out in that pool too (multimodal.py); whatever happens, its leases
-have ended before the request reaches the engine or is refused.
-
-Hidden-state mode (`ThinkerRequest.hidden_states`, image generation's conditioning): the image query
-block is appended to the prompt, the engine prefills it and hands back the final-norm rows at its
-slots; they leave through this rank's producer pool as one leased TensorRef (`Hidden`), made in the
-tokenize pool, and revoked again if the stream ends before the caller has taken it.
-
-The engine itself (`LLMEngine`, engine/) runs on the stage's `DeviceLoop` thread through
-`ThinkerRunner` (runner.py). This module is not `engine.py` as in the other stages because the
-`engine/` package (the step engine) has that name.
-"""
+"""ThinkerEngine: the thinker's request flow — bound, tokenize, submit, stream outputs, end the request."""
 
 from __future__ import annotations
 
@@ -43,10 +22,10 @@ from omnistage.services.thinker.engine.llm_engine import (
 )
 from omnistage.services.thinker.engine.media import Prompt, unpack_prompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.group.distributed import TPError
 from omnistage.services.thinker.models.tokenizer import MingTokenizer, Piece
 from omnistage.services.thinker.multimodal import MediaInputs, release_refs
 from omnistage.services.thinker.runner import Stream, ThinkerRunner
+from omnistage.services.thinker.tp.distributed import TPError
 from omnistage.v1 import common_pb2, tensor_pb2, thinker_pb2
 
 _log = logging.getLogger(__name__)

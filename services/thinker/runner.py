@@ -1,12 +1,4 @@
-"""ThinkerRunner: the thinker's device step — `LLMEngine.step` — and each request's stream of outputs.
-
-`LLMEngine` is not thread-safe: every call into it (add, abort, step) runs on the stage's
-`DeviceLoop` thread (add and abort through `DeviceLoop.call`, between two steps). Each request's
-outputs go to its own asyncio queue on the serving event loop; the device thread never waits on a
-reader (no blocking send in a loop that must also drain): outputs are handed over with
-`call_soon_threadsafe`. An idle turn keeps the TP group alive (`LLMEngine.keepalive`).
-When the loop fails or stops, every open stream gets the error as its last item.
-"""
+"""ThinkerRunner: the thinker's device step — `LLMEngine.step` — and each request's stream of outputs."""
 
 from __future__ import annotations
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 from omnistage.common.cli import main  # noqa: E402
-from omnistage.common.runtime.deadlines import wait_for  # noqa: E402
 from omnistage.common.runtime.status_file import read_status, status_path  # noqa: E402
 
 from tests.common.runtime.synthetic_stage import SCRIPT, free_port, write_config
+from tests.waits import wait_for  # noqa: E402
 
 KEY_ENV = "OMNISTAGE_CLI_TEST_KEYS"
 

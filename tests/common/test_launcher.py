@@ -16,9 +16,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import load_config  # noqa: E402
 from omnistage.common.launcher import launch  # noqa: E402
-from omnistage.common.runtime.deadlines import wait_for  # noqa: E402
 
 from tests.common.runtime.synthetic_stage import SCRIPT, write_config
+from tests.waits import wait_for  # noqa: E402
 
 DRIVER = f"""
 import sys

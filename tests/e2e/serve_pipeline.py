@@ -21,7 +21,7 @@ import grpc
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from omnistage.common.runtime.deadlines import Deadline, timeout_message
+from omnistage.common.runtime.deadlines import Deadline
 from omnistage.common.runtime.status_file import read_status
 
 from load_tests.chaos_launch import (
@@ -29,6 +29,7 @@ from load_tests.chaos_launch import (
     leftovers,
     started_children,
 )
+from tests.waits import timeout_message
 
 
 def metric(url: str, prefix: str, default: float | None = None) -> float:

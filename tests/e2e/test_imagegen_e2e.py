@@ -17,12 +17,12 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from omnistage.common.runtime.deadlines import wait_for
 from omnistage.common.transport import TransportContext, encode
 from omnistage.v1 import control_pb2, control_pb2_grpc, imagegen_pb2, imagegen_pb2_grpc, tensor_pb2
 from PIL import Image
 
 from tests.e2e.serve_pipeline import ServeProcess, exposition_with_codes, free_ports
+from tests.waits import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 QUERIES, HIDDEN = 256, 256  # the tiny checkpoint's query slots and thinker hidden size

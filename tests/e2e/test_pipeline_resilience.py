@@ -25,11 +25,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from omnistage.common.runtime.deadlines import wait_for
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 from PIL import Image
 
 from tests.e2e.serve_pipeline import ServeProcess, capabilities_ready, free_ports, metric
+from tests.waits import wait_for
 
 pytestmark = pytest.mark.timeout(600)
 START_DEADLINE_S = 300.0

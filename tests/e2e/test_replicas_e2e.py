@@ -17,10 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 from omnistage.common.checkpoint.config_only import write_config_checkpoint
-from omnistage.common.runtime.deadlines import wait_for
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
 from tests.e2e.serve_pipeline import ServeProcess, capabilities_ready, free_ports, metric
+from tests.waits import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REPLICAS = ("talker", "talker_b", "imagegen", "imagegen_b")

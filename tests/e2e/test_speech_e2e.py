@@ -31,13 +31,13 @@ import numpy as np
 import pytest
 import yaml
 from omnistage.common.runtime import auth
-from omnistage.common.runtime.deadlines import wait_for
 from omnistage.common.runtime.status_file import read_status, status_path
 from omnistage.services.gateway.history import wav_of
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
 from tests.e2e.serve_pipeline import capabilities_ready, free_ports, wait_started
+from tests.waits import wait_for
 
 pytestmark = pytest.mark.timeout(600)
 START_DEADLINE_S = 300.0

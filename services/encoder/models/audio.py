@@ -1,12 +1,4 @@
-"""Audio encoder: Whisper-large-v3-style encoder + stride-2 Conv1d projector + L2 norm (ming.md §4.3).
-
-openai-whisper's AudioEncoder without the 30 s length check: conv1/conv2 + GELU, sinusoidal positions
-sliced to the clip, pre-LN blocks (key without bias), ln_post; LayerNorms in float32. Clips of one
-batch are right-padded, and unlike the reference (which lets short clips attend to the padding) every
-clip here gets exactly its single-clip result: padded positions are masked out of attention and zeroed
-before each convolution, as the convolutions' own zero padding sees them when the clip is alone.
-Module and parameter names equal the checkpoint's (`audio.*`, `linear_proj_audio.*`).
-"""
+"""Audio encoder: Whisper-large-v3-style encoder + stride-2 Conv1d projector + L2 norm (ming.md §4.3)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""load_encoders: the vision and audio towers of a Ming checkpoint, built on meta and filled shard by shard.
-
-Parameters are materialised once, empty, in the target dtype on the target device; each checkpoint
-tensor is read alone (CPU, stored dtype: float32 for the release's vision tower, bf16 elsewhere) and
-copied into its parameter, so no full-precision copy of the model ever exists. Keys and shapes are
-checked from the shard headers first: a wrong checkpoint fails with one error naming every missing,
-unexpected and mis-shaped key. Deepstack mergers are checked but not materialised (Ming discards them).
-`dummy` (`model.load_format: dummy`) reads only config.json: random weights made in place on the
-device (common/checkpoint/dummy.py), Whisper's positional table computed there.
-"""
+"""load_encoders: the vision and audio towers of a Ming checkpoint, built on meta and filled shard by shard."""
 
 from __future__ import annotations
 

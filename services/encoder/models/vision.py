@@ -1,12 +1,4 @@
-"""Vision encoder: Qwen3-VL-style ViT + `linear_proj` + per-token L2 norm (ming.md §3.2).
-
-Input is the processor's flat patch list ([N, C·T·P·P], each image's patches in (t, block_row,
-block_col, in_row, in_col) order) plus one (t, h, w) patch grid per item; output is one row per 2x2
-merge window, [N / 4, llm_hidden]. Items of a batch are packed: attention stays inside each temporal
-slice of each item. The residual stream is kept in float32 while matmuls run in the weights' dtype,
-which is what the reference's bf16 autocast over fp32-stored weights computes.
-Module and parameter names equal the checkpoint's (`vision.*`, `linear_proj.*`).
-"""
+"""Vision encoder: Qwen3-VL-style ViT + `linear_proj` + per-token L2 norm (ming.md §3.2)."""
 
 from __future__ import annotations
 

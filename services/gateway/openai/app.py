@@ -1,11 +1,4 @@
-"""The Starlette application of the OpenAI-compatible front.
-
-Every generation goes through the gateway's own Omni port (a gRPC channel to it), with the client's
-`Authorization` header as the call's metadata: API keys, validation, admission and limits are those of
-the gRPC API. A request's first Omni event (or its error) is awaited before the HTTP status is sent,
-so a refused request gets its 4xx/5xx, never a 200 with an error inside. A client that goes away
-cancels its Omni call (which cancels the stages' streams).
-"""
+"""The Starlette application of the OpenAI-compatible front."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""Chat answers of `n` choices and their logprobs, in OpenAI's shapes. Pure: no I/O.
-
-Each choice is its own Omni call. The first one is opened alone and its first event awaited (the
-thinker has computed the prompt by then), and the others only then: their prompts are the same, so
-the thinker's prefix cache serves them the prompt's KV instead of computing it again. A seeded request
-gives choice i the seed + i (else every choice would be the same draw). Usage counts the prompt once
-(OpenAI's way), the completion tokens of every choice, and as cached tokens the most any choice took
-from the prefix cache.
-"""
+"""Chat answers of `n` choices and their logprobs, in OpenAI's shapes. Pure: no I/O."""
 
 from __future__ import annotations
 

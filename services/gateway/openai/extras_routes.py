@@ -1,11 +1,5 @@
 """Routes of the HTTP front that call no model: `/version` and `/metrics` (as vLLM serves them on its
-API port, so one base URL gives a client, a probe and a scraper what they need).
-
-`/metrics` exports the process's Prometheus registry, the very one the gateway's metrics port serves
-(common/metrics.py), so the two never disagree. Both routes check the API key like `/v1/models`: the
-API port is the one callers reach, and what it exports is the deployment's business (a scraper sends
-`Authorization: Bearer <key>`).
-"""
+API port, so one base URL gives a client, a probe and a scraper what they need)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""The top-level fields each route knows, and the refusal of the others (as OpenAI answers them).
-
-OpenAI's API refuses a body with a field its schema does not have (400, `Unrecognized request
-argument supplied: foo`), so a typo (`max_token`) is caught instead of silently doing the default.
-The sets hold OpenAI's own fields of each endpoint (its API reference) and our documented extensions;
-whether a known field is supported is translate.py's question (it refuses those it cannot honour,
-naming them). `gateway.http_allow_unknown_fields` turns the refusal off for clients that send extras.
-"""
+"""The top-level fields each route knows, and the refusal of the others (as OpenAI answers them)."""
 
 from __future__ import annotations
 

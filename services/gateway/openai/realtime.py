@@ -1,16 +1,6 @@
 """`GET /v1/realtime`: the OpenAI Realtime protocol over a WebSocket, answered by one Omni.Converse
 call per session through the gateway's own Omni port (the HTTP front's channel: API keys, admission,
-limits, history and barge-in are those of Converse; no second request path).
-
-The session keeps what the protocol adds to Converse: the input audio buffer (PCM16 at 24 kHz) and its
-server VAD (vad.py), user items waiting for a response, and the response being streamed. A response
-sends its waiting items as Converse turns (text, or audio + end_of_turn) and streams the answer of
-the last one; a barge-in or `response.cancel` sends Converse's `cancel` (the thinker and talker
-streams end) and the response is done `cancelled` at once, with what was sent. The Converse call opens
-at the first response with the session's instructions, voice and output modalities (fixed from then
-on); when it fails, the session says so and the next response opens a new one. Every stage stream of a
-session ends with its socket.
-"""
+limits, history and barge-in are those of Converse; no second request path)."""
 
 from __future__ import annotations
 

@@ -5,14 +5,12 @@ the usage and the item as far as it was sent)."""
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from omnistage.services.gateway.openai import realtime_events as rt
 from omnistage.services.gateway.openai.pcm import Pcm16Resampler
+from omnistage.services.gateway.openai.realtime_limits import RealtimeMetrics
 from omnistage.v1 import common_pb2, omni_pb2
-
-if TYPE_CHECKING:
-    from omnistage.services.gateway.openai.realtime import RealtimeSession
 
 _STATUS = {
     common_pb2.FINISH_REASON_STOP: ("completed", None),
@@ -22,10 +20,27 @@ _STATUS = {
 }
 
 
+class _Endpoint(Protocol):
+    metrics: RealtimeMetrics
+
+
+class Conversation(Protocol):
+    """What a response reads and updates of its session (realtime.RealtimeSession)."""
+
+    conversation_id: str
+    config: rt.SessionConfig
+    endpoint: _Endpoint
+    last_item: str | None
+    active: Response | None
+    spoken: dict[str, int]
+
+    async def send(self, event: dict[str, Any], unless_done: Response | None = None) -> None: ...
+
+
 class Response:
     """The response answering Converse turn `turn` of `session`."""
 
-    def __init__(self, session: RealtimeSession, turn: int, trigger: str) -> None:
+    def __init__(self, session: Conversation, turn: int, trigger: str) -> None:
         self.session, self.turn, self.trigger = session, turn, trigger
         self.id = rt.new_id("resp")
         self.item_id = rt.new_id("item")

@@ -1,13 +1,4 @@
-"""`POST /v1/audio/transcriptions`: a multipart upload of speech, answered with its text.
-
-The Omni API has no ASR call; the release does ASR as a chat turn: the user message is the
-instruction `Please recognize the language of this speech and transcribe it. Format: oral.` followed
-by the audio (the reference's ASR example; a `prompt` — context, names, terms — follows the
-instruction, as the release's contextual ASR example writes it). So the front sends `Generate` with
-that message, text out, greedy unless `temperature` says otherwise. The encoder decodes the upload
-(WAV, MP3, FLAC, OGG, WebM, M4A: whatever its decoders read) and refuses what it cannot, naming
-`messages[0].parts[1].audio`.
-"""
+"""`POST /v1/audio/transcriptions`: a multipart upload of speech, answered with its text."""
 
 from __future__ import annotations
 

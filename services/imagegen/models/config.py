@@ -1,11 +1,4 @@
-"""Image-generation shapes read from the checkpoint's subfolders (ming.md §6.4).
-
-`mlp/config.json` (query scales, conditioning width, `text_encoder_norm`, `use_identity_mlp`),
-`connector/config.json` (HF Qwen2), `transformer/config.json` (diffusers Z-Image DiT),
-`vae/config.json` (diffusers AutoencoderKL) and `scheduler/scheduler_config.json`
-(FlowMatchEulerDiscreteScheduler). Values a key leaves out take the class defaults of the
-reference classes; options the release does not use are refused with the key named.
-"""
+"""Image-generation shapes read from the checkpoint's subfolders (ming.md §6.4)."""
 
 from __future__ import annotations
 

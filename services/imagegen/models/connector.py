@@ -1,12 +1,4 @@
-"""Thinker hidden states → DiT caption features (ming.md §6.1 steps 4 and 6).
-
-`condition(h)`: `proj_in` → the Qwen2 connector run bidirectionally (the reference passes a 4-D
-all-ones mask, a constant added to every score, and turns the causal flag off; its last hidden
-state is the final-norm output) → `proj_out` → L2 normalise. `caption(e)`: the DiT wrapper's
-`text_encoder_norm` (L2 normalise × 1000) then its MLP (identity for the release). The negative
-branch of CFG is `caption(zeros)`. Parameter names: `proj_in`, `proj_out`, `mlp.*` as in
-`mlp/model.safetensors`; the connector's as in `connector/` under `connector.`.
-"""
+"""Thinker hidden states → DiT caption features (ming.md §6.1 steps 4 and 6)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""Z-Image DiT (diffusers `ZImageTransformer2DModel`, ming.md §6.2), batched over rows of one shape.
-
-A forward takes B rows of the same latent shape [C, F, H, W] (F = 2 when an edit's reference latent
-is the second frame) and the same caption length, so no row needs a padding mask: every request the
-step batcher joins has the same token layout. Within a row the image tokens and the caption tokens
-are each padded to a multiple of 32 with the learned pad tokens, which attend like any token (as in
-the reference). Position ids: caption token k → (1 + k, 0, 0); image token (f, i, j) →
-(caption_padded + 1 + f, i, j); image pad tokens → (0, 0, 0). Sequence [image ; caption] through
-the main layers. Parameter names equal the diffusers checkpoint's.
-"""
+"""Z-Image DiT (diffusers `ZImageTransformer2DModel`, ming.md §6.2), batched over rows of one shape."""
 
 from __future__ import annotations
 

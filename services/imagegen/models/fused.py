@@ -1,22 +1,4 @@
-"""Fused DiT kernels (Triton) for the block's norms, modulation, gates and QK-norm + rope (issue 21).
-
-A Z-Image block spends most of its non-matmul time in element-wise passes over [B, N, 3840]: RMSNorm,
-× (1 + scale), tanh(gate) ×, + residual, each a kernel with its own read and write. Two kernels
-replace them:
-- `norm_modulate(x, w, eps, scale)`: RMSNorm(x)·w·(1 + scale) (scale per row of the batch; without
-  scale a plain RMSNorm), and `norm_gate_residual(res, h, w, eps, gate)`: res + tanh(gate)·RMSNorm(h)·w
-  (without gate: res + RMSNorm(h)·w) — one program per token row;
-- `qk_norm_rope(q, k, wq, wk, eps, cos, sin)`: per-head RMSNorm of q and k and the interleaved-pair
-  rotary of both, one program per (token, head).
-The torch functions below (`*_ref`) are the block's own maths, the reference the kernels are tested
-against (fp32 on the CPU under TRITON_INTERPRET=1; bf16 on a GPU, where the kernels keep every
-intermediate in fp32 and round once — the reference rounds after each op, so they agree to bf16
-rounding, not bit for bit). The kernels are used only on CUDA when Triton imports (`triton_ok`); the
-torch path stays the reference and the CPU path.
-
-The `@triton.jit` kernels live in `fused_kernels`, imported on first use (`_kernels`), so TRITON_INTERPRET
-set by a test before its first call takes effect whatever imported this module earlier.
-"""
+"""Fused DiT kernels (Triton) for the block's norms, modulation, gates and QK-norm + rope (issue 21)."""
 
 from __future__ import annotations
 

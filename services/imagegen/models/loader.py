@@ -1,12 +1,4 @@
-"""load_imagegen: connector, DiT and VAE of a Ming checkpoint, built on meta and filled folder by folder.
-
-Each part is materialised once, empty, in the target dtype on the target device; checkpoint tensors
-are read one at a time (CPU, stored dtype) and copied in, so no full-precision copy ever exists.
-Keys and shapes are checked from the shard headers of every folder first: a wrong checkpoint fails
-with one error naming each missing, unexpected and mis-shaped key. Tensors the service does not use
-are checked, not materialised: the query embeddings (the thinker's), the connector's token
-embeddings and LM head. `random_init` fills the same modules for `load_format: dummy` and benches.
-"""
+"""load_imagegen: connector, DiT and VAE of a Ming checkpoint, built on meta and filled folder by folder."""
 
 from __future__ import annotations
 

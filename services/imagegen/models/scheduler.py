@@ -1,15 +1,4 @@
-"""Flow-match Euler schedule as the reference pipeline sets it up (ming.md §6.3).
-
-The reference builds diffusers' `FlowMatchEulerDiscreteScheduler` from `scheduler_config.json`,
-sets `sigma_min = 0` and calls `set_timesteps(steps, mu=calculate_shift(image_seq_len, ...))`.
-That gives: timesteps linspace(1000 · sigma_max, 0, steps) (float64), sigmas = timesteps / 1000,
-shifted — by `time_shift(mu)` when the file's `use_dynamic_shifting` is true, else by the static
-`shift` (the reference also writes `config["use_dynamic_shifting"] = True` at run time, which
-diffusers' FrozenDict stores as an item but `set_timesteps` reads the unchanged attribute: the
-file's flag decides, and so it does here) — then float32, timesteps = sigmas · 1000, a terminal 0
-appended. With sigma_min 0 the last step has sigma 0 → 0: it moves nothing (`dt == 0`).
-One Euler step: x ← x + (sigma_next − sigma) · v, in float32.
-"""
+"""Flow-match Euler schedule as the reference pipeline sets it up (ming.md §6.3)."""
 
 from __future__ import annotations
 

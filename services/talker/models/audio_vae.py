@@ -1,16 +1,5 @@
 """AudioVAE (`talker/vae`, ming.md §5.4): the decoder that turns latents into 44.1 kHz audio, streamed,
-and the encoder that makes a voice prompt's latents.
-
-Decoder: latents [T, 64] → fc1 → linear ×patch upsampling in time (align_corners=False) → causal
-Qwen2 (KV-cached per request) → ISTFT head. Streaming is exact: a frame is computed as soon as the
-latents it interpolates between exist (the last latent's final half-patch waits for the next latent,
-or for the end), the Qwen2 is causal, and the ISTFT keeps its overlap tail — so decoding in chunks
-gives the same samples as decoding at once (up to float rounding of the batched maths).
-
-Encoder: waveform → frames (input_dim wide, hop_size apart, zero-padded at the end) → fc1, fc2 →
-Qwen2 → after each patch of frames a CLS row → a 4-layer Qwen2 "aggregator" → the CLS outputs →
-fc3 → (mean, scale); latent = mean + (softplus(scale) + 1e-4) · ε (a sample, as the reference).
-"""
+and the encoder that makes a voice prompt's latents."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""The talker's flow-matching DiT (`cfm.model`), its CFM sampler, and the aggregator (ming.md §5.3).
-
-Both are stacks of the same pre-norm block: `x += Attn(RMSNorm(x))`, `x += FF(RMSNorm(x))`, with
-bidirectional attention and x_transformers-style rotary embeddings (interleaved pairs (2i, 2i+1),
-frequency base 10000, computed and applied in float32). There is no adaLN modulation.
-
-CFM sample of one patch per request, batched over requests: y ~ N(0, I); for k in 0..steps-1:
-v = v_c + cfg · (v_c − v_∅) where v_c sees the LM hidden state and v_∅ a zero condition;
-y ← y + v · (τ'_{k+1} − τ'_k), with the sway-warped times τ' = 1 − cos(πτ/2) of the EPSS table.
-"""
+"""The talker's flow-matching DiT (`cfm.model`), its CFM sampler, and the aggregator (ming.md §5.3)."""
 
 from __future__ import annotations
 

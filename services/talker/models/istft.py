@@ -1,13 +1,4 @@
-"""The AudioVAE's ISTFT head (ming.md §5.4) and its streaming overlap-add state.
-
-Head: Linear hidden → n_fft + 2, split into log-magnitude and phase, mag = min(exp(·), 100),
-irfft (n_fft), Hann window, overlap-add at `hop`, divided by the summed squared window, "same"
-padding: (n_fft − hop) / 2 samples trimmed at each end, so T frames give T·hop samples.
-
-Streaming: the samples before the next frame's start are final once a frame is added, so each call
-emits every finished sample and keeps the (n_fft − hop)-sample tail of the sums for the next call.
-Chunked output concatenates to exactly the whole-sequence output. The spectral maths runs in float32.
-"""
+"""The AudioVAE's ISTFT head (ming.md §5.4) and its streaming overlap-add state."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
 """load_talker: the talker's modules from a Ming checkpoint's `talker/` folder, built on the meta device
-and filled tensor by tensor in the target dtype on the target device.
-
-Keys and shapes are checked from the shard headers first (`talker/model*.safetensors` for the LM,
-DiT, aggregator and heads; `talker/vae/model*.safetensors` for the AudioVAE): a wrong checkpoint fails
-with one error naming every missing, unexpected and mis-shaped key. The VAE backbones' token
-embeddings (unused: they read embeddings) are accepted in any shape and not materialised. Rotary
-tables stay float32 whatever the dtype. `dummy` (`model.load_format: dummy`) reads the configs, the
-tokenizer, the speaker model and the voices but no weights: random ones are made in place on the
-device (common/checkpoint/dummy.py).
-"""
+and filled tensor by tensor in the target dtype on the target device."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""The talker LM's prompt (ming.md §5.2), built with the talker's own tokenizer (`talker/llm/`).
-
-Pieces are encoded separately and concatenated, as the reference does:
-`<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n` `<|im_start|>user\\n` instruction
-`  speaker_1:` `<|vision_start|>` `<|vision_pad|>` `<|vision_end|>\\n` ` Text input:\\n` prompt_text
-text `<|im_end|>\\n` `<|im_start|>assistant\\n` `<audio>` + n × `<audioPatch>`.
-The `<|vision_pad|>` position receives the speaker vector, the n positions after `<audio>` the voice
-prompt's patch embeddings. Client text (the text to speak, a custom voice's transcript) is encoded
-with special-token strings as plain characters, so it cannot inject markup.
-"""
+"""The talker LM's prompt (ming.md §5.2), built with the talker's own tokenizer (`talker/llm/`)."""
 
 from __future__ import annotations
 

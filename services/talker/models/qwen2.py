@@ -1,11 +1,4 @@
-"""A Qwen2 decoder stack (transformers' `Qwen2Model` maths) with a per-request slot KV cache.
-
-The talker LM and both AudioVAE backbones are Qwen2 models (ming.md §5.2, §5.4). Concurrent requests
-share one forward: rows of a padded batch, each with its own cache slot, start position and number
-of real tokens (`Rows`). Padded tokens are written to a scratch slot, so no host sync is needed and
-no real slot is touched. A layer with a window (`use_sliding_window`) lets a query see keys of the
-last `window` positions only, as transformers' sliding-window mask does.
-"""
+"""A Qwen2 decoder stack (transformers' `Qwen2Model` maths) with a per-request slot KV cache."""
 
 from __future__ import annotations
 

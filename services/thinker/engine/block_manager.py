@@ -1,18 +1,5 @@
 """The paged KV cache's bookkeeping: which blocks are free, which blocks each sequence owns, and
-which full blocks hold a known prefix (prefix caching).
-
-Pure Python, no tensors: the model runner turns block tables into slot mappings. Blocks carry
-reference counts so a block may be shared; a block returns to the free pool only when its last
-owner lets go.
-
-Prefix caching: a full, computed block is indexed by its content key (block_hash.py: a hash chained
-over the tokens — and media rows, 3D positions — of its whole prefix). When its last owner lets go
-it stays in the index, free but still holding its K/V, until its block is needed for something
-else; a new sequence whose leading blocks have those keys takes them instead of computing them.
-Free blocks are handed out plain ones first, then indexed ones least recently freed first (a
-sequence frees its blocks last-first, so a prefix's tail is evicted before its head). A block with
-owners is never handed out, so a running request never loses what it reads.
-"""
+which full blocks hold a known prefix (prefix caching)."""
 
 from __future__ import annotations
 

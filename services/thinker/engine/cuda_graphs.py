@@ -1,16 +1,4 @@
-"""Decode steps replayed from CUDA graphs: one graph per padded batch size, captured at start-up.
-
-A pure decode step (every sequence adds one token; nothing spliced, no hidden rows kept) of n
-sequences runs the graph of the smallest captured size >= n. The graph reads static buffers: the
-plan's ids, positions, slots, context lengths and block tables, packed on the host into one pinned
-int64 array and sent to the device in one copy. Rows n..size-1 are padding: slot -1 (no KV write),
-context length 0 (attention gives zeros), token 0; their logits are never read. The forward inside
-reads every length from those tensors (graph-safe backends only: `Backends.graph_safe`), so one
-capture serves every step of that size. Under TP every rank replays the same size (same plan).
-
-Without capture (`capture=False`: CPU tests under TRITON_INTERPRET) the same buffers drive an eager
-forward, so bucket choice, padding and buffer reuse are checked without a GPU.
-"""
+"""Decode steps replayed from CUDA graphs: one graph per padded batch size, captured at start-up."""
 
 from __future__ import annotations
 
@@ -21,8 +9,8 @@ from collections.abc import Callable
 import torch
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import fmt_bytes
-from omnistage.services.thinker.engine.step_plan import PlanKind, StepPlan
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
+from omnistage.services.thinker.tp.plan import PlanKind, StepPlan
 from torch import nn
 
 log = get_logger(__name__)

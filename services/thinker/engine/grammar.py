@@ -1,19 +1,4 @@
-"""Grammar-constrained sampling (structured outputs) with xgrammar: compile, then mask and advance.
-
-A request's `SamplingParams.constraint` (JSON object, JSON schema or EBNF) is compiled once for the
-tokenizer (`Grammars.compile`, in the thinker's tokenize threads; xgrammar caches compiled grammars
-by their text, so the same schema compiles once). Each sequence gets its own matcher. In every step
-the sampler asks `mask_logits` to set to -inf, in the constrained rows, every token that would leave
-the grammar (xgrammar fills a 32-tokens-per-int32 bitmask on the host and applies it with its CPU or
-CUDA kernel: one small host-to-device copy, no sync), and `advance` feeds each sampled token to its
-matcher. Once the grammar is complete only the tokenizer's stop tokens are allowed, so the answer
-ends with EOS where it is complete.
-
-The vocabulary xgrammar sees is the tokenizer's tokens as their bytes (`MingTokenizer.token_bytes`)
-with every added/special token given as empty, which xgrammar never allows inside the grammar: the
-constrained output cannot hold `<role>` or `<|role_end|>` as text. Logit columns past the tokenizer's
-vocabulary (a padded embedding) are masked too.
-"""
+"""Grammar-constrained sampling (structured outputs) with xgrammar: compile, then mask and advance."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""Hidden-state mode: the final-norm hidden states a request asks for, collected as its prefill runs.
-
-A hidden-state request (image generation's conditioning, ming.md §6.1) generates no token: it wants
-the rows of the model's output (after the final RMSNorm, before any LM head) at some of its prompt
-positions. Its prompt may be prefilled in several chunks, and again from the start after a
-preemption; each step keeps the rows of the slots its chunk covered, so when the prefill completes
-every slot has its row (a recompute writes the same rows again). The rows stay on the device the
-model ran on (rank 0: under TP every rank computes the same replicated rows).
-"""
+"""Hidden-state mode: the final-norm hidden states a request asks for, collected as its prefill runs."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from omnistage.common.log import get_logger
@@ -23,11 +23,9 @@ from omnistage.services.thinker.engine.model_runner import ModelRunner, StepOutp
 from omnistage.services.thinker.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from omnistage.services.thinker.engine.scheduler import ScheduledBatch, Scheduler
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams, Sequence
-from omnistage.services.thinker.engine.step_plan import StepPlan, build_step_plan
-from omnistage.services.thinker.group.distributed import TPControl, TPError
-
-if TYPE_CHECKING:
-    from omnistage.services.thinker.group.startup import StartedRank
+from omnistage.services.thinker.engine.step_plan import build_step_plan
+from omnistage.services.thinker.tp.distributed import TPControl, TPError
+from omnistage.services.thinker.tp.plan import StepPlan
 
 log = get_logger(__name__)
 
@@ -109,16 +107,6 @@ class LLMEngine:
         # What each step did, for metrics (engine_metrics.py); None: nothing is recorded.
         self.stats: StepObserver | None = None
         self._generate_ids = itertools.count()
-
-    @classmethod
-    def from_started(cls, started: StartedRank) -> LLMEngine:
-        """Rank 0 after start-up: the engine around its runner, tokenizer and TP group."""
-        if started.tokenizer is None:
-            raise ValueError(
-                f"LLMEngine runs on rank 0 only (got rank {started.cfg.rank}); other ranks run the plan loop"
-            )
-        tok = started.tokenizer
-        return cls(started.runner, tok, list(tok.stop_token_ids), started.control)
 
     # --- requests -------------------------------------------------------------------------------
 

@@ -18,8 +18,8 @@ from omnistage.common.log import get_logger
 from omnistage.common.memory.device import fmt_bytes
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs
-from omnistage.services.thinker.engine.step_plan import StepPlan
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
+from omnistage.services.thinker.tp.plan import StepPlan
 from omnistage.v1 import control_pb2
 from torch import nn
 

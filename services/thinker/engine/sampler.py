@@ -1,11 +1,4 @@
-"""Next-token choice for the rows that sample: penalties, greedy or filtered random draw, logprobs.
-
-Rows with a grammar (structured output) are masked to what it allows first (grammar.py), so greedy
-and random draws alike pick only tokens that keep the output valid. Masks (top-k, top-p, min-p) and
-penalties are batched; the random noise is drawn per row with the
-sequence's own torch.Generator on the logits' device, so a seeded request gets the same tokens whatever else is in the
-batch. Logprobs are those of the model (log-softmax of the raw logits), like OpenAI's API.
-"""
+"""Next-token choice for the rows that sample: penalties, greedy or filtered random draw, logprobs."""
 
 from __future__ import annotations
 

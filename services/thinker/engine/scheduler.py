@@ -1,13 +1,4 @@
-"""Continuous batching: each step mixes decodes and prefill chunks within the token and sequence budgets.
-
-Running sequences go first (decodes and unfinished prefill chunks, oldest first); when the KV cache
-is full the youngest running sequence is preempted (blocks freed, recomputed later from its tokens),
-never an error. Waiting sequences are admitted, oldest first, only with budget and blocks left;
-a sequence admitted with nothing computed (new, or preempted) first takes the cached blocks of its
-longest known prefix (block_manager.py), and only the rest is prefilled. Every block a step fills
-is indexed after it (postprocess), decode blocks included, so the next turn of a conversation finds
-the previous answer too.
-"""
+"""Continuous batching: each step mixes decodes and prefill chunks within the token and sequence budgets."""
 
 from __future__ import annotations
 

@@ -1,142 +1,10 @@
-"""StepPlan: everything a rank needs to run one forward, as int64 tensors that pack into one buffer.
-
-Rank 0 decides; ranks 1..N-1 execute what the plan says and nothing else, so ranks cannot diverge.
-The plan is flat integers (no pickled engine objects), a few hundred int64s in decode.
-
-Multimodal prompts: every rank must put the same encoder rows into the same token rows. The plan
-says only *which* flattened token rows take an encoder row (`media_index`) and their router
-(`media_modality`): two int64s per row, in prefill steps that reach placeholder slots, and nothing
-in decode plans. The rows themselves (`media_rows`) stay on rank 0 and are never encoded: rank 0
-writes them into its share of the vocab-parallel embedding while every other rank zeroes its share
-at those rows, so the all-reduce the embedding does anyway hands every rank the exact rows (x + 0
-is exact) at no extra collective. The alternatives cost more: broadcasting the rows with the plan
-is one more collective of M x hidden per step; letting every rank open the encoder's shm / CUDA IPC
-refs would make each rank copy and keep the rows per request (the lease lasts seconds, recompute
-after a preemption needs them again), so workers would hold request state and need "free" plans.
-
-Hidden-state requests (image generation's conditioning) want the model's final-norm output at some
-prompt rows: `hidden_index` names those token rows, on rank 0 only and never encoded (every rank
-computes the same replicated rows; only rank 0 hands them on), so workers see a plain prefill.
-"""
+"""build_step_plan: the scheduled sequences of one step as the plan every rank runs (tp/plan.py)."""
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-
 import torch
 from omnistage.services.thinker.engine.sequence import Sequence
-
-
-class PlanKind(enum.IntEnum):
-    NOOP = 0  # keep-alive while rank 0 is idle: workers go back to waiting
-    RUN = 1
-    EXIT = 2
-
-
-# What the first int64s of an encoded plan say (the arrays' sizes follow from them).
-_HEADER = ("kind", "num_seqs", "num_tokens", "num_sample_rows", "max_blocks", "num_media_rows")
-
-
-def _empty() -> torch.Tensor:
-    return torch.zeros(0, dtype=torch.int64)
-
-
-@dataclass
-class StepPlan:
-    """One step, sequences in batch order; tokens are flattened sequence by sequence."""
-
-    kind: PlanKind = PlanKind.RUN
-    input_ids: torch.Tensor = field(default_factory=_empty)  # [T]
-    positions: torch.Tensor = field(default_factory=lambda: torch.zeros(3, 0, dtype=torch.int64))  # [3, T]
-    query_lens: torch.Tensor = field(default_factory=_empty)  # [S] new tokens per sequence
-    context_lens: torch.Tensor = field(default_factory=_empty)  # [S] cached tokens after this step
-    slot_mapping: torch.Tensor = field(default_factory=_empty)  # [T] cache slot per new token
-    block_tables: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.int64))  # [S, B]
-    sample_rows: torch.Tensor = field(default_factory=_empty)  # [R] token rows whose logits are needed
-    media_index: torch.Tensor = field(default_factory=_empty)  # [M] token rows that take an encoder row
-    media_modality: torch.Tensor = field(default_factory=_empty)  # [M] their router codes (layers.moe)
-    # [M, H] the encoder rows, in media_index order: rank 0 only, never encoded (see the module docstring).
-    media_rows: torch.Tensor | None = None
-    # [K] token rows whose final-norm hidden states hidden-state requests keep, in batch order: rank 0 only.
-    hidden_index: torch.Tensor = field(default_factory=_empty)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
-    @property
-    def num_media_rows(self) -> int:
-        return int(self.media_index.numel())
-
-    @classmethod
-    def exit(cls) -> StepPlan:
-        return cls(kind=PlanKind.EXIT)
-
-    @classmethod
-    def noop(cls) -> StepPlan:
-        return cls(kind=PlanKind.NOOP)
-
-    def encode(self) -> torch.Tensor:
-        """Pack into one int64 tensor: header [kind, S, T, R, B, M] then the arrays (not media_rows)."""
-        num_seqs, max_blocks = self.block_tables.shape if self.block_tables.dim() == 2 else (0, 0)
-        header = torch.tensor(
-            [
-                int(self.kind),
-                num_seqs,
-                self.num_tokens,
-                self.sample_rows.numel(),
-                max_blocks,
-                self.num_media_rows,
-            ],
-            dtype=torch.int64,
-        )
-        parts = [
-            header,
-            self.input_ids,
-            self.positions.flatten(),
-            self.query_lens,
-            self.context_lens,
-            self.slot_mapping,
-            self.sample_rows,
-            self.block_tables.flatten(),
-            self.media_index,
-            self.media_modality,
-        ]
-        return torch.cat([p.to(torch.int64) for p in parts])
-
-    @classmethod
-    def decode(cls, buf: torch.Tensor) -> StepPlan:
-        head = len(_HEADER)
-        kind, num_seqs, num_tokens, num_rows, max_blocks, num_media = (int(x) for x in buf[:head].tolist())
-        sizes = [
-            num_tokens,
-            3 * num_tokens,
-            num_seqs,
-            num_seqs,
-            num_tokens,
-            num_rows,
-            num_seqs * max_blocks,
-            num_media,
-            num_media,
-        ]
-        if buf.numel() != head + sum(sizes):
-            raise ValueError(f"step plan: buffer of {buf.numel()} int64s, header says {head + sum(sizes)}")
-        ids, pos, qlens, clens, slots, rows, tables, media_index, media_modality = torch.split(
-            buf[head:], sizes
-        )
-        return cls(
-            kind=PlanKind(kind),
-            input_ids=ids,
-            positions=pos.view(3, num_tokens),
-            query_lens=qlens,
-            context_lens=clens,
-            slot_mapping=slots,
-            block_tables=tables.view(num_seqs, max_blocks),
-            sample_rows=rows,
-            media_index=media_index,
-            media_modality=media_modality,
-        )
+from omnistage.services.thinker.tp.plan import PlanKind, StepPlan, empty_int64
 
 
 def build_step_plan(scheduled: list[tuple[Sequence, int]], block_size: int) -> StepPlan:
@@ -188,8 +56,8 @@ def build_step_plan(scheduled: list[tuple[Sequence, int]], block_size: int) -> S
         slot_mapping=t(slots),
         block_tables=t(padded).view(len(tables), max_blocks),
         sample_rows=t(rows),
-        media_index=torch.cat(media_index) if media_index else _empty(),
-        media_modality=torch.cat(media_modality) if media_modality else _empty(),
+        media_index=torch.cat(media_index) if media_index else empty_int64(),
+        media_modality=torch.cat(media_modality) if media_modality else empty_int64(),
         media_rows=torch.cat(media_rows) if media_rows else None,
-        hidden_index=torch.cat(hidden_index) if hidden_index else _empty(),
+        hidden_index=torch.cat(hidden_index) if hidden_index else empty_int64(),
     )

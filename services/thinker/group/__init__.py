@@ -1,4 +1,3 @@
-"""The thinker's TP group and start-up: one rank's start (`startup`), the group's control plane
-(`distributed`: plans, agree-min, first failure, deadlines; `tp_store`, `peer_watch`), the worker
-ranks' plan loop (`worker`), KV sizing (`kv_profile`), warm-up (`warmup`), local rank processes
-(`local_ranks`) and the fault hook (`faults`). The step engine itself is `engine/`."""
+"""The thinker's TP ranks starting up: one rank's start (`startup`, which builds rank 0's step
+engine), KV sizing (`kv_profile`), warm-up (`warmup`), the worker ranks' plan loop (`worker`) and
+the fault hook (`faults`). Uses `engine/` and `tp/`; the engine never imports it."""

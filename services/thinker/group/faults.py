@@ -1,11 +1,4 @@
-"""Test hook: an out-of-memory at one point of one rank's start-up (`services.<name>.fault` with `at`).
-
-Start-up passes every step it reports through `StartupFault.on_step`; nothing else in the engine
-knows about faults. The KV points make the real allocation fail (a simulated peer takes the
-device's free memory just before the rebuild or the validation stress, and keeps it), so the
-failure travels the same path as a real one; `warmup_forward` raises half-way through the layers
-of the first warm-up forward, where the other ranks already wait in the next collective.
-"""
+"""Test hook: an out-of-memory at one point of one rank's start-up (`services.<name>.fault` with `at`)."""
 
 from __future__ import annotations
 

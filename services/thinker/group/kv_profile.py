@@ -1,17 +1,4 @@
-"""KV-cache auto-profile: size the cache from a measured peak, then prove the size (memory_transport.md §3).
-
-probe KV → stress the largest prefill and decode steps (sampler included, logits only for sampling
-rows) → peak reserved → target = (min(budget, total − peers) − (peak − probe KV) − canary) × safety,
-and no more than leaves the largest step's measured peak free after the rebuild (the check the
-rebuild is held to) → MIN over ranks → tear the probe down (and check reserved memory really dropped) → rebuild → canary
-→ validate at the chosen size; shrink 5 % and retry at most 3 times; then fail naming every knob.
-
-Rank safety: every decision that changes what a rank does next (an allocation failed, too little
-memory for a shape, validation over budget) is a local flag combined by MIN over the group *before*
-the next collective, so all ranks shrink, retry or fail together. A failure inside a forward (where
-peers already wait in a collective) is not retried with peers: it goes to the group's first-failure
-store and every rank fails promptly (TRT-LLM's fail-stop); only a single rank may catch an OOM there.
-"""
+"""KV-cache auto-profile: size the cache from a measured peak, then prove the size (memory_transport.md §3)."""
 
 from __future__ import annotations
 
@@ -25,7 +12,6 @@ from omnistage.common.log import get_logger
 from omnistage.common.memory.device import SEGMENT_BYTES, DeviceMemory, fmt_bytes
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sampler import Sampler
-from omnistage.services.thinker.group.distributed import TPControl
 from omnistage.services.thinker.group.warmup import (
     DummyShape,
     StepProgress,
@@ -33,6 +19,7 @@ from omnistage.services.thinker.group.warmup import (
     run_dummy_step,
     stress_shapes,
 )
+from omnistage.services.thinker.tp.distributed import TPControl
 
 log = get_logger(__name__)
 OOM_ERRORS = (torch.OutOfMemoryError, MemoryError)

@@ -1,16 +1,4 @@
-"""One thinker rank's start-up, the same on every rank: join the group → load → size KV → warm up.
-
-    loading_weights   this rank's slices, materialised in the target dtype (or dummy weights)
-    profiling_memory  KV auto-profile with every rank agreeing (kv_profile.py); plain CPU: configured size
-    warming_up        dummy shapes, all ranks run or skip each (warmup.py)
-    capturing_graphs  decode steps as CUDA graphs at padded batch sizes (cuda_graphs.py), when the
-                      device is CUDA and the kernels chosen (models/layers/backends.py) are graph-safe
-
-It takes one resolved `RankConfig` and reports to one `StartupProgress`. The rank's PeerWatch runs
-from the rendezvous on, so a peer's failure ends this rank even inside a collective; a failure here
-is reported to the group before it is raised. Afterwards collectives get the serving deadline, rank
-0 builds its LLMEngine around the runner and the other ranks enter the plan loop (worker.py).
-"""
+"""One thinker rank's start-up, the same on every rank: join the group → load → size KV → warm up."""
 
 from __future__ import annotations
 
@@ -20,7 +8,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from omnistage.common.config import (
@@ -35,8 +23,8 @@ from omnistage.common.log import get_logger
 from omnistage.common.memory.device import DeviceMemory, device_memory_for
 from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
+from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.model_runner import ModelRunner, to_dtype
-from omnistage.services.thinker.group.distributed import GroupFailure, TPControl, TPError, join_tp_group
 from omnistage.services.thinker.group.faults import StartupFault
 from omnistage.services.thinker.group.kv_profile import KVProfile, KVSettings, peers_bytes, size_kv_cache
 from omnistage.services.thinker.group.warmup import WarmupResult, run_warmup, warmup_shapes
@@ -49,9 +37,7 @@ from omnistage.services.thinker.models.layers.backends import (
 )
 from omnistage.services.thinker.models.loader import load_model
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
-
-if TYPE_CHECKING:
-    from omnistage.services.thinker.engine.llm_engine import LLMEngine
+from omnistage.services.thinker.tp.distributed import GroupFailure, TPControl, TPError, join_tp_group
 
 log = get_logger(__name__)
 
@@ -201,12 +187,14 @@ def start_rank(cfg: RankConfig, progress: StartupProgress | None = None) -> Star
     return started
 
 
-def start_engine(cfg: RankConfig, progress: StartupProgress | None = None) -> LLMEngine:
-    """Rank 0's start-up plus its engine (tests and benchmarks; the service does the same steps)."""
-    from omnistage.services.thinker.engine.llm_engine import LLMEngine
-
-    started = start_rank(cfg, progress)
-    return LLMEngine.from_started(started)
+def rank0_engine(started: StartedRank) -> LLMEngine:
+    """Rank 0 after start-up: the step engine around its runner, tokenizer and TP group."""
+    if started.tokenizer is None:
+        raise ValueError(
+            f"LLMEngine runs on rank 0 only (got rank {started.cfg.rank}); other ranks run the plan loop"
+        )
+    tok = started.tokenizer
+    return LLMEngine(started.runner, tok, list(tok.stop_token_ids), started.control)
 
 
 class _Startup:

@@ -1,16 +1,4 @@
-"""Dummy steps (the shapes profiling and warm-up run) and the rank-agreed warm-up.
-
-A dummy step is a StepPlan built straight from a shape: no scheduler, no block manager, no request,
-so a step that fails (OOM) leaves no Python state behind to reset. Every sequence of a shape reads the
-same KV blocks, so the largest decode batch at max context needs only one max-length request's worth
-of cache (memory use of attention depends on context length, not on distinct blocks). Rows that do
-not sample never reach the LM head: only `sample=True` shapes ask for logits, one row per sequence.
-
-Warm-up (memory_transport.md §4.3): before each shape every rank states whether it can run it (the
-batch fits its cache, its free memory covers the shape's measured peak) and the group takes the
-MIN; all ranks run it or all skip it. An exception on any rank is never swallowed: it is reported
-to the group's first-failure store and every rank fails naming the rank and the shape.
-"""
+"""Dummy steps (the shapes profiling and warm-up run) and the rank-agreed warm-up."""
 
 from __future__ import annotations
 
@@ -26,8 +14,8 @@ from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sampler import Sampler
 from omnistage.services.thinker.engine.sequence import SamplingParams, Sequence
-from omnistage.services.thinker.engine.step_plan import PlanKind, StepPlan
-from omnistage.services.thinker.group.distributed import TPControl
+from omnistage.services.thinker.tp.distributed import TPControl
+from omnistage.services.thinker.tp.plan import PlanKind, StepPlan
 
 log = get_logger(__name__)
 

@@ -2,16 +2,16 @@
 
 A worker never decides anything. When it fails it reports to the group's store and leaves; its
 PeerWatch (and every other rank's) ends the group within `tp.failure_exit_s`. (Spawning ranks
-without the launcher, for benchmarks and tests, is `local_ranks.py`.)
+without the launcher, for tests and benchmarks, is `tests/services/thinker/group/local_ranks.py`.)
 """
 
 from __future__ import annotations
 
 from omnistage.common.log import get_logger
 from omnistage.services.thinker.engine.model_runner import ModelRunner
-from omnistage.services.thinker.engine.step_plan import PlanKind
-from omnistage.services.thinker.group.distributed import TPControl, TPError
-from omnistage.services.thinker.group.startup import RankConfig, StartedRank, StartupProgress, start_rank
+from omnistage.services.thinker.group.startup import StartedRank
+from omnistage.services.thinker.tp.distributed import TPControl, TPError
+from omnistage.services.thinker.tp.plan import PlanKind
 
 log = get_logger(__name__)
 
@@ -38,8 +38,3 @@ def run_plan_loop(started: StartedRank) -> int:
     log.info("worker rank %d leaves after %d steps", started.cfg.rank, num_run)
     started.control.close()
     return num_run
-
-
-def run_worker(cfg: RankConfig, progress: StartupProgress | None = None) -> int:
-    """Body of a worker process (rank >= 1): start-up, then the plan loop. Raises TPError."""
-    return run_plan_loop(start_rank(cfg, progress))

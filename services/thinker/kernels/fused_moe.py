@@ -1,16 +1,4 @@
-"""Routed experts in two Triton launches, with no host sync (so a decode step can be a CUDA graph).
-
-1. `align_by_expert`: the T x top_k (token, expert) pairs grouped by expert into blocks of BLOCK_M
-   rows, each expert's run padded to a whole block (pad rows point past the last pair), in two
-   small launches whose sizes depend only on T — no `.tolist()`, no host sync.
-2. `_gate_up_kernel`: per block, x rows @ the block's expert gate and up rows, SiLU(gate) * up in the
-   epilogue, written to an [N, I] intermediate (N = T x top_k pairs).
-3. `_down_kernel`: intermediate @ the expert's down rows, times the pair's routing weight, written
-   in fp32 to [N, H]; the top_k partials of a token are then summed (fixed order, deterministic).
-
-The reference is `FusedExperts.forward` (layers/moe.py): same experts, same weights, fp32 sums.
-Differences are rounding only: here SiLU(gate) * up is taken on fp32 accumulators before the cast.
-"""
+"""Routed experts in two Triton launches, with no host sync (so a decode step can be a CUDA graph)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""Paged KV writes and paged decode attention in Triton, with every length read on the device.
-
-Both run inside a captured decode graph: their launch shapes depend only on the (padded) batch, and
-what varies per step — slots, block tables, context lengths — is read from tensors. Padding rows of
-a graph carry slot -1 (nothing written) and context length 0 (output zeros).
-
-Layout: one layer's cache is [num_blocks, block_size, num_kv_heads, head_dim] for K and for V
-(models/layers/attention.py); a decode query is [B, num_heads, head_dim] with GQA groups of
-num_heads / num_kv_heads consecutive heads per KV head.
-"""
+"""Paged KV writes and paged decode attention in Triton, with every length read on the device."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""The sigmoid group-limited top-k router's selection in one launch (the reference takes ~15).
-
-Per token: scores = sigmoid(logits); biased = scores + bias; each group's score is the sum of its
-top two biased scores; the best `topk_group` groups are kept; the `top_k` best biased scores among
-their experts are chosen (descending, as torch.topk orders them); weights are the unbiased scores
-of those experts, renormalised (+ 1e-20) and scaled. Same as `layers/moe.py`'s `Router` with
-`grouped_topk`, ties aside (random float scores have none).
-"""
+"""The sigmoid group-limited top-k router's selection in one launch (the reference takes ~15)."""
 
 from __future__ import annotations
 

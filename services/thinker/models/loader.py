@@ -1,17 +1,4 @@
-"""load_model: meta-device build, then shard-by-shard safetensors streaming into this rank's slices.
-
-Parameters are materialised once, empty, in the target dtype on the target device; each checkpoint
-tensor is read alone (CPU, stored dtype) and the owning layer's `weight_loader` copies only this
-rank's slice. Key names and shapes are checked from the shard headers before any data is read, so
-a wrong checkpoint fails fast with one error naming every missing, unexpected and mis-shaped key.
-Non-thinker keys (`vision.*`, `audio.*`, `linear_proj*`) belong to the encoders: skipped deliberately.
-
-`load_format="dummy"` (benchmarks: the real shape without the download) needs only config.json and
-the tokenizer: every checkpoint tensor is generated in full, in the target dtype on the device, by
-one seeded generator in checkpoint order, and goes through the same weight_loaders. So every TP
-size slices the same full weights (TP=N gives TP=1's tokens), and the peak is the weights plus one
-checkpoint tensor. Norms are 1, expert biases 0, everything else normal(0, 0.02) (bf16-safe).
-"""
+"""load_model: meta-device build, then shard-by-shard safetensors streaming into this rank's slices."""
 
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from omnistage.services.thinker.models.config import ThinkerConfig
 
 Grid = Sequence[int]  # (t, h, w) in patch units, before the spatial merge
 
@@ -87,29 +86,3 @@ def get_rope_index(
     positions = torch.cat(parts, dim=1).to(torch.long)
     delta = int(positions[0].max()) + 1 - n if n else 0
     return positions, delta
-
-
-def rope_index_for(
-    config: ThinkerConfig,
-    input_ids: Sequence[int] | torch.Tensor,
-    image_grid_thw: Sequence[Grid] | torch.Tensor | None = None,
-    video_grid_thw: Sequence[Grid] | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, int]:
-    """`get_rope_index` with the token ids and merge size of a thinker config."""
-    if config.rope_type != "video_rope" or (image_grid_thw is None and video_grid_thw is None):
-        n = len(input_ids)
-        return torch.arange(n).expand(3, -1).clone(), 0
-    return get_rope_index(
-        input_ids,
-        image_start_token_id=config.image_start_token_id,
-        image_patch_token_id=config.image_patch_token_id,
-        video_patch_token_id=config.video_patch_token_id,
-        image_grid_thw=image_grid_thw,
-        video_grid_thw=video_grid_thw,
-        spatial_merge_size=config.spatial_merge_size,
-    )
-
-
-def decode_positions(cache_positions: torch.Tensor, rope_delta: int) -> torch.Tensor:
-    """Positions [3, T] of tokens after the prompt: cache position + rope_delta on all axes."""
-    return (cache_positions.to(torch.long) + rope_delta).expand(3, -1)

@@ -1,17 +1,4 @@
-"""MingTokenizer: the checkpoint's `tokenizer.json` plus the ids the engine needs, read from its files.
-
-`encode` matches added tokens (`<role>`, `<|role_end|>`, `<image>`, ...) whole in the text: for
-trusted prompt text only. `encode_pieces` keeps client text apart: only chat-format markup
-("template" pieces) yields special tokens; client text ("text" pieces) is BPE-encoded as plain
-characters by a second tokenizer with `encode_special_tokens` on. For text without special-token
-strings both give the same ids. No BOS/EOS is added (ming.md §7.1). Generation stops on
-`<|role_end|>` (eos) and any eos ids of generation_config.json.
-
-Every encode goes through `encode_batch`, which releases the GIL (tokenizers 0.23 measured on a
-1.5 M-character prompt: `Tokenizer.encode` held it for the whole 1.3 s, a second thread ticking every
-1 ms got one tick in; through `encode_batch` that thread's longest gap was 5 ms), so tokenizing in a
-worker thread does not stall the event loop.
-"""
+"""MingTokenizer: the checkpoint's `tokenizer.json` plus the ids the engine needs, read from its files."""
 
 from __future__ import annotations
 

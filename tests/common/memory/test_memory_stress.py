@@ -10,7 +10,8 @@ import pytest
 import torch
 from omnistage.common.memory.device import MiB, SimulatedDeviceMemory
 from omnistage.common.memory.report import export_memory
-from omnistage.common.memory.stress import ConcurrencyLimiter, StressAndCap, StressError
+from omnistage.common.memory.stress import StressAndCap, StressError
+from omnistage.common.runtime.concurrency import ConcurrencyLimiter
 from prometheus_client import REGISTRY
 
 CANDIDATES = [1, 2, 4, 8]  # configured max batch 8
@@ -111,7 +112,8 @@ def test_memory_report_and_metrics_show_the_kept_peak():
 
 def test_limiter_caps_concurrency_at_the_tested_batch_and_times_out_with_a_message():
     mem, enc = _stage_on(2 * MiB + enc_bytes(6))
-    limiter = ConcurrencyLimiter.from_stress(StressAndCap("encoder", mem, enc, CANDIDATES).run())
+    result = StressAndCap("encoder", mem, enc, CANDIDATES).run()
+    limiter = ConcurrencyLimiter(result.stage, result.max_batch)
     assert limiter.limit == 4
 
     async def main() -> None:

@@ -13,10 +13,10 @@ import pytest
 from omnistage.common import mps
 from omnistage.common.config import load_config
 from omnistage.common.launcher import launch
-from omnistage.common.runtime.deadlines import wait_for
 
 from tests.common.runtime.synthetic_stage import SCRIPT, write_config
 from tests.common.test_launcher import Run, alive
+from tests.waits import wait_for
 
 FAKE = str(Path(__file__).with_name("fake_mps_control.py"))
 SHARED = {

@@ -3,64 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
-from omnistage.common.runtime.deadlines import (
-    Deadline,
-    cancel_and_wait,
-    wait_event,
-    wait_event_async,
-    wait_for,
-    wait_for_async,
-    with_deadline,
-    within,
-)
-from omnistage.common.runtime.errors import StartupTimeout
-
-
-def test_wait_for_returns_the_truthy_value():
-    calls = iter([None, 0, "ready"])
-    assert wait_for(lambda: next(calls), 5, "a value") == "ready"
-
-
-def test_wait_for_timeout_names_what_and_where():
-    with pytest.raises(StartupTimeout) as err:
-        wait_for(lambda: False, 0.05, "rank 1 weights", stage="thinker", rank=0, phase="loading_weights")
-    msg = str(err.value)
-    assert msg.startswith("timed out after 0.05s waiting for rank 1 weights")
-    assert "stage thinker" in msg and "rank 0" in msg and "phase loading_weights" in msg
-    assert isinstance(err.value, TimeoutError)
-
-
-def test_wait_event_sets_and_times_out():
-    ev = threading.Event()
-    threading.Timer(0.02, ev.set).start()
-    wait_event(ev, 5, "the event")
-    with pytest.raises(StartupTimeout, match="waiting for the other event"):
-        wait_event(threading.Event(), 0.02, "the other event")
+from omnistage.common.runtime.deadlines import Deadline, cancel_and_wait, within
 
 
 def test_deadline_remaining_shrinks():
     d = Deadline(10)
     assert 0 < d.remaining() <= 10 and not d.expired()
     assert Deadline(0).expired()
-
-
-def test_async_variants():
-    async def scenario():
-        box = []
-        asyncio.get_running_loop().call_later(0.02, box.append, 7)
-        assert await wait_for_async(lambda: box and box[0], 5, "box") == 7
-        with pytest.raises(StartupTimeout, match=r"waiting for nothing \(stage gateway\)"):
-            await wait_for_async(lambda: None, 0.02, "nothing", stage="gateway")
-        assert await with_deadline(asyncio.sleep(0, result="done"), 1, "sleep") == "done"
-        with pytest.raises(StartupTimeout, match="waiting for a slow call .*phase warming_up"):
-            await with_deadline(asyncio.sleep(10), 0.02, "a slow call", phase="warming_up")
-        with pytest.raises(StartupTimeout, match="waiting for ack"):
-            await wait_event_async(asyncio.Event(), 0.02, "ack")
-
-    asyncio.run(scenario())
 
 
 def test_within_returns_the_result_or_times_out():

@@ -7,7 +7,6 @@ import asyncio
 import grpc
 import pytest
 from omnistage.common.runtime.errors import (
-    Aborted,
     DeadlineExceeded,
     InvalidRequest,
     Overloaded,
@@ -26,7 +25,6 @@ from omnistage.common.runtime.errors import (
         (StageUnavailable("talker not deployed", retryable=False), grpc.StatusCode.FAILED_PRECONDITION),
         (Overloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (DeadlineExceeded("request deadline"), grpc.StatusCode.DEADLINE_EXCEEDED),
-        (Aborted("client went away"), grpc.StatusCode.CANCELLED),
         (SimulatedOOM("kv"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (KeyError("x"), grpc.StatusCode.INTERNAL),
     ],

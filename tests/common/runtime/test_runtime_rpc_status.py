@@ -11,12 +11,12 @@ import grpc
 import pytest
 from omnistage.common import metrics
 from omnistage.common.config import config_from_dict
-from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
 from prometheus_client import generate_latest
 
 from tests.common.runtime.synthetic_stage import SyntheticOmni
+from tests.waits import wait_for_async
 
 OMNI = "omnistage.v1.Omni"
 GENERATE = f"/{OMNI}/Generate"

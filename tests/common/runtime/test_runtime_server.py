@@ -14,7 +14,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from omnistage.common.config import config_from_dict, config_hash
-from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.status_file import read_status, status_path
 from omnistage.v1 import (
@@ -27,6 +26,7 @@ from omnistage.v1 import (
 )
 
 from tests.common.runtime.synthetic_stage import SyntheticOmni, free_port, memory_report
+from tests.waits import wait_for_async
 
 OMNI = "omnistage.v1.Omni"
 CONTROL = "omnistage.v1.Control"

@@ -10,11 +10,11 @@ import threading
 
 import grpc
 import pytest
-from omnistage.common.runtime.deadlines import wait_for
 from omnistage.common.runtime.status_file import read_status, status_path
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
 
 from tests.common.runtime.synthetic_stage import SCRIPT, write_config
+from tests.waits import wait_for
 
 
 def start_stage(

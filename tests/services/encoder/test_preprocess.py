@@ -73,7 +73,7 @@ def test_image_is_resized_normalised_and_duplicated_into_two_frames():
 
     img = Image.fromarray(np.full((40, 70, 3), 128, np.uint8))
     size = smart_resize(40, 70, 32, MIN_PX, MAX_PX)
-    patches, grid = preprocess.image_patches(img, size, REAL)
+    patches, grid = preprocess.pixel_patches(preprocess.image_frames(img, size), REAL)
     assert size == (64, 96) and grid == (1, 4, 6)  # 40x70 → 32x64 < min_pixels → scaled up, ceil
     x = patches.view(-1, 3, 2, 16, 16)
     assert torch.equal(x[:, :, 0], x[:, :, 1])  # the two temporal frames are the same image
@@ -86,7 +86,7 @@ def test_image_token_count_is_hw_over_1024(size, tokens):
     from PIL import Image
 
     img = Image.new("RGB", (size[1], size[0]))
-    patches, (t, h, w) = preprocess.image_patches(img, size, REAL)
+    patches, (t, h, w) = preprocess.pixel_patches(preprocess.image_frames(img, size), REAL)
     assert t * h * w // 4 == tokens == size[0] * size[1] // 1024
 
 
@@ -139,5 +139,5 @@ def test_video_indices_timestamps_and_pixel_budget():
 
 def test_video_token_count_per_temporal_patch():
     frames = [np.zeros((64, 96, 3), np.uint8)] * 6
-    patches, grid = preprocess.frames_patches(frames, REAL)
+    patches, grid = preprocess.pixel_patches(preprocess.stack_frames(frames), REAL)
     assert grid == (3, 4, 6) and patches.shape[0] == 72  # 3 temporal patches x 6 tokens each x 4

@@ -14,7 +14,6 @@ import grpc
 import pytest
 import torch
 from omnistage.common.config import config_from_dict
-from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.errors import InvalidRequest, OmniError, Overloaded, StageUnavailable
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.transport import TransportContext, TransportOptions, decode, encode
@@ -32,6 +31,7 @@ from prometheus_client import REGISTRY
 from tests.common.runtime.synthetic_stage import free_port
 from tests.services.gateway.gateway_speech_fakes import FakeTalker, TalkerServer
 from tests.services.gateway.leftovers import Leftovers
+from tests.waits import wait_for_async
 
 QUERIES, HIDDEN = 256, 64
 LIMITS = ImageLimits(

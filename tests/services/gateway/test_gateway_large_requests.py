@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import yaml
-from omnistage.common.runtime.deadlines import wait_for
 from omnistage.common.runtime.status_file import read_status, status_path
 from omnistage.v1 import omni_pb2, omni_pb2_grpc
 
 from tests.common.runtime.synthetic_stage import free_port
+from tests.waits import wait_for
 
 MIB = 1 << 20
 # Generous: the interpreter, grpc's buffers and the allocator keep some; 3 x 60 MiB would be ~180+ MiB.

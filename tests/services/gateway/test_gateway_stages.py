@@ -10,7 +10,6 @@ import grpc
 import pytest
 from omnistage.common import metrics
 from omnistage.common.config import GatewayConfig, config_from_dict
-from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.services.gateway.stage_watch import StageWatch
@@ -18,6 +17,7 @@ from omnistage.services.gateway.stages import ThinkerClient
 from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
 
 from tests.common.runtime.synthetic_stage import free_port
+from tests.waits import wait_for_async
 
 
 class FakeThinker(thinker_pb2_grpc.ThinkerServicer):

@@ -80,7 +80,7 @@ def test_the_device_loop_wakes_for_a_paced_job_without_being_told(talker_models,
     loop.start()
     try:
         loop.admit(lambda: runner.put(j))
-        from omnistage.common.runtime.deadlines import wait_for
+        from tests.waits import wait_for
 
         wait_for(lambda: rec.done is not None, 30, "the paced job to finish")
     finally:

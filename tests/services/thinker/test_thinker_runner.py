@@ -7,8 +7,8 @@ import threading
 
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop, DeviceStopped
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
-from omnistage.services.thinker.group.distributed import TPError
 from omnistage.services.thinker.runner import ThinkerRunner
+from omnistage.services.thinker.tp.distributed import TPError
 
 from tests.services.thinker.engine.engine_fakes import make_fake_engine, slow_steps
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import EngineConfig, config_from_dict
-from omnistage.common.runtime.deadlines import wait_for_async
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.transport import TransportContext, TransportOptions, decode, encode
 from omnistage.services.thinker.engine.config import resolve_engine_config
@@ -31,6 +30,7 @@ from omnistage.services.thinker.server import ThinkerServicer
 from omnistage.v1 import common_pb2, encoder_pb2, thinker_pb2, thinker_pb2_grpc
 
 from tests.services.thinker.engine.engine_fakes import FakeModel, slow_steps
+from tests.waits import wait_for_async
 
 THINKER = "omnistage.v1.Thinker"
 

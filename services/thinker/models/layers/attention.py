@@ -1,13 +1,5 @@
 """Paged causal attention over a block-table KV cache: the step's metadata, the layer, and the
-PyTorch reference kernel (the CPU path and the oracle of the fast backends in `backends.py`).
-
-The model runner describes one step (prefill chunks and decodes mixed) with `AttentionMetadata`
-and installs it with `attention_metadata(...)`; every `PagedAttention` layer reads it. Tokens are
-flattened sequence by sequence; sequence i contributes `query_lens[i]` new tokens whose K/V are
-written to the cache at `slot_mapping`, and attends causally to its first `context_lens[i]` cached
-tokens (the new ones included). Without a cache (parity tests, no-cache forwards) each sequence
-attends to its own new tokens only.
-"""
+PyTorch reference kernel (the CPU path and the oracle of the fast backends in `backends.py`)."""
 
 from __future__ import annotations
 

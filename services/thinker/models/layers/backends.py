@@ -1,12 +1,4 @@
-"""The kernel seam: which code runs the thinker's attention and routed experts.
-
-The model's layers know nothing of kernels: `PagedAttention.backend` and `FusedExperts.kernel` are
-set here once, after the model is built, from the deploy file's `engine.attention_backend` and
-`engine.moe_backend`. `torch` is the reference everywhere (the CPU path, equal to the official Ming
-code, the tests' oracle); `triton` is the GPU path, graph-safe (no host sync, lengths read on the
-device) so decode steps can be CUDA graphs. Under `TRITON_INTERPRET=1` the triton kernels also run
-on a CPU, which is how CI checks them against the reference (in fp32).
-"""
+"""The kernel seam: which code runs the thinker's attention and routed experts."""
 
 from __future__ import annotations
 

@@ -33,26 +33,6 @@ class _Linear(nn.Module):
         param.data.copy_(loaded)
 
 
-class ReplicatedLinear(_Linear):
-    """Full weight on every rank (routers)."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features)
-
-
-class ColumnParallelLinear(_Linear):
-    """Output rows split across ranks; output stays sharded."""
-
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup) -> None:
-        self.tp = tp
-        super().__init__(in_features, divide(out_features, tp.size, "column-parallel output features"))
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        rows = param.shape[0]
-        check_shape(type(self).__name__, loaded.shape, (rows * self.tp.size, param.shape[1]))
-        param.data.copy_(loaded.narrow(0, self.tp.rank * rows, rows))
-
-
 class MergedColumnParallelLinear(_Linear):
     """Several column-parallel projections fused in one weight (gate_proj + up_proj → gate_up_proj)."""
 

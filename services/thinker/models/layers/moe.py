@@ -1,11 +1,4 @@
-"""BailingMoeV2 feed-forward: SwiGLU MLPs, sigmoid group-limited routers, and the sparse MoE block.
-
-TP choice: every rank holds all experts, each split along its intermediate width (gate/up rows,
-down columns), like the dense MLP. Routers are replicated, so every rank routes identically, and the
-block needs a single all-reduce (routed + shared expert partial sums) per layer. This keeps load
-balanced at any TP size that divides moe_intermediate_size, at the cost of smaller per-expert GEMMs
-than expert parallelism would give.
-"""
+"""BailingMoeV2 feed-forward: SwiGLU MLPs, sigmoid group-limited routers, and the sparse MoE block."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from omnistage.common.transport import TransportContext
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.media import MultimodalPrompt
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 from omnistage.services.thinker.image_queries import load_image_queries
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.loader import load_model
@@ -31,8 +31,10 @@ WITH_IMAGE = [("text", 5), ("image", (2, 3)), ("text", 4)]  # an edit: the refer
 
 
 def engine(ckpt, **kw) -> LLMEngine:
-    return start_engine(
-        RankConfig(str(ckpt), EngineConfig(**{"block_size": 16, "max_model_len": MAX_MODEL_LEN, **kw}))
+    return rank0_engine(
+        start_rank(
+            RankConfig(str(ckpt), EngineConfig(**{"block_size": 16, "max_model_len": MAX_MODEL_LEN, **kw}))
+        )
     )
 
 

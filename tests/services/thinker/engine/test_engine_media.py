@@ -14,11 +14,12 @@ from omnistage.common.transport import TransportContext
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.media import MultimodalPrompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.engine.step_plan import StepPlan, build_step_plan
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.engine.step_plan import build_step_plan
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.loader import load_model
 from omnistage.services.thinker.multimodal import MediaInputs
+from omnistage.services.thinker.tp.plan import StepPlan
 
 from tests.services.thinker.engine.mm_prompts import MIXED, Part, items, layout, reference_inputs
 from tests.services.thinker.engine.tp_run import run_tp2
@@ -34,7 +35,9 @@ DEADLINE_S = 120
 
 
 def engine(ckpt, **kw) -> LLMEngine:
-    return start_engine(RankConfig(str(ckpt), EngineConfig(**{"block_size": 16, "max_model_len": 256, **kw})))
+    return rank0_engine(
+        start_rank(RankConfig(str(ckpt), EngineConfig(**{"block_size": 16, "max_model_len": 256, **kw})))
+    )
 
 
 def mm_prompts(ckpt) -> list[MultimodalPrompt]:

@@ -10,7 +10,7 @@ from omnistage.common.config import EngineConfig
 from omnistage.services.thinker.engine.detokenizer import Detokenizer
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -22,7 +22,9 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def engine(ckpt, **kw) -> LLMEngine:
-    return start_engine(RankConfig(str(ckpt), EngineConfig(block_size=16, max_model_len=256, **kw)))
+    return rank0_engine(
+        start_rank(RankConfig(str(ckpt), EngineConfig(block_size=16, max_model_len=256, **kw)))
+    )
 
 
 @pytest.fixture(scope="module")

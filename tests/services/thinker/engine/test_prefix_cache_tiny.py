@@ -12,7 +12,7 @@ from omnistage.common.transport import TransportContext
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.media import Prompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.multimodal import MediaInputs
 
@@ -24,7 +24,9 @@ DEADLINE_S = 120
 
 
 def engine(ckpt, **kw) -> LLMEngine:
-    return start_engine(RankConfig(str(ckpt), EngineConfig(**{"block_size": 16, "max_model_len": 256, **kw})))
+    return rank0_engine(
+        start_rank(RankConfig(str(ckpt), EngineConfig(**{"block_size": 16, "max_model_len": 256, **kw})))
+    )
 
 
 def shared_prefix_prompts() -> tuple[list[list[int]], list[list[int]]]:

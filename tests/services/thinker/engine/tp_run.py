@@ -13,8 +13,9 @@ import pytest
 from omnistage.common.config import EngineConfig, TPConfig
 from omnistage.common.log import setup_logging
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
-from omnistage.services.thinker.group import local_ranks
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
+
+from tests.services.thinker.group import local_ranks
 
 TP = TPConfig(
     startup_collective_timeout_s=60, serving_collective_timeout_s=60, failure_exit_s=10, peer_timeout_s=5
@@ -28,7 +29,7 @@ def _rank0(
     cfg = RankConfig(ckpt, engine_cfg, tp=TP, world_size=2, dist_port=port)
     procs = local_ranks.spawn_workers(cfg)
     try:
-        e = start_engine(cfg)
+        e = rank0_engine(start_rank(cfg))
         result = scenario(e)
         e.shutdown()
         out.put(("ok", result, local_ranks.join_workers(procs, 30)))

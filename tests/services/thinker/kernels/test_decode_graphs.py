@@ -11,8 +11,8 @@ import torch
 from omnistage.common.config import EngineConfig
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graph_reserve_bytes
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.engine.step_plan import StepPlan
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
+from omnistage.services.thinker.tp.plan import StepPlan
 
 
 def test_batch_sizes_cover_every_batch_up_to_the_largest():
@@ -117,11 +117,11 @@ def prompts():
 def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_reference(tiny_ckpt, prompts):
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     cfg = dict(block_size=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
-    reference = start_engine(RankConfig(str(tiny_ckpt), EngineConfig(**cfg)))
+    reference = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), EngineConfig(**cfg))))
     want = [r.token_ids for r in reference.generate(prompts, params)]
     # No warm-up: its largest shapes are slow in the interpreter and prove nothing here.
     fast = EngineConfig(attention_backend="triton", moe_backend="triton", **cfg)
-    engine = start_engine(RankConfig(str(tiny_ckpt), fast, warmup=False))
+    engine = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), fast, warmup=False)))
     runner = engine.runner
     graphs = DecodeGraphs(runner.model, 4, runner.cfg.max_blocks_per_seq, runner.device, capture=False)
     runner.use_graphs(graphs)

@@ -13,10 +13,11 @@ from dataclasses import replace
 
 import pytest
 from omnistage.common.config import TPConfig
-from omnistage.common.runtime.deadlines import wait_event, wait_for
-from omnistage.services.thinker.group.distributed import TPError, join_tp_group
-from omnistage.services.thinker.group.local_ranks import free_port
-from omnistage.services.thinker.group.tp_store import GroupFailure, GroupStore, StoreLost, process_gone
+from omnistage.services.thinker.tp.distributed import TPError, join_tp_group
+from omnistage.services.thinker.tp.tp_store import GroupFailure, GroupStore, StoreLost, process_gone
+
+from tests.services.thinker.group.local_ranks import free_port
+from tests.waits import wait_event, wait_for
 
 STORE_HOST = """
 import sys, time
@@ -202,7 +203,7 @@ class _PeerDiesLate:
 
 
 def test_a_forward_broken_by_a_dead_peer_blames_the_peer_not_the_rank_that_noticed():
-    from omnistage.services.thinker.group.distributed import TPControl
+    from omnistage.services.thinker.tp.distributed import TPControl
 
     cfg = TPConfig(peer_watch_interval_s=0.02, peer_timeout_s=5, failure_exit_s=30)
     control = TPControl(2, 4, cfg)
@@ -217,7 +218,7 @@ def test_a_forward_broken_by_a_dead_peer_blames_the_peer_not_the_rank_that_notic
 
 
 def test_a_forward_that_fails_on_its_own_blames_its_rank_at_once():
-    from omnistage.services.thinker.group.distributed import TPControl
+    from omnistage.services.thinker.tp.distributed import TPControl
 
     control = TPControl(2, 4, TPConfig(peer_watch_interval_s=0.02, peer_timeout_s=5, failure_exit_s=30))
     control.watch = _PeerDiesLate(control, found_on=10**9)

@@ -8,12 +8,12 @@ import torch
 from omnistage.common.memory.device import SimulatedDeviceMemory
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.group.distributed import TPControl
 from omnistage.services.thinker.group.kv_profile import KVSettings, size_kv_cache
 from omnistage.services.thinker.group.warmup import WarmupError, dummy_plan, run_warmup, warmup_shapes
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
+from omnistage.services.thinker.tp.distributed import TPControl
 
-from tests.services.thinker.engine.profile_helpers import (
+from tests.services.thinker.group.profile_helpers import (
     CFG,
     AllocationRecorder,
     MiB,

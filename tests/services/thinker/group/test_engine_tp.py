@@ -17,8 +17,9 @@ from omnistage.common.config import EngineConfig, TPConfig
 from omnistage.common.log import setup_logging
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.group import local_ranks
-from omnistage.services.thinker.group.startup import RankConfig, start_engine
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
+
+from tests.services.thinker.group import local_ranks
 
 CFG = EngineConfig(block_size=16, max_model_len=256, max_num_batched_tokens=64)
 PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True)] * 5 + [
@@ -66,7 +67,7 @@ def _rank0(ckpt: str, world_size: int, port: int, fail_rank: int | None, what: s
     cfg = RankConfig(ckpt, CFG, tp=TP, world_size=world_size, dist_port=port)
     procs = local_ranks.spawn_workers(cfg, target=functools.partial(_worker, fail_rank, what))
     try:
-        engine = start_engine(cfg)
+        engine = rank0_engine(start_rank(cfg))
         results = engine.generate(prompts(), PARAMS, timeout_s=DEADLINE_S)
         engine.shutdown()
         out.put(("ok", [r.token_ids for r in results], local_ranks.join_workers(procs, 30)))
@@ -95,7 +96,7 @@ def run_tp(ckpt, world_size: int, fail_rank: int | None = None, what: str = "for
 
 @pytest.fixture(scope="module")
 def tp1_tokens(tiny_ckpt):
-    e = start_engine(RankConfig(str(tiny_ckpt), CFG))
+    e = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), CFG)))
     return [r.token_ids for r in e.generate(prompts(), PARAMS)]
 
 

@@ -1,11 +1,4 @@
-"""The TP group's shared store (a TCPStore hosted by rank 0), every call with a deadline.
-
-It carries the group's first failure (one diagnostic, first writer wins), each rank's heartbeat
-counter and process id, and the acknowledgements the store host waits for before it leaves. A
-TCPStore client blocks forever when the host is stopped (SIGSTOP) and its own timeout does not
-cover every call, so each call runs on a helper thread and is abandoned at the deadline: a store
-that does not answer is `StoreLost`, never a hang.
-"""
+"""The TP group's shared store (a TCPStore hosted by rank 0), every call with a deadline."""
 
 from __future__ import annotations
 

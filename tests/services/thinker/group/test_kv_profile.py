@@ -14,13 +14,13 @@ from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sequence import SamplingParams
-from omnistage.services.thinker.group.distributed import TPControl
 from omnistage.services.thinker.group.kv_profile import KVProfileError, KVSettings, size_kv_cache
 from omnistage.services.thinker.group.startup import RankConfig, start_rank
 from omnistage.services.thinker.group.warmup import run_dummy_step, stress_shapes
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
+from omnistage.services.thinker.tp.distributed import TPControl
 
-from tests.services.thinker.engine.profile_helpers import CFG, MiB, metered_runner
+from tests.services.thinker.group.profile_helpers import CFG, MiB, metered_runner
 
 SOLO = TPControl()
 CAPACITY = 200 * MiB

@@ -1,4 +1,4 @@
-"""Ranks 1..N-1 of a TP group as spawned processes, without the launcher: for benchmarks and tests
+"""Ranks 1..N-1 of a TP group as spawned processes, without the launcher: for tests and benchmarks
 that drive rank 0's engine in their own process (`bench/thinker_cpu.py`, `bench/gpu_engine_check.py`).
 Every wait has a deadline; a rank that does not leave in time is killed and named.
 """
@@ -11,10 +11,12 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 from omnistage.common.log import get_logger, setup_logging
-from omnistage.common.runtime.deadlines import Deadline, timeout_message
-from omnistage.services.thinker.group.distributed import TPError
-from omnistage.services.thinker.group.startup import RankConfig
-from omnistage.services.thinker.group.worker import run_worker
+from omnistage.common.runtime.deadlines import Deadline
+from omnistage.services.thinker.group.startup import RankConfig, start_rank
+from omnistage.services.thinker.group.worker import run_plan_loop
+from omnistage.services.thinker.tp.distributed import TPError
+
+from tests.waits import timeout_message
 
 log = get_logger(__name__)
 
@@ -23,7 +25,7 @@ def worker_main(cfg: RankConfig) -> None:
     """A spawned worker rank: start-up, the plan loop, exit 1 on the group's failure."""
     setup_logging("thinker", rank=cfg.rank)
     try:
-        run_worker(cfg)
+        run_plan_loop(start_rank(cfg))
     except TPError as exc:
         log.error("worker exits: %s", exc)
         raise SystemExit(1) from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.services.thinker.engine.profile_helpers import MiB, run_ranks
+from tests.services.thinker.group.profile_helpers import MiB, run_ranks
 
 CASES = {
     "rebuild": (

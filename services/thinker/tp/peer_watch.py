@@ -1,14 +1,5 @@
 """PeerWatch: one thread per TP rank that ends the rank when the group fails, whatever this rank's
-other threads are blocked in.
-
-Every `tp.peer_watch_interval_s` it writes this rank's heartbeat and reads the group's store:
-the first failure (a rank's own error), peers whose process is gone (same host: seen at once),
-peers whose heartbeat stopped for `tp.peer_timeout_s` (dead on another host, or SIGSTOPped), and
-the store itself (its host, rank 0, gone or stopped: fatal too). On any of these it tells the
-rank's failure listeners (status file, in-flight requests), lets the store host wait until the
-other ranks have read the diagnostic, and exits the process within the exit budget: a thread
-blocked inside an NCCL or gloo collective cannot be unblocked from Python.
-"""
+other threads are blocked in."""
 
 from __future__ import annotations
 
@@ -17,21 +8,42 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from omnistage.common.config import TPConfig
 from omnistage.common.log import get_logger
-from omnistage.services.thinker.group.tp_store import (
+from omnistage.services.thinker.tp.tp_store import (
     GroupFailure,
+    GroupStore,
     PeerProcess,
     StoreLost,
     process_gone,
     this_process,
 )
 
-if TYPE_CHECKING:
-    from omnistage.services.thinker.group.distributed import TPControl
-
 log = get_logger(__name__)
+
+
+class WatchedRank(Protocol):
+    """What the watch reads and calls of its rank's membership (distributed.TPControl)."""
+
+    rank: int
+    world_size: int
+    cfg: TPConfig
+    store: GroupStore | None
+    leaving: bool
+    failure: GroupFailure | None
+
+    @property
+    def exit_budget_s(self) -> float: ...
+
+    def report_peer(self, peer: int, kind: str, detail: str) -> GroupFailure: ...
+
+    def store_lost(self, lost: StoreLost) -> GroupFailure: ...
+
+    def notice(self, failure: GroupFailure) -> bool: ...
+
+    def wait_for_acknowledgements(self, failure: GroupFailure, timeout_s: float) -> bool: ...
 
 
 def exit_now(code: int = 1) -> None:
@@ -43,7 +55,7 @@ def exit_now(code: int = 1) -> None:
 class PeerWatch:
     """Heartbeats, peer liveness and the exit of one rank (owned by its TPControl)."""
 
-    def __init__(self, control: TPControl, exit_process: Callable[[int], None] | None = None) -> None:
+    def __init__(self, control: WatchedRank, exit_process: Callable[[int], None] | None = None) -> None:
         self.control = control
         self.cfg = control.cfg
         self.exit_process = exit_process or exit_now

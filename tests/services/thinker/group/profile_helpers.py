@@ -146,7 +146,7 @@ def run_ranks(ckpt: Path, out_dir: Path, world_size: int = 2, deadline_s: float 
     seconds, as `noticed_unix`), start time). Fails naming the ranks still running at the deadline."""
     import multiprocessing as mp
 
-    from omnistage.services.thinker.group.local_ranks import free_port
+    from tests.services.thinker.group.local_ranks import free_port
 
     ctx = mp.get_context("spawn")
     port = free_port()

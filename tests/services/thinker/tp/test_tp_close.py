@@ -9,8 +9,8 @@ import threading
 
 import pytest
 from omnistage.common.config import TPConfig
-from omnistage.services.thinker.group import distributed
-from omnistage.services.thinker.group.distributed import TPControl
+from omnistage.services.thinker.tp import distributed
+from omnistage.services.thinker.tp.distributed import TPControl
 
 
 def test_close_hooks_run_once_in_order_and_a_failing_one_does_not_stop_the_rest():

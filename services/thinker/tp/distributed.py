@@ -1,16 +1,4 @@
-"""TPControl: the thinker's TP group as the engine sees it — plans, agreement, failures, deadlines.
-
-Two process groups share one TCPStore hosted by rank 0: the model's group (nccl on CUDA, gloo on
-CPU: the layers' all-reduces) and a gloo group for step plans and start-up agreement. Every
-collective has a deadline: `tp.startup_collective_timeout_s` until `enter_serving()`, then
-`tp.serving_collective_timeout_s`. The first failure of the group (a rank's own error, or a peer
-found dead, silent, or the store host gone) is one `GroupFailure` in the store; every rank's
-PeerWatch (peer_watch.py) sees it and ends its rank within `tp.failure_exit_s`, because a rank
-blocked in an NCCL/gloo collective cannot be woken from Python.
-
-(Not to be confused with `models.layers.parallel.TPGroup`: a rank's slice of the model and the
-two collectives the layers call.)
-"""
+"""TPControl: the thinker's TP group as the engine sees it — plans, agreement, failures, deadlines."""
 
 from __future__ import annotations
 
@@ -26,9 +14,9 @@ import torch
 import torch.distributed as dist
 from omnistage.common.config import TPConfig
 from omnistage.common.log import get_logger
-from omnistage.services.thinker.engine.step_plan import PlanKind, StepPlan
-from omnistage.services.thinker.group.peer_watch import PeerWatch
-from omnistage.services.thinker.group.tp_store import GroupFailure, GroupStore, StoreLost, this_process
+from omnistage.services.thinker.tp.peer_watch import PeerWatch
+from omnistage.services.thinker.tp.plan import PlanKind, StepPlan
+from omnistage.services.thinker.tp.tp_store import GroupFailure, GroupStore, StoreLost, this_process
 
 log = get_logger(__name__)
 T = TypeVar("T")
