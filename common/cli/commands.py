@@ -7,7 +7,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-from omnistage.common.cli import admin, bench, checkpoints, generate, keys, protos, serve
+import omnistage.common.cli.admin as admin
+import omnistage.common.cli.bench as bench
+import omnistage.common.cli.checkpoints as checkpoints
+import omnistage.common.cli.generate as generate
+import omnistage.common.cli.keys as keys
+import omnistage.common.cli.protos as protos
+import omnistage.common.cli.serve as serve
 from omnistage.common.runtime.control import omnistage_version
 
 

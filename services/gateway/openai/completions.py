@@ -1,4 +1,4 @@
-"""`POST /v1/completions` (OpenAI's legacy text completions) on GenerateRequest.prompt."""
+"""`POST /v1/completions` (OpenAI's legacy text completions) on GenerateRequest.prompt or prompt_token_ids."""
 
 from __future__ import annotations
 
@@ -45,15 +45,22 @@ FIELDS = frozenset(
 DEFAULT_MAX_TOKENS = 16
 
 
-def _prompt(value: Any) -> str:
+def _prompt(value: Any) -> str | list[int]:
+    """One prompt: a string, or a token array (ids; the thinker refuses special tokens in it)."""
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
+        return value
     if isinstance(value, list):
-        if value and all(isinstance(t, int | list) for t in value):
-            raise bad_request("prompt", "token-array prompts are not supported: send the text")
         if len(value) != 1:
             raise bad_request("prompt", f"one prompt per request, got a list of {len(value)}")
         value = value[0]
+        if isinstance(value, list):
+            return _prompt(value)
     if not isinstance(value, str) or not value:
-        raise bad_request("prompt", "expected a non-empty string")
+        raise bad_request("prompt", "expected a non-empty string or an array of token ids")
     return value
 
 
@@ -77,8 +84,15 @@ def completion_request(body: Any, *, request_id: str = "") -> tr.ChatPlan:
         sampling.logprobs = max(top, 1)
     options = tr._expect(body.get("stream_options") or {}, dict, "stream_options", "an object")
     request = omni_pb2.GenerateRequest(
-        request_id=request_id, prompt=prompt, output_modalities=[omni_pb2.MODALITY_TEXT], sampling=sampling
+        request_id=request_id, output_modalities=[omni_pb2.MODALITY_TEXT], sampling=sampling
     )
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        try:
+            request.prompt_token_ids.extend(prompt)
+        except ValueError:
+            raise bad_request("prompt", "token ids must be 32-bit integers") from None
     model = tr._expect(body.get("model", ""), str, "model", "a string")
     return tr.ChatPlan(
         request,
