@@ -409,7 +409,8 @@ def test_completions_stream_by_index():
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"prompt": [1, 2, 3]}, "prompt"),
+        ({"prompt": [[1, 2], [3]]}, "prompt"),  # two token-array prompts
+        ({"prompt": [1 << 40]}, "prompt"),  # not a 32-bit id
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": "a", "echo": True}, "echo"),
@@ -423,6 +424,15 @@ def test_bad_completion_bodies_are_400_naming_the_field(extra, param):
     status, reply, omni = _complete(extra)
     assert status == 400 and json.loads(reply)["error"]["param"] == param, reply
     assert omni.requests == []
+
+
+def test_a_token_array_prompt_goes_as_prompt_token_ids():
+    from omnistage.services.gateway.openai.completions import completion_request
+
+    for prompt in ([5, 6, 7], [[5, 6, 7]]):
+        request = completion_request({"model": "m", "prompt": prompt}).request
+        assert list(request.prompt_token_ids) == [5, 6, 7] and not request.prompt
+    assert completion_request({"model": "m", "prompt": "Once"}).request.prompt == "Once"
 
 
 def test_tokenize_and_detokenize_bodies():

@@ -210,3 +210,21 @@ def test_a_raw_prompt_is_one_text_piece_and_nothing_else():
         with pytest.raises(InvalidRequest) as info:
             plan(req)
         assert str(info.value).startswith(needle)
+
+
+def test_a_token_array_prompt_is_one_client_tokens_piece():
+    planned = plan(omni_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7]))
+    (piece,) = planned.chat().pieces
+    assert list(piece.client_tokens.ids) == [5, 6, 7], "a client's ids: the thinker refuses special ones"
+    assert planned.least_prompt_tokens == 3
+    for req, needle in (
+        (omni_pb2.GenerateRequest(prompt="x", prompt_token_ids=[5]), "prompt_token_ids: not with prompt"),
+        (omni_pb2.GenerateRequest(prompt_token_ids=[5] * 200_001), "prompt_token_ids: 200001 ids"),
+        (
+            omni_pb2.GenerateRequest(prompt_token_ids=[5], messages=[text(omni_pb2.ROLE_USER, "y")]),
+            "messages: not with prompt",
+        ),
+    ):
+        with pytest.raises(InvalidRequest) as info:
+            plan(req)
+        assert str(info.value).startswith(needle)
