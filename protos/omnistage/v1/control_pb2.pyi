@@ -84,7 +84,7 @@ class MemoryReport(_message.Message):
     def __init__(self, device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., graph_pool_bytes: _Optional[int] = ..., transport_pool_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_running_requests", "max_queued_requests", "max_message_bytes", "max_prompt_tokens", "max_model_len", "default_max_tokens", "max_vision_batch_items", "max_audio_batch_items", "max_items_per_request", "min_image_side_px", "max_image_side_px", "max_denoising_steps", "max_image_batch")
+    __slots__ = ("max_running_requests", "max_queued_requests", "max_message_bytes", "max_prompt_tokens", "max_model_len", "default_max_tokens", "max_vision_batch_items", "max_audio_batch_items", "max_items_per_request", "min_image_side_px", "max_image_side_px", "max_denoising_steps", "max_image_batch", "max_step_batch", "realtime_lead_ms")
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,8 @@ class Limits(_message.Message):
     MAX_IMAGE_SIDE_PX_FIELD_NUMBER: _ClassVar[int]
     MAX_DENOISING_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_BATCH_FIELD_NUMBER: _ClassVar[int]
+    REALTIME_LEAD_MS_FIELD_NUMBER: _ClassVar[int]
     max_running_requests: int
     max_queued_requests: int
     max_message_bytes: int
@@ -111,7 +113,9 @@ class Limits(_message.Message):
     max_image_side_px: int
     max_denoising_steps: int
     max_image_batch: int
-    def __init__(self, max_running_requests: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_vision_batch_items: _Optional[int] = ..., max_audio_batch_items: _Optional[int] = ..., max_items_per_request: _Optional[int] = ..., min_image_side_px: _Optional[int] = ..., max_image_side_px: _Optional[int] = ..., max_denoising_steps: _Optional[int] = ..., max_image_batch: _Optional[int] = ...) -> None: ...
+    max_step_batch: int
+    realtime_lead_ms: int
+    def __init__(self, max_running_requests: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_vision_batch_items: _Optional[int] = ..., max_audio_batch_items: _Optional[int] = ..., max_items_per_request: _Optional[int] = ..., min_image_side_px: _Optional[int] = ..., max_image_side_px: _Optional[int] = ..., max_denoising_steps: _Optional[int] = ..., max_image_batch: _Optional[int] = ..., max_step_batch: _Optional[int] = ..., realtime_lead_ms: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
