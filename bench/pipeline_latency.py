@@ -59,6 +59,7 @@ class Plan:
     """The sizes of one run: concurrency levels, tokens, requests."""
 
     speech_levels: tuple[int, ...] = (1, 4, 16)
+    speech_rounds: int = 2  # spoken requests per level: max(3, rounds x concurrency)
     speech_tokens: int = 64
     text_tokens: int = 256
     under_speech: int = 16  # spoken answers running while the text stream is timed
@@ -180,7 +181,7 @@ async def run_rows(address: str, plan: Plan, timeout_s: float, base: dict, save,
             rec = await one_request(stub, kind, 0, speech)
             print(f"first {kind} request: {rec.code} in {rec.e2e_s:.1f} s", flush=True)
         for c in plan.speech_levels if "speech" in rows else ():
-            records = await closed_loop(stub, "speech", max(6, 2 * c), c, speech)
+            records = await closed_loop(stub, "speech", max(3, plan.speech_rounds * c), c, speech)
             save(latency_row("speech", c, records, **base))
         if "text_under_speech" in rows:
             await text_under_speech(stub, plan, shape, speech, base, save)
@@ -293,6 +294,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--checkpoint", default="", help="config-only checkpoint folder (default: a temp dir)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="gRPC deadline of each request")
+    ap.add_argument(
+        "--speech-levels", default="", help="comma-separated concurrencies of the speech row (default 1,4,16)"
+    )
+    ap.add_argument(
+        "--speech-rounds",
+        type=int,
+        default=2,
+        help="spoken requests per level: max(3, rounds x concurrency) (a paced answer lasts its audio)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     ap.add_argument("--command", default="", help="the command line to record")
     args = ap.parse_args(argv)
@@ -305,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plan = TINY if args.tiny else Plan()
+    if args.speech_levels:
+        plan = replace(plan, speech_levels=tuple(int(c) for c in args.speech_levels.split(",")))
+    plan = replace(plan, speech_rounds=args.speech_rounds)
     data = {
         "device": device_name(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -48,9 +48,14 @@ class TalkerConfig:
     trim_silence: bool = True
     # Seed of the preset voices' latent samples (computed once at start-up).
     voice_seed: int = 0
-    # Streams speaking at once that the start-up stress tries, largest first; the largest that fits
-    # is the cap.
+    # Step batches (streams advanced by one talker step) that the start-up stress tries, largest first;
+    # the largest that fits is the step batch (a paced stream needs a step only when its audio runs
+    # short, so a step serves many more streams than it holds rows).
     stress_batch_sizes: tuple[int, ...] = (16, 8, 4, 2, 1)
+    # Most streams speaking at once. Each holds its caches (LM, CFM, VAE) for its whole audio; the
+    # talker serves as many as fit its memory budget beside the step batch's peak, at most this many
+    # (without a budget: this many).
+    max_streams: int = 128
     # How long a new stream waits for a free slot before RESOURCE_EXHAUSTED, in seconds (0: at once).
     queue_timeout_s: float = 0.0
     # onnxruntime threads of the CAM++ speaker model.
@@ -73,6 +78,7 @@ class TalkerConfig:
                 "max_segment_seconds",
                 "max_lm_tokens",
                 "speaker_threads",
+                "max_streams",
             ),
         )
         positive_fields(

@@ -1,31 +1,31 @@
 """`python -m omnistage.services.talker --config F --service NAME`: the talker (text to speech) stage.
 
 Start-up phases (common/runtime/boot.py): loading_weights (talker shards, the VAE, CAM++, then the
-preset voices encoded once) → profiling_memory (stress-and-cap of the streams speaking at once, then
-the step graphs captured for that many) → warming_up (one sentence through the whole Speak path) →
-serving `omnistage.v1.Talker`. CPU or one GPU (`gpus[0]`).
+preset voices encoded once) → profiling_memory (stress-and-cap of the step batch, then the streams
+whose caches fit the budget beside it, built and measured, step graphs captured) → warming_up (one
+sentence through the whole Speak path) → serving `omnistage.v1.Talker`. CPU or one GPU (`gpus[0]`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import sys
 from pathlib import Path
 
+from omnistage.common.log import get_logger
+from omnistage.common.memory.units import fmt_bytes
 from omnistage.common.runtime.boot import StageStartup, run_stage
-from omnistage.common.runtime.concurrency import ConcurrencyLimiter
 from omnistage.services.talker import startup
 from omnistage.services.talker.engine import TalkerEngine
-from omnistage.services.talker.metrics import StepMetrics, export_engine_gauges, export_queue_time
+from omnistage.services.talker.metrics import StepMetrics, export_engine_gauges, queue_time_hook
 from omnistage.services.talker.models.config import TALKER_DIR
 from omnistage.services.talker.models.loader import load_talker
-from omnistage.services.talker.runner import TalkerRunner
 from omnistage.services.talker.server import TalkerServicer
-from omnistage.services.talker.session import SpeakSession
 from omnistage.services.talker.speaker import SpeakerEncoder
 from omnistage.services.talker.voices import VoiceBank
 from omnistage.v1 import control_pb2, talker_pb2_grpc
+
+log = get_logger(__name__)
 
 
 class TalkerStartup(StageStartup):
@@ -46,55 +46,52 @@ class TalkerStartup(StageStartup):
         self.profile = startup.profile(
             self.models, b.mem, tcfg, b.allocator_budget, b.progress.in_phase, self.speaker.dim
         )
-        caches = self.profile.caches
-        self.runner = TalkerRunner(
-            self.models,
-            self.profile.max_streams,
-            caches.lm_tokens,
-            caches.vae_frames,
-            temperature=tcfg.temperature,
-            sigma=tcfg.sigma,
-            graphs=startup.graphs_on(self.models, tcfg),
+        self.runner, self.graph_pool_bytes = startup.build_runner(
+            self.models, b.mem, tcfg, self.profile, b.allocator_budget, b.progress.in_phase, self.speaker.dim
         )
-        self.graph_pool_bytes = 0
-        if self.runner.static is not None:
-            before = b.mem.reserved()
-            b.progress.heartbeat(f"capturing {self.runner.static.capture_all()} step graphs")
-            self.graph_pool_bytes = max(b.mem.reserved() - before, 0)
 
     async def warm_up(self) -> None:
         svc, runtime = self.boot.svc, self.boot.runtime
+        self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"{svc.name}-clip")
         self.engine = TalkerEngine(
             self.runner,
+            self.voices,
+            svc.talker,
+            self.pool,
             service=svc.name,
             on_step=StepMetrics(svc.name),
             on_failure=lambda exc: runtime.fail(str(exc)),
         )
         self.engine.start()
-        self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"{svc.name}-clip")
         runtime.add_shutdown_hook(lambda: self.pool.shutdown(wait=False, cancel_futures=True))
         runtime.add_shutdown_hook(self.engine.stop)
-        self.new_session = functools.partial(
-            SpeakSession, self.engine, self.voices, svc.talker, self.pool, svc.name
-        )
-        await startup.warm_up(self.new_session())
+        await startup.warm_up(self.engine)
 
     def serve(self) -> None:
-        svc, runtime, engine, streams = (
-            self.boot.svc,
-            self.boot.runtime,
-            self.engine,
-            self.profile.max_streams,
+        svc, runtime, engine = self.boot.svc, self.boot.runtime, self.engine
+        runtime.add_servicer(
+            talker_pb2_grpc.add_TalkerServicer_to_server,
+            TalkerServicer(engine, svc.talker),
+            "omnistage.v1.Talker",
         )
-        limiter = ConcurrencyLimiter(f"{svc.name} streams", streams)
-        servicer = TalkerServicer(self.new_session, svc.talker, limiter, svc.name)
-        runtime.add_servicer(talker_pb2_grpc.add_TalkerServicer_to_server, servicer, "omnistage.v1.Talker")
-        runtime.set_limits_provider(
-            lambda: control_pb2.Limits(max_running_requests=streams, max_message_bytes=svc.max_message_bytes)
+        limits = control_pb2.Limits(
+            max_running_requests=engine.max_streams,
+            max_step_batch=engine.step_batch,
+            realtime_lead_ms=round(svc.talker.realtime_lead_s * 1000),
+            max_message_bytes=svc.max_message_bytes,
         )
-        runtime.set_load_provider(lambda: (limiter.in_use, engine.jobs_queued))
-        export_engine_gauges(engine, svc.name)
-        export_queue_time(engine, svc.name)
+        runtime.set_limits_provider(lambda: limits)
+        runtime.set_load_provider(lambda: (engine.streams.in_use, engine.jobs_queued))
+        export_engine_gauges(
+            svc.name, lambda: engine.jobs_in_flight, lambda: engine.streams.in_use, engine.max_streams
+        )
+        engine.on_admit = queue_time_hook(svc.name)
+        log.info(
+            "talker: %d streams (%s of caches each), steps of at most %d",
+            engine.max_streams,
+            fmt_bytes(self.profile.stream_bytes),
+            engine.step_batch,
+        )
 
     def memory_report(self) -> control_pb2.MemoryReport:
         return self.profile.memory_report(

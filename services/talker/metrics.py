@@ -4,8 +4,9 @@ segments holding state."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from omnistage.common import metrics
-from omnistage.services.talker.engine import TalkerEngine
 
 
 class StepMetrics:
@@ -31,16 +32,23 @@ class StepMetrics:
         self.seconds.observe(seconds)
 
 
-def export_engine_gauges(engine: TalkerEngine, service: str) -> None:
-    gauge = metrics.gauge(
+def export_engine_gauges(
+    service: str, jobs_in_flight: Callable[[], int], streams_in_use: Callable[[], int], max_streams: int
+) -> None:
+    metrics.gauge(
         "talker_active_jobs", "Segments holding talker state (LM/CFM/VAE) now, or queued for it"
+    ).labels(service).set_function(jobs_in_flight)
+    metrics.gauge("talker_streams", "Speak streams holding a stream slot now").labels(service).set_function(
+        streams_in_use
     )
-    gauge.labels(service).set_function(lambda: engine.jobs_in_flight)
+    metrics.gauge(
+        "talker_max_streams", "Stream slots: the streams whose caches fit the talker's memory budget"
+    ).labels(service).set(max_streams)
 
 
-def export_queue_time(engine: TalkerEngine, service: str) -> None:
-    """The engine's `on_admit` hook, from now on (after the warm-up: clients' segments only)."""
-    engine.on_admit = (
+def queue_time_hook(service: str) -> Callable[[float], None]:
+    """The engine's `on_admit` hook (set after the warm-up: clients' segments only)."""
+    return (
         metrics.histogram(
             "talker_queue_time_seconds",
             "Time a segment waited in the talker: queued for the engine to its first talker step",

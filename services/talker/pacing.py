@@ -19,6 +19,12 @@ class StreamPace:
             self.origin = now
         self.samples += samples
 
+    def runs_out_at(self) -> float:
+        """When a listener who started at its first audio runs out of what was made (monotonic s)."""
+        if self.origin is None:
+            return -math.inf
+        return self.origin + self.samples / self.sample_rate
+
     def ahead_s(self, now: float) -> float:
         """Seconds of audio made beyond what a listener who started at its first audio has heard."""
         if self.origin is None:

@@ -1,28 +1,23 @@
-"""TalkerServicer: Speak requests in → a SpeakSession → Speak responses out. No model logic here.
-
-Field errors name the field (`config: required in the first message`); the session names the rest.
-A stream takes one of the stress-tested slots for its whole life; none free within
-`talker.queue_timeout_s` is RESOURCE_EXHAUSTED with grpc-retry-pushback-ms.
-"""
+"""TalkerServicer: Speak requests in → the engine's Speak stream → Speak responses out. No model logic
+and no admission here: field errors name the field (`config: required in the first message`), the
+engine does the rest (its stream slots, the session's own errors)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 from omnistage.common.config import TalkerConfig
 from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
-from omnistage.common.runtime.concurrency import ConcurrencyLimiter
-from omnistage.common.runtime.errors import InvalidRequest, Overloaded
+from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.common.voice_rules import custom_voice_problem
-from omnistage.services.talker.session import (
+from omnistage.services.talker.engine import (
     Chunk,
     Finished,
     SegmentSpoken,
-    SpeakSession,
     Started,
     StreamSettings,
+    TalkerEngine,
     TextInput,
 )
 from omnistage.v1 import talker_pb2, talker_pb2_grpc
@@ -99,20 +94,11 @@ def to_proto(event: object) -> talker_pb2.SpeakResponse:
 
 
 class TalkerServicer(talker_pb2_grpc.TalkerServicer):
-    """Speak streams: one `SpeakSession` (from `new_session`, the one the warm-up used) per stream that
-    gets one of the `limiter`'s slots."""
+    """Speak streams, each through `TalkerEngine.speak`."""
 
-    def __init__(
-        self,
-        new_session: Callable[[], SpeakSession],
-        cfg: TalkerConfig,
-        limiter: ConcurrencyLimiter,
-        service: str = "talker",
-    ) -> None:
-        self.new_session = new_session
+    def __init__(self, engine: TalkerEngine, cfg: TalkerConfig) -> None:
+        self.engine = engine
         self.cfg = cfg
-        self.limiter = limiter
-        self.service = service
 
     async def Speak(
         self, request_iterator: AsyncIterator[talker_pb2.SpeakRequest], context: grpc.aio.ServicerContext
@@ -124,11 +110,5 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
         if not first.HasField("config"):
             raise InvalidRequest("config: required in the first message")
         settings = settings_of(first.config, self.cfg)
-        async with contextlib.AsyncExitStack() as stack:
-            try:
-                await stack.enter_async_context(self.limiter.slot(max(self.cfg.queue_timeout_s, 0.001)))
-            except TimeoutError as exc:
-                raise Overloaded(f"{self.service}: {exc}", retry_after_ms=500) from None
-            session = self.new_session()
-            async for event in session.run(settings, text_inputs(first, requests)):
-                yield to_proto(event)
+        async for event in self.engine.speak(settings, text_inputs(first, requests)):
+            yield to_proto(event)

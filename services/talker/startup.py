@@ -1,7 +1,9 @@
-"""Talker start-up work: stress-and-cap the number of streams speaking at once, and warm up."""
+"""Talker start-up work: the step batch by stress-and-cap, the streams speaking at once by what their
+caches cost within the memory budget (ARCHITECTURE §7b), and the warm-up."""
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -11,11 +13,13 @@ import torch
 from omnistage.common.config import TalkerConfig
 from omnistage.common.memory.device import DeviceMemory
 from omnistage.common.memory.stress import StressAndCap, StressResult
+from omnistage.common.memory.units import fmt_bytes
 from omnistage.common.runtime.progress import Report
+from omnistage.services.talker.engine import Chunk, Finished, StreamSettings, TalkerEngine, TextInput
+from omnistage.services.talker.model_runner import TalkerRunner
 from omnistage.services.talker.models.audio_vae import DecodeStream, UpsampleState
 from omnistage.services.talker.models.loader import TalkerModels
-from omnistage.services.talker.runner import TalkerRunner
-from omnistage.services.talker.session import Chunk, Finished, SpeakSession, StreamSettings, TextInput
+from omnistage.services.talker.models.qwen2 import KVSlots
 from omnistage.services.talker.voice_prompt import CUSTOM, Voice
 from omnistage.services.talker.voices import ReferenceClip, build_voice
 from omnistage.v1 import control_pb2
@@ -37,11 +41,15 @@ class CacheSizes:
 
 @dataclass
 class Profile:
+    """The step batch the stress proved (`stress.max_batch`) and the streams whose caches fit beside it."""
+
     stress: StressResult
     caches: CacheSizes
+    stream_bytes: int  # the caches one stream holds
+    max_streams: int
 
     @property
-    def max_streams(self) -> int:
+    def step_batch(self) -> int:
         return self.stress.max_batch
 
     def memory_report(
@@ -56,6 +64,25 @@ class Profile:
             graph_pool_bytes=graph_pool_bytes,
             total_bytes=mem.reserved(),
         )
+
+
+def stream_bytes(models: TalkerModels, caches: CacheSizes) -> int:
+    """The caches one stream holds: its slot of the LM's KV and of the VAE decoder's (shapes on the
+    meta device: counted, not allocated)."""
+    one = [
+        KVSlots(models.config.llm, 0, caches.lm_tokens, dtype=models.dtype, device="meta"),
+        models.vae.decoder.new_cache(0, caches.vae_frames, dtype=models.dtype, device="meta"),
+    ]
+    return sum(c.nbytes for c in one)
+
+
+def streams_that_fit(step_batch: int, peak: int, budget: int, per_stream: int, most: int) -> int:
+    """The step batch's streams (inside the stress peak) plus as many more as the budget holds beyond
+    that peak; `most` bounds it (and is the answer without a budget)."""
+    if not budget:
+        return max(most, step_batch)
+    more = max(budget - peak, 0) // max(per_stream, 1)
+    return max(min(step_batch + more, most), step_batch)
 
 
 def graphs_on(models: TalkerModels, cfg: TalkerConfig) -> bool:
@@ -79,20 +106,39 @@ def _longest_prompt_voice(models: TalkerModels, cfg: TalkerConfig) -> tuple[Voic
     return voice, "word " * cfg.max_segment_length
 
 
-def run_stress_batch(
-    models: TalkerModels, cfg: TalkerConfig, caches: CacheSizes, batch: int, speaker_dim: int
-) -> None:
-    """Everything `batch` streams can hold and run at once (see the module docstring)."""
-    mc = models.config
-    runner = TalkerRunner(
+def new_runner(
+    models: TalkerModels, cfg: TalkerConfig, caches: CacheSizes, slots: int, step_batch: int
+) -> TalkerRunner:
+    return TalkerRunner(
         models,
-        batch,
+        slots,
         caches.lm_tokens,
         caches.vae_frames,
         temperature=cfg.temperature,
         sigma=cfg.sigma,
         graphs=graphs_on(models, cfg),
+        step_batch=step_batch,
     )
+
+
+def run_stress_batch(
+    models: TalkerModels, cfg: TalkerConfig, caches: CacheSizes, batch: int, speaker_dim: int
+) -> None:
+    """Everything a step of `batch` streams holds and runs (their caches included)."""
+    exercise(new_runner(models, cfg, caches, batch, batch), models, cfg, caches, batch, speaker_dim)
+
+
+def exercise(
+    runner: TalkerRunner,
+    models: TalkerModels,
+    cfg: TalkerConfig,
+    caches: CacheSizes,
+    batch: int,
+    speaker_dim: int,
+) -> None:
+    """The largest step `runner` can take: `batch` longest prompts prefilled together, a decode at the
+    cache's end, a CFM sample, a VAE step at the longest segment's end, the graphs, a custom voice."""
+    mc = models.config
     voice, text = _longest_prompt_voice(models, cfg)
     prompt = models.prompt.build(text, voice.prompt_text, voice.patches)
     if len(prompt.ids) >= caches.lm_tokens:
@@ -123,7 +169,7 @@ def run_stress_batch(
         s.ola.frames = s.upsample.frames
     runner.vae(streams, list(patches), [False] * batch)
     if runner.static is not None:
-        runner.static.capture_all()  # the graphs' memory pool is part of what `batch` streams need
+        runner.static.capture_all()  # the graphs' memory pool is part of what the step needs
     samples = int(cfg.max_reference_seconds * mc.vae.sample_rate)
     clip = ReferenceClip(
         np.zeros(samples, np.float32), np.zeros(0, np.float32), np.zeros(speaker_dim, np.float32)
@@ -134,26 +180,68 @@ def run_stress_batch(
 def profile(
     models: TalkerModels, mem: DeviceMemory, cfg: TalkerConfig, budget: int, report: Report, speaker_dim: int
 ) -> Profile:
-    """Stress-and-cap the streams on `mem` within `budget` bytes (0: none); call inside `mem.meter()`."""
+    """Stress-and-cap the step batch on `mem` within `budget` bytes (0: none), then the stream cap from
+    what one stream's caches cost; call inside `mem.meter()`."""
     caches = CacheSizes.of(models, cfg)
 
     def run(batch: int) -> None:
         report(
             "profiling_memory",
-            f"{batch} streams: caches of {caches.lm_tokens} LM tokens and "
+            f"a step of {batch} streams: caches of {caches.lm_tokens} LM tokens and "
             f"{caches.vae_frames} VAE frames each, prefill + one step",
         )
         run_stress_batch(models, cfg, caches, batch, speaker_dim)
 
-    return Profile(
-        StressAndCap("talker", mem, run, cfg.stress_batch_sizes, budget_bytes=budget).run(), caches
+    stress = StressAndCap("talker", mem, run, cfg.stress_batch_sizes, budget_bytes=budget).run()
+    per_stream = stream_bytes(models, caches)
+    streams = streams_that_fit(stress.max_batch, stress.peak_reserved, budget, per_stream, cfg.max_streams)
+    return Profile(stress, caches, per_stream, streams)
+
+
+def build_runner(
+    models: TalkerModels,
+    mem: DeviceMemory,
+    cfg: TalkerConfig,
+    prof: Profile,
+    budget: int,
+    report: Report,
+    speaker_dim: int,
+) -> tuple[TalkerRunner, int]:
+    """The serving runner: `prof.max_streams` slots, graphs for `prof.step_batch` rows. Its largest step
+    is run once and its peak measured (returned with its graph pool's bytes); over the budget, the streams the overshoot costs are taken off
+    and it is built again (at most 3 times; `prof.max_streams` follows). Call inside `mem.meter()`."""
+    for _ in range(3):
+        report(
+            "profiling_memory",
+            f"caches of {prof.max_streams} streams ({fmt_bytes(prof.stream_bytes)} each), "
+            f"steps of at most {prof.step_batch}",
+        )
+        gc.collect()
+        mem.empty_cache()  # the stress's cached blocks back: the bigger caches are new tensors
+        mem.reset_peak()
+        runner = new_runner(models, cfg, prof.caches, prof.max_streams, prof.step_batch)
+        before = mem.reserved()
+        if runner.static is not None:
+            report("profiling_memory", f"capturing {runner.static.capture_all()} step graphs")
+        graph_pool = max(mem.reserved() - before, 0)
+        exercise(runner, models, cfg, prof.caches, prof.step_batch, speaker_dim)
+        over = mem.peak_reserved() - budget if budget else 0
+        if over <= 0:
+            return runner, graph_pool
+        if prof.max_streams <= prof.step_batch:
+            break
+        del runner
+        prof.max_streams = max(prof.max_streams - over // max(prof.stream_bytes, 1) - 1, prof.step_batch)
+    raise RuntimeError(
+        f"talker: {prof.max_streams} streams with steps of {prof.step_batch} peak over the budget of "
+        f"{fmt_bytes(budget)} (lower talker.stress_batch_sizes or talker.max_streams, or raise the budget)"
     )
 
 
 WARMUP_TEXT = "Hello, this is a warm-up. 你好。"
 
 
-async def warm_up(session: SpeakSession) -> None:
+async def warm_up(engine: TalkerEngine) -> None:
     """One short stream through the whole path; its audio must be finite and non-empty."""
 
     async def inputs() -> AsyncIterator[TextInput]:
@@ -161,7 +249,7 @@ async def warm_up(session: SpeakSession) -> None:
 
     chunks: list[bytes] = []
     finished = None
-    async for event in session.run(StreamSettings("warm-up", seed=0), inputs()):
+    async for event in engine.speak(StreamSettings("warm-up", seed=0), inputs()):
         if isinstance(event, Chunk):
             chunks.append(event.pcm16)
         elif isinstance(event, Finished):

@@ -89,7 +89,7 @@ def test_a_row_has_the_issues_keys_from_the_records(bench):
     assert line.startswith("| speech | 2 | 3 (1 errors) | 4.0 s | 2500 ms |") and line.endswith("| 1.00 |")
 
 
-@pytest.mark.parametrize("name", ["pipeline_real_size", "pipeline_latency"])
+@pytest.mark.parametrize("name", ["pipeline_real_size", "pipeline_latency", "realtime_latency"])
 def test_the_wrapper_runs_the_cpu_tiny_plan_without_gpus(tmp_path, name):
     """Without nvidia-smi the wrapper picks deploy/local-tiny.yaml and --tiny (checked by its dry parse)."""
     fake = tmp_path / "python"

@@ -2,8 +2,9 @@
 
 Speak with text in two messages → two segments of PCM16 that make a valid 44.1 kHz WAV; a custom
 voice; a cancel mid-speech frees the stream's state (Describe and /metrics show 0 active); bad input
-is INVALID_ARGUMENT naming the field while the service keeps serving; a stream above the
-stress-tested cap is RESOURCE_EXHAUSTED with grpc-retry-pushback-ms.
+is INVALID_ARGUMENT naming the field while the service keeps serving; a stream above the stream cap
+(what the budget holds, bounded by talker.max_streams; more than the step batch) is RESOURCE_EXHAUSTED
+with grpc-retry-pushback-ms.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from omnistage.v1 import control_pb2, control_pb2_grpc, talker_pb2, talker_pb2_g
 from tests.e2e.serve_pipeline import ServeProcess, exposition_with_codes, free_ports
 
 pytestmark = pytest.mark.timeout(600)
-STREAMS = 2  # stress_batch_sizes [2, 1]: the cap on streams speaking at once
+STEP_BATCH = 2  # stress_batch_sizes [2, 1]: the streams one step advances
+STREAMS = 3  # talker.max_streams: the cap on streams speaking at once (the 1 GiB budget holds more)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,8 @@ def talker(tmp_path_factory):
                 "metrics_port": metrics_port,
                 "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30},
                 "talker": {
-                    "stress_batch_sizes": [STREAMS, 1],
+                    "stress_batch_sizes": [STEP_BATCH, 1],
+                    "max_streams": STREAMS,
                     "max_segment_seconds": 20,
                     "max_lm_tokens": 512,
                     "max_text_chars": 400,
@@ -90,10 +93,10 @@ def _config(**kw) -> talker_pb2.SpeakRequest:
     return talker_pb2.SpeakRequest(config=talker_pb2.SpeakConfig(**kw))
 
 
-def test_describe_reports_the_stress_cap(talker):
+def test_describe_reports_the_stream_cap_and_the_step_batch(talker):
     desc = _describe(talker)
     assert desc.kind == control_pb2.STAGE_KIND_TALKER and desc.progress.phase == control_pb2.PHASE_SERVING
-    assert desc.limits.max_running_requests == STREAMS
+    assert desc.limits.max_running_requests == STREAMS and desc.limits.max_step_batch == STEP_BATCH
     (mem,) = desc.memory
     assert mem.weights_bytes > 0 and mem.kv_cache_bytes > 0 and mem.budget_bytes == 1 << 30
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 from omnistage.common.runtime.device_loop import DeviceLoop
+from omnistage.services.talker.model_runner import TalkerRunner
 from omnistage.services.talker.pacing import StreamPace
-from omnistage.services.talker.runner import SegmentRunner, TalkerRunner
+from omnistage.services.talker.runner import SegmentRunner
 
 from tests.services.talker.talker_jobs import job
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 from omnistage.services.talker.engine import JobDone, JobFailed, TalkerEngine
-from omnistage.services.talker.metrics import export_queue_time
-from omnistage.services.talker.runner import TalkerRunner
+from omnistage.services.talker.metrics import queue_time_hook
+from omnistage.services.talker.model_runner import TalkerRunner
 from prometheus_client import REGISTRY
 
 from tests.services.talker.talker_jobs import job, run, run_staggered
@@ -58,11 +58,11 @@ def test_a_cancelled_job_frees_its_slot_at_the_next_step(talker_models, voices, 
     engine.submit(j)
     engine.step()
     engine.step()
-    assert engine.jobs_in_flight == 1 and len(engine.runner._free) == 2
+    assert engine.jobs_in_flight == 1 and engine.runner.scheduler.free_slots == 2
     engine.cancel(j)
     seen = len(rec.events)
     engine.step()
-    assert engine.jobs_in_flight == 0 and len(engine.runner._free) == 3
+    assert engine.jobs_in_flight == 0 and engine.runner.scheduler.free_slots == 3
     assert j.history is None and j.stream is None and j.next_input is None
     assert len(rec.events) == seen  # nothing after the cancel
     queued, queued_rec = job(talker_models, voices)
@@ -85,7 +85,7 @@ def test_a_failing_step_fails_its_jobs_and_the_engine_goes_on(talker_models, voi
     assert (
         isinstance(rec_a.events[-1], JobFailed)
         and engine.jobs_in_flight == 0
-        and len(engine.runner._free) == 3
+        and engine.runner.scheduler.free_slots == 3
     )
     monkeypatch.setattr(engine.runner.model, "sample", real)
     b, rec_b = job(talker_models, voices)
@@ -134,7 +134,7 @@ def _queue_time(service: str) -> tuple[float, float]:
 
 def test_queue_time_is_observed_once_per_segment_with_its_wait_for_a_slot(talker_models, voices):
     engine = TalkerEngine(TalkerRunner(talker_models, 1, 256, 640), service="talker-queue")
-    export_queue_time(engine, "talker-queue")
+    engine.on_admit = queue_time_hook("talker-queue")
     before, started = _queue_time("talker-queue"), time.monotonic()
     a, rec_a = job(talker_models, voices, max_steps=4)
     b, rec_b = job(talker_models, voices, max_steps=4)
@@ -152,7 +152,7 @@ def test_queue_time_is_observed_once_per_segment_with_its_wait_for_a_slot(talker
 
 def test_a_segment_cancelled_before_its_first_step_leaves_no_queue_time(talker_models, voices):
     engine = TalkerEngine(TalkerRunner(talker_models, 1, 256, 640), service="talker-queue-cancel")
-    export_queue_time(engine, "talker-queue-cancel")
+    engine.on_admit = queue_time_hook("talker-queue-cancel")
     before = _queue_time("talker-queue-cancel")
     a, rec_a = job(talker_models, voices, max_steps=3)
     b, rec_b = job(talker_models, voices, max_steps=3)

@@ -1,0 +1,300 @@
+"""Voice to voice through `/v1/realtime`: the user stops speaking → the answer's first audio (issue 38).
+
+    bench/realtime_latency.sh [CONFIG]                   # on the device machine (see that script)
+    python bench/realtime_latency.py --tiny              # CPU: deploy/local-tiny.yaml, a smoke run
+
+Starts `omnistage serve` (config-only checkpoint, `load_format: dummy`; the tiny checkpoint with
+--tiny) and, from this process as an outside client speaking the Realtime protocol's own event names
+over a plain WebSocket (no SDK: nothing more to carry to a GPU machine), opens 1, 4, 8, 16 sessions
+at once. Each session sets server VAD (`silence_duration_ms` 500) and, turn after turn, streams a
+spoken utterance (a speech-like signal Silero hears as speech, made here) at real time in 20 ms
+messages, then silence at real time, as a microphone does. Per turn, on the client's clock:
+`input_audio_buffer.speech_stopped` received, the first transcript (or text) delta, the first
+`response.output_audio.delta`; then the answer is cancelled (`response.cancel`) and the next turn
+starts once its `response.done` came. The first turn of each session is also reported apart (a cold
+path shows there).
+
+Results, rewritten after every level: OUT/realtime_latency.json = {"device", "date", "command",
+"config", "rows": [{"sessions", "turns", "stopped_to_first_audio_p50_ms", "..._p95_ms",
+"stopped_to_first_text_p50_ms", "first_turn_p50_ms", "later_turns_p50_ms", "server_ttft_mean_ms",
+"server_ttfa_mean_ms", "errors"}]} (server_*: the gateway's own histograms over the level, from the
+turn's arrival at the gateway) and OUT/realtime_latency.md. A run on the CPU writes under its own
+name (realtime_latency.cpu.json) unless --out is given: it never replaces a GPU record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "load_tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from omnistage.common.checkpoint.config_only import write_config_checkpoint  # noqa: E402
+from omnistage.common.config import load_config  # noqa: E402
+from omnistage.common.load_stats import percentile  # noqa: E402
+from pipeline_load import pipeline  # noqa: E402
+from pipeline_real_size import device_name, gateway_metrics_url, wait_all_replicas  # noqa: E402
+from websockets.asyncio.client import connect  # noqa: E402
+
+from tests.services.gateway.realtime_audio import pcm16, silence, speech_like  # noqa: E402
+
+RATE = 24000
+CHUNK_S = 0.02  # 20 ms a message
+CHUNK = int(RATE * CHUNK_S) * 2
+SILENCE_MS = 500
+
+
+@dataclass
+class Turn:
+    index: int
+    stopped: float | None = None
+    first_text: float | None = None
+    first_audio: float | None = None
+
+    def ms(self, at: float | None) -> float | None:
+        return None if at is None or self.stopped is None else (at - self.stopped) * 1000.0
+
+
+@dataclass
+class Session:
+    turns: list[Turn] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+async def send(ws, kind: str, **fields) -> None:
+    await ws.send(json.dumps({"type": kind, **fields}))
+
+
+async def microphone(ws, speech: bytes, stop: asyncio.Event) -> None:
+    """The utterance, then silence, both at real time (20 ms a message), until `stop`."""
+    quiet = silence(CHUNK_S, RATE)
+    clock = time.monotonic()
+    at = 0
+    while not stop.is_set():
+        piece = speech[at : at + CHUNK] if at < len(speech) else quiet
+        at += CHUNK
+        await send(ws, "input_audio_buffer.append", audio=base64.b64encode(piece).decode())
+        clock += CHUNK_S
+        await asyncio.sleep(max(0.0, clock - time.monotonic()))
+
+
+async def one_turn(ws, index: int, speech: bytes, timeout_s: float) -> Turn:
+    turn, stop = Turn(index), asyncio.Event()
+    mic = asyncio.create_task(microphone(ws, speech, stop))
+    cancelled = False
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for raw in ws:
+                event = json.loads(raw)
+                kind, now = event.get("type", ""), time.monotonic()
+                if kind == "error":
+                    raise RuntimeError(f"error event: {event.get('error')}")
+                if kind == "input_audio_buffer.speech_stopped":
+                    turn.stopped = now
+                elif kind in ("response.output_audio_transcript.delta", "response.output_text.delta"):
+                    turn.first_text = turn.first_text or now
+                elif kind == "response.output_audio.delta" and turn.first_audio is None:
+                    turn.first_audio = now
+                    if not cancelled:
+                        cancelled = True
+                        await send(ws, "response.cancel")
+                elif kind == "response.done":
+                    status = event["response"]["status"]
+                    if status == "failed":
+                        raise RuntimeError(f"response failed: {event['response'].get('status_details')}")
+                    return turn
+    finally:
+        stop.set()
+        await mic
+    raise RuntimeError("the socket closed mid-turn")
+
+
+async def session(url: str, key: str, turns: int, speech: bytes, timeout_s: float) -> Session:
+    out = Session()
+    try:
+        async with connect(url, additional_headers={"Authorization": f"Bearer {key}"}, max_size=None) as ws:
+            await send(
+                ws,
+                "session.update",
+                session={
+                    "type": "realtime",
+                    "instructions": "Be brief.",
+                    "output_modalities": ["audio"],
+                    "audio": {
+                        "input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS}}
+                    },
+                },
+            )
+            for i in range(turns):
+                out.turns.append(await one_turn(ws, i, speech, timeout_s))
+    except Exception as exc:  # noqa: BLE001 - a failed session is counted, the level goes on
+        out.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+    return out
+
+
+def histogram_means(url: str, names: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each named histogram, over its label sets."""
+    out = {n: (0.0, 0.0) for n in names}
+    if not url:
+        return out
+    try:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        for n in names:
+            for suffix, i in (("_sum", 0), ("_count", 1)):
+                if line.startswith(f"omnistage_{n}{suffix}"):
+                    value = float(line.rsplit(" ", 1)[1])
+                    pair = list(out[n])
+                    pair[i] += value
+                    out[n] = (pair[0], pair[1])
+    return out
+
+
+def _p(values: list[float], q: float) -> float | None:
+    v = percentile(values, q)
+    return None if v is None else round(v, 1)
+
+
+async def level(
+    url: str, key: str, metrics: str, n: int, turns: int, speech: bytes, timeout_s: float
+) -> dict:
+    names = ("gateway_ttft_seconds", "gateway_ttfa_seconds")
+    before = histogram_means(metrics, names)
+    sessions = await asyncio.gather(*(session(url, key, turns, speech, timeout_s) for _ in range(n)))
+    after = histogram_means(metrics, names)
+    timed = [t for s in sessions for t in s.turns if t.stopped is not None]
+    audio = [ms for t in timed if (ms := t.ms(t.first_audio)) is not None]
+    text = [ms for t in timed if (ms := t.ms(t.first_text)) is not None]
+    first = [ms for t in timed if t.index == 0 and (ms := t.ms(t.first_audio)) is not None]
+    later = [ms for t in timed if t.index > 0 and (ms := t.ms(t.first_audio)) is not None]
+
+    def mean_ms(name: str) -> float | None:
+        s, c = (after[name][0] - before[name][0]), (after[name][1] - before[name][1])
+        return round(1000.0 * s / c, 1) if c else None
+
+    errors = [e for s in sessions for e in s.errors]
+    return {
+        "sessions": n,
+        "turns": len(timed),
+        "stopped_to_first_audio_p50_ms": _p(audio, 50),
+        "stopped_to_first_audio_p95_ms": _p(audio, 95),
+        "stopped_to_first_text_p50_ms": _p(text, 50),
+        "first_turn_p50_ms": _p(first, 50),
+        "later_turns_p50_ms": _p(later, 50),
+        "server_ttft_mean_ms": mean_ms("gateway_ttft_seconds"),
+        "server_ttfa_mean_ms": mean_ms("gateway_ttfa_seconds"),
+        "errors": len(errors) + sum(1 for s in sessions for t in s.turns if t.first_audio is None),
+        "error_details": errors[:5],
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| sessions | turns | stopped → first audio p50 | p95 | → first text p50 | first turn p50 "
+        "| later turns p50 | server TTFT mean | server TTFA mean | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(v) -> str:
+        return "—" if v is None else f"{v:g} ms"
+
+    for r in rows:
+        lines.append(
+            f"| {r['sessions']} | {r['turns']} | {f(r['stopped_to_first_audio_p50_ms'])} | "
+            f"{f(r['stopped_to_first_audio_p95_ms'])} | {f(r['stopped_to_first_text_p50_ms'])} | "
+            f"{f(r['first_turn_p50_ms'])} | {f(r['later_turns_p50_ms'])} | {f(r['server_ttft_mean_ms'])} | "
+            f"{f(r['server_ttfa_mean_ms'])} | {r['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--config", default="", help="deploy file (default deploy/h200x2.yaml; --tiny: local-tiny)"
+    )
+    ap.add_argument("--tiny", action="store_true", help="the tiny checkpoint, a short plan (CPU smoke run)")
+    ap.add_argument("--sessions", default="", help="comma-separated session counts (default 1,4,8,16)")
+    ap.add_argument("--turns", type=int, default=0, help="turns per session (default 4; --tiny 2)")
+    ap.add_argument("--speech-s", type=float, default=3.2, help="seconds of speech per utterance")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--checkpoint", default="", help="config-only checkpoint folder (default: a temp dir)")
+    ap.add_argument("--key", default="no-key", help="the HTTP front's API key, when it asks for one")
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="one turn's limit")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "", help="folder of the results")
+    ap.add_argument("--command", default="", help="the command line to record")
+    args = ap.parse_args(argv)
+    args.config = args.config or str(ROOT / "deploy" / ("local-tiny.yaml" if args.tiny else "h200x2.yaml"))
+    args.sessions = [int(x) for x in (args.sessions or ("1,2" if args.tiny else "1,4,8,16")).split(",")]
+    args.turns = args.turns or (2 if args.tiny else 4)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = device_name()
+    on_gpu = not device.startswith("cpu")
+    out = Path(args.out or ROOT / "bench" / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "realtime_latency" if on_gpu or args.out else "realtime_latency.cpu"
+    data = {
+        "device": device,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": args.command or " ".join(["bench/realtime_latency.py", *(argv or sys.argv[1:])]),
+        "config": os.path.relpath(args.config, ROOT),
+        "load_format": "dummy",
+        "utterance_s": args.speech_s,
+        "silence_duration_ms": SILENCE_MS,
+        "rows": [],
+    }
+
+    def save(row: dict | None = None) -> None:
+        if row is not None:
+            data["rows"].append(row)
+            print(table([row]).splitlines()[-1], flush=True)
+        (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+        (out / f"{stem}.md").write_text(table(data["rows"]) + "\n")
+
+    speech = silence(0.2, RATE) + pcm16(speech_like(args.speech_s, RATE))
+    with tempfile.TemporaryDirectory(prefix="realtime-latency-") as tmp:
+        ckpt = Path(args.checkpoint or Path(tmp) / "ckpt")
+        overrides = list(args.overrides)
+        if not args.tiny:
+            if not (ckpt / "config.json").is_file():
+                write_config_checkpoint(ckpt, "ming-flash")
+            overrides = [f"model.checkpoint={ckpt}", "model.load_format=dummy", *overrides]
+        cfg = load_config(args.config, overrides)
+        gateway = cfg.services_of("gateway")[0]
+        if not gateway.gateway.http_port:
+            raise SystemExit(f"{args.config}: the gateway's HTTP front is off (gateway.http_port)")
+        url = f"ws://{cfg.host}:{gateway.gateway.http_port}/v1/realtime?model=ming-flash-omni-2.0"
+        metrics = gateway_metrics_url(cfg)
+        started = time.monotonic()
+        with pipeline(args.config, overrides, out / f"{stem}.serve.log"):
+            missing = wait_all_replicas(metrics, 300.0)
+            data["ready_s"] = round(time.monotonic() - started, 1)
+            print(f"ready in {data['ready_s']} s; not admitted: {missing or 'none'}", flush=True)
+            print(table([]))
+            for n in args.sessions:
+                save(asyncio.run(level(url, args.key, metrics, n, args.turns, speech, args.timeout_s)))
+    print("\n" + table(data["rows"]))
+    return 1 if any(r["errors"] for r in data["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
