@@ -49,6 +49,7 @@ from omnistage.common.load_stats import Record, percentile  # noqa: E402
 from omnistage.v1 import omni_pb2_grpc  # noqa: E402
 from pipeline_load import pipeline  # noqa: E402
 from pipeline_real_size import cli, device_name, gateway_metrics_url, wait_all_replicas  # noqa: E402
+from stage_metrics import means, metric_urls, snapshot  # noqa: E402
 
 ALIASES = {"mps": "devices.mps.mode"}
 ROWS = ("speech", "text_under_speech", "mixed")
@@ -164,7 +165,15 @@ async def mixed_loop(stub, n: int, c: int, shape: RequestShape) -> list[Record]:
     return records
 
 
-async def run_rows(address: str, plan: Plan, timeout_s: float, base: dict, save, rows=ROWS) -> None:
+async def run_rows(
+    address: str,
+    plan: Plan,
+    timeout_s: float,
+    base: dict,
+    save,
+    rows=ROWS,
+    metrics: dict[str, str] | None = None,
+) -> None:
     shape = RequestShape(
         max_tokens=plan.text_tokens,
         deadline_s=timeout_s,
@@ -181,8 +190,11 @@ async def run_rows(address: str, plan: Plan, timeout_s: float, base: dict, save,
             rec = await one_request(stub, kind, 0, speech)
             print(f"first {kind} request: {rec.code} in {rec.e2e_s:.1f} s", flush=True)
         for c in plan.speech_levels if "speech" in rows else ():
+            before = snapshot(metrics or {})
             records = await closed_loop(stub, "speech", max(3, plan.speech_rounds * c), c, speech)
-            save(latency_row("speech", c, records, **base))
+            save(
+                latency_row("speech", c, records, stage_means=means(before, snapshot(metrics or {})), **base)
+            )
         if "text_under_speech" in rows:
             await text_under_speech(stub, plan, shape, speech, base, save)
         if "mixed" in rows:
@@ -355,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{text or 'as configured'}] ready in {ready_s} s; not admitted: {missing or 'none'}")
                 data["variants"][text or "default"] = {"ready_s": ready_s, "not_admitted": missing}
                 try:
-                    asyncio.run(run_rows(address, plan, args.timeout_s, base, save, rows))
+                    asyncio.run(run_rows(address, plan, args.timeout_s, base, save, rows, metric_urls(cfg)))
                 finally:
                     data["variants"][text or "default"]["gateway_metrics"] = latency_metrics(
                         gateway_metrics_url(cfg)

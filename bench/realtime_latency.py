@@ -17,8 +17,9 @@ path shows there).
 Results, rewritten after every level: OUT/realtime_latency.json = {"device", "date", "command",
 "config", "rows": [{"sessions", "turns", "stopped_to_first_audio_p50_ms", "..._p95_ms",
 "stopped_to_first_text_p50_ms", "first_turn_p50_ms", "later_turns_p50_ms", "server_ttft_mean_ms",
-"server_ttfa_mean_ms", "errors"}]} (server_*: the gateway's own histograms over the level, from the
-turn's arrival at the gateway) and OUT/realtime_latency.md. A run on the CPU writes under its own
+"server_ttfa_mean_ms", "stage_means", "errors"}]} (server_*: the gateway's own histograms over the
+level, from the turn's arrival at the gateway; stage_means: every service's latency histograms'
+means over the level, bench/stage_metrics.py) and OUT/realtime_latency.md. A run on the CPU writes under its own
 name (realtime_latency.cpu.json) unless --out is given: it never replaces a GPU record.
 """
 
@@ -33,7 +34,6 @@ import os
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +47,7 @@ from omnistage.common.config import load_config  # noqa: E402
 from omnistage.common.load_stats import percentile  # noqa: E402
 from pipeline_load import pipeline  # noqa: E402
 from pipeline_real_size import device_name, gateway_metrics_url, wait_all_replicas  # noqa: E402
+from stage_metrics import means, metric_urls, snapshot  # noqa: E402
 from websockets.asyncio.client import connect  # noqa: E402
 
 from tests.services.gateway.realtime_audio import pcm16, silence, speech_like  # noqa: E402
@@ -145,47 +146,22 @@ async def session(url: str, key: str, turns: int, speech: bytes, timeout_s: floa
     return out
 
 
-def histogram_means(url: str, names: tuple[str, ...]) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each named histogram, over its label sets."""
-    out = {n: (0.0, 0.0) for n in names}
-    if not url:
-        return out
-    try:
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        for n in names:
-            for suffix, i in (("_sum", 0), ("_count", 1)):
-                if line.startswith(f"omnistage_{n}{suffix}"):
-                    value = float(line.rsplit(" ", 1)[1])
-                    pair = list(out[n])
-                    pair[i] += value
-                    out[n] = (pair[0], pair[1])
-    return out
-
-
 def _p(values: list[float], q: float) -> float | None:
     v = percentile(values, q)
     return None if v is None else round(v, 1)
 
 
 async def level(
-    url: str, key: str, metrics: str, n: int, turns: int, speech: bytes, timeout_s: float
+    url: str, key: str, metrics: dict[str, str], n: int, turns: int, speech: bytes, timeout_s: float
 ) -> dict:
-    names = ("gateway_ttft_seconds", "gateway_ttfa_seconds")
-    before = histogram_means(metrics, names)
+    before = snapshot(metrics)
     sessions = await asyncio.gather(*(session(url, key, turns, speech, timeout_s) for _ in range(n)))
-    after = histogram_means(metrics, names)
+    split = means(before, snapshot(metrics))
     timed = [t for s in sessions for t in s.turns if t.stopped is not None]
     audio = [ms for t in timed if (ms := t.ms(t.first_audio)) is not None]
     text = [ms for t in timed if (ms := t.ms(t.first_text)) is not None]
     first = [ms for t in timed if t.index == 0 and (ms := t.ms(t.first_audio)) is not None]
     later = [ms for t in timed if t.index > 0 and (ms := t.ms(t.first_audio)) is not None]
-
-    def mean_ms(name: str) -> float | None:
-        s, c = (after[name][0] - before[name][0]), (after[name][1] - before[name][1])
-        return round(1000.0 * s / c, 1) if c else None
 
     errors = [e for s in sessions for e in s.errors]
     return {
@@ -196,8 +172,9 @@ async def level(
         "stopped_to_first_text_p50_ms": _p(text, 50),
         "first_turn_p50_ms": _p(first, 50),
         "later_turns_p50_ms": _p(later, 50),
-        "server_ttft_mean_ms": mean_ms("gateway_ttft_seconds"),
-        "server_ttfa_mean_ms": mean_ms("gateway_ttfa_seconds"),
+        "server_ttft_mean_ms": next((v for k, v in split.items() if "gateway_ttft" in k), None),
+        "server_ttfa_mean_ms": next((v for k, v in split.items() if "gateway_ttfa" in k), None),
+        "stage_means": split,
         "errors": len(errors) + sum(1 for s in sessions for t in s.turns if t.first_audio is None),
         "error_details": errors[:5],
     }
@@ -283,15 +260,16 @@ def main(argv: list[str] | None = None) -> int:
         if not gateway.gateway.http_port:
             raise SystemExit(f"{args.config}: the gateway's HTTP front is off (gateway.http_port)")
         url = f"ws://{cfg.host}:{gateway.gateway.http_port}/v1/realtime?model=ming-flash-omni-2.0"
-        metrics = gateway_metrics_url(cfg)
         started = time.monotonic()
         with pipeline(args.config, overrides, out / f"{stem}.serve.log"):
-            missing = wait_all_replicas(metrics, 300.0)
+            missing = wait_all_replicas(gateway_metrics_url(cfg), 300.0)
             data["ready_s"] = round(time.monotonic() - started, 1)
             print(f"ready in {data['ready_s']} s; not admitted: {missing or 'none'}", flush=True)
             print(table([]))
             for n in args.sessions:
-                save(asyncio.run(level(url, args.key, metrics, n, args.turns, speech, args.timeout_s)))
+                save(
+                    asyncio.run(level(url, args.key, metric_urls(cfg), n, args.turns, speech, args.timeout_s))
+                )
     print("\n" + table(data["rows"]))
     return 1 if any(r["errors"] for r in data["rows"]) else 0
 

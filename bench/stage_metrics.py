@@ -1,0 +1,70 @@
+"""Where a request's time went, from every service's own /metrics: the mean of each latency histogram
+over a benchmark level (the difference of two snapshots), so a client-side figure can be split into
+the stages' parts (encoder call, thinker queue and first token, talker queue, first audio and step)."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from omnistage.common.config import DeployConfig
+
+# Histograms that split a spoken turn: (metric name, label that tells series apart, or "").
+SPLIT = (
+    ("gateway_ttft_seconds", "modality"),
+    ("gateway_ttfa_seconds", ""),
+    ("rpc_latency_seconds", "method"),
+    ("encoder_queue_time_seconds", ""),
+    ("thinker_queue_time_seconds", ""),
+    ("thinker_ttft_seconds", ""),
+    ("talker_queue_time_seconds", ""),
+    ("talker_ttfa_seconds", ""),
+    ("talker_step_seconds", ""),
+    ("talker_step_batch", ""),
+)
+
+Snapshot = dict[str, tuple[float, float]]  # "service/metric[label]" → (sum, count)
+
+
+def metric_urls(cfg: DeployConfig) -> dict[str, str]:
+    return {
+        name: f"http://{cfg.host}:{svc.metrics_port}/metrics"
+        for name, svc in cfg.services.items()
+        if svc.metrics_port
+    }
+
+
+def _label(line: str, key: str) -> str:
+    if not key or f'{key}="' not in line:
+        return ""
+    return line.split(f'{key}="', 1)[1].split('"', 1)[0]
+
+
+def snapshot(urls: dict[str, str]) -> Snapshot:
+    out: Snapshot = {}
+    for service, url in urls.items():
+        try:
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            for metric, key in SPLIT:
+                for suffix, i in (("_sum", 0), ("_count", 1)):
+                    if not line.startswith(f"omnistage_{metric}{suffix}"):
+                        continue
+                    label = _label(line, key)
+                    name = f"{service}/{metric}" + (f"[{label}]" if label else "")
+                    pair = list(out.get(name, (0.0, 0.0)))
+                    pair[i] += float(line.rsplit(" ", 1)[1])
+                    out[name] = (pair[0], pair[1])
+    return out
+
+
+def means(before: Snapshot, after: Snapshot) -> dict[str, float]:
+    """Each series' mean over what was observed between the snapshots (ms for seconds, else as is)."""
+    out = {}
+    for name, (s, c) in sorted(after.items()):
+        s0, c0 = before.get(name, (0.0, 0.0))
+        if c - c0 > 0:
+            mean = (s - s0) / (c - c0)
+            out[name] = round(mean * 1000.0, 1) if "seconds" in name else round(mean, 2)
+    return out
