@@ -99,8 +99,9 @@ async def asgi(
     return out["status"], out["headers"], out["body"]
 
 
-def run(scenario, omni: FakeOmni, statuses: dict[str, int] | None = None):
-    """`scenario(app, omni)` with the front's channel on a fake Omni server (and its health)."""
+def run(scenario, omni: FakeOmni, statuses: dict[str, int] | None = None, **options):
+    """`scenario(app, omni)` with the front's channel on a fake Omni server (and its health); `options`
+    are FrontOptions."""
 
     async def main():
         server = grpc.aio.server()
@@ -113,8 +114,13 @@ def run(scenario, omni: FakeOmni, statuses: dict[str, int] | None = None):
         await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                front = Front(channel, FrontOptions(capabilities=CAPS, max_body_bytes=4 << 20))
-                return await scenario(front.app(), omni)
+                front = Front(
+                    channel, FrontOptions(**{"capabilities": CAPS, "max_body_bytes": 4 << 20, **options})
+                )
+                try:
+                    return await scenario(front.app(), omni)
+                finally:
+                    front.close()
         finally:
             await server.stop(0)
 

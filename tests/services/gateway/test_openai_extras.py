@@ -11,7 +11,9 @@ import grpc
 import pytest
 from omnistage.common.metrics import counter
 from omnistage.services.gateway.openai.app import Front, FrontOptions
-from omnistage.services.gateway.openai.fields import CHAT, IMAGES, MAX_NAMED, SPEECH
+from omnistage.services.gateway.openai.bodies import ImageBody, SpeechBody
+from omnistage.services.gateway.openai.chat_body import ChatBody
+from omnistage.services.gateway.openai.schema import MAX_NAMED
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
 from tests.services.gateway.test_openai_app import FakeOmni, asgi, chat_body, finish, text
@@ -88,10 +90,14 @@ def test_the_switch_takes_unknown_fields():
 
 
 def test_every_documented_field_is_known():
-    """The fields the translation reads are in the route's set (else a supported field is refused)."""
-    assert {"max_tokens", "top_k", "stream_options", "seed", "user", "metadata", "store"} <= CHAT
-    assert {"input", "voice", "stream_format", "instructions", "seed", "max_tokens"} <= SPEECH
-    assert {"prompt", "size", "num_inference_steps", "guidance_scale", "seed"} <= IMAGES
+    """The fields the translation reads are in the route's model (else a supported field is refused)."""
+    assert {"max_tokens", "top_k", "stream_options", "seed", "user", "metadata", "store"} <= set(
+        ChatBody.model_fields
+    )
+    assert {"input", "voice", "stream_format", "instructions", "seed", "max_tokens"} <= set(
+        SpeechBody.model_fields
+    )
+    assert {"prompt", "size", "num_inference_steps", "guidance_scale", "seed"} <= set(ImageBody.model_fields)
 
 
 def test_integral_floats_are_integers():
@@ -427,7 +433,7 @@ def test_bad_completion_bodies_are_400_naming_the_field(extra, param):
 
 
 def test_a_token_array_prompt_goes_as_prompt_token_ids():
-    from omnistage.services.gateway.openai.completions import completion_request
+    from omnistage.services.gateway.openai.translate import completion_request
 
     for prompt in ([5, 6, 7], [[5, 6, 7]]):
         request = completion_request({"model": "m", "prompt": prompt}).request
@@ -436,11 +442,11 @@ def test_a_token_array_prompt_goes_as_prompt_token_ids():
 
 
 def test_tokenize_and_detokenize_bodies():
+    from omnistage.services.gateway.openai.errors import HttpError
     from omnistage.services.gateway.openai.tokens_routes import detokenize_request, tokenize_request
-    from omnistage.services.gateway.openai.translate import HttpError
 
-    assert tokenize_request({"prompt": "Once"}).prompt == "Once"
-    asked = tokenize_request(
+    assert tokenize_request({"prompt": "Once"})[0].prompt == "Once"
+    asked, _ = tokenize_request(
         {"messages": [{"role": "user", "content": "Hi"}], "tools": [], "tool_choice": "none"}
     )
     assert asked.messages[0].parts[0].text == "Hi" and not asked.prompt
@@ -449,9 +455,9 @@ def test_tokenize_and_detokenize_bodies():
         (tokenize_request, {"prompt": ""}, "prompt"),
         (tokenize_request, {"prompt": "a", "messages": []}, "prompt"),
         (tokenize_request, {"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt"),
-        (detokenize_request, {"tokens": ["a"]}, "tokens"),
+        (detokenize_request, {"tokens": ["a"]}, "tokens[0]"),
         (detokenize_request, {"tokens": [2**40]}, "tokens"),
-        (detokenize_request, {"tokens": [True]}, "tokens"),
+        (detokenize_request, {"tokens": [True]}, "tokens[0]"),
     ):
         with pytest.raises(HttpError) as info:
             fn(body)
