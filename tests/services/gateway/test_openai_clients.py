@@ -7,14 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 
-import grpc
 import httpx2
 import openai
 import pydantic
-from omnistage.services.gateway.openai.app import Front, FrontOptions
-from omnistage.v1 import omni_pb2, omni_pb2_grpc
+from omnistage.v1 import omni_pb2
 
-from tests.services.gateway.test_openai_app import FakeOmni, asgi, finish, run, text
+from tests.services.gateway.test_openai_app import FakeOmni, asgi, fake_front, finish, run, text
 
 
 class City(pydantic.BaseModel):
@@ -25,25 +23,16 @@ def run_client(scenario, omni: FakeOmni):
     """`scenario(client, app)` with the official async client on the front's ASGI app."""
 
     async def main():
-        server = grpc.aio.server()
-        omni_pb2_grpc.add_OmniServicer_to_server(omni, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                front = Front(channel, FrontOptions())
-                app = front.app()
-                http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front")
-                client = openai.AsyncOpenAI(
-                    base_url="http://front/v1", api_key="k", http_client=http, max_retries=0
-                )
-                try:
-                    return await scenario(client, app)
-                finally:
-                    await client.close()
-                    front.close()
-        finally:
-            await server.stop(0)
+        async with fake_front(omni) as front:
+            app = front.app()
+            http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://front")
+            client = openai.AsyncOpenAI(
+                base_url="http://front/v1", api_key="k", http_client=http, max_retries=0
+            )
+            try:
+                return await scenario(client, app)
+            finally:
+                await client.close()
 
     return asyncio.run(main())
 

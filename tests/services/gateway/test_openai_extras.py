@@ -10,13 +10,12 @@ import json
 import grpc
 import pytest
 from omnistage.common.metrics import counter
-from omnistage.services.gateway.openai.app import Front, FrontOptions
 from omnistage.services.gateway.openai.bodies import ImageBody, SpeechBody
 from omnistage.services.gateway.openai.chat_body import ChatBody
 from omnistage.services.gateway.openai.schema import MAX_NAMED
-from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
+from omnistage.v1 import common_pb2, omni_pb2
 
-from tests.services.gateway.test_openai_app import FakeOmni, asgi, chat_body, finish, text
+from tests.services.gateway.test_openai_app import FakeOmni, asgi, chat_body, fake_front, finish, text
 
 KEY = "sk-extras"
 
@@ -25,24 +24,14 @@ def run(scenario, omni: FakeOmni, **options):
     """`scenario(app, omni)` with the front (API key KEY, `options`) on a fake Omni server."""
 
     async def main():
-        server = grpc.aio.server()
-        omni_pb2_grpc.add_OmniServicer_to_server(omni, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                front = Front(
-                    channel,
-                    FrontOptions(**options),
-                    check_key=lambda md: (
-                        "" if ("authorization", f"Bearer {KEY}") in md else "invalid API key"
-                    ),
-                )
-                return await scenario(front.app(), omni)
-        finally:
-            await server.stop(0)
+        async with fake_front(omni, check_key=_check_key, **options) as front:
+            return await scenario(front.app(), omni)
 
     return asyncio.run(main())
+
+
+def _check_key(metadata) -> str:
+    return "" if ("authorization", f"Bearer {KEY}") in metadata else "invalid API key"
 
 
 AUTH = {"authorization": f"Bearer {KEY}"}
