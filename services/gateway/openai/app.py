@@ -21,6 +21,7 @@ from omnistage.services.gateway.openai.body import (
 )
 from omnistage.services.gateway.openai.body import (
     MAX_LARGE_BYTES,
+    MAX_LARGE_VALUES,
     PARSE_THREADS,
     BodyReader,
     LargeBodies,
@@ -63,9 +64,11 @@ class FrontOptions:
     finished_stream_end_s: float = 5.0
     # Take bodies with fields OpenAI's schema does not have, at any level, ignoring them (else 400 naming them).
     allow_unknown_fields: bool = False
-    # Threads parsing and translating large bodies (body.py), and their bytes in flight together (429 beyond).
+    # Threads parsing and translating large bodies (body.py), and their bytes and JSON values in flight
+    # together (429 beyond).
     parse_threads: int = PARSE_THREADS
     max_large_body_bytes: int = MAX_LARGE_BYTES
+    max_large_body_values: int = MAX_LARGE_VALUES
 
 
 class BodyLimit:
@@ -124,7 +127,9 @@ class Front:
         self.created = int(time.time())
         self.realtime = realtime  # the /v1/realtime WebSocket app (realtime.py), when served
         self.calls = OmniCalls(self.stub, options.timeout_s, options.finished_stream_end_s)
-        self.large_bodies = LargeBodies(options.parse_threads, options.max_large_body_bytes)
+        self.large_bodies = LargeBodies(
+            options.parse_threads, options.max_large_body_bytes, options.max_large_body_values
+        )
 
     def app(self) -> ASGIApp:
         o = self.options

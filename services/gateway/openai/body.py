@@ -24,17 +24,21 @@ INLINE_PARSE_BYTES = 256 * 1024
 # messages would stall the event loop ~2 s. The largest request the gateway takes (max_messages x
 # max_parts_per_message parts) needs ~50 k; base64 media has none.
 MAX_JSON_VALUES = 500_000
-# Threads parsing large bodies. Parsing holds the GIL: each more thread is more time the event loop
-# waits for it, and 1.8 MB of token ids take ~0.1 s; two let one huge body not hold up the others.
-PARSE_THREADS = 2
-# Bytes of large bodies being read, waiting for the pool or in it, together; beyond: 429.
+# Threads parsing large bodies: one. Parsing holds the GIL in long C calls (json.loads of 1.8 MB of token
+# ids: ~50 ms); with one such thread the event loop, the only other one wanting the GIL, gets it as
+# soon as a call ends, while two threads hand it to each other and starve the loop for seconds.
+PARSE_THREADS = 1
+# Large bodies in flight together (being read, waiting for the pool or in it); beyond either, 429 at
+# once (a lone body always passes). Bytes bound the memory; JSON values bound the parsing the event
+# loop waits behind (a million: ~0.25 s; base64 media is bytes, not values).
 MAX_LARGE_BYTES = 256 * 1024 * 1024
+MAX_LARGE_VALUES = 1_000_000
 JSON_MEDIA_TYPE = "application/json"
 T = TypeVar("T")
 
 
-def loads(raw: bytes) -> Any:
-    """The JSON of a body, its values counted first (400 naming `body`)."""
+def json_values(raw: bytes) -> int:
+    """The `{`, `[` and `,` of a body, bounded before it is parsed (400 naming `body`)."""
     if not raw:
         raise HttpError(400, "body: expected a JSON object", param="body")
     values = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
@@ -42,12 +46,23 @@ def loads(raw: bytes) -> Any:
         raise HttpError(
             400, f"body: {values} JSON objects, arrays and commas, at most {MAX_JSON_VALUES}", param="body"
         )
+    return values
+
+
+def decode(raw: bytes) -> Any:
+    """The JSON of a body whose values were counted (400 naming `body`)."""
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise HttpError(400, f"body: not valid JSON: {exc}", param="body") from None
     except RecursionError:
         raise HttpError(400, "body: JSON nested too deeply", param="body") from None
+
+
+def loads(raw: bytes) -> Any:
+    """The JSON of a body, its values counted first."""
+    json_values(raw)
+    return decode(raw)
 
 
 def require_json(request: Request) -> None:
@@ -90,25 +105,37 @@ def _content_length(request: Request) -> int | None:
 
 
 class LargeBodies:
-    """Large bodies' bytes in flight (bounded: 429 beyond, once one is in) and the pool that parses them."""
+    """Large bodies in flight (their bytes and JSON values, each bounded: 429 beyond) and the pool that
+    parses them."""
 
-    def __init__(self, threads: int = PARSE_THREADS, max_bytes: int = MAX_LARGE_BYTES) -> None:
+    def __init__(
+        self,
+        threads: int = PARSE_THREADS,
+        max_bytes: int = MAX_LARGE_BYTES,
+        max_values: int = MAX_LARGE_VALUES,
+    ) -> None:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="openai-body")
         self.max_bytes = max_bytes
-        self.bytes = 0
+        self.max_values = max_values
+        self.bytes = self.values = 0
 
     @contextlib.contextmanager
-    def hold(self, size: int) -> Iterator[None]:
-        if self.bytes and self.bytes + size > self.max_bytes:
+    def hold(self, size: int = 0, values: int = 0) -> Iterator[None]:
+        """Hold `size` bytes and `values` JSON values; 429 when they do not fit beside those in flight."""
+        if (self.bytes and self.bytes + size > self.max_bytes) or (
+            self.values and self.values + values > self.max_values
+        ):
             raise busy(
-                f"the front holds {self.bytes >> 20} MiB of large request bodies, at most "
-                f"{self.max_bytes >> 20} MiB: retry later"
+                f"the front is parsing large request bodies ({self.bytes >> 20} MiB, {self.values} JSON "
+                f"values; at most {self.max_bytes >> 20} MiB, {self.max_values} values): retry later"
             )
         self.bytes += size
+        self.values += values
         try:
             yield
         finally:
             self.bytes -= size
+            self.values -= values
 
     async def run(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, work)
@@ -128,16 +155,13 @@ class BodyReader:
         declared = _content_length(request)
         if declared is not None and declared < INLINE_PARSE_BYTES:
             return translate(loads(await request.body()), **kwargs)
-        work = functools.partial(self._parsed, translate, kwargs)
-        if declared is not None:
-            with self.large.hold(declared):
-                return await self.large.run(functools.partial(work, await request.body()))
-        raw = await request.body()  # chunked: its size is known once read
-        if len(raw) < INLINE_PARSE_BYTES:
-            return translate(loads(raw), **kwargs)
-        with self.large.hold(len(raw)):
-            return await self.large.run(functools.partial(work, raw))
+        with self.large.hold(size=declared or 0):  # chunked: its size is known once read
+            raw = await request.body()
+            if len(raw) < INLINE_PARSE_BYTES:
+                return translate(loads(raw), **kwargs)
+            with self.large.hold(size=len(raw) - (declared or 0), values=json_values(raw)):
+                return await self.large.run(functools.partial(self._parsed, translate, kwargs, raw))
 
     @staticmethod
     def _parsed(translate: Callable[..., T], kwargs: dict[str, Any], raw: bytes) -> T:
-        return translate(loads(raw), **kwargs)
+        return translate(decode(raw), **kwargs)

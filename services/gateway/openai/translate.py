@@ -328,12 +328,13 @@ def completion_request(data: Any, *, request_id: str = "", allow_unknown: bool =
 
 
 def choice_requests(plan: ChatPlan) -> list[omni_pb2.GenerateRequest]:
-    """The Omni request of each choice: the plan's, choice i seeded with seed + i when it has a seed."""
-    out = []
-    for i in range(plan.n):
+    """The Omni request of each choice: the plan's, choice i seeded with seed + i when it has a seed (a
+    copy: a prompt of 450,000 token ids takes ~20 ms to copy)."""
+    out = [plan.request]
+    for i in range(1, plan.n):
         request = omni_pb2.GenerateRequest()
         request.CopyFrom(plan.request)
-        if i and request.sampling.HasField("seed"):
+        if request.sampling.HasField("seed"):
             request.sampling.seed = (request.sampling.seed + i) % 2**64
         out.append(request)
     return out

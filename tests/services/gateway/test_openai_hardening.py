@@ -12,7 +12,7 @@ import threading
 import grpc
 import pytest
 from omnistage.services.gateway.openai import text_routes
-from omnistage.services.gateway.openai.body import INLINE_PARSE_BYTES
+from omnistage.services.gateway.openai.body import INLINE_PARSE_BYTES, PARSE_THREADS
 from omnistage.v1 import common_pb2, omni_pb2
 
 from tests.services.gateway.test_openai_app import FakeOmni, asgi, chat_body, finish, run, text
@@ -345,7 +345,7 @@ class Parses:
         return self.real(data, **kwargs)
 
 
-def test_large_bodies_are_parsed_a_few_at_once_while_the_event_loop_serves(monkeypatch):
+def test_large_bodies_are_parsed_one_at_once_while_the_event_loop_serves(monkeypatch):
     parses = Parses()
     monkeypatch.setattr(text_routes, "completion_request", parses)
 
@@ -353,23 +353,24 @@ def test_large_bodies_are_parsed_a_few_at_once_while_the_event_loop_serves(monke
         big = [
             asyncio.ensure_future(asgi(app, "POST", "/v1/completions", _large_completion())) for _ in range(6)
         ]
-        for _ in range(2):
-            await asyncio.to_thread(parses.entered.acquire, timeout=30)
-        health = await asgi(app, "GET", "/health")  # served while two parses hold the pool
+        await asyncio.to_thread(parses.entered.acquire, timeout=30)
+        health = await asgi(app, "GET", "/health")  # served while a parse holds the pool
         canary = await asgi(app, "POST", "/v1/chat/completions", chat_body())  # small: parsed at once
         parses.release.set()
         return health, canary, await asyncio.gather(*big)
 
-    health, canary, big = run(scenario, FakeOmni([text("Hi"), finish()]), parse_threads=2)
+    health, canary, big = run(scenario, FakeOmni([text("Hi"), finish()]))
     assert health[0] == 200 and canary[0] == 200
     assert [status for status, _, _ in big] == [200] * 6
-    assert parses.most == 2, "large bodies are parsed in a pool of two, not one thread each"
+    assert parses.most == PARSE_THREADS == 1, "large bodies are parsed in a pool of one, not a thread each"
 
 
-def test_large_bodies_beyond_the_bound_in_flight_are_429_with_retry_after(monkeypatch):
+@pytest.mark.parametrize("bound", ["max_large_body_bytes", "max_large_body_values"])
+def test_large_bodies_beyond_the_bound_in_flight_are_429_with_retry_after(monkeypatch, bound):
     parses = Parses()
     monkeypatch.setattr(text_routes, "completion_request", parses)
     body = _large_completion()
+    size = len(body) if bound == "max_large_body_bytes" else body.count(b",") + 2
 
     async def scenario(app, omni):
         first = asyncio.ensure_future(asgi(app, "POST", "/v1/completions", body))
@@ -379,9 +380,9 @@ def test_large_bodies_beyond_the_bound_in_flight_are_429_with_retry_after(monkey
         return await first, refused
 
     first, (status, headers, reply) = run(
-        scenario, FakeOmni([text("Hi"), finish()]), max_large_body_bytes=len(body) * 3 // 2
+        scenario, FakeOmni([text("Hi"), finish()]), **{bound: size * 3 // 2}
     )
-    assert first[0] == 200
+    assert first[0] == 200, "a lone large body passes"
     error = json.loads(reply)["error"]
     assert (status, error["type"], error["code"]) == (429, "rate_limit_error", "resource_exhausted")
     assert headers["retry-after"] == "1" and "large request bodies" in error["message"]
