@@ -37,16 +37,19 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-def _unicode(value: str) -> str:
+def unicode_problem(text: str) -> str | None:
+    """Why UTF-8 cannot carry `text` (a lone UTF-16 surrogate, which JSON's `\\ud800` makes), or None."""
     try:
-        value.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        char = f"\\u{ord(value[exc.start]):04x}"
-        raise PydanticCustomError(
-            "unicode",
-            "not valid Unicode: a lone UTF-16 surrogate ({char}) at character {at}",
-            {"char": char, "at": exc.start},
-        ) from None
+        return f"not valid Unicode: a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x}) at character {exc.start}"
+    return None
+
+
+def _unicode(value: str) -> str:
+    problem = unicode_problem(value)
+    if problem is not None:
+        raise PydanticCustomError("unicode", problem)
     return value
 
 
@@ -203,25 +206,33 @@ def _what(error: Any) -> str:
     return str(error["msg"])
 
 
-def _path(data: Any, loc: tuple, *, missing: bool = False) -> str:
-    """`loc` in the body's words (`messages[0].content`): union tags left out; a missing field named last."""
-    out = ""
-    for i, key in enumerate(loc):
+def _walk(data: Any, loc: tuple) -> tuple[list[str | int], Any]:
+    """The steps of `loc` that are the body's own keys and indexes (union tags left out), and the value
+    they reach."""
+    steps: list[str | int] = []
+    for key in loc:
         if isinstance(data, dict) and isinstance(key, str) and key in data:
-            out, data = f"{out}.{key}" if out else key, data[key]
+            steps.append(key)
+            data = data[key]
         elif isinstance(data, list) and isinstance(key, int) and 0 <= key < len(data):
-            out, data = f"{out}[{key}]", data[key]
-        elif missing and i == len(loc) - 1 and isinstance(key, str):
-            out = f"{out}.{key}" if out else key
+            steps.append(key)
+            data = data[key]
+    return steps, data
+
+
+def _path(data: Any, loc: tuple, *, missing: bool = False) -> str:
+    """`loc` in the body's words (`messages[0].content`); a missing field named last."""
+    steps, _ = _walk(data, loc)
+    if missing and loc and isinstance(loc[-1], str):
+        steps.append(loc[-1])
+    out = ""
+    for step in steps:
+        out += f"[{step}]" if isinstance(step, int) else f".{step}" if out else step
     return out
 
 
 def _drop(data: Any, loc: tuple) -> None:
     """Delete the unknown field at `loc` from the parsed body."""
-    for key in loc[:-1]:
-        if isinstance(data, dict) and isinstance(key, str) and key in data:
-            data = data[key]
-        elif isinstance(data, list) and isinstance(key, int) and 0 <= key < len(data):
-            data = data[key]
-    if isinstance(data, dict):
-        data.pop(loc[-1], None)
+    _, parent = _walk(data, loc[:-1])
+    if isinstance(parent, dict):
+        parent.pop(loc[-1], None)

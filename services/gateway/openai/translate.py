@@ -20,7 +20,7 @@ from omnistage.services.gateway.openai.bodies import CompletionBody
 from omnistage.services.gateway.openai.errors import bad_request
 from omnistage.services.gateway.openai.errors import from_grpc as from_grpc  # realtime.py's import
 from omnistage.services.gateway.openai.omni_params import CHAT_WORDS, COMPLETION_WORDS, ParamMap
-from omnistage.services.gateway.openai.schema import parse
+from omnistage.services.gateway.openai.schema import parse, unicode_problem
 from omnistage.services.gateway.openai.voices import omni_voice
 from omnistage.v1 import common_pb2, omni_pb2
 
@@ -135,10 +135,9 @@ def _message(msg: cb.Message, i: int) -> omni_pb2.ChatMessage:
 def _json_text(value: Any, param: str) -> str:
     """A free-form JSON value (a tool's parameters) as the text the model reads; lone surrogates refused."""
     text = json.dumps(value, ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(param, "not valid Unicode: a lone UTF-16 surrogate") from None
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise bad_request(param, problem)
     return text
 
 
