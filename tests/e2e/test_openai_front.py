@@ -651,6 +651,55 @@ def test_required_and_named_tool_calls_are_valid_calls_streamed_or_not(front):
     _settled(front)
 
 
+def test_what_outside_clients_tripped_on_is_answered_as_openai_does(front):
+    """Issue 43: a forced call cut by max_tokens stays a call, an OpenAI voice name speaks, a lone
+    surrogate or a typo below the top level is a 400 naming the field, a refusal of the Omni call names
+    the body's field, a completions stream is not cached or buffered."""
+    client = _client(front)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    cut = client.chat.completions.create(
+        model="m", messages=messages, tools=TOOLS, tool_choice="required", max_tokens=6, seed=1
+    )
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name in {"get_weather", "get_time"} or "get_weather".startswith(call.function.name)
+    chunks = list(
+        client.chat.completions.create(
+            model="m",
+            messages=messages,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=6,
+            stream=True,
+        )
+    )
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [tc.function.name for tc in calls] == ["get_weather"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
+    status, _, body = _speech(front, input="Hello there.", voice="alloy", max_tokens=8)
+    assert status == 200 or _spoken_or_why_not(status, body) is False
+    for raw, param in (
+        (b'{"model": "m", "messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages[0].content"),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usag": true}}',
+            "stream_options.include_usag",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}',
+            "max_tokens",
+        ),
+    ):
+        status, _, body = _raw(front, "/v1/chat/completions", raw)
+        assert status == 400 and json.loads(body)["error"]["param"] == param, body
+    status, headers, _ = _raw(front, "/v1/completions", b'{"model": "m", "prompt": "Once", "stream": true}')
+    headers = {k.lower(): v for k, v in headers.items()}
+    assert status == 200 and headers["cache-control"] == "no-cache" and headers["x-accel-buffering"] == "no"
+    _settled(front)
+
+
 def test_a_transcription_of_a_wav_returns_its_text(front):
     client = _client(front)
     wav = audio_file("wav", 1.0)

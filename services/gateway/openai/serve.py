@@ -80,7 +80,7 @@ class HttpFront:
         realtime = RealtimeEndpoint(
             omni_pb2_grpc.OmniStub(self.channel), _realtime_options(cfg, svc), gw.http_model, check_key
         )
-        front = Front(
+        self.front = front = Front(
             self.channel,
             FrontOptions(
                 model=gw.http_model,
@@ -158,6 +158,7 @@ class HttpFront:
                 self.task.cancel()
             except Exception:
                 _log.exception("the HTTP front failed while stopping")
+        self.front.close()
         await self.channel.close()
         if self.sock is not None:
             self.sock.close()

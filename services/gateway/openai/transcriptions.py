@@ -9,8 +9,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omnistage.services.gateway.openai.fields import ANY, check_fields
-from omnistage.services.gateway.openai.translate import HttpError, bad_request, finish_error
+from omnistage.services.gateway.openai.answers import finish_error
+from omnistage.services.gateway.openai.errors import HttpError, bad_request
+from omnistage.services.gateway.openai.schema import unknown_fields
 from omnistage.v1 import common_pb2, omni_pb2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -73,7 +74,9 @@ def _number(form: Any, key: str, lo: float, hi: float) -> float | None:
 
 def check_form_fields(form: Any, allow_unknown: bool) -> None:
     """OpenAI's refusal of fields its schema does not have (400 naming them), as for JSON bodies."""
-    check_fields(dict.fromkeys(form.keys()), ANY if allow_unknown else FIELDS)
+    unknown = [key for key in dict.fromkeys(form.keys()) if key not in FIELDS]
+    if unknown and not allow_unknown:
+        raise unknown_fields(unknown)
 
 
 def transcription_request(

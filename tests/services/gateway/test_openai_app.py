@@ -5,6 +5,7 @@ speech refused before audio, /ready per capability."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import grpc
@@ -99,24 +100,36 @@ async def asgi(
     return out["status"], out["headers"], out["body"]
 
 
-def run(scenario, omni: FakeOmni, statuses: dict[str, int] | None = None):
-    """`scenario(app, omni)` with the front's channel on a fake Omni server (and its health)."""
+@contextlib.asynccontextmanager
+async def fake_front(omni: FakeOmni, statuses: dict[str, int] | None = None, check_key=None, **options):
+    """The front (FrontOptions `options`) on a fake Omni server (and its health)."""
+    server = grpc.aio.server()
+    omni_pb2_grpc.add_OmniServicer_to_server(omni, server)
+    checker = health.aio.HealthServicer()
+    for name, status in (statuses or {}).items():
+        await checker.set(name, status)
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            front = Front(channel, FrontOptions(**options), check_key=check_key)
+            try:
+                yield front
+            finally:
+                front.close()
+    finally:
+        await server.stop(0)
+
+
+def run(scenario, omni: FakeOmni, statuses: dict[str, int] | None = None, **options):
+    """`scenario(app, omni)` with the front on a fake Omni server; `options` are FrontOptions."""
 
     async def main():
-        server = grpc.aio.server()
-        omni_pb2_grpc.add_OmniServicer_to_server(omni, server)
-        checker = health.aio.HealthServicer()
-        for name, status in (statuses or {}).items():
-            await checker.set(name, status)
-        health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                front = Front(channel, FrontOptions(capabilities=CAPS, max_body_bytes=4 << 20))
-                return await scenario(front.app(), omni)
-        finally:
-            await server.stop(0)
+        options.setdefault("capabilities", CAPS)
+        options.setdefault("max_body_bytes", 4 << 20)
+        async with fake_front(omni, statuses, **options) as front:
+            return await scenario(front.app(), omni)
 
     return asyncio.run(main())
 

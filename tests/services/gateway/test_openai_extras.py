@@ -10,11 +10,12 @@ import json
 import grpc
 import pytest
 from omnistage.common.metrics import counter
-from omnistage.services.gateway.openai.app import Front, FrontOptions
-from omnistage.services.gateway.openai.fields import CHAT, IMAGES, MAX_NAMED, SPEECH
-from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
+from omnistage.services.gateway.openai.bodies import ImageBody, SpeechBody
+from omnistage.services.gateway.openai.chat_body import ChatBody
+from omnistage.services.gateway.openai.schema import MAX_NAMED
+from omnistage.v1 import common_pb2, omni_pb2
 
-from tests.services.gateway.test_openai_app import FakeOmni, asgi, chat_body, finish, text
+from tests.services.gateway.test_openai_app import FakeOmni, asgi, chat_body, fake_front, finish, text
 
 KEY = "sk-extras"
 
@@ -23,24 +24,14 @@ def run(scenario, omni: FakeOmni, **options):
     """`scenario(app, omni)` with the front (API key KEY, `options`) on a fake Omni server."""
 
     async def main():
-        server = grpc.aio.server()
-        omni_pb2_grpc.add_OmniServicer_to_server(omni, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                front = Front(
-                    channel,
-                    FrontOptions(**options),
-                    check_key=lambda md: (
-                        "" if ("authorization", f"Bearer {KEY}") in md else "invalid API key"
-                    ),
-                )
-                return await scenario(front.app(), omni)
-        finally:
-            await server.stop(0)
+        async with fake_front(omni, check_key=_check_key, **options) as front:
+            return await scenario(front.app(), omni)
 
     return asyncio.run(main())
+
+
+def _check_key(metadata) -> str:
+    return "" if ("authorization", f"Bearer {KEY}") in metadata else "invalid API key"
 
 
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -88,10 +79,14 @@ def test_the_switch_takes_unknown_fields():
 
 
 def test_every_documented_field_is_known():
-    """The fields the translation reads are in the route's set (else a supported field is refused)."""
-    assert {"max_tokens", "top_k", "stream_options", "seed", "user", "metadata", "store"} <= CHAT
-    assert {"input", "voice", "stream_format", "instructions", "seed", "max_tokens"} <= SPEECH
-    assert {"prompt", "size", "num_inference_steps", "guidance_scale", "seed"} <= IMAGES
+    """The fields the translation reads are in the route's model (else a supported field is refused)."""
+    assert {"max_tokens", "top_k", "stream_options", "seed", "user", "metadata", "store"} <= set(
+        ChatBody.model_fields
+    )
+    assert {"input", "voice", "stream_format", "instructions", "seed", "max_tokens"} <= set(
+        SpeechBody.model_fields
+    )
+    assert {"prompt", "size", "num_inference_steps", "guidance_scale", "seed"} <= set(ImageBody.model_fields)
 
 
 def test_integral_floats_are_integers():
@@ -427,7 +422,7 @@ def test_bad_completion_bodies_are_400_naming_the_field(extra, param):
 
 
 def test_a_token_array_prompt_goes_as_prompt_token_ids():
-    from omnistage.services.gateway.openai.completions import completion_request
+    from omnistage.services.gateway.openai.translate import completion_request
 
     for prompt in ([5, 6, 7], [[5, 6, 7]]):
         request = completion_request({"model": "m", "prompt": prompt}).request
@@ -436,11 +431,11 @@ def test_a_token_array_prompt_goes_as_prompt_token_ids():
 
 
 def test_tokenize_and_detokenize_bodies():
+    from omnistage.services.gateway.openai.errors import HttpError
     from omnistage.services.gateway.openai.tokens_routes import detokenize_request, tokenize_request
-    from omnistage.services.gateway.openai.translate import HttpError
 
-    assert tokenize_request({"prompt": "Once"}).prompt == "Once"
-    asked = tokenize_request(
+    assert tokenize_request({"prompt": "Once"})[0].prompt == "Once"
+    asked, _ = tokenize_request(
         {"messages": [{"role": "user", "content": "Hi"}], "tools": [], "tool_choice": "none"}
     )
     assert asked.messages[0].parts[0].text == "Hi" and not asked.prompt
@@ -449,9 +444,9 @@ def test_tokenize_and_detokenize_bodies():
         (tokenize_request, {"prompt": ""}, "prompt"),
         (tokenize_request, {"prompt": "a", "messages": []}, "prompt"),
         (tokenize_request, {"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt"),
-        (detokenize_request, {"tokens": ["a"]}, "tokens"),
+        (detokenize_request, {"tokens": ["a"]}, "tokens[0]"),
         (detokenize_request, {"tokens": [2**40]}, "tokens"),
-        (detokenize_request, {"tokens": [True]}, "tokens"),
+        (detokenize_request, {"tokens": [True]}, "tokens[0]"),
     ):
         with pytest.raises(HttpError) as info:
             fn(body)

@@ -1,17 +1,17 @@
-"""The OpenAI front's translation: bodies → Omni requests, events → responses, gRPC status → HTTP."""
+"""The OpenAI front's translation of request bodies into Omni requests (chat, speech, images)."""
 
 from __future__ import annotations
 
 import base64
-import io
 import json
-import wave
 
-import grpc
 import pytest
+from omnistage.services.gateway.openai import media_requests
 from omnistage.services.gateway.openai import translate as tr
 from omnistage.services.gateway.openai.app import BodyLimit
-from omnistage.v1 import common_pb2, omni_pb2
+from omnistage.services.gateway.openai.chat_body import MAX_CHOICES
+from omnistage.services.gateway.openai.errors import HttpError
+from omnistage.v1 import omni_pb2
 
 PNG = b"\x89PNG\r\n\x1a\nfake"
 
@@ -126,7 +126,7 @@ def test_audio_modality_and_voice():
             "messages[0].content[0].input_audio.format",
         ),
         ({"messages": [{"role": "user", "content": [{"type": "file"}]}]}, "messages[0].content[0].type"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": tr.MAX_CHOICES + 1}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": MAX_CHOICES + 1}, "n"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
         (
             {
@@ -144,7 +144,7 @@ def test_audio_modality_and_voice():
             {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 6},
             "max_completion_tokens",
         ),
-        ({"messages": [{"role": "user", "content": "x"}], "modalities": ["image"]}, "modalities"),
+        ({"messages": [{"role": "user", "content": "x"}], "modalities": ["image"]}, "modalities[0]"),
         (
             {
                 "messages": [{"role": "user", "content": "x"}],
@@ -191,35 +191,37 @@ def test_audio_modality_and_voice():
             {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
             "top_logprobs",
         ),
-        ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop[0]"),
         ([1, 2], "body"),
     ],
 )
 def test_bad_chat_bodies_are_400_naming_the_field(body, param):
-    with pytest.raises(tr.HttpError) as info:
+    with pytest.raises(HttpError) as info:
         tr.chat_request(body)
     assert info.value.status == 400 and info.value.param == param
     assert info.value.body()["error"]["message"].startswith(param)
 
 
 def test_speech_and_image_bodies():
-    plan = tr.speech_request(
+    plan = media_requests.speech_request(
         {"input": "Hello.", "voice": "DB30", "response_format": "pcm", "stream_format": "sse"}
     )
     req = plan.request
     assert plan.sse and plan.response_format == "pcm"
     assert list(req.output_modalities) == [omni_pb2.MODALITY_AUDIO] and req.voice == "DB30"
-    assert req.messages[0].parts[0].text == "Hello." and req.system_prompt == tr.SPEECH_SYSTEM_PROMPT
+    assert (
+        req.messages[0].parts[0].text == "Hello." and req.system_prompt == media_requests.SPEECH_SYSTEM_PROMPT
+    )
     for bad, param in (
         ({"input": ""}, "input"),
         ({"input": "x", "response_format": "mp3"}, "response_format"),
         ({"input": "x", "speed": 2.0}, "speed"),
         ({"input": "x" * 10}, "input"),
     ):
-        with pytest.raises(tr.HttpError) as info:
-            tr.speech_request(bad, max_chars=5)
+        with pytest.raises(HttpError) as info:
+            media_requests.speech_request(bad, max_chars=5)
         assert info.value.param == param
-    img = tr.image_request(
+    img = media_requests.image_request(
         {"prompt": "a cat", "size": "512x256", "num_inference_steps": 4, "seed": 9, "guidance_scale": 3.5}
     )
     assert list(img.output_modalities) == [omni_pb2.MODALITY_IMAGE]
@@ -231,96 +233,9 @@ def test_speech_and_image_bodies():
         ({"prompt": "x", "response_format": "url"}, "response_format"),
         ({}, "prompt"),
     ):
-        with pytest.raises(tr.HttpError) as info:
-            tr.image_request(bad)
+        with pytest.raises(HttpError) as info:
+            media_requests.image_request(bad)
         assert info.value.param == param
-
-
-@pytest.mark.parametrize(
-    ("code", "status"),
-    [
-        (grpc.StatusCode.INVALID_ARGUMENT, 400),
-        (grpc.StatusCode.FAILED_PRECONDITION, 400),
-        (grpc.StatusCode.UNAUTHENTICATED, 401),
-        (grpc.StatusCode.PERMISSION_DENIED, 403),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
-        (grpc.StatusCode.UNAVAILABLE, 503),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
-        (grpc.StatusCode.INTERNAL, 500),
-        (grpc.StatusCode.UNKNOWN, 500),
-    ],
-)
-def test_grpc_status_to_http(code, status):
-    err = tr.from_grpc(code, "detail")
-    assert err.status == status and err.message == "detail" and err.code == code.name.lower()
-
-
-def test_retry_after_from_pushback_and_message_size_is_413():
-    err = tr.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", (("grpc-retry-pushback-ms", "2500"),))
-    assert err.status == 429 and err.headers == {"Retry-After": "3", "retry-after-ms": "2500"}
-    err = tr.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", (("grpc-retry-pushback-ms", b"200"),))
-    assert err.headers["Retry-After"] == "1" and err.headers["retry-after-ms"] == "200"
-    big = tr.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (9 vs. 4)")
-    assert big.status == 413
-
-
-def _events(*events: omni_pb2.GenerateEvent) -> tr.Result:
-    c = tr.Result()
-    for e in events:
-        c.add(e)
-    return c
-
-
-def test_non_streaming_completion_with_audio():
-    finish = omni_pb2.Finish(
-        reason=common_pb2.FINISH_REASON_LENGTH,
-        usage=common_pb2.Usage(prompt_tokens=5, completion_tokens=2, cached_prompt_tokens=3),
-        audio=omni_pb2.AudioStatus(
-            outcome=omni_pb2.AUDIO_OUTCOME_COMPLETE, voice="DB30", sample_rate_hz=16000, samples=3
-        ),
-    )
-    c = _events(
-        omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text="Hi ")),
-        omni_pb2.GenerateEvent(audio=omni_pb2.AudioChunk(pcm16=b"\x01\x00\x02\x00", sample_rate_hz=16000)),
-        omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text="there")),
-        omni_pb2.GenerateEvent(audio=omni_pb2.AudioChunk(pcm16=b"\x03\x00", sample_rate_hz=16000, last=True)),
-        omni_pb2.GenerateEvent(finish=finish),
-    )
-    body = tr.chat_completion(c, completion_id="chatcmpl-x", created=100, model="m", audio_format="wav")
-    msg = body["choices"][0]["message"]
-    assert msg["content"] == "Hi there" and body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {
-        "prompt_tokens": 5,
-        "completion_tokens": 2,
-        "total_tokens": 7,
-        "prompt_tokens_details": {"cached_tokens": 3},
-    }
-    audio = msg["audio"]
-    assert (
-        audio["transcript"] == "Hi there" and audio["outcome"] == "complete" and audio["sample_rate"] == 16000
-    )
-    with wave.open(io.BytesIO(base64.b64decode(audio["data"]))) as w:
-        assert w.getframerate() == 16000 and w.readframes(10) == b"\x01\x00\x02\x00\x03\x00"
-
-
-def test_finish_errors_and_streamed_audio_deltas():
-    assert tr.finish_error(omni_pb2.Finish(reason=common_pb2.FINISH_REASON_STOP)) is None
-    assert (
-        tr.finish_error(omni_pb2.Finish(reason=common_pb2.FINISH_REASON_ERROR, message="boom")).status == 500
-    )
-    assert tr.finish_error(omni_pb2.Finish(reason=common_pb2.FINISH_REASON_ABORT)).status == 503
-    deltas = tr.AudioDeltas("a1", "wav")
-    first = deltas.delta(omni_pb2.AudioChunk(pcm16=b"\x01\x00", sample_rate_hz=8000))
-    raw = base64.b64decode(first["data"])
-    assert raw[:4] == b"RIFF" and raw[44:] == b"\x01\x00" and first["sample_rate"] == 8000
-    assert base64.b64decode(deltas.delta(omni_pb2.AudioChunk(pcm16=b"\x02\x00"))["data"]) == b"\x02\x00"
-    assert deltas.delta(omni_pb2.AudioChunk(pcm16=b"", last=True)) is None
-    busy = tr.speech_error(
-        omni_pb2.AudioStatus(
-            outcome=omni_pb2.AUDIO_OUTCOME_NONE, code="RESOURCE_EXHAUSTED", retry_after_ms=1500
-        )
-    )
-    assert busy.status == 429 and busy.headers["Retry-After"] == "2"
 
 
 def test_body_limit_answers_413():
@@ -334,7 +249,7 @@ def test_body_limit_answers_413():
 
     app = Starlette(
         routes=[Route("/", echo, methods=["POST"])],
-        exception_handlers={tr.HttpError: lambda r, e: JSONResponse(e.body(), status_code=e.status)},
+        exception_handlers={HttpError: lambda r, e: JSONResponse(e.body(), status_code=e.status)},
     )
     client = TestClient(BodyLimit(app, 100))
     assert client.post("/", content=b"x" * 100).json() == {"n": 100}
