@@ -5,7 +5,8 @@ instead of grpc's UNKNOWN with a traceback in the log, and a request past its wi
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,9 @@ from google.protobuf.descriptor import Descriptor
 from omnistage.common.runtime.wire_bounds import WireBounds
 
 BEHAVIORS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+# Requests at least this large are walked and decoded off the event loop (large_requests.py): their
+# walk costs about a millisecond and more.
+OFF_LOOP_BYTES = 16 << 10
 
 
 class HandlerCollector:
@@ -59,14 +63,22 @@ class Received:
     nbytes: int
     error: str = ""  # the bytes are no valid message
     refused: str = ""  # a wire bound passed (the message was not decoded)
+    # A large request, not walked nor decoded yet: this does both (off the event loop).
+    later: Callable[[], Received] | None = None
 
 
 def decoding(handler: grpc.RpcMethodHandler, bounds: WireBounds | None = None) -> grpc.RpcMethodHandler:
     """The handler with a deserializer that never raises: it returns `Received` (the wrapper unpacks it).
-    With `bounds`, the raw bytes are checked against them first."""
+    With `bounds`, the raw bytes are checked against them first. A request of `OFF_LOOP_BYTES` or more
+    is only wrapped (`Received.later`): grpc calls this on the event loop."""
     deserialize = handler.request_deserializer
 
     def safe(data: bytes) -> Received:
+        if len(data) >= OFF_LOOP_BYTES:
+            return Received(None, len(data), later=functools.partial(decode, data))
+        return decode(data)
+
+    def decode(data: bytes) -> Received:
         if bounds is not None:
             refused = bounds.refusal(data)
             if refused:
@@ -103,9 +115,9 @@ def request_type_name(path: str) -> str:
 
 
 async def unpack_stream(
-    requests: AsyncIterator[Received], on_message: Callable[[Received], Any]
+    requests: AsyncIterator[Received], on_message: Callable[[Received], Awaitable[Received]]
 ) -> AsyncIterator[Any]:
-    """The messages of a request stream; `on_message` checks each one (it raises for an undecodable one)."""
+    """The messages of a request stream; `on_message` decodes each one still undecoded and checks it
+    (it raises for an undecodable one)."""
     async for received in requests:
-        on_message(received)
-        yield received.message
+        yield (await on_message(received)).message
