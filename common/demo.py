@@ -146,6 +146,35 @@ def synth_wav(seconds: float = 1.5, rate: int = 16000) -> bytes:
     return buf.getvalue()
 
 
+class _Answer:
+    """What one request's stream brought so far: text, token ids, speech, the finish."""
+
+    def __init__(self, name: str, spoken: bool) -> None:
+        self.name, self.spoken = name, spoken
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.pcm, self.rate = bytearray(), 0
+        self.finish: omni_pb2.Finish | None = None
+
+    def add(self, event: omni_pb2.GenerateEvent) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "text":
+            self.text.append(event.text.text)
+            self.token_ids.extend(event.text.token_ids)
+        elif kind == "audio":
+            self.pcm += event.audio.pcm16
+            self.rate = event.audio.sample_rate_hz
+        elif kind == "finish":
+            self.finish = event.finish
+
+    def status(self) -> str:
+        """What the heartbeat says while the answer comes."""
+        speech = ", no speech yet" if self.spoken else ""
+        if self.rate:
+            speech = f", {len(self.pcm) / 2 / self.rate:.1f} s of speech"
+        return f"{self.name}: {len(self.token_ids)} tokens so far{speech}"
+
+
 def _request(
     address: str,
     name: str,
@@ -165,47 +194,31 @@ def _request(
         output_modalities=outputs,
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=48),
     )
-    started = time.monotonic()
-    text, token_ids, finish = [], [], None
-    pcm, rate = bytearray(), 0
-
-    def status() -> str:
-        spoken = (
-            f", {len(pcm) / 2 / rate:.1f} s of speech" if rate else (", no speech yet" if speech_to else "")
-        )
-        return f"{name}: {len(token_ids)} tokens so far{spoken}"
-
-    answer = f"demo: {name}: answer (tiny random weights, so the words are noise): "
+    started, answer = time.monotonic(), _Answer(name, speech_to is not None)
+    intro = f"demo: {name}: answer (tiny random weights, so the words are noise): "
     console.line(f"demo: {name}: prompt: {prompt}")
     if console.tty:
-        console.partial(answer)
-    with grpc.insecure_channel(address) as channel, console.waiting(status):
+        console.partial(intro)
+    with grpc.insecure_channel(address) as channel, console.waiting(answer.status):
         for event in omni_pb2_grpc.OmniStub(channel).Generate(request, timeout=120):
-            kind = event.WhichOneof("event")
-            if kind == "text":
-                if console.tty:
-                    console.partial(event.text.text)
-                text.append(event.text.text)
-                token_ids.extend(event.text.token_ids)
-            elif kind == "audio":
-                pcm += event.audio.pcm16
-                rate = event.audio.sample_rate_hz
-            elif kind == "finish":
-                finish = event.finish
+            answer.add(event)
+            if console.tty and event.WhichOneof("event") == "text":
+                console.partial(event.text.text)
     if console.tty:
         console.end_line()
     else:
-        console.line(answer + "".join(text))
+        console.line(intro + "".join(answer.text))
+    finish = answer.finish
     if finish is None:
         raise SystemExit(f"demo: {name}: the stream ended without a Finish event")
     speech = {}
     if speech_to is not None:
-        speech = _save_speech(speech_to, bytes(pcm), rate, finish.audio, console)
+        speech = _save_speech(speech_to, bytes(answer.pcm), answer.rate, finish.audio, console)
     return {
         "modality": name,
         "prompt": prompt,
-        "text": "".join(text),
-        "token_ids": token_ids,
+        "text": "".join(answer.text),
+        "token_ids": answer.token_ids,
         "finish_reason": common_pb2.FinishReason.Name(finish.reason),
         "prompt_tokens": finish.usage.prompt_tokens,
         "completion_tokens": finish.usage.completion_tokens,
