@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import Descriptor
-from omnistage.common.runtime.wire_bounds import WireBounds
+from omnistage.common.runtime.wire_bounds import DEFAULT_MAX_RECORDS, WireBounds
 
 BEHAVIORS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 # Requests at least this large are walked and decoded off the event loop (large_requests.py): their
@@ -63,8 +63,10 @@ class Received:
     nbytes: int
     error: str = ""  # the bytes are no valid message
     refused: str = ""  # a wire bound passed (the message was not decoded)
-    # A large request, not walked nor decoded yet: this does both (off the event loop).
+    # A large request, not walked nor decoded yet: this does both (off the event loop), walking at
+    # most `cost` records.
     later: Callable[[], Received] | None = None
+    cost: int = 0
 
 
 def decoding(handler: grpc.RpcMethodHandler, bounds: WireBounds | None = None) -> grpc.RpcMethodHandler:
@@ -73,9 +75,12 @@ def decoding(handler: grpc.RpcMethodHandler, bounds: WireBounds | None = None) -
     is only wrapped (`Received.later`): grpc calls this on the event loop."""
     deserialize = handler.request_deserializer
 
+    max_records = bounds.max_records if bounds is not None else DEFAULT_MAX_RECORDS
+
     def safe(data: bytes) -> Received:
-        if len(data) >= OFF_LOOP_BYTES:
-            return Received(None, len(data), later=functools.partial(decode, data))
+        if len(data) >= OFF_LOOP_BYTES:  # a record is at least two bytes
+            cost = min(len(data) // 2, max_records)
+            return Received(None, len(data), later=functools.partial(decode, data), cost=cost)
         return decode(data)
 
     def decode(data: bytes) -> Received:

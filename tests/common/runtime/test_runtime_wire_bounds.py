@@ -341,16 +341,15 @@ def test_a_large_request_is_walked_off_the_event_loop_and_health_answers_meanwhi
     assert held.threads and all(name.startswith("gw-decode") for name in held.threads)
 
 
-def test_large_requests_past_the_bytes_in_the_walk_are_resource_exhausted_with_a_retry_hint(
-    tmp_path, monkeypatch
-):
-    """At most LargeRequests.max_bytes in the walk at once (a lone request always): the next one is
+def test_large_requests_past_the_walk_budget_are_resource_exhausted_with_a_retry_hint(tmp_path, monkeypatch):
+    """At most LargeRequests.max_records (estimated from the sizes: a record is at least two bytes,
+    a request at most its record budget) in the walk at once, a lone request always: the next one is
     refused at arrival, RESOURCE_EXHAUSTED with grpc-retry-pushback-ms, and served once there is room."""
     held = _HeldWalks(monkeypatch)
 
     async def main():
         async with serving_runtime(tmp_path, _Recording(), wire_bounds(RequestLimits())) as (rt, ch):
-            rt.calls.large.max_bytes = 2 << 20
+            rt.calls.large.max_records = 150_000  # each of these requests may cost 100,000
             first = asyncio.ensure_future(_answer(raw_generate(ch)(_big("first"), timeout=60)))
             await asyncio.get_running_loop().run_in_executor(None, held.walking.wait, 30)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -362,7 +361,7 @@ def test_large_requests_past_the_bytes_in_the_walk_are_resource_exhausted_with_a
     refused, first, again = asyncio.run(main())
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert refused.details().startswith(
-        "gw: 1 large requests (1.2 MiB) are being decoded, at most 2 MiB at once"
+        "gw: 1 large requests (1.2 MiB, up to 100000 protobuf fields) are being decoded, at most 150000"
     )
     assert int(dict(refused.trailing_metadata())[RETRY_PUSHBACK_KEY]) > 0
     assert (first, again) == ("OK first", "OK second")
