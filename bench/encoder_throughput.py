@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
+from omnistage.common.bench_results import write_result
 from omnistage.services.encoder import preprocess
 from omnistage.services.encoder.models.audio import AudioEncoder, audio_token_count
 from omnistage.services.encoder.models.config import AudioConfig, VisionConfig
@@ -294,7 +293,7 @@ def main() -> None:
         os.path.join(os.environ["OUT"], "encoder_throughput.json") if os.environ.get("OUT") else ""
     )
     if out:
-        Path(out).write_text(json.dumps(summary, indent=2) + "\n")
+        write_result(out, summary, gpu=device.type == "cuda" and not args.tiny, indent=2)
         print(f"wrote {out}")
 
 

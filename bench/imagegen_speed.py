@@ -36,10 +36,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
+from omnistage.common.bench_results import write_result
 from omnistage.common.checkpoint.tiny_imagegen import CAP_DIM, TINY_CONNECTOR, TINY_DIT, TINY_VAE
 from omnistage.common.runtime.device_loop import DeviceLoop
 from omnistage.services.imagegen.models.config import (
@@ -485,15 +485,15 @@ def main() -> None:
     out = args.out or (
         os.path.join(os.environ["OUT"], "imagegen_speed.json") if os.environ.get("OUT") else None
     )
+    gpu = device.type == "cuda" and not tiny
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(out, result, gpu=gpu, indent=2)
         print(f"wrote {out}", flush=True)
     if args.fbcache > 0:  # last, and the JSON rewritten with it: a time-out here keeps the rest
         result["first_block_cache"] = first_block_cache(pipeline, max(sizes), steps, args.fbcache)
         print(f"\nfirst-block cache: {json.dumps(result['first_block_cache'])}", flush=True)
         if out:
-            Path(out).write_text(json.dumps(result, indent=2) + "\n")
+            write_result(out, result, gpu=gpu, indent=2)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from omnistage.common.bench_results import write_result
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -515,7 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     line = json.dumps(summary)
     print("SUMMARY " + line, flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"summary": summary, "ranks": results}, indent=1, default=str))
+        write_result(
+            args.out, {"device": summary["device"], "summary": summary, "ranks": results}, gpu=not args.tiny
+        )
     return 0 if not problems else 1
 
 

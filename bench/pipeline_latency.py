@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -42,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "load_tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from omnistage.common.bench_results import refusal, write_result  # noqa: E402
 from omnistage.common.checkpoint.config_only import write_config_checkpoint  # noqa: E402
 from omnistage.common.config import DeployConfig, load_config  # noqa: E402
 from omnistage.common.load_driver import RequestShape, closed_loop, kind_of, one_request  # noqa: E402
@@ -340,11 +340,17 @@ def main(argv: list[str] | None = None) -> int:
         "variants": {},
     }
 
+    gpu = not data["device"].startswith("cpu") and not args.tiny
+    save_refusal = refusal(out / "pipeline_latency.json", gpu=gpu)
+    if save_refusal:  # before the runs, not after them
+        print(f"pipeline_latency: {save_refusal}", file=sys.stderr)
+        return 2
+
     def save(row: dict | None = None) -> None:
         if row is not None:
             data["rows"].append(row)
             print(table([row]).splitlines()[-1], flush=True)
-        (out / "pipeline_latency.json").write_text(json.dumps(data, indent=1) + "\n")
+        write_result(out / "pipeline_latency.json", data, gpu=gpu)
         (out / "pipeline_latency.md").write_text(table(data["rows"]) + "\n")
 
     with tempfile.TemporaryDirectory(prefix="ming-config-") as tmp:

@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import json
 import os
 import platform
 import re
@@ -55,6 +54,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "load_tests"))
 
+from omnistage.common.bench_results import write_result  # noqa: E402
 from omnistage.common.checkpoint.config_only import write_config_checkpoint  # noqa: E402
 from omnistage.common.config import DeployConfig, load_config  # noqa: E402
 from omnistage.common.load_driver import KINDS, MIXED, RequestShape, closed_loop, one_request  # noqa: E402
@@ -230,15 +230,16 @@ def cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
 
 
 class Results:
-    """The JSON and the markdown table, rewritten after every run."""
+    """The JSON and the markdown table, rewritten after every run. `gpu`: a GPU run of the real sizes
+    (only such a run may replace a file that holds one: common/bench_results.py)."""
 
-    def __init__(self, out: Path, meta: dict) -> None:
+    def __init__(self, out: Path, meta: dict, gpu: bool) -> None:
         self.out = out
+        self.gpu = gpu
         self.data = {**meta, "rows": [], "skipped": []}
 
     def save(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "pipeline_real_size.json").write_text(json.dumps(self.data, indent=1) + "\n")
+        write_result(self.out / "pipeline_real_size.json", self.data, gpu=self.gpu)
         (self.out / "pipeline_real_size.md").write_text(table(self.data["rows"]) + "\n")
 
 
@@ -445,10 +446,11 @@ def main(argv: list[str] | None = None) -> int:
         print(check.stdout + check.stderr, flush=True)
         if check.returncode != 0:
             return check.returncode
+        device = device_name()
         results = Results(
             out,
             {
-                "device": device_name(),
+                "device": device,
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "command": args.command or " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
                 "config": os.path.relpath(args.config, ROOT),
@@ -456,8 +458,9 @@ def main(argv: list[str] | None = None) -> int:
                 "load_format": "dummy",
                 "memory": {"ledger": check.stdout.strip()},
             },
+            gpu=not device.startswith("cpu") and not args.tiny,
         )
-        results.save()
+        results.save()  # before the load: a run that may not write its file stops here
         memory = GpuMemory()
         started = time.monotonic()
         serve_log = out / "pipeline_real_size.serve.log"

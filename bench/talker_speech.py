@@ -25,7 +25,6 @@ rtf_mean, req_s, step_ms, ...}], meta}) to $OUT/talker_speech.json (or --out) wh
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -36,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from omnistage.common.bench_results import write_result
 from omnistage.services.talker.engine import JobAudio, JobDone, JobFailed, SegmentJob, TalkerEngine
 from omnistage.services.talker.model_runner import TalkerRunner
 from omnistage.services.talker.models.config import DiTShape, Qwen2Shape, TalkerModelConfig, VAEShape
@@ -326,8 +326,7 @@ def write_json(
     }
     if main and False in results:
         doc["eager_rows"] = results[False][0]
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(doc, indent=2) + "\n")
+    write_result(out, doc, gpu=device == "cuda" and not tiny, indent=2)
     print(f"wrote {out}", flush=True)
 
 

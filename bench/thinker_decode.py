@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from omnistage.common.bench_results import write_result
 
 GiB = 1 << 30
 
@@ -420,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         result["versions"]["missing"] = str(exc)
 
     def save() -> None:  # after every section: a run stopped at its time limit keeps what it measured
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        if args.out:  # a CUDA device always (checked above)
+            write_result(args.out, result, gpu=True)
 
     bw = copy_bandwidth(dev)
     result["copy_bandwidth_gb_s"] = bw / 1e9

@@ -14,7 +14,6 @@ Against a text prompt of the same length. Median of --repeat runs, after a warm-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from omnistage.common.bench_results import write_result
 from omnistage.common.checkpoint.config_only import write_config_checkpoint
 from omnistage.common.config import EngineConfig
 from omnistage.common.log import setup_logging
@@ -139,7 +139,12 @@ def main() -> None:
             f"{r['image_prefill_ms']} | {r['text_prefill_ms']} |"
         )
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "thinker_media_prefill.json").write_text(json.dumps(results, indent=2))
+        write_result(
+            Path(os.environ["OUT"], "thinker_media_prefill.json"),
+            {"device": device, "shape": args.shape, "tp": args.tp, "rows": results},
+            gpu=args.device == "cuda" and args.shape != "tiny",
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from omnistage.common.bench_results import write_result
 
 GiB = 1 << 30
 # (c): Ming's attention geometry and routing at a size that fits one GPU in fp32 (~2.4 B parameters);
@@ -556,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     path = args.json or (str(Path(os.environ["OUT"]) / "tp_verify.json") if os.environ.get("OUT") else "")
     if path:
-        Path(path).write_text(json.dumps(report, indent=1, default=str))
+        write_result(path, report, gpu=not args.tiny)
     return 0 if report["ok"] else 1
 
 

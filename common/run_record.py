@@ -71,15 +71,33 @@ def withdraw(record: RunRecord) -> None:
         record_path(record.pid).unlink()
 
 
-def current() -> RunRecord | None:
-    """This user's newest running `serve`, or None (no record, not this user's, or its process is gone)."""
+def running() -> list[RunRecord]:
+    """This user's running `serve`s, newest first (records not this user's, or whose process is gone,
+    are left out)."""
     runs: list[tuple[float, RunRecord]] = []
     with contextlib.suppress(OSError):
         for path in (auth.user_dir() / RUNS_DIR).glob("*.json"):
             record = _read(path)
             if record is not None and pid_alive(record.pid):
                 runs.append((path.stat().st_mtime, record))
-    return max(runs, key=lambda r: r[0])[1] if runs else None
+    return [record for _, record in sorted(runs, key=lambda r: r[0], reverse=True)]
+
+
+def describe(record: RunRecord) -> str:
+    """`pid 123: --config /abs/a.yaml --set k=v (gateway 127.0.0.1:7100)`: what tells one serve from another."""
+    sets = "".join(f" --set {o}" for o in record.overrides)
+    return f"pid {record.pid}: --config {record.config}{sets}" + (
+        f" (gateway {record.gateway})" if record.gateway else ""
+    )
+
+
+def with_address(address: str) -> RunRecord | None:
+    """The running `serve` one of whose ports is `address`; the only one running when none says so."""
+    runs = running()
+    owners = [r for r in runs if address in (r.gateway, r.http, *r.admin.values())]
+    if len(owners) == 1:
+        return owners[0]
+    return runs[0] if len(runs) == 1 and not owners else None
 
 
 def _read(path: Path) -> RunRecord | None:

@@ -136,7 +136,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             return 2
     else:
         try:
-            metadata = key_from(args.admin_key_env, "--admin-key-env") if args.admin_key_env else _stage_key()
+            metadata = (
+                key_from(args.admin_key_env, "--admin-key-env")
+                if args.admin_key_env
+                else _stage_key(args.address)
+            )
         except SecretError as exc:
             print(f"omnistage: {exc}", file=sys.stderr)
             return 2
@@ -148,14 +152,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if all_ok else 1
 
 
-def _stage_key() -> tuple[tuple[str, str], ...]:
+def _stage_key(address: str) -> tuple[tuple[str, str], ...]:
     """What `status --address` presents without --admin-key-env: the stage key ($OMNISTAGE_STAGE_KEY,
-    else the one this user's running `serve` left), which a stage's admin port takes as its admin key."""
+    else the one left by this user's running `serve` that has that port), which a stage's admin port
+    takes as its admin key."""
     key = auth.stage_key()
     if not key:
         from omnistage.common import run_record
 
-        record = run_record.current()
+        record = run_record.with_address(address)
         key = auth.published_stage_key(record.config) if record is not None else ""
     return auth.bearer(key) if key else ()
 

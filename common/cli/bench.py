@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 from omnistage.common.cli.flags import Subparsers, gateway_args
-from omnistage.common.cli.targets import gateway_target
+from omnistage.common.cli.targets import call_failure, gateway_target
 from omnistage.common.config import ConfigError
 from omnistage.common.load_driver import KINDS, RequestShape, plan, run_plan
 from omnistage.common.load_stats import Summary, details_table, failures, markdown_table
@@ -49,7 +49,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             _bench(address, creds, list(plan(kinds, ["closed"], levels)), args.requests, shape)
         )
     except grpc.RpcError as exc:  # the unmeasured first request of a kind
-        print(f"omnistage: bench failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(call_failure("bench", exc, address), file=sys.stderr)
         return 1
     print("\n" + details_table(summaries))
     if args.json:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 import grpc
 from omnistage.common.cli.flags import Subparsers, gateway_args
-from omnistage.common.cli.targets import gateway_target
+from omnistage.common.cli.targets import call_failure, gateway_target
 from omnistage.common.cli.terminal import terminal_safe
 from omnistage.common.config import ConfigError
 from omnistage.common.runtime.auth import SecretError
@@ -20,16 +21,27 @@ if TYPE_CHECKING:
 
 
 class _Progress:
-    """One self-overwriting stderr line for long work (image denoising steps): `[imagegen 12/30]`."""
+    """Progress of long work (image denoising steps, speech so far) on stderr: one self-overwriting
+    line on a terminal (`[imagegen 12/30]`); in a log (stderr not a TTY), plain lines, at most one a
+    second besides the last step (a `\r` line would be one endless line there)."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream if stream is not None else sys.stderr  # the stderr of now, not of import time
+        self.tty = self.stream.isatty()
         self.shown = False
+        self._last_line = float("-inf")
 
     def update(self, stage: str, done: int, total: int) -> None:
-        self.stream.write(f"\r[{stage} {done}/{total}]" if total else f"\r[{stage} {done}]")
+        self.show(f"[{stage} {done}/{total}]" if total else f"[{stage} {done}]", last=0 < total <= done)
+
+    def show(self, text: str, *, last: bool = False) -> None:
+        if self.tty:
+            self.stream.write("\r" + text)
+            self.shown = True
+        elif last or time.monotonic() - self._last_line >= 1.0:
+            self.stream.write(text + "\n")
+            self._last_line = time.monotonic()
         self.stream.flush()
-        self.shown = True
 
     def end(self) -> None:
         if self.shown:
@@ -67,7 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _stream_answer(args, address, creds, metadata, request, result, progress)
     except grpc.RpcError as exc:
         progress.end()
-        print(f"\nomnistage: generate failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print("\n" + call_failure("generate", exc, address), file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # the channel is closed on the way out, which cancels the request
         print("\nomnistage: interrupted", file=sys.stderr)
@@ -134,12 +146,11 @@ def _stream_answer(
                 sys.stdout.flush()
             elif kind == "progress":
                 progress.update(event.progress.stage, event.progress.done, event.progress.total)
-            elif kind == "audio" and args.speak and not progress.shown:
+            elif kind == "audio" and args.speak:
                 seconds = (
                     (len(result.pcm16) + len(event.audio.pcm16)) / 2 / max(1, event.audio.sample_rate_hz)
                 )
-                sys.stderr.write(f"\r[speech {seconds:.1f} s]")
-                sys.stderr.flush()
+                progress.show(f"[speech {seconds:.1f} s]")
             result.add(event)
 
 

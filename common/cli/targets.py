@@ -19,15 +19,22 @@ if TYPE_CHECKING:
 def from_run(args: argparse.Namespace) -> None:
     """Without --config (and --address), the deployment of this user's running `serve` (run_record.py):
     its config and `--set` overrides, the command's own after them. ConfigError when neither is given
-    and no `serve` runs."""
+    and no `serve` runs, or several do (never a guess: it names them)."""
     if getattr(args, "config", None) or getattr(args, "address", None):
         return
     from omnistage.common import run_record
 
-    record = run_record.current()
-    if record is None:
-        where = "--config FILE" + (" or --address HOST:PORT" if hasattr(args, "address") else "")
+    records = run_record.running()
+    where = "--config FILE" + (" or --address HOST:PORT" if hasattr(args, "address") else "")
+    if not records:
         raise ConfigError(f"give {where} (no running `omnistage serve` of this user found)")
+    if len(records) > 1:
+        listed = "".join(f"\n  {run_record.describe(r)}" for r in records)
+        raise ConfigError(
+            f"{len(records)} `omnistage serve` of this user are running; give {where} to say which "
+            f"(with the --set it was given):{listed}"
+        )
+    (record,) = records
     args.config = record.config
     args.overrides = [*record.overrides, *args.overrides]
 
@@ -67,3 +74,26 @@ def gateway_target(args: argparse.Namespace) -> tuple[str, grpc.ChannelCredentia
     if args.ca_file or args.cert_file:
         creds = auth.tls_credentials(args.ca_file, args.cert_file, args.key_file)
     return args.address, creds, key_from(key_env, "--api-key-env") if key_env else ()
+
+
+def call_failure(command: str, exc: grpc.RpcError, address: str) -> str:
+    """`omnistage: generate failed: CODE: details`, with what to do when the address is wrong: nothing
+    listens there (is `serve` running?), or it is a stage's port, not the gateway's."""
+    line = f"omnistage: {command} failed: {exc.code().name}: {exc.details()}"
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
+        return f"{line}\nomnistage: nothing answers at {address}: is `omnistage serve` running (`omnistage status`)?"
+    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+        return f"{line}\nomnistage: {address} serves no omnistage.v1.Omni: {_gateway_hint(address)}"
+    return line
+
+
+def _gateway_hint(address: str) -> str:
+    """Where the gateway is, as far as this user's running `serve`s tell."""
+    from omnistage.common import run_record
+
+    record = run_record.with_address(address)
+    if record is not None and record.gateway:
+        names = [name for name, admin in record.admin.items() if admin == address]
+        what = f"the admin port of {names[0]}" if names else "a stage's port"
+        return f"it is {what}; the gateway of that `serve` is at {record.gateway}"
+    return "a stage's port? The gateway's public port is the gateway service's `port` (`omnistage status` lists them)"

@@ -51,12 +51,26 @@ class EngineConfig:
     cuda_graphs: bool = True
     # Largest decode batch replayed from a graph; 0 means max_num_seqs (bigger batches run eagerly).
     cuda_graph_max_batch: int = 0
+    # Structured outputs: one constraint's compile time, past which it is killed and refused.
+    grammar_compile_timeout_s: float = 5.0
+    # Constraint compiles running at once (each a process of the compile server: a core each).
+    grammar_compiles: int = 2
+    # Compiles waiting for one of those; more get RESOURCE_EXHAUSTED.
+    grammar_waiting: int = 16
 
     def validate(self, path: str) -> None:
         positive_fields(
             self,
             path,
-            ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "default_max_tokens"),
+            (
+                "block_size",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "max_model_len",
+                "default_max_tokens",
+                "grammar_compile_timeout_s",
+                "grammar_compiles",
+            ),
         )
         positive_fields(
             self,
@@ -68,6 +82,7 @@ class EngineConfig:
                 "kv_canary_bytes",
                 "kv_probe_tokens",
                 "cuda_graph_max_batch",
+                "grammar_waiting",
             ),
             allow_zero=True,
         )

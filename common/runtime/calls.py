@@ -19,6 +19,7 @@ import grpc
 from omnistage.common import metrics
 from omnistage.common.log import RateLimitedLog
 from omnistage.common.runtime.auth import ApiKeys
+from omnistage.common.runtime.deadlines import within
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable, Unauthenticated, status_for
 from omnistage.common.runtime.handlers import (
     Received,
@@ -28,11 +29,18 @@ from omnistage.common.runtime.handlers import (
     request_type_name,
     unpack_stream,
 )
+from omnistage.common.runtime.large_requests import LargeRequests
 from omnistage.common.runtime.memory_trim import MemoryTrimmer
 from omnistage.common.runtime.wire_bounds import WireBounds
 
 _log = logging.getLogger(__name__)
 OK = grpc.StatusCode.OK
+# Refusing a call whose client streams: how long its first message and then a pause between its
+# messages may take, and the most time and bytes it is let send (dropped unread) before the status.
+_FIRST_MESSAGE_S = 1.0
+_QUIET_S = 0.25
+_REFUSAL_WAIT_S = 3.0
+_REFUSAL_BYTES = 8 << 20
 
 
 @dataclass(eq=False)
@@ -58,6 +66,8 @@ class CallGuard:
         self.idle = asyncio.Event()
         self.idle.set()
         self._bad_bytes_log = RateLimitedLog(_log)
+        # Requests too large to walk and decode on the event loop (health must never wait for them).
+        self.large = LargeRequests(service)
 
     # -- in flight ---------------------------------------------------------------------------
 
@@ -165,7 +175,7 @@ class _Method:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started, token, nbytes = time.monotonic(), None, 0
             try:
-                request, nbytes = self.admit(request, context)
+                request, nbytes = await self.admit(request, context)
                 async with self.tracked() as token:
                     result = await behavior(request, context)
             except BaseException as exc:
@@ -184,7 +194,7 @@ class _Method:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started, token, nbytes = time.monotonic(), None, 0
             try:
-                request, nbytes = self.admit(request, context)
+                request, nbytes = await self.admit(request, context)
                 async with self.tracked() as token:
                     async for item in behavior(request, context):
                         yield item
@@ -202,30 +212,54 @@ class _Method:
     def tracked(self) -> contextlib.AbstractAsyncContextManager[InFlight | None]:
         return self.guard.track(self.path) if self.stage else contextlib.nullcontext()
 
-    def admit(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[Any, int]:
-        """(the request message or stream, its size); raises the refusal: no key, draining, bad bytes."""
+    async def admit(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[Any, int]:
+        """(the request message or stream, its size); raises the refusal: no key, draining, bad bytes,
+        too many large requests being decoded."""
         if self.keys is not None:
             why = self.keys.refusal(context.invocation_metadata())
             if why:
+                await self.before_refusing(request)
                 raise Unauthenticated(f"{self.path.strip('/').rsplit('/', 1)[0]}: {why}")
         if self.stage:
             why = self.guard.refusal()
             if why:
+                await self.before_refusing(request)
                 raise StageUnavailable(why)
         if self.streaming_request:
             return unpack_stream(request, self.check_stream_message), 0
+        if request.later is not None:
+            request = await self.guard.large.decoded(request, wait=False)
         if request.refused:
             raise InvalidRequest(request.refused)
         if request.error:
             raise self.guard.undecodable(self.path, self.type_name, request)
         return request.message, request.nbytes
 
-    def check_stream_message(self, received: Received) -> None:
+    async def before_refusing(self, request: Any) -> None:
+        """A client that streams its requests is let finish writing (what it sends is dropped unread)
+        until it half-closes or falls quiet, at most `_REFUSAL_WAIT_S` and `_REFUSAL_BYTES`: a
+        grpc.aio client whose write fails because our status came first reports INTERNAL instead of
+        that status (grpc/grpc#36066; a wrong stage key on a bidirectional call read as INTERNAL)."""
+        if not self.streaming_request:
+            return
+        deadline, nbytes, wait_s = time.monotonic() + _REFUSAL_WAIT_S, 0, _FIRST_MESSAGE_S
+        requests = aiter(request)
+        while nbytes < _REFUSAL_BYTES and (left := deadline - time.monotonic()) > 0:
+            try:
+                received = await within(anext(requests), min(left, wait_s))
+            except (StopAsyncIteration, TimeoutError, grpc.RpcError, asyncio.InvalidStateError):
+                return
+            nbytes, wait_s = nbytes + received.nbytes, _QUIET_S
+
+    async def check_stream_message(self, received: Received) -> Received:
+        if received.later is not None:  # its call was admitted: it waits for room, never refused
+            received = await self.guard.large.decoded(received, wait=True)
         if received.refused:
             raise InvalidRequest(received.refused)
         if received.error:
             raise self.guard.undecodable(self.path, self.type_name, received)
         self.guard.trimmer.request_done(received.nbytes)
+        return received
 
     async def end(
         self, exc: BaseException, token: InFlight | None, context: grpc.aio.ServicerContext, started: float

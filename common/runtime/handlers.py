@@ -5,16 +5,20 @@ instead of grpc's UNKNOWN with a traceback in the log, and a request past its wi
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import Descriptor
-from omnistage.common.runtime.wire_bounds import WireBounds
+from omnistage.common.runtime.wire_bounds import DEFAULT_MAX_RECORDS, WireBounds
 
 BEHAVIORS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+# Requests at least this large are walked and decoded off the event loop (large_requests.py): their
+# walk costs about a millisecond and more.
+OFF_LOOP_BYTES = 16 << 10
 
 
 class HandlerCollector:
@@ -59,14 +63,27 @@ class Received:
     nbytes: int
     error: str = ""  # the bytes are no valid message
     refused: str = ""  # a wire bound passed (the message was not decoded)
+    # A large request, not walked nor decoded yet: this does both (off the event loop), walking at
+    # most `cost` records.
+    later: Callable[[], Received] | None = None
+    cost: int = 0
 
 
 def decoding(handler: grpc.RpcMethodHandler, bounds: WireBounds | None = None) -> grpc.RpcMethodHandler:
     """The handler with a deserializer that never raises: it returns `Received` (the wrapper unpacks it).
-    With `bounds`, the raw bytes are checked against them first."""
+    With `bounds`, the raw bytes are checked against them first. A request of `OFF_LOOP_BYTES` or more
+    is only wrapped (`Received.later`): grpc calls this on the event loop."""
     deserialize = handler.request_deserializer
 
+    max_records = bounds.max_records if bounds is not None else DEFAULT_MAX_RECORDS
+
     def safe(data: bytes) -> Received:
+        if len(data) >= OFF_LOOP_BYTES:  # a record is at least two bytes
+            cost = min(len(data) // 2, max_records)
+            return Received(None, len(data), later=functools.partial(decode, data), cost=cost)
+        return decode(data)
+
+    def decode(data: bytes) -> Received:
         if bounds is not None:
             refused = bounds.refusal(data)
             if refused:
@@ -103,9 +120,9 @@ def request_type_name(path: str) -> str:
 
 
 async def unpack_stream(
-    requests: AsyncIterator[Received], on_message: Callable[[Received], Any]
+    requests: AsyncIterator[Received], on_message: Callable[[Received], Awaitable[Received]]
 ) -> AsyncIterator[Any]:
-    """The messages of a request stream; `on_message` checks each one (it raises for an undecodable one)."""
+    """The messages of a request stream; `on_message` decodes each one still undecoded and checks it
+    (it raises for an undecodable one)."""
     async for received in requests:
-        on_message(received)
-        yield received.message
+        yield (await on_message(received)).message

@@ -379,6 +379,7 @@ class ServiceRuntime:
         await self._run_shutdown_hooks()
         self.reporter.enter("stopped")
         self.trimmer.cancel()
+        self.calls.large.close()
         await self._stop_servers()
         if self._beat_task is not None:
             self._beat_task.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -14,6 +15,8 @@ DEFAULT_MAX_RECORDS = 100_000
 # Nesting the walk follows: protobuf's own recursion limit, past which the parser refuses too.
 _MAX_DEPTH = 100
 _VARINT_MAX_BYTES = 10
+# Records walked between two moments the walk lets another thread (the event loop) take the GIL.
+_YIELD_EVERY = 2048
 # Bytes per value of a packed field by its type; 0: varints (1 to 10 bytes each).
 _FIXED_WIDTH = {
     FieldDescriptor.TYPE_DOUBLE: 8,
@@ -154,9 +157,13 @@ class _Walk:
         return _count_varints(data[start : start + length])
 
     def _add_records(self, n: int) -> None:
-        self.records += n
+        before, self.records = self.records, self.records + n
         if self.records > self.bounds.max_records:
             raise _Refused(f"request: more than {self.bounds.max_records} protobuf fields in all")
+        if before // _YIELD_EVERY != self.records // _YIELD_EVERY:
+            time.sleep(
+                0
+            )  # the GIL, let go: a long walk (in a thread: large_requests.py) never starves the loop
 
     def _count(self, counts: dict[int, int], number: int, path: str, elements: int) -> None:
         n = counts.get(number, 0) + elements

@@ -17,6 +17,7 @@ from omnistage.common.runtime.device_loop import DeviceFailed
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.common.transport import TransportContext, TransportOptions
+from omnistage.services.thinker.engine.grammar_compiles import GrammarCompiles, GrammarLimits
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine_metrics import EngineMetrics
@@ -93,13 +94,23 @@ async def _serve_rank0(
     if producer is not None:
         runtime.add_shutdown_hook(producer.close)
         _export_hidden_state_leases(runtime, svc.name, producer)
+    e = svc.engine
+    limits = GrammarLimits(e.grammar_compile_timeout_s, e.grammar_compiles, e.grammar_waiting)
+    grammars = GrammarCompiles(engine.tokenizer, asyncio.get_running_loop(), limits)
+    runtime.add_shutdown_hook(grammars.close)
+    runtime.reporter.progress(detail="the grammar compile server and the tokenizer's grammar info")
+    # Seconds of Python on a real vocabulary: now, not at the first structured request (it held the
+    # GIL and stalled every stream). The server loads xgrammar meanwhile, in parallel.
+    await in_daemon_thread(grammars.start, "thinker-blocking")
     runtime.reporter.progress(detail="one real request through the engine")
     try:
         await in_daemon_thread(lambda: _warm_up(engine, media), "thinker-blocking")
     except Exception as exc:
         raise TPError(_group_failure(control, "the warm-up request", exc)) from exc
     engine.stats = EngineMetrics(svc.name, engine)  # after the warm-up: it counts clients' requests only
-    flow = ThinkerEngine(engine, asyncio.get_running_loop(), media=media, producer=producer)
+    flow = ThinkerEngine(
+        engine, asyncio.get_running_loop(), media=media, producer=producer, grammars=grammars
+    )
     # A peer's failure may come while the engine thread is blocked inside a collective: the
     # requests are failed from the thread that learns of it.
     control.add_failure_listener(lambda failure: flow.loop.fail(DeviceFailed(failure.message)))

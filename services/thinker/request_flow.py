@@ -13,7 +13,8 @@ from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop, Devic
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
 from omnistage.common.sampling import check_sampling
 from omnistage.common.transport import TransportContext, encode
-from omnistage.services.thinker.engine.grammar import GrammarError, Grammars, GrammarSpec
+from omnistage.services.thinker.engine.grammar import GrammarSpec
+from omnistage.services.thinker.engine.grammar_compiles import GrammarCompiles, GrammarLimits
 from omnistage.services.thinker.engine.llm_engine import (
     LLMEngine,
     QueueFullError,
@@ -103,6 +104,7 @@ class ThinkerEngine:
         media: MediaInputs | None = None,
         producer: TransportContext | None = None,
         idle_wait_s: float = 0.5,
+        grammars: GrammarCompiles | None = None,
     ) -> None:
         self.runner = ThinkerRunner(engine, events)
         # A failure's message is the group's own (`rank 2 died while ...`); a TPError says it all.
@@ -121,8 +123,9 @@ class ThinkerEngine:
         # A client's token ids may be none of these (client input never becomes control tokens).
         self._special_ids = frozenset(self.tokenizer.special_tokens.values())
         self._pool = concurrent.futures.ThreadPoolExecutor(tokenize_workers, "tokenize")
-        # Structured outputs: constraints compiled for this tokenizer (in the pool), cached by text.
-        self.grammars = Grammars(self.tokenizer)
+        # Structured outputs: constraints compiled in a process of their own (never in the tokenize
+        # pool), bounded in time, cached by text; started at the first one unless started already.
+        self.grammars = grammars or GrammarCompiles(self.tokenizer, events, GrammarLimits())
 
     def start(self) -> None:
         self.loop.start()
@@ -132,8 +135,10 @@ class ThinkerEngine:
         self.loop.stop()
 
     def close(self) -> None:
-        """Stop the tokenize pool (tokenizations under way finish in their threads, unawaited)."""
+        """Stop the tokenize pool (tokenizations under way finish in their threads, unawaited) and
+        the grammar compile server."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
         if self._transport is not None and self.media is None:
             self._transport.close()
 
@@ -199,11 +204,7 @@ class ThinkerEngine:
             prompt = await loop.run_in_executor(self._pool, self._prompt, request)
             spec = grammar_spec(request.sampling)
             if spec is not None and not request.HasField("hidden_states"):
-                try:
-                    grammar = await loop.run_in_executor(self._pool, self.grammars.compile, spec)
-                except GrammarError as exc:
-                    raise InvalidRequest(str(exc)) from None
-                params = replace(params, grammar=grammar)
+                params = replace(params, grammar=await self.grammars.get(spec))
         finally:
             if request.multimodal:  # copied, refused or cancelled: no lease outlives this
                 if self._transport is None:

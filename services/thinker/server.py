@@ -92,6 +92,6 @@ def _finish(out: RequestOutput) -> thinker_pb2.ThinkerEvent:
             )
             if usage
             else None,
-            message="aborted" if out.finish_reason.value == "abort" else "",
+            message="aborted" if out.finish_reason.value == "abort" else out.message,
         )
     )

@@ -167,6 +167,53 @@ def test_generate_by_address_needs_the_key(stage, capsys, monkeypatch):
     assert main(["generate", "--address", address, "--api-key-env", "MY_KEY", "--prompt", "n=1"]) == 0
 
 
+def test_generate_says_when_nothing_listens_or_the_port_is_not_the_gateway(
+    stage, tmp_path, monkeypatch, capsys
+):
+    """Issue 43.11: `generate` at a stage's port said only UNIMPLEMENTED, and at a port where nothing
+    listens gave no hint; now it says which port the gateway is (from the running serve's record)."""
+    from omnistage.common import run_record
+    from omnistage.common.config import load_config
+
+    cfg, override, address, admin = stage
+    nowhere = f"127.0.0.1:{free_port()}"
+    assert main(["generate", "--address", nowhere, "--prompt", "n=1", "--timeout-s", "5"]) == 1
+    assert f"nothing answers at {nowhere}: is `omnistage serve` running" in capsys.readouterr().err
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["generate", "--address", admin, "--prompt", "n=1"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "generate failed: UNIMPLEMENTED" in err
+        and f"{admin} serves no omnistage.v1.Omni: a stage's port?" in err
+    )
+    record = run_record.RunRecord.of(load_config(cfg, [override]), cfg, [override], tmp_path)
+    run_record.publish(record)
+    try:
+        assert main(["generate", "--address", admin, "--prompt", "n=1"]) == 1
+        assert (
+            f"{admin} serves no omnistage.v1.Omni: it is the admin port of front; the gateway of that "
+            f"`serve` is at {address}" in capsys.readouterr().err
+        )
+    finally:
+        run_record.withdraw(record)
+
+
+def test_progress_in_a_log_is_plain_lines():
+    """Issue 43.11: denoising progress written with `\\r` made one endless line in a log file."""
+    import io
+
+    from omnistage.common.cli.generate import _Progress
+
+    log = io.StringIO()
+    progress = _Progress(log)
+    for step in range(1, 31):
+        progress.update("imagegen", step, 30)
+    progress.end()
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and lines[0] == "[imagegen 1/30]" and lines[-1] == "[imagegen 30/30]"
+    assert len(lines) < 30, "at most a line a second besides the last"
+
+
 def test_generate_error_exits_1_with_the_status(stage, capsys):
     cfg, override, _, _ = stage
     assert main(["generate", "--config", str(cfg), "--set", override, "--prompt", "invalid"]) == 1
@@ -367,18 +414,32 @@ def test_commands_default_to_the_running_serve(stage, tmp_path, monkeypatch, cap
     assert main(["resume", "--service", "front"]) == 0 and "front serving again" in capsys.readouterr().out
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a second serve
     try:
-        newer = dataclasses.replace(record, pid=other.pid, overrides=())
+        newer = dataclasses.replace(record, pid=other.pid, overrides=(), gateway="127.0.0.1:1")
         os.utime(run_record.publish(record), (1, 1))  # the first is the older one
         run_record.publish(newer)
-        assert run_record.current() == newer  # the newest running deployment is the default
-        run_record.withdraw(newer)  # it stopped: the other is the default again
-        assert run_record.current() == record
+        assert run_record.running() == [newer, record]
+        # Issue 43.10: never the newest one silently; every command names both and asks.
+        for argv in (
+            ["status"],
+            ["stage-key"],
+            ["generate", "--prompt", "n=2"],
+            ["drain", "--service", "front"],
+        ):
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert "2 `omnistage serve` of this user are running; give --config FILE" in err, argv
+            assert f"pid {other.pid}: --config {newer.config} (gateway 127.0.0.1:1)" in err
+            assert f"pid {os.getpid()}: --config {record.config} --set {override}" in err
+        assert main(["status", "--config", str(cfg), "--set", override]) == 0  # named: served
+        run_record.withdraw(newer)  # it stopped: the one left is the default again
+        assert main(["status"]) == 0 and run_record.running() == [record]
+        capsys.readouterr()
     finally:
         other.kill()
         other.wait(timeout=60)
     run_record.withdraw(record)
     run_record.publish(dataclasses.replace(record, pid=_exited_pid()))
-    assert run_record.current() is None  # a record a killed serve left
+    assert run_record.running() == []  # a record a killed serve left
     assert main(["generate", "--prompt", "n=2"]) == 2
 
 

@@ -17,6 +17,7 @@ import torch
 from omnistage.common.log import get_logger
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.detokenizer import Decoder, Detokenizer
+from omnistage.services.thinker.engine.grammar_masks import GrammarMasks
 from omnistage.services.thinker.engine.hidden_states import HiddenCapture
 from omnistage.services.thinker.engine.media import Prompt, PromptMedia, unpack_prompt
 from omnistage.services.thinker.engine.model_runner import ModelRunner, StepOutput
@@ -57,6 +58,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    message: str = ""  # why a request ended with FinishReason.ERROR
     # Hidden-state mode, in the final output: [N, H] final-norm rows at the request's slots (rank 0's device).
     hidden_states: torch.Tensor | None = None
 
@@ -71,6 +73,7 @@ class GenerateResult:
     finish_reason: FinishReason
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     hidden_states: torch.Tensor | None = None
+    message: str = ""  # why it ended with FinishReason.ERROR
 
 
 class StepObserver(Protocol):
@@ -97,6 +100,7 @@ class LLMEngine:
         self.control = control or TPControl()
         self.scheduler = Scheduler(self.cfg, eos_token_ids)
         self.sampler = Sampler()
+        self.grammar_masks = GrammarMasks()
         self.detokenizers: dict[str, Detokenizer] = {}
         # Idle workers wait for the next plan within the serving collective deadline: a no-op plan
         # every quarter of it keeps them from timing out.
@@ -207,12 +211,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        mask = self.grammar_masks.begin(batch.sampling_seqs)  # filled while the forward runs
         out = self._run(batch)
         sampled = (
-            self.sampler(out.logits, batch.sampling_seqs) if out.logits is not None else SamplerOutput([], [])
+            self.sampler(out.logits, batch.sampling_seqs, mask)
+            if out.logits is not None
+            else SamplerOutput([], [])
         )
         self._keep_hidden(batch, out.hidden)
         self.scheduler.postprocess(batch, sampled.token_ids)
+        for i, why in sampled.ended.items():  # its grammar cannot go on: ended, never kept going
+            seq = batch.sampling_seqs[i]
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            seq.finish_reason, seq.error = FinishReason.ERROR, why
         now = time.monotonic()
         outputs = self._emit(batch.sampling_seqs, sampled, now)
         outputs += [self._hidden_output(s, now) for s in batch.completing_hidden]
@@ -265,6 +276,20 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.prev_token_time, seq.last_token_time = seq.last_token_time, now
+            if seq.error:  # the refused token is not shown
+                del self.detokenizers[seq.request_id]
+                outputs.append(
+                    RequestOutput(
+                        seq.request_id,
+                        [],
+                        "",
+                        finished=True,
+                        finish_reason=FinishReason.ERROR,
+                        usage=self._usage(seq),
+                        message=f"{seq.error} (after {seq.num_output_tokens - 1} output tokens)",
+                    )
+                )
+                continue
             detok = self.detokenizers[seq.request_id]
             if seq.finish_reason is FinishReason.STOP:
                 text = detok.finish()  # the stop token's own text is never shown
@@ -301,6 +326,7 @@ class LLMEngine:
         if self.closed:
             return
         self.closed = True
+        self.grammar_masks.close()
         if self.control.is_distributed and self.control.failure is None:
             try:
                 self.control.broadcast_plan(StepPlan.exit())
@@ -334,6 +360,6 @@ class LLMEngine:
                 res.text += out.text
                 res.logprobs += out.logprobs
                 if out.finished:
-                    res.finish_reason = out.finish_reason
+                    res.finish_reason, res.message = out.finish_reason, out.message
                     res.hidden_states = out.hidden_states
         return [results[rid] for rid in ids]

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from omnistage.services.thinker.engine.grammar import advance, mask_logits
+from omnistage.services.thinker.engine.grammar_masks import PendingMask
 from omnistage.services.thinker.engine.sequence import Sequence
-
-_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -24,6 +21,8 @@ class TokenLogprobs:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # per row; None where the request asked for none
+    # Row → why its request must end now (its grammar refused the sampled token or could not go on).
+    ended: dict[int, str] = field(default_factory=dict)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -66,17 +65,20 @@ def filter_logits(
 
 
 class Sampler:
-    """Samples one token per row of `logits` [R, V] for the given sequences."""
+    """Samples one token per row of `logits` [R, V] for the given sequences; `mask`: the allowed
+    tokens of their constrained rows (grammar_masks.py), filled while the forward ran."""
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], mask: PendingMask | None = None
+    ) -> SamplerOutput:
         if logits.shape[0] != len(seqs):
             raise ValueError(f"sampler: {logits.shape[0]} logit rows for {len(seqs)} sequences")
         if not seqs:
             return SamplerOutput([], [])
         raw = logits.float()
         logits = apply_penalties(raw.clone(), seqs)
-        constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
-        mask_logits(logits, constrained)
+        if mask is not None:
+            mask.apply(logits)
         greedy = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         tokens = greedy
@@ -84,9 +86,8 @@ class Sampler:
             tokens = greedy.clone()
             tokens[random_rows] = self._draw(logits[random_rows], [seqs[i] for i in random_rows])
         token_ids = tokens.tolist()
-        for i in advance(constrained, token_ids):  # never expected: the mask let only these through
-            _log.error("request %s: its grammar refused sampled token %d", seqs[i].request_id, token_ids[i])
-        return SamplerOutput(token_ids, self._logprobs(raw, seqs, token_ids))
+        ended = mask.accept(token_ids) if mask is not None else {}
+        return SamplerOutput(token_ids, self._logprobs(raw, seqs, token_ids), ended)
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         def col(values: list) -> torch.Tensor:

@@ -112,6 +112,7 @@ class Sequence:
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
+        self.error = ""  # why it ended with FinishReason.ERROR
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None  # admitted the first time (queue time ends)
         self.first_token_time: float | None = None

@@ -77,6 +77,43 @@ def test_a_stage_answers_only_callers_with_the_stage_key(tmp_path, monkeypatch):
     assert member == (grpc.StatusCode.OK, grpc.StatusCode.OK, serving)
 
 
+def test_a_bidirectional_call_with_a_wrong_key_is_unauthenticated_however_its_client_writes(
+    tmp_path, monkeypatch
+):
+    """Issue 43.11: a grpc.aio client still writing when the refusal came reported INTERNAL (its failed
+    write hides the status: grpc/grpc#36066). The stage lets it finish writing, then refuses."""
+    monkeypatch.setenv(auth.STAGE_KEY_ENV, "deployment-key")
+    big = omni_pb2.ConverseRequest(config=omni_pb2.GenerateRequest(system_prompt="x" * 100_000))
+
+    async def late_then_waits():  # its first write comes after the call began, then it waits
+        await asyncio.sleep(0.2)
+        yield omni_pb2.ConverseRequest()
+        await asyncio.sleep(30)
+
+    async def keeps_writing():  # 5 MB in a row
+        for _ in range(50):
+            yield big
+
+    async def scenario(rt):
+        codes = []
+        async with grpc.aio.insecure_channel(rt.address) as ch:
+            for requests in (late_then_waits, keeps_writing):
+                for metadata in ((), auth.bearer("guess")):
+                    call = omni_pb2_grpc.OmniStub(ch).Converse(requests(), timeout=30, metadata=metadata)
+                    try:
+                        [e async for e in call]
+                    except grpc.aio.AioRpcError as exc:  # `omnistage.v1.Omni: invalid key: ...`
+                        why = exc.details().split(": ")[1] if exc.details().count(": ") > 1 else exc.details()
+                        codes.append((requests.__name__, exc.code(), why))
+        return codes
+
+    assert _serve(tmp_path, "talker", scenario) == [
+        (name, grpc.StatusCode.UNAUTHENTICATED, why)
+        for name in ("late_then_waits", "keeps_writing")
+        for why in ("missing credentials", "invalid key")
+    ]
+
+
 def test_the_gateway_keeps_its_own_keys_and_its_stage_channels_present_the_key(tmp_path, monkeypatch):
     monkeypatch.setenv(auth.STAGE_KEY_ENV, "deployment-key")
 

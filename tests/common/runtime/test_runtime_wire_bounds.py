@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import config_from_dict
+from omnistage.common.runtime.errors import RETRY_PUSHBACK_KEY
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.wire_bounds import WireBounds
 from omnistage.services.gateway.validation import (
@@ -137,7 +140,9 @@ def test_the_public_receive_limit_is_what_a_legitimate_request_carries():
 
 
 @contextlib.asynccontextmanager
-async def serving(tmp_path, servicer, bounds=None, **runtime_args) -> AsyncIterator[grpc.aio.Channel]:
+async def serving_runtime(
+    tmp_path, servicer, bounds=None, **runtime_args
+) -> AsyncIterator[tuple[ServiceRuntime, grpc.aio.Channel]]:
     """A gateway runtime serving `servicer` as Omni (with `bounds`), and a channel to it."""
     cfg = config_from_dict({"services": {"gw": {"kind": "gateway", "port": 1}}})
     rt = ServiceRuntime(cfg, cfg.service("gw"), 0, run_dir=tmp_path, port=0, metrics_port=0, **runtime_args)
@@ -147,10 +152,16 @@ async def serving(tmp_path, servicer, bounds=None, **runtime_args) -> AsyncItera
         rt.set_serving()
         options = [("grpc.max_send_message_length", 64 << 20)]
         async with grpc.aio.insecure_channel(rt.address, options=options) as ch:
-            yield ch
+            yield rt, ch
     finally:
         rt.request_stop()
         await asyncio.wait_for(rt.serve_until_stopped(), 10)
+
+
+@contextlib.asynccontextmanager
+async def serving(tmp_path, servicer, bounds=None, **runtime_args) -> AsyncIterator[grpc.aio.Channel]:
+    async with serving_runtime(tmp_path, servicer, bounds, **runtime_args) as (_, ch):
+        yield ch
 
 
 def raw_generate(ch: grpc.aio.Channel):
@@ -274,3 +285,83 @@ def test_the_main_port_receives_at_most_its_receive_limit(tmp_path):
             return err.value.code(), servicer.calls
 
     assert asyncio.run(main()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 1)
+
+
+class _HeldWalks:
+    """WireBounds.refusal of large requests held until released (at most 30 s), and the threads
+    the walks ran on."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.release, self.walking, self.threads = threading.Event(), threading.Event(), []
+        real = WireBounds.refusal
+
+        def refusal(bounds, data):
+            if len(data) >= 1 << 20:
+                self.threads.append(threading.current_thread().name)
+                self.walking.set()
+                self.release.wait(30)
+            return real(bounds, data)
+
+        monkeypatch.setattr(WireBounds, "refusal", refusal)
+
+
+def _big(request_id: str) -> bytes:
+    return omni_pb2.GenerateRequest(
+        request_id=request_id, system_prompt="x" * (1200 << 10)
+    ).SerializeToString()
+
+
+async def _answer(call) -> str:
+    try:
+        events = [e async for e in call]
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name
+    return f"OK {omni_pb2.GenerateEvent.FromString(events[0]).request_id}"
+
+
+def test_a_large_request_is_walked_off_the_event_loop_and_health_answers_meanwhile(tmp_path, monkeypatch):
+    """Issue 43: 120 requests of 99,999 records each held a gateway's event loop 9.6 s (the walk is
+    Python): its health went unanswered and the launcher took it for hung. Now health is answered
+    while a large request's walk is under way, which runs on a thread of its own."""
+    held = _HeldWalks(monkeypatch)
+
+    async def main() -> list[str]:
+        order = []
+        async with serving(tmp_path, _Recording(), wire_bounds(RequestLimits())) as ch:
+            big = asyncio.ensure_future(_answer(raw_generate(ch)(_big("big"), timeout=60)))
+            await asyncio.get_running_loop().run_in_executor(None, held.walking.wait, 30)
+            health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            order.append(health_pb2.HealthCheckResponse.ServingStatus.Name(health.status))
+            order.append(f"big done: {big.done()}")
+            held.release.set()
+            order.append(await big)
+        return order
+
+    assert asyncio.run(main()) == ["SERVING", "big done: False", "OK big"]
+    assert held.threads and all(name.startswith("gw-decode") for name in held.threads)
+
+
+def test_large_requests_past_the_walk_budget_are_resource_exhausted_with_a_retry_hint(tmp_path, monkeypatch):
+    """At most LargeRequests.max_records (estimated from the sizes: a record is at least two bytes,
+    a request at most its record budget) in the walk at once, a lone request always: the next one is
+    refused at arrival, RESOURCE_EXHAUSTED with grpc-retry-pushback-ms, and served once there is room."""
+    held = _HeldWalks(monkeypatch)
+
+    async def main():
+        async with serving_runtime(tmp_path, _Recording(), wire_bounds(RequestLimits())) as (rt, ch):
+            rt.calls.large.max_records = 150_000  # each of these requests may cost 100,000
+            first = asyncio.ensure_future(_answer(raw_generate(ch)(_big("first"), timeout=60)))
+            await asyncio.get_running_loop().run_in_executor(None, held.walking.wait, 30)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [e async for e in raw_generate(ch)(_big("second"), timeout=60)]
+            held.release.set()
+            again = await _answer(raw_generate(ch)(_big("second"), timeout=60))
+            return refused.value, await first, again
+
+    refused, first, again = asyncio.run(main())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.details().startswith(
+        "gw: 1 large requests (1.2 MiB, up to 100000 protobuf fields) are being decoded, at most 150000"
+    )
+    assert int(dict(refused.trailing_metadata())[RETRY_PUSHBACK_KEY]) > 0
+    assert (first, again) == ("OK first", "OK second")

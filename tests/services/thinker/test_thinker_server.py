@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from omnistage.common.config import EngineConfig, config_from_dict
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.transport import TransportContext, TransportOptions, decode, encode
 from omnistage.services.thinker.engine.config import resolve_engine_config
+from omnistage.services.thinker.engine.grammar_compiles import GrammarCompiles, GrammarLimits
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sequence import FinishReason
@@ -65,6 +67,7 @@ async def thinker(
     servicer_max_model_len: int = 0,
     media: MediaInputs | None = None,
     hidden_out: TransportContext | None = None,
+    grammar_limits: GrammarLimits | None = None,
     **engine_kw,
 ) -> AsyncIterator[Stack]:
     hidden = media.config.hidden_size if media is not None else 32
@@ -79,6 +82,7 @@ async def thinker(
         media=media,
         producer=hidden_out,
         idle_wait_s=0.05,
+        grammars=GrammarCompiles(tok, asyncio.get_running_loop(), grammar_limits or GrammarLimits()),
     )
     flow.start()
     servicer = ThinkerServicer(flow)
@@ -177,6 +181,60 @@ def test_a_constrained_request_over_grpc_and_a_grammar_that_does_not_compile(tmp
             req.sampling.ignore_eos = True
             err = await refusal(t.stub, req)
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "ignore_eos" in err.details()
+
+    run(scenario())
+
+
+def nested_schema(depth: int) -> str:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return json.dumps(schema)
+
+
+def test_a_schema_nested_past_the_bound_is_refused_at_once_naming_it(tmp_path, tok):
+    """Issue 43: 450 levels (28 KB, within the size bound) took a minute to compile, holding a
+    tokenize thread; refused before any compile now."""
+
+    async def scenario():
+        async with thinker(tmp_path, tok) as t:
+            req = chat("JSON please", max_tokens=10)
+            req.sampling.constraint.json_schema = nested_schema(450)
+            err = await refusal(t.stub, req)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.details().startswith(
+                "sampling.constraint.json_schema: objects and arrays nested 901 deep"
+            )
+            assert t.servicer.engine.grammars.server is None, "no compile was even started"
+
+    run(scenario())
+
+
+def test_prompts_are_tokenized_and_answered_while_grammars_compile(tmp_path, tok):
+    """Two constraints that take minutes to compile (one level deep: only the time bound stops
+    them) do not hold up a plain request: compiles have a process of their own, not the tokenize
+    threads. Then their callers leave, and their compiles with them."""
+    slow = json.dumps({"type": "string", "pattern": "^(ab|cd|ef){1,6000}$"})
+
+    async def scenario():
+        async with thinker(tmp_path, tok, grammar_limits=GrammarLimits(timeout_s=600.0)) as t:
+            calls = []
+            for i in range(2):
+                req = chat("JSON please", request_id=f"slow-{i}", max_tokens=10)
+                req.sampling.constraint.json_schema = slow
+                calls.append(t.stub.Generate(req, timeout=600))
+            reads = [asyncio.ensure_future(call.read()) for call in calls]
+            grammars = t.servicer.engine.grammars
+            await wait_for_async(lambda: len(grammars._jobs) == 1, 30, "the compile to be submitted")
+            events = await events_of(
+                t.stub, chat("plain", request_id="canary", max_tokens=3, ignore_eos=True)
+            )
+            assert events[-1].finish.reason == common_pb2.FINISH_REASON_LENGTH
+            assert not any(r.done() for r in reads), "the constrained requests still wait for their grammar"
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*reads, return_exceptions=True)
+            await wait_for_async(lambda: not grammars._jobs, 30, "the abandoned compile to be dropped")
 
     run(scenario())
 

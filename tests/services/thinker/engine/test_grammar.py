@@ -1,17 +1,23 @@
 """Grammar-constrained sampling: the engine (a random one-layer model, the tiny checkpoint's tokenizer)
 steered into valid output — 20 random JSON schemas validated with `jsonschema`, JSON objects, EBNF —
-alongside unconstrained requests in the same batch; schemas that do not compile named precisely."""
+alongside unconstrained requests in the same batch; schemas that do not compile named precisely; the
+masks filled on their own thread while the forward runs; a grammar that cannot go on ends its
+request with an error, the others go on."""
 
 from __future__ import annotations
 
 import json
 import random
+import threading
 
 import jsonschema
 import pytest
+import torch
+import xgrammar
 from omnistage.common.config import EngineConfig
 from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.grammar import GrammarError, Grammars, GrammarSpec
+from omnistage.services.thinker.engine.grammar_masks import GrammarMasks
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
@@ -128,3 +134,68 @@ def test_the_same_schema_compiles_once(grammars):
     size = compiler.get_cache_size_bytes()
     grammars.compile(GrammarSpec("json_schema", text))
     assert size > 0 and compiler.get_cache_size_bytes() == size
+
+
+def test_the_masks_are_filled_on_their_own_thread_while_the_forward_runs(tok, grammars, monkeypatch):
+    """The per-step grammar work does not add to every stream's step: each step's fill has run, on
+    the mask thread, by the time the forward starts (it waits for it here, at most 10 s)."""
+    filled, threads = threading.Event(), set()
+    for cls, name in (
+        (xgrammar.GrammarMatcher, "fill_next_token_bitmask"),
+        (xgrammar.BatchGrammarMatcher, "batch_fill_next_token_bitmask"),
+    ):
+
+        def fill(self, *args, _original=getattr(cls, name), **kw):
+            _original(self, *args, **kw)
+            threads.add(threading.current_thread().name)
+            filled.set()
+
+        monkeypatch.setattr(cls, name, fill)
+    eng = engine(tok)
+    forward, during = eng.runner.execute_step, []
+
+    def execute_step(plan):
+        during.append(filled.wait(timeout=10))
+        filled.clear()
+        return forward(plan)
+
+    eng.runner.execute_step = execute_step
+    params = constrained(grammars, "ebnf", 'root ::= "yes" | "no"', max_tokens=5)
+    (result,) = eng.generate([tok.encode("Answer:")], params)
+    assert result.text in ("yes", "no") and len(during) >= 2
+    assert all(during), f"fill done before each forward: {during}"
+    assert threads == {"grammar-mask_0"}
+
+
+def test_a_grammar_that_has_ended_ends_its_request_with_an_error_and_the_others_go_on(tok, grammars):
+    """ignore_eos past the grammar's end (the proto refuses it; the engine's own callers need not):
+    its next token cannot be masked. Once the whole engine failed here; now that request ends."""
+    done = constrained(grammars, "ebnf", 'root ::= "yes"', max_tokens=8, ignore_eos=True)
+    free = SamplingParams(max_tokens=8, ignore_eos=True)
+    ended, other = engine(tok).generate([tok.encode("Say yes:")] * 2, [done, free])
+    assert ended.finish_reason is FinishReason.ERROR and ended.text.startswith("yes")
+    assert ended.message.startswith("sampling.constraint: the grammar had already ended")
+    assert other.finish_reason is FinishReason.LENGTH and len(other.token_ids) == 8
+
+
+def test_a_token_the_grammar_refuses_ends_its_request_naming_it(tok, grammars):
+    """The mask lets only accepted tokens through; should one be refused all the same (a mask and a
+    matcher that disagree), the request ends saying so instead of going on outside its grammar."""
+
+    class Seq:
+        def __init__(self, grammar) -> None:
+            self.matcher = grammar.matcher() if grammar is not None else None
+
+    yes_no = grammars.compile(GrammarSpec("ebnf", 'root ::= "yes" | "no"'))
+    masks = GrammarMasks()
+    try:
+        pending = masks.begin([Seq(None), Seq(yes_no), Seq(yes_no)])
+        pending.apply(torch.zeros(3, tok.vocab_size))
+        allowed = tok.encode("yes")[0]
+        refused = tok.encode("{")[0]
+        assert pending.accept([refused, refused, allowed]) == {
+            1: f"sampling.constraint: the grammar refused the sampled token {refused}"
+        }
+        assert masks.begin([Seq(None)]) is None
+    finally:
+        masks.close()
