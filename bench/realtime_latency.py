@@ -19,8 +19,8 @@ Results, rewritten after every level: OUT/realtime_latency.json = {"device", "da
 "stopped_to_first_text_p50_ms", "first_turn_p50_ms", "later_turns_p50_ms", "server_ttft_mean_ms",
 "server_ttfa_mean_ms", "stage_means", "errors"}]} (server_*: the gateway's own histograms over the
 level, from the turn's arrival at the gateway; stage_means: every service's latency histograms'
-means over the level, bench/stage_metrics.py) and OUT/realtime_latency.md. A run on the CPU writes under its own
-name (realtime_latency.cpu.json) unless --out is given: it never replaces a GPU record.
+means over the level, bench/stage_metrics.py) and OUT/realtime_latency.md. A CPU (or --tiny) run
+writes its file only where it holds no GPU run (common/bench_results.py; else give --out).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "load_tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from omnistage.common.bench_results import check_result, write_result  # noqa: E402
 from omnistage.common.checkpoint.config_only import write_config_checkpoint  # noqa: E402
 from omnistage.common.config import load_config  # noqa: E402
 from omnistage.common.load_stats import percentile  # noqa: E402
@@ -225,10 +226,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = device_name()
-    on_gpu = not device.startswith("cpu")
+    gpu = not device.startswith("cpu") and not args.tiny
     out = Path(args.out or ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    stem = "realtime_latency" if on_gpu or args.out else "realtime_latency.cpu"
+    stem = "realtime_latency"
+    check_result(out / f"{stem}.json", gpu=gpu)  # before the run: a CPU run never replaces a GPU record
     data = {
         "device": device,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         if row is not None:
             data["rows"].append(row)
             print(table([row]).splitlines()[-1], flush=True)
-        (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+        write_result(out / f"{stem}.json", data, gpu=gpu)
         (out / f"{stem}.md").write_text(table(data["rows"]) + "\n")
 
     speech = silence(0.2, RATE) + pcm16(speech_like(args.speech_s, RATE))
