@@ -28,6 +28,9 @@ class EngineConfig:
     max_model_len: int = 2048
     # Split long prompts into chunks of at most max_num_batched_tokens, mixed with decodes.
     chunked_prefill: bool = True
+    # Prompt tokens a step computes while other sequences decode (chunked prefill only): bounds how
+    # long a decode waits behind a long prompt; 0 means whatever max_num_batched_tokens leaves.
+    prefill_tokens_while_decoding: int = 0
     # max_tokens when a request gives 0; requests may not exceed max_model_len - prompt.
     default_max_tokens: int = 256
     # Requests waiting beyond the running ones before RESOURCE_EXHAUSTED.
@@ -64,6 +67,7 @@ class EngineConfig:
             (
                 "num_kv_blocks",
                 "max_queued_requests",
+                "prefill_tokens_while_decoding",
                 "kv_tokens",
                 "kv_canary_bytes",
                 "kv_probe_tokens",
