@@ -8,7 +8,7 @@ from omnistage.common.config.checks import ConfigError, positive_fields
 
 # The thinker's kernel choices (engine.attention_backend / engine.moe_backend); `auto` takes the
 # fastest one the device runs (services/thinker/models/layers/backends.py).
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 MOE_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -46,7 +46,8 @@ class EngineConfig:
     kv_canary_bytes: int = 256 * 1024 * 1024
     # KV tokens of the probe cache used while measuring the peak; 0 means chosen by the engine.
     kv_probe_tokens: int = 0
-    # Attention kernels: auto | torch (reference) | triton (paged decode + KV writes in Triton).
+    # Attention kernels: auto | torch (reference) | triton (paged prefill, decode and KV writes in
+    # Triton) | flashinfer (prefill and mixed steps through FlashInfer, the rest as triton).
     attention_backend: str = "auto"
     # Routed-expert kernels: auto | torch (reference, one GEMM pair per expert) | triton (fused MoE).
     moe_backend: str = "auto"
