@@ -20,6 +20,7 @@ class EngineMetrics:
 
     def __init__(self, service: str, engine: LLMEngine) -> None:
         self.service = service
+        self.engine = engine
         label = (service,)
         scheduler = engine.scheduler
         blocks = scheduler.block_manager
@@ -63,6 +64,19 @@ class EngineMetrics:
             "Sequences preempted (KV blocks freed, recomputed on readmission) for want of KV cache",
         ).labels(*label)
         self.blocks = blocks
+        phases = metrics.histogram(
+            "thinker_step_phase_seconds",
+            "Host time of one engine step by phase (schedule, plan, launch, sample, output) and kind "
+            "(prefill: it computes prompt tokens; decode); on a GPU the forward's device time ends "
+            "inside `sample`, which waits for the logits",
+            ("phase", "step"),
+            buckets=metrics.FINE_BUCKETS_S,
+        )
+        self.phases = {
+            (p, k): phases.labels(service, p, k)
+            for p in ("schedule", "plan", "launch", "sample", "output")
+            for k in ("prefill", "decode")
+        }
         self.cache_queries = metrics.counter(
             "thinker_prefix_cache_queries",
             "Tokens of sequences looked up in the prefix cache at admission "
@@ -85,6 +99,9 @@ class EngineMetrics:
 
     def on_step(self, batch: ScheduledBatch, now: float) -> None:
         self._cache_counts()
+        kind = "prefill" if batch.admitted or any(n > 1 for _, n in batch.scheduled) else "decode"
+        for phase, seconds in self.engine.step_times.seconds.items():
+            self.phases[phase, kind].observe(seconds)
         for seq in batch.admitted:
             self.queue.observe(seq.first_scheduled_time - seq.arrival_time)
             self.prompt_tokens.inc(seq.num_prompt_tokens)
