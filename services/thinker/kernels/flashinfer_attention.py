@@ -56,18 +56,15 @@ def kv_layout(
 ) -> tuple[torch.Tensor, ...]:
     """The step as FlashInfer's ragged batch, on the host: (qo_indptr, kv_indptr, kv_indices,
     kv_last_page_len), int32. `tables` [S, W] are the host block tables (-1 padded)."""
-    pages = [-(-c // page) for c in context_lens]
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+    pages = (ctx + page - 1) // page
     qo = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     qo[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
-    kv = torch.zeros(len(pages) + 1, dtype=torch.int32)
-    kv[1:] = torch.tensor(pages, dtype=torch.int32).cumsum(0)
-    width = tables.shape[1]
-    flat = [i * width + j for i, n in enumerate(pages) for j in range(n)]
-    indices = tables.reshape(-1)[torch.tensor(flat, dtype=torch.int64)].to(torch.int32)
-    last = torch.tensor(
-        [c - (n - 1) * page for c, n in zip(context_lens, pages, strict=True)], dtype=torch.int32
-    )
-    return qo, kv, indices, last
+    kv = torch.zeros(len(context_lens) + 1, dtype=torch.int32)
+    kv[1:] = pages.cumsum(0)
+    used = torch.arange(tables.shape[1])[None, :] < pages[:, None]  # each row's first `pages` blocks
+    indices = tables[used].to(torch.int32)
+    return qo, kv, indices, ctx - (pages - 1) * page
 
 
 class FlashInferPrefill:

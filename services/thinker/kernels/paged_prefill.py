@@ -42,6 +42,36 @@ def prefill_tiles(query_lens: list[int], context_lens: list[int], block_q: int) 
 
 
 @triton.jit
+def _online_softmax_step(q, k, v, allowed, m, s, acc, scale_log2, PRECISION: tl.constexpr):
+    """One key block of the online softmax (base 2): the running max, sum and output rows updated.
+    Key 0 is in every row's first block (its query position is >= 0), so m is finite from then on."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    s = s * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, s, acc
+
+
+@triton.jit
+def _tile_rows(tiles_ptr, group, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """This program's tile: its sequence, the flattened token row of each of its BLOCK_Q x GROUP_PAD
+    rows, each row's GQA head within the group, which rows are real, each row's cache position, and
+    the end of the keys the tile sees (its last query sits at pos0 + n - 1)."""
+    tile = tiles_ptr + tl.program_id(0) * 5
+    seq = tl.load(tile).to(tl.int64)
+    row0 = tl.load(tile + 1).to(tl.int64)
+    n = tl.load(tile + 2)
+    pos0 = tl.load(tile + 3)
+    r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    tok = r // GROUP_PAD
+    g = r % GROUP_PAD
+    return seq, (row0 + tok).to(tl.int64), g, (tok < n) & (g < group), pos0 + tok, pos0 + n
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -68,46 +98,25 @@ def _prefill_kernel(
 ):
     """One (tile, KV head): BLOCK_Q tokens x GROUP_PAD heads over the causal keys, online softmax in
     fp32 (base 2, the scale folded into the exponent)."""
-    tile = tiles_ptr + tl.program_id(0) * 5
     kvh = tl.program_id(1)
-    seq = tl.load(tile).to(tl.int64)
-    row0 = tl.load(tile + 1).to(tl.int64)
-    n = tl.load(tile + 2)
-    pos0 = tl.load(tile + 3)
-    r = tl.arange(0, BLOCK_Q * GROUP_PAD)
-    tok = r // GROUP_PAD
-    g = r % GROUP_PAD
-    row_ok = (tok < n) & (g < group)
+    seq, q_rows, g, row_ok, qpos, end = _tile_rows(tiles_ptr, group, GROUP_PAD, BLOCK_Q)
     head = kvh * group + g
     d = tl.arange(0, HEAD_DIM)
-    q_rows = (row0 + tok).to(tl.int64)
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    qpos = pos0 + tok
-    end = pos0 + n  # the tile's last query sits at pos0 + n - 1: no key past it is seen
+    q_off = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
     m = tl.full((BLOCK_Q * GROUP_PAD,), float("-inf"), dtype=tl.float32)
     s = tl.zeros((BLOCK_Q * GROUP_PAD,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_Q * GROUP_PAD, HEAD_DIM), dtype=tl.float32)
-    offs = tl.arange(0, BLOCK_KV)
+    table = tables_ptr + seq * stride_tb
     for start in range(0, end, BLOCK_KV):
-        kt = start + offs
+        kt = start + tl.arange(0, BLOCK_KV)
         k_ok = kt < end
-        block = tl.load(tables_ptr + seq * stride_tb + kt // PAGE, mask=k_ok, other=0).to(tl.int64)
+        block = tl.load(table + kt // PAGE, mask=k_ok, other=0).to(tl.int64)
         kv_off = block[:, None] * stride_cb + (kt % PAGE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=k_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=k_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        scores = tl.where((kt[None, :] <= qpos[:, None]) & k_ok[None, :], scores, float("-inf"))
-        # Key 0 is in every row's first block (qpos >= 0), so m is finite from the first block on.
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        s = s * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        allowed = (kt[None, :] <= qpos[:, None]) & k_ok[None, :]
+        m, s, acc = _online_softmax_step(q, k, v, allowed, m, s, acc, scale_log2, PRECISION)
     out = acc / tl.maximum(s, 1e-30)[:, None]
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
