@@ -68,8 +68,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument(
+        "--device", default="cuda:0", help="cpu: a smoke run of this script under TRITON_INTERPRET=1"
+    )
     args = ap.parse_args()
-    setup_logging("warning")
+    setup_logging("prefill-check", level="warning")
     started = time.monotonic()
     result: dict = {"steps": args.steps, "fp32_equal_cpu": {}, "fp32_agreed_steps": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,7 +80,7 @@ def main() -> int:
         cpu = tokens(ckpt, "cpu", "torch", "torch", "float32", args.steps)
         for attention, moe in COMBOS:
             name = f"attention={attention},moe={moe}"
-            got = tokens(ckpt, "cuda:0", attention, moe, "float32", args.steps)
+            got = tokens(ckpt, args.device, attention, moe, "float32", args.steps)
             result["fp32_equal_cpu"][name] = got == cpu
             result["fp32_agreed_steps"][name] = [agreed_steps(a, b) for a, b in zip(got, cpu, strict=True)]
             print(f"fp32 {name}: {'equal' if got == cpu else 'DIFFERENT'}", flush=True)
