@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run HERE (a machine with PyPI), once, before bench/prefill_ttft.sh on a GPU machine without network:
-# packs into .cache/flashinfer-carry/ (git-ignored; carry it, ~4.5 MB) what that run needs beyond
+# packs into .cache/flashinfer-carry/ (git-ignored; carry it, ~4.9 MB) what that run needs beyond
 # .cache/transport-whl:
 #   flashinfer.tar.xz   flashinfer-python (the version services/thinker/kernels/flashinfer_attention.py
 #                       pins: a pure-Python wheel whose kernels are JIT-built by the machine's nvcc) as an
@@ -14,9 +14,11 @@
 #   silero/             the silero-vad package reduced to its ONNX model (2.3 MB instead of 11 MB): the
 #                       gateway's HTTP front loads it at start-up (short_http), so transport-whl can be
 #                       made with `--skip silero-vad`.
+#   ming-flash-config.tar.xz  the config-only Ming-flash checkpoint (`omnistage make-config-checkpoint
+#                       --shape ming-flash`: 29 MB, nearly all its tokenizer padded to the release's
+#                       vocabulary; 0.3 MB as tar.xz).
 # The whole carry for bench/prefill_ttft.sh: .cache/transport-whl (bench/device_wheels.sh --skip
-# silero-vad, ~50 MB), .cache/flashinfer-carry, .cache/ming-flash-config (omnistage make-config-checkpoint
-# --shape ming-flash .cache/ming-flash-config, 0.6 MB) and the tree (~4 MB): ~59 MB of the 64 MiB.
+# silero-vad, ~50 MB), .cache/flashinfer-carry (~4.9 MB) and the tree (~4 MB): ~58 MiB of the 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=$(sed -n 's/^FLASHINFER_VERSION = "\(.*\)".*/\1/p' services/thinker/kernels/flashinfer_attention.py)
@@ -47,4 +49,8 @@ tar -C "$tmp/pkg" -cJf "$dest/flashinfer.tar.xz" .
 if ! ls .cache/transport-whl/apache_tvm_ffi-*.whl >/dev/null 2>&1; then
   python3 -m pip download -q --no-deps "${platform[@]}" -d "$dest" "apache-tvm-ffi>=0.1,<0.2"
 fi
+PY=python3
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+$PY -m omnistage.common.cli make-config-checkpoint --shape ming-flash "$tmp/ming-flash-config" >/dev/null
+tar -C "$tmp" -cJf "$dest/ming-flash-config.tar.xz" ming-flash-config
 du -sh "$dest" "$dest"/*

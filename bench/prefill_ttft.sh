@@ -6,11 +6,10 @@
 # CPU tiny run (deploy/local-tiny.yaml: how this script is checked here; it never writes the GPU file).
 # Here, first (a machine with PyPI):
 #   bash bench/device_wheels.sh --skip silero-vad       # .cache/transport-whl, ~50 MB
-#   bash bench/flashinfer_carry.sh                       # .cache/flashinfer-carry, ~4.5 MB
-#   .venv/bin/omnistage make-config-checkpoint --shape ming-flash .cache/ming-flash-config
-# then carry .cache/transport-whl, .cache/flashinfer-carry and .cache/ming-flash-config (~59 MB with the
-# tree). On the device, in order:
-#   1. the carried wheels into /tmp/site (device_env.sh), FlashInfer unpacked into /tmp/flashinfer;
+#   bash bench/flashinfer_carry.sh                       # .cache/flashinfer-carry, ~4.9 MB
+# then carry .cache/transport-whl and .cache/flashinfer-carry (~58 MiB with the tree). On the device:
+#   1. the carried wheels into /tmp/site (device_env.sh), FlashInfer unpacked into /tmp/flashinfer,
+#      the config-only Ming-flash checkpoint into .cache/ming-flash-config;
 #   2. FlashInfer's kernels built (bench/flashinfer_prebuild.py: fa3 and fa2 in parallel, ~70 s of nvcc)
 #      while bench/prefill_check.py runs the fp32 / bf16 correctness check on GPU 0 (~1-2 min);
 #   3. bench/prefill_ttft.py: one serve per backend (triton, then flashinfer; ~1 min to start each),
@@ -29,15 +28,19 @@ args=()
 case "$config" in *local-tiny*) args+=(--tiny --free-ports) ;; esac
 if [ "$gpus" -gt 0 ]; then
   args+=(--budget-s "${BUDGET_S:-150}")
-  [ -f .cache/ming-flash-config/config.json ] && args+=(--checkpoint .cache/ming-flash-config)
   carry=.cache/flashinfer-carry
+  if [ -f "$carry/ming-flash-config.tar.xz" ] && [ ! -f .cache/ming-flash-config/config.json ]; then
+    python3 -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
+      "$carry/ming-flash-config.tar.xz" .cache
+  fi
+  [ -f .cache/ming-flash-config/config.json ] && args+=(--checkpoint .cache/ming-flash-config)
   if [ -d "$carry/silero" ]; then export PYTHONPATH=$PWD/$carry/silero:${PYTHONPATH:-}; fi
   if ls "$carry"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$carry"/*.whl
   fi
   if [ -f "$carry/flashinfer.tar.xz" ]; then
     mkdir -p /tmp/flashinfer
-    python3 -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
+    python3 -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
       "$carry/flashinfer.tar.xz" /tmp/flashinfer
     export PYTHONPATH=/tmp/flashinfer:${PYTHONPATH:-}
     $PY -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || echo "flashinfer does not import"
