@@ -74,7 +74,8 @@ def _run(ckpt, device: str, dtype: str, tp: int, prompts, max_tokens: int):
         local_ranks.join_workers(procs, 120)
 
 
-def _agree(a: list[int], b: list[int]) -> int:
+def agreed_steps(a: list[int], b: list[int]) -> int:
+    """Steps two greedy token lists agree on, up to their first divergence."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -105,7 +106,7 @@ def main() -> None:
             logits, tokens, speed = _run(ckpt, "cuda", dtype, tp, prompts, args.max_tokens)
             rel = ((logits - ref_logits).norm() / ref_logits.norm()).item()
             identical = sum(a == b for a, b in zip(tokens, ref_tokens, strict=True))
-            agree = [_agree(a, b) for a, b in zip(tokens, ref_tokens, strict=True)]
+            agree = [agreed_steps(a, b) for a, b in zip(tokens, ref_tokens, strict=True)]
             rows.append((tp, dtype, rel, identical, min(agree), sum(agree) / len(agree), speed))
     print(
         "\n| TP | dtype | first-step logits rel. err vs CPU fp32 | prompts with identical greedy tokens "

@@ -8,7 +8,7 @@ from omnistage.common.config.checks import ConfigError, positive_fields
 
 # The thinker's kernel choices (engine.attention_backend / engine.moe_backend); `auto` takes the
 # fastest one the device runs (services/thinker/models/layers/backends.py).
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 MOE_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -28,6 +28,9 @@ class EngineConfig:
     max_model_len: int = 2048
     # Split long prompts into chunks of at most max_num_batched_tokens, mixed with decodes.
     chunked_prefill: bool = True
+    # Prompt tokens a step computes while other sequences decode (chunked prefill only): bounds how
+    # long a decode waits behind a long prompt; 0 means whatever max_num_batched_tokens leaves.
+    prefill_tokens_while_decoding: int = 0
     # max_tokens when a request gives 0; requests may not exceed max_model_len - prompt.
     default_max_tokens: int = 256
     # Requests waiting beyond the running ones before RESOURCE_EXHAUSTED.
@@ -43,7 +46,8 @@ class EngineConfig:
     kv_canary_bytes: int = 256 * 1024 * 1024
     # KV tokens of the probe cache used while measuring the peak; 0 means chosen by the engine.
     kv_probe_tokens: int = 0
-    # Attention kernels: auto | torch (reference) | triton (paged decode + KV writes in Triton).
+    # Attention kernels: auto | torch (reference) | triton (paged prefill, decode and KV writes in
+    # Triton) | flashinfer (prefill and mixed steps through FlashInfer, the rest as triton).
     attention_backend: str = "auto"
     # Routed-expert kernels: auto | torch (reference, one GEMM pair per expert) | triton (fused MoE).
     moe_backend: str = "auto"
@@ -78,6 +82,7 @@ class EngineConfig:
             (
                 "num_kv_blocks",
                 "max_queued_requests",
+                "prefill_tokens_while_decoding",
                 "kv_tokens",
                 "kv_canary_bytes",
                 "kv_probe_tokens",

@@ -15,11 +15,29 @@ if TYPE_CHECKING:
 FINISH_REASONS = tuple(r.value for r in FinishReason)
 
 
+def step_phase_histograms(service: str) -> dict[tuple[str, str], object]:
+    """omnistage_thinker_step_phase_seconds by (phase, step kind), exported from the start."""
+    phases = metrics.histogram(
+        "thinker_step_phase_seconds",
+        "Host time of one engine step by phase (schedule, plan, launch, sample, output) and kind "
+        "(prefill: it computes prompt tokens; decode); on a GPU the forward's device time ends "
+        "inside `sample`, which waits for the logits",
+        ("phase", "step"),
+        buckets=metrics.FINE_BUCKETS_S,
+    )
+    return {
+        (p, k): phases.labels(service, p, k)
+        for p in ("schedule", "plan", "launch", "sample", "output")
+        for k in ("prefill", "decode")
+    }
+
+
 class EngineMetrics:
     """The `StepObserver` of one LLMEngine (set `engine.stats` after the warm-up)."""
 
     def __init__(self, service: str, engine: LLMEngine) -> None:
         self.service = service
+        self.engine = engine
         label = (service,)
         scheduler = engine.scheduler
         blocks = scheduler.block_manager
@@ -63,6 +81,15 @@ class EngineMetrics:
             "Sequences preempted (KV blocks freed, recomputed on readmission) for want of KV cache",
         ).labels(*label)
         self.blocks = blocks
+        self.phases = step_phase_histograms(service)
+        self._prefix_cache_metrics(label)
+        self._seen = dataclasses.replace(blocks.stats)
+        finished = metrics.counter("thinker_requests", "Requests ended, by finish reason", ("finish_reason",))
+        self.finished = {r: finished.labels(service, r) for r in FINISH_REASONS}
+
+    def _prefix_cache_metrics(self, label: tuple[str, ...]) -> None:
+        """The prefix cache's counters (queries, hits, evictions) and its blocks gauge."""
+        blocks = self.blocks
         self.cache_queries = metrics.counter(
             "thinker_prefix_cache_queries",
             "Tokens of sequences looked up in the prefix cache at admission "
@@ -79,12 +106,12 @@ class EngineMetrics:
         metrics.gauge(
             "thinker_prefix_cache_blocks", "KV blocks holding an indexed prefix now (held or free)"
         ).labels(*label).set_function(lambda: blocks.num_cached_blocks)
-        self._seen = dataclasses.replace(blocks.stats)
-        finished = metrics.counter("thinker_requests", "Requests ended, by finish reason", ("finish_reason",))
-        self.finished = {r: finished.labels(service, r) for r in FINISH_REASONS}
 
     def on_step(self, batch: ScheduledBatch, now: float) -> None:
         self._cache_counts()
+        kind = "prefill" if batch.admitted or any(n > 1 for _, n in batch.scheduled) else "decode"
+        for phase, seconds in self.engine.step_times.seconds.items():
+            self.phases[phase, kind].observe(seconds)
         for seq in batch.admitted:
             self.queue.observe(seq.first_scheduled_time - seq.arrival_time)
             self.prompt_tokens.inc(seq.num_prompt_tokens)

@@ -24,6 +24,7 @@ class ResolvedEngineConfig:
     default_max_tokens: int
     max_queued_requests: int
     prefix_caching: bool = True
+    prefill_tokens_while_decoding: int = 0  # 0: no cap beyond max_num_batched_tokens
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -56,4 +57,5 @@ def resolve_engine_config(cfg: EngineConfig, num_kv_blocks: int | None = None) -
         default_max_tokens=cfg.default_max_tokens,
         max_queued_requests=cfg.max_queued_requests,
         prefix_caching=cfg.prefix_caching,
+        prefill_tokens_while_decoding=cfg.prefill_tokens_while_decoding,
     )

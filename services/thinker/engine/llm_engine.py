@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from omnistage.common.log import get_logger
@@ -29,6 +30,7 @@ from omnistage.services.thinker.tp.distributed import TPControl, TPError
 from omnistage.services.thinker.tp.plan import StepPlan
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 class RequestError(ValueError):
@@ -76,6 +78,22 @@ class GenerateResult:
     message: str = ""  # why it ended with FinishReason.ERROR
 
 
+@dataclass
+class StepTimes:
+    """Where one step's host time went, in seconds per phase: schedule, plan (built and sent to the TP
+    group), launch (the forward's kernels queued: on a GPU the device runs on behind it), sample
+    (waits for the device's logits, then picks the tokens), output (stops, detokenize, emit)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def timed(self, phase: str, fn: Callable[[], T]) -> T:
+        started = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.seconds[phase] = time.perf_counter() - started
+
+
 class StepObserver(Protocol):
     """Told what each step did (rank 0, engine thread; after the step's outputs are made)."""
 
@@ -110,6 +128,7 @@ class LLMEngine:
         self.closed = False
         # What each step did, for metrics (engine_metrics.py); None: nothing is recorded.
         self.stats: StepObserver | None = None
+        self.step_times = StepTimes()  # the last step's phases (metrics, the profile benchmark)
         self._generate_ids = itertools.count()
 
     # --- requests -------------------------------------------------------------------------------
@@ -210,14 +229,19 @@ class LLMEngine:
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        times = self.step_times = StepTimes()
+        batch = times.timed("schedule", self.scheduler.schedule)
         mask = self.grammar_masks.begin(batch.sampling_seqs)  # filled while the forward runs
         out = self._run(batch)
-        sampled = (
-            self.sampler(out.logits, batch.sampling_seqs, mask)
-            if out.logits is not None
-            else SamplerOutput([], [])
+        sampled = times.timed(
+            "sample",
+            lambda: (
+                self.sampler(out.logits, batch.sampling_seqs, mask)
+                if out.logits is not None
+                else SamplerOutput([], [])
+            ),
         )
+        started = time.perf_counter()
         self._keep_hidden(batch, out.hidden)
         self.scheduler.postprocess(batch, sampled.token_ids)
         for i, why in sampled.ended.items():  # its grammar cannot go on: ended, never kept going
@@ -227,6 +251,7 @@ class LLMEngine:
         now = time.monotonic()
         outputs = self._emit(batch.sampling_seqs, sampled, now)
         outputs += [self._hidden_output(s, now) for s in batch.completing_hidden]
+        times.seconds["output"] = time.perf_counter() - started
         if self.stats is not None:
             self.stats.on_step(batch, now)
         return outputs
@@ -234,12 +259,15 @@ class LLMEngine:
     def _run(self, batch: ScheduledBatch) -> StepOutput:
         if batch.is_empty:
             return StepOutput()
+        times = self.step_times
         # A failed broadcast is reported to the group inside broadcast_plan (TPError).
-        plan = self.control.broadcast_plan(build_step_plan(batch.scheduled, self.cfg.block_size))
+        plan = times.timed(
+            "plan", lambda: self.control.broadcast_plan(build_step_plan(batch.scheduled, self.cfg.block_size))
+        )
         self.last_plan_time = time.monotonic()
         self.num_steps += 1
         try:
-            return self.runner.execute_step(plan)
+            return times.timed("launch", lambda: self.runner.execute_step(plan))
         except Exception as exc:  # every rank leaves with the group's first diagnostic
             raise TPError(self.control.fail(f"step {self.control.num_plans - 1} forward", exc)) from exc
 

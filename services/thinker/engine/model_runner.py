@@ -173,6 +173,7 @@ class ModelRunner:
             slot_mapping=plan.slot_mapping.to(dev, non_blocking=True),
             block_tables=plan.block_tables.to(dev, non_blocking=True),
             context_lens_tensor=plan.context_lens.to(dev, torch.int32, non_blocking=True),
+            host_block_tables=plan.block_tables,
         )
         with attention_metadata(md):
             hidden = self.model(

@@ -82,13 +82,34 @@ class Scheduler:
         self.seqs.pop(seq.request_id, None)
 
     def schedule(self) -> ScheduledBatch:
+        """Decodes first, then prompt work within what is left: the running sequences' next chunks in
+        order, then new admissions in arrival order (every request that arrived since the last step
+        and fits the budgets joins this one). While any sequence decodes, prompt work is capped at
+        `prefill_tokens_while_decoding` (chunked prefill only): a long prompt costs the streams a few
+        bounded steps instead of one long one, and a decode never waits for a budget."""
         batch = ScheduledBatch()
+        self.running.sort(key=lambda s: s.num_uncomputed_tokens != 1)  # stable: decodes first, in order
+        budget = self._schedule_running(batch)
+        if not batch.preempted:
+            self._admit(batch, budget)
+        for seq, n in batch.scheduled:
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                (batch.completing_hidden if seq.wants_hidden_states else batch.sampling_seqs).append(seq)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch) -> int:
+        """Each running sequence its next tokens, in order, within the step's budgets; when the cache
+        has no room the youngest running sequences are preempted (recomputed later), possibly the
+        sequence itself. Returns the prompt tokens left for admissions."""
         budget = self.cfg.max_num_batched_tokens
+        capped = False
         queue = list(self.running)
         kept: list[Sequence] = []
         while queue:
             seq = queue.pop(0)
             kept.append(seq)
+            if not capped and seq.num_uncomputed_tokens != 1:  # the first prompt chunk: decodes are done
+                budget, capped = self._prompt_budget(batch, budget), True
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
                 continue  # out of token budget: stays running, holds its blocks
@@ -104,12 +125,14 @@ class Scheduler:
             batch.scheduled.append((seq, num_new))
             budget -= num_new
         self.running = kept
-        if not batch.preempted:
-            self._admit(batch, budget)
-        for seq, n in batch.scheduled:
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                (batch.completing_hidden if seq.wants_hidden_states else batch.sampling_seqs).append(seq)
-        return batch
+        return budget if capped else self._prompt_budget(batch, budget)
+
+    def _prompt_budget(self, batch: ScheduledBatch, budget: int) -> int:
+        """The tokens prompt work may take this step, once the decodes are scheduled."""
+        cap = self.cfg.prefill_tokens_while_decoding
+        if cap and batch.scheduled and self.cfg.chunked_prefill:
+            return min(budget, cap)
+        return budget
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:

@@ -91,9 +91,14 @@ def stress_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
 
 
 def warmup_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
-    """Largest first (the caching allocator keeps their blocks), then the common small decode."""
+    """Largest first (the caching allocator keeps their blocks), then whole prompts that sample (kernel
+    variants the stress shapes miss: the fused MoE's smaller tile bands, a fresh prompt's attention,
+    a first sample; FlashInfer builds its kernels in the first), then the common small decode: no
+    request pays a kernel's first build."""
     small = DummyShape("decode 1 seq @ ctx 1 block", (1,), (min(cfg.block_size, cfg.max_model_len),), True)
-    return [*stress_shapes(cfg), small]
+    sizes = sorted({min(n, cfg.max_num_batched_tokens, cfg.max_model_len - 1) for n in (64, 512)})
+    prompts = [DummyShape(f"prompt {n} tokens", (n,), (n,), sample=True) for n in sizes if n > 0]
+    return [*stress_shapes(cfg), *prompts, small]
 
 
 def dummy_plan(shape: DummyShape, block_size: int) -> StepPlan:

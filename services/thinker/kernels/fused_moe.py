@@ -1,4 +1,5 @@
-"""Routed experts in two Triton launches, with no host sync (so a decode step can be a CUDA graph)."""
+"""Routed experts in Triton with no host sync (so a decode step can be a CUDA graph): the pairs laid
+out by expert in block-padded runs, then the two GEMMs over those runs."""
 
 from __future__ import annotations
 
@@ -31,35 +32,42 @@ def choose_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
     return MoeTiles(64, 128, 64, 8, 3)
 
 
+# Pairs each counting program takes: a decode step's pairs in one program, a prefill's over many.
+COUNT_SPAN = 512
+
+
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Rows of the sorted layout in the worst case: every hit expert's run padded by block_m - 1."""
     worst = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     return -(-worst // block_m) * block_m
 
 
-@triton.jit
-def _align_kernel(
-    ids_ptr,
-    counts_ptr,
-    ends_ptr,
-    cursor_ptr,
-    num_rows_ptr,
-    num_pairs,
-    NUM_EXPERTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr,
+@triton.jit(do_not_specialize=["num_pairs"])
+def _count_kernel(
+    ids_ptr, counts_ptr, num_pairs, NUM_EXPERTS: tl.constexpr, CHUNK: tl.constexpr, SPAN: tl.constexpr
 ):
-    """One program: pairs per expert, each expert's run padded to whole blocks and laid end to end
-    (`ends`, and the run starts as the scatter's cursors), and the rows in use."""
+    """Pairs per expert: each program counts SPAN pairs (CHUNK at a time) and adds its counts to the
+    zeroed `counts` atomically, so a prefill's tens of thousands of pairs are counted in parallel."""
     experts = tl.arange(0, NUM_EXPERTS)
     counts = tl.zeros((NUM_EXPERTS,), dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
+    first = tl.program_id(0) * SPAN
+    for start in range(first, tl.minimum(first + SPAN, num_pairs), CHUNK):
         offs = start + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS)
         counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    tl.atomic_add(counts_ptr + experts, counts)
+
+
+@triton.jit
+def _runs_kernel(
+    counts_ptr, ends_ptr, cursor_ptr, num_rows_ptr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr
+):
+    """One program: each expert's run padded to whole blocks and laid end to end (`ends`, and the
+    run starts as the scatter's cursors), and the rows in use."""
+    experts = tl.arange(0, NUM_EXPERTS)
+    counts = tl.load(counts_ptr + experts)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    tl.store(counts_ptr + experts, counts)
     tl.store(ends_ptr + experts, ends)
     tl.store(cursor_ptr + experts, ends - padded)
     tl.store(num_rows_ptr, tl.max(ends, axis=0))
@@ -98,16 +106,18 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     sorted_pairs holds pair indices (token * k + slot) grouped by expert, each expert's run starting
     on a block boundary (`ends`: where each padded run ends; rows past a run's count are padding,
     never written); blocks past `num_rows` are skipped by the kernels. P depends only on T, k, E
-    and block_m (graph-safe). Two launches, no host sync."""
+    and block_m (graph-safe). A zero fill and three launches, no host sync."""
     flat = ids.reshape(-1).to(torch.int32)
     n = flat.numel()
     dev = flat.device
     pairs = torch.empty(max_padded_rows(n, num_experts, block_m), dtype=torch.int32, device=dev)
-    counts, ends, cursor = (torch.empty(num_experts, dtype=torch.int32, device=dev) for _ in range(3))
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    ends, cursor = (torch.empty(num_experts, dtype=torch.int32, device=dev) for _ in range(2))
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](
-        flat, counts, ends, cursor, num_rows, n, NUM_EXPERTS=num_experts, BLOCK_M=block_m, CHUNK=32
+    _count_kernel[(triton.cdiv(n, COUNT_SPAN),)](
+        flat, counts, n, NUM_EXPERTS=num_experts, CHUNK=32, SPAN=COUNT_SPAN
     )
+    _runs_kernel[(1,)](counts, ends, cursor, num_rows, NUM_EXPERTS=num_experts, BLOCK_M=block_m)
     _scatter_kernel[(n,)](flat, pairs, cursor)
     return pairs, counts, ends, num_rows
 

@@ -108,6 +108,23 @@ def _decode_kernel(
     )
 
 
+def paged_strides(
+    q: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor
+) -> tuple[int, ...]:
+    """What both paged kernels (decode, prefill) take after their scalars: query and output strides
+    (token, head), the block-table row stride, the cache's (block, slot, KV head) strides."""
+    return (
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+    )
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -133,14 +150,7 @@ def paged_decode(
         out,
         scale,
         group,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *paged_strides(q, out, block_tables, k_cache),
         HEAD_DIM=head_dim,
         PAGE=page,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),

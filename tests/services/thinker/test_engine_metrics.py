@@ -94,3 +94,15 @@ def test_observe_many_equals_repeated_observe():
         for m in (one, many)
     ]
     assert samples[0] == [(n.replace("many", "x"), lab, v) for n, lab, v in samples[1]]
+
+
+def test_every_step_reports_its_phases_by_kind():
+    engine = make_fake_engine(block_size=8, max_model_len=256, max_num_batched_tokens=256)
+    engine.stats = EngineMetrics("thinker-m4", engine)
+    svc = "thinker-m4"
+    engine.generate(_prompts(3), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert set(engine.step_times.seconds) == {"schedule", "plan", "launch", "sample", "output"}
+    for phase in ("schedule", "plan", "launch", "sample", "output"):
+        prefill = _value("omnistage_thinker_step_phase_seconds_count", svc, phase=phase, step="prefill")
+        decode = _value("omnistage_thinker_step_phase_seconds_count", svc, phase=phase, step="decode")
+        assert (prefill, decode) == (1, 4)  # the three prompts in one step, then four decode steps

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     # [num_seqs] context_lens on the device, for kernels that read lengths there (decode graphs).
     context_lens_tensor: torch.Tensor | None = None
+    # block_tables on the host, for backends that plan a step there (FlashInfer); None: not given.
+    host_block_tables: torch.Tensor | None = None
+    # What a backend derives once per step and every layer reuses (a kernel's tile table, a FlashInfer
+    # plan), keyed by the backend; it lives as long as the step's metadata.
+    step_state: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.query_lens) != len(self.context_lens):

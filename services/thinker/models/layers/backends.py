@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from omnistage.common.config import ATTENTION_BACKENDS, MOE_BACKENDS
+from omnistage.common.log import get_logger
 from omnistage.services.thinker.kernels import triton_available
+from omnistage.services.thinker.kernels.flashinfer_attention import FlashInferPrefill, flashinfer_unavailable
 from omnistage.services.thinker.models.layers.attention import (
     TORCH_ATTENTION,
     AttentionMetadata,
     PagedAttention,
-    gather_context,
 )
 from omnistage.services.thinker.models.layers.moe import FusedExperts, GatedMLP, Router
 from omnistage.services.thinker.models.layers.norm import RMSNorm
 from torch import nn
+
+log = get_logger(__name__)
 
 
 class BackendError(ValueError):
@@ -26,14 +29,24 @@ class BackendError(ValueError):
 
 @dataclass(frozen=True)
 class Backends:
-    """What the model runs on; `graph_safe` when a decode step can be captured as a CUDA graph."""
+    """What the model runs on; `graph_safe` when a decode step can be captured as a CUDA graph.
+
+    `attention` names the prefill (and mixed) steps' kernel: torch | triton | flashinfer. Decode
+    steps run the Triton paged decode kernel under both triton and flashinfer (graph-safe: lengths
+    read on the device), the reference under torch."""
 
     attention: str
     moe: str
 
     @property
     def graph_safe(self) -> bool:
-        return self.attention == "triton" and self.moe == "triton"
+        return self.attention in ("triton", "flashinfer") and self.moe == "triton"
+
+
+# `auto`'s attention for prefill steps on CUDA: the first of these that runs here. The order is the
+# side-by-side measurement's verdict (bench/prefill_ttft.py, bench/RESULTS.md); decode steps always
+# run the Triton kernel, which CUDA graphs capture.
+AUTO_PREFILL_ATTENTION = ("flashinfer", "triton")
 
 
 def _interpreting() -> bool:
@@ -43,7 +56,9 @@ def _interpreting() -> bool:
 def resolve_backends(
     attention: str, moe: str, device: torch.device, block_size: int, head_dim: int
 ) -> Backends:
-    """`auto` → triton on CUDA when triton imports (and the shapes suit the kernels), else torch."""
+    """`auto` → the fastest kernels this device runs (AUTO_PREFILL_ATTENTION for attention, triton
+    experts on CUDA), else torch. An explicit triton that cannot run here is refused; an explicit
+    flashinfer that cannot falls back to what auto would pick without it, with one log line."""
     if attention not in ATTENTION_BACKENDS:
         raise BackendError(
             f"attention backend {attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}"
@@ -52,6 +67,7 @@ def resolve_backends(
         raise BackendError(f"moe backend {moe!r}: expected one of {', '.join(MOE_BACKENDS)}")
     runs_triton = triton_available() and (device.type == "cuda" or _interpreting())
     shapes_ok = block_size >= 16 and _pow2(block_size) and head_dim >= 16 and _pow2(head_dim)
+    fast_attention = runs_triton and device.type == "cuda" and shapes_ok
 
     def pick(name: str, what: str, needs_shapes: bool) -> str:
         if name == "auto":
@@ -71,7 +87,31 @@ def resolve_backends(
             )
         return name
 
-    return Backends(pick(attention, "attention", True), pick(moe, "moe", False))
+    if attention in ("auto", "flashinfer"):
+        chosen = _pick_prefill_attention(attention, device, fast_attention)
+    else:
+        chosen = pick(attention, "attention", True)
+    return Backends(chosen, pick(moe, "moe", False))
+
+
+def _pick_prefill_attention(asked: str, device: torch.device, fast: bool) -> str:
+    """auto or flashinfer: FlashInfer where it runs (and the fast kernels do), else triton, else torch."""
+    fallback = "triton" if fast else "torch"
+    if not fast:
+        if asked == "flashinfer":
+            log.warning("attention_backend flashinfer: the fast kernels do not run here; %s serves", fallback)
+        return fallback
+    order = AUTO_PREFILL_ATTENTION if asked == "auto" else ("flashinfer",)
+    for name in order:
+        if name != "flashinfer":
+            return name
+        why = flashinfer_unavailable(device)
+        if not why:
+            return "flashinfer"
+        log.log(
+            logging.WARNING if asked == "flashinfer" else logging.INFO, "attention: no FlashInfer (%s)", why
+        )
+    return fallback
 
 
 def _pow2(n: int) -> bool:
@@ -81,14 +121,15 @@ def _pow2(n: int) -> bool:
 def install_backends(model: nn.Module, backends: Backends) -> None:
     """Point every layer of `model` at the chosen kernels (None everywhere: the reference).
 
-    attention triton: paged attention + KV writes, and the element-wise work around it (RMSNorm with
-    its residual add, QK-norm + rope, SiLU·mul of the dense and shared-expert MLPs) one launch each.
-    moe triton: the router's group-limited top-k and the routed experts."""
+    attention triton / flashinfer: paged attention + KV writes, and the element-wise work around it
+    (RMSNorm with its residual add, QK-norm + rope, SiLU·mul of the dense and shared-expert MLPs) one
+    launch each. moe triton: the router's group-limited top-k and the routed experts."""
     attention, norm, qk, act = TORCH_ATTENTION, None, None, None
-    if backends.attention == "triton":
+    if backends.attention in ("triton", "flashinfer"):
         from omnistage.services.thinker.kernels import norms
 
-        attention, norm, qk, act = TritonAttention(), norms.rms_norm, norms.qk_norm_rope, norms.silu_and_mul
+        attention = TritonAttention() if backends.attention == "triton" else FlashInferAttention()
+        norm, qk, act = norms.rms_norm, norms.qk_norm_rope, norms.silu_and_mul
     experts, route = None, None
     if backends.moe == "triton":
         from omnistage.services.thinker.kernels.fused_moe import align_supported, fused_experts
@@ -113,13 +154,15 @@ def install_backends(model: nn.Module, backends: Backends) -> None:
 
 
 class TritonAttention:
-    """KV writes and decode steps in Triton (lengths from `context_lens_tensor`: graph-safe);
-    prefill chunks of a mixed step through SDPA, one sequence at a time."""
+    """KV writes, decode steps and prefill / mixed steps in Triton, one launch each per layer: the
+    prefill kernel takes every sequence of the step (decode rows too) through a tile table made once
+    per step (`step_state`); decode steps read their lengths on the device (graph-safe)."""
 
     def __init__(self) -> None:
-        from omnistage.services.thinker.kernels import paged_attention
+        from omnistage.services.thinker.kernels import paged_attention, paged_prefill
 
         self.kernels = paged_attention
+        self.prefill_kernels = paged_prefill
 
     def forward(
         self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
@@ -134,26 +177,28 @@ class TritonAttention:
             return self.kernels.paged_decode(
                 q, layer.k_cache, layer.v_cache, md.block_tables, lens, layer.scale
             )
-        out = torch.empty_like(q)
-        start = 0
-        for i, (qlen, ctx) in enumerate(zip(md.query_lens, md.context_lens, strict=True)):
-            if qlen == 0:
-                continue
-            ki, vi = gather_context(layer, md.block_tables[i], ctx)
-            out[start : start + qlen] = _sdpa(layer, q[start : start + qlen], ki, vi, ctx - qlen)
-            start += qlen
-        return out
+        return self.prefill(layer, q, md)
+
+    def prefill(self, layer: PagedAttention, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        tiles = md.step_state.get("triton_tiles")
+        if tiles is None:
+            block_q = self.prefill_kernels.tile_tokens(layer.num_heads, layer.num_kv_heads)
+            tiles = self.prefill_kernels.prefill_tiles(md.query_lens, md.context_lens, block_q)
+            tiles = md.step_state["triton_tiles"] = tiles.to(q.device, non_blocking=True)
+        return self.prefill_kernels.paged_prefill(
+            q, layer.k_cache, layer.v_cache, md.block_tables, tiles, layer.scale
+        )
 
 
-def _sdpa(
-    layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int
-) -> torch.Tensor:
-    """Causal attention of q (positions offset..) over k/v [ctx, KVH, D] through SDPA's fused kernels."""
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if offset == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=True)
-    else:
-        qpos = torch.arange(q.shape[0], device=q.device)[:, None] + offset
-        mask = torch.arange(k.shape[0], device=q.device)[None, :] <= qpos
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+class FlashInferAttention(TritonAttention):
+    """Prefill and mixed steps through FlashInfer (planned once per step), everything else as
+    TritonAttention; when FlashInfer fails here (import, build, plan, dtype) the Triton prefill
+    kernel serves from then on (one log line)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flashinfer = FlashInferPrefill()
+
+    def prefill(self, layer: PagedAttention, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        out = self.flashinfer.run(q, layer.k_cache, layer.v_cache, md, layer.scale)
+        return super().prefill(layer, q, md) if out is None else out

@@ -39,8 +39,9 @@ def reference(tiny_ckpt):
         dict(max_num_batched_tokens=64),
         dict(max_num_batched_tokens=256, chunked_prefill=False),
         dict(max_num_batched_tokens=64, num_kv_blocks=20),
+        dict(max_num_batched_tokens=256, prefill_tokens_while_decoding=24),
     ],
-    ids=["chunked", "unchunked", "preempting"],
+    ids=["chunked", "unchunked", "preempting", "capped-while-decoding"],
 )
 def test_greedy_tokens_identical_alone_or_among_31_others(tiny_ckpt, reference, kw):
     e = engine(tiny_ckpt, **kw)

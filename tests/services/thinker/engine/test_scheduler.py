@@ -144,3 +144,65 @@ def test_a_decode_that_never_stops_is_impossible():
         steps += 1
         assert steps < 100
     assert q.num_tokens == 24 and q.finish_reason is FinishReason.LENGTH
+
+
+def test_requests_that_arrived_since_the_last_step_are_prefilled_in_one_step():
+    s = make(block_size=4, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64)
+    s.add(seq("first", 5))
+    step(s)
+    for i in range(8):  # eight arrivals while "first" decodes: one step takes them all
+        s.add(seq(f"c{i}", 6))
+    sched, batch = step(s)
+    assert sched == [("first", 1)] + [(f"c{i}", 6) for i in range(8)]
+    assert [q.request_id for q in batch.admitted] == [f"c{i}" for i in range(8)]
+    assert len(batch.sampling_seqs) == 9  # every new request samples its first token in that step
+
+
+def test_a_long_prompt_takes_at_most_the_cap_while_others_decode():
+    s = make(block_size=4, max_num_batched_tokens=32, max_model_len=64, prefill_tokens_while_decoding=8)
+    s.add(seq("a", 3, max_tokens=6))
+    s.add(seq("b", 3, max_tokens=6))
+    assert step(s)[0] == [("a", 3), ("b", 3)]  # nothing decodes yet: no cap
+    s.add(seq("long", 30))
+    steps = [step(s)[0] for _ in range(4)]
+    assert steps[0] == [("a", 1), ("b", 1), ("long", 8)]
+    assert steps[1] == [("a", 1), ("b", 1), ("long", 8)]
+    assert steps[2] == [("a", 1), ("b", 1), ("long", 8)]
+    assert steps[3] == [("a", 1), ("b", 1), ("long", 6)]  # the rest of its prompt, then it samples
+    assert s.seqs["long"].num_output_tokens == 1
+
+
+def test_the_cap_shares_between_a_running_chunk_and_new_arrivals():
+    s = make(block_size=4, max_num_batched_tokens=32, max_model_len=64, prefill_tokens_while_decoding=10)
+    s.add(seq("a", 3, max_tokens=8))
+    step(s)
+    s.add(seq("long", 30))
+    assert step(s)[0] == [("a", 1), ("long", 10)]
+    s.add(seq("late", 4))
+    assert step(s)[0] == [("a", 1), ("long", 10)]  # the chunk under way first: "late" waits
+    assert step(s)[0] == [("a", 1), ("long", 10)]  # the prompt's last chunk: it samples
+    assert step(s)[0] == [("a", 1), ("long", 1), ("late", 4)]  # two decodes, then the next prompt
+
+
+def test_without_decodes_a_prompt_takes_the_whole_budget():
+    s = make(block_size=4, max_num_batched_tokens=32, max_model_len=64, prefill_tokens_while_decoding=8)
+    s.add(seq("long", 40))
+    assert step(s)[0] == [("long", 32)]
+    assert step(s)[0] == [("long", 8)]
+
+
+def test_decodes_are_scheduled_before_prompt_work_whatever_the_running_order():
+    s = make(block_size=4, max_num_batched_tokens=16, max_model_len=64)
+    s.add(seq("long", 40))
+    s.add(seq("d", 3, max_tokens=8))
+    assert step(s)[0] == [("long", 16)]
+    long, d = s.seqs["long"], s.seqs["d"]
+    s.waiting.remove(d)  # put "d" in the running set behind the long prompt's chunks, as if readmitted
+    s.block_manager.allocate(d, 3)
+    d.status = SequenceStatus.RUNNING
+    d.num_computed_tokens = 3
+    d.token_ids.append(5)
+    s.running.append(d)
+    assert s.running == [long, d]
+    sched, _ = step(s)
+    assert sched == [("d", 1), ("long", 15)]  # the decode first; the chunk takes what is left

@@ -15,9 +15,11 @@ import traceback
 import pytest
 from omnistage.common.config import EngineConfig, TPConfig
 from omnistage.common.log import setup_logging
+from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
+from omnistage.services.thinker.group.warmup import warmup_shapes
 
 from tests.services.thinker.group import local_ranks
 
@@ -33,10 +35,13 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(0, 900) for _ in range(rng.randrange(3, 100))] for _ in range(len(PARAMS))]
 
 
-def _fail_after(rank: int, fail_rank: int | None, steps: int = 3, what: str = "forward") -> None:
-    """Make `fail_rank` raise after `steps` forwards (or step plan broadcasts, two calls each)."""
+def _fail_after(rank: int, fail_rank: int | None, steps: int | None = None, what: str = "forward") -> None:
+    """Make `fail_rank` raise after `steps` forwards (or step plan broadcasts, two calls each);
+    default: the warm-up's forwards, so the first serving step fails."""
     if rank != fail_rank:
         return
+    if steps is None:
+        steps = len(warmup_shapes(resolve_engine_config(CFG)))
     import torch.distributed as dist
 
     module, name = (ModelRunner, "execute_step") if what == "forward" else (dist, "broadcast")

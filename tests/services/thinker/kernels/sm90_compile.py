@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 import triton
-from omnistage.services.thinker.kernels import fused_moe, norms, paged_attention, router
+from omnistage.services.thinker.kernels import fused_moe, norms, paged_attention, paged_prefill, router
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -31,17 +31,15 @@ B, I32, F32 = "*bf16", "i32", "fp32"
 MOE_ROWS = {"pairs_ptr": "*i32", "counts_ptr": "*i32", "ends_ptr": "*i32", "num_rows_ptr": "*i32"}
 MOE_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "LOG2_EXPERTS": 8, "PRECISION": "tf32"}
 CASES = {
-    "align": (
-        fused_moe._align_kernel,
-        {
-            "ids_ptr": "*i32",
-            "counts_ptr": "*i32",
-            "ends_ptr": "*i32",
-            "cursor_ptr": "*i32",
-            "num_rows_ptr": "*i32",
-            "num_pairs": I32,
-        },
-        {"NUM_EXPERTS": 256, "BLOCK_M": 16, "CHUNK": 32},
+    "count": (
+        fused_moe._count_kernel,
+        {"ids_ptr": "*i32", "counts_ptr": "*i32", "num_pairs": I32},
+        {"NUM_EXPERTS": 256, "CHUNK": 32, "SPAN": 512},
+    ),
+    "runs": (
+        fused_moe._runs_kernel,
+        {"counts_ptr": "*i32", "ends_ptr": "*i32", "cursor_ptr": "*i32", "num_rows_ptr": "*i32"},
+        {"NUM_EXPERTS": 256, "BLOCK_M": 16},
     ),
     "scatter": (
         fused_moe._scatter_kernel,
@@ -122,6 +120,33 @@ CASES = {
             },
         },
         {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32"},
+    ),
+    "prefill": (
+        paged_prefill._prefill_kernel,
+        {
+            "q_ptr": B,
+            "k_cache_ptr": B,
+            "v_cache_ptr": B,
+            "tables_ptr": "*i64",
+            "tiles_ptr": "*i32",
+            "out_ptr": B,
+            "scale_log2": F32,
+            "group": I32,
+            **{
+                n: I32
+                for n in (
+                    "stride_qt",
+                    "stride_qh",
+                    "stride_ot",
+                    "stride_oh",
+                    "stride_tb",
+                    "stride_cb",
+                    "stride_cs",
+                    "stride_ch",
+                )
+            },
+        },
+        {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 8, "BLOCK_Q": 8, "BLOCK_KV": 64, "PRECISION": "tf32"},
     ),
     "rms_norm": (
         norms._rms_norm_kernel,

@@ -1,10 +1,15 @@
-"""The fused MoE (two alignment launches + two GEMM launches) equals the reference expert loop."""
+"""The fused MoE (the pairs laid out by expert, then two GEMM launches) equals the reference expert loop."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from omnistage.services.thinker.kernels.fused_moe import align_by_expert, choose_tiles, fused_experts
+from omnistage.services.thinker.kernels.fused_moe import (
+    COUNT_SPAN,
+    align_by_expert,
+    choose_tiles,
+    fused_experts,
+)
 from omnistage.services.thinker.models.layers.moe import FusedExperts
 from omnistage.services.thinker.models.layers.parallel import TPGroup
 
@@ -37,10 +42,12 @@ def test_fused_experts_equal_the_reference_loop(num_experts, hidden, inter, top_
     assert ((got - want).norm() / want.norm()) < 1e-5
 
 
-def test_alignment_puts_every_pair_once_in_its_experts_block_padded_run():
+@pytest.mark.parametrize("tokens", [20, 700], ids=["one-counting-program", "several-counting-programs"])
+def test_alignment_puts_every_pair_once_in_its_experts_block_padded_run(tokens):
     torch.manual_seed(0)
     num_experts, block_m = 16, 16
-    ids = torch.stack([torch.randperm(4)[:2] for _ in range(20)])  # 40 pairs over 4 experts: 10 each
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(tokens)])  # pairs over 4 experts
+    assert tokens * 2 <= COUNT_SPAN or tokens * 2 > 2 * COUNT_SPAN  # 700 tokens: 1400 pairs, 3 programs
     pairs, counts, ends, num_rows = align_by_expert(ids, num_experts, block_m)
     flat = ids.flatten()
     assert counts.tolist() == torch.bincount(flat, minlength=num_experts).tolist()
