@@ -8,10 +8,10 @@ import contextlib
 from dataclasses import dataclass, field
 
 import grpc
+from omnistage.services.gateway.outputs.talker import SpeechLimits, SpeechStage
 from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.prompt import render
 from omnistage.services.gateway.server import OmniServicer
-from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
 from omnistage.services.gateway.stages import StageError, TalkerClient
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, encoder_pb2, talker_pb2, talker_pb2_grpc, thinker_pb2
