@@ -68,7 +68,7 @@ async def _wait_for_thinker(runtime: ServiceRuntime, svc: ServiceConfig, stages:
 
 async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
     servicer = OmniServicer(build_pipeline(runtime, cfg, svc), _converse_limits(cfg, svc))
-    stages = Stages(runtime, svc, servicer)
+    stages = Stages(runtime, svc.gateway, servicer)
     _serve_omni(runtime, svc, servicer, stages)
     export_host_memory(svc.name)  # no device: its host memory in the ledger's metrics
     stages.start()

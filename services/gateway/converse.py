@@ -24,7 +24,7 @@ from omnistage.services.gateway.converse_plan import (
     ConversePlan,
     plan_converse,
 )
-from omnistage.services.gateway.history import Entry, History, wav_of
+from omnistage.services.gateway.history import Entry, History
 from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.run import RequestRun
 from omnistage.services.gateway.stages import StageError
@@ -178,7 +178,10 @@ class Conversation:
             media.max_media_bytes if media is not None else 0,
             self.limits.max_audio_items,
         )
-        parts = tuple(MediaPart(where, "audio", omni_pb2.Media(data=wav)) for where, wav in window.audio)
+        parts = tuple(
+            MediaPart(where, "audio", omni_pb2.Media(data=e.pcm16), pcm_rate_hz=e.sample_rate_hz)
+            for where, e in window.spoken()
+        )
         return PlannedRequest(
             plan.request_id, window.turns, plan.system_prompt, plan.sampling, plan.outputs, parts
         )
@@ -315,5 +318,5 @@ class Conversation:
     async def _spoken_turn(self, index: int, pcm: bytearray, rate: int) -> None:
         if len(pcm) % 2:
             raise InvalidRequest(f"audio.pcm16: the turn has {len(pcm)} bytes, PCM16 needs an even number")
-        entry = Entry("user", wav=wav_of(bytes(pcm), rate), index=index)
+        entry = Entry("user", pcm16=bytes(pcm), sample_rate_hz=rate, index=index)
         await self.turns.put(UserTurn(index, entry, time.monotonic()))

@@ -16,7 +16,7 @@ from omnistage.common.transport import TransportContext
 from omnistage.common.transport.release import release_quietly
 from omnistage.services.gateway.stages import EncoderClient, StageError
 from omnistage.services.gateway.validation import MediaPart, PlannedRequest
-from omnistage.v1 import encoder_pb2, thinker_pb2
+from omnistage.v1 import encoder_pb2, tensor_pb2, thinker_pb2
 
 _KIND = {
     "image": encoder_pb2.MEDIA_KIND_IMAGE,
@@ -53,7 +53,7 @@ class MediaStage:
     ) -> list[encoder_pb2.EncodedItem]:
         """One encoder output per part, in order. Encoder refusals name the part (`messages[0].parts[1].image`)."""
         items = [await self._item(part, paths) for part in parts]
-        size = sum(len(item.data) for item in items)
+        size = sum(len(item.data) + len(item.samples.inline_data) for item in items)
         if size > self.max_media_bytes:
             raise InvalidRequest(
                 f"messages: the media parts hold {size} bytes, more than the {self.max_media_bytes} one encoder "
@@ -72,6 +72,14 @@ class MediaStage:
         return list(response.items)
 
     async def _item(self, part: MediaPart, paths: dict[str, Path]) -> encoder_pb2.EncodeItem:
+        if part.pcm_rate_hz:  # PCM16 as it came: the encoder's samples (int16), no WAV to decode
+            pcm = part.media.data
+            samples = tensor_pb2.TensorRef(
+                dtype=tensor_pb2.DTYPE_INT16, shape=[len(pcm) // 2], inline_data=pcm
+            )
+            return encoder_pb2.EncodeItem(
+                kind=_KIND[part.kind], samples=samples, sample_rate_hz=part.pcm_rate_hz
+            )
         if part.media.WhichOneof("source") == "data":
             return encoder_pb2.EncodeItem(kind=_KIND[part.kind], data=part.media.data)
         where = f"{part.where}.path"

@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.deadlines import within
-from omnistage.common.runtime.errors import OmniError, StageUnavailable
+from omnistage.common.runtime.errors import CONTEXT_OVERFLOW, ERROR_REASON_KEY, OmniError, StageUnavailable
 from omnistage.v1 import (
     common_pb2,
     control_pb2,
@@ -48,17 +48,15 @@ class StageError(OmniError):
     def __init__(self, stage: str, exc: grpc.aio.AioRpcError, details: str | None = None) -> None:
         super().__init__(f"{stage}: {exc.details() if details is None else details}")
         self.code = exc.code()
-        self.details = exc.details() or ""
+        # The refusal's kind, when the stage gave one (errors.py's ERROR_REASON_KEY): acted on, never
+        # the message's words.
+        self.reason = str(dict(exc.trailing_metadata() or ()).get(ERROR_REASON_KEY, ""))
 
     @property
     def context_overflow(self) -> bool:
-        """The stage refused the prompt as too long for its context (max_model_len with the answer's
-        room), not the request's own max_tokens: a shorter prompt may fit."""
-        return (
-            self.code == grpc.StatusCode.INVALID_ARGUMENT
-            and "max_model_len" in self.details
-            and "sampling.max_tokens:" not in self.details
-        )
+        """The stage refused the prompt as too long for its context (with the room its answer asks
+        for), not the request's own max_tokens: a shorter prompt may fit."""
+        return self.code == grpc.StatusCode.INVALID_ARGUMENT and self.reason == CONTEXT_OVERFLOW
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from omnistage.common.config import ConfigError, DeployConfig, ServiceConfig
+from omnistage.common.config import ConfigError, DeployConfig, GatewayConfig, ServiceConfig
 from omnistage.common.log import get_logger
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.server import ServiceRuntime
@@ -31,6 +31,7 @@ from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, control_pb2, omni_pb2
 
 C = TypeVar("C", bound=StageClient)
+T = TypeVar("T")
 _log = get_logger(__name__)
 # Tokens of each timed warm-up request that seeds the thinker's pace (its steps at batch 1 and full).
 PACE_TOKENS = 16
@@ -142,18 +143,18 @@ class Stages:
     def __init__(
         self,
         runtime: ServiceRuntime,
-        svc: ServiceConfig,
+        gw: GatewayConfig,
         servicer: OmniServicer,
         stages: Sequence[Stage] = STAGES,
     ) -> None:
-        self.runtime, self.svc, self.servicer = runtime, svc, servicer
+        self.runtime, self.gw, self.servicer = runtime, gw, servicer
         self.pipeline = servicer.pipeline
         self.watches: dict[str, StageWatch] = {}  # by service name
         self.kinds: dict[str, list[StageClient]] = {}  # stage kind → its replicas' clients
         for row in stages:
             for client, on_up in self._replicas(row):
                 self.kinds.setdefault(row.kind, []).append(client)
-                watch = StageWatch(client, svc.gateway, functools.partial(on_up, client), self._changed)
+                watch = StageWatch(client, gw, functools.partial(on_up, client), self._changed)
                 self.watches[client.name] = watch
                 runtime.add_shutdown_hook(watch.stop)
 
@@ -203,7 +204,7 @@ class Stages:
         """Warm-ups through the thinker wait for its admission (bounded by gateway.stage_wait_s)."""
         thinker = self.pipeline.thinker
         watch = self.watches.get(thinker.name) if thinker is not None else None
-        if watch is None or not await watch.wait_admitted(self.svc.gateway.stage_wait_s):
+        if watch is None or not await watch.wait_admitted(self.gw.stage_wait_s):
             raise RuntimeError(f"{what} needs the thinker, which is not admitted")
 
     async def generate(
@@ -212,11 +213,11 @@ class Stages:
         return [e async for e in self.servicer.Generate(request, _Deadline(timeout_s))]
 
     @staticmethod
-    async def through(client: StageClient, warm_up: Awaitable[None]) -> None:
+    async def through(client: StageClient, warm_up: Awaitable[T]) -> T:
         """Run a warm-up request through `client` (let through although the stage is not admitted yet)."""
         reason, client.down_reason = client.down_reason, ""
         try:
-            await warm_up
+            return await warm_up
         except BaseException:
             client.down_reason = reason
             raise

@@ -92,6 +92,9 @@ class MediaPart:
     where: str  # the field path a client reads in errors: messages[0].parts[2].image
     kind: str  # "image" | "audio" | "video"
     media: omni_pb2.Media
+    # A Converse turn's speech: `media.data` is mono PCM16 at this rate, sent to the encoder as samples
+    # (no file to decode); 0 for a file.
+    pcm_rate_hz: int = 0
 
 
 @dataclass(frozen=True)

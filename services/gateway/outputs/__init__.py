@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Awaitable, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from omnistage.common.config import DeployConfig, ServiceConfig
 from omnistage.services.gateway.replicas import Replicas
 from omnistage.services.gateway.stages import StageClient
 from omnistage.services.gateway.validation import PlannedRequest
 from omnistage.v1 import omni_pb2
+
+T = TypeVar("T")
 
 
 class AnswerSink(Protocol):
@@ -50,7 +52,7 @@ class Startup(Protocol):
     def resize(self) -> None:
         """The gates follow the replicas' capacities (one was read)."""
 
-    async def through(self, client: StageClient, warm_up: Awaitable[None]) -> None:
+    async def through(self, client: StageClient, warm_up: Awaitable[T]) -> T:
         """Run `warm_up` through `client`, let through although the replica is not admitted yet."""
 
 

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 from omnistage.common.log import get_logger
+from omnistage.common.runtime.errors import CONTEXT_OVERFLOW
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.detokenizer import Decoder, Detokenizer
 from omnistage.services.thinker.engine.hidden_states import HiddenCapture
@@ -31,7 +32,11 @@ log = get_logger(__name__)
 
 
 class RequestError(ValueError):
-    """The request cannot be served as given (maps to INVALID_ARGUMENT)."""
+    """The request cannot be served as given (maps to INVALID_ARGUMENT; `reason`: its kind, errors.py)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class QueueFullError(RuntimeError):
@@ -142,7 +147,8 @@ class LLMEngine:
         elif num_prompt >= self.cfg.max_model_len:
             raise RequestError(
                 f"request {request_id!r}: prompt of {num_prompt} tokens leaves no room to generate "
-                f"(max_model_len {self.cfg.max_model_len})"
+                f"(max_model_len {self.cfg.max_model_len})",
+                CONTEXT_OVERFLOW,
             )
         if positions is not None and tuple(positions.shape) != (3, num_prompt):
             raise RequestError(f"request {request_id!r}: positions must be [3, {num_prompt}]")
@@ -179,7 +185,8 @@ class LLMEngine:
         if num_prompt + params.max_tokens > max_model_len:
             raise RequestError(
                 f"prompt of {num_prompt} tokens + sampling.max_tokens {params.max_tokens} = "
-                f"{num_prompt + params.max_tokens} exceeds max_model_len {max_model_len}"
+                f"{num_prompt + params.max_tokens} exceeds max_model_len {max_model_len}",
+                CONTEXT_OVERFLOW,
             )
         # max_tokens 0: the default, clamped to what fits (a client asking for more is refused above).
         max_tokens = params.max_tokens or min(self.cfg.default_max_tokens, max_model_len - num_prompt)
