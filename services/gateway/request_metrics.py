@@ -14,7 +14,7 @@ from omnistage.common import metrics
 from omnistage.common.answer_outcome import OK, answer_code
 from omnistage.common.runtime.calls import status_of
 from omnistage.common.runtime.errors import Overloaded
-from omnistage.common.stages import MODEL_KINDS
+from omnistage.common.stages import MODEL_KINDS, OUTPUT_KIND
 from omnistage.v1 import omni_pb2
 
 # Refusals (RESOURCE_EXHAUSTED at arrival) the gateway makes itself; `stage` for a stage's own refusal.
@@ -23,10 +23,10 @@ REFUSAL_REASONS = (
     *(f"{stage}_{why}" for stage in MODEL_KINDS for why in ("queue_full", "deadline")),
     "stage",
 )
+# Output modality → its label: text, and the output kinds of the stage table's rows (audio, image).
 _MODALITY_NAMES = {
     omni_pb2.MODALITY_TEXT: "text",
-    omni_pb2.MODALITY_AUDIO: "audio",
-    omni_pb2.MODALITY_IMAGE: "image",
+    **{omni_pb2.Modality.Value(f"MODALITY_{name.upper()}"): name for name in OUTPUT_KIND},
 }
 
 

@@ -131,6 +131,42 @@ class LLMEngine:
         its final output carries the final-norm hidden states at those slots."""
         params = params or SamplingParams()
         num_prompt = len(prompt_token_ids)
+        self._check_prompt(request_id, num_prompt, positions, media, hidden_slots)
+        if request_id in self.scheduler.seqs:
+            raise RequestError(f"request {request_id!r} is already running")
+        if len(self.scheduler.waiting) >= self.cfg.max_queued_requests:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests already wait (max_queued_requests)")
+        if hidden_slots is not None:  # no tokens: sampling parameters play no part
+            seq = Sequence(
+                request_id,
+                prompt_token_ids,
+                params,
+                0,
+                rope_delta,
+                positions,
+                media,
+                HiddenCapture(hidden_slots),
+            )
+            self.scheduler.add(seq)
+            return
+        max_model_len = self.cfg.max_model_len
+        self._check_room(num_prompt, params)
+        # max_tokens 0: the default, clamped to what fits (a client asking for more is refused above).
+        max_tokens = params.max_tokens or min(self.cfg.default_max_tokens, max_model_len - num_prompt)
+        seq = Sequence(request_id, prompt_token_ids, params, max_tokens, rope_delta, positions, media)
+        self.scheduler.add(seq)
+        self.detokenizers[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
+
+    def _check_prompt(
+        self,
+        request_id: str,
+        num_prompt: int,
+        positions: torch.Tensor | None,
+        media: PromptMedia | None,
+        hidden_slots: torch.Tensor | None,
+    ) -> None:
+        """The prompt's length (CONTEXT_OVERFLOW: it leaves no room to generate), positions, media and
+        hidden-state slots against the prompt and max_model_len."""
         if num_prompt == 0:
             raise RequestError(f"request {request_id!r}: empty prompt")
         if hidden_slots is not None:
@@ -160,23 +196,9 @@ class LLMEngine:
             raise RequestError(
                 f"request {request_id!r}: media slots must lie inside the prompt (0..{num_prompt - 1})"
             )
-        if request_id in self.scheduler.seqs:
-            raise RequestError(f"request {request_id!r} is already running")
-        if len(self.scheduler.waiting) >= self.cfg.max_queued_requests:
-            raise QueueFullError(f"{len(self.scheduler.waiting)} requests already wait (max_queued_requests)")
-        if hidden_slots is not None:  # no tokens: sampling parameters play no part
-            seq = Sequence(
-                request_id,
-                prompt_token_ids,
-                params,
-                0,
-                rope_delta,
-                positions,
-                media,
-                HiddenCapture(hidden_slots),
-            )
-            self.scheduler.add(seq)
-            return
+
+    def _check_room(self, num_prompt: int, params: SamplingParams) -> None:
+        """max_tokens within max_model_len, and with the prompt (CONTEXT_OVERFLOW: a shorter prompt fits)."""
         max_model_len = self.cfg.max_model_len
         if params.max_tokens > max_model_len:
             raise RequestError(
@@ -188,11 +210,6 @@ class LLMEngine:
                 f"{num_prompt + params.max_tokens} exceeds max_model_len {max_model_len}",
                 CONTEXT_OVERFLOW,
             )
-        # max_tokens 0: the default, clamped to what fits (a client asking for more is refused above).
-        max_tokens = params.max_tokens or min(self.cfg.default_max_tokens, max_model_len - num_prompt)
-        seq = Sequence(request_id, prompt_token_ids, params, max_tokens, rope_delta, positions, media)
-        self.scheduler.add(seq)
-        self.detokenizers[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; its final output (ABORT, usage so far), or None
