@@ -98,7 +98,7 @@ class TalkerStream:
         self.requests = _Requests(config, self.verdict)
         self.released = False  # text has gone to the client: a refusal now ends only the speech
         self.finished = False  # the talker said `finished`
-        self.over = asyncio.Event()  # the speech is over: its task ended
+        self._settled = False  # the status is final (and counted in the metrics)
         self.call: grpc.aio.StreamStreamCall | None = None
         self.task: asyncio.Task | None = None
         self._chars = 0
@@ -137,10 +137,9 @@ class TalkerStream:
         else:
             reason = common_pb2.FinishReason.Name(finish.finish.reason)
             self.stop("CANCELLED", f"the answer ended with {reason}: not spoken to its end")
-        if self.task is not None:
-            await self.over.wait()
-        else:  # the thinker never took the request: no speech was begun
-            self._settle()
+        if self.task is not None:  # its end, however it ended (cancelled before it began, too)
+            await asyncio.wait({self.task})
+        self._settle()  # once (the speech's task settles it when it ran)
         finish.finish.audio.CopyFrom(self.status)
 
     def stop(self, code: str, message: str) -> None:
@@ -178,7 +177,6 @@ class TalkerStream:
             self.accepted.set()
             self.requests.texts.put_nowait(_STOP)  # grpc's task reading the requests ends too
             self._settle()
-            self.over.set()
 
     async def _stream(self) -> Slot | None:
         """A talker stream for the speech: one of the `talker` gate's (the streams of the replicas that
@@ -331,6 +329,9 @@ class TalkerStream:
         return None
 
     def _settle(self) -> None:
+        if self._settled:
+            return
+        self._settled = True
         status = self.status
         if self.finished and not status.code:
             status.outcome = omni_pb2.AUDIO_OUTCOME_COMPLETE
