@@ -30,9 +30,9 @@ import grpc
 import numpy as np
 import pytest
 import yaml
+from omnistage.common.client import wav_bytes as wav_of
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.status_file import read_status, status_path
-from omnistage.services.gateway.history import wav_of
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
