@@ -132,6 +132,9 @@ class Pipeline:
                     "port": gw,
                     "admin_port": gw_admin,
                     "metrics_port": gw_metrics,
+                    # Every answer spoken: an answer's audio waits for one of the talker's two streams
+                    # as long as the CPU talker takes to free one (its text never waits).
+                    "gateway": {"talker_stream_wait_s": 120.0},
                 },
             },
         }
