@@ -35,6 +35,10 @@ class GatewayConfig:
     # Speech (a talker is deployed): how long the text waits for the talker to accept a stream's voice,
     # in seconds (a refusal then fails the request naming the field; later, only the speech ends).
     talker_start_wait_s: float = 2.0
+    # Speech: how long a spoken answer's audio waits for a free talker stream, in seconds (its text never
+    # waits: it streams at once, and the audio joins when a stream frees); past it the answer is text
+    # only, its AudioStatus RESOURCE_EXHAUSTED with a retry hint.
+    talker_stream_wait_s: float = 5.0
     # How long the talker may stay silent once it has all of an answer's text before the gateway gives
     # up on the speech, in seconds.
     talker_idle_timeout_s: float = 30.0
@@ -93,6 +97,7 @@ class GatewayConfig:
                 "max_parts_per_message",
                 "max_prompt_chars",
                 "talker_start_wait_s",
+                "talker_stream_wait_s",
                 "talker_idle_timeout_s",
                 "speech_buffer_events",
                 "converse_max_turns",

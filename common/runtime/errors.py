@@ -18,6 +18,11 @@ import grpc
 _log = logging.getLogger(__name__)
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+# Trailing metadata of an INVALID_ARGUMENT that says what kind of refusal it is (a caller acts on the
+# kind, never on the message's words): CONTEXT_OVERFLOW, the prompt (with the room its answer asks
+# for) does not fit the model's context, where a shorter prompt may.
+ERROR_REASON_KEY = "omnistage-error-reason"
+CONTEXT_OVERFLOW = "context_overflow"
 
 
 class OmniError(Exception):
@@ -27,9 +32,14 @@ class OmniError(Exception):
 
 
 class InvalidRequest(OmniError):
-    """The request itself is wrong; retrying it unchanged cannot help."""
+    """The request itself is wrong; retrying it unchanged cannot help. `reason` says what kind of
+    refusal it is (ERROR_REASON_KEY), when a caller can act on it."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str = "", *, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class Unauthenticated(OmniError):
@@ -87,6 +97,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[st
     """The (code, details, trailing metadata) a client gets for `exc`."""
     if isinstance(exc, Overloaded):
         return exc.code, str(exc), ((RETRY_PUSHBACK_KEY, str(max(0, int(exc.retry_after_ms)))),)
+    if isinstance(exc, InvalidRequest) and exc.reason:
+        return exc.code, str(exc), ((ERROR_REASON_KEY, exc.reason),)
     if isinstance(exc, OmniError):
         return exc.code, str(exc), ()
     if isinstance(exc, asyncio.TimeoutError | TimeoutError):

@@ -71,8 +71,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             t = decode(item.samples, transport=self.engine.transport)
         except (TransportError, ValueError) as exc:
             raise InvalidRequest(f"items[{i}].samples: {exc}") from None
+        if t.dtype == torch.int16:  # PCM16 as a client sent it (a Converse turn): scaled to [-1, 1)
+            return (t.to(torch.float32) / 32768.0).numpy()
         if not t.is_floating_point():
-            raise InvalidRequest(f"items[{i}].samples: expected float samples in [-1, 1], got {t.dtype}")
+            raise InvalidRequest(
+                f"items[{i}].samples: expected float samples in [-1, 1] or int16 PCM, got {t.dtype}"
+            )
         return t.to(torch.float32).numpy()
 
 

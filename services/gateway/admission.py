@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from omnistage.common import metrics
@@ -41,9 +40,6 @@ class StageGate:
         # Requests admitted at arrival that have not reached this gate yet (a burst is judged before
         # any of it holds a slot): counted like waiters, ahead of later arrivals.
         self.coming = 0
-        self._coming: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
-            f"coming-{stage}", default=None
-        )
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.service_s = cfg.initial_service_s
         self.finished = 0
@@ -69,25 +65,19 @@ class StageGate:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    @contextlib.contextmanager
-    def on_its_way(self) -> Iterator[None]:
-        """Count the request (this task) as coming to the gate until it `arrived()` or the block ends."""
-        token = [True]
+    def expect(self) -> Coming:
+        """Count one admitted request as on its way to this gate until it `arrived()`."""
         self.coming += 1
-        self._coming.set(token)  # not reset: the block may end in another context (a closed generator)
-        try:
-            yield
-        finally:
-            if token[0]:
-                token[0] = False
-                self.coming -= 1
+        return Coming(self)
 
-    def arrived(self) -> None:
-        """The request of this task reached the gate (it takes or waits for a slot now)."""
-        token = self._coming.get()
-        if token and token[0]:
-            token[0] = False
-            self.coming -= 1
+    @contextlib.contextmanager
+    def on_its_way(self) -> Iterator[Coming]:
+        """`expect` for the block."""
+        coming = self.expect()
+        try:
+            yield coming
+        finally:
+            coming.arrived()
 
     def set_capacity(self, max_running: int, max_waiting: int | None = None) -> None:
         """The stage's capacity changed (read again after a restart); waiters take new slots at once."""
@@ -159,27 +149,23 @@ class StageGate:
             reason=f"{self.stage}_deadline",
         )
 
-    @contextlib.asynccontextmanager
-    async def slot(self, remaining_s: float | None) -> AsyncIterator[Callable[[], None]]:
-        """Hold one slot of the stage for the block; waits in FIFO order within the deadline. Yields a
-        function that gives the slot back before the block ends (once; e.g. an answer whose speech
-        is over while its text goes on)."""
+    async def take(self, remaining_s: float | None) -> Slot:
+        """One slot of the stage, waited for in FIFO order within `remaining_s` (DeadlineExceeded past
+        it); the caller releases it."""
         arrived = time.monotonic()
         await self._acquire(remaining_s)
         started = time.monotonic()
         self._wait.observe(started - arrived)
-        held = True
+        return Slot(self, started)
 
-        def release() -> None:
-            nonlocal held
-            if held:
-                held = False
-                self._release(time.monotonic() - started)
-
+    @contextlib.asynccontextmanager
+    async def slot(self, remaining_s: float | None) -> AsyncIterator[Slot]:
+        """Hold one slot of the stage for the block (`take`, released at its end or before)."""
+        held = await self.take(remaining_s)
         try:
-            yield release
+            yield held
         finally:
-            release()
+            held.release()
 
     async def _acquire(self, remaining_s: float | None) -> None:
         self.check(remaining_s, coming=False)
@@ -215,6 +201,32 @@ class StageGate:
             if not fut.done():
                 self.running += 1
                 fut.set_result(None)
+
+
+class Coming:
+    """One admitted request counted as on its way to a gate (its `coming`), until it arrives there."""
+
+    def __init__(self, gate: StageGate) -> None:
+        self.gate: StageGate | None = gate
+
+    def arrived(self) -> None:
+        """It reached the gate (it takes or waits for a slot now), or will not come (once)."""
+        if self.gate is not None:
+            self.gate.coming -= 1
+            self.gate = None
+
+
+class Slot:
+    """One slot of a stage held by a request; `release` gives it back (once) and times its hold."""
+
+    def __init__(self, gate: StageGate, started: float) -> None:
+        self.gate: StageGate | None = gate
+        self.started = started
+
+    def release(self) -> None:
+        if self.gate is not None:
+            gate, self.gate = self.gate, None
+            gate._release(time.monotonic() - self.started)
 
 
 def check_path(

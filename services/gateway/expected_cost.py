@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 # Finished answers remembered per kind, how many must have finished before they set the price, and
@@ -56,27 +54,16 @@ class AdmittedText:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.requests: list[TextRequest] = []
-        self._current: contextvars.ContextVar[TextRequest | None] = contextvars.ContextVar(
-            "admitted-text", default=None
-        )
 
-    @contextlib.contextmanager
-    def admitted(self, remaining_s: float | None, expected: int) -> Iterator[TextRequest]:
-        """Count the request (this task's) for the block; `produced` is counted by `tokens`."""
+    def add(self, remaining_s: float | None, expected: int) -> TextRequest:
+        """Count one admitted request (its admission ticket removes it); `produced` is the ticket's to count."""
         deadline = None if remaining_s is None else self.clock() + remaining_s
         request = TextRequest(deadline, expected)
         self.requests.append(request)
-        self._current.set(request)
-        try:
-            yield request
-        finally:
-            self.requests.remove(request)
+        return request
 
-    def tokens(self, count: int) -> None:
-        """This task's request streamed `count` more tokens."""
-        request = self._current.get()
-        if request is not None:
-            request.produced += count
+    def remove(self, request: TextRequest) -> None:
+        self.requests.remove(request)
 
     def slowed_late(self, step_now: float, step_joined: float) -> tuple[TextRequest, float] | None:
         """An admitted request that finishes in time at `step_now` seconds a step but not at

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-import wave
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,32 +10,25 @@ from omnistage.services.gateway.prompt import AnswerTokens, MediaSlot, Turn, bui
 
 @dataclass(frozen=True)
 class Entry:
-    """One turn: a user's text or speech (`wav`), or an assistant's answer text."""
+    """One turn: a user's text or speech (`pcm16` at `sample_rate_hz`), or an assistant's answer text."""
 
     role: str  # "user" | "assistant"
     text: str = ""
-    wav: bytes = b""
+    pcm16: bytes = b""  # mono little-endian PCM16, as the client sent it (no WAV: the encoder takes it so)
+    sample_rate_hz: int = 0
     index: int = -1  # the user turn's number in the call (for error messages); -1 for seeded turns
     token_ids: tuple[int, ...] = ()  # an answer's generated ids (stop token left out); () : send the text
 
 
 @dataclass(frozen=True)
 class Window:
-    """The turns of one prompt and the WAVs of its spoken turns (`where` names them in errors)."""
+    """The turns of one prompt and its spoken turns, in order (`where` names them in errors)."""
 
     turns: tuple[Turn, ...]
-    audio: tuple[tuple[str, bytes], ...]
+    audio: tuple[Entry, ...]
 
-
-def wav_of(pcm16: bytes, sample_rate_hz: int) -> bytes:
-    """Mono PCM16 little-endian samples as a WAV file (what the encoder decodes)."""
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sample_rate_hz)
-        w.writeframes(pcm16)
-    return buf.getvalue()
+    def spoken(self) -> tuple[tuple[str, Entry], ...]:
+        return tuple((f"audio (turn {e.index})", e) for e in self.audio)
 
 
 class History:
@@ -67,9 +58,9 @@ class History:
         users = [i for i, e in enumerate(self.entries) if e.role == "user"]
         for start in users:
             entries = self.entries[start:]
-            spoken = [e for e in entries if e.wav]
+            spoken = [e for e in entries if e.pcm16]
             if start != users[-1] and (
-                len(spoken) > max_audio_items or sum(len(e.wav) for e in spoken) > max_audio_bytes
+                len(spoken) > max_audio_items or sum(len(e.pcm16) for e in spoken) > max_audio_bytes
             ):
                 continue
             window = _window(entries)
@@ -85,9 +76,9 @@ class History:
 def _window(entries: Sequence[Entry]) -> Window:
     turns, audio = [], []
     for e in entries:
-        if e.wav:
+        if e.pcm16:
             turns.append(Turn(e.role, (MediaSlot("audio", len(audio)),)))
-            audio.append((f"audio (turn {e.index})", e.wav))
+            audio.append(e)
         elif e.token_ids:
             turns.append(Turn(e.role, (AnswerTokens(e.token_ids, e.text),)))
         else:

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.common.transport import TransportContext
 from omnistage.common.transport.release import release_quietly
 from omnistage.services.gateway.stages import EncoderClient, StageError
-from omnistage.services.gateway.validation import MediaPart
-from omnistage.v1 import encoder_pb2, thinker_pb2
+from omnistage.services.gateway.validation import MediaPart, PlannedRequest
+from omnistage.v1 import encoder_pb2, tensor_pb2, thinker_pb2
 
 _KIND = {
     "image": encoder_pb2.MEDIA_KIND_IMAGE,
@@ -23,6 +26,8 @@ _KIND = {
 _ITEM = re.compile(r"^items\[(\d+)\](?: \((?:image|audio|video)\))?")
 # Room kept in an Encode message for everything but the media bytes.
 MESSAGE_OVERHEAD = 64 << 10
+# Leases this close to their expiry are not sent to a thinker call: they are encoded again.
+_LEASE_MARGIN_MS = 1000
 
 
 class MediaStage:
@@ -48,7 +53,7 @@ class MediaStage:
     ) -> list[encoder_pb2.EncodedItem]:
         """One encoder output per part, in order. Encoder refusals name the part (`messages[0].parts[1].image`)."""
         items = [await self._item(part, paths) for part in parts]
-        size = sum(len(item.data) for item in items)
+        size = sum(len(item.data) + len(item.samples.inline_data) for item in items)
         if size > self.max_media_bytes:
             raise InvalidRequest(
                 f"messages: the media parts hold {size} bytes, more than the {self.max_media_bytes} one encoder "
@@ -67,6 +72,14 @@ class MediaStage:
         return list(response.items)
 
     async def _item(self, part: MediaPart, paths: dict[str, Path]) -> encoder_pb2.EncodeItem:
+        if part.pcm_rate_hz:  # PCM16 as it came: the encoder's samples (int16), no WAV to decode
+            pcm = part.media.data
+            samples = tensor_pb2.TensorRef(
+                dtype=tensor_pb2.DTYPE_INT16, shape=[len(pcm) // 2], inline_data=pcm
+            )
+            return encoder_pb2.EncodeItem(
+                kind=_KIND[part.kind], samples=samples, sample_rate_hz=part.pcm_rate_hz
+            )
         if part.media.WhichOneof("source") == "data":
             return encoder_pb2.EncodeItem(kind=_KIND[part.kind], data=part.media.data)
         where = f"{part.where}.path"
@@ -81,6 +94,76 @@ class MediaStage:
     async def close(self) -> None:
         await self.encoder.close()
         self.transport.close()
+
+
+class EncodedMedia:
+    """A request's media, encoded at the first thinker call that needs them, and their leases: kept by
+    the gateway for all but the last call, handed to the thinker by that one's `started`, released
+    here for whatever no thinker took (`release`, when the request ends)."""
+
+    def __init__(
+        self,
+        stage: MediaStage | None,
+        request: PlannedRequest,
+        paths: dict[str, Path],
+        slot: Any,
+        calls: int = 1,
+    ) -> None:
+        self.stage = stage
+        self.request = request
+        self.paths = paths
+        # (remaining_s) → the async context of a slot of the encoder's gate (Ticket.slot), or None:
+        # not gated (a Converse call is admitted once, at the thinker's gate).
+        self.slot = slot
+        self.calls_left = calls
+        self.items: list[encoder_pb2.EncodedItem] = []
+        self.held = False  # the gateway holds the items' leases
+        self.encodes = 0
+
+    async def for_call(self, remaining_s: float | None) -> list[encoder_pb2.EncodedItem]:
+        """The encoder's outputs for the next thinker call: encoded the first time (and again when their
+        leases would run out before that call takes them)."""
+        self.calls_left -= 1
+        if not self.request.media:
+            return []
+        if self.items and _expiring(self.items):
+            self.release()
+            self.items = []
+        if not self.items:
+            async with self.slot(remaining_s) if self.slot is not None else contextlib.nullcontext():
+                self.items = await self.stage.encode(
+                    self.request.request_id, self.request.media, self.paths, remaining_s
+                )
+            self.held, self.encodes = True, self.encodes + 1
+        return self.items
+
+    def thinker_items(self) -> list[thinker_pb2.MultimodalEmbedding]:
+        """The thinker's view of the items; a call that is not the last one leaves the leases here."""
+        items = thinker_items(self.items)
+        for item in items:
+            item.caller_keeps_lease = self.calls_left > 0
+        return items
+
+    def taken(self) -> None:
+        """The thinker took the call (`started`): after the last call, the leases are its business."""
+        if self.calls_left <= 0:
+            self.held = False
+
+    def release(self) -> None:
+        if self.held and self.items:
+            self.stage.release(self.items)
+        self.held = False
+
+
+def _expiring(items: Sequence[encoder_pb2.EncodedItem]) -> bool:
+    soon = time.time() * 1000 + _LEASE_MARGIN_MS
+    for item in items:
+        ref = item.embeddings
+        kind = ref.WhichOneof("payload")
+        sub = ref.shm if kind == "shm" else ref.cuda if kind == "cuda" else None
+        if sub is not None and sub.lease_expiry_unix_ms and sub.lease_expiry_unix_ms < soon:
+            return True
+    return False
 
 
 def thinker_items(items: Sequence[encoder_pb2.EncodedItem]) -> list[thinker_pb2.MultimodalEmbedding]:

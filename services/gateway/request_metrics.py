@@ -1,22 +1,20 @@
 """What clients of the gateway got, in Prometheus: time to first token and end-to-end latency as the
 client sees them, goodput, refusals by reason, and the tokens, audio and images streamed back.
 
-`GatewayMetrics.record(...)` wraps one call's event stream: each event is looked at once as it goes
-out (a few attribute reads), and the call's end is counted with the status the client gets.
+`GatewayMetrics.call(...)` counts one call: each event is looked at once as it goes out (`sent`: a few
+attribute reads), and the call's end (the end of its block) with the status the client gets.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 from omnistage.common import metrics
 from omnistage.common.answer_outcome import OK, answer_code
 from omnistage.common.runtime.calls import status_of
 from omnistage.common.runtime.errors import Overloaded
-from omnistage.common.stages import MODEL_KINDS
+from omnistage.common.stages import MODEL_KINDS, OUTPUT_KIND
 from omnistage.v1 import omni_pb2
 
 # Refusals (RESOURCE_EXHAUSTED at arrival) the gateway makes itself; `stage` for a stage's own refusal.
@@ -25,10 +23,10 @@ REFUSAL_REASONS = (
     *(f"{stage}_{why}" for stage in MODEL_KINDS for why in ("queue_full", "deadline")),
     "stage",
 )
+# Output modality → its label: text, and the output kinds of the stage table's rows (audio, image).
 _MODALITY_NAMES = {
     omni_pb2.MODALITY_TEXT: "text",
-    omni_pb2.MODALITY_AUDIO: "audio",
-    omni_pb2.MODALITY_IMAGE: "image",
+    **{omni_pb2.Modality.Value(f"MODALITY_{name.upper()}"): name for name in OUTPUT_KIND},
 }
 
 
@@ -83,50 +81,70 @@ class GatewayMetrics:
             self.audio_s.labels(service, method)
         self.images.labels(service)
 
-    async def record(
+    def call(
         self,
         method: str,
         request: omni_pb2.GenerateRequest | None,
         context: grpc.aio.ServicerContext,
         arrived_at: float,
-        events: AsyncIterator[omni_pb2.GenerateEvent],
-    ) -> AsyncIterator[omni_pb2.GenerateEvent]:
-        """`events` as they are, counted. With `request` (Generate) the call's TTFT, E2E and goodput too."""
-        timed = request is not None
-        modality = modality_label(request) if timed else ""
-        remaining = context.time_remaining() if timed else None
-        deadline = None if remaining is None else arrived_at + remaining
-        tokens = self.tokens.labels(self.service, method)
-        audio = self.audio_s.labels(self.service, method)
-        first_text, finish = timed, None
-        spoken = timed and omni_pb2.MODALITY_AUDIO in request.output_modalities
-        try:
-            async with contextlib.aclosing(events) as stream:  # closed at once when the client leaves
-                async for event in stream:
-                    kind = event.WhichOneof("event")
-                    if kind == "text":
-                        if first_text:
-                            first_text = False
-                            self.ttft.labels(self.service, modality).observe(time.monotonic() - arrived_at)
-                        tokens.inc(len(event.text.token_ids))
-                    elif kind == "audio":
-                        if event.audio.sample_rate_hz:
-                            audio.inc(len(event.audio.pcm16) / 2 / event.audio.sample_rate_hz)
-                    elif kind == "image":
-                        self.images.labels(self.service).inc()
-                    elif kind == "finish":
-                        finish = event.finish
-                    yield event
-        except BaseException as exc:
+    ) -> CallRecord:
+        """The counts of one call. With `request` (Generate) its TTFT, E2E and goodput too."""
+        return CallRecord(self, method, request, context, arrived_at)
+
+
+class CallRecord:
+    """One call's events as they go out (`sent`), and its end: the end of its `with` block (an error
+    raised out of it is the status the client gets)."""
+
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        method: str,
+        request: omni_pb2.GenerateRequest | None,
+        context: grpc.aio.ServicerContext,
+        arrived_at: float,
+    ) -> None:
+        self.metrics, self.context, self.arrived_at = metrics, context, arrived_at
+        self.timed = request is not None
+        self.modality = modality_label(request) if request is not None else ""
+        remaining = context.time_remaining() if self.timed else None
+        self.deadline = None if remaining is None else arrived_at + remaining
+        self.tokens = metrics.tokens.labels(metrics.service, method)
+        self.audio = metrics.audio_s.labels(metrics.service, method)
+        self.first_text = self.timed
+        self.spoken = request is not None and omni_pb2.MODALITY_AUDIO in request.output_modalities
+        self.finish: omni_pb2.Finish | None = None
+
+    def sent(self, event: omni_pb2.GenerateEvent) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "text":
+            if self.first_text:
+                self.first_text = False
+                elapsed = time.monotonic() - self.arrived_at
+                self.metrics.ttft.labels(self.metrics.service, self.modality).observe(elapsed)
+            self.tokens.inc(len(event.text.token_ids))
+        elif kind == "audio":
+            if event.audio.sample_rate_hz:
+                self.audio.inc(len(event.audio.pcm16) / 2 / event.audio.sample_rate_hz)
+        elif kind == "image":
+            self.metrics.images.labels(self.metrics.service).inc()
+        elif kind == "finish":
+            self.finish = event.finish
+
+    def __enter__(self) -> CallRecord:
+        return self
+
+    def __exit__(self, _type: type | None, exc: BaseException | None, _tb: object) -> None:
+        m, ended = self.metrics, time.monotonic()
+        if exc is not None:
             if isinstance(exc, Overloaded):
-                self.refusals.get(exc.reason or "stage", self.refusals["stage"]).inc()
-            if timed:
-                code = status_of(exc, context)[0]
-                self.e2e.labels(self.service, modality, code.name).observe(time.monotonic() - arrived_at)
-            raise
-        if timed:
-            ended = time.monotonic()
-            self.e2e.labels(self.service, modality, grpc.StatusCode.OK.name).observe(ended - arrived_at)
-            done = answer_code(finish, spoken=spoken) == OK  # the definition `omnistage bench` uses
-            if done and (deadline is None or ended <= deadline):
-                self.goodput.labels(self.service, modality).inc()
+                m.refusals.get(exc.reason or "stage", m.refusals["stage"]).inc()
+            if self.timed:
+                code = status_of(exc, self.context)[0]
+                m.e2e.labels(m.service, self.modality, code.name).observe(ended - self.arrived_at)
+            return
+        if self.timed:
+            m.e2e.labels(m.service, self.modality, grpc.StatusCode.OK.name).observe(ended - self.arrived_at)
+            done = answer_code(self.finish, spoken=self.spoken) == OK  # the definition `omnistage bench` uses
+            if done and (self.deadline is None or ended <= self.deadline):
+                m.goodput.labels(m.service, self.modality).inc()

@@ -1,4 +1,5 @@
-"""OmniServicer: the public API; each RPC hands its request to the Pipeline and counts what it sends."""
+"""OmniServicer: the public API; each RPC hands its request to the Pipeline, reads its run's events and
+counts what it sends."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     async def Generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrived_at = time.monotonic()
-        events = self.metrics.record(
-            "Generate", request, context, arrived_at, self.pipeline.generate(request, context, arrived_at)
-        )
-        async with contextlib.aclosing(events) as stream:
-            async for event in stream:
-                yield event
+        with self.metrics.call("Generate", request, context, arrived_at) as call:
+            run = await self.pipeline.generate(request, context, arrived_at)
+            async with run, contextlib.aclosing(run.events()) as events:  # closing cancels its stages now
+                async for event in events:
+                    call.sent(event)
+                    yield event
 
     async def Tokenize(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         return await self.pipeline.tokenize(request, context)
@@ -37,9 +38,8 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext):
         conversation = Conversation(self.pipeline, context, self.converse)
-        events = self.metrics.record(
-            "Converse", None, context, time.monotonic(), conversation.events(request_iterator)
-        )
-        async with contextlib.aclosing(events) as stream:
-            async for event in stream:
-                yield event
+        with self.metrics.call("Converse", None, context, time.monotonic()) as call:
+            async with contextlib.aclosing(conversation.events(request_iterator)) as events:
+                async for event in events:
+                    call.sent(event)
+                    yield event

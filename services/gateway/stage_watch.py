@@ -138,9 +138,10 @@ class StageWatch:
         self.client.down_reason = f"stopped answering: {why}"
         self.admitted.clear()
         self.times_lost += 1
+        # The gates shrink first: the slots the lost calls give back are no longer the stage's to hand on.
+        self._changed()
         lost = self.client.lose_calls()
         _log.error("stage %s is down (%s); failed %d call(s) in flight on it", self.client.name, why, lost)
-        self._changed()
 
     def _changed(self) -> None:
         if self.on_change is not None:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.deadlines import within
-from omnistage.common.runtime.errors import OmniError, StageUnavailable
+from omnistage.common.runtime.errors import CONTEXT_OVERFLOW, ERROR_REASON_KEY, OmniError, StageUnavailable
 from omnistage.v1 import (
     common_pb2,
     control_pb2,
@@ -43,23 +42,21 @@ async def take_end(call: grpc.aio.Call) -> None:
         await within(call.code(), FINISHED_STREAM_END_S)
 
 
-@dataclass(frozen=True)
-class HandedOver:
-    """The thinker took the request (its `started` event): the media's leases are its business from
-    now, and a spoken answer starts its speech. An event of the gateway's answer path, never sent to the
-    client; `speech` is the answer's SpokenAnswer once it has one (speech.py), `prompt_tokens` the
-    prompt's length as the thinker took it (the usage of an answer cut off before its finish)."""
-
-    speech: Any = None
-    prompt_tokens: int = 0
-
-
 class StageError(OmniError):
     """A stage refused or failed a call: the client gets the stage's own status code and message."""
 
     def __init__(self, stage: str, exc: grpc.aio.AioRpcError, details: str | None = None) -> None:
         super().__init__(f"{stage}: {exc.details() if details is None else details}")
         self.code = exc.code()
+        # The refusal's kind, when the stage gave one (errors.py's ERROR_REASON_KEY): acted on, never
+        # the message's words.
+        self.reason = str(dict(exc.trailing_metadata() or ()).get(ERROR_REASON_KEY, ""))
+
+    @property
+    def context_overflow(self) -> bool:
+        """The stage refused the prompt as too long for its context (with the room its answer asks
+        for), not the request's own max_tokens: a shorter prompt may fit."""
+        return self.code == grpc.StatusCode.INVALID_ARGUMENT and self.reason == CONTEXT_OVERFLOW
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -300,7 +297,6 @@ class TalkerClient(StageClient):
         super().__init__(name, address, max_message_bytes, **admin)
         self.stub = talker_pb2_grpc.TalkerStub(self.channel)
         self.max_streams = 0  # 0: unknown
-        self.on_credit: Callable[[], None] = lambda: None  # a Speak call ended: its credit is back
 
     async def read_limits(self) -> None:
         desc = await self.describe()
@@ -327,9 +323,7 @@ class TalkerClient(StageClient):
         interceptors grpc makes those its own queue-fed generator, which nothing ends once the talker
         ended the call first; its task and generator were left to the GC ("Task was destroyed but it
         is pending!", "aclose(): asynchronous generator is already running")."""
-        call = self.track(self.stub.Speak(requests, timeout=timeout_s))
-        call.add_done_callback(lambda _call: self.on_credit())  # after `track`'s: the credit is back
-        return call
+        return self.track(self.stub.Speak(requests, timeout=timeout_s))
 
 
 class ImageGenClient(StageClient):

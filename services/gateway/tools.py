@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,33 +224,29 @@ def _out(request_id: str, item: str | omni_pb2.ToolCall) -> omni_pb2.GenerateEve
     return omni_pb2.GenerateEvent(request_id=request_id, tool_call=item)
 
 
-async def tool_events(events: AsyncIterator, plan: ToolPlan, request_id: str) -> AsyncIterator:
-    """The answer's events with its tool calls as ToolCall events. Each TextDelta keeps its token ids
+class ToolEvents:
+    """An answer's events with its tool calls as ToolCall events. Each TextDelta keeps its token ids
     and logprobs (its text is what may be shown now); a Finish after calls says TOOL_CALLS."""
-    scanner = ForcedCallScanner() if plan.forced else ToolCallScanner()
-    async for event in events:
-        if not isinstance(event, omni_pb2.GenerateEvent):
-            yield event  # HandedOver and other internal markers
-            continue
+
+    def __init__(self, plan: ToolPlan, request_id: str) -> None:
+        self.scanner = ForcedCallScanner() if plan.forced else ToolCallScanner()
+        self.request_id = request_id
+
+    def of(self, event: omni_pb2.GenerateEvent) -> list[omni_pb2.GenerateEvent]:
+        """What the client gets for `event`, in order (the finish last)."""
         kind = event.WhichOneof("event")
         if kind == "text":
-            first = True  # the delta itself goes first (with the first text), in the items' order
-            for item in scanner.feed(event.text.text) or [""]:
-                if first:
-                    event.text.text = item if isinstance(item, str) else ""
-                    yield event
-                    first = False
-                    if isinstance(item, str):
-                        continue
-                yield _out(request_id, item)
-        elif kind == "finish":
-            for item in scanner.finish():
-                yield _out(request_id, item)
-            if scanner.calls and event.finish.reason in (
+            items = self.scanner.feed(event.text.text) or [""]
+            first = items[0]  # the delta itself goes first (with the first text), in the items' order
+            event.text.text = first if isinstance(first, str) else ""
+            rest = items[1:] if isinstance(first, str) else items
+            return [event, *(_out(self.request_id, item) for item in rest)]
+        if kind == "finish":
+            out = [_out(self.request_id, item) for item in self.scanner.finish()]
+            if self.scanner.calls and event.finish.reason in (
                 common_pb2.FINISH_REASON_STOP,
                 common_pb2.FINISH_REASON_STOP_STRING,
             ):
                 event.finish.reason = common_pb2.FINISH_REASON_TOOL_CALLS
-            yield event
-        else:
-            yield event
+            return [*out, event]
+        return [event]

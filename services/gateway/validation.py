@@ -31,7 +31,8 @@ MAX_OUTPUT_MODALITIES = 8
 _PART_OVERHEAD_BYTES = 64
 _REQUEST_OVERHEAD_BYTES = 1 << 20
 
-_OUTPUT_STAGE = {
+# Output modality → the stage kind that makes it (the stage table's output kinds).
+OUTPUT_STAGE = {
     omni_pb2.Modality.Value(f"MODALITY_{name.upper()}"): kind for name, kind in OUTPUT_KIND.items()
 }
 
@@ -91,6 +92,9 @@ class MediaPart:
     where: str  # the field path a client reads in errors: messages[0].parts[2].image
     kind: str  # "image" | "audio" | "video"
     media: omni_pb2.Media
+    # A Converse turn's speech: `media.data` is mono PCM16 at this rate, sent to the encoder as samples
+    # (no file to decode); 0 for a file.
+    pcm_rate_hz: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,15 +183,17 @@ def check_counts(req: omni_pb2.GenerateRequest, limits: RequestLimits) -> None:
         )
 
 
-def _check_outputs(req: omni_pb2.GenerateRequest, deployed: set[str]) -> set[int]:
+def _check_outputs(
+    req: omni_pb2.GenerateRequest, deployed: set[str], output_kinds: dict[int, str]
+) -> set[int]:
     if len(req.output_modalities) > MAX_OUTPUT_MODALITIES:  # the wire walk refuses these before decoding
         raise InvalidRequest(f"output_modalities: more than {MAX_OUTPUT_MODALITIES} elements")
     outputs = set(req.output_modalities) or {omni_pb2.MODALITY_TEXT}
     for i, modality in enumerate(req.output_modalities):
-        if modality not in (omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO, omni_pb2.MODALITY_IMAGE):
+        if modality != omni_pb2.MODALITY_TEXT and modality not in output_kinds:
             raise InvalidRequest(f"output_modalities[{i}]: unknown modality {modality}")
     for modality in sorted(outputs):
-        stage = _OUTPUT_STAGE.get(modality)
+        stage = output_kinds.get(modality)
         if stage and stage not in deployed:
             name = omni_pb2.Modality.Name(modality)
             raise StageUnavailable(
@@ -284,19 +290,11 @@ def plan_raw(req: omni_pb2.GenerateRequest, request_id: str, limits: RequestLimi
     )
 
 
-def plan_request(
-    req: omni_pb2.GenerateRequest, deployed: set[str], default_system_prompt: str, limits: RequestLimits
-) -> PlannedRequest:
-    """Validate `req` against the deployed stages and limits; raise InvalidRequest / StageUnavailable."""
-    check_counts(req, limits)
-    request_id = req.request_id or uuid.uuid4().hex
-    if not valid_request_id(request_id):
-        raise InvalidRequest(f"request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
-    if req.prompt or req.prompt_token_ids:
-        return plan_raw(req, request_id, limits)
-    if not req.messages:
-        raise InvalidRequest("messages: at least one message (or a prompt) is required")
-    outputs = _check_outputs(req, deployed)
+def _messages(
+    req: omni_pb2.GenerateRequest, deployed: set[str], limits: RequestLimits
+) -> tuple[str, list[Turn], list[MediaPart]]:
+    """The request's system prompt, its turns and media parts, each message checked (roles, order,
+    content) and the prompt's characters counted as they add up."""
     system_prompt = req.system_prompt
     turns: list[Turn] = []
     media: list[MediaPart] = []
@@ -335,6 +333,29 @@ def plan_request(
             system_prompt = content[0]
         else:
             turns.append(Turn(_TURN_ROLE[msg.role], content))
+    return system_prompt, turns, media
+
+
+def plan_request(
+    req: omni_pb2.GenerateRequest,
+    deployed: set[str],
+    default_system_prompt: str,
+    limits: RequestLimits,
+    *,
+    output_kinds: dict[int, str] | None = None,
+) -> PlannedRequest:
+    """Validate `req` against the deployed stages and limits; raise InvalidRequest / StageUnavailable.
+    `output_kinds`: output modality → the stage kind that makes it (default: the stage table's)."""
+    check_counts(req, limits)
+    request_id = req.request_id or uuid.uuid4().hex
+    if not valid_request_id(request_id):
+        raise InvalidRequest(f"request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
+    if req.prompt or req.prompt_token_ids:
+        return plan_raw(req, request_id, limits)
+    if not req.messages:
+        raise InvalidRequest("messages: at least one message (or a prompt) is required")
+    outputs = _check_outputs(req, deployed, OUTPUT_STAGE if output_kinds is None else output_kinds)
+    system_prompt, turns, media = _messages(req, deployed, limits)
     if not turns or turns[-1].role not in ("user", "tool"):
         raise InvalidRequest("messages: the last message must be from ROLE_USER (or ROLE_TOOL)")
     check_sampling(req.sampling)  # the values' shape; against the thinker's max_model_len: check_context

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop, DeviceStopped
-from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
+from omnistage.common.runtime.errors import CONTEXT_OVERFLOW, InvalidRequest, Overloaded, StageUnavailable
 from omnistage.common.sampling import check_sampling
 from omnistage.common.transport import TransportContext, encode
 from omnistage.services.thinker.engine.grammar import GrammarSpec
@@ -219,7 +219,7 @@ class ThinkerEngine:
                 self.loop.call(lambda: self.runner.add(engine_id, prompt, params, stream))
             )
         except RequestError as exc:
-            raise InvalidRequest(str(exc)) from exc
+            raise InvalidRequest(str(exc), reason=exc.reason) from exc
         except QueueFullError as exc:
             raise Overloaded(f"thinker queue full: {exc}", retry_after_ms=200) from exc
         except (DeviceFailed, DeviceStopped) as exc:
@@ -249,7 +249,8 @@ class ThinkerEngine:
             rows = self.media.check_items(request.multimodal)
             if rows + block >= self.max_model_len:
                 raise InvalidRequest(
-                    f"multimodal: {rows} embedding rows leave no room to generate (max_model_len {self.max_model_len})"
+                    f"multimodal: {rows} embedding rows leave no room to generate (max_model_len {self.max_model_len})",
+                    reason=CONTEXT_OVERFLOW,
                 )
         if kind == "chat":
             pieces = request.chat.pieces
@@ -266,7 +267,8 @@ class ThinkerEngine:
             if given + block >= self.max_model_len:
                 raise InvalidRequest(
                     f"chat.pieces: token pieces of {given} tokens leave no room to generate "
-                    f"(max_model_len {self.max_model_len})"
+                    f"(max_model_len {self.max_model_len})",
+                    reason=CONTEXT_OVERFLOW,
                 )
             chars = sum(len(p.template) + len(p.text) for p in pieces)
         elif kind == "text":
@@ -275,7 +277,8 @@ class ThinkerEngine:
             if len(request.token_ids.ids) + block >= self.max_model_len:
                 raise InvalidRequest(
                     f"token_ids: {len(request.token_ids.ids)} tokens leave no room to generate "
-                    f"(max_model_len {self.max_model_len})"
+                    f"(max_model_len {self.max_model_len})",
+                    reason=CONTEXT_OVERFLOW,
                 )
             return
         else:
@@ -283,7 +286,8 @@ class ThinkerEngine:
         if chars > self.max_prompt_chars:
             raise InvalidRequest(
                 f"prompt: {chars} characters cannot fit max_model_len {self.max_model_len} tokens "
-                f"(at most {self.max_prompt_chars} characters)"
+                f"(at most {self.max_prompt_chars} characters)",
+                reason=CONTEXT_OVERFLOW,
             )
 
     def _prompt_ids(self, request: thinker_pb2.ThinkerRequest) -> list[int]:
@@ -310,11 +314,13 @@ class ThinkerEngine:
         block = self._query_block_tokens(request)
         if block and len(ids) + block > self.max_model_len:
             raise InvalidRequest(
-                f"prompt: {len(ids)} tokens + the image query block's {block} exceed max_model_len {self.max_model_len}"
+                f"prompt: {len(ids)} tokens + the image query block's {block} exceed max_model_len {self.max_model_len}",
+                reason=CONTEXT_OVERFLOW,
             )
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
-                f"prompt: {len(ids)} tokens leave no room to generate (max_model_len {self.max_model_len})"
+                f"prompt: {len(ids)} tokens leave no room to generate (max_model_len {self.max_model_len})",
+                reason=CONTEXT_OVERFLOW,
             )
         return ids
 

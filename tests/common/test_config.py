@@ -154,6 +154,7 @@ def test_access_keys_are_checked(patch, message):
     "key",
     [
         "talker_start_wait_s",
+        "talker_stream_wait_s",
         "talker_idle_timeout_s",
         "speech_buffer_events",
         "converse_max_turns",

@@ -18,7 +18,7 @@ import pytest
 import torch
 from omnistage.common.config import EncoderConfig
 from omnistage.common.transport import TransportContext, decode, encode
-from omnistage.v1 import control_pb2, control_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from omnistage.v1 import control_pb2, control_pb2_grpc, encoder_pb2, encoder_pb2_grpc, tensor_pb2
 
 from tests.e2e.serve_pipeline import ServeProcess, exposition_with_codes, free_ports
 from tests.services.encoder.media_samples import audio_file, image_bytes, video_file
@@ -178,6 +178,24 @@ def test_decoded_samples_through_a_tensor_ref(encoder, towers):
         assert item.duration_s == pytest.approx(2.0) and item.num_tokens == 50
         with TransportContext() as consumer:
             assert decode(item.embeddings, transport=consumer).shape == (50, 256)
+
+
+def test_pcm16_samples_encode_as_the_same_float_samples(encoder):
+    """A Converse turn's speech goes to the encoder as the client's PCM16 (int16 samples, inline): no WAV
+    to write and decode again; it encodes as the same samples in float."""
+    pcm = (np.sin(np.arange(24000) / 5) * 16000).astype("<i2")
+    as_float = pcm.astype(np.float32) / 32768.0
+
+    def embeddings(dtype: int, data: bytes) -> torch.Tensor:
+        ref = tensor_pb2.TensorRef(dtype=dtype, shape=[pcm.size], inline_data=data)
+        item = encoder_pb2.EncodeItem(kind=encoder_pb2.MEDIA_KIND_AUDIO, samples=ref, sample_rate_hz=12000)
+        (out,) = _stub(encoder).Encode(encoder_pb2.EncodeRequest(items=[item]), timeout=60).items
+        with TransportContext() as consumer:
+            return decode(out.embeddings, transport=consumer).clone()
+
+    got = embeddings(tensor_pb2.DTYPE_INT16, pcm.tobytes())
+    want = embeddings(tensor_pb2.DTYPE_FLOAT32, as_float.tobytes())
+    assert got.shape == want.shape == (50, 256) and torch.allclose(got, want)
 
 
 def test_concurrent_requests_are_batched_and_every_lease_returns(encoder):

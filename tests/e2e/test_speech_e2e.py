@@ -30,9 +30,9 @@ import grpc
 import numpy as np
 import pytest
 import yaml
+from omnistage.common.client import wav_bytes as wav_of
 from omnistage.common.runtime import auth
 from omnistage.common.runtime.status_file import read_status, status_path
-from omnistage.services.gateway.history import wav_of
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
@@ -132,6 +132,9 @@ class Pipeline:
                     "port": gw,
                     "admin_port": gw_admin,
                     "metrics_port": gw_metrics,
+                    # Every answer spoken: an answer's audio waits for one of the talker's two streams
+                    # as long as the CPU talker takes to free one (its text never waits).
+                    "gateway": {"talker_stream_wait_s": 120.0},
                 },
             },
         }

@@ -7,13 +7,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 from omnistage.common.runtime.deadlines import within
 from omnistage.services.gateway.openai import realtime_events as rt
 from omnistage.services.gateway.openai.app import INLINE_PARSE_BYTES
+from omnistage.services.gateway.openai.realtime_input import (
+    Heard,
+    InputBuffer,
+    converse_config,
+    turn_messages,
+)
 from omnistage.services.gateway.openai.realtime_limits import (
     RealtimeMetrics,
     RealtimeOptions,
@@ -22,19 +28,43 @@ from omnistage.services.gateway.openai.realtime_limits import (
 )
 from omnistage.services.gateway.openai.realtime_response import Response
 from omnistage.services.gateway.openai.translate import from_grpc
-from omnistage.services.gateway.openai.vad import TurnDetector
-from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
+from omnistage.v1 import omni_pb2, omni_pb2_grpc
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 _log = logging.getLogger(__name__)
 
 SUBPROTOCOL = "realtime"
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
-AUDIO_CHUNK_BYTES = 64 * 1024  # PCM16 per Converse audio message
 CLOSE_LIMIT, CLOSE_CAPACITY = 1008, 1013
-_GONE = (WebSocketDisconnect, RuntimeError, OSError)
+
+
+def gone(ws: WebSocket, exc: BaseException) -> bool:
+    """A real disconnect: the client closed or dropped the socket (WebSocketDisconnect), or a send or
+    receive failed because the socket is closed already. Any other error is no reason to end a session."""
+    if isinstance(exc, WebSocketDisconnect):
+        return True
+    closed = WebSocketState.DISCONNECTED in (ws.client_state, ws.application_state)
+    return closed and isinstance(exc, RuntimeError | OSError)
+
+
+@contextlib.contextmanager
+def unless_gone(ws: WebSocket, what: str) -> Iterator[None]:
+    """The block's sends, when the socket may be gone already: a disconnect is nothing to report; any
+    other error is logged."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - logged: one socket's send must not end the server's loop
+        if not gone(ws, exc):
+            _log.exception("realtime: %s failed", what)
+
+
+def _internal(exc: BaseException) -> rt.EventError:
+    """The client's error for a failure of the gateway's own (logged where it happened)."""
+    err = rt.EventError(f"internal error: {type(exc).__name__}", code="server_error")
+    err.type = "server_error"
+    return err
 
 
 def credentials(ws: WebSocket) -> tuple[str, str | None]:
@@ -80,7 +110,7 @@ class RealtimeEndpoint:
         if full:
             self.metrics.refused("sessions_full")
             err = rt.EventError(full, code="session_limit_reached")
-            with contextlib.suppress(*_GONE):
+            with unless_gone(ws, "refusing a session"):
                 await ws.send_json(rt.error_event(err))
                 await ws.close(CLOSE_CAPACITY, "too many realtime sessions")
             return
@@ -113,14 +143,9 @@ class RealtimeSession:
         self.id = rt.new_id("sess")
         self.conversation_id = rt.new_id("conv")
         self.config = rt.SessionConfig()
-        self.detector: TurnDetector | None = TurnDetector(self.config.vad, rt.RATE)
-        self.vad_origin = 0  # sample of the session's input where the detector's clock began
-        self.buffer = bytearray()
-        self.buffer_start = 0  # sample of the session's input where `buffer` begins
-        self.speech_start: int | None = None  # sample where the speech being heard began (server VAD)
+        self.input = InputBuffer(self.config.vad)
         self.pending: list[rt.UserItem] = []
         self.last_item: str | None = None
-        self.next_item = ""  # the id the speech being heard will have as an item
         self.call: grpc.aio.StreamStreamCall | None = None
         self.call_fields: tuple | None = None
         self.reader: asyncio.Task | None = None
@@ -150,13 +175,17 @@ class RealtimeSession:
                 f"the session reached {self.options.max_session_s:g} s (gateway.realtime_max_session_s)",
             )
             return "session_length"
-        except _GONE:
-            return "client"
+        except Exception as exc:
+            if gone(self.ws, exc):
+                return "client"
+            _log.exception("realtime session %s failed", self.id)
+            await self._end("server_error", f"the session failed: {type(exc).__name__}")
+            return "error"
         finally:
             await self._close_call()
 
     async def _end(self, code: str, message: str) -> None:
-        with contextlib.suppress(*_GONE):
+        with unless_gone(self.ws, f"ending session {self.id}"):
             await self.send(rt.error_event(rt.EventError(message, code=code)))
             await self.ws.close(CLOSE_LIMIT, code)
 
@@ -183,6 +212,12 @@ class RealtimeSession:
                 await self._handle(event)
             except rt.EventError as err:
                 await self.send(rt.error_event(rt.with_event_id(err, event)))
+            except Exception as exc:
+                if gone(self.ws, exc):
+                    raise
+                # A bug handling one event: said and logged; the session goes on.
+                _log.exception("realtime session %s: handling %s failed", self.id, (event or {}).get("type"))
+                await self.send(rt.error_event(rt.with_event_id(_internal(exc), event)))
 
     async def _handle(self, event: dict[str, Any]) -> None:
         kind = event["type"]
@@ -193,7 +228,7 @@ class RealtimeSession:
         elif kind == "input_audio_buffer.commit":
             await self._commit(event)
         elif kind == "input_audio_buffer.clear":
-            self._clear_buffer()
+            self.input.clear()
             await self.send(rt.event("input_audio_buffer.cleared"))
         elif kind == "conversation.item.create":
             o = self.options
@@ -232,81 +267,51 @@ class RealtimeSession:
                 code="session_locked",
                 param="session",
             )
-        if config.vad != self.config.vad:
-            self.detector = TurnDetector(config.vad, rt.RATE) if config.vad is not None else None
-            self.vad_origin = self.buffer_start + len(self.buffer) // 2  # its clock starts now
-            self.speech_start = None
+        self.input.set_vad(config.vad)
         self.config = config
         await self.send(rt.event("session.updated", session=self._session()))
-
-    def _clear_buffer(self) -> None:
-        self.buffer_start += len(self.buffer) // 2
-        self.buffer.clear()
-        self.speech_start = None
-        if self.detector is not None:
-            self.detector.reset()
 
     async def _append(self, event: dict[str, Any]) -> None:
         limit = self.options.max_buffer_bytes
         try:
-            pcm = rt.audio_bytes(event.get("audio"), "audio", limit - len(self.buffer))
+            pcm = rt.audio_bytes(event.get("audio"), "audio", limit - len(self.input))
         except rt.EventError as err:
             if err.code == "input_audio_buffer_full":
-                self._clear_buffer()  # the turn it belonged to is too long: it is dropped
+                self.input.clear()  # the turn it belonged to is too long: it is dropped
                 err.message += "; the buffer was cleared"
             raise
-        self.buffer += pcm
-        if self.detector is None:
-            return
-        for decision in await self.detector.feed(pcm):
-            self.endpoint.metrics.vad(decision.started)
-            sample = self.vad_origin + decision.ms * rt.RATE // 1000
-            if decision.started:
-                await self._speech_started(sample)
-            elif self.speech_start is not None:
-                await self._speech_stopped(sample * 1000 // rt.RATE)
-        if self.speech_start is None:  # keep only the prefix padding before speech
-            keep = self.config.vad.prefix_padding_ms * rt.RATE // 1000 * 2
-            drop = max(0, len(self.buffer) - keep) // 2 * 2
-            del self.buffer[:drop]
-            self.buffer_start += drop // 2
+        for heard in await self.input.append(pcm):
+            self.endpoint.metrics.vad(heard.started)
+            if heard.started:
+                await self._speech_started(heard)
+            else:
+                await self._speech_stopped(heard)
 
-    async def _speech_started(self, sample: int) -> None:
-        pad = self.config.vad.prefix_padding_ms * rt.RATE // 1000
-        start = max(self.buffer_start, sample - pad)
-        del self.buffer[: (start - self.buffer_start) * 2]
-        self.buffer_start, self.speech_start = start, sample
-        item_id = rt.new_id("item")
-        self.next_item = item_id
+    async def _speech_started(self, heard: Heard) -> None:
         await self.send(
-            rt.event(
-                "input_audio_buffer.speech_started", audio_start_ms=sample * 1000 // rt.RATE, item_id=item_id
-            )
+            rt.event("input_audio_buffer.speech_started", audio_start_ms=heard.ms, item_id=heard.item_id)
         )
         if self.active is not None and self.config.vad.interrupt_response:
             self.endpoint.metrics.barge_in()
             await self._cancel("turn_detected")
 
-    async def _speech_stopped(self, end_ms: int) -> None:
-        item_id = self.next_item
-        await self.send(rt.event("input_audio_buffer.speech_stopped", audio_end_ms=end_ms, item_id=item_id))
-        pcm = bytes(self.buffer)
-        self._clear_buffer()
-        await self._add_committed(rt.UserItem(item_id, pcm16=pcm))
+    async def _speech_stopped(self, heard: Heard) -> None:
+        await self.send(
+            rt.event("input_audio_buffer.speech_stopped", audio_end_ms=heard.ms, item_id=heard.item_id)
+        )
+        await self._add_committed(rt.UserItem(heard.item_id, pcm16=heard.pcm))
         if self.config.vad.create_response:
             if self.active is not None:  # interrupt_response false: the newer turn supersedes it now
                 await self._cancel("turn_detected")
             await self._respond("server_vad")
 
     async def _commit(self, event: dict[str, Any]) -> None:
-        if len(self.buffer) < rt.RATE // 10 * 2:
+        if len(self.input) < rt.RATE // 10 * 2:
             raise rt.EventError(
-                f"the input audio buffer holds {len(self.buffer) * 500 // rt.RATE} ms, at least 100 ms are needed",
+                f"the input audio buffer holds {len(self.input) * 500 // rt.RATE} ms, at least 100 ms are needed",
                 code="input_audio_buffer_commit_empty",
             )
-        pcm = bytes(self.buffer)
-        self._clear_buffer()
-        await self._add_committed(rt.UserItem(rt.new_id("item"), pcm16=pcm))
+        await self._add_committed(rt.UserItem(rt.new_id("item"), pcm16=self.input.take()))
 
     async def _add_committed(self, item: rt.UserItem) -> None:
         await self.send(
@@ -315,34 +320,13 @@ class RealtimeSession:
         await self._add_item(item)
 
     async def _add_item(self, item: rt.UserItem) -> None:
-        part = (
-            {"type": "input_text", "text": item.text}
-            if item.text
-            else {"type": "input_audio", "transcript": None}
-        )
-        body = {
-            "id": item.item_id,
-            "object": "realtime.item",
-            "type": "message",
-            "status": "completed",
-            "role": "user",
-            "content": [part],
-        }
+        body = rt.user_item_object(item)
         await self.send(rt.event("conversation.item.created", previous_item_id=self.last_item, item=body))
         self.last_item = item.item_id
         self.pending.append(item)
 
     async def _truncate(self, event: dict[str, Any]) -> None:
-        item_id, ms = event.get("item_id"), event.get("audio_end_ms")
-        if item_id not in self.spoken:
-            raise rt.EventError(f"item_id: no assistant audio item {item_id!r}", param="item_id")
-        if event.get("content_index", 0) != 0:
-            raise rt.EventError("content_index: the item has one content part (0)", param="content_index")
-        sent_ms = self.spoken[item_id] * 1000 // rt.RATE
-        if isinstance(ms, bool) or not isinstance(ms, int) or not 0 <= ms <= sent_ms:
-            raise rt.EventError(
-                f"audio_end_ms: expected 0 to {sent_ms} (the audio sent)", param="audio_end_ms"
-            )
+        item_id, ms = rt.truncation(event, self.spoken)
         self.spoken[item_id] = ms * rt.RATE // 1000
         await self.send(
             rt.event("conversation.item.truncated", item_id=item_id, content_index=0, audio_end_ms=ms)
@@ -366,59 +350,58 @@ class RealtimeSession:
 
     async def _write_item(self, item: rt.UserItem) -> None:
         assert self.call is not None
-        if item.text:
-            await self.call.write(omni_pb2.ConverseRequest(text=item.text))
-        else:
-            for at in range(0, len(item.pcm16), AUDIO_CHUNK_BYTES):
-                chunk = omni_pb2.AudioChunk(
-                    pcm16=item.pcm16[at : at + AUDIO_CHUNK_BYTES], sample_rate_hz=rt.RATE
-                )
-                await self.call.write(omni_pb2.ConverseRequest(audio=chunk))
-            await self.call.write(omni_pb2.ConverseRequest(end_of_turn=True))
+        for message in turn_messages(item):
+            await self.call.write(message)
         self.turns_sent += 1
 
     async def _open_call(self) -> None:
         if self.call is not None:
             return
-        c = self.config
-        modalities = [omni_pb2.MODALITY_TEXT] + ([omni_pb2.MODALITY_AUDIO] if c.audio_out else [])
-        config = omni_pb2.GenerateRequest(
-            request_id=self.id,
-            system_prompt=c.instructions,
-            voice=c.voice,
-            output_modalities=modalities,
-            sampling=common_pb2.SamplingParams(max_tokens=c.max_output_tokens),
-        )
         self.call = self.endpoint.stub.Converse(
             metadata=self.metadata, timeout=self.options.max_session_s + 30.0
         )
-        self.call_fields, self.turns_sent = c.conversation_fields(), 0
+        self.call_fields, self.turns_sent = self.config.conversation_fields(), 0
         # Reading first: a call refused at once is reported by the reader like any failed call.
         self.reader = asyncio.create_task(self._read_call(self.call), name=f"realtime-{self.id}")
-        await self.call.write(omni_pb2.ConverseRequest(config=config))
+        await self.call.write(converse_config(self.id, self.config))
 
     async def _read_call(self, call: grpc.aio.StreamStreamCall) -> None:
         """The Converse call's events to the response they answer; its end (an error, or the call
         closed under us) to the client."""
         try:
             while (event := await call.read()) is not grpc.aio.EOF:
-                response = self.active
-                if response is not None and event.turn == response.turn:
-                    await response.on_event(event)
+                await self._on_call_event(event)
             err = rt.EventError("the conversation ended", code="conversation_ended")
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED and self.call is not call:
                 return
             err = rt.EventError(exc.details() or exc.code().name, code=exc.code().name.lower())
             err.type = from_grpc(exc.code(), exc.details()).type  # as the HTTP front types it
-        except _GONE:
-            return  # the socket went: the session's end closes the call
+        except Exception as exc:
+            if gone(self.ws, exc):
+                return  # the socket went: the session's end closes the call
+            _log.exception("realtime session %s: reading its conversation failed", self.id)
+            err = _internal(exc)
         if self.call is call:
             self.call = None
-            with contextlib.suppress(*_GONE):
+            with unless_gone(self.ws, f"ending the conversation of session {self.id}"):
                 if self.active is not None:
                     await self.active.fail(err)
                 await self.send(rt.error_event(err))
+
+    async def _on_call_event(self, event: omni_pb2.GenerateEvent) -> None:
+        """One event of the Converse call to the response of its turn; a response that fails on it (a
+        bug, not the socket) is failed and logged, and the session goes on."""
+        response = self.active
+        if response is None or event.turn != response.turn:
+            return
+        try:
+            await response.on_event(event)
+        except Exception as exc:
+            if gone(self.ws, exc):
+                raise
+            _log.exception("realtime session %s: response %s failed on an event", self.id, response.id)
+            await response.fail(_internal(exc))
 
     async def _cancel(self, reason: str) -> None:
         response = self.active

@@ -272,6 +272,37 @@ class UserItem:
     pcm16: bytes = b""
 
 
+def user_item_object(item: UserItem) -> dict[str, Any]:
+    """The server's view of a user item (`conversation.item.created`)."""
+    part = (
+        {"type": "input_text", "text": item.text}
+        if item.text
+        else {"type": "input_audio", "transcript": None}
+    )
+    return {
+        "id": item.item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "status": "completed",
+        "role": "user",
+        "content": [part],
+    }
+
+
+def truncation(event: dict[str, Any], spoken: dict[str, int]) -> tuple[str, int]:
+    """`conversation.item.truncate` checked against the audio sent of each item (`spoken`: samples):
+    (item id, audio_end_ms)."""
+    item_id, ms = event.get("item_id"), event.get("audio_end_ms")
+    if item_id not in spoken:
+        raise EventError(f"item_id: no assistant audio item {item_id!r}", param="item_id")
+    if event.get("content_index", 0) != 0:
+        raise EventError("content_index: the item has one content part (0)", param="content_index")
+    sent_ms = spoken[item_id] * 1000 // RATE
+    if isinstance(ms, bool) or not isinstance(ms, int) or not 0 <= ms <= sent_ms:
+        raise EventError(f"audio_end_ms: expected 0 to {sent_ms} (the audio sent)", param="audio_end_ms")
+    return item_id, ms
+
+
 def user_item(event: dict[str, Any], max_chars: int, max_audio: int) -> UserItem:
     """`conversation.item.create` of a user message (input_text parts, or input_audio parts)."""
     item = _obj(event.get("item"), "item")

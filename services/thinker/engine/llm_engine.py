@@ -16,6 +16,7 @@ from typing import Protocol, TypeVar
 
 import torch
 from omnistage.common.log import get_logger
+from omnistage.common.runtime.errors import CONTEXT_OVERFLOW
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.detokenizer import Decoder, Detokenizer
 from omnistage.services.thinker.engine.grammar_masks import GrammarMasks
@@ -34,7 +35,11 @@ T = TypeVar("T")
 
 
 class RequestError(ValueError):
-    """The request cannot be served as given (maps to INVALID_ARGUMENT)."""
+    """The request cannot be served as given (maps to INVALID_ARGUMENT; `reason`: its kind, errors.py)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class QueueFullError(RuntimeError):
@@ -149,34 +154,7 @@ class LLMEngine:
         its final output carries the final-norm hidden states at those slots."""
         params = params or SamplingParams()
         num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise RequestError(f"request {request_id!r}: empty prompt")
-        if hidden_slots is not None:
-            if num_prompt > self.cfg.max_model_len:
-                raise RequestError(
-                    f"request {request_id!r}: prompt of {num_prompt} tokens (with the image query block) "
-                    f"exceeds max_model_len {self.cfg.max_model_len}"
-                )
-            if (
-                hidden_slots.numel() == 0
-                or not 0 <= int(hidden_slots.min()) <= int(hidden_slots.max()) < num_prompt
-            ):
-                raise RequestError(f"request {request_id!r}: hidden-state slots must lie inside the prompt")
-        elif num_prompt >= self.cfg.max_model_len:
-            raise RequestError(
-                f"request {request_id!r}: prompt of {num_prompt} tokens leaves no room to generate "
-                f"(max_model_len {self.cfg.max_model_len})"
-            )
-        if positions is not None and tuple(positions.shape) != (3, num_prompt):
-            raise RequestError(f"request {request_id!r}: positions must be [3, {num_prompt}]")
-        if (
-            media is not None
-            and media.num_rows
-            and not 0 <= int(media.slots[0]) <= int(media.slots[-1]) < num_prompt
-        ):
-            raise RequestError(
-                f"request {request_id!r}: media slots must lie inside the prompt (0..{num_prompt - 1})"
-            )
+        self._check_prompt(request_id, num_prompt, positions, media, hidden_slots)
         if request_id in self.scheduler.seqs:
             raise RequestError(f"request {request_id!r} is already running")
         if len(self.scheduler.waiting) >= self.cfg.max_queued_requests:
@@ -195,6 +173,56 @@ class LLMEngine:
             self.scheduler.add(seq)
             return
         max_model_len = self.cfg.max_model_len
+        self._check_room(num_prompt, params)
+        # max_tokens 0: the default, clamped to what fits (a client asking for more is refused above).
+        max_tokens = params.max_tokens or min(self.cfg.default_max_tokens, max_model_len - num_prompt)
+        seq = Sequence(request_id, prompt_token_ids, params, max_tokens, rope_delta, positions, media)
+        self.scheduler.add(seq)
+        self.detokenizers[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
+
+    def _check_prompt(
+        self,
+        request_id: str,
+        num_prompt: int,
+        positions: torch.Tensor | None,
+        media: PromptMedia | None,
+        hidden_slots: torch.Tensor | None,
+    ) -> None:
+        """The prompt's length (CONTEXT_OVERFLOW: it leaves no room to generate), positions, media and
+        hidden-state slots against the prompt and max_model_len."""
+        if num_prompt == 0:
+            raise RequestError(f"request {request_id!r}: empty prompt")
+        if hidden_slots is not None:
+            if num_prompt > self.cfg.max_model_len:
+                raise RequestError(
+                    f"request {request_id!r}: prompt of {num_prompt} tokens (with the image query block) "
+                    f"exceeds max_model_len {self.cfg.max_model_len}"
+                )
+            if (
+                hidden_slots.numel() == 0
+                or not 0 <= int(hidden_slots.min()) <= int(hidden_slots.max()) < num_prompt
+            ):
+                raise RequestError(f"request {request_id!r}: hidden-state slots must lie inside the prompt")
+        elif num_prompt >= self.cfg.max_model_len:
+            raise RequestError(
+                f"request {request_id!r}: prompt of {num_prompt} tokens leaves no room to generate "
+                f"(max_model_len {self.cfg.max_model_len})",
+                CONTEXT_OVERFLOW,
+            )
+        if positions is not None and tuple(positions.shape) != (3, num_prompt):
+            raise RequestError(f"request {request_id!r}: positions must be [3, {num_prompt}]")
+        if (
+            media is not None
+            and media.num_rows
+            and not 0 <= int(media.slots[0]) <= int(media.slots[-1]) < num_prompt
+        ):
+            raise RequestError(
+                f"request {request_id!r}: media slots must lie inside the prompt (0..{num_prompt - 1})"
+            )
+
+    def _check_room(self, num_prompt: int, params: SamplingParams) -> None:
+        """max_tokens within max_model_len, and with the prompt (CONTEXT_OVERFLOW: a shorter prompt fits)."""
+        max_model_len = self.cfg.max_model_len
         if params.max_tokens > max_model_len:
             raise RequestError(
                 f"sampling.max_tokens: {params.max_tokens} exceeds max_model_len {max_model_len}"
@@ -202,13 +230,9 @@ class LLMEngine:
         if num_prompt + params.max_tokens > max_model_len:
             raise RequestError(
                 f"prompt of {num_prompt} tokens + sampling.max_tokens {params.max_tokens} = "
-                f"{num_prompt + params.max_tokens} exceeds max_model_len {max_model_len}"
+                f"{num_prompt + params.max_tokens} exceeds max_model_len {max_model_len}",
+                CONTEXT_OVERFLOW,
             )
-        # max_tokens 0: the default, clamped to what fits (a client asking for more is refused above).
-        max_tokens = params.max_tokens or min(self.cfg.default_max_tokens, max_model_len - num_prompt)
-        seq = Sequence(request_id, prompt_token_ids, params, max_tokens, rope_delta, positions, media)
-        self.scheduler.add(seq)
-        self.detokenizers[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; its final output (ABORT, usage so far), or None

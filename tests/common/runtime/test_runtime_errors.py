@@ -7,6 +7,8 @@ import asyncio
 import grpc
 import pytest
 from omnistage.common.runtime.errors import (
+    CONTEXT_OVERFLOW,
+    ERROR_REASON_KEY,
     DeadlineExceeded,
     InvalidRequest,
     Overloaded,
@@ -39,6 +41,12 @@ def test_overloaded_sends_retry_pushback():
     _, _, trailing = status_for(Overloaded("full", retry_after_ms=750))
     assert trailing == (("grpc-retry-pushback-ms", "750"),)
     assert status_for(InvalidRequest("x"))[2] == ()
+
+
+def test_a_refusal_of_a_kind_says_its_kind_in_the_trailing_metadata():
+    """The caller acts on the kind (Converse asks again with a shorter history), never on the words."""
+    code, _, trailing = status_for(InvalidRequest("prompt: too long", reason=CONTEXT_OVERFLOW))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and trailing == ((ERROR_REASON_KEY, CONTEXT_OVERFLOW),)
 
 
 def test_internal_names_the_exception_type():

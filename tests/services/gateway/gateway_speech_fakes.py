@@ -8,10 +8,11 @@ import contextlib
 from dataclasses import dataclass, field
 
 import grpc
+from omnistage.common.runtime.errors import CONTEXT_OVERFLOW, ERROR_REASON_KEY
+from omnistage.services.gateway.outputs.talker import SpeechLimits, SpeechStage
 from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.prompt import render
 from omnistage.services.gateway.server import OmniServicer
-from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
 from omnistage.services.gateway.stages import StageError, TalkerClient
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, encoder_pb2, talker_pb2, talker_pb2_grpc, thinker_pb2
@@ -57,13 +58,14 @@ class FakeThinker:
     async def generate(self, request_id, prompt, sampling, timeout_s, multimodal=None):
         call = ThinkerCall(render(prompt), timeout_s, list(multimodal or []))
         self.calls.append(call)
-        refusal = self.refuse
+        refusal, trailing = self.refuse, grpc.aio.Metadata()
         if self.max_user_turns and call.prompt.count("<role>HUMAN</role>") > self.max_user_turns:
             refusal = "request 'x': prompt of 2000 tokens leaves no room to generate (max_model_len 1024)"
+            trailing = grpc.aio.Metadata((ERROR_REASON_KEY, CONTEXT_OVERFLOW))  # as the thinker says it
         if refusal:
             call.closed = True
             raise grpc.aio.AioRpcError(
-                grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), details=refusal
+                grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), trailing, details=refusal
             )
         try:
             yield thinker_pb2.ThinkerEvent(

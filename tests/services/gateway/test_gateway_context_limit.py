@@ -35,8 +35,8 @@ def _busy_servicer(thinker: FakeThinker | None = None) -> OmniServicer:
     )
     pipeline.thinker_gate.running = 2
     pipeline.thinker_gate.service_s = 30.0
-    pipeline.pace.observe(1, 0.05)
-    pipeline.pace.observe(2, 0.1)
+    pipeline.admission.pace.observe(1, 0.05)
+    pipeline.admission.pace.observe(2, 0.1)
     return OmniServicer(pipeline)
 
 

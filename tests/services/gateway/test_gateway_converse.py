@@ -1,12 +1,10 @@
 """Omni.Converse against fake stages (the talker over real gRPC): turns answered with text and speech from
 the call's history, one Finish per turn; barge-in cancels the answer's thinker and talker streams and
-says so; spoken turns reach the encoder as WAV clips; bad input ends the call naming the field."""
+says so; spoken turns reach the encoder as the client's PCM; bad input ends the call naming the field."""
 
 from __future__ import annotations
 
 import asyncio
-import io
-import wave
 
 import grpc
 import pytest
@@ -232,7 +230,10 @@ def _pcm(seconds: float, rate: int = 16000) -> bytes:
     return b"\x10\x00" * int(seconds * rate)
 
 
-def test_spoken_turns_reach_the_encoder_as_wav_and_stay_in_the_history():
+def test_spoken_turns_reach_the_encoder_as_pcm_and_stay_in_the_history():
+    """The turn's PCM16 goes to the encoder as it came (samples at its rate: no WAV written here to be
+    decoded there), and stays in the history for the next answers."""
+
     async def scenario():
         thinker, media = FakeThinker(ANSWER), FakeMedia()
         async with TalkerServer(FakeTalker()) as srv:
@@ -254,11 +255,8 @@ def test_spoken_turns_reach_the_encoder_as_wav_and_stay_in_the_history():
         "audio (turn 0)",
         "audio (turn 1)",
     ]
-    with wave.open(io.BytesIO(first[0].media.data)) as w:
-        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 16000)
-        assert w.readframes(w.getnframes()) == _pcm(0.5)
-    with wave.open(io.BytesIO(second[1].media.data)) as w:
-        assert (w.getframerate(), w.getnframes()) == (8000, 4000)
+    assert (first[0].media.data, first[0].pcm_rate_hz) == (_pcm(0.5), 16000)
+    assert (second[1].media.data, second[1].pcm_rate_hz) == (_pcm(0.5, 8000), 8000)
     audio_markup = "<audio>" + "<audioPatch>" * 3 + "</audio>"
     assert thinker.calls[1].prompt.count(audio_markup) == 2 and len(thinker.calls[1].multimodal) == 2
     assert media.released == []  # the thinker took every ref
@@ -315,31 +313,34 @@ def test_a_malformed_message_during_a_spoken_answer_ends_the_call_at_once():
 
 def test_a_malformed_message_while_the_answer_waits_for_a_talker_stream_ends_the_call_at_once():
     """The talker's only stream is busy with another call: the bad chunk is refused while that call
-    still speaks, not once this call's answer got a stream and ended."""
+    still speaks (this call's text streams meanwhile, its audio waiting for the stream), not once this
+    call's answer got a stream and ended; its wait for the stream ends with it."""
 
     async def scenario():
         thinker, talker = FakeThinker(ANSWER * 20, delay_s=0.03), FakeTalker()
         async with TalkerServer(talker) as srv:
             servicer = gateway(thinker, srv.address, media=FakeMedia(), max_streams=1)
-            servicer.pipeline.set_capacity("talker", 1)
+            gate = servicer.pipeline.admission.gates["talker"]
             busy = Client(config(request_id="busy"), text("Talk for a while."))
             speaking = asyncio.create_task(converse(servicer, busy))
             await wait_until(lambda: talker.calls, what="the first call speaking")
             waiting = Client(config(request_id="waits"), text("Me too."))
             refused = asyncio.create_task(converse(servicer, waiting))
-            await wait_until(lambda: servicer.pipeline.gates["talker"].waiting == 1, what="a talker waiter")
+            await wait_until(lambda: gate.waiting == 1, what="a talker waiter")
             waiting.send(audio(_pcm(0.1), rate=64))
             with pytest.raises(InvalidRequest) as err:
                 await refused
             still_speaking = not speaking.done() and not thinker.calls[0].finished
+            waiters = gate.waiting
             busy.close()
             speaking.cancel()
             await asyncio.gather(speaking, return_exceptions=True)
-        return err.value, still_speaking, len(thinker.calls), servicer.pipeline.gates["talker"].waiting
+        return err.value, still_speaking, len(talker.calls), waiters, servicer.pipeline.in_flight
 
-    err, still_speaking, calls, waiters = run(scenario())
+    err, still_speaking, speak_calls, waiters, in_flight = run(scenario())
     assert str(err).startswith("audio.sample_rate_hz: 64") and still_speaking
-    assert calls == 1 and waiters == 0  # the refused call never reached the thinker, and left the queue
+    assert speak_calls == 1 and waiters == 0  # the refused call never spoke, and left the queue at once
+    assert in_flight == 0
 
 
 def test_the_history_keeps_at_most_max_turns_user_turns():
@@ -619,8 +620,7 @@ def test_a_stage_error_that_comes_with_the_calls_cancellation_is_not_left_unretr
     'Task exception was never retrieved' (asyncio logs it through the loop's exception handler)."""
     import gc
 
-    from omnistage.services.gateway.converse import Conversation
-    from omnistage.services.gateway.stages import StageError
+    from omnistage.services.gateway.run import RequestRun
 
     async def main() -> list[dict]:
         loop = asyncio.get_running_loop()
@@ -628,7 +628,7 @@ def test_a_stage_error_that_comes_with_the_calls_cancellation_is_not_left_unretr
         loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
         gate = loop.create_future()
 
-        async def events():
+        async def stage():
             await gate
             raise StageError(
                 "encoder",
@@ -639,14 +639,12 @@ def test_a_stage_error_that_comes_with_the_calls_cancellation_is_not_left_unretr
                     "Deadline Exceeded",
                 ),
             )
-            yield  # an async generator
-
-        conversation = Conversation.__new__(Conversation)
-        conversation.newer_turn = asyncio.Event()
 
         async def consume():
-            async for _ in conversation._interruptible(events()):
-                pass
+            async with RequestRun("r", 4) as run:
+                run.start(stage(), "answer")
+                async for _ in run.events():
+                    pass
 
         consumer = asyncio.create_task(consume())
         for _ in range(5):

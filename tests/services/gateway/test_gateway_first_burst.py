@@ -1,7 +1,7 @@
 """Admission prices the expected work at the batch it joins (issue 30, point 2).
 
-The first burst after start-up is judged by the gateway's own admission (Pipeline.check_context,
-admit, thinker_work, admitted) against a simulated thinker whose step time grows with its batch; time
+The first burst after start-up is judged by the gateway's own admission (Admission.check_context,
+admit: its ticket held while the request runs) against a simulated thinker whose step time grows with its batch; time
 is the simulation's (a clock the test advances step by step), so the outcome does not depend on how
 fast the machine is. The start-up stress measured the same thinker at 1, 8, 16 and 32 requests.
 """
@@ -16,7 +16,8 @@ import grpc
 import pytest
 from omnistage.common.runtime.errors import Overloaded
 from omnistage.services.gateway.expected_cost import MIN_FINISHED, OutputLengths
-from omnistage.services.gateway.pipeline import Pipeline, RequestPlan
+from omnistage.services.gateway.pipeline import Pipeline
+from omnistage.services.gateway.plan import RequestPlan
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.validation import RequestLimits, plan_request
 from omnistage.v1 import common_pb2, control_pb2, omni_pb2
@@ -58,8 +59,8 @@ def _pipeline(step_s, clock: Clock) -> Pipeline:
         control_pb2.Limits(max_running_requests=MAX_RUNNING, max_model_len=4096, default_max_tokens=256)
     )
     for batch in (1, 8, 16, 32):  # the start-up stress (gateway/__main__.py's _seed_pace)
-        pipeline.pace.observe(batch, step_s(batch))
-    pipeline.text.clock = clock
+        pipeline.admission.pace.observe(batch, step_s(batch))
+    pipeline.admission.text.clock = clock
     return pipeline
 
 
@@ -74,12 +75,12 @@ def _first_burst(step_s, n: int = 300, seed: int = 7) -> tuple[int, int]:
         for _ in range(n):
             plan, context = _plan(256), SimContext(clock, rng.uniform(15.0, 30.0))
             try:
-                pipeline.check_context(plan.request)
-                pipeline.admit(context, plan.stages, pipeline.thinker_work(plan))
+                pipeline.admission.check_context(plan.request)
+                ticket = pipeline.admission.admit(plan, context.time_remaining())
             except Overloaded as exc:
                 assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and exc.retry_after_ms > 0
                 continue
-            held.enter_context(pipeline.admitted(plan, context))
+            held.callback(ticket.release)
             admitted.append(context.deadline)
     waiting = list(enumerate(admitted))
     running: dict[int, int] = {}  # index -> tokens produced
@@ -117,12 +118,12 @@ def test_a_lone_request_on_an_idle_thinker_is_never_refused_for_its_cost():
     clock = Clock()
     pipeline = _pipeline(lambda b: 0.05 * b, clock)
     plan = _plan(256)
-    work = pipeline.thinker_work(plan)
+    work = pipeline.admission.thinker_work(plan)
     assert work["thinker"] > 2.0
-    pipeline.admit(SimContext(clock, 2.0), plan.stages, work)  # not refused
-    with pipeline.admitted(plan, SimContext(clock, 2.0)):
-        with pytest.raises(Overloaded):  # with one on its way, a second such request is judged
-            pipeline.admit(SimContext(clock, 2.0), plan.stages, pipeline.thinker_work(plan))
+    ticket = pipeline.admission.admit(plan, SimContext(clock, 2.0).time_remaining())  # not refused
+    with pytest.raises(Overloaded):  # with one on its way, a second such request is judged
+        pipeline.admission.admit(plan, SimContext(clock, 2.0).time_remaining())
+    ticket.release()
 
 
 def test_output_lengths_price_a_kind_at_what_its_finished_answers_produced():
@@ -156,18 +157,18 @@ def test_the_gateway_learns_from_finished_answers_and_admits_by_what_they_produc
         )
         servicer = OmniServicer(pipeline)
         plan = _plan(256)
-        before = pipeline.expected_tokens(plan)
+        before = pipeline.admission.expected_tokens(plan)
         msg = omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Hi")])
         for i in range(MIN_FINISHED):
             req = omni_pb2.GenerateRequest(
                 request_id=f"r{i}", messages=[msg], sampling=common_pb2.SamplingParams(max_tokens=256)
             )
             assert [e async for e in servicer.Generate(req, Context(30.0))][-1].HasField("finish")
-        pipeline.pace.observe(1, 0.1)
+        pipeline.admission.pace.observe(1, 0.1)
         pipeline.thinker_gate.running = 1  # busy: its cost is judged
-        return before, pipeline.expected_tokens(plan), pipeline, plan
+        return before, pipeline.admission.expected_tokens(plan), pipeline, plan
 
     before, after, pipeline, plan = asyncio.run(scenario())
     assert before == 256 and after == 6  # five words and the stop token's step
-    pipeline.admit(Context(5.0), plan.stages, pipeline.thinker_work(plan))  # ~0.8 s at batch 2: admitted
-    assert pipeline.pace.work_s(256, 0, 2) > 5.0  # priced at its cap, it would have been refused
+    pipeline.admission.admit(plan, Context(5.0).time_remaining())  # ~0.8 s at batch 2: admitted
+    assert pipeline.admission.pace.work_s(256, 0, 2) > 5.0  # priced at its cap, it would have been refused

@@ -3,10 +3,7 @@ the prompt characters and one encoder request (bytes, items), the turn being ans
 
 from __future__ import annotations
 
-import io
-import wave
-
-from omnistage.services.gateway.history import Entry, History, wav_of
+from omnistage.services.gateway.history import Entry, History
 from omnistage.services.gateway.prompt import AnswerTokens, MediaSlot, Turn
 
 BIG = 1 << 30
@@ -38,12 +35,12 @@ def test_the_window_drops_the_oldest_turns_until_the_prompt_fits():
 def test_spoken_turns_are_audio_slots_within_the_encoders_bytes_and_items():
     history = History([], max_turns=8)
     for i in range(3):
-        history.add(Entry("user", wav=b"w" * 100, index=i))
+        history.add(Entry("user", pcm16=b"w" * 100, sample_rate_hz=16000, index=i))
         history.add(Entry("assistant", f"answer {i}"))
     history.add(Entry("user", "and now?"))
     window = history.window("S", BIG, BIG, 16)
     assert window.turns[0] == Turn("user", (MediaSlot("audio", 0),))
-    assert [where for where, _ in window.audio] == ["audio (turn 0)", "audio (turn 1)", "audio (turn 2)"]
+    assert [where for where, _ in window.spoken()] == ["audio (turn 0)", "audio (turn 1)", "audio (turn 2)"]
     assert len(history.window("S", BIG, 250, 16).audio) == 2
     assert len(history.window("S", BIG, BIG, 1).audio) == 1
     assert history.window("S", BIG, BIG, 1).turns[0].content == (MediaSlot("audio", 0),)  # renumbered from 0
@@ -53,13 +50,6 @@ def test_forget_oldest_drops_one_exchange_and_keeps_the_last_turn():
     history = History([Entry("user", "a"), Entry("assistant", "A"), Entry("user", "b")], max_turns=8)
     assert history.forget_oldest() and [e.text for e in history.entries] == ["b"]
     assert not history.forget_oldest() and [e.text for e in history.entries] == ["b"]
-
-
-def test_wav_of_wraps_mono_pcm16():
-    pcm = bytes(range(200))
-    with wave.open(io.BytesIO(wav_of(pcm, 22050))) as w:
-        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 22050)
-        assert w.readframes(w.getnframes()) == pcm
 
 
 def test_an_answer_with_token_ids_goes_back_as_tokens_and_one_without_as_text():

@@ -17,11 +17,12 @@ from omnistage.common.config import config_from_dict
 from omnistage.common.runtime.errors import InvalidRequest, OmniError, Overloaded, StageUnavailable
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.transport import TransportContext, TransportOptions, decode, encode
-from omnistage.services.gateway.imaging import ImageLimits, ImageStage, edit_size
 from omnistage.services.gateway.media import MediaStage
+from omnistage.services.gateway.outputs.image_options import ImageLimits, edit_size
+from omnistage.services.gateway.outputs.imagegen import ImageStage
+from omnistage.services.gateway.outputs.talker import SpeechLimits, SpeechStage
 from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.server import OmniServicer
-from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
 from omnistage.services.gateway.stages import ImageGenClient, TalkerClient
 from omnistage.services.gateway.validation import RequestLimits
 from omnistage.v1 import common_pb2, encoder_pb2, imagegen_pb2, imagegen_pb2_grpc, omni_pb2, thinker_pb2
@@ -595,8 +596,10 @@ def test_text_and_image_encode_the_media_once_and_the_image_call_takes_the_lease
 
 def test_a_client_gone_during_the_text_leaves_no_media_lease_the_gateway_kept(tmp_path, producer):
     events, calls, encodes, left = _text_and_image(tmp_path, producer, stop_after="text", n=1)
-    assert kinds(events) == ["text"] and [c[0] for c in calls] == ["text"]
-    assert encodes == 1 and left == 0  # released by the gateway, which kept it
+    # The request's run goes on ahead of its client by its buffer (speech_buffer_events): the image's
+    # call may have begun before the client left; either way no lease is left behind.
+    assert kinds(events) == ["text"] and calls[0][0] == "text"
+    assert encodes == 1 and left == 0  # released by the gateway, which kept it (or by the thinker)
 
 
 def test_leases_that_would_expire_before_the_image_call_are_encoded_again(tmp_path, producer):

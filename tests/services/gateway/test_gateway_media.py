@@ -310,3 +310,21 @@ def test_media_needs_an_encoder(ckpt, producer, tmp_path):
     request = user(*[audio(b"x" * (400 << 10))] * 3)  # each fits, together they do not
     with pytest.raises(InvalidRequest, match=r"^messages: the media parts hold 1228800 bytes, more than the"):
         run_gateway(FakeThinker(), FakeEncoder(producer, cfg), request, producer)
+
+
+def test_a_converse_turns_pcm_goes_to_the_encoder_as_int16_samples(ckpt, producer):
+    """No WAV between the client's PCM16 and the encoder: the samples as they came, at their rate."""
+    from omnistage.services.gateway.validation import MediaPart
+    from omnistage.v1 import tensor_pb2
+
+    encoder = FakeEncoder(producer, ThinkerConfig.from_checkpoint(ckpt))
+    stage = MediaStage(encoder, TransportContext(), max_request_bytes=1 << 20)
+    pcm = b"\x01\x00\xff\x7f" * 100
+    part = MediaPart("audio (turn 0)", "audio", omni_pb2.Media(data=pcm), pcm_rate_hz=24000)
+    items = asyncio.run(stage.encode("c1", [part], {}, 5.0))
+    ((request, _),) = encoder.calls
+    (sent,) = request.items
+    assert (sent.WhichOneof("source"), sent.sample_rate_hz) == ("samples", 24000)
+    samples = sent.samples
+    assert (samples.dtype, list(samples.shape), samples.inline_data) == (tensor_pb2.DTYPE_INT16, [200], pcm)
+    stage.release(items)

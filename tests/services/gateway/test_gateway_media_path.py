@@ -122,12 +122,12 @@ def test_paths_are_resolved_off_the_event_loop(tmp_path, media, monkeypatch):
     """Resolving every path (realpath, stat: 16 k of them at the bounds) is a worker thread's job."""
     import threading
 
-    from omnistage.services.gateway import pipeline
+    from omnistage.services.gateway import media_path
 
     threads = []
-    real = pipeline.check_media_paths
+    real = media_path.check_media_paths
     monkeypatch.setattr(
-        pipeline,
+        media_path,
         "check_media_paths",
         lambda request, media_dir: threads.append(threading.current_thread()) or real(request, media_dir),
     )

@@ -9,7 +9,8 @@ import pytest
 from omnistage.common.runtime.errors import Overloaded
 from omnistage.services.gateway.admission import GateConfig, StageGate, check_path
 from omnistage.services.gateway.pace import PaceMeter, StepPace
-from omnistage.services.gateway.pipeline import Pipeline, RequestPlan
+from omnistage.services.gateway.pipeline import Pipeline
+from omnistage.services.gateway.plan import RequestPlan
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.validation import RequestLimits, plan_request
 from omnistage.v1 import common_pb2, omni_pb2
@@ -69,13 +70,13 @@ def test_the_gateway_admits_by_max_tokens_at_the_measured_pace_of_the_batch_it_j
     )
     gate = servicer.pipeline.thinker_gate
     gate.set_capacity(96)
-    servicer.pipeline.pace.observe(1, 0.005)  # the warm-up: alone ...
-    servicer.pipeline.pace.observe(96, 0.08)  # ... and at a full batch
+    servicer.pipeline.admission.pace.observe(1, 0.005)  # the warm-up: alone ...
+    servicer.pipeline.admission.pace.observe(96, 0.08)  # ... and at a full batch
     outcomes, on_their_way = [], []
     for _ in range(96):  # all judged before any of them reached the thinker's gate (a burst)
         try:
-            servicer.pipeline.admit(
-                _Context(15.0), ["thinker"], servicer.pipeline.thinker_work(RequestPlan(_plan(256), {}, 0.0))
+            servicer.pipeline.admission.check(
+                ["thinker"], 15.0, servicer.pipeline.admission.thinker_work(RequestPlan(_plan(256), {}, 0.0))
             )
         except Overloaded as exc:
             outcomes.append("refused")
@@ -91,12 +92,12 @@ def test_the_gateway_admits_by_max_tokens_at_the_measured_pace_of_the_batch_it_j
     )  # refused once the batch is too slow
     assert 0 < admitted < 96
     # every admitted request finishes within 15 s at the batch it ended up in
-    assert servicer.pipeline.pace.work_s(256, len("Hello"), admitted) <= 15.0
+    assert servicer.pipeline.admission.pace.work_s(256, len("Hello"), admitted) <= 15.0
     unmeasured = OmniServicer(
         Pipeline(None, {"thinker"}, max_concurrent_requests=10, limits=RequestLimits(), system_prompt="")
     )
     assert (
-        unmeasured.pipeline.thinker_work(RequestPlan(_plan(256), {}, 0.0)) == {}
+        unmeasured.pipeline.admission.thinker_work(RequestPlan(_plan(256), {}, 0.0)) == {}
     )  # nothing measured yet: slots alone
 
 

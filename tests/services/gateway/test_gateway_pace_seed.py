@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from omnistage.services.gateway.__main__ import _PACE_TOKENS, _seed_pace
 from omnistage.services.gateway.pace import StepPace
+from omnistage.services.gateway.startup import PACE_TOKENS as _PACE_TOKENS
+from omnistage.services.gateway.startup import seed_pace as _seed_pace
 from omnistage.v1 import thinker_pb2
 
 STEP_S = 0.01

@@ -3,9 +3,9 @@ its media (what admission judges and who ends the media's leases)."""
 
 from __future__ import annotations
 
-from omnistage.services.gateway.imaging import ImagePlan
-from omnistage.services.gateway.pipeline import RequestPlan
-from omnistage.services.gateway.speech import VoiceChoice
+from omnistage.services.gateway.outputs.image_options import ImagePlan
+from omnistage.services.gateway.outputs.talker import VoiceChoice
+from omnistage.services.gateway.plan import PlannedOutput, RequestPlan
 from omnistage.services.gateway.validation import RequestLimits, plan_request
 from omnistage.v1 import omni_pb2
 
@@ -21,9 +21,14 @@ def _plan(*outputs: int, media: bool = False) -> RequestPlan:
         messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=parts)], output_modalities=list(outputs)
     )
     planned = plan_request(request, DEPLOYED, "", RequestLimits())
-    voice = VoiceChoice() if omni_pb2.MODALITY_AUDIO in planned.outputs else None
-    image = IMAGE if omni_pb2.MODALITY_IMAGE in planned.outputs else None
-    return RequestPlan(planned, {}, 0.0, voice, image)
+    outputs = []
+    if omni_pb2.MODALITY_AUDIO in planned.outputs:
+        outputs.append(PlannedOutput("talker", omni_pb2.MODALITY_AUDIO, VoiceChoice()))
+    if omni_pb2.MODALITY_IMAGE in planned.outputs:
+        outputs.append(
+            PlannedOutput("imagegen", omni_pb2.MODALITY_IMAGE, IMAGE, after_answer=True, thinker_calls=1)
+        )
+    return RequestPlan(planned, {}, 0.0, tuple(outputs))
 
 
 def test_a_text_request_passes_the_thinker_alone_in_one_call():

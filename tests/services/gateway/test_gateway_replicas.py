@@ -1,8 +1,8 @@
 """Stage replicas over real gRPC: calls go to the least loaded replica that is up (in turn when equal,
 by share of capacity otherwise); a replica that stops answering fails its calls with UNAVAILABLE naming
 it while the others serve, and is put back when it answers again; admission counts the capacity of the
-replicas that are up; a spoken answer takes the least loaded talker with a credit, and is refused
-naming every full one."""
+replicas that are up; a spoken answer takes the least loaded talker with a credit, and one that gets
+no stream in time, or finds every talker down, is text only with an audio status saying why."""
 
 from __future__ import annotations
 
@@ -16,11 +16,17 @@ from omnistage.common.config import GatewayConfig, ImageGenConfig
 from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.common.transport import TransportContext
 from omnistage.services.gateway.admission import GateConfig, StageGate
-from omnistage.services.gateway.imaging import ImageLimits, ImageStage
-from omnistage.services.gateway.speech import SpeechLimits, SpeechStage, TalkerStream, VoiceChoice
+from omnistage.services.gateway.outputs.image_options import ImageLimits
+from omnistage.services.gateway.outputs.imagegen import ImageStage
+from omnistage.services.gateway.outputs.talker import SpeechLimits, SpeechStage
+from omnistage.services.gateway.pipeline import Pipeline
+from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.stage_watch import StageWatch
 from omnistage.services.gateway.stages import ImageGenClient, TalkerClient
-from omnistage.v1 import imagegen_pb2, imagegen_pb2_grpc, talker_pb2, talker_pb2_grpc
+from omnistage.services.gateway.validation import RequestLimits
+from omnistage.v1 import imagegen_pb2, imagegen_pb2_grpc, omni_pb2, talker_pb2, talker_pb2_grpc
+
+from tests.services.gateway.gateway_speech_fakes import Context, FakeThinker, wait_until
 
 FAST = GatewayConfig(stage_health_interval_s=0.05, stage_health_timeout_s=0.3, stage_health_failures=2)
 
@@ -219,40 +225,55 @@ def test_admission_counts_the_capacity_of_the_replicas_that_are_up():
     asyncio.run(main())
 
 
-def test_speech_takes_the_least_loaded_talker_with_a_credit_and_names_every_full_one():
+def _spoken(i: int) -> omni_pb2.GenerateRequest:
+    msg = omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Hi")])
+    outputs = [omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO]
+    return omni_pb2.GenerateRequest(request_id=f"s{i}", messages=[msg], output_modalities=outputs)
+
+
+def test_speech_takes_the_least_loaded_talker_and_a_full_or_down_talker_leaves_the_text_whole():
     async def main():
         async with _replicas(
             ("talker", "talker_b"), HeldTalker, talker_pb2_grpc.add_TalkerServicer_to_server, TalkerClient
         ) as reps:
             (t1, _, _), (t2, _, _) = reps
             t1.max_streams = t2.max_streams = 1
-            # A credit is waited for at most start_wait_s: then the speech is refused naming every full one.
-            stage = SpeechStage([t1, t2], SpeechLimits(1000, start_wait_s=0.1), "test")
-            streams = [TalkerStream(stage, f"s{i}", VoiceChoice(), 30.0, "") for i in range(3)]
-            assert await streams[0].start() and await streams[1].start()
-            assert (streams[0].talker.name, streams[1].talker.name) == ("talker", "talker_b")
-            assert (t1.calls_in_flight, t2.calls_in_flight) == (1, 1)
-            assert not await streams[2].start()
-            status = streams[2].status
-            assert status.code == "RESOURCE_EXHAUSTED"
-            assert (
-                status.message == "talker: all 1 streams are speaking, talker_b: all 1 streams are speaking"
+            # A stream is waited for at most stream_wait_s: then the answer is text only.
+            limits = SpeechLimits(1000, start_wait_s=1.0, idle_timeout_s=0.5, stream_wait_s=0.2)
+            stage = SpeechStage([t1, t2], limits, "test")
+            pipeline = Pipeline(
+                FakeThinker("Hello there. "),
+                {"thinker", "talker"},
+                max_concurrent_requests=8,
+                limits=RequestLimits(),
+                system_prompt="",
+                speech=stage,
             )
-            streams[0].call.cancel()
-            await asyncio.sleep(0.1)
-            again = TalkerStream(stage, "s3", VoiceChoice(), 30.0, "")
-            assert await again.start() and again.talker.name == "talker"  # the freed credit
-            t1.down_reason = t2.down_reason = "stopped answering: test"
-            down = TalkerStream(stage, "s4", VoiceChoice(), 30.0, "")
-            assert (
-                not await down.start()
-                and down.status.code == "UNAVAILABLE"
-                and "'talker_b'" in down.status.message
-            )
-            for s in (streams[1], again):
-                s.call.cancel()
+            servicer = OmniServicer(pipeline)
 
-    asyncio.run(main())
+            async def collect(i: int) -> list:
+                return [e async for e in servicer.Generate(_spoken(i), Context())]
+
+            held = [asyncio.create_task(collect(i)) for i in range(2)]
+            await wait_until(lambda: (t1.calls_in_flight, t2.calls_in_flight) == (1, 1), what="one on each")
+            full = await collect(2)
+            spoken = await asyncio.gather(*held)  # the held talkers go silent: given up after idle_timeout_s
+            again = await collect(3)  # the streams are free again
+            t1.down_reason = t2.down_reason = "stopped answering: test"
+            down = await collect(4)
+            return full, spoken, again, down, pipeline.admission.gates["talker"]
+
+    full, spoken, again, down, gate = asyncio.run(asyncio.wait_for(main(), 60))
+    for events in (full, *spoken, again, down):
+        assert "".join(e.text.text for e in events if e.HasField("text")) == "Hello there. "
+    status = full[-1].finish.audio
+    assert (status.outcome, status.code) == (omni_pb2.AUDIO_OUTCOME_NONE, "RESOURCE_EXHAUSTED")
+    assert "within 0.2s" in status.message and status.retry_after_ms > 0
+    assert [s[-1].finish.audio.code for s in spoken] == ["DEADLINE_EXCEEDED"] * 2
+    assert again[-1].finish.audio.code == "DEADLINE_EXCEEDED"  # it got a stream (held, then silent)
+    status = down[-1].finish.audio
+    assert status.code == "UNAVAILABLE" and "'talker_b'" in status.message
+    assert (gate.running, gate.waiting) == (0, 0)
 
 
 def test_a_replica_a_call_finds_unreachable_is_taken_out_and_the_request_goes_to_another(tmp_path):

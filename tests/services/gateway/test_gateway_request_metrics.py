@@ -74,7 +74,7 @@ def test_a_finished_request_counts_ttft_e2e_goodput_and_tokens():
 
 def test_a_refusal_counts_its_reason_and_an_e2e_with_its_status_and_no_goodput():
     servicer = _servicer(limit=1)
-    servicer.pipeline.in_flight = 1  # the gateway is full
+    servicer.pipeline.admission.in_flight = 1  # the gateway is full
     refused = _value("omnistage_gateway_refusals_total", reason="gateway_full")
     goodput = _value("omnistage_gateway_goodput_requests_total", modality="text")
     with pytest.raises(Overloaded):

@@ -11,8 +11,8 @@ import socket
 import grpc
 import pytest
 from omnistage.common import metrics
-from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
-from omnistage.services.gateway.speech import SpeechLimits
+from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
+from omnistage.services.gateway.outputs.talker import SpeechLimits
 from omnistage.v1 import common_pb2, omni_pb2
 
 from tests.services.gateway.gateway_speech_fakes import (
@@ -218,32 +218,39 @@ def test_a_full_talker_gives_no_audio_with_its_pushback():
     )
 
 
-def test_a_spoken_answer_waits_for_a_talker_stream_within_its_deadline():
-    """With the talker's cap (Describe) of 1 held by one answer, the next waits in the gateway (no thinker
-    or Speak call yet) and is spoken once the first is over: speech is admitted by capacity, not
-    refused because the talker is busy now."""
+def test_a_spoken_answers_text_never_waits_for_a_talker_stream_and_its_audio_joins_when_one_frees():
+    """With the talker's cap (Describe) of 1 held by one answer, the next one's text streams at once (its
+    thinker call made while the first still speaks) and its audio waits for the stream in the gateway;
+    once the first is over it is spoken, the talker getting the text so far (issue 38)."""
 
     async def scenario():
         thinker, talker = FakeThinker(ANSWER, delay_s=0.05), FakeTalker()
         async with TalkerServer(talker) as srv:
             servicer = gateway(thinker, srv.address, max_streams=1)
+            gate = servicer.pipeline.admission.gates["talker"]
             first = servicer.Generate(request(), Context())
             await anext(first)
             await wait_until(lambda: len(talker.calls) == 1, what="the first Speak")
-            second = asyncio.create_task(collect(servicer, request()))
-            await wait_until(
-                lambda: servicer.pipeline.gates["talker"].waiting == 1, what="the second answer waiting"
-            )
-            calls_then = (len(thinker.calls), len(talker.calls))
-            rest = [e async for e in first]
-            second = await second
-        return calls_then, rest, second, talker.most_active
+            second_events: list = []
 
-    calls_then, rest, second, most_active = run(scenario())
-    assert calls_then == (1, 1)
+            async def second_client():
+                async for event in servicer.Generate(request(), Context()):
+                    second_events.append(event)
+
+            second = asyncio.create_task(second_client())
+            await wait_until(lambda: gate.waiting == 1, what="the second answer's audio waiting")
+            await wait_until(lambda: second_events, what="the second answer's first text")
+            calls_then = (len(thinker.calls), len(talker.calls), kinds(second_events))
+            rest = [e async for e in first]
+            await second
+        return calls_then, rest, second_events, talker, gate
+
+    calls_then, rest, second, talker, gate = run(scenario())
+    assert calls_then[:2] == (2, 1) and set(calls_then[2]) == {"text"}  # text out, no Speak call yet
     for events in (rest, second):
         assert events[-1].finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE
-    assert text_of(second) == ANSWER and most_active == 1
+    assert text_of(second) == ANSWER and "".join(talker.calls[1].texts) == ANSWER
+    assert talker.most_active == 1 and (gate.running, gate.waiting) == (0, 0)
 
 
 def test_concurrent_spoken_answers_share_the_talkers_streams_and_all_speak():
@@ -252,28 +259,37 @@ def test_concurrent_spoken_answers_share_the_talkers_streams_and_all_speak():
         async with TalkerServer(talker) as srv:
             servicer = gateway(FakeThinker(ANSWER, delay_s=0.01), srv.address, max_streams=2)
             answers = await asyncio.gather(*(collect(servicer, request()) for _ in range(5)))
-        return answers, talker.most_active, servicer.pipeline.gates["talker"].running
+        return answers, talker.most_active, servicer.pipeline.admission.gates["talker"].running
 
     answers, most_active, running = run(scenario())
     assert [a[-1].finish.audio.outcome for a in answers] == [omni_pb2.AUDIO_OUTCOME_COMPLETE] * 5
     assert most_active == 2 and running == 0
 
 
-def test_a_spoken_answer_that_cannot_get_a_talker_stream_in_time_is_refused_at_arrival():
+def test_audio_that_gets_no_talker_stream_within_the_wait_is_a_status_never_a_failed_request():
+    """The stream stays held past gateway.talker_stream_wait_s: the second answer is text only, whole,
+    and its AudioStatus says RESOURCE_EXHAUSTED with a retry hint; nothing waits afterwards."""
+
     async def scenario():
-        talker = FakeTalker()
+        talker = FakeTalker(speak_delay_s=0.05)
+        limits = SpeechLimits(start_wait_s=5.0, idle_timeout_s=5.0, stream_wait_s=0.2)
         async with TalkerServer(talker) as srv:
-            servicer = gateway(FakeThinker(ANSWER, delay_s=0.05), srv.address, max_streams=1)
+            servicer = gateway(
+                FakeThinker(ANSWER * 4, delay_s=0.05), srv.address, max_streams=1, limits=limits
+            )
             first = servicer.Generate(request(), Context())
             await anext(first)
-            with pytest.raises(Overloaded) as err:  # the talker's stream is held ~0.3 s; 1 s is assumed
-                await collect(servicer, request(), Context(remaining_s=0.5))
+            second = await collect(servicer, request())
             rest = [e async for e in first]
-        return err.value, rest, len(talker.calls)
+        return second, rest, len(talker.calls), servicer.pipeline.admission.gates["talker"]
 
-    err, rest, calls = run(scenario())
-    assert err.reason == "talker_deadline" and err.retry_after_ms > 0 and "talker: at capacity" in str(err)
+    second, rest, calls, gate = run(scenario())
+    assert text_of(second) == ANSWER * 4 and kinds(second).count("audio") == 0
+    status = second[-1].finish.audio
+    assert (status.outcome, status.code) == (omni_pb2.AUDIO_OUTCOME_NONE, "RESOURCE_EXHAUSTED")
+    assert status.retry_after_ms > 0 and "talker" in status.message
     assert rest[-1].finish.audio.outcome == omni_pb2.AUDIO_OUTCOME_COMPLETE and calls == 1
+    assert (gate.running, gate.waiting) == (0, 0)
 
 
 def test_a_talker_failing_mid_speech_gives_partial_audio_and_the_whole_text():

@@ -18,7 +18,7 @@ import asyncio
 
 import pytest
 from omnistage.common.runtime.auth import STAGE_KEY_ENV, STAGE_KEY_OFF
-from omnistage.services.gateway.speech import SpeechLimits
+from omnistage.services.gateway.outputs.talker import SpeechLimits
 from omnistage.services.gateway.stages import TalkerClient
 from omnistage.v1 import common_pb2, omni_pb2
 
@@ -113,7 +113,7 @@ def test_every_speak_call_ends_with_its_answer_and_leaves_nothing_to_the_gc(stag
 
 
 def test_the_talker_warm_up_leaves_nothing_to_the_gc(stage_key):
-    from omnistage.services.gateway.__main__ import _warm_up_talker
+    from omnistage.services.gateway.outputs.talker import warm_up_talker as _warm_up_talker
 
     async def scenario():
         left = Leftovers()

@@ -12,9 +12,9 @@ import contextlib
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import GatewayConfig
+from omnistage.services.gateway.outputs.talker import SpeechLimits, SpeechStage
 from omnistage.services.gateway.pipeline import Pipeline
 from omnistage.services.gateway.server import OmniServicer
-from omnistage.services.gateway.speech import SpeechLimits, SpeechStage
 from omnistage.services.gateway.stage_watch import StageWatch
 from omnistage.services.gateway.stages import TalkerClient
 from omnistage.services.gateway.validation import RequestLimits
@@ -87,7 +87,7 @@ async def _gateway():
         system_prompt="",
         speech=speech,
     )
-    # As the gateway's stage watches do (gateway/__main__.py): the gates follow every change.
+    # As the gateway's stage watches do (gateway/startup.py): the gates follow every change.
     watches = [StageWatch(c, FAST, on_change=lambda _c: pipeline.stages_changed()) for c in clients]
     for w in watches:
         w.start()
@@ -113,21 +113,23 @@ async def _kill_under_load(servicer, replicas, clients, victim: int) -> tuple[li
     await wait_until(lambda: dead.talker.active > 0, what=f"{dead.name} speaking")
     await dead.kill()
     await wait_until(lambda: not clients[victim].up, what=f"{dead.name} marked down")
-    capacity = servicer.pipeline.gates["talker"].cfg.max_running
+    capacity = servicer.pipeline.admission.gates["talker"].cfg.max_running
     during = [asyncio.create_task(_speak(servicer, 100 + i)) for i in range(CLIENTS)]
     statuses_during = await asyncio.gather(*during)
     statuses_before = await asyncio.gather(*before)
     assert live.talker.most_active <= STREAMS  # the live replica was never asked for more than it has
     await dead.start()  # the launcher restarts it: admitted again by its watch
     await wait_until(lambda: clients[victim].up, what=f"{dead.name} admitted again")
-    await wait_until(lambda: servicer.pipeline.gates["talker"].cfg.max_running == 2 * STREAMS, what="gate")
+    await wait_until(
+        lambda: servicer.pipeline.admission.gates["talker"].cfg.max_running == 2 * STREAMS, what="gate"
+    )
     return statuses_before, statuses_during, capacity
 
 
 def test_each_talker_replica_killed_under_load_in_turn_fails_over_to_the_other():
     async def scenario():
         async with _gateway() as (servicer, replicas, clients):
-            gate = servicer.pipeline.gates["talker"]
+            gate = servicer.pipeline.admission.gates["talker"]
             assert gate.cfg.max_running == 2 * STREAMS  # both replicas' streams together
             results = []
             for victim in (0, 1):

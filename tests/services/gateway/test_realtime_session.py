@@ -337,3 +337,44 @@ def test_an_event_of_too_many_json_values_is_refused_before_it_is_parsed():
     refused, updated = run(scenario())
     assert refused["error"]["code"] == "invalid_event" and str(MAX_JSON_VALUES) in refused["error"]["message"]
     assert updated["session"]["instructions"] == "ok"
+
+
+def test_an_error_that_is_not_a_disconnect_is_logged_and_the_session_goes_on(monkeypatch, caplog):
+    """A RuntimeError of the gateway's own while a response streams (here: a bug in the response's
+    event handling) fails that response with a server_error and is logged; the session, whose socket
+    is still open, answers the next turn (on main any RuntimeError ended the session as "the client
+    left")."""
+    from omnistage.services.gateway.openai import realtime_response
+
+    real = realtime_response.Response.on_event
+    failures = iter([RuntimeError("a bug")])
+
+    async def on_event(self, event):
+        if event.HasField("text") and (exc := next(failures, None)) is not None:
+            raise exc
+        await real(self, event)
+
+    monkeypatch.setattr(realtime_response.Response, "on_event", on_event)
+
+    async def scenario():
+        s = Socket(endpoint())
+        s.send({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+        await s.until("session.updated")
+        for n in (1, 2):
+            s.send({"type": "conversation.item.create", "item": _text_item(f"Question {n}?")})
+            s.send({"type": "response.create"})
+            await s.until("response.done", n)
+        s.close()
+        await s.task
+        return s
+
+    with caplog.at_level("ERROR", logger="omnistage.services.gateway.openai.realtime"):
+        s = run(scenario())
+    first, second = [e["response"] for e in s.events() if e["type"] == "response.done"]
+    assert first["status"] == "failed" and first["status_details"]["error"]["code"] == "server_error"
+    assert second["status"] == "completed" and s.closed_with() is None
+    assert any("failed on an event" in r.getMessage() for r in caplog.records)
+
+
+def _text_item(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}

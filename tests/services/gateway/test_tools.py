@@ -3,14 +3,13 @@ a request's tools; calls read out of streamed text; the forced call's schema."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import jsonschema
 import pytest
 from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.services.gateway.prompt import TOOLS_HEAD, TOOLS_TAIL, render
-from omnistage.services.gateway.tools import ForcedCallScanner, ToolCallScanner, plan_tools, tool_events
+from omnistage.services.gateway.tools import ForcedCallScanner, ToolCallScanner, ToolEvents, plan_tools
 from omnistage.services.gateway.validation import RequestLimits, plan_request
 from omnistage.v1 import common_pb2, omni_pb2
 
@@ -173,16 +172,14 @@ def test_calls_are_read_out_of_text_split_anywhere():
 
 
 def test_tool_events_keep_token_ids_and_say_tool_calls():
-    async def source():
-        for t in ("Sure", '<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>'):
-            yield omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text=t, token_ids=[1, 2]))
-        yield omni_pb2.GenerateEvent(finish=omni_pb2.Finish(reason=common_pb2.FINISH_REASON_STOP))
-
-    async def collect():
-        planned = plan(request(text(omni_pb2.ROLE_USER, "?")))
-        return [e async for e in tool_events(source(), planned.tools, "r")]
-
-    events = asyncio.run(collect())
+    source = [
+        omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text=t, token_ids=[1, 2]))
+        for t in ("Sure", '<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>')
+    ]
+    source.append(omni_pb2.GenerateEvent(finish=omni_pb2.Finish(reason=common_pb2.FINISH_REASON_STOP)))
+    planned = plan(request(text(omni_pb2.ROLE_USER, "?")))
+    tools = ToolEvents(planned.tools, "r")
+    events = [out for event in source for out in tools.of(event)]
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds == ["text", "text", "tool_call", "finish"]
     assert [e.text.text for e in events[:2]] == ["Sure", ""] and all(e.text.token_ids for e in events[:2])

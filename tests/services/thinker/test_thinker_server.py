@@ -17,6 +17,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.common.config import EngineConfig, config_from_dict
+from omnistage.common.runtime.errors import CONTEXT_OVERFLOW, ERROR_REASON_KEY
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.transport import TransportContext, TransportOptions, decode, encode
 from omnistage.services.thinker.engine.config import resolve_engine_config
@@ -426,6 +427,7 @@ def test_the_next_turn_with_the_answer_as_tokens_is_served_from_the_prefix_cache
             too_many.chat.pieces.append(thinker_pb2.PromptPiece(tokens=thinker_pb2.TokenIds(ids=[5] * 512)))
             err = await refusal(t.stub, too_many)
             assert "token pieces of 512 tokens leave no room to generate" in err.details()
+            assert dict(err.trailing_metadata())[ERROR_REASON_KEY] == CONTEXT_OVERFLOW  # its kind, typed
 
     run(scenario())
 
