@@ -85,7 +85,7 @@ class LedgerReport:
 
 def device_of(svc: ServiceConfig, rank: int) -> str | None:
     """The ledger device of a rank: `cuda:N`, `sim:N`, or None for a CPU service without simulation."""
-    index = svc.gpus[rank] if svc.gpus else rank
+    index = svc.gpu_of(rank)
     if svc.device == "cuda":
         return f"cuda:{index}"
     if svc.memory.simulated_capacity_bytes:
