@@ -57,6 +57,8 @@ class StartupWatch(Processes):
                 rec = named.refresh()
                 if named.proc.poll() is not None:
                     named.cause = exit_cause(named.proc.returncode, rec, named.oom_kills_before)
+                elif rec is not None and rec.phase == "failed" and rec.failure:  # still leaving
+                    named.cause = f"failed: {rec.failure}"
                 else:  # alive but silent (stopped, hung): the peer's diagnostic says what it saw
                     named.cause = rec.failure if rec is not None and rec.failure else mine.failure
             return named

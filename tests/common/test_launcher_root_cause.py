@@ -76,3 +76,23 @@ def test_of_two_ranks_that_blame_themselves_the_earlier_is_the_root_cause(tmp_pa
     r1 = _child(tmp_path, svc, 1, now - 1.0, culprit=1, failure="rank 1 failed: first")
     blamed = _launcher([r0, r1])._root_cause(r0)
     assert blamed is r1 and "rank 1 failed: first" in blamed.cause
+
+
+class _LiveProc(_ExitedProc):
+    """A child process still running (leaving after its failure)."""
+
+    def poll(self) -> None:
+        return None
+
+
+def test_a_culprit_still_leaving_after_its_failure_is_named_as_failed(tmp_path):
+    """Rank 0 left first (a peer's failure ends it at once); rank 1, at fault, is still exiting: the
+    headline is its failure, `failed: ...`, as when it has exited."""
+    svc = ServiceConfig(name="thinker", kind="thinker", tp_size=2)
+    now = time.time()
+    own = "rank 1 failed in warming_up: SimulatedOOM: out of memory"
+    r0 = _child(tmp_path, svc, 0, now, culprit=1, failure=own)
+    r1 = _child(tmp_path, svc, 1, now - 0.05, culprit=1, failure=own)
+    r1.proc = _LiveProc(r1.proc.pid)  # type: ignore[assignment]
+    blamed = _launcher([r0, r1])._root_cause(r0)
+    assert blamed is r1 and blamed.cause == f"failed: {own}"

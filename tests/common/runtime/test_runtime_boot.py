@@ -9,8 +9,10 @@ import threading
 
 import pytest
 import torch
+from omnistage.common import mps
 from omnistage.common.config import config_from_dict
-from omnistage.common.runtime.boot import Boot, StageStartup, stage_device, start_stage
+from omnistage.common.memory import ledger
+from omnistage.common.runtime.boot import Boot, StageStartup, start_stage
 from omnistage.common.runtime.progress import StageProgress
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.v1 import control_pb2
@@ -87,19 +89,31 @@ def phases_of(rt: ServiceRuntime) -> list[tuple[str, str, str]]:
     return seen
 
 
-def test_the_device_of_a_rank():
+def test_the_device_of_a_rank_is_one_rule_on_the_service_config():
+    """The boot, the memory ledger and the MPS plan read the same rank → GPU rule."""
     cfg = config_from_dict(
         {
             "services": {
                 "c": {"kind": "encoder", "port": 1},
                 "g": {"kind": "encoder", "port": 2, "device": "cuda", "gpus": [3]},
                 "t": {"kind": "thinker", "port": 3, "device": "cuda", "tp_size": 2, "dist_port": 9000},
+                "u": {
+                    "kind": "thinker",
+                    "port": 5,
+                    "device": "cuda",
+                    "tp_size": 2,
+                    "dist_port": 9100,
+                    "gpus": [3, 1],
+                },
             }
         }
     )
-    assert stage_device(cfg.service("c")) == "cpu"
-    assert stage_device(cfg.service("g")) == "cuda:3"
-    assert [stage_device(cfg.service("t"), r) for r in (0, 1)] == ["cuda:0", "cuda:1"]
+    assert cfg.service("c").device_of(0) == "cpu"
+    assert cfg.service("g").device_of(0) == "cuda:3"
+    assert [cfg.service("t").device_of(r) for r in (0, 1)] == ["cuda:0", "cuda:1"]
+    assert [cfg.service("u").device_of(r) for r in (0, 1)] == ["cuda:3", "cuda:1"]
+    assert [ledger.device_of(cfg.service("u"), r) for r in (0, 1)] == ["cuda:3", "cuda:1"]
+    assert mps.shared_gpus(cfg) == {1: ["t r1", "u r1"], 3: ["g r0", "u r0"]}
 
 
 def test_the_phases_come_in_order_and_the_blocking_steps_run_metered_off_the_loop(tmp_path):
