@@ -242,6 +242,7 @@ class RankStartup(StageGroup):
         control.add_failure_listener(self.progress.failed)
         self.control = control
         self.seconds["rendezvous"] = time.monotonic() - started
+        self._phase_started = time.monotonic()  # the phase's own time starts after the rendezvous
 
     def enter(self, phase: str) -> None:
         now = time.monotonic()

@@ -114,7 +114,7 @@ def test_the_device_of_a_rank_is_one_rule_on_the_service_config():
     assert cfg.service("g").device_of(0) == "cuda:3"
     assert [cfg.service("t").device_of(r) for r in (0, 1)] == ["cuda:0", "cuda:1"]
     assert [cfg.service("u").device_of(r) for r in (0, 1)] == ["cuda:3", "cuda:1"]
-    assert [ledger.device_of(cfg.service("u"), r) for r in (0, 1)] == ["cuda:3", "cuda:1"]
+    assert [ledger.ledger_device(cfg.service("u"), r) for r in (0, 1)] == ["cuda:3", "cuda:1"]
     assert mps.shared_gpus(cfg) == {1: ["t r1", "u r1"], 3: ["g r0", "u r0"]}
 
 
