@@ -96,3 +96,30 @@ def test_a_culprit_still_leaving_after_its_failure_is_named_as_failed(tmp_path):
     r1.proc = _LiveProc(r1.proc.pid)  # type: ignore[assignment]
     blamed = _launcher([r0, r1])._root_cause(r0)
     assert blamed is r1 and blamed.cause == f"failed: {own}"
+
+
+class _ReapedLater(_ExitedProc):
+    """A SIGKILLed child the kernel has not reaped at the first look."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(pid, returncode=-9)
+        self.looks = 0
+
+    def poll(self) -> int | None:
+        self.looks += 1
+        return None if self.looks < 3 else self.returncode
+
+
+def test_a_culprit_its_peers_saw_gone_is_named_by_its_own_exit_once_reaped(tmp_path):
+    """The peers report `rank 3 died` before the launcher has reaped the killed rank: its cause is its
+    own exit (killed by SIGKILL), not the peers' copy."""
+    svc = ServiceConfig(name="thinker", kind="thinker", tp_size=2)
+    now = time.time()
+    r0 = _child(tmp_path, svc, 0, now, culprit=1, failure="rank 1 died while serving (step 3): process gone")
+    r1 = _child(tmp_path, svc, 1, now - 5, culprit=1, failure="")
+    write_status(
+        r1.status_file, StatusRecord(svc.name, 1, r1.proc.pid, "serving", phase_started_unix=now - 5)
+    )
+    r1.proc = _ReapedLater(r1.proc.pid)  # type: ignore[assignment]
+    blamed = _launcher([r0, r1])._root_cause(r0)
+    assert blamed is r1 and blamed.cause == "killed by SIGKILL"
