@@ -176,7 +176,9 @@ class ThinkerEngine:
             raise InvalidRequest("prompt: set text or chat")
         as_generate = thinker_pb2.ThinkerRequest(**{kind: getattr(request, kind)})
         self._check_prompt_size(as_generate)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._prompt_ids, as_generate)
+        ids = await asyncio.get_running_loop().run_in_executor(self._pool, self._prompt_ids, as_generate)
+        check_context(self.max_model_len, prompt_tokens=len(ids))  # the rule Generate's budget applies
+        return ids
 
     async def detokenize(self, ids: Sequence[int]) -> str:
         """The text of `ids` (at most max_model_len of them, inside the vocabulary)."""

@@ -196,6 +196,10 @@ def test_tokenize_gives_generates_prompt_ids_and_detokenize_their_text(tmp_path,
                     "at most max_model_len",
                 ),
                 (t.stub.Tokenize(thinker_pb2.TokenizeRequest(), timeout=10), "prompt: set text or chat"),
+                (  # short enough to be tokenized, too many tokens for the context (as Generate refuses)
+                    t.stub.Tokenize(thinker_pb2.TokenizeRequest(text="x y z " * 200), timeout=10),
+                    "prompt: 1200 token(s) leave no room to generate (max_model_len 512)",
+                ),
             ):
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await call
