@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from omnistage.common.bench_results import write_result
+
 PAGE, HEAD_DIM = 16, 128
 
 
@@ -96,7 +98,8 @@ def main() -> int:
             file=sys.stderr,
         )
     if args.out:
-        Path(args.out, "flashinfer_prebuild.json").write_text(json.dumps(results, indent=1) + "\n")
+        gpu = any(r["ok"] for r in results.values())  # a kernel built and ran: on a GPU
+        write_result(Path(args.out, "flashinfer_prebuild.json"), results, gpu=gpu)
     print(next((f for f in families if results[f]["ok"]), "none"))
     return 0
 

@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from omnistage.common.bench_results import write_result  # noqa: E402
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc  # noqa: E402
 
 from load_tests.chaos_launch import free_ports  # noqa: E402
@@ -249,7 +250,7 @@ def main() -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gateway_path.json").write_text(json.dumps(data, indent=1) + "\n")
+    write_result(out / "gateway_path.json", data, gpu=False)  # a CPU comparison of two gateways
     print(json.dumps(data, indent=1))
     return 0
 

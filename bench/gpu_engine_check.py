@@ -39,7 +39,7 @@ def _prompts(n: int, vocab: int) -> list[list[int]]:
 
 def _first_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     """Logits of the prompt's last position (one prefill step), on the CPU in fp32."""
-    engine.add_request("logits-probe", prompt, SamplingParams(max_tokens=1))
+    engine.add_prompt("logits-probe", prompt, SamplingParams(max_tokens=1))
     batch = engine.scheduler.schedule()
     plan = engine.control.broadcast_plan(build_step_plan(batch.scheduled, engine.cfg.block_size))
     logits = engine.runner.execute(plan)

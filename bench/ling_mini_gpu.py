@@ -230,7 +230,7 @@ def profile_steps(engine, c: int, graphs: bool, steps: int = 8) -> dict:
     engine.runner.graphs = saved if graphs else None
     try:
         for i in range(c):
-            engine.add_request(
+            engine.add_prompt(
                 f"prof-{graphs}-{c}-{i}",
                 torch.randint(2, 1000, (128,), generator=gen).tolist(),
                 SamplingParams(max_tokens=steps + 8, ignore_eos=True),

@@ -26,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from omnistage.common.bench_results import write_result
 from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
 from omnistage.common.config import EngineConfig
 from omnistage.common.log import setup_logging
@@ -93,7 +94,7 @@ def main() -> int:
     result["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(result), flush=True)
     if args.out:
-        Path(args.out, "prefill_check.json").write_text(json.dumps(result, indent=1) + "\n")
+        write_result(Path(args.out, "prefill_check.json"), result, gpu=args.device != "cpu")
     return 0 if all(result["fp32_equal_cpu"].values()) else 1
 
 

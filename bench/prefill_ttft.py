@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT / "load_tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from chaos_launch import free_ports  # noqa: E402
+from omnistage.common.bench_results import write_result  # noqa: E402
 from omnistage.common.checkpoint.config_only import write_config_checkpoint  # noqa: E402
 from omnistage.common.config import DeployConfig, load_config  # noqa: E402
 from omnistage.v1 import omni_pb2_grpc  # noqa: E402
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def save() -> None:
-        (out / args.results).write_text(json.dumps(data, indent=1) + "\n")
+        write_result(out / args.results, data, gpu=args.results == "prefill_ttft.json")
         (out / args.results.replace(".json", ".md")).write_text(table(data["rows"]) + "\n")
 
     with tempfile.TemporaryDirectory(prefix="ming-config-") as tmp:

@@ -36,7 +36,7 @@ def ttft(
     to the first token: less sensitive than wall time to other load on a shared machine) of one
     request alone."""
     start, cpu_start = time.perf_counter(), time.process_time()
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    engine.add_prompt(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     first, cpu, ids, cached = None, 0.0, [], 0
     while engine.has_unfinished():
         for out in engine.step():

@@ -230,7 +230,7 @@ def decode_step_ms(engine, prompts: list[list[int]], new: int) -> dict:
         return out
 
     for i, p in enumerate(prompts):
-        engine.add_request(f"d{i}-{time.monotonic_ns()}", p, SamplingParams(max_tokens=new, ignore_eos=True))
+        engine.add_prompt(f"d{i}-{time.monotonic_ns()}", p, SamplingParams(max_tokens=new, ignore_eos=True))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.seqs.values()):
         engine.step()
     engine.step()
@@ -267,7 +267,7 @@ def profile_step(engine, c: int, prompt_len: int, vocab: int) -> list[dict]:
     graphs, engine.runner.graphs = engine.runner.graphs, None
     try:
         for i in range(c):
-            engine.add_request(
+            engine.add_prompt(
                 f"p{i}",
                 torch.randint(2, vocab - 1, (prompt_len,), generator=gen).tolist(),
                 SamplingParams(max_tokens=16, ignore_eos=True),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import struct
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import grpc
 from omnistage.common.runtime import auth
+from omnistage.common.wav import wav_bytes
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
 MediaLike = bytes | str | Path
@@ -75,19 +75,6 @@ def build_request(
     if image is not None:
         request.image.CopyFrom(image)
     return request
-
-
-def wav_bytes(pcm16: bytes, sample_rate: int) -> bytes:
-    """A PCM16 mono WAV file."""
-    return (
-        b"RIFF"
-        + struct.pack("<I", 36 + len(pcm16))
-        + b"WAVEfmt "
-        + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
-        + b"data"
-        + struct.pack("<I", len(pcm16))
-        + pcm16
-    )
 
 
 @dataclass

@@ -15,12 +15,12 @@ import sys
 import tempfile
 import threading
 import time
-import wave
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
 import grpc
+from omnistage.common.wav import wav_bytes
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
 PROMPT = "Hello! In one sentence, what is an omni-modal model?"
@@ -137,13 +137,7 @@ def synth_wav(seconds: float = 1.5, rate: int = 16000) -> bytes:
         f = 300.0 + 400.0 * t / seconds
         sample = 0.3 * math.sin(2 * math.pi * f * t) + 0.1 * math.sin(2 * math.pi * 2 * f * t)
         frames += struct.pack("<h", int(sample * 32767))
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(bytes(frames))
-    return buf.getvalue()
+    return wav_bytes(bytes(frames), rate)
 
 
 class _Answer:
@@ -281,11 +275,7 @@ def _image_request(address: str, out: Path, console: Console) -> dict:
 def _save_speech(path: Path, pcm: bytes, rate: int, status: omni_pb2.AudioStatus, console: Console) -> dict:
     """The spoken answer as a mono 16-bit WAV at `path` (none when no audio came); what to report of it."""
     if pcm:
-        with wave.open(str(path), "wb") as w:
-            w.setnchannels(1)
-            w.setsampwidth(2)
-            w.setframerate(rate)
-            w.writeframes(pcm)
+        path.write_bytes(wav_bytes(pcm, rate))
     outcome = omni_pb2.AudioOutcome.Name(status.outcome)
     console.line(
         f"demo: speech: {outcome}{' ' + status.code if status.code else ''}, "

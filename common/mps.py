@@ -37,9 +37,8 @@ def shared_gpus(cfg: DeployConfig) -> dict[int, list[str]]:
     for svc in cfg.services.values():
         if svc.device != "cuda":
             continue
-        gpus = svc.gpus or tuple(range(svc.tp_size))
         for rank in range(svc.tp_size):
-            on.setdefault(gpus[rank], []).append(f"{svc.name} r{rank}")
+            on.setdefault(svc.gpu_of(rank), []).append(f"{svc.name} r{rank}")
     count = Counter({gpu: len(names) for gpu, names in on.items()})
     return {gpu: on[gpu] for gpu in sorted(on) if count[gpu] > 1}
 

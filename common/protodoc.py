@@ -204,6 +204,7 @@ def _render_file(file: descriptor_pb2.FileDescriptorProto, out: list[str]) -> No
     for element, desc, path in _walk(file):
         heading = f'<a id="{_anchor(element.name)}"></a>'
         text = _paragraphs(element.comment)
+        name = element.name.removeprefix(file.package + ".")
         if element.kind == "service":
             out += [heading, "", f"### service `{element.name}`", "", text, ""]
         elif element.kind == "rpc":
@@ -211,52 +212,43 @@ def _render_file(file: descriptor_pb2.FileDescriptorProto, out: list[str]) -> No
             resp = ("stream " if desc.server_streaming else "") + _link(desc.output_type)
             out += [f"#### rpc `{desc.name}`", "", f"{req} → {resp}", "", text, ""]
         elif element.kind == "message":
-            out += [
-                heading,
-                "",
-                f"### message `{element.name.removeprefix(file.package + '.')}`",
-                "",
-                text,
-                "",
-            ]
-            if desc.field:
-                out += ["| Field | Type | Number | Description |", "|---|---|---|---|"]
-                oneofs = [o.name for o in desc.oneof_decl]
-                for i, field in enumerate(desc.field):
-                    note = _cell(comments.get((*path, _MSG_FIELD, i), ""))
-                    if field.HasField("oneof_index") and not field.proto3_optional:
-                        note = f"*oneof `{oneofs[field.oneof_index]}`.* {note}"
-                    out.append(f"| `{field.name}` | {_field_type(field)} | {field.number} | {note} |")
-                out.append("")
-            for i, oneof in enumerate(desc.oneof_decl):
-                if not _is_synthetic(desc, i):
-                    out += [
-                        f"oneof `{oneof.name}`: {_paragraphs(comments.get((*path, _MSG_ONEOF, i), ''))}",
-                        "",
-                    ]
-            if desc.reserved_range or desc.reserved_name:
-                numbers = ", ".join(
-                    str(r.start) if r.end - r.start == 1 else f"{r.start}..{r.end - 1}"
-                    for r in desc.reserved_range
-                )
-                names = ", ".join(f"`{n}`" for n in desc.reserved_name)
-                out += [f"Reserved: {', '.join(x for x in (numbers, names) if x)}.", ""]
+            out += [heading, "", f"### message `{name}`", "", text, ""]
+            _render_message(desc, path, comments, out)
         elif element.kind == "enum":
-            out += [
-                heading,
-                "",
-                f"### enum `{element.name.removeprefix(file.package + '.')}`",
-                "",
-                text,
-                "",
-                "| Value | Number | Description |",
-                "|---|---|---|",
-            ]
+            out += [heading, "", f"### enum `{name}`", "", text, ""]
+            out += ["| Value | Number | Description |", "|---|---|---|"]
             for i, value in enumerate(desc.value):
                 out.append(
                     f"| `{value.name}` | {value.number} | {_cell(comments.get((*path, _ENUM_VALUE, i), ''))} |"
                 )
             out.append("")
+
+
+def _render_message(
+    desc: descriptor_pb2.DescriptorProto,
+    path: tuple[int, ...],
+    comments: dict[tuple[int, ...], str],
+    out: list[str],
+) -> None:
+    """A message's fields table, its oneofs and its reserved numbers and names."""
+    if desc.field:
+        out += ["| Field | Type | Number | Description |", "|---|---|---|---|"]
+        oneofs = [o.name for o in desc.oneof_decl]
+        for i, field in enumerate(desc.field):
+            note = _cell(comments.get((*path, _MSG_FIELD, i), ""))
+            if field.HasField("oneof_index") and not field.proto3_optional:
+                note = f"*oneof `{oneofs[field.oneof_index]}`.* {note}"
+            out.append(f"| `{field.name}` | {_field_type(field)} | {field.number} | {note} |")
+        out.append("")
+    for i, oneof in enumerate(desc.oneof_decl):
+        if not _is_synthetic(desc, i):
+            out += [f"oneof `{oneof.name}`: {_paragraphs(comments.get((*path, _MSG_ONEOF, i), ''))}", ""]
+    if desc.reserved_range or desc.reserved_name:
+        numbers = ", ".join(
+            str(r.start) if r.end - r.start == 1 else f"{r.start}..{r.end - 1}" for r in desc.reserved_range
+        )
+        names = ", ".join(f"`{n}`" for n in desc.reserved_name)
+        out += [f"Reserved: {', '.join(x for x in (numbers, names) if x)}.", ""]
 
 
 def render(fds: descriptor_pb2.FileDescriptorSet | None = None) -> str:

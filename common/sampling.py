@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from omnistage.common.context_rule import context_violation
 from omnistage.common.runtime.errors import InvalidRequest
 
 MIN_TEMPERATURE = 0.01  # below it logits / T overflows float32 (a subnormal T gives NaN)
@@ -107,9 +108,10 @@ def sampling_violation(
         if not rule.ok(value):
             shown = len(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
             return f"sampling.{rule.field}: {rule.text}, got {shown!r}"
-    max_tokens = values["max_tokens"]
-    if max_model_len is not None and max_tokens > max_model_len:
-        return f"sampling.max_tokens: {max_tokens} exceeds max_model_len {max_model_len}"
+    if max_model_len is not None:
+        error = context_violation(max_model_len, max_tokens=values["max_tokens"], prompt_tokens=0)
+        if error is not None:
+            return error
     return _item_violation(values, vocab_size)
 
 

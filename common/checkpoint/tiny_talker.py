@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import wave
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from omnistage.common.checkpoint.part_shapes import cfm_dit_shape, qwen2_shape
 from omnistage.common.checkpoint.seeded import SeededInit
 from omnistage.common.checkpoint.shards import write_sharded
 from omnistage.common.checkpoint.tiny_tokenizer import CORPUS, added_tokens_decoder, train_byte_bpe
+from omnistage.common.wav import wav_bytes
 
 SAMPLE_RATE = 44100
 LATENT_DIM = 64
@@ -213,11 +213,7 @@ def write_voice_wav(path: Path, seconds: float, partials: tuple[float, ...], see
     x = 0.3 * sig * envelope + 0.003 * rng.standard_normal(t.shape)
     pcm = (np.clip(x, -1, 1) * 32767).astype("<i2")
     path.parent.mkdir(parents=True, exist_ok=True)
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(SAMPLE_RATE)
-        w.writeframes(pcm.tobytes())
+    path.write_bytes(wav_bytes(pcm.tobytes(), SAMPLE_RATE))
 
 
 def _write_tokenizer(llm_dir: Path) -> int:

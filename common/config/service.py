@@ -81,6 +81,15 @@ class ServiceConfig:
     # Test hook only; never set in production files.
     fault: FaultConfig | None = None
 
+    def gpu_of(self, rank: int) -> int:
+        """The GPU index of TP rank `rank`: `gpus[rank]`, or `rank` when `gpus` is not given (the one
+        rank → GPU rule: the boot, the memory ledger and the MPS plan read it here)."""
+        return self.gpus[rank] if self.gpus else rank
+
+    def device_of(self, rank: int) -> str:
+        """The torch device of TP rank `rank`: "cpu", or "cuda:<gpu_of(rank)>"."""
+        return "cpu" if self.device == "cpu" else f"cuda:{self.gpu_of(rank)}"
+
     def validate(self, p: str) -> None:
         """Every key of this service, named under `p` (`services.<name>`); the first problem raises."""
         self._validate_process(p)

@@ -45,9 +45,8 @@ class Supervisor(StartupWatch):
         dead = self.dead_child([g])
         if dead is not None:
             culprit = self._root_cause(dead)
-            verb = "died" if culprit.proc.poll() is not None else "failed"
             return culprit, _what(
-                verb + (" while restarting" if g.state == "starting" else ""), culprit.cause
+                _verb(culprit) + (" while restarting" if g.state == "starting" else ""), culprit.cause
             )
         if g.state == "starting":
             return self._restart_progress(g, now)
@@ -55,8 +54,8 @@ class Supervisor(StartupWatch):
         for c in g.children:
             rec = c.refresh()
             if rec is not None and rec.phase == "failed":
-                culprit = self._root_cause(c)
-                return culprit, _what("failed", culprit.cause or rec.failure)
+                culprit = self._root_cause(c)  # a peer it names may have died (SIGKILL)
+                return culprit, _what(_verb(culprit), culprit.cause or rec.failure)
             if c.probe is None and c.rank == 0:
                 if c.channel is None:
                     c.channel = grpc.insecure_channel(self.health_address(c))
@@ -141,6 +140,11 @@ class Supervisor(StartupWatch):
         )
         g.children = [self.spawn(g.svc, r) for r in range(g.svc.tp_size)]
         g.state, g.admit_since = "starting", 0.0
+
+
+def _verb(culprit: Child) -> str:
+    """What happened to the rank at fault: it died (has exited), or it failed (still leaving)."""
+    return "died" if culprit.proc.poll() is not None else "failed"
 
 
 def _what(verb: str, cause: str) -> str:

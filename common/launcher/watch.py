@@ -13,6 +13,20 @@ from omnistage.common.config import CAPABILITY_HEALTH_PREFIX, STARTUP_PHASES, St
 from omnistage.common.launcher.children import Child, Group, exit_cause
 from omnistage.common.launcher.spawn import Processes
 
+# How long a rank its peers blame may take to be reaped: a SIGKILLed process the peers saw gone may not
+# have been reaped yet when the launcher reads their reports.
+_REAP_WAIT_S = 1.0
+
+
+def _reaped(child: Child, timeout_s: float) -> bool:
+    """Whether `child` has exited, waiting at most `timeout_s` for it."""
+    deadline = time.monotonic() + timeout_s
+    while child.proc.poll() is None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
 
 def stuck_cause(startup: StartupConfig, phase: str, in_phase_s: float, silent_s: float) -> str:
     """'' while a start-up phase is within its deadline and heartbeat timeout; else why not."""
@@ -55,7 +69,10 @@ class StartupWatch(Processes):
         if named is not None:
             if not named.cause:
                 rec = named.refresh()
-                if named.proc.poll() is not None:
+                leaving = rec is not None and rec.phase == "failed" and bool(rec.failure)
+                if leaving and named.proc.poll() is None:  # failed, still exiting
+                    named.cause = f"failed: {rec.failure}"
+                elif _reaped(named, 0.0 if leaving else _REAP_WAIT_S):
                     named.cause = exit_cause(named.proc.returncode, rec, named.oom_kills_before)
                 else:  # alive but silent (stopped, hung): the peer's diagnostic says what it saw
                     named.cause = rec.failure if rec is not None and rec.failure else mine.failure

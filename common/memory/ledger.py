@@ -83,9 +83,9 @@ class LedgerReport:
         )
 
 
-def device_of(svc: ServiceConfig, rank: int) -> str | None:
+def ledger_device(svc: ServiceConfig, rank: int) -> str | None:
     """The ledger device of a rank: `cuda:N`, `sim:N`, or None for a CPU service without simulation."""
-    index = svc.gpus[rank] if svc.gpus else rank
+    index = svc.gpu_of(rank)
     if svc.device == "cuda":
         return f"cuda:{index}"
     if svc.memory.simulated_capacity_bytes:
@@ -98,7 +98,7 @@ def placements(cfg: DeployConfig) -> dict[str, list[tuple[ServiceConfig, int]]]:
     out: dict[str, list[tuple[ServiceConfig, int]]] = {}
     for svc in cfg.services.values():
         for rank in range(svc.tp_size):
-            dev = device_of(svc, rank)
+            dev = ledger_device(svc, rank)
             if dev is not None:
                 out.setdefault(dev, []).append((svc, rank))
     return out

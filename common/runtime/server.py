@@ -1,74 +1,41 @@
-"""`ServiceRuntime`: the grpc.aio servers every service runs on."""
+"""`ServiceRuntime`: the lifecycle of one service process — phase, servers (`ports.py`), drain, stop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import inspect
-import ipaddress
 import logging
 import os
 import signal
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from omnistage.common import metrics
 from omnistage.common.config import DeployConfig, ServiceConfig, config_hash, join_host_port
 from omnistage.common.log import log_fields
-from omnistage.common.runtime import auth, reflection
 from omnistage.common.runtime.calls import CallGuard, InFlight
 from omnistage.common.runtime.control import (
     DRAIN_BY_CONTROL,
-    RESUME_BY_CONTROL,
     ControlServicer,
     LimitsProvider,
     LoadProvider,
     MemoryProvider,
     ReadinessProvider,
 )
+from omnistage.common.runtime.drain import Drain
 from omnistage.common.runtime.errors import FailedPrecondition
-from omnistage.common.runtime.handlers import Dispatcher, collect
 from omnistage.common.runtime.memory_trim import MemoryTrimmer
 from omnistage.common.runtime.phases import PHASES, PhaseReporter, ProgressSnapshot
+from omnistage.common.runtime.ports import CONTROL_SERVICE, HEALTH_SERVICE, PUBLIC_API, ServicePorts
 from omnistage.common.runtime.status_file import status_path
 from omnistage.common.runtime.wire_bounds import WireBounds
-from omnistage.v1 import control_pb2, control_pb2_grpc
+from omnistage.v1 import control_pb2
 
 _log = logging.getLogger(__name__)
 
-# The public API's service name: the prefix of the gateway's per-capability health names.
-PUBLIC_API = "omnistage.v1.Omni"
-HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-CONTROL_SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
-# Cancelled RPCs wait this long for their handlers to unwind after the drain deadline.
-_CANCEL_WAIT_S = 2.0
-
-__all__ = ["CONTROL_SERVICE", "HEALTH_SERVICE", "InFlight", "ServiceRuntime"]
-
-
-@dataclass(eq=False)
-class _Port:
-    """One listening server: its dispatcher, health, and the services reflection lists."""
-
-    key: str  # the config key of its port ("services.gateway.port"), for messages
-    dispatcher: Dispatcher = field(default_factory=Dispatcher)
-    health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
-    services: list[str] = field(default_factory=list)
-    server: grpc.aio.Server | None = None
-    address: str = ""
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+__all__ = ["CONTROL_SERVICE", "HEALTH_SERVICE", "PUBLIC_API", "InFlight", "ServiceRuntime"]
 
 
 class ServiceRuntime:
@@ -107,21 +74,11 @@ class ServiceRuntime:
         self.limits_provider: LimitsProvider | None = None
         self.load_provider: LoadProvider | None = None
         self.readiness_provider: ReadinessProvider | None = None
-        # Health names of parts of the service that come and go on their own (the gateway's
-        # capabilities): name → ready; SERVING only while the service serves and the part is ready.
-        self._parts: dict[str, bool] = {}
         self.trimmer = MemoryTrimmer()
         self.calls = CallGuard(svc.name, self.trimmer)
-        self.calls.refusal = lambda: f"{self.name} is draining" if self._draining else ""
-        self._main = _Port(f"services.{svc.name}.port")
-        self._admin = (
-            _Port(f"services.{svc.name}.admin_port") if self.admin_port and self.serves_grpc else None
-        )
-        self._api_keys: auth.ApiKeys | None = None
-        self._stage_services: list[str] = []
-        self._draining = False
-        self._drain_by = ""
-        self._resumed = asyncio.Event()
+        self.calls.refusal = lambda: f"{self.name} is draining" if self._drain.active else ""
+        self.ports = ServicePorts(svc, self.calls, admin=bool(self.admin_port and self.serves_grpc))
+        self._drain = Drain(svc.name, self.calls, self.reporter, self._sync_health)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._stop_cause = "stop requested"
@@ -139,7 +96,9 @@ class ServiceRuntime:
     @property
     def admin_address(self) -> str:
         """HOST:PORT of the admin port as clients dial it; '' when there is none."""
-        return join_host_port(self.cfg.dial_host(self.svc.admin_host), self.admin_port) if self._admin else ""
+        if self.ports.admin is None:
+            return ""
+        return join_host_port(self.cfg.dial_host(self.svc.admin_host), self.admin_port)
 
     @property
     def phase(self) -> str:
@@ -169,39 +128,9 @@ class ServiceRuntime:
                 ) from exc
         if not self.serves_grpc:
             return
-        self._api_keys = auth.with_stage_key(auth.api_keys(self.svc), self.svc)  # a stage: the stage key too
-        credentials = auth.server_credentials(self.svc)
-        admin_keys = auth.with_stage_key(auth.admin_keys(self.svc), self.svc)
-        if self.svc.kind != "gateway" and not _is_loopback(self.svc.bind_host):
-            log_fields(
-                _log,
-                logging.WARNING,
-                "internal service listens beyond this host",
-                bind_host=self.svc.bind_host,
-                hint=f"services.{self.name}.bind_host: only the gateway needs outside clients",
-            )
-        self._add(self._main, health_pb2_grpc.add_HealthServicer_to_server, self._main.health)
-        self._refresh_reflection(self._main)
-        if self._admin is not None:
-            self._admin.services.append(CONTROL_SERVICE)
-            self._add(self._admin, health_pb2_grpc.add_HealthServicer_to_server, self._admin.health)
-            self._add(
-                self._admin,
-                control_pb2_grpc.add_ControlServicer_to_server,
-                ControlServicer(self),
-                keys=admin_keys,
-            )
-            self._refresh_reflection(self._admin)
+        self.ports.register(ControlServicer(self))
         await self._sync_health()  # NOT_SERVING before the first client can ask
-        try:
-            self.port = await self._bind(
-                self._main, self.svc.bind_host, self.port, credentials, self.max_receive_bytes
-            )
-            if self._admin is not None:
-                self.admin_port = await self._bind(self._admin, self.svc.admin_host, self.admin_port, None)
-        except BaseException:
-            await self._stop_servers()  # a half-started service must not keep a port
-            raise
+        self.port, self.admin_port = await self.ports.bind(self.port, self.admin_port, self.max_receive_bytes)
         self.reporter.set_address(self.address)
         log_fields(
             _log,
@@ -209,43 +138,10 @@ class ServiceRuntime:
             "listening",
             address=self.address,
             admin=self.admin_address or "off",
-            tls="on" if credentials else "off",
-            api_keys="on" if self._api_keys else "off",
+            tls="on" if self.ports.tls else "off",
+            api_keys="on" if self.ports.api_keys else "off",
             metrics_port=self._metrics_port or "off",
         )
-
-    async def _bind(
-        self,
-        port: _Port,
-        host: str,
-        number: int,
-        credentials: grpc.ServerCredentials | None,
-        receive_limit: int | None = None,
-    ) -> int:
-        limit = self.svc.max_message_bytes
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_send_message_length", limit),
-                ("grpc.max_receive_message_length", receive_limit or limit),
-                ("grpc.so_reuseport", 0),  # a second server on our port must fail, not share it
-                # Clients (the gateway) send keepalive pings every 10 s, also between calls.
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ]
-        )
-        server.add_generic_rpc_handlers((port.dispatcher,))
-        where = join_host_port(host, number)
-        try:
-            bound = (
-                server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
-            )
-        except RuntimeError as exc:
-            raise OSError(f"{port.key}: cannot bind {where} (in use?): {exc}") from exc
-        if bound == 0:
-            raise OSError(f"{port.key}: cannot bind {where} (in use?)")
-        await server.start()
-        port.server, port.address = server, join_host_port(host, bound)
-        return bound
 
     def add_servicer(
         self,
@@ -260,23 +156,7 @@ class ServiceRuntime:
         draining, tracked in flight, counted in metrics, and exceptions go through the error table.
         `bounds`: method name → the wire bounds of its request (default: the record budget).
         """
-        methods = {
-            m: h for m, h in collect(add_fn, servicer).items() if m.startswith(f"/{full_service_name}/")
-        }
-        if not methods:
-            raise ValueError(f"{full_service_name}: add function registered no methods of that service")
-        for path, handler in methods.items():
-            self._main.dispatcher.methods[path] = self.calls.wrap(
-                path,
-                handler,
-                keys=self._api_keys,
-                stage=True,
-                bounds=(bounds or {}).get(path.rsplit("/", 1)[-1]),
-            )
-        if full_service_name not in self._stage_services:
-            self._stage_services.append(full_service_name)
-            self._main.services.append(full_service_name)
-        self._refresh_reflection(self._main)
+        self.ports.add_stage(add_fn, servicer, full_service_name, bounds)
         if self._loop is not None:
             self._schedule(self._sync_health())
 
@@ -297,7 +177,7 @@ class ServiceRuntime:
     def set_capability_health(self, ready: dict[str, bool]) -> None:
         """Serve `omnistage.v1.Omni.<capability>` health names: SERVING while the service serves and
         the capability is ready (clients and probes can wait for speech or images, not just text)."""
-        self._parts = {f"{PUBLIC_API}.{name}": ok for name, ok in ready.items()}
+        self.ports.parts = {f"{PUBLIC_API}.{name}": ok for name, ok in ready.items()}
         if self._loop is not None:
             self._schedule(self._sync_health())
 
@@ -395,11 +275,7 @@ class ServiceRuntime:
             await asyncio.sleep(interval_s)
 
     async def _stop_servers(self) -> None:
-        for port in (self._main, self._admin):
-            if port is not None and port.server is not None:
-                await port.health.enter_graceful_shutdown()
-                await port.server.stop(grace=0.5)
-                port.server = None
+        await self.ports.stop()
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
@@ -419,46 +295,12 @@ class ServiceRuntime:
                 f"{' (stopping)' if self.stop_requested else ''}: only a serving service drains"
             )
         grace = self.svc.drain_grace_s if grace_s is None else grace_s
-        finished_before = self.calls.finished
-        self._draining, self._drain_by = True, by or self._stop_cause
-        self._resumed.clear()
-        snap = self.reporter.snapshot()
-        if snap.phase != "draining" or snap.detail != self._drain_by:
-            self.reporter.enter("draining", detail=self._drain_by)
-        await self._sync_health()
-        if not await self._wait_idle_or_resumed(grace):
-            return self.calls.finished - finished_before, 0
-        aborted = self.calls.abort_all() if self.calls.calls else 0
-        if aborted:
-            log_fields(
-                _log, logging.WARNING, "drain deadline passed, cancelling", requests=aborted, grace_s=grace
-            )
-            await self._wait_idle_or_resumed(_CANCEL_WAIT_S)
-        return self.calls.finished - finished_before, aborted
-
-    async def _wait_idle_or_resumed(self, timeout_s: float) -> bool:
-        """Wait until no stage RPC runs or a Resume came; False when resumed."""
-        waits = [asyncio.ensure_future(self.calls.idle.wait()), asyncio.ensure_future(self._resumed.wait())]
-        try:
-            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-        return self._draining
+        return await self._drain.run(grace, by or self._stop_cause)
 
     def resume(self) -> None:
         """Serve again after a drain by Control (not after a stop: SIGTERM is final)."""
-        if self.stop_requested or self.phase in ("stopped", "failed"):
-            raise FailedPrecondition(
-                f"{self.name} is stopping ({self._drain_by or self._stop_cause}); a stop cannot be resumed"
-            )
-        if not self._draining:
-            raise FailedPrecondition(f"{self.name} is not draining (phase {self.phase})")
-        if self._drain_by != DRAIN_BY_CONTROL:
-            raise FailedPrecondition(f"{self.name} drains for '{self._drain_by}', which Resume cannot undo")
-        self._draining = False
-        self._resumed.set()
-        self.reporter.enter("serving", detail=RESUME_BY_CONTROL)
+        stopping = self.stop_requested or self.phase in ("stopped", "failed")
+        self._drain.resume(self._stop_cause if stopping else "")
 
     # -- in-flight tracking ------------------------------------------------------------------
 
@@ -467,16 +309,6 @@ class ServiceRuntime:
         return self.calls.track(method)
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _add(
-        self, port: _Port, add_fn: Callable[[Any, Any], None], servicer: Any, keys: auth.ApiKeys | None = None
-    ) -> None:
-        for path, handler in collect(add_fn, servicer).items():
-            port.dispatcher.methods[path] = self.calls.wrap(path, handler, keys=keys, stage=False)
-
-    def _refresh_reflection(self, port: _Port) -> None:
-        for path, handler in reflection.reflection_handlers([HEALTH_SERVICE, *port.services]).items():
-            port.dispatcher.methods[path] = self.calls.wrap(path, handler, keys=None, stage=False)
 
     def _on_phase(self, snap: ProgressSnapshot) -> None:
         metrics.set_phase(self.name, self.rank, snap.phase, PHASES, snap.done)
@@ -491,19 +323,8 @@ class ServiceRuntime:
             self._loop.call_soon_threadsafe(self._loop.create_task, coro)
 
     async def _sync_health(self) -> None:
-        """Health follows the phase: SERVING only in `serving` (read now, so late tasks cannot regress it).
-
-        Control answers in every phase, so its own name on the admin port is SERVING while the port is up.
-        """
-        ok = self.reporter.phase == "serving" and not self._draining
-        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", *self._stage_services):
-            await self._main.health.set(name, status)
-        for name, ready in self._parts.items():
-            await self._main.health.set(name, status if ready else health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self._admin is not None:
-            await self._admin.health.set("", status)
-            await self._admin.health.set(CONTROL_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        """Health follows the phase: SERVING only in `serving` (read now, so late tasks cannot regress it)."""
+        await self.ports.sync_health(self.reporter.phase == "serving" and not self._drain.active)
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:

@@ -323,28 +323,13 @@ def decode(
     nbytes = numel * dtype.itemsize
     kind = ref.WhichOneof("payload")
     if kind is None or kind == "inline_data":
-        data = ref.inline_data
-        if len(data) != nbytes:
-            raise TransportError(
-                f"inline TensorRef {list(shape)} {dtype} needs {nbytes} bytes, got {len(data)}"
-            )
-        out = torch.empty(shape, dtype=dtype) if nbytes == 0 else _from_bytes(data, dtype, shape)
+        out = _decode_inline(ref.inline_data, dtype, shape)
         out = out if device is None else out.to(device)
         _count(ref, "inline", "decode", nbytes, started)
         return out
     if transport is None:
         raise TransportError(f"a {kind} TensorRef needs a TransportContext to decode")
-    if ref.host_id != transport.host_id:
-        raise TransportError(
-            f"{kind} ref from host {ref.host_id!r} cannot be mapped on host {transport.host_id!r}; "
-            "the producer must encode with peer_host_id so it sends inline"
-        )
-    sub = ref.shm if kind == "shm" else ref.cuda
-    if sub.byte_size != nbytes:
-        raise TransportError(
-            f"{kind} ref for {list(shape)} {dtype} needs {nbytes} bytes, slice has {sub.byte_size}"
-        )
-    _check_lease(sub, kind)
+    sub = _mappable_slice(ref, kind, transport, f"{list(shape)} {dtype}", nbytes)
     if kind == "shm":
         u8, path = transport.shm_attachments.view(sub), "shm"
     else:
@@ -367,6 +352,29 @@ def decode(
             transport.release(ref)
     _count(ref, path, "decode", nbytes, started)
     return out
+
+
+def _decode_inline(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if len(data) != nbytes:
+        raise TransportError(f"inline TensorRef {list(shape)} {dtype} needs {nbytes} bytes, got {len(data)}")
+    return torch.empty(shape, dtype=dtype) if nbytes == 0 else _from_bytes(data, dtype, shape)
+
+
+def _mappable_slice(
+    ref: tensor_pb2.TensorRef, kind: str, transport: TransportContext, what: str, nbytes: int
+) -> tensor_pb2.ShmRef | tensor_pb2.CudaIpcRef:
+    """The ref's slice, once it is known to be on this host, of the tensor's size, its lease current."""
+    if ref.host_id != transport.host_id:
+        raise TransportError(
+            f"{kind} ref from host {ref.host_id!r} cannot be mapped on host {transport.host_id!r}; "
+            "the producer must encode with peer_host_id so it sends inline"
+        )
+    sub = ref.shm if kind == "shm" else ref.cuda
+    if sub.byte_size != nbytes:
+        raise TransportError(f"{kind} ref for {what} needs {nbytes} bytes, slice has {sub.byte_size}")
+    _check_lease(sub, kind)
+    return sub
 
 
 def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

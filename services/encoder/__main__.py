@@ -9,9 +9,9 @@ import torch
 from omnistage.common.runtime.boot import Boot, StageStartup, run_stage
 from omnistage.common.transport import TransportContext, TransportOptions
 from omnistage.services.encoder import startup
-from omnistage.services.encoder.engine import EncoderEngine
 from omnistage.services.encoder.items import ItemLimits
 from omnistage.services.encoder.models.loader import load_encoders
+from omnistage.services.encoder.request_flow import EncoderEngine
 from omnistage.services.encoder.server import EncoderServicer
 from omnistage.v1 import control_pb2, encoder_pb2_grpc
 

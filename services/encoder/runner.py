@@ -1,4 +1,5 @@
-"""EncoderRunner: the encoder's device step — concurrent requests' items share one forward per modality."""
+"""EncoderRunner: the encoder's device step and its model calls — concurrent requests' items share one
+forward per modality (vision: frames to patches on the device, then the ViT; audio: the Whisper tower)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from omnistage.common import metrics
 from omnistage.common.log import get_logger
 from omnistage.common.runtime.device_loop import DeviceRunner, call_in_loop
+from omnistage.services.encoder import preprocess
+from omnistage.services.encoder.items import AudioInput, VisionInput
+from omnistage.services.encoder.models.loader import EncoderModels
 
 log = get_logger(__name__)
 
@@ -46,6 +51,17 @@ def queue_time_histogram():
     )
 
 
+def vision_forward(models: EncoderModels, frames: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One forward over vision items given as uint8 frames: to the device, normalise + patchify there."""
+    device = models.vision.vision.pos_embed.weight.device
+    patches, grids = [], []
+    for f in frames:
+        p, g = preprocess.pixel_patches(f.to(device, non_blocking=True), models.config.vision)
+        patches.append(p)
+        grids.append(g)
+    return models.vision.encode_items(patches, grids)
+
+
 @dataclass(eq=False)
 class Entry:
     """One item waiting for its forward; `future` (on the request's event loop) gets its output."""
@@ -60,14 +76,15 @@ class Entry:
 class EncoderRunner(DeviceRunner):
     """Per-modality queues and the batched forward of one modality per step."""
 
-    def __init__(self, service: str, forwards: dict[str, Forward], caps: dict[str, int]) -> None:
+    def __init__(self, service: str, models: EncoderModels, caps: dict[str, int]) -> None:
         self.service = service
-        self.forwards = forwards
-        self.caps = {m: caps[m] for m in forwards}
-        self.batches = dict.fromkeys(forwards, 0)
-        self.largest_batch = dict.fromkeys(forwards, 0)
+        self.models = models
+        self.forwards: dict[str, Forward] = {"vision": self.run_vision, "audio": self.run_audio}
+        self.caps = {m: caps[m] for m in self.forwards}
+        self.batches = dict.fromkeys(self.forwards, 0)
+        self.largest_batch = dict.fromkeys(self.forwards, 0)
         self.on_queued: Callable[[float], None] | None = None  # metrics: set after the warm-up
-        self._queues: dict[str, deque[Entry]] = {m: deque() for m in forwards}
+        self._queues: dict[str, deque[Entry]] = {m: deque() for m in self.forwards}
         self._lock = threading.Lock()
 
     def put(self, modality: str, entry: Entry) -> None:
@@ -81,6 +98,12 @@ class EncoderRunner(DeviceRunner):
             return sum(len(q) for q in self._queues.values())
 
     # -- device thread -----------------------------------------------------------------------
+
+    def run_vision(self, inputs: Sequence[VisionInput]) -> list[torch.Tensor]:
+        return vision_forward(self.models, [x.frames for x in inputs])
+
+    def run_audio(self, inputs: Sequence[AudioInput]) -> list[torch.Tensor]:
+        return self.models.audio.encode_items([x.mel for x in inputs])
 
     def has_work(self) -> bool:
         with self._lock:

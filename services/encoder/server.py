@@ -9,8 +9,8 @@ import grpc
 import torch
 from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.common.transport import TransportError, decode
-from omnistage.services.encoder.engine import EncodedOutput, EncoderEngine
 from omnistage.services.encoder.items import MediaItem
+from omnistage.services.encoder.request_flow import EncodedOutput, EncoderEngine
 from omnistage.v1 import encoder_pb2, encoder_pb2_grpc
 
 _KINDS = {

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import io
 import math
-import wave
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from omnistage.common import wav
 from omnistage.common.config import EncoderConfig
 from omnistage.common.memory.device import DeviceMemory
 from omnistage.common.memory.stress import StressAndCap, StressResult
 from omnistage.common.runtime.progress import Report
 from omnistage.common.transport import decode
-from omnistage.services.encoder.engine import vision_forward
 from omnistage.services.encoder.items import ItemLimits, MediaItem
 from omnistage.services.encoder.models.loader import EncoderModels
 from omnistage.services.encoder.preprocess import SAMPLE_RATE, video_pixel_range
+from omnistage.services.encoder.runner import vision_forward
 from omnistage.v1 import control_pb2
 from PIL import Image
 
@@ -101,15 +101,10 @@ def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
 
 
 def wav_bytes(seconds: float, rate: int = SAMPLE_RATE, freq_hz: float = 440.0) -> bytes:
+    """`seconds` of a sine tone as a mono PCM16 WAV file."""
     t = np.arange(int(seconds * rate)) / rate
     pcm = (0.3 * np.sin(2 * np.pi * freq_hz * t) * 32767).astype("<i2")
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
-    return buf.getvalue()
+    return wav.wav_bytes(pcm.tobytes(), rate)
 
 
 def warmup_items() -> list[MediaItem]:

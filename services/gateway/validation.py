@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from omnistage.common import context_rule as rule
 from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.runtime.wire_bounds import WireBounds
@@ -147,11 +148,9 @@ def check_context(sampling: common_pb2.SamplingParams, least_prompt_tokens: int,
     if not max_model_len:
         return
     check_sampling(sampling, max_model_len=max_model_len)  # the shared rule: max_tokens > max_model_len
-    if sampling.max_tokens and sampling.max_tokens + least_prompt_tokens > max_model_len:
-        raise InvalidRequest(
-            f"sampling.max_tokens: {sampling.max_tokens} + a prompt of at least {least_prompt_tokens} "
-            f"token(s) exceeds max_model_len {max_model_len}"
-        )
+    rule.check_context(
+        max_model_len, prompt_tokens=least_prompt_tokens, max_tokens=sampling.max_tokens, at_least=True
+    )
 
 
 def _chat(

@@ -13,9 +13,9 @@ import sys
 from omnistage.common.runtime.boot import StageStartup, run_stage
 from omnistage.common.transport import TransportContext
 from omnistage.services.imagegen import startup
-from omnistage.services.imagegen.engine import ImageGenEngine
 from omnistage.services.imagegen.models.loader import load_imagegen
 from omnistage.services.imagegen.pipeline import ImagePipeline
+from omnistage.services.imagegen.request_flow import ImageGenEngine
 from omnistage.services.imagegen.server import ImageGenServicer
 from omnistage.v1 import control_pb2, imagegen_pb2_grpc
 

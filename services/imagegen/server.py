@@ -1,10 +1,9 @@
-"""ImageGenServicer: proto in → engine call → proto events out. No model or scheduling logic here."""
+"""ImageGenServicer: proto in → request flow → proto events out. No model or scheduling logic here."""
 
 from __future__ import annotations
 
 import grpc
-from omnistage.services.imagegen.engine import ImageGenEngine, ImageResult
-from omnistage.services.imagegen.runner import Progress
+from omnistage.services.imagegen.request_flow import ImageGenEngine, ImageResult, Progress
 from omnistage.v1 import imagegen_pb2, imagegen_pb2_grpc
 
 

@@ -13,8 +13,8 @@ from omnistage.common.memory.stress import StressAndCap, StressResult
 from omnistage.common.runtime.progress import Report
 from omnistage.common.transport import encode
 from omnistage.services.imagegen import images
-from omnistage.services.imagegen.engine import ImageGenEngine, ImageResult
 from omnistage.services.imagegen.pipeline import GenerationSpec, ImagePipeline
+from omnistage.services.imagegen.request_flow import ImageGenEngine, ImageResult
 from omnistage.v1 import control_pb2, imagegen_pb2
 from PIL import Image
 

@@ -39,20 +39,8 @@ class EngineMetrics:
         self.service = service
         self.engine = engine
         label = (service,)
-        scheduler = engine.scheduler
-        blocks = scheduler.block_manager
-        metrics.gauge(
-            "thinker_running_requests", "Sequences in the running batch (holding KV blocks) now"
-        ).labels(*label).set_function(lambda: len(scheduler.running))
-        metrics.gauge(
-            "thinker_waiting_requests", "Sequences waiting for admission (new or preempted) now"
-        ).labels(*label).set_function(lambda: len(scheduler.waiting))
-        metrics.gauge("thinker_kv_blocks_used", "KV-cache blocks held by sequences now").labels(
-            *label
-        ).set_function(lambda: blocks.num_blocks - blocks.num_free_blocks)
-        metrics.gauge(
-            "thinker_kv_blocks_capacity", "KV-cache blocks of the engine (its profiled cache size)"
-        ).labels(*label).set(blocks.num_blocks)
+        blocks = engine.scheduler.block_manager
+        _export_gauges(service, engine)
         self.queue = metrics.histogram(
             "thinker_queue_time_seconds",
             "Time from a request's arrival in the engine to its first scheduling",
@@ -88,8 +76,7 @@ class EngineMetrics:
         self.finished = {r: finished.labels(service, r) for r in FINISH_REASONS}
 
     def _prefix_cache_metrics(self, label: tuple[str, ...]) -> None:
-        """The prefix cache's counters (queries, hits, evictions) and its blocks gauge."""
-        blocks = self.blocks
+        """The prefix cache's counters (queries, hits, evictions); its blocks gauge is `_export_gauges`'."""
         self.cache_queries = metrics.counter(
             "thinker_prefix_cache_queries",
             "Tokens of sequences looked up in the prefix cache at admission "
@@ -103,9 +90,6 @@ class EngineMetrics:
             "thinker_prefix_cache_evictions",
             "Cached KV blocks (free, still holding a prefix) handed out for other content",
         ).labels(*label)
-        metrics.gauge(
-            "thinker_prefix_cache_blocks", "KV blocks holding an indexed prefix now (held or free)"
-        ).labels(*label).set_function(lambda: blocks.num_cached_blocks)
 
     def on_step(self, batch: ScheduledBatch, now: float) -> None:
         self._cache_counts()
@@ -150,3 +134,24 @@ class EngineMetrics:
         self.e2e.observe(now - seq.arrival_time)
         reason = seq.finish_reason.value if seq.finish_reason is not None else FinishReason.ERROR.value
         self.finished[reason].inc()
+
+
+def _export_gauges(service: str, engine: LLMEngine) -> None:
+    """The engine's state now, read at scrape time: batch, queue, KV blocks, cached prefixes."""
+    scheduler = engine.scheduler
+    blocks = scheduler.block_manager
+    metrics.gauge(
+        "thinker_running_requests", "Sequences in the running batch (holding KV blocks) now"
+    ).labels(service).set_function(lambda: len(scheduler.running))
+    metrics.gauge(
+        "thinker_waiting_requests", "Sequences waiting for admission (new or preempted) now"
+    ).labels(service).set_function(lambda: len(scheduler.waiting))
+    metrics.gauge("thinker_kv_blocks_used", "KV-cache blocks held by sequences now").labels(
+        service
+    ).set_function(lambda: blocks.num_blocks - blocks.num_free_blocks)
+    metrics.gauge(
+        "thinker_kv_blocks_capacity", "KV-cache blocks of the engine (its profiled cache size)"
+    ).labels(service).set(blocks.num_blocks)
+    metrics.gauge(
+        "thinker_prefix_cache_blocks", "KV blocks holding an indexed prefix now (held or free)"
+    ).labels(service).set_function(lambda: blocks.num_cached_blocks)

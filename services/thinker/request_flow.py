@@ -9,18 +9,15 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
+from omnistage.common.context_rule import check_context
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop, DeviceStopped
-from omnistage.common.runtime.errors import CONTEXT_OVERFLOW, InvalidRequest, Overloaded, StageUnavailable
+from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
 from omnistage.common.sampling import check_sampling
 from omnistage.common.transport import TransportContext, encode
+from omnistage.services.thinker.engine.budget import RequestBudget, RequestError
 from omnistage.services.thinker.engine.grammar import GrammarSpec
 from omnistage.services.thinker.engine.grammar_compiles import GrammarCompiles, GrammarLimits
-from omnistage.services.thinker.engine.llm_engine import (
-    LLMEngine,
-    QueueFullError,
-    RequestError,
-    RequestOutput,
-)
+from omnistage.services.thinker.engine.llm_engine import LLMEngine, QueueFullError, RequestOutput
 from omnistage.services.thinker.engine.media import Prompt, unpack_prompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.models.tokenizer import MingTokenizer, Piece
@@ -99,7 +96,6 @@ class ThinkerEngine:
         engine: LLMEngine,
         events: asyncio.AbstractEventLoop,
         *,
-        max_model_len: int | None = None,
         tokenize_workers: int = 2,
         media: MediaInputs | None = None,
         producer: TransportContext | None = None,
@@ -117,9 +113,8 @@ class ThinkerEngine:
         # Leases of refused requests are released through this (the media's transport, if any).
         self._transport = media.transport if media is not None else None
         self.tokenizer: MingTokenizer = engine.tokenizer
-        self.max_model_len = max_model_len or engine.cfg.max_model_len
-        # A prompt longer than this cannot fit max_model_len tokens whatever it says.
-        self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars
+        self.max_model_len = engine.cfg.max_model_len  # the engine's context: what every budget fits
+        self.default_max_tokens = engine.cfg.default_max_tokens
         # A client's token ids may be none of these (client input never becomes control tokens).
         self._special_ids = frozenset(self.tokenizer.special_tokens.values())
         self._pool = concurrent.futures.ThreadPoolExecutor(tokenize_workers, "tokenize")
@@ -148,13 +143,13 @@ class ThinkerEngine:
     async def generate(self, request: thinker_pb2.ThinkerRequest) -> AsyncIterator[Event]:
         """The request's events. Close the iterator (`contextlib.aclosing`) when leaving early: that
         aborts the engine request and takes back a hidden-state ref not yet handed on."""
-        prompt, params = await self._admit(request)
+        prompt, params, budget = await self._admit(request)
         engine_id = uuid.uuid4().hex
         finished = False
         try:
             # Inside the try: a cancel while the add is in flight still aborts what it added.
-            stream = await self._submit(engine_id, prompt, params)
-            yield Started(engine_id, len(unpack_prompt(prompt)[0]))
+            stream = await self._submit(engine_id, prompt, params, budget)
+            yield Started(engine_id, budget.prompt_tokens)
             while not finished:
                 out = await stream.get()
                 if isinstance(out, BaseException):  # e.g. "thinker rank 2 died while serving (step 57): ..."
@@ -186,7 +181,9 @@ class ThinkerEngine:
             raise InvalidRequest("prompt: set text or chat")
         as_generate = thinker_pb2.ThinkerRequest(**{kind: getattr(request, kind)})
         self._check_prompt_size(as_generate)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._prompt_ids, as_generate)
+        ids = await asyncio.get_running_loop().run_in_executor(self._pool, self._prompt_ids, as_generate)
+        check_context(self.max_model_len, prompt_tokens=len(ids))  # the rule Generate's budget applies
+        return ids
 
     async def detokenize(self, ids: Sequence[int]) -> str:
         """The text of `ids` (at most max_model_len of them, inside the vocabulary)."""
@@ -195,13 +192,17 @@ class ThinkerEngine:
         checked = self._in_vocabulary("token_ids", ids)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenizer.decode, checked)
 
-    async def _admit(self, request: thinker_pb2.ThinkerRequest) -> tuple[Prompt, SamplingParams]:
-        """Bound, check the sampling, tokenize (in the pool); the request's leases end here."""
+    async def _admit(
+        self, request: thinker_pb2.ThinkerRequest
+    ) -> tuple[Prompt, SamplingParams, RequestBudget]:
+        """Bound, check the sampling, tokenize (in the pool), make the request's budget (the context
+        rule, once, on the exact prompt); the request's leases end here."""
         try:
             self._check_prompt_size(request)
             params = sampling_from_proto(request.sampling, self.tokenizer.vocab_size, self.max_model_len)
             loop = asyncio.get_running_loop()
             prompt = await loop.run_in_executor(self._pool, self._prompt, request)
+            budget = self._budget(prompt, params, request.HasField("hidden_states"))
             spec = grammar_spec(request.sampling)
             if spec is not None and not request.HasField("hidden_states"):
                 params = replace(params, grammar=await self.grammars.get(spec))
@@ -210,16 +211,29 @@ class ThinkerEngine:
                 if self._transport is None:
                     self._transport = TransportContext()
                 release_refs(self._transport, request.multimodal)
-        return prompt, params
+        return prompt, params, budget
 
-    async def _submit(self, engine_id: str, prompt: Prompt, params: SamplingParams) -> Stream:
+    def _budget(self, prompt: Prompt, params: SamplingParams, hidden_states: bool) -> RequestBudget:
+        """The request's budget against this flow's context; the context rule's message if none."""
+        try:
+            return RequestBudget.of(
+                len(unpack_prompt(prompt)[0]),
+                params.max_tokens,
+                self.max_model_len,
+                self.default_max_tokens,
+                hidden_states=hidden_states,
+            )
+        except RequestError as exc:
+            raise InvalidRequest(str(exc), reason=exc.reason) from None
+
+    async def _submit(
+        self, engine_id: str, prompt: Prompt, params: SamplingParams, budget: RequestBudget
+    ) -> Stream:
         stream: Stream = asyncio.Queue()
         try:
             await asyncio.wrap_future(
-                self.loop.call(lambda: self.runner.add(engine_id, prompt, params, stream))
+                self.loop.call(lambda: self.runner.add(engine_id, prompt, params, budget, stream))
             )
-        except RequestError as exc:
-            raise InvalidRequest(str(exc), reason=exc.reason) from exc
         except QueueFullError as exc:
             raise Overloaded(f"thinker queue full: {exc}", retry_after_ms=200) from exc
         except (DeviceFailed, DeviceStopped) as exc:
@@ -240,58 +254,58 @@ class ThinkerEngine:
         return self.media.query_block_tokens
 
     def _check_prompt_size(self, request: thinker_pb2.ThinkerRequest) -> None:
-        """Refuse what cannot fit before tokenizing: cheap checks on the event loop."""
+        """Refuse what cannot fit before tokenizing (cheap, on the event loop): the prompt's shape,
+        then the context rule on the fewest tokens it can have."""
         kind = request.WhichOneof("prompt")
         block = self._query_block_tokens(request)
-        if request.multimodal:
-            if self.media is None:
-                raise StageUnavailable("multimodal: this thinker takes no embeddings", retryable=False)
-            rows = self.media.check_items(request.multimodal)
-            if rows + block >= self.max_model_len:
-                raise InvalidRequest(
-                    f"multimodal: {rows} embedding rows leave no room to generate (max_model_len {self.max_model_len})",
-                    reason=CONTEXT_OVERFLOW,
-                )
+        rows = self._media_rows(request)
         if kind == "chat":
             pieces = request.chat.pieces
-            if not pieces:
-                raise InvalidRequest("chat.pieces: a chat prompt needs at least one piece")
-            if len(pieces) > self.max_model_len:
-                raise InvalidRequest(
-                    f"chat.pieces: {len(pieces)} pieces, at most max_model_len {self.max_model_len} are accepted"
-                )
-            for i, piece in enumerate(pieces):
-                if piece.WhichOneof("piece") is None:
-                    raise InvalidRequest(f"chat.pieces[{i}]: set template, text, tokens or client_tokens")
+            self._check_pieces(pieces)
             given = sum(len(p.tokens.ids) + len(p.client_tokens.ids) for p in pieces)
-            if given + block >= self.max_model_len:
-                raise InvalidRequest(
-                    f"chat.pieces: token pieces of {given} tokens leave no room to generate "
-                    f"(max_model_len {self.max_model_len})",
-                    reason=CONTEXT_OVERFLOW,
-                )
-            chars = sum(len(p.template) + len(p.text) for p in pieces)
+            chars, where = sum(len(p.template) + len(p.text) for p in pieces), "chat.pieces"
         elif kind == "text":
-            chars = len(request.text)
+            given, chars, where = 0, len(request.text), "prompt"
         elif kind == "token_ids":
-            if len(request.token_ids.ids) + block >= self.max_model_len:
-                raise InvalidRequest(
-                    f"token_ids: {len(request.token_ids.ids)} tokens leave no room to generate "
-                    f"(max_model_len {self.max_model_len})",
-                    reason=CONTEXT_OVERFLOW,
-                )
-            return
+            given, chars, where = len(request.token_ids.ids), 0, "token_ids"
         else:
             raise InvalidRequest("prompt: set chat, text or token_ids")
-        if chars > self.max_prompt_chars:
+        # A text of n characters has at least n / max_token_chars tokens; media rows are placeholder
+        # tokens the prompt holds somewhere.
+        least = given + -(-chars // self.tokenizer.max_token_chars)
+        if rows > least:
+            least, where = rows, "multimodal"
+        check_context(
+            self.max_model_len,
+            prompt_tokens=max(least, 1) + block,
+            max_tokens=request.sampling.max_tokens,
+            at_least=kind != "token_ids" or where == "multimodal",
+            where=where,
+            generates=not request.HasField("hidden_states"),
+        )
+
+    def _media_rows(self, request: thinker_pb2.ThinkerRequest) -> int:
+        """The embedding rows of a multimodal request (its items checked); 0 for a text request."""
+        if not request.multimodal:
+            return 0
+        if self.media is None:
+            raise StageUnavailable("multimodal: this thinker takes no embeddings", retryable=False)
+        return self.media.check_items(request.multimodal)
+
+    def _check_pieces(self, pieces) -> None:
+        if not pieces:
+            raise InvalidRequest("chat.pieces: a chat prompt needs at least one piece")
+        if len(pieces) > self.max_model_len:
             raise InvalidRequest(
-                f"prompt: {chars} characters cannot fit max_model_len {self.max_model_len} tokens "
-                f"(at most {self.max_prompt_chars} characters)",
-                reason=CONTEXT_OVERFLOW,
+                f"chat.pieces: {len(pieces)} pieces, at most max_model_len {self.max_model_len} are accepted"
             )
+        for i, piece in enumerate(pieces):
+            if piece.WhichOneof("piece") is None:
+                raise InvalidRequest(f"chat.pieces[{i}]: set template, text, tokens or client_tokens")
 
     def _prompt_ids(self, request: thinker_pb2.ThinkerRequest) -> list[int]:
-        """Tokenize (in the tokenize pool) and check the length; template special tokens first."""
+        """Tokenize (in the tokenize pool); a template whose special tokens alone cannot fit is refused
+        before its text is encoded."""
         kind = request.WhichOneof("prompt")
         if kind == "chat":
             pieces = [self._piece(i, p) for i, p in enumerate(request.chat.pieces)]
@@ -299,11 +313,13 @@ class ThinkerEngine:
             specials = sum(
                 1 if isinstance(seg, int) else len(seg) for seg in segments if not isinstance(seg, str)
             )
-            if specials >= self.max_model_len:
-                raise InvalidRequest(
-                    f"chat: the template alone has {specials} special tokens "
-                    f"(max_model_len {self.max_model_len})"
-                )
+            check_context(  # before encoding a template that cannot fit
+                self.max_model_len,
+                prompt_tokens=specials + self._query_block_tokens(request),
+                at_least=True,
+                where="chat",
+                generates=not request.HasField("hidden_states"),
+            )
             ids = self.tokenizer.encode_segments(segments)
         elif kind == "text":  # literal, like client text in `chat`: no string becomes a control token
             ids = self.tokenizer.encode_segments(self.tokenizer.split_pieces([("text", request.text)]))
@@ -311,17 +327,6 @@ class ThinkerEngine:
             ids = self._in_vocabulary("token_ids", request.token_ids.ids)
         if not ids:
             raise InvalidRequest("prompt: empty after tokenization")
-        block = self._query_block_tokens(request)
-        if block and len(ids) + block > self.max_model_len:
-            raise InvalidRequest(
-                f"prompt: {len(ids)} tokens + the image query block's {block} exceed max_model_len {self.max_model_len}",
-                reason=CONTEXT_OVERFLOW,
-            )
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt: {len(ids)} tokens leave no room to generate (max_model_len {self.max_model_len})",
-                reason=CONTEXT_OVERFLOW,
-            )
         return ids
 
     def _in_vocabulary(self, where: str, ids) -> list[int]:

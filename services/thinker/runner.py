@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceRunner, call_in_loop
+from omnistage.services.thinker.engine.budget import RequestBudget
 from omnistage.services.thinker.engine.llm_engine import LLMEngine, RequestOutput
 from omnistage.services.thinker.engine.media import Prompt, unpack_prompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
@@ -25,11 +26,13 @@ class ThinkerRunner(DeviceRunner):
 
     # -- device thread, through DeviceLoop.call ------------------------------------------------------
 
-    def add(self, request_id: str, prompt: Prompt, params: SamplingParams, stream: Stream) -> None:
-        """Add a request (token ids or a MultimodalPrompt); raises what add_request raises (bad
-        request, queue full), or DeviceFailed when the streams have been ended meanwhile."""
+    def add(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, budget: RequestBudget, stream: Stream
+    ) -> None:
+        """Add a request (token ids or a MultimodalPrompt) with the budget its flow computed; raises
+        QueueFullError, or DeviceFailed when the streams have been ended meanwhile."""
         prompt_ids, extra = unpack_prompt(prompt)
-        self.engine.add_request(request_id, prompt_ids, params, **extra)
+        self.engine.add_request(request_id, prompt_ids, params, budget, **extra)
         with self._lock:
             if self._ended is not None:
                 raise DeviceFailed(str(self._ended))

@@ -1,4 +1,4 @@
-"""ThinkerServicer: proto in → engine call → proto out. The request flow is request_flow.py.
+"""ThinkerServicer: proto in → request flow → proto out; it knows only the flow's events (request_flow.py).
 
 Rank 0 serves `omnistage.v1.Thinker`. A caller stops a request by cancelling its stream: the
 engine request is aborted at once and its KV blocks freed.
@@ -10,7 +10,6 @@ import contextlib
 from typing import Protocol
 
 import grpc
-from omnistage.services.thinker.engine.llm_engine import RequestOutput
 from omnistage.services.thinker.request_flow import Event, Finished, Hidden, Started, ThinkerEngine, Tokens
 from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
 
@@ -52,14 +51,15 @@ def _event(event: Event, tokens: TokenBytes) -> thinker_pb2.ThinkerEvent:
             )
         )
     if isinstance(event, Tokens):
-        return _delta(event.out, tokens)
+        return _delta(event, tokens)
     if isinstance(event, Hidden):
         return thinker_pb2.ThinkerEvent(hidden_states=thinker_pb2.HiddenStates(tensor=event.ref))
     assert isinstance(event, Finished)
-    return _finish(event.out)
+    return _finish(event)
 
 
-def _delta(out: RequestOutput, tokens: TokenBytes) -> thinker_pb2.ThinkerEvent:
+def _delta(event: Tokens, tokens: TokenBytes) -> thinker_pb2.ThinkerEvent:
+    out = event.out
     return thinker_pb2.ThinkerEvent(
         delta=thinker_pb2.TokenDelta(
             token_ids=out.token_ids,
@@ -79,7 +79,8 @@ def _delta(out: RequestOutput, tokens: TokenBytes) -> thinker_pb2.ThinkerEvent:
     )
 
 
-def _finish(out: RequestOutput) -> thinker_pb2.ThinkerEvent:
+def _finish(event: Finished) -> thinker_pb2.ThinkerEvent:
+    out = event.out
     usage = out.usage
     return thinker_pb2.ThinkerEvent(
         finish=thinker_pb2.ThinkerFinish(

@@ -76,3 +76,50 @@ def test_of_two_ranks_that_blame_themselves_the_earlier_is_the_root_cause(tmp_pa
     r1 = _child(tmp_path, svc, 1, now - 1.0, culprit=1, failure="rank 1 failed: first")
     blamed = _launcher([r0, r1])._root_cause(r0)
     assert blamed is r1 and "rank 1 failed: first" in blamed.cause
+
+
+class _LiveProc(_ExitedProc):
+    """A child process still running (leaving after its failure)."""
+
+    def poll(self) -> None:
+        return None
+
+
+def test_a_culprit_still_leaving_after_its_failure_is_named_as_failed(tmp_path):
+    """Rank 0 left first (a peer's failure ends it at once); rank 1, at fault, is still exiting: the
+    headline is its failure, `failed: ...`, as when it has exited."""
+    svc = ServiceConfig(name="thinker", kind="thinker", tp_size=2)
+    now = time.time()
+    own = "rank 1 failed in warming_up: SimulatedOOM: out of memory"
+    r0 = _child(tmp_path, svc, 0, now, culprit=1, failure=own)
+    r1 = _child(tmp_path, svc, 1, now - 0.05, culprit=1, failure=own)
+    r1.proc = _LiveProc(r1.proc.pid)  # type: ignore[assignment]
+    blamed = _launcher([r0, r1])._root_cause(r0)
+    assert blamed is r1 and blamed.cause == f"failed: {own}"
+
+
+class _ReapedLater(_ExitedProc):
+    """A SIGKILLed child the kernel has not reaped at the first look."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(pid, returncode=-9)
+        self.looks = 0
+
+    def poll(self) -> int | None:
+        self.looks += 1
+        return None if self.looks < 3 else self.returncode
+
+
+def test_a_culprit_its_peers_saw_gone_is_named_by_its_own_exit_once_reaped(tmp_path):
+    """The peers report `rank 3 died` before the launcher has reaped the killed rank: its cause is its
+    own exit (killed by SIGKILL), not the peers' copy."""
+    svc = ServiceConfig(name="thinker", kind="thinker", tp_size=2)
+    now = time.time()
+    r0 = _child(tmp_path, svc, 0, now, culprit=1, failure="rank 1 died while serving (step 3): process gone")
+    r1 = _child(tmp_path, svc, 1, now - 5, culprit=1, failure="")
+    write_status(
+        r1.status_file, StatusRecord(svc.name, 1, r1.proc.pid, "serving", phase_started_unix=now - 5)
+    )
+    r1.proc = _ReapedLater(r1.proc.pid)  # type: ignore[assignment]
+    blamed = _launcher([r0, r1])._root_cause(r0)
+    assert blamed is r1 and blamed.cause == "killed by SIGKILL"

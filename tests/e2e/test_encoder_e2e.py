@@ -117,8 +117,8 @@ def test_describe_reports_the_stress_result_and_limits(encoder):
 
 
 def test_image_audio_and_video_come_back_as_shm_refs_equal_to_the_towers(encoder, towers):
-    from omnistage.services.encoder.engine import vision_forward
     from omnistage.services.encoder.items import MediaItem, prepare_item
+    from omnistage.services.encoder.runner import vision_forward
 
     models, limits = towers
     request = encoder_pb2.EncodeRequest(

@@ -236,7 +236,9 @@ def test_a_request_the_thinker_refuses_leaves_no_lease(pipeline):
     with pytest.raises(grpc.RpcError) as err:
         pipeline.generate(request(REQUESTS["images"], max_tokens=MAX_MODEL_LEN - 10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "thinker: prompt of" in err.value.details() and "exceeds max_model_len" in err.value.details()
+    details = err.value.details()
+    assert details.startswith(f"thinker: sampling.max_tokens: {MAX_MODEL_LEN - 10} + a prompt of "), details
+    assert details.endswith(f"token(s) exceeds max_model_len {MAX_MODEL_LEN}"), details
     pipeline.wait_no_leases()
 
 

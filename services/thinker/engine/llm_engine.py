@@ -16,7 +16,7 @@ from typing import Protocol, TypeVar
 
 import torch
 from omnistage.common.log import get_logger
-from omnistage.common.runtime.errors import CONTEXT_OVERFLOW
+from omnistage.services.thinker.engine.budget import RequestBudget
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.detokenizer import Decoder, Detokenizer
 from omnistage.services.thinker.engine.grammar_masks import GrammarMasks
@@ -32,14 +32,6 @@ from omnistage.services.thinker.tp.plan import StepPlan
 
 log = get_logger(__name__)
 T = TypeVar("T")
-
-
-class RequestError(ValueError):
-    """The request cannot be served as given (maps to INVALID_ARGUMENT; `reason`: its kind, errors.py)."""
-
-    def __init__(self, message: str, reason: str = "") -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 class QueueFullError(RuntimeError):
@@ -142,97 +134,52 @@ class LLMEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams,
+        budget: RequestBudget,
         positions: torch.Tensor | None = None,
         rope_delta: int = 0,
         media: PromptMedia | None = None,
         hidden_slots: torch.Tensor | None = None,
     ) -> None:
-        """Queue a request. For a multimodal prompt, `positions` [3, P] and `rope_delta` come from
-        rope_index and `media` holds the encoder rows that replace its placeholder embeddings.
-        `hidden_slots` [N] (prompt positions) makes it a hidden-state request: no token is sampled,
-        its final output carries the final-norm hidden states at those slots."""
-        params = params or SamplingParams()
+        """Queue a request whose `budget` its maker computed (`RequestBudget.of`: the context rule is
+        checked there, only asserted here). For a multimodal prompt, `positions` [3, P] and
+        `rope_delta` come from rope_index and `media` holds the encoder rows that replace its
+        placeholder embeddings. `hidden_slots` [N] (prompt positions) makes it a hidden-state request:
+        no token is sampled, its final output carries the final-norm hidden states at those slots.
+        QueueFullError when max_queued_requests wait already."""
         num_prompt = len(prompt_token_ids)
-        self._check_prompt(request_id, num_prompt, positions, media, hidden_slots)
-        if request_id in self.scheduler.seqs:
-            raise RequestError(f"request {request_id!r} is already running")
+        assert budget.holds(num_prompt, self.cfg.max_model_len), (request_id, budget, num_prompt)
+        assert positions is None or tuple(positions.shape) == (3, num_prompt), "positions must be [3, P]"
+        assert media is None or not media.num_rows or _inside(media.slots, num_prompt), "media slots"
+        assert hidden_slots is None or _inside(hidden_slots, num_prompt), "hidden-state slots"
+        assert request_id not in self.scheduler.seqs, f"request {request_id!r} is already running"
         if len(self.scheduler.waiting) >= self.cfg.max_queued_requests:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests already wait (max_queued_requests)")
-        if hidden_slots is not None:  # no tokens: sampling parameters play no part
-            seq = Sequence(
-                request_id,
-                prompt_token_ids,
-                params,
-                0,
-                rope_delta,
-                positions,
-                media,
-                HiddenCapture(hidden_slots),
-            )
-            self.scheduler.add(seq)
-            return
-        max_model_len = self.cfg.max_model_len
-        self._check_room(num_prompt, params)
-        # max_tokens 0: the default, clamped to what fits (a client asking for more is refused above).
-        max_tokens = params.max_tokens or min(self.cfg.default_max_tokens, max_model_len - num_prompt)
-        seq = Sequence(request_id, prompt_token_ids, params, max_tokens, rope_delta, positions, media)
+        hidden = HiddenCapture(hidden_slots) if hidden_slots is not None else None
+        seq = Sequence(
+            request_id, prompt_token_ids, params, budget.max_tokens, rope_delta, positions, media, hidden
+        )
         self.scheduler.add(seq)
-        self.detokenizers[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
+        if hidden is None:  # a hidden-state request has no tokens to detokenize
+            self.detokenizers[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
 
-    def _check_prompt(
-        self,
-        request_id: str,
-        num_prompt: int,
-        positions: torch.Tensor | None,
-        media: PromptMedia | None,
-        hidden_slots: torch.Tensor | None,
-    ) -> None:
-        """The prompt's length (CONTEXT_OVERFLOW: it leaves no room to generate), positions, media and
-        hidden-state slots against the prompt and max_model_len."""
-        if num_prompt == 0:
-            raise RequestError(f"request {request_id!r}: empty prompt")
-        if hidden_slots is not None:
-            if num_prompt > self.cfg.max_model_len:
-                raise RequestError(
-                    f"request {request_id!r}: prompt of {num_prompt} tokens (with the image query block) "
-                    f"exceeds max_model_len {self.cfg.max_model_len}"
-                )
-            if (
-                hidden_slots.numel() == 0
-                or not 0 <= int(hidden_slots.min()) <= int(hidden_slots.max()) < num_prompt
-            ):
-                raise RequestError(f"request {request_id!r}: hidden-state slots must lie inside the prompt")
-        elif num_prompt >= self.cfg.max_model_len:
-            raise RequestError(
-                f"request {request_id!r}: prompt of {num_prompt} tokens leaves no room to generate "
-                f"(max_model_len {self.cfg.max_model_len})",
-                CONTEXT_OVERFLOW,
-            )
-        if positions is not None and tuple(positions.shape) != (3, num_prompt):
-            raise RequestError(f"request {request_id!r}: positions must be [3, {num_prompt}]")
-        if (
-            media is not None
-            and media.num_rows
-            and not 0 <= int(media.slots[0]) <= int(media.slots[-1]) < num_prompt
-        ):
-            raise RequestError(
-                f"request {request_id!r}: media slots must lie inside the prompt (0..{num_prompt - 1})"
-            )
+    def budget(self, prompt: Prompt, params: SamplingParams) -> RequestBudget:
+        """The budget of a request made here (`generate`, tests, benchmarks) against this engine's
+        context; RequestError when it cannot fit."""
+        token_ids, extra = unpack_prompt(prompt)
+        return RequestBudget.of(
+            len(token_ids),
+            params.max_tokens,
+            self.cfg.max_model_len,
+            self.cfg.default_max_tokens,
+            hidden_states="hidden_slots" in extra,
+        )
 
-    def _check_room(self, num_prompt: int, params: SamplingParams) -> None:
-        """max_tokens within max_model_len, and with the prompt (CONTEXT_OVERFLOW: a shorter prompt fits)."""
-        max_model_len = self.cfg.max_model_len
-        if params.max_tokens > max_model_len:
-            raise RequestError(
-                f"sampling.max_tokens: {params.max_tokens} exceeds max_model_len {max_model_len}"
-            )
-        if num_prompt + params.max_tokens > max_model_len:
-            raise RequestError(
-                f"prompt of {num_prompt} tokens + sampling.max_tokens {params.max_tokens} = "
-                f"{num_prompt + params.max_tokens} exceeds max_model_len {max_model_len}",
-                CONTEXT_OVERFLOW,
-            )
+    def add_prompt(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        """Queue a plain or multimodal prompt made here: its budget computed, then `add_request`."""
+        params = params or SamplingParams()
+        token_ids, extra = unpack_prompt(prompt)
+        self.add_request(request_id, token_ids, params, self.budget(prompt, params), **extra)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; its final output (ABORT, usage so far), or None
@@ -398,8 +345,7 @@ class LLMEngine:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [f"generate-{next(self._generate_ids)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
-            token_ids, extra = unpack_prompt(prompt)
-            self.add_request(rid, token_ids, p, **extra)
+            self.add_prompt(rid, prompt, p)
         results = {rid: GenerateResult(rid, [], "", FinishReason.ERROR) for rid in ids}
         deadline = time.monotonic() + timeout_s
         while self.has_unfinished():
@@ -415,3 +361,8 @@ class LLMEngine:
                     res.finish_reason, res.message = out.finish_reason, out.message
                     res.hidden_states = out.hidden_states
         return [results[rid] for rid in ids]
+
+
+def _inside(slots: torch.Tensor, num_prompt: int) -> bool:
+    """Whether every (sorted) slot is a position of a prompt of `num_prompt` tokens."""
+    return slots.numel() > 0 and 0 <= int(slots.min()) <= int(slots.max()) < num_prompt

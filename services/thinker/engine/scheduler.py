@@ -47,13 +47,12 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
-        if seq.request_id in self.seqs:
-            raise ValueError(f"request {seq.request_id!r} is already in the engine")
-        if seq.num_prompt_tokens + seq.max_tokens > self.cfg.max_model_len:
-            raise ValueError(
-                f"request {seq.request_id!r}: prompt {seq.num_prompt_tokens} + max_tokens {seq.max_tokens} "
-                f"exceeds max_model_len {self.cfg.max_model_len}"
-            )
+        """Queue a sequence whose budget its request's maker checked (asserted here)."""
+        assert seq.request_id not in self.seqs, f"request {seq.request_id!r} is already in the engine"
+        assert seq.num_prompt_tokens + seq.max_tokens <= self.cfg.max_model_len, (
+            seq.request_id,
+            seq.max_tokens,
+        )
         self.seqs[seq.request_id] = seq
         self.waiting.append(seq)
 

@@ -305,58 +305,10 @@ class _Profiler:
         for attempt in range(1, attempts + 1):
             tag = f"attempt {attempt}/{attempts}"
             started = time.monotonic()
-            self._progress(f"rebuild: {blocks} blocks ({tag})", attempt, attempts)
-            why = self._try(lambda b=blocks: self.runner.allocate_kv(b))
-            if pinned:  # a pinned cache smaller than max_model_len caps it: stress what will be served
-                self.shapes = stress_shapes(self.runner.cfg)
-            canary: list[torch.Tensor] = []
-            if not why and self.settings.canary_bytes:
-                self._progress(f"canary: {fmt_bytes(self.settings.canary_bytes)} ({tag})", attempt, attempts)
-                why = self._try(lambda c=canary: c.append(self._canary()))
-            if not why and self.shape_peaks:
-                need = max(self.shape_peaks.values())
-                free = self.cap - self.mem.allocated()
-                if free < need:
-                    why = f"{fmt_bytes(free)} left in the budget, the largest stress step needs {fmt_bytes(need)}"
-            ok, bad = self._agree(why, f"agreeing on the KV rebuild ({tag})")
-            # The canary has proven its bytes allocatable; it is freed (and its segment returned)
-            # before the validation stress, which must then leave it free: peak + canary <= budget.
-            # Held during the stress, it left no cushion: a step that needs a little more than the
-            # probe measured (rounding next to a cache of ~100 GiB: 16 MiB on 2 x H200 in fp32) ran
-            # out of memory inside a TP forward, which is fatal to the group; measured, the same
-            # overshoot is agreed on and shrinks the cache like any other.
-            counted_canary = sum(t.numel() for t in canary)
-            canary.clear()
-            if counted_canary:
-                release_after_failure(self.mem)
-            peak = 0
-            if ok:
-                self._progress(f"validate: stress at {blocks} blocks ({tag})", attempt, attempts)
-                self.mem.reset_peak()
-                peak, why = self._stress(f"validation ({tag})")
-                if not why and peak + counted_canary > self.cap:
-                    why = (
-                        f"peak reserved {fmt_bytes(peak)} leaves less than the canary "
-                        f"({fmt_bytes(counted_canary)}) of the budget {fmt_bytes(self.cap)}"
-                    )
-                ok, bad = self._agree(why, f"agreeing on the validation ({tag})")
+            ok, bad, why, peak, canary = self._attempt(blocks, pinned, attempt, attempts)
             self.times[f"attempt{attempt}_s"] = time.monotonic() - started
             if ok:
-                return KVProfile(
-                    num_blocks=blocks,
-                    block_bytes=self.block_bytes,
-                    cap_bytes=self.cap,
-                    peers_bytes=self.peers,
-                    weights_bytes=self.runner.weights_bytes(),
-                    activation_peak_bytes=max(self.shape_peaks.values(), default=0),
-                    peak_reserved_bytes=peak,
-                    canary_bytes=counted_canary,
-                    attempts=attempt,
-                    pinned=pinned,
-                    proposed_blocks=self.proposal or blocks,
-                    shape_peaks=dict(self.shape_peaks),
-                    phase_seconds=dict(self.times),
-                )
+                return self._result(blocks, pinned, attempt, peak, canary)
             failures.append(f"{tag} at {blocks} blocks: rank {bad}: {why or 'not ready'}")
             log.warning("auto-profile %s failed on rank %d: %s", tag, bad, why or "(another rank)")
             # Every rank tears down, with or without a cache (one whose rebuild failed has none):
@@ -374,6 +326,66 @@ class _Profiler:
             else f"auto-profile failed after {len(failures)} attempt(s)"
         )
         raise self._fail(what, "; ".join(failures), bad if bad < self.control.world_size else None)
+
+    def _attempt(
+        self, blocks: int, pinned: bool, attempt: int, attempts: int
+    ) -> tuple[bool, int, str, int, int]:
+        """One try at `blocks`: allocate, prove the canary, check the room left, validate, each agreed by
+        every rank. Returns (ok, the rank that could not, why, peak reserved, canary bytes counted)."""
+        tag = f"attempt {attempt}/{attempts}"
+        self._progress(f"rebuild: {blocks} blocks ({tag})", attempt, attempts)
+        why = self._try(lambda b=blocks: self.runner.allocate_kv(b))
+        if pinned:  # a pinned cache smaller than max_model_len caps it: stress what will be served
+            self.shapes = stress_shapes(self.runner.cfg)
+        canary: list[torch.Tensor] = []
+        if not why and self.settings.canary_bytes:
+            self._progress(f"canary: {fmt_bytes(self.settings.canary_bytes)} ({tag})", attempt, attempts)
+            why = self._try(lambda c=canary: c.append(self._canary()))
+        if not why and self.shape_peaks:
+            need = max(self.shape_peaks.values())
+            free = self.cap - self.mem.allocated()
+            if free < need:
+                why = f"{fmt_bytes(free)} left in the budget, the largest stress step needs {fmt_bytes(need)}"
+        ok, bad = self._agree(why, f"agreeing on the KV rebuild ({tag})")
+        # The canary has proven its bytes allocatable; it is freed (and its segment returned)
+        # before the validation stress, which must then leave it free: peak + canary <= budget.
+        # Held during the stress, it left no cushion: a step that needs a little more than the
+        # probe measured (rounding next to a cache of ~100 GiB: 16 MiB on 2 x H200 in fp32) ran
+        # out of memory inside a TP forward, which is fatal to the group; measured, the same
+        # overshoot is agreed on and shrinks the cache like any other.
+        counted_canary = sum(t.numel() for t in canary)
+        canary.clear()
+        if counted_canary:
+            release_after_failure(self.mem)
+        peak = 0
+        if ok:
+            self._progress(f"validate: stress at {blocks} blocks ({tag})", attempt, attempts)
+            self.mem.reset_peak()
+            peak, why = self._stress(f"validation ({tag})")
+            if not why and peak + counted_canary > self.cap:
+                why = (
+                    f"peak reserved {fmt_bytes(peak)} leaves less than the canary "
+                    f"({fmt_bytes(counted_canary)}) of the budget {fmt_bytes(self.cap)}"
+                )
+            ok, bad = self._agree(why, f"agreeing on the validation ({tag})")
+        return ok, bad, why, peak, counted_canary
+
+    def _result(self, blocks: int, pinned: bool, attempt: int, peak: int, canary: int) -> KVProfile:
+        return KVProfile(
+            num_blocks=blocks,
+            block_bytes=self.block_bytes,
+            cap_bytes=self.cap,
+            peers_bytes=self.peers,
+            weights_bytes=self.runner.weights_bytes(),
+            activation_peak_bytes=max(self.shape_peaks.values(), default=0),
+            peak_reserved_bytes=peak,
+            canary_bytes=canary,
+            attempts=attempt,
+            pinned=pinned,
+            proposed_blocks=self.proposal or blocks,
+            shape_peaks=dict(self.shape_peaks),
+            phase_seconds=dict(self.times),
+        )
 
 
 def size_kv_cache(

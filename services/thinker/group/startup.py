@@ -1,4 +1,9 @@
-"""One thinker rank's start-up, the same on every rank: join the group → load → size KV → warm up."""
+"""One thinker rank's start-up, the same on every rank: join the group → load → size KV → warm up.
+
+`RankStartup` holds the steps and is the TP group's `StageGroup` (join, phase, agreement, failure).
+The service runs them through the common boot (`services/thinker/__main__.py`); `start_rank` runs
+them in-process, in the same order, for tests and benchmarks.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from omnistage.common.config import (
 )
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import DeviceMemory, device_memory_for
+from omnistage.common.runtime.stage_group import StageGroup
 from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
@@ -83,7 +89,7 @@ class RankConfig:
             memory=svc.memory,
             tp=svc.tp,
             dtype=svc.dtype,
-            device=device_of(svc, rank),
+            device=svc.device_of(rank),
             rank=rank,
             world_size=svc.tp_size,
             host=cfg.host,
@@ -92,16 +98,16 @@ class RankConfig:
         )
 
     def for_rank(self, rank: int) -> RankConfig:
-        """The same deployment seen from `rank` (CUDA: one GPU per rank, `cuda:<rank>`)."""
-        device = self.device if self.device == "cpu" else f"cuda:{rank}"
-        return dataclasses.replace(self, rank=rank, device=device)
+        """The same in-process deployment seen from `rank` (in-process groups run on the CPU; a GPU
+        group's ranks start from the deploy file, `from_deploy`, each on its own GPU)."""
+        if self.device != "cpu":
+            raise ValueError(f"for_rank: in-process ranks run on the CPU, this config runs on {self.device}")
+        return dataclasses.replace(self, rank=rank)
 
-
-def device_of(svc: ServiceConfig, rank: int) -> str:
-    if svc.device == "cpu":
-        return "cpu"
-    gpus = svc.gpus or tuple(range(svc.tp_size))
-    return f"cuda:{gpus[rank]}"
+    @property
+    def load_unit(self) -> str:
+        """What loading counts: safetensors shards, or the layers of dummy weights."""
+        return "shards" if self.load_format == "safetensors" else "layers"
 
 
 class StartupProgress(Protocol):
@@ -165,26 +171,32 @@ class StartedRank:
 
 
 def start_rank(cfg: RankConfig, progress: StartupProgress | None = None) -> StartedRank:
-    """Join the TP group and start this rank; raises StartupError naming the group's first failure."""
+    """Join the TP group and start this rank in-process (the service's ranks start through the common
+    boot, in the same steps); raises StartupError naming the group's first failure."""
     progress = progress or LogProgress(cfg.rank)
-    unit = "shards" if cfg.load_format == "safetensors" else "layers"
-    progress.enter("loading_weights", 0, unit)  # the rendezvous waits for the slowest rank's start
-    joined = time.monotonic()
+    rank = RankStartup(cfg, progress)
+
+    def enter(phase: str, unit: str) -> None:
+        rank.enter(phase)
+        progress.enter(phase, 0, unit)
+
     try:
-        control = join_tp_group(cfg.rank, cfg.world_size, cfg.host, cfg.dist_port, cfg.device, cfg.tp)
-    except TPError as exc:  # the rendezvous itself failed: no group to tell
-        raise StartupError(exc.failure) from exc
-    control.add_failure_listener(progress.failed)
-    startup = _Startup(cfg, control, progress)
-    startup.seconds["rendezvous"] = time.monotonic() - joined
-    try:
-        started = startup.run()
+        enter("loading_weights", cfg.load_unit)  # the rendezvous waits for the slowest rank's start
+        rank.join()
+        with rank.meter():
+            rank.load()
+            enter("profiling_memory", "attempts")
+            rank.profile()
+            if cfg.warmup:
+                enter("warming_up", "shapes")
+                rank.warm_up()
+            if rank.graphs:
+                enter("capturing_graphs", "graphs")
+                rank.capture_graphs()
+        rank.started()
     except Exception as exc:
-        raise StartupError(
-            control.fail(control.where, exc, culprit=getattr(exc, "culprit_rank", None))
-        ) from exc
-    log.info("start-up done: %s", json.dumps(started.summary()))  # one line per rank, for benchmarks
-    return started
+        raise rank.failure(exc) from exc
+    return rank.result()
 
 
 def rank0_engine(started: StartedRank) -> LLMEngine:
@@ -197,98 +209,154 @@ def rank0_engine(started: StartedRank) -> LLMEngine:
     return LLMEngine(started.runner, tok, list(tok.stop_token_ids), started.control)
 
 
-class _Startup:
-    """The steps of one rank's start-up, in order (state shared between them lives here)."""
+class RankStartup(StageGroup):
+    """The steps of one rank's start-up, in order (state shared between them lives here), and the
+    TP group's hooks of the common boot: join, phase, the last agreement, the group's failure."""
 
-    def __init__(self, cfg: RankConfig, control: TPControl, progress: StartupProgress) -> None:
-        self.cfg, self.control, self.progress = cfg, control, progress
+    def __init__(self, cfg: RankConfig, progress: StartupProgress, mem: DeviceMemory | None = None) -> None:
+        self.cfg, self.progress = cfg, progress
         self.fault = StartupFault(cfg.fault, cfg.rank)
-        self.phase = "loading_weights"
-        control.set_phase(self.phase)
+        self.control: TPControl | None = None
+        self.phase = "start-up"
         self.runner: ModelRunner | None = None
-        self.mem: DeviceMemory | None = None
+        # The device's accountant: given (the boot's), or made for CUDA or a simulated device; None on a
+        # plain CPU (the KV cache is then sized from the config).
+        self.mem = mem if mem is not None else _device_memory(cfg)
+        self.tokenizer: MingTokenizer | None = None
+        self.graphs = False
+        self.kv_profile: KVProfile | None = None
+        self.warmup_result: WarmupResult | None = None
         self.load_peak_bytes = 0
+        self.peers_at_start = 0  # bytes others held on the device when loading began
         self.seconds: dict[str, float] = {}
         self._phase_started = time.monotonic()
 
-    def enter(self, phase: str, total: int = 0, unit: str = "") -> None:
+    # --- the group's hooks (common/runtime/stage_group.py) -------------------------------------
+
+    def join(self) -> None:
+        """The rendezvous; from here on a failure of any rank ends every rank."""
+        started = time.monotonic()
+        cfg = self.cfg
+        control = join_tp_group(cfg.rank, cfg.world_size, cfg.host, cfg.dist_port, cfg.device, cfg.tp)
+        control.set_phase(self.phase)
+        control.add_failure_listener(self.progress.failed)
+        self.control = control
+        self.seconds["rendezvous"] = time.monotonic() - started
+        self._phase_started = time.monotonic()  # the phase's own time starts after the rendezvous
+
+    def enter(self, phase: str) -> None:
         now = time.monotonic()
-        self.seconds[self.phase] = now - self._phase_started
+        if self.phase != "start-up":
+            self.seconds[self.phase] = now - self._phase_started
         self.phase, self._phase_started = phase, now
-        self.control.set_phase(phase)
-        self.progress.enter(phase, total, unit)
+        if self.control is not None:
+            self.control.set_phase(phase)
+
+    def started(self) -> None:
+        """Start-up is over on this rank: collectives get the serving deadline from now on."""
+        self.seconds[self.phase] = time.monotonic() - self._phase_started
+        self._group().enter_serving()
+        log.info(
+            "start-up done: %s", json.dumps(self.result().summary())
+        )  # one line per rank, for benchmarks
+
+    def failure(self, exc: Exception) -> Exception:
+        """The group's first failure (this rank's own, reported to the group first)."""
+        if isinstance(exc, TPError):  # the group's failure already (or the rendezvous's: no group to tell)
+            return exc if isinstance(exc, StartupError) else StartupError(exc.failure)
+        if self.control is None:
+            return exc
+        culprit = getattr(exc, "culprit_rank", None)
+        return StartupError(self.control.fail(self.control.where, exc, culprit=culprit))
+
+    # --- the steps ------------------------------------------------------------------------------
+
+    def meter(self) -> contextlib.AbstractContextManager[object]:
+        """What the steps that make device tensors run inside (the simulated device counts them)."""
+        return self.mem.meter() if self.mem is not None else contextlib.nullcontext()
 
     def step(self, detail: str, done: int = 0, total: int = 0) -> None:
         self.progress.step(detail, done, total)
         self.fault.on_step(self.phase, detail, self.runner, self.mem)
 
-    def run(self) -> StartedRank:
+    def load(self) -> None:
+        """loading_weights: the tokenizer (rank 0, before the weights: it fails fast), the weights,
+        the kernels, and whether decode graphs will be captured."""
         cfg = self.cfg
-        tokenizer = MingTokenizer(cfg.checkpoint) if cfg.rank == 0 else None  # fails fast, before the weights
-        dev = torch.device(cfg.device)
-        if dev.type == "cuda" or cfg.memory.simulated_capacity_bytes:
-            self.mem = device_memory_for(str(dev), cfg.memory.simulated_capacity_bytes or None)
+        self.tokenizer = MingTokenizer(cfg.checkpoint) if cfg.rank == 0 else None
         self.fault.check_device(self.mem)
-        mem = self.mem
-        peers_at_start = peers_bytes(mem) if mem is not None else 0
-        prof: KVProfile | None = None
-        warm: WarmupResult | None = None
-        with mem.meter() if mem is not None else contextlib.nullcontext():
-            model = self.load_weights()
-            backends = self.install_backends(model)
-            graphs = cfg.engine.cuda_graphs and dev.type == "cuda" and backends.graph_safe
-            self.tp_graphs = tp_graph_capture() if cfg.world_size > 1 else "off"  # read once, refused early
-            if graphs and cfg.world_size > 1 and self.tp_graphs == "off":
-                log.warning(
-                    "engine.cuda_graphs: %s=off: the TP group (tp %d) decodes eagerly",
-                    TP_GRAPHS_ENV,
-                    cfg.world_size,
-                )
-                graphs = False
-            self.enter("profiling_memory", unit="attempts")
-            if mem is None:
-                blocks = self.control.agree_min(
-                    resolve_engine_config(cfg.engine).num_kv_blocks, "agreeing on KV blocks"
-                )
-                self.runner = ModelRunner(
-                    model, resolve_engine_config(cfg.engine, blocks), cfg.device, cfg.rank
-                )
-            else:
-                one_request = -(-cfg.engine.max_model_len // cfg.engine.block_size)
-                limits = resolve_engine_config(cfg.engine, one_request)  # as configured; no cache yet
-                self.runner = ModelRunner(model, limits, cfg.device, cfg.rank, allocate=False)
-                settings = KVSettings.from_config(cfg.engine, cfg.memory, mem.total())
-                if graphs:  # the graphs' pool is kept free like the canary (and proven so)
-                    reserve = graph_reserve_bytes(self.graph_batch(), model.lm_head.rows, cfg.world_size)
-                    settings = dataclasses.replace(settings, canary_bytes=settings.canary_bytes + reserve)
-                prof = size_kv_cache(
-                    self.runner,
-                    self.control,
-                    mem,
-                    settings,
-                    peers_at_start=peers_at_start,
-                    progress=self.step,
-                )
-            if cfg.warmup:
-                self.enter("warming_up", unit="shapes")
-                warm = run_warmup(
-                    self.runner,
-                    self.control,
-                    warmup_shapes(self.runner.cfg),
-                    mem=mem,
-                    cap_bytes=prof.cap_bytes if prof else 0,
-                    need_bytes=prof.shape_peaks if prof else None,
-                    progress=self.step,
-                )
-            if graphs:
-                self.enter("capturing_graphs", unit="graphs")
-                self.capture_graphs()
-        self.seconds[self.phase] = time.monotonic() - self._phase_started
-        self.control.enter_serving()
+        self.peers_at_start = peers_bytes(self.mem) if self.mem is not None else 0
+        self.model: BailingMoeV2ForCausalLM = self.load_weights()
+        backends = self.install_backends(self.model)
+        self.graphs = self.graphs_wanted(backends)
+
+    def graphs_wanted(self, backends: Backends) -> bool:
+        cfg = self.cfg
+        graphs = cfg.engine.cuda_graphs and torch.device(cfg.device).type == "cuda" and backends.graph_safe
+        self.tp_graphs = tp_graph_capture() if cfg.world_size > 1 else "off"  # read once, refused early
+        if graphs and cfg.world_size > 1 and self.tp_graphs == "off":
+            log.warning(
+                "engine.cuda_graphs: %s=off: the TP group (tp %d) decodes eagerly",
+                TP_GRAPHS_ENV,
+                cfg.world_size,
+            )
+            return False
+        return graphs
+
+    def profile(self) -> None:
+        """profiling_memory: size the KV cache (from the config on a plain CPU, else the auto-profile)."""
+        cfg, model, mem = self.cfg, self.model, self.mem
+        if mem is None:
+            blocks = self._group().agree_min(
+                resolve_engine_config(cfg.engine).num_kv_blocks, "agreeing on KV blocks"
+            )
+            self.runner = ModelRunner(model, resolve_engine_config(cfg.engine, blocks), cfg.device, cfg.rank)
+            return
+        one_request = -(-cfg.engine.max_model_len // cfg.engine.block_size)
+        limits = resolve_engine_config(cfg.engine, one_request)  # as configured; no cache yet
+        self.runner = ModelRunner(model, limits, cfg.device, cfg.rank, allocate=False)
+        settings = KVSettings.from_config(cfg.engine, cfg.memory, mem.total())
+        if self.graphs:  # the graphs' pool is kept free like the canary (and proven so)
+            reserve = graph_reserve_bytes(self.graph_batch(), model.lm_head.rows, cfg.world_size)
+            settings = dataclasses.replace(settings, canary_bytes=settings.canary_bytes + reserve)
+        self.kv_profile = size_kv_cache(
+            self.runner, self._group(), mem, settings, peers_at_start=self.peers_at_start, progress=self.step
+        )
+
+    def warm_up(self) -> None:
+        """warming_up: every dummy shape on every rank or on none."""
+        prof = self.kv_profile
+        self.warmup_result = run_warmup(
+            self._runner(),
+            self._group(),
+            warmup_shapes(self._runner().cfg),
+            mem=self.mem,
+            cap_bytes=prof.cap_bytes if prof else 0,
+            need_bytes=prof.shape_peaks if prof else None,
+            progress=self.step,
+        )
+
+    def result(self) -> StartedRank:
         seconds = {k: round(v, 3) for k, v in self.seconds.items()}
         return StartedRank(
-            cfg, self.runner, self.control, tokenizer, mem, prof, warm, seconds, self.load_peak_bytes
+            self.cfg,
+            self._runner(),
+            self._group(),
+            self.tokenizer,
+            self.mem,
+            self.kv_profile,
+            self.warmup_result,
+            seconds,
+            self.load_peak_bytes,
         )
+
+    def _group(self) -> TPControl:
+        assert self.control is not None, "the rank has not joined its group"
+        return self.control
+
+    def _runner(self) -> ModelRunner:
+        assert self.runner is not None, "the KV cache is not sized yet"
+        return self.runner
 
     def install_backends(self, model: BailingMoeV2ForCausalLM) -> Backends:
         """The deploy file's kernel choice, resolved for this device and installed in the model."""
@@ -302,7 +370,7 @@ class _Startup:
                 model.config.head_dim,
             )
         except BackendError as exc:
-            raise StartupError(self.control.fail("choosing kernels", exc)) from exc
+            raise StartupError(self._group().fail("choosing kernels", exc)) from exc
         install_backends(model, backends)
         log.info("kernels: attention %s, moe %s", backends.attention, backends.moe)
         return backends
@@ -314,27 +382,27 @@ class _Startup:
     def capture_graphs(self) -> None:
         """Every rank captures the same sizes (each replays what rank 0's plan says); a failure on
         any rank fails the group with its diagnostic, like a failed warm-up forward."""
-        runner = self.runner
+        runner, control = self._runner(), self._group()
         graphs = DecodeGraphs(runner.model, self.graph_batch(), runner.cfg.max_blocks_per_seq, runner.device)
         align = self.align_capture if self.tp_graphs == "aligned" else None
         try:
             graphs.capture(progress=lambda detail, done, total: self.step(detail, done, total), align=align)
             if align is not None:  # a rank stuck in its last capture is named by the others' deadline
-                self.control.agree_min(0, "captured every decode graph")
+                control.agree_min(0, "captured every decode graph")
         except Exception as exc:
-            raise StartupError(self.control.fail("capturing decode graphs", exc)) from exc
+            raise StartupError(self._group().fail("capturing decode graphs", exc)) from exc
         runner.use_graphs(graphs)
-        self.control.on_close(graphs.release)  # before the group is destroyed (see DecodeGraphs.release)
+        control.on_close(graphs.release)  # before the group is destroyed (see DecodeGraphs.release)
 
     def align_capture(self, size: int) -> None:
         """Every rank is about to capture `size` (a rank with another size, or gone, fails the group)."""
-        agreed = self.control.agree_min(size, f"capturing decode graph batch {size}")
+        agreed = self._group().agree_min(size, f"capturing decode graph batch {size}")
         if agreed != size:
             raise RuntimeError(f"rank {self.cfg.rank} captures batch {size} while a peer captures {agreed}")
 
     def load_weights(self) -> BailingMoeV2ForCausalLM:
         cfg = self.cfg
-        unit = "shards" if cfg.load_format == "safetensors" else "layers"
+        unit = cfg.load_unit
 
         def shards(done: int, total: int) -> None:
             self.step(
@@ -356,3 +424,9 @@ class _Startup:
             self.load_peak_bytes = self.mem.peak_allocated()
             self.mem.empty_cache()  # loading's temporaries must not count as the profile's peak
         return model
+
+
+def _device_memory(cfg: RankConfig) -> DeviceMemory | None:
+    if torch.device(cfg.device).type == "cuda" or cfg.memory.simulated_capacity_bytes:
+        return device_memory_for(cfg.device, cfg.memory.simulated_capacity_bytes or None)
+    return None

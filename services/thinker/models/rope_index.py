@@ -24,6 +24,17 @@ def _vision_block(start: int, grid: tuple[int, int, int], scale: float) -> torch
     return torch.stack([ti.flatten(), hi.flatten(), wi.flatten()])
 
 
+def _image_grids(image_grid_thw: Sequence[Grid] | torch.Tensor | None) -> list[tuple[int, ...]]:
+    """One (t, h, w) per image, in order."""
+    return [tuple(int(v) for v in g) for g in (image_grid_thw if image_grid_thw is not None else [])]
+
+
+def _frame_grids(video_grid_thw: Sequence[Grid] | torch.Tensor | None) -> list[tuple[int, ...]]:
+    """One (1, h, w) per video frame: each `<image>` + `<framePatch>` run takes the next temporal slice."""
+    grids = video_grid_thw if video_grid_thw is not None else []
+    return [(1, int(h), int(w)) for t, h, w in grids for _ in range(int(t))]
+
+
 def get_rope_index(
     input_ids: Sequence[int] | torch.Tensor,
     *,
@@ -43,14 +54,8 @@ def get_rope_index(
     """
     ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
     grids = {
-        image_patch_token_id: [
-            tuple(int(v) for v in g) for g in (image_grid_thw if image_grid_thw is not None else [])
-        ],
-        video_patch_token_id: [
-            (1, int(h), int(w))
-            for t, h, w in (video_grid_thw if video_grid_thw is not None else [])
-            for _ in range(int(t))
-        ],
+        image_patch_token_id: _image_grids(image_grid_thw),
+        video_patch_token_id: _frame_grids(video_grid_thw),
     }
     used = {image_patch_token_id: 0, video_patch_token_id: 0}
     parts: list[torch.Tensor] = []

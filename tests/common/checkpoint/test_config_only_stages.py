@@ -11,11 +11,11 @@ import pytest
 import torch
 from omnistage.common.checkpoint.config_only import write_config_checkpoint
 from omnistage.common.memory.device import SimulatedDeviceMemory
-from omnistage.services.encoder.engine import vision_forward
 from omnistage.services.encoder.models.audio import AudioEncoder
 from omnistage.services.encoder.models.config import EncoderModelConfig
 from omnistage.services.encoder.models.loader import load_encoders
 from omnistage.services.encoder.models.vision import VisionEncoder
+from omnistage.services.encoder.runner import vision_forward
 from omnistage.services.imagegen.models.config import ImageGenModelConfig
 from omnistage.services.imagegen.models.connector import ConditionEncoder
 from omnistage.services.imagegen.models.dit import ZImageDiT

@@ -1,6 +1,7 @@
-"""The common start-up of a single-device stage: phases in order, blocking steps off the event loop and
+"""The common start-up of every stage: phases in order, blocking steps off the event loop and
 metered, the allocator capped at the budget less what the stage holds outside it, the memory report's
-budget, SERVING last; a failing step fails the start in its phase."""
+budget, SERVING last; a failing step fails the start in its phase; a TP group agrees through the
+StageGroup hooks, and a failing rank leaves with the group's one diagnostic."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import threading
 
 import pytest
 import torch
+from omnistage.common import mps
 from omnistage.common.config import config_from_dict
-from omnistage.common.runtime.boot import Boot, StageStartup, stage_device, start_stage
+from omnistage.common.memory import ledger
+from omnistage.common.runtime.boot import Boot, StageStartup, start_stage
 from omnistage.common.runtime.progress import StageProgress
 from omnistage.common.runtime.server import ServiceRuntime
+from omnistage.common.runtime.stage_group import StageGroup
 from omnistage.v1 import control_pb2
 
 MiB = 1 << 20
@@ -87,19 +91,31 @@ def phases_of(rt: ServiceRuntime) -> list[tuple[str, str, str]]:
     return seen
 
 
-def test_the_device_of_a_rank():
+def test_the_device_of_a_rank_is_one_rule_on_the_service_config():
+    """The boot, the memory ledger and the MPS plan read the same rank → GPU rule."""
     cfg = config_from_dict(
         {
             "services": {
                 "c": {"kind": "encoder", "port": 1},
                 "g": {"kind": "encoder", "port": 2, "device": "cuda", "gpus": [3]},
                 "t": {"kind": "thinker", "port": 3, "device": "cuda", "tp_size": 2, "dist_port": 9000},
+                "u": {
+                    "kind": "thinker",
+                    "port": 5,
+                    "device": "cuda",
+                    "tp_size": 2,
+                    "dist_port": 9100,
+                    "gpus": [3, 1],
+                },
             }
         }
     )
-    assert stage_device(cfg.service("c")) == "cpu"
-    assert stage_device(cfg.service("g")) == "cuda:3"
-    assert [stage_device(cfg.service("t"), r) for r in (0, 1)] == ["cuda:0", "cuda:1"]
+    assert cfg.service("c").device_of(0) == "cpu"
+    assert cfg.service("g").device_of(0) == "cuda:3"
+    assert [cfg.service("t").device_of(r) for r in (0, 1)] == ["cuda:0", "cuda:1"]
+    assert [cfg.service("u").device_of(r) for r in (0, 1)] == ["cuda:3", "cuda:1"]
+    assert [ledger.ledger_device(cfg.service("u"), r) for r in (0, 1)] == ["cuda:3", "cuda:1"]
+    assert mps.shared_gpus(cfg) == {1: ["t r1", "u r1"], 3: ["g r0", "u r0"]}
 
 
 def test_the_phases_come_in_order_and_the_blocking_steps_run_metered_off_the_loop(tmp_path):
@@ -183,3 +199,70 @@ def test_progress_counts_shards_and_a_stress_reports_in_its_phase(tmp_path):
     assert (snap.phase, snap.detail) == ("profiling_memory", "batch 4")
     progress.step("probe", 1, 3)
     assert (rt.reporter.snapshot().done, rt.reporter.snapshot().total) == (1, 3)
+
+
+class RecordingGroup(StageGroup):
+    """A group whose hooks record when the boot calls them (the phase the reporter is in, the thread)."""
+
+    def __init__(self, rt: ServiceRuntime) -> None:
+        self.rt = rt
+        self.calls: list[tuple[str, str, str]] = []
+
+    def _seen(self, what: str) -> None:
+        self.calls.append((what, self.rt.phase, threading.current_thread().name))
+
+    def join(self) -> None:
+        self._seen("join")
+
+    def enter(self, phase: str) -> None:
+        self._seen(f"enter {phase}")
+
+    def started(self) -> None:
+        self._seen("started")
+
+    def failure(self, exc: Exception) -> Exception:
+        self._seen("failure")
+        return RuntimeError(f"the group's diagnostic: rank 1 failed in {self.rt.phase}: {exc}")
+
+
+class InGroup(Recorded):
+    def __init__(self, boot: Boot) -> None:
+        super().__init__(boot)
+        self.group = RecordingGroup(boot.runtime)
+
+    async def warm_up_request(self) -> None:
+        self._step("warm_up_request")
+
+    async def run(self) -> None:
+        self._step("run")
+
+
+def test_a_group_joins_before_loading_hears_each_phase_first_and_agrees_before_the_warm_up_request(tmp_path):
+    rt = runtime(tmp_path)
+    stage = InGroup(Boot.resolve(rt, rt.cfg, rt.svc, 0))
+    asyncio.run(start_stage(stage))
+    calls = stage.group.calls
+    # Each phase reaches the group before the reporter (whose fault hook may fire in it).
+    assert [(w, p) for w, p, _ in calls] == [
+        ("enter loading_weights", "starting"),
+        ("join", "loading_weights"),
+        ("enter profiling_memory", "loading_weights"),
+        ("enter warming_up", "profiling_memory"),
+        ("started", "warming_up"),
+    ]
+    assert calls[1][2] == "encoder-startup"  # the rendezvous blocks: off the event loop, before the load
+    assert [s[0] for s in stage.seen] == ["load", "stress", "warm_up", "warm_up_request", "serve", "run"]
+    assert [s[1] for s in stage.seen][3:] == ["warming_up", "warming_up", "serving"]
+
+
+@pytest.mark.parametrize("step", ["load", "warm_up", "warm_up_request"])
+def test_a_failing_rank_of_a_group_leaves_with_the_groups_diagnostic(tmp_path, step):
+    class Broken(InGroup):
+        fail_in = step
+
+    rt = runtime(tmp_path)
+    stage = Broken(Boot.resolve(rt, rt.cfg, rt.svc, 0))
+    with pytest.raises(RuntimeError, match=f"^the group's diagnostic: rank 1 failed in .*: {step} broke$"):
+        asyncio.run(start_stage(stage))
+    assert stage.group.calls[-1][0] == "failure" and "run" not in [s[0] for s in stage.seen]
+    assert rt.memory_provider is None

@@ -15,6 +15,8 @@ from omnistage.common.runtime.phases import PHASES, PhaseReporter, phase_to_prot
 from omnistage.common.runtime.status_file import read_status, status_path
 from omnistage.v1 import control_pb2
 
+from tests.waits import wait_for
+
 
 def test_phase_names_match_the_proto_enum():
     proto_names = [n for n in control_pb2.Phase.keys() if n != "PHASE_UNSPECIFIED"]
@@ -134,10 +136,17 @@ def test_fault_crash_exits_with_code_3(tmp_path):
 def test_fault_hang_blocks_without_progress(tmp_path):
     proc = _run_fault("hang", tmp_path, 30)
     try:
+        # The phase is written before the hook fires: once it is there, the process hangs in it.
+        path = status_path(tmp_path, "thinker", 0)
+        rec = wait_for(
+            lambda: (r := read_status(path)) is not None and r.phase == "loading_weights" and r,
+            60,
+            "the status file in loading_weights",
+        )
         with pytest.raises(subprocess.TimeoutExpired):
             proc.communicate(timeout=1.0)
-        rec = read_status(status_path(tmp_path, "thinker", 0))
         assert (rec.phase, rec.done) == ("loading_weights", 0)
+        assert read_status(path) == rec  # no progress since
     finally:
         proc.kill()
         proc.wait(timeout=10)

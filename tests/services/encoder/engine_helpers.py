@@ -8,7 +8,7 @@ from typing import Any
 
 from omnistage.common.config import EncoderConfig
 from omnistage.common.transport import TransportContext, TransportOptions
-from omnistage.services.encoder.engine import EncoderEngine
+from omnistage.services.encoder.request_flow import EncoderEngine
 
 SMALL = EncoderConfig(
     image_max_pixels=256 * 256,

@@ -13,8 +13,8 @@ import pytest
 import torch
 from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.common.transport import decode
-from omnistage.services.encoder.engine import vision_forward
 from omnistage.services.encoder.items import MediaItem, prepare_item
+from omnistage.services.encoder.runner import vision_forward
 from PIL import Image
 
 from tests.services.encoder.engine_helpers import SMALL, leases, run_engine

@@ -17,9 +17,9 @@ from omnistage.common.config import ImageGenConfig
 from omnistage.common.metrics import REGISTRY
 from omnistage.common.runtime.errors import Overloaded
 from omnistage.common.transport import TransportContext
-from omnistage.services.imagegen.engine import ImageGenEngine, ImageResult
 from omnistage.services.imagegen.pipeline import GenerationSpec
 from omnistage.services.imagegen.request import ParsedRequest
+from omnistage.services.imagegen.request_flow import ImageGenEngine, ImageResult
 from omnistage.services.imagegen.runner import Progress
 from PIL import Image
 
@@ -128,11 +128,11 @@ def test_a_request_that_leaves_while_waiting_for_a_slot_never_reaches_the_device
             )  # holds the slot well past the cancel
             await anext(first)
             second = asyncio.create_task(_collect(engine, _parsed(2, seed=2)))
-            await _wait_until(lambda: engine.waiting == 1, "the second request to wait for the slot")
+            await _wait_until(lambda: engine.limiter.waiting == 1, "the second request to wait for the slot")
             second.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await second
-            await _wait_until(lambda: engine.waiting == 0, "the waiting request to be gone")
+            await _wait_until(lambda: engine.limiter.waiting == 0, "the waiting request to be gone")
             assert engine.limiter.in_use == 1
             await first.aclose()
             await _wait_until(
@@ -151,9 +151,12 @@ def test_full_service_refuses(pipeline):
         ) as engine:
             busy = engine.generate(_parsed(2000, seed=6), timeout_s=60)  # busy well past the 0.2 s waits
             await anext(busy)
-            with pytest.raises(Overloaded, match="1 requests denoising and 0 waiting"):
+            with pytest.raises(
+                Overloaded,
+                match="^imagegen-full denoising: 1 running and 0 waiting \\(imagegen.max_queued_requests\\)$",
+            ):
                 await _collect(engine, _parsed(2))
-            engine.cfg = ImageGenConfig(max_queued_requests=4, queue_timeout_s=0.2)
+            engine.limiter.max_waiting = 4  # room to wait: the 0.2 s wait runs out instead
             with pytest.raises(Overloaded, match="no free batch slot within 0.2s"):
                 await _collect(engine, _parsed(2))
             assert _cancelled() == 0  # refused requests never joined: nothing was cancelled
@@ -224,10 +227,10 @@ def test_queue_time_is_observed_once_per_request_with_its_wait_for_a_slot(pipeli
             first = engine.generate(_parsed(6, seed=1), timeout_s=60)
             await anext(first)  # in the loop, holding the only slot
             second = asyncio.create_task(_collect(engine, _parsed(2, seed=2)))
-            await _wait_until(lambda: engine.waiting == 1, "the second request to wait for the slot")
+            await _wait_until(lambda: engine.limiter.waiting == 1, "the second request to wait for the slot")
             second_waiting_by = time.monotonic()
             assert (await anext(first)).step == 2  # the first still has steps to go ...
-            assert engine.waiting == 1  # ... and the second still waits
+            assert engine.limiter.waiting == 1  # ... and the second still waits
             still_waiting_at = time.monotonic()
             [ev async for ev in first]
             await second
@@ -253,11 +256,11 @@ def test_a_request_that_leaves_before_the_loop_leaves_no_queue_time(pipeline):
             )  # holds the slot well past the cancel
             await anext(first)
             second = asyncio.create_task(_collect(engine, _parsed(2, seed=2)))
-            await _wait_until(lambda: engine.waiting == 1, "the second request to wait for the slot")
+            await _wait_until(lambda: engine.limiter.waiting == 1, "the second request to wait for the slot")
             second.cancel()  # the client left while waiting for a slot
             with pytest.raises(asyncio.CancelledError):
                 await second
-            await _wait_until(lambda: engine.waiting == 0, "the waiting request to be gone")
+            await _wait_until(lambda: engine.limiter.waiting == 0, "the waiting request to be gone")
             assert engine.limiter.in_use == 1  # the first still denoises: the second left on its own
             await first.aclose()
             await _wait_until(lambda: engine.load() == (0, 0), "the engine to be idle")

@@ -46,7 +46,7 @@ def test_state_gauges_read_the_engine_and_an_abort_ends_the_request():
     engine.stats = EngineMetrics("thinker-m2", engine)
     svc = "thinker-m2"
     for i, p in enumerate(_prompts(3)):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.add_prompt(f"r{i}", p, SamplingParams(max_tokens=50, ignore_eos=True))
     assert _value("omnistage_thinker_waiting_requests", svc) == 3
     engine.step()
     assert _value("omnistage_thinker_running_requests", svc) == 2

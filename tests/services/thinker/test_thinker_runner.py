@@ -28,7 +28,8 @@ def thinker_loop(engine) -> tuple[ThinkerRunner, DeviceLoop]:
 async def _add(loop: DeviceLoop, runner: ThinkerRunner, request_id: str, max_tokens: int) -> asyncio.Queue:
     stream: asyncio.Queue = asyncio.Queue()
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    await asyncio.wrap_future(loop.call(lambda: runner.add(request_id, [1, 2, 3], params, stream)))
+    budget = runner.engine.budget([1, 2, 3], params)  # made where the request is made
+    await asyncio.wrap_future(loop.call(lambda: runner.add(request_id, [1, 2, 3], params, budget, stream)))
     return stream
 
 

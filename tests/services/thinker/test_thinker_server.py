@@ -65,7 +65,6 @@ async def thinker(
     tmp_path,
     tok: MingTokenizer,
     step_s: float = 0.0,
-    servicer_max_model_len: int = 0,
     media: MediaInputs | None = None,
     hidden_out: TransportContext | None = None,
     grammar_limits: GrammarLimits | None = None,
@@ -79,7 +78,6 @@ async def thinker(
     flow = ThinkerEngine(
         engine,
         asyncio.get_running_loop(),
-        max_model_len=servicer_max_model_len or None,
         media=media,
         producer=hidden_out,
         idle_wait_s=0.05,
@@ -261,6 +259,10 @@ def test_tokenize_gives_generates_prompt_ids_and_detokenize_their_text(tmp_path,
                     "at most max_model_len",
                 ),
                 (t.stub.Tokenize(thinker_pb2.TokenizeRequest(), timeout=10), "prompt: set text or chat"),
+                (  # short enough to be tokenized, too many tokens for the context (as Generate refuses)
+                    t.stub.Tokenize(thinker_pb2.TokenizeRequest(text="x y z " * 200), timeout=10),
+                    "prompt: 1200 token(s) leave no room to generate (max_model_len 512)",
+                ),
             ):
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await call
@@ -315,10 +317,10 @@ def test_a_cancel_while_the_add_is_in_flight_aborts_the_request(tmp_path, tok):
             in_add, release, added = threading.Event(), threading.Event(), []
             real_add = t.engine.add_request
 
-            def slow_add(request_id, prompt, params=None, **kw):
+            def slow_add(request_id, prompt, *args, **kw):
                 in_add.set()
                 release.wait(10)  # the engine thread is slow to take the command
-                real_add(request_id, prompt, params, **kw)
+                real_add(request_id, prompt, *args, **kw)
                 added.append(t.engine.scheduler.seqs[request_id])
 
             t.engine.add_request = slow_add
@@ -356,8 +358,9 @@ def test_max_tokens_beyond_max_model_len_is_refused_naming_the_limit(tmp_path, t
             )
             err = await refusal(t.stub, chat("hi", max_tokens=512 - n + 1))
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert f"prompt of {n} tokens + sampling.max_tokens {512 - n + 1}" in err.details()
-            assert "max_model_len 512" in err.details()
+            assert err.details() == (
+                f"sampling.max_tokens: {512 - n + 1} + a prompt of {n} token(s) exceeds max_model_len 512"
+            )
             events = await events_of(t.stub, chat("hi", max_tokens=512 - n, ignore_eos=True), timeout=60)
             assert events[-1].finish.usage.completion_tokens == 512 - n
             err = await refusal(t.stub, chat("hi", temperature=1e-40))
@@ -426,7 +429,8 @@ def test_the_next_turn_with_the_answer_as_tokens_is_served_from_the_prefix_cache
             too_many.CopyFrom(first)
             too_many.chat.pieces.append(thinker_pb2.PromptPiece(tokens=thinker_pb2.TokenIds(ids=[5] * 512)))
             err = await refusal(t.stub, too_many)
-            assert "token pieces of 512 tokens leave no room to generate" in err.details()
+            assert err.details().startswith("chat.pieces: at least ")
+            assert err.details().endswith("token(s) leave no room to generate (max_model_len 512)")
             assert dict(err.trailing_metadata())[ERROR_REASON_KEY] == CONTEXT_OVERFLOW  # its kind, typed
 
     run(scenario())
@@ -509,19 +513,16 @@ class TokenizeSpy:
             ),
             "chat.pieces: 1000 pieces",
         ),
-        (
-            lambda: thinker_pb2.ThinkerRequest(text="word " * 200_000),
-            "characters cannot fit max_model_len 512",
-        ),
+        (lambda: thinker_pb2.ThinkerRequest(text="word " * 200_000), "prompt: at least "),
         (
             lambda: thinker_pb2.ThinkerRequest(
                 chat=thinker_pb2.ChatPrompt(pieces=[thinker_pb2.PromptPiece(text="a" * 100_000)] * 2)
             ),
-            "characters cannot fit",
+            "chat.pieces: at least ",
         ),
         (
             lambda: thinker_pb2.ThinkerRequest(token_ids=thinker_pb2.TokenIds(ids=[1] * 600)),
-            "token_ids: 600 tokens",
+            "token_ids: 600 token(s) leave no room to generate (max_model_len 512)",
         ),
         (lambda: thinker_pb2.ThinkerRequest(), "prompt: set chat, text or token_ids"),
         (
@@ -563,7 +564,8 @@ def test_template_special_tokens_alone_over_the_limit_are_refused_before_bpe(tmp
             )
             err = await refusal(t.stub, req)
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "the template alone has 600 special tokens" in err.details() and not bpe
+            assert err.details().startswith("chat") and not bpe
+            assert err.details().endswith("token(s) leave no room to generate (max_model_len 512)")
 
     run(scenario())
 
@@ -574,15 +576,17 @@ def test_a_small_request_is_served_while_a_huge_prompt_is_tokenized(tmp_path, to
 
     async def scenario():
         spy = TokenizeSpy(tok)
-        # The servicer's own limit is large so the huge text passes the character bound and is tokenized.
-        async with thinker(tmp_path, tok, servicer_max_model_len=200_000) as t:
+        # A tokenizer whose tokens could be very long: the huge text passes the character bound and is
+        # really tokenized.
+        spy.max_token_chars = 10**9
+        async with thinker(tmp_path, tok) as t:
             t.servicer.engine.tokenizer = spy
             huge = chat("The quick brown fox, 你好世界! " * 100_000, max_tokens=1)
             order = []
 
             async def big():
                 err = await refusal(t.stub, huge)
-                assert "tokens leave no room" in err.details()
+                assert "token(s) leave no room" in err.details()
                 order.append("big answered")
 
             big_task = asyncio.ensure_future(big())
@@ -668,8 +672,8 @@ def test_a_multimodal_request_is_served_from_its_rows_and_its_lease_ends_at_subm
     "case, code, needle",
     [
         ("slots", grpc.StatusCode.INVALID_ARGUMENT, "multimodal[0]: its <imagePatch> run at token"),
-        ("max-tokens", grpc.StatusCode.INVALID_ARGUMENT, "+ sampling.max_tokens 500 = "),
-        ("rows", grpc.StatusCode.INVALID_ARGUMENT, "multimodal: 600 embedding rows leave no room"),
+        ("max-tokens", grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens: 500 + a prompt of "),
+        ("rows", grpc.StatusCode.INVALID_ARGUMENT, "multimodal: at least 600 token(s) leave no room"),
         ("no-media", grpc.StatusCode.FAILED_PRECONDITION, "multimodal: this thinker takes no embeddings"),
     ],
 )
@@ -757,11 +761,7 @@ def test_an_edit_prompt_takes_its_image_rows_and_the_query_block(tmp_path, tok, 
             grpc.StatusCode.FAILED_PRECONDITION,
             "hidden_states: this thinker has no image-generation",
         ),
-        (
-            "too-long",
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "+ the image query block's 258 exceed max_model_len 300",
-        ),
+        ("too-long", grpc.StatusCode.INVALID_ARGUMENT, "prompt with the image query block: "),
     ],
 )
 def test_hidden_state_refusals_name_the_cause(tmp_path, tok, tiny_ckpt, producer, case, code, needle):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from omnistage.common.config import EngineConfig
 from omnistage.common.transport import TransportContext
+from omnistage.services.thinker.engine.budget import RequestError
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.media import MultimodalPrompt
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
@@ -150,7 +151,7 @@ def test_chunked_and_preempted_prefill_give_the_same_states(tiny_ckpt, want, kw)
 def test_a_hidden_state_request_frees_its_blocks_when_its_prefill_completes(tiny_ckpt):
     e = engine(tiny_ckpt, max_num_batched_tokens=64)
     prompt, _, _ = hidden_prompt(tiny_ckpt, TEXT_ONLY)
-    e.add_request("h", prompt.token_ids, SamplingParams(), **prompt.request_args())
+    e.add_prompt("h", prompt, SamplingParams())
     outputs = []
     while e.has_unfinished():
         outputs += e.step()
@@ -160,7 +161,7 @@ def test_a_hidden_state_request_frees_its_blocks_when_its_prefill_completes(tiny
     )
     assert e.scheduler.block_manager.num_free_blocks == e.cfg.num_kv_blocks
     # Aborted half-way: blocks free, nothing kept.
-    e.add_request("a", prompt.token_ids, SamplingParams(), **prompt.request_args())
+    e.add_prompt("a", prompt, SamplingParams())
     e.step()
     assert e.abort("a").finish_reason is FinishReason.ABORT and not e.has_unfinished()
     assert e.scheduler.block_manager.num_free_blocks == e.cfg.num_kv_blocks
@@ -169,8 +170,10 @@ def test_a_hidden_state_request_frees_its_blocks_when_its_prefill_completes(tiny
 def test_a_prompt_whose_block_does_not_fit_is_refused(tiny_ckpt):
     e = engine(tiny_ckpt, max_num_batched_tokens=64, max_model_len=256)
     prompt, _, _ = hidden_prompt(tiny_ckpt, TEXT_ONLY)
-    with pytest.raises(ValueError, match="with the image query block"):
-        e.add_request("h", prompt.token_ids, SamplingParams(), **prompt.request_args())
+    with pytest.raises(
+        RequestError, match="^prompt with the image query block: .* exceed max_model_len 256$"
+    ):
+        e.add_prompt("h", prompt, SamplingParams())
 
 
 # --- TP=2 (gloo): the final-norm rows are replicated; rank 0 hands them back ------------------------

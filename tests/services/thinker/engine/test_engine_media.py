@@ -85,7 +85,7 @@ def test_first_logits_equal_a_direct_forward_with_the_rows_spliced_by_hand(tiny_
     cfg = model.config
     ids, media = layout(cfg, MIXED)
     prompt = MediaInputs(cfg, torch.float32, TransportContext()).build(ids, items(cfg, media))
-    e.add_request("r", prompt.token_ids, GREEDY, **prompt.request_args())
+    e.add_prompt("r", prompt, GREEDY)
     plan = build_step_plan(e.scheduler.schedule().scheduled, e.cfg.block_size)
     assert plan.num_media_rows == sum(m.rows.shape[0] for m in media)
     logits = e.runner.execute(plan)

@@ -6,7 +6,8 @@ import random
 
 import pytest
 import torch
-from omnistage.services.thinker.engine.llm_engine import QueueFullError, RequestError
+from omnistage.services.thinker.engine.budget import RequestBudget, RequestError
+from omnistage.services.thinker.engine.llm_engine import QueueFullError
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 
@@ -96,8 +97,8 @@ def test_eos_ends_with_stop_and_its_text_is_not_shown():
 
 def test_streaming_outputs_usage_logprobs_and_abort():
     engine = make_fake_engine(block_size=8, max_model_len=256, max_num_batched_tokens=32)
-    engine.add_request("a", prompts(1)[0], SamplingParams(max_tokens=5, logprobs=2, ignore_eos=True))
-    engine.add_request("b", prompts(1, seed=1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_prompt("a", prompts(1)[0], SamplingParams(max_tokens=5, logprobs=2, ignore_eos=True))
+    engine.add_prompt("b", prompts(1, seed=1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
     outs = []
     while engine.has_unfinished() and not any(o.finished for o in outs):
         outs += engine.step()
@@ -112,30 +113,37 @@ def test_streaming_outputs_usage_logprobs_and_abort():
     assert engine.scheduler.block_manager.num_free_blocks == engine.cfg.num_kv_blocks
 
 
-def test_admission_errors():
+def test_a_request_made_here_gets_its_budget_and_the_engine_asserts_it():
+    """The budget is computed where the request is made (`add_prompt` for requests made on the
+    engine; the flow for clients'); `add_request` only asserts it, and bounds only the queue."""
     engine = make_fake_engine(block_size=8, max_model_len=64, max_queued_requests=2)
     with pytest.raises(RequestError, match="empty"):
-        engine.add_request("e", [], SamplingParams())
-    with pytest.raises(RequestError, match="max_model_len"):
-        engine.add_request("long", list(range(64)), SamplingParams())
-    engine.add_request("x", [1, 2], SamplingParams())
+        engine.add_prompt("e", [], SamplingParams())
+    with pytest.raises(
+        RequestError, match=r"^prompt: 64 token\(s\) leave no room to generate \(max_model_len 64\)$"
+    ):
+        engine.add_prompt("long", list(range(64)), SamplingParams())
+    engine.add_prompt("x", [1, 2], SamplingParams())
     assert engine.scheduler.seqs["x"].max_tokens == 62  # 0: the default (256), clamped to the context
-    with pytest.raises(RequestError, match="already"):
-        engine.add_request("x", [1], SamplingParams())
-    engine.add_request("y", [1], SamplingParams())
+    with pytest.raises(AssertionError, match="already running"):
+        engine.add_prompt("x", [1], SamplingParams())
+    too_long = RequestBudget(3, 62, 64)  # a budget that does not hold: a defect of its maker
+    with pytest.raises(AssertionError):
+        engine.add_request("w", [1, 2, 3], SamplingParams(), too_long)
+    engine.add_prompt("y", [1], SamplingParams())
     with pytest.raises(QueueFullError):
-        engine.add_request("z", [1], SamplingParams())
+        engine.add_prompt("z", [1], SamplingParams())
 
 
 def test_max_tokens_that_cannot_fit_is_refused_with_both_numbers():
     engine = make_fake_engine(block_size=8, max_model_len=64)
     with pytest.raises(RequestError, match=r"^sampling.max_tokens: 1000 exceeds max_model_len 64$"):
-        engine.add_request("a", [1, 2], SamplingParams(max_tokens=1000))
+        engine.add_prompt("a", [1, 2], SamplingParams(max_tokens=1000))
     with pytest.raises(
-        RequestError, match=r"prompt of 2 tokens \+ sampling.max_tokens 63 = 65 exceeds max_model_len 64"
+        RequestError, match=r"^sampling.max_tokens: 63 \+ a prompt of 2 token\(s\) exceeds max_model_len 64$"
     ):
-        engine.add_request("b", [1, 2], SamplingParams(max_tokens=63))
-    engine.add_request("c", [1, 2], SamplingParams(max_tokens=62))
+        engine.add_prompt("b", [1, 2], SamplingParams(max_tokens=63))
+    engine.add_prompt("c", [1, 2], SamplingParams(max_tokens=62))
     assert engine.scheduler.seqs["c"].max_tokens == 62
     assert list(engine.scheduler.seqs) == ["c"]
 
@@ -158,7 +166,7 @@ def test_stop_string_on_the_last_allowed_token_reports_stop_string():
 
 def test_abort_returns_the_requests_final_output():
     engine = make_fake_engine(block_size=8, max_model_len=256)
-    engine.add_request("a", prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_prompt("a", prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
     out = engine.abort("a")

@@ -31,7 +31,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def run_one(engine, prompt: list[int], params: SamplingParams = GREEDY):
     """One request alone through `engine.step()`: (tokens, its final usage)."""
-    engine.add_request(f"r{engine.num_steps}-{len(prompt)}", prompt, params)
+    engine.add_prompt(f"r{engine.num_steps}-{len(prompt)}", prompt, params)
     out, usage = [], None
     while engine.has_unfinished():
         for o in engine.step():

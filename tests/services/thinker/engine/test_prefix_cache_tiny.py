@@ -45,7 +45,7 @@ def waves(e: LLMEngine) -> tuple[list[list[int]], list[int]]:
     out = [r.token_ids for r in e.generate(first, GREEDY)]
     cached = []
     for i, p in enumerate(second):
-        e.add_request(f"w{i}", p, GREEDY)
+        e.add_prompt(f"w{i}", p, GREEDY)
     ends = {}
     while e.has_unfinished():
         for o in e.step():
@@ -109,7 +109,7 @@ def test_a_hidden_state_request_computes_every_slot_it_wants(tiny_ckpt):
     e = engine(tiny_ckpt, max_num_batched_tokens=64, max_model_len=512)
     states = []
     for _ in range(2):
-        e.add_request(f"h{len(states)}", prompt.token_ids, SamplingParams(), **prompt.request_args())
+        e.add_prompt(f"h{len(states)}", prompt, SamplingParams())
         while e.has_unfinished():
             for o in e.step():
                 states.append((o.hidden_states, o.usage.cached_prompt_tokens))

@@ -146,7 +146,7 @@ def test_tp_groups_capture_aligned_unless_told_otherwise_and_an_unknown_mode_is_
 
 
 def test_aligned_capture_agrees_on_each_size_and_a_rank_out_of_step_fails_naming_both_sizes():
-    from omnistage.services.thinker.group.startup import _Startup
+    from omnistage.services.thinker.group.startup import RankStartup
 
     class Control:
         def __init__(self) -> None:
@@ -156,7 +156,7 @@ def test_aligned_capture_agrees_on_each_size_and_a_rank_out_of_step_fails_naming
             self.asked.append(what)
             return min(value, 8)  # a peer is at batch 8
 
-    startup = _Startup.__new__(_Startup)
+    startup = RankStartup.__new__(RankStartup)
     startup.cfg, startup.control = RankConfig("unused", rank=1, world_size=2), Control()
     startup.align_capture(8)
     with pytest.raises(RuntimeError, match="rank 1 captures batch 16 while a peer captures 8"):

@@ -1,4 +1,5 @@
-"""EncoderEngine: items in, embeddings out as TensorRefs — validate, preprocess, batch, hand over."""
+"""EncoderEngine: the encoder's request flow — items in, embeddings out as TensorRefs: validate,
+preprocess, a batch slot per item, the runner's forward, hand over."""
 
 from __future__ import annotations
 
@@ -17,18 +18,9 @@ from omnistage.common.config import EncoderConfig
 from omnistage.common.log import get_logger
 from omnistage.common.runtime.concurrency import ConcurrencyLimiter
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop
-from omnistage.common.runtime.errors import DeadlineExceeded, InvalidRequest, Overloaded
+from omnistage.common.runtime.errors import InvalidRequest, Overloaded
 from omnistage.common.transport import TransportContext, encode
-from omnistage.services.encoder import preprocess
-from omnistage.services.encoder.items import (
-    AudioInput,
-    Grid,
-    ItemLimits,
-    MediaItem,
-    ModelInput,
-    VisionInput,
-    prepare_item,
-)
+from omnistage.services.encoder.items import AudioInput, Grid, ItemLimits, MediaItem, ModelInput, prepare_item
 from omnistage.services.encoder.models.loader import EncoderModels
 from omnistage.services.encoder.preprocess import MediaError
 from omnistage.services.encoder.runner import EncoderRunner, Entry, queue_time_histogram
@@ -60,17 +52,6 @@ class EncodedOutput:
     resized: tuple[int, int] = (0, 0)
 
 
-def vision_forward(models: EncoderModels, frames: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """One forward over vision items given as uint8 frames: to the device, normalise + patchify there."""
-    device = models.vision.vision.pos_embed.weight.device
-    patches, grids = [], []
-    for f in frames:
-        p, g = preprocess.pixel_patches(f.to(device, non_blocking=True), models.config.vision)
-        patches.append(p)
-        grids.append(g)
-    return models.vision.encode_items(patches, grids)
-
-
 class EncoderEngine:
     """The encoder's only API for the servicer: `await encode(items, ...)`."""
 
@@ -95,7 +76,7 @@ class EncoderEngine:
             "audio": models.config.placeholders.audio_patch,
         }
         self._pool = ThreadPoolExecutor(cfg.preprocess_workers, thread_name_prefix=f"{service}-prep")
-        self.runner = EncoderRunner(service, {"vision": self.run_vision, "audio": self.run_audio}, caps)
+        self.runner = EncoderRunner(service, models, caps)
         self.limiters = {m: ConcurrencyLimiter(f"{service} {m}", caps[m]) for m in self.runner.forwards}
         self.loop = DeviceLoop(service, self.runner)
         if on_failure is not None:
@@ -131,14 +112,6 @@ class EncoderEngine:
     def export_queue_time(self) -> None:
         """/metrics: each item's wait before its forward, from now on (after the warm-up: clients' items only)."""
         self.runner.on_queued = queue_time_histogram().labels(self.service).observe
-
-    # -- forwards (device thread) ------------------------------------------------------------
-
-    def run_vision(self, inputs: Sequence[VisionInput]) -> list[torch.Tensor]:
-        return vision_forward(self.models, [x.frames for x in inputs])
-
-    def run_audio(self, inputs: Sequence[AudioInput]) -> list[torch.Tensor]:
-        return self.models.audio.encode_items([x.mel for x in inputs])
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -194,33 +167,27 @@ class EncoderEngine:
 
     async def _forward(self, x: ModelInput, deadline: float) -> torch.Tensor:
         modality = MODALITY[x.kind]
-        wait = min(deadline - time.monotonic(), self.cfg.queue_timeout_s)
-        if wait <= 0:
-            raise DeadlineExceeded(f"{self.service}: deadline passed before the {modality} forward")
         try:
-            out = await self._submit(modality, x, wait)
+            out = await self._submit(modality, x, deadline)
         except (
             torch.OutOfMemoryError
         ) as exc:  # the stress cap should prevent this; tell the client to back off
             raise Overloaded(
                 f"{self.service}: {modality} forward ran out of device memory", retry_after_ms=1000
             ) from exc
-        except TimeoutError as exc:
-            if time.monotonic() >= deadline:
-                raise DeadlineExceeded(
-                    f"{self.service}: deadline passed waiting for a {modality} batch slot"
-                ) from exc
-            raise Overloaded(f"{exc}", retry_after_ms=500) from exc
         if out.shape[0] != x.num_tokens:
             raise RuntimeError(f"{x.kind} produced {out.shape[0]} rows, expected {x.num_tokens}")
         return out
 
-    async def _submit(self, modality: str, item: Any, timeout_s: float) -> Any:
-        """Queue `item` once a slot of its modality is free (waits at most `timeout_s`: TimeoutError)
-        and await its output. The slot is held until the item's forward has finished, even when the
-        caller gives up, so a cancelled request never lets more than the tested batch onto the device."""
+    async def _submit(self, modality: str, item: Any, deadline: float) -> Any:
+        """Queue `item` once a slot of its modality is free (the limiter's refusals: queue_timeout_s,
+        the deadline) and await its output. The slot is held until the item's forward has finished,
+        even when the caller gives up, so a cancelled request never lets more than the tested batch
+        onto the device."""
         arrived = time.monotonic()
-        async with self.limiters[modality].slot(timeout_s):
+        async with self.limiters[modality].admit(
+            deadline, self.cfg.queue_timeout_s, what=f"a {modality} batch slot"
+        ):
             entry = Entry(item, asyncio.get_running_loop().create_future(), arrived)
             self.loop.admit(lambda: self.runner.put(modality, entry))
             try:

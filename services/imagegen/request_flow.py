@@ -1,4 +1,5 @@
-"""ImageGenEngine: the servicer's only API — parse, admit, stream progress, hand back the PNG."""
+"""ImageGenEngine: the image stage's request flow, the servicer's only API — parse, admit (a denoising
+slot), stream the runner's `Progress`, hand back the PNG (`ImageResult`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from omnistage.common import metrics
 from omnistage.common.config import ImageGenConfig
 from omnistage.common.runtime.concurrency import ConcurrencyLimiter
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop
-from omnistage.common.runtime.errors import DeadlineExceeded, Overloaded
 from omnistage.common.transport import TransportContext
 from omnistage.services.imagegen import images
 from omnistage.services.imagegen.pipeline import ImagePipeline
@@ -66,12 +66,16 @@ class ImageGenEngine:
         self.service = service
         mc = pipeline.models.config
         self.limits = RequestLimits(cfg, mc.mlp.num_queries, mc.thinker_hidden, pipeline.size_multiple)
-        self.limiter = ConcurrencyLimiter(f"{service} denoising", cap)
+        self.limiter = ConcurrencyLimiter(
+            f"{service} denoising",
+            cap,
+            max_waiting=cfg.max_queued_requests,
+            waiting_key="imagegen.max_queued_requests",
+        )
         self.runner = ImageGenRunner(pipeline, name=service, on_forward=self._count_forward)
         self.loop = DeviceLoop(service, self.runner)
         if on_failure is not None:  # the device thread died of an error: the service fails
             self.loop.on_failure.append(on_failure)
-        self.waiting = 0
         self._pool = ThreadPoolExecutor(cfg.postprocess_workers, thread_name_prefix=f"{service}-post")
         self._holders: set[asyncio.Task] = set()
 
@@ -86,13 +90,13 @@ class ImageGenEngine:
 
     def load(self) -> tuple[int, int]:
         """(requests the device thread holds, requests waiting for a slot) for Describe."""
-        return self.runner.held, self.waiting
+        return self.runner.held, self.limiter.waiting
 
     def export_metrics(self) -> None:
         active = metrics.gauge("imagegen_active_requests", "Requests in the denoising loop (device thread)")
         waiting = metrics.gauge("imagegen_waiting_requests", "Requests waiting for a denoising slot")
         active.labels(self.service).set_function(lambda: self.runner.held)
-        waiting.labels(self.service).set_function(lambda: self.waiting)
+        waiting.labels(self.service).set_function(lambda: self.limiter.waiting)
         for name in _COUNTERS:  # exported at 0 from the start: rate() sees the first increase
             _counter(name).labels(self.service)
         # from now on (after the warm-up): clients' requests only
@@ -175,45 +179,18 @@ class ImageGenEngine:
         self, job: Job, deadline: float, admitted: asyncio.Future, released: asyncio.Future
     ) -> None:
         """Take a slot, hand the job to the device thread, keep the slot until the thread lets go of it."""
-        if self.waiting >= self.cfg.max_queued_requests and self.limiter.in_use >= self.limiter.limit:
-            admitted.set_exception(
-                Overloaded(
-                    f"{self.service}: {self.limiter.in_use} requests denoising and {self.waiting} waiting "
-                    "(imagegen.max_queued_requests)",
-                    retry_after_ms=1000,
-                )
-            )
-            return
-        wait = min(deadline - time.monotonic(), self.cfg.queue_timeout_s)
-        if wait <= 0:
-            admitted.set_exception(
-                DeadlineExceeded(f"{self.service}: deadline passed before a denoising slot")
-            )
-            return
-        self.waiting += 1
-        slotted = False
         try:
-            async with self.limiter.slot(wait):
-                self.waiting -= 1
-                slotted = True
+            async with self.limiter.admit(
+                deadline, self.cfg.queue_timeout_s, what="a denoising slot", retry_after_ms=1000
+            ):
                 if admitted.done():  # the caller left while this waited: the job never reaches the device
                     return
                 self.loop.admit(lambda: self.runner.put(job))
                 admitted.set_result(None)
                 await released
-        except TimeoutError as exc:
-            self.waiting -= 1
-            if time.monotonic() >= deadline:
-                admitted.set_exception(
-                    DeadlineExceeded(f"{self.service}: deadline passed waiting for a slot")
-                )
-            else:
-                admitted.set_exception(Overloaded(str(exc), retry_after_ms=1000))
         except asyncio.CancelledError:
-            if not slotted:
-                self.waiting -= 1
             raise
-        except BaseException as exc:  # noqa: BLE001 - the device loop stopped: the waiting request learns why
+        except BaseException as exc:  # noqa: BLE001 - refused, or the device loop stopped: the request learns why
             if not admitted.done():
                 admitted.set_exception(exc)
 
