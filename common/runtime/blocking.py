@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -20,9 +21,28 @@ _threads: set[threading.Thread] = set()
 _lock = threading.Lock()
 
 
+def with_this_threads_device(fn: Callable[[], T]) -> Callable[[], T]:
+    """`fn` for another thread, run on the CUDA device current in this one. The current device is
+    per thread (a new thread starts on cuda:0): a rank on cuda:1 whose work runs in a thread of its
+    own otherwise computes on tensors of cuda:1 with cuda:0 current (Triton: "Pointer argument
+    cannot be accessed from Triton")."""
+    torch = sys.modules.get("torch")  # no CUDA state before torch is imported: nothing to carry
+    if torch is None or not torch.cuda.is_initialized():
+        return fn
+    device = torch.cuda.current_device()
+
+    def on_device() -> T:
+        torch.cuda.set_device(device)
+        return fn()
+
+    return on_device
+
+
 def in_daemon_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
-    """Run `fn()` in a daemon thread named `name`; await the returned future for its result."""
+    """Run `fn()` in a daemon thread named `name`, on this thread's CUDA device; await the returned
+    future for its result."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
+    fn = with_this_threads_device(fn)
 
     def run() -> None:
         try:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from omnistage.common.log import get_logger
+from omnistage.common.runtime.blocking import with_this_threads_device
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -103,7 +104,10 @@ class DeviceLoop:
         self._stopped = False
         self._closed = False
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
-        self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
+        # The device thread computes on the device current where the loop is made (the stage's).
+        self._thread = threading.Thread(
+            target=with_this_threads_device(self._run), name=f"{name}-loop", daemon=True
+        )
 
     # -- any thread ------------------------------------------------------------------------------
 
