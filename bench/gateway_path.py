@@ -213,7 +213,9 @@ def main() -> int:
     ap.add_argument("--this-name", default="this", help="how the table names this tree's gateway")
     ap.add_argument("--requests", type=int, default=20, help="rounds (a text and a spoken request each)")
     ap.add_argument("--tokens", type=int, default=16, help="new tokens per answer")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results" / "cpu")
+    )  # a CPU comparison: never beside the GPU records
     args = ap.parse_args()
     ckpt = ROOT / ".cache" / "tiny-ming"
     if not (ckpt / "config.json").is_file():
