@@ -209,7 +209,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="the tiny checkpoint, a short plan (CPU smoke run)")
     ap.add_argument("--sessions", default="", help="comma-separated session counts (default 1,4,8,16)")
     ap.add_argument("--turns", type=int, default=0, help="turns per session (default 4; --tiny 2)")
-    ap.add_argument("--speech-s", type=float, default=3.2, help="seconds of speech per utterance")
+    ap.add_argument(
+        "--speech-s",
+        type=float,
+        default=0.0,
+        help="seconds of speech per utterance (default 3.2; --tiny 2: its turn, with VAD's padding and "
+        "silence, stays within the tiny encoder's 4 s)",
+    )
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--checkpoint", default="", help="config-only checkpoint folder (default: a temp dir)")
     ap.add_argument("--key", default="no-key", help="the HTTP front's API key, when it asks for one")
@@ -220,6 +226,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.config = args.config or str(ROOT / "deploy" / ("local-tiny.yaml" if args.tiny else "h200x2.yaml"))
     args.sessions = [int(x) for x in (args.sessions or ("1,2" if args.tiny else "1,4,8,16")).split(",")]
     args.turns = args.turns or (2 if args.tiny else 4)
+    args.speech_s = args.speech_s or (2.0 if args.tiny else 3.2)
     return args
 
 

@@ -235,6 +235,29 @@ class SpeakSession:
         seconds = min(max(_MIN_SEGMENT_SECONDS, len(text) * _SECONDS_PER_CHAR), self.cfg.max_segment_seconds)
         return min(max(1, int(seconds / step_s)), self.cfg.max_lm_tokens - prompt_len)
 
+    def _segment_job(
+        self, index: int, text: str, voice: Voice, seed: int, pace: StreamPace | None
+    ) -> SegmentJob:
+        """Segment `index`'s job: its prompt within talker.max_lm_tokens, its own seeded generator, its
+        events to this stream's queue (from the device thread)."""
+        prompt = self.models.prompt.build(text, voice.prompt_text, voice.patches)
+        max_steps = self._max_steps(text, len(prompt.ids))
+        if max_steps < 1:
+            raise InvalidRequest(
+                f"text: segment {index} needs {len(prompt.ids)} prompt tokens, over "
+                f"talker.max_lm_tokens ({self.cfg.max_lm_tokens}) with the voice prompt"
+            )
+        loop, events = asyncio.get_running_loop(), self._events
+
+        def emit(event: object) -> None:  # device thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody listens any more
+                pass
+
+        generator = torch.Generator(self.models.device).manual_seed((seed + index * _SEED_STRIDE) % (1 << 63))
+        return SegmentJob(prompt, voice, max_steps, generator, emit, min_steps=self.cfg.min_steps, pace=pace)
+
     async def _speak(
         self,
         index: int,
@@ -246,24 +269,8 @@ class SpeakSession:
         stats: SessionMetrics,
         pace: StreamPace | None = None,
     ) -> AsyncIterator[Event]:
-        prompt = self.models.prompt.build(text, voice.prompt_text, voice.patches)
-        max_steps = self._max_steps(text, len(prompt.ids))
-        if max_steps < 1:
-            raise InvalidRequest(
-                f"text: segment {index} needs {len(prompt.ids)} prompt tokens, over "
-                f"talker.max_lm_tokens ({self.cfg.max_lm_tokens}) with the voice prompt"
-            )
-        loop = asyncio.get_running_loop()
+        job = self._segment_job(index, text, voice, seed, pace)
         events = self._events
-
-        def emit(event: object) -> None:  # device thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the loop is closed: nobody listens any more
-                pass
-
-        generator = torch.Generator(self.models.device).manual_seed((seed + index * _SEED_STRIDE) % (1 << 63))
-        job = SegmentJob(prompt, voice, max_steps, generator, emit, min_steps=self.cfg.min_steps, pace=pace)
         trimmer = SilenceTrimmer(self.sample_rate) if self.cfg.trim_silence else None
         submitted = time.monotonic()
         self.engine.submit(job)

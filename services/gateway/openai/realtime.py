@@ -37,6 +37,9 @@ _log = logging.getLogger(__name__)
 
 SUBPROTOCOL = "realtime"
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
+# How long a cancelled response waits for the Converse call's Finish of its turn (its usage) before the
+# session ends it without: the Finish comes within a step of the stages the turn holds.
+CANCEL_FINISH_WAIT_S = 1.0
 CLOSE_LIMIT, CLOSE_CAPACITY = 1008, 1013
 
 
@@ -232,7 +235,7 @@ class RealtimeSession:
             await self.send(rt.event("input_audio_buffer.cleared"))
         elif kind == "conversation.item.create":
             o = self.options
-            await self._add_item(rt.user_item(event, o.max_turn_chars, o.max_buffer_bytes))
+            await self._add_item(rt.user_item(event, o.max_turn_chars, o.max_buffer_bytes, o.buffer_knob))
         elif kind == "conversation.item.truncate":
             await self._truncate(event)
         elif kind == "response.create":
@@ -272,13 +275,17 @@ class RealtimeSession:
         await self.send(rt.event("session.updated", session=self._session()))
 
     async def _append(self, event: dict[str, Any]) -> None:
-        limit = self.options.max_buffer_bytes
+        o = self.options
         try:
-            pcm = rt.audio_bytes(event.get("audio"), "audio", limit - len(self.input))
+            pcm = rt.audio_bytes(
+                event.get("audio"), "audio", o.max_buffer_bytes, held=len(self.input), knob=o.buffer_knob
+            )
         except rt.EventError as err:
             if err.code == "input_audio_buffer_full":
-                self.input.clear()  # the turn it belonged to is too long: it is dropped
-                err.message += "; the buffer was cleared"
+                # The turn it belonged to is too long: dropped, with the rest of it (no second
+                # speech_started for the same utterance).
+                self.input.drop_turn()
+                err.message += "; the turn's audio was dropped"
             raise
         for heard in await self.input.append(pcm):
             self.endpoint.metrics.vad(heard.started)
@@ -404,13 +411,20 @@ class RealtimeSession:
             await response.fail(_internal(exc))
 
     async def _cancel(self, reason: str) -> None:
+        """Cancel the response in progress: the Converse call's Finish of its turn ends it (with the
+        turn's usage: its prompt was read), or `CANCEL_FINISH_WAIT_S` later the session does."""
         response = self.active
         if response is None:
             return
+        response.cancel_reason = reason
         if self.call is not None:
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            with contextlib.suppress(
+                grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, TimeoutError
+            ):
                 await self.call.write(omni_pb2.ConverseRequest(cancel=True))
-        await response.cancelled(reason)
+                async with asyncio.timeout(CANCEL_FINISH_WAIT_S):
+                    await response.ended.wait()
+        await response.cancelled(reason)  # no Finish came in time (nothing when it did)
 
     async def _close_call(self) -> None:
         call, self.call = self.call, None

@@ -241,15 +241,20 @@ def session_update(event: dict[str, Any], config: SessionConfig, max_chars: int)
     return config
 
 
-def audio_bytes(value: Any, where: str, limit: int) -> bytes:
-    """Base64 PCM16 of at most `limit` bytes (its length checked before decoding, and after)."""
+def audio_bytes(
+    value: Any, where: str, limit: int, *, held: int = 0, knob: str = "gateway.realtime_max_buffer_bytes"
+) -> bytes:
+    """Base64 PCM16 that keeps a turn within `limit` bytes (`held` of them taken already; `knob`: the
+    key that sets the limit), its length checked before decoding, and after."""
     if not isinstance(value, str):
         raise EventError(f"{where}: expected base64 PCM16 text", param=where)
     full = EventError(
-        f"{where}: more than {max(limit, 0)} bytes of audio fit (gateway.realtime_max_buffer_bytes)",
+        f"{where}: one turn holds at most {limit} bytes of audio ({limit / (2 * RATE):g} s of PCM16 at "
+        f"24 kHz; {knob})",
         code="input_audio_buffer_full",
         param=where,
     )
+    limit = limit - held
     if len(value) > (max(limit, 0) + 2) // 3 * 4:
         raise full
     try:
@@ -303,8 +308,11 @@ def truncation(event: dict[str, Any], spoken: dict[str, int]) -> tuple[str, int]
     return item_id, ms
 
 
-def user_item(event: dict[str, Any], max_chars: int, max_audio: int) -> UserItem:
-    """`conversation.item.create` of a user message (input_text parts, or input_audio parts)."""
+def user_item(
+    event: dict[str, Any], max_chars: int, max_audio: int, knob: str = "gateway.realtime_max_buffer_bytes"
+) -> UserItem:
+    """`conversation.item.create` of a user message (input_text parts, or input_audio parts; their audio
+    within `max_audio` bytes, which `knob` sets)."""
     item = _obj(event.get("item"), "item")
     if item.get("type", "message") != "message" or item.get("role") != "user":
         raise EventError(
@@ -320,7 +328,7 @@ def user_item(event: dict[str, Any], max_chars: int, max_audio: int) -> UserItem
         if part.get("type") == "input_text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
         elif part.get("type") == "input_audio":
-            audio += audio_bytes(part.get("audio"), f"{where}.audio", max_audio - len(audio))
+            audio += audio_bytes(part.get("audio"), f"{where}.audio", max_audio, held=len(audio), knob=knob)
         else:
             raise EventError(f"{where}: expected an input_text or input_audio part", param=f"{where}.type")
     if texts and audio:

@@ -63,6 +63,7 @@ class InputBuffer:
         self.start = 0  # sample of the session's input where `pcm` begins
         self.speech_start: int | None = None  # sample where the speech being heard began (server VAD)
         self.next_item = ""  # the id the speech being heard will have as an item
+        self.dropping = False  # a turn too long was dropped: the rest of it is too, until its speech ends
 
     def __len__(self) -> int:
         return len(self.pcm)
@@ -79,8 +80,17 @@ class InputBuffer:
         self.start += len(self.pcm) // 2
         self.pcm.clear()
         self.speech_start = None
+        self.dropping = False
         if self.detector is not None:
             self.detector.reset()
+
+    def drop_turn(self) -> None:
+        """The turn being buffered is too long: its audio goes, and with server VAD so does the rest of
+        the utterance until the detector hears it end (the detector keeps hearing it as one)."""
+        self.start += len(self.pcm) // 2
+        self.pcm.clear()
+        self.speech_start = None
+        self.dropping = self.detector is not None and self.detector.speaking
 
     def take(self) -> bytes:
         """The buffer's audio, which leaves it (a commit)."""
@@ -96,11 +106,16 @@ class InputBuffer:
         heard = []
         for decision in await self.detector.feed(pcm):
             sample = self.vad_origin + decision.ms * rt.RATE // 1000
-            if decision.started:
+            if self.dropping:  # the dropped utterance: its end is no turn
+                self.dropping = decision.started
+            elif decision.started:
                 heard.append(self._started(sample))
             elif self.speech_start is not None:
                 heard.append(Heard(False, self.next_item, sample, self.take()))
-        if self.speech_start is None:  # keep only the prefix padding before speech
+        if self.dropping:
+            self.start += len(self.pcm) // 2
+            self.pcm.clear()
+        elif self.speech_start is None:  # keep only the prefix padding before speech
             keep = self.vad.prefix_padding_ms * rt.RATE // 1000 * 2
             drop = max(0, len(self.pcm) - keep) // 2 * 2
             del self.pcm[:drop]

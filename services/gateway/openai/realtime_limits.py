@@ -3,6 +3,7 @@ one buffer holds, how long a session lives and may stay idle; and what Prometheu
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -22,20 +23,18 @@ class RealtimeOptions:
     idle_timeout_s: float = GatewayConfig.realtime_idle_timeout_s
     max_turn_chars: int = GatewayConfig.converse_max_turn_chars
     max_prompt_chars: int = GatewayConfig.max_prompt_chars
+    buffer_knob: str = "gateway.realtime_max_buffer_bytes"  # the key that sets max_buffer_bytes
 
     def buffer_limit(self, max_turn_audio_bytes: int, max_audio_seconds: float) -> RealtimeOptions:
         """These options with the buffer capped by one Converse turn (bytes, and the encoder's longest
         clip at 24 kHz PCM16)."""
-        cap = min(self.max_buffer_bytes, max_turn_audio_bytes, int(max_audio_seconds * 24000) * 2)
-        return RealtimeOptions(
-            self.max_sessions,
-            self.max_sessions_per_key,
-            cap,
-            self.max_session_s,
-            self.idle_timeout_s,
-            self.max_turn_chars,
-            self.max_prompt_chars,
+        cap, knob = min(
+            (self.max_buffer_bytes, "gateway.realtime_max_buffer_bytes"),
+            (max_turn_audio_bytes, "gateway.converse_max_turn_audio_bytes"),
+            (int(max_audio_seconds * 24000) * 2, "encoder.max_audio_seconds"),
+            key=lambda limit: limit[0],
         )
+        return dataclasses.replace(self, max_buffer_bytes=cap, buffer_knob=knob)
 
 
 def key_of(authorization: str) -> str:

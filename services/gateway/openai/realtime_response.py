@@ -4,6 +4,7 @@ the usage and the item as far as it was sent)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from typing import Any, Protocol
 
@@ -50,6 +51,10 @@ class Response:
         self.samples = 0  # 24 kHz samples sent
         self._resampler: Pcm16Resampler | None = None
         self.done = False
+        self.ended = asyncio.Event()  # response.done sent
+        # Set by a cancel: the deltas still on their way are not sent, and the Converse call's Finish
+        # of the turn (its usage) ends the response with this reason.
+        self.cancel_reason = ""
 
     def _ids(self) -> dict[str, Any]:
         return {"response_id": self.id, "item_id": self.item_id, "output_index": 0, "content_index": 0}
@@ -126,6 +131,8 @@ class Response:
     async def on_event(self, event: omni_pb2.GenerateEvent) -> None:
         kind = event.WhichOneof("event")
         send = self.session.send
+        if self.cancel_reason and kind != "finish":
+            return
         if kind == "text" and event.text.text:
             self.text.append(event.text.text)
             self.tokens += len(event.text.token_ids)
@@ -153,7 +160,7 @@ class Response:
                     "error": {"type": "server_error", "code": "answer_failed", "message": finish.message},
                 }
             elif status == "cancelled":
-                details = {"type": "cancelled", "reason": "turn_detected"}
+                details = {"type": "cancelled", "reason": self.cancel_reason or "turn_detected"}
             await self._finish(status, details, finish.usage)
 
     async def cancelled(self, reason: str) -> None:
@@ -174,6 +181,12 @@ class Response:
         if self.done:
             return
         self.done = True
+        try:
+            await self._send_done(status, details, usage)
+        finally:
+            self.ended.set()
+
+    async def _send_done(self, status: str, details: dict | None, usage: common_pb2.Usage | None) -> None:
         session = self.session
         if session.active is self:
             session.active = None

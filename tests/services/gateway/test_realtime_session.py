@@ -13,7 +13,7 @@ import pytest
 from omnistage.common.runtime.auth import ApiKeys
 from omnistage.services.gateway.openai.realtime import RealtimeEndpoint
 from omnistage.services.gateway.openai.realtime_limits import RealtimeOptions
-from omnistage.v1 import omni_pb2
+from omnistage.v1 import common_pb2, omni_pb2
 
 from tests.services.gateway.realtime_audio import silence, utterance
 
@@ -378,3 +378,95 @@ def test_an_error_that_is_not_a_disconnect_is_logged_and_the_session_goes_on(mon
 
 def _text_item(text: str) -> dict:
     return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def test_an_utterance_past_the_turn_limit_is_dropped_whole_naming_the_limit_and_the_next_one_is_heard():
+    """The encoder's longest clip binds here (1.5 s, under the buffer's bytes): the error names it and the
+    limit (not the room left); the rest of the long utterance is no second turn."""
+
+    async def scenario():
+        options = RealtimeOptions().buffer_limit(10**9, max_audio_seconds=1.5)
+        app = RealtimeEndpoint(FakeStub(), options, "m", KEYS.refusal)
+        s = Socket(app)
+        turn_detection = {"type": "server_vad", "silence_duration_ms": 300}
+        s.send(
+            {
+                "type": "session.update",
+                "session": {
+                    "output_modalities": ["text"],
+                    "audio": {"input": {"turn_detection": turn_detection}},
+                },
+            }
+        )
+        said = utterance(2.5, 0.3, 0.8) + utterance(0.6, 0.3, 0.8)  # too long, then one that fits
+        for at in range(0, len(said), 4800):
+            s.send(
+                {
+                    "type": "input_audio_buffer.append",
+                    "audio": base64.b64encode(said[at : at + 4800]).decode(),
+                }
+            )
+        full = await s.until("error")
+        done = await s.until("response.done")
+        s.close()
+        await s.task
+        return app.stub.calls[0], full, done, s.events()
+
+    call, full, done, events = run(scenario())
+    assert full["error"]["code"] == "input_audio_buffer_full"
+    message = full["error"]["message"]
+    assert "72000 bytes" in message and "1.5 s" in message and "encoder.max_audio_seconds" in message, message
+    kinds = [e["type"] for e in events]
+    assert kinds.count("input_audio_buffer.speech_started") == 2, kinds  # the long one once, the next once
+    assert kinds.count("input_audio_buffer.speech_stopped") == 1 and kinds.count("error") == 1, kinds
+    pcm = b"".join(m.audio.pcm16 for m in call.written if m.HasField("audio"))
+    assert len(pcm) < 72000  # only the second utterance reached the conversation
+    assert done["response"]["status"] == "completed"
+
+
+class InterruptibleCall(FakeCall):
+    """A Converse call whose answer keeps coming until the client cancels it; then the turn's Finish
+    (INTERRUPTED, with the usage the conversation knows: the prompt's tokens)."""
+
+    async def write(self, message: omni_pb2.ConverseRequest) -> None:
+        self.written.append(message)
+        if message.HasField("text"):
+            turn, self.turns = self.turns, self.turns + 1
+            for _ in range(3):
+                await self.events.put(omni_pb2.GenerateEvent(turn=turn, text=omni_pb2.TextDelta(text="la ")))
+        elif message.cancel:
+            await self.events.put(
+                omni_pb2.GenerateEvent(turn=self.turns - 1, text=omni_pb2.TextDelta(text="late"))
+            )
+            finish = omni_pb2.Finish(
+                reason=common_pb2.FINISH_REASON_INTERRUPTED,
+                usage=common_pb2.Usage(prompt_tokens=42, completion_tokens=4),
+            )
+            await self.events.put(omni_pb2.GenerateEvent(turn=self.turns - 1, finish=finish))
+
+
+def test_a_cancelled_response_reports_the_turns_usage_and_no_delta_after_the_cancel():
+    async def scenario():
+        stub = FakeStub()
+        stub.Converse = lambda metadata=(), timeout=None: (
+            stub.calls.append(InterruptibleCall()) or stub.calls[-1]
+        )
+        app = RealtimeEndpoint(stub, RealtimeOptions(), "m", KEYS.refusal)
+        s = Socket(app)
+        s.send({"type": "session.update", "session": {"output_modalities": ["text"]}})
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Sing."}]}
+        s.send({"type": "conversation.item.create", "item": item})
+        s.send({"type": "response.create"})
+        await s.until("response.output_text.delta", 3)
+        s.send({"type": "response.cancel"})
+        done = await s.until("response.done")
+        s.close()
+        await s.task
+        return done, s.events()
+
+    done, events = run(scenario())
+    response = done["response"]
+    assert response["status"] == "cancelled"
+    assert response["status_details"]["reason"] == "client_cancelled"
+    assert response["usage"]["input_tokens"] == 42
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["la "] * 3
