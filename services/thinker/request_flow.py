@@ -88,6 +88,31 @@ def grammar_spec(s: common_pb2.SamplingParams) -> GrammarSpec | None:
     return GrammarSpec(kind, "" if kind == "json_object" else getattr(s.constraint, kind))
 
 
+async def next_output(stream: Stream, held: list[BaseException]) -> RequestOutput | BaseException:
+    """The request's next output. Those that queued while its caller was busy come as one, their
+    tokens, text and logprobs joined: a consumer behind the engine (a gateway busy with many streams)
+    gets fewer, larger events instead of falling further behind. An error after them waits in `held`
+    for the next call; a final or hidden-state output is never joined past."""
+    out = held.pop() if held else await stream.get()
+    while (
+        isinstance(out, RequestOutput)
+        and not out.finished
+        and out.hidden_states is None
+        and not stream.empty()
+    ):
+        more = stream.get_nowait()
+        if isinstance(more, BaseException):
+            held.append(more)
+            break
+        out = replace(
+            more,
+            token_ids=out.token_ids + more.token_ids,
+            text=out.text + more.text,
+            logprobs=out.logprobs + more.logprobs,
+        )
+    return out
+
+
 class ThinkerEngine:
     """`generate(request)` → Started, then Tokens / Hidden, then Finished. Owns the device loop."""
 
@@ -150,8 +175,9 @@ class ThinkerEngine:
             # Inside the try: a cancel while the add is in flight still aborts what it added.
             stream = await self._submit(engine_id, prompt, params, budget)
             yield Started(engine_id, budget.prompt_tokens)
+            held: list[BaseException] = []
             while not finished:
-                out = await stream.get()
+                out = await next_output(stream, held)
                 if isinstance(out, BaseException):  # e.g. "thinker rank 2 died while serving (step 57): ..."
                     raise StageUnavailable(f"thinker {out}")
                 if out.token_ids or out.text:

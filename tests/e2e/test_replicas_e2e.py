@@ -78,10 +78,12 @@ class Pipeline(ServeProcess):
         url = f"http://127.0.0.1:{self.svc[name]['metrics_port']}/metrics"
         return metric(url, f'omnistage_rpc_requests_total{{code="OK",method="{method}"', default=0.0)
 
-    def in_flight(self, replica: str) -> float:
-        """The gateway's calls in flight on a replica (its omnistage_gateway_stage_calls_in_flight)."""
-        url = f"http://127.0.0.1:{self.svc['gateway']['metrics_port']}/metrics"
-        return metric(url, f'omnistage_gateway_stage_calls_in_flight{{replica="{replica}"')
+    def denoising(self, replica: str) -> float:
+        """Requests in a replica's own denoising loop (its omnistage_imagegen_active_requests): past the
+        thinker's hidden states, on that replica for sure (the gateway's in-flight count starts at the
+        replica's choice, before the call)."""
+        url = f"http://127.0.0.1:{self.svc[replica]['metrics_port']}/metrics"
+        return metric(url, "omnistage_imagegen_active_requests{", default=0.0)
 
     def pid(self, name: str) -> int:
         return int(re.findall(rf"omnistage: started {name} r0 \(pid (\d+)\)", self.out.read_text())[-1])
@@ -157,7 +159,7 @@ def test_a_killed_image_replica_fails_only_its_requests_naming_it_and_comes_back
     async def scenario() -> tuple[list, list]:
         slow = asyncio.create_task(_send(pipeline.gateway, [_request(20 + i, steps=60) for i in range(4)]))
         deadline = time.monotonic() + 60
-        while not (pipeline.in_flight("imagegen") and pipeline.in_flight("imagegen_b")):
+        while not (pipeline.denoising("imagegen") and pipeline.denoising("imagegen_b")):
             assert time.monotonic() < deadline and not slow.done(), "both replicas never denoised at once"
             await asyncio.sleep(0.2)
         os.kill(pipeline.pid("imagegen_b"), signal.SIGKILL)
