@@ -36,9 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import talker_speech  # noqa: E402 - the bench's model builders
-from omnistage.services.talker.engine import JobDone, SegmentJob, TalkerEngine  # noqa: E402
 from omnistage.services.talker.model_runner import TalkerRunner  # noqa: E402
 from omnistage.services.talker.models.qwen2 import Rows  # noqa: E402
+from omnistage.services.talker.request_flow import JobDone, SegmentJob, TalkerEngine  # noqa: E402
 
 FAILED: list[str] = []
 

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 from omnistage.common.bench_results import write_result
-from omnistage.services.talker.engine import JobAudio, JobDone, JobFailed, SegmentJob, TalkerEngine
 from omnistage.services.talker.model_runner import TalkerRunner
 from omnistage.services.talker.models.config import DiTShape, Qwen2Shape, TalkerModelConfig, VAEShape
 from omnistage.services.talker.models.loader import TalkerModels, build_talker
 from omnistage.services.talker.models.prompt import PromptIds
+from omnistage.services.talker.request_flow import JobAudio, JobDone, JobFailed, SegmentJob, TalkerEngine
 from omnistage.services.talker.voice_prompt import Voice
 
 GiB = 1 << 30

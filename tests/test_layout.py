@@ -75,8 +75,8 @@ def test_the_size_check_finds_what_is_past_a_limit(tmp_path, monkeypatch):
 
 
 # Every stage folder has the same files for the same jobs (docs/architecture.md, "One shape for every
-# stage"). The talker joins the list once its flow is one module.
-SHAPED_STAGES = ("encoder", "imagegen", "thinker")
+# stage").
+SHAPED_STAGES = ("encoder", "imagegen", "talker", "thinker")
 STAGE_FILES = {
     "__main__.py": "the stage's StageStartup for the common boot, and main()",
     "server.py": "the servicer: protos in and out",

@@ -16,10 +16,10 @@ from omnistage.common.log import get_logger
 from omnistage.common.memory.units import fmt_bytes
 from omnistage.common.runtime.boot import StageStartup, run_stage
 from omnistage.services.talker import startup
-from omnistage.services.talker.engine import TalkerEngine
 from omnistage.services.talker.metrics import StepMetrics, export_engine_gauges, queue_time_hook
 from omnistage.services.talker.models.config import TALKER_DIR
 from omnistage.services.talker.models.loader import load_talker
+from omnistage.services.talker.request_flow import TalkerEngine
 from omnistage.services.talker.server import TalkerServicer
 from omnistage.services.talker.speaker import SpeakerEncoder
 from omnistage.services.talker.voices import VoiceBank

@@ -11,7 +11,7 @@ from omnistage.common.config import TalkerConfig
 from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
 from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.common.voice_rules import custom_voice_problem
-from omnistage.services.talker.engine import (
+from omnistage.services.talker.request_flow import (
     Chunk,
     Finished,
     SegmentSpoken,

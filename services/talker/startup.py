@@ -15,11 +15,11 @@ from omnistage.common.memory.device import DeviceMemory
 from omnistage.common.memory.stress import StressAndCap, StressResult
 from omnistage.common.memory.units import fmt_bytes
 from omnistage.common.runtime.progress import Report
-from omnistage.services.talker.engine import Chunk, Finished, StreamSettings, TalkerEngine, TextInput
 from omnistage.services.talker.model_runner import TalkerRunner
 from omnistage.services.talker.models.audio_vae import DecodeStream, UpsampleState
 from omnistage.services.talker.models.loader import TalkerModels
 from omnistage.services.talker.models.qwen2 import KVSlots
+from omnistage.services.talker.request_flow import Chunk, Finished, StreamSettings, TalkerEngine, TextInput
 from omnistage.services.talker.voice_prompt import CUSTOM, Voice
 from omnistage.services.talker.voices import ReferenceClip, build_voice
 from omnistage.v1 import control_pb2

@@ -100,8 +100,10 @@ def _serve(tmp: Path, ckpt: Path, tp_size: int) -> ServeProcess:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "tp_size, victim, sig",
-    [(2, 1, signal.SIGKILL), (2, 1, signal.SIGSTOP), (4, 3, signal.SIGKILL), (4, 2, signal.SIGSTOP)],
-    ids=["tp2-sigkill-rank1", "tp2-sigstop-rank1", "tp4-sigkill-rank3", "tp4-sigstop-rank2"],
+    # A killed last rank of two and a stopped middle rank of four: both ways a rank is lost, and a victim
+    # that is neither rank 0 nor the last (the other pairs cost CI minutes for the same path).
+    [(2, 1, signal.SIGKILL), (4, 2, signal.SIGSTOP)],
+    ids=["tp2-sigkill-rank1", "tp4-sigstop-rank2"],
 )
 def test_a_rank_lost_while_serving_fails_every_stream_naming_it(tmp_path, ckpt, tp_size, victim, sig):
     run = _serve(tmp_path, ckpt, tp_size)

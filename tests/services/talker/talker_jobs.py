@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from omnistage.services.talker.engine import JobAudio, JobDone, JobFailed, SegmentJob, TalkerEngine
+from omnistage.services.talker.request_flow import JobAudio, JobDone, JobFailed, SegmentJob, TalkerEngine
 
 
 class Recorder:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from omnistage.common.config import TalkerConfig
-from omnistage.services.talker import engine as session_mod
-from omnistage.services.talker.engine import SpeakSession, TextInput
+from omnistage.services.talker import request_flow as session_mod
+from omnistage.services.talker.request_flow import SpeakSession, TextInput
 
 
 async def _segments_of(session: SpeakSession, release: asyncio.Event) -> tuple[str, list[str]]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from omnistage.services.talker.engine import TalkerEngine
 from omnistage.services.talker.model_runner import TalkerRunner
 from omnistage.services.talker.models.qwen2 import Rows
+from omnistage.services.talker.request_flow import TalkerEngine
 from omnistage.services.talker.step_graphs import batch_buckets, bucket_of, span_buckets
 
 from tests.services.talker.talker_jobs import run_staggered

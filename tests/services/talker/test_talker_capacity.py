@@ -72,8 +72,8 @@ def test_a_budget_only_the_step_batch_fits_is_the_step_batch(talker_models, voic
 
 @pytest.mark.parametrize("budget_streams", [3])
 def test_the_engine_reports_its_streams_and_step_batch(talker_models, voices, budget_streams):
-    from omnistage.services.talker.engine import TalkerEngine
     from omnistage.services.talker.model_runner import TalkerRunner
+    from omnistage.services.talker.request_flow import TalkerEngine
 
     caches = CacheSizes.of(talker_models, CFG)
     engine = TalkerEngine(

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from omnistage.services.talker.engine import JobDone, JobFailed, TalkerEngine
 from omnistage.services.talker.metrics import queue_time_hook
 from omnistage.services.talker.model_runner import TalkerRunner
+from omnistage.services.talker.request_flow import JobDone, JobFailed, TalkerEngine
 from prometheus_client import REGISTRY
 
 from tests.services.talker.talker_jobs import job, run, run_staggered
