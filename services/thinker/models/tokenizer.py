@@ -48,8 +48,17 @@ class MingTokenizer:
         self._plain.encode_special_tokens = True
         cfg_path = root / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self._added = {e["content"]: int(i) for i, e in cfg.get("added_tokens_decoder", {}).items()}
-        self._added.update({t.content: i for i, t in self._tok.get_added_tokens_decoder().items()})
+        # The control tokens: special added tokens only. A tokenizer may add ordinary words too (the
+        # config-only checkpoint pads its vocabulary with 156k of them): those are text, never split
+        # out of a template nor refused in a client's ids.
+        self._added = {
+            e["content"]: int(i)
+            for i, e in cfg.get("added_tokens_decoder", {}).items()
+            if e.get("special", True)
+        }
+        self._added.update(
+            {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        )
         self.eos_token_id = self.token_id(_token_content(cfg.get("eos_token")) or "<|role_end|>")
         pad = _token_content(cfg.get("pad_token"))
         self.pad_token_id = self.token_id(pad) if pad else self.eos_token_id
@@ -70,11 +79,14 @@ class MingTokenizer:
         self.max_token_chars = max(map(len, vocab), default=1)
         self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         self._token_bytes: dict[int, bytes] = {}  # token_bytes, made on first use (at most the vocab)
+        # Once: the tokenizers library counts its added tokens on every call (48 ms with 156k of them,
+        # on the event loop of every request).
+        self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     @property
     def vocab_size(self) -> int:
         """Tokens the tokenizer knows (the model's embedding may be padded beyond this)."""
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     @property
     def special_tokens(self) -> dict[str, int]:

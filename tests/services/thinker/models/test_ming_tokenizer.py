@@ -194,3 +194,27 @@ def _is_utf8(raw: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def test_ordinary_added_words_are_text_not_control_tokens(tiny_ckpt, tmp_path):
+    """A tokenizer may add ordinary (non-special) words, as the config-only checkpoint's padding does:
+    they are no control tokens (not split out of a template, not refused in a client's ids) and the
+    template's special tokens still are."""
+    import shutil
+
+    from omnistage.common.checkpoint.tiny_tokenizer import pad_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_ckpt / name, tmp_path / name)
+    plain = MingTokenizer(tmp_path)
+    assert pad_tokenizer(tmp_path, plain.vocab_size + 50) == 50
+    tok = MingTokenizer(tmp_path)
+    assert tok.vocab_size == plain.vocab_size + 50
+    assert tok.special_tokens == plain.special_tokens
+    fillers = [w for w, i in tok._tok.get_vocab(with_added_tokens=True).items() if i >= plain.vocab_size]
+    word = min(fillers, key=len)
+    template = f"<role>HUMAN</role>say {word} now<|role_end|>"
+    segments = tok.split_pieces([("template", template)])
+    ids = [s for s in segments if isinstance(s, int)]
+    assert ids == [tok.token_id("<role>"), tok.token_id("</role>"), tok.token_id("<|role_end|>")], segments
+    assert any(word in s for s in segments if isinstance(s, str)), segments
