@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,7 +19,7 @@ import torch
 from omnistage.common.config import TalkerConfig
 from omnistage.common.runtime.concurrency import ConcurrencyLimiter
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop
-from omnistage.common.runtime.errors import InvalidRequest, Overloaded
+from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.services.talker.metrics import SessionMetrics
 from omnistage.services.talker.model_runner import TalkerRunner
 from omnistage.services.talker.pacing import StreamPace
@@ -46,6 +47,7 @@ class StreamSettings:
     custom_audio: bytes | None = None
     custom_transcript: str = ""
     seed: int | None = None
+    deadline: float = math.inf  # time.monotonic() the caller's deadline comes (inf: none)
 
 
 @dataclass(frozen=True)
@@ -351,14 +353,16 @@ class TalkerEngine:
         return self.runner.model.step_batch
 
     async def speak(self, settings: StreamSettings, inputs: AsyncIterator[TextInput]) -> AsyncIterator[Event]:
-        """One Speak stream in one of the stream slots; none free within `talker.queue_timeout_s` is
-        Overloaded (RESOURCE_EXHAUSTED with a retry hint)."""
+        """One Speak stream in one of the stream slots (`ConcurrencyLimiter.admit`, as every stage)."""
         assert self.voices is not None and self.pool is not None, "a serving engine has voices and a pool"
         async with contextlib.AsyncExitStack() as stack:
-            try:
-                await stack.enter_async_context(self.streams.slot(max(self.cfg.queue_timeout_s, 0.001)))
-            except TimeoutError as exc:
-                raise Overloaded(f"{self.service}: {exc}", retry_after_ms=500) from None
+            # The one admission shape of every stage: RESOURCE_EXHAUSTED with a retry hint past
+            # talker.queue_timeout_s, DEADLINE_EXCEEDED when the caller's deadline comes first.
+            await stack.enter_async_context(
+                self.streams.admit(
+                    settings.deadline, max(self.cfg.queue_timeout_s, 0.001), what="a stream slot"
+                )
+            )
             session = SpeakSession(self, self.voices, self.cfg, self.pool, self.service)
             async for event in session.run(settings, inputs):
                 yield event

@@ -4,6 +4,8 @@ engine does the rest (its stream slots, the session's own errors)."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -23,7 +25,17 @@ from omnistage.services.talker.request_flow import (
 from omnistage.v1 import talker_pb2, talker_pb2_grpc
 
 
-def settings_of(config: talker_pb2.SpeakConfig, cfg: TalkerConfig) -> StreamSettings:
+def settings_of(
+    config: talker_pb2.SpeakConfig, cfg: TalkerConfig, time_remaining: float | None = None
+) -> StreamSettings:
+    """The stream's settings from its first message; `time_remaining`: the call's deadline (None: none)."""
+    settings = _settings(config, cfg)
+    if time_remaining is None:
+        return settings
+    return dataclasses.replace(settings, deadline=time.monotonic() + time_remaining)
+
+
+def _settings(config: talker_pb2.SpeakConfig, cfg: TalkerConfig) -> StreamSettings:
     if not valid_request_id(config.request_id):
         raise InvalidRequest(f"config.request_id: at most {MAX_REQUEST_ID_CHARS} printable characters")
     seed = config.seed if config.HasField("seed") else None
@@ -109,6 +121,6 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
             raise InvalidRequest("config: the stream ended before its first message")
         if not first.HasField("config"):
             raise InvalidRequest("config: required in the first message")
-        settings = settings_of(first.config, self.cfg)
+        settings = settings_of(first.config, self.cfg, context.time_remaining())
         async for event in self.engine.speak(settings, text_inputs(first, requests)):
             yield to_proto(event)
