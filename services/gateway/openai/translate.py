@@ -189,6 +189,8 @@ def sampling(body: cb.SamplingBody, max_tokens: int | None) -> common_pb2.Sampli
         sp.seed = body.seed % 2**64  # OpenAI seeds are signed 64-bit; Omni's are unsigned
     if body.ignore_eos is not None:
         sp.ignore_eos = body.ignore_eos
+    if body.skip_special_tokens is False:  # vLLM's default (true) is the thinker's
+        sp.keep_special_tokens = True
     return sp
 
 
