@@ -242,3 +242,17 @@ def test_a_token_array_prompt_is_one_client_tokens_piece():
         with pytest.raises(InvalidRequest) as info:
             plan(req)
         assert str(info.value).startswith(needle)
+
+
+def test_a_block_left_open_comes_as_one_text_right_before_the_finish():
+    """The OpenAI front reads a call max_tokens cut from this last text (answers.cut_answer)."""
+    source = [
+        omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text=t, token_ids=[1]))
+        for t in ("Sure <tool", '_call>\n{"name": ', '"weather", "argu')
+    ]
+    source.append(omni_pb2.GenerateEvent(finish=omni_pb2.Finish(reason=common_pb2.FINISH_REASON_LENGTH)))
+    tools = ToolEvents(plan(request(text(omni_pb2.ROLE_USER, "?"))).tools, "r")
+    events = [out for event in source for out in tools.of(event)]
+    shown = [e.text.text for e in events if e.WhichOneof("event") == "text"]
+    assert [s for s in shown if s] == ["Sure ", '<tool_call>\n{"name": "weather", "argu']
+    assert events[-2].text.text == shown[-1] and events[-1].finish.reason == common_pb2.FINISH_REASON_LENGTH
