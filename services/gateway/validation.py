@@ -360,10 +360,12 @@ def plan_request(
     check_sampling(req.sampling)  # the values' shape; against the thinker's max_model_len: check_context
     tools = plan_tools(req, outputs)
     sampling = req.sampling
-    if tools is not None and tools.forced:
+    if tools is not None:  # the thinker keeps `<tool_call>` (a special token) for ToolEvents to find
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(req.sampling)
-        sampling.constraint.CopyFrom(tools.constraint())
+        sampling.keep_special_tokens = True
+        if tools.forced:
+            sampling.constraint.CopyFrom(tools.constraint())
     system_prompt = system_prompt or default_system_prompt or DEFAULT_SYSTEM_PROMPT
     # Media placeholders are not counted: their token counts come from the encoder, and the
     # thinker bounds the prompt's tokens.

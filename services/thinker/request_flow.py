@@ -77,6 +77,7 @@ def sampling_from_proto(s: common_pb2.SamplingParams, vocab_size: int, max_model
         stop_token_ids=tuple(s.stop_token_ids),
         logprobs=s.logprobs,
         ignore_eos=s.ignore_eos,
+        keep_special_tokens=s.keep_special_tokens,
     )
 
 

@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19omnistage/v1/common.proto\x12\x0comnistage.v1\"\xb9\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x10\n\x08logprobs\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x33\n\nconstraint\x18\r \x01(\x0b\x32\x1f.omnistage.v1.GrammarConstraintB\x07\n\x05_seed\"Y\n\x11GrammarConstraint\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"w\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1e\n\x16time_to_first_token_ms\x18\x03 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\x82\x01\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\r\n\x05token\x18\x05 \x01(\x0c\x12\x12\n\ntop_tokens\x18\x06 \x03(\x0c*\xed\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x12\x1d\n\x19\x46INISH_REASON_INTERRUPTED\x10\x06\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19omnistage/v1/common.proto\x12\x0comnistage.v1\"\xd6\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x10\n\x08logprobs\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x33\n\nconstraint\x18\r \x01(\x0b\x32\x1f.omnistage.v1.GrammarConstraint\x12\x1b\n\x13keep_special_tokens\x18\x0e \x01(\x08\x42\x07\n\x05_seed\"Y\n\x11GrammarConstraint\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"w\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1e\n\x16time_to_first_token_ms\x18\x03 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\x82\x01\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\r\n\x05token\x18\x05 \x01(\x0c\x12\x12\n\ntop_tokens\x18\x06 \x03(\x0c*\xed\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x12\x1d\n\x19\x46INISH_REASON_INTERRUPTED\x10\x06\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnistage.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=843
-  _globals['_FINISHREASON']._serialized_end=1080
+  _globals['_FINISHREASON']._serialized_start=872
+  _globals['_FINISHREASON']._serialized_end=1109
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=357
-  _globals['_GRAMMARCONSTRAINT']._serialized_start=359
-  _globals['_GRAMMARCONSTRAINT']._serialized_end=448
-  _globals['_TOKENIZERESPONSE']._serialized_start=450
-  _globals['_TOKENIZERESPONSE']._serialized_end=510
-  _globals['_DETOKENIZEREQUEST']._serialized_start=512
-  _globals['_DETOKENIZEREQUEST']._serialized_end=550
-  _globals['_DETOKENIZERESPONSE']._serialized_start=552
-  _globals['_DETOKENIZERESPONSE']._serialized_end=586
-  _globals['_USAGE']._serialized_start=588
-  _globals['_USAGE']._serialized_end=707
-  _globals['_TOKENLOGPROBS']._serialized_start=710
-  _globals['_TOKENLOGPROBS']._serialized_end=840
+  _globals['_SAMPLINGPARAMS']._serialized_end=386
+  _globals['_GRAMMARCONSTRAINT']._serialized_start=388
+  _globals['_GRAMMARCONSTRAINT']._serialized_end=477
+  _globals['_TOKENIZERESPONSE']._serialized_start=479
+  _globals['_TOKENIZERESPONSE']._serialized_end=539
+  _globals['_DETOKENIZEREQUEST']._serialized_start=541
+  _globals['_DETOKENIZEREQUEST']._serialized_end=579
+  _globals['_DETOKENIZERESPONSE']._serialized_start=581
+  _globals['_DETOKENIZERESPONSE']._serialized_end=615
+  _globals['_USAGE']._serialized_start=617
+  _globals['_USAGE']._serialized_end=736
+  _globals['_TOKENLOGPROBS']._serialized_start=739
+  _globals['_TOKENLOGPROBS']._serialized_end=869
 # @@protoc_insertion_point(module_scope)

@@ -15,6 +15,7 @@ import grpc
 from omnistage.common.client import Result, wav_bytes
 from omnistage.services.gateway.openai.errors import HttpError, from_grpc, retry_headers
 from omnistage.services.gateway.openai.translate import ChatPlan
+from omnistage.services.gateway.tools import CLOSE, OPEN
 from omnistage.v1 import common_pb2, omni_pb2
 
 # A logprob JSON can carry (float32 underflow gives -inf, which JSON has no number for).
@@ -136,14 +137,31 @@ def cut_call(text: str, names: Sequence[str]) -> omni_pb2.ToolCall | None:
     return omni_pb2.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name, arguments_json=arguments)
 
 
+def opened_call(text: str) -> str | None:
+    """What follows a `<tool_call>` that `text` leaves open (the gateway's scanner sends such a block,
+    cut by max_tokens, as one last text before the Finish); None when no block is left open."""
+    at = text.rfind(OPEN)
+    return None if at < 0 or CLOSE in text[at:] else text[at + len(OPEN) :]
+
+
+def cut_answer(text: str, calls: int, plan: ChatPlan) -> tuple[str, omni_pb2.ToolCall | None]:
+    """(text, cut call) of an answer max_tokens ended: a forced call's whole text (when no call was
+    read), or an auto answer's open `<tool_call>` block, is a call as OpenAI keeps one (cut_call)."""
+    if plan.forced_tools and not calls:
+        cut = cut_call(text, plan.forced_tools)
+        return ("", cut) if cut is not None else (text, None)
+    block = opened_call(text) if plan.auto_tools else None
+    cut = cut_call(block, plan.auto_tools) if block is not None else None
+    return (text[: len(text) - len(block) - len(OPEN)], cut) if cut is not None else (text, None)
+
+
 def answer_calls(result: Result, plan: ChatPlan) -> tuple[str, list[omni_pb2.ToolCall]]:
-    """(text, tool calls) of a choice: a forced call cut by max_tokens is a call, not text."""
-    if plan.forced_tools and not result.tool_calls and result.finish is not None:
-        if result.finish.reason == common_pb2.FINISH_REASON_LENGTH:
-            cut = cut_call(result.text, plan.forced_tools)
-            if cut is not None:
-                return "", [cut]
-    return result.text, list(result.tool_calls)
+    """(text, tool calls) of a choice: a call cut by max_tokens is a call, not text."""
+    calls = list(result.tool_calls)
+    if result.finish is None or result.finish.reason != common_pb2.FINISH_REASON_LENGTH:
+        return result.text, calls
+    text, cut = cut_answer(result.text, len(calls), plan)
+    return text, calls + ([cut] if cut is not None else [])
 
 
 def clamp_logprob(value: float) -> float:

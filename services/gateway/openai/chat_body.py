@@ -34,7 +34,7 @@ class StreamOptions(Body):
 
 class SamplingBody(Body):
     """The fields chat and completions share: OpenAI's sampling, and vLLM's top_k / min_p /
-    repetition_penalty / ignore_eos."""
+    repetition_penalty / ignore_eos / skip_special_tokens."""
 
     model: Text = ""
     max_tokens: Annotated[Int, between(1, MAX_INT32)] | None = None
@@ -53,6 +53,7 @@ class SamplingBody(Body):
     min_p: Annotated[Number, between(0, 1)] | None = None
     repetition_penalty: Annotated[Number, between(0.01, 100)] | None = None
     ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
 
 
 # ---- messages and their content parts

@@ -76,7 +76,8 @@ class AudioDeltas:
 
 class ChatChunks:
     """`chat.completion.chunk`s of the plan's choices. A forced tool call's text (sent whole at its
-    finish) is held: a call cut by max_tokens goes out as a call (answers.cut_call), as OpenAI's."""
+    finish), and an auto answer's `<tool_call>` block left open (sent as one text before its finish),
+    are held: a call cut by max_tokens goes out as a call (answers.cut_answer), as OpenAI's."""
 
     def __init__(self, plan: ChatPlan, completion_id: str, created: int, model: str) -> None:
         self.plan = plan
@@ -118,7 +119,7 @@ class ChatChunks:
 
     def _text(self, index: int, delta: omni_pb2.TextDelta) -> list[dict[str, Any]]:
         text = delta.text
-        if self.plan.forced_tools:
+        if self.plan.forced_tools or (self.plan.auto_tools and answers.opened_call(text) is not None):
             self.held[index] += text
             text = ""
             if not delta.logprobs:
@@ -131,12 +132,12 @@ class ChatChunks:
         out = []
         held, self.held[index] = self.held[index], ""
         cut = None
-        if held and not self.calls[index] and finish.reason == common_pb2.FINISH_REASON_LENGTH:
-            cut = answers.cut_call(held, self.plan.forced_tools)
-        if cut is not None:
-            out.append(self.chunk(index, {"tool_calls": [answers.tool_call(cut, 0)]}))
-        elif held:
+        if held and finish.reason == common_pb2.FINISH_REASON_LENGTH:
+            held, cut = answers.cut_answer(held, self.calls[index], self.plan)
+        if held:
             out.append(self.chunk(index, {"content": held}))
+        if cut is not None:
+            out.append(self.chunk(index, {"tool_calls": [answers.tool_call(cut, self.calls[index])]}))
         delta: dict[str, Any] = {}
         if self.audio is not None:
             delta["audio"] = {"id": self.audio.audio_id, **answers.audio_status(finish.audio)}

@@ -43,6 +43,7 @@ class ChatPlan:
     logprobs: bool = False
     top_logprobs: int = 0
     forced_tools: tuple[str, ...] = ()  # the names a forced call (required, named) may have
+    auto_tools: tuple[str, ...] = ()  # tool_choice auto: the names a call the model opens may have
     params: ParamMap = ParamMap()  # the body's field of an Omni refusal
 
 
@@ -189,6 +190,8 @@ def sampling(body: cb.SamplingBody, max_tokens: int | None) -> common_pb2.Sampli
         sp.seed = body.seed % 2**64  # OpenAI seeds are signed 64-bit; Omni's are unsigned
     if body.ignore_eos is not None:
         sp.ignore_eos = body.ignore_eos
+    if body.skip_special_tokens is False:  # vLLM's default (true) is the thinker's
+        sp.keep_special_tokens = True
     return sp
 
 
@@ -267,6 +270,7 @@ def chat_plan(body: cb.ChatBody, request_id: str = "") -> ChatPlan:
         bool(body.logprobs),
         body.top_logprobs or 0,
         _forced(tools, tool_choice, tool_function),
+        tuple(t.name for t in tools) if tool_choice == omni_pb2.TOOL_CHOICE_AUTO else (),
         _params(body),
     )
 

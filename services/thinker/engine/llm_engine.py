@@ -161,7 +161,9 @@ class LLMEngine:
         )
         self.scheduler.add(seq)
         if hidden is None:  # a hidden-state request has no tokens to detokenize
-            self.detokenizers[request_id] = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
+            self.detokenizers[request_id] = Detokenizer(
+                self.tokenizer, prompt_token_ids, params.stop, keep_special=params.keep_special_tokens
+            )
 
     def budget(self, prompt: Prompt, params: SamplingParams) -> RequestBudget:
         """The budget of a request made here (`generate`, tests, benchmarks) against this engine's

@@ -54,6 +54,7 @@ class SamplingParams:
     logprobs: int = 0  # top-n logprobs per generated token; 0: none
     ignore_eos: bool = False
     grammar: Grammar | None = None  # structured output: the compiled constraint (grammar.py)
+    keep_special_tokens: bool = False  # False: special tokens are left out of the text (not the ids)
 
     def __post_init__(self) -> None:
         error = sampling_violation({f.name: getattr(self, f.name) for f in fields(self)})

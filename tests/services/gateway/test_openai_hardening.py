@@ -144,17 +144,14 @@ def test_the_switch_drops_unknown_fields_at_every_level():
     assert omni.requests[0].messages[0].parts[0].text == "Hi"
 
 
+def _finish(reason: int) -> omni_pb2.GenerateEvent:
+    usage = common_pb2.Usage(prompt_tokens=9, completion_tokens=12)
+    return omni_pb2.GenerateEvent(finish=omni_pb2.Finish(reason=reason, usage=usage))
+
+
 def _cut(answer: str) -> list[omni_pb2.GenerateEvent]:
     """A forced call's answer as the gateway sends it when max_tokens cuts it: the text whole, then LENGTH."""
-    return [
-        text(answer),
-        omni_pb2.GenerateEvent(
-            finish=omni_pb2.Finish(
-                reason=common_pb2.FINISH_REASON_LENGTH,
-                usage=common_pb2.Usage(prompt_tokens=9, completion_tokens=12),
-            )
-        ),
-    ]
+    return [text(answer), _finish(common_pb2.FINISH_REASON_LENGTH)]
 
 
 @pytest.mark.parametrize(
@@ -199,6 +196,53 @@ def test_an_auto_answer_cut_by_max_tokens_stays_text():
     status, _, reply, _ = _post("/v1/chat/completions", body, FakeOmni(_cut('{"name": "weat')))
     message = json.loads(reply)["choices"][0]["message"]
     assert status == 200 and message["content"] == '{"name": "weat' and "tool_calls" not in message
+
+
+def _answer(reply: bytes, stream: bool) -> tuple[str, list[dict], str]:
+    """(content, tool calls, finish_reason) of a one-choice chat answer, whole or streamed."""
+    if not stream:
+        (choice,) = json.loads(reply)["choices"]
+        message = choice["message"]
+        return message["content"] or "", message.get("tool_calls", []), choice["finish_reason"]
+    chunks = [json.loads(line[6:]) for line in reply.decode().splitlines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    content = "".join(d.get("content") or "" for d in deltas)
+    return (
+        content,
+        [tc for d in deltas for tc in d.get("tool_calls", ())],
+        chunks[-1]["choices"][0]["finish_reason"],
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_auto_tool_call_cut_by_max_tokens_stays_a_call(stream):
+    body = {"messages": USER, "tools": [WEATHER, TIME], "max_tokens": 12, "stream": stream}
+    call = omni_pb2.ToolCall(id="call_1", name="time_now", arguments_json="{}")
+    events = [text("Let me see. "), omni_pb2.GenerateEvent(tool_call=call)]
+    events += _cut('<tool_call>\n{"name": "weather", "arguments": {"ci')  # the scanner's open block
+    status, _, reply, _ = _post("/v1/chat/completions", body, FakeOmni(events))
+    assert status == 200, reply
+    content, calls, finish_reason = _answer(reply, stream)
+    assert content == "Let me see. " and finish_reason == "length"
+    assert [c["function"] for c in calls] == [
+        {"name": "time_now", "arguments": "{}"},
+        {"name": "weather", "arguments": '{"ci'},
+    ]
+    if stream:
+        assert [c["index"] for c in calls] == [0, 1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_open_block_that_is_no_call_or_not_cut_stays_text(stream):
+    body = {"messages": USER, "tools": [WEATHER], "max_tokens": 12, "stream": stream}
+    for answer, reason in (
+        ("<tool_call>\nnot a call", common_pb2.FINISH_REASON_LENGTH),
+        ('<tool_call>\n{"name": "wea', common_pb2.FINISH_REASON_STOP),
+    ):
+        events = [text("Hm. "), text(answer), _finish(reason)]
+        status, _, reply, _ = _post("/v1/chat/completions", body, FakeOmni(events))
+        content, calls, _ = _answer(reply, stream)
+        assert status == 200 and content == "Hm. " + answer and calls == []
 
 
 @pytest.mark.parametrize(

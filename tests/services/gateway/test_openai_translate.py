@@ -72,6 +72,15 @@ def test_chat_defaults_follow_openai():
     assert not req.sampling.HasField("seed") and req.sampling.max_tokens == 0
 
 
+@pytest.mark.parametrize("skip", [None, True, False])
+def test_skip_special_tokens_maps_to_keeping_them_in_the_text(skip):
+    extra = {} if skip is None else {"skip_special_tokens": skip}
+    chat = tr.chat_request({"messages": [{"role": "user", "content": "hi"}], **extra})
+    completion = tr.completion_request({"prompt": "hi", **extra})
+    for plan in (chat, completion):
+        assert plan.request.sampling.keep_special_tokens is (skip is False), "vLLM's default: skipped"
+
+
 def test_audio_modality_and_voice():
     plan = tr.chat_request(
         {

@@ -76,6 +76,23 @@ def test_the_prompt_shows_tools_calls_and_results_as_the_chat_template_does():
     assert not planned.sampling.HasField("constraint"), "auto: the model decides"
 
 
+@pytest.mark.parametrize(
+    ("choice", "function", "kept"),
+    [
+        (omni_pb2.TOOL_CHOICE_AUTO, "", True),
+        (omni_pb2.TOOL_CHOICE_REQUIRED, "", True),
+        (omni_pb2.TOOL_CHOICE_FUNCTION, "clock", True),
+        (omni_pb2.TOOL_CHOICE_NONE, "", False),
+    ],
+)
+def test_the_thinker_keeps_special_tokens_when_calls_are_read_from_the_answer(choice, function, kept):
+    req = request(text(omni_pb2.ROLE_USER, "?"), tool_choice=choice, tool_choice_function=function)
+    assert plan(req).sampling.keep_special_tokens is kept, "<tool_call> is a special token"
+    assert not req.sampling.keep_special_tokens, "the client's request is left as it was"
+    plain = omni_pb2.GenerateRequest(messages=[text(omni_pb2.ROLE_USER, "?")])
+    assert not plan(plain).sampling.keep_special_tokens, "no tools: special tokens are left out"
+
+
 def test_a_forced_call_primes_the_answer_and_constrains_it_to_a_declared_function():
     for choice, function, names in (
         (omni_pb2.TOOL_CHOICE_REQUIRED, "", {"weather", "clock"}),
@@ -225,3 +242,17 @@ def test_a_token_array_prompt_is_one_client_tokens_piece():
         with pytest.raises(InvalidRequest) as info:
             plan(req)
         assert str(info.value).startswith(needle)
+
+
+def test_a_block_left_open_comes_as_one_text_right_before_the_finish():
+    """The OpenAI front reads a call max_tokens cut from this last text (answers.cut_answer)."""
+    source = [
+        omni_pb2.GenerateEvent(text=omni_pb2.TextDelta(text=t, token_ids=[1]))
+        for t in ("Sure <tool", '_call>\n{"name": ', '"weather", "argu')
+    ]
+    source.append(omni_pb2.GenerateEvent(finish=omni_pb2.Finish(reason=common_pb2.FINISH_REASON_LENGTH)))
+    tools = ToolEvents(plan(request(text(omni_pb2.ROLE_USER, "?"))).tools, "r")
+    events = [out for event in source for out in tools.of(event)]
+    shown = [e.text.text for e in events if e.WhichOneof("event") == "text"]
+    assert [s for s in shown if s] == ["Sure ", '<tool_call>\n{"name": "weather", "argu']
+    assert events[-2].text.text == shown[-1] and events[-1].finish.reason == common_pb2.FINISH_REASON_LENGTH

@@ -25,7 +25,7 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
 
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from omnistage.services.thinker.engine.detokenizer import Detokenizer
 from omnistage.services.thinker.engine.stop import StopStringMatcher
+from omnistage.services.thinker.models.tokenizer import MingTokenizer
 
 from tests.services.thinker.engine.engine_fakes import ByteTokenizer
 
@@ -58,3 +59,31 @@ def test_earliest_of_several_stop_strings_wins():
 def test_stop_string_with_multibyte_characters():
     deltas, detok = stream("回答。结束了", stop=("结束",))
     assert detok.stopped and "".join(deltas) == "回答。"
+
+
+def _ming_stream(tok, ids: list[int], keep: bool) -> str:
+    detok = Detokenizer(tok, tok.encode("<role>ASSISTANT</role>"), keep_special=keep)
+    text = "".join(detok.add(t) for t in ids) + detok.finish()
+    assert text == detok.text
+    return text
+
+
+def test_special_tokens_are_dropped_from_the_text_unless_kept(tiny_ckpt):
+    tok = MingTokenizer(tiny_ckpt)
+    reserved = tok.token_id("<|reserved_token_50|>")
+    ids = [
+        *tok.encode("Hello"),
+        reserved,
+        *tok.encode(" world"),
+        tok.token_id("<tool_call>"),
+        *tok.encode("!"),
+    ]
+    assert _ming_stream(tok, ids, keep=False) == "Hello world!"
+    assert _ming_stream(tok, ids, keep=True) == "Hello<|reserved_token_50|> world<tool_call>!"
+
+
+def test_a_special_token_alone_or_last_gives_no_text(tiny_ckpt):
+    tok = MingTokenizer(tiny_ckpt)
+    reserved = tok.token_id("<|reserved_token_50|>")
+    assert _ming_stream(tok, [reserved, reserved], keep=False) == ""
+    assert _ming_stream(tok, [*tok.encode("你好"), reserved], keep=False) == "你好"
