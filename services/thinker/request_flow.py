@@ -6,7 +6,7 @@ import asyncio
 import concurrent.futures
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from omnistage.common.context_rule import check_context
@@ -162,6 +162,15 @@ class ThinkerEngine:
         self.grammars.close()
         if self._transport is not None and self.media is None:
             self._transport.close()
+
+    def logprob_token_bytes(self, keep_special: bool) -> Callable[[int], bytes]:
+        """A token's bytes as its logprobs show them. A special token's are empty where the answer's
+        text leaves special tokens out, so the chosen tokens' bytes still join to the text (as vLLM's
+        logprobs with skip_special_tokens)."""
+        token_bytes, special = self.tokenizer.token_bytes, self._special_ids
+        if keep_special:
+            return token_bytes
+        return lambda token_id: b"" if token_id in special else token_bytes(token_id)
 
     def load(self) -> tuple[int, int]:
         return self.runner.load()

@@ -7,7 +7,7 @@ engine request is aborted at once and its KV blocks freed.
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from collections.abc import Callable
 
 import grpc
 from omnistage.services.thinker.request_flow import Event, Finished, Hidden, Started, ThinkerEngine, Tokens
@@ -27,9 +27,10 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
         self.engine = engine
 
     async def Generate(self, request: thinker_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
+        token_bytes = self.engine.logprob_token_bytes(request.sampling.keep_special_tokens)
         async with contextlib.aclosing(self.engine.generate(request)) as events:
             async for event in events:
-                yield _event(event, self.engine.tokenizer)
+                yield _event(event, token_bytes)
 
     async def Tokenize(self, request: thinker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         ids = await self.engine.tokenize(request)
@@ -39,11 +40,7 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
         return common_pb2.DetokenizeResponse(text=await self.engine.detokenize(request.token_ids))
 
 
-class TokenBytes(Protocol):
-    def token_bytes(self, token_id: int) -> bytes: ...
-
-
-def _event(event: Event, tokens: TokenBytes) -> thinker_pb2.ThinkerEvent:
+def _event(event: Event, tokens: Callable[[int], bytes]) -> thinker_pb2.ThinkerEvent:
     if isinstance(event, Started):
         return thinker_pb2.ThinkerEvent(
             started=thinker_pb2.Started(
@@ -58,7 +55,7 @@ def _event(event: Event, tokens: TokenBytes) -> thinker_pb2.ThinkerEvent:
     return _finish(event)
 
 
-def _delta(event: Tokens, tokens: TokenBytes) -> thinker_pb2.ThinkerEvent:
+def _delta(event: Tokens, tokens: Callable[[int], bytes]) -> thinker_pb2.ThinkerEvent:
     out = event.out
     return thinker_pb2.ThinkerEvent(
         delta=thinker_pb2.TokenDelta(
@@ -70,8 +67,8 @@ def _delta(event: Tokens, tokens: TokenBytes) -> thinker_pb2.ThinkerEvent:
                     logprob=lp.logprob,
                     top_token_ids=lp.top_token_ids,
                     top_logprobs=lp.top_logprobs,
-                    token=tokens.token_bytes(lp.token_id),
-                    top_tokens=[tokens.token_bytes(t) for t in lp.top_token_ids],
+                    token=tokens(lp.token_id),
+                    top_tokens=[tokens(t) for t in lp.top_token_ids],
                 )
                 for lp in out.logprobs
             ],

@@ -1183,3 +1183,43 @@ def test_realtime_socket_closed_mid_answer_ends_every_stage_stream(front):
     assert during["sessions"] == 1 and during["responses"] == 1 and during["gateway"] == 1
     assert during["thinker"] + during["talker"] >= 1  # a stage stream is open when the socket goes
     _wait_realtime_idle(front)
+
+
+def test_a_request_past_the_context_gets_the_context_rules_one_message_on_every_path(front):
+    """The context rule has one owner (common/context_rule.py): max_tokens past the thinker's context
+    is refused with the same words through gRPC Generate, gRPC Converse and the HTTP front."""
+    import grpc
+    from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
+
+    max_tokens = 10**6
+    auth = (("authorization", f"Bearer {KEY}"),)
+    request = omni_pb2.GenerateRequest(
+        messages=[omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Hi.")])],
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+    )
+
+    def refusal(call) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in call:
+                pass
+        return err.value.code(), err.value.details()
+
+    with grpc.insecure_channel(front["grpc"]) as channel:
+        stub = omni_pb2_grpc.OmniStub(channel)
+        generate = refusal(stub.Generate(request, metadata=auth, timeout=60))
+        config = omni_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+        converse = refusal(
+            stub.Converse(iter([omni_pb2.ConverseRequest(config=config)]), metadata=auth, timeout=60)
+        )
+    status, _, body = _raw(
+        front,
+        "/v1/chat/completions",
+        json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": max_tokens}
+        ).encode(),
+    )
+    assert generate[0] == converse[0] == grpc.StatusCode.INVALID_ARGUMENT, (generate, converse)
+    words = generate[1]
+    assert words.startswith(f"sampling.max_tokens: {max_tokens} exceeds max_model_len "), generate
+    assert words in converse[1], (generate, converse)
+    assert status == 400 and words in json.loads(body)["error"]["message"], body

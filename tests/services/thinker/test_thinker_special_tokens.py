@@ -48,3 +48,24 @@ def test_a_generated_special_token_is_in_the_ids_and_in_the_text_only_when_kept(
             assert text == ("Hi<|reserved_token_235|> there" if keep else "Hi there")
 
     run(scenario())
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_logprobs_bytes_of_the_chosen_tokens_join_to_the_text_either_way(tmp_path, tok, keep):
+    reserved = tok.token_id("<|reserved_token_235|>")
+    ids = [*tok.encode("Hi"), reserved, *tok.encode(" there")]
+
+    async def scenario():
+        async with thinker(tmp_path, tok) as t:
+            script(t.engine, ids)
+            request = chat("Hello", max_tokens=len(ids), keep_special_tokens=keep, logprobs=2)
+            events = await events_of(t.stub, request)
+            text, _ = answer(events)
+            logprobs = [lp for e in events if e.WhichOneof("event") == "delta" for lp in e.delta.logprobs]
+            assert [lp.token_id for lp in logprobs] == ids  # every token has its entry, the special one too
+            assert b"".join(lp.token for lp in logprobs).decode() == text
+            special = next(lp for lp in logprobs if lp.token_id == reserved)
+            assert (special.token == b"<|reserved_token_235|>") is keep
+            assert special.top_tokens[0] == special.token  # the chosen one is the likeliest, shown alike
+
+    run(scenario())
