@@ -114,6 +114,16 @@ async def next_output(stream: Stream, held: list[BaseException]) -> RequestOutpu
     return out
 
 
+def logprob_token_bytes(flow: ThinkerEngine, keep_special: bool) -> Callable[[int], bytes]:
+    """A token's bytes as its logprobs show them. A special token's are empty where the answer's text
+    leaves special tokens out, so the chosen tokens' bytes still join to the text (as vLLM's logprobs
+    with skip_special_tokens)."""
+    token_bytes, special = flow.tokenizer.token_bytes, flow._special_ids
+    if keep_special:
+        return token_bytes
+    return lambda token_id: b"" if token_id in special else token_bytes(token_id)
+
+
 class ThinkerEngine:
     """`generate(request)` → Started, then Tokens / Hidden, then Finished. Owns the device loop."""
 
@@ -162,15 +172,6 @@ class ThinkerEngine:
         self.grammars.close()
         if self._transport is not None and self.media is None:
             self._transport.close()
-
-    def logprob_token_bytes(self, keep_special: bool) -> Callable[[int], bytes]:
-        """A token's bytes as its logprobs show them. A special token's are empty where the answer's
-        text leaves special tokens out, so the chosen tokens' bytes still join to the text (as vLLM's
-        logprobs with skip_special_tokens)."""
-        token_bytes, special = self.tokenizer.token_bytes, self._special_ids
-        if keep_special:
-            return token_bytes
-        return lambda token_id: b"" if token_id in special else token_bytes(token_id)
 
     def load(self) -> tuple[int, int]:
         return self.runner.load()

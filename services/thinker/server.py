@@ -10,7 +10,15 @@ import contextlib
 from collections.abc import Callable
 
 import grpc
-from omnistage.services.thinker.request_flow import Event, Finished, Hidden, Started, ThinkerEngine, Tokens
+from omnistage.services.thinker.request_flow import (
+    Event,
+    Finished,
+    Hidden,
+    Started,
+    ThinkerEngine,
+    Tokens,
+    logprob_token_bytes,
+)
 from omnistage.v1 import common_pb2, thinker_pb2, thinker_pb2_grpc
 
 _FINISH = {
@@ -27,7 +35,7 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
         self.engine = engine
 
     async def Generate(self, request: thinker_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
-        token_bytes = self.engine.logprob_token_bytes(request.sampling.keep_special_tokens)
+        token_bytes = logprob_token_bytes(self.engine, request.sampling.keep_special_tokens)
         async with contextlib.aclosing(self.engine.generate(request)) as events:
             async for event in events:
                 yield _event(event, token_bytes)
