@@ -110,7 +110,7 @@ def _request(i: int, spoken: bool = False, steps: int = 2) -> omni_pb2.GenerateR
         messages=[
             omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Hello there.")])
         ],
-        sampling=common_pb2.SamplingParams(max_tokens=6, ignore_eos=True, seed=i),
+        sampling=common_pb2.SamplingParams(max_tokens=20 if spoken else 6, ignore_eos=True, seed=i),
     )
     if spoken:
         req.output_modalities[:] = [omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO]
