@@ -1,16 +1,24 @@
 """Deadlines for waits: `within` bounds an async wait, `cancel_and_wait` stops tasks within a bound,
-`Deadline` feeds the timeouts of successive waits."""
+`Deadline` feeds the timeouts of successive waits, `deadline_after` turns a call's time left into
+the time.monotonic() it ends."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
+
+
+def deadline_after(time_remaining: float | None) -> float:
+    """time.monotonic() when a call with `time_remaining` seconds left (gRPC's
+    `context.time_remaining()`, None: no deadline) ends; inf when it has none."""
+    return math.inf if time_remaining is None else time.monotonic() + time_remaining
 
 
 async def within(awaitable: Awaitable[T], timeout_s: float | None) -> T:

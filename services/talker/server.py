@@ -5,12 +5,12 @@ engine does the rest (its stream slots, the session's own errors)."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import AsyncIterator
 
 import grpc
 from omnistage.common.config import TalkerConfig
 from omnistage.common.request_ids import MAX_REQUEST_ID_CHARS, valid_request_id
+from omnistage.common.runtime.deadlines import deadline_after
 from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.common.voice_rules import custom_voice_problem
 from omnistage.services.talker.request_flow import (
@@ -29,10 +29,7 @@ def settings_of(
     config: talker_pb2.SpeakConfig, cfg: TalkerConfig, time_remaining: float | None = None
 ) -> StreamSettings:
     """The stream's settings from its first message; `time_remaining`: the call's deadline (None: none)."""
-    settings = _settings(config, cfg)
-    if time_remaining is None:
-        return settings
-    return dataclasses.replace(settings, deadline=time.monotonic() + time_remaining)
+    return dataclasses.replace(_settings(config, cfg), deadline=deadline_after(time_remaining))
 
 
 def _settings(config: talker_pb2.SpeakConfig, cfg: TalkerConfig) -> StreamSettings:

@@ -5,19 +5,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from omnistage.common.context_rule import check_context
+from omnistage.common.runtime.concurrency import ConcurrencyLimiter
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop, DeviceStopped
-from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
+from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.sampling import check_sampling
 from omnistage.common.transport import TransportContext, encode
 from omnistage.services.thinker.engine.budget import RequestBudget, RequestError
 from omnistage.services.thinker.engine.grammar import GrammarSpec
 from omnistage.services.thinker.engine.grammar_compiles import GrammarCompiles, GrammarLimits
-from omnistage.services.thinker.engine.llm_engine import LLMEngine, QueueFullError, RequestOutput
+from omnistage.services.thinker.engine.llm_engine import LLMEngine, RequestOutput
 from omnistage.services.thinker.engine.media import Prompt, unpack_prompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.models.tokenizer import MingTokenizer, Piece
@@ -124,6 +126,30 @@ def logprob_token_bytes(flow: ThinkerEngine, keep_special: bool) -> Callable[[in
     return lambda token_id: b"" if token_id in special else token_bytes(token_id)
 
 
+def in_vocabulary(where: str, ids: Sequence[int], vocab: int) -> list[int]:
+    """`ids` as a list, each inside the vocabulary, else INVALID_ARGUMENT naming `where`."""
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(f"{where}: {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    return list(ids)
+
+
+def prompt_piece(i: int, p: thinker_pb2.PromptPiece, vocab: int, special: frozenset[int]) -> Piece:
+    """A chat piece for the tokenizer: a client's token ids are text tokens only (never control
+    tokens); template ids and text as they are."""
+    kind = p.WhichOneof("piece")
+    if kind == "tokens":
+        return ("tokens", in_vocabulary(f"chat.pieces[{i}].tokens", p.tokens.ids, vocab))
+    if kind == "client_tokens":
+        where = f"chat.pieces[{i}].client_tokens"
+        ids = in_vocabulary(where, p.client_tokens.ids, vocab)
+        bad = next((t for t in ids if t in special), None)
+        if bad is not None:
+            raise InvalidRequest(f"{where}: {bad} is a special token (a client's ids are text tokens only)")
+        return ("tokens", ids)
+    return ("template", p.template) if kind == "template" else ("text", p.text)
+
+
 class ThinkerEngine:
     """`generate(request)` → Started, then Tokens / Hidden, then Finished. Owns the device loop."""
 
@@ -149,6 +175,15 @@ class ThinkerEngine:
         # Leases of refused requests are released through this (the media's transport, if any).
         self._transport = media.transport if media is not None else None
         self.tokenizer: MingTokenizer = engine.tokenizer
+        # Admission, as every stage's: a request holds one of max_num_seqs + max_queued_requests
+        # places from its submit to its end; past them RESOURCE_EXHAUSTED at once (the engine's
+        # waiting list is the waiting room, so the limiter keeps none of its own).
+        self.admission = ConcurrencyLimiter(
+            "thinker engine",
+            engine.cfg.max_num_seqs + engine.cfg.max_queued_requests,
+            max_waiting=0,
+            waiting_key="engine.max_num_seqs + engine.max_queued_requests",
+        )
         self.max_model_len = engine.cfg.max_model_len  # the engine's context: what every budget fits
         self.default_max_tokens = engine.cfg.default_max_tokens
         # A client's token ids may be none of these (client input never becomes control tokens).
@@ -176,40 +211,49 @@ class ThinkerEngine:
     def load(self) -> tuple[int, int]:
         return self.runner.load()
 
-    async def generate(self, request: thinker_pb2.ThinkerRequest) -> AsyncIterator[Event]:
-        """The request's events. Close the iterator (`contextlib.aclosing`) when leaving early: that
-        aborts the engine request and takes back a hidden-state ref not yet handed on."""
+    async def generate(
+        self, request: thinker_pb2.ThinkerRequest, deadline: float = math.inf
+    ) -> AsyncIterator[Event]:
+        """The request's events. `deadline`: time.monotonic() of the caller's deadline (inf: none).
+        Close the iterator (`contextlib.aclosing`) when leaving early: that aborts the engine
+        request and takes back a hidden-state ref not yet handed on. A never-possible request is
+        refused (INVALID_ARGUMENT) before a full engine says "not now"."""
         prompt, params, budget = await self._admit(request)
-        engine_id = uuid.uuid4().hex
-        finished = False
-        try:
-            # Inside the try: a cancel while the add is in flight still aborts what it added.
-            stream = await self._submit(engine_id, prompt, params, budget)
-            yield Started(engine_id, budget.prompt_tokens)
-            held: list[BaseException] = []
-            while not finished:
-                out = await next_output(stream, held)
-                if isinstance(out, BaseException):  # e.g. "thinker rank 2 died while serving (step 57): ..."
-                    raise StageUnavailable(f"thinker {out}")
-                if out.token_ids or out.text:
-                    yield Tokens(out)
-                if out.hidden_states is not None:
-                    hidden = await self._hidden(out, request)
-                    handed = False
-                    try:
-                        yield hidden
-                        handed = True
-                    finally:
-                        if not handed and self.producer is not None:  # nobody will release it
-                            self.producer.revoke(hidden.ref)
-                if out.finished:
-                    finished = True
-                    yield Finished(out)
-        finally:
-            if not finished:
-                # Cancelled, refused or failed: free the KV blocks now, not at max_tokens.
-                self.loop.call(lambda: self.runner.abort(engine_id))
-                _log.info("request %s (engine id %s) ended before it finished", request.request_id, engine_id)
+        async with self.admission.admit(deadline, 1.0, what="a place in the engine", retry_after_ms=200):
+            engine_id = uuid.uuid4().hex
+            finished = False
+            try:
+                # Inside the try: a cancel while the add is in flight still aborts what it added.
+                stream = await self._submit(engine_id, prompt, params, budget)
+                yield Started(engine_id, budget.prompt_tokens)
+                held: list[BaseException] = []
+                while not finished:
+                    out = await next_output(stream, held)
+                    if isinstance(
+                        out, BaseException
+                    ):  # e.g. "thinker rank 2 died while serving (step 57): ..."
+                        raise StageUnavailable(f"thinker {out}")
+                    if out.token_ids or out.text:
+                        yield Tokens(out)
+                    if out.hidden_states is not None:
+                        hidden = await self._hidden(out, request)
+                        handed = False
+                        try:
+                            yield hidden
+                            handed = True
+                        finally:
+                            if not handed and self.producer is not None:  # nobody will release it
+                                self.producer.revoke(hidden.ref)
+                    if out.finished:
+                        finished = True
+                        yield Finished(out)
+            finally:
+                if not finished:
+                    # Cancelled, refused or failed: free the KV blocks now, not at max_tokens.
+                    self.loop.call(lambda: self.runner.abort(engine_id))
+                    _log.info(
+                        "request %s (engine id %s) ended before it finished", request.request_id, engine_id
+                    )
 
     async def tokenize(self, request: thinker_pb2.TokenizeRequest) -> list[int]:
         """The ids Generate would prefill for this prompt: the same bounds, in the tokenize pool."""
@@ -271,8 +315,6 @@ class ThinkerEngine:
             await asyncio.wrap_future(
                 self.loop.call(lambda: self.runner.add(engine_id, prompt, params, budget, stream))
             )
-        except QueueFullError as exc:
-            raise Overloaded(f"thinker queue full: {exc}", retry_after_ms=200) from exc
         except (DeviceFailed, DeviceStopped) as exc:
             raise StageUnavailable(f"thinker {exc}") from exc
         return stream
@@ -367,27 +409,10 @@ class ThinkerEngine:
         return ids
 
     def _in_vocabulary(self, where: str, ids) -> list[int]:
-        vocab = self.tokenizer.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"{where}: {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        return list(ids)
+        return in_vocabulary(where, ids, self.tokenizer.vocab_size)
 
     def _piece(self, i: int, p: thinker_pb2.PromptPiece) -> Piece:
-        kind = p.WhichOneof("piece")
-        if kind == "tokens":
-            return ("tokens", self._in_vocabulary(f"chat.pieces[{i}].tokens", p.tokens.ids))
-        if kind == "client_tokens":
-            where = f"chat.pieces[{i}].client_tokens"
-            ids = self._in_vocabulary(where, p.client_tokens.ids)
-            special = self._special_ids
-            bad = next((t for t in ids if t in special), None)
-            if bad is not None:
-                raise InvalidRequest(
-                    f"{where}: {bad} is a special token (a client's ids are text tokens only)"
-                )
-            return ("tokens", ids)
-        return ("template", p.template) if kind == "template" else ("text", p.text)
+        return prompt_piece(i, p, self.tokenizer.vocab_size, self._special_ids)
 
     def _prompt(self, request: thinker_pb2.ThinkerRequest) -> Prompt:
         """Token ids, plus the encoder rows and 3D positions of a multimodal request and the query

@@ -30,7 +30,7 @@ class ThinkerRunner(DeviceRunner):
         self, request_id: str, prompt: Prompt, params: SamplingParams, budget: RequestBudget, stream: Stream
     ) -> None:
         """Add a request (token ids or a MultimodalPrompt) with the budget its flow computed; raises
-        QueueFullError, or DeviceFailed when the streams have been ended meanwhile."""
+        DeviceFailed when the streams have been ended meanwhile."""
         prompt_ids, extra = unpack_prompt(prompt)
         self.engine.add_request(request_id, prompt_ids, params, budget, **extra)
         with self._lock:

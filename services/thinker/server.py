@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Callable
 
 import grpc
+from omnistage.common.runtime.deadlines import deadline_after
 from omnistage.services.thinker.request_flow import (
     Event,
     Finished,
@@ -36,7 +37,8 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
 
     async def Generate(self, request: thinker_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
         token_bytes = logprob_token_bytes(self.engine, request.sampling.keep_special_tokens)
-        async with contextlib.aclosing(self.engine.generate(request)) as events:
+        deadline = deadline_after(context.time_remaining())
+        async with contextlib.aclosing(self.engine.generate(request, deadline)) as events:
             async for event in events:
                 yield _event(event, token_bytes)
 

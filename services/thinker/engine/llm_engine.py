@@ -34,10 +34,6 @@ log = get_logger(__name__)
 T = TypeVar("T")
 
 
-class QueueFullError(RuntimeError):
-    """Too many requests wait already (maps to RESOURCE_EXHAUSTED)."""
-
-
 @dataclass
 class Usage:
     prompt_tokens: int
@@ -146,15 +142,13 @@ class LLMEngine:
         `rope_delta` come from rope_index and `media` holds the encoder rows that replace its
         placeholder embeddings. `hidden_slots` [N] (prompt positions) makes it a hidden-state request:
         no token is sampled, its final output carries the final-norm hidden states at those slots.
-        QueueFullError when max_queued_requests wait already."""
+        How many may wait is the request flow's admission (max_num_seqs + max_queued_requests)."""
         num_prompt = len(prompt_token_ids)
         assert budget.holds(num_prompt, self.cfg.max_model_len), (request_id, budget, num_prompt)
         assert positions is None or tuple(positions.shape) == (3, num_prompt), "positions must be [3, P]"
         assert media is None or not media.num_rows or _inside(media.slots, num_prompt), "media slots"
         assert hidden_slots is None or _inside(hidden_slots, num_prompt), "hidden-state slots"
         assert request_id not in self.scheduler.seqs, f"request {request_id!r} is already running"
-        if len(self.scheduler.waiting) >= self.cfg.max_queued_requests:
-            raise QueueFullError(f"{len(self.scheduler.waiting)} requests already wait (max_queued_requests)")
         hidden = HiddenCapture(hidden_slots) if hidden_slots is not None else None
         seq = Sequence(
             request_id, prompt_token_ids, params, budget.max_tokens, rope_delta, positions, media, hidden

@@ -114,9 +114,9 @@ async def events_of(stub, request, timeout: float = 30) -> list[thinker_pb2.Thin
     return [e async for e in stub.Generate(request, timeout=timeout)]
 
 
-async def refusal(stub, request) -> grpc.aio.AioRpcError:
+async def refusal(stub, request, timeout: float = 30) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await events_of(stub, request)
+        await events_of(stub, request, timeout)
     return err.value
 
 
@@ -374,6 +374,38 @@ def test_max_tokens_beyond_max_model_len_is_refused_naming_the_limit(tmp_path, t
     run(scenario())
 
 
+def test_past_the_engines_places_a_request_is_refused_at_arrival_and_a_never_possible_one_first(
+    tmp_path, tok
+):
+    """Admission as every stage's (ConcurrencyLimiter.admit): max_num_seqs running plus
+    max_queued_requests waiting; the next is RESOURCE_EXHAUSTED with a retry hint, naming the knobs;
+    a request that can never fit is INVALID_ARGUMENT even then; a freed place takes the next one."""
+
+    async def scenario():
+        async with thinker(tmp_path, tok, step_s=0.02, max_num_seqs=1, max_queued_requests=1) as t:
+            calls = [
+                t.stub.Generate(chat("Long", request_id=f"r{i}", max_tokens=400, ignore_eos=True), timeout=60)
+                for i in range(2)
+            ]
+            for call in calls:
+                assert (await call.read()).WhichOneof("event") == "started"
+            err = await refusal(t.stub, chat("one more", request_id="r2", max_tokens=4))
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.details() == (
+                "thinker engine: 2 running and 0 waiting (engine.max_num_seqs + engine.max_queued_requests)"
+            )
+            assert ("grpc-retry-pushback-ms", "200") in tuple(err.trailing_metadata())
+            err = await refusal(t.stub, chat("hi", request_id="r3", max_tokens=5000))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            calls[0].cancel()
+            await wait_for_async(lambda: t.servicer.engine.admission.in_use == 1, 10, "the place to be freed")
+            events = await events_of(t.stub, chat("next", request_id="r4", max_tokens=3, ignore_eos=True))
+            assert events[-1].finish.usage.completion_tokens == 3
+            calls[1].cancel()
+
+    run(scenario())
+
+
 def test_client_text_cannot_forge_special_tokens(tmp_path, tok):
     async def scenario():
         async with thinker(tmp_path, tok) as t:
@@ -589,8 +621,8 @@ def test_a_small_request_is_served_while_a_huge_prompt_is_tokenized(tmp_path, to
             huge = chat("The quick brown fox, 你好世界! " * 100_000, max_tokens=1)
             order = []
 
-            async def big():
-                err = await refusal(t.stub, huge)
+            async def big():  # tokenizing it takes long on a loaded machine: a deadline far off
+                err = await refusal(t.stub, huge, timeout=300)
                 assert "token(s) leave no room" in err.details()
                 order.append("big answered")
 

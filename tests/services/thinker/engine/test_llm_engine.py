@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 from omnistage.services.thinker.engine.budget import RequestBudget, RequestError
-from omnistage.services.thinker.engine.llm_engine import QueueFullError
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 
@@ -115,8 +114,8 @@ def test_streaming_outputs_usage_logprobs_and_abort():
 
 def test_a_request_made_here_gets_its_budget_and_the_engine_asserts_it():
     """The budget is computed where the request is made (`add_prompt` for requests made on the
-    engine; the flow for clients'); `add_request` only asserts it, and bounds only the queue."""
-    engine = make_fake_engine(block_size=8, max_model_len=64, max_queued_requests=2)
+    engine; the flow for clients'); `add_request` only asserts it (admission is the flow's)."""
+    engine = make_fake_engine(block_size=8, max_model_len=64)
     with pytest.raises(RequestError, match="empty"):
         engine.add_prompt("e", [], SamplingParams())
     with pytest.raises(
@@ -130,9 +129,7 @@ def test_a_request_made_here_gets_its_budget_and_the_engine_asserts_it():
     too_long = RequestBudget(3, 62, 64)  # a budget that does not hold: a defect of its maker
     with pytest.raises(AssertionError):
         engine.add_request("w", [1, 2, 3], SamplingParams(), too_long)
-    engine.add_prompt("y", [1], SamplingParams())
-    with pytest.raises(QueueFullError):
-        engine.add_prompt("z", [1], SamplingParams())
+    assert set(engine.scheduler.seqs) == {"x"}
 
 
 def test_max_tokens_that_cannot_fit_is_refused_with_both_numbers():
