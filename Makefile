@@ -44,7 +44,7 @@ $(TOOLS_STAMP):
 deploy-tools: $(TOOLS_STAMP)
 
 test: $(STAMP) deploy-tools
-	$(BIN)/python -m pytest -q -ra --durations=15
+	$(BIN)/python -m pytest -q -ra --durations=50
 
 test-fast: $(STAMP) deploy-tools
 	$(BIN)/python -m pytest -q -m "not slow"
