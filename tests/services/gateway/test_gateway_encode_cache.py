@@ -7,6 +7,7 @@ bounds let the least recently used go, and a failed encode ahead is the turn's t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -195,16 +196,24 @@ def test_a_lent_item_is_released_only_when_its_turn_gives_it_back():
 
 
 def test_the_bounds_let_the_least_recently_used_go():
+    """Use, not age, orders them (a fake clock: one tick a use): a's clip, lent again after b's was
+    made, outlives b's."""
+
     async def scenario():
-        stage = FakeStage()
-        cache = EncodeCache(stage, 2, 1 << 20, service="t-bound")
-        for n, owner in enumerate(("a", "b", "c")):
+        stage, ticks = FakeStage(), itertools.count()
+        cache = EncodeCache(stage, 2, 1 << 20, service="t-bound", clock=lambda: next(ticks))
+        for n, owner in enumerate(("a", "b")):
             cache.ahead(owner, clip(n), RATE)
             await settle()
             stage.end(n)
             await settle()
+        cache.give_back(await cache.lend("a", [part(clip(0))], 5.0))  # a's clip used again
+        cache.ahead("c", clip(2), RATE)
+        await settle()
+        stage.end(2)
+        await settle()
         by_count = (list(stage.released), cache.held)
-        small = EncodeCache(stage, 8, 2 * ITEM_BYTES, service="t-bytes")
+        small = EncodeCache(stage, 8, 2 * ITEM_BYTES, service="t-bytes", clock=lambda: next(ticks))
         for n, owner in enumerate(("d", "e", "f"), start=3):
             small.ahead(owner, clip(n), RATE)
             await settle()
@@ -213,8 +222,8 @@ def test_the_bounds_let_the_least_recently_used_go():
         return by_count, stage.released, small.held
 
     (by_count, held_by_count), released, held_by_bytes = run(scenario())
-    assert by_count == [1] and held_by_count == 2  # a's clip, the least recently used
-    assert released == [1, 4] and held_by_bytes == 2  # d's: past the bytes' bound
+    assert by_count == [2] and held_by_count == 2  # b's clip (lease 2): the least recently used
+    assert released == [2, 4] and held_by_bytes == 2  # d's: past the bytes' bound
 
 
 def test_an_item_whose_lease_is_near_its_end_is_encoded_again():
