@@ -8,7 +8,8 @@ Starts `omnistage serve` (config-only checkpoint, `load_format: dummy`; the tiny
 over a plain WebSocket (no SDK: nothing more to carry to a GPU machine), opens 1, 4, 8, 16 sessions
 at once. Each session sets server VAD (`silence_duration_ms` 500) and, turn after turn, streams a
 spoken utterance (a speech-like signal Silero hears as speech, made here) at real time in 20 ms
-messages, then silence at real time, as a microphone does. Per turn, on the client's clock:
+messages, then silence at real time, as a microphone does (each turn's utterance a little quieter than
+the last: no two turns hold the same bytes, as with a person). Per turn, on the client's clock:
 `input_audio_buffer.speech_stopped` received, the first transcript (or text) delta, the first
 `response.output_audio.delta`; then the answer is cancelled (`response.cancel`) and the next turn
 starts once its `response.done` came. The first turn of each session is also reported apart (a cold
@@ -17,9 +18,13 @@ path shows there).
 Results, rewritten after every level: OUT/realtime_latency.json = {"device", "date", "command",
 "config", "rows": [{"sessions", "turns", "stopped_to_first_audio_p50_ms", "..._p95_ms",
 "stopped_to_first_text_p50_ms", "first_turn_p50_ms", "later_turns_p50_ms", "server_ttft_mean_ms",
-"server_ttfa_mean_ms", "stage_means", "errors"}]} (server_*: the gateway's own histograms over the
-level, from the turn's arrival at the gateway; stage_means: every service's latency histograms'
-means over the level, bench/stage_metrics.py) and OUT/realtime_latency.md. A CPU (or --tiny) run
+"server_ttfa_mean_ms", "server_turn_media_mean_ms", "server_turn_first_text_mean_ms",
+"encode_cache", "stage_means", "errors"}]} (server_*: the gateway's own histograms over the level,
+from the turn's end at the gateway: its media ready for the thinker (encoded, or found encoded ahead),
+its first text, its first audio; encode_cache: what the turns' clips found in the gateway's encode
+cache (hit, wait: encoded ahead and still under way, miss: encoded after the commit) and the clips
+encoded ahead; stage_means: every service's latency histograms' means over the level,
+bench/stage_metrics.py) and OUT/realtime_latency.md. A CPU (or --tiny) run
 writes its file only where it holds no GPU run (common/bench_results.py; else give --out).
 """
 
@@ -37,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "load_tests"))
@@ -48,7 +55,7 @@ from omnistage.common.config import load_config  # noqa: E402
 from omnistage.common.load_stats import percentile  # noqa: E402
 from pipeline_load import pipeline  # noqa: E402
 from pipeline_real_size import device_name, gateway_metrics_url, wait_all_replicas  # noqa: E402
-from stage_metrics import means, metric_urls, snapshot  # noqa: E402
+from stage_metrics import counted, means, metric_urls, snapshot  # noqa: E402
 from websockets.asyncio.client import connect  # noqa: E402
 
 from tests.services.gateway.realtime_audio import pcm16, silence, speech_like  # noqa: E402
@@ -124,6 +131,12 @@ async def one_turn(ws, index: int, speech: bytes, timeout_s: float) -> Turn:
     raise RuntimeError("the socket closed mid-turn")
 
 
+def turn_speech(speech: bytes, index: int) -> bytes:
+    """Turn `index`'s utterance: `speech` 1 % quieter a turn (other bytes, the same VAD decisions)."""
+    samples = np.frombuffer(speech, "<i2").astype(np.float32) * (1.0 - 0.01 * (index % 50))
+    return samples.astype("<i2").tobytes()
+
+
 async def session(url: str, key: str, turns: int, speech: bytes, timeout_s: float) -> Session:
     out = Session()
     try:
@@ -141,7 +154,7 @@ async def session(url: str, key: str, turns: int, speech: bytes, timeout_s: floa
                 },
             )
             for i in range(turns):
-                out.turns.append(await one_turn(ws, i, speech, timeout_s))
+                out.turns.append(await one_turn(ws, i, turn_speech(speech, i), timeout_s))
     except Exception as exc:  # noqa: BLE001 - a failed session is counted, the level goes on
         out.errors.append(f"{type(exc).__name__}: {exc}"[:300])
     return out
@@ -157,7 +170,8 @@ async def level(
 ) -> dict:
     before = snapshot(metrics)
     sessions = await asyncio.gather(*(session(url, key, turns, speech, timeout_s) for _ in range(n)))
-    split = means(before, snapshot(metrics))
+    after = snapshot(metrics)
+    split, counts = means(before, after), counted(before, after)
     timed = [t for s in sessions for t in s.turns if t.stopped is not None]
     audio = [ms for t in timed if (ms := t.ms(t.first_audio)) is not None]
     text = [ms for t in timed if (ms := t.ms(t.first_text)) is not None]
@@ -175,6 +189,13 @@ async def level(
         "later_turns_p50_ms": _p(later, 50),
         "server_ttft_mean_ms": next((v for k, v in split.items() if "gateway_ttft" in k), None),
         "server_ttfa_mean_ms": next((v for k, v in split.items() if "gateway_ttfa" in k), None),
+        "server_turn_media_mean_ms": split.get("gateway/gateway_turn_seconds[media]"),
+        "server_turn_first_text_mean_ms": split.get("gateway/gateway_turn_seconds[first_text]"),
+        "encode_cache": {
+            k.split("encode_cache_", 1)[1].replace("_total", ""): v
+            for k, v in counts.items()
+            if "encode_cache" in k
+        },
         "stage_means": split,
         "errors": len(errors) + sum(1 for s in sessions for t in s.turns if t.first_audio is None),
         "error_details": errors[:5],
@@ -184,8 +205,8 @@ async def level(
 def table(rows: list[dict]) -> str:
     lines = [
         "| sessions | turns | stopped → first audio p50 | p95 | → first text p50 | first turn p50 "
-        "| later turns p50 | server TTFT mean | server TTFA mean | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| later turns p50 | server: turn end → media ready | → first text | → first audio (means) | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v) -> str:
@@ -195,7 +216,8 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['sessions']} | {r['turns']} | {f(r['stopped_to_first_audio_p50_ms'])} | "
             f"{f(r['stopped_to_first_audio_p95_ms'])} | {f(r['stopped_to_first_text_p50_ms'])} | "
-            f"{f(r['first_turn_p50_ms'])} | {f(r['later_turns_p50_ms'])} | {f(r['server_ttft_mean_ms'])} | "
+            f"{f(r['first_turn_p50_ms'])} | {f(r['later_turns_p50_ms'])} | "
+            f"{f(r.get('server_turn_media_mean_ms'))} | {f(r.get('server_turn_first_text_mean_ms'))} | "
             f"{f(r['server_ttfa_mean_ms'])} | {r['errors']} |"
         )
     return "\n".join(lines)

@@ -1,6 +1,8 @@
 """Where a request's time went, from every service's own /metrics: the mean of each latency histogram
 over a benchmark level (the difference of two snapshots), so a client-side figure can be split into
-the stages' parts (encoder call, thinker queue and first token, talker queue, first audio and step)."""
+the stages' parts (encoder call, thinker queue and first token, talker queue, first audio and step; a
+Converse turn's media and first text), and what some counters counted meanwhile (the gateway's encode
+cache)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from omnistage.common.config import DeployConfig
 SPLIT = (
     ("gateway_ttft_seconds", "modality"),
     ("gateway_ttfa_seconds", ""),
+    ("gateway_turn_seconds", "phase"),
     ("rpc_latency_seconds", "method"),
     ("encoder_queue_time_seconds", ""),
     ("thinker_queue_time_seconds", ""),
@@ -22,7 +25,10 @@ SPLIT = (
     ("talker_step_batch", ""),
 )
 
-Snapshot = dict[str, tuple[float, float]]  # "service/metric[label]" → (sum, count)
+# Counters counted over a level: (metric name, label that tells series apart).
+COUNTS = (("gateway_encode_cache_lookups_total", "result"), ("gateway_encode_cache_ahead_total", "outcome"))
+
+Snapshot = dict[str, tuple[float, float]]  # "service/metric[label]" → (sum, count); a counter: (value, -1)
 
 
 def metric_urls(cfg: DeployConfig) -> dict[str, str]:
@@ -47,6 +53,12 @@ def snapshot(urls: dict[str, str]) -> Snapshot:
         except OSError:
             continue
         for line in text.splitlines():
+            for metric, key in COUNTS:
+                if line.startswith(f"omnistage_{metric}{{"):
+                    label = _label(line, key)
+                    name = f"{service}/{metric}" + (f"[{label}]" if label else "")
+                    value = out.get(name, (0.0, -1.0))[0] + float(line.rsplit(" ", 1)[1])
+                    out[name] = (value, -1.0)
             for metric, key in SPLIT:
                 for suffix, i in (("_sum", 0), ("_count", 1)):
                     if not line.startswith(f"omnistage_{metric}{suffix}"):
@@ -64,7 +76,16 @@ def means(before: Snapshot, after: Snapshot) -> dict[str, float]:
     out = {}
     for name, (s, c) in sorted(after.items()):
         s0, c0 = before.get(name, (0.0, 0.0))
-        if c - c0 > 0:
+        if c >= 0 and c - c0 > 0:
             mean = (s - s0) / (c - c0)
             out[name] = round(mean * 1000.0, 1) if "seconds" in name else round(mean, 2)
     return out
+
+
+def counted(before: Snapshot, after: Snapshot) -> dict[str, float]:
+    """What each counter of `COUNTS` counted between the snapshots."""
+    return {
+        name: value - before.get(name, (0.0, -1.0))[0]
+        for name, (value, c) in sorted(after.items())
+        if c < 0 and value - before.get(name, (0.0, -1.0))[0]
+    }

@@ -50,6 +50,11 @@ class GatewayConfig:
     converse_max_turns: int = 16
     converse_max_turn_chars: int = 4000
     converse_max_turn_audio_bytes: int = 1_920_000
+    # Omni.Converse: encoder outputs of spoken turns kept for the conversation's later turns (each clip
+    # encoded once per call; their leases held in the encoder's pool, within a quarter of its
+    # transport_pool_bytes), also those a Realtime session encodes ahead; 0: none kept (each turn encodes
+    # its window's clips again, after the turn ended).
+    converse_kept_encodings: int = 512
     # Stage watch (from start-up on): seconds between health checks of each stage, the deadline of one
     # check in seconds, and the checks in a row not answering SERVING before the stage is marked down
     # (its calls in flight fail with UNAVAILABLE; it is re-admitted when it is SERVING again).
@@ -82,6 +87,11 @@ class GatewayConfig:
     realtime_max_buffer_bytes: int = 1_920_000
     realtime_max_session_s: float = 1800.0
     realtime_idle_timeout_s: float = 300.0
+    # Realtime with server VAD: once the silence after speech has lasted this long (at most half of the
+    # session's silence_duration_ms), the turn's audio — its speech and that much silence — goes to the
+    # encoder, before VAD calls the speech stopped; speech that resumes drops it. 0 (or
+    # converse_kept_encodings 0): encoded when the turn is sent, its audio through the whole silence.
+    realtime_encode_ahead_ms: int = 200
     # Accept HTTP bodies with top-level fields OpenAI's schema does not have (they are ignored); off:
     # 400 naming them, as OpenAI answers.
     http_allow_unknown_fields: bool = False
@@ -116,3 +126,4 @@ class GatewayConfig:
                 "realtime_idle_timeout_s",
             ),
         )
+        positive_fields(self, path, ("converse_kept_encodings", "realtime_encode_ahead_ms"), allow_zero=True)

@@ -10,6 +10,7 @@ from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_main import run_service
 from omnistage.services.gateway.converse import ConverseLimits
+from omnistage.services.gateway.encode_cache import EncodeCache
 from omnistage.services.gateway.media import MESSAGE_OVERHEAD
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.startup import Stages, build_pipeline, request_limits
@@ -74,17 +75,23 @@ async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, 
     stages.start()
     await _wait_for_thinker(runtime, svc, stages)
     if svc.gateway.http_port:
-        await _start_http_front(runtime, cfg, svc, tuple(r.capability for r in stages.readiness()))
+        capabilities = tuple(r.capability for r in stages.readiness())
+        await _start_http_front(runtime, cfg, svc, capabilities, servicer.pipeline.kept)
     runtime.set_serving()
 
 
 async def _start_http_front(
-    runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, capabilities: tuple[str, ...]
+    runtime: ServiceRuntime,
+    cfg: DeployConfig,
+    svc: ServiceConfig,
+    capabilities: tuple[str, ...],
+    kept: EncodeCache | None,
 ) -> None:
-    """The OpenAI-compatible HTTP front (gateway.http_port), calling this gateway's own Omni port."""
+    """The OpenAI-compatible HTTP front (gateway.http_port), calling this gateway's own Omni port (and,
+    in process, its encode cache: Realtime turns encoded ahead)."""
     from omnistage.services.gateway.openai.serve import HttpFront
 
-    front = HttpFront(cfg, svc, runtime.port, capabilities)
+    front = HttpFront(cfg, svc, runtime.port, capabilities, kept)
     await front.start()
     runtime.add_shutdown_hook(front.stop)
 

@@ -75,7 +75,8 @@ class Answer:
                         await sink.text(out.text.text)
                 await self.run.emit(out)
 
-        await self.media.for_call(self.remaining())
+        if await self.media.for_call(self.remaining()):
+            self.run.media_at = time.monotonic()
         await self._call(on_event)
         for sink in sinks:
             await sink.end(finish[0])

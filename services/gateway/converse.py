@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from omnistage.common import metrics
 from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.services.gateway.converse_plan import (
     MAX_SAMPLE_RATE_HZ,
@@ -34,6 +35,13 @@ from omnistage.v1 import common_pb2, omni_pb2
 
 __all__ = ["Conversation", "ConverseLimits", "UserTurn"]
 _END, _FAILED = object(), object()  # the turns' ends: the client half-closed, or its stream failed
+_TURN_SECONDS = metrics.histogram(
+    "gateway_turn_seconds",
+    "A Converse user turn from its end (its last message read) to its media ready for the thinker "
+    "(phase media: encoded, or found kept or encoded ahead; turns with media) and to its first text "
+    "sent (phase first_text)",
+    ("phase",),
+)
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,7 @@ class Conversation:
                             event.turn = turn.index
                             yield event
                     self.answering = None
+                    self._timed(turn, run)
                     if self.failure is not None:  # bad input: the call ends now (the answer was cancelled)
                         raise self.failure
                 history.add(answer.entry())
@@ -114,6 +123,7 @@ class Conversation:
                     yield self._interrupted(plan, turn.index, answer, run)
         finally:
             ticket.release()
+            self.pipeline.conversation_ended(plan.request_id)
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
 
@@ -142,6 +152,12 @@ class Conversation:
         return plan
 
     # -- answers --------------------------------------------------------------------------------
+
+    def _timed(self, turn: UserTurn, run: RequestRun) -> None:
+        """The turn's phases in gateway_turn_seconds (its speech's in gateway_ttfa_seconds)."""
+        for phase, at in (("media", run.media_at), ("first_text", run.first_text_at)):
+            if at is not None:
+                _TURN_SECONDS.labels(self.pipeline.service, phase).observe(at - turn.ended_at)
 
     def _start(
         self, plan: ConversePlan, ticket: Ticket, history: History, turn: UserTurn

@@ -126,7 +126,7 @@ class EncodedMedia:
         self.calls_left -= 1
         if not self.request.media:
             return []
-        if self.items and _expiring(self.items):
+        if self.items and expiring(self.items):
             self.release()
             self.items = []
         if not self.items:
@@ -155,8 +155,9 @@ class EncodedMedia:
         self.held = False
 
 
-def _expiring(items: Sequence[encoder_pb2.EncodedItem]) -> bool:
-    soon = time.time() * 1000 + _LEASE_MARGIN_MS
+def expiring(items: Sequence[encoder_pb2.EncodedItem], margin_ms: int = _LEASE_MARGIN_MS) -> bool:
+    """Some item's lease ends within `margin_ms` (inline items have none)."""
+    soon = time.time() * 1000 + margin_ms
     for item in items:
         ref = item.embeddings
         kind = ref.WhichOneof("payload")

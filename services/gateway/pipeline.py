@@ -11,6 +11,7 @@ from omnistage.common.runtime.errors import InvalidRequest, StageUnavailable
 from omnistage.common.stages import STAGES, Stage
 from omnistage.services.gateway.admission import GateConfig, StageGate
 from omnistage.services.gateway.answer import COMPLETE, Answer
+from omnistage.services.gateway.encode_cache import EncodeCache, KeptMedia
 from omnistage.services.gateway.media import EncodedMedia, MediaStage
 from omnistage.services.gateway.outputs import OutputStage
 from omnistage.services.gateway.plan import Planner, RequestPlan
@@ -51,6 +52,7 @@ class Pipeline:
         system_prompt: str,
         media_dir: str = "",
         media: MediaStage | None = None,
+        kept: EncodeCache | None = None,
         speech: OutputStage | None = None,
         images: OutputStage | None = None,
         outputs: Sequence[OutputStage] = (),
@@ -61,6 +63,9 @@ class Pipeline:
     ) -> None:
         self.thinker = thinker
         self.media = media
+        # Conversations' encoded clips, kept across their turns (and made ahead of a Realtime turn's end);
+        # None: each Converse turn encodes its window's clips again.
+        self.kept = kept
         self.deployed = deployed
         self.limits = limits
         self.system_prompt = system_prompt
@@ -169,14 +174,24 @@ class Pipeline:
         remaining: Callable[[], float | None],
     ) -> omni_pb2.GenerateEvent:
         """One Converse answer in `run`: its media encoded (outside the encoder's gate: a conversation
-        is admitted once, at the thinker's), its text, spoken when `voice` is given; its Finish."""
-        media = EncodedMedia(self.media, request, {}, None)
+        is admitted once, at the thinker's) or found kept, its text, spoken when `voice` is given; its
+        Finish."""
+        media = (
+            KeptMedia(self.kept, request)
+            if self.kept is not None
+            else EncodedMedia(self.media, request, {}, None)
+        )
         answer = Answer(self.thinker, self.admission, run, ticket, request, media, remaining, "config.")
         try:
             sinks = [self.outputs["talker"].during(run, voice, answer)] if voice is not None else []
             return await answer.text(sinks)
         finally:
             media.release()
+
+    def conversation_ended(self, request_id: str) -> None:
+        """A Converse call ended: the clips kept for it go."""
+        if self.kept is not None:
+            self.kept.end(request_id)
 
     # -- Omni.Tokenize / Detokenize ---------------------------------------------------------------
 

@@ -39,6 +39,10 @@ class RequestRun:
         self.handed_over = False  # the thinker took the request (its `started`): no asking again
         self.prompt_tokens = 0  # the thinker's count at its `started` (the usage of an answer cut short)
         self.audio: omni_pb2.AudioStatus | None = None  # set by a spoken answer: what the client was sent
+        # When its media were ready for the thinker, and when its first text was queued for the client
+        # (None: not yet, or none): a Converse turn's phases (converse.py's metrics).
+        self.media_at: float | None = None
+        self.first_text_at: float | None = None
 
     # -- the stages' side ---------------------------------------------------------------------------
 
@@ -53,8 +57,11 @@ class RequestRun:
         """Queue `event` for the client (waits while the client is this many events behind)."""
         if not self.over:
             await self._queue.put(event)
-            if self.audio is not None and event.WhichOneof("event") == "audio":
+            kind = event.WhichOneof("event")
+            if self.audio is not None and kind == "audio":
                 self._count_audio(event.audio, 1)
+            elif kind == "text" and self.first_text_at is None:
+                self.first_text_at = time.monotonic()
 
     async def finish(self, event: omni_pb2.GenerateEvent) -> None:
         """Queue the run's last event: nothing follows it (a `cancel` from now on is too late)."""

@@ -19,6 +19,7 @@ from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.stages import CAPABILITIES, STAGES, Stage
 from omnistage.common.transport import TransportContext
 from omnistage.services.gateway.admission import GateConfig, StageGate
+from omnistage.services.gateway.encode_cache import EncodeCache
 from omnistage.services.gateway.media import MediaStage
 from omnistage.services.gateway.outputs import output_stage
 from omnistage.services.gateway.pace import StepPace
@@ -85,6 +86,7 @@ def build_pipeline(
             runtime.add_shutdown_hook(stage.close)
             outputs.append(stage)
     gate = GateConfig(0, gw.admission_max_waiting, gw.admission_initial_service_s)
+    media = _media_stage(runtime, cfg, svc)
     return Pipeline(
         thinkers[0] if thinkers else None,
         deployed,
@@ -92,7 +94,8 @@ def build_pipeline(
         limits=request_limits(svc),
         system_prompt=gw.system_prompt,
         media_dir=gw.media_dir,
-        media=_media_stage(runtime, cfg, svc),
+        media=media,
+        kept=_encode_cache(runtime, cfg, svc, media),
         outputs=outputs,
         gates={
             s.kind: StageGate(s.kind, gate, svc.name)
@@ -132,6 +135,20 @@ def _media_stage(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig)
     )
     runtime.add_shutdown_hook(media.close)
     return media
+
+
+def _encode_cache(
+    runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, media: MediaStage | None
+) -> EncodeCache | None:
+    """Conversations' encoded clips kept across their turns (gateway.converse_kept_encodings), within a
+    quarter of the encoder's transport pool (what their leases hold there); None: off, or no encoder."""
+    count = svc.gateway.converse_kept_encodings
+    if media is None or not count:
+        return None
+    pool = cfg.services_of("encoder")[0].encoder.transport_pool_bytes
+    cache = EncodeCache(media, count, pool // 4, svc.name)
+    runtime.add_shutdown_hook(cache.close)  # before the media path closes (hooks run in reverse)
+    return cache
 
 
 class Stages:

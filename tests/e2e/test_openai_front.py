@@ -956,6 +956,7 @@ def _realtime_gauges(front) -> dict[str, float]:
     return {
         "sessions": metric(gw, 'omnistage_gateway_realtime_sessions{service="gateway"}', 0.0),
         "responses": metric(gw, 'omnistage_gateway_realtime_responses_active{service="gateway"}', 0.0),
+        "kept_clips": metric(gw, 'omnistage_gateway_encode_cache_items{service="gateway"}', 0.0),
         **_in_flight(front),
     }
 
@@ -1045,6 +1046,57 @@ def test_realtime_server_vad_commits_speech_and_answers_it(front):
     assert _answered(done["response"])
     assert any(e["type"] == "response.output_text.delta" for e in log)
     assert not any(e["type"] == "response.output_audio.delta" for e in log)
+
+
+def _cache_counts(front) -> dict[str, float]:
+    """The gateway's encode cache counters (labels in the exposition's order: sorted by name)."""
+    gw, name = front["metrics"]["gateway"], "omnistage_gateway_encode_cache"
+    counts = {
+        r: metric(gw, f'{name}_lookups_total{{result="{r}",service="gateway"}}', 0.0)
+        for r in ("hit", "wait", "miss")
+    }
+    counts["ahead"] = metric(gw, f'{name}_ahead_total{{outcome="started",service="gateway"}}', 0.0)
+    return counts
+
+
+def test_realtime_spoken_turns_are_encoded_ahead_once_and_the_second_reuses_the_first_prefix(front):
+    """Two spoken turns of one session (server VAD): each turn's clip went to the encoder when VAD first
+    heard its silence last, before `speech_stopped` (the turn found it encoded or under way: no clip
+    encoded after a commit); the second turn's prompt lends the first clip again (no second Encode of
+    it), and the thinker takes the first turn's prompt from its prefix cache (`cached_tokens`). The
+    session's end releases every kept clip (the idle check's `kept_clips`)."""
+
+    async def scenario():
+        log: list = []
+        async with rc.client(front["base"], KEY).realtime.connect(model=rc.MODEL) as conn:
+            vad = {"type": "server_vad", "silence_duration_ms": 300}
+            await conn.session.update(
+                session={
+                    "output_modalities": ["text"],
+                    "max_output_tokens": 8,
+                    "audio": {"input": {"turn_detection": vad}},
+                }
+            )
+            await rc.until(conn, log, "session.updated")
+            dones = []
+            for speech_s in (0.8, 0.7):  # two different clips
+                await rc.speak(conn, rc.utterance(speech_s, 0.3, 0.6))
+                dones.append(await rc.until(conn, log, "response.done"))
+        return dones, log
+
+    before = _cache_counts(front)
+    dones, log = _realtime(scenario())
+    _wait_realtime_idle(front)
+    got = {k: v - before[k] for k, v in _cache_counts(front).items()}
+    assert all(_answered(d["response"]) for d in dones)
+    assert rc.types(log).count("input_audio_buffer.speech_stopped") == 2
+    assert got["miss"] == 0, got  # no clip was encoded after its turn was committed
+    assert got["hit"] + got["wait"] == 3, got  # turn 1: its clip; turn 2: the first one again and its own
+    assert got["ahead"] >= 2, got
+    # The second prompt begins with the first (its clip's rows the same bytes): every whole KV block of
+    # it (engine.block_size 16) comes from the prefix cache.
+    first, second = (d["response"]["usage"] for d in dones)
+    assert second["input_token_details"]["cached_tokens"] >= first["input_tokens"] // 16 * 16 > 0
 
 
 def test_realtime_barge_in_cancels_the_answer_and_the_next_one_answers(front):

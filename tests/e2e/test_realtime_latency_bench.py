@@ -56,4 +56,8 @@ def test_the_tiny_run_times_every_turn(tmp_path):
         assert row["stopped_to_first_audio_p95_ms"] >= audio
         assert row["first_turn_p50_ms"] is not None and row["later_turns_p50_ms"] is not None
         assert row["server_ttfa_mean_ms"] is not None  # the gateway's own view of the same turns
+        assert (
+            row["server_turn_media_mean_ms"] is not None and row["server_turn_first_text_mean_ms"] is not None
+        )
+        assert row["encode_cache"].get("ahead[started]", 0) >= 1  # turns' clips went to the encoder early
     assert "| sessions | turns |" in (out / "realtime_latency.md").read_text()

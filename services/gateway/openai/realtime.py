@@ -15,8 +15,10 @@ from omnistage.common.runtime.deadlines import within
 from omnistage.services.gateway.openai import realtime_events as rt
 from omnistage.services.gateway.openai.app import INLINE_PARSE_BYTES
 from omnistage.services.gateway.openai.realtime_input import (
+    AheadCache,
     Heard,
     InputBuffer,
+    TurnAhead,
     converse_config,
     turn_messages,
 )
@@ -85,7 +87,8 @@ def credentials(ws: WebSocket) -> tuple[str, str | None]:
 
 
 class RealtimeEndpoint:
-    """The ASGI WebSocket app of `/v1/realtime`; `stub` calls the gateway's own Omni port."""
+    """The ASGI WebSocket app of `/v1/realtime`; `stub` calls the gateway's own Omni port, `kept` is the
+    gateway's encode cache (None: no encoding ahead), the one thing a session reaches in process."""
 
     def __init__(
         self,
@@ -93,10 +96,18 @@ class RealtimeEndpoint:
         options: RealtimeOptions,
         model: str,
         check_key: Callable[[tuple], str] | None = None,
+        kept: AheadCache | None = None,
     ) -> None:
         self.stub, self.options, self.model, self.check_key = stub, options, model, check_key
+        self.kept = kept
         self.slots = SessionSlots(options)
         self.metrics = RealtimeMetrics()
+
+    def turn_ahead(self, session_id: str) -> TurnAhead | None:
+        """A session's encoding ahead (None: off)."""
+        if self.kept is None or not self.options.encode_ahead_ms:
+            return None
+        return TurnAhead(self.kept, session_id, self.options.encode_ahead_ms)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ws = WebSocket(scope, receive, send)
@@ -146,7 +157,7 @@ class RealtimeSession:
         self.id = rt.new_id("sess")
         self.conversation_id = rt.new_id("conv")
         self.config = rt.SessionConfig()
-        self.input = InputBuffer(self.config.vad)
+        self.input = InputBuffer(self.config.vad, endpoint.turn_ahead(self.id))
         self.pending: list[rt.UserItem] = []
         self.last_item: str | None = None
         self.call: grpc.aio.StreamStreamCall | None = None
@@ -185,6 +196,7 @@ class RealtimeSession:
             await self._end("server_error", f"the session failed: {type(exc).__name__}")
             return "error"
         finally:
+            self.input.close()
             await self._close_call()
 
     async def _end(self, code: str, message: str) -> None:
@@ -313,12 +325,7 @@ class RealtimeSession:
             await self._respond("server_vad")
 
     async def _commit(self, event: dict[str, Any]) -> None:
-        if len(self.input) < rt.RATE // 10 * 2:
-            raise rt.EventError(
-                f"the input audio buffer holds {len(self.input) * 500 // rt.RATE} ms, at least 100 ms are needed",
-                code="input_audio_buffer_commit_empty",
-            )
-        await self._add_committed(rt.UserItem(rt.new_id("item"), pcm16=self.input.take()))
+        await self._add_committed(rt.UserItem(rt.new_id("item"), pcm16=self.input.commit()))
 
     async def _add_committed(self, item: rt.UserItem) -> None:
         await self.send(
@@ -331,6 +338,8 @@ class RealtimeSession:
         await self.send(rt.event("conversation.item.created", previous_item_id=self.last_item, item=body))
         self.last_item = item.item_id
         self.pending.append(item)
+        if item.pcm16:  # its encoding starts now (if it has not: VAD's turns started theirs before)
+            self.input.encode(item.pcm16)
 
     async def _truncate(self, event: dict[str, Any]) -> None:
         item_id, ms = rt.truncation(event, self.spoken)

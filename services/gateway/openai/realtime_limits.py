@@ -23,6 +23,7 @@ class RealtimeOptions:
     idle_timeout_s: float = GatewayConfig.realtime_idle_timeout_s
     max_turn_chars: int = GatewayConfig.converse_max_turn_chars
     max_prompt_chars: int = GatewayConfig.max_prompt_chars
+    encode_ahead_ms: int = GatewayConfig.realtime_encode_ahead_ms
     buffer_knob: str = "gateway.realtime_max_buffer_bytes"  # the key that sets max_buffer_bytes
 
     def buffer_limit(self, max_turn_audio_bytes: int, max_audio_seconds: float) -> RealtimeOptions:

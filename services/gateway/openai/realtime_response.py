@@ -79,6 +79,7 @@ class Response:
 
     def _body(self, status: str, details: dict | None, usage: common_pb2.Usage | None) -> dict[str, Any]:
         prompt = usage.prompt_tokens if usage is not None else 0
+        cached = usage.cached_prompt_tokens if usage is not None else 0  # the thinker's prefix cache
         out = usage.completion_tokens if usage is not None and usage.completion_tokens else self.tokens
         return {
             "object": "realtime.response",
@@ -103,7 +104,7 @@ class Response:
                 "total_tokens": prompt + out,
                 "input_tokens": prompt,
                 "output_tokens": out,
-                "input_token_details": {"text_tokens": prompt, "audio_tokens": 0, "cached_tokens": 0},
+                "input_token_details": {"text_tokens": prompt, "audio_tokens": 0, "cached_tokens": cached},
                 "output_token_details": {"text_tokens": out, "audio_tokens": 0},
             },
             "metadata": None,

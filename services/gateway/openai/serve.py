@@ -21,6 +21,7 @@ from omnistage.common.runtime.deadlines import within
 from omnistage.services.gateway.openai import vad
 from omnistage.services.gateway.openai.app import Front, FrontOptions
 from omnistage.services.gateway.openai.realtime import RealtimeEndpoint
+from omnistage.services.gateway.openai.realtime_input import AheadCache
 from omnistage.services.gateway.openai.realtime_limits import RealtimeOptions
 from omnistage.v1 import omni_pb2_grpc
 
@@ -51,34 +52,44 @@ def _realtime_options(cfg: DeployConfig, svc: ServiceConfig) -> RealtimeOptions:
         gw.realtime_idle_timeout_s,
         gw.converse_max_turn_chars,
         gw.max_prompt_chars,
+        gw.realtime_encode_ahead_ms,
     )
     return options.buffer_limit(gw.converse_max_turn_audio_bytes, max_audio_s)
+
+
+def _omni_channel(cfg: DeployConfig, svc: ServiceConfig, grpc_port: int) -> grpc.aio.Channel:
+    """The front's channel to the gateway's own Omni port (its TLS when it has one)."""
+    target = join_host_port(cfg.dial_host(svc.bind_host), grpc_port)
+    options = [
+        ("grpc.max_receive_message_length", svc.max_message_bytes),
+        ("grpc.max_send_message_length", svc.max_message_bytes),
+    ]
+    creds = auth.channel_credentials(svc)
+    if creds is not None:
+        return grpc.aio.secure_channel(target, creds, options)
+    return grpc.aio.insecure_channel(target, options)
 
 
 class HttpFront:
     """The running HTTP front: `start()` binds (OSError naming the key when it cannot), `stop()` ends it."""
 
     def __init__(
-        self, cfg: DeployConfig, svc: ServiceConfig, grpc_port: int, capabilities: tuple[str, ...] = ()
+        self,
+        cfg: DeployConfig,
+        svc: ServiceConfig,
+        grpc_port: int,
+        capabilities: tuple[str, ...] = (),
+        kept: AheadCache | None = None,
     ) -> None:
+        """`kept`: the gateway's encode cache, which Realtime sessions encode their turns ahead into."""
         gw = svc.gateway
         self.svc = svc
         self.where = join_host_port(svc.bind_host, gw.http_port)
-        target = join_host_port(cfg.dial_host(svc.bind_host), grpc_port)
-        options = [
-            ("grpc.max_receive_message_length", svc.max_message_bytes),
-            ("grpc.max_send_message_length", svc.max_message_bytes),
-        ]
-        creds = auth.channel_credentials(svc)
-        self.channel = (
-            grpc.aio.secure_channel(target, creds, options)
-            if creds is not None
-            else grpc.aio.insecure_channel(target, options)
-        )
+        self.channel = _omni_channel(cfg, svc, grpc_port)
         keys = auth.api_keys(svc)
         check_key = keys.refusal if keys is not None else None
         realtime = RealtimeEndpoint(
-            omni_pb2_grpc.OmniStub(self.channel), _realtime_options(cfg, svc), gw.http_model, check_key
+            omni_pb2_grpc.OmniStub(self.channel), _realtime_options(cfg, svc), gw.http_model, check_key, kept
         )
         self.front = front = Front(
             self.channel,

@@ -64,21 +64,31 @@ class VadSettings:
     interrupt_response: bool = True
 
 
+STARTED, PAUSED, RESUMED, STOPPED = "started", "paused", "resumed", "stopped"
+
+
 @dataclass(frozen=True)
 class VadEvent:
-    """Speech began (`started`) or ended, at `ms` of the session's input audio."""
+    """Speech began, paused (its silence lasted the detector's `pause_ms`), resumed after such a pause, or
+    ended (`kind`), at `ms` of the session's input audio: where a pause or the end's silence began."""
 
-    started: bool
+    kind: str
     ms: int
+
+    @property
+    def started(self) -> bool:
+        return self.kind == STARTED
 
 
 class TurnDetector:
     """PCM16 at `rate` in; speech start and end out. Speech starts at the first frame at or above the
     threshold and ends once the probability stayed below threshold - 0.15 for silence_duration_ms
-    (its end is where that silence began)."""
+    (its end is where that silence began). With `pause_ms`, a silence that lasted that long is told
+    first (`paused`: the speech may be over), and so is speech that comes back after it (`resumed`)."""
 
-    def __init__(self, settings: VadSettings, rate: int) -> None:
+    def __init__(self, settings: VadSettings, rate: int, pause_ms: int = 0) -> None:
         self.settings = settings
+        self.pause_ms = pause_ms
         self._resampler = Pcm16Resampler(rate, VAD_RATE)
         self._pending = np.zeros(0, np.float32)
         self._state = np.zeros((2, 1, 128), np.float32)
@@ -86,6 +96,7 @@ class TurnDetector:
         self._frames = 0  # frames seen: the time of the next one is frames * FRAME_MS
         self.speaking = False
         self._silence_from: int | None = None  # frame where the current silence began
+        self._paused = False  # the current silence was told as a pause
 
     async def feed(self, pcm16: bytes) -> list[VadEvent]:
         """The decisions `pcm16` brings (inference off the event loop)."""
@@ -113,21 +124,25 @@ class TurnDetector:
             self._frames += 1
             if prob >= s.threshold:
                 self._silence_from = None
-                if not self.speaking:
-                    self.speaking = True
-                    events.append(VadEvent(True, at * FRAME_MS))
+                if not self.speaking or self._paused:
+                    events.append(VadEvent(RESUMED if self.speaking else STARTED, at * FRAME_MS))
+                    self.speaking, self._paused = True, False
             elif self.speaking and prob < s.threshold - HYSTERESIS:
                 if self._silence_from is None:
                     self._silence_from = at
-                if (self._frames - self._silence_from) * FRAME_MS >= s.silence_duration_ms:
-                    self.speaking = False
-                    events.append(VadEvent(False, self._silence_from * FRAME_MS))
-                    self._silence_from = None
+                since_ms = self._silence_from * FRAME_MS
+                silent_ms = self._frames * FRAME_MS - since_ms
+                if self.pause_ms and not self._paused and silent_ms >= self.pause_ms:
+                    self._paused = True
+                    events.append(VadEvent(PAUSED, since_ms))
+                if silent_ms >= s.silence_duration_ms:
+                    self.reset()
+                    events.append(VadEvent(STOPPED, since_ms))
         return events
 
     def reset(self) -> None:
         """Forget the current speech (the buffer was cleared or committed by the client)."""
-        self.speaking, self._silence_from = False, None
+        self.speaking, self._silence_from, self._paused = False, None, False
 
 
 def warm_up() -> None:

@@ -232,6 +232,7 @@ def gateway(
     max_streams: int = 0,
     media=None,
     converse=None,
+    kept=None,
 ) -> OmniServicer:
     """An OmniServicer over the fakes (talker_address None: no talker deployed)."""
     speech = None
@@ -252,6 +253,7 @@ def gateway(
             limits=RequestLimits(),
             system_prompt="",
             media=media,
+            kept=kept,
             speech=speech,
         ),
         **extra,

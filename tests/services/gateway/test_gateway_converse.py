@@ -8,8 +8,10 @@ import asyncio
 
 import grpc
 import pytest
+from omnistage.common.metrics import REGISTRY
 from omnistage.common.runtime.errors import InvalidRequest, OmniError, StageUnavailable
 from omnistage.services.gateway.converse import ConverseLimits, _Answer
+from omnistage.services.gateway.encode_cache import EncodeCache
 from omnistage.services.gateway.history import Entry
 from omnistage.services.gateway.stages import StageError
 from omnistage.v1 import common_pb2, omni_pb2
@@ -260,6 +262,41 @@ def test_spoken_turns_reach_the_encoder_as_pcm_and_stay_in_the_history():
     audio_markup = "<audio>" + "<audioPatch>" * 3 + "</audio>"
     assert thinker.calls[1].prompt.count(audio_markup) == 2 and len(thinker.calls[1].multimodal) == 2
     assert media.released == []  # the thinker took every ref
+
+
+def test_with_the_encode_cache_each_clip_is_encoded_once_per_call_and_released_when_it_ends():
+    """Each turn's Encode carries only its new clip: the earlier ones are lent from the cache to the
+    thinker, which copies the rows and leaves the leases (caller_keeps_lease); the call's end releases
+    them all. Each turn's media and first text are timed from its end (gateway_turn_seconds)."""
+
+    def turns_timed(phase: str) -> float:
+        labels = {"service": "gateway", "phase": phase}
+        return REGISTRY.get_sample_value("omnistage_gateway_turn_seconds_count", labels) or 0.0
+
+    async def scenario():
+        thinker, media = FakeThinker(ANSWER), FakeMedia()
+        cache = EncodeCache(media, 8, 1 << 20, service="t-converse")
+        async with TalkerServer(FakeTalker()) as srv:
+            servicer = gateway(thinker, srv.address, media=media, kept=cache)
+            client = Client(config(), audio(_pcm(0.25)), END_OF_TURN)
+
+            def on_event(event, events):
+                if event.HasField("finish") and event.turn == 0:
+                    client.send(audio(_pcm(0.5, 8000), 8000))
+                    client.send(END_OF_TURN)
+                    client.close()
+
+            events = await converse(servicer, client, on_event)
+        return thinker, media, events, cache.held
+
+    before = {phase: turns_timed(phase) for phase in ("media", "first_text")}
+    thinker, media, events, held = run(scenario())
+    assert [f.finish.reason for f in finishes(events)] == [common_pb2.FINISH_REASON_STOP] * 2
+    assert [[p.where for p in r] for r in media.requests] == [["audio (turn 0)"], ["audio (turn 1)"]]
+    assert [len(c.multimodal) for c in thinker.calls] == [1, 2]
+    assert all(m.caller_keeps_lease for c in thinker.calls for m in c.multimodal)
+    assert len(media.released) == 2 and held == 0  # the call ended: both clips' leases released
+    assert {phase: turns_timed(phase) - n for phase, n in before.items()} == {"media": 2, "first_text": 2}
 
 
 def test_the_first_audio_chunk_of_a_turn_interrupts_the_answer():
