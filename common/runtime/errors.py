@@ -20,9 +20,12 @@ _log = logging.getLogger(__name__)
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 # Trailing metadata of an INVALID_ARGUMENT that says what kind of refusal it is (a caller acts on the
 # kind, never on the message's words): CONTEXT_OVERFLOW, the prompt (with the room its answer asks
-# for) does not fit the model's context, where a shorter prompt may.
+# for) does not fit the model's context, where a shorter prompt may; NOTHING_TO_SPEAK, a Speak stream's
+# text had nothing the talker speaks (a stream moved to another talker for the rest of an answer whose
+# rest has none: its speech is complete).
 ERROR_REASON_KEY = "omnistage-error-reason"
 CONTEXT_OVERFLOW = "context_overflow"
+NOTHING_TO_SPEAK = "nothing_to_speak"
 
 
 class OmniError(Exception):

@@ -149,11 +149,12 @@ class StageGate:
             reason=f"{self.stage}_deadline",
         )
 
-    async def take(self, remaining_s: float | None) -> Slot:
+    async def take(self, remaining_s: float | None, *, first: bool = False) -> Slot:
         """One slot of the stage, waited for in FIFO order within `remaining_s` (DeadlineExceeded past
-        it); the caller releases it."""
+        it); the caller releases it. `first`: ahead of every waiter, never refused for the waiting room
+        (work already begun that lost its slot: a spoken answer whose talker replica went down)."""
         arrived = time.monotonic()
-        await self._acquire(remaining_s)
+        await self._acquire(remaining_s, first)
         started = time.monotonic()
         self._wait.observe(started - arrived)
         return Slot(self, started)
@@ -167,13 +168,17 @@ class StageGate:
         finally:
             held.release()
 
-    async def _acquire(self, remaining_s: float | None) -> None:
-        self.check(remaining_s, coming=False)
-        if self.has_room():
+    async def _acquire(self, remaining_s: float | None, first: bool = False) -> None:
+        if not first:
+            self.check(remaining_s, coming=False)
+        if self.has_room() or (first and self.running < self.cfg.max_running):
             self.running += 1
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        if first:
+            self._waiters.appendleft(fut)
+        else:
+            self._waiters.append(fut)
         try:
             await within(asyncio.shield(fut), remaining_s)
         except (TimeoutError, asyncio.CancelledError) as exc:

@@ -180,13 +180,14 @@ class Ticket:
         async with gate.slot(remaining_s) as held:
             yield held
 
-    async def join(self, stage: str, wait_s: float) -> Slot:
+    async def join(self, stage: str, wait_s: float, *, first: bool = False) -> Slot:
         """A slot of a stage that joins the answer when it can (the talker's stream): at once when one is
         free, else waited for in FIFO order at most `wait_s`. Overloaded (its estimated wait as the retry
         hint) when the waiting room is full or no slot can free in time; DeadlineExceeded past the wait.
+        `first`: ahead of the waiters (a spoken answer whose talker replica was lost under its speech).
         The caller releases it."""
         gate = self.admission.gates[stage]
-        wait = gate.check_room(coming=False)
+        wait = gate.estimated_wait_s(ahead=0, coming=False) if first else gate.check_room(coming=False)
         if wait > wait_s:
             gate.refused += 1
             raise Overloaded(
@@ -195,7 +196,7 @@ class Ticket:
                 retry_after_ms=max(1, int(wait * 1000)),
                 reason=f"{stage}_deadline",
             )
-        return await gate.take(wait_s)
+        return await gate.take(wait_s, first=first)
 
     def tokens(self, count: int) -> None:
         """The request's text answer streamed `count` more tokens."""

@@ -19,7 +19,7 @@ import torch
 from omnistage.common.config import TalkerConfig
 from omnistage.common.runtime.concurrency import ConcurrencyLimiter
 from omnistage.common.runtime.device_loop import DeviceFailed, DeviceLoop
-from omnistage.common.runtime.errors import InvalidRequest
+from omnistage.common.runtime.errors import NOTHING_TO_SPEAK, InvalidRequest
 from omnistage.services.talker.metrics import SessionMetrics
 from omnistage.services.talker.model_runner import TalkerRunner
 from omnistage.services.talker.pacing import StreamPace
@@ -27,7 +27,7 @@ from omnistage.services.talker.reference_audio import ClipError
 from omnistage.services.talker.runner import SegmentRunner
 from omnistage.services.talker.scheduler import JobAudio, JobDone, JobEvent, JobFailed, SegmentJob
 from omnistage.services.talker.silence import SilenceTrimmer
-from omnistage.services.talker.text_segment import SentenceSegmenter
+from omnistage.services.talker.text_segment import Segment, SentenceSegmenter
 from omnistage.services.talker.voice_prompt import CUSTOM, Voice
 from omnistage.services.talker.voices import VoiceBank, build_voice, prepare_clip
 
@@ -78,6 +78,7 @@ class SegmentSpoken:
     num_samples: int
     steps: int
     stopped_by_model: bool
+    text_end: int = 0  # the stream's characters it and the segments before it cover (0: not known)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ class SpeakSession:
                 index += 1
             if index == 0:
                 raise InvalidRequest(
-                    "text: nothing to speak (the stream's text has no letters, digits or CJK characters)"
+                    "text: nothing to speak (the stream's text has no letters, digits or CJK characters)",
+                    reason=NOTHING_TO_SPEAK,
                 )
             yield Finished(index, total, first_audio_s)
         finally:
@@ -227,7 +229,7 @@ class SpeakSession:
             if pending is not None:
                 pending.cancel()
 
-    def _ready(self, texts: list[str]) -> None:
+    def _ready(self, texts: list[Segment]) -> None:
         now = time.monotonic()
         for text in texts:
             self._segments.put_nowait((text, now))
@@ -263,7 +265,7 @@ class SpeakSession:
     async def _speak(
         self,
         index: int,
-        text: str,
+        text: Segment,
         voice: Voice,
         seed: int,
         start_sample: int,
@@ -293,7 +295,7 @@ class SpeakSession:
                     audio_s = produced / self.sample_rate
                     if audio_s:
                         stats.rtf.observe((time.monotonic() - submitted) / audio_s)
-                    yield SegmentSpoken(index, text, sent, event.steps, event.stopped_by_model)
+                    yield SegmentSpoken(index, text, sent, event.steps, event.stopped_by_model, text.text_end)
                     return
                 assert isinstance(event, JobAudio)
                 produced += event.samples.size

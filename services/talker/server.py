@@ -83,6 +83,7 @@ def to_proto(event: object) -> talker_pb2.SpeakResponse:
                 num_samples=event.num_samples,
                 steps=event.steps,
                 stopped_by_model=event.stopped_by_model,
+                text_end=event.text_end,
             )
         )
     if isinstance(event, Started):

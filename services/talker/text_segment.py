@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import re
 import time
 
@@ -29,6 +31,19 @@ def speakable(text: str) -> bool:
     return bool(_SPEAKABLE.search(text))
 
 
+class Segment(str):
+    """A segment's text as the talker reads it, with `text_end`: the characters of the stream's text (all
+    its deltas together) that it and the segments before it cover. A stream moved to another talker goes
+    on from there (SegmentDone.text_end); never past text not spoken yet."""
+
+    text_end: int
+
+    def __new__(cls, text: str, text_end: int) -> Segment:
+        segment = super().__new__(cls, text)
+        segment.text_end = text_end
+        return segment
+
+
 class SentenceSegmenter:
     """`push(delta)` → the segments that became complete; `due(now)` → the first segment once its wait
     is over; `flush()` → the rest. Not thread-safe."""
@@ -37,16 +52,21 @@ class SentenceSegmenter:
         # The talker's deploy-file keys own these limits (and their defaults).
         self.cfg = cfg or TalkerConfig()
         self._pieces: list[str] = []  # pieces of the open segment
+        self._ends: list[int] = []  # where each of them ends in the stream's text
+        self._start = 0  # where the open segment starts in the stream's text
+        self._pushed = 0  # characters pushed in all
         self._words = 0  # speakable pieces among them
         self._tail = ""  # text not split into pieces yet (the last piece may still grow)
         self._first_text_at: float | None = None  # when the first segment's first text came
         self.segments_cut = 0
 
-    def push(self, text: str, now: float | None = None) -> list[str]:
+    def push(self, text: str, now: float | None = None) -> list[Segment]:
         """Add a delta; `now` (monotonic seconds) starts the first segment's wait at its first text."""
         if text and self._first_text_at is None and self.segments_cut == 0:
             self._first_text_at = time.monotonic() if now is None else now
+        self._pushed += len(text)
         self._tail += text
+        at = self._pushed - len(self._tail)  # where the tail starts (its pieces are all of it, in order)
         pieces = PIECE.findall(self._tail)
         if not pieces:
             return []
@@ -55,10 +75,7 @@ class SentenceSegmenter:
             keep = 2 if pieces[-1] == "." and len(pieces) > 1 and pieces[-2][-1].isdigit() else 1
         self._tail = "".join(pieces[len(pieces) - keep :])
         del pieces[len(pieces) - keep :]
-        out = []
-        for piece in pieces:
-            out.extend(self._add(piece))
-        return out
+        return self._add_all(pieces, at)
 
     def deadline(self) -> float | None:
         """When `due` will cut the first segment (monotonic seconds), or None: no wait is running."""
@@ -66,28 +83,37 @@ class SentenceSegmenter:
             return None
         return self._first_text_at + self.cfg.first_segment_max_wait_s
 
-    def due(self, now: float) -> list[str]:
+    def due(self, now: float) -> list[Segment]:
         """The first segment, cut at its last whole word, once its wait is over and it holds a word."""
         deadline = self.deadline()
         if deadline is None or now < deadline or not self._words:
             return []
         return self._cut()
 
-    def flush(self) -> list[str]:
-        out = []
-        for piece in PIECE.findall(self._tail):
-            out.extend(self._add(piece))
+    def flush(self) -> list[Segment]:
+        out = self._add_all(PIECE.findall(self._tail), self._pushed - len(self._tail))
         self._tail = ""
         if self._pieces:
             out.extend(self._cut())
         return out
 
-    def _add(self, piece: str) -> list[str]:
+    def _add_all(self, pieces: list[str], at: int) -> list[Segment]:
+        """Add `pieces`, the first starting at `at` in the stream's text."""
+        out = []
+        for piece in pieces:
+            at += len(piece)
+            out.extend(self._add(piece, at))
+        return out
+
+    def _add(self, piece: str, end: int) -> list[Segment]:
         if "\n" in piece:
             piece = " "
             if len(self._pieces) >= self._min_pieces():
-                return self._cut()
+                segments = self._cut()
+                self._start = end  # the line break ends the segment: the next one starts after it
+                return segments
         self._pieces.append(piece)
+        self._ends.append(end)
         self._words += speakable(piece)
         first = self.segments_cut == 0
         marks = CLAUSE_MARKS + SENTENCE_MARKS if first else SENTENCE_MARKS
@@ -106,14 +132,42 @@ class SentenceSegmenter:
     def _min_pieces(self) -> int:
         return self.cfg.first_segment_min_pieces if self.segments_cut == 0 else self.cfg.segment_min_pieces
 
-    def _cut(self) -> list[str]:
-        text = "".join(self._pieces).strip()
-        self._pieces = []
+    def _cut(self) -> list[Segment]:
+        pieces, ends, start = self._pieces, self._ends, self._start
+        joined = "".join(pieces)
+        text = joined.strip()
+        self._pieces, self._ends, self._start = [], [], ends[-1] if ends else start
         self._words = 0
         if not speakable(text):
             return []
         self.segments_cut += 1
-        return [normalize(f) for f in cut_by_length(text, self.cfg.max_segment_length)]
+        fragments = cut_by_length(text, self.cfg.max_segment_length)
+        lead = len(joined) - len(joined.lstrip())
+        return [
+            Segment(normalize(f), end)
+            for f, end in zip(fragments, _fragment_ends(pieces, ends, start, fragments, lead), strict=True)
+        ]
+
+
+def _fragment_ends(
+    pieces: list[str], ends: list[int], start: int, fragments: list[str], at: int
+) -> list[int]:
+    """Where each fragment of a cut ends in the stream's text. The cut is `pieces` ("".join: the joined
+    text; `ends`: where each ends in the stream's text, the first starting at `start`); its fragments
+    are slices of it in order, from `at` on. A fragment that ends inside a piece ends, for this count,
+    where that piece starts: the rest of the piece is never taken as spoken."""
+    joined = "".join(pieces)
+    bounds = list(itertools.accumulate(len(p) for p in pieces))  # where each piece ends in the joined text
+    out = []
+    for fragment in fragments:
+        found = joined.find(fragment, at)
+        if found < 0:  # not a slice (never expected): nothing more is taken as spoken
+            out.append(out[-1] if out else start)
+            continue
+        at = found + len(fragment)
+        k = bisect.bisect_left(bounds, at)  # the piece the fragment ends in
+        out.append(ends[k] if bounds[k] == at else (ends[k - 1] if k else start))
+    return out
 
 
 def _split_after(text: str, marks: str) -> list[str]:

@@ -3,7 +3,9 @@ two image stages, gateway; no encoder) from the tiny config-only checkpoint with
 (every stage builds random weights). Image and speech calls are spread over both replicas of each;
 an image replica killed (SIGKILL) under load fails only the requests it was denoising, with UNAVAILABLE
 naming it, while the other replica serves every request that arrives meanwhile; the launcher restarts
-it, the gateway admits it again, and new requests reach it again."""
+it, the gateway admits it again, and new requests reach it again. A talker replica killed while both
+speak moves its answers' speech to the other (from the segment not spoken yet): every answer in flight
+and every one asked for after the kill is spoken to its end."""
 
 from __future__ import annotations
 
@@ -63,6 +65,9 @@ class Pipeline(ServeProcess):
             "stage_health_interval_s": 0.5,
             "stage_health_timeout_s": 1.0,
             "stage_health_failures": 3,
+            # Spoken answers wait for a stream of the live talker (moved ones too) rather than end
+            # without audio: on a loaded CI host one talker's answers take seconds each.
+            "talker_stream_wait_s": 120.0,
         }
         cfg = {
             "model": {"checkpoint": str(ckpt), "load_format": "dummy"},
@@ -85,6 +90,11 @@ class Pipeline(ServeProcess):
         url = f"http://127.0.0.1:{self.svc[replica]['metrics_port']}/metrics"
         return metric(url, "omnistage_imagegen_active_requests{", default=0.0)
 
+    def streams(self, replica: str) -> float:
+        """Speak streams a talker replica holds now (its omnistage_talker_streams)."""
+        url = f"http://127.0.0.1:{self.svc[replica]['metrics_port']}/metrics"
+        return metric(url, "omnistage_talker_streams{", default=0.0)
+
     def pid(self, name: str) -> int:
         return int(re.findall(rf"omnistage: started {name} r0 \(pid (\d+)\)", self.out.read_text())[-1])
 
@@ -104,16 +114,18 @@ def pipeline(tmp_path_factory):
     p.stop()
 
 
-def _request(i: int, spoken: bool = False, steps: int = 2) -> omni_pb2.GenerateRequest:
+def _request(i: int, spoken: bool = False, steps: int = 2, tokens: int = 20) -> omni_pb2.GenerateRequest:
     req = omni_pb2.GenerateRequest(
         request_id=f"rep-{i}",
         messages=[
             omni_pb2.ChatMessage(role=omni_pb2.ROLE_USER, parts=[omni_pb2.ContentPart(text="Hello there.")])
         ],
-        sampling=common_pb2.SamplingParams(max_tokens=20 if spoken else 6, ignore_eos=True, seed=i),
+        sampling=common_pb2.SamplingParams(max_tokens=tokens if spoken else 6, ignore_eos=True, seed=i),
     )
     if spoken:
         req.output_modalities[:] = [omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO]
+        # Sampled, not greedy: the random model's greedy answer can repeat one unspeakable token.
+        req.sampling.temperature = 1.0
     else:
         req.output_modalities[:] = [omni_pb2.MODALITY_IMAGE]
         req.image.CopyFrom(omni_pb2.ImageOptions(width=128, height=128, steps=steps, seed=i))
@@ -121,14 +133,14 @@ def _request(i: int, spoken: bool = False, steps: int = 2) -> omni_pb2.GenerateR
 
 
 async def _send(
-    address: str, reqs: list[omni_pb2.GenerateRequest]
+    address: str, reqs: list[omni_pb2.GenerateRequest], timeout_s: float = 120.0
 ) -> list[tuple[str, omni_pb2.Finish | None]]:
     """Each request's outcome: ("OK", its finish) or (status: details, None)."""
 
     async def one(stub, req):
         finish = None
         try:
-            async for ev in stub.Generate(req, timeout=120):
+            async for ev in stub.Generate(req, timeout=timeout_s):
                 if ev.WhichOneof("event") == "finish":
                     finish = ev.finish
             return "OK", finish
@@ -191,3 +203,32 @@ def test_a_killed_image_replica_fails_only_its_requests_naming_it_and_comes_back
     outcomes = asyncio.run(_send(pipeline.gateway, [_request(40 + i) for i in range(4)]))
     assert [code for code, _ in outcomes] == ["OK"] * 4, outcomes
     assert pipeline.calls("imagegen_b", "Generate") > after_back  # new requests reach it again
+
+
+def test_a_killed_talker_replica_moves_its_speech_to_the_other_and_no_answer_loses_audio(pipeline):
+    """One answer speaking on each talker when talker_b is killed, two more asked for at once after it
+    (before the gateway knows: they may be sent to talker_b first). Speech on a loaded CPU host is slow:
+    the deadlines are generous, the answers few."""
+
+    async def scenario() -> tuple[list, list]:
+        in_flight = asyncio.create_task(
+            _send(pipeline.gateway, [_request(50 + i, spoken=True) for i in range(2)], 300.0)
+        )
+        deadline = time.monotonic() + 120
+        while not (pipeline.streams("talker") and pipeline.streams("talker_b")):
+            assert time.monotonic() < deadline and not in_flight.done(), "both talkers never spoke at once"
+            await asyncio.sleep(0.1)
+        os.kill(pipeline.pid("talker_b"), signal.SIGKILL)
+        after = await _send(pipeline.gateway, [_request(60 + i, spoken=True) for i in range(2)], 300.0)
+        return await in_flight, after
+
+    in_flight, after = asyncio.run(scenario())
+    assert [code for code, _ in in_flight + after] == ["OK"] * 4, in_flight + after
+    statuses = [f.audio for _, f in in_flight + after]
+    # talker_b's answer went on on talker from its next segment, talker's own was not disturbed, and the
+    # new ones were spoken by talker.
+    assert [s.outcome for s in statuses] == [omni_pb2.AUDIO_OUTCOME_COMPLETE] * 4, [
+        (s.code, s.message) for s in statuses
+    ]
+    assert all(s.samples and s.segments for s in statuses), statuses
+    assert "its speech goes on on talker from character" in pipeline.out.read_text()

@@ -119,6 +119,11 @@ def test_two_segments_make_a_valid_44k_wav(talker, tmp_path):
     )
     done = [e.segment_done for e in events if e.HasField("segment_done")]
     assert [d.text for d in done] == ["Hello there, my good friend.", "How are you doing today?"]
+    # where each ends in the stream's text, both messages together (a moved stream goes on from there)
+    assert [d.text_end for d in done] == [
+        len("Hello there, my good friend."),
+        len(requests[1].text + requests[2].text),
+    ]
     chunks = [e.audio for e in events if e.HasField("audio")]
     pcm = b"".join(c.pcm16 for c in chunks)
     offsets = np.cumsum([0] + [len(c.pcm16) // 2 for c in chunks])[:-1]

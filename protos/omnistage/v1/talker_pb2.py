@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19omnistage/v1/talker.proto\x12\x0comnistage.v1\"k\n\x0cSpeakRequest\x12)\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.omnistage.v1.SpeakConfig\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05\x66lush\x18\x03 \x01(\x08\x12\x13\n\x0b\x65nd_of_text\x18\x04 \x01(\x08\"\x91\x01\n\x0bSpeakConfig\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x05voice\x18\x02 \x01(\tH\x00\x12\x31\n\x0c\x63ustom_voice\x18\x03 \x01(\x0b\x32\x19.omnistage.v1.CustomVoiceH\x00\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x0e\n\x0cvoice_sourceB\x07\n\x05_seed\"0\n\x0b\x43ustomVoice\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x12\n\ntranscript\x18\x02 \x01(\t\"[\n\x0cSpeakStarted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\r\x12\x10\n\x08\x63hannels\x18\x03 \x01(\r\x12\r\n\x05voice\x18\x04 \x01(\t\"I\n\x0bSpeechChunk\x12\r\n\x05pcm16\x18\x01 \x01(\x0c\x12\x15\n\rsegment_index\x18\x02 \x01(\r\x12\x14\n\x0cstart_sample\x18\x03 \x01(\x04\"p\n\x0bSegmentDone\x12\x15\n\rsegment_index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x04\x12\r\n\x05steps\x18\x04 \x01(\r\x12\x18\n\x10stopped_by_model\x18\x05 \x01(\x08\"O\n\rSpeakFinished\x12\x10\n\x08segments\x18\x01 \x01(\r\x12\x15\n\rtotal_samples\x18\x02 \x01(\x04\x12\x15\n\rfirst_audio_s\x18\x03 \x01(\x01\"\xd7\x01\n\rSpeakResponse\x12-\n\x07started\x18\x01 \x01(\x0b\x32\x1a.omnistage.v1.SpeakStartedH\x00\x12*\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x19.omnistage.v1.SpeechChunkH\x00\x12\x31\n\x0csegment_done\x18\x03 \x01(\x0b\x32\x19.omnistage.v1.SegmentDoneH\x00\x12/\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1b.omnistage.v1.SpeakFinishedH\x00\x42\x07\n\x05\x65vent2N\n\x06Talker\x12\x44\n\x05Speak\x12\x1a.omnistage.v1.SpeakRequest\x1a\x1b.omnistage.v1.SpeakResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19omnistage/v1/talker.proto\x12\x0comnistage.v1\"k\n\x0cSpeakRequest\x12)\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.omnistage.v1.SpeakConfig\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05\x66lush\x18\x03 \x01(\x08\x12\x13\n\x0b\x65nd_of_text\x18\x04 \x01(\x08\"\x91\x01\n\x0bSpeakConfig\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x05voice\x18\x02 \x01(\tH\x00\x12\x31\n\x0c\x63ustom_voice\x18\x03 \x01(\x0b\x32\x19.omnistage.v1.CustomVoiceH\x00\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x0e\n\x0cvoice_sourceB\x07\n\x05_seed\"0\n\x0b\x43ustomVoice\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x12\n\ntranscript\x18\x02 \x01(\t\"[\n\x0cSpeakStarted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\r\x12\x10\n\x08\x63hannels\x18\x03 \x01(\r\x12\r\n\x05voice\x18\x04 \x01(\t\"I\n\x0bSpeechChunk\x12\r\n\x05pcm16\x18\x01 \x01(\x0c\x12\x15\n\rsegment_index\x18\x02 \x01(\r\x12\x14\n\x0cstart_sample\x18\x03 \x01(\x04\"\x82\x01\n\x0bSegmentDone\x12\x15\n\rsegment_index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x04\x12\r\n\x05steps\x18\x04 \x01(\r\x12\x18\n\x10stopped_by_model\x18\x05 \x01(\x08\x12\x10\n\x08text_end\x18\x06 \x01(\r\"O\n\rSpeakFinished\x12\x10\n\x08segments\x18\x01 \x01(\r\x12\x15\n\rtotal_samples\x18\x02 \x01(\x04\x12\x15\n\rfirst_audio_s\x18\x03 \x01(\x01\"\xd7\x01\n\rSpeakResponse\x12-\n\x07started\x18\x01 \x01(\x0b\x32\x1a.omnistage.v1.SpeakStartedH\x00\x12*\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x19.omnistage.v1.SpeechChunkH\x00\x12\x31\n\x0csegment_done\x18\x03 \x01(\x0b\x32\x19.omnistage.v1.SegmentDoneH\x00\x12/\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1b.omnistage.v1.SpeakFinishedH\x00\x42\x07\n\x05\x65vent2N\n\x06Talker\x12\x44\n\x05Speak\x12\x1a.omnistage.v1.SpeakRequest\x1a\x1b.omnistage.v1.SpeakResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,12 +41,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPEAKSTARTED']._serialized_end=441
   _globals['_SPEECHCHUNK']._serialized_start=443
   _globals['_SPEECHCHUNK']._serialized_end=516
-  _globals['_SEGMENTDONE']._serialized_start=518
-  _globals['_SEGMENTDONE']._serialized_end=630
-  _globals['_SPEAKFINISHED']._serialized_start=632
-  _globals['_SPEAKFINISHED']._serialized_end=711
-  _globals['_SPEAKRESPONSE']._serialized_start=714
-  _globals['_SPEAKRESPONSE']._serialized_end=929
-  _globals['_TALKER']._serialized_start=931
-  _globals['_TALKER']._serialized_end=1009
+  _globals['_SEGMENTDONE']._serialized_start=519
+  _globals['_SEGMENTDONE']._serialized_end=649
+  _globals['_SPEAKFINISHED']._serialized_start=651
+  _globals['_SPEAKFINISHED']._serialized_end=730
+  _globals['_SPEAKRESPONSE']._serialized_start=733
+  _globals['_SPEAKRESPONSE']._serialized_end=948
+  _globals['_TALKER']._serialized_start=950
+  _globals['_TALKER']._serialized_end=1028
 # @@protoc_insertion_point(module_scope)

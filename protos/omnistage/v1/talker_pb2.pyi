@@ -60,18 +60,20 @@ class SpeechChunk(_message.Message):
     def __init__(self, pcm16: _Optional[bytes] = ..., segment_index: _Optional[int] = ..., start_sample: _Optional[int] = ...) -> None: ...
 
 class SegmentDone(_message.Message):
-    __slots__ = ("segment_index", "text", "num_samples", "steps", "stopped_by_model")
+    __slots__ = ("segment_index", "text", "num_samples", "steps", "stopped_by_model", "text_end")
     SEGMENT_INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STOPPED_BY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_END_FIELD_NUMBER: _ClassVar[int]
     segment_index: int
     text: str
     num_samples: int
     steps: int
     stopped_by_model: bool
-    def __init__(self, segment_index: _Optional[int] = ..., text: _Optional[str] = ..., num_samples: _Optional[int] = ..., steps: _Optional[int] = ..., stopped_by_model: _Optional[bool] = ...) -> None: ...
+    text_end: int
+    def __init__(self, segment_index: _Optional[int] = ..., text: _Optional[str] = ..., num_samples: _Optional[int] = ..., steps: _Optional[int] = ..., stopped_by_model: _Optional[bool] = ..., text_end: _Optional[int] = ...) -> None: ...
 
 class SpeakFinished(_message.Message):
     __slots__ = ("segments", "total_samples", "first_audio_s")

@@ -54,8 +54,9 @@ class TalkerServicer:
         SpeakStarted first, then SpeechChunks as soon as they are decoded, a SegmentDone after each
         segment, and SpeakFinished last. A client that half-closes means end_of_text. Cancelling the
         call frees the request's LM, CFM and VAE state at the next talker step.
-        Errors: INVALID_ARGUMENT naming the field (unknown voice, bad reference clip, no speakable text,
-        text above talker.max_text_chars, config missing or repeated); RESOURCE_EXHAUSTED with
+        Errors: INVALID_ARGUMENT naming the field (unknown voice, bad reference clip, no speakable text
+        (with omnistage-error-reason "nothing_to_speak" in the trailing metadata), text above
+        talker.max_text_chars, config missing or repeated); RESOURCE_EXHAUSTED with
         grpc-retry-pushback-ms when the stress-tested number of streams is already speaking.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

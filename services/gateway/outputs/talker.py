@@ -96,6 +96,12 @@ class SpeechStage(OutputStage):
             "(AudioOutcome) and why (gRPC code name, empty when complete)",
             ("outcome", "code"),
         )
+        self._moves = metrics.counter(
+            "gateway_speech_moves",
+            "Spoken answers whose talker replica was lost under their speech and that went on on "
+            "another replica (their Finish.audio says how that ended), by the replica lost",
+            ("replica",),
+        )
 
     @classmethod
     def from_deploy(
@@ -124,12 +130,17 @@ class SpeechStage(OutputStage):
 
     async def on_up(self, client: TalkerClient, startup: Startup) -> None:
         # The streams this gateway may hold open on it (Describe): the `talker` gate counts them once
-        # it is admitted, with those of the other replicas that are up.
+        # it is admitted, with those of the other replicas that are up. Its warm-up's Speak call needs
+        # no letting through (a Speak call checks nothing): no answer speaks on it before it is admitted.
         await client.read_limits()
-        await startup.through(client, warm_up_talker(client))
+        await warm_up_talker(client)
 
     def during(self, run: Any, options: VoiceChoice, answer: Any) -> TalkerStream:
         return TalkerStream(self, answer, options.config(run.request_id))
+
+    def moved(self, lost: str) -> None:
+        """A speech went on on another replica after the replica `lost` went down under it."""
+        self._moves.labels(self.service, lost).inc()
 
     def observe(self, status: omni_pb2.AudioStatus) -> None:
         self._outcomes.labels(self.service, omni_pb2.AudioOutcome.Name(status.outcome), status.code).inc()

@@ -68,6 +68,26 @@ def test_a_full_waiting_room_refuses_whatever_the_deadline():
     asyncio.run(main())
 
 
+def test_work_that_lost_its_slot_waits_ahead_of_every_waiter_even_in_a_full_waiting_room():
+    """A spoken answer whose talker replica went down: its speech takes the next stream first."""
+
+    async def main():
+        gate = StageGate("talker", GateConfig(max_running=1, max_waiting=2))
+        tasks, done, admitted = await _burst(gate, 3, 1e6)  # one running, two waiting: the room is full
+        moved = asyncio.create_task(gate.take(1e6, first=True))
+        await asyncio.sleep(0)
+        assert not moved.done() and gate.waiting == 3  # not refused for the waiting room
+        done[0].set()
+        slot = await moved  # the freed slot is the moved work's, before waiters 1 and 2
+        assert admitted == [0] and gate.running == 1
+        slot.release()
+        for ev in done:
+            ev.set()
+        assert await asyncio.gather(*tasks) == ["ok"] * 3 and admitted == [0, 1, 2]
+
+    asyncio.run(main())
+
+
 def test_an_idle_stage_admits_a_request_whose_deadline_is_shorter_than_the_mean_service():
     async def main():
         gate = StageGate("imagegen", GateConfig(max_running=1))

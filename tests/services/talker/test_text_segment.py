@@ -147,3 +147,46 @@ def test_zero_turns_the_bounds_off():
     cfg = TalkerConfig(first_segment_max_pieces=0, first_segment_max_wait_s=0)
     seg = SentenceSegmenter(cfg)
     assert seg.push("word " * 60, now=0.0) == [] and seg.due(99.0) == []
+
+
+# What SegmentDone.text_end says: where each segment ends in the stream's text (a moved stream goes on
+# from there). No numbers here: the text between two ends is then the segment, up to spaces.
+ENDS_TEXT = (
+    "Well, I think so, my friend, and here is why.\n\nThe plan has three parts; each one matters. "
+    + "A long run of words without a single mark in it "
+    + "and so on " * 40
+    + "until the end. 今天天气很好，我们去公园散步吧。Done, that is all. :)"
+)
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, len(ENDS_TEXT)])
+def test_each_segment_ends_where_its_text_ends_in_the_stream(step):
+    out = segments(ENDS_TEXT, step)
+    assert (
+        len(out) > 6 and out[-1] == "Done, that is all."
+    )  # a sentence past the length bound was cut in fragments
+    start = 0
+    for segment in out:
+        assert " ".join(ENDS_TEXT[start : segment.text_end].split()) == " ".join(segment.split()), segment
+        start = segment.text_end
+    assert ENDS_TEXT[start:] == " :)"  # nothing speakable after the last end
+    assert [s.text_end for s in out] == [s.text_end for s in segments(ENDS_TEXT, len(ENDS_TEXT))]
+
+
+def test_a_segment_with_spelled_numbers_ends_after_its_digits():
+    seg = SentenceSegmenter(UNBOUNDED)
+    assert seg.push("It costs $42 today. And") == ["It costs forty-two dollars today."]
+    out = seg.flush()
+    assert out == ["And"] and [s.text_end for s in out] == [len("It costs $42 today. And")]
+
+
+def test_a_fragment_that_ends_inside_a_word_is_taken_to_end_before_it():
+    """The length bound cuts between the units of one piece ("don't": "don", "'", "t"): the rest of the
+    piece is not taken as spoken (a moved stream says the whole word again)."""
+    cfg = TalkerConfig(
+        max_segment_length=2, first_segment_max_pieces=0, first_segment_min_pieces=1, segment_min_pieces=1
+    )
+    seg = SentenceSegmenter(cfg)
+    out = seg.push("well don't go there now.") + seg.flush()
+    assert out == ["well don'", "t go", "there now."]
+    assert [s.text_end for s in out] == [len("well "), len("well don't go"), len("well don't go there now.")]
