@@ -58,6 +58,7 @@ def _engine_config(args):
         kv_canary_bytes=int(args.canary_mib * MiB),
         kv_safety_factor=args.safety_factor,
         kv_tokens=args.kv_tokens,
+        async_scheduling=args.async_scheduling,
     )
 
 
@@ -193,6 +194,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
                 )
                 outs = engine.generate(prompts, params, timeout_s=args.timeout_s * 5)
                 result["real_tokens"] = sum(len(o.token_ids) for o in outs)
+                result["async_scheduling"] = engine.async_scheduling
                 if args.sweep:
                     result["sweep"] = decode_sweep(engine, args, device)
                 if args.profile_c:
@@ -391,6 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="4096 (tiny: 128)")
     ap.add_argument("--max-model-len", type=int, default=None, help="8192 (tiny: 512)")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument(
+        "--async-scheduling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="engine.async_scheduling: plan the next step while the device runs this one (auto: on CUDA)",
+    )
     ap.add_argument("--canary-mib", type=float, default=None, help="256 (tiny: 4)")
     ap.add_argument("--safety-factor", type=float, default=1.0)
     ap.add_argument("--kv-tokens", type=int, default=0, help="pin the KV size (skips the search)")

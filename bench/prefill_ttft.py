@@ -20,7 +20,7 @@ short_http), the cases of bench/prefill_cases.py:
 and each case's breakdown (means over its timed requests, from the deltas of the gateway's and the
 thinker's histograms: client ↔ gateway, gateway admission, gateway → engine (parse, template,
 transport, the thinker's tokenize and submit), engine queue, the prefill steps' phases — schedule,
-plan, launch, sample (the device's work ends there), output — and what is left); `--profile` runs the
+plan, launch, sample, wait (the device's work ends there), output — and what is left); `--profile` runs the
 short case alone, for the breakdown of one short request; `--cases` takes names or patterns.
 
 Results, rewritten after every case: OUT/prefill_ttft.json = {"device", "date", "command", "rows":
@@ -61,7 +61,7 @@ from pipeline_load import pipeline  # noqa: E402
 from pipeline_real_size import device_name, gateway_metrics_url, wait_all_replicas  # noqa: E402
 from prefill_cases import TINY, Client, Plan, Prompts, cases  # noqa: E402
 
-PHASES = ("schedule", "plan", "launch", "sample", "output")
+PHASES = ("schedule", "plan", "launch", "sample", "wait", "output")
 STARTUP_PHASES = ("starting", "loading_weights", "profiling_memory", "warming_up", "capturing_graphs")
 
 

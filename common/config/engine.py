@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from omnistage.common.config.checks import ConfigError, positive_fields
 
@@ -51,6 +52,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Routed-expert kernels: auto | torch (reference, one GEMM pair per expert) | triton (fused MoE).
     moe_backend: str = "auto"
+    # Plan and launch the next step while the device runs the current one (the decodes' new ids stay
+    # on the device): auto | on | off; auto is on for CUDA, off elsewhere.
+    async_scheduling: Literal["auto", "on", "off"] = "auto"
     # Capture decode steps as CUDA graphs at padded batch sizes (CUDA with graph-safe backends only).
     cuda_graphs: bool = True
     # Largest decode batch replayed from a graph; 0 means max_num_seqs (bigger batches run eagerly).
@@ -96,6 +100,10 @@ class EngineConfig:
                 raise ConfigError(
                     f"{path}.{key}: expected one of {', '.join(allowed)}, got {getattr(self, key)!r}"
                 )
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"{path}.async_scheduling: expected auto, on or off, got {self.async_scheduling!r}"
+            )
         if not 0 < self.kv_safety_factor <= 1:
             raise ConfigError(
                 f"{path}.kv_safety_factor: expected a number in (0, 1], got {self.kv_safety_factor}"

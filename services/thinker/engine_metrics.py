@@ -19,15 +19,16 @@ def step_phase_histograms(service: str) -> dict[tuple[str, str], object]:
     """omnistage_thinker_step_phase_seconds by (phase, step kind), exported from the start."""
     phases = metrics.histogram(
         "thinker_step_phase_seconds",
-        "Host time of one engine step by phase (schedule, plan, launch, sample, output) and kind "
+        "Host time of one engine step by phase (schedule, plan, launch, sample, wait, output) and kind "
         "(prefill: it computes prompt tokens; decode); on a GPU the forward's device time ends "
-        "inside `sample`, which waits for the logits",
+        "inside `wait`, which waits for the sampled ids (with async scheduling, those of the step "
+        "before the one launched)",
         ("phase", "step"),
         buckets=metrics.FINE_BUCKETS_S,
     )
     return {
         (p, k): phases.labels(service, p, k)
-        for p in ("schedule", "plan", "launch", "sample", "output")
+        for p in ("schedule", "plan", "launch", "sample", "wait", "output")
         for k in ("prefill", "decode")
     }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from omnistage.common.config import EngineConfig
 
 
@@ -25,10 +26,17 @@ class ResolvedEngineConfig:
     max_queued_requests: int
     prefix_caching: bool = True
     prefill_tokens_while_decoding: int = 0  # 0: no cap beyond max_num_batched_tokens
+    async_scheduling: str = "auto"  # auto | on | off (async_scheduling_on decides for a device)
 
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+
+def async_scheduling_on(mode: str, device: torch.device) -> bool:
+    """Whether the engine plans the next step while the device runs this one: `auto` where the
+    device runs behind the host (CUDA); a CPU computes as the host calls, so there it buys nothing."""
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 def auto_num_kv_blocks(cfg: EngineConfig) -> int:
@@ -58,4 +66,5 @@ def resolve_engine_config(cfg: EngineConfig, num_kv_blocks: int | None = None) -
         max_queued_requests=cfg.max_queued_requests,
         prefix_caching=cfg.prefix_caching,
         prefill_tokens_while_decoding=cfg.prefill_tokens_while_decoding,
+        async_scheduling=cfg.async_scheduling,
     )

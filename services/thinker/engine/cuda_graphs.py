@@ -50,9 +50,13 @@ class DecodeGraphs:
         n = max_batch
         self.layout = (n, 3 * n, n, n, n * max_blocks)  # ids, positions, slots, context lens, tables
         total = sum(self.layout)
-        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # Two pinned host arrays, used in turn: a step is staged while the copy of the one before may
+        # still wait in the device's queue (async scheduling), so that array is left alone.
+        pinned = device.type == "cuda"
+        self.hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self.copied: list[torch.cuda.Event | None] = [None, None]  # each array's last copy, when queued
+        self.turn = 0
         self.staged = torch.zeros(total, dtype=torch.int64, device=device)
-        self.h_ids, self.h_pos, self.h_slots, self.h_ctx, self.h_tables = self._views(self.host)
         self.ids, self.pos, self.slots, self.ctx, self.tables = self._views(self.staged)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -87,12 +91,15 @@ class DecodeGraphs:
 
     # --- one step ---------------------------------------------------------------------------------
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """fp32 logits [n, vocab] of a covered decode step (a view of the graph's output: read it
-        before the next step)."""
+    def run(self, plan: StepPlan, fill: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """fp32 logits [n, vocab] of a covered decode step (a view of the graph's output: queue what
+        reads it before the next step). `fill` puts the previous step's sampled ids in place of the
+        plan's placeholders, on the device (SampledFeed.fill)."""
         n = int(plan.query_lens.numel())
         size = self.size_for(n)
         self._stage(plan, n, size)
+        if fill is not None:
+            self.ids[:n].copy_(fill(self.ids[:n]))
         graph = self.graphs.get(size)
         if graph is None:
             return self._forward(size)[:n]
@@ -101,18 +108,32 @@ class DecodeGraphs:
         return self.outputs[size][:n]
 
     def _stage(self, plan: StepPlan, n: int, size: int) -> None:
-        """The plan into the host buffer (padding rows: token 0, slot -1, length 0), then one copy."""
+        """The plan into a host array (padding rows: token 0, slot -1, length 0), then one copy."""
+        host = self._next_host()
+        ids, pos, slots, ctx, tables = self._views(host)
         width = plan.block_tables.shape[1]
-        self.h_ids[:n] = plan.input_ids
-        self.h_ids[n:size] = 0
-        self.h_pos[:, :n] = plan.positions
-        self.h_pos[:, n:size] = 0
-        self.h_slots[:n] = plan.slot_mapping
-        self.h_slots[n:size] = -1
-        self.h_ctx[:n] = plan.context_lens
-        self.h_ctx[n:size] = 0
-        self.h_tables[:n, :width] = plan.block_tables
-        self.staged.copy_(self.host, non_blocking=True)
+        ids[:n] = plan.input_ids
+        ids[n:size] = 0
+        pos[:, :n] = plan.positions
+        pos[:, n:size] = 0
+        slots[:n] = plan.slot_mapping
+        slots[n:size] = -1
+        ctx[:n] = plan.context_lens
+        ctx[n:size] = 0
+        tables[:n, :width] = plan.block_tables
+        self.staged.copy_(host, non_blocking=True)
+        if self.device.type == "cuda":
+            self.copied[self.turn] = torch.cuda.Event()
+            self.copied[self.turn].record()
+
+    def _next_host(self) -> torch.Tensor:
+        """The host array whose last copy has left it (it waits for that copy, which precedes the step
+        before the one running now: in practice long done)."""
+        self.turn ^= 1
+        copied = self.copied[self.turn]
+        if copied is not None:
+            copied.synchronize()
+        return self.hosts[self.turn]
 
     def _forward(self, size: int) -> torch.Tensor:
         """The model over the first `size` static rows; every length comes from the buffers."""
@@ -178,9 +199,10 @@ class DecodeGraphs:
 
     def _stage_padding(self, size: int) -> None:
         """Every row padding: nothing is written to the cache while capturing."""
-        self.host[:] = 0
-        self.h_slots[:size] = -1
-        self.staged.copy_(self.host)
+        host = self._next_host()
+        host[:] = 0
+        self._views(host)[2][:size] = -1
+        self.staged.copy_(host)
 
     # --- the KV cache: graphs point into it, so they go when it goes -------------------------------
 

@@ -1,9 +1,13 @@
 """LLMEngine: the only API the thinker server uses (add_request / step / abort), on TP rank 0.
 
-One step is the five-line story: schedule, run (plan broadcast to all ranks), sample, postprocess
-(token stops, max_tokens), emit (detokenized deltas, stop strings, usage). Hidden-state requests
-(image generation's conditioning) ride along: their chunks keep the final-norm rows of their slots,
-and when their prompt is computed they end (KV blocks freed) with those rows in their output.
+One step is the five-line story: schedule, launch (the plan broadcast to all ranks, the forward and
+the sampling queued on the device), then complete: the ids on the host, postprocess (token stops,
+max_tokens), emit (detokenized deltas, stop strings, usage). With async scheduling
+(`engine.async_scheduling`) a step completes while the next one runs: the next is scheduled and
+launched with its decodes' new ids still on the device (placeholders the runner fills there), so
+the host's work is off the device's critical path. Hidden-state requests (image generation's
+conditioning) ride along: their chunks keep the final-norm rows of their slots, and when their
+prompt is computed they end (KV blocks freed) with those rows in their output.
 """
 
 from __future__ import annotations
@@ -11,71 +15,45 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 import torch
 from omnistage.common.log import get_logger
 from omnistage.services.thinker.engine.budget import RequestBudget
-from omnistage.services.thinker.engine.config import ResolvedEngineConfig
-from omnistage.services.thinker.engine.detokenizer import Decoder, Detokenizer
-from omnistage.services.thinker.engine.grammar_masks import GrammarMasks
+from omnistage.services.thinker.engine.config import ResolvedEngineConfig, async_scheduling_on
+from omnistage.services.thinker.engine.detokenizer import Decoder
+from omnistage.services.thinker.engine.grammar_masks import GrammarMasks, PendingMask
 from omnistage.services.thinker.engine.hidden_states import HiddenCapture
 from omnistage.services.thinker.engine.media import Prompt, PromptMedia, unpack_prompt
-from omnistage.services.thinker.engine.model_runner import ModelRunner, StepOutput
-from omnistage.services.thinker.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
+from omnistage.services.thinker.engine.model_runner import ModelRunner
+from omnistage.services.thinker.engine.outputs import (
+    Emitter,
+    GenerateResult,
+    RequestOutput,
+    Usage,
+    final_output,
+)
+from omnistage.services.thinker.engine.sampler import DeviceSample, Sampler, SamplerOutput
 from omnistage.services.thinker.engine.scheduler import ScheduledBatch, Scheduler
 from omnistage.services.thinker.engine.sequence import FinishReason, SamplingParams, Sequence
 from omnistage.services.thinker.engine.step_plan import build_step_plan
 from omnistage.services.thinker.tp.distributed import TPControl, TPError
 from omnistage.services.thinker.tp.plan import StepPlan
 
+__all__ = ["GenerateResult", "LLMEngine", "QueueFullError", "RequestOutput", "Usage"]
+
 log = get_logger(__name__)
 T = TypeVar("T")
 
 
 @dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    time_to_first_token_ms: float
-    cached_prompt_tokens: int = 0  # prompt tokens taken from the prefix cache at the first admission
-
-
-@dataclass
-class RequestOutput:
-    """What one request gained in one step (or its end)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    message: str = ""  # why a request ended with FinishReason.ERROR
-    # Hidden-state mode, in the final output: [N, H] final-norm rows at the request's slots (rank 0's device).
-    hidden_states: torch.Tensor | None = None
-
-
-@dataclass
-class GenerateResult:
-    """A whole request's output (generate())."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    hidden_states: torch.Tensor | None = None
-    message: str = ""  # why it ended with FinishReason.ERROR
-
-
-@dataclass
 class StepTimes:
-    """Where one step's host time went, in seconds per phase: schedule, plan (built and sent to the TP
-    group), launch (the forward's kernels queued: on a GPU the device runs on behind it), sample
-    (waits for the device's logits, then picks the tokens), output (stops, detokenize, emit)."""
+    """Where one `step()` call's host time went, in seconds per phase: schedule, plan (built and sent
+    to the TP group), launch (the forward's kernels queued: on a GPU the device runs on behind it),
+    sample (the sampling queued), wait (for the sampled ids of the step completed: where a step's
+    device time ends), output (stops, detokenize, emit). With async scheduling the first four are
+    the step launched and the last two the step before it."""
 
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -84,15 +62,27 @@ class StepTimes:
         try:
             return fn()
         finally:
-            self.seconds[phase] = time.perf_counter() - started
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
 
 
 class StepObserver(Protocol):
     """Told what each step did (rank 0, engine thread; after the step's outputs are made)."""
 
-    def on_step(self, batch: ScheduledBatch, now: float) -> None: ...
+    def on_step(self, batch: ScheduledBatch, now: float) -> None:
+        """`batch` as completed: its sampling and completing hidden-state sequences are those that got
+        their output (a sequence that ended while the step ran is left out)."""
 
     def on_abort(self, seq: Sequence, now: float) -> None: ...
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; `ahead`: the next step may be
+    planned before its ids reach the host (no sequence of it needs them there first)."""
+
+    batch: ScheduledBatch
+    sample: DeviceSample | None = None
+    ahead: bool = False
 
 
 class LLMEngine:
@@ -112,7 +102,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cfg, eos_token_ids)
         self.sampler = Sampler()
         self.grammar_masks = GrammarMasks()
-        self.detokenizers: dict[str, Detokenizer] = {}
+        self.emitter = Emitter(tokenizer, self.scheduler.finish)
+        self.async_scheduling = async_scheduling_on(self.cfg.async_scheduling, runner.device)
+        self.in_flight: LaunchedStep | None = None  # launched, not completed (async scheduling)
         # Idle workers wait for the next plan within the serving collective deadline: a no-op plan
         # every quarter of it keeps them from timing out.
         self.keepalive_s = min(30.0, self.control.cfg.serving_collective_timeout_s / 4)
@@ -155,9 +147,7 @@ class LLMEngine:
         )
         self.scheduler.add(seq)
         if hidden is None:  # a hidden-state request has no tokens to detokenize
-            self.detokenizers[request_id] = Detokenizer(
-                self.tokenizer, prompt_token_ids, params.stop, keep_special=params.keep_special_tokens
-            )
+            self.emitter.add(request_id, prompt_token_ids, params)
 
     def budget(self, prompt: Prompt, params: SamplingParams) -> RequestBudget:
         """The budget of a request made here (`generate`, tests, benchmarks) against this engine's
@@ -179,64 +169,110 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; its final output (ABORT, usage so far), or None
-        if it is unknown or already finished. Text held back for a stop string is dropped."""
-        self.detokenizers.pop(request_id, None)
+        if it is unknown or already finished. Text held back for a stop string is dropped, and so is
+        a token a launched step samples for it."""
+        self.emitter.drop(request_id)
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
         if self.stats is not None:
             self.stats.on_abort(seq, time.monotonic())
-        return RequestOutput(
-            request_id, [], "", finished=True, finish_reason=FinishReason.ABORT, usage=self._usage(seq)
-        )
+        return final_output(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        times = self.step_times = StepTimes()
-        batch = times.timed("schedule", self.scheduler.schedule)
-        mask = self.grammar_masks.begin(batch.sampling_seqs)  # filled while the forward runs
-        out = self._run(batch)
-        sampled = times.timed(
-            "sample",
-            lambda: (
-                self.sampler(out.logits, batch.sampling_seqs, mask)
-                if out.logits is not None
-                else SamplerOutput([], [])
-            ),
-        )
-        started = time.perf_counter()
-        self._keep_hidden(batch, out.hidden)
-        self.scheduler.postprocess(batch, sampled.token_ids)
-        for i, why in sampled.ended.items():  # its grammar cannot go on: ended, never kept going
-            seq = batch.sampling_seqs[i]
-            self.scheduler.finish(seq, FinishReason.ERROR)
-            seq.finish_reason, seq.error = FinishReason.ERROR, why
-        now = time.monotonic()
-        outputs = self._emit(batch.sampling_seqs, sampled, now)
-        outputs += [self._hidden_output(s, now) for s in batch.completing_hidden]
-        times.seconds["output"] = time.perf_counter() - started
-        if self.stats is not None:
-            self.stats.on_step(batch, now)
+        """Schedule and launch a step, then complete one: with async scheduling the one launched
+        before (its outputs are this call's, while the new one runs), else (or when a sequence needs
+        its ids on the host before its next draw) the one just launched."""
+        self.step_times = times = StepTimes()
+        launched = self._launch(times.timed("schedule", self.scheduler.schedule))
+        previous, self.in_flight = self.in_flight, None
+        outputs = self._complete(previous) if previous is not None else []
+        if launched.ahead:
+            self.in_flight = launched
+        elif launched.batch.scheduled or launched.batch.preempted:  # else there is nothing to tell
+            outputs += self._complete(launched)
         return outputs
 
-    def _run(self, batch: ScheduledBatch) -> StepOutput:
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Plan, broadcast, forward and sample `batch` without waiting for the device; then its
+        tokens count as computed and each sampling sequence holds a placeholder for its id."""
         if batch.is_empty:
-            return StepOutput()
-        times = self.step_times
-        # A failed broadcast is reported to the group inside broadcast_plan (TPError).
-        plan = times.timed(
-            "plan", lambda: self.control.broadcast_plan(build_step_plan(batch.scheduled, self.cfg.block_size))
-        )
+            return LaunchedStep(batch)
+        seqs = batch.sampling_seqs
+        ahead = self.async_scheduling and not any(s.needs_tokens_on_host for s in seqs)
+        mask = self.grammar_masks.begin(seqs)  # filled while the forward runs
+
+        def sent() -> StepPlan:  # a failed broadcast is reported to the group inside (TPError)
+            plan = build_step_plan(batch.scheduled, self.cfg.block_size)
+            plan.share_sampled = ahead and bool(seqs)
+            return self.control.broadcast_plan(plan)
+
+        plan = self.step_times.timed("plan", sent)
         self.last_plan_time = time.monotonic()
         self.num_steps += 1
+        sample = self._forward(plan, batch, mask)
+        self.scheduler.advance(batch)
+        return LaunchedStep(batch, sample, ahead)
+
+    def _forward(
+        self, plan: StepPlan, batch: ScheduledBatch, mask: PendingMask | None
+    ) -> DeviceSample | None:
+        """The plan's forward and its sampling, queued; its ids shared with every rank's device when
+        the next plan may name them."""
+        times = self.step_times
+        out = self._on_every_rank(lambda: times.timed("launch", lambda: self.runner.execute_step(plan)))
+        self._keep_hidden(batch, out.hidden)
+        if out.logits is None:
+            return None
+        logits = out.logits
+
+        def draw() -> DeviceSample:
+            sample = self.sampler.sample(logits, batch.sampling_seqs, mask)
+            if plan.share_sampled:
+                self.runner.share_sampled(plan, sample.tokens)
+            return sample
+
+        # The ranks wait for the ids it shares: a failure there must end the group, not strand them.
+        return times.timed("sample", lambda: self._on_every_rank(draw) if plan.share_sampled else draw())
+
+    def _on_every_rank(self, fn: Callable[[], T]) -> T:
+        """`fn` runs what every rank runs for this plan; a failure ends the group, every rank leaving
+        with its first diagnostic."""
         try:
-            return times.timed("launch", lambda: self.runner.execute_step(plan))
-        except Exception as exc:  # every rank leaves with the group's first diagnostic
+            return fn()
+        except Exception as exc:
             raise TPError(self.control.fail(f"step {self.control.num_plans - 1} forward", exc)) from exc
+
+    def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
+        """The step's ids on the host: token stops, detokenized outputs, hidden-state ends. Sequences
+        that ended while it ran (aborted, or stopped by their previous token) get nothing."""
+        times, batch = self.step_times, step.batch
+        sample = step.sample
+        sampled = times.timed("wait", lambda: sample.to_host() if sample else SamplerOutput([], []))
+        started = time.perf_counter()
+        seqs = batch.sampling_seqs
+        live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+        completing = [seq for seq in batch.completing_hidden if not seq.is_finished]
+        self.scheduler.postprocess(batch, sampled.token_ids)
+        for i, why in sampled.ended.items():  # its grammar cannot go on: ended, never kept going
+            if i in live:
+                self.scheduler.finish(seqs[i], FinishReason.ERROR)
+                seqs[i].finish_reason, seqs[i].error = FinishReason.ERROR, why
+        now = time.monotonic()
+        outputs = self.emitter.tokens(
+            [(seqs[i], sampled.token_ids[i], sampled.logprobs[i]) for i in live], now
+        )
+        outputs += [self.emitter.hidden(seq, now) for seq in completing]
+        times.seconds["output"] = times.seconds.get("output", 0.0) + time.perf_counter() - started
+        if self.stats is not None:
+            delivered = [seqs[i] for i in live]
+            self.stats.on_step(replace(batch, sampling_seqs=delivered, completing_hidden=completing), now)
+        return outputs
 
     @staticmethod
     def _keep_hidden(batch: ScheduledBatch, hidden: torch.Tensor | None) -> None:
@@ -250,62 +286,6 @@ class LLMEngine:
                 assert hidden is not None, "the step kept no hidden rows for a chunk that covers query slots"
                 seq.hidden.store(lo, hidden[taken : taken + hi - lo])
                 taken += hi - lo
-
-    def _hidden_output(self, seq: Sequence, now: float) -> RequestOutput:
-        """The final output of a hidden-state request whose prompt is now computed (blocks freed)."""
-        seq.first_token_time = now  # "first output": the states are ready
-        rows, seq.hidden = seq.hidden.rows if seq.hidden is not None else None, None
-        return RequestOutput(
-            seq.request_id,
-            [],
-            "",
-            finished=True,
-            finish_reason=seq.finish_reason,
-            usage=self._usage(seq),
-            hidden_states=rows,
-        )
-
-    def _emit(self, seqs: list[Sequence], sampled: SamplerOutput, now: float) -> list[RequestOutput]:
-        outputs = []
-        for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.prev_token_time, seq.last_token_time = seq.last_token_time, now
-            if seq.error:  # the refused token is not shown
-                del self.detokenizers[seq.request_id]
-                outputs.append(
-                    RequestOutput(
-                        seq.request_id,
-                        [],
-                        "",
-                        finished=True,
-                        finish_reason=FinishReason.ERROR,
-                        usage=self._usage(seq),
-                        message=f"{seq.error} (after {seq.num_output_tokens - 1} output tokens)",
-                    )
-                )
-                continue
-            detok = self.detokenizers[seq.request_id]
-            if seq.finish_reason is FinishReason.STOP:
-                text = detok.finish()  # the stop token's own text is never shown
-            else:
-                text = detok.add(token_id)
-                if detok.stopped:
-                    # Also when this token hit max_tokens: the stop string is why the text ends.
-                    self.scheduler.finish(seq, FinishReason.STOP_STRING)
-                    seq.finish_reason = FinishReason.STOP_STRING
-                elif seq.is_finished:
-                    text += detok.finish()
-            out = RequestOutput(seq.request_id, [token_id], text, [logprobs] if logprobs else [])
-            if seq.is_finished:
-                out.finished, out.finish_reason, out.usage = True, seq.finish_reason, self._usage(seq)
-                del self.detokenizers[seq.request_id]
-            outputs.append(out)
-        return outputs
-
-    def _usage(self, seq: Sequence) -> Usage:
-        ttft = (seq.first_token_time - seq.arrival_time) * 1000 if seq.first_token_time else 0.0
-        return Usage(seq.num_prompt_tokens, seq.num_output_tokens, ttft, seq.num_cached_prompt_tokens)
 
     # --- TP housekeeping ------------------------------------------------------------------------
 
@@ -321,6 +301,7 @@ class LLMEngine:
         if self.closed:
             return
         self.closed = True
+        self.in_flight = None  # its outputs go nowhere now
         self.grammar_masks.close()
         if self.control.is_distributed and self.control.failure is None:
             try:

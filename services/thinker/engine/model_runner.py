@@ -18,7 +18,9 @@ from omnistage.common.log import get_logger
 from omnistage.common.memory.device import fmt_bytes
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs
+from omnistage.services.thinker.engine.sampled_feed import SampledFeed
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
+from omnistage.services.thinker.models.layers.parallel import TPGroup
 from omnistage.services.thinker.tp.plan import StepPlan
 from omnistage.v1 import control_pb2
 from torch import nn
@@ -72,6 +74,8 @@ class ModelRunner:
         self.activation_peak_bytes = 0
         # Decode steps replayed from CUDA graphs (engine/cuda_graphs.py), set by start-up when captured.
         self.graphs: DecodeGraphs | None = None
+        # The last shared step's sampled ids, for the placeholders of the next plan (async scheduling).
+        self.feed = SampledFeed(self.device, TPGroup.from_default_group())
         if allocate:
             self.allocate_kv(cfg.num_kv_blocks)
 
@@ -163,8 +167,9 @@ class ModelRunner:
         """Run one step: the logits of the sampling rows and (rank 0) the hidden rows the plan keeps."""
         if plan.num_tokens == 0:
             return StepOutput()
+        fill = self.feed.fill if plan.has_placeholders else None
         if self.graphs is not None and self.graphs.covers(plan):
-            logits = self.graphs.run(plan)
+            logits = self.graphs.run(plan, fill)
             return StepOutput(logits if self.rank == 0 else None)
         dev = self.device
         md = AttentionMetadata(
@@ -175,9 +180,10 @@ class ModelRunner:
             context_lens_tensor=plan.context_lens.to(dev, torch.int32, non_blocking=True),
             host_block_tables=plan.block_tables,
         )
+        ids = plan.input_ids.to(dev, non_blocking=True)
         with attention_metadata(md):
             hidden = self.model(
-                plan.input_ids.to(dev, non_blocking=True),
+                fill(ids) if fill is not None else ids,
                 plan.positions.to(dev, non_blocking=True),
                 **self._media_inputs(plan),
             )
@@ -186,6 +192,11 @@ class ModelRunner:
             return StepOutput(hidden=kept)
         logits = self.model.compute_logits(hidden[plan.sample_rows.to(dev)])
         return StepOutput(logits.float() if self.rank == 0 else None, kept)
+
+    def share_sampled(self, plan: StepPlan, tokens: torch.Tensor | None = None) -> None:
+        """After a step whose plan shares its sampled ids: keep them on this rank's device (rank 0
+        passes its `tokens`; the others receive them: a collective under TP)."""
+        self.feed.share(plan, tokens)
 
     def _media_inputs(self, plan: StepPlan) -> dict[str, torch.Tensor | None]:
         """The step's embedding overrides and per-token router codes; none in text-only steps.

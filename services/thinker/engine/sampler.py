@@ -1,4 +1,9 @@
-"""Next-token choice for the rows that sample: penalties, greedy or filtered random draw, logprobs."""
+"""Next-token choice for the rows that sample: penalties, greedy or filtered random draw, logprobs.
+
+`Sampler.sample` only queues the device's work (no wait on the forward, so the host can go on and
+plan the next step): its `DeviceSample` holds the ids and logprobs on the device, copied to the host
+behind them; `DeviceSample.to_host` waits for that copy alone.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,15 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+def on_device(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host list as a tensor on `device` without waiting for the device's queue (a pinned source,
+    copied asynchronously: a plain copy would wait for the forward queued before it)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -31,11 +45,11 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     for i, seq in enumerate(seqs):
         p = seq.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+            seen = on_device(sorted(set(seq.token_ids)), logits.device)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if p.presence_penalty != 0.0 and seq.num_output_tokens:
-            out = torch.tensor(sorted(set(seq.output_token_ids)), dtype=torch.long, device=logits.device)
+            out = on_device(sorted(set(seq.output_token_ids)), logits.device)
             logits[i, out] -= p.presence_penalty
     return logits
 
@@ -64,6 +78,53 @@ def filter_logits(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+@dataclass
+class TopLogprobs:
+    """The logprobs rows of one step on the device: `rows` (those that asked), each row's `counts`."""
+
+    rows: list[int]
+    counts: list[int]
+    chosen: torch.Tensor  # [k] the sampled token's logprob
+    top_vals: torch.Tensor  # [k, n]
+    top_ids: torch.Tensor  # [k, n]
+
+
+@dataclass(eq=False)
+class DeviceSample:
+    """One step's sampled ids [R] (and logprobs) as the device makes them, and their host copies
+    under way; `to_host` waits for the copies, then advances the constrained rows' grammars."""
+
+    tokens: torch.Tensor
+    logprobs: TopLogprobs | None
+    mask: PendingMask | None
+    _host: list[torch.Tensor] = field(default_factory=list)
+    _copied: torch.cuda.Event | None = None
+
+    def __post_init__(self) -> None:
+        parts = [self.tokens]
+        if self.logprobs is not None:
+            lp = self.logprobs
+            parts += [lp.chosen, lp.top_vals, lp.top_ids]
+        if self.tokens.device.type == "cpu":
+            self._host = parts
+            return
+        self._host = [t.to("cpu", non_blocking=True) for t in parts]  # pinned, behind the step's work
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def to_host(self) -> SamplerOutput:
+        if self._copied is not None:
+            self._copied.synchronize()
+        token_ids = self._host[0].tolist()
+        result: list[TokenLogprobs | None] = [None] * len(token_ids)
+        if self.logprobs is not None:
+            chosen, top_vals, top_ids = (t.tolist() for t in self._host[1:])
+            for j, (i, n) in enumerate(zip(self.logprobs.rows, self.logprobs.counts, strict=True)):
+                result[i] = TokenLogprobs(token_ids[i], chosen[j], top_ids[j][:n], top_vals[j][:n])
+        ended = self.mask.accept(token_ids) if self.mask is not None else {}
+        return SamplerOutput(token_ids, result, ended)
+
+
 class Sampler:
     """Samples one token per row of `logits` [R, V] for the given sequences; `mask`: the allowed
     tokens of their constrained rows (grammar_masks.py), filled while the forward ran."""
@@ -71,35 +132,34 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], mask: PendingMask | None = None
     ) -> SamplerOutput:
+        """The step's tokens on the host (waits for the device)."""
+        return self.sample(logits, seqs, mask).to_host()
+
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], mask: PendingMask | None = None
+    ) -> DeviceSample:
+        """The step's tokens, queued on the logits' device (a constrained row waits for its mask)."""
         if logits.shape[0] != len(seqs):
             raise ValueError(f"sampler: {logits.shape[0]} logit rows for {len(seqs)} sequences")
         if not seqs:
-            return SamplerOutput([], [])
+            return DeviceSample(torch.zeros(0, dtype=torch.int64, device=logits.device), None, None)
         raw = logits.float()
         logits = apply_penalties(raw.clone(), seqs)
         if mask is not None:
             mask.apply(logits)
-        greedy = logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
-        tokens = greedy
         if random_rows:
-            tokens = greedy.clone()
-            tokens[random_rows] = self._draw(logits[random_rows], [seqs[i] for i in random_rows])
-        token_ids = tokens.tolist()
-        ended = mask.accept(token_ids) if mask is not None else {}
-        return SamplerOutput(token_ids, self._logprobs(raw, seqs, token_ids), ended)
+            rows = on_device(random_rows, logits.device)
+            tokens = tokens.index_put((rows,), self._draw(logits[rows], [seqs[i] for i in random_rows]))
+        return DeviceSample(tokens, self._logprobs(raw, seqs, tokens), mask)
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        def col(values: list) -> torch.Tensor:
-            return torch.tensor(values, device=logits.device)
+        def col(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return on_device([getattr(s.params, name) for s in seqs], logits.device, dtype)
 
-        logits = logits / col([s.params.temperature for s in seqs])[:, None]
-        logits = filter_logits(
-            logits,
-            col([s.params.top_k for s in seqs]),
-            col([s.params.top_p for s in seqs]),
-            col([s.params.min_p for s in seqs]),
-        )
+        logits = logits / col("temperature")[:, None]
+        logits = filter_logits(logits, col("top_k", torch.int64), col("top_p"), col("min_p"))
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Each row's noise comes from its
         # own generator on the logits' device (no host draw, no copy), so the draw does not depend on
@@ -110,21 +170,14 @@ class Sampler:
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
 
-    def _logprobs(self, raw: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list:
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> TopLogprobs | None:
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs > 0]
-        result: list[TokenLogprobs | None] = [None] * len(seqs)
         if not rows:
-            return result
-        logp = raw[rows].log_softmax(dim=-1)
-        top_n = max(seqs[i].params.logprobs for i in rows)
-        top_vals, top_ids = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
-        chosen = logp.gather(-1, torch.tensor([[token_ids[i]] for i in rows], device=logp.device))
-        for j, i in enumerate(rows):
-            n = seqs[i].params.logprobs
-            result[i] = TokenLogprobs(
-                token_id=token_ids[i],
-                logprob=float(chosen[j, 0]),
-                top_token_ids=top_ids[j, :n].tolist(),
-                top_logprobs=top_vals[j, :n].tolist(),
-            )
-        return result
+            return None
+        index = on_device(rows, raw.device)
+        logp = raw[index].log_softmax(dim=-1)
+        counts = [seqs[i].params.logprobs for i in rows]
+        top_vals, top_ids = logp.topk(min(max(counts), logp.shape[-1]), dim=-1)
+        chosen = logp.gather(-1, tokens[index][:, None])[:, 0]
+        return TopLogprobs(rows, counts, chosen, top_vals, top_ids)

@@ -73,6 +73,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.media = None  # its encoder rows go with it
+        seq.drop_pending()
         self.block_manager.free(seq)
         if seq in self.running:
             self.running.remove(seq)
@@ -107,6 +108,8 @@ class Scheduler:
         while queue:
             seq = queue.pop(0)
             kept.append(seq)
+            if self._ends_in_flight(seq):
+                continue  # nothing to compute: the step in flight ends it (it holds its blocks till then)
             if not capped and seq.num_uncomputed_tokens != 1:  # the first prompt chunk: decodes are done
                 budget, capped = self._prompt_budget(batch, budget), True
             num_new = min(seq.num_uncomputed_tokens, budget)
@@ -126,6 +129,13 @@ class Scheduler:
         self.running = kept
         return budget if capped else self._prompt_budget(batch, budget)
 
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """A launched step ends it whatever it samples: its hidden states are all computed, or its
+        pending token is its last (max_tokens, max_model_len)."""
+        if seq.num_uncomputed_tokens == 0:
+            return True
+        return seq.num_pending > 0 and self._at_length(seq, seq.num_tokens)
+
     def _prompt_budget(self, batch: ScheduledBatch, budget: int) -> int:
         """The tokens prompt work may take this step, once the decodes are scheduled."""
         cap = self.cfg.prefill_tokens_while_decoding
@@ -136,6 +146,7 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            assert not seq.num_pending, f"{seq.request_id} admitted with a token still pending"
             blocks = self.block_manager
             prefix = blocks.match_prefix(seq)
             num_new = seq.num_tokens - len(prefix) * blocks.block_size
@@ -165,35 +176,56 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The batch is launched: its tokens count as computed (their K/V are being written), and each
+        sampling sequence holds a placeholder for its token, row by row (`sequence.placeholder`), so the
+        next step can be scheduled before the ids reach the host."""
+        for seq, num_new in batch.scheduled:
+            seq.num_computed_tokens += num_new
+        for row, seq in enumerate(batch.sampling_seqs):
+            seq.add_pending(row)
+
     def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
-        """Advance the cache, append sampled tokens (in `sampling_seqs` order), apply token stops; end
-        the hidden-state requests whose prompt is now computed (their KV blocks are freed here).
+        """The advanced batch's ids are on the host (in `sampling_seqs` order): each live sequence's
+        placeholder takes its token, newly computed full blocks are indexed, token stops apply; the
+        hidden-state requests whose prompt is now computed end (their KV blocks are freed here). A
+        sequence that ended while the step ran (aborted, or stopped by its previous token) is skipped:
+        its token is dropped.
 
         Returns the sequences that finished here.
         """
         sampling = batch.sampling_seqs
         if len(sampling) != len(sampled):
             raise ValueError(f"postprocess: {len(sampling)} sampling sequences, {len(sampled)} tokens")
-        for seq, num_new in batch.scheduled:
-            seq.num_computed_tokens += num_new
-            self.block_manager.index_computed(seq)
+        live = [
+            (seq, token_id) for seq, token_id in zip(sampling, sampled, strict=True) if not seq.is_finished
+        ]
+        num_tokens = [seq.resolve_pending(token_id) for seq, token_id in live]
+        for seq, _ in batch.scheduled:
+            if not seq.is_finished:
+                self.block_manager.index_computed(seq)
         finished = []
         for seq in batch.completing_hidden:
-            self.finish(seq, FinishReason.STOP)
-            finished.append(seq)
-        for seq, token_id in zip(sampling, sampled, strict=True):
-            seq.token_ids.append(token_id)
-            reason = self._stop_reason(seq, token_id)
+            if not seq.is_finished:
+                self.finish(seq, FinishReason.STOP)
+                finished.append(seq)
+        for (seq, token_id), n in zip(live, num_tokens, strict=True):
+            reason = self._stop_reason(seq, token_id, n)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence, token_id: int, num_tokens: int) -> FinishReason | None:
+        """Why the sequence ends with `token_id`, its token number `num_tokens`, if it does."""
         if token_id in seq.params.stop_token_ids:
             return FinishReason.STOP
         if token_id in self.eos_token_ids and not seq.params.ignore_eos:
             return FinishReason.STOP
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
+        if self._at_length(seq, num_tokens):
             return FinishReason.LENGTH
         return None
+
+    def _at_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `num_tokens` tokens are all the sequence may have (max_tokens, max_model_len)."""
+        return num_tokens - seq.num_prompt_tokens >= seq.max_tokens or num_tokens >= self.cfg.max_model_len

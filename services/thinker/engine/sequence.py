@@ -72,11 +72,20 @@ class SamplingParams:
 _seq_ids = itertools.count()
 
 
+def placeholder(row: int) -> int:
+    """The token id a sequence holds for a token its launched step sampled at `row` (of that step's
+    sampled ids) until the id reaches the host; a plan carries it as is and the runner puts the
+    sampled id in its place on the device (model_runner.SampledFeed)."""
+    return -(row + 1)
+
+
 class Sequence:
     """Token ids (prompt then output), KV progress and per-request sampling state.
 
-    `num_computed_tokens` counts tokens whose K/V sit in the cache; after a preemption it drops to 0
-    and the prompt plus the output so far are prefilled again (recompute), so output never changes.
+    `num_computed_tokens` counts tokens whose K/V sit in the cache or are written there by a step
+    already launched; after a preemption it drops to 0 and the prompt plus the output so far are
+    prefilled again (recompute), so output never changes. The last `num_pending` token ids are
+    placeholders: sampled by launched steps, not yet known on the host (async scheduling).
     """
 
     def __init__(
@@ -105,6 +114,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        self.num_pending = 0
         # Prefix caching: keys of this sequence's full blocks (made as needed, block_hash.py), how many
         # blocks of block_table are in the cache's index, and prompt tokens its first admission found
         # cached (Usage.cached_prompt_tokens).
@@ -133,6 +143,34 @@ class Sequence:
             self._generator.manual_seed(self.seed)
         return self._generator
 
+    def add_pending(self, row: int) -> None:
+        """A launched step samples this sequence's next token at `row`: its placeholder goes last."""
+        self.token_ids.append(placeholder(row))
+        self.num_pending += 1
+
+    def resolve_pending(self, token_id: int) -> int:
+        """The oldest placeholder becomes `token_id` (steps complete in launch order); returns how
+        many tokens the sequence has up to and including it."""
+        assert self.num_pending > 0, f"{self.request_id}: no token is pending"
+        index = len(self.token_ids) - self.num_pending
+        self.token_ids[index] = token_id
+        self.num_pending -= 1
+        return index + 1
+
+    def drop_pending(self) -> None:
+        """Forget the tokens still pending (the sequence ended: a step launched before it ended
+        sampled them for nothing)."""
+        if self.num_pending:
+            del self.token_ids[-self.num_pending :]
+            self.num_pending = 0
+
+    @property
+    def needs_tokens_on_host(self) -> bool:
+        """Its next draw reads its tokens on the host (a grammar's matcher, repetition or presence
+        penalties): a step that samples it completes before the next step is planned."""
+        p = self.params
+        return self.matcher is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
@@ -160,6 +198,7 @@ class Sequence:
 
     def keys_of_full_blocks(self, block_size: int, num_blocks: int) -> list[BlockKey]:
         """Keys of the first `num_blocks` blocks (each must be full of known tokens), made once each."""
+        assert num_blocks * block_size <= self.num_tokens - self.num_pending, "a key over a pending token"
         keys = self.block_keys
         while len(keys) < num_blocks:
             keys.append(block_key(self, len(keys), block_size, keys[-1] if keys else None))

@@ -27,6 +27,8 @@ def serve_plans(control: TPControl, runner: ModelRunner) -> int:
         if plan.kind is PlanKind.RUN:
             try:
                 runner.execute(plan)
+                if plan.share_sampled:
+                    runner.share_sampled(plan)
             except Exception as exc:
                 raise TPError(control.fail(f"step {control.num_plans - 1} forward", exc)) from exc
             num_run += 1

@@ -15,7 +15,15 @@ class PlanKind(enum.IntEnum):
 
 
 # What the first int64s of an encoded plan say (the arrays' sizes follow from them).
-_HEADER = ("kind", "num_seqs", "num_tokens", "num_sample_rows", "max_blocks", "num_media_rows")
+_HEADER = (
+    "kind",
+    "num_seqs",
+    "num_tokens",
+    "num_sample_rows",
+    "max_blocks",
+    "num_media_rows",
+    "share_sampled",
+)
 
 
 def empty_int64() -> torch.Tensor:
@@ -24,7 +32,9 @@ def empty_int64() -> torch.Tensor:
 
 @dataclass
 class StepPlan:
-    """One step, sequences in batch order; tokens are flattened sequence by sequence."""
+    """One step, sequences in batch order; tokens are flattened sequence by sequence. An input id
+    below 0 is a placeholder: the id the previous step sampled at row -id - 1, which every rank holds
+    on its device (`share_sampled` of that step's plan; engine/sampled_feed.py)."""
 
     kind: PlanKind = PlanKind.RUN
     input_ids: torch.Tensor = field(default_factory=empty_int64)  # [T]
@@ -40,10 +50,22 @@ class StepPlan:
     media_rows: torch.Tensor | None = None
     # [K] token rows whose final-norm hidden states hidden-state requests keep, in batch order: rank 0 only.
     hidden_index: torch.Tensor = field(default_factory=empty_int64)
+    # Rank 0 broadcasts this step's sampled ids to every rank's device after the step: the next plan
+    # may name them by placeholders (async scheduling).
+    share_sampled: bool = False
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    @property
+    def num_sample_rows(self) -> int:
+        return int(self.sample_rows.numel())
+
+    @property
+    def has_placeholders(self) -> bool:
+        """Some input ids are the previous step's sampled ids, still on the device."""
+        return bool(self.num_tokens) and int(self.input_ids.min()) < 0
 
     @property
     def num_media_rows(self) -> int:
@@ -58,7 +80,7 @@ class StepPlan:
         return cls(kind=PlanKind.NOOP)
 
     def encode(self) -> torch.Tensor:
-        """Pack into one int64 tensor: header [kind, S, T, R, B, M] then the arrays (not media_rows)."""
+        """Pack into one int64 tensor: header [kind, S, T, R, B, M, share] then the arrays (not media_rows)."""
         num_seqs, max_blocks = self.block_tables.shape if self.block_tables.dim() == 2 else (0, 0)
         header = torch.tensor(
             [
@@ -68,6 +90,7 @@ class StepPlan:
                 self.sample_rows.numel(),
                 max_blocks,
                 self.num_media_rows,
+                int(self.share_sampled),
             ],
             dtype=torch.int64,
         )
@@ -88,7 +111,9 @@ class StepPlan:
     @classmethod
     def decode(cls, buf: torch.Tensor) -> StepPlan:
         head = len(_HEADER)
-        kind, num_seqs, num_tokens, num_rows, max_blocks, num_media = (int(x) for x in buf[:head].tolist())
+        kind, num_seqs, num_tokens, num_rows, max_blocks, num_media, share = (
+            int(x) for x in buf[:head].tolist()
+        )
         sizes = [
             num_tokens,
             3 * num_tokens,
@@ -116,4 +141,5 @@ class StepPlan:
             sample_rows=rows,
             media_index=media_index,
             media_modality=media_modality,
+            share_sampled=bool(share),
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from omnistage.common import metrics
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.engine_metrics import EngineMetrics
@@ -21,12 +22,19 @@ def _prompts(n: int) -> list[list[int]]:
     return [[rng.randrange(32, 128) for _ in range(rng.randrange(3, 60))] for _ in range(n)]
 
 
-def test_tokens_requests_and_latencies_are_counted_once_each():
-    engine = make_fake_engine(block_size=8, max_model_len=256, max_num_batched_tokens=64, num_kv_blocks=24)
-    engine.stats = EngineMetrics("thinker-m1", engine)
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_tokens_requests_and_latencies_are_counted_once_each(async_scheduling):
+    engine = make_fake_engine(
+        block_size=8,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        num_kv_blocks=24,
+        async_scheduling=async_scheduling,
+    )
+    svc = f"thinker-m1-{async_scheduling}"
+    engine.stats = EngineMetrics(svc, engine)
     prompts = _prompts(12)
     engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
-    svc = "thinker-m1"
     assert _value("omnistage_thinker_prompt_tokens_total", svc) == sum(len(p) for p in prompts)
     assert _value("omnistage_thinker_generated_tokens_total", svc) == 12 * 10
     assert _value("omnistage_thinker_requests_total", svc, finish_reason="length") == 12
@@ -39,6 +47,22 @@ def test_tokens_requests_and_latencies_are_counted_once_each():
     assert _value("omnistage_thinker_kv_blocks_used", svc) == 0  # all freed again
     assert _value("omnistage_thinker_running_requests", svc) == 0
     assert _value("omnistage_thinker_waiting_requests", svc) == 0
+
+
+def test_a_slot_spent_for_a_request_that_stopped_meanwhile_is_not_counted():
+    """With async scheduling a request that stops by a stop id still has a slot in the step launched
+    meanwhile: its token goes to nobody and counts for nothing."""
+    free = make_fake_engine(block_size=8, max_model_len=256)
+    outs = free.generate(_prompts(4), SamplingParams(max_tokens=12, ignore_eos=True))
+    params = [SamplingParams(max_tokens=12, stop_token_ids=(r.token_ids[3],)) for r in outs]
+    engine = make_fake_engine(block_size=8, max_model_len=256, async_scheduling="on")
+    svc = "thinker-m5"
+    engine.stats = EngineMetrics(svc, engine)
+    results = engine.generate(_prompts(4), params)
+    assert all(r.finish_reason.value == "stop" for r in results)
+    assert _value("omnistage_thinker_generated_tokens_total", svc) == sum(len(r.token_ids) for r in results)
+    assert _value("omnistage_thinker_requests_total", svc, finish_reason="stop") == 4
+    assert _value("omnistage_thinker_e2e_seconds_count", svc) == 4
 
 
 def test_state_gauges_read_the_engine_and_an_abort_ends_the_request():
@@ -96,13 +120,22 @@ def test_observe_many_equals_repeated_observe():
     assert samples[0] == [(n.replace("many", "x"), lab, v) for n, lab, v in samples[1]]
 
 
-def test_every_step_reports_its_phases_by_kind():
-    engine = make_fake_engine(block_size=8, max_model_len=256, max_num_batched_tokens=256)
-    engine.stats = EngineMetrics("thinker-m4", engine)
-    svc = "thinker-m4"
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_every_step_reports_its_phases_by_kind(async_scheduling):
+    """With async scheduling a step's phases are those of the call that completes it: its own wait
+    and outputs, and the launch of the step after it when there is one (the last decode's call
+    launches nothing). Each step is counted once."""
+    engine = make_fake_engine(
+        block_size=8, max_model_len=256, max_num_batched_tokens=256, async_scheduling=async_scheduling
+    )
+    svc = f"thinker-m4-{async_scheduling}"
+    engine.stats = EngineMetrics(svc, engine)
     engine.generate(_prompts(3), SamplingParams(max_tokens=5, ignore_eos=True))
-    assert set(engine.step_times.seconds) == {"schedule", "plan", "launch", "sample", "output"}
-    for phase in ("schedule", "plan", "launch", "sample", "output"):
+    phases = ("schedule", "plan", "launch", "sample", "wait", "output")
+    assert set(engine.step_times.seconds) <= set(phases)
+    for phase in phases:
         prefill = _value("omnistage_thinker_step_phase_seconds_count", svc, phase=phase, step="prefill")
         decode = _value("omnistage_thinker_step_phase_seconds_count", svc, phase=phase, step="decode")
-        assert (prefill, decode) == (1, 4)  # the three prompts in one step, then four decode steps
+        launches = async_scheduling == "on" and phase in ("plan", "launch", "sample")
+        # The three prompts in one step, then four decode steps.
+        assert (prefill, decode) == ((1, 3) if launches else (1, 4)), phase

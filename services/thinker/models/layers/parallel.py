@@ -1,4 +1,4 @@
-"""Tensor-parallel group of the thinker: rank/size plus the two collectives the layers need.
+"""Tensor-parallel group of the thinker: rank/size plus the collectives the layers (and the runner) need.
 
 Uses the default torch.distributed group (gloo on CPU, NCCL on GPU); at size 1 every collective is a
 no-op, so single-process code never touches torch.distributed.
@@ -54,6 +54,13 @@ class TPGroup:
         if self.size == 1:
             return x
         dist.all_reduce(x)
+        return x
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank (in place: the others pass a buffer of its shape); identity at size 1."""
+        if self.size == 1:
+            return x
+        dist.broadcast(x, src=0)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -40,8 +40,9 @@ def reference(tiny_ckpt):
         dict(max_num_batched_tokens=256, chunked_prefill=False),
         dict(max_num_batched_tokens=64, num_kv_blocks=20),
         dict(max_num_batched_tokens=256, prefill_tokens_while_decoding=24),
+        dict(max_num_batched_tokens=64, num_kv_blocks=20, async_scheduling="on"),
     ],
-    ids=["chunked", "unchunked", "preempting", "capped-while-decoding"],
+    ids=["chunked", "unchunked", "preempting", "capped-while-decoding", "preempting-async"],
 )
 def test_greedy_tokens_identical_alone_or_among_31_others(tiny_ckpt, reference, kw):
     e = engine(tiny_ckpt, **kw)

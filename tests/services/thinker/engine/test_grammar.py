@@ -36,11 +36,17 @@ def grammars(tok) -> Grammars:
     return Grammars(tok)
 
 
-def engine(tok: MingTokenizer, padded: int = 0) -> LLMEngine:
+def engine(tok: MingTokenizer, padded: int = 0, async_scheduling: str = "off") -> LLMEngine:
     """The real engine over a random one-layer model whose head is `padded` columns wider than the
     tokenizer's vocabulary (as a padded embedding is)."""
     cfg = resolve_engine_config(
-        EngineConfig(block_size=8, max_model_len=512, max_num_seqs=32, max_num_batched_tokens=1024)
+        EngineConfig(
+            block_size=8,
+            max_model_len=512,
+            max_num_seqs=32,
+            max_num_batched_tokens=1024,
+            async_scheduling=async_scheduling,
+        )
     )
     model = FakeModel(vocab=tok.vocab_size + padded, hidden=32)
     return LLMEngine(ModelRunner(model, cfg, "cpu"), tok, list(tok.stop_token_ids))
@@ -102,6 +108,39 @@ def test_json_object_and_ebnf_steer_greedy_and_random_draws(tok, grammars):
     assert results[0].finish_reason is FinishReason.STOP and isinstance(json.loads(results[0].text), dict)
     for result in results[1:]:
         assert result.finish_reason is FinishReason.STOP and result.text in ("yes", "no", "maybe so")
+
+
+def test_async_scheduling_gives_constrained_and_free_requests_their_synchronous_outputs(tok, grammars):
+    """A step that samples a constrained request completes before the next is planned (its mask is
+    filled from the grammar's state, which needs the ids on the host); the others run ahead when
+    alone. Every request's output is the synchronous engine's."""
+    yes_no = 'root ::= "yes" | "no" | "maybe so"'
+    params = [
+        constrained(grammars, "json_object", max_tokens=20, temperature=1.0, seed=5),
+        SamplingParams(temperature=1.0, seed=9, max_tokens=40, ignore_eos=True),
+        constrained(grammars, "ebnf", yes_no, max_tokens=20),
+        SamplingParams(max_tokens=30, ignore_eos=True),
+    ]
+    prompts = [tok.encode(f"Answer {i}:") for i in range(4)]
+    want = engine(tok).generate(prompts, params)
+    eng = engine(tok, async_scheduling="on")
+    ahead_with_grammar = []
+    step = eng.step
+
+    def watched():
+        out = step()
+        if eng.in_flight is not None:
+            ahead_with_grammar.append(any(q.matcher for q in eng.in_flight.batch.sampling_seqs))
+        return out
+
+    eng.step = watched
+    got = eng.generate(prompts, params)
+    assert [(r.token_ids, r.text, r.finish_reason) for r in got] == [
+        (r.token_ids, r.text, r.finish_reason) for r in want
+    ]
+    assert got[2].text in ("yes", "no", "maybe so")
+    assert ahead_with_grammar  # once the constrained requests ended, the free one ran ahead
+    assert not any(ahead_with_grammar), "a step with a constrained row was left running"
 
 
 def test_a_schema_cut_by_max_tokens_ends_with_length(tok, grammars):

@@ -213,9 +213,49 @@ def check(s: Scheduler, model: CacheModel) -> None:
         assert q.block_table == [] and q.num_computed_tokens == 0
 
 
+class Steps:
+    """Steps the scheduler as the engine does: synchronous (`lag` 0), or with async scheduling
+    (`lag` 1: each step is scheduled and launched before the previous one's ids are postprocessed).
+    A launched step's writes go to the blocks its sequences held at launch (a sequence that ended
+    meanwhile leaves garbage there); a full block's key is known once its last token is."""
+
+    def __init__(self, s: Scheduler, model: CacheModel, lag: int, rng: random.Random) -> None:
+        self.s, self.model, self.lag, self.rng = s, model, lag, rng
+        self.in_flight: list = []
+
+    def step(self, sampled=None) -> None:
+        batch = self.s.schedule()
+        writes = [
+            (q, q.num_computed_tokens, q.num_computed_tokens + k, list(q.block_table))
+            for q, k in batch.scheduled
+        ]
+        self.s.advance(batch)
+        self.in_flight.append(batch)
+        while len(self.in_flight) > self.lag:
+            done = self.in_flight.pop(0)
+            # 0 is the EOS: a sequence may end while the next step, which holds it, runs.
+            self.s.postprocess(done, [self.rng.randrange(0, 8) for _ in done.sampling_seqs])
+        for q, start, end, table in writes:
+            self._write(q, start, end, table)
+
+    def flush(self) -> None:
+        while self.in_flight:
+            done = self.in_flight.pop(0)
+            self.s.postprocess(done, [1] * len(done.sampling_seqs))
+
+    def _write(self, q: Sequence, start: int, end: int, table: list[int]) -> None:
+        known = q.num_tokens - q.num_pending
+        for i in range(start // BS, -(-end // BS)):
+            if (i + 1) * BS <= end and (i + 1) * BS <= known:
+                self.model.content[table[i]] = q.keys_of_full_blocks(BS, i + 1)[i]
+            else:
+                self.model.content[table[i]] = ("partial", q.seq_id)
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(op, min_size=1, max_size=60), st.integers(4, 14))
-def test_fuzz_add_finish_preempt_never_loses_a_block_in_use(ops, num_blocks):
+def test_fuzz_add_finish_preempt_never_loses_a_block_in_use(lag, ops, num_blocks):
     cfg = resolve_engine_config(
         EngineConfig(
             block_size=BS,
@@ -225,7 +265,8 @@ def test_fuzz_add_finish_preempt_never_loses_a_block_in_use(ops, num_blocks):
             max_num_seqs=4,
         )
     )
-    s, model, rng = Scheduler(cfg, [0]), CacheModel(), random.Random(0)
+    s, model = Scheduler(cfg, [0]), CacheModel()
+    steps = Steps(s, model, lag, random.Random(0))
     prefixes = [tokens(16, seed=i) for i in range(4)]
     for n, action in enumerate(ops):
         kind = action[0]
@@ -235,23 +276,19 @@ def test_fuzz_add_finish_preempt_never_loses_a_block_in_use(ops, num_blocks):
             if length + max_tokens <= cfg.max_model_len:
                 s.add(Sequence(f"q{n}", ids, SamplingParams(), max_tokens))
         elif kind == "step":
-            batch = s.schedule()
-            for q, k in batch.scheduled:
-                model.write(q, q.num_computed_tokens, q.num_computed_tokens + k)
-            s.postprocess(batch, [rng.randrange(1, 8) for _ in batch.sampling_seqs])
+            steps.step()
         elif s.seqs:
             victim = sorted(s.seqs.values(), key=lambda q: q.seq_id)[action[1] % len(s.seqs)]
             if kind == "abort":
                 s.abort(victim.request_id)
-            elif victim.status is SequenceStatus.RUNNING:
+            elif victim.status is SequenceStatus.RUNNING and not victim.num_pending:
+                # (The scheduler preempts only while scheduling, where it admits nobody: a sequence
+                # preempted with a token pending waits for it before it can come back.)
                 s.running.remove(victim)
                 s._preempt(victim)
         check(s, model)
     while s.has_unfinished():  # everything finishes, and every block comes back
-        batch = s.schedule()
-        assert not batch.is_empty
-        for q, k in batch.scheduled:
-            model.write(q, q.num_computed_tokens, q.num_computed_tokens + k)
-        s.postprocess(batch, [1] * len(batch.sampling_seqs))
+        steps.step()
         check(s, model)
+    steps.flush()
     assert s.block_manager.num_free_blocks == num_blocks

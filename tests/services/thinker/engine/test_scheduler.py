@@ -22,6 +22,7 @@ def seq(rid: str, n: int, max_tokens: int = 4, **params) -> Sequence:
 def step(s: Scheduler, token: int = 7):
     batch = s.schedule()
     sched = [(q.request_id, n) for q, n in batch.scheduled]
+    s.advance(batch)
     s.postprocess(batch, [token] * len(batch.sampling_seqs))
     return sched, batch
 
@@ -111,6 +112,7 @@ def test_max_tokens_eos_and_stop_ids():
     for tokens in plan:
         batch = s.schedule()
         assert {q.request_id for q in batch.sampling_seqs} == set(tokens)
+        s.advance(batch)
         s.postprocess(batch, [tokens[q.request_id] for q in batch.sampling_seqs])
     reasons = {rid: q.finish_reason for rid, q in seqs.items()}
     assert reasons == {

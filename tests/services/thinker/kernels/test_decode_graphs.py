@@ -91,6 +91,29 @@ def test_buffers_are_reused_and_a_smaller_step_clears_the_rows_a_larger_one_left
     assert slots2.tolist() == [7, 23] and ctx2.tolist() == [8, 9]
 
 
+def test_placeholders_take_the_shared_ids_and_each_step_is_staged_beside_the_one_before():
+    """Async scheduling: a plan's placeholder -r - 1 becomes the previous step's sampled id r on the
+    device (the host plan is left as it was), and consecutive steps are staged in the two host
+    arrays in turn (a step's copy may still be queued while the next is staged)."""
+    from omnistage.services.thinker.engine.sampled_feed import SampledFeed
+    from omnistage.services.thinker.models.layers.parallel import TPGroup
+
+    model = Recorder()
+    graphs = DecodeGraphs(model, max_batch=8, max_blocks=4, device=torch.device("cpu"), capture=False)
+    feed = SampledFeed(torch.device("cpu"), TPGroup())
+    feed.share(StepPlan(sample_rows=torch.arange(2)), torch.tensor([7, 9]))
+    plan = decode_plan(3)
+    plan.input_ids = torch.tensor([-2, 101, -1])
+    assert plan.has_placeholders and not decode_plan(3).has_placeholders
+    graphs.run(plan, feed.fill)
+    assert model.calls[-1][0].tolist() == [9, 101, 7, 0]
+    assert plan.input_ids.tolist() == [-2, 101, -1]
+    graphs.run(decode_plan(2))
+    assert model.calls[-1][0].tolist() == [100, 101]
+    first, second = (graphs._views(h)[0][:3].tolist() for h in graphs.hosts)
+    assert sorted([first, second]) == sorted([[-2, 101, -1], [100, 101, 0]])
+
+
 def test_only_pure_decode_steps_within_the_sizes_are_covered():
     graphs = DecodeGraphs(Recorder(), max_batch=4, max_blocks=4, device=torch.device("cpu"), capture=False)
     assert graphs.covers(decode_plan(4))
@@ -127,7 +150,7 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
     runner.use_graphs(graphs)
     sizes = []
     run = graphs.run
-    graphs.run = lambda plan: (sizes.append(int(plan.query_lens.numel())), run(plan))[1]
+    graphs.run = lambda plan, fill=None: (sizes.append(int(plan.query_lens.numel())), run(plan, fill))[1]
     got = [r.token_ids for r in engine.generate(prompts, params)]
     assert got == want
     assert sizes == [3, 3]  # both decode steps went through the buffers (3 sequences, bucket 4)
