@@ -41,7 +41,7 @@ from omnistage.services.thinker.engine.step_plan import build_step_plan
 from omnistage.services.thinker.tp.distributed import TPControl, TPError
 from omnistage.services.thinker.tp.plan import StepPlan
 
-__all__ = ["GenerateResult", "LLMEngine", "QueueFullError", "RequestOutput", "Usage"]
+__all__ = ["GenerateResult", "LLMEngine", "RequestOutput", "Usage"]
 
 log = get_logger(__name__)
 T = TypeVar("T")
