@@ -20,6 +20,9 @@ from torch.utils._pytree import tree_leaves
 # The CUDA caching allocator rounds every block to 512 bytes and maps large blocks in 2 MiB pages.
 BLOCK_ROUND = 512
 SEGMENT_BYTES = 2 * MiB
+# Requests of 1-10 MiB share 20 MiB segments with other tensors, so freeing one need not drop reserved
+# memory; only a request above this has segments of its own.
+OWN_SEGMENT_MIN_BYTES = 10 * MiB
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from omnistage.common.config import EngineConfig, MemoryConfig
 from omnistage.common.log import get_logger
-from omnistage.common.memory.device import SEGMENT_BYTES, DeviceMemory, fmt_bytes
+from omnistage.common.memory.device import OWN_SEGMENT_MIN_BYTES, SEGMENT_BYTES, DeviceMemory, fmt_bytes
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sampler import Sampler
 from omnistage.services.thinker.group.warmup import (
@@ -285,7 +285,8 @@ class _Profiler:
         release_after_failure(self.mem)
         dropped = before - self.mem.reserved()
         why = ""
-        if dropped < kv_bytes - SEGMENT_BYTES:  # allocators round to segments
+        # Allocators round to segments; a cache small enough to share its segment proves nothing.
+        if kv_bytes > OWN_SEGMENT_MIN_BYTES and dropped < kv_bytes - SEGMENT_BYTES:
             why = (
                 f"tearing down the KV cache released {fmt_bytes(dropped)} of reserved memory, expected at "
                 f"least {fmt_bytes(kv_bytes)}: something still references the old cache (layer k_cache/"

@@ -266,3 +266,20 @@ def test_cpu_without_a_simulated_device_keeps_the_old_sizing(tiny_ckpt):
     runner = started.runner
     assert started.kv_profile is None and runner.budget_bytes == 0
     assert runner.num_kv_blocks == CFG.max_num_seqs * CFG.max_model_len // CFG.block_size
+
+
+@pytest.mark.parametrize(("kv_mib", "blamed"), [(8, False), (64, True)])
+def test_teardown_blames_a_cache_only_when_it_has_segments_of_its_own(tiny_ckpt, kv_mib, blamed):
+    """CUDA's allocator packs a request of 1-10 MiB into a 20 MiB segment shared with other tensors, so
+    freeing a small cache may drop nothing (a tiny checkpoint on a GPU): only a larger one is blamed."""
+    from omnistage.services.thinker.group.kv_profile import _Profiler
+
+    mem = SimulatedDeviceMemory(CAPACITY)
+    runner = metered_runner(tiny_ckpt, mem)
+    prof = _Profiler(runner, SOLO, mem, KVSettings(budget_bytes=CAPACITY), 0, None, None)
+    runner.free_kv = lambda: None  # the segment stays reserved, as a shared one does
+    if blamed:
+        with pytest.raises(KVProfileError, match="released 0 B of reserved memory, expected at least 64"):
+            prof.teardown(kv_mib * MiB)
+    else:
+        prof.teardown(kv_mib * MiB)
