@@ -128,6 +128,15 @@ def align_supported(num_experts: int) -> bool:
 
 
 @triton.jit
+def _silu_and_mul(gate_acc, up_acc, dt: tl.constexpr):
+    """silu(gate)·up in `dt` with the reference's roundings: gate and up to `dt`, then silu, then the
+    product."""
+    gate = gate_acc.to(dt).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
+    return (act * up_acc.to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _expert_gemm_kernel(
     a_ptr,
     w_ptr,
@@ -151,12 +160,10 @@ def _expert_gemm_kernel(
     LOG2_EXPERTS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One row block of one expert's run x BLOCK_N output columns: out[pair] = a[pair // pairs_per_row]
-    @ w[expert]ᵀ. GATED (the gate-up GEMM): w's first n_out rows are the gate, the next n_out the up
-    projection, and the result is silu(gate)·up; else (the down GEMM) the result is weighted by the
-    pair's routing weight."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """One row block of an expert's run x BLOCK_N columns: out[pair] = a[pair // pairs_per_row] @ w[expert]ᵀ;
+    GATED (gate-up): w's first n_out rows the gate, the next n_out the up projection, the result
+    silu(gate)·up; else (down): the result weighted by the pair's routing weight."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
     expert, pairs, valid = _block_rows(pairs_ptr, counts_ptr, ends_ptr, pid_m, BLOCK_M, LOG2_EXPERTS)
@@ -182,16 +189,11 @@ def _expert_gemm_kernel(
             u_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    # The reference's roundings, to the activation dtype: gate and up, then silu, then the product
-    # (gated); each expert's output before weighting it (down).
     dt = a_ptr.dtype.element_ty
     if GATED:
-        gate = acc.to(dt).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
-        result = (act * acc_u.to(dt).to(tl.float32)).to(dt)
-    else:
-        weight = tl.load(weight_ptr + pairs, mask=valid, other=0.0)
-        result = acc.to(dt).to(tl.float32) * weight[:, None]
+        result = _silu_and_mul(acc, acc_u, dt)
+    else:  # the reference rounds each expert's output to the activation dtype before weighting it
+        result = acc.to(dt).to(tl.float32) * tl.load(weight_ptr + pairs, mask=valid, other=0.0)[:, None]
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, result, mask=valid[:, None] & n_ok[None, :])
 
