@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -263,7 +264,7 @@ def dit_checks(tiny: bool, device: str, dtype: torch.dtype) -> None:
         ),
         "qk_norm_rope": (
             fused.qk_norm_rope,
-            fused.qk_norm_rope_ref,
+            functools.partial(fused.qk_norm_rope, ref=True),
             (q, k, w[:hd], w[hd : 2 * hd], 1e-5, cos, sin),
         ),
     }

@@ -183,23 +183,15 @@ class PhaseReporter:
         if self.status_file is None:
             return
         with self._lock:  # build and write under one lock: a stale snapshot never overwrites a newer one
-            s = self._snap
+            progress = dataclasses.asdict(self._snap)  # the record's fields of the same names
+            progress["heartbeat_unix"] = progress.pop("updated_unix")
             record = StatusRecord(
                 service=self.service,
                 rank=self.rank,
                 pid=os.getpid(),
-                phase=s.phase,
-                done=s.done,
-                total=s.total,
-                unit=s.unit,
-                detail=s.detail,
-                heartbeat_unix=s.updated_unix,
-                phase_started_unix=s.phase_started_unix,
-                failure=s.failure,
-                failed_in=s.failed_in,
-                culprit_rank=s.culprit_rank,
                 address=self.address,
                 alive_unix=self._alive_unix,
+                **progress,
             )
             write_status(self.status_file, record)
 

@@ -129,24 +129,28 @@ class StageGate:
         """Refuse now when the waiting room is full; else the estimated wait for a slot."""
         wait = self.estimated_wait_s(coming=coming)
         if wait and self.waiting >= self.cfg.max_waiting:
-            self.refused += 1
-            raise Overloaded(
-                f"{self.stage}: {self.waiting} requests waiting, the most that may wait for it "
-                f"({self.running} running of {self.cfg.max_running}); retry in about {wait:.1f}s",
-                retry_after_ms=max(1, int(wait * 1000)),
-                reason=f"{self.stage}_queue_full",
+            raise self.refuse(
+                f"{self.waiting} requests waiting, the most that may wait for it ({self.running} running "
+                f"of {self.cfg.max_running}); retry in about {wait:.1f}s",
+                wait,
+                "queue_full",
             )
         return wait
 
-    def _late(self, wait: float, work_s: float, remaining_s: float, path: str = "") -> Overloaded:
+    def refuse(self, why: str, retry_s: float, cause: str = "deadline") -> Overloaded:
+        """A refusal of this stage's, counted: `why` after the stage's name, a retry hint of `retry_s`
+        (at least 1 ms) and the metrics reason `<stage>_<cause>`."""
         self.refused += 1
-        state = "at capacity " if wait else ""
         return Overloaded(
-            f"{self.stage}: {state}({self.running} running, {self.waiting} waiting); the estimated wait "
-            f"{wait:.1f}s plus {work_s:.1f}s of service{path} exceeds the {remaining_s:.1f}s left to the "
-            f"deadline",
-            retry_after_ms=max(1, int((wait or self.service_s) * 1000)),
-            reason=f"{self.stage}_deadline",
+            f"{self.stage}: {why}", retry_after_ms=max(1, int(retry_s * 1000)), reason=f"{self.stage}_{cause}"
+        )
+
+    def _late(self, wait: float, work_s: float, remaining_s: float, path: str = "") -> Overloaded:
+        state = "at capacity " if wait else ""
+        return self.refuse(
+            f"{state}({self.running} running, {self.waiting} waiting); the estimated wait {wait:.1f}s plus "
+            f"{work_s:.1f}s of service{path} exceeds the {remaining_s:.1f}s left to the deadline",
+            wait or self.service_s,
         )
 
     async def take(self, remaining_s: float | None, *, first: bool = False) -> Slot:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 from omnistage.common.runtime.errors import StageUnavailable
@@ -28,28 +29,18 @@ COMPLETE = (
 )
 
 
+@dataclass(eq=False)
 class Answer:
     """The thinker's part of one run (`where` prefixes field names in the errors it makes)."""
 
-    def __init__(
-        self,
-        thinker: ThinkerClient,
-        admission: Admission,
-        run: RequestRun,
-        ticket: Ticket,
-        request: PlannedRequest,
-        media: EncodedMedia,
-        remaining: Callable[[], float | None],
-        where: str = "",
-    ) -> None:
-        self.thinker = thinker
-        self.admission = admission
-        self.run = run
-        self.ticket = ticket
-        self.request = request
-        self.media = media
-        self.remaining = remaining  # the seconds left to the client's deadline (None: none)
-        self.where = where
+    thinker: ThinkerClient
+    admission: Admission
+    run: RequestRun
+    ticket: Ticket
+    request: PlannedRequest
+    media: EncodedMedia
+    remaining: Callable[[], float | None]  # the seconds left to the client's deadline (None: none)
+    where: str = ""
 
     async def text(self, sinks: Sequence[AnswerSink] = ()) -> omni_pb2.GenerateEvent:
         """Stream the text answer to the client (its tool calls as ToolCall events), each piece fed to

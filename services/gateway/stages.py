@@ -170,10 +170,15 @@ class StageClient:
                 raise self.unavailable() from None
             raise
 
-    async def stream(self, call: grpc.aio.UnaryStreamCall, last: str) -> AsyncIterator[Any]:
-        """The events of a streaming call. After its `last` event kind the call's own end (OK) is taken
-        instead of cancelling it; a consumer that stops early (client gone, deadline) cancels it, which
-        aborts the request inside the stage (a no-op on a stream that ended)."""
+    async def stream(
+        self, open_call: Callable[[], grpc.aio.UnaryStreamCall], last: str
+    ) -> AsyncIterator[Any]:
+        """The events of the streaming call `open_call` makes once the stage is up (tracked). After its
+        `last` event kind the call's own end (OK) is taken instead of cancelling it; a consumer that
+        stops early (client gone, deadline) cancels it, which aborts the request inside the stage (a
+        no-op on a stream that ended)."""
+        self.check_up()
+        call = self.track(open_call())
         finished = False
         try:
             with self.lost_as_unavailable():
@@ -219,7 +224,7 @@ class ThinkerClient(StageClient):
         super().__init__(name, address, max_message_bytes, **admin)
         self.stub = thinker_pb2_grpc.ThinkerStub(self.channel)
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt: thinker_pb2.ChatPrompt,
@@ -230,7 +235,8 @@ class ThinkerClient(StageClient):
     ) -> AsyncIterator[thinker_pb2.ThinkerEvent]:
         """The thinker's events, `started` first. `request_id` is the client's, for the thinker's logs;
         `multimodal` carries the encoder's refs as they came (the thinker releases their leases);
-        `hidden_states` asks for the image query block's hidden states instead of tokens."""
+        `hidden_states` asks for the image query block's hidden states instead of tokens. Leaving early
+        cancels the stream: the thinker aborts the request and frees its KV blocks."""
         request = thinker_pb2.ThinkerRequest(
             request_id=request_id,
             chat=prompt,
@@ -238,14 +244,7 @@ class ThinkerClient(StageClient):
             multimodal=multimodal or [],
             hidden_states=hidden_states,
         )
-        self.check_up()
-        # Leaving early cancels the stream: the thinker aborts the request and frees its KV blocks.
-        call = self.track(self.stub.Generate(request, timeout=timeout_s))
-        async with contextlib.aclosing(
-            self.stream(call, "finish")
-        ) as events:  # closed at once when left early
-            async for event in events:
-                yield event
+        return self.stream(lambda: self.stub.Generate(request, timeout=timeout_s), "finish")
 
     async def tokenize(
         self, request: thinker_pb2.TokenizeRequest, timeout_s: float | None
@@ -337,13 +336,7 @@ class ImageGenClient(StageClient):
         self.max_running = 0
         self.max_waiting = 0
 
-    async def generate(
+    def generate(
         self, request: imagegen_pb2.ImageGenRequest, timeout_s: float | None
     ) -> AsyncIterator[imagegen_pb2.ImageGenEvent]:
-        self.check_up()
-        call = self.track(self.stub.Generate(request, timeout=timeout_s))
-        async with contextlib.aclosing(
-            self.stream(call, "image")
-        ) as events:  # closed at once when left early
-            async for event in events:
-                yield event
+        return self.stream(lambda: self.stub.Generate(request, timeout=timeout_s), "image")

@@ -146,12 +146,10 @@ class Admission:
         )
         if late is not None:
             request, done_in_s = late
-            gate.refused += 1
-            raise Overloaded(
-                f"thinker: joining its batch of {batch - 1} would slow an admitted request past its deadline "
+            raise gate.refuse(
+                f"joining its batch of {batch - 1} would slow an admitted request past its deadline "
                 f"({request.left()} tokens left at {step_joined:.3f}s a step instead of {step_now:.3f}s)",
-                retry_after_ms=max(1, int(done_in_s * 1000)),
-                reason="thinker_deadline",
+                done_in_s,
             )
 
 
@@ -189,12 +187,10 @@ class Ticket:
         gate = self.admission.gates[stage]
         wait = gate.estimated_wait_s(ahead=0, coming=False) if first else gate.check_room(coming=False)
         if wait > wait_s:
-            gate.refused += 1
-            raise Overloaded(
-                f"{stage}: all {gate.cfg.max_running} slots are held ({gate.waiting} waiting); none is "
-                f"expected to free within {wait_s:.1f}s",
-                retry_after_ms=max(1, int(wait * 1000)),
-                reason=f"{stage}_deadline",
+            raise gate.refuse(
+                f"all {gate.cfg.max_running} slots are held ({gate.waiting} waiting); none is expected to "
+                f"free within {wait_s:.1f}s",
+                wait,
             )
         return await gate.take(wait_s, first=first)
 

@@ -8,7 +8,7 @@ import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from omnistage.common.context_rule import check_context
 from omnistage.common.runtime.concurrency import ConcurrencyLimiter
@@ -63,23 +63,22 @@ class Finished:
 Event = Started | Tokens | Hidden | Finished
 
 
+# SamplingParams' fields that the proto field of the same name gives as it is (the rules of
+# `common/sampling.py` read both by these names); seed is optional on the wire, the lists become
+# tuples, and the grammar is compiled from the constraint later.
+_AS_ON_THE_WIRE = tuple(
+    f.name for f in fields(SamplingParams) if f.name not in ("seed", "stop", "stop_token_ids", "grammar")
+)
+
+
 def sampling_from_proto(s: common_pb2.SamplingParams, vocab_size: int, max_model_len: int) -> SamplingParams:
     """The shared rules (`common/sampling.py`) give the INVALID_ARGUMENT message; zero means "off"."""
     check_sampling(s, max_model_len=max_model_len, vocab_size=vocab_size)
     return SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
+        **{name: getattr(s, name) for name in _AS_ON_THE_WIRE},
         seed=s.seed if s.HasField("seed") else None,
-        max_tokens=s.max_tokens,
         stop=tuple(s.stop),
         stop_token_ids=tuple(s.stop_token_ids),
-        logprobs=s.logprobs,
-        ignore_eos=s.ignore_eos,
-        keep_special_tokens=s.keep_special_tokens,
     )
 
 

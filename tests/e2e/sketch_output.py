@@ -26,13 +26,9 @@ class SketchClient(StageClient):
         super().__init__(name, address, max_message_bytes, **admin)
         self.stub = imagegen_pb2_grpc.ImageGenStub(self.channel)
 
-    async def sketch(self, words: str, timeout_s: float | None) -> AsyncIterator[imagegen_pb2.ImageGenEvent]:
-        self.check_up()
-        call = self.track(
-            self.stub.Generate(imagegen_pb2.ImageGenRequest(prompt_text=words), timeout=timeout_s)
-        )
-        async for event in self.stream(call, "image"):
-            yield event
+    def sketch(self, words: str, timeout_s: float | None) -> AsyncIterator[imagegen_pb2.ImageGenEvent]:
+        request = imagegen_pb2.ImageGenRequest(prompt_text=words)
+        return self.stream(lambda: self.stub.Generate(request, timeout=timeout_s), "image")
 
 
 class SketchStage(OutputStage):

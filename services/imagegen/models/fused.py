@@ -42,18 +42,6 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).type_as(x)
 
 
-def qk_norm_rope_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    wq: torch.Tensor,
-    wk: torch.Tensor,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return rope_ref(rms_norm_ref(q, wq, eps), cos, sin), rope_ref(rms_norm_ref(k, wk, eps), cos, sin)
-
-
 # -- Triton ----------------------------------------------------------------------------------------
 
 
@@ -109,8 +97,13 @@ def qk_norm_rope(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    *,
+    ref: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`qk_norm_rope_ref` in one kernel; q, k [B, N, heads, D], cos/sin [B, N, D/2] float32."""
+    """RMSNorm(q)·wq and RMSNorm(k)·wk, each rotated by `rope_ref`'s rule, in one kernel; `ref`: the
+    torch reference instead. q, k [B, N, heads, D], cos/sin [B, N, D/2] float32."""
+    if ref:
+        return rope_ref(rms_norm_ref(q, wq, eps), cos, sin), rope_ref(rms_norm_ref(k, wk, eps), cos, sin)
     b, n, heads, d = q.shape
     q, k = q.contiguous(), k.contiguous()
     if cos.stride(0) == 0:  # one table expanded over the batch: read it once per token position

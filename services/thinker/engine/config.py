@@ -6,7 +6,7 @@ request the cache can hold) lives here, so every component reads one object.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from omnistage.common.config import EngineConfig
@@ -33,6 +33,10 @@ class ResolvedEngineConfig:
         return -(-self.max_model_len // self.block_size)
 
 
+# The fields decided at start-up; every other one is the deploy config's, as it is.
+_DECIDED = ("num_kv_blocks", "max_model_len")
+
+
 def async_scheduling_on(mode: str, device: torch.device) -> bool:
     """Whether the engine plans the next step while the device runs this one: `auto` where the
     device runs behind the host (CUDA); a CPU computes as the host calls, so there it buys nothing."""
@@ -55,16 +59,5 @@ def resolve_engine_config(cfg: EngineConfig, num_kv_blocks: int | None = None) -
             f"engine: max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_model_len "
             f"({max_model_len}) when chunked_prefill is false"
         )
-    return ResolvedEngineConfig(
-        block_size=cfg.block_size,
-        num_kv_blocks=blocks,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        chunked_prefill=cfg.chunked_prefill,
-        default_max_tokens=cfg.default_max_tokens,
-        max_queued_requests=cfg.max_queued_requests,
-        prefix_caching=cfg.prefix_caching,
-        prefill_tokens_while_decoding=cfg.prefill_tokens_while_decoding,
-        async_scheduling=cfg.async_scheduling,
-    )
+    kept = {f.name: getattr(cfg, f.name) for f in fields(ResolvedEngineConfig) if f.name not in _DECIDED}
+    return ResolvedEngineConfig(**kept, num_kv_blocks=blocks, max_model_len=max_model_len)

@@ -128,64 +128,17 @@ def align_supported(num_experts: int) -> bool:
 
 
 @triton.jit
-def _gate_up_kernel(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    pairs_ptr,
-    counts_ptr,
-    ends_ptr,
-    num_rows_ptr,
-    hidden,
-    inter,
-    top_k,
-    stride_xm,
-    stride_we,
-    stride_wn,
-    stride_om,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    LOG2_EXPERTS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-        return
-    expert, pairs, valid = _block_rows(pairs_ptr, counts_ptr, ends_ptr, pid_m, BLOCK_M, LOG2_EXPERTS)
-    rows = tl.where(valid, pairs // top_k, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < inter
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_base = w_ptr + expert * stride_we + offs_k[:, None]
-    g_ptrs = w_base + offs_n[None, :] * stride_wn
-    u_ptrs = w_base + (offs_n[None, :] + inter) * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = offs_k < hidden - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    # The reference's roundings: gate and up to the activation dtype, then silu, then the product.
-    dt = out_ptr.dtype.element_ty
-    gate = acc_g.to(dt).to(tl.float32)
+def _silu_and_mul(gate_acc, up_acc, dt: tl.constexpr):
+    """silu(gate)·up in `dt` with the reference's roundings: gate and up to `dt`, then silu, then the
+    product."""
+    gate = gate_acc.to(dt).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
-    h = act * acc_u.to(dt).to(tl.float32)
-    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, h.to(dt), mask=valid[:, None] & n_ok[None, :])
+    return (act * up_acc.to(dt).to(tl.float32)).to(dt)
 
 
 @triton.jit
-def _down_kernel(
-    h_ptr,
+def _expert_gemm_kernel(
+    a_ptr,
     w_ptr,
     out_ptr,
     weight_ptr,
@@ -193,42 +146,90 @@ def _down_kernel(
     counts_ptr,
     ends_ptr,
     num_rows_ptr,
-    hidden,
-    inter,
-    stride_hm,
+    n_out,
+    k_in,
+    pairs_per_row,
+    stride_am,
     stride_we,
     stride_wn,
     stride_om,
+    GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     LOG2_EXPERTS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """One row block of an expert's run x BLOCK_N columns: out[pair] = a[pair // pairs_per_row] @ w[expert]ᵀ;
+    GATED (gate-up): w's first n_out rows the gate, the next n_out the up projection, the result
+    silu(gate)·up; else (down): the result weighted by the pair's routing weight."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
     expert, pairs, valid = _block_rows(pairs_ptr, counts_ptr, ends_ptr, pid_m, BLOCK_M, LOG2_EXPERTS)
-    safe = tl.where(valid, pairs, 0).to(tl.int64)
+    rows = tl.where(valid, pairs // pairs_per_row, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hidden
+    n_ok = offs_n < n_out
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + safe[:, None] * stride_hm + offs_k[None, :]
-    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    w_base = w_ptr + expert * stride_we + offs_k[:, None]
+    b_ptrs = w_base + offs_n[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_ok = offs_k < inter - k0
+    if GATED:
+        u_ptrs = w_base + (offs_n[None, :] + n_out) * stride_wn
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        k_ok = offs_k < k_in - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if GATED:
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+            u_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    # The reference rounds each expert's output to the activation dtype before weighting it.
-    acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
-    acc = acc * tl.load(weight_ptr + safe, mask=valid, other=0.0)[:, None]
-    out_ptrs = out_ptr + safe[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc, mask=valid[:, None] & n_ok[None, :])
+    dt = a_ptr.dtype.element_ty
+    if GATED:
+        result = _silu_and_mul(acc, acc_u, dt)
+    else:  # the reference rounds each expert's output to the activation dtype before weighting it
+        result = acc.to(dt).to(tl.float32) * tl.load(weight_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, result, mask=valid[:, None] & n_ok[None, :])
+
+
+def _expert_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    layout: tuple[torch.Tensor, ...],
+    meta: dict,
+    *,
+    pairs_per_row: int = 1,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One launch of `_expert_gemm_kernel` over `align_by_expert`'s layout; gated when no routing
+    `weights` are given (w [E, 2N, K]: gate rows then up rows), else w [E, N, K]."""
+    gated = weights is None
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    grid = (layout[0].numel() // meta["BLOCK_M"], triton.cdiv(n_out, meta["BLOCK_N"]))
+    _expert_gemm_kernel[grid](
+        a,
+        w,
+        out,
+        out if gated else weights,
+        *layout,
+        n_out,
+        w.shape[2],
+        pairs_per_row,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        GATED=gated,
+        **meta,
+    )
+    return out
 
 
 def fused_experts(
@@ -243,8 +244,7 @@ def fused_experts(
     x = x.contiguous()
     n = t * k
     tiles = choose_tiles(n, num_experts)
-    pairs, counts, ends, num_rows = align_by_expert(ids, num_experts, tiles.block_m)
-    num_blocks = pairs.numel() // tiles.block_m
+    layout = align_by_expert(ids, num_experts, tiles.block_m)
     meta = dict(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
@@ -255,39 +255,7 @@ def fused_experts(
         num_stages=tiles.num_stages,
     )
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
-        x,
-        w13,
-        h,
-        pairs,
-        counts,
-        ends,
-        num_rows,
-        hidden,
-        inter,
-        k,
-        x.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        h.stride(0),
-        **meta,
-    )
+    _expert_gemm(x, w13, h, layout, meta, pairs_per_row=k)
     out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
-        h,
-        w2,
-        out,
-        weights.reshape(-1).float().contiguous(),
-        pairs,
-        counts,
-        ends,
-        num_rows,
-        hidden,
-        inter,
-        h.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        out.stride(0),
-        **meta,
-    )
+    _expert_gemm(h, w2, out, layout, meta, weights=weights.reshape(-1).float().contiguous())
     return out.view(t, k, hidden).sum(dim=1)

@@ -46,6 +46,19 @@ def write_kv(
 
 
 @triton.jit
+def load_kv(
+    k_cache_ptr, v_cache_ptr, table, tok, tok_ok, kvh, d, stride_cb, stride_cs, stride_ch, PAGE: tl.constexpr
+):
+    """K and V rows [len(tok), len(d)] of KV head `kvh` at the cached positions `tok` (zeros where not
+    `tok_ok`), through the sequence's block-table row `table`; both paged kernels read the cache so."""
+    block = tl.load(table + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
+    kv_off = block[:, None] * stride_cb + (tok % PAGE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -85,13 +98,13 @@ def _decode_kernel(
     s = tl.zeros((GROUP_PAD,), dtype=tl.float32)
     acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
     offs = tl.arange(0, BLOCK_N)
+    table = tables_ptr + b * stride_tb
     for start in range(0, ctx, BLOCK_N):
         tok = start + offs
         tok_ok = tok < ctx
-        block = tl.load(tables_ptr + b * stride_tb + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
-        kv_off = block[:, None] * stride_cb + (tok % PAGE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        k, v = load_kv(
+            k_cache_ptr, v_cache_ptr, table, tok, tok_ok, kvh, d, stride_cb, stride_cs, stride_ch, PAGE
+        )
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         scores = tl.where(tok_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 from omnistage.services.thinker.kernels import dot_precision
-from omnistage.services.thinker.kernels.paged_attention import paged_strides
+from omnistage.services.thinker.kernels.paged_attention import load_kv, paged_strides
 
 # Rows (query tokens x GQA heads) of one program: the tile of a prompt of any length.
 BLOCK_M = 64
@@ -111,10 +111,9 @@ def _prefill_kernel(
     for start in range(0, end, BLOCK_KV):
         kt = start + tl.arange(0, BLOCK_KV)
         k_ok = kt < end
-        block = tl.load(table + kt // PAGE, mask=k_ok, other=0).to(tl.int64)
-        kv_off = block[:, None] * stride_cb + (kt % PAGE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=k_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=k_ok[:, None], other=0.0)
+        k, v = load_kv(
+            k_cache_ptr, v_cache_ptr, table, kt, k_ok, kvh, d, stride_cb, stride_cs, stride_ch, PAGE
+        )
         allowed = (kt[None, :] <= qpos[:, None]) & k_ok[None, :]
         m, s, acc = _online_softmax_step(q, k, v, allowed, m, s, acc, scale_log2, PRECISION)
     out = acc / tl.maximum(s, 1e-30)[:, None]

@@ -29,6 +29,9 @@ def compile_sm90(fn, types: dict[str, str], constants: dict[str, object]) -> obj
 
 B, I32, F32 = "*bf16", "i32", "fp32"
 MOE_ROWS = {"pairs_ptr": "*i32", "counts_ptr": "*i32", "ends_ptr": "*i32", "num_rows_ptr": "*i32"}
+MOE_SIZES = {
+    n: I32 for n in ("n_out", "k_in", "pairs_per_row", "stride_am", "stride_we", "stride_wn", "stride_om")
+}
 MOE_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "LOG2_EXPERTS": 8, "PRECISION": "tf32"}
 CASES = {
     "count": (
@@ -47,38 +50,14 @@ CASES = {
         {},
     ),
     "gate_up": (
-        fused_moe._gate_up_kernel,
-        {
-            "x_ptr": B,
-            "w_ptr": B,
-            "out_ptr": B,
-            **MOE_ROWS,
-            "hidden": I32,
-            "inter": I32,
-            "top_k": I32,
-            "stride_xm": I32,
-            "stride_we": I32,
-            "stride_wn": I32,
-            "stride_om": I32,
-        },
-        MOE_TILES,
+        fused_moe._expert_gemm_kernel,
+        {"a_ptr": B, "w_ptr": B, "out_ptr": B, "weight_ptr": B, **MOE_ROWS, **MOE_SIZES},
+        {**MOE_TILES, "GATED": True},
     ),
     "down": (
-        fused_moe._down_kernel,
-        {
-            "h_ptr": B,
-            "w_ptr": B,
-            "out_ptr": "*fp32",
-            "weight_ptr": "*fp32",
-            **MOE_ROWS,
-            "hidden": I32,
-            "inter": I32,
-            "stride_hm": I32,
-            "stride_we": I32,
-            "stride_wn": I32,
-            "stride_om": I32,
-        },
-        {**MOE_TILES, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64},
+        fused_moe._expert_gemm_kernel,
+        {"a_ptr": B, "w_ptr": B, "out_ptr": "*fp32", "weight_ptr": "*fp32", **MOE_ROWS, **MOE_SIZES},
+        {**MOE_TILES, "GATED": False, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64},
     ),
     "write_kv": (
         paged_attention._write_kv_kernel,
