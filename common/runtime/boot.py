@@ -62,6 +62,12 @@ class Boot:
     def on_cuda(self) -> bool:
         return self.device.startswith("cuda")
 
+    @property
+    def full_warmup(self) -> bool:
+        """Every warm-up shape and stress batch (an accelerator, a simulated device, or `startup.cpu_warmup:
+        full`); else each path once (`StartupConfig.full_warmup` says why)."""
+        return self.cfg.startup.full_warmup(self.device, self.svc.memory.simulated_capacity_bytes)
+
     def limit_allocator(self, outside_bytes: int) -> None:
         """Cap torch's allocator at the budget less `outside_bytes` held outside it (a CUDA IPC pool)."""
         self.allocator_budget = max(self.budget - outside_bytes, 1) if self.budget else 0

@@ -90,15 +90,30 @@ def stress_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
     return [prefill_stress_shape(cfg), decode_stress_shape(cfg)]
 
 
+def _prompt_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
+    """Whole prompts that sample, smallest first."""
+    sizes = sorted({min(n, cfg.max_num_batched_tokens, cfg.max_model_len - 1) for n in (64, 512)})
+    return [DummyShape(f"prompt {n} tokens", (n,), (n,), sample=True) for n in sizes if n > 0]
+
+
+def _small_decode_shape(cfg: ResolvedEngineConfig) -> DummyShape:
+    return DummyShape("decode 1 seq @ ctx 1 block", (1,), (min(cfg.block_size, cfg.max_model_len),), True)
+
+
 def warmup_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
     """Largest first (the caching allocator keeps their blocks), then whole prompts that sample (kernel
     variants the stress shapes miss: the fused MoE's smaller tile bands, a fresh prompt's attention,
     a first sample; FlashInfer builds its kernels in the first), then the common small decode: no
     request pays a kernel's first build."""
-    small = DummyShape("decode 1 seq @ ctx 1 block", (1,), (min(cfg.block_size, cfg.max_model_len),), True)
-    sizes = sorted({min(n, cfg.max_num_batched_tokens, cfg.max_model_len - 1) for n in (64, 512)})
-    prompts = [DummyShape(f"prompt {n} tokens", (n,), (n,), sample=True) for n in sizes if n > 0]
-    return [*stress_shapes(cfg), *prompts, small]
+    return [*stress_shapes(cfg), *_prompt_shapes(cfg), _small_decode_shape(cfg)]
+
+
+def minimal_warmup_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
+    """A plain CPU's warm-up (`RankConfig.full_warmup` false): the smallest whole prompt and the small
+    decode, each on every rank. Torch eager builds no kernels and there is no device memory to prove
+    (the KV cache is sized from the config), so the largest shapes would only cost time; these two
+    run every path of a step once (prefill, decode, every sampler buffer, the group's agreement)."""
+    return [*_prompt_shapes(cfg)[:1], _small_decode_shape(cfg)]
 
 
 def dummy_plan(shape: DummyShape, block_size: int) -> StepPlan:
