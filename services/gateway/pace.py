@@ -68,8 +68,9 @@ class StepPace:
         self._batches: list[int] = []  # sorted batch sizes with a measurement
         self._step_s: dict[int, float] = {}
         self._context: dict[int, float] = {}  # the context each batch size's step time was measured at
+        self._first_context: dict[int, float] = {}  # ... and its first measurement (the start-up stress)
         # How a step grows with context (the thinker's timed decode steps): at `batch` sequences, the part
-        # of its time each token of context of every sequence adds; None: unmeasured (flat).
+        # of its time at a short context that a token more of every sequence adds; None: flat.
         self._growth: tuple[int, float] | None = None
 
     @property
@@ -86,7 +87,7 @@ class StepPace:
         else:
             bisect.insort(self._batches, batch)
             self._step_s[batch] = step_s
-            self._context[batch] = max(0.0, context)
+            self._context[batch] = self._first_context[batch] = max(0.0, context)
 
     def observe_growth(self, batch: int, short: tuple[float, float], long: tuple[float, float]) -> None:
         """Two step times of one batch, each (context, seconds): its growth per token of context of every
@@ -99,12 +100,19 @@ class StepPace:
     @property
     def per_context_token_s(self) -> float:
         """Seconds a step grows per token of context of one of its sequences: the thinker's relative
-        growth times this gateway's own measured step at that batch (which holds what the engine adds to
-        a forward too: a slight overestimate, the safe side); 0 while either is unknown."""
+        growth times this gateway's own measured step at that batch, taken back to the short context of
+        its first measurement, the start-up stress's (live steps at a longer context, which the growth
+        explains, do not steepen it). That step holds what the engine adds to a forward too: a slight
+        overestimate, the safe side. 0 while either is unknown."""
         if self._growth is None or not self._batches:
             return 0.0
         batch, relative = self._growth
-        return relative * self._interpolated(batch, lambda measured, _: self._step_s[measured]) / batch
+
+        def at_short(measured: int, _: int) -> float:
+            grown = max(0.0, self._context[measured] - self._first_context[measured])
+            return self._step_s[measured] / (1 + relative * grown)
+
+        return relative * self._interpolated(batch, at_short) / batch
 
     def step_s(self, batch: int, context: float = 0.0) -> float | None:
         """Seconds per step at `batch` with sequences of `context` tokens (None before any measurement):

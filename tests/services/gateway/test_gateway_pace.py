@@ -58,6 +58,19 @@ def test_a_step_grows_with_the_context_beyond_the_one_it_was_measured_at():
     assert pace.per_context_token_s == 0.0
 
 
+def test_live_steps_at_a_longer_context_do_not_steepen_the_growth():
+    """The gateway's step at the full batch is the growth's measure; live answers update it at the
+    context they ran at, which the growth itself explains: it is taken back to the short context."""
+    pace = StepPace()
+    pace.observe(4, 0.02, context=16)
+    pace.observe_growth(4, (16, 0.015), (1016, 0.055))
+    slope = pace.per_context_token_s
+    for _ in range(40):  # live steps at 516 tokens a sequence, as long as the growth says
+        pace.observe(4, 0.02 + slope * 4 * 500, context=516)
+    assert pace.per_context_token_s == pytest.approx(slope)
+    assert pace.step_s(4, 1016) == pytest.approx(0.02 + slope * 4 * 1000)
+
+
 def test_a_request_that_cannot_finish_at_the_batch_it_joins_is_refused_though_a_slot_is_free():
     gate = StageGate("thinker", GateConfig(max_running=8, max_waiting=64))
     gate.running = 2  # six slots free: slot counting alone would admit
