@@ -106,6 +106,7 @@ class ThinkerStartup(StageStartup):
                 max_prompt_tokens=rcfg.max_model_len - 1,
                 max_model_len=rcfg.max_model_len,
                 default_max_tokens=rcfg.default_max_tokens,
+                decode_step_times=[t.to_proto() for t in self.started.decode_steps],
             )
         )
         runtime.set_load_provider(flow.load)

@@ -31,6 +31,7 @@ from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.model_runner import ModelRunner, to_dtype
+from omnistage.services.thinker.group.decode_pace import DecodeStepTime, decode_step_times
 from omnistage.services.thinker.group.faults import StartupFault
 from omnistage.services.thinker.group.kv_profile import KVProfile, KVSettings, peers_bytes, size_kv_cache
 from omnistage.services.thinker.group.warmup import (
@@ -160,6 +161,7 @@ class StartedRank:
     warmup: WarmupResult | None = None
     phase_seconds: dict[str, float] = field(default_factory=dict)
     load_peak_bytes: int = 0  # the device's peak while loading the weights (0 without an accountant)
+    decode_steps: list[DecodeStepTime] = field(default_factory=list)  # decode_pace.py's, for Describe
 
     def summary(self) -> dict:
         """What start-up chose and how long each phase took (logged as one JSON line)."""
@@ -235,6 +237,7 @@ class RankStartup(StageGroup):
         self.graphs = False
         self.kv_profile: KVProfile | None = None
         self.warmup_result: WarmupResult | None = None
+        self.decode_steps: list[DecodeStepTime] = []
         self.load_peak_bytes = 0
         self.peers_at_start = 0  # bytes others held on the device when loading began
         self.seconds: dict[str, float] = {}
@@ -344,6 +347,7 @@ class RankStartup(StageGroup):
             need_bytes=prof.shape_peaks if prof else None,
             progress=self.step,
         )
+        self.decode_steps = decode_step_times(self._runner().cfg, self.warmup_result)
 
     def result(self) -> StartedRank:
         seconds = {k: round(v, 3) for k, v in self.seconds.items()}
@@ -357,6 +361,7 @@ class RankStartup(StageGroup):
             self.warmup_result,
             seconds,
             self.load_peak_bytes,
+            self.decode_steps,
         )
 
     def _group(self) -> TPControl:

@@ -112,12 +112,21 @@ def test_tp2_ranks_agree_on_the_smallest_kv_size(tiny_ckpt, tmp_path):
     assert r0["blocks"] == r1["blocks"] == r1["proposed"]  # ... both built rank 1's size
 
 
-def test_a_plain_cpu_rank_warms_up_with_one_small_prompt_and_one_decode(tiny_ckpt):
+def test_a_plain_cpu_rank_warms_up_with_one_small_prompt_one_decode_and_the_timed_decodes(tiny_ckpt):
+    """No prefill stress, no larger prompt; the full batch's decode at a KV block and at max_model_len
+    still run (after the first decode), so Describe's decode_step_times is there on a plain CPU too."""
     started = start_rank(RankConfig(str(tiny_ckpt), CFG, full_warmup=False))
     assert started.warmup is not None and started.warmup.skipped == []
-    assert started.warmup.ran == ["prompt 64 tokens", "decode 1 seq @ ctx 1 block"]
+    assert started.warmup.ran == [
+        "prompt 64 tokens",
+        "decode 1 seq @ ctx 1 block",
+        "decode 4 seqs @ ctx 16",
+        "decode 4 seqs @ ctx 512",
+    ]
     assert [s.name for s in minimal_warmup_shapes(started.runner.cfg)] == started.warmup.ran
-    assert all(s.sample for s in minimal_warmup_shapes(started.runner.cfg))  # the sampler runs in both
+    assert all(s.sample for s in minimal_warmup_shapes(started.runner.cfg))  # the sampler runs in each
+    steps = [(t.sequences, t.context_tokens) for t in started.decode_steps]
+    assert steps == [(4, 16), (4, 512)] and all(t.seconds > 0 for t in started.decode_steps)
     started.control.close()
 
 
