@@ -7,7 +7,10 @@ Rounds alternate the variants (before, after, before, after, ...) so a busy host
 Each round: `omnistage serve deploy/local-tiny.yaml` of that checkout, on free ports, with this
 checkout's `.cache/tiny-ming`; start-up = spawn to the ready file; then `--requests` text requests one
 after another through the gateway (16 tokens, ignore_eos), TTFT = the client's time to the first text
-delta; then SIGTERM. Prints one JSON line per round and a Markdown table of medians.
+delta (`--requests 0`: none); then SIGTERM. Each round also records the host's load average at its
+start, and each stage's CPU seconds (user + system, its live child processes included) and seconds
+since spawn when the launcher saw it serving. Prints one JSON line per round and a Markdown table of
+medians.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import re
 import signal
 import statistics
 import subprocess
@@ -62,12 +67,54 @@ async def ttfts(address: str, n: int) -> list[float]:
     return [r.first_text_s * 1000 for r in records]
 
 
+_STARTED = re.compile(r"^omnistage: started (\S+) r(\d+) \(pid (\d+)\)$", re.M)
+_SERVING = re.compile(r"^(\S+) r(\d+) serving \(", re.M)
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its live descendants (the thinker's grammar server)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the command name (it may hold spaces)
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICK
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += times.get(p, 0.0)
+        todo += [c for c, parent in parents.items() if parent == p]
+    return total
+
+
+def watch_stages(log: Path, started: float, seen: dict[str, dict]) -> None:
+    """Each stage rank newly serving in `log`: its CPU seconds and seconds since spawn, now."""
+    text = log.read_text(errors="replace")
+    pids = {f"{m[1]} r{m[2]}": int(m[3]) for m in _STARTED.finditer(text)}
+    for m in _SERVING.finditer(text):
+        key = f"{m[1]} r{m[2]}"
+        if key not in seen and key in pids:
+            seen[key] = {
+                "serving_s": round(time.monotonic() - started, 1),
+                "cpu_s": round(cpu_seconds(pids[key]), 1),
+            }
+
+
 def one_round(name: str, checkout: Path, requests: int, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"startup-{name}-") as tmp:
         cfg = deploy_file(checkout, Path(tmp) / "deploy.yaml")
         ready = Path(tmp) / "ready"
         log = (Path(tmp) / "serve.log").open("w")
         python = checkout / ".venv" / "bin" / "python"
+        load = os.getloadavg()[0]
+        stages: dict[str, dict] = {}
         started = time.monotonic()
         proc = subprocess.Popen(
             [str(python), "-m", "omnistage.common.cli", "serve", str(cfg), "--ready-file", str(ready)],
@@ -81,10 +128,12 @@ def one_round(name: str, checkout: Path, requests: int, timeout_s: float) -> dic
                     raise RuntimeError(
                         f"{name}: serve did not start: {(Path(tmp) / 'serve.log').read_text()[-3000:]}"
                     )
-                time.sleep(0.05)
+                watch_stages(Path(tmp) / "serve.log", started, stages)
+                time.sleep(0.1)
             startup_s = time.monotonic() - started
+            watch_stages(Path(tmp) / "serve.log", started, stages)
             address = ready.read_text().strip()
-            ms = asyncio.run(ttfts(address, requests))
+            ms = asyncio.run(ttfts(address, requests)) if requests else []
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -92,7 +141,14 @@ def one_round(name: str, checkout: Path, requests: int, timeout_s: float) -> dic
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    return {"variant": name, "startup_s": round(startup_s, 2), "ttft_ms": [round(x, 1) for x in ms]}
+    return {
+        "variant": name,
+        "load_avg_1m": round(load, 1),
+        "startup_s": round(startup_s, 2),
+        "stages": dict(sorted(stages.items())),
+        "cpu_s_total": round(sum(v["cpu_s"] for v in stages.values()), 1),
+        "ttft_ms": [round(x, 1) for x in ms],
+    }
 
 
 def main() -> None:
@@ -109,14 +165,18 @@ def main() -> None:
             row = one_round(name, checkout, args.requests, args.timeout_s)
             rows[name].append(row)
             print(json.dumps(row), flush=True)
-    print("| variant | rounds | start-up s (median, each) | TTFT ms (median of all requests) |")
-    print("|---|---|---|---|")
+    print(
+        "| variant | rounds | start-up s (median, each) | stage CPU s at serving (median, each) | TTFT ms |"
+    )
+    print("|---|---|---|---|---|")
     for name, got in rows.items():
         starts = [r["startup_s"] for r in got]
+        cpu = [r["cpu_s_total"] for r in got]
         all_ttft = [t for r in got for t in r["ttft_ms"]]
         print(
             f"| {name} | {len(got)} | {statistics.median(starts):.1f} ({', '.join(f'{s:.1f}' for s in starts)})"
-            f" | {statistics.median(all_ttft):.0f} |"
+            f" | {statistics.median(cpu):.1f} ({', '.join(f'{c:.1f}' for c in cpu)})"
+            f" | {statistics.median(all_ttft) if all_ttft else float('nan'):.0f} |"
         )
 
 

@@ -74,6 +74,18 @@ class StartupConfig:
     rpc_timeout_s: float = 2.0
     # SIGTERM → SIGKILL grace when the launcher stops children.
     stop_grace_s: float = 15.0
+    # How much of the warm-up and stress-and-cap a service on a plain CPU runs (see `full_warmup`):
+    # minimal (each path proven once) | full (every shape and batch, as on an accelerator).
+    cpu_warmup: Literal["minimal", "full"] = "minimal"
+
+    def full_warmup(self, device: str, simulated_capacity_bytes: int = 0) -> bool:
+        """Whether a service on `device` runs its full warm-up and stress. They exist to build kernels
+        and to prove the stage's largest batch within its device memory: on an accelerator and on a
+        simulated device (memory.simulated_capacity_bytes: a budget to prove) always. A plain CPU has
+        neither (torch eager, no budget: the full stress can only conclude its largest batch), so it
+        runs each path once unless `cpu_warmup: full` asks for the rest (tests of those phases)."""
+        plain_cpu = device.split(":")[0] == "cpu" and not simulated_capacity_bytes
+        return not plain_cpu or self.cpu_warmup == "full"
 
     def validate(self, path: str) -> None:
         positive_fields(self, path, ("heartbeat_timeout_s", "poll_interval_s", "rpc_timeout_s"))

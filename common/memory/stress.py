@@ -113,38 +113,61 @@ class StressAndCap:
             )
         return StressAttempt(batch, True, peak, "fits")
 
+    def _logged_attempt(self, batch: int) -> StressAttempt:
+        attempt = self._attempt(batch)
+        log_fields(
+            self.log,
+            logging.INFO if attempt.fits else logging.WARNING,
+            "stress attempt",
+            stage=self.stage,
+            batch=batch,
+            fits=attempt.fits,
+            reason=attempt.reason,
+            peak_reserved=attempt.peak_reserved,
+        )
+        return attempt
+
     def run(self) -> StressResult:
         """Try candidates largest first; the first that fits is the cap. Raises StressError if none fits."""
         baseline = self.mem.reserved()
         attempts: list[StressAttempt] = []
         for batch in self.candidates:
-            attempt = self._attempt(batch)
-            attempts.append(attempt)
-            log_fields(
-                self.log,
-                logging.INFO if attempt.fits else logging.WARNING,
-                "stress attempt",
-                stage=self.stage,
-                batch=batch,
-                fits=attempt.fits,
-                reason=attempt.reason,
-                peak_reserved=attempt.peak_reserved,
-            )
-            if attempt.fits:
+            attempts.append(self._logged_attempt(batch))
+            if attempts[-1].fits:
                 break
+        fitting = [a for a in attempts if a.fits]
+        # a MAX: the largest batch proven safe
+        return self._concluded(baseline, attempts, max((a.batch for a in fitting), default=0))
+
+    def prove(self) -> StressResult:
+        """Where there is no device memory to prove (a plain CPU, `StartupConfig.full_warmup` false): no
+        budget can refuse a batch there, so `run` could only conclude the largest candidate. One attempt
+        at the smallest candidate proves the stage's largest shapes run; the cap is the largest
+        candidate (raises StressError if even that attempt runs out of memory)."""
+        baseline = self.mem.reserved()
+        attempt = self._logged_attempt(self.candidates[-1])
+        return self._concluded(baseline, [attempt], self.candidates[0] if attempt.fits else 0)
+
+    def take_largest(self) -> StressResult:
+        """Nothing run (no device memory to prove, as `prove`): the largest candidate, for a stage whose
+        next start-up step runs that batch anyway (the talker's serving runner)."""
+        return self._concluded(self.mem.reserved(), [], self.candidates[0])
+
+    def _concluded(self, baseline: int, attempts: list[StressAttempt], max_batch: int) -> StressResult:
+        """The result of `attempts` with cap `max_batch` (0: StressError), logged."""
         fitting = [a for a in attempts if a.fits]
         result = StressResult(
             stage=self.stage,
             device=self.mem.device_name,
             configured_max=self.candidates[0],
-            max_batch=max((a.batch for a in fitting), default=0),  # a MAX: the largest batch proven safe
+            max_batch=max_batch,
             attempts=tuple(attempts),
             budget_bytes=self.budget_bytes,
             baseline_reserved=baseline,
-            peak_reserved=fitting[-1].peak_reserved if fitting else 0,
+            peak_reserved=fitting[-1].peak_reserved if fitting else baseline,
             reserved_after=self.mem.reserved(),
         )
-        if not fitting:
+        if not max_batch:
             raise StressError(
                 f"{self.stage}: no batch size fits on {result.device} "
                 f"(free {fmt_bytes(self.mem.free())} of {fmt_bytes(self.mem.total())}"
@@ -160,6 +183,14 @@ class StressAndCap:
                 result.configured_max,
                 result.device,
                 result.why(),
+            )
+        elif not any(a.batch == max_batch for a in fitting):
+            self.log.info(
+                "%s: batch %d taken on %s without a memory run (no device memory to prove; %s)",
+                self.stage,
+                result.max_batch,
+                result.device,
+                result.why() or "nothing run",
             )
         else:
             self.log.info(

@@ -15,6 +15,7 @@ from omnistage.common.config import DeployConfig, ServiceConfig
 from omnistage.common.memory.device import DeviceMemory, device_memory_for
 from omnistage.common.memory.report import export_memory
 from omnistage.common.runtime.blocking import in_daemon_thread
+from omnistage.common.runtime.cpu_share import share_cpu_cores
 from omnistage.common.runtime.progress import StageProgress
 from omnistage.common.runtime.server import ServiceRuntime
 from omnistage.common.runtime.stage_group import StageGroup
@@ -61,6 +62,12 @@ class Boot:
     @property
     def on_cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def full_warmup(self) -> bool:
+        """Every warm-up shape and stress batch (an accelerator, a simulated device, or `startup.cpu_warmup:
+        full`); else each path once (`StartupConfig.full_warmup` says why)."""
+        return self.cfg.startup.full_warmup(self.device, self.svc.memory.simulated_capacity_bytes)
 
     def limit_allocator(self, outside_bytes: int) -> None:
         """Cap torch's allocator at the budget less `outside_bytes` held outside it (a CUDA IPC pool)."""
@@ -186,9 +193,11 @@ async def _start(stage: StageStartup) -> None:
 
 
 def run_stage(argv: Sequence[str], kind: str, startup: type[StageStartup]) -> NoReturn:
-    """`main()` of a stage: `run_service` with the common start-up around `startup` (one per rank)."""
+    """`main()` of a stage: `run_service` with the common start-up around `startup` (one per rank); a
+    CPU stage first takes its share of the host's cores as torch threads (`cpu_share.py`)."""
 
     async def build(runtime: ServiceRuntime, cfg: DeployConfig, svc: ServiceConfig, rank: int) -> None:
+        share_cpu_cores(cfg, svc)
         await start_stage(startup(Boot.resolve(runtime, cfg, svc, rank)))
 
     run_service(argv, kind, build)

@@ -38,7 +38,7 @@ class EncoderStartup(StageStartup):
         b = self.boot
         self.limits = ItemLimits.of(b.svc.encoder, self.models.config)
         self.profile = startup.profile(
-            self.models, b.mem, self.limits, b.allocator_budget, b.progress.in_phase
+            self.models, b.mem, self.limits, b.allocator_budget, b.progress.in_phase, b.full_warmup
         )
 
     async def warm_up(self) -> None:

@@ -63,10 +63,20 @@ def largest_vision_grid(cfg: EncoderConfig, limits: ItemLimits) -> tuple[int, in
 
 
 def profile(
-    models: EncoderModels, mem: DeviceMemory, limits: ItemLimits, budget: int, report: Report
+    models: EncoderModels,
+    mem: DeviceMemory,
+    limits: ItemLimits,
+    budget: int,
+    report: Report,
+    full: bool = True,
 ) -> Profile:
     """Stress-and-cap both towers on `mem` within `budget` bytes (0: none); call inside `mem.meter()`,
-    after the weights are loaded."""
+    after the weights are loaded.
+
+    Not `full` (a plain CPU: no kernels to build, no device memory to prove; `Boot.full_warmup`): each
+    tower runs its largest item once, at the smallest batch (`StressAndCap.prove`), and keeps the
+    largest batch as its cap, which is all the full stress can conclude there (a batch of several
+    items is the same `encode_items` forward over a longer list)."""
     cfg = limits.encoder
     grid = largest_vision_grid(cfg, limits)
     t, h, w = grid
@@ -85,9 +95,11 @@ def profile(
         return models.audio.encode_items([torch.randn(a.n_mels, mel_frames)] * b)
 
     sizes = cfg.stress_batch_sizes
-    vision = StressAndCap("encoder vision", mem, vision_batch, sizes, budget_bytes=budget).run()
-    audio = StressAndCap("encoder audio", mem, audio_batch, sizes, budget_bytes=budget).run()
-    return Profile(vision, audio, budget)
+    vision = StressAndCap("encoder vision", mem, vision_batch, sizes, budget_bytes=budget)
+    audio = StressAndCap("encoder audio", mem, audio_batch, sizes, budget_bytes=budget)
+    if not full:
+        return Profile(vision.prove(), audio.prove(), budget)
+    return Profile(vision.run(), audio.run(), budget)
 
 
 # -- warm-up media ---------------------------------------------------------------------------------

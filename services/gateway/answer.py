@@ -12,7 +12,7 @@ import grpc
 from omnistage.common.runtime.errors import StageUnavailable
 from omnistage.services.gateway.media import EncodedMedia
 from omnistage.services.gateway.outputs import AnswerSink
-from omnistage.services.gateway.pace import PaceMeter
+from omnistage.services.gateway.pace import CHARS_PER_TOKEN, PaceMeter
 from omnistage.services.gateway.run import RequestRun
 from omnistage.services.gateway.stages import ThinkerClient
 from omnistage.services.gateway.ticket import Admission, Ticket, answer_kind
@@ -94,7 +94,8 @@ class Answer:
     ) -> thinker_pb2.ThinkerFinish:
         """One thinker call in a slot of its gate, `on_event` of each of its events up to the finish
         (hidden-state mode with `hidden_states`); its `started` hands the media's leases over."""
-        request, pace = self.request, PaceMeter()
+        request = self.request
+        pace = PaceMeter(request.prompt_chars // CHARS_PER_TOKEN)
         mode = {"hidden_states": hidden_states} if hidden_states is not None else {}
         async with self.ticket.slot("thinker", self.remaining()):  # a slot of the thinker's tested batch
             stream = self.thinker.generate(

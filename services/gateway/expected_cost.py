@@ -15,6 +15,12 @@ MIN_FINISHED = 8
 QUANTILE = 0.9
 
 
+# Seconds a thinker step takes at (batch, tokens of context per sequence); None while unmeasured.
+StepTime = Callable[[int, float], float | None]
+# An admitted request a newcomer would make late: it, seconds until it is done now, its step now and joined.
+Slowed = tuple["TextRequest", float, float, float]
+
+
 class OutputLengths:
     """Tokens that finished answers of each kind produced (the newest WINDOW of each)."""
 
@@ -42,10 +48,15 @@ class TextRequest:
 
     deadline: float | None  # monotonic seconds; None: no deadline
     expected: int  # tokens
+    prompt_tokens: float = 0.0
     produced: int = 0
 
     def left(self) -> int:
         return max(1, self.expected - self.produced)
+
+    def context(self) -> float:
+        """Tokens of context per step over the rest of its answer, on average."""
+        return self.prompt_tokens + (self.produced + max(self.produced, self.expected)) / 2
 
 
 class AdmittedText:
@@ -55,25 +66,28 @@ class AdmittedText:
         self.clock = clock
         self.requests: list[TextRequest] = []
 
-    def add(self, remaining_s: float | None, expected: int) -> TextRequest:
+    def add(self, remaining_s: float | None, expected: int, prompt_tokens: float = 0.0) -> TextRequest:
         """Count one admitted request (its admission ticket removes it); `produced` is the ticket's to count."""
         deadline = None if remaining_s is None else self.clock() + remaining_s
-        request = TextRequest(deadline, expected)
+        request = TextRequest(deadline, expected, prompt_tokens)
         self.requests.append(request)
         return request
 
     def remove(self, request: TextRequest) -> None:
         self.requests.remove(request)
 
-    def slowed_late(self, step_now: float, step_joined: float) -> tuple[TextRequest, float] | None:
-        """An admitted request that finishes in time at `step_now` seconds a step but not at
-        `step_joined` (the batch with one more), with the seconds until it is done at `step_now`
-        (the retry hint); None when every one that can still make it still does."""
+    def slowed_late(self, step_s: StepTime, batch: int) -> Slowed | None:
+        """An admitted request that finishes in time at `step_s(batch, its context)` seconds a step but
+        not with one more in the batch: (it, the seconds until it is done at today's batch (the retry
+        hint), the step now, the step joined); None when every one that can still make it still does."""
         now = self.clock()
         for request in self.requests:
             if request.deadline is None:
                 continue
+            step_now, step_joined = step_s(batch, request.context()), step_s(batch + 1, request.context())
+            if step_now is None or step_joined is None:
+                return None
             left = request.deadline - now
             if request.left() * step_now <= left < request.left() * step_joined:
-                return request, request.left() * step_now
+                return request, request.left() * step_now, step_now, step_joined
         return None

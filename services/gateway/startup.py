@@ -22,9 +22,9 @@ from omnistage.services.gateway.admission import GateConfig, StageGate
 from omnistage.services.gateway.encode_cache import EncodeCache
 from omnistage.services.gateway.media import MediaStage
 from omnistage.services.gateway.outputs import output_stage
-from omnistage.services.gateway.pace import StepPace
+from omnistage.services.gateway.pace import CHARS_PER_TOKEN, StepPace
 from omnistage.services.gateway.pipeline import Pipeline
-from omnistage.services.gateway.prompt import Turn, build_chat
+from omnistage.services.gateway.prompt import Turn, build_chat, prompt_chars
 from omnistage.services.gateway.server import OmniServicer
 from omnistage.services.gateway.stage_watch import StageWatch
 from omnistage.services.gateway.stages import EncoderClient, StageClient, ThinkerClient
@@ -251,6 +251,10 @@ class Stages:
             p.thinker_described(desc.limits)
         await self.through(client, warm_up_thinker(client))
         await self.through(client, seed_pace(client, p.admission.pace, p.thinker_gate.cfg.max_running))
+        _log.info(
+            "thinker: a step grows %.1f us a token of context of each sequence (its Describe's decode steps)",
+            1e6 * p.admission.pace.per_context_token_s,
+        )
 
     async def _encoder_up(self, encoder: EncoderClient) -> None:
         await self.needs_thinker("the media warm-up")
@@ -272,23 +276,25 @@ async def seed_pace(thinker: ThinkerClient, pace: StepPace, full_batch: int) -> 
     thinker's max_running, when known); each gives the step time at its batch, so the first burst is
     admitted by what it costs at the batch it makes. Each request is timed from its call to its last
     token over its tokens (its prefill and queueing included): on a loaded host the gateway may read
-    several deltas at once, and their arrival times would make the steps look faster than they are."""
+    several deltas at once, and their arrival times would make the steps look faster than they are.
+    Its answers are short: how a step grows at a longer context is the thinker's Describe's."""
     sampling = common_pb2.SamplingParams(max_tokens=PACE_TOKENS, ignore_eos=True, temperature=0.0)
     prompt = build_chat([Turn("user", "warm-up")])
+    context = prompt_chars(prompt) / CHARS_PER_TOKEN  # of each request; its answer adds half its tokens
 
-    async def one(name: str) -> float | None:
+    async def one(name: str) -> tuple[float, int] | None:
         started, tokens, last = time.monotonic(), 0, 0.0
         async for ev in thinker.generate(name, prompt, sampling, 120.0):
             if ev.WhichOneof("event") == "delta" and ev.delta.token_ids:
                 tokens += len(ev.delta.token_ids)
                 last = time.monotonic()
-        return (last - started) / tokens if tokens else None
+        return ((last - started) / tokens, tokens) if tokens else None
 
     full = max(1, full_batch)
     for batch in sorted({1, max(1, full // 4), max(1, full // 2), full}):
-        steps = await asyncio.gather(*(one(f"gateway-pace-{batch}-{i}") for i in range(batch)))
-        for step_s in filter(None, steps):
-            pace.observe(batch, step_s)
+        runs = await asyncio.gather(*(one(f"gateway-pace-{batch}-{i}") for i in range(batch)))
+        for step_s, tokens in filter(None, runs):
+            pace.observe(batch, step_s, context + tokens / 2)
         _log.info("thinker pace at a batch of %d: %.1f ms a step", batch, 1000 * (pace.step_s(batch) or 0))
 
 

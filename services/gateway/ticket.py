@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from omnistage.common.runtime.errors import Overloaded
 from omnistage.services.gateway.admission import Coming, GateConfig, Slot, StageGate, check_path
 from omnistage.services.gateway.expected_cost import AdmittedText, OutputLengths, TextRequest
-from omnistage.services.gateway.pace import StepPace
+from omnistage.services.gateway.pace import CHARS_PER_TOKEN, StepPace
 from omnistage.services.gateway.plan import RequestPlan
 from omnistage.services.gateway.validation import PlannedRequest, check_context
 from omnistage.v1 import control_pb2
@@ -61,11 +61,18 @@ class Admission:
         return gate
 
     def thinker_described(self, limits: control_pb2.Limits) -> None:
-        """The thinker's Describe: its batch and default max_tokens (the measure of a request), and its
-        max_model_len (what no request can pass, refused before admission)."""
+        """The thinker's Describe: its batch and default max_tokens (the measure of a request), its
+        max_model_len (what no request can pass, refused before admission) and its decode step timed
+        at a short and the longest context (how a step grows with context: the pace's)."""
         self.thinker_gate.set_capacity(limits.max_running_requests)
         self.default_max_tokens = limits.default_max_tokens
         self.max_model_len = limits.max_model_len
+        steps = sorted(limits.decode_step_times, key=lambda t: t.context_tokens)
+        if len(steps) >= 2 and steps[0].sequences == steps[-1].sequences:
+            short, long = steps[0], steps[-1]
+            self.pace.observe_growth(
+                short.sequences, (short.context_tokens, short.seconds), (long.context_tokens, long.seconds)
+            )
 
     def set_capacity(self, stage: str, max_running: int, max_waiting: int | None = None) -> None:
         """What a stage runs at once (its Describe, read again after a restart)."""
@@ -81,7 +88,8 @@ class Admission:
         """Admit a Generate request now or refuse it (Overloaded: RESOURCE_EXHAUSTED, a retry hint)."""
         work = self.thinker_work(plan)
         self.check(plan.stages, remaining_s, work)
-        text = self.text.add(remaining_s, self.expected_tokens(plan)) if plan.answers else None
+        prompt_tokens = plan.request.prompt_chars / CHARS_PER_TOKEN
+        text = self.text.add(remaining_s, self.expected_tokens(plan), prompt_tokens) if plan.answers else None
         return Ticket(self, self.thinker_gate.expect(), text)
 
     def admit_conversation(self, remaining_s: float | None) -> Ticket:
@@ -140,12 +148,9 @@ class Admission:
         gate, batch = self.thinker_gate, self._batch(capped=False)
         if batch < 2 or (gate.cfg.max_running and batch > gate.cfg.max_running):
             return
-        step_now, step_joined = self.pace.step_s(batch - 1), self.pace.step_s(batch)
-        late = (
-            None if step_now is None or step_joined is None else self.text.slowed_late(step_now, step_joined)
-        )
+        late = self.text.slowed_late(self.pace.step_s, batch - 1)
         if late is not None:
-            request, done_in_s = late
+            request, done_in_s, step_now, step_joined = late
             raise gate.refuse(
                 f"joining its batch of {batch - 1} would slow an admitted request past its deadline "
                 f"({request.left()} tokens left at {step_joined:.3f}s a step instead of {step_now:.3f}s)",

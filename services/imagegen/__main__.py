@@ -1,7 +1,8 @@
 """`python -m omnistage.services.imagegen --config F --service NAME`: the image-generation stage.
 
 Start-up phases (common/runtime/boot.py): loading_weights (mlp/, connector/, transformer/, vae/
-shards) → profiling_memory (stress-and-cap of the denoising batch at the largest bucket) → warming_up
+shards) → profiling_memory (stress-and-cap of the denoising batch at the largest bucket; a plain CPU
+runs its smallest batch once) → warming_up
 (a text-to-image request and an edit through the request path) → serving `omnistage.v1.ImageGen`.
 CPU or one GPU (`gpus[0]`). Loading and the stress run under inference_mode.
 """
@@ -34,7 +35,7 @@ class ImageGenStartup(StageStartup):
     def stress(self) -> None:
         b = self.boot
         self.profile = startup.profile(
-            self.pipeline, b.svc.imagegen, b.mem, b.allocator_budget, b.progress.in_phase
+            self.pipeline, b.svc.imagegen, b.mem, b.allocator_budget, b.progress.in_phase, b.full_warmup
         )
 
     async def warm_up(self) -> None:

@@ -59,9 +59,19 @@ def stress_spec(
 
 
 def profile(
-    pipeline: ImagePipeline, cfg: ImageGenConfig, mem: DeviceMemory, budget: int, report: Report
+    pipeline: ImagePipeline,
+    cfg: ImageGenConfig,
+    mem: DeviceMemory,
+    budget: int,
+    report: Report,
+    full: bool = True,
 ) -> Profile:
-    """Stress-and-cap on `mem` within `budget` bytes (0: none); call inside `mem.meter()` after loading."""
+    """Stress-and-cap on `mem` within `budget` bytes (0: none); call inside `mem.meter()` after loading.
+
+    Not `full` (a plain CPU: no kernels to build, no device memory to prove; `Boot.full_warmup`): one
+    request at the largest bucket runs once (`StressAndCap.prove`: the transformer, guidance and the
+    VAE decode at the largest shapes) and the largest batch is the cap, all the full stress can
+    conclude there; the warm-up then proves the request path at the smallest side."""
     bucket = images.largest_bucket(cfg.highres)
 
     def run(batch: int) -> object:
@@ -74,8 +84,8 @@ def profile(
         pipeline.step(states)
         return pipeline.decode(states[0])
 
-    result = StressAndCap("imagegen denoising", mem, run, cfg.stress_batch_sizes, budget_bytes=budget).run()
-    return Profile(result, bucket)
+    stress = StressAndCap("imagegen denoising", mem, run, cfg.stress_batch_sizes, budget_bytes=budget)
+    return Profile(stress.run() if full else stress.prove(), bucket)
 
 
 def png_bytes(width: int, height: int, seed: int = 0) -> bytes:

@@ -2,8 +2,9 @@
 
 Start-up phases (common/runtime/boot.py): loading_weights (talker shards, the VAE, CAM++, then the
 preset voices encoded once) → profiling_memory (stress-and-cap of the step batch, then the streams
-whose caches fit the budget beside it, built and measured, step graphs captured) → warming_up (one
-sentence through the whole Speak path) → serving `omnistage.v1.Talker`. CPU or one GPU (`gpus[0]`).
+whose caches fit the budget beside it, built and measured, step graphs captured; a plain CPU takes
+the largest step batch without a stress run) → warming_up (one sentence through the whole Speak path)
+→ serving `omnistage.v1.Talker`. CPU or one GPU (`gpus[0]`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class TalkerStartup(StageStartup):
     def stress(self) -> None:
         b, tcfg = self.boot, self.boot.svc.talker
         self.profile = startup.profile(
-            self.models, b.mem, tcfg, b.allocator_budget, b.progress.in_phase, self.speaker.dim
+            self.models, b.mem, tcfg, b.allocator_budget, b.progress.in_phase, self.speaker.dim, b.full_warmup
         )
         self.runner, self.graph_pool_bytes = startup.build_runner(
             self.models, b.mem, tcfg, self.profile, b.allocator_budget, b.progress.in_phase, self.speaker.dim
@@ -65,7 +66,7 @@ class TalkerStartup(StageStartup):
         self.engine.start()
         runtime.add_shutdown_hook(lambda: self.pool.shutdown(wait=False, cancel_futures=True))
         runtime.add_shutdown_hook(self.engine.stop)
-        await startup.warm_up(self.engine)
+        await startup.warm_up(self.engine, self.boot.full_warmup)
 
     def serve(self) -> None:
         svc, runtime, engine = self.boot.svc, self.boot.runtime, self.engine

@@ -178,10 +178,20 @@ def exercise(
 
 
 def profile(
-    models: TalkerModels, mem: DeviceMemory, cfg: TalkerConfig, budget: int, report: Report, speaker_dim: int
+    models: TalkerModels,
+    mem: DeviceMemory,
+    cfg: TalkerConfig,
+    budget: int,
+    report: Report,
+    speaker_dim: int,
+    full: bool = True,
 ) -> Profile:
     """Stress-and-cap the step batch on `mem` within `budget` bytes (0: none), then the stream cap from
-    what one stream's caches cost; call inside `mem.meter()`."""
+    what one stream's caches cost; call inside `mem.meter()`.
+
+    Not `full` (a plain CPU: no graphs to capture, no device memory to prove; `Boot.full_warmup`): the
+    largest step batch is taken without a run (`StressAndCap.take_largest`), all the full stress can
+    conclude there; `build_runner` runs that largest step once on the serving runner anyway."""
     caches = CacheSizes.of(models, cfg)
 
     def run(batch: int) -> None:
@@ -192,7 +202,8 @@ def profile(
         )
         run_stress_batch(models, cfg, caches, batch, speaker_dim)
 
-    stress = StressAndCap("talker", mem, run, cfg.stress_batch_sizes, budget_bytes=budget).run()
+    stress_and_cap = StressAndCap("talker", mem, run, cfg.stress_batch_sizes, budget_bytes=budget)
+    stress = stress_and_cap.run() if full else stress_and_cap.take_largest()
     per_stream = stream_bytes(models, caches)
     streams = streams_that_fit(stress.max_batch, stress.peak_reserved, budget, per_stream, cfg.max_streams)
     return Profile(stress, caches, per_stream, streams)
@@ -238,14 +249,18 @@ def build_runner(
     )
 
 
-WARMUP_TEXT = "Hello, this is a warm-up. 你好。"
+WARMUP_TEXT = "Hello, this is a warm-up. 你好。"  # two segments: up to 11 s of audio
+# A plain CPU's warm-up: one segment (up to 2.5 s of audio) proves the same path; nothing is built there.
+MINIMAL_WARMUP_TEXT = "Hi. 你好。"
 
 
-async def warm_up(engine: TalkerEngine) -> None:
-    """One short stream through the whole path; its audio must be finite and non-empty."""
+async def warm_up(engine: TalkerEngine, full: bool = True) -> None:
+    """One short stream through the whole path; its audio must be finite and non-empty (not `full`, a
+    plain CPU's, `Boot.full_warmup`: one segment)."""
+    text = WARMUP_TEXT if full else MINIMAL_WARMUP_TEXT
 
     async def inputs() -> AsyncIterator[TextInput]:
-        yield TextInput(WARMUP_TEXT, end_of_text=True)
+        yield TextInput(text, end_of_text=True)
 
     chunks: list[bytes] = []
     finished = None

@@ -7,8 +7,8 @@ import itertools
 import re
 import time
 
-import inflect
 from omnistage.common.config import TalkerConfig
+from omnistage.services.talker.spoken_numbers import spell_numbers
 
 PIECE = re.compile(r"(?:[a-zA-Z]\.)+|[a-zA-Z]+(?:['\-][a-zA-Z]+)*|\d+(?:\.\d+)?|[\u4e00-\u9fff]|\s+|\S")
 SENTENCE_MARKS = "。！？!?，"
@@ -212,41 +212,6 @@ def cut_by_length(text: str, max_length: int) -> list[str]:
         else:
             fragments.append(unit)
     return [f.strip() for f in fragments if speakable(f)]
-
-
-# -- numbers ----------------------------------------------------------------------------------------
-
-_engine = inflect.engine()
-_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
-_CURRENCY = re.compile(r"([$£€])(\d+(?:\.\d+)?)")
-_PERCENT = re.compile(r"(\d+(?:\.\d+)?)%")
-_ORDINAL = re.compile(r"\b(\d+)(st|nd|rd|th)\b")
-_NUMBER = re.compile(r"\d+(?:\.\d+)?")
-_CURRENCY_NAMES = {"$": "dollar", "£": "pound", "€": "euro"}
-
-
-def number_words(number: str) -> str:
-    """'42' → 'forty-two', '3.14' → 'three point one four' (digits after the point one by one)."""
-    whole, _, frac = number.partition(".")
-    words = _engine.number_to_words(int(whole), andword="") if int(whole) else "zero"
-    if frac:
-        words += " point " + " ".join(_engine.number_to_words(int(d)) if d != "0" else "zero" for d in frac)
-    return words
-
-
-def _currency(m: re.Match) -> str:
-    name = _CURRENCY_NAMES[m.group(1)]
-    return f"{number_words(m.group(2))} {name if m.group(2) == '1' else name + 's'}"
-
-
-def spell_numbers(text: str) -> str:
-    """English numbers in words: thousands separators, currencies, percents, ordinals, decimals."""
-    text = _THOUSANDS.sub("", text)
-    text = _CURRENCY.sub(_currency, text)
-    text = _PERCENT.sub(lambda m: f"{number_words(m.group(1))} percent", text)
-    text = _ORDINAL.sub(lambda m: _engine.ordinal(_engine.number_to_words(int(m.group(1)), andword="")), text)
-    text = _NUMBER.sub(lambda m: number_words(m.group(0)), text)
-    return re.sub(r"\s+", " ", text).strip()
 
 
 def normalize(fragment: str) -> str:

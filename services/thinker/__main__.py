@@ -2,9 +2,10 @@
 
 Start-up phases (common/runtime/boot.py, every rank; the TP group agrees on each step through
 `RankStartup`, its StageGroup): loading_weights (the rendezvous, the tokenizer on rank 0, the rank's
-shards) → profiling_memory (the KV auto-profile) → warming_up (every dummy shape on every rank) →
-capturing_graphs (CUDA decode graphs, when on) → the group agrees it has started → rank 0 sends one
-real request through the engine and serves `omnistage.v1.Thinker`; ranks 1..N-1 run rank 0's plans.
+shards) → profiling_memory (the KV auto-profile) → warming_up (every dummy shape on every rank, a
+plain CPU's minimal ones; rank 0 starts the grammar compile server beside it) → capturing_graphs (CUDA
+decode graphs, when on) → the group agrees it has started → rank 0 sends one real request through the
+engine and serves `omnistage.v1.Thinker`; ranks 1..N-1 run rank 0's plans.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class ThinkerStartup(StageStartup):
         self.group = self.rank
         self.load_unit, self.warm_up_unit = cfg.load_unit, "shapes"
         self.flow: ThinkerEngine | None = None
+        self.grammars: GrammarCompiles | None = None  # rank 0's, started beside the warm-up
+        self.grammars_started: asyncio.Future[None] | None = None
 
     def meter(self) -> contextlib.AbstractContextManager[object]:
         return self.rank.meter()
@@ -54,14 +57,33 @@ class ThinkerStartup(StageStartup):
         self.rank.profile()
 
     async def warm_up(self) -> None:
+        if self.boot.rank == 0:
+            self._start_grammars()
+
         def shapes_and_graphs() -> None:
             with self.rank.meter():
                 self.rank.warm_up()
                 if self.rank.graphs:
+                    if self.grammars is not None:
+                        self.grammars.start()  # waits for the start in flight: a capture runs alone
                     self.enter("capturing_graphs", unit="graphs")
                     self.rank.capture_graphs()
 
         await in_daemon_thread(shapes_and_graphs, "thinker-blocking")
+
+    def _start_grammars(self) -> None:
+        """Rank 0: the grammar compile server and the tokenizer's grammar info, in a thread beside the
+        warm-up (awaited before SERVING). Seconds of Python on a real vocabulary: at start-up, not at
+        the first structured request (it held the GIL and stalled every stream); the server loads
+        xgrammar meanwhile, in parallel."""
+        e, tokenizer = self.boot.svc.engine, self.rank.tokenizer
+        assert tokenizer is not None, "rank 0 loads the tokenizer first"
+        limits = GrammarLimits(e.grammar_compile_timeout_s, e.grammar_compiles, e.grammar_waiting)
+        self.grammars = GrammarCompiles(tokenizer, asyncio.get_running_loop(), limits)
+        self.boot.runtime.add_shutdown_hook(
+            self.grammars.close
+        )  # needs no group: after control.close is fine
+        self.grammars_started = in_daemon_thread(self.grammars.start, "thinker-grammars")
 
     async def warm_up_request(self) -> None:
         """Rank 0: the engine, its media and hidden-state pools, one real request through it, the flow."""
@@ -84,6 +106,7 @@ class ThinkerStartup(StageStartup):
                 max_prompt_tokens=rcfg.max_model_len - 1,
                 max_model_len=rcfg.max_model_len,
                 default_max_tokens=rcfg.default_max_tokens,
+                decode_step_times=[t.to_proto() for t in self.started.decode_steps],
             )
         )
         runtime.set_load_provider(flow.load)
@@ -101,7 +124,8 @@ class ThinkerStartup(StageStartup):
 
     async def _start_flow(self, started: StartedRank) -> ThinkerEngine:
         runtime, svc, control = self.boot.runtime, self.boot.svc, started.control
-        # Registered first, so it runs last: the store host stays until a failure has been read.
+        # Registered before the flow's hooks, so it runs after them (only the grammar server's close,
+        # registered at the warm-up, runs later): the store host stays until a failure has been read.
         runtime.add_shutdown_hook(control.close)
         engine = rank0_engine(started)
         model_config = engine.runner.model.config
@@ -118,19 +142,15 @@ class ThinkerStartup(StageStartup):
         if producer is not None:
             runtime.add_shutdown_hook(producer.close)
             startup.export_hidden_state_leases(runtime, svc.name, producer)
-        e = svc.engine
-        limits = GrammarLimits(e.grammar_compile_timeout_s, e.grammar_compiles, e.grammar_waiting)
-        grammars = GrammarCompiles(engine.tokenizer, asyncio.get_running_loop(), limits)
-        runtime.add_shutdown_hook(grammars.close)
-        runtime.reporter.progress(detail="the grammar compile server and the tokenizer's grammar info")
-        # Seconds of Python on a real vocabulary: now, not at the first structured request (it held the
-        # GIL and stalled every stream). The server loads xgrammar meanwhile, in parallel.
-        await in_daemon_thread(grammars.start, "thinker-blocking")
         runtime.reporter.progress(detail="one real request through the engine")
         try:
             await in_daemon_thread(lambda: startup.warm_up(engine, media), "thinker-blocking")
         except Exception as exc:
             raise TPError(startup.group_failure(control, "the warm-up request", exc)) from exc
+        assert self.grammars is not None and self.grammars_started is not None
+        runtime.reporter.progress(detail="the grammar compile server and the tokenizer's grammar info")
+        await self.grammars_started
+        grammars = self.grammars
         engine.stats = EngineMetrics(svc.name, engine)  # after the warm-up: it counts clients' requests only
         flow = ThinkerEngine(
             engine, asyncio.get_running_loop(), media=media, producer=producer, grammars=grammars

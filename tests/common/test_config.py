@@ -219,6 +219,7 @@ def test_nested_values_and_names_are_filled_in():
             {"startup": {"phase_deadlines_s": {"warming_up": -1}}},
             "startup.phase_deadlines_s.warming_up: expected > 0",
         ),
+        ({"startup": {"cpu_warmup": "some"}}, "startup.cpu_warmup: expected one of 'minimal', 'full'"),
         ({"services": {"thinker": {"name": "other"}}}, "services.thinker.name: must equal the key 'thinker'"),
         (
             {"services": {"thinker": {"port": 70000}}},
@@ -526,3 +527,13 @@ def test_every_model_stage_but_the_thinker_has_its_own_checked_section():
         assert error_of(data) == (
             f"services.thinker.{kind}.stress_batch_sizes: expected batch sizes >= 1, got [0]"
         )
+
+
+def test_only_a_plain_cpu_warms_up_minimally_unless_the_deploy_file_asks_for_all():
+    minimal = DeployConfig().startup
+    assert minimal.cpu_warmup == "minimal"
+    assert not minimal.full_warmup("cpu")
+    assert minimal.full_warmup("cpu", simulated_capacity_bytes=1 << 30)  # a budget to prove
+    assert minimal.full_warmup("cuda:0") and minimal.full_warmup("cuda")
+    full = config_from_dict({"startup": {"cpu_warmup": "full"}}).startup
+    assert full.full_warmup("cpu")

@@ -24,37 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomnistage/v1/control.proto\x12\x0comnistage.v1\"\x9a\x01\n\rPhaseProgress\x12\"\n\x05phase\x18\x01 \x01(\x0e\x32\x13.omnistage.v1.Phase\x12\x0c\n\x04\x64one\x18\x02 \x01(\x04\x12\r\n\x05total\x18\x03 \x01(\x04\x12\x0c\n\x04unit\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\x17\n\x0fupdated_unix_ms\x18\x06 \x01(\x03\x12\x11\n\telapsed_s\x18\x07 \x01(\x01\"\xcf\x01\n\x0cMemoryReport\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x14\n\x0c\x62udget_bytes\x18\x02 \x01(\x04\x12\x15\n\rweights_bytes\x18\x03 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\x12\x1d\n\x15\x61\x63tivation_peak_bytes\x18\x05 \x01(\x04\x12\x18\n\x10graph_pool_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14transport_pool_bytes\x18\x07 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x04\"\xa8\x03\n\x06Limits\x12\x1c\n\x14max_running_requests\x18\x01 \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x02 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x06 \x01(\r\x12\x1e\n\x16max_vision_batch_items\x18\x07 \x01(\r\x12\x1d\n\x15max_audio_batch_items\x18\x08 \x01(\r\x12\x1d\n\x15max_items_per_request\x18\t \x01(\r\x12\x19\n\x11min_image_side_px\x18\x14 \x01(\r\x12\x19\n\x11max_image_side_px\x18\x15 \x01(\r\x12\x1b\n\x13max_denoising_steps\x18\x16 \x01(\r\x12\x17\n\x0fmax_image_batch\x18\x17 \x01(\r\x12\x16\n\x0emax_step_batch\x18\x1e \x01(\r\x12\x18\n\x10realtime_lead_ms\x18\x1f \x01(\r\"\x11\n\x0f\x44\x65scribeRequest\"\x9c\x03\n\x10\x44\x65scribeResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.omnistage.v1.StageKind\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12-\n\x08progress\x18\x07 \x01(\x0b\x32\x1b.omnistage.v1.PhaseProgress\x12*\n\x06memory\x18\x08 \x03(\x0b\x32\x1a.omnistage.v1.MemoryReport\x12$\n\x06limits\x18\t \x01(\x0b\x32\x14.omnistage.v1.Limits\x12\x13\n\x0b\x63onfig_hash\x18\n \x01(\t\x12\x18\n\x10running_requests\x18\x0b \x01(\r\x12\x17\n\x0fqueued_requests\x18\x0c \x01(\r\x12\x0f\n\x07\x66\x61ilure\x18\r \x01(\t\x12\x0b\n\x03pid\x18\x0e \x01(\x05\x12*\n\treadiness\x18\x0f \x03(\x0b\x32\x17.omnistage.v1.Readiness\">\n\tReadiness\x12\x12\n\ncapability\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"#\n\x0c\x44rainRequest\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x01 \x01(\r\"3\n\rDrainResponse\x12\x11\n\tcompleted\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\r\"\x0f\n\rResumeRequest\"4\n\x0eResumeResponse\x12\"\n\x05phase\x18\x01 \x01(\x0e\x32\x13.omnistage.v1.Phase*\x9f\x01\n\tStageKind\x12\x1a\n\x16STAGE_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12STAGE_KIND_GATEWAY\x10\x01\x12\x16\n\x12STAGE_KIND_THINKER\x10\x02\x12\x16\n\x12STAGE_KIND_ENCODER\x10\x03\x12\x15\n\x11STAGE_KIND_TALKER\x10\x04\x12\x17\n\x13STAGE_KIND_IMAGEGEN\x10\x05*\xe7\x01\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x12\n\x0ePHASE_STARTING\x10\x01\x12\x19\n\x15PHASE_LOADING_WEIGHTS\x10\x02\x12\x1a\n\x16PHASE_PROFILING_MEMORY\x10\x03\x12\x14\n\x10PHASE_WARMING_UP\x10\x04\x12\x1a\n\x16PHASE_CAPTURING_GRAPHS\x10\x05\x12\x11\n\rPHASE_SERVING\x10\x06\x12\x12\n\x0ePHASE_DRAINING\x10\x07\x12\x11\n\rPHASE_STOPPED\x10\x08\x12\x10\n\x0cPHASE_FAILED\x10\t2\xdb\x01\n\x07\x43ontrol\x12I\n\x08\x44\x65scribe\x12\x1d.omnistage.v1.DescribeRequest\x1a\x1e.omnistage.v1.DescribeResponse\x12@\n\x05\x44rain\x12\x1a.omnistage.v1.DrainRequest\x1a\x1b.omnistage.v1.DrainResponse\x12\x43\n\x06Resume\x12\x1b.omnistage.v1.ResumeRequest\x1a\x1c.omnistage.v1.ResumeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomnistage/v1/control.proto\x12\x0comnistage.v1\"\x9a\x01\n\rPhaseProgress\x12\"\n\x05phase\x18\x01 \x01(\x0e\x32\x13.omnistage.v1.Phase\x12\x0c\n\x04\x64one\x18\x02 \x01(\x04\x12\r\n\x05total\x18\x03 \x01(\x04\x12\x0c\n\x04unit\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\x17\n\x0fupdated_unix_ms\x18\x06 \x01(\x03\x12\x11\n\telapsed_s\x18\x07 \x01(\x01\"\xcf\x01\n\x0cMemoryReport\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x14\n\x0c\x62udget_bytes\x18\x02 \x01(\x04\x12\x15\n\rweights_bytes\x18\x03 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\x12\x1d\n\x15\x61\x63tivation_peak_bytes\x18\x05 \x01(\x04\x12\x18\n\x10graph_pool_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14transport_pool_bytes\x18\x07 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x04\"\xe1\x03\n\x06Limits\x12\x1c\n\x14max_running_requests\x18\x01 \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x02 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x06 \x01(\r\x12\x1e\n\x16max_vision_batch_items\x18\x07 \x01(\r\x12\x1d\n\x15max_audio_batch_items\x18\x08 \x01(\r\x12\x1d\n\x15max_items_per_request\x18\t \x01(\r\x12\x19\n\x11min_image_side_px\x18\x14 \x01(\r\x12\x19\n\x11max_image_side_px\x18\x15 \x01(\r\x12\x1b\n\x13max_denoising_steps\x18\x16 \x01(\r\x12\x17\n\x0fmax_image_batch\x18\x17 \x01(\r\x12\x16\n\x0emax_step_batch\x18\x1e \x01(\r\x12\x18\n\x10realtime_lead_ms\x18\x1f \x01(\r\x12\x37\n\x11\x64\x65\x63ode_step_times\x18( \x03(\x0b\x32\x1c.omnistage.v1.DecodeStepTime\"L\n\x0e\x44\x65\x63odeStepTime\x12\x11\n\tsequences\x18\x01 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\x9c\x03\n\x10\x44\x65scribeResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.omnistage.v1.StageKind\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12-\n\x08progress\x18\x07 \x01(\x0b\x32\x1b.omnistage.v1.PhaseProgress\x12*\n\x06memory\x18\x08 \x03(\x0b\x32\x1a.omnistage.v1.MemoryReport\x12$\n\x06limits\x18\t \x01(\x0b\x32\x14.omnistage.v1.Limits\x12\x13\n\x0b\x63onfig_hash\x18\n \x01(\t\x12\x18\n\x10running_requests\x18\x0b \x01(\r\x12\x17\n\x0fqueued_requests\x18\x0c \x01(\r\x12\x0f\n\x07\x66\x61ilure\x18\r \x01(\t\x12\x0b\n\x03pid\x18\x0e \x01(\x05\x12*\n\treadiness\x18\x0f \x03(\x0b\x32\x17.omnistage.v1.Readiness\">\n\tReadiness\x12\x12\n\ncapability\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"#\n\x0c\x44rainRequest\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x01 \x01(\r\"3\n\rDrainResponse\x12\x11\n\tcompleted\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\r\"\x0f\n\rResumeRequest\"4\n\x0eResumeResponse\x12\"\n\x05phase\x18\x01 \x01(\x0e\x32\x13.omnistage.v1.Phase*\x9f\x01\n\tStageKind\x12\x1a\n\x16STAGE_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12STAGE_KIND_GATEWAY\x10\x01\x12\x16\n\x12STAGE_KIND_THINKER\x10\x02\x12\x16\n\x12STAGE_KIND_ENCODER\x10\x03\x12\x15\n\x11STAGE_KIND_TALKER\x10\x04\x12\x17\n\x13STAGE_KIND_IMAGEGEN\x10\x05*\xe7\x01\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x12\n\x0ePHASE_STARTING\x10\x01\x12\x19\n\x15PHASE_LOADING_WEIGHTS\x10\x02\x12\x1a\n\x16PHASE_PROFILING_MEMORY\x10\x03\x12\x14\n\x10PHASE_WARMING_UP\x10\x04\x12\x1a\n\x16PHASE_CAPTURING_GRAPHS\x10\x05\x12\x11\n\rPHASE_SERVING\x10\x06\x12\x12\n\x0ePHASE_DRAINING\x10\x07\x12\x11\n\rPHASE_STOPPED\x10\x08\x12\x10\n\x0cPHASE_FAILED\x10\t2\xdb\x01\n\x07\x43ontrol\x12I\n\x08\x44\x65scribe\x12\x1d.omnistage.v1.DescribeRequest\x1a\x1e.omnistage.v1.DescribeResponse\x12@\n\x05\x44rain\x12\x1a.omnistage.v1.DrainRequest\x1a\x1b.omnistage.v1.DrainResponse\x12\x43\n\x06Resume\x12\x1b.omnistage.v1.ResumeRequest\x1a\x1c.omnistage.v1.ResumeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnistage.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STAGEKIND']._serialized_start=1498
-  _globals['_STAGEKIND']._serialized_end=1657
-  _globals['_PHASE']._serialized_start=1660
-  _globals['_PHASE']._serialized_end=1891
+  _globals['_STAGEKIND']._serialized_start=1633
+  _globals['_STAGEKIND']._serialized_end=1792
+  _globals['_PHASE']._serialized_start=1795
+  _globals['_PHASE']._serialized_end=2026
   _globals['_PHASEPROGRESS']._serialized_start=45
   _globals['_PHASEPROGRESS']._serialized_end=199
   _globals['_MEMORYREPORT']._serialized_start=202
   _globals['_MEMORYREPORT']._serialized_end=409
   _globals['_LIMITS']._serialized_start=412
-  _globals['_LIMITS']._serialized_end=836
-  _globals['_DESCRIBEREQUEST']._serialized_start=838
-  _globals['_DESCRIBEREQUEST']._serialized_end=855
-  _globals['_DESCRIBERESPONSE']._serialized_start=858
-  _globals['_DESCRIBERESPONSE']._serialized_end=1270
-  _globals['_READINESS']._serialized_start=1272
-  _globals['_READINESS']._serialized_end=1334
-  _globals['_DRAINREQUEST']._serialized_start=1336
-  _globals['_DRAINREQUEST']._serialized_end=1371
-  _globals['_DRAINRESPONSE']._serialized_start=1373
-  _globals['_DRAINRESPONSE']._serialized_end=1424
-  _globals['_RESUMEREQUEST']._serialized_start=1426
-  _globals['_RESUMEREQUEST']._serialized_end=1441
-  _globals['_RESUMERESPONSE']._serialized_start=1443
-  _globals['_RESUMERESPONSE']._serialized_end=1495
-  _globals['_CONTROL']._serialized_start=1894
-  _globals['_CONTROL']._serialized_end=2113
+  _globals['_LIMITS']._serialized_end=893
+  _globals['_DECODESTEPTIME']._serialized_start=895
+  _globals['_DECODESTEPTIME']._serialized_end=971
+  _globals['_DESCRIBEREQUEST']._serialized_start=973
+  _globals['_DESCRIBEREQUEST']._serialized_end=990
+  _globals['_DESCRIBERESPONSE']._serialized_start=993
+  _globals['_DESCRIBERESPONSE']._serialized_end=1405
+  _globals['_READINESS']._serialized_start=1407
+  _globals['_READINESS']._serialized_end=1469
+  _globals['_DRAINREQUEST']._serialized_start=1471
+  _globals['_DRAINREQUEST']._serialized_end=1506
+  _globals['_DRAINRESPONSE']._serialized_start=1508
+  _globals['_DRAINRESPONSE']._serialized_end=1559
+  _globals['_RESUMEREQUEST']._serialized_start=1561
+  _globals['_RESUMEREQUEST']._serialized_end=1576
+  _globals['_RESUMERESPONSE']._serialized_start=1578
+  _globals['_RESUMERESPONSE']._serialized_end=1630
+  _globals['_CONTROL']._serialized_start=2029
+  _globals['_CONTROL']._serialized_end=2248
 # @@protoc_insertion_point(module_scope)

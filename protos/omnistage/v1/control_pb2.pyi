@@ -84,7 +84,7 @@ class MemoryReport(_message.Message):
     def __init__(self, device: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., graph_pool_bytes: _Optional[int] = ..., transport_pool_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_running_requests", "max_queued_requests", "max_message_bytes", "max_prompt_tokens", "max_model_len", "default_max_tokens", "max_vision_batch_items", "max_audio_batch_items", "max_items_per_request", "min_image_side_px", "max_image_side_px", "max_denoising_steps", "max_image_batch", "max_step_batch", "realtime_lead_ms")
+    __slots__ = ("max_running_requests", "max_queued_requests", "max_message_bytes", "max_prompt_tokens", "max_model_len", "default_max_tokens", "max_vision_batch_items", "max_audio_batch_items", "max_items_per_request", "min_image_side_px", "max_image_side_px", "max_denoising_steps", "max_image_batch", "max_step_batch", "realtime_lead_ms", "decode_step_times")
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class Limits(_message.Message):
     MAX_IMAGE_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_STEP_BATCH_FIELD_NUMBER: _ClassVar[int]
     REALTIME_LEAD_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_TIMES_FIELD_NUMBER: _ClassVar[int]
     max_running_requests: int
     max_queued_requests: int
     max_message_bytes: int
@@ -115,7 +116,18 @@ class Limits(_message.Message):
     max_image_batch: int
     max_step_batch: int
     realtime_lead_ms: int
-    def __init__(self, max_running_requests: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_vision_batch_items: _Optional[int] = ..., max_audio_batch_items: _Optional[int] = ..., max_items_per_request: _Optional[int] = ..., min_image_side_px: _Optional[int] = ..., max_image_side_px: _Optional[int] = ..., max_denoising_steps: _Optional[int] = ..., max_image_batch: _Optional[int] = ..., max_step_batch: _Optional[int] = ..., realtime_lead_ms: _Optional[int] = ...) -> None: ...
+    decode_step_times: _containers.RepeatedCompositeFieldContainer[DecodeStepTime]
+    def __init__(self, max_running_requests: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_vision_batch_items: _Optional[int] = ..., max_audio_batch_items: _Optional[int] = ..., max_items_per_request: _Optional[int] = ..., min_image_side_px: _Optional[int] = ..., max_image_side_px: _Optional[int] = ..., max_denoising_steps: _Optional[int] = ..., max_image_batch: _Optional[int] = ..., max_step_batch: _Optional[int] = ..., realtime_lead_ms: _Optional[int] = ..., decode_step_times: _Optional[_Iterable[_Union[DecodeStepTime, _Mapping]]] = ...) -> None: ...
+
+class DecodeStepTime(_message.Message):
+    __slots__ = ("sequences", "context_tokens", "seconds")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sequences: int
+    context_tokens: int
+    seconds: float
+    def __init__(self, sequences: _Optional[int] = ..., context_tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

@@ -31,9 +31,15 @@ from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.model_runner import ModelRunner, to_dtype
+from omnistage.services.thinker.group.decode_pace import DecodeStepTime, decode_step_times
 from omnistage.services.thinker.group.faults import StartupFault
 from omnistage.services.thinker.group.kv_profile import KVProfile, KVSettings, peers_bytes, size_kv_cache
-from omnistage.services.thinker.group.warmup import WarmupResult, run_warmup, warmup_shapes
+from omnistage.services.thinker.group.warmup import (
+    WarmupResult,
+    minimal_warmup_shapes,
+    run_warmup,
+    warmup_shapes,
+)
 from omnistage.services.thinker.models.bailing_moe_v2 import BailingMoeV2ForCausalLM
 from omnistage.services.thinker.models.layers.backends import (
     BackendError,
@@ -77,6 +83,9 @@ class RankConfig:
     host: str = "127.0.0.1"
     dist_port: int = 0
     warmup: bool = True
+    # Every warm-up shape (False: `minimal_warmup_shapes`, a plain CPU's; the service's from
+    # `StartupConfig.full_warmup`, in-process ranks full unless asked).
+    full_warmup: bool = True
     # Test hook (services.<name>.fault with `at`): an out-of-memory at one point of start-up.
     fault: FaultConfig | None = None
 
@@ -95,6 +104,7 @@ class RankConfig:
             host=cfg.host,
             dist_port=svc.dist_port,
             fault=svc.fault if svc.fault is not None and svc.fault.at else None,
+            full_warmup=cfg.startup.full_warmup(svc.device_of(rank), svc.memory.simulated_capacity_bytes),
         )
 
     def for_rank(self, rank: int) -> RankConfig:
@@ -151,6 +161,7 @@ class StartedRank:
     warmup: WarmupResult | None = None
     phase_seconds: dict[str, float] = field(default_factory=dict)
     load_peak_bytes: int = 0  # the device's peak while loading the weights (0 without an accountant)
+    decode_steps: list[DecodeStepTime] = field(default_factory=list)  # decode_pace.py's, for Describe
 
     def summary(self) -> dict:
         """What start-up chose and how long each phase took (logged as one JSON line)."""
@@ -226,6 +237,7 @@ class RankStartup(StageGroup):
         self.graphs = False
         self.kv_profile: KVProfile | None = None
         self.warmup_result: WarmupResult | None = None
+        self.decode_steps: list[DecodeStepTime] = []
         self.load_peak_bytes = 0
         self.peers_at_start = 0  # bytes others held on the device when loading began
         self.seconds: dict[str, float] = {}
@@ -324,17 +336,18 @@ class RankStartup(StageGroup):
         )
 
     def warm_up(self) -> None:
-        """warming_up: every dummy shape on every rank or on none."""
-        prof = self.kv_profile
+        """warming_up: every dummy shape (a plain CPU's minimal ones) on every rank or on none."""
+        prof, shapes = self.kv_profile, warmup_shapes if self.cfg.full_warmup else minimal_warmup_shapes
         self.warmup_result = run_warmup(
             self._runner(),
             self._group(),
-            warmup_shapes(self._runner().cfg),
+            shapes(self._runner().cfg),
             mem=self.mem,
             cap_bytes=prof.cap_bytes if prof else 0,
             need_bytes=prof.shape_peaks if prof else None,
             progress=self.step,
         )
+        self.decode_steps = decode_step_times(self._runner().cfg, self.warmup_result)
 
     def result(self) -> StartedRank:
         seconds = {k: round(v, 3) for k, v in self.seconds.items()}
@@ -348,6 +361,7 @@ class RankStartup(StageGroup):
             self.warmup_result,
             seconds,
             self.load_peak_bytes,
+            self.decode_steps,
         )
 
     def _group(self) -> TPControl:

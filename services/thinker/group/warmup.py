@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,20 +86,51 @@ def decode_stress_shape(cfg: ResolvedEngineConfig) -> DummyShape:
     return DummyShape(f"decode {seqs} seqs @ ctx {length}", (1,) * seqs, (length,) * seqs, sample=True)
 
 
+def decode_short_shape(cfg: ResolvedEngineConfig) -> DummyShape:
+    """The decode stress's batch at one KV block of context: a first burst's first steps, and beside
+    the decode stress the other end of how a step grows with context (decode_pace.py)."""
+    stress, ctx = decode_stress_shape(cfg), min(cfg.block_size, cfg.max_model_len)
+    return DummyShape(
+        f"decode {stress.num_seqs} seqs @ ctx {ctx}", stress.query_lens, (ctx,) * stress.num_seqs, True
+    )
+
+
 def stress_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
     """What the KV auto-profile measures and validates: the worst prefill and the worst decode."""
     return [prefill_stress_shape(cfg), decode_stress_shape(cfg)]
 
 
+def _prompt_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
+    """Whole prompts that sample, smallest first."""
+    sizes = sorted({min(n, cfg.max_num_batched_tokens, cfg.max_model_len - 1) for n in (64, 512)})
+    return [DummyShape(f"prompt {n} tokens", (n,), (n,), sample=True) for n in sizes if n > 0]
+
+
+def _small_decode_shape(cfg: ResolvedEngineConfig) -> DummyShape:
+    return DummyShape("decode 1 seq @ ctx 1 block", (1,), (min(cfg.block_size, cfg.max_model_len),), True)
+
+
 def warmup_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
     """Largest first (the caching allocator keeps their blocks), then whole prompts that sample (kernel
     variants the stress shapes miss: the fused MoE's smaller tile bands, a fresh prompt's attention,
-    a first sample; FlashInfer builds its kernels in the first), then the common small decode: no
-    request pays a kernel's first build."""
-    small = DummyShape("decode 1 seq @ ctx 1 block", (1,), (min(cfg.block_size, cfg.max_model_len),), True)
-    sizes = sorted({min(n, cfg.max_num_batched_tokens, cfg.max_model_len - 1) for n in (64, 512)})
-    prompts = [DummyShape(f"prompt {n} tokens", (n,), (n,), sample=True) for n in sizes if n > 0]
-    return [*stress_shapes(cfg), *prompts, small]
+    a first sample; FlashInfer builds its kernels in the first), then the full batch's and the common
+    small decode at a short context: no request pays a kernel's first build."""
+    return [*stress_shapes(cfg), *_prompt_shapes(cfg), decode_short_shape(cfg), _small_decode_shape(cfg)]
+
+
+def minimal_warmup_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
+    """A plain CPU's warm-up (`RankConfig.full_warmup` false), each on every rank: the smallest whole
+    prompt and the small decode run every path of a step once (prefill, decode, every sampler buffer,
+    the group's agreement); then the full batch's decode at one KV block and at max_model_len, the two
+    steps Describe's decode_step_times reports (decode_pace.py), timed after the first decode's
+    first-use costs. Torch eager builds no kernels and there is no device memory to prove (the KV cache
+    is sized from the config), so the prefill stress and the larger prompt would only cost time."""
+    return [
+        *_prompt_shapes(cfg)[:1],
+        _small_decode_shape(cfg),
+        decode_short_shape(cfg),
+        decode_stress_shape(cfg),
+    ]
 
 
 def dummy_plan(shape: DummyShape, block_size: int) -> StepPlan:
@@ -169,6 +201,18 @@ class WarmupResult:
     ran: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # Seconds each shape's step took on the device, the fastest of its runs (a first run builds kernels).
+    shape_s: dict[str, float] = field(default_factory=dict)
+
+    def timed(self, shape: DummyShape, seconds: float) -> None:
+        self.ran.append(shape.name)
+        self.shape_s[shape.name] = min(seconds, self.shape_s.get(shape.name, math.inf))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: a step's time is its device time, not its launch's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def shape_readiness(
@@ -221,15 +265,16 @@ def run_warmup(
             )
             result.skipped.append(shape.name)
             continue
-        diagnostic = ""
+        diagnostic, step_started = "", time.monotonic()
         try:
             run_dummy_step(runner, shape, sampler)
+            synchronize(runner.device)
         except Exception as exc:
             diagnostic = control.fail(f"warm-up shape {shape.name!r}", exc).message
         if diagnostic:  # outside the except block: the traceback (and its tensors) is gone by now
             release_after_failure(mem)
             raise WarmupError(diagnostic)
-        result.ran.append(shape.name)
+        result.timed(shape, time.monotonic() - step_started)
     if progress is not None:
         progress("done", len(shapes), len(shapes))
     result.seconds = time.monotonic() - started

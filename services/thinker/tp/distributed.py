@@ -348,8 +348,10 @@ def join_tp_group(
         torch.cuda.set_device(torch.device(device))
     else:
         # CPU ranks share the host's cores: one intra-op pool per rank oversubscribes them (seen:
-        # TP=2 on 2 cores ran 100x slower with 2 threads per rank than with 1).
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        # TP=2 on 2 cores ran 100x slower with 2 threads per rank than with 1). Never more than the
+        # rank's share of the deployment's (common/runtime/cpu_share.py: other CPU stages share them too).
+        share = (os.cpu_count() or 1) // world_size
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), share)))
     timeout = timedelta(seconds=cfg.startup_collective_timeout_s)
     try:
         host_store = dist.TCPStore(

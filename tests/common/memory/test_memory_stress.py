@@ -143,3 +143,31 @@ def test_bad_candidates_are_refused():
         StressAndCap("x", mem, lambda b: None, [])
     with pytest.raises(ValueError, match="batch sizes >= 1"):
         StressAndCap("x", mem, lambda b: None, [0, 2])
+
+
+def test_without_memory_to_prove_one_smallest_attempt_proves_the_path_and_the_largest_is_the_cap(caplog):
+    mem, enc = _stage_on(256 * MiB)
+    ran: list[int] = []
+
+    def run(batch: int) -> torch.Tensor:
+        ran.append(batch)
+        return enc(batch)
+
+    with caplog.at_level(logging.INFO, logger="omnistage.common.memory.stress"):
+        result = StressAndCap("encoder", mem, run, CANDIDATES).prove()
+    assert ran == [1] and [(a.batch, a.fits) for a in result.attempts] == [(1, True)]
+    assert result.max_batch == result.configured_max == 8
+    assert result.peak_reserved >= 2 * MiB + enc.activation_bytes(1) and result.activation_peak_bytes > 0
+    assert "batch 8 taken on sim without a memory run" in caplog.text
+
+
+def test_a_path_proof_that_runs_out_of_memory_still_fails_the_start():
+    mem, enc = _stage_on(4 * MiB)  # batch 1 needs 3 MiB more than the 2 MiB left
+    with pytest.raises(StressError, match="batch 1: out of memory"):
+        StressAndCap("encoder", mem, enc, CANDIDATES).prove()
+
+
+def test_taking_the_largest_runs_nothing():
+    mem = SimulatedDeviceMemory(MiB)
+    result = StressAndCap("talker", mem, lambda b: pytest.fail("ran"), [2, 1]).take_largest()
+    assert result.max_batch == 2 and result.attempts == () and result.activation_peak_bytes == 0

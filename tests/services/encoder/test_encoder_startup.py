@@ -61,3 +61,17 @@ def test_a_small_device_caps_the_batch_below_the_configured_largest(tiny_ckpt):
     assert small.caps["vision"] == 2
     assert [a.batch for a in small.vision.attempts] == [4, 2]
     assert "out of memory" in small.vision.attempts[0].reason
+
+
+def test_without_memory_to_prove_each_tower_runs_its_largest_item_once_and_keeps_the_largest_cap(tiny_ckpt):
+    mem, models, limits = _loaded(tiny_ckpt, 8 << 30)
+    details: list[str] = []
+    with mem.meter():
+        prof = startup.profile(
+            models, mem, limits, 0, lambda phase, detail: details.append(detail), full=False
+        )
+    assert prof.caps == {"vision": 4, "audio": 4}
+    assert [a.batch for a in prof.vision.attempts] == [1] == [a.batch for a in prof.audio.attempts]
+    grid = startup.largest_vision_grid(CFG, limits)
+    assert details == [f"vision batch 1 x grid {grid}", f"audio batch 1 x {limits.max_audio_seconds:g} s"]
+    assert prof.memory_report(mem, models.weights_bytes, 0).activation_peak_bytes > 0

@@ -35,7 +35,40 @@ def test_a_meter_gives_the_step_time_between_the_first_and_last_token():
     assert meter.measured() is None
     meter.tokens(10.5, 1, 3)
     meter.tokens(11.0, 2, 5)  # two tokens in one event: two steps
-    assert meter.measured() == (4, pytest.approx(1.0 / 3))
+    assert meter.measured() == (4, pytest.approx(1.0 / 3), pytest.approx(7 / 3))  # context: 1, 2, 4 tokens
+
+
+def test_a_step_grows_with_the_context_beyond_the_one_it_was_measured_at():
+    """Measured at 8 tokens of context per sequence; the thinker's decode step of 4 sequences took 15 ms
+    at 16 tokens and 55 ms at 1016: each token of context of each sequence adds 1/4 of 0.27 % of the
+    step, 13.3 us of the gateway's 20 ms. A request of 200 tokens runs its steps at its mean context."""
+    pace = StepPace()
+    pace.observe(4, 0.02, context=8)
+    assert pace.per_context_token_s == 0.0  # not told: flat
+    pace.observe_growth(4, (16, 0.015), (1016, 0.055))
+    slope = 0.02 * (0.055 / 0.015 - 1) / 1000 / 4
+    assert pace.per_context_token_s == pytest.approx(slope)
+    assert pace.step_s(4, 8) == 0.02 and pace.step_s(4, 3) == 0.02  # never below what was measured
+    assert pace.step_s(4, 108) == pytest.approx(0.02 + 4 * 100 * slope)
+    assert pace.step_s(2, 108) == pytest.approx(0.02 + 2 * 100 * slope)  # fewer sequences grow it less
+    assert pace.work_s(200, 3 * 8, 4) == pytest.approx((200 + 1) * (0.02 + 4 * 100 * slope))
+    pace.observe_growth(4, (16, 0.045), (1016, 0.165))  # timed on a host 3 times slower: the same growth
+    assert pace.per_context_token_s == pytest.approx(slope)
+    pace.observe_growth(4, (16, 0.05), (1016, 0.04))  # noise that says it shrinks: flat
+    assert pace.per_context_token_s == 0.0
+
+
+def test_live_steps_at_a_longer_context_do_not_steepen_the_growth():
+    """The gateway's step at the full batch is the growth's measure; live answers update it at the
+    context they ran at, which the growth itself explains: it is taken back to the short context."""
+    pace = StepPace()
+    pace.observe(4, 0.02, context=16)
+    pace.observe_growth(4, (16, 0.015), (1016, 0.055))
+    slope = pace.per_context_token_s
+    for _ in range(40):  # live steps at 516 tokens a sequence, as long as the growth says
+        pace.observe(4, 0.02 + slope * 4 * 500, context=516)
+    assert pace.per_context_token_s == pytest.approx(slope)
+    assert pace.step_s(4, 1016) == pytest.approx(0.02 + slope * 4 * 1000)
 
 
 def test_a_request_that_cannot_finish_at_the_batch_it_joins_is_refused_though_a_slot_is_free():

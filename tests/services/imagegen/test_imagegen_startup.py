@@ -43,3 +43,15 @@ def test_a_device_too_small_fails_naming_the_knobs(tiny_ckpt):
         with pytest.raises(StressError, match="imagegen denoising: no batch size fits") as err:
             startup.profile(pipeline, CFG, mem, 0, lambda phase, detail: None)
     assert "batch 2: out of memory" in str(err.value) and "batch 1: out of memory" in str(err.value)
+
+
+def test_without_memory_to_prove_one_request_at_the_largest_bucket_runs_and_the_cap_is_the_largest(tiny_ckpt):
+    mem = SimulatedDeviceMemory(8 << 30)
+    details: list[str] = []
+    with mem.meter():
+        pipeline = ImagePipeline(load_imagegen(tiny_ckpt, dtype=torch.float32, device="cpu"), "cpu")
+        prof = startup.profile(
+            pipeline, CFG, mem, 0, lambda phase, detail: details.append(detail), full=False
+        )
+    assert prof.cap == 2 and details == ["1 requests at 256x1024, guidance on"]
+    assert [a.batch for a in prof.result.attempts] == [1]

@@ -21,7 +21,7 @@ CFG = TalkerConfig(
 )
 
 
-def _serving(models, voices, budget: int):
+def _serving(models, voices, budget: int, full: bool = True):
     mem = SimulatedDeviceMemory(1 << 36, segment_bytes=1 << 16)
     details: list[str] = []
 
@@ -29,7 +29,7 @@ def _serving(models, voices, budget: int):
         details.append(detail)
 
     with mem.meter():
-        prof = startup.profile(models, mem, CFG, budget, report, voices.speaker.dim)
+        prof = startup.profile(models, mem, CFG, budget, report, voices.speaker.dim, full)
         runner, _ = startup.build_runner(models, mem, CFG, prof, budget, report, voices.speaker.dim)
     return prof, runner, mem, details
 
@@ -80,3 +80,19 @@ def test_the_engine_reports_its_streams_and_step_batch(talker_models, voices, bu
         TalkerRunner(talker_models, 6, caches.lm_tokens, caches.vae_frames, step_batch=budget_streams)
     )
     assert engine.max_streams == 6 and engine.step_batch == 3 and engine.streams.limit == 6
+
+
+def test_without_memory_to_prove_the_largest_step_runs_once_on_the_serving_runner(
+    talker_models, voices, monkeypatch
+):
+    steps: list[tuple[int, int]] = []  # (the runner's slots, the step's batch)
+    exercise = startup.exercise
+
+    def recorded(runner, models, cfg, caches, batch, speaker_dim):
+        steps.append((runner.slots, batch))
+        exercise(runner, models, cfg, caches, batch, speaker_dim)
+
+    monkeypatch.setattr(startup, "exercise", recorded)
+    prof, runner, _, _ = _serving(talker_models, voices, budget=0, full=False)
+    assert prof.stress.attempts == () and prof.step_batch == runner.step_batch == 2
+    assert steps == [(CFG.max_streams, 2)] and runner.slots == CFG.max_streams  # no stress runner before it

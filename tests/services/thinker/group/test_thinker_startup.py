@@ -53,6 +53,9 @@ def test_every_rank_profiles_then_warms_up_then_serves(tmp_path, tiny_ckpt):
         assert mem.budget_bytes == 150 * MiB
         assert mem.kv_cache_bytes > 100 * MiB and mem.activation_peak_bytes > 0 and mem.weights_bytes > 0
         assert mem.total_bytes <= mem.budget_bytes
+        steps = [(t.sequences, t.context_tokens) for t in desc.limits.decode_step_times]
+        assert steps == [(4, 16), (4, 512)]  # timed on both ranks in step, reported by rank 0
+        assert all(t.seconds > 0 for t in desc.limits.decode_step_times)
     finally:
         serve.proc.send_signal(signal.SIGTERM)
         code = serve.wait_exit()

@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omnistage.common.config import config_from_dict
 from omnistage.common.memory.device import SimulatedDeviceMemory
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group.kv_profile import KVSettings, size_kv_cache
-from omnistage.services.thinker.group.warmup import WarmupError, dummy_plan, run_warmup, warmup_shapes
+from omnistage.services.thinker.group.startup import RankConfig, start_rank
+from omnistage.services.thinker.group.warmup import (
+    WarmupError,
+    dummy_plan,
+    minimal_warmup_shapes,
+    run_warmup,
+    warmup_shapes,
+)
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
 from omnistage.services.thinker.tp.distributed import TPControl
 
@@ -102,3 +110,40 @@ def test_tp2_ranks_agree_on_the_smallest_kv_size(tiny_ckpt, tmp_path):
     assert r0["cap"] == 200 * MiB and r1["cap"] == 160 * MiB
     assert r0["proposed"] > r1["proposed"]  # rank 0 alone would have taken more ...
     assert r0["blocks"] == r1["blocks"] == r1["proposed"]  # ... both built rank 1's size
+
+
+def test_a_plain_cpu_rank_warms_up_with_one_small_prompt_one_decode_and_the_timed_decodes(tiny_ckpt):
+    """No prefill stress, no larger prompt; the full batch's decode at a KV block and at max_model_len
+    still run (after the first decode), so Describe's decode_step_times is there on a plain CPU too."""
+    started = start_rank(RankConfig(str(tiny_ckpt), CFG, full_warmup=False))
+    assert started.warmup is not None and started.warmup.skipped == []
+    assert started.warmup.ran == [
+        "prompt 64 tokens",
+        "decode 1 seq @ ctx 1 block",
+        "decode 4 seqs @ ctx 16",
+        "decode 4 seqs @ ctx 512",
+    ]
+    assert [s.name for s in minimal_warmup_shapes(started.runner.cfg)] == started.warmup.ran
+    assert all(s.sample for s in minimal_warmup_shapes(started.runner.cfg))  # the sampler runs in each
+    steps = [(t.sequences, t.context_tokens) for t in started.decode_steps]
+    assert steps == [(4, 16), (4, 512)] and all(t.seconds > 0 for t in started.decode_steps)
+    started.control.close()
+
+
+@pytest.mark.parametrize(
+    ("service", "startup", "full"),
+    [
+        ({}, {}, False),
+        ({}, {"cpu_warmup": "full"}, True),
+        ({"memory": {"simulated_capacity_bytes": 1 << 30}}, {}, True),
+        ({"device": "cuda", "gpus": [0]}, {}, True),
+    ],
+    ids=["plain-cpu", "cpu-asks-full", "simulated-device", "cuda"],
+)
+def test_the_service_ranks_warm_up_fully_wherever_there_is_something_to_build_or_prove(
+    service, startup, full
+):
+    cfg = config_from_dict(
+        {"startup": startup, "services": {"thinker": {"kind": "thinker", "port": 7161, **service}}}
+    )
+    assert RankConfig.from_deploy(cfg, cfg.services["thinker"], 0).full_warmup is full
