@@ -15,6 +15,7 @@ from omnistage.common.runtime.errors import InvalidRequest
 from omnistage.common.voice_rules import custom_voice_problem
 from omnistage.services.talker.request_flow import (
     Chunk,
+    Event,
     Finished,
     SegmentSpoken,
     Started,
@@ -68,39 +69,21 @@ async def text_inputs(
         i += 1
 
 
-def to_proto(event: object) -> talker_pb2.SpeakResponse:
-    if isinstance(event, Chunk):
-        return talker_pb2.SpeakResponse(
-            audio=talker_pb2.SpeechChunk(
-                pcm16=event.pcm16, segment_index=event.segment_index, start_sample=event.start_sample
-            )
-        )
-    if isinstance(event, SegmentSpoken):
-        return talker_pb2.SpeakResponse(
-            segment_done=talker_pb2.SegmentDone(
-                segment_index=event.segment_index,
-                text=event.text,
-                num_samples=event.num_samples,
-                steps=event.steps,
-                stopped_by_model=event.stopped_by_model,
-                text_end=event.text_end,
-            )
-        )
+# Each flow event as the SpeakResponse field that carries it: a message with the event's fields.
+_RESPONSE_FIELDS = {
+    Started: ("started", talker_pb2.SpeakStarted),
+    Chunk: ("audio", talker_pb2.SpeechChunk),
+    SegmentSpoken: ("segment_done", talker_pb2.SegmentDone),
+    Finished: ("finished", talker_pb2.SpeakFinished),
+}
+
+
+def to_proto(event: Event) -> talker_pb2.SpeakResponse:
+    field, message = _RESPONSE_FIELDS[type(event)]
+    values = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
     if isinstance(event, Started):
-        return talker_pb2.SpeakResponse(
-            started=talker_pb2.SpeakStarted(
-                request_id=event.request_id,
-                sample_rate_hz=event.sample_rate_hz,
-                channels=1,
-                voice=event.voice,
-            )
-        )
-    assert isinstance(event, Finished)
-    return talker_pb2.SpeakResponse(
-        finished=talker_pb2.SpeakFinished(
-            segments=event.segments, total_samples=event.total_samples, first_audio_s=event.first_audio_s
-        )
-    )
+        values["channels"] = 1  # the talker speaks mono
+    return talker_pb2.SpeakResponse(**{field: message(**values)})
 
 
 class TalkerServicer(talker_pb2_grpc.TalkerServicer):

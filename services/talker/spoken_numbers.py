@@ -14,33 +14,15 @@ from __future__ import annotations
 import re
 
 _UNITS = ("", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-_TEENS = (
-    "ten",
-    "eleven",
-    "twelve",
-    "thirteen",
-    "fourteen",
-    "fifteen",
-    "sixteen",
-    "seventeen",
-    "eighteen",
-    "nineteen",
-)
+_TEENS = tuple("ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split())
 _TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
 # The name of each group of three digits, from the right (inflect's scales: none past decillion).
-_SCALES = (
-    "",
-    " thousand",
-    " million",
-    " billion",
-    " trillion",
-    " quadrillion",
-    " quintillion",
-    " sextillion",
-    " septillion",
-    " octillion",
-    " nonillion",
-    " decillion",
+_SCALES = ("",) + tuple(
+    f" {name}"
+    for name in (
+        "thousand million billion trillion quadrillion quintillion sextillion septillion octillion nonillion "
+        "decillion"
+    ).split()
 )
 _MAX_DIGITS = 3 * len(_SCALES)
 # inflect's ordinal of a number in words: these endings change, any other word takes "th".
