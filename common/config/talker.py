@@ -63,6 +63,10 @@ class TalkerConfig:
     # Run the LM decode, the CFM sample and the VAE backbone of each step as CUDA graphs at padded sizes, captured
     # at start-up (the stress counts their memory); ignored off CUDA.
     cuda_graphs: bool = True
+    # With cuda_graphs: prompt lengths (tokens) at which the prefill of new segments (a step's new
+    # prompts together, rows padded as the step's) also runs as CUDA graphs, a prompt padded to the
+    # next of them; a longer prompt is prefilled eagerly. Empty: every prefill eager.
+    prefill_graph_tokens: tuple[int, ...] = ()
 
     def validate(self, path: str) -> None:
         positive_fields(
@@ -99,3 +103,8 @@ class TalkerConfig:
         if not self.default_voice.strip():
             raise ConfigError(f"{path}.default_voice: expected a preset voice name, got ''")
         batch_sizes(f"{path}.stress_batch_sizes", self.stress_batch_sizes)
+        if any(n < 1 or n > self.max_lm_tokens for n in self.prefill_graph_tokens):
+            raise ConfigError(
+                f"{path}.prefill_graph_tokens: expected prompt lengths from 1 to max_lm_tokens "
+                f"({self.max_lm_tokens}), got {list(self.prefill_graph_tokens)}"
+            )

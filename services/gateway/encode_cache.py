@@ -15,7 +15,9 @@ rows and leaves the lease: `caller_keeps_lease`) and gives them back at its `sta
 entry leaves the cache when its owner ends, when its clip leaves the conversation's window, when its
 lease is near its end, when a clip encoded ahead does not become a turn (the user spoke on), or, least
 recently used first, when the cache is past its bounds; its lease is released then, or when its encode
-is done and no turn holds it any more.
+is done and no turn holds it any more. An encode no turn waits for is cancelled as its entry leaves:
+a Realtime session has at most one clip being encoded ahead (a pause it spoke over is cancelled before
+its next pause starts the grown clip), so pauses never multiply the encoder's work.
 """
 
 from __future__ import annotations
@@ -99,8 +101,8 @@ class CacheMetrics:
         self._ahead = metrics.counter(
             "gateway_encode_cache_ahead",
             "Clips a Realtime session asked to encode ahead of its turn, by outcome: started, skipped "
-            "(the cache full, or one of the session's still being encoded), unused (released without "
-            "a turn using it: the user spoke on, or the session ended), failed",
+            "(the cache full, or one of the session's still being encoded), unused (released, or its "
+            "encode cancelled, without a turn using it: the user spoke on, or the session ended), failed",
             ("outcome",),
         )
         self._items = metrics.gauge(
@@ -148,7 +150,8 @@ class EncodeCache:
 
     def ahead(self, owner: str, pcm: bytes, rate: int) -> bytes | None:
         """Start encoding a clip that may become `owner`'s next spoken turn; its key (None: skipped, the
-        cache being full or one of the owner's clips still being encoded ahead)."""
+        cache being full or the owner's clip for a turn not taken yet still being encoded; a clip it
+        dropped was cancelled: at most one of an owner's clips is encoded ahead at a time)."""
         part = MediaPart(AHEAD_WHERE, "audio", omni_pb2.Media(data=pcm), pcm_rate_hz=rate)
         key = content_key(owner, part)
         if key in self._kept:
@@ -164,7 +167,8 @@ class EncodeCache:
         return key
 
     def drop(self, owner: str, key: bytes) -> None:
-        """The clip encoded ahead will not be a turn (the user spoke on): it leaves, unless a turn used it."""
+        """The clip encoded ahead will not be a turn (the user spoke on): it leaves, its encode cancelled if
+        still running, unless a turn used it (a clip whose audio then grew has another key: never reused)."""
         kept = self._kept.get(key)
         if kept is not None and kept.owner == owner and not kept.turned:
             self._out(kept)
@@ -276,7 +280,10 @@ class EncodeCache:
         entry goes (a failure: the turn that waits on it gets the error)."""
         task = kept.task
         if task.cancelled() or task.exception() is not None:
-            if not task.cancelled() and kept.ahead:
+            if task.cancelled():
+                if kept.ahead and not kept.turned:
+                    self.metrics.ahead("unused")
+            elif kept.ahead:
                 _log.info("encoding a clip ahead of its turn failed: %s", task.exception())
                 self.metrics.ahead("failed")
             if self._kept.get(kept.key) is kept:
@@ -291,9 +298,14 @@ class EncodeCache:
         self._make_room()
 
     def _out(self, kept: Kept) -> None:
+        """The entry leaves the cache; an encode still running that no turn waits for is cancelled (a
+        clip the user spoke over, a session's end: the encoder stops spending on it, and a session's
+        next pause never finds it still running beside its new clip)."""
         if self._kept.get(kept.key) is kept:
             del self._kept[kept.key]
         kept.out = True
+        if kept.users == 0 and kept.task is not None and not kept.task.done():
+            kept.task.cancel()
         self._settle(kept)
 
     def _settle(self, kept: Kept) -> None:

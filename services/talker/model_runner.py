@@ -27,6 +27,7 @@ class TalkerRunner:
         graphs: bool = False,
         capture: bool | None = None,
         step_batch: int | None = None,
+        prefill_widths: tuple[int, ...] = (),
     ) -> None:
         self.models = models
         self.config = models.config
@@ -56,6 +57,7 @@ class TalkerRunner:
                 sde_scale=self.sde_scale,
                 capture=torch.device(self.device).type == "cuda" if capture is None else capture,
                 vae=(models.vae.decoder.decoder, self.vae_cache, cfg.patch_size * cfg.vae.patch_size),
+                prefill_widths=prefill_widths,
             )
 
     @property
@@ -87,7 +89,9 @@ class TalkerRunner:
     @torch.no_grad()
     def prefill_batch(self, slots: list[int], embeddings: list[torch.Tensor]) -> torch.Tensor:
         """Several whole prompts in one forward (right-padded; padding goes to the scratch slot) → each
-        prompt's last hidden state [n, hidden]."""
+        prompt's last hidden state [n, hidden]; on the step graphs where their lengths fit a bucket."""
+        if self.static is not None and (out := self.static.prefill(slots, embeddings)) is not None:
+            return out
         lengths = [e.shape[0] for e in embeddings]
         if len(embeddings) == 1:
             return self.prefill(slots[0], embeddings[0])[None]

@@ -118,6 +118,7 @@ def new_runner(
         sigma=cfg.sigma,
         graphs=graphs_on(models, cfg),
         step_batch=step_batch,
+        prefill_widths=cfg.prefill_graph_tokens,
     )
 
 

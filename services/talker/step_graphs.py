@@ -1,6 +1,6 @@
 """Static-shape talker steps: the LM decode, the whole CFM sample (Euler steps × CFG, aggregator, stop
-head) and the VAE decoder's Qwen2 run on fixed buffers at padded sizes, captured as CUDA graphs on
-CUDA (issue 21)."""
+head), the VAE decoder's Qwen2 and, at the prompt lengths asked for, the prefill of new segments run on
+fixed buffers at padded sizes, captured as CUDA graphs on CUDA (issues 21, 38)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ class CachedStackGraphs:
 
     Row i of a call writes its `lengths[i]` tokens at `starts[i]` of slot `slots[i]`; padded rows point
     at the scratch slot, padded columns of a row are written there too (as the eager path does), and
-    keys are read up to the span bucket, masked past each row's end: the eager result."""
+    keys are read up to the span bucket, masked past each row's end: the eager result. With `tie_span`
+    (a prefill: every row from position 0) the span is the width bucket, one graph per width."""
 
     def __init__(
         self,
@@ -82,9 +83,11 @@ class CachedStackGraphs:
         dtype: torch.dtype,
         device: torch.device,
         run: Callable[[tuple, Callable[[], None]], None],
+        tie_span: bool = False,
     ) -> None:
         self.stack, self.cache, self.run = stack, cache, run
         self.batches, self.widths, self.spans = batch_buckets(cap), widths, span_buckets(cache.max_len)
+        self.tie_span = tie_span
         hidden = stack.shape.hidden_size
         self._buf: dict[tuple[int, int], _StackBuffers] = {}
         for b in self.batches:
@@ -116,7 +119,7 @@ class CachedStackGraphs:
             (b, w, s)
             for b in reversed(self.batches)
             for w in reversed(self.widths)
-            for s in reversed(self.spans)
+            for s in ([w] if self.tie_span else reversed(self.spans))
         ]
 
     def park(self, b: int, w: int) -> None:
@@ -132,7 +135,8 @@ class CachedStackGraphs:
         """x [n, width, hidden] → the stack's output [n, width, hidden] (a copy)."""
         n, width = x.shape[0], x.shape[1]
         b, w = bucket_of(n, self.batches), bucket_of(width, self.widths)
-        span = bucket_of(max(s + k for s, k in zip(starts, lengths, strict=True)), self.spans)
+        end = max(s + k for s, k in zip(starts, lengths, strict=True))
+        span = w if self.tie_span else bucket_of(end, self.spans)
         buf = self._buf[(b, w)]
         if buf.copied is not None:  # done long ago in a served step (a sync came since): no wait in practice
             buf.copied.synchronize()
@@ -178,6 +182,7 @@ class StepGraphs:
         sde_scale: float,
         capture: bool,
         vae: tuple[Qwen2Stack, KVSlots, int] | None = None,
+        prefill_widths: tuple[int, ...] = (),
     ) -> None:
         self.talker, self.cache, self.plan = talker, cache, plan
         self.cap, self.cfg_strength, self.sde_scale = cap, cfg_strength, sde_scale
@@ -190,23 +195,12 @@ class StepGraphs:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0  # graph replays (or eager runs of a body, without capture)
-        self.lm = CachedStackGraphs(
-            talker.model, cache, cap=cap, widths=[1], dtype=self.dtype, device=dev, run=self._run
-        )
+        self.lm = self._stack_graphs(talker.model, cache, [1])
+        # New segments' prompts prefilled together, at the prompt lengths asked for (tokens padded up).
+        widths = sorted({w for w in prefill_widths if w <= cache.max_len})
+        self.prefills = self._stack_graphs(talker.model, cache, widths, tie_span=True) if widths else None
         # The VAE decoder's backbone (stack, its cache, frames per step): widths of one step and two.
-        self.vae = (
-            None
-            if vae is None
-            else CachedStackGraphs(
-                vae[0],
-                vae[1],
-                cap=cap,
-                widths=[vae[2], 2 * vae[2]],
-                dtype=self.dtype,
-                device=dev,
-                run=self._run,
-            )
-        )
+        self.vae = None if vae is None else self._stack_graphs(vae[0], vae[1], [vae[2], 2 * vae[2]])
         self._sample: dict[int, _SampleBuffers] = {}
         for b in self.batches:
             f32 = dict(dtype=torch.float32, device=dev)
@@ -219,6 +213,20 @@ class StepGraphs:
                 torch.zeros(b, hidden, dtype=self.dtype, device=dev),
                 torch.zeros(b, **f32),
             )
+
+    def _stack_graphs(
+        self, stack: Qwen2Stack, cache: KVSlots, widths: list[int], *, tie_span: bool = False
+    ) -> CachedStackGraphs:
+        return CachedStackGraphs(
+            stack,
+            cache,
+            cap=self.cap,
+            widths=widths,
+            dtype=self.dtype,
+            device=self.device,
+            run=self._run,
+            tie_span=tie_span,
+        )
 
     # -- bodies: the work one graph holds -------------------------------------------------------
 
@@ -272,7 +280,7 @@ class StepGraphs:
         if not self.capture:
             return 0
         with torch.no_grad():
-            for name, stacks in (("lm", self.lm), ("vae", self.vae)):
+            for name, stacks in (("lm", self.lm), ("prefill", self.prefills), ("vae", self.vae)):
                 if stacks is None:
                     continue
                 for b, w, span in stacks.keys():
@@ -294,6 +302,17 @@ class StepGraphs:
     def decode(self, slots: list[int], positions: list[int], inputs: torch.Tensor) -> torch.Tensor:
         """`TalkerRunner.decode` on the padded buffers: [n, hidden] → [n, hidden] (a copy)."""
         return self.lm("lm", slots, positions, [1] * len(slots), inputs[:, None])[:, 0]
+
+    def prefill(self, slots: list[int], embeddings: list[torch.Tensor]) -> torch.Tensor | None:
+        """`TalkerRunner.prefill_batch` on the padded buffers: each prompt's last hidden state [n, hidden];
+        None where the prompts are more or longer than the buckets (the caller prefills eagerly)."""
+        lengths = [e.shape[0] for e in embeddings]
+        if self.prefills is None or not self.prefills.fits(len(slots), max(lengths)):
+            return None
+        x = torch.nn.utils.rnn.pad_sequence(embeddings, batch_first=True)
+        out = self.prefills("prefill", slots, [0] * len(slots), lengths, x)
+        last = torch.tensor(lengths, device=out.device) - 1
+        return out[torch.arange(len(slots), device=out.device), last]
 
     def vae_backbone(
         self, x: torch.Tensor, slots: list[int], starts: list[int], lengths: list[int]

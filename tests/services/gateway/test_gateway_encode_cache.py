@@ -1,8 +1,10 @@
 """The gateway's encode cache with a fake encoder whose calls end when the test says: a clip encoded
-ahead is lent to its turn with no second Encode, one the user spoke over is released (when its encode
-ends), a conversation's earlier clips are encoded once and leave with its window or its end, a lent
-item is released only once its turn gives it back, leases near their end are encoded again, the
-bounds let the least recently used go, and a failed encode ahead is the turn's to make again."""
+ahead is lent to its turn with no second Encode, one the user spoke over is cancelled while being
+encoded or released once encoded (so sixteen sessions pausing again and again run one Encode ahead
+each, and each turn gets its grown clip), a conversation's earlier clips are encoded once and leave
+with its window or its end, a lent item is released only once its turn gives it back, leases near
+their end are encoded again, the bounds let the least recently used go, and a failed encode ahead is
+the turn's to make again."""
 
 from __future__ import annotations
 
@@ -33,16 +35,32 @@ class FakeStage:
         self.released: list[int] = []
         self.leases = 0
         self.expiry_ms = 60_000
+        self.running: dict[str, int] = {}  # calls under way, per request_id (a session's, a call's)
+        self.peak: dict[str, int] = {}  # the most under way at once, per request_id
+        self.peak_total = 0
+        self.cancelled: list[int] = []  # calls cancelled by their caller
+        self.call_of: dict[int, int] = {}  # lease id → the call that made it
 
     async def encode(self, request_id, parts, paths, timeout_s):
+        call = len(self.calls)
         self.calls.append([p.media.data for p in parts])
         end = asyncio.get_running_loop().create_future()
         self._ends.append(end)
-        await end
-        return [self._item() for _ in parts]
+        self.running[request_id] = self.running.get(request_id, 0) + 1
+        self.peak[request_id] = max(self.peak.get(request_id, 0), self.running[request_id])
+        self.peak_total = max(self.peak_total, sum(self.running.values()))
+        try:
+            await end
+        except asyncio.CancelledError:
+            self.cancelled.append(call)
+            raise
+        finally:
+            self.running[request_id] -= 1
+        return [self._item(call) for _ in parts]
 
-    def _item(self) -> encoder_pb2.EncodedItem:
+    def _item(self, call: int) -> encoder_pb2.EncodedItem:
         self.leases += 1
+        self.call_of[self.leases] = call
         expiry = int(time.time() * 1000) + self.expiry_ms
         shm = tensor_pb2.ShmRef(
             pool_name="p", byte_size=ITEM_BYTES, lease_id=self.leases, lease_expiry_unix_ms=expiry
@@ -112,23 +130,60 @@ def test_a_clip_encoded_ahead_is_lent_to_its_turn_and_encoded_once():
     assert stage.released == [] and held == 1  # kept for the conversation's later turns
 
 
-def test_a_clip_the_user_spoke_over_is_released_once_its_encode_ends():
+def test_a_clip_the_user_spoke_over_is_cancelled_while_encoding_and_released_once_encoded():
     async def scenario():
         stage = FakeStage()
         cache = EncodeCache(stage, 8, 1 << 20, service="t-drop")
         key = cache.ahead("s1", clip(1), RATE)
         await settle()
-        cache.drop("s1", key)
-        released_while_running = list(stage.released)
-        stage.end(0)
+        cache.drop("s1", key)  # still being encoded: the encoder stops
         await settle()
         later = cache.ahead("s1", clip(2), RATE)  # the session's next pause
         await settle()
-        return stage, released_while_running, later, cache.held
+        stage.end(1)
+        await settle()
+        cache.drop("s1", later)  # encoded already: its lease goes back
+        return stage, later, cache.held
 
-    stage, while_running, later, held = run(scenario())
-    assert while_running == [] and stage.released == [1]
-    assert later is not None and stage.calls == [[clip(1)], [clip(2)]] and held == 1
+    stage, later, held = run(scenario())
+    assert stage.cancelled == [0] and later is not None
+    assert stage.calls == [[clip(1)], [clip(2)]] and stage.released == [1] and held == 0
+
+
+def _said(n: int) -> bytes:
+    """A session's speech up to its n-th pause: each pause's clip the one before it, grown."""
+    return b"".join(clip(i) for i in range(n + 1))
+
+
+def test_pauses_of_many_sessions_encode_at_most_one_clip_each_and_the_turn_uses_its_grown_clip():
+    sessions, pauses = 16, 5
+
+    async def scenario():
+        stage = FakeStage()
+        cache = EncodeCache(stage, 4 * sessions, 1 << 24, service="t-bound")
+        for p in range(pauses):  # the encoder never finishes in time: every pause is spoken over
+            for s in range(sessions):
+                key = cache.ahead(f"s{s}", _said(p), RATE)
+                await settle()
+                if p < pauses - 1:
+                    cache.drop(f"s{s}", key)  # the user spoke on
+            await settle()
+        before = len(stage.calls)
+        turns = [
+            asyncio.create_task(cache.lend(f"s{s}", [part(_said(pauses - 1))], 5.0)) for s in range(sessions)
+        ]
+        await settle()
+        for call in range(before - sessions, before):
+            stage.end(call)
+        lent = await asyncio.gather(*turns)
+        return stage, before, lent
+
+    stage, before, lent = run(scenario())
+    assert len(stage.calls) == before == sessions * pauses  # the turns started no Encode of their own
+    assert max(stage.peak.values()) == 1 and stage.peak_total == sessions  # one clip each at a time
+    assert len(stage.cancelled) == sessions * (pauses - 1)  # every pause spoken over: cancelled
+    for (kept,) in lent:  # each turn has the grown clip's item, not an earlier pause's
+        assert stage.calls[stage.call_of[kept.item.embeddings.shm.lease_id]] == [_said(pauses - 1)]
 
 
 def test_one_clip_ahead_at_a_time_per_session():

@@ -84,7 +84,10 @@ def test_the_engine_speaks_the_same_audio_with_static_steps(talker_models, voice
     ]
     audio = []
     for graphs in (False, True):
-        engine = TalkerEngine(TalkerRunner(talker_models, 3, 256, 640, graphs=graphs, capture=False))
+        widths = (64, 128, 256) if graphs else ()  # the new prompts' prefill on the buffers too
+        engine = TalkerEngine(
+            TalkerRunner(talker_models, 3, 256, 640, graphs=graphs, capture=False, prefill_widths=widths)
+        )
         recs = run_staggered(engine, talker_models, voices, specs)
         audio.append([r.audio for r in recs])
         if graphs:
@@ -118,6 +121,35 @@ def test_the_vae_backbone_at_padded_widths_equals_eager(talker_models):
             static.vae_cache.k[layer][:3], eager.vae_cache.k[layer][:3], atol=1e-6, rtol=1e-5
         )
     assert static.static.replays == 3
+
+
+def test_prompts_prefilled_on_the_padded_buffers_equal_eager_and_longer_ones_stay_eager(talker_models):
+    """New segments' prompts at the prefill widths asked for (rows and tokens padded up, span = width):
+    each prompt's last hidden state and its slot's keys as the eager prefill; a prompt past the widest
+    bucket is prefilled eagerly."""
+    eager, static = _runners(talker_models, slots=6, prefill_widths=(8, 16))
+    hidden = talker_models.config.llm.hidden_size
+    gen = torch.Generator().manual_seed(7)
+    assert static.static is not None and static.static.prefills.keys() == [
+        (b, w, w) for b in (6, 4, 2, 1) for w in (16, 8)
+    ]
+    for lengths, slots in (((7, 12, 3), [0, 1, 2]), ((5,), [3]), ((16, 9), [4, 5])):
+        prompts = [torch.randn(n, hidden, generator=gen) for n in lengths]
+        replays = static.static.replays
+        want = eager.prefill_batch(slots, prompts)
+        got = static.prefill_batch(slots, prompts)
+        assert static.static.replays == replays + 1  # one padded run for all of them
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for layer in range(talker_models.config.llm.num_layers):
+        torch.testing.assert_close(
+            static.lm_cache.k[layer][:6], eager.lm_cache.k[layer][:6], atol=1e-6, rtol=1e-5
+        )
+    replays = static.static.replays
+    long = [torch.randn(17, hidden, generator=gen)]
+    torch.testing.assert_close(
+        static.prefill_batch([0], long), eager.prefill_batch([0], long), atol=1e-5, rtol=1e-5
+    )
+    assert static.static.replays == replays  # past the widest bucket: eager
 
 
 def _failed_capture(first: BaseException) -> RuntimeError:

@@ -114,10 +114,32 @@ def test_presets_come_from_voice_name_json(talker_ckpt):
 
 
 def test_silence_is_held_until_sound_follows_and_trimmed_at_the_end():
-    rate = 1000  # 100-sample frames
+    rate = 1000  # 100-sample frames, 300 samples kept past the last loud frame
     trim = SilenceTrimmer(rate)
     loud, quiet = np.full(100, 0.5, np.float32), np.zeros(100, np.float32)
-    assert trim.push(np.concatenate((loud, quiet, quiet)), last=False).shape == (100,)
+    # What the end keeps whatever follows (0.3 s past the last loud frame) goes at once; past it, held.
+    assert trim.push(np.concatenate((loud, quiet, quiet)), last=False).shape == (300,)
+    assert trim.push(np.concatenate((quiet, quiet, quiet)), last=False).shape == (100,)
     assert trim.push(loud, last=False).shape == (300,)  # the held silence goes out before the sound
     out = trim.push(np.concatenate((quiet,) * 6), last=True)
     assert out.shape == (300,) and not out.any()  # 0.3 s of the trailing silence kept
+
+
+def test_a_segments_first_chunk_is_never_held():
+    rate = 1000
+    for first in (np.zeros(250, np.float32), np.full(250, 0.5, np.float32)):  # silent or not, not whole
+        assert SilenceTrimmer(rate).push(first, last=False).shape == (250,)
+
+
+def test_trimming_in_chunks_sends_the_samples_of_trimming_at_once():
+    rate, gen = 1000, np.random.default_rng(0)
+    for _ in range(200):
+        audio = np.zeros(int(gen.integers(1, 3000)), np.float32)
+        for start in gen.integers(0, audio.size, size=int(gen.integers(0, 4))):  # bursts of sound
+            audio[start : start + int(gen.integers(1, 400))] = 0.5
+        cuts = np.sort(gen.integers(0, audio.size, size=int(gen.integers(0, 8))))
+        trim = SilenceTrimmer(rate)
+        pieces = np.split(audio, cuts)
+        got = [trim.push(p, last=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        want = SilenceTrimmer(rate).push(audio, last=True)
+        np.testing.assert_array_equal(np.concatenate(got), want)
