@@ -114,6 +114,10 @@ def runs():
 
 
 TWO_SERVICES = {"alpha": {"tp_size": 2}, "front": {"kind": "gateway"}}
+# $SYNTH_SHM's segment imports torch in `starting` (omnistage.common.transport, ~4 CPU s a process): on a
+# loaded host three processes importing at once outlast the synthetic 10 s deadline, which these tests
+# do not probe.
+SHM_STARTING = {"starting": 120.0}
 
 
 def serving(address: str) -> bool:
@@ -340,7 +344,7 @@ def segments_of(pids) -> list[str]:
 
 
 def test_children_exit_when_the_launcher_is_sigkilled(tmp_path, runs):
-    run = Run(tmp_path, TWO_SERVICES, env={"SYNTH_SHM": "1"})
+    run = Run(tmp_path, TWO_SERVICES, env={"SYNTH_SHM": "1"}, phase_deadlines_s=SHM_STARTING)
     runs.append(run)
     run.wait_ready()
     pids = run.child_pids()
@@ -358,7 +362,7 @@ def test_children_stuck_in_start_up_exit_with_a_sigkilled_launcher_leaving_no_sh
         tmp_path,
         {"alpha": {"tp_size": 2}},
         env={"SYNTH_SHM": "1", "SYNTH_TORCH_LOAD": "1"},
-        phase_deadlines_s={"loading_weights": 300.0},
+        phase_deadlines_s={**SHM_STARTING, "loading_weights": 300.0},
     )
     runs.append(run)
     wait_for(
@@ -374,7 +378,13 @@ def test_children_stuck_in_start_up_exit_with_a_sigkilled_launcher_leaving_no_sh
 
 
 def test_a_restarted_service_leaves_no_segment_of_its_old_process(tmp_path, runs):
-    run = Run(tmp_path, TWO_SERVICES, supervision=FAST_SUPERVISION, env={"SYNTH_SHM": "1"})
+    run = Run(
+        tmp_path,
+        TWO_SERVICES,
+        supervision=FAST_SUPERVISION,
+        env={"SYNTH_SHM": "1"},
+        phase_deadlines_s=SHM_STARTING,
+    )
     runs.append(run)
     run.wait_ready()
     before = run.child_pids()

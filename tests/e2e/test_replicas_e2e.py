@@ -133,9 +133,13 @@ def _request(i: int, spoken: bool = False, steps: int = 2, tokens: int = 20) -> 
 
 
 async def _send(
-    address: str, reqs: list[omni_pb2.GenerateRequest], timeout_s: float = 120.0
+    address: str,
+    reqs: list[omni_pb2.GenerateRequest],
+    timeout_s: float = 120.0,
+    denoised: set[str] | None = None,
 ) -> list[tuple[str, omni_pb2.Finish | None]]:
-    """Each request's outcome: ("OK", its finish) or (status: details, None)."""
+    """Each request's outcome: ("OK", its finish) or (status: details, None); `denoised` gets the id of
+    each request whose first image progress (a denoising step done) reached the client."""
 
     async def one(stub, req):
         finish = None
@@ -143,6 +147,8 @@ async def _send(
             async for ev in stub.Generate(req, timeout=timeout_s):
                 if ev.WhichOneof("event") == "finish":
                     finish = ev.finish
+                elif ev.WhichOneof("event") == "progress" and denoised is not None:
+                    denoised.add(req.request_id)
             return "OK", finish
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}", None
@@ -168,11 +174,19 @@ def test_calls_are_spread_over_both_replicas_of_each_stage(pipeline):
 
 
 def test_a_killed_image_replica_fails_only_its_requests_naming_it_and_comes_back(pipeline):
+    """Killed once every request has begun (a step's progress reached its client: two on each replica,
+    each its batch of 2); a request not begun on a replica found unreachable goes to the other."""
+
     async def scenario() -> tuple[list, list]:
-        slow = asyncio.create_task(_send(pipeline.gateway, [_request(20 + i, steps=60) for i in range(4)]))
+        slow_requests, denoised = [_request(20 + i, steps=60) for i in range(4)], set()
+        slow = asyncio.create_task(_send(pipeline.gateway, slow_requests, denoised=denoised))
         deadline = time.monotonic() + 60
-        while not (pipeline.denoising("imagegen") and pipeline.denoising("imagegen_b")):
-            assert time.monotonic() < deadline and not slow.done(), "both replicas never denoised at once"
+        while not (
+            len(denoised) == len(slow_requests)
+            and pipeline.denoising("imagegen")
+            and pipeline.denoising("imagegen_b")
+        ):
+            assert time.monotonic() < deadline and not slow.done(), "the requests never denoised at once"
             await asyncio.sleep(0.2)
         os.kill(pipeline.pid("imagegen_b"), signal.SIGKILL)
         meanwhile = await _send(pipeline.gateway, [_request(30 + i) for i in range(3)])

@@ -590,15 +590,22 @@ def test_converse_answers_two_turns_the_second_from_the_history(pipeline, tmp_pa
     assert _more_calls(calls, _speak_calls(pipeline)) == {"OK": 2}
 
 
+@pytest.fixture(autouse=True)
+def talker_serving(pipeline):
+    """Each test of this module starts with the talker serving: one that a test killed (`talker_killed`)
+    is started again here and the gateway serves speech again (it re-admits the stage), so that the
+    tests run in any order; after the last test nothing waits for a restart."""
+    if pipeline.procs["talker"].poll() is not None:
+        pipeline.start("talker")
+        pipeline.wait_ready()
+
+
 @pytest.fixture
 def talker_killed(pipeline):
-    """The test kills the talker; after it the talker is started again and the gateway serves speech
-    again (it re-admits the stage), so that the tests of this module run in any order."""
+    """The test kills the talker; it is down after the test (`talker_serving` starts it for the next)."""
     yield
     if pipeline.procs["talker"].poll() is None:
         pipeline.kill("talker")
-    pipeline.start("talker")
-    pipeline.wait_ready()
 
 
 def test_talker_down_the_text_completes_and_the_finish_says_why_there_is_no_audio(pipeline, talker_killed):
