@@ -28,6 +28,9 @@ PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True)] * 5 + [
     SamplingParams(temperature=0.9, top_k=50, seed=3, max_tokens=10, ignore_eos=True)
 ]
 DEADLINE_S = 120
+# Rank 0's result, spawn and imports included: only a hang detector (two spawned torch processes took
+# ~2 min to start on a loaded 2-core host, and the 120 s wait read it as a hang).
+RESULT_WAIT_S = 600
 
 
 def prompts() -> list[list[int]]:
@@ -89,9 +92,9 @@ def run_tp(ckpt, world_size: int, fail_rank: int | None = None, what: str = "for
     )
     proc.start()
     try:
-        result = out.get(timeout=DEADLINE_S)
+        result = out.get(timeout=RESULT_WAIT_S)
     except queue.Empty:
-        result = ("timeout", f"rank 0 gave no result within {DEADLINE_S}s", "")
+        result = ("timeout", f"rank 0 gave no result within {RESULT_WAIT_S}s", "")
     proc.join(30)
     if proc.is_alive():
         proc.kill()
