@@ -76,26 +76,23 @@ def busy(message: str, retry_after_ms: int = 1000) -> HttpError:
     )
 
 
-# gRPC status → (HTTP status, OpenAI error type).
-_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
-    grpc.StatusCode.ABORTED: (409, "conflict_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-    grpc.StatusCode.UNIMPLEMENTED: (501, "server_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-}
-# The statuses whose message names the request field at fault ("<field>: why").
-_NAMES_A_FIELD = frozenset(
-    {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION}
+_C = grpc.StatusCode
+# The statuses whose message names the request field at fault ("<field>: why"): a bad request (400).
+_NAMES_A_FIELD = frozenset({_C.INVALID_ARGUMENT, _C.OUT_OF_RANGE, _C.FAILED_PRECONDITION})
+# (HTTP status, OpenAI error type) ← the gRPC statuses that become it; any other is a 500.
+_HTTP_OF: tuple[tuple[int, str, frozenset[grpc.StatusCode]], ...] = (
+    (400, "invalid_request_error", _NAMES_A_FIELD),
+    (401, "authentication_error", frozenset({_C.UNAUTHENTICATED})),
+    (403, "permission_error", frozenset({_C.PERMISSION_DENIED})),
+    (404, "not_found_error", frozenset({_C.NOT_FOUND})),
+    (409, "conflict_error", frozenset({_C.ALREADY_EXISTS, _C.ABORTED})),
+    (429, "rate_limit_error", frozenset({_C.RESOURCE_EXHAUSTED})),
+    (499, "cancelled", frozenset({_C.CANCELLED})),
+    (501, "server_error", frozenset({_C.UNIMPLEMENTED})),
+    (503, "service_unavailable", frozenset({_C.UNAVAILABLE})),
+    (504, "timeout", frozenset({_C.DEADLINE_EXCEEDED})),
 )
+_STATUS = {code: (status, kind) for status, kind, codes in _HTTP_OF for code in codes}
 
 
 def pushback_ms(trailing: Iterable[tuple[str, Any]] | None) -> int | None:
