@@ -23,6 +23,7 @@ SEGMENT_BYTES = 2 * MiB
 # Requests of 1-10 MiB share 20 MiB segments with other tensors, so freeing one need not drop reserved
 # memory; only a request above this has segments of its own.
 OWN_SEGMENT_MIN_BYTES = 10 * MiB
+SHARED_SEGMENT_BYTES = 20 * MiB
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -47,6 +48,9 @@ class DeviceMemory(Protocol):
     """What budgeting code may ask of a device (real or simulated)."""
 
     device_name: str
+    # The most a reserved peak may round above the allocations it holds: a sizing that fills a
+    # budget to its last byte leaves this much for the segment the peak opens.
+    segment_bytes: int
 
     def total(self) -> int: ...
     def free(self) -> int: ...
@@ -86,6 +90,7 @@ class CudaDeviceMemory:
         self.index = device_index
         self.device = torch.device("cuda", device_index)
         self.device_name = f"cuda:{device_index}"
+        self.segment_bytes = SHARED_SEGMENT_BYTES
 
     def total(self) -> int:
         return int(torch.cuda.mem_get_info(self.device)[1])
@@ -190,7 +195,7 @@ class SimulatedDeviceMemory:
         if capacity_bytes <= 0:
             raise ValueError(f"SimulatedDeviceMemory: capacity_bytes must be > 0, got {capacity_bytes}")
         self.capacity = int(capacity_bytes)
-        self.segment = int(segment_bytes)
+        self.segment_bytes = int(segment_bytes)
         self.device_name = name
         self.limit = self.capacity
         self._lock = threading.RLock()
@@ -245,7 +250,7 @@ class SimulatedDeviceMemory:
 
     def empty_cache(self) -> None:
         with self._lock:
-            self._reserved = _round_up(self._allocated, self.segment)
+            self._reserved = _round_up(self._allocated, self.segment_bytes)
 
     def set_limit(self, nbytes: int) -> None:
         """Refuse to reserve past `nbytes` (a service's budget on a shared device)."""
@@ -311,7 +316,7 @@ class SimulatedDeviceMemory:
         counted = _round_up(nbytes, BLOCK_ROUND) if nbytes else 0
         with self._lock:
             allocated = self._allocated + counted
-            reserved = max(self._reserved, _round_up(allocated, self.segment))
+            reserved = max(self._reserved, _round_up(allocated, self.segment_bytes))
             if reserved > self._reserved:
                 self._check_fits(reserved, what)
             self._live[key] = self._live.get(key, 0) + counted

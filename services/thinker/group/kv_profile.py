@@ -252,7 +252,9 @@ class _Profiler:
         # workspaces: allocated once, counted in the peak of the step that made them).
         kept = self.mem.allocated() - probe_kv  # weights and whatever stays when the KV cache goes
         largest_step = max(self.shape_peaks.values(), default=0)
-        by_peak = self.cap - non_kv - canary
+        # The peak at the chosen size may round one segment above the probe's (one H200: 10 MiB
+        # over, attempt 1 failed its own check before the 5 % shrink).
+        by_peak = self.cap - non_kv - canary - self.mem.segment_bytes
         by_free = self.cap - kept - canary - largest_step - SEGMENT_BYTES  # a segment of rounding
         target = min(by_peak, by_free) * self.settings.safety_factor
         proposal = self.proposal = max(0, int(target // self.block_bytes))
