@@ -26,8 +26,10 @@ SOLO = TPControl()
 CAPACITY = 200 * MiB
 
 
-def profile(ckpt, capacity=CAPACITY, budget=0, progress=None, cfg: EngineConfig = CFG, runner=None, **kw):
-    mem = SimulatedDeviceMemory(capacity)
+def profile(
+    ckpt, capacity=CAPACITY, budget=0, progress=None, cfg: EngineConfig = CFG, runner=None, mem=None, **kw
+):
+    mem = mem or SimulatedDeviceMemory(capacity)
     runner = runner or metered_runner(ckpt, mem, cfg)
     settings = KVSettings(budget_bytes=budget or capacity, canary_bytes=cfg.kv_canary_bytes, **kw)
     with mem.meter():
@@ -122,14 +124,7 @@ def test_the_first_proposal_leaves_the_peak_it_is_then_checked_against(tiny_ckpt
 
     runner.model.register_forward_pre_hook(keep_a_workspace)
     steps: list[str] = []
-    with mem.meter():
-        prof = size_kv_cache(
-            runner,
-            SOLO,
-            mem,
-            KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB),
-            progress=lambda detail, *_: steps.append(detail),
-        )
+    _, _, prof = profile(tiny_ckpt, runner=runner, mem=mem, progress=lambda detail, *_: steps.append(detail))
     assert workspace and prof.attempts == 1, steps
     # ... and it still takes what there is: what is left is the largest step plus canary and rounding.
     unused = CAPACITY - mem.allocated()
@@ -151,14 +146,7 @@ def test_memory_held_outside_the_allocator_during_the_probe_shrinks_the_cap(tiny
 
     runner.model.register_forward_pre_hook(lazily_held)
     steps: list[str] = []
-    with mem.meter():
-        prof = size_kv_cache(
-            runner,
-            SOLO,
-            mem,
-            KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB),
-            progress=lambda detail, *_: steps.append(detail),
-        )
+    _, _, prof = profile(tiny_ckpt, runner=runner, mem=mem, progress=lambda detail, *_: steps.append(detail))
     assert held and prof.attempts == 1, steps
     assert prof.cap_bytes == CAPACITY - 12 * MiB and prof.peers_bytes == 12 * MiB
 
@@ -296,13 +284,6 @@ def test_the_first_proposal_fits_whatever_segment_its_peak_rounds_to(tiny_ckpt, 
     mem = SimulatedDeviceMemory(CAPACITY, segment_bytes=segment_mib * MiB)
     runner = metered_runner(tiny_ckpt, mem)
     steps: list[str] = []
-    with mem.meter():
-        prof = size_kv_cache(
-            runner,
-            SOLO,
-            mem,
-            KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB),
-            progress=lambda detail, *_: steps.append(detail),
-        )
+    _, _, prof = profile(tiny_ckpt, runner=runner, mem=mem, progress=lambda detail, *_: steps.append(detail))
     assert prof.attempts == 1, steps
     assert prof.peak_reserved_bytes + MiB <= prof.cap_bytes
