@@ -74,3 +74,74 @@ def test_an_error_inside_the_slot_is_the_callers_and_gives_the_slot_back():
         assert limiter.in_use == 0
 
     asyncio.run(main())
+
+
+async def _hold_units(limiter: ConcurrencyLimiter, units: int, release: asyncio.Event, order: list) -> None:
+    async with limiter.admit(math.inf, 60.0, units=units):
+        order.append(units)
+        await release.wait()
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_units_are_granted_first_come_first_served_and_a_large_waiter_is_never_passed():
+    async def main() -> None:
+        limiter = ConcurrencyLimiter("stage u", 10, unit="frames")
+        first, rest = asyncio.Event(), asyncio.Event()
+        order: list[int] = []
+        holder = asyncio.create_task(_hold_units(limiter, 6, first, order))
+        await _settle()
+        big = asyncio.create_task(_hold_units(limiter, 8, rest, order))  # 6 + 8 > 10: waits
+        await _settle()
+        small = asyncio.create_task(_hold_units(limiter, 2, rest, order))  # would fit, but comes after
+        await _settle()
+        assert (order, limiter.in_use, limiter.waiting) == ([6], 6, 2)
+        first.set()
+        await holder
+        await _settle()
+        assert (order, limiter.in_use, limiter.waiting) == ([6, 8, 2], 10, 0)  # both fit once 6 left
+        rest.set()
+        await asyncio.gather(big, small)
+        assert (limiter.in_use, limiter.peak_in_use) == (0, 10)
+
+    asyncio.run(main())
+
+
+def test_a_waiter_that_times_out_or_is_cancelled_lets_the_ones_behind_it_go():
+    async def main() -> None:
+        limiter = ConcurrencyLimiter("stage v", 10, unit="frames")
+        release, order = asyncio.Event(), []
+        holder = asyncio.create_task(_hold_units(limiter, 4, release, order))
+        await _settle()
+        with pytest.raises(Overloaded, match=r"^stage v: no free batch slot within 0.05s \(4/10 frames busy"):
+            async with limiter.admit(math.inf, 0.05, units=9):
+                pass
+        blocked = asyncio.create_task(_hold_units(limiter, 9, release, order))
+        await _settle()
+        behind = asyncio.create_task(_hold_units(limiter, 3, release, order))
+        await _settle()
+        assert order == [4]  # 3 would fit but waits behind the 9
+        blocked.cancel()
+        await _settle()
+        assert order == [4, 3] and limiter.in_use == 7 and limiter.waiting == 0
+        release.set()
+        await asyncio.gather(holder, behind)
+        with pytest.raises(asyncio.CancelledError):
+            await blocked
+        assert limiter.in_use == 0
+
+    asyncio.run(main())
+
+
+def test_more_units_than_the_limit_are_a_callers_error():
+    async def main() -> None:
+        limiter = ConcurrencyLimiter("stage w", 4)
+        with pytest.raises(ValueError, match="5 units asked of a limit of 4"):
+            async with limiter.admit(math.inf, 1.0, units=5):
+                pass
+        assert (limiter.in_use, limiter.waiting) == (0, 0)
+
+    asyncio.run(main())
