@@ -30,6 +30,10 @@ class EncoderConfig:
     # Batch sizes (items per forward, per modality) the start-up stress tries, largest first; the
     # largest that fits at the largest item size is the cap.
     stress_batch_sizes: tuple[int, ...] = (8, 4, 2, 1)
+    # Mel frames one audio forward may hold, padded (clips × the longest; 100 a second); 0: what the
+    # stress proved (its audio cap × the frames of a max_audio_seconds clip). A lower value keeps each
+    # forward short beside a thinker on the same GPU; never below one such clip (no clip is refused).
+    audio_batch_frames: int = 0
     # How long an item waits for a batch slot before RESOURCE_EXHAUSTED, in seconds.
     queue_timeout_s: float = 30.0
     # Threads decoding and preprocessing media.
@@ -62,6 +66,7 @@ class EncoderConfig:
             ),
         )
         positive(f"{path}.inline_max_bytes", self.inline_max_bytes, allow_zero=True)
+        positive(f"{path}.audio_batch_frames", self.audio_batch_frames, allow_zero=True)
         if self.image_min_pixels > self.image_max_pixels:
             raise ConfigError(
                 f"{path}.image_min_pixels: {self.image_min_pixels} exceeds image_max_pixels {self.image_max_pixels}"

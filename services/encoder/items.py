@@ -55,6 +55,11 @@ class VisionInput:
         t, h, w = self.grid
         return [(1, h // self.merge, w // self.merge)] * t
 
+    @property
+    def batch_units(self) -> int:
+        """Its share of a vision forward's budget: one item (the cap counts items at the largest)."""
+        return 1
+
 
 @dataclass(frozen=True)
 class AudioInput:
@@ -62,6 +67,11 @@ class AudioInput:
     duration_s: float
     num_tokens: int
     kind: Kind = "audio"
+
+    @property
+    def batch_units(self) -> int:
+        """Its share of an audio forward's budget: its mel frames (clips are padded to the longest)."""
+        return int(self.mel.shape[-1])
 
 
 ModelInput = VisionInput | AudioInput
@@ -79,6 +89,11 @@ class ItemLimits:
     def of(cls, encoder: EncoderConfig, model: EncoderModelConfig) -> ItemLimits:
         model_max_s = 2 * model.audio.n_ctx * preprocess.HOP / preprocess.SAMPLE_RATE
         return cls(encoder, model, min(encoder.max_audio_seconds, model_max_s))
+
+    @property
+    def max_audio_frames(self) -> int:
+        """Mel frames of the longest clip accepted (the start-up stress's audio item)."""
+        return int(self.max_audio_seconds * preprocess.SAMPLE_RATE) // preprocess.HOP
 
 
 def prepare_item(item: MediaItem, limits: ItemLimits) -> ModelInput:

@@ -1,5 +1,6 @@
 """EncoderEngine: the encoder's request flow — items in, embeddings out as TensorRefs: validate,
-preprocess, a batch slot per item, the runner's forward, hand over."""
+preprocess, a batch slot per item (its units of its modality's budget: a clip's mel frames), the
+runner's forward, hand over."""
 
 from __future__ import annotations
 
@@ -36,6 +37,25 @@ def items_counter():
 
 def tokens_counter():
     return metrics.counter("encoder_tokens", "Embedding rows (thinker tokens) produced, by kind", ("kind",))
+
+
+def prepare_time_histogram():
+    return metrics.histogram(
+        "encoder_prepare_seconds",
+        "Time to decode and preprocess one item on the preprocessing pool (its wait for a thread "
+        "included), by kind",
+        ("kind",),
+    )
+
+
+def batch_budgets(caps: dict[str, int], limits: ItemLimits) -> dict[str, int]:
+    """Each modality's budget per forward, in units (items × the largest item's units; `batch_units`):
+    vision, the stress's cap of items; audio, the cap × the longest clip's mel frames (what the stress
+    ran), lowered by `audio_batch_frames` but never below one longest clip (no clip is refused)."""
+    audio = caps["audio"] * limits.max_audio_frames
+    if limits.encoder.audio_batch_frames:
+        audio = max(min(audio, limits.encoder.audio_batch_frames), limits.max_audio_frames)
+    return {"vision": caps["vision"], "audio": audio}
 
 
 @dataclass(frozen=True)
@@ -76,8 +96,12 @@ class EncoderEngine:
             "audio": models.config.placeholders.audio_patch,
         }
         self._pool = ThreadPoolExecutor(cfg.preprocess_workers, thread_name_prefix=f"{service}-prep")
-        self.runner = EncoderRunner(service, models, caps)
-        self.limiters = {m: ConcurrencyLimiter(f"{service} {m}", caps[m]) for m in self.runner.forwards}
+        budgets = batch_budgets(caps, self.limits)
+        self.runner = EncoderRunner(service, models, budgets)
+        self.limiters = {
+            m: ConcurrencyLimiter(f"{service} {m}", budgets[m], unit="mel frames" if m == "audio" else "")
+            for m in self.runner.forwards
+        }
         self.loop = DeviceLoop(service, self.runner)
         if on_failure is not None:
             self.loop.on_failure.append(on_failure)
@@ -155,7 +179,7 @@ class EncoderEngine:
     async def _prepare_all(self, items: Sequence[MediaItem]) -> list[ModelInput]:
         loop = asyncio.get_running_loop()
         results = await asyncio.gather(
-            *(loop.run_in_executor(self._pool, prepare_item, item, self.limits) for item in items),
+            *(loop.run_in_executor(self._pool, self._prepare, item, time.monotonic()) for item in items),
             return_exceptions=True,
         )
         for i, r in enumerate(results):
@@ -164,6 +188,11 @@ class EncoderEngine:
             if isinstance(r, BaseException):  # a defect, not the client's fault: INTERNAL, naming the item
                 raise RuntimeError(f"items[{i}] ({items[i].kind}): {type(r).__name__}: {r}") from r
         return list(results)  # type: ignore[arg-type]
+
+    def _prepare(self, item: MediaItem, asked: float) -> ModelInput:
+        x = prepare_item(item, self.limits)
+        prepare_time_histogram().labels(self.service, item.kind).observe(time.monotonic() - asked)
+        return x
 
     async def _forward(self, x: ModelInput, deadline: float) -> torch.Tensor:
         modality = MODALITY[x.kind]
@@ -179,16 +208,18 @@ class EncoderEngine:
             raise RuntimeError(f"{x.kind} produced {out.shape[0]} rows, expected {x.num_tokens}")
         return out
 
-    async def _submit(self, modality: str, item: Any, deadline: float) -> Any:
-        """Queue `item` once a slot of its modality is free (the limiter's refusals: queue_timeout_s,
-        the deadline) and await its output. The slot is held until the item's forward has finished,
-        even when the caller gives up, so a cancelled request never lets more than the tested batch
-        onto the device."""
+    async def _submit(self, modality: str, item: ModelInput, deadline: float) -> Any:
+        """Queue `item` once its units of its modality's budget are free (the limiter's refusals:
+        queue_timeout_s, the deadline) and await its output. The units are held until the item's
+        forward has finished, even when the caller gives up, so a cancelled request never lets more
+        than the tested batch onto the device."""
         arrived = time.monotonic()
-        async with self.limiters[modality].admit(
-            deadline, self.cfg.queue_timeout_s, what=f"a {modality} batch slot"
+        limiter = self.limiters[modality]
+        units = min(item.batch_units, limiter.limit)  # a clip past a lowered budget runs alone
+        async with limiter.admit(
+            deadline, self.cfg.queue_timeout_s, what=f"a {modality} batch slot", units=units
         ):
-            entry = Entry(item, asyncio.get_running_loop().create_future(), arrived)
+            entry = Entry(item, asyncio.get_running_loop().create_future(), arrived, units)
             self.loop.admit(lambda: self.runner.put(modality, entry))
             try:
                 return await asyncio.shield(entry.future)

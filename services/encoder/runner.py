@@ -1,5 +1,7 @@
 """EncoderRunner: the encoder's device step and its model calls — concurrent requests' items share one
-forward per modality (vision: frames to patches on the device, then the ViT; audio: the Whisper tower)."""
+forward per modality (vision: frames to patches on the device, then the ViT; audio: the Whisper tower),
+as many as the modality's budget takes: items × the largest item's units (audio: mel frames, the clips
+padded to the longest; vision: one unit an item)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,14 @@ def batch_size_histogram():
     )
 
 
+def forward_time_histogram():
+    return metrics.histogram(
+        "encoder_forward_seconds",
+        "Time of one encoder forward (its items to their output rows on the device), by modality",
+        ("modality",),
+    )
+
+
 def queue_time_histogram():
     return metrics.histogram(
         "encoder_queue_time_seconds",
@@ -69,18 +79,20 @@ class Entry:
     item: Any
     future: asyncio.Future
     arrived: float  # the request asked for a slot: before the slot wait
+    units: int = 1  # its share of its modality's budget (the slot it holds)
     enqueued: float = field(default_factory=time.monotonic)
     cancelled: bool = False
 
 
 class EncoderRunner(DeviceRunner):
-    """Per-modality queues and the batched forward of one modality per step."""
+    """Per-modality queues and the batched forward of one modality per step; `budgets` in units (what
+    the start-up stress proved: its cap × the largest item's units)."""
 
-    def __init__(self, service: str, models: EncoderModels, caps: dict[str, int]) -> None:
+    def __init__(self, service: str, models: EncoderModels, budgets: dict[str, int]) -> None:
         self.service = service
         self.models = models
         self.forwards: dict[str, Forward] = {"vision": self.run_vision, "audio": self.run_audio}
-        self.caps = {m: caps[m] for m in self.forwards}
+        self.budgets = {m: budgets[m] for m in self.forwards}
         self.batches = dict.fromkeys(self.forwards, 0)
         self.largest_batch = dict.fromkeys(self.forwards, 0)
         self.on_queued: Callable[[float], None] | None = None  # metrics: set after the warm-up
@@ -119,7 +131,9 @@ class EncoderRunner(DeviceRunner):
         if live:
             self._report_waits(live)
             try:
+                started = time.monotonic()
                 outputs = self.forwards[modality]([e.item for e in live])
+                forward_time_histogram().labels(self.service, modality).observe(time.monotonic() - started)
                 self._count(modality, len(live))
             except BaseException as exc:  # noqa: BLE001 - handed to every waiting request
                 log.exception("%s forward of %d items failed", modality, len(live))
@@ -146,8 +160,7 @@ class EncoderRunner(DeviceRunner):
             modality = min(
                 (m for m, q in self._queues.items() if q), key=lambda m: self._queues[m][0].enqueued
             )
-            queue, cap = self._queues[modality], self.caps[modality]
-            return modality, [queue.popleft() for _ in range(min(len(queue), cap))]
+            return modality, take_batch(self._queues[modality], self.budgets[modality])
 
     def _report_waits(self, entries: Sequence[Entry]) -> None:
         if self.on_queued is not None:
@@ -161,6 +174,17 @@ class EncoderRunner(DeviceRunner):
         batches_counter().labels(self.service, modality).inc()
         batched_items_counter().labels(self.service, modality).inc(n)
         batch_size_histogram().labels(self.service, modality).observe(n)
+
+
+def take_batch(queue: deque[Entry], budget: int) -> list[Entry]:
+    """The queue's oldest items while items × the largest one's units stay within `budget` (padding:
+    each item of a forward costs what its largest does); the oldest one always, whatever its size."""
+    batch = [queue.popleft()]
+    widest = batch[0].units
+    while queue and (len(batch) + 1) * max(widest, queue[0].units) <= budget:
+        widest = max(widest, queue[0].units)
+        batch.append(queue.popleft())
+    return batch
 
 
 def _settle(entry: Entry, value: Any) -> None:

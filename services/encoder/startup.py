@@ -82,7 +82,7 @@ def profile(
     t, h, w = grid
     v = models.config.vision
     frames_shape = (t * v.temporal_patch_size if t > 1 else 1, h * v.patch_size, w * v.patch_size, 3)
-    mel_frames = int(limits.max_audio_seconds * SAMPLE_RATE) // 160
+    mel_frames = limits.max_audio_frames
     a = models.config.audio
 
     def vision_batch(b: int) -> object:

@@ -441,6 +441,7 @@ def _merge(data: dict, patch: dict) -> dict:
         ),
         ({"stress_batch_sizes": []}, "services.enc.encoder.stress_batch_sizes: expected batch sizes >= 1"),
         ({"inline_max_bytes": -1}, "services.enc.encoder.inline_max_bytes: expected >= 0"),
+        ({"audio_batch_frames": -1}, "services.enc.encoder.audio_batch_frames: expected >= 0"),
         ({"max_pixels": 5}, "services.enc.encoder.max_pixels: unknown key"),
     ],
 )
