@@ -32,7 +32,7 @@ class EncoderConfig:
     stress_batch_sizes: tuple[int, ...] = (8, 4, 2, 1)
     # Mel frames one audio forward may hold, padded (clips × the longest; 100 a second); 0: what the
     # stress proved (its audio cap × the frames of a max_audio_seconds clip). A lower value keeps each
-    # forward short beside a thinker on the same GPU; never below one such clip (no clip is refused).
+    # forward short beside a thinker on the same GPU; a clip longer than it runs alone (never refused).
     audio_batch_frames: int = 0
     # How long an item waits for a batch slot before RESOURCE_EXHAUSTED, in seconds.
     queue_timeout_s: float = 30.0

@@ -51,10 +51,10 @@ def prepare_time_histogram():
 def batch_budgets(caps: dict[str, int], limits: ItemLimits) -> dict[str, int]:
     """Each modality's budget per forward, in units (items × the largest item's units; `batch_units`):
     vision, the stress's cap of items; audio, the cap × the longest clip's mel frames (what the stress
-    ran), lowered by `audio_batch_frames` but never below one longest clip (no clip is refused)."""
+    ran), lowered by `audio_batch_frames` (a clip longer than that runs alone: `_submit`)."""
     audio = caps["audio"] * limits.max_audio_frames
     if limits.encoder.audio_batch_frames:
-        audio = max(min(audio, limits.encoder.audio_batch_frames), limits.max_audio_frames)
+        audio = min(audio, limits.encoder.audio_batch_frames)
     return {"vision": caps["vision"], "audio": audio}
 
 
@@ -215,7 +215,7 @@ class EncoderEngine:
         than the tested batch onto the device."""
         arrived = time.monotonic()
         limiter = self.limiters[modality]
-        units = min(item.batch_units, limiter.limit)  # a clip past a lowered budget runs alone
+        units = min(item.batch_units, limiter.limit)  # a clip past the budget: all of it, and alone
         async with limiter.admit(
             deadline, self.cfg.queue_timeout_s, what=f"a {modality} batch slot", units=units
         ):
