@@ -4,9 +4,13 @@
     python bench/realtime_latency.py --tiny              # CPU: deploy/local-tiny.yaml, a smoke run
 
 Starts `omnistage serve` (config-only checkpoint, `load_format: dummy`; the tiny checkpoint with
---tiny) and, from this process as an outside client speaking the Realtime protocol's own event names
-over a plain WebSocket (no SDK: nothing more to carry to a GPU machine), opens 1, 4, 8, 16 sessions
-at once. Each session sets server VAD (`silence_duration_ms` 500) and, turn after turn, streams a
+--tiny; each `--variant`, a comma-separated list of KEY=VALUE overrides, its own serve after the
+other: an A/B in one call) and, from this process as an outside client speaking the Realtime
+protocol's own event names over a plain WebSocket (no SDK: nothing more to carry to a GPU machine),
+opens 1, 4, 8, 16 sessions at once. The sessions of a level start together and speak the same
+utterance, so their first turns' pauses reach the server within milliseconds of each other (later
+turns drift apart with their answers): a worst case for the encoder, which gets every session's
+clip at once (`sessions_start` in the results). Each session sets server VAD (`silence_duration_ms` 500) and, turn after turn, streams a
 spoken utterance (a speech-like signal Silero hears as speech, made here) at real time in 20 ms
 messages, then silence at real time, as a microphone does (each turn's utterance a little quieter than
 the last: no two turns hold the same bytes, as with a person). Per turn, on the client's clock:
@@ -16,10 +20,10 @@ starts once its `response.done` came. The first turn of each session is also rep
 path shows there).
 
 Results, rewritten after every level: OUT/realtime_latency.json = {"device", "date", "command",
-"config", "rows": [{"sessions", "turns", "stopped_to_first_audio_p50_ms", "..._p95_ms",
+"config", "sessions_start", "variants", "rows": [{"variant", "sessions", "turns", "stopped_to_first_audio_p50_ms", "..._p95_ms",
 "stopped_to_first_text_p50_ms", "first_turn_p50_ms", "later_turns_p50_ms", "server_ttft_mean_ms",
 "server_ttfa_mean_ms", "server_turn_media_mean_ms", "server_turn_first_text_mean_ms",
-"encode_cache", "stage_means", "errors"}]} (server_*: the gateway's own histograms over the level,
+"encode_cache", "encoder_forwards", "stage_means", "errors"}]} (server_*: the gateway's own histograms over the level,
 from the turn's end at the gateway: its media ready for the thinker (encoded, or found encoded ahead),
 its first text, its first audio; encode_cache: what the turns' clips found in the gateway's encode
 cache (hit, wait: encoded ahead and still under way, miss: encoded after the commit) and the clips
@@ -196,6 +200,9 @@ async def level(
             for k, v in counts.items()
             if "encode_cache" in k
         },
+        "encoder_forwards": {
+            k.split("[", 1)[1].rstrip("]"): v for k, v in counts.items() if "encoder_batches_total[" in k
+        },
         "stage_means": split,
         "errors": len(errors) + sum(1 for s in sessions for t in s.turns if t.first_audio is None),
         "error_details": errors[:5],
@@ -204,9 +211,9 @@ async def level(
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| sessions | turns | stopped → first audio p50 | p95 | → first text p50 | first turn p50 "
+        "| variant | sessions | turns | stopped → first audio p50 | p95 | → first text p50 | first turn p50 "
         "| later turns p50 | server: turn end → media ready | → first text | → first audio (means) | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v) -> str:
@@ -214,7 +221,7 @@ def table(rows: list[dict]) -> str:
 
     for r in rows:
         lines.append(
-            f"| {r['sessions']} | {r['turns']} | {f(r['stopped_to_first_audio_p50_ms'])} | "
+            f"| {r.get('variant') or 'as configured'} | {r['sessions']} | {r['turns']} | {f(r['stopped_to_first_audio_p50_ms'])} | "
             f"{f(r['stopped_to_first_audio_p95_ms'])} | {f(r['stopped_to_first_text_p50_ms'])} | "
             f"{f(r['first_turn_p50_ms'])} | {f(r['later_turns_p50_ms'])} | "
             f"{f(r.get('server_turn_media_mean_ms'))} | {f(r.get('server_turn_first_text_mean_ms'))} | "
@@ -239,6 +246,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "silence, stays within the tiny encoder's 4 s)",
     )
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE,...",
+        help="overrides of one serve, after --set; each variant its own serve, one after the other "
+        "(default: one serve as configured)",
+    )
     ap.add_argument("--checkpoint", default="", help="config-only checkpoint folder (default: a temp dir)")
     ap.add_argument("--key", default="no-key", help="the HTTP front's API key, when it asks for one")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="one turn's limit")
@@ -250,6 +265,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.turns = args.turns or (2 if args.tiny else 4)
     args.speech_s = args.speech_s or (2.0 if args.tiny else 3.2)
     return args
+
+
+def serve_levels(args: argparse.Namespace, overrides: list[str], log: Path, speech: bytes, save) -> dict:
+    """One serve with `overrides`: every session level through it, each row saved as it ends; its
+    start-up (ready_s, stages not admitted)."""
+    cfg = load_config(args.config, overrides)
+    gateway = cfg.services_of("gateway")[0]
+    if not gateway.gateway.http_port:
+        raise SystemExit(f"{args.config}: the gateway's HTTP front is off (gateway.http_port)")
+    url = f"ws://{cfg.host}:{gateway.gateway.http_port}/v1/realtime?model=ming-flash-omni-2.0"
+    started = time.monotonic()
+    with pipeline(args.config, overrides, log):
+        missing = wait_all_replicas(gateway_metrics_url(cfg), 300.0)
+        ready = {"ready_s": round(time.monotonic() - started, 1), "not_admitted": missing}
+        print(f"ready in {ready['ready_s']} s; not admitted: {missing or 'none'}", flush=True)
+        print(table([]))
+        for n in args.sessions:
+            save(asyncio.run(level(url, args.key, metric_urls(cfg), n, args.turns, speech, args.timeout_s)))
+    return ready
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,17 +302,21 @@ def main(argv: list[str] | None = None) -> int:
         "load_format": "dummy",
         "utterance_s": args.speech_s,
         "silence_duration_ms": SILENCE_MS,
+        "sessions_start": "together (the same utterance: a level's first turns reach the server at once)",
+        "variants": {},
         "rows": [],
     }
+    variant = ""
 
     def save(row: dict | None = None) -> None:
         if row is not None:
-            data["rows"].append(row)
-            print(table([row]).splitlines()[-1], flush=True)
+            data["rows"].append({"variant": variant, **row})
+            print(table(data["rows"][-1:]).splitlines()[-1], flush=True)
         write_result(out / f"{stem}.json", data, gpu=gpu)
         (out / f"{stem}.md").write_text(table(data["rows"]) + "\n")
 
     speech = silence(0.2, RATE) + pcm16(speech_like(args.speech_s, RATE))
+    variants = args.variant or [""]
     with tempfile.TemporaryDirectory(prefix="realtime-latency-") as tmp:
         ckpt = Path(args.checkpoint or Path(tmp) / "ckpt")
         overrides = list(args.overrides)
@@ -286,21 +324,15 @@ def main(argv: list[str] | None = None) -> int:
             if not (ckpt / "config.json").is_file():
                 write_config_checkpoint(ckpt, "ming-flash")
             overrides = [f"model.checkpoint={ckpt}", "model.load_format=dummy", *overrides]
-        cfg = load_config(args.config, overrides)
-        gateway = cfg.services_of("gateway")[0]
-        if not gateway.gateway.http_port:
-            raise SystemExit(f"{args.config}: the gateway's HTTP front is off (gateway.http_port)")
-        url = f"ws://{cfg.host}:{gateway.gateway.http_port}/v1/realtime?model=ming-flash-omni-2.0"
-        started = time.monotonic()
-        with pipeline(args.config, overrides, out / f"{stem}.serve.log"):
-            missing = wait_all_replicas(gateway_metrics_url(cfg), 300.0)
-            data["ready_s"] = round(time.monotonic() - started, 1)
-            print(f"ready in {data['ready_s']} s; not admitted: {missing or 'none'}", flush=True)
-            print(table([]))
-            for n in args.sessions:
-                save(
-                    asyncio.run(level(url, args.key, metric_urls(cfg), n, args.turns, speech, args.timeout_s))
-                )
+        for index, variant in enumerate(variants):
+            print(f"[{variant or 'as configured'}]", flush=True)
+            log = out / (f"{stem}.serve.log" if len(variants) == 1 else f"{stem}.serve{index}.log")
+            extra = [o for o in variant.split(",") if o]
+            data["variants"][variant or "as configured"] = serve_levels(
+                args, overrides + extra, log, speech, save
+            )
+            data["ready_s"] = data["variants"][variant or "as configured"]["ready_s"]
+            save()
     print("\n" + table(data["rows"]))
     return 1 if any(r["errors"] for r in data["rows"]) else 0
 

@@ -1,8 +1,8 @@
 """Where a request's time went, from every service's own /metrics: the mean of each latency histogram
 over a benchmark level (the difference of two snapshots), so a client-side figure can be split into
-the stages' parts (encoder call, thinker queue and first token, talker queue, first audio and step; a
-Converse turn's media and first text), and what some counters counted meanwhile (the gateway's encode
-cache)."""
+the stages' parts (encoder call and its queue, preparation and forward, items per forward; thinker
+queue and first token, talker queue, first audio and step; a Converse turn's media and first text), and
+what some counters counted meanwhile (the gateway's encode cache, the encoder's forwards)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ SPLIT = (
     ("gateway_turn_seconds", "phase"),
     ("rpc_latency_seconds", "method"),
     ("encoder_queue_time_seconds", ""),
+    ("encoder_prepare_seconds", "kind"),
+    ("encoder_forward_seconds", "modality"),
+    ("encoder_batch_items", "modality"),
     ("thinker_queue_time_seconds", ""),
     ("thinker_ttft_seconds", ""),
     ("talker_queue_time_seconds", ""),
@@ -26,7 +29,11 @@ SPLIT = (
 )
 
 # Counters counted over a level: (metric name, label that tells series apart).
-COUNTS = (("gateway_encode_cache_lookups_total", "result"), ("gateway_encode_cache_ahead_total", "outcome"))
+COUNTS = (
+    ("gateway_encode_cache_lookups_total", "result"),
+    ("gateway_encode_cache_ahead_total", "outcome"),
+    ("encoder_batches_total", "modality"),
+)
 
 Snapshot = dict[str, tuple[float, float]]  # "service/metric[label]" → (sum, count); a counter: (value, -1)
 

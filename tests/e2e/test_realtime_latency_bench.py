@@ -1,6 +1,7 @@
 """bench/realtime_latency.py against the CPU tiny pipeline (a smoke run: its figures are no targets
-here): it serves, speaks turns through /v1/realtime with the protocol's own events, and writes a row
-per session count, every turn timed from the VAD's speech end to the first transcript and audio."""
+here): it serves (a variant's overrides), speaks turns through /v1/realtime with the protocol's own
+events, and writes a row per session count, every turn timed from the VAD's speech end to the first
+transcript and audio, with the encoder's forwards counted."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def test_the_tiny_run_times_every_turn(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "realtime_latency.py"), "--tiny", "--sessions", "1,2"]
-        + ["--turns", "2", "--speech-s", "1.0", "--out", str(out), *sets],
+        + ["--turns", "2", "--speech-s", "1.0", "--out", str(out), *sets]
+        + ["--variant", "services.encoder.encoder.audio_batch_frames=0"],  # one serve: as configured
         capture_output=True,
         text=True,
         timeout=900,
@@ -50,6 +52,8 @@ def test_the_tiny_run_times_every_turn(tmp_path):
     doc = json.loads((out / "realtime_latency.json").read_text())
     assert {"device", "date", "command", "rows"} <= doc.keys()
     assert [(r["sessions"], r["turns"], r["errors"]) for r in doc["rows"]] == [(1, 2, 0), (2, 4, 0)]
+    assert list(doc["variants"]) == ["services.encoder.encoder.audio_batch_frames=0"]
+    assert doc["sessions_start"].startswith("together")
     for row in doc["rows"]:
         audio, text = row["stopped_to_first_audio_p50_ms"], row["stopped_to_first_text_p50_ms"]
         assert audio is not None and audio > 0 and text is not None and text > 0
@@ -60,4 +64,7 @@ def test_the_tiny_run_times_every_turn(tmp_path):
             row["server_turn_media_mean_ms"] is not None and row["server_turn_first_text_mean_ms"] is not None
         )
         assert row["encode_cache"].get("ahead[started]", 0) >= 1  # turns' clips went to the encoder early
-    assert "| sessions | turns |" in (out / "realtime_latency.md").read_text()
+        assert row["variant"] == "services.encoder.encoder.audio_batch_frames=0"
+        assert row["encoder_forwards"].get("audio", 0) >= 1  # the encoder's own count of its forwards
+        assert row["stage_means"].get("encoder/encoder_forward_seconds[audio]") is not None
+    assert "| variant | sessions | turns |" in (out / "realtime_latency.md").read_text()
