@@ -137,11 +137,12 @@ def test_a_waiter_that_times_out_or_is_cancelled_lets_the_ones_behind_it_go():
 
 
 def test_more_units_than_the_limit_are_a_callers_error():
-    async def main() -> None:
-        limiter = ConcurrencyLimiter("stage w", 4)
-        with pytest.raises(ValueError, match="5 units asked of a limit of 4"):
-            async with limiter.admit(math.inf, 1.0, units=5):
-                pass
-        assert (limiter.in_use, limiter.waiting) == (0, 0)
+    limiter = ConcurrencyLimiter("stage w", 4)
 
-    asyncio.run(main())
+    async def ask() -> None:
+        async with limiter.admit(math.inf, 1.0, units=5):
+            pass
+
+    with pytest.raises(ValueError, match="5 units asked of a limit of 4"):
+        asyncio.run(ask())
+    assert (limiter.in_use, limiter.waiting) == (0, 0)
