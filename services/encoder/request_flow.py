@@ -96,6 +96,7 @@ class EncoderEngine:
             "audio": models.config.placeholders.audio_patch,
         }
         self._pool = ThreadPoolExecutor(cfg.preprocess_workers, thread_name_prefix=f"{service}-prep")
+        self._handover_stream: torch.cuda.Stream | None = None  # made at start() on a GPU
         budgets = batch_budgets(caps, self.limits)
         self.runner = EncoderRunner(service, models, budgets)
         self.limiters = {
@@ -110,6 +111,9 @@ class EncoderEngine:
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the device thread (`loop` is not needed any more: outputs go to each item's own loop)."""
+        device = self.models.audio.linear_proj_audio[0].weight.device
+        if device.type == "cuda":
+            self._handover_stream = torch.cuda.Stream(device)
         self.loop.start()
 
     def stop(self) -> None:
@@ -230,11 +234,16 @@ class EncoderEngine:
                 raise
 
     def _to_refs(self, tensors: Sequence[torch.Tensor], consumer_host_id: str, allow_cuda_ipc: bool) -> list:
-        """TensorRefs of all outputs, or none: on any failure the slices already leased are revoked."""
+        """TensorRefs of all outputs, or none: on any failure the slices already leased are revoked. On a
+        GPU the copies run on the hand-over's own stream: on the device thread's, behind the next forward
+        it launched meanwhile, a request's answer waited for that forward too (the outputs are complete:
+        the runner waits for each forward's device work before handing its outputs over)."""
         refs: list[tensor_pb2.TensorRef] = []
+        stream = self._handover_stream
         try:
-            for t in tensors:
-                refs.append(self._ref(t, consumer_host_id, allow_cuda_ipc))
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for t in tensors:
+                    refs.append(self._ref(t, consumer_host_id, allow_cuda_ipc))
         except BaseException:
             for ref in refs:
                 self.transport.revoke(ref)

@@ -3,6 +3,7 @@ through POSIX shm otherwise (skipped without CUDA)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import subprocess
 import sys
@@ -56,3 +57,29 @@ def test_gpu_outputs_go_by_cuda_ipc_when_allowed_and_by_shm_otherwise(tiny_ckpt)
     payload, on_gpu, total = proc.stdout.split()
     assert payload == "cuda" and on_gpu == "True"
     assert float(total) == pytest.approx(float(local.float().abs().sum()), rel=1e-2)
+
+
+def test_a_hand_over_does_not_wait_for_the_forward_launched_after_it(tiny_ckpt):
+    """The device thread launches its next forward while a finished one's outputs are handed over: their
+    copy into the pool runs on a stream of its own, so the answer does not wait for that forward."""
+    models = load_encoders(tiny_ckpt, dtype=torch.bfloat16, device="cuda:0")
+
+    async def body(engine):
+        await engine.encode([MediaItem("image", data=image_bytes(64, 64))])  # warm: the pool, the stream
+        out = torch.randn(64, 32, device="cuda:0", dtype=torch.bfloat16)  # a finished forward's rows
+        torch.cuda.synchronize()
+        busy = torch.cuda.Event()
+
+        def next_forward() -> None:  # on the device thread's stream, as the next forward's kernels are
+            torch.cuda._sleep(4_000_000_000)  # about 2 s of GPU time
+            busy.record()
+
+        await asyncio.wrap_future(engine.loop.call(next_forward))
+        loop = asyncio.get_running_loop()
+        (ref,) = await loop.run_in_executor(None, engine._to_refs, [out], "", True)
+        still_busy = not busy.query()
+        rows = decode(ref, transport=engine.transport, device="cuda:0")
+        torch.cuda.synchronize()
+        return still_busy, ref.WhichOneof("payload"), torch.equal(rows, out)
+
+    assert run_engine(models, body) == (True, "cuda", True)
