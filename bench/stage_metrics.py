@@ -1,8 +1,9 @@
 """Where a request's time went, from every service's own /metrics: the mean of each latency histogram
 over a benchmark level (the difference of two snapshots), so a client-side figure can be split into
 the stages' parts (encoder call and its queue, preparation and forward, items per forward; thinker
-queue and first token, talker queue, first audio and step; a Converse turn's media and first text), and
-what some counters counted meanwhile (the gateway's encode cache, the encoder's forwards)."""
+queue and first token, talker queue, first audio and step; a Converse turn's media and first text; each
+service's tensor hand-overs), and what some counters counted meanwhile (the gateway's encode cache, the
+encoder's forwards)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ SPLIT = (
     ("encoder_prepare_seconds", "kind"),
     ("encoder_forward_seconds", "modality"),
     ("encoder_batch_items", "modality"),
+    ("transport_transfer_seconds", "direction"),
     ("thinker_queue_time_seconds", ""),
     ("thinker_ttft_seconds", ""),
     ("talker_queue_time_seconds", ""),
