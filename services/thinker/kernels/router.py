@@ -1,10 +1,78 @@
-"""The sigmoid group-limited top-k router's selection in one launch (the reference takes ~15)."""
+"""The sigmoid group-limited top-k router in Triton: the gate GEMV and the selection in one launch
+for a decode step's few tokens, the selection alone (one launch) over cuBLAS logits for a prefill.
+
+The reference (`layers/moe.py` Router) takes ~15 launches, and its fp32 GEMV two more copies (the
+activations and the gate weight cast to fp32 every step). The fused kernel reads both in their own
+dtype and accumulates in fp32, as the reference's fp32 GEMV does.
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+# Up to this many tokens the gate GEMV runs in the fused launch (every program re-reads its slice of
+# the gate weight once per BLOCK_T tokens: cheap for decode batches, not for a prefill).
+FUSED_MAX_TOKENS = 256
+# Products each fused program holds at once (BLOCK_T x BLOCK_E x BLOCK_H fp32): the hidden chunk
+# shrinks as the token block grows, so the registers stay bounded.
+_TILE_ELEMS = 8192
+_BLOCK_E = 4
+
+
+@triton.jit
+def _select(
+    logits,
+    bias,
+    rows,
+    row_ok,
+    weights_ptr,
+    ids_ptr,
+    scaling,
+    BLOCK_T: tl.constexpr,
+    GROUPS: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+):
+    """fp32 logits [BLOCK_T, GROUPS, per_group] → the routing of each row, stored for the rows in
+    `row_ok`: biased scores, the TOPK_GROUP groups with the best top-2 sums, then the TOP_K best
+    experts of those (ties to the lower index) weighted by their unbiased scores, normalised."""
+    per_group: tl.constexpr = logits.shape[2]
+    num_experts: tl.constexpr = GROUPS * per_group
+    g = tl.arange(0, GROUPS)
+    j = tl.arange(0, per_group)
+    e3 = (g[:, None] * per_group + j[None, :])[None, :, :]
+    scores = tl.sigmoid(logits)
+    biased = scores + bias[None, :, :]
+    # Each group's top-2 sum (the first maximum taken out once, ties kept).
+    top1 = tl.max(biased, axis=2)
+    first = tl.min(tl.where(biased == top1[:, :, None], j[None, None, :], per_group), axis=2)
+    rest = tl.where(j[None, None, :] == first[:, :, None], float("-inf"), biased)
+    group_score = top1 + tl.max(rest, axis=2)
+    keep = tl.zeros((BLOCK_T, GROUPS), dtype=tl.int1)
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.max(group_score, axis=1)
+        pick = tl.min(tl.where(group_score == best[:, None], g[None, :], GROUPS), axis=1)
+        hit = g[None, :] == pick[:, None]
+        keep = keep | hit
+        group_score = tl.where(hit, float("-inf"), group_score)
+    masked = tl.where(keep[:, :, None], biased, float("-inf"))
+    slot = tl.arange(0, TOP_K)
+    chosen_w = tl.zeros((BLOCK_T, TOP_K), dtype=tl.float32)
+    chosen_id = tl.zeros((BLOCK_T, TOP_K), dtype=tl.int64)
+    for s in tl.static_range(TOP_K):
+        best = tl.max(tl.max(masked, axis=2), axis=1)
+        pick = tl.min(tl.min(tl.where(masked == best[:, None, None], e3, num_experts), axis=2), axis=1)
+        hit = e3 == pick[:, None, None]
+        w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=2), axis=1)
+        chosen_w = tl.where(slot[None, :] == s, w[:, None], chosen_w)
+        chosen_id = tl.where(slot[None, :] == s, pick[:, None].to(tl.int64), chosen_id)
+        masked = tl.where(hit, float("-inf"), masked)
+    chosen_w = chosen_w / (tl.sum(chosen_w, axis=1)[:, None] + 1e-20) * scaling
+    out = rows[:, None] * TOP_K + slot[None, :]
+    tl.store(weights_ptr + out, chosen_w, mask=row_ok[:, None])
+    tl.store(ids_ptr + out, chosen_id, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -20,61 +88,172 @@ def _grouped_topk_kernel(
     TOPK_GROUP: tl.constexpr,
     TOP_K: tl.constexpr,
 ):
+    """One token per program, over logits computed before."""
     t = tl.program_id(0).to(tl.int64)
     per_group: tl.constexpr = NUM_EXPERTS // GROUPS
-    g = tl.arange(0, GROUPS)
-    j = tl.arange(0, per_group)
-    e2 = g[:, None] * per_group + j[None, :]
-    scores = tl.sigmoid(tl.load(logits_ptr + t * stride_l + e2).to(tl.float32))
-    biased = scores + tl.load(bias_ptr + e2).to(tl.float32)
-    # Each group's top-2 sum (the first maximum taken out once, ties kept).
-    top1 = tl.max(biased, axis=1)
-    first = tl.min(tl.where(biased == top1[:, None], j[None, :], per_group), axis=1)
-    rest = tl.where(j[None, :] == first[:, None], float("-inf"), biased)
-    group_score = top1 + tl.max(rest, axis=1)
-    keep = tl.zeros((GROUPS,), dtype=tl.int1)
-    for _ in tl.static_range(TOPK_GROUP):
-        best = tl.max(group_score, axis=0)
-        pick = tl.min(tl.where(group_score == best, g, GROUPS), axis=0)
-        keep = keep | (g == pick)
-        group_score = tl.where(g == pick, float("-inf"), group_score)
-    masked = tl.where(keep[:, None], biased, float("-inf"))
-    chosen_w = tl.zeros((TOP_K,), dtype=tl.float32)
-    chosen_id = tl.zeros((TOP_K,), dtype=tl.int64)
-    slot = tl.arange(0, TOP_K)
-    for s in tl.static_range(TOP_K):
-        best = tl.max(tl.max(masked, axis=1), axis=0)
-        pick = tl.min(tl.min(tl.where(masked == best, e2, NUM_EXPERTS), axis=1), axis=0)
-        w = tl.sum(tl.sum(tl.where(e2 == pick, scores, 0.0), axis=1), axis=0)
-        chosen_w = tl.where(slot == s, w, chosen_w)
-        chosen_id = tl.where(slot == s, pick.to(tl.int64), chosen_id)
-        masked = tl.where(e2 == pick, float("-inf"), masked)
-    chosen_w = chosen_w / (tl.sum(chosen_w, axis=0) + 1e-20) * scaling
-    tl.store(weights_ptr + t * TOP_K + slot, chosen_w)
-    tl.store(ids_ptr + t * TOP_K + slot, chosen_id)
+    e2 = tl.arange(0, GROUPS)[:, None] * per_group + tl.arange(0, per_group)[None, :]
+    logits = tl.load(logits_ptr + t * stride_l + e2).to(tl.float32)
+    bias = tl.load(bias_ptr + e2).to(tl.float32)
+    row = tl.zeros((1,), dtype=tl.int64) + t
+    _select(
+        logits[None, :, :], bias, row, row >= 0, weights_ptr, ids_ptr, scaling, 1, GROUPS, TOPK_GROUP, TOP_K
+    )
 
 
-def grouped_topk_route(
-    logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int, scaling: float
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    logits_ptr,
+    tickets_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    hidden,
+    stride_x,
+    stride_w,
+    scaling,
+    NUM_EXPERTS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Program (e, t): the fp32 logits of BLOCK_E experts for BLOCK_T tokens; the last program of a
+    token block to finish (a ticket per block, taken atomically and reset by that program, so the
+    buffer is zero again for the next launch) selects the experts of its tokens from all logits."""
+    pid_e = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    row_ok = rows < num_tokens
+    experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    hs = tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        h_ok = hs < hidden - h0
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_x + h0 + hs[None, :],
+            mask=row_ok[:, None] & h_ok[None, :],
+            other=0.0,
+        )
+        w = tl.load(w_ptr + experts[:, None] * stride_w + h0 + hs[None, :], mask=h_ok[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    tl.store(logits_ptr + rows[:, None] * NUM_EXPERTS + experts[None, :], acc, mask=row_ok[:, None])
+    tl.debug_barrier()  # every thread's logits stored before the ticket releases them
+    done = tl.atomic_add(tickets_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.store(tickets_ptr + pid_t, 0)
+        per_group: tl.constexpr = NUM_EXPERTS // GROUPS
+        e2 = tl.arange(0, GROUPS)[:, None] * per_group + tl.arange(0, per_group)[None, :]
+        # .cg: the other programs' logits from L2, never a stale L1 line.
+        logits = tl.load(
+            logits_ptr + rows[:, None, None] * NUM_EXPERTS + e2[None, :, :],
+            mask=row_ok[:, None, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        bias = tl.load(bias_ptr + e2).to(tl.float32)
+        _select(logits, bias, rows, row_ok, weights_ptr, ids_ptr, scaling, BLOCK_T, GROUPS, TOPK_GROUP, TOP_K)
+
+
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets_for(device: torch.device, blocks: int) -> torch.Tensor:
+    """The zeroed ticket counters of `device` (each launch leaves them zero); made once, outside
+    any graph capture in practice (the eager warm-up forward runs first)."""
+    buf = _tickets.get(device)
+    if buf is None or buf.numel() < blocks:
+        buf = _tickets[device] = torch.zeros(max(blocks, 64), dtype=torch.int32, device=device)
+    return buf
+
+
+def route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    scaling: float,
+    fuse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 router logits [T, E] → (fp32 weights [T, top_k], int64 expert ids [T, top_k])."""
-    t, num_experts = logits.shape
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
-    if t:
-        logits = logits.contiguous()
-        _grouped_topk_kernel[(t,)](
-            logits,
+    """x [T, H], gate weight [E, H] → (fp32 weights [T, top_k], int64 expert ids [T, top_k]).
+
+    Up to FUSED_MAX_TOKENS tokens (and `fuse`): one launch; otherwise the reference's fp32 GEMV,
+    then the selection in one launch."""
+    t, hidden = x.shape
+    num_experts = weight.shape[0]
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    if t == 0:
+        return weights, ids
+    if not fuse or t > FUSED_MAX_TOKENS:
+        return _select_only(
+            torch.nn.functional.linear(x.float(), weight.float()),
             bias,
             weights,
             ids,
-            logits.stride(0),
+            n_group,
+            topk_group,
             scaling,
-            NUM_EXPERTS=num_experts,
-            GROUPS=n_group,
-            TOPK_GROUP=topk_group,
-            TOP_K=top_k,
         )
+    x, weight = x.contiguous(), weight.contiguous()
+    block_t = min(triton.next_power_of_2(t), 16)
+    block_e = min(_BLOCK_E, num_experts)
+    block_h = max(16, min(triton.next_power_of_2(hidden), _TILE_ELEMS // (block_t * block_e)))
+    grid = (num_experts // block_e, triton.cdiv(t, block_t))
+    logits = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)
+    _route_kernel[grid](
+        x,
+        weight,
+        bias,
+        logits,
+        _tickets_for(x.device, grid[1]),
+        weights,
+        ids,
+        t,
+        hidden,
+        x.stride(0),
+        weight.stride(0),
+        scaling,
+        NUM_EXPERTS=num_experts,
+        GROUPS=n_group,
+        TOPK_GROUP=topk_group,
+        TOP_K=top_k,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_H=block_h,
+    )
+    return weights, ids
+
+
+def _select_only(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = logits.contiguous()
+    t, num_experts = logits.shape
+    _grouped_topk_kernel[(t,)](
+        logits,
+        bias,
+        weights,
+        ids,
+        logits.stride(0),
+        scaling,
+        NUM_EXPERTS=num_experts,
+        GROUPS=n_group,
+        TOPK_GROUP=topk_group,
+        TOP_K=ids.shape[1],
+    )
     return weights, ids
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -118,12 +119,28 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def install_backends(model: nn.Module, backends: Backends) -> None:
+# Set to `off`: the MoE layer's launches unfused (router GEMV in torch, four-launch alignment, torch
+# combine), for a same-build comparison of a decode step's kernels (bench/ling_mini_gpu.py --fusions).
+FUSIONS_ENV = "OMNISTAGE_THINKER_FUSIONS"
+
+
+def fusions_enabled() -> bool:
+    """The environment's choice (default on); anything but on / off is refused, naming both."""
+    value = os.environ.get(FUSIONS_ENV, "on").strip().lower()
+    if value not in ("on", "off"):
+        raise BackendError(f"{FUSIONS_ENV}={value!r}: expected on or off")
+    return value == "on"
+
+
+def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = None) -> None:
     """Point every layer of `model` at the chosen kernels (None everywhere: the reference).
 
     attention triton / flashinfer: paged attention + KV writes, and the element-wise work around it
     (RMSNorm with its residual add, QK-norm + rope, SiLU·mul of the dense and shared-expert MLPs) one
-    launch each. moe triton: the router's group-limited top-k and the routed experts."""
+    launch each. moe triton: the router (gate GEMV + group-limited top-k in one launch for decode
+    batches) and the routed experts (alignment, two GEMMs, and the sum over each token's experts
+    with the shared expert's add). `fuse` (default: FUSIONS_ENV) False: the MoE glue unfused."""
+    fuse = fusions_enabled() if fuse is None else fuse
     attention, norm, qk, act = TORCH_ATTENTION, None, None, None
     if backends.attention in ("triton", "flashinfer"):
         from omnistage.services.thinker.kernels import norms
@@ -132,11 +149,13 @@ def install_backends(model: nn.Module, backends: Backends) -> None:
         norm, qk, act = norms.rms_norm, norms.qk_norm_rope, norms.silu_and_mul
     experts, route = None, None
     if backends.moe == "triton":
-        from omnistage.services.thinker.kernels.fused_moe import align_supported, fused_experts
-        from omnistage.services.thinker.kernels.router import grouped_topk_route, route_shapes_supported
+        from omnistage.services.thinker.kernels.fused_moe import fused_experts
+        from omnistage.services.thinker.kernels.moe_align import align_supported
+        from omnistage.services.thinker.kernels.router import route as route_kernel
+        from omnistage.services.thinker.kernels.router import route_shapes_supported
 
-        experts = fused_experts
-        route = grouped_topk_route
+        experts = functools.partial(fused_experts, fuse=fuse)
+        route = functools.partial(route_kernel, fuse=fuse)
     for module in model.modules():
         if isinstance(module, PagedAttention):
             module.backend = attention
