@@ -76,20 +76,36 @@ def _decode_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    k_ptr,
+    v_ptr,
+    slots_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    WRITE_KV: tl.constexpr,
 ):
     """One (sequence, KV head): its GQA group of query heads over BLOCK_N cached tokens (several
-    pages) per iteration, online softmax in fp32."""
+    pages) per iteration, online softmax in fp32. WRITE_KV: the new token's K/V row of this head
+    is first stored at its slot (slot < 0: nothing) by this program, the only one that reads it."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
     heads = kvh * group + tl.arange(0, GROUP_PAD)
     h_ok = tl.arange(0, GROUP_PAD) < group
     d = tl.arange(0, HEAD_DIM)
+    if WRITE_KV:
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        if slot >= 0:
+            row = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kvh * stride_ch + d
+            tl.store(k_cache_ptr + row, tl.load(k_ptr + b * stride_kt + kvh * stride_kh + d))
+            tl.store(v_cache_ptr + row, tl.load(v_ptr + b * stride_vt + kvh * stride_vh + d))
+        tl.debug_barrier()  # the row stored before any thread of this program reads the cache
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0
     )
@@ -145,15 +161,21 @@ def paged_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D] (one new token per sequence, its K/V already written) → [B, H, D]: attention over
-    each sequence's first context_lens[b] cached tokens through its block table row."""
+    """q [B, H, D] (one new token per sequence) → [B, H, D]: attention over each sequence's first
+    context_lens[b] cached tokens through its block table row. The new tokens' K/V are in the
+    cache already, or `new_kv` = (k, v [B, KVH, D], slots [B]) and this launch writes them (as
+    `write_kv` would: slot < 0 writes nothing), one launch fewer per layer."""
     bsz, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     if bsz == 0:
         return out
+    k, v, slots = new_kv if new_kv is not None else (q, q, context_lens)  # unread without WRITE_KV
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("paged_decode: the new K/V head dim must be contiguous")
     _decode_kernel[(bsz, num_kv_heads)](
         q,
         k_cache,
@@ -164,11 +186,19 @@ def paged_decode(
         scale,
         group,
         *paged_strides(q, out, block_tables, k_cache),
+        k,
+        v,
+        slots,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
         HEAD_DIM=head_dim,
         PAGE=page,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_N=max(64, page),
         PRECISION=dot_precision(q.dtype),
+        WRITE_KV=new_kv is not None,
         num_warps=4,
         num_stages=2,
     )

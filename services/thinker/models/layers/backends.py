@@ -145,7 +145,7 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     if backends.attention in ("triton", "flashinfer"):
         from omnistage.services.thinker.kernels import norms
 
-        attention = TritonAttention() if backends.attention == "triton" else FlashInferAttention()
+        attention = (TritonAttention if backends.attention == "triton" else FlashInferAttention)(fuse)
         norm, qk, act = norms.rms_norm, norms.qk_norm_rope, norms.silu_and_mul
     experts, route = None, None
     if backends.moe == "triton":
@@ -177,24 +177,27 @@ class TritonAttention:
     prefill kernel takes every sequence of the step (decode rows too) through a tile table made once
     per step (`step_state`); decode steps read their lengths on the device (graph-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fuse: bool = True) -> None:
         from omnistage.services.thinker.kernels import paged_attention, paged_prefill
 
         self.kernels = paged_attention
         self.prefill_kernels = paged_prefill
+        self.fuse = fuse  # a decode step's K/V written by its attention launch (else by write_kv)
 
     def forward(
         self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
         if md.slot_mapping is None or not layer.has_cache:
             return TORCH_ATTENTION.forward(layer, q, k, v, md)
-        self.kernels.write_kv(k, v, layer.k_cache, layer.v_cache, md.slot_mapping)
+        new_kv = (k, v, md.slot_mapping) if md.is_decode and self.fuse else None
+        if new_kv is None:
+            self.kernels.write_kv(k, v, layer.k_cache, layer.v_cache, md.slot_mapping)
         if md.is_decode:
             lens = md.context_lens_tensor
             if lens is None:
                 lens = torch.tensor(md.context_lens, dtype=torch.int32, device=q.device)
             return self.kernels.paged_decode(
-                q, layer.k_cache, layer.v_cache, md.block_tables, lens, layer.scale
+                q, layer.k_cache, layer.v_cache, md.block_tables, lens, layer.scale, new_kv
             )
         return self.prefill(layer, q, md)
 
@@ -214,8 +217,8 @@ class FlashInferAttention(TritonAttention):
     TritonAttention; when FlashInfer fails here (import, build, plan, dtype) the Triton prefill
     kernel serves from then on (one log line)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, fuse: bool = True) -> None:
+        super().__init__(fuse)
         self.flashinfer = FlashInferPrefill()
 
     def prefill(self, layer: PagedAttention, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:

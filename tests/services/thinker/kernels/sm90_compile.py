@@ -135,10 +135,17 @@ CASES = {
                     "stride_cb",
                     "stride_cs",
                     "stride_ch",
+                    "stride_kt",
+                    "stride_kh",
+                    "stride_vt",
+                    "stride_vh",
                 )
             },
+            "k_ptr": B,
+            "v_ptr": B,
+            "slots_ptr": "*i64",
         },
-        {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32"},
+        {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32", "WRITE_KV": True},
     ),
     "prefill": (
         paged_prefill._prefill_kernel,
