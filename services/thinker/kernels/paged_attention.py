@@ -59,6 +59,45 @@ def load_kv(
 
 
 @triton.jit
+def _attend_pages(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    table,
+    ctx,
+    kvh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """q [GROUP_PAD, D] over one sequence's first `ctx` cached tokens of KV head `kvh` (`table`: its
+    block-table row), BLOCK_N tokens per iteration, online softmax in fp32 → [GROUP_PAD, D]."""
+    d = tl.arange(0, q.shape[1])
+    m = tl.full((q.shape[0],), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((q.shape[0],), dtype=tl.float32)
+    acc = tl.zeros(q.shape, dtype=tl.float32)
+    offs = tl.arange(0, BLOCK_N)
+    for start in range(0, ctx, BLOCK_N):
+        tok = start + offs
+        tok_ok = tok < ctx
+        k, v = load_kv(
+            k_cache_ptr, v_cache_ptr, table, tok, tok_ok, kvh, d, stride_cb, stride_cs, stride_ch, PAGE
+        )
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = tl.where(tok_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        s = s * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return acc / tl.maximum(s, 1e-30)[:, None]
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -110,26 +149,8 @@ def _decode_kernel(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0
     )
     q = (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
-    m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
-    s = tl.zeros((GROUP_PAD,), dtype=tl.float32)
-    acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
-    offs = tl.arange(0, BLOCK_N)
-    table = tables_ptr + b * stride_tb
-    for start in range(0, ctx, BLOCK_N):
-        tok = start + offs
-        tok_ok = tok < ctx
-        k, v = load_kv(
-            k_cache_ptr, v_cache_ptr, table, tok, tok_ok, kvh, d, stride_cb, stride_cs, stride_ch, PAGE
-        )
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        scores = tl.where(tok_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        s = s * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
-    out = acc / tl.maximum(s, 1e-30)[:, None]
+    table, kv = tables_ptr + b * stride_tb, (k_cache_ptr, v_cache_ptr)
+    out = _attend_pages(q, *kv, table, ctx, kvh, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, PRECISION)
     tl.store(
         out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
