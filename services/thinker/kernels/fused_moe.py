@@ -50,12 +50,35 @@ def _expert_weights(w_ptr, shared_w_ptr, expert, stride_we, LOG2_EXPERTS: tl.con
 
 
 @triton.jit
+def _input_rows(pairs, valid, pairs_per_row, num_pairs, GATED: tl.constexpr):
+    """The rows of the GEMM's input the block's pairs read: a routed pair p row p // pairs_per_row;
+    a shared-run pair num_pairs + t of the gate-up GEMM its token's row t (the down GEMM reads the
+    intermediate by pair: pairs_per_row 1); padding row 0."""
+    rows = pairs // pairs_per_row
+    if GATED:
+        rows = tl.where(pairs >= num_pairs, pairs - num_pairs, rows)
+    return tl.where(valid, rows, 0).to(tl.int64)
+
+
+@triton.jit
 def _silu_and_mul(gate_acc, up_acc, dt: tl.constexpr):
     """silu(gate)·up in `dt` with the reference's roundings: gate and up to `dt`, then silu, then the
     product."""
     gate = gate_acc.to(dt).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
     return (act * up_acc.to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _epilogue(acc, acc_u, weight_ptr, pairs, num_pairs, dt: tl.constexpr, GATED: tl.constexpr):
+    """GATED: silu(gate)·up; else the expert's output rounded to the activation dtype (as the
+    reference rounds it), times the pair's routing weight (1 for a shared-run pair)."""
+    if GATED:  # one return: the compiler types every return alike, a static branch's too
+        result = _silu_and_mul(acc, acc_u, dt)
+    else:
+        weight = tl.load(weight_ptr + pairs, mask=pairs < num_pairs, other=1.0)
+        result = acc.to(dt).to(tl.float32) * weight[:, None]
+    return result
 
 
 @triton.jit
@@ -93,20 +116,16 @@ def _expert_gemm_kernel(
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
     expert, pairs, valid = block_rows(pairs_ptr, counts_ptr, ends_ptr, pid_m, BLOCK_M, LOG2_EXPERTS)
-    rows = pairs // pairs_per_row
-    if GATED:
-        rows = tl.where(pairs >= num_pairs, pairs - num_pairs, rows)
-    rows = tl.where(valid, rows, 0).to(tl.int64)
+    rows = _input_rows(pairs, valid, pairs_per_row, num_pairs, GATED)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n_out
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     w_base = _expert_weights(w_ptr, shared_w_ptr, expert, stride_we, LOG2_EXPERTS) + offs_k[:, None]
     b_ptrs = w_base + offs_n[None, :] * stride_wn
+    u_ptrs = w_base + (offs_n[None, :] + n_out) * stride_wn  # GATED only: the up rows
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if GATED:
-        u_ptrs = w_base + (offs_n[None, :] + n_out) * stride_wn
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros_like(acc)  # GATED only
     for k0 in range(0, k_in, BLOCK_K):
         k_ok = offs_k < k_in - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
@@ -118,12 +137,7 @@ def _expert_gemm_kernel(
             u_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    dt = a_ptr.dtype.element_ty
-    if GATED:
-        result = _silu_and_mul(acc, acc_u, dt)
-    else:  # the reference rounds each expert's output to the activation dtype before weighting it
-        weight = tl.load(weight_ptr + pairs, mask=valid & (pairs < num_pairs), other=1.0)
-        result = acc.to(dt).to(tl.float32) * weight[:, None]
+    result = _epilogue(acc, acc_u, weight_ptr, pairs, num_pairs, a_ptr.dtype.element_ty, GATED)
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, result, mask=valid[:, None] & n_ok[None, :])
 
