@@ -21,12 +21,32 @@ _TILE_ELEMS = 8192
 _BLOCK_E = 4
 
 
+# Below every key: an entry taken out of the running.
+_GONE = tl.constexpr(-0x7FFFFFFFFFFFFFFF)
+
+
+@triton.jit
+def _key(x, index, SPAN: tl.constexpr):
+    """fp32 x and its index in [0, SPAN) as one int64 whose max is the largest x, ties to the lower
+    index: one reduction finds both (the float's bits made order-preserving as a signed int)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (bits.to(tl.int64) << 32) | (-index.to(tl.int64) + (SPAN - 1))
+
+
+@triton.jit
+def _key_value(key):
+    bits = (key >> 32).to(tl.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _select(
     logits,
     bias,
     rows,
     row_ok,
+    logit_rows,
     weights_ptr,
     ids_ptr,
     scaling,
@@ -35,44 +55,45 @@ def _select(
     TOPK_GROUP: tl.constexpr,
     TOP_K: tl.constexpr,
 ):
-    """fp32 logits [BLOCK_T, GROUPS, per_group] → the routing of each row, stored for the rows in
-    `row_ok`: biased scores, the TOPK_GROUP groups with the best top-2 sums, then the TOP_K best
-    experts of those (ties to the lower index) weighted by their unbiased scores, normalised."""
+    """fp32 logits [BLOCK_T, GROUPS, per_group] (stored at `logit_rows` too) → the routing of each
+    row, stored for the rows in `row_ok`: biased scores, the TOPK_GROUP groups with the best top-2
+    sums, then the TOP_K best experts of those (ties to the lower index) weighted by their unbiased
+    scores, normalised. One reduction per pick (packed keys), 2 + TOPK_GROUP + TOP_K in all."""
     per_group: tl.constexpr = logits.shape[2]
     num_experts: tl.constexpr = GROUPS * per_group
     g = tl.arange(0, GROUPS)
     j = tl.arange(0, per_group)
-    e3 = (g[:, None] * per_group + j[None, :])[None, :, :]
-    scores = tl.sigmoid(logits)
-    biased = scores + bias[None, :, :]
+    biased = tl.sigmoid(logits) + bias[None, :, :]
     # Each group's top-2 sum (the first maximum taken out once, ties kept).
-    top1 = tl.max(biased, axis=2)
-    first = tl.min(tl.where(biased == top1[:, :, None], j[None, None, :], per_group), axis=2)
-    rest = tl.where(j[None, None, :] == first[:, :, None], float("-inf"), biased)
-    group_score = top1 + tl.max(rest, axis=2)
+    in_group = _key(biased, j[None, None, :], per_group)
+    top1 = tl.max(in_group, axis=2)
+    group_score = _key_value(top1)
+    if per_group > 1:
+        rest = tl.where(in_group == top1[:, :, None], _GONE, in_group)
+        group_score += _key_value(tl.max(rest, axis=2))
+    groups = _key(group_score, g[None, :], GROUPS)
     keep = tl.zeros((BLOCK_T, GROUPS), dtype=tl.int1)
     for _ in tl.static_range(TOPK_GROUP):
-        best = tl.max(group_score, axis=1)
-        pick = tl.min(tl.where(group_score == best[:, None], g[None, :], GROUPS), axis=1)
-        hit = g[None, :] == pick[:, None]
+        hit = groups == tl.max(groups, axis=1)[:, None]
         keep = keep | hit
-        group_score = tl.where(hit, float("-inf"), group_score)
-    masked = tl.where(keep[:, :, None], biased, float("-inf"))
+        groups = tl.where(hit, _GONE, groups)
+    e3 = (g[:, None] * per_group + j[None, :])[None, :, :]
+    masked = _key(tl.where(keep[:, :, None], biased, float("-inf")), e3, num_experts)
+    masked = tl.reshape(masked, (BLOCK_T, num_experts))
     slot = tl.arange(0, TOP_K)
-    chosen_w = tl.zeros((BLOCK_T, TOP_K), dtype=tl.float32)
-    chosen_id = tl.zeros((BLOCK_T, TOP_K), dtype=tl.int64)
+    chosen = tl.zeros((BLOCK_T, TOP_K), dtype=tl.int64)
     for s in tl.static_range(TOP_K):
-        best = tl.max(tl.max(masked, axis=2), axis=1)
-        pick = tl.min(tl.min(tl.where(masked == best[:, None, None], e3, num_experts), axis=2), axis=1)
-        hit = e3 == pick[:, None, None]
-        w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=2), axis=1)
-        chosen_w = tl.where(slot[None, :] == s, w[:, None], chosen_w)
-        chosen_id = tl.where(slot[None, :] == s, pick[:, None].to(tl.int64), chosen_id)
-        masked = tl.where(hit, float("-inf"), masked)
-    chosen_w = chosen_w / (tl.sum(chosen_w, axis=1)[:, None] + 1e-20) * scaling
+        best = tl.max(masked, axis=1)
+        pick = -best.to(tl.int32) + (num_experts - 1)  # the low half is SPAN - 1 - index
+        chosen = tl.where(slot[None, :] == s, pick[:, None].to(tl.int64), chosen)
+        masked = tl.where(masked == best[:, None], _GONE, masked)
+    # The unbiased scores of the picks, from the logits as stored (.cg: written by other programs).
+    picked = tl.load(logit_rows[:, None] + chosen, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+    w = tl.sigmoid(picked.to(tl.float32))
+    w = w / (tl.sum(w, axis=1)[:, None] + 1e-20) * scaling
     out = rows[:, None] * TOP_K + slot[None, :]
-    tl.store(weights_ptr + out, chosen_w, mask=row_ok[:, None])
-    tl.store(ids_ptr + out, chosen_id, mask=row_ok[:, None])
+    tl.store(weights_ptr + out, w, mask=row_ok[:, None])
+    tl.store(ids_ptr + out, chosen, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -96,7 +117,18 @@ def _grouped_topk_kernel(
     bias = tl.load(bias_ptr + e2).to(tl.float32)
     row = tl.zeros((1,), dtype=tl.int64) + t
     _select(
-        logits[None, :, :], bias, row, row >= 0, weights_ptr, ids_ptr, scaling, 1, GROUPS, TOPK_GROUP, TOP_K
+        logits[None, :, :],
+        bias,
+        row,
+        row >= 0,
+        logits_ptr + row * stride_l,
+        weights_ptr,
+        ids_ptr,
+        scaling,
+        1,
+        GROUPS,
+        TOPK_GROUP,
+        TOP_K,
     )
 
 
@@ -156,7 +188,21 @@ def _route_kernel(
             cache_modifier=".cg",
         )
         bias = tl.load(bias_ptr + e2).to(tl.float32)
-        _select(logits, bias, rows, row_ok, weights_ptr, ids_ptr, scaling, BLOCK_T, GROUPS, TOPK_GROUP, TOP_K)
+        logit_rows = logits_ptr + rows * NUM_EXPERTS
+        _select(
+            logits,
+            bias,
+            rows,
+            row_ok,
+            logit_rows,
+            weights_ptr,
+            ids_ptr,
+            scaling,
+            BLOCK_T,
+            GROUPS,
+            TOPK_GROUP,
+            TOP_K,
+        )
 
 
 _tickets: dict[torch.device, torch.Tensor] = {}

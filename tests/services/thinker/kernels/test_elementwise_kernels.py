@@ -78,6 +78,16 @@ def test_router_equals_the_reference_and_leaves_its_tickets_at_zero(tokens, fuse
     assert not router_kernels._tickets_for(x.device, 1).any()
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_router_ties_go_to_the_lower_group_and_expert(fuse):
+    router = Router(16, 64, top_k=8, n_group=8, topk_group=4, scaling=1.0)
+    router.weight.data.zero_()  # every score 0.5: all groups and experts tie
+    router.expert_bias.data.zero_()
+    router.kernel = functools.partial(router_kernels.route, fuse=fuse)
+    w, ids = router(torch.randn(3, 16))
+    assert ids.tolist() == [list(range(8))] * 3 and torch.allclose(w, torch.full_like(w, 1 / 8))
+
+
 def test_a_prefill_routes_through_the_reference_gemv_and_the_one_launch_selection(monkeypatch):
     torch.manual_seed(3)
     router = Router(32, 16, top_k=4, n_group=4, topk_group=2, scaling=1.0)
