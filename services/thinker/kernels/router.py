@@ -42,28 +42,35 @@ def _key_value(key):
 
 @triton.jit
 def _select(
-    logits,
-    bias,
+    logit_rows,
+    bias_ptr,
     rows,
     row_ok,
-    logit_rows,
     weights_ptr,
     ids_ptr,
     scaling,
-    BLOCK_T: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
     GROUPS: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
     TOP_K: tl.constexpr,
 ):
-    """fp32 logits [BLOCK_T, GROUPS, per_group] (stored at `logit_rows` too) → the routing of each
-    row, stored for the rows in `row_ok`: biased scores, the TOPK_GROUP groups with the best top-2
-    sums, then the TOP_K best experts of those (ties to the lower index) weighted by their unbiased
-    scores, normalised. One reduction per pick (packed keys), 2 + TOPK_GROUP + TOP_K in all."""
-    per_group: tl.constexpr = logits.shape[2]
-    num_experts: tl.constexpr = GROUPS * per_group
+    """The fp32 logits stored at `logit_rows` [BLOCK_T] → the routing of each row, stored for the
+    rows in `row_ok`: biased scores, the TOPK_GROUP groups with the best top-2 sums, then the TOP_K
+    best experts of those (ties to the lower index) weighted by their unbiased scores, normalised.
+    One reduction per pick (packed keys); logits read past L1 (.cg: other programs wrote them)."""
+    per_group: tl.constexpr = NUM_EXPERTS // GROUPS
+    e2 = tl.arange(0, GROUPS)[:, None] * per_group + tl.arange(0, per_group)[None, :]
+    logits = tl.load(
+        logit_rows[:, None, None] + e2[None, :, :],
+        mask=row_ok[:, None, None],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    bias = tl.load(bias_ptr + e2).to(tl.float32)
+    num_experts: tl.constexpr = NUM_EXPERTS
     g = tl.arange(0, GROUPS)
     j = tl.arange(0, per_group)
-    biased = tl.sigmoid(logits) + bias[None, :, :]
+    biased = tl.sigmoid(logits.to(tl.float32)) + bias[None, :, :]
     # Each group's top-2 sum (the first maximum taken out once, ties kept).
     in_group = _key(biased, j[None, None, :], per_group)
     top1 = tl.max(in_group, axis=2)
@@ -72,22 +79,22 @@ def _select(
         rest = tl.where(in_group == top1[:, :, None], _GONE, in_group)
         group_score += _key_value(tl.max(rest, axis=2))
     groups = _key(group_score, g[None, :], GROUPS)
-    keep = tl.zeros((BLOCK_T, GROUPS), dtype=tl.int1)
+    keep = tl.zeros((rows.shape[0], GROUPS), dtype=tl.int1)
     for _ in tl.static_range(TOPK_GROUP):
         hit = groups == tl.max(groups, axis=1)[:, None]
         keep = keep | hit
         groups = tl.where(hit, _GONE, groups)
     e3 = (g[:, None] * per_group + j[None, :])[None, :, :]
     masked = _key(tl.where(keep[:, :, None], biased, float("-inf")), e3, num_experts)
-    masked = tl.reshape(masked, (BLOCK_T, num_experts))
+    masked = tl.reshape(masked, (rows.shape[0], num_experts))
     slot = tl.arange(0, TOP_K)
-    chosen = tl.zeros((BLOCK_T, TOP_K), dtype=tl.int64)
+    chosen = tl.zeros((rows.shape[0], TOP_K), dtype=tl.int64)
     for s in tl.static_range(TOP_K):
         best = tl.max(masked, axis=1)
         pick = -best.to(tl.int32) + (num_experts - 1)  # the low half is SPAN - 1 - index
         chosen = tl.where(slot[None, :] == s, pick[:, None].to(tl.int64), chosen)
         masked = tl.where(masked == best[:, None], _GONE, masked)
-    # The unbiased scores of the picks, from the logits as stored (.cg: written by other programs).
+    # The unbiased scores of the picks, from the logits as stored.
     picked = tl.load(logit_rows[:, None] + chosen, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
     w = tl.sigmoid(picked.to(tl.float32))
     w = w / (tl.sum(w, axis=1)[:, None] + 1e-20) * scaling
@@ -110,22 +117,16 @@ def _grouped_topk_kernel(
     TOP_K: tl.constexpr,
 ):
     """One token per program, over logits computed before."""
-    t = tl.program_id(0).to(tl.int64)
-    per_group: tl.constexpr = NUM_EXPERTS // GROUPS
-    e2 = tl.arange(0, GROUPS)[:, None] * per_group + tl.arange(0, per_group)[None, :]
-    logits = tl.load(logits_ptr + t * stride_l + e2).to(tl.float32)
-    bias = tl.load(bias_ptr + e2).to(tl.float32)
-    row = tl.zeros((1,), dtype=tl.int64) + t
+    row = tl.zeros((1,), dtype=tl.int64) + tl.program_id(0)
     _select(
-        logits[None, :, :],
-        bias,
+        logits_ptr + row * stride_l,
+        bias_ptr,
         row,
         row >= 0,
-        logits_ptr + row * stride_l,
         weights_ptr,
         ids_ptr,
         scaling,
-        1,
+        NUM_EXPERTS,
         GROUPS,
         TOPK_GROUP,
         TOP_K,
@@ -178,27 +179,15 @@ def _route_kernel(
     done = tl.atomic_add(tickets_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
         tl.store(tickets_ptr + pid_t, 0)
-        per_group: tl.constexpr = NUM_EXPERTS // GROUPS
-        e2 = tl.arange(0, GROUPS)[:, None] * per_group + tl.arange(0, per_group)[None, :]
-        # .cg: the other programs' logits from L2, never a stale L1 line.
-        logits = tl.load(
-            logits_ptr + rows[:, None, None] * NUM_EXPERTS + e2[None, :, :],
-            mask=row_ok[:, None, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        bias = tl.load(bias_ptr + e2).to(tl.float32)
-        logit_rows = logits_ptr + rows * NUM_EXPERTS
         _select(
-            logits,
-            bias,
+            logits_ptr + rows * NUM_EXPERTS,
+            bias_ptr,
             rows,
             row_ok,
-            logit_rows,
             weights_ptr,
             ids_ptr,
             scaling,
-            BLOCK_T,
+            NUM_EXPERTS,
             GROUPS,
             TOPK_GROUP,
             TOP_K,
