@@ -175,7 +175,7 @@ def align_by_expert(
             shared_rows,
             NUM_EXPERTS=num_experts,
             BLOCK_M=block_m,
-            CHUNK=32,
+            CHUNK=min(64, max(16, triton.next_power_of_2(n))),  # a c=1 step's 8 pairs: one small chunk
             SHARED=shared_rows > 0,
         )
         return pairs, counts, ends, num_rows

@@ -223,7 +223,7 @@ CASES = {
             "num_pairs": I32,
             "shared_rows": I32,
         },
-        {"NUM_EXPERTS": 256, "BLOCK_M": 16, "CHUNK": 32, "SHARED": True},
+        {"NUM_EXPERTS": 256, "BLOCK_M": 16, "CHUNK": 64, "SHARED": True},
     ),
     "combine": (
         fused_moe._combine_kernel,
