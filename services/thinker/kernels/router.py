@@ -1,5 +1,5 @@
 """The sigmoid group-limited top-k router in Triton: the gate GEMV and the selection in one launch
-for a decode step's few tokens, the selection alone (one launch) over cuBLAS logits for a prefill.
+for a decode step's few tokens, the same kernel's selection alone over cuBLAS logits for a prefill.
 
 The reference (`layers/moe.py` Router) takes ~15 launches, and its fp32 GEMV two more copies (the
 activations and the gate weight cast to fp32 every step). The fused kernel reads both in their own
@@ -104,33 +104,21 @@ def _select(
 
 
 @triton.jit
-def _grouped_topk_kernel(
-    logits_ptr,
-    bias_ptr,
-    weights_ptr,
-    ids_ptr,
-    stride_l,
-    scaling,
-    NUM_EXPERTS: tl.constexpr,
-    GROUPS: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
-    TOP_K: tl.constexpr,
-):
-    """One token per program, over logits computed before."""
-    row = tl.zeros((1,), dtype=tl.int64) + tl.program_id(0)
-    _select(
-        logits_ptr + row * stride_l,
-        bias_ptr,
-        row,
-        row >= 0,
-        weights_ptr,
-        ids_ptr,
-        scaling,
-        NUM_EXPERTS,
-        GROUPS,
-        TOPK_GROUP,
-        TOP_K,
-    )
+def _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, hidden, stride_x, stride_w, BLOCK_H: tl.constexpr):
+    """[len(rows), len(experts)] fp32 logits: the rows' activations times the experts' gate rows,
+    both loaded in their own dtype, products and sums in fp32 (the reference's fp32 GEMV)."""
+    hs = tl.arange(0, BLOCK_H)
+    acc = tl.zeros((rows.shape[0], experts.shape[0]), dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        h_ok = hs < hidden - h0
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_x + h0 + hs[None, :],
+            mask=row_ok[:, None] & h_ok[None, :],
+            other=0.0,
+        )
+        w = tl.load(w_ptr + experts[:, None] * stride_w + h0 + hs[None, :], mask=h_ok[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -154,31 +142,27 @@ def _route_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    GEMV: tl.constexpr,
 ):
-    """Program (e, t): the fp32 logits of BLOCK_E experts for BLOCK_T tokens; the last program of a
-    token block to finish (a ticket per block, taken atomically and reset by that program, so the
-    buffer is zero again for the next launch) selects the experts of its tokens from all logits."""
-    pid_e = tl.program_id(0)
+    """Program (e, t) for BLOCK_T tokens. GEMV: the fp32 logits of BLOCK_E experts into `logits`;
+    the last program of a token block to finish (a ticket per block, taken atomically and reset by
+    that program, so the buffer is zero again for the next launch) selects the experts of its
+    tokens from all logits. Else the logits [T, E] are given (x, w and the tickets unread) and
+    program (0, t) selects."""
     pid_t = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     row_ok = rows < num_tokens
-    experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    hs = tl.arange(0, BLOCK_H)
-    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        h_ok = hs < hidden - h0
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_x + h0 + hs[None, :],
-            mask=row_ok[:, None] & h_ok[None, :],
-            other=0.0,
-        )
-        w = tl.load(w_ptr + experts[:, None] * stride_w + h0 + hs[None, :], mask=h_ok[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    tl.store(logits_ptr + rows[:, None] * NUM_EXPERTS + experts[None, :], acc, mask=row_ok[:, None])
-    tl.debug_barrier()  # every thread's logits stored before the ticket releases them
-    done = tl.atomic_add(tickets_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        tl.store(tickets_ptr + pid_t, 0)
+    last = True
+    if GEMV:
+        experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+        acc = _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, hidden, stride_x, stride_w, BLOCK_H)
+        tl.store(logits_ptr + rows[:, None] * NUM_EXPERTS + experts[None, :], acc, mask=row_ok[:, None])
+        tl.debug_barrier()  # every thread's logits stored before the ticket releases them
+        done = tl.atomic_add(tickets_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
+        last = done == tl.num_programs(0) - 1
+        if last:
+            tl.store(tickets_ptr + pid_t, 0)
+    if last:
         _select(
             logits_ptr + rows * NUM_EXPERTS,
             bias_ptr,
@@ -218,36 +202,31 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], gate weight [E, H] → (fp32 weights [T, top_k], int64 expert ids [T, top_k]).
 
-    Up to FUSED_MAX_TOKENS tokens (and `fuse`): one launch; otherwise the reference's fp32 GEMV,
-    then the selection in one launch."""
+    One launch up to FUSED_MAX_TOKENS tokens (and `fuse`); otherwise the reference's fp32 GEMV
+    (cuBLAS, a prefill's many tokens), then the selection in one launch, a program a token."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     if t == 0:
         return weights, ids
-    if not fuse or t > FUSED_MAX_TOKENS:
-        return _select_only(
-            torch.nn.functional.linear(x.float(), weight.float()),
-            bias,
-            weights,
-            ids,
-            n_group,
-            topk_group,
-            scaling,
-        )
-    x, weight = x.contiguous(), weight.contiguous()
-    block_t = min(triton.next_power_of_2(t), 16)
-    block_e = min(_BLOCK_E, num_experts)
+    gemv = fuse and t <= FUSED_MAX_TOKENS
+    if gemv:
+        x, weight = x.contiguous(), weight.contiguous()
+        logits = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)
+        block_t, block_e = min(triton.next_power_of_2(t), 16), min(_BLOCK_E, num_experts)
+    else:
+        logits = torch.nn.functional.linear(x.float(), weight.float()).contiguous()
+        x = weight = logits  # unread without GEMV
+        block_t, block_e = 1, num_experts
     block_h = max(16, min(triton.next_power_of_2(hidden), _TILE_ELEMS // (block_t * block_e)))
     grid = (num_experts // block_e, triton.cdiv(t, block_t))
-    logits = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)
     _route_kernel[grid](
         x,
         weight,
         bias,
         logits,
-        _tickets_for(x.device, grid[1]),
+        _tickets_for(x.device, grid[1]) if gemv else ids,  # unread without GEMV
         weights,
         ids,
         t,
@@ -262,32 +241,7 @@ def route(
         BLOCK_T=block_t,
         BLOCK_E=block_e,
         BLOCK_H=block_h,
-    )
-    return weights, ids
-
-
-def _select_only(
-    logits: torch.Tensor,
-    bias: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    n_group: int,
-    topk_group: int,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = logits.contiguous()
-    t, num_experts = logits.shape
-    _grouped_topk_kernel[(t,)](
-        logits,
-        bias,
-        weights,
-        ids,
-        logits.stride(0),
-        scaling,
-        NUM_EXPERTS=num_experts,
-        GROUPS=n_group,
-        TOPK_GROUP=topk_group,
-        TOP_K=ids.shape[1],
+        GEMV=gemv,
     )
     return weights, ids
 

@@ -230,24 +230,22 @@ CASES = {
         {"partial_ptr": "*fp32", "shared_ptr": B, "out_ptr": B, "hidden": I32},
         {"TOP_K": 8, "HAS_SHARED": True, "BLOCK": 1024},
     ),
-    "route": (router._route_kernel, ROUTE, {**ROUTE_SHAPE, "BLOCK_T": 16, "BLOCK_E": 4, "BLOCK_H": 128}),
+    "route": (
+        router._route_kernel,
+        ROUTE,
+        {**ROUTE_SHAPE, "BLOCK_T": 16, "BLOCK_E": 4, "BLOCK_H": 128, "GEMV": True},
+    ),
     # One decode token: the whole hidden row in one chunk; an fp32 expert bias.
     "route_one_token": (
         router._route_kernel,
         {**ROUTE, "bias_ptr": "*fp32"},
-        {**ROUTE_SHAPE, "BLOCK_T": 1, "BLOCK_E": 4, "BLOCK_H": 2048},
+        {**ROUTE_SHAPE, "BLOCK_T": 1, "BLOCK_E": 4, "BLOCK_H": 2048, "GEMV": True},
     ),
+    # A prefill: the selection alone over cuBLAS's fp32 logits, a program a token.
     "router": (
-        router._grouped_topk_kernel,
-        {
-            "logits_ptr": "*fp32",
-            "bias_ptr": B,
-            "weights_ptr": "*fp32",
-            "ids_ptr": "*i64",
-            "stride_l": I32,
-            "scaling": F32,
-        },
-        {"NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4, "TOP_K": 8},
+        router._route_kernel,
+        {**ROUTE, "x_ptr": "*fp32", "w_ptr": "*fp32", "tickets_ptr": "*i64"},
+        {**ROUTE_SHAPE, "BLOCK_T": 1, "BLOCK_E": 256, "BLOCK_H": 16, "GEMV": False},
     ),
 }
 
