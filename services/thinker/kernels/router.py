@@ -44,20 +44,17 @@ def _key_value(key):
 def _select(
     logit_rows,
     bias_ptr,
-    rows,
     row_ok,
-    weights_ptr,
-    ids_ptr,
-    scaling,
     NUM_EXPERTS: tl.constexpr,
     GROUPS: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
     TOP_K: tl.constexpr,
 ):
-    """The fp32 logits stored at `logit_rows` [BLOCK_T] → the routing of each row, stored for the
-    rows in `row_ok`: biased scores, the TOPK_GROUP groups with the best top-2 sums, then the TOP_K
-    best experts of those (ties to the lower index) weighted by their unbiased scores, normalised.
-    One reduction per pick (packed keys); logits read past L1 (.cg: other programs wrote them)."""
+    """The fp32 logits stored at `logit_rows` [BLOCK_T] → each row's routing (weights [BLOCK_T,
+    TOP_K] before the scaling, expert ids; rows not in `row_ok` unread): biased scores, the
+    TOPK_GROUP groups with the best top-2 sums, then the TOP_K best experts of those (ties to the
+    lower index) weighted by their unbiased scores, normalised. One reduction per pick (packed
+    keys); logits read past L1 (.cg: other programs wrote them)."""
     per_group: tl.constexpr = NUM_EXPERTS // GROUPS
     e2 = tl.arange(0, GROUPS)[:, None] * per_group + tl.arange(0, per_group)[None, :]
     logits = tl.load(
@@ -79,16 +76,16 @@ def _select(
         rest = tl.where(in_group == top1[:, :, None], _GONE, in_group)
         group_score += _key_value(tl.max(rest, axis=2))
     groups = _key(group_score, g[None, :], GROUPS)
-    keep = tl.zeros((rows.shape[0], GROUPS), dtype=tl.int1)
+    keep = tl.zeros((row_ok.shape[0], GROUPS), dtype=tl.int1)
     for _ in tl.static_range(TOPK_GROUP):
         hit = groups == tl.max(groups, axis=1)[:, None]
         keep = keep | hit
         groups = tl.where(hit, _GONE, groups)
     e3 = (g[:, None] * per_group + j[None, :])[None, :, :]
     masked = _key(tl.where(keep[:, :, None], biased, float("-inf")), e3, num_experts)
-    masked = tl.reshape(masked, (rows.shape[0], num_experts))
+    masked = tl.reshape(masked, (row_ok.shape[0], num_experts))
     slot = tl.arange(0, TOP_K)
-    chosen = tl.zeros((rows.shape[0], TOP_K), dtype=tl.int64)
+    chosen = tl.zeros((row_ok.shape[0], TOP_K), dtype=tl.int64)
     for s in tl.static_range(TOP_K):
         best = tl.max(masked, axis=1)
         pick = -best.to(tl.int32) + (num_experts - 1)  # the low half is SPAN - 1 - index
@@ -97,10 +94,7 @@ def _select(
     # The unbiased scores of the picks, from the logits as stored.
     picked = tl.load(logit_rows[:, None] + chosen, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
     w = tl.sigmoid(picked.to(tl.float32))
-    w = w / (tl.sum(w, axis=1)[:, None] + 1e-20) * scaling
-    out = rows[:, None] * TOP_K + slot[None, :]
-    tl.store(weights_ptr + out, w, mask=row_ok[:, None])
-    tl.store(ids_ptr + out, chosen, mask=row_ok[:, None])
+    return w / (tl.sum(w, axis=1)[:, None] + 1e-20), chosen
 
 
 @triton.jit
@@ -108,7 +102,7 @@ def _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, hidden, stride_x, stride_w, 
     """[len(rows), len(experts)] fp32 logits: the rows' activations times the experts' gate rows,
     both loaded in their own dtype, products and sums in fp32 (the reference's fp32 GEMV)."""
     hs = tl.arange(0, BLOCK_H)
-    acc = tl.zeros((rows.shape[0], experts.shape[0]), dtype=tl.float32)
+    acc = tl.zeros((row_ok.shape[0], experts.shape[0]), dtype=tl.float32)
     for h0 in range(0, hidden, BLOCK_H):
         h_ok = hs < hidden - h0
         x = tl.load(
@@ -163,19 +157,12 @@ def _route_kernel(
         if last:
             tl.store(tickets_ptr + pid_t, 0)
     if last:
-        _select(
-            logits_ptr + rows * NUM_EXPERTS,
-            bias_ptr,
-            rows,
-            row_ok,
-            weights_ptr,
-            ids_ptr,
-            scaling,
-            NUM_EXPERTS,
-            GROUPS,
-            TOPK_GROUP,
-            TOP_K,
+        w, chosen = _select(
+            logits_ptr + rows * NUM_EXPERTS, bias_ptr, row_ok, NUM_EXPERTS, GROUPS, TOPK_GROUP, TOP_K
         )
+        out = rows[:, None] * TOP_K + tl.arange(0, TOP_K)[None, :]
+        tl.store(weights_ptr + out, w * scaling, mask=row_ok[:, None])
+        tl.store(ids_ptr + out, chosen, mask=row_ok[:, None])
 
 
 _tickets: dict[torch.device, torch.Tensor] = {}
