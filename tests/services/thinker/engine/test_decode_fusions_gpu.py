@@ -41,7 +41,7 @@ def tokens(e: LLMEngine, n: int = 6) -> list[list[int]]:
     return [r.token_ids for r in e.generate(prompts(n), params)]
 
 
-def test_bf16_graphs_give_the_eager_batchwith_the_fusions_on(tiny_ckpt, monkeypatch):
+def test_bf16_graphs_give_the_eager_tokens_with_the_fusions_on(tiny_ckpt, monkeypatch):
     monkeypatch.setenv(FUSIONS_ENV, "on")
     eager = engine(tiny_ckpt, "bfloat16", cuda_graphs=False)
     assert eager.runner.graphs is None
