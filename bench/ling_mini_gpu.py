@@ -276,8 +276,10 @@ def profile_steps(engine, c: int, graphs: bool, steps: int = 8) -> dict:
         key=lambda r: -r["cpu_ms_per_step"],
     )
     mode = "graphs" if graphs else "eager"
+    launches = sum(r["calls"] for r in rows)  # device ops per step (kernels, copies, fills): graph nodes
     print(
-        f"[profile] c={c} {mode}: {1e3 * wall:.2f} ms per step wall, {device_ms:.2f} ms of kernels",
+        f"[profile] c={c} {mode}: {1e3 * wall:.2f} ms per step wall, {device_ms:.2f} ms of kernels, "
+        f"{launches} device ops per step",
         flush=True,
     )
     for r in rows[:18]:
@@ -289,6 +291,7 @@ def profile_steps(engine, c: int, graphs: bool, steps: int = 8) -> dict:
         "mode": mode,
         "wall_ms": round(1e3 * wall, 3),
         "device_ms": round(device_ms, 3),
+        "device_ops": launches,
         "top": rows[:30],
         "host_top": host[:15],
     }
@@ -426,9 +429,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--wall-s", type=float, default=0.0, help="TP: stop the ranks after this long (0: no limit)"
     )
+    ap.add_argument(
+        "--fusions",
+        choices=("on", "off"),
+        default=None,
+        help="the decode step's fused MoE glue (sets OMNISTAGE_THINKER_FUSIONS for the ranks)",
+    )
     args = ap.parse_args(argv)
     if args.tp_graphs is not None:  # the spawned ranks inherit it
         os.environ["OMNISTAGE_TP_CUDA_GRAPHS"] = args.tp_graphs
+    if args.fusions is not None:
+        os.environ["OMNISTAGE_THINKER_FUSIONS"] = args.fusions
     defaults = dict(
         max_num_seqs=(64, 8),
         max_num_batched_tokens=(4096, 128),
@@ -513,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "device": "cpu (simulated)" if args.tiny else torch.cuda.get_device_name(0),
         "tp": args.tp,
+        "fusions": os.environ.get("OMNISTAGE_THINKER_FUSIONS", "on"),
         "elapsed_s": round(elapsed, 1),
         "ok": not problems,
         "problems": problems,

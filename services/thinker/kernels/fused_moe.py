@@ -1,14 +1,21 @@
 """Routed experts in Triton with no host sync (so a decode step can be a CUDA graph): the pairs laid
-out by expert in block-padded runs, then the two GEMMs over those runs."""
+out by expert in block-padded runs (`moe_align.py`), the two GEMMs over those runs, then each
+token's pairs summed with the shared expert's output.
+
+In a decode step the shared expert is folded in as one more run (expert E, weight 1, every token):
+its GEMMs ride in the routed launches instead of three of their own (gate/up GEMM, SiLU·mul, down).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from omnistage.services.thinker.kernels import dot_precision
+from omnistage.services.thinker.kernels.moe_align import align_by_expert, block_rows, one_program
 
 
 @dataclass(frozen=True)
@@ -32,99 +39,25 @@ def choose_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
     return MoeTiles(64, 128, 64, 8, 3)
 
 
-# Pairs each counting program takes: a decode step's pairs in one program, a prefill's over many.
-COUNT_SPAN = 512
-
-
-def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Rows of the sorted layout in the worst case: every hit expert's run padded by block_m - 1."""
-    worst = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return -(-worst // block_m) * block_m
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _count_kernel(
-    ids_ptr, counts_ptr, num_pairs, NUM_EXPERTS: tl.constexpr, CHUNK: tl.constexpr, SPAN: tl.constexpr
-):
-    """Pairs per expert: each program counts SPAN pairs (CHUNK at a time) and adds its counts to the
-    zeroed `counts` atomically, so a prefill's tens of thousands of pairs are counted in parallel."""
-    experts = tl.arange(0, NUM_EXPERTS)
-    counts = tl.zeros((NUM_EXPERTS,), dtype=tl.int32)
-    first = tl.program_id(0) * SPAN
-    for start in range(first, tl.minimum(first + SPAN, num_pairs), CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS)
-        counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
-    tl.atomic_add(counts_ptr + experts, counts)
+@triton.jit
+def _expert_weights(w_ptr, shared_w_ptr, expert, stride_we, LOG2_EXPERTS: tl.constexpr):
+    """The weights of `expert`: its slice of the stacked tensor, or the shared expert's (expert E,
+    the run the alignment appends when the shared expert is folded in; same row stride)."""
+    base = w_ptr + expert * stride_we
+    if expert == (1 << LOG2_EXPERTS):
+        base = shared_w_ptr
+    return base
 
 
 @triton.jit
-def _runs_kernel(
-    counts_ptr, ends_ptr, cursor_ptr, num_rows_ptr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr
-):
-    """One program: each expert's run padded to whole blocks and laid end to end (`ends`, and the
-    run starts as the scatter's cursors), and the rows in use."""
-    experts = tl.arange(0, NUM_EXPERTS)
-    counts = tl.load(counts_ptr + experts)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(ends_ptr + experts, ends)
-    tl.store(cursor_ptr + experts, ends - padded)
-    tl.store(num_rows_ptr, tl.max(ends, axis=0))
-
-
-@triton.jit
-def _scatter_kernel(ids_ptr, pairs_ptr, cursor_ptr):
-    """Pair i takes the next row of its expert's run (order within a run does not matter: each
-    row's result is computed on its own and written back at its pair index)."""
-    i = tl.program_id(0)
-    expert = tl.load(ids_ptr + i)
-    row = tl.atomic_add(cursor_ptr + expert, 1)
-    tl.store(pairs_ptr + row, i)
-
-
-@triton.jit
-def _block_rows(pairs_ptr, counts_ptr, ends_ptr, pid_m, BLOCK_M: tl.constexpr, LOG2_EXPERTS: tl.constexpr):
-    """The expert of row block `pid_m` (binary search over the run ends) and the block's pair
-    indices, with a mask of the rows that hold one (the rest of a run's last block is padding)."""
-    first = pid_m * BLOCK_M
-    expert = 0  # ends rise with the expert: count the runs that end at or before `first`
-    for i in tl.static_range(LOG2_EXPERTS):
-        step = 1 << (LOG2_EXPERTS - 1 - i)
-        expert = tl.where(tl.load(ends_ptr + expert + step - 1) <= first, expert + step, expert)
-    count = tl.load(counts_ptr + expert)
-    run_start = tl.load(ends_ptr + expert) - (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    rows = first + tl.arange(0, BLOCK_M)
-    valid = rows - run_start < count
-    pairs = tl.load(pairs_ptr + rows, mask=valid, other=0)
-    return expert.to(tl.int64), pairs, valid
-
-
-def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
-    """ids [T, k] → (sorted_pairs [P], counts [E], ends [E], num_rows [1]), all int32.
-
-    sorted_pairs holds pair indices (token * k + slot) grouped by expert, each expert's run starting
-    on a block boundary (`ends`: where each padded run ends; rows past a run's count are padding,
-    never written); blocks past `num_rows` are skipped by the kernels. P depends only on T, k, E
-    and block_m (graph-safe). A zero fill and three launches, no host sync."""
-    flat = ids.reshape(-1).to(torch.int32)
-    n = flat.numel()
-    dev = flat.device
-    pairs = torch.empty(max_padded_rows(n, num_experts, block_m), dtype=torch.int32, device=dev)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
-    ends, cursor = (torch.empty(num_experts, dtype=torch.int32, device=dev) for _ in range(2))
-    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
-    _count_kernel[(triton.cdiv(n, COUNT_SPAN),)](
-        flat, counts, n, NUM_EXPERTS=num_experts, CHUNK=32, SPAN=COUNT_SPAN
-    )
-    _runs_kernel[(1,)](counts, ends, cursor, num_rows, NUM_EXPERTS=num_experts, BLOCK_M=block_m)
-    _scatter_kernel[(n,)](flat, pairs, cursor)
-    return pairs, counts, ends, num_rows
-
-
-def align_supported(num_experts: int) -> bool:
-    """The one-program count and the binary search need a power-of-two expert count."""
-    return num_experts > 0 and num_experts & (num_experts - 1) == 0
+def _input_rows(pairs, valid, pairs_per_row, num_pairs, GATED: tl.constexpr):
+    """The rows of the GEMM's input the block's pairs read: a routed pair p row p // pairs_per_row;
+    a shared-run pair num_pairs + t of the gate-up GEMM its token's row t (the down GEMM reads the
+    intermediate by pair: pairs_per_row 1); padding row 0."""
+    rows = pairs // pairs_per_row
+    if GATED:
+        rows = tl.where(pairs >= num_pairs, pairs - num_pairs, rows)
+    return tl.where(valid, rows, 0).to(tl.int64)
 
 
 @triton.jit
@@ -137,9 +70,22 @@ def _silu_and_mul(gate_acc, up_acc, dt: tl.constexpr):
 
 
 @triton.jit
+def _epilogue(acc, acc_u, weight_ptr, pairs, num_pairs, dt: tl.constexpr, GATED: tl.constexpr):
+    """GATED: silu(gate)·up; else the expert's output rounded to the activation dtype (as the
+    reference rounds it), times the pair's routing weight (1 for a shared-run pair)."""
+    if GATED:  # one return: the compiler types every return alike, a static branch's too
+        result = _silu_and_mul(acc, acc_u, dt)
+    else:
+        weight = tl.load(weight_ptr + pairs, mask=pairs < num_pairs, other=1.0)
+        result = acc.to(dt).to(tl.float32) * weight[:, None]
+    return result
+
+
+@triton.jit
 def _expert_gemm_kernel(
     a_ptr,
     w_ptr,
+    shared_w_ptr,
     out_ptr,
     weight_ptr,
     pairs_ptr,
@@ -149,6 +95,7 @@ def _expert_gemm_kernel(
     n_out,
     k_in,
     pairs_per_row,
+    num_pairs,
     stride_am,
     stride_we,
     stride_wn,
@@ -162,22 +109,23 @@ def _expert_gemm_kernel(
 ):
     """One row block of an expert's run x BLOCK_N columns: out[pair] = a[pair // pairs_per_row] @ w[expert]ᵀ;
     GATED (gate-up): w's first n_out rows the gate, the next n_out the up projection, the result
-    silu(gate)·up; else (down): the result weighted by the pair's routing weight."""
+    silu(gate)·up; else (down): the result weighted by the pair's routing weight. Pairs from
+    num_pairs on are the folded shared expert's (expert E, `shared_w_ptr`'s weights, weight 1): in
+    the gate-up GEMM pair num_pairs + t reads row t; the down GEMM reads its rows by pair."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
-    expert, pairs, valid = _block_rows(pairs_ptr, counts_ptr, ends_ptr, pid_m, BLOCK_M, LOG2_EXPERTS)
-    rows = tl.where(valid, pairs // pairs_per_row, 0).to(tl.int64)
+    expert, pairs, valid = block_rows(pairs_ptr, counts_ptr, ends_ptr, pid_m, BLOCK_M, LOG2_EXPERTS)
+    rows = _input_rows(pairs, valid, pairs_per_row, num_pairs, GATED)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n_out
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-    w_base = w_ptr + expert * stride_we + offs_k[:, None]
+    w_base = _expert_weights(w_ptr, shared_w_ptr, expert, stride_we, LOG2_EXPERTS) + offs_k[:, None]
     b_ptrs = w_base + offs_n[None, :] * stride_wn
+    u_ptrs = w_base + (offs_n[None, :] + n_out) * stride_wn  # GATED only: the up rows
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if GATED:
-        u_ptrs = w_base + (offs_n[None, :] + n_out) * stride_wn
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros_like(acc)  # GATED only
     for k0 in range(0, k_in, BLOCK_K):
         k_ok = offs_k < k_in - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
@@ -189,11 +137,7 @@ def _expert_gemm_kernel(
             u_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    dt = a_ptr.dtype.element_ty
-    if GATED:
-        result = _silu_and_mul(acc, acc_u, dt)
-    else:  # the reference rounds each expert's output to the activation dtype before weighting it
-        result = acc.to(dt).to(tl.float32) * tl.load(weight_ptr + pairs, mask=valid, other=0.0)[:, None]
+    result = _epilogue(acc, acc_u, weight_ptr, pairs, num_pairs, a_ptr.dtype.element_ty, GATED)
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, result, mask=valid[:, None] & n_ok[None, :])
 
@@ -205,23 +149,29 @@ def _expert_gemm(
     layout: tuple[torch.Tensor, ...],
     meta: dict,
     *,
+    num_pairs: int,
+    shared_w: torch.Tensor | None = None,
     pairs_per_row: int = 1,
     weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One launch of `_expert_gemm_kernel` over `align_by_expert`'s layout; gated when no routing
-    `weights` are given (w [E, 2N, K]: gate rows then up rows), else w [E, N, K]."""
+    `weights` are given (w [E, 2N, K]: gate rows then up rows), else w [E, N, K]. `shared_w`: the
+    folded shared expert's weights (expert E of a layout with a shared run; num_pairs routed pairs
+    before it)."""
     gated = weights is None
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     grid = (layout[0].numel() // meta["BLOCK_M"], triton.cdiv(n_out, meta["BLOCK_N"]))
     _expert_gemm_kernel[grid](
         a,
         w,
+        w if shared_w is None else shared_w,
         out,
         out if gated else weights,
         *layout,
         n_out,
         w.shape[2],
         pairs_per_row,
+        num_pairs,
         a.stride(0),
         w.stride(0),
         w.stride(1),
@@ -232,19 +182,83 @@ def _expert_gemm(
     return out
 
 
-def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+@triton.jit
+def _combine_kernel(
+    partial_ptr,
+    shared_ptr,
+    out_ptr,
+    hidden,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out[t] = round(sum over the k pairs of t) (+ shared[t], rounded again): the reference's sum,
+    its cast to the activation dtype and the shared expert's add in one launch."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(TOP_K):
+        acc += tl.load(partial_ptr + (t * TOP_K + s) * hidden + cols, mask=ok, other=0.0)
+    dt = out_ptr.dtype.element_ty
+    y = acc.to(dt)
+    if HAS_SHARED:
+        y = (
+            y.to(tl.float32) + tl.load(shared_ptr + t * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+        ).to(dt)
+    tl.store(out_ptr + t * hidden + cols, y, mask=ok)
+
+
+def combine_pairs(
+    partial: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype, fuse: bool
 ) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] → fp32 [T, H]."""
+    """fp32 per-pair outputs [T, k, H] → [T, H] in `dtype` (+ shared): one launch when `fuse`."""
+    t, k, hidden = partial.shape
+    if not fuse:
+        out = partial.sum(dim=1).to(dtype)
+        return out if shared is None else out + shared
+    out = torch.empty(t, hidden, dtype=dtype, device=partial.device)
+    if shared is not None:
+        shared = shared.contiguous()
+    block = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(t, triton.cdiv(hidden, block))](
+        partial,
+        out if shared is None else shared,
+        out,
+        hidden,
+        TOP_K=k,
+        HAS_SHARED=shared is not None,
+        BLOCK=block,
+    )
+    return out
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fuse: bool = True,
+) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] and the
+    shared expert's (gate_up [2I', H], down [H, I']) → [T, H] in x's dtype: the routed mix summed in
+    fp32 and rounded, plus the shared expert's output (FusedExperts.forward).
+
+    `fuse`: a decode step's alignment and sum one launch each, the shared expert folded in when its
+    shape is an expert's; False: the launches of the reference ops (a same-build comparison)."""
     t, k = ids.shape
     num_experts, two_i, hidden = w13.shape
-    inter = two_i // 2
     if t == 0:
-        return torch.zeros(0, hidden, dtype=torch.float32, device=x.device)
-    x = x.contiguous()
+        return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
     n = t * k
+    fold = shared is not None and one_program(n, fuse) and _foldable(shared, w13, w2)
+    shared_out = _shared_expert(x, *shared) if shared is not None and not fold else None
+    shared_w = shared if fold else (None, None)
+    rows = n + (t if fold else 0)  # the folded shared expert's pairs after the routed ones
     tiles = choose_tiles(n, num_experts)
-    layout = align_by_expert(ids, num_experts, tiles.block_m)
+    layout = align_by_expert(ids, num_experts, tiles.block_m, fuse, rows - n)
     meta = dict(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
@@ -254,8 +268,31 @@ def fused_experts(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    _expert_gemm(x, w13, h, layout, meta, pairs_per_row=k)
-    out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
-    _expert_gemm(h, w2, out, layout, meta, weights=weights.reshape(-1).float().contiguous())
-    return out.view(t, k, hidden).sum(dim=1)
+    h = torch.empty(rows, two_i // 2, dtype=x.dtype, device=x.device)
+    _expert_gemm(x.contiguous(), w13, h, layout, meta, num_pairs=n, shared_w=shared_w[0], pairs_per_row=k)
+    out = torch.empty(rows, hidden, dtype=torch.float32, device=x.device)
+    routing = weights.reshape(-1).float().contiguous()
+    _expert_gemm(h, w2, out, layout, meta, num_pairs=n, shared_w=shared_w[1], weights=routing)
+    if fold:
+        shared_out = out[n:]
+    return combine_pairs(out[:n].view(t, k, hidden), shared_out, x.dtype, fuse)
+
+
+def _foldable(shared: tuple[torch.Tensor, torch.Tensor], w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """The shared expert can run as expert E: an expert's shape and row strides, rows contiguous."""
+    gate_up, down = shared
+    return (
+        gate_up.shape == w13.shape[1:]
+        and down.shape == w2.shape[1:]
+        and gate_up.stride() == w13.stride()[1:]
+        and down.stride() == w2.stride()[1:]
+        and gate_up.dtype == w13.dtype
+        and down.dtype == w2.dtype
+    )
+
+
+def _shared_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """GatedMLP's forward with the fast path's SiLU·mul (a prefill, or a shape that does not fold)."""
+    from omnistage.services.thinker.kernels.norms import silu_and_mul
+
+    return F.linear(silu_and_mul(F.linear(x, gate_up)), down)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -118,25 +119,43 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def install_backends(model: nn.Module, backends: Backends) -> None:
+# Set to `off`: the MoE layer's launches unfused (router GEMV in torch, four-launch alignment, torch
+# combine), for a same-build comparison of a decode step's kernels (bench/ling_mini_gpu.py --fusions).
+FUSIONS_ENV = "OMNISTAGE_THINKER_FUSIONS"
+
+
+def fusions_enabled() -> bool:
+    """The environment's choice (default on); anything but on / off is refused, naming both."""
+    value = os.environ.get(FUSIONS_ENV, "on").strip().lower()
+    if value not in ("on", "off"):
+        raise BackendError(f"{FUSIONS_ENV}={value!r}: expected on or off")
+    return value == "on"
+
+
+def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = None) -> None:
     """Point every layer of `model` at the chosen kernels (None everywhere: the reference).
 
     attention triton / flashinfer: paged attention + KV writes, and the element-wise work around it
     (RMSNorm with its residual add, QK-norm + rope, SiLU·mul of the dense and shared-expert MLPs) one
-    launch each. moe triton: the router's group-limited top-k and the routed experts."""
+    launch each. moe triton: the router (gate GEMV + group-limited top-k in one launch for decode
+    batches) and the routed experts (alignment, two GEMMs, and the sum over each token's experts
+    with the shared expert's add). `fuse` (default: FUSIONS_ENV) False: the MoE glue unfused."""
+    fuse = fusions_enabled() if fuse is None else fuse
     attention, norm, qk, act = TORCH_ATTENTION, None, None, None
     if backends.attention in ("triton", "flashinfer"):
         from omnistage.services.thinker.kernels import norms
 
-        attention = TritonAttention() if backends.attention == "triton" else FlashInferAttention()
+        attention = (TritonAttention if backends.attention == "triton" else FlashInferAttention)(fuse)
         norm, qk, act = norms.rms_norm, norms.qk_norm_rope, norms.silu_and_mul
     experts, route = None, None
     if backends.moe == "triton":
-        from omnistage.services.thinker.kernels.fused_moe import align_supported, fused_experts
-        from omnistage.services.thinker.kernels.router import grouped_topk_route, route_shapes_supported
+        from omnistage.services.thinker.kernels.fused_moe import fused_experts
+        from omnistage.services.thinker.kernels.moe_align import align_supported
+        from omnistage.services.thinker.kernels.router import route as route_kernel
+        from omnistage.services.thinker.kernels.router import route_shapes_supported
 
-        experts = fused_experts
-        route = grouped_topk_route
+        experts = functools.partial(fused_experts, fuse=fuse)
+        route = functools.partial(route_kernel, fuse=fuse)
     for module in model.modules():
         if isinstance(module, PagedAttention):
             module.backend = attention
@@ -158,24 +177,27 @@ class TritonAttention:
     prefill kernel takes every sequence of the step (decode rows too) through a tile table made once
     per step (`step_state`); decode steps read their lengths on the device (graph-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fuse: bool = True) -> None:
         from omnistage.services.thinker.kernels import paged_attention, paged_prefill
 
         self.kernels = paged_attention
         self.prefill_kernels = paged_prefill
+        self.fuse = fuse  # a decode step's K/V written by its attention launch (else by write_kv)
 
     def forward(
         self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
         if md.slot_mapping is None or not layer.has_cache:
             return TORCH_ATTENTION.forward(layer, q, k, v, md)
-        self.kernels.write_kv(k, v, layer.k_cache, layer.v_cache, md.slot_mapping)
+        new_kv = (k, v, md.slot_mapping) if md.is_decode and self.fuse else None
+        if new_kv is None:
+            self.kernels.write_kv(k, v, layer.k_cache, layer.v_cache, md.slot_mapping)
         if md.is_decode:
             lens = md.context_lens_tensor
             if lens is None:
                 lens = torch.tensor(md.context_lens, dtype=torch.int32, device=q.device)
             return self.kernels.paged_decode(
-                q, layer.k_cache, layer.v_cache, md.block_tables, lens, layer.scale
+                q, layer.k_cache, layer.v_cache, md.block_tables, lens, layer.scale, new_kv
             )
         return self.prefill(layer, q, md)
 
@@ -195,8 +217,8 @@ class FlashInferAttention(TritonAttention):
     TritonAttention; when FlashInfer fails here (import, build, plan, dtype) the Triton prefill
     kernel serves from then on (one log line)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, fuse: bool = True) -> None:
+        super().__init__(fuse)
         self.flashinfer = FlashInferPrefill()
 
     def prefill(self, layer: PagedAttention, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:

@@ -96,17 +96,17 @@ class Router(nn.Module):
         self.top_k, self.n_group, self.topk_group, self.scaling = top_k, n_group, topk_group, scaling
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
         self.expert_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
-        # grouped_topk_route(logits, bias, top_k, n_group, topk_group, scaling): the selection below
-        # in one launch (layers/backends.py); None: the reference.
+        # route(x, weight, bias, top_k, n_group, topk_group, scaling): the GEMV and the selection
+        # below (layers/backends.py); None: the reference.
         self.kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] → (fp32 weights [T, k], expert ids [T, k])."""
-        logits = F.linear(x.float(), self.weight.float())
         if self.kernel is not None:
             return self.kernel(
-                logits, self.expert_bias, self.top_k, self.n_group, self.topk_group, self.scaling
+                x, self.weight, self.expert_bias, self.top_k, self.n_group, self.topk_group, self.scaling
             )
+        logits = F.linear(x.float(), self.weight.float())
         scores = torch.sigmoid(logits)
         ids = grouped_topk(scores, self.expert_bias, self.top_k, self.n_group, self.topk_group)
         w = scores.gather(1, ids)
@@ -138,10 +138,15 @@ class FusedExperts(nn.Module):
         offset = 0 if kind == "gate" else n
         param.data[expert, offset : offset + n].copy_(loaded.narrow(0, r * n, n))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Weighted expert mix, accumulated in fp32: [T, H] (this rank's partial sum under TP)."""
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: GatedMLP | None = None
+    ) -> torch.Tensor:
+        """Weighted expert mix accumulated in fp32, rounded once to x's dtype, plus the shared
+        expert's output when given: [T, H] (this rank's partial sum under TP). The kernel takes the
+        shared expert's weights, so it may run it with the routed experts."""
         if self.kernel is not None:
-            return self.kernel(x, self.w13, self.w2, weights, ids)
+            pair = None if shared is None else (shared.gate_up_proj.weight, shared.down_proj.weight)
+            return self.kernel(x, self.w13, self.w2, weights, ids, pair)
         t, k = ids.shape
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
         flat = ids.flatten()
@@ -158,7 +163,8 @@ class FusedExperts(nn.Module):
             y = F.linear(F.silu(gate) * up, self.w2[expert])
             out.index_add_(0, idx, y.float() * flat_w[start : start + n, None])
             start += n
-        return out
+        out = out.to(x.dtype)
+        return out if shared is None else out + shared(x)
 
 
 class SparseMoeBlock(nn.Module):
@@ -212,7 +218,4 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, modality: torch.Tensor | RouterRows | None = None) -> torch.Tensor:
         weights, ids = self.route(x, modality)
-        y = self.experts(x, weights, ids).to(x.dtype)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(self.experts(x, weights, ids, self.shared_experts))

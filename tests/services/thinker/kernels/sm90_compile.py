@@ -11,7 +11,14 @@ from __future__ import annotations
 import sys
 
 import triton
-from omnistage.services.thinker.kernels import fused_moe, norms, paged_attention, paged_prefill, router
+from omnistage.services.thinker.kernels import (
+    fused_moe,
+    moe_align,
+    norms,
+    paged_attention,
+    paged_prefill,
+    router,
+)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -30,33 +37,66 @@ def compile_sm90(fn, types: dict[str, str], constants: dict[str, object]) -> obj
 B, I32, F32 = "*bf16", "i32", "fp32"
 MOE_ROWS = {"pairs_ptr": "*i32", "counts_ptr": "*i32", "ends_ptr": "*i32", "num_rows_ptr": "*i32"}
 MOE_SIZES = {
-    n: I32 for n in ("n_out", "k_in", "pairs_per_row", "stride_am", "stride_we", "stride_wn", "stride_om")
+    n: I32
+    for n in (
+        "n_out",
+        "k_in",
+        "pairs_per_row",
+        "num_pairs",
+        "stride_am",
+        "stride_we",
+        "stride_wn",
+        "stride_om",
+    )
 }
 MOE_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "LOG2_EXPERTS": 8, "PRECISION": "tf32"}
+ROUTE = {
+    "x_ptr": B,
+    "w_ptr": B,
+    "bias_ptr": B,
+    "logits_ptr": "*fp32",
+    "tickets_ptr": "*i32",
+    "weights_ptr": "*fp32",
+    "ids_ptr": "*i64",
+    "num_tokens": I32,
+    "hidden": I32,
+    "stride_x": I32,
+    "stride_w": I32,
+    "scaling": F32,
+}
+ROUTE_SHAPE = {"NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4, "TOP_K": 8}
 CASES = {
     "count": (
-        fused_moe._count_kernel,
+        moe_align._count_kernel,
         {"ids_ptr": "*i32", "counts_ptr": "*i32", "num_pairs": I32},
         {"NUM_EXPERTS": 256, "CHUNK": 32, "SPAN": 512},
     ),
     "runs": (
-        fused_moe._runs_kernel,
+        moe_align._runs_kernel,
         {"counts_ptr": "*i32", "ends_ptr": "*i32", "cursor_ptr": "*i32", "num_rows_ptr": "*i32"},
         {"NUM_EXPERTS": 256, "BLOCK_M": 16},
     ),
     "scatter": (
-        fused_moe._scatter_kernel,
+        moe_align._scatter_kernel,
         {"ids_ptr": "*i32", "pairs_ptr": "*i32", "cursor_ptr": "*i32"},
         {},
     ),
     "gate_up": (
         fused_moe._expert_gemm_kernel,
-        {"a_ptr": B, "w_ptr": B, "out_ptr": B, "weight_ptr": B, **MOE_ROWS, **MOE_SIZES},
+        {"a_ptr": B, "w_ptr": B, "shared_w_ptr": B, "out_ptr": B, "weight_ptr": B, **MOE_ROWS, **MOE_SIZES},
         {**MOE_TILES, "GATED": True},
     ),
     "down": (
         fused_moe._expert_gemm_kernel,
-        {"a_ptr": B, "w_ptr": B, "out_ptr": "*fp32", "weight_ptr": "*fp32", **MOE_ROWS, **MOE_SIZES},
+        {
+            "a_ptr": B,
+            "w_ptr": B,
+            "shared_w_ptr": B,
+            "out_ptr": "*fp32",
+            "weight_ptr": "*fp32",
+            **MOE_ROWS,
+            **MOE_SIZES,
+        },
         {**MOE_TILES, "GATED": False, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64},
     ),
     "write_kv": (
@@ -95,10 +135,17 @@ CASES = {
                     "stride_cb",
                     "stride_cs",
                     "stride_ch",
+                    "stride_kt",
+                    "stride_kh",
+                    "stride_vt",
+                    "stride_vh",
                 )
             },
+            "k_ptr": B,
+            "v_ptr": B,
+            "slots_ptr": "*i64",
         },
-        {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32"},
+        {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32", "WRITE_KV": True},
     ),
     "prefill": (
         paged_prefill._prefill_kernel,
@@ -165,17 +212,40 @@ CASES = {
         {"x_ptr": B, "out_ptr": B, "width": I32, "stride_x": I32, "stride_o": I32},
         {"BLOCK": 512},
     ),
-    "router": (
-        router._grouped_topk_kernel,
+    "align_one_program": (
+        moe_align._align_one_program_kernel,
         {
-            "logits_ptr": "*fp32",
-            "bias_ptr": B,
-            "weights_ptr": "*fp32",
             "ids_ptr": "*i64",
-            "stride_l": I32,
-            "scaling": F32,
+            "pairs_ptr": "*i32",
+            "counts_ptr": "*i32",
+            "ends_ptr": "*i32",
+            "num_rows_ptr": "*i32",
+            "num_pairs": I32,
+            "shared_rows": I32,
         },
-        {"NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4, "TOP_K": 8},
+        {"NUM_EXPERTS": 256, "BLOCK_M": 16, "CHUNK": 64, "SHARED": True},
+    ),
+    "combine": (
+        fused_moe._combine_kernel,
+        {"partial_ptr": "*fp32", "shared_ptr": B, "out_ptr": B, "hidden": I32},
+        {"TOP_K": 8, "HAS_SHARED": True, "BLOCK": 1024},
+    ),
+    "route": (
+        router._route_kernel,
+        ROUTE,
+        {**ROUTE_SHAPE, "BLOCK_T": 16, "BLOCK_E": 4, "BLOCK_H": 128, "GEMV": True},
+    ),
+    # One decode token: the whole hidden row in one chunk; an fp32 expert bias.
+    "route_one_token": (
+        router._route_kernel,
+        {**ROUTE, "bias_ptr": "*fp32"},
+        {**ROUTE_SHAPE, "BLOCK_T": 1, "BLOCK_E": 4, "BLOCK_H": 2048, "GEMV": True},
+    ),
+    # A prefill: the selection alone over cuBLAS's fp32 logits, a program a token.
+    "router": (
+        router._route_kernel,
+        {**ROUTE, "x_ptr": "*fp32", "w_ptr": "*fp32", "tickets_ptr": "*i64"},
+        {**ROUTE_SHAPE, "BLOCK_T": 1, "BLOCK_E": 256, "BLOCK_H": 16, "GEMV": False},
     ),
 }
 

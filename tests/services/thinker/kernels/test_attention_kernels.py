@@ -1,5 +1,6 @@
-"""Paged KV writes and paged decode attention in Triton equal the reference; padding rows of a
-decode graph (slot -1, context 0) write nothing and attend to nothing."""
+"""Paged KV writes and paged decode attention in Triton (the write in its own launch or in the
+decode launch) equal the reference; padding rows of a decode graph (slot -1, context 0) write
+nothing and attend to nothing."""
 
 from __future__ import annotations
 
@@ -47,6 +48,24 @@ def test_decode_attention_equals_the_reference_over_several_pages():
     assert torch.equal(k_cache, layer.k_cache) and torch.equal(v_cache, layer.v_cache)
     got = paged_decode(q, k_cache, v_cache, tables, torch.tensor(contexts), layer.scale)
     assert ((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_decode_attention_writes_the_new_kv_itself_when_given_it():
+    layer = layer_with_cache(2)
+    contexts = [5, 33, 1]
+    tables = tables_for(contexts)
+    slots = [int(tables[b, (c - 1) // PAGE]) * PAGE + (c - 1) % PAGE for b, c in enumerate(contexts)]
+    slots = torch.tensor(slots[:2] + [-1])  # the last row padding: writes nothing
+    q, kv = torch.randn(3, HEADS, DIM), torch.randn(3, 2 * KV_HEADS, DIM)  # k, v: strided views
+    k, v = kv[:, :KV_HEADS], kv[:, KV_HEADS:]
+    k_cache, v_cache = layer.k_cache.clone(), layer.v_cache.clone()
+    write_kv(k, v, k_cache, v_cache, slots)
+    want = paged_decode(q, k_cache, v_cache, tables, torch.tensor(contexts), layer.scale)
+    got = paged_decode(
+        q, layer.k_cache, layer.v_cache, tables, torch.tensor(contexts), layer.scale, (k, v, slots)
+    )
+    assert torch.equal(layer.k_cache, k_cache) and torch.equal(layer.v_cache, v_cache)
+    assert torch.allclose(got, want, atol=1e-6)
 
 
 def test_padding_rows_write_nothing_and_attend_to_nothing():

@@ -65,3 +65,19 @@ def test_installing_reaches_every_layer_and_torch_restores_the_reference(tiny_ck
     )
     assert all(m.experts.kernel is None and m.gate.kernel is None for m in moe)
     assert model.model.norm.kernel is None
+
+
+def test_the_fusions_switch_reaches_the_moe_kernels_and_refuses_a_typo(tiny_ckpt, monkeypatch):
+    from omnistage.services.thinker.models.layers.backends import FUSIONS_ENV
+    from omnistage.services.thinker.models.loader import load_model
+
+    model = load_model(str(tiny_ckpt), dtype=torch.float32, device="cpu")
+    moe = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    for value, fused in (("off", False), (" ON ", True)):
+        monkeypatch.setenv(FUSIONS_ENV, value)
+        install_backends(model, Backends("triton", "triton"))
+        assert all(m.gate.kernel.keywords == {"fuse": fused} for m in moe)
+        assert all(m.experts.kernel.keywords == {"fuse": fused} for m in moe)
+    monkeypatch.setenv(FUSIONS_ENV, "of")
+    with pytest.raises(BackendError, match=f"{FUSIONS_ENV}='of': expected on or off"):
+        install_backends(model, Backends("triton", "triton"))

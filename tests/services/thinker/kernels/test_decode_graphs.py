@@ -137,7 +137,17 @@ def prompts():
     return [[rng.randrange(0, 900) for _ in range(rng.randrange(3, 12))] for _ in range(3)]
 
 
-def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_reference(tiny_ckpt, prompts):
+@pytest.mark.parametrize("fusions", ["on", "off"])
+def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_reference(
+    tiny_ckpt, prompts, fusions, monkeypatch
+):
+    from omnistage.services.thinker.kernels import fused_moe
+    from omnistage.services.thinker.models.layers.backends import FUSIONS_ENV
+
+    monkeypatch.setenv(FUSIONS_ENV, fusions)
+    folds = []  # whether each fused-path MoE call ran the shared expert as expert E
+    foldable = fused_moe._foldable
+    monkeypatch.setattr(fused_moe, "_foldable", lambda *a: folds.append(foldable(*a)) or folds[-1])
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     cfg = dict(block_size=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
     reference = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), EngineConfig(**cfg))))
@@ -154,6 +164,8 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
     got = [r.token_ids for r in engine.generate(prompts, params)]
     assert got == want
     assert sizes == [3, 3]  # both decode steps went through the buffers (3 sequences, bucket 4)
+    # on: the prefill's few pairs and both decode steps fold the shared expert; off: never asked
+    assert folds and all(folds) if fusions == "on" else folds == []
 
 
 def test_tp_groups_capture_aligned_unless_told_otherwise_and_an_unknown_mode_is_refused(monkeypatch):

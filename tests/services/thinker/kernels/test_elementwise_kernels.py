@@ -1,12 +1,14 @@
-"""RMSNorm (+ residual add), QK-norm + rope, SiLU·mul and the grouped top-k router in Triton
-equal the reference modules."""
+"""RMSNorm (+ residual add), QK-norm + rope, SiLU·mul and the router (gate GEMV + grouped top-k)
+in Triton equal the reference modules."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from omnistage.services.thinker.kernels import router as router_kernels
 from omnistage.services.thinker.kernels.norms import qk_norm_rope, rms_norm, silu_and_mul
-from omnistage.services.thinker.kernels.router import grouped_topk_route
 from omnistage.services.thinker.models.layers.moe import Router
 from omnistage.services.thinker.models.layers.norm import RMSNorm
 from omnistage.services.thinker.models.layers.rotary import RotaryEmbedding
@@ -56,14 +58,57 @@ def test_silu_and_mul():
     assert torch.allclose(silu_and_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-6)
 
 
-def test_router_selection_and_weights_equal_the_reference():
+@pytest.mark.parametrize(
+    "tokens,fuse",
+    [(1, True), (9, True), (20, True), (9, False)],
+    ids=["one-token", "one-token-block", "two-token-blocks", "unfused"],
+)
+def test_router_equals_the_reference_and_leaves_its_tickets_at_zero(tokens, fuse):
     torch.manual_seed(2)
-    router = Router(64, 64, top_k=8, n_group=8, topk_group=4, scaling=2.5)
+    router = Router(72, 64, top_k=8, n_group=8, topk_group=4, scaling=2.5)  # 72: a partial hidden chunk
     router.weight.data.normal_()
     router.expert_bias.data.normal_(0, 0.1)
-    x = torch.randn(9, 64)
+    x = torch.randn(tokens, 72)
     want_w, want_ids = router(x)
-    router.kernel = grouped_topk_route
+    router.kernel = functools.partial(router_kernels.route, fuse=fuse)
+    for _ in range(2):  # the second launch reuses the tickets the first left
+        got_w, got_ids = router(x)
+        assert torch.equal(got_ids, want_ids)  # same experts in the same (descending) order
+        assert torch.allclose(got_w, want_w, atol=1e-6)
+    assert not router_kernels._tickets_for(x.device, 1).any()
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_router_ties_go_to_the_lower_group_and_expert(fuse):
+    router = Router(16, 64, top_k=8, n_group=8, topk_group=4, scaling=1.0)
+    router.weight.data.zero_()  # every score 0.5: all groups and experts tie
+    router.expert_bias.data.zero_()
+    router.kernel = functools.partial(router_kernels.route, fuse=fuse)
+    w, ids = router(torch.randn(3, 16))
+    assert ids.tolist() == [list(range(8))] * 3 and torch.allclose(w, torch.full_like(w, 1 / 8))
+
+
+def test_a_prefill_routes_through_the_reference_gemv_and_the_one_launch_selection(monkeypatch):
+    torch.manual_seed(3)
+    router = Router(32, 16, top_k=4, n_group=4, topk_group=2, scaling=1.0)
+    router.weight.data.normal_()
+    router.expert_bias.data.normal_(0, 0.1)
+    x = torch.randn(6, 32)
+    want_w, want_ids = router(x)
+    monkeypatch.setattr(router_kernels, "FUSED_MAX_TOKENS", 4)
+    launches = []
+    kernel = router_kernels._route_kernel
+
+    class Recorded:  # the launch's grid and constants, then the kernel itself
+        def __getitem__(self, grid):
+            def launch(*args, **constants):
+                launches.append((grid, constants["GEMV"], constants["BLOCK_T"]))
+                return kernel[grid](*args, **constants)
+
+            return launch
+
+    monkeypatch.setattr(router_kernels, "_route_kernel", Recorded())
+    router.kernel = router_kernels.route
     got_w, got_ids = router(x)
-    assert torch.equal(got_ids, want_ids)  # same experts in the same (descending) order
-    assert torch.allclose(got_w, want_w, atol=1e-6)
+    assert torch.equal(got_ids, want_ids) and torch.allclose(got_w, want_w, atol=1e-6)
+    assert launches == [((1, 6), False, 1)]  # no fused GEMV: one launch, a program a token

@@ -1,16 +1,13 @@
-"""The fused MoE (the pairs laid out by expert, then two GEMM launches) equals the reference expert loop."""
+"""The fused MoE (the pairs laid out by expert, two GEMM launches, the sum over each token's experts with
+the shared expert's add) equals the reference expert loop, fused or not."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from omnistage.services.thinker.kernels.fused_moe import (
-    COUNT_SPAN,
-    align_by_expert,
-    choose_tiles,
-    fused_experts,
-)
-from omnistage.services.thinker.models.layers.moe import FusedExperts
+from omnistage.services.thinker.kernels.fused_moe import choose_tiles, fused_experts
+from omnistage.services.thinker.kernels.moe_align import COUNT_SPAN, ONE_PROGRAM_MAX_PAIRS, align_by_expert
+from omnistage.services.thinker.models.layers.moe import FusedExperts, GatedMLP
 from omnistage.services.thinker.models.layers.parallel import TPGroup
 
 
@@ -20,6 +17,13 @@ def experts(num: int, hidden: int, inter: int, seed: int) -> FusedExperts:
     m.w13.data.normal_(0, 0.1)
     m.w2.data.normal_(0, 0.1)
     return m
+
+
+def shared_expert(hidden: int, inter: int) -> GatedMLP:
+    mlp = GatedMLP(hidden, inter, TPGroup(), reduce=False)
+    mlp.gate_up_proj.weight.data.normal_(0, 0.1)
+    mlp.down_proj.weight.data.normal_(0, 0.1)
+    return mlp
 
 
 @pytest.mark.parametrize(
@@ -36,19 +40,28 @@ def test_fused_experts_equal_the_reference_loop(num_experts, hidden, inter, top_
     x = torch.randn(tokens, hidden)
     ids = torch.stack([torch.randperm(hot)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k)
-    want = m(x, weights, ids)
-    got = fused_experts(x, m.w13, m.w2, weights, ids)
-    assert got.dtype == torch.float32 and got.shape == want.shape
-    assert ((got - want).norm() / want.norm()) < 1e-5
+    # The shared expert an expert's shape (folded in when fused) and twice it (never folded).
+    for shared in (None, shared_expert(hidden, inter), shared_expert(hidden, 2 * inter)):
+        want = m(x, weights, ids, shared)
+        pair = None if shared is None else (shared.gate_up_proj.weight, shared.down_proj.weight)
+        for fuse in (True, False):
+            got = fused_experts(x, m.w13, m.w2, weights, ids, pair, fuse=fuse)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            assert ((got - want).norm() / want.norm()) < 1e-5
 
 
-@pytest.mark.parametrize("tokens", [20, 700], ids=["one-counting-program", "several-counting-programs"])
-def test_alignment_puts_every_pair_once_in_its_experts_block_padded_run(tokens):
+@pytest.mark.parametrize(
+    "tokens,fuse",
+    [(20, True), (100, True), (20, False), (700, True)],
+    ids=["one-program", "one-program-several-chunks", "one-counting-program", "several-counting-programs"],
+)
+def test_alignment_puts_every_pair_once_in_its_experts_block_padded_run(tokens, fuse):
     torch.manual_seed(0)
     num_experts, block_m = 16, 16
     ids = torch.stack([torch.randperm(4)[:2] for _ in range(tokens)])  # pairs over 4 experts
     assert tokens * 2 <= COUNT_SPAN or tokens * 2 > 2 * COUNT_SPAN  # 700 tokens: 1400 pairs, 3 programs
-    pairs, counts, ends, num_rows = align_by_expert(ids, num_experts, block_m)
+    assert (tokens * 2 <= ONE_PROGRAM_MAX_PAIRS) == (tokens < 700)
+    pairs, counts, ends, num_rows = align_by_expert(ids, num_experts, block_m, fuse)
     flat = ids.flatten()
     assert counts.tolist() == torch.bincount(flat, minlength=num_experts).tolist()
     padded = (counts + block_m - 1) // block_m * block_m
@@ -59,8 +72,18 @@ def test_alignment_puts_every_pair_once_in_its_experts_block_padded_run(tokens):
         assert start % block_m == 0
         run = pairs[start : start + int(counts[e])].tolist()
         assert all(int(flat[p]) == e for p in run)
+        if fuse and tokens * 2 <= ONE_PROGRAM_MAX_PAIRS:
+            assert run == sorted(run)  # one program places the pairs in order
         seen += run
     assert sorted(seen) == list(range(flat.numel()))
+
+
+def test_the_shared_run_follows_the_routed_runs_with_a_pair_per_token():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 2]])
+    pairs, counts, ends, num_rows = align_by_expert(ids, 4, 4, shared_rows=3)
+    assert counts.tolist() == [1, 2, 1, 2, 3] and ends.tolist() == [4, 8, 12, 16, 20]
+    assert int(num_rows) == 20 and pairs[16:19].tolist() == [6, 7, 8]  # pairs T*k + token
+    assert pairs[4:6].tolist() == [1, 2] and pairs[12:14].tolist() == [0, 4]
 
 
 def test_tiles_grow_with_the_rows_each_expert_gets():

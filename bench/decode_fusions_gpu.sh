@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The decode step's kernel fusions (issue 40 point 2) on one GPU, Ling-mini shape, TP=1, graphs:
+# the same build with OMNISTAGE_THINKER_FUSIONS on, then off — per-step device ops (graph nodes),
+# wall and kernel ms at c=1/8/32, the decode sweep — then the GPU tests (bf16 graphs = bf16 eager
+# with the fusions on, fp32 = the reference, the kernels at Ling-mini's MoE shapes).
+#   run("bash bench/decode_fusions_gpu.sh", kind="nvidia-h200",
+#       carry=[".cache/transport-whl", ".cache/pytest-whl"])
+# Everything is teed to $OUT/log; each run's JSON summary lands in $OUT/ling_mini_fusions_{on,off}.json
+# and the per-step lines of both in $OUT/decode_fusions_summary.txt. A step that fails is named in
+# the log (`FAILED: <step> (exit N)`, 124: its time limit) and the rest still run; the exit status
+# is 1 when any failed. $WALL_S bounds each bench run (default 170 s), $TEST_S the tests (default
+# 190 s): the whole stays inside one 600 s device call. $SWEEP, $PROFILE_C: the concurrencies
+# (default 1,8,32 each).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/decode-fusions-out}
+mkdir -p "$OUT"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+common=(--profile-c "${PROFILE_C:-1,8,32}" --sweep "${SWEEP:-1,8,32}" --sweep-tokens 128
+  --real-requests 2 --max-model-len 4096)
+failed=()
+
+step() {  # step NAME CMD...: runs CMD (in an `if`, so a `set -e` inside it stops only it)
+  local name=$1
+  shift
+  echo "=== $name ==="
+  if "$@"; then
+    echo "--- $name: ok"
+  else
+    local rc=$?
+    echo "FAILED: $name (exit $rc)"
+    failed+=("$name")
+  fi
+}
+
+bench() {  # bench on|off: Ling-mini decode with the fusions on or off; its lines also in $OUT/fusions_<x>.out
+  timeout "${WALL_S:-170}" python3 bench/ling_mini_gpu.py "${common[@]}" --fusions "$1" \
+    --out "$OUT/ling_mini_fusions_$1.json" 2>&1 | grep -v "layers (dummy weights)\|loading weights" \
+    | tee "$OUT/fusions_$1.out"
+  return "${PIPESTATUS[0]}"
+}
+
+(
+  source bench/device_env.sh || true  # its `set -e` is off in a `||` list: the imports say if it worked
+  step "imports (carried wheels, omnistage from this checkout)" \
+    python3 -c "import grpc, google.protobuf, omnistage.services.thinker.group.startup"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  step "bench: fusions on" bench on
+  step "bench: fusions off" bench off
+  step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site .cache/pytest-whl/*.whl
+  step "GPU tests" timeout "${TEST_S:-190}" python3 -m pytest -q -rs -p no:cacheprovider \
+    tests/services/thinker/engine/test_decode_fusions_gpu.py
+  echo "=== per step (graphs): device ops, wall ms, kernel ms ==="
+  for x in on off; do
+    echo "fusions $x:"
+    grep "^\[profile\].*graphs:.*wall\|^\[sweep\]\|^SUMMARY" "$OUT/fusions_$x.out" 2>/dev/null || echo "  (no profile lines)"
+  done | tee "$OUT/decode_fusions_summary.txt"
+  if ((${#failed[@]})); then
+    echo "=== FAILED steps: ${failed[*]}"
+    exit 1
+  fi
+  echo "=== every step ok"
+) 2>&1 | tee "$OUT/log"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,197 @@
+"""The (token, expert) pairs of a step laid out by expert in block-padded runs, on the device with
+no host sync (so a decode step can be a CUDA graph), and how the expert GEMMs read that layout.
+
+A decode step's few pairs are laid out by one program in one launch (with the shared expert's run
+appended when `fused_moe` folds it in); a prefill's are counted in parallel, then laid out.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Pairs each counting program takes: a decode step's pairs in one program, a prefill's over many.
+COUNT_SPAN = 512
+
+
+def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted layout in the worst case: every hit expert's run padded by block_m - 1."""
+    worst = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-worst // block_m) * block_m
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _count_kernel(
+    ids_ptr, counts_ptr, num_pairs, NUM_EXPERTS: tl.constexpr, CHUNK: tl.constexpr, SPAN: tl.constexpr
+):
+    """Pairs per expert: each program counts SPAN pairs (CHUNK at a time) and adds its counts to the
+    zeroed `counts` atomically, so a prefill's tens of thousands of pairs are counted in parallel."""
+    experts = tl.arange(0, NUM_EXPERTS)
+    counts = tl.zeros((NUM_EXPERTS,), dtype=tl.int32)
+    first = tl.program_id(0) * SPAN
+    for start in range(first, tl.minimum(first + SPAN, num_pairs), CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS)
+        counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    tl.atomic_add(counts_ptr + experts, counts)
+
+
+@triton.jit
+def _runs_kernel(
+    counts_ptr, ends_ptr, cursor_ptr, num_rows_ptr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr
+):
+    """One program: each expert's run padded to whole blocks and laid end to end (`ends`, and the
+    run starts as the scatter's cursors), and the rows in use."""
+    experts = tl.arange(0, NUM_EXPERTS)
+    counts = tl.load(counts_ptr + experts)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(ends_ptr + experts, ends)
+    tl.store(cursor_ptr + experts, ends - padded)
+    tl.store(num_rows_ptr, tl.max(ends, axis=0))
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, pairs_ptr, cursor_ptr):
+    """Pair i takes the next row of its expert's run (order within a run does not matter: each
+    row's result is computed on its own and written back at its pair index)."""
+    i = tl.program_id(0)
+    expert = tl.load(ids_ptr + i)
+    row = tl.atomic_add(cursor_ptr + expert, 1)
+    tl.store(pairs_ptr + row, i)
+
+
+@triton.jit
+def block_rows(pairs_ptr, counts_ptr, ends_ptr, pid_m, BLOCK_M: tl.constexpr, LOG2_EXPERTS: tl.constexpr):
+    """The expert of row block `pid_m` (binary search over the run ends) and the block's pair
+    indices, with a mask of the rows that hold one (the rest of a run's last block is padding).
+    A block past every routed run is in the shared run (expert E), which only a layout with one
+    has rows for (the kernels skip blocks past `num_rows`)."""
+    first = pid_m * BLOCK_M
+    expert = 0  # ends rise with the expert: count the runs that end at or before `first`
+    for i in tl.static_range(LOG2_EXPERTS):
+        step = 1 << (LOG2_EXPERTS - 1 - i)
+        expert = tl.where(tl.load(ends_ptr + expert + step - 1) <= first, expert + step, expert)
+    # The halving steps reach E - 1 at most: past the last routed run is E.
+    expert = tl.where(tl.load(ends_ptr + expert) <= first, expert + 1, expert)
+    count = tl.load(counts_ptr + expert)
+    run_start = tl.load(ends_ptr + expert) - (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    rows = first + tl.arange(0, BLOCK_M)
+    valid = rows - run_start < count
+    pairs = tl.load(pairs_ptr + rows, mask=valid, other=0)
+    return expert.to(tl.int64), pairs, valid
+
+
+@triton.jit(do_not_specialize=["num_pairs", "shared_rows"])
+def _align_one_program_kernel(
+    ids_ptr,
+    pairs_ptr,
+    counts_ptr,
+    ends_ptr,
+    num_rows_ptr,
+    num_pairs,
+    shared_rows,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SHARED: tl.constexpr,
+):
+    """The three kernels above in one program, for a decode step's few pairs: count, lay the padded
+    runs end to end, then place each pair at its run's cursor plus the earlier pairs of its expert
+    in its chunk (stable: pairs keep their order within a run). Reads the ids in their own dtype.
+    SHARED: a last run, expert NUM_EXPERTS, of `shared_rows` pairs numbered from num_pairs on."""
+    experts = tl.arange(0, NUM_EXPERTS)
+    counts = tl.zeros((NUM_EXPERTS,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS).to(tl.int32)
+        counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(counts_ptr + experts, counts)
+    tl.store(ends_ptr + experts, ends)
+    routed_end = tl.max(ends, axis=0)
+    i = tl.arange(0, CHUNK)
+    if SHARED:
+        shared_end = routed_end + (shared_rows + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        tl.store(counts_ptr + NUM_EXPERTS, shared_rows)
+        tl.store(ends_ptr + NUM_EXPERTS, shared_end)
+        tl.store(num_rows_ptr, shared_end)
+        for start in range(0, shared_rows, CHUNK):
+            offs = start + i
+            tl.store(pairs_ptr + routed_end + offs, num_pairs + offs, mask=offs < shared_rows)
+    else:
+        tl.store(num_rows_ptr, routed_end)
+    cursor = ends - padded
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + i
+        ok = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=ok, other=NUM_EXPERTS).to(tl.int32)
+        hit = ids[:, None] == experts[None, :]
+        base = tl.sum(tl.where(hit, cursor[None, :], 0), axis=1)
+        before = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
+        rank = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(pairs_ptr + base + rank, offs, mask=ok)
+        cursor += tl.sum(hit.to(tl.int32), axis=0)
+
+
+# Up to this many pairs (a decode batch of 32 tokens at top-8) one program aligns them; past it the
+# program's serial chunks cost more than the launches they save.
+ONE_PROGRAM_MAX_PAIRS = 256
+
+
+def one_program(num_pairs: int, fuse: bool) -> bool:
+    """Whether `align_by_expert` lays these pairs out in one launch (and can append a shared run)."""
+    return fuse and num_pairs <= ONE_PROGRAM_MAX_PAIRS
+
+
+def align_by_expert(
+    ids: torch.Tensor, num_experts: int, block_m: int, fuse: bool = True, shared_rows: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """ids [T, k] → (sorted_pairs [P], counts [E], ends [E], num_rows [1]), all int32.
+
+    sorted_pairs holds pair indices (token * k + slot) grouped by expert, each expert's run starting
+    on a block boundary (`ends`: where each padded run ends; rows past a run's count are padding,
+    never written); blocks past `num_rows` are skipped by the kernels. P depends only on T, k, E
+    and block_m (graph-safe). No host sync: one launch when `one_program` (and `shared_rows` > 0
+    appends a run of that many pairs numbered T*k on, as expert E: counts and ends get E + 1
+    entries), else a cast, a zero fill and three launches that count in parallel."""
+    n = ids.numel()
+    dev = ids.device
+    rows = max_padded_rows(n, num_experts, block_m) + triton.cdiv(shared_rows, block_m) * block_m
+    pairs = torch.empty(rows, dtype=torch.int32, device=dev)
+    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    if one_program(n, fuse):
+        runs = num_experts + (1 if shared_rows else 0)
+        counts, ends = (torch.empty(runs, dtype=torch.int32, device=dev) for _ in range(2))
+        _align_one_program_kernel[(1,)](
+            ids.reshape(-1),
+            pairs,
+            counts,
+            ends,
+            num_rows,
+            n,
+            shared_rows,
+            NUM_EXPERTS=num_experts,
+            BLOCK_M=block_m,
+            CHUNK=min(64, max(16, triton.next_power_of_2(n))),  # a c=1 step's 8 pairs: one small chunk
+            SHARED=shared_rows > 0,
+        )
+        return pairs, counts, ends, num_rows
+    if shared_rows:
+        raise ValueError(f"a shared run needs the one-program layout ({n} pairs, fuse={fuse})")
+    flat = ids.reshape(-1).to(torch.int32)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    ends, cursor = (torch.empty(num_experts, dtype=torch.int32, device=dev) for _ in range(2))
+    _count_kernel[(triton.cdiv(n, COUNT_SPAN),)](
+        flat, counts, n, NUM_EXPERTS=num_experts, CHUNK=32, SPAN=COUNT_SPAN
+    )
+    _runs_kernel[(1,)](counts, ends, cursor, num_rows, NUM_EXPERTS=num_experts, BLOCK_M=block_m)
+    _scatter_kernel[(n,)](flat, pairs, cursor)
+    return pairs, counts, ends, num_rows
+
+
+def align_supported(num_experts: int) -> bool:
+    """The one-program count and the binary search need a power-of-two expert count."""
+    return num_experts > 0 and num_experts & (num_experts - 1) == 0
