@@ -52,7 +52,7 @@ def test_fused_experts_equal_the_reference_loop(num_experts, hidden, inter, top_
 
 @pytest.mark.parametrize(
     "tokens,fuse",
-    [(20, True), (100, True), (20, False), (700, True)],
+    [(20, True), (60, True), (20, False), (700, True)],
     ids=["one-program", "one-program-several-chunks", "one-counting-program", "several-counting-programs"],
 )
 def test_alignment_puts_every_pair_once_in_its_experts_block_padded_run(tokens, fuse):
