@@ -8,6 +8,7 @@ path, so a CPU install needs no triton. On a CPU, tests run these kernels in fp3
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -15,6 +16,11 @@ import torch
 def triton_available() -> bool:
     """triton is importable (its kernels run on CUDA devices, or anywhere under TRITON_INTERPRET=1)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1: the kernels run on CPU tensors (the tests' fp32 checks)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from omnistage.common.config import ATTENTION_BACKENDS, MOE_BACKENDS
 from omnistage.common.log import get_logger
-from omnistage.services.thinker.kernels import triton_available
+from omnistage.services.thinker.kernels import interpreting, triton_available
 from omnistage.services.thinker.kernels.flashinfer_attention import FlashInferPrefill, flashinfer_unavailable
 from omnistage.services.thinker.models.layers.attention import (
     TORCH_ATTENTION,
@@ -50,10 +50,6 @@ class Backends:
 AUTO_PREFILL_ATTENTION = ("flashinfer", "triton")
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def resolve_backends(
     attention: str, moe: str, device: torch.device, block_size: int, head_dim: int
 ) -> Backends:
@@ -66,7 +62,7 @@ def resolve_backends(
         )
     if moe not in MOE_BACKENDS:
         raise BackendError(f"moe backend {moe!r}: expected one of {', '.join(MOE_BACKENDS)}")
-    runs_triton = triton_available() and (device.type == "cuda" or _interpreting())
+    runs_triton = triton_available() and (device.type == "cuda" or interpreting())
     shapes_ok = block_size >= 16 and _pow2(block_size) and head_dim >= 16 and _pow2(head_dim)
     fast_attention = runs_triton and device.type == "cuda" and shapes_ok
 
@@ -124,11 +120,25 @@ def _pow2(n: int) -> bool:
 FUSIONS_ENV = "OMNISTAGE_THINKER_FUSIONS"
 
 
+# Set to `off`: every projection (attention, dense MLP, shared expert, LM head) through F.linear
+# (cuBLAS) at every batch, for a same-build comparison with the Triton GEMV (bench/gemv_gpu.sh).
+GEMV_ENV = "OMNISTAGE_THINKER_GEMV"
+
+
 def fusions_enabled() -> bool:
     """The environment's choice (default on); anything but on / off is refused, naming both."""
-    value = os.environ.get(FUSIONS_ENV, "on").strip().lower()
+    return _switch(FUSIONS_ENV)
+
+
+def gemv_enabled() -> bool:
+    """GEMV_ENV's choice (default on), refused as FUSIONS_ENV's is."""
+    return _switch(GEMV_ENV)
+
+
+def _switch(name: str) -> bool:
+    value = os.environ.get(name, "on").strip().lower()
     if value not in ("on", "off"):
-        raise BackendError(f"{FUSIONS_ENV}={value!r}: expected on or off")
+        raise BackendError(f"{name}={value!r}: expected on or off")
     return value == "on"
 
 
@@ -139,14 +149,18 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     (RMSNorm with its residual add, QK-norm + rope, SiLU·mul of the dense and shared-expert MLPs) one
     launch each. moe triton: the router (gate GEMV + group-limited top-k in one launch for decode
     batches) and the routed experts (alignment, two GEMMs, and the sum over each token's experts
-    with the shared expert's add). `fuse` (default: FUSIONS_ENV) False: the MoE glue unfused."""
+    with the shared expert's add). `fuse` (default: FUSIONS_ENV) False: the MoE glue unfused.
+    Under the fast attention backends the projections and the LM head also take the Triton GEMV
+    for a decode step's few tokens (`kernels/gemv.py` `chooses_kernel`) unless GEMV_ENV is off."""
     fuse = fusions_enabled() if fuse is None else fuse
-    attention, norm, qk, act = TORCH_ATTENTION, None, None, None
+    attention, norm, qk, act, gemv = TORCH_ATTENTION, None, None, None, None
     if backends.attention in ("triton", "flashinfer"):
         from omnistage.services.thinker.kernels import norms
 
         attention = (TritonAttention if backends.attention == "triton" else FlashInferAttention)(fuse)
         norm, qk, act = norms.rms_norm, norms.qk_norm_rope, norms.silu_and_mul
+        if gemv_enabled():
+            from omnistage.services.thinker.kernels.gemv import linear as gemv
     experts, route = None, None
     if backends.moe == "triton":
         from omnistage.services.thinker.kernels.fused_moe import fused_experts
@@ -165,6 +179,8 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
             module.qk_kernel = qk
         elif isinstance(module, GatedMLP):
             module.act = act
+        elif hasattr(module, "gemv"):  # a projection or the LM head (layers/linear.py `project`)
+            module.gemv = gemv
         elif isinstance(module, FusedExperts):
             module.kernel = experts if experts is None or align_supported(module.w13.shape[0]) else None
         elif isinstance(module, Router):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from omnistage.services.thinker.models.layers.linear import check_shape
+from omnistage.services.thinker.models.layers.linear import LinearKernel, check_shape, project
 from omnistage.services.thinker.models.layers.parallel import TPGroup
 from torch import nn
 
@@ -59,7 +59,11 @@ class VocabParallelEmbedding(_VocabParallel):
 
 
 class ParallelLMHead(_VocabParallel):
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup) -> None:
+        super().__init__(vocab_size, hidden, tp)
+        self.gemv: LinearKernel | None = None  # the small-batch matmul (`install_backends`)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] → fp32 logits [R, vocab_size] over the full vocabulary."""
-        logits = self.tp.all_gather(F.linear(hidden, self.weight), dim=-1)
+        logits = self.tp.all_gather(project(hidden, self.weight, self.gemv), dim=-1)
         return logits[:, : self.vocab_size].float()

@@ -7,10 +7,21 @@ per-rank head blocks and replicates KV heads when there are fewer KV heads than 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from omnistage.services.thinker.models.layers.parallel import TPGroup, divide
 from torch import nn
+
+# A small-batch matmul that replaces F.linear (x, weight) → x @ weightᵀ, set by `install_backends`
+# (None: F.linear); it picks F.linear itself for the shapes it does not serve.
+LinearKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, kernel: LinearKernel | None) -> torch.Tensor:
+    """x @ weightᵀ through `kernel` when one is installed, else F.linear."""
+    return F.linear(x, weight) if kernel is None else kernel(x, weight)
 
 
 def check_shape(param_name: str, got: torch.Size, want: tuple[int, ...] | torch.Size) -> None:
@@ -24,9 +35,10 @@ class _Linear(nn.Module):
     def __init__(self, in_local: int, out_local: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.gemv: LinearKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return project(x, self.weight, self.gemv)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         check_shape(type(self).__name__, loaded.shape, param.shape)
@@ -91,7 +103,7 @@ class RowParallelLinear(_Linear):
         super().__init__(divide(in_features, tp.size, "row-parallel input features"), out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = project(x, self.weight, self.gemv)
         return self.tp.all_reduce(y) if self.reduce else y
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:

@@ -1,0 +1,118 @@
+"""The small-batch GEMV in Triton equals F.linear (fp32, split over K or not), the one dispatch
+rule picks it only where it serves, installing reaches every projection and the LM head, and the
+tiny engine's greedy tokens do not change with it on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omnistage.services.thinker.kernels import gemv as gemv_kernels
+from omnistage.services.thinker.kernels.gemv import GemvConfig, chooses_kernel, default_config, gemv, linear
+from omnistage.services.thinker.models.layers.backends import (
+    GEMV_ENV,
+    BackendError,
+    Backends,
+    install_backends,
+)
+
+
+@pytest.mark.parametrize(
+    "m,n,k,config",
+    [
+        (1, 50, 300, GemvConfig(block_n=16, block_k=64)),  # N and K not multiples of the blocks
+        (3, 70, 512, GemvConfig(block_n=32, block_k=128, split=2)),
+        (16, 33, 200, GemvConfig(block_n=16, block_k=64, split=3)),  # the last split shorter
+        (5, 24, 96, GemvConfig(block_n=16, block_k=64, split=8)),  # more splits asked than K tiles
+        (2, 40, 1024, None),  # the default config (splits: 2 row blocks are far from filling the SMs)
+    ],
+)
+def test_fp32_equals_f_linear(m, n, k, config):
+    torch.manual_seed(m * n + k)
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    got = gemv(x, w, config)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert torch.allclose(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_split_k_sums_in_a_fixed_order():
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 777), torch.randn(20, 777)
+    cfg = GemvConfig(block_n=16, block_k=64, split=4)
+    assert torch.equal(gemv(x, w, cfg), gemv(x, w, cfg))
+
+
+def test_the_default_config_splits_k_only_while_the_row_blocks_leave_sms_idle():
+    assert default_config(2048, 2048).split > 1  # Ling-mini's o_proj: 64 row blocks
+    assert default_config(157184, 2048).split == 1  # the LM head: thousands of row blocks
+    assert default_config(64, 256).split == 1  # K too short for two tiles a split
+
+
+def test_the_dispatch_rule(monkeypatch):
+    w = torch.randn(8, 32)
+    assert chooses_kernel(torch.randn(16, 32), w)  # interpreting: the CPU counts
+    assert chooses_kernel(torch.randn(2, 8, 32), w)  # 16 rows in any leading shape
+    assert not chooses_kernel(torch.randn(17, 32), w)  # a prefill's rows: cuBLAS
+    assert not chooses_kernel(torch.randn(0, 32), w)
+    assert not chooses_kernel(torch.randn(2, 32, dtype=torch.float64), w.double())
+    assert not chooses_kernel(torch.randn(2, 32).bfloat16(), w)  # mixed dtypes
+    assert not chooses_kernel(torch.randn(2, 32), torch.randn(32, 8).t())  # a transposed weight
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not chooses_kernel(torch.randn(2, 32), w)  # a CPU without the interpreter: F.linear
+
+
+def test_linear_keeps_the_leading_shape_and_falls_back_above_the_tokens(monkeypatch):
+    calls = []
+    kernel = gemv_kernels.gemv
+    monkeypatch.setattr(gemv_kernels, "gemv", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
+    w = torch.randn(12, 40)
+    small, big = torch.randn(2, 3, 40), torch.randn(20, 40)
+    assert torch.allclose(linear(small, w), F.linear(small, w), atol=1e-5)
+    assert torch.equal(linear(big, w), F.linear(big, w))
+    assert calls == [6]
+
+
+def _projections(model):
+    return [m for m in model.modules() if hasattr(m, "gemv")]
+
+
+def test_installing_reaches_the_projections_and_the_lm_head_unless_switched_off(tiny_ckpt, monkeypatch):
+    from omnistage.services.thinker.models.layers.embed_head import ParallelLMHead
+    from omnistage.services.thinker.models.layers.linear import QKVParallelLinear, RowParallelLinear
+    from omnistage.services.thinker.models.loader import load_model
+
+    model = load_model(str(tiny_ckpt), dtype=torch.float32, device="cpu")
+    mods = _projections(model)
+    kinds = {type(m) for m in mods}
+    assert {ParallelLMHead, QKVParallelLinear, RowParallelLinear} <= kinds
+    install_backends(model, Backends("triton", "triton"))
+    assert all(m.gemv is linear for m in mods)
+    monkeypatch.setenv(GEMV_ENV, "off")
+    install_backends(model, Backends("triton", "triton"))
+    assert all(m.gemv is None for m in mods)
+    monkeypatch.setenv(GEMV_ENV, "on")
+    install_backends(model, Backends("torch", "triton"))  # the reference attention: no GEMV either
+    assert all(m.gemv is None for m in mods)
+    monkeypatch.setenv(GEMV_ENV, "yes")
+    with pytest.raises(BackendError, match=f"{GEMV_ENV}='yes': expected on or off"):
+        install_backends(model, Backends("triton", "triton"))
+
+
+def test_tiny_engine_greedy_tokens_unchanged_with_the_gemv_on(tiny_ckpt, monkeypatch):
+    from omnistage.common.config import EngineConfig
+    from omnistage.services.thinker.engine.sequence import SamplingParams
+    from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
+
+    prompts = [[5, 17, 300, 41], [900, 2, 77]]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    cfg = dict(block_size=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
+    reference = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), EngineConfig(**cfg))))
+    want = [r.token_ids for r in reference.generate(prompts, params)]
+    monkeypatch.setenv(GEMV_ENV, "on")
+    rows = []
+    kernel = gemv_kernels.gemv
+    monkeypatch.setattr(gemv_kernels, "gemv", lambda x, w: rows.append(x.shape[0]) or kernel(x, w))
+    fast = EngineConfig(attention_backend="triton", moe_backend="triton", **cfg)
+    engine = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), fast, warmup=False)))
+    assert [r.token_ids for r in engine.generate(prompts, params)] == want
+    assert rows and set(rows) <= set(range(1, 17))  # decode steps (and the 7-token prefill) took it
