@@ -5,18 +5,30 @@
 # with the fusions on, fp32 = the reference, the kernels at Ling-mini's MoE shapes).
 #   run("bash bench/decode_fusions_gpu.sh", kind="nvidia-h200",
 #       carry=[".cache/transport-whl", ".cache/pytest-whl"])
-# Everything is teed to $OUT/log; each run's JSON summary lands in $OUT/ling_mini_fusions_{on,off}.json
-# and the per-step lines of both in $OUT/decode_fusions_summary.txt. A step that fails is named in
+# Everything is teed to $OUT/log; each run's JSON summary lands in $OUT/ling_mini_<AB>_{on,off}.json
+# and the per-step lines of both in $OUT/decode_<AB>_summary.txt (AB: fusions unless told). A step that fails is named in
 # the log (`FAILED: <step> (exit N)`, 124: its time limit) and the rest still run; the exit status
 # is 1 when any failed. $WALL_S bounds each bench run (default 170 s), $TEST_S the tests (default
 # 190 s): the whole stays inside one 600 s device call. $SWEEP, $PROFILE_C: the concurrencies
 # (default 1,8,32 each).
+# AB=gemv: the same A/B of the projections' Triton GEMV (OMNISTAGE_THINKER_GEMV on / off, issue 40
+# point 4), after bench/gemv_gpu.py (the kernel vs cuBLAS per shape and M, a config sweep of
+# $GEMV_SWEEP_S s; $OUT/gemv.json); its defaults keep the call under 5 minutes: concurrencies 1,8,
+# WALL_S 100, no GPU tests (TESTS=1 runs them, GEMV on):
+#   run("AB=gemv bash bench/decode_fusions_gpu.sh", kind="nvidia-h200",
+#       carry=[".cache/transport-whl", ".cache/pytest-whl"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/decode-fusions-out}
 mkdir -p "$OUT"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-common=(--profile-c "${PROFILE_C:-1,8,32}" --sweep "${SWEEP:-1,8,32}" --sweep-tokens 128
+AB=${AB:-fusions}
+case $AB in
+  fusions) conc=1,8,32 wall=170 tests=1 ;;
+  gemv) conc=1,8 wall=100 tests=0 ;;
+  *) echo "AB=$AB: expected fusions or gemv" >&2; exit 2 ;;
+esac
+common=(--profile-c "${PROFILE_C:-$conc}" --sweep "${SWEEP:-$conc}" --sweep-tokens 128
   --real-requests 2 --max-model-len 4096)
 failed=()
 
@@ -33,10 +45,10 @@ step() {  # step NAME CMD...: runs CMD (in an `if`, so a `set -e` inside it stop
   fi
 }
 
-bench() {  # bench on|off: Ling-mini decode with the fusions on or off; its lines also in $OUT/fusions_<x>.out
-  timeout "${WALL_S:-170}" python3 bench/ling_mini_gpu.py "${common[@]}" --fusions "$1" \
-    --out "$OUT/ling_mini_fusions_$1.json" 2>&1 | grep -v "layers (dummy weights)\|loading weights" \
-    | tee "$OUT/fusions_$1.out"
+bench() {  # bench on|off: Ling-mini decode with $AB on or off; its lines also in $OUT/<AB>_<x>.out
+  timeout "${WALL_S:-$wall}" python3 bench/ling_mini_gpu.py "${common[@]}" "--$AB" "$1" \
+    --out "$OUT/ling_mini_${AB}_$1.json" 2>&1 | grep -v "layers (dummy weights)\|loading weights" \
+    | tee "$OUT/${AB}_$1.out"
   return "${PIPESTATUS[0]}"
 }
 
@@ -46,17 +58,23 @@ bench() {  # bench on|off: Ling-mini decode with the fusions on or off; its line
     python3 -c "import grpc, google.protobuf, omnistage.services.thinker.group.startup"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  step "bench: fusions on" bench on
-  step "bench: fusions off" bench off
-  step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --target /tmp/site .cache/pytest-whl/*.whl
-  step "GPU tests" timeout "${TEST_S:-190}" python3 -m pytest -q -rs -p no:cacheprovider \
-    tests/services/thinker/engine/test_decode_fusions_gpu.py
+  if [[ $AB == gemv ]]; then
+    step "GEMV vs cuBLAS per shape" timeout 150 python3 bench/gemv_gpu.py --out "$OUT/gemv.json" \
+      --sweep-s "${GEMV_SWEEP_S:-45}"
+  fi
+  step "bench: $AB on" bench on
+  step "bench: $AB off" bench off
+  if ((${TESTS:-$tests})); then
+    step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/site .cache/pytest-whl/*.whl
+    step "GPU tests" timeout "${TEST_S:-190}" python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/services/thinker/engine/test_decode_fusions_gpu.py
+  fi
   echo "=== per step (graphs): device ops, wall ms, kernel ms ==="
   for x in on off; do
-    echo "fusions $x:"
-    grep "^\[profile\].*graphs:.*wall\|^\[sweep\]\|^SUMMARY" "$OUT/fusions_$x.out" 2>/dev/null || echo "  (no profile lines)"
-  done | tee "$OUT/decode_fusions_summary.txt"
+    echo "$AB $x:"
+    grep "^\[profile\].*graphs:.*wall\|^\[sweep\]\|^SUMMARY" "$OUT/${AB}_$x.out" 2>/dev/null || echo "  (no profile lines)"
+  done | tee "$OUT/decode_${AB}_summary.txt"
   if ((${#failed[@]})); then
     echo "=== FAILED steps: ${failed[*]}"
     exit 1

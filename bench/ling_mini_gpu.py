@@ -435,11 +435,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the decode step's fused MoE glue (sets OMNISTAGE_THINKER_FUSIONS for the ranks)",
     )
+    ap.add_argument(
+        "--gemv",
+        choices=("on", "off"),
+        default=None,
+        help="the projections' Triton GEMV at small batch (sets OMNISTAGE_THINKER_GEMV for the ranks)",
+    )
     args = ap.parse_args(argv)
     if args.tp_graphs is not None:  # the spawned ranks inherit it
         os.environ["OMNISTAGE_TP_CUDA_GRAPHS"] = args.tp_graphs
     if args.fusions is not None:
         os.environ["OMNISTAGE_THINKER_FUSIONS"] = args.fusions
+    if args.gemv is not None:
+        os.environ["OMNISTAGE_THINKER_GEMV"] = args.gemv
     defaults = dict(
         max_num_seqs=(64, 8),
         max_num_batched_tokens=(4096, 128),
@@ -525,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": "cpu (simulated)" if args.tiny else torch.cuda.get_device_name(0),
         "tp": args.tp,
         "fusions": os.environ.get("OMNISTAGE_THINKER_FUSIONS", "on"),
+        "gemv": os.environ.get("OMNISTAGE_THINKER_GEMV", "on"),
         "elapsed_s": round(elapsed, 1),
         "ok": not problems,
         "problems": problems,
