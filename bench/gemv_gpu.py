@@ -90,12 +90,21 @@ def measure(model: str, name: str, n: int, k: int, m: int, w: torch.Tensor) -> d
     ok = diff <= 0.02 * want.float().abs().max().item() + 1e-2  # bf16 rounding of either sum
     cublas, ours = time_us(lambda: F.linear(x, w)), time_us(lambda: gemv(x, w))
     row = dict(
-        model=model, proj=name, n=n, k=k, m=m, config=asdict(config_for(n, k)),
-        cublas_us=round(cublas, 2), triton_us=round(ours, 2),
-        cublas_gbps=round(gbps(m, n, k, cublas)), triton_gbps=round(gbps(m, n, k, ours)),
-        max_abs_diff=diff, ok=ok, faster="triton" if ours < cublas else "cublas",
+        model=model,
+        proj=name,
+        n=n,
+        k=k,
+        m=m,
+        config=asdict(config_for(n, k)),
+        cublas_us=round(cublas, 2),
+        triton_us=round(ours, 2),
+        cublas_gbps=round(gbps(m, n, k, cublas)),
+        triton_gbps=round(gbps(m, n, k, ours)),
+        max_abs_diff=diff,
+        ok=ok,
+        faster="triton" if ours < cublas else "cublas",
         dispatch="triton" if chooses_kernel(x, w) else "torch",
-    )  # fmt: skip
+    )
     print(
         f"{model:15s} {name:15s} N={n:6d} K={k:5d} M={m:2d}  cuBLAS {cublas:7.2f} us "
         f"({row['cublas_gbps']:5d} GB/s)  triton {ours:7.2f} us ({row['triton_gbps']:5d} GB/s)  "
@@ -175,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
     bad = [r for r in rows if not r["ok"]]
-    print(f"SUMMARY rows {len(rows)} triton faster in {sum(r['faster'] == 'triton' for r in rows)}; "
-          f"{len(bad)} beyond bf16 rounding", flush=True)  # fmt: skip
+    print(
+        f"SUMMARY rows {len(rows)} triton faster in {sum(r['faster'] == 'triton' for r in rows)}; "
+        f"{len(bad)} beyond bf16 rounding",
+        flush=True,
+    )
     return 1 if bad else 0
 
 

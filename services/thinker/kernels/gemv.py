@@ -95,10 +95,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     partial = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), split)
     _gemv_kernel[grid](
-        x, weight, partial, m, n, k, k_per_split, x.stride(0), weight.stride(0),
-        BLOCK_M=_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=dot_precision(x.dtype),
-        num_warps=cfg.warps, num_stages=cfg.stages,
-    )  # fmt: skip
+        x,
+        weight,
+        partial,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        weight.stride(0),
+        BLOCK_M=_BLOCK_M,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.warps,
+        num_stages=cfg.stages,
+    )
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLIT=split, BLOCK=block)
