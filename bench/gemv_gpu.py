@@ -121,6 +121,16 @@ def fits(cfg: GemvConfig, n: int, k: int) -> bool:
     )
 
 
+def wins_up_to(rows: list[dict], n: int, k: int) -> int:
+    """The largest M up to which the kernel (as configured in this run) beat cuBLAS at every M."""
+    limit = 0
+    for r in sorted((r for r in rows if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"]):
+        if r["faster"] != "triton":
+            break
+        limit = r["m"]
+    return limit
+
+
 def run_sweeps(rows: list[dict], tokens: tuple[int, ...], budget_s: float) -> list[dict]:
     """Configs in a fixed random order (a sweep cut short still samples the space), each compiled
     once and timed at every shape and M in `tokens`, until `budget_s` runs out; the best per (N, K,
@@ -157,10 +167,9 @@ def run_sweeps(rows: list[dict], tokens: tuple[int, ...], budget_s: float) -> li
         found.append(dict(n=n, k=k, m=m, us=round(us, 2), cublas_us=cublas, config=asdict(cfg)))
         print(f"best config ({n}, {k}) M={m}: {us:.2f} us (cuBLAS {cublas:.2f}): {cfg}", flush=True)
         if m == min(tokens):
-            c = cfg
-            print(
-                f"PASTE     ({n}, {k}): GemvConfig({c.block_n}, {c.block_k}, {c.split}, {c.warps}, {c.stages}),"
-            )
+            c, limit = cfg, wins_up_to(rows, n, k)
+            fields = f"{c.block_n}, {c.block_k}, {c.split}, {c.warps}, {c.stages}, {limit}"
+            print(f"PASTE     ({n}, {k}): GemvConfig({fields}),", flush=True)
     return found
 
 

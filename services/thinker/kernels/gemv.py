@@ -11,7 +11,7 @@ partials come from the allocator like the output does (a graph's private pool on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -30,13 +30,15 @@ _TARGET_PROGRAMS = 264
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """One launch's tiling: weight rows and columns per tile, K splits, warps, pipeline stages."""
+    """One launch's tiling: weight rows and columns per tile, K splits, warps, pipeline stages; and
+    up to how many tokens the kernel serves the shape (0: never, cuBLAS measured faster)."""
 
     block_n: int = 32
     block_k: int = 256
     split: int = 1
     warps: int = 4
     stages: int = 4
+    max_tokens: int = MAX_TOKENS
 
 
 # Tuned configs by (N, K), pasted from bench/gemv_gpu.py's "best config" lines (one H200); a shape
@@ -51,7 +53,7 @@ def default_config(n: int, k: int) -> GemvConfig:
     split = 1
     while blocks * split < _TARGET_PROGRAMS and k // (2 * split * cfg.block_k) >= 2:
         split *= 2
-    return GemvConfig(cfg.block_n, cfg.block_k, split, cfg.warps, cfg.stages)
+    return replace(cfg, split=split)
 
 
 def config_for(n: int, k: int) -> GemvConfig:
@@ -59,15 +61,16 @@ def config_for(n: int, k: int) -> GemvConfig:
 
 
 def chooses_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The one dispatch rule: this kernel for ≤ MAX_TOKENS rows of a supported dtype (x's and the
-    weight's the same), a contiguous 2-D weight, on CUDA (or anywhere under TRITON_INTERPRET=1);
-    F.linear (cuBLAS) otherwise."""
+    """The one dispatch rule: this kernel for ≤ MAX_TOKENS rows (fewer where the shape's tuned
+    config says cuBLAS wins from there) of a supported dtype (x's and the weight's the same), a
+    contiguous 2-D weight, on CUDA (or anywhere under TRITON_INTERPRET=1); F.linear otherwise."""
     rows = x.numel() // max(1, x.shape[-1])
     return (
         0 < rows <= MAX_TOKENS
+        and weight.dim() == 2
+        and rows <= config_for(weight.shape[0], weight.shape[1]).max_tokens
         and x.dtype in DTYPES
         and weight.dtype == x.dtype
-        and weight.dim() == 2
         and weight.is_contiguous()
         and x.shape[-1] == weight.shape[1]
         and (x.is_cuda and weight.is_cuda or interpreting())

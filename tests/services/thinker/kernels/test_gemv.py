@@ -57,8 +57,12 @@ def test_the_dispatch_rule(monkeypatch):
     assert not chooses_kernel(torch.randn(2, 32, dtype=torch.float64), w.double())
     assert not chooses_kernel(torch.randn(2, 32).bfloat16(), w)  # mixed dtypes
     assert not chooses_kernel(torch.randn(2, 32), torch.randn(32, 8).t())  # a transposed weight
+    monkeypatch.setitem(gemv_kernels.CONFIGS, (8, 32), GemvConfig(max_tokens=4))  # cuBLAS wins from 5
+    assert chooses_kernel(torch.randn(4, 32), w) and not chooses_kernel(torch.randn(5, 32), w)
+    monkeypatch.setitem(gemv_kernels.CONFIGS, (8, 32), GemvConfig(max_tokens=0))  # cuBLAS always
+    assert not chooses_kernel(torch.randn(1, 32), w)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert not chooses_kernel(torch.randn(2, 32), w)  # a CPU without the interpreter: F.linear
+    assert not chooses_kernel(torch.randn(2, 32), torch.randn(9, 32))  # a CPU, no interpreter: F.linear
 
 
 def test_linear_keeps_the_leading_shape_and_falls_back_above_the_tokens(monkeypatch):
