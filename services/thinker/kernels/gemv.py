@@ -26,6 +26,9 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK_M = 16
 # Programs the default config aims at: two waves of an H200's 132 SMs.
 _TARGET_PROGRAMS = 264
+# Shared memory the pipelined tiles may take (an H100/H200 block has ~227 KiB): stages are dropped
+# until they fit, so an fp32 run (twice the bytes) or a wide sweep config still compiles.
+_SMEM_BYTES = 160 * 1024
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     partial = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    stages = cfg.stages
+    while stages > 1 and stages * (cfg.block_n + _BLOCK_M) * cfg.block_k * x.element_size() > _SMEM_BYTES:
+        stages -= 1
     grid = (triton.cdiv(n, cfg.block_n), split)
     _gemv_kernel[grid](
         x,
@@ -112,7 +118,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
         BLOCK_K=cfg.block_k,
         PRECISION=dot_precision(x.dtype),
         num_warps=cfg.warps,
-        num_stages=cfg.stages,
+        num_stages=stages,
     )
     if split > 1:
         block = 1024
