@@ -13,6 +13,7 @@ import sys
 import triton
 from omnistage.services.thinker.kernels import (
     fused_moe,
+    gemv,
     moe_align,
     norms,
     paged_attention,
@@ -63,6 +64,12 @@ ROUTE = {
     "stride_x": I32,
     "stride_w": I32,
     "scaling": F32,
+}
+GEMV = {
+    "x_ptr": B,
+    "w_ptr": B,
+    "out_ptr": B,
+    **{n: I32 for n in ("m", "n", "k", "k_per_split", "stride_x", "stride_w")},
 }
 ROUTE_SHAPE = {"NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4, "TOP_K": 8}
 CASES = {
@@ -240,6 +247,22 @@ CASES = {
         router._route_kernel,
         {**ROUTE, "bias_ptr": "*fp32"},
         {**ROUTE_SHAPE, "BLOCK_T": 1, "BLOCK_E": 4, "BLOCK_H": 2048, "GEMV": True},
+    ),
+    # The projections' GEMV: the default config (split-K partials in fp32) and a wide bf16 tile.
+    "gemv_split": (
+        gemv._gemv_kernel,
+        {**GEMV, "out_ptr": "*fp32"},
+        {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "PRECISION": "tf32"},
+    ),
+    "gemv_wide": (
+        gemv._gemv_kernel,
+        GEMV,
+        {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "PRECISION": "tf32"},
+    ),
+    "gemv_sum_splits": (
+        gemv._sum_splits_kernel,
+        {"partial_ptr": "*fp32", "out_ptr": B, "count": I32},
+        {"SPLIT": 4, "BLOCK": 1024},
     ),
     # A prefill: the selection alone over cuBLAS's fp32 logits, a program a token.
     "router": (
