@@ -18,6 +18,7 @@ from omnistage.services.thinker.kernels import (
     norms,
     paged_attention,
     paged_prefill,
+    peer_allreduce,
     router,
 )
 from triton.backends.compiler import GPUTarget
@@ -269,6 +270,11 @@ CASES = {
         router._route_kernel,
         {**ROUTE, "x_ptr": "*fp32", "w_ptr": "*fp32", "tickets_ptr": "*i64"},
         {**ROUTE_SHAPE, "BLOCK_T": 1, "BLOCK_E": 256, "BLOCK_H": 16, "GEMV": False},
+    ),
+    "peer_allreduce": (
+        peer_allreduce._one_shot_kernel,
+        {"x_ptr": B, "table_ptr": "*i64", "n": I32, "rank": I32, "half_bytes": I32},
+        {"WORLD": 3, "WORLD_P2": 4, "BLOCK": 1024, "USE_CLOCK": True},
     ),
 }
 
