@@ -11,6 +11,9 @@ from omnistage.common.config.checks import ConfigError, positive_fields
 # fastest one the device runs (services/thinker/models/layers/backends.py).
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 MOE_BACKENDS = ("auto", "torch", "triton")
+# The TP group's all-reduce (engine.tp_allreduce): auto takes the one-shot peer all-reduce for small
+# messages where every rank can (services/thinker/tp/allreduce_choice.py); nccl never does.
+TP_ALLREDUCE_MODES = ("auto", "nccl")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class EngineConfig:
     # Plan and launch the next step while the device runs the current one (the decodes' new ids stay
     # on the device): auto | on | off; auto is on for CUDA, off elsewhere.
     async_scheduling: Literal["auto", "on", "off"] = "auto"
+    # The TP group's all-reduce: auto | nccl. auto sums small messages (decode steps) with a one-shot
+    # kernel over CUDA IPC peer buffers where every rank can, NCCL the rest; nccl always NCCL.
+    tp_allreduce: Literal["auto", "nccl"] = "auto"
     # Capture decode steps as CUDA graphs at padded batch sizes (CUDA with graph-safe backends only).
     cuda_graphs: bool = True
     # Largest decode batch replayed from a graph; 0 means max_num_seqs (bigger batches run eagerly).
@@ -100,6 +106,10 @@ class EngineConfig:
                 raise ConfigError(
                     f"{path}.{key}: expected one of {', '.join(allowed)}, got {getattr(self, key)!r}"
                 )
+        if self.tp_allreduce not in TP_ALLREDUCE_MODES:
+            raise ConfigError(
+                f"{path}.tp_allreduce: expected one of {', '.join(TP_ALLREDUCE_MODES)}, got {self.tp_allreduce!r}"
+            )
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ConfigError(
                 f"{path}.async_scheduling: expected auto, on or off, got {self.async_scheduling!r}"

@@ -49,6 +49,7 @@ from omnistage.services.thinker.models.layers.backends import (
 )
 from omnistage.services.thinker.models.loader import load_model
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
+from omnistage.services.thinker.tp.allreduce_choice import AllReduceChoice, choose_all_reduce
 from omnistage.services.thinker.tp.distributed import GroupFailure, TPControl, TPError, join_tp_group
 
 log = get_logger(__name__)
@@ -162,6 +163,7 @@ class StartedRank:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     load_peak_bytes: int = 0  # the device's peak while loading the weights (0 without an accountant)
     decode_steps: list[DecodeStepTime] = field(default_factory=list)  # decode_pace.py's, for Describe
+    all_reduce: str = ""  # the TP group's all-reduce path and why (AllReduceChoice.summary)
 
     def summary(self) -> dict:
         """What start-up chose and how long each phase took (logged as one JSON line)."""
@@ -178,6 +180,7 @@ class StartedRank:
             "activation_peak_bytes": prof.activation_peak_bytes if prof else 0,
             "budget_bytes": prof.cap_bytes if prof else 0,
             "warmup_skipped": self.warmup.skipped if self.warmup else [],
+            "tp_allreduce": self.all_reduce,
         }
 
 
@@ -235,6 +238,7 @@ class RankStartup(StageGroup):
         self.mem = mem if mem is not None else _device_memory(cfg)
         self.tokenizer: MingTokenizer | None = None
         self.graphs = False
+        self.all_reduce: AllReduceChoice | None = None
         self.kv_profile: KVProfile | None = None
         self.warmup_result: WarmupResult | None = None
         self.decode_steps: list[DecodeStepTime] = []
@@ -268,6 +272,8 @@ class RankStartup(StageGroup):
         """Start-up is over on this rank: collectives get the serving deadline from now on."""
         self.seconds[self.phase] = time.monotonic() - self._phase_started
         self._group().enter_serving()
+        if self.all_reduce is not None and self.all_reduce.reducer is not None:
+            self.all_reduce.reducer.set_timeout(self.cfg.tp.serving_collective_timeout_s)
         log.info(
             "start-up done: %s", json.dumps(self.result().summary())
         )  # one line per rank, for benchmarks
@@ -298,9 +304,22 @@ class RankStartup(StageGroup):
         self.tokenizer = MingTokenizer(cfg.checkpoint) if cfg.rank == 0 else None
         self.fault.check_device(self.mem)
         self.peers_at_start = peers_bytes(self.mem) if self.mem is not None else 0
+        self.choose_all_reduce()
         self.model: BailingMoeV2ForCausalLM = self.load_weights()
         backends = self.install_backends(self.model)
         self.graphs = self.graphs_wanted(backends)
+
+    def choose_all_reduce(self) -> None:
+        """The group's all-reduce path (a start-up collective on every rank); a peer path's blocks
+        are freed and its device-side failures raised through the group (TPControl)."""
+        cfg, control = self.cfg, self._group()
+        device = torch.device(cfg.device)
+        timeout_s = cfg.tp.startup_collective_timeout_s
+        self.all_reduce = choose_all_reduce(control, cfg.engine.tp_allreduce, device, timeout_s)
+        reducer = self.all_reduce.reducer
+        if reducer is not None:
+            control.on_close(reducer.close)
+            control.add_check(reducer.check)
 
     def graphs_wanted(self, backends: Backends) -> bool:
         cfg = self.cfg
@@ -362,6 +381,7 @@ class RankStartup(StageGroup):
             seconds,
             self.load_peak_bytes,
             self.decode_steps,
+            self.all_reduce.summary if self.all_reduce is not None else "",
         )
 
     def _group(self) -> TPControl:
@@ -433,6 +453,7 @@ class RankStartup(StageGroup):
             tp_size=cfg.world_size,
             progress=shards,
             load_format=cfg.load_format,
+            small_all_reduce=self.all_reduce.reducer if self.all_reduce is not None else None,
         )
         if self.mem is not None:
             self.load_peak_bytes = self.mem.peak_allocated()

@@ -15,7 +15,7 @@ from omnistage.services.thinker.models.bailing_moe_v2 import (
     param_for_checkpoint_key,
 )
 from omnistage.services.thinker.models.config import ThinkerConfig
-from omnistage.services.thinker.models.layers.parallel import TPGroup
+from omnistage.services.thinker.models.layers.parallel import SmallAllReduce, TPGroup
 from torch import nn
 
 log = get_logger(__name__)
@@ -43,12 +43,14 @@ def load_model(
     progress: Callable[[int, int], None] | None = None,
     load_format: str = "safetensors",
     seed: int = 0,
+    small_all_reduce: SmallAllReduce | None = None,
 ) -> BailingMoeV2ForCausalLM:
     """Build this rank's thinker from a Ming checkpoint folder; `progress(done, total)` counts
-    shards (dummy weights: layers)."""
+    shards (dummy weights: layers); `small_all_reduce`: the sum the TP group agreed on for small
+    messages (tp/allreduce_choice.py), None for torch.distributed's everywhere."""
     root = Path(checkpoint_dir)
     config = ThinkerConfig.from_checkpoint(root)
-    tp = TPGroup(tp_rank, tp_size)
+    tp = TPGroup(tp_rank, tp_size, small_all_reduce)
     if load_format == "safetensors":
         batches = _shard_batches(root, config)
     elif load_format == "dummy":

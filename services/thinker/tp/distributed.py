@@ -62,6 +62,7 @@ class TPControl:
         self._closed = False
         self._listeners: list[FailureListener] = []
         self._closers: list[Callable[[], None]] = []
+        self._checks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self.watch = PeerWatch(self) if self.is_distributed and store is not None else None
 
@@ -99,6 +100,13 @@ class TPControl:
         """`fn()` runs in `close()` before the process groups are destroyed (what must go first:
         CUDA graphs that captured collectives)."""
         self._closers.append(fn)
+
+    def add_check(self, fn: Callable[[], None]) -> None:
+        """`fn()` runs before each of the group's collectives (step plans, agreements) and raises
+        when it finds the group broken where no collective of torch's would say so (a peer
+        all-reduce that timed out on the device): the group fails there, naming the exception's
+        `culprit_rank` when it has one."""
+        self._checks.append(fn)
 
     # --- collectives ------------------------------------------------------------------------
 
@@ -146,17 +154,30 @@ class TPControl:
         self.guard(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.plan_group))
         return int(t.item())
 
+    def gather(self, value: object, what: str) -> list:
+        """Every rank's `value` (picklable) in rank order: start-up decisions that need each rank's
+        answer, not only the smallest."""
+        if not self.is_distributed:
+            return [value]
+        values: list = [None] * self.world_size
+        self.guard(what, lambda: dist.all_gather_object(values, value, group=self.plan_group))
+        return values
+
     def agree_all(self, ok: bool, what: str) -> tuple[bool, int]:
         """(every rank is ok, the first rank that is not — world_size when none): one MIN all-reduce."""
         first_bad = self.agree_min(self.world_size if ok else self.rank, what)
         return first_bad == self.world_size, first_bad
 
     def guard(self, where: str, fn: Callable[[], T]) -> T:
-        """Run `fn` (a collective); a failure becomes TPError naming the group's first failure."""
+        """Run `fn` (a collective) after the checks; a failure becomes TPError naming the group's
+        first failure."""
         try:
+            for check in self._checks:
+                check()
             return fn()
         except Exception as exc:
-            raise TPError(self.fail(where, exc, collective=True)) from exc
+            culprit = getattr(exc, "culprit_rank", None)
+            raise TPError(self.fail(where, exc, collective=True, culprit=culprit)) from exc
 
     # --- failures ---------------------------------------------------------------------------
 

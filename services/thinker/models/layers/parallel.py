@@ -1,12 +1,15 @@
 """Tensor-parallel group of the thinker: rank/size plus the collectives the layers (and the runner) need.
 
 Uses the default torch.distributed group (gloo on CPU, NCCL on GPU); at size 1 every collective is a
-no-op, so single-process code never touches torch.distributed.
+no-op, so single-process code never touches torch.distributed. A faster sum for small messages
+(`SmallAllReduce`, the one-shot peer all-reduce of `tp/peer_allreduce.py`) is given to the group at
+start-up when every rank agreed on it; the layers never know which sum ran.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,12 +22,22 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+class SmallAllReduce(Protocol):
+    """A sum over the ranks for the messages it takes; torch.distributed sums the others. `takes`
+    reads only what is the same on every rank for the same call (dtype, size, layout, device)."""
+
+    def takes(self, x: torch.Tensor) -> bool: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class TPGroup:
     """This process's place in the TP group; layers take their slice from `rank` and `size`."""
 
     rank: int = 0
     size: int = 1
+    small_all_reduce: SmallAllReduce | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -53,6 +66,9 @@ class TPGroup:
         """Sum across ranks (in place); identity at size 1."""
         if self.size == 1:
             return x
+        fast = self.small_all_reduce
+        if fast is not None and fast.takes(x):
+            return fast(x)
         dist.all_reduce(x)
         return x
 
