@@ -101,9 +101,10 @@ def _announce_and_wait(
     arrived = (tl.min(seen, axis=0) >= call) & healthy
     if healthy & (tl.min(seen, axis=0) < call):
         word = (call << 8) | (tl.argmin(seen, axis=0).to(tl.int64) + 1)
-        tl.atomic_cas(error_ptr, word * 0, word, sem="relaxed", scope="gpu")
-        host_ptr = tl.load(extra + HOST_ERROR_SLOT).to(tl.pointer_type(tl.int64))
-        tl.atomic_cas(host_ptr, word * 0, word, sem="relaxed", scope="sys")
+        if tl.atomic_cas(error_ptr, word * 0, word, sem="relaxed", scope="gpu") == 0:
+            # The first program to fail tells the host (a plain store: no atomics over PCIe).
+            host_ptr = tl.load(extra + HOST_ERROR_SLOT).to(tl.pointer_type(tl.int64))
+            tl.store(host_ptr, word, cache_modifier=".wt")
     tl.debug_barrier()
     return arrived
 
