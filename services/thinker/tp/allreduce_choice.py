@@ -107,7 +107,7 @@ def _set_up(group: AgreeingGroup, env: PeerEnv, timeout_s: float) -> AllReduceCh
     objection = _agree(group, why, "blocks")
     if objection is None:
         assert reducer is not None
-        objection = _agree(group, env.self_test(reducer), "self-test")
+        objection = _agree(group, _self_test(env, reducer), "self-test")
     if objection is not None:
         if reducer is not None:
             reducer.close()
@@ -118,6 +118,14 @@ def _set_up(group: AgreeingGroup, env: PeerEnv, timeout_s: float) -> AllReduceCh
     choice = AllReduceChoice("peer", f"every rank reaches every peer ({world} ranks)", reducer)
     log.info("tp all-reduce: %s", choice.summary)
     return choice
+
+
+def _self_test(env: PeerEnv, reducer: PeerAllReduce) -> str | None:
+    """The self-test's verdict; an error (the kernel's first compile, say) is one more objection."""
+    try:
+        return env.self_test(reducer)
+    except Exception as exc:  # noqa: BLE001 - agreed on, then NCCL serves
+        return f"self-test failed: {type(exc).__name__}: {exc}"
 
 
 def _local_refusal(mode: str, world: int, device: torch.device, env: PeerEnv | None) -> str | None:

@@ -124,6 +124,8 @@ class FakeEnv:
 
     def self_test(self, reducer) -> str | None:
         self.tested.append(reducer)
+        if self.test_result == "raise":
+            raise RuntimeError("PassManager::run failed")
         return self.test_result
 
 
@@ -173,8 +175,9 @@ def test_every_rank_takes_the_peer_path_when_none_objects():
         ),
         ({"unreachable_ids": {0: {"GPU-2"}}}, "rank 0: no peer access to GPU-2"),
         ({"test_result": {2: "self-test call 1: 7 of 4096 sums wrong"}}, "rank 2: self-test call 1: 7"),
+        ({"test_result": {1: "raise"}}, "rank 1: self-test failed: RuntimeError: PassManager::run failed"),
     ],
-    ids=["alone", "peer-access", "self-test"],
+    ids=["alone", "peer-access", "self-test", "self-test-raises"],
 )
 def test_one_rank_objecting_sends_every_rank_to_torch_naming_it(scripted, objection):
     choices, _envs, tw = choose(3, **scripted)
