@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The peer all-reduce (issue 40 point 3) on a lent GPU machine, one call: bench/allreduce_gpu.py on
-# two GPUs next to NCCL ($OUT/allreduce.json) when there are two, two ranks on GPU 0
-# ($OUT/allreduce_1gpu.json; on a one-GPU machine also $OUT/allreduce.json), then the GPU tests;
-# with ENGINE_CHECK=1 (two GPUs) also bench/gpu_engine_check.py --tp 2 (the tiny thinker's greedy
-# tokens at TP=2 through the engine, decode graphs and the peer path, vs the CPU engine).
+# The peer all-reduce (issue 40 point 3) on a lent GPU machine. $STEPS (default "bench tests"):
+#   bench  bench/allreduce_gpu.py on two GPUs next to NCCL ($OUT/allreduce.json) when there are two,
+#          and two ranks on GPU 0 ($OUT/allreduce_1gpu.json; on a one-GPU machine $OUT/allreduce.json)
+#   tests  the GPU test (tests/services/thinker/tp/test_peer_allreduce_gpu.py)
+#   engine (two GPUs) bench/gpu_engine_check.py --tp 2: the tiny thinker's greedy tokens at TP=2
+#          through the engine, its decode graphs and the peer path, vs the CPU engine (a call of its own)
 #   run("bash bench/allreduce_gpu.sh", kind="nvidia-h200", carry=[".cache/transport-whl", ".cache/pytest-whl"])
 #   run("bash bench/allreduce_gpu.sh", kind="nvidia-h200-x2", carry=[".cache/transport-whl", ".cache/pytest-whl"])
+#   run("STEPS=engine bash bench/allreduce_gpu.sh", kind="nvidia-h200-x2", carry=[".cache/transport-whl"])
 # Everything is teed to $OUT/log; a step that fails is named (`FAILED: <step> (exit N)`, 124: its
 # time limit) and the rest still run; exit 1 when any failed.
 set -uo pipefail
@@ -32,19 +34,25 @@ step() {  # step NAME CMD...
   nvidia-smi topo -m || true
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
   gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-  if [ "$gpus" -ge 2 ]; then
-    step "bench: 2 GPUs vs NCCL" timeout 300 python3 bench/allreduce_gpu.py --out "$OUT/allreduce.json"
+  steps=" ${STEPS:-bench tests} "
+  if [[ $steps == *" bench "* ]] && [ "$gpus" -ge 2 ]; then
+    step "bench: 2 GPUs vs NCCL" timeout 200 python3 bench/allreduce_gpu.py --deadline-s 120 \
+      --out "$OUT/allreduce.json"
     one="$OUT/allreduce_1gpu.json"
   else
     one="$OUT/allreduce.json"
   fi
-  step "bench: 2 ranks on GPU 0" timeout 240 python3 bench/allreduce_gpu.py --same-gpu --iters 20 \
-    --graph-calls 4 --replays 2 --deadline-s 200 --out "$one"
-  step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --target /tmp/site .cache/pytest-whl/*.whl
-  step "GPU tests" timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
-    tests/services/thinker/tp/test_peer_allreduce_gpu.py
-  if [ "${ENGINE_CHECK:-0}" = 1 ] && [ "$gpus" -ge 2 ]; then
+  if [[ $steps == *" bench "* ]]; then
+    step "bench: 2 ranks on GPU 0" timeout 170 python3 bench/allreduce_gpu.py --same-gpu --iters 20 \
+      --graph-calls 4 --replays 2 --deadline-s 100 --out "$one"
+  fi
+  if [[ $steps == *" tests "* ]]; then
+    step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/site .cache/pytest-whl/*.whl
+    step "GPU tests" timeout 220 python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/services/thinker/tp/test_peer_allreduce_gpu.py
+  fi
+  if [[ $steps == *" engine "* ]] && [ "$gpus" -ge 2 ]; then
     step "engine: TP=2 tokens" timeout 400 python3 bench/gpu_engine_check.py --tp 2
   fi
   if ((${#failed[@]})); then

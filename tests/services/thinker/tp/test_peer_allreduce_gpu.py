@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_two_ranks_sum_right_everywhere_and_a_lone_rank_names_its_peer(tmp_path, same_gpu):
     if not same_gpu and torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    check = PeerCheck(str(tmp_path), same_gpu=same_gpu, iters=5, graph_calls=2, replays=2, deadline_s=300)
+    check = PeerCheck(str(tmp_path), same_gpu=same_gpu, iters=5, graph_calls=2, replays=2, deadline_s=150)
     result = run_ranks(check)
     ranks = result["ranks"]
     assert result["exit_codes"] == [0, 0], ranks
