@@ -1,5 +1,11 @@
 """The cases of bench/prefill_ttft.py: requests sent as an outside client (gRPC Omni.Generate, or the
-OpenAI HTTP front), each timed to its first text delta, and the row each case makes.
+OpenAI HTTP front), each timed to its first token, and the row each case makes.
+
+The first token is the answer's first TextDelta (gRPC), or the first chunk of its stream (HTTP: the
+front answers once the Omni call's first event, that TextDelta, has come). Its text may be empty: a
+special token, or a UTF-8 character not complete yet, is held back, and the random weights of a dry
+run often draw only such tokens (timed to its first visible text, a short answer of the tiny model
+had none one time in four, and counted as an error).
 
 A `Sample` is one request as the client saw it, with what its Finish says the thinker did (prompt
 tokens, tokens taken from the prefix cache, the engine's own TTFT). Prompts of a given length are
@@ -169,7 +175,7 @@ async def generate(stub: omni_pb2_grpc.OmniStub, req: omni_pb2.GenerateRequest, 
     try:
         async for ev in stub.Generate(req, timeout=timeout_s):
             which = ev.WhichOneof("event")
-            if which == "text" and ev.text:
+            if which == "text":  # a token (its text may be held back)
                 now = time.perf_counter()
                 s.deltas.append(now)
                 s.ttft_s = now - s.start if s.ttft_s is None else s.ttft_s
@@ -210,6 +216,8 @@ def http_chat(host: str, port: int, text: str, max_tokens: int, timeout_s: float
             return s
         for line in resp:
             _sse_line(s, line)
+        if s.code == "OK" and not s.completion_tokens:  # the usage chunk (include_usage) ends an answer
+            s.code = "NO_FINISH"
     except OSError as exc:
         s.code, s.detail = "HTTP_ERROR", str(exc)[:300]
     finally:
@@ -222,10 +230,15 @@ def _sse_line(s: Sample, line: bytes) -> None:
     if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
         return
     chunk = json.loads(line[6:])
+    now = time.perf_counter()
+    s.ttft_s = now - s.start if s.ttft_s is None else s.ttft_s  # the first chunk: the first token came
+    error = chunk.get("error")
+    if error:  # the stream's failure (its status was 200 already)
+        s.code = f"SSE_{error.get('code') or error.get('type') or 'error'}"
+        s.detail = str(error.get("message", ""))[:300]
+        return
     if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-        now = time.perf_counter()
         s.deltas.append(now)
-        s.ttft_s = now - s.start if s.ttft_s is None else s.ttft_s
     usage = chunk.get("usage")
     if usage:
         s.prompt_tokens = usage.get("prompt_tokens", 0)

@@ -288,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in data["rows"]:
         if r["case"] == "short":
             print(f"breakdown of a short request ({r['backend']}):", json.dumps(r["breakdown"], indent=1))
-    return 1 if any(r["errors"] for r in data["rows"]) else 0
+    failed = [r for r in data["rows"] if r["errors"]]
+    for r in failed:  # which errors: a status (HTTP_503, UNAVAILABLE) and the first details
+        print(f"errors of {r['case']} ({r['backend']}): {r['errors_by_status']} {r['error_details']}")
+    return 1 if failed else 0
 
 
 def run_one(args, overrides: list[str], asked: str, log: Path, plan: Plan, data: dict, save) -> None:

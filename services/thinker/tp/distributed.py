@@ -58,6 +58,9 @@ class TPControl:
         # Set before the exit plan: peers leaving now is the plan, not a failure.
         self.leaving = False
         self.failure: GroupFailure | None = None
+        # Set once this rank's own code takes a failure up (fail()): it is out of its collectives and
+        # reporting, and the PeerWatch gives it the whole exit budget to leave.
+        self.unwinding = False
         self._phase = "start-up"
         self._closed = False
         self._listeners: list[FailureListener] = []
@@ -188,6 +191,9 @@ class TPControl:
         found dead now (when a collective broke), or this rank's own error, which it reports. The
         store host then keeps the store up until every rank has read it (bounded). `culprit`: the
         rank to blame when all ranks agreed to fail because of one (a KV size it could not hold)."""
+        self.unwinding = True
+        if self.watch is not None:
+            self.watch.wake()
         # Another rank is to blame for a failure all agreed on: its own report (with its cause)
         # should be the group's, so give it the moment a broken collective gets too. A forward whose
         # all-reduce broke is a broken collective as well: a peer that died closes its sockets before

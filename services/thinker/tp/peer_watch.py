@@ -33,6 +33,7 @@ class WatchedRank(Protocol):
     store: GroupStore | None
     leaving: bool
     failure: GroupFailure | None
+    unwinding: bool
 
     @property
     def exit_budget_s(self) -> float: ...
@@ -150,19 +151,31 @@ class PeerWatch:
                 return
 
     def _leave(self, failure: GroupFailure) -> None:
-        """Tell the listeners, let the others read the failure (store host), flush, exit."""
+        """Tell the listeners, let the others read the failure (store host), then give the rank's own
+        path the time to leave (close() stops the watch); exit when it has not in time."""
         noticed = time.monotonic()
-        own = self.control.failure is not None and failure.rank == self.control.rank
         self.control.notice(failure)
         budget = self.control.exit_budget_s
         if self.control.rank == 0:
             self.control.wait_for_acknowledgements(failure, budget / 2)
-        # This rank's other threads may be blocked in a collective for good. Its own failure leaves
-        # the main path the whole budget to unwind and exit cleanly; a peer's, a short flush
-        # (status file, the gRPC statuses of failed requests, logs).
-        grace = budget if own else min(1.0, budget / 4)
-        remaining = noticed + budget - time.monotonic()
-        if self._stop.wait(max(0.0, min(grace, remaining))):
-            return  # the rank left on its own (close() stopped the watch)
+        if self._left_in_time(noticed + budget, min(1.0, budget / 4)):
+            return
         log.error("rank %d exits: %s", self.control.rank, failure.message)
         self.exit_process(1)
+
+    def _left_in_time(self, deadline: float, flush_s: float) -> bool:
+        """Whether the rank left on its own (close() stopped the watch) before its exit is due.
+
+        A rank whose own code has taken the failure up (`control.unwinding`: its own error, or a
+        collective that broke) is reporting it: it gets until `deadline`, however slow a loaded host
+        makes the report. One still blocked in a collective may be blocked for good: a short flush
+        (status file, the statuses of failed requests, logs), extended to `deadline` when its
+        collective breaks meanwhile."""
+        flush_end = min(deadline, time.monotonic() + flush_s)
+        while not self._stop.is_set():
+            remaining = (deadline if self.control.unwinding else flush_end) - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._wake.wait(remaining)  # stop(), or the rank's own code taking the failure up
+            self._wake.clear()
+        return True

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
-import queue
 import random
 import re
-import traceback
 
 import pytest
 from omnistage.common.config import EngineConfig, TPConfig
@@ -28,9 +26,9 @@ PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True)] * 5 + [
     SamplingParams(temperature=0.9, top_k=50, seed=3, max_tokens=10, ignore_eos=True)
 ]
 DEADLINE_S = 120
-# Rank 0's result, spawn and imports included: only a hang detector (two spawned torch processes took
-# ~2 min to start on a loaded 2-core host, and the 120 s wait read it as a hang).
-RESULT_WAIT_S = 600
+# Rank 0's outcome, spawn and imports included: a hang detector (a rank 0 that ends without one is
+# reported at once), below pytest-timeout's 300 s so that a hang is named by this wait.
+RESULT_WAIT_S = 240
 
 
 def prompts() -> list[list[int]]:
@@ -74,32 +72,19 @@ def _rank0(ckpt: str, world_size: int, port: int, fail_rank: int | None, what: s
     _fail_after(0, fail_rank, what=what)
     cfg = RankConfig(ckpt, CFG, tp=TP, world_size=world_size, dist_port=port)
     procs = local_ranks.spawn_workers(cfg, target=functools.partial(_worker, fail_rank, what))
-    try:
+
+    def run() -> tuple[list[list[int]], list[int]]:
         engine = rank0_engine(start_rank(cfg))
         results = engine.generate(prompts(), PARAMS, timeout_s=DEADLINE_S)
         engine.shutdown()
-        out.put(("ok", [r.token_ids for r in results], local_ranks.join_workers(procs, 30)))
-    except Exception as exc:
-        out.put(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        raise SystemExit(1) from None
+        return [r.token_ids for r in results], local_ranks.join_workers(procs, 30)
+
+    local_ranks.report_outcome(out, run)
 
 
 def run_tp(ckpt, world_size: int, fail_rank: int | None = None, what: str = "forward"):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(
-        target=_rank0, args=(str(ckpt), world_size, local_ranks.free_port(), fail_rank, what, out)
-    )
-    proc.start()
-    try:
-        result = out.get(timeout=RESULT_WAIT_S)
-    except queue.Empty:
-        result = ("timeout", f"rank 0 gave no result within {RESULT_WAIT_S}s", "")
-    proc.join(30)
-    if proc.is_alive():
-        proc.kill()
-        pytest.fail("rank 0 did not exit within 30s after its result")
-    return result
+    args = (str(ckpt), world_size, local_ranks.free_port(), fail_rank, what)
+    return local_ranks.run_rank0(_rank0, args, RESULT_WAIT_S)
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +105,9 @@ def test_tp_equals_tp1_token_for_token(tiny_ckpt, tp1_tokens, world_size):
 @pytest.mark.slow
 @pytest.mark.parametrize("fail_rank, what", [(1, "forward"), (0, "forward"), (0, "broadcast")])
 def test_a_failing_rank_stops_all_ranks_with_one_diagnostic(tiny_ckpt, fail_rank, what):
-    """Rank 0 exits only once its spawned worker has (multiprocessing joins it): a worker left
-    waiting for a plan fails the test. A failed step plan broadcast on rank 0 used not to be
-    reported, and the worker waited for the next plan for an hour."""
+    """Every rank exits (run_rank0 waits for rank 0's whole process group): a worker left waiting for
+    a plan fails the test. A failed step plan broadcast on rank 0 used not to be reported, and the
+    worker waited for the next plan for an hour."""
     status, message, tb = run_tp(tiny_ckpt, 2, fail_rank=fail_rank, what=what)
     assert status == "error", message
     where = r"step plan \d+ broadcast" if what == "broadcast" else r"step \d+ forward"
