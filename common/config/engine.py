@@ -60,7 +60,8 @@ class EngineConfig:
     async_scheduling: Literal["auto", "on", "off"] = "auto"
     # The TP group's all-reduce: auto | nccl. auto sums small messages (decode steps) with a one-shot
     # kernel over CUDA IPC peer buffers where every rank can, NCCL the rest; nccl always NCCL.
-    tp_allreduce: Literal["auto", "nccl"] = "auto"
+    # nccl until the peer path is measured faster on two GPUs (bench/allreduce_gpu.sh; one H200: correct)
+    tp_allreduce: Literal["auto", "nccl"] = "nccl"
     # Capture decode steps as CUDA graphs at padded batch sizes (CUDA with graph-safe backends only).
     cuda_graphs: bool = True
     # Largest decode batch replayed from a graph; 0 means max_num_seqs (bigger batches run eagerly).
