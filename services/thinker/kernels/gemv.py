@@ -44,9 +44,26 @@ class GemvConfig:
     max_tokens: int = MAX_TOKENS
 
 
-# Tuned configs by (N, K), pasted from bench/gemv_gpu.py's "best config" lines (one H200); a shape
-# not here gets `default_config`.
-CONFIGS: dict[tuple[int, int], GemvConfig] = {}
+# Tuned configs by (N, K) from bench/gemv_gpu.py's sweep (one H200, 2026-11-29, graph-timed; Ling-mini
+# TP=1 and Ming-flash TP=2 shapes): `max_tokens` 8 where the kernel beat cuBLAS at 1 and 8 tokens, 1
+# where only at 1, 0 where cuBLAS won (bench/RESULTS.md). On a GPU a shape not here goes to cuBLAS;
+# under the interpreter (CPU tests) it gets `default_config`.
+CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    (1024, 2048): GemvConfig(32, 128, 4, 4, 4, 8),  # Ling-mini shared gate/up: 4.1 vs 12.4 µs
+    (1024, 4096): GemvConfig(32, 128, 4, 4, 3, 8),  # Ming TP=2 shared gate/up: 5.2 vs 6.1
+    (2048, 512): GemvConfig(16, 128, 1, 4, 3, 8),  # Ling-mini shared down: 2.6 vs 3.0
+    (2048, 2048): GemvConfig(32, 128, 4, 4, 3, 8),  # Ling-mini o: 4.8 vs 5.0
+    (2048, 5120): GemvConfig(64, 256, 4, 4, 4, 8),  # Ling-mini dense down: 6.7 vs 8.6
+    (2560, 4096): GemvConfig(32, 128, 4, 4, 3, 1),  # Ming TP=2 qkv: 7.5 vs 8.2 (cuBLAS at 8)
+    (3072, 2048): GemvConfig(32, 128, 4, 4, 3, 0),  # Ling-mini qkv: cuBLAS 5.0 vs 5.7
+    (4096, 512): GemvConfig(32, 128, 1, 4, 3, 8),  # Ming TP=2 shared down: 2.8 vs 3.2
+    (4096, 2048): GemvConfig(64, 128, 4, 4, 3, 0),  # Ming TP=2 o: cuBLAS 5.4 vs 5.8
+    (4096, 4608): GemvConfig(64, 128, 4, 4, 4, 8),  # Ming TP=2 dense down: 8.5 vs 11.2
+    (9216, 4096): GemvConfig(32, 128, 1, 4, 4, 8),  # Ming TP=2 dense gate/up: 20.9 vs 23.4
+    (10240, 2048): GemvConfig(64, 128, 4, 4, 3, 0),  # Ling-mini dense gate/up: cuBLAS 8.9 vs 9.5
+    (78592, 4096): GemvConfig(64, 256, 1, 4, 3, 8),  # Ming TP=2 LM head: 143.7 vs 148.2
+    (157184, 2048): GemvConfig(64, 128, 1, 4, 4, 8),  # Ling-mini LM head: 142.8 vs 147.3
+}
 
 
 def default_config(n: int, k: int) -> GemvConfig:
@@ -60,7 +77,13 @@ def default_config(n: int, k: int) -> GemvConfig:
 
 
 def config_for(n: int, k: int) -> GemvConfig:
-    return CONFIGS.get((n, k)) or default_config(n, k)
+    """The shape's tuned config; else, on a GPU, one that leaves it to cuBLAS (unmeasured), and under
+    the interpreter the default tiling."""
+    tuned = CONFIGS.get((n, k))
+    if tuned is not None:
+        return tuned
+    default = default_config(n, k)
+    return default if interpreting() else replace(default, max_tokens=0)
 
 
 def chooses_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -120,3 +120,13 @@ def test_tiny_engine_greedy_tokens_unchanged_with_the_gemv_on(tiny_ckpt, monkeyp
     engine = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), fast, warmup=False)))
     assert [r.token_ids for r in engine.generate(prompts, params)] == want
     assert rows and set(rows) <= set(range(1, 17))  # decode steps (and the 7-token prefill) took it
+
+
+def test_on_a_gpu_only_the_measured_shapes_leave_cublas(monkeypatch):
+    """The sweep measured cuBLAS faster for some shapes (max_tokens 0) and never saw others: on a GPU
+    an unmeasured shape stays with cuBLAS; under the interpreter it gets the default tiling."""
+    assert gemv_kernels.config_for(8, 32).max_tokens == gemv_kernels.MAX_TOKENS  # interpreting here
+    monkeypatch.setattr(gemv_kernels, "interpreting", lambda: False)
+    assert gemv_kernels.config_for(8, 32).max_tokens == 0
+    assert gemv_kernels.config_for(157184, 2048).max_tokens == 8  # Ling-mini's LM head: measured faster
+    assert gemv_kernels.config_for(3072, 2048).max_tokens == 0  # Ling-mini's qkv: cuBLAS measured faster
