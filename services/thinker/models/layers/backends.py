@@ -120,8 +120,10 @@ def _pow2(n: int) -> bool:
 FUSIONS_ENV = "OMNISTAGE_THINKER_FUSIONS"
 
 
-# Set to `off`: every projection (attention, dense MLP, shared expert, LM head) through F.linear
-# (cuBLAS) at every batch, for a same-build comparison with the Triton GEMV (bench/gemv_gpu.sh).
+# Set to `on`: the projections (attention, dense MLP, shared expert, LM head) of a decode step's few
+# tokens through the Triton GEMV where its shape measured faster than cuBLAS (kernels/gemv.py). Off
+# by default: on one H200 the Ling-mini decode step was slower with it (c=1 569 -> 505 tok/s, the
+# same kernel time; bench/RESULTS.md), so F.linear (cuBLAS) serves until that is understood.
 GEMV_ENV = "OMNISTAGE_THINKER_GEMV"
 
 
@@ -131,12 +133,12 @@ def fusions_enabled() -> bool:
 
 
 def gemv_enabled() -> bool:
-    """GEMV_ENV's choice (default on), refused as FUSIONS_ENV's is."""
-    return _switch(GEMV_ENV)
+    """GEMV_ENV's choice (default off), refused as FUSIONS_ENV's is."""
+    return _switch(GEMV_ENV, default="off")
 
 
-def _switch(name: str) -> bool:
-    value = os.environ.get(name, "on").strip().lower()
+def _switch(name: str, default: str = "on") -> bool:
+    value = os.environ.get(name, default).strip().lower()
     if value not in ("on", "off"):
         raise BackendError(f"{name}={value!r}: expected on or off")
     return value == "on"

@@ -80,7 +80,7 @@ def _projections(model):
     return [m for m in model.modules() if hasattr(m, "gemv")]
 
 
-def test_installing_reaches_the_projections_and_the_lm_head_unless_switched_off(tiny_ckpt, monkeypatch):
+def test_installing_reaches_the_projections_and_the_lm_head_when_switched_on(tiny_ckpt, monkeypatch):
     from omnistage.services.thinker.models.layers.embed_head import ParallelLMHead
     from omnistage.services.thinker.models.layers.linear import QKVParallelLinear, RowParallelLinear
     from omnistage.services.thinker.models.loader import load_model
@@ -89,6 +89,10 @@ def test_installing_reaches_the_projections_and_the_lm_head_unless_switched_off(
     mods = _projections(model)
     kinds = {type(m) for m in mods}
     assert {ParallelLMHead, QKVParallelLinear, RowParallelLinear} <= kinds
+    monkeypatch.delenv(GEMV_ENV, raising=False)
+    install_backends(model, Backends("triton", "triton"))
+    assert all(m.gemv is None for m in mods)  # off unless asked (slower end to end on one H200)
+    monkeypatch.setenv(GEMV_ENV, "on")
     install_backends(model, Backends("triton", "triton"))
     assert all(m.gemv is linear for m in mods)
     monkeypatch.setenv(GEMV_ENV, "off")
