@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (tests/…/peer_ranks.py)
+from omnistage.common.bench_results import write_result  # noqa: E402
+
 from tests.services.thinker.tp.peer_ranks import PeerCheck, run_ranks  # noqa: E402
 
 
@@ -57,7 +59,7 @@ def main() -> int:
         "same_gpu": args.same_gpu,
         "exit_codes": result["exit_codes"],
     }
-    Path(args.out).write_text(json.dumps({"meta": meta, **result}, indent=1))
+    write_result(args.out, {"meta": meta, **result}, gpu=meta["gpus"] > 0)
     print(json.dumps(meta))
     for r in result["ranks"]:
         print(f"rank {r.get('rank')}: choice {r.get('choice')} stall {r.get('stall')} error {r.get('error')}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import random
 import sys
 import time
@@ -23,6 +22,7 @@ from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
+from omnistage.common.bench_results import write_result
 from omnistage.common.checkpoint.config_only import LING_MINI, MING_FLASH
 from omnistage.services.thinker.kernels import gemv as gemv_kernels
 from omnistage.services.thinker.kernels.gemv import GemvConfig, chooses_kernel, config_for, gemv
@@ -190,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = tuple(int(t) for t in args.sweep_tokens.split(",") if t)
     best = run_sweeps(rows, tokens, args.sweep_s) if args.sweep_s > 0 else []
     summary = dict(device=torch.cuda.get_device_name(0), calls_per_graph=CALLS, rows=rows, best=best)
-    with open(args.out, "w") as f:
-        json.dump(summary, f, indent=1)
+    write_result(args.out, summary, gpu=True)  # CUDA only: the script needs a GPU
     bad = [r for r in rows if not r["ok"]]
     print(
         f"SUMMARY rows {len(rows)} triton faster in {sum(r['faster'] == 'triton' for r in rows)}; "
