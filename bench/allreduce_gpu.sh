@@ -15,18 +15,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/allreduce-out}
 mkdir -p "$OUT"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-failed=()
-
-step() {  # step NAME CMD...
-  local name=$1
-  shift
-  echo "=== $name ==="
-  if "$@"; then echo "--- $name: ok"; else
-    local rc=$?
-    echo "FAILED: $name (exit $rc)"
-    failed+=("$name")
-  fi
-}
+source bench/gpu_steps.sh
 
 (
   source bench/device_env.sh || true
@@ -55,10 +44,6 @@ step() {  # step NAME CMD...
   if [[ $steps == *" engine "* ]] && [ "$gpus" -ge 2 ]; then
     step "engine: TP=2 tokens" timeout 400 python3 bench/gpu_engine_check.py --tp 2
   fi
-  if ((${#failed[@]})); then
-    echo "=== FAILED steps: ${failed[*]}"
-    exit 1
-  fi
-  echo "=== every step ok"
+  steps_done
 ) 2>&1 | tee "$OUT/log"
 exit "${PIPESTATUS[0]}"

@@ -30,20 +30,7 @@ case $AB in
 esac
 common=(--profile-c "${PROFILE_C:-$conc}" --sweep "${SWEEP:-$conc}" --sweep-tokens 128
   --real-requests 2 --max-model-len 4096)
-failed=()
-
-step() {  # step NAME CMD...: runs CMD (in an `if`, so a `set -e` inside it stops only it)
-  local name=$1
-  shift
-  echo "=== $name ==="
-  if "$@"; then
-    echo "--- $name: ok"
-  else
-    local rc=$?
-    echo "FAILED: $name (exit $rc)"
-    failed+=("$name")
-  fi
-}
+source bench/gpu_steps.sh
 
 bench() {  # bench on|off: Ling-mini decode with $AB on or off; its lines also in $OUT/<AB>_<x>.out
   timeout "${WALL_S:-$wall}" python3 bench/ling_mini_gpu.py "${common[@]}" "--$AB" "$1" \
@@ -75,10 +62,6 @@ bench() {  # bench on|off: Ling-mini decode with $AB on or off; its lines also i
     echo "$AB $x:"
     grep "^\[profile\].*graphs:.*wall\|^\[sweep\]\|^SUMMARY" "$OUT/${AB}_$x.out" 2>/dev/null || echo "  (no profile lines)"
   done | tee "$OUT/decode_${AB}_summary.txt"
-  if ((${#failed[@]})); then
-    echo "=== FAILED steps: ${failed[*]}"
-    exit 1
-  fi
-  echo "=== every step ok"
+  steps_done
 ) 2>&1 | tee "$OUT/log"
 exit "${PIPESTATUS[0]}"
