@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": "cpu (simulated)" if args.tiny else torch.cuda.get_device_name(0),
         "tp": args.tp,
         "fusions": os.environ.get("OMNISTAGE_THINKER_FUSIONS", "on"),
-        "gemv": os.environ.get("OMNISTAGE_THINKER_GEMV", "on"),
+        "gemv": os.environ.get("OMNISTAGE_THINKER_GEMV", "off"),  # backends.gemv_enabled()'s default
         "elapsed_s": round(elapsed, 1),
         "ok": not problems,
         "problems": problems,

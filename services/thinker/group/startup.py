@@ -142,7 +142,10 @@ class LogProgress:
         log.info("rank %d: %s%s", self.rank, detail, f" ({done}/{total})" if total else "")
 
     def failed(self, failure: GroupFailure) -> None:
-        log.error("rank %d: start-up failed: %s", self.rank, failure.message)
+        # The listener stays on the group after start-up: a failure while serving comes here too.
+        log.error(
+            "rank %d: the TP group failed (rank %d at fault): %s", self.rank, failure.rank, failure.message
+        )
 
 
 class StartupError(TPError):
