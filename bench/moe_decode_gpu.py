@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from omnistage.common.bench_results import write_result
@@ -39,6 +40,9 @@ from omnistage.services.thinker.kernels.fused_moe import GemmTiles, MoeTiles, ge
 from omnistage.services.thinker.kernels.moe_align import align_by_expert, one_program
 from omnistage.services.thinker.kernels.router import RouterTiles
 from omnistage.services.thinker.models.layers.moe import Router
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the graph timer
+from graph_timing import graph_time_us  # noqa: E402
 
 CALLS = 20  # calls per captured graph, each on its own routing
 DEVICE, DTYPE = "cuda", torch.bfloat16
@@ -67,24 +71,8 @@ SHAPES = {"ling-mini tp1": moe_shape(LING_MINI, 1), "ming-flash tp2": moe_shape(
 
 
 def time_us(fns: list[Callable[[], object]], replays: int = 10) -> float:
-    """µs a call: each of `fns` called once in one captured graph (CALLS of them), replayed,
-    CUDA-event timed; each run once before the capture (compile, tickets, cuBLAS's choice)."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            for fn in fns:
-                fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * len(fns))
+    """µs a call, each of `fns` (CALLS of them) once in one captured graph."""
+    return graph_time_us(fns, replays)
 
 
 def routings(t: int, shape: dict) -> list[torch.Tensor]:
