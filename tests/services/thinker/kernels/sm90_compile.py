@@ -79,8 +79,8 @@ ROUTE_GEMV = {"DOT": False, "SPLIT": 1, "PRECISION": "tf32"}
 CASES = {
     "count": (
         moe_align._count_kernel,
-        {"ids_ptr": "*i32", "counts_ptr": "*i32", "num_pairs": I32},
-        {"NUM_EXPERTS": 256, "CHUNK": 32, "SPAN": 512},
+        {"ids_ptr": "*i64", "counts_ptr": "*i32", "num_pairs": I32},
+        {"SPAN": 512},
     ),
     "runs": (
         moe_align._runs_kernel,
@@ -89,7 +89,7 @@ CASES = {
     ),
     "scatter": (
         moe_align._scatter_kernel,
-        {"ids_ptr": "*i32", "pairs_ptr": "*i32", "cursor_ptr": "*i32"},
+        {"ids_ptr": "*i64", "pairs_ptr": "*i32", "cursor_ptr": "*i32"},
         {},
     ),
     "gate_up": (
