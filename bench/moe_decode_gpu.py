@@ -3,7 +3,7 @@ alignment, and the two expert GEMMs under a tile sweep.
 
     source bench/device_env.sh && python3 bench/moe_decode_gpu.py --out $OUT/moe_decode.json
     run("source bench/device_env.sh && python3 bench/moe_decode_gpu.py --out $OUT/moe_decode.json",
-        kind="nvidia-h200", carry=[".cache/transport-whl"])   # ~5 min: --sweep-s 120 a shape
+        kind="nvidia-h200", carry=[".cache/transport-whl"])   # ~5 min: --sweep-s 90 a shape
 
 For Ling-mini (TP=1) and Ming-flash's thinker at TP=2 (one rank's expert slices; the router is
 replicated), 256 experts, top-8, the shared expert folded in as a routed run where `fused_experts`
@@ -294,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="moe_decode.json")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated of: " + ", ".join(SHAPES))
-    ap.add_argument("--sweep-s", type=float, default=120.0, help="GEMM tile sweep time per shape (0: none)")
-    ap.add_argument("--router-sweep-s", type=float, default=30.0, help="router tile sweep time per shape")
+    ap.add_argument("--sweep-s", type=float, default=90.0, help="GEMM tile sweep time per shape (0: none)")
+    ap.add_argument("--router-sweep-s", type=float, default=20.0, help="router tile sweep time per shape")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     tokens = tuple(int(t) for t in args.tokens.split(",") if t)
