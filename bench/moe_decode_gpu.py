@@ -11,12 +11,13 @@ folds it, at T = 1 … 64 tokens in bf16. Every time is µs a call from CUDA eve
 CUDA graph of CALLS calls, each call on its own routing (so the experts' weights come from HBM,
 not from the previous call's L2), no launch cost:
 - the router: `route`'s gemv path (CUDA-core products, T ≤ 16), its tiled dot path (default
-  tiles, then the best of a tile sweep) and the cuBLAS path (fp32 casts + GEMM + select), and how
-  many tokens of the dot path pick the reference's experts;
+  tiles, then the best of a tile sweep within --router-sweep-s, per T: for router.DOT_TILES) and
+  the cuBLAS path (fp32 casts + GEMM + select), and how many tokens of the dot path pick the
+  reference's experts (one gate weight for all calls: its 1-2 MB may sit in L2);
 - the alignment: one program (with the shared run) and the multi-launch layout;
 - the expert GEMMs: gate-up and down each under a sweep of (BLOCK_M, BLOCK_N, BLOCK_K, warps,
   stages) within --sweep-s, against `rule_tiles`; per (shape, pairs bucket) the best block_m of
-  both and a PASTE line for fused_moe.TILES (and one for router.DOT_TILES per shape).
+  both and a PASTE line for fused_moe.TILES.
 Writes JSON to --out. Exit status 1 when the dot path's routing disagrees with the reference's on
 more than 1 % of tokens (near-ties flip rarely: fp32 sums in another order).
 """
