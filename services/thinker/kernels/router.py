@@ -196,38 +196,24 @@ def _sum_splits(
 
 
 @triton.jit
-def _logits_block(
-    x_ptr,
-    w_ptr,
-    partial_ptr,
-    rows,
-    row_ok,
-    num_tokens,
-    hidden,
-    stride_x,
-    stride_w,
-    NUM_EXPERTS: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    DOT: tl.constexpr,
-    SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Program (e, t, s)'s fp32 logits of BLOCK_E experts over hidden split s, stored in
-    `partial` (the logits themselves when SPLIT is 1)."""
-    experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    split = tl.program_id(2)
+def _split_range(hidden, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (e, t, s)'s hidden range [k_lo, k_hi): split s of SPLIT whole BLOCK_H steps."""
     chunk = tl.cdiv(tl.cdiv(hidden, SPLIT), BLOCK_H) * BLOCK_H
-    k_lo = split * chunk
-    k_hi = tl.minimum(hidden, k_lo + chunk)
-    if DOT:
-        acc = _gate_dot(
-            x_ptr, w_ptr, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H, PRECISION
-        )
-    else:
-        acc = _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H)
-    out = partial_ptr + split * num_tokens * NUM_EXPERTS
-    tl.store(out + rows[:, None] * NUM_EXPERTS + experts[None, :], acc, mask=row_ok[:, None])
+    k_lo = tl.program_id(2) * chunk
+    return k_lo, tl.minimum(hidden, k_lo + chunk)
+
+
+@triton.jit
+def _last_to_finish(tickets_ptr, block):
+    """Whether this program took its token block's last ticket (after a CTA barrier, so every
+    thread's logits are stored before the ticket releases them); that program resets the ticket,
+    so the buffer is zero again for the next launch."""
+    tl.debug_barrier()
+    done = tl.atomic_add(tickets_ptr + block, 1, sem="acq_rel", scope="gpu")
+    last = done == tl.num_programs(0) * tl.num_programs(2) - 1
+    if last:
+        tl.store(tickets_ptr + block, 0)
+    return last
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -259,8 +245,7 @@ def _route_kernel(
 ):
     """Program (e, t, s) for BLOCK_T tokens. GEMV: the fp32 logits of BLOCK_E experts over hidden
     split s (CUDA-core products, or tensor-core dots when DOT) into `partial` (`logits` when SPLIT
-    is 1); the last program of a token block to finish (a ticket per block, taken atomically and
-    reset by that program, so the buffer is zero again for the next launch) sums the splits and
+    is 1); the last program of a token block to finish (`_last_to_finish`) sums the splits and
     selects the experts of its tokens from all logits. Else the logits [T, E] are given (x, w,
     partial and the tickets unread) and program (0, t, 0) selects."""
     pid_t = tl.program_id(1)
@@ -268,31 +253,20 @@ def _route_kernel(
     row_ok = rows < num_tokens
     last = True
     if GEMV:
-        _logits_block(
-            x_ptr,
-            w_ptr,
-            partial_ptr,
-            rows,
-            row_ok,
-            num_tokens,
-            hidden,
-            stride_x,
-            stride_w,
-            NUM_EXPERTS,
-            BLOCK_E,
-            BLOCK_H,
-            DOT,
-            SPLIT,
-            PRECISION,
-        )
-        tl.debug_barrier()  # every thread's logits stored before the ticket releases them
-        done = tl.atomic_add(tickets_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
-        last = done == tl.num_programs(0) * tl.num_programs(2) - 1
-        if last:
-            tl.store(tickets_ptr + pid_t, 0)
-            if SPLIT > 1:
-                _sum_splits(partial_ptr, logits_ptr, rows, row_ok, num_tokens, NUM_EXPERTS, SPLIT)
-                tl.debug_barrier()  # the summed logits stored before the selection reads them
+        experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+        k_lo, k_hi = _split_range(hidden, SPLIT, BLOCK_H)
+        if DOT:
+            acc = _gate_dot(
+                x_ptr, w_ptr, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H, PRECISION
+            )
+        else:
+            acc = _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H)
+        part = partial_ptr + tl.program_id(2) * num_tokens * NUM_EXPERTS
+        tl.store(part + rows[:, None] * NUM_EXPERTS + experts[None, :], acc, mask=row_ok[:, None])
+        last = _last_to_finish(tickets_ptr, pid_t)
+        if last and SPLIT > 1:
+            _sum_splits(partial_ptr, logits_ptr, rows, row_ok, num_tokens, NUM_EXPERTS, SPLIT)
+            tl.debug_barrier()  # the summed logits stored before the selection reads them
     if last:
         w, chosen = _select(
             logits_ptr + rows * NUM_EXPERTS, bias_ptr, row_ok, NUM_EXPERTS, GROUPS, TOPK_GROUP, TOP_K
@@ -347,6 +321,26 @@ def _tiling(
     return 1, num_experts, 16, 1, 4, 3
 
 
+def _operands(gemm: bool, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The launch's x, w and fp32 logits: on a GEMM path the inputs as they are and an empty
+    scratch; else the reference's fp32 GEMM (cuBLAS, two casts), its logits standing in for x and
+    w (unread without GEMV)."""
+    if gemm:
+        return (
+            x.contiguous(),
+            weight.contiguous(),
+            x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32),
+        )
+    logits = torch.nn.functional.linear(x.float(), weight.float()).contiguous()
+    return logits, logits, logits
+
+
+def _checked(path: str | None) -> str | None:
+    if path is not None and path not in PATHS:
+        raise ValueError(f"router path {path!r}: expected one of {', '.join(PATHS)}")
+    return path
+
+
 def route(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -364,22 +358,14 @@ def route(
     One launch on the `route_path` paths gemv and dot, else the reference's fp32 GEMM (cuBLAS) and
     the selection in one launch, a program a token. `path` and `tiles` (the dot path's; default
     DOT_TILES) override the rule (bench/moe_decode_gpu.py)."""
-    t, hidden = x.shape
-    num_experts = weight.shape[0]
+    (t, hidden), num_experts = x.shape, weight.shape[0]
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     if t == 0:
         return weights, ids
-    path = path or route_path(x, weight, fuse)
-    if path not in PATHS:
-        raise ValueError(f"router path {path!r}: expected one of {', '.join(PATHS)}")
+    path = _checked(path) or route_path(x, weight, fuse)
     gemm = path != "cublas"
-    if gemm:
-        x, weight = x.contiguous(), weight.contiguous()
-        logits = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)
-    else:
-        logits = torch.nn.functional.linear(x.float(), weight.float()).contiguous()
-        x = weight = logits  # unread without GEMV
+    x, weight, logits = _operands(gemm, x, weight)
     block_t, block_e, block_h, split, warps, stages = _tiling(path, t, hidden, num_experts, tiles)
     partial = logits if split == 1 else logits.new_empty(split, t, num_experts)
     grid = (num_experts // block_e, triton.cdiv(t, block_t), split)
