@@ -19,6 +19,7 @@ import random
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,9 @@ from omnistage.common.bench_results import write_result
 from omnistage.common.checkpoint.config_only import LING_MINI, MING_FLASH
 from omnistage.services.thinker.kernels import gemv as gemv_kernels
 from omnistage.services.thinker.kernels.gemv import GemvConfig, chooses_kernel, config_for, gemv
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the graph timer
+from graph_timing import graph_time_us  # noqa: E402
 
 CALLS = 20  # calls per captured graph
 TOKENS = (1, 2, 4, 8, 16)
@@ -59,23 +63,7 @@ MODELS = {
 
 def time_us(fn, replays: int = 10) -> float:
     """µs a call of fn(): CALLS calls captured in one graph, replayed, CUDA-event timed."""
-    fn()  # compile / pick the algorithm outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(CALLS):
-                fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * CALLS)
+    return graph_time_us([fn] * CALLS, replays)
 
 
 def gbps(m: int, n: int, k: int, us: float) -> float:

@@ -19,24 +19,69 @@ from omnistage.services.thinker.kernels.moe_align import align_by_expert, block_
 
 
 @dataclass(frozen=True)
-class MoeTiles:
-    """Tile sizes of both GEMMs; small-M tiles in decode (memory-bound), larger ones in prefill."""
+class GemmTiles:
+    """One expert GEMM's tiles past the row block: output columns and reduction step a program,
+    warps, pipeline stages."""
 
-    block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
 
 
-def choose_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
-    """From the average rows an expert gets: a decode batch touches each expert with a few rows."""
+@dataclass(frozen=True)
+class MoeTiles:
+    """Both GEMMs' tiles: one row block (the alignment pads each expert's run to it) and each
+    GEMM's own (gate-up: N the intermediate, K the hidden; down: the other way round)."""
+
+    block_m: int
+    gate_up: GemmTiles
+    down: GemmTiles
+
+
+# Measured tiles by (experts, N, K, pairs bucket): N the intermediate size per rank, K the hidden
+# size, the bucket `pairs_bucket` of the routed pairs. bench/moe_decode_gpu.py times a sweep on the
+# GPU and prints these entries (its PASTE lines) for a shape's decode batches; a key not here takes
+# `rule_tiles`.
+TILES: dict[tuple[int, int, int, int], MoeTiles] = {}
+
+
+def pairs_bucket(num_pairs: int) -> int:
+    """The table's key for a step's routed pairs: the next power of two (a decode batch of T tokens
+    at top-8 is 8T pairs)."""
+    return triton.next_power_of_2(max(1, num_pairs))
+
+
+def rule_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
+    """From the average rows an expert gets: a decode batch touches each expert with a few rows
+    (small-M tiles, memory-bound), a prefill with many."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 4:
-        return MoeTiles(16, 32, 128, 4, 4)
-    if per_expert <= 32:
-        return MoeTiles(32, 64, 64, 4, 3)
-    return MoeTiles(64, 128, 64, 8, 3)
+        block_m, tiles = 16, GemmTiles(32, 128, 4, 4)
+    elif per_expert <= 32:
+        block_m, tiles = 32, GemmTiles(64, 64, 4, 3)
+    else:
+        block_m, tiles = 64, GemmTiles(128, 64, 8, 3)
+    return MoeTiles(block_m, tiles, tiles)
+
+
+def choose_tiles(num_pairs: int, num_experts: int, intermediate: int = 0, hidden: int = 0) -> MoeTiles:
+    """The measured TILES entry of this shape and pair count, else `rule_tiles`."""
+    measured = TILES.get((num_experts, intermediate, hidden, pairs_bucket(num_pairs)))
+    return measured or rule_tiles(num_pairs, num_experts)
+
+
+def gemm_meta(block_m: int, tiles: GemmTiles, num_experts: int, dtype: torch.dtype) -> dict:
+    """`_expert_gemm`'s launch constants for one GEMM."""
+    return dict(
+        BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        LOG2_EXPERTS=num_experts.bit_length() - 1,
+        PRECISION=dot_precision(dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
 
 
 @triton.jit
@@ -241,13 +286,15 @@ def fused_experts(
     ids: torch.Tensor,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     fuse: bool = True,
+    tiles: MoeTiles | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] and the
     shared expert's (gate_up [2I', H], down [H, I']) → [T, H] in x's dtype: the routed mix summed in
     fp32 and rounded, plus the shared expert's output (FusedExperts.forward).
 
     `fuse`: a decode step's alignment and sum one launch each, the shared expert folded in when its
-    shape is an expert's; False: the launches of the reference ops (a same-build comparison)."""
+    shape is an expert's; False: the launches of the reference ops (a same-build comparison).
+    `tiles` overrides `choose_tiles` (bench/moe_decode_gpu.py)."""
     t, k = ids.shape
     num_experts, two_i, hidden = w13.shape
     if t == 0:
@@ -257,21 +304,14 @@ def fused_experts(
     shared_out = _shared_expert(x, *shared) if shared is not None and not fold else None
     shared_w = shared if fold else (None, None)
     rows = n + (t if fold else 0)  # the folded shared expert's pairs after the routed ones
-    tiles = choose_tiles(n, num_experts)
+    tiles = tiles or choose_tiles(n, num_experts, two_i // 2, hidden)
     layout = align_by_expert(ids, num_experts, tiles.block_m, fuse, rows - n)
-    meta = dict(
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        LOG2_EXPERTS=num_experts.bit_length() - 1,
-        PRECISION=dot_precision(x.dtype),
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
+    meta = gemm_meta(tiles.block_m, tiles.gate_up, num_experts, x.dtype)
     h = torch.empty(rows, two_i // 2, dtype=x.dtype, device=x.device)
     _expert_gemm(x.contiguous(), w13, h, layout, meta, num_pairs=n, shared_w=shared_w[0], pairs_per_row=k)
     out = torch.empty(rows, hidden, dtype=torch.float32, device=x.device)
-    routing = weights.reshape(-1).float().contiguous()
+    routing = weights.reshape(-1).float().contiguous()  # the router's fp32 weights: no copy
+    meta = gemm_meta(tiles.block_m, tiles.down, num_experts, x.dtype)
     _expert_gemm(h, w2, out, layout, meta, num_pairs=n, shared_w=shared_w[1], weights=routing)
     if fold:
         shared_out = out[n:]

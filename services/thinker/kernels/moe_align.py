@@ -22,19 +22,15 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _count_kernel(
-    ids_ptr, counts_ptr, num_pairs, NUM_EXPERTS: tl.constexpr, CHUNK: tl.constexpr, SPAN: tl.constexpr
-):
-    """Pairs per expert: each program counts SPAN pairs (CHUNK at a time) and adds its counts to the
-    zeroed `counts` atomically, so a prefill's tens of thousands of pairs are counted in parallel."""
-    experts = tl.arange(0, NUM_EXPERTS)
-    counts = tl.zeros((NUM_EXPERTS,), dtype=tl.int32)
-    first = tl.program_id(0) * SPAN
-    for start in range(first, tl.minimum(first + SPAN, num_pairs), CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS)
-        counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
-    tl.atomic_add(counts_ptr + experts, counts)
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, SPAN: tl.constexpr):
+    """Pairs per expert: each program adds one per pair of its SPAN to its expert's count in the
+    zeroed `counts`, atomically (integer sums: the same counts in any order). One atomic a pair
+    where a program comparing its pairs with every expert took ~7 µs for a c=32 step's 256 pairs
+    (one H200, Ling-mini)."""
+    offs = tl.program_id(0) * SPAN + tl.arange(0, SPAN)
+    ok = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+    tl.atomic_add(counts_ptr + ids, tl.full((SPAN,), 1, tl.int32), mask=ok, sem="relaxed")
 
 
 @triton.jit
@@ -158,7 +154,7 @@ def align_by_expert(
     never written); blocks past `num_rows` are skipped by the kernels. P depends only on T, k, E
     and block_m (graph-safe). No host sync: one launch when `one_program` (and `shared_rows` > 0
     appends a run of that many pairs numbered T*k on, as expert E: counts and ends get E + 1
-    entries), else a cast, a zero fill and three launches that count in parallel."""
+    entries), else a zero fill and three launches that count in parallel."""
     n = ids.numel()
     dev = ids.device
     rows = max_padded_rows(n, num_experts, block_m) + triton.cdiv(shared_rows, block_m) * block_m
@@ -183,12 +179,10 @@ def align_by_expert(
         return pairs, counts, ends, num_rows
     if shared_rows:
         raise ValueError(f"a shared run needs the one-program layout ({n} pairs, fuse={fuse})")
-    flat = ids.reshape(-1).to(torch.int32)
+    flat = ids.reshape(-1)  # read in its own dtype: no cast launch
     counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     ends, cursor = (torch.empty(num_experts, dtype=torch.int32, device=dev) for _ in range(2))
-    _count_kernel[(triton.cdiv(n, COUNT_SPAN),)](
-        flat, counts, n, NUM_EXPERTS=num_experts, CHUNK=32, SPAN=COUNT_SPAN
-    )
+    _count_kernel[(triton.cdiv(n, COUNT_SPAN),)](flat, counts, n, SPAN=COUNT_SPAN)
     _runs_kernel[(1,)](counts, ends, cursor, num_rows, NUM_EXPERTS=num_experts, BLOCK_M=block_m)
     _scatter_kernel[(n,)](flat, pairs, cursor)
     return pairs, counts, ends, num_rows

@@ -1,21 +1,36 @@
-"""The sigmoid group-limited top-k router in Triton: the gate GEMV and the selection in one launch
-for a decode step's few tokens, the same kernel's selection alone over cuBLAS logits for a prefill.
+"""The sigmoid group-limited top-k router in Triton: the gate GEMM and the selection in one launch
+for a decode batch, the same kernel's selection alone over cuBLAS logits for a prefill.
 
 The reference (`layers/moe.py` Router) takes ~15 launches, and its fp32 GEMV two more copies (the
 activations and the gate weight cast to fp32 every step). The fused kernel reads both in their own
-dtype and accumulates in fp32, as the reference's fp32 GEMV does.
+dtype and accumulates in fp32, as the reference's fp32 GEMV does: up to FUSED_MAX_TOKENS tokens
+with CUDA-core products, up to DOT_MAX_TOKENS as tiled tensor-core dots (bf16 x bf16 products are
+exact in fp32, so both equal the fp32 GEMV up to the order of the sums).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+from omnistage.services.thinker.kernels import dot_precision
 
 # Up to this many tokens the gate GEMV runs in the fused launch: every program re-reads its slice of
 # the gate weight per token block, so it grows with the tokens (one H200, Ling-mini's gate: 5.8 µs a
 # launch at 1 token, 20.7 at 8, 43 at 32), while cuBLAS's GEMV + the select-only launch stay ~12 µs.
 FUSED_MAX_TOKENS = 4
+# Up to this many tokens (and past FUSED_MAX_TOKENS) the gate GEMM is tiled tensor-core dots in the
+# same launch as the selection; past it a prefill's many tokens take cuBLAS's fp32 GEMM (two casts
+# and a select-only launch). Unmeasured above 64 tokens: bench/moe_decode_gpu.py times both paths
+# per token count, and this must come from its table (on one H200, 2026-11-29, the cuBLAS path was
+# an fp32 SIMT sgemm + split-K reduce + two casts: ~15 µs a layer at 8 and at 32 tokens).
+DOT_MAX_TOKENS = 256
+# The tiled path's token rows a program (a tensor-core dot's M; the selection's rows).
+_DOT_BLOCK_T = 16
+# The dtypes the tiled path multiplies (x's and the gate weight's the same); others go to cuBLAS.
+DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Products each fused program holds at once (BLOCK_T x BLOCK_E x BLOCK_H fp32): the hidden chunk
 # shrinks as the token block grows, so the registers stay bounded.
 _TILE_ELEMS = 8192
@@ -98,14 +113,33 @@ def _select(
     return w / (tl.sum(w, axis=1)[:, None] + 1e-20), chosen
 
 
+@dataclass(frozen=True)
+class RouterTiles:
+    """The tiled gate GEMM's launch: experts a program (the dot's N), hidden a dot (K), hidden
+    splits (programs per expert block; the last to finish sums them in split order), warps and
+    pipeline stages."""
+
+    block_e: int = 32
+    block_k: int = 128
+    split: int = 4
+    warps: int = 4
+    stages: int = 3
+
+
+# The default tiling until bench/moe_decode_gpu.py's sweep measures one (unmeasured: 8 expert blocks
+# x 4 splits = 32 programs a token block at 256 experts, 512 of Ling-mini's hidden each).
+DOT_TILES = RouterTiles()
+
+
 @triton.jit
-def _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, hidden, stride_x, stride_w, BLOCK_H: tl.constexpr):
-    """[len(rows), len(experts)] fp32 logits: the rows' activations times the experts' gate rows,
-    both loaded in their own dtype, products and sums in fp32 (the reference's fp32 GEMV)."""
+def _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H: tl.constexpr):
+    """[len(rows), len(experts)] fp32 logits over hidden [k_lo, k_hi): the rows' activations times
+    the experts' gate rows, both loaded in their own dtype, products and sums in fp32 on CUDA cores
+    (a token or four: no tensor-core tile to fill)."""
     hs = tl.arange(0, BLOCK_H)
     acc = tl.zeros((row_ok.shape[0], experts.shape[0]), dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        h_ok = hs < hidden - h0
+    for h0 in range(k_lo, k_hi, BLOCK_H):
+        h_ok = hs < k_hi - h0
         x = tl.load(
             x_ptr + rows[:, None] * stride_x + h0 + hs[None, :],
             mask=row_ok[:, None] & h_ok[None, :],
@@ -116,12 +150,79 @@ def _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, hidden, stride_x, stride_w, 
     return acc
 
 
+@triton.jit
+def _gate_dot(
+    x_ptr,
+    w_ptr,
+    rows,
+    row_ok,
+    experts,
+    k_lo,
+    k_hi,
+    stride_x,
+    stride_w,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The same logits as tensor-core dots of [rows, BLOCK_K] x [BLOCK_K, experts] tiles in the
+    inputs' dtype, accumulated in fp32 (`PRECISION` ieee for fp32 inputs: exact products too)."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((row_ok.shape[0], experts.shape[0]), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = ks < k_hi - k0
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_x + k0 + ks[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w = tl.load(w_ptr + experts[None, :] * stride_w + k0 + ks[:, None], mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _sum_splits(
+    partial_ptr, logits_ptr, rows, row_ok, num_tokens, NUM_EXPERTS: tl.constexpr, SPLIT: tl.constexpr
+):
+    """The rows' logits = their SPLIT partial sums added in split order (the same sum every
+    launch), read past L1 (.cg: other programs wrote them)."""
+    e = tl.arange(0, NUM_EXPERTS)
+    at = rows[:, None] * NUM_EXPERTS + e[None, :]
+    total = tl.zeros((row_ok.shape[0], NUM_EXPERTS), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        part = partial_ptr + s * num_tokens * NUM_EXPERTS + at
+        total += tl.load(part, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+    tl.store(logits_ptr + at, total, mask=row_ok[:, None])
+
+
+@triton.jit
+def _split_range(hidden, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (e, t, s)'s hidden range [k_lo, k_hi): split s of SPLIT whole BLOCK_H steps."""
+    chunk = tl.cdiv(tl.cdiv(hidden, SPLIT), BLOCK_H) * BLOCK_H
+    k_lo = tl.program_id(2) * chunk
+    return k_lo, tl.minimum(hidden, k_lo + chunk)
+
+
+@triton.jit
+def _last_to_finish(tickets_ptr, block):
+    """Whether this program took its token block's last ticket (after a CTA barrier, so every
+    thread's logits are stored before the ticket releases them); that program resets the ticket,
+    so the buffer is zero again for the next launch."""
+    tl.debug_barrier()
+    done = tl.atomic_add(tickets_ptr + block, 1, sem="acq_rel", scope="gpu")
+    last = done == tl.num_programs(0) * tl.num_programs(2) - 1
+    if last:
+        tl.store(tickets_ptr + block, 0)
+    return last
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _route_kernel(
     x_ptr,
     w_ptr,
     bias_ptr,
     logits_ptr,
+    partial_ptr,
     tickets_ptr,
     weights_ptr,
     ids_ptr,
@@ -138,25 +239,34 @@ def _route_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr,
     GEMV: tl.constexpr,
+    DOT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Program (e, t) for BLOCK_T tokens. GEMV: the fp32 logits of BLOCK_E experts into `logits`;
-    the last program of a token block to finish (a ticket per block, taken atomically and reset by
-    that program, so the buffer is zero again for the next launch) selects the experts of its
-    tokens from all logits. Else the logits [T, E] are given (x, w and the tickets unread) and
-    program (0, t) selects."""
+    """Program (e, t, s) for BLOCK_T tokens. GEMV: the fp32 logits of BLOCK_E experts over hidden
+    split s (CUDA-core products, or tensor-core dots when DOT) into `partial` (`logits` when SPLIT
+    is 1); the last program of a token block to finish (`_last_to_finish`) sums the splits and
+    selects the experts of its tokens from all logits. Else the logits [T, E] are given (x, w,
+    partial and the tickets unread) and program (0, t, 0) selects."""
     pid_t = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     row_ok = rows < num_tokens
     last = True
     if GEMV:
         experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-        acc = _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, hidden, stride_x, stride_w, BLOCK_H)
-        tl.store(logits_ptr + rows[:, None] * NUM_EXPERTS + experts[None, :], acc, mask=row_ok[:, None])
-        tl.debug_barrier()  # every thread's logits stored before the ticket releases them
-        done = tl.atomic_add(tickets_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
-        last = done == tl.num_programs(0) - 1
-        if last:
-            tl.store(tickets_ptr + pid_t, 0)
+        k_lo, k_hi = _split_range(hidden, SPLIT, BLOCK_H)
+        if DOT:
+            acc = _gate_dot(
+                x_ptr, w_ptr, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H, PRECISION
+            )
+        else:
+            acc = _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H)
+        part = partial_ptr + tl.program_id(2) * num_tokens * NUM_EXPERTS
+        tl.store(part + rows[:, None] * NUM_EXPERTS + experts[None, :], acc, mask=row_ok[:, None])
+        last = _last_to_finish(tickets_ptr, pid_t)
+        if last and SPLIT > 1:
+            _sum_splits(partial_ptr, logits_ptr, rows, row_ok, num_tokens, NUM_EXPERTS, SPLIT)
+            tl.debug_barrier()  # the summed logits stored before the selection reads them
     if last:
         w, chosen = _select(
             logits_ptr + rows * NUM_EXPERTS, bias_ptr, row_ok, NUM_EXPERTS, GROUPS, TOPK_GROUP, TOP_K
@@ -178,6 +288,59 @@ def _tickets_for(device: torch.device, blocks: int) -> torch.Tensor:
     return buf
 
 
+PATHS = ("gemv", "dot", "cublas")
+
+
+def route_path(x: torch.Tensor, weight: torch.Tensor, fuse: bool = True) -> str:
+    """The one dispatch rule: `gemv` (CUDA-core products in the selecting launch) up to
+    FUSED_MAX_TOKENS tokens, `dot` (tensor-core tiles, same launch) up to DOT_MAX_TOKENS when x and
+    the gate weight share a DOT_DTYPES dtype, else `cublas` (the reference's fp32 GEMM, then the
+    select-only launch); `cublas` always when not `fuse` (the unfused same-build comparison)."""
+    t = x.shape[0]
+    if not fuse or t > DOT_MAX_TOKENS:
+        return "cublas"
+    if t <= FUSED_MAX_TOKENS:
+        return "gemv"
+    return "dot" if x.dtype == weight.dtype and x.dtype in DOT_DTYPES else "cublas"
+
+
+def _tiling(
+    path: str, t: int, hidden: int, num_experts: int, tiles: RouterTiles | None
+) -> tuple[int, int, int, int, int, int]:
+    """The launch's (token rows a program, experts a program, hidden a step, splits, warps,
+    stages): the dot path's from `tiles` (default DOT_TILES); the gemv path's products bounded by
+    _TILE_ELEMS; the select-only path a program a token."""
+    if path == "dot":
+        cfg = tiles or DOT_TILES
+        split = max(1, min(cfg.split, triton.cdiv(hidden, cfg.block_k)))
+        return _DOT_BLOCK_T, min(cfg.block_e, num_experts), cfg.block_k, split, cfg.warps, cfg.stages
+    if path == "gemv":
+        block_t, block_e = min(triton.next_power_of_2(t), 16), min(_BLOCK_E, num_experts)
+        block_h = max(16, min(triton.next_power_of_2(hidden), _TILE_ELEMS // (block_t * block_e)))
+        return block_t, block_e, block_h, 1, 4, 3
+    return 1, num_experts, 16, 1, 4, 3
+
+
+def _operands(gemm: bool, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The launch's x, w and fp32 logits: on a GEMM path the inputs as they are and an empty
+    scratch; else the reference's fp32 GEMM (cuBLAS, two casts), its logits standing in for x and
+    w (unread without GEMV)."""
+    if gemm:
+        return (
+            x.contiguous(),
+            weight.contiguous(),
+            x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32),
+        )
+    logits = torch.nn.functional.linear(x.float(), weight.float()).contiguous()
+    return logits, logits, logits
+
+
+def _checked(path: str | None) -> str | None:
+    if path is not None and path not in PATHS:
+        raise ValueError(f"router path {path!r}: expected one of {', '.join(PATHS)}")
+    return path
+
+
 def route(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -187,34 +350,32 @@ def route(
     topk_group: int,
     scaling: float,
     fuse: bool = True,
+    path: str | None = None,
+    tiles: RouterTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], gate weight [E, H] → (fp32 weights [T, top_k], int64 expert ids [T, top_k]).
 
-    One launch up to FUSED_MAX_TOKENS tokens (and `fuse`); otherwise the reference's fp32 GEMV
-    (cuBLAS, a prefill's many tokens), then the selection in one launch, a program a token."""
-    t, hidden = x.shape
-    num_experts = weight.shape[0]
+    One launch on the `route_path` paths gemv and dot, else the reference's fp32 GEMM (cuBLAS) and
+    the selection in one launch, a program a token. `path` and `tiles` (the dot path's; default
+    DOT_TILES) override the rule (bench/moe_decode_gpu.py)."""
+    (t, hidden), num_experts = x.shape, weight.shape[0]
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     if t == 0:
         return weights, ids
-    gemv = fuse and t <= FUSED_MAX_TOKENS
-    if gemv:
-        x, weight = x.contiguous(), weight.contiguous()
-        logits = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)
-        block_t, block_e = min(triton.next_power_of_2(t), 16), min(_BLOCK_E, num_experts)
-    else:
-        logits = torch.nn.functional.linear(x.float(), weight.float()).contiguous()
-        x = weight = logits  # unread without GEMV
-        block_t, block_e = 1, num_experts
-    block_h = max(16, min(triton.next_power_of_2(hidden), _TILE_ELEMS // (block_t * block_e)))
-    grid = (num_experts // block_e, triton.cdiv(t, block_t))
+    path = _checked(path) or route_path(x, weight, fuse)
+    gemm = path != "cublas"
+    x, weight, logits = _operands(gemm, x, weight)
+    block_t, block_e, block_h, split, warps, stages = _tiling(path, t, hidden, num_experts, tiles)
+    partial = logits if split == 1 else logits.new_empty(split, t, num_experts)
+    grid = (num_experts // block_e, triton.cdiv(t, block_t), split)
     _route_kernel[grid](
         x,
         weight,
         bias,
         logits,
-        _tickets_for(x.device, grid[1]) if gemv else ids,  # unread without GEMV
+        partial,
+        _tickets_for(x.device, grid[1]) if gemm else ids,  # unread without GEMV
         weights,
         ids,
         t,
@@ -229,7 +390,12 @@ def route(
         BLOCK_T=block_t,
         BLOCK_E=block_e,
         BLOCK_H=block_h,
-        GEMV=gemv,
+        GEMV=gemm,
+        DOT=path == "dot",
+        SPLIT=split,
+        PRECISION=dot_precision(x.dtype),
+        num_warps=warps,
+        num_stages=stages,
     )
     return weights, ids
 

@@ -57,6 +57,7 @@ ROUTE = {
     "w_ptr": B,
     "bias_ptr": B,
     "logits_ptr": "*fp32",
+    "partial_ptr": "*fp32",
     "tickets_ptr": "*i32",
     "weights_ptr": "*fp32",
     "ids_ptr": "*i64",
@@ -73,11 +74,13 @@ GEMV = {
     **{n: I32 for n in ("m", "n", "k", "k_per_split", "stride_x", "stride_w")},
 }
 ROUTE_SHAPE = {"NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4, "TOP_K": 8}
+# The CUDA-core GEMV's launch (a token or four) and the select-only one: no dots, no splits.
+ROUTE_GEMV = {"DOT": False, "SPLIT": 1, "PRECISION": "tf32"}
 CASES = {
     "count": (
         moe_align._count_kernel,
-        {"ids_ptr": "*i32", "counts_ptr": "*i32", "num_pairs": I32},
-        {"NUM_EXPERTS": 256, "CHUNK": 32, "SPAN": 512},
+        {"ids_ptr": "*i64", "counts_ptr": "*i32", "num_pairs": I32},
+        {"SPAN": 512},
     ),
     "runs": (
         moe_align._runs_kernel,
@@ -86,7 +89,7 @@ CASES = {
     ),
     "scatter": (
         moe_align._scatter_kernel,
-        {"ids_ptr": "*i32", "pairs_ptr": "*i32", "cursor_ptr": "*i32"},
+        {"ids_ptr": "*i64", "pairs_ptr": "*i32", "cursor_ptr": "*i32"},
         {},
     ),
     "gate_up": (
@@ -241,13 +244,20 @@ CASES = {
     "route": (
         router._route_kernel,
         ROUTE,
-        {**ROUTE_SHAPE, "BLOCK_T": 16, "BLOCK_E": 4, "BLOCK_H": 128, "GEMV": True},
+        {**ROUTE_SHAPE, **ROUTE_GEMV, "BLOCK_T": 16, "BLOCK_E": 4, "BLOCK_H": 128, "GEMV": True},
+    ),
+    # A decode batch past four tokens: tensor-core dots over hidden splits, the last program sums.
+    "route_dot": (
+        router._route_kernel,
+        ROUTE,
+        {**ROUTE_SHAPE, "BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_H": 128, "GEMV": True, "DOT": True}
+        | {"SPLIT": 4, "PRECISION": "tf32"},
     ),
     # One decode token: the whole hidden row in one chunk; an fp32 expert bias.
     "route_one_token": (
         router._route_kernel,
         {**ROUTE, "bias_ptr": "*fp32"},
-        {**ROUTE_SHAPE, "BLOCK_T": 1, "BLOCK_E": 4, "BLOCK_H": 2048, "GEMV": True},
+        {**ROUTE_SHAPE, **ROUTE_GEMV, "BLOCK_T": 1, "BLOCK_E": 4, "BLOCK_H": 2048, "GEMV": True},
     ),
     # The projections' GEMV: the default config (split-K partials in fp32) and a wide bf16 tile.
     "gemv_split": (
@@ -269,7 +279,7 @@ CASES = {
     "router": (
         router._route_kernel,
         {**ROUTE, "x_ptr": "*fp32", "w_ptr": "*fp32", "tickets_ptr": "*i64"},
-        {**ROUTE_SHAPE, "BLOCK_T": 1, "BLOCK_E": 256, "BLOCK_H": 16, "GEMV": False},
+        {**ROUTE_SHAPE, **ROUTE_GEMV, "BLOCK_T": 1, "BLOCK_E": 256, "BLOCK_H": 16, "GEMV": False},
     ),
     "peer_allreduce": (
         peer_allreduce._one_shot_kernel,

@@ -96,6 +96,7 @@ def test_a_prefill_routes_through_the_reference_gemv_and_the_one_launch_selectio
     x = torch.randn(6, 32)
     want_w, want_ids = router(x)
     monkeypatch.setattr(router_kernels, "FUSED_MAX_TOKENS", 4)
+    monkeypatch.setattr(router_kernels, "DOT_MAX_TOKENS", 4)
     launches = []
     kernel = router_kernels._route_kernel
 
@@ -111,4 +112,4 @@ def test_a_prefill_routes_through_the_reference_gemv_and_the_one_launch_selectio
     router.kernel = router_kernels.route
     got_w, got_ids = router(x)
     assert torch.equal(got_ids, want_ids) and torch.allclose(got_w, want_w, atol=1e-6)
-    assert launches == [((1, 6), False, 1)]  # no fused GEMV: one launch, a program a token
+    assert launches == [((1, 6, 1), False, 1)]  # no fused GEMM: one launch, a program a token

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omnistage.services.thinker.kernels.fused_moe import choose_tiles, fused_experts
+from omnistage.services.thinker.kernels import fused_moe
+from omnistage.services.thinker.kernels.fused_moe import GemmTiles, MoeTiles, choose_tiles, fused_experts
 from omnistage.services.thinker.kernels.moe_align import COUNT_SPAN, ONE_PROGRAM_MAX_PAIRS, align_by_expert
 from omnistage.services.thinker.models.layers.moe import FusedExperts, GatedMLP
 from omnistage.services.thinker.models.layers.parallel import TPGroup
@@ -89,3 +90,29 @@ def test_the_shared_run_follows_the_routed_runs_with_a_pair_per_token():
 def test_tiles_grow_with_the_rows_each_expert_gets():
     small, medium, large = choose_tiles(8, 256), choose_tiles(8 * 1024, 256), choose_tiles(8 * 4096, 256)
     assert small.block_m < medium.block_m < large.block_m
+
+
+def test_a_measured_table_entry_sets_each_gemms_tiles_and_the_rule_covers_the_rest(monkeypatch):
+    """TILES keyed by (experts, intermediate, hidden, pairs bucket): the gate-up and the down GEMM
+    launch with their own entry's tiles, and the result is still the reference's."""
+    measured = MoeTiles(32, GemmTiles(16, 32, 4, 2), GemmTiles(64, 16, 2, 3))
+    monkeypatch.setitem(fused_moe.TILES, (16, 48, 64, 16), measured)  # 3 tokens x top-4: 12 pairs -> 16
+    assert choose_tiles(12, 16, 48, 64) is measured
+    assert choose_tiles(12, 16, 48, 128) == choose_tiles(12, 16) == fused_moe.rule_tiles(12, 16)
+    assert choose_tiles(17, 16, 48, 64) == fused_moe.rule_tiles(17, 16)  # the next bucket: unmeasured
+    launches = []
+    real = fused_moe.gemm_meta
+
+    def spy(block_m, tiles, num_experts, dtype):
+        launches.append((block_m, tiles))
+        return real(block_m, tiles, num_experts, dtype)
+
+    monkeypatch.setattr(fused_moe, "gemm_meta", spy)
+    m = experts(16, 64, 48, seed=5)
+    x, weights = torch.randn(3, 64), torch.rand(3, 4)
+    ids = torch.stack([torch.randperm(16)[:4] for _ in range(3)])
+    shared = shared_expert(64, 48)
+    want = m(x, weights, ids, shared)
+    got = fused_experts(x, m.w13, m.w2, weights, ids, (shared.gate_up_proj.weight, shared.down_proj.weight))
+    assert launches == [(32, measured.gate_up), (32, measured.down)]
+    assert ((got - want).norm() / want.norm()) < 1e-5

@@ -1,0 +1,321 @@
+"""The MoE layer's decode kernels on one GPU at a decode batch's shapes: the router's paths, the expert
+alignment, and the two expert GEMMs under a tile sweep.
+
+    source bench/device_env.sh && python3 bench/moe_decode_gpu.py --out $OUT/moe_decode.json
+    run("source bench/device_env.sh && python3 bench/moe_decode_gpu.py --out $OUT/moe_decode.json",
+        kind="nvidia-h200", carry=[".cache/transport-whl"])   # ~5 min: --sweep-s 90 a shape
+
+For Ling-mini (TP=1) and Ming-flash's thinker at TP=2 (one rank's expert slices; the router is
+replicated), 256 experts, top-8, the shared expert folded in as a routed run where `fused_experts`
+folds it, at T = 1 … 64 tokens in bf16. Every time is µs a call from CUDA events over replays of a
+CUDA graph of CALLS calls, each call on its own routing (so the experts' weights come from HBM,
+not from the previous call's L2), no launch cost:
+- the router: `route`'s gemv path (CUDA-core products, T ≤ 16), its tiled dot path (default
+  tiles, then the best of a tile sweep within --router-sweep-s, per T: for router.DOT_TILES) and
+  the cuBLAS path (fp32 casts + GEMM + select), and how many tokens of the dot path pick the
+  reference's experts (one gate weight for all calls: its 1-2 MB may sit in L2);
+- the alignment: one program (with the shared run) and the multi-launch layout;
+- the expert GEMMs: gate-up and down each under a sweep of (BLOCK_M, BLOCK_N, BLOCK_K, warps,
+  stages) within --sweep-s, against `rule_tiles`; per (shape, pairs bucket) the best block_m of
+  both and a PASTE line for fused_moe.TILES.
+Writes JSON to --out. Exit status 1 when the dot path's routing disagrees with the reference's on
+more than 1 % of tokens (near-ties flip rarely: fp32 sums in another order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from omnistage.common.bench_results import write_result
+from omnistage.common.checkpoint.config_only import LING_MINI, MING_FLASH
+from omnistage.services.thinker.kernels import fused_moe, router
+from omnistage.services.thinker.kernels.fused_moe import GemmTiles, MoeTiles, gemm_meta, rule_tiles
+from omnistage.services.thinker.kernels.moe_align import align_by_expert, one_program
+from omnistage.services.thinker.kernels.router import RouterTiles
+from omnistage.services.thinker.models.layers.moe import Router
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the graph timer
+from graph_timing import graph_time_us  # noqa: E402
+
+CALLS = 20  # calls per captured graph, each on its own routing
+DEVICE, DTYPE = "cuda", torch.bfloat16
+TOKENS = (1, 2, 4, 8, 16, 32, 64)
+GEMM_SWEEP = dict(
+    block_m=(16, 32), block_n=(16, 32, 64, 128), block_k=(64, 128, 256), warps=(4, 8), stages=(2, 3, 4)
+)
+ROUTER_SWEEP = dict(
+    block_e=(16, 32, 64), block_k=(64, 128, 256), split=(1, 2, 4, 8), warps=(4, 8), stages=(2, 3)
+)
+
+
+def moe_shape(dims: dict, tp: int) -> dict:
+    """One rank's MoE sizes: the experts' intermediate split over TP, the router replicated."""
+    return dict(
+        experts=dims["num_experts"],
+        hidden=dims["hidden_size"],
+        inter=dims["moe_intermediate_size"] // tp,
+        top_k=dims["num_experts_per_tok"],
+        groups=dims["n_group"],
+        topk_group=dims["topk_group"],
+    )
+
+
+SHAPES = {"ling-mini tp1": moe_shape(LING_MINI, 1), "ming-flash tp2": moe_shape(MING_FLASH, 2)}
+
+
+def time_us(fns: list[Callable[[], object]], replays: int = 10) -> float:
+    """µs a call, each of `fns` (CALLS of them) once in one captured graph."""
+    return graph_time_us(fns, replays)
+
+
+def routings(t: int, shape: dict) -> list[torch.Tensor]:
+    """CALLS random routings [t, top_k] (distinct experts per token, int64 as the router gives)."""
+    e, k = shape["experts"], shape["top_k"]
+    return [torch.stack([torch.randperm(e, device=DEVICE)[:k] for _ in range(t)]) for _ in range(CALLS)]
+
+
+class RouterCase:
+    """One shape and token count's router: a bf16 gate, CALLS inputs, the launch's arguments."""
+
+    def __init__(self, shape: dict, t: int) -> None:
+        e, h = shape["experts"], shape["hidden"]
+        self.t = t
+        self.gate = Router(h, e, shape["top_k"], shape["groups"], shape["topk_group"], 2.5)
+        self.gate.to(DEVICE, DTYPE)
+        self.gate.weight.data.normal_(0, 0.02)
+        self.gate.expert_bias.data.normal_(0, 0.01)
+        self.xs = [torch.randn(t, h, device=DEVICE, dtype=DTYPE) for _ in range(CALLS)]
+        g = self.gate
+        self.args = (g.weight, g.expert_bias, g.top_k, g.n_group, g.topk_group, g.scaling)
+
+    def time(self, path: str, tiles: RouterTiles | None = None) -> float:
+        return time_us([lambda x=x: router.route(x, *self.args, path=path, tiles=tiles) for x in self.xs])
+
+    def same_tokens(self) -> float:
+        """The share of tokens whose dot-path experts are the reference's (fp32 GEMM)."""
+        same = 0
+        for x in self.xs:
+            want = self.gate(x)[1]
+            same += int((router.route(x, *self.args, path="dot")[1] == want).all(dim=1).sum())
+        return round(same / (self.t * CALLS), 4)
+
+
+def bench_router(name: str, shape: dict, tokens: tuple[int, ...], budget_s: float) -> list[dict]:
+    """The router's paths per token count, the dot path's agreement with the reference, and the
+    dot path's best tiles per token count from a sweep within `budget_s`."""
+    cases = [RouterCase(shape, t) for t in tokens]
+    e, h = shape["experts"], shape["hidden"]
+    timers = {
+        c.t: lambda cfg, c=c: (
+            c.time("dot", cfg) if cfg.block_e <= e and cfg.block_k * cfg.split <= 2 * h else None
+        )
+        for c in cases
+    }
+    best = sweep(sweep_configs(ROUTER_SWEEP, RouterTiles), timers, budget_s, lambda cfg: 0)
+    rows = []
+    for c in cases:
+        row = dict(
+            model=name, tokens=c.t, cublas_us=round(c.time("cublas"), 2), dot_us=round(c.time("dot"), 2)
+        )
+        if c.t <= 16:
+            row["gemv_us"] = round(c.time("gemv"), 2)
+        row["dot_same_tokens"] = c.same_tokens()
+        if (c.t, 0) in best:
+            us, cfg = best[c.t, 0]
+            row.update(dot_best_us=round(us, 2), dot_best_tiles=asdict(cfg))
+        print(f"router {name:15s} T={c.t:3d}  {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def sweep(
+    configs: list, timers: dict[object, Callable[[object], float | None]], budget_s: float, group: Callable
+) -> dict[tuple[object, object], tuple[float, object]]:
+    """The best config per (timer key, group(config)): configs in order until `budget_s` runs out,
+    each timed by every timer (None: it does not fit that case; an exception: the compiler refused
+    it, the config is dropped)."""
+    best: dict[tuple[object, object], tuple[float, object]] = {}
+    deadline, tried = time.monotonic() + budget_s, 0
+    for cfg in configs:
+        if time.monotonic() > deadline:
+            break
+        tried += 1
+        for key, timer in timers.items():
+            try:
+                us = timer(cfg)
+            except Exception as exc:  # registers, shared memory
+                print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
+                break
+            slot = (key, group(cfg))
+            if us is not None and (slot not in best or us < best[slot][0]):
+                best[slot] = (us, cfg)
+    print(f"sweep: {tried} of {len(configs)} configs timed", flush=True)
+    return best
+
+
+def sweep_configs(space: dict, make: Callable) -> list:
+    """Every combination of `space` as `make(*values)`, in a fixed random order (a sweep cut short
+    still samples the space)."""
+    configs = [make(*values) for values in itertools.product(*space.values())]
+    random.Random(0).shuffle(configs)
+    return configs
+
+
+def bench_align(name: str, shape: dict, t: int, ids: list[torch.Tensor]) -> dict:
+    """The alignment of t tokens' pairs: one program with the shared run (where the fused path
+    uses it) and the multi-launch layout, at block_m 16."""
+    e, n = shape["experts"], t * shape["top_k"]
+    row = dict(model=name, tokens=t, pairs=n, one_program=one_program(n, True))
+    row["multi_launch_us"] = round(time_us([lambda i=i: align_by_expert(i, e, 16, False) for i in ids]), 2)
+    if one_program(n, True):
+        row["one_program_us"] = round(
+            time_us([lambda i=i: align_by_expert(i, e, 16, True, t) for i in ids]), 2
+        )
+    print(f"align  {name:15s} T={t:3d} pairs {n:4d}  {row}", flush=True)
+    return row
+
+
+class GemmCase:
+    """One shape and token count's expert GEMMs: inputs, CALLS layouts per block_m, outputs."""
+
+    def __init__(self, shape: dict, t: int, w13: torch.Tensor, w2: torch.Tensor, shared: tuple, ids: list):
+        self.shape, self.t, self.w13, self.w2 = shape, t, w13, w2
+        k = shape["top_k"]
+        self.n = t * k
+        self.fold = one_program(self.n, True)  # the decode step folds the shared expert in here
+        self.shared = shared if self.fold else (None, None)
+        rows = self.n + (t if self.fold else 0)
+        self.x = torch.randn(t, shape["hidden"], device=DEVICE, dtype=DTYPE)
+        self.h = torch.randn(rows, shape["inter"], device=DEVICE, dtype=DTYPE)
+        self.out = torch.empty(rows, shape["hidden"], device=DEVICE, dtype=torch.float32)
+        self.routing = torch.rand(self.n, device=DEVICE)
+        self.ids, self.layouts = ids, {}
+        self.rule_us: dict[str, float] = {}
+
+    def layout(self, block_m: int) -> list[tuple[torch.Tensor, ...]]:
+        if block_m not in self.layouts:
+            extra = self.t if self.fold else 0
+            self.layouts[block_m] = [
+                align_by_expert(i, self.shape["experts"], block_m, True, extra) for i in self.ids
+            ]
+        return self.layouts[block_m]
+
+    def time(self, gemm: str, block_m: int, tiles: GemmTiles) -> float:
+        meta = gemm_meta(block_m, tiles, self.shape["experts"], DTYPE)
+        k, n = self.shape["top_k"], self.n
+        if gemm == "gate_up":
+            calls = [
+                lambda lay=lay: fused_moe._expert_gemm(
+                    self.x, self.w13, self.h, lay, meta, num_pairs=n, shared_w=self.shared[0], pairs_per_row=k
+                )
+                for lay in self.layout(block_m)
+            ]
+        else:
+            calls = [
+                lambda lay=lay: fused_moe._expert_gemm(
+                    self.h,
+                    self.w2,
+                    self.out,
+                    lay,
+                    meta,
+                    num_pairs=n,
+                    shared_w=self.shared[1],
+                    weights=self.routing,
+                )
+                for lay in self.layout(block_m)
+            ]
+        return time_us(calls, replays=5)
+
+
+def gemm_fits(cfg: tuple, shape: dict, gemm: str) -> bool:
+    """A tile worth timing: no wider than the GEMM's N, two reduction steps at least."""
+    _, block_n, block_k, _, _ = cfg
+    n, k = (shape["inter"], shape["hidden"]) if gemm == "gate_up" else (shape["hidden"], shape["inter"])
+    return block_n <= n and 2 * block_k <= k
+
+
+def gemm_timers(cases: list[GemmCase]) -> dict[tuple[int, str], Callable[[tuple], float | None]]:
+    """A sweep timer per (tokens, gemm): cfg (block_m, block_n, block_k, warps, stages) → µs."""
+
+    def timer(case: GemmCase, gemm: str) -> Callable[[tuple], float | None]:
+        return lambda cfg: (
+            case.time(gemm, cfg[0], GemmTiles(*cfg[1:])) if gemm_fits(cfg, case.shape, gemm) else None
+        )
+
+    return {(c.t, g): timer(c, g) for c in cases for g in ("gate_up", "down")}
+
+
+def bench_gemms(name: str, shape: dict, tokens: tuple[int, ...], ids: dict, budget_s: float) -> list[dict]:
+    """Per token count: the rule's tiles and the sweep's best (block_m shared by both GEMMs), with a
+    PASTE line for fused_moe.TILES."""
+    e, h, i = shape["experts"], shape["hidden"], shape["inter"]
+    w13 = torch.randn(e, 2 * i, h, device=DEVICE, dtype=DTYPE) * 0.02
+    w2 = torch.randn(e, h, i, device=DEVICE, dtype=DTYPE) * 0.02
+    shared = (torch.randn_like(w13[0]), torch.randn_like(w2[0]))
+    cases = [GemmCase(shape, t, w13, w2, shared, ids[t]) for t in tokens]
+    rows = []
+    for case in cases:
+        rule = rule_tiles(case.n, e)
+        case.rule_us = {g: case.time(g, rule.block_m, getattr(rule, g)) for g in ("gate_up", "down")}
+    best = sweep(sweep_configs(GEMM_SWEEP, lambda *v: v), gemm_timers(cases), budget_s, lambda cfg: cfg[0])
+    for case in cases:
+        pick = None
+        for block_m in GEMM_SWEEP["block_m"]:
+            both = [best.get(((case.t, g), block_m)) for g in ("gate_up", "down")]
+            if all(both) and (pick is None or both[0][0] + both[1][0] < pick[1]):
+                pick = (block_m, both[0][0] + both[1][0], both)
+        row = dict(model=name, tokens=case.t, pairs=case.n, folded=case.fold)
+        row.update({f"rule_{g}_us": round(us, 2) for g, us in case.rule_us.items()})
+        if pick is not None:
+            block_m, total, ((gu_us, gu), (dn_us, dn)) = pick
+            tiles = MoeTiles(block_m, GemmTiles(*gu[1:]), GemmTiles(*dn[1:]))
+            row.update(best_gate_up_us=round(gu_us, 2), best_down_us=round(dn_us, 2), best=asdict(tiles))
+            key = (e, i, h, fused_moe.pairs_bucket(case.n))
+            rule_total = sum(case.rule_us.values())
+            print(
+                f"PASTE     {key}: {tiles},  # {name} T={case.t}: {total:.1f} us vs the rule's {rule_total:.1f}",
+                flush=True,
+            )
+        print(f"gemm   {name:15s} T={case.t:3d}  {row}", flush=True)
+        rows.append(row)
+    del w13, w2
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="moe_decode.json")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated of: " + ", ".join(SHAPES))
+    ap.add_argument("--sweep-s", type=float, default=90.0, help="GEMM tile sweep time per shape (0: none)")
+    ap.add_argument("--router-sweep-s", type=float, default=20.0, help="router tile sweep time per shape")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    tokens = tuple(int(t) for t in args.tokens.split(",") if t)
+    print("device", torch.cuda.get_device_name(0), "tuned", sorted(fused_moe.TILES), flush=True)
+    result: dict = dict(
+        device=torch.cuda.get_device_name(0), calls_per_graph=CALLS, router=[], align=[], gemm=[]
+    )
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        ids = {t: routings(t, shape) for t in tokens}
+        result["router"] += bench_router(name, shape, tokens, args.router_sweep_s)
+        result["align"] += [bench_align(name, shape, t, ids[t]) for t in tokens]
+        result["gemm"] += bench_gemms(name, shape, tokens, ids, args.sweep_s)
+        torch.cuda.empty_cache()
+    write_result(args.out, result, gpu=True)  # CUDA only: the script needs a GPU
+    worst = min((r["dot_same_tokens"] for r in result["router"]), default=1.0)
+    print(f"SUMMARY router dot path agreement (worst) {worst:.4f}", flush=True)
+    return 1 if worst < 0.99 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The router's tiled gate GEMM (a decode batch past FUSED_MAX_TOKENS: tensor-core dots, hidden
+splits summed by the last program, the selection in the same launch) equals the reference Router."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from omnistage.services.thinker.kernels import router as router_kernels
+from omnistage.services.thinker.kernels.router import RouterTiles, route_path
+from omnistage.services.thinker.models.layers.moe import Router
+
+
+def _router(hidden: int, seed: int) -> Router:
+    torch.manual_seed(seed)
+    router = Router(hidden, 64, top_k=8, n_group=8, topk_group=4, scaling=2.5)
+    router.weight.data.normal_()
+    router.expert_bias.data.normal_(0, 0.1)
+    return router
+
+
+@pytest.mark.parametrize("tokens", [5, 8, 17, 33, 64, 130])
+def test_the_tiled_gemm_routes_every_decode_batch_as_the_reference(tokens):
+    router = _router(72, tokens)  # 72: a partial hidden tile and an uneven split
+    x = torch.randn(tokens, 72)
+    want_w, want_ids = router(x)
+    assert route_path(x, router.weight) == "dot"
+    tiles = RouterTiles(block_e=16, block_k=16, split=2)
+    router.kernel = functools.partial(router_kernels.route, tiles=tiles)
+    for _ in range(2):  # the second launch reuses the tickets the first left
+        got_w, got_ids = router(x)
+        assert torch.equal(got_ids, want_ids)  # same experts in the same (descending) order
+        assert torch.allclose(got_w, want_w, atol=1e-6)
+    assert not router_kernels._tickets_for(x.device, 1).any()
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [RouterTiles(32, 32, 1), RouterTiles(16, 16, 4), RouterTiles(64, 128, 8)],
+    ids=["one-split", "four-splits", "more-splits-than-tiles"],
+)
+def test_every_tiling_of_the_gemm_gives_the_same_routing(tiles):
+    router = _router(72, 1)
+    x = torch.randn(20, 72)
+    want_w, want_ids = router(x)
+    got_w, got_ids = router_kernels.route(x, router.weight, router.expert_bias, 8, 8, 4, 2.5, tiles=tiles)
+    assert torch.equal(got_ids, want_ids) and torch.allclose(got_w, want_w, atol=1e-6)
+
+
+def test_ties_on_the_tiled_path_go_to_the_lower_group_and_expert():
+    router = Router(16, 64, top_k=8, n_group=8, topk_group=4, scaling=1.0)
+    router.weight.data.zero_()  # every score 0.5: all groups and experts tie
+    router.expert_bias.data.zero_()
+    router.kernel = router_kernels.route
+    w, ids = router(torch.randn(20, 16))
+    assert ids.tolist() == [list(range(8))] * 20 and torch.allclose(w, torch.full_like(w, 1 / 8))
+
+
+def test_the_path_by_token_count_dtype_and_fusion(monkeypatch):
+    monkeypatch.setattr(router_kernels, "FUSED_MAX_TOKENS", 4)
+    monkeypatch.setattr(router_kernels, "DOT_MAX_TOKENS", 64)
+    w = torch.zeros(64, 16)
+
+    def path(tokens: int, dtype: torch.dtype = torch.float32, fuse: bool = True) -> str:
+        return route_path(torch.zeros(tokens, 16, dtype=dtype), w.to(dtype), fuse)
+
+    assert [path(t) for t in (1, 4, 5, 64, 65)] == ["gemv", "gemv", "dot", "dot", "cublas"]
+    assert path(8, fuse=False) == "cublas"  # the unfused comparison keeps the reference ops
+    assert route_path(torch.zeros(8, 16, dtype=torch.bfloat16), w) == "cublas"  # mixed dtypes
+    with pytest.raises(ValueError, match="router path 'nope'"):
+        router_kernels.route(torch.zeros(8, 16), w, torch.zeros(64), 8, 8, 4, 1.0, path="nope")
+
+
+def test_the_tiled_path_writes_no_fp32_copies_of_its_inputs(monkeypatch):
+    """The decode step's casts are gone: no x.float() / weight.float() on the tiled path."""
+    router = _router(32, 4)
+    x = torch.randn(12, 32)
+    calls = []
+    real = torch.Tensor.float
+
+    def spy(self, *args, **kwargs):
+        calls.append(tuple(self.shape))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "float", spy)
+    router_kernels.route(x, router.weight, router.expert_bias, 8, 8, 4, 2.5)
+    assert calls == []
+    router_kernels.route(x, router.weight, router.expert_bias, 8, 8, 4, 2.5, path="cublas")
+    assert calls == [(12, 32), (64, 32)]  # the reference GEMM's two casts, kept for a prefill
