@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -352,6 +353,13 @@ def test_drain_and_resume_the_gateway_through_its_admin_port(pipeline):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
         control.Resume(control_pb2.ResumeRequest(), timeout=10)
     assert _generate(pipeline["gateway"], _request(max_tokens=2))[-1].WhichOneof("event") == "finish"
+
+
+def test_the_launcher_serves_without_importing_torch(pipeline):
+    """`omnistage serve` spawns and watches processes and sweeps /dev/shm: torch (seconds of CPU at every
+    start) is the stages' alone."""
+    maps = Path(f"/proc/{pipeline['proc'].pid}/maps").read_text()
+    assert "libtorch" not in maps, "the launcher process loaded torch"
 
 
 def test_metrics_pass_promtool_check_metrics(pipeline, check_metrics):
