@@ -64,17 +64,14 @@ def test_judge_rejects_a_diagnostic_that_names_the_wrong_rank():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_chaos_launches_end_serving_or_diagnosed_and_leave_nothing(tmp_path):
-    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
-
-    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", seed=0)
+def test_chaos_launches_end_serving_or_diagnosed_and_leave_nothing(tmp_path, tiny_ckpt):
     lines: list[str] = []
     plans = [p for p in plan_launches(10, SEED) if p.index in CI_PLANS]
     assert set(ACTIONS) | {"launcher_sigterm"} <= {p.kind for p in plans}
     assert {p.tp_size for p in plans} == {1, 2} and {p.service for p in plans} >= {"thinker", "gateway"}
     assert {p.phase for p in plans} >= {"starting", "loading_weights", "warming_up"}
     results = run_chaos(
-        plans, ckpt, tmp_path, Settings(hang_deadline_s=4.0, timing_bounds=False), log=lines.append
+        plans, tiny_ckpt, tmp_path, Settings(hang_deadline_s=4.0, timing_bounds=False), log=lines.append
     )
     table = summary(results)
     print(table)

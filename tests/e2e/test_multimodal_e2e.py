@@ -165,15 +165,8 @@ class Pipeline(ServeProcess):
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("mm-e2e") / "ckpt", seed=0)
-
-
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, ckpt):
-    p = Pipeline(tmp_path_factory.mktemp("mm-tp1"), ckpt, 1).wait_ready()
+def pipeline(tmp_path_factory, tiny_ckpt):
+    p = Pipeline(tmp_path_factory.mktemp("mm-tp1"), tiny_ckpt, 1).wait_ready()
     yield p
     p.stop_leaving_nothing()
 
@@ -276,12 +269,12 @@ TEXT = [_text("Count to ten.")]
 
 @pytest.mark.slow
 def test_tp2_gives_the_tp1_tokens_alone_and_batched_and_sigterm_stops_every_rank(
-    tmp_path_factory, ckpt, pipeline, alone
+    tmp_path_factory, tiny_ckpt, pipeline, alone
 ):
     """Media and plain text: the same greedy tokens at TP=2 as at TP=1; SIGTERM then stops both ranks."""
     text_tp1 = pipeline.tokens(request(TEXT, max_tokens=12))
     assert len(text_tp1) == 12
-    p = Pipeline(tmp_path_factory.mktemp("mm-tp2"), ckpt, 2).wait_ready()
+    p = Pipeline(tmp_path_factory.mktemp("mm-tp2"), tiny_ckpt, 2).wait_ready()
     try:
         assert p.tokens(request(TEXT, max_tokens=12)) == text_tp1
         before = p.shm_decodes()

@@ -13,13 +13,6 @@ from tests.e2e.serve_pipeline import ServeProcess, free_ports
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "ckpt", seed=0)
-
-
 def serve(tmp: Path, ckpt: Path, tp_size: int, fault: dict | None = None) -> ServeProcess:
     """`omnistage serve` of gateway + thinker at `tp_size` on a fresh deploy file (the launcher's
     verdicts on stderr, apart)."""
@@ -42,8 +35,8 @@ def serve(tmp: Path, ckpt: Path, tp_size: int, fault: dict | None = None) -> Ser
     return ServeProcess(tmp, cfg, tag=f"-tp{tp_size}", err_apart=True)
 
 
-def test_crash_of_rank1_while_loading_weights_names_it(tmp_path, ckpt):
-    run = serve(tmp_path, ckpt, 2, fault={"phase": "loading_weights", "action": "crash", "rank": 1})
+def test_crash_of_rank1_while_loading_weights_names_it(tmp_path, tiny_ckpt):
+    run = serve(tmp_path, tiny_ckpt, 2, fault={"phase": "loading_weights", "action": "crash", "rank": 1})
     try:
         assert run.wait_exit() != 0
     finally:
