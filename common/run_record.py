@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from omnistage.common.config import DeployConfig, join_host_port
+from omnistage.common.pids import pid_alive
 from omnistage.common.runtime import auth
-from omnistage.common.transport.host import pid_alive
 
 RUN_FILE = "run.json"
 RUNS_DIR = "runs"

@@ -8,7 +8,7 @@ subnormal numbers, unknown enums, empty and oversized parts, media paths); raw c
 bytes and mutated valid messages. Every answer must be a precise status: OK, or a refusal whose
 code is one a client can act on (never UNKNOWN, INTERNAL, UNAVAILABLE, a deadline or a cancel) and
 whose message says what was wrong. The strategies are shared with the CI test
-(tests/e2e/test_gateway_fuzz.py), which runs a few hundred cases.
+(tests/e2e/test_gateway_e2e.py), which runs a few hundred cases.
 """
 
 from __future__ import annotations

@@ -169,9 +169,9 @@ def _sweep_shm(err: TextIO) -> None:
     """Remove shared-memory segments left by dead processes of an earlier run.
 
     Safe next to starting children: a segment goes only when its owner pid is dead and no process
-    holds its lock. Runs in a thread because the transport package imports torch (seconds).
+    holds its lock. Runs in a thread, beside the children's start (a full /dev/shm takes a while).
     """
-    from omnistage.common.transport.host import sweep_stale_segments
+    from omnistage.common.shm_sweep import sweep_stale_segments
 
     try:
         sweep_stale_segments()

@@ -168,7 +168,7 @@ class Processes:
         """Shared memory of exited children that could not close it (killed, or stopped before their
         pools closed: a TP rank 0 stuck behind a stopped peer) goes as soon as they are gone: at each
         group's stop, so also before a restart, not at the next start's sweep."""
-        from omnistage.common.transport.host import sweep_stale_segments
+        from omnistage.common.shm_sweep import sweep_stale_segments
 
         pids = {c.proc.pid for c in children if c.proc.poll() is not None}
         if not pids:

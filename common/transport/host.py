@@ -14,7 +14,9 @@ import secrets
 import socket
 from functools import cache
 
+from omnistage.common.pids import pid_alive
 from omnistage.common.shm_names import SEGMENT_PREFIX, SHM_DIR, segment_owner_pid
+from omnistage.common.shm_sweep import sweep_stale_segments
 
 __all__ = [
     "SEGMENT_PREFIX",
@@ -47,24 +49,6 @@ def host_id() -> str:
     except OSError:
         boot = "no-boot-id"
     return f"{socket.gethostname()}:{boot}"
-
-
-def pid_alive(pid: int) -> bool:
-    """True if `pid` names a running (not zombie) process visible from here."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 class Segment:
@@ -132,35 +116,3 @@ class Segment:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def sweep_stale_segments(shm_dir: str = SHM_DIR, owners: set[int] | None = None) -> list[str]:
-    """Remove `omnistage-<pid>-*` segments whose owner is dead (of `owners` only, when given); return
-    the names removed.
-
-    A segment is removed only if its pid is not alive here *and* no process holds its flock, so a
-    live process's segment is never touched (also when its pid lives in another PID namespace).
-    """
-    removed = []
-    try:
-        names = os.listdir(shm_dir)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        pid = segment_owner_pid(name)
-        if pid is None or pid == os.getpid() or (owners is not None and pid not in owners) or pid_alive(pid):
-            continue
-        path = os.path.join(shm_dir, name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.unlink(path)
-            removed.append(name)
-        except OSError:
-            continue  # locked by a live owner, or not ours to remove
-        finally:
-            os.close(fd)
-    return removed

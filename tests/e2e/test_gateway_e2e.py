@@ -1,27 +1,28 @@
-"""The whole pipeline on the tiny checkpoint: `omnistage serve` → gateway → thinker, over real gRPC."""
+"""The whole pipeline on the tiny checkpoint: `omnistage serve` → gateway → thinker, over real gRPC; last,
+the fuzz of the public API (load_tests/gateway_fuzz.py's strategies) on the same pipeline."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
+from load_tests.gateway_fuzz import run_cases
 from tests.e2e.serve_pipeline import ServeProcess, exposition_with_codes, free_ports
 
 pytestmark = pytest.mark.timeout(600)
+FUZZ_CASES = 150  # typed, and as many raw
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
-
+def pipeline(tmp_path_factory, tiny_ckpt):
     root = tmp_path_factory.mktemp("e2e")
-    ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
     gw_port, gw_admin, th_port, th_admin, dist_port, metrics_port, gw_metrics = free_ports(7)
     cfg = {
-        "model": {"checkpoint": str(ckpt)},
+        "model": {"checkpoint": str(tiny_ckpt)},
         "startup": {"phase_deadlines_s": {"starting": 60, "loading_weights": 240, "warming_up": 240}},
         "services": {
             "thinker": {
@@ -30,7 +31,14 @@ def pipeline(tmp_path_factory):
                 "admin_port": th_admin,
                 "dist_port": dist_port,
                 "metrics_port": metrics_port,
-                "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 128, "max_model_len": 512},
+                # default_max_tokens: a fuzzed request without max_tokens is answered in 8 (no test
+                # here relies on the default).
+                "engine": {
+                    "max_num_seqs": 16,
+                    "max_num_batched_tokens": 128,
+                    "max_model_len": 512,
+                    "default_max_tokens": 8,
+                },
             },
             "gateway": {
                 "kind": "gateway",
@@ -43,7 +51,7 @@ def pipeline(tmp_path_factory):
     }
     serve = ServeProcess(root, cfg).wait_ready(300)
     yield {
-        "checkpoint": ckpt,
+        "checkpoint": tiny_ckpt,
         "gateway": f"127.0.0.1:{gw_port}",
         "gateway_admin": f"127.0.0.1:{gw_admin}",
         "thinker": f"127.0.0.1:{th_port}",
@@ -51,6 +59,7 @@ def pipeline(tmp_path_factory):
         "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
         "gateway_metrics": f"http://127.0.0.1:{gw_metrics}/metrics",
         "proc": serve.proc,
+        "log": serve.out,
     }
     serve.stop()
 
@@ -354,6 +363,13 @@ def test_drain_and_resume_the_gateway_through_its_admin_port(pipeline):
     assert _generate(pipeline["gateway"], _request(max_tokens=2))[-1].WhichOneof("event") == "finish"
 
 
+def test_the_launcher_serves_without_importing_torch(pipeline):
+    """`omnistage serve` spawns and watches processes and sweeps /dev/shm: torch (seconds of CPU at every
+    start) is the stages' alone."""
+    maps = Path(f"/proc/{pipeline['proc'].pid}/maps").read_text()
+    assert "libtorch" not in maps, "the launcher process loaded torch"
+
+
 def test_metrics_pass_promtool_check_metrics(pipeline, check_metrics):
     """/metrics of both stages after this test's own traffic (an answer, a refused request), whatever ran
     before it: the labelled series they count are there and pass promtool (tests/deploy checks the names)."""
@@ -362,3 +378,22 @@ def test_metrics_pass_promtool_check_metrics(pipeline, check_metrics):
         _generate(pipeline["gateway"], _request(temperature=-1))
     check_metrics(exposition_with_codes(pipeline["gateway_metrics"], "OK", "INVALID_ARGUMENT"))
     check_metrics(exposition_with_codes(pipeline["metrics"], "OK"))
+
+
+def test_fuzzed_requests_get_precise_statuses_and_leave_the_pipeline_serving(pipeline):
+    """A few hundred typed requests with hostile contents and raw byte strings (the strategies of
+    `load_tests/gateway_fuzz.py`, which runs 1,000 of each): every answer is a precise status with a
+    message, the services keep serving, nothing stays running, and no traceback reaches the logs (of the
+    whole module: it runs last). The strategies stay within every request limit this pipeline sets (at
+    most 4 messages of 3 parts, texts of 40 characters), so its limits do not decide the statuses."""
+    tally = run_cases(pipeline["gateway"], FUZZ_CASES, timeout_s=60.0, seed=0)
+    assert not tally.bad, "\n".join(tally.bad[:10])
+    assert sum(tally.counts.values()) == 2 * FUZZ_CASES
+    assert tally.counts[("typed", "OK")] > 0, f"no fuzzed request reached the thinker: {dict(tally.counts)}"
+    assert tally.counts[("raw", "INVALID_ARGUMENT")] > 0, dict(tally.counts)
+
+    events = _generate(pipeline["gateway"], _request("Still there?", max_tokens=4, ignore_eos=True), 60)
+    assert events[-1].finish.usage.completion_tokens == 4
+    assert _running(pipeline["thinker_admin"]) == 0, "a fuzzed request is still in the engine"
+    log = pipeline["log"].read_text()
+    assert "Traceback" not in log, log[log.index("Traceback") - 2000 : log.index("Traceback") + 2000]

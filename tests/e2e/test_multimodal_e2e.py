@@ -3,7 +3,9 @@
 Text + image, audio, video and several images answer; the embeddings reach the thinker through shared
 memory (its transport counter) and every encoder lease returns (its gauge); a request's greedy tokens
 are the same alone and batched, and at TP=2; bad media is refused naming the part; a refused or
-cancelled request leaves no lease. One pipeline start per TP size.
+cancelled request leaves no lease. One pipeline start per TP size; SIGTERM stops each with exit 0 and
+leaves no process or shared-memory segment (the TP=2 start also gives the TP=1 greedy text tokens and
+stops every rank: what tests/e2e/test_serve_tp.py started two gateway + thinker pipelines for).
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ class Pipeline(ServeProcess):
                 },
             },
         }
-        super().__init__(root, cfg, f"-tp{tp_size}")
+        super().__init__(root, cfg, f"-tp{tp_size}", err_apart=True)
+        self.tp_size = tp_size
         self.gateway = f"127.0.0.1:{gw}"
         self.thinker_admin = f"127.0.0.1:{th_admin}"
         self.thinker_metrics = f"http://127.0.0.1:{th_metrics}/metrics"
@@ -115,6 +118,19 @@ class Pipeline(ServeProcess):
     def wait_ready(self) -> Pipeline:
         super().wait_ready(START_DEADLINE_S)
         return self
+
+    def stop_leaving_nothing(self) -> None:
+        """SIGTERM (exit 0, `ServeProcess.stop`) after which every rank the launcher started is gone, no
+        process nor shared-memory segment of it is left, and no service failed while stopping."""
+        started = set(self.children())
+        self.stop()
+        left = self.leftovers()
+        assert not left, f"left behind: {left}"
+        ranks = {("thinker", r) for r in range(self.tp_size)} | {("gateway", 0), ("encoder", 0)}
+        assert started == ranks, started
+        out = self.out.read_text()
+        assert f"thinker r{self.tp_size - 1} serving" in out and "all services stopped" in out, self.logs()
+        assert "while stopping" not in self.err.read_text(), self.logs()  # every rank left cleanly
 
     def generate(self, req: omni_pb2.GenerateRequest, timeout: float = 120) -> list[omni_pb2.GenerateEvent]:
         with grpc.insecure_channel(self.gateway) as ch:
@@ -149,17 +165,10 @@ class Pipeline(ServeProcess):
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("mm-e2e") / "ckpt", seed=0)
-
-
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, ckpt):
-    p = Pipeline(tmp_path_factory.mktemp("mm-tp1"), ckpt, 1).wait_ready()
+def pipeline(tmp_path_factory, tiny_ckpt):
+    p = Pipeline(tmp_path_factory.mktemp("mm-tp1"), tiny_ckpt, 1).wait_ready()
     yield p
-    p.stop()
+    p.stop_leaving_nothing()
 
 
 @pytest.fixture(scope="module")
@@ -255,10 +264,19 @@ def test_a_cancelled_request_leaves_no_lease_and_no_work(pipeline):
     pipeline.wait_no_leases()
 
 
+TEXT = [_text("Count to ten.")]
+
+
 @pytest.mark.slow
-def test_tp2_gives_the_tp1_tokens_alone_and_batched(tmp_path_factory, ckpt, alone):
-    p = Pipeline(tmp_path_factory.mktemp("mm-tp2"), ckpt, 2).wait_ready()
+def test_tp2_gives_the_tp1_tokens_alone_and_batched_and_sigterm_stops_every_rank(
+    tmp_path_factory, tiny_ckpt, pipeline, alone
+):
+    """Media and plain text: the same greedy tokens at TP=2 as at TP=1; SIGTERM then stops both ranks."""
+    text_tp1 = pipeline.tokens(request(TEXT, max_tokens=12))
+    assert len(text_tp1) == 12
+    p = Pipeline(tmp_path_factory.mktemp("mm-tp2"), tiny_ckpt, 2).wait_ready()
     try:
+        assert p.tokens(request(TEXT, max_tokens=12)) == text_tp1
         before = p.shm_decodes()
         got = {name: p.tokens(request(parts)) for name, parts in REQUESTS.items()}
         assert got == alone
@@ -276,5 +294,7 @@ def test_tp2_gives_the_tp1_tokens_alone_and_batched(tmp_path_factory, ckpt, alon
             t.join(120)
         assert [results.get(i) for i in range(len(names))] == [alone[n] for n in names]
         p.wait_no_leases()
-    finally:
-        p.stop()
+    except BaseException:
+        p.leftovers()  # killed with every process of it, so that nothing reaches the next test
+        raise
+    p.stop_leaving_nothing()
