@@ -169,7 +169,7 @@ def _sweep_shm(err: TextIO) -> None:
     """Remove shared-memory segments left by dead processes of an earlier run.
 
     Safe next to starting children: a segment goes only when its owner pid is dead and no process
-    holds its lock. Runs in a thread because the transport package imports torch (seconds).
+    holds its lock. Runs in a thread so that a slow `/dev/shm` listing never delays the start.
     """
     from omnistage.common.transport.host import sweep_stale_segments
 
