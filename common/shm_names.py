@@ -1,6 +1,6 @@
 """How omnistage names its `/dev/shm` segments: `omnistage-<owner pid>-<16 hex>`.
 
-Apart from the transport package (which imports torch) so that a process can find its own segments
+Apart from the transport package (whose tensor modules import torch) so that a process can find its own segments
 at any time, also before torch is imported (common/runtime/orphan.py).
 """
 

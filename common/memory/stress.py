@@ -95,17 +95,23 @@ class StressAndCap:
 
     def _attempt(self, batch: int) -> StressAttempt:
         self.mem.reset_peak()
+        allocated_before = self.mem.allocated()
+        oom = ""
         try:
             with self.mem.meter():
                 out = self.run_batch(batch)
                 del out  # outputs are not part of what stays reserved
         except torch.OutOfMemoryError as exc:
-            peak = self.mem.peak_reserved()
-            gc.collect()
-            self.mem.empty_cache()  # give back what the failed attempt grew; the next one measures cleanly
-            return StressAttempt(batch, False, peak, f"out of memory: {str(exc).splitlines()[0]}")
-        gc.collect()
+            oom = f"out of memory: {str(exc).splitlines()[0]}"
+        # Out of the except block: the traceback's frames, and the tensors they held, are gone.
         peak = self.mem.peak_reserved()
+        if self.mem.allocated() > allocated_before:
+            # Only tensors in reference cycles are left: collect them. A full collection costs a
+            # second or more in a process with a model loaded, so not when nothing is held.
+            gc.collect()
+        if oom:
+            self.mem.empty_cache()  # give back what the failed attempt grew; the next one measures cleanly
+            return StressAttempt(batch, False, peak, oom)
         if self.budget_bytes and peak > self.budget_bytes:
             self.mem.empty_cache()
             return StressAttempt(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
+from omnistage.common.memory import stress
 from omnistage.common.memory.device import MiB, SimulatedDeviceMemory
 from omnistage.common.memory.report import export_memory
 from omnistage.common.memory.stress import StressAndCap, StressError
@@ -66,6 +68,27 @@ def test_a_stage_that_fits_only_4_gets_4_and_logs_why(caplog):
         "concurrency capped at 4 of configured 8" in caplog.text and "batch 8: out of memory" in caplog.text
     )
     assert mem.reserved() == result.peak_reserved  # batch 4's peak kept, batch 8's growth given back
+
+
+def test_an_attempt_collects_garbage_only_when_a_reference_cycle_still_holds_its_tensors(monkeypatch):
+    """A full collection costs a second or more in a process with a model loaded: an attempt whose
+    tensors all went with their references needs none; one whose tensors a cycle holds gets one."""
+    mem, enc = _stage_on(256 * MiB)
+    collections: list[int] = []
+    monkeypatch.setattr(stress, "gc", SimpleNamespace(collect=lambda: collections.append(gc.collect())))
+
+    def leaky(batch: int) -> None:
+        node = {"out": enc(batch)}
+        node["self"] = node  # the output is held by a reference cycle only
+
+    gc.disable()  # no automatic collection may free the cycle first
+    try:
+        assert StressAndCap("encoder", mem, enc, [2]).run().max_batch == 2
+        assert collections == [] and mem.allocated() == 2 * MiB
+        assert StressAndCap("encoder", mem, leaky, [2]).run().max_batch == 2
+        assert len(collections) == 1 and mem.allocated() == 2 * MiB
+    finally:
+        gc.enable()
 
 
 def enc_bytes(batch: int) -> int:

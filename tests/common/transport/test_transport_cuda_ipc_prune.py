@@ -6,8 +6,6 @@ private directory, so no concurrent stale-segment sweep removes the dead produce
 from __future__ import annotations
 
 import gc
-import subprocess
-import sys
 import weakref
 
 import pytest
@@ -15,20 +13,9 @@ import torch
 from omnistage.common.transport import cuda_ipc
 from omnistage.v1 import tensor_pb2
 
-POOL_BYTES = 1024
+from tests.common.transport.producers import Producer
 
-# A producer that creates its lease-table segment, prints the name, and dies without cleaning up.
-PRODUCER = r"""
-import os, sys
-from omnistage.common.transport.host import Segment
-from omnistage.common.transport.shm_pool import LeaseTable, table_bytes
-seg = Segment.create(table_bytes(16), shm_dir=sys.argv[2])
-LeaseTable.format(seg, 16, 0)
-print(seg.name, flush=True)
-if sys.argv[1] == "die":
-    os._exit(0)
-sys.stdin.readline()
-"""
+POOL_BYTES = 1024
 
 
 class FakeRuntime:
@@ -65,16 +52,12 @@ def fake_cuda(monkeypatch):
     return rt
 
 
-def _producer(mode: str, shm_dir) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", PRODUCER, mode, str(shm_dir)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    name = proc.stdout.readline().strip()
-    assert name, "producer printed no segment name"
-    return proc, name
+def _dead_producer(shm_dir) -> str:
+    """The lease-table segment of a producer that died without cleaning up."""
+    dead = Producer("lease_table", str(shm_dir))
+    dead.tell()
+    assert dead.wait() == 0
+    return dead.name
 
 
 def _ref(pool_id: str) -> tensor_pb2.CudaIpcRef:
@@ -90,28 +73,25 @@ def _ref(pool_id: str) -> tensor_pb2.CudaIpcRef:
 
 
 def test_handle_of_a_dead_producer_is_closed_when_another_pool_opens(fake_cuda, tmp_path):
-    dead, dead_name = _producer("die", tmp_path)
-    dead.wait(timeout=30)
-    live, live_name = _producer("live", tmp_path)
+    dead_name = _dead_producer(tmp_path)
+    live = Producer("lease_table", str(tmp_path))
     att = cuda_ipc.CudaIpcAttachments(shm_dir=str(tmp_path))
     try:
         view = att.view(_ref(dead_name), 0)
         assert view.numel() == 16 and att.num_open == 1
         del view
         gc.collect()
-        att.view(_ref(live_name), 0)  # opening a new pool prunes the dead one
+        att.view(_ref(live.name), 0)  # opening a new pool prunes the dead one
         assert fake_cuda.closed == [1], "the dead producer's handle stayed open (pins its GPU memory)"
         assert att.num_open == 1
     finally:
         att.close()
-        live.stdin.write("\n")
-        live.stdin.flush()
-        live.wait(timeout=30)
+        live.tell()
+        live.wait()
 
 
 def test_a_handle_still_viewed_is_kept_until_the_view_is_dropped(fake_cuda, tmp_path):
-    dead, dead_name = _producer("die", tmp_path)
-    dead.wait(timeout=30)
+    dead_name = _dead_producer(tmp_path)
     att = cuda_ipc.CudaIpcAttachments(shm_dir=str(tmp_path))
     try:
         view = att.view(_ref(dead_name), 0)
@@ -126,14 +106,13 @@ def test_a_handle_still_viewed_is_kept_until_the_view_is_dropped(fake_cuda, tmp_
 
 
 def test_a_live_producer_is_never_pruned(fake_cuda, tmp_path):
-    live, live_name = _producer("live", tmp_path)
+    live = Producer("lease_table", str(tmp_path))
     att = cuda_ipc.CudaIpcAttachments(shm_dir=str(tmp_path))
     try:
-        att.view(_ref(live_name), 0)
+        att.view(_ref(live.name), 0)
         assert att.prune_dead() == 0 and att.num_open == 1
     finally:
         att.close()
         assert fake_cuda.closed == [1]
-        live.stdin.write("\n")
-        live.stdin.flush()
-        live.wait(timeout=30)
+        live.tell()
+        live.wait()

@@ -10,14 +10,15 @@ import pytest
 from omnistage.common.transport import sweep_stale_segments
 from omnistage.common.transport.host import SHM_DIR, pid_alive
 
+from tests.common.transport.producers import Producer
+
+# The zombie test's producer: a child of this process (so it stays a zombie until reaped here).
 PRODUCER = """
 import sys
 from omnistage.common.transport.shm_pool import ShmPool
 pool = ShmPool(1 << 16)
 print(pool.name, flush=True)
 sys.stdin.readline()
-pool.close()
-print("closed", flush=True)
 """
 
 
@@ -28,6 +29,12 @@ def _start_producer():
     name = proc.stdout.readline().strip()  # the child exits (EOF) if it fails, so this cannot hang
     assert name.startswith(f"omnistage-{proc.pid}-"), f"producer did not report its segment: {name!r}"
     return proc, os.path.join(SHM_DIR, name)
+
+
+def _pool_producer() -> tuple[Producer, str]:
+    producer = Producer("pool")
+    assert producer.name.startswith(f"omnistage-{producer.pid}-"), producer.name
+    return producer, os.path.join(SHM_DIR, producer.name)
 
 
 def _dead_pid():
@@ -41,28 +48,30 @@ def producers():
     procs = []
     yield procs
     for proc in procs:
+        if isinstance(proc, Producer):
+            proc.stop()
+            continue
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=60)
 
 
 def test_sweep_removes_a_killed_producers_segment_only(producers):
-    dead, dead_path = _start_producer()
-    live, live_path = _start_producer()
+    dead, dead_path = _pool_producer()
+    live, live_path = _pool_producer()
     producers += [dead, live]
     assert stat.S_IMODE(os.stat(dead_path).st_mode) == 0o600
-    dead.send_signal(signal.SIGKILL)
-    dead.wait(timeout=60)
+    os.kill(dead.pid, signal.SIGKILL)
+    dead.wait()
     assert os.path.exists(dead_path)  # a SIGKILLed owner cannot clean up
 
     removed = sweep_stale_segments()
     assert os.path.basename(dead_path) in removed and not os.path.exists(dead_path)
     assert os.path.basename(live_path) not in removed and os.path.exists(live_path)
 
-    live.stdin.write("\n")
-    live.stdin.flush()
-    assert live.stdout.readline().strip() == "closed"
-    assert live.wait(timeout=60) == 0
+    live.tell()
+    assert live.said() == "closed"
+    assert live.wait() == 0
     assert not os.path.exists(live_path)  # the owner unlinks on close
 
 
@@ -112,12 +121,12 @@ def test_sweep_ignores_other_files():
 
 def test_a_sweep_for_given_owners_leaves_other_dead_owners_segments(producers):
     """The launcher's clean-up at stop removes its own children's segments, nobody else's."""
-    mine, mine_path = _start_producer()
-    other, other_path = _start_producer()
+    mine, mine_path = _pool_producer()
+    other, other_path = _pool_producer()
     producers += [mine, other]
     for proc in (mine, other):
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
     try:
         removed = sweep_stale_segments(owners={mine.pid})
         assert removed == [os.path.basename(mine_path)] and not os.path.exists(mine_path)
