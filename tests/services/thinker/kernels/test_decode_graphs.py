@@ -1,6 +1,7 @@
 """The decode-graph runner's logic without a GPU: bucket choice, padding rows, static buffers reused
 across steps, which steps it covers; and the tiny engine on the triton kernels through its buffers
-(no capture) gives the reference engine's greedy tokens."""
+(no capture) gives the reference engine's greedy tokens, with the fusions on, and with the fusions
+off and the Triton GEMV on (test_gemv.py tests the kernel itself)."""
 
 from __future__ import annotations
 
@@ -133,27 +134,47 @@ def test_only_pure_decode_steps_within_the_sizes_are_covered():
 
 @pytest.fixture(scope="module")
 def prompts():
+    """Three prompts of 3 to 5 tokens: one prefill step of at most 15 rows, within the GEMV's 16."""
     rng = random.Random(0)
-    return [[rng.randrange(0, 900) for _ in range(rng.randrange(3, 12))] for _ in range(3)]
+    return [[rng.randrange(0, 900) for _ in range(rng.randrange(3, 6))] for _ in range(3)]
 
 
-@pytest.mark.parametrize("fusions", ["on", "off"])
+ENGINE_CFG = dict(block_size=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
+PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_ckpt, prompts):
+    """The reference engine's (torch attention and MoE) greedy tokens, once for every case below
+    (neither FUSIONS_ENV nor GEMV_ENV reaches the torch path); no warm-up: it proves nothing here."""
+    reference = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), EngineConfig(**ENGINE_CFG), warmup=False)))
+    return [r.token_ids for r in reference.generate(prompts, PARAMS)]
+
+
+# Each case is one interpreted engine run (its cost is the Triton interpreter's). `fusions-on` is the
+# production path (GEMV off by default); `fusions-off-gemv-on` switches both diagnostic knobs in one
+# run: with fusions off the shared expert is a GatedMLP of its own, so the GEMV reaches every
+# projection (attention, dense and shared-expert MLPs, LM head), more than it would with fusions on.
+@pytest.mark.parametrize(
+    "fusions, gemv", [("on", "off"), ("off", "on")], ids=["fusions-on", "fusions-off-gemv-on"]
+)
 def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_reference(
-    tiny_ckpt, prompts, fusions, monkeypatch
+    tiny_ckpt, prompts, reference_tokens, fusions, gemv, monkeypatch
 ):
     from omnistage.services.thinker.kernels import fused_moe
-    from omnistage.services.thinker.models.layers.backends import FUSIONS_ENV
+    from omnistage.services.thinker.kernels import gemv as gemv_kernels
+    from omnistage.services.thinker.models.layers.backends import FUSIONS_ENV, GEMV_ENV
 
     monkeypatch.setenv(FUSIONS_ENV, fusions)
+    monkeypatch.setenv(GEMV_ENV, gemv)
     folds = []  # whether each fused-path MoE call ran the shared expert as expert E
     foldable = fused_moe._foldable
     monkeypatch.setattr(fused_moe, "_foldable", lambda *a: folds.append(foldable(*a)) or folds[-1])
-    params = SamplingParams(max_tokens=3, ignore_eos=True)
-    cfg = dict(block_size=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
-    reference = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), EngineConfig(**cfg))))
-    want = [r.token_ids for r in reference.generate(prompts, params)]
+    rows = []  # the rows of each GEMV launch
+    kernel = gemv_kernels.gemv
+    monkeypatch.setattr(gemv_kernels, "gemv", lambda x, w: rows.append(x.shape[0]) or kernel(x, w))
     # No warm-up: its largest shapes are slow in the interpreter and prove nothing here.
-    fast = EngineConfig(attention_backend="triton", moe_backend="triton", **cfg)
+    fast = EngineConfig(attention_backend="triton", moe_backend="triton", **ENGINE_CFG)
     engine = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), fast, warmup=False)))
     runner = engine.runner
     graphs = DecodeGraphs(runner.model, 4, runner.cfg.max_blocks_per_seq, runner.device, capture=False)
@@ -161,11 +182,15 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
     sizes = []
     run = graphs.run
     graphs.run = lambda plan, fill=None: (sizes.append(int(plan.query_lens.numel())), run(plan, fill))[1]
-    got = [r.token_ids for r in engine.generate(prompts, params)]
-    assert got == want
+    got = [r.token_ids for r in engine.generate(prompts, PARAMS)]
+    assert got == reference_tokens
     assert sizes == [3, 3]  # both decode steps went through the buffers (3 sequences, bucket 4)
     # on: the prefill's few pairs and both decode steps fold the shared expert; off: never asked
     assert folds and all(folds) if fusions == "on" else folds == []
+    if gemv == "on":  # the prefill's rows and both decode steps' (bucket 4) took the GEMV, nothing larger
+        assert {sum(map(len, prompts)), 4} <= set(rows) <= set(range(1, 17)), rows
+    else:  # off by default
+        assert rows == []
 
 
 def test_tp_groups_capture_aligned_unless_told_otherwise_and_an_unknown_mode_is_refused(monkeypatch):
