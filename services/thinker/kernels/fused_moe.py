@@ -42,8 +42,45 @@ class MoeTiles:
 # Measured tiles by (experts, N, K, pairs bucket): N the intermediate size per rank, K the hidden
 # size, the bucket `pairs_bucket` of the routed pairs. bench/moe_decode_gpu.py times a sweep on the
 # GPU and prints these entries (its PASTE lines) for a shape's decode batches; a key not here takes
-# `rule_tiles`.
-TILES: dict[tuple[int, int, int, int], MoeTiles] = {}
+# `rule_tiles`. Ling-mini TP=1's entries: one H200, 2026-11-29, bench/moe_decode_gpu.py's sweep (pairs
+# buckets 8-128 timed with the shared run folded in, 256 and 512 without), 1-10 % under the rule's.
+TILES: dict[tuple[int, int, int, int], MoeTiles] = {
+    (256, 512, 2048, 8): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4),
+        down=GemmTiles(block_n=64, block_k=64, num_warps=4, num_stages=4),
+    ),  # ling-mini tp1 T=1: 23.1 us vs the rule's 23.7
+    (256, 512, 2048, 16): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=32, block_k=128, num_warps=4, num_stages=3),
+        down=GemmTiles(block_n=64, block_k=64, num_warps=4, num_stages=3),
+    ),  # ling-mini tp1 T=2: 34.2 us vs the rule's 38.2
+    (256, 512, 2048, 32): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=32, block_k=128, num_warps=4, num_stages=3),
+        down=GemmTiles(block_n=64, block_k=64, num_warps=4, num_stages=2),
+    ),  # ling-mini tp1 T=4: 57.2 us vs the rule's 63.5
+    (256, 512, 2048, 64): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=2),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ),  # ling-mini tp1 T=8: 98.6 us vs the rule's 101.9
+    (256, 512, 2048, 128): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=32, block_k=256, num_warps=4, num_stages=3),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ),  # ling-mini tp1 T=16: 161.9 us vs the rule's 164.1
+    (256, 512, 2048, 256): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=32, block_k=256, num_warps=4, num_stages=2),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ),  # ling-mini tp1 T=32: 245.1 us vs the rule's 248.9
+    (256, 512, 2048, 512): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ),  # ling-mini tp1 T=64: 332.5 us vs the rule's 337.2
+}
 
 
 def pairs_bucket(num_pairs: int) -> int:
