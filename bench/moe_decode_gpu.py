@@ -10,7 +10,8 @@ replicated), 256 experts, top-8, the shared expert folded in as a routed run whe
 folds it, at T = 1 … 64 tokens in bf16. Every time is µs a call from CUDA events over replays of a
 CUDA graph of CALLS calls, each call on its own routing (so the experts' weights come from HBM,
 not from the previous call's L2), no launch cost:
-- the router: `route`'s gemv path (CUDA-core products, T ≤ 16), its tiled dot path (default
+- the router: `route`'s gemv path (CUDA-core products, T ≤ 16: all T tokens in one block as
+  `gemv_us`, in blocks of 1, 2, 4 tokens as `gemv_b*_us`, for router.ROUTE_TABLE), its tiled dot path (default
   tiles, then the best of a tile sweep within --router-sweep-s, per T: for router.DOT_TILES) and
   the cuBLAS path (fp32 casts + GEMM + select), and how many tokens of the dot path pick the
   reference's experts (one gate weight for all calls: its 1-2 MB may sit in L2);
@@ -46,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the graph ti
 from graph_timing import graph_time_us  # noqa: E402
 
 CALLS = 20  # calls per captured graph, each on its own routing
+GEMV_BLOCKS = (1, 2, 4)  # the router's gemv path in token blocks this small (router.ROUTE_TABLE)
 DEVICE, DTYPE = "cuda", torch.bfloat16
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 GEMM_SWEEP = dict(
@@ -96,8 +98,13 @@ class RouterCase:
         g = self.gate
         self.args = (g.weight, g.expert_bias, g.top_k, g.n_group, g.topk_group, g.scaling)
 
-    def time(self, path: str, tiles: RouterTiles | None = None) -> float:
-        return time_us([lambda x=x: router.route(x, *self.args, path=path, tiles=tiles) for x in self.xs])
+    def time(self, path: str, tiles: RouterTiles | None = None, block_t: int | None = None) -> float:
+        return time_us(
+            [
+                lambda x=x: router.route(x, *self.args, path=path, tiles=tiles, block_t=block_t)
+                for x in self.xs
+            ]
+        )
 
     def same_tokens(self) -> float:
         """The share of tokens whose dot-path experts are the reference's (fp32 GEMM)."""
@@ -126,7 +133,11 @@ def bench_router(name: str, shape: dict, tokens: tuple[int, ...], budget_s: floa
             model=name, tokens=c.t, cublas_us=round(c.time("cublas"), 2), dot_us=round(c.time("dot"), 2)
         )
         if c.t <= 16:
-            row["gemv_us"] = round(c.time("gemv"), 2)
+            row["path"] = router.route_path(c.xs[0], c.gate.weight)
+            row["gemv_us"] = round(c.time("gemv", block_t=c.t), 2)  # every token in one block
+            for block_t in GEMV_BLOCKS:
+                if block_t < c.t:
+                    row[f"gemv_b{block_t}_us"] = round(c.time("gemv", block_t=block_t), 2)
         row["dot_same_tokens"] = c.same_tokens()
         if (c.t, 0) in best:
             us, cfg = best[c.t, 0]

@@ -95,8 +95,7 @@ def test_a_prefill_routes_through_the_reference_gemv_and_the_one_launch_selectio
     router.expert_bias.data.normal_(0, 0.1)
     x = torch.randn(6, 32)
     want_w, want_ids = router(x)
-    monkeypatch.setattr(router_kernels, "FUSED_MAX_TOKENS", 4)
-    monkeypatch.setattr(router_kernels, "DOT_MAX_TOKENS", 4)
+    monkeypatch.setattr(router_kernels, "ROUTE_TABLE", ((4, "gemv", 4),))
     launches = []
     kernel = router_kernels._route_kernel
 
