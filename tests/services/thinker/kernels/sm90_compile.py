@@ -84,7 +84,8 @@ CASES = {
     ),
     "runs": (
         moe_align._runs_kernel,
-        {"counts_ptr": "*i32", "ends_ptr": "*i32", "cursor_ptr": "*i32", "num_rows_ptr": "*i32"},
+        {"counts_ptr": "*i32", "ends_ptr": "*i32", "cursor_ptr": "*i32", "num_rows_ptr": "*i32"}
+        | {"pairs_ptr": "*i32", "num_pairs": I32, "shared_rows": I32},
         {"NUM_EXPERTS": 256, "BLOCK_M": 16},
     ),
     "scatter": (
@@ -234,7 +235,7 @@ CASES = {
             "num_pairs": I32,
             "shared_rows": I32,
         },
-        {"NUM_EXPERTS": 256, "BLOCK_M": 16, "CHUNK": 64, "SHARED": True},
+        {"NUM_EXPERTS": 256, "BLOCK_M": 16, "CHUNK": 64},
     ),
     "combine": (
         fused_moe._combine_kernel,
