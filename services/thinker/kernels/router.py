@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from omnistage.services.thinker.kernels import dot_precision
+from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_for
 
 # A decode batch's launch by its token count: (up to this many tokens, path, token rows a program).
 # One H200, 2026-11-29 (bench/moe_decode_gpu.py, Ling-mini's gate, graph-timed µs a call): the gemv
@@ -200,19 +201,6 @@ def _split_range(hidden, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
     return k_lo, tl.minimum(hidden, k_lo + chunk)
 
 
-@triton.jit
-def _last_to_finish(tickets_ptr, block):
-    """Whether this program took its token block's last ticket (after a CTA barrier, so every
-    thread's logits are stored before the ticket releases them); that program resets the ticket,
-    so the buffer is zero again for the next launch."""
-    tl.debug_barrier()
-    done = tl.atomic_add(tickets_ptr + block, 1, sem="acq_rel", scope="gpu")
-    last = done == tl.num_programs(0) * tl.num_programs(2) - 1
-    if last:
-        tl.store(tickets_ptr + block, 0)
-    return last
-
-
 @triton.jit(do_not_specialize=["num_tokens"])
 def _route_kernel(
     x_ptr,
@@ -242,7 +230,7 @@ def _route_kernel(
 ):
     """Program (e, t, s) for BLOCK_T tokens. GEMV: the fp32 logits of BLOCK_E experts over hidden
     split s (CUDA-core products, or tensor-core dots when DOT) into `partial` (`logits` when SPLIT
-    is 1); the last program of a token block to finish (`_last_to_finish`) sums the splits and
+    is 1); the last program of a token block to finish (`tickets.last_to_finish`) sums the splits and
     selects the experts of its tokens from all logits. Else the logits [T, E] are given (x, w,
     partial and the tickets unread) and program (0, t, 0) selects."""
     pid_t = tl.program_id(1)
@@ -260,7 +248,7 @@ def _route_kernel(
             acc = _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H)
         part = partial_ptr + tl.program_id(2) * num_tokens * NUM_EXPERTS
         tl.store(part + rows[:, None] * NUM_EXPERTS + experts[None, :], acc, mask=row_ok[:, None])
-        last = _last_to_finish(tickets_ptr, pid_t)
+        last = last_to_finish(tickets_ptr, pid_t, tl.num_programs(0) * tl.num_programs(2))
         if last and SPLIT > 1:
             _sum_splits(partial_ptr, logits_ptr, rows, row_ok, num_tokens, NUM_EXPERTS, SPLIT)
             tl.debug_barrier()  # the summed logits stored before the selection reads them
@@ -271,18 +259,6 @@ def _route_kernel(
         out = rows[:, None] * TOP_K + tl.arange(0, TOP_K)[None, :]
         tl.store(weights_ptr + out, w * scaling, mask=row_ok[:, None])
         tl.store(ids_ptr + out, chosen, mask=row_ok[:, None])
-
-
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets_for(device: torch.device, blocks: int) -> torch.Tensor:
-    """The zeroed ticket counters of `device` (each launch leaves them zero); made once, outside
-    any graph capture in practice (the eager warm-up forward runs first)."""
-    buf = _tickets.get(device)
-    if buf is None or buf.numel() < blocks:
-        buf = _tickets[device] = torch.zeros(max(blocks, 64), dtype=torch.int32, device=device)
-    return buf
 
 
 PATHS = ("gemv", "dot", "cublas")
@@ -390,7 +366,7 @@ def route(
         bias,
         logits,
         partial,
-        _tickets_for(x.device, grid[1]) if gemm else ids,  # unread without GEMV
+        tickets_for(x.device, grid[1]) if gemm else ids,  # unread without GEMV
         weights,
         ids,
         t,

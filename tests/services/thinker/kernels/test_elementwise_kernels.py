@@ -9,6 +9,7 @@ import pytest
 import torch
 from omnistage.services.thinker.kernels import router as router_kernels
 from omnistage.services.thinker.kernels.norms import qk_norm_rope, rms_norm, silu_and_mul
+from omnistage.services.thinker.kernels.tickets import tickets_for
 from omnistage.services.thinker.models.layers.moe import Router
 from omnistage.services.thinker.models.layers.norm import RMSNorm
 from omnistage.services.thinker.models.layers.rotary import RotaryEmbedding
@@ -75,7 +76,7 @@ def test_router_equals_the_reference_and_leaves_its_tickets_at_zero(tokens, fuse
         got_w, got_ids = router(x)
         assert torch.equal(got_ids, want_ids)  # same experts in the same (descending) order
         assert torch.allclose(got_w, want_w, atol=1e-6)
-    assert not router_kernels._tickets_for(x.device, 1).any()
+    assert not tickets_for(x.device, 1).any()
 
 
 @pytest.mark.parametrize("fuse", [True, False])

@@ -10,6 +10,7 @@ import pytest
 import torch
 from omnistage.services.thinker.kernels import router as router_kernels
 from omnistage.services.thinker.kernels.router import RouterTiles, route_path
+from omnistage.services.thinker.kernels.tickets import tickets_for
 from omnistage.services.thinker.models.layers.moe import Router
 
 
@@ -33,7 +34,7 @@ def test_the_tiled_gemm_routes_every_decode_batch_as_the_reference(tokens):
         got_w, got_ids = router(x)
         assert torch.equal(got_ids, want_ids)  # same experts in the same (descending) order
         assert torch.allclose(got_w, want_w, atol=1e-6)
-    assert not router_kernels._tickets_for(x.device, 1).any()
+    assert not tickets_for(x.device, 1).any()
 
 
 @pytest.mark.parametrize("tokens,block_t", [(1, 1), (3, 1), (5, 2), (16, 4), (7, None)])
@@ -59,7 +60,7 @@ def test_the_gemv_path_in_small_token_blocks_routes_as_the_reference(tokens, blo
         assert torch.equal(got_ids, want_ids) and torch.allclose(got_w, want_w, atol=1e-6)
     rows = min(block_t or 2, tokens)
     assert grids == [(64 // router_kernels._BLOCK_E, -(-tokens // rows), 1)] * 2
-    assert not router_kernels._tickets_for(x.device, 1).any()
+    assert not tickets_for(x.device, 1).any()
 
 
 @pytest.mark.parametrize(
