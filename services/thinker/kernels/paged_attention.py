@@ -120,14 +120,15 @@ def _split_range(ctx, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _merge_splits(part_ptr, stats_ptr, tickets_ptr, m, s, acc, g, d, SPLITS: tl.constexpr):
+def _merge_splits(part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS: tl.constexpr):
     """This split's softmax state (max, sum, values) stored in fp32; the last split of its
     (sequence, KV head) to finish (`last_to_finish`) merges every split's in split order (the same
-    sums every launch) → (the normalised output, the rows to store: none in other programs)."""
+    sums every launch) → (the normalised output, whether this program is that last one)."""
     group = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    width: tl.constexpr = g.shape[0]
+    width: tl.constexpr = acc.shape[0]
+    g, d = tl.arange(0, width), tl.arange(0, acc.shape[1])
     at = group * SPLITS + tl.program_id(2)
-    tl.store(part_ptr + (at * width + g[:, None]) * d.shape[0] + d[None, :], acc)
+    tl.store(part_ptr + (at * width + g[:, None]) * acc.shape[1] + d[None, :], acc)
     tl.store(stats_ptr + at * 2 * width + g, m)
     tl.store(stats_ptr + (at * 2 + 1) * width + g, s)
     last = last_to_finish(tickets_ptr, group, SPLITS)
@@ -146,11 +147,24 @@ def _merge_splits(part_ptr, stats_ptr, tickets_ptr, m, s, acc, g, d, SPLITS: tl.
             w = tl.exp(m_i - top)  # an empty split (max -inf) weighs 0
             total += w * tl.load(stats_ptr + (row * 2 + 1) * width + g, cache_modifier=".cg")
             part = tl.load(
-                part_ptr + (row * width + g[:, None]) * d.shape[0] + d[None, :], cache_modifier=".cg"
+                part_ptr + (row * width + g[:, None]) * acc.shape[1] + d[None, :], cache_modifier=".cg"
             )
             out += w[:, None] * part
         out = out / tl.maximum(total, 1e-30)[:, None]
     return out, last
+
+
+@triton.jit
+def _finish(out_rows, h_ok, part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS: tl.constexpr):
+    """The output rows `out_rows` [GROUP_PAD, D] of the query heads in `h_ok`: this program's
+    normalised state (one split), or the merge of all splits by the last to finish."""
+    if SPLITS == 1:
+        out = acc / tl.maximum(s, 1e-30)[:, None]
+        rows = h_ok
+    else:
+        out, last = _merge_splits(part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS)
+        rows = (h_ok.to(tl.int32) * last.to(tl.int32)) > 0  # (the interpreter's h_ok & last: int32)
+    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=rows[:, None])
 
 
 @triton.jit
@@ -190,18 +204,15 @@ def _decode_kernel(
     SPLITS: tl.constexpr,
 ):
     """Program (sequence, KV head, split): its GQA group of query heads over its split of the
-    context (`_split_range`; one split: all of it), BLOCK_N cached tokens (several pages) per
-    iteration, online softmax in fp32; with SPLITS > 1 the splits merge in the last one to finish
-    (`_merge_splits`: flash-decoding in one launch). WRITE_KV: the new token's K/V row of this head
-    is first stored at its slot (slot < 0: nothing) by the split holding the context's last token
-    (the new one; split 0 of an empty context), the only one that reads it."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    context (`_split_range`), online softmax in fp32 over BLOCK_N cached tokens (several pages) a
+    step; SPLITS > 1: merged by the last split to finish (flash-decoding in one launch). WRITE_KV:
+    the new K/V row of this head stored at its slot (slot < 0: nothing) by the split holding the
+    context's last token (the new one; split 0 of an empty context), the only one that reads it."""
+    b, kvh = tl.program_id(0), tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
     lo, hi = _split_range(ctx, SPLITS, BLOCK_N)
     g = tl.arange(0, GROUP_PAD)
-    heads = kvh * group + g
-    h_ok = g < group
+    heads, h_ok = kvh * group + g, g < group
     d = tl.arange(0, HEAD_DIM)
     if WRITE_KV:
         slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -215,17 +226,8 @@ def _decode_kernel(
     m, s, acc = _attend_range(
         q, *kv, table, lo, hi, kvh, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, PRECISION
     )
-    if SPLITS == 1:
-        out = acc / tl.maximum(s, 1e-30)[:, None]
-        rows = h_ok
-    else:
-        out, last = _merge_splits(part_ptr, stats_ptr, tickets_ptr, m, s, acc, g, d, SPLITS)
-        rows = (h_ok.to(tl.int32) * last.to(tl.int32)) > 0  # (the interpreter's h_ok & last: int32)
-    tl.store(
-        out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=rows[:, None],
-    )
+    out_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    _finish(out_rows, h_ok, part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS)
 
 
 def paged_strides(
@@ -271,12 +273,10 @@ def paged_decode(
 ) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence) → [B, H, D]: attention over each sequence's first
     context_lens[b] cached tokens through its block table row. The new tokens' K/V are in the
-    cache already, or `new_kv` = (k, v [B, KVH, D], slots [B]; each slot the context's last
-    position, as a decode step's is) and this launch writes them (as `write_kv` would: slot < 0
-    writes nothing), one launch fewer per layer. `splits` (default `decode_splits`): context
-    splits a (sequence, KV head), merged in the same launch."""
-    bsz, num_heads, head_dim = q.shape
-    _, page, num_kv_heads, _ = k_cache.shape
+    cache already, or `new_kv` = (k, v [B, KVH, D], slots [B]: each the context's last position)
+    and this launch writes them (as `write_kv`: slot < 0 writes nothing), one launch fewer per
+    layer. `splits` (default `decode_splits`): context splits a (sequence, KV head)."""
+    (bsz, num_heads, head_dim), (_, page, num_kv_heads, _) = q.shape, k_cache.shape
     group, group_pad = num_heads // num_kv_heads, max(16, triton.next_power_of_2(num_heads // num_kv_heads))
     out = torch.empty_like(q)
     if bsz == 0:

@@ -8,16 +8,21 @@ import torch
 import triton
 import triton.language as tl
 
+# Groups of a decode launch stay below this: the router's token blocks (at most 256 tokens), the
+# split attention's (sequence, KV head) pairs (fewer than paged_attention.SPLIT_TARGET_PROGRAMS).
+MIN_TICKETS = 1024
+
 _tickets: dict[torch.device, torch.Tensor] = {}
 
 
 def tickets_for(device: torch.device, groups: int) -> torch.Tensor:
     """The zeroed ticket counters of `device` (each launch leaves them zero; launches on one stream
     run one after another, so every kernel can use the same buffer); made once, outside any graph
-    capture in practice (the eager warm-up forward runs first)."""
+    capture in practice (the eager warm-up forward runs first), at MIN_TICKETS at least so that no
+    decode batch grows it (a captured graph keeps the buffer it was captured with)."""
     buf = _tickets.get(device)
     if buf is None or buf.numel() < groups:
-        buf = _tickets[device] = torch.zeros(max(groups, 64), dtype=torch.int32, device=device)
+        buf = _tickets[device] = torch.zeros(max(groups, MIN_TICKETS), dtype=torch.int32, device=device)
     return buf
 
 
