@@ -10,11 +10,14 @@ replicated), 256 experts, top-8, the shared expert folded in as a routed run whe
 folds it, at T = 1 … 64 tokens in bf16. Every time is µs a call from CUDA events over replays of a
 CUDA graph of CALLS calls, each call on its own routing (so the experts' weights come from HBM,
 not from the previous call's L2), no launch cost:
-- the router: `route`'s gemv path (CUDA-core products, T ≤ 16), its tiled dot path (default
+- the router: `route`'s gemv path (CUDA-core products, T ≤ 16: all T tokens in one block as
+  `gemv_us`, in blocks of 1, 2, 4 tokens as `gemv_b*_us`, for router.ROUTE_TABLE), its tiled dot path (default
   tiles, then the best of a tile sweep within --router-sweep-s, per T: for router.DOT_TILES) and
   the cuBLAS path (fp32 casts + GEMM + select), and how many tokens of the dot path pick the
   reference's experts (one gate weight for all calls: its 1-2 MB may sit in L2);
-- the alignment: one program (with the shared run) and the multi-launch layout;
+- the alignment (with the shared run): one program (up to 128 pairs) and the multi-launch layout;
+- the whole `fused_experts` with the shared expert folded in and not (`moe` rows: for
+  fused_moe.SHARED_FOLD_MAX_PAIRS);
 - the expert GEMMs: gate-up and down each under a sweep of (BLOCK_M, BLOCK_N, BLOCK_K, warps,
   stages) within --sweep-s, against `rule_tiles`; per (shape, pairs bucket) the best block_m of
   both and a PASTE line for fused_moe.TILES.
@@ -32,13 +35,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from unittest import mock
 
 import torch
 from omnistage.common.bench_results import write_result
 from omnistage.common.checkpoint.config_only import LING_MINI, MING_FLASH
-from omnistage.services.thinker.kernels import fused_moe, router
+from omnistage.services.thinker.kernels import fused_moe, moe_align, router
 from omnistage.services.thinker.kernels.fused_moe import GemmTiles, MoeTiles, gemm_meta, rule_tiles
-from omnistage.services.thinker.kernels.moe_align import align_by_expert, one_program
+from omnistage.services.thinker.kernels.moe_align import align_by_expert
 from omnistage.services.thinker.kernels.router import RouterTiles
 from omnistage.services.thinker.models.layers.moe import Router
 
@@ -46,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the graph ti
 from graph_timing import graph_time_us  # noqa: E402
 
 CALLS = 20  # calls per captured graph, each on its own routing
+GEMV_BLOCKS = (1, 2, 4)  # the router's gemv path in token blocks this small (router.ROUTE_TABLE)
 DEVICE, DTYPE = "cuda", torch.bfloat16
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 GEMM_SWEEP = dict(
@@ -96,8 +101,13 @@ class RouterCase:
         g = self.gate
         self.args = (g.weight, g.expert_bias, g.top_k, g.n_group, g.topk_group, g.scaling)
 
-    def time(self, path: str, tiles: RouterTiles | None = None) -> float:
-        return time_us([lambda x=x: router.route(x, *self.args, path=path, tiles=tiles) for x in self.xs])
+    def time(self, path: str, tiles: RouterTiles | None = None, block_t: int | None = None) -> float:
+        return time_us(
+            [
+                lambda x=x: router.route(x, *self.args, path=path, tiles=tiles, block_t=block_t)
+                for x in self.xs
+            ]
+        )
 
     def same_tokens(self) -> float:
         """The share of tokens whose dot-path experts are the reference's (fp32 GEMM)."""
@@ -126,7 +136,11 @@ def bench_router(name: str, shape: dict, tokens: tuple[int, ...], budget_s: floa
             model=name, tokens=c.t, cublas_us=round(c.time("cublas"), 2), dot_us=round(c.time("dot"), 2)
         )
         if c.t <= 16:
-            row["gemv_us"] = round(c.time("gemv"), 2)
+            row["path"] = router.route_path(c.xs[0], c.gate.weight)
+            row["gemv_us"] = round(c.time("gemv", block_t=c.t), 2)  # every token in one block
+            for block_t in GEMV_BLOCKS:
+                if block_t < c.t:
+                    row[f"gemv_b{block_t}_us"] = round(c.time("gemv", block_t=block_t), 2)
         row["dot_same_tokens"] = c.same_tokens()
         if (c.t, 0) in best:
             us, cfg = best[c.t, 0]
@@ -169,18 +183,47 @@ def sweep_configs(space: dict, make: Callable) -> list:
     return configs
 
 
+def one_program_limit(pairs: int):
+    """moe_align.ONE_PROGRAM_MAX_PAIRS set for a timing: huge (one program) or 0 (multi-launch)."""
+    return mock.patch.object(moe_align, "ONE_PROGRAM_MAX_PAIRS", pairs)
+
+
 def bench_align(name: str, shape: dict, t: int, ids: list[torch.Tensor]) -> dict:
-    """The alignment of t tokens' pairs: one program with the shared run (where the fused path
-    uses it) and the multi-launch layout, at block_m 16."""
+    """The alignment of t tokens' pairs with the shared run appended (as the fused path folds it),
+    by one program and by the multi-launch layout, at block_m 16; `one_program`: the layout the
+    fused path takes at this size (moe_align.ONE_PROGRAM_MAX_PAIRS)."""
     e, n = shape["experts"], t * shape["top_k"]
-    row = dict(model=name, tokens=t, pairs=n, one_program=one_program(n, True))
-    row["multi_launch_us"] = round(time_us([lambda i=i: align_by_expert(i, e, 16, False) for i in ids]), 2)
-    if one_program(n, True):
-        row["one_program_us"] = round(
-            time_us([lambda i=i: align_by_expert(i, e, 16, True, t) for i in ids]), 2
-        )
+    row = dict(model=name, tokens=t, pairs=n, one_program=moe_align.one_program(n, True))
+    for key, limit in (("multi_launch_us", 0), ("one_program_us", 10**6)):
+        if limit or n <= 128:  # one program past 128 pairs: slower than the launches it saves
+            with one_program_limit(limit):
+                row[key] = round(time_us([lambda i=i: align_by_expert(i, e, 16, True, t) for i in ids]), 2)
     print(f"align  {name:15s} T={t:3d} pairs {n:4d}  {row}", flush=True)
     return row
+
+
+def bench_fold(name: str, shape: dict, t: int, ids: list[torch.Tensor], weights: tuple) -> dict:
+    """`fused_experts` (alignment, both GEMMs, the sum) with the shared expert folded in as a run
+    and as its own cuBLAS GEMMs + SiLU·mul (fused_moe.SHARED_FOLD_MAX_PAIRS's choice per size)."""
+    w13, w2, shared = weights
+    x = torch.randn(t, shape["hidden"], device=DEVICE, dtype=DTYPE)
+    routing = torch.rand(t, shape["top_k"], device=DEVICE)
+    n = t * shape["top_k"]
+    row = dict(model=name, tokens=t, pairs=n, folds=fused_moe.folds_shared(n, True))
+    for key, limit in (("folded_us", 10**6), ("unfolded_us", 0)):
+        with mock.patch.object(fused_moe, "SHARED_FOLD_MAX_PAIRS", limit):
+            calls = [lambda i=i: fused_moe.fused_experts(x, w13, w2, routing, i, shared) for i in ids]
+            row[key] = round(time_us(calls, replays=5), 2)
+    print(f"moe    {name:15s} T={t:3d} pairs {n:4d}  {row}", flush=True)
+    return row
+
+
+def expert_weights(shape: dict) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """bf16 w13 [E, 2I, H], w2 [E, H, I] and a shared expert of an expert's shape."""
+    e, h, i = shape["experts"], shape["hidden"], shape["inter"]
+    w13 = torch.randn(e, 2 * i, h, device=DEVICE, dtype=DTYPE) * 0.02
+    w2 = torch.randn(e, h, i, device=DEVICE, dtype=DTYPE) * 0.02
+    return w13, w2, (torch.randn_like(w13[0]), torch.randn_like(w2[0]))
 
 
 class GemmCase:
@@ -190,7 +233,7 @@ class GemmCase:
         self.shape, self.t, self.w13, self.w2 = shape, t, w13, w2
         k = shape["top_k"]
         self.n = t * k
-        self.fold = one_program(self.n, True)  # the decode step folds the shared expert in here
+        self.fold = fused_moe.folds_shared(self.n, True)  # the decode step folds the shared expert in
         self.shared = shared if self.fold else (None, None)
         rows = self.n + (t if self.fold else 0)
         self.x = torch.randn(t, shape["hidden"], device=DEVICE, dtype=DTYPE)
@@ -253,13 +296,13 @@ def gemm_timers(cases: list[GemmCase]) -> dict[tuple[int, str], Callable[[tuple]
     return {(c.t, g): timer(c, g) for c in cases for g in ("gate_up", "down")}
 
 
-def bench_gemms(name: str, shape: dict, tokens: tuple[int, ...], ids: dict, budget_s: float) -> list[dict]:
+def bench_gemms(
+    name: str, shape: dict, tokens: tuple[int, ...], ids: dict, weights: tuple, budget_s: float
+) -> list[dict]:
     """Per token count: the rule's tiles and the sweep's best (block_m shared by both GEMMs), with a
     PASTE line for fused_moe.TILES."""
     e, h, i = shape["experts"], shape["hidden"], shape["inter"]
-    w13 = torch.randn(e, 2 * i, h, device=DEVICE, dtype=DTYPE) * 0.02
-    w2 = torch.randn(e, h, i, device=DEVICE, dtype=DTYPE) * 0.02
-    shared = (torch.randn_like(w13[0]), torch.randn_like(w2[0]))
+    w13, w2, shared = weights
     cases = [GemmCase(shape, t, w13, w2, shared, ids[t]) for t in tokens]
     rows = []
     for case in cases:
@@ -286,7 +329,6 @@ def bench_gemms(name: str, shape: dict, tokens: tuple[int, ...], ids: dict, budg
             )
         print(f"gemm   {name:15s} T={case.t:3d}  {row}", flush=True)
         rows.append(row)
-    del w13, w2
     return rows
 
 
@@ -302,14 +344,17 @@ def main(argv: list[str] | None = None) -> int:
     tokens = tuple(int(t) for t in args.tokens.split(",") if t)
     print("device", torch.cuda.get_device_name(0), "tuned", sorted(fused_moe.TILES), flush=True)
     result: dict = dict(
-        device=torch.cuda.get_device_name(0), calls_per_graph=CALLS, router=[], align=[], gemm=[]
+        device=torch.cuda.get_device_name(0), calls_per_graph=CALLS, router=[], align=[], moe=[], gemm=[]
     )
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         ids = {t: routings(t, shape) for t in tokens}
         result["router"] += bench_router(name, shape, tokens, args.router_sweep_s)
         result["align"] += [bench_align(name, shape, t, ids[t]) for t in tokens]
-        result["gemm"] += bench_gemms(name, shape, tokens, ids, args.sweep_s)
+        weights = expert_weights(shape)
+        result["moe"] += [bench_fold(name, shape, t, ids[t], weights) for t in tokens]
+        result["gemm"] += bench_gemms(name, shape, tokens, ids, weights, args.sweep_s)
+        del weights
         torch.cuda.empty_cache()
     write_result(args.out, result, gpu=True)  # CUDA only: the script needs a GPU
     worst = min((r["dot_same_tokens"] for r in result["router"]), default=1.0)

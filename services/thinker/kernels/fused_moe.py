@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from omnistage.services.thinker.kernels import dot_precision
-from omnistage.services.thinker.kernels.moe_align import align_by_expert, block_rows, one_program
+from omnistage.services.thinker.kernels.moe_align import align_by_expert, block_rows
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,60 @@ class MoeTiles:
 # Measured tiles by (experts, N, K, pairs bucket): N the intermediate size per rank, K the hidden
 # size, the bucket `pairs_bucket` of the routed pairs. bench/moe_decode_gpu.py times a sweep on the
 # GPU and prints these entries (its PASTE lines) for a shape's decode batches; a key not here takes
-# `rule_tiles`.
-TILES: dict[tuple[int, int, int, int], MoeTiles] = {}
+# `rule_tiles`. Ling-mini TP=1's entries: one H200, 2026-11-29, bench/moe_decode_gpu.py's sweep (pairs
+# buckets 8-128 timed with the shared run folded in, 256 and 512 without), 1-10 % under the rule's.
+TILES: dict[tuple[int, int, int, int], MoeTiles] = {
+    (256, 512, 2048, 8): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4),
+        down=GemmTiles(block_n=64, block_k=64, num_warps=4, num_stages=4),
+    ),  # ling-mini tp1 T=1: 23.1 us vs the rule's 23.7
+    (256, 512, 2048, 16): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=32, block_k=128, num_warps=4, num_stages=3),
+        down=GemmTiles(block_n=64, block_k=64, num_warps=4, num_stages=3),
+    ),  # ling-mini tp1 T=2: 34.2 us vs the rule's 38.2
+    (256, 512, 2048, 32): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=32, block_k=128, num_warps=4, num_stages=3),
+        down=GemmTiles(block_n=64, block_k=64, num_warps=4, num_stages=2),
+    ),  # ling-mini tp1 T=4: 57.2 us vs the rule's 63.5
+    (256, 512, 2048, 64): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=2),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ),  # ling-mini tp1 T=8: 98.6 us vs the rule's 101.9
+    (256, 512, 2048, 128): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=32, block_k=256, num_warps=4, num_stages=3),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ),  # ling-mini tp1 T=16: 161.9 us vs the rule's 164.1
+    (256, 512, 2048, 256): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=32, block_k=256, num_warps=4, num_stages=2),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ),  # ling-mini tp1 T=32: 245.1 us vs the rule's 248.9
+    (256, 512, 2048, 512): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ),  # ling-mini tp1 T=64: 332.5 us vs the rule's 337.2
+}
+
+
+# Up to this many routed pairs (a decode batch of 64 tokens at top-8) `fused_experts` folds the
+# shared expert in as one more run of the routed GEMMs, in either alignment layout; past it (a
+# prefill) the shared expert is its own GEMMs (cuBLAS) and SiLU·mul. Folding saves those three
+# launches a layer (one H200, Ling-mini c=64: 0.11 + 0.19 ms a step unfolded). It folded only up to
+# 16 tokens before (the one-program alignment's limit then); folded vs not at every decode size is
+# bench/moe_decode_gpu.py's `moe` rows, not measured yet: this threshold comes from them.
+SHARED_FOLD_MAX_PAIRS = 512
+
+
+def folds_shared(num_pairs: int, fuse: bool) -> bool:
+    """Whether `fused_experts` runs the shared expert (when its shape is an expert's) as a run of
+    the routed GEMMs for a step of `num_pairs` routed pairs."""
+    return fuse and num_pairs <= SHARED_FOLD_MAX_PAIRS
 
 
 def pairs_bucket(num_pairs: int) -> int:
@@ -292,15 +344,16 @@ def fused_experts(
     shared expert's (gate_up [2I', H], down [H, I']) → [T, H] in x's dtype: the routed mix summed in
     fp32 and rounded, plus the shared expert's output (FusedExperts.forward).
 
-    `fuse`: a decode step's alignment and sum one launch each, the shared expert folded in when its
-    shape is an expert's; False: the launches of the reference ops (a same-build comparison).
+    `fuse`: a decode step's fusions -- the sum in one launch, the shared expert folded in
+    (`folds_shared`) when its shape is an expert's; False: the launches of the reference ops (a
+    same-build comparison).
     `tiles` overrides `choose_tiles` (bench/moe_decode_gpu.py)."""
     t, k = ids.shape
     num_experts, two_i, hidden = w13.shape
     if t == 0:
         return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
     n = t * k
-    fold = shared is not None and one_program(n, fuse) and _foldable(shared, w13, w2)
+    fold = shared is not None and folds_shared(n, fuse) and _foldable(shared, w13, w2)
     shared_out = _shared_expert(x, *shared) if shared is not None and not fold else None
     shared_w = shared if fold else (None, None)
     rows = n + (t if fold else 0)  # the folded shared expert's pairs after the routed ones

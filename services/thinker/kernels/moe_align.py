@@ -1,8 +1,8 @@
 """The (token, expert) pairs of a step laid out by expert in block-padded runs, on the device with
 no host sync (so a decode step can be a CUDA graph), and how the expert GEMMs read that layout.
 
-A decode step's few pairs are laid out by one program in one launch (with the shared expert's run
-appended when `fused_moe` folds it in); a prefill's are counted in parallel, then laid out.
+A decode step's few pairs are laid out by one program in one launch; more are counted in parallel,
+then laid out. Either layout appends the shared expert's run when `fused_moe` folds it in.
 """
 
 from __future__ import annotations
@@ -33,19 +33,54 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, SPAN: tl.constexpr):
     tl.atomic_add(counts_ptr + ids, tl.full((SPAN,), 1, tl.int32), mask=ok, sem="relaxed")
 
 
+# The shared run's pair numbers stored this many at a time (a decode batch's tokens: one or two).
+_SHARED_CHUNK = tl.constexpr(64)
+
+
 @triton.jit
+def _end_runs(
+    pairs_ptr, counts_ptr, ends_ptr, num_rows_ptr, ends, num_pairs, shared_rows, BLOCK_M: tl.constexpr
+):
+    """The rows in use: the routed runs' (`ends`, every expert's), or with `shared_rows` > 0 the
+    shared expert's run after them: expert E, `shared_rows` pairs numbered from num_pairs on,
+    padded to whole blocks (counts and ends have E + 1 entries)."""
+    num_experts: tl.constexpr = ends.shape[0]
+    routed_end = tl.max(ends, axis=0)
+    if shared_rows == 0:
+        tl.store(num_rows_ptr, routed_end)
+    else:
+        shared_end = routed_end + (shared_rows + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        tl.store(counts_ptr + num_experts, shared_rows)
+        tl.store(ends_ptr + num_experts, shared_end)
+        tl.store(num_rows_ptr, shared_end)
+        i = tl.arange(0, _SHARED_CHUNK)
+        for start in range(0, shared_rows, _SHARED_CHUNK):
+            offs = start + i
+            tl.store(pairs_ptr + routed_end + offs, num_pairs + offs, mask=offs < shared_rows)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "shared_rows"])
 def _runs_kernel(
-    counts_ptr, ends_ptr, cursor_ptr, num_rows_ptr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr
+    counts_ptr,
+    ends_ptr,
+    cursor_ptr,
+    num_rows_ptr,
+    pairs_ptr,
+    num_pairs,
+    shared_rows,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """One program: each expert's run padded to whole blocks and laid end to end (`ends`, and the
-    run starts as the scatter's cursors), and the rows in use."""
+    run starts as the scatter's cursors), and the rows in use with the shared run, if any, after
+    them (`_end_runs`)."""
     experts = tl.arange(0, NUM_EXPERTS)
     counts = tl.load(counts_ptr + experts)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     tl.store(ends_ptr + experts, ends)
     tl.store(cursor_ptr + experts, ends - padded)
-    tl.store(num_rows_ptr, tl.max(ends, axis=0))
+    _end_runs(pairs_ptr, counts_ptr, ends_ptr, num_rows_ptr, ends, num_pairs, shared_rows, BLOCK_M)
 
 
 @triton.jit
@@ -91,12 +126,11 @@ def _align_one_program_kernel(
     NUM_EXPERTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
-    SHARED: tl.constexpr,
 ):
     """The three kernels above in one program, for a decode step's few pairs: count, lay the padded
     runs end to end, then place each pair at its run's cursor plus the earlier pairs of its expert
     in its chunk (stable: pairs keep their order within a run). Reads the ids in their own dtype.
-    SHARED: a last run, expert NUM_EXPERTS, of `shared_rows` pairs numbered from num_pairs on."""
+    `shared_rows` > 0: a last run, expert NUM_EXPERTS, of that many pairs numbered from num_pairs on."""
     experts = tl.arange(0, NUM_EXPERTS)
     counts = tl.zeros((NUM_EXPERTS,), dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -107,18 +141,8 @@ def _align_one_program_kernel(
     ends = tl.cumsum(padded, axis=0)
     tl.store(counts_ptr + experts, counts)
     tl.store(ends_ptr + experts, ends)
-    routed_end = tl.max(ends, axis=0)
     i = tl.arange(0, CHUNK)
-    if SHARED:
-        shared_end = routed_end + (shared_rows + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        tl.store(counts_ptr + NUM_EXPERTS, shared_rows)
-        tl.store(ends_ptr + NUM_EXPERTS, shared_end)
-        tl.store(num_rows_ptr, shared_end)
-        for start in range(0, shared_rows, CHUNK):
-            offs = start + i
-            tl.store(pairs_ptr + routed_end + offs, num_pairs + offs, mask=offs < shared_rows)
-    else:
-        tl.store(num_rows_ptr, routed_end)
+    _end_runs(pairs_ptr, counts_ptr, ends_ptr, num_rows_ptr, ends, num_pairs, shared_rows, BLOCK_M)
     cursor = ends - padded
     for start in range(0, num_pairs, CHUNK):
         offs = start + i
@@ -132,15 +156,15 @@ def _align_one_program_kernel(
         cursor += tl.sum(hit.to(tl.int32), axis=0)
 
 
-# Up to this many pairs (a decode batch of 16 tokens at top-8) one program aligns them (and the shared
-# expert folds in); past it the program's serial chunks cost more than the launches they save (one
-# H200, Ling-mini: 2.6 µs at 8 pairs, 7.3 at 64 — the step faster with it —, 21.6 at 256, where the
-# step was 0.4 ms slower than with the four-launch alignment).
-ONE_PROGRAM_MAX_PAIRS = 128
+# Up to this many pairs (a decode batch of 4 tokens at top-8) one program aligns them; past it the
+# program's serial chunks cost more than the launches they save. One H200, 2026-11-29, Ling-mini
+# (bench/moe_decode_gpu.py, graph-timed): one program 2.7 µs at 8 pairs, 3.3 at 32, 7.4 at 64,
+# 12.1 at 128; the multi-launch layout (zero fill, count, runs, scatter) 4.9-5.4 at every size.
+ONE_PROGRAM_MAX_PAIRS = 32
 
 
 def one_program(num_pairs: int, fuse: bool) -> bool:
-    """Whether `align_by_expert` lays these pairs out in one launch (and can append a shared run)."""
+    """Whether `align_by_expert` lays these pairs out in one launch."""
     return fuse and num_pairs <= ONE_PROGRAM_MAX_PAIRS
 
 
@@ -152,16 +176,16 @@ def align_by_expert(
     sorted_pairs holds pair indices (token * k + slot) grouped by expert, each expert's run starting
     on a block boundary (`ends`: where each padded run ends; rows past a run's count are padding,
     never written); blocks past `num_rows` are skipped by the kernels. P depends only on T, k, E
-    and block_m (graph-safe). No host sync: one launch when `one_program` (and `shared_rows` > 0
-    appends a run of that many pairs numbered T*k on, as expert E: counts and ends get E + 1
-    entries), else a zero fill and three launches that count in parallel."""
+    and block_m (graph-safe). No host sync: one launch when `one_program`, else a zero fill and
+    three launches that count in parallel. Either way `shared_rows` > 0 appends a run of that many
+    pairs numbered T*k on, as expert E (counts and ends get E + 1 entries)."""
     n = ids.numel()
     dev = ids.device
     rows = max_padded_rows(n, num_experts, block_m) + triton.cdiv(shared_rows, block_m) * block_m
     pairs = torch.empty(rows, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    runs = num_experts + (1 if shared_rows else 0)
     if one_program(n, fuse):
-        runs = num_experts + (1 if shared_rows else 0)
         counts, ends = (torch.empty(runs, dtype=torch.int32, device=dev) for _ in range(2))
         _align_one_program_kernel[(1,)](
             ids.reshape(-1),
@@ -174,16 +198,16 @@ def align_by_expert(
             NUM_EXPERTS=num_experts,
             BLOCK_M=block_m,
             CHUNK=min(64, max(16, triton.next_power_of_2(n))),  # a c=1 step's 8 pairs: one small chunk
-            SHARED=shared_rows > 0,
         )
         return pairs, counts, ends, num_rows
-    if shared_rows:
-        raise ValueError(f"a shared run needs the one-program layout ({n} pairs, fuse={fuse})")
     flat = ids.reshape(-1)  # read in its own dtype: no cast launch
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
-    ends, cursor = (torch.empty(num_experts, dtype=torch.int32, device=dev) for _ in range(2))
+    counts = torch.zeros(runs, dtype=torch.int32, device=dev)
+    ends = torch.empty(runs, dtype=torch.int32, device=dev)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
     _count_kernel[(triton.cdiv(n, COUNT_SPAN),)](flat, counts, n, SPAN=COUNT_SPAN)
-    _runs_kernel[(1,)](counts, ends, cursor, num_rows, NUM_EXPERTS=num_experts, BLOCK_M=block_m)
+    _runs_kernel[(1,)](
+        counts, ends, cursor, num_rows, pairs, n, shared_rows, NUM_EXPERTS=num_experts, BLOCK_M=block_m
+    )
     _scatter_kernel[(n,)](flat, pairs, cursor)
     return pairs, counts, ends, num_rows
 

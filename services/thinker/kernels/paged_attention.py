@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 from omnistage.services.thinker.kernels import dot_precision
+from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_for
 
 
 @triton.jit
@@ -59,12 +60,13 @@ def load_kv(
 
 
 @triton.jit
-def _attend_pages(
+def _attend_range(
     q,
     k_cache_ptr,
     v_cache_ptr,
     table,
-    ctx,
+    lo,
+    hi,
     kvh,
     stride_cb,
     stride_cs,
@@ -73,16 +75,18 @@ def _attend_pages(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """q [GROUP_PAD, D] over one sequence's first `ctx` cached tokens of KV head `kvh` (`table`: its
-    block-table row), BLOCK_N tokens per iteration, online softmax in fp32 → [GROUP_PAD, D]."""
+    """q [GROUP_PAD, D] over one sequence's cached tokens [lo, hi) of KV head `kvh` (`table`: its
+    block-table row), BLOCK_N tokens per iteration, online softmax in fp32 → the unnormalised state
+    (running max [GROUP_PAD], sum of exponentials [GROUP_PAD], weighted values [GROUP_PAD, D]);
+    an empty range: (-inf, 0, 0)."""
     d = tl.arange(0, q.shape[1])
     m = tl.full((q.shape[0],), float("-inf"), dtype=tl.float32)
     s = tl.zeros((q.shape[0],), dtype=tl.float32)
     acc = tl.zeros(q.shape, dtype=tl.float32)
     offs = tl.arange(0, BLOCK_N)
-    for start in range(0, ctx, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         tok = start + offs
-        tok_ok = tok < ctx
+        tok_ok = tok < hi
         k, v = load_kv(
             k_cache_ptr, v_cache_ptr, table, tok, tok_ok, kvh, d, stride_cb, stride_cs, stride_ch, PAGE
         )
@@ -94,7 +98,73 @@ def _attend_pages(
         s = s * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    return acc / tl.maximum(s, 1e-30)[:, None]
+    return m, s, acc
+
+
+@triton.jit
+def _load_q(q_ptr, b, heads, h_ok, d, stride_qb, stride_qh, scale):
+    """Sequence b's query heads `heads` [GROUP_PAD, D] times the softmax scale, in q's dtype."""
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0
+    )
+    return (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _split_range(ctx, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's share [lo, hi) of a context of `ctx` tokens: split program_id(2) of SPLITS
+    whole BLOCK_N steps (the splits past the context empty); one split: all of it."""
+    chunk = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    lo = tl.program_id(2) * chunk
+    return lo, tl.minimum(ctx, lo + chunk)
+
+
+@triton.jit
+def _merge_splits(part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS: tl.constexpr):
+    """This split's softmax state (max, sum, values) stored in fp32; the last split of its
+    (sequence, KV head) to finish (`last_to_finish`) merges every split's in split order (the same
+    sums every launch) → (the normalised output, whether this program is that last one)."""
+    group = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    width: tl.constexpr = acc.shape[0]
+    g, d = tl.arange(0, width), tl.arange(0, acc.shape[1])
+    at = group * SPLITS + tl.program_id(2)
+    tl.store(part_ptr + (at * width + g[:, None]) * acc.shape[1] + d[None, :], acc)
+    tl.store(stats_ptr + at * 2 * width + g, m)
+    tl.store(stats_ptr + (at * 2 + 1) * width + g, s)
+    last = last_to_finish(tickets_ptr, group, SPLITS)
+    out = tl.zeros_like(acc)
+    if last:
+        top = tl.full(m.shape, float("-inf"), dtype=tl.float32)
+        for i in tl.static_range(SPLITS):
+            top = tl.maximum(
+                top, tl.load(stats_ptr + (group * SPLITS + i) * 2 * width + g, cache_modifier=".cg")
+            )
+        top = tl.where(top == float("-inf"), 0.0, top)  # an empty context: every weight 0, no NaN
+        total = tl.zeros_like(s)
+        for i in tl.static_range(SPLITS):
+            row = group * SPLITS + i
+            m_i = tl.load(stats_ptr + row * 2 * width + g, cache_modifier=".cg")
+            w = tl.exp(m_i - top)  # an empty split (max -inf) weighs 0
+            total += w * tl.load(stats_ptr + (row * 2 + 1) * width + g, cache_modifier=".cg")
+            part = tl.load(
+                part_ptr + (row * width + g[:, None]) * acc.shape[1] + d[None, :], cache_modifier=".cg"
+            )
+            out += w[:, None] * part
+        out = out / tl.maximum(total, 1e-30)[:, None]
+    return out, last
+
+
+@triton.jit
+def _finish(out_rows, h_ok, part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS: tl.constexpr):
+    """The output rows `out_rows` [GROUP_PAD, D] of the query heads in `h_ok`: this program's
+    normalised state (one split), or the merge of all splits by the last to finish."""
+    if SPLITS == 1:
+        out = acc / tl.maximum(s, 1e-30)[:, None]
+        rows = h_ok
+    else:
+        out, last = _merge_splits(part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS)
+        rows = (h_ok.to(tl.int32) * last.to(tl.int32)) > 0  # (the interpreter's h_ok & last: int32)
+    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=rows[:, None])
 
 
 @triton.jit
@@ -105,6 +175,9 @@ def _decode_kernel(
     tables_ptr,
     ctx_ptr,
     out_ptr,
+    part_ptr,
+    stats_ptr,
+    tickets_ptr,
     scale,
     group,
     stride_qb,
@@ -128,34 +201,33 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
-    """One (sequence, KV head): its GQA group of query heads over BLOCK_N cached tokens (several
-    pages) per iteration, online softmax in fp32. WRITE_KV: the new token's K/V row of this head
-    is first stored at its slot (slot < 0: nothing) by this program, the only one that reads it."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    """Program (sequence, KV head, split): its GQA group of query heads over its split of the
+    context (`_split_range`), online softmax in fp32 over BLOCK_N cached tokens (several pages) a
+    step; SPLITS > 1: merged by the last split to finish (flash-decoding in one launch). WRITE_KV:
+    the new K/V row of this head stored at its slot (slot < 0: nothing) by the split holding the
+    context's last token (the new one; split 0 of an empty context), the only one that reads it."""
+    b, kvh = tl.program_id(0), tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
-    heads = kvh * group + tl.arange(0, GROUP_PAD)
-    h_ok = tl.arange(0, GROUP_PAD) < group
+    lo, hi = _split_range(ctx, SPLITS, BLOCK_N)
+    g = tl.arange(0, GROUP_PAD)
+    heads, h_ok = kvh * group + g, g < group
     d = tl.arange(0, HEAD_DIM)
     if WRITE_KV:
         slot = tl.load(slots_ptr + b).to(tl.int64)
-        if slot >= 0:
+        if (slot >= 0) & (hi == ctx) & ((lo < ctx) | (tl.program_id(2) == 0)):
             row = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kvh * stride_ch + d
             tl.store(k_cache_ptr + row, tl.load(k_ptr + b * stride_kt + kvh * stride_kh + d))
             tl.store(v_cache_ptr + row, tl.load(v_ptr + b * stride_vt + kvh * stride_vh + d))
         tl.debug_barrier()  # the row stored before any thread of this program reads the cache
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0
-    )
-    q = (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
+    q = _load_q(q_ptr, b, heads, h_ok, d, stride_qb, stride_qh, scale)
     table, kv = tables_ptr + b * stride_tb, (k_cache_ptr, v_cache_ptr)
-    out = _attend_pages(q, *kv, table, ctx, kvh, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, PRECISION)
-    tl.store(
-        out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=h_ok[:, None],
+    m, s, acc = _attend_range(
+        q, *kv, table, lo, hi, kvh, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, PRECISION
     )
+    out_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    _finish(out_rows, h_ok, part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS)
 
 
 def paged_strides(
@@ -175,6 +247,20 @@ def paged_strides(
     )
 
 
+# A decode launch of fewer (sequence, KV head) programs than this splits each over the context
+# (flash-decoding) into about this many programs, at most MAX_SPLITS a pair: one H200 has 132 SMs,
+# and Ling-mini's c=1 step ran 4 programs, each serial over the whole context (8.8 µs a layer).
+# Unmeasured: bench/attention_decode_gpu.py times split vs not per (sequences, context).
+SPLIT_TARGET_PROGRAMS = 128
+MAX_SPLITS = 16
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
+    """Context splits a program of a decode launch of this shape (never of the context: a captured
+    graph replays it at every length; splits past a short context do nothing)."""
+    return max(1, min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)))
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -183,27 +269,37 @@ def paged_decode(
     context_lens: torch.Tensor,
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence) → [B, H, D]: attention over each sequence's first
     context_lens[b] cached tokens through its block table row. The new tokens' K/V are in the
-    cache already, or `new_kv` = (k, v [B, KVH, D], slots [B]) and this launch writes them (as
-    `write_kv` would: slot < 0 writes nothing), one launch fewer per layer."""
-    bsz, num_heads, head_dim = q.shape
-    _, page, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
+    cache already, or `new_kv` = (k, v [B, KVH, D], slots [B]: each the context's last position)
+    and this launch writes them (as `write_kv`: slot < 0 writes nothing), one launch fewer per
+    layer. `splits` (default `decode_splits`): context splits a (sequence, KV head)."""
+    (bsz, num_heads, head_dim), (_, page, num_kv_heads, _) = q.shape, k_cache.shape
+    group, group_pad = num_heads // num_kv_heads, max(16, triton.next_power_of_2(num_heads // num_kv_heads))
     out = torch.empty_like(q)
     if bsz == 0:
         return out
     k, v, slots = new_kv if new_kv is not None else (q, q, context_lens)  # unread without WRITE_KV
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("paged_decode: the new K/V head dim must be contiguous")
-    _decode_kernel[(bsz, num_kv_heads)](
+    splits = splits or decode_splits(bsz, num_kv_heads)
+    part = stats = tickets = out  # unread with one split
+    if splits > 1:  # each split's fp32 softmax state, and a ticket a (sequence, KV head)
+        part = q.new_empty(bsz * num_kv_heads * splits, group_pad, head_dim, dtype=torch.float32)
+        stats = q.new_empty(bsz * num_kv_heads * splits, 2, group_pad, dtype=torch.float32)
+        tickets = tickets_for(q.device, bsz * num_kv_heads)
+    _decode_kernel[(bsz, num_kv_heads, splits)](
         q,
         k_cache,
         v_cache,
         block_tables,
         context_lens,
         out,
+        part,
+        stats,
+        tickets,
         scale,
         group,
         *paged_strides(q, out, block_tables, k_cache),
@@ -216,10 +312,11 @@ def paged_decode(
         v.stride(1),
         HEAD_DIM=head_dim,
         PAGE=page,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_PAD=group_pad,
         BLOCK_N=max(64, page),
         PRECISION=dot_precision(q.dtype),
         WRITE_KV=new_kv is not None,
+        SPLITS=splits,
         num_warps=4,
         num_stages=2,
     )

@@ -3,8 +3,8 @@ for a decode batch, the same kernel's selection alone over cuBLAS logits for a p
 
 The reference (`layers/moe.py` Router) takes ~15 launches, and its fp32 GEMV two more copies (the
 activations and the gate weight cast to fp32 every step). The fused kernel reads both in their own
-dtype and accumulates in fp32, as the reference's fp32 GEMV does: up to FUSED_MAX_TOKENS tokens
-with CUDA-core products, up to DOT_MAX_TOKENS as tiled tensor-core dots (bf16 x bf16 products are
+dtype and accumulates in fp32, as the reference's fp32 GEMV does: by ROUTE_TABLE's rows, with
+CUDA-core products for the fewest tokens, then as tiled tensor-core dots (bf16 x bf16 products are
 exact in fp32, so both equal the fp32 GEMV up to the order of the sums).
 """
 
@@ -16,19 +16,17 @@ import torch
 import triton
 import triton.language as tl
 from omnistage.services.thinker.kernels import dot_precision
+from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_for
 
-# Up to this many tokens the gate GEMV runs in the fused launch: every program re-reads its slice of
-# the gate weight per token block, so it grows with the tokens (one H200, Ling-mini's gate: 5.8 µs a
-# launch at 1 token, 20.7 at 8, 43 at 32), while cuBLAS's GEMV + the select-only launch stay ~12 µs.
-FUSED_MAX_TOKENS = 4
-# Up to this many tokens (and past FUSED_MAX_TOKENS) the gate GEMM is tiled tensor-core dots in the
-# same launch as the selection; past it a prefill's many tokens take cuBLAS's fp32 GEMM (two casts
-# and a select-only launch). Unmeasured above 64 tokens: bench/moe_decode_gpu.py times both paths
-# per token count, and this must come from its table (on one H200, 2026-11-29, the cuBLAS path was
-# an fp32 SIMT sgemm + split-K reduce + two casts: ~15 µs a layer at 8 and at 32 tokens).
-DOT_MAX_TOKENS = 256
-# The tiled path's token rows a program (a tensor-core dot's M; the selection's rows).
-_DOT_BLOCK_T = 16
+# A decode batch's launch by its token count: (up to this many tokens, path, token rows a program).
+# One H200, 2026-11-29 (bench/moe_decode_gpu.py, Ling-mini's gate, graph-timed µs a call): the gemv
+# path with all T tokens in one block 5.45 (T=1), 6.56 (2), 9.96 (4), 20.65 (8), 33.3 (16) -- its one
+# selecting program walks every token and each program's hidden chunk shrinks --, the dot path
+# 9.7-10.5 at every T up to 64, the cuBLAS path 11-20 (an fp32 SIMT sgemm, split-K reduce and two
+# casts). Smaller gemv blocks (1, 2 or 4 tokens: more programs, each block's tokens selected by its
+# own last program, in parallel) are the bench's `gemv_b*` rows, not measured yet: a row of this table
+# changes only from them. Unmeasured above 64 tokens; past the last row (a prefill) `cublas`.
+ROUTE_TABLE: tuple[tuple[int, str, int], ...] = ((2, "gemv", 2), (256, "dot", 16))
 # The dtypes the tiled path multiplies (x's and the gate weight's the same); others go to cuBLAS.
 DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Products each fused program holds at once (BLOCK_T x BLOCK_E x BLOCK_H fp32): the hidden chunk
@@ -203,19 +201,6 @@ def _split_range(hidden, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
     return k_lo, tl.minimum(hidden, k_lo + chunk)
 
 
-@triton.jit
-def _last_to_finish(tickets_ptr, block):
-    """Whether this program took its token block's last ticket (after a CTA barrier, so every
-    thread's logits are stored before the ticket releases them); that program resets the ticket,
-    so the buffer is zero again for the next launch."""
-    tl.debug_barrier()
-    done = tl.atomic_add(tickets_ptr + block, 1, sem="acq_rel", scope="gpu")
-    last = done == tl.num_programs(0) * tl.num_programs(2) - 1
-    if last:
-        tl.store(tickets_ptr + block, 0)
-    return last
-
-
 @triton.jit(do_not_specialize=["num_tokens"])
 def _route_kernel(
     x_ptr,
@@ -245,7 +230,7 @@ def _route_kernel(
 ):
     """Program (e, t, s) for BLOCK_T tokens. GEMV: the fp32 logits of BLOCK_E experts over hidden
     split s (CUDA-core products, or tensor-core dots when DOT) into `partial` (`logits` when SPLIT
-    is 1); the last program of a token block to finish (`_last_to_finish`) sums the splits and
+    is 1); the last program of a token block to finish (`tickets.last_to_finish`) sums the splits and
     selects the experts of its tokens from all logits. Else the logits [T, E] are given (x, w,
     partial and the tickets unread) and program (0, t, 0) selects."""
     pid_t = tl.program_id(1)
@@ -263,7 +248,7 @@ def _route_kernel(
             acc = _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H)
         part = partial_ptr + tl.program_id(2) * num_tokens * NUM_EXPERTS
         tl.store(part + rows[:, None] * NUM_EXPERTS + experts[None, :], acc, mask=row_ok[:, None])
-        last = _last_to_finish(tickets_ptr, pid_t)
+        last = last_to_finish(tickets_ptr, pid_t, tl.num_programs(0) * tl.num_programs(2))
         if last and SPLIT > 1:
             _sum_splits(partial_ptr, logits_ptr, rows, row_ok, num_tokens, NUM_EXPERTS, SPLIT)
             tl.debug_barrier()  # the summed logits stored before the selection reads them
@@ -276,36 +261,39 @@ def _route_kernel(
         tl.store(ids_ptr + out, chosen, mask=row_ok[:, None])
 
 
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets_for(device: torch.device, blocks: int) -> torch.Tensor:
-    """The zeroed ticket counters of `device` (each launch leaves them zero); made once, outside
-    any graph capture in practice (the eager warm-up forward runs first)."""
-    buf = _tickets.get(device)
-    if buf is None or buf.numel() < blocks:
-        buf = _tickets[device] = torch.zeros(max(blocks, 64), dtype=torch.int32, device=device)
-    return buf
-
-
 PATHS = ("gemv", "dot", "cublas")
 
 
+def _table_row(t: int) -> tuple[int, str, int] | None:
+    """ROUTE_TABLE's row for t tokens (the first that covers them); None past the last."""
+    return next((row for row in ROUTE_TABLE if t <= row[0]), None)
+
+
 def route_path(x: torch.Tensor, weight: torch.Tensor, fuse: bool = True) -> str:
-    """The one dispatch rule: `gemv` (CUDA-core products in the selecting launch) up to
-    FUSED_MAX_TOKENS tokens, `dot` (tensor-core tiles, same launch) up to DOT_MAX_TOKENS when x and
-    the gate weight share a DOT_DTYPES dtype, else `cublas` (the reference's fp32 GEMM, then the
+    """The one dispatch rule: ROUTE_TABLE's path for x's token count -- `gemv` (CUDA-core products
+    in the selecting launch) or `dot` (tensor-core tiles, same launch; only when x and the gate
+    weight share a DOT_DTYPES dtype) --, else `cublas` (the reference's fp32 GEMM, then the
     select-only launch); `cublas` always when not `fuse` (the unfused same-build comparison)."""
-    t = x.shape[0]
-    if not fuse or t > DOT_MAX_TOKENS:
+    row = _table_row(x.shape[0])
+    if not fuse or row is None:
         return "cublas"
-    if t <= FUSED_MAX_TOKENS:
-        return "gemv"
-    return "dot" if x.dtype == weight.dtype and x.dtype in DOT_DTYPES else "cublas"
+    if row[1] == "dot" and not (x.dtype == weight.dtype and x.dtype in DOT_DTYPES):
+        return "cublas"
+    return row[1]
+
+
+def _block_t(path: str, t: int, block_t: int | None) -> int:
+    """The launch's token rows a program: `block_t` when given, else ROUTE_TABLE's for t on its
+    path (the gemv path's capped at t's power of two), else every token in one block (the gemv
+    path forced past its rows; at most 16) or 16 (the dot path's tensor-core M)."""
+    row = _table_row(t)
+    if block_t is None:
+        block_t = row[2] if row is not None and row[1] == path else 16
+    return min(block_t, triton.next_power_of_2(t)) if path == "gemv" else block_t
 
 
 def _tiling(
-    path: str, t: int, hidden: int, num_experts: int, tiles: RouterTiles | None
+    path: str, t: int, hidden: int, num_experts: int, tiles: RouterTiles | None, block_t: int | None
 ) -> tuple[int, int, int, int, int, int]:
     """The launch's (token rows a program, experts a program, hidden a step, splits, warps,
     stages): the dot path's from `tiles` (default DOT_TILES); the gemv path's products bounded by
@@ -313,11 +301,12 @@ def _tiling(
     if path == "dot":
         cfg = tiles or DOT_TILES
         split = max(1, min(cfg.split, triton.cdiv(hidden, cfg.block_k)))
-        return _DOT_BLOCK_T, min(cfg.block_e, num_experts), cfg.block_k, split, cfg.warps, cfg.stages
+        rows = _block_t(path, t, block_t)
+        return rows, min(cfg.block_e, num_experts), cfg.block_k, split, cfg.warps, cfg.stages
     if path == "gemv":
-        block_t, block_e = min(triton.next_power_of_2(t), 16), min(_BLOCK_E, num_experts)
-        block_h = max(16, min(triton.next_power_of_2(hidden), _TILE_ELEMS // (block_t * block_e)))
-        return block_t, block_e, block_h, 1, 4, 3
+        rows, block_e = _block_t(path, t, block_t), min(_BLOCK_E, num_experts)
+        block_h = max(16, min(triton.next_power_of_2(hidden), _TILE_ELEMS // (rows * block_e)))
+        return rows, block_e, block_h, 1, 4, 3
     return 1, num_experts, 16, 1, 4, 3
 
 
@@ -352,12 +341,14 @@ def route(
     fuse: bool = True,
     path: str | None = None,
     tiles: RouterTiles | None = None,
+    block_t: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], gate weight [E, H] → (fp32 weights [T, top_k], int64 expert ids [T, top_k]).
 
     One launch on the `route_path` paths gemv and dot, else the reference's fp32 GEMM (cuBLAS) and
-    the selection in one launch, a program a token. `path` and `tiles` (the dot path's; default
-    DOT_TILES) override the rule (bench/moe_decode_gpu.py)."""
+    the selection in one launch, a program a token. `path`, `tiles` (the dot path's; default
+    DOT_TILES) and `block_t` (token rows a program on a GEMM path) override the rule
+    (bench/moe_decode_gpu.py)."""
     (t, hidden), num_experts = x.shape, weight.shape[0]
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
@@ -366,7 +357,7 @@ def route(
     path = _checked(path) or route_path(x, weight, fuse)
     gemm = path != "cublas"
     x, weight, logits = _operands(gemm, x, weight)
-    block_t, block_e, block_h, split, warps, stages = _tiling(path, t, hidden, num_experts, tiles)
+    block_t, block_e, block_h, split, warps, stages = _tiling(path, t, hidden, num_experts, tiles, block_t)
     partial = logits if split == 1 else logits.new_empty(split, t, num_experts)
     grid = (num_experts // block_e, triton.cdiv(t, block_t), split)
     _route_kernel[grid](
@@ -375,7 +366,7 @@ def route(
         bias,
         logits,
         partial,
-        _tickets_for(x.device, grid[1]) if gemm else ids,  # unread without GEMV
+        tickets_for(x.device, grid[1]) if gemm else ids,  # unread without GEMV
         weights,
         ids,
         t,

@@ -76,6 +76,36 @@ GEMV = {
 ROUTE_SHAPE = {"NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4, "TOP_K": 8}
 # The CUDA-core GEMV's launch (a token or four) and the select-only one: no dots, no splits.
 ROUTE_GEMV = {"DOT": False, "SPLIT": 1, "PRECISION": "tf32"}
+DECODE_TYPES = {
+    "q_ptr": B,
+    "k_cache_ptr": B,
+    "v_cache_ptr": B,
+    "tables_ptr": "*i64",
+    "ctx_ptr": "*i64",
+    "out_ptr": B,
+    "scale": F32,
+    "group": I32,
+    **{
+        n: I32
+        for n in (
+            "stride_qb",
+            "stride_qh",
+            "stride_ob",
+            "stride_oh",
+            "stride_tb",
+            "stride_cb",
+            "stride_cs",
+            "stride_ch",
+            "stride_kt",
+            "stride_kh",
+            "stride_vt",
+            "stride_vh",
+        )
+    },
+    "k_ptr": B,
+    "v_ptr": B,
+    "slots_ptr": "*i64",
+}
 CASES = {
     "count": (
         moe_align._count_kernel,
@@ -84,7 +114,8 @@ CASES = {
     ),
     "runs": (
         moe_align._runs_kernel,
-        {"counts_ptr": "*i32", "ends_ptr": "*i32", "cursor_ptr": "*i32", "num_rows_ptr": "*i32"},
+        {"counts_ptr": "*i32", "ends_ptr": "*i32", "cursor_ptr": "*i32", "num_rows_ptr": "*i32"}
+        | {"pairs_ptr": "*i32", "num_pairs": I32, "shared_rows": I32},
         {"NUM_EXPERTS": 256, "BLOCK_M": 16},
     ),
     "scatter": (
@@ -127,36 +158,20 @@ CASES = {
     "decode": (
         paged_attention._decode_kernel,
         {
-            "q_ptr": B,
-            "k_cache_ptr": B,
-            "v_cache_ptr": B,
-            "tables_ptr": "*i64",
-            "ctx_ptr": "*i64",
-            "out_ptr": B,
-            "scale": F32,
-            "group": I32,
-            **{
-                n: I32
-                for n in (
-                    "stride_qb",
-                    "stride_qh",
-                    "stride_ob",
-                    "stride_oh",
-                    "stride_tb",
-                    "stride_cb",
-                    "stride_cs",
-                    "stride_ch",
-                    "stride_kt",
-                    "stride_kh",
-                    "stride_vt",
-                    "stride_vh",
-                )
-            },
-            "k_ptr": B,
-            "v_ptr": B,
-            "slots_ptr": "*i64",
+            **DECODE_TYPES,
+            "part_ptr": B,  # unread with one split
+            "stats_ptr": B,
+            "tickets_ptr": B,
         },
-        {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32", "WRITE_KV": True},
+        {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32", "WRITE_KV": True}
+        | {"SPLITS": 1},
+    ),
+    # A small decode grid split over the context: fp32 partials, tickets, the merge.
+    "decode_split": (
+        paged_attention._decode_kernel,
+        {**DECODE_TYPES, "part_ptr": "*fp32", "stats_ptr": "*fp32", "tickets_ptr": "*i32"},
+        {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32", "WRITE_KV": True}
+        | {"SPLITS": 16},
     ),
     "prefill": (
         paged_prefill._prefill_kernel,
@@ -234,7 +249,7 @@ CASES = {
             "num_pairs": I32,
             "shared_rows": I32,
         },
-        {"NUM_EXPERTS": 256, "BLOCK_M": 16, "CHUNK": 64, "SHARED": True},
+        {"NUM_EXPERTS": 256, "BLOCK_M": 16, "CHUNK": 64},
     ),
     "combine": (
         fused_moe._combine_kernel,

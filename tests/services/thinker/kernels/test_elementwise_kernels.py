@@ -9,6 +9,7 @@ import pytest
 import torch
 from omnistage.services.thinker.kernels import router as router_kernels
 from omnistage.services.thinker.kernels.norms import qk_norm_rope, rms_norm, silu_and_mul
+from omnistage.services.thinker.kernels.tickets import tickets_for
 from omnistage.services.thinker.models.layers.moe import Router
 from omnistage.services.thinker.models.layers.norm import RMSNorm
 from omnistage.services.thinker.models.layers.rotary import RotaryEmbedding
@@ -75,7 +76,7 @@ def test_router_equals_the_reference_and_leaves_its_tickets_at_zero(tokens, fuse
         got_w, got_ids = router(x)
         assert torch.equal(got_ids, want_ids)  # same experts in the same (descending) order
         assert torch.allclose(got_w, want_w, atol=1e-6)
-    assert not router_kernels._tickets_for(x.device, 1).any()
+    assert not tickets_for(x.device, 1).any()
 
 
 @pytest.mark.parametrize("fuse", [True, False])
@@ -95,8 +96,7 @@ def test_a_prefill_routes_through_the_reference_gemv_and_the_one_launch_selectio
     router.expert_bias.data.normal_(0, 0.1)
     x = torch.randn(6, 32)
     want_w, want_ids = router(x)
-    monkeypatch.setattr(router_kernels, "FUSED_MAX_TOKENS", 4)
-    monkeypatch.setattr(router_kernels, "DOT_MAX_TOKENS", 4)
+    monkeypatch.setattr(router_kernels, "ROUTE_TABLE", ((4, "gemv", 4),))
     launches = []
     kernel = router_kernels._route_kernel
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omnistage.services.thinker.kernels import fused_moe
+from omnistage.services.thinker.kernels import fused_moe, moe_align
 from omnistage.services.thinker.kernels.fused_moe import GemmTiles, MoeTiles, choose_tiles, fused_experts
-from omnistage.services.thinker.kernels.moe_align import COUNT_SPAN, ONE_PROGRAM_MAX_PAIRS, align_by_expert
+from omnistage.services.thinker.kernels.moe_align import COUNT_SPAN, align_by_expert
 from omnistage.services.thinker.models.layers.moe import FusedExperts, GatedMLP
 from omnistage.services.thinker.models.layers.parallel import TPGroup
 
@@ -56,12 +56,14 @@ def test_fused_experts_equal_the_reference_loop(num_experts, hidden, inter, top_
     [(20, True), (60, True), (20, False), (700, True)],
     ids=["one-program", "one-program-several-chunks", "one-counting-program", "several-counting-programs"],
 )
-def test_alignment_puts_every_pair_once_in_its_experts_block_padded_run(tokens, fuse):
+def test_alignment_puts_every_pair_once_in_its_experts_block_padded_run(tokens, fuse, monkeypatch):
+    monkeypatch.setattr(moe_align, "ONE_PROGRAM_MAX_PAIRS", 128)  # 60 tokens: one program's chunks
+    one_program_max = moe_align.ONE_PROGRAM_MAX_PAIRS
     torch.manual_seed(0)
     num_experts, block_m = 16, 16
     ids = torch.stack([torch.randperm(4)[:2] for _ in range(tokens)])  # pairs over 4 experts
     assert tokens * 2 <= COUNT_SPAN or tokens * 2 > 2 * COUNT_SPAN  # 700 tokens: 1400 pairs, 3 programs
-    assert (tokens * 2 <= ONE_PROGRAM_MAX_PAIRS) == (tokens < 700)
+    assert (tokens * 2 <= one_program_max) == (tokens < 700)
     pairs, counts, ends, num_rows = align_by_expert(ids, num_experts, block_m, fuse)
     flat = ids.flatten()
     assert counts.tolist() == torch.bincount(flat, minlength=num_experts).tolist()
@@ -73,7 +75,7 @@ def test_alignment_puts_every_pair_once_in_its_experts_block_padded_run(tokens, 
         assert start % block_m == 0
         run = pairs[start : start + int(counts[e])].tolist()
         assert all(int(flat[p]) == e for p in run)
-        if fuse and tokens * 2 <= ONE_PROGRAM_MAX_PAIRS:
+        if fuse and tokens * 2 <= one_program_max:
             assert run == sorted(run)  # one program places the pairs in order
         seen += run
     assert sorted(seen) == list(range(flat.numel()))
@@ -85,6 +87,47 @@ def test_the_shared_run_follows_the_routed_runs_with_a_pair_per_token():
     assert counts.tolist() == [1, 2, 1, 2, 3] and ends.tolist() == [4, 8, 12, 16, 20]
     assert int(num_rows) == 20 and pairs[16:19].tolist() == [6, 7, 8]  # pairs T*k + token
     assert pairs[4:6].tolist() == [1, 2] and pairs[12:14].tolist() == [0, 4]
+
+
+@pytest.mark.parametrize("tokens", [3, 40, 300])
+def test_both_layouts_append_the_same_shared_run(tokens, monkeypatch):
+    """The multi-launch layout (zero fill, count, runs, scatter) with a shared run equals the one
+    program's: the same counts, ends and rows in use, each run the same set of pairs (the atomic
+    scatter may order a run otherwise), the shared run's pairs T*k + token."""
+    torch.manual_seed(tokens)
+    num_experts, block_m, k = 16, 4, 2
+    ids = torch.stack([torch.randperm(6)[:k] for _ in range(tokens)])
+    layouts = []
+    for limit in (10**6, 0):  # one program, then the multi-launch layout
+        monkeypatch.setattr(moe_align, "ONE_PROGRAM_MAX_PAIRS", limit)
+        layouts.append(align_by_expert(ids, num_experts, block_m, True, tokens))
+    one, multi = layouts
+    for got, want in zip(multi[1:], one[1:], strict=True):
+        assert got.tolist() == want.tolist()
+    counts, ends = one[1], one[2]
+    assert counts.numel() == num_experts + 1 and int(counts[-1]) == tokens
+    padded = (counts + block_m - 1) // block_m * block_m
+    for e in range(num_experts + 1):
+        start = int(ends[e] - padded[e])
+        runs = [sorted(layout[0][start : start + int(counts[e])].tolist()) for layout in (multi, one)]
+        assert runs[0] == runs[1]
+    start = int(ends[-1] - padded[-1])
+    assert multi[0][start : start + tokens].tolist() == list(range(tokens * k, tokens * k + tokens))
+
+
+@pytest.mark.parametrize("tokens", [5, 38])  # top-8: 40 and 304 pairs, both past one program
+def test_the_shared_expert_folds_in_with_the_multi_launch_layout(tokens, monkeypatch):
+    m = experts(16, 64, 32, seed=tokens)
+    shared = shared_expert(64, 32)
+    x = torch.randn(tokens, 64)
+    ids = torch.stack([torch.randperm(16)[:8] for _ in range(tokens)])
+    weights = torch.rand(tokens, 8)
+    unfolded = []
+    monkeypatch.setattr(fused_moe, "_shared_expert", lambda *a: unfolded.append(a) or None)
+    got = fused_experts(x, m.w13, m.w2, weights, ids, (shared.gate_up_proj.weight, shared.down_proj.weight))
+    assert not moe_align.one_program(tokens * 8, True) and unfolded == []  # folded: no GEMMs of its own
+    want = m(x, weights, ids, shared)
+    assert ((got - want).norm() / want.norm()) < 1e-5
 
 
 def test_tiles_grow_with_the_rows_each_expert_gets():

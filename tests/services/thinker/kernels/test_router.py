@@ -1,5 +1,6 @@
-"""The router's tiled gate GEMM (a decode batch past FUSED_MAX_TOKENS: tensor-core dots, hidden
-splits summed by the last program, the selection in the same launch) equals the reference Router."""
+"""The router's gate GEMM in the selecting launch (ROUTE_TABLE's gemv path in token blocks, each
+block's last program selecting its tokens; the tiled path's tensor-core dots, hidden splits summed
+by the last program) equals the reference Router."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from omnistage.services.thinker.kernels import router as router_kernels
 from omnistage.services.thinker.kernels.router import RouterTiles, route_path
+from omnistage.services.thinker.kernels.tickets import tickets_for
 from omnistage.services.thinker.models.layers.moe import Router
 
 
@@ -32,7 +34,33 @@ def test_the_tiled_gemm_routes_every_decode_batch_as_the_reference(tokens):
         got_w, got_ids = router(x)
         assert torch.equal(got_ids, want_ids)  # same experts in the same (descending) order
         assert torch.allclose(got_w, want_w, atol=1e-6)
-    assert not router_kernels._tickets_for(x.device, 1).any()
+    assert not tickets_for(x.device, 1).any()
+
+
+@pytest.mark.parametrize("tokens,block_t", [(1, 1), (3, 1), (5, 2), (16, 4), (7, None)])
+def test_the_gemv_path_in_small_token_blocks_routes_as_the_reference(tokens, block_t, monkeypatch):
+    """Each token block's last program selects only its tokens: as many tickets as blocks, every
+    one left at zero for the next launch."""
+    router = _router(72, tokens)
+    x = torch.randn(tokens, 72)
+    want_w, want_ids = router(x)
+    grids = []
+    kernel = router_kernels._route_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(router_kernels, "_route_kernel", Recorded())
+    monkeypatch.setattr(router_kernels, "ROUTE_TABLE", ((16, "gemv", 2),))  # block_t None: 2 a program
+    router.kernel = functools.partial(router_kernels.route, block_t=block_t)
+    for _ in range(2):  # the second launch reuses the tickets the first left
+        got_w, got_ids = router(x)
+        assert torch.equal(got_ids, want_ids) and torch.allclose(got_w, want_w, atol=1e-6)
+    rows = min(block_t or 2, tokens)
+    assert grids == [(64 // router_kernels._BLOCK_E, -(-tokens // rows), 1)] * 2
+    assert not tickets_for(x.device, 1).any()
 
 
 @pytest.mark.parametrize(
@@ -58,14 +86,15 @@ def test_ties_on_the_tiled_path_go_to_the_lower_group_and_expert():
 
 
 def test_the_path_by_token_count_dtype_and_fusion(monkeypatch):
-    monkeypatch.setattr(router_kernels, "FUSED_MAX_TOKENS", 4)
-    monkeypatch.setattr(router_kernels, "DOT_MAX_TOKENS", 64)
+    monkeypatch.setattr(router_kernels, "ROUTE_TABLE", ((4, "gemv", 1), (64, "dot", 16)))
     w = torch.zeros(64, 16)
 
     def path(tokens: int, dtype: torch.dtype = torch.float32, fuse: bool = True) -> str:
         return route_path(torch.zeros(tokens, 16, dtype=dtype), w.to(dtype), fuse)
 
     assert [path(t) for t in (1, 4, 5, 64, 65)] == ["gemv", "gemv", "dot", "dot", "cublas"]
+    assert router_kernels._block_t("gemv", 3, None) == 1 and router_kernels._block_t("dot", 5, None) == 16
+    assert router_kernels._block_t("gemv", 12, None) == 16  # forced past its rows: one block
     assert path(8, fuse=False) == "cublas"  # the unfused comparison keeps the reference ops
     assert route_path(torch.zeros(8, 16, dtype=torch.bfloat16), w) == "cublas"  # mixed dtypes
     with pytest.raises(ValueError, match="router path 'nope'"):
