@@ -111,12 +111,13 @@ def _load_q(q_ptr, b, heads, h_ok, d, stride_qb, stride_qh, scale):
 
 
 @triton.jit
-def _split_range(ctx, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_range(ctx, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
     """This program's share [lo, hi) of a context of `ctx` tokens: split program_id(2) of SPLITS
-    whole BLOCK_N steps (the splits past the context empty); one split: all of it."""
-    chunk = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    whole BLOCK_N steps of at least MIN_CHUNK tokens (the splits past the context empty); one
+    split: all of it. `alone`: split 0 holds the whole context (the others have nothing)."""
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
     lo = tl.program_id(2) * chunk
-    return lo, tl.minimum(ctx, lo + chunk)
+    return lo, tl.minimum(ctx, lo + chunk), ctx <= chunk
 
 
 @triton.jit
@@ -155,16 +156,20 @@ def _merge_splits(part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS: tl.conste
 
 
 @triton.jit
-def _finish(out_rows, h_ok, part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS: tl.constexpr):
+def _finish(out_rows, h_ok, part_ptr, stats_ptr, tickets_ptr, m, s, acc, alone, SPLITS: tl.constexpr):
     """The output rows `out_rows` [GROUP_PAD, D] of the query heads in `h_ok`: this program's
-    normalised state (one split), or the merge of all splits by the last to finish."""
+    normalised state (one split, or split 0 `alone` with the whole context: no merge, no ticket),
+    or the merge of all splits by the last to finish."""
     if SPLITS == 1:
         out = acc / tl.maximum(s, 1e-30)[:, None]
-        rows = h_ok
+        tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=h_ok[:, None])
+    elif alone:
+        out = acc / tl.maximum(s, 1e-30)[:, None]
+        tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=h_ok[:, None])
     else:
         out, last = _merge_splits(part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS)
         rows = (h_ok.to(tl.int32) * last.to(tl.int32)) > 0  # (the interpreter's h_ok & last: int32)
-    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=rows[:, None])
+        tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=rows[:, None])
 
 
 @triton.jit
@@ -202,6 +207,7 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     WRITE_KV: tl.constexpr,
     SPLITS: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
 ):
     """Program (sequence, KV head, split): its GQA group of query heads over its split of the
     context (`_split_range`), online softmax in fp32 over BLOCK_N cached tokens (several pages) a
@@ -210,7 +216,9 @@ def _decode_kernel(
     context's last token (the new one; split 0 of an empty context), the only one that reads it."""
     b, kvh = tl.program_id(0), tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
-    lo, hi = _split_range(ctx, SPLITS, BLOCK_N)
+    lo, hi, alone = _split_range(ctx, SPLITS, BLOCK_N, MIN_CHUNK)
+    if alone & (tl.program_id(2) > 0):
+        return  # a short context: split 0 attends it all and writes the output itself
     g = tl.arange(0, GROUP_PAD)
     heads, h_ok = kvh * group + g, g < group
     d = tl.arange(0, HEAD_DIM)
@@ -227,7 +235,7 @@ def _decode_kernel(
         q, *kv, table, lo, hi, kvh, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, PRECISION
     )
     out_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    _finish(out_rows, h_ok, part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS)
+    _finish(out_rows, h_ok, part_ptr, stats_ptr, tickets_ptr, m, s, acc, alone, SPLITS)
 
 
 def paged_strides(
@@ -250,9 +258,13 @@ def paged_strides(
 # A decode launch of fewer (sequence, KV head) programs than this splits each over the context
 # (flash-decoding) into about this many programs, at most MAX_SPLITS a pair: one H200 has 132 SMs,
 # and Ling-mini's c=1 step ran 4 programs, each serial over the whole context (8.8 µs a layer).
-# Unmeasured: bench/attention_decode_gpu.py times split vs not per (sequences, context).
+# A split takes at least SPLIT_MIN_TOKENS: one H200, 2026-11-29 (bench/attention_decode_gpu.py,
+# Ling-mini, graph-timed µs a call, 1 sequence): the whole context 5.6 (128 tokens), 14.6 (512),
+# 53.8 (2048); 16 splits 7.0, 7.0, 8.3 -- at 128 tokens the split's store-and-merge costs more than it
+# saves, so a context up to SPLIT_MIN_TOKENS runs in split 0 alone (no merge, no ticket).
 SPLIT_TARGET_PROGRAMS = 128
 MAX_SPLITS = 16
+SPLIT_MIN_TOKENS = 128
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
@@ -317,6 +329,7 @@ def paged_decode(
         PRECISION=dot_precision(q.dtype),
         WRITE_KV=new_kv is not None,
         SPLITS=splits,
+        MIN_CHUNK=SPLIT_MIN_TOKENS,
         num_warps=4,
         num_stages=2,
     )

@@ -21,12 +21,17 @@ from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_f
 # A decode batch's launch by its token count: (up to this many tokens, path, token rows a program).
 # One H200, 2026-11-29 (bench/moe_decode_gpu.py, Ling-mini's gate, graph-timed µs a call): the gemv
 # path with all T tokens in one block 5.45 (T=1), 6.56 (2), 9.96 (4), 20.65 (8), 33.3 (16) -- its one
-# selecting program walks every token and each program's hidden chunk shrinks --, the dot path
-# 9.7-10.5 at every T up to 64, the cuBLAS path 11-20 (an fp32 SIMT sgemm, split-K reduce and two
-# casts). Smaller gemv blocks (1, 2 or 4 tokens: more programs, each block's tokens selected by its
-# own last program, in parallel) are the bench's `gemv_b*` rows, not measured yet: a row of this table
-# changes only from them. Unmeasured above 64 tokens; past the last row (a prefill) `cublas`.
-ROUTE_TABLE: tuple[tuple[int, str, int], ...] = ((2, "gemv", 2), (256, "dot", 16))
+# selecting program walks every token and each program's hidden chunk shrinks --; in blocks of one
+# token (each block's tokens selected by its own last program, in parallel) 5.67 (2), 6.32 (4), 7.35
+# (8), 10.0 (16), of two 8.86 (16); the dot path 9.7-10.5 at every T up to 64, the cuBLAS path 11-20
+# (an fp32 SIMT sgemm, split-K reduce and two casts). Unmeasured above 64 tokens; past the last row
+# (a prefill) `cublas`.
+ROUTE_TABLE: tuple[tuple[int, str, int], ...] = (
+    (1, "gemv", 1),
+    (8, "gemv", 1),
+    (16, "gemv", 2),
+    (256, "dot", 16),
+)
 # The dtypes the tiled path multiplies (x's and the gate weight's the same); others go to cuBLAS.
 DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Products each fused program holds at once (BLOCK_T x BLOCK_E x BLOCK_H fp32): the hidden chunk

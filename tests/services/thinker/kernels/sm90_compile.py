@@ -164,14 +164,14 @@ CASES = {
             "tickets_ptr": B,
         },
         {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32", "WRITE_KV": True}
-        | {"SPLITS": 1},
+        | {"SPLITS": 1, "MIN_CHUNK": 128},
     ),
     # A small decode grid split over the context: fp32 partials, tickets, the merge.
     "decode_split": (
         paged_attention._decode_kernel,
         {**DECODE_TYPES, "part_ptr": "*fp32", "stats_ptr": "*fp32", "tickets_ptr": "*i32"},
         {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32", "WRITE_KV": True}
-        | {"SPLITS": 16},
+        | {"SPLITS": 16, "MIN_CHUNK": 128},
     ),
     "prefill": (
         paged_prefill._prefill_kernel,
