@@ -26,12 +26,10 @@ from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_f
 # (8), 10.0 (16), of two 8.86 (16); the dot path 9.7-10.5 at every T up to 64, the cuBLAS path 11-20
 # (an fp32 SIMT sgemm, split-K reduce and two casts). Unmeasured above 64 tokens; past the last row
 # (a prefill) `cublas`.
-ROUTE_TABLE: tuple[tuple[int, str, int], ...] = (
-    (1, "gemv", 1),
-    (8, "gemv", 1),
-    (16, "gemv", 2),
-    (256, "dot", 16),
-)
+# The gemv rows in blocks of 1-2 tokens up to 16 were faster still (7.35 µs at 8), but the engine's
+# tokens at c=16 came out wrong with them on the GPU (call 4 of 2026-11-29, bench/RESULTS.md): not used
+# until the bench's agreement check passes for them.
+ROUTE_TABLE: tuple[tuple[int, str, int], ...] = ((2, "gemv", 2), (256, "dot", 16))
 # The dtypes the tiled path multiplies (x's and the gate weight's the same); others go to cuBLAS.
 DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Products each fused program holds at once (BLOCK_T x BLOCK_E x BLOCK_H fp32): the hidden chunk
