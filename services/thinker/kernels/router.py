@@ -26,10 +26,11 @@ from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_f
 # (8), 10.0 (16), of two 8.86 (16); the dot path 9.7-10.5 at every T up to 64, the cuBLAS path 11-20
 # (an fp32 SIMT sgemm, split-K reduce and two casts). Unmeasured above 64 tokens; past the last row
 # (a prefill) `cublas`.
-# The gemv rows in blocks of 1-2 tokens up to 16 were faster still (7.35 µs at 8), but the engine's
-# tokens at c=16 came out wrong with them on the GPU (call 4 of 2026-11-29, bench/RESULTS.md): not used
-# until the bench's agreement check passes for them.
-ROUTE_TABLE: tuple[tuple[int, str, int], ...] = ((2, "gemv", 2), (256, "dot", 16))
+# A token block of two is never launched: on the H200 (Triton 3.6) the gemv path with blocks of two
+# picked duplicate experts for every token (agreement with the reference 0 %, every other block size
+# 100 %; bench/RESULTS.md 2026-11-29, session 2) -- since the fused router landed, a decode step of
+# exactly two sequences was routed wrongly. `_block_t` turns a block of two into blocks of one.
+ROUTE_TABLE: tuple[tuple[int, str, int], ...] = ((8, "gemv", 1), (256, "dot", 16))
 # The dtypes the tiled path multiplies (x's and the gate weight's the same); others go to cuBLAS.
 DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Products each fused program holds at once (BLOCK_T x BLOCK_E x BLOCK_H fp32): the hidden chunk
@@ -292,7 +293,10 @@ def _block_t(path: str, t: int, block_t: int | None) -> int:
     row = _table_row(t)
     if block_t is None:
         block_t = row[2] if row is not None and row[1] == path else 16
-    return min(block_t, triton.next_power_of_2(t)) if path == "gemv" else block_t
+    if path != "gemv":
+        return block_t
+    block_t = min(block_t, triton.next_power_of_2(t))
+    return 1 if block_t == 2 else block_t  # see ROUTE_TABLE: a block of two miscompiles on sm_90
 
 
 def _tiling(

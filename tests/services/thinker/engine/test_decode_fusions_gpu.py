@@ -68,7 +68,7 @@ def test_the_fused_router_picks_the_references_experts_at_ling_mini_shape():
     router.weight.data.normal_(0, 0.02)
     router.expert_bias.data.normal_(0, 0.01)
     same = total = 0
-    for t in (1, 3, 16, 40, 64, 300):  # gemv, dot and (past ROUTE_TABLE) the select-only launch
+    for t in (1, 2, 3, 8, 16, 40, 64, 300):  # gemv (2: a block of two miscompiled), dot, cuBLAS
         for _ in range(20):  # launch after launch on the same tickets
             x = torch.randn(t, 2048, device=dev, dtype=torch.bfloat16)
             router.kernel = None
