@@ -209,20 +209,17 @@ def _decode_kernel(
     SPLITS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
 ):
-    """Program (sequence, KV head, split): its GQA group of query heads over its split of the
-    context (`_split_range`), online softmax in fp32 over BLOCK_N cached tokens (several pages) a
-    step; SPLITS > 1: merged by the last split to finish (flash-decoding in one launch). WRITE_KV:
-    the new K/V row of this head stored at its slot (slot < 0: nothing) by the split holding the
-    context's last token (the new one; split 0 of an empty context), the only one that reads it."""
+    """Program (sequence, KV head, split): its GQA group's online softmax (fp32) over its split of
+    the context, merged by the last split to finish (flash-decoding in one launch). WRITE_KV: the new
+    K/V row (slot < 0: none) stored by the split holding the context's last token, its only reader."""
     b, kvh = tl.program_id(0), tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
     lo, hi, alone = _split_range(ctx, SPLITS, BLOCK_N, MIN_CHUNK)
     if alone & (tl.program_id(2) > 0):
         return  # a short context: split 0 attends it all and writes the output itself
-    g = tl.arange(0, GROUP_PAD)
+    g, d = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM)
     heads, h_ok = kvh * group + g, g < group
-    d = tl.arange(0, HEAD_DIM)
-    if WRITE_KV:
+    if WRITE_KV:  # (split 0 of an empty context)
         slot = tl.load(slots_ptr + b).to(tl.int64)
         if (slot >= 0) & (hi == ctx) & ((lo < ctx) | (tl.program_id(2) == 0)):
             row = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kvh * stride_ch + d
@@ -318,10 +315,8 @@ def paged_decode(
         k,
         v,
         slots,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
+        *k.stride()[:2],
+        *v.stride()[:2],
         HEAD_DIM=head_dim,
         PAGE=page,
         GROUP_PAD=group_pad,
