@@ -284,7 +284,7 @@ def paged_decode(
     context_lens[b] cached tokens through its block table row. The new tokens' K/V are in the
     cache already, or `new_kv` = (k, v [B, KVH, D], slots [B]: each the context's last position)
     and this launch writes them (as `write_kv`: slot < 0 writes nothing), one launch fewer per
-    layer. `splits` (default `decode_splits`): context splits a (sequence, KV head)."""
+    layer. `splits` (default `decode_splits` on a GPU, else 1): context splits a (sequence, KV head)."""
     (bsz, num_heads, head_dim), (_, page, num_kv_heads, _) = q.shape, k_cache.shape
     group, group_pad = num_heads // num_kv_heads, max(16, triton.next_power_of_2(num_heads // num_kv_heads))
     out = torch.empty_like(q)
@@ -293,7 +293,8 @@ def paged_decode(
     k, v, slots = new_kv if new_kv is not None else (q, q, context_lens)  # unread without WRITE_KV
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("paged_decode: the new K/V head dim must be contiguous")
-    splits = splits or decode_splits(bsz, num_kv_heads)
+    # Off a GPU (Triton's interpreter runs the programs one by one) a split only multiplies the work.
+    splits = splits or (decode_splits(bsz, num_kv_heads) if q.is_cuda else 1)
     part = stats = tickets = out  # unread with one split
     if splits > 1:  # each split's fp32 softmax state, and a ticket a (sequence, KV head)
         part = q.new_empty(bsz * num_kv_heads * splits, group_pad, head_dim, dtype=torch.float32)
