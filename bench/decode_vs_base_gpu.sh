@@ -7,6 +7,7 @@
 #       carry=[".cache/transport-whl", ".cache/base-tree.tar", ".cache/pytest-whl"])
 # Order: new, base, new again (the second new run shows the spread). $SWEEP / $PROFILE_C: the
 # concurrencies (default 1,8,16,32,64 / 1,8,32,64); $WALL_S bounds each bench run (default 150 s);
+# FRESH_TRITON=1 gives each run an empty Triton cache (every compile seen: the bench's [compiles] lines);
 # $PRE: a command run first (e.g. the kernel bench); TESTS=1 runs the decode GPU tests at the end.
 # Everything is teed to $OUT/log; each run's JSON lands in $OUT/ling_mini_{new,base,new2}.json and the
 # per-step lines of all in $OUT/decode_vs_base_summary.txt.
@@ -23,6 +24,7 @@ source bench/gpu_steps.sh
 bench() {  # bench NAME DIR: the decode bench of the checkout in DIR; its lines also in $OUT/NAME.out
   (
     cd "$2" && source bench/device_env.sh >/dev/null
+    if ((${FRESH_TRITON:-0})); then export TRITON_CACHE_DIR=/tmp/triton-cache-$1 && rm -rf "$TRITON_CACHE_DIR"; fi
     timeout "${WALL_S:-150}" python3 bench/ling_mini_gpu.py --profile-c "${PROFILE_C:-1,8,32,64}" \
       --sweep "$conc" --sweep-tokens 128 --real-requests 2 --max-model-len 4096 --out "$OUT/ling_mini_$1.json" \
       2>&1 | grep -v "layers (dummy weights)\|loading weights" | tee "$OUT/$1.out"
@@ -50,7 +52,7 @@ bench() {  # bench NAME DIR: the decode bench of the checkout in DIR; its lines 
   echo "=== per step (graphs): device ops, wall ms, kernel ms ==="
   for x in new base new2; do
     echo "$x:"
-    grep "^\[profile\].*graphs:.*wall\|^\[sweep\]" "$OUT/$x.out" 2>/dev/null || echo "  (no profile lines)"
+    grep "^\[profile\].*graphs:.*wall\|^\[sweep\]\|^\[compiles\]" "$OUT/$x.out" 2>/dev/null || echo "  (no profile lines)"
   done | tee "$OUT/decode_vs_base_summary.txt"
   steps_done
 ) 2>&1 | tee "$OUT/log"

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from omnistage.common.bench_results import write_result
+from triton_compiles import CompileWatch
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -135,9 +136,12 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
         dist_port=port,
         fault=fault,
     )
+    compiles = CompileWatch() if device != "cpu" and rank == 0 else None
     try:
         started = start_rank(cfg, Progress(rank))
         faulthandler.cancel_dump_traceback_later()
+        if compiles is not None:
+            result["compiles"] = {"start-up": compiles.mark("start-up (profile, capture, warm-up)")}
     except StartupError as exc:
         result.update(status="error", message=str(exc), traceback=traceback.format_exc())
         save()
@@ -177,6 +181,8 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
             if device != "cpu":
                 torch.cuda.synchronize(device)
             times["max_load_stress_s"] = time.monotonic() - t0
+            if compiles is not None:
+                result["compiles"]["max-load stress"] = compiles.mark("max-load stress")
             result["stress_peak_reserved_bytes"] = mem.peak_reserved()
 
             # Real requests through the engine near max context (distinct KV blocks, chunked prefill).
@@ -195,8 +201,10 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
                 outs = engine.generate(prompts, params, timeout_s=args.timeout_s * 5)
                 result["real_tokens"] = sum(len(o.token_ids) for o in outs)
                 result["async_scheduling"] = engine.async_scheduling
+                if compiles is not None:
+                    result["compiles"]["real requests"] = compiles.mark("real requests near max context")
                 if args.sweep:
-                    result["sweep"] = decode_sweep(engine, args, device)
+                    result["sweep"] = decode_sweep(engine, args, device, compiles)
                 if args.profile_c:
                     result["profile"] = {
                         f"c{c}-{'graphs' if graphs else 'eager'}": profile_steps(engine, c, graphs)
@@ -307,8 +315,9 @@ def _stack_file(args: argparse.Namespace, rank: int):
     return f
 
 
-def decode_sweep(engine, args: argparse.Namespace, device: str) -> list[dict]:
-    """Requests/s and output tokens/s at each concurrency (greedy, ignore EOS, fixed output length)."""
+def decode_sweep(engine, args: argparse.Namespace, device: str, compiles=None) -> list[dict]:
+    """Requests/s and output tokens/s at each concurrency (greedy, ignore EOS, fixed output length);
+    with a CompileWatch, the kernels each level compiled (a first-use cost the warm-up missed)."""
     from omnistage.services.thinker.engine.sequence import SamplingParams
 
     gen = torch.Generator().manual_seed(2)
@@ -331,6 +340,7 @@ def decode_sweep(engine, args: argparse.Namespace, device: str) -> list[dict]:
                 "req_s": c / dt,
                 "out_tok_s": toks / dt,
                 "first_tokens": list(outs[0].token_ids[:32]),
+                "compiled": compiles.mark(f"sweep c={c}") if compiles is not None else [],
             }
         )  # greedy: equal across kernel/graph modes
         print(f"[sweep] c={c} {dt:.2f}s {c / dt:.3f} req/s {toks / dt:.1f} out tok/s", flush=True)

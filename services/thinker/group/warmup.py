@@ -100,10 +100,20 @@ def stress_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
     return [prefill_stress_shape(cfg), decode_stress_shape(cfg)]
 
 
+def _prompt_shape(cfg: ResolvedEngineConfig, tokens: int) -> DummyShape:
+    n = min(tokens, cfg.max_num_batched_tokens, cfg.max_model_len - 1)
+    return DummyShape(f"prompt {n} tokens", (n,), (n,), sample=True)
+
+
 def _prompt_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
-    """Whole prompts that sample, smallest first."""
-    sizes = sorted({min(n, cfg.max_num_batched_tokens, cfg.max_model_len - 1) for n in (64, 512)})
-    return [DummyShape(f"prompt {n} tokens", (n,), (n,), sample=True) for n in sizes if n > 0]
+    """Whole prompts that sample, smallest first: every power of two from 16 tokens to the largest a
+    step holds. The kernels pick their variants by a prompt's size in power-of-two bands (the fused
+    MoE's tiles by `pairs_bucket`, the router's ROUTE_TABLE rows), so one prompt a band compiles each
+    variant a prompt can meet -- on a fresh machine a variant met first by a request costs it ~0.5 s
+    (one H200: a 128-token prompt's MoE tiles, which neither 64 nor 512 tokens pick)."""
+    largest = min(cfg.max_num_batched_tokens, cfg.max_model_len - 1)
+    sizes = [1 << k for k in range(4, largest.bit_length()) if 1 << k <= largest]
+    return [_prompt_shape(cfg, n) for n in sorted({*sizes, largest}) if n > 0]
 
 
 def _small_decode_shape(cfg: ResolvedEngineConfig) -> DummyShape:
@@ -119,14 +129,14 @@ def warmup_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
 
 
 def minimal_warmup_shapes(cfg: ResolvedEngineConfig) -> list[DummyShape]:
-    """A plain CPU's warm-up (`RankConfig.full_warmup` false), each on every rank: the smallest whole
-    prompt and the small decode run every path of a step once (prefill, decode, every sampler buffer,
+    """A plain CPU's warm-up (`RankConfig.full_warmup` false), each on every rank: a 64-token prompt
+    and the small decode run every path of a step once (prefill, decode, every sampler buffer,
     the group's agreement); then the full batch's decode at one KV block and at max_model_len, the two
     steps Describe's decode_step_times reports (decode_pace.py), timed after the first decode's
     first-use costs. Torch eager builds no kernels and there is no device memory to prove (the KV cache
-    is sized from the config), so the prefill stress and the larger prompt would only cost time."""
+    is sized from the config), so the prefill stress and the other prompts would only cost time."""
     return [
-        *_prompt_shapes(cfg)[:1],
+        _prompt_shape(cfg, 64),
         _small_decode_shape(cfg),
         decode_short_shape(cfg),
         decode_stress_shape(cfg),
