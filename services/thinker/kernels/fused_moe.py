@@ -178,7 +178,7 @@ def _epilogue(acc, acc_u, weight_ptr, pairs, num_pairs, dt: tl.constexpr, GATED:
     return result
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # a step's count: one compile for every size
 def _expert_gemm_kernel(
     a_ptr,
     w_ptr,

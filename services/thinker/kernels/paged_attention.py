@@ -172,7 +172,7 @@ def _finish(out_rows, h_ok, part_ptr, stats_ptr, tickets_ptr, m, s, acc, alone, 
         tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=rows[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])  # the step's block-table width: one compile
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,

@@ -71,7 +71,7 @@ def _tile_rows(tiles_ptr, group, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr)
     return seq, (row0 + tok).to(tl.int64), g, (tok < n) & (g < group), pos0 + tok, pos0 + n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])  # the step's block-table width: one compile
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
