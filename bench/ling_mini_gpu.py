@@ -451,7 +451,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the projections' Triton GEMV at small batch (sets OMNISTAGE_THINKER_GEMV for the ranks)",
     )
+    ap.add_argument(
+        "--pdl",
+        choices=("on", "off"),
+        default=None,
+        help="programmatic dependent launch of the Triton kernels (sets OMNISTAGE_THINKER_PDL for the ranks)",
+    )
     args = ap.parse_args(argv)
+    if args.pdl is not None:
+        os.environ["OMNISTAGE_THINKER_PDL"] = args.pdl
     if args.tp_graphs is not None:  # the spawned ranks inherit it
         os.environ["OMNISTAGE_TP_CUDA_GRAPHS"] = args.tp_graphs
     if args.fusions is not None:
@@ -544,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp": args.tp,
         "fusions": os.environ.get("OMNISTAGE_THINKER_FUSIONS", "on"),
         "gemv": os.environ.get("OMNISTAGE_THINKER_GEMV", "off"),  # backends.gemv_enabled()'s default
+        "pdl": os.environ.get("OMNISTAGE_THINKER_PDL", "on"),  # kernels/pdl.py's default
         "elapsed_s": round(elapsed, 1),
         "ok": not problems,
         "problems": problems,

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from omnistage.services.thinker.kernels import dot_precision
+from omnistage.services.thinker.kernels import dot_precision, pdl
 from omnistage.services.thinker.kernels.moe_align import align_by_expert, block_rows
+from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 
 
 @dataclass(frozen=True)
@@ -203,12 +204,14 @@ def _expert_gemm_kernel(
     BLOCK_K: tl.constexpr,
     LOG2_EXPERTS: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One row block of an expert's run x BLOCK_N columns: out[pair] = a[pair // pairs_per_row] @ w[expert]ᵀ;
     GATED (gate-up): w's first n_out rows the gate, the next n_out the up projection, the result
     silu(gate)·up; else (down): the result weighted by the pair's routing weight. Pairs from
     num_pairs on are the folded shared expert's (expert E, `shared_w_ptr`'s weights, weight 1): in
     the gate-up GEMM pair num_pairs + t reads row t; the down GEMM reads its rows by pair."""
+    wait_for_prior_kernels(USE_PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
@@ -275,6 +278,7 @@ def _expert_gemm(
         out.stride(0),
         GATED=gated,
         **meta,
+        **pdl.launch(a.device),
     )
     return out
 
@@ -288,9 +292,11 @@ def _combine_kernel(
     TOP_K: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[t] = round(sum over the k pairs of t) (+ shared[t], rounded again): the reference's sum,
     its cast to the activation dtype and the shared expert's add in one launch."""
+    wait_for_prior_kernels(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -326,6 +332,7 @@ def combine_pairs(
         TOP_K=k,
         HAS_SHARED=shared is not None,
         BLOCK=block,
+        **pdl.launch(partial.device),
     )
     return out
 

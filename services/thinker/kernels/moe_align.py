@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from omnistage.services.thinker.kernels import pdl
+from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 
 # Pairs each counting program takes: a decode step's pairs in one program, a prefill's over many.
 COUNT_SPAN = 512
@@ -22,11 +24,12 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _count_kernel(ids_ptr, counts_ptr, num_pairs, SPAN: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, SPAN: tl.constexpr, USE_PDL: tl.constexpr):
     """Pairs per expert: each program adds one per pair of its SPAN to its expert's count in the
     zeroed `counts`, atomically (integer sums: the same counts in any order). One atomic a pair
     where a program comparing its pairs with every expert took ~7 µs for a c=32 step's 256 pairs
     (one H200, Ling-mini)."""
+    wait_for_prior_kernels(USE_PDL)
     offs = tl.program_id(0) * SPAN + tl.arange(0, SPAN)
     ok = offs < num_pairs
     ids = tl.load(ids_ptr + offs, mask=ok, other=0)
@@ -70,10 +73,12 @@ def _runs_kernel(
     shared_rows,
     NUM_EXPERTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program: each expert's run padded to whole blocks and laid end to end (`ends`, and the
     run starts as the scatter's cursors), and the rows in use with the shared run, if any, after
     them (`_end_runs`)."""
+    wait_for_prior_kernels(USE_PDL)
     experts = tl.arange(0, NUM_EXPERTS)
     counts = tl.load(counts_ptr + experts)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -84,9 +89,10 @@ def _runs_kernel(
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, pairs_ptr, cursor_ptr):
+def _scatter_kernel(ids_ptr, pairs_ptr, cursor_ptr, USE_PDL: tl.constexpr):
     """Pair i takes the next row of its expert's run (order within a run does not matter: each
     row's result is computed on its own and written back at its pair index)."""
+    wait_for_prior_kernels(USE_PDL)
     i = tl.program_id(0)
     expert = tl.load(ids_ptr + i)
     row = tl.atomic_add(cursor_ptr + expert, 1)
@@ -126,11 +132,13 @@ def _align_one_program_kernel(
     NUM_EXPERTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """The three kernels above in one program, for a decode step's few pairs: count, lay the padded
     runs end to end, then place each pair at its run's cursor plus the earlier pairs of its expert
     in its chunk (stable: pairs keep their order within a run). Reads the ids in their own dtype.
     `shared_rows` > 0: a last run, expert NUM_EXPERTS, of that many pairs numbered from num_pairs on."""
+    wait_for_prior_kernels(USE_PDL)
     experts = tl.arange(0, NUM_EXPERTS)
     counts = tl.zeros((NUM_EXPERTS,), dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -198,17 +206,27 @@ def align_by_expert(
             NUM_EXPERTS=num_experts,
             BLOCK_M=block_m,
             CHUNK=min(64, max(16, triton.next_power_of_2(n))),  # a c=1 step's 8 pairs: one small chunk
+            **pdl.launch(dev),
         )
         return pairs, counts, ends, num_rows
     flat = ids.reshape(-1)  # read in its own dtype: no cast launch
     counts = torch.zeros(runs, dtype=torch.int32, device=dev)
     ends = torch.empty(runs, dtype=torch.int32, device=dev)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    _count_kernel[(triton.cdiv(n, COUNT_SPAN),)](flat, counts, n, SPAN=COUNT_SPAN)
+    _count_kernel[(triton.cdiv(n, COUNT_SPAN),)](flat, counts, n, SPAN=COUNT_SPAN, **pdl.launch(dev))
     _runs_kernel[(1,)](
-        counts, ends, cursor, num_rows, pairs, n, shared_rows, NUM_EXPERTS=num_experts, BLOCK_M=block_m
+        counts,
+        ends,
+        cursor,
+        num_rows,
+        pairs,
+        n,
+        shared_rows,
+        NUM_EXPERTS=num_experts,
+        BLOCK_M=block_m,
+        **pdl.launch(dev),
     )
-    _scatter_kernel[(n,)](flat, pairs, cursor)
+    _scatter_kernel[(n,)](flat, pairs, cursor, **pdl.launch(dev))
     return pairs, counts, ends, num_rows
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from omnistage.services.thinker.kernels import pdl
+from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 
 
 @triton.jit
@@ -28,7 +30,9 @@ def _rms_norm_kernel(
     stride_s,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_prior_kernels(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -73,6 +77,7 @@ def rms_norm(
             s2.stride(0),
             HAS_RESIDUAL=residual is not None,
             BLOCK=triton.next_power_of_2(n),
+            **pdl.launch(x.device),
         )
     if residual is None:
         return out.view(shape)
@@ -94,7 +99,9 @@ def _qk_norm_rope_kernel(
     HEAD_DIM: tl.constexpr,
     ROT: tl.constexpr,
     NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_prior_kernels(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -158,11 +165,13 @@ def qk_norm_rope(
         HEAD_DIM=head_dim,
         ROT=cos.shape[-1],
         NORM=norm,
+        **pdl.launch(qk.device),
     )
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_prior_kernels(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -187,5 +196,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             x.stride(0),
             out.stride(0),
             BLOCK=min(1024, triton.next_power_of_2(two_i // 2)),
+            **pdl.launch(x.device),
         )
     return out

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from omnistage.services.thinker.kernels import dot_precision
+from omnistage.services.thinker.kernels import dot_precision, pdl
+from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_for
 
 
@@ -208,10 +209,12 @@ def _decode_kernel(
     WRITE_KV: tl.constexpr,
     SPLITS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (sequence, KV head, split): its GQA group's online softmax (fp32) over its split of
     the context, merged by the last split to finish (flash-decoding in one launch). WRITE_KV: the new
     K/V row (slot < 0: none) stored by the split holding the context's last token, its only reader."""
+    wait_for_prior_kernels(USE_PDL)
     b, kvh = tl.program_id(0), tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
     lo, hi, alone = _split_range(ctx, SPLITS, BLOCK_N, MIN_CHUNK)
@@ -328,5 +331,6 @@ def paged_decode(
         MIN_CHUNK=SPLIT_MIN_TOKENS,
         num_warps=4,
         num_stages=2,
+        **pdl.launch(q.device),
     )
     return out

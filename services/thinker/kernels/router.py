@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from omnistage.services.thinker.kernels import dot_precision
+from omnistage.services.thinker.kernels import dot_precision, pdl
+from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_for
 
 # A decode batch's launch by its token count: (up to this many tokens, path, token rows a program).
@@ -231,12 +232,14 @@ def _route_kernel(
     DOT: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (e, t, s) for BLOCK_T tokens. GEMV: the fp32 logits of BLOCK_E experts over hidden
     split s (CUDA-core products, or tensor-core dots when DOT) into `partial` (`logits` when SPLIT
     is 1); the last program of a token block to finish (`tickets.last_to_finish`) sums the splits and
     selects the experts of its tokens from all logits. Else the logits [T, E] are given (x, w,
     partial and the tickets unread) and program (0, t, 0) selects."""
+    wait_for_prior_kernels(USE_PDL)
     pid_t = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     row_ok = rows < num_tokens
@@ -394,6 +397,7 @@ def route(
         PRECISION=dot_precision(x.dtype),
         num_warps=warps,
         num_stages=stages,
+        **pdl.launch(x.device),
     )
     return weights, ids
 

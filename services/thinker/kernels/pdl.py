@@ -1,0 +1,77 @@
+"""Programmatic dependent launch (PDL, sm_90 and later) for the decode step's Triton kernels.
+
+A decode step is a chain of ~280 small kernels (Ling-mini, one sequence); without PDL each is
+launched by the GPU only after the one before has drained. With PDL the next kernel is launched
+while the current one runs and waits on the device (`griddepcontrol.wait`) before it touches
+memory. Every kernel launched so calls `wait_for_prior_kernels` as its first statement: every
+prior kernel has completed and its writes are visible before any load or store, so no
+read-after-write or write-after-read race is possible whatever the kernel does after it (a
+kernel launched without PDL, e.g. cuBLAS, keeps the ordinary stream order).
+`OMNISTAGE_THINKER_PDL=off` turns it off (the same build's comparison, `bench/ling_mini_gpu.py
+--pdl`); off on a CPU, under Triton's interpreter, and before Hopper.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without the intrinsics: never launched with PDL (`_supported`)
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
+PDL_ENV = "OMNISTAGE_THINKER_PDL"
+
+
+def requested() -> bool:
+    """PDL_ENV's choice (default on); anything but on / off is refused, naming both."""
+    value = os.environ.get(PDL_ENV, "on").strip().lower()
+    if value not in ("on", "off"):
+        raise ValueError(f"{PDL_ENV}={value!r}: expected on or off")
+    return value == "on"
+
+
+def _supported() -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1" or not requested():
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_wait as _  # noqa: F401
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
+@functools.cache
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` are launched with PDL."""
+    if device.type != "cuda" or not torch.cuda.is_available() or not _supported():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch(device: torch.device) -> dict:
+    """The launch arguments of a kernel with a `USE_PDL` constexpr, for a launch on `device`."""
+    return {"USE_PDL": True, "launch_pdl": True} if enabled(device) else {"USE_PDL": False}
+
+
+@triton.jit
+def wait_for_prior_kernels(USE_PDL: tl.constexpr):
+    """First statement of a kernel launched by `launch`: wait until every prior kernel completed
+    (its writes visible), then let the next kernel launch (it waits the same way)."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
