@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from omnistage.services.thinker.kernels import dot_precision, interpreting
+from omnistage.services.thinker.kernels import dot_precision, interpreting, pdl
+from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 
 # Up to this many tokens the kernel serves (one 16-row dot tile per weight tile); above it the
 # weight reads amortise over the tokens and cuBLAS's GEMMs win.
@@ -142,10 +143,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
         PRECISION=dot_precision(x.dtype),
         num_warps=cfg.warps,
         num_stages=stages,
+        **pdl.launch(x.device),
     )
     if split > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLIT=split, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            partial, out, m * n, SPLIT=split, BLOCK=block, **pdl.launch(x.device)
+        )
     return out
 
 
@@ -164,9 +168,11 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (n, s): rows [n·BLOCK_N, +BLOCK_N) of the output over K range s; its sum into
     out[s] (fp32 partials) or, with one range, out itself in its dtype."""
+    wait_for_prior_kernels(USE_PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -189,8 +195,11 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, count, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(
+    partial_ptr, out_ptr, count, SPLIT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
     """out[i] = Σ_s partial[s, i] in split order (the same sum every replay), cast to out's dtype."""
+    wait_for_prior_kernels(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < count
     total = tl.zeros((BLOCK,), dtype=tl.float32)
