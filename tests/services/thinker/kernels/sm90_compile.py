@@ -28,7 +28,10 @@ SM90 = GPUTarget("cuda", 90, 32)
 
 
 def compile_sm90(fn, types: dict[str, str], constants: dict[str, object]) -> object:
-    """`types`: argument name → triton type ("*bf16", "i32", "fp32"); `constants`: constexpr values."""
+    """`types`: argument name → triton type ("*bf16", "i32", "fp32"); `constants`: constexpr values.
+    A kernel with a USE_PDL constexpr is compiled as Hopper launches it: with PDL (kernels/pdl.py)."""
+    if "USE_PDL" in fn.arg_names:
+        constants = {"USE_PDL": True, **constants}
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     missing = [n for n, t in signature.items() if t == "constexpr" and n not in constants]
     if missing:
