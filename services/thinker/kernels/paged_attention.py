@@ -211,12 +211,10 @@ def _decode_kernel(
     MIN_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program (sequence, KV head, split): its GQA group's online softmax (fp32) over its split of
-    the context, merged by the last split to finish (flash-decoding in one launch). WRITE_KV: the new
-    K/V row (slot < 0: none) stored by the split holding the context's last token, its only reader."""
+    """Program (sequence, KV head, split): its group's online softmax (fp32) over its split, merged by
+    the last split to finish; WRITE_KV: the split with the last token, its only reader, stores it."""
     wait_for_prior_kernels(USE_PDL)
-    b, kvh = tl.program_id(0), tl.program_id(1)
-    ctx = tl.load(ctx_ptr + b)
+    b, kvh, ctx = tl.program_id(0), tl.program_id(1), tl.load(ctx_ptr + tl.program_id(0))
     lo, hi, alone = _split_range(ctx, SPLITS, BLOCK_N, MIN_CHUNK)
     if alone & (tl.program_id(2) > 0):
         return  # a short context: split 0 attends it all and writes the output itself
@@ -286,8 +284,8 @@ def paged_decode(
     """q [B, H, D] (one new token per sequence) → [B, H, D]: attention over each sequence's first
     context_lens[b] cached tokens through its block table row. The new tokens' K/V are in the
     cache already, or `new_kv` = (k, v [B, KVH, D], slots [B]: each the context's last position)
-    and this launch writes them (as `write_kv`: slot < 0 writes nothing), one launch fewer per
-    layer. `splits` (default `decode_splits` on a GPU, else 1): context splits a (sequence, KV head)."""
+    and this launch writes them (as `write_kv`: slot < 0 writes nothing), one launch fewer a layer.
+    `splits` a (sequence, KV head): `decode_splits` on a GPU, else 1 (the interpreter: no gain)."""
     (bsz, num_heads, head_dim), (_, page, num_kv_heads, _) = q.shape, k_cache.shape
     group, group_pad = num_heads // num_kv_heads, max(16, triton.next_power_of_2(num_heads // num_kv_heads))
     out = torch.empty_like(q)
@@ -296,7 +294,6 @@ def paged_decode(
     k, v, slots = new_kv if new_kv is not None else (q, q, context_lens)  # unread without WRITE_KV
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("paged_decode: the new K/V head dim must be contiguous")
-    # Off a GPU (Triton's interpreter runs the programs one by one) a split only multiplies the work.
     splits = splits or (decode_splits(bsz, num_kv_heads) if q.is_cuda else 1)
     part = stats = tickets = out  # unread with one split
     if splits > 1:  # each split's fp32 softmax state, and a ticket a (sequence, KV head)
