@@ -1,12 +1,14 @@
 """The full tiny pipeline the e2e tests share: one `omnistage serve` of gateway (API keys, the OpenAI
 HTTP front), encoder, thinker, talker and image stage on the session's tiny checkpoint.
 
-test_openai_front drives it through its clients; the bench dry runs (bench/prefill_ttft.py and
+test_openai_front drives it through its clients, test_image_pipeline_e2e through gRPC; the bench dry runs (bench/prefill_ttft.py and
 bench/realtime_latency.py with `--attach`) time it as it runs. Each start of a full pipeline costs ~40 s
 of CPU (five processes import torch and warm up): one start serves them all. Its users only send
 requests (none kills, stops or drains a stage) and read metrics as deltas over their own traffic.
 The sizes fit every user: the encoder's 4 s clips (the bench's 3 s audio case, the Realtime turns),
-a context of 1,024 (the bench's 600-token prompts) and 8 sequences (its burst of 8)."""
+a context of 1,024 (the bench's 600-token prompts) and 8 sequences (its burst of 8), images up to
+1024 px and 50 denoising steps (the image tests' limits), embeddings over 1 KiB by shared memory (the
+leases the image tests check)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def config(ckpt: Path) -> tuple[dict, dict[str, dict[str, int]]]:
         "video_total_pixels": 8 * 64 * 64,
         "video_min_pixels": 64 * 64,
         "max_video_frames": 8,
+        "inline_max_bytes": 1024,  # tiny rows are 1 KiB: every item goes by shared memory
     }
     services["talker"]["talker"] = {
         "stress_batch_sizes": [1],
@@ -52,10 +55,10 @@ def config(ckpt: Path) -> tuple[dict, dict[str, dict[str, int]]]:
     services["imagegen"].update(
         imagegen={
             "highres": 512,
-            "max_side_px": 256,
+            "max_side_px": 1024,
             "default_side_px": 64,
             "default_steps": 2,
-            "max_steps": 8,
+            "max_steps": 50,
             "stress_batch_sizes": [1],
         },
         memory={"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30},
@@ -77,7 +80,8 @@ def config(ckpt: Path) -> tuple[dict, dict[str, dict[str, int]]]:
 
 
 def start(root: Path, ckpt: Path) -> dict:
-    """The pipeline started and ready: where its front, gRPC gateway, deploy file and /metrics are."""
+    """The pipeline started and ready: where its front, gRPC gateway, deploy file, every service's
+    ports and /metrics are."""
     cfg, where = config(ckpt)
     serve = ServeProcess(root, cfg, env={KEYS_ENV: KEY}).wait_ready(START_DEADLINE_S)
     return {
@@ -86,6 +90,7 @@ def start(root: Path, ckpt: Path) -> dict:
         "grpc": f"127.0.0.1:{where['gateway']['port']}",
         "root": root,
         "serve": serve,
+        "ports": where,
         "metrics": {
             name: f"http://127.0.0.1:{where[name]['metrics_port']}/metrics"
             for name in ("gateway", "thinker", "talker")
