@@ -21,11 +21,11 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="package")
 def shared_pipeline(tmp_path_factory: pytest.TempPathFactory, tiny_ckpt: Path):
-    """The full tiny pipeline, started by its first user and stopped (SIGTERM, exit 0) once the e2e
-    tests are done."""
+    """The full tiny pipeline, started by its first user and stopped (SIGTERM: exit 0, nothing left)
+    once the e2e tests are done."""
     front = full_pipeline.start(tmp_path_factory.mktemp("full-pipeline"), tiny_ckpt)
     yield front
-    front["serve"].stop()
+    full_pipeline.stop(front)
 
 
 @pytest.hookimpl(trylast=True)
