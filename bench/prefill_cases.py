@@ -193,8 +193,9 @@ async def generate(stub: omni_pb2_grpc.OmniStub, req: omni_pb2.GenerateRequest, 
     return s
 
 
-def http_chat(host: str, port: int, text: str, max_tokens: int, timeout_s: float) -> Sample:
-    """One streaming chat completion through the OpenAI front (blocking: run it in a thread)."""
+def http_chat(host: str, port: int, text: str, max_tokens: int, timeout_s: float, key: str = "") -> Sample:
+    """One streaming chat completion through the OpenAI front (blocking: run it in a thread); `key` is
+    the front's API key, when it asks for one."""
     body = json.dumps(
         {
             "model": "omnistage",
@@ -209,7 +210,8 @@ def http_chat(host: str, port: int, text: str, max_tokens: int, timeout_s: float
     s = Sample(start=time.perf_counter())
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
-        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+        conn.request("POST", "/v1/chat/completions", body, headers)
         resp = conn.getresponse()
         if resp.status != 200:
             s.code, s.detail = f"HTTP_{resp.status}", resp.read(300).decode(errors="replace")
@@ -300,7 +302,8 @@ def inter_token_gaps(samples: list[Sample]) -> list[float]:
 @dataclass
 class Client:
     """What every case needs: the stub, the calibrated prompts, the plan, where the HTTP front is, and
-    `timed()`, which a case awaits where its timed part starts (after what it sends untimed)."""
+    `timed()`, which a case awaits where its timed part starts (after what it sends untimed), and the
+    API key of the HTTP front, when it asks for one (the gRPC channel presents it itself)."""
 
     stub: omni_pb2_grpc.OmniStub
     prompts: Prompts
@@ -308,6 +311,7 @@ class Client:
     http: tuple[str, int] | None
     nonce: str  # this run's: prompts of another run (another backend) never hit this one's cache
     timed: Callable[[], Awaitable[None]] = field(default=lambda: asyncio.sleep(0))
+    key: str = ""
 
     async def one(self, text: str, max_tokens: int, rid: str, parts: tuple = ()) -> Sample:
         return await generate(self.stub, text_request(text, max_tokens, rid, parts), self.plan.timeout_s)
@@ -336,7 +340,9 @@ async def short_http(cl: Client, backend: str) -> dict | None:
     samples = []
     for i in range(p.http_requests):
         text = cl.prompts.text(60, f"{cl.nonce}-h{i}")
-        samples.append(await asyncio.to_thread(http_chat, host, port, text, p.first_tokens, p.timeout_s))
+        samples.append(
+            await asyncio.to_thread(http_chat, host, port, text, p.first_tokens, p.timeout_s, cl.key)
+        )
     return row("short_http", 1, samples, backend)
 
 

@@ -4,6 +4,8 @@
     python bench/prefill_ttft.py --config deploy/h200x2.yaml --backends triton,flashinfer
     python bench/prefill_ttft.py --tiny --out DIR   # CPU dry run: deploy/local-tiny.yaml, tiny sizes
     python bench/prefill_ttft.py ... --profile      # only the short case and its breakdown
+    python bench/prefill_ttft.py --config RUNNING.yaml --attach [--key K] [--serve-log LOG]
+                                                    # against a serve already running that file
 
 For each attention backend (`--backends`, each its own `serve` with
 `services.<thinker>.engine.attention_backend=NAME`, config-only checkpoint, `load_format: dummy`) it
@@ -21,7 +23,9 @@ and each case's breakdown (means over its timed requests, from the deltas of the
 thinker's histograms: client ↔ gateway, gateway admission, gateway → engine (parse, template,
 transport, the thinker's tokenize and submit), engine queue, the prefill steps' phases — schedule,
 plan, launch, sample, wait (the device's work ends there), output — and what is left); `--profile` runs the
-short case alone, for the breakdown of one short request; `--cases` takes names or patterns.
+short case alone, for the breakdown of one short request; `--cases` takes names or patterns. With
+`--attach` no serve starts: the cases run against the pipeline already serving `--config` (a test's
+tiny pipeline, a deployment), its backend read from `--serve-log` (that serve's output) when given.
 
 Results, rewritten after every case: OUT/prefill_ttft.json = {"device", "date", "command", "rows":
 [{case, concurrency, prompt_tokens, cached_tokens, ttft_p50_ms, ttft_p95_ms, prompt_tok_s, backend,
@@ -56,6 +60,7 @@ from chaos_launch import free_ports  # noqa: E402
 from omnistage.common.bench_results import write_result  # noqa: E402
 from omnistage.common.checkpoint.config_only import write_config_checkpoint  # noqa: E402
 from omnistage.common.config import DeployConfig, load_config  # noqa: E402
+from omnistage.common.runtime.auth import key_interceptors  # noqa: E402
 from omnistage.v1 import omni_pb2_grpc  # noqa: E402
 from pipeline_load import pipeline  # noqa: E402
 from pipeline_real_size import device_name, gateway_metrics_url, wait_all_replicas  # noqa: E402
@@ -150,9 +155,11 @@ async def run_backend(address: str, cfg: DeployConfig, plan: Plan, wanted: list[
             await asyncio.to_thread(lambda: {k: v for url in pages for k, v in scrape(url).items()})
         )
 
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
+    interceptors = key_interceptors(ctx["key"])
+    async with grpc.aio.insecure_channel(address, options=options, interceptors=interceptors) as channel:
         stub = omni_pb2_grpc.OmniStub(channel)
-        cl = Client(stub, await Prompts.calibrate(stub), plan, http, uuid.uuid4().hex[:8], timed)
+        prompts = await Prompts.calibrate(stub)
+        cl = Client(stub, prompts, plan, http, uuid.uuid4().hex[:8], timed, ctx["key"])
         await cl.one(cl.prompts.text(60, "warm"), plan.first_tokens, "warm")  # first-call costs, untimed
         for name, case in cases(plan):
             if not any(fnmatch.fnmatch(name, w) for w in wanted):
@@ -214,9 +221,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--free-ports", action="store_true", help="every service on a free port (shared machines)"
     )
+    ap.add_argument(
+        "--attach", action="store_true", help="the pipeline of --config already serves: start none"
+    )
+    ap.add_argument("--key", default="", help="the gateway's API key, when it asks for one")
+    ap.add_argument("--serve-log", default="", help="with --attach: that serve's output (its backend)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     ap.add_argument("--command", default="", help="the command line to record")
     args = ap.parse_args(argv)
+    if args.attach and (args.backends or args.checkpoint):
+        ap.error("--attach times the running serve: no --backends or --checkpoint")
     args.config = args.config or str(ROOT / "deploy" / ("local-tiny.yaml" if args.tiny else "h200x2.yaml"))
     gpu = not device_name().startswith("cpu") and not args.tiny
     args.backends = [b for b in (args.backends or ("triton,flashinfer" if gpu else "auto")).split(",") if b]
@@ -276,14 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         write_result(out / args.results, data, gpu=args.results == "prefill_ttft.json")
         (out / args.results.replace(".json", ".md")).write_text(table(data["rows"]) + "\n")
 
-    with tempfile.TemporaryDirectory(prefix="ming-config-") as tmp:
-        base = serve_overrides(args, Path(args.checkpoint or Path(tmp) / "ckpt"))
-        for index, backend in enumerate(args.backends):
-            cfg = load_config(args.config, base)
-            overrides = base + [
-                f"services.{t.name}.engine.attention_backend={backend}" for t in cfg.services_of("thinker")
-            ]
-            run_one(args, overrides, backend, out / f"prefill_ttft.serve{index}.log", plan, data, save)
+    if args.attach:
+        cfg = load_config(args.config, args.overrides)
+        data["load_format"] = cfg.model.load_format
+        address = f"{cfg.host}:{cfg.services_of('gateway')[0].port}"
+        serve = ("auto", Path(args.serve_log or os.devnull), time.monotonic())
+        time_cases(args, cfg, address, serve, plan, data, save)
+    else:
+        run_serves(args, plan, data, save)
     print("\n" + table(data["rows"]))
     for r in data["rows"]:
         if r["case"] == "short":
@@ -294,33 +308,53 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def run_serves(args: argparse.Namespace, plan: Plan, data: dict, save) -> None:
+    """A serve per attention backend, one after the other (config-only checkpoint, dummy weights)."""
+    out = Path(args.out)
+    with tempfile.TemporaryDirectory(prefix="ming-config-") as tmp:
+        base = serve_overrides(args, Path(args.checkpoint or Path(tmp) / "ckpt"))
+        for index, backend in enumerate(args.backends):
+            cfg = load_config(args.config, base)
+            overrides = base + [
+                f"services.{t.name}.engine.attention_backend={backend}" for t in cfg.services_of("thinker")
+            ]
+            run_one(args, overrides, backend, out / f"prefill_ttft.serve{index}.log", plan, data, save)
+
+
 def run_one(args, overrides: list[str], asked: str, log: Path, plan: Plan, data: dict, save) -> None:
     """One serve with attention backend `asked`: every case, the profile, the resolved backend."""
-    cfg = load_config(args.config, overrides)
-    started = time.monotonic()
+    cfg, started = load_config(args.config, overrides), time.monotonic()
     with pipeline(args.config, overrides, log) as address:
-        missing = wait_all_replicas(gateway_metrics_url(cfg), 300.0)
-        ready_s = round(time.monotonic() - started, 1)
-        backend = resolved_backend(log, asked)
-        print(f"[{asked}] ready in {ready_s} s as {backend}; not admitted: {missing or 'none'}", flush=True)
-        data["backends"][asked] = {"resolved": backend, "ready_s": ready_s, "not_admitted": missing}
+        time_cases(args, cfg, address, (asked, log, started), plan, data, save)
 
-        def save_row(row: dict) -> None:
-            data["rows"].append(row)
-            print(table([row]).splitlines()[-1], flush=True)
-            save()
 
-        ctx = {
-            "backend": backend,
-            "deadline": time.monotonic() + (args.budget_s or 1e9),
-            "skipped": data["skipped"],
-            "save_row": save_row,
-        }
-        try:
-            asyncio.run(run_backend(address, cfg, plan, args.cases, ctx))
-        finally:
-            data["backends"][asked]["run_s"] = round(time.monotonic() - started - ready_s, 1)
-            save()
+def time_cases(args, cfg: DeployConfig, address: str, serve: tuple, plan: Plan, data: dict, save) -> None:
+    """Every case against the serving pipeline at `address` (once every replica is admitted); `serve` is
+    (the backend asked, the serve's output, when it was started): the backend it resolved, its ready_s."""
+    asked, log, started = serve
+    missing = wait_all_replicas(gateway_metrics_url(cfg), 300.0)
+    ready_s = round(time.monotonic() - started, 1)
+    backend = resolved_backend(log, asked)
+    print(f"[{asked}] ready in {ready_s} s as {backend}; not admitted: {missing or 'none'}", flush=True)
+    data["backends"][asked] = {"resolved": backend, "ready_s": ready_s, "not_admitted": missing}
+
+    def save_row(row: dict) -> None:
+        data["rows"].append(row)
+        print(table([row]).splitlines()[-1], flush=True)
+        save()
+
+    ctx = {
+        "backend": backend,
+        "deadline": time.monotonic() + (args.budget_s or 1e9),
+        "skipped": data["skipped"],
+        "save_row": save_row,
+        "key": args.key,
+    }
+    try:
+        asyncio.run(run_backend(address, cfg, plan, args.cases, ctx))
+    finally:
+        data["backends"][asked]["run_s"] = round(time.monotonic() - started - ready_s, 1)
+        save()
 
 
 if __name__ == "__main__":

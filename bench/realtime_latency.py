@@ -2,10 +2,12 @@
 
     bench/realtime_latency.sh [CONFIG]                   # on the device machine (see that script)
     python bench/realtime_latency.py --tiny              # CPU: deploy/local-tiny.yaml, a smoke run
+    python bench/realtime_latency.py --config RUNNING.yaml --attach --tiny   # a serve already running
 
 Starts `omnistage serve` (config-only checkpoint, `load_format: dummy`; the tiny checkpoint with
 --tiny; each `--variant`, a comma-separated list of KEY=VALUE overrides, its own serve after the
-other: an A/B in one call) and, from this process as an outside client speaking the Realtime
+other: an A/B in one call; with `--attach` none: the pipeline already serving `--config`, e.g. a test's,
+as it runs) and, from this process as an outside client speaking the Realtime
 protocol's own event names over a plain WebSocket (no SDK: nothing more to carry to a GPU machine),
 opens 1, 4, 8, 16 sessions at once. The sessions of a level start together and speak the same
 utterance, so their first turns' pauses reach the server within milliseconds of each other (later
@@ -55,7 +57,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from omnistage.common.bench_results import check_result, write_result  # noqa: E402
 from omnistage.common.checkpoint.config_only import write_config_checkpoint  # noqa: E402
-from omnistage.common.config import load_config  # noqa: E402
+from omnistage.common.config import DeployConfig, load_config  # noqa: E402
 from omnistage.common.load_stats import percentile  # noqa: E402
 from pipeline_load import pipeline  # noqa: E402
 from pipeline_real_size import device_name, gateway_metrics_url, wait_all_replicas  # noqa: E402
@@ -257,9 +259,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--checkpoint", default="", help="config-only checkpoint folder (default: a temp dir)")
     ap.add_argument("--key", default="no-key", help="the HTTP front's API key, when it asks for one")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="one turn's limit")
+    ap.add_argument(
+        "--attach", action="store_true", help="the pipeline of --config already serves: start none"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT") or "", help="folder of the results")
     ap.add_argument("--command", default="", help="the command line to record")
     args = ap.parse_args(argv)
+    if args.attach and (args.variant or args.checkpoint):
+        ap.error("--attach times the running serve as it is: no --variant or --checkpoint")
     args.config = args.config or str(ROOT / "deploy" / ("local-tiny.yaml" if args.tiny else "h200x2.yaml"))
     args.sessions = [int(x) for x in (args.sessions or ("1,2" if args.tiny else "1,4,8,16")).split(",")]
     args.turns = args.turns or (2 if args.tiny else 4)
@@ -270,19 +277,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def serve_levels(args: argparse.Namespace, overrides: list[str], log: Path, speech: bytes, save) -> dict:
     """One serve with `overrides`: every session level through it, each row saved as it ends; its
     start-up (ready_s, stages not admitted)."""
-    cfg = load_config(args.config, overrides)
+    started = time.monotonic()
+    if args.attach:
+        return time_levels(args, load_config(args.config, overrides), speech, save, started)
+    with pipeline(args.config, overrides, log):
+        return time_levels(args, load_config(args.config, overrides), speech, save, started)
+
+
+def time_levels(args: argparse.Namespace, cfg: DeployConfig, speech: bytes, save, started: float) -> dict:
+    """Every session level through the pipeline of `cfg` (once every replica is admitted), each row
+    saved as it ends; its start-up (ready_s since `started`, stages not admitted)."""
     gateway = cfg.services_of("gateway")[0]
     if not gateway.gateway.http_port:
         raise SystemExit(f"{args.config}: the gateway's HTTP front is off (gateway.http_port)")
     url = f"ws://{cfg.host}:{gateway.gateway.http_port}/v1/realtime?model=ming-flash-omni-2.0"
-    started = time.monotonic()
-    with pipeline(args.config, overrides, log):
-        missing = wait_all_replicas(gateway_metrics_url(cfg), 300.0)
-        ready = {"ready_s": round(time.monotonic() - started, 1), "not_admitted": missing}
-        print(f"ready in {ready['ready_s']} s; not admitted: {missing or 'none'}", flush=True)
-        print(table([]))
-        for n in args.sessions:
-            save(asyncio.run(level(url, args.key, metric_urls(cfg), n, args.turns, speech, args.timeout_s)))
+    missing = wait_all_replicas(gateway_metrics_url(cfg), 300.0)
+    ready = {"ready_s": round(time.monotonic() - started, 1), "not_admitted": missing}
+    print(f"ready in {ready['ready_s']} s; not admitted: {missing or 'none'}", flush=True)
+    print(table([]))
+    for n in args.sessions:
+        save(asyncio.run(level(url, args.key, metric_urls(cfg), n, args.turns, speech, args.timeout_s)))
     return ready
 
 
@@ -320,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="realtime-latency-") as tmp:
         ckpt = Path(args.checkpoint or Path(tmp) / "ckpt")
         overrides = list(args.overrides)
-        if not args.tiny:
+        if args.attach:  # what the running serve loaded
+            data["load_format"] = load_config(args.config, overrides).model.load_format
+        elif not args.tiny:
             if not (ckpt / "config.json").is_file():
                 write_config_checkpoint(ckpt, "ming-flash")
             overrides = [f"model.checkpoint={ckpt}", "model.load_format=dummy", *overrides]

@@ -151,8 +151,9 @@ def adopt_stage_key(cfg_path: str | Path, environ: dict[str, str] = os.environ) 
         environ[STAGE_KEY_ENV] = key
 
 
-class _StageKey:
-    """Adds `authorization: Bearer <stage key>` to a call (grpc.aio takes one interceptor per call kind)."""
+class _PresentKey:
+    """Adds `authorization: Bearer <key>` to a call (the stage key, or a client's API key; grpc.aio takes one
+    interceptor per call kind)."""
 
     def __init__(self, key: str) -> None:
         self.pair = (AUTHORIZATION, f"Bearer {key}")
@@ -167,10 +168,10 @@ class _StageKey:
 def _interceptor(base: type, method: str) -> type:
     """A `base` interceptor whose `method` presents the key (each call kind has its own base class)."""
 
-    async def intercept(self: _StageKey, continuation: Any, details: Any, request: Any) -> Any:
+    async def intercept(self: _PresentKey, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
-    return type(f"StageKey{base.__name__}", (_StageKey, base), {method: intercept})
+    return type(f"PresentKey{base.__name__}", (_PresentKey, base), {method: intercept})
 
 
 _INTERCEPTORS = [
@@ -184,10 +185,14 @@ _INTERCEPTORS = [
 ]
 
 
+def key_interceptors(key: str) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors of a grpc.aio channel that present `key` on every call (none for '')."""
+    return [kind(key) for kind in _INTERCEPTORS] if key else []
+
+
 def stage_interceptors(environ: Mapping[str, str] = os.environ) -> list[grpc.aio.ClientInterceptor]:
     """Interceptors of a channel to a stage's ports: present the stage key, when there is one."""
-    key = stage_key(environ)
-    return [kind(key) for kind in _INTERCEPTORS] if key else []
+    return key_interceptors(stage_key(environ))
 
 
 def bearer(key: str) -> tuple[tuple[str, str], ...]:

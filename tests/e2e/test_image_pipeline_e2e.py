@@ -6,108 +6,43 @@ requested size and one Finish; an edit sends the last user image (encoded for th
 defaults to its size; a client cancel mid-denoise stops the DiT and leaves no request in ImageGen
 (Describe, its active-requests gauge) and no hidden-state lease in the thinker's pool (its gauge);
 bad options are INVALID_ARGUMENT naming the field, before any stage runs or relayed from ImageGen.
-One pipeline start for the module.
+On the full tiny pipeline the e2e tests share (tests/e2e/full_pipeline.py; its image stage allows
+1024 px and 50 steps, its encoder sends every item by shared memory).
 """
 
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
 import grpc
 import pytest
+from omnistage.common.runtime.auth import bearer
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 from PIL import Image
 
-from tests.e2e.serve_pipeline import ServeProcess, free_ports, metric
+from tests.e2e.full_pipeline import KEY
+from tests.e2e.serve_pipeline import metric
 from tests.waits import wait_for
 
 pytestmark = pytest.mark.timeout(300)
-START_DEADLINE_S = 240.0
 
 
-class Pipeline(ServeProcess):
-    """`omnistage serve` of gateway + encoder + thinker + imagegen; output in a file."""
+class ImagePath:
+    """The image path of the full tiny pipeline the e2e tests share (tests/e2e/full_pipeline.py): its
+    gateway (the API key presented on every call) and the stages' Describe and /metrics."""
 
-    def __init__(self, root: Path, ckpt: Path) -> None:
-        (
-            gw,
-            gw_admin,
-            th,
-            th_admin,
-            dist,
-            th_metrics,
-            enc,
-            enc_admin,
-            enc_metrics,
-            img,
-            img_admin,
-            img_metrics,
-        ) = free_ports(12)
-        cfg = {
-            "model": {"checkpoint": str(ckpt)},
-            "startup": {
-                "stop_grace_s": 5.0,
-                "phase_deadlines_s": {"loading_weights": 120, "profiling_memory": 120, "warming_up": 120},
-            },
-            "services": {
-                "thinker": {
-                    "kind": "thinker",
-                    "port": th,
-                    "admin_port": th_admin,
-                    "metrics_port": th_metrics,
-                    "dist_port": dist,
-                    "drain_grace_s": 2.0,
-                    "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 128, "max_model_len": 512},
-                },
-                "encoder": {
-                    "kind": "encoder",
-                    "port": enc,
-                    "admin_port": enc_admin,
-                    "metrics_port": enc_metrics,
-                    # Small media limits: the start-up stress runs at them (images are all this needs).
-                    "encoder": {
-                        "image_max_pixels": 256 * 256,
-                        "video_min_pixels": 64 * 64,
-                        "video_total_pixels": 4 * 64 * 64,
-                        "max_video_frames": 4,
-                        "max_audio_seconds": 1.0,
-                        "stress_batch_sizes": [1],
-                        "inline_max_bytes": 1024,
-                    },
-                },
-                "imagegen": {
-                    "kind": "imagegen",
-                    "port": img,
-                    "admin_port": img_admin,
-                    "metrics_port": img_metrics,
-                    "imagegen": {
-                        "highres": 512,
-                        "max_side_px": 1024,
-                        "default_side_px": 512,
-                        "default_steps": 4,
-                        "max_steps": 50,
-                        "stress_batch_sizes": [1],
-                    },
-                    "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30},
-                },
-                "gateway": {"kind": "gateway", "port": gw, "admin_port": gw_admin},
-            },
-        }
-        super().__init__(root, cfg)
-        self.gateway = f"127.0.0.1:{gw}"
-        self.imagegen_admin = f"127.0.0.1:{img_admin}"
-        self.imagegen_metrics = f"http://127.0.0.1:{img_metrics}/metrics"
-        self.thinker_metrics = f"http://127.0.0.1:{th_metrics}/metrics"
-        self.encoder_metrics = f"http://127.0.0.1:{enc_metrics}/metrics"
-
-    def wait_ready(self) -> Pipeline:
-        super().wait_ready(START_DEADLINE_S)
-        return self
+    def __init__(self, shared: dict) -> None:
+        ports = shared["ports"]
+        self.gateway = shared["grpc"]
+        self.auth = bearer(KEY)
+        self.imagegen_admin = f"127.0.0.1:{ports['imagegen']['admin_port']}"
+        self.imagegen_metrics = f"http://127.0.0.1:{ports['imagegen']['metrics_port']}/metrics"
+        self.thinker_metrics = f"http://127.0.0.1:{ports['thinker']['metrics_port']}/metrics"
+        self.encoder_metrics = f"http://127.0.0.1:{ports['encoder']['metrics_port']}/metrics"
 
     def generate(self, req: omni_pb2.GenerateRequest, timeout: float = 120) -> list[omni_pb2.GenerateEvent]:
         with grpc.insecure_channel(self.gateway) as ch:
-            return list(omni_pb2_grpc.OmniStub(ch).Generate(req, timeout=timeout))
+            return list(omni_pb2_grpc.OmniStub(ch).Generate(req, timeout=timeout, metadata=self.auth))
 
     def refused(self, req: omni_pb2.GenerateRequest) -> grpc.RpcError:
         with pytest.raises(grpc.RpcError) as err:
@@ -137,13 +72,8 @@ class Pipeline(ServeProcess):
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("image-pipeline")
-    p = Pipeline(root, write_tiny_checkpoint(root / "ckpt", seed=0)).wait_ready()
-    yield p
-    p.stop()
+def pipeline(shared_pipeline):
+    return ImagePath(shared_pipeline)
 
 
 def _photo(width: int, height: int) -> bytes:
@@ -235,7 +165,7 @@ def test_a_client_cancel_mid_denoise_frees_the_dit_and_the_leases(pipeline):
     cancelled = metric(pipeline.imagegen_metrics, "omnistage_imagegen_cancelled_total{", 0.0)
     with grpc.insecure_channel(pipeline.gateway) as ch:
         call = omni_pb2_grpc.OmniStub(ch).Generate(
-            request(width=512, height=512, steps=50, seed=1), timeout=120
+            request(width=512, height=512, steps=50, seed=1), timeout=120, metadata=pipeline.auth
         )
         seen = []
         for event in call:

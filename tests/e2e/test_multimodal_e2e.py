@@ -3,9 +3,11 @@
 Text + image, audio, video and several images answer; the embeddings reach the thinker through shared
 memory (its transport counter) and every encoder lease returns (its gauge); a request's greedy tokens
 are the same alone and batched, and at TP=2; bad media is refused naming the part; a refused or
-cancelled request leaves no lease. One pipeline start per TP size; SIGTERM stops each with exit 0 and
-leaves no process or shared-memory segment (the TP=2 start also gives the TP=1 greedy text tokens and
-stops every rank: what tests/e2e/test_serve_tp.py started two gateway + thinker pipelines for).
+cancelled request leaves no lease. TP=1 is the full tiny pipeline the e2e tests share
+(tests/e2e/full_pipeline.py, the API key presented), TP=2 a start of its own of the same sizes; SIGTERM
+stops each with exit 0 and leaves no process or shared-memory segment (the shared one's `stop`; the TP=2
+start also gives the TP=1 greedy text tokens and stops every rank: what tests/e2e/test_serve_tp.py
+started two gateway + thinker pipelines for).
 """
 
 from __future__ import annotations
@@ -17,24 +19,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+from omnistage.common.runtime.auth import bearer
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
+from tests.e2e.full_pipeline import ENCODER, ENGINE, KEY
 from tests.e2e.serve_pipeline import ServeProcess, free_ports, metric
 from tests.services.encoder.media_samples import audio_file, image_bytes, video_file
 
 pytestmark = pytest.mark.timeout(600)
 START_DEADLINE_S = 240.0
-MAX_MODEL_LEN = 256
-
-ENCODER_LIMITS = {
-    "image_max_pixels": 256 * 256,
-    "video_min_pixels": 64 * 64,
-    "video_total_pixels": 8 * 96 * 64,
-    "max_video_frames": 8,
-    "max_audio_seconds": 2.0,
-    "stress_batch_sizes": [2, 1],
-    "inline_max_bytes": 1024,  # tiny rows are 1 KiB: every item goes by shared memory
-}
+MAX_MODEL_LEN = ENGINE["max_model_len"]
 IMAGES = [image_bytes(128, 96, seed=1), image_bytes(96, 64, seed=2), image_bytes(64, 64, seed=3)]
 AUDIO = audio_file("wav", 1.0)
 VIDEO = video_file(8, fps=4, width=96, height=64)
@@ -65,76 +59,20 @@ def request(parts, max_tokens: int = 8, request_id: str = "") -> omni_pb2.Genera
     )
 
 
-class Pipeline(ServeProcess):
-    """`omnistage serve` of gateway + encoder + thinker (TP `tp_size`); output in files."""
+class MediaCalls:
+    """Requests through a gateway (`auth`: its API key, when it asks for one) and what the thinker and
+    the encoder hold: shared by the TP=1 pipeline (the e2e tests' shared one) and the TP=2 one."""
 
-    def __init__(self, root: Path, ckpt: Path, tp_size: int) -> None:
-        (gw, gw_admin, th, th_admin, dist, th_metrics, enc, enc_admin, enc_metrics) = free_ports(9)
-        self.media_dir = root / "media"
-        self.media_dir.mkdir(exist_ok=True)
-        cfg = {
-            "model": {"checkpoint": str(ckpt)},
-            "startup": {
-                "stop_grace_s": 5.0,
-                "phase_deadlines_s": {"loading_weights": 120, "profiling_memory": 120, "warming_up": 120},
-            },
-            "services": {
-                "thinker": {
-                    "kind": "thinker",
-                    "port": th,
-                    "admin_port": th_admin,
-                    "metrics_port": th_metrics,
-                    "tp_size": tp_size,
-                    "dist_port": dist,
-                    "drain_grace_s": 2.0,
-                    "engine": {
-                        "max_num_seqs": 16,
-                        "max_num_batched_tokens": 64,
-                        "max_model_len": MAX_MODEL_LEN,
-                    },
-                },
-                "encoder": {
-                    "kind": "encoder",
-                    "port": enc,
-                    "admin_port": enc_admin,
-                    "metrics_port": enc_metrics,
-                    "encoder": ENCODER_LIMITS,
-                },
-                "gateway": {
-                    "kind": "gateway",
-                    "port": gw,
-                    "admin_port": gw_admin,
-                    "gateway": {"media_dir": str(self.media_dir)},
-                },
-            },
-        }
-        super().__init__(root, cfg, f"-tp{tp_size}", err_apart=True)
-        self.tp_size = tp_size
-        self.gateway = f"127.0.0.1:{gw}"
-        self.thinker_admin = f"127.0.0.1:{th_admin}"
-        self.thinker_metrics = f"http://127.0.0.1:{th_metrics}/metrics"
-        self.encoder_metrics = f"http://127.0.0.1:{enc_metrics}/metrics"
-
-    def wait_ready(self) -> Pipeline:
-        super().wait_ready(START_DEADLINE_S)
-        return self
-
-    def stop_leaving_nothing(self) -> None:
-        """SIGTERM (exit 0, `ServeProcess.stop`) after which every rank the launcher started is gone, no
-        process nor shared-memory segment of it is left, and no service failed while stopping."""
-        started = set(self.children())
-        self.stop()
-        left = self.leftovers()
-        assert not left, f"left behind: {left}"
-        ranks = {("thinker", r) for r in range(self.tp_size)} | {("gateway", 0), ("encoder", 0)}
-        assert started == ranks, started
-        out = self.out.read_text()
-        assert f"thinker r{self.tp_size - 1} serving" in out and "all services stopped" in out, self.logs()
-        assert "while stopping" not in self.err.read_text(), self.logs()  # every rank left cleanly
+    gateway: str
+    auth: tuple = ()
+    media_dir: Path
+    thinker_admin: str
+    thinker_metrics: str
+    encoder_metrics: str
 
     def generate(self, req: omni_pb2.GenerateRequest, timeout: float = 120) -> list[omni_pb2.GenerateEvent]:
         with grpc.insecure_channel(self.gateway) as ch:
-            return list(omni_pb2_grpc.OmniStub(ch).Generate(req, timeout=timeout))
+            return list(omni_pb2_grpc.OmniStub(ch).Generate(req, timeout=timeout, metadata=self.auth))
 
     def tokens(self, req: omni_pb2.GenerateRequest) -> list[int]:
         events = self.generate(req)
@@ -164,11 +102,87 @@ class Pipeline(ServeProcess):
         return desc.running_requests + desc.queued_requests
 
 
+class SharedPipeline(MediaCalls):
+    """TP=1: the full tiny pipeline the e2e tests share (tests/e2e/full_pipeline.py; its sizes are
+    ENGINE and ENCODER, its media directory the gateway's; its stop checks what `stop_leaving_nothing`
+    checks here)."""
+
+    def __init__(self, shared: dict) -> None:
+        ports = shared["ports"]
+        self.gateway, self.auth, self.media_dir = shared["grpc"], bearer(KEY), shared["media_dir"]
+        self.thinker_admin = f"127.0.0.1:{ports['thinker']['admin_port']}"
+        self.thinker_metrics = f"http://127.0.0.1:{ports['thinker']['metrics_port']}/metrics"
+        self.encoder_metrics = f"http://127.0.0.1:{ports['encoder']['metrics_port']}/metrics"
+
+
+class Pipeline(MediaCalls, ServeProcess):
+    """`omnistage serve` of gateway + encoder + thinker (TP `tp_size`) of the shared pipeline's sizes;
+    output in files."""
+
+    def __init__(self, root: Path, ckpt: Path, tp_size: int) -> None:
+        (gw, gw_admin, th, th_admin, dist, th_metrics, enc, enc_admin, enc_metrics) = free_ports(9)
+        self.media_dir = root / "media"
+        self.media_dir.mkdir(exist_ok=True)
+        cfg = {
+            "model": {"checkpoint": str(ckpt)},
+            "startup": {
+                "stop_grace_s": 5.0,
+                "phase_deadlines_s": {"loading_weights": 120, "profiling_memory": 120, "warming_up": 120},
+            },
+            "services": {
+                "thinker": {
+                    "kind": "thinker",
+                    "port": th,
+                    "admin_port": th_admin,
+                    "metrics_port": th_metrics,
+                    "tp_size": tp_size,
+                    "dist_port": dist,
+                    "drain_grace_s": 2.0,
+                    "engine": ENGINE,
+                },
+                "encoder": {
+                    "kind": "encoder",
+                    "port": enc,
+                    "admin_port": enc_admin,
+                    "metrics_port": enc_metrics,
+                    "encoder": ENCODER,
+                },
+                "gateway": {
+                    "kind": "gateway",
+                    "port": gw,
+                    "admin_port": gw_admin,
+                    "gateway": {"media_dir": str(self.media_dir)},
+                },
+            },
+        }
+        ServeProcess.__init__(self, root, cfg, f"-tp{tp_size}", err_apart=True)
+        self.tp_size = tp_size
+        self.gateway = f"127.0.0.1:{gw}"
+        self.thinker_admin = f"127.0.0.1:{th_admin}"
+        self.thinker_metrics = f"http://127.0.0.1:{th_metrics}/metrics"
+        self.encoder_metrics = f"http://127.0.0.1:{enc_metrics}/metrics"
+
+    def wait_ready(self) -> Pipeline:
+        super().wait_ready(START_DEADLINE_S)
+        return self
+
+    def stop_leaving_nothing(self) -> None:
+        """SIGTERM (exit 0, `ServeProcess.stop`) after which every rank the launcher started is gone, no
+        process nor shared-memory segment of it is left, and no service failed while stopping."""
+        started = set(self.children())
+        self.stop()
+        left = self.leftovers()
+        assert not left, f"left behind: {left}"
+        ranks = {("thinker", r) for r in range(self.tp_size)} | {("gateway", 0), ("encoder", 0)}
+        assert started == ranks, started
+        out = self.out.read_text()
+        assert f"thinker r{self.tp_size - 1} serving" in out and "all services stopped" in out, self.logs()
+        assert "while stopping" not in self.err.read_text(), self.logs()  # every rank left cleanly
+
+
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, tiny_ckpt):
-    p = Pipeline(tmp_path_factory.mktemp("mm-tp1"), tiny_ckpt, 1).wait_ready()
-    yield p
-    p.stop_leaving_nothing()
+def pipeline(shared_pipeline):
+    return SharedPipeline(shared_pipeline)
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +267,9 @@ def test_a_request_the_thinker_refuses_leaves_no_lease(pipeline):
 
 def test_a_cancelled_request_leaves_no_lease_and_no_work(pipeline):
     with grpc.insecure_channel(pipeline.gateway) as ch:
-        call = omni_pb2_grpc.OmniStub(ch).Generate(request(REQUESTS["video"], max_tokens=150), timeout=60)
+        call = omni_pb2_grpc.OmniStub(ch).Generate(
+            request(REQUESTS["video"], max_tokens=150), timeout=60, metadata=pipeline.auth
+        )
         first = next(call)
         assert first.WhichOneof("event") == "text"
         call.cancel()

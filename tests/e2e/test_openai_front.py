@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP front end to end, through the official `openai` client, and the
-`omnistage generate` / `bench` CLI, on one `omnistage serve` of the tiny pipeline (gateway with API keys
-and gateway.http_port, encoder, thinker, talker, imagegen)."""
+`omnistage generate` / `bench` CLI, on the full tiny pipeline the e2e tests share (tests/e2e/full_pipeline.py:
+one `omnistage serve` of gateway with API keys and gateway.http_port, encoder, thinker, talker, imagegen)."""
 
 from __future__ import annotations
 
@@ -19,112 +19,17 @@ import openai
 import pytest
 
 from tests.e2e import realtime_client as rc
-from tests.e2e.serve_pipeline import ServeProcess, free_ports, metric
+from tests.e2e.full_pipeline import KEY
+from tests.e2e.serve_pipeline import metric
 from tests.services.encoder.media_samples import audio_file, image_bytes
 
 pytestmark = pytest.mark.timeout(600)
-KEY = "sk-test-openai-front"
-START_DEADLINE_S = 300.0
 
 
 @pytest.fixture(scope="module")
-def front(tmp_path_factory):
-    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("openai-front")
-    ckpt = write_tiny_checkpoint(root / "ckpt", seed=0)
-    (
-        gw,
-        gw_admin,
-        gw_metrics,
-        http,
-        th,
-        th_admin,
-        th_metrics,
-        dist,
-        enc,
-        enc_admin,
-        tk,
-        tk_admin,
-        tk_metrics,
-        img,
-        img_admin,
-    ) = free_ports(15)
-    cfg = {
-        "model": {"checkpoint": str(ckpt)},
-        "startup": {
-            "stop_grace_s": 5.0,
-            "phase_deadlines_s": {"loading_weights": 240, "profiling_memory": 240, "warming_up": 240},
-        },
-        "services": {
-            "thinker": {
-                "kind": "thinker",
-                "port": th,
-                "admin_port": th_admin,
-                "metrics_port": th_metrics,
-                "dist_port": dist,
-                "drain_grace_s": 2.0,
-                "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 1024},
-            },
-            "encoder": {
-                "kind": "encoder",
-                "port": enc,
-                "admin_port": enc_admin,
-                "encoder": {
-                    "image_max_pixels": 128 * 128,
-                    "max_audio_seconds": 2.0,
-                    "stress_batch_sizes": [1],
-                    "video_total_pixels": 8 * 64 * 64,
-                    "video_min_pixels": 64 * 64,
-                    "max_video_frames": 8,
-                },
-            },
-            "talker": {
-                "kind": "talker",
-                "port": tk,
-                "admin_port": tk_admin,
-                "metrics_port": tk_metrics,
-                "talker": {"stress_batch_sizes": [1], "max_segment_seconds": 20, "max_lm_tokens": 512},
-            },
-            "imagegen": {
-                "kind": "imagegen",
-                "port": img,
-                "admin_port": img_admin,
-                "imagegen": {
-                    "highres": 512,
-                    "max_side_px": 256,
-                    "default_side_px": 64,
-                    "default_steps": 2,
-                    "max_steps": 8,
-                    "stress_batch_sizes": [1],
-                },
-                "memory": {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30},
-            },
-            "gateway": {
-                "kind": "gateway",
-                "port": gw,
-                "admin_port": gw_admin,
-                "metrics_port": gw_metrics,
-                "api_keys_env": "OPENAI_FRONT_KEYS",
-                "drain_grace_s": 2.0,
-                "gateway": {"http_port": http, "http_max_body_bytes": 4 << 20},
-            },
-        },
-    }
-    serve = ServeProcess(root, cfg, env={"OPENAI_FRONT_KEYS": KEY}).wait_ready(START_DEADLINE_S)
-    metrics = {
-        name: f"http://127.0.0.1:{port}/metrics"
-        for name, port in (("gateway", gw_metrics), ("thinker", th_metrics), ("talker", tk_metrics))
-    }
-    yield {
-        "base": f"http://127.0.0.1:{http}",
-        "config": str(root / "deploy.yaml"),
-        "grpc": f"127.0.0.1:{gw}",
-        "root": root,
-        "serve": serve,
-        "metrics": metrics,
-    }
-    serve.stop()
+def front(shared_pipeline):
+    """The full tiny pipeline the e2e tests share (tests/e2e/full_pipeline.py)."""
+    return shared_pipeline
 
 
 def _client(front, key: str = KEY) -> openai.OpenAI:

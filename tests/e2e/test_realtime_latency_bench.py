@@ -1,48 +1,33 @@
 """bench/realtime_latency.py against the CPU tiny pipeline (a smoke run: its figures are no targets
-here): it serves (a variant's overrides), speaks turns through /v1/realtime with the protocol's own
-events, and writes a row per session count, every turn timed from the VAD's speech end to the first
-transcript and audio, with the encoder's forwards counted."""
+here): with `--attach` it times the full tiny pipeline the e2e tests share (tests/e2e/full_pipeline.py,
+its API key presented), speaks turns through /v1/realtime with the protocol's own events, and writes a
+row per session count, every turn timed from the VAD's speech end to the first transcript and audio,
+with the encoder's forwards counted. Without `--attach` each `--variant` is its own serve with its
+overrides and its rows say which (checked without starting them: the serve is the one every GPU run
+starts)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from omnistage.common.config import load_config
 
-from load_tests.chaos_launch import free_ports
+from tests.e2e.full_pipeline import KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
-def port_overrides(config: Path) -> list[str]:
-    """Every port of the deploy file moved to a free one (tests may run beside a serve)."""
-    cfg = load_config(config, [])
-    out = []
-    for svc in cfg.services.values():
-        keys = ["port", "admin_port", "metrics_port"] + (["dist_port"] if svc.kind == "thinker" else [])
-        for key, port in zip(keys, free_ports(len(keys)), strict=True):
-            out.append(f"services.{svc.name}.{key}={port}")
-        if svc.kind == "gateway":
-            out.append(f"services.{svc.name}.gateway.http_port={free_ports(1)[0]}")
-    return out
-
-
-def test_the_tiny_run_times_every_turn(tmp_path):
-    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
-
-    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", seed=0)
-    config = ROOT / "deploy" / "local-tiny.yaml"
-    sets = [f"--set=model.checkpoint={ckpt}", *(f"--set={o}" for o in port_overrides(config))]
+def test_the_tiny_run_times_every_turn(tmp_path, shared_pipeline):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "realtime_latency.py"), "--tiny", "--sessions", "1,2"]
-        + ["--turns", "2", "--speech-s", "1.0", "--out", str(out), *sets]
-        + ["--variant", "services.encoder.encoder.audio_batch_frames=0"],  # one serve: as configured
+        + ["--turns", "2", "--speech-s", "1.0", "--out", str(out), "--attach"]
+        + [f"--config={shared_pipeline['config']}", f"--key={KEY}"],
         capture_output=True,
         text=True,
         timeout=900,
@@ -52,7 +37,7 @@ def test_the_tiny_run_times_every_turn(tmp_path):
     doc = json.loads((out / "realtime_latency.json").read_text())
     assert {"device", "date", "command", "rows"} <= doc.keys()
     assert [(r["sessions"], r["turns"], r["errors"]) for r in doc["rows"]] == [(1, 2, 0), (2, 4, 0)]
-    assert list(doc["variants"]) == ["services.encoder.encoder.audio_batch_frames=0"]
+    assert list(doc["variants"]) == ["as configured"]
     assert doc["sessions_start"].startswith("together")
     for row in doc["rows"]:
         audio, text = row["stopped_to_first_audio_p50_ms"], row["stopped_to_first_text_p50_ms"]
@@ -64,7 +49,49 @@ def test_the_tiny_run_times_every_turn(tmp_path):
             row["server_turn_media_mean_ms"] is not None and row["server_turn_first_text_mean_ms"] is not None
         )
         assert row["encode_cache"].get("ahead[started]", 0) >= 1  # turns' clips went to the encoder early
-        assert row["variant"] == "services.encoder.encoder.audio_batch_frames=0"
+        assert row["variant"] == ""
         assert row["encoder_forwards"].get("audio", 0) >= 1  # the encoder's own count of its forwards
         assert row["stage_means"].get("encoder/encoder_forward_seconds[audio]") is not None
     assert "| variant | sessions | turns |" in (out / "realtime_latency.md").read_text()
+
+
+TIMES = ("stopped_to_first_audio_p50_ms", "stopped_to_first_audio_p95_ms", "stopped_to_first_text_p50_ms")
+TIMES += ("first_turn_p50_ms", "later_turns_p50_ms", "server_ttfa_mean_ms")
+
+
+def test_each_variant_is_its_own_serve_and_its_rows_say_which(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import realtime_latency as bench
+
+    serves: list[tuple[list[str], str]] = []
+
+    @contextlib.contextmanager
+    def pipeline(config, overrides, log):
+        serves.append((list(overrides), log.name))
+        yield "127.0.0.1:1"
+
+    def time_levels(args, cfg, speech, save, started):
+        for n in args.sessions:
+            timed = dict.fromkeys(TIMES, 1.0)
+            save({"sessions": n, "turns": n * args.turns, "errors": 0, "serve": len(serves), **timed})
+        return {"ready_s": 0.0, "not_admitted": []}
+
+    monkeypatch.setattr(bench, "pipeline", pipeline)
+    monkeypatch.setattr(bench, "time_levels", time_levels)
+    a, b = "services.encoder.encoder.audio_batch_frames=0", "services.talker.talker.max_lm_tokens=256"
+    argv = ["--tiny", "--sessions", "1,2", "--out", str(tmp_path), "--set=log_level=debug"]
+    assert bench.main(argv + ["--variant", a, "--variant", b]) == 0
+    assert serves == [
+        (["log_level=debug", a], "realtime_latency.serve0.log"),
+        (["log_level=debug", b], "realtime_latency.serve1.log"),
+    ]
+    doc = json.loads((tmp_path / "realtime_latency.json").read_text())
+    assert list(doc["variants"]) == [a, b]
+    assert [(r["variant"], r["sessions"], r["serve"]) for r in doc["rows"]] == [
+        (a, 1, 1),
+        (a, 2, 1),
+        (b, 1, 2),
+        (b, 2, 2),
+    ]
+    with pytest.raises(SystemExit):  # a running serve is timed as it is
+        bench.parse_args(["--attach", "--variant", a])
