@@ -19,14 +19,9 @@ class Leftovers:
     """What a scenario leaves behind: tasks still running (besides those there when it began and the fake
     talker's server's), what asyncio reports to the loop's exception handler (tasks and generators
     left to the GC), and the gateway's async generators that nobody closed (asyncio's finalizer hook
-    closes them when they are collected, in a task of its own, whenever that is).
-
-    What existed before the scenario is frozen out of the GC's reach (gc.freeze) until `collected()`:
-    its collections then walk the scenario's own objects only, not the whole test process (a full
-    collection of a pytest process that imported every test module costs ~0.5 s of CPU)."""
+    closes them when they are collected, in a task of its own, whenever that is)."""
 
     def __init__(self) -> None:
-        gc.freeze()  # undone by collected() (and by a failed no_task_left)
         self.reports: list[str] = []
         self.before = asyncio.all_tasks()
         loop = asyncio.get_running_loop()
@@ -57,18 +52,13 @@ class Leftovers:
         try:
             await wait_until(lambda: not self.pending(), what="no task left running")
         except AssertionError:
-            gc.unfreeze()
             raise AssertionError(f"tasks still running: {self.pending()}") from None
 
     async def collected(self) -> list[str]:
         """The reports once the GC has collected what nobody holds (and the async generators' finalizer
-        tasks it started have run). Collects what the scenario made, then gives the frozen objects back
-        to the GC."""
-        try:
-            for _ in range(3):
-                gc.collect()
-                for _ in range(20):
-                    await asyncio.sleep(0)
-        finally:
-            gc.unfreeze()
+        tasks it started have run)."""
+        for _ in range(3):
+            gc.collect()
+            for _ in range(20):
+                await asyncio.sleep(0)
         return self.reports
