@@ -37,6 +37,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Back in the GC's reach for the interpreter's last collection (Triton's bindings, nanobind, report
+    their objects left uncollected at exit as leaks)."""
+    gc.unfreeze()
+
+
 def _promtool() -> str:
     path = shutil.which("promtool")
     if path is None:  # `make test` installs it (Debian's prometheus package): absent means CI is broken
