@@ -7,11 +7,25 @@ from __future__ import annotations
 import random
 import re
 
-import inflect
 import pytest
 import typeguard
 from omnistage.services.talker.spoken_numbers import cardinal, number_words, ordinal, spell_numbers
 
+
+def _import_inflect_unchecked():
+    """inflect without its argument checks: its `@typechecked` methods each re-parse and re-compile the
+    whole inflect source at import (~4 s of CPU, at the suite's collection) and check every call (the
+    loops here would take three times as long); the checks change no answer."""
+    checked = typeguard.typechecked
+    typeguard.typechecked = lambda target=None, **_: target if target is not None else (lambda t: t)
+    try:
+        import inflect
+    finally:
+        typeguard.typechecked = checked
+    return inflect
+
+
+inflect = _import_inflect_unchecked()
 ENGINE = inflect.engine()
 
 
@@ -46,14 +60,6 @@ def inflect_spell_numbers(text: str) -> str:
     )
     text = re.sub(r"\d+(?:\.\d+)?", lambda m: inflect_number_words(m.group(0)), text)
     return re.sub(r"\s+", " ", text).strip()
-
-
-@pytest.fixture(autouse=True)
-def _inflect_unchecked():
-    """inflect's own argument checks (typeguard) would triple the time of these loops; they change no
-    answer."""
-    with typeguard.suppress_type_checks():
-        yield
 
 
 def _mismatches(numbers) -> list[tuple[int, str, str]]:

@@ -34,6 +34,14 @@ def _serving(models, voices, budget: int, full: bool = True):
     return prof, runner, mem, details
 
 
+@pytest.fixture(scope="module")
+def unbounded(talker_models, voices):
+    """The start-up without a memory budget (the profile and the serving runner it builds): the
+    reference the budgeted start-ups below are sized from, built once for them."""
+    prof, runner, _, _ = _serving(talker_models, voices, budget=0)
+    return prof, runner
+
+
 def test_the_stream_rule():
     assert streams_that_fit(8, peak=10_000, budget=0, per_stream=100, most=128) == 128  # no budget
     assert streams_that_fit(8, peak=10_000, budget=10_550, per_stream=100, most=128) == 13
@@ -49,8 +57,10 @@ def test_one_streams_bytes_are_its_slot_of_the_caches(talker_models):
     assert stream_bytes(talker_models, caches) * 6 == runner.cache_bytes  # five slots + the scratch
 
 
-def test_streams_fill_the_budget_beyond_the_step_batch_and_the_serving_step_fits(talker_models, voices):
-    unbounded, runner, _, _ = _serving(talker_models, voices, budget=0)
+def test_streams_fill_the_budget_beyond_the_step_batch_and_the_serving_step_fits(
+    talker_models, voices, unbounded
+):
+    unbounded, runner = unbounded
     assert unbounded.step_batch == 2 and unbounded.max_streams == runner.slots == CFG.max_streams
     assert runner.step_batch == 2
     peak = unbounded.stress.peak_reserved
@@ -63,8 +73,8 @@ def test_streams_fill_the_budget_beyond_the_step_batch_and_the_serving_step_fits
     assert any(f"caches of {prof.max_streams} streams" in d for d in details)
 
 
-def test_a_budget_only_the_step_batch_fits_is_the_step_batch(talker_models, voices):
-    unbounded, _, _, _ = _serving(talker_models, voices, budget=0)
+def test_a_budget_only_the_step_batch_fits_is_the_step_batch(talker_models, voices, unbounded):
+    unbounded, _ = unbounded
     prof, runner, mem, _ = _serving(talker_models, voices, unbounded.stress.peak_reserved + 1)
     assert prof.max_streams == prof.step_batch == runner.slots
     assert mem.peak_reserved() <= unbounded.stress.peak_reserved + 1

@@ -24,10 +24,12 @@ def pair() -> tuple[ZImageTransformer2DModel, ZImageDiT]:
     return make_pair()
 
 
-def make_pair() -> tuple[ZImageTransformer2DModel, ZImageDiT]:
-    """diffusers' tiny model with non-trivial weights, and ours holding the same."""
+def make_pair(**shape) -> tuple[ZImageTransformer2DModel, ZImageDiT]:
+    """diffusers' tiny model (TINY_DIT, with `shape`'s keys changed) with non-trivial weights, and ours
+    holding the same."""
     torch.manual_seed(0)
-    ref = ZImageTransformer2DModel(**TINY_DIT).eval()
+    shape = {**TINY_DIT, **shape}
+    ref = ZImageTransformer2DModel(**shape).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():  # non-trivial norms and pad tokens, larger than the init
             if "norm" in name:
@@ -35,7 +37,7 @@ def make_pair() -> tuple[ZImageTransformer2DModel, ZImageDiT]:
             else:
                 p.normal_(0.0, 0.08)
     ours = ZImageDiT(
-        DiTConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in TINY_DIT.items()})
+        DiTConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in shape.items()})
     ).eval()
     ours.load_state_dict(ref.state_dict(), strict=True)  # the same parameter names
     return ref, ours
