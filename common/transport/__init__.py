@@ -1,8 +1,9 @@
 """Tensor transport between stages: TensorRef encode/decode over inline bytes, POSIX shm or CUDA IPC.
 
-The names below load their module on first use (PEP 562): `transport.host` (segments, liveness, the
-stale-segment sweep) needs no torch, so the launcher and the CLI, which use only it, do not pay the
-seconds of CPU that importing torch costs each process.
+The names below load their module on first use (PEP 562). Only encode/decode and the dtype table
+(`tensor_ref`, `dtypes`) import torch: `transport.host` (segments, liveness, the stale-segment sweep) and
+`TransportContext` (pools, mappings, lease release) do not, so the launcher, the CLI and the gateway,
+which use only those, do not pay the seconds of CPU that importing torch costs each process.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from omnistage.common.transport.context import TransportContext, TransportOptions
     from omnistage.common.transport.dtypes import SUPPORTED_DTYPES, from_proto_dtype, to_proto_dtype
     from omnistage.common.transport.host import TransportError, host_id, sweep_stale_segments
-    from omnistage.common.transport.tensor_ref import TransportContext, TransportOptions, decode, encode
+    from omnistage.common.transport.tensor_ref import decode, encode
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -34,8 +36,8 @@ _MODULE_OF = {
     "TransportError": "host",
     "host_id": "host",
     "sweep_stale_segments": "host",
-    "TransportContext": "tensor_ref",
-    "TransportOptions": "tensor_ref",
+    "TransportContext": "context",
+    "TransportOptions": "context",
     "decode": "tensor_ref",
     "encode": "tensor_ref",
 }

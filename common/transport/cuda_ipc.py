@@ -1,4 +1,8 @@
-"""CUDA IPC pool: one cudaMalloc'ed buffer per device, exported once; consumers open it once and cache it."""
+"""CUDA IPC pool: one cudaMalloc'ed buffer per device, exported once; consumers open it once and cache it.
+
+torch loads where device memory is allocated, wrapped or synchronized: releasing a lease (a store into
+the pool's shared lease table) needs none, so a process that only releases (the gateway) never imports it.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +15,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
-import torch
 from omnistage.common.transport.host import SHM_DIR, Segment, TransportError, pid_alive, segment_owner_pid
 from omnistage.common.transport.shm_pool import Lease, LeasedPool, LeaseTable, table_bytes, typed_view
 from omnistage.v1 import tensor_pb2
+
+if TYPE_CHECKING:
+    import torch
 
 _HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1
@@ -25,22 +32,21 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * _HANDLE_BYTES)]
 
 
-def _find_cudart() -> str:
-    """Path of the libcudart torch already loaded (same instance, same device state), else a soname."""
+def _find_cudart(cuda_version: str | None) -> str:
+    """Path of the libcudart torch already loaded (same instance, same device state), else the soname of
+    torch's CUDA version."""
     with open("/proc/self/maps") as f:
         for line in f:
             if "libcudart.so" in line:
                 return line.split(maxsplit=5)[-1].strip()
-    major = (torch.version.cuda or "12").split(".")[0]
+    major = (cuda_version or "12").split(".")[0]
     return f"libcudart.so.{major}"
 
 
 class _CudaRuntime:
     """The few libcudart calls torch does not expose: malloc/free and IPC handles."""
 
-    def __init__(self) -> None:
-        torch.cuda.init()
-        path = _find_cudart()
+    def __init__(self, path: str) -> None:
         try:
             lib = ctypes.CDLL(path)
         except OSError as e:
@@ -114,9 +120,12 @@ class _CudaRuntime:
 
 @cache
 def cuda_runtime() -> _CudaRuntime:
+    import torch
+
     if not torch.cuda.is_available():
         raise TransportError("CUDA IPC unavailable: no CUDA device")
-    return _CudaRuntime()
+    torch.cuda.init()
+    return _CudaRuntime(_find_cudart(torch.version.cuda))
 
 
 _LOCAL_POOLS: weakref.WeakValueDictionary[str, CudaIpcPool] = weakref.WeakValueDictionary()
@@ -152,6 +161,8 @@ def _wrap(ptr: int, nbytes: int, device: int) -> tuple[torch.Tensor, weakref.ref
     """A uint8 tensor over raw device memory, and a weak reference to the object that owns the memory
     view: torch keeps that object alive while any tensor viewing it lives, so a dead reference means
     no view of the memory is left (the handle may then be closed)."""
+    import torch
+
     holder = _DeviceMemory(ptr, nbytes)
     return torch.as_tensor(holder, device=torch.device("cuda", device)), weakref.ref(holder)
 
@@ -196,6 +207,8 @@ class CudaIpcPool(LeasedPool):
 
     def put(self, tensor: torch.Tensor, *, wait_s: float = 0.0) -> tensor_pb2.CudaIpcRef | None:
         """Copy `tensor` into a slice and wait for the copy, so the consumer may read at once."""
+        import torch
+
         nbytes = tensor.numel() * tensor.element_size()
 
         def copy(lease: Lease) -> None:
@@ -221,6 +234,8 @@ class CudaIpcPool(LeasedPool):
     def _close_data(self) -> None:
         """The device buffer: no copy in flight, no view of ours left, then freed (consumers' mappings
         keep the memory until they close their handles)."""
+        import torch
+
         _LOCAL_POOLS.pop(self.pool_id, None)
         torch.cuda.synchronize(self.device)
         self.buffer = None

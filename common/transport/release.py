@@ -7,10 +7,14 @@ failure is logged, never raised: the request that dropped the ref is over either
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from omnistage.common.log import get_logger
 from omnistage.common.transport.host import TransportError
-from omnistage.common.transport.tensor_ref import TransportContext
-from omnistage.v1 import tensor_pb2
+
+if TYPE_CHECKING:
+    from omnistage.common.transport.context import TransportContext
+    from omnistage.v1 import tensor_pb2
 
 log = get_logger(__name__)
 

@@ -1,4 +1,8 @@
-"""Producer-owned POSIX shm pool: slices with leases that consumers release through the segment itself."""
+"""Producer-owned POSIX shm pool: slices with leases that consumers release through the segment itself.
+
+torch (and numpy) load in the functions that copy or view tensors: the lease table, its arena and a
+consumer's release need neither, so a process that only releases leases (the gateway) never imports them.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
 from omnistage.common.transport.host import SHM_DIR, Segment, TransportError, pid_alive
 from omnistage.v1 import tensor_pb2
+
+if TYPE_CHECKING:
+    import torch
 
 _MAGIC = int.from_bytes(b"OMNISHM1", "little")
 _HEADER = struct.Struct("<QQQQ")  # magic, max_leases, data_offset, data_bytes
@@ -215,6 +221,8 @@ class LeaseArena:
 
 def _u8_view(segment: Segment, offset: int, nbytes: int) -> torch.Tensor:
     """Zero-copy uint8 tensor over the mapping; it pins the mapping (a fresh buffer export) while alive."""
+    import torch
+
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(memoryview(segment.mm), dtype=torch.uint8, count=nbytes, offset=offset)
@@ -234,6 +242,9 @@ MEMCPY_MAX_BYTES = 32 << 20
 
 def copy_bytes(dst_u8: torch.Tensor, src: torch.Tensor) -> None:
     """Copy `src` (any device, any strides) into a flat uint8 host slice."""
+    import numpy as np
+    import torch
+
     nbytes = src.numel() * src.element_size()
     if 0 < nbytes <= MEMCPY_MAX_BYTES and src.device.type == "cpu" and src.is_contiguous():
         np.copyto(dst_u8.numpy(), src.detach().reshape(-1).view(torch.uint8).numpy())
@@ -243,6 +254,9 @@ def copy_bytes(dst_u8: torch.Tensor, src: torch.Tensor) -> None:
 
 def clone_bytes(src_u8: torch.Tensor) -> torch.Tensor:
     """A fresh host copy of a flat uint8 host slice (memcpy or parallel, as in `copy_bytes`)."""
+    import numpy as np
+    import torch
+
     if src_u8.numel() > MEMCPY_MAX_BYTES:
         return src_u8.clone()
     out = torch.empty(src_u8.numel(), dtype=torch.uint8)

@@ -8,194 +8,30 @@ bounded wait; every path taken and every fallback is counted in Prometheus (neve
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import os
 import sys
-import threading
 import time
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from omnistage.common import metrics
 from omnistage.common.log import get_logger, log_fields
-from omnistage.common.transport.cuda_ipc import CudaIpcAttachments, CudaIpcPool, cuda_ipc_available
 from omnistage.common.transport.dtypes import from_proto_dtype, to_proto_dtype
-from omnistage.common.transport.host import SHM_DIR, TransportError, host_id
-from omnistage.common.transport.shm_pool import ShmAttachments, ShmPool, clone_bytes, typed_view
+from omnistage.common.transport.host import TransportError, host_id
+from omnistage.common.transport.shm_pool import clone_bytes, typed_view
+from omnistage.common.transport.transfer_metrics import BYTES, EXPIRED, FALLBACKS, PATHS, SECONDS, TENSORS
 from omnistage.v1 import tensor_pb2
 
-PATHS = ("inline", "shm", "cuda_ipc")
-DIRECTIONS = ("encode", "decode")
-FALLBACK_REASONS = ("pool_full", "too_large", "shm_unavailable", "cuda_ipc_unavailable")
-
-# Labelled by the process's service (metrics.set_process_service) and path / direction / reason.
-TENSORS = metrics.counter("transport_tensors", "Tensors moved, by path and direction", ("path", "direction"))
-BYTES = metrics.counter("transport_bytes", "Tensor bytes moved, by path and direction", ("path", "direction"))
-SECONDS = metrics.histogram(
-    "transport_transfer_seconds",
-    "Wall time of one tensor's encode (copy into the pool or into inline bytes) or decode (map and copy "
-    "out), by path and direction",
-    ("path", "direction"),
-    buckets=metrics.FINE_BUCKETS_S,
-)
-FALLBACKS = metrics.counter(
-    "transport_fallbacks",
-    "Tensors that wanted shared memory but went another way (pool_full, too_large, shm_unavailable, "
-    "cuda_ipc_unavailable)",
-    ("reason",),
-)
-EXPIRED = metrics.counter("transport_leases_expired", "Leases reclaimed unreleased after their TTL")
-
-
-def _init_metrics(service: str) -> None:
-    """Export every path, direction and reason at 0 for the process's service (a series that appears
-    only at its first count hides the first increase from rate())."""
-    for path in PATHS:
-        for direction in DIRECTIONS:
-            TENSORS.labels(service, path, direction)
-            BYTES.labels(service, path, direction)
-    for reason in FALLBACK_REASONS:
-        FALLBACKS.labels(service, reason)
-    EXPIRED.labels(service)
-
-
-metrics.when_service_named(_init_metrics)
+if TYPE_CHECKING:
+    from omnistage.common.transport.context import TransportContext
 
 _log = get_logger(__name__)
 _warned: set[str] = set()
 
 if sys.byteorder != "little":  # inline bytes are defined as little-endian; we only run on LE hosts
     raise ImportError("omnistage tensor transport needs a little-endian host")
-
-
-@dataclass(frozen=True)
-class TransportOptions:
-    """Per-process transport settings; pools are created lazily at first use."""
-
-    shm_threshold_bytes: int = 64 * 1024
-    shm_pool_bytes: int = 256 << 20
-    cuda_pool_bytes: int = 256 << 20
-    lease_ttl_s: float = 60.0
-    alloc_wait_s: float = 0.05
-    max_leases: int = 4096
-    enable_shm: bool = True
-    enable_cuda_ipc: bool = True
-    reserve_shm: bool = True
-    shm_dir: str = SHM_DIR
-
-
-class TransportContext:
-    """Per-process state: producer pools (shm, CUDA per device) and consumer-side mapping caches.
-
-    Thread-safe. Close it (or let atexit) to unlink the pools; a forked child gets pools of its own.
-    """
-
-    def __init__(self, options: TransportOptions | None = None):
-        self.options = options or TransportOptions()
-        self.host_id = host_id()
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-        self._shm_pool: ShmPool | None = None
-        self._shm_disabled = False
-        self._cuda_pools: dict[int, CudaIpcPool] = {}
-        self.shm_attachments = ShmAttachments(self.options.shm_dir)
-        self.cuda_attachments = CudaIpcAttachments(self.options.shm_dir)
-        atexit.register(self.close)
-
-    def shm_pool(self) -> ShmPool | None:
-        """This process's shm pool (created on first use), or None if shm is off or cannot be created."""
-        with self._lock:
-            self._forget_parent_pools_locked()
-            if self._shm_pool is None and self.options.enable_shm and not self._shm_disabled:
-                o = self.options
-                try:
-                    self._shm_pool = ShmPool(
-                        o.shm_pool_bytes,
-                        lease_ttl_s=o.lease_ttl_s,
-                        max_leases=o.max_leases,
-                        reserve=o.reserve_shm,
-                        shm_dir=o.shm_dir,
-                    )
-                except OSError as e:
-                    self._shm_disabled = True
-                    log_fields(
-                        _log,
-                        logging.WARNING,
-                        "shm pool unavailable, sending inline",
-                        error=str(e),
-                        dir=o.shm_dir,
-                    )
-            return self._shm_pool
-
-    def cuda_pool(self, device: int) -> CudaIpcPool | None:
-        """This process's CUDA IPC pool on `device`, or None if CUDA IPC is off or unavailable."""
-        if not (self.options.enable_cuda_ipc and cuda_ipc_available()):
-            return None
-        with self._lock:
-            self._forget_parent_pools_locked()
-            pool = self._cuda_pools.get(device)
-            if pool is None:
-                o = self.options
-                pool = CudaIpcPool(
-                    device,
-                    o.cuda_pool_bytes,
-                    lease_ttl_s=o.lease_ttl_s,
-                    max_leases=o.max_leases,
-                    shm_dir=o.shm_dir,
-                )
-                self._cuda_pools[device] = pool
-            return pool
-
-    def release(self, ref: tensor_pb2.TensorRef) -> None:
-        """Give back the slice behind a ref decoded with `copy=False` (no-op for inline refs)."""
-        kind = ref.WhichOneof("payload")
-        if kind == "shm":
-            self.shm_attachments.release(ref.shm)
-        elif kind == "cuda":
-            self.cuda_attachments.release(ref.cuda)
-
-    def revoke(self, ref: tensor_pb2.TensorRef) -> bool:
-        """Producer side: free the slice of a ref this process encoded but never handed out (the send
-        failed or was aborted). False for inline refs, other processes' refs and inactive leases."""
-        kind = ref.WhichOneof("payload")
-        with self._lock:
-            if kind == "shm" and self._shm_pool is not None and ref.shm.pool_name == self._shm_pool.name:
-                return self._shm_pool.arena.release(ref.shm.lease_id)
-            pool = self._cuda_pools.get(ref.cuda.device_index) if kind == "cuda" else None
-        if pool is not None and pool.pool_id == ref.cuda.pool_id:
-            return pool.arena.release(ref.cuda.lease_id)
-        return False
-
-    def reclaim_expired(self) -> int:
-        """Reclaim released and expired slices of this process's pools now (allocation does it too)."""
-        pools = [p for p in [self._shm_pool, *self._cuda_pools.values()] if p is not None]
-        before = sum(p.arena.expired_total for p in pools)
-        n = sum(p.arena.reclaim() for p in pools)
-        EXPIRED.labels(metrics.process_service()).inc(sum(p.arena.expired_total for p in pools) - before)
-        return n
-
-    def _forget_parent_pools_locked(self) -> None:
-        if self._pid != os.getpid():  # forked: the parent's pools are not ours to use or unlink
-            self._pid, self._shm_pool, self._cuda_pools = os.getpid(), None, {}
-
-    def close(self) -> None:
-        """Unlink this process's pools and drop consumer mappings; idempotent."""
-        with self._lock:
-            self._forget_parent_pools_locked()
-            pools = [p for p in [self._shm_pool, *self._cuda_pools.values()] if p is not None]
-            self._shm_pool, self._cuda_pools = None, {}
-        for pool in pools:
-            pool.close()
-        self.shm_attachments.close()
-        self.cuda_attachments.close()
-
-    def __enter__(self) -> TransportContext:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _fallback(reason: str, nbytes: int) -> None:

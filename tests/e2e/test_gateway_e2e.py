@@ -59,6 +59,7 @@ def pipeline(tmp_path_factory, tiny_ckpt):
         "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
         "gateway_metrics": f"http://127.0.0.1:{gw_metrics}/metrics",
         "proc": serve.proc,
+        "gateway_pid": serve.children()[("gateway", 0)],
         "log": serve.out,
     }
     serve.stop()
@@ -363,11 +364,12 @@ def test_drain_and_resume_the_gateway_through_its_admin_port(pipeline):
     assert _generate(pipeline["gateway"], _request(max_tokens=2))[-1].WhichOneof("event") == "finish"
 
 
-def test_the_launcher_serves_without_importing_torch(pipeline):
-    """`omnistage serve` spawns and watches processes and sweeps /dev/shm: torch (seconds of CPU at every
-    start) is the stages' alone."""
-    maps = Path(f"/proc/{pipeline['proc'].pid}/maps").read_text()
-    assert "libtorch" not in maps, "the launcher process loaded torch"
+def test_the_launcher_and_the_gateway_serve_without_importing_torch(pipeline):
+    """`omnistage serve` spawns and watches processes and sweeps /dev/shm, the gateway only releases the
+    leases of refs the stages made: torch (seconds of CPU at every start) is the stages' alone."""
+    for what, pid in (("launcher", pipeline["proc"].pid), ("gateway", pipeline["gateway_pid"])):
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "libtorch" not in maps, f"the {what} process loaded torch"
 
 
 def test_metrics_pass_promtool_check_metrics(pipeline, check_metrics):

@@ -52,7 +52,7 @@ def _lease_table(conn: Connection, shm_dir: str | None = None) -> None:
 def _tensors(conn: Connection, proc_tag: int, per_thread: int) -> None:
     """Two threads encode `per_thread` tensors each through one small pool, sending (tag, ref bytes);
     then "done", and the pool is kept until told to close it."""
-    from omnistage.common.transport.tensor_ref import TransportContext, TransportOptions, encode
+    from omnistage.common.transport import TransportContext, TransportOptions, encode
 
     opts = TransportOptions(shm_pool_bytes=1 << 20, shm_threshold_bytes=1024, alloc_wait_s=0.5, max_leases=16)
     ctx = TransportContext(opts)
