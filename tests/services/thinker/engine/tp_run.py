@@ -31,7 +31,7 @@ def _rank0(
         e = rank0_engine(start_rank(cfg))
         result = scenario(e)
         e.shutdown()
-        return result, local_ranks.join_workers(procs, 30)
+        return result, local_ranks.join_workers(procs, local_ranks.EXIT_WAIT_S)
 
     local_ranks.report_outcome(out, run)
 

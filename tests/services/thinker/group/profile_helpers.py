@@ -144,9 +144,11 @@ def _grow_validation_steps(extra_bytes: int) -> None:
     kv_profile.run_dummy_step = grown
 
 
-def run_ranks(ckpt: Path, out_dir: Path, world_size: int = 2, deadline_s: float = 150, **scenario: Any):
+def run_ranks(ckpt: Path, out_dir: Path, world_size: int = 2, deadline_s: float = 240, **scenario: Any):
     """Spawn `world_size` ranks of `tp_rank`; returns (results by rank, exit times by rank (Unix
-    seconds, as `noticed_unix`), start time). Fails naming the ranks still running at the deadline."""
+    seconds, as `noticed_unix`), start time). Fails naming the ranks still running at the deadline
+    (a hang detector below pytest-timeout's 300 s: on a loaded 2-core machine two ranks that retried
+    their KV rebuild 4 times were still starting at 150 s)."""
     import multiprocessing as mp
 
     from tests.services.thinker.group.local_ranks import free_port

@@ -79,7 +79,7 @@ def _rank0(ckpt: str, world_size: int, port: int, fail_rank: int | None, what: s
         engine = rank0_engine(start_rank(cfg))
         results = engine.generate(prompts(), PARAMS, timeout_s=DEADLINE_S)
         engine.shutdown()
-        return [r.token_ids for r in results], local_ranks.join_workers(procs, 30)
+        return [r.token_ids for r in results], local_ranks.join_workers(procs, local_ranks.EXIT_WAIT_S)
 
     local_ranks.report_outcome(out, run)
 
