@@ -8,7 +8,8 @@
 (b) `omnistage serve` of the production topology (thinker TP=N, bf16, `load_format: dummy`, memory
     budget 0.9 of each GPU, + gateway), started K times in a row: ready time, per-phase seconds
     and the KV size each rank chose;
-(c) greedy tokens through the gateway at TP=N equal TP=1 (and TP=2) on a smaller shape in fp32;
+(c) greedy tokens through the gateway at TP=N equal TP=1 (and TP=2) on a smaller shape in fp32
+    (--tiny: TP=N's from the last start of (b), which has that shape and dtype);
 (d) an out-of-memory error in a warm-up forward on rank N-1, then on rank 0 (spawned ranks, no
     launcher: the TP machinery alone): every rank gone within tp.failure_exit_s (30 s) of the
     failure, all with one diagnostic naming the rank;
@@ -333,19 +334,35 @@ def check_sigkill(args: argparse.Namespace, serve: Serve) -> Check:
 # --- (c) -------------------------------------------------------------------------------------
 
 
-def check_parity(args: argparse.Namespace, work: Path) -> list[Check]:
+def parity_tokens(args: argparse.Namespace, address: str) -> list[list[int]]:
+    return [generate(address, p, args.parity_tokens, 300) for p in PARITY_PROMPTS]
+
+
+def tokens_before_the_kill(args: argparse.Namespace, last: Serve | None) -> dict[int, list[list[int]]]:
+    """--tiny: the last production serve has the parity's shape (tiny) and dtype (fp32), so its TP=N
+    greedy tokens are taken before (e) kills it: one serve fewer (a GPU's production shape differs)."""
+    if not (args.tiny and args.dtype == "float32" and last is not None):
+        return {}
+    try:
+        return {args.tp: parity_tokens(args, last.ready.read_text().strip())}
+    except Exception as exc:  # noqa: BLE001 - (c) then serves TP=N itself
+        print(f"(c) on the production serve: {type(exc).__name__}: {str(exc)[-300:]}", file=sys.stderr)
+        return {}
+
+
+def check_parity(args: argparse.Namespace, work: Path, tokens: dict[int, list[list[int]]]) -> list[Check]:
+    """`tokens`: the TP sizes whose tokens are in already (`tokens_before_the_kill`)."""
     from omnistage.common.checkpoint.config_only import write_config_checkpoint
 
     shape = "tiny" if args.tiny else MING_SMALL
     ckpt = write_config_checkpoint(work / "ckpt-small", shape)
     sizes = sorted({1, 2, args.tp} & set(range(1, args.tp + 1)))
-    tokens: dict[int, list[list[int]]] = {}
     checks = []
-    for tp in sizes:
+    for tp in [tp for tp in sizes if tp not in tokens]:
         serve = Serve(work, f"parity-tp{tp}", deploy(args, ckpt, tp, "float32", production=False))
         try:
             address = serve.wait_ready(args.start_timeout_s)
-            tokens[tp] = [generate(address, p, args.parity_tokens, 300) for p in PARITY_PROMPTS]
+            tokens[tp] = parity_tokens(args, address)
         except Exception as exc:  # noqa: BLE001 - reported as a failed check
             checks.append(Check(f"(c) parity TP={tp}", False, f"{type(exc).__name__}: {str(exc)[-500:]}"))
             if os.environ.get("OUT"):  # the whole serve log comes back for a look
@@ -527,17 +544,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"{cfg['num_hidden_layers']} layers, {cfg['num_experts']} experts, vocab {cfg['vocab_size']}",
             )
         )
-        last = None
+        last, parity = None, {}  # parity: TP size -> greedy tokens taken on the production serve
         if wanted & {"b", "e"}:
             starts, last = check_starts(args, work, ckpt)
             checks += starts
+        if "c" in wanted:
+            parity = tokens_before_the_kill(args, last)
         if "e" in wanted and last is not None:
             checks.append(check_sigkill(args, last))
         elif last is not None:
             last.stop()
             last.leftovers()
         if "c" in wanted:
-            checks += check_parity(args, work)
+            checks += check_parity(args, work, parity)
         if "d" in wanted:
             oom_ranks = [int(r) for r in args.oom_ranks.split(",")] if args.oom_ranks else [args.tp - 1, 0]
             for bad in dict.fromkeys(oom_ranks):

@@ -32,9 +32,15 @@ WITH_IMAGE = [("text", 5), ("image", (2, 3)), ("text", 4)]  # an edit: the refer
 
 
 def engine(ckpt, **kw) -> LLMEngine:
+    """Rank 0's engine after the warm-up a service runs on a plain CPU (each path once; the full
+    warm-up's every shape is test_warmup.py's and the simulated-device tests')."""
     return rank0_engine(
         start_rank(
-            RankConfig(str(ckpt), EngineConfig(**{"block_size": 16, "max_model_len": MAX_MODEL_LEN, **kw}))
+            RankConfig(
+                str(ckpt),
+                EngineConfig(**{"block_size": 16, "max_model_len": MAX_MODEL_LEN, **kw}),
+                full_warmup=False,
+            )
         )
     )
 

@@ -35,8 +35,14 @@ DEADLINE_S = 120
 
 
 def engine(ckpt, **kw) -> LLMEngine:
+    """Rank 0's engine after the warm-up a service runs on a plain CPU (each path once; the full
+    warm-up's every shape is test_warmup.py's and the simulated-device tests')."""
     return rank0_engine(
-        start_rank(RankConfig(str(ckpt), EngineConfig(**{"block_size": 16, "max_model_len": 256, **kw})))
+        start_rank(
+            RankConfig(
+                str(ckpt), EngineConfig(**{"block_size": 16, "max_model_len": 256, **kw}), full_warmup=False
+            )
+        )
     )
 
 

@@ -1,5 +1,6 @@
 """bench/tp_verify_gpu.py works before its first GPU run: its --tiny CPU mode (gloo, TP=2) passes
-every check — starts, SIGKILL while streaming, TP=2 == TP=1 greedy tokens, warm-up OOM on each rank."""
+every check — starts, SIGKILL while streaming, TP=2 == TP=1 greedy tokens (TP=2's from the start
+before the SIGKILL: in --tiny it has the parity's shape), warm-up OOM on each rank."""
 
 from __future__ import annotations
 

@@ -23,14 +23,15 @@ def _rank0(
     scenario: Callable[[LLMEngine], Any], ckpt: str, engine_cfg: EngineConfig, port: int, out: mp.Queue
 ) -> None:
     setup_logging("thinker", rank=0)
-    cfg = RankConfig(ckpt, engine_cfg, tp=TP, world_size=2, dist_port=port)
+    # The warm-up a service runs on a plain CPU (each path once, on both ranks or neither).
+    cfg = RankConfig(ckpt, engine_cfg, tp=TP, world_size=2, dist_port=port, full_warmup=False)
     procs = local_ranks.spawn_workers(cfg)
 
     def run() -> tuple[Any, list[int]]:
         e = rank0_engine(start_rank(cfg))
         result = scenario(e)
         e.shutdown()
-        return result, local_ranks.join_workers(procs, 30)
+        return result, local_ranks.join_workers(procs, local_ranks.EXIT_WAIT_S)
 
     local_ranks.report_outcome(out, run)
 

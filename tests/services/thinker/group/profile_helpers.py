@@ -49,15 +49,20 @@ class AllocationRecorder(TorchDispatchMode):
         return out
 
 
-# Short deadlines for multi-process tests (the bounds under test scale with them).
+# Deadlines for multi-process tests (the bounds under test scale with them).
 # A start-up collective waits longer than run_ranks' deadline: a rank that a peer's failure did not end
 # (its watch) is still running there, named, instead of leaving later by its collective's own timeout.
+# A peer's silence is 30 s: on a loaded 2-core machine a starting rank's heartbeat was seen 4 s, then
+# 10 s late (a rank retrying its KV rebuild: each caught OOM's gc.collect holds the GIL), and the group
+# failed blaming that rank's silence instead of the fault under test. No test here waits on a silence
+# (every failure is reported, seen within one watch interval), so the margin costs nothing; the exit
+# budget after a failure stays 4 s (failure_exit_s − peer_timeout_s).
 TP_TEST = TPConfig(
     startup_collective_timeout_s=600,
     serving_collective_timeout_s=60,
-    failure_exit_s=8,
+    failure_exit_s=34,
     peer_watch_interval_s=0.2,
-    peer_timeout_s=4,
+    peer_timeout_s=30,
 )
 
 
@@ -141,9 +146,11 @@ def _grow_validation_steps(extra_bytes: int) -> None:
     kv_profile.run_dummy_step = grown
 
 
-def run_ranks(ckpt: Path, out_dir: Path, world_size: int = 2, deadline_s: float = 150, **scenario: Any):
+def run_ranks(ckpt: Path, out_dir: Path, world_size: int = 2, deadline_s: float = 240, **scenario: Any):
     """Spawn `world_size` ranks of `tp_rank`; returns (results by rank, exit times by rank (Unix
-    seconds, as `noticed_unix`), start time). Fails naming the ranks still running at the deadline."""
+    seconds, as `noticed_unix`), start time). Fails naming the ranks still running at the deadline
+    (a hang detector below pytest-timeout's 300 s: on a loaded 2-core machine two ranks that retried
+    their KV rebuild 4 times were still starting at 150 s)."""
     import multiprocessing as mp
 
     from tests.services.thinker.group.local_ranks import free_port

@@ -1,6 +1,8 @@
 """TP=2/4 over gloo in separate processes: rank 0 plans (LLMEngine), workers follow; tokens equal TP=1.
 
-A failing rank makes every rank exit promptly with one diagnostic naming it.
+A failing rank makes every rank exit promptly with one diagnostic naming it. The ranks start with the
+warm-up a service runs on a plain CPU (each path once; the full warm-up is test_warmup.py's and the
+simulated-device tests'): what is tested here is serving.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.model_runner import ModelRunner
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
-from omnistage.services.thinker.group.warmup import warmup_shapes
+from omnistage.services.thinker.group.warmup import minimal_warmup_shapes
 
 from tests.services.thinker.group import local_ranks
 
@@ -38,11 +40,11 @@ def prompts() -> list[list[int]]:
 
 def _fail_after(rank: int, fail_rank: int | None, steps: int | None = None, what: str = "forward") -> None:
     """Make `fail_rank` raise after `steps` forwards (or step plan broadcasts, two calls each);
-    default: the warm-up's forwards, so the first serving step fails."""
+    default: the (plain CPU's) warm-up's forwards, so the first serving step fails."""
     if rank != fail_rank:
         return
     if steps is None:
-        steps = len(warmup_shapes(resolve_engine_config(CFG)))
+        steps = len(minimal_warmup_shapes(resolve_engine_config(CFG)))
     import torch.distributed as dist
 
     module, name = (ModelRunner, "execute_step") if what == "forward" else (dist, "broadcast")
@@ -70,14 +72,14 @@ def _worker(fail_rank: int | None, what: str, cfg: RankConfig) -> None:
 def _rank0(ckpt: str, world_size: int, port: int, fail_rank: int | None, what: str, out: mp.Queue) -> None:
     setup_logging("thinker", rank=0)
     _fail_after(0, fail_rank, what=what)
-    cfg = RankConfig(ckpt, CFG, tp=TP, world_size=world_size, dist_port=port)
+    cfg = RankConfig(ckpt, CFG, tp=TP, world_size=world_size, dist_port=port, full_warmup=False)
     procs = local_ranks.spawn_workers(cfg, target=functools.partial(_worker, fail_rank, what))
 
     def run() -> tuple[list[list[int]], list[int]]:
         engine = rank0_engine(start_rank(cfg))
         results = engine.generate(prompts(), PARAMS, timeout_s=DEADLINE_S)
         engine.shutdown()
-        return [r.token_ids for r in results], local_ranks.join_workers(procs, 30)
+        return [r.token_ids for r in results], local_ranks.join_workers(procs, local_ranks.EXIT_WAIT_S)
 
     local_ranks.report_outcome(out, run)
 
@@ -89,7 +91,7 @@ def run_tp(ckpt, world_size: int, fail_rank: int | None = None, what: str = "for
 
 @pytest.fixture(scope="module")
 def tp1_tokens(tiny_ckpt):
-    e = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), CFG)))
+    e = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), CFG, full_warmup=False)))
     return [r.token_ids for r in e.generate(prompts(), PARAMS)]
 
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from omnistage.common.config import EngineConfig
+from omnistage.common.config import EngineConfig, MemoryConfig
 from omnistage.common.memory.device import SimulatedDeviceMemory
 from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
@@ -151,7 +151,9 @@ def test_memory_held_outside_the_allocator_during_the_probe_shrinks_the_cap(tiny
     assert prof.cap_bytes == CAPACITY - 12 * MiB and prof.peers_bytes == 12 * MiB
 
 
-def test_gives_up_after_4_attempts_naming_every_knob(tiny_ckpt):
+def test_gives_up_after_its_attempts_naming_every_knob(tiny_ckpt):
+    """The service makes 4 attempts (the default); 2 show the retry and the giving up at half the cost."""
+    assert KVSettings.from_config(CFG, MemoryConfig(), CAPACITY).max_attempts == 4
     mem = SimulatedDeviceMemory(CAPACITY)
     runner = metered_runner(tiny_ckpt, mem)
     attempts = []
@@ -161,13 +163,12 @@ def test_gives_up_after_4_attempts_naming_every_knob(tiny_ckpt):
             attempts.append(detail)
             mem.reserve(mem.free() - 64 * 1024, "greedy peer")
 
+    settings = KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB, max_attempts=2)
     with mem.meter(), pytest.raises(KVProfileError) as err:
-        size_kv_cache(
-            runner, SOLO, mem, KVSettings(budget_bytes=CAPACITY, canary_bytes=MiB), progress=progress
-        )
-    assert len(attempts) == 4 and "attempt 4/4" in attempts[-1]
+        size_kv_cache(runner, SOLO, mem, settings, progress=progress)
+    assert len(attempts) == 2 and "attempt 1/2" in attempts[0] and "attempt 2/2" in attempts[-1]
     msg = str(err.value)
-    assert "failed after 4 attempt(s)" in msg
+    assert "failed after 2 attempt(s)" in msg
     for knob in (
         "memory.budget_bytes",
         "memory.budget_fraction",

@@ -72,7 +72,10 @@ def test_every_rank_profiles_then_warms_up_then_serves(tmp_path, tiny_ckpt):
 
 @pytest.mark.parametrize("bad_rank", [1, 0])
 def test_an_oom_on_one_rank_in_warm_up_fails_the_service_naming_it(tmp_path, tiny_ckpt, bad_rank):
-    serve, _ = _serve(tmp_path, tiny_ckpt, fault={"phase": "warming_up", "action": "oom", "rank": bad_rank})
+    """The fault strikes as warming_up begins: on a plain CPU (no simulated device) the ranks come to it
+    without the KV auto-profile, which the test above runs and this one would only pay for."""
+    fault = {"phase": "warming_up", "action": "oom", "rank": bad_rank}
+    serve, _ = _serve(tmp_path, tiny_ckpt, fault=fault, memory={})
     code = serve.wait_exit(DEADLINE_S)
     output = serve.out.read_text()
     assert code != 0, output[-3000:]

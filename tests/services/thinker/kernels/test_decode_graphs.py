@@ -144,14 +144,17 @@ PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def reference_tokens(tiny_ckpt, prompts):
+def reference_tokens(tiny_ckpt_2_layers, prompts):
     """The reference engine's (torch attention and MoE) greedy tokens, once for every case below
     (neither FUSIONS_ENV nor GEMV_ENV reaches the torch path); no warm-up: it proves nothing here."""
-    reference = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), EngineConfig(**ENGINE_CFG), warmup=False)))
+    cfg = RankConfig(str(tiny_ckpt_2_layers), EngineConfig(**ENGINE_CFG), warmup=False)
+    reference = rank0_engine(start_rank(cfg))
     return [r.token_ids for r in reference.generate(prompts, PARAMS)]
 
 
-# Each case is one interpreted engine run (its cost is the Triton interpreter's). `fusions-on` is the
+# Each case is one interpreted engine run (its cost is the Triton interpreter's, one program at a time):
+# on the tiny checkpoint's first two layers, the dense one and a MoE one, which run every kernel a
+# step has (the other two MoE layers would only repeat the second's). `fusions-on` is the
 # production path (GEMV off by default); `fusions-off-gemv-on` switches both diagnostic knobs in one
 # run: with fusions off the shared expert is a GatedMLP of its own, so the GEMV reaches every
 # projection (attention, dense and shared-expert MLPs, LM head), more than it would with fusions on.
@@ -159,7 +162,7 @@ def reference_tokens(tiny_ckpt, prompts):
     "fusions, gemv", [("on", "off"), ("off", "on")], ids=["fusions-on", "fusions-off-gemv-on"]
 )
 def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_reference(
-    tiny_ckpt, prompts, reference_tokens, fusions, gemv, monkeypatch
+    tiny_ckpt_2_layers, prompts, reference_tokens, fusions, gemv, monkeypatch
 ):
     from omnistage.services.thinker.kernels import fused_moe
     from omnistage.services.thinker.kernels import gemv as gemv_kernels
@@ -175,7 +178,7 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
     monkeypatch.setattr(gemv_kernels, "gemv", lambda x, w: rows.append(x.shape[0]) or kernel(x, w))
     # No warm-up: its largest shapes are slow in the interpreter and prove nothing here.
     fast = EngineConfig(attention_backend="triton", moe_backend="triton", **ENGINE_CFG)
-    engine = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), fast, warmup=False)))
+    engine = rank0_engine(start_rank(RankConfig(str(tiny_ckpt_2_layers), fast, warmup=False)))
     runner = engine.runner
     graphs = DecodeGraphs(runner.model, 4, runner.cfg.max_blocks_per_seq, runner.device, capture=False)
     runner.use_graphs(graphs)
