@@ -96,7 +96,7 @@ class Pipeline(ServeProcess):
             "supervision": {
                 "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
                 "health_interval_s": 0.5,
-                "backoff_initial_s": 2.0,
+                "backoff_initial_s": 0.5,  # a restart's wait: the faults below each wait for one
                 "max_restarts": 4,
             },
             "services": svc,
