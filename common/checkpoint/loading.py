@@ -45,11 +45,17 @@ def empty_on(build: Callable[[], M], *, dtype: torch.dtype, device: str | torch.
     no weights are made twice and none in float32 first. Buffers are the caller's to recompute.
 
     No math on the meta device: torch runs it in Python reference kernels whose first call imports
-    torch._dynamo (about 2 s of CPU in every process that loads a model). So the initialisers are skipped
-    (their values would be dropped anyway) and constructors compute their tables on the CPU."""
+    torch._dynamo, and whose `empty_like` imports its symbolic shapes and decompositions (about 3 s of
+    CPU in every process that loads a model). So the initialisers are skipped (their values would be
+    dropped anyway), constructors compute their tables on the CPU, and each tensor is materialised with
+    a plain `torch.empty` (what `to(dtype).to_empty(device)` does, less the reference kernels)."""
     with torch.device("meta"), _initialisers_skipped():
         module = build()
-    return module.to(dtype=dtype).to_empty(device=device)
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
+    return module._apply(empty)
 
 
 def _listing(what: str, keys: list[str]) -> str:
