@@ -6,8 +6,9 @@ parameters (one stored tensor in memory at a time, never a full-precision copy o
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -21,12 +22,40 @@ Shape = tuple[int, ...]
 MAX_LISTED = 20
 
 
+# torch.nn.init's in-place initialisers, which module constructors call on their new parameters.
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_")
+_INITIALISERS += ("xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def _initialisers_skipped() -> Iterator[None]:
+    """torch.nn.init's initialisers as no-ops: values drawn on the meta device are never kept."""
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    for name in _INITIALISERS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def empty_on(build: Callable[[], M], *, dtype: torch.dtype, device: str | torch.device) -> M:
     """`build()` on the meta device, then materialised empty (uninitialised) in `dtype` on `device`:
-    no weights are made twice and none in float32 first. Buffers are the caller's to recompute."""
-    with torch.device("meta"):
+    no weights are made twice and none in float32 first. Buffers are the caller's to recompute.
+
+    No math on the meta device: torch runs it in Python reference kernels whose first call imports
+    torch._dynamo, and whose `empty_like` imports its symbolic shapes and decompositions (about 3 s of
+    CPU in every process that loads a model). So the initialisers are skipped (their values would be
+    dropped anyway), constructors compute their tables on the CPU, and each tensor is materialised with
+    a plain `torch.empty` (what `to(dtype).to_empty(device)` does, less the reference kernels)."""
+    with torch.device("meta"), _initialisers_skipped():
         module = build()
-    return module.to(dtype=dtype).to_empty(device=device)
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
+    return module._apply(empty)
 
 
 def _listing(what: str, keys: list[str]) -> str:

@@ -66,6 +66,9 @@ class ServiceConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     # Seconds in-flight requests get to finish after SIGTERM / Drain.
     drain_grace_s: float = 10.0
+    # Least seconds between two memory trims (malloc_trim after a large request; each costs a pass over
+    # the heap).
+    memory_trim_interval_s: float = 10.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     tp: TPConfig = field(default_factory=TPConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
@@ -122,6 +125,7 @@ class ServiceConfig:
         positive(f"{p}.tp_size", self.tp_size)
         positive(f"{p}.max_message_bytes", self.max_message_bytes)
         positive(f"{p}.drain_grace_s", self.drain_grace_s, allow_zero=True)
+        positive(f"{p}.memory_trim_interval_s", self.memory_trim_interval_s, allow_zero=True)
         if not 0 <= self.mps_active_thread_percentage <= 100:
             raise ConfigError(
                 f"{p}.mps_active_thread_percentage: expected 0 (no limit) to 100, "

@@ -74,7 +74,7 @@ class ServiceRuntime:
         self.limits_provider: LimitsProvider | None = None
         self.load_provider: LoadProvider | None = None
         self.readiness_provider: ReadinessProvider | None = None
-        self.trimmer = MemoryTrimmer()
+        self.trimmer = MemoryTrimmer(min_interval_s=svc.memory_trim_interval_s)
         self.calls = CallGuard(svc.name, self.trimmer)
         self.calls.refusal = lambda: f"{self.name} is draining" if self._drain.active else ""
         self.ports = ServicePorts(svc, self.calls, admin=bool(self.admin_port and self.serves_grpc))

@@ -3,14 +3,17 @@ HTTP front), encoder, thinker, talker and image stage on the session's tiny chec
 
 test_openai_front drives it through its clients, test_image_pipeline_e2e and test_multimodal_e2e (at
 TP=1) through gRPC; the bench dry runs (bench/prefill_ttft.py and bench/realtime_latency.py with
-`--attach`) time it as it runs. Each start of a full pipeline costs ~40 s of CPU (five processes import
-torch and warm up): one start serves them all. Its users only send requests (none kills, stops or
-drains a stage) and read metrics as deltas over their own traffic. `stop` ends it as every e2e
-pipeline must end: SIGTERM, exit 0, every process stopped cleanly, nothing left behind.
+`--attach`) time it as it runs; test_prometheus_live's Prometheus scrapes it under its own load. Each
+start of a full pipeline costs ~40 s of CPU (five processes import torch and warm up): one start serves
+them all. Its users only send requests (none kills, stops or drains a stage) and read metrics as deltas
+over their own traffic. `stop` ends it as every e2e pipeline must end: SIGTERM, exit 0, every process
+stopped cleanly, nothing left behind.
 The sizes fit every user: the encoder's 4 s clips (the bench's 3 s audio case, the Realtime turns),
 a context of 1,024 (the bench's 600-token prompts) and 8 sequences (its burst of 8), images up to
 1024 px and 50 denoising steps (the image tests' limits), embeddings over 1 KiB by shared memory (the
-leases the image and media tests check), encoder batches of 2, a media directory."""
+leases the image and media tests check), encoder batches of 2, a media directory, and MAX_IN_FLIGHT
+requests through the gateway (above the bench's burst of 8; test_prometheus_live's burst goes past it
+for the dashboard's refusals)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ KEY = "sk-test-openai-front"
 KEYS_ENV = "OPENAI_FRONT_KEYS"
 START_DEADLINE_S = 300.0
 SERVICES = ("gateway", "thinker", "encoder", "talker", "imagegen")
+MAX_IN_FLIGHT = 12  # the gateway's max_concurrent_requests
 
 
 # The thinker's and the encoder's sizes (test_multimodal_e2e's TP=2 pipeline takes them too: the same
@@ -73,6 +77,7 @@ def config(ckpt: Path, media_dir: Path) -> tuple[dict, dict[str, dict[str, int]]
         gateway={
             "http_port": where["gateway"]["http_port"],
             "http_max_body_bytes": 4 << 20,
+            "max_concurrent_requests": MAX_IN_FLIGHT,
             "media_dir": str(media_dir),
         },
     )

@@ -96,7 +96,7 @@ class Pipeline(ServeProcess):
             "supervision": {
                 "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
                 "health_interval_s": 0.5,
-                "backoff_initial_s": 2.0,
+                "backoff_initial_s": 0.5,  # a restart's wait: the faults below each wait for one
                 "max_restarts": 4,
             },
             "services": svc,
@@ -127,10 +127,8 @@ class Pipeline(ServeProcess):
 
     def leftovers(self) -> dict[str, float]:
         """What every stage still holds: requests, jobs, leases (all 0 when the pipeline is idle)."""
-        held = {
-            f"{n} requests": self.describe(n).running_requests + self.describe(n).queued_requests
-            for n in STAGES + ("gateway",)
-        }
+        described = {n: self.describe(n) for n in STAGES + ("gateway",)}
+        held = {f"{n} requests": d.running_requests + d.queued_requests for n, d in described.items()}
         held["talker jobs"] = metric(self.metrics_url("talker"), "omnistage_talker_active_jobs{")
         held["imagegen active"] = metric(self.metrics_url("imagegen"), "omnistage_imagegen_active_requests{")
         held["imagegen waiting"] = metric(
@@ -222,11 +220,19 @@ AFTER = {
 
 
 class Stream(threading.Thread):
-    """One Generate call read in the background: its events, its error, when its first event came."""
+    """One Generate call read in the background: its events, its error, when its first event came.
+    `start_line`: the call is made once every stream of the barrier has connected (they arrive at once)."""
 
-    def __init__(self, address: str, req: omni_pb2.GenerateRequest, timeout_s: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        req: omni_pb2.GenerateRequest,
+        timeout_s: float,
+        start_line: threading.Barrier | None = None,
+    ) -> None:
         super().__init__(daemon=True)
         self.address, self.req, self.timeout_s = address, req, timeout_s
+        self.start_line = start_line
         self.events: list[omni_pb2.GenerateEvent] = []
         self.error: grpc.RpcError | None = None
         self.first = threading.Event()
@@ -234,6 +240,9 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         with grpc.insecure_channel(self.address) as ch:
+            if self.start_line is not None:
+                grpc.channel_ready_future(ch).result(timeout=30)
+                self.start_line.wait(30)
             try:
                 for event in omni_pb2_grpc.OmniStub(ch).Generate(self.req, timeout=self.timeout_s):
                     self.events.append(event)
@@ -268,8 +277,13 @@ def _tokens(events) -> int:
 # -- overload, slow reader, cancel storm ------------------------------------------------------------
 
 
+BURST_TOKENS = 24  # each admitted request's answer: it is still running when the burst's last one arrives
+
+
 def _burst(pipeline: Pipeline, n: int, deadline_s: float) -> list[Stream]:
-    calls = [Stream(pipeline.gateway, text_request(48), deadline_s) for _ in range(n)]
+    """`n` requests sent at once (each connected first, then all released together)."""
+    start_line = threading.Barrier(n)
+    calls = [Stream(pipeline.gateway, text_request(BURST_TOKENS), deadline_s, start_line) for _ in range(n)]
     for c in calls:
         c.start()
     return [c.result(deadline_s + 30) for c in calls]
@@ -288,7 +302,7 @@ def test_overload_at_4x_capacity_refuses_the_excess_at_once_and_admitted_request
         assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
         assert len(ok) >= RUNNING and len(refused) >= 2 * capacity, codes
         for c in ok:  # admitted means finished and whole (OK: within its gRPC deadline)
-            assert _kinds(c.events)[-1] == "finish" and _tokens(c.events) == 48
+            assert _kinds(c.events)[-1] == "finish" and _tokens(c.events) == BURST_TOKENS
         first_answer = min(c.ended for c in ok)
         for c in refused:  # refused at arrival, with when to come back, not after a wait: nothing streamed,
             assert not c.events and c.ended < first_answer  # and refused while the admitted ones still ran

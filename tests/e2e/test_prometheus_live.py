@@ -1,13 +1,15 @@
 """The dashboard and the alert rules against a real Prometheus scraping the CPU tiny pipeline under load.
 
-`omnistage serve` runs `deploy/local-tiny.yaml` (ports moved to free ones, CPU-small stress sizes);
+The pipeline is the full tiny one the e2e tests share (tests/e2e/full_pipeline.py: every stage, an
+image stage with a memory budget so the ledger has one to show; a start of its own cost ~35 s of CPU).
 Debian's `prometheus` scrapes every service's /metrics each second and evaluates `alerts.yml`. Text,
 speech, image-output and media-input (an image and an audio clip) requests go through the gateway at
-once, with one the client cancels and one that is invalid. Then every expression of the Grafana
-dashboard must parse and return data, every stage's queue-time histogram must have counted, every alert
-rule must parse and be loaded healthy, every service's /metrics must pass `promtool check metrics`,
-and every metric a service exports must be documented in docs/metrics.md. Without `prometheus` on
-PATH the test fails (`make test` unpacks it into .tools/, deploy/test-tools.sh), as tests/deploy does.
+once, with one the client cancels, one that is invalid and one refused for its deadline. Then every
+expression of the Grafana dashboard must parse and return data, every stage's queue-time histogram must
+have counted, every alert rule must parse and be loaded healthy, every service's /metrics must pass
+`promtool check metrics`, and every metric a service exports must be documented in docs/metrics.md.
+Without `prometheus` on PATH the test fails (`make test` unpacks it into .tools/,
+deploy/test-tools.sh), as tests/deploy does.
 """
 
 from __future__ import annotations
@@ -28,48 +30,22 @@ import grpc
 import numpy as np
 import pytest
 import yaml
+from omnistage.common.runtime.auth import bearer
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from PIL import Image
 
-from tests.e2e.serve_pipeline import ServeProcess, free_ports
+from tests.e2e import full_pipeline
+from tests.e2e.full_pipeline import KEY, SERVICES
+from tests.e2e.serve_pipeline import free_ports
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy/grafana/dashboards/omnistage.json"
 ALERTS = ROOT / "deploy/prometheus/alerts.yml"
 DOCS = ROOT / "docs/metrics.md"
-START_DEADLINE_S = 240.0
 DATA_DEADLINE_S = 30.0
-
-
-def _deploy(root: Path) -> tuple[dict, dict[str, int]]:
-    """deploy/local-tiny.yaml with free ports, the tiny checkpoint, CPU-small start-up stress and a
-    memory budget on the image stage (so the ledger has a budget to show)."""
-    from omnistage.common.checkpoint.tiny import write_tiny_checkpoint
-
-    cfg = yaml.safe_load((ROOT / "deploy/local-tiny.yaml").read_text())
-    cfg["model"]["checkpoint"] = str(write_tiny_checkpoint(root / "ckpt", seed=0))
-    services = cfg["services"]
-    ports = iter(free_ports(4 * len(services)))
-    metrics_ports = {}
-    for name, svc in services.items():
-        svc["port"], svc["admin_port"], svc["metrics_port"] = next(ports), next(ports), next(ports)
-        metrics_ports[name] = svc["metrics_port"]
-        if "dist_port" in svc:
-            svc["dist_port"] = next(ports)
-    services["thinker"]["engine"].update(max_num_seqs=8, max_model_len=512)
-    services["encoder"]["encoder"].update(
-        image_max_pixels=64 * 64,
-        video_total_pixels=4 * 64 * 64,
-        max_video_frames=4,
-        max_audio_seconds=1.0,
-        stress_batch_sizes=[1],
-    )
-    services["talker"]["talker"].update(stress_batch_sizes=[1])
-    services["imagegen"]["imagegen"].update(default_steps=2, stress_batch_sizes=[1])
-    services["imagegen"]["memory"] = {"budget_bytes": 1 << 30, "simulated_capacity_bytes": 2 << 30}
-    services["gateway"]["gateway"] = {"max_concurrent_requests": 6}
-    return cfg, metrics_ports
+AUTH = bearer(KEY)
+BURST = full_pipeline.MAX_IN_FLIGHT + 4  # text requests at once: past the gateway's limit
 
 
 class Prometheus:
@@ -188,8 +164,8 @@ def _media(max_tokens: int = 4) -> omni_pb2.GenerateRequest:
 
 def _send_load(gateway: str, gateway_metrics: int) -> dict[str, str]:
     """A request the client cancels; then text, speech, image and media-input requests at once with an
-    invalid one (six in all: within the gateway's limit of 6 once the cancelled one is released); then
-    a burst of text requests past that limit. The outcome (status name) of each."""
+    invalid one; then a burst of text requests past the gateway's limit (BURST: the refusals' panel). The
+    outcome (status name) of each."""
     mixed = {
         "media": _media(),
         "speech": _text(
@@ -207,18 +183,18 @@ def _send_load(gateway: str, gateway_metrics: int) -> dict[str, str]:
         ),
         **{f"text-{i}": _text(f"Tell me about {i}.", 16) for i in range(2)},
     }
-    burst = {f"burst-{i}": _text(f"Count to {i}.", 24) for i in range(10)}
+    burst = {f"burst-{i}": _text(f"Count to {i}.", 16) for i in range(BURST)}
 
     def run(request: omni_pb2.GenerateRequest | None) -> str:
         with grpc.insecure_channel(gateway) as channel:
             stub = omni_pb2_grpc.OmniStub(channel)
             try:
                 if request is None:  # cancelled by the client after its first event
-                    call = stub.Generate(_text("A long answer, please.", 64), timeout=60)
+                    call = stub.Generate(_text("A long answer, please.", 64), timeout=60, metadata=AUTH)
                     next(call)
                     call.cancel()
                     return "CANCELLED"
-                events = list(stub.Generate(request, timeout=120))
+                events = list(stub.Generate(request, timeout=120, metadata=AUTH))
                 if omni_pb2.MODALITY_AUDIO not in request.output_modalities:
                     return "OK"
                 audio = events[-1].finish.audio  # the spoken answer's speech, as the finish tells it
@@ -245,18 +221,14 @@ def _send_load(gateway: str, gateway_metrics: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prometheus-live")
-    cfg, targets = _deploy(root)
-    prometheus = Prometheus(root, targets)
-    serve = ServeProcess(root, cfg)
+def live(tmp_path_factory, shared_pipeline):
+    targets = {name: shared_pipeline["ports"][name]["metrics_port"] for name in SERVICES}
+    prometheus = Prometheus(tmp_path_factory.mktemp("prometheus-live"), targets)
     try:
         prometheus.wait_ready()
-        serve.wait_ready(START_DEADLINE_S)
-        outcomes = _send_load(f"127.0.0.1:{cfg['services']['gateway']['port']}", targets["gateway"])
+        outcomes = _send_load(shared_pipeline["grpc"], targets["gateway"])
         yield prometheus, targets, outcomes
     finally:
-        serve.stop()
         prometheus.stop()
 
 
@@ -294,6 +266,8 @@ def test_every_dashboard_query_parses_and_returns_data(live):
     assert outcomes["image"] == outcomes["media"] == outcomes["text-0"] == "OK", outcomes
     assert outcomes["speech"] == "OK audio COMPLETE", outcomes  # else no TTFA reaches the dashboard
     assert outcomes["invalid"] == "INVALID_ARGUMENT" and outcomes["cancelled"] == "CANCELLED", outcomes
+    burst = [outcome for name, outcome in outcomes.items() if name.startswith("burst-")]
+    assert "RESOURCE_EXHAUSTED" in burst, outcomes  # past the gateway's limit: the refusals' data
     exprs = dashboard_exprs()
     assert len(exprs) > 30
     deadline = time.monotonic() + DATA_DEADLINE_S  # the load's last counts reach two scrapes (rate())

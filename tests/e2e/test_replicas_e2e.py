@@ -178,7 +178,9 @@ def test_a_killed_image_replica_fails_only_its_requests_naming_it_and_comes_back
     each its batch of 2); a request not begun on a replica found unreachable goes to the other."""
 
     async def scenario() -> tuple[list, list]:
-        slow_requests, denoised = [_request(20 + i, steps=60) for i in range(4)], set()
+        # 30 steps: each replica's pair is still denoising when all four have begun (every step of the
+        # two that finish is CPU: 60 took ~6 s more of it).
+        slow_requests, denoised = [_request(20 + i, steps=30) for i in range(4)], set()
         slow = asyncio.create_task(_send(pipeline.gateway, slow_requests, denoised=denoised))
         deadline = time.monotonic() + 60
         while not (

@@ -112,7 +112,8 @@ class VisionTransformer(nn.Module):
             raise ValueError(
                 f"vision_config.num_position_embeddings {cfg.num_position_embeddings} is not a square"
             )
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        # On the CPU even in a meta build (common/checkpoint/loading.py `empty_on` says why).
+        self.register_buffer("inv_freq", self._inv_freq("cpu"), persistent=False)
         # "auto": flash varlen on CUDA (half precision) where torch has it, else equal-length segments;
         # "segments" / "mask" (the block-diagonal reference) / "flash" force one.
         self.attention = "auto"

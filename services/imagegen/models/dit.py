@@ -161,8 +161,9 @@ class RopeTables(nn.Module):
         super().__init__()
         self.axes = len(cfg.axes_dims)
         for a, (d, length) in enumerate(zip(cfg.axes_dims, cfg.axes_lens, strict=True)):
-            freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-            angles = torch.outer(torch.arange(length, dtype=torch.float64), freqs).float()
+            # On the CPU even in a meta build (common/checkpoint/loading.py `empty_on` says why).
+            freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
+            angles = torch.outer(torch.arange(length, dtype=torch.float64, device="cpu"), freqs).float()
             self.register_buffer(f"cos{a}", torch.cos(angles), persistent=False)
             self.register_buffer(f"sin{a}", torch.sin(angles), persistent=False)
 

@@ -56,7 +56,8 @@ class InterleavedRotary(nn.Module):
     def __init__(self, head_dim: int) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.register_buffer("inv_freq", self.default_inv_freq(head_dim))
+        # On the CPU even in a meta build (common/checkpoint/loading.py `empty_on` says why).
+        self.register_buffer("inv_freq", self.default_inv_freq(head_dim, "cpu"))
 
     @staticmethod
     def default_inv_freq(head_dim: int, device: str | torch.device | None = None) -> torch.Tensor:

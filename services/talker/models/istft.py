@@ -24,7 +24,8 @@ class ISTFT(nn.Module):
     def __init__(self, n_fft: int, hop: int) -> None:
         super().__init__()
         self.n_fft, self.hop = n_fft, hop
-        self.register_buffer("window", torch.hann_window(n_fft))
+        # On the CPU even in a meta build (common/checkpoint/loading.py `empty_on` says why).
+        self.register_buffer("window", torch.hann_window(n_fft, device="cpu"))
 
     def init_buffers(self) -> None:
         """float32 Hann window after `to_empty` (the checkpoint's copy is loaded over it)."""

@@ -146,7 +146,8 @@ class Qwen2Stack(nn.Module):
 
     @staticmethod
     def rope_inv_freq(shape: Qwen2Shape) -> torch.Tensor:
-        steps = torch.arange(0, shape.head_dim, 2, dtype=torch.int64).float()
+        # On the CPU even in a meta build (common/checkpoint/loading.py `empty_on` says why).
+        steps = torch.arange(0, shape.head_dim, 2, dtype=torch.int64, device="cpu").float()
         return 1.0 / (shape.rope_theta ** (steps / shape.head_dim))
 
     def init_buffers(self) -> None:

@@ -20,6 +20,7 @@ from tests.waits import wait_for
 MIB = 1 << 20
 # Generous: the interpreter, grpc's buffers and the allocator keep some; 3 x 60 MiB would be ~180+ MiB.
 TOLERANCE_BYTES = 40 * MIB
+TRIM_INTERVAL_S = 0.5  # services.<name>.memory_trim_interval_s
 
 
 def rss_bytes(pid: int) -> int:
@@ -40,11 +41,13 @@ def gateway(tmp_path):
     """A gateway process with no stages (every request is refused), SERVING; yields (address, pid).
 
     Its prompt limit (16 M characters) makes 60 MiB a size its public API receives (the receive limit
-    is what a legitimate request can carry), so the requests are parsed before they are refused."""
+    is what a legitimate request can carry), so the requests are parsed before they are refused. Its
+    trims may run TRIM_INTERVAL_S apart (the default 10 s would be most of this test's time)."""
     gw = {
         "kind": "gateway",
         "port": free_port(),
         "drain_grace_s": 1.0,
+        "memory_trim_interval_s": TRIM_INTERVAL_S,
         "gateway": {"max_prompt_chars": 16_000_000},
     }
     cfg = {"log_level": "warning", "services": {"gateway": gw}}
@@ -78,7 +81,8 @@ def gateway(tmp_path):
 
 
 def wait_rss_at_most(pid: int, limit: int, timeout_s: float = 30.0) -> int:
-    """RSS of `pid` once it is <= limit, or what it is after `timeout_s` (a trim is rate-limited: 10 s)."""
+    """RSS of `pid` once it is <= limit, or what it is after `timeout_s` (a trim runs at most every
+    TRIM_INTERVAL_S, half a second after a large request)."""
     deadline = time.monotonic() + timeout_s
     rss = rss_bytes(pid)
     while rss > limit and time.monotonic() < deadline:
