@@ -23,10 +23,16 @@ MAX_LISTED = 20
 
 def empty_on(build: Callable[[], M], *, dtype: torch.dtype, device: str | torch.device) -> M:
     """`build()` on the meta device, then materialised empty (uninitialised) in `dtype` on `device`:
-    no weights are made twice and none in float32 first. Buffers are the caller's to recompute."""
+    no weights are made twice and none in float32 first. Buffers are the caller's to recompute.
+
+    Each tensor is made by `empty_strided` from the meta tensor's size and strides, not by `to_empty`:
+    its `empty_like` of a meta tensor goes through torch's Python references, which import
+    torch.fx's symbolic shapes and sympy (~1 s of CPU in every process that loads a model)."""
     with torch.device("meta"):
         module = build()
-    return module.to(dtype=dtype).to_empty(device=device)
+    return module.to(dtype=dtype)._apply(
+        lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+    )
 
 
 def _listing(what: str, keys: list[str]) -> str:
