@@ -166,6 +166,13 @@ class _Meter(TorchDispatchMode):
         super().__init__()
         self.owner = owner
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No dynamo wrapper around `__torch_dispatch__` (torch's opt-out): nothing here is compiled,
+        and the wrapper's first call imports torch._dynamo and sympy (~2 s of CPU in every process
+        that meters a simulated device)."""
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
