@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 MiB = 1 << 20
+# Imported by torch on demand: the dynamo wrapper of a dispatch mode's first call (the simulated
+# device's meter), `empty_like` of a meta tensor (materialising a model built on meta).
+COMPILER_MODULES = {"torch._dynamo", "sympy"}
 CFG = EngineConfig(
     block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, kv_canary_bytes=MiB
 )
@@ -90,7 +94,7 @@ def tp_rank(kwargs: dict) -> None:
         def failed(self, failure) -> None:
             write("failed", failure.message, culprit=failure.rank, noticed_unix=time.time())
 
-    capacity = kwargs["capacity"]
+    capacity = kwargs["capacity"]  # 0: a plain CPU (no simulated device, no KV auto-profile)
     peer = kwargs.get("peer_bytes", {}).get(str(rank))
     if peer:
         mem = SimulatedDeviceMemory(capacity)
@@ -109,6 +113,7 @@ def tp_rank(kwargs: dict) -> None:
         world_size=kwargs.get("world_size", 2),
         dist_port=kwargs["port"],
         fault=fault,
+        warmup=kwargs.get("warmup", True),
     )
     try:
         started = start_rank(cfg, Progress(rank))
@@ -123,6 +128,8 @@ def tp_rank(kwargs: dict) -> None:
         proposed=prof.proposed_blocks,
         cap=prof.cap_bytes,
         attempts=prof.attempts,
+        # What the start-up imported of torch's compiler stack (~3 s of CPU per rank when it does).
+        compiler_modules=sorted(COMPILER_MODULES & set(sys.modules)),
     )
     started.control.leaving = True  # every rank sets it before the last barrier: nobody sees a "death"
     started.control.agree_min(0, "test done")
@@ -158,15 +165,10 @@ def run_ranks(ckpt: Path, out_dir: Path, world_size: int = 2, deadline_s: float 
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = []
+    scenario.setdefault("capacity", 200 * MiB)
     for rank in range(world_size):
         kwargs = dict(
-            rank=rank,
-            world_size=world_size,
-            port=port,
-            ckpt=str(ckpt),
-            out_dir=str(out_dir),
-            capacity=200 * MiB,
-            **scenario,
+            rank=rank, world_size=world_size, port=port, ckpt=str(ckpt), out_dir=str(out_dir), **scenario
         )
         procs.append(ctx.Process(target=tp_rank, args=(kwargs,), name=f"test-rank{rank}"))
     started = time.monotonic()

@@ -8,7 +8,9 @@ through the first warm-up forward. TP=4 with rank 0 (the store host) not the fai
 measured outage: ranks 1 and 3 used to wait in a collective forever once rank 0 had left. That needs
 a middle rank, so the warm-up fault runs at TP=4 on rank 2 (every bystander kind: the store host, a
 rank before the culprit, one after); the other points (the KV rebuild, the validation, rank 0 as the
-culprit) need two ranks only, so they run at TP=2.
+culprit) need two ranks only, so they run at TP=2. The warm-up fault needs no simulated device: its
+ranks start on a plain CPU, without the KV auto-profile the other faults strike in (4 ranks' profiles
+saved). The overshoot test's point is the profile's validation: its ranks skip the warm-up after it.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ def _check(results: dict, bad: int, expected: str, cause: str) -> None:
 def test_a_start_up_oom_on_one_rank_ends_every_rank_naming_it(tiny_ckpt, tmp_path, world_size, bad, case):
     phase, point, expected = CASES[case]
     fault = {"phase": phase, "action": "oom", "rank": bad, "at": point}
-    results, _, _ = run_ranks(
-        tiny_ckpt, tmp_path, world_size, fault=fault
-    )  # fails naming a rank still running
+    plain_cpu = {"capacity": 0} if phase == "warming_up" else {}
+    # run_ranks fails naming a rank still running
+    results, _, _ = run_ranks(tiny_ckpt, tmp_path, world_size, fault=fault, **plain_cpu)
     _check(results, bad, expected, "OutOfMemoryError")
 
 
@@ -65,7 +67,9 @@ def test_a_validation_step_a_little_over_the_probe_shrinks_on_every_rank_instead
     measured; with the canary held during the validation that was an OOM inside a TP forward, fatal to
     the group. The canary is proven, freed, and the validation's peak must leave it free: the overshoot
     is measured, agreed on, and both ranks shrink and serve."""
-    results, _, _ = run_ranks(tiny_ckpt, tmp_path, 2, canary_bytes=32 * MiB, validation_extra_bytes=16 * MiB)
+    results, _, _ = run_ranks(
+        tiny_ckpt, tmp_path, 2, canary_bytes=32 * MiB, validation_extra_bytes=16 * MiB, warmup=False
+    )
     for rank, res in results.items():
         assert res["status"] == "ok", (rank, res)
         assert res["attempts"] >= 2, (rank, res)  # the overshoot was measured and shrunk away
