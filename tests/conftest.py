@@ -29,6 +29,21 @@ if TOOLS_BIN.is_dir():
     os.environ["PATH"] = os.pathsep.join([str(TOOLS_BIN), os.environ.get("PATH", "")])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The tests' own process runs torch on one thread. Its tensors (the tiny checkpoints') are too
+    small for a second thread to help, and a waiting OpenMP thread spins: on a 2-core machine it
+    takes the core from the stages, ranks and servers a test starts beside it (the reason a CPU stage
+    takes its share of the cores, common/runtime/cpu_share.py). Measured on a loaded 2-core host:
+    the tiny engine tests took 140 -> 20 s of CPU with one thread."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What collecting the suite imported (torch, transformers, every test module: ~500k objects) lives
     as long as the session: out of the cyclic GC's reach (gc.freeze), each full collection (the tests',

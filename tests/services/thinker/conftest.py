@@ -11,21 +11,6 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture(scope="package", autouse=True)
-def one_torch_thread():
-    """The thinker tests' own process runs torch on one thread. Their tensors (the tiny checkpoint's)
-    are too small for a second thread to help, and a waiting OpenMP thread spins: on a 2-core machine
-    it takes the core from the ranks and servers a test starts beside it (the reason a CPU stage takes
-    its share of the cores, common/runtime/cpu_share.py). Measured on a loaded 2-core host: the tiny
-    engine tests took 10x less CPU time with one thread."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from omnistage.common.checkpoint import write_tiny_checkpoint
