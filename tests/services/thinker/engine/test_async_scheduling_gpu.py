@@ -20,7 +20,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-CFG = dict(block_size=16, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256)
+# A pinned KV size: an auto-sized engine takes the whole card and this process's allocator keeps it,
+# so a GPU test after this module in the same run (the CUDA IPC consumer) found no memory for its context.
+CFG = dict(block_size=16, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256, kv_tokens=4096)
 
 
 def engine(ckpt, dtype: str, mode: str) -> LLMEngine:
