@@ -36,7 +36,7 @@ from triton_compiles import CompileWatch
 
 GiB = 1 << 30
 MiB = 1 << 20
-SHAPES = ("ling-mini", "ming-flash")
+SHAPES = ("ling-mini", "ming-flash", "ming-flash-tp2-rank")  # config_only.SHAPES
 
 
 def _hold_peer_memory(gib: float, device: int, ready, release) -> None:
@@ -60,6 +60,7 @@ def _engine_config(args):
         kv_safety_factor=args.safety_factor,
         kv_tokens=args.kv_tokens,
         async_scheduling=args.async_scheduling,
+        **({} if args.prefill_graphs == "on" else {"prefill_graph_tokens": ()}),
     )
 
 
@@ -83,6 +84,10 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
     from omnistage.services.thinker.group.worker import serve_plans
 
     setup_logging("thinker", rank=rank)
+    if args.moe_tiles == "rule":  # a same-build comparison: the rule's tiles for every shape
+        from omnistage.services.thinker.kernels import fused_moe
+
+        fused_moe.TILES.clear()
     result_file = Path(out_dir) / f"rank{rank}.json"
     times: dict[str, float] = {}
     result: dict = {"rank": rank, "status": "error", "times": times}
@@ -205,6 +210,10 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
                     result["compiles"]["real requests"] = compiles.mark("real requests near max context")
                 if args.sweep:
                     result["sweep"] = decode_sweep(engine, args, device, compiles)
+                if args.prefill_profile:
+                    result["prefill_profile"] = [
+                        profile_prefill(engine, n, length) for n, length in args.prefill_profile
+                    ]
                 if args.profile_c:
                     result["profile"] = {
                         f"c{c}-{'graphs' if graphs else 'eager'}": profile_steps(engine, c, graphs)
@@ -223,6 +232,81 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_dir: str, ckpt:
         result.update(status="error", message=failure.message, traceback=traceback.format_exc())
     save()
     return result
+
+
+def _device_rows(prof, per: int) -> tuple[list[dict], float]:
+    """The profiler's device time by kernel (ms, divided by `per`), largest first, and its total."""
+    rows, device_ms = [], 0.0
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", 0) or 0
+        if dev_us > 0:
+            device_ms += dev_us / per / 1e3
+            rows.append({"kernel": ev.key[:90], "calls": ev.count // per, "ms": round(dev_us / per / 1e3, 4)})
+    rows.sort(key=lambda r: -r["ms"])
+    return rows, device_ms
+
+
+def profile_prefill(engine, n: int, length: int, repeats: int = 3) -> dict:
+    """n fresh prompts of `length` tokens added at once (random ids: no cached prefix), each asking one
+    token: rank 0's wall from the add to every first token (the engine's TTFT of such an arrival) and
+    the device time by kernel of the last of `repeats` rounds (the first warms the shapes)."""
+    from omnistage.services.thinker.engine.sequence import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(17 + n * length)
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    walls, prof = [], None
+    for r in range(repeats):
+        for i in range(n):
+            engine.add_prompt(
+                f"prefill-{n}x{length}-{r}-{i}",
+                torch.randint(2, 150_000, (length,), generator=gen).tolist(),
+                SamplingParams(max_tokens=1, ignore_eos=True),
+            )
+        sync()
+        if r == repeats - 1:
+            prof = profile(activities=activities)
+            prof.__enter__()
+        t0, steps = time.perf_counter(), 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        sync()
+        walls.append(time.perf_counter() - t0)
+        if prof is not None:
+            prof.__exit__(None, None, None)
+    rows, device_ms = _device_rows(prof, 1)
+    wall_ms = 1e3 * min(walls[1:] or walls)
+    print(
+        f"[prefill] {n} x {length} tokens: {wall_ms:.2f} ms to every first token (rounds "
+        f"{', '.join(f'{1e3 * w:.1f}' for w in walls)} ms, {steps} engine steps), {device_ms:.2f} ms of kernels",
+        flush=True,
+    )
+    for row in rows[:16]:
+        print(f"  {row['ms']:8.3f} ms  x{row['calls']:<4d} {row['kernel']}", flush=True)
+    host = sorted(
+        (
+            {"op": ev.key[:90], "calls": ev.count, "cpu_ms": round(ev.self_cpu_time_total / 1e3, 3)}
+            for ev in prof.key_averages()
+            if ev.self_cpu_time_total > 0
+        ),
+        key=lambda r: -r["cpu_ms"],
+    )
+    print(f"[prefill] {n} x {length}: host time by op (self CPU)", flush=True)
+    for row in host[:10]:
+        print(f"  {row['cpu_ms']:8.3f} ms  x{row['calls']:<4d} {row['op']}", flush=True)
+    return {
+        "host_top": host[:15],
+        "prompts": n,
+        "prompt_tokens": length,
+        "wall_ms": round(wall_ms, 3),
+        "rounds_ms": [round(1e3 * w, 3) for w in walls],
+        "engine_steps": steps,
+        "device_ms": round(device_ms, 3),
+        "top": rows[:30],
+    }
 
 
 def profile_steps(engine, c: int, graphs: bool, steps: int = 8) -> dict:
@@ -435,6 +519,24 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda v: [int(x) for x in v.split(",") if x],
         default=[],
         help="rank 0 profiles decode steps at these concurrencies, graphs and eager (e.g. 1,32)",
+    )
+    ap.add_argument(
+        "--prefill-profile",
+        type=lambda v: [tuple(int(x) for x in case.split("x")) for case in v.split(",") if case],
+        default=[],
+        help="rank 0 times and profiles prompts arriving together, NxL each (e.g. 1x64,8x64,32x64)",
+    )
+    ap.add_argument(
+        "--prefill-graphs",
+        choices=("on", "off"),
+        default="on",
+        help="off: engine.prefill_graph_tokens () (small prefill steps run eagerly; a same-build comparison)",
+    )
+    ap.add_argument(
+        "--moe-tiles",
+        choices=("measured", "rule"),
+        default="measured",
+        help="rule: fused_moe's rule tiles for every shape (fused_moe.TILES cleared in the ranks)",
     )
     ap.add_argument(
         "--wall-s", type=float, default=0.0, help="TP: stop the ranks after this long (0: no limit)"

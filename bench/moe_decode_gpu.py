@@ -56,6 +56,13 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64)
 GEMM_SWEEP = dict(
     block_m=(16, 32), block_n=(16, 32, 64, 128), block_k=(64, 128, 256), warps=(4, 8), stages=(2, 3, 4)
 )
+# --space prefill: a prefill step's token counts (one per pairs bucket of fused_moe.TILES: T=64 is a
+# short prompt, 512 eight of them arriving together, 2048 thirty-two, 4096 a full chunk) and larger
+# tiles; a block_m above twice an expert's mean rows only pads (`block_m_fits`).
+PREFILL_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
+GEMM_SWEEP_PREFILL = dict(
+    block_m=(16, 32, 64, 128), block_n=(64, 128, 256), block_k=(64, 128), warps=(4, 8), stages=(2, 3, 4)
+)
 ROUTER_SWEEP = dict(
     block_e=(16, 32, 64), block_k=(64, 128, 256), split=(1, 2, 4, 8), warps=(4, 8), stages=(2, 3)
 )
@@ -84,7 +91,7 @@ def time_us(fns: list[Callable[[], object]], replays: int = 10) -> float:
 def routings(t: int, shape: dict) -> list[torch.Tensor]:
     """CALLS random routings [t, top_k] (distinct experts per token, int64 as the router gives)."""
     e, k = shape["experts"], shape["top_k"]
-    return [torch.stack([torch.randperm(e, device=DEVICE)[:k] for _ in range(t)]) for _ in range(CALLS)]
+    return [torch.rand(t, e, device=DEVICE).argsort(dim=1)[:, :k].contiguous() for _ in range(CALLS)]
 
 
 class RouterCase:
@@ -290,22 +297,36 @@ def gemm_fits(cfg: tuple, shape: dict, gemm: str) -> bool:
     return block_n <= n and 2 * block_k <= k
 
 
+def block_m_fits(block_m: int, case: GemmCase) -> bool:
+    """A row block worth timing: 16 always, a larger one up to twice an expert's mean rows."""
+    return block_m == 16 or block_m <= 2 * case.n / case.shape["experts"]
+
+
 def gemm_timers(cases: list[GemmCase]) -> dict[tuple[int, str], Callable[[tuple], float | None]]:
     """A sweep timer per (tokens, gemm): cfg (block_m, block_n, block_k, warps, stages) → µs."""
 
     def timer(case: GemmCase, gemm: str) -> Callable[[tuple], float | None]:
         return lambda cfg: (
-            case.time(gemm, cfg[0], GemmTiles(*cfg[1:])) if gemm_fits(cfg, case.shape, gemm) else None
+            case.time(gemm, cfg[0], GemmTiles(*cfg[1:]))
+            if gemm_fits(cfg, case.shape, gemm) and block_m_fits(cfg[0], case)
+            else None
         )
 
     return {(c.t, g): timer(c, g) for c in cases for g in ("gate_up", "down")}
 
 
 def bench_gemms(
-    name: str, shape: dict, tokens: tuple[int, ...], ids: dict, weights: tuple, budget_s: float
+    name: str,
+    shape: dict,
+    tokens: tuple[int, ...],
+    ids: dict,
+    weights: tuple,
+    budget_s: float,
+    space: dict = GEMM_SWEEP,
 ) -> list[dict]:
     """Per token count: the rule's tiles and the sweep's best (block_m shared by both GEMMs), with a
-    PASTE line for fused_moe.TILES."""
+    PASTE line for fused_moe.TILES; then the whole `fused_experts` (alignment, both GEMMs, the sum,
+    the shared expert) under the rule's tiles and the best, in one graph each (`moe_*_us`)."""
     e, h, i = shape["experts"], shape["hidden"], shape["inter"]
     w13, w2, shared = weights
     cases = [GemmCase(shape, t, w13, w2, shared, ids[t]) for t in tokens]
@@ -313,10 +334,10 @@ def bench_gemms(
     for case in cases:
         rule = rule_tiles(case.n, e)
         case.rule_us = {g: case.time(g, rule.block_m, getattr(rule, g)) for g in ("gate_up", "down")}
-    best = sweep(sweep_configs(GEMM_SWEEP, lambda *v: v), gemm_timers(cases), budget_s, lambda cfg: cfg[0])
+    best = sweep(sweep_configs(space, lambda *v: v), gemm_timers(cases), budget_s, lambda cfg: cfg[0])
     for case in cases:
         pick = None
-        for block_m in GEMM_SWEEP["block_m"]:
+        for block_m in space["block_m"]:
             both = [best.get(((case.t, g), block_m)) for g in ("gate_up", "down")]
             if all(both) and (pick is None or both[0][0] + both[1][0] < pick[1]):
                 pick = (block_m, both[0][0] + both[1][0], both)
@@ -326,6 +347,7 @@ def bench_gemms(
             block_m, total, ((gu_us, gu), (dn_us, dn)) = pick
             tiles = MoeTiles(block_m, GemmTiles(*gu[1:]), GemmTiles(*dn[1:]))
             row.update(best_gate_up_us=round(gu_us, 2), best_down_us=round(dn_us, 2), best=asdict(tiles))
+            row.update(moe_tiles_us(case, weights, rule_tiles(case.n, e), tiles))
             key = (e, i, h, fused_moe.pairs_bucket(case.n))
             rule_total = sum(case.rule_us.values())
             print(
@@ -337,6 +359,20 @@ def bench_gemms(
     return rows
 
 
+def moe_tiles_us(case: GemmCase, weights: tuple, rule: MoeTiles, best: MoeTiles) -> dict:
+    """`fused_experts` end to end (as the engine runs it at this size) under each tile choice."""
+    w13, w2, shared = weights
+    routing = torch.rand(case.t, case.shape["top_k"], device=DEVICE)
+    out = {}
+    for key, tiles in (("moe_rule_us", rule), ("moe_best_us", best)):
+        calls = [
+            lambda i=i, tiles=tiles: fused_moe.fused_experts(case.x, w13, w2, routing, i, shared, tiles=tiles)
+            for i in case.ids
+        ]
+        out[key] = round(time_us(calls, replays=5), 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="moe_decode.json")
@@ -344,8 +380,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated of: " + ", ".join(SHAPES))
     ap.add_argument("--sweep-s", type=float, default=90.0, help="GEMM tile sweep time per shape (0: none)")
     ap.add_argument("--router-sweep-s", type=float, default=20.0, help="router tile sweep time per shape")
+    ap.add_argument(
+        "--space",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="prefill: PREFILL_TOKENS (unless --tokens) and larger tiles; the expert GEMMs only",
+    )
     args = ap.parse_args(argv)
     torch.manual_seed(0)
+    prefill = args.space == "prefill"
+    if prefill and args.tokens == ",".join(map(str, TOKENS)):
+        args.tokens = ",".join(map(str, PREFILL_TOKENS))
     tokens = tuple(int(t) for t in args.tokens.split(",") if t)
     print("device", torch.cuda.get_device_name(0), "tuned", sorted(fused_moe.TILES), flush=True)
     result: dict = dict(
@@ -354,11 +399,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         ids = {t: routings(t, shape) for t in tokens}
-        result["router"] += bench_router(name, shape, tokens, args.router_sweep_s)
-        result["align"] += [bench_align(name, shape, t, ids[t]) for t in tokens]
+        if not prefill:
+            result["router"] += bench_router(name, shape, tokens, args.router_sweep_s)
+            result["align"] += [bench_align(name, shape, t, ids[t]) for t in tokens]
         weights = expert_weights(shape)
-        result["moe"] += [bench_fold(name, shape, t, ids[t], weights) for t in tokens]
-        result["gemm"] += bench_gemms(name, shape, tokens, ids, weights, args.sweep_s)
+        if not prefill:
+            result["moe"] += [bench_fold(name, shape, t, ids[t], weights) for t in tokens]
+        space = GEMM_SWEEP_PREFILL if prefill else GEMM_SWEEP
+        result["gemm"] += bench_gemms(name, shape, tokens, ids, weights, args.sweep_s, space)
         del weights
         torch.cuda.empty_cache()
     write_result(args.out, result, gpu=True)  # CUDA only: the script needs a GPU

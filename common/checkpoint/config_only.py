@@ -42,6 +42,18 @@ LING_MINI: dict[str, Any] = {
     "moe_intermediate_size": 512,
 }
 
+# One rank's share of Ming-flash at TP=2 as a single-GPU model: half the query and KV heads, half of
+# every MLP's intermediate (the experts', the shared expert's, layer 0's), the rest as the release.
+# For benchmarks of the per-rank kernels on one card (~96 GiB of bf16 weights: it fits one H200);
+# what it leaves out is TP=2's all-reduces and the vocabulary split of the embedding and LM head.
+MING_FLASH_TP2_RANK: dict[str, Any] = {
+    **MING_FLASH,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4608,
+    "moe_intermediate_size": 512,
+}
+
 
 @dataclass(frozen=True)
 class PartShapes:
@@ -83,6 +95,7 @@ TINY_PARTS = PartShapes(
 SHAPES: dict[str, dict[str, Any]] = {
     "ming-flash": MING_FLASH,
     "ling-mini": LING_MINI,
+    "ming-flash-tp2-rank": MING_FLASH_TP2_RANK,
     "tiny": {"vocab_size": 0, **TINY_LLM},  # vocab 0: just large enough for the tokenizer
 }
 

@@ -38,5 +38,10 @@ def add_parsers(sub: Subparsers) -> None:
         help="write the configs of every part at a real shape + tiny tokenizers, no weights (load_format: dummy)",
     )
     p.add_argument("dir")
-    p.add_argument("--shape", choices=("ming-flash", "ling-mini", "tiny"), default="ming-flash")
+    p.add_argument(
+        "--shape",
+        choices=("ming-flash", "ling-mini", "ming-flash-tp2-rank", "tiny"),
+        default="ming-flash",
+        help="ming-flash-tp2-rank: one rank of Ming-flash at TP=2 as a one-GPU model (benchmarks)",
+    )
     p.set_defaults(fn=cmd_make_config_checkpoint)

@@ -66,6 +66,11 @@ class EngineConfig:
     cuda_graphs: bool = True
     # Largest decode batch replayed from a graph; 0 means max_num_seqs (bigger batches run eagerly).
     cuda_graph_max_batch: int = 0
+    # With cuda_graphs: token counts at which text prefill and mixed steps (a prompt chunk, with any
+    # decodes beside it) also replay from CUDA graphs, a step padded to the next count; larger steps
+    # (counts above max_num_batched_tokens are dropped), and steps with images or audio, run eagerly.
+    # () turns it off.
+    prefill_graph_tokens: tuple[int, ...] = (64, 128, 256, 512)
     # Structured outputs: one constraint's compile time, past which it is killed and refused.
     grammar_compile_timeout_s: float = 5.0
     # Constraint compiles running at once (each a process of the compile server: a core each).
@@ -107,6 +112,11 @@ class EngineConfig:
                 raise ConfigError(
                     f"{path}.{key}: expected one of {', '.join(allowed)}, got {getattr(self, key)!r}"
                 )
+        if any(n < 2 for n in self.prefill_graph_tokens):
+            raise ConfigError(
+                f"{path}.prefill_graph_tokens: expected token counts of 2 or more (a step of one token "
+                f"is a decode), got {list(self.prefill_graph_tokens)}"
+            )
         if self.tp_allreduce not in TP_ALLREDUCE_MODES:
             raise ConfigError(
                 f"{path}.tp_allreduce: expected one of {', '.join(TP_ALLREDUCE_MODES)}, got {self.tp_allreduce!r}"

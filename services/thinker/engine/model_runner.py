@@ -18,6 +18,7 @@ from omnistage.common.log import get_logger
 from omnistage.common.memory.device import fmt_bytes
 from omnistage.services.thinker.engine.config import ResolvedEngineConfig
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs
+from omnistage.services.thinker.engine.prefill_graphs import PrefillGraphs
 from omnistage.services.thinker.engine.sampled_feed import SampledFeed
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 from omnistage.services.thinker.models.layers.parallel import TPGroup
@@ -74,6 +75,8 @@ class ModelRunner:
         self.activation_peak_bytes = 0
         # Decode steps replayed from CUDA graphs (engine/cuda_graphs.py), set by start-up when captured.
         self.graphs: DecodeGraphs | None = None
+        # Small text prefill and mixed steps replayed from CUDA graphs (engine/prefill_graphs.py).
+        self.prefill_graphs: PrefillGraphs | None = None
         # The last shared step's sampled ids, for the placeholders of the next plan (async scheduling).
         self.feed = SampledFeed(self.device, TPGroup.from_default_group())
         if allocate:
@@ -143,6 +146,7 @@ class ModelRunner:
         kv = self.kv_bytes()
         activation = self.activation_peak_bytes
         graphs = self.graphs.pool_bytes if self.graphs is not None else 0
+        graphs += self.prefill_graphs.pool_bytes if self.prefill_graphs is not None else 0
         return control_pb2.MemoryReport(
             device=str(self.device),
             budget_bytes=self.budget_bytes,
@@ -158,6 +162,11 @@ class ModelRunner:
         self.graphs = graphs
         self.kv_users.append(graphs)
 
+    def use_prefill_graphs(self, graphs: PrefillGraphs) -> None:
+        """Replay covered prefill and mixed steps from `graphs` (captured against this cache, or eager)."""
+        self.prefill_graphs = graphs
+        self.kv_users.append(graphs)
+
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run one step; returns float32 logits [R, vocab] on rank 0 (None elsewhere or if R == 0)."""
         return self.execute_step(plan).logits
@@ -168,9 +177,10 @@ class ModelRunner:
         if plan.num_tokens == 0:
             return StepOutput()
         fill = self.feed.fill if plan.has_placeholders else None
-        if self.graphs is not None and self.graphs.covers(plan):
-            logits = self.graphs.run(plan, fill)
-            return StepOutput(logits if self.rank == 0 else None)
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None and graphs.covers(plan):
+                logits = graphs.run(plan, fill)
+                return StepOutput(logits if self.rank == 0 and logits.shape[0] else None)
         dev = self.device
         md = AttentionMetadata(
             query_lens=plan.query_lens.tolist(),

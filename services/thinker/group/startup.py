@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +32,7 @@ from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
 from omnistage.services.thinker.engine.llm_engine import LLMEngine
 from omnistage.services.thinker.engine.model_runner import ModelRunner, to_dtype
+from omnistage.services.thinker.engine.prefill_graphs import PrefillGraphs, prefill_graph_reserve_bytes
 from omnistage.services.thinker.group.decode_pace import DecodeStepTime, decode_step_times
 from omnistage.services.thinker.group.faults import StartupFault
 from omnistage.services.thinker.group.kv_profile import KVProfile, KVSettings, peers_bytes, size_kv_cache
@@ -352,6 +354,14 @@ class RankStartup(StageGroup):
         settings = KVSettings.from_config(cfg.engine, cfg.memory, mem.total())
         if self.graphs:  # the graphs' pool is kept free like the canary (and proven so)
             reserve = graph_reserve_bytes(self.graph_batch(), model.lm_head.rows, cfg.world_size)
+            reserve += prefill_graph_reserve_bytes(
+                self.prefill_graph_tokens(),
+                cfg.engine.max_num_seqs,
+                model.lm_head.rows,
+                cfg.world_size,
+                model.config.hidden_size,
+                model.config.num_experts_per_tok,
+            )
             settings = dataclasses.replace(settings, canary_bytes=settings.canary_bytes + reserve)
         self.kv_profile = size_kv_cache(
             self.runner, self._group(), mem, settings, peers_at_start=self.peers_at_start, progress=self.step
@@ -416,26 +426,65 @@ class RankStartup(StageGroup):
         e = self.cfg.engine
         return min(e.cuda_graph_max_batch or e.max_num_seqs, e.max_num_seqs)
 
+    def prefill_graph_tokens(self) -> tuple[int, ...]:
+        """The prefill graphs' token counts a step can reach (none above max_num_batched_tokens)."""
+        e = self.cfg.engine
+        return tuple(sorted({n for n in e.prefill_graph_tokens if n <= e.max_num_batched_tokens}))
+
     def capture_graphs(self) -> None:
-        """Every rank captures the same sizes (each replays what rank 0's plan says); a failure on
-        any rank fails the group with its diagnostic, like a failed warm-up forward."""
+        """Every rank captures the same sizes (each replays what rank 0's plan says): the decode
+        graphs, then the prefill graphs; a failure on any rank fails the group with its diagnostic,
+        like a failed warm-up forward."""
         runner, control = self._runner(), self._group()
         graphs = DecodeGraphs(runner.model, self.graph_batch(), runner.cfg.max_blocks_per_seq, runner.device)
-        align = self.align_capture if self.tp_graphs == "aligned" else None
+        progress = lambda detail, done, total: self.step(detail, done, total)  # noqa: E731
         try:
-            graphs.capture(progress=lambda detail, done, total: self.step(detail, done, total), align=align)
-            if align is not None:  # a rank stuck in its last capture is named by the others' deadline
+            graphs.capture(progress=progress, align=self.aligner("decode graph batch"))
+            if (
+                self.tp_graphs == "aligned"
+            ):  # a rank stuck in its last capture is named by the others' deadline
                 control.agree_min(0, "captured every decode graph")
         except Exception as exc:
             raise StartupError(self._group().fail("capturing decode graphs", exc)) from exc
         runner.use_graphs(graphs)
         control.on_close(graphs.release)  # before the group is destroyed (see DecodeGraphs.release)
+        sizes = self.prefill_graph_tokens()
+        if not sizes:
+            return
+        from omnistage.services.thinker.kernels.paged_prefill import tile_tokens  # CUDA: triton is there
 
-    def align_capture(self, size: int) -> None:
-        """Every rank is about to capture `size` (a rank with another size, or gone, fails the group)."""
-        agreed = self._group().agree_min(size, f"capturing decode graph batch {size}")
-        if agreed != size:
-            raise RuntimeError(f"rank {self.cfg.rank} captures batch {size} while a peer captures {agreed}")
+        layer = runner.model.attention_layers()[0]
+        prefill = PrefillGraphs(
+            runner.model,
+            sizes,
+            runner.cfg.max_num_seqs,
+            runner.cfg.max_blocks_per_seq,
+            tile_tokens(layer.num_heads, layer.num_kv_heads),
+            runner.device,
+        )
+        try:
+            prefill.capture(progress=progress, align=self.aligner("prefill graph tokens"))
+            if self.tp_graphs == "aligned":
+                control.agree_min(0, "captured every prefill graph")
+        except Exception as exc:
+            raise StartupError(self._group().fail("capturing prefill graphs", exc)) from exc
+        runner.use_prefill_graphs(prefill)
+        control.on_close(prefill.release)
+
+    def aligner(self, what: str) -> Callable[[int], None] | None:
+        """With aligned TP capture: before each size, every rank agrees it captures that size (a rank
+        with another size, or gone, fails the group)."""
+        if self.tp_graphs != "aligned":
+            return None
+
+        def align(size: int) -> None:
+            agreed = self._group().agree_min(size, f"capturing {what} {size}")
+            if agreed != size:
+                raise RuntimeError(
+                    f"rank {self.cfg.rank} captures {what} {size} while a peer captures {agreed}"
+                )
+
+        return align
 
     def load_weights(self) -> BailingMoeV2ForCausalLM:
         cfg = self.cfg

@@ -81,6 +81,74 @@ TILES: dict[tuple[int, int, int, int], MoeTiles] = {
         gate_up=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4),
         down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
     ),  # ling-mini tp1 T=64: 332.5 us vs the rule's 337.2
+    # Ming-flash's thinker at TP=2, one rank (E 256, I 512, H 4096): one H200, 2026-11-29 (session 5),
+    # bench/moe_decode_gpu.py --shapes 'ming-flash tp2' (decode T=1-64, 129 of 144 configs) and --space
+    # prefill (T=64-4096, one per bucket, 66 of 144 configs): 1-12 % under the rule's.
+    (256, 512, 4096, 8): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=32, block_k=128, num_warps=4, num_stages=4),
+        down=GemmTiles(block_n=64, block_k=64, num_warps=4, num_stages=3),
+    ),  # ming-flash tp2 T=1: 34.5 us vs the rule's 38.0
+    (256, 512, 4096, 16): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=32, block_k=128, num_warps=4, num_stages=3),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ),  # ming-flash tp2 T=2: 58.8 us vs the rule's 67.6
+    (256, 512, 4096, 32): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4),
+        down=GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=2),
+    ),  # ming-flash tp2 T=4: 100.5 us vs the rule's 109.0
+    (256, 512, 4096, 64): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3),
+        down=GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=2),
+    ),  # ming-flash tp2 T=8: 175.9 us vs the rule's 183.8
+    (256, 512, 4096, 128): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ),  # ming-flash tp2 T=16: 306.0 us vs the rule's 314.8
+    (256, 512, 4096, 256): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=2),
+    ),  # ming-flash tp2 T=32: 481.9 us vs the rule's 494.5
+    (256, 512, 4096, 512): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=3),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ),  # ming-flash tp2 T=64: 641.7 us vs the rule's 658.1
+    (256, 512, 4096, 1024): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=2),
+    ),  # ming-flash tp2 T=128: 727.4 us vs the rule's 744.7
+    (256, 512, 4096, 2048): MoeTiles(
+        block_m=16,
+        gate_up=GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=2),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=2),
+    ),  # ming-flash tp2 T=256: 752.4 us vs the rule's 803.7
+    (256, 512, 4096, 4096): MoeTiles(
+        block_m=32,
+        gate_up=GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=3),
+        down=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=3),
+    ),  # ming-flash tp2 T=512: 773.7 us vs the rule's 825.2
+    (256, 512, 4096, 8192): MoeTiles(
+        block_m=64,
+        gate_up=GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4),
+        down=GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4),
+    ),  # ming-flash tp2 T=1024: 878.2 us vs the rule's 958.6
+    (256, 512, 4096, 16384): MoeTiles(
+        block_m=128,
+        gate_up=GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4),
+        down=GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=3),
+    ),  # ming-flash tp2 T=2048: 1082.1 us vs the rule's 1161.0
+    (256, 512, 4096, 32768): MoeTiles(
+        block_m=128,
+        gate_up=GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4),
+        down=GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=3),
+    ),  # ming-flash tp2 T=4096: 1595.5 us vs the rule's 1803.7
 }
 
 

@@ -131,14 +131,16 @@ def paged_prefill(
     block_tables: torch.Tensor,
     tiles: torch.Tensor,
     scale: float,
+    zero_rows: bool = False,
 ) -> torch.Tensor:
     """q [T, H, D] (the step's new tokens, sequence by sequence, their K/V already written) → [T, H, D]:
     causal attention of each token over its sequence's cache, through `tiles` (`prefill_tiles`, on
-    q's device) and the block tables [S, W]."""
+    q's device) and the block tables [S, W]. `zero_rows`: rows no tile covers are zeros (a prefill
+    graph's padding tokens; else they are left unwritten). Tiles of 0 tokens do nothing."""
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q) if zero_rows else torch.empty_like(q)
     if num_tokens == 0 or tiles.shape[0] == 0:
         return out
     _prefill_kernel[(tiles.shape[0], num_kv_heads)](

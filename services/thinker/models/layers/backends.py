@@ -220,6 +220,11 @@ class TritonAttention:
         return self.prefill(layer, q, md)
 
     def prefill(self, layer: PagedAttention, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        graph_tiles = md.step_state.get("graph_tiles")  # a prefill graph's staged, padded table
+        if graph_tiles is not None:  # its padding tokens are in no tile: their rows are zeroed
+            return self.prefill_kernels.paged_prefill(
+                q, layer.k_cache, layer.v_cache, md.block_tables, graph_tiles, layer.scale, zero_rows=True
+            )
         tiles = md.step_state.get("triton_tiles")
         if tiles is None:
             block_q = self.prefill_kernels.tile_tokens(layer.num_heads, layer.num_kv_heads)
@@ -240,5 +245,7 @@ class FlashInferAttention(TritonAttention):
         self.flashinfer = FlashInferPrefill()
 
     def prefill(self, layer: PagedAttention, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        if "graph_tiles" in md.step_state:  # a prefill graph: FlashInfer plans on the host, Triton does not
+            return super().prefill(layer, q, md)
         out = self.flashinfer.run(q, layer.k_cache, layer.v_cache, md, layer.scale)
         return super().prefill(layer, q, md) if out is None else out

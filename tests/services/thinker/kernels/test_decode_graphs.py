@@ -221,7 +221,16 @@ def test_aligned_capture_agrees_on_each_size_and_a_rank_out_of_step_fails_naming
 
     startup = RankStartup.__new__(RankStartup)
     startup.cfg, startup.control = RankConfig("unused", rank=1, world_size=2), Control()
-    startup.align_capture(8)
-    with pytest.raises(RuntimeError, match="rank 1 captures batch 16 while a peer captures 8"):
-        startup.align_capture(16)
-    assert startup.control.asked == ["capturing decode graph batch 8", "capturing decode graph batch 16"]
+    startup.tp_graphs = "aligned"
+    align = startup.aligner("decode graph batch")
+    align(8)
+    with pytest.raises(RuntimeError, match="rank 1 captures decode graph batch 16 while a peer captures 8"):
+        align(16)
+    startup.aligner("prefill graph tokens")(8)
+    assert startup.control.asked == [
+        "capturing decode graph batch 8",
+        "capturing decode graph batch 16",
+        "capturing prefill graph tokens 8",
+    ]
+    startup.tp_graphs = "unaligned"
+    assert startup.aligner("decode graph batch") is None

@@ -1,0 +1,274 @@
+"""Small prefill and mixed steps replayed from CUDA graphs: one graph per padded token count.
+
+A short prompt's eager step is host-bound: ~25 launches a layer, each tens of µs of Python, while
+its kernels (mostly the experts' weight reads) take less (one H200, Ming-flash's TP=2 rank shape,
+64 new tokens: 26.6 ms to the first token for 14.5 ms of kernels; bench/RESULTS.md). A graph
+replays the whole step in one launch. What the eager step plans per step on the host (the paged
+prefill kernel's tile table) is staged into static buffers: the table padded to the most tiles a
+step of the bucket can have (padding tiles have no tokens: their programs return at once), the
+padding tokens write no cache slot (-1) and attend to nothing (their attention rows are zeroed),
+and the logits are taken at a static row index padded with row 0. Steps with media rows or hidden-
+state requests run eagerly (their inputs are not staged here), and so do pure decode steps, which
+`DecodeGraphs` covers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+
+import torch
+from omnistage.common.log import get_logger
+from omnistage.common.memory.device import fmt_bytes
+from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
+from omnistage.services.thinker.tp.plan import PlanKind, StepPlan
+from torch import nn
+
+log = get_logger(__name__)
+
+TILE_FIELDS = 5  # kernels/paged_prefill.py's tile row: sequence, first row, tokens, first position, context
+
+
+def prefill_tile_rows(query_lens: list[int], context_lens: list[int], block_q: int) -> list[int]:
+    """The paged prefill kernel's tile table, flattened (kernels/paged_prefill.prefill_tiles'
+    rows; a copy here so the engine imports no Triton module)."""
+    rows: list[int] = []
+    start = 0
+    for seq, (qlen, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
+        for t0 in range(0, qlen, block_q):
+            rows += (seq, start + t0, min(block_q, qlen - t0), ctx - qlen + t0, ctx)
+        start += qlen
+    return rows
+
+
+def max_tiles(tokens: int, seqs: int, block_q: int) -> int:
+    """The most tiles a step of `tokens` new tokens over `seqs` sequences can cut into: each
+    sequence's last tile may be partial."""
+    return -(-tokens // block_q) + seqs
+
+
+def prefill_graph_reserve_bytes(
+    sizes: tuple[int, ...], max_seqs: int, vocab_local: int, tp_size: int, hidden: int, top_k: int
+) -> int:
+    """What the captured prefill graphs keep on the device, for the KV profile to leave free: each
+    size's fp32 logits output, and the largest size's activations (the experts' fp32 outputs of
+    every routed pair and the shared expert, the gate-up rows, a few hidden-sized rows), with a margin."""
+    if not sizes:
+        return 0
+    outputs = len(sizes) * max_seqs * vocab_local * tp_size * 4
+    largest = max(sizes)
+    activations = largest * hidden * ((top_k + 1) * 4 + (top_k + 1) * 2 + 16 * 2)
+    return outputs + activations + (64 << 20)
+
+
+class PrefillGraphs:
+    """Static buffers of the largest size, one graph per token count; a KV-cache user."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sizes: tuple[int, ...],
+        max_seqs: int,
+        max_blocks: int,
+        block_q: int,
+        device: torch.device,
+        capture: bool = True,
+    ) -> None:
+        if not sizes or min(sizes) < 1 or max_seqs < 1 or max_blocks < 1 or block_q < 1:
+            raise ValueError(
+                f"prefill graphs need token counts, max_seqs, max_blocks and block_q >= 1 "
+                f"(got {sizes}, {max_seqs}, {max_blocks}, {block_q})"
+            )
+        self.model = model
+        self.sizes = sorted(set(sizes))
+        self.max_seqs, self.width, self.block_q = max_seqs, max_blocks, block_q
+        self.device, self.capture_enabled = device, capture
+        t, s = self.sizes[-1], max_seqs
+        self.tiles_max = max_tiles(t, s, block_q)
+        # ids, positions, slots, sample rows, tables; then the tile table (int32 for the kernel)
+        self.layout = (t, 3 * t, t, s, s * max_blocks)
+        total = sum(self.layout)
+        pinned = device.type == "cuda"
+        # Two pinned host arrays of each, used in turn (see DecodeGraphs: async scheduling stages a
+        # step while the copy of the one before may still wait in the device's queue).
+        self.hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self.host_tiles = [
+            torch.zeros(self.tiles_max * TILE_FIELDS, dtype=torch.int32, pin_memory=pinned) for _ in range(2)
+        ]
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+        self.staged = torch.zeros(total, dtype=torch.int64, device=device)
+        self.tiles = torch.zeros(self.tiles_max, TILE_FIELDS, dtype=torch.int32, device=device)
+        self.ids, self.pos, self.slots, self.sample, self.tables = self._views(self.staged)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.ready = not capture
+        self.replays = 0
+        self.pool_bytes = 0
+
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = self.sizes[-1]
+        ids, pos, slots, sample, tables = torch.split(buf, self.layout)
+        return ids, pos.view(3, t), slots, sample, tables.view(self.max_seqs, self.width)
+
+    # --- which steps -----------------------------------------------------------------------------
+
+    def size_for(self, num_tokens: int) -> int:
+        """The smallest captured token count that holds `num_tokens`."""
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+
+    def covers(self, plan: StepPlan) -> bool:
+        """A text step with a prompt chunk (a prefill, or decodes beside one) within the sizes."""
+        seqs = int(plan.query_lens.numel())
+        return (
+            self.ready
+            and plan.kind is PlanKind.RUN
+            and 0 < plan.num_tokens <= self.sizes[-1]
+            and plan.num_tokens > seqs  # some sequence adds more than one token: not a pure decode
+            and seqs <= self.max_seqs
+            and plan.num_media_rows == 0
+            and plan.hidden_index.numel() == 0
+            and plan.sample_rows.numel() <= self.max_seqs
+            and plan.block_tables.shape[1] <= self.width
+        )
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def run(self, plan: StepPlan, fill: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """fp32 logits [R, vocab] of the plan's sampling rows (a view of the graph's output: queue
+        what reads it before the next step). `fill`: the previous step's sampled ids for the plan's
+        placeholders, on the device (SampledFeed.fill)."""
+        n = plan.num_tokens
+        size = self.size_for(n)
+        self._stage(plan, n, size)
+        if fill is not None:
+            self.ids[:n].copy_(fill(self.ids[:n]))
+        rows = int(plan.sample_rows.numel())
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self._forward(size)[:rows]
+        graph.replay()
+        self.replays += 1
+        return self.outputs[size][:rows]
+
+    def _stage(self, plan: StepPlan, n: int, size: int) -> None:
+        """The plan into the host arrays (padding tokens: id 0, slot -1; padding tiles: no tokens;
+        padding sample rows: row 0), then one copy each."""
+        host, host_tiles = self._next_host()
+        ids, pos, slots, sample, tables = self._views(host)
+        seqs, width, rows = (
+            int(plan.query_lens.numel()),
+            plan.block_tables.shape[1],
+            int(plan.sample_rows.numel()),
+        )
+        ids[:n] = plan.input_ids
+        ids[n:size] = 0
+        pos[:, :n] = plan.positions
+        pos[:, n:size] = 0
+        slots[:n] = plan.slot_mapping
+        slots[n:size] = -1
+        sample[:rows] = plan.sample_rows
+        sample[rows:] = 0
+        tables[:seqs, :width] = plan.block_tables
+        tiles = prefill_tile_rows(plan.query_lens.tolist(), plan.context_lens.tolist(), self.block_q)
+        host_tiles.zero_()
+        host_tiles[: len(tiles)] = torch.tensor(tiles, dtype=torch.int32)
+        self.staged.copy_(host, non_blocking=True)
+        self.tiles.view(-1).copy_(host_tiles, non_blocking=True)
+        if self.device.type == "cuda":
+            self.copied[self.turn] = torch.cuda.Event()
+            self.copied[self.turn].record()
+
+    def _next_host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host arrays whose last copies have left them."""
+        self.turn ^= 1
+        copied = self.copied[self.turn]
+        if copied is not None:
+            copied.synchronize()
+        return self.hosts[self.turn], self.host_tiles[self.turn]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The model over the first `size` static token rows; the attention reads the staged tile
+        table (`graph_tiles`), so the metadata's lengths are placeholders of one sequence."""
+        md = AttentionMetadata(
+            query_lens=[size],
+            context_lens=[size],
+            slot_mapping=self.slots[:size],
+            block_tables=self.tables,
+            step_state={"graph_tiles": self.tiles},
+        )
+        with attention_metadata(md):
+            hidden = self.model(self.ids[:size], self.pos[:, :size])
+        return self.model.compute_logits(hidden[self.sample]).float()
+
+    # --- capture ----------------------------------------------------------------------------------
+
+    def capture(
+        self,
+        progress: Callable[[str, int, int], None] | None = None,
+        align: Callable[[int], None] | None = None,
+    ) -> int:
+        """Capture every size, largest first, into one memory pool; returns the bytes it took.
+        `align(size)`: as DecodeGraphs.capture (TP ranks agree on each size before capturing it)."""
+        if not self.capture_enabled:
+            return 0
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        started = time.monotonic()
+        for i, size in enumerate(reversed(self.sizes)):
+            if align is not None:
+                torch.cuda.synchronize(self.device)
+                align(size)
+            self._stage_padding()
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._forward(size)  # compiles this size's kernels outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            capturing = torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
+            with torch.inference_mode(), capturing:
+                self.outputs[size] = self._forward(size)
+            self.graphs[size] = graph
+            if progress is not None:
+                progress(f"prefill graph {size} tokens", i + 1, len(self.sizes))
+        torch.cuda.synchronize(self.device)
+        self.ready = True
+        took = torch.cuda.memory_reserved(self.device) - before
+        self.pool_bytes = max(took, 0)
+        log.info(
+            "captured %d prefill graphs (tokens %s) in %.1fs, %s",
+            len(self.sizes),
+            ",".join(map(str, self.sizes)),
+            time.monotonic() - started,
+            fmt_bytes(took),
+        )
+        return took
+
+    def _stage_padding(self) -> None:
+        """Every row padding: no cache writes, no tiles, while capturing."""
+        host, host_tiles = self._next_host()
+        host[:] = 0
+        self._views(host)[2][:] = -1
+        host_tiles.zero_()
+        self.staged.copy_(host)
+        self.tiles.view(-1).copy_(host_tiles)
+
+    # --- the KV cache: graphs point into it, so they go when it goes -------------------------------
+
+    def bind_kv(self, kv_cache: torch.Tensor) -> None:
+        """A new cache: graphs must be captured again (`capture`) before they are used."""
+
+    def release_kv(self) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Destroy the graphs now (see DecodeGraphs.release: captured collectives hold the
+        communicator until then)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.ready = not self.capture_enabled

@@ -1,0 +1,217 @@
+"""The prefill-graph runner without a GPU: which steps it covers, the staged buffers (padding tokens
+write no slot and sit in no tile, the tile table padded with empty tiles, the sample rows padded
+with row 0), placeholders filled on the device; the paged prefill kernel over a padded table; and
+the tiny engine on the Triton kernels with its prefill and mixed steps through the buffers (no
+capture) gives the reference engine's greedy tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from omnistage.common.config import ConfigError, EngineConfig
+from omnistage.services.thinker.engine.prefill_graphs import (
+    PrefillGraphs,
+    max_tiles,
+    prefill_graph_reserve_bytes,
+    prefill_tile_rows,
+)
+from omnistage.services.thinker.engine.sequence import SamplingParams
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
+from omnistage.services.thinker.tp.plan import StepPlan
+
+
+class Recorder(torch.nn.Module):
+    """A stand-in model that records the static rows and metadata the runner hands it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[dict] = []
+
+    def forward(self, ids, positions):
+        from omnistage.services.thinker.models.layers.attention import current_metadata
+
+        md = current_metadata(ids.shape[0])
+        self.calls.append(
+            dict(
+                ids=ids.clone(),
+                pos=positions.clone(),
+                slots=md.slot_mapping.clone(),
+                tables=md.block_tables.clone(),
+                tiles=md.step_state["graph_tiles"].clone(),
+                is_decode=md.is_decode,
+                ptr=ids.data_ptr(),
+            )
+        )
+        return ids.float()[:, None].expand(-1, 4)
+
+    def compute_logits(self, hidden):
+        return hidden * 2
+
+
+def mixed_plan() -> StepPlan:
+    """A decode row (sequence 0, context 9) beside a 5-token prompt chunk over 3 cached tokens."""
+    return StepPlan(
+        input_ids=torch.tensor([50, 60, 61, 62, 63, 64]),
+        positions=torch.tensor([8, 3, 4, 5, 6, 7]).repeat(3, 1),
+        query_lens=torch.tensor([1, 5]),
+        context_lens=torch.tensor([9, 8]),
+        slot_mapping=torch.tensor([40, 67, 68, 69, 70, 71]),
+        block_tables=torch.tensor([[2, 0], [4, 5]]),
+        sample_rows=torch.tensor([0, 5]),
+    )
+
+
+def graphs_for(model, sizes=(4, 8, 16), max_seqs=3, block_q=2) -> PrefillGraphs:
+    return PrefillGraphs(
+        model, sizes, max_seqs, max_blocks=3, block_q=block_q, device=torch.device("cpu"), capture=False
+    )
+
+
+def test_a_step_runs_at_its_token_bucket_with_padding_that_writes_and_reads_nothing():
+    model = Recorder()
+    graphs = graphs_for(model)
+    logits = graphs.run(mixed_plan())
+    call = model.calls[-1]
+    assert call["ids"].tolist() == [50, 60, 61, 62, 63, 64, 0, 0]  # bucket 8: two padding tokens
+    assert call["slots"].tolist() == [40, 67, 68, 69, 70, 71, -1, -1]
+    assert call["pos"][:, :6].tolist() == [[8, 3, 4, 5, 6, 7]] * 3 and call["pos"][:, 6:].eq(0).all()
+    assert call["tables"][:2, :2].tolist() == [[2, 0], [4, 5]]
+    assert not call["is_decode"]  # the attention takes its prefill path, reading the staged table
+    # the decode row is a tile of one token; the chunk's 5 tokens tiles of 2, 2, 1; the rest empty
+    tiles = call["tiles"]
+    assert tiles[:4].tolist() == [[0, 0, 1, 8, 9], [1, 1, 2, 3, 8], [1, 3, 2, 5, 8], [1, 5, 1, 7, 8]]
+    assert tiles.shape[0] == max_tiles(16, 3, 2) and tiles[4:].eq(0).all()
+    assert logits.tolist() == [[100.0] * 4, [128.0] * 4]  # rows 0 and 5 (ids 50 and 64) doubled
+
+
+def test_buffers_are_reused_and_a_smaller_step_leaves_no_tile_or_slot_of_a_larger_one():
+    model = Recorder()
+    graphs = graphs_for(model)
+    big = StepPlan(
+        input_ids=torch.arange(100, 112),
+        positions=torch.arange(12).repeat(3, 1),
+        query_lens=torch.tensor([12]),
+        context_lens=torch.tensor([12]),
+        slot_mapping=torch.arange(12),
+        block_tables=torch.tensor([[0, 1, 2]]),
+        sample_rows=torch.tensor([11]),
+    )
+    graphs.run(big)  # bucket 16: six tiles
+    graphs.run(mixed_plan())  # bucket 8
+    first, second = model.calls
+    assert first["ptr"] == second["ptr"] and len(first["ids"]) == 16 and len(second["ids"]) == 8
+    assert second["tiles"][4:].eq(0).all()  # the larger step's last two tiles are gone
+    assert second["slots"][6:].tolist() == [-1, -1]
+
+
+def test_placeholders_take_the_shared_ids_on_the_device():
+    from omnistage.services.thinker.engine.sampled_feed import SampledFeed
+    from omnistage.services.thinker.models.layers.parallel import TPGroup
+
+    model = Recorder()
+    graphs = graphs_for(model)
+    feed = SampledFeed(torch.device("cpu"), TPGroup())
+    feed.share(StepPlan(sample_rows=torch.arange(1)), torch.tensor([77]))
+    plan = mixed_plan()
+    plan.input_ids = torch.tensor([-1, 60, 61, 62, 63, 64])  # the decode row's id: last step's sample
+    graphs.run(plan, feed.fill)
+    assert model.calls[-1]["ids"][:6].tolist() == [77, 60, 61, 62, 63, 64]
+    assert plan.input_ids[0].item() == -1  # the host plan is left as it was
+
+
+def test_only_text_steps_with_a_prompt_chunk_within_the_sizes_are_covered():
+    graphs = graphs_for(Recorder())
+    assert graphs.covers(mixed_plan())
+    decode = StepPlan(
+        input_ids=torch.tensor([1, 2]),
+        positions=torch.zeros(3, 2, dtype=torch.int64),
+        query_lens=torch.tensor([1, 1]),
+        context_lens=torch.tensor([4, 5]),
+        slot_mapping=torch.tensor([3, 20]),
+        block_tables=torch.tensor([[0], [1]]),
+        sample_rows=torch.tensor([0, 1]),
+    )
+    assert not graphs.covers(decode)  # DecodeGraphs' steps
+    media = mixed_plan()
+    media.media_index = torch.tensor([2, 3])
+    assert not graphs.covers(media)
+    hidden = mixed_plan()
+    hidden.hidden_index = torch.tensor([5])
+    assert not graphs.covers(hidden)
+    wide = mixed_plan()
+    wide.block_tables = torch.zeros(2, 4, dtype=torch.int64)
+    assert not graphs.covers(wide)  # a block table wider than the buffers
+    assert not graphs_for(Recorder(), sizes=(4,)).covers(mixed_plan())  # 6 tokens: above the largest
+    assert not graphs_for(Recorder(), max_seqs=1).covers(mixed_plan())  # two sequences
+    assert not graphs.covers(StepPlan.noop())
+    captured = PrefillGraphs(Recorder(), (8,), 3, 3, 2, torch.device("cpu"), capture=True)
+    assert not captured.covers(mixed_plan())  # captured mode: nothing until capture() ran
+
+
+def test_sizes_config_and_reserve():
+    with pytest.raises(ConfigError, match="prefill_graph_tokens"):
+        EngineConfig(prefill_graph_tokens=(1, 64)).validate("engine")
+    EngineConfig(prefill_graph_tokens=()).validate("engine")
+    reserve = prefill_graph_reserve_bytes((64, 512), 8, 1000, 2, 256, 8)
+    assert reserve > 2 * 8 * 1000 * 2 * 4 and prefill_graph_reserve_bytes((), 8, 1000, 2, 256, 8) == 0
+    assert prefill_tile_rows([3], [5], 2) == [0, 0, 2, 2, 5, 0, 2, 1, 4, 5]
+
+
+def test_paged_prefill_over_a_padded_table_equals_the_unpadded_one_and_zeroes_padding_rows():
+    from omnistage.services.thinker.kernels.paged_prefill import paged_prefill, prefill_tiles
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, page = 4, 2, 16, 16
+    k_cache = torch.randn(4, page, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(4, page, kv_heads, dim, generator=gen)
+    tables = torch.tensor([[0, 1], [2, 3]])
+    query_lens, context_lens = [1, 5], [9, 20]
+    q = torch.randn(8, heads, dim, generator=gen)  # 6 real tokens, 2 padding
+    tiles = prefill_tiles(query_lens, context_lens, 2)
+    want = paged_prefill(q[:6], k_cache, v_cache, tables, tiles, 0.25)
+    padded = torch.zeros(max_tiles(8, 2, 2), 5, dtype=torch.int32)
+    padded[: tiles.shape[0]] = tiles
+    got = paged_prefill(q, k_cache, v_cache, tables, padded, 0.25, zero_rows=True)
+    torch.testing.assert_close(got[:6], want)
+    assert got[6:].eq(0).all()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(1)
+    return [[rng.randrange(0, 900) for _ in range(rng.randrange(3, 6))] for _ in range(3)]
+
+
+# Chunked: at most 8 tokens a step, so the third prompt's tail shares a step with the first two's
+# decodes (a mixed step through the buffers too).
+ENGINE_CFG = dict(block_size=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8)
+PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
+
+
+def test_tiny_engine_on_triton_kernels_through_prefill_graph_buffers_equals_the_reference(
+    tiny_ckpt_2_layers, prompts
+):
+    from omnistage.services.thinker.kernels.paged_prefill import tile_tokens
+
+    reference = rank0_engine(
+        start_rank(RankConfig(str(tiny_ckpt_2_layers), EngineConfig(**ENGINE_CFG), warmup=False))
+    )
+    want = [r.token_ids for r in reference.generate(prompts, PARAMS)]
+    fast = EngineConfig(attention_backend="triton", moe_backend="triton", **ENGINE_CFG)
+    engine = rank0_engine(start_rank(RankConfig(str(tiny_ckpt_2_layers), fast, warmup=False)))
+    runner = engine.runner
+    layer = runner.model.attention_layers()[0]
+    block_q = tile_tokens(layer.num_heads, layer.num_kv_heads)
+    graphs = PrefillGraphs(
+        runner.model, (4, 8), 4, runner.cfg.max_blocks_per_seq, block_q, runner.device, capture=False
+    )
+    runner.use_prefill_graphs(graphs)
+    steps = []
+    run = graphs.run
+    graphs.run = lambda plan, fill=None: (steps.append(plan.query_lens.tolist()), run(plan, fill))[1]
+    got = [r.token_ids for r in engine.generate(prompts, PARAMS)]
+    assert got == want
+    assert sum(map(len, prompts)) > 8 and len(steps) >= 2  # the chunked prefill went through the buffers
+    assert any(1 in lens and max(lens) > 1 for lens in steps), steps  # a mixed step among them
