@@ -58,7 +58,7 @@ def test_the_tiny_run_times_every_turn(tmp_path, shared_pipeline):
         assert row["variant"] == ""
         assert row["encoder_forwards"].get("audio", 0) >= 1  # the encoder's own count of its forwards
         assert row["stage_means"].get("encoder/encoder_forward_seconds[audio]") is not None
-    assert "| variant | sessions | turns |" in (out / "realtime_latency.md").read_text()
+    assert "| variant | sessions | start | turns |" in (out / "realtime_latency.md").read_text()
 
 
 TIMES = ("stopped_to_first_audio_p50_ms", "stopped_to_first_audio_p95_ms", "stopped_to_first_text_p50_ms")
