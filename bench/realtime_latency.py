@@ -9,25 +9,35 @@ Starts `omnistage serve` (config-only checkpoint, `load_format: dummy`; the tiny
 other: an A/B in one call; with `--attach` none: the pipeline already serving `--config`, e.g. a test's,
 as it runs) and, from this process as an outside client speaking the Realtime
 protocol's own event names over a plain WebSocket (no SDK: nothing more to carry to a GPU machine),
-opens 1, 4, 8, 16 sessions at once. The sessions of a level start together and speak the same
-utterance, so their first turns' pauses reach the server within milliseconds of each other (later
-turns drift apart with their answers): a worst case for the encoder, which gets every session's
-clip at once (`sessions_start` in the results). Each session sets server VAD (`silence_duration_ms` 500) and, turn after turn, streams a
+opens 1, 4, 8, 16 sessions a level. `--start` says when a level's sessions start:
+  staggered (the default): session i of N connects i/N of one turn period (the utterance and the
+      silence VAD waits for) after the first, so the level's first turns reach the server as spread
+      out as its later turns do (those drift apart with their answers): the first turn of a session
+      is compared with its later ones under the same load;
+  lockstep: every session connects at once and speaks the same utterance, so the level's first
+      turns' pauses reach the server within milliseconds of each other: a worst case for the encoder,
+      which gets every session's clip at once, and for the first turns (later turns drift apart).
+(`sessions_start` in the results.) Each session sets server VAD (`silence_duration_ms` 500) and, turn after turn, streams a
 spoken utterance (a speech-like signal Silero hears as speech, made here) at real time in 20 ms
 messages, then silence at real time, as a microphone does (each turn's utterance a little quieter than
 the last: no two turns hold the same bytes, as with a person). Per turn, on the client's clock:
 `input_audio_buffer.speech_stopped` received, the first transcript (or text) delta, the first
 `response.output_audio.delta`; then the answer is cancelled (`response.cancel`) and the next turn
-starts once its `response.done` came. The first turn of each session is also reported apart (a cold
-path shows there).
+starts once its `response.done` came. The first turn of each session is also reported apart from the
+later ones (a cold path shows there), on the client's clock and on the gateway's (its
+gateway_turn_seconds, whose `turn` label tells a Converse call's first turn from its later ones).
 
 Results, rewritten after every level: OUT/realtime_latency.json = {"device", "date", "command",
-"config", "sessions_start", "variants", "rows": [{"variant", "sessions", "turns", "stopped_to_first_audio_p50_ms", "..._p95_ms",
-"stopped_to_first_text_p50_ms", "first_turn_p50_ms", "later_turns_p50_ms", "server_ttft_mean_ms",
+"config", "sessions_start", "turn_period_s", "variants", "rows": [{"variant", "sessions", "start", "turns",
+"stopped_to_first_audio_p50_ms", "..._p95_ms", "stopped_to_first_text_p50_ms", "first_turn_p50_ms",
+"later_turns_p50_ms", "first_turn_text_p50_ms", "later_turns_text_p50_ms", "server_ttft_mean_ms",
 "server_ttfa_mean_ms", "server_turn_media_mean_ms", "server_turn_first_text_mean_ms",
-"encode_cache", "encoder_forwards", "stage_means", "errors"}]} (server_*: the gateway's own histograms over the level,
-from the turn's end at the gateway: its media ready for the thinker (encoded, or found encoded ahead),
-its first text, its first audio; encode_cache: what the turns' clips found in the gateway's encode
+"server_first_turn_mean_ms", "server_later_turns_mean_ms", "encode_cache", "encoder_forwards",
+"stage_means", "errors"}]} (first_turn_* / later_turns_*: stopped → first audio, and → first text,
+p50 over the sessions' first turns / their later turns; server_*: the gateway's own histograms over
+the level, from the turn's end at the gateway: its media ready for the thinker (encoded, or found
+encoded ahead), its first text, its first audio; server_first_turn_mean_ms / server_later_turns_mean_ms:
+{"media", "first_text", "first_audio"} of the sessions' first turns / later turns; encode_cache: what the turns' clips found in the gateway's encode
 cache (hit, wait: encoded ahead and still under way, miss: encoded after the commit) and the clips
 encoded ahead; stage_means: every service's latency histograms' means over the level,
 bench/stage_metrics.py) and OUT/realtime_latency.md. A CPU (or --tiny) run
@@ -70,6 +80,12 @@ RATE = 24000
 CHUNK_S = 0.02  # 20 ms a message
 CHUNK = int(RATE * CHUNK_S) * 2
 SILENCE_MS = 500
+STARTS = ("staggered", "lockstep")
+SESSIONS_START = {
+    "staggered": "staggered (session i of N starts i/N of one turn period after the first: a level's "
+    "first turns collide no more than its later ones)",
+    "lockstep": "together (lockstep, the same utterance: a level's first turns reach the server at once)",
+}
 
 
 @dataclass
@@ -143,8 +159,23 @@ def turn_speech(speech: bytes, index: int) -> bytes:
     return samples.astype("<i2").tobytes()
 
 
-async def session(url: str, key: str, turns: int, speech: bytes, timeout_s: float) -> Session:
+def turn_period_s(speech: bytes) -> float:
+    """One turn's length at the microphone: the utterance, then the silence VAD waits for."""
+    return len(speech) / 2 / RATE + SILENCE_MS / 1000.0
+
+
+def start_delays(n: int, start: str, period_s: float) -> list[float]:
+    """Seconds after the level's start at which each of its `n` sessions connects (`--start`)."""
+    if start not in STARTS:
+        raise ValueError(f"start: {start!r}, expected one of {STARTS}")
+    return [i * period_s / n if start == "staggered" else 0.0 for i in range(n)]
+
+
+async def session(
+    url: str, key: str, turns: int, speech: bytes, timeout_s: float, delay_s: float = 0.0
+) -> Session:
     out = Session()
+    await asyncio.sleep(delay_s)
     try:
         async with connect(url, additional_headers={"Authorization": f"Bearer {key}"}, max_size=None) as ws:
             await send(
@@ -171,32 +202,58 @@ def _p(values: list[float], q: float) -> float | None:
     return None if v is None else round(v, 1)
 
 
+def server_turns(split: dict[str, float], which: str) -> dict[str, float | None]:
+    """The gateway's means of the `which` ("first" / "later") turns' phases over the level."""
+    return {
+        phase: split.get(f"gateway/gateway_turn_seconds[{phase},{which}]")
+        for phase in ("media", "first_text", "first_audio")
+    }
+
+
 async def level(
-    url: str, key: str, metrics: dict[str, str], n: int, turns: int, speech: bytes, timeout_s: float
+    url: str,
+    key: str,
+    metrics: dict[str, str],
+    n: int,
+    turns: int,
+    speech: bytes,
+    timeout_s: float,
+    start: str = "staggered",
 ) -> dict:
     before = snapshot(metrics)
-    sessions = await asyncio.gather(*(session(url, key, turns, speech, timeout_s) for _ in range(n)))
+    delays = start_delays(n, start, turn_period_s(speech))
+    sessions = await asyncio.gather(*(session(url, key, turns, speech, timeout_s, d) for d in delays))
     after = snapshot(metrics)
     split, counts = means(before, after), counted(before, after)
     timed = [t for s in sessions for t in s.turns if t.stopped is not None]
-    audio = [ms for t in timed if (ms := t.ms(t.first_audio)) is not None]
-    text = [ms for t in timed if (ms := t.ms(t.first_text)) is not None]
-    first = [ms for t in timed if t.index == 0 and (ms := t.ms(t.first_audio)) is not None]
-    later = [ms for t in timed if t.index > 0 and (ms := t.ms(t.first_audio)) is not None]
+
+    def ms(first: bool | None, audio: bool = True) -> list[float]:
+        """stopped → first audio (or text) of the first turns, the later ones, or all (None)."""
+        return [
+            ms
+            for t in timed
+            if first is None or (t.index == 0) == first
+            if (ms := t.ms(t.first_audio if audio else t.first_text)) is not None
+        ]
 
     errors = [e for s in sessions for e in s.errors]
     return {
         "sessions": n,
+        "start": start,
         "turns": len(timed),
-        "stopped_to_first_audio_p50_ms": _p(audio, 50),
-        "stopped_to_first_audio_p95_ms": _p(audio, 95),
-        "stopped_to_first_text_p50_ms": _p(text, 50),
-        "first_turn_p50_ms": _p(first, 50),
-        "later_turns_p50_ms": _p(later, 50),
+        "stopped_to_first_audio_p50_ms": _p(ms(None), 50),
+        "stopped_to_first_audio_p95_ms": _p(ms(None), 95),
+        "stopped_to_first_text_p50_ms": _p(ms(None, audio=False), 50),
+        "first_turn_p50_ms": _p(ms(True), 50),
+        "later_turns_p50_ms": _p(ms(False), 50),
+        "first_turn_text_p50_ms": _p(ms(True, audio=False), 50),
+        "later_turns_text_p50_ms": _p(ms(False, audio=False), 50),
         "server_ttft_mean_ms": next((v for k, v in split.items() if "gateway_ttft" in k), None),
         "server_ttfa_mean_ms": next((v for k, v in split.items() if "gateway_ttfa" in k), None),
         "server_turn_media_mean_ms": split.get("gateway/gateway_turn_seconds[media]"),
         "server_turn_first_text_mean_ms": split.get("gateway/gateway_turn_seconds[first_text]"),
+        "server_first_turn_mean_ms": server_turns(split, "first"),
+        "server_later_turns_mean_ms": server_turns(split, "later"),
         "encode_cache": {
             k.split("encode_cache_", 1)[1].replace("_total", ""): v
             for k, v in counts.items()
@@ -213,21 +270,35 @@ async def level(
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| variant | sessions | turns | stopped → first audio p50 | p95 | → first text p50 | first turn p50 "
-        "| later turns p50 | server: turn end → media ready | → first text | → first audio (means) | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | sessions | start | turns | stopped → first audio p50 | p95 | → first text p50 | first turn p50 "
+        "| later turns p50 | server: turn end → media ready | → first text | → first audio (means) "
+        "| server, first turns: media / text / audio | later turns | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v) -> str:
         return "—" if v is None else f"{v:g} ms"
 
+    def phases(d: dict | None) -> str:
+        d = d or {}
+        if all(d.get(p) is None for p in ("media", "first_text", "first_audio")):
+            return "—"
+        return (
+            " / ".join(
+                "—" if d.get(p) is None else f"{d[p]:g}" for p in ("media", "first_text", "first_audio")
+            )
+            + " ms"
+        )
+
     for r in rows:
         lines.append(
-            f"| {r.get('variant') or 'as configured'} | {r['sessions']} | {r['turns']} | {f(r['stopped_to_first_audio_p50_ms'])} | "
+            f"| {r.get('variant') or 'as configured'} | {r['sessions']} | {r.get('start', 'lockstep')} | {r['turns']} | "
+            f"{f(r['stopped_to_first_audio_p50_ms'])} | "
             f"{f(r['stopped_to_first_audio_p95_ms'])} | {f(r['stopped_to_first_text_p50_ms'])} | "
             f"{f(r['first_turn_p50_ms'])} | {f(r['later_turns_p50_ms'])} | "
             f"{f(r.get('server_turn_media_mean_ms'))} | {f(r.get('server_turn_first_text_mean_ms'))} | "
-            f"{f(r['server_ttfa_mean_ms'])} | {r['errors']} |"
+            f"{f(r['server_ttfa_mean_ms'])} | {phases(r.get('server_first_turn_mean_ms'))} | "
+            f"{phases(r.get('server_later_turns_mean_ms'))} | {r['errors']} |"
         )
     return "\n".join(lines)
 
@@ -259,6 +330,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--checkpoint", default="", help="config-only checkpoint folder (default: a temp dir)")
     ap.add_argument("--key", default="no-key", help="the HTTP front's API key, when it asks for one")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="one turn's limit")
+    ap.add_argument(
+        "--start",
+        choices=STARTS,
+        default="staggered",
+        help="when a level's sessions start: staggered (session i of N i/N of one turn period after the "
+        "first; the default) or lockstep (all at once: their first turns collide)",
+    )
     ap.add_argument(
         "--attach", action="store_true", help="the pipeline of --config already serves: start none"
     )
@@ -296,7 +374,8 @@ def time_levels(args: argparse.Namespace, cfg: DeployConfig, speech: bytes, save
     print(f"ready in {ready['ready_s']} s; not admitted: {missing or 'none'}", flush=True)
     print(table([]))
     for n in args.sessions:
-        save(asyncio.run(level(url, args.key, metric_urls(cfg), n, args.turns, speech, args.timeout_s)))
+        row = level(url, args.key, metric_urls(cfg), n, args.turns, speech, args.timeout_s, args.start)
+        save(asyncio.run(row))
     return ready
 
 
@@ -308,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = "realtime_latency"
     check_result(out / f"{stem}.json", gpu=gpu)  # before the run: a CPU run never replaces a GPU record
+    speech = silence(0.2, RATE) + pcm16(speech_like(args.speech_s, RATE))
     data = {
         "device": device,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -316,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_format": "dummy",
         "utterance_s": args.speech_s,
         "silence_duration_ms": SILENCE_MS,
-        "sessions_start": "together (the same utterance: a level's first turns reach the server at once)",
+        "sessions_start": SESSIONS_START[args.start],
+        "turn_period_s": round(turn_period_s(speech), 3),
         "variants": {},
         "rows": [],
     }
@@ -329,7 +410,6 @@ def main(argv: list[str] | None = None) -> int:
         write_result(out / f"{stem}.json", data, gpu=gpu)
         (out / f"{stem}.md").write_text(table(data["rows"]) + "\n")
 
-    speech = silence(0.2, RATE) + pcm16(speech_like(args.speech_s, RATE))
     variants = args.variant or [""]
     with tempfile.TemporaryDirectory(prefix="realtime-latency-") as tmp:
         ckpt = Path(args.checkpoint or Path(tmp) / "ckpt")

@@ -11,11 +11,13 @@ import urllib.request
 
 from omnistage.common.config import DeployConfig
 
-# Histograms that split a spoken turn: (metric name, label that tells series apart, or "").
+# Histograms that split a spoken turn: (metric name, label that tells series apart, or "", or labels
+# joined by commas: a series per combination, "[media,first]"; a line without one of them is skipped).
 SPLIT = (
     ("gateway_ttft_seconds", "modality"),
     ("gateway_ttfa_seconds", ""),
     ("gateway_turn_seconds", "phase"),
+    ("gateway_turn_seconds", "phase,turn"),  # a Converse call's first turn apart from its later ones
     ("rpc_latency_seconds", "method"),
     ("encoder_queue_time_seconds", ""),
     ("encoder_prepare_seconds", "kind"),
@@ -49,9 +51,14 @@ def metric_urls(cfg: DeployConfig) -> dict[str, str]:
 
 
 def _label(line: str, key: str) -> str:
-    if not key or f'{key}="' not in line:
-        return ""
-    return line.split(f'{key}="', 1)[1].split('"', 1)[0]
+    """The value of label `key` in a metric line ("" without it); of labels "a,b": their values joined
+    by a comma ("" unless the line has them all)."""
+    values = []
+    for k in key.split(",") if key else ():
+        if f'{k}="' not in line:
+            return ""
+        values.append(line.split(f'{k}="', 1)[1].split('"', 1)[0])
+    return ",".join(values)
 
 
 def snapshot(urls: dict[str, str]) -> Snapshot:
@@ -73,6 +80,8 @@ def snapshot(urls: dict[str, str]) -> Snapshot:
                     if not line.startswith(f"omnistage_{metric}{suffix}"):
                         continue
                     label = _label(line, key)
+                    if "," in key and not label:
+                        continue
                     name = f"{service}/{metric}" + (f"[{label}]" if label else "")
                     pair = list(out.get(name, (0.0, 0.0)))
                     pair[i] += float(line.rsplit(" ", 1)[1])

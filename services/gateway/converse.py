@@ -38,9 +38,10 @@ _END, _FAILED = object(), object()  # the turns' ends: the client half-closed, o
 _TURN_SECONDS = metrics.histogram(
     "gateway_turn_seconds",
     "A Converse user turn from its end (its last message read) to its media ready for the thinker "
-    "(phase media: encoded, or found kept or encoded ahead; turns with media) and to its first text "
-    "sent (phase first_text)",
-    ("phase",),
+    "(phase media: encoded, or found kept or encoded ahead; turns with media), to its first text "
+    "sent (phase first_text) and to its first audio sent (phase first_audio; spoken answers), by "
+    "turn: the call's first, or a later one",
+    ("phase", "turn"),
 )
 
 
@@ -154,10 +155,18 @@ class Conversation:
     # -- answers --------------------------------------------------------------------------------
 
     def _timed(self, turn: UserTurn, run: RequestRun) -> None:
-        """The turn's phases in gateway_turn_seconds (its speech's in gateway_ttfa_seconds)."""
-        for phase, at in (("media", run.media_at), ("first_text", run.first_text_at)):
-            if at is not None:
-                _TURN_SECONDS.labels(self.pipeline.service, phase).observe(at - turn.ended_at)
+        """The turn's phases in gateway_turn_seconds, the call's first turn apart from the later ones
+        (its first audio is also in gateway_ttfa_seconds, with Generate's)."""
+        which = "first" if turn.index == 0 else "later"
+        audio = run.audio
+        first_audio = audio.time_to_first_audio_ms / 1000 if audio is not None and audio.samples else None
+        for phase, seconds in (
+            ("media", None if run.media_at is None else run.media_at - turn.ended_at),
+            ("first_text", None if run.first_text_at is None else run.first_text_at - turn.ended_at),
+            ("first_audio", first_audio),
+        ):
+            if seconds is not None:
+                _TURN_SECONDS.labels(self.pipeline.service, phase, which).observe(seconds)
 
     def _start(
         self, plan: ConversePlan, ticket: Ticket, history: History, turn: UserTurn

@@ -2,12 +2,14 @@
 here): with `--attach` it times the full tiny pipeline the e2e tests share (tests/e2e/full_pipeline.py,
 its API key presented), speaks turns through /v1/realtime with the protocol's own events, and writes a
 row per session count, every turn timed from the VAD's speech end to the first transcript and audio,
-with the encoder's forwards counted. Without `--attach` each `--variant` is its own serve with its
+with the encoder's forwards counted and the sessions' first turns apart from their later ones (on the
+client's clock and the gateway's); its sessions start staggered unless `--start lockstep`. Without `--attach` each `--variant` is its own serve with its
 overrides and its rows say which (checked without starting them: the serve is the one every GPU run
 starts)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import subprocess
@@ -38,8 +40,12 @@ def test_the_tiny_run_times_every_turn(tmp_path, shared_pipeline):
     assert {"device", "date", "command", "rows"} <= doc.keys()
     assert [(r["sessions"], r["turns"], r["errors"]) for r in doc["rows"]] == [(1, 2, 0), (2, 4, 0)]
     assert list(doc["variants"]) == ["as configured"]
-    assert doc["sessions_start"].startswith("together")
+    assert doc["sessions_start"].startswith("staggered") and doc["turn_period_s"] > 1.0
     for row in doc["rows"]:
+        assert row["start"] == "staggered"
+        assert row["first_turn_text_p50_ms"] is not None and row["later_turns_text_p50_ms"] is not None
+        for which in ("server_first_turn_mean_ms", "server_later_turns_mean_ms"):  # the gateway's turn label
+            assert all(row[which][phase] is not None for phase in ("media", "first_text", "first_audio"))
         audio, text = row["stopped_to_first_audio_p50_ms"], row["stopped_to_first_text_p50_ms"]
         assert audio is not None and audio > 0 and text is not None and text > 0
         assert row["stopped_to_first_audio_p95_ms"] >= audio
@@ -52,7 +58,7 @@ def test_the_tiny_run_times_every_turn(tmp_path, shared_pipeline):
         assert row["variant"] == ""
         assert row["encoder_forwards"].get("audio", 0) >= 1  # the encoder's own count of its forwards
         assert row["stage_means"].get("encoder/encoder_forward_seconds[audio]") is not None
-    assert "| variant | sessions | turns |" in (out / "realtime_latency.md").read_text()
+    assert "| variant | sessions | start | turns |" in (out / "realtime_latency.md").read_text()
 
 
 TIMES = ("stopped_to_first_audio_p50_ms", "stopped_to_first_audio_p95_ms", "stopped_to_first_text_p50_ms")
@@ -93,5 +99,37 @@ def test_each_variant_is_its_own_serve_and_its_rows_say_which(tmp_path, monkeypa
         (b, 1, 2),
         (b, 2, 2),
     ]
+    assert doc["sessions_start"].startswith("staggered")  # the default
     with pytest.raises(SystemExit):  # a running serve is timed as it is
         bench.parse_args(["--attach", "--variant", a])
+    assert bench.main(argv[:-1] + ["--start", "lockstep"]) == 0
+    doc = json.loads((tmp_path / "realtime_latency.json").read_text())
+    assert doc["sessions_start"].startswith("together")
+
+
+def test_staggered_sessions_start_spread_over_one_turn_period_and_lockstep_ones_at_once(monkeypatch):
+    """A level's sessions connect i/N of a turn period (the utterance and VAD's silence) apart, or all at
+    once with `--start lockstep`; the rows say which."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import realtime_latency as bench
+
+    started: list[float] = []
+
+    async def session(url, key, turns, speech, timeout_s, delay_s=0.0):
+        started.append(delay_s)
+        return bench.Session(turns=[bench.Turn(i, 1.0, 1.1, 1.2) for i in range(turns)])
+
+    monkeypatch.setattr(bench, "session", session)
+    monkeypatch.setattr(bench, "snapshot", lambda urls: {})
+    speech = b"\0\0" * bench.RATE  # 1 s: a turn period of 1.5 s with VAD's 500 ms of silence
+    assert bench.turn_period_s(speech) == 1.5
+    rows = {}
+    for start in bench.STARTS:
+        started.clear()
+        rows[start] = asyncio.run(bench.level("ws://x", "k", {}, 4, 2, speech, 1.0, start))
+        assert rows[start]["start"] == start and rows[start]["first_turn_p50_ms"] == 200.0
+        assert rows[start]["later_turns_p50_ms"] == 200.0 and rows[start]["turns"] == 8
+        assert started == ([0.0, 0.375, 0.75, 1.125] if start == "staggered" else [0.0] * 4)
+    assert bench.parse_args(["--tiny"]).start == "staggered"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny", "--start", "together"])

@@ -1,6 +1,13 @@
 """`GET /v1/realtime`: the OpenAI Realtime protocol over a WebSocket, answered by one Omni.Converse
 call per session through the gateway's own Omni port (the HTTP front's channel: API keys, admission,
-limits, history and barge-in are those of Converse; no second request path)."""
+limits, history and barge-in are those of Converse; no second request path).
+
+The call is opened ahead of the session's first turn (prepared): once the session is configured
+(`session.update`) and, failing that, when speech starts. Its opening (the gRPC call, the config
+message, the Converse handler's config check and admission) is then off the path from the first
+turn's end to its answer, as it is for every later turn. A session.update that changes the call's
+config before any response began on it replaces the prepared call; a prepared call that fails before a
+response used it is dropped unreported (the response that needs one opens its own and reports that)."""
 
 from __future__ import annotations
 
@@ -162,6 +169,9 @@ class RealtimeSession:
         self.last_item: str | None = None
         self.call: grpc.aio.StreamStreamCall | None = None
         self.call_fields: tuple | None = None
+        # A response began on the call (or on the one it is opening): its config is the conversation's
+        # now. False: none has, the call (if any) is prepared ahead of the first turn.
+        self.begun = False
         self.reader: asyncio.Task | None = None
         self.turns_sent = 0
         self.active: Response | None = None
@@ -276,15 +286,18 @@ class RealtimeSession:
     async def _session_update(self, event: dict[str, Any]) -> None:
         config = rt.session_update(event, self.config, self.options.max_prompt_chars)
         if self.call is not None and config.conversation_fields() != self.call_fields:
-            raise rt.EventError(
-                "session: instructions, voice, output_modalities and max_output_tokens are fixed once the "
-                "conversation has begun (its first response)",
-                code="session_locked",
-                param="session",
-            )
+            if self.begun:
+                raise rt.EventError(
+                    "session: instructions, voice, output_modalities and max_output_tokens are fixed once "
+                    "the conversation has begun (its first response)",
+                    code="session_locked",
+                    param="session",
+                )
+            await self._close_call()  # prepared with the old config: the new one is prepared below
         self.input.set_vad(config.vad)
         self.config = config
         await self.send(rt.event("session.updated", session=self._session()))
+        await self._prepare_call()
 
     async def _append(self, event: dict[str, Any]) -> None:
         o = self.options
@@ -313,6 +326,7 @@ class RealtimeSession:
         if self.active is not None and self.config.vad.interrupt_response:
             self.endpoint.metrics.barge_in()
             await self._cancel("turn_detected")
+        await self._prepare_call()  # a turn is coming: its call is open before it ends
 
     async def _speech_stopped(self, heard: Heard) -> None:
         await self.send(
@@ -355,6 +369,7 @@ class RealtimeSession:
         fresh = self.call is None
         response = Response(self, (0 if fresh else self.turns_sent) + len(items) - 1, trigger)
         self.active = response
+        self.begun = True  # the call's config is the conversation's from here on, prepared or not
         self.endpoint.metrics.response_started(trigger)
         await response.begin()
         try:
@@ -369,6 +384,14 @@ class RealtimeSession:
         for message in turn_messages(item):
             await self.call.write(message)
         self.turns_sent += 1
+
+    async def _prepare_call(self) -> None:
+        """Open the Converse call ahead of the first turn (see the module's docstring), if none is open."""
+        if self.call is None:
+            try:
+                await self._open_call()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+                _log.info("realtime session %s: preparing its conversation failed: %s", self.id, exc)
 
     async def _open_call(self) -> None:
         if self.call is not None:
@@ -400,6 +423,10 @@ class RealtimeSession:
             err = _internal(exc)
         if self.call is call:
             self.call = None
+            if not self.begun:  # prepared, no response used it: the next one opens another
+                _log.info("realtime session %s: its prepared conversation ended: %s", self.id, err.message)
+                return
+            self.begun = False
             with unless_gone(self.ws, f"ending the conversation of session {self.id}"):
                 if self.active is not None:
                     await self.active.fail(err)
@@ -436,7 +463,7 @@ class RealtimeSession:
         await response.cancelled(reason)  # no Finish came in time (nothing when it did)
 
     async def _close_call(self) -> None:
-        call, self.call = self.call, None
+        call, self.call, self.begun = self.call, None, False
         if self.active is not None:
             self.active.abandon()
         if call is not None:

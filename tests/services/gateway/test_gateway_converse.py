@@ -267,10 +267,12 @@ def test_spoken_turns_reach_the_encoder_as_pcm_and_stay_in_the_history():
 def test_with_the_encode_cache_each_clip_is_encoded_once_per_call_and_released_when_it_ends():
     """Each turn's Encode carries only its new clip: the earlier ones are lent from the cache to the
     thinker, which copies the rows and leaves the leases (caller_keeps_lease); the call's end releases
-    them all. Each turn's media and first text are timed from its end (gateway_turn_seconds)."""
+    them all. Each turn's media, first text and first audio are timed from its end
+    (gateway_turn_seconds), the call's first turn apart from the later one."""
+    phases = [(p, t) for p in ("media", "first_text", "first_audio") for t in ("first", "later")]
 
-    def turns_timed(phase: str) -> float:
-        labels = {"service": "gateway", "phase": phase}
+    def turns_timed(phase: str, turn: str) -> float:
+        labels = {"service": "gateway", "phase": phase, "turn": turn}
         return REGISTRY.get_sample_value("omnistage_gateway_turn_seconds_count", labels) or 0.0
 
     async def scenario():
@@ -289,14 +291,14 @@ def test_with_the_encode_cache_each_clip_is_encoded_once_per_call_and_released_w
             events = await converse(servicer, client, on_event)
         return thinker, media, events, cache.held
 
-    before = {phase: turns_timed(phase) for phase in ("media", "first_text")}
+    before = {(p, t): turns_timed(p, t) for p, t in phases}
     thinker, media, events, held = run(scenario())
     assert [f.finish.reason for f in finishes(events)] == [common_pb2.FINISH_REASON_STOP] * 2
     assert [[p.where for p in r] for r in media.requests] == [["audio (turn 0)"], ["audio (turn 1)"]]
     assert [len(c.multimodal) for c in thinker.calls] == [1, 2]
     assert all(m.caller_keeps_lease for c in thinker.calls for m in c.multimodal)
     assert len(media.released) == 2 and held == 0  # the call ended: both clips' leases released
-    assert {phase: turns_timed(phase) - n for phase, n in before.items()} == {"media": 2, "first_text": 2}
+    assert {k: turns_timed(*k) - n for k, n in before.items()} == dict.fromkeys(phases, 1)
 
 
 def test_the_first_audio_chunk_of_a_turn_interrupts_the_answer():

@@ -1,6 +1,7 @@
 """The Realtime endpoint driven as an ASGI WebSocket app in one loop (a fake Converse call): keys checked
 at the handshake (header and browser subprotocol form), session limits in all and per key, idle time
-and session length, the audio buffer's bound, and the session's settings fixed once it has begun."""
+and session length, the audio buffer's bound, the session's settings fixed once it has begun, and its
+Converse call opened ahead of its first turn."""
 
 from __future__ import annotations
 
@@ -470,3 +471,135 @@ def test_a_cancelled_response_reports_the_turns_usage_and_no_delta_after_the_can
     assert response["status_details"]["reason"] == "client_cancelled"
     assert response["usage"]["input_tokens"] == 42
     assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["la "] * 3
+
+
+# ---- the Converse call opened ahead of the first turn (issue 38: the first turn no slower than the next)
+
+
+def _traced(app: RealtimeEndpoint, s: Socket) -> None:
+    """Each Converse call the session opens leaves a mark in `s.sent`, in order with what it sent."""
+    opened = app.stub.Converse
+
+    def converse(metadata=(), timeout=None):
+        s.sent.append({"type": "converse.opened"})
+        return opened(metadata=metadata, timeout=timeout)
+
+    app.stub.Converse = converse
+
+
+def _order(s: Socket) -> list[str]:
+    return [json.loads(m["text"])["type"] if m["type"] == "websocket.send" else m["type"] for m in s.sent]
+
+
+def _speak(s: Socket, said: bytes) -> None:
+    for at in range(0, len(said), 4800):
+        s.send(
+            {"type": "input_audio_buffer.append", "audio": base64.b64encode(said[at : at + 4800]).decode()}
+        )
+
+
+@pytest.mark.parametrize("configured", [True, False], ids=["session.update", "no session.update"])
+def test_the_first_turns_call_is_open_before_the_turn_ends(configured):
+    """The Converse call is opened when the session is configured (else when speech starts), not by the
+    first response: the turn's end finds it open, as every later turn's does, and the turns go on it."""
+
+    async def scenario():
+        app = endpoint()
+        s = Socket(app)
+        _traced(app, s)
+        if configured:
+            vad = {"type": "server_vad", "silence_duration_ms": 300}
+            session = {"instructions": "Be kind.", "audio": {"input": {"turn_detection": vad}}}
+            s.send({"type": "session.update", "session": session})
+        _speak(s, utterance(0.6, 0.3, 0.8) + utterance(0.6, 0.3, 0.8))
+        await s.until("response.done", 2)
+        s.close()
+        await s.task
+        return app.stub.calls, _order(s)
+
+    calls, order = run(scenario())
+    (call,) = calls
+    assert order.count("converse.opened") == 1
+    opened = order.index("converse.opened")
+    if configured:
+        assert order.index("session.updated") < opened < order.index("input_audio_buffer.speech_started")
+        assert call.written[0].config.system_prompt == "Be kind."
+    else:
+        assert order.index("input_audio_buffer.speech_started") < opened
+    assert opened < order.index("input_audio_buffer.speech_stopped") < order.index("response.created")
+    kinds = [m.WhichOneof("item") for m in call.written]
+    assert kinds[0] == "config" and kinds.count("end_of_turn") == 2 and kinds.count("config") == 1
+
+
+def test_a_session_update_before_the_first_response_replaces_the_prepared_call():
+    """New instructions before any response: the call prepared with the old ones is cancelled (it
+    carried nothing but its config) and one with the new ones carries the turn; an update that leaves
+    the call's config alone (turn detection) keeps it; once a response began, a change is refused."""
+
+    async def scenario():
+        app = endpoint()
+        s = Socket(app)
+        _traced(app, s)
+        s.send(
+            {"type": "session.update", "session": {"instructions": "Be kind.", "output_modalities": ["text"]}}
+        )
+        s.send({"type": "session.update", "session": {"instructions": "Be brief."}})
+        s.send({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+        s.send({"type": "conversation.item.create", "item": _text_item("Hi")})
+        s.send({"type": "response.create"})
+        done = await s.until("response.done")
+        s.send({"type": "session.update", "session": {"instructions": "Be rude."}, "event_id": "u4"})
+        locked = await s.until("error")
+        s.close()
+        await s.task
+        return app.stub.calls, done, locked, _order(s)
+
+    calls, done, locked, order = run(scenario())
+    old, new = calls
+    assert [m.WhichOneof("item") for m in old.written] == ["config"] and old.cancelled
+    assert old.written[0].config.system_prompt == "Be kind."
+    assert new.written[0].config.system_prompt == "Be brief."
+    assert list(new.written[0].config.output_modalities) == [omni_pb2.MODALITY_TEXT]
+    assert [m.WhichOneof("item") for m in new.written] == ["config", "text"]
+    assert order.count("converse.opened") == 2 and order.count("session.updated") == 3
+    assert done["response"]["status"] == "completed"
+    assert (locked["error"]["event_id"], locked["error"]["code"]) == ("u4", "session_locked")
+
+
+def test_a_prepared_call_that_fails_before_any_response_is_not_reported_and_the_response_opens_one():
+    class Refusing(FakeCall):
+        refused = False
+
+        async def read(self):
+            self.refused = True
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(), "gateway full"
+            )
+
+    async def scenario():
+        app = endpoint()
+        made = iter([Refusing()])
+        app.stub.Converse = lambda metadata=(), timeout=None: (
+            app.stub.calls.append(next(made, None) or FakeCall()) or app.stub.calls[-1]
+        )
+        s = Socket(app)
+        s.send({"type": "session.update", "session": {"output_modalities": ["text"]}})
+        await s.until("session.updated")
+        await asyncio.wait_for(_until(lambda: app.stub.calls and app.stub.calls[0].refused), 10)
+        s.send({"type": "conversation.item.create", "item": _text_item("Hi")})
+        s.send({"type": "response.create"})
+        done = await s.until("response.done")
+        s.close()
+        await s.task
+        return app.stub.calls, done, s.events()
+
+    calls, done, events = run(scenario())
+    assert len(calls) == 2 and calls[0].written[0].HasField("config")
+    assert [m.WhichOneof("item") for m in calls[1].written] == ["config", "text"]
+    assert done["response"]["status"] == "completed"
+    assert not [e for e in events if e["type"] == "error"]  # no response needed the call that failed
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
