@@ -231,9 +231,7 @@ class ThinkerEngine:
                     held: list[BaseException] = []
                     while not finished:
                         out = await next_output(stream, held)
-                        if isinstance(
-                            out, BaseException
-                        ):  # e.g. "thinker rank 2 died while serving (step 57): ..."
+                        if isinstance(out, BaseException):  # "thinker rank 2 died while serving ..."
                             raise StageUnavailable(f"thinker {out}")
                         if out.token_ids or out.text:
                             yield Tokens(out)
@@ -253,11 +251,8 @@ class ThinkerEngine:
                     if not finished:
                         # Cancelled, refused or failed: free the KV blocks now, not at max_tokens.
                         self.loop.call(lambda: self.runner.abort(engine_id))
-                        _log.info(
-                            "request %s (engine id %s) ended before it finished",
-                            request.request_id,
-                            engine_id,
-                        )
+                        rid = request.request_id
+                        _log.info("request %s (engine id %s) ended before it finished", rid, engine_id)
 
     async def tokenize(self, request: thinker_pb2.TokenizeRequest) -> list[int]:
         """The ids Generate would prefill for this prompt: the same bounds, in the tokenize pool."""
