@@ -4,6 +4,7 @@
     python bench/prefill_ttft.py --config deploy/h200x2.yaml --backends triton,flashinfer
     python bench/prefill_ttft.py --tiny --out DIR   # CPU dry run: deploy/local-tiny.yaml, tiny sizes
     python bench/prefill_ttft.py ... --profile      # only the short case and its breakdown
+    python bench/prefill_ttft.py --tiny --cases text_c* --bursts 1,8,32 --burst-rounds 3  # arrivals together
     python bench/prefill_ttft.py --config RUNNING.yaml --attach [--key K] [--serve-log LOG]
                                                     # against a serve already running that file
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import fnmatch
 import json
@@ -212,6 +214,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cases", default="*", help="the cases to run: names or patterns (prompt_*), comma-separated"
     )
     ap.add_argument("--profile", action="store_true", help="only the short case and its breakdown")
+    ap.add_argument(
+        "--bursts", default="", help="the text_c<N> cases' sizes, comma-separated (default: the plan's)"
+    )
+    ap.add_argument(
+        "--burst-rounds", type=int, default=0, help="rounds of each text_c<N> (default: the plan's)"
+    )
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--checkpoint", default="", help="config-only checkpoint folder (default: a temp dir)")
     ap.add_argument("--checks", default="", help="a JSON file of bench/prefill_check.py to record")
@@ -272,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plan = TINY if args.tiny else Plan()
+    if args.bursts:
+        plan = dataclasses.replace(plan, bursts=tuple(int(c) for c in args.bursts.split(",")))
+    if args.burst_rounds:
+        plan = dataclasses.replace(plan, burst_rounds=args.burst_rounds)
     data = {
         "device": device_name(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -39,6 +39,10 @@ class EngineConfig:
     default_max_tokens: int = 256
     # Requests waiting beyond the running ones before RESOURCE_EXHAUSTED.
     max_queued_requests: int = 256
+    # Arrivals together are one batch: an idle engine holds its first step at most this long while
+    # requests are still on their way through the thinker's request flow (checked, tokenized), so a
+    # burst is prefilled in one step; a request alone never waits. 0: never hold.
+    gather_arrivals_ms: float = 5.0
     # Reuse the KV blocks of a prompt prefix computed before (same tokens, same media, same
     # positions) instead of computing them again; freed blocks keep their K/V until needed.
     prefix_caching: bool = True
@@ -98,6 +102,7 @@ class EngineConfig:
             (
                 "num_kv_blocks",
                 "max_queued_requests",
+                "gather_arrivals_ms",
                 "prefill_tokens_while_decoding",
                 "kv_tokens",
                 "kv_canary_bytes",

@@ -24,7 +24,7 @@ from omnistage.services.thinker.engine.media import Prompt, unpack_prompt
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.models.tokenizer import MingTokenizer, Piece
 from omnistage.services.thinker.multimodal import MediaInputs, release_refs
-from omnistage.services.thinker.runner import Stream, ThinkerRunner
+from omnistage.services.thinker.runner import Arrival, Stream, ThinkerRunner
 from omnistage.services.thinker.tp.distributed import TPError
 from omnistage.v1 import common_pb2, tensor_pb2, thinker_pb2
 
@@ -163,11 +163,12 @@ class ThinkerEngine:
         idle_wait_s: float = 0.5,
         grammars: GrammarCompiles | None = None,
     ) -> None:
-        self.runner = ThinkerRunner(engine, events)
+        self.runner = ThinkerRunner(engine, events, gather_s=engine.cfg.gather_arrivals_ms / 1000.0)
         # A failure's message is the group's own (`rank 2 died while ...`); a TPError says it all.
         self.loop = DeviceLoop(
             "engine", self.runner, idle_wait_s=idle_wait_s, describe_failure=str, quiet_failures=(TPError,)
         )
+        self.runner.arrivals.wake = self.loop.wake  # the last one on its way came (or was refused)
         self.media = media  # None: this thinker takes no embeddings (FAILED_PRECONDITION)
         # Where hidden states leave (hidden-state mode); None, or no query rows: the mode is refused.
         self.producer = producer
@@ -216,43 +217,42 @@ class ThinkerEngine:
         """The request's events. `deadline`: time.monotonic() of the caller's deadline (inf: none).
         Close the iterator (`contextlib.aclosing`) when leaving early: that aborts the engine
         request and takes back a hidden-state ref not yet handed on. A never-possible request is
-        refused (INVALID_ARGUMENT) before a full engine says "not now"."""
-        prompt, params, budget = await self._admit(request)
-        async with self.admission.admit(deadline, 1.0, what="a place in the engine", retry_after_ms=200):
-            engine_id = uuid.uuid4().hex
-            finished = False
-            try:
-                # Inside the try: a cancel while the add is in flight still aborts what it added.
-                stream = await self._submit(engine_id, prompt, params, budget)
-                yield Started(engine_id, budget.prompt_tokens)
-                held: list[BaseException] = []
-                while not finished:
-                    out = await next_output(stream, held)
-                    if isinstance(
-                        out, BaseException
-                    ):  # e.g. "thinker rank 2 died while serving (step 57): ..."
-                        raise StageUnavailable(f"thinker {out}")
-                    if out.token_ids or out.text:
-                        yield Tokens(out)
-                    if out.hidden_states is not None:
-                        hidden = await self._hidden(out, request)
-                        handed = False
-                        try:
-                            yield hidden
-                            handed = True
-                        finally:
-                            if not handed and self.producer is not None:  # nobody will release it
-                                self.producer.revoke(hidden.ref)
-                    if out.finished:
-                        finished = True
-                        yield Finished(out)
-            finally:
-                if not finished:
-                    # Cancelled, refused or failed: free the KV blocks now, not at max_tokens.
-                    self.loop.call(lambda: self.runner.abort(engine_id))
-                    _log.info(
-                        "request %s (engine id %s) ended before it finished", request.request_id, engine_id
-                    )
+        refused (INVALID_ARGUMENT) before a full engine says "not now". From here to its add the
+        request is on its way (the runner's `arrivals`): an idle engine's first step waits for it."""
+        with self.runner.arrivals.coming() as arrival:
+            prompt, params, budget = await self._admit(request)
+            async with self.admission.admit(deadline, 1.0, what="a place in the engine", retry_after_ms=200):
+                engine_id = uuid.uuid4().hex
+                finished = False
+                try:
+                    # Inside the try: a cancel while the add is in flight still aborts what it added.
+                    stream = await self._submit(engine_id, prompt, params, budget, arrival)
+                    yield Started(engine_id, budget.prompt_tokens)
+                    held: list[BaseException] = []
+                    while not finished:
+                        out = await next_output(stream, held)
+                        if isinstance(out, BaseException):  # "thinker rank 2 died while serving ..."
+                            raise StageUnavailable(f"thinker {out}")
+                        if out.token_ids or out.text:
+                            yield Tokens(out)
+                        if out.hidden_states is not None:
+                            hidden = await self._hidden(out, request)
+                            handed = False
+                            try:
+                                yield hidden
+                                handed = True
+                            finally:
+                                if not handed and self.producer is not None:  # nobody will release it
+                                    self.producer.revoke(hidden.ref)
+                        if out.finished:
+                            finished = True
+                            yield Finished(out)
+                finally:
+                    if not finished:
+                        # Cancelled, refused or failed: free the KV blocks now, not at max_tokens.
+                        self.loop.call(lambda: self.runner.abort(engine_id))
+                        rid = request.request_id
+                        _log.info("request %s (engine id %s) ended before it finished", rid, engine_id)
 
     async def tokenize(self, request: thinker_pb2.TokenizeRequest) -> list[int]:
         """The ids Generate would prefill for this prompt: the same bounds, in the tokenize pool."""
@@ -307,13 +307,13 @@ class ThinkerEngine:
             raise InvalidRequest(str(exc), reason=exc.reason) from None
 
     async def _submit(
-        self, engine_id: str, prompt: Prompt, params: SamplingParams, budget: RequestBudget
+        self, engine_id: str, prompt: Prompt, params: SamplingParams, budget: RequestBudget, arrival: Arrival
     ) -> Stream:
         stream: Stream = asyncio.Queue()
         try:
-            await asyncio.wrap_future(
-                self.loop.call(lambda: self.runner.add(engine_id, prompt, params, budget, stream))
-            )
+            added = self.loop.call(lambda: self.runner.add(engine_id, prompt, params, budget, stream))
+            arrival.here()  # its add runs before the next step: it is no longer on its way
+            await asyncio.wrap_future(added)
         except (DeviceFailed, DeviceStopped) as exc:
             raise StageUnavailable(f"thinker {exc}") from exc
         return stream

@@ -27,6 +27,7 @@ class ResolvedEngineConfig:
     prefix_caching: bool = True
     prefill_tokens_while_decoding: int = 0  # 0: no cap beyond max_num_batched_tokens
     async_scheduling: str = "auto"  # auto | on | off (async_scheduling_on decides for a device)
+    gather_arrivals_ms: float = 5.0  # the request flow's: how long an idle engine's first step waits
 
     @property
     def max_blocks_per_seq(self) -> int:

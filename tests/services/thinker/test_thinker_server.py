@@ -642,6 +642,41 @@ def test_a_small_request_is_served_while_a_huge_prompt_is_tokenized(tmp_path, to
     run(scenario())
 
 
+def test_requests_arriving_together_are_prefilled_in_one_step_and_a_refusal_ends_the_hold(tmp_path, tok):
+    """Arrivals together are one batch: eight requests that reach the flow together are tokenized in the
+    pool and added one by one, yet the idle engine's first step waits (its bound far off) for all of
+    them: one prefill step of eight; a ninth, refused after its tokenizing, stops being waited for."""
+
+    async def scenario():
+        async with thinker(tmp_path, tok, gather_arrivals_ms=60_000) as t:
+            flow = t.servicer.engine
+            spy = TokenizeSpy(tok)
+            spy.max_token_chars = 10**9  # the long prompt passes the character bound: refused for its tokens
+            flow.tokenizer = spy
+            steps: list[int] = []
+            flow.loop.on_step.append(lambda stepped, _s: steps.append(stepped))
+
+            async def first_event(request: thinker_pb2.ThinkerRequest) -> str:
+                async with contextlib.aclosing(flow.generate(request)) as events:
+                    async for event in events:
+                        if type(event).__name__ in ("Tokens", "Finished"):
+                            return type(event).__name__
+                return "none"
+
+            requests = [
+                chat(f"hello {i}", request_id=f"r{i}", max_tokens=2, ignore_eos=True) for i in range(8)
+            ]
+            too_long = chat("word " * 600, request_id="long", max_tokens=1)
+            tasks = [asyncio.ensure_future(first_event(r)) for r in (*requests, too_long)]
+            done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+            assert done[:8] == ["Tokens"] * 8
+            assert "leave no room" in str(done[8])
+            assert steps[0] == 8  # the eight first tokens came from one step
+            assert flow.runner.arrivals.count == 0
+
+    run(scenario())
+
+
 # --- multimodal requests: rows spliced, every lease ended whatever the outcome ----------------------
 
 
