@@ -197,7 +197,7 @@ class ModelRunner:
                 plan.positions.to(dev, non_blocking=True),
                 **self._media_inputs(plan),
             )
-        kept = hidden[plan.hidden_index.to(dev)] if plan.hidden_index.numel() else None  # rank 0's plan only
+        kept = hidden[plan.hidden_index.to(dev)] if plan.hidden_index.numel() and self.rank == 0 else None
         if plan.sample_rows.numel() == 0:
             return StepOutput(hidden=kept)
         logits = self.model.compute_logits(hidden[plan.sample_rows.to(dev)])

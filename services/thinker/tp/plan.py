@@ -23,6 +23,7 @@ _HEADER = (
     "max_blocks",
     "num_media_rows",
     "share_sampled",
+    "num_hidden_rows",
 )
 
 
@@ -48,7 +49,9 @@ class StepPlan:
     media_modality: torch.Tensor = field(default_factory=empty_int64)  # [M] their router codes (layers.moe)
     # [M, H] the encoder rows, in media_index order: rank 0 only, never encoded (see the module docstring).
     media_rows: torch.Tensor | None = None
-    # [K] token rows whose final-norm hidden states hidden-state requests keep, in batch order: rank 0 only.
+    # [K] token rows whose final-norm hidden states hidden-state requests keep, in batch order. Every rank
+    # gets it, so a rule that reads it (which steps a graph covers) decides alike on every rank; rank 0
+    # alone gathers the rows.
     hidden_index: torch.Tensor = field(default_factory=empty_int64)
     # Rank 0 broadcasts this step's sampled ids to every rank's device after the step: the next plan
     # may name them by placeholders (async scheduling).
@@ -80,7 +83,7 @@ class StepPlan:
         return cls(kind=PlanKind.NOOP)
 
     def encode(self) -> torch.Tensor:
-        """Pack into one int64 tensor: header [kind, S, T, R, B, M, share] then the arrays (not media_rows)."""
+        """Pack into one int64 tensor: header [kind, S, T, R, B, M, share, K] then the arrays (not media_rows)."""
         num_seqs, max_blocks = self.block_tables.shape if self.block_tables.dim() == 2 else (0, 0)
         header = torch.tensor(
             [
@@ -91,6 +94,7 @@ class StepPlan:
                 max_blocks,
                 self.num_media_rows,
                 int(self.share_sampled),
+                self.hidden_index.numel(),
             ],
             dtype=torch.int64,
         )
@@ -105,13 +109,14 @@ class StepPlan:
             self.block_tables.flatten(),
             self.media_index,
             self.media_modality,
+            self.hidden_index,
         ]
         return torch.cat([p.to(torch.int64) for p in parts])
 
     @classmethod
     def decode(cls, buf: torch.Tensor) -> StepPlan:
         head = len(_HEADER)
-        kind, num_seqs, num_tokens, num_rows, max_blocks, num_media, share = (
+        kind, num_seqs, num_tokens, num_rows, max_blocks, num_media, share, num_hidden = (
             int(x) for x in buf[:head].tolist()
         )
         sizes = [
@@ -124,10 +129,11 @@ class StepPlan:
             num_seqs * max_blocks,
             num_media,
             num_media,
+            num_hidden,
         ]
         if buf.numel() != head + sum(sizes):
             raise ValueError(f"step plan: buffer of {buf.numel()} int64s, header says {head + sum(sizes)}")
-        ids, pos, qlens, clens, slots, rows, tables, media_index, media_modality = torch.split(
+        ids, pos, qlens, clens, slots, rows, tables, media_index, media_modality, hidden_index = torch.split(
             buf[head:], sizes
         )
         return cls(
@@ -141,5 +147,6 @@ class StepPlan:
             sample_rows=rows,
             media_index=media_index,
             media_modality=media_modality,
+            hidden_index=hidden_index,
             share_sampled=bool(share),
         )

@@ -163,6 +163,10 @@ def test_step_plan_carries_the_media_index_but_never_the_rows():
     back = StepPlan.decode(plan.encode())
     assert back.media_index.tolist() == [1, 2] and back.media_modality.tolist() == [1, 2]
     assert back.media_rows is None and back.input_ids.tolist() == list(range(5))
+    # hidden-state rows travel too: which steps a graph covers reads them, alike on every rank
+    plan.hidden_index = torch.tensor([2, 3])
+    assert StepPlan.decode(plan.encode()).hidden_index.tolist() == [2, 3]
+    plan.hidden_index = torch.zeros(0, dtype=torch.long)
     assert (
         plan.encode().numel()
         == StepPlan(

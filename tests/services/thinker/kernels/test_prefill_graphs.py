@@ -215,3 +215,88 @@ def test_tiny_engine_on_triton_kernels_through_prefill_graph_buffers_equals_the_
     assert got == want
     assert sum(map(len, prompts)) > 8 and len(steps) >= 2  # the chunked prefill went through the buffers
     assert any(1 in lens and max(lens) > 1 for lens in steps), steps  # a mixed step among them
+
+
+# --- TP=2: every rank takes the same steps through the buffers, their collectives in step ----------------
+
+TP_DEADLINE_S = 240
+
+
+def _with_prefill_buffers(started):
+    """The rank's runner replays covered steps through prefill-graph buffers (no capture on a CPU),
+    counting them (rank 0 reports the count)."""
+    from omnistage.services.thinker.kernels.paged_prefill import tile_tokens
+
+    runner = started.runner
+    layer = runner.model.attention_layers()[0]
+    graphs = PrefillGraphs(
+        runner.model,
+        (4, 8),
+        runner.cfg.max_num_seqs,
+        runner.cfg.max_blocks_per_seq,
+        tile_tokens(layer.num_heads, layer.num_kv_heads),
+        runner.device,
+        capture=False,
+    )
+    runs, run = [], graphs.run
+    graphs.run = lambda plan, fill=None: (runs.append(plan.num_tokens), run(plan, fill))[1]
+    graphs.runs = runs
+    runner.use_prefill_graphs(graphs)
+    return started
+
+
+def _tp_worker(cfg) -> None:
+    from omnistage.common.log import setup_logging
+    from omnistage.services.thinker.group.worker import run_plan_loop
+
+    from tests.services.thinker.group import local_ranks
+
+    setup_logging("thinker", rank=cfg.rank)
+    code = 1
+    try:
+        run_plan_loop(_with_prefill_buffers(start_rank(cfg)))
+        code = 0
+    finally:
+        local_ranks.end_process(code)
+
+
+def _tp_rank0(prompts, ckpt, engine_cfg, port, out) -> None:
+    from omnistage.common.log import setup_logging
+
+    from tests.services.thinker.engine.tp_run import TP
+    from tests.services.thinker.group import local_ranks
+
+    setup_logging("thinker", rank=0)
+    cfg = RankConfig(ckpt, engine_cfg, tp=TP, world_size=2, dist_port=port, full_warmup=False)
+    procs = local_ranks.spawn_workers(cfg, _tp_worker)
+
+    def run():
+        engine = rank0_engine(_with_prefill_buffers(start_rank(cfg)))
+        tokens = [r.token_ids for r in engine.generate(prompts, PARAMS)]
+        runs = list(engine.runner.prefill_graphs.runs)
+        engine.shutdown()
+        return (tokens, runs), local_ranks.join_workers(procs, local_ranks.EXIT_WAIT_S)
+
+    local_ranks.report_outcome(out, run)
+
+
+@pytest.mark.slow
+def test_tp2_ranks_replay_the_same_prefill_steps_through_the_buffers_as_the_tp1_reference(
+    tiny_ckpt_2_layers, prompts
+):
+    """Rank 0 and its worker decide alike which steps the buffers take (padded to the same size, so
+    their row-parallel sums and the logits' vocab gather match): the tokens are the TP=1 reference's."""
+    from tests.services.thinker.group import local_ranks
+
+    reference = rank0_engine(
+        start_rank(RankConfig(str(tiny_ckpt_2_layers), EngineConfig(**ENGINE_CFG), warmup=False))
+    )
+    want = [r.token_ids for r in reference.generate(prompts, PARAMS)]
+    fast = EngineConfig(attention_backend="triton", moe_backend="triton", **ENGINE_CFG)
+    args = (prompts, str(tiny_ckpt_2_layers), fast, local_ranks.free_port())
+    status, result, detail = local_ranks.run_rank0(_tp_rank0, args, TP_DEADLINE_S)
+    assert status == "ok", f"{result}\n{detail}"
+    assert detail == [0], f"worker exit codes {detail}"
+    tokens, runs = result
+    assert tokens == want
+    assert len(runs) >= 2 and all(n <= 8 for n in runs), runs  # the chunked prefill took the buffers
