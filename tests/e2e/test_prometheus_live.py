@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -183,11 +184,17 @@ def _send_load(gateway: str, gateway_metrics: int) -> dict[str, str]:
         ),
         **{f"text-{i}": _text(f"Tell me about {i}.", 16) for i in range(2)},
     }
-    burst = {f"burst-{i}": _text(f"Count to {i}.", 16) for i in range(BURST)}
+    burst = {f"burst-{i}": _text(f"Count to {i}.", 32) for i in range(BURST)}
+    # The burst's calls are connected first, then released together: sent one by one as each channel
+    # connected, the first answers ended before the last arrived (never past the limit on an idle host).
+    start_line = threading.Barrier(BURST)
 
-    def run(request: omni_pb2.GenerateRequest | None) -> str:
+    def run(request: omni_pb2.GenerateRequest | None, together: bool = False) -> str:
         with grpc.insecure_channel(gateway) as channel:
             stub = omni_pb2_grpc.OmniStub(channel)
+            if together:
+                grpc.channel_ready_future(channel).result(timeout=30)
+                start_line.wait(30)
             try:
                 if request is None:  # cancelled by the client after its first event
                     call = stub.Generate(_text("A long answer, please.", 64), timeout=60, metadata=AUTH)
@@ -207,7 +214,7 @@ def _send_load(gateway: str, gateway_metrics: int) -> dict[str, str]:
     _wait_released(gateway_metrics)  # else the mixed wave may find the cancelled request's place taken
     with concurrent.futures.ThreadPoolExecutor(len(burst)) as pool:
         for wave in (mixed, burst):
-            futures = {name: pool.submit(run, request) for name, request in wave.items()}
+            futures = {name: pool.submit(run, request, wave is burst) for name, request in wave.items()}
             outcomes.update({name: f.result() for name, f in futures.items()})
     # The random-weight model's answer may hold nothing speakable (then no audio, no TTFA): a few
     # other seeds, each outcome kept for the assertion's message.

@@ -155,6 +155,21 @@ async def _deny(ws: WebSocket, why: str) -> None:
         await ws.close(CLOSE_LIMIT, "unauthenticated")
 
 
+def check_response_create(event: dict[str, Any], config: Any, active: Response | None, pending: bool) -> None:
+    """A client's response.create is refused while a response runs or with no input since the last."""
+    rt.response_options(event, config)
+    if active is not None:
+        raise rt.EventError(
+            f"a response ({active.id}) is still in progress (cancel it first)",
+            code="conversation_already_has_active_response",
+        )
+    if not pending:
+        raise rt.EventError(
+            "no user input since the last response (add an item or commit the audio buffer)",
+            code="response_without_input",
+        )
+
+
 class RealtimeSession:
     """One socket's session (see the module's docstring)."""
 
@@ -169,9 +184,7 @@ class RealtimeSession:
         self.last_item: str | None = None
         self.call: grpc.aio.StreamStreamCall | None = None
         self.call_fields: tuple | None = None
-        # A response began on the call (or on the one it is opening): its config is the conversation's
-        # now. False: none has, the call (if any) is prepared ahead of the first turn.
-        self.begun = False
+        self.begun = False  # a response began on the call: its config is fixed (else prepared ahead)
         self.reader: asyncio.Task | None = None
         self.turns_sent = 0
         self.active: Response | None = None
@@ -261,17 +274,7 @@ class RealtimeSession:
         elif kind == "conversation.item.truncate":
             await self._truncate(event)
         elif kind == "response.create":
-            rt.response_options(event, self.config)
-            if self.active is not None:
-                raise rt.EventError(
-                    f"a response ({self.active.id}) is still in progress (cancel it first)",
-                    code="conversation_already_has_active_response",
-                )
-            if not self.pending:
-                raise rt.EventError(
-                    "no user input since the last response (add an item or commit the audio buffer)",
-                    code="response_without_input",
-                )
+            check_response_create(event, self.config, self.active, bool(self.pending))
             await self._respond("client")
         elif kind == "response.cancel":
             if self.active is None:
@@ -386,12 +389,9 @@ class RealtimeSession:
         self.turns_sent += 1
 
     async def _prepare_call(self) -> None:
-        """Open the Converse call ahead of the first turn (see the module's docstring), if none is open."""
-        if self.call is None:
-            try:
-                await self._open_call()
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-                _log.info("realtime session %s: preparing its conversation failed: %s", self.id, exc)
+        """Open the Converse call ahead of the first turn (the module's docstring), if none is open."""
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            await self._open_call()  # failing here: the response that needs the call opens its own
 
     async def _open_call(self) -> None:
         if self.call is not None:
@@ -405,8 +405,7 @@ class RealtimeSession:
         await self.call.write(converse_config(self.id, self.config))
 
     async def _read_call(self, call: grpc.aio.StreamStreamCall) -> None:
-        """The Converse call's events to the response they answer; its end (an error, or the call
-        closed under us) to the client."""
+        """The Converse call's events to the response they answer; its end (an error, a close) to the client."""
         try:
             while (event := await call.read()) is not grpc.aio.EOF:
                 await self._on_call_event(event)
@@ -433,8 +432,7 @@ class RealtimeSession:
                 await self.send(rt.error_event(err))
 
     async def _on_call_event(self, event: omni_pb2.GenerateEvent) -> None:
-        """One event of the Converse call to the response of its turn; a response that fails on it (a
-        bug, not the socket) is failed and logged, and the session goes on."""
+        """One event of the call to its turn's response; a response failing on it (a bug) fails, logged."""
         response = self.active
         if response is None or event.turn != response.turn:
             return
@@ -447,8 +445,7 @@ class RealtimeSession:
             await response.fail(_internal(exc))
 
     async def _cancel(self, reason: str) -> None:
-        """Cancel the response in progress: the Converse call's Finish of its turn ends it (with the
-        turn's usage: its prompt was read), or `CANCEL_FINISH_WAIT_S` later the session does."""
+        """Cancel the response in progress: its turn's Finish ends it (with usage), or the session does later."""
         response = self.active
         if response is None:
             return

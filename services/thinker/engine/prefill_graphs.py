@@ -7,9 +7,12 @@ replays the whole step in one launch. What the eager step plans per step on the 
 prefill kernel's tile table) is staged into static buffers: the table padded to the most tiles a
 step of the bucket can have (padding tiles have no tokens: their programs return at once), the
 padding tokens write no cache slot (-1) and attend to nothing (their attention rows are zeroed),
-and the logits are taken at a static row index padded with row 0. Steps with media rows or hidden-
-state requests run eagerly (their inputs are not staged here), and so do pure decode steps, which
-`DecodeGraphs` covers.
+and the logits are taken at a static row index padded with row 0. A step with encoder rows (an
+image's, a spoken turn's audio) replays its size's media graph: the rows and their token slots
+staged too (padding entries write a padding token's row, which a media step always has), each
+token's router code on the device and every router run on every token (`RouterRows.every_router`:
+the eager step's split by code syncs the host). Steps with hidden-state requests run eagerly, and
+so do pure decode steps, which `DecodeGraphs` covers.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import fmt_bytes
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
+from omnistage.services.thinker.models.layers.moe import RouterRows
 from omnistage.services.thinker.tp.plan import PlanKind, StepPlan
 from torch import nn
 
@@ -52,11 +56,12 @@ def prefill_graph_reserve_bytes(
     sizes: tuple[int, ...], max_seqs: int, vocab_local: int, tp_size: int, hidden: int, top_k: int
 ) -> int:
     """What the captured prefill graphs keep on the device, for the KV profile to leave free: each
-    size's fp32 logits output, and the largest size's activations (the experts' fp32 outputs of
-    every routed pair and the shared expert, the gate-up rows, a few hidden-sized rows), with a margin."""
+    graph's fp32 logits output (a text and a media graph per size), the static media rows, and the
+    largest size's activations (the experts' fp32 outputs of every routed pair and the shared expert,
+    the gate-up rows, a few hidden-sized rows), with a margin."""
     if not sizes:
         return 0
-    outputs = len(sizes) * max_seqs * vocab_local * tp_size * 4
+    outputs = 2 * len(sizes) * max_seqs * vocab_local * tp_size * 4 + max(sizes) * hidden * 4
     largest = max(sizes)
     activations = largest * hidden * ((top_k + 1) * 4 + (top_k + 1) * 2 + 16 * 2)
     return outputs + activations + (64 << 20)
@@ -101,8 +106,16 @@ class PrefillGraphs:
         self.staged = torch.zeros(total, dtype=torch.int64, device=device)
         self.tiles = torch.zeros(self.tiles_max, TILE_FIELDS, dtype=torch.int32, device=device)
         self.ids, self.pos, self.slots, self.sample, self.tables = self._views(self.staged)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # A media step's encoder rows, their token slots and every token's router code (rank 0 fills
+        # the rows; the embedding's all-reduce carries them to the other ranks, whose rows stay zero).
+        param = next(model.parameters(), None)
+        dtype = param.dtype if param is not None else torch.float32
+        hidden = model.config.hidden_size if hasattr(model, "config") else 1
+        self.media_index = torch.zeros(t, dtype=torch.int64, device=device)
+        self.media_rows = torch.zeros(t, hidden, dtype=dtype, device=device)
+        self.modality = torch.zeros(t, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.ready = not capture
         self.replays = 0
         self.pool_bytes = 0
@@ -114,20 +127,25 @@ class PrefillGraphs:
 
     # --- which steps -----------------------------------------------------------------------------
 
-    def size_for(self, num_tokens: int) -> int:
-        """The smallest captured token count that holds `num_tokens`."""
-        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+    def size_for(self, plan: StepPlan) -> int:
+        """The smallest captured token count that holds the plan's tokens (and, for a media step,
+        one padding token, where the padding entries of the media slots point)."""
+        return self.sizes[bisect.bisect_left(self.sizes, self._rows_needed(plan))]
+
+    @staticmethod
+    def _rows_needed(plan: StepPlan) -> int:
+        return plan.num_tokens + (1 if plan.num_media_rows else 0)
 
     def covers(self, plan: StepPlan) -> bool:
-        """A text step with a prompt chunk (a prefill, or decodes beside one) within the sizes."""
+        """A step with a prompt chunk (a prefill, or decodes beside one) within the sizes, with or
+        without encoder rows; the same answer on every rank (it reads only what every plan carries)."""
         seqs = int(plan.query_lens.numel())
         return (
             self.ready
             and plan.kind is PlanKind.RUN
-            and 0 < plan.num_tokens <= self.sizes[-1]
+            and 0 < self._rows_needed(plan) <= self.sizes[-1]
             and plan.num_tokens > seqs  # some sequence adds more than one token: not a pure decode
             and seqs <= self.max_seqs
-            and plan.num_media_rows == 0
             and plan.hidden_index.numel() == 0
             and plan.sample_rows.numel() <= self.max_seqs
             and plan.block_tables.shape[1] <= self.width
@@ -140,17 +158,20 @@ class PrefillGraphs:
         what reads it before the next step). `fill`: the previous step's sampled ids for the plan's
         placeholders, on the device (SampledFeed.fill)."""
         n = plan.num_tokens
-        size = self.size_for(n)
+        size = self.size_for(plan)
+        media = plan.num_media_rows > 0
         self._stage(plan, n, size)
+        if media:
+            self._stage_media(plan, n, size)
         if fill is not None:
             self.ids[:n].copy_(fill(self.ids[:n]))
         rows = int(plan.sample_rows.numel())
-        graph = self.graphs.get(size)
+        graph = self.graphs.get((size, media))
         if graph is None:
-            return self._forward(size)[:rows]
+            return self._forward(size, media)[:rows]
         graph.replay()
         self.replays += 1
-        return self.outputs[size][:rows]
+        return self.outputs[size, media][:rows]
 
     def _stage(self, plan: StepPlan, n: int, size: int) -> None:
         """The plan into the host arrays (padding tokens: id 0, slot -1; padding tiles: no tokens;
@@ -180,6 +201,20 @@ class PrefillGraphs:
             self.copied[self.turn] = torch.cuda.Event()
             self.copied[self.turn].record()
 
+    def _stage_media(self, plan: StepPlan, n: int, size: int) -> None:
+        """The step's encoder rows (rank 0: the plan carries them) at their slots, the rest of the
+        slots on the last padding token; every token's router code (text where no row goes)."""
+        m = plan.num_media_rows
+        index = torch.full((size,), size - 1, dtype=torch.int64)
+        index[:m] = plan.media_index
+        codes = torch.zeros(size, dtype=torch.int64)
+        codes[plan.media_index] = plan.media_modality.to(torch.int64)
+        self.media_index[:size].copy_(index, non_blocking=True)
+        self.modality[:size].copy_(codes, non_blocking=True)
+        if plan.media_rows is not None:
+            self.media_rows[:m].copy_(plan.media_rows, non_blocking=True)
+        self.media_rows[m:size].zero_()
+
     def _next_host(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The host arrays whose last copies have left them."""
         self.turn ^= 1
@@ -188,9 +223,10 @@ class PrefillGraphs:
             copied.synchronize()
         return self.hosts[self.turn], self.host_tiles[self.turn]
 
-    def _forward(self, size: int) -> torch.Tensor:
-        """The model over the first `size` static token rows; the attention reads the staged tile
-        table (`graph_tiles`), so the metadata's lengths are placeholders of one sequence."""
+    def _forward(self, size: int, media: bool = False) -> torch.Tensor:
+        """The model over the first `size` static token rows (a media step: with the staged encoder
+        rows and router codes); the attention reads the staged tile table (`graph_tiles`), so the
+        metadata's lengths are placeholders of one sequence."""
         md = AttentionMetadata(
             query_lens=[size],
             context_lens=[size],
@@ -198,8 +234,15 @@ class PrefillGraphs:
             block_tables=self.tables,
             step_state={"graph_tiles": self.tiles},
         )
+        extra = {}
+        if media:
+            extra = dict(
+                modality=RouterRows.every_router(self.modality[:size]),
+                media_index=self.media_index[:size],
+                media_rows=self.media_rows[:size],
+            )
         with attention_metadata(md):
-            hidden = self.model(self.ids[:size], self.pos[:, :size])
+            hidden = self.model(self.ids[:size], self.pos[:, :size], **extra)
         return self.model.compute_logits(hidden[self.sample]).float()
 
     # --- capture ----------------------------------------------------------------------------------
@@ -218,29 +261,31 @@ class PrefillGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         started = time.monotonic()
-        for i, size in enumerate(reversed(self.sizes)):
+        keys = [(size, media) for size in reversed(self.sizes) for media in (False, True)]
+        for i, (size, media) in enumerate(keys):
             if align is not None:
                 torch.cuda.synchronize(self.device)
-                align(size)
+                align(2 * size + media)  # every rank at the same size and kind
             self._stage_padding()
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._forward(size)  # compiles this size's kernels outside the capture
+                self._forward(size, media)  # compiles this size's kernels outside the capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             capturing = torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
             with torch.inference_mode(), capturing:
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
+                self.outputs[size, media] = self._forward(size, media)
+            self.graphs[size, media] = graph
             if progress is not None:
-                progress(f"prefill graph {size} tokens", i + 1, len(self.sizes))
+                kind = "media" if media else "text"
+                progress(f"prefill graph {size} tokens ({kind})", i + 1, len(keys))
         torch.cuda.synchronize(self.device)
         self.ready = True
         took = torch.cuda.memory_reserved(self.device) - before
         self.pool_bytes = max(took, 0)
         log.info(
-            "captured %d prefill graphs (tokens %s) in %.1fs, %s",
-            len(self.sizes),
+            "captured %d prefill graphs (text and media at tokens %s) in %.1fs, %s",
+            len(keys),
             ",".join(map(str, self.sizes)),
             time.monotonic() - started,
             fmt_bytes(took),
@@ -248,13 +293,17 @@ class PrefillGraphs:
         return took
 
     def _stage_padding(self) -> None:
-        """Every row padding: no cache writes, no tiles, while capturing."""
+        """Every row padding: no cache writes, no tiles, no encoder rows (their slots on the last
+        token), while capturing."""
         host, host_tiles = self._next_host()
         host[:] = 0
         self._views(host)[2][:] = -1
         host_tiles.zero_()
         self.staged.copy_(host)
         self.tiles.view(-1).copy_(host_tiles)
+        self.media_index.fill_(0)
+        self.media_rows.zero_()
+        self.modality.zero_()
 
     # --- the KV cache: graphs point into it, so they go when it goes -------------------------------
 

@@ -463,7 +463,7 @@ class RankStartup(StageGroup):
             runner.device,
         )
         try:
-            prefill.capture(progress=progress, align=self.aligner("prefill graph tokens"))
+            prefill.capture(progress=progress, align=self.aligner("prefill graph (2 x tokens + 1 if media)"))
             if self.tp_graphs == "aligned":
                 control.agree_min(0, "captured every prefill graph")
         except Exception as exc:

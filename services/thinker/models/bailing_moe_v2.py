@@ -118,11 +118,12 @@ class BailingMoeV2Model(nn.Module):
         self.num_routers = len(ROUTER_NAMES) if config.multi_router else 1
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, modality: torch.Tensor | None
+        self, hidden: torch.Tensor, positions: torch.Tensor, modality: torch.Tensor | RouterRows | None
     ) -> torch.Tensor:
-        # Which tokens each router takes is found once here, not again in every MoE layer.
-        routers = None
-        if modality is not None and self.num_routers > 1:
+        # Which tokens each router takes is found once here, not again in every MoE layer (a caller
+        # that must not sync the host passes RouterRows.every_router instead of the codes).
+        routers = modality if isinstance(modality, RouterRows) else None
+        if isinstance(modality, torch.Tensor) and self.num_routers > 1:
             routers = RouterRows.of(modality, self.num_routers)
         # One rope table for the step, shared by every layer (all layers rotate alike).
         rope = self.layers[0].attention.rotary_emb.cos_sin(positions, hidden.dtype)
@@ -160,15 +161,16 @@ class BailingMoeV2ForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        modality: torch.Tensor | None = None,
+        modality: torch.Tensor | RouterRows | None = None,
         inputs_embeds: torch.Tensor | None = None,
         media_index: torch.Tensor | None = None,
         media_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """ids [T], positions [3, T] (or [T]) → final-norm hidden [T, H].
 
-        modality [T]: router codes 0 text / 1 vision / 2 audio (None: text); media_index [M] and
-        media_rows [M, H]: encoder rows to splice (under TP only rank 0 passes the rows)."""
+        modality [T]: router codes 0 text / 1 vision / 2 audio (None: text; or RouterRows made from
+        them); media_index [M] and media_rows [M, H]: encoder rows to splice (under TP only rank 0
+        passes the rows)."""
         hidden = (
             self.embed_tokens(input_ids, media_index, media_rows) if inputs_embeds is None else inputs_embeds
         )

@@ -671,6 +671,8 @@ def test_requests_arriving_together_are_prefilled_in_one_step_and_a_refusal_ends
             done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
             assert done[:8] == ["Tokens"] * 8
             assert "leave no room" in str(done[8])
+            # the step's callback runs on the device thread after its tokens went out: wait for it
+            await wait_for_async(lambda: bool(steps), 30, "the first step's callback")
             assert steps[0] == 8  # the eight first tokens came from one step
             assert flow.runner.arrivals.count == 0
 

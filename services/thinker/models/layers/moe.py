@@ -25,10 +25,18 @@ class RouterRows:
     """The token rows each router takes in one step (found once per forward, used by every MoE layer).
 
     `rows[code]` is the index tensor of the tokens with that modality code, None when there are none;
-    `single` is the one code every token has (then no gather or scatter is needed), else None."""
+    `single` is the one code every token has (then no gather or scatter is needed), else None.
+    `codes` (`every_router`): no host sync — every router runs on every token and each token keeps its
+    own code's choice (a CUDA graph's step, whose codes are only known on the device)."""
 
     rows: tuple[torch.Tensor | None, ...]
     single: int | None
+    codes: torch.Tensor | None = None
+
+    @classmethod
+    def every_router(cls, modality: torch.Tensor, num_routers: int = len(ROUTER_NAMES)) -> RouterRows:
+        """The codes as they are on the device, read by no host code (codes past the routers: text)."""
+        return cls((None,) * num_routers, None, modality.to(torch.long))
 
     @classmethod
     def of(cls, modality: torch.Tensor, num_routers: int = len(ROUTER_NAMES)) -> RouterRows:
@@ -208,6 +216,13 @@ class SparseMoeBlock(nn.Module):
         )
         if groups.single is not None:
             return getattr(self, self.router_names[groups.single])(x)
+        if groups.codes is not None:  # every router on every token, each token its own code's choice
+            weights, ids = self.gate(x)
+            for code, name in enumerate(self.router_names[1:], start=1):
+                mine = (groups.codes == code)[:, None]
+                w, i = getattr(self, name)(x)
+                weights, ids = torch.where(mine, w, weights), torch.where(mine, i, ids)
+            return weights, ids
         k = self.gate.top_k
         weights = torch.empty(x.shape[0], k, dtype=torch.float32, device=x.device)
         ids = torch.empty(x.shape[0], k, dtype=torch.long, device=x.device)

@@ -29,12 +29,15 @@ class Recorder(torch.nn.Module):
         super().__init__()
         self.calls: list[dict] = []
 
-    def forward(self, ids, positions):
+    def forward(self, ids, positions, modality=None, media_index=None, media_rows=None):
         from omnistage.services.thinker.models.layers.attention import current_metadata
 
         md = current_metadata(ids.shape[0])
         self.calls.append(
             dict(
+                media=None
+                if media_index is None
+                else (modality.codes.clone(), media_index.clone(), media_rows.clone()),
                 ids=ids.clone(),
                 pos=positions.clone(),
                 slots=md.slot_mapping.clone(),
@@ -106,6 +109,39 @@ def test_buffers_are_reused_and_a_smaller_step_leaves_no_tile_or_slot_of_a_large
     assert second["slots"][6:].tolist() == [-1, -1]
 
 
+def test_a_media_step_stages_its_rows_slots_and_router_codes_and_a_text_step_none():
+    model = Recorder()
+    graphs = graphs_for(model)
+    plan = mixed_plan()  # the chunk's tokens 2-3 (rows 2, 3) are an audio item's
+    plan.media_index = torch.tensor([2, 3])
+    plan.media_modality = torch.tensor([2, 2])
+    plan.media_rows = torch.tensor([[1.0], [2.0]])
+    graphs.run(plan)
+    codes, index, rows = model.calls[-1]["media"]
+    assert codes.tolist() == [0, 0, 2, 2, 0, 0, 0, 0]  # every token's router: text but the audio rows
+    assert index.tolist() == [2, 3] + [7] * 6  # the padding entries all on the last padding token
+    assert rows.flatten().tolist() == [1.0, 2.0] + [0.0] * 6
+    graphs.run(mixed_plan())
+    assert model.calls[-1]["media"] is None  # a text step replays the text graph
+
+
+def test_every_router_on_every_token_routes_as_the_split_by_code():
+    from omnistage.services.thinker.models.layers.moe import RouterRows, SparseMoeBlock
+    from omnistage.services.thinker.models.layers.parallel import TPGroup
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(32, 16, 8, 1, 4, 4, 2, 2.5, True, TPGroup())
+    for name in block.router_names:
+        getattr(block, name).weight.data.normal_(0, 0.5)
+    x = torch.randn(12, 32)
+    codes = torch.tensor([0, 1, 1, 2, 0, 2, 2, 1, 0, 0, 2, 1])
+    want = block.route(x, codes)
+    got = block.route(x, RouterRows.every_router(codes))
+    assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0])
+    text = block.route(x, RouterRows.every_router(torch.zeros(12, dtype=torch.long)))
+    assert torch.equal(text[1], block.gate(x)[1])
+
+
 def test_placeholders_take_the_shared_ids_on_the_device():
     from omnistage.services.thinker.engine.sampled_feed import SampledFeed
     from omnistage.services.thinker.models.layers.parallel import TPGroup
@@ -121,7 +157,7 @@ def test_placeholders_take_the_shared_ids_on_the_device():
     assert plan.input_ids[0].item() == -1  # the host plan is left as it was
 
 
-def test_only_text_steps_with_a_prompt_chunk_within_the_sizes_are_covered():
+def test_only_steps_with_a_prompt_chunk_within_the_sizes_are_covered():
     graphs = graphs_for(Recorder())
     assert graphs.covers(mixed_plan())
     decode = StepPlan(
@@ -136,7 +172,11 @@ def test_only_text_steps_with_a_prompt_chunk_within_the_sizes_are_covered():
     assert not graphs.covers(decode)  # DecodeGraphs' steps
     media = mixed_plan()
     media.media_index = torch.tensor([2, 3])
-    assert not graphs.covers(media)
+    assert graphs.covers(media) and graphs.size_for(media) == 8
+    full = mixed_plan()  # 6 tokens: a text step fits size 6, a media step needs a padding row past them
+    full.media_index = torch.tensor([2])
+    assert graphs_for(Recorder(), sizes=(6,)).covers(mixed_plan())
+    assert not graphs_for(Recorder(), sizes=(6,)).covers(full)
     hidden = mixed_plan()
     hidden.hidden_index = torch.tensor([5])
     assert not graphs.covers(hidden)
@@ -300,3 +340,63 @@ def test_tp2_ranks_replay_the_same_prefill_steps_through_the_buffers_as_the_tp1_
     tokens, runs = result
     assert tokens == want
     assert len(runs) >= 2 and all(n <= 8 for n in runs), runs  # the chunked prefill took the buffers
+
+
+def _logits_per_step(engine) -> list[torch.Tensor]:
+    """Record every step's logits (the rows that sample) as the runner returns them."""
+    steps: list[torch.Tensor] = []
+    run = engine.runner.execute_step
+
+    def execute(plan):
+        out = run(plan)
+        steps.append(None if out.logits is None else out.logits.clone())
+        return out
+
+    engine.runner.execute_step = execute
+    return steps
+
+
+def test_tiny_engine_with_image_and_audio_prompts_through_the_buffers_equals_eager(tiny_ckpt):
+    """Media steps through the buffers (rows staged, every router on every token) and the eager
+    decode steps beside them: every step's logits and tokens are the eager
+    engine's on the same kernels (test_engine_media.py holds eager to the reference). All the tiny checkpoint's layers: with
+    one MoE layer a media token's routing reaches no sampled row (its attention reads layer inputs)."""
+    from omnistage.common.transport import TransportContext
+    from omnistage.services.thinker.kernels.paged_prefill import tile_tokens
+    from omnistage.services.thinker.models.config import ThinkerConfig
+    from omnistage.services.thinker.multimodal import MediaInputs
+
+    from tests.services.thinker.engine.mm_prompts import items, layout
+
+    parts = [[("text", 4), ("image", (2, 3)), ("text", 3)], [("text", 2), ("audio", 9), ("text", 5)]]
+    cfg = ThinkerConfig.from_checkpoint(tiny_ckpt)
+    inputs = MediaInputs(cfg, torch.float32, TransportContext())
+    prompts = []
+    for i, p in enumerate(parts):
+        ids, media = layout(cfg, p, seed=i)
+        prompts.append(inputs.build(ids, items(cfg, media)))
+    inputs.close()
+    engine_cfg = dict(block_size=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=12)
+    fast = EngineConfig(attention_backend="triton", moe_backend="triton", **engine_cfg)
+    eager = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), fast, warmup=False)))
+    eager_logits = _logits_per_step(eager)
+    want = [r.token_ids for r in eager.generate(prompts, PARAMS)]
+    engine = rank0_engine(start_rank(RankConfig(str(tiny_ckpt), fast, warmup=False)))
+    runner = engine.runner
+    layer = runner.model.attention_layers()[0]
+    block_q = tile_tokens(layer.num_heads, layer.num_kv_heads)
+    graphs = PrefillGraphs(
+        runner.model, (8, 16), 4, runner.cfg.max_blocks_per_seq, block_q, runner.device, capture=False
+    )
+    runner.use_prefill_graphs(graphs)
+    media_steps = []
+    run = graphs.run
+    graphs.run = lambda plan, fill=None: (media_steps.append(plan.num_media_rows), run(plan, fill))[1]
+    graph_logits = _logits_per_step(engine)
+    assert [r.token_ids for r in engine.generate(prompts, PARAMS)] == want
+    assert any(media_steps), media_steps  # some steps with encoder rows went through the buffers
+    assert len(graph_logits) == len(eager_logits)
+    for got, ref in zip(graph_logits, eager_logits, strict=True):
+        assert (got is None) == (ref is None)
+        if got is not None:
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
