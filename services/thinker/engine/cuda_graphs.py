@@ -34,6 +34,19 @@ def graph_reserve_bytes(max_batch: int, vocab_local: int, tp_size: int) -> int:
     return outputs + in_flight + (64 << 20)
 
 
+def stage_token_rows(
+    plan: StepPlan, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, n: int, size: int
+) -> None:
+    """A plan's n token rows into a graph's host arrays, rows n..size padding: token 0, position 0,
+    no cache slot (-1: nothing written)."""
+    ids[:n] = plan.input_ids
+    ids[n:size] = 0
+    pos[:, :n] = plan.positions
+    pos[:, n:size] = 0
+    slots[:n] = plan.slot_mapping
+    slots[n:size] = -1
+
+
 class DecodeGraphs:
     """Static decode buffers, one graph per batch size; a KV-cache user (graphs die with the cache)."""
 
@@ -112,12 +125,7 @@ class DecodeGraphs:
         host = self._next_host()
         ids, pos, slots, ctx, tables = self._views(host)
         width = plan.block_tables.shape[1]
-        ids[:n] = plan.input_ids
-        ids[n:size] = 0
-        pos[:, :n] = plan.positions
-        pos[:, n:size] = 0
-        slots[:n] = plan.slot_mapping
-        slots[n:size] = -1
+        stage_token_rows(plan, ids, pos, slots, n, size)
         ctx[:n] = plan.context_lens
         ctx[n:size] = 0
         tables[:n, :width] = plan.block_tables

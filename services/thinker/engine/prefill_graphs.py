@@ -24,26 +24,14 @@ from collections.abc import Callable
 import torch
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import fmt_bytes
+from omnistage.services.thinker.engine.cuda_graphs import stage_token_rows
+from omnistage.services.thinker.kernels.tile_table import TILE_FIELDS, prefill_tile_rows
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 from omnistage.services.thinker.models.layers.moe import RouterRows
 from omnistage.services.thinker.tp.plan import PlanKind, StepPlan
 from torch import nn
 
 log = get_logger(__name__)
-
-TILE_FIELDS = 5  # kernels/paged_prefill.py's tile row: sequence, first row, tokens, first position, context
-
-
-def prefill_tile_rows(query_lens: list[int], context_lens: list[int], block_q: int) -> list[int]:
-    """The paged prefill kernel's tile table, flattened (kernels/paged_prefill.prefill_tiles'
-    rows; a copy here so the engine imports no Triton module)."""
-    rows: list[int] = []
-    start = 0
-    for seq, (qlen, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
-        for t0 in range(0, qlen, block_q):
-            rows += (seq, start + t0, min(block_q, qlen - t0), ctx - qlen + t0, ctx)
-        start += qlen
-    return rows
 
 
 def max_tiles(tokens: int, seqs: int, block_q: int) -> int:
@@ -183,12 +171,7 @@ class PrefillGraphs:
             plan.block_tables.shape[1],
             int(plan.sample_rows.numel()),
         )
-        ids[:n] = plan.input_ids
-        ids[n:size] = 0
-        pos[:, :n] = plan.positions
-        pos[:, n:size] = 0
-        slots[:n] = plan.slot_mapping
-        slots[n:size] = -1
+        stage_token_rows(plan, ids, pos, slots, n, size)
         sample[:rows] = plan.sample_rows
         sample[rows:] = 0
         tables[:seqs, :width] = plan.block_tables

@@ -16,11 +16,11 @@ import triton
 import triton.language as tl
 from omnistage.services.thinker.kernels import dot_precision
 from omnistage.services.thinker.kernels.paged_attention import load_kv, paged_strides
+from omnistage.services.thinker.kernels.tile_table import TILE_FIELDS, prefill_tile_rows
 
 # Rows (query tokens x GQA heads) of one program: the tile of a prompt of any length.
 BLOCK_M = 64
 BLOCK_N = 64
-TILE_FIELDS = 5  # sequence, first row, tokens, position of the first token, context length
 _LOG2E = 1.4426950408889634
 
 
@@ -30,14 +30,8 @@ def tile_tokens(num_heads: int, num_kv_heads: int) -> int:
 
 
 def prefill_tiles(query_lens: list[int], context_lens: list[int], block_q: int) -> torch.Tensor:
-    """[tiles, 5] int32 host table: per tile its sequence, first flattened token row, tokens (1..block_q),
-    the cache position of its first token and the sequence's context length (new tokens included)."""
-    rows: list[int] = []
-    start = 0
-    for seq, (qlen, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
-        for t0 in range(0, qlen, block_q):
-            rows += (seq, start + t0, min(block_q, qlen - t0), ctx - qlen + t0, ctx)
-        start += qlen
+    """[tiles, 5] int32 host table (`tile_table.prefill_tile_rows`)."""
+    rows = prefill_tile_rows(query_lens, context_lens, block_q)
     return torch.tensor(rows, dtype=torch.int32).view(-1, TILE_FIELDS)
 
 

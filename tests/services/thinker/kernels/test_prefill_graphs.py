@@ -15,10 +15,10 @@ from omnistage.services.thinker.engine.prefill_graphs import (
     PrefillGraphs,
     max_tiles,
     prefill_graph_reserve_bytes,
-    prefill_tile_rows,
 )
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
+from omnistage.services.thinker.kernels.tile_table import prefill_tile_rows
 from omnistage.services.thinker.tp.plan import StepPlan
 
 
