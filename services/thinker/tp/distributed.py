@@ -20,6 +20,11 @@ from omnistage.services.thinker.tp.tp_store import GroupFailure, GroupStore, Sto
 
 log = get_logger(__name__)
 T = TypeVar("T")
+
+# A step plan's first message to the other ranks (its length, then the payload): 4,096 int64s (32 KiB) hold
+# a decode step's plan (8 int64s a sequence plus its block-table row) at one sequence for any context, at
+# 8 up to ~8k tokens each, at 64 up to ~900: one broadcast a step there; a larger plan takes a second.
+PLAN_INLINE_INT64S = 4096
 FailureListener = Callable[[GroupFailure], None]
 
 
@@ -54,6 +59,7 @@ class TPControl:
         self.plan_group = plan_group
         self._host_store = host_store  # rank 0: the TCPStore server lives as long as this object
         self.num_plans = 0
+        self.plan_messages = 0  # broadcasts the plans took (one a plan that fits PLAN_INLINE_INT64S)
         self.serving = False
         # Set before the exit plan: peers leaving now is the plan, not a failure.
         self.leaving = False
@@ -130,7 +136,9 @@ class TPControl:
         _set_pg_timeout(timeout, self.plan_group)
 
     def broadcast_plan(self, plan: StepPlan | None = None) -> StepPlan:
-        """Rank 0 passes its plan, the others receive it (length first, then the int64 payload)."""
+        """Rank 0 passes its plan, the others receive it: one message of PLAN_INLINE_INT64S int64s
+        (its length, then as much of the payload as fits: a decode step's whole plan), and a second
+        with the rest only for a plan that does not fit (a long prefill chunk's)."""
         if not self.is_distributed:
             assert plan is not None
             return plan
@@ -138,11 +146,25 @@ class TPControl:
             self.leaving = True
         where = f"step plan {self.num_plans} broadcast"
         buf = plan.encode() if self.rank == 0 else None
-        length = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64)
-        self.guard(where, lambda: dist.broadcast(length, src=0, group=self.plan_group))
-        if buf is None:
-            buf = torch.empty(int(length.item()), dtype=torch.int64)
-        self.guard(where, lambda: dist.broadcast(buf, src=0, group=self.plan_group))
+        head = torch.zeros(PLAN_INLINE_INT64S, dtype=torch.int64)
+        if buf is not None:
+            head[0] = buf.numel()
+            head[1 : 1 + min(buf.numel(), PLAN_INLINE_INT64S - 1)] = buf[: PLAN_INLINE_INT64S - 1]
+        self.guard(where, lambda: dist.broadcast(head, src=0, group=self.plan_group))
+        self.plan_messages += 1
+        length = int(head[0])
+        if length > PLAN_INLINE_INT64S - 1:
+            rest = (
+                buf[PLAN_INLINE_INT64S - 1 :]
+                if buf is not None
+                else torch.empty(length - PLAN_INLINE_INT64S + 1, dtype=torch.int64)
+            )
+            self.guard(where, lambda: dist.broadcast(rest, src=0, group=self.plan_group))
+            self.plan_messages += 1
+            if buf is None:
+                buf = torch.cat([head[1:], rest])
+        elif buf is None:
+            buf = head[1 : 1 + length]
         self.num_plans += 1
         received = plan if plan is not None else StepPlan.decode(buf)
         if received.kind is PlanKind.EXIT:

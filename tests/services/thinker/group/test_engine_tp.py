@@ -39,8 +39,9 @@ def prompts() -> list[list[int]]:
 
 
 def _fail_after(rank: int, fail_rank: int | None, steps: int | None = None, what: str = "forward") -> None:
-    """Make `fail_rank` raise after `steps` forwards (or step plan broadcasts, two calls each);
-    default: the (plain CPU's) warm-up's forwards, so the first serving step fails."""
+    """Make `fail_rank` raise after `steps` forwards (or step plan broadcasts: one call each, the
+    warm-up's plans all fit one message); default: the (plain CPU's) warm-up's forwards, so the first
+    serving step fails."""
     if rank != fail_rank:
         return
     if steps is None:
@@ -52,7 +53,7 @@ def _fail_after(rank: int, fail_rank: int | None, steps: int | None = None, what
 
     def broken(*args, **kwargs):
         calls[0] += 1
-        if calls[0] > steps * (1 if what == "forward" else 2):
+        if calls[0] > steps:
             raise RuntimeError("injected fault")
         return orig(*args, **kwargs)
 

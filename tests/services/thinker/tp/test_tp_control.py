@@ -228,3 +228,62 @@ def test_a_forward_that_fails_on_its_own_blames_its_rank_at_once():
         and failure.message == "rank 2 failed in step 12 forward: ValueError: shape mismatch"
     )
     assert control.watch.looks == 1  # no wait for a culprit
+
+
+# --- step plans: one broadcast when they fit, two when not -------------------------------------------------
+
+
+def _plan_receiver(port: int, out) -> None:
+    """Rank 1: receives plans until the exit plan; hands back each plan's arrays and the messages."""
+    control = join_tp_group(1, 2, port=port, cfg=TP)
+    control.enter_serving()
+    got = []
+    while True:
+        plan = control.broadcast_plan()
+        got.append(
+            (int(plan.kind), plan.input_ids.tolist(), plan.block_tables.tolist(), plan.sample_rows.tolist())
+        )
+        if plan.kind.name == "EXIT":
+            break
+    out.put((got, control.plan_messages))
+
+
+def test_a_plan_that_fits_is_one_broadcast_and_a_large_one_arrives_whole_in_two():
+    import torch
+    from omnistage.services.thinker.tp.distributed import PLAN_INLINE_INT64S
+    from omnistage.services.thinker.tp.plan import StepPlan
+
+    def plan(tokens: int, width: int) -> StepPlan:
+        return StepPlan(
+            input_ids=torch.arange(tokens),
+            positions=torch.arange(tokens).repeat(3, 1),
+            query_lens=torch.tensor([tokens]),
+            context_lens=torch.tensor([tokens]),
+            slot_mapping=torch.arange(tokens),
+            block_tables=torch.arange(width).view(1, width),
+            sample_rows=torch.tensor([tokens - 1]),
+        )
+
+    small, large = plan(1, 40), plan(PLAN_INLINE_INT64S, 300)  # a decode step's; a long prefill chunk's
+    assert small.encode().numel() < PLAN_INLINE_INT64S < large.encode().numel()
+    port, ctx = free_port(), mp.get_context("spawn")
+    out = ctx.Queue()
+    peer = ctx.Process(target=_plan_receiver, args=(port, out), daemon=True)
+    peer.start()
+    try:
+        control = join_tp_group(0, 2, port=port, cfg=TP)
+        control.watch.exit_process = lambda code: None
+        control.enter_serving()
+        for p in (small, large, small, StepPlan.exit()):
+            control.broadcast_plan(p)
+        got, messages = out.get(timeout=60)
+    finally:
+        peer.join(30)
+        if peer.is_alive():
+            peer.kill()
+    want = [
+        (int(p.kind), p.input_ids.tolist(), p.block_tables.tolist(), p.sample_rows.tolist())
+        for p in (small, large, small, StepPlan.exit())
+    ]
+    assert got == want
+    assert messages == control.plan_messages == 5  # 1 + 2 + 1 + 1
