@@ -81,6 +81,9 @@ class EngineConfig:
     grammar_compiles: int = 2
     # Compiles waiting for one of those; more get RESOURCE_EXHAUSTED.
     grammar_waiting: int = 16
+    # When rank 0 starts the compile server (and the tokenizer's grammar info): auto | startup |
+    # first_use; auto is startup on CUDA, first_use on a plain CPU (its cores are the stages' start-up's).
+    grammar_server: Literal["auto", "startup", "first_use"] = "auto"
 
     def validate(self, path: str) -> None:
         positive_fields(

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TextIO
 
@@ -111,9 +112,21 @@ class Processes:
         return groups
 
     def stop_all(self) -> None:
-        """Stop each group (gateway first); bounded."""
-        for g in reversed(self.groups):
-            self.stop_group(g)
+        """Stop the gateways first (no new request reaches a stage), then every other service at once:
+        each takes its own drain and clean-up (~0.3-1 s on the tiny CPU pipeline), one after the other
+        they added up (its five services: ~3.4 s); bounded (each group by stop_grace_s)."""
+        groups = list(reversed(self.groups))
+        for g in groups:
+            if g.svc.kind == "gateway":
+                self.stop_group(g)
+        rest = [g for g in groups if g.svc.kind != "gateway"]
+        if len(rest) < 2:
+            for g in rest:
+                self.stop_group(g)
+            return
+        with ThreadPoolExecutor(len(rest), thread_name_prefix="omnistage-stop") as pool:
+            for done in [pool.submit(self.stop_group, g) for g in rest]:
+                done.result()
 
     def stop_group(self, g: Group, kill_first: Sequence[Child] = ()) -> None:
         """SIGTERM the ranks of one service, SIGKILL what is left after stop_grace_s; bounded.

@@ -3,7 +3,8 @@
 Start-up phases (common/runtime/boot.py, every rank; the TP group agrees on each step through
 `RankStartup`, its StageGroup): loading_weights (the rendezvous, the tokenizer on rank 0, the rank's
 shards) → profiling_memory (the KV auto-profile) → warming_up (every dummy shape on every rank, a
-plain CPU's minimal ones; rank 0 starts the grammar compile server beside it) → capturing_graphs (CUDA
+plain CPU's minimal ones; rank 0 starts the grammar compile server beside it, where
+engine.grammar_server has it start at start-up) → capturing_graphs (CUDA
 decode graphs, when on) → the group agrees it has started → rank 0 sends one real request through the
 engine and serves `omnistage.v1.Thinker`; ranks 1..N-1 run rank 0's plans.
 """
@@ -19,7 +20,11 @@ from omnistage.common.runtime.boot import Boot, StageStartup, run_stage
 from omnistage.common.runtime.device_loop import DeviceFailed
 from omnistage.common.transport import TransportContext
 from omnistage.services.thinker import startup
-from omnistage.services.thinker.engine.grammar_compiles import GrammarCompiles, GrammarLimits
+from omnistage.services.thinker.engine.grammar_compiles import (
+    GrammarCompiles,
+    GrammarLimits,
+    server_at_startup,
+)
 from omnistage.services.thinker.engine_metrics import EngineMetrics
 from omnistage.services.thinker.group.startup import RankConfig, RankStartup, StartedRank, rank0_engine
 from omnistage.services.thinker.group.worker import run_plan_loop
@@ -58,24 +63,25 @@ class ThinkerStartup(StageStartup):
 
     async def warm_up(self) -> None:
         if self.boot.rank == 0:
-            self._start_grammars()
+            self._grammars(start=server_at_startup(self.boot.svc.engine.grammar_server, self.boot.on_cuda))
 
         def shapes_and_graphs() -> None:
             with self.rank.meter():
                 self.rank.warm_up()
                 if self.rank.graphs:
-                    if self.grammars is not None:
+                    if self.grammars is not None and self.grammars_started is not None:
                         self.grammars.start()  # waits for the start in flight: a capture runs alone
                     self.enter("capturing_graphs", unit="graphs")
                     self.rank.capture_graphs()
 
         await in_daemon_thread(shapes_and_graphs, "thinker-blocking")
 
-    def _start_grammars(self) -> None:
-        """Rank 0: the grammar compile server and the tokenizer's grammar info, in a thread beside the
-        warm-up (awaited before SERVING). Seconds of Python on a real vocabulary: at start-up, not at
-        the first structured request (it held the GIL and stalled every stream); the server loads
-        xgrammar meanwhile, in parallel."""
+    def _grammars(self, start: bool) -> None:
+        """Rank 0: the structured outputs' compiles. With `start` (engine.grammar_server), the compile
+        server and the tokenizer's grammar info start in a thread beside the warm-up (awaited before
+        SERVING). Seconds of Python on a real vocabulary: at start-up, not at the first structured
+        request (it held the GIL and stalled every stream); the server loads xgrammar meanwhile, in
+        parallel. Without, the first constrained request starts them."""
         e, tokenizer = self.boot.svc.engine, self.rank.tokenizer
         assert tokenizer is not None, "rank 0 loads the tokenizer first"
         limits = GrammarLimits(e.grammar_compile_timeout_s, e.grammar_compiles, e.grammar_waiting)
@@ -83,7 +89,8 @@ class ThinkerStartup(StageStartup):
         self.boot.runtime.add_shutdown_hook(
             self.grammars.close
         )  # needs no group: after control.close is fine
-        self.grammars_started = in_daemon_thread(self.grammars.start, "thinker-grammars")
+        if start:
+            self.grammars_started = in_daemon_thread(self.grammars.start, "thinker-grammars")
 
     async def warm_up_request(self) -> None:
         """Rank 0: the engine, its media and hidden-state pools, one real request through it, the flow."""
@@ -147,9 +154,10 @@ class ThinkerStartup(StageStartup):
             await in_daemon_thread(lambda: startup.warm_up(engine, media), "thinker-blocking")
         except Exception as exc:
             raise TPError(startup.group_failure(control, "the warm-up request", exc)) from exc
-        assert self.grammars is not None and self.grammars_started is not None
-        runtime.reporter.progress(detail="the grammar compile server and the tokenizer's grammar info")
-        await self.grammars_started
+        assert self.grammars is not None
+        if self.grammars_started is not None:
+            runtime.reporter.progress(detail="the grammar compile server and the tokenizer's grammar info")
+            await self.grammars_started
         grammars = self.grammars
         engine.stats = EngineMetrics(svc.name, engine)  # after the warm-up: it counts clients' requests only
         flow = ThinkerEngine(

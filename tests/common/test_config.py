@@ -220,6 +220,10 @@ def test_nested_values_and_names_are_filled_in():
             "startup.phase_deadlines_s.warming_up: expected > 0",
         ),
         ({"startup": {"cpu_warmup": "some"}}, "startup.cpu_warmup: expected one of 'minimal', 'full'"),
+        (
+            {"services": {"thinker": {"engine": {"grammar_server": "never"}}}},
+            "services.thinker.engine.grammar_server: expected one of 'auto', 'startup', 'first_use'",
+        ),
         ({"services": {"thinker": {"name": "other"}}}, "services.thinker.name: must equal the key 'thinker'"),
         (
             {"services": {"thinker": {"port": 70000}}},

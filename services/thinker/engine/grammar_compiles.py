@@ -35,6 +35,15 @@ _REFUSALS_KEPT = 1024
 _SERVER_START_S = 120.0
 
 
+def server_at_startup(mode: str, on_cuda: bool) -> bool:
+    """Whether rank 0 starts the compile server (and builds the tokenizer's grammar info) at start-up
+    (engine.grammar_server); otherwise the first constrained request starts them and waits for them.
+    `auto` starts it at start-up on CUDA. On a plain CPU the stages share its cores: the server's
+    imports (xgrammar brings torch and transformers, ~2 s of CPU and ~270 MB) would take them from the
+    other stages' start-up, for a feature a CPU deployment may never be asked for."""
+    return mode == "startup" or (mode == "auto" and on_cuda)
+
+
 @dataclass(frozen=True)
 class GrammarLimits:
     """The bounds of constraint compiles (the deploy file's engine.grammar_* keys)."""

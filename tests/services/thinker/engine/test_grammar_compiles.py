@@ -12,7 +12,11 @@ import json
 import pytest
 from omnistage.common.runtime.errors import InvalidRequest, Overloaded, StageUnavailable
 from omnistage.services.thinker.engine.grammar import GrammarSpec
-from omnistage.services.thinker.engine.grammar_compiles import GrammarCompiles, GrammarLimits
+from omnistage.services.thinker.engine.grammar_compiles import (
+    GrammarCompiles,
+    GrammarLimits,
+    server_at_startup,
+)
 from omnistage.services.thinker.models.tokenizer import MingTokenizer
 
 # One level deep, and minutes to compile (29 s at {1,3000} on the tiny vocabulary): only a
@@ -110,3 +114,12 @@ def test_a_dead_compile_server_fails_its_jobs_and_the_next_request_starts_anothe
     lost, restarted, spec = run(tok, scenario, timeout_s=600.0)
     assert str(lost).startswith("thinker: the grammar compile server exited") and lost.retryable
     assert restarted and spec == FAST
+
+
+def test_the_server_starts_at_start_up_on_cuda_and_at_first_use_on_a_plain_cpu_unless_set():
+    """engine.grammar_server: auto follows the device; startup and first_use are what they say."""
+    assert server_at_startup("auto", on_cuda=True) and not server_at_startup("auto", on_cuda=False)
+    assert server_at_startup("startup", on_cuda=False) and server_at_startup("startup", on_cuda=True)
+    assert not server_at_startup("first_use", on_cuda=True) and not server_at_startup(
+        "first_use", on_cuda=False
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,7 +19,7 @@ DEADLINE_S = 120
 pytestmark = pytest.mark.timeout(300)
 
 
-def _serve(tmp_path, tiny_ckpt, **extra) -> tuple[ServeProcess, int]:
+def _serve(tmp_path, tiny_ckpt, engine: dict | None = None, **extra) -> tuple[ServeProcess, int]:
     port, admin_port, dist_port = free_ports(3)
     thinker = {
         "kind": "thinker",
@@ -31,6 +32,7 @@ def _serve(tmp_path, tiny_ckpt, **extra) -> tuple[ServeProcess, int]:
             "max_num_batched_tokens": 64,
             "max_model_len": 512,
             "kv_canary_bytes": MiB,
+            **(engine or {}),
         },
         "memory": {"simulated_capacity_bytes": 200 * MiB, "budget_bytes": 150 * MiB},
         **extra,
@@ -43,10 +45,30 @@ def _phases(output: str, rank: int) -> list[str]:
     return re.findall(rf"thinker\[r{rank}\] INFO phase (\w+)", output)
 
 
+def _children_running(pid: int, module: str) -> list[int]:
+    """The pids of `pid`'s child processes running `python -m module`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and module.encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
 def test_every_rank_profiles_then_warms_up_then_serves(tmp_path, tiny_ckpt):
-    serve, admin_port = _serve(tmp_path, tiny_ckpt)
+    """engine.grammar_server startup (a plain CPU's default is first use): rank 0's compile server is
+    running once the service serves, no other rank starts one."""
+    serve, admin_port = _serve(tmp_path, tiny_ckpt, engine={"grammar_server": "startup"})
     try:
         serve.wait_ready(DEADLINE_S)
+        ranks = serve.children()
+        grammar_server = "omnistage.services.thinker.engine.grammar_server"
+        assert len(_children_running(ranks[("thinker", 0)], grammar_server)) == 1
+        assert not _children_running(ranks[("thinker", 1)], grammar_server)
         with grpc.insecure_channel(f"127.0.0.1:{admin_port}") as ch:  # Control is on the admin port only
             desc = control_pb2_grpc.ControlStub(ch).Describe(control_pb2.DescribeRequest(), timeout=5)
         (mem,) = desc.memory
