@@ -41,6 +41,27 @@ class TPError(RuntimeError):
         return self.failure.rank
 
 
+def broadcast_int64s(buf: torch.Tensor | None, send: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """The source's int64 buffer (`buf`; None on the others) on every rank through `send` (a broadcast
+    from the source): one message of PLAN_INLINE_INT64S holding the length and as much as fits, a
+    second with the rest only when it does not fit."""
+    head = torch.zeros(PLAN_INLINE_INT64S, dtype=torch.int64)
+    if buf is not None:
+        head[0] = buf.numel()
+        head[1 : 1 + min(buf.numel(), PLAN_INLINE_INT64S - 1)] = buf[: PLAN_INLINE_INT64S - 1]
+    send(head)
+    length = int(head[0])
+    if length <= PLAN_INLINE_INT64S - 1:
+        return buf if buf is not None else head[1 : 1 + length]
+    rest = (
+        buf[PLAN_INLINE_INT64S - 1 :]
+        if buf is not None
+        else torch.empty(length - PLAN_INLINE_INT64S + 1, dtype=torch.int64)
+    )
+    send(rest)
+    return buf if buf is not None else torch.cat([head[1:], rest])
+
+
 class TPControl:
     """This process's membership in the thinker's TP group (world size 1: every call is local)."""
 
@@ -145,26 +166,12 @@ class TPControl:
         if plan is not None and plan.kind is PlanKind.EXIT:
             self.leaving = True
         where = f"step plan {self.num_plans} broadcast"
-        buf = plan.encode() if self.rank == 0 else None
-        head = torch.zeros(PLAN_INLINE_INT64S, dtype=torch.int64)
-        if buf is not None:
-            head[0] = buf.numel()
-            head[1 : 1 + min(buf.numel(), PLAN_INLINE_INT64S - 1)] = buf[: PLAN_INLINE_INT64S - 1]
-        self.guard(where, lambda: dist.broadcast(head, src=0, group=self.plan_group))
-        self.plan_messages += 1
-        length = int(head[0])
-        if length > PLAN_INLINE_INT64S - 1:
-            rest = (
-                buf[PLAN_INLINE_INT64S - 1 :]
-                if buf is not None
-                else torch.empty(length - PLAN_INLINE_INT64S + 1, dtype=torch.int64)
-            )
-            self.guard(where, lambda: dist.broadcast(rest, src=0, group=self.plan_group))
+
+        def send(t: torch.Tensor) -> None:
+            self.guard(where, lambda: dist.broadcast(t, src=0, group=self.plan_group))
             self.plan_messages += 1
-            if buf is None:
-                buf = torch.cat([head[1:], rest])
-        elif buf is None:
-            buf = head[1 : 1 + length]
+
+        buf = broadcast_int64s(plan.encode() if self.rank == 0 else None, send)
         self.num_plans += 1
         received = plan if plan is not None else StepPlan.decode(buf)
         if received.kind is PlanKind.EXIT:
