@@ -47,6 +47,23 @@ def stage_token_rows(
     slots[n:size] = -1
 
 
+def capture_graph(
+    forward: Callable[[], torch.Tensor], pool, stream: torch.cuda.Stream, device: torch.device
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """One graph of `forward` in `pool` (shared by a graph set, captured largest first), and its
+    output: run once eagerly on the side stream first (its kernels compile outside the capture)."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the peer watch and NCCL's watchdog may touch CUDA while this thread captures
+    capturing = torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
+    with torch.inference_mode(), capturing:
+        output = forward()
+    return graph, output
+
+
 class DecodeGraphs:
     """Static decode buffers, one graph per batch size; a KV-cache user (graphs die with the cache)."""
 
@@ -180,16 +197,9 @@ class DecodeGraphs:
                 torch.cuda.synchronize(self.device)
                 align(size)
             self._stage_padding(size)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._forward(size)  # compiles the kernels of this size outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the peer watch and NCCL's watchdog may touch CUDA while this thread captures
-            capturing = torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
-            with torch.inference_mode(), capturing:
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
+            self.graphs[size], self.outputs[size] = capture_graph(
+                lambda size=size: self._forward(size), pool, stream, self.device
+            )
             if progress is not None:
                 progress(f"decode graph batch {size}", i + 1, len(self.sizes))
         torch.cuda.synchronize(self.device)

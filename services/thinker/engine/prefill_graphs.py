@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import fmt_bytes
-from omnistage.services.thinker.engine.cuda_graphs import stage_token_rows
+from omnistage.services.thinker.engine.cuda_graphs import capture_graph, stage_token_rows
 from omnistage.services.thinker.kernels.tile_table import TILE_FIELDS, prefill_tile_rows
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 from omnistage.services.thinker.models.layers.moe import RouterRows
@@ -250,15 +250,9 @@ class PrefillGraphs:
                 torch.cuda.synchronize(self.device)
                 align(2 * size + media)  # every rank at the same size and kind
             self._stage_padding()
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._forward(size, media)  # compiles this size's kernels outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            capturing = torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
-            with torch.inference_mode(), capturing:
-                self.outputs[size, media] = self._forward(size, media)
-            self.graphs[size, media] = graph
+            self.graphs[size, media], self.outputs[size, media] = capture_graph(
+                lambda size=size, media=media: self._forward(size, media), pool, stream, self.device
+            )
             if progress is not None:
                 kind = "media" if media else "text"
                 progress(f"prefill graph {size} tokens ({kind})", i + 1, len(keys))
