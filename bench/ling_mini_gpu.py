@@ -554,6 +554,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the projections' Triton GEMV at small batch (sets OMNISTAGE_THINKER_GEMV for the ranks)",
     )
     ap.add_argument(
+        "--resident",
+        choices=("on", "off"),
+        default=None,
+        help="the weights-first projections of one or two tokens (sets OMNISTAGE_THINKER_RESIDENT for the ranks)",
+    )
+    ap.add_argument(
         "--pdl",
         choices=("on", "off"),
         default=None,
@@ -568,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMNISTAGE_THINKER_FUSIONS"] = args.fusions
     if args.gemv is not None:
         os.environ["OMNISTAGE_THINKER_GEMV"] = args.gemv
+    if args.resident is not None:
+        os.environ["OMNISTAGE_THINKER_RESIDENT"] = args.resident
     defaults = dict(
         max_num_seqs=(64, 8),
         max_num_batched_tokens=(4096, 128),
@@ -655,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         "fusions": os.environ.get("OMNISTAGE_THINKER_FUSIONS", "on"),
         "gemv": os.environ.get("OMNISTAGE_THINKER_GEMV", "off"),  # backends.gemv_enabled()'s default
         "pdl": os.environ.get("OMNISTAGE_THINKER_PDL", "on"),  # kernels/pdl.py's default
+        "resident": os.environ.get("OMNISTAGE_THINKER_RESIDENT", "on"),  # backends.resident_enabled()'s
         "elapsed_s": round(elapsed, 1),
         "ok": not problems,
         "problems": problems,

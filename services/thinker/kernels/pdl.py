@@ -7,6 +7,9 @@ memory. Every kernel launched so calls `wait_for_prior_kernels` as its first sta
 prior kernel has completed and its writes are visible before any load or store, so no
 read-after-write or write-after-read race is possible whatever the kernel does after it (a
 kernel launched without PDL, e.g. cuBLAS, keeps the ordinary stream order).
+A kernel may read operands that no kernel ever writes (weights) before its wait, so that those
+reads overlap the kernels before it: `STATIC_OPERANDS` names them per kernel, and nothing else is
+read, and nothing written, before the wait (tests/services/thinker/kernels/test_pdl.py checks it).
 `OMNISTAGE_THINKER_PDL=off` turns it off (the same build's comparison, `bench/ling_mini_gpu.py
 --pdl`); off on a CPU, under Triton's interpreter, and before Hopper.
 """
@@ -34,6 +37,10 @@ except ImportError:  # a Triton without the intrinsics: never launched with PDL 
 
 
 PDL_ENV = "OMNISTAGE_THINKER_PDL"
+
+# Kernel → the parameters it may load from before `wait_for_prior_kernels`: weights, which no kernel
+# writes once the model is loaded (a step's activations, caches and scratch are never among them).
+STATIC_OPERANDS: dict[str, tuple[str, ...]] = {"_resident_gemv_kernel": ("w_ptr", "norm_w_ptr")}
 
 
 def requested() -> bool:

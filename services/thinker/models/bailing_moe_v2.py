@@ -44,10 +44,18 @@ class BailingMoeV2Attention(nn.Module):
         # heads of the qkv rows (layers/backends.py); None: the reference q_norm, k_norm, rope.
         self.qk_kernel: Callable[..., None] | None = None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [T, H] and the step's rope cos/sin [T, rotary_dim] → [T, H] (this rank's partial sum)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input as x + residual (residual None: x alone), its input `norm`, and the
+        step's rope cos/sin [T, rotary_dim] → ([T, H] this rank's partial sum, x + residual). The
+        add + norm runs with the qkv projection (one launch where the kernel serves the step)."""
         t, d = x.shape[0], self.head_dim
-        qkv = self.query_key_value(x)
+        qkv, residual = self.query_key_value.normed(x, norm, residual)
         q_width, kv_width = self.num_heads * d, self.num_kv_heads * d
         if self.qk_kernel is not None:
             qk = qkv[:, : q_width + kv_width].view(t, -1, d)
@@ -62,7 +70,7 @@ class BailingMoeV2Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb.apply(*rope, q, k)
-        return self.dense(self.attn(q, k, v).reshape(t, -1))
+        return self.dense(self.attn(q, k, v).reshape(t, -1)), residual
 
 
 class BailingMoeV2DecoderLayer(nn.Module):
@@ -98,11 +106,8 @@ class BailingMoeV2DecoderLayer(nn.Module):
         """The residual stream as a pair: the layer's input is x + residual (residual None: x alone,
         the first layer); returns (this layer's MLP output, the stream before it). Same sums as
         `h = x + attn(norm(x)); return h + mlp(norm(h))`, with each add fused into the next norm."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.attention(x, rope), residual)
+        x, residual = self.attention(x, residual, self.input_layernorm, rope)
+        x, residual = self.post_attention_layernorm(x, residual)
         x = self.mlp(x, modality) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(x)
         return x, residual
 

@@ -127,6 +127,13 @@ FUSIONS_ENV = "OMNISTAGE_THINKER_FUSIONS"
 GEMV_ENV = "OMNISTAGE_THINKER_GEMV"
 
 
+# Set to `off`: a decode step's projections of one or two tokens without the weights-first kernel
+# (`kernels/resident_gemv.py`: each program's weight rows read before the PDL wait, the add + RMSNorm
+# before the qkv projection in the same launch), for a same-build comparison
+# (bench/ling_mini_gpu.py --resident).
+RESIDENT_ENV = "OMNISTAGE_THINKER_RESIDENT"
+
+
 def fusions_enabled() -> bool:
     """The environment's choice (default on); anything but on / off is refused, naming both."""
     return _switch(FUSIONS_ENV)
@@ -135,6 +142,11 @@ def fusions_enabled() -> bool:
 def gemv_enabled() -> bool:
     """GEMV_ENV's choice (default off), refused as FUSIONS_ENV's is."""
     return _switch(GEMV_ENV, default="off")
+
+
+def resident_enabled() -> bool:
+    """RESIDENT_ENV's choice (default on), refused as FUSIONS_ENV's is."""
+    return _switch(RESIDENT_ENV)
 
 
 def _switch(name: str, default: str = "on") -> bool:
@@ -152,10 +164,12 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     launch each. moe triton: the router (gate GEMV + group-limited top-k in one launch for decode
     batches) and the routed experts (alignment, two GEMMs, and the sum over each token's experts
     with the shared expert's add). `fuse` (default: FUSIONS_ENV) False: the MoE glue unfused.
-    Under the fast attention backends the projections and the LM head also take the Triton GEMV
-    for a decode step's few tokens (`kernels/gemv.py` `chooses_kernel`) unless GEMV_ENV is off."""
+    Under the fast attention backends a projection of one or two tokens whose weight fits takes the
+    weights-first kernel, the qkv projection with the add + norm before it (`kernels/resident_gemv.py`;
+    unless `fuse` or RESIDENT_ENV is off), and the projections and the LM head the Triton GEMV for a
+    decode step's few tokens (`kernels/gemv.py` `chooses_kernel`) when GEMV_ENV is on."""
     fuse = fusions_enabled() if fuse is None else fuse
-    attention, norm, qk, act, gemv = TORCH_ATTENTION, None, None, None, None
+    attention, norm, qk, act, gemv, norm_gemv = TORCH_ATTENTION, None, None, None, None, None
     if backends.attention in ("triton", "flashinfer"):
         from omnistage.services.thinker.kernels import norms
 
@@ -163,6 +177,11 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
         norm, qk, act = norms.rms_norm, norms.qk_norm_rope, norms.silu_and_mul
         if gemv_enabled():
             from omnistage.services.thinker.kernels.gemv import linear as gemv
+        if fuse and resident_enabled():
+            from omnistage.services.thinker.kernels import resident_gemv
+
+            gemv = functools.partial(resident_gemv.linear, fallback=gemv)
+            norm_gemv = resident_gemv.normed_linear
     experts, route = None, None
     if backends.moe == "triton":
         from omnistage.services.thinker.kernels.fused_moe import fused_experts
@@ -183,6 +202,8 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
             module.act = act
         elif hasattr(module, "gemv"):  # a projection or the LM head (layers/linear.py `project`)
             module.gemv = gemv
+            if hasattr(module, "norm_gemv"):
+                module.norm_gemv = norm_gemv
         elif isinstance(module, FusedExperts):
             module.kernel = experts if experts is None or align_supported(module.w13.shape[0]) else None
         elif isinstance(module, Router):

@@ -11,12 +11,17 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from omnistage.services.thinker.models.layers.norm import RMSNorm
 from omnistage.services.thinker.models.layers.parallel import TPGroup, divide
 from torch import nn
 
 # A small-batch matmul that replaces F.linear (x, weight) → x @ weightᵀ, set by `install_backends`
 # (None: F.linear); it picks F.linear itself for the shapes it does not serve.
 LinearKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# The add + RMSNorm before a projection and the projection in one launch: (x, weight, norm weight,
+# eps, residual or None) → (the projection of norm(x + residual), x + residual), or None where the
+# kernel does not serve the shape (kernels/resident_gemv.py `normed_linear`; set by `install_backends`).
+NormedLinearKernel = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, kernel: LinearKernel | None) -> torch.Tensor:
@@ -36,9 +41,24 @@ class _Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.gemv: LinearKernel | None = None
+        self.norm_gemv: NormedLinearKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight, self.gemv)
+
+    def normed(
+        self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This projection of norm(x + residual), and x + residual (residual None: of norm(x), and
+        x): the decoder layer's add + norm before it, in one launch where `norm_gemv` serves."""
+        if self.norm_gemv is not None:
+            fused = self.norm_gemv(x, self.weight, norm.weight, norm.eps, residual)
+            if fused is not None:
+                return fused
+        if residual is None:
+            return self(norm(x)), x
+        h, residual = norm(x, residual)
+        return self(h), residual
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         check_shape(type(self).__name__, loaded.shape, param.shape)

@@ -19,6 +19,7 @@ from omnistage.services.thinker.kernels import (
     paged_attention,
     paged_prefill,
     peer_allreduce,
+    resident_gemv,
     router,
 )
 from triton.backends.compiler import GPUTarget
@@ -75,6 +76,11 @@ GEMV = {
     "w_ptr": B,
     "out_ptr": B,
     **{n: I32 for n in ("m", "n", "k", "k_per_split", "stride_x", "stride_w")},
+}
+RESIDENT = {
+    **{n: B for n in ("x_ptr", "r_ptr", "norm_w_ptr", "w_ptr", "out_ptr", "sum_ptr")},
+    **{n: I32 for n in ("m", "n", "k", "stride_x", "stride_r", "stride_w", "stride_o", "stride_s")},
+    "eps": F32,
 }
 ROUTE_SHAPE = {"NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4, "TOP_K": 8}
 # The CUDA-core GEMV's launch (a token or four) and the select-only one: no dots, no splits.
@@ -292,6 +298,17 @@ CASES = {
         gemv._sum_splits_kernel,
         {"partial_ptr": "*fp32", "out_ptr": B, "count": I32},
         {"SPLIT": 4, "BLOCK": 1024},
+    ),
+    # The weights-first projection: Ling-mini's qkv with the add + norm folded, Ming-flash TP=2's o.
+    "resident_gemv_normed": (
+        resident_gemv._resident_gemv_kernel,
+        RESIDENT,
+        {"BLOCK_N": 8, "K_PAD": 2048, "NORM": True, "RESIDUAL": True},
+    ),
+    "resident_gemv": (
+        resident_gemv._resident_gemv_kernel,
+        RESIDENT,
+        {"BLOCK_N": 4, "K_PAD": 4096, "NORM": False, "RESIDUAL": False},
     ),
     # A prefill: the selection alone over cuBLAS's fp32 logits, a program a token.
     "router": (

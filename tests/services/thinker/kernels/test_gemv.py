@@ -12,6 +12,7 @@ from omnistage.services.thinker.kernels import gemv as gemv_kernels
 from omnistage.services.thinker.kernels.gemv import GemvConfig, chooses_kernel, default_config, gemv, linear
 from omnistage.services.thinker.models.layers.backends import (
     GEMV_ENV,
+    RESIDENT_ENV,
     BackendError,
     Backends,
     install_backends,
@@ -90,6 +91,7 @@ def test_installing_reaches_the_projections_and_the_lm_head_when_switched_on(tin
     mods = _projections(model)
     kinds = {type(m) for m in mods}
     assert {ParallelLMHead, QKVParallelLinear, RowParallelLinear} <= kinds
+    monkeypatch.setenv(RESIDENT_ENV, "off")  # this switch alone (test_resident_gemv.py: the other)
     monkeypatch.delenv(GEMV_ENV, raising=False)
     install_backends(model, Backends("triton", "triton"))
     assert all(m.gemv is None for m in mods)  # off unless asked (slower end to end on one H200)

@@ -43,12 +43,55 @@ def test_the_decode_steps_kernels_are_launched_with_pdl():
     assert decode_step <= names
 
 
-def test_a_pdl_kernel_waits_for_the_prior_kernels_before_anything_else():
+WAIT = "wait_for_prior_kernels(USE_PDL)"
+
+
+def before_wait_problems(fn: ast.FunctionDef, static: tuple[str, ...]) -> list[str]:
+    """What `fn` does before its wait that it may not: anything at all unless `static` names
+    operands, and then any pointer parameter but those, or any store or atomic."""
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    at = next((i for i, s in enumerate(body) if ast.unparse(s) == WAIT), None)
+    if at is None:
+        return [f"{fn.name}: no {WAIT}"]
+    if not static:
+        return [] if at == 0 else [f"{fn.name} starts with {ast.unparse(body[0])!r}"]
+    pointers = {a.arg for a in fn.args.args if a.arg.endswith("_ptr")}
+    problems = []
+    for node in (n for s in body[:at] for n in ast.walk(s)):
+        if isinstance(node, ast.Name) and node.id in pointers and node.id not in static:
+            problems.append(f"{fn.name} reads {node.id} before its wait")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr == "store" or node.func.attr.startswith("atomic"):
+                problems.append(f"{fn.name} writes before its wait: {ast.unparse(node)}")
+    return problems
+
+
+def test_a_pdl_kernel_waits_for_the_prior_kernels_before_anything_but_its_weights():
     for path, kernels in _pdl_kernels().items():
         for name, fn in kernels.items():
-            body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-            first = ast.unparse(body[0])
-            assert first == "wait_for_prior_kernels(USE_PDL)", f"{path.name}:{name} starts with {first!r}"
+            assert before_wait_problems(fn, pdl.STATIC_OPERANDS.get(name, ())) == [], path.name
+    assert set(pdl.STATIC_OPERANDS) <= {name for kernels in _pdl_kernels().values() for name in kernels}
+
+
+def test_the_rule_catches_a_read_or_a_write_before_the_wait():
+    source = """
+@triton.jit
+def k(x_ptr, w_ptr, out_ptr, USE_PDL: tl.constexpr):
+    w = tl.load(w_ptr)
+    STEP
+    wait_for_prior_kernels(USE_PDL)
+    tl.store(out_ptr, tl.load(x_ptr) + w)
+"""
+
+    def problems(step: str, static: tuple[str, ...] = ("w_ptr",)) -> list[str]:
+        fn = ast.parse(source.replace("STEP", step)).body[0]
+        return before_wait_problems(fn, static)
+
+    assert problems("pass") == []
+    assert problems("x = tl.load(x_ptr)") == ["k reads x_ptr before its wait"]
+    assert problems("tl.store(w_ptr, w)") == ["k writes before its wait: tl.store(w_ptr, w)"]
+    assert problems("tl.atomic_add(w_ptr, 1)") == ["k writes before its wait: tl.atomic_add(w_ptr, 1)"]
+    assert problems("pass", static=()) == ["k starts with 'w = tl.load(w_ptr)'"]
 
 
 def test_every_launch_of_a_pdl_kernel_passes_pdl_launch():

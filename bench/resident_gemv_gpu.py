@@ -1,0 +1,177 @@
+"""The decode step's projections with their weights read before the PDL wait (`kernels/resident_gemv.py`)
+against cuBLAS and the tiled Triton GEMV, in the chains a one-sequence decode step runs them in.
+
+    source bench/device_env.sh && python3 bench/resident_gemv_gpu.py --out $OUT/resident_gemv.json
+
+Each chain is captured `--reps` times in one CUDA graph, every repetition with its own weights (so
+no repetition finds them in L2), and timed over replays: µs a repetition, the kernel before the
+projection included (that is what the weights-first read overlaps). Chains, at Ling-mini TP=1's and
+Ming-flash TP=2's shapes, one token:
+- norm→qkv: add + RMSNorm, then the qkv projection (cuBLAS | tiled GEMV | resident | resident with
+  the add + norm folded in: one launch);
+- attn→o: the paged decode attention over a 256-token context, then the o projection;
+- alone: the projection alone, back to back (its bandwidth with nothing to overlap).
+Then a (rows, warps) sweep of the resident kernel per shape. Exit status 1 when a result differs from
+F.linear by more than bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omnistage.common.checkpoint.config_only import LING_MINI, MING_FLASH
+from omnistage.services.thinker.kernels import gemv as tiled
+from omnistage.services.thinker.kernels import pdl
+from omnistage.services.thinker.kernels.norms import rms_norm
+from omnistage.services.thinker.kernels.paged_attention import paged_decode
+from omnistage.services.thinker.kernels.resident_gemv import ResidentConfig, fits, resident_gemv
+
+SWEEP = ((4, 4), (8, 4), (8, 8), (16, 8), (16, 16), (32, 16))
+
+
+def time_chain(step, reps: int, replays: int = 20) -> float:
+    """µs a repetition of `step(i)` (i the repetition), captured `reps` times in one graph."""
+    for i in range(reps):
+        step(i)
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step(0)
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(reps):
+                step(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (replays * reps)
+
+
+def shapes(dims: dict, tp: int) -> dict[str, tuple[int, int]]:
+    h, d = dims["hidden_size"], dims["head_dim"]
+    heads, kv = dims["num_attention_heads"] // tp, max(1, dims["num_key_value_heads"] // tp)
+    return {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d)}
+
+
+def projector(name: str, cfg: ResidentConfig | None = None):
+    if name == "cublas":
+        return F.linear
+    if name == "tiled":
+        return lambda x, w: tiled.gemv(x, w)
+    return lambda x, w: resident_gemv(x, w, config=cfg)
+
+
+def run_model(label: str, dims: dict, tp: int, reps: int, dev: torch.device, force: bool) -> dict:
+    result: dict = {"shapes": {}, "chains": {}, "sweep": {}, "max_abs_diff": {}, "ok": True}
+    for proj, (n, k) in shapes(dims, tp).items():
+        result["shapes"][proj] = [n, k]
+        if not fits(n, k, 2) and not force:
+            print(f"[{label}] {proj} {n}x{k}: does not fit the resident budget", flush=True)
+            result["chains"][proj] = "does not fit"
+            continue
+        measure_projection(label, proj, n, k, dims, tp, reps, dev, result)
+    return result
+
+
+def measure_projection(
+    label: str, proj: str, n: int, k: int, dims: dict, tp: int, reps: int, dev: torch.device, result: dict
+) -> None:
+    """One projection's check against F.linear, its chains and its sweep, into `result`."""
+    dt = torch.bfloat16
+    h = dims["hidden_size"]
+    heads, kv, d = (
+        dims["num_attention_heads"] // tp,
+        max(1, dims["num_key_value_heads"] // tp),
+        dims["head_dim"],
+    )
+    x = torch.randn(1, h, dtype=dt, device=dev)
+    res = torch.randn(1, h, dtype=dt, device=dev)
+    norm_w = torch.randn(h, dtype=dt, device=dev)
+    ws = [torch.randn(n, k, dtype=dt, device=dev) * 0.02 for _ in range(reps)]
+    xin = torch.randn(1, k, dtype=dt, device=dev)
+    ref = F.linear(xin, ws[0]).float()
+    diff = (resident_gemv(xin, ws[0]).float() - ref).abs().max().item()
+    result["max_abs_diff"][proj] = diff
+    if diff > 0.02 * ref.abs().max().item() + 1e-2:
+        print(f"[{label}] {proj}: resident differs from F.linear by {diff}", flush=True)
+        result["ok"] = False
+    chains = {}
+    for name in ("cublas", "tiled", "resident"):
+        fn = projector(name)
+        chains[f"alone {name}"] = time_chain(lambda i, fn=fn: fn(xin, ws[i]), reps)
+    if proj == "qkv":
+        for name in ("cublas", "tiled", "resident"):
+            fn = projector(name)
+            chains[f"norm->{name}"] = time_chain(
+                lambda i, fn=fn: fn(rms_norm(x, norm_w, 1e-6, res)[0], ws[i]), reps
+            )
+        chains["resident with the norm folded"] = time_chain(
+            lambda i: resident_gemv(x, ws[i], norm=(norm_w, 1e-6), residual=res), reps
+        )
+        chains["norm alone"] = time_chain(lambda i: rms_norm(x, norm_w, 1e-6, res), reps)
+    else:
+        page, ctx = 16, 256
+        blocks = ctx // page
+        kc = torch.randn(blocks, page, kv, d, dtype=dt, device=dev)
+        vc = torch.randn_like(kc)
+        table = torch.arange(blocks, dtype=torch.int32, device=dev)[None]
+        lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
+        q = torch.randn(1, heads, d, dtype=dt, device=dev)
+
+        def attn():
+            return paged_decode(q, kc, vc, table, lens, d**-0.5).reshape(1, -1)
+
+        for name in ("cublas", "tiled", "resident"):
+            fn = projector(name)
+            chains[f"attn->{name}"] = time_chain(lambda i, fn=fn: fn(attn(), ws[i]), reps)
+        chains["attn alone"] = time_chain(lambda i: attn(), reps)
+    result["chains"][proj] = {key: round(v, 2) for key, v in chains.items()}
+    for key, v in chains.items():
+        print(f"[{label}] {proj} {n}x{k} {key}: {v:.2f} us", flush=True)
+    sweep = {}
+    for rows, warps in SWEEP:
+        cfg = ResidentConfig(rows, warps)
+        try:
+            us = time_chain(lambda i, cfg=cfg: resident_gemv(xin, ws[i], config=cfg), reps)
+        except Exception as exc:  # a config that does not compile (registers)
+            print(f"[{label}] {proj} rows {rows} warps {warps}: {type(exc).__name__}", flush=True)
+            continue
+        sweep[f"{rows}x{warps}"] = round(us, 2)
+        gbps = n * k * 2 / us / 1e3
+        print(
+            f"[{label}] {proj} resident rows {rows} warps {warps}: {us:.2f} us ({gbps:.0f} GB/s)", flush=True
+        )
+    result["sweep"][proj] = sweep
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20, help="repetitions a graph, each with its own weights")
+    ap.add_argument("--force", action="store_true", help="time the shapes past the resident budget too")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    print(f"PDL {'on' if pdl.enabled(dev) else 'off'}; {torch.cuda.get_device_name(dev)}", flush=True)
+    out = {
+        "device": torch.cuda.get_device_name(dev),
+        "pdl": pdl.enabled(dev),
+        "ling-mini tp1": run_model("ling-mini tp1", LING_MINI, 1, args.reps, dev, args.force),
+        "ming-flash tp2": run_model("ming-flash tp2", MING_FLASH, 2, args.reps, dev, args.force),
+    }
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+    return 0 if all(out[m]["ok"] for m in ("ling-mini tp1", "ming-flash tp2")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
