@@ -419,14 +419,19 @@ def fused_experts(
     shared expert's (gate_up [2I', H], down [H, I']) → [T, H] in x's dtype: the routed mix summed in
     fp32 and rounded, plus the shared expert's output (FusedExperts.forward).
 
-    `fuse`: a decode step's fusions -- the sum in one launch, the shared expert folded in
-    (`folds_shared`) when its shape is an expert's; False: the launches of the reference ops (a
+    `fuse`: a decode step's fusions -- one token in two launches (`moe_one_token.py`), more with
+    the sum in one launch and the shared expert folded in (`folds_shared`) when its shape is an
+    expert's; False: the launches of the reference ops (a
     same-build comparison).
     `tiles` overrides `choose_tiles` (bench/moe_decode_gpu.py)."""
     t, k = ids.shape
     num_experts, two_i, hidden = w13.shape
     if t == 0:
         return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
+    from omnistage.services.thinker.kernels import moe_one_token  # it imports this module
+
+    if fuse and tiles is None and moe_one_token.supported(x, w13, w2, ids, shared):
+        return moe_one_token.one_token_experts(x, w13, w2, weights, ids, shared)
     n = t * k
     fold = shared is not None and folds_shared(n, fuse) and _foldable(shared, w13, w2)
     shared_out = _shared_expert(x, *shared) if shared is not None and not fold else None

@@ -8,8 +8,8 @@ prior kernel has completed and its writes are visible before any load or store, 
 read-after-write or write-after-read race is possible whatever the kernel does after it (a
 kernel launched without PDL, e.g. cuBLAS, keeps the ordinary stream order).
 A kernel may read operands that no kernel ever writes (weights) before its wait, so that those
-reads overlap the kernels before it: `STATIC_OPERANDS` names them per kernel, and nothing else is
-read, and nothing written, before the wait (tests/services/thinker/kernels/test_pdl.py checks it).
+reads overlap the kernels before it: `STATIC_OPERANDS` names them per kernel, `SETTLED_OPERANDS`
+what the launch two back wrote, and nothing else is read, and nothing written, before the wait (tests/services/thinker/kernels/test_pdl.py checks it).
 `OMNISTAGE_THINKER_PDL=off` turns it off (the same build's comparison, `bench/ling_mini_gpu.py
 --pdl`); off on a CPU, under Triton's interpreter, and before Hopper.
 """
@@ -40,7 +40,16 @@ PDL_ENV = "OMNISTAGE_THINKER_PDL"
 
 # Kernel → the parameters it may load from before `wait_for_prior_kernels`: weights, which no kernel
 # writes once the model is loaded (a step's activations, caches and scratch are never among them).
-STATIC_OPERANDS: dict[str, tuple[str, ...]] = {"_resident_gemv_kernel": ("w_ptr", "norm_w_ptr")}
+STATIC_OPERANDS: dict[str, tuple[str, ...]] = {
+    "_resident_gemv_kernel": ("w_ptr", "norm_w_ptr"),
+    "_one_token_down_kernel": ("w2_ptr", "shared_ptr"),
+}
+# Kernel → the parameters it may load from before its wait because the launch two back wrote them:
+# the kernel right before it waited for that launch to complete before it let this one start (its
+# `wait_for_prior_kernels` comes before its trigger). The caller launches them in that order.
+SETTLED_OPERANDS: dict[str, tuple[str, ...]] = {
+    "_one_token_down_kernel": ("ids_ptr", "weights_ptr")  # the router's, before the gate-up launch
+}
 
 
 def requested() -> bool:

@@ -15,6 +15,7 @@ from omnistage.services.thinker.kernels import (
     fused_moe,
     gemv,
     moe_align,
+    moe_one_token,
     norms,
     paged_attention,
     paged_prefill,
@@ -309,6 +310,19 @@ CASES = {
         resident_gemv._resident_gemv_kernel,
         RESIDENT,
         {"BLOCK_N": 4, "K_PAD": 4096, "NORM": False, "RESIDUAL": False},
+    ),
+    # One token's experts (Ling-mini's tiles): the gate-up reading the ids, the down reading early.
+    "one_token_gate_up": (
+        moe_one_token._one_token_gate_up_kernel,
+        {"x_ptr": B, "w13_ptr": B, "shared_ptr": B, "ids_ptr": "*i64", "h_ptr": B}
+        | {n: I32 for n in ("inter", "hidden", "stride_we")},
+        {"TOP_K": 8, "BLOCK_N": 4, "H_PAD": 2048},
+    ),
+    "one_token_down": (
+        moe_one_token._one_token_down_kernel,
+        {"h_ptr": B, "w2_ptr": B, "shared_ptr": B, "ids_ptr": "*i64", "weights_ptr": "*fp32", "out_ptr": B}
+        | {n: I32 for n in ("hidden", "inter", "stride_we")},
+        {"TOP_K": 8, "BLOCK_N": 2, "I_PAD": 512},
     ),
     # A prefill: the selection alone over cuBLAS's fp32 logits, a program a token.
     "router": (

@@ -1,0 +1,125 @@
+"""One token's MoE layer on one GPU: the aligned path (alignment, two tensor-core expert GEMMs, the
+combine) against `kernels/moe_one_token.py` (two launches, the down weights read before the wait).
+
+    source bench/device_env.sh && python3 bench/moe_one_token_gpu.py --out $OUT/moe_one_token.json
+
+At Ling-mini TP=1's and Ming-flash TP=2's per-rank shapes (256 experts, top-8, one shared expert),
+bf16: µs a layer of `router → experts` (the router launch before the experts, as in a decode step:
+what the down weights' early reads overlap), captured `--layers` times in one CUDA graph with a
+layer's own weights each (the chosen experts are never in L2 from the layer before), then a sweep of
+the one-token tiles. Exit status 1 when the two paths differ by more than bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from omnistage.common.checkpoint.config_only import LING_MINI, MING_FLASH_TP2_RANK
+from omnistage.services.thinker.kernels.fused_moe import choose_tiles, fused_experts
+from omnistage.services.thinker.kernels.moe_one_token import OneTokenTiles, default_tiles, one_token_experts
+from omnistage.services.thinker.kernels.router import route
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the chain timer
+from resident_gemv_gpu import time_chain  # noqa: E402
+
+SWEEP = [OneTokenTiles(g, d, w) for w in (4, 8) for g in (2, 4, 8) for d in (1, 2, 4)]
+
+
+def run(label: str, dims: dict, layers: int, dev: torch.device) -> dict:
+    dt = torch.bfloat16
+    e, h, i, k = (
+        dims["num_experts"],
+        dims["hidden_size"],
+        dims["moe_intermediate_size"],
+        dims["num_experts_per_tok"],
+    )
+    groups, top_groups = dims["n_group"], dims["topk_group"]
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g, device=dev) * 0.02).to(dt)
+
+    weights = [
+        dict(
+            gate=rand(e, h),
+            bias=torch.zeros(e, device=dev),
+            w13=rand(e, 2 * i, h),
+            w2=rand(e, h, i),
+            shared=(rand(2 * i, h), rand(h, i)),
+        )
+        for _ in range(layers)
+    ]
+    x = (torch.randn(1, h, generator=g, device=dev)).to(dt)
+    aligned_tiles = choose_tiles(k, e, i, h)
+
+    def layer(n: int, experts) -> torch.Tensor:
+        w = weights[n]
+        rw, ids = route(x, w["gate"], w["bias"], k, groups, top_groups, 2.5)
+        return experts(w, rw, ids)
+
+    def aligned(w, rw, ids):
+        return fused_experts(x, w["w13"], w["w2"], rw, ids, w["shared"], fuse=True, tiles=aligned_tiles)
+
+    def one_token(tiles):
+        return lambda w, rw, ids: one_token_experts(x, w["w13"], w["w2"], rw, ids, w["shared"], tiles)
+
+    a, b = layer(0, aligned), layer(0, one_token(None))
+    diff = (a.float() - b.float()).abs().max().item()
+    ok = diff <= 0.02 * a.float().abs().max().item() + 1e-2
+    result = {
+        "shape": dict(experts=e, hidden=h, intermediate=i, top_k=k),
+        "max_abs_diff": diff,
+        "ok": ok,
+        "default_tiles": vars(default_tiles(h, i, k, 2)),
+        "us_a_layer": {
+            "router + aligned (align, gate-up, down, combine)": time_chain(
+                lambda n: layer(n, aligned), layers
+            ),
+            "router + one token (gate-up, down)": time_chain(lambda n: layer(n, one_token(None)), layers),
+            "router alone": time_chain(
+                lambda n: route(x, weights[n]["gate"], weights[n]["bias"], k, groups, top_groups, 2.5), layers
+            ),
+        },
+        "sweep": {},
+    }
+    for key, us in result["us_a_layer"].items():
+        print(f"[{label}] {key}: {us:.2f} us", flush=True)
+    print(
+        f"[{label}] max abs diff aligned vs one token: {diff:.4g} ({'ok' if ok else 'TOO LARGE'})", flush=True
+    )
+    for tiles in SWEEP:
+        try:
+            us = time_chain(lambda n, tiles=tiles: layer(n, one_token(tiles)), layers)
+        except Exception as exc:  # a tile that does not compile (registers, shared memory)
+            print(f"[{label}] {tiles}: {type(exc).__name__}", flush=True)
+            continue
+        result["sweep"][f"{tiles.gate_up_rows}/{tiles.down_rows}/{tiles.warps}"] = round(us, 2)
+        print(
+            f"[{label}] one token gate-up rows {tiles.gate_up_rows} down rows {tiles.down_rows} warps {tiles.warps}: {us:.2f} us",
+            flush=True,
+        )
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=6, help="layers a graph, each with its own weights")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    out = {
+        "device": torch.cuda.get_device_name(dev),
+        "ling-mini tp1": run("ling-mini tp1", LING_MINI, args.layers, dev),
+        "ming-flash tp2 rank": run("ming-flash tp2 rank", MING_FLASH_TP2_RANK, args.layers, dev),
+    }
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+    return 0 if all(v["ok"] for key, v in out.items() if key != "device") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
