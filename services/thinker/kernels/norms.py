@@ -3,7 +3,10 @@
 A decode step is hundreds of small element-wise launches in the reference (each RMSNorm is seven);
 these fold them. Rounding follows the reference (`layers/norm.py`, `layers/rotary.py`): the
 residual sum and the normalised row are rounded to the activation dtype before the weight multiply.
-The rope rounds after each product and the sum, as the reference's bf16 ops do.
+The rope rounds after each product and the sum, as the reference's bf16 ops do. The QK-norm + rope
+rule is one @triton.jit helper (`norm_rope_heads`): this module's launch and the decode attention
+launch (`paged_attention.paged_decode(..., qk_rope=...)`, a decode step with the fusions on) both
+call it, so the two paths cannot drift apart.
 """
 
 from __future__ import annotations
@@ -85,87 +88,114 @@ def rms_norm(
 
 
 @triton.jit
+def norm_rope_heads(rows, ok, w_ptr, cos_row, sin_row, eps, ROT: tl.constexpr, NORM: tl.constexpr):
+    """The QK-norm + rope rule, its one owner (the separate launch below and the decode attention
+    launch, `paged_attention._decode_kernel`, which folds it in): heads at the pointers `rows`
+    [..., D] (the last axis a head's D contiguous elements; `ok`, broadcast to them, the heads to
+    load, zeros elsewhere) RMSNormed with the weight at `w_ptr` when NORM, then NeoX rope on their
+    first ROT dims with the token's cos/sin at `cos_row`/`sin_row` → the heads in their dtype.
+
+    The reference's bf16 roundings: rstd in fp32, the normed head rounded, times the weight,
+    rounded; each rope product rounded, then their sum. The sum of squares is accumulated in fp64:
+    a bf16 square is exact there, and so is the sum of a head's (up to 128 dims whose nonzero
+    magnitudes span less than 2^14), whatever order a launch's layout reduces in: both launches
+    get the same rstd, not merely the same rounding steps."""
+    HEAD_DIM: tl.constexpr = rows.shape[-1]
+    half: tl.constexpr = ROT // 2
+    d = tl.arange(0, HEAD_DIM)
+    partner = tl.where(d < half, d + half, d - half)
+    rotated = d < ROT
+    dt = rows.dtype.element_ty
+    x = tl.load(rows, mask=ok, other=0.0).to(tl.float32)
+    xp = tl.load(rows + (partner - d), mask=ok & rotated, other=0.0).to(tl.float32)
+    if NORM:
+        squares = x.to(tl.float64) * x.to(tl.float64)
+        total = tl.sum(squares, axis=-1, keep_dims=True).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(total / HEAD_DIM + eps)
+        w = tl.load(w_ptr + d).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+        x = ((x * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        xp = ((xp * rstd).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
+    c = tl.load(cos_row + d, mask=rotated, other=1.0).to(tl.float32)
+    s = tl.load(sin_row + d, mask=rotated, other=0.0).to(tl.float32)
+    sign = tl.where(d < half, -1.0, 1.0)
+    # The reference's bf16 ops, each rounded: x * cos, rotate_half(x) * sin, their sum.
+    out = (x * c).to(dt).to(tl.float32) + (sign * xp * s).to(dt).to(tl.float32)
+    return tl.where(rotated, out, x).to(dt)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
-    qk_ptr,
+    q_ptr,
+    k_ptr,
     qw_ptr,
     kw_ptr,
     cos_ptr,
     sin_ptr,
     num_q_heads,
     eps,
-    stride_t,
-    stride_h,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
     stride_ct,
     HEAD_DIM: tl.constexpr,
     ROT: tl.constexpr,
     NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """Program (token, head): a query head (head < num_q_heads) or a key head, in place."""
     wait_for_prior_kernels(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
-    half: tl.constexpr = ROT // 2
-    partner = tl.where(d < half, d + half, d - half)
-    rotated = d < ROT
-    base = qk_ptr + t * stride_t + head * stride_h
-    x = tl.load(base + d).to(tl.float32)
-    xp = tl.load(base + partner, mask=rotated, other=0.0).to(tl.float32)
-    if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
-        if head < num_q_heads:
-            w = tl.load(qw_ptr + d).to(tl.float32)
-            wp = tl.load(qw_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
-        else:
-            w = tl.load(kw_ptr + d).to(tl.float32)
-            wp = tl.load(kw_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
-        x = (x * rstd).to(qk_ptr.dtype.element_ty).to(tl.float32) * w
-        xp = (xp * rstd).to(qk_ptr.dtype.element_ty).to(tl.float32) * wp
-        x = x.to(qk_ptr.dtype.element_ty).to(tl.float32)
-        xp = xp.to(qk_ptr.dtype.element_ty).to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_ct + d, mask=rotated, other=1.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_ct + d, mask=rotated, other=0.0).to(tl.float32)
-    sign = tl.where(d < half, -1.0, 1.0)
-    # The reference's bf16 ops, each rounded: x * cos, rotate_half(x) * sin, their sum.
-    dt = qk_ptr.dtype.element_ty
-    out = (x * c).to(dt).to(tl.float32) + (sign * xp * s).to(dt).to(tl.float32)
-    out = tl.where(rotated, out, x)
-    tl.store(base + d, out.to(dt))
+    if head < num_q_heads:
+        rows = q_ptr + t * stride_qt + head * stride_qh + d
+        w_ptr = qw_ptr
+    else:
+        rows = k_ptr + t * stride_kt + (head - num_q_heads) * stride_kh + d
+        w_ptr = kw_ptr
+    out = norm_rope_heads(
+        rows, d < HEAD_DIM, w_ptr, cos_ptr + t * stride_ct, sin_ptr + t * stride_ct, eps, ROT, NORM
+    )
+    tl.store(rows, out)
 
 
 def qk_norm_rope(
-    qk: torch.Tensor,
-    num_q_heads: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> None:
-    """In place on qk [T, Hq + Hk, D] (the q and k heads of one qkv row, adjacent): RMSNorm each
-    head with its weight (when given), then NeoX rope on the first cos.shape[-1] dims."""
-    t, heads, head_dim = qk.shape
+    """In place on q [T, Hq, D] and k [T, Hk, D] (views of the qkv rows, say), one launch: RMSNorm
+    each head with its weight (both given, or neither: no norm), then NeoX rope on the first
+    cos.shape[-1] dims with cos/sin [T, rotary_dim] (`norm_rope_heads`)."""
+    (t, q_heads, head_dim), k_heads = q.shape, k.shape[1]
     if t == 0:
         return
-    if qk.stride(2) != 1:
+    if q.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError("qk_norm_rope: the head dim must be contiguous")
     norm = q_weight is not None
     cos, sin = cos.contiguous(), sin.contiguous()
-    _qk_norm_rope_kernel[(t, heads)](
-        qk,
+    _qk_norm_rope_kernel[(t, q_heads + k_heads)](
+        q,
+        k,
         q_weight if norm else cos,
         k_weight if norm else cos,
         cos,
         sin,
-        num_q_heads,
+        q_heads,
         eps,
-        qk.stride(0),
-        qk.stride(1),
+        *q.stride()[:2],
+        *k.stride()[:2],
         cos.stride(0),
         HEAD_DIM=head_dim,
         ROT=cos.shape[-1],
         NORM=norm,
-        **pdl.launch(qk.device),
+        **pdl.launch(q.device),
     )
 
 

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 from omnistage.services.thinker.kernels import dot_precision, pdl
+from omnistage.services.thinker.kernels.norms import norm_rope_heads
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_for
 
@@ -103,11 +104,29 @@ def _attend_range(
 
 
 @triton.jit
-def _load_q(q_ptr, b, heads, h_ok, d, stride_qb, stride_qh, scale):
-    """Sequence b's query heads `heads` [GROUP_PAD, D] times the softmax scale, in q's dtype."""
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0
-    )
+def _load_q(
+    q_ptr,
+    b,
+    heads,
+    h_ok,
+    d,
+    stride_qb,
+    stride_qh,
+    scale,
+    w_ptr,
+    cos_row,
+    sin_row,
+    eps,
+    ROT: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    """Sequence b's query heads `heads` [GROUP_PAD, D] times the softmax scale, in q's dtype; with
+    ROT > 0 QK-normed (NORM, the weight at `w_ptr`) and roped (the token's cos/sin rows) on load."""
+    rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    if ROT > 0:
+        q = norm_rope_heads(rows, h_ok[:, None], w_ptr, cos_row, sin_row, eps, ROT, NORM)
+    else:
+        q = tl.load(rows, mask=h_ok[:, None], other=0.0)
     return (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
 
 
@@ -201,6 +220,12 @@ def _decode_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_ct,
+    eps,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -209,10 +234,14 @@ def _decode_kernel(
     WRITE_KV: tl.constexpr,
     SPLITS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
+    ROT: tl.constexpr,
+    NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (sequence, KV head, split): its group's online softmax (fp32) over its split, merged by
-    the last split to finish; WRITE_KV: the split with the last token, its only reader, stores it."""
+    the last split to finish; WRITE_KV: the split with the last token, its only reader, stores it.
+    ROT > 0 (with WRITE_KV): q and the new K QK-normed (NORM) and roped (`norm_rope_heads`) on
+    load, K before it is stored — the cache holds what the separate launch would have left there."""
     wait_for_prior_kernels(USE_PDL)
     b, kvh, ctx = tl.program_id(0), tl.program_id(1), tl.load(ctx_ptr + tl.program_id(0))
     lo, hi, alone = _split_range(ctx, SPLITS, BLOCK_N, MIN_CHUNK)
@@ -220,14 +249,22 @@ def _decode_kernel(
         return  # a short context: split 0 attends it all and writes the output itself
     g, d = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM)
     heads, h_ok = kvh * group + g, g < group
+    cos_row, sin_row = cos_ptr + b * stride_ct, sin_ptr + b * stride_ct
     if WRITE_KV:  # (split 0 of an empty context)
         slot = tl.load(slots_ptr + b).to(tl.int64)
         if (slot >= 0) & (hi == ctx) & ((lo < ctx) | (tl.program_id(2) == 0)):
             row = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kvh * stride_ch + d
-            tl.store(k_cache_ptr + row, tl.load(k_ptr + b * stride_kt + kvh * stride_kh + d))
+            new_k = k_ptr + b * stride_kt + kvh * stride_kh + d
+            if ROT > 0:  # normed and roped on its way in: this split, its only reader, reads it so
+                key = norm_rope_heads(new_k, d < HEAD_DIM, kw_ptr, cos_row, sin_row, eps, ROT, NORM)
+            else:
+                key = tl.load(new_k)
+            tl.store(k_cache_ptr + row, key)
             tl.store(v_cache_ptr + row, tl.load(v_ptr + b * stride_vt + kvh * stride_vh + d))
         tl.debug_barrier()  # the row stored before any thread of this program reads the cache
-    q = _load_q(q_ptr, b, heads, h_ok, d, stride_qb, stride_qh, scale)
+    q = _load_q(
+        q_ptr, b, heads, h_ok, d, stride_qb, stride_qh, scale, qw_ptr, cos_row, sin_row, eps, ROT, NORM
+    )
     table, kv = tables_ptr + b * stride_tb, (k_cache_ptr, v_cache_ptr)
     m, s, acc = _attend_range(
         q, *kv, table, lo, hi, kvh, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, PRECISION
@@ -280,12 +317,19 @@ def paged_decode(
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     splits: int | None = None,
+    qk_rope: tuple[torch.Tensor | None, torch.Tensor | None, float, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence) → [B, H, D]: attention over each sequence's first
     context_lens[b] cached tokens through its block table row. The new tokens' K/V are in the
     cache already, or `new_kv` = (k, v [B, KVH, D], slots [B]: each the context's last position)
     and this launch writes them (as `write_kv`: slot < 0 writes nothing), one launch fewer a layer.
-    `splits` a (sequence, KV head): `decode_splits` on a GPU, else 1 (the interpreter: no gain)."""
+    `splits` a (sequence, KV head): `decode_splits` on a GPU, else 1 (the interpreter: no gain).
+
+    `qk_rope` = (q_weight, k_weight (both or neither: no norm), eps, cos, sin [B, rotary_dim]):
+    q and the new k are still to be QK-normed and roped, as `norms.qk_norm_rope` would (the same
+    rule, `norm_rope_heads`), and this launch does it, one launch fewer again: each program on the
+    query heads it loads, the program that writes the new K before storing it (needs `new_kv`).
+    q and k in memory are left as they were (nothing else reads them)."""
     (bsz, num_heads, head_dim), (_, page, num_kv_heads, _) = q.shape, k_cache.shape
     group, group_pad = num_heads // num_kv_heads, max(16, triton.next_power_of_2(num_heads // num_kv_heads))
     out = torch.empty_like(q)
@@ -295,6 +339,16 @@ def paged_decode(
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("paged_decode: the new K/V head dim must be contiguous")
     splits = splits or (decode_splits(bsz, num_kv_heads) if q.is_cuda else 1)
+    q_w, k_w, eps, cos, sin = qk_rope if qk_rope is not None else (None, None, 0.0, q, q)  # q: unread
+    rot = cos.shape[-1] if qk_rope is not None else 0  # 0: no QK-norm + rope in this launch
+    if qk_rope is not None:
+        if new_kv is None:
+            raise ValueError(
+                "paged_decode: qk_rope needs new_kv (the new K is roped on its way into the cache)"
+            )
+        if rot % 2 or not 0 < rot <= head_dim:
+            raise ValueError(f"paged_decode: rotary dim {rot} must be even and in (0, {head_dim}]")
+        cos, sin = cos.contiguous(), sin.contiguous()
     part = stats = tickets = out  # unread with one split
     if splits > 1:  # each split's fp32 softmax state, and a ticket a (sequence, KV head)
         part = q.new_empty(bsz * num_kv_heads * splits, group_pad, head_dim, dtype=torch.float32)
@@ -318,6 +372,12 @@ def paged_decode(
         slots,
         *k.stride()[:2],
         *v.stride()[:2],
+        q_w if q_w is not None else cos,
+        k_w if q_w is not None else cos,
+        cos,
+        sin,
+        cos.stride(0),
+        eps,
         HEAD_DIM=head_dim,
         PAGE=page,
         GROUP_PAD=group_pad,
@@ -326,6 +386,8 @@ def paged_decode(
         WRITE_KV=new_kv is not None,
         SPLITS=splits,
         MIN_CHUNK=SPLIT_MIN_TOKENS,
+        ROT=rot,
+        NORM=q_w is not None,
         num_warps=4,
         num_stages=2,
         **pdl.launch(q.device),

@@ -8,11 +8,10 @@ Attention reads the step's AttentionMetadata (no metadata → one causal sequenc
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 
 import torch
 from omnistage.services.thinker.models.config import ThinkerConfig
-from omnistage.services.thinker.models.layers.attention import PagedAttention
+from omnistage.services.thinker.models.layers.attention import PagedAttention, QKNormRope
 from omnistage.services.thinker.models.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from omnistage.services.thinker.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from omnistage.services.thinker.models.layers.moe import ROUTER_NAMES, GatedMLP, RouterRows, SparseMoeBlock
@@ -40,9 +39,6 @@ class BailingMoeV2Attention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
         self.dense = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp)
         self.eps = config.rms_norm_eps
-        # qk_norm_rope(qk, num_q_heads, q_weight, k_weight, eps, cos, sin), in place on the q and k
-        # heads of the qkv rows (layers/backends.py); None: the reference q_norm, k_norm, rope.
-        self.qk_kernel: Callable[..., None] | None = None
 
     def forward(
         self,
@@ -53,24 +49,18 @@ class BailingMoeV2Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's input as x + residual (residual None: x alone), its input `norm`, and the
         step's rope cos/sin [T, rotary_dim] → ([T, H] this rank's partial sum, x + residual). The
-        add + norm runs with the qkv projection (one launch where the kernel serves the step)."""
+        add + norm runs with the qkv projection (one launch where the kernel serves the step).
+        q and k go to the attention raw, with their QK-norm weights and the rope (`QKNormRope`): the
+        attention's backend applies them (the reference q_norm, k_norm, rope, or a kernel)."""
         t, d = x.shape[0], self.head_dim
         qkv, residual = self.query_key_value.normed(x, norm, residual)
         q_width, kv_width = self.num_heads * d, self.num_kv_heads * d
-        if self.qk_kernel is not None:
-            qk = qkv[:, : q_width + kv_width].view(t, -1, d)
-            q_w = self.q_norm.weight if self.q_norm is not None else None
-            k_w = self.k_norm.weight if self.k_norm is not None else None
-            self.qk_kernel(qk, self.num_heads, q_w, k_w, self.eps, *rope)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            v = qkv[:, q_width + kv_width :].view(t, -1, d)
-        else:
-            q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
-            q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary_emb.apply(*rope, q, k)
-        return self.dense(self.attn(q, k, v).reshape(t, -1)), residual
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+        q_w = self.q_norm.weight if self.q_norm is not None else None
+        k_w = self.k_norm.weight if self.k_norm is not None else None
+        out = self.attn(q, k, v, QKNormRope(q_w, k_w, self.eps, *rope))
+        return self.dense(out.reshape(t, -1)), residual
 
 
 class BailingMoeV2DecoderLayer(nn.Module):

@@ -1,15 +1,18 @@
-"""Paged causal attention over a block-table KV cache: the step's metadata, the layer, and the
-PyTorch reference kernel (the CPU path and the oracle of the fast backends in `backends.py`)."""
+"""Paged causal attention over a block-table KV cache: the step's metadata, the layer, the QK-norm +
+rope its q and k may still need (`QKNormRope`), and the PyTorch reference kernel (the CPU path and
+the oracle of the fast backends in `backends.py`)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
+from omnistage.services.thinker.models.layers.norm import rms_norm_reference
+from omnistage.services.thinker.models.layers.rotary import apply_rope
 from torch import nn
 
 
@@ -76,11 +79,42 @@ def current_metadata(num_tokens: int) -> AttentionMetadata:
     return _CURRENT if _CURRENT is not None else AttentionMetadata.no_cache([num_tokens])
 
 
+class QKNormRope(NamedTuple):
+    """The per-head RMSNorm (q_weight / k_weight [D], both or neither: no norm) and the partial NeoX
+    rope (cos / sin [T, rotary_dim] of the step's tokens) that a layer's q and k take before
+    attention. The model hands them to `PagedAttention.forward` with the raw q and k, and the
+    backend applies them: the reference as `reference` does, a fast backend in a launch of its own
+    or folded into its decode attention launch (`backends.TritonAttention`) — the model does not
+    know which. A tuple in the order `kernels.norms.qk_norm_rope` and `paged_decode` take it."""
+
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def reference(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, KVH, D] normed and roped as the reference's modules do (new tensors)."""
+        if self.q_weight is not None:
+            q, k = (
+                rms_norm_reference(q, self.q_weight, self.eps),
+                rms_norm_reference(k, self.k_weight, self.eps),
+            )
+        return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
+
+
 class AttentionBackend(Protocol):
-    """How one layer's attention runs (the deploy file picks: `backends.py`)."""
+    """How one layer's attention runs (the deploy file picks: `backends.py`); `qk_rope` given: q and
+    k are raw, and the backend norms and ropes them (K before it enters the cache)."""
 
     def forward(
-        self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+        self,
+        layer: PagedAttention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        md: AttentionMetadata,
+        qk_rope: QKNormRope | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -105,17 +139,30 @@ class PagedAttention(nn.Module):
     def has_cache(self) -> bool:
         return self.k_cache.numel() > 0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] → [T, H, D]."""
-        return self.backend.forward(self, q, k, v, current_metadata(q.shape[0]))
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_rope: QKNormRope | None = None
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] → [T, H, D]; with `qk_rope` q and k are taken raw and normed
+        and roped here first (by the backend, which may fold it into its attention launch; q and k
+        themselves may be left raw or changed in place: the caller reads neither afterwards)."""
+        return self.backend.forward(self, q, k, v, current_metadata(q.shape[0]), qk_rope)
 
 
 class TorchAttention:
-    """The reference: K/V written with index_copy_, then each sequence attends in fp32 on its own."""
+    """The reference: QK-norm + rope (`QKNormRope.reference`), K/V written with index_copy_, then
+    each sequence attends in fp32 on its own."""
 
     def forward(
-        self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+        self,
+        layer: PagedAttention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        md: AttentionMetadata,
+        qk_rope: QKNormRope | None = None,
     ) -> torch.Tensor:
+        if qk_rope is not None:
+            q, k = qk_rope.reference(q, k)
         use_cache = md.slot_mapping is not None and layer.has_cache
         if use_cache:
             write_kv_reference(layer, k, v, md.slot_mapping)

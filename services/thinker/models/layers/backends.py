@@ -16,6 +16,7 @@ from omnistage.services.thinker.models.layers.attention import (
     TORCH_ATTENTION,
     AttentionMetadata,
     PagedAttention,
+    QKNormRope,
 )
 from omnistage.services.thinker.models.layers.moe import FusedExperts, GatedMLP, Router
 from omnistage.services.thinker.models.layers.norm import RMSNorm
@@ -159,22 +160,24 @@ def _switch(name: str, default: str = "on") -> bool:
 def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = None) -> None:
     """Point every layer of `model` at the chosen kernels (None everywhere: the reference).
 
-    attention triton / flashinfer: paged attention + KV writes, and the element-wise work around it
-    (RMSNorm with its residual add, QK-norm + rope, SiLU·mul of the dense and shared-expert MLPs) one
-    launch each. moe triton: the router (gate GEMV + group-limited top-k in one launch for decode
-    batches) and the routed experts (alignment, two GEMMs, and the sum over each token's experts
-    with the shared expert's add). `fuse` (default: FUSIONS_ENV) False: the MoE glue unfused.
+    attention triton / flashinfer: paged attention + KV writes + QK-norm and rope (`TritonAttention`:
+    in a decode step all in the attention launch), and the element-wise work around it (RMSNorm with
+    its residual add, SiLU·mul of the dense and shared-expert MLPs) one launch each. moe triton: the
+    router (gate GEMV + group-limited top-k in one launch for decode batches) and the routed experts
+    (alignment, two GEMMs, and the sum over each token's experts with the shared expert's add).
+    `fuse` (default: FUSIONS_ENV) False: the MoE glue unfused, and a decode step's K/V write and
+    QK-norm + rope in launches of their own.
     Under the fast attention backends a projection of one or two tokens whose weight fits takes the
     weights-first kernel, the qkv projection with the add + norm before it (`kernels/resident_gemv.py`;
     unless `fuse` or RESIDENT_ENV is off), and the projections and the LM head the Triton GEMV for a
     decode step's few tokens (`kernels/gemv.py` `chooses_kernel`) when GEMV_ENV is on."""
     fuse = fusions_enabled() if fuse is None else fuse
-    attention, norm, qk, act, gemv, norm_gemv = TORCH_ATTENTION, None, None, None, None, None
+    attention, norm, act, gemv, norm_gemv = TORCH_ATTENTION, None, None, None, None
     if backends.attention in ("triton", "flashinfer"):
         from omnistage.services.thinker.kernels import norms
 
         attention = (TritonAttention if backends.attention == "triton" else FlashInferAttention)(fuse)
-        norm, qk, act = norms.rms_norm, norms.qk_norm_rope, norms.silu_and_mul
+        norm, act = norms.rms_norm, norms.silu_and_mul
         if gemv_enabled():
             from omnistage.services.thinker.kernels.gemv import linear as gemv
         if fuse and resident_enabled():
@@ -196,8 +199,6 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
             module.backend = attention
         elif isinstance(module, RMSNorm):
             module.kernel = norm
-        elif hasattr(module, "qk_kernel"):  # a model's attention block (QK-norm + rope on qkv rows)
-            module.qk_kernel = qk
         elif isinstance(module, GatedMLP):
             module.act = act
         elif hasattr(module, "gemv"):  # a projection or the LM head (layers/linear.py `project`)
@@ -212,23 +213,40 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
 
 
 class TritonAttention:
-    """KV writes, decode steps and prefill / mixed steps in Triton, one launch each per layer: the
-    prefill kernel takes every sequence of the step (decode rows too) through a tile table made once
-    per step (`step_state`); decode steps read their lengths on the device (graph-safe)."""
+    """QK-norm + rope, KV writes, decode steps and prefill / mixed steps in Triton: the prefill kernel
+    takes every sequence of the step (decode rows too) through a tile table made once per step
+    (`step_state`); decode steps read their lengths on the device (graph-safe).
+
+    A decode step with `fuse` is one launch a layer: `paged_decode` writes the new K/V itself and
+    norms and ropes q and the new K on load (`qk_rope`). Otherwise (a prefill or mixed step, no
+    cache, `fuse` off: the same build's unfused comparison) QK-norm + rope is a launch of its own
+    in place on the q and k rows (`norms.qk_norm_rope`, the same rule), then the K/V write, then
+    the attention."""
 
     def __init__(self, fuse: bool = True) -> None:
-        from omnistage.services.thinker.kernels import paged_attention, paged_prefill
+        from omnistage.services.thinker.kernels import norms, paged_attention, paged_prefill
 
         self.kernels = paged_attention
         self.prefill_kernels = paged_prefill
-        self.fuse = fuse  # a decode step's K/V written by its attention launch (else by write_kv)
+        self.norms = norms
+        self.fuse = fuse  # a decode step's K/V write and QK-norm + rope in its attention launch
 
     def forward(
-        self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+        self,
+        layer: PagedAttention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        md: AttentionMetadata,
+        qk_rope: QKNormRope | None = None,
     ) -> torch.Tensor:
-        if md.slot_mapping is None or not layer.has_cache:
+        cached = md.slot_mapping is not None and layer.has_cache
+        fold = cached and md.is_decode and self.fuse
+        if qk_rope is not None and not fold:
+            self.norms.qk_norm_rope(q, k, *qk_rope)
+        if not cached:
             return TORCH_ATTENTION.forward(layer, q, k, v, md)
-        new_kv = (k, v, md.slot_mapping) if md.is_decode and self.fuse else None
+        new_kv = (k, v, md.slot_mapping) if fold else None
         if new_kv is None:
             self.kernels.write_kv(k, v, layer.k_cache, layer.v_cache, md.slot_mapping)
         if md.is_decode:
@@ -236,7 +254,14 @@ class TritonAttention:
             if lens is None:
                 lens = torch.tensor(md.context_lens, dtype=torch.int32, device=q.device)
             return self.kernels.paged_decode(
-                q, layer.k_cache, layer.v_cache, md.block_tables, lens, layer.scale, new_kv
+                q,
+                layer.k_cache,
+                layer.v_cache,
+                md.block_tables,
+                lens,
+                layer.scale,
+                new_kv,
+                qk_rope=qk_rope if fold else None,
             )
         return self.prefill(layer, q, md)
 

@@ -29,9 +29,13 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast back before the weight (ming.md §8.4): bf16 results depend on this order.
-        out = self.weight * h.to(dtype)
+        out = rms_norm_reference(x, self.weight, self.eps)
         return out if residual is None else (out, residual)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * norm(x) over the last dim: statistics in fp32, the normed x cast back to x's dtype
+    before the weight multiply (ming.md §8.4: bf16 results depend on this order)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)

@@ -72,9 +72,13 @@ class RotaryEmbedding(nn.Module):
         self, cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rope with cos/sin [T, rotary_dim] made once per forward (`cos_sin`), shared by every layer."""
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rope of heads x [T, H, D] on their first rotary_dim dims (cos/sin [T, rotary_dim], in
+    x's dtype: each op rounds there); the dims past rotary_dim pass through."""
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)

@@ -115,6 +115,13 @@ DECODE_TYPES = {
     "k_ptr": B,
     "v_ptr": B,
     "slots_ptr": "*i64",
+    # unread without the folded QK-norm + rope (ROT 0): the launch passes its q for them
+    "qw_ptr": B,
+    "kw_ptr": B,
+    "cos_ptr": B,
+    "sin_ptr": B,
+    "stride_ct": I32,
+    "eps": F32,
 }
 CASES = {
     "count": (
@@ -174,14 +181,21 @@ CASES = {
             "tickets_ptr": B,
         },
         {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32", "WRITE_KV": True}
-        | {"SPLITS": 1, "MIN_CHUNK": 128},
+        | {"SPLITS": 1, "MIN_CHUNK": 128, "ROT": 0, "NORM": False},
     ),
     # A small decode grid split over the context: fp32 partials, tickets, the merge.
     "decode_split": (
         paged_attention._decode_kernel,
         {**DECODE_TYPES, "part_ptr": "*fp32", "stats_ptr": "*fp32", "tickets_ptr": "*i32"},
         {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32", "WRITE_KV": True}
-        | {"SPLITS": 16, "MIN_CHUNK": 128},
+        | {"SPLITS": 16, "MIN_CHUNK": 128, "ROT": 0, "NORM": False},
+    ),
+    # A decode step's launch with the QK-norm + partial rope folded in (Ling's rotary dim 64 of 128).
+    "decode_qk_rope": (
+        paged_attention._decode_kernel,
+        {**DECODE_TYPES, "part_ptr": "*fp32", "stats_ptr": "*fp32", "tickets_ptr": "*i32"},
+        {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32", "WRITE_KV": True}
+        | {"SPLITS": 16, "MIN_CHUNK": 128, "ROT": 64, "NORM": True},
     ),
     "prefill": (
         paged_prefill._prefill_kernel,
@@ -230,16 +244,15 @@ CASES = {
     "qk_norm_rope": (
         norms._qk_norm_rope_kernel,
         {
-            "qk_ptr": B,
+            "q_ptr": B,
+            "k_ptr": B,
             "qw_ptr": B,
             "kw_ptr": B,
             "cos_ptr": B,
             "sin_ptr": B,
             "num_q_heads": I32,
             "eps": F32,
-            "stride_t": I32,
-            "stride_h": I32,
-            "stride_ct": I32,
+            **{n: I32 for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_ct")},
         },
         {"HEAD_DIM": 128, "ROT": 64, "NORM": True},
     ),

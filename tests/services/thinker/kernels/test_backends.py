@@ -53,16 +53,11 @@ def test_installing_reaches_every_layer_and_torch_restores_the_reference(tiny_ck
     install_backends(model, Backends("triton", "triton"))
     layers = model.model.layers
     assert all(isinstance(a, TritonAttention) for a in [layer.attention.attn.backend for layer in layers])
-    assert all(
-        layer.input_layernorm.kernel is not None and layer.attention.qk_kernel is not None for layer in layers
-    )
+    assert all(layer.input_layernorm.kernel is not None for layer in layers)
     moe = [layer.mlp for layer in layers if hasattr(layer.mlp, "experts")]
     assert moe and all(m.experts.kernel is not None and m.gate.kernel is not None for m in moe)
     install_backends(model, Backends("torch", "torch"))
-    assert all(
-        layer.attention.attn.backend is TORCH_ATTENTION and layer.attention.qk_kernel is None
-        for layer in layers
-    )
+    assert all(layer.attention.attn.backend is TORCH_ATTENTION for layer in layers)
     assert all(m.experts.kernel is None and m.gate.kernel is None for m in moe)
     assert model.model.norm.kernel is None
 

@@ -1,7 +1,8 @@
 """The decode-graph runner's logic without a GPU: bucket choice, padding rows, static buffers reused
 across steps, which steps it covers; and the tiny engine on the triton kernels through its buffers
-(no capture) gives the reference engine's greedy tokens, with the fusions on, and with the fusions
-off and the Triton GEMV on (test_gemv.py tests the kernel itself)."""
+(no capture) gives the reference engine's greedy tokens, with the fusions on (a decode step's
+QK-norm + rope in its attention launch), and with the fusions off (in a launch of its own) and the
+Triton GEMV on (test_gemv.py tests the kernel itself)."""
 
 from __future__ import annotations
 
@@ -162,9 +163,9 @@ def reference_tokens(tiny_ckpt_2_layers, prompts):
     "fusions, gemv", [("on", "off"), ("off", "on")], ids=["fusions-on", "fusions-off-gemv-on"]
 )
 def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_reference(
-    tiny_ckpt_2_layers, prompts, reference_tokens, fusions, gemv, monkeypatch
+    tiny_ckpt_2_layers, prompts, reference_tokens, fusions, gemv, monkeypatch, launches
 ):
-    from omnistage.services.thinker.kernels import fused_moe
+    from omnistage.services.thinker.kernels import fused_moe, norms, paged_attention
     from omnistage.services.thinker.kernels import gemv as gemv_kernels
     from omnistage.services.thinker.models.layers.backends import FUSIONS_ENV, GEMV_ENV
 
@@ -176,6 +177,8 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
     rows = []  # the rows of each GEMV launch
     kernel = gemv_kernels.gemv
     monkeypatch.setattr(gemv_kernels, "gemv", lambda x, w: rows.append(x.shape[0]) or kernel(x, w))
+    launches.watch(norms, "_qk_norm_rope_kernel")
+    launches.watch(paged_attention, "_decode_kernel")
     # No warm-up: its largest shapes are slow in the interpreter and prove nothing here.
     fast = EngineConfig(attention_backend="triton", moe_backend="triton", **ENGINE_CFG)
     engine = rank0_engine(start_rank(RankConfig(str(tiny_ckpt_2_layers), fast, warmup=False)))
@@ -188,6 +191,16 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
     got = [r.token_ids for r in engine.generate(prompts, PARAMS)]
     assert got == reference_tokens
     assert sizes == [3, 3]  # both decode steps went through the buffers (3 sequences, bucket 4)
+    # QK-norm + rope: the prefill's in a launch of its own a layer (2 layers); each decode step's
+    # (2 steps x 2 layers, bucket 4) in its attention launch (ROT > 0) with the fusions on, else
+    # in a launch of its own before an attention launch without it.
+    tokens = sum(map(len, prompts))
+    qk_rows = [grid[0] for grid, _ in launches.of("_qk_norm_rope_kernel")]
+    folded = [rot > 0 for _, rot in launches.of("_decode_kernel")]
+    if fusions == "on":
+        assert qk_rows == [tokens] * 2 and folded == [True] * 4
+    else:
+        assert qk_rows == [tokens] * 2 + [4] * 4 and folded == [False] * 4
     # on: the prefill's few pairs and both decode steps fold the shared expert; off: never asked
     assert folds and all(folds) if fusions == "on" else folds == []
     if gemv == "on":  # the prefill's rows and both decode steps' (bucket 4) took the GEMV, nothing larger

@@ -46,10 +46,11 @@ def test_qk_norm_and_partial_rope_in_place_on_the_qkv_rows(dim, rotary_dim, rope
             cos, sin, q_norm(q.view(tokens, q_heads, dim)), k_norm(k.view(tokens, kv_heads, dim))
         )
         rows = qkv.clone()
-        qk = rows[:, : (q_heads + kv_heads) * dim].view(tokens, -1, dim)
-        qk_norm_rope(qk, q_heads, q_norm.weight, k_norm.weight, 1e-6, cos, sin)
-    assert torch.allclose(qk[:, :q_heads], want_q, atol=1e-5)
-    assert torch.allclose(qk[:, q_heads:], want_k, atol=1e-5)
+        got_q, got_k, _ = rows.split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        got_q, got_k = got_q.view(tokens, q_heads, dim), got_k.view(tokens, kv_heads, dim)
+        qk_norm_rope(got_q, got_k, q_norm.weight, k_norm.weight, 1e-6, cos, sin)
+    assert torch.allclose(got_q, want_q, atol=1e-5)
+    assert torch.allclose(got_k, want_k, atol=1e-5)
     assert torch.equal(rows[:, (q_heads + kv_heads) * dim :], v)  # V untouched
 
 
