@@ -26,7 +26,7 @@ from omnistage.services.thinker.kernels.router import route
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the chain timer
 from resident_gemv_gpu import time_chain  # noqa: E402
 
-SWEEP = [OneTokenTiles(g, d, w) for w in (4, 8) for g in (2, 4, 8) for d in (1, 2, 4)]
+SWEEP = [OneTokenTiles(g, d, w) for w in (4, 8) for g in (2, 4, 8, 16) for d in (2, 4, 8)]
 
 
 def run(label: str, dims: dict, layers: int, dev: torch.device) -> dict:

@@ -59,7 +59,8 @@ def time_chain(step, reps: int, replays: int = 20) -> float:
 def shapes(dims: dict, tp: int) -> dict[str, tuple[int, int]]:
     h, d = dims["hidden_size"], dims["head_dim"]
     heads, kv = dims["num_attention_heads"] // tp, max(1, dims["num_key_value_heads"] // tp)
-    return {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d)}
+    dense = dims["intermediate_size"] // tp
+    return {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d), "dense_down": (h, dense)}
 
 
 def projector(name: str, cfg: ResidentConfig | None = None):
@@ -108,7 +109,9 @@ def measure_projection(
     for name in ("cublas", "tiled", "resident"):
         fn = projector(name)
         chains[f"alone {name}"] = time_chain(lambda i, fn=fn: fn(xin, ws[i]), reps)
-    if proj == "qkv":
+    if proj == "dense_down":
+        pass  # alone only: layer 0's, after its gate-up (cuBLAS)
+    elif proj == "qkv":
         for name in ("cublas", "tiled", "resident"):
             fn = projector(name)
             chains[f"norm->{name}"] = time_chain(

@@ -25,8 +25,11 @@ from omnistage.services.thinker.kernels.fused_moe import _silu_and_mul
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Weight bytes a thread holds in registers (~64 of them), as kernels/resident_gemv.py.
-_THREAD_BYTES = 256
+# Weight bytes a program holds in registers. One H200, 2026-11-29 (bench/moe_one_token_gpu.py, router +
+# experts graph-timed, µs a layer): Ling-mini 25.6 at gate-up 8 rows (64 KiB) / down 4 rows (36 KiB),
+# 4 warps, against 29.0 at 4 / 2 and 31.7 for the aligned path; Ming-flash TP=2's rank 42-47 at 2-8 /
+# 4 rows against 50.2 aligned.
+_PROGRAM_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,9 @@ class OneTokenTiles:
 
 
 def default_tiles(hidden: int, inter: int, top_k: int, element_size: int, warps: int = 4) -> OneTokenTiles:
-    """The most rows whose weights are `_THREAD_BYTES` a thread: gate-up holds 2 x rows x hidden,
-    down top_k x rows x intermediate (the shared expert's rows besides)."""
-    budget = _THREAD_BYTES * warps * 32 // element_size
+    """The most rows (a power of two) whose weights fit `_PROGRAM_BYTES`: gate-up holds 2 x rows x
+    hidden, down (top_k + 1) x rows x intermediate (the shared expert's rows besides)."""
+    budget = _PROGRAM_BYTES // element_size
 
     def rows(per_row: int) -> int:
         n = max(1, budget // per_row)

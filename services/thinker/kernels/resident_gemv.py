@@ -11,8 +11,8 @@ every program holds anyway, so the add + RMSNorm before a projection folds in (p
 residual sum for the layers after). Products and sums in fp32 on CUDA cores (a row or two: no
 tensor-core tile to fill), one fixed reduction order per compile (graphs = eager, bit for bit).
 
-The weights a program holds are bounded (`fits`): a slice has to stay in registers, and every
-program has to be resident at once for the reads to overlap (an H200's 132 SMs x ~128 KiB of them).
+The weights a program holds are bounded (`fits`): a slice has to stay in registers, and the whole
+weight at most about two waves of programs (a weight all resident at once overlaps best).
 """
 
 from __future__ import annotations
@@ -31,9 +31,12 @@ from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 # sequences; more amortise the weight reads and the tiled GEMV / cuBLAS serve them).
 MAX_TOKENS = 2
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Weight bytes one thread holds (~64 of its registers), and all of a projection's programs at once.
+# Weight bytes one thread holds (~64 of its registers), and the largest weight the kernel takes: about
+# two waves of an H200's programs (132 SMs x ~128 KiB of registers). One H200, 2026-11-29
+# (bench/resident_gemv_gpu.py --force): Ming-flash TP=2's qkv (21 MB, past one wave) 6.7 µs against
+# cuBLAS's 10.3, and with the add + norm folded 8.2 against 11.4 for the norm then cuBLAS.
 _THREAD_BYTES = 256
-_RESIDENT_BYTES = 132 * 128 * 1024
+_RESIDENT_BYTES = 24 * 1024 * 1024
 
 
 @dataclass(frozen=True)
