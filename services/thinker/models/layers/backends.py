@@ -151,7 +151,8 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     (RMSNorm with its residual add, QK-norm + rope, SiLU·mul of the dense and shared-expert MLPs) one
     launch each. moe triton: the router (gate GEMV + group-limited top-k in one launch for decode
     batches) and the routed experts (alignment, two GEMMs, and the sum over each token's experts
-    with the shared expert's add). `fuse` (default: FUSIONS_ENV) False: the MoE glue unfused.
+    with the shared expert's add; a one-router step of few pairs laid out for the experts by the
+    router's launch). `fuse` (default: FUSIONS_ENV) False: the MoE glue unfused.
     Under the fast attention backends the projections and the LM head also take the Triton GEMV
     for a decode step's few tokens (`kernels/gemv.py` `chooses_kernel`) unless GEMV_ENV is off."""
     fuse = fusions_enabled() if fuse is None else fuse
@@ -163,15 +164,16 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
         norm, qk, act = norms.rms_norm, norms.qk_norm_rope, norms.silu_and_mul
         if gemv_enabled():
             from omnistage.services.thinker.kernels.gemv import linear as gemv
-    experts, route = None, None
+    experts, route, layout_rule = None, None, None
     if backends.moe == "triton":
-        from omnistage.services.thinker.kernels.fused_moe import fused_experts
+        from omnistage.services.thinker.kernels.fused_moe import fused_experts, layout_spec
         from omnistage.services.thinker.kernels.moe_align import align_supported
         from omnistage.services.thinker.kernels.router import route as route_kernel
         from omnistage.services.thinker.kernels.router import route_shapes_supported
 
         experts = functools.partial(fused_experts, fuse=fuse)
         route = functools.partial(route_kernel, fuse=fuse)
+        layout_rule = layout_spec if fuse else None  # a one-router step's layout by the router's launch
     for module in model.modules():
         if isinstance(module, PagedAttention):
             module.backend = attention
@@ -185,6 +187,7 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
             module.gemv = gemv
         elif isinstance(module, FusedExperts):
             module.kernel = experts if experts is None or align_supported(module.w13.shape[0]) else None
+            module.layout_rule = layout_rule if module.kernel is not None else None
         elif isinstance(module, Router):
             e, groups, k = module.weight.shape[0], module.n_group, module.top_k
             module.kernel = route if route is None or route_shapes_supported(e, groups, k) else None
