@@ -6,7 +6,9 @@ while the current one runs and waits on the device (`griddepcontrol.wait`) befor
 memory. Every kernel launched so calls `wait_for_prior_kernels` as its first statement: every
 prior kernel has completed and its writes are visible before any load or store, so no
 read-after-write or write-after-read race is possible whatever the kernel does after it (a
-kernel launched without PDL, e.g. cuBLAS, keeps the ordinary stream order).
+kernel launched without PDL, e.g. cuBLAS, keeps the ordinary stream order). The one exception:
+a kernel may load its static operands (`STATIC_OPERANDS`: weights no kernel writes) before the
+wait, so that those HBM reads overlap the previous kernel.
 `OMNISTAGE_THINKER_PDL=off` turns it off (the same build's comparison, `bench/ling_mini_gpu.py
 --pdl`); off on a CPU, under Triton's interpreter, and before Hopper.
 """
@@ -34,6 +36,17 @@ except ImportError:  # a Triton without the intrinsics: never launched with PDL 
 
 
 PDL_ENV = "OMNISTAGE_THINKER_PDL"
+
+# kernel name → the pointer parameters it may load from before `wait_for_prior_kernels`: operands
+# that no kernel ever writes (a layer's weights and biases, written once at load, before any step).
+# Before its wait such a kernel has only assignments (or `if` on constexprs holding them) that name
+# no other pointer parameter (a pointer parameter's name ends in `_ptr`, as every kernel's here
+# does) and these only as the pointer a `tl.load` reads: no store, no atomic, no helper given a
+# pointer. A kernel not named here waits first (tests/services/thinker/kernels/test_pdl.py walks
+# every PDL kernel's syntax tree for both rules). The launch must pass these parameters the
+# weights themselves whatever the path, never a copy made for it (router.py `_operands`: the gate
+# weight as given, even where unread).
+STATIC_OPERANDS: dict[str, tuple[str, ...]] = {"_route_kernel": ("w_ptr", "bias_ptr")}
 
 
 def requested() -> bool:
@@ -70,8 +83,9 @@ def launch(device: torch.device) -> dict:
 
 @triton.jit
 def wait_for_prior_kernels(USE_PDL: tl.constexpr):
-    """First statement of a kernel launched by `launch`: wait until every prior kernel completed
-    (its writes visible), then let the next kernel launch (it waits the same way)."""
+    """First statement of a kernel launched by `launch` (after only the loads of its
+    STATIC_OPERANDS): wait until every prior kernel completed (its writes visible), then let the
+    next kernel launch (it waits the same way)."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()

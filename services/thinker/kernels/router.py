@@ -144,7 +144,7 @@ DOT_TILES = RouterTiles()
 @triton.jit
 def _w_chunk(experts, h0, stride_w, BLOCK_H: tl.constexpr):
     """The offsets of the experts' gate rows over hidden [h0, h0 + BLOCK_H) (the gemv path's chunk;
-    no pointer: the kernel loads its first chunk itself)."""
+    no pointer: the kernel loads its first chunk itself, before the PDL wait)."""
     return experts[:, None] * stride_w + h0 + tl.arange(0, BLOCK_H)[None, :]
 
 
@@ -168,7 +168,7 @@ def _gate_gemv(
     """[len(rows), len(experts)] fp32 logits over hidden [k_lo, k_hi): the rows' activations times
     the experts' gate rows, both loaded in their own dtype, products and sums in fp32 on CUDA cores
     (a token or four: no tensor-core tile to fill), chunk by chunk in order; the first chunk of
-    the gate rows is `w_first` (loaded by the kernel)."""
+    the gate rows is `w_first` (loaded before the PDL wait)."""
     acc = tl.zeros((row_ok.shape[0], experts.shape[0]), dtype=tl.float32)
     acc += _x_times_w(x_ptr, w_first, rows, row_ok, k_lo, k_hi, stride_x, BLOCK_H)
     for h0 in range(k_lo + BLOCK_H, k_hi, BLOCK_H):
@@ -276,8 +276,10 @@ def _route_kernel(
     program, once its tokens' ids are stored, also lays the step's pairs out for the expert GEMMs
     (`moe_align.lay_out_pairs`, align_by_expert's one-program layout; `shared_rows`, BLOCK_M,
     CHUNK as it takes them) -- with MANY_BLOCKS the last of the token blocks' selecting programs
-    to finish."""
-    wait_for_prior_kernels(USE_PDL)
+    to finish.
+    Before the PDL wait only the static operands are read (pdl.STATIC_OPERANDS: the gate's weight
+    and bias, which no kernel writes): every program's bias, and on the gemv path its first chunk
+    of gate rows, load while the previous kernel runs."""
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     k_lo, k_hi = _split_range(hidden, SPLIT, BLOCK_H)
     bias = tl.load(bias_ptr + _expert_grid(NUM_EXPERTS, GROUPS)).to(tl.float32)
@@ -287,6 +289,7 @@ def _route_kernel(
             mask=(tl.arange(0, BLOCK_H) < k_hi - k_lo)[None, :],
             other=0.0,
         )
+    wait_for_prior_kernels(USE_PDL)
     pid_t = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     row_ok = rows < num_tokens
@@ -388,16 +391,18 @@ def _tiling(
 
 def _operands(gemm: bool, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The launch's x, w and fp32 logits: on a GEMM path the inputs as they are and an empty
-    scratch; else the reference's fp32 GEMM (cuBLAS, two casts), its logits standing in for x and
-    w (unread without GEMV)."""
-    if gemm:
-        return (
-            x.contiguous(),
-            weight.contiguous(),
-            x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32),
+    scratch; else the reference's fp32 GEMM (cuBLAS, two casts), its logits standing in for x (w
+    unread without GEMV). w is always the gate weight as given: a static operand, read before the
+    PDL wait (pdl.STATIC_OPERANDS), so never a copy a kernel just wrote -- its rows must be
+    contiguous already (a Router's are)."""
+    if weight.stride(-1) != 1:
+        raise ValueError(
+            "the gate weight's rows must be contiguous: it is read before the PDL wait, not copied"
         )
+    if gemm:
+        return x.contiguous(), weight, x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     logits = torch.nn.functional.linear(x.float(), weight.float()).contiguous()
-    return logits, logits, logits
+    return logits, weight, logits
 
 
 def _checked(path: str | None) -> str | None:

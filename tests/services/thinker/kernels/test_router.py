@@ -178,3 +178,16 @@ def test_the_dot_path_lays_out_too_and_past_one_programs_pairs_nobody_does(monke
     assert router_kernels.route(x, *args, fuse=False, layout=spec)[2] is None
     assert router_kernels.lays_out("gemv", 32) and not router_kernels.lays_out("cublas", 8)
     assert not tickets_for(x.device, 2).any()
+
+
+def test_a_gate_weight_with_strided_rows_is_refused_not_copied():
+    """The gate weight is read before the PDL wait (pdl.STATIC_OPERANDS): a copy made for the
+    launch could still be in flight then; a row-strided slice (a weight's columns) is kept as it is."""
+    weight = torch.randn(64, 40)
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        router_kernels.route(torch.randn(2, 16), torch.randn(16, 64).t(), torch.zeros(64), 8, 8, 4, 1.0)
+    sliced = weight[:, :32]  # rows 40 apart, each contiguous: read in place
+    x = torch.randn(2, 32)
+    want = router_kernels.route(x, sliced.contiguous(), torch.zeros(64), 8, 8, 4, 1.0)
+    got = router_kernels.route(x, sliced, torch.zeros(64), 8, 8, 4, 1.0)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
