@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--sections",
         default=",".join(SECTIONS),
-        help="comma-separated of: " + ", ".join(SECTIONS) + " (e.g. route_layout alone: a minute)",
+        help="comma-separated of: " + ", ".join(SECTIONS) + " (e.g. route_layout alone)",
     )
     args = ap.parse_args(argv)
     torch.manual_seed(0)
