@@ -6,10 +6,10 @@ while the current one runs and waits on the device (`griddepcontrol.wait`) befor
 memory. Every kernel launched so calls `wait_for_prior_kernels` as its first statement: every
 prior kernel has completed and its writes are visible before any load or store, so no
 read-after-write or write-after-read race is possible whatever the kernel does after it (a
-kernel launched without PDL, e.g. cuBLAS, keeps the ordinary stream order).
-A kernel may read operands that no kernel ever writes (weights) before its wait, so that those
-reads overlap the kernels before it: `STATIC_OPERANDS` names them per kernel, `SETTLED_OPERANDS`
-what the launch two back wrote, and nothing else is read, and nothing written, before the wait (tests/services/thinker/kernels/test_pdl.py checks it).
+kernel launched without PDL, e.g. cuBLAS, keeps the ordinary stream order). The exceptions: a
+kernel may load its static operands (`STATIC_OPERANDS`: weights no kernel writes) and its settled
+ones (`SETTLED_OPERANDS`: what the launch two back wrote) before the wait, so that those HBM reads
+overlap the previous kernel (tests/services/thinker/kernels/test_pdl.py checks both rules).
 `OMNISTAGE_THINKER_PDL=off` turns it off (the same build's comparison, `bench/ling_mini_gpu.py
 --pdl`); off on a CPU, under Triton's interpreter, and before Hopper.
 """
@@ -38,15 +38,24 @@ except ImportError:  # a Triton without the intrinsics: never launched with PDL 
 
 PDL_ENV = "OMNISTAGE_THINKER_PDL"
 
-# Kernel → the parameters it may load from before `wait_for_prior_kernels`: weights, which no kernel
-# writes once the model is loaded (a step's activations, caches and scratch are never among them).
+# kernel name → the pointer parameters it may load from before `wait_for_prior_kernels`: operands
+# that no kernel ever writes (a layer's weights and biases, written once at load, before any step).
+# Before its wait such a kernel has only assignments (or `if` on constexprs holding them) that name
+# no other pointer parameter (a pointer parameter's name ends in `_ptr`, as every kernel's here
+# does) and these only as the pointer a `tl.load` reads: no store, no atomic, no helper given a
+# pointer. A kernel not named here waits first (tests/services/thinker/kernels/test_pdl.py walks
+# every PDL kernel's syntax tree for both rules). The launch must pass these parameters the
+# weights themselves whatever the path, never a copy made for it (router.py `_operands`: the gate
+# weight as given, even where unread).
 STATIC_OPERANDS: dict[str, tuple[str, ...]] = {
+    "_route_kernel": ("w_ptr", "bias_ptr"),
     "_resident_gemv_kernel": ("w_ptr", "norm_w_ptr"),
     "_one_token_down_kernel": ("w2_ptr", "shared_ptr"),
 }
-# Kernel → the parameters it may load from before its wait because the launch two back wrote them:
-# the kernel right before it waited for that launch to complete before it let this one start (its
-# `wait_for_prior_kernels` comes before its trigger). The caller launches them in that order.
+# kernel name → the pointer parameters it may load from before its wait because the launch two back
+# wrote them: the kernel right before it waited for that launch to complete before it let this one
+# start (its `wait_for_prior_kernels` comes before its trigger). The caller launches them in that
+# order. The same syntax rule as STATIC_OPERANDS.
 SETTLED_OPERANDS: dict[str, tuple[str, ...]] = {
     "_one_token_down_kernel": ("ids_ptr", "weights_ptr")  # the router's, before the gate-up launch
 }
@@ -86,8 +95,9 @@ def launch(device: torch.device) -> dict:
 
 @triton.jit
 def wait_for_prior_kernels(USE_PDL: tl.constexpr):
-    """First statement of a kernel launched by `launch`: wait until every prior kernel completed
-    (its writes visible), then let the next kernel launch (it waits the same way)."""
+    """First statement of a kernel launched by `launch` (after only the loads of its
+    STATIC_OPERANDS): wait until every prior kernel completed (its writes visible), then let the
+    next kernel launch (it waits the same way)."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()

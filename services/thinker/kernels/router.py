@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from omnistage.services.thinker.kernels import dot_precision, pdl
+from omnistage.services.thinker.kernels import dot_precision, moe_align, pdl
+from omnistage.services.thinker.kernels.moe_align import LayoutSpec, lay_out_pairs
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_for
 
@@ -60,29 +61,35 @@ def _key_value(key):
 
 
 @triton.jit
+def _expert_grid(NUM_EXPERTS: tl.constexpr, GROUPS: tl.constexpr):
+    """[GROUPS, experts a group]: each expert's index, by group (the selection's view of a row)."""
+    per_group: tl.constexpr = NUM_EXPERTS // GROUPS
+    return tl.arange(0, GROUPS)[:, None] * per_group + tl.arange(0, per_group)[None, :]
+
+
+@triton.jit
 def _select(
     logit_rows,
-    bias_ptr,
+    bias,
     row_ok,
     NUM_EXPERTS: tl.constexpr,
     GROUPS: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
     TOP_K: tl.constexpr,
 ):
-    """The fp32 logits stored at `logit_rows` [BLOCK_T] → each row's routing (weights [BLOCK_T,
-    TOP_K] before the scaling, expert ids; rows not in `row_ok` unread): biased scores, the
-    TOPK_GROUP groups with the best top-2 sums, then the TOP_K best experts of those (ties to the
-    lower index) weighted by their unbiased scores, normalised. One reduction per pick (packed
-    keys); logits read past L1 (.cg: other programs wrote them)."""
+    """The fp32 logits stored at `logit_rows` [BLOCK_T] and the fp32 expert bias (`_expert_grid`'s
+    shape) → each row's routing (weights [BLOCK_T, TOP_K] before the scaling, expert ids; rows not
+    in `row_ok` unread): biased scores, the TOPK_GROUP groups with the best top-2 sums, then the
+    TOP_K best experts of those (ties to the lower index) weighted by their unbiased scores,
+    normalised. One reduction per pick (packed keys); logits read past L1 (.cg: other programs
+    wrote them)."""
     per_group: tl.constexpr = NUM_EXPERTS // GROUPS
-    e2 = tl.arange(0, GROUPS)[:, None] * per_group + tl.arange(0, per_group)[None, :]
     logits = tl.load(
-        logit_rows[:, None, None] + e2[None, :, :],
+        logit_rows[:, None, None] + _expert_grid(NUM_EXPERTS, GROUPS)[None, :, :],
         mask=row_ok[:, None, None],
         other=0.0,
         cache_modifier=".cg",
     )
-    bias = tl.load(bias_ptr + e2).to(tl.float32)
     num_experts: tl.constexpr = NUM_EXPERTS
     g = tl.arange(0, GROUPS)
     j = tl.arange(0, per_group)
@@ -135,21 +142,39 @@ DOT_TILES = RouterTiles()
 
 
 @triton.jit
-def _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H: tl.constexpr):
+def _w_chunk(experts, h0, stride_w, BLOCK_H: tl.constexpr):
+    """The offsets of the experts' gate rows over hidden [h0, h0 + BLOCK_H) (the gemv path's chunk;
+    no pointer: the kernel loads its first chunk itself, before the PDL wait)."""
+    return experts[:, None] * stride_w + h0 + tl.arange(0, BLOCK_H)[None, :]
+
+
+@triton.jit
+def _x_times_w(x_ptr, w, rows, row_ok, h0, k_hi, stride_x, BLOCK_H: tl.constexpr):
+    """[len(rows), len(experts)] fp32 sums over one hidden chunk [h0, min(h0 + BLOCK_H, k_hi)) of the
+    rows' activations times the chunk `w` of the experts' gate rows (loaded in its own dtype)."""
+    hs = tl.arange(0, BLOCK_H)
+    x = tl.load(
+        x_ptr + rows[:, None] * stride_x + h0 + hs[None, :],
+        mask=row_ok[:, None] & (hs < k_hi - h0)[None, :],
+        other=0.0,
+    )
+    return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _gate_gemv(
+    x_ptr, w_ptr, w_first, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H: tl.constexpr
+):
     """[len(rows), len(experts)] fp32 logits over hidden [k_lo, k_hi): the rows' activations times
     the experts' gate rows, both loaded in their own dtype, products and sums in fp32 on CUDA cores
-    (a token or four: no tensor-core tile to fill)."""
-    hs = tl.arange(0, BLOCK_H)
+    (a token or four: no tensor-core tile to fill), chunk by chunk in order; the first chunk of
+    the gate rows is `w_first` (loaded before the PDL wait)."""
     acc = tl.zeros((row_ok.shape[0], experts.shape[0]), dtype=tl.float32)
-    for h0 in range(k_lo, k_hi, BLOCK_H):
-        h_ok = hs < k_hi - h0
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_x + h0 + hs[None, :],
-            mask=row_ok[:, None] & h_ok[None, :],
-            other=0.0,
-        )
-        w = tl.load(w_ptr + experts[:, None] * stride_w + h0 + hs[None, :], mask=h_ok[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    acc += _x_times_w(x_ptr, w_first, rows, row_ok, k_lo, k_hi, stride_x, BLOCK_H)
+    for h0 in range(k_lo + BLOCK_H, k_hi, BLOCK_H):
+        h_ok = tl.arange(0, BLOCK_H) < k_hi - h0
+        w = tl.load(w_ptr + _w_chunk(experts, h0, stride_w, BLOCK_H), mask=h_ok[None, :], other=0.0)
+        acc += _x_times_w(x_ptr, w, rows, row_ok, h0, k_hi, stride_x, BLOCK_H)
     return acc
 
 
@@ -206,7 +231,7 @@ def _split_range(hidden, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
     return k_lo, tl.minimum(hidden, k_lo + chunk)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "shared_rows"])
 def _route_kernel(
     x_ptr,
     w_ptr,
@@ -216,11 +241,16 @@ def _route_kernel(
     tickets_ptr,
     weights_ptr,
     ids_ptr,
+    pairs_ptr,
+    counts_ptr,
+    ends_ptr,
+    num_rows_ptr,
     num_tokens,
     hidden,
     stride_x,
     stride_w,
     scaling,
+    shared_rows,
     NUM_EXPERTS: tl.constexpr,
     GROUPS: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
@@ -232,27 +262,47 @@ def _route_kernel(
     DOT: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    MANY_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (e, t, s) for BLOCK_T tokens. GEMV: the fp32 logits of BLOCK_E experts over hidden
     split s (CUDA-core products, or tensor-core dots when DOT) into `partial` (`logits` when SPLIT
     is 1); the last program of a token block to finish (`tickets.last_to_finish`) sums the splits and
-    selects the experts of its tokens from all logits. Else the logits [T, E] are given (x, w,
-    partial and the tickets unread) and program (0, t, 0) selects."""
+    selects the experts of its tokens from all logits. Else the logits [T, E] are given (x, partial
+    and the tickets unread) and program (0, t, 0) selects. LAYOUT (a GEMM path): the selecting
+    program, once its tokens' ids are stored, also lays the step's pairs out for the expert GEMMs
+    (`moe_align.lay_out_pairs`, align_by_expert's one-program layout; `shared_rows`, BLOCK_M,
+    CHUNK as it takes them) -- with MANY_BLOCKS the last of the token blocks' selecting programs
+    to finish.
+    Before the PDL wait only the static operands are read (pdl.STATIC_OPERANDS: the gate's weight
+    and bias, which no kernel writes): every program's bias, and on the gemv path its first chunk
+    of gate rows, load while the previous kernel runs."""
+    experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    k_lo, k_hi = _split_range(hidden, SPLIT, BLOCK_H)
+    bias = tl.load(bias_ptr + _expert_grid(NUM_EXPERTS, GROUPS)).to(tl.float32)
+    if GEMV and not DOT:
+        w_first = tl.load(
+            w_ptr + _w_chunk(experts, k_lo, stride_w, BLOCK_H),
+            mask=(tl.arange(0, BLOCK_H) < k_hi - k_lo)[None, :],
+            other=0.0,
+        )
     wait_for_prior_kernels(USE_PDL)
     pid_t = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     row_ok = rows < num_tokens
     last = True
     if GEMV:
-        experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-        k_lo, k_hi = _split_range(hidden, SPLIT, BLOCK_H)
         if DOT:
             acc = _gate_dot(
                 x_ptr, w_ptr, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H, PRECISION
             )
         else:
-            acc = _gate_gemv(x_ptr, w_ptr, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H)
+            acc = _gate_gemv(
+                x_ptr, w_ptr, w_first, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H
+            )
         part = partial_ptr + tl.program_id(2) * num_tokens * NUM_EXPERTS
         tl.store(part + rows[:, None] * NUM_EXPERTS + experts[None, :], acc, mask=row_ok[:, None])
         last = last_to_finish(tickets_ptr, pid_t, tl.num_programs(0) * tl.num_programs(2))
@@ -261,11 +311,30 @@ def _route_kernel(
             tl.debug_barrier()  # the summed logits stored before the selection reads them
     if last:
         w, chosen = _select(
-            logits_ptr + rows * NUM_EXPERTS, bias_ptr, row_ok, NUM_EXPERTS, GROUPS, TOPK_GROUP, TOP_K
+            logits_ptr + rows * NUM_EXPERTS, bias, row_ok, NUM_EXPERTS, GROUPS, TOPK_GROUP, TOP_K
         )
         out = rows[:, None] * TOP_K + tl.arange(0, TOP_K)[None, :]
         tl.store(weights_ptr + out, w * scaling, mask=row_ok[:, None])
         tl.store(ids_ptr + out, chosen, mask=row_ok[:, None])
+        if LAYOUT:  # the step's pairs laid out by the one selecting program, or the last of several
+            laid = True
+            if MANY_BLOCKS:  # a second ticket, after the blocks' own: every block's ids are stored
+                laid = last_to_finish(tickets_ptr, tl.num_programs(1), tl.num_programs(1))
+            else:
+                tl.debug_barrier()  # every thread's ids stored before the layout reads them
+            if laid:
+                lay_out_pairs(
+                    ids_ptr,
+                    pairs_ptr,
+                    counts_ptr,
+                    ends_ptr,
+                    num_rows_ptr,
+                    num_tokens * TOP_K,
+                    shared_rows,
+                    NUM_EXPERTS,
+                    BLOCK_M,
+                    CHUNK,
+                )
 
 
 PATHS = ("gemv", "dot", "cublas")
@@ -322,22 +391,31 @@ def _tiling(
 
 def _operands(gemm: bool, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The launch's x, w and fp32 logits: on a GEMM path the inputs as they are and an empty
-    scratch; else the reference's fp32 GEMM (cuBLAS, two casts), its logits standing in for x and
-    w (unread without GEMV)."""
-    if gemm:
-        return (
-            x.contiguous(),
-            weight.contiguous(),
-            x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32),
+    scratch; else the reference's fp32 GEMM (cuBLAS, two casts), its logits standing in for x (w
+    unread without GEMV). w is always the gate weight as given: a static operand, read before the
+    PDL wait (pdl.STATIC_OPERANDS), so never a copy a kernel just wrote -- its rows must be
+    contiguous already (a Router's are)."""
+    if weight.stride(-1) != 1:
+        raise ValueError(
+            "the gate weight's rows must be contiguous: it is read before the PDL wait, not copied"
         )
+    if gemm:
+        return x.contiguous(), weight, x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     logits = torch.nn.functional.linear(x.float(), weight.float()).contiguous()
-    return logits, logits, logits
+    return logits, weight, logits
 
 
 def _checked(path: str | None) -> str | None:
     if path is not None and path not in PATHS:
         raise ValueError(f"router path {path!r}: expected one of {', '.join(PATHS)}")
     return path
+
+
+def lays_out(path: str, num_pairs: int) -> bool:
+    """Whether a launch on `path` lays a step of `num_pairs` pairs out for the expert GEMMs (given a
+    LayoutSpec): on a GEMM path (its selecting programs take tickets) when the pairs are few enough
+    for one program (`moe_align.one_program`, the rule `align_by_expert` follows)."""
+    return path != "cublas" and moe_align.one_program(num_pairs, True)
 
 
 def route(
@@ -352,38 +430,48 @@ def route(
     path: str | None = None,
     tiles: RouterTiles | None = None,
     block_t: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    layout: LayoutSpec | None = None,
+) -> tuple[torch.Tensor, ...]:
     """x [T, H], gate weight [E, H] → (fp32 weights [T, top_k], int64 expert ids [T, top_k]).
 
     One launch on the `route_path` paths gemv and dot, else the reference's fp32 GEMM (cuBLAS) and
     the selection in one launch, a program a token. `path`, `tiles` (the dot path's; default
     DOT_TILES) and `block_t` (token rows a program on a GEMM path) override the rule
-    (bench/moe_decode_gpu.py)."""
+    (bench/moe_decode_gpu.py).
+    `layout` (`fused_moe.layout_spec`'s for this step): returns (weights, ids, the pairs' layout as
+    `align_by_expert(ids, E, layout.block_m, True, layout.shared_rows)` gives it, laid out by the
+    same launch -- or None where it does not, `lays_out`); `fused_experts(layout=...)` takes it."""
     (t, hidden), num_experts = x.shape, weight.shape[0]
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     if t == 0:
-        return weights, ids
+        return (weights, ids) if layout is None else (weights, ids, None)
     path = _checked(path) or route_path(x, weight, fuse)
     gemm = path != "cublas"
     x, weight, logits = _operands(gemm, x, weight)
     block_t, block_e, block_h, split, warps, stages = _tiling(path, t, hidden, num_experts, tiles, block_t)
     partial = logits if split == 1 else logits.new_empty(split, t, num_experts)
     grid = (num_experts // block_e, triton.cdiv(t, block_t), split)
+    laid = None
+    if layout is not None and lays_out(path, t * top_k):
+        laid = moe_align.empty_layout(t * top_k, num_experts, layout, x.device)
+    spec = layout if laid is not None else LayoutSpec(1)
     _route_kernel[grid](
         x,
         weight,
         bias,
         logits,
         partial,
-        tickets_for(x.device, grid[1]) if gemm else ids,  # unread without GEMV
+        tickets_for(x.device, grid[1] + 1) if gemm else ids,  # unread without GEMV; +1: the layout's
         weights,
         ids,
+        *(laid or (ids,) * 4),  # unwritten without LAYOUT
         t,
         hidden,
         x.stride(0),
         weight.stride(0),
         scaling,
+        spec.shared_rows,
         NUM_EXPERTS=num_experts,
         GROUPS=n_group,
         TOPK_GROUP=topk_group,
@@ -395,11 +483,15 @@ def route(
         DOT=path == "dot",
         SPLIT=split,
         PRECISION=dot_precision(x.dtype),
+        LAYOUT=laid is not None,
+        MANY_BLOCKS=laid is not None and grid[1] > 1,
+        BLOCK_M=spec.block_m,
+        CHUNK=moe_align.one_program_chunk(t * top_k) if laid is not None else 16,
         num_warps=warps,
         num_stages=stages,
         **pdl.launch(x.device),
     )
-    return weights, ids
+    return (weights, ids) if layout is None else (weights, ids, laid)
 
 
 def route_shapes_supported(num_experts: int, n_group: int, top_k: int) -> bool:

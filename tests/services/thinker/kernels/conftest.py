@@ -14,20 +14,24 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 class Launches:
-    """Records each launch of the kernels it watches: (kernel name, grid, its ROT constant)."""
+    """Records each launch of the kernels it watches: (kernel name, grid, its ROT constant), and in
+    `labels` the name with `+layout` for a router launch with LAYOUT (it lays the pairs out for the
+    expert GEMMs)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.log: list[tuple[str, tuple, int | None]] = []
+        self.labels: list[str] = []
         self.monkeypatch = monkeypatch
 
     def watch(self, module, name: str) -> None:
         """Replace module.name (a launched kernel, looked up at each launch) by a recording one."""
-        kernel, log = getattr(module, name), self.log
+        kernel, log, labels = getattr(module, name), self.log, self.labels
 
         class Recorded:
             def __getitem__(self, grid):
                 def launch(*args, **constants):
                     log.append((name, tuple(grid), constants.get("ROT")))
+                    labels.append(name + ("+layout" if constants.get("LAYOUT") else ""))
                     return kernel[grid](*args, **constants)
 
                 return launch
@@ -45,3 +49,18 @@ class Launches:
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> Launches:
     return Launches(monkeypatch)
+
+
+ALIGN_KERNELS = ("_align_one_program_kernel", "_count_kernel", "_runs_kernel", "_scatter_kernel")
+
+
+@pytest.fixture
+def moe_launches(monkeypatch) -> list[str]:
+    """The label of every router and alignment launch (kernels/moe_align.py) in the test, in order."""
+    from omnistage.services.thinker.kernels import moe_align, router
+
+    watched = Launches(monkeypatch)
+    for name in ALIGN_KERNELS:
+        watched.watch(moe_align, name)
+    watched.watch(router, "_route_kernel")
+    return watched.labels

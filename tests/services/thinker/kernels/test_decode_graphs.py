@@ -163,7 +163,7 @@ def reference_tokens(tiny_ckpt_2_layers, prompts):
     "fusions, gemv", [("on", "off"), ("off", "on")], ids=["fusions-on", "fusions-off-gemv-on"]
 )
 def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_reference(
-    tiny_ckpt_2_layers, prompts, reference_tokens, fusions, gemv, monkeypatch, launches
+    tiny_ckpt_2_layers, prompts, reference_tokens, fusions, gemv, monkeypatch, launches, moe_launches
 ):
     from omnistage.services.thinker.kernels import fused_moe, norms, paged_attention
     from omnistage.services.thinker.kernels import gemv as gemv_kernels
@@ -185,9 +185,17 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
     runner = engine.runner
     graphs = DecodeGraphs(runner.model, 4, runner.cfg.max_blocks_per_seq, runner.device, capture=False)
     runner.use_graphs(graphs)
-    sizes = []
+    sizes, step_launches = [], []
     run = graphs.run
-    graphs.run = lambda plan, fill=None: (sizes.append(int(plan.query_lens.numel())), run(plan, fill))[1]
+
+    def counted_run(plan, fill=None):
+        sizes.append(int(plan.query_lens.numel()))
+        before = len(moe_launches)
+        out = run(plan, fill)
+        step_launches.append(moe_launches[before:])
+        return out
+
+    graphs.run = counted_run
     got = [r.token_ids for r in engine.generate(prompts, PARAMS)]
     assert got == reference_tokens
     assert sizes == [3, 3]  # both decode steps went through the buffers (3 sequences, bucket 4)
@@ -201,6 +209,10 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
         assert qk_rows == [tokens] * 2 and folded == [True] * 4
     else:
         assert qk_rows == [tokens] * 2 + [4] * 4 and folded == [False] * 4
+    # on: a decode step's 16 pairs (bucket 4, top-4) laid out by the router's launch, no alignment
+    # launch; off: the multi-launch layout (count, runs, scatter) in the MoE layer of each step
+    unfused = ["_route_kernel", "_count_kernel", "_runs_kernel", "_scatter_kernel"]
+    assert step_launches == [["_route_kernel+layout"] if fusions == "on" else unfused] * 2
     # on: the prefill's few pairs and both decode steps fold the shared expert; off: never asked
     assert folds and all(folds) if fusions == "on" else folds == []
     if gemv == "on":  # the prefill's rows and both decode steps' (bucket 4) took the GEMV, nothing larger

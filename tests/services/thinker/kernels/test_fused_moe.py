@@ -159,3 +159,82 @@ def test_a_measured_table_entry_sets_each_gemms_tiles_and_the_rule_covers_the_re
     got = fused_experts(x, m.w13, m.w2, weights, ids, (shared.gate_up_proj.weight, shared.down_proj.weight))
     assert launches == [(32, measured.gate_up), (32, measured.down)]
     assert ((got - want).norm() / want.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize(
+    "shared_inter", [None, 32, 64], ids=["no-shared", "shared-folded", "shared-own-gemms"]
+)
+def test_fused_experts_on_the_routers_layout_equal_them_aligning_bit_for_bit(dtype, tokens, shared_inter):
+    """The router lays out `layout_spec`'s layout in its launch; the experts then read it instead of
+    aligning: the same output to the bit."""
+    from omnistage.services.thinker.kernels import router
+
+    m = experts(16, 64, 32, seed=tokens)
+    w13, w2 = m.w13.to(dtype), m.w2.to(dtype)
+    mlp = None if shared_inter is None else shared_expert(64, shared_inter)
+    pair = None if mlp is None else (mlp.gate_up_proj.weight.to(dtype), mlp.down_proj.weight.to(dtype))
+    gate, bias = torch.randn(16, 64, dtype=dtype), torch.randn(16) * 0.1
+    x = torch.randn(tokens, 64, dtype=dtype)
+    spec = fused_moe.layout_spec(tokens, 4, w13, w2, pair)
+    assert spec == moe_align.LayoutSpec(16, tokens if shared_inter == 32 else 0)
+    weights, ids, layout = router.route(x, gate, bias, 4, 4, 2, 1.5, layout=spec)
+    assert layout is not None
+    want = fused_experts(x, w13, w2, weights, ids, pair)
+    got = fused_experts(x, w13, w2, weights, ids, pair, layout=layout)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_the_layout_spec_follows_the_tiles_and_the_fold_and_a_layout_of_another_step_is_refused(monkeypatch):
+    m = experts(16, 64, 48, seed=1)
+    shared = shared_expert(64, 48)
+    pair = (shared.gate_up_proj.weight, shared.down_proj.weight)
+    measured = MoeTiles(32, GemmTiles(16, 32, 4, 2), GemmTiles(64, 16, 2, 3))
+    monkeypatch.setitem(fused_moe.TILES, (16, 48, 64, 8), measured)  # 2 tokens x top-4: 8 pairs
+    assert fused_moe.layout_spec(2, 4, m.w13, m.w2, pair) == moe_align.LayoutSpec(32, 2)
+    assert fused_moe.layout_spec(2, 4, m.w13, m.w2, None) == moe_align.LayoutSpec(32, 0)
+    assert fused_moe.layout_spec(2, 4, m.w13, m.w2, pair, fuse=False) == moe_align.LayoutSpec(32, 0)
+    assert fused_moe.layout_spec(3, 4, m.w13, m.w2, pair) == moe_align.LayoutSpec(16, 3)  # the rule's
+    ids = torch.stack([torch.randperm(16)[:4] for _ in range(2)])
+    x, weights = torch.randn(2, 64), torch.rand(2, 4)
+    for other in (align_by_expert(ids, 16, 16, True, 2), align_by_expert(ids, 16, 32)):  # block_m, fold
+        with pytest.raises(ValueError, match="is not this step's"):
+            fused_experts(x, m.w13, m.w2, weights, ids, pair, layout=other)
+
+
+@pytest.mark.parametrize(
+    "fuse,codes,launched",
+    [
+        (True, None, ["_route_kernel+layout"]),
+        (True, "text", ["_route_kernel+layout"]),  # every token text: one router runs
+        (True, "every-router", ["_route_kernel"] * 3 + ["_align_one_program_kernel"]),
+        (False, None, ["_route_kernel", "_count_kernel", "_runs_kernel", "_scatter_kernel"]),
+    ],
+    ids=["text-step", "one-code", "every-router", "fusions-off"],
+)
+def test_a_one_token_moe_step_aligns_in_the_routers_launch_when_one_router_runs(
+    fuse, codes, launched, moe_launches
+):
+    """A decode step at T=1 with the fusions on: the router's launch lays the pairs out, no
+    alignment launch follows; with three routers on every token (a graph's multimodal step) or the
+    fusions off the experts align the ids themselves. Same output as the reference block."""
+    from omnistage.services.thinker.models.layers.backends import Backends, install_backends
+    from omnistage.services.thinker.models.layers.moe import RouterRows, SparseMoeBlock
+    from omnistage.services.thinker.models.layers.parallel import TPGroup
+
+    torch.manual_seed(7)
+    block = SparseMoeBlock(64, 16, 32, 1, 4, 4, 2, 1.5, multi_router=True, tp=TPGroup())
+    for p in block.parameters():
+        p.data.normal_(0, 0.1)
+    x = torch.randn(1, 64)
+    modality = {
+        None: None,
+        "text": RouterRows.of(torch.zeros(1, dtype=torch.long), 3),
+        "every-router": RouterRows.every_router(torch.ones(1, dtype=torch.long)),
+    }[codes]
+    want = block(x, modality)
+    install_backends(block, Backends("torch", "triton"), fuse=fuse)
+    got = block(x, modality)
+    assert moe_launches == launched
+    assert ((got - want).norm() / want.norm()) < 1e-5

@@ -1,11 +1,12 @@
 """Programmatic dependent launch: a kernel launched with it waits for every prior kernel before it
-touches memory, every launch of such a kernel goes through `pdl.launch`, and the switch is refused
-when it is neither on nor off. (On the GPU the decode tests compare the PDL graphs with eager and the
+touches memory (but for loads of its declared static operands, pdl.STATIC_OPERANDS), every launch of
+such a kernel goes through `pdl.launch`, and the switch is refused when it is neither on nor off. (On the GPU the decode tests compare the PDL graphs with eager and the
 reference: tests/services/thinker/engine/test_decode_fusions_gpu.py.)"""
 
 from __future__ import annotations
 
 import ast
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -46,54 +47,133 @@ def test_the_decode_steps_kernels_are_launched_with_pdl():
 WAIT = "wait_for_prior_kernels(USE_PDL)"
 
 
-def before_wait_problems(fn: ast.FunctionDef, static: tuple[str, ...]) -> list[str]:
-    """What `fn` does before its wait that it may not: anything at all unless `static` names
-    operands, and then any pointer parameter but those, or any store or atomic."""
+def pre_wait_violations(fn: ast.FunctionDef, static: tuple[str, ...] = ()) -> list[str]:
+    """What kernel `fn` does before its wait that pdl.STATIC_OPERANDS' rule forbids ([]: nothing):
+    the wait must be a top-level statement; before it, with no static operands declared, nothing;
+    else only assignments (or `if` on constexpr parameters holding them) that name no pointer
+    parameter (`*_ptr`) but the declared ones, and those only as the pointer of a `tl.load` (no
+    store or atomic, no helper given a pointer)."""
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    at = next((i for i, s in enumerate(body) if ast.unparse(s) == WAIT), None)
-    if at is None:
-        return [f"{fn.name}: no {WAIT}"]
-    if not static:
-        return [] if at == 0 else [f"{fn.name} starts with {ast.unparse(body[0])!r}"]
+    waits = [i for i, s in enumerate(body) if ast.unparse(s) == WAIT]
+    if not waits:
+        return [f"no top-level {WAIT}"]
+    before = body[: waits[0]]
+    if before and not static:
+        return [f"{ast.unparse(before[0]).splitlines()[0]!r} before the wait, no static operands declared"]
     pointers = {a.arg for a in fn.args.args if a.arg.endswith("_ptr")}
-    problems = []
-    for node in (n for s in body[:at] for n in ast.walk(s)):
-        if isinstance(node, ast.Name) and node.id in pointers and node.id not in static:
-            problems.append(f"{fn.name} reads {node.id} before its wait")
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr == "store" or node.func.attr.startswith("atomic"):
-                problems.append(f"{fn.name} writes before its wait: {ast.unparse(node)}")
+    constexprs = {
+        a.arg for a in fn.args.args if a.annotation is not None and "constexpr" in ast.unparse(a.annotation)
+    }
+    problems: list[str] = []
+
+    def visit(node: ast.AST, loaded: bool) -> None:
+        """`loaded`: node is (part of the arithmetic of) the pointer a tl.load reads."""
+        if isinstance(node, ast.Name) and node.id in pointers:
+            if node.id not in static:
+                problems.append(f"{node.id} (not a static operand) before the wait")
+            elif not loaded:
+                problems.append(f"{node.id} before the wait other than as the pointer of a tl.load")
+            return
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name.split(".")[-1] == "store" or name.split(".")[-1].startswith("atomic_"):
+                problems.append(f"{name} before the wait")
+            if name == "tl.load":
+                pointer = node.args[:1] + [k.value for k in node.keywords if k.arg == "pointer"]
+                rest = node.args[1:] + [k.value for k in node.keywords if k.arg != "pointer"]
+                for child in pointer:
+                    visit(child, True)
+                for child in rest:
+                    visit(child, False)
+                return
+            for child in ast.iter_child_nodes(node):  # a helper's arguments: never a pointer
+                visit(child, False)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, loaded)
+
+    def statement(stmt: ast.stmt) -> None:
+        if isinstance(stmt, ast.Assign):
+            visit(stmt, False)
+        elif (
+            isinstance(stmt, ast.If)
+            and {n.id for n in ast.walk(stmt.test) if isinstance(n, ast.Name)} <= constexprs
+        ):
+            for inner in stmt.body + stmt.orelse:
+                statement(inner)
+        else:
+            problems.append(f"{ast.unparse(stmt).splitlines()[0]!r} before the wait: not an assignment")
+
+    for stmt in before:
+        statement(stmt)
     return problems
 
 
-def test_a_pdl_kernel_waits_for_the_prior_kernels_before_anything_but_its_weights():
-    for path, kernels in _pdl_kernels().items():
-        for name, fn in kernels.items():
-            early = pdl.STATIC_OPERANDS.get(name, ()) + pdl.SETTLED_OPERANDS.get(name, ())
-            assert before_wait_problems(fn, early) == [], path.name
-    kernels = {name for found in _pdl_kernels().values() for name in found}
-    assert set(pdl.STATIC_OPERANDS) | set(pdl.SETTLED_OPERANDS) <= kernels
+def test_a_pdl_kernel_waits_for_the_prior_kernels_before_anything_but_its_static_loads():
+    kernels = {name: (path, fn) for path, found in _pdl_kernels().items() for name, fn in found.items()}
+    for name, (path, fn) in kernels.items():
+        early = pdl.STATIC_OPERANDS.get(name, ()) + pdl.SETTLED_OPERANDS.get(name, ())
+        problems = pre_wait_violations(fn, early)
+        assert problems == [], f"{path.name}:{name}: {problems}"
+    for name, static in [*pdl.STATIC_OPERANDS.items(), *pdl.SETTLED_OPERANDS.items()]:  # none stale
+        assert name in kernels, f"{name} is declared, no PDL kernel"
+        params = {a.arg for a in kernels[name][1].args.args}
+        assert static and set(static) <= params and all(p.endswith("_ptr") for p in static), name
+    assert pdl.STATIC_OPERANDS["_route_kernel"] == ("w_ptr", "bias_ptr")
 
 
-def test_the_rule_catches_a_read_or_a_write_before_the_wait():
-    source = """
+def _kernel(source: str) -> ast.FunctionDef:
+    return ast.parse(textwrap.dedent(source)).body[0]
+
+
+SYNTHETIC = """
 @triton.jit
-def k(x_ptr, w_ptr, out_ptr, USE_PDL: tl.constexpr):
-    w = tl.load(w_ptr)
-    STEP
+def _k(x_ptr, w_ptr, out_ptr, n, GEMV: tl.constexpr, USE_PDL: tl.constexpr):
+    \"\"\"A docstring is not a statement.\"\"\"
+    offs = tl.program_id(0) * 16 + tl.arange(0, 16)
+    {before}
     wait_for_prior_kernels(USE_PDL)
-    tl.store(out_ptr, tl.load(x_ptr) + w)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs) * w)
 """
 
-    def problems(step: str, static: tuple[str, ...] = ("w_ptr",)) -> list[str]:
-        fn = ast.parse(source.replace("STEP", step)).body[0]
-        return before_wait_problems(fn, static)
 
-    assert problems("pass") == []
-    assert problems("x = tl.load(x_ptr)") == ["k reads x_ptr before its wait"]
-    assert problems("tl.store(w_ptr, w)") == ["k writes before its wait: tl.store(w_ptr, w)"]
-    assert problems("tl.atomic_add(w_ptr, 1)") == ["k writes before its wait: tl.atomic_add(w_ptr, 1)"]
-    assert problems("pass", static=()) == ["k starts with 'w = tl.load(w_ptr)'"]
+@pytest.mark.parametrize(
+    "before,static,why",
+    [
+        ("w = tl.load(w_ptr + offs, mask=offs < n)", ("w_ptr",), None),
+        ("w = tl.load(pointer=w_ptr + _offsets(offs, n))", ("w_ptr",), None),
+        ("if GEMV:\n        w = tl.load(w_ptr + offs)", ("w_ptr",), None),
+        ("w = tl.load(x_ptr + offs)", ("w_ptr",), "x_ptr (not a static operand)"),
+        ("w = tl.load(w_ptr + offs) + tl.load(x_ptr)", ("w_ptr",), "x_ptr (not a static operand)"),
+        ("w = tl.load(w_ptr + offs)", (), "no static operands declared"),
+        ("w = _load(w_ptr, offs)", ("w_ptr",), "other than as the pointer of a tl.load"),
+        ("w = tl.load(_at(w_ptr, offs))", ("w_ptr",), "other than as the pointer of a tl.load"),
+        ("p = w_ptr + offs", ("w_ptr",), "other than as the pointer of a tl.load"),
+        ("w = tl.atomic_add(w_ptr + offs, 1)", ("w_ptr",), "tl.atomic_add before the wait"),
+        ("tl.store(w_ptr + offs, 0.0)", ("w_ptr",), "not an assignment"),
+        ("if n > 0:\n        w = tl.load(w_ptr + offs)", ("w_ptr",), "not an assignment"),
+        ("for i in range(n):\n        w = tl.load(w_ptr + offs)", ("w_ptr",), "not an assignment"),
+    ],
+)
+def test_the_static_operand_rule_refuses_anything_but_static_loads_before_the_wait(before, static, why):
+    problems = pre_wait_violations(_kernel(SYNTHETIC.format(before=before)), static)
+    if why is None:
+        assert problems == []
+    else:
+        assert problems and any(why in p for p in problems), problems
+
+
+def test_a_kernel_whose_wait_is_not_a_top_level_statement_is_refused():
+    source = """
+    @triton.jit
+    def _k(x_ptr, USE_PDL: tl.constexpr):
+        if USE_PDL:
+            wait_for_prior_kernels(USE_PDL)
+        tl.load(x_ptr)
+    """
+    assert pre_wait_violations(_kernel(source), ("x_ptr",)) == [f"no top-level {WAIT}"]
+    waits_first = SYNTHETIC.replace("    offs = tl.program_id(0) * 16 + tl.arange(0, 16)\n", "")
+    assert pre_wait_violations(_kernel(waits_first.format(before="")), ()) == []
 
 
 def test_every_launch_of_a_pdl_kernel_passes_pdl_launch():
