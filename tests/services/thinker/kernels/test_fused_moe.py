@@ -162,7 +162,7 @@ def test_a_measured_table_entry_sets_each_gemms_tiles_and_the_rule_covers_the_re
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [2, 3])  # one token reads no layout (moe_one_token)
 @pytest.mark.parametrize(
     "shared_inter", [None, 32, 64], ids=["no-shared", "shared-folded", "shared-own-gemms"]
 )
@@ -196,6 +196,8 @@ def test_the_layout_spec_follows_the_tiles_and_the_fold_and_a_layout_of_another_
     assert fused_moe.layout_spec(2, 4, m.w13, m.w2, None) == moe_align.LayoutSpec(32, 0)
     assert fused_moe.layout_spec(2, 4, m.w13, m.w2, pair, fuse=False) == moe_align.LayoutSpec(32, 0)
     assert fused_moe.layout_spec(3, 4, m.w13, m.w2, pair) == moe_align.LayoutSpec(16, 3)  # the rule's
+    assert fused_moe.layout_spec(1, 4, m.w13, m.w2, pair) is None  # one token: moe_one_token, no layout
+    assert fused_moe.layout_spec(1, 4, m.w13, m.w2, pair, fuse=False) is not None
     ids = torch.stack([torch.randperm(16)[:4] for _ in range(2)])
     x, weights = torch.randn(2, 64), torch.rand(2, 4)
     for other in (align_by_expert(ids, 16, 16, True, 2), align_by_expert(ids, 16, 32)):  # block_m, fold
@@ -206,19 +208,18 @@ def test_the_layout_spec_follows_the_tiles_and_the_fold_and_a_layout_of_another_
 @pytest.mark.parametrize(
     "fuse,codes,launched",
     [
-        (True, None, ["_route_kernel+layout"]),
-        (True, "text", ["_route_kernel+layout"]),  # every token text: one router runs
-        (True, "every-router", ["_route_kernel"] * 3 + ["_align_one_program_kernel"]),
+        (True, None, ["_route_kernel"]),
+        (True, "text", ["_route_kernel"]),  # every token text: one router runs
+        (True, "every-router", ["_route_kernel"] * 3),
         (False, None, ["_route_kernel", "_count_kernel", "_runs_kernel", "_scatter_kernel"]),
     ],
     ids=["text-step", "one-code", "every-router", "fusions-off"],
 )
-def test_a_one_token_moe_step_aligns_in_the_routers_launch_when_one_router_runs(
-    fuse, codes, launched, moe_launches
-):
-    """A decode step at T=1 with the fusions on: the router's launch lays the pairs out, no
-    alignment launch follows; with three routers on every token (a graph's multimodal step) or the
-    fusions off the experts align the ids themselves. Same output as the reference block."""
+def test_a_one_token_moe_step_needs_no_alignment_with_the_fusions_on(fuse, codes, launched, moe_launches):
+    """A decode step at T=1 with the fusions on: the experts read the router's ids themselves
+    (`moe_one_token`), so neither the router lays the pairs out nor an alignment launch follows,
+    with one router or three on every token (a graph's multimodal step); with the fusions off the
+    experts align the ids. Same output as the reference block."""
     from omnistage.services.thinker.models.layers.backends import Backends, install_backends
     from omnistage.services.thinker.models.layers.moe import RouterRows, SparseMoeBlock
     from omnistage.services.thinker.models.layers.parallel import TPGroup
