@@ -308,6 +308,25 @@ def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
     return max(1, min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)))
 
 
+def launch_splits(num_seqs: int, num_kv_heads: int, on_gpu: bool) -> int:
+    """The splits `paged_decode` launches by default: `decode_splits` on a GPU, 1 under the
+    interpreter (no gain there)."""
+    return decode_splits(num_seqs, num_kv_heads) if on_gpu else 1
+
+
+# QK-norm + rope folded into the decode launch pays where each (sequence, KV head) runs in few
+# splits: every split norms and ropes its query heads again before its first K load. One H200,
+# 2026-11-29 (bench/attention_decode_gpu.py --qk-rope, graph-timed µs a call, its own launch →
+# folded): 8 sequences (8 splits) 8.5 → 6.8 (128 tokens), 11.5 → 9.6 (512), 17.1 → 15.5 (2048) at
+# Ming-flash TP=2, Ling-mini alike; 1 sequence (16 splits) 6.2 → 6.3, 9.1 → 9.8, 9.1 → 9.8: a loss.
+QK_FOLD_MAX_SPLITS = 8
+
+
+def folds_qk_rope(num_seqs: int, num_kv_heads: int, on_gpu: bool) -> bool:
+    """Whether a decode launch of this shape takes QK-norm + rope in (`paged_decode(qk_rope=...)`)."""
+    return launch_splits(num_seqs, num_kv_heads, on_gpu) <= QK_FOLD_MAX_SPLITS
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -338,7 +357,7 @@ def paged_decode(
     k, v, slots = new_kv if new_kv is not None else (q, q, context_lens)  # unread without WRITE_KV
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("paged_decode: the new K/V head dim must be contiguous")
-    splits = splits or (decode_splits(bsz, num_kv_heads) if q.is_cuda else 1)
+    splits = splits or launch_splits(bsz, num_kv_heads, q.is_cuda)
     q_w, k_w, eps, cos, sin = qk_rope if qk_rope is not None else (None, None, 0.0, q, q)  # q: unread
     rot = cos.shape[-1] if qk_rope is not None else 0  # 0: no QK-norm + rope in this launch
     if qk_rope is not None:

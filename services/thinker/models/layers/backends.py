@@ -221,8 +221,9 @@ class TritonAttention:
     takes every sequence of the step (decode rows too) through a tile table made once per step
     (`step_state`); decode steps read their lengths on the device (graph-safe).
 
-    A decode step with `fuse` is one launch a layer: `paged_decode` writes the new K/V itself and
-    norms and ropes q and the new K on load (`qk_rope`). Otherwise (a prefill or mixed step, no
+    A decode step with `fuse`: `paged_decode` writes the new K/V itself and, where it pays
+    (`paged_attention.folds_qk_rope`: few context splits a sequence), norms and ropes q and the new K
+    on load (`qk_rope`): one launch a layer; elsewhere QK-norm + rope runs in its own launch first. Otherwise (a prefill or mixed step, no
     cache, `fuse` off: the same build's unfused comparison) QK-norm + rope is a launch of its own
     in place on the q and k rows (`norms.qk_norm_rope`, the same rule), then the K/V write, then
     the attention."""
@@ -246,7 +247,8 @@ class TritonAttention:
     ) -> torch.Tensor:
         cached = md.slot_mapping is not None and layer.has_cache
         fold = cached and md.is_decode and self.fuse
-        if qk_rope is not None and not fold:
+        fold_qk = fold and self.kernels.folds_qk_rope(q.shape[0], layer.num_kv_heads, q.is_cuda)
+        if qk_rope is not None and not fold_qk:
             self.norms.qk_norm_rope(q, k, *qk_rope)
         if not cached:
             return TORCH_ATTENTION.forward(layer, q, k, v, md)
@@ -265,7 +267,7 @@ class TritonAttention:
                 lens,
                 layer.scale,
                 new_kv,
-                qk_rope=qk_rope if fold else None,
+                qk_rope=qk_rope if fold_qk else None,
             )
         return self.prefill(layer, q, md)
 

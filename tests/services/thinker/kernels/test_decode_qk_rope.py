@@ -171,3 +171,16 @@ def test_a_prefill_step_keeps_the_separate_qk_norm_rope_launch(attention_launche
         layer.k_cache, reference.k_cache, atol=1e-5
     )
     assert attention_launches.names() == ["_qk_norm_rope_kernel", "_write_kv_kernel"]  # then the prefill
+
+
+def test_the_fold_is_taken_where_each_sequence_runs_in_few_splits():
+    """Measured on an H200: folded QK-norm + rope pays at 8 splits a (sequence, KV head), loses at 16
+    (every split norms its query heads again); under the interpreter one split: always folded."""
+    from omnistage.services.thinker.kernels.paged_attention import QK_FOLD_MAX_SPLITS, folds_qk_rope
+
+    assert QK_FOLD_MAX_SPLITS == 8
+    assert not folds_qk_rope(1, 4, on_gpu=True)  # Ling-mini, one sequence: 16 splits
+    assert not folds_qk_rope(2, 4, on_gpu=True)
+    assert folds_qk_rope(4, 4, on_gpu=True)  # 8 splits
+    assert folds_qk_rope(8, 2, on_gpu=True) and folds_qk_rope(64, 4, on_gpu=True)
+    assert folds_qk_rope(1, 4, on_gpu=False)
