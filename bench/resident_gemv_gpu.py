@@ -71,7 +71,9 @@ def projector(name: str, cfg: ResidentConfig | None = None):
     return lambda x, w: resident_gemv(x, w, config=cfg)
 
 
-def run_model(label: str, dims: dict, tp: int, reps: int, dev: torch.device, force: bool) -> dict:
+def run_model(
+    label: str, dims: dict, tp: int, reps: int, dev: torch.device, force: bool, tokens: int = 1
+) -> dict:
     result: dict = {"shapes": {}, "chains": {}, "sweep": {}, "max_abs_diff": {}, "ok": True}
     for proj, (n, k) in shapes(dims, tp).items():
         result["shapes"][proj] = [n, k]
@@ -79,12 +81,21 @@ def run_model(label: str, dims: dict, tp: int, reps: int, dev: torch.device, for
             print(f"[{label}] {proj} {n}x{k}: does not fit the resident budget", flush=True)
             result["chains"][proj] = "does not fit"
             continue
-        measure_projection(label, proj, n, k, dims, tp, reps, dev, result)
+        measure_projection(label, proj, n, k, dims, tp, reps, dev, result, tokens)
     return result
 
 
 def measure_projection(
-    label: str, proj: str, n: int, k: int, dims: dict, tp: int, reps: int, dev: torch.device, result: dict
+    label: str,
+    proj: str,
+    n: int,
+    k: int,
+    dims: dict,
+    tp: int,
+    reps: int,
+    dev: torch.device,
+    result: dict,
+    tokens: int = 1,
 ) -> None:
     """One projection's check against F.linear, its chains and its sweep, into `result`."""
     dt = torch.bfloat16
@@ -94,11 +105,11 @@ def measure_projection(
         max(1, dims["num_key_value_heads"] // tp),
         dims["head_dim"],
     )
-    x = torch.randn(1, h, dtype=dt, device=dev)
-    res = torch.randn(1, h, dtype=dt, device=dev)
+    x = torch.randn(tokens, h, dtype=dt, device=dev)
+    res = torch.randn(tokens, h, dtype=dt, device=dev)
     norm_w = torch.randn(h, dtype=dt, device=dev)
     ws = [torch.randn(n, k, dtype=dt, device=dev) * 0.02 for _ in range(reps)]
-    xin = torch.randn(1, k, dtype=dt, device=dev)
+    xin = torch.randn(tokens, k, dtype=dt, device=dev)
     ref = F.linear(xin, ws[0]).float()
     diff = (resident_gemv(xin, ws[0]).float() - ref).abs().max().item()
     result["max_abs_diff"][proj] = diff
@@ -126,12 +137,12 @@ def measure_projection(
         blocks = ctx // page
         kc = torch.randn(blocks, page, kv, d, dtype=dt, device=dev)
         vc = torch.randn_like(kc)
-        table = torch.arange(blocks, dtype=torch.int32, device=dev)[None]
-        lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
-        q = torch.randn(1, heads, d, dtype=dt, device=dev)
+        table = torch.arange(blocks, dtype=torch.int32, device=dev)[None].expand(tokens, -1).contiguous()
+        lens = torch.full((tokens,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(tokens, heads, d, dtype=dt, device=dev)
 
         def attn():
-            return paged_decode(q, kc, vc, table, lens, d**-0.5).reshape(1, -1)
+            return paged_decode(q, kc, vc, table, lens, d**-0.5).reshape(tokens, -1)
 
         for name in ("cublas", "tiled", "resident"):
             fn = projector(name)
@@ -159,6 +170,7 @@ def measure_projection(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20, help="repetitions a graph, each with its own weights")
+    ap.add_argument("--tokens", type=int, default=1, help="rows a projection (the kernel serves 1 or 2)")
     ap.add_argument("--force", action="store_true", help="time the shapes past the resident budget too")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args()
@@ -168,8 +180,8 @@ def main() -> int:
     out = {
         "device": torch.cuda.get_device_name(dev),
         "pdl": pdl.enabled(dev),
-        "ling-mini tp1": run_model("ling-mini tp1", LING_MINI, 1, args.reps, dev, args.force),
-        "ming-flash tp2": run_model("ming-flash tp2", MING_FLASH, 2, args.reps, dev, args.force),
+        "ling-mini tp1": run_model("ling-mini tp1", LING_MINI, 1, args.reps, dev, args.force, args.tokens),
+        "ming-flash tp2": run_model("ming-flash tp2", MING_FLASH, 2, args.reps, dev, args.force, args.tokens),
     }
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
