@@ -4,7 +4,7 @@ alignment, and the two expert GEMMs under a tile sweep.
     source bench/device_env.sh && python3 bench/moe_decode_gpu.py --out $OUT/moe_decode.json
     run("source bench/device_env.sh && python3 bench/moe_decode_gpu.py --out $OUT/moe_decode.json",
         kind="nvidia-h200", carry=[".cache/transport-whl"])   # ~5 min: --sweep-s 90 a shape
-    ... --sections route_layout --tokens 1,2,3,4   # the router's layout in its launch vs two launches
+    ... --sections router --tokens 1,2,4,8   # the router's paths alone
 
 For Ling-mini (TP=1) and Ming-flash's thinker at TP=2 (one rank's expert slices; the router is
 replicated), 256 experts, top-8, the shared expert folded in as a routed run where `fused_experts`
@@ -17,18 +17,13 @@ not from the previous call's L2), no launch cost:
   the cuBLAS path (fp32 casts + GEMM + select), and how many tokens of the dot path pick the
   reference's experts (one gate weight for all calls: its 1-2 MB may sit in L2);
 - the alignment (with the shared run): one program (up to 128 pairs) and the multi-launch layout;
-- the router and the alignment at the sizes whose router lays the pairs out (`router.lays_out`:
-  one-program sizes): in the router's one launch (`route(layout=...)`, as the engine runs a one-router
-  step) against the router's launch then `align_by_expert`'s (`route_layout` rows; the layouts are
-  compared too, exit status 1 when they differ);
 - the whole `fused_experts` with the shared expert folded in and not (`moe` rows: for
   fused_moe.SHARED_FOLD_MAX_PAIRS);
 - the expert GEMMs: gate-up and down each under a sweep of (BLOCK_M, BLOCK_N, BLOCK_K, warps,
   stages) within --sweep-s, against `rule_tiles`; per (shape, pairs bucket) the best block_m of
   both and a PASTE line for fused_moe.TILES.
 Writes JSON to --out. Exit status 1 when any timed router path (dot, gemv in any block) disagrees with the
-reference's routing on more than 1 % of tokens (near-ties flip rarely: fp32 sums in another order), or
-a router's layout differs from `align_by_expert`'s.
+reference's routing on more than 1 % of tokens (near-ties flip rarely: fp32 sums in another order).
 """
 
 from __future__ import annotations
@@ -70,7 +65,7 @@ GEMM_SWEEP_PREFILL = dict(
     block_m=(16, 32, 64, 128), block_n=(64, 128, 256), block_k=(64, 128), warps=(4, 8), stages=(2, 3, 4)
 )
 # What a run times (--sections); a prefill space the GEMMs only.
-SECTIONS = ("router", "align", "route_layout", "moe", "gemm")
+SECTIONS = ("router", "align", "moe", "gemm")
 ROUTER_SWEEP = dict(
     block_e=(16, 32, 64), block_k=(64, 128, 256), split=(1, 2, 4, 8), warps=(4, 8), stages=(2, 3)
 )
@@ -219,45 +214,6 @@ def bench_align(name: str, shape: dict, t: int, ids: list[torch.Tensor]) -> dict
             with one_program_limit(limit):
                 row[key] = round(time_us([lambda i=i: align_by_expert(i, e, 16, True, t) for i in ids]), 2)
     print(f"align  {name:15s} T={t:3d} pairs {n:4d}  {row}", flush=True)
-    return row
-
-
-def same_layout(got: tuple, want: tuple, block_m: int) -> bool:
-    """Two layouts of the same ids agree: counts, ends, rows in use, and each run's pairs."""
-    same = all(torch.equal(a, b) for a, b in zip(got[1:], want[1:], strict=True))
-    return same and moe_align.layout_runs(got, block_m) == moe_align.layout_runs(want, block_m)
-
-
-def bench_route_layout(name: str, shape: dict, t: int, weights: tuple) -> dict | None:
-    """The router with the pairs' layout (`fused_moe.layout_spec`'s: the shared run folded in) in its
-    one launch (`fused_us`) and as the router's launch then `align_by_expert`'s (`separate_us`), at
-    a size the router lays out; None at other sizes (and at one token, which needs no layout)."""
-    case = RouterCase(shape, t)
-    path = router.route_path(case.xs[0], case.gate.weight)
-    if not router.lays_out(path, t * shape["top_k"]):
-        return None
-    w13, w2, shared = weights
-    spec = fused_moe.layout_spec(t, shape["top_k"], w13, w2, shared)
-    if spec is None:  # one token: the experts read no layout (kernels/moe_one_token.py)
-        return None
-    e = shape["experts"]
-
-    def separate(x: torch.Tensor) -> tuple:
-        ids = router.route(x, *case.args)[1]
-        return ids, align_by_expert(ids, e, spec.block_m, True, spec.shared_rows)
-
-    same = True
-    for x in case.xs:
-        _, ids, laid = router.route(x, *case.args, layout=spec)
-        want_ids, want = separate(x)
-        same = same and torch.equal(ids, want_ids) and same_layout(laid, want, spec.block_m)
-    row = dict(model=name, tokens=t, pairs=t * shape["top_k"], path=path, block_m=spec.block_m)
-    row["fused_us"] = round(
-        time_us([lambda x=x: router.route(x, *case.args, layout=spec) for x in case.xs]), 2
-    )
-    row["separate_us"] = round(time_us([lambda x=x: separate(x) for x in case.xs]), 2)
-    row["same_layout"] = same
-    print(f"layout {name:15s} T={t:3d}  {row}", flush=True)
     return row
 
 
@@ -436,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--sections",
         default=",".join(SECTIONS),
-        help="comma-separated of: " + ", ".join(SECTIONS) + " (e.g. route_layout alone)",
+        help="comma-separated of: " + ", ".join(SECTIONS) + " (e.g. router alone)",
     )
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -450,13 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = tuple(int(t) for t in args.tokens.split(",") if t)
     print("device", torch.cuda.get_device_name(0), "tuned", sorted(fused_moe.TILES), flush=True)
     result: dict = dict(
-        device=torch.cuda.get_device_name(0),
-        calls_per_graph=CALLS,
-        router=[],
-        align=[],
-        route_layout=[],
-        moe=[],
-        gemm=[],
+        device=torch.cuda.get_device_name(0), calls_per_graph=CALLS, router=[], align=[], moe=[], gemm=[]
     )
     for name in args.shapes.split(","):
         shape = SHAPES[name]
@@ -466,9 +416,6 @@ def main(argv: list[str] | None = None) -> int:
         if "align" in run:
             result["align"] += [bench_align(name, shape, t, ids[t]) for t in tokens]
         weights = expert_weights(shape)
-        if "route_layout" in run:
-            rows = (bench_route_layout(name, shape, t, weights) for t in tokens)
-            result["route_layout"] += [row for row in rows if row is not None]
         if "moe" in run:
             result["moe"] += [bench_fold(name, shape, t, ids[t], weights) for t in tokens]
         if "gemm" in run:
@@ -479,9 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     write_result(args.out, result, gpu=True)  # CUDA only: the script needs a GPU
     worst = min((v for r in result["router"] for k, v in r.items() if k.endswith("same_tokens")), default=1.0)
     print(f"SUMMARY router agreement with the reference, every path (worst) {worst:.4f}", flush=True)
-    layouts_agree = all(row["same_layout"] for row in result["route_layout"])
-    print(f"SUMMARY the router's layouts equal align_by_expert's: {layouts_agree}", flush=True)
-    return 1 if worst < 0.99 or not layouts_agree else 0
+    return 1 if worst < 0.99 else 0
 
 
 if __name__ == "__main__":

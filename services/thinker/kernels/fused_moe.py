@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from omnistage.services.thinker.kernels import dot_precision, pdl
-from omnistage.services.thinker.kernels.moe_align import LayoutSpec, align_by_expert, block_rows, check_layout
+from omnistage.services.thinker.kernels.moe_align import align_by_expert, block_rows
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 
 
@@ -405,43 +405,6 @@ def combine_pairs(
     return out
 
 
-def _plan(
-    tokens: int,
-    top_k: int,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    shared: tuple[torch.Tensor, torch.Tensor] | None,
-    fuse: bool,
-    tiles: MoeTiles | None,
-) -> tuple[MoeTiles, bool]:
-    """A step's tiles (`tiles` or `choose_tiles`) and whether the shared expert folds in."""
-    n = tokens * top_k
-    num_experts, two_i, hidden = w13.shape
-    fold = shared is not None and folds_shared(n, fuse) and _foldable(shared, w13, w2)
-    return tiles or choose_tiles(n, num_experts, two_i // 2, hidden), fold
-
-
-def layout_spec(
-    tokens: int,
-    top_k: int,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-    fuse: bool = True,
-    tiles: MoeTiles | None = None,
-) -> LayoutSpec | None:
-    """The pairs' layout `fused_experts` reads at a step of `tokens` tokens (its tiles' block_m, the
-    folded shared expert's rows): what a router that lays the pairs out in its own launch
-    (`router.route(layout=...)`) must lay out. The one owner of both choices. None where
-    `fused_experts` reads no layout (one token: `moe_one_token`)."""
-    from omnistage.services.thinker.kernels import moe_one_token  # it imports this module
-
-    if fuse and tiles is None and moe_one_token.serves(tokens, top_k, w13.dtype, w13, w2, shared):
-        return None
-    tiles, fold = _plan(tokens, top_k, w13, w2, shared, fuse, tiles)
-    return LayoutSpec(tiles.block_m, tokens if fold else 0)
-
-
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -451,7 +414,6 @@ def fused_experts(
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     fuse: bool = True,
     tiles: MoeTiles | None = None,
-    layout: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], weights/ids [T, k] and the
     shared expert's (gate_up [2I', H], down [H, I']) → [T, H] in x's dtype: the routed mix summed in
@@ -461,9 +423,7 @@ def fused_experts(
     the sum in one launch and the shared expert folded in (`folds_shared`) when its shape is an
     expert's; False: the launches of the reference ops (a
     same-build comparison).
-    `tiles` overrides `choose_tiles` (bench/moe_decode_gpu.py).
-    `layout`: the ids' layout as `align_by_expert` gives it for `layout_spec` (the router laid it
-    out in its launch); None: aligned here."""
+    `tiles` overrides `choose_tiles` (bench/moe_decode_gpu.py)."""
     t, k = ids.shape
     num_experts, two_i, hidden = w13.shape
     if t == 0:
@@ -473,15 +433,12 @@ def fused_experts(
     if fuse and tiles is None and moe_one_token.supported(x, w13, w2, ids, shared):
         return moe_one_token.one_token_experts(x, w13, w2, weights, ids, shared)
     n = t * k
-    tiles, fold = _plan(t, k, w13, w2, shared, fuse, tiles)
-    spec = LayoutSpec(tiles.block_m, t if fold else 0)  # folded: a pair a token after the routed ones
+    fold = shared is not None and folds_shared(n, fuse) and _foldable(shared, w13, w2)
     shared_out = _shared_expert(x, *shared) if shared is not None and not fold else None
     shared_w = shared if fold else (None, None)
-    rows = n + spec.shared_rows
-    if layout is None:
-        layout = align_by_expert(ids, num_experts, spec.block_m, fuse, spec.shared_rows)
-    else:
-        check_layout(layout, n, num_experts, spec)
+    rows = n + (t if fold else 0)  # the folded shared expert's pairs after the routed ones
+    tiles = tiles or choose_tiles(n, num_experts, two_i // 2, hidden)
+    layout = align_by_expert(ids, num_experts, tiles.block_m, fuse, rows - n)
     meta = gemm_meta(tiles.block_m, tiles.gate_up, num_experts, x.dtype)
     h = torch.empty(rows, two_i // 2, dtype=x.dtype, device=x.device)
     _expert_gemm(x.contiguous(), w13, h, layout, meta, num_pairs=n, shared_w=shared_w[0], pairs_per_row=k)

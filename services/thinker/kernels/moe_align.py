@@ -7,8 +7,6 @@ then laid out. Either layout appends the shared expert's run when `fused_moe` fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -128,51 +126,6 @@ def block_rows(pairs_ptr, counts_ptr, ends_ptr, pid_m, BLOCK_M: tl.constexpr, LO
     return expert.to(tl.int64), pairs, valid
 
 
-@triton.jit
-def lay_out_pairs(
-    ids_ptr,
-    pairs_ptr,
-    counts_ptr,
-    ends_ptr,
-    num_rows_ptr,
-    num_pairs,
-    shared_rows,
-    NUM_EXPERTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """The three kernels above in one program, for a decode step's few pairs: count, lay the padded
-    runs end to end, then place each pair at its run's cursor plus the earlier pairs of its expert
-    in its chunk (stable: pairs keep their order within a run). Reads the ids in their own dtype,
-    past L1 (.cg: in the router's launch, `router._route_kernel`, other programs stored them).
-    `shared_rows` > 0: a last run, expert NUM_EXPERTS, of that many pairs numbered from num_pairs on.
-    The one owner of the one-program layout: `_align_one_program_kernel` and the router's."""
-    experts = tl.arange(0, NUM_EXPERTS)
-    counts = tl.zeros((NUM_EXPERTS,), dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS, cache_modifier=".cg")
-        ids = ids.to(tl.int32)
-        counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(counts_ptr + experts, counts)
-    tl.store(ends_ptr + experts, ends)
-    i = tl.arange(0, CHUNK)
-    _end_runs(pairs_ptr, counts_ptr, ends_ptr, num_rows_ptr, ends, num_pairs, shared_rows, BLOCK_M)
-    cursor = ends - padded
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + i
-        ok = offs < num_pairs
-        ids = tl.load(ids_ptr + offs, mask=ok, other=NUM_EXPERTS, cache_modifier=".cg").to(tl.int32)
-        hit = ids[:, None] == experts[None, :]
-        base = tl.sum(tl.where(hit, cursor[None, :], 0), axis=1)
-        before = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
-        rank = tl.sum(before.to(tl.int32), axis=1)
-        tl.store(pairs_ptr + base + rank, offs, mask=ok)
-        cursor += tl.sum(hit.to(tl.int32), axis=0)
-
-
 @triton.jit(do_not_specialize=["num_pairs", "shared_rows"])
 def _align_one_program_kernel(
     ids_ptr,
@@ -187,20 +140,34 @@ def _align_one_program_kernel(
     CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """`lay_out_pairs` in a launch of its own (a step whose router did not lay its pairs out)."""
+    """The three kernels above in one program, for a decode step's few pairs: count, lay the padded
+    runs end to end, then place each pair at its run's cursor plus the earlier pairs of its expert
+    in its chunk (stable: pairs keep their order within a run). Reads the ids in their own dtype.
+    `shared_rows` > 0: a last run, expert NUM_EXPERTS, of that many pairs numbered from num_pairs on."""
     wait_for_prior_kernels(USE_PDL)
-    lay_out_pairs(
-        ids_ptr,
-        pairs_ptr,
-        counts_ptr,
-        ends_ptr,
-        num_rows_ptr,
-        num_pairs,
-        shared_rows,
-        NUM_EXPERTS,
-        BLOCK_M,
-        CHUNK,
-    )
+    experts = tl.arange(0, NUM_EXPERTS)
+    counts = tl.zeros((NUM_EXPERTS,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS).to(tl.int32)
+        counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(counts_ptr + experts, counts)
+    tl.store(ends_ptr + experts, ends)
+    i = tl.arange(0, CHUNK)
+    _end_runs(pairs_ptr, counts_ptr, ends_ptr, num_rows_ptr, ends, num_pairs, shared_rows, BLOCK_M)
+    cursor = ends - padded
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + i
+        ok = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=ok, other=NUM_EXPERTS).to(tl.int32)
+        hit = ids[:, None] == experts[None, :]
+        base = tl.sum(tl.where(hit, cursor[None, :], 0), axis=1)
+        before = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
+        rank = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(pairs_ptr + base + rank, offs, mask=ok)
+        cursor += tl.sum(hit.to(tl.int32), axis=0)
 
 
 # Up to this many pairs (a decode batch of 4 tokens at top-8) one program aligns them; past it the
@@ -211,61 +178,8 @@ ONE_PROGRAM_MAX_PAIRS = 32
 
 
 def one_program(num_pairs: int, fuse: bool) -> bool:
-    """Whether these pairs are laid out by one program (`lay_out_pairs`): in `align_by_expert`'s one
-    launch, or in the router's (`router.route` with a LayoutSpec)."""
+    """Whether `align_by_expert` lays these pairs out in one launch."""
     return fuse and num_pairs <= ONE_PROGRAM_MAX_PAIRS
-
-
-@dataclass(frozen=True)
-class LayoutSpec:
-    """What a step's layout depends on besides the ids: the expert GEMMs' row block (each run padded
-    to it) and the folded shared expert's rows (0: no shared run). `fused_moe.layout_spec` gives a
-    step's; the router lays that layout out in its own launch when it can (`router.route`)."""
-
-    block_m: int
-    shared_rows: int = 0
-
-
-def layout_rows(num_pairs: int, num_experts: int, spec: LayoutSpec) -> int:
-    """sorted_pairs' rows: the worst case of the routed runs, then the shared run's whole blocks."""
-    block_m = spec.block_m
-    return max_padded_rows(num_pairs, num_experts, block_m) + triton.cdiv(spec.shared_rows, block_m) * block_m
-
-
-def one_program_chunk(num_pairs: int) -> int:
-    """`lay_out_pairs`' CHUNK: a c=1 step's 8 pairs one small chunk, at most 64 pairs a chunk."""
-    return min(64, max(16, triton.next_power_of_2(num_pairs)))
-
-
-def empty_layout(num_pairs: int, num_experts: int, spec: LayoutSpec, device: torch.device):
-    """The layout's tensors (sorted_pairs, counts, ends, num_rows), unwritten, int32."""
-    runs = num_experts + (1 if spec.shared_rows else 0)
-    return (
-        torch.empty(layout_rows(num_pairs, num_experts, spec), dtype=torch.int32, device=device),
-        torch.empty(runs, dtype=torch.int32, device=device),
-        torch.empty(runs, dtype=torch.int32, device=device),
-        torch.empty(1, dtype=torch.int32, device=device),
-    )
-
-
-def check_layout(
-    layout: tuple[torch.Tensor, ...], num_pairs: int, num_experts: int, spec: LayoutSpec
-) -> None:
-    """Refuses a layout made for another step (its sizes, read on the host: no sync)."""
-    runs = num_experts + (1 if spec.shared_rows else 0)
-    got = (layout[0].numel(), layout[1].numel(), layout[2].numel())
-    if got != (layout_rows(num_pairs, num_experts, spec), runs, runs):
-        raise ValueError(f"a layout of {got} rows/runs is not this step's ({num_pairs} pairs, {spec})")
-
-
-def layout_runs(layout: tuple[torch.Tensor, ...], block_m: int) -> list[list[int]]:
-    """Each run's pairs in order, read on the host (tests and benches: two layouts agree when these,
-    the counts, the ends and the rows in use do; padding rows are never written)."""
-    _, counts, ends, _ = (t.tolist() for t in layout)
-    pairs = layout[0].tolist()
-    return [
-        pairs[end - -(-count // block_m) * block_m :][:count] for count, end in zip(counts, ends, strict=True)
-    ]
 
 
 def align_by_expert(
@@ -281,11 +195,14 @@ def align_by_expert(
     pairs numbered T*k on, as expert E (counts and ends get E + 1 entries)."""
     n = ids.numel()
     dev = ids.device
-    pairs, counts, ends, num_rows = empty_layout(n, num_experts, LayoutSpec(block_m, shared_rows), dev)
-    flat = ids.reshape(-1)  # read in its own dtype: no cast launch
+    rows = max_padded_rows(n, num_experts, block_m) + triton.cdiv(shared_rows, block_m) * block_m
+    pairs = torch.empty(rows, dtype=torch.int32, device=dev)
+    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    runs = num_experts + (1 if shared_rows else 0)
     if one_program(n, fuse):
+        counts, ends = (torch.empty(runs, dtype=torch.int32, device=dev) for _ in range(2))
         _align_one_program_kernel[(1,)](
-            flat,
+            ids.reshape(-1),
             pairs,
             counts,
             ends,
@@ -294,11 +211,13 @@ def align_by_expert(
             shared_rows,
             NUM_EXPERTS=num_experts,
             BLOCK_M=block_m,
-            CHUNK=one_program_chunk(n),
+            CHUNK=min(64, max(16, triton.next_power_of_2(n))),  # a c=1 step's 8 pairs: one small chunk
             **pdl.launch(dev),
         )
         return pairs, counts, ends, num_rows
-    counts.zero_()
+    flat = ids.reshape(-1)  # read in its own dtype: no cast launch
+    counts = torch.zeros(runs, dtype=torch.int32, device=dev)
+    ends = torch.empty(runs, dtype=torch.int32, device=dev)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
     _count_kernel[(triton.cdiv(n, COUNT_SPAN),)](flat, counts, n, SPAN=COUNT_SPAN, **pdl.launch(dev))
     _runs_kernel[(1,)](

@@ -58,30 +58,24 @@ def default_tiles(hidden: int, inter: int, top_k: int, element_size: int, warps:
     )
 
 
-def serves(
-    tokens: int, top_k: int, dtype: torch.dtype, w13: torch.Tensor, w2: torch.Tensor, shared: tuple | None
-) -> bool:
-    """The one dispatch rule: one token, a power-of-two top-k, a shared expert of an expert's shape,
-    one dtype, contiguous weights, on CUDA (or under TRITON_INTERPRET=1)."""
-    if shared is None or tokens != 1:
-        return False
-    gate_up, down = shared
-    return (
-        top_k & (top_k - 1) == 0
-        and dtype in DTYPES
-        and w13.dtype == w2.dtype == gate_up.dtype == down.dtype == dtype
-        and gate_up.shape == w13.shape[1:]
-        and down.shape == w2.shape[1:]
-        and all(t.is_contiguous() for t in (w13, w2, gate_up, down))
-        and (w13.is_cuda or interpreting())
-    )
-
-
 def supported(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, shared: tuple | None
 ) -> bool:
-    """`serves` for this call's activations and ids."""
-    return ids.shape[0] == x.shape[0] and serves(x.shape[0], ids.shape[1], x.dtype, w13, w2, shared)
+    """The one dispatch rule: one token, a power-of-two top-k, a shared expert of an expert's shape,
+    one dtype, contiguous weights, on CUDA (or under TRITON_INTERPRET=1)."""
+    if shared is None or x.shape[0] != 1 or ids.shape[0] != 1:
+        return False
+    top_k = ids.shape[1]
+    gate_up, down = shared
+    return (
+        top_k & (top_k - 1) == 0
+        and x.dtype in DTYPES
+        and w13.dtype == w2.dtype == gate_up.dtype == down.dtype == x.dtype
+        and gate_up.shape == w13.shape[1:]
+        and down.shape == w2.shape[1:]
+        and all(t.is_contiguous() for t in (w13, w2, gate_up, down))
+        and (x.is_cuda or interpreting())
+    )
 
 
 @triton.jit

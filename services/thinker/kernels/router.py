@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from omnistage.services.thinker.kernels import dot_precision, moe_align, pdl
-from omnistage.services.thinker.kernels.moe_align import LayoutSpec, lay_out_pairs
+from omnistage.services.thinker.kernels import dot_precision, pdl
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_for
 
@@ -231,7 +230,7 @@ def _split_range(hidden, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
     return k_lo, tl.minimum(hidden, k_lo + chunk)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "shared_rows"])
+@triton.jit(do_not_specialize=["num_tokens"])
 def _route_kernel(
     x_ptr,
     w_ptr,
@@ -241,16 +240,11 @@ def _route_kernel(
     tickets_ptr,
     weights_ptr,
     ids_ptr,
-    pairs_ptr,
-    counts_ptr,
-    ends_ptr,
-    num_rows_ptr,
     num_tokens,
     hidden,
     stride_x,
     stride_w,
     scaling,
-    shared_rows,
     NUM_EXPERTS: tl.constexpr,
     GROUPS: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
@@ -262,21 +256,13 @@ def _route_kernel(
     DOT: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
-    LAYOUT: tl.constexpr,
-    MANY_BLOCKS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (e, t, s) for BLOCK_T tokens. GEMV: the fp32 logits of BLOCK_E experts over hidden
     split s (CUDA-core products, or tensor-core dots when DOT) into `partial` (`logits` when SPLIT
     is 1); the last program of a token block to finish (`tickets.last_to_finish`) sums the splits and
     selects the experts of its tokens from all logits. Else the logits [T, E] are given (x, partial
-    and the tickets unread) and program (0, t, 0) selects. LAYOUT (a GEMM path): the selecting
-    program, once its tokens' ids are stored, also lays the step's pairs out for the expert GEMMs
-    (`moe_align.lay_out_pairs`, align_by_expert's one-program layout; `shared_rows`, BLOCK_M,
-    CHUNK as it takes them) -- with MANY_BLOCKS the last of the token blocks' selecting programs
-    to finish.
+    and the tickets unread) and program (0, t, 0) selects.
     Before the PDL wait only the static operands are read (pdl.STATIC_OPERANDS: the gate's weight
     and bias, which no kernel writes): every program's bias, and on the gemv path its first chunk
     of gate rows, load while the previous kernel runs."""
@@ -316,25 +302,6 @@ def _route_kernel(
         out = rows[:, None] * TOP_K + tl.arange(0, TOP_K)[None, :]
         tl.store(weights_ptr + out, w * scaling, mask=row_ok[:, None])
         tl.store(ids_ptr + out, chosen, mask=row_ok[:, None])
-        if LAYOUT:  # the step's pairs laid out by the one selecting program, or the last of several
-            laid = True
-            if MANY_BLOCKS:  # a second ticket, after the blocks' own: every block's ids are stored
-                laid = last_to_finish(tickets_ptr, tl.num_programs(1), tl.num_programs(1))
-            else:
-                tl.debug_barrier()  # every thread's ids stored before the layout reads them
-            if laid:
-                lay_out_pairs(
-                    ids_ptr,
-                    pairs_ptr,
-                    counts_ptr,
-                    ends_ptr,
-                    num_rows_ptr,
-                    num_tokens * TOP_K,
-                    shared_rows,
-                    NUM_EXPERTS,
-                    BLOCK_M,
-                    CHUNK,
-                )
 
 
 PATHS = ("gemv", "dot", "cublas")
@@ -411,13 +378,6 @@ def _checked(path: str | None) -> str | None:
     return path
 
 
-def lays_out(path: str, num_pairs: int) -> bool:
-    """Whether a launch on `path` lays a step of `num_pairs` pairs out for the expert GEMMs (given a
-    LayoutSpec): on a GEMM path (its selecting programs take tickets) when the pairs are few enough
-    for one program (`moe_align.one_program`, the rule `align_by_expert` follows)."""
-    return path != "cublas" and moe_align.one_program(num_pairs, True)
-
-
 def route(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -430,48 +390,38 @@ def route(
     path: str | None = None,
     tiles: RouterTiles | None = None,
     block_t: int | None = None,
-    layout: LayoutSpec | None = None,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], gate weight [E, H] → (fp32 weights [T, top_k], int64 expert ids [T, top_k]).
 
     One launch on the `route_path` paths gemv and dot, else the reference's fp32 GEMM (cuBLAS) and
     the selection in one launch, a program a token. `path`, `tiles` (the dot path's; default
     DOT_TILES) and `block_t` (token rows a program on a GEMM path) override the rule
-    (bench/moe_decode_gpu.py).
-    `layout` (`fused_moe.layout_spec`'s for this step): returns (weights, ids, the pairs' layout as
-    `align_by_expert(ids, E, layout.block_m, True, layout.shared_rows)` gives it, laid out by the
-    same launch -- or None where it does not, `lays_out`); `fused_experts(layout=...)` takes it."""
+    (bench/moe_decode_gpu.py)."""
     (t, hidden), num_experts = x.shape, weight.shape[0]
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     if t == 0:
-        return (weights, ids) if layout is None else (weights, ids, None)
+        return weights, ids
     path = _checked(path) or route_path(x, weight, fuse)
     gemm = path != "cublas"
     x, weight, logits = _operands(gemm, x, weight)
     block_t, block_e, block_h, split, warps, stages = _tiling(path, t, hidden, num_experts, tiles, block_t)
     partial = logits if split == 1 else logits.new_empty(split, t, num_experts)
     grid = (num_experts // block_e, triton.cdiv(t, block_t), split)
-    laid = None
-    if layout is not None and lays_out(path, t * top_k):
-        laid = moe_align.empty_layout(t * top_k, num_experts, layout, x.device)
-    spec = layout if laid is not None else LayoutSpec(1)
     _route_kernel[grid](
         x,
         weight,
         bias,
         logits,
         partial,
-        tickets_for(x.device, grid[1] + 1) if gemm else ids,  # unread without GEMV; +1: the layout's
+        tickets_for(x.device, grid[1]) if gemm else ids,  # unread without GEMV
         weights,
         ids,
-        *(laid or (ids,) * 4),  # unwritten without LAYOUT
         t,
         hidden,
         x.stride(0),
         weight.stride(0),
         scaling,
-        spec.shared_rows,
         NUM_EXPERTS=num_experts,
         GROUPS=n_group,
         TOPK_GROUP=topk_group,
@@ -483,15 +433,11 @@ def route(
         DOT=path == "dot",
         SPLIT=split,
         PRECISION=dot_precision(x.dtype),
-        LAYOUT=laid is not None,
-        MANY_BLOCKS=laid is not None and grid[1] > 1,
-        BLOCK_M=spec.block_m,
-        CHUNK=moe_align.one_program_chunk(t * top_k) if laid is not None else 16,
         num_warps=warps,
         num_stages=stages,
         **pdl.launch(x.device),
     )
-    return (weights, ids) if layout is None else (weights, ids, laid)
+    return weights, ids
 
 
 def route_shapes_supported(num_experts: int, n_group: int, top_k: int) -> bool:

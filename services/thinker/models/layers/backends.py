@@ -164,9 +164,8 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     in a decode step all in the attention launch), and the element-wise work around it (RMSNorm with
     its residual add, SiLU·mul of the dense and shared-expert MLPs) one launch each. moe triton: the
     router (gate GEMV + group-limited top-k in one launch for decode batches) and the routed experts
-    (alignment, two GEMMs, and the sum over each token's experts with the shared expert's add; a
-    one-router step of few pairs laid out for the experts by the router's launch; one token's
-    experts in two launches, `kernels/moe_one_token.py`).
+    (alignment, two GEMMs, and the sum over each token's experts with the shared expert's add; one
+    token's experts in two launches, `kernels/moe_one_token.py`).
     `fuse` (default: FUSIONS_ENV) False: the MoE glue unfused, and a decode step's K/V write and
     QK-norm + rope in launches of their own.
     Under the fast attention backends a projection of one or two tokens whose weight fits takes the
@@ -187,16 +186,15 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
 
             gemv = functools.partial(resident_gemv.linear, fallback=gemv)
             norm_gemv = resident_gemv.normed_linear
-    experts, route, layout_rule = None, None, None
+    experts, route = None, None
     if backends.moe == "triton":
-        from omnistage.services.thinker.kernels.fused_moe import fused_experts, layout_spec
+        from omnistage.services.thinker.kernels.fused_moe import fused_experts
         from omnistage.services.thinker.kernels.moe_align import align_supported
         from omnistage.services.thinker.kernels.router import route as route_kernel
         from omnistage.services.thinker.kernels.router import route_shapes_supported
 
         experts = functools.partial(fused_experts, fuse=fuse)
         route = functools.partial(route_kernel, fuse=fuse)
-        layout_rule = layout_spec if fuse else None  # a one-router step's layout by the router's launch
     for module in model.modules():
         if isinstance(module, PagedAttention):
             module.backend = attention
@@ -210,7 +208,6 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
                 module.norm_gemv = norm_gemv
         elif isinstance(module, FusedExperts):
             module.kernel = experts if experts is None or align_supported(module.w13.shape[0]) else None
-            module.layout_rule = layout_rule if module.kernel is not None else None
         elif isinstance(module, Router):
             e, groups, k = module.weight.shape[0], module.n_group, module.top_k
             module.kernel = route if route is None or route_shapes_supported(e, groups, k) else None

@@ -121,22 +121,6 @@ class Router(nn.Module):
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
         return w, ids
 
-    def route_and_lay_out(self, x: torch.Tensor, spec: object | None) -> tuple[torch.Tensor, ...]:
-        """(weights, ids, the pairs' layout for the experts' kernel or None): the kernel lays out
-        `spec` (FusedExperts.layout_spec's) in its own launch where it can; the reference never."""
-        if self.kernel is None or spec is None:
-            return (*self(x), None)
-        return self.kernel(
-            x,
-            self.weight,
-            self.expert_bias,
-            self.top_k,
-            self.n_group,
-            self.topk_group,
-            self.scaling,
-            layout=spec,
-        )
-
 
 class FusedExperts(nn.Module):
     """All experts stacked: w13 [E, 2*I_local, H] (gate rows then up rows), w2 [E, H, I_local]."""
@@ -149,9 +133,6 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
         # A fused kernel with this forward's signature (layers/backends.py); None: the reference loop.
         self.kernel: Callable[..., torch.Tensor] | None = None
-        # The kernel's layout of a step's pairs (tokens, top_k, w13, w2, shared weights) → spec, which
-        # a router may lay out in its own launch (layers/backends.py); None: the kernel aligns.
-        self.layout_rule: Callable[..., object] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """shard_id = (expert, "gate" | "up" | "down"): one checkpoint tensor per expert."""
@@ -165,27 +146,15 @@ class FusedExperts(nn.Module):
         offset = 0 if kind == "gate" else n
         param.data[expert, offset : offset + n].copy_(loaded.narrow(0, r * n, n))
 
-    def layout_spec(self, tokens: int, top_k: int, shared: GatedMLP | None = None) -> object | None:
-        """The layout the kernel reads at a step of `tokens` tokens (for the router to lay out), or
-        None (the reference; no layout rule)."""
-        if self.kernel is None or self.layout_rule is None:
-            return None
-        return self.layout_rule(tokens, top_k, self.w13, self.w2, _weights(shared))
-
     def forward(
-        self,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        ids: torch.Tensor,
-        shared: GatedMLP | None = None,
-        layout: tuple[torch.Tensor, ...] | None = None,
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: GatedMLP | None = None
     ) -> torch.Tensor:
         """Weighted expert mix accumulated in fp32, rounded once to x's dtype, plus the shared
         expert's output when given: [T, H] (this rank's partial sum under TP). The kernel takes the
-        shared expert's weights, so it may run it with the routed experts; `layout`: the pairs laid
-        out for it by the router (`layout_spec`'s)."""
+        shared expert's weights, so it may run it with the routed experts."""
         if self.kernel is not None:
-            return self.kernel(x, self.w13, self.w2, weights, ids, _weights(shared), layout=layout)
+            pair = None if shared is None else (shared.gate_up_proj.weight, shared.down_proj.weight)
+            return self.kernel(x, self.w13, self.w2, weights, ids, pair)
         t, k = ids.shape
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
         flat = ids.flatten()
@@ -204,11 +173,6 @@ class FusedExperts(nn.Module):
             start += n
         out = out.to(x.dtype)
         return out if shared is None else out + shared(x)
-
-
-def _weights(shared: GatedMLP | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The shared expert's (gate_up, down) weights, as the experts' kernel takes them."""
-    return None if shared is None else (shared.gate_up_proj.weight, shared.down_proj.weight)
 
 
 class SparseMoeBlock(nn.Module):
@@ -238,15 +202,6 @@ class SparseMoeBlock(nn.Module):
             GatedMLP(hidden, intermediate * num_shared, tp, reduce=False) if num_shared > 0 else None
         )
 
-    def only_router(self, modality: torch.Tensor | RouterRows | None) -> Router | None:
-        """The one router every token of the step takes (text-only, one router, or RouterRows with a
-        single code), else None (several routers run: a raw [T] codes tensor counts as several)."""
-        if modality is None or len(self.router_names) == 1:
-            return self.gate
-        if isinstance(modality, RouterRows) and modality.single is not None:
-            return getattr(self, self.router_names[modality.single])
-        return None
-
     def route(
         self, x: torch.Tensor, modality: torch.Tensor | RouterRows | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,9 +209,8 @@ class SparseMoeBlock(nn.Module):
 
         Each router runs once, on its own tokens only (no per-token loop); `modality` is the [T]
         codes or, from the model, the RouterRows it found once for all layers of the step."""
-        only = self.only_router(modality)
-        if only is not None:
-            return only(x)
+        if modality is None or len(self.router_names) == 1:
+            return self.gate(x)
         groups = (
             modality if isinstance(modality, RouterRows) else RouterRows.of(modality, len(self.router_names))
         )
@@ -278,13 +232,5 @@ class SparseMoeBlock(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor, modality: torch.Tensor | RouterRows | None = None) -> torch.Tensor:
-        """With one router for the step its launch may lay the pairs out for the experts' kernel too
-        (`Router.route_and_lay_out`); with several (each token its own code's choice) the experts'
-        kernel aligns the merged ids itself."""
-        only, layout = self.only_router(modality), None
-        if only is None:
-            weights, ids = self.route(x, modality)
-        else:
-            spec = self.experts.layout_spec(x.shape[0], only.top_k, self.shared_experts)
-            weights, ids, layout = only.route_and_lay_out(x, spec)
-        return self.tp.all_reduce(self.experts(x, weights, ids, self.shared_experts, layout))
+        weights, ids = self.route(x, modality)
+        return self.tp.all_reduce(self.experts(x, weights, ids, self.shared_experts))

@@ -1,6 +1,5 @@
 """On a GPU (skipped without CUDA): the decode step's fused MoE glue (router GEMV + selection in one
-launch, one-launch alignment with the shared expert folded in -- in the router's launch at up to 32
-pairs --, one-launch sum) gives the eager
+launch, one-launch alignment with the shared expert folded in, one-launch sum) gives the eager
 engine's greedy tokens through CUDA graphs in bf16, the reference's in fp32, and at Ling-mini's MoE
 shapes in bf16 the reference's experts and mixes (the router's tickets left at zero, launch after
 launch). Here, not in kernels/, whose conftest runs Triton in its interpreter."""
@@ -81,33 +80,6 @@ def test_the_fused_router_picks_the_references_experts_at_ling_mini_shape():
             assert torch.allclose(got_w[rows], want_w[rows], atol=1e-5)
     assert same >= 0.99 * total  # fp32 sums in another order: a near-tie may flip, rarely
     assert not tickets_for(dev, 1).any()
-
-
-def test_the_routers_layout_equals_align_by_expert_launch_after_launch_at_ling_mini_shape():
-    """The selecting launch's layout (T=1: the one selecting program; T=2-4: the last of the token
-    blocks' selecting programs, by a second ticket) is `align_by_expert`'s for the ids it picked,
-    and the ids are the launch's without a layout, launch after launch on the same tickets."""
-    from omnistage.services.thinker.kernels import router as kernels
-    from omnistage.services.thinker.kernels.moe_align import LayoutSpec, align_by_expert, layout_runs
-    from omnistage.services.thinker.kernels.tickets import tickets_for
-
-    torch.manual_seed(1)
-    dev = torch.device("cuda")
-    router = Router(2048, 256, top_k=8, n_group=8, topk_group=4, scaling=2.5).to(dev, torch.bfloat16)
-    router.weight.data.normal_(0, 0.02)
-    router.expert_bias.data.normal_(0, 0.01)
-    args = (router.weight, router.expert_bias, 8, 8, 4, 2.5)
-    for t in (1, 2, 3, 4):
-        spec = LayoutSpec(16, t)
-        for _ in range(20):
-            x = torch.randn(t, 2048, device=dev, dtype=torch.bfloat16)
-            w, ids, layout = kernels.route(x, *args, layout=spec)
-            want_w, want_ids = kernels.route(x, *args)
-            assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
-            want = align_by_expert(ids, 256, 16, True, t)
-            assert all(torch.equal(a, b) for a, b in zip(layout[1:], want[1:], strict=True))
-            assert layout_runs(layout, 16) == layout_runs(want, 16)
-    assert not tickets_for(dev, 8).any()
 
 
 @pytest.mark.parametrize("batch", [1, 8, 32, 64])

@@ -13,30 +13,23 @@ from omnistage.services.thinker.engine.config import resolve_engine_config
 from omnistage.services.thinker.engine.cuda_graphs import graph_batch_sizes
 from omnistage.services.thinker.group.warmup import warmup_shapes
 from omnistage.services.thinker.kernels.fused_moe import choose_tiles, folds_shared
-from omnistage.services.thinker.kernels.moe_align import one_program, one_program_chunk
-from omnistage.services.thinker.kernels.router import ROUTE_TABLE, _block_t, lays_out
+from omnistage.services.thinker.kernels.moe_align import one_program
+from omnistage.services.thinker.kernels.router import ROUTE_TABLE
 
 # (experts, top_k, intermediate per rank, hidden): Ling-mini at TP=1, Ming-flash at TP=2.
 SHAPES = {"ling-mini tp1": (256, 8, 512, 2048), "ming-flash tp2": (256, 8, 512, 4096)}
 
 
 def variant(tokens: int, shape: tuple[int, int, int, int]) -> tuple:
-    """What a step of `tokens` tokens compiles: MoE tiles, fold, alignment layout, router row, and
-    the router's layout constants where one router lays the pairs out (its chunk, several token
-    blocks or one)."""
+    """What a step of `tokens` tokens compiles: MoE tiles, fold, alignment layout, router row."""
     experts, top_k, intermediate, hidden = shape
     pairs = tokens * top_k
     route = next((row for row in ROUTE_TABLE if tokens <= row[0]), "cublas")
-    path = "cublas" if route == "cublas" else route[1]
-    layout = None
-    if lays_out(path, pairs):
-        layout = (one_program_chunk(pairs), tokens > _block_t(path, tokens, None))
     return (
         choose_tiles(pairs, experts, intermediate, hidden),
         folds_shared(pairs, True),
         one_program(pairs, True),
         route,
-        layout,
     )
 
 

@@ -14,24 +14,20 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 class Launches:
-    """Records each launch of the kernels it watches: (kernel name, grid, its ROT constant), and in
-    `labels` the name with `+layout` for a router launch with LAYOUT (it lays the pairs out for the
-    expert GEMMs)."""
+    """Records each launch of the kernels it watches: (kernel name, grid, its ROT constant)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.log: list[tuple[str, tuple, int | None]] = []
-        self.labels: list[str] = []
         self.monkeypatch = monkeypatch
 
     def watch(self, module, name: str) -> None:
         """Replace module.name (a launched kernel, looked up at each launch) by a recording one."""
-        kernel, log, labels = getattr(module, name), self.log, self.labels
+        kernel, log = getattr(module, name), self.log
 
         class Recorded:
             def __getitem__(self, grid):
                 def launch(*args, **constants):
                     log.append((name, tuple(grid), constants.get("ROT")))
-                    labels.append(name + ("+layout" if constants.get("LAYOUT") else ""))
                     return kernel[grid](*args, **constants)
 
                 return launch
@@ -55,12 +51,12 @@ ALIGN_KERNELS = ("_align_one_program_kernel", "_count_kernel", "_runs_kernel", "
 
 
 @pytest.fixture
-def moe_launches(monkeypatch) -> list[str]:
-    """The label of every router and alignment launch (kernels/moe_align.py) in the test, in order."""
+def moe_launches(monkeypatch) -> Launches:
+    """Every router and alignment launch (kernels/moe_align.py) in the test, in order (`names()`)."""
     from omnistage.services.thinker.kernels import moe_align, router
 
     watched = Launches(monkeypatch)
     for name in ALIGN_KERNELS:
         watched.watch(moe_align, name)
     watched.watch(router, "_route_kernel")
-    return watched.labels
+    return watched

@@ -66,13 +66,11 @@ ROUTE = {
     "tickets_ptr": "*i32",
     "weights_ptr": "*fp32",
     "ids_ptr": "*i64",
-    **MOE_ROWS,  # the layout's (written only with LAYOUT)
     "num_tokens": I32,
     "hidden": I32,
     "stride_x": I32,
     "stride_w": I32,
     "scaling": F32,
-    "shared_rows": I32,
 }
 GEMV = {
     "x_ptr": B,
@@ -88,8 +86,6 @@ RESIDENT = {
 ROUTE_SHAPE = {"NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4, "TOP_K": 8}
 # The CUDA-core GEMV's launch (a token or four) and the select-only one: no dots, no splits.
 ROUTE_GEMV = {"DOT": False, "SPLIT": 1, "PRECISION": "tf32"}
-# No layout in the router's launch (a step of many pairs, several routers, a prefill).
-NO_LAYOUT = {"LAYOUT": False, "MANY_BLOCKS": False, "BLOCK_M": 1, "CHUNK": 16}
 DECODE_TYPES = {
     "q_ptr": B,
     "k_cache_ptr": B,
@@ -286,29 +282,20 @@ CASES = {
     "route": (
         router._route_kernel,
         ROUTE,
-        {**ROUTE_SHAPE, **ROUTE_GEMV, **NO_LAYOUT, "BLOCK_T": 16, "BLOCK_E": 4, "BLOCK_H": 128, "GEMV": True},
+        {**ROUTE_SHAPE, **ROUTE_GEMV, "BLOCK_T": 16, "BLOCK_E": 4, "BLOCK_H": 128, "GEMV": True},
     ),
     # A decode batch past four tokens: tensor-core dots over hidden splits, the last program sums.
     "route_dot": (
         router._route_kernel,
         ROUTE,
-        {**ROUTE_SHAPE, **NO_LAYOUT, "BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_H": 128, "GEMV": True, "DOT": True}
+        {**ROUTE_SHAPE, "BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_H": 128, "GEMV": True, "DOT": True}
         | {"SPLIT": 4, "PRECISION": "tf32"},
     ),
-    # One decode token: the whole hidden row in one chunk; an fp32 expert bias; the one selecting
-    # program lays the pairs out for the expert GEMMs (with the shared run).
+    # One decode token: the whole hidden row in one chunk; an fp32 expert bias.
     "route_one_token": (
         router._route_kernel,
         {**ROUTE, "bias_ptr": "*fp32"},
-        {**ROUTE_SHAPE, **ROUTE_GEMV, "BLOCK_T": 1, "BLOCK_E": 4, "BLOCK_H": 2048, "GEMV": True}
-        | {"LAYOUT": True, "MANY_BLOCKS": False, "BLOCK_M": 16, "CHUNK": 16},
-    ),
-    # Two to four decode tokens in blocks of one: the last of their selecting programs lays out.
-    "route_few_tokens": (
-        router._route_kernel,
-        ROUTE,
-        {**ROUTE_SHAPE, **ROUTE_GEMV, "BLOCK_T": 1, "BLOCK_E": 4, "BLOCK_H": 2048, "GEMV": True}
-        | {"LAYOUT": True, "MANY_BLOCKS": True, "BLOCK_M": 16, "CHUNK": 32},
+        {**ROUTE_SHAPE, **ROUTE_GEMV, "BLOCK_T": 1, "BLOCK_E": 4, "BLOCK_H": 2048, "GEMV": True},
     ),
     # The projections' GEMV: the default config (split-K partials in fp32) and a wide bf16 tile.
     "gemv_split": (
@@ -350,19 +337,12 @@ CASES = {
         | {n: I32 for n in ("hidden", "inter", "stride_we")},
         {"TOP_K": 8, "BLOCK_N": 2, "I_PAD": 512},
     ),
-    # A prefill: the selection alone over cuBLAS's fp32 logits, a program a token.
+    # A prefill: the selection alone over cuBLAS's fp32 logits, a program a token (w: the gate
+    # weight as given, unread: a static operand on every path).
     "router": (
         router._route_kernel,
         {**ROUTE, "x_ptr": "*fp32", "tickets_ptr": "*i64"},
-        {
-            **ROUTE_SHAPE,
-            **ROUTE_GEMV,
-            **NO_LAYOUT,
-            "BLOCK_T": 1,
-            "BLOCK_E": 256,
-            "BLOCK_H": 16,
-            "GEMV": False,
-        },
+        {**ROUTE_SHAPE, **ROUTE_GEMV, "BLOCK_T": 1, "BLOCK_E": 256, "BLOCK_H": 16, "GEMV": False},
     ),
     "peer_allreduce": (
         peer_allreduce._one_shot_kernel,

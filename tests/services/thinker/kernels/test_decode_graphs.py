@@ -190,9 +190,9 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
 
     def counted_run(plan, fill=None):
         sizes.append(int(plan.query_lens.numel()))
-        before = len(moe_launches)
+        before = len(moe_launches.log)
         out = run(plan, fill)
-        step_launches.append(moe_launches[before:])
+        step_launches.append(moe_launches.names()[before:])
         return out
 
     graphs.run = counted_run
@@ -209,10 +209,11 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
         assert qk_rows == [tokens] * 2 and folded == [True] * 4
     else:
         assert qk_rows == [tokens] * 2 + [4] * 4 and folded == [False] * 4
-    # on: a decode step's 16 pairs (bucket 4, top-4) laid out by the router's launch, no alignment
+    # on: a decode step's 16 pairs (bucket 4, top-4) laid out by one program after the router's
     # launch; off: the multi-launch layout (count, runs, scatter) in the MoE layer of each step
+    fused = ["_route_kernel", "_align_one_program_kernel"]
     unfused = ["_route_kernel", "_count_kernel", "_runs_kernel", "_scatter_kernel"]
-    assert step_launches == [["_route_kernel+layout"] if fusions == "on" else unfused] * 2
+    assert step_launches == [fused if fusions == "on" else unfused] * 2
     # on: the prefill's few pairs and both decode steps fold the shared expert; off: never asked
     assert folds and all(folds) if fusions == "on" else folds == []
     if gemv == "on":  # the prefill's rows and both decode steps' (bucket 4) took the GEMV, nothing larger

@@ -161,50 +161,6 @@ def test_a_measured_table_entry_sets_each_gemms_tiles_and_the_rule_covers_the_re
     assert ((got - want).norm() / want.norm()) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [2, 3])  # one token reads no layout (moe_one_token)
-@pytest.mark.parametrize(
-    "shared_inter", [None, 32, 64], ids=["no-shared", "shared-folded", "shared-own-gemms"]
-)
-def test_fused_experts_on_the_routers_layout_equal_them_aligning_bit_for_bit(dtype, tokens, shared_inter):
-    """The router lays out `layout_spec`'s layout in its launch; the experts then read it instead of
-    aligning: the same output to the bit."""
-    from omnistage.services.thinker.kernels import router
-
-    m = experts(16, 64, 32, seed=tokens)
-    w13, w2 = m.w13.to(dtype), m.w2.to(dtype)
-    mlp = None if shared_inter is None else shared_expert(64, shared_inter)
-    pair = None if mlp is None else (mlp.gate_up_proj.weight.to(dtype), mlp.down_proj.weight.to(dtype))
-    gate, bias = torch.randn(16, 64, dtype=dtype), torch.randn(16) * 0.1
-    x = torch.randn(tokens, 64, dtype=dtype)
-    spec = fused_moe.layout_spec(tokens, 4, w13, w2, pair)
-    assert spec == moe_align.LayoutSpec(16, tokens if shared_inter == 32 else 0)
-    weights, ids, layout = router.route(x, gate, bias, 4, 4, 2, 1.5, layout=spec)
-    assert layout is not None
-    want = fused_experts(x, w13, w2, weights, ids, pair)
-    got = fused_experts(x, w13, w2, weights, ids, pair, layout=layout)
-    assert got.dtype == dtype and torch.equal(got, want)
-
-
-def test_the_layout_spec_follows_the_tiles_and_the_fold_and_a_layout_of_another_step_is_refused(monkeypatch):
-    m = experts(16, 64, 48, seed=1)
-    shared = shared_expert(64, 48)
-    pair = (shared.gate_up_proj.weight, shared.down_proj.weight)
-    measured = MoeTiles(32, GemmTiles(16, 32, 4, 2), GemmTiles(64, 16, 2, 3))
-    monkeypatch.setitem(fused_moe.TILES, (16, 48, 64, 8), measured)  # 2 tokens x top-4: 8 pairs
-    assert fused_moe.layout_spec(2, 4, m.w13, m.w2, pair) == moe_align.LayoutSpec(32, 2)
-    assert fused_moe.layout_spec(2, 4, m.w13, m.w2, None) == moe_align.LayoutSpec(32, 0)
-    assert fused_moe.layout_spec(2, 4, m.w13, m.w2, pair, fuse=False) == moe_align.LayoutSpec(32, 0)
-    assert fused_moe.layout_spec(3, 4, m.w13, m.w2, pair) == moe_align.LayoutSpec(16, 3)  # the rule's
-    assert fused_moe.layout_spec(1, 4, m.w13, m.w2, pair) is None  # one token: moe_one_token, no layout
-    assert fused_moe.layout_spec(1, 4, m.w13, m.w2, pair, fuse=False) is not None
-    ids = torch.stack([torch.randperm(16)[:4] for _ in range(2)])
-    x, weights = torch.randn(2, 64), torch.rand(2, 4)
-    for other in (align_by_expert(ids, 16, 16, True, 2), align_by_expert(ids, 16, 32)):  # block_m, fold
-        with pytest.raises(ValueError, match="is not this step's"):
-            fused_experts(x, m.w13, m.w2, weights, ids, pair, layout=other)
-
-
 @pytest.mark.parametrize(
     "fuse,codes,launched",
     [
@@ -217,9 +173,9 @@ def test_the_layout_spec_follows_the_tiles_and_the_fold_and_a_layout_of_another_
 )
 def test_a_one_token_moe_step_needs_no_alignment_with_the_fusions_on(fuse, codes, launched, moe_launches):
     """A decode step at T=1 with the fusions on: the experts read the router's ids themselves
-    (`moe_one_token`), so neither the router lays the pairs out nor an alignment launch follows,
-    with one router or three on every token (a graph's multimodal step); with the fusions off the
-    experts align the ids. Same output as the reference block."""
+    (`moe_one_token`), so no alignment launch follows the router's, with one router or three on
+    every token (a graph's multimodal step); with the fusions off the experts align the ids. Same
+    output as the reference block."""
     from omnistage.services.thinker.models.layers.backends import Backends, install_backends
     from omnistage.services.thinker.models.layers.moe import RouterRows, SparseMoeBlock
     from omnistage.services.thinker.models.layers.parallel import TPGroup
@@ -237,5 +193,5 @@ def test_a_one_token_moe_step_needs_no_alignment_with_the_fusions_on(fuse, codes
     want = block(x, modality)
     install_backends(block, Backends("torch", "triton"), fuse=fuse)
     got = block(x, modality)
-    assert moe_launches == launched
+    assert moe_launches.names() == launched
     assert ((got - want).norm() / want.norm()) < 1e-5

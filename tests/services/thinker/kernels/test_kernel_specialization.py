@@ -16,7 +16,7 @@ PER_STEP = {
     moe_align._count_kernel: {"num_pairs"},
     moe_align._runs_kernel: {"num_pairs", "shared_rows"},
     moe_align._align_one_program_kernel: {"num_pairs", "shared_rows"},
-    router._route_kernel: {"num_tokens", "shared_rows"},
+    router._route_kernel: {"num_tokens"},
     paged_prefill._prefill_kernel: {"stride_tb"},
     paged_attention._decode_kernel: {"stride_tb"},
 }

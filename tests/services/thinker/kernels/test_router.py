@@ -1,7 +1,6 @@
 """The router's gate GEMM in the selecting launch (ROUTE_TABLE's gemv path in token blocks, each
 block's last program selecting its tokens; the tiled path's tensor-core dots, hidden splits summed
-by the last program) equals the reference Router; given a LayoutSpec the same launch lays a decode
-step's few pairs out as `align_by_expert` does."""
+by the last program) equals the reference Router."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import functools
 import pytest
 import torch
 from omnistage.services.thinker.kernels import router as router_kernels
-from omnistage.services.thinker.kernels.moe_align import LayoutSpec, align_by_expert, layout_runs
 from omnistage.services.thinker.kernels.router import RouterTiles, route_path
 from omnistage.services.thinker.kernels.tickets import tickets_for
 from omnistage.services.thinker.models.layers.moe import Router
@@ -123,61 +121,6 @@ def test_the_tiled_path_writes_no_fp32_copies_of_its_inputs(monkeypatch):
     assert calls == []
     router_kernels.route(x, router.weight, router.expert_bias, 8, 8, 4, 2.5, path="cublas")
     assert calls == [(12, 32), (64, 32)]  # the reference GEMM's two casts, kept for a prefill
-
-
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
-@pytest.mark.parametrize("block_m,shared", [(16, False), (16, True), (32, False), (32, True)])
-def test_the_selecting_launch_lays_out_the_pairs_as_align_by_expert(tokens, block_m, shared, monkeypatch):
-    """At T=1 the one selecting program lays the pairs out; at T=2-4 (blocks of one token) the last
-    of the blocks' selecting programs: the same routing as without a layout, bit for bit, and
-    `align_by_expert`'s layout of those ids (each run in pair order, counts, ends, rows in use)."""
-    router = _router(72, tokens)
-    x = torch.randn(tokens, 72)
-    want_w, want_ids = router_kernels.route(x, router.weight, router.expert_bias, 8, 8, 4, 2.5)
-    spec = LayoutSpec(block_m, tokens if shared else 0)
-    launches = []
-    kernel = router_kernels._route_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            def launch(*args, **constants):
-                launches.append((grid[1], constants["LAYOUT"], constants["MANY_BLOCKS"]))
-                return kernel[grid](*args, **constants)
-
-            return launch
-
-    monkeypatch.setattr(router_kernels, "_route_kernel", Recorded())
-    for _ in range(2):  # the second launch reuses the tickets the first left, the layout's too
-        w, ids, layout = router_kernels.route(x, router.weight, router.expert_bias, 8, 8, 4, 2.5, layout=spec)
-        assert torch.equal(w, want_w) and torch.equal(ids, want_ids)
-        want = align_by_expert(ids, 64, block_m, True, spec.shared_rows)
-        for got_t, want_t in zip(layout[1:], want[1:], strict=True):
-            assert got_t.tolist() == want_t.tolist()
-        assert layout_runs(layout, block_m) == layout_runs(want, block_m)
-        assert layout[0].numel() == want[0].numel()
-    assert launches == [(tokens, True, tokens > 1)] * 2  # blocks of one token: T selecting programs
-    assert not tickets_for(x.device, tokens + 1).any()
-
-
-def test_the_dot_path_lays_out_too_and_past_one_programs_pairs_nobody_does(monkeypatch):
-    """The tiled path's one token block of 16 (three tokens: 24 pairs) lays out as the gemv path
-    does; 5 tokens (40 pairs, past moe_align.ONE_PROGRAM_MAX_PAIRS) and the unfused (cuBLAS) path
-    give no layout: `fused_experts` aligns them itself."""
-    router = _router(72, 3)
-    args = (router.weight, router.expert_bias, 8, 8, 4, 2.5)
-    spec = LayoutSpec(16, 0)
-    monkeypatch.setattr(router_kernels, "ROUTE_TABLE", ((256, "dot", 16),))
-    x = torch.randn(3, 72)
-    tiles = RouterTiles(block_e=16, block_k=16, split=2)
-    w, ids, layout = router_kernels.route(x, *args, tiles=tiles, layout=spec)
-    want_w, want_ids = router_kernels.route(x, *args, tiles=tiles)
-    assert torch.equal(w, want_w) and torch.equal(ids, want_ids)
-    want = align_by_expert(ids, 64, 16)
-    assert layout_runs(layout, 16) == layout_runs(want, 16) and layout[3].tolist() == want[3].tolist()
-    assert router_kernels.route(torch.randn(5, 72), *args, layout=spec)[2] is None
-    assert router_kernels.route(x, *args, fuse=False, layout=spec)[2] is None
-    assert router_kernels.lays_out("gemv", 32) and not router_kernels.lays_out("cublas", 8)
-    assert not tickets_for(x.device, 2).any()
 
 
 def test_a_gate_weight_with_strided_rows_is_refused_not_copied():
