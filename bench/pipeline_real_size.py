@@ -88,7 +88,7 @@ def real_plan(timeout_s: float) -> list[Part]:
         input_image_px=512,
     )
     return [
-        Part("text", (1, 2, 4, 8, 16, 32), base),
+        Part("text", (1, 2, 4, 8, 16, 32, 64), base),  # 64: issue 40's highest level
         Part("vision", (1, 4, 16), base),
         Part("speech", (1, 4, 16), replace(base, max_tokens=64)),
         Part("image", (1, 2, 4), base, min_requests=3),

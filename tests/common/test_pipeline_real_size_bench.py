@@ -41,7 +41,7 @@ def bench():
 def test_the_real_plan_is_the_issues(bench):
     plan = {p.kind: p for p in bench.real_plan(120.0)}
     assert list(plan) == ["text", "vision", "speech", "image", "mixed"]
-    assert plan["text"].levels == (1, 2, 4, 8, 16, 32) and plan["text"].shape.max_tokens == 150
+    assert plan["text"].levels == (1, 2, 4, 8, 16, 32, 64) and plan["text"].shape.max_tokens == 150
     image = plan["image"].shape
     assert (image.image_size, image.image_steps) == (1024, 30) and plan["mixed"].shape.image_size == 1024
     assert all(p.requests(c) >= c for p in plan.values() for c in p.levels)
