@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL, sm_90 and later) for the decode step's Triton kernels.
 
-A decode step is a chain of ~240 small kernels (Ling-mini, one sequence); without PDL each is
+A decode step is a chain of ~200 small kernels (Ling-mini, one sequence); without PDL each is
 launched by the GPU only after the one before has drained. With PDL the next kernel is launched
 while the current one runs and waits on the device (`griddepcontrol.wait`) before it touches
 memory. Every kernel launched so calls `wait_for_prior_kernels` as its first statement: every
