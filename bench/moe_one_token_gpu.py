@@ -13,11 +13,11 @@ the one-token tiles. Exit status 1 when the two paths differ by more than bf16 r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
+from omnistage.common.bench_results import write_result
 from omnistage.common.checkpoint.config_only import LING_MINI, MING_FLASH_TP2_RANK
 from omnistage.services.thinker.kernels.fused_moe import choose_tiles, fused_experts
 from omnistage.services.thinker.kernels.moe_one_token import OneTokenTiles, default_tiles, one_token_experts
@@ -117,7 +117,7 @@ def main() -> int:
         "ming-flash tp2 rank": run("ming-flash tp2 rank", MING_FLASH_TP2_RANK, args.layers, dev),
     }
     if args.out:
-        args.out.write_text(json.dumps(out, indent=1))
+        write_result(args.out, out, gpu=True)  # CUDA only: the script needs a GPU
     return 0 if all(v["ok"] for key, v in out.items() if key != "device") else 1
 
 

@@ -18,12 +18,12 @@ F.linear by more than bf16 rounding.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from omnistage.common.bench_results import write_result
 from omnistage.common.checkpoint.config_only import LING_MINI, MING_FLASH
 from omnistage.services.thinker.kernels import gemv as tiled
 from omnistage.services.thinker.kernels import pdl
@@ -184,7 +184,7 @@ def main() -> int:
         "ming-flash tp2": run_model("ming-flash tp2", MING_FLASH, 2, args.reps, dev, args.force, args.tokens),
     }
     if args.out:
-        args.out.write_text(json.dumps(out, indent=1))
+        write_result(args.out, out, gpu=True)  # CUDA only: the script needs a GPU
     return 0 if all(out[m]["ok"] for m in ("ling-mini tp1", "ming-flash tp2")) else 1
 
 

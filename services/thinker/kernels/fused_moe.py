@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from omnistage.services.thinker.kernels import dot_precision, pdl
+from omnistage.services.thinker.kernels import dot_precision, moe_one_token, pdl
 from omnistage.services.thinker.kernels.moe_align import align_by_expert, block_rows
+from omnistage.services.thinker.kernels.norms import silu_mul
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 
 
@@ -227,20 +228,11 @@ def _input_rows(pairs, valid, pairs_per_row, num_pairs, GATED: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul(gate_acc, up_acc, dt: tl.constexpr):
-    """silu(gate)·up in `dt` with the reference's roundings: gate and up to `dt`, then silu, then the
-    product."""
-    gate = gate_acc.to(dt).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
-    return (act * up_acc.to(dt).to(tl.float32)).to(dt)
-
-
-@triton.jit
 def _epilogue(acc, acc_u, weight_ptr, pairs, num_pairs, dt: tl.constexpr, GATED: tl.constexpr):
     """GATED: silu(gate)·up; else the expert's output rounded to the activation dtype (as the
     reference rounds it), times the pair's routing weight (1 for a shared-run pair)."""
     if GATED:  # one return: the compiler types every return alike, a static branch's too
-        result = _silu_and_mul(acc, acc_u, dt)
+        result = silu_mul(acc, acc_u, dt)
     else:
         weight = tl.load(weight_ptr + pairs, mask=pairs < num_pairs, other=1.0)
         result = acc.to(dt).to(tl.float32) * weight[:, None]
@@ -428,8 +420,6 @@ def fused_experts(
     num_experts, two_i, hidden = w13.shape
     if t == 0:
         return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
-    from omnistage.services.thinker.kernels import moe_one_token  # it imports this module
-
     if fuse and tiles is None and moe_one_token.supported(x, w13, w2, ids, shared):
         return moe_one_token.one_token_experts(x, w13, w2, weights, ids, shared)
     n = t * k

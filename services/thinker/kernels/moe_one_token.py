@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 from omnistage.services.thinker.kernels import interpreting, pdl
-from omnistage.services.thinker.kernels.fused_moe import _silu_and_mul
+from omnistage.services.thinker.kernels.norms import silu_mul
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -111,7 +111,7 @@ def _one_token_gate_up_kernel(
     x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
     gate = tl.sum(gate_w.to(tl.float32) * x[None, :], axis=1)
     up = tl.sum(up_w.to(tl.float32) * x[None, :], axis=1)
-    h = _silu_and_mul(gate, up, h_ptr.dtype.element_ty)
+    h = silu_mul(gate, up, h_ptr.dtype.element_ty)
     tl.store(h_ptr + slot * inter + cols, h, mask=c_ok)
 
 

@@ -200,6 +200,16 @@ def qk_norm_rope(
 
 
 @triton.jit
+def silu_mul(gate, up, dt: tl.constexpr):
+    """silu(gate)·up in `dt` with the reference's roundings (its bf16 ops, each rounded): gate and up
+    to `dt` (an fp32 GEMM sum, or a value already in `dt`), silu, then the product. The one rule of
+    every kernel that applies the MLPs' activation."""
+    gate = gate.to(dt).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
+    return (act * up.to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_prior_kernels(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -208,9 +218,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.conste
         ok = cols < width
         gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
         up = tl.load(x_ptr + row * stride_x + width + cols, mask=ok, other=0.0)
-        # The reference's three bf16 ops (silu, then times up), each rounded to the activation dtype.
-        act = (gate.to(tl.float32) * tl.sigmoid(gate.to(tl.float32))).to(x_ptr.dtype.element_ty)
-        out = act.to(tl.float32) * up.to(tl.float32)
+        out = silu_mul(gate, up, x_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
