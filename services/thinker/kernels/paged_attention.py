@@ -130,66 +130,147 @@ def _load_q(
     return (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
 
 
+# The merge reads the splits' states this many at a time, the loads of a batch all in flight at once
+# (those of splits past the context masked off: nothing read): the first batch's with the maxima,
+# so that a context of at most 8 splits' tokens (1,024 at 16 splits of 128) is merged after one
+# round trip to L2, 16 splits' after two.
+MERGE_BATCH = 8
+
+
+@triton.constexpr_function
+def _merge_batch(splits):
+    """The merge's batch for a launch of `splits` splits (no wider than they)."""
+    return min(splits, MERGE_BATCH)
+
+
 @triton.jit
 def _split_range(ctx, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
     """This program's share [lo, hi) of a context of `ctx` tokens: split program_id(2) of SPLITS
-    whole BLOCK_N steps of at least MIN_CHUNK tokens (the splits past the context empty); one
-    split: all of it. `alone`: split 0 holds the whole context (the others have nothing)."""
+    whole BLOCK_N steps of at least MIN_CHUNK tokens; one split: all of it. `held`: how many splits
+    hold a token, cdiv(ctx, chunk): the first `held`, the others (lo >= ctx) empty; held <= 1:
+    split 0 alone holds the whole context (held 0: an empty one)."""
+    tl.static_assert(MIN_CHUNK > 0)
     chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
     lo = tl.program_id(2) * chunk
-    return lo, tl.minimum(ctx, lo + chunk), ctx <= chunk
+    return lo, tl.minimum(ctx, lo + chunk), tl.cdiv(ctx, chunk)
 
 
 @triton.jit
-def _merge_splits(part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS: tl.constexpr):
-    """This split's softmax state (max, sum, values) stored in fp32; the last split of its
-    (sequence, KV head) to finish (`last_to_finish`) merges every split's in split order (the same
-    sums every launch) → (the normalised output, whether this program is that last one)."""
-    group = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+def _store_rows(out_rows, stride_oh, group, out):
+    """The first `group` rows of `out` [rows, D] at `out_rows` (head 0's row), `stride_oh` apart."""
+    g, d = tl.arange(0, out.shape[0]), tl.arange(0, out.shape[1])
+    rows = out_rows + g[:, None] * stride_oh + d[None, :]
+    tl.store(rows, out.to(out_rows.dtype.element_ty), mask=(g < group)[:, None])
+
+
+@triton.jit
+def _store_split(part_ptr, stats_ptr, at, group, m, s, acc):
+    """Split state `at`'s real rows (the first `group` of GROUP_PAD) in fp32: max m and sum s
+    (stats [2, GROUP_PAD]), values acc (part [GROUP_PAD, D]); the padding rows are not stored."""
     width: tl.constexpr = acc.shape[0]
     g, d = tl.arange(0, width), tl.arange(0, acc.shape[1])
-    at = group * SPLITS + tl.program_id(2)
-    tl.store(part_ptr + (at * width + g[:, None]) * acc.shape[1] + d[None, :], acc)
-    tl.store(stats_ptr + at * 2 * width + g, m)
-    tl.store(stats_ptr + (at * 2 + 1) * width + g, s)
-    last = last_to_finish(tickets_ptr, group, SPLITS)
-    out = tl.zeros_like(acc)
-    if last:
-        top = tl.full(m.shape, float("-inf"), dtype=tl.float32)
-        for i in tl.static_range(SPLITS):
-            top = tl.maximum(
-                top, tl.load(stats_ptr + (group * SPLITS + i) * 2 * width + g, cache_modifier=".cg")
-            )
-        top = tl.where(top == float("-inf"), 0.0, top)  # an empty context: every weight 0, no NaN
-        total = tl.zeros_like(s)
-        for i in tl.static_range(SPLITS):
-            row = group * SPLITS + i
-            m_i = tl.load(stats_ptr + row * 2 * width + g, cache_modifier=".cg")
-            w = tl.exp(m_i - top)  # an empty split (max -inf) weighs 0
-            total += w * tl.load(stats_ptr + (row * 2 + 1) * width + g, cache_modifier=".cg")
-            part = tl.load(
-                part_ptr + (row * width + g[:, None]) * acc.shape[1] + d[None, :], cache_modifier=".cg"
-            )
-            out += w[:, None] * part
-        out = out / tl.maximum(total, 1e-30)[:, None]
-    return out, last
+    g_ok = g < group
+    tl.store(part_ptr + (at * width + g[:, None]) * acc.shape[1] + d[None, :], acc, mask=g_ok[:, None])
+    tl.store(stats_ptr + at * 2 * width + g, m, mask=g_ok)
+    tl.store(stats_ptr + (at * 2 + 1) * width + g, s, mask=g_ok)
 
 
 @triton.jit
-def _finish(out_rows, h_ok, part_ptr, stats_ptr, tickets_ptr, m, s, acc, alone, SPLITS: tl.constexpr):
-    """The output rows `out_rows` [GROUP_PAD, D] of the query heads in `h_ok`: this program's
-    normalised state (one split, or split 0 `alone` with the whole context: no merge, no ticket),
-    or the merge of all splits by the last to finish."""
+def _state_rows(stats_ptr, at, live, r, WIDTH: tl.constexpr):
+    """Split state `at`'s rows `r` [ROWS, 1] as the merge reads them → (their maxima's pointers
+    (their sums' WIDTH further), the mask: the rows below `live`, none where live is 0)."""
+    return stats_ptr + at * 2 * WIDTH + r, r < live
+
+
+@triton.jit
+def _merge_batch_into(
+    part_ptr, stats_ptr, first, base, held, group, top, total, out, WIDTH: tl.constexpr, BATCH: tl.constexpr
+):
+    """(total, out) [ROWS, 1], [ROWS, D] plus split states first + base … + BATCH - 1 in split order,
+    each weighted exp(max - top); one past `held` reads nothing and adds 0 x -0 (no bit changed)."""
+    r, d = tl.arange(0, out.shape[0])[:, None], tl.arange(0, out.shape[1])[None, :]
+    for j in tl.static_range(BATCH):
+        at = first + base + j
+        m_at, ok = _state_rows(stats_ptr, at, tl.where(base + j < held, group, 0), r, WIDTH)
+        m_i = tl.load(m_at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        s_i = tl.load(m_at + WIDTH, mask=ok, other=0.0, cache_modifier=".cg")
+        part_at = part_ptr + (at * WIDTH + r) * out.shape[1] + d
+        part = tl.load(part_at, mask=ok, other=-0.0, cache_modifier=".cg")
+        w = tl.exp(m_i - top)
+        total += w * s_i
+        out += w * part
+    return total, out
+
+
+@triton.jit
+def _merge_splits(
+    part_ptr,
+    stats_ptr,
+    first,
+    held,
+    group,
+    SPLITS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """The normalised output [ROWS, HEAD_DIM] (its first `group` rows real) of the `held` split
+    states from `first` (`_store_split`'s, WIDTH rows each) merged in split order (the same sums
+    every launch); bit for bit the merge of all SPLITS states it replaced: an empty split's state
+    (-inf, 0, 0) added weight exp(-inf - top) = 0 times 0 to each sum, which changes none but makes
+    a -0 +0, so +0 is added once here where any split is empty. Reads those splits' real rows only:
+    the maxima and the first BATCH splits' states in one go, the rest (past BATCH) a batch a time."""
+    BATCH: tl.constexpr = _merge_batch(SPLITS)
+    r = tl.arange(0, ROWS)[:, None]  # [ROWS, 1] and [ROWS, HEAD_DIM]: one layout, no shuffle
+    top = tl.full((ROWS, 1), float("-inf"), dtype=tl.float32)
+    for i in tl.static_range(SPLITS):  # a max is exact in any order
+        m_at, ok = _state_rows(stats_ptr, first + i, tl.where(i < held, group, 0), r, WIDTH)
+        top = tl.maximum(top, tl.load(m_at, mask=ok, other=float("-inf"), cache_modifier=".cg"))
+    top = tl.where(top == float("-inf"), 0.0, top)  # a row of no state: every weight 0, no NaN
+    total = tl.zeros((ROWS, 1), dtype=tl.float32)
+    out = tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
+    total, out = _merge_batch_into(part_ptr, stats_ptr, first, 0, held, group, top, total, out, WIDTH, BATCH)
+    for base in range(BATCH, held, BATCH):  # more than BATCH splits hold tokens
+        total, out = _merge_batch_into(
+            part_ptr, stats_ptr, first, base, held, group, top, total, out, WIDTH, BATCH
+        )
+    # The empty splits' +0 (a -0 — a product below the smallest float fused-added to +0 — made +0);
+    # -0, no change, where every split holds tokens.
+    out += tl.where(held < SPLITS, 0.0, -0.0)
+    return out / tl.maximum(total, 1e-30)
+
+
+@triton.jit
+def _finish(
+    out_rows,
+    stride_oh,
+    group,
+    part_ptr,
+    stats_ptr,
+    tickets_ptr,
+    m,
+    s,
+    acc,
+    held,
+    SPLITS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """The output rows (from `out_rows`, `stride_oh` apart) of the group's `group` query heads: this
+    program's normalised state (one split, or split 0 alone with the whole context: no merge, no
+    ticket), or the merge of the `held` splits that hold tokens by the last of them to finish (held
+    tickets: the empty splits take none)."""
     if SPLITS == 1:
-        out = acc / tl.maximum(s, 1e-30)[:, None]
-        tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=h_ok[:, None])
-    elif alone:
-        out = acc / tl.maximum(s, 1e-30)[:, None]
-        tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=h_ok[:, None])
+        _store_rows(out_rows, stride_oh, group, acc / tl.maximum(s, 1e-30)[:, None])
+    elif held <= 1:
+        _store_rows(out_rows, stride_oh, group, acc / tl.maximum(s, 1e-30)[:, None])
     else:
-        out, last = _merge_splits(part_ptr, stats_ptr, tickets_ptr, m, s, acc, SPLITS)
-        rows = (h_ok.to(tl.int32) * last.to(tl.int32)) > 0  # (the interpreter's h_ok & last: int32)
-        tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=rows[:, None])
+        pair = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        _store_split(part_ptr, stats_ptr, pair * SPLITS + tl.program_id(2), group, m, s, acc)
+        if last_to_finish(tickets_ptr, pair, held):
+            width: tl.constexpr = acc.shape[0]
+            dim: tl.constexpr = acc.shape[1]
+            out = _merge_splits(part_ptr, stats_ptr, pair * SPLITS, held, group, SPLITS, width, ROWS, dim)
+            _store_rows(out_rows, stride_oh, group, out)
 
 
 @triton.jit(do_not_specialize=["stride_tb"])  # the step's block-table width: one compile
@@ -229,6 +310,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     GROUP_PAD: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     WRITE_KV: tl.constexpr,
@@ -239,20 +321,22 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
 ):
     """Program (sequence, KV head, split): its group's online softmax (fp32) over its split, merged by
-    the last split to finish; WRITE_KV: the split with the last token, its only reader, stores it.
+    the last split to finish of those that hold tokens (a split past the context returns at once);
+    GROUP_ROWS: the group's size to a power of two (the merge's rows); WRITE_KV: the split with the
+    last token, its only reader, stores it.
     ROT > 0 (with WRITE_KV): q and the new K QK-normed (NORM) and roped (`norm_rope_heads`) on
     load, K before it is stored — the cache holds what the separate launch would have left there."""
     wait_for_prior_kernels(USE_PDL)
     b, kvh, ctx = tl.program_id(0), tl.program_id(1), tl.load(ctx_ptr + tl.program_id(0))
-    lo, hi, alone = _split_range(ctx, SPLITS, BLOCK_N, MIN_CHUNK)
-    if alone & (tl.program_id(2) > 0):
-        return  # a short context: split 0 attends it all and writes the output itself
+    lo, hi, held = _split_range(ctx, SPLITS, BLOCK_N, MIN_CHUNK)
+    if (lo >= ctx) & (tl.program_id(2) > 0):
+        return  # past the context: no state, no ticket (split 0 of an empty one writes its zeros)
     g, d = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM)
     heads, h_ok = kvh * group + g, g < group
     cos_row, sin_row = cos_ptr + b * stride_ct, sin_ptr + b * stride_ct
-    if WRITE_KV:  # (split 0 of an empty context)
+    if WRITE_KV:  # (split 0 of an empty context: hi == ctx == 0)
         slot = tl.load(slots_ptr + b).to(tl.int64)
-        if (slot >= 0) & (hi == ctx) & ((lo < ctx) | (tl.program_id(2) == 0)):
+        if (slot >= 0) & (hi == ctx):
             row = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kvh * stride_ch + d
             new_k = k_ptr + b * stride_kt + kvh * stride_kh + d
             if ROT > 0:  # normed and roped on its way in: this split, its only reader, reads it so
@@ -269,8 +353,8 @@ def _decode_kernel(
     m, s, acc = _attend_range(
         q, *kv, table, lo, hi, kvh, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, PRECISION
     )
-    out_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    _finish(out_rows, h_ok, part_ptr, stats_ptr, tickets_ptr, m, s, acc, alone, SPLITS)
+    out_rows = out_ptr + b * stride_ob + (kvh * group) * stride_oh  # the group's first head
+    _finish(out_rows, stride_oh, group, part_ptr, stats_ptr, tickets_ptr, m, s, acc, held, SPLITS, GROUP_ROWS)
 
 
 def paged_strides(
@@ -327,6 +411,15 @@ def folds_qk_rope(num_seqs: int, num_kv_heads: int, on_gpu: bool) -> bool:
     return launch_splits(num_seqs, num_kv_heads, on_gpu) <= QK_FOLD_MAX_SPLITS
 
 
+def split_states(q: torch.Tensor, states: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split launch's fp32 softmax states, one a (sequence, KV head, split): weighted values
+    [states, rows, D] and (max, sum) [states, 2, rows], uninitialised: each split that holds tokens
+    writes its group's real rows, and only those are read (the padding rows and the splits past the
+    context are neither)."""
+    part = q.new_empty(states, rows, q.shape[-1], dtype=torch.float32)
+    return part, q.new_empty(states, 2, rows, dtype=torch.float32)
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -370,8 +463,7 @@ def paged_decode(
         cos, sin = cos.contiguous(), sin.contiguous()
     part = stats = tickets = out  # unread with one split
     if splits > 1:  # each split's fp32 softmax state, and a ticket a (sequence, KV head)
-        part = q.new_empty(bsz * num_kv_heads * splits, group_pad, head_dim, dtype=torch.float32)
-        stats = q.new_empty(bsz * num_kv_heads * splits, 2, group_pad, dtype=torch.float32)
+        part, stats = split_states(q, bsz * num_kv_heads * splits, group_pad)
         tickets = tickets_for(q.device, bsz * num_kv_heads)
     _decode_kernel[(bsz, num_kv_heads, splits)](
         q,
@@ -400,6 +492,7 @@ def paged_decode(
         HEAD_DIM=head_dim,
         PAGE=page,
         GROUP_PAD=group_pad,
+        GROUP_ROWS=triton.next_power_of_2(group),
         BLOCK_N=max(64, page),
         PRECISION=dot_precision(q.dtype),
         WRITE_KV=new_kv is not None,

@@ -123,6 +123,9 @@ DECODE_TYPES = {
     "stride_ct": I32,
     "eps": F32,
 }
+# The decode launch's tiles at Ling-mini's shape (head dim 128, a GQA group of 4: 4 merge rows).
+DECODE_TILES = {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "GROUP_ROWS": 4, "BLOCK_N": 64}
+DECODE_TILES |= {"PRECISION": "tf32", "WRITE_KV": True}
 CASES = {
     "count": (
         moe_align._count_kernel,
@@ -180,22 +183,25 @@ CASES = {
             "stats_ptr": B,
             "tickets_ptr": B,
         },
-        {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32", "WRITE_KV": True}
-        | {"SPLITS": 1, "MIN_CHUNK": 128, "ROT": 0, "NORM": False},
+        DECODE_TILES | {"SPLITS": 1, "MIN_CHUNK": 128, "ROT": 0, "NORM": False},
     ),
     # A small decode grid split over the context: fp32 partials, tickets, the merge.
     "decode_split": (
         paged_attention._decode_kernel,
         {**DECODE_TYPES, "part_ptr": "*fp32", "stats_ptr": "*fp32", "tickets_ptr": "*i32"},
-        {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32", "WRITE_KV": True}
-        | {"SPLITS": 16, "MIN_CHUNK": 128, "ROT": 0, "NORM": False},
+        DECODE_TILES | {"SPLITS": 16, "MIN_CHUNK": 128, "ROT": 0, "NORM": False},
+    ),
+    # Splits not a power of two (3 sequences of 4 KV heads: 10), a GQA group of 6 (8 merge rows).
+    "decode_split_gqa6": (
+        paged_attention._decode_kernel,
+        {**DECODE_TYPES, "part_ptr": "*fp32", "stats_ptr": "*fp32", "tickets_ptr": "*i32"},
+        DECODE_TILES | {"GROUP_ROWS": 8, "SPLITS": 10, "MIN_CHUNK": 128, "ROT": 0, "NORM": False},
     ),
     # A decode step's launch with the QK-norm + partial rope folded in (Ling's rotary dim 64 of 128).
     "decode_qk_rope": (
         paged_attention._decode_kernel,
         {**DECODE_TYPES, "part_ptr": "*fp32", "stats_ptr": "*fp32", "tickets_ptr": "*i32"},
-        {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "BLOCK_N": 64, "PRECISION": "tf32", "WRITE_KV": True}
-        | {"SPLITS": 16, "MIN_CHUNK": 128, "ROT": 64, "NORM": True},
+        DECODE_TILES | {"SPLITS": 16, "MIN_CHUNK": 128, "ROT": 64, "NORM": True},
     ),
     "prefill": (
         paged_prefill._prefill_kernel,

@@ -93,7 +93,7 @@ SHAPES = {  # (query heads, KV heads, head dim, rotary dim, QK norm)
 }
 
 
-@pytest.mark.parametrize("splits", [1, 4], ids=["whole-context", "four-splits"])
+@pytest.mark.parametrize("splits", [1, 4, 16], ids=["whole-context", "four-splits", "sixteen-splits"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
 def test_the_folded_qk_norm_rope_equals_the_separate_launch_bit_for_bit(shape, dtype, splits):
