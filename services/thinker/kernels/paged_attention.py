@@ -411,13 +411,43 @@ def folds_qk_rope(num_seqs: int, num_kv_heads: int, on_gpu: bool) -> bool:
     return launch_splits(num_seqs, num_kv_heads, on_gpu) <= QK_FOLD_MAX_SPLITS
 
 
-def split_states(q: torch.Tensor, states: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_states(
+    q: torch.Tensor, seqs_heads: int, splits: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A split launch's fp32 softmax states, one a (sequence, KV head, split): weighted values
-    [states, rows, D] and (max, sum) [states, 2, rows], uninitialised: each split that holds tokens
-    writes its group's real rows, and only those are read (the padding rows and the splits past the
-    context are neither)."""
+    [states, rows, D] and (max, sum) [states, 2, rows], uninitialised (each split that holds tokens
+    writes its group's real rows, and only those are read), and a ticket a (sequence, KV head).
+    One split: none (the kernel reads none; q stands in)."""
+    if splits == 1:
+        return q, q, q
+    states = seqs_heads * splits
     part = q.new_empty(states, rows, q.shape[-1], dtype=torch.float32)
-    return part, q.new_empty(states, 2, rows, dtype=torch.float32)
+    return part, q.new_empty(states, 2, rows, dtype=torch.float32), tickets_for(q.device, seqs_heads)
+
+
+def _new_kv_operands(q: torch.Tensor, context_lens: torch.Tensor, new_kv: tuple | None) -> tuple:
+    """The launch's new K/V operands (k, v, slots, then k's and v's token and head strides):
+    `new_kv`'s, checked, or stand-ins the kernel never reads without WRITE_KV."""
+    k, v, slots = new_kv if new_kv is not None else (q, q, context_lens)
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("paged_decode: the new K/V head dim must be contiguous")
+    return k, v, slots, *k.stride()[:2], *v.stride()[:2]
+
+
+def _qk_rope_operands(q: torch.Tensor, writes_kv: bool, qk_rope: tuple | None) -> tuple:
+    """The launch's QK-norm + rope operands (q weight, k weight, cos, sin, eps, rotary dim, norm):
+    `qk_rope`'s, checked, or stand-ins the kernel never reads and rotary dim 0 without it."""
+    if qk_rope is None:
+        return q, q, q, q, 0.0, 0, False
+    q_w, k_w, eps, cos, sin = qk_rope
+    rot = cos.shape[-1]
+    if not writes_kv:
+        raise ValueError("paged_decode: qk_rope needs new_kv (the new K is roped on its way into the cache)")
+    if rot % 2 or not 0 < rot <= q.shape[-1]:
+        raise ValueError(f"paged_decode: rotary dim {rot} must be even and in (0, {q.shape[-1]}]")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    norm = q_w is not None
+    return (q_w if norm else cos), (k_w if norm else cos), cos, sin, eps, rot, norm
 
 
 def paged_decode(
@@ -432,39 +462,19 @@ def paged_decode(
     qk_rope: tuple[torch.Tensor | None, torch.Tensor | None, float, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence) → [B, H, D]: attention over each sequence's first
-    context_lens[b] cached tokens through its block table row. The new tokens' K/V are in the
-    cache already, or `new_kv` = (k, v [B, KVH, D], slots [B]: each the context's last position)
-    and this launch writes them (as `write_kv`: slot < 0 writes nothing), one launch fewer a layer.
-    `splits` a (sequence, KV head): `decode_splits` on a GPU, else 1 (the interpreter: no gain).
-
-    `qk_rope` = (q_weight, k_weight (both or neither: no norm), eps, cos, sin [B, rotary_dim]):
-    q and the new k are still to be QK-normed and roped, as `norms.qk_norm_rope` would (the same
-    rule, `norm_rope_heads`), and this launch does it, one launch fewer again: each program on the
-    query heads it loads, the program that writes the new K before storing it (needs `new_kv`).
-    q and k in memory are left as they were (nothing else reads them)."""
+    context_lens[b] cached tokens through its block table row. `new_kv` = (k, v [B, KVH, D], slots
+    [B]: each the context's last position): this launch writes them (as `write_kv`: slot < 0
+    writes nothing). `splits` a (sequence, KV head): `launch_splits`'. `qk_rope` = (q_weight,
+    k_weight (both or neither: no norm), eps, cos, sin [B, rotary_dim]): q and the new k are
+    QK-normed and roped here, as `norms.qk_norm_rope` would (`norm_rope_heads`): each program on the
+    query heads it loads, the one that writes the new K before storing it; q and k in memory stay."""
     (bsz, num_heads, head_dim), (_, page, num_kv_heads, _) = q.shape, k_cache.shape
     group, group_pad = num_heads // num_kv_heads, max(16, triton.next_power_of_2(num_heads // num_kv_heads))
     out = torch.empty_like(q)
     if bsz == 0:
         return out
-    k, v, slots = new_kv if new_kv is not None else (q, q, context_lens)  # unread without WRITE_KV
-    if k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError("paged_decode: the new K/V head dim must be contiguous")
+    q_w, k_w, cos, sin, eps, rot, norm = _qk_rope_operands(q, new_kv is not None, qk_rope)
     splits = splits or launch_splits(bsz, num_kv_heads, q.is_cuda)
-    q_w, k_w, eps, cos, sin = qk_rope if qk_rope is not None else (None, None, 0.0, q, q)  # q: unread
-    rot = cos.shape[-1] if qk_rope is not None else 0  # 0: no QK-norm + rope in this launch
-    if qk_rope is not None:
-        if new_kv is None:
-            raise ValueError(
-                "paged_decode: qk_rope needs new_kv (the new K is roped on its way into the cache)"
-            )
-        if rot % 2 or not 0 < rot <= head_dim:
-            raise ValueError(f"paged_decode: rotary dim {rot} must be even and in (0, {head_dim}]")
-        cos, sin = cos.contiguous(), sin.contiguous()
-    part = stats = tickets = out  # unread with one split
-    if splits > 1:  # each split's fp32 softmax state, and a ticket a (sequence, KV head)
-        part, stats = split_states(q, bsz * num_kv_heads * splits, group_pad)
-        tickets = tickets_for(q.device, bsz * num_kv_heads)
     _decode_kernel[(bsz, num_kv_heads, splits)](
         q,
         k_cache,
@@ -472,19 +482,13 @@ def paged_decode(
         block_tables,
         context_lens,
         out,
-        part,
-        stats,
-        tickets,
+        *split_states(q, bsz * num_kv_heads, splits, group_pad),
         scale,
         group,
         *paged_strides(q, out, block_tables, k_cache),
-        k,
-        v,
-        slots,
-        *k.stride()[:2],
-        *v.stride()[:2],
-        q_w if q_w is not None else cos,
-        k_w if q_w is not None else cos,
+        *_new_kv_operands(q, context_lens, new_kv),
+        q_w,
+        k_w,
         cos,
         sin,
         cos.stride(0),
@@ -499,7 +503,7 @@ def paged_decode(
         SPLITS=splits,
         MIN_CHUNK=SPLIT_MIN_TOKENS,
         ROT=rot,
-        NORM=q_w is not None,
+        NORM=norm,
         num_warps=4,
         num_stages=2,
         **pdl.launch(q.device),

@@ -210,10 +210,11 @@ def poisoned_states(monkeypatch):
     launches = []
     made = paged_attention.split_states
 
-    def poisoned(q, states, rows):
-        part, stats = made(q, states, rows)
-        launches.append((part.fill_(float("nan")), stats.fill_(float("nan"))))
-        return part, stats
+    def poisoned(q, seqs_heads, splits, rows):
+        part, stats, tickets = made(q, seqs_heads, splits, rows)
+        if splits > 1:
+            launches.append((part.fill_(float("nan")), stats.fill_(float("nan"))))
+        return part, stats, tickets
 
     monkeypatch.setattr(paged_attention, "split_states", poisoned)
     return launches
