@@ -6,7 +6,14 @@ residual sum and the normalised row are rounded to the activation dtype before t
 The rope rounds after each product and the sum, as the reference's bf16 ops do. The QK-norm + rope
 rule is one @triton.jit helper (`norm_rope_heads`): this module's launch and the decode attention
 launch (`paged_attention.paged_decode(..., qk_rope=...)`, a decode step with the fusions on) both
-call it, so the two paths cannot drift apart.
+call it, so the two paths cannot drift apart. The RMSNorm arithmetic itself is one set of
+@triton.jit helpers (`add_residual`, `sum_of_squares`, `rms_rstd`, `rms_scale`): `_rms_norm_kernel`,
+`norm_rope_heads`, the weights-first projection (`resident_gemv.py`) and the router with the
+post-attention norm folded in (`router.py`) all call them, so a folded norm is the separate launch's
+bit for bit. The sum of squares is accumulated in fp64: a bf16 (or fp16) square is exact there, and
+so is the sum of a row's squares whatever order a launch's layout reduces in (up to 4096 elements
+whose nonzero magnitudes span less than 2^12; beyond, the fp64 sums agree to ~2^-41 relative, so
+their fp32 roundings almost always do; for fp32 activations the same holds of the fp64 rounding).
 """
 
 from __future__ import annotations
@@ -16,6 +23,36 @@ import triton
 import triton.language as tl
 from omnistage.services.thinker.kernels import pdl
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
+
+
+@triton.jit
+def add_residual(x, residual):
+    """The residual add before a norm: x + residual in fp32, rounded to x's dtype (the reference's
+    add in the activation dtype)."""
+    return (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def sum_of_squares(h, axis: tl.constexpr, keep_dims: tl.constexpr = False):
+    """The fp64 sum of h's squares along `axis` (exact for a bf16 row: see the module docstring);
+    a row read in chunks adds its chunks' sums."""
+    h = h.to(tl.float64)
+    return tl.sum(h * h, axis=axis, keep_dims=keep_dims)
+
+
+@triton.jit
+def rms_rstd(total, n, eps):
+    """1 / sqrt(mean square + eps) in fp32: the row's fp64 sum of squares `total` rounded to fp32,
+    over its n elements."""
+    return 1.0 / tl.sqrt(total.to(tl.float32) / n + eps)
+
+
+@triton.jit
+def rms_scale(h, rstd, w, dt: tl.constexpr):
+    """weight * norm(h) as the reference rounds: h * rstd in fp32, rounded to `dt` (the activation
+    dtype), times the norm weight `w` in fp32, rounded to `dt`."""
+    normed = (h.to(tl.float32) * rstd).to(dt).to(tl.float32)
+    return (w.to(tl.float32) * normed).to(dt)
 
 
 @triton.jit
@@ -41,14 +78,11 @@ def _rms_norm_kernel(
     ok = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = add_residual(x, tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0))
         tl.store(sum_ptr + row * stride_s + cols, x, mask=ok)
-    h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n + eps)
-    h = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * h).to(out_ptr.dtype.element_ty), mask=ok)
+    rstd = rms_rstd(sum_of_squares(x, 0), n, eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, rms_scale(x, rstd, w, x_ptr.dtype.element_ty), mask=ok)
 
 
 def rms_norm(
@@ -95,11 +129,11 @@ def norm_rope_heads(rows, ok, w_ptr, cos_row, sin_row, eps, ROT: tl.constexpr, N
     load, zeros elsewhere) RMSNormed with the weight at `w_ptr` when NORM, then NeoX rope on their
     first ROT dims with the token's cos/sin at `cos_row`/`sin_row` → the heads in their dtype.
 
-    The reference's bf16 roundings: rstd in fp32, the normed head rounded, times the weight,
-    rounded; each rope product rounded, then their sum. The sum of squares is accumulated in fp64:
-    a bf16 square is exact there, and so is the sum of a head's (up to 128 dims whose nonzero
-    magnitudes span less than 2^14), whatever order a launch's layout reduces in: both launches
-    get the same rstd, not merely the same rounding steps."""
+    The reference's bf16 roundings (`rms_scale`): rstd in fp32, the normed head rounded, times the
+    weight, rounded; each rope product rounded, then their sum. The sum of squares is accumulated in
+    fp64 (`sum_of_squares`): exact for a bf16 head (up to 128 dims whose nonzero magnitudes span
+    less than 2^14), whatever order a launch's layout reduces in: both launches get the same rstd,
+    not merely the same rounding steps."""
     HEAD_DIM: tl.constexpr = rows.shape[-1]
     half: tl.constexpr = ROT // 2
     d = tl.arange(0, HEAD_DIM)
@@ -109,13 +143,11 @@ def norm_rope_heads(rows, ok, w_ptr, cos_row, sin_row, eps, ROT: tl.constexpr, N
     x = tl.load(rows, mask=ok, other=0.0).to(tl.float32)
     xp = tl.load(rows + (partner - d), mask=ok & rotated, other=0.0).to(tl.float32)
     if NORM:
-        squares = x.to(tl.float64) * x.to(tl.float64)
-        total = tl.sum(squares, axis=-1, keep_dims=True).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(total / HEAD_DIM + eps)
-        w = tl.load(w_ptr + d).to(tl.float32)
-        wp = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
-        x = ((x * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
-        xp = ((xp * rstd).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
+        rstd = rms_rstd(sum_of_squares(x, -1, keep_dims=True), HEAD_DIM, eps)
+        w = tl.load(w_ptr + d)
+        wp = tl.load(w_ptr + partner, mask=rotated, other=0.0)
+        x = rms_scale(x, rstd, w, dt).to(tl.float32)
+        xp = rms_scale(xp, rstd, wp, dt).to(tl.float32)
     c = tl.load(cos_row + d, mask=rotated, other=1.0).to(tl.float32)
     s = tl.load(sin_row + d, mask=rotated, other=0.0).to(tl.float32)
     sign = tl.where(d < half, -1.0, 1.0)

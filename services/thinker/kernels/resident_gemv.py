@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from omnistage.services.thinker.kernels import interpreting, pdl
+from omnistage.services.thinker.kernels.norms import add_residual, rms_rstd, rms_scale, sum_of_squares
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 
 # Tokens a launch serves: each is a pass over the resident weights (a decode step of one or two
@@ -108,7 +109,8 @@ def _resident_gemv_kernel(
 ):
     """Program n: output columns [n·BLOCK_N, +BLOCK_N) of every row. Its weight rows (and the norm
     weight) are loaded before the wait: static operands (pdl.STATIC_OPERANDS), never written by a
-    kernel. NORM: the row is weight * norm(x (+ residual)) first, rounded as `norms.rms_norm`."""
+    kernel. NORM: the row is weight * norm(x (+ residual)) first, `norms.rms_norm`'s row bit for bit
+    (its helpers)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, K_PAD)
     col_ok, k_ok = cols < n, ks < k
@@ -124,15 +126,11 @@ def _resident_gemv_kernel(
     for row in range(m):
         x = tl.load(x_ptr + row * stride_x + ks, mask=k_ok, other=0.0)
         if RESIDUAL:
-            r = tl.load(r_ptr + row * stride_r + ks, mask=k_ok, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+            x = add_residual(x, tl.load(r_ptr + row * stride_r + ks, mask=k_ok, other=0.0))
             if tl.program_id(0) == 0:
                 tl.store(sum_ptr + row * stride_s + ks, x, mask=k_ok)
         if NORM:
-            h = x.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / k + eps)
-            h = (h * rstd).to(dt).to(tl.float32)
-            x = (norm_w.to(tl.float32) * h).to(dt)
+            x = rms_scale(x, rms_rstd(sum_of_squares(x, 0), k, eps), norm_w, dt)
         y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
 

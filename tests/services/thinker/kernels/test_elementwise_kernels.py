@@ -27,6 +27,22 @@ def test_rms_norm_with_and_without_the_residual_add():
     assert torch.allclose(got, want, atol=1e-6) and torch.equal(got_sum, want_sum)
 
 
+def test_the_norm_of_a_row_does_not_depend_on_the_order_it_is_summed_in():
+    """The sum of squares is exact (fp64 over values with 8-bit significands, here 2^-6 to 2^6 in
+    magnitude), so a row permuted -- a launch whose layout reduces in another order, the router's
+    chunks (`router.normed_route`) -- gets the same rstd: the same fp32 normed row, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    mantissa = 1 + torch.randint(0, 128, (4, 2048), generator=g) / 128
+    scale = 2.0 ** torch.randint(-6, 7, (4, 2048), generator=g)
+    sign = torch.randint(0, 2, (4, 2048), generator=g) * 2 - 1
+    x = (sign * mantissa * scale).float()  # bf16 values, as fp32 (whose products would show an rstd ulp)
+    weight = torch.rand(2048, generator=g) + 0.5
+    order = torch.randperm(2048, generator=g)
+    want = rms_norm(x, weight, 1e-6)
+    got = rms_norm(x[:, order], weight[order], 1e-6)
+    assert torch.equal(got, want[:, order])
+
+
 @pytest.mark.parametrize("dim,rotary_dim,rope_type", [(32, 16, "default"), (128, 64, "video_rope")])
 def test_qk_norm_and_partial_rope_in_place_on_the_qkv_rows(dim, rotary_dim, rope_type):
     torch.manual_seed(1)
