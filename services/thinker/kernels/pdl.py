@@ -48,7 +48,7 @@ PDL_ENV = "OMNISTAGE_THINKER_PDL"
 # weights themselves whatever the path, never a copy made for it (router.py `_operands`: the gate
 # weight as given, even where unread).
 STATIC_OPERANDS: dict[str, tuple[str, ...]] = {
-    "_route_kernel": ("w_ptr", "bias_ptr"),
+    "_route_kernel": ("w_ptr", "bias_ptr", "norm_w_ptr"),  # the gate's, and the folded norm's weight
     "_resident_gemv_kernel": ("w_ptr", "norm_w_ptr"),
     "_one_token_down_kernel": ("w2_ptr", "shared_ptr"),
 }

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from omnistage.services.thinker.kernels import dot_precision, pdl
+from omnistage.services.thinker.kernels.norms import add_residual, rms_rstd, rms_scale, sum_of_squares
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
 from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_for
 
@@ -38,6 +39,10 @@ DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # shrinks as the token block grows, so the registers stay bounded.
 _TILE_ELEMS = 8192
 _BLOCK_E = 4
+# Up to this many tokens a MoE layer's add + RMSNorm runs in its router's launch (`normed_route`): on
+# the gemv path each program (a token block of one) reads its token's whole row anyway. One launch
+# fewer a MoE layer (issue 40); unmeasured past two.
+NORM_MAX_TOKENS = 2
 
 
 # Below every key: an entry taken out of the running.
@@ -148,15 +153,28 @@ def _w_chunk(experts, h0, stride_w, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _x_times_w(x_ptr, w, rows, row_ok, h0, k_hi, stride_x, BLOCK_H: tl.constexpr):
-    """[len(rows), len(experts)] fp32 sums over one hidden chunk [h0, min(h0 + BLOCK_H, k_hi)) of the
-    rows' activations times the chunk `w` of the experts' gate rows (loaded in its own dtype)."""
-    hs = tl.arange(0, BLOCK_H)
-    x = tl.load(
-        x_ptr + rows[:, None] * stride_x + h0 + hs[None, :],
-        mask=row_ok[:, None] & (hs < k_hi - h0)[None, :],
-        other=0.0,
-    )
+def _chunk_at(rows, h0, stride, BLOCK_H: tl.constexpr):
+    """The offsets [len(rows), BLOCK_H] of the rows' hidden chunk [h0, h0 + BLOCK_H)."""
+    return rows[:, None] * stride + h0 + tl.arange(0, BLOCK_H)[None, :]
+
+
+@triton.jit
+def _chunk_ok(row_ok, h0, k_hi, BLOCK_H: tl.constexpr):
+    """Its mask: the rows `row_ok`, the hidden columns below k_hi."""
+    return row_ok[:, None] & (tl.arange(0, BLOCK_H) < k_hi - h0)[None, :]
+
+
+@triton.jit
+def _load_chunk(ptr, rows, row_ok, h0, k_hi, stride, BLOCK_H: tl.constexpr):
+    """The rows' chunk at `ptr` over hidden [h0, min(h0 + BLOCK_H, k_hi)), zeros elsewhere."""
+    ok = _chunk_ok(row_ok, h0, k_hi, BLOCK_H)
+    return tl.load(ptr + _chunk_at(rows, h0, stride, BLOCK_H), mask=ok, other=0.0)
+
+
+@triton.jit
+def _x_times_w(x, w):
+    """[len(rows), len(experts)] fp32 sums over one hidden chunk of the rows' activations `x`
+    [rows, BLOCK_H] times the experts' gate rows `w` [experts, BLOCK_H] (each in its own dtype)."""
     return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
@@ -168,12 +186,59 @@ def _gate_gemv(
     the experts' gate rows, both loaded in their own dtype, products and sums in fp32 on CUDA cores
     (a token or four: no tensor-core tile to fill), chunk by chunk in order; the first chunk of
     the gate rows is `w_first` (loaded before the PDL wait)."""
-    acc = tl.zeros((row_ok.shape[0], experts.shape[0]), dtype=tl.float32)
-    acc += _x_times_w(x_ptr, w_first, rows, row_ok, k_lo, k_hi, stride_x, BLOCK_H)
+    acc = _x_times_w(_load_chunk(x_ptr, rows, row_ok, k_lo, k_hi, stride_x, BLOCK_H), w_first)
     for h0 in range(k_lo + BLOCK_H, k_hi, BLOCK_H):
         h_ok = tl.arange(0, BLOCK_H) < k_hi - h0
         w = tl.load(w_ptr + _w_chunk(experts, h0, stride_w, BLOCK_H), mask=h_ok[None, :], other=0.0)
-        acc += _x_times_w(x_ptr, w, rows, row_ok, h0, k_hi, stride_x, BLOCK_H)
+        acc += _x_times_w(_load_chunk(x_ptr, rows, row_ok, h0, k_hi, stride_x, BLOCK_H), w)
+    return acc
+
+
+@triton.jit
+def _residual_sum(x_ptr, r_ptr, rows, row_ok, h0, hidden, stride_x, BLOCK_H: tl.constexpr):
+    """The rows' chunk at h0 of x + residual (r contiguous) in x's dtype (`norms.add_residual`)."""
+    x = _load_chunk(x_ptr, rows, row_ok, h0, hidden, stride_x, BLOCK_H)
+    return add_residual(x, _load_chunk(r_ptr, rows, row_ok, h0, hidden, hidden, BLOCK_H))
+
+
+@triton.jit
+def _store_chunk(out_ptr, values, rows, stored, h0, hidden, BLOCK_H: tl.constexpr):
+    """`values`, the rows' chunk at h0, into out [T, hidden] (contiguous) for the rows `stored`."""
+    ok = _chunk_ok(stored, h0, hidden, BLOCK_H)
+    tl.store(out_ptr + _chunk_at(rows, h0, hidden, BLOCK_H), values, mask=ok)
+
+
+@triton.jit
+def _normed_gate_gemv(
+    x_ptr, w_ptr, w_first, fold, rows, row_ok, experts, hidden, stride_x, stride_w, BLOCK_H: tl.constexpr
+):
+    """`_gate_gemv`'s logits of the rows' weight * norm(x + residual) (the add + RMSNorm before the
+    router, `norms.rms_norm`'s row bit for bit: its helpers) over the whole hidden row (one split):
+    first the residual sum chunk by chunk and its fp64 sum of squares (exact: the chunks' order
+    does not matter), then each chunk normed and times the gate rows. `fold` = (the residual, the
+    norm weight, its first chunk -- loaded before the PDL wait, as `w_first` --, eps, and where
+    the rows `stored` go: normed, sum [T, hidden], for the experts and the layers after)."""
+    r_ptr, norm_w_ptr, norm_w_first, eps, normed_ptr, sum_ptr, stored = fold
+    first = _residual_sum(x_ptr, r_ptr, rows, row_ok, 0, hidden, stride_x, BLOCK_H)
+    _store_chunk(sum_ptr, first, rows, stored, 0, hidden, BLOCK_H)
+    squares = sum_of_squares(first, 1)
+    for h0 in range(BLOCK_H, hidden, BLOCK_H):
+        s = _residual_sum(x_ptr, r_ptr, rows, row_ok, h0, hidden, stride_x, BLOCK_H)
+        _store_chunk(sum_ptr, s, rows, stored, h0, hidden, BLOCK_H)
+        squares += sum_of_squares(s, 1)
+    rstd = rms_rstd(squares, hidden, eps)[:, None]
+    dt = x_ptr.dtype.element_ty
+    x = rms_scale(first, rstd, norm_w_first[None, :], dt)
+    _store_chunk(normed_ptr, x, rows, stored, 0, hidden, BLOCK_H)
+    acc = _x_times_w(x, w_first)
+    for h0 in range(BLOCK_H, hidden, BLOCK_H):
+        h_ok = tl.arange(0, BLOCK_H) < hidden - h0
+        w = tl.load(w_ptr + _w_chunk(experts, h0, stride_w, BLOCK_H), mask=h_ok[None, :], other=0.0)
+        norm_w = tl.load(norm_w_ptr + h0 + tl.arange(0, BLOCK_H), mask=h_ok, other=0.0)
+        s = _residual_sum(x_ptr, r_ptr, rows, row_ok, h0, hidden, stride_x, BLOCK_H)
+        x = rms_scale(s, rstd, norm_w[None, :], dt)
+        _store_chunk(normed_ptr, x, rows, stored, h0, hidden, BLOCK_H)
+        acc += _x_times_w(x, w)
     return acc
 
 
@@ -240,11 +305,16 @@ def _route_kernel(
     tickets_ptr,
     weights_ptr,
     ids_ptr,
+    r_ptr,
+    norm_w_ptr,
+    normed_ptr,
+    sum_ptr,
     num_tokens,
     hidden,
     stride_x,
     stride_w,
     scaling,
+    eps,
     NUM_EXPERTS: tl.constexpr,
     GROUPS: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
@@ -256,6 +326,7 @@ def _route_kernel(
     DOT: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (e, t, s) for BLOCK_T tokens. GEMV: the fp32 logits of BLOCK_E experts over hidden
@@ -263,9 +334,11 @@ def _route_kernel(
     is 1); the last program of a token block to finish (`tickets.last_to_finish`) sums the splits and
     selects the experts of its tokens from all logits. Else the logits [T, E] are given (x, partial
     and the tickets unread) and program (0, t, 0) selects.
-    Before the PDL wait only the static operands are read (pdl.STATIC_OPERANDS: the gate's weight
-    and bias, which no kernel writes): every program's bias, and on the gemv path its first chunk
-    of gate rows, load while the previous kernel runs."""
+    NORM (gemv, one split): the router's input is weight * norm(x + residual), which program
+    (0, t, 0) stores with the sum (`_normed_gate_gemv`); else r, norm_w, normed and sum are unread.
+    Before the PDL wait only the static operands are read (pdl.STATIC_OPERANDS, which no kernel
+    writes): every program's bias, and on the gemv path its first chunk of gate rows (and of the
+    norm weight), load while the previous kernel runs."""
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     k_lo, k_hi = _split_range(hidden, SPLIT, BLOCK_H)
     bias = tl.load(bias_ptr + _expert_grid(NUM_EXPERTS, GROUPS)).to(tl.float32)
@@ -275,6 +348,10 @@ def _route_kernel(
             mask=(tl.arange(0, BLOCK_H) < k_hi - k_lo)[None, :],
             other=0.0,
         )
+        if NORM:
+            norm_w_first = tl.load(
+                norm_w_ptr + tl.arange(0, BLOCK_H), mask=tl.arange(0, BLOCK_H) < hidden, other=0.0
+            )
     wait_for_prior_kernels(USE_PDL)
     pid_t = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
@@ -284,6 +361,12 @@ def _route_kernel(
         if DOT:
             acc = _gate_dot(
                 x_ptr, w_ptr, rows, row_ok, experts, k_lo, k_hi, stride_x, stride_w, BLOCK_H, PRECISION
+            )
+        elif NORM:
+            stored = rows < tl.where(tl.program_id(0) == 0, num_tokens, 0)  # program (0, t, 0) stores
+            fold = (r_ptr, norm_w_ptr, norm_w_first, eps, normed_ptr, sum_ptr, stored)
+            acc = _normed_gate_gemv(
+                x_ptr, w_ptr, w_first, fold, rows, row_ok, experts, hidden, stride_x, stride_w, BLOCK_H
             )
         else:
             acc = _gate_gemv(
@@ -397,31 +480,84 @@ def route(
     the selection in one launch, a program a token. `path`, `tiles` (the dot path's; default
     DOT_TILES) and `block_t` (token rows a program on a GEMM path) override the rule
     (bench/moe_decode_gpu.py)."""
+    path = _checked(path) or route_path(x, weight, fuse)
+    weights, ids, _ = _launch(x, weight, bias, (top_k, n_group, topk_group, scaling), path, tiles, block_t)
+    return weights, ids
+
+
+def folds_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor) -> bool:
+    """The one dispatch rule of `normed_route`: at most NORM_MAX_TOKENS tokens on the gemv path
+    (`route_path`), a residual of x's shape and dtype, a contiguous norm weight [H] in x's dtype."""
+    return (
+        0 < x.shape[0] <= NORM_MAX_TOKENS
+        and route_path(x, weight) == "gemv"
+        and residual.shape == x.shape
+        and residual.dtype == norm_w.dtype == x.dtype
+        and norm_w.shape == x.shape[1:]
+        and norm_w.is_contiguous()
+    )
+
+
+def normed_route(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The add + RMSNorm before a MoE layer in its router's launch: (weights, ids, weight *
+    norm(x + residual), x + residual) -- `norms.rms_norm(x, norm_weight, eps, residual)`, then
+    `route` of its row, bit for bit (the norm's helpers, an exact sum of squares) -- where
+    `folds_norm` says so; None elsewhere (the caller norms, then routes)."""
+    if not folds_norm(x, weight, residual, norm_weight):
+        return None
+    shape = (top_k, n_group, topk_group, scaling)
+    weights, ids, rows = _launch(x, weight, bias, shape, "gemv", None, None, (residual, norm_weight, eps))
+    return weights, ids, *rows
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    shape: tuple[int, int, int, float],
+    path: str,
+    tiles: RouterTiles | None,
+    block_t: int | None,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """`_route_kernel`'s launch on `path`: (weights, ids, and with `norm` = (residual, norm weight,
+    eps) the normed row and the residual sum it stored, else None); `shape` = (top_k, n_group,
+    topk_group, scaling)."""
     (t, hidden), num_experts = x.shape, weight.shape[0]
+    top_k, n_group, topk_group, scaling = shape
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     if t == 0:
-        return weights, ids
-    path = _checked(path) or route_path(x, weight, fuse)
+        return weights, ids, None
+    if norm is not None and path != "gemv":
+        raise ValueError(f"the router folds the norm on its gemv path only, not {path!r}")
     gemm = path != "cublas"
     x, weight, logits = _operands(gemm, x, weight)
+    r, norm_weight, eps, normed, total = _norm_operands(x, weight, norm)
     block_t, block_e, block_h, split, warps, stages = _tiling(path, t, hidden, num_experts, tiles, block_t)
     partial = logits if split == 1 else logits.new_empty(split, t, num_experts)
     grid = (num_experts // block_e, triton.cdiv(t, block_t), split)
+    tickets = tickets_for(x.device, grid[1]) if gemm else ids  # unread without GEMV
+    pointers = (x, weight, bias, logits, partial, tickets, weights, ids, r, norm_weight, normed, total)
     _route_kernel[grid](
-        x,
-        weight,
-        bias,
-        logits,
-        partial,
-        tickets_for(x.device, grid[1]) if gemm else ids,  # unread without GEMV
-        weights,
-        ids,
+        *pointers,
         t,
         hidden,
         x.stride(0),
         weight.stride(0),
         scaling,
+        eps,
         NUM_EXPERTS=num_experts,
         GROUPS=n_group,
         TOPK_GROUP=topk_group,
@@ -433,11 +569,24 @@ def route(
         DOT=path == "dot",
         SPLIT=split,
         PRECISION=dot_precision(x.dtype),
+        NORM=norm is not None,
         num_warps=warps,
         num_stages=stages,
         **pdl.launch(x.device),
     )
-    return weights, ids
+    return weights, ids, None if norm is None else (normed, total)
+
+
+def _norm_operands(
+    x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | None
+) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor]:
+    """The launch's residual, norm weight, eps and the rows NORM stores (the normed row, the sum):
+    with `norm` = (residual, norm weight, eps) the residual contiguous (read after the wait) and two
+    new [T, H] rows; else unread: x, and the gate weight as the norm's (a static operand as given)."""
+    if norm is None:
+        return x, weight, 0.0, x, x
+    residual, norm_weight, eps = norm
+    return residual.contiguous(), norm_weight, eps, torch.empty_like(x), torch.empty_like(x)
 
 
 def route_shapes_supported(num_experts: int, n_group: int, top_k: int) -> bool:

@@ -95,11 +95,14 @@ class BailingMoeV2DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream as a pair: the layer's input is x + residual (residual None: x alone,
         the first layer); returns (this layer's MLP output, the stream before it). Same sums as
-        `h = x + attn(norm(x)); return h + mlp(norm(h))`, with each add fused into the next norm."""
+        `h = x + attn(norm(x)); return h + mlp(norm(h))`, with each add fused into the next norm
+        (a MoE block may take the post-attention add + norm into its router's launch:
+        `SparseMoeBlock.normed`)."""
         x, residual = self.attention(x, residual, self.input_layernorm, rope)
+        if isinstance(self.mlp, SparseMoeBlock):
+            return self.mlp.normed(x, residual, self.post_attention_layernorm, modality)
         x, residual = self.post_attention_layernorm(x, residual)
-        x = self.mlp(x, modality) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(x)
-        return x, residual
+        return self.mlp(x), residual
 
 
 class BailingMoeV2Model(nn.Module):

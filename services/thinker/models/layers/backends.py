@@ -165,7 +165,9 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     its residual add, SiLU·mul of the dense and shared-expert MLPs) one launch each. moe triton: the
     router (gate GEMV + group-limited top-k in one launch for decode batches) and the routed experts
     (alignment, two GEMMs, and the sum over each token's experts with the shared expert's add; one
-    token's experts in two launches, `kernels/moe_one_token.py`).
+    token's experts in two launches, `kernels/moe_one_token.py`). Both (and `fuse`): a MoE layer's
+    add + RMSNorm before a router of one or two tokens in the router's launch
+    (`Router.norm_kernel`, `router.normed_route`).
     `fuse` (default: FUSIONS_ENV) False: the MoE glue unfused, and a decode step's K/V write and
     QK-norm + rope in launches of their own.
     Under the fast attention backends a projection of one or two tokens whose weight fits takes the
@@ -186,15 +188,16 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
 
             gemv = functools.partial(resident_gemv.linear, fallback=gemv)
             norm_gemv = resident_gemv.normed_linear
-    experts, route = None, None
+    experts, route, normed_route = None, None, None
     if backends.moe == "triton":
+        from omnistage.services.thinker.kernels import router
         from omnistage.services.thinker.kernels.fused_moe import fused_experts
         from omnistage.services.thinker.kernels.moe_align import align_supported
-        from omnistage.services.thinker.kernels.router import route as route_kernel
-        from omnistage.services.thinker.kernels.router import route_shapes_supported
 
         experts = functools.partial(fused_experts, fuse=fuse)
-        route = functools.partial(route_kernel, fuse=fuse)
+        route = functools.partial(router.route, fuse=fuse)
+        if fuse and norm is not None:  # the norm's kernel installed: the router may run its rule
+            normed_route = router.normed_route
     for module in model.modules():
         if isinstance(module, PagedAttention):
             module.backend = attention
@@ -210,7 +213,9 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
             module.kernel = experts if experts is None or align_supported(module.w13.shape[0]) else None
         elif isinstance(module, Router):
             e, groups, k = module.weight.shape[0], module.n_group, module.top_k
-            module.kernel = route if route is None or route_shapes_supported(e, groups, k) else None
+            runs = route is not None and router.route_shapes_supported(e, groups, k)
+            module.kernel = route if runs else None
+            module.norm_kernel = normed_route if runs else None
 
 
 class TritonAttention:

@@ -12,6 +12,7 @@ from omnistage.services.thinker.models.layers.linear import (
     RowParallelLinear,
     check_shape,
 )
+from omnistage.services.thinker.models.layers.norm import RMSNorm
 from omnistage.services.thinker.models.layers.parallel import TPGroup, divide
 from torch import nn
 
@@ -107,6 +108,11 @@ class Router(nn.Module):
         # route(x, weight, bias, top_k, n_group, topk_group, scaling): the GEMV and the selection
         # below (layers/backends.py); None: the reference.
         self.kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        # normed_route(x, residual, norm weight, eps, weight, bias, top_k, n_group, topk_group,
+        # scaling) → (weights, ids, norm(x + residual), x + residual), or None where it does not
+        # serve: the add + RMSNorm before the router in its launch (kernels/router.py; set by
+        # layers/backends.py); None: the norm runs first.
+        self.norm_kernel: Callable[..., tuple[torch.Tensor, ...] | None] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] → (fp32 weights [T, k], expert ids [T, k])."""
@@ -120,6 +126,26 @@ class Router(nn.Module):
         w = scores.gather(1, ids)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
         return w, ids
+
+    def normed(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(weights, ids, norm(x + residual), x + residual) in one launch where `norm_kernel`
+        serves (a few tokens); None elsewhere: the caller norms, then routes."""
+        if self.norm_kernel is None:
+            return None
+        return self.norm_kernel(
+            x,
+            residual,
+            norm.weight,
+            norm.eps,
+            self.weight,
+            self.expert_bias,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.scaling,
+        )
 
 
 class FusedExperts(nn.Module):
@@ -202,6 +228,20 @@ class SparseMoeBlock(nn.Module):
             GatedMLP(hidden, intermediate * num_shared, tp, reduce=False) if num_shared > 0 else None
         )
 
+    def _groups(self, modality: torch.Tensor | RouterRows | None) -> RouterRows | None:
+        """The step's RouterRows (found from the codes once, here); None: the gate takes every token."""
+        if modality is None or len(self.router_names) == 1:
+            return None
+        if isinstance(modality, RouterRows):
+            return modality
+        return RouterRows.of(modality, len(self.router_names))
+
+    def _step_router(self, groups: RouterRows | None) -> Router | None:
+        """The one router every token of the step takes; None when several serve it."""
+        if groups is None:
+            return self.gate
+        return None if groups.single is None else getattr(self, self.router_names[groups.single])
+
     def route(
         self, x: torch.Tensor, modality: torch.Tensor | RouterRows | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,13 +249,10 @@ class SparseMoeBlock(nn.Module):
 
         Each router runs once, on its own tokens only (no per-token loop); `modality` is the [T]
         codes or, from the model, the RouterRows it found once for all layers of the step."""
-        if modality is None or len(self.router_names) == 1:
-            return self.gate(x)
-        groups = (
-            modality if isinstance(modality, RouterRows) else RouterRows.of(modality, len(self.router_names))
-        )
-        if groups.single is not None:
-            return getattr(self, self.router_names[groups.single])(x)
+        groups = self._groups(modality)
+        router = self._step_router(groups)
+        if router is not None:
+            return router(x)
         if groups.codes is not None:  # every router on every token, each token its own code's choice
             weights, ids = self.gate(x)
             for code, name in enumerate(self.router_names[1:], start=1):
@@ -234,3 +271,23 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, modality: torch.Tensor | RouterRows | None = None) -> torch.Tensor:
         weights, ids = self.route(x, modality)
         return self.tp.all_reduce(self.experts(x, weights, ids, self.shared_experts))
+
+    def normed(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm: RMSNorm,
+        modality: torch.Tensor | RouterRows | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this block's output for norm(x + residual), x + residual): the decoder layer's add +
+        norm before it. Where one router takes every token of the step and its kernel folds the
+        norm (`Router.normed`: a few tokens, the fusions on), the router's launch computes the
+        normed row and the experts read it; else the norm runs, then `forward`. The same sums."""
+        groups = self._groups(modality)
+        router = self._step_router(groups)
+        folded = None if router is None else router.normed(x, residual, norm)
+        if folded is None:
+            h, residual = norm(x, residual)
+            return self(h, groups), residual
+        weights, ids, h, residual = folded
+        return self.tp.all_reduce(self.experts(h, weights, ids, self.shared_experts)), residual

@@ -2,7 +2,9 @@
 launch, one-launch alignment with the shared expert folded in, one-launch sum) gives the eager
 engine's greedy tokens through CUDA graphs in bf16, the reference's in fp32, and at Ling-mini's MoE
 shapes in bf16 the reference's experts and mixes (the router's tickets left at zero, launch after
-launch). Here, not in kernels/, whose conftest runs Triton in its interpreter."""
+launch), and with a MoE layer's post-attention add + norm in the router's launch the unfused
+launches' rows and routing bit for bit. Here, not in kernels/, whose conftest runs Triton in its
+interpreter."""
 
 from __future__ import annotations
 
@@ -79,6 +81,38 @@ def test_the_fused_router_picks_the_references_experts_at_ling_mini_shape():
             same, total = same + int(rows.sum()), total + t
             assert torch.allclose(got_w[rows], want_w[rows], atol=1e-5)
     assert same >= 0.99 * total  # fp32 sums in another order: a near-tie may flip, rarely
+    assert not tickets_for(dev, 1).any()
+
+
+@pytest.mark.parametrize("hidden", [2048, 4096], ids=["ling-mini", "ming-flash-tp2"])
+def test_the_folded_post_attention_norm_is_rms_norm_then_the_router_bit_for_bit(hidden):
+    """The router with the MoE layer's add + RMSNorm in its launch (`router.normed_route`, one or two
+    tokens) stores rms_norm's normed row and residual sum bit for bit (the same helpers; an exact
+    fp64 sum of squares, whatever order the compiled layouts reduce in) and routes that row as the
+    router does (the same logits' reduction layout), launch after launch."""
+    from omnistage.services.thinker.kernels import router as kernels
+    from omnistage.services.thinker.kernels.norms import rms_norm
+    from omnistage.services.thinker.kernels.tickets import tickets_for
+
+    torch.manual_seed(hidden)
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    gate = (torch.randn(256, hidden, device=dev) * 0.02).to(dtype)
+    bias = torch.randn(256, device=dev) * 0.01
+    norm_w = (torch.rand(hidden, device=dev) + 0.5).to(dtype)
+    for t in (1, 2):
+        for _ in range(20):
+            x = torch.randn(t, hidden, device=dev).to(dtype)
+            residual = torch.randn(t, hidden, device=dev) * 2.0 ** torch.randint(
+                -6, 7, (t, hidden), device=dev
+            )
+            residual = residual.to(dtype)  # magnitudes over 2^12: the fp32 sum's order would show
+            normed, total = rms_norm(x, norm_w, 1e-6, residual)
+            want_w, want_ids = kernels.route(normed, gate, bias, 8, 8, 4, 2.5)
+            got = kernels.normed_route(x, residual, norm_w, 1e-6, gate, bias, 8, 8, 4, 2.5)
+            assert got is not None
+            got_w, got_ids, got_normed, got_total = got
+            assert torch.equal(got_total, total) and torch.equal(got_normed, normed)
+            assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
     assert not tickets_for(dev, 1).any()
 
 

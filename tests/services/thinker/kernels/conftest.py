@@ -14,20 +14,23 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 class Launches:
-    """Records each launch of the kernels it watches: (kernel name, grid, its ROT constant)."""
+    """Records each launch of the kernels it watches: (kernel name, grid, its ROT constant), and
+    apart (`arguments`) its positional arguments."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.log: list[tuple[str, tuple, int | None]] = []
+        self.calls: list[tuple[str, tuple]] = []
         self.monkeypatch = monkeypatch
 
     def watch(self, module, name: str) -> None:
         """Replace module.name (a launched kernel, looked up at each launch) by a recording one."""
-        kernel, log = getattr(module, name), self.log
+        kernel, log, calls = getattr(module, name), self.log, self.calls
 
         class Recorded:
             def __getitem__(self, grid):
                 def launch(*args, **constants):
                     log.append((name, tuple(grid), constants.get("ROT")))
+                    calls.append((name, args))
                     return kernel[grid](*args, **constants)
 
                 return launch
@@ -40,6 +43,10 @@ class Launches:
     def of(self, name: str) -> list[tuple[tuple, int | None]]:
         """(grid, ROT) of each launch of `name`, in order."""
         return [(grid, rot) for n, grid, rot in self.log if n == name]
+
+    def arguments(self, name: str) -> list[tuple]:
+        """The positional arguments of each launch of `name`, in order."""
+        return [args for n, args in self.calls if n == name]
 
 
 @pytest.fixture

@@ -66,11 +66,18 @@ ROUTE = {
     "tickets_ptr": "*i32",
     "weights_ptr": "*fp32",
     "ids_ptr": "*i64",
+    # the folded add + RMSNorm's (NORM): the residual, the norm weight, the normed row and the sum
+    "r_ptr": B,
+    "norm_w_ptr": B,
+    "normed_ptr": B,
+    "sum_ptr": B,
     "num_tokens": I32,
     "hidden": I32,
     "stride_x": I32,
+    "stride_r": I32,
     "stride_w": I32,
     "scaling": F32,
+    "eps": F32,
 }
 GEMV = {
     "x_ptr": B,
@@ -85,7 +92,7 @@ RESIDENT = {
 }
 ROUTE_SHAPE = {"NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4, "TOP_K": 8}
 # The CUDA-core GEMV's launch (a token or four) and the select-only one: no dots, no splits.
-ROUTE_GEMV = {"DOT": False, "SPLIT": 1, "PRECISION": "tf32"}
+ROUTE_GEMV = {"DOT": False, "SPLIT": 1, "PRECISION": "tf32", "NORM": False}
 DECODE_TYPES = {
     "q_ptr": B,
     "k_cache_ptr": B,
@@ -295,13 +302,21 @@ CASES = {
         router._route_kernel,
         ROUTE,
         {**ROUTE_SHAPE, "BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_H": 128, "GEMV": True, "DOT": True}
-        | {"SPLIT": 4, "PRECISION": "tf32"},
+        | {"SPLIT": 4, "PRECISION": "tf32", "NORM": False},
     ),
     # One decode token: the whole hidden row in one chunk; an fp32 expert bias.
     "route_one_token": (
         router._route_kernel,
         {**ROUTE, "bias_ptr": "*fp32"},
         {**ROUTE_SHAPE, **ROUTE_GEMV, "BLOCK_T": 1, "BLOCK_E": 4, "BLOCK_H": 2048, "GEMV": True},
+    ),
+    # One decode token with the MoE layer's add + RMSNorm folded in (Ling-mini's row in one chunk;
+    # Ming-flash's 4096 takes the loops' second chunk, compiled here too: hidden is an argument).
+    "route_normed": (
+        router._route_kernel,
+        {**ROUTE, "bias_ptr": "*fp32"},
+        {**ROUTE_SHAPE, **ROUTE_GEMV, "BLOCK_T": 1, "BLOCK_E": 4, "BLOCK_H": 2048, "GEMV": True}
+        | {"NORM": True},
     ),
     # The projections' GEMV: the default config (split-K partials in fp32) and a wide bf16 tile.
     "gemv_split": (

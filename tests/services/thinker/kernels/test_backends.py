@@ -58,11 +58,12 @@ def test_installing_reaches_every_layer_and_torch_restores_the_reference(tiny_ck
     assert moe and all(m.experts.kernel is not None and m.gate.kernel is not None for m in moe)
     install_backends(model, Backends("torch", "torch"))
     assert all(layer.attention.attn.backend is TORCH_ATTENTION for layer in layers)
-    assert all(m.experts.kernel is None and m.gate.kernel is None for m in moe)
+    assert all(m.experts.kernel is None and m.gate.kernel is None and m.gate.norm_kernel is None for m in moe)
     assert model.model.norm.kernel is None
 
 
 def test_the_fusions_switch_reaches_the_moe_kernels_and_refuses_a_typo(tiny_ckpt, monkeypatch):
+    from omnistage.services.thinker.kernels import router
     from omnistage.services.thinker.models.layers.backends import FUSIONS_ENV
     from omnistage.services.thinker.models.loader import load_model
 
@@ -73,6 +74,10 @@ def test_the_fusions_switch_reaches_the_moe_kernels_and_refuses_a_typo(tiny_ckpt
         install_backends(model, Backends("triton", "triton"))
         assert all(m.gate.kernel.keywords == {"fuse": fused} for m in moe)
         assert all(m.experts.kernel.keywords == {"fuse": fused} for m in moe)
+        # the post-attention add + norm in the router's launch (kernels/router.py): fusions on only
+        assert all(m.gate.norm_kernel is (router.normed_route if fused else None) for m in moe)
+    install_backends(model, Backends("torch", "triton"))  # the norm's reference: it runs first
+    assert all(m.gate.kernel is not None and m.gate.norm_kernel is None for m in moe)
     monkeypatch.setenv(FUSIONS_ENV, "of")
     with pytest.raises(BackendError, match=f"{FUSIONS_ENV}='of': expected on or off"):
         install_backends(model, Backends("triton", "triton"))

@@ -119,7 +119,7 @@ def test_a_pdl_kernel_waits_for_the_prior_kernels_before_anything_but_its_static
         assert name in kernels, f"{name} is declared, no PDL kernel"
         params = {a.arg for a in kernels[name][1].args.args}
         assert static and set(static) <= params and all(p.endswith("_ptr") for p in static), name
-    assert pdl.STATIC_OPERANDS["_route_kernel"] == ("w_ptr", "bias_ptr")
+    assert pdl.STATIC_OPERANDS["_route_kernel"] == ("w_ptr", "bias_ptr", "norm_w_ptr")
 
 
 def _kernel(source: str) -> ast.FunctionDef:
