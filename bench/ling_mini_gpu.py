@@ -60,6 +60,7 @@ def _engine_config(args):
         kv_safety_factor=args.safety_factor,
         kv_tokens=args.kv_tokens,
         async_scheduling=args.async_scheduling,
+        tp_allreduce=args.tp_allreduce,
         **({} if args.prefill_graphs == "on" else {"prefill_graph_tokens": ()}),
     )
 
@@ -496,6 +497,12 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="engine.async_scheduling: plan the next step while the device runs this one (auto: on CUDA)",
     )
+    ap.add_argument(
+        "--tp-allreduce",
+        choices=("auto", "nccl"),
+        default="nccl",
+        help="engine.tp_allreduce: auto sums a decode step's small messages over CUDA IPC peer memory",
+    )
     ap.add_argument("--canary-mib", type=float, default=None, help="256 (tiny: 4)")
     ap.add_argument("--safety-factor", type=float, default=1.0)
     ap.add_argument("--kv-tokens", type=int, default=0, help="pin the KV size (skips the search)")
@@ -664,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         "gemv": os.environ.get("OMNISTAGE_THINKER_GEMV", "off"),  # backends.gemv_enabled()'s default
         "pdl": os.environ.get("OMNISTAGE_THINKER_PDL", "on"),  # kernels/pdl.py's default
         "resident": os.environ.get("OMNISTAGE_THINKER_RESIDENT", "on"),  # backends.resident_enabled()'s
+        "tp_allreduce": args.tp_allreduce,
         "elapsed_s": round(elapsed, 1),
         "ok": not problems,
         "problems": problems,
