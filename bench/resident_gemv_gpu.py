@@ -18,6 +18,7 @@ F.linear by more than bf16 rounding.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -31,29 +32,15 @@ from omnistage.services.thinker.kernels.norms import rms_norm
 from omnistage.services.thinker.kernels.paged_attention import paged_decode
 from omnistage.services.thinker.kernels.resident_gemv import ResidentConfig, fits, resident_gemv
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the graph timer
+from graph_timing import graph_time_us  # noqa: E402
+
 SWEEP = ((4, 4), (8, 4), (8, 8), (16, 8), (16, 16), (32, 16))
 
 
 def time_chain(step, reps: int, replays: int = 20) -> float:
     """µs a repetition of `step(i)` (i the repetition), captured `reps` times in one graph."""
-    for i in range(reps):
-        step(i)
-    torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        step(0)
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(reps):
-                step(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * reps)
+    return graph_time_us([functools.partial(step, i) for i in range(reps)], replays)
 
 
 def shapes(dims: dict, tp: int) -> dict[str, tuple[int, int]]:
