@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import io
 import random
 import time
@@ -67,13 +68,29 @@ class RequestShape:
     image_size: int = 256
     image_steps: int = 4
     input_image_px: int = 512  # side of the input image of a vision request
-    prompt: str = ""  # "" = PROMPTS[kind]
+    prompt: str = ""  # "" = PROMPTS[kind] with each request's own tag (`request_prompt`)
+    # The default prompt tagged per request; False: the same prompt for every request (its prefix
+    # cached, and greedy answers that are the same tokens: a batch of them routes every sequence to
+    # the same experts, reading a fraction of the weights a real batch reads).
+    distinct_prompts: bool = True
     metadata: tuple[tuple[str, str], ...] = ()  # call metadata (the API key)
+
+
+def request_prompt(kind: str, i: int, shape: RequestShape) -> str:
+    """Request i's text: `shape.prompt` as given, else the kind's prompt and, with
+    `distinct_prompts`, a tag of its own (16 hex digits of its index's hash), so that concurrent
+    greedy answers differ as real traffic's do. On 2 x H200 (2026-11-29) one prompt for all gave
+    5,083 tok/s at c=32 through serve where the engine on random prompts does 1,763."""
+    if shape.prompt:
+        return shape.prompt
+    if not shape.distinct_prompts:
+        return PROMPTS[kind]
+    return f"{PROMPTS[kind]} (Request {hashlib.sha256(str(i).encode()).hexdigest()[:16]}.)"
 
 
 def make_request(kind: str, i: int, shape: RequestShape) -> omni_pb2.GenerateRequest:
     kind = kind_of(kind, i)
-    parts = [omni_pb2.ContentPart(text=shape.prompt or PROMPTS[kind])]
+    parts = [omni_pb2.ContentPart(text=request_prompt(kind, i, shape))]
     if kind == "vision":
         image = omni_pb2.Media(data=input_png(shape.input_image_px, i % 64), mime_type="image/png")
         parts.insert(0, omni_pb2.ContentPart(image=image))

@@ -138,3 +138,19 @@ def test_a_mixed_run_cycles_the_kinds_and_judges_each_request_by_its_own():
     assert [c[0] for c in stub.calls[:4]] == [f"load-{k}-0" for k in MIXED]
     assert (summary.kind, summary.requests, summary.ok, summary.errors) == ("mixed", 8, 8, {})
     assert summary.ttfa_ms["p50"] is not None
+
+
+def test_every_request_has_its_own_prompt_unless_one_is_given_or_asked_for():
+    """Concurrent greedy answers to one prompt are the same tokens (a batch of them reads a
+    fraction of a real batch's expert weights): each request gets its own tag by default."""
+    from omnistage.common.load_driver import PROMPTS, make_request
+
+    def text(i: int, shape: RequestShape) -> str:
+        return make_request("text", i, shape).messages[0].parts[-1].text
+
+    default = RequestShape()
+    assert text(0, default).startswith(PROMPTS["text"]) and text(0, default) != text(1, default)
+    assert text(7, default) == text(7, default)  # reproducible
+    assert len({text(i, default) for i in range(64)}) == 64
+    assert text(0, RequestShape(distinct_prompts=False)) == text(1, RequestShape(distinct_prompts=False))
+    assert text(3, RequestShape(prompt="exactly this")) == "exactly this"
