@@ -30,6 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
+import critical_path
 import torch
 from omnistage.common.bench_results import write_result
 from triton_compiles import CompileWatch
@@ -369,6 +370,7 @@ def profile_steps(engine, c: int, graphs: bool, steps: int = 8) -> dict:
         key=lambda r: -r["cpu_ms_per_step"],
     )
     mode = "graphs" if graphs else "eager"
+    critical = critical_path.summary(prof, steps) if cuda else None
     launches = sum(r["calls"] for r in rows)  # device ops per step (kernels, copies, fills): graph nodes
     print(
         f"[profile] c={c} {mode}: {1e3 * wall:.2f} ms per step wall, {device_ms:.2f} ms of kernels, "
@@ -380,7 +382,10 @@ def profile_steps(engine, c: int, graphs: bool, steps: int = 8) -> dict:
     print(f"[profile] c={c} {mode}: host time by op (self CPU)", flush=True)
     for r in host[:10]:
         print(f"  {r['cpu_ms_per_step']:8.3f} ms  x{r['calls']:<4d} {r['op']}", flush=True)
+    if critical:
+        critical_path.print_summary(f"c={c} {mode}", critical)
     return {
+        "critical_path": critical,
         "mode": mode,
         "wall_ms": round(1e3 * wall, 3),
         "device_ms": round(device_ms, 3),
