@@ -62,6 +62,20 @@ def load_kv(
 
 
 @triton.jit
+def _attend_tile(q, k, v, tok_ok, m, s, acc, PRECISION: tl.constexpr):
+    """The online-softmax state (m, s, acc) after one tile of K and V rows [BLOCK_N, D] (`tok_ok`:
+    the rows in range; their others are zeros)."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    scores = tl.where(tok_ok[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    s = s * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, s, acc
+
+
+@triton.jit
 def _attend_range(
     q,
     k_cache_ptr,
@@ -73,18 +87,18 @@ def _attend_range(
     stride_cb,
     stride_cs,
     stride_ch,
+    m,
+    s,
+    acc,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """q [GROUP_PAD, D] over one sequence's cached tokens [lo, hi) of KV head `kvh` (`table`: its
-    block-table row), BLOCK_N tokens per iteration, online softmax in fp32 → the unnormalised state
-    (running max [GROUP_PAD], sum of exponentials [GROUP_PAD], weighted values [GROUP_PAD, D]);
-    an empty range: (-inf, 0, 0)."""
+    """The online-softmax state (m, s, acc: running max [GROUP_PAD], sum of exponentials [GROUP_PAD],
+    weighted values [GROUP_PAD, D], all fp32, unnormalised) after q [GROUP_PAD, D] over one
+    sequence's cached tokens [lo, hi) of KV head `kvh` (`table`: its block-table row), BLOCK_N
+    tokens per iteration; an empty range leaves it as it was."""
     d = tl.arange(0, q.shape[1])
-    m = tl.full((q.shape[0],), float("-inf"), dtype=tl.float32)
-    s = tl.zeros((q.shape[0],), dtype=tl.float32)
-    acc = tl.zeros(q.shape, dtype=tl.float32)
     offs = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         tok = start + offs
@@ -92,15 +106,15 @@ def _attend_range(
         k, v = load_kv(
             k_cache_ptr, v_cache_ptr, table, tok, tok_ok, kvh, d, stride_cb, stride_cs, stride_ch, PAGE
         )
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        scores = tl.where(tok_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        s = s * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, s, acc = _attend_tile(q, k, v, tok_ok, m, s, acc, PRECISION)
     return m, s, acc
+
+
+@triton.jit
+def _empty_state(ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The online softmax's state before any token: (-inf, 0, 0)."""
+    m = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    return m, tl.zeros((ROWS,), dtype=tl.float32), tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
 
 
 @triton.jit
@@ -326,16 +340,28 @@ def _decode_kernel(
     last token, its only reader, stores it.
     ROT > 0 (with WRITE_KV): q and the new K QK-normed (NORM) and roped (`norm_rope_heads`) on
     load, K before it is stored — the cache holds what the separate launch would have left there."""
-    wait_for_prior_kernels(USE_PDL)
-    b, kvh, ctx = tl.program_id(0), tl.program_id(1), tl.load(ctx_ptr + tl.program_id(0))
+    # Before the wait: the step's inputs (staged before its first kernel) and the first tile of
+    # this split's cached rows, all but the context's last (the new token's: this launch, or the one
+    # before it, writes that row) -- the rows of earlier steps (pdl.SETTLED_OPERANDS).
+    b, kvh = tl.program_id(0), tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
     lo, hi, held = _split_range(ctx, SPLITS, BLOCK_N, MIN_CHUNK)
+    d = tl.arange(0, HEAD_DIM)
+    first = lo + tl.arange(0, BLOCK_N)
+    first_ok, cached = first < hi, first < ctx - 1
+    first_block = tl.load(tables_ptr + b * stride_tb + first // PAGE, mask=first_ok, other=0).to(tl.int64)
+    first_rows = first_block[:, None] * stride_cb + (first % PAGE)[:, None] * stride_cs + kvh * stride_ch
+    first_at = first_rows + d[None, :]
+    first_k = tl.load(k_cache_ptr + first_at, mask=(first_ok & cached)[:, None], other=0.0)
+    first_v = tl.load(v_cache_ptr + first_at, mask=(first_ok & cached)[:, None], other=0.0)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    wait_for_prior_kernels(USE_PDL)
     if (lo >= ctx) & (tl.program_id(2) > 0):
         return  # past the context: no state, no ticket (split 0 of an empty one writes its zeros)
-    g, d = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM)
+    g = tl.arange(0, GROUP_PAD)
     heads, h_ok = kvh * group + g, g < group
     cos_row, sin_row = cos_ptr + b * stride_ct, sin_ptr + b * stride_ct
     if WRITE_KV:  # (split 0 of an empty context: hi == ctx == 0)
-        slot = tl.load(slots_ptr + b).to(tl.int64)
         if (slot >= 0) & (hi == ctx):
             row = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kvh * stride_ch + d
             new_k = k_ptr + b * stride_kt + kvh * stride_kh + d
@@ -349,9 +375,29 @@ def _decode_kernel(
     q = _load_q(
         q_ptr, b, heads, h_ok, d, stride_qb, stride_qh, scale, qw_ptr, cos_row, sin_row, eps, ROT, NORM
     )
+    m, s, acc = _empty_state(GROUP_PAD, HEAD_DIM)
+    if lo < hi:  # the first tile, its new row (if it holds it) read now
+        newest = (first_ok & ~cached)[:, None]
+        first_k = tl.where(newest, tl.load(k_cache_ptr + first_at, mask=newest, other=0.0), first_k)
+        first_v = tl.where(newest, tl.load(v_cache_ptr + first_at, mask=newest, other=0.0), first_v)
+        m, s, acc = _attend_tile(q, first_k, first_v, first_ok, m, s, acc, PRECISION)
     table, kv = tables_ptr + b * stride_tb, (k_cache_ptr, v_cache_ptr)
     m, s, acc = _attend_range(
-        q, *kv, table, lo, hi, kvh, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, PRECISION
+        q,
+        *kv,
+        table,
+        lo + BLOCK_N,
+        hi,
+        kvh,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        m,
+        s,
+        acc,
+        PAGE,
+        BLOCK_N,
+        PRECISION,
     )
     out_rows = out_ptr + b * stride_ob + (kvh * group) * stride_oh  # the group's first head
     _finish(out_rows, stride_oh, group, part_ptr, stats_ptr, tickets_ptr, m, s, acc, held, SPLITS, GROUP_ROWS)

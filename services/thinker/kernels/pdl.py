@@ -8,7 +8,7 @@ prior kernel has completed and its writes are visible before any load or store, 
 read-after-write or write-after-read race is possible whatever the kernel does after it (a
 kernel launched without PDL, e.g. cuBLAS, keeps the ordinary stream order). The exceptions: a
 kernel may load its static operands (`STATIC_OPERANDS`: weights no kernel writes) and its settled
-ones (`SETTLED_OPERANDS`: what the launch two back wrote) before the wait, so that those HBM reads
+ones (`SETTLED_OPERANDS`: what the launch two or more back wrote) before the wait, so that those HBM reads
 overlap the previous kernel (tests/services/thinker/kernels/test_pdl.py checks both rules).
 `OMNISTAGE_THINKER_PDL=off` turns it off (the same build's comparison, `bench/ling_mini_gpu.py
 --pdl`); off on a CPU, under Triton's interpreter, and before Hopper.
@@ -52,12 +52,16 @@ STATIC_OPERANDS: dict[str, tuple[str, ...]] = {
     "_resident_gemv_kernel": ("w_ptr", "norm_w_ptr"),
     "_one_token_down_kernel": ("w2_ptr", "shared_ptr"),
 }
-# kernel name → the pointer parameters it may load from before its wait because the launch two back
-# wrote them: the kernel right before it waited for that launch to complete before it let this one
+# kernel name → the pointer parameters it may load from before its wait because a launch two or more
+# back wrote them (or a node before the step's first kernel): the kernel right before it waited for that launch to complete before it let this one
 # start (its `wait_for_prior_kernels` comes before its trigger). The caller launches them in that
 # order. The same syntax rule as STATIC_OPERANDS.
 SETTLED_OPERANDS: dict[str, tuple[str, ...]] = {
-    "_one_token_down_kernel": ("ids_ptr", "weights_ptr")  # the router's, before the gate-up launch
+    "_one_token_down_kernel": ("ids_ptr", "weights_ptr"),  # the router's, before the gate-up launch
+    # The step's lengths, block tables and slots (staged before its first kernel) and the KV cache
+    # rows of earlier steps: the kernel masks off the row this step writes (the context's last)
+    # and reads it after its wait.
+    "_decode_kernel": ("ctx_ptr", "tables_ptr", "slots_ptr", "k_cache_ptr", "v_cache_ptr"),
 }
 
 
