@@ -505,8 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tp-allreduce",
         choices=("auto", "nccl"),
-        default="nccl",
-        help="engine.tp_allreduce: auto sums a decode step's small messages over CUDA IPC peer memory",
+        default="auto",
+        help="engine.tp_allreduce (its default auto): a decode step's small messages summed over CUDA IPC "
+        "peer memory, NCCL the rest; nccl: NCCL for all",
     )
     ap.add_argument("--canary-mib", type=float, default=None, help="256 (tiny: 4)")
     ap.add_argument("--safety-factor", type=float, default=1.0)

@@ -63,9 +63,11 @@ class EngineConfig:
     # on the device): auto | on | off; auto is on for CUDA, off elsewhere.
     async_scheduling: Literal["auto", "on", "off"] = "auto"
     # The TP group's all-reduce: auto | nccl. auto sums small messages (decode steps) with a one-shot
-    # kernel over CUDA IPC peer buffers where every rank can, NCCL the rest; nccl always NCCL.
-    # nccl until the peer path is measured faster on two GPUs (bench/allreduce_gpu.sh; one H200: correct)
-    tp_allreduce: Literal["auto", "nccl"] = "nccl"
+    # kernel over CUDA IPC peer buffers where every rank can, NCCL the rest (torch.distributed for
+    # everything elsewhere, the reason logged); nccl always NCCL. auto because on 2 x H200 it decodes
+    # Ming-flash 5 % faster at c=1, and bigger batches' messages go to NCCL (past 128 KiB, where NCCL
+    # is faster: MAX_MESSAGE_BYTES in tp/peer_allreduce.py; bench/RESULTS.md 2026-11-29 session 7).
+    tp_allreduce: Literal["auto", "nccl"] = "auto"
     # Capture decode steps as CUDA graphs at padded batch sizes (CUDA with graph-safe backends only).
     cuda_graphs: bool = True
     # Largest decode batch replayed from a graph; 0 means max_num_seqs (bigger batches run eagerly).

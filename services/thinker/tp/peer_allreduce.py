@@ -19,8 +19,14 @@ from omnistage.services.thinker.tp.peer_blocks import PeerBlocks
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Largest message the peer path sums (a decode step's is hidden × batch × 2 bytes: 8 KiB a token
-# for Ming); larger ones (prefill) go to NCCL, whose ring is faster there. Also each block's half.
-MAX_MESSAGE_BYTES = 512 * 1024
+# for Ming, so decode batches of up to 16); larger ones (big batches, prefill) go to NCCL. Also each
+# block's half. Measured on 2 × H200 over NVLink (bench/allreduce_gpu.sh, graph replays, µs a call,
+# bf16 peer vs NCCL; bench/RESULTS.md 2026-11-29 session 7): the peer path wins up to 128 KiB
+# (4 KiB 5.4 vs 11.5, 64 KiB 6.6 vs 12.4, 128 KiB 8.8 vs 12.7), NCCL from 256 KiB (14.1 vs 13.8,
+# 512 KiB 23.3 vs 15.0, 1 MiB 41.8 vs 19.2; fp32 crosses at ~512 KiB, but a decode step's messages
+# are bf16). Through the engine (Ming-flash TP=2) the peer path up to 512 KiB gained 5 % at c=1 and
+# lost 1-3 % at c=32 and 64, whose 256 / 512 KiB messages now go to NCCL.
+MAX_MESSAGE_BYTES = 128 * 1024
 NO_POLL_LIMIT = 1 << 62  # a GPU's wait is bounded by its clock; polls bound it under the interpreter
 
 

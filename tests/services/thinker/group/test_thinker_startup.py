@@ -86,8 +86,9 @@ def test_every_rank_profiles_then_warms_up_then_serves(tmp_path, tiny_ckpt):
     for rank in (0, 1):
         seen = [p for p in _phases(output, rank) if p in want]
         assert seen == want, (rank, _phases(output, rank))
-        # The group agreed on its all-reduce at start-up, each rank saying which and why.
-        why = "tp all-reduce: torch.distributed for every message: rank 0: engine.tp_allreduce is nccl"
+        # The group agreed on its all-reduce at start-up, each rank saying which and why: the default
+        # (engine.tp_allreduce auto) falls back to torch.distributed on a CPU.
+        why = "tp all-reduce: torch.distributed for every message: rank 0: device cpu: the peer path needs CUDA GPUs"
         assert f"thinker[r{rank}] INFO {why}" in output, output[-3000:]
     assert code == 0, output[-3000:]
 
