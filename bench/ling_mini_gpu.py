@@ -32,6 +32,7 @@ from pathlib import Path
 
 import critical_path
 import torch
+from host_phases import host_phases, per_step_ms
 from omnistage.common.bench_results import write_result
 from triton_compiles import CompileWatch
 
@@ -418,10 +419,12 @@ def decode_sweep(engine, args: argparse.Namespace, device: str, compiles=None) -
         if device != "cpu":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, params, timeout_s=args.timeout_s * 20)
+        with host_phases(engine) as phases:
+            outs = engine.generate(prompts, params, timeout_s=args.timeout_s * 20)
         if device != "cpu":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
+        host_ms = per_step_ms(phases)
         toks = sum(len(o.token_ids) for o in outs)
         rows.append(
             {
@@ -431,9 +434,12 @@ def decode_sweep(engine, args: argparse.Namespace, device: str, compiles=None) -
                 "out_tok_s": toks / dt,
                 "first_tokens": list(outs[0].token_ids[:32]),
                 "compiled": compiles.mark(f"sweep c={c}") if compiles is not None else [],
+                "host_ms_per_step": host_ms,
+                "steps": int(phases["steps"]),
             }
         )  # greedy: equal across kernel/graph modes
         print(f"[sweep] c={c} {dt:.2f}s {c / dt:.3f} req/s {toks / dt:.1f} out tok/s", flush=True)
+        print(f"[host] c={c} ms a step ({int(phases['steps'])} steps): {host_ms}", flush=True)
     return rows
 
 

@@ -34,3 +34,29 @@ def test_overlap_is_charged_once_and_gaps_to_the_op_after():
 
 def test_no_ops_no_charges():
     assert load().charges([]) == ({}, {})
+
+
+def test_host_phases_sums_every_steps_phases_and_restores_the_engine():
+    spec = importlib.util.spec_from_file_location("host_phases", ROOT / "bench" / "host_phases.py")
+    hp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hp)
+
+    class Times:
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+    class Engine:
+        def __init__(self):
+            self.calls = 0
+
+        def step(self):
+            self.calls += 1
+            self.step_times = Times({"launch": 0.001 * self.calls, "wait": 0.002})
+            return [self.calls]
+
+    engine = Engine()
+    with hp.host_phases(engine) as totals:
+        assert [engine.step(), engine.step()] == [[1], [2]]
+    assert totals == {"launch": 0.003, "wait": 0.004, "steps": 2}
+    assert hp.per_step_ms(totals) == {"launch": 1.5, "wait": 2.0}
+    assert "step" not in vars(engine) and engine.step() == [3]  # the class's method again
