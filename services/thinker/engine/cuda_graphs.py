@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import fmt_bytes
+from omnistage.services.thinker.engine.sampled_feed import SampledFeed
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 from omnistage.services.thinker.tp.plan import PlanKind, StepPlan
 from torch import nn
@@ -68,13 +69,22 @@ class DecodeGraphs:
     """Static decode buffers, one graph per batch size; a KV-cache user (graphs die with the cache)."""
 
     def __init__(
-        self, model: nn.Module, max_batch: int, max_blocks: int, device: torch.device, capture: bool = True
+        self,
+        model: nn.Module,
+        max_batch: int,
+        max_blocks: int,
+        device: torch.device,
+        capture: bool = True,
+        feed: SampledFeed | None = None,
     ) -> None:
         if max_batch < 1 or max_blocks < 1:
             raise ValueError(
                 f"decode graphs need max_batch and max_blocks >= 1 (got {max_batch}, {max_blocks})"
             )
         self.model = model
+        # With a feed, the forward (and so each graph) puts the last step's sampled ids in place of
+        # the plan's placeholders itself, from the feed's buffer: no gather queued between replays.
+        self.feed = feed
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch, self.width, self.device, self.capture_enabled = max_batch, max_blocks, device, capture
         n = max_batch
@@ -128,7 +138,9 @@ class DecodeGraphs:
         n = int(plan.query_lens.numel())
         size = self.size_for(n)
         self._stage(plan, n, size)
-        if fill is not None:
+        if fill is not None and self.feed is not None:
+            self.feed.require_shared()  # the forward reads the ids from the feed's buffer
+        elif fill is not None:
             self.ids[:n].copy_(fill(self.ids[:n]))
         graph = self.graphs.get(size)
         if graph is None:
@@ -169,8 +181,9 @@ class DecodeGraphs:
             block_tables=self.tables[:size],
             context_lens_tensor=self.ctx[:size],
         )
+        ids = self.ids[:size] if self.feed is None else self.feed.resolve(self.ids[:size])
         with attention_metadata(md):
-            hidden = self.model(self.ids[:size], self.pos[:, :size])
+            hidden = self.model(ids, self.pos[:, :size])
         return self.model.compute_logits(hidden)
 
     # --- capture ----------------------------------------------------------------------------------

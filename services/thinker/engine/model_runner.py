@@ -78,7 +78,7 @@ class ModelRunner:
         # Small text prefill and mixed steps replayed from CUDA graphs (engine/prefill_graphs.py).
         self.prefill_graphs: PrefillGraphs | None = None
         # The last shared step's sampled ids, for the placeholders of the next plan (async scheduling).
-        self.feed = SampledFeed(self.device, TPGroup.from_default_group())
+        self.feed = SampledFeed(self.device, TPGroup.from_default_group(), cfg.max_num_seqs)
         if allocate:
             self.allocate_kv(cfg.num_kv_blocks)
 

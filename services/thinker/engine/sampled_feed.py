@@ -14,27 +14,49 @@ from omnistage.services.thinker.models.layers.parallel import TPGroup
 from omnistage.services.thinker.tp.plan import StepPlan
 
 
-class SampledFeed:
-    """One rank's copy of the latest shared step's sampled ids [R] (int64, on its device)."""
+def resolve_placeholders(ids: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """`ids` with each placeholder (row r's is -r - 1) replaced by `sampled[r]`, the rest as they
+    are (a new tensor): the one rule, for an eager step (`SampledFeed.fill`) and inside a decode
+    graph (`SampledFeed.resolve`)."""
+    named = sampled[(-ids - 1).clamp(min=0, max=sampled.numel() - 1)]
+    return torch.where(ids < 0, named, ids)
 
-    def __init__(self, device: torch.device, group: TPGroup) -> None:
+
+class SampledFeed:
+    """One rank's copy of the latest shared step's sampled ids [R] (int64, on its device), kept in one
+    buffer of `capacity` rows (the most a step samples: one a sequence) at a fixed address, so that
+    a decode graph reads them in its own replay (`resolve`) instead of the host queuing the gather
+    before it."""
+
+    def __init__(self, device: torch.device, group: TPGroup, capacity: int = 256) -> None:
         self.device = device
         self.group = group
+        self.buffer = torch.zeros(max(1, capacity), dtype=torch.int64, device=device)
         self.ids: torch.Tensor | None = None
 
     def share(self, plan: StepPlan, tokens: torch.Tensor | None = None) -> None:
         """After `plan` ran: rank 0 passes its sampled `tokens` [R], the other ranks receive them
         (every rank calls this in the same place: it is a collective under TP)."""
+        rows = plan.num_sample_rows
+        if rows > self.buffer.numel():
+            raise RuntimeError(f"a step sampled {rows} rows, more than the feed's {self.buffer.numel()}")
+        ids = self.buffer[:rows]
         if self.group.rank == 0:
-            assert tokens is not None and tokens.numel() == plan.num_sample_rows, "rank 0 shares its tokens"
-            ids = tokens.to(self.device, torch.int64)
-        else:
-            ids = torch.empty(plan.num_sample_rows, dtype=torch.int64, device=self.device)
+            assert tokens is not None and tokens.numel() == rows, "rank 0 shares its tokens"
+            ids.copy_(tokens.reshape(-1))
         self.ids = self.group.broadcast_from_first(ids)
+
+    def require_shared(self) -> None:
+        """Raise unless a step shared its ids (a plan that names them before any did is a bug)."""
+        if self.ids is None or self.ids.numel() == 0:
+            raise RuntimeError("step plan names sampled ids, but no step shared any")
 
     def fill(self, ids: torch.Tensor) -> torch.Tensor:
         """`ids` (on the device) with each placeholder replaced by the id it names (a new tensor)."""
-        if self.ids is None or self.ids.numel() == 0:
-            raise RuntimeError("step plan names sampled ids, but no step shared any")
-        named = self.ids[(-ids - 1).clamp(min=0, max=self.ids.numel() - 1)]
-        return torch.where(ids < 0, named, ids)
+        self.require_shared()
+        return resolve_placeholders(ids, self.ids)
+
+    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
+        """`fill` without a host check, from the whole buffer: what a captured graph replays (a
+        plan's placeholders name rows the last shared step wrote)."""
+        return resolve_placeholders(ids, self.buffer)

@@ -436,7 +436,9 @@ class RankStartup(StageGroup):
         graphs, then the prefill graphs; a failure on any rank fails the group with its diagnostic,
         like a failed warm-up forward."""
         runner, control = self._runner(), self._group()
-        graphs = DecodeGraphs(runner.model, self.graph_batch(), runner.cfg.max_blocks_per_seq, runner.device)
+        graphs = DecodeGraphs(
+            runner.model, self.graph_batch(), runner.cfg.max_blocks_per_seq, runner.device, feed=runner.feed
+        )
         progress = lambda detail, done, total: self.step(detail, done, total)  # noqa: E731
         try:
             graphs.capture(progress=progress, align=self.aligner("decode graph batch"))

@@ -116,6 +116,37 @@ def test_placeholders_take_the_shared_ids_and_each_step_is_staged_beside_the_one
     assert sorted([first, second]) == sorted([[-2, 101, -1], [100, 101, 0]])
 
 
+def test_with_the_feed_the_forward_itself_takes_the_shared_ids():
+    """Start-up's graphs read the sampled ids from the feed's fixed buffer inside the forward (what a
+    captured graph replays): the staged row keeps its placeholder, the model gets the shared ids,
+    a later share at the same address is what the next replay reads, and a plan naming ids before
+    any step shared is refused on the host."""
+    from omnistage.services.thinker.engine.sampled_feed import SampledFeed
+    from omnistage.services.thinker.models.layers.parallel import TPGroup
+
+    model = Recorder()
+    feed = SampledFeed(torch.device("cpu"), TPGroup(), capacity=4)
+    graphs = DecodeGraphs(
+        model, max_batch=8, max_blocks=4, device=torch.device("cpu"), capture=False, feed=feed
+    )
+    plan = decode_plan(3)
+    plan.input_ids = torch.tensor([-2, 101, -1])
+    with pytest.raises(RuntimeError, match="no step shared any"):
+        graphs.run(plan, feed.fill)
+    buffer = feed.buffer.data_ptr()
+    feed.share(StepPlan(sample_rows=torch.arange(2)), torch.tensor([7, 9]))
+    graphs.run(plan, feed.fill)
+    assert model.calls[-1][0].tolist() == [9, 101, 7, 0]
+    assert graphs.ids[:3].tolist() == [-2, 101, -1]  # the staged row: resolved in the forward only
+    feed.share(StepPlan(sample_rows=torch.arange(2)), torch.tensor([[11], [13]]))
+    graphs.run(plan, feed.fill)
+    assert model.calls[-1][0].tolist() == [13, 101, 11, 0] and feed.buffer.data_ptr() == buffer
+    graphs.run(decode_plan(2))
+    assert model.calls[-1][0].tolist() == [100, 101]
+    with pytest.raises(RuntimeError, match="sampled 5 rows, more than the feed's 4"):
+        feed.share(StepPlan(sample_rows=torch.arange(5)), torch.arange(5))
+
+
 def test_only_pure_decode_steps_within_the_sizes_are_covered():
     graphs = DecodeGraphs(Recorder(), max_batch=4, max_blocks=4, device=torch.device("cpu"), capture=False)
     assert graphs.covers(decode_plan(4))
