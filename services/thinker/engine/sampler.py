@@ -39,16 +39,29 @@ class SamplerOutput:
     ended: dict[int, str] = field(default_factory=dict)
 
 
+def _repeats(seq: Sequence) -> bool:
+    return seq.params.repetition_penalty != 1.0
+
+
+def _present(seq: Sequence) -> bool:
+    return seq.params.presence_penalty != 0.0 and seq.num_output_tokens > 0
+
+
+def penalised(seq: Sequence) -> bool:
+    """Whether `apply_penalties` changes this sequence's row."""
+    return _repeats(seq) or _present(seq)
+
+
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Repetition penalty (prompt + output: positive logits divided, negative multiplied) and presence
     penalty (output tokens: subtracted), in place on float32 logits."""
     for i, seq in enumerate(seqs):
         p = seq.params
-        if p.repetition_penalty != 1.0:
+        if _repeats(seq):
             seen = on_device(sorted(set(seq.token_ids)), logits.device)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if p.presence_penalty != 0.0 and seq.num_output_tokens:
+        if _present(seq):
             out = on_device(sorted(set(seq.output_token_ids)), logits.device)
             logits[i, out] -= p.presence_penalty
     return logits
@@ -144,7 +157,12 @@ class Sampler:
         if not seqs:
             return DeviceSample(torch.zeros(0, dtype=torch.int64, device=logits.device), None, None)
         raw = logits.float()
-        logits = apply_penalties(raw.clone(), seqs)
+        # A copy to change only where a penalty or a grammar mask will (the logprobs read `raw`); the
+        # common step (greedy or plain draws) reads the logits as they are: no 4 bytes x vocab copy.
+        if mask is not None or any(penalised(s) for s in seqs):
+            logits = apply_penalties(raw.clone(), seqs)
+        else:
+            logits = raw
         if mask is not None:
             mask.apply(logits)
         tokens = logits.argmax(dim=-1)

@@ -90,6 +90,19 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(freq[:3], torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
 
 
+def test_the_step_logits_are_never_changed_and_a_penalised_rows_logprobs_are_the_models():
+    """The logits may be a decode graph's output buffer: penalties (and masks) work on a copy, the
+    plain path reads them as they are; either way the logprobs are of the model's logits."""
+    logits = torch.tensor([[5.0, 4.0, 0.0], [1.0, 3.0, 2.0]])
+    before = logits.clone()
+    plain = Sampler()(logits, [seq(SamplingParams(logprobs=1)), seq(SamplingParams())])
+    assert plain.token_ids == [0, 1] and torch.equal(logits, before)
+    penalised = [seq(SamplingParams(repetition_penalty=2.0, logprobs=1), tokens=(0, 0), prompt_len=1)]
+    out = Sampler()(logits[:1], penalised)
+    assert out.token_ids == [1] and torch.equal(logits, before)
+    assert out.logprobs[0].logprob == pytest.approx(float(before[0].log_softmax(-1)[1]))
+
+
 def test_logprobs_top_n_are_the_models():
     logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(5))
     seqs = [seq(SamplingParams(logprobs=3)), seq(SamplingParams())]
