@@ -8,7 +8,8 @@ import triton.language as tl
 from omnistage.services.thinker.kernels import dot_precision, pdl
 from omnistage.services.thinker.kernels.norms import norm_rope_heads
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
-from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_for
+from omnistage.services.thinker.kernels.split_merge import finish, split_range
+from omnistage.services.thinker.kernels.tickets import tickets_for
 
 
 @triton.jit
@@ -118,6 +119,54 @@ def _empty_state(ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _attend_split(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    table,
+    first,
+    first_ok,
+    lo,
+    hi,
+    kvh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    PAGE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The split's online-softmax state over [lo, hi): its first tile from `first` = (K and V rows
+    read before the wait, their offsets, the rows still to read: the new token's, now written),
+    then the rest of the split tile by tile."""
+    first_k, first_v, first_at, newest = first
+    block_n: tl.constexpr = first_k.shape[0]
+    m, s, acc = _empty_state(q.shape[0], q.shape[1])
+    if lo < hi:
+        late = newest[:, None]
+        first_k = tl.where(late, tl.load(k_cache_ptr + first_at, mask=late, other=0.0), first_k)
+        first_v = tl.where(late, tl.load(v_cache_ptr + first_at, mask=late, other=0.0), first_v)
+        m, s, acc = _attend_tile(q, first_k, first_v, first_ok, m, s, acc, PRECISION)
+    return _attend_range(
+        q,
+        k_cache_ptr,
+        v_cache_ptr,
+        table,
+        lo + block_n,
+        hi,
+        kvh,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        m,
+        s,
+        acc,
+        PAGE,
+        block_n,
+        PRECISION,
+    )
+
+
+@triton.jit
 def _load_q(
     q_ptr,
     b,
@@ -144,147 +193,20 @@ def _load_q(
     return (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
 
 
-# The merge reads the splits' states this many at a time, the loads of a batch all in flight at once
-# (those of splits past the context masked off: nothing read): the first batch's with the maxima,
-# so that a context of at most 8 splits' tokens (1,024 at 16 splits of 128) is merged after one
-# round trip to L2, 16 splits' after two.
-MERGE_BATCH = 8
-
-
-@triton.constexpr_function
-def _merge_batch(splits):
-    """The merge's batch for a launch of `splits` splits (no wider than they)."""
-    return min(splits, MERGE_BATCH)
-
-
 @triton.jit
-def _split_range(ctx, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
-    """This program's share [lo, hi) of a context of `ctx` tokens: split program_id(2) of SPLITS
-    whole BLOCK_N steps of at least MIN_CHUNK tokens; one split: all of it. `held`: how many splits
-    hold a token, cdiv(ctx, chunk): the first `held`, the others (lo >= ctx) empty; held <= 1:
-    split 0 alone holds the whole context (held 0: an empty one)."""
-    tl.static_assert(MIN_CHUNK > 0)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
-    lo = tl.program_id(2) * chunk
-    return lo, tl.minimum(ctx, lo + chunk), tl.cdiv(ctx, chunk)
-
-
-@triton.jit
-def _store_rows(out_rows, stride_oh, group, out):
-    """The first `group` rows of `out` [rows, D] at `out_rows` (head 0's row), `stride_oh` apart."""
-    g, d = tl.arange(0, out.shape[0]), tl.arange(0, out.shape[1])
-    rows = out_rows + g[:, None] * stride_oh + d[None, :]
-    tl.store(rows, out.to(out_rows.dtype.element_ty), mask=(g < group)[:, None])
-
-
-@triton.jit
-def _store_split(part_ptr, stats_ptr, at, group, m, s, acc):
-    """Split state `at`'s real rows (the first `group` of GROUP_PAD) in fp32: max m and sum s
-    (stats [2, GROUP_PAD]), values acc (part [GROUP_PAD, D]); the padding rows are not stored."""
-    width: tl.constexpr = acc.shape[0]
-    g, d = tl.arange(0, width), tl.arange(0, acc.shape[1])
-    g_ok = g < group
-    tl.store(part_ptr + (at * width + g[:, None]) * acc.shape[1] + d[None, :], acc, mask=g_ok[:, None])
-    tl.store(stats_ptr + at * 2 * width + g, m, mask=g_ok)
-    tl.store(stats_ptr + (at * 2 + 1) * width + g, s, mask=g_ok)
-
-
-@triton.jit
-def _state_rows(stats_ptr, at, live, r, WIDTH: tl.constexpr):
-    """Split state `at`'s rows `r` [ROWS, 1] as the merge reads them → (their maxima's pointers
-    (their sums' WIDTH further), the mask: the rows below `live`, none where live is 0)."""
-    return stats_ptr + at * 2 * WIDTH + r, r < live
-
-
-@triton.jit
-def _merge_batch_into(
-    part_ptr, stats_ptr, first, base, held, group, top, total, out, WIDTH: tl.constexpr, BATCH: tl.constexpr
-):
-    """(total, out) [ROWS, 1], [ROWS, D] plus split states first + base … + BATCH - 1 in split order,
-    each weighted exp(max - top); one past `held` reads nothing and adds 0 x -0 (no bit changed)."""
-    r, d = tl.arange(0, out.shape[0])[:, None], tl.arange(0, out.shape[1])[None, :]
-    for j in tl.static_range(BATCH):
-        at = first + base + j
-        m_at, ok = _state_rows(stats_ptr, at, tl.where(base + j < held, group, 0), r, WIDTH)
-        m_i = tl.load(m_at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        s_i = tl.load(m_at + WIDTH, mask=ok, other=0.0, cache_modifier=".cg")
-        part_at = part_ptr + (at * WIDTH + r) * out.shape[1] + d
-        part = tl.load(part_at, mask=ok, other=-0.0, cache_modifier=".cg")
-        w = tl.exp(m_i - top)
-        total += w * s_i
-        out += w * part
-    return total, out
-
-
-@triton.jit
-def _merge_splits(
-    part_ptr,
-    stats_ptr,
-    first,
-    held,
-    group,
-    SPLITS: tl.constexpr,
-    WIDTH: tl.constexpr,
-    ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """The normalised output [ROWS, HEAD_DIM] (its first `group` rows real) of the `held` split
-    states from `first` (`_store_split`'s, WIDTH rows each) merged in split order (the same sums
-    every launch); bit for bit the merge of all SPLITS states it replaced: an empty split's state
-    (-inf, 0, 0) added weight exp(-inf - top) = 0 times 0 to each sum, which changes none but makes
-    a -0 +0, so +0 is added once here where any split is empty. Reads those splits' real rows only:
-    the maxima and the first BATCH splits' states in one go, the rest (past BATCH) a batch a time."""
-    BATCH: tl.constexpr = _merge_batch(SPLITS)
-    r = tl.arange(0, ROWS)[:, None]  # [ROWS, 1] and [ROWS, HEAD_DIM]: one layout, no shuffle
-    top = tl.full((ROWS, 1), float("-inf"), dtype=tl.float32)
-    for i in tl.static_range(SPLITS):  # a max is exact in any order
-        m_at, ok = _state_rows(stats_ptr, first + i, tl.where(i < held, group, 0), r, WIDTH)
-        top = tl.maximum(top, tl.load(m_at, mask=ok, other=float("-inf"), cache_modifier=".cg"))
-    top = tl.where(top == float("-inf"), 0.0, top)  # a row of no state: every weight 0, no NaN
-    total = tl.zeros((ROWS, 1), dtype=tl.float32)
-    out = tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
-    total, out = _merge_batch_into(part_ptr, stats_ptr, first, 0, held, group, top, total, out, WIDTH, BATCH)
-    for base in range(BATCH, held, BATCH):  # more than BATCH splits hold tokens
-        total, out = _merge_batch_into(
-            part_ptr, stats_ptr, first, base, held, group, top, total, out, WIDTH, BATCH
-        )
-    # The empty splits' +0 (a -0 — a product below the smallest float fused-added to +0 — made +0);
-    # -0, no change, where every split holds tokens.
-    out += tl.where(held < SPLITS, 0.0, -0.0)
-    return out / tl.maximum(total, 1e-30)
-
-
-@triton.jit
-def _finish(
-    out_rows,
-    stride_oh,
-    group,
-    part_ptr,
-    stats_ptr,
-    tickets_ptr,
-    m,
-    s,
-    acc,
-    held,
-    SPLITS: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """The output rows (from `out_rows`, `stride_oh` apart) of the group's `group` query heads: this
-    program's normalised state (one split, or split 0 alone with the whole context: no merge, no
-    ticket), or the merge of the `held` splits that hold tokens by the last of them to finish (held
-    tickets: the empty splits take none)."""
-    if SPLITS == 1:
-        _store_rows(out_rows, stride_oh, group, acc / tl.maximum(s, 1e-30)[:, None])
-    elif held <= 1:
-        _store_rows(out_rows, stride_oh, group, acc / tl.maximum(s, 1e-30)[:, None])
+def _write_row(k_row, v_row, new_kv, d, rope, ROT: tl.constexpr, NORM: tl.constexpr):
+    """The new token's K and V head rows (`new_kv`: their starts, `d` their head dim) into the cache
+    rows; with ROT > 0 the K row QK-normed (NORM) and roped on its way in (`norm_rope_heads`, `rope`
+    = (the norm weight, the token's cos and sin rows, eps)): the split that writes it, its only
+    reader, reads it so."""
+    new_k, new_v = new_kv
+    if ROT > 0:
+        kw_ptr, cos_row, sin_row, eps = rope
+        key = norm_rope_heads(new_k + d, d < d.shape[0], kw_ptr, cos_row, sin_row, eps, ROT, NORM)
     else:
-        pair = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        _store_split(part_ptr, stats_ptr, pair * SPLITS + tl.program_id(2), group, m, s, acc)
-        if last_to_finish(tickets_ptr, pair, held):
-            width: tl.constexpr = acc.shape[0]
-            dim: tl.constexpr = acc.shape[1]
-            out = _merge_splits(part_ptr, stats_ptr, pair * SPLITS, held, group, SPLITS, width, ROWS, dim)
-            _store_rows(out_rows, stride_oh, group, out)
+        key = tl.load(new_k + d)
+    tl.store(k_row, key)
+    tl.store(v_row, tl.load(new_v + d))
 
 
 @triton.jit(do_not_specialize=["stride_tb"])  # the step's block-table width: one compile
@@ -335,17 +257,13 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
 ):
     """Program (sequence, KV head, split): its group's online softmax (fp32) over its split, merged by
-    the last split to finish of those that hold tokens (a split past the context returns at once);
-    GROUP_ROWS: the group's size to a power of two (the merge's rows); WRITE_KV: the split with the
-    last token, its only reader, stores it.
-    ROT > 0 (with WRITE_KV): q and the new K QK-normed (NORM) and roped (`norm_rope_heads`) on
-    load, K before it is stored — the cache holds what the separate launch would have left there."""
-    # Before the wait: the step's inputs (staged before its first kernel) and the first tile of
-    # this split's cached rows, all but the context's last (the new token's: this launch, or the one
-    # before it, writes that row) -- the rows of earlier steps (pdl.SETTLED_OPERANDS).
+    the last split to finish of those holding tokens (`split_merge`); GROUP_ROWS: the group's size
+    to a power of two; WRITE_KV: the split with the last token, its only reader, stores it (ROT > 0:
+    QK-normed and roped on its way in, as q on load). Before the wait: the step's staged inputs and
+    the split's first tile of earlier steps' rows, all but the context's last (SETTLED_OPERANDS)."""
     b, kvh = tl.program_id(0), tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
-    lo, hi, held = _split_range(ctx, SPLITS, BLOCK_N, MIN_CHUNK)
+    lo, hi, held = split_range(ctx, SPLITS, BLOCK_N, MIN_CHUNK)
     d = tl.arange(0, HEAD_DIM)
     first = lo + tl.arange(0, BLOCK_N)
     first_ok, cached = first < hi, first < ctx - 1
@@ -364,43 +282,34 @@ def _decode_kernel(
     if WRITE_KV:  # (split 0 of an empty context: hi == ctx == 0)
         if (slot >= 0) & (hi == ctx):
             row = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kvh * stride_ch + d
-            new_k = k_ptr + b * stride_kt + kvh * stride_kh + d
-            if ROT > 0:  # normed and roped on its way in: this split, its only reader, reads it so
-                key = norm_rope_heads(new_k, d < HEAD_DIM, kw_ptr, cos_row, sin_row, eps, ROT, NORM)
-            else:
-                key = tl.load(new_k)
-            tl.store(k_cache_ptr + row, key)
-            tl.store(v_cache_ptr + row, tl.load(v_ptr + b * stride_vt + kvh * stride_vh + d))
+            new_kv = (k_ptr + b * stride_kt + kvh * stride_kh, v_ptr + b * stride_vt + kvh * stride_vh)
+            _write_row(
+                k_cache_ptr + row, v_cache_ptr + row, new_kv, d, (kw_ptr, cos_row, sin_row, eps), ROT, NORM
+            )
         tl.debug_barrier()  # the row stored before any thread of this program reads the cache
     q = _load_q(
         q_ptr, b, heads, h_ok, d, stride_qb, stride_qh, scale, qw_ptr, cos_row, sin_row, eps, ROT, NORM
     )
-    m, s, acc = _empty_state(GROUP_PAD, HEAD_DIM)
-    if lo < hi:  # the first tile, its new row (if it holds it) read now
-        newest = (first_ok & ~cached)[:, None]
-        first_k = tl.where(newest, tl.load(k_cache_ptr + first_at, mask=newest, other=0.0), first_k)
-        first_v = tl.where(newest, tl.load(v_cache_ptr + first_at, mask=newest, other=0.0), first_v)
-        m, s, acc = _attend_tile(q, first_k, first_v, first_ok, m, s, acc, PRECISION)
-    table, kv = tables_ptr + b * stride_tb, (k_cache_ptr, v_cache_ptr)
-    m, s, acc = _attend_range(
+    table = tables_ptr + b * stride_tb
+    first = (first_k, first_v, first_at, first_ok & ~cached)
+    m, s, acc = _attend_split(
         q,
-        *kv,
+        k_cache_ptr,
+        v_cache_ptr,
         table,
-        lo + BLOCK_N,
+        first,
+        first_ok,
+        lo,
         hi,
         kvh,
         stride_cb,
         stride_cs,
         stride_ch,
-        m,
-        s,
-        acc,
         PAGE,
-        BLOCK_N,
         PRECISION,
     )
     out_rows = out_ptr + b * stride_ob + (kvh * group) * stride_oh  # the group's first head
-    _finish(out_rows, stride_oh, group, part_ptr, stats_ptr, tickets_ptr, m, s, acc, held, SPLITS, GROUP_ROWS)
+    finish(out_rows, stride_oh, group, part_ptr, stats_ptr, tickets_ptr, m, s, acc, held, SPLITS, GROUP_ROWS)
 
 
 def paged_strides(
