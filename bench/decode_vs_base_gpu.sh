@@ -8,7 +8,8 @@
 # Order: new, base, new again (the second new run shows the spread). $SWEEP / $PROFILE_C: the
 # concurrencies (default 1,8,16,32,64 / 1,8,32,64); $WALL_S bounds each bench run (default 150 s);
 # FRESH_TRITON=1 gives each run an empty Triton cache (every compile seen: the bench's [compiles] lines);
-# $PRE: a command run first (e.g. the kernel bench); TESTS=1 runs the decode GPU tests at the end.
+# $PRE: a command run first (e.g. the kernel bench); TESTS=1 runs the decode GPU tests at the end ($TEST_FILES,
+# default the decode fusions, async scheduling and prefill graph tests; $TEST_S bounds them, default 190 s).
 # Everything is teed to $OUT/log; each run's JSON lands in $OUT/ling_mini_{new,base,new2}.json and the
 # per-step lines of all in $OUT/decode_vs_base_summary.txt.
 set -uo pipefail
@@ -47,7 +48,8 @@ bench() {  # bench NAME DIR: the decode bench of the checkout in DIR; its lines 
     step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target /tmp/site .cache/pytest-whl/*.whl
     step "GPU tests" timeout "${TEST_S:-190}" python3 -m pytest -q -rs -p no:cacheprovider \
-      tests/services/thinker/engine/test_decode_fusions_gpu.py
+      ${TEST_FILES:-tests/services/thinker/engine/test_decode_fusions_gpu.py \
+        tests/services/thinker/engine/test_async_scheduling_gpu.py tests/services/thinker/engine/test_prefill_graphs_gpu.py}
   fi
   echo "=== per step (graphs): device ops, wall ms, kernel ms ==="
   for x in new base new2; do
