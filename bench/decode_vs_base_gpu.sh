@@ -7,7 +7,8 @@
 #       carry=[".cache/transport-whl", ".cache/base-tree.tar", ".cache/pytest-whl"])
 # Order: new, base, new again (the second new run shows the spread). $SWEEP / $PROFILE_C: the
 # concurrencies (default 1,8,16,32,64 / 1,8,32,64); $WALL_S bounds each bench run (default 150 s);
-# FRESH_TRITON=1 gives each run an empty Triton cache (every compile seen: the bench's [compiles] lines);
+# $BENCH_ARGS go to every bench run (e.g. `--shape ming-flash --tp 2` on two GPUs); AGAIN=0 skips the
+# second new run; FRESH_TRITON=1 gives each run an empty Triton cache (every compile seen: the bench's [compiles] lines);
 # $PRE: a command run first (e.g. the kernel bench); TESTS=1 runs the decode GPU tests at the end ($TEST_FILES,
 # default the decode fusions, async scheduling and prefill graph tests; $TEST_S bounds them, default 190 s).
 # Everything is teed to $OUT/log; each run's JSON lands in $OUT/ling_mini_{new,base,new2}.json and the
@@ -27,7 +28,7 @@ bench() {  # bench NAME DIR: the decode bench of the checkout in DIR; its lines 
     cd "$2" && source bench/device_env.sh >/dev/null
     if ((${FRESH_TRITON:-0})); then export TRITON_CACHE_DIR=/tmp/triton-cache-$1 && rm -rf "$TRITON_CACHE_DIR"; fi
     timeout "${WALL_S:-150}" python3 bench/ling_mini_gpu.py --profile-c "${PROFILE_C:-1,8,32,64}" \
-      --sweep "$conc" --sweep-tokens 128 --real-requests 2 --max-model-len 4096 --out "$OUT/ling_mini_$1.json" \
+      --sweep "$conc" --sweep-tokens 128 --real-requests 2 --max-model-len 4096 --out "$OUT/ling_mini_$1.json" ${BENCH_ARGS:-} \
       2>&1 | grep -v "layers (dummy weights)\|loading weights" | tee "$OUT/$1.out"
     exit "${PIPESTATUS[0]}"
   )
@@ -43,7 +44,7 @@ bench() {  # bench NAME DIR: the decode bench of the checkout in DIR; its lines 
   if [[ -n ${PRE:-} ]]; then step "pre: $PRE" bash -c "$PRE"; fi
   step "bench: new" bench new "$here"
   step "bench: base" bench base "$base"
-  step "bench: new again" bench new2 "$here"
+  if ((${AGAIN:-1})); then step "bench: new again" bench new2 "$here"; fi
   if ((${TESTS:-0})); then
     step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target /tmp/site .cache/pytest-whl/*.whl

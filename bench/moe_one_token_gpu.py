@@ -6,14 +6,17 @@ combine) against `kernels/moe_one_token.py` (two launches, the down weights read
 At Ling-mini TP=1's and Ming-flash TP=2's per-rank shapes (256 experts, top-8, one shared expert),
 bf16: µs a layer of `router → experts` (the router launch before the experts, as in a decode step:
 what the down weights' early reads overlap), captured `--layers` times in one CUDA graph with a
-layer's own weights each (the chosen experts are never in L2 from the layer before), then a sweep of
-the one-token tiles. Exit status 1 when the two paths differ by more than bf16 rounding.
+layer's own weights each (the chosen experts are never in L2 from the layer before), the gate-up
+streamed (the default) against a program a tile, then sweeps of the streaming tiles and (unless
+`--no-sweep`) of a program a tile's. Exit status 1 when the paths differ by more than bf16 rounding
+or the streaming gate-up changes a bit.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,9 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the chain ti
 from resident_gemv_gpu import time_chain  # noqa: E402
 
 SWEEP = [OneTokenTiles(g, d, w) for w in (4, 8) for g in (2, 4, 8, 16) for d in (2, 4, 8)]
+# The streaming gate-up (OneTokenTiles.programs): rows a tile x programs an SM, on the default down tiles.
+STREAM = [(rows, per_sm) for rows in (2, 4) for per_sm in (2, 4, 6)]
 
 
-def run(label: str, dims: dict, layers: int, dev: torch.device) -> dict:
+def run(label: str, dims: dict, layers: int, dev: torch.device, sweep: bool = True) -> dict:
     dt = torch.bfloat16
     e, h, i, k = (
         dims["num_experts"],
@@ -67,6 +72,8 @@ def run(label: str, dims: dict, layers: int, dev: torch.device) -> dict:
     def one_token(tiles):
         return lambda w, rw, ids: one_token_experts(x, w["w13"], w["w2"], rw, ids, w["shared"], tiles)
 
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    plain_tiles = default_tiles(h, i, k, 2)  # a program a tile
     a, b = layer(0, aligned), layer(0, one_token(None))
     diff = (a.float() - b.float()).abs().max().item()
     ok = diff <= 0.02 * a.float().abs().max().item() + 1e-2
@@ -74,24 +81,36 @@ def run(label: str, dims: dict, layers: int, dev: torch.device) -> dict:
         "shape": dict(experts=e, hidden=h, intermediate=i, top_k=k),
         "max_abs_diff": diff,
         "ok": ok,
-        "default_tiles": vars(default_tiles(h, i, k, 2)),
+        "default_tiles": vars(default_tiles(h, i, k, 2, sms=sms)),
         "us_a_layer": {
             "router + aligned (align, gate-up, down, combine)": time_chain(
                 lambda n: layer(n, aligned), layers
             ),
             "router + one token (gate-up, down)": time_chain(lambda n: layer(n, one_token(None)), layers),
+            "router + one token, a gate-up program a tile": time_chain(
+                lambda n: layer(n, one_token(plain_tiles)), layers
+            ),
             "router alone": time_chain(
                 lambda n: route(x, weights[n]["gate"], weights[n]["bias"], k, groups, top_groups, 2.5), layers
             ),
         },
         "sweep": {},
+        "stream": {},
     }
     for key, us in result["us_a_layer"].items():
         print(f"[{label}] {key}: {us:.2f} us", flush=True)
     print(
         f"[{label}] max abs diff aligned vs one token: {diff:.4g} ({'ok' if ok else 'TOO LARGE'})", flush=True
     )
-    for tiles in SWEEP:
+    if not torch.equal(b, layer(0, one_token(plain_tiles))):  # the same sums, in the same order
+        result["ok"] = False
+        print(f"[{label}] the streaming gate-up is NOT bit-equal to a program a tile", flush=True)
+    for rows, per_sm in STREAM:
+        tiles = replace(plain_tiles, gate_up_rows=rows, programs=per_sm * sms)
+        us = time_chain(lambda n, tiles=tiles: layer(n, one_token(tiles)), layers)
+        result["stream"][f"{rows}/{per_sm}"] = round(us, 2)
+        print(f"[{label}] streaming gate-up rows {rows}, {per_sm} programs an SM: {us:.2f} us", flush=True)
+    for tiles in SWEEP if sweep else []:
         try:
             us = time_chain(lambda n, tiles=tiles: layer(n, one_token(tiles)), layers)
         except Exception as exc:  # a tile that does not compile (registers, shared memory)
@@ -109,12 +128,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=6, help="layers a graph, each with its own weights")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--no-sweep", action="store_true", help="not the sweep of a program a tile")
     args = ap.parse_args()
     dev = torch.device("cuda")
     out = {
         "device": torch.cuda.get_device_name(dev),
-        "ling-mini tp1": run("ling-mini tp1", LING_MINI, args.layers, dev),
-        "ming-flash tp2 rank": run("ming-flash tp2 rank", MING_FLASH_TP2_RANK, args.layers, dev),
+        "ling-mini tp1": run("ling-mini tp1", LING_MINI, args.layers, dev, not args.no_sweep),
+        "ming-flash tp2 rank": run(
+            "ming-flash tp2 rank", MING_FLASH_TP2_RANK, args.layers, dev, not args.no_sweep
+        ),
     }
     if args.out:
         write_result(args.out, out, gpu=True)  # CUDA only: the script needs a GPU

@@ -352,6 +352,13 @@ CASES = {
         | {n: I32 for n in ("inter", "hidden", "stride_we")},
         {"TOP_K": 8, "BLOCK_N": 4, "H_PAD": 2048},
     ),
+    # The same streaming its tiles (`OneTokenTiles.programs`: STREAM_ROWS rows a tile).
+    "one_token_gate_up_stream": (
+        moe_one_token._one_token_gate_up_stream_kernel,
+        {"x_ptr": B, "w13_ptr": B, "shared_ptr": B, "ids_ptr": "*i64", "h_ptr": B}
+        | {n: I32 for n in ("inter", "hidden", "stride_we")},
+        {"TOP_K": 8, "BLOCK_N": 2, "H_PAD": 4096},
+    ),
     "one_token_down": (
         moe_one_token._one_token_down_kernel,
         {"h_ptr": B, "w2_ptr": B, "shared_ptr": B, "ids_ptr": "*i64", "weights_ptr": "*fp32", "out_ptr": B}

@@ -46,7 +46,14 @@ def _reference_loop(x, w13, w2, weights, ids, shared):
 
 
 @pytest.mark.parametrize(
-    "tiles", [None, OneTokenTiles(gate_up_rows=8, down_rows=16, warps=2), OneTokenTiles(16, 32, 4)]
+    "tiles",
+    [
+        None,
+        OneTokenTiles(gate_up_rows=8, down_rows=16, warps=2),
+        OneTokenTiles(16, 32, 4),
+        OneTokenTiles(4, 16, 4, programs=3),  # streaming: each program loops over its tiles
+        OneTokenTiles(8, 16, 2, programs=64),  # more programs than tiles: the rest have none
+    ],
 )
 def test_fp32_equals_the_aligned_path(tiles):
     x, w13, w2, weights, ids, shared = _case(torch.float32)
@@ -65,6 +72,19 @@ def test_bf16_is_the_reference_within_its_roundings():
 def test_the_same_inputs_give_the_same_bits():
     case = _case(torch.bfloat16, seed=4)
     assert torch.equal(one_token_experts(*case), one_token_experts(*case))
+
+
+def test_the_gate_up_streams_in_programs_an_sm_where_the_device_is_known():
+    ling = dict(hidden=2048, inter=512, top_k=8, element_size=2)
+    streamed = moe_one_token.default_tiles(**ling, sms=132)
+    assert (streamed.programs, streamed.gate_up_rows) == (
+        moe_one_token.STREAM_PROGRAMS_PER_SM * 132,
+        moe_one_token.STREAM_ROWS,
+    )
+    plain = moe_one_token.default_tiles(**ling)
+    assert (plain.programs, plain.gate_up_rows, plain.down_rows) == (0, 8, 4)  # 64 KiB a program
+    assert streamed.down_rows == plain.down_rows
+    assert moe_one_token.sm_count(torch.device("cpu")) == 1  # the CPU tests take the streaming path
 
 
 def test_the_dispatch_rule():
