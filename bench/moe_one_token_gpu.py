@@ -7,8 +7,8 @@ At Ling-mini TP=1's and Ming-flash TP=2's per-rank shapes (256 experts, top-8, o
 bf16: µs a layer of `router → experts` (the router launch before the experts, as in a decode step:
 what the down weights' early reads overlap), captured `--layers` times in one CUDA graph with a
 layer's own weights each (the chosen experts are never in L2 from the layer before), the gate-up
-streamed (the default) against a program a tile, then sweeps of the streaming tiles and (unless
-`--no-sweep`) of a program a tile's. Exit status 1 when the paths differ by more than bf16 rounding
+streamed (the default) against a program a tile, then sweeps of the streaming tiles, of the down
+rows and warps beside them, and (unless `--no-sweep`) of a program a tile's. Exit status 1 when the paths differ by more than bf16 rounding
 or the streaming gate-up changes a bit.
 """
 
@@ -32,6 +32,8 @@ from resident_gemv_gpu import time_chain  # noqa: E402
 SWEEP = [OneTokenTiles(g, d, w) for w in (4, 8) for g in (2, 4, 8, 16) for d in (2, 4, 8)]
 # The streaming gate-up (OneTokenTiles.programs): rows a tile x programs an SM, on the default down tiles.
 STREAM = [(rows, per_sm) for rows in (2, 4) for per_sm in (2, 4, 6)]
+# The down launch's rows a program and both launches' warps, beside the default streaming gate-up.
+DOWN = [(rows, warps) for warps in (4, 8) for rows in (1, 2, 4, 8, 16)]
 
 
 def run(label: str, dims: dict, layers: int, dev: torch.device, sweep: bool = True) -> dict:
@@ -110,6 +112,17 @@ def run(label: str, dims: dict, layers: int, dev: torch.device, sweep: bool = Tr
         us = time_chain(lambda n, tiles=tiles: layer(n, one_token(tiles)), layers)
         result["stream"][f"{rows}/{per_sm}"] = round(us, 2)
         print(f"[{label}] streaming gate-up rows {rows}, {per_sm} programs an SM: {us:.2f} us", flush=True)
+    streamed = default_tiles(h, i, k, 2, sms=sms)
+    result["down"] = {}
+    for rows, warps in DOWN:
+        tiles = replace(streamed, down_rows=rows, warps=warps)
+        try:
+            us = time_chain(lambda n, tiles=tiles: layer(n, one_token(tiles)), layers)
+        except Exception as exc:  # a tile that does not compile (registers)
+            print(f"[{label}] down rows {rows} warps {warps}: {type(exc).__name__}", flush=True)
+            continue
+        result["down"][f"{rows}/{warps}"] = round(us, 2)
+        print(f"[{label}] streaming gate-up, down rows {rows}, {warps} warps: {us:.2f} us", flush=True)
     for tiles in SWEEP if sweep else []:
         try:
             us = time_chain(lambda n, tiles=tiles: layer(n, one_token(tiles)), layers)
