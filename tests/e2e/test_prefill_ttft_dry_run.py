@@ -73,7 +73,9 @@ def test_the_dry_run_measures_every_case_on_the_cpu_tiny_pipeline(tmp_path, shar
     short = rows["short"]["breakdown"]
     assert short["engine_ttft_ms"] > 0 and short["prefill_step_launch_ms"] > 0
     assert short["gateway_ttft_ms"] >= short["engine_ttft_ms"]
-    assert rows["itl_5k"]["itl_p50_ms"] > 0 and rows["text_c8"]["decode_tok_s"] > 0
+    # The gaps were measured (on a loaded CPU a stream's deltas can arrive back to back: a p50 of 0).
+    itl = rows["itl_5k"]
+    assert itl["itl_max_ms"] > 0 and itl["itl_p50_ms"] >= 0 and rows["text_c8"]["decode_tok_s"] > 0
     assert not (tmp_path / "prefill_ttft.json").exists()
     assert (gpu_file.stat().st_mtime if gpu_file.exists() else None) == before
 
