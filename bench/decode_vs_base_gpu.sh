@@ -7,8 +7,10 @@
 #       carry=[".cache/transport-whl", ".cache/base-tree.tar", ".cache/pytest-whl"])
 # Order: new, base, new again (the second new run shows the spread). $SWEEP / $PROFILE_C: the
 # concurrencies (default 1,8,16,32,64 / 1,8,32,64); $WALL_S bounds each bench run (default 150 s);
-# $BENCH_ARGS go to every bench run (e.g. `--shape ming-flash --tp 2` on two GPUs); AGAIN=0 skips the
-# second new run; FRESH_TRITON=1 gives each run an empty Triton cache (every compile seen: the bench's [compiles] lines);
+# $TREES: more builds benched after the base, `NAME=TAR ...` (each `git archive -o TAR <commit>`,
+# carried; results in $OUT/ling_mini_NAME.json). $BENCH_ARGS go to every bench run (e.g. `--shape
+# ming-flash --tp 2` on two GPUs); AGAIN=0 skips the second new run; FRESH_TRITON=1 gives each run an
+# empty Triton cache (every compile seen: the bench's [compiles] lines);
 # $PRE: a command run first (e.g. the kernel bench); TESTS=1 runs the decode GPU tests at the end ($TEST_FILES,
 # default the decode fusions, async scheduling and prefill graph tests; $TEST_S bounds them, default 190 s).
 # Everything is teed to $OUT/log; each run's JSON lands in $OUT/ling_mini_{new,base,new2}.json and the
@@ -44,6 +46,11 @@ bench() {  # bench NAME DIR: the decode bench of the checkout in DIR; its lines 
   if [[ -n ${PRE:-} ]]; then step "pre: $PRE" bash -c "$PRE"; fi
   step "bench: new" bench new "$here"
   step "bench: base" bench base "$base"
+  for tree in ${TREES:-}; do  # NAME=TAR: more builds in the same call (e.g. branches to measure)
+    name=${tree%%=*}
+    step "tree $name" bash -c "rm -rf /tmp/omnistage-$name && mkdir -p /tmp/omnistage-$name && tar -xf ${tree#*=} -C /tmp/omnistage-$name"
+    step "bench: $name" bench "$name" "/tmp/omnistage-$name"
+  done
   if ((${AGAIN:-1})); then step "bench: new again" bench new2 "$here"; fi
   if ((${TESTS:-0})); then
     step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -53,7 +60,7 @@ bench() {  # bench NAME DIR: the decode bench of the checkout in DIR; its lines 
         tests/services/thinker/engine/test_async_scheduling_gpu.py tests/services/thinker/engine/test_prefill_graphs_gpu.py}
   fi
   echo "=== per step (graphs): device ops, wall ms, kernel ms ==="
-  for x in new base new2; do
+  for x in new base $(for t in ${TREES:-}; do echo "${t%%=*}"; done) new2; do
     echo "$x:"
     grep "^\[profile\].*graphs:.*wall\|^\[sweep\]\|^\[compiles\]" "$OUT/$x.out" 2>/dev/null || echo "  (no profile lines)"
   done | tee "$OUT/decode_vs_base_summary.txt"
