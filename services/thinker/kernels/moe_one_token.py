@@ -107,40 +107,14 @@ def supported(
 
 
 @triton.jit
-def _one_token_gate_up_kernel(
-    x_ptr,
-    w13_ptr,
-    shared_ptr,
-    ids_ptr,
-    h_ptr,
-    inter,
-    hidden,
-    stride_we,
-    TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    H_PAD: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """Program (column block, slot): silu(gate)·up of intermediate columns [n·BLOCK_N, +BLOCK_N) for
-    the token's slot-th expert (slot TOP_K: the shared expert) into h[slot]."""
-    wait_for_prior_kernels(USE_PDL)
-    slot = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, H_PAD)
-    c_ok, k_ok = cols < inter, ks < hidden
-    if slot < TOP_K:
-        base = w13_ptr + tl.load(ids_ptr + slot) * stride_we
-    else:
-        base = shared_ptr
-    rows = cols.to(tl.int64)[:, None] * hidden + ks[None, :]
-    mask = c_ok[:, None] & k_ok[None, :]
-    gate_w = tl.load(base + rows, mask=mask, other=0.0)
-    up_w = tl.load(base + inter * hidden + rows, mask=mask, other=0.0)
-    x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+def _finish_tile(gate_w, up_w, x, t, h_ptr, inter, BLOCK_N: tl.constexpr):
+    """silu(gate)·up of tile t (`_tile_weights`' rows times x, fp32 sums) into h[slot] at its columns."""
+    blocks = tl.cdiv(inter, BLOCK_N)
     gate = tl.sum(gate_w.to(tl.float32) * x[None, :], axis=1)
     up = tl.sum(up_w.to(tl.float32) * x[None, :], axis=1)
+    cols = (t % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     h = silu_mul(gate, up, h_ptr.dtype.element_ty)
-    tl.store(h_ptr + slot * inter + cols, h, mask=c_ok)
+    tl.store(h_ptr + (t // blocks) * inter + cols, h, mask=cols < inter)
 
 
 @triton.jit
@@ -164,6 +138,34 @@ def _tile_weights(
     return tl.load(base + rows, mask=mask, other=0.0), tl.load(
         base + inter * hidden + rows, mask=mask, other=0.0
     )
+
+
+@triton.jit
+def _one_token_gate_up_kernel(
+    x_ptr,
+    w13_ptr,
+    shared_ptr,
+    ids_ptr,
+    h_ptr,
+    inter,
+    hidden,
+    stride_we,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    H_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Program (column block, slot): tile slot · blocks + block (`_tile_weights`), silu(gate)·up of
+    intermediate columns [n·BLOCK_N, +BLOCK_N) for the token's slot-th expert (slot TOP_K: the
+    shared expert) into h[slot]."""
+    wait_for_prior_kernels(USE_PDL)
+    t = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    gate_w, up_w = _tile_weights(
+        w13_ptr, shared_ptr, ids_ptr, t, (inter, hidden, stride_we), TOP_K, BLOCK_N, H_PAD
+    )
+    ks = tl.arange(0, H_PAD)
+    x = tl.load(x_ptr + ks, mask=ks < hidden, other=0.0).to(tl.float32)
+    _finish_tile(gate_w, up_w, x, t, h_ptr, inter, BLOCK_N)
 
 
 @triton.jit
@@ -195,11 +197,7 @@ def _one_token_gate_up_stream_kernel(
     for _ in range(tl.program_id(0), blocks * (TOP_K + 1), tl.num_programs(0)):
         after = t + tl.num_programs(0)
         gate_next, up_next = _tile_weights(w13_ptr, shared_ptr, ids_ptr, after, sizes, TOP_K, BLOCK_N, H_PAD)
-        gate = tl.sum(gate_w.to(tl.float32) * x[None, :], axis=1)
-        up = tl.sum(up_w.to(tl.float32) * x[None, :], axis=1)
-        cols = (t % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-        h = silu_mul(gate, up, h_ptr.dtype.element_ty)
-        tl.store(h_ptr + (t // blocks) * inter + cols, h, mask=cols < inter)
+        _finish_tile(gate_w, up_w, x, t, h_ptr, inter, BLOCK_N)
         gate_w, up_w, t = gate_next, up_next, after
 
 

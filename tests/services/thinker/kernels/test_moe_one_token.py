@@ -69,6 +69,13 @@ def test_bf16_is_the_reference_within_its_roundings():
     assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=3e-2)
 
 
+def test_the_streaming_gate_up_gives_the_bits_of_a_program_a_tile():
+    case = _case(torch.bfloat16, seed=5)
+    plain = one_token_experts(*case, OneTokenTiles(4, 16, 4))
+    for programs in (1, 3, 64):  # one program for every tile, a loop each, more programs than tiles
+        assert torch.equal(one_token_experts(*case, OneTokenTiles(4, 16, 4, programs=programs)), plain)
+
+
 def test_the_same_inputs_give_the_same_bits():
     case = _case(torch.bfloat16, seed=4)
     assert torch.equal(one_token_experts(*case), one_token_experts(*case))
