@@ -1,6 +1,7 @@
 """The greedy argmax launch (kernels/argmax.py) picks torch.argmax's ids, bit for bit: the largest
 value with ties to the lowest index across chunks, -0.0 equal to 0.0, the first NaN above all;
-every launch leaves the row slots and tickets ready for the next."""
+every launch leaves the row slots and tickets ready for the next; the sampler's greedy ids go
+through it into the caller's `out` (the sampled feed's buffer) where it takes the rows."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import struct
 
 import pytest
 import torch
+from omnistage.services.thinker.engine.sampler import Sampler, greedy_ids
+from omnistage.services.thinker.engine.sequence import SamplingParams, Sequence
 from omnistage.services.thinker.kernels import argmax
 from omnistage.services.thinker.kernels.tickets import tickets_for
 
@@ -111,3 +114,33 @@ def test_supported_takes_a_few_contiguous_float_rows_where_triton_runs(monkeypat
         assert not argmax.supported(bad, out), (bad.shape, bad.stride(), bad.dtype, out)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU off the interpreter: torch's argmax
     assert not argmax.supported(rows)
+
+
+def _seq(params: SamplingParams) -> Sequence:
+    return Sequence("r", [1, 2], params, max_tokens=16)
+
+
+def test_the_samplers_greedy_ids_go_through_the_launch_into_out(launches):
+    launches.watch(argmax, "_argmax_kernel")
+    logits = torch.randn(3, 2500, generator=torch.Generator().manual_seed(11))
+    buffer = torch.zeros(4, dtype=torch.int64)
+    sample = Sampler().sample(logits, [_seq(SamplingParams()) for _ in range(3)], out=buffer[:3])
+    assert sample.tokens.data_ptr() == buffer.data_ptr()  # no copy to share them
+    assert sample.to_host().token_ids == buffer[:3].tolist() == logits.argmax(dim=-1).tolist()
+    assert launches.of("_argmax_kernel") == [((2, 3), None)]
+    # A row drawn at random replaces its id out of place: the greedy rows keep torch's ids.
+    seqs = [_seq(SamplingParams()), _seq(SamplingParams(temperature=1.0, seed=1)), _seq(SamplingParams())]
+    sample = Sampler().sample(logits, seqs, out=buffer[:3])
+    assert sample.tokens.data_ptr() != buffer.data_ptr()
+    got = sample.to_host().token_ids
+    assert [got[0], got[2]] == [int(logits[0].argmax()), int(logits[2].argmax())]
+
+
+def test_beyond_the_launchs_rows_or_off_triton_the_greedy_ids_are_torchs(launches, monkeypatch):
+    launches.watch(argmax, "_argmax_kernel")
+    many = torch.randn(argmax.MAX_ROWS + 1, 300, generator=torch.Generator().manual_seed(13))
+    out = torch.zeros(argmax.MAX_ROWS + 1, dtype=torch.int64)
+    assert greedy_ids(many, out) is out and torch.equal(out, many.argmax(dim=-1))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert torch.equal(greedy_ids(many[:2]), many[:2].argmax(dim=-1))
+    assert launches.names() == []
