@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from omnistage.services.thinker.engine.grammar_masks import PendingMask
 from omnistage.services.thinker.engine.sequence import Sequence
-from omnistage.services.thinker.kernels import runs_triton
+from omnistage.services.thinker.kernels import triton_available
 
 
 @dataclass
@@ -92,11 +92,17 @@ def filter_logits(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def fast_argmax(device: torch.device) -> bool:
+    """Whether greedy ids on `device` may take the few-rows launch: a CUDA device with triton (under
+    the interpreter the engine's CPU steps keep torch's: the kernel's own tests run it there)."""
+    return device.type == "cuda" and triton_available()
+
+
 def greedy_ids(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch.argmax(logits, dim=-1), into `out` when given: by the few-rows launch where it takes
-    them (kernels/argmax.py `supported`: many programs a row where torch's one CTA is slow), else
-    torch's. triton is imported only where it runs."""
-    if runs_triton(logits.device):
+    them (`fast_argmax`, kernels/argmax.py `supported`: many programs a row where torch's one CTA is
+    slow), else torch's. triton is imported only where it runs."""
+    if fast_argmax(logits.device):
         from omnistage.services.thinker.kernels import argmax
 
         if argmax.supported(logits, out):

@@ -9,6 +9,7 @@ import struct
 
 import pytest
 import torch
+from omnistage.services.thinker.engine import sampler
 from omnistage.services.thinker.engine.sampler import Sampler, greedy_ids
 from omnistage.services.thinker.engine.sequence import SamplingParams, Sequence
 from omnistage.services.thinker.kernels import argmax
@@ -120,7 +121,8 @@ def _seq(params: SamplingParams) -> Sequence:
     return Sequence("r", [1, 2], params, max_tokens=16)
 
 
-def test_the_samplers_greedy_ids_go_through_the_launch_into_out(launches):
+def test_the_samplers_greedy_ids_go_through_the_launch_into_out(launches, monkeypatch):
+    monkeypatch.setattr(sampler, "fast_argmax", lambda device: True)  # as on a CUDA device
     launches.watch(argmax, "_argmax_kernel")
     logits = torch.randn(3, 2500, generator=torch.Generator().manual_seed(11))
     buffer = torch.zeros(4, dtype=torch.int64)
@@ -136,11 +138,15 @@ def test_the_samplers_greedy_ids_go_through_the_launch_into_out(launches):
     assert [got[0], got[2]] == [int(logits[0].argmax()), int(logits[2].argmax())]
 
 
-def test_beyond_the_launchs_rows_or_off_triton_the_greedy_ids_are_torchs(launches, monkeypatch):
+def test_beyond_the_launchs_rows_or_off_cuda_the_greedy_ids_are_torchs(launches, monkeypatch):
     launches.watch(argmax, "_argmax_kernel")
+    assert not sampler.fast_argmax(torch.device("cpu"))  # the engine's CPU steps: torch's argmax
+    few = torch.randn(2, 300, generator=torch.Generator().manual_seed(13))
+    assert torch.equal(greedy_ids(few), few.argmax(dim=-1))
+    monkeypatch.setattr(sampler, "fast_argmax", lambda device: True)
     many = torch.randn(argmax.MAX_ROWS + 1, 300, generator=torch.Generator().manual_seed(13))
     out = torch.zeros(argmax.MAX_ROWS + 1, dtype=torch.int64)
     assert greedy_ids(many, out) is out and torch.equal(out, many.argmax(dim=-1))
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert torch.equal(greedy_ids(many[:2]), many[:2].argmax(dim=-1))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # off the interpreter a CPU tensor cannot launch
+    assert torch.equal(greedy_ids(few), few.argmax(dim=-1))
     assert launches.names() == []
