@@ -232,8 +232,9 @@ class LLMEngine:
         logits = out.logits
 
         def draw() -> DeviceSample:
-            sample = self.sampler.sample(logits, batch.sampling_seqs, mask)
-            if plan.share_sampled:
+            target = self.runner.sample_target(plan) if plan.share_sampled else None
+            sample = self.sampler.sample(logits, batch.sampling_seqs, mask, out=target)
+            if plan.share_sampled:  # nothing to copy where the ids were sampled into `target`
                 self.runner.share_sampled(plan, sample.tokens)
             return sample
 

@@ -203,6 +203,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[plan.sample_rows.to(dev)])
         return StepOutput(logits.float() if self.rank == 0 else None, kept)
 
+    def sample_target(self, plan: StepPlan) -> torch.Tensor:
+        """Where rank 0 samples the ids of a step whose plan shares them (the feed's buffer)."""
+        return self.feed.target(plan)
+
     def share_sampled(self, plan: StepPlan, tokens: torch.Tensor | None = None) -> None:
         """After a step whose plan shares its sampled ids: keep them on this rank's device (rank 0
         passes its `tokens`; the others receive them: a collective under TP)."""

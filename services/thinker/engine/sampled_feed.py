@@ -2,9 +2,10 @@
 
 With async scheduling the next step is planned and launched before the ids of the step running now
 reach the host: its plan names them by placeholders (`sequence.placeholder`: row r is -r - 1), and
-each rank puts the ids in their place on its device. Rank 0 samples; under TP its ids reach the other
-ranks by a broadcast on the device after the step (`StepPlan.share_sampled`), so a decode step's plan
-never waits for a host to learn the new tokens.
+each rank puts the ids in their place on its device. Rank 0 samples (its greedy ids straight into
+the feed's buffer, `SampledFeed.target`); under TP its ids reach the other ranks by a broadcast on
+the device after the step (`StepPlan.share_sampled`), so a decode step's plan never waits for a
+host to learn the new tokens.
 """
 
 from __future__ import annotations
@@ -34,16 +35,23 @@ class SampledFeed:
         self.buffer = torch.zeros(max(1, capacity), dtype=torch.int64, device=device)
         self.ids: torch.Tensor | None = None
 
-    def share(self, plan: StepPlan, tokens: torch.Tensor | None = None) -> None:
-        """After `plan` ran: rank 0 passes its sampled `tokens` [R], the other ranks receive them
-        (every rank calls this in the same place: it is a collective under TP)."""
+    def target(self, plan: StepPlan) -> torch.Tensor:
+        """Where rank 0 samples `plan`'s ids [R] (the buffer's first rows), so that `share` has
+        nothing to copy."""
         rows = plan.num_sample_rows
         if rows > self.buffer.numel():
             raise RuntimeError(f"a step sampled {rows} rows, more than the feed's {self.buffer.numel()}")
-        ids = self.buffer[:rows]
+        return self.buffer[:rows]
+
+    def share(self, plan: StepPlan, tokens: torch.Tensor | None = None) -> None:
+        """After `plan` ran: rank 0 passes its sampled `tokens` [R] (copied in unless they already
+        are `target(plan)`), the other ranks receive them (every rank calls this in the same place:
+        it is a collective under TP)."""
+        ids = self.target(plan)
         if self.group.rank == 0:
-            assert tokens is not None and tokens.numel() == rows, "rank 0 shares its tokens"
-            ids.copy_(tokens.reshape(-1))
+            assert tokens is not None and tokens.numel() == ids.numel(), "rank 0 shares its tokens"
+            if not (tokens.is_contiguous() and tokens.data_ptr() == ids.data_ptr()):
+                ids.copy_(tokens.reshape(-1))
         self.ids = self.group.broadcast_from_first(ids)
 
     def require_shared(self) -> None:

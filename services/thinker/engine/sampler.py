@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from omnistage.services.thinker.engine.grammar_masks import PendingMask
 from omnistage.services.thinker.engine.sequence import Sequence
+from omnistage.services.thinker.kernels import triton_available
 
 
 @dataclass
@@ -91,6 +92,24 @@ def filter_logits(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def fast_argmax(device: torch.device) -> bool:
+    """Whether greedy ids on `device` may take the few-rows launch: a CUDA device with triton (under
+    the interpreter the engine's CPU steps keep torch's: the kernel's own tests run it there)."""
+    return device.type == "cuda" and triton_available()
+
+
+def greedy_ids(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1), into `out` when given: by the few-rows launch where it takes
+    them (`fast_argmax`, kernels/argmax.py `supported`: many programs a row where torch's one CTA is
+    slow), else torch's. triton is imported only where it runs."""
+    if fast_argmax(logits.device):
+        from omnistage.services.thinker.kernels import argmax
+
+        if argmax.supported(logits, out):
+            return argmax.argmax(logits, out)
+    return logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
+
+
 @dataclass
 class TopLogprobs:
     """The logprobs rows of one step on the device: `rows` (those that asked), each row's `counts`."""
@@ -118,8 +137,8 @@ class DeviceSample:
         if self.logprobs is not None:
             lp = self.logprobs
             parts += [lp.chosen, lp.top_vals, lp.top_ids]
-        if self.tokens.device.type == "cpu":
-            self._host = parts
+        if self.tokens.device.type == "cpu":  # copies: the tokens may be the feed's buffer (rewritten)
+            self._host = [t.clone() for t in parts]
             return
         self._host = [t.to("cpu", non_blocking=True) for t in parts]  # pinned, behind the step's work
         self._copied = torch.cuda.Event()
@@ -149,11 +168,19 @@ class Sampler:
         return self.sample(logits, seqs, mask).to_host()
 
     def sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], mask: PendingMask | None = None
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        mask: PendingMask | None = None,
+        out: torch.Tensor | None = None,
     ) -> DeviceSample:
-        """The step's tokens, queued on the logits' device (a constrained row waits for its mask)."""
+        """The step's tokens, queued on the logits' device (a constrained row waits for its mask).
+        `out` (int64 [R]): where the greedy ids go (the sampled feed's buffer, `SampledFeed.target`);
+        rows drawn at random replace theirs out of place, so the tokens are then a new tensor."""
         if logits.shape[0] != len(seqs):
             raise ValueError(f"sampler: {logits.shape[0]} logit rows for {len(seqs)} sequences")
+        if out is not None and tuple(out.shape) != (len(seqs),):
+            raise ValueError(f"sampler: ids out of shape {tuple(out.shape)} for {len(seqs)} sequences")
         if not seqs:
             return DeviceSample(torch.zeros(0, dtype=torch.int64, device=logits.device), None, None)
         raw = logits.float()
@@ -165,7 +192,7 @@ class Sampler:
             logits = raw
         if mask is not None:
             mask.apply(logits)
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_ids(logits, out)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if random_rows:
             rows = on_device(random_rows, logits.device)

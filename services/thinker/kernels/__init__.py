@@ -23,6 +23,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def runs_triton(device: torch.device) -> bool:
+    """Whether a Triton launch runs on `device`: a CUDA device, or any under the interpreter."""
+    return triton_available() and (device.type == "cuda" or interpreting())
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs multiply in full precision (the fp32 checks against the reference), not tf32."""
     return "ieee" if dtype == torch.float32 else "tf32"

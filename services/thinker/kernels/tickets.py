@@ -1,6 +1,7 @@
 """Ticket counters for a launch whose programs share one result: each program of a group takes a
 ticket when its part is stored, and the one that takes the last finishes the group (the router's
-split logits, the split decode attention's partials). No second launch, graph-safe."""
+split logits, the split decode attention's partials, the greedy argmax's chunks). No second launch,
+graph-safe."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import triton
 import triton.language as tl
 
 # Groups of a decode launch stay below this: the router's token blocks (at most 256 tokens), the
-# split attention's (sequence, KV head) pairs (fewer than paged_attention.SPLIT_TARGET_PROGRAMS).
+# split attention's (sequence, KV head) pairs (fewer than paged_attention.SPLIT_TARGET_PROGRAMS),
+# the greedy argmax's rows (argmax.MAX_ROWS).
 MIN_TICKETS = 1024
 
 _tickets: dict[torch.device, torch.Tensor] = {}

@@ -12,6 +12,7 @@ import sys
 
 import triton
 from omnistage.services.thinker.kernels import (
+    argmax,
     fused_moe,
     gemv,
     moe_align,
@@ -371,6 +372,13 @@ CASES = {
         router._route_kernel,
         {**ROUTE, "x_ptr": "*fp32", "tickets_ptr": "*i64"},
         {**ROUTE_SHAPE, **ROUTE_GEMV, "BLOCK_T": 1, "BLOCK_E": 256, "BLOCK_H": 16, "GEMV": False},
+    ),
+    # The greedy sampling's argmax: fp32 logit rows, a program a chunk, the last of a row writes.
+    "argmax": (
+        argmax._argmax_kernel,
+        {"x_ptr": "*fp32", "out_ptr": "*i64", "slots_ptr": "*i64", "tickets_ptr": "*i32"}
+        | {"n": I32, "stride_x": I32},
+        {"BLOCK": argmax.BLOCK},
     ),
     "peer_allreduce": (
         peer_allreduce._one_shot_kernel,
