@@ -18,6 +18,7 @@ import triton.language as tl
 from omnistage.services.thinker.kernels import dot_precision, pdl
 from omnistage.services.thinker.kernels.norms import add_residual, rms_rstd, rms_scale, sum_of_squares
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
+from omnistage.services.thinker.kernels.route_select import expert_grid, select_experts
 from omnistage.services.thinker.kernels.tickets import last_to_finish, tickets_for
 
 # A decode batch's launch by its token count: (up to this many tokens, path, token rows a program).
@@ -38,93 +39,24 @@ DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Products each fused program holds at once (BLOCK_T x BLOCK_E x BLOCK_H fp32): the hidden chunk
 # shrinks as the token block grows, so the registers stay bounded.
 _TILE_ELEMS = 8192
-_BLOCK_E = 4
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """The gemv path's launch: experts a program (its programs a token block: experts / block_e)
+    and warps a program (the selecting program's reductions cross warps through shared memory;
+    fewer warps, fewer barriers)."""
+
+    block_e: int = 4
+    warps: int = 4
+
+
+# The gemv path's tiling (bench/router_one_token_gpu.py sweeps it at one token).
+GEMV_TILES = GemvTiles()
 # Up to this many tokens a MoE layer's add + RMSNorm runs in its router's launch (`normed_route`): on
 # the gemv path each program (a token block of one) reads its token's whole row anyway. One launch
 # fewer a MoE layer (issue 40); unmeasured past two.
 NORM_MAX_TOKENS = 2
-
-
-# Below every key: an entry taken out of the running.
-_GONE = tl.constexpr(-0x7FFFFFFFFFFFFFFF)
-
-
-@triton.jit
-def _key(x, index, SPAN: tl.constexpr):
-    """fp32 x and its index in [0, SPAN) as one int64 whose max is the largest x, ties to the lower
-    index: one reduction finds both (the float's bits made order-preserving as a signed int)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (bits.to(tl.int64) << 32) | (-index.to(tl.int64) + (SPAN - 1))
-
-
-@triton.jit
-def _key_value(key):
-    bits = (key >> 32).to(tl.int32)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _expert_grid(NUM_EXPERTS: tl.constexpr, GROUPS: tl.constexpr):
-    """[GROUPS, experts a group]: each expert's index, by group (the selection's view of a row)."""
-    per_group: tl.constexpr = NUM_EXPERTS // GROUPS
-    return tl.arange(0, GROUPS)[:, None] * per_group + tl.arange(0, per_group)[None, :]
-
-
-@triton.jit
-def _select(
-    logit_rows,
-    bias,
-    row_ok,
-    NUM_EXPERTS: tl.constexpr,
-    GROUPS: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
-    TOP_K: tl.constexpr,
-):
-    """The fp32 logits stored at `logit_rows` [BLOCK_T] and the fp32 expert bias (`_expert_grid`'s
-    shape) → each row's routing (weights [BLOCK_T, TOP_K] before the scaling, expert ids; rows not
-    in `row_ok` unread): biased scores, the TOPK_GROUP groups with the best top-2 sums, then the
-    TOP_K best experts of those (ties to the lower index) weighted by their unbiased scores,
-    normalised. One reduction per pick (packed keys); logits read past L1 (.cg: other programs
-    wrote them)."""
-    per_group: tl.constexpr = NUM_EXPERTS // GROUPS
-    logits = tl.load(
-        logit_rows[:, None, None] + _expert_grid(NUM_EXPERTS, GROUPS)[None, :, :],
-        mask=row_ok[:, None, None],
-        other=0.0,
-        cache_modifier=".cg",
-    )
-    num_experts: tl.constexpr = NUM_EXPERTS
-    g = tl.arange(0, GROUPS)
-    j = tl.arange(0, per_group)
-    biased = tl.sigmoid(logits.to(tl.float32)) + bias[None, :, :]
-    # Each group's top-2 sum (the first maximum taken out once, ties kept).
-    in_group = _key(biased, j[None, None, :], per_group)
-    top1 = tl.max(in_group, axis=2)
-    group_score = _key_value(top1)
-    if per_group > 1:
-        rest = tl.where(in_group == top1[:, :, None], _GONE, in_group)
-        group_score += _key_value(tl.max(rest, axis=2))
-    groups = _key(group_score, g[None, :], GROUPS)
-    keep = tl.zeros((row_ok.shape[0], GROUPS), dtype=tl.int1)
-    for _ in tl.static_range(TOPK_GROUP):
-        hit = groups == tl.max(groups, axis=1)[:, None]
-        keep = keep | hit
-        groups = tl.where(hit, _GONE, groups)
-    e3 = (g[:, None] * per_group + j[None, :])[None, :, :]
-    masked = _key(tl.where(keep[:, :, None], biased, float("-inf")), e3, num_experts)
-    masked = tl.reshape(masked, (row_ok.shape[0], num_experts))
-    slot = tl.arange(0, TOP_K)
-    chosen = tl.zeros((row_ok.shape[0], TOP_K), dtype=tl.int64)
-    for s in tl.static_range(TOP_K):
-        best = tl.max(masked, axis=1)
-        pick = -best.to(tl.int32) + (num_experts - 1)  # the low half is SPAN - 1 - index
-        chosen = tl.where(slot[None, :] == s, pick[:, None].to(tl.int64), chosen)
-        masked = tl.where(masked == best[:, None], _GONE, masked)
-    # The unbiased scores of the picks, from the logits as stored.
-    picked = tl.load(logit_rows[:, None] + chosen, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-    w = tl.sigmoid(picked.to(tl.float32))
-    return w / (tl.sum(w, axis=1)[:, None] + 1e-20), chosen
 
 
 @dataclass(frozen=True)
@@ -341,7 +273,7 @@ def _route_kernel(
     norm weight), load while the previous kernel runs."""
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     k_lo, k_hi = _split_range(hidden, SPLIT, BLOCK_H)
-    bias = tl.load(bias_ptr + _expert_grid(NUM_EXPERTS, GROUPS)).to(tl.float32)
+    bias = tl.load(bias_ptr + expert_grid(NUM_EXPERTS, GROUPS)).to(tl.float32)
     if GEMV and not DOT:
         w_first = tl.load(
             w_ptr + _w_chunk(experts, k_lo, stride_w, BLOCK_H),
@@ -379,7 +311,7 @@ def _route_kernel(
             _sum_splits(partial_ptr, logits_ptr, rows, row_ok, num_tokens, NUM_EXPERTS, SPLIT)
             tl.debug_barrier()  # the summed logits stored before the selection reads them
     if last:
-        w, chosen = _select(
+        w, chosen = select_experts(
             logits_ptr + rows * NUM_EXPERTS, bias, row_ok, NUM_EXPERTS, GROUPS, TOPK_GROUP, TOP_K
         )
         out = rows[:, None] * TOP_K + tl.arange(0, TOP_K)[None, :]
@@ -433,9 +365,9 @@ def _tiling(
         rows = _block_t(path, t, block_t)
         return rows, min(cfg.block_e, num_experts), cfg.block_k, split, cfg.warps, cfg.stages
     if path == "gemv":
-        rows, block_e = _block_t(path, t, block_t), min(_BLOCK_E, num_experts)
+        rows, block_e = _block_t(path, t, block_t), min(GEMV_TILES.block_e, num_experts)
         block_h = max(16, min(triton.next_power_of_2(hidden), _TILE_ELEMS // (rows * block_e)))
-        return rows, block_e, block_h, 1, 4, 3
+        return rows, block_e, block_h, 1, GEMV_TILES.warps, 3
     return 1, num_experts, 16, 1, 4, 3
 
 

@@ -61,7 +61,7 @@ def test_the_gemv_path_in_small_token_blocks_routes_as_the_reference(tokens, blo
         assert torch.equal(got_ids, want_ids) and torch.allclose(got_w, want_w, atol=1e-6)
     rows = min(block_t or 2, 1 << (tokens - 1).bit_length())
     rows = 1 if rows == 2 else rows  # a block of two is never launched (it miscompiles on sm_90)
-    assert grids == [(64 // router_kernels._BLOCK_E, -(-tokens // rows), 1)] * 2
+    assert grids == [(64 // router_kernels.GEMV_TILES.block_e, -(-tokens // rows), 1)] * 2
     assert not tickets_for(x.device, 1).any()
 
 

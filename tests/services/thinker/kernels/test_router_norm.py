@@ -62,7 +62,10 @@ def test_the_folded_norm_is_rms_norm_then_the_router_bit_for_bit(shape, tokens, 
         assert torch.equal(got_total, total) and torch.equal(got_normed, normed)
         assert got_normed.dtype == dtype and got_total.dtype == dtype
         assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
-    assert launches.of("_route_kernel") == [((experts // router_kernels._BLOCK_E, tokens, 1), None)] * 2
+    assert (
+        launches.of("_route_kernel")
+        == [((experts // router_kernels.GEMV_TILES.block_e, tokens, 1), None)] * 2
+    )
     assert not tickets_for(x.device, 1).any()
 
 
