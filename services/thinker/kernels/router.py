@@ -43,16 +43,29 @@ _TILE_ELEMS = 8192
 
 @dataclass(frozen=True)
 class GemvTiles:
-    """The gemv path's launch: experts a program (its programs a token block: experts / block_e)
-    and warps a program (the selecting program's reductions cross warps through shared memory;
-    fewer warps, fewer barriers)."""
+    """The gemv path's launch: experts a program at most (`gemv_block_e`: fewer where the token
+    rows' whole hidden row would not be one chunk) and warps a program."""
 
     block_e: int = 4
     warps: int = 4
 
 
-# The gemv path's tiling (bench/router_one_token_gpu.py sweeps it at one token).
+# The gemv path's tiling. One H200, 2026-11-29 (bench/router_one_token_gpu.py, one token, µs a layer
+# of router + experts): Ling-mini (hidden 2048) best at 4 experts, 4 warps (25.3; 1-2 warps 25.7-29.8,
+# 8 experts 26.8-28.8); Ming-flash TP=2's rank (hidden 4096) 43.0 at 4 experts (two hidden chunks)
+# against 41.5 at 2 (one): so a program takes a whole row in one chunk where it can.
 GEMV_TILES = GemvTiles()
+
+
+def gemv_block_e(rows: int, hidden: int, num_experts: int) -> int:
+    """Experts a program on the gemv path: GEMV_TILES.block_e, halved while `rows` tokens' whole
+    hidden row times them would pass _TILE_ELEMS products (so the row is read in one chunk)."""
+    block_e = min(GEMV_TILES.block_e, num_experts)
+    while block_e > 1 and rows * block_e * triton.next_power_of_2(hidden) > _TILE_ELEMS:
+        block_e //= 2
+    return block_e
+
+
 # Up to this many tokens a MoE layer's add + RMSNorm runs in its router's launch (`normed_route`): on
 # the gemv path each program (a token block of one) reads its token's whole row anyway. One launch
 # fewer a MoE layer (issue 40); unmeasured past two.
@@ -365,7 +378,8 @@ def _tiling(
         rows = _block_t(path, t, block_t)
         return rows, min(cfg.block_e, num_experts), cfg.block_k, split, cfg.warps, cfg.stages
     if path == "gemv":
-        rows, block_e = _block_t(path, t, block_t), min(GEMV_TILES.block_e, num_experts)
+        rows = _block_t(path, t, block_t)
+        block_e = gemv_block_e(rows, hidden, num_experts)
         block_h = max(16, min(triton.next_power_of_2(hidden), _TILE_ELEMS // (rows * block_e)))
         return rows, block_e, block_h, 1, GEMV_TILES.warps, 3
     return 1, num_experts, 16, 1, 4, 3

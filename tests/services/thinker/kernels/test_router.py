@@ -61,7 +61,7 @@ def test_the_gemv_path_in_small_token_blocks_routes_as_the_reference(tokens, blo
         assert torch.equal(got_ids, want_ids) and torch.allclose(got_w, want_w, atol=1e-6)
     rows = min(block_t or 2, 1 << (tokens - 1).bit_length())
     rows = 1 if rows == 2 else rows  # a block of two is never launched (it miscompiles on sm_90)
-    assert grids == [(64 // router_kernels.GEMV_TILES.block_e, -(-tokens // rows), 1)] * 2
+    assert grids == [(64 // router_kernels.gemv_block_e(rows, 72, 64), -(-tokens // rows), 1)] * 2
     assert not tickets_for(x.device, 1).any()
 
 
@@ -134,3 +134,12 @@ def test_a_gate_weight_with_strided_rows_is_refused_not_copied():
     want = router_kernels.route(x, sliced.contiguous(), torch.zeros(64), 8, 8, 4, 1.0)
     got = router_kernels.route(x, sliced, torch.zeros(64), 8, 8, 4, 1.0)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_a_gemv_program_reads_its_whole_hidden_row_in_one_chunk_where_it_can():
+    """Ling-mini's row (2048) takes the default four experts a program, Ming-flash's rank (4096) two,
+    more token rows fewer, never fewer than one."""
+    block_e = router_kernels.gemv_block_e
+    assert router_kernels.GEMV_TILES.block_e == 4
+    assert [block_e(1, 2048, 256), block_e(1, 4096, 256), block_e(2, 4096, 256)] == [4, 2, 1]
+    assert block_e(16, 8192, 256) == 1 and block_e(1, 64, 2) == 2

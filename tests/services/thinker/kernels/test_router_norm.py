@@ -64,7 +64,7 @@ def test_the_folded_norm_is_rms_norm_then_the_router_bit_for_bit(shape, tokens, 
         assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
     assert (
         launches.of("_route_kernel")
-        == [((experts // router_kernels.GEMV_TILES.block_e, tokens, 1), None)] * 2
+        == [((experts // router_kernels.gemv_block_e(1, hidden, experts), tokens, 1), None)] * 2
     )
     assert not tickets_for(x.device, 1).any()
 
