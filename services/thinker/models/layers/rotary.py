@@ -88,9 +88,13 @@ class RotaryEmbedding(nn.Module):
     def bound_positions(self, max_len: int | None) -> None:
         """From now on every position passed lies in `position_span(rope_type, max_len)` (the
         engine's max_model_len: ModelRunner says so), and cos/sin are gathered from a table of that
-        span; None: computed again. Table bytes: (hi − lo) · rotary_dim · 2 · the dtype's."""
-        self.span = None if max_len is None else position_span(self.rope_type, max_len)
-        self._tables.clear()
+        span; None: computed again. Table bytes: (hi − lo) · rotary_dim · 2 · the dtype's. The same
+        span keeps the tables made (a CUDA graph captured reads them); another drops them, so it
+        must come before any capture."""
+        span = None if max_len is None else position_span(self.rope_type, max_len)
+        if span != self.span:
+            self.span = span
+            self._tables.clear()
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         exps = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device).float() / self.rotary_dim

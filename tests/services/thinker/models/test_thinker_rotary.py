@@ -102,7 +102,10 @@ def test_the_table_is_made_once_a_dtype_and_its_bytes_are_the_span():
     assert table.lo == -50 and table.rows.shape == (250, 2, 64) and table.rows.dtype == torch.bfloat16
     assert table.rows.numel() * table.rows.element_size() == 250 * 64 * 2 * 2
     rope.cos_sin(torch.ones(3, 5, dtype=torch.long), torch.bfloat16)
+    rope.bound_positions(100)  # a second runner over the same model: the tables a graph reads stay
     assert rope.table(torch.device("cpu"), torch.bfloat16) is table
+    rope.bound_positions(101)
+    assert rope.table(torch.device("cpu"), torch.bfloat16).rows.shape == (252, 2, 64)
     assert rope.table(torch.device("cpu"), torch.float32).rows.dtype == torch.float32
 
 
