@@ -68,6 +68,11 @@ class ModelRunner:
         self.rank = rank
         # max_model_len as configured (cfg.max_model_len is capped by whatever cache is built).
         self.requested_max_model_len = cfg.max_model_len
+        # No plan's position leaves what a sequence of max_model_len tokens can have (admission keeps
+        # prompt + max_tokens within it; the cache's cap only lowers it): the rope's table holds them.
+        bound = getattr(model, "bound_positions", None)  # the thinker's (test doubles have none)
+        if bound is not None:
+            bound(cfg.max_model_len)
         self.kv_cache: torch.Tensor | None = None
         self.kv_users: list[KVCacheUser] = []
         # Set by the KV auto-profile (0 when the cache was not profiled): for Describe and metrics.

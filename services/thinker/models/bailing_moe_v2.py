@@ -115,6 +115,11 @@ class BailingMoeV2Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.num_routers = len(ROUTER_NAMES) if config.multi_router else 1
 
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        """The rope every layer applies (the first layer's: the forward makes its cos/sin once)."""
+        return self.layers[0].attention.rotary_emb
+
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, modality: torch.Tensor | RouterRows | None
     ) -> torch.Tensor:
@@ -123,8 +128,8 @@ class BailingMoeV2Model(nn.Module):
         routers = modality if isinstance(modality, RouterRows) else None
         if isinstance(modality, torch.Tensor) and self.num_routers > 1:
             routers = RouterRows.of(modality, self.num_routers)
-        # One rope table for the step, shared by every layer (all layers rotate alike).
-        rope = self.layers[0].attention.rotary_emb.cos_sin(positions, hidden.dtype)
+        # One cos/sin for the step, shared by every layer (all layers rotate alike).
+        rope = self.rotary.cos_sin(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, routers)
@@ -175,6 +180,11 @@ class BailingMoeV2ForCausalLM(nn.Module):
         if positions.dim() == 1:
             positions = positions[None].expand(3, -1)
         return self.model(hidden, positions, modality)
+
+    def bound_positions(self, max_len: int | None) -> None:
+        """Every position passed from now on is one of a sequence of at most `max_len` tokens (the
+        engine's max_model_len): the rope gathers its cos/sin from a table (rotary.py)."""
+        self.model.rotary.bound_positions(max_len)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """[R, H] → fp32 logits [R, vocab_size], gathered across TP ranks."""

@@ -3,7 +3,9 @@
 Text advances all three axes together. A vision block (`<image>` then its patch tokens) with merged
 grid (T, H', W') starting at p puts temporal index p + scale·i on frame i and centres the spatial
 axes on it: h = t + r − ⌊(H'−1)/2⌋, w = t + c − ⌊(W'−1)/2⌋. The next text starts at the largest
-temporal index + 1, and decode positions are `cache_position + rope_delta` on all axes.
+temporal index + 1, and decode positions are `cache_position + rope_delta` on all axes. Every
+position of a sequence of at most L tokens lies in `position_span(L)` (the rope's table,
+models/layers/rotary.py): `get_rope_index` checks its own result against it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,20 @@ from collections.abc import Sequence
 import torch
 
 Grid = Sequence[int]  # (t, h, w) in patch units, before the spatial merge
+
+
+def position_span(max_len: int) -> tuple[int, int]:
+    """[lo, hi): every video_rope position of a sequence of at most `max_len` tokens, its prompt's
+    (`get_rope_index`) and its decode tokens' (index + rope_delta, index < max_len).
+
+    Why, for a prompt of n <= max_len tokens (scale 2): a vision block starts at p >= 1 (its
+    `<image>` is text before it) and centres its spatial axes at most ⌊(H'−1)/2⌋ <= ⌊(n−2)/2⌋ below
+    its temporal index, so no position is below −(n // 2). Text moves the next position by 1 a
+    token, a block of T·H'·W' tokens by 2T − 1 < 2·T·H'·W', and in a block frame f, row r, column c
+    sit at most 2f + r (+ c) past p: no position passes twice its token's index, so all are below 2n
+    and rope_delta = largest temporal + 1 − n <= n − 1. A decode token's index + rope_delta is then
+    at least 1 and below max_len + n − 1 < 2·max_len."""
+    return -(max_len // 2), 2 * max_len
 
 
 def _vision_block(start: int, grid: tuple[int, int, int], scale: float) -> torch.Tensor:
@@ -90,4 +106,17 @@ def get_rope_index(
             )
     positions = torch.cat(parts, dim=1).to(torch.long)
     delta = int(positions[0].max()) + 1 - n if n else 0
+    _check_span(positions, delta, n)
     return positions, delta
+
+
+def _check_span(positions: torch.Tensor, delta: int, n: int) -> None:
+    """The prompt's positions within `position_span(n)` and rope_delta <= n − 1 (its decode tokens'
+    below 2·max_len): what the rope's table holds. Never refused by the argument there; a guard
+    against a change of the layout above that would break it."""
+    lo, hi = position_span(n)
+    if n and (int(positions.min()) < lo or int(positions.max()) >= hi or delta > n - 1):
+        raise ValueError(
+            f"positions {int(positions.min())}..{int(positions.max())} (rope_delta {delta}) of a "
+            f"{n}-token prompt leave the rope's span [{lo}, {hi})"
+        )

@@ -93,3 +93,15 @@ def test_real_tokenizer_streams_chinese_and_emoji_whole(tiny_ckpt):
     deltas = [detok.add(t) for t in ids] + [detok.finish()]
     assert "".join(deltas) == tok.decode(ids) == text
     assert all("\ufffd" not in d for d in deltas)
+
+
+def test_the_engines_rope_table_gives_the_computed_ropes_tokens(tiny_ckpt, reference):
+    """The engine's steps gather their rope from the table its runner bounded by max_model_len (the
+    reference's too); the same engine computing the rope gives the same greedy tokens."""
+    e = engine(tiny_ckpt, max_num_batched_tokens=512)
+    rotary = e.runner.model.model.rotary
+    assert rotary.span == (-128, 512)  # video_rope's span of max_model_len 256
+    (table,) = rotary._tables.values()  # made by the warm-up's first step, and kept
+    assert table.rows.shape == (640, 2, 64) and table.lo == -128
+    e.runner.model.bound_positions(None)
+    assert [e.generate([p], GREEDY)[0].token_ids for p in prompts(32)[:4]] == reference

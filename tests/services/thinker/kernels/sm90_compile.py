@@ -22,6 +22,7 @@ from omnistage.services.thinker.kernels import (
     paged_prefill,
     peer_allreduce,
     resident_gemv,
+    rope_table,
     router,
 )
 from triton.backends.compiler import GPUTarget
@@ -379,6 +380,13 @@ CASES = {
         {"x_ptr": "*fp32", "out_ptr": "*i64", "slots_ptr": "*i64", "tickets_ptr": "*i32"}
         | {"n": I32, "stride_x": I32},
         {"BLOCK": argmax.BLOCK},
+    ),
+    # The step's rope cos/sin from the table: bf16 rows, int64 positions and axes (rotary dim 64).
+    "rope_gather": (
+        rope_table._rope_gather_kernel,
+        {"rows_ptr": B, "pos_ptr": "*i64", "axes_ptr": "*i64", "out_ptr": B}
+        | {n: I32 for n in ("num_tokens", "stride_axis", "stride_t", "lo", "num_rows")},
+        {"ROT": 64, "BLOCK_T": rope_table.BLOCK_T, "BLOCK_R": 64},
     ),
     "peer_allreduce": (
         peer_allreduce._one_shot_kernel,

@@ -8,7 +8,14 @@ compiled again at c=64 (an odd-sized prefill step's pairs) after a warm-up of po
 from __future__ import annotations
 
 import pytest
-from omnistage.services.thinker.kernels import fused_moe, moe_align, paged_attention, paged_prefill, router
+from omnistage.services.thinker.kernels import (
+    fused_moe,
+    moe_align,
+    paged_attention,
+    paged_prefill,
+    rope_table,
+    router,
+)
 
 # kernel → the arguments a step's size sets (everything else is fixed by the model's shapes).
 PER_STEP = {
@@ -19,6 +26,7 @@ PER_STEP = {
     router._route_kernel: {"num_tokens"},
     paged_prefill._prefill_kernel: {"stride_tb"},
     paged_attention._decode_kernel: {"stride_tb"},
+    rope_table._rope_gather_kernel: {"num_tokens", "stride_axis"},  # [3, T] staged rows: stride T
 }
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 from omnistage.services.thinker.models.layers.rotary import RotaryEmbedding
 
 
@@ -55,3 +57,82 @@ def test_cos_sin_cast_to_activation_dtype():
     rope = RotaryEmbedding(128, 64, 2.4e6)
     cos, sin = rope.cos_sin(torch.arange(4).expand(3, -1), torch.bfloat16)
     assert cos.dtype == sin.dtype == torch.bfloat16 and cos.shape == (4, 64)
+
+
+def _bound(rope_type: str, max_len: int) -> RotaryEmbedding:
+    rope = RotaryEmbedding(128, 64, 2.4e6, rope_type)
+    rope.bound_positions(max_len)
+    return rope
+
+
+def _positions(lo: int, hi: int, tokens: int, seed: int) -> torch.Tensor:
+    """[3, T] positions over [lo, hi): both ends, the few before hi, the rest drawn."""
+    edges = torch.tensor([lo, hi - 1, hi - 2, hi - 3, lo + 1, 0])
+    drawn = torch.randint(lo, hi, (3, tokens), generator=torch.Generator().manual_seed(seed))
+    drawn[:, : len(edges)] = torch.stack([edges, edges.flip(0), edges.roll(1)])
+    return drawn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope_type", ["default", "video_rope"])
+def test_the_table_gives_the_computed_bits(rope_type, dtype):
+    """Gathered cos/sin are the angles' computation's bits (the rope before the table), for every
+    position of the span, its last ones included, whatever the step's token count."""
+    rope, before = _bound(rope_type, 1000), RotaryEmbedding(128, 64, 2.4e6, rope_type)
+    lo, hi = rope.span
+    assert (lo, hi) == ((-500, 2000) if rope_type == "video_rope" else (0, 1000))
+    for tokens, seed in [(6, 0), (7, 1), (300, 2)]:
+        pos = _positions(lo, hi, tokens, seed)
+        for got, want in zip(rope.cos_sin(pos, dtype), before.cos_sin(pos, dtype), strict=True):
+            assert got.dtype == dtype and got.shape == (tokens, 64)
+            assert torch.equal(got, want)
+    every = torch.arange(lo, hi).expand(3, -1)
+    for got, want in zip(rope.cos_sin(every, dtype), before.cos_sin(every, dtype), strict=True):
+        assert torch.equal(got, want)
+    one_d = torch.tensor([hi - 1, 0, hi - 2])  # [T] positions: 1D rope's (every axis the same)
+    if rope_type == "default":
+        for got, want in zip(rope.cos_sin(one_d, dtype), before.cos_sin(one_d, dtype), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_the_table_is_made_once_a_dtype_and_its_bytes_are_the_span():
+    rope = _bound("video_rope", 100)
+    rope.cos_sin(torch.zeros(3, 2, dtype=torch.long), torch.bfloat16)
+    table = rope.table(torch.device("cpu"), torch.bfloat16)
+    assert table.lo == -50 and table.rows.shape == (250, 2, 64) and table.rows.dtype == torch.bfloat16
+    assert table.rows.numel() * table.rows.element_size() == 250 * 64 * 2 * 2
+    rope.cos_sin(torch.ones(3, 5, dtype=torch.long), torch.bfloat16)
+    rope.bound_positions(100)  # a second runner over the same model: the tables a graph reads stay
+    assert rope.table(torch.device("cpu"), torch.bfloat16) is table
+    rope.bound_positions(101)
+    assert rope.table(torch.device("cpu"), torch.bfloat16).rows.shape == (252, 2, 64)
+    assert rope.table(torch.device("cpu"), torch.float32).rows.dtype == torch.float32
+
+
+def test_a_position_past_the_table_takes_its_edge_row_and_unbounded_computes_again():
+    rope = _bound("default", 10)
+    cos, sin = rope.cos_sin(torch.tensor([-3, 12, 9]), torch.float32)
+    edge_cos, edge_sin = rope.computed(torch.tensor([[0, 9, 9]]), torch.float32)
+    assert torch.equal(cos, edge_cos) and torch.equal(sin, edge_sin)
+    rope.bound_positions(None)
+    assert rope.span is None
+    cos, _ = rope.cos_sin(torch.tensor([12]), torch.float32)
+    assert torch.equal(cos, rope.computed(torch.tensor([[12]]), torch.float32)[0])
+    assert not torch.equal(cos, edge_cos[1:2])
+
+
+def test_the_tiny_models_forward_is_bit_identical_with_the_table(tiny_model):
+    """3D positions as an image prompt has them (spatial axes below zero, temporal ahead): the
+    forward's hidden states with the table are the computed rope's, bit for bit."""
+    t = torch.arange(12)
+    positions = torch.stack([t * 2, t - 5, (t * 7) % 11 - 3])
+    ids = torch.arange(12) * 37 % 1000
+    with torch.inference_mode(), attention_metadata(AttentionMetadata.no_cache([12])):
+        computed = tiny_model(ids, positions)
+        tiny_model.bound_positions(12)
+        try:
+            gathered = tiny_model(ids, positions)
+            assert tiny_model.model.rotary.span == (-6, 24)
+        finally:
+            tiny_model.bound_positions(None)
+    assert torch.equal(gathered, computed)
