@@ -53,6 +53,8 @@ bench() {  # bench NAME DIR: the decode bench of the checkout in DIR; its lines 
   done
   if ((${AGAIN:-1})); then step "bench: new again" bench new2 "$here"; fi
   if ((${TESTS:-0})); then
+    # Each bench run links `omnistage` to its own tree (device_env.sh): the tests import this checkout's.
+    source bench/device_env.sh >/dev/null
     step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target /tmp/site .cache/pytest-whl/*.whl
     step "GPU tests" timeout "${TEST_S:-190}" python3 -m pytest -q -rs -p no:cacheprovider \
