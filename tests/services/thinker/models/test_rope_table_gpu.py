@@ -57,7 +57,8 @@ def test_a_graph_replays_the_gather_with_the_staged_positions():
     with torch.cuda.graph(graph):
         cos, sin = table.cos_sin(staged, torch.bfloat16)
     for step in range(3):
-        staged.copy_(torch.tensor([[9, 10, 11, 12], [-40, 0, 3, 8191], [5, 6, -2048, 100]]) + step)
+        # The span's last rows (8189 + 2 = 8191, its end 2 · 4096 exclusive) and first (-2048) at every step.
+        staged.copy_(torch.tensor([[9, 10, 11, 12], [-40, 0, 3, 8189], [5, 6, -2048, 100]]) + step)
         graph.replay()
         want_cos, want_sin = computed.cos_sin(staged, torch.bfloat16)
         assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
