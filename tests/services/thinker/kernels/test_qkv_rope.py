@@ -25,7 +25,13 @@ from omnistage.services.thinker.kernels.resident_gemv import (
 )
 from omnistage.services.thinker.kernels.tickets import tickets_for
 from omnistage.services.thinker.models.layers.attention import QKNormRope
-from omnistage.services.thinker.models.layers.backends import QKV_ROPE_ENV, RESIDENT_ENV, qkv_rope_enabled
+from omnistage.services.thinker.models.layers.backends import (
+    QKV_ROPE_ENV,
+    RESIDENT_ENV,
+    Backends,
+    install_backends,
+    qkv_rope_enabled,
+)
 from omnistage.services.thinker.models.layers.linear import QKVParallelLinear
 from omnistage.services.thinker.models.layers.norm import RMSNorm
 from omnistage.services.thinker.models.layers.parallel import TPGroup
@@ -175,6 +181,60 @@ def test_under_tp_each_rank_norms_and_ropes_its_own_heads(kv_heads):
         assert torch.allclose(got_q, want_q[:, rank * local_q : (rank + 1) * local_q], atol=1e-5)
         assert torch.allclose(got_k, want_k[:, kv0 : kv0 + local_kv], atol=1e-5)
         assert part.normed_roped(x, norm, residual, qk_rope, False)[2] is False  # not apart: raw
+
+
+@pytest.fixture
+def tiny_model(tiny_ckpt_2_layers):
+    from omnistage.services.thinker.models.loader import load_model
+
+    return load_model(str(tiny_ckpt_2_layers), dtype=torch.float32, device="cpu")
+
+
+def _decode_step(layer, backends: Backends, contexts=(20, 3)) -> tuple[torch.Tensor, ...]:
+    """One decode step of the attention layer `layer` (fresh caches, the same each call) installed on
+    `backends`: (its output, the K and V caches after it)."""
+    from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
+
+    install_backends(layer, backends, fuse=True)
+    torch.manual_seed(4)
+    attn, page = layer.attn, 16
+    attn.k_cache, attn.v_cache = (torch.randn(6, page, attn.num_kv_heads, attn.head_dim) for _ in range(2))
+    tables = torch.tensor([[4, 1], [2, -1]])
+    slots = torch.tensor(
+        [int(tables[b, (c - 1) // page]) * page + (c - 1) % page for b, c in enumerate(contexts)]
+    )
+    md = AttentionMetadata([1, 1], list(contexts), slots, tables, context_lens_tensor=torch.tensor(contexts))
+    x, residual = torch.randn(2, 2, layer.query_key_value.weight.shape[1]).unbind(0)
+    norm = RMSNorm(x.shape[1], 1e-6)
+    rope = RotaryEmbedding(attn.head_dim, 64, 10000.0, "default").cos_sin(torch.tensor(contexts) - 1, x.dtype)
+    with attention_metadata(md), torch.no_grad():
+        out, _ = layer(x, residual, norm, rope)
+    return out, attn.k_cache, attn.v_cache
+
+
+def test_a_decode_step_that_takes_the_epilogue_writes_the_roped_k_as_the_separate_launch_does(
+    tiny_model, monkeypatch, launches
+):
+    """Two sequences whose decode launch does not fold QK-norm + rope (QK_FOLD_MAX_SPLITS 0): with
+    the epilogue the decode launch (ROT 0) writes the K the qkv launch normed and roped -- the
+    output and both caches those of the separate `qk_norm_rope` launch bit for bit, the
+    reference's within fp32 rounding -- and no `qk_norm_rope` is launched."""
+    layer = tiny_model.model.layers[0].attention
+    want, want_k, want_v = _decode_step(layer, Backends("torch", "torch"))
+    monkeypatch.setattr(paged_attention, "QK_FOLD_MAX_SPLITS", 0)
+    launches.watch(norms, "_qk_norm_rope_kernel")
+    launches.watch(paged_attention, "_decode_kernel")
+    got = {}
+    for epilogue in ("off", "on"):
+        monkeypatch.setenv(QKV_ROPE_ENV, epilogue)
+        got[epilogue] = _decode_step(layer, Backends("triton", "triton"))
+    assert all(torch.equal(a, b) for a, b in zip(got["on"], got["off"], strict=True))
+    out, k_cache, v_cache = got["on"]
+    assert torch.allclose(out, want, atol=1e-4)  # (the reference projects by F.linear: other sums)
+    # the new K rows normed and roped (raw ones would be far off the reference's)
+    assert torch.allclose(k_cache, want_k, atol=1e-5) and torch.allclose(v_cache, want_v, atol=1e-5)
+    assert launches.names() == ["_qk_norm_rope_kernel", "_decode_kernel", "_decode_kernel"]  # off, on
+    assert [rot for _, rot in launches.of("_decode_kernel")] == [0, 0]
 
 
 ENGINE_CFG = dict(block_size=16, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64)
