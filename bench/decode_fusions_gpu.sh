@@ -17,16 +17,24 @@
 # WALL_S 100, no GPU tests (TESTS=1 runs them, GEMV on):
 #   run("AB=gemv bash bench/decode_fusions_gpu.sh", kind="nvidia-h200",
 #       carry=[".cache/transport-whl", ".cache/pytest-whl"])
+# AB=qkv-rope: the same A/B of the qkv projection's QK-norm + rope epilogue (OMNISTAGE_THINKER_QKV_ROPE
+# on / off: one or two sequences, whose decode attention does not fold it), after
+# bench/resident_gemv_gpu.py (the chains with and without it; $OUT/resident_gemv.json), at
+# concurrencies 1,2, then its GPU tests (tests/services/thinker/engine/test_qkv_rope_gpu.py):
+#   run("AB=qkv-rope bash bench/decode_fusions_gpu.sh", kind="nvidia-h200",
+#       carry=[".cache/transport-whl", ".cache/pytest-whl"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/decode-fusions-out}
 mkdir -p "$OUT"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 AB=${AB:-fusions}
+tests_file=tests/services/thinker/engine/test_decode_fusions_gpu.py
 case $AB in
   fusions) conc=1,8,32 wall=170 tests=1 ;;
   gemv) conc=1,8 wall=100 tests=0 ;;
-  *) echo "AB=$AB: expected fusions or gemv" >&2; exit 2 ;;
+  qkv-rope) conc=1,2 wall=120 tests=1 tests_file=tests/services/thinker/engine/test_qkv_rope_gpu.py ;;
+  *) echo "AB=$AB: expected fusions, gemv or qkv-rope" >&2; exit 2 ;;
 esac
 common=(--profile-c "${PROFILE_C:-$conc}" --sweep "${SWEEP:-$conc}" --sweep-tokens 128
   --real-requests 2 --max-model-len 4096)
@@ -49,13 +57,17 @@ bench() {  # bench on|off: Ling-mini decode with $AB on or off; its lines also i
     step "GEMV vs cuBLAS per shape" timeout 150 python3 bench/gemv_gpu.py --out "$OUT/gemv.json" \
       --sweep-s "${GEMV_SWEEP_S:-45}"
   fi
+  if [[ $AB == qkv-rope ]]; then
+    step "resident chains with and without the epilogue" timeout 120 python3 bench/resident_gemv_gpu.py \
+      --out "$OUT/resident_gemv.json"
+  fi
   step "bench: $AB on" bench on
   step "bench: $AB off" bench off
   if ((${TESTS:-$tests})); then
     step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target /tmp/site .cache/pytest-whl/*.whl
     step "GPU tests" timeout "${TEST_S:-190}" python3 -m pytest -q -rs -p no:cacheprovider \
-      tests/services/thinker/engine/test_decode_fusions_gpu.py
+      "$tests_file"
   fi
   echo "=== per step (graphs): device ops, wall ms, kernel ms ==="
   for x in on off; do

@@ -9,10 +9,14 @@ projection included (that is what the weights-first read overlaps). Chains, at L
 Ming-flash TP=2's shapes, one token:
 - norm→qkv: add + RMSNorm, then the qkv projection (cuBLAS | tiled GEMV | resident | resident with
   the add + norm folded in: one launch);
+- qkv→qk-rope: the resident qkv with the add + norm folded in, then QK-norm + rope of its q and k
+  heads in a launch of its own (`norms.qk_norm_rope`, what a one-sequence decode step ran) | in the
+  projection's launch (`resident_gemv.normed_qkv_rope`'s epilogue: one launch); and the
+  `qk_norm_rope` launch alone;
 - attn→o: the paged decode attention over a 256-token context, then the o projection;
 - alone: the projection alone, back to back (its bandwidth with nothing to overlap).
 Then a (rows, warps) sweep of the resident kernel per shape. Exit status 1 when a result differs from
-F.linear by more than bf16 rounding.
+F.linear by more than bf16 rounding, or the epilogue's from the separate launches' by a bit.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from omnistage.common.bench_results import write_result
 from omnistage.common.checkpoint.config_only import LING_MINI, MING_FLASH
 from omnistage.services.thinker.kernels import gemv as tiled
 from omnistage.services.thinker.kernels import pdl
-from omnistage.services.thinker.kernels.norms import rms_norm
+from omnistage.services.thinker.kernels.norms import qk_norm_rope, rms_norm
 from omnistage.services.thinker.kernels.paged_attention import paged_decode
 from omnistage.services.thinker.kernels.resident_gemv import ResidentConfig, fits, resident_gemv
+from omnistage.services.thinker.models.layers.rotary import RotaryEmbedding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the graph timer
 from graph_timing import graph_time_us  # noqa: E402
@@ -119,6 +124,10 @@ def measure_projection(
             lambda i: resident_gemv(x, ws[i], norm=(norm_w, 1e-6), residual=res), reps
         )
         chains["norm alone"] = time_chain(lambda i: rms_norm(x, norm_w, 1e-6, res), reps)
+        same = qk_rope_chains(chains, x, res, norm_w, ws, (heads, kv, d), reps)
+        if not same:
+            print(f"[{label}] qkv: the epilogue differs from the separate qk_norm_rope", flush=True)
+            result["ok"] = False
     else:
         page, ctx = 16, 256
         blocks = ctx // page
@@ -152,6 +161,35 @@ def measure_projection(
             f"[{label}] {proj} resident rows {rows} warps {warps}: {us:.2f} us ({gbps:.0f} GB/s)", flush=True
         )
     result["sweep"][proj] = sweep
+
+
+def qk_rope_chains(chains: dict, x, res, norm_w, ws, heads: tuple[int, int, int], reps: int) -> bool:
+    """The qkv→qk-rope chains into `chains` (µs a repetition); whether the epilogue's rows equal the
+    separate launches' bit for bit (a decode step's cos/sin rows, the model's QK-norm weights' shape)."""
+    q_heads, kv_heads, d = heads
+    tokens, dt, dev = x.shape[0], x.dtype, x.device
+    q_w, k_w = (torch.rand(2, d, device=dev) + 0.5).to(dt).unbind(0)
+    cos, sin = RotaryEmbedding(d, d // 2, 600000.0, "default").cos_sin(
+        torch.arange(tokens, device=dev) + 300, dt
+    )
+    rope = (heads, (q_w, k_w, 1e-6, cos, sin))
+
+    def separate(i: int) -> torch.Tensor:
+        qkv, _ = resident_gemv(x, ws[i], norm=(norm_w, 1e-6), residual=res)
+        q, k, _ = qkv.split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        qk_norm_rope(q.view(tokens, q_heads, d), k.view(tokens, kv_heads, d), q_w, k_w, 1e-6, cos, sin)
+        return qkv
+
+    def fused(i: int) -> torch.Tensor:
+        return resident_gemv(x, ws[i], norm=(norm_w, 1e-6), residual=res, rope=rope)[0]
+
+    qkv, _ = resident_gemv(x, ws[0], norm=(norm_w, 1e-6), residual=res)
+    q, k, _ = qkv.split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.reshape(tokens, q_heads, d), k.reshape(tokens, kv_heads, d)
+    chains["resident normed -> qk_norm_rope"] = time_chain(separate, reps)
+    chains["resident normed with the qk-rope epilogue"] = time_chain(fused, reps)
+    chains["qk_norm_rope alone"] = time_chain(lambda i: qk_norm_rope(q, k, q_w, k_w, 1e-6, cos, sin), reps)
+    return torch.equal(separate(0), fused(0))
 
 
 def main() -> int:

@@ -4,9 +4,10 @@ A decode step is hundreds of small element-wise launches in the reference (each 
 these fold them. Rounding follows the reference (`layers/norm.py`, `layers/rotary.py`): the
 residual sum and the normalised row are rounded to the activation dtype before the weight multiply.
 The rope rounds after each product and the sum, as the reference's bf16 ops do. The QK-norm + rope
-rule is one @triton.jit helper (`norm_rope_heads`): this module's launch and the decode attention
-launch (`paged_attention.paged_decode(..., qk_rope=...)`, a decode step with the fusions on) both
-call it, so the two paths cannot drift apart. The RMSNorm arithmetic itself is one set of
+rule is one @triton.jit helper (`norm_rope_heads`): this module's launch, the decode attention
+launch (`paged_attention.paged_decode(..., qk_rope=...)`, a decode step with the fusions on) and
+the qkv projection's epilogue (`resident_gemv.resident_gemv(..., rope=...)`, one or two tokens whose
+attention does not fold it) all call it, so the paths cannot drift apart. The RMSNorm arithmetic itself is one set of
 @triton.jit helpers (`add_residual`, `sum_of_squares`, `rms_rstd`, `rms_scale`): `_rms_norm_kernel`,
 `norm_rope_heads`, the weights-first projection (`resident_gemv.py`) and the router with the
 post-attention norm folded in (`router.py`) all call them, so a folded norm is the separate launch's
@@ -122,12 +123,17 @@ def rms_norm(
 
 
 @triton.jit
-def norm_rope_heads(rows, ok, w_ptr, cos_row, sin_row, eps, ROT: tl.constexpr, NORM: tl.constexpr):
-    """The QK-norm + rope rule, its one owner (the separate launch below and the decode attention
-    launch, `paged_attention._decode_kernel`, which folds it in): heads at the pointers `rows`
+def norm_rope_heads(
+    rows, ok, w_ptr, cos_row, sin_row, eps, ROT: tl.constexpr, NORM: tl.constexpr, CACHE: tl.constexpr = ""
+):
+    """The QK-norm + rope rule, its one owner (the separate launch below, the decode attention
+    launch, `paged_attention._decode_kernel`, and the qkv projection's epilogue,
+    `resident_gemv._qk_rope_epilogue`, which fold it in): heads at the pointers `rows`
     [..., D] (the last axis a head's D contiguous elements; `ok`, broadcast to them, the heads to
     load, zeros elsewhere) RMSNormed with the weight at `w_ptr` when NORM, then NeoX rope on their
     first ROT dims with the token's cos/sin at `cos_row`/`sin_row` → the heads in their dtype.
+    CACHE: the heads' loads' cache modifier (".cg": past L1, rows other programs of the launch
+    stored; the loaded values, so the result, are the same).
 
     The reference's bf16 roundings (`rms_scale`): rstd in fp32, the normed head rounded, times the
     weight, rounded; each rope product rounded, then their sum. The sum of squares is accumulated in
@@ -140,8 +146,8 @@ def norm_rope_heads(rows, ok, w_ptr, cos_row, sin_row, eps, ROT: tl.constexpr, N
     partner = tl.where(d < half, d + half, d - half)
     rotated = d < ROT
     dt = rows.dtype.element_ty
-    x = tl.load(rows, mask=ok, other=0.0).to(tl.float32)
-    xp = tl.load(rows + (partner - d), mask=ok & rotated, other=0.0).to(tl.float32)
+    x = tl.load(rows, mask=ok, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    xp = tl.load(rows + (partner - d), mask=ok & rotated, other=0.0, cache_modifier=CACHE).to(tl.float32)
     if NORM:
         rstd = rms_rstd(sum_of_squares(x, -1, keep_dims=True), HEAD_DIM, eps)
         w = tl.load(w_ptr + d)

@@ -51,15 +51,19 @@ class BailingMoeV2Attention(nn.Module):
         step's rope cos/sin [T, rotary_dim] → ([T, H] this rank's partial sum, x + residual). The
         add + norm runs with the qkv projection (one launch where the kernel serves the step).
         q and k go to the attention raw, with their QK-norm weights and the rope (`QKNormRope`): the
-        attention's backend applies them (the reference q_norm, k_norm, rope, or a kernel)."""
+        attention's backend applies them (the reference q_norm, k_norm, rope, or a kernel) -- or,
+        where the backend would run them in a launch of their own, the qkv projection's launch
+        does, and q and k go normed and roped (`QKVParallelLinear.normed_roped`)."""
         t, d = x.shape[0], self.head_dim
-        qkv, residual = self.query_key_value.normed(x, norm, residual)
+        q_w = self.q_norm.weight if self.q_norm is not None else None
+        k_w = self.k_norm.weight if self.k_norm is not None else None
+        qk_rope = QKNormRope(q_w, k_w, self.eps, *rope)
+        apart = self.attn.qk_rope_apart(t)
+        qkv, residual, roped = self.query_key_value.normed_roped(x, norm, residual, qk_rope, apart)
         q_width, kv_width = self.num_heads * d, self.num_kv_heads * d
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
-        q_w = self.q_norm.weight if self.q_norm is not None else None
-        k_w = self.k_norm.weight if self.k_norm is not None else None
-        out = self.attn(q, k, v, QKNormRope(q_w, k_w, self.eps, *rope))
+        out = self.attn(q, k, v, None if roped else qk_rope)
         return self.dense(out.reshape(t, -1)), residual
 
 

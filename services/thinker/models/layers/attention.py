@@ -84,8 +84,10 @@ class QKNormRope(NamedTuple):
     rope (cos / sin [T, rotary_dim] of the step's tokens) that a layer's q and k take before
     attention. The model hands them to `PagedAttention.forward` with the raw q and k, and the
     backend applies them: the reference as `reference` does, a fast backend in a launch of its own
-    or folded into its decode attention launch (`backends.TritonAttention`) — the model does not
-    know which. A tuple in the order `kernels.norms.qk_norm_rope` and `paged_decode` take it."""
+    or folded into its decode attention launch (`backends.TritonAttention`). Where the backend
+    would launch them apart (`PagedAttention.qk_rope_apart`) the qkv projection's launch may apply
+    them instead, and the model then hands q and k over normed and roped, without them. A tuple in
+    the order `kernels.norms.qk_norm_rope` and `paged_decode` take it."""
 
     q_weight: torch.Tensor | None
     k_weight: torch.Tensor | None
@@ -117,6 +119,11 @@ class AttentionBackend(Protocol):
         qk_rope: QKNormRope | None = None,
     ) -> torch.Tensor: ...
 
+    def qk_rope_apart(self, layer: PagedAttention, num_tokens: int, md: AttentionMetadata) -> bool:
+        """Whether, given `qk_rope`, this step's forward would apply it in a launch of its own
+        (`norms.qk_norm_rope`) -- a launch before the attention may then take it on instead."""
+        ...
+
 
 class PagedAttention(nn.Module):
     """Attention of one layer over its slice of heads; holds that layer's KV cache views.
@@ -146,6 +153,11 @@ class PagedAttention(nn.Module):
         and roped here first (by the backend, which may fold it into its attention launch; q and k
         themselves may be left raw or changed in place: the caller reads neither afterwards)."""
         return self.backend.forward(self, q, k, v, current_metadata(q.shape[0]), qk_rope)
+
+    def qk_rope_apart(self, num_tokens: int) -> bool:
+        """Whether this step's backend would QK-norm and rope q and k in a launch of its own (the qkv
+        projection may then do it in its launch, and hand q and k over without `qk_rope`)."""
+        return self.backend.qk_rope_apart(self, num_tokens, current_metadata(num_tokens))
 
 
 class TorchAttention:
@@ -179,6 +191,10 @@ class TorchAttention:
             out[start : start + qlen] = attend_reference(layer, qi, ki, vi, ctx - qlen)
             start += qlen
         return out
+
+    def qk_rope_apart(self, layer: PagedAttention, num_tokens: int, md: AttentionMetadata) -> bool:
+        """Never: the reference applies it by its modules' ops (the CPU oracle stays whole)."""
+        return False
 
 
 def write_kv_reference(layer: PagedAttention, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

@@ -135,6 +135,13 @@ GEMV_ENV = "OMNISTAGE_THINKER_GEMV"
 RESIDENT_ENV = "OMNISTAGE_THINKER_RESIDENT"
 
 
+# Set to `off`: a decode step's qkv projection of one or two tokens without the QK-norm + rope of its
+# q and k heads in its launch (`kernels/resident_gemv.py` `normed_qkv_rope`, where the attention would
+# run it in a launch of its own: one sequence's decode on a GPU, a prefill of one or two tokens), for a
+# same-build comparison (bench/ling_mini_gpu.py --qkv-rope, bench/resident_gemv_gpu.py).
+QKV_ROPE_ENV = "OMNISTAGE_THINKER_QKV_ROPE"
+
+
 def fusions_enabled() -> bool:
     """The environment's choice (default on); anything but on / off is refused, naming both."""
     return _switch(FUSIONS_ENV)
@@ -148,6 +155,11 @@ def gemv_enabled() -> bool:
 def resident_enabled() -> bool:
     """RESIDENT_ENV's choice (default on), refused as FUSIONS_ENV's is."""
     return _switch(RESIDENT_ENV)
+
+
+def qkv_rope_enabled() -> bool:
+    """QKV_ROPE_ENV's choice (default on), refused as FUSIONS_ENV's is."""
+    return _switch(QKV_ROPE_ENV)
 
 
 def _switch(name: str, default: str = "on") -> bool:
@@ -172,22 +184,18 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     QK-norm + rope in launches of their own.
     Under the fast attention backends a projection of one or two tokens whose weight fits takes the
     weights-first kernel, the qkv projection with the add + norm before it (`kernels/resident_gemv.py`;
-    unless `fuse` or RESIDENT_ENV is off), and the projections and the LM head the Triton GEMV for a
-    decode step's few tokens (`kernels/gemv.py` `chooses_kernel`) when GEMV_ENV is on."""
+    unless `fuse` or RESIDENT_ENV is off) and, where the attention would QK-norm and rope q and k in
+    a launch of their own, with that too (`resident_gemv.normed_qkv_rope`; unless QKV_ROPE_ENV is
+    off), and the projections and the LM head the Triton GEMV for a decode step's few tokens
+    (`kernels/gemv.py` `chooses_kernel`) when GEMV_ENV is on."""
     fuse = fusions_enabled() if fuse is None else fuse
-    attention, norm, act, gemv, norm_gemv = TORCH_ATTENTION, None, None, None, None
+    attention, norm, act, gemv, norm_gemv, rope_gemv = TORCH_ATTENTION, None, None, None, None, None
     if backends.attention in ("triton", "flashinfer"):
         from omnistage.services.thinker.kernels import norms
 
         attention = (TritonAttention if backends.attention == "triton" else FlashInferAttention)(fuse)
         norm, act = norms.rms_norm, norms.silu_and_mul
-        if gemv_enabled():
-            from omnistage.services.thinker.kernels.gemv import linear as gemv
-        if fuse and resident_enabled():
-            from omnistage.services.thinker.kernels import resident_gemv
-
-            gemv = functools.partial(resident_gemv.linear, fallback=gemv)
-            norm_gemv = resident_gemv.normed_linear
+        gemv, norm_gemv, rope_gemv = _projection_kernels(fuse)
     experts, route, normed_route = None, None, None
     if backends.moe == "triton":
         from omnistage.services.thinker.kernels import router
@@ -209,6 +217,8 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
             module.gemv = gemv
             if hasattr(module, "norm_gemv"):
                 module.norm_gemv = norm_gemv
+            if hasattr(module, "rope_gemv"):
+                module.rope_gemv = rope_gemv
         elif isinstance(module, FusedExperts):
             module.kernel = experts if experts is None or align_supported(module.w13.shape[0]) else None
         elif isinstance(module, Router):
@@ -216,6 +226,22 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
             runs = route is not None and router.route_shapes_supported(e, groups, k)
             module.kernel = route if runs else None
             module.norm_kernel = normed_route if runs else None
+
+
+def _projection_kernels(fuse: bool) -> tuple:
+    """Under the fast attention backends, the projections' (gemv, norm_gemv, rope_gemv): the
+    weights-first kernel's (`kernels/resident_gemv.py`, with the tiled GEMV as its fallback when
+    GEMV_ENV is on) unless `fuse` or RESIDENT_ENV is off, its QK-norm + rope epilogue unless
+    QKV_ROPE_ENV is off too; else the tiled GEMV alone (GEMV_ENV on) or nothing."""
+    gemv = None
+    if gemv_enabled():
+        from omnistage.services.thinker.kernels.gemv import linear as gemv
+    if not (fuse and resident_enabled()):
+        return gemv, None, None
+    from omnistage.services.thinker.kernels import resident_gemv
+
+    rope_gemv = resident_gemv.normed_qkv_rope if qkv_rope_enabled() else None
+    return functools.partial(resident_gemv.linear, fallback=gemv), resident_gemv.normed_linear, rope_gemv
 
 
 class TritonAttention:
@@ -228,7 +254,9 @@ class TritonAttention:
     on load (`qk_rope`): one launch a layer; elsewhere QK-norm + rope runs in its own launch first. Otherwise (a prefill or mixed step, no
     cache, `fuse` off: the same build's unfused comparison) QK-norm + rope is a launch of its own
     in place on the q and k rows (`norms.qk_norm_rope`, the same rule), then the K/V write, then
-    the attention."""
+    the attention. Where QK-norm + rope would be a launch of its own (`qk_rope_apart`) the qkv
+    projection of one or two tokens may have applied it in its launch already: q and k come
+    normed and roped, without `qk_rope`, and the K stored is that one."""
 
     def __init__(self, fuse: bool = True) -> None:
         from omnistage.services.thinker.kernels import norms, paged_attention, paged_prefill
@@ -249,8 +277,8 @@ class TritonAttention:
     ) -> torch.Tensor:
         cached = md.slot_mapping is not None and layer.has_cache
         fold = cached and md.is_decode and self.fuse
-        fold_qk = fold and self.kernels.folds_qk_rope(q.shape[0], layer.num_kv_heads, q.is_cuda)
-        if qk_rope is not None and not fold_qk:
+        apart = self.qk_rope_apart(layer, q.shape[0], md)
+        if qk_rope is not None and apart:
             self.norms.qk_norm_rope(q, k, *qk_rope)
         if not cached:
             return TORCH_ATTENTION.forward(layer, q, k, v, md)
@@ -269,9 +297,19 @@ class TritonAttention:
                 lens,
                 layer.scale,
                 new_kv,
-                qk_rope=qk_rope if fold_qk else None,
+                qk_rope=None if apart else qk_rope,
             )
         return self.prefill(layer, q, md)
+
+    def qk_rope_apart(self, layer: PagedAttention, num_tokens: int, md: AttentionMetadata) -> bool:
+        """Whether this step's QK-norm + rope is a launch of its own: all but a decode step with the
+        fusions on whose launch folds it (`paged_attention.folds_qk_rope`: few context splits a
+        sequence). `forward` follows it, and so does the qkv projection's epilogue
+        (`resident_gemv.rope_epilogue_applies`), which takes the launch on where it serves."""
+        fold = md.slot_mapping is not None and layer.has_cache and md.is_decode and self.fuse
+        return not (
+            fold and self.kernels.folds_qk_rope(num_tokens, layer.num_kv_heads, layer.k_cache.is_cuda)
+        )
 
     def prefill(self, layer: PagedAttention, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         graph_tiles = md.step_state.get("graph_tiles")  # a prefill graph's staged, padded table

@@ -22,6 +22,11 @@ LinearKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # eps, residual or None) → (the projection of norm(x + residual), x + residual), or None where the
 # kernel does not serve the shape (kernels/resident_gemv.py `normed_linear`; set by `install_backends`).
 NormedLinearKernel = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]
+# The same with the qkv projection's q and k heads QK-normed and roped in its launch: (x, weight, norm
+# weight, eps, residual or None, ((q heads, KV heads, head dim), QKNormRope), whether the attention
+# would apply it in a launch of its own) → as NormedLinearKernel, or None where it does not serve
+# (kernels/resident_gemv.py `normed_qkv_rope`; set by `install_backends`).
+NormedRopeKernel = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, kernel: LinearKernel | None) -> torch.Tensor:
@@ -82,7 +87,8 @@ class MergedColumnParallelLinear(_Linear):
 
 
 class QKVParallelLinear(_Linear):
-    """Packed QKV: this rank's Q heads, then its K heads, then its V heads."""
+    """Packed QKV: this rank's Q heads, then its K heads, then its V heads (column-parallel: a rank's
+    heads are whole and its own, so a kernel norms and ropes them on the rank alone)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup) -> None:
         self.tp, self.head_dim = tp, head_dim
@@ -94,6 +100,21 @@ class QKVParallelLinear(_Linear):
             divide(tp.size, num_kv_heads, "(replicated) KV heads: tp_size must be a multiple of them;")
             self.num_kv_heads = 1
         super().__init__(hidden, (self.num_heads + 2 * self.num_kv_heads) * head_dim)
+        self.rope_gemv: NormedRopeKernel | None = None
+
+    def normed_roped(
+        self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None, qk_rope: tuple, apart: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """`normed`'s (qkv, x + residual), and whether its q and k heads are QK-normed and roped
+        already (`qk_rope`, a QKNormRope): in the same launch where `rope_gemv` serves (its rule,
+        `resident_gemv.rope_epilogue_applies`: `apart`, the attention would apply it in a launch of
+        its own); else False, q and k raw."""
+        if self.rope_gemv is not None:
+            heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+            fused = self.rope_gemv(x, self.weight, norm.weight, norm.eps, residual, (heads, qk_rope), apart)
+            if fused is not None:
+                return *fused, True
+        return *self.normed(x, norm, residual), False
 
     def kv_head_start(self) -> int:
         """First global KV head of this rank (ranks share a KV head when there are fewer heads than ranks)."""

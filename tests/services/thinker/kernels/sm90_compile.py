@@ -89,9 +89,15 @@ GEMV = {
 }
 RESIDENT = {
     **{n: B for n in ("x_ptr", "r_ptr", "norm_w_ptr", "w_ptr", "out_ptr", "sum_ptr")},
+    # the QK-norm + rope epilogue's (ROT > 0): the q and k norm weights, cos, sin and the tickets
+    **{n: B for n in ("qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr")},
+    "tickets_ptr": "*i32",
     **{n: I32 for n in ("m", "n", "k", "stride_x", "stride_r", "stride_w", "stride_o", "stride_s")},
+    **{n: I32 for n in ("stride_c", "q_heads", "qk_heads")},
     "eps": F32,
+    "qk_eps": F32,
 }
+NO_ROPE = {"HEAD_DIM": 0, "ROT": 0, "QK_NORM": False}
 ROUTE_SHAPE = {"NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4, "TOP_K": 8}
 # The CUDA-core GEMV's launch (a token or four) and the select-only one: no dots, no splits.
 ROUTE_GEMV = {"DOT": False, "SPLIT": 1, "PRECISION": "tf32", "NORM": False}
@@ -340,12 +346,26 @@ CASES = {
     "resident_gemv_normed": (
         resident_gemv._resident_gemv_kernel,
         RESIDENT,
-        {"BLOCK_N": 8, "K_PAD": 2048, "NORM": True, "RESIDUAL": True},
+        {"BLOCK_N": 8, "K_PAD": 2048, "NORM": True, "RESIDUAL": True, **NO_ROPE},
     ),
     "resident_gemv": (
         resident_gemv._resident_gemv_kernel,
         RESIDENT,
-        {"BLOCK_N": 4, "K_PAD": 4096, "NORM": False, "RESIDUAL": False},
+        {"BLOCK_N": 4, "K_PAD": 4096, "NORM": False, "RESIDUAL": False, **NO_ROPE},
+    ),
+    # Ling-mini's qkv with its q and k heads QK-normed and roped in the launch (16 programs a head of
+    # 128, rotary dim 64), and a small model's (64 rows a program: two heads of 32, no QK norm).
+    "resident_gemv_qk_rope": (
+        resident_gemv._resident_gemv_kernel,
+        RESIDENT,
+        {"BLOCK_N": 8, "K_PAD": 2048, "NORM": True, "RESIDUAL": True}
+        | {"HEAD_DIM": 128, "ROT": 64, "QK_NORM": True},
+    ),
+    "resident_gemv_qk_rope_heads": (
+        resident_gemv._resident_gemv_kernel,
+        RESIDENT,
+        {"BLOCK_N": 64, "K_PAD": 256, "NORM": True, "RESIDUAL": False}
+        | {"HEAD_DIM": 32, "ROT": 32, "QK_NORM": False},
     ),
     # One token's experts (Ling-mini's tiles): the gate-up reading the ids, the down reading early.
     "one_token_gate_up": (

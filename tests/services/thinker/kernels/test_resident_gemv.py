@@ -17,7 +17,12 @@ from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, s
 from omnistage.services.thinker.kernels import resident_gemv as resident
 from omnistage.services.thinker.kernels.norms import rms_norm
 from omnistage.services.thinker.kernels.resident_gemv import ResidentConfig, chooses_kernel, resident_gemv
-from omnistage.services.thinker.models.layers.backends import RESIDENT_ENV, Backends, install_backends
+from omnistage.services.thinker.models.layers.backends import (
+    QKV_ROPE_ENV,
+    RESIDENT_ENV,
+    Backends,
+    install_backends,
+)
 
 
 @pytest.mark.parametrize(
@@ -103,17 +108,23 @@ def _projections(model):
 
 def test_install_reaches_the_qkv_norm_and_the_projections_unless_switched_off(tiny_model, monkeypatch):
     monkeypatch.delenv(RESIDENT_ENV, raising=False)
+    monkeypatch.delenv(QKV_ROPE_ENV, raising=False)
     install_backends(tiny_model, Backends("triton", "triton"), fuse=True)
     qkv, rows = _projections(tiny_model)
     assert qkv and all(m.norm_gemv is resident.normed_linear for m in qkv)
+    assert all(m.rope_gemv is resident.normed_qkv_rope for m in qkv)
     assert rows and all(m.gemv is not None and m.gemv.func is resident.linear for m in rows)
     install_backends(tiny_model, Backends("triton", "triton"), fuse=False)  # the unfused comparison
-    assert all(m.norm_gemv is None for m in qkv) and all(m.gemv is None for m in rows)
+    assert all(m.norm_gemv is None and m.rope_gemv is None for m in qkv) and all(m.gemv is None for m in rows)
+    monkeypatch.setenv(QKV_ROPE_ENV, "off")  # the epilogue's same-build comparison: the rest stays
+    install_backends(tiny_model, Backends("triton", "triton"), fuse=True)
+    assert all(m.norm_gemv is resident.normed_linear and m.rope_gemv is None for m in qkv)
+    monkeypatch.setenv(QKV_ROPE_ENV, "on")
     monkeypatch.setenv(RESIDENT_ENV, "off")
     install_backends(tiny_model, Backends("triton", "triton"), fuse=True)
-    assert all(m.norm_gemv is None for m in qkv) and all(m.gemv is None for m in rows)
+    assert all(m.norm_gemv is None and m.rope_gemv is None for m in qkv) and all(m.gemv is None for m in rows)
     install_backends(tiny_model, Backends("torch", "torch"))
-    assert all(m.norm_gemv is None for m in qkv)
+    assert all(m.norm_gemv is None and m.rope_gemv is None for m in qkv)
 
 
 @pytest.fixture
@@ -134,12 +145,13 @@ def test_tiny_engine_with_the_weights_first_projections_equals_the_reference(tin
     )
     want = [r.token_ids for r in reference.generate(PROMPT, PARAMS)]
     monkeypatch.delenv(RESIDENT_ENV, raising=False)
-    launches = []  # (weight, rows, folded norm, residual given) of each launch
+    monkeypatch.delenv(QKV_ROPE_ENV, raising=False)
+    launches = []  # (weight, rows, folded norm, residual given, QK-norm + rope epilogue) of each launch
     kernel = resident.resident_gemv
 
-    def counted(x, w, norm=None, residual=None, config=None):
-        launches.append((w.data_ptr(), x.shape[0], norm is not None, residual is not None))
-        return kernel(x, w, norm, residual, config)
+    def counted(x, w, norm=None, residual=None, config=None, rope=None):
+        launches.append((w.data_ptr(), x.shape[0], norm is not None, residual is not None, rope is not None))
+        return kernel(x, w, norm, residual, config, rope)
 
     monkeypatch.setattr(resident, "resident_gemv", counted)
     fast = EngineConfig(attention_backend="triton", moe_backend="triton", **ENGINE_CFG)
@@ -151,21 +163,23 @@ def test_tiny_engine_with_the_weights_first_projections_equals_the_reference(tin
     got = [r.token_ids for r in engine.generate(PROMPT, PARAMS)]
     assert got == want
     names = {m.weight.data_ptr(): name for name, m in runner.model.named_modules() if hasattr(m, "weight")}
-    seen = [(names[w].removeprefix("model."), rows, norm, res) for w, rows, norm, res in launches]
+    seen = [(names[w].removeprefix("model."), *rest) for w, *rest in launches]
     attention = [s for s in seen if ".attention." in s[0]]
 
     # The prefill: the first layer's qkv with its norm and no residual, then its o; the second's qkv
-    # with both, then its o. Each decode step the same at one row (a bucket of one).
-    def expect(rows: int) -> list[tuple]:
+    # with both, then its o. Each decode step the same at one row (a bucket of one). The qkv's q and
+    # k QK-normed and roped in its launch where the attention would launch that apart: the prefill;
+    # not the decode steps here (under the interpreter the decode attention folds it: one split).
+    def expect(rows: int, rope: bool) -> list[tuple]:
         return [
-            ("layers.0.attention.query_key_value", rows, True, False),
-            ("layers.0.attention.dense", rows, False, False),
-            ("layers.1.attention.query_key_value", rows, True, True),
-            ("layers.1.attention.dense", rows, False, False),
+            ("layers.0.attention.query_key_value", rows, True, False, rope),
+            ("layers.0.attention.dense", rows, False, False, False),
+            ("layers.1.attention.query_key_value", rows, True, True, rope),
+            ("layers.1.attention.dense", rows, False, False, False),
         ]
 
-    assert attention[:4] == expect(2)
+    assert attention[:4] == expect(2, True)
     decode = attention[4:]
-    assert len(decode) == 4 * (PARAMS.max_tokens - 1) and decode == expect(1) * (PARAMS.max_tokens - 1)
+    assert len(decode) == 4 * (PARAMS.max_tokens - 1) and decode == expect(1, False) * (PARAMS.max_tokens - 1)
     # The dense MLP, the folded-in shared expert's and the LM head's small weights take it too.
     assert any(".mlp." in s[0] for s in seen) and any("lm_head" in s[0] for s in seen)
