@@ -6,6 +6,8 @@ is checked where it runs, on the GPU's compiled code (or, with TRITON_INTERPRET=
     source bench/device_env.sh && python3 bench/attention_decode_bits.py --reference ref_paged_attention.py
 
 (the reference file untracked in the checkout: it travels to the device with the working tree.)
+`--preload 1,2,4`: this checkout at each of those tiles read before the PDL wait
+(`paged_attention.DecodeTiles(preload_tiles=...)`, 4 warps), each against the reference.
 Both versions run on the same inputs: sequences of several context lengths in one launch (with a
 padding row: context 0, slot -1) and each length alone (one sequence: the split merge at its
 widest), at several split counts, with the cache holding the new K/V, with the launch writing
@@ -38,6 +40,7 @@ def load_reference(path: str) -> ModuleType:
     """The reference paged_attention.py as a module of its own (its kernels compiled apart)."""
     spec = importlib.util.spec_from_file_location("reference_paged_attention", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # registered before it runs (its dataclasses look it up)
     spec.loader.exec_module(module)
     return module
 
@@ -67,13 +70,14 @@ class Case:
         self.qk_rope = (weights[0], weights[1], 1e-6, cos, sin)
         self.scale = dim**-0.5
 
-    def run(self, module: ModuleType, splits: int, mode: str) -> tuple[torch.Tensor, ...]:
-        """`module`'s paged_decode on copies of the caches → (output, K cache, V cache)."""
+    def run(self, module: ModuleType, splits: int, mode: str, *tiles) -> tuple[torch.Tensor, ...]:
+        """`module`'s paged_decode (at `tiles`, a DecodeTiles, where given) on copies of the caches →
+        (output, K cache, V cache)."""
         k_cache, v_cache = (c.clone() for c in self.caches)
         new_kv = (self.k, self.v, self.slots) if mode != "cached" else None
         qk_rope = self.qk_rope if mode == "qk_rope" else None
         args = (self.q, k_cache, v_cache, self.tables, self.lens, self.scale)
-        return module.paged_decode(*args, new_kv, splits, qk_rope), k_cache, v_cache
+        return module.paged_decode(*args, new_kv, splits, qk_rope, *tiles), k_cache, v_cache
 
 
 def differing(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> list[str]:
@@ -96,11 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", default=",".join(map(str, SPLITS)))
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated of: " + ", ".join(MODES))
     ap.add_argument("--dtypes", default="bf16" if on_gpu else "fp32,bf16")
+    ap.add_argument("--preload", help="this checkout at these tiles read before the wait (default: its own)")
     args = ap.parse_args(argv)
     reference = load_reference(args.reference)
     device = "cuda" if on_gpu else "cpu"
     contexts = [int(c) for c in args.contexts.split(",")]
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    tiled = (
+        [(paged_attention.DecodeTiles(int(p)),) for p in args.preload.split(",")] if args.preload else [()]
+    )
     torch.manual_seed(0)
     cases, failed = 0, []
     for name in args.shapes.split(","):
@@ -111,17 +119,18 @@ def main(argv: list[str] | None = None) -> int:
                 case = Case(heads, kv_heads, dim, lens, dtypes[dtype_name], device)
                 for splits in (int(s) for s in args.splits.split(",")):
                     for mode in args.modes.split(","):
-                        diff = differing(
-                            case.run(paged_attention, splits, mode), case.run(reference, splits, mode)
-                        )
-                        cases += 1
-                        where = f"{name} {dtype_name} contexts={lens} splits={splits} {mode}"
-                        print(
-                            f"bits   {where}: {'DIFFERS in ' + ', '.join(diff) if diff else 'equal'}",
-                            flush=True,
-                        )
-                        if diff:
-                            failed.append(where)
+                        want = case.run(reference, splits, mode)
+                        for tiles in tiled:
+                            diff = differing(case.run(paged_attention, splits, mode, *tiles), want)
+                            cases += 1
+                            where = f"{name} {dtype_name} contexts={lens} splits={splits} {mode}"
+                            where += f" preload={tiles[0].preload_tiles}" if tiles else ""
+                            print(
+                                f"bits   {where}: {'DIFFERS in ' + ', '.join(diff) if diff else 'equal'}",
+                                flush=True,
+                            )
+                            if diff:
+                                failed.append(where)
     print(f"SUMMARY {cases - len(failed)} of {cases} cases bit-equal; differing: {failed}", flush=True)
     return 1 if failed else 0
 

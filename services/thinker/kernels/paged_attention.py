@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -50,16 +52,38 @@ def write_kv(
 
 
 @triton.jit
+def kv_rows(block, tok, d, cache, PAGE: tl.constexpr):
+    """The offsets [len(tok), len(d)] in the K (and V) cache of the rows of cached positions `tok`
+    (`block`: their pages, the block-table entries at tok // PAGE) of one KV head; `cache` = (that
+    head, the cache's block, slot and head strides)."""
+    kvh, stride_cb, stride_cs, stride_ch = cache
+    return (
+        block.to(tl.int64)[:, None] * stride_cb
+        + (tok % PAGE)[:, None] * stride_cs
+        + kvh * stride_ch
+        + d[None, :]
+    )
+
+
+@triton.jit
 def load_kv(
     k_cache_ptr, v_cache_ptr, table, tok, tok_ok, kvh, d, stride_cb, stride_cs, stride_ch, PAGE: tl.constexpr
 ):
     """K and V rows [len(tok), len(d)] of KV head `kvh` at the cached positions `tok` (zeros where not
     `tok_ok`), through the sequence's block-table row `table`; both paged kernels read the cache so."""
-    block = tl.load(table + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
-    kv_off = block[:, None] * stride_cb + (tok % PAGE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+    block = tl.load(table + tok // PAGE, mask=tok_ok, other=0)
+    kv_off = kv_rows(block, tok, d, (kvh, stride_cb, stride_cs, stride_ch), PAGE)
     k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
     v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
     return k, v
+
+
+@triton.jit
+def settled(tok, hi, ctx):
+    """Which rows of cached positions `tok` [N] a decode program reads before its PDL wait, as a
+    mask [N, 1]: those of its split (below `hi`) written by earlier steps (all but the context's
+    last, ctx - 1: this step's row, read after the wait; pdl.SETTLED_OPERANDS)."""
+    return ((tok < hi) & (tok < ctx - 1))[:, None]
 
 
 @triton.jit
@@ -84,10 +108,7 @@ def _attend_range(
     table,
     lo,
     hi,
-    kvh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
+    cache,
     m,
     s,
     acc,
@@ -97,8 +118,9 @@ def _attend_range(
 ):
     """The online-softmax state (m, s, acc: running max [GROUP_PAD], sum of exponentials [GROUP_PAD],
     weighted values [GROUP_PAD, D], all fp32, unnormalised) after q [GROUP_PAD, D] over one
-    sequence's cached tokens [lo, hi) of KV head `kvh` (`table`: its block-table row), BLOCK_N
-    tokens per iteration; an empty range leaves it as it was."""
+    sequence's cached tokens [lo, hi) of `cache`'s KV head (`kv_rows`; `table`: the sequence's
+    block-table row), BLOCK_N tokens per iteration; an empty range leaves it as it was."""
+    kvh, stride_cb, stride_cs, stride_ch = cache
     d = tl.arange(0, q.shape[1])
     offs = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
@@ -124,45 +146,39 @@ def _attend_split(
     k_cache_ptr,
     v_cache_ptr,
     table,
-    first,
-    first_ok,
+    pre,
+    newest_page,
     lo,
     hi,
-    kvh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
+    ctx,
+    cache,
     PAGE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """The split's online-softmax state over [lo, hi): its first tile from `first` = (K and V rows
-    read before the wait, their offsets, the rows still to read: the new token's, now written),
-    then the rest of the split tile by tile."""
-    first_k, first_v, first_at, newest = first
-    block_n: tl.constexpr = first_k.shape[0]
+    """The split's online-softmax state over [lo, hi): first its tiles read before the wait (`pre`:
+    (K rows, V rows [BLOCK_N, D]) of BLOCK_N positions each from lo, their `settled` rows), each that
+    starts below hi completed by the row still to read if it holds it (the context's last, this
+    step's, now written: in page `newest_page`, also read before the wait) and attended; then the
+    rest of the split tile by tile. The same tiles in the same order however many were read before
+    the wait: the same bits."""
+    block_n: tl.constexpr = pre[0][0].shape[0]
+    kvh, stride_cb, stride_cs, stride_ch = cache
+    newest = ctx - 1
+    row = newest_page.to(tl.int64) * stride_cb + (newest % PAGE) * stride_cs + kvh * stride_ch
+    # The newest row's offsets on each row of a tile: its loads read it where `late` (one row, or none).
+    at = tl.broadcast_to(row + tl.arange(0, q.shape[1])[None, :], (block_n, q.shape[1]))
     m, s, acc = _empty_state(q.shape[0], q.shape[1])
-    if lo < hi:
-        late = newest[:, None]
-        first_k = tl.where(late, tl.load(k_cache_ptr + first_at, mask=late, other=0.0), first_k)
-        first_v = tl.where(late, tl.load(v_cache_ptr + first_at, mask=late, other=0.0), first_v)
-        m, s, acc = _attend_tile(q, first_k, first_v, first_ok, m, s, acc, PRECISION)
+    for j in tl.static_range(len(pre)):
+        k, v = pre[j]
+        tok = lo + j * block_n + tl.arange(0, block_n)
+        if lo + j * block_n < hi:
+            late = ((tok == newest) & (tok < hi))[:, None]
+            k = tl.where(late, tl.load(k_cache_ptr + at, mask=late, other=0.0), k)
+            v = tl.where(late, tl.load(v_cache_ptr + at, mask=late, other=0.0), v)
+            m, s, acc = _attend_tile(q, k, v, tok < hi, m, s, acc, PRECISION)
+    rest = lo + len(pre) * block_n
     return _attend_range(
-        q,
-        k_cache_ptr,
-        v_cache_ptr,
-        table,
-        lo + block_n,
-        hi,
-        kvh,
-        stride_cb,
-        stride_cs,
-        stride_ch,
-        m,
-        s,
-        acc,
-        PAGE,
-        block_n,
-        PRECISION,
+        q, k_cache_ptr, v_cache_ptr, table, rest, hi, cache, m, s, acc, PAGE, block_n, PRECISION
     )
 
 
@@ -194,19 +210,32 @@ def _load_q(
 
 
 @triton.jit
-def _write_row(k_row, v_row, new_kv, d, rope, ROT: tl.constexpr, NORM: tl.constexpr):
+def _write_row(
+    k_cache_ptr,
+    v_cache_ptr,
+    slot,
+    new_kv,
+    d,
+    cache,
+    rope,
+    PAGE: tl.constexpr,
+    ROT: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """The new token's K and V head rows (`new_kv`: their starts, `d` their head dim) into the cache
-    rows; with ROT > 0 the K row QK-normed (NORM) and roped on its way in (`norm_rope_heads`, `rope`
-    = (the norm weight, the token's cos and sin rows, eps)): the split that writes it, its only
-    reader, reads it so."""
+    rows at `slot` of `cache`'s KV head (that head, the cache's strides); with ROT > 0 the K row QK-normed (NORM) and
+    roped on its way in (`norm_rope_heads`, `rope` = (the norm weight, the token's cos and sin
+    rows, eps)): the split that writes it, its only reader, reads it so."""
+    kvh, stride_cb, stride_cs, stride_ch = cache
+    row = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kvh * stride_ch + d
     new_k, new_v = new_kv
     if ROT > 0:
         kw_ptr, cos_row, sin_row, eps = rope
         key = norm_rope_heads(new_k + d, d < d.shape[0], kw_ptr, cos_row, sin_row, eps, ROT, NORM)
     else:
         key = tl.load(new_k + d)
-    tl.store(k_row, key)
-    tl.store(v_row, tl.load(new_v + d))
+    tl.store(k_cache_ptr + row, key)
+    tl.store(v_cache_ptr + row, tl.load(new_v + d))
 
 
 @triton.jit(do_not_specialize=["stride_tb"])  # the step's block-table width: one compile
@@ -248,6 +277,7 @@ def _decode_kernel(
     GROUP_PAD: tl.constexpr,
     GROUP_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PRELOAD_TILES: tl.constexpr,
     PRECISION: tl.constexpr,
     WRITE_KV: tl.constexpr,
     SPLITS: tl.constexpr,
@@ -259,19 +289,38 @@ def _decode_kernel(
     """Program (sequence, KV head, split): its group's online softmax (fp32) over its split, merged by
     the last split to finish of those holding tokens (`split_merge`); GROUP_ROWS: the group's size
     to a power of two; WRITE_KV: the split with the last token, its only reader, stores it (ROT > 0:
-    QK-normed and roped on its way in, as q on load). Before the wait: the step's staged inputs and
-    the split's first tile of earlier steps' rows, all but the context's last (SETTLED_OPERANDS)."""
+    QK-normed and roped on its way in, as q on load). Before the wait (SETTLED_OPERANDS): the step's
+    staged inputs, the page of the context's last row, and the split's first PRELOAD_TILES (1 to 4)
+    tiles of BLOCK_N positions, their rows of earlier steps (`settled`: all but the context's last,
+    this step's, read after the wait); `_attend_split` the rest."""
     b, kvh = tl.program_id(0), tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
     lo, hi, held = split_range(ctx, SPLITS, BLOCK_N, MIN_CHUNK)
-    d = tl.arange(0, HEAD_DIM)
-    first = lo + tl.arange(0, BLOCK_N)
-    first_ok, cached = first < hi, first < ctx - 1
-    first_block = tl.load(tables_ptr + b * stride_tb + first // PAGE, mask=first_ok, other=0).to(tl.int64)
-    first_rows = first_block[:, None] * stride_cb + (first % PAGE)[:, None] * stride_cs + kvh * stride_ch
-    first_at = first_rows + d[None, :]
-    first_k = tl.load(k_cache_ptr + first_at, mask=(first_ok & cached)[:, None], other=0.0)
-    first_v = tl.load(v_cache_ptr + first_at, mask=(first_ok & cached)[:, None], other=0.0)
+    d, cache, row = tl.arange(0, HEAD_DIM), (kvh, stride_cb, stride_cs, stride_ch), b * stride_tb
+    t0 = lo + tl.arange(0, BLOCK_N)
+    at0 = kv_rows(tl.load(tables_ptr + row + t0 // PAGE, mask=t0 < hi, other=0), t0, d, cache, PAGE)
+    k0 = tl.load(k_cache_ptr + at0, mask=settled(t0, hi, ctx), other=0.0)
+    v0 = tl.load(v_cache_ptr + at0, mask=settled(t0, hi, ctx), other=0.0)
+    pre = ((k0, v0),)
+    if PRELOAD_TILES > 1:
+        t1 = t0 + BLOCK_N
+        at1 = kv_rows(tl.load(tables_ptr + row + t1 // PAGE, mask=t1 < hi, other=0), t1, d, cache, PAGE)
+        k1 = tl.load(k_cache_ptr + at1, mask=settled(t1, hi, ctx), other=0.0)
+        v1 = tl.load(v_cache_ptr + at1, mask=settled(t1, hi, ctx), other=0.0)
+        pre = pre + ((k1, v1),)
+    if PRELOAD_TILES > 2:
+        t2 = t0 + 2 * BLOCK_N
+        at2 = kv_rows(tl.load(tables_ptr + row + t2 // PAGE, mask=t2 < hi, other=0), t2, d, cache, PAGE)
+        k2 = tl.load(k_cache_ptr + at2, mask=settled(t2, hi, ctx), other=0.0)
+        v2 = tl.load(v_cache_ptr + at2, mask=settled(t2, hi, ctx), other=0.0)
+        pre = pre + ((k2, v2),)
+    if PRELOAD_TILES > 3:
+        t3 = t0 + 3 * BLOCK_N
+        at3 = kv_rows(tl.load(tables_ptr + row + t3 // PAGE, mask=t3 < hi, other=0), t3, d, cache, PAGE)
+        k3 = tl.load(k_cache_ptr + at3, mask=settled(t3, hi, ctx), other=0.0)
+        v3 = tl.load(v_cache_ptr + at3, mask=settled(t3, hi, ctx), other=0.0)
+        pre = pre + ((k3, v3),)
+    newest_page = tl.load(tables_ptr + row + (ctx - 1) // PAGE, mask=(lo < ctx) & (hi == ctx), other=0)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     wait_for_prior_kernels(USE_PDL)
     if (lo >= ctx) & (tl.program_id(2) > 0):
@@ -281,32 +330,16 @@ def _decode_kernel(
     cos_row, sin_row = cos_ptr + b * stride_ct, sin_ptr + b * stride_ct
     if WRITE_KV:  # (split 0 of an empty context: hi == ctx == 0)
         if (slot >= 0) & (hi == ctx):
-            row = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kvh * stride_ch + d
             new_kv = (k_ptr + b * stride_kt + kvh * stride_kh, v_ptr + b * stride_vt + kvh * stride_vh)
-            _write_row(
-                k_cache_ptr + row, v_cache_ptr + row, new_kv, d, (kw_ptr, cos_row, sin_row, eps), ROT, NORM
-            )
+            rope = (kw_ptr, cos_row, sin_row, eps)
+            _write_row(k_cache_ptr, v_cache_ptr, slot, new_kv, d, cache, rope, PAGE, ROT, NORM)
         tl.debug_barrier()  # the row stored before any thread of this program reads the cache
     q = _load_q(
         q_ptr, b, heads, h_ok, d, stride_qb, stride_qh, scale, qw_ptr, cos_row, sin_row, eps, ROT, NORM
     )
-    table = tables_ptr + b * stride_tb
-    first = (first_k, first_v, first_at, first_ok & ~cached)
+    table = tables_ptr + row
     m, s, acc = _attend_split(
-        q,
-        k_cache_ptr,
-        v_cache_ptr,
-        table,
-        first,
-        first_ok,
-        lo,
-        hi,
-        kvh,
-        stride_cb,
-        stride_cs,
-        stride_ch,
-        PAGE,
-        PRECISION,
+        q, k_cache_ptr, v_cache_ptr, table, pre, newest_page, lo, hi, ctx, cache, PAGE, PRECISION
     )
     out_rows = out_ptr + b * stride_ob + (kvh * group) * stride_oh  # the group's first head
     finish(out_rows, stride_oh, group, part_ptr, stats_ptr, tickets_ptr, m, s, acc, held, SPLITS, GROUP_ROWS)
@@ -351,6 +384,45 @@ def launch_splits(num_seqs: int, num_kv_heads: int, on_gpu: bool) -> int:
     """The splits `paged_decode` launches by default: `decode_splits` on a GPU, 1 under the
     interpreter (no gain there)."""
     return decode_splits(num_seqs, num_kv_heads) if on_gpu else 1
+
+
+# A decode program reads at most this many tiles of its split before its PDL wait (`DecodeTiles`).
+# sm_90 registers a thread (ptxas on Triton's code with a launch's 16-byte alignments, Ling-mini's
+# shape, 16 splits; 2026-11-29, unmeasured on a GPU): 1 tile 166 at 4 warps, 73 at 8; 2 tiles 217,
+# 128; 4 tiles 255 and ~300 bytes spilled at 4 warps, 197 at 8 (the QK-norm + rope folded: ±10).
+MAX_PRELOAD_TILES = 4
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """How each program of a decode launch reads its split: its first `preload_tiles` tiles of
+    BLOCK_N positions before its PDL wait (1 … MAX_PRELOAD_TILES; their rows of earlier steps, all
+    loads in flight together while the kernel before runs, each tile's K and V, 2 x BLOCK_N x head
+    dim elements, held in registers across the wait), the rest a tile at a time after it; in
+    `warps` warps. preload_tiles changes when loads are issued, never the tiles, their order or
+    the sums: the same bits at any; warps lay the sums' reductions out apart (bits may differ)."""
+
+    preload_tiles: int = 1
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.preload_tiles <= MAX_PRELOAD_TILES:
+            raise ValueError(
+                f"DecodeTiles: preload_tiles {self.preload_tiles} not in 1 … {MAX_PRELOAD_TILES}"
+            )
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"DecodeTiles: warps {self.warps} not a power of two up to 16")
+
+    def launch(self, page: int) -> dict:
+        """`_decode_kernel`'s tile constants and launch options at pages of `page` tokens."""
+        return dict(
+            BLOCK_N=max(64, page), PRELOAD_TILES=self.preload_tiles, num_warps=self.warps, num_stages=2
+        )
+
+
+# `paged_decode`'s tiles unless given others, the one default: the first tile before the wait, 4
+# warps (as before PRELOAD_TILES; bench/attention_decode_gpu.py --preload measures the others).
+DECODE_TILES = DecodeTiles()
 
 
 # QK-norm + rope folded into the decode launch pays where each (sequence, KV head) runs in few
@@ -415,6 +487,7 @@ def paged_decode(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     splits: int | None = None,
     qk_rope: tuple[torch.Tensor | None, torch.Tensor | None, float, torch.Tensor, torch.Tensor] | None = None,
+    tiles: DecodeTiles | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence) → [B, H, D]: attention over each sequence's first
     context_lens[b] cached tokens through its block table row. `new_kv` = (k, v [B, KVH, D], slots
@@ -422,7 +495,8 @@ def paged_decode(
     writes nothing). `splits` a (sequence, KV head): `launch_splits`'. `qk_rope` = (q_weight,
     k_weight (both or neither: no norm), eps, cos, sin [B, rotary_dim]): q and the new k are
     QK-normed and roped here, as `norms.qk_norm_rope` would (`norm_rope_heads`): each program on the
-    query heads it loads, the one that writes the new K before storing it; q and k in memory stay."""
+    query heads it loads, the one that writes the new K before storing it; q and k in memory stay.
+    `tiles`: how each program reads (DECODE_TILES unless given; the same bits at any preload)."""
     (bsz, num_heads, head_dim), (_, page, num_kv_heads, _) = q.shape, k_cache.shape
     group, group_pad = num_heads // num_kv_heads, max(16, triton.next_power_of_2(num_heads // num_kv_heads))
     out = torch.empty_like(q)
@@ -452,15 +526,13 @@ def paged_decode(
         PAGE=page,
         GROUP_PAD=group_pad,
         GROUP_ROWS=triton.next_power_of_2(group),
-        BLOCK_N=max(64, page),
         PRECISION=dot_precision(q.dtype),
         WRITE_KV=new_kv is not None,
         SPLITS=splits,
         MIN_CHUNK=SPLIT_MIN_TOKENS,
         ROT=rot,
         NORM=norm,
-        num_warps=4,
-        num_stages=2,
+        **(tiles or DECODE_TILES).launch(page),
         **pdl.launch(q.device),
     )
     return out

@@ -31,16 +31,22 @@ from triton.compiler import ASTSource
 SM90 = GPUTarget("cuda", 90, 32)
 
 
+LAUNCH_OPTIONS = ("num_warps",)
+
+
 def compile_sm90(fn, types: dict[str, str], constants: dict[str, object]) -> object:
-    """`types`: argument name → triton type ("*bf16", "i32", "fp32"); `constants`: constexpr values.
+    """`types`: argument name → triton type ("*bf16", "i32", "fp32"); `constants`: constexpr values,
+    and launch options (LAUNCH_OPTIONS: num_warps, default 4) as the launch passes them.
     A kernel with a USE_PDL constexpr is compiled as Hopper launches it: with PDL (kernels/pdl.py)."""
+    options = {k: constants[k] for k in LAUNCH_OPTIONS if k in constants}
+    constants = {k: v for k, v in constants.items() if k not in LAUNCH_OPTIONS}
     if "USE_PDL" in fn.arg_names:
         constants = {"USE_PDL": True, **constants}
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     missing = [n for n, t in signature.items() if t == "constexpr" and n not in constants]
     if missing:
         raise ValueError(f"{fn.__name__}: no type or constant for {missing}")
-    return triton.compile(ASTSource(fn, signature, constants), target=SM90)
+    return triton.compile(ASTSource(fn, signature, constants), target=SM90, options=options)
 
 
 B, I32, F32 = "*bf16", "i32", "fp32"
@@ -140,7 +146,8 @@ DECODE_TYPES = {
 }
 # The decode launch's tiles at Ling-mini's shape (head dim 128, a GQA group of 4: 4 merge rows).
 DECODE_TILES = {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "GROUP_ROWS": 4, "BLOCK_N": 64}
-DECODE_TILES |= {"PRECISION": "tf32", "WRITE_KV": True}
+DECODE_TILES |= {"PRELOAD_TILES": 1, "PRECISION": "tf32", "WRITE_KV": True}
+DECODE_SPLIT_TYPES = {**DECODE_TYPES, "part_ptr": "*fp32", "stats_ptr": "*fp32", "tickets_ptr": "*i32"}
 CASES = {
     "count": (
         moe_align._count_kernel,
@@ -217,6 +224,20 @@ CASES = {
         paged_attention._decode_kernel,
         {**DECODE_TYPES, "part_ptr": "*fp32", "stats_ptr": "*fp32", "tickets_ptr": "*i32"},
         DECODE_TILES | {"SPLITS": 16, "MIN_CHUNK": 128, "ROT": 64, "NORM": True},
+    ),
+    # Tiles read before the PDL wait (`paged_attention.DecodeTiles`): two at Ling-mini's c=1 launch
+    # (16 splits, 4 warps), four with the QK-norm + rope folded at its c=8 one (4 splits, 8 warps).
+    "decode_preload2": (
+        paged_attention._decode_kernel,
+        DECODE_SPLIT_TYPES,
+        DECODE_TILES | {"PRELOAD_TILES": 2, "SPLITS": 16, "MIN_CHUNK": 128, "ROT": 0, "NORM": False},
+    ),
+    "decode_preload4": (
+        paged_attention._decode_kernel,
+        DECODE_SPLIT_TYPES,
+        DECODE_TILES
+        | {"PRELOAD_TILES": 4, "SPLITS": 4, "MIN_CHUNK": 128, "ROT": 64, "NORM": True}
+        | {"num_warps": 8},
     ),
     "prefill": (
         paged_prefill._prefill_kernel,
