@@ -18,7 +18,7 @@ from omnistage.services.thinker.models.layers.attention import (
     PagedAttention,
     QKNormRope,
 )
-from omnistage.services.thinker.models.layers.moe import FusedExperts, GatedMLP, Router
+from omnistage.services.thinker.models.layers.moe import FusedExperts, GatedMLP, Router, SparseMoeBlock
 from omnistage.services.thinker.models.layers.norm import RMSNorm
 from torch import nn
 
@@ -135,6 +135,13 @@ GEMV_ENV = "OMNISTAGE_THINKER_GEMV"
 RESIDENT_ENV = "OMNISTAGE_THINKER_RESIDENT"
 
 
+# Set to `on`: a MoE layer of one token selects its experts in the streaming gate-up launch (the
+# router's launch gives the logits only, the down reads the ids after its wait;
+# `kernels/gate_up_select.py`). Off by default until measured (bench/moe_one_token_gpu.py), for a
+# same-build comparison.
+GATEUP_SELECT_ENV = "OMNISTAGE_THINKER_GATEUP_SELECT"
+
+
 def fusions_enabled() -> bool:
     """The environment's choice (default on); anything but on / off is refused, naming both."""
     return _switch(FUSIONS_ENV)
@@ -148,6 +155,11 @@ def gemv_enabled() -> bool:
 def resident_enabled() -> bool:
     """RESIDENT_ENV's choice (default on), refused as FUSIONS_ENV's is."""
     return _switch(RESIDENT_ENV)
+
+
+def gateup_select_enabled() -> bool:
+    """GATEUP_SELECT_ENV's choice (default off), refused as FUSIONS_ENV's is."""
+    return _switch(GATEUP_SELECT_ENV, default="off")
 
 
 def _switch(name: str, default: str = "on") -> bool:
@@ -167,7 +179,9 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     (alignment, two GEMMs, and the sum over each token's experts with the shared expert's add; one
     token's experts in two launches, `kernels/moe_one_token.py`). Both (and `fuse`): a MoE layer's
     add + RMSNorm before a router of one or two tokens in the router's launch
-    (`Router.norm_kernel`, `router.normed_route`).
+    (`Router.norm_kernel`, `router.normed_route`), and with GATEUP_SELECT_ENV on, at one token, the
+    experts selected in the gate-up launch instead (`SparseMoeBlock.select_kernel`,
+    `kernels/gate_up_select.py`).
     `fuse` (default: FUSIONS_ENV) False: the MoE glue unfused, and a decode step's K/V write and
     QK-norm + rope in launches of their own.
     Under the fast attention backends a projection of one or two tokens whose weight fits takes the
@@ -188,16 +202,7 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
 
             gemv = functools.partial(resident_gemv.linear, fallback=gemv)
             norm_gemv = resident_gemv.normed_linear
-    experts, route, normed_route = None, None, None
-    if backends.moe == "triton":
-        from omnistage.services.thinker.kernels import router
-        from omnistage.services.thinker.kernels.fused_moe import fused_experts
-        from omnistage.services.thinker.kernels.moe_align import align_supported
-
-        experts = functools.partial(fused_experts, fuse=fuse)
-        route = functools.partial(router.route, fuse=fuse)
-        if fuse and norm is not None:  # the norm's kernel installed: the router may run its rule
-            normed_route = router.normed_route
+    experts, route, normed_route, select = _moe_kernels(backends, fuse, norm is not None)
     for module in model.modules():
         if isinstance(module, PagedAttention):
             module.backend = attention
@@ -210,12 +215,45 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
             if hasattr(module, "norm_gemv"):
                 module.norm_gemv = norm_gemv
         elif isinstance(module, FusedExperts):
-            module.kernel = experts if experts is None or align_supported(module.w13.shape[0]) else None
+            module.kernel = experts if experts is None or _aligns(module.w13.shape[0]) else None
         elif isinstance(module, Router):
-            e, groups, k = module.weight.shape[0], module.n_group, module.top_k
-            runs = route is not None and router.route_shapes_supported(e, groups, k)
+            runs = route is not None and _routes(module.weight.shape[0], module.n_group, module.top_k)
             module.kernel = route if runs else None
             module.norm_kernel = normed_route if runs else None
+        elif isinstance(module, SparseMoeBlock):
+            module.select_kernel = select
+
+
+def _moe_kernels(backends: Backends, fuse: bool, norms: bool) -> tuple:
+    """The MoE layers' kernels (None each: the reference): the experts, the router, and with the
+    fusions and the norm's kernel installed the router's add + norm fold, and with
+    GATEUP_SELECT_ENV on the one token's layer that selects in its gate-up launch."""
+    if backends.moe != "triton":
+        return None, None, None, None
+    from omnistage.services.thinker.kernels import router
+    from omnistage.services.thinker.kernels.fused_moe import fused_experts
+
+    experts = functools.partial(fused_experts, fuse=fuse)
+    route = functools.partial(router.route, fuse=fuse)
+    if not (fuse and norms):  # the router may fold the norm only where the norm's kernel is installed
+        return experts, route, None, None
+    if not gateup_select_enabled():
+        return experts, route, router.normed_route, None
+    from omnistage.services.thinker.kernels.gate_up_select import normed_select_experts
+
+    return experts, route, router.normed_route, normed_select_experts
+
+
+def _aligns(num_experts: int) -> bool:
+    from omnistage.services.thinker.kernels.moe_align import align_supported
+
+    return align_supported(num_experts)
+
+
+def _routes(num_experts: int, n_group: int, top_k: int) -> bool:
+    from omnistage.services.thinker.kernels.router import route_shapes_supported
+
+    return route_shapes_supported(num_experts, n_group, top_k)
 
 
 class TritonAttention:
