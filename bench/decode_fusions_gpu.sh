@@ -17,6 +17,10 @@
 # WALL_S 100, no GPU tests (TESTS=1 runs them, GEMV on):
 #   run("AB=gemv bash bench/decode_fusions_gpu.sh", kind="nvidia-h200",
 #       carry=[".cache/transport-whl", ".cache/pytest-whl"])
+# AB=gateup-select: the same A/B of one token's experts selected in the gate-up launch
+# (OMNISTAGE_THINKER_GATEUP_SELECT on / off, issue 40), after `bench/moe_one_token_gpu.py --select-only`
+# (the layer's launches alone, their bits; $OUT/moe_select.json); concurrencies 1,8, WALL_S 100, no
+# GPU tests unless TESTS=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/decode-fusions-out}
@@ -26,7 +30,8 @@ AB=${AB:-fusions}
 case $AB in
   fusions) conc=1,8,32 wall=170 tests=1 ;;
   gemv) conc=1,8 wall=100 tests=0 ;;
-  *) echo "AB=$AB: expected fusions or gemv" >&2; exit 2 ;;
+  gateup-select) conc=1,8 wall=100 tests=0 ;;
+  *) echo "AB=$AB: expected fusions, gemv or gateup-select" >&2; exit 2 ;;
 esac
 common=(--profile-c "${PROFILE_C:-$conc}" --sweep "${SWEEP:-$conc}" --sweep-tokens 128
   --real-requests 2 --max-model-len 4096)
@@ -48,6 +53,10 @@ bench() {  # bench on|off: Ling-mini decode with $AB on or off; its lines also i
   if [[ $AB == gemv ]]; then
     step "GEMV vs cuBLAS per shape" timeout 150 python3 bench/gemv_gpu.py --out "$OUT/gemv.json" \
       --sweep-s "${GEMV_SWEEP_S:-45}"
+  fi
+  if [[ $AB == gateup-select ]]; then
+    step "one token's MoE layer: the gate-up selecting vs the router" timeout 150 \
+      python3 bench/moe_one_token_gpu.py --select-only --out "$OUT/moe_select.json"
   fi
   step "bench: $AB on" bench on
   step "bench: $AB off" bench off

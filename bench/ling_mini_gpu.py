@@ -579,6 +579,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the weights-first projections of one or two tokens (sets OMNISTAGE_THINKER_RESIDENT for the ranks)",
     )
     ap.add_argument(
+        "--gateup-select",
+        choices=("on", "off"),
+        default=None,
+        help="one token's experts selected in the gate-up launch (sets OMNISTAGE_THINKER_GATEUP_SELECT for the ranks)",
+    )
+    ap.add_argument(
         "--pdl",
         choices=("on", "off"),
         default=None,
@@ -595,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMNISTAGE_THINKER_GEMV"] = args.gemv
     if args.resident is not None:
         os.environ["OMNISTAGE_THINKER_RESIDENT"] = args.resident
+    if args.gateup_select is not None:
+        os.environ["OMNISTAGE_THINKER_GATEUP_SELECT"] = args.gateup_select
     defaults = dict(
         max_num_seqs=(64, 8),
         max_num_batched_tokens=(4096, 128),
@@ -683,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
         "gemv": os.environ.get("OMNISTAGE_THINKER_GEMV", "off"),  # backends.gemv_enabled()'s default
         "pdl": os.environ.get("OMNISTAGE_THINKER_PDL", "on"),  # kernels/pdl.py's default
         "resident": os.environ.get("OMNISTAGE_THINKER_RESIDENT", "on"),  # backends.resident_enabled()'s
+        "gateup_select": os.environ.get(
+            "OMNISTAGE_THINKER_GATEUP_SELECT", "off"
+        ),  # gateup_select_enabled()'s
         "tp_allreduce": args.tp_allreduce,
         "elapsed_s": round(elapsed, 1),
         "ok": not problems,
