@@ -20,7 +20,7 @@
 # AB=gateup-select: the same A/B of one token's experts selected in the gate-up launch
 # (OMNISTAGE_THINKER_GATEUP_SELECT on / off, issue 40), after `bench/moe_one_token_gpu.py --select-only`
 # (the layer's launches alone, their bits; $OUT/moe_select.json); concurrencies 1,8, WALL_S 100, no
-# GPU tests unless TESTS=1.
+# GPU tests unless TESTS=1 (then tests/services/thinker/engine/test_gate_up_select_gpu.py too).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/decode-fusions-out}
@@ -64,7 +64,8 @@ bench() {  # bench on|off: Ling-mini decode with $AB on or off; its lines also i
     step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target /tmp/site .cache/pytest-whl/*.whl
     step "GPU tests" timeout "${TEST_S:-190}" python3 -m pytest -q -rs -p no:cacheprovider \
-      tests/services/thinker/engine/test_decode_fusions_gpu.py
+      tests/services/thinker/engine/test_decode_fusions_gpu.py \
+      $([[ $AB == gateup-select ]] && echo tests/services/thinker/engine/test_gate_up_select_gpu.py)
   fi
   echo "=== per step (graphs): device ops, wall ms, kernel ms ==="
   for x in on off; do
