@@ -31,9 +31,8 @@ from omnistage.services.thinker.models.layers.backends import (
     gateup_select_enabled,
     install_backends,
 )
-from omnistage.services.thinker.models.layers.moe import SparseMoeBlock
-from omnistage.services.thinker.models.layers.norm import RMSNorm
-from omnistage.services.thinker.models.layers.parallel import TPGroup
+
+from tests.services.thinker.kernels.test_router_norm import _block_and_norm
 
 # (hidden, intermediate, experts, groups, groups kept, top-k): a tiny router, and Ling-mini's router
 # (256 experts, 8 groups, the top 4 groups, top-8) on small rows.
@@ -182,17 +181,6 @@ def test_the_switch_is_off_by_default_and_takes_on_or_off_only(monkeypatch):
     monkeypatch.setenv(GATEUP_SELECT_ENV, "yes")
     with pytest.raises(BackendError, match="OMNISTAGE_THINKER_GATEUP_SELECT='yes': expected on or off"):
         gateup_select_enabled()
-
-
-def _block_and_norm(hidden: int = 64) -> torch.nn.ModuleDict:
-    torch.manual_seed(11)
-    block = SparseMoeBlock(hidden, 16, 32, 1, 4, 4, 2, 1.5, multi_router=False, tp=TPGroup())
-    norm = RMSNorm(hidden)
-    layers = torch.nn.ModuleDict({"mlp": block, "norm": norm})
-    for param in layers.parameters():
-        param.data.normal_(0, 0.1)
-    norm.weight.data += 1.0
-    return layers
 
 
 @pytest.mark.parametrize(
