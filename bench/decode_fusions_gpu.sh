@@ -23,6 +23,10 @@
 # concurrencies 1,2, then its GPU tests (tests/services/thinker/engine/test_qkv_rope_gpu.py):
 #   run("AB=qkv-rope bash bench/decode_fusions_gpu.sh", kind="nvidia-h200",
 #       carry=[".cache/transport-whl", ".cache/pytest-whl"])
+# AB=gateup-select: the same A/B of one token's experts selected in the gate-up launch
+# (OMNISTAGE_THINKER_GATEUP_SELECT on / off, issue 40), after `bench/moe_one_token_gpu.py --select-only`
+# (the layer's launches alone, their bits; $OUT/moe_select.json); concurrencies 1,8, WALL_S 100, no
+# GPU tests unless TESTS=1 (then tests/services/thinker/engine/test_gate_up_select_gpu.py too).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/decode-fusions-out}
@@ -34,7 +38,8 @@ case $AB in
   fusions) conc=1,8,32 wall=170 tests=1 ;;
   gemv) conc=1,8 wall=100 tests=0 ;;
   qkv-rope) conc=1,2 wall=120 tests=1 tests_file=tests/services/thinker/engine/test_qkv_rope_gpu.py ;;
-  *) echo "AB=$AB: expected fusions, gemv or qkv-rope" >&2; exit 2 ;;
+  gateup-select) conc=1,8 wall=100 tests=0 tests_file=tests/services/thinker/engine/test_gate_up_select_gpu.py ;;
+  *) echo "AB=$AB: expected fusions, gemv, qkv-rope or gateup-select" >&2; exit 2 ;;
 esac
 common=(--profile-c "${PROFILE_C:-$conc}" --sweep "${SWEEP:-$conc}" --sweep-tokens 128
   --real-requests 2 --max-model-len 4096)
@@ -61,12 +66,17 @@ bench() {  # bench on|off: Ling-mini decode with $AB on or off; its lines also i
     step "resident chains with and without the epilogue" timeout 120 python3 bench/resident_gemv_gpu.py \
       --out "$OUT/resident_gemv.json"
   fi
+  if [[ $AB == gateup-select ]]; then
+    step "one token's MoE layer: the gate-up selecting vs the router" timeout 150 \
+      python3 bench/moe_one_token_gpu.py --select-only --out "$OUT/moe_select.json"
+  fi
   step "bench: $AB on" bench on
   step "bench: $AB off" bench off
   if ((${TESTS:-$tests})); then
     step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target /tmp/site .cache/pytest-whl/*.whl
     step "GPU tests" timeout "${TEST_S:-190}" python3 -m pytest -q -rs -p no:cacheprovider \
+      $([[ $AB == gateup-select ]] && echo tests/services/thinker/engine/test_decode_fusions_gpu.py) \
       "$tests_file"
   fi
   echo "=== per step (graphs): device ops, wall ms, kernel ms ==="

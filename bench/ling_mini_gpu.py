@@ -585,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
         help="QK-norm + rope in the qkv projection's launch at one or two tokens (sets OMNISTAGE_THINKER_QKV_ROPE for the ranks)",
     )
     ap.add_argument(
+        "--gateup-select",
+        choices=("on", "off"),
+        default=None,
+        help="one token's experts selected in the gate-up launch (sets OMNISTAGE_THINKER_GATEUP_SELECT for the ranks)",
+    )
+    ap.add_argument(
         "--pdl",
         choices=("on", "off"),
         default=None,
@@ -603,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMNISTAGE_THINKER_RESIDENT"] = args.resident
     if args.qkv_rope is not None:
         os.environ["OMNISTAGE_THINKER_QKV_ROPE"] = args.qkv_rope
+    if args.gateup_select is not None:
+        os.environ["OMNISTAGE_THINKER_GATEUP_SELECT"] = args.gateup_select
     defaults = dict(
         max_num_seqs=(64, 8),
         max_num_batched_tokens=(4096, 128),
@@ -692,6 +700,9 @@ def main(argv: list[str] | None = None) -> int:
         "pdl": os.environ.get("OMNISTAGE_THINKER_PDL", "on"),  # kernels/pdl.py's default
         "resident": os.environ.get("OMNISTAGE_THINKER_RESIDENT", "on"),  # backends.resident_enabled()'s
         "qkv_rope": os.environ.get("OMNISTAGE_THINKER_QKV_ROPE", "on"),  # backends.qkv_rope_enabled()'s
+        "gateup_select": os.environ.get(
+            "OMNISTAGE_THINKER_GATEUP_SELECT", "off"
+        ),  # gateup_select_enabled()'s
         "tp_allreduce": args.tp_allreduce,
         "elapsed_s": round(elapsed, 1),
         "ok": not problems,

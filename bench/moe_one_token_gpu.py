@@ -10,6 +10,14 @@ layer's own weights each (the chosen experts are never in L2 from the layer befo
 streamed (the default) against a program a tile, then sweeps of the streaming tiles, of the down
 rows and warps beside them, and (unless `--no-sweep`) of a program a tile's. Exit status 1 when the paths differ by more than bf16 rounding
 or the streaming gate-up changes a bit.
+
+`select` (issue 40; `--select-only`: these rows alone): the decode step's one-token MoE layer in its
+place -- the add + RMSNorm in the router's launch -- as today (`router.normed_route`: the router's last
+program selects; the down reads the ids and its chosen rows before its wait) against the experts
+selected in the streaming gate-up (`gate_up_select.normed_select_experts`: the router's logits only,
+the down reading the ids after its wait), µs a layer and of each router launch alone, the registers
+of the launches' compiled variants, and whether the ids, routing weights, output and residual sum
+are bit-equal (exit status 1 when not).
 """
 
 from __future__ import annotations
@@ -22,9 +30,18 @@ from pathlib import Path
 import torch
 from omnistage.common.bench_results import write_result
 from omnistage.common.checkpoint.config_only import LING_MINI, MING_FLASH_TP2_RANK
+from omnistage.services.thinker.kernels import moe_one_token
+from omnistage.services.thinker.kernels import router as router_kernels
 from omnistage.services.thinker.kernels.fused_moe import choose_tiles, fused_experts
-from omnistage.services.thinker.kernels.moe_one_token import OneTokenTiles, default_tiles, one_token_experts
-from omnistage.services.thinker.kernels.router import route
+from omnistage.services.thinker.kernels.gate_up_select import normed_select_experts
+from omnistage.services.thinker.kernels.moe_one_token import (
+    OneTokenTiles,
+    RouterLogits,
+    default_tiles,
+    one_token_experts,
+    selecting_experts,
+)
+from omnistage.services.thinker.kernels.router import normed_logits, normed_route, route
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the chain timer
 from resident_gemv_gpu import time_chain  # noqa: E402
@@ -137,20 +154,129 @@ def run(label: str, dims: dict, layers: int, dev: torch.device, sweep: bool = Tr
     return result
 
 
+KERNELS = {
+    "router": router_kernels._route_kernel,
+    "gate-up (stream)": moe_one_token._one_token_gate_up_stream_kernel,
+    "down": moe_one_token._one_token_down_kernel,
+}
+
+
+def _registers() -> dict[str, dict[str, str]]:
+    """Each launch's variants compiled in this process (Triton's JIT caches, by their key): registers
+    and spills a thread (best effort: the caches' layout is Triton's own)."""
+    found: dict[str, dict[str, str]] = {}
+    for name, kernel in KERNELS.items():
+        found[name] = {}
+        try:
+            for cache in getattr(kernel, "device_caches", {}).values():
+                for key, compiled in (cache[0] if isinstance(cache, tuple) else cache).items():
+                    found[name][str(key)] = f"{compiled.n_regs} registers, {compiled.n_spills} spills"
+        except Exception as exc:  # another Triton's caches
+            found[name]["?"] = f"{type(exc).__name__}: {exc}"
+    return found
+
+
+def select_rows(label: str, dims: dict, layers: int, dev: torch.device) -> dict:
+    """Today's one-token MoE layer (router selects) against the gate-up selecting, in one graph each."""
+    e, h, i = dims["num_experts"], dims["hidden_size"], dims["moe_intermediate_size"]
+    k, groups, top_groups, scaling = dims["num_experts_per_tok"], dims["n_group"], dims["topk_group"], 2.5
+    g = torch.Generator(device=dev).manual_seed(2)
+
+    def rand(*shape, scale=0.02):
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(torch.bfloat16)
+
+    weights = [
+        dict(
+            gate=rand(e, h),
+            bias=torch.randn(e, generator=g, device=dev) * 0.01,
+            norm=rand(h, scale=1.0),
+            experts=(rand(e, 2 * i, h), rand(e, h, i)),
+            shared=(rand(2 * i, h), rand(h, i)),
+        )
+        for _ in range(layers)
+    ]
+    x, residual = rand(1, h, scale=1.0), rand(1, h, scale=1.0)
+    route_shape = (k, groups, top_groups, scaling)
+
+    def router_selecting(n: int):  # today's router launch
+        w = weights[n]
+        return normed_route(x, residual, w["norm"], 1e-6, w["gate"], w["bias"], *route_shape)
+
+    def router_logits(n: int):  # the logits-only router launch
+        w = weights[n]
+        return normed_logits(x, residual, w["norm"], 1e-6, w["gate"], w["bias"], groups, top_groups, k)
+
+    def today(n: int):
+        rw, ids, normed, total = router_selecting(n)
+        w = weights[n]
+        return one_token_experts(normed, *w["experts"], rw, ids, w["shared"]), total, rw, ids
+
+    def selecting(n: int):
+        logits, normed, total = router_logits(n)
+        w = weights[n]
+        select = RouterLogits(logits, w["bias"], groups, top_groups, k, scaling)
+        out, rw, ids = selecting_experts(normed, *w["experts"], select, w["shared"])
+        return out, total, rw, ids
+
+    def layer(n: int):  # the model's entry: its rule, then the three launches
+        w = weights[n]
+        args = (x, residual, w["norm"], 1e-6, w["gate"], w["bias"], route_shape, w["experts"], w["shared"])
+        return normed_select_experts(*args)
+
+    today(0)
+    before = _registers()
+    selecting(0)  # the variants compiled here are the selecting path's
+    after = _registers()
+    registers = {
+        name: {
+            "selecting": [v for key, v in after[name].items() if key not in before[name]],
+            "every variant so far": sorted(set(after[name].values())),
+        }
+        for name in KERNELS
+    }
+    bits: dict[str, bool] = {}
+    for n in range(layers):
+        names = ("output", "residual sum", "routing weights", "ids")
+        for name, a, b in zip(names, today(n), selecting(n), strict=True):
+            bits[name] = bits.get(name, True) and torch.equal(a, b)
+    served, want = layer(0), today(0)
+    bits["the rule served, the same bits"] = served is not None and all(
+        torch.equal(a, b) for a, b in zip(served, want[:2], strict=True)
+    )
+    result = {
+        "bits": bits,
+        "ok": all(bits.values()),
+        "us_a_layer": {
+            "today: router selects + gate-up + down (ids before its wait)": time_chain(today, layers),
+            "gate-up selects: router logits + gate-up selecting + down (ids after its wait)": time_chain(
+                layer, layers
+            ),
+            "router alone, selecting (ticket + last program)": time_chain(router_selecting, layers),
+            "router alone, logits only": time_chain(router_logits, layers),
+        },
+        "registers": registers,
+    }
+    for key, us in result["us_a_layer"].items():
+        print(f"[{label}] select: {key}: {us:.2f} us", flush=True)
+    print(f"[{label}] select: bits {bits}", flush=True)
+    for key, regs in result["registers"].items():
+        print(f"[{label}] select: {key} registers {regs}", flush=True)
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=6, help="layers a graph, each with its own weights")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--no-sweep", action="store_true", help="not the sweep of a program a tile")
+    ap.add_argument("--select-only", action="store_true", help="the gate-up selection's rows alone")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    out = {
-        "device": torch.cuda.get_device_name(dev),
-        "ling-mini tp1": run("ling-mini tp1", LING_MINI, args.layers, dev, not args.no_sweep),
-        "ming-flash tp2 rank": run(
-            "ming-flash tp2 rank", MING_FLASH_TP2_RANK, args.layers, dev, not args.no_sweep
-        ),
-    }
+    out: dict = {"device": torch.cuda.get_device_name(dev)}
+    for key, dims in (("ling-mini tp1", LING_MINI), ("ming-flash tp2 rank", MING_FLASH_TP2_RANK)):
+        if not args.select_only:
+            out[key] = run(key, dims, args.layers, dev, not args.no_sweep)
+        out[f"{key} select"] = select_rows(key, dims, args.layers, dev)
     if args.out:
         write_result(args.out, out, gpu=True)  # CUDA only: the script needs a GPU
     return 0 if all(v["ok"] for key, v in out.items() if key != "device") else 1

@@ -13,6 +13,12 @@ its rows of every chosen expert's down weight in registers (a whole row: K is th
 size); products and sums in fp32 on CUDA cores (one row: no tensor-core tile to fill), the
 roundings the reference makes (each expert's output in the activation dtype, times its routing
 weight in fp32, the sum rounded, then the shared expert's output added and rounded again).
+
+`selecting_experts` (gate_up_select.py's launches; issue 40): the streaming gate-up selects the
+experts itself from the router's logits after its wait (each program, by the router's rule:
+`route_select.choose_experts`) and its program 0 stores the ids and routing weights; the down
+launch then reads those after its wait (`IDS_SETTLED=False`: one launch back), only the shared
+expert's rows before it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,12 @@ import triton.language as tl
 from omnistage.services.thinker.kernels import interpreting, pdl
 from omnistage.services.thinker.kernels.norms import silu_mul
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
+from omnistage.services.thinker.kernels.route_select import (
+    choose_experts,
+    expert_grid,
+    load_logits,
+    routing_weights,
+)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Weight bytes a program holds in registers. One H200, 2026-11-29 (bench/moe_one_token_gpu.py, router +
@@ -91,9 +103,13 @@ def supported(
 ) -> bool:
     """The one dispatch rule: one token, a power-of-two top-k, a shared expert of an expert's shape,
     one dtype, contiguous weights, on CUDA (or under TRITON_INTERPRET=1)."""
-    if shared is None or x.shape[0] != 1 or ids.shape[0] != 1:
+    return ids.shape[0] == 1 and supports(x, w13, w2, ids.shape[1], shared)
+
+
+def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, shared: tuple | None) -> bool:
+    """`supported`'s rule before the ids exist (gate_up_select.py asks it before the router runs)."""
+    if shared is None or x.shape[0] != 1:
         return False
-    top_k = ids.shape[1]
     gate_up, down = shared
     return (
         top_k & (top_k - 1) == 0
@@ -119,16 +135,30 @@ def _finish_tile(gate_w, up_w, x, t, h_ptr, inter, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _tile_weights(
-    w13_ptr, shared_ptr, ids_ptr, t, sizes, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, H_PAD: tl.constexpr
+    w13_ptr,
+    shared_ptr,
+    ids_ptr,
+    t,
+    sizes,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    H_PAD: tl.constexpr,
+    chosen,
+    SELECT: tl.constexpr,
 ):
     """Tile t's gate and up rows [BLOCK_N, H_PAD] (tile t: slot t // blocks -- TOP_K the shared
     expert --, intermediate columns of block t % blocks); zeros past the last tile. `sizes` =
-    (inter, hidden, the experts' stride)."""
+    (inter, hidden, the experts' stride). The slot's expert: SELECT, from `chosen` [TOP_K] (the
+    launch's own selection, in registers), else read at ids_ptr (`chosen` unread)."""
     inter, hidden, stride_we = sizes
     blocks = tl.cdiv(inter, BLOCK_N)
     slot = t // blocks
     if slot < TOP_K:
-        base = w13_ptr + tl.load(ids_ptr + slot) * stride_we
+        if SELECT:
+            expert = tl.sum(tl.where(tl.arange(0, TOP_K) == slot, chosen, 0))
+        else:
+            expert = tl.load(ids_ptr + slot)
+        base = w13_ptr + expert * stride_we
     else:
         base = shared_ptr
     cols = (t % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,12 +190,43 @@ def _one_token_gate_up_kernel(
     shared expert) into h[slot]."""
     wait_for_prior_kernels(USE_PDL)
     t = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    sizes = (inter, hidden, stride_we)
     gate_w, up_w = _tile_weights(
-        w13_ptr, shared_ptr, ids_ptr, t, (inter, hidden, stride_we), TOP_K, BLOCK_N, H_PAD
+        w13_ptr, shared_ptr, ids_ptr, t, sizes, TOP_K, BLOCK_N, H_PAD, ids_ptr, False
     )
     ks = tl.arange(0, H_PAD)
     x = tl.load(x_ptr + ks, mask=ks < hidden, other=0.0).to(tl.float32)
     _finish_tile(gate_w, up_w, x, t, h_ptr, inter, BLOCK_N)
+
+
+@triton.jit
+def _own_selection(
+    logits_ptr,
+    bias,
+    NUM_EXPERTS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+):
+    """The token's expert ids [1, TOP_K] from the router's fp32 logits (the launch before wrote
+    them: read after the wait) and the fp32 expert bias: `route_select.choose_experts` over
+    `load_logits`, the router's own selection (the same ops, the same bits)."""
+    one = tl.arange(0, 1)
+    logits = load_logits(logits_ptr + one, one == 0, NUM_EXPERTS, GROUPS)
+    return choose_experts(logits, bias, NUM_EXPERTS, GROUPS, TOPK_GROUP, TOP_K)
+
+
+@triton.jit
+def _store_routing(logits_ptr, chosen, ids_ptr, weights_ptr, scaling, TOP_K: tl.constexpr):
+    """Program 0 of the selecting gate-up: the ids `chosen` [1, TOP_K] and their routing weights
+    times `scaling` (`route_select.routing_weights`, as the router stores them) where the down
+    launch reads them after its wait; the other programs store nothing."""
+    if tl.program_id(0) == 0:
+        one = tl.arange(0, 1)
+        w = routing_weights(logits_ptr + one, chosen, one == 0)
+        out = tl.arange(0, TOP_K)[None, :]
+        tl.store(weights_ptr + out, w * scaling)
+        tl.store(ids_ptr + out, chosen)
 
 
 @triton.jit
@@ -175,28 +236,53 @@ def _one_token_gate_up_stream_kernel(
     shared_ptr,
     ids_ptr,
     h_ptr,
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
     inter,
     hidden,
     stride_we,
+    scaling,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     H_PAD: tl.constexpr,
+    SELECT: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """The gate-up launch in one wave: program p of P computes tiles p, p + P, ... (`_tile_weights`;
     h[slot] as `_one_token_gate_up_kernel`), the next tile's weights loaded before the current
     tile's products, so each program keeps two tiles' reads in flight and no program waits for
-    another to leave its SM."""
+    another to leave its SM. The experts: the router's ids at ids_ptr, or SELECT each program's own
+    selection from the router's logits (`_own_selection`; the expert bias, a static operand, read
+    before the wait; NUM_EXPERTS, GROUPS, TOPK_GROUP the router's shape), program 0 storing the ids
+    and the routing weights (`_store_routing`) for the down launch; else logits, bias and weights
+    unread."""
+    if SELECT:
+        bias = tl.load(bias_ptr + expert_grid(NUM_EXPERTS, GROUPS)).to(tl.float32)
     wait_for_prior_kernels(USE_PDL)
+    if SELECT:
+        picked = _own_selection(logits_ptr, bias, NUM_EXPERTS, GROUPS, TOPK_GROUP, TOP_K)
+        chosen = tl.reshape(picked, (TOP_K,))
+    else:
+        chosen = ids_ptr  # unread: each tile reads its expert at ids_ptr
     sizes = (inter, hidden, stride_we)
     blocks = tl.cdiv(inter, BLOCK_N)
     ks = tl.arange(0, H_PAD)
     x = tl.load(x_ptr + ks, mask=ks < hidden, other=0.0).to(tl.float32)
     t = tl.program_id(0)
-    gate_w, up_w = _tile_weights(w13_ptr, shared_ptr, ids_ptr, t, sizes, TOP_K, BLOCK_N, H_PAD)
+    gate_w, up_w = _tile_weights(
+        w13_ptr, shared_ptr, ids_ptr, t, sizes, TOP_K, BLOCK_N, H_PAD, chosen, SELECT
+    )
+    if SELECT:  # after the first tile's reads are in flight
+        _store_routing(logits_ptr, picked, ids_ptr, weights_ptr, scaling, TOP_K)
     for _ in range(tl.program_id(0), blocks * (TOP_K + 1), tl.num_programs(0)):
         after = t + tl.num_programs(0)
-        gate_next, up_next = _tile_weights(w13_ptr, shared_ptr, ids_ptr, after, sizes, TOP_K, BLOCK_N, H_PAD)
+        gate_next, up_next = _tile_weights(
+            w13_ptr, shared_ptr, ids_ptr, after, sizes, TOP_K, BLOCK_N, H_PAD, chosen, SELECT
+        )
         _finish_tile(gate_w, up_w, x, t, h_ptr, inter, BLOCK_N)
         gate_w, up_w, t = gate_next, up_next, after
 
@@ -215,26 +301,38 @@ def _one_token_down_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     I_PAD: tl.constexpr,
+    IDS_SETTLED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program n: hidden rows [n·BLOCK_N, +BLOCK_N) of the token's output, Σ_slot round(expert_slot's
     down(h[slot])) · weight_slot in fp32, rounded, + round(shared down(h[TOP_K])), rounded. The
-    chosen experts' weight rows (and the routing weights) are read before the wait."""
+    shared expert's weight rows are read before the wait; the ids and routing weights, and the
+    chosen experts' weight rows, before it when IDS_SETTLED (the router's, two launches back), else
+    after it (the selecting gate-up's, the launch before)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, I_PAD)
     slots = tl.arange(0, TOP_K)
     c_ok, k_ok = cols < hidden, ks < inter
-    experts = tl.load(ids_ptr + slots, cache_modifier=".cg")  # the router's, two launches back
     rows = cols.to(tl.int64)[:, None] * inter + ks[None, :]
     mask = c_ok[:, None] & k_ok[None, :]
-    w = tl.load(
-        w2_ptr + experts[:, None, None] * stride_we + rows[None, :, :], mask=mask[None, :, :], other=0.0
-    )
+    if IDS_SETTLED:  # the router's, two launches back
+        experts = tl.load(ids_ptr + slots, cache_modifier=".cg")
+        w = tl.load(
+            w2_ptr + experts[:, None, None] * stride_we + rows[None, :, :], mask=mask[None, :, :], other=0.0
+        )
     w_shared = tl.load(shared_ptr + rows, mask=mask, other=0.0)
-    route = tl.load(weights_ptr + slots, cache_modifier=".cg")
+    if IDS_SETTLED:
+        route = tl.load(weights_ptr + slots, cache_modifier=".cg")
     wait_for_prior_kernels(USE_PDL)
+    if not IDS_SETTLED:  # the gate-up's, the launch before (h's reads issued before the rows wait on them)
+        experts = tl.load(ids_ptr + slots, cache_modifier=".cg")
+        route = tl.load(weights_ptr + slots, cache_modifier=".cg")
     dt = out_ptr.dtype.element_ty
     h = tl.load(h_ptr + slots[:, None] * inter + ks[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
+    if not IDS_SETTLED:
+        w = tl.load(
+            w2_ptr + experts[:, None, None] * stride_we + rows[None, :, :], mask=mask[None, :, :], other=0.0
+        )
     expert_out = tl.sum(w.to(tl.float32) * h[:, None, :], axis=2)  # [TOP_K, BLOCK_N]
     mix = tl.sum(expert_out.to(dt).to(tl.float32) * route[:, None], axis=0).to(dt)
     h_shared = tl.load(h_ptr + TOP_K * inter + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -243,24 +341,62 @@ def _one_token_down_kernel(
     tl.store(out_ptr + cols, y, mask=c_ok)
 
 
+@dataclass(frozen=True)
+class RouterLogits:
+    """A token's router output before its selection (`router.normed_logits`): the fp32 logits
+    [1, E], and what the router selects with (its expert bias, groups, groups kept, top-k and
+    scaling), for `selecting_experts`."""
+
+    logits: torch.Tensor
+    bias: torch.Tensor
+    n_group: int
+    topk_group: int
+    top_k: int
+    scaling: float
+
+
+def _selection_args(
+    select: RouterLogits | None, w13: torch.Tensor, routing: torch.Tensor
+) -> tuple[tuple, dict]:
+    """The streaming gate-up's logits, bias, routing weights and scaling, and the selection's
+    constexprs; without `select` unread (the bias a weight as given: a static operand's pointer)."""
+    if select is None:
+        return (routing, w13, routing, 1.0), dict(SELECT=False, NUM_EXPERTS=1, GROUPS=1, TOPK_GROUP=1)
+    shape = dict(NUM_EXPERTS=select.logits.shape[-1], GROUPS=select.n_group, TOPK_GROUP=select.topk_group)
+    return (select.logits, select.bias, routing, select.scaling), dict(SELECT=True, **shape)
+
+
 def _gate_up(
     x: torch.Tensor,
     w13: torch.Tensor,
     ids: torch.Tensor,
+    routing: torch.Tensor,
     shared: torch.Tensor,
     h: torch.Tensor,
     tiles: OneTokenTiles,
+    select: RouterLogits | None,
 ) -> None:
-    """The gate-up launch into h [top_k + 1, I]: a program a tile, or `tiles.programs` streaming."""
+    """The gate-up launch into h [top_k + 1, I]: a program a tile, or `tiles.programs` streaming;
+    with `select` the streaming launch selects from the router's logits and stores the ids and
+    the routing weights (a program a tile refuses it: each program would select)."""
     hidden, inter, top_k = x.shape[1], w13.shape[1] // 2, ids.numel()
-    args = (x, w13, shared, ids, h, inter, hidden, w13.stride(0))
     shape = dict(TOP_K=top_k, BLOCK_N=tiles.gate_up_rows, H_PAD=triton.next_power_of_2(hidden))
     if tiles.programs > 0:
+        (logits, bias, routing, scaling), selection = _selection_args(select, w13, routing)
         _one_token_gate_up_stream_kernel[(tiles.programs,)](
-            *args, **shape, num_warps=tiles.warps, num_stages=1, **pdl.launch(x.device)
+            *(x, w13, shared, ids, h, logits, bias, routing),
+            *(inter, hidden, w13.stride(0), scaling),
+            **shape,
+            **selection,
+            num_warps=tiles.warps,
+            num_stages=1,
+            **pdl.launch(x.device),
         )
+    elif select is not None:
+        raise ValueError("the gate-up selects the experts only when it streams (tiles.programs > 0)")
     else:
         grid = (triton.cdiv(inter, tiles.gate_up_rows), top_k + 1)
+        args = (x, w13, shared, ids, h, inter, hidden, w13.stride(0))
         _one_token_gate_up_kernel[grid](*args, **shape, num_warps=tiles.warps, **pdl.launch(x.device))
 
 
@@ -275,28 +411,54 @@ def one_token_experts(
 ) -> torch.Tensor:
     """x [1, H], w13 [E, 2I, H], w2 [E, H, I], the router's fp32 weights and ids [1, k], the shared
     expert's (gate_up [2I, H], down [H, I]) → [1, H] in x's dtype, as `fused_moe.fused_experts`."""
+    routing = weights.reshape(-1).float().contiguous()
+    return _experts(x, w13, w2, shared, tiles, ids.reshape(-1).contiguous(), routing, None)
+
+
+def selecting_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    select: RouterLogits,
+    shared: tuple[torch.Tensor, torch.Tensor],
+    tiles: OneTokenTiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`one_token_experts` from the router's logits (issue 40): the streaming gate-up's programs
+    each select the experts after their wait (`route_select.choose_experts`, the router's rule),
+    program 0 stores the ids and the routing weights times the scaling, and the down launch reads
+    them after its wait (one launch back now). → (out [1, H], fp32 weights [1, k], ids [1, k]), the
+    router's selection's bits (gate_up_select.py's rule says where it serves)."""
+    ids = torch.empty(1, select.top_k, dtype=torch.int64, device=x.device)
+    routing = torch.empty(1, select.top_k, dtype=torch.float32, device=x.device)
+    return _experts(x, w13, w2, shared, tiles, ids.view(-1), routing.view(-1), select), routing, ids
+
+
+def _experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor],
+    tiles: OneTokenTiles | None,
+    ids: torch.Tensor,
+    routing: torch.Tensor,
+    select: RouterLogits | None,
+) -> torch.Tensor:
+    """The two launches over the ids [k] and fp32 routing weights [k]: the router's (the down reads
+    them before its wait), or with `select` the gate-up's (stored there, read after the wait)."""
     _, hidden = x.shape
-    inter, top_k = w13.shape[1] // 2, ids.shape[1]
+    inter, top_k = w13.shape[1] // 2, ids.numel()
     tiles = tiles or default_tiles(hidden, inter, top_k, x.element_size(), sms=sm_count(x.device))
     x = x.contiguous()
-    ids = ids.reshape(-1).contiguous()
-    routing = weights.reshape(-1).float().contiguous()
     h = torch.empty(top_k + 1, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
-    _gate_up(x, w13, ids, shared[0], h, tiles)
+    _gate_up(x, w13, ids, routing, shared[0], h, tiles, select)
     _one_token_down_kernel[(triton.cdiv(hidden, tiles.down_rows),)](
-        h,
-        w2,
-        shared[1],
-        ids,
-        routing,
-        out,
-        hidden,
-        inter,
-        w2.stride(0),
+        *(h, w2, shared[1], ids, routing, out),
+        *(hidden, inter, w2.stride(0)),
         TOP_K=top_k,
         BLOCK_N=tiles.down_rows,
         I_PAD=triton.next_power_of_2(inter),
+        IDS_SETTLED=select is None,
         num_warps=tiles.warps,
         **pdl.launch(x.device),
     )

@@ -51,6 +51,7 @@ STATIC_OPERANDS: dict[str, tuple[str, ...]] = {
     "_route_kernel": ("w_ptr", "bias_ptr", "norm_w_ptr"),  # the gate's, and the folded norm's weight
     "_resident_gemv_kernel": ("w_ptr", "norm_w_ptr"),
     "_one_token_down_kernel": ("w2_ptr", "shared_ptr"),
+    "_one_token_gate_up_stream_kernel": ("bias_ptr",),  # the router's expert bias, where it selects
 }
 # kernel name → the pointer parameters it may load from before its wait because a launch two or more
 # back wrote them (or a node before the step's first kernel): the kernel right before it waited for that launch to complete before it let this one
@@ -62,6 +63,13 @@ SETTLED_OPERANDS: dict[str, tuple[str, ...]] = {
     # rows of earlier steps: the kernel masks off the row this step writes (the context's last)
     # and reads it after its wait.
     "_decode_kernel": ("ctx_ptr", "tables_ptr", "slots_ptr", "k_cache_ptr", "v_cache_ptr"),
+}
+# kernel name → (a bool constexpr parameter, some of its SETTLED_OPERANDS): those are settled only in
+# the variant launched with the constexpr True; launched with it False the launch right before wrote
+# them, so the kernel reads them after its wait (test_pdl.py checks each variant's pre-wait reads).
+SETTLED_WHEN: dict[str, tuple[str, tuple[str, ...]]] = {
+    # IDS_SETTLED=False: the streaming gate-up selected and stored them (moe_one_token.selecting_experts).
+    "_one_token_down_kernel": ("IDS_SETTLED", ("ids_ptr", "weights_ptr"))
 }
 
 

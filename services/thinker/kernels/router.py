@@ -1,5 +1,6 @@
 """The sigmoid group-limited top-k router in Triton: the gate GEMM and the selection in one launch
-for a decode batch, the same kernel's selection alone over cuBLAS logits for a prefill.
+for a decode batch, the same kernel's selection alone over cuBLAS logits for a prefill, and at one
+token its logits alone for a gate-up launch that selects (`normed_logits`, gate_up_select.py).
 
 The reference (`layers/moe.py` Router) takes ~15 launches, and its fp32 GEMV two more copies (the
 activations and the gate weight cast to fp32 every step). The fused kernel reads both in their own
@@ -272,6 +273,7 @@ def _route_kernel(
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     NORM: tl.constexpr,
+    SELECT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (e, t, s) for BLOCK_T tokens. GEMV: the fp32 logits of BLOCK_E experts over hidden
@@ -283,7 +285,8 @@ def _route_kernel(
     (0, t, 0) stores with the sum (`_normed_gate_gemv`); else r, norm_w, normed and sum are unread.
     Before the PDL wait only the static operands are read (pdl.STATIC_OPERANDS, which no kernel
     writes): every program's bias, and on the gemv path its first chunk of gate rows (and of the
-    norm weight), load while the previous kernel runs."""
+    norm weight), load while the previous kernel runs. Not SELECT (gemv, one split): the logits
+    only (`normed_logits`; the gate-up after it selects), no ticket, weights and ids unwritten."""
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     k_lo, k_hi = _split_range(hidden, SPLIT, BLOCK_H)
     bias = tl.load(bias_ptr + expert_grid(NUM_EXPERTS, GROUPS)).to(tl.float32)
@@ -319,7 +322,10 @@ def _route_kernel(
             )
         part = partial_ptr + tl.program_id(2) * num_tokens * NUM_EXPERTS
         tl.store(part + rows[:, None] * NUM_EXPERTS + experts[None, :], acc, mask=row_ok[:, None])
-        last = last_to_finish(tickets_ptr, pid_t, tl.num_programs(0) * tl.num_programs(2))
+        if SELECT:
+            last = last_to_finish(tickets_ptr, pid_t, tl.num_programs(0) * tl.num_programs(2))
+        else:
+            last = False
         if last and SPLIT > 1:
             _sum_splits(partial_ptr, logits_ptr, rows, row_ok, num_tokens, NUM_EXPERTS, SPLIT)
             tl.debug_barrier()  # the summed logits stored before the selection reads them
@@ -427,7 +433,7 @@ def route(
     DOT_TILES) and `block_t` (token rows a program on a GEMM path) override the rule
     (bench/moe_decode_gpu.py)."""
     path = _checked(path) or route_path(x, weight, fuse)
-    weights, ids, _ = _launch(x, weight, bias, (top_k, n_group, topk_group, scaling), path, tiles, block_t)
+    weights, ids, _, _ = _launch(x, weight, bias, (top_k, n_group, topk_group, scaling), path, tiles, block_t)
     return weights, ids
 
 
@@ -463,8 +469,30 @@ def normed_route(
     if not folds_norm(x, weight, residual, norm_weight):
         return None
     shape = (top_k, n_group, topk_group, scaling)
-    weights, ids, rows = _launch(x, weight, bias, shape, "gemv", None, None, (residual, norm_weight, eps))
+    weights, ids, rows, _ = _launch(x, weight, bias, shape, "gemv", None, None, (residual, norm_weight, eps))
     return weights, ids, *rows
+
+
+def normed_logits(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`normed_route` without the selection: (fp32 logits [T, E], weight * norm(x + residual),
+    x + residual), the same bits, for a launch after it that selects the experts itself
+    (`moe_one_token.py`'s streaming gate-up): no program takes a ticket or selects. None where
+    `folds_norm` says no."""
+    if not folds_norm(x, weight, residual, norm_weight):
+        return None
+    shape, norm = (top_k, n_group, topk_group, 1.0), (residual, norm_weight, eps)
+    _, _, rows, logits = _launch(x, weight, bias, shape, "gemv", None, None, norm, select=False)
+    return logits, *rows
 
 
 def _launch(
@@ -476,18 +504,22 @@ def _launch(
     tiles: RouterTiles | None,
     block_t: int | None,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """`_route_kernel`'s launch on `path`: (weights, ids, and with `norm` = (residual, norm weight,
-    eps) the normed row and the residual sum it stored, else None); `shape` = (top_k, n_group,
-    topk_group, scaling)."""
+    select: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
+    """`_route_kernel`'s launch on `path`: (weights, ids, with `norm` = (residual, norm weight, eps)
+    the normed row and the residual sum it stored (else None), the fp32 logits [T, E] on a GEMM
+    path); `shape` = (top_k, n_group, topk_group, scaling). Not `select` (gemv): the logits only,
+    weights and ids unwritten."""
     (t, hidden), num_experts = x.shape, weight.shape[0]
     top_k, n_group, topk_group, scaling = shape
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     if t == 0:
-        return weights, ids, None
-    if norm is not None and path != "gemv":
-        raise ValueError(f"the router folds the norm on its gemv path only, not {path!r}")
+        return weights, ids, None, None
+    if (norm is not None or not select) and path != "gemv":
+        raise ValueError(
+            f"the router folds the norm or leaves the selection on its gemv path only, not {path!r}"
+        )
     gemm = path != "cublas"
     x, weight, logits = _operands(gemm, x, weight)
     r, norm_weight, eps, normed, total = _norm_operands(x, weight, norm)
@@ -516,11 +548,12 @@ def _launch(
         SPLIT=split,
         PRECISION=dot_precision(x.dtype),
         NORM=norm is not None,
+        SELECT=select,
         num_warps=warps,
         num_stages=stages,
         **pdl.launch(x.device),
     )
-    return weights, ids, None if norm is None else (normed, total)
+    return weights, ids, None if norm is None else (normed, total), logits
 
 
 def _norm_operands(

@@ -18,7 +18,7 @@ from omnistage.services.thinker.models.layers.attention import (
     PagedAttention,
     QKNormRope,
 )
-from omnistage.services.thinker.models.layers.moe import FusedExperts, GatedMLP, Router
+from omnistage.services.thinker.models.layers.moe import FusedExperts, GatedMLP, Router, SparseMoeBlock
 from omnistage.services.thinker.models.layers.norm import RMSNorm
 from torch import nn
 
@@ -140,6 +140,11 @@ RESIDENT_ENV = "OMNISTAGE_THINKER_RESIDENT"
 # run it in a launch of its own: one sequence's decode on a GPU, a prefill of one or two tokens), for a
 # same-build comparison (bench/ling_mini_gpu.py --qkv-rope, bench/resident_gemv_gpu.py).
 QKV_ROPE_ENV = "OMNISTAGE_THINKER_QKV_ROPE"
+# Set to `on`: a MoE layer of one token selects its experts in the streaming gate-up launch (the
+# router's launch gives the logits only, the down reads the ids after its wait;
+# `kernels/gate_up_select.py`). Off by default until measured (bench/moe_one_token_gpu.py), for a
+# same-build comparison.
+GATEUP_SELECT_ENV = "OMNISTAGE_THINKER_GATEUP_SELECT"
 
 
 def fusions_enabled() -> bool:
@@ -162,6 +167,11 @@ def qkv_rope_enabled() -> bool:
     return _switch(QKV_ROPE_ENV)
 
 
+def gateup_select_enabled() -> bool:
+    """GATEUP_SELECT_ENV's choice (default off), refused as FUSIONS_ENV's is."""
+    return _switch(GATEUP_SELECT_ENV, default="off")
+
+
 def _switch(name: str, default: str = "on") -> bool:
     value = os.environ.get(name, default).strip().lower()
     if value not in ("on", "off"):
@@ -179,7 +189,9 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     (alignment, two GEMMs, and the sum over each token's experts with the shared expert's add; one
     token's experts in two launches, `kernels/moe_one_token.py`). Both (and `fuse`): a MoE layer's
     add + RMSNorm before a router of one or two tokens in the router's launch
-    (`Router.norm_kernel`, `router.normed_route`).
+    (`Router.norm_kernel`, `router.normed_route`), and with GATEUP_SELECT_ENV on, at one token, the
+    experts selected in the gate-up launch instead (`SparseMoeBlock.select_kernel`,
+    `kernels/gate_up_select.py`).
     `fuse` (default: FUSIONS_ENV) False: the MoE glue unfused, and a decode step's K/V write and
     QK-norm + rope in launches of their own.
     Under the fast attention backends a projection of one or two tokens whose weight fits takes the
@@ -196,16 +208,7 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
         attention = (TritonAttention if backends.attention == "triton" else FlashInferAttention)(fuse)
         norm, act = norms.rms_norm, norms.silu_and_mul
         gemv, norm_gemv, rope_gemv = _projection_kernels(fuse)
-    experts, route, normed_route = None, None, None
-    if backends.moe == "triton":
-        from omnistage.services.thinker.kernels import router
-        from omnistage.services.thinker.kernels.fused_moe import fused_experts
-        from omnistage.services.thinker.kernels.moe_align import align_supported
-
-        experts = functools.partial(fused_experts, fuse=fuse)
-        route = functools.partial(router.route, fuse=fuse)
-        if fuse and norm is not None:  # the norm's kernel installed: the router may run its rule
-            normed_route = router.normed_route
+    experts, route, normed_route, select = _moe_kernels(backends, fuse, norm is not None)
     for module in model.modules():
         if isinstance(module, PagedAttention):
             module.backend = attention
@@ -220,12 +223,45 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
             if hasattr(module, "rope_gemv"):
                 module.rope_gemv = rope_gemv
         elif isinstance(module, FusedExperts):
-            module.kernel = experts if experts is None or align_supported(module.w13.shape[0]) else None
+            module.kernel = experts if experts is None or _aligns(module.w13.shape[0]) else None
         elif isinstance(module, Router):
-            e, groups, k = module.weight.shape[0], module.n_group, module.top_k
-            runs = route is not None and router.route_shapes_supported(e, groups, k)
+            runs = route is not None and _routes(module.weight.shape[0], module.n_group, module.top_k)
             module.kernel = route if runs else None
             module.norm_kernel = normed_route if runs else None
+        elif isinstance(module, SparseMoeBlock):
+            module.select_kernel = select
+
+
+def _moe_kernels(backends: Backends, fuse: bool, norms: bool) -> tuple:
+    """The MoE layers' kernels (None each: the reference): the experts, the router, and with the
+    fusions and the norm's kernel installed the router's add + norm fold, and with
+    GATEUP_SELECT_ENV on the one token's layer that selects in its gate-up launch."""
+    if backends.moe != "triton":
+        return None, None, None, None
+    from omnistage.services.thinker.kernels import router
+    from omnistage.services.thinker.kernels.fused_moe import fused_experts
+
+    experts = functools.partial(fused_experts, fuse=fuse)
+    route = functools.partial(router.route, fuse=fuse)
+    if not (fuse and norms):  # the router may fold the norm only where the norm's kernel is installed
+        return experts, route, None, None
+    if not gateup_select_enabled():
+        return experts, route, router.normed_route, None
+    from omnistage.services.thinker.kernels.gate_up_select import normed_select_experts
+
+    return experts, route, router.normed_route, normed_select_experts
+
+
+def _aligns(num_experts: int) -> bool:
+    from omnistage.services.thinker.kernels.moe_align import align_supported
+
+    return align_supported(num_experts)
+
+
+def _routes(num_experts: int, n_group: int, top_k: int) -> bool:
+    from omnistage.services.thinker.kernels.router import route_shapes_supported
+
+    return route_shapes_supported(num_experts, n_group, top_k)
 
 
 def _projection_kernels(fuse: bool) -> tuple:

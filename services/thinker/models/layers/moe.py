@@ -227,6 +227,11 @@ class SparseMoeBlock(nn.Module):
         self.shared_experts = (
             GatedMLP(hidden, intermediate * num_shared, tp, reduce=False) if num_shared > 0 else None
         )
+        # normed_select_experts(x, residual, norm weight, eps, gate weight, expert bias, (top_k,
+        # n_group, topk_group, scaling), (w13, w2), shared (gate_up, down)) → (experts' output, x +
+        # residual), or None where its rule says no: a token's layer with the experts selected in the
+        # gate-up launch (kernels/gate_up_select.py; set by layers/backends.py); None: the router selects.
+        self.select_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def _groups(self, modality: torch.Tensor | RouterRows | None) -> RouterRows | None:
         """The step's RouterRows (found from the codes once, here); None: the gate takes every token."""
@@ -282,12 +287,42 @@ class SparseMoeBlock(nn.Module):
         """(this block's output for norm(x + residual), x + residual): the decoder layer's add +
         norm before it. Where one router takes every token of the step and its kernel folds the
         norm (`Router.normed`: a few tokens, the fusions on), the router's launch computes the
-        normed row and the experts read it; else the norm runs, then `forward`. The same sums."""
+        normed row and the experts read it -- at one token, where `select_kernel` serves, the
+        router's logits only, the experts selected in the gate-up launch --; else the norm runs,
+        then `forward`. The same sums."""
         groups = self._groups(modality)
         router = self._step_router(groups)
+        selected = None if router is None else self._selected(x, residual, norm, router)
+        if selected is not None:
+            return selected
         folded = None if router is None else router.normed(x, residual, norm)
         if folded is None:
             h, residual = norm(x, residual)
             return self(h, groups), residual
         weights, ids, h, residual = folded
         return self.tp.all_reduce(self.experts(h, weights, ids, self.shared_experts)), residual
+
+    def _selected(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, router: Router
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`normed` through `select_kernel` (its rule: one token, the router's fold, the streaming
+        gate-up), where the router's fold is installed; None where it does not serve."""
+        shared = self.shared_experts
+        if self.select_kernel is None or router.norm_kernel is None or shared is None:
+            return None
+        route = (router.top_k, router.n_group, router.topk_group, router.scaling)
+        got = self.select_kernel(
+            x,
+            residual,
+            norm.weight,
+            norm.eps,
+            router.weight,
+            router.expert_bias,
+            route,
+            (self.experts.w13, self.experts.w2),
+            (shared.gate_up_proj.weight, shared.down_proj.weight),
+        )
+        if got is None:
+            return None
+        out, residual = got
+        return self.tp.all_reduce(out), residual

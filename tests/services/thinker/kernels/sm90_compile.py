@@ -106,7 +106,16 @@ RESIDENT = {
 NO_ROPE = {"HEAD_DIM": 0, "ROT": 0, "QK_NORM": False}
 ROUTE_SHAPE = {"NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4, "TOP_K": 8}
 # The CUDA-core GEMV's launch (a token or four) and the select-only one: no dots, no splits.
-ROUTE_GEMV = {"DOT": False, "SPLIT": 1, "PRECISION": "tf32", "NORM": False}
+ROUTE_GEMV = {"DOT": False, "SPLIT": 1, "PRECISION": "tf32", "NORM": False, "SELECT": True}
+# One token's streaming gate-up: the router's ids, or its own selection from the router's logits
+# (Ling-mini's router: 256 experts, 8 groups, the top 4; an fp32 expert bias).
+ONE_TOKEN_STREAM = {"x_ptr": B, "w13_ptr": B, "shared_ptr": B, "ids_ptr": "*i64", "h_ptr": B}
+ONE_TOKEN_STREAM |= {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "scaling": F32}
+ONE_TOKEN_STREAM |= {n: I32 for n in ("inter", "hidden", "stride_we")}
+NOT_SELECTING = {"SELECT": False, "NUM_EXPERTS": 1, "GROUPS": 1, "TOPK_GROUP": 1}
+SELECTING = {"SELECT": True, "NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4}
+ONE_TOKEN_DOWN = {"h_ptr": B, "w2_ptr": B, "shared_ptr": B, "ids_ptr": "*i64", "weights_ptr": "*fp32"}
+ONE_TOKEN_DOWN |= {"out_ptr": B} | {n: I32 for n in ("hidden", "inter", "stride_we")}
 DECODE_TYPES = {
     "q_ptr": B,
     "k_cache_ptr": B,
@@ -331,7 +340,7 @@ CASES = {
         router._route_kernel,
         ROUTE,
         {**ROUTE_SHAPE, "BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_H": 128, "GEMV": True, "DOT": True}
-        | {"SPLIT": 4, "PRECISION": "tf32", "NORM": False},
+        | {"SPLIT": 4, "PRECISION": "tf32", "NORM": False, "SELECT": True},
     ),
     # One decode token: the whole hidden row in one chunk; an fp32 expert bias.
     "route_one_token": (
@@ -346,6 +355,13 @@ CASES = {
         {**ROUTE, "bias_ptr": "*fp32"},
         {**ROUTE_SHAPE, **ROUTE_GEMV, "BLOCK_T": 1, "BLOCK_E": 4, "BLOCK_H": 2048, "GEMV": True}
         | {"NORM": True},
+    ),
+    # The same giving the logits only, the gate-up selecting (`router.normed_logits`).
+    "route_normed_logits": (
+        router._route_kernel,
+        {**ROUTE, "bias_ptr": "*fp32"},
+        {**ROUTE_SHAPE, **ROUTE_GEMV, "BLOCK_T": 1, "BLOCK_E": 4, "BLOCK_H": 2048, "GEMV": True}
+        | {"NORM": True, "SELECT": False},
     ),
     # The projections' GEMV: the default config (split-K partials in fp32) and a wide bf16 tile.
     "gemv_split": (
@@ -395,18 +411,28 @@ CASES = {
         | {n: I32 for n in ("inter", "hidden", "stride_we")},
         {"TOP_K": 8, "BLOCK_N": 4, "H_PAD": 2048},
     ),
-    # The same streaming its tiles (`OneTokenTiles.programs`: STREAM_ROWS rows a tile).
+    # The same streaming its tiles (`OneTokenTiles.programs`: STREAM_ROWS rows a tile), reading the
+    # router's ids (Ming-flash's row) or selecting from its logits (Ling-mini's: gate_up_select.py).
     "one_token_gate_up_stream": (
         moe_one_token._one_token_gate_up_stream_kernel,
-        {"x_ptr": B, "w13_ptr": B, "shared_ptr": B, "ids_ptr": "*i64", "h_ptr": B}
-        | {n: I32 for n in ("inter", "hidden", "stride_we")},
-        {"TOP_K": 8, "BLOCK_N": 2, "H_PAD": 4096},
+        ONE_TOKEN_STREAM,
+        {"TOP_K": 8, "BLOCK_N": 2, "H_PAD": 4096} | NOT_SELECTING,
     ),
+    "one_token_gate_up_stream_select": (
+        moe_one_token._one_token_gate_up_stream_kernel,
+        ONE_TOKEN_STREAM,
+        {"TOP_K": 8, "BLOCK_N": 2, "H_PAD": 2048} | SELECTING,
+    ),
+    # The down: the router's ids before its wait, or the selecting gate-up's after it.
     "one_token_down": (
         moe_one_token._one_token_down_kernel,
-        {"h_ptr": B, "w2_ptr": B, "shared_ptr": B, "ids_ptr": "*i64", "weights_ptr": "*fp32", "out_ptr": B}
-        | {n: I32 for n in ("hidden", "inter", "stride_we")},
-        {"TOP_K": 8, "BLOCK_N": 2, "I_PAD": 512},
+        ONE_TOKEN_DOWN,
+        {"TOP_K": 8, "BLOCK_N": 2, "I_PAD": 512, "IDS_SETTLED": True},
+    ),
+    "one_token_down_after_wait": (
+        moe_one_token._one_token_down_kernel,
+        ONE_TOKEN_DOWN,
+        {"TOP_K": 8, "BLOCK_N": 4, "I_PAD": 512, "IDS_SETTLED": False},
     ),
     # A prefill: the selection alone over cuBLAS's fp32 logits, a program a token (w: the gate
     # weight as given, unread: a static operand on every path).

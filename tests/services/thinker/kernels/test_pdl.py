@@ -6,6 +6,7 @@ reference: tests/services/thinker/engine/test_decode_fusions_gpu.py.)"""
 from __future__ import annotations
 
 import ast
+import copy
 import textwrap
 from pathlib import Path
 
@@ -110,12 +111,48 @@ def pre_wait_violations(fn: ast.FunctionDef, static: tuple[str, ...] = ()) -> li
     return problems
 
 
+class _Taking(ast.NodeTransformer):
+    """A kernel's syntax tree with every `if FLAG:` / `if not FLAG:` resolved to the branch it
+    takes when the constexpr FLAG is `value` (the variant a launch compiles)."""
+
+    def __init__(self, flag: str, value: bool) -> None:
+        self.flag, self.value = flag, value
+
+    def visit_If(self, node: ast.If) -> ast.AST | list[ast.stmt]:
+        self.generic_visit(node)
+        test = node.test
+        negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
+        name = test.operand if negated else test
+        if not (isinstance(name, ast.Name) and name.id == self.flag):
+            return node
+        return node.body if self.value != negated else node.orelse
+
+
+def variants(name: str, fn: ast.FunctionDef) -> list[tuple[ast.FunctionDef, tuple[str, ...]]]:
+    """Kernel `name`'s variants, each with the pointers it may read before its wait: one, or where
+    pdl.SETTLED_WHEN names a constexpr of it, its True and False variants (the False one without
+    the operands settled only in the True one)."""
+    early = pdl.STATIC_OPERANDS.get(name, ()) + pdl.SETTLED_OPERANDS.get(name, ())
+    if name not in pdl.SETTLED_WHEN:
+        return [(fn, early)]
+    flag, only_if = pdl.SETTLED_WHEN[name]
+    taken = [_Taking(flag, value).visit(copy.deepcopy(fn)) for value in (True, False)]
+    return [(taken[0], early), (taken[1], tuple(p for p in early if p not in only_if))]
+
+
 def test_a_pdl_kernel_waits_for_the_prior_kernels_before_anything_but_its_static_loads():
     kernels = {name: (path, fn) for path, found in _pdl_kernels().items() for name, fn in found.items()}
     for name, (path, fn) in kernels.items():
-        early = pdl.STATIC_OPERANDS.get(name, ()) + pdl.SETTLED_OPERANDS.get(name, ())
-        problems = pre_wait_violations(fn, early)
-        assert problems == [], f"{path.name}:{name}: {problems}"
+        for variant, early in variants(name, fn):
+            problems = pre_wait_violations(variant, early)
+            assert problems == [], f"{path.name}:{name}: {problems}"
+    for name, (flag, only_if) in pdl.SETTLED_WHEN.items():
+        fn = kernels[name][1]
+        constexprs = {
+            a.arg for a in fn.args.args if a.annotation and "constexpr" in ast.unparse(a.annotation)
+        }
+        assert flag in constexprs, f"{name}: {flag} is no constexpr of it"
+        assert only_if and set(only_if) <= set(pdl.SETTLED_OPERANDS[name]), name
     for name, static in [*pdl.STATIC_OPERANDS.items(), *pdl.SETTLED_OPERANDS.items()]:  # none stale
         assert name in kernels, f"{name} is declared, no PDL kernel"
         params = {a.arg for a in kernels[name][1].args.args}
@@ -162,6 +199,51 @@ def test_the_static_operand_rule_refuses_anything_but_static_loads_before_the_wa
         assert problems == []
     else:
         assert problems and any(why in p for p in problems), problems
+
+
+SETTLED_IF = """
+@triton.jit
+def _k(x_ptr, w_ptr, ids_ptr, out_ptr, SETTLED: tl.constexpr, USE_PDL: tl.constexpr):
+    offs = tl.arange(0, 16)
+    w = tl.load(w_ptr + offs)
+    if SETTLED:
+        ids = tl.load(ids_ptr + offs)
+    {before}
+    wait_for_prior_kernels(USE_PDL)
+    if not SETTLED:
+        ids = tl.load(ids_ptr + offs)
+    tl.store(out_ptr + offs, tl.load(x_ptr + ids) * w)
+"""
+
+
+@pytest.mark.parametrize(
+    "before,refused",
+    [
+        ("", ()),  # the ids before the wait only where they are settled
+        ("if not SETTLED:\n        early = tl.load(ids_ptr)", (False,)),
+        ("else_ids = tl.load(ids_ptr + offs)", (False,)),
+        (
+            "if SETTLED:\n        more = tl.load(ids_ptr)\n    else:\n        more = tl.load(ids_ptr)",
+            (False,),
+        ),
+    ],
+)
+def test_an_operand_settled_only_in_one_variant_is_read_after_the_wait_in_the_other(
+    before, refused, monkeypatch
+):
+    monkeypatch.setitem(pdl.STATIC_OPERANDS, "_k", ("w_ptr",))
+    monkeypatch.setitem(pdl.SETTLED_OPERANDS, "_k", ("ids_ptr",))
+    monkeypatch.setitem(pdl.SETTLED_WHEN, "_k", ("SETTLED", ("ids_ptr",)))
+    fn = _kernel(SETTLED_IF.format(before=before))
+    for value, (variant, early) in zip((True, False), variants("_k", fn), strict=True):
+        problems = pre_wait_violations(variant, early)
+        if value in refused:
+            assert any("ids_ptr (not a static operand)" in p for p in problems), (value, problems)
+        else:
+            assert problems == [], (value, problems)
+    # Without the declaration both variants are taken as one: every pre-wait read allowed.
+    monkeypatch.delitem(pdl.SETTLED_WHEN, "_k")
+    assert pre_wait_violations(fn, ("w_ptr", "ids_ptr")) == []
 
 
 def test_a_kernel_whose_wait_is_not_a_top_level_statement_is_refused():
