@@ -160,8 +160,36 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel hands to outgoing connections and `bind(0)` (32768 where it is not said)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_block(n: int, attempts: int = 200) -> int:
+    """The first of `n` consecutive ports free now (a thinker's `dist_port`: one port a TP rank), held at once
+    while picked. Below the ephemeral range: there a client connection's local port can take `base + 1`
+    between the pick and the rank's bind (CI, 2026-11-29: `dist_port+1 ... is in use`)."""
+    high = _ephemeral_low() - n
+    for base in random.Random().sample(range(10000, high), attempts):
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for port, s in zip(range(base, base + n), socks, strict=True):
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports in 10000..{high} after {attempts} tries")
+
+
 def deploy_config(plan: Plan, ckpt: Path, settings: Settings) -> dict:
-    gw_port, th_port, dist_port = free_ports(3)
+    gw_port, th_port = free_ports(2)
+    dist_port = free_port_block(plan.tp_size)
     deadlines = {
         p: settings.normal_deadline_s
         for p in ("starting", "loading_weights", "profiling_memory", "warming_up", "capturing_graphs")

@@ -7,7 +7,6 @@ refused by the ledger before anything starts."""
 from __future__ import annotations
 
 import io
-import random
 import socket
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from omnistage.common.checkpoint.config_only import write_config_checkpoint
 from omnistage.common.config import load_config
 from omnistage.common.launcher import launch
-from omnistage.common.preflight import planned_ports, port_in_use
+from omnistage.common.preflight import planned_ports
 from omnistage.services.encoder.models.audio import AudioEncoder
 from omnistage.services.encoder.models.config import EncoderModelConfig
 from omnistage.services.encoder.models.vision import VisionEncoder
@@ -30,6 +29,8 @@ from omnistage.services.talker.models.talker_lm import TalkerModel
 from omnistage.services.thinker.models.bailing_moe_v2 import BailingMoeV2ForCausalLM
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.layers.parallel import TPGroup
+
+from load_tests.chaos_launch import free_port_block
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 H200, H100 = 143771 * 2**20, 80 * 10**9
@@ -49,16 +50,6 @@ def ming_flash(tmp_path_factory) -> Path:
     return write_config_checkpoint(tmp_path_factory.mktemp("ming-flash"), "ming-flash")
 
 
-def _free_base(count: int) -> int:
-    """A port p with p .. p + count - 1 all free (a TP group's rendezvous ports)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 30000)
-        if not any(port_in_use("127.0.0.1", base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no free port range")
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,9 +64,9 @@ def _port_overrides(path: Path) -> list[str]:
         if "+" in key:
             continue
         tp = cfg.service(key.split(".")[1]).tp_size if key.endswith("dist_port") else 1
-        port = _free_base(tp) if key.endswith("dist_port") else _free_port()
+        port = free_port_block(tp) if key.endswith("dist_port") else _free_port()
         while used & set(range(port, port + tp)):
-            port = _free_base(tp) if key.endswith("dist_port") else _free_port()
+            port = free_port_block(tp) if key.endswith("dist_port") else _free_port()
         used |= set(range(port, port + tp))
         out.append(f"{key}={port}")
     return out

@@ -25,6 +25,7 @@ from omnistage.common.runtime.deadlines import Deadline
 from omnistage.common.runtime.status_file import read_status
 
 from load_tests.chaos_launch import (
+    free_port_block,  # noqa: F401 - `n` consecutive ports free now (a thinker's dist_port)
     free_ports,  # noqa: F401 - `n` ports free now, held at once while picked
     leftovers,
     started_children,

@@ -4,11 +4,23 @@ here only what happened and in what order, within the launch timeout."""
 
 from __future__ import annotations
 
+import socket
 from collections import Counter
 
 import pytest
 
-from load_tests.chaos_launch import ACTIONS, Plan, Result, Settings, _judge, plan_launches, run_chaos, summary
+from load_tests.chaos_launch import (
+    ACTIONS,
+    Plan,
+    Result,
+    Settings,
+    _ephemeral_low,
+    _judge,
+    free_port_block,
+    plan_launches,
+    run_chaos,
+    summary,
+)
 
 SEED = 20261122
 LAUNCHES = 50
@@ -20,6 +32,23 @@ LAUNCHES = 50
 # of a non-zero thinker rank while loading weights is tests/e2e/test_serve_tp.py's own launch (with
 # stricter checks of the report). The 1,000-launch run is a benchmark (bench/RESULTS.md).
 CI_PLANS = (1, 4, 6, 8, 9)
+
+
+def test_a_port_block_is_free_consecutive_and_below_the_ephemeral_range():
+    """A thinker's dist_port reserves one port a rank: every port of the block binds, and none is one the
+    kernel may hand a client connection meanwhile (CI 2026-11-29: `dist_port+1 ... is in use`)."""
+    held = []
+    try:
+        for _ in range(3):  # the later blocks are picked while the earlier ones are held: each skips them
+            base = free_port_block(4)
+            assert 10000 <= base and base + 4 <= _ephemeral_low(), base
+            for port in range(base, base + 4):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))  # raises if the block was not free
+    finally:
+        for s in held:
+            s.close()
 
 
 def test_plans_are_reproducible_and_cover_every_fault_kind():

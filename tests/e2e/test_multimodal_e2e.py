@@ -23,7 +23,7 @@ from omnistage.common.runtime.auth import bearer
 from omnistage.v1 import common_pb2, control_pb2, control_pb2_grpc, omni_pb2, omni_pb2_grpc
 
 from tests.e2e.full_pipeline import ENCODER, ENGINE, KEY
-from tests.e2e.serve_pipeline import ServeProcess, free_ports, metric
+from tests.e2e.serve_pipeline import ServeProcess, free_port_block, free_ports, metric
 from tests.services.encoder.media_samples import audio_file, image_bytes, video_file
 
 pytestmark = pytest.mark.timeout(600)
@@ -120,7 +120,8 @@ class Pipeline(MediaCalls, ServeProcess):
     output in files."""
 
     def __init__(self, root: Path, ckpt: Path, tp_size: int) -> None:
-        (gw, gw_admin, th, th_admin, dist, th_metrics, enc, enc_admin, enc_metrics) = free_ports(9)
+        (gw, gw_admin, th, th_admin, th_metrics, enc, enc_admin, enc_metrics) = free_ports(8)
+        dist = free_port_block(tp_size)
         self.media_dir = root / "media"
         self.media_dir.mkdir(exist_ok=True)
         cfg = {

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.serve_pipeline import ServeProcess, free_ports
+from tests.e2e.serve_pipeline import ServeProcess, free_port_block, free_ports
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -16,7 +16,8 @@ pytestmark = pytest.mark.timeout(300)
 def serve(tmp: Path, ckpt: Path, tp_size: int, fault: dict | None = None) -> ServeProcess:
     """`omnistage serve` of gateway + thinker at `tp_size` on a fresh deploy file (the launcher's
     verdicts on stderr, apart)."""
-    gw, th, dist = free_ports(3)
+    gw, th = free_ports(2)
+    dist = free_port_block(tp_size)
     thinker = {
         "kind": "thinker",
         "port": th,

@@ -19,7 +19,7 @@ import pytest
 from omnistage.common.runtime.deadlines import Deadline
 from omnistage.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 
-from tests.e2e.serve_pipeline import ServeProcess, free_ports
+from tests.e2e.serve_pipeline import ServeProcess, free_port_block, free_ports
 
 pytestmark = pytest.mark.timeout(300)
 START_DEADLINE_S = 150.0
@@ -76,7 +76,8 @@ def _stream(address: str, first_event: threading.Event, out: StreamResult) -> No
 
 
 def _serve(tmp: Path, ckpt: Path, tp_size: int) -> ServeProcess:
-    gw, th, dist = free_ports(3)
+    gw, th = free_ports(2)
+    dist = free_port_block(tp_size)
     thinker = {
         "kind": "thinker",
         "port": th,

@@ -237,7 +237,10 @@ def write_config(
     for name, extra in services.items():
         svc = {"kind": "thinker", "port": free_port(), "drain_grace_s": 2.0, **extra}
         if svc.get("tp_size", 1) > 1 and "dist_port" not in svc:
-            svc["dist_port"] = free_port()
+            # Imported here: this file also runs as the stage script, where load_tests is not on the path.
+            from load_tests.chaos_launch import free_port_block
+
+            svc["dist_port"] = free_port_block(svc["tp_size"])
         data["services"][name] = svc
     path.write_text(yaml.safe_dump(data))
     return path

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from omnistage.v1 import control_pb2, control_pb2_grpc
 
-from tests.e2e.serve_pipeline import ServeProcess, free_ports
+from tests.e2e.serve_pipeline import ServeProcess, free_port_block, free_ports
 
 MiB = 1 << 20
 DEADLINE_S = 120
@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _serve(tmp_path, tiny_ckpt, engine: dict | None = None, **extra) -> tuple[ServeProcess, int]:
-    port, admin_port, dist_port = free_ports(3)
+    port, admin_port = free_ports(2)
+    dist_port = free_port_block(2)
     thinker = {
         "kind": "thinker",
         "port": port,
