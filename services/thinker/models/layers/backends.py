@@ -145,6 +145,10 @@ QKV_ROPE_ENV = "OMNISTAGE_THINKER_QKV_ROPE"
 # `kernels/gate_up_select.py`). Off by default until measured (bench/moe_one_token_gpu.py), for a
 # same-build comparison.
 GATEUP_SELECT_ENV = "OMNISTAGE_THINKER_GATEUP_SELECT"
+# Set to `P,W` (e.g. `2,4`): each decode attention program reads its first P tiles before its PDL wait,
+# in W warps (`paged_attention.DecodeTiles`; unset: its DECODE_TILES), for a same-build comparison
+# (bench/decode_variants_gpu.sh; bench/attention_decode_gpu.py --preload times the kernel alone).
+DECODE_TILES_ENV = "OMNISTAGE_THINKER_DECODE_TILES"
 
 
 def fusions_enabled() -> bool:
@@ -170,6 +174,21 @@ def qkv_rope_enabled() -> bool:
 def gateup_select_enabled() -> bool:
     """GATEUP_SELECT_ENV's choice (default off), refused as FUSIONS_ENV's is."""
     return _switch(GATEUP_SELECT_ENV, default="off")
+
+
+def decode_tiles(tiles_type: type) -> object | None:
+    """DECODE_TILES_ENV's `P,W` as a `tiles_type(preload_tiles=P, warps=W)` (None when unset); anything
+    else refused, naming the variable (the type checks the ranges)."""
+    value = os.environ.get(DECODE_TILES_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        preload, warps = (int(x) for x in value.split(","))
+        return tiles_type(preload_tiles=preload, warps=warps)
+    except ValueError as exc:
+        raise BackendError(
+            f"{DECODE_TILES_ENV}={value!r}: expected P,W (tiles before the wait, warps): {exc}"
+        ) from exc
 
 
 def _switch(name: str, default: str = "on") -> bool:
@@ -301,6 +320,7 @@ class TritonAttention:
         self.prefill_kernels = paged_prefill
         self.norms = norms
         self.fuse = fuse  # a decode step's K/V write and QK-norm + rope in its attention launch
+        self.decode_tiles = decode_tiles(paged_attention.DecodeTiles)  # None: the kernel's default
 
     def forward(
         self,
@@ -334,6 +354,7 @@ class TritonAttention:
                 layer.scale,
                 new_kv,
                 qk_rope=None if apart else qk_rope,
+                tiles=self.decode_tiles,
             )
         return self.prefill(layer, q, md)
 

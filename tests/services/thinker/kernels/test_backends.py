@@ -81,3 +81,20 @@ def test_the_fusions_switch_reaches_the_moe_kernels_and_refuses_a_typo(tiny_ckpt
     monkeypatch.setenv(FUSIONS_ENV, "of")
     with pytest.raises(BackendError, match=f"{FUSIONS_ENV}='of': expected on or off"):
         install_backends(model, Backends("triton", "triton"))
+
+
+def test_decode_tiles_come_from_the_environment_and_a_bad_value_is_refused_naming_it(monkeypatch):
+    """OMNISTAGE_THINKER_DECODE_TILES=P,W sets the decode attention's tiles read before its wait and its
+    warps (a same-build comparison); unset, the kernel's default; a malformed or out-of-range value is
+    refused at install, naming the variable."""
+    from omnistage.services.thinker.kernels.paged_attention import DecodeTiles
+    from omnistage.services.thinker.models.layers.backends import DECODE_TILES_ENV, TritonAttention
+
+    monkeypatch.delenv(DECODE_TILES_ENV, raising=False)
+    assert TritonAttention().decode_tiles is None
+    monkeypatch.setenv(DECODE_TILES_ENV, " 2,8 ")
+    assert TritonAttention().decode_tiles == DecodeTiles(preload_tiles=2, warps=8)
+    for bad in ("2", "two,4", "9,4", "1,3"):
+        monkeypatch.setenv(DECODE_TILES_ENV, bad)
+        with pytest.raises(BackendError, match=DECODE_TILES_ENV):
+            TritonAttention()
