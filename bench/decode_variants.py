@@ -1,5 +1,6 @@
 """The table of bench/decode_variants_gpu.sh: each variant's decode tok/s at each concurrency over its
-rounds (median and best), its share of the HBM floor, and whether its greedy tokens are the first
+rounds (median and best; out tok/s with the first tokens' prefill, and the decode rate after them), its
+share of the HBM floor, and whether its greedy tokens are the first
 variant's (the same dummy weights: a bit-equal change keeps them; a change of sums' order may not).
 
     python3 bench/decode_variants.py OUT_DIR [--floor 1:1911,2:...] [--out FILE]
@@ -34,29 +35,39 @@ def load_runs(folder: Path) -> dict[str, list[dict]]:
     return {name: [r for _, r in sorted(rows, key=lambda x: x[0])] for name, rows in runs.items()}
 
 
+def _stats(vals: list[float], floor: int | None) -> dict:
+    """A concurrency's runs: each, their median and best, the median's share of the floor."""
+    median = statistics.median(vals)
+    return {
+        "runs": [round(v, 1) for v in vals],
+        "median": round(median, 1),
+        "best": round(max(vals), 1),
+        **({"floor_pct": round(100 * median / floor, 1)} if floor else {}),
+    }
+
+
 def summarise(runs: dict[str, list[dict]], order: list[str], floor: dict[int, int]) -> list[dict]:
-    """One row a variant (in `order`, then any other found): tok/s a concurrency over every sweep row
-    of every round, and the first sweep row's tokens compared with the first variant's."""
+    """One row a variant (in `order`, then any other found): out tok/s (`out`: the first tokens'
+    prefill in) and the decode rate after them (`decode`, where the bench reports it) a concurrency,
+    over every sweep row of every round, and the first sweep row's tokens against the first variant's."""
     names = [n for n in order if n in runs] + sorted(set(runs) - set(order))
     reference = None
     table = []
     for name in names:
-        by_c: dict[int, list[float]] = {}
+        by_c: dict[int, dict[str, list[float]]] = {}
         tokens = None
         for rank in runs[name]:
             for row in rank.get("sweep") or []:
-                by_c.setdefault(int(row["concurrency"]), []).append(float(row["out_tok_s"]))
+                level = by_c.setdefault(int(row["concurrency"]), {"out": [], "decode": []})
+                level["out"].append(float(row["out_tok_s"]))
+                if "decode_tok_s" in row:
+                    level["decode"].append(float(row["decode_tok_s"]))
                 tokens = tokens or row.get("first_tokens")
         if reference is None:
             reference = tokens
         levels = {
-            c: {
-                "runs": [round(v, 1) for v in vals],
-                "median": round(statistics.median(vals), 1),
-                "best": round(max(vals), 1),
-                **({"floor_pct": round(100 * statistics.median(vals) / floor[c], 1)} if c in floor else {}),
-            }
-            for c, vals in sorted(by_c.items())
+            c: {kind: _stats(vals, floor.get(c)) for kind, vals in level.items() if vals}
+            for c, level in sorted(by_c.items())
         }
         table.append(
             {
@@ -70,14 +81,16 @@ def summarise(runs: dict[str, list[dict]], order: list[str], floor: dict[int, in
 
 
 def render(table: list[dict]) -> str:
-    """The table as text: a line a variant, `c=N median (best, % of floor)` a concurrency."""
+    """The table as text: a line a variant, `c=N out median (best) decode median (best, % floor)`."""
     lines = []
     for row in table:
-        cells = [
-            f"c={c} {v['median']:.1f} (best {v['best']:.1f}"
-            + (f", {v['floor_pct']}% floor)" if "floor_pct" in v else ")")
-            for c, v in row["tok_s"].items()
-        ]
+        cells = []
+        for c, level in row["tok_s"].items():
+            cell = f"c={c}"
+            for kind, v in level.items():
+                pct = f", {v['floor_pct']}%" if "floor_pct" in v else ""
+                cell += f" {kind} {v['median']:.1f} (best {v['best']:.1f}{pct})"
+            cells.append(cell)
         same = "same tokens" if row["tokens_as_first"] else "OTHER TOKENS"
         lines.append(f"{row['variant']:<24} rounds {row['rounds']}  " + "  ".join(cells) + f"  [{same}]")
     return "\n".join(lines)

@@ -337,7 +337,7 @@ class LLMEngine:
                 res.logprobs += out.logprobs
                 if out.finished:
                     res.finish_reason, res.message = out.finish_reason, out.message
-                    res.hidden_states = out.hidden_states
+                    res.hidden_states, res.usage = out.hidden_states, out.usage
         return [results[rid] for rid in ids]
 
 

@@ -46,6 +46,7 @@ class GenerateResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     hidden_states: torch.Tensor | None = None
     message: str = ""  # why it ended with FinishReason.ERROR
+    usage: Usage | None = None  # the final output's (its time to first token: a benchmark's decode rate)
 
 
 def usage(seq: Sequence) -> Usage:

@@ -63,7 +63,11 @@ def test_greedy_tokens_identical_alone_or_among_31_others(tiny_ckpt, reference, 
 def test_paged_decode_equals_full_reforward(tiny_ckpt):
     e = engine(tiny_ckpt, max_num_batched_tokens=32)
     p = prompts(1, seed=9)[0]
-    out = e.generate([p], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    result = e.generate([p], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    out = result.token_ids
+    # generate() keeps the final output's usage (a benchmark's decode rate reads its time to first token)
+    assert result.usage.completion_tokens == len(out) == 12 and result.usage.prompt_tokens == len(p)
+    assert result.usage.time_to_first_token_ms > 0
     model = e.runner.model
     for layer in model.attention_layers():
         layer.k_cache = layer.v_cache = torch.empty(0)
