@@ -5,11 +5,15 @@ and logprobs see the fp32 cast's values, bit for bit what they saw when the runn
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from omnistage.common.config import EngineConfig
 from omnistage.services.thinker.engine import sampler as sampler_module
 from omnistage.services.thinker.engine.sampler import Sampler
 from omnistage.services.thinker.engine.sequence import SamplingParams, Sequence
+from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 
 NAN, INF = float("nan"), float("inf")
 
@@ -125,3 +129,37 @@ def test_fp32_logits_are_read_as_they_are(monkeypatch):
         logits.argmax(-1).tolist()
     )
     assert seen == [logits] and seen[0] is logits
+
+
+def bf16_engine(ckpt, cast: bool):
+    """A bf16 CPU engine; `cast`: its runner hands the sampler the fp32 cast (the old contract)."""
+    cfg = EngineConfig(block_size=16, max_model_len=256, max_num_batched_tokens=128)
+    e = rank0_engine(start_rank(RankConfig(str(ckpt), cfg, dtype="bfloat16", full_warmup=False)))
+    if cast:
+        inner = e.runner.execute_step
+
+        def execute_step(plan):
+            out = inner(plan)
+            return out if out.logits is None else dataclasses.replace(out, logits=out.logits.float())
+
+        e.runner.execute_step = execute_step
+    return e
+
+
+def test_a_bf16_engine_gives_the_tokens_and_logprobs_of_its_logits_fp32_cast(tiny_ckpt, monkeypatch):
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 75)), [800, 3, 3, 3]]
+    params = [
+        SamplingParams(max_tokens=8, ignore_eos=True),
+        SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3, repetition_penalty=1.2),
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5, logprobs=2),
+    ]
+    runs = []
+    for cast in (False, True):
+        e = bf16_engine(tiny_ckpt, cast)
+        seen = recorded_greedy(monkeypatch)
+        results = [e.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+        runs.append([(r.token_ids, r.logprobs) for r in results])
+        if not cast:  # the plain greedy request's steps read the model's bf16 logits
+            assert {t.dtype for t in seen[:8]} == {torch.bfloat16}
+    assert runs[0] == runs[1]
+    assert all(len(tokens) == 8 for tokens, _ in runs[0])
