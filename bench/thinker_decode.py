@@ -149,7 +149,7 @@ def bf16_logits(ckpt: str, device: str) -> dict:
     results = {}
     for name in ("torch", "triton"):
         install_backends(runner.model, Backends(name, name))
-        results[name] = runner.execute_step(plan).logits.clone()
+        results[name] = runner.execute_step(plan).logits.to(torch.float32, copy=True)
     ref = results["torch"]
     errs["prefill_rel_err"] = float((results["triton"] - ref).norm() / ref.norm())
     for s in seqs:
@@ -159,7 +159,7 @@ def bf16_logits(ckpt: str, device: str) -> dict:
     plan = build_step_plan([(s, 1) for s in seqs], runner.cfg.block_size)
     for name in ("torch", "triton"):
         install_backends(runner.model, Backends(name, name))
-        results[name] = runner.execute_step(plan).logits.clone()
+        results[name] = runner.execute_step(plan).logits.to(torch.float32, copy=True)
     ref = results["torch"]
     errs["decode_rel_err"] = float((results["triton"] - ref).norm() / ref.norm())
     release(e)

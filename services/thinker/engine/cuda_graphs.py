@@ -27,8 +27,9 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 def graph_reserve_bytes(max_batch: int, vocab_local: int, tp_size: int) -> int:
     """What the captured graphs keep on the device, for the KV profile to leave free: each size's
-    fp32 logits output plus the largest size's logits in flight (local bf16 + gathered), and a
-    margin for the activations of one decode step (small next to the logits)."""
+    logits output plus the largest size's logits in flight (local + gathered), and a margin for the
+    activations of one decode step (small next to the logits). Counted at 4 bytes a value: the
+    outputs are in the model's dtype (2 bytes in bf16, no fp32 copy), so this is an upper bound."""
     sizes = graph_batch_sizes(max_batch)
     outputs = sum(sizes) * vocab_local * tp_size * 4
     in_flight = max_batch * vocab_local * (2 + 2 * tp_size)
@@ -132,9 +133,11 @@ class DecodeGraphs:
     # --- one step ---------------------------------------------------------------------------------
 
     def run(self, plan: StepPlan, fill: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """fp32 logits [n, vocab] of a covered decode step (a view of the graph's output: queue what
-        reads it before the next step). `fill` puts the previous step's sampled ids in place of the
-        plan's placeholders, on the device (SampledFeed.fill)."""
+        """The logits [n, vocab] of a covered decode step in the model's dtype, as compute_logits gives
+        them (no fp32 copy in the graph: the sampler casts what it reads values of, its greedy argmax
+        reads these). A view of the graph's output: queue what reads it before the next step. `fill`
+        puts the previous step's sampled ids in place of the plan's placeholders, on the device
+        (SampledFeed.fill)."""
         n = int(plan.query_lens.numel())
         size = self.size_for(n)
         self._stage(plan, n, size)

@@ -35,8 +35,9 @@ def to_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 @dataclass
 class StepOutput:
-    """What one step gives rank 0: float32 logits [R, vocab] of the sampling rows (None when R == 0)
-    and the final-norm hidden states [K, H] at `plan.hidden_index` (None when K == 0)."""
+    """What one step gives rank 0: the logits [R, vocab] of the sampling rows in the model's dtype
+    (None when R == 0; the sampler casts to fp32 what it reads values of) and the final-norm hidden
+    states [K, H] at `plan.hidden_index` (None when K == 0)."""
 
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
@@ -173,7 +174,8 @@ class ModelRunner:
         self.kv_users.append(graphs)
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run one step; returns float32 logits [R, vocab] on rank 0 (None elsewhere or if R == 0)."""
+        """Run one step; returns the logits [R, vocab] in the model's dtype on rank 0 (None elsewhere
+        or if R == 0)."""
         return self.execute_step(plan).logits
 
     @torch.inference_mode()
@@ -206,7 +208,7 @@ class ModelRunner:
         if plan.sample_rows.numel() == 0:
             return StepOutput(hidden=kept)
         logits = self.model.compute_logits(hidden[plan.sample_rows.to(dev)])
-        return StepOutput(logits.float() if self.rank == 0 else None, kept)
+        return StepOutput(logits if self.rank == 0 else None, kept)
 
     def sample_target(self, plan: StepPlan) -> torch.Tensor:
         """Where rank 0 samples the ids of a step whose plan shares them (the feed's buffer)."""

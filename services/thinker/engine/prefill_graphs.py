@@ -44,9 +44,10 @@ def prefill_graph_reserve_bytes(
     sizes: tuple[int, ...], max_seqs: int, vocab_local: int, tp_size: int, hidden: int, top_k: int
 ) -> int:
     """What the captured prefill graphs keep on the device, for the KV profile to leave free: each
-    graph's fp32 logits output (a text and a media graph per size), the static media rows, and the
-    largest size's activations (the experts' fp32 outputs of every routed pair and the shared expert,
-    the gate-up rows, a few hidden-sized rows), with a margin."""
+    graph's logits output (a text and a media graph per size; counted at 4 bytes a value, an upper
+    bound of the model's dtype), the static media rows, and the largest size's activations (the
+    experts' fp32 outputs of every routed pair and the shared expert, the gate-up rows, a few
+    hidden-sized rows), with a margin."""
     if not sizes:
         return 0
     outputs = 2 * len(sizes) * max_seqs * vocab_local * tp_size * 4 + max(sizes) * hidden * 4
@@ -142,9 +143,10 @@ class PrefillGraphs:
     # --- one step ---------------------------------------------------------------------------------
 
     def run(self, plan: StepPlan, fill: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """fp32 logits [R, vocab] of the plan's sampling rows (a view of the graph's output: queue
-        what reads it before the next step). `fill`: the previous step's sampled ids for the plan's
-        placeholders, on the device (SampledFeed.fill)."""
+        """The logits [R, vocab] of the plan's sampling rows in the model's dtype (a view of the
+        graph's output: queue what reads it before the next step; the sampler casts to fp32 what
+        it reads values of). `fill`: the previous step's sampled ids for the plan's placeholders,
+        on the device (SampledFeed.fill)."""
         n = plan.num_tokens
         size = self.size_for(plan)
         media = plan.num_media_rows > 0
@@ -226,7 +228,7 @@ class PrefillGraphs:
             )
         with attention_metadata(md):
             hidden = self.model(self.ids[:size], self.pos[:, :size], **extra)
-        return self.model.compute_logits(hidden[self.sample]).float()
+        return self.model.compute_logits(hidden[self.sample])
 
     # --- capture ----------------------------------------------------------------------------------
 

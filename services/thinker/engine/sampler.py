@@ -1,5 +1,12 @@
 """Next-token choice for the rows that sample: penalties, greedy or filtered random draw, logprobs.
 
+The logits come in the model's dtype (bf16 serving: the LM head makes no fp32 copy). One rule here:
+what reads logit values (penalties, grammar masks, temperature and top-k / top-p / min-p draws,
+logprobs) reads their fp32 cast, made for the rows it needs; a greedy row's argmax reads the logits
+as they are (the cast is exact and keeps the order: the same id, ties to the lowest index). So a
+greedy step without penalties, masks or logprobs casts nothing. fp32 logits (the CPU reference)
+are read as they are everywhere (their cast is the same tensor).
+
 `Sampler.sample` only queues the device's work (no wait on the forward, so the host can go on and
 plan the next step): its `DeviceSample` holds the ids and logprobs on the device, copied to the host
 behind them; `DeviceSample.to_host` waits for that copy alone.
@@ -101,7 +108,8 @@ def fast_argmax(device: torch.device) -> bool:
 def greedy_ids(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch.argmax(logits, dim=-1), into `out` when given: by the few-rows launch where it takes
     them (`fast_argmax`, kernels/argmax.py `supported`: many programs a row where torch's one CTA is
-    slow), else torch's. triton is imported only where it runs."""
+    slow), else torch's. triton is imported only where it runs. Any float dtype, read as it is:
+    bf16 / fp16 rows give the ids of their fp32 cast (both argmaxes compare in fp32)."""
     if fast_argmax(logits.device):
         from omnistage.services.thinker.kernels import argmax
 
@@ -175,6 +183,7 @@ class Sampler:
         out: torch.Tensor | None = None,
     ) -> DeviceSample:
         """The step's tokens, queued on the logits' device (a constrained row waits for its mask).
+        `logits` [R, V] in the model's dtype, never changed (they may be a graph's output buffer).
         `out` (int64 [R]): where the greedy ids go (the sampled feed's buffer, `SampledFeed.target`);
         rows drawn at random replace theirs out of place, so the tokens are then a new tensor."""
         if logits.shape[0] != len(seqs):
@@ -183,21 +192,27 @@ class Sampler:
             raise ValueError(f"sampler: ids out of shape {tuple(out.shape)} for {len(seqs)} sequences")
         if not seqs:
             return DeviceSample(torch.zeros(0, dtype=torch.int64, device=logits.device), None, None)
-        raw = logits.float()
-        # A copy to change only where a penalty or a grammar mask will (the logprobs read `raw`); the
-        # common step (greedy or plain draws) reads the logits as they are: no 4 bytes x vocab copy.
-        if mask is not None or any(penalised(s) for s in seqs):
-            logits = apply_penalties(raw.clone(), seqs)
-        else:
-            logits = raw
-        if mask is not None:
-            mask.apply(logits)
-        tokens = greedy_ids(logits, out)
+        changed = self._changed(logits, seqs, mask)
+        chosen = logits if changed is None else changed
+        tokens = greedy_ids(chosen, out)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if random_rows:
             rows = on_device(random_rows, logits.device)
-            tokens = tokens.index_put((rows,), self._draw(logits[rows], [seqs[i] for i in random_rows]))
-        return DeviceSample(tokens, self._logprobs(raw, seqs, tokens), mask)
+            drawn = self._draw(chosen[rows].float(), [seqs[i] for i in random_rows])
+            tokens = tokens.index_put((rows,), drawn)
+        return DeviceSample(tokens, self._logprobs(logits, seqs, tokens), mask)
+
+    @staticmethod
+    def _changed(logits: torch.Tensor, seqs: list[Sequence], mask: PendingMask | None) -> torch.Tensor | None:
+        """An fp32 copy of the logits with the penalties and the grammar mask applied, where a row
+        has either (the logprobs still read the model's logits); else None: the common step (greedy
+        or plain draws) reads the logits as they are, no 4 bytes x vocab copy."""
+        if mask is None and not any(penalised(s) for s in seqs):
+            return None
+        values = apply_penalties(logits.to(torch.float32, copy=True), seqs)
+        if mask is not None:
+            mask.apply(values)
+        return values
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         def col(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -216,12 +231,13 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> TopLogprobs | None:
+    def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> TopLogprobs | None:
+        """The asking rows' logprobs: the log-softmax of their logits' fp32 cast (before penalties)."""
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs > 0]
         if not rows:
             return None
-        index = on_device(rows, raw.device)
-        logp = raw[index].log_softmax(dim=-1)
+        index = on_device(rows, logits.device)
+        logp = logits[index].float().log_softmax(dim=-1)
         counts = [seqs[i].params.logprobs for i in rows]
         top_vals, top_ids = logp.topk(min(max(counts), logp.shape[-1]), dim=-1)
         chosen = logp.gather(-1, tokens[index][:, None])[:, 0]

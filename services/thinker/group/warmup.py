@@ -185,7 +185,9 @@ def dummy_sampling_seqs(n: int) -> list[Sequence]:
 
 
 def run_dummy_step(runner: ModelRunner, shape: DummyShape, sampler: Sampler | None = None) -> None:
-    """One forward of `shape` (plus the sampler on the rank that gets logits). Keeps nothing."""
+    """One forward of `shape` (plus the sampler on the rank that gets logits: every path, then the
+    plain greedy one, which reads the model-dtype logits as they are: its argmax's own build for
+    that dtype, not a first request's). Keeps nothing."""
     needed = shape.blocks_needed(runner.cfg.block_size)
     if needed > runner.num_kv_blocks:
         raise ValueError(
@@ -194,6 +196,7 @@ def run_dummy_step(runner: ModelRunner, shape: DummyShape, sampler: Sampler | No
     logits = runner.execute(dummy_plan(shape, runner.cfg.block_size))
     if logits is not None and sampler is not None:
         sampler(logits, dummy_sampling_seqs(logits.shape[0]))
+        sampler(logits, [Sequence(f"greedy-{i}", [1], SamplingParams(), 1) for i in range(logits.shape[0])])
 
 
 def release_after_failure(mem: DeviceMemory | None) -> None:

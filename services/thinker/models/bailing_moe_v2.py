@@ -191,7 +191,8 @@ class BailingMoeV2ForCausalLM(nn.Module):
         self.model.rotary.bound_positions(max_len)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """[R, H] → fp32 logits [R, vocab_size], gathered across TP ranks."""
+        """[R, H] → logits [R, vocab_size] in the model's dtype (bf16 serving, fp32 the CPU reference),
+        gathered across TP ranks; the sampler casts to fp32 where a row needs values."""
         return self.lm_head(hidden_rows)
 
     def attention_layers(self) -> list[PagedAttention]:

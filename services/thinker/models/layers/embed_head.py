@@ -2,7 +2,7 @@
 all-reduce) and LM head (local logits + all-gather).
 
 Each rank owns ceil(vocab / tp) rows; rows past the real vocabulary are zero padding and are cut
-from the gathered logits, so callers always see exactly `vocab_size` columns.
+from the gathered logits, so callers always see exactly `vocab_size` columns (in the model's dtype).
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ class ParallelLMHead(_VocabParallel):
         self.gemv: LinearKernel | None = None  # the small-batch matmul (`install_backends`)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, H] → fp32 logits [R, vocab_size] over the full vocabulary."""
+        """hidden [R, H] → logits [R, vocab_size] over the full vocabulary, in the weight's dtype: a
+        view of the projection's (gathered) output, no copy. No cast to fp32 here: the sampler casts
+        what it reads values of (engine/sampler.py), its greedy argmax reads these as they are."""
         logits = self.tp.all_gather(project(hidden, self.weight, self.gemv), dim=-1)
-        return logits[:, : self.vocab_size].float()
+        return logits[:, : self.vocab_size]

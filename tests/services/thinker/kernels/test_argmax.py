@@ -150,3 +150,21 @@ def test_beyond_the_launchs_rows_or_off_cuda_the_greedy_ids_are_torchs(launches,
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # off the interpreter a CPU tensor cannot launch
     assert torch.equal(greedy_ids(few), few.argmax(dim=-1))
     assert launches.names() == []
+
+
+def test_the_samplers_greedy_ids_of_bf16_logits_launch_on_them_as_they_are(launches, monkeypatch):
+    """The LM head's bf16 logits (a view that cuts the gather's padding columns) go to the launch
+    with no fp32 copy, and their ids are their fp32 cast's: ties to the lowest index, across chunks."""
+    monkeypatch.setattr(sampler, "fast_argmax", lambda device: True)  # as on a CUDA device
+    launches.watch(argmax, "_argmax_kernel")
+    gathered = torch.randint(-6, 7, (3, 4608), generator=torch.Generator().manual_seed(17)).bfloat16()
+    logits = gathered[:, :4500]  # the padding past the vocabulary cut by a view
+    logits[1, [4400, 2100, 3000]] = 9.0  # a tie in three chunks: the second chunk's
+    logits[2, 4499] = NAN
+    buffer = torch.zeros(3, dtype=torch.int64)
+    sample = Sampler().sample(logits, [_seq(SamplingParams()) for _ in range(3)], out=buffer)
+    (args,) = launches.arguments("_argmax_kernel")
+    assert args[0] is logits and args[0].dtype == torch.bfloat16 and args[5] == 4608
+    ids = sample.to_host().token_ids
+    assert ids == buffer.tolist() == logits.float().argmax(dim=-1).tolist()
+    assert ids[1:] == [2100, 4499]

@@ -73,7 +73,7 @@ def test_bf16_load_keeps_bf16_and_reports_progress(tiny_ckpt):
     )
     assert torch.equal(model.model.norm.weight, stored["model.model.norm.weight"])
     h = model(torch.arange(8), torch.arange(8).expand(3, -1))
-    assert h.dtype == torch.bfloat16 and model.compute_logits(h[-1:]).dtype == torch.float32
+    assert h.dtype == torch.bfloat16 and model.compute_logits(h[-1:]).dtype == torch.bfloat16  # no fp32 copy
 
 
 def test_fused_experts_hold_each_checkpoint_expert(tiny_ckpt, tiny_model):
@@ -114,6 +114,29 @@ def test_vocab_parallel_padding_and_sum():
     assert torch.equal(heads[-1][:, 1:], torch.zeros(hidden, 2))
     torch.testing.assert_close(sum(embeds), full[ids.clamp(0, vocab - 1)])
     torch.testing.assert_close(torch.cat(heads, dim=-1)[:, :vocab], full.t())
+
+
+class _GatheringTP(TPGroup):
+    """Rank 0 of `size` whose all-gather stands every rank's part in with its own, and keeps it."""
+
+    def all_gather(self, x, dim=-1):
+        self.gathered = torch.cat([x] * self.size, dim=dim)
+        return self.gathered
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_lm_head_gives_a_view_of_the_gathered_logits_in_the_weights_dtype(dtype):
+    """No cast and no copy after the gather (the sampler casts where it reads values): the padding
+    columns cut by a view, the values the projection's own."""
+    vocab, hidden = 10, 4  # 3 rows a rank: 12 gathered columns, 2 of them padding
+    tp = _GatheringTP(0, 4)
+    head = ParallelLMHead(vocab, hidden, tp).to(dtype)
+    head.weight_loader(head.weight, torch.randn(vocab, hidden).to(dtype))
+    x = torch.randn(5, hidden).to(dtype)
+    logits = head(x)
+    assert logits.dtype == dtype and logits.shape == (5, vocab)
+    assert logits.data_ptr() == tp.gathered.data_ptr() and logits.stride() == (12, 1)
+    assert torch.equal(logits, torch.nn.functional.linear(x, head.weight).repeat(1, 4)[:, :vocab])
 
 
 def test_qkv_split_replicates_kv_heads_when_fewer_than_ranks():
