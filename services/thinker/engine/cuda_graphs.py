@@ -12,6 +12,7 @@ from omnistage.common.memory.device import fmt_bytes
 from omnistage.services.thinker.engine.decode_staging import DecodeStaging
 from omnistage.services.thinker.engine.sampled_feed import SampledFeed
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
+from omnistage.services.thinker.models.layers.backends import stage_overlap_enabled
 from omnistage.services.thinker.tp.plan import PlanKind, StepPlan
 from torch import nn
 
@@ -36,7 +37,7 @@ def graph_reserve_bytes(max_batch: int, vocab_local: int, tp_size: int) -> int:
     fp32 logits output plus the largest size's logits in flight (local bf16 + gathered), and a
     margin for the activations of one decode step (small next to the logits)."""
     sizes = graph_batch_sizes(max_batch)
-    sizes += [s for s in sizes if s <= OVERLAP_MAX_BATCH]  # a graph per staging buffer
+    sizes += [s for s in sizes if s <= OVERLAP_MAX_BATCH]  # a graph per staging buffer (an upper bound)
     outputs = sum(sizes) * vocab_local * tp_size * 4
     in_flight = max_batch * vocab_local * (2 + 2 * tp_size)
     return outputs + in_flight + (64 << 20)
@@ -97,7 +98,7 @@ class DecodeGraphs:
         self.max_batch, self.width, self.device, self.capture_enabled = max_batch, max_blocks, device, capture
         n = max_batch
         layout = (n, 3 * n, n, n, n * max_blocks)  # ids, positions, slots, context lens, tables
-        overlap = self.sizes[0] <= OVERLAP_MAX_BATCH
+        overlap = self.sizes[0] <= OVERLAP_MAX_BATCH and stage_overlap_enabled()
         self.staging = DecodeStaging(layout, device, buffers=2 if overlap else 1)
         self.hosts = self.staging.hosts
         self._use(0)

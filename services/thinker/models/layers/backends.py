@@ -135,6 +135,12 @@ GEMV_ENV = "OMNISTAGE_THINKER_GEMV"
 RESIDENT_ENV = "OMNISTAGE_THINKER_RESIDENT"
 
 
+# Set to `off`: a decode step of one or two sequences copies its inputs on the compute stream after the
+# step before, as larger ones do (`engine/decode_staging.py`; one graph a size), for a same-build
+# comparison (bench/decode_variants_gpu.sh).
+STAGE_OVERLAP_ENV = "OMNISTAGE_THINKER_STAGE_OVERLAP"
+
+
 def fusions_enabled() -> bool:
     """The environment's choice (default on); anything but on / off is refused, naming both."""
     return _switch(FUSIONS_ENV)
@@ -148,6 +154,11 @@ def gemv_enabled() -> bool:
 def resident_enabled() -> bool:
     """RESIDENT_ENV's choice (default on), refused as FUSIONS_ENV's is."""
     return _switch(RESIDENT_ENV)
+
+
+def stage_overlap_enabled() -> bool:
+    """STAGE_OVERLAP_ENV's choice (default on), refused as FUSIONS_ENV's is."""
+    return _switch(STAGE_OVERLAP_ENV)
 
 
 def _switch(name: str, default: str = "on") -> bool:

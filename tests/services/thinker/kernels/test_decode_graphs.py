@@ -108,8 +108,21 @@ def test_small_steps_take_the_two_staging_buffers_in_turn_and_larger_ones_the_fi
     assert used == [1, 0, 1, 0, 1, 0, 1, 0]
     pointers = [call[-1] for call in model.calls]
     assert pointers[0] != pointers[1] and pointers[3] == pointers[5] == pointers[1]
-    one = DecodeGraphs(Recorder(), max_batch=8, max_blocks=4, device=torch.device("cpu"), capture=False)
-    assert len(one.staging.buffers) == 2 and one.staging.copy_stream is None  # no copy stream on a CPU
+    assert len(graphs.staging.buffers) == 2 and graphs.staging.copy_stream is None  # no copy stream on a CPU
+
+
+def test_with_the_overlap_off_every_step_reads_one_staging_buffer(monkeypatch):
+    """OMNISTAGE_THINKER_STAGE_OVERLAP=off (a same-build comparison): one buffer, one graph a size."""
+    from omnistage.services.thinker.models.layers.backends import STAGE_OVERLAP_ENV
+
+    monkeypatch.setenv(STAGE_OVERLAP_ENV, "off")
+    model = Recorder()
+    graphs = DecodeGraphs(model, max_batch=8, max_blocks=4, device=torch.device("cpu"), capture=False)
+    assert len(graphs.staging.buffers) == 1 and graphs.buffers_of(1) == (0,)
+    for n in (1, 1, 2):
+        graphs.run(decode_plan(n))
+        assert graphs.buffer == 0
+    assert len({call[-1] for call in model.calls}) == 1
 
 
 def test_placeholders_take_the_shared_ids_and_each_step_is_staged_beside_the_one_before():
