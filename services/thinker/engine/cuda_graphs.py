@@ -9,12 +9,19 @@ from collections.abc import Callable
 import torch
 from omnistage.common.log import get_logger
 from omnistage.common.memory.device import fmt_bytes
+from omnistage.services.thinker.engine.decode_staging import DecodeStaging
 from omnistage.services.thinker.engine.sampled_feed import SampledFeed
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
+from omnistage.services.thinker.models.layers.backends import stage_overlap_enabled
 from omnistage.services.thinker.tp.plan import PlanKind, StepPlan
 from torch import nn
 
 log = get_logger(__name__)
+
+# Batch sizes up to this get a graph per staging buffer (engine/decode_staging.py): their steps' input
+# copy runs while the step before computes instead of after it (~5 µs of a one-sequence step's ~1.1 ms
+# on an H200); a larger step's copy is a smaller share of it, not worth a graph more each.
+OVERLAP_MAX_BATCH = 2
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -31,6 +38,7 @@ def graph_reserve_bytes(max_batch: int, vocab_local: int, tp_size: int) -> int:
     activations of one decode step (small next to the logits). Counted at 4 bytes a value: the
     outputs are in the model's dtype (2 bytes in bf16, no fp32 copy), so this is an upper bound."""
     sizes = graph_batch_sizes(max_batch)
+    sizes += [s for s in sizes if s <= OVERLAP_MAX_BATCH]  # a graph per staging buffer (an upper bound)
     outputs = sum(sizes) * vocab_local * tp_size * 4
     in_flight = max_batch * vocab_local * (2 + 2 * tp_size)
     return outputs + in_flight + (64 << 20)
@@ -67,7 +75,8 @@ def capture_graph(
 
 
 class DecodeGraphs:
-    """Static decode buffers, one graph per batch size; a KV-cache user (graphs die with the cache)."""
+    """Static decode buffers, one graph per batch size (two at OVERLAP_MAX_BATCH or fewer sequences: one
+    per staging buffer); a KV-cache user (graphs die with the cache)."""
 
     def __init__(
         self,
@@ -89,26 +98,36 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch, self.width, self.device, self.capture_enabled = max_batch, max_blocks, device, capture
         n = max_batch
-        self.layout = (n, 3 * n, n, n, n * max_blocks)  # ids, positions, slots, context lens, tables
-        total = sum(self.layout)
-        # Two pinned host arrays, used in turn: a step is staged while the copy of the one before may
-        # still wait in the device's queue (async scheduling), so that array is left alone.
-        pinned = device.type == "cuda"
-        self.hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
-        self.copied: list[torch.cuda.Event | None] = [None, None]  # each array's last copy, when queued
-        self.turn = 0
-        self.staged = torch.zeros(total, dtype=torch.int64, device=device)
-        self.ids, self.pos, self.slots, self.ctx, self.tables = self._views(self.staged)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        layout = (n, 3 * n, n, n, n * max_blocks)  # ids, positions, slots, context lens, tables
+        overlap = self.sizes[0] <= OVERLAP_MAX_BATCH and stage_overlap_enabled()
+        self.staging = DecodeStaging(layout, device, buffers=2 if overlap else 1)
+        self.hosts = self.staging.hosts
+        self._use(0)
+        # (batch size, staging buffer) -> its graph and its output
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.ready = not capture  # eager mode needs no capture; captured mode only after capture()
         self.replays = 0
         self.pool_bytes = 0  # what the capture took on the device (the memory report's graph pool)
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n = self.max_batch
-        ids, pos, slots, ctx, tables = torch.split(buf, self.layout)
-        return ids, pos.view(3, n), slots, ctx, tables.view(n, self.width)
+        return self.staging.views(buf, self.max_batch, self.width)
+
+    def _use(self, buffer: int) -> None:
+        """The step being staged reads staging buffer `buffer` (`ids`, `pos`, ... its views)."""
+        self.buffer = buffer
+        self.staged = self.staging.buffers[buffer]
+        self.ids, self.pos, self.slots, self.ctx, self.tables = self._views(self.staged)
+
+    def buffers_of(self, size: int) -> tuple[int, ...]:
+        """The staging buffers a step of `size` may read: both at OVERLAP_MAX_BATCH or fewer (a graph
+        each), else the first."""
+        return tuple(range(len(self.staging.buffers))) if size <= OVERLAP_MAX_BATCH else (0,)
+
+    def _buffer_for(self, size: int) -> int:
+        """A small step takes the buffer the step before did not (its copy need not wait for that
+        step); a larger one the first."""
+        return self.buffer ^ 1 if len(self.buffers_of(size)) == 2 else 0
 
     # --- which steps -----------------------------------------------------------------------------
 
@@ -145,35 +164,29 @@ class DecodeGraphs:
             self.feed.require_shared()  # the forward reads the ids from the feed's buffer
         elif fill is not None:
             self.ids[:n].copy_(fill(self.ids[:n]))
-        graph = self.graphs.get(size)
+        key = (size, self.buffer)
+        graph = self.graphs.get(key)
         if graph is None:
-            return self._forward(size)[:n]
-        graph.replay()
-        self.replays += 1
-        return self.outputs[size][:n]
+            logits = self._forward(size)[:n]
+        else:
+            graph.replay()
+            self.replays += 1
+            logits = self.outputs[key][:n]
+        self.staging.release(self.buffer)
+        return logits
 
     def _stage(self, plan: StepPlan, n: int, size: int) -> None:
-        """The plan into a host array (padding rows: token 0, slot -1, length 0), then one copy."""
-        host = self._next_host()
+        """The plan into a host array (padding rows: token 0, slot -1, length 0), then one copy into
+        the step's staging buffer."""
+        self._use(self._buffer_for(size))
+        host = self.staging.next_host()
         ids, pos, slots, ctx, tables = self._views(host)
         width = plan.block_tables.shape[1]
         stage_token_rows(plan, ids, pos, slots, n, size)
         ctx[:n] = plan.context_lens
         ctx[n:size] = 0
         tables[:n, :width] = plan.block_tables
-        self.staged.copy_(host, non_blocking=True)
-        if self.device.type == "cuda":
-            self.copied[self.turn] = torch.cuda.Event()
-            self.copied[self.turn].record()
-
-    def _next_host(self) -> torch.Tensor:
-        """The host array whose last copy has left it (it waits for that copy, which precedes the step
-        before the one running now: in practice long done)."""
-        self.turn ^= 1
-        copied = self.copied[self.turn]
-        if copied is not None:
-            copied.synchronize()
-        return self.hosts[self.turn]
+        self.staging.copy_in(host, self.buffer)
 
     def _forward(self, size: int) -> torch.Tensor:
         """The model over the first `size` static rows; every length comes from the buffers."""
@@ -208,35 +221,39 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         started = time.monotonic()
-        for i, size in enumerate(reversed(self.sizes)):
+        keys = [(size, buffer) for size in reversed(self.sizes) for buffer in self.buffers_of(size)]
+        for i, (size, buffer) in enumerate(keys):
             if align is not None:
                 torch.cuda.synchronize(self.device)
                 align(size)
-            self._stage_padding(size)
-            self.graphs[size], self.outputs[size] = capture_graph(
+            self._stage_padding(size, buffer)  # the forward below reads this buffer
+            self.graphs[(size, buffer)], self.outputs[(size, buffer)] = capture_graph(
                 lambda size=size: self._forward(size), pool, stream, self.device
             )
             if progress is not None:
-                progress(f"decode graph batch {size}", i + 1, len(self.sizes))
+                what = f"decode graph batch {size}" + (f" (staging buffer {buffer})" if buffer else "")
+                progress(what, i + 1, len(keys))
         torch.cuda.synchronize(self.device)
         self.ready = True
         took = torch.cuda.memory_reserved(self.device) - before
         self.pool_bytes = max(took, 0)
         log.info(
             "captured %d decode graphs (batch %s) in %.1fs, %s",
-            len(self.sizes),
+            len(self.graphs),
             ",".join(map(str, self.sizes)),
             time.monotonic() - started,
             fmt_bytes(took),
         )
         return took
 
-    def _stage_padding(self, size: int) -> None:
-        """Every row padding: nothing is written to the cache while capturing."""
-        host = self._next_host()
+    def _stage_padding(self, size: int, buffer: int) -> None:
+        """Every row of staging buffer `buffer` padding (nothing is written to the cache while
+        capturing), and the forward reading it."""
+        self._use(buffer)
+        host = self.staging.next_host()
         host[:] = 0
         self._views(host)[2][:size] = -1
-        self.staged.copy_(host)
+        self.staging.copy_in(host, buffer, blocking=True)
 
     # --- the KV cache: graphs point into it, so they go when it goes -------------------------------
 

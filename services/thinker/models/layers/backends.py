@@ -151,6 +151,12 @@ GATEUP_SELECT_ENV = "OMNISTAGE_THINKER_GATEUP_SELECT"
 DECODE_TILES_ENV = "OMNISTAGE_THINKER_DECODE_TILES"
 
 
+# Set to `off`: a decode step of one or two sequences copies its inputs on the compute stream after the
+# step before, as larger ones do (`engine/decode_staging.py`; one graph a size), for a same-build
+# comparison (bench/decode_variants_gpu.sh).
+STAGE_OVERLAP_ENV = "OMNISTAGE_THINKER_STAGE_OVERLAP"
+
+
 def fusions_enabled() -> bool:
     """The environment's choice (default on); anything but on / off is refused, naming both."""
     return _switch(FUSIONS_ENV)
@@ -189,6 +195,11 @@ def decode_tiles(tiles_type: type) -> object | None:
         raise BackendError(
             f"{DECODE_TILES_ENV}={value!r}: expected P,W (tiles before the wait, warps): {exc}"
         ) from exc
+
+
+def stage_overlap_enabled() -> bool:
+    """STAGE_OVERLAP_ENV's choice (default on), refused as FUSIONS_ENV's is."""
+    return _switch(STAGE_OVERLAP_ENV)
 
 
 def _switch(name: str, default: str = "on") -> bool:

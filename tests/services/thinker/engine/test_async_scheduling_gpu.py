@@ -63,3 +63,29 @@ def test_a_decode_step_never_waits_for_the_device_on_the_host(tiny_ckpt):
     while e.has_unfinished():
         e.step()
     assert e.scheduler.block_manager.num_free_blocks == e.cfg.num_kv_blocks
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_one_or_two_sequences_stage_in_two_buffers_in_turn_and_keep_the_eager_tokens(tiny_ckpt, n):
+    """At one or two sequences each decode step's inputs are copied into the staging buffer the step
+    before did not read, on a copy stream, while that step runs (engine/decode_staging.py): a graph per
+    buffer, both replayed, and the tokens those of the eager engine (no graphs) in fp32."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    eager_cfg = RankConfig(
+        str(tiny_ckpt), EngineConfig(**CFG, cuda_graphs=False), dtype="float32", device="cuda:0"
+    )
+    want = [r.token_ids for r in rank0_engine(start_rank(eager_cfg)).generate(prompts(n), params)]
+    e = engine(tiny_ckpt, "float32", "on")
+    graphs = e.runner.graphs
+    assert {(n, 0), (n, 1)} <= set(graphs.graphs) and graphs.staging.copy_stream is not None
+    used = []
+    real_run = graphs.run
+
+    def run(plan, fill=None):
+        logits = real_run(plan, fill)
+        used.append(graphs.buffer)
+        return logits
+
+    graphs.run = run
+    assert [r.token_ids for r in e.generate(prompts(n), params)] == want
+    assert len(used) >= 20 and all(a != b for a, b in zip(used, used[1:], strict=False)), used

@@ -84,13 +84,45 @@ def test_a_step_runs_at_its_bucket_with_padding_rows_that_write_and_read_nothing
 def test_buffers_are_reused_and_a_smaller_step_clears_the_rows_a_larger_one_left():
     model = Recorder()
     graphs = DecodeGraphs(model, max_batch=8, max_blocks=4, device=torch.device("cpu"), capture=False)
-    graphs.run(decode_plan(7))  # bucket 8
-    graphs.run(decode_plan(1))  # bucket 1
-    graphs.run(decode_plan(2))  # bucket 2
+    graphs.run(decode_plan(7))  # bucket 8: staging buffer 0
+    graphs.run(decode_plan(1))  # bucket 1: buffer 1 (the step before read 0)
+    graphs.run(decode_plan(2))  # bucket 2: buffer 0 again
     (ids8, *_, ptr8), (ids1, *_, ptr1), (ids2, _, slots2, ctx2, _, ptr2) = model.calls
     assert len(ids8) == 8 and len(ids1) == 1 and len(ids2) == 2
-    assert ptr8 == ptr1 == ptr2  # one static buffer, sliced per bucket
+    assert ptr8 == ptr2 != ptr1  # two static buffers, sliced per bucket
     assert slots2.tolist() == [7, 23] and ctx2.tolist() == [8, 9]
+
+
+def test_small_steps_take_the_two_staging_buffers_in_turn_and_larger_ones_the_first():
+    """A step of one or two sequences is staged in the buffer the step before did not read (its copy
+    then need not wait for that step, engine/decode_staging.py), so each has a graph per buffer; a
+    larger step always reads the first buffer (one graph), and every step sees its own rows."""
+    model = Recorder()
+    graphs = DecodeGraphs(model, max_batch=8, max_blocks=4, device=torch.device("cpu"), capture=False)
+    assert [graphs.buffers_of(s) for s in graph_batch_sizes(8)] == [(0, 1), (0, 1), (0,), (0,)]
+    used = []
+    for n in (1, 1, 2, 5, 1, 8, 2, 2):
+        graphs.run(decode_plan(n))
+        used.append(graphs.buffer)
+        assert model.calls[-1][0][:n].tolist() == list(range(100, 100 + n))
+    assert used == [1, 0, 1, 0, 1, 0, 1, 0]
+    pointers = [call[-1] for call in model.calls]
+    assert pointers[0] != pointers[1] and pointers[3] == pointers[5] == pointers[1]
+    assert len(graphs.staging.buffers) == 2 and graphs.staging.copy_stream is None  # no copy stream on a CPU
+
+
+def test_with_the_overlap_off_every_step_reads_one_staging_buffer(monkeypatch):
+    """OMNISTAGE_THINKER_STAGE_OVERLAP=off (a same-build comparison): one buffer, one graph a size."""
+    from omnistage.services.thinker.models.layers.backends import STAGE_OVERLAP_ENV
+
+    monkeypatch.setenv(STAGE_OVERLAP_ENV, "off")
+    model = Recorder()
+    graphs = DecodeGraphs(model, max_batch=8, max_blocks=4, device=torch.device("cpu"), capture=False)
+    assert len(graphs.staging.buffers) == 1 and graphs.buffers_of(1) == (0,)
+    for n in (1, 1, 2):
+        graphs.run(decode_plan(n))
+        assert graphs.buffer == 0
+    assert len({call[-1] for call in model.calls}) == 1
 
 
 def test_placeholders_take_the_shared_ids_and_each_step_is_staged_beside_the_one_before():
