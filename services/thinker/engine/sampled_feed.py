@@ -11,16 +11,9 @@ host to learn the new tokens.
 from __future__ import annotations
 
 import torch
+from omnistage.services.thinker.models.layers.embed_head import resolve_placeholders
 from omnistage.services.thinker.models.layers.parallel import TPGroup
 from omnistage.services.thinker.tp.plan import StepPlan
-
-
-def resolve_placeholders(ids: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-    """`ids` with each placeholder (row r's is -r - 1) replaced by `sampled[r]`, the rest as they
-    are (a new tensor): the one rule, for an eager step (`SampledFeed.fill`) and inside a decode
-    graph (`SampledFeed.resolve`)."""
-    named = sampled[(-ids - 1).clamp(min=0, max=sampled.numel() - 1)]
-    return torch.where(ids < 0, named, ids)
 
 
 class SampledFeed:

@@ -18,6 +18,7 @@ from omnistage.services.thinker.models.layers.attention import (
     PagedAttention,
     QKNormRope,
 )
+from omnistage.services.thinker.models.layers.embed_head import VocabParallelEmbedding
 from omnistage.services.thinker.models.layers.moe import FusedExperts, GatedMLP, Router
 from omnistage.services.thinker.models.layers.norm import RMSNorm
 from torch import nn
@@ -135,6 +136,13 @@ GEMV_ENV = "OMNISTAGE_THINKER_GEMV"
 RESIDENT_ENV = "OMNISTAGE_THINKER_RESIDENT"
 
 
+# Set to `off`: the embedding lookup of every step in torch (the placeholders' resolution, the
+# clamp, the gather and under TP the shard mask: ~6 launches at a decode step's start) instead of
+# one launch (`kernels/embed_gather.py`), for a same-build comparison (bench/ling_mini_gpu.py
+# --fused-embed).
+FUSED_EMBED_ENV = "OMNISTAGE_THINKER_FUSED_EMBED"
+
+
 def fusions_enabled() -> bool:
     """The environment's choice (default on); anything but on / off is refused, naming both."""
     return _switch(FUSIONS_ENV)
@@ -148,6 +156,11 @@ def gemv_enabled() -> bool:
 def resident_enabled() -> bool:
     """RESIDENT_ENV's choice (default on), refused as FUSIONS_ENV's is."""
     return _switch(RESIDENT_ENV)
+
+
+def fused_embed_enabled() -> bool:
+    """FUSED_EMBED_ENV's choice (default on), refused as FUSIONS_ENV's is."""
+    return _switch(FUSED_EMBED_ENV)
 
 
 def _switch(name: str, default: str = "on") -> bool:
@@ -173,21 +186,10 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     Under the fast attention backends a projection of one or two tokens whose weight fits takes the
     weights-first kernel, the qkv projection with the add + norm before it (`kernels/resident_gemv.py`;
     unless `fuse` or RESIDENT_ENV is off), and the projections and the LM head the Triton GEMV for a
-    decode step's few tokens (`kernels/gemv.py` `chooses_kernel`) when GEMV_ENV is on."""
+    decode step's few tokens (`kernels/gemv.py` `chooses_kernel`) when GEMV_ENV is on; the embedding
+    looks a step's ids up in one launch (`kernels/embed_gather.py`) unless FUSED_EMBED_ENV is off."""
     fuse = fusions_enabled() if fuse is None else fuse
-    attention, norm, act, gemv, norm_gemv = TORCH_ATTENTION, None, None, None, None
-    if backends.attention in ("triton", "flashinfer"):
-        from omnistage.services.thinker.kernels import norms
-
-        attention = (TritonAttention if backends.attention == "triton" else FlashInferAttention)(fuse)
-        norm, act = norms.rms_norm, norms.silu_and_mul
-        if gemv_enabled():
-            from omnistage.services.thinker.kernels.gemv import linear as gemv
-        if fuse and resident_enabled():
-            from omnistage.services.thinker.kernels import resident_gemv
-
-            gemv = functools.partial(resident_gemv.linear, fallback=gemv)
-            norm_gemv = resident_gemv.normed_linear
+    attention, norm, act, gemv, norm_gemv, embed = _attention_kernels(backends, fuse)
     experts, route, normed_route = None, None, None
     if backends.moe == "triton":
         from omnistage.services.thinker.kernels import router
@@ -205,6 +207,8 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
             module.kernel = norm
         elif isinstance(module, GatedMLP):
             module.act = act
+        elif isinstance(module, VocabParallelEmbedding):
+            module.kernel = embed
         elif hasattr(module, "gemv"):  # a projection or the LM head (layers/linear.py `project`)
             module.gemv = gemv
             if hasattr(module, "norm_gemv"):
@@ -216,6 +220,28 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
             runs = route is not None and router.route_shapes_supported(e, groups, k)
             module.kernel = route if runs else None
             module.norm_kernel = normed_route if runs else None
+
+
+def _attention_kernels(backends: Backends, fuse: bool) -> tuple:
+    """(attention, norm, act, gemv, norm_gemv, embed) under `backends`: the reference's (torch
+    attention, None elsewhere) unless its attention is triton / flashinfer (`install_backends`)."""
+    attention, norm, act, gemv, norm_gemv, embed = TORCH_ATTENTION, None, None, None, None, None
+    if backends.attention not in ("triton", "flashinfer"):
+        return attention, norm, act, gemv, norm_gemv, embed
+    from omnistage.services.thinker.kernels import norms
+
+    attention = (TritonAttention if backends.attention == "triton" else FlashInferAttention)(fuse)
+    norm, act = norms.rms_norm, norms.silu_and_mul
+    if gemv_enabled():
+        from omnistage.services.thinker.kernels.gemv import linear as gemv
+    if fuse and resident_enabled():
+        from omnistage.services.thinker.kernels import resident_gemv
+
+        gemv = functools.partial(resident_gemv.linear, fallback=gemv)
+        norm_gemv = resident_gemv.normed_linear
+    if fused_embed_enabled():
+        from omnistage.services.thinker.kernels.embed_gather import rows as embed
+    return attention, norm, act, gemv, norm_gemv, embed
 
 
 class TritonAttention:
