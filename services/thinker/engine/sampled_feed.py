@@ -19,8 +19,8 @@ from omnistage.services.thinker.tp.plan import StepPlan
 class SampledFeed:
     """One rank's copy of the latest shared step's sampled ids [R] (int64, on its device), kept in one
     buffer of `capacity` rows (the most a step samples: one a sequence) at a fixed address, so that
-    a decode graph reads them in its own replay (`resolve`) instead of the host queuing the gather
-    before it."""
+    a decode graph reads them in its own replay (the model's embedding lookup takes the raw ids and
+    `buffer`: engine/cuda_graphs.py) instead of the host queuing the gather before it."""
 
     def __init__(self, device: torch.device, group: TPGroup, capacity: int = 256) -> None:
         self.device = device
@@ -56,8 +56,3 @@ class SampledFeed:
         """`ids` (on the device) with each placeholder replaced by the id it names (a new tensor)."""
         self.require_shared()
         return resolve_placeholders(ids, self.ids)
-
-    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
-        """`fill` without a host check, from the whole buffer: what a captured graph replays (a
-        plan's placeholders name rows the last shared step wrote)."""
-        return resolve_placeholders(ids, self.buffer)
