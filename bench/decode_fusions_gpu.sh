@@ -17,16 +17,21 @@
 # WALL_S 100, no GPU tests (TESTS=1 runs them, GEMV on):
 #   run("AB=gemv bash bench/decode_fusions_gpu.sh", kind="nvidia-h200",
 #       carry=[".cache/transport-whl", ".cache/pytest-whl"])
+# AB=fused-embed: the step's embedding lookup in one launch or in torch (OMNISTAGE_THINKER_FUSED_EMBED
+# on / off, issue 40: the step's first kernels), concurrencies 1,8, then its GPU tests
+# (tests/services/thinker/engine/test_embed_gather_gpu.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/decode-fusions-out}
 mkdir -p "$OUT"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 AB=${AB:-fusions}
+gpu_tests=tests/services/thinker/engine/test_decode_fusions_gpu.py
 case $AB in
   fusions) conc=1,8,32 wall=170 tests=1 ;;
   gemv) conc=1,8 wall=100 tests=0 ;;
-  *) echo "AB=$AB: expected fusions or gemv" >&2; exit 2 ;;
+  fused-embed) conc=1,8 wall=120 tests=1 gpu_tests=tests/services/thinker/engine/test_embed_gather_gpu.py ;;
+  *) echo "AB=$AB: expected fusions, gemv or fused-embed" >&2; exit 2 ;;
 esac
 common=(--profile-c "${PROFILE_C:-$conc}" --sweep "${SWEEP:-$conc}" --sweep-tokens 128
   --real-requests 2 --max-model-len 4096)
@@ -54,8 +59,7 @@ bench() {  # bench on|off: Ling-mini decode with $AB on or off; its lines also i
   if ((${TESTS:-$tests})); then
     step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target /tmp/site .cache/pytest-whl/*.whl
-    step "GPU tests" timeout "${TEST_S:-190}" python3 -m pytest -q -rs -p no:cacheprovider \
-      tests/services/thinker/engine/test_decode_fusions_gpu.py
+    step "GPU tests" timeout "${TEST_S:-190}" python3 -m pytest -q -rs -p no:cacheprovider "$gpu_tests"
   fi
   echo "=== per step (graphs): device ops, wall ms, kernel ms ==="
   for x in on off; do

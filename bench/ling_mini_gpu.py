@@ -579,6 +579,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the weights-first projections of one or two tokens (sets OMNISTAGE_THINKER_RESIDENT for the ranks)",
     )
     ap.add_argument(
+        "--fused-embed",
+        choices=("on", "off"),
+        default=None,
+        help="the step's embedding lookup in one launch (sets OMNISTAGE_THINKER_FUSED_EMBED for the ranks)",
+    )
+    ap.add_argument(
         "--pdl",
         choices=("on", "off"),
         default=None,
@@ -595,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMNISTAGE_THINKER_GEMV"] = args.gemv
     if args.resident is not None:
         os.environ["OMNISTAGE_THINKER_RESIDENT"] = args.resident
+    if args.fused_embed is not None:
+        os.environ["OMNISTAGE_THINKER_FUSED_EMBED"] = args.fused_embed
     defaults = dict(
         max_num_seqs=(64, 8),
         max_num_batched_tokens=(4096, 128),
@@ -683,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
         "gemv": os.environ.get("OMNISTAGE_THINKER_GEMV", "off"),  # backends.gemv_enabled()'s default
         "pdl": os.environ.get("OMNISTAGE_THINKER_PDL", "on"),  # kernels/pdl.py's default
         "resident": os.environ.get("OMNISTAGE_THINKER_RESIDENT", "on"),  # backends.resident_enabled()'s
+        "fused_embed": os.environ.get("OMNISTAGE_THINKER_FUSED_EMBED", "on"),  # fused_embed_enabled()'s
         "tp_allreduce": args.tp_allreduce,
         "elapsed_s": round(elapsed, 1),
         "ok": not problems,
