@@ -27,6 +27,9 @@
 # (OMNISTAGE_THINKER_GATEUP_SELECT on / off, issue 40), after `bench/moe_one_token_gpu.py --select-only`
 # (the layer's launches alone, their bits; $OUT/moe_select.json); concurrencies 1,8, WALL_S 100, no
 # GPU tests unless TESTS=1 (then tests/services/thinker/engine/test_gate_up_select_gpu.py too).
+# AB=fused-embed: the step's embedding lookup in one launch or in torch (OMNISTAGE_THINKER_FUSED_EMBED
+# on / off, issue 40: the step's first kernels), concurrencies 1,8, then its GPU tests
+# (tests/services/thinker/engine/test_embed_gather_gpu.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/decode-fusions-out}
@@ -39,7 +42,8 @@ case $AB in
   gemv) conc=1,8 wall=100 tests=0 ;;
   qkv-rope) conc=1,2 wall=120 tests=1 tests_file=tests/services/thinker/engine/test_qkv_rope_gpu.py ;;
   gateup-select) conc=1,8 wall=100 tests=0 tests_file=tests/services/thinker/engine/test_gate_up_select_gpu.py ;;
-  *) echo "AB=$AB: expected fusions, gemv, qkv-rope or gateup-select" >&2; exit 2 ;;
+  fused-embed) conc=1,8 wall=120 tests=1 tests_file=tests/services/thinker/engine/test_embed_gather_gpu.py ;;
+  *) echo "AB=$AB: expected fusions, gemv, qkv-rope, gateup-select or fused-embed" >&2; exit 2 ;;
 esac
 common=(--profile-c "${PROFILE_C:-$conc}" --sweep "${SWEEP:-$conc}" --sweep-tokens 128
   --real-requests 2 --max-model-len 4096)

@@ -601,6 +601,12 @@ def main(argv: list[str] | None = None) -> int:
         help="one token's experts selected in the gate-up launch (sets OMNISTAGE_THINKER_GATEUP_SELECT for the ranks)",
     )
     ap.add_argument(
+        "--fused-embed",
+        choices=("on", "off"),
+        default=None,
+        help="the step's embedding lookup in one launch (sets OMNISTAGE_THINKER_FUSED_EMBED for the ranks)",
+    )
+    ap.add_argument(
         "--pdl",
         choices=("on", "off"),
         default=None,
@@ -621,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMNISTAGE_THINKER_QKV_ROPE"] = args.qkv_rope
     if args.gateup_select is not None:
         os.environ["OMNISTAGE_THINKER_GATEUP_SELECT"] = args.gateup_select
+    if args.fused_embed is not None:
+        os.environ["OMNISTAGE_THINKER_FUSED_EMBED"] = args.fused_embed
     defaults = dict(
         max_num_seqs=(64, 8),
         max_num_batched_tokens=(4096, 128),
@@ -713,6 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         "gateup_select": os.environ.get(
             "OMNISTAGE_THINKER_GATEUP_SELECT", "off"
         ),  # gateup_select_enabled()'s
+        "fused_embed": os.environ.get("OMNISTAGE_THINKER_FUSED_EMBED", "on"),  # fused_embed_enabled()'s
         "tp_allreduce": args.tp_allreduce,
         "elapsed_s": round(elapsed, 1),
         "ok": not problems,

@@ -197,9 +197,11 @@ class DecodeGraphs:
             block_tables=self.tables[:size],
             context_lens_tensor=self.ctx[:size],
         )
-        ids = self.ids[:size] if self.feed is None else self.feed.resolve(self.ids[:size])
+        # With a feed the staged placeholders go to the model as they are, with the buffer they name:
+        # its embedding lookup resolves them (one launch on the fast backends: kernels/embed_gather.py).
+        sampled = {} if self.feed is None else {"sampled": self.feed.buffer}
         with attention_metadata(md):
-            hidden = self.model(ids, self.pos[:, :size])
+            hidden = self.model(self.ids[:size], self.pos[:, :size], **sampled)
         return self.model.compute_logits(hidden)
 
     # --- capture ----------------------------------------------------------------------------------

@@ -11,23 +11,16 @@ host to learn the new tokens.
 from __future__ import annotations
 
 import torch
+from omnistage.services.thinker.models.layers.embed_head import resolve_placeholders
 from omnistage.services.thinker.models.layers.parallel import TPGroup
 from omnistage.services.thinker.tp.plan import StepPlan
-
-
-def resolve_placeholders(ids: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-    """`ids` with each placeholder (row r's is -r - 1) replaced by `sampled[r]`, the rest as they
-    are (a new tensor): the one rule, for an eager step (`SampledFeed.fill`) and inside a decode
-    graph (`SampledFeed.resolve`)."""
-    named = sampled[(-ids - 1).clamp(min=0, max=sampled.numel() - 1)]
-    return torch.where(ids < 0, named, ids)
 
 
 class SampledFeed:
     """One rank's copy of the latest shared step's sampled ids [R] (int64, on its device), kept in one
     buffer of `capacity` rows (the most a step samples: one a sequence) at a fixed address, so that
-    a decode graph reads them in its own replay (`resolve`) instead of the host queuing the gather
-    before it."""
+    a decode graph reads them in its own replay (the model's embedding lookup takes the raw ids and
+    `buffer`: engine/cuda_graphs.py) instead of the host queuing the gather before it."""
 
     def __init__(self, device: torch.device, group: TPGroup, capacity: int = 256) -> None:
         self.device = device
@@ -63,8 +56,3 @@ class SampledFeed:
         """`ids` (on the device) with each placeholder replaced by the id it names (a new tensor)."""
         self.require_shared()
         return resolve_placeholders(ids, self.ids)
-
-    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
-        """`fill` without a host check, from the whole buffer: what a captured graph replays (a
-        plan's placeholders name rows the last shared step wrote)."""
-        return resolve_placeholders(ids, self.buffer)

@@ -159,10 +159,12 @@ class BailingMoeV2ForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         media_index: torch.Tensor | None = None,
         media_rows: torch.Tensor | None = None,
+        sampled: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token embeddings [T, H] (no scaling) with the encoder rows spliced into the placeholder
-        slots: row k of `media_rows` replaces token row `media_index[k]` (ming.md §2.2 step 1)."""
-        return self.model.word_embeddings(input_ids, media_index, media_rows)
+        slots: row k of `media_rows` replaces token row `media_index[k]` (ming.md §2.2 step 1).
+        With `sampled` [S] an input id -r - 1 stands for `sampled[r]` (the step before's ids)."""
+        return self.model.word_embeddings(input_ids, media_index, media_rows, sampled)
 
     def forward(
         self,
@@ -172,15 +174,18 @@ class BailingMoeV2ForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         media_index: torch.Tensor | None = None,
         media_rows: torch.Tensor | None = None,
+        sampled: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """ids [T], positions [3, T] (or [T]) → final-norm hidden [T, H].
 
         modality [T]: router codes 0 text / 1 vision / 2 audio (None: text; or RouterRows made from
         them); media_index [M] and media_rows [M, H]: encoder rows to splice (under TP only rank 0
-        passes the rows)."""
-        hidden = (
-            self.embed_tokens(input_ids, media_index, media_rows) if inputs_embeds is None else inputs_embeds
-        )
+        passes the rows); sampled [S]: the ids the placeholders among `input_ids` name (row r's
+        placeholder is -r - 1)."""
+        if inputs_embeds is None:
+            hidden = self.embed_tokens(input_ids, media_index, media_rows, sampled)
+        else:
+            hidden = inputs_embeds
         if positions.dim() == 1:
             positions = positions[None].expand(3, -1)
         return self.model(hidden, positions, modality)

@@ -18,6 +18,7 @@ from omnistage.services.thinker.models.layers.attention import (
     PagedAttention,
     QKNormRope,
 )
+from omnistage.services.thinker.models.layers.embed_head import VocabParallelEmbedding
 from omnistage.services.thinker.models.layers.moe import FusedExperts, GatedMLP, Router, SparseMoeBlock
 from omnistage.services.thinker.models.layers.norm import RMSNorm
 from torch import nn
@@ -157,6 +158,13 @@ DECODE_TILES_ENV = "OMNISTAGE_THINKER_DECODE_TILES"
 STAGE_OVERLAP_ENV = "OMNISTAGE_THINKER_STAGE_OVERLAP"
 
 
+# Set to `off`: the embedding lookup of every step in torch (the placeholders' resolution, the
+# clamp, the gather and under TP the shard mask: ~6 launches at a decode step's start) instead of
+# one launch (`kernels/embed_gather.py`), for a same-build comparison (bench/ling_mini_gpu.py
+# --fused-embed).
+FUSED_EMBED_ENV = "OMNISTAGE_THINKER_FUSED_EMBED"
+
+
 def fusions_enabled() -> bool:
     """The environment's choice (default on); anything but on / off is refused, naming both."""
     return _switch(FUSIONS_ENV)
@@ -202,6 +210,11 @@ def stage_overlap_enabled() -> bool:
     return _switch(STAGE_OVERLAP_ENV)
 
 
+def fused_embed_enabled() -> bool:
+    """FUSED_EMBED_ENV's choice (default on), refused as FUSIONS_ENV's is."""
+    return _switch(FUSED_EMBED_ENV)
+
+
 def _switch(name: str, default: str = "on") -> bool:
     value = os.environ.get(name, default).strip().lower()
     if value not in ("on", "off"):
@@ -229,7 +242,8 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     unless `fuse` or RESIDENT_ENV is off) and, where the attention would QK-norm and rope q and k in
     a launch of their own, with that too (`resident_gemv.normed_qkv_rope`; unless QKV_ROPE_ENV is
     off), and the projections and the LM head the Triton GEMV for a decode step's few tokens
-    (`kernels/gemv.py` `chooses_kernel`) when GEMV_ENV is on."""
+    (`kernels/gemv.py` `chooses_kernel`) when GEMV_ENV is on; the embedding looks a step's ids up in
+    one launch (`kernels/embed_gather.py`) unless FUSED_EMBED_ENV is off."""
     fuse = fusions_enabled() if fuse is None else fuse
     attention, norm, act, gemv, norm_gemv, rope_gemv = TORCH_ATTENTION, None, None, None, None, None
     if backends.attention in ("triton", "flashinfer"):
@@ -238,6 +252,7 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
         attention = (TritonAttention if backends.attention == "triton" else FlashInferAttention)(fuse)
         norm, act = norms.rms_norm, norms.silu_and_mul
         gemv, norm_gemv, rope_gemv = _projection_kernels(fuse)
+    embed = _embed_kernel(backends)
     experts, route, normed_route, select = _moe_kernels(backends, fuse, norm is not None)
     for module in model.modules():
         if isinstance(module, PagedAttention):
@@ -246,6 +261,8 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
             module.kernel = norm
         elif isinstance(module, GatedMLP):
             module.act = act
+        elif isinstance(module, VocabParallelEmbedding):
+            module.kernel = embed
         elif hasattr(module, "gemv"):  # a projection or the LM head (layers/linear.py `project`)
             module.gemv = gemv
             if hasattr(module, "norm_gemv"):
@@ -308,6 +325,16 @@ def _projection_kernels(fuse: bool) -> tuple:
 
     rope_gemv = resident_gemv.normed_qkv_rope if qkv_rope_enabled() else None
     return functools.partial(resident_gemv.linear, fallback=gemv), resident_gemv.normed_linear, rope_gemv
+
+
+def _embed_kernel(backends: Backends):
+    """The embedding's one-launch lookup (`kernels/embed_gather.py` `rows`) under the fast attention
+    backends unless FUSED_EMBED_ENV is off; None: the torch reference."""
+    if backends.attention not in ("triton", "flashinfer") or not fused_embed_enabled():
+        return None
+    from omnistage.services.thinker.kernels.embed_gather import rows
+
+    return rows
 
 
 class TritonAttention:

@@ -13,6 +13,7 @@ import sys
 import triton
 from omnistage.services.thinker.kernels import (
     argmax,
+    embed_gather,
     fused_moe,
     gemv,
     moe_align,
@@ -454,6 +455,13 @@ CASES = {
         {"rows_ptr": B, "pos_ptr": "*i64", "axes_ptr": "*i64", "out_ptr": B}
         | {n: I32 for n in ("num_tokens", "stride_axis", "stride_t", "lo", "num_rows")},
         {"ROT": 64, "BLOCK_T": rope_table.BLOCK_T, "BLOCK_R": 64},
+    ),
+    # The step's token rows: int64 staged ids and sampled ids, a bf16 shard of hidden 2048.
+    "embed_gather": (
+        embed_gather._embed_gather_kernel,
+        {"ids_ptr": "*i64", "feed_ptr": "*i64", "weight_ptr": B, "out_ptr": B}
+        | {n: I32 for n in ("feed_len", "vocab_size", "start", "end", "hidden")},
+        {"HAS_FEED": True, "BLOCK_H": embed_gather.BLOCK_H},
     ),
     "peer_allreduce": (
         peer_allreduce._one_shot_kernel,

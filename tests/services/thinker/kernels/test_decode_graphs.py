@@ -31,19 +31,23 @@ def test_batch_sizes_cover_every_batch_up_to_the_largest():
 
 
 class Recorder(torch.nn.Module):
-    """A stand-in model that records what the runner hands it."""
+    """A stand-in model that records what the runner hands it: the ids it embeds (placeholders
+    resolved from `sampled`, as the thinker's embedding does) and the address of `sampled`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple] = []
+        self.sampled: list[int | None] = []
 
-    def forward(self, ids, positions):
+    def forward(self, ids, positions, sampled=None):
         from omnistage.services.thinker.models.layers.attention import current_metadata
+        from omnistage.services.thinker.models.layers.embed_head import resolve_placeholders
 
         md = current_metadata(ids.shape[0])
+        self.sampled.append(None if sampled is None else sampled.data_ptr())
         self.calls.append(
             (
-                ids.clone(),
+                ids.clone() if sampled is None else resolve_placeholders(ids, sampled),
                 positions.clone(),
                 md.slot_mapping.clone(),
                 md.context_lens_tensor.clone(),
@@ -150,9 +154,9 @@ def test_placeholders_take_the_shared_ids_and_each_step_is_staged_beside_the_one
 
 def test_with_the_feed_the_forward_itself_takes_the_shared_ids():
     """Start-up's graphs read the sampled ids from the feed's fixed buffer inside the forward (what a
-    captured graph replays): the staged row keeps its placeholder, the model gets the shared ids,
-    a later share at the same address is what the next replay reads, and a plan naming ids before
-    any step shared is refused on the host."""
+    captured graph replays): the staged row keeps its placeholder, the model gets it with the
+    buffer (its embedding resolves it), a later share at the same address is what the next replay
+    reads, and a plan naming ids before any step shared is refused on the host."""
     from omnistage.services.thinker.engine.sampled_feed import SampledFeed
     from omnistage.services.thinker.models.layers.parallel import TPGroup
 
@@ -175,6 +179,7 @@ def test_with_the_feed_the_forward_itself_takes_the_shared_ids():
     assert model.calls[-1][0].tolist() == [13, 101, 11, 0] and feed.buffer.data_ptr() == buffer
     graphs.run(decode_plan(2))
     assert model.calls[-1][0].tolist() == [100, 101]
+    assert model.sampled == [buffer] * 3  # every forward, placeholders or not: the graph is one
     with pytest.raises(RuntimeError, match="sampled 5 rows, more than the feed's 4"):
         feed.share(StepPlan(sample_rows=torch.arange(5)), torch.arange(5))
 
@@ -218,22 +223,28 @@ def reference_tokens(tiny_ckpt_2_layers, prompts):
 
 # Each case is one interpreted engine run (its cost is the Triton interpreter's, one program at a time):
 # on the tiny checkpoint's first two layers, the dense one and a MoE one, which run every kernel a
-# step has (the other two MoE layers would only repeat the second's). `fusions-on` is the
-# production path (GEMV off by default); `fusions-off-gemv-on` switches both diagnostic knobs in one
-# run: with fusions off the shared expert is a GatedMLP of its own, so the GEMV reaches every
-# projection (attention, dense and shared-expert MLPs, LM head), more than it would with fusions on.
+# step has (the other two MoE layers would only repeat the second's). Async scheduling with the
+# graphs' feed (start-up's graphs): each decode step's ids are the step before's placeholders.
+# `fusions-on` is the production path (GEMV off by default, the one-launch embedding on);
+# `fusions-off-gemv-on` switches the diagnostic knobs in one run: with fusions off the shared expert
+# is a GatedMLP of its own, so the GEMV reaches every projection (attention, dense and shared-expert
+# MLPs, LM head), more than it would with fusions on; and the embedding's torch lookup resolves the
+# placeholders (FUSED_EMBED_ENV off): both give the reference's tokens, so the same as each other.
 @pytest.mark.parametrize(
-    "fusions, gemv", [("on", "off"), ("off", "on")], ids=["fusions-on", "fusions-off-gemv-on"]
+    "fusions, gemv, embed",
+    [("on", "off", "on"), ("off", "on", "off")],
+    ids=["fusions-on", "fusions-off-gemv-on-embed-off"],
 )
 def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_reference(
-    tiny_ckpt_2_layers, prompts, reference_tokens, fusions, gemv, monkeypatch, launches, moe_launches
+    tiny_ckpt_2_layers, prompts, reference_tokens, fusions, gemv, embed, monkeypatch, launches, moe_launches
 ):
-    from omnistage.services.thinker.kernels import fused_moe, norms, paged_attention
+    from omnistage.services.thinker.kernels import embed_gather, fused_moe, norms, paged_attention
     from omnistage.services.thinker.kernels import gemv as gemv_kernels
-    from omnistage.services.thinker.models.layers.backends import FUSIONS_ENV, GEMV_ENV
+    from omnistage.services.thinker.models.layers.backends import FUSED_EMBED_ENV, FUSIONS_ENV, GEMV_ENV
 
     monkeypatch.setenv(FUSIONS_ENV, fusions)
     monkeypatch.setenv(GEMV_ENV, gemv)
+    monkeypatch.setenv(FUSED_EMBED_ENV, embed)
     folds = []  # whether each fused-path MoE call ran the shared expert as expert E
     foldable = fused_moe._foldable
     monkeypatch.setattr(fused_moe, "_foldable", lambda *a: folds.append(foldable(*a)) or folds[-1])
@@ -242,17 +253,21 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
     monkeypatch.setattr(gemv_kernels, "gemv", lambda x, w: rows.append(x.shape[0]) or kernel(x, w))
     launches.watch(norms, "_qk_norm_rope_kernel")
     launches.watch(paged_attention, "_decode_kernel")
+    launches.watch(embed_gather, "_embed_gather_kernel")
     # No warm-up: its largest shapes are slow in the interpreter and prove nothing here.
-    fast = EngineConfig(attention_backend="triton", moe_backend="triton", **ENGINE_CFG)
+    fast = EngineConfig(attention_backend="triton", moe_backend="triton", async_scheduling="on", **ENGINE_CFG)
     engine = rank0_engine(start_rank(RankConfig(str(tiny_ckpt_2_layers), fast, warmup=False)))
     runner = engine.runner
-    graphs = DecodeGraphs(runner.model, 4, runner.cfg.max_blocks_per_seq, runner.device, capture=False)
+    graphs = DecodeGraphs(
+        runner.model, 4, runner.cfg.max_blocks_per_seq, runner.device, capture=False, feed=runner.feed
+    )
     runner.use_graphs(graphs)
-    sizes, step_launches = [], []
+    sizes, placeholders, step_launches = [], [], []
     run = graphs.run
 
     def counted_run(plan, fill=None):
         sizes.append(int(plan.query_lens.numel()))
+        placeholders.append(plan.has_placeholders)
         before = len(moe_launches.log)
         out = run(plan, fill)
         step_launches.append(moe_launches.names()[before:])
@@ -262,6 +277,10 @@ def test_tiny_engine_on_triton_kernels_through_graph_buffers_equals_the_referenc
     got = [r.token_ids for r in engine.generate(prompts, PARAMS)]
     assert got == reference_tokens
     assert sizes == [3, 3]  # both decode steps went through the buffers (3 sequences, bucket 4)
+    assert placeholders == [True, True]  # each ran ahead of the step before's ids reaching the host
+    # on: the prefill's lookup, then each decode step's with the feed's buffer; off: the torch lookup
+    fed = [args[1] is runner.feed.buffer for args in launches.arguments("_embed_gather_kernel")]
+    assert fed == ([False, True, True] if embed == "on" else [])
     # QK-norm + rope: the prefill's in a launch of its own a layer (2 layers); each decode step's
     # (2 steps x 2 layers, bucket 4) in its attention launch (ROT > 0) with the fusions on, else
     # in a launch of its own before an attention launch without it.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from omnistage.services.thinker.kernels import (
+    embed_gather,
     fused_moe,
     moe_align,
     paged_attention,
@@ -27,6 +28,7 @@ PER_STEP = {
     paged_prefill._prefill_kernel: {"stride_tb"},
     paged_attention._decode_kernel: {"stride_tb"},
     rope_table._rope_gather_kernel: {"num_tokens", "stride_axis"},  # [3, T] staged rows: stride T
+    embed_gather._embed_gather_kernel: {"feed_len"},  # an eager step's sampled ids: its sampled rows
 }
 
 

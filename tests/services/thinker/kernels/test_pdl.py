@@ -42,7 +42,7 @@ def test_the_decode_steps_kernels_are_launched_with_pdl():
     names = {name for kernels in _pdl_kernels().values() for name in kernels}
     decode_step = {"_rms_norm_kernel", "_qk_norm_rope_kernel", "_decode_kernel", "_route_kernel"}
     decode_step |= {"_align_one_program_kernel", "_expert_gemm_kernel", "_combine_kernel"}
-    decode_step |= {"_rope_gather_kernel"}
+    decode_step |= {"_rope_gather_kernel", "_embed_gather_kernel"}
     assert decode_step <= names
 
 
