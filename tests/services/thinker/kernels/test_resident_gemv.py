@@ -11,13 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from omnistage.common.config import EngineConfig
-from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 from omnistage.services.thinker.kernels import resident_gemv as resident
 from omnistage.services.thinker.kernels.norms import rms_norm
 from omnistage.services.thinker.kernels.resident_gemv import ResidentConfig, chooses_kernel, resident_gemv
 from omnistage.services.thinker.models.layers.backends import RESIDENT_ENV, Backends, install_backends
+
+from tests.services.thinker.kernels.fast_engine import fast_engine
 
 
 @pytest.mark.parametrize(
@@ -142,12 +143,8 @@ def test_tiny_engine_with_the_weights_first_projections_equals_the_reference(tin
         return kernel(x, w, norm, residual, config)
 
     monkeypatch.setattr(resident, "resident_gemv", counted)
-    fast = EngineConfig(attention_backend="triton", moe_backend="triton", **ENGINE_CFG)
-    engine = rank0_engine(start_rank(RankConfig(str(tiny_ckpt_2_layers), fast, warmup=False)))
+    engine = fast_engine(tiny_ckpt_2_layers, ENGINE_CFG)
     runner = engine.runner
-    runner.use_graphs(
-        DecodeGraphs(runner.model, 2, runner.cfg.max_blocks_per_seq, runner.device, capture=False)
-    )
     got = [r.token_ids for r in engine.generate(PROMPT, PARAMS)]
     assert got == want
     names = {m.weight.data_ptr(): name for name, m in runner.model.named_modules() if hasattr(m, "weight")}
