@@ -135,6 +135,12 @@ GEMV_ENV = "OMNISTAGE_THINKER_GEMV"
 RESIDENT_ENV = "OMNISTAGE_THINKER_RESIDENT"
 
 
+# Set to `off`: the dense MLP's gate-up of one or two tokens through its projection (cuBLAS, or the
+# kernels above) and then the SiLU·mul launch, not the one streaming launch of both
+# (`kernels/dense_gate_up.py`), for a same-build comparison.
+DENSE_GATEUP_ENV = "OMNISTAGE_THINKER_DENSE_GATEUP"
+
+
 def fusions_enabled() -> bool:
     """The environment's choice (default on); anything but on / off is refused, naming both."""
     return _switch(FUSIONS_ENV)
@@ -150,11 +156,37 @@ def resident_enabled() -> bool:
     return _switch(RESIDENT_ENV)
 
 
+def dense_gateup_enabled() -> bool:
+    """DENSE_GATEUP_ENV's choice (default on), refused as FUSIONS_ENV's is."""
+    return _switch(DENSE_GATEUP_ENV)
+
+
 def _switch(name: str, default: str = "on") -> bool:
     value = os.environ.get(name, default).strip().lower()
     if value not in ("on", "off"):
         raise BackendError(f"{name}={value!r}: expected on or off")
     return value == "on"
+
+
+def _dense_kernels(backends: Backends, fuse: bool) -> tuple:
+    """(attention, norm, act, gemv, norm_gemv, gate_up_act): the kernels of everything but the
+    routed experts that `install_backends` installs (None: the reference's)."""
+    if backends.attention not in ("triton", "flashinfer"):
+        return TORCH_ATTENTION, None, None, None, None, None
+    from omnistage.services.thinker.kernels import norms
+
+    attention = (TritonAttention if backends.attention == "triton" else FlashInferAttention)(fuse)
+    gemv, norm_gemv, gate_up_act = None, None, None
+    if gemv_enabled():
+        from omnistage.services.thinker.kernels.gemv import linear as gemv
+    if fuse and resident_enabled():
+        from omnistage.services.thinker.kernels import resident_gemv
+
+        gemv = functools.partial(resident_gemv.linear, fallback=gemv)
+        norm_gemv = resident_gemv.normed_linear
+    if fuse and dense_gateup_enabled():
+        from omnistage.services.thinker.kernels.dense_gate_up import gate_up_act
+    return attention, norms.rms_norm, norms.silu_and_mul, gemv, norm_gemv, gate_up_act
 
 
 def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = None) -> None:
@@ -173,21 +205,11 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     Under the fast attention backends a projection of one or two tokens whose weight fits takes the
     weights-first kernel, the qkv projection with the add + norm before it (`kernels/resident_gemv.py`;
     unless `fuse` or RESIDENT_ENV is off), and the projections and the LM head the Triton GEMV for a
-    decode step's few tokens (`kernels/gemv.py` `chooses_kernel`) when GEMV_ENV is on."""
+    decode step's few tokens (`kernels/gemv.py` `chooses_kernel`) when GEMV_ENV is on. There too a
+    dense MLP's gate-up and SiLU·mul of one or two tokens run in one streaming launch
+    (`kernels/dense_gate_up.py`; unless `fuse` or DENSE_GATEUP_ENV is off)."""
     fuse = fusions_enabled() if fuse is None else fuse
-    attention, norm, act, gemv, norm_gemv = TORCH_ATTENTION, None, None, None, None
-    if backends.attention in ("triton", "flashinfer"):
-        from omnistage.services.thinker.kernels import norms
-
-        attention = (TritonAttention if backends.attention == "triton" else FlashInferAttention)(fuse)
-        norm, act = norms.rms_norm, norms.silu_and_mul
-        if gemv_enabled():
-            from omnistage.services.thinker.kernels.gemv import linear as gemv
-        if fuse and resident_enabled():
-            from omnistage.services.thinker.kernels import resident_gemv
-
-            gemv = functools.partial(resident_gemv.linear, fallback=gemv)
-            norm_gemv = resident_gemv.normed_linear
+    attention, norm, act, gemv, norm_gemv, gate_up_act = _dense_kernels(backends, fuse)
     experts, route, normed_route = None, None, None
     if backends.moe == "triton":
         from omnistage.services.thinker.kernels import router
@@ -204,7 +226,7 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
         elif isinstance(module, RMSNorm):
             module.kernel = norm
         elif isinstance(module, GatedMLP):
-            module.act = act
+            module.act, module.gate_up_act = act, gate_up_act
         elif hasattr(module, "gemv"):  # a projection or the LM head (layers/linear.py `project`)
             module.gemv = gemv
             if hasattr(module, "norm_gemv"):

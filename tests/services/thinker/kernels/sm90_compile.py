@@ -13,6 +13,7 @@ import sys
 import triton
 from omnistage.services.thinker.kernels import (
     argmax,
+    dense_gate_up,
     fused_moe,
     gemv,
     moe_align,
@@ -366,6 +367,18 @@ CASES = {
         {"h_ptr": B, "w2_ptr": B, "shared_ptr": B, "ids_ptr": "*i64", "weights_ptr": "*fp32", "out_ptr": B}
         | {n: I32 for n in ("hidden", "inter", "stride_we")},
         {"TOP_K": 8, "BLOCK_N": 2, "I_PAD": 512},
+    ),
+    # The dense MLP's gate-up + SiLU·mul streamed (STREAM_ROWS rows a tile): one token at
+    # Ling-mini's hidden size, two at Ming-flash's.
+    "dense_gate_up": (
+        dense_gate_up._dense_gate_up_kernel,
+        {"x_ptr": B, "w_ptr": B, "h_ptr": B} | {n: I32 for n in ("inter", "hidden", "stride_x")},
+        {"TWO": False, "BLOCK_N": 2, "H_PAD": 2048},
+    ),
+    "dense_gate_up_two": (
+        dense_gate_up._dense_gate_up_kernel,
+        {"x_ptr": B, "w_ptr": B, "h_ptr": B} | {n: I32 for n in ("inter", "hidden", "stride_x")},
+        {"TWO": True, "BLOCK_N": 2, "H_PAD": 4096},
     ),
     # A prefill: the selection alone over cuBLAS's fp32 logits, a program a token (w: the gate
     # weight as given, unread: a static operand on every path).
