@@ -683,6 +683,9 @@ def main(argv: list[str] | None = None) -> int:
         "gemv": os.environ.get("OMNISTAGE_THINKER_GEMV", "off"),  # backends.gemv_enabled()'s default
         "pdl": os.environ.get("OMNISTAGE_THINKER_PDL", "on"),  # kernels/pdl.py's default
         "resident": os.environ.get("OMNISTAGE_THINKER_RESIDENT", "on"),  # backends.resident_enabled()'s
+        "dense_gateup": os.environ.get(
+            "OMNISTAGE_THINKER_DENSE_GATEUP", "on"
+        ),  # backends.dense_gateup_enabled()'s
         "tp_allreduce": args.tp_allreduce,
         "elapsed_s": round(elapsed, 1),
         "ok": not problems,
