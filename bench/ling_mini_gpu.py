@@ -722,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
             "OMNISTAGE_THINKER_GATEUP_SELECT", "off"
         ),  # gateup_select_enabled()'s
         "fused_embed": os.environ.get("OMNISTAGE_THINKER_FUSED_EMBED", "on"),  # fused_embed_enabled()'s
+        "dense_gateup": os.environ.get(
+            "OMNISTAGE_THINKER_DENSE_GATEUP", "on"
+        ),  # backends.dense_gateup_enabled()'s
         "tp_allreduce": args.tp_allreduce,
         "elapsed_s": round(elapsed, 1),
         "ok": not problems,

@@ -15,8 +15,13 @@ Ming-flash TP=2's shapes, one token:
   `qk_norm_rope` launch alone;
 - attn→o: the paged decode attention over a 256-token context, then the o projection;
 - alone: the projection alone, back to back (its bandwidth with nothing to overlap).
-Then a (rows, warps) sweep of the resident kernel per shape. Exit status 1 when a result differs from
-F.linear by more than bf16 rounding, or the epilogue's from the separate launches' by a bit.
+Then a (rows, warps) sweep of the resident kernel per shape. And the dense layer's gate-up + SiLU·mul
+(`kernels/dense_gate_up.py`, `--tokens` rows) against cuBLAS then the SiLU·mul launch:
+- norm->: the post-attention add + RMSNorm, then either;
+- alone: either alone;
+then a (rows, programs an SM, warps) sweep of the one launch (`--dense-only`: this part alone). Exit
+status 1 when a result differs from F.linear (the dense part: from cuBLAS then the SiLU·mul) by more
+than bf16 rounding, or the qk-rope epilogue's from the separate launches' by a bit.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from omnistage.common.bench_results import write_result
 from omnistage.common.checkpoint.config_only import LING_MINI, MING_FLASH
 from omnistage.services.thinker.kernels import gemv as tiled
 from omnistage.services.thinker.kernels import pdl
-from omnistage.services.thinker.kernels.norms import qk_norm_rope, rms_norm
+from omnistage.services.thinker.kernels.dense_gate_up import DenseTiles, default_tiles, silu_gate_up
+from omnistage.services.thinker.kernels.norms import qk_norm_rope, rms_norm, silu_and_mul
 from omnistage.services.thinker.kernels.paged_attention import paged_decode
 from omnistage.services.thinker.kernels.resident_gemv import ResidentConfig, fits, resident_gemv
 from omnistage.services.thinker.models.layers.rotary import RotaryEmbedding
@@ -41,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the graph ti
 from graph_timing import graph_time_us  # noqa: E402
 
 SWEEP = ((4, 4), (8, 4), (8, 8), (16, 8), (16, 16), (32, 16))
+# The dense gate-up's (rows a tile, programs an SM, warps).
+DENSE_SWEEP = ((1, 4, 4), (2, 1, 4), (2, 2, 4), (2, 4, 4), (2, 2, 8), (2, 4, 8), (4, 1, 8), (4, 2, 8))
 
 
 def time_chain(step, reps: int, replays: int = 20) -> float:
@@ -192,25 +200,73 @@ def qk_rope_chains(chains: dict, x, res, norm_w, ws, heads: tuple[int, int, int]
     return torch.equal(separate(0), fused(0))
 
 
+def measure_dense(label: str, dims: dict, tp: int, reps: int, dev: torch.device, tokens: int = 1) -> dict:
+    """The dense layer's gate-up + SiLU·mul at this rank's shape: the one launch against cuBLAS
+    then the SiLU·mul launch (checked against it), alone and after the add + norm, then a sweep."""
+    dt, h = torch.bfloat16, dims["hidden_size"]
+    inter = dims["intermediate_size"] // tp
+    x, res = torch.randn(tokens, h, dtype=dt, device=dev), torch.randn(tokens, h, dtype=dt, device=dev)
+    norm_w = torch.randn(h, dtype=dt, device=dev)
+    ws = [torch.randn(2 * inter, h, dtype=dt, device=dev) * 0.02 for _ in range(reps)]
+    ref = silu_and_mul(F.linear(x, ws[0])).float()
+    diff = (silu_gate_up(x, ws[0]).float() - ref).abs().max().item()
+    result: dict = {"shape": [2 * inter, h], "max_abs_diff": diff, "ok": True, "chains": {}, "sweep": {}}
+    if diff > 0.02 * ref.abs().max().item() + 1e-2:
+        print(f"[{label}] dense gate-up differs from cuBLAS + silu_mul by {diff}", flush=True)
+        result["ok"] = False
+    paths = {"cublas+silu_mul": lambda a, w: silu_and_mul(F.linear(a, w)), "one launch": silu_gate_up}
+    chains = {}
+    for name, fn in paths.items():
+        chains[f"alone {name}"] = time_chain(lambda i, fn=fn: fn(x, ws[i]), reps)
+        chains[f"norm->{name}"] = time_chain(
+            lambda i, fn=fn: fn(rms_norm(x, norm_w, 1e-6, res)[0], ws[i]), reps
+        )
+    result["chains"] = {key: round(v, 2) for key, v in chains.items()}
+    for key, v in chains.items():
+        print(f"[{label}] dense gate-up {2 * inter}x{h} {key}: {v:.2f} us", flush=True)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    result["default"] = str(default_tiles(h, inter, 2, sms, tokens))
+    for rows, per_sm, warps in DENSE_SWEEP:
+        tiles = DenseTiles(rows, min(per_sm * sms, -(-inter // rows)), warps)
+        try:
+            us = time_chain(lambda i, t=tiles: silu_gate_up(x, ws[i], t), reps)
+        except Exception as exc:  # a config that does not compile (registers)
+            print(f"[{label}] dense rows {rows} x{per_sm}/SM warps {warps}: {type(exc).__name__}", flush=True)
+            continue
+        result["sweep"][f"{rows}x{per_sm}x{warps}"] = round(us, 2)
+        gbps = 2 * inter * h * 2 / us / 1e3
+        print(
+            f"[{label}] dense rows {rows} x{per_sm}/SM warps {warps}: {us:.2f} us ({gbps:.0f} GB/s)",
+            flush=True,
+        )
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20, help="repetitions a graph, each with its own weights")
     ap.add_argument("--tokens", type=int, default=1, help="rows a projection (the kernel serves 1 or 2)")
     ap.add_argument("--force", action="store_true", help="time the shapes past the resident budget too")
+    ap.add_argument("--dense-only", action="store_true", help="the dense gate-up part alone")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     print(f"PDL {'on' if pdl.enabled(dev) else 'off'}; {torch.cuda.get_device_name(dev)}", flush=True)
-    out = {
-        "device": torch.cuda.get_device_name(dev),
-        "pdl": pdl.enabled(dev),
-        "ling-mini tp1": run_model("ling-mini tp1", LING_MINI, 1, args.reps, dev, args.force, args.tokens),
-        "ming-flash tp2": run_model("ming-flash tp2", MING_FLASH, 2, args.reps, dev, args.force, args.tokens),
-    }
+    out: dict = {"device": torch.cuda.get_device_name(dev), "pdl": pdl.enabled(dev), "tokens": args.tokens}
+    models = {"ling-mini tp1": (LING_MINI, 1), "ming-flash tp2": (MING_FLASH, 2)}
+    for label, (dims, tp) in models.items():
+        result = (
+            {"ok": True}
+            if args.dense_only
+            else run_model(label, dims, tp, args.reps, dev, args.force, args.tokens)
+        )
+        result["dense_gate_up"] = measure_dense(label, dims, tp, args.reps, dev, args.tokens)
+        result["ok"] = result["ok"] and result["dense_gate_up"]["ok"]
+        out[label] = result
     if args.out:
         write_result(args.out, out, gpu=True)  # CUDA only: the script needs a GPU
-    return 0 if all(out[m]["ok"] for m in ("ling-mini tp1", "ming-flash tp2")) else 1
+    return 0 if all(out[m]["ok"] for m in models) else 1
 
 
 if __name__ == "__main__":

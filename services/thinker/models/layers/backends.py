@@ -165,6 +165,12 @@ STAGE_OVERLAP_ENV = "OMNISTAGE_THINKER_STAGE_OVERLAP"
 FUSED_EMBED_ENV = "OMNISTAGE_THINKER_FUSED_EMBED"
 
 
+# Set to `off`: the dense MLP's gate-up of one or two tokens through its projection (cuBLAS, or the
+# kernels above) and then the SiLU·mul launch, not the one streaming launch of both
+# (`kernels/dense_gate_up.py`), for a same-build comparison.
+DENSE_GATEUP_ENV = "OMNISTAGE_THINKER_DENSE_GATEUP"
+
+
 def fusions_enabled() -> bool:
     """The environment's choice (default on); anything but on / off is refused, naming both."""
     return _switch(FUSIONS_ENV)
@@ -215,6 +221,11 @@ def fused_embed_enabled() -> bool:
     return _switch(FUSED_EMBED_ENV)
 
 
+def dense_gateup_enabled() -> bool:
+    """DENSE_GATEUP_ENV's choice (default on), refused as FUSIONS_ENV's is."""
+    return _switch(DENSE_GATEUP_ENV)
+
+
 def _switch(name: str, default: str = "on") -> bool:
     value = os.environ.get(name, default).strip().lower()
     if value not in ("on", "off"):
@@ -243,7 +254,9 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     a launch of their own, with that too (`resident_gemv.normed_qkv_rope`; unless QKV_ROPE_ENV is
     off), and the projections and the LM head the Triton GEMV for a decode step's few tokens
     (`kernels/gemv.py` `chooses_kernel`) when GEMV_ENV is on; the embedding looks a step's ids up in
-    one launch (`kernels/embed_gather.py`) unless FUSED_EMBED_ENV is off."""
+    one launch (`kernels/embed_gather.py`) unless FUSED_EMBED_ENV is off. There too a dense MLP's
+    gate-up and SiLU·mul of one or two tokens run in one streaming launch (`kernels/dense_gate_up.py`;
+    unless `fuse` or DENSE_GATEUP_ENV is off)."""
     fuse = fusions_enabled() if fuse is None else fuse
     attention, norm, act, gemv, norm_gemv, rope_gemv = TORCH_ATTENTION, None, None, None, None, None
     if backends.attention in ("triton", "flashinfer"):
@@ -252,7 +265,7 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
         attention = (TritonAttention if backends.attention == "triton" else FlashInferAttention)(fuse)
         norm, act = norms.rms_norm, norms.silu_and_mul
         gemv, norm_gemv, rope_gemv = _projection_kernels(fuse)
-    embed = _embed_kernel(backends)
+    embed, gate_up_act = _embed_kernel(backends), _dense_gate_up_kernel(backends, fuse)
     experts, route, normed_route, select = _moe_kernels(backends, fuse, norm is not None)
     for module in model.modules():
         if isinstance(module, PagedAttention):
@@ -260,7 +273,7 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
         elif isinstance(module, RMSNorm):
             module.kernel = norm
         elif isinstance(module, GatedMLP):
-            module.act = act
+            module.act, module.gate_up_act = act, gate_up_act
         elif isinstance(module, VocabParallelEmbedding):
             module.kernel = embed
         elif hasattr(module, "gemv"):  # a projection or the LM head (layers/linear.py `project`)
@@ -325,6 +338,17 @@ def _projection_kernels(fuse: bool) -> tuple:
 
     rope_gemv = resident_gemv.normed_qkv_rope if qkv_rope_enabled() else None
     return functools.partial(resident_gemv.linear, fallback=gemv), resident_gemv.normed_linear, rope_gemv
+
+
+def _dense_gate_up_kernel(backends: Backends, fuse: bool):
+    """A dense MLP's gate-up + SiLU·mul of one or two tokens in one launch
+    (`kernels/dense_gate_up.py` `gate_up_act`) under the fast attention backends with `fuse` unless
+    DENSE_GATEUP_ENV is off; None: the projection, then the SiLU·mul launch."""
+    if backends.attention not in ("triton", "flashinfer") or not (fuse and dense_gateup_enabled()):
+        return None
+    from omnistage.services.thinker.kernels.dense_gate_up import gate_up_act
+
+    return gate_up_act
 
 
 def _embed_kernel(backends: Backends):

@@ -71,8 +71,16 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, tp, reduce=reduce)
         # silu_and_mul(gate_up) in one launch (layers/backends.py); None: the reference.
         self.act: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # (x, gate_up weight) → silu(gate(x)) * up(x), the projection and the activation in one
+        # launch, or None where it does not serve (a decode step's one or two tokens:
+        # kernels/dense_gate_up.py; set by layers/backends.py); None: the projection, then `act`.
+        self.gate_up_act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_act is not None:
+            h = self.gate_up_act(x, self.gate_up_proj.weight)
+            if h is not None:
+                return self.down_proj(h)
         gate_up = self.gate_up_proj(x)
         if self.act is not None:
             return self.down_proj(self.act(gate_up))

@@ -14,6 +14,7 @@ import triton
 from omnistage.services.thinker.kernels import (
     argmax,
     embed_gather,
+    dense_gate_up,
     fused_moe,
     gemv,
     moe_align,
@@ -434,6 +435,18 @@ CASES = {
         moe_one_token._one_token_down_kernel,
         ONE_TOKEN_DOWN,
         {"TOP_K": 8, "BLOCK_N": 4, "I_PAD": 512, "IDS_SETTLED": False},
+    ),
+    # The dense MLP's gate-up + SiLU·mul streamed (STREAM_ROWS rows a tile): one token at
+    # Ling-mini's hidden size, two at Ming-flash's.
+    "dense_gate_up": (
+        dense_gate_up._dense_gate_up_kernel,
+        {"x_ptr": B, "w_ptr": B, "h_ptr": B} | {n: I32 for n in ("inter", "hidden", "stride_x")},
+        {"TWO": False, "BLOCK_N": 2, "H_PAD": 2048},
+    ),
+    "dense_gate_up_two": (
+        dense_gate_up._dense_gate_up_kernel,
+        {"x_ptr": B, "w_ptr": B, "h_ptr": B} | {n: I32 for n in ("inter", "hidden", "stride_x")},
+        {"TWO": True, "BLOCK_N": 2, "H_PAD": 4096},
     ),
     # A prefill: the selection alone over cuBLAS's fp32 logits, a program a token (w: the gate
     # weight as given, unread: a static operand on every path).

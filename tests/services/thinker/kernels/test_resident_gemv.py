@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from omnistage.common.config import EngineConfig
-from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 from omnistage.services.thinker.kernels import resident_gemv as resident
@@ -23,6 +22,8 @@ from omnistage.services.thinker.models.layers.backends import (
     Backends,
     install_backends,
 )
+
+from tests.services.thinker.kernels.fast_engine import fast_engine
 
 
 @pytest.mark.parametrize(
@@ -154,12 +155,8 @@ def test_tiny_engine_with_the_weights_first_projections_equals_the_reference(tin
         return kernel(x, w, norm, residual, config, rope)
 
     monkeypatch.setattr(resident, "resident_gemv", counted)
-    fast = EngineConfig(attention_backend="triton", moe_backend="triton", **ENGINE_CFG)
-    engine = rank0_engine(start_rank(RankConfig(str(tiny_ckpt_2_layers), fast, warmup=False)))
+    engine = fast_engine(tiny_ckpt_2_layers, ENGINE_CFG)
     runner = engine.runner
-    runner.use_graphs(
-        DecodeGraphs(runner.model, 2, runner.cfg.max_blocks_per_seq, runner.device, capture=False)
-    )
     got = [r.token_ids for r in engine.generate(PROMPT, PARAMS)]
     assert got == want
     names = {m.weight.data_ptr(): name for name, m in runner.model.named_modules() if hasattr(m, "weight")}
