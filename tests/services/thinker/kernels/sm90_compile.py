@@ -13,8 +13,8 @@ import sys
 import triton
 from omnistage.services.thinker.kernels import (
     argmax,
-    embed_gather,
     dense_gate_up,
+    embed_gather,
     fused_moe,
     gemv,
     moe_align,
