@@ -145,15 +145,20 @@ def bench_qk_case(name: str, heads: int, kv_heads: int, seqs: int, ctx: int) -> 
     return row
 
 
-def preload_variants(tiles: list[int], warps: list[int]) -> list[DecodeTiles]:
-    """The default (DECODE_TILES) first, then every (tiles, warps) pair, one tile at each warps
-    among them (the bits a preload is held to)."""
-    pairs = [DecodeTiles(t, w) for w in warps for t in sorted({1, *tiles})]
-    return list(dict.fromkeys([DECODE_TILES, *pairs]))
+def preload_variants(
+    tiles: list[int], warps: list[int], chunks: list[int] | None = None
+) -> list[DecodeTiles]:
+    """The default (DECODE_TILES) first, then every (tiles, warps, a split's fewest tokens) triple,
+    one tile at each (warps, fewest tokens) among them (the bits a preload is held to)."""
+    chunks = chunks or [DECODE_TILES.min_chunk]
+    triples = [DecodeTiles(t, w, c) for c in chunks for w in warps for t in sorted({1, *tiles})]
+    return list(dict.fromkeys([DECODE_TILES, *triples]))
 
 
 def variant_name(tiles: DecodeTiles) -> str:
-    return f"p{tiles.preload_tiles}w{tiles.warps}"
+    """p<tiles before the wait>w<warps>, and m<a split's fewest tokens> where not the default's."""
+    chunk = "" if tiles.min_chunk == DECODE_TILES.min_chunk else f"m{tiles.min_chunk}"
+    return f"p{tiles.preload_tiles}w{tiles.warps}{chunk}"
 
 
 def _bit_equal(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
@@ -167,7 +172,7 @@ def preload_bits(outputs: dict[DecodeTiles, tuple[torch.Tensor, ...]]) -> dict[s
     default = next(iter(outputs.values()))
     found = {}
     for tiles, got in outputs.items():
-        one_tile = outputs[DecodeTiles(1, tiles.warps)]
+        one_tile = outputs[DecodeTiles(1, tiles.warps, tiles.min_chunk)]
         found[variant_name(tiles)] = dict(
             equal_default=_bit_equal(got, default),
             equal_same_warps=_bit_equal(got, one_tile),
@@ -249,10 +254,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--preload-tiles", default=",".join(map(str, PRELOAD_TILES)))
     ap.add_argument("--preload-warps", default=",".join(map(str, PRELOAD_WARPS)))
+    ap.add_argument(
+        "--min-chunks",
+        default=str(DECODE_TILES.min_chunk),
+        help="a split's fewest tokens to sweep too (e.g. 128,256: a context up to it in one split, no merge)",
+    )
     args = ap.parse_args(argv)
     args.seqs = _ints(args.seqs or ",".join(map(str, PRELOAD_SEQS if args.preload else SEQS)))
     args.contexts = _ints(args.contexts or ",".join(map(str, PRELOAD_CONTEXTS if args.preload else CONTEXTS)))
-    args.variants = preload_variants(_ints(args.preload_tiles), _ints(args.preload_warps))
+    args.variants = preload_variants(
+        _ints(args.preload_tiles), _ints(args.preload_warps), _ints(args.min_chunks)
+    )
     return args
 
 

@@ -404,6 +404,9 @@ class DecodeTiles:
 
     preload_tiles: int = 1
     warps: int = 4
+    # A split's fewest tokens (`split_range`'s MIN_CHUNK): a context up to it runs in split 0 alone (no
+    # merge); more changes which split sums what, so the bits may differ.
+    min_chunk: int = SPLIT_MIN_TOKENS
 
     def __post_init__(self) -> None:
         if not 1 <= self.preload_tiles <= MAX_PRELOAD_TILES:
@@ -412,11 +415,17 @@ class DecodeTiles:
             )
         if self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"DecodeTiles: warps {self.warps} not a power of two up to 16")
+        if self.min_chunk < 64 or self.min_chunk % 64:
+            raise ValueError(f"DecodeTiles: min_chunk {self.min_chunk} not a positive multiple of 64 tokens")
 
     def launch(self, page: int) -> dict:
         """`_decode_kernel`'s tile constants and launch options at pages of `page` tokens."""
         return dict(
-            BLOCK_N=max(64, page), PRELOAD_TILES=self.preload_tiles, num_warps=self.warps, num_stages=2
+            BLOCK_N=max(64, page),
+            PRELOAD_TILES=self.preload_tiles,
+            MIN_CHUNK=self.min_chunk,
+            num_warps=self.warps,
+            num_stages=2,
         )
 
 
@@ -529,7 +538,6 @@ def paged_decode(
         PRECISION=dot_precision(q.dtype),
         WRITE_KV=new_kv is not None,
         SPLITS=splits,
-        MIN_CHUNK=SPLIT_MIN_TOKENS,
         ROT=rot,
         NORM=norm,
         **(tiles or DECODE_TILES).launch(page),

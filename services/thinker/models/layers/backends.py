@@ -146,9 +146,10 @@ QKV_ROPE_ENV = "OMNISTAGE_THINKER_QKV_ROPE"
 # `kernels/gate_up_select.py`). Off by default until measured (bench/moe_one_token_gpu.py), for a
 # same-build comparison.
 GATEUP_SELECT_ENV = "OMNISTAGE_THINKER_GATEUP_SELECT"
-# Set to `P,W` (e.g. `2,4`): each decode attention program reads its first P tiles before its PDL wait,
-# in W warps (`paged_attention.DecodeTiles`; unset: its DECODE_TILES), for a same-build comparison
-# (bench/decode_variants_gpu.sh; bench/attention_decode_gpu.py --preload times the kernel alone).
+# Set to `P,W` or `P,W,M` (e.g. `2,4` or `2,4,256`): each decode attention program reads its first P
+# tiles before its PDL wait, in W warps, a split taking at least M tokens (`paged_attention.DecodeTiles`;
+# unset: its DECODE_TILES), for a same-build comparison (bench/decode_variants_gpu.sh;
+# bench/attention_decode_gpu.py --preload times the kernel alone).
 DECODE_TILES_ENV = "OMNISTAGE_THINKER_DECODE_TILES"
 
 
@@ -197,17 +198,21 @@ def gateup_select_enabled() -> bool:
 
 
 def decode_tiles(tiles_type: type) -> object | None:
-    """DECODE_TILES_ENV's `P,W` as a `tiles_type(preload_tiles=P, warps=W)` (None when unset); anything
-    else refused, naming the variable (the type checks the ranges)."""
+    """DECODE_TILES_ENV's `P,W[,M]` as a `tiles_type(preload_tiles=P, warps=W[, min_chunk=M])` (None
+    when unset); anything else refused, naming the variable (the type checks the ranges)."""
     value = os.environ.get(DECODE_TILES_ENV, "").strip()
     if not value:
         return None
     try:
-        preload, warps = (int(x) for x in value.split(","))
-        return tiles_type(preload_tiles=preload, warps=warps)
+        numbers = [int(x) for x in value.split(",")]
+        if len(numbers) not in (2, 3):
+            raise ValueError(f"{len(numbers)} numbers")
+        names = ("preload_tiles", "warps", "min_chunk")
+        return tiles_type(**dict(zip(names, numbers, strict=False)))
     except ValueError as exc:
         raise BackendError(
-            f"{DECODE_TILES_ENV}={value!r}: expected P,W (tiles before the wait, warps): {exc}"
+            f"{DECODE_TILES_ENV}={value!r}: expected P,W[,M] (tiles before the wait, warps, a split's "
+            f"fewest tokens): {exc}"
         ) from exc
 
 

@@ -94,7 +94,9 @@ def test_decode_tiles_come_from_the_environment_and_a_bad_value_is_refused_namin
     assert TritonAttention().decode_tiles is None
     monkeypatch.setenv(DECODE_TILES_ENV, " 2,8 ")
     assert TritonAttention().decode_tiles == DecodeTiles(preload_tiles=2, warps=8)
-    for bad in ("2", "two,4", "9,4", "1,3"):
+    monkeypatch.setenv(DECODE_TILES_ENV, "2,4,256")
+    assert TritonAttention().decode_tiles == DecodeTiles(preload_tiles=2, warps=4, min_chunk=256)
+    for bad in ("2", "two,4", "9,4", "1,3", "1,4,100", "1,4,128,2"):
         monkeypatch.setenv(DECODE_TILES_ENV, bad)
         with pytest.raises(BackendError, match=DECODE_TILES_ENV):
             TritonAttention()

@@ -85,6 +85,22 @@ def test_tiles_read_before_the_wait_change_no_bit(splits, mode, dtype):
             assert torch.equal(bits(a), b), (preload, name)
 
 
+@pytest.mark.parametrize("splits", [2, 8])
+def test_a_splits_fewest_tokens_moves_the_merge_and_keeps_the_attention(splits):
+    """`min_chunk` (a split's fewest tokens; OMNISTAGE_THINKER_DECODE_TILES=P,W,M): at 256 a context
+    up to 256 runs in split 0 alone and longer ones in fewer, larger splits — the fp32 output the
+    default's within rounding at every context (other splits sum other rows), the caches bit for
+    bit, with tiles before the wait too."""
+    launch = Launch(torch.float32, seed=2)
+    want = launch.decode(splits, "write_kv")
+    for tiles in (DecodeTiles(1, 4, 256), DecodeTiles(4, 4, 256), DecodeTiles(2, 4, 64)):
+        got = launch.decode(splits, "write_kv", tiles)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(bits(got[1]), bits(want[1])) and torch.equal(bits(got[2]), bits(want[2]))
+        if tiles.min_chunk == 256:  # the launch took it: contexts past 128 are summed in other splits
+            assert not torch.equal(bits(got[0]), bits(want[0]))
+
+
 @pytest.mark.parametrize("mode", ["cached", "write_kv"])
 @pytest.mark.parametrize("splits", [1, 2, 8])
 @pytest.mark.parametrize("preload", [1, 2, 4])
@@ -124,9 +140,14 @@ def test_no_row_this_step_writes_is_read_before_the_wait(preload, splits, mode, 
 
 
 def test_decode_tiles_are_checked_and_launch_as_given():
-    assert DecodeTiles().launch(16) == dict(BLOCK_N=64, PRELOAD_TILES=1, num_warps=4, num_stages=2)
-    assert DecodeTiles(4, 8).launch(128) == dict(BLOCK_N=128, PRELOAD_TILES=4, num_warps=8, num_stages=2)
-    for bad in (dict(preload_tiles=0), dict(preload_tiles=MAX_PRELOAD_TILES + 1), dict(warps=3)):
+    assert DecodeTiles().launch(16) == dict(
+        BLOCK_N=64, PRELOAD_TILES=1, MIN_CHUNK=128, num_warps=4, num_stages=2
+    )
+    assert DecodeTiles(4, 8, 256).launch(128) == dict(
+        BLOCK_N=128, PRELOAD_TILES=4, MIN_CHUNK=256, num_warps=8, num_stages=2
+    )
+    bad_ones = (dict(preload_tiles=0), dict(preload_tiles=MAX_PRELOAD_TILES + 1), dict(warps=3))
+    for bad in (*bad_ones, dict(min_chunk=0), dict(min_chunk=100)):
         with pytest.raises(ValueError, match="DecodeTiles"):
             DecodeTiles(**bad)
 
@@ -142,6 +163,8 @@ def test_the_preload_bench_sweeps_tiles_by_warps_and_fails_on_changed_bits():
         "p1w8",
         "p2w8",
     ]
+    swept = bench.parse_args(["--preload-tiles", "2", "--preload-warps", "4", "--min-chunks", "128,256"])
+    assert [bench.variant_name(t) for t in swept.variants] == ["p1w4", "p2w4", "p1w4m256", "p2w4m256"]
     out = torch.randn(1, 16, 128).to(torch.bfloat16)
     cache = torch.randn(4, 16).to(torch.bfloat16)
     nudged = out.clone()
