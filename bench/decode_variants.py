@@ -18,21 +18,26 @@ import statistics
 import sys
 from pathlib import Path
 
+from omnistage.common.bench_results import write_result
+
 # Ling-mini-2.0's HBM floor on one H200 (bench/RESULTS.md: the bytes a step reads at 4.8 TB/s), out tok/s.
 LING_MINI_FLOOR = {1: 1911, 8: 4160, 32: 6480}
 _RUN = re.compile(r"^(?P<name>.+)_r(?P<round>\d+)\.json$")
 
 
-def load_runs(folder: Path) -> dict[str, list[dict]]:
-    """Variant name → its runs' rank-0 results, in round order (a run that wrote no JSON is absent)."""
+def load_runs(folder: Path) -> tuple[dict[str, list[dict]], bool]:
+    """Variant name → its runs' rank-0 results, in round order (a run that wrote no JSON is absent);
+    and whether every run was a GPU run (its JSON's `gpu`)."""
     runs: dict[str, list[tuple[int, dict]]] = {}
+    gpu = True
     for path in sorted(folder.glob("*_r*.json")):
         match = _RUN.match(path.name)
         if match is None:
             continue
-        ranks = json.loads(path.read_text()).get("ranks") or [{}]
-        runs.setdefault(match["name"], []).append((int(match["round"]), ranks[0]))
-    return {name: [r for _, r in sorted(rows, key=lambda x: x[0])] for name, rows in runs.items()}
+        report = json.loads(path.read_text())
+        gpu = gpu and bool(report.get("gpu"))
+        runs.setdefault(match["name"], []).append((int(match["round"]), (report.get("ranks") or [{}])[0]))
+    return {name: [r for _, r in sorted(rows, key=lambda x: x[0])] for name, rows in runs.items()}, gpu
 
 
 def _stats(vals: list[float], floor: int | None) -> dict:
@@ -109,13 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floor", type=_floor, default=LING_MINI_FLOOR, help="c:tok_s,... (default Ling-mini's)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    runs = load_runs(args.out_dir / "variants")
+    runs, gpu = load_runs(args.out_dir / "variants")
     if not runs:
         print(f"no variant results under {args.out_dir / 'variants'}", file=sys.stderr)
         return 1
     table = summarise(runs, [n for n in args.order.split() if n], args.floor)
     print(render(table))
-    (args.out or args.out_dir / "decode_variants.json").write_text(json.dumps(table, indent=1) + "\n")
+    # a table of CPU (--tiny) runs never replaces one of GPU runs
+    write_result(args.out or args.out_dir / "decode_variants.json", {"variants": table}, gpu=gpu)
     return 0
 
 

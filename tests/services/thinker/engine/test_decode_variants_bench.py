@@ -33,7 +33,9 @@ def test_medians_over_rounds_floor_share_and_token_check(tmp_path):
     (folder / "notes.txt").write_text("not a run")
     dv = _module()
     assert dv.main([str(tmp_path), "--order", "tiles2_4 all"]) == 0  # the first named is the reference
-    table = json.loads((tmp_path / "decode_variants.json").read_text())
+    report = json.loads((tmp_path / "decode_variants.json").read_text())
+    table = report["variants"]
+    assert report["gpu"] is False  # the runs' JSON says none was a GPU run
     assert [row["variant"] for row in table] == ["tiles2_4", "all"]
     first, second = table
     assert first["tokens_as_first"] and not second["tokens_as_first"]
