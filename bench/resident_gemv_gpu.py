@@ -18,10 +18,13 @@ Ming-flash TP=2's shapes, one token:
 Then a (rows, warps) sweep of the resident kernel per shape. And the dense layer's gate-up + SiLU·mul
 (`kernels/dense_gate_up.py`, `--tokens` rows) against cuBLAS then the SiLU·mul launch:
 - norm->: the post-attention add + RMSNorm, then either;
+- the one launch with that add + norm folded in (`normed_gate_up_act`'s launch; the engine folds
+  one token, `NORM_MAX_TOKENS`: `--tokens 2` times the two-token fold it leaves out);
 - alone: either alone;
 then a (rows, programs an SM, warps) sweep of the one launch (`--dense-only`: this part alone). Exit
 status 1 when a result differs from F.linear (the dense part: from cuBLAS then the SiLU·mul) by more
-than bf16 rounding, or the qk-rope epilogue's from the separate launches' by a bit.
+than bf16 rounding, the qk-rope epilogue's from the separate launches' by a bit, or the folded
+norm's from rms_norm then the launch (its sum by a bit; at one token its output by a bit).
 """
 
 from __future__ import annotations
@@ -221,6 +224,13 @@ def measure_dense(label: str, dims: dict, tp: int, reps: int, dev: torch.device,
         chains[f"norm->{name}"] = time_chain(
             lambda i, fn=fn: fn(rms_norm(x, norm_w, 1e-6, res)[0], ws[i]), reps
         )
+    chains["one launch with the norm folded"] = time_chain(
+        lambda i: silu_gate_up(x, ws[i], norm=(norm_w, 1e-6), residual=res), reps
+    )
+    result["folded"] = check_folded(x, res, norm_w, ws[0])
+    if not result["folded"]["ok"]:
+        print(f"[{label}] dense gate-up: the folded norm differs from rms_norm then the launch", flush=True)
+        result["ok"] = False
     result["chains"] = {key: round(v, 2) for key, v in chains.items()}
     for key, v in chains.items():
         print(f"[{label}] dense gate-up {2 * inter}x{h} {key}: {v:.2f} us", flush=True)
@@ -240,6 +250,19 @@ def measure_dense(label: str, dims: dict, tp: int, reps: int, dev: torch.device,
             flush=True,
         )
     return result
+
+
+def check_folded(x, res, norm_w, w) -> dict:
+    """The folded launch (`silu_gate_up` with norm and residual) against `rms_norm` then the launch:
+    the residual sum bit for bit, the output bit for bit at one token (the fold's rule), within
+    bf16 rounding at two (its loop's sums ordered otherwise); the fraction of outputs bit-equal."""
+    got, total = silu_gate_up(x, w, norm=(norm_w, 1e-6), residual=res)
+    normed, want_total = rms_norm(x, norm_w, 1e-6, res)
+    want = silu_gate_up(normed, w)
+    same = (got == want).float().mean().item()
+    close = torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    ok = torch.equal(total, want_total) and (same == 1.0 if x.shape[0] == 1 else close)
+    return {"same_bits": round(same, 6), "ok": ok}
 
 
 def main() -> int:

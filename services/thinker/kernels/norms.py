@@ -9,8 +9,8 @@ launch (`paged_attention.paged_decode(..., qk_rope=...)`, a decode step with the
 the qkv projection's epilogue (`resident_gemv.resident_gemv(..., rope=...)`, one or two tokens whose
 attention does not fold it) all call it, so the paths cannot drift apart. The RMSNorm arithmetic itself is one set of
 @triton.jit helpers (`add_residual`, `sum_of_squares`, `rms_rstd`, `rms_scale`): `_rms_norm_kernel`,
-`norm_rope_heads`, the weights-first projection (`resident_gemv.py`) and the router with the
-post-attention norm folded in (`router.py`) all call them, so a folded norm is the separate launch's
+`norm_rope_heads`, the weights-first projection (`resident_gemv.py`), and the router and the dense
+gate-up with the post-attention norm folded in (`router.py`, `dense_gate_up.py`) all call them, so a folded norm is the separate launch's
 bit for bit. The sum of squares is accumulated in fp64: a bf16 (or fp16) square is exact there, and
 so is the sum of a row's squares whatever order a launch's layout reduces in (up to 4096 elements
 whose nonzero magnitudes span less than 2^12; beyond, the fp64 sums agree to ~2^-41 relative, so

@@ -50,7 +50,8 @@ PDL_ENV = "OMNISTAGE_THINKER_PDL"
 STATIC_OPERANDS: dict[str, tuple[str, ...]] = {
     "_route_kernel": ("w_ptr", "bias_ptr", "norm_w_ptr"),  # the gate's, and the folded norm's weight
     "_resident_gemv_kernel": ("w_ptr", "norm_w_ptr"),
-    "_dense_gate_up_kernel": ("w_ptr",),  # its first tile of the dense MLP's gate and up rows
+    # its first tile of the dense MLP's gate and up rows, and the folded post-attention norm's weight
+    "_dense_gate_up_kernel": ("w_ptr", "norm_w_ptr"),
     "_one_token_down_kernel": ("w2_ptr", "shared_ptr"),
     "_one_token_gate_up_stream_kernel": ("bias_ptr",),  # the router's expert bias, where it selects
 }

@@ -100,13 +100,12 @@ class BailingMoeV2DecoderLayer(nn.Module):
         """The residual stream as a pair: the layer's input is x + residual (residual None: x alone,
         the first layer); returns (this layer's MLP output, the stream before it). Same sums as
         `h = x + attn(norm(x)); return h + mlp(norm(h))`, with each add fused into the next norm
-        (a MoE block may take the post-attention add + norm into its router's launch:
-        `SparseMoeBlock.normed`)."""
+        (the MLP may take the post-attention add + norm into its first launch: a MoE block's router,
+        `SparseMoeBlock.normed`; a dense MLP's gate-up, `GatedMLP.normed`)."""
         x, residual = self.attention(x, residual, self.input_layernorm, rope)
         if isinstance(self.mlp, SparseMoeBlock):
             return self.mlp.normed(x, residual, self.post_attention_layernorm, modality)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp.normed(x, residual, self.post_attention_layernorm)
 
 
 class BailingMoeV2Model(nn.Module):

@@ -260,8 +260,8 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
     off), and the projections and the LM head the Triton GEMV for a decode step's few tokens
     (`kernels/gemv.py` `chooses_kernel`) when GEMV_ENV is on; the embedding looks a step's ids up in
     one launch (`kernels/embed_gather.py`) unless FUSED_EMBED_ENV is off. There too a dense MLP's
-    gate-up and SiLU·mul of one or two tokens run in one streaming launch (`kernels/dense_gate_up.py`;
-    unless `fuse` or DENSE_GATEUP_ENV is off)."""
+    gate-up and SiLU·mul of one or two tokens run in one streaming launch, at one token with the
+    add + RMSNorm before it (`kernels/dense_gate_up.py`; unless `fuse` or DENSE_GATEUP_ENV is off)."""
     fuse = fusions_enabled() if fuse is None else fuse
     attention, norm, act, gemv, norm_gemv, rope_gemv = TORCH_ATTENTION, None, None, None, None, None
     if backends.attention in ("triton", "flashinfer"):
@@ -270,7 +270,7 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
         attention = (TritonAttention if backends.attention == "triton" else FlashInferAttention)(fuse)
         norm, act = norms.rms_norm, norms.silu_and_mul
         gemv, norm_gemv, rope_gemv = _projection_kernels(fuse)
-    embed, gate_up_act = _embed_kernel(backends), _dense_gate_up_kernel(backends, fuse)
+    embed, (gate_up_act, norm_gate_up_act) = _embed_kernel(backends), _dense_gate_up_kernel(backends, fuse)
     experts, route, normed_route, select = _moe_kernels(backends, fuse, norm is not None)
     for module in model.modules():
         if isinstance(module, PagedAttention):
@@ -278,7 +278,7 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
         elif isinstance(module, RMSNorm):
             module.kernel = norm
         elif isinstance(module, GatedMLP):
-            module.act, module.gate_up_act = act, gate_up_act
+            module.act, module.gate_up_act, module.norm_gate_up_act = act, gate_up_act, norm_gate_up_act
         elif isinstance(module, VocabParallelEmbedding):
             module.kernel = embed
         elif hasattr(module, "gemv"):  # a projection or the LM head (layers/linear.py `project`)
@@ -345,15 +345,17 @@ def _projection_kernels(fuse: bool) -> tuple:
     return functools.partial(resident_gemv.linear, fallback=gemv), resident_gemv.normed_linear, rope_gemv
 
 
-def _dense_gate_up_kernel(backends: Backends, fuse: bool):
-    """A dense MLP's gate-up + SiLU·mul of one or two tokens in one launch
-    (`kernels/dense_gate_up.py` `gate_up_act`) under the fast attention backends with `fuse` unless
-    DENSE_GATEUP_ENV is off; None: the projection, then the SiLU·mul launch."""
+def _dense_gate_up_kernel(backends: Backends, fuse: bool) -> tuple:
+    """A dense MLP's (gate_up_act, norm_gate_up_act): the gate-up + SiLU·mul of one or two tokens
+    in one launch, and of one token with the add + RMSNorm before it folded in
+    (`kernels/dense_gate_up.py` `gate_up_act`, `normed_gate_up_act`), under the fast attention
+    backends (whose norm kernel the fold matches bit for bit) with `fuse` unless DENSE_GATEUP_ENV
+    is off; (None, None): the norm, the projection, then the SiLU·mul launch."""
     if backends.attention not in ("triton", "flashinfer") or not (fuse and dense_gateup_enabled()):
-        return None
-    from omnistage.services.thinker.kernels.dense_gate_up import gate_up_act
+        return None, None
+    from omnistage.services.thinker.kernels.dense_gate_up import gate_up_act, normed_gate_up_act
 
-    return gate_up_act
+    return gate_up_act, normed_gate_up_act
 
 
 def _embed_kernel(backends: Backends):

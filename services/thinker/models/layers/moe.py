@@ -75,6 +75,12 @@ class GatedMLP(nn.Module):
         # launch, or None where it does not serve (a decode step's one or two tokens:
         # kernels/dense_gate_up.py; set by layers/backends.py); None: the projection, then `act`.
         self.gate_up_act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
+        # (x, gate_up weight, norm weight, eps, residual or None) → (silu(gate(h)) * up(h), x +
+        # residual) for h = norm(x + residual) in one launch, or None where it does not serve: the
+        # decoder layer's add + norm before a dense MLP folded into its gate-up launch
+        # (kernels/dense_gate_up.py `normed_gate_up_act`; set by layers/backends.py); None: the
+        # norm, then `forward`.
+        self.norm_gate_up_act: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_act is not None:
@@ -86,6 +92,23 @@ class GatedMLP(nn.Module):
             return self.down_proj(self.act(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def normed(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this MLP's output for norm(x + residual), x + residual) -- residual None: for norm(x),
+        and x --: the decoder layer's add + norm before it, in the gate-up's launch where
+        `norm_gate_up_act` serves (one token, the fast backends' fusions); else the norm runs, then
+        `forward`. The same sums."""
+        if self.norm_gate_up_act is not None:
+            folded = self.norm_gate_up_act(x, self.gate_up_proj.weight, norm.weight, norm.eps, residual)
+            if folded is not None:
+                h, residual = folded
+                return self.down_proj(h), residual
+        if residual is None:
+            return self(norm(x)), x
+        h, residual = norm(x, residual)
+        return self(h), residual
 
 
 def grouped_topk(

@@ -159,6 +159,13 @@ DECODE_TYPES = {
 DECODE_TILES = {"HEAD_DIM": 128, "PAGE": 16, "GROUP_PAD": 16, "GROUP_ROWS": 4, "BLOCK_N": 64}
 DECODE_TILES |= {"PRELOAD_TILES": 1, "PRECISION": "tf32", "WRITE_KV": True}
 DECODE_SPLIT_TYPES = {**DECODE_TYPES, "part_ptr": "*fp32", "stats_ptr": "*fp32", "tickets_ptr": "*i32"}
+
+# The dense gate-up's operands (the norm's: r, norm_w, sum and eps, unread without NORM).
+DENSE = {n: B for n in ("x_ptr", "r_ptr", "norm_w_ptr", "w_ptr", "h_ptr", "sum_ptr")}
+DENSE |= {"eps": F32} | {n: I32 for n in ("inter", "hidden", "stride_x", "stride_r", "stride_s")}
+UNNORMED = {"BLOCK_N": 2, "NORM": False, "RESIDUAL": False}
+NORMED = {"BLOCK_N": 2, "NORM": True, "RESIDUAL": True}
+
 CASES = {
     "count": (
         moe_align._count_kernel,
@@ -437,16 +444,23 @@ CASES = {
         {"TOP_K": 8, "BLOCK_N": 4, "I_PAD": 512, "IDS_SETTLED": False},
     ),
     # The dense MLP's gate-up + SiLU·mul streamed (STREAM_ROWS rows a tile): one token at
-    # Ling-mini's hidden size, two at Ming-flash's.
-    "dense_gate_up": (
-        dense_gate_up._dense_gate_up_kernel,
-        {"x_ptr": B, "w_ptr": B, "h_ptr": B} | {n: I32 for n in ("inter", "hidden", "stride_x")},
-        {"TWO": False, "BLOCK_N": 2, "H_PAD": 2048},
-    ),
+    # Ling-mini's hidden size, two at Ming-flash's; and one token with the post-attention add +
+    # RMSNorm folded in (NORM, RESIDUAL: `normed_gate_up_act`) at each.
+    "dense_gate_up": (dense_gate_up._dense_gate_up_kernel, DENSE, {"TWO": False, "H_PAD": 2048} | UNNORMED),
     "dense_gate_up_two": (
         dense_gate_up._dense_gate_up_kernel,
-        {"x_ptr": B, "w_ptr": B, "h_ptr": B} | {n: I32 for n in ("inter", "hidden", "stride_x")},
-        {"TWO": True, "BLOCK_N": 2, "H_PAD": 4096},
+        DENSE,
+        {"TWO": True, "H_PAD": 4096} | UNNORMED,
+    ),
+    "dense_gate_up_normed": (
+        dense_gate_up._dense_gate_up_kernel,
+        DENSE,
+        {"TWO": False, "H_PAD": 2048} | NORMED,
+    ),
+    "dense_gate_up_normed_4096": (
+        dense_gate_up._dense_gate_up_kernel,
+        DENSE,
+        {"TWO": False, "H_PAD": 4096} | NORMED,
     ),
     # A prefill: the selection alone over cuBLAS's fp32 logits, a program a token (w: the gate
     # weight as given, unread: a static operand on every path).

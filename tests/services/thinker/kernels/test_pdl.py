@@ -42,7 +42,7 @@ def test_the_decode_steps_kernels_are_launched_with_pdl():
     names = {name for kernels in _pdl_kernels().values() for name in kernels}
     decode_step = {"_rms_norm_kernel", "_qk_norm_rope_kernel", "_decode_kernel", "_route_kernel"}
     decode_step |= {"_align_one_program_kernel", "_expert_gemm_kernel", "_combine_kernel"}
-    decode_step |= {"_rope_gather_kernel", "_embed_gather_kernel"}
+    decode_step |= {"_rope_gather_kernel", "_embed_gather_kernel", "_dense_gate_up_kernel"}
     assert decode_step <= names
 
 
@@ -158,6 +158,7 @@ def test_a_pdl_kernel_waits_for_the_prior_kernels_before_anything_but_its_static
         params = {a.arg for a in kernels[name][1].args.args}
         assert static and set(static) <= params and all(p.endswith("_ptr") for p in static), name
     assert pdl.STATIC_OPERANDS["_route_kernel"] == ("w_ptr", "bias_ptr", "norm_w_ptr")
+    assert pdl.STATIC_OPERANDS["_dense_gate_up_kernel"] == ("w_ptr", "norm_w_ptr")
 
 
 def _kernel(source: str) -> ast.FunctionDef:

@@ -3,8 +3,9 @@ issue 40): the normed row and the residual sum are `norms.rms_norm`'s bit for bi
 helpers, an exact fp64 sum of squares) and the routing is the router's of that row, bit for bit; the
 rule folds one or two tokens on the gemv path and nothing else; the MoE block and the model with
 the fold equal them without it; a decode step of one sequence launches no RMSNorm for a MoE layer's
-post-attention norm with the fusions on (and does with them off); and the tiny engine through the
-decode graph buffers gives the reference's greedy tokens."""
+post-attention norm with the fusions on (and does with them off; nor, the dense gate-up folding it,
+for the dense layer's); and the tiny engine through the decode graph buffers gives the reference's
+greedy tokens."""
 
 from __future__ import annotations
 
@@ -16,10 +17,16 @@ from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
 from omnistage.services.thinker.kernels import norms
 from omnistage.services.thinker.kernels import router as router_kernels
+from omnistage.services.thinker.kernels.dense_gate_up import NORM_MAX_TOKENS
 from omnistage.services.thinker.kernels.norms import rms_norm
 from omnistage.services.thinker.kernels.router import folds_norm, normed_route, route
 from omnistage.services.thinker.kernels.tickets import tickets_for
-from omnistage.services.thinker.models.layers.backends import FUSIONS_ENV, Backends, install_backends
+from omnistage.services.thinker.models.layers.backends import (
+    DENSE_GATEUP_ENV,
+    FUSIONS_ENV,
+    Backends,
+    install_backends,
+)
 from omnistage.services.thinker.models.layers.moe import RouterRows, SparseMoeBlock
 from omnistage.services.thinker.models.layers.norm import RMSNorm
 from omnistage.services.thinker.models.layers.parallel import TPGroup
@@ -163,8 +170,9 @@ def tiny_model(tiny_ckpt_2_layers):
 
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_the_model_with_the_fold_equals_it_without(tiny_model, tokens, launches):
-    """The tiny model's dense layer and MoE layer (one sequence, no cache): the fold changes
-    nothing but the MoE layer's post-attention norm launch."""
+    """The tiny model's dense layer and MoE layer (one sequence, no cache): the folds change
+    nothing but the post-attention norm launches -- the MoE layer's in its router's launch, at one
+    token the dense layer's in its gate-up launch (`GatedMLP.normed`)."""
     ids, positions = torch.tensor([5, 99][:tokens]), torch.arange(tokens)
     install_backends(tiny_model, Backends("torch", "torch"))
     with torch.no_grad():
@@ -175,11 +183,12 @@ def test_the_model_with_the_fold_equals_it_without(tiny_model, tokens, launches)
     with torch.no_grad():
         got = tiny_model(ids, positions)
         folded = [args[2].data_ptr() for args in launches.arguments("_rms_norm_kernel")]
+        tiny_model.model.layers[0].mlp.norm_gate_up_act = None
         for layer in tiny_model.model.layers[1:]:
             layer.mlp.gate.norm_kernel = None
         unfolded = tiny_model(ids, positions)
     normed = [args[2].data_ptr() for args in launches.arguments("_rms_norm_kernel")][len(folded) :]
-    assert post[0] in folded and post[1] not in folded  # the dense layer's norm still runs
+    assert (post[0] in folded) == (tokens > NORM_MAX_TOKENS) and post[1] not in folded
     assert post[0] in normed and post[1] in normed
     assert torch.equal(got, unfolded)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -205,6 +214,7 @@ def test_a_one_sequence_decode_step_launches_no_post_attention_norm_for_the_moe_
     decode step's one), with them off in a launch of its own; the greedy tokens are the
     reference's either way."""
     monkeypatch.setenv(FUSIONS_ENV, fusions)
+    monkeypatch.delenv(DENSE_GATEUP_ENV, raising=False)
     launches.watch(norms, "_rms_norm_kernel")
     fast = EngineConfig(attention_backend="triton", moe_backend="triton", **ENGINE_CFG)
     engine = rank0_engine(start_rank(RankConfig(str(tiny_ckpt_2_layers), fast, warmup=False)))
@@ -228,7 +238,9 @@ def test_a_one_sequence_decode_step_launches_no_post_attention_norm_for_the_moe_
     assert len(steps) == PARAMS.max_tokens - 1  # every decode step went through the buffers
     if fusions == "on":
         assert moe_post not in every  # neither the prefill's nor a decode step's
-        assert all(step.count(dense_post) == 1 for step in steps)
+        # the dense layer's: the prefill's two tokens in a launch of their own, a decode step's one
+        # in its gate-up launch (kernels/dense_gate_up.py)
+        assert every.count(dense_post) == 1 and all(dense_post not in step for step in steps)
     else:
         assert every.count(moe_post) == PARAMS.max_tokens  # the prefill and each decode step
         assert all(step.count(moe_post) == 1 for step in steps)
