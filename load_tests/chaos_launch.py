@@ -149,12 +149,29 @@ def hang_deadline(phase: str, settings: Settings) -> float:
     return settings.starting_hang_deadline_s if phase == "starting" else settings.hang_deadline_s
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
+# Every port `free_ports` handed out in this process: never handed out twice. Each call's ports are
+# held at once while picked, but the kernel picks a random free port for each bind: two calls for one
+# config (its service port, then its admin port) could get the same one.
+_HANDED_OUT: set[int] = set()
+
+
+def free_ports(n: int, attempts: int = 1000) -> list[int]:
+    """`n` distinct ports free now, held at once while picked, none handed out before in this process
+    (the one owner of the tests' free ports)."""
+    socks: list[socket.socket] = []
+    ports: list[int] = []
     try:
-        for s in socks:
+        while len(ports) < n:
+            if len(socks) >= n + attempts:
+                raise RuntimeError(f"no {n} free ports not handed out before after {len(socks)} binds")
+            s = socket.socket()
+            socks.append(s)
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+            port = s.getsockname()[1]
+            if port not in _HANDED_OUT and port not in ports:
+                ports.append(port)
+        _HANDED_OUT.update(ports)
+        return ports
     finally:
         for s in socks:
             s.close()

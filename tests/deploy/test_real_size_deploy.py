@@ -7,7 +7,6 @@ refused by the ledger before anything starts."""
 from __future__ import annotations
 
 import io
-import socket
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ from omnistage.services.thinker.models.bailing_moe_v2 import BailingMoeV2ForCaus
 from omnistage.services.thinker.models.config import ThinkerConfig
 from omnistage.services.thinker.models.layers.parallel import TPGroup
 
-from load_tests.chaos_launch import free_port_block
+from load_tests.chaos_launch import free_port_block, free_ports
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 H200, H100 = 143771 * 2**20, 80 * 10**9
@@ -51,9 +50,7 @@ def ming_flash(tmp_path_factory) -> Path:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def _port_overrides(path: Path) -> list[str]:

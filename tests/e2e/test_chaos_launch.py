@@ -51,6 +51,30 @@ def test_a_port_block_is_free_consecutive_and_below_the_ephemeral_range():
             s.close()
 
 
+def test_free_ports_are_never_handed_out_twice_in_a_process(monkeypatch):
+    """Calls one after another (a config's service port, then its admin port) get distinct ports even
+    when the kernel picks a port it gave before: the owner skips those it handed out."""
+    import load_tests.chaos_launch as chaos
+
+    monkeypatch.setattr(chaos, "_HANDED_OUT", set())
+    picks = iter([40001, 40001, 40003, 40001, 40003, 40005, 40003])
+    real = socket.socket
+
+    class Picked(real):
+        def bind(self, address):
+            super().bind((address[0], 0))  # bound for real (the close path), then reported as picked
+            self.port = next(picks)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(chaos.socket, "socket", Picked)
+    assert chaos.free_ports(1) == [40001]
+    assert chaos.free_ports(2) == [40003, 40005]  # 40001 handed out, 40003, 40001, 40003 again, 40005
+    with pytest.raises(RuntimeError, match="no 1 free ports"):
+        chaos.free_ports(1, attempts=0)  # nothing left but ports handed out before
+
+
 def test_plans_are_reproducible_and_cover_every_fault_kind():
     plans = plan_launches(LAUNCHES, SEED)
     assert plans == plan_launches(LAUNCHES, SEED) and plans != plan_launches(LAUNCHES, SEED + 1)

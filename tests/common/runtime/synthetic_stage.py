@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -194,9 +193,10 @@ def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port never handed out before in this process (`chaos_launch.free_ports`: the one owner)."""
+    from load_tests.chaos_launch import free_ports  # here: this file also runs as the stage script
+
+    return free_ports(1)[0]
 
 
 def write_config(

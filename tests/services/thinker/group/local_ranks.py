@@ -15,7 +15,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -66,11 +65,12 @@ def worker_main(cfg: RankConfig) -> NoReturn:
         end_process(code)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now (for the group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A port free now (for the group's rendezvous), never handed out before in this process
+    (`chaos_launch.free_ports`: the one owner)."""
+    from load_tests.chaos_launch import free_ports
+
+    return free_ports(1)[0]
 
 
 def spawn_workers(cfg: RankConfig, target: Callable[[RankConfig], None] = worker_main) -> list[BaseProcess]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -13,6 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omnistage.services.thinker.models.layers.attention import AttentionMetadata, attention_metadata
 from omnistage.services.thinker.models.loader import load_model
+
+from load_tests.chaos_launch import free_ports
 
 DEADLINE_S = 120
 PROMPT = [5, 100, 300, 7, 8, 900, 31, 32, 33, 34, 1100, 1150, 17, 18]
@@ -58,9 +59,7 @@ def _worker(rank: int, size: int, port: int, ckpt: str, out: str) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def _spawn(size: int, ckpt: Path, out: Path) -> None:
