@@ -9,7 +9,10 @@ program), every program of the streaming gate-up selects after its wait by the r
 (`route_select.choose_experts`, the same ops: the same bits), program 0 stores the ids and the
 routing weights times the scaling, and the down launch reads those one launch back, after its wait
 (`moe_one_token.selecting_experts`, `IDS_SETTLED=False`): only the shared expert's rows are read
-before it. Whether the router's saving outweighs the down's later reads is the GPU bench's
+before it -- unless the gate-up's program 0 raises the ids-ready flag after its stores and the down's
+programs that see it before their wait read the ids and their rows then (`ready_flag.py`; on unless
+OMNISTAGE_THINKER_DOWN_FLAG=off), so that the chosen experts' down rows stream while the gate-up runs
+again. Whether the router's saving outweighs the down's later reads is the GPU bench's
 (`bench/moe_one_token_gpu.py`); off unless OMNISTAGE_THINKER_GATEUP_SELECT=on (layers/backends.py).
 """
 
@@ -56,11 +59,14 @@ def normed_select_experts(
     route: tuple[int, int, int, float],
     experts: tuple[torch.Tensor, torch.Tensor],
     shared: tuple[torch.Tensor, torch.Tensor],
+    flag: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the routed and shared experts' output for norm(x + residual), x + residual) in the three
     launches above, `route` = (top_k, n_group, topk_group, scaling), `experts` = (w13, w2), `shared`
     = the shared expert's (gate_up, down): `router.normed_route` then
-    `moe_one_token.one_token_experts`, bit for bit. None where `selects` says no."""
+    `moe_one_token.one_token_experts`, bit for bit. `flag` (OMNISTAGE_THINKER_DOWN_FLAG): the down
+    reads the ids and its rows before its wait where the gate-up's ids-ready flag says they are
+    stored (`ready_flag.py`). None where `selects` says no."""
     top_k, n_group, topk_group, scaling = route
     if not selects(x, residual, norm_weight, weight, n_group, top_k, experts, shared):
         return None
@@ -68,5 +74,5 @@ def normed_select_experts(
         x, residual, norm_weight, eps, weight, bias, n_group, topk_group, top_k
     )
     select = RouterLogits(logits, bias, n_group, topk_group, top_k, scaling)
-    out, _, _ = moe_one_token.selecting_experts(normed, *experts, select, shared)
+    out, _, _ = moe_one_token.selecting_experts(normed, *experts, select, shared, flag=flag)
     return out, total

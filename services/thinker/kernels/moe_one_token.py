@@ -18,7 +18,10 @@ weight in fp32, the sum rounded, then the shared expert's output added and round
 experts itself from the router's logits after its wait (each program, by the router's rule:
 `route_select.choose_experts`) and its program 0 stores the ids and routing weights; the down
 launch then reads those after its wait (`IDS_SETTLED=False`: one launch back), only the shared
-expert's rows before it.
+expert's rows before it -- unless the ids-ready flag serves (`IDS_FLAGGED`, `ready_flag.py`; the
+default, OMNISTAGE_THINKER_DOWN_FLAG): program 0 raises it after its stores, and each down program
+that sees it before its wait reads the ids and its chosen experts' rows then, keeping after the wait
+the rows of each slot whose id it reads again unchanged (the same bits whatever it saw).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from omnistage.services.thinker.kernels import interpreting, pdl
+from omnistage.services.thinker.kernels import interpreting, pdl, ready_flag
 from omnistage.services.thinker.kernels.norms import silu_mul
 from omnistage.services.thinker.kernels.pdl import wait_for_prior_kernels
+from omnistage.services.thinker.kernels.ready_flag import lower_flag, poll_flag, raise_flag
 from omnistage.services.thinker.kernels.route_select import (
     choose_experts,
     expert_grid,
@@ -217,16 +221,22 @@ def _own_selection(
 
 
 @triton.jit
-def _store_routing(logits_ptr, chosen, ids_ptr, weights_ptr, scaling, TOP_K: tl.constexpr):
+def _store_routing(
+    logits_ptr, chosen, ids_ptr, weights_ptr, flag_ptr, scaling, TOP_K: tl.constexpr, FLAG: tl.constexpr
+):
     """Program 0 of the selecting gate-up: the ids `chosen` [1, TOP_K] and their routing weights
     times `scaling` (`route_select.routing_weights`, as the router stores them) where the down
-    launch reads them after its wait; the other programs store nothing."""
+    launch reads them after its wait, and with FLAG then the ids-ready flag raised
+    (`ready_flag.raise_flag`: the down may read them before its wait); the other programs store
+    nothing."""
     if tl.program_id(0) == 0:
         one = tl.arange(0, 1)
         w = routing_weights(logits_ptr + one, chosen, one == 0)
         out = tl.arange(0, TOP_K)[None, :]
         tl.store(weights_ptr + out, w * scaling)
         tl.store(ids_ptr + out, chosen)
+        if FLAG:
+            raise_flag(flag_ptr)
 
 
 @triton.jit
@@ -239,6 +249,7 @@ def _one_token_gate_up_stream_kernel(
     logits_ptr,
     bias_ptr,
     weights_ptr,
+    flag_ptr,
     inter,
     hidden,
     stride_we,
@@ -250,6 +261,7 @@ def _one_token_gate_up_stream_kernel(
     NUM_EXPERTS: tl.constexpr,
     GROUPS: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
+    FLAG: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """The gate-up launch in one wave: program p of P computes tiles p, p + P, ... (`_tile_weights`;
@@ -258,8 +270,8 @@ def _one_token_gate_up_stream_kernel(
     another to leave its SM. The experts: the router's ids at ids_ptr, or SELECT each program's own
     selection from the router's logits (`_own_selection`; the expert bias, a static operand, read
     before the wait; NUM_EXPERTS, GROUPS, TOPK_GROUP the router's shape), program 0 storing the ids
-    and the routing weights (`_store_routing`) for the down launch; else logits, bias and weights
-    unread."""
+    and the routing weights (`_store_routing`) for the down launch, with FLAG then raising the flag
+    at flag_ptr; else logits, bias, weights and flag unread."""
     if SELECT:
         bias = tl.load(bias_ptr + expert_grid(NUM_EXPERTS, GROUPS)).to(tl.float32)
     wait_for_prior_kernels(USE_PDL)
@@ -277,7 +289,7 @@ def _one_token_gate_up_stream_kernel(
         w13_ptr, shared_ptr, ids_ptr, t, sizes, TOP_K, BLOCK_N, H_PAD, chosen, SELECT
     )
     if SELECT:  # after the first tile's reads are in flight
-        _store_routing(logits_ptr, picked, ids_ptr, weights_ptr, scaling, TOP_K)
+        _store_routing(logits_ptr, picked, ids_ptr, weights_ptr, flag_ptr, scaling, TOP_K, FLAG)
     for _ in range(tl.program_id(0), blocks * (TOP_K + 1), tl.num_programs(0)):
         after = t + tl.num_programs(0)
         gate_next, up_next = _tile_weights(
@@ -295,20 +307,26 @@ def _one_token_down_kernel(
     ids_ptr,
     weights_ptr,
     out_ptr,
+    flag_ptr,
     hidden,
     inter,
     stride_we,
+    num_experts,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     I_PAD: tl.constexpr,
     IDS_SETTLED: tl.constexpr,
+    IDS_FLAGGED: tl.constexpr,
+    POLLS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program n: hidden rows [n·BLOCK_N, +BLOCK_N) of the token's output, Σ_slot round(expert_slot's
-    down(h[slot])) · weight_slot in fp32, rounded, + round(shared down(h[TOP_K])), rounded. The
-    shared expert's weight rows are read before the wait; the ids and routing weights, and the
-    chosen experts' weight rows, before it when IDS_SETTLED (the router's, two launches back), else
-    after it (the selecting gate-up's, the launch before)."""
+    """Program n: hidden rows [n·BLOCK_N, +BLOCK_N) of the token's output (`_down_sums`). The shared
+    expert's weight rows are read before the wait; the ids and routing weights, and the chosen
+    experts' weight rows, before it when IDS_SETTLED (the router's, two launches back), else after
+    it (the selecting gate-up's, the launch before) -- but for IDS_FLAGGED: where the gate-up's
+    flag is seen before the wait (`ready_flag.poll_flag`, within POLLS loads), the ids then and
+    their rows (ids outside [0, num_experts) not), kept after the wait for each slot whose id is
+    the same read again (`ready_flag`'s docstring says why no bit changes)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, I_PAD)
     slots = tl.arange(0, TOP_K)
@@ -317,25 +335,47 @@ def _one_token_down_kernel(
     mask = c_ok[:, None] & k_ok[None, :]
     if IDS_SETTLED:  # the router's, two launches back
         experts = tl.load(ids_ptr + slots, cache_modifier=".cg")
-        w = tl.load(
-            w2_ptr + experts[:, None, None] * stride_we + rows[None, :, :], mask=mask[None, :, :], other=0.0
-        )
+        w = tl.load(w2_ptr + _slot_rows(experts, stride_we, rows), mask=mask[None, :, :], other=0.0)
+    if IDS_FLAGGED:  # the gate-up's, where its program 0 said they are stored
+        seen, last = poll_flag(flag_ptr, POLLS)
+        seen_slots = slots < tl.where(seen, TOP_K, 0)
+        early = tl.load(ids_ptr + slots, mask=seen_slots, other=-1, cache_modifier=".cg")
+        early = tl.where((early >= 0) & (early < num_experts), early, -1)
+        early_ok = mask[None, :, :] & (early >= 0)[:, None, None]
+        w_early = tl.load(w2_ptr + _slot_rows(early, stride_we, rows), mask=early_ok, other=0.0)
     w_shared = tl.load(shared_ptr + rows, mask=mask, other=0.0)
     if IDS_SETTLED:
         route = tl.load(weights_ptr + slots, cache_modifier=".cg")
     wait_for_prior_kernels(USE_PDL)
+    if IDS_FLAGGED:
+        lower_flag(flag_ptr, last)
     if not IDS_SETTLED:  # the gate-up's, the launch before (h's reads issued before the rows wait on them)
         experts = tl.load(ids_ptr + slots, cache_modifier=".cg")
         route = tl.load(weights_ptr + slots, cache_modifier=".cg")
-    dt = out_ptr.dtype.element_ty
     h = tl.load(h_ptr + slots[:, None] * inter + ks[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
     if not IDS_SETTLED:
-        w = tl.load(
-            w2_ptr + experts[:, None, None] * stride_we + rows[None, :, :], mask=mask[None, :, :], other=0.0
-        )
+        fresh, kept = mask[None, :, :], 0.0
+        if IDS_FLAGGED:  # a slot's early rows kept where its id is the same (masked off: the early values)
+            fresh, kept = fresh & (early != experts)[:, None, None], w_early
+        w = tl.load(w2_ptr + _slot_rows(experts, stride_we, rows), mask=fresh, other=kept)
+    h_shared = tl.load(h_ptr + TOP_K * inter + ks, mask=k_ok, other=0.0).to(tl.float32)
+    _down_sums(w, h, route, w_shared, h_shared, out_ptr, cols, c_ok)
+
+
+@triton.jit
+def _slot_rows(experts, stride_we, rows):
+    """The offsets [TOP_K, BLOCK_N, I_PAD] of each slot's expert's rows `rows` in the down weights."""
+    return experts[:, None, None] * stride_we + rows[None, :, :]
+
+
+@triton.jit
+def _down_sums(w, h, route, w_shared, h_shared, out_ptr, cols, c_ok):
+    """Σ_slot round(expert_slot's down(h[slot])) · weight_slot in fp32, rounded, + round(shared
+    down(h[TOP_K])), rounded, into out at `cols`: the roundings of the reference (w [TOP_K,
+    BLOCK_N, I_PAD] the chosen experts' rows, zero past the sizes; h [TOP_K, I_PAD] fp32)."""
+    dt = out_ptr.dtype.element_ty
     expert_out = tl.sum(w.to(tl.float32) * h[:, None, :], axis=2)  # [TOP_K, BLOCK_N]
     mix = tl.sum(expert_out.to(dt).to(tl.float32) * route[:, None], axis=0).to(dt)
-    h_shared = tl.load(h_ptr + TOP_K * inter + ks, mask=k_ok, other=0.0).to(tl.float32)
     shared_out = tl.sum(w_shared.to(tl.float32) * h_shared[None, :], axis=1).to(dt)
     y = (mix.to(tl.float32) + shared_out.to(tl.float32)).to(dt)
     tl.store(out_ptr + cols, y, mask=c_ok)
@@ -356,14 +396,18 @@ class RouterLogits:
 
 
 def _selection_args(
-    select: RouterLogits | None, w13: torch.Tensor, routing: torch.Tensor
+    select: RouterLogits | None, w13: torch.Tensor, routing: torch.Tensor, flag: torch.Tensor | None
 ) -> tuple[tuple, dict]:
-    """The streaming gate-up's logits, bias, routing weights and scaling, and the selection's
-    constexprs; without `select` unread (the bias a weight as given: a static operand's pointer)."""
+    """The streaming gate-up's logits, bias, routing weights, flag and scaling, and the selection's
+    constexprs; without `select` unread (the bias a weight as given: a static operand's pointer), the
+    flag without `flag` (`ready_flag.flag_for`'s word, raised by program 0 after its stores)."""
+    flagged = dict(FLAG=flag is not None)
+    flag = routing if flag is None else flag
     if select is None:
-        return (routing, w13, routing, 1.0), dict(SELECT=False, NUM_EXPERTS=1, GROUPS=1, TOPK_GROUP=1)
+        unread = dict(SELECT=False, NUM_EXPERTS=1, GROUPS=1, TOPK_GROUP=1)
+        return (routing, w13, routing, flag, 1.0), unread | flagged
     shape = dict(NUM_EXPERTS=select.logits.shape[-1], GROUPS=select.n_group, TOPK_GROUP=select.topk_group)
-    return (select.logits, select.bias, routing, select.scaling), dict(SELECT=True, **shape)
+    return (select.logits, select.bias, routing, flag, select.scaling), dict(SELECT=True, **shape) | flagged
 
 
 def _gate_up(
@@ -375,16 +419,18 @@ def _gate_up(
     h: torch.Tensor,
     tiles: OneTokenTiles,
     select: RouterLogits | None,
+    flag: torch.Tensor | None = None,
 ) -> None:
     """The gate-up launch into h [top_k + 1, I]: a program a tile, or `tiles.programs` streaming;
     with `select` the streaming launch selects from the router's logits and stores the ids and
-    the routing weights (a program a tile refuses it: each program would select)."""
+    the routing weights (a program a tile refuses it: each program would select), then raises
+    `flag` where given."""
     hidden, inter, top_k = x.shape[1], w13.shape[1] // 2, ids.numel()
     shape = dict(TOP_K=top_k, BLOCK_N=tiles.gate_up_rows, H_PAD=triton.next_power_of_2(hidden))
     if tiles.programs > 0:
-        (logits, bias, routing, scaling), selection = _selection_args(select, w13, routing)
+        (logits, bias, routing, flag, scaling), selection = _selection_args(select, w13, routing, flag)
         _one_token_gate_up_stream_kernel[(tiles.programs,)](
-            *(x, w13, shared, ids, h, logits, bias, routing),
+            *(x, w13, shared, ids, h, logits, bias, routing, flag),
             *(inter, hidden, w13.stride(0), scaling),
             **shape,
             **selection,
@@ -398,6 +444,36 @@ def _gate_up(
         grid = (triton.cdiv(inter, tiles.gate_up_rows), top_k + 1)
         args = (x, w13, shared, ids, h, inter, hidden, w13.stride(0))
         _one_token_gate_up_kernel[grid](*args, **shape, num_warps=tiles.warps, **pdl.launch(x.device))
+
+
+def _down(
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    shared: torch.Tensor,
+    ids: torch.Tensor,
+    routing: torch.Tensor,
+    out: torch.Tensor,
+    tiles: OneTokenTiles,
+    settled: bool,
+    flag: torch.Tensor | None = None,
+) -> None:
+    """The down launch into out [1, H] from h [top_k + 1, I]: the ids [k] and fp32 routing weights
+    [k] read before its wait where `settled` (the router's), else after it -- but with `flag` (the
+    selecting gate-up raises it) each program reads them and its rows before its wait where it sees
+    the flag within `ready_flag.POLLS` loads, and zeroes the flag again (the last program)."""
+    inter, hidden = h.shape[1], out.shape[1]
+    _one_token_down_kernel[(triton.cdiv(hidden, tiles.down_rows),)](
+        *(h, w2, shared, ids, routing, out, ids if flag is None else flag),
+        *(hidden, inter, w2.stride(0), w2.shape[0]),
+        TOP_K=ids.numel(),
+        BLOCK_N=tiles.down_rows,
+        I_PAD=triton.next_power_of_2(inter),
+        IDS_SETTLED=settled,
+        IDS_FLAGGED=flag is not None,
+        POLLS=1 if flag is None else ready_flag.POLLS,
+        num_warps=tiles.warps,
+        **pdl.launch(h.device),
+    )
 
 
 def one_token_experts(
@@ -422,15 +498,20 @@ def selecting_experts(
     select: RouterLogits,
     shared: tuple[torch.Tensor, torch.Tensor],
     tiles: OneTokenTiles | None = None,
+    flag: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`one_token_experts` from the router's logits (issue 40): the streaming gate-up's programs
     each select the experts after their wait (`route_select.choose_experts`, the router's rule),
     program 0 stores the ids and the routing weights times the scaling, and the down launch reads
-    them after its wait (one launch back now). → (out [1, H], fp32 weights [1, k], ids [1, k]), the
-    router's selection's bits (gate_up_select.py's rule says where it serves)."""
+    them after its wait (one launch back now) -- with `flag` (OMNISTAGE_THINKER_DOWN_FLAG) program 0
+    then raises the ids-ready flag and each down program that sees it before its wait reads the
+    ids and its chosen rows then (`ready_flag`; the same bits). → (out [1, H], fp32 weights [1, k],
+    ids [1, k]), the router's selection's bits (gate_up_select.py's rule says where it serves)."""
     ids = torch.empty(1, select.top_k, dtype=torch.int64, device=x.device)
     routing = torch.empty(1, select.top_k, dtype=torch.float32, device=x.device)
-    return _experts(x, w13, w2, shared, tiles, ids.view(-1), routing.view(-1), select), routing, ids
+    ready = ready_flag.flag_for(x.device) if flag else None
+    out = _experts(x, w13, w2, shared, tiles, ids.view(-1), routing.view(-1), select, ready)
+    return out, routing, ids
 
 
 def _experts(
@@ -442,24 +523,17 @@ def _experts(
     ids: torch.Tensor,
     routing: torch.Tensor,
     select: RouterLogits | None,
+    flag: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The two launches over the ids [k] and fp32 routing weights [k]: the router's (the down reads
-    them before its wait), or with `select` the gate-up's (stored there, read after the wait)."""
+    them before its wait), or with `select` the gate-up's (stored there, read after the wait, or
+    before it where the down sees `flag` raised)."""
     _, hidden = x.shape
     inter, top_k = w13.shape[1] // 2, ids.numel()
     tiles = tiles or default_tiles(hidden, inter, top_k, x.element_size(), sms=sm_count(x.device))
     x = x.contiguous()
     h = torch.empty(top_k + 1, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
-    _gate_up(x, w13, ids, routing, shared[0], h, tiles, select)
-    _one_token_down_kernel[(triton.cdiv(hidden, tiles.down_rows),)](
-        *(h, w2, shared[1], ids, routing, out),
-        *(hidden, inter, w2.stride(0)),
-        TOP_K=top_k,
-        BLOCK_N=tiles.down_rows,
-        I_PAD=triton.next_power_of_2(inter),
-        IDS_SETTLED=select is None,
-        num_warps=tiles.warps,
-        **pdl.launch(x.device),
-    )
+    _gate_up(x, w13, ids, routing, shared[0], h, tiles, select, flag)
+    _down(h, w2, shared[1], ids, routing, out, tiles, select is None, flag)
     return out

@@ -9,7 +9,9 @@ read-after-write or write-after-read race is possible whatever the kernel does a
 kernel launched without PDL, e.g. cuBLAS, keeps the ordinary stream order). The exceptions: a
 kernel may load its static operands (`STATIC_OPERANDS`: weights no kernel writes) and its settled
 ones (`SETTLED_OPERANDS`: what the launch two or more back wrote) before the wait, so that those HBM reads
-overlap the previous kernel (tests/services/thinker/kernels/test_pdl.py checks both rules).
+overlap the previous kernel, and where a flag announces them (`FLAGGED_OPERANDS`, `ready_flag.py`)
+operands the running kernel before it wrote (tests/services/thinker/kernels/test_pdl.py checks the
+rules).
 `OMNISTAGE_THINKER_PDL=off` turns it off (the same build's comparison, `bench/ling_mini_gpu.py
 --pdl`); off on a CPU, under Triton's interpreter, and before Hopper.
 """
@@ -72,6 +74,20 @@ SETTLED_OPERANDS: dict[str, tuple[str, ...]] = {
 SETTLED_WHEN: dict[str, tuple[str, tuple[str, ...]]] = {
     # IDS_SETTLED=False: the streaming gate-up selected and stored them (moe_one_token.selecting_experts).
     "_one_token_down_kernel": ("IDS_SETTLED", ("ids_ptr", "weights_ptr"))
+}
+# kernel name → (its flag pointer parameter, the pointer parameters the flag announces): the one
+# exception to the rule that reads what a still-running kernel writes. Before its wait such a kernel
+# may call `ready_flag.poll_flag(<the flag>, ...)` (a bounded poll, then one atomic: its ticket),
+# its result assigned by a plain assignment, and after that load from these operands, each load
+# masked by the poll's result (its first name, or a name computed from it): the launch before
+# stores them, then raises the flag with release semantics (`ready_flag.raise_flag`), so a program
+# that saw it reads them complete. It reads them again after its wait and keeps what it loaded
+# early only where they are unchanged (correctness never rests on the flag; ready_flag.py says
+# why no bit changes and why the word is zero after every launch). No other atomic or store, and
+# the flag in nothing but the poll, before the wait (tests/services/thinker/kernels/test_pdl.py).
+FLAGGED_OPERANDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    # IDS_FLAGGED: the selecting gate-up's program 0 raises the flag after storing the ids.
+    "_one_token_down_kernel": ("flag_ptr", ("ids_ptr",))
 }
 
 

@@ -146,6 +146,10 @@ QKV_ROPE_ENV = "OMNISTAGE_THINKER_QKV_ROPE"
 # `kernels/gate_up_select.py`). Off by default until measured (bench/moe_one_token_gpu.py), for a
 # same-build comparison.
 GATEUP_SELECT_ENV = "OMNISTAGE_THINKER_GATEUP_SELECT"
+# Set to `off`: where GATEUP_SELECT_ENV selects, the down launch reads the ids and its chosen experts'
+# rows only after its PDL wait, never before it on the gate-up's ids-ready flag
+# (`kernels/ready_flag.py`), for a same-build comparison (bench/moe_one_token_gpu.py --select-only).
+DOWN_FLAG_ENV = "OMNISTAGE_THINKER_DOWN_FLAG"
 # Set to `P,W` or `P,W,M` (e.g. `2,4` or `2,4,256`): each decode attention program reads its first P
 # tiles before its PDL wait, in W warps, a split taking at least M tokens (`paged_attention.DecodeTiles`;
 # unset: its DECODE_TILES), for a same-build comparison (bench/decode_variants_gpu.sh;
@@ -195,6 +199,11 @@ def qkv_rope_enabled() -> bool:
 def gateup_select_enabled() -> bool:
     """GATEUP_SELECT_ENV's choice (default off), refused as FUSIONS_ENV's is."""
     return _switch(GATEUP_SELECT_ENV, default="off")
+
+
+def down_flag_enabled() -> bool:
+    """DOWN_FLAG_ENV's choice (default on), refused as FUSIONS_ENV's is."""
+    return _switch(DOWN_FLAG_ENV)
 
 
 def decode_tiles(tiles_type: type) -> object | None:
@@ -300,7 +309,8 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
 def _moe_kernels(backends: Backends, fuse: bool, norms: bool) -> tuple:
     """The MoE layers' kernels (None each: the reference): the experts, the router, and with the
     fusions and the norm's kernel installed the router's add + norm fold, and with
-    GATEUP_SELECT_ENV on the one token's layer that selects in its gate-up launch."""
+    GATEUP_SELECT_ENV on the one token's layer that selects in its gate-up launch (its down reading
+    early on the ids-ready flag unless DOWN_FLAG_ENV is off)."""
     if backends.moe != "triton":
         return None, None, None, None
     from omnistage.services.thinker.kernels import router
@@ -314,7 +324,8 @@ def _moe_kernels(backends: Backends, fuse: bool, norms: bool) -> tuple:
         return experts, route, router.normed_route, None
     from omnistage.services.thinker.kernels.gate_up_select import normed_select_experts
 
-    return experts, route, router.normed_route, normed_select_experts
+    select = functools.partial(normed_select_experts, flag=down_flag_enabled())
+    return experts, route, router.normed_route, select
 
 
 def _aligns(num_experts: int) -> bool:

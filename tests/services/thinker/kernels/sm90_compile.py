@@ -113,11 +113,13 @@ ROUTE_GEMV = {"DOT": False, "SPLIT": 1, "PRECISION": "tf32", "NORM": False, "SEL
 # (Ling-mini's router: 256 experts, 8 groups, the top 4; an fp32 expert bias).
 ONE_TOKEN_STREAM = {"x_ptr": B, "w13_ptr": B, "shared_ptr": B, "ids_ptr": "*i64", "h_ptr": B}
 ONE_TOKEN_STREAM |= {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "scaling": F32}
-ONE_TOKEN_STREAM |= {n: I32 for n in ("inter", "hidden", "stride_we")}
-NOT_SELECTING = {"SELECT": False, "NUM_EXPERTS": 1, "GROUPS": 1, "TOPK_GROUP": 1}
-SELECTING = {"SELECT": True, "NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4}
+ONE_TOKEN_STREAM |= {"flag_ptr": "*i32"} | {n: I32 for n in ("inter", "hidden", "stride_we")}
+NOT_SELECTING = {"SELECT": False, "NUM_EXPERTS": 1, "GROUPS": 1, "TOPK_GROUP": 1, "FLAG": False}
+SELECTING = {"SELECT": True, "NUM_EXPERTS": 256, "GROUPS": 8, "TOPK_GROUP": 4, "FLAG": False}
 ONE_TOKEN_DOWN = {"h_ptr": B, "w2_ptr": B, "shared_ptr": B, "ids_ptr": "*i64", "weights_ptr": "*fp32"}
-ONE_TOKEN_DOWN |= {"out_ptr": B} | {n: I32 for n in ("hidden", "inter", "stride_we")}
+ONE_TOKEN_DOWN |= {"out_ptr": B, "flag_ptr": "*i32"}
+ONE_TOKEN_DOWN |= {n: I32 for n in ("hidden", "inter", "stride_we", "num_experts")}
+UNFLAGGED = {"IDS_FLAGGED": False, "POLLS": 1}
 DECODE_TYPES = {
     "q_ptr": B,
     "k_cache_ptr": B,
@@ -432,16 +434,28 @@ CASES = {
         ONE_TOKEN_STREAM,
         {"TOP_K": 8, "BLOCK_N": 2, "H_PAD": 2048} | SELECTING,
     ),
-    # The down: the router's ids before its wait, or the selecting gate-up's after it.
+    # ... raising the ids-ready flag after program 0's stores (ready_flag.py; the default).
+    "one_token_gate_up_stream_select_flag": (
+        moe_one_token._one_token_gate_up_stream_kernel,
+        ONE_TOKEN_STREAM,
+        {"TOP_K": 8, "BLOCK_N": 2, "H_PAD": 2048} | SELECTING | {"FLAG": True},
+    ),
+    # The down: the router's ids before its wait, or the selecting gate-up's after it, or before it
+    # too where the program sees the gate-up's flag (its poll, its rows; PTX_ORDER below).
     "one_token_down": (
         moe_one_token._one_token_down_kernel,
         ONE_TOKEN_DOWN,
-        {"TOP_K": 8, "BLOCK_N": 2, "I_PAD": 512, "IDS_SETTLED": True},
+        {"TOP_K": 8, "BLOCK_N": 2, "I_PAD": 512, "IDS_SETTLED": True} | UNFLAGGED,
     ),
     "one_token_down_after_wait": (
         moe_one_token._one_token_down_kernel,
         ONE_TOKEN_DOWN,
-        {"TOP_K": 8, "BLOCK_N": 4, "I_PAD": 512, "IDS_SETTLED": False},
+        {"TOP_K": 8, "BLOCK_N": 4, "I_PAD": 512, "IDS_SETTLED": False} | UNFLAGGED,
+    ),
+    "one_token_down_flagged": (
+        moe_one_token._one_token_down_kernel,
+        ONE_TOKEN_DOWN,
+        {"TOP_K": 8, "BLOCK_N": 4, "I_PAD": 512, "IDS_SETTLED": False, "IDS_FLAGGED": True, "POLLS": 256},
     ),
     # The dense MLP's gate-up + SiLU·mul streamed (STREAM_ROWS rows a tile): one token at
     # Ling-mini's hidden size, two at Ming-flash's; and one token with the post-attention add +
@@ -498,16 +512,60 @@ CASES = {
 }
 
 
+def _in_order(ptx: str, *steps: str) -> bool:
+    """Whether each of `steps` occurs in `ptx` after the one before it (the first after the start)."""
+    at = 0
+    for step in steps:
+        at = ptx.find(step, at)
+        if at < 0:
+            return False
+    return True
+
+
+def _loads_before_wait(ptx: str) -> int:
+    return ptx[: ptx.find("griddepcontrol.wait")].count("ld.global.b16")
+
+
+# Cases whose compiled order matters (the interpreter cannot show it): the flagged down's poll (its
+# volatile loads, its acquire ticket) and its early ids before its PDL wait; the selecting gate-up's
+# stores of the ids, a CTA barrier, then its release.
+PTX_ORDER = {
+    "one_token_down_flagged": (
+        "ld.volatile.global",
+        "atom.global.gpu.acquire.add",
+        "ld.global.cg.b64",
+        "griddepcontrol.wait",
+    ),
+    "one_token_gate_up_stream_select_flag": (
+        "griddepcontrol.wait",
+        "st.global.b64",
+        "bar.sync",
+        "red.global.gpu.release.or",
+    ),
+}
+# (case, case with the same tiles reading its rows after its wait, the slots' rows read before the
+# wait over the other's): the flagged down loads each chosen expert's rows (TOP_K of them) before
+# its wait beside the shared expert's (the other case's only loads before it).
+ROWS_BEFORE_WAIT = [("one_token_down_flagged", "one_token_down_after_wait", 8)]
+
+
 def main() -> int:
-    failed = 0
+    failed, ptx = 0, {}
     for name, (fn, types, constants) in sorted(CASES.items()):
         try:
             compiled = compile_sm90(fn, types, constants)
             assert compiled.asm["cubin"], "no machine code"
+            ptx[name] = compiled.asm["ptx"]
+            assert _in_order(ptx[name], *PTX_ORDER.get(name, ())), f"not in order: {PTX_ORDER[name]}"
             print(f"ok {name}", flush=True)
         except Exception as exc:  # report every kernel, then fail
             failed += 1
             print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
+    for name, other, slots in ROWS_BEFORE_WAIT:
+        early, shared = _loads_before_wait(ptx.get(name, "")), _loads_before_wait(ptx.get(other, ""))
+        if not shared or early < (slots + 1) * shared:
+            failed += 1
+            print(f"FAIL rows before the wait: {name} {early}, {other} {shared} (x{slots + 1})", flush=True)
     return 1 if failed else 0
 
 

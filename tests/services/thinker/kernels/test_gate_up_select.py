@@ -3,9 +3,11 @@
 the gate-up's own selection give the ids, the routing weights and the layer's output of
 `router.normed_route` then `moe_one_token.one_token_experts`, bit for bit (fp32 and bf16, a tiny and a
 Ling-like router, ties); the three launches run in that order with the down reading the ids after its
-wait; the dispatch rule takes one token on the router's fold with the streaming gate-up and nothing
-else; the switch installs it on the MoE block (off by default) and the block's output is unchanged;
-and the tiny engine's greedy tokens are unchanged with it on."""
+wait, or by default before it too on the gate-up's ids-ready flag (OMNISTAGE_THINKER_DOWN_FLAG:
+test_ready_flag.py); the dispatch rule takes one token on the router's fold with the streaming
+gate-up and nothing else; the switch installs it on the MoE block (off by default) and the block's
+output is unchanged; and the tiny engine's greedy tokens are unchanged with it on, the flag on or
+off."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from omnistage.common.config import EngineConfig
 from omnistage.services.thinker.engine.cuda_graphs import DecodeGraphs
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
-from omnistage.services.thinker.kernels import moe_one_token, router
+from omnistage.services.thinker.kernels import moe_one_token, ready_flag, router
 from omnistage.services.thinker.kernels.gate_up_select import normed_select_experts, selects
 from omnistage.services.thinker.kernels.moe_one_token import (
     OneTokenTiles,
@@ -25,9 +27,11 @@ from omnistage.services.thinker.kernels.moe_one_token import (
 )
 from omnistage.services.thinker.kernels.router import normed_logits, normed_route
 from omnistage.services.thinker.models.layers.backends import (
+    DOWN_FLAG_ENV,
     GATEUP_SELECT_ENV,
     BackendError,
     Backends,
+    down_flag_enabled,
     gateup_select_enabled,
     install_backends,
 )
@@ -126,18 +130,32 @@ def test_three_launches_the_router_selecting_nothing_the_down_reading_the_ids_af
     ]:
         monkeypatch.setattr(module, name, _Recorded(getattr(module, name), name, log))
     p = _layer(SHAPES["tiny"], torch.float32, seed=2)
-    normed_select_experts(*p["row"], p["gate"], p["bias"], p["route"], p["experts"], p["shared"])
-    assert [(n, c.get("SELECT"), c.get("IDS_SETTLED")) for n, c in log] == [
-        ("_route_kernel", False, None),
-        ("_one_token_gate_up_stream_kernel", True, None),
-        ("_one_token_down_kernel", None, False),
+    args = (*p["row"], p["gate"], p["bias"], p["route"], p["experts"], p["shared"])
+
+    def launched() -> list[tuple]:
+        got = [
+            (n, c.get("SELECT"), c.get("IDS_SETTLED"), c.get("FLAG"), c.get("IDS_FLAGGED")) for n, c in log
+        ]
+        log.clear()
+        return got
+
+    normed_select_experts(*args, flag=False)
+    assert launched() == [
+        ("_route_kernel", False, None, None, None),
+        ("_one_token_gate_up_stream_kernel", True, None, False, None),
+        ("_one_token_down_kernel", None, False, None, False),
     ]
-    log.clear()
+    normed_select_experts(*args)  # the flag by default: the gate-up raises it, the down polls it
+    assert launched() == [
+        ("_route_kernel", False, None, None, None),
+        ("_one_token_gate_up_stream_kernel", True, None, True, None),
+        ("_one_token_down_kernel", None, False, None, True),
+    ]
     _today(p)  # today's: the router selects, the gate-up reads its ids, the down reads them early
-    assert [(n, c.get("SELECT"), c.get("IDS_SETTLED")) for n, c in log] == [
-        ("_route_kernel", True, None),
-        ("_one_token_gate_up_stream_kernel", False, None),
-        ("_one_token_down_kernel", None, True),
+    assert launched() == [
+        ("_route_kernel", True, None, None, None),
+        ("_one_token_gate_up_stream_kernel", False, None, False, None),
+        ("_one_token_down_kernel", None, True, None, False),
     ]
 
 
@@ -183,16 +201,29 @@ def test_the_switch_is_off_by_default_and_takes_on_or_off_only(monkeypatch):
         gateup_select_enabled()
 
 
+def test_the_down_flag_switch_is_on_by_default_and_takes_on_or_off_only(monkeypatch):
+    monkeypatch.delenv(DOWN_FLAG_ENV, raising=False)
+    assert down_flag_enabled()
+    monkeypatch.setenv(DOWN_FLAG_ENV, "OFF")
+    assert not down_flag_enabled()
+    monkeypatch.setenv(DOWN_FLAG_ENV, "1")
+    with pytest.raises(BackendError, match="OMNISTAGE_THINKER_DOWN_FLAG='1': expected on or off"):
+        down_flag_enabled()
+
+
 @pytest.mark.parametrize(
-    "switch,fuse,tokens,selects_here",
+    "switch,fuse,tokens,selects_here,flag",
     [
-        ("on", True, 1, True),
-        ("on", True, 2, False),  # two tokens: the router's fold selects
-        ("on", False, 1, False),  # the fusions off: no fold, nothing installed
-        ("off", True, 1, False),
+        ("on", True, 1, True, "on"),
+        ("on", True, 1, True, "off"),
+        ("on", True, 2, False, "on"),  # two tokens: the router's fold selects
+        ("on", False, 1, False, "on"),  # the fusions off: no fold, nothing installed
+        ("off", True, 1, False, "on"),
     ],
 )
-def test_the_moe_block_with_the_switch_equals_it_without(switch, fuse, tokens, selects_here, monkeypatch):
+def test_the_moe_block_with_the_switch_equals_it_without(
+    switch, fuse, tokens, selects_here, flag, monkeypatch
+):
     layers = _block_and_norm()
     x, residual = torch.randn(tokens, 64), torch.randn(tokens, 64)
     install_backends(layers, Backends("triton", "triton"), fuse=fuse)
@@ -200,14 +231,17 @@ def test_the_moe_block_with_the_switch_equals_it_without(switch, fuse, tokens, s
     with torch.no_grad():
         want, want_sum = layers["mlp"].normed(x, residual, layers["norm"])
     monkeypatch.setenv(GATEUP_SELECT_ENV, switch)
+    monkeypatch.setenv(DOWN_FLAG_ENV, flag)
     install_backends(layers, Backends("triton", "triton"), fuse=fuse)
     assert (layers["mlp"].select_kernel is not None) == (switch == "on" and fuse)
     calls = []
     real = moe_one_token.selecting_experts
-    monkeypatch.setattr(moe_one_token, "selecting_experts", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        moe_one_token, "selecting_experts", lambda *a, **k: calls.append(k["flag"]) or real(*a, **k)
+    )
     with torch.no_grad():
         got, got_sum = layers["mlp"].normed(x, residual, layers["norm"])
-    assert calls == ([1] if selects_here else [])
+    assert calls == ([flag == "on"] if selects_here else [])
     assert torch.equal(got, want) and torch.equal(got_sum, want_sum)
 
 
@@ -215,7 +249,10 @@ ENGINE_CFG = dict(block_size=16, max_model_len=128, max_num_seqs=2, max_num_batc
 PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
 
 
-def test_the_tiny_engines_greedy_tokens_are_unchanged_with_the_switch_on(tiny_ckpt_2_layers, monkeypatch):
+@pytest.mark.parametrize("flag", ["on", "off"])
+def test_the_tiny_engines_greedy_tokens_are_unchanged_with_the_switch_on(
+    tiny_ckpt_2_layers, flag, monkeypatch
+):
     prompt = [[5, 99, 812]]
     fast = EngineConfig(attention_backend="triton", moe_backend="triton", **ENGINE_CFG)
 
@@ -229,9 +266,12 @@ def test_the_tiny_engines_greedy_tokens_are_unchanged_with_the_switch_on(tiny_ck
 
     want = tokens()
     monkeypatch.setenv(GATEUP_SELECT_ENV, "on")
+    monkeypatch.setenv(DOWN_FLAG_ENV, flag)  # the down reading early on the ids-ready flag, or not
     calls, selected = [], []
     real = moe_one_token.selecting_experts
-    monkeypatch.setattr(moe_one_token, "selecting_experts", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        moe_one_token, "selecting_experts", lambda *a, **k: calls.append(k["flag"]) or real(*a, **k)
+    )
     real_route = router.normed_route
 
     def normed_route(*args):
@@ -243,4 +283,5 @@ def test_the_tiny_engines_greedy_tokens_are_unchanged_with_the_switch_on(tiny_ck
     assert tokens() == want
     # Each decode step's MoE layer selects in its gate-up; the router's selecting launch never runs
     # (the three-token prefill is past its fold: the norm, then the router).
-    assert calls == [1] * (PARAMS.max_tokens - 1) and not any(selected)
+    assert calls == [flag == "on"] * (PARAMS.max_tokens - 1) and not any(selected)
+    assert not ready_flag.flag_for(torch.device("cpu")).any()
