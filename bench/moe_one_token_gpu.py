@@ -15,9 +15,11 @@ or the streaming gate-up changes a bit.
 place -- the add + RMSNorm in the router's launch -- as today (`router.normed_route`: the router's last
 program selects; the down reads the ids and its chosen rows before its wait) against the experts
 selected in the streaming gate-up (`gate_up_select.normed_select_experts`: the router's logits only,
-the down reading the ids after its wait), µs a layer and of each router launch alone, the registers
-of the launches' compiled variants, and whether the ids, routing weights, output and residual sum
-are bit-equal (exit status 1 when not).
+the down reading the ids after its wait -- and with the ids-ready flag, OMNISTAGE_THINKER_DOWN_FLAG's
+default, the ids and its chosen rows before it where the gate-up's flag is seen, `ready_flag.py`),
+µs a layer and of each router launch alone, the registers of the launches' compiled variants, and
+whether the ids, routing weights, output and residual sum are bit-equal, with the flag and without,
+and the flag word zero after (exit status 1 when not).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 from omnistage.common.bench_results import write_result
 from omnistage.common.checkpoint.config_only import LING_MINI, MING_FLASH_TP2_RANK
-from omnistage.services.thinker.kernels import moe_one_token
+from omnistage.services.thinker.kernels import moe_one_token, ready_flag
 from omnistage.services.thinker.kernels import router as router_kernels
 from omnistage.services.thinker.kernels.fused_moe import choose_tiles, fused_experts
 from omnistage.services.thinker.kernels.gate_up_select import normed_select_experts
@@ -176,56 +178,88 @@ def _registers() -> dict[str, dict[str, str]]:
     return found
 
 
-def select_rows(label: str, dims: dict, layers: int, dev: torch.device) -> dict:
-    """Today's one-token MoE layer (router selects) against the gate-up selecting, in one graph each."""
-    e, h, i = dims["num_experts"], dims["hidden_size"], dims["moe_intermediate_size"]
-    k, groups, top_groups, scaling = dims["num_experts_per_tok"], dims["n_group"], dims["topk_group"], 2.5
-    g = torch.Generator(device=dev).manual_seed(2)
+class _SelectLayers:
+    """`layers` one-token MoE layers of `dims` (their own weights each) on one row, and each path of
+    a layer: today's (router selects), the gate-up selecting (the down's ids after its wait, or with
+    the ids-ready flag before it), and each router launch alone."""
 
-    def rand(*shape, scale=0.02):
-        return (torch.randn(*shape, generator=g, device=dev) * scale).to(torch.bfloat16)
+    def __init__(self, dims: dict, layers: int, dev: torch.device) -> None:
+        e, h, i = dims["num_experts"], dims["hidden_size"], dims["moe_intermediate_size"]
+        k, groups, top_groups = dims["num_experts_per_tok"], dims["n_group"], dims["topk_group"]
+        g = torch.Generator(device=dev).manual_seed(2)
 
-    weights = [
-        dict(
-            gate=rand(e, h),
-            bias=torch.randn(e, generator=g, device=dev) * 0.01,
-            norm=rand(h, scale=1.0),
-            experts=(rand(e, 2 * i, h), rand(e, h, i)),
-            shared=(rand(2 * i, h), rand(h, i)),
+        def rand(*shape, scale=0.02):
+            return (torch.randn(*shape, generator=g, device=dev) * scale).to(torch.bfloat16)
+
+        self.weights = [
+            dict(
+                gate=rand(e, h),
+                bias=torch.randn(e, generator=g, device=dev) * 0.01,
+                norm=rand(h, scale=1.0),
+                experts=(rand(e, 2 * i, h), rand(e, h, i)),
+                shared=(rand(2 * i, h), rand(h, i)),
+            )
+            for _ in range(layers)
+        ]
+        self.x, self.residual = rand(1, h, scale=1.0), rand(1, h, scale=1.0)
+        self.route_shape = (k, groups, top_groups, 2.5)
+
+    def router_selecting(self, n: int):  # today's router launch
+        w = self.weights[n]
+        return normed_route(self.x, self.residual, w["norm"], 1e-6, w["gate"], w["bias"], *self.route_shape)
+
+    def router_logits(self, n: int):  # the logits-only router launch
+        w, (k, groups, top_groups, _) = self.weights[n], self.route_shape
+        return normed_logits(
+            self.x, self.residual, w["norm"], 1e-6, w["gate"], w["bias"], groups, top_groups, k
         )
-        for _ in range(layers)
-    ]
-    x, residual = rand(1, h, scale=1.0), rand(1, h, scale=1.0)
-    route_shape = (k, groups, top_groups, scaling)
 
-    def router_selecting(n: int):  # today's router launch
-        w = weights[n]
-        return normed_route(x, residual, w["norm"], 1e-6, w["gate"], w["bias"], *route_shape)
-
-    def router_logits(n: int):  # the logits-only router launch
-        w = weights[n]
-        return normed_logits(x, residual, w["norm"], 1e-6, w["gate"], w["bias"], groups, top_groups, k)
-
-    def today(n: int):
-        rw, ids, normed, total = router_selecting(n)
-        w = weights[n]
+    def today(self, n: int):
+        rw, ids, normed, total = self.router_selecting(n)
+        w = self.weights[n]
         return one_token_experts(normed, *w["experts"], rw, ids, w["shared"]), total, rw, ids
 
-    def selecting(n: int):
-        logits, normed, total = router_logits(n)
-        w = weights[n]
+    def selecting(self, n: int, flag: bool = False):
+        logits, normed, total = self.router_logits(n)
+        w, (k, groups, top_groups, scaling) = self.weights[n], self.route_shape
         select = RouterLogits(logits, w["bias"], groups, top_groups, k, scaling)
-        out, rw, ids = selecting_experts(normed, *w["experts"], select, w["shared"])
+        out, rw, ids = selecting_experts(normed, *w["experts"], select, w["shared"], flag=flag)
         return out, total, rw, ids
 
-    def layer(n: int):  # the model's entry: its rule, then the three launches
-        w = weights[n]
-        args = (x, residual, w["norm"], 1e-6, w["gate"], w["bias"], route_shape, w["experts"], w["shared"])
-        return normed_select_experts(*args)
+    def layer(self, n: int, flag: bool = False):  # the model's entry: its rule, then the three launches
+        w = self.weights[n]
+        args = (self.x, self.residual, w["norm"], 1e-6, w["gate"], w["bias"], self.route_shape)
+        return normed_select_experts(*args, w["experts"], w["shared"], flag=flag)
 
-    today(0)
+    def flagged(self, n: int):  # the down reading the ids and its rows before its wait on the flag
+        return self.layer(n, flag=True)
+
+    def bits(self, layers: int, dev: torch.device) -> dict[str, bool]:
+        """Whether the selecting paths (without and with the flag) give today's bits, the flag word
+        zero after."""
+        bits: dict[str, bool] = {}
+        names = ("output", "residual sum", "routing weights", "ids")
+        for flag in (False, True):
+            tag = " (flag)" if flag else ""
+            for n in range(layers):
+                for name, a, b in zip(names, self.today(n), self.selecting(n, flag), strict=True):
+                    bits[name + tag] = bits.get(name + tag, True) and torch.equal(a, b)
+            served, want = self.layer(0, flag), self.today(0)
+            bits["the rule served, the same bits" + tag] = served is not None and all(
+                torch.equal(a, b) for a, b in zip(served, want[:2], strict=True)
+            )
+        bits["the flag word zero after"] = not ready_flag.flag_for(dev).any().item()
+        return bits
+
+
+def select_rows(label: str, dims: dict, layers: int, dev: torch.device) -> dict:
+    """Today's one-token MoE layer (router selects) against the gate-up selecting, without and with
+    the ids-ready flag, in one graph each."""
+    paths = _SelectLayers(dims, layers, dev)
+    paths.today(0)
     before = _registers()
-    selecting(0)  # the variants compiled here are the selecting path's
+    paths.selecting(0)  # the variants compiled here are the selecting path's (with the flag and without)
+    paths.selecting(0, flag=True)
     after = _registers()
     registers = {
         name: {
@@ -234,25 +268,20 @@ def select_rows(label: str, dims: dict, layers: int, dev: torch.device) -> dict:
         }
         for name in KERNELS
     }
-    bits: dict[str, bool] = {}
-    for n in range(layers):
-        names = ("output", "residual sum", "routing weights", "ids")
-        for name, a, b in zip(names, today(n), selecting(n), strict=True):
-            bits[name] = bits.get(name, True) and torch.equal(a, b)
-    served, want = layer(0), today(0)
-    bits["the rule served, the same bits"] = served is not None and all(
-        torch.equal(a, b) for a, b in zip(served, want[:2], strict=True)
-    )
+    bits = paths.bits(layers, dev)
     result = {
         "bits": bits,
         "ok": all(bits.values()),
         "us_a_layer": {
-            "today: router selects + gate-up + down (ids before its wait)": time_chain(today, layers),
+            "today: router selects + gate-up + down (ids before its wait)": time_chain(paths.today, layers),
             "gate-up selects: router logits + gate-up selecting + down (ids after its wait)": time_chain(
-                layer, layers
+                paths.layer, layers
             ),
-            "router alone, selecting (ticket + last program)": time_chain(router_selecting, layers),
-            "router alone, logits only": time_chain(router_logits, layers),
+            "gate-up selects + flag: ... + down (ids and rows before its wait on the flag)": time_chain(
+                paths.flagged, layers
+            ),
+            "router alone, selecting (ticket + last program)": time_chain(paths.router_selecting, layers),
+            "router alone, logits only": time_chain(paths.router_logits, layers),
         },
         "registers": registers,
     }

@@ -3,8 +3,11 @@
 and residual sum of today's launches (`router.normed_route` then `moe_one_token.one_token_experts`) bit
 for bit at Ling-mini's and Ming-flash TP=2's per-rank shapes in bf16 -- eagerly and replayed from one
 CUDA graph of several layers, where under PDL the down launch reads the ids program 0 of the gate-up
-stored, one launch back, after its wait -- and the tiny engine's greedy tokens through CUDA graphs are
-the same with the switch on and off. Here, not in kernels/, whose conftest runs Triton in its
+stored, one launch back, after its wait, or by default before it too where it sees the gate-up's
+ids-ready flag (OMNISTAGE_THINKER_DOWN_FLAG: the same bits as after the wait, the flag word zero
+after every replay, the poll and the chosen rows' loads before the wait in the compiled down) -- and
+the tiny engine's greedy tokens through CUDA graphs are the same with the switch on and off, the
+flag on and off. Here, not in kernels/, whose conftest runs Triton in its
 interpreter."""
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 from omnistage.common.config import EngineConfig
 from omnistage.services.thinker.engine.sequence import SamplingParams
 from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, start_rank
-from omnistage.services.thinker.models.layers.backends import GATEUP_SELECT_ENV
+from omnistage.services.thinker.models.layers.backends import DOWN_FLAG_ENV, GATEUP_SELECT_ENV
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,7 +57,7 @@ def _today(w, x, residual):
     return one_token_experts(normed, *w["experts"], rw, ids, w["shared"]), total, rw, ids
 
 
-def _selecting(w, x, residual):
+def _selecting(w, x, residual, flag: bool = True):
     from omnistage.services.thinker.kernels.moe_one_token import RouterLogits, selecting_experts
     from omnistage.services.thinker.kernels.router import normed_logits
 
@@ -63,8 +66,13 @@ def _selecting(w, x, residual):
         x, residual, w["norm"], 1e-6, w["gate"], w["bias"], groups, kept, top_k
     )
     select = RouterLogits(logits, w["bias"], groups, kept, top_k, scaling)
-    out, rw, ids = selecting_experts(normed, *w["experts"], select, w["shared"])
+    out, rw, ids = selecting_experts(normed, *w["experts"], select, w["shared"], flag=flag)
     return out, total, rw, ids
+
+
+def _after_wait(w, x, residual):
+    """The selecting path with the down reading the ids only after its wait (no ids-ready flag)."""
+    return _selecting(w, x, residual, flag=False)
 
 
 def _chain(path, layers, x, residual) -> list[torch.Tensor]:
@@ -107,6 +115,71 @@ def test_the_gate_ups_selection_is_the_routers_bit_for_bit_eager_and_in_a_graph(
         assert all(torch.equal(a, b) for a, b in zip(outs["today"], eager, strict=True))
 
 
+def _loads_before_wait(ptx: str) -> int:
+    """Global loads of weights (neither .cg, the ids', nor volatile, the flag's) before the PDL wait."""
+    head = ptx[: ptx.find("griddepcontrol.wait")]
+    return sum(
+        1
+        for line in head.splitlines()
+        if "ld.global" in line and ".cg" not in line and "volatile" not in line
+    )
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_the_flagged_down_is_the_after_wait_downs_bit_for_bit_and_leaves_the_flag_zero(name, monkeypatch):
+    """OMNISTAGE_THINKER_DOWN_FLAG's down (the ids and its rows before its wait where the gate-up's
+    flag is seen): the bits of the down reading them after its wait and of today's launches, eager
+    and replayed from one CUDA graph of several layers, the flag word zero after each; and (no
+    timing) the compiled down that ran polls, reads the ids and issues every chosen expert's rows
+    (top_k times the shared expert's loads) before its griddepcontrol.wait."""
+    from omnistage.services.thinker.kernels import moe_one_token, pdl, ready_flag
+
+    compiled: dict[tuple[bool, bool], object] = {}  # (IDS_SETTLED, IDS_FLAGGED) → the kernel that ran
+    real = moe_one_token._one_token_down_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **constants):
+                key = (constants["IDS_SETTLED"], constants["IDS_FLAGGED"])
+                compiled[key] = real[grid](*args, **constants)
+
+            return launch
+
+    monkeypatch.setattr(moe_one_token, "_one_token_down_kernel", Recorded())
+    layers, hidden = _layers(SHAPES[name], seed=len(name) + 1), SHAPES[name][0]
+    flag = ready_flag.flag_for(torch.device("cuda"))
+    x = torch.randn(1, hidden, device="cuda").to(torch.bfloat16)
+    residual = (torch.randn(1, hidden, device="cuda") * 2).to(torch.bfloat16)
+    paths = {"today": _today, "after wait": _after_wait, "flagged": _selecting}
+    want = _chain(_today, layers, x, residual)
+    for key in ("after wait", "flagged"):
+        got = _chain(paths[key], layers, x, residual)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), key
+        assert flag.item() == 0, key
+    graphs, outs = {}, {}
+    for key, path in paths.items():
+        graphs[key] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[key]):
+            outs[key] = _chain(path, layers, x, residual)
+    for _ in range(3):  # new rows in place, each graph replayed on them
+        x.copy_(torch.randn(1, hidden, device="cuda").to(torch.bfloat16))
+        residual.copy_(torch.randn(1, hidden, device="cuda").to(torch.bfloat16))
+        for key, graph in graphs.items():
+            graph.replay()
+            torch.cuda.synchronize()
+            assert flag.item() == 0, key
+        for key in ("after wait", "flagged"):
+            assert all(torch.equal(a, b) for a, b in zip(outs[key], outs["today"], strict=True)), key
+    if pdl.enabled(x.device):
+        ptx = {key: kernel.asm["ptx"] for key, kernel in compiled.items()}
+        flagged, after = (_loads_before_wait(ptx[False, f]) for f in (True, False))
+        steps = [ptx[False, True].find(s) for s in ("ld.volatile.global", "atom.global.gpu.acquire.add")]
+        steps += [ptx[False, True].find(s) for s in ("ld.global.cg", "griddepcontrol.wait")]
+        assert steps[0] >= 0 and steps == sorted(steps), steps
+        assert after > 0 and flagged >= (SHAPES[name][-1] + 1) * after, (flagged, after)
+
+
 CFG = dict(block_size=16, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256, kv_tokens=4096)
 
 
@@ -123,4 +196,6 @@ def test_the_tiny_engines_graph_tokens_are_the_same_with_the_switch_on_and_off(t
     monkeypatch.setenv(GATEUP_SELECT_ENV, "off")
     want = tokens()
     monkeypatch.setenv(GATEUP_SELECT_ENV, "on")
-    assert tokens() == want
+    for flag in ("on", "off"):  # the down reading early on the ids-ready flag, or after its wait
+        monkeypatch.setenv(DOWN_FLAG_ENV, flag)
+        assert tokens() == want, flag
