@@ -234,7 +234,7 @@ class _SelectLayers:
     def flagged(self, n: int):  # the down reading the ids and its rows before its wait on the flag
         return self.layer(n, flag=True)
 
-    def bits(self, layers: int, dev: torch.device) -> dict[str, bool]:
+    def bits(self, layers: int) -> dict[str, bool]:
         """Whether the selecting paths (without and with the flag) give today's bits, the flag word
         zero after."""
         bits: dict[str, bool] = {}
@@ -248,7 +248,7 @@ class _SelectLayers:
             bits["the rule served, the same bits" + tag] = served is not None and all(
                 torch.equal(a, b) for a, b in zip(served, want[:2], strict=True)
             )
-        bits["the flag word zero after"] = not ready_flag.flag_for(dev).any().item()
+        bits["the flag word zero after"] = not ready_flag.flag_for(self.x.device).any().item()
         return bits
 
 
@@ -268,7 +268,7 @@ def select_rows(label: str, dims: dict, layers: int, dev: torch.device) -> dict:
         }
         for name in KERNELS
     }
-    bits = paths.bits(layers, dev)
+    bits = paths.bits(layers)
     result = {
         "bits": bits,
         "ok": all(bits.values()),

@@ -60,7 +60,10 @@ _flags: dict[torch.device, torch.Tensor] = {}
 
 
 def flag_for(device: torch.device) -> torch.Tensor:
-    """The zeroed flag word of `device` (int32 [1]; each flagged down launch leaves it zero)."""
+    """The zeroed flag word of `device` (int32 [1]; each flagged down launch leaves it zero); `cuda`
+    without an index is the current CUDA device's (one word whichever way the device is named)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     buf = _flags.get(device)
     if buf is None:
         buf = _flags[device] = torch.zeros(1, dtype=torch.int32, device=device)

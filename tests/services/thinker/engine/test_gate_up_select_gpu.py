@@ -80,6 +80,24 @@ def _chain(path, layers, x, residual) -> list[torch.Tensor]:
     return [t for w in layers for t in path(w, x, residual)]
 
 
+def _captured(paths: dict, layers, x, residual) -> tuple[dict, dict]:
+    """Each path's chain of layers in a CUDA graph of its own (run eagerly first: compiled before the
+    capture), and the outputs the graphs write."""
+    graphs, outs = {}, {}
+    for key, path in paths.items():
+        _chain(path, layers, x, residual)
+        torch.cuda.synchronize()
+        graphs[key] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[key]):
+            outs[key] = _chain(path, layers, x, residual)
+    return graphs, outs
+
+
+def _new_rows(x: torch.Tensor, residual: torch.Tensor) -> None:
+    x.copy_(torch.randn(*x.shape, device="cuda").to(torch.bfloat16))
+    residual.copy_(torch.randn(*residual.shape, device="cuda").to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_the_gate_ups_selection_is_the_routers_bit_for_bit_eager_and_in_a_graph(name):
     from omnistage.services.thinker.kernels.gate_up_select import selects
@@ -97,16 +115,9 @@ def test_the_gate_ups_selection_is_the_routers_bit_for_bit_eager_and_in_a_graph(
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), step
     x = torch.randn(1, hidden, device="cuda").to(torch.bfloat16)
     residual = torch.randn(1, hidden, device="cuda").to(torch.bfloat16)
-    graphs, outs = {}, {}
-    for key, path in (("today", _today), ("selecting", _selecting)):
-        _chain(path, layers, x, residual)  # compiled before the capture
-        torch.cuda.synchronize()
-        graphs[key] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[key]):
-            outs[key] = _chain(path, layers, x, residual)
+    graphs, outs = _captured({"today": _today, "selecting": _selecting}, layers, x, residual)
     for _ in range(3):  # new rows in place, each graph replayed on them
-        x.copy_(torch.randn(1, hidden, device="cuda").to(torch.bfloat16))
-        residual.copy_(torch.randn(1, hidden, device="cuda").to(torch.bfloat16))
+        _new_rows(x, residual)
         for graph in graphs.values():
             graph.replay()
         torch.cuda.synchronize()
@@ -147,8 +158,9 @@ def test_the_flagged_down_is_the_after_wait_downs_bit_for_bit_and_leaves_the_fla
 
     monkeypatch.setattr(moe_one_token, "_one_token_down_kernel", Recorded())
     layers, hidden = _layers(SHAPES[name], seed=len(name) + 1), SHAPES[name][0]
-    flag = ready_flag.flag_for(torch.device("cuda"))
     x = torch.randn(1, hidden, device="cuda").to(torch.bfloat16)
+    flag = ready_flag.flag_for(x.device)
+    assert flag is ready_flag.flag_for(torch.device("cuda"))  # one word however the device is named
     residual = (torch.randn(1, hidden, device="cuda") * 2).to(torch.bfloat16)
     paths = {"today": _today, "after wait": _after_wait, "flagged": _selecting}
     want = _chain(_today, layers, x, residual)
@@ -157,14 +169,9 @@ def test_the_flagged_down_is_the_after_wait_downs_bit_for_bit_and_leaves_the_fla
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), key
         assert flag.item() == 0, key
-    graphs, outs = {}, {}
-    for key, path in paths.items():
-        graphs[key] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[key]):
-            outs[key] = _chain(path, layers, x, residual)
+    graphs, outs = _captured(paths, layers, x, residual)
     for _ in range(3):  # new rows in place, each graph replayed on them
-        x.copy_(torch.randn(1, hidden, device="cuda").to(torch.bfloat16))
-        residual.copy_(torch.randn(1, hidden, device="cuda").to(torch.bfloat16))
+        _new_rows(x, residual)
         for key, graph in graphs.items():
             graph.replay()
             torch.cuda.synchronize()
