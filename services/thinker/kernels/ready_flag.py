@@ -28,6 +28,10 @@ gate-up sets it only after its own wait, i.e. after the router after this down c
 after the reset. And every program of the launch polled before the last ticket was taken: no poll
 of this launch reads the reset. So the word is 0 after every down launch, whether the flag was seen
 or not (a poll that timed out before the set still takes its ticket; the OR then keeps the count).
+Without PDL (off, before Hopper, under the interpreter) the down starts after the gate-up completed:
+every program sees the flag at its first load. The compiled order (the poll, the early ids and rows
+before griddepcontrol.wait; the release after the barrier) is checked by
+tests/services/thinker/kernels/sm90_compile.py.
 
 Why the flag cannot change a bit: it decides only which loads are issued before the wait. After its
 wait each down program reads the ids again (the gate-up completed: they are the launch's own) and
