@@ -57,11 +57,7 @@ bench() {  # bench on|off: Ling-mini decode with $AB on or off; its lines also i
 }
 
 (
-  source bench/device_env.sh || true  # its `set -e` is off in a `||` list: the imports say if it worked
-  step "imports (carried wheels, omnistage from this checkout)" \
-    python3 -c "import grpc, google.protobuf, omnistage.services.thinker.group.startup"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  device_preamble
   if [[ $AB == gemv ]]; then
     step "GEMV vs cuBLAS per shape" timeout 150 python3 bench/gemv_gpu.py --out "$OUT/gemv.json" \
       --sweep-s "${GEMV_SWEEP_S:-45}"

@@ -44,11 +44,7 @@ run_variant() {  # run_variant NAME ROUND: one run of variant NAME (its tree and
 }
 
 (
-  source bench/device_env.sh || true
-  step "imports (carried wheels, omnistage from this checkout)" \
-    python3 -c "import grpc, google.protobuf, omnistage.services.thinker.group.startup"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  device_preamble
   if [[ -n ${BASE:-} ]]; then
     step "base tree" bash -c "rm -rf /tmp/omnistage-base && mkdir -p /tmp/omnistage-base && tar -xf $BASE -C /tmp/omnistage-base"
   fi

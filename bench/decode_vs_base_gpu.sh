@@ -37,11 +37,7 @@ bench() {  # bench NAME DIR: the decode bench of the checkout in DIR; its lines 
 }
 
 (
-  source bench/device_env.sh || true
-  step "imports (carried wheels, omnistage from this checkout)" \
-    python3 -c "import grpc, google.protobuf, omnistage.services.thinker.group.startup"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  device_preamble
   step "base tree" bash -c "rm -rf $base && mkdir -p $base && tar -xf .cache/base-tree.tar -C $base"
   if [[ -n ${PRE:-} ]]; then step "pre: $PRE" bash -c "$PRE"; fi
   step "bench: new" bench new "$here"

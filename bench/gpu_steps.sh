@@ -1,4 +1,4 @@
-# Sourced by the one-call GPU scripts (bench/decode_fusions_gpu.sh, bench/allreduce_gpu.sh): a step that
+# Sourced by the one-call GPU scripts (bench/decode_*_gpu.sh, bench/allreduce_gpu.sh): a step that
 # fails is named and the rest still run; `steps_done` ends the call with the failed steps' names.
 failed=()
 
@@ -21,4 +21,12 @@ steps_done() {  # exit 1 naming the failed steps, else 0
     exit 1
   fi
   echo "=== every step ok"
+}
+
+device_preamble() {  # the carried wheels and this checkout importable (bench/device_env.sh), and the machine
+  source bench/device_env.sh || true  # its `set -e` is off in a `||` list: the imports step says if it worked
+  step "imports (carried wheels, omnistage from this checkout)" \
+    python3 -c "import grpc, google.protobuf, omnistage.services.thinker.group.startup"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 }
