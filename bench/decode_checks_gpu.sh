@@ -19,11 +19,7 @@ source bench/gpu_steps.sh
 default_tests=$(find tests/services/thinker -name "test_*_gpu.py" ! -name "test_peer_allreduce_gpu.py" | sort)
 
 (
-  source bench/device_env.sh || true
-  step "imports (carried wheels, omnistage from this checkout)" \
-    python3 -c "import grpc, google.protobuf, omnistage.services.thinker.group.startup"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  device_preamble
   step "pytest wheels" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target /tmp/site .cache/pytest-whl/*.whl
   # shellcheck disable=SC2086 # the file list splits on spaces
