@@ -124,7 +124,7 @@ def rms_norm(
 
 @triton.jit
 def norm_rope_heads(
-    rows, ok, w_ptr, cos_row, sin_row, eps, ROT: tl.constexpr, NORM: tl.constexpr, CACHE: tl.constexpr = ""
+    rows, ok, w_ptr, cos_row, sin_row, eps, ROT: tl.constexpr, NORM: tl.constexpr, CACHE: tl.constexpr
 ):
     """The QK-norm + rope rule, its one owner (the separate launch below, the decode attention
     launch, `paged_attention._decode_kernel`, and the qkv projection's epilogue,
@@ -194,7 +194,7 @@ def _qk_norm_rope_kernel(
         rows = k_ptr + t * stride_kt + (head - num_q_heads) * stride_kh + d
         w_ptr = kw_ptr
     out = norm_rope_heads(
-        rows, d < HEAD_DIM, w_ptr, cos_ptr + t * stride_ct, sin_ptr + t * stride_ct, eps, ROT, NORM
+        rows, d < HEAD_DIM, w_ptr, cos_ptr + t * stride_ct, sin_ptr + t * stride_ct, eps, ROT, NORM, ""
     )
     tl.store(rows, out)
 

@@ -203,7 +203,7 @@ def _load_q(
     ROT > 0 QK-normed (NORM, the weight at `w_ptr`) and roped (the token's cos/sin rows) on load."""
     rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
     if ROT > 0:
-        q = norm_rope_heads(rows, h_ok[:, None], w_ptr, cos_row, sin_row, eps, ROT, NORM)
+        q = norm_rope_heads(rows, h_ok[:, None], w_ptr, cos_row, sin_row, eps, ROT, NORM, "")
     else:
         q = tl.load(rows, mask=h_ok[:, None], other=0.0)
     return (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
@@ -231,7 +231,7 @@ def _write_row(
     new_k, new_v = new_kv
     if ROT > 0:
         kw_ptr, cos_row, sin_row, eps = rope
-        key = norm_rope_heads(new_k + d, d < d.shape[0], kw_ptr, cos_row, sin_row, eps, ROT, NORM)
+        key = norm_rope_heads(new_k + d, d < d.shape[0], kw_ptr, cos_row, sin_row, eps, ROT, NORM, "")
     else:
         key = tl.load(new_k + d)
     tl.store(k_cache_ptr + row, key)
