@@ -429,9 +429,18 @@ class DecodeTiles:
         )
 
 
-# `paged_decode`'s tiles unless given others, the one default: the first tile before the wait, 4
-# warps (as before PRELOAD_TILES; bench/attention_decode_gpu.py --preload measures the others).
+# `paged_decode`'s tiles unless given others: the first tile before the wait, 4 warps (as before
+# PRELOAD_TILES), 8 at up to FEW_SEQS sequences. One H200, 2026-11-30 (bench/attention_decode_gpu.py
+# --preload, one sequence, 128-384 tokens): 8 warps 4.57-6.23 µs a call against 4's 4.94-6.52 (Ling-mini
+# and Ming-flash's TP=2 rank alike); the whole Ling-mini decode at c=1 and c=2 took it (bench/RESULTS.md).
 DECODE_TILES = DecodeTiles()
+FEW_SEQS = 2
+FEW_SEQS_TILES = DecodeTiles(warps=8)
+
+
+def default_tiles(bsz: int) -> DecodeTiles:
+    """A decode launch's tiles when none are given: FEW_SEQS_TILES at up to FEW_SEQS sequences."""
+    return FEW_SEQS_TILES if bsz <= FEW_SEQS else DECODE_TILES
 
 
 # QK-norm + rope folded into the decode launch pays where each (sequence, KV head) runs in few
@@ -505,7 +514,7 @@ def paged_decode(
     k_weight (both or neither: no norm), eps, cos, sin [B, rotary_dim]): q and the new k are
     QK-normed and roped here, as `norms.qk_norm_rope` would (`norm_rope_heads`): each program on the
     query heads it loads, the one that writes the new K before storing it; q and k in memory stay.
-    `tiles`: how each program reads (DECODE_TILES unless given; the same bits at any preload)."""
+    `tiles`: how each program reads (`default_tiles` unless given; the same bits at any preload)."""
     (bsz, num_heads, head_dim), (_, page, num_kv_heads, _) = q.shape, k_cache.shape
     group, group_pad = num_heads // num_kv_heads, max(16, triton.next_power_of_2(num_heads // num_kv_heads))
     out = torch.empty_like(q)
@@ -540,7 +549,7 @@ def paged_decode(
         SPLITS=splits,
         ROT=rot,
         NORM=norm,
-        **(tiles or DECODE_TILES).launch(page),
+        **(tiles or default_tiles(bsz)).launch(page),
         **pdl.launch(q.device),
     )
     return out

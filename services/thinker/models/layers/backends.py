@@ -141,18 +141,19 @@ RESIDENT_ENV = "OMNISTAGE_THINKER_RESIDENT"
 # run it in a launch of its own: one sequence's decode on a GPU, a prefill of one or two tokens), for a
 # same-build comparison (bench/ling_mini_gpu.py --qkv-rope, bench/resident_gemv_gpu.py).
 QKV_ROPE_ENV = "OMNISTAGE_THINKER_QKV_ROPE"
-# Set to `on`: a MoE layer of one token selects its experts in the streaming gate-up launch (the
-# router's launch gives the logits only, the down reads the ids after its wait;
-# `kernels/gate_up_select.py`). Off by default until measured (bench/moe_one_token_gpu.py), for a
-# same-build comparison.
+# Set to `off`: a MoE layer of one token selects its experts in the router's launch, not in the
+# streaming gate-up launch (there the router's launch gives the logits only, the down reads the ids
+# after its wait; `kernels/gate_up_select.py`; Ling-mini c=1 +1.9 % on one H200, bench/RESULTS.md
+# 2026-11-30), for a same-build comparison (bench/decode_variants_gpu.sh).
 GATEUP_SELECT_ENV = "OMNISTAGE_THINKER_GATEUP_SELECT"
-# Set to `off`: where GATEUP_SELECT_ENV selects, the down launch reads the ids and its chosen experts'
-# rows only after its PDL wait, never before it on the gate-up's ids-ready flag
-# (`kernels/ready_flag.py`), for a same-build comparison (bench/moe_one_token_gpu.py --select-only).
+# Set to `on`: where GATEUP_SELECT_ENV selects, the down launch may read the ids and issue its chosen
+# experts' rows before its PDL wait, on the gate-up's ids-ready flag (`kernels/ready_flag.py`). Off by
+# default: the whole decode measured the same with it (Ling-mini c=1 973.5 vs 974.0 tok/s off, one H200,
+# 2026-11-30), for a same-build comparison (bench/decode_variants_gpu.sh).
 DOWN_FLAG_ENV = "OMNISTAGE_THINKER_DOWN_FLAG"
 # Set to `P,W` or `P,W,M` (e.g. `2,4` or `2,4,256`): each decode attention program reads its first P
 # tiles before its PDL wait, in W warps, a split taking at least M tokens (`paged_attention.DecodeTiles`;
-# unset: its DECODE_TILES), for a same-build comparison (bench/decode_variants_gpu.sh;
+# unset: `paged_attention.default_tiles`), for a same-build comparison (bench/decode_variants_gpu.sh;
 # bench/attention_decode_gpu.py --preload times the kernel alone).
 DECODE_TILES_ENV = "OMNISTAGE_THINKER_DECODE_TILES"
 
@@ -197,13 +198,13 @@ def qkv_rope_enabled() -> bool:
 
 
 def gateup_select_enabled() -> bool:
-    """GATEUP_SELECT_ENV's choice (default off), refused as FUSIONS_ENV's is."""
-    return _switch(GATEUP_SELECT_ENV, default="off")
+    """GATEUP_SELECT_ENV's choice (default on), refused as FUSIONS_ENV's is."""
+    return _switch(GATEUP_SELECT_ENV)
 
 
 def down_flag_enabled() -> bool:
-    """DOWN_FLAG_ENV's choice (default on), refused as FUSIONS_ENV's is."""
-    return _switch(DOWN_FLAG_ENV)
+    """DOWN_FLAG_ENV's choice (default off), refused as FUSIONS_ENV's is."""
+    return _switch(DOWN_FLAG_ENV, default="off")
 
 
 def decode_tiles(tiles_type: type) -> object | None:

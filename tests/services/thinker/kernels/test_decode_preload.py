@@ -13,8 +13,11 @@ import torch
 from omnistage.services.thinker.kernels import paged_attention
 from omnistage.services.thinker.kernels.paged_attention import (
     DECODE_TILES,
+    FEW_SEQS,
+    FEW_SEQS_TILES,
     MAX_PRELOAD_TILES,
     DecodeTiles,
+    default_tiles,
     paged_decode,
 )
 from omnistage.services.thinker.models.layers.rotary import RotaryEmbedding
@@ -150,6 +153,26 @@ def test_decode_tiles_are_checked_and_launch_as_given():
     for bad in (*bad_ones, dict(min_chunk=0), dict(min_chunk=100)):
         with pytest.raises(ValueError, match="DecodeTiles"):
             DecodeTiles(**bad)
+
+
+def test_a_launch_of_few_sequences_takes_eight_warps_by_default_and_more_take_four():
+    """The measured rule (bench/RESULTS.md 2026-11-30): 8 warps at up to FEW_SEQS sequences (one
+    sequence's launch 4.57-6.23 µs against 4.94-6.52), the 4-warp default beyond; tiles given win."""
+    assert FEW_SEQS == 2
+    assert [default_tiles(b) for b in (1, 2)] == [FEW_SEQS_TILES] * 2 == [DecodeTiles(1, 8)] * 2
+    assert [default_tiles(b) for b in (3, 8, 64)] == [DECODE_TILES] * 3
+    seen = []
+    launch = Launch(torch.float32)
+    original = paged_attention.DecodeTiles.launch
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            paged_attention.DecodeTiles,
+            "launch",
+            lambda self, page: seen.append(self) or original(self, page),
+        )
+        launch.decode(1, "cached")
+        launch.decode(1, "cached", DecodeTiles(2, 4))
+    assert seen == [default_tiles(len(CONTEXTS)), DecodeTiles(2, 4)]
 
 
 def test_the_preload_bench_sweeps_tiles_by_warps_and_fails_on_changed_bits():

@@ -3,9 +3,9 @@
 the gate-up's own selection give the ids, the routing weights and the layer's output of
 `router.normed_route` then `moe_one_token.one_token_experts`, bit for bit (fp32 and bf16, a tiny and a
 Ling-like router, ties); the three launches run in that order with the down reading the ids after its
-wait, or by default before it too on the gate-up's ids-ready flag (OMNISTAGE_THINKER_DOWN_FLAG:
+wait, or with OMNISTAGE_THINKER_DOWN_FLAG=on before it too on the gate-up's ids-ready flag (
 test_ready_flag.py); the dispatch rule takes one token on the router's fold with the streaming
-gate-up and nothing else; the switch installs it on the MoE block (off by default) and the block's
+gate-up and nothing else; the switch installs it on the MoE block (on by default) and the block's
 output is unchanged; and the tiny engine's greedy tokens are unchanged with it on, the flag on or
 off."""
 
@@ -191,21 +191,21 @@ def test_a_gate_up_of_a_program_a_tile_refuses_to_select():
         selecting_experts(normed, *p["experts"], select, p["shared"], OneTokenTiles(8, 8, 4))
 
 
-def test_the_switch_is_off_by_default_and_takes_on_or_off_only(monkeypatch):
+def test_the_switch_is_on_by_default_and_takes_on_or_off_only(monkeypatch):
     monkeypatch.delenv(GATEUP_SELECT_ENV, raising=False)
-    assert not gateup_select_enabled()
-    monkeypatch.setenv(GATEUP_SELECT_ENV, "on")
     assert gateup_select_enabled()
+    monkeypatch.setenv(GATEUP_SELECT_ENV, "OFF")
+    assert not gateup_select_enabled()
     monkeypatch.setenv(GATEUP_SELECT_ENV, "yes")
     with pytest.raises(BackendError, match="OMNISTAGE_THINKER_GATEUP_SELECT='yes': expected on or off"):
         gateup_select_enabled()
 
 
-def test_the_down_flag_switch_is_on_by_default_and_takes_on_or_off_only(monkeypatch):
+def test_the_down_flag_switch_is_off_by_default_and_takes_on_or_off_only(monkeypatch):
     monkeypatch.delenv(DOWN_FLAG_ENV, raising=False)
-    assert down_flag_enabled()
-    monkeypatch.setenv(DOWN_FLAG_ENV, "OFF")
     assert not down_flag_enabled()
+    monkeypatch.setenv(DOWN_FLAG_ENV, "ON")
+    assert down_flag_enabled()
     monkeypatch.setenv(DOWN_FLAG_ENV, "1")
     with pytest.raises(BackendError, match="OMNISTAGE_THINKER_DOWN_FLAG='1': expected on or off"):
         down_flag_enabled()
