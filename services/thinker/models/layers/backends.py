@@ -136,16 +136,22 @@ GEMV_ENV = "OMNISTAGE_THINKER_GEMV"
 RESIDENT_ENV = "OMNISTAGE_THINKER_RESIDENT"
 
 
-# Set to `off`: a decode step's qkv projection of one or two tokens without the QK-norm + rope of its
-# q and k heads in its launch (`kernels/resident_gemv.py` `normed_qkv_rope`, where the attention would
-# run it in a launch of its own: one sequence's decode on a GPU, a prefill of one or two tokens), for a
-# same-build comparison (bench/ling_mini_gpu.py --qkv-rope, bench/resident_gemv_gpu.py).
+# Set to `on`: a decode step's qkv projection of one or two tokens does the QK-norm + rope of its q and
+# k heads in its launch (`kernels/resident_gemv.py` `normed_qkv_rope`, where the attention would run it
+# in a launch of its own: one sequence's decode on a GPU, a prefill of one or two tokens), for a
+# same-build comparison (bench/decode_variants_gpu.sh). Off by default: the whole decode measured no
+# faster with it (bench/RESULTS.md 2026-11-30: Ling-mini c=1 +0.2 %, c=2 -0.9 %; Ming-flash's TP=2
+# rank c=1 -1.4 %).
 QKV_ROPE_ENV = "OMNISTAGE_THINKER_QKV_ROPE"
-# Set to `off`: a MoE layer of one token selects its experts in the router's launch, not in the
-# streaming gate-up launch (there the router's launch gives the logits only, the down reads the ids
-# after its wait; `kernels/gate_up_select.py`; Ling-mini c=1 +1.9 % on one H200, bench/RESULTS.md
-# 2026-11-30), for a same-build comparison (bench/decode_variants_gpu.sh).
+# Where a MoE layer of one token selects its experts: `auto` (default) in the streaming gate-up launch
+# at a hidden size up to SELECT_MAX_HIDDEN, else in the router's launch; `on` in the gate-up at every
+# size, `off` in the router's at every size (there the router's launch gives the logits only, the down
+# reads the ids after its wait; `kernels/gate_up_select.py`), for a same-build comparison
+# (bench/decode_variants_gpu.sh).
 GATEUP_SELECT_ENV = "OMNISTAGE_THINKER_GATEUP_SELECT"
+# The whole decode at c=1, bench/RESULTS.md 2026-11-30: the gate-up selecting, Ling-mini (hidden 2,048,
+# one H200) 955.8 → 973.5 tok/s; Ming-flash's TP=2 rank (hidden 4,096, 2 × H200) 352.9 → 345.9.
+SELECT_MAX_HIDDEN = 2048
 # Set to `on`: where GATEUP_SELECT_ENV selects, the down launch may read the ids and issue its chosen
 # experts' rows before its PDL wait, on the gate-up's ids-ready flag (`kernels/ready_flag.py`). Off by
 # default: the whole decode measured the same with it (Ling-mini c=1 973.5 vs 974.0 tok/s off, one H200,
@@ -193,13 +199,17 @@ def resident_enabled() -> bool:
 
 
 def qkv_rope_enabled() -> bool:
-    """QKV_ROPE_ENV's choice (default on), refused as FUSIONS_ENV's is."""
-    return _switch(QKV_ROPE_ENV)
+    """QKV_ROPE_ENV's choice (default off), refused as FUSIONS_ENV's is."""
+    return _switch(QKV_ROPE_ENV, default="off")
 
 
-def gateup_select_enabled() -> bool:
-    """GATEUP_SELECT_ENV's choice (default on), refused as FUSIONS_ENV's is."""
-    return _switch(GATEUP_SELECT_ENV)
+def gateup_select(hidden: int) -> bool:
+    """Whether a MoE layer of `hidden` selects one token's experts in its gate-up launch:
+    GATEUP_SELECT_ENV's choice (`auto`: up to SELECT_MAX_HIDDEN); anything else refused, naming it."""
+    value = os.environ.get(GATEUP_SELECT_ENV, "auto").strip().lower()
+    if value not in ("auto", "on", "off"):
+        raise BackendError(f"{GATEUP_SELECT_ENV}={value!r}: expected auto, on or off")
+    return value == "on" or (value == "auto" and hidden <= SELECT_MAX_HIDDEN)
 
 
 def down_flag_enabled() -> bool:
@@ -304,14 +314,14 @@ def install_backends(model: nn.Module, backends: Backends, fuse: bool | None = N
             module.kernel = route if runs else None
             module.norm_kernel = normed_route if runs else None
         elif isinstance(module, SparseMoeBlock):
-            module.select_kernel = select
+            module.select_kernel = select if select and gateup_select(module.experts.w13.shape[2]) else None
 
 
 def _moe_kernels(backends: Backends, fuse: bool, norms: bool) -> tuple:
     """The MoE layers' kernels (None each: the reference): the experts, the router, and with the
-    fusions and the norm's kernel installed the router's add + norm fold, and with
-    GATEUP_SELECT_ENV on the one token's layer that selects in its gate-up launch (its down reading
-    early on the ids-ready flag unless DOWN_FLAG_ENV is off)."""
+    fusions and the norm's kernel installed the router's add + norm fold and the one token's layer
+    that selects in its gate-up launch (installed where `gateup_select` says; its down reading early
+    on the ids-ready flag with DOWN_FLAG_ENV on)."""
     if backends.moe != "triton":
         return None, None, None, None
     from omnistage.services.thinker.kernels import router
@@ -321,8 +331,6 @@ def _moe_kernels(backends: Backends, fuse: bool, norms: bool) -> tuple:
     route = functools.partial(router.route, fuse=fuse)
     if not (fuse and norms):  # the router may fold the norm only where the norm's kernel is installed
         return experts, route, None, None
-    if not gateup_select_enabled():
-        return experts, route, router.normed_route, None
     from omnistage.services.thinker.kernels.gate_up_select import normed_select_experts
 
     select = functools.partial(normed_select_experts, flag=down_flag_enabled())

@@ -5,7 +5,7 @@ the gate-up's own selection give the ids, the routing weights and the layer's ou
 Ling-like router, ties); the three launches run in that order with the down reading the ids after its
 wait, or with OMNISTAGE_THINKER_DOWN_FLAG=on before it too on the gate-up's ids-ready flag (
 test_ready_flag.py); the dispatch rule takes one token on the router's fold with the streaming
-gate-up and nothing else; the switch installs it on the MoE block (on by default) and the block's
+gate-up and nothing else; the switch installs it on the MoE block (by default up to a hidden size) and the block's
 output is unchanged; and the tiny engine's greedy tokens are unchanged with it on, the flag on or
 off."""
 
@@ -29,10 +29,11 @@ from omnistage.services.thinker.kernels.router import normed_logits, normed_rout
 from omnistage.services.thinker.models.layers.backends import (
     DOWN_FLAG_ENV,
     GATEUP_SELECT_ENV,
+    SELECT_MAX_HIDDEN,
     BackendError,
     Backends,
     down_flag_enabled,
-    gateup_select_enabled,
+    gateup_select,
     install_backends,
 )
 
@@ -191,14 +192,29 @@ def test_a_gate_up_of_a_program_a_tile_refuses_to_select():
         selecting_experts(normed, *p["experts"], select, p["shared"], OneTokenTiles(8, 8, 4))
 
 
-def test_the_switch_is_on_by_default_and_takes_on_or_off_only(monkeypatch):
+def test_the_switch_selects_in_the_gate_up_up_to_the_measured_hidden_size_by_default(monkeypatch):
+    """auto (unset): the gate-up selects at Ling-mini's hidden size (measured faster), not at Ming-flash's
+    (measured slower); on / off at every size; anything else refused, naming the variable."""
     monkeypatch.delenv(GATEUP_SELECT_ENV, raising=False)
-    assert gateup_select_enabled()
-    monkeypatch.setenv(GATEUP_SELECT_ENV, "OFF")
-    assert not gateup_select_enabled()
+    assert SELECT_MAX_HIDDEN == 2048
+    assert [gateup_select(h) for h in (64, 2048, 2049, 4096)] == [True, True, False, False]
+    monkeypatch.setenv(GATEUP_SELECT_ENV, "ON")
+    assert gateup_select(4096) and gateup_select(64)
+    monkeypatch.setenv(GATEUP_SELECT_ENV, "off")
+    assert not gateup_select(64)
     monkeypatch.setenv(GATEUP_SELECT_ENV, "yes")
-    with pytest.raises(BackendError, match="OMNISTAGE_THINKER_GATEUP_SELECT='yes': expected on or off"):
-        gateup_select_enabled()
+    with pytest.raises(BackendError, match="OMNISTAGE_THINKER_GATEUP_SELECT='yes': expected auto, on or off"):
+        gateup_select(64)
+
+
+def test_by_default_a_block_past_the_measured_hidden_size_keeps_the_routers_selection(monkeypatch):
+    monkeypatch.delenv(GATEUP_SELECT_ENV, raising=False)
+    small, large = _block_and_norm(), _block_and_norm(hidden=SELECT_MAX_HIDDEN * 2)
+    for layers in (small, large):
+        install_backends(layers, Backends("triton", "triton"), fuse=True)
+    assert small["mlp"].select_kernel is not None and large["mlp"].select_kernel is None
+    first_router = getattr(large["mlp"], large["mlp"].router_names[0])
+    assert first_router.norm_kernel is not None  # the router's launch folds the norm and selects
 
 
 def test_the_down_flag_switch_is_off_by_default_and_takes_on_or_off_only(monkeypatch):
@@ -226,6 +242,7 @@ def test_the_moe_block_with_the_switch_equals_it_without(
 ):
     layers = _block_and_norm()
     x, residual = torch.randn(tokens, 64), torch.randn(tokens, 64)
+    monkeypatch.setenv(GATEUP_SELECT_ENV, "off")
     install_backends(layers, Backends("triton", "triton"), fuse=fuse)
     assert layers["mlp"].select_kernel is None
     with torch.no_grad():

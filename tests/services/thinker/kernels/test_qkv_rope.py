@@ -144,9 +144,9 @@ def test_the_dispatch_rule():
 
 def test_the_switch(monkeypatch):
     monkeypatch.delenv(QKV_ROPE_ENV, raising=False)
-    assert qkv_rope_enabled()
-    monkeypatch.setenv(QKV_ROPE_ENV, "off")
     assert not qkv_rope_enabled()
+    monkeypatch.setenv(QKV_ROPE_ENV, "ON")
+    assert qkv_rope_enabled()
     monkeypatch.setenv(QKV_ROPE_ENV, "1")
     with pytest.raises(ValueError, match="expected on or off"):
         qkv_rope_enabled()

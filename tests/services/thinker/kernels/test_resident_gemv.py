@@ -109,10 +109,12 @@ def _projections(model):
 
 def test_install_reaches_the_qkv_norm_and_the_projections_unless_switched_off(tiny_model, monkeypatch):
     monkeypatch.delenv(RESIDENT_ENV, raising=False)
-    monkeypatch.delenv(QKV_ROPE_ENV, raising=False)
+    monkeypatch.delenv(QKV_ROPE_ENV, raising=False)  # the epilogue off by default
     install_backends(tiny_model, Backends("triton", "triton"), fuse=True)
     qkv, rows = _projections(tiny_model)
-    assert qkv and all(m.norm_gemv is resident.normed_linear for m in qkv)
+    assert qkv and all(m.norm_gemv is resident.normed_linear and m.rope_gemv is None for m in qkv)
+    monkeypatch.setenv(QKV_ROPE_ENV, "on")
+    install_backends(tiny_model, Backends("triton", "triton"), fuse=True)
     assert all(m.rope_gemv is resident.normed_qkv_rope for m in qkv)
     assert rows and all(m.gemv is not None and m.gemv.func is resident.linear for m in rows)
     install_backends(tiny_model, Backends("triton", "triton"), fuse=False)  # the unfused comparison
@@ -146,7 +148,7 @@ def test_tiny_engine_with_the_weights_first_projections_equals_the_reference(tin
     )
     want = [r.token_ids for r in reference.generate(PROMPT, PARAMS)]
     monkeypatch.delenv(RESIDENT_ENV, raising=False)
-    monkeypatch.delenv(QKV_ROPE_ENV, raising=False)
+    monkeypatch.setenv(QKV_ROPE_ENV, "on")
     launches = []  # (weight, rows, folded norm, residual given, QK-norm + rope epilogue) of each launch
     kernel = resident.resident_gemv
 
