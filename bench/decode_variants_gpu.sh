@@ -2,8 +2,8 @@
 # Many same-build A/Bs of the decode step in one device call: each variant is this checkout's
 # Ling-mini decode bench (bench/ling_mini_gpu.py: TP=1, graphs, dummy weights) in a process of its own
 # with its own environment (the OMNISTAGE_THINKER_* switches, docs/config.md), started short (the KV
-# pinned: no memory search; decode graphs of 1 and 2 sequences; one real request), its sweep at
-# $SWEEP (default 1,1,2). The variants run in $ROUNDS interleaved rounds (default 2; even rounds in
+# pinned: no memory search; decode graphs up to the sweep's largest level, at least 2; one real
+# request), its sweep at $SWEEP (default 1,1,2). The variants run in $ROUNDS interleaved rounds (default 2; even rounds in
 # reverse order), so drift over the call falls on every variant alike; bench/decode_variants.py then
 # prints each one's median and best tok/s, its share of the HBM floor and whether its greedy tokens
 # are the first variant's.
@@ -35,8 +35,11 @@ run_variant() {  # run_variant NAME ROUND: one run of variant NAME (its tree and
     IFS=';' read -r -a pairs <<<"$spec"
     for pair in "${pairs[@]}"; do [[ -n $pair ]] && export "${pair%%:*}=${pair#*:}"; done
     env | grep '^OMNISTAGE_THINKER_' | sort | sed "s/^/[env] $name: /"
-    timeout "${WALL_S:-90}" python3 bench/ling_mini_gpu.py --sweep "${SWEEP:-1,1,2}" \
-      --sweep-tokens "${TOKENS:-256}" --max-num-seqs 2 --max-num-batched-tokens 512 --max-model-len 4096 \
+    local seqs=2 level levels
+    IFS=, read -r -a levels <<<"${SWEEP:-1,1,2}"
+    for level in "${levels[@]}"; do ((level > seqs)) && seqs=$level; done
+    timeout "${WALL_S:-90}" python3 bench/ling_mini_gpu.py --sweep "${SWEEP:-1,1,2}" --max-num-seqs "$seqs" \
+      --sweep-tokens "${TOKENS:-256}" --max-num-batched-tokens 512 --max-model-len 4096 \
       --kv-tokens 32768 --real-requests 1 --out "$OUT/variants/${name}_r$round.json" ${BENCH_ARGS:-} 2>&1 \
       | grep "^\[sweep\]\|^\[host\]\|Error\|error\|FAILED\|Traceback" | sed "s/^/$name r$round: /"
     exit "${PIPESTATUS[0]}"

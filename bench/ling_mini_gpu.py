@@ -413,7 +413,11 @@ def decode_sweep(engine, args: argparse.Namespace, device: str, compiles=None) -
 
     gen = torch.Generator().manual_seed(2)
     rows = []
-    for c in (int(x) for x in args.sweep.split(",")):
+    levels = [int(x) for x in args.sweep.split(",")]
+    cap = engine.runner.cfg.max_num_seqs
+    if max(levels) > cap:  # more requests than sequences run in turns: the level's rate would not be its own
+        raise SystemExit(f"--sweep {args.sweep}: a level above max_num_seqs {cap} (--max-num-seqs)")
+    for c in levels:
         prompts = [torch.randint(2, 1000, (args.sweep_prompt_len,), generator=gen).tolist() for _ in range(c)]
         params = SamplingParams(max_tokens=args.sweep_tokens, ignore_eos=True)
         if device != "cpu":
