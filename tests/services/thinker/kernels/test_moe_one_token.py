@@ -16,6 +16,7 @@ from omnistage.services.thinker.group.startup import RankConfig, rank0_engine, s
 from omnistage.services.thinker.kernels import moe_one_token
 from omnistage.services.thinker.kernels.fused_moe import fused_experts
 from omnistage.services.thinker.kernels.moe_one_token import OneTokenTiles, one_token_experts, supported
+from omnistage.services.thinker.models.layers.backends import GATEUP_SELECT_ENV
 
 
 def _case(
@@ -126,6 +127,7 @@ def test_tiny_engine_one_sequence_decode_equals_the_reference(tiny_ckpt_2_layers
         start_rank(RankConfig(str(tiny_ckpt_2_layers), EngineConfig(**ENGINE_CFG), warmup=False))
     )
     want = [r.token_ids for r in reference.generate(prompt, PARAMS)]
+    monkeypatch.setenv(GATEUP_SELECT_ENV, "off")  # the router selects (test_gate_up_select.py: the gate-up)
     calls = []
     real = moe_one_token.one_token_experts
     monkeypatch.setattr(
